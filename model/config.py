@@ -1,0 +1,148 @@
+"""One dataclass for Llama-family model configs (Llama 2/3, Mistral, Qwen2, SmolLM), read from GGUF or HF config.json."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> ModelConfig:
+        """A 2-layer random-weight config for fast tests (GQA ratio 2, tied embeddings off)."""
+        fields = dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+            max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any]) -> ModelConfig:
+        """Build from GGUF key/value metadata (`{"llama.block_count": 30, ...}`, values already decoded)."""
+        arch = fields["general.architecture"]
+        if arch not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported GGUF architecture {arch!r} (Llama-family only)")
+
+        def get(key: str, default: Any = None) -> Any:
+            return fields.get(f"{arch}.{key}", default)
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        vocab = get("vocab_size") or len(fields["tokenizer.ggml.tokens"])
+        scaling = None
+        if get("rope.scaling.type") == "llama3" or get("rope.scaling.low_freq_factor") is not None:
+            scaling = RopeScaling(
+                factor=float(get("rope.scaling.factor", 8.0)),
+                low_freq_factor=float(get("rope.scaling.low_freq_factor", 1.0)),
+                high_freq_factor=float(get("rope.scaling.high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(get("rope.scaling.original_context_length", 8192)),
+            )
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(get("attention.key_length", hidden // num_heads)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_word_embeddings=bool(fields.get("_tied_embeddings", False)),
+            attention_bias=arch == "qwen2",
+            max_position_embeddings=int(get("context_length", 4096)),
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)."""
+        hidden = config["hidden_size"]
+        num_heads = config["num_attention_heads"]
+        scaling = None
+        raw = config.get("rope_scaling") or {}
+        if raw.get("rope_type", raw.get("type")) == "llama3":
+            scaling = RopeScaling(
+                factor=float(raw["factor"]),
+                low_freq_factor=float(raw["low_freq_factor"]),
+                high_freq_factor=float(raw["high_freq_factor"]),
+                original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+            )
+        eos = config.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        model_type = config.get("model_type", "llama")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or hidden // num_heads,
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Inverse rotary frequencies `[head_dim // 2]` float64, with llama3 scaling applied when configured."""
+        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        s = self.rope_scaling
+        if s is None:
+            return inv_freq
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        return np.where(mid, (1 - smooth) * inv_freq / s.factor + smooth * inv_freq, scaled)

@@ -1,0 +1,100 @@
+"""Contiguous-KV-cache generation for one sequence: the plain baseline the paged engine is checked against.
+
+Its attention is written independently of the paged kernels: one cache row of `max_len` slots per layer,
+written with `dynamic_update_slice`, read densely under a causal mask.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.llama import AttendFn, KVCache, Llama, empty_kv_cache
+
+
+def contiguous_attend(start: jax.Array, sm_scale: float) -> AttendFn:
+    """Attention over a single contiguous cache row; the T new tokens sit at positions start..start+T-1.
+
+    The cache is `[num_layers, 1, num_kv_heads, max_len, head_dim]` (one "page" spanning the whole sequence).
+    """
+
+    def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache):
+        k_cache, v_cache = kv_cache
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, max_len = k_cache.shape[2], k_cache.shape[3]
+        at = (layer, 0, 0, start, 0)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(1, 0, 2)[None, None].astype(k_cache.dtype), at)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(1, 0, 2)[None, None].astype(v_cache.dtype), at)
+        keys = k_cache[layer, 0].astype(jnp.float32)  # [Hkv, max_len, Dh]
+        values = v_cache[layer, 0].astype(jnp.float32)
+        group = num_heads // num_kv_heads
+        qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+        scores = jnp.einsum("tkgd,ksd->tkgs", qg, keys) * sm_scale
+        query_pos = start + jnp.arange(num_tokens)
+        visible = jnp.arange(max_len)[None, :] <= query_pos[:, None]  # [T, max_len]
+        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("tkgs,ksd->tkgd", probs, values).reshape(num_tokens, num_heads, head_dim)
+        return out.astype(q.dtype), (k_cache, v_cache)
+
+    return attend
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _forward_last(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, token_ids, start, last_index):
+    """Runs T tokens at positions start.. and returns (logits of row last_index [vocab] float32, kv_cache)."""
+    model = nnx.merge(graphdef, state)
+    positions = start + jnp.arange(token_ids.shape[0], dtype=jnp.int32)
+    sm_scale = model.config.head_dim**-0.5
+    hidden, kv_cache = model(token_ids, positions, kv_cache, contiguous_attend(start, sm_scale))
+    return model.logits(hidden[last_index][None])[0], kv_cache
+
+
+def _bucket(n: int) -> int:
+    """Pads prompt lengths to powers of two (>= 16) so the prefill compiles a handful of shapes."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def generate(
+    model: Llama,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_token_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Generates up to `max_new_tokens` tokens after `prompt_ids` (greedy when temperature == 0).
+
+    Prefill pads the prompt up to a bucket: the padding writes garbage K/V past the prompt, which each later
+    decode step overwrites before any query can see it.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    graphdef, state = nnx.split(model)
+    config = model.config
+    prompt_len = len(prompt_ids)
+    padded = _bucket(prompt_len)
+    max_len = _bucket(max(padded, prompt_len + max_new_tokens))
+    dtype = model.embed[...].dtype
+    kv_cache = empty_kv_cache(config, num_pages=1, page_size=max_len, dtype=dtype)
+    tokens = jnp.asarray(list(prompt_ids) + [0] * (padded - prompt_len), jnp.int32)
+    logits, kv_cache = _forward_last(graphdef, state, kv_cache, tokens, jnp.int32(0), jnp.int32(prompt_len - 1))
+    key = jax.random.key(seed)
+    out: list[int] = []
+    for step in range(max_new_tokens):
+        if temperature > 0.0:
+            token = int(jax.random.categorical(jax.random.fold_in(key, step), logits / temperature))
+        else:
+            token = int(jnp.argmax(logits))
+        out.append(token)
+        if token in stop_token_ids or step == max_new_tokens - 1:
+            break
+        position = jnp.int32(prompt_len + step)
+        logits, kv_cache = _forward_last(
+            graphdef, state, kv_cache, jnp.asarray([token], jnp.int32), position, jnp.int32(0)
+        )
+    return out
