@@ -1,0 +1,163 @@
+"""The KV page pool: allocation with reference counts and automatic prefix caching.
+
+A full page is named by a hash chained over (parent page's hash, the page's token ids), so equal prefixes map
+to equal hash chains whatever request they came from. A page whose last reference goes away keeps its hash
+and stays reusable until it is evicted, least recently freed first, to make room for new allocations.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from batching.sequence import Sequence
+
+_ROOT_HASH = 0
+
+
+def page_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+@dataclass(frozen=True)
+class PoolCounters:
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    pages_cached: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+
+
+class BlockManager:
+    """Owns `num_pages` pages of `page_size` token slots; sequences hold pages through their `page_table`."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        self._page_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_pages
+        self._cached: dict[int, int] = {}  # hash -> page
+        self._free: deque[int] = deque(range(num_pages))  # unreferenced, no hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; oldest first
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation can take now (never-used ones plus evictable cached ones)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self.num_free_pages
+
+    def counters(self) -> PoolCounters:
+        return PoolCounters(
+            pages_total=self.num_pages,
+            pages_used=self.num_used_pages,
+            pages_free=self.num_free_pages,
+            pages_cached=len(self._cached),
+            prefix_cache_hit_tokens=self.hit_tokens,
+            prefix_cache_query_tokens=self.query_tokens,
+        )
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """(pages, their hashes): cached pages holding a prefix of `seq`'s tokens; looks only, takes nothing.
+
+        At least the last token is left to compute, since its logits are needed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        pages: list[int] = []
+        hashes: list[int] = []
+        parent = _ROOT_HASH
+        for i in range((seq.num_tokens - 1) // self.page_size):
+            tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            h = page_hash(parent, tokens)
+            page = self._cached.get(h)
+            if page is None or self._page_key[page] != (parent, tokens):
+                break
+            pages.append(page)
+            hashes.append(h)
+            parent = h
+        return pages, hashes
+
+    def can_admit(self, seq: Sequence, shared: list[int], num_new_tokens: int) -> bool:
+        """Whether `seq` (holding no pages) can take `shared` pages and room for `num_new_tokens` after them."""
+        reclaimed = sum(1 for p in shared if self.ref_counts[p] == 0)
+        fresh = self.pages_needed(len(shared) * self.page_size + num_new_tokens) - len(shared)
+        return fresh + reclaimed <= self.num_free_pages
+
+    def admit(self, seq: Sequence, shared: list[int], hashes: list[int], *, count_query: bool) -> None:
+        """Gives `seq` (holding no pages) the full pages in `shared` (prefix hashes `hashes` when caching).
+
+        Their tokens count as computed.
+        """
+        for page in shared:
+            self._take(page)
+        seq.page_table = list(shared)
+        seq.page_hashes = list(hashes)
+        seq.num_computed_tokens = len(shared) * self.page_size
+        if count_query:
+            self.query_tokens += seq.num_tokens
+            self.hit_tokens += seq.num_computed_tokens
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.pages_needed(num_tokens) - len(seq.page_table) <= self.num_free_pages
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Adds pages so `seq.page_table` has slots for its first `num_tokens` tokens."""
+        for _ in range(self.pages_needed(num_tokens) - len(seq.page_table)):
+            seq.page_table.append(self._allocate())
+
+    def commit(self, seq: Sequence) -> None:
+        """Registers the pages `seq` has completely computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        while (len(seq.page_hashes) + 1) * self.page_size <= seq.num_computed_tokens:
+            i = len(seq.page_hashes)
+            parent = seq.page_hashes[-1] if seq.page_hashes else _ROOT_HASH
+            tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            h = page_hash(parent, tokens)
+            page = seq.page_table[i]
+            if h not in self._cached and self._page_key[page] is None:
+                self._cached[h] = page
+                self._page_key[page] = (parent, tokens)
+            seq.page_hashes.append(h)
+
+    def free(self, seq: Sequence) -> None:
+        """Drops `seq`'s references; pages nobody references become free (or evictable when cached)."""
+        for page in reversed(seq.page_table):  # the tail first, so a prefix outlives its extensions in the LRU
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                if self._page_key[page] is None:
+                    self._free.append(page)
+                else:
+                    self._evictable[page] = None
+        seq.page_table = []
+        seq.page_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _take(self, page: int) -> None:
+        if self.ref_counts[page] == 0:
+            del self._evictable[page]
+        self.ref_counts[page] += 1
+
+    def _allocate(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        elif self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            key = self._page_key[page]
+            assert key is not None
+            del self._cached[page_hash(*key)]
+            self._page_key[page] = None
+        else:
+            raise RuntimeError("KV page pool exhausted")
+        self.ref_counts[page] = 1
+        return page

@@ -1,0 +1,41 @@
+"""Engine configuration: one frozen dataclass, filled from the CLI or by tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine loads its model and sizes its batch and KV pool.
+
+    `max_model_len` None means min(the model's context, 4096). `kv_cache_memory` is the KV pool in bytes;
+    None means a default (a fraction of free device memory on accelerators, a fixed budget on the CPU).
+    """
+
+    model: str | None = None
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    kv_cache_memory: int | None = None
+    page_size: int = 16
+    enable_prefix_caching: bool = True
+    tp: int = 1
+    attention_backend: str = "auto"
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1"),
+            (self.page_size >= 1, "page_size", "must be at least 1"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1"),
+            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),
+            (self.tp >= 1, "tp", "must be at least 1"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")

@@ -1,0 +1,159 @@
+"""Who runs this step: iteration-level scheduling under a token budget.
+
+Each step takes running decodes first, then continues partial prefills, then admits waiting sequences
+(first come first served, lower `priority` value first), chunking prefills to fit `max_num_batched_tokens`.
+When the pool runs out of pages, the newest running sequence is preempted: its pages are freed and it is
+recomputed from its tokens later (its full pages usually survive in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batching.block_manager import BlockManager
+from batching.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`seq` computes tokens [start, start + num_tokens) this step; `sample` when that reaches its last token."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes `seq` wherever it is and frees its pages now."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[Sequence, ScheduledChunk] = {}
+        bm = self.block_manager
+
+        # Decodes (one token left) before partial prefills, each group in schedule order.
+        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.schedule_key)):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget == 0:
+                break
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_grow(seq, seq.num_computed_tokens + num_new):
+                victim = max(self.running, key=lambda s: s.schedule_key)
+                if victim is seq:
+                    break
+                budget += self._preempt(victim, scheduled, out)
+            if not bm.can_grow(seq, seq.num_computed_tokens + num_new):
+                self._preempt(seq, scheduled, out)
+                continue
+            bm.grow(seq, seq.num_computed_tokens + num_new)
+            scheduled[seq] = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
+            budget -= num_new
+
+        if not out.preempted:
+            budget = self._admit(budget, scheduled)
+        out.chunks = list(scheduled.values())
+        return out
+
+    def _admit(self, budget: int, scheduled: dict[Sequence, ScheduledChunk]) -> int:
+        bm = self.block_manager
+        self.waiting.sort(key=lambda s: s.schedule_key)
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            parent = seq.parent
+            if parent is not None and not parent.finished and parent.num_computed_tokens < parent.num_prompt_tokens:
+                continue  # a sibling waits for the first sequence to prefill the prompt it will share
+            shared, hashes = bm.match_prefix(seq)
+            fork = self._fork_pages(seq)
+            if fork is not None and len(fork[0]) > len(shared):
+                shared, hashes = fork
+            num_new = min(seq.num_tokens - len(shared) * bm.page_size, budget)
+            if not bm.can_admit(seq, shared, num_new):
+                break
+            bm.admit(seq, shared, hashes, count_query=seq.num_output_tokens == 0)
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            bm.grow(seq, seq.num_computed_tokens + num_new)
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            scheduled[seq] = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
+            budget -= num_new
+        return budget
+
+    def _fork_pages(self, seq: Sequence) -> tuple[list[int], list[int]] | None:
+        """The prompt's full pages held by the request's first sequence, if it still holds them."""
+        parent = seq.parent
+        if parent is None or parent.status is not SequenceStatus.RUNNING or seq.num_output_tokens:
+            return None
+        num_pages = min((seq.num_tokens - 1) // self.block_manager.page_size,
+                        parent.num_computed_tokens // self.block_manager.page_size)
+        hashes = parent.page_hashes[:num_pages] if self.block_manager.enable_prefix_caching else []
+        return parent.page_table[:num_pages], hashes
+
+    def _preempt(self, seq: Sequence, scheduled: dict[Sequence, ScheduledChunk], out: SchedulerOutput) -> int:
+        """Sends `seq` back to waiting with no pages; returns the budget its unscheduling gives back."""
+        refund = 0
+        chunk = scheduled.pop(seq, None)
+        if chunk is not None:
+            refund = chunk.num_tokens
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        return refund
+
+    def update_after_step(self, chunks: list[ScheduledChunk]) -> None:
+        """Marks the scheduled tokens computed and caches the pages they completed."""
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.block_manager.commit(seq)

@@ -1,0 +1,76 @@
+"""Deciding, token by token, whether a sequence stops and which text it may emit so far.
+
+Stop strings are matched on the detokenized text, so a stop string split across tokens is still found. Text
+that could be the start of a stop string is held back until the next tokens settle it, so a stop string is
+never emitted, not even in part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from batching.request_output import FinishReason
+from batching.sampling_params import SamplingParams
+
+
+class Detokenizer(Protocol):
+    def push(self, new_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """`text`: what may be emitted now; `finish_reason`: set when the sequence is done."""
+
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+class StopChecker:
+    """Stop state of one sequence; feed it each sampled token in order."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...], detokenizer: Detokenizer):
+        self.params = params
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+        self.detokenizer = detokenizer
+        self.text = ""
+        self.num_emitted_chars = 0
+        self.num_output_tokens = 0
+
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Ids the sampler must avoid for the next token: stop ids while min_tokens is not reached."""
+        return tuple(sorted(self.stop_ids)) if self.num_output_tokens < self.params.min_tokens else ()
+
+    def append(self, token_id: int, *, at_max_model_len: bool = False) -> StopDecision:
+        self.num_output_tokens += 1
+        may_stop = self.num_output_tokens > self.params.min_tokens
+        if may_stop and token_id in self.stop_ids:
+            return StopDecision(self._flush(), "stop")
+        search_from = max(0, len(self.text) - max((len(s) for s in self.params.stop), default=0))
+        self.text += self.detokenizer.push([token_id])
+        if may_stop and self.params.stop:
+            hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                return StopDecision(self._flush(), "stop")
+        if self.num_output_tokens >= self.params.max_tokens or at_max_model_len:
+            return StopDecision(self._flush(), "length")
+        end = len(self.text) - self._held_back()
+        new = self.text[self.num_emitted_chars:end]
+        self.num_emitted_chars = max(self.num_emitted_chars, end)
+        return StopDecision(new)
+
+    def _flush(self) -> str:
+        new = self.text[self.num_emitted_chars:]
+        self.num_emitted_chars = len(self.text)
+        return new
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.params.stop:
+            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
