@@ -57,8 +57,11 @@ class ModelConfig:
         return cls(**fields)
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict[str, Any]) -> ModelConfig:
-        """Build from GGUF key/value metadata (`{"llama.block_count": 30, ...}`, values already decoded)."""
+    def from_gguf_fields(cls, fields: dict[str, Any], *, tied_embeddings: bool) -> ModelConfig:
+        """Build from GGUF key/value metadata (`{"llama.block_count": 30, ...}`, values already decoded).
+
+        GGUF has no tied-embeddings flag: a file without `output.weight` ties the LM head to the embedding.
+        """
         arch = fields["general.architecture"]
         if arch not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported GGUF architecture {arch!r} (Llama-family only)")
@@ -89,7 +92,7 @@ class ModelConfig:
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            tie_word_embeddings=bool(fields.get("_tied_embeddings", False)),
+            tie_word_embeddings=tied_embeddings,
             attention_bias=arch == "qwen2",
             max_position_embeddings=int(get("context_length", 4096)),
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),

@@ -1,0 +1,61 @@
+"""The converted-model folder: weights as an orbax checkpoint, beside the config and tokenizer.
+
+Conversion (dequantizing a GGUF, reading safetensors) happens once; later loads restore from here, optionally
+straight into target shardings and dtype, so no device ever holds a full replica it does not need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from model.config import ModelConfig, RopeScaling
+
+PARAMS_DIR = "params"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+SPECIAL_TOKENS_FILE = "special_tokens.json"
+
+
+def checkpoint_dir(source: Path, cache_root: Path) -> Path:
+    """Where the conversion of `source` lives: keyed by its name, size and modification time."""
+    stat = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root / "checkpoints" / f"{source.stem}-{key}"
+
+
+def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], tokenizer_json: str, special: dict[str, Any]) -> None:
+    """Writes the converted model atomically (to a temporary folder renamed into place)."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp.resolve() / PARAMS_DIR, params)
+        checkpointer.wait_until_finished()
+    (tmp / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=1))
+    (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
+    (tmp / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=1))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def load_config(folder: Path) -> ModelConfig:
+    raw = json.loads((folder / CONFIG_FILE).read_text())
+    if raw.get("rope_scaling"):
+        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    return ModelConfig(**raw)
+
+
+def restore_params(folder: Path, target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """Restores the weights onto `target` (shape, dtype and sharding per parameter name)."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(folder.resolve() / PARAMS_DIR, target)

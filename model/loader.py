@@ -1,0 +1,92 @@
+"""`load_model`: from a model name or path to a ready Flax model and tokenizer (converting once, then restoring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model import checkpoint
+from model.config import ModelConfig
+from model.fetch import resolve_model, sluice_home
+from model.llama import Llama
+from model.tokenizer import SpecialTokens, Tokenizer
+from model.weights import load_gguf, load_safetensors_folder
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+ShardingRule = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
+"""(parameter name, shape) -> where that parameter lives."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: Llama
+    tokenizer: Tokenizer
+    name: str
+
+
+def default_dtype() -> str:
+    """bfloat16 on accelerators, float32 on the CPU."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def convert(source: Path, folder: Path) -> None:
+    """Reads a GGUF file or HF folder and writes Sluice's converted folder (float32 weights)."""
+    if source.is_dir():
+        config, params = load_safetensors_folder(source)
+        tokenizer = Tokenizer.from_hf_folder(source)
+    else:
+        config, params, fields = load_gguf(source)
+        tokenizer = Tokenizer.from_gguf_fields(fields)
+    special = dataclasses.asdict(tokenizer.special)
+    checkpoint.save(folder, config, params, tokenizer._backend.to_str(), special)
+
+
+def load_model(
+    model: str | None = None, *, dtype: str | None = None, sharding_rule: ShardingRule | None = None
+) -> LoadedModel:
+    """Loads `model` (a .gguf, an HF folder, or None for the default SmolLM2), converting on first use.
+
+    `sharding_rule` places each parameter as it is restored (tensor parallelism); default: the first device.
+    """
+    dtype = dtype or default_dtype()
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    source = resolve_model(model)
+    folder = checkpoint.checkpoint_dir(source, sluice_home())
+    if not folder.exists():
+        start = time.perf_counter()
+        print(f"Converting {source.name} (first use) ...", file=sys.stderr)
+        convert(source, folder)
+        print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
+    config = checkpoint.load_config(folder)
+    special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
+    special["eos_token_ids"] = tuple(special["eos_token_ids"])
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tokenizer = Tokenizer(HFTokenizer.from_file(str(folder / checkpoint.TOKENIZER_FILE)), SpecialTokens(**special))
+
+    abstract = nnx.eval_shape(lambda: Llama(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    flat = dict(abstract_state.flat_state())
+    default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {
+        path[0]: jax.ShapeDtypeStruct(
+            var.shape, var.dtype, sharding=sharding_rule(path[0], var.shape) if sharding_rule else default_sharding
+        )
+        for path, var in flat.items()
+    }
+    params = checkpoint.restore_params(folder, target)
+    state = nnx.State({name: nnx.Param(value) for name, value in params.items()})
+    llama = nnx.merge(graphdef, state)
+    return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=source.stem)
