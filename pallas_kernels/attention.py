@@ -1,0 +1,114 @@
+"""Paged attention over the KV page pool: the one entry point the model calls, backend chosen here.
+
+Layout (see `kv_cache.py`): k_pages, v_pages `[num_pages, num_kv_heads, page_size, head_dim]`, one
+flat pool (the model folds layers into num_pages); page_table `[num_seqs, max_pages_per_seq]` int32.
+Entries past a sequence's last used page (cdiv(kv_len, page_size)) may hold anything, and K/V slots
+at positions >= kv_len are never read into a result, even if they hold NaN.
+
+Semantics of `ragged_paged_attention`: sequence s owns query rows cu_q_lens[s]:cu_q_lens[s+1]
+(q_len_s <= max_q_len); its i-th query sits at position kv_lens[s] - q_len_s + i (kv_lens counts
+this step's tokens, already written) and attends causally to kv positions 0..that position. Padding
+sequences have q_len 0 and kv_len 0; rows at or past cu_q_lens[-1] come back as zeros. GQA: q head
+j reads kv head j // (num_q_heads // num_kv_heads). Softmax in float32, output in q's dtype.
+max_q_len == 1 (a decode-only step) takes the decode path: one query per sequence, split-K.
+
+Backends: "pallas" runs the Pallas kernels (`decode_kernel.py`, `ragged_kernel.py`, lowered through
+Triton for the reason in `kernel_common.py`; `interpret=True` runs them on the CPU for tests);
+"reference" runs the jnp implementation (`paged_attention_ref.py`), which is the CPU serving path;
+"auto" picks "pallas" on a GPU and "reference" elsewhere.
+
+What only a real GPU run can show: the tests lower the kernels for "cuda" with `jax.export` on a
+CPU host, which checks that every operation has a GPU lowering rule, but lowering is not compiling:
+Triton's compile (register and shared-memory limits for the tile sizes, layout conversions of the
+gathered pages), the numerics of the tensor-core dots, and speed (bench/kernels.py) are known only
+after running on a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.decode_kernel import paged_decode_attention_pallas
+from pallas_kernels.paged_attention_ref import paged_decode_attention_ref, ragged_paged_attention_ref
+from pallas_kernels.ragged_kernel import ragged_paged_attention_pallas
+
+BACKENDS = ("auto", "pallas", "reference")
+
+
+def _resolve(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return backend
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    *,
+    sm_scale: float,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """One query per sequence, at position kv_lens[s] - 1.
+
+    q: [num_seqs, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, num_kv_heads, page_size,
+    head_dim]; kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq] int32.
+    Returns [num_seqs, num_q_heads, head_dim] in q's dtype; rows with kv_len 0 are zeros.
+    """
+    if _resolve(backend) == "pallas":
+        return paged_decode_attention_pallas(
+            q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale, interpret=interpret
+        )
+    return paged_decode_attention_ref(q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    max_q_len: int,
+    sm_scale: float,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """Mixed chunked-prefill and decode rows of many sequences (semantics in the module docstring).
+
+    q: [num_tokens, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, num_kv_heads, page_size,
+    head_dim]; kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq] int32;
+    cu_q_lens: [num_seqs + 1] int32; max_q_len (static) bounds every q_len_s.
+    Returns [num_tokens, num_q_heads, head_dim] in q's dtype.
+    """
+    if max_q_len == 1:
+        return _decode_rows(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+            sm_scale=sm_scale, backend=backend, interpret=interpret,
+        )
+    if _resolve(backend) == "pallas":
+        return ragged_paged_attention_pallas(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+            max_q_len=max_q_len, sm_scale=sm_scale, interpret=interpret,
+        )
+    return ragged_paged_attention_ref(
+        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q_len=max_q_len, sm_scale=sm_scale
+    )
+
+
+def _decode_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, *, sm_scale, backend, interpret):
+    """A ragged batch whose q_lens are all 0 or 1, through the decode path."""
+    num_tokens = q.shape[0]
+    q_starts = cu_q_lens[:-1]
+    has_query = cu_q_lens[1:] > q_starts
+    rows = jnp.where(has_query, q_starts, 0)
+    out = paged_decode_attention(
+        q[rows], k_pages, v_pages, jnp.where(has_query, kv_lens, 0), page_table,
+        sm_scale=sm_scale, backend=backend, interpret=interpret,
+    )
+    return jnp.zeros_like(q).at[jnp.where(has_query, rows, num_tokens)].set(out, mode="drop")

@@ -1,0 +1,115 @@
+"""Pure-jnp paged attention: the CPU serving path and the kernels' oracle.
+
+Cost follows the work: each sequence's pages are gathered once into
+`[num_seqs, max_pages, num_kv_heads, page_size, head_dim]`, queries are laid out
+`[num_seqs, max_q_len, num_kv_heads, group, head_dim]` (so a decode step costs num_seqs x context,
+not num_tokens x num_seqs x context), and GQA reshapes the q heads into [kv_heads, group] instead of
+repeating K/V. Masks use a finite large negative, so no row ever becomes NaN.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MASK_VALUE = -1e30
+
+
+def _attend(
+    q: jax.Array,
+    q_pos: jax.Array,
+    q_valid: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    sm_scale: float,
+) -> jax.Array:
+    """q: [num_seqs, q_len, kv_heads, group, head_dim]; q_pos, q_valid: [num_seqs, q_len].
+
+    A valid row attends kv positions <= q_pos and < kv_len of its sequence; K/V past kv_len (and
+    page-table entries past the last used page) are never read into the result. Invalid rows are
+    zeros. Returns [num_seqs, q_len, kv_heads, group, head_dim] in q's dtype.
+    """
+    num_seqs, max_pages = page_table.shape
+    page_size = k_pages.shape[2]
+    num_used_pages = -(-kv_lens // page_size)
+    page_slot = jnp.arange(max_pages)
+    page_ids = jnp.where(page_slot[None, :] < num_used_pages[:, None], page_table, 0)
+    k = k_pages[page_ids]  # [num_seqs, max_pages, kv_heads, page_size, head_dim]
+    v = v_pages[page_ids]
+    kv_pos = page_slot[:, None] * page_size + jnp.arange(page_size)[None, :]  # [max_pages, page_size]
+    in_context = kv_pos[None] < kv_lens[:, None, None]  # [num_seqs, max_pages, page_size]
+    v = jnp.where(in_context[:, :, None, :, None], v, jnp.zeros_like(v))
+
+    s = jnp.einsum(
+        "sqkgd,spktd->skgqpt", q, k,
+        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST,
+    ) * sm_scale
+    causal = kv_pos[None, None] <= q_pos[:, :, None, None]  # [num_seqs, q_len, max_pages, page_size]
+    mask = (in_context[:, None] & causal)[:, None, None]
+    s = jnp.where(mask, s, MASK_VALUE)
+    s_max = s.max(axis=(-2, -1), keepdims=True)
+    p = jnp.exp(s - s_max)  # exactly 0 where masked, since a valid row has an unmasked position
+    p = p / p.sum(axis=(-2, -1), keepdims=True)
+    out = jnp.einsum(
+        "skgqpt,spktd->sqkgd", p.astype(v.dtype), v,
+        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST,
+    )
+    return jnp.where(q_valid[:, :, None, None, None], out, 0.0).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def paged_decode_attention_ref(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    *,
+    sm_scale: float,
+) -> jax.Array:
+    """q: [num_seqs, num_q_heads, head_dim], the query at position kv_lens[s] - 1.
+    Returns [num_seqs, num_q_heads, head_dim] in q's dtype; rows with kv_len 0 are zeros.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[1]
+    q5 = q.reshape(num_seqs, 1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    out = _attend(
+        q5, (kv_lens - 1)[:, None], (kv_lens > 0)[:, None],
+        k_pages, v_pages, kv_lens, page_table, sm_scale,
+    )
+    return out.reshape(num_seqs, num_q_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale"))
+def ragged_paged_attention_ref(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    max_q_len: int,
+    sm_scale: float,
+) -> jax.Array:
+    """q: [num_tokens, num_q_heads, head_dim]; sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1],
+    its i-th at position kv_lens[s] - q_len_s + i. Returns [num_tokens, num_q_heads, head_dim] in
+    q's dtype; rows no sequence owns are zeros.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs = kv_lens.shape[0]
+    num_kv_heads = k_pages.shape[1]
+    q_starts = cu_q_lens[:-1]
+    q_lens = cu_q_lens[1:] - q_starts
+    i = jnp.arange(max_q_len)
+    valid = i[None, :] < q_lens[:, None]  # [num_seqs, max_q_len]
+    rows = jnp.where(valid, q_starts[:, None] + i[None, :], 0)
+    q5 = q[rows].reshape(num_seqs, max_q_len, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    q_pos = (kv_lens - q_lens)[:, None] + i[None, :]
+    out = _attend(q5, q_pos, valid, k_pages, v_pages, kv_lens, page_table, sm_scale)
+    out = out.reshape(num_seqs * max_q_len, num_q_heads, head_dim)
+    dest = jnp.where(valid, rows, num_tokens).reshape(-1)
+    return jnp.zeros_like(q).at[dest].set(out, mode="drop")
