@@ -53,6 +53,22 @@ def _forward_last(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, t
     return model.logits(hidden[last_index][None])[0], kv_cache
 
 
+def sequence_logits(model: Llama, token_ids: list[int]) -> jax.Array:
+    """Logits after every prefix of `token_ids` in one pass: [len(token_ids), vocab] float32 (teacher forcing)."""
+    graphdef, state = nnx.split(model)
+    kv_cache = empty_kv_cache(model.config, num_pages=1, page_size=_bucket(len(token_ids)), dtype=model.embed[...].dtype)
+    return _forward_all(graphdef, state, kv_cache, jnp.asarray(token_ids, jnp.int32))
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _forward_all(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, token_ids: jax.Array) -> jax.Array:
+    model = nnx.merge(graphdef, state)
+    positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
+    attend = contiguous_attend(jnp.int32(0), model.config.head_dim**-0.5)
+    hidden, _ = model(token_ids, positions, kv_cache, attend)
+    return model.logits(hidden)
+
+
 def _bucket(n: int) -> int:
     """Pads prompt lengths to powers of two (>= 16) so the prefill compiles a handful of shapes."""
     return max(16, 1 << (n - 1).bit_length())

@@ -78,7 +78,7 @@ def load_model(
 
     abstract = nnx.eval_shape(lambda: Llama(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    flat = dict(abstract_state.flat_state())
+    flat = dict(nnx.to_flat_state(abstract_state))
     default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {
         path[0]: jax.ShapeDtypeStruct(
