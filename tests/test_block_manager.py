@@ -1,0 +1,108 @@
+"""Block manager: reference-counted pages, chained-hash prefix caching, LRU eviction, counters."""
+
+from batching.block_manager import BlockManager
+from batching.sampling_params import SamplingParams
+from batching.sequence import Sequence
+
+PAGE = 4
+
+
+def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", 0, tuple(tokens), SamplingParams(), seed=0, arrival=seq_id)
+
+
+def prefill(bm: BlockManager, seq: Sequence) -> None:
+    """Admits `seq` with whatever the cache holds and marks its whole prompt computed."""
+    shared, hashes = bm.match_prefix(seq)
+    bm.admit(seq, shared, hashes, count_query=True)
+    bm.grow(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq)
+
+
+def test_grow_allocates_pages_for_the_tokens_and_free_returns_them():
+    bm = BlockManager(num_pages=8, page_size=PAGE)
+    seq = make_seq(list(range(10)))
+    bm.grow(seq, 10)
+    assert len(seq.page_table) == 3 and len(set(seq.page_table)) == 3
+    assert bm.num_used_pages == 3
+    bm.free(seq)
+    assert bm.num_used_pages == 0 and seq.page_table == []
+
+
+def test_shared_prefix_reuses_full_pages_and_counts_hits():
+    bm = BlockManager(num_pages=16, page_size=PAGE)
+    first = make_seq([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], seq_id=0)
+    prefill(bm, first)
+    second = make_seq([5, 6, 7, 8, 9, 10, 11, 12, 99, 98, 97], seq_id=1)
+    prefill(bm, second)
+    assert second.page_table[:2] == first.page_table[:2]
+    assert second.page_table[2] != first.page_table[2]
+    assert second.num_cached_tokens == 0  # set by the scheduler, not the pool
+    assert bm.ref_counts[first.page_table[0]] == 2
+    assert bm.hit_tokens == 2 * PAGE
+    assert bm.query_tokens == 10 + 11
+
+
+def test_hash_is_chained_so_an_equal_page_after_a_different_prefix_is_not_reused():
+    bm = BlockManager(num_pages=16, page_size=PAGE)
+    prefill(bm, make_seq([1, 1, 1, 1, 2, 2, 2, 2, 0], seq_id=0))
+    other = make_seq([3, 3, 3, 3, 2, 2, 2, 2, 0], seq_id=1)
+    assert bm.match_prefix(other) == ([], [])
+
+
+def test_whole_prompt_cached_still_leaves_the_last_token_to_compute():
+    bm = BlockManager(num_pages=16, page_size=PAGE)
+    prefill(bm, make_seq(list(range(8)), seq_id=0))
+    again = make_seq(list(range(8)), seq_id=1)
+    pages, _ = bm.match_prefix(again)
+    assert len(pages) == 1  # 8 tokens = 2 full pages, but the second holds the token to sample from
+
+
+def test_freed_cached_pages_stay_reusable_until_evicted_oldest_first():
+    bm = BlockManager(num_pages=4, page_size=PAGE)
+    a = make_seq([1] * 8 + [0], seq_id=0)
+    prefill(bm, a)
+    a_pages = list(a.page_table)
+    bm.free(a)
+    assert bm.num_used_pages == 0 and bm.counters().pages_cached == 2
+    b = make_seq([1] * 8 + [5], seq_id=1)
+    prefill(bm, b)
+    assert b.page_table[:2] == a_pages[:2]
+    bm.free(b)
+    # Filling the whole pool evicts the cached pages; the prefix is then gone.
+    c = make_seq([7] * 16, seq_id=2)
+    bm.grow(c, 16)
+    assert bm.num_free_pages == 0
+    assert bm.match_prefix(make_seq([1] * 8 + [5], seq_id=3)) == ([], [])
+
+
+def test_eviction_takes_the_tail_of_a_freed_prefix_before_its_head():
+    bm = BlockManager(num_pages=3, page_size=PAGE)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], seq_id=0)
+    prefill(bm, a)  # 3 pages, the first two cached
+    a_pages = list(a.page_table)
+    bm.free(a)
+    bm.grow(make_seq([0], seq_id=1), 1)  # takes the uncached third page
+    bm.grow(make_seq([0], seq_id=2), 1)  # evicts one cached page: the second, not the first
+    pages, _ = bm.match_prefix(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], seq_id=3))
+    assert pages == a_pages[:1]
+
+
+def test_prefix_caching_off_never_shares():
+    bm = BlockManager(num_pages=16, page_size=PAGE, enable_prefix_caching=False)
+    prefill(bm, make_seq(list(range(9)), seq_id=0))
+    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == ([], [])
+    assert bm.counters().pages_cached == 0
+
+
+def test_can_admit_counts_reclaimed_cached_pages_against_the_free_pool():
+    bm = BlockManager(num_pages=3, page_size=PAGE)
+    a = make_seq([1] * 8 + [2], seq_id=0)
+    prefill(bm, a)
+    bm.free(a)  # 2 evictable cached pages + 1 free page
+    b = make_seq([1] * 8 + [2, 3, 4, 5, 6], seq_id=1)
+    shared, _ = bm.match_prefix(b)
+    assert len(shared) == 2
+    assert bm.can_admit(b, shared, num_new_tokens=4)  # reuses 2 pages, needs 1 more
+    assert not bm.can_admit(b, shared, num_new_tokens=5)  # would need 2 more

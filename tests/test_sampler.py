@@ -1,0 +1,110 @@
+"""Sampler: greedy, temperature, top-k/top-p/min-p, penalties, banned ids, per-row seeds, logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from batching.sampler import build_sampling_batch, sample
+from batching.sampling_params import SamplingParams
+
+VOCAB = 64
+sample_jit = jax.jit(sample)
+
+
+def logits_for(num_rows: int, seed: int = 0) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (num_rows, VOCAB), jnp.float32) * 3
+
+
+def run(logits, rows, num_rows=None, history_len=32):
+    """rows: [(params, seed, step, token_ids, num_prompt, banned)]"""
+    batch = build_sampling_batch(rows, num_rows or logits.shape[0], history_len, 4)
+    return jax.tree.map(np.asarray, sample_jit(logits, batch))
+
+
+def row(params: SamplingParams, seed: int = 0, step: int = 0, tokens=(), num_prompt=0, banned=()):
+    return (params, seed, step, list(tokens), num_prompt, tuple(banned))
+
+
+def test_greedy_takes_the_argmax():
+    logits = logits_for(4)
+    out = run(logits, [row(SamplingParams(temperature=0.0))] * 4)
+    np.testing.assert_array_equal(out.tokens, np.argmax(np.asarray(logits), -1))
+
+
+def test_seeded_row_samples_the_same_token_whatever_else_is_in_the_batch():
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    target = logits_for(1, seed=1)[0]
+    alone = run(target[None], [row(params, seed=1234, step=5)])
+    others = logits_for(7, seed=2)
+    crowd_logits = jnp.concatenate([others[:3], target[None], others[3:]])
+    crowd_rows = [row(SamplingParams(temperature=0.5, top_k=3), seed=i) for i in range(3)]
+    crowd_rows += [row(params, seed=1234, step=5)] + [row(SamplingParams(temperature=0.0))] * 4
+    crowd = run(crowd_logits, crowd_rows, num_rows=8)
+    assert crowd.tokens[3] == alone.tokens[0]
+
+
+def test_seed_and_step_change_the_draw():
+    logits = jnp.zeros((1, VOCAB))  # uniform: any two draws agreeing 20 times is vanishingly unlikely
+    params = SamplingParams(temperature=1.0)
+    by_step = {int(run(logits, [row(params, seed=7, step=s)]).tokens[0]) for s in range(20)}
+    by_seed = {int(run(logits, [row(params, seed=s, step=0)]).tokens[0]) for s in range(20)}
+    assert len(by_step) > 5 and len(by_seed) > 5
+
+
+def test_temperature_sampling_follows_the_softmax():
+    num_rows = 4000
+    base = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05] + [1e-9] * (VOCAB - 4)))
+    logits = jnp.tile(base, (num_rows, 1))
+    out = run(logits, [row(SamplingParams(temperature=1.0), seed=s) for s in range(num_rows)])
+    freq = np.bincount(out.tokens, minlength=VOCAB)[:4] / num_rows
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=2.0, top_p=1e-6),
+     SamplingParams(temperature=2.0, min_p=1.0)],
+    ids=["top_k=1", "top_p~0", "min_p=1"],
+)
+def test_tightest_filters_reduce_to_greedy(params):
+    logits = logits_for(16)
+    out = run(logits, [row(params, seed=s) for s in range(16)])
+    np.testing.assert_array_equal(out.tokens, np.argmax(np.asarray(logits), -1))
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = logits_for(1)
+    best3 = set(np.argsort(-np.asarray(logits[0]))[:3].tolist())
+    drawn = {int(run(logits, [row(SamplingParams(temperature=2.0, top_k=3), seed=s)]).tokens[0]) for s in range(40)}
+    assert drawn <= best3 and len(drawn) > 1
+
+
+def test_banned_ids_are_never_sampled():
+    logits = jnp.zeros((1, VOCAB)).at[0, 5].set(100.0)
+    out = run(logits, [row(SamplingParams(temperature=0.0), banned=(5,))])
+    assert out.tokens[0] != 5
+
+
+def test_repetition_penalty_demotes_tokens_seen_in_the_prompt():
+    logits = jnp.zeros((1, VOCAB)).at[0, 3].set(2.0).at[0, 4].set(1.5)
+    plain = run(logits, [row(SamplingParams(temperature=0.0))])
+    penalised = run(logits, [row(SamplingParams(temperature=0.0, repetition_penalty=2.0), tokens=[3], num_prompt=1)])
+    assert plain.tokens[0] == 3 and penalised.tokens[0] == 4
+
+
+def test_presence_and_frequency_penalties_count_only_output_tokens():
+    logits = jnp.zeros((1, VOCAB)).at[0, 3].set(2.0).at[0, 4].set(1.5)
+    prompt_only = run(logits, [row(SamplingParams(temperature=0.0, presence_penalty=1.0), tokens=[3], num_prompt=1)])
+    in_output = run(logits, [row(SamplingParams(temperature=0.0, presence_penalty=1.0), tokens=[9, 3], num_prompt=1)])
+    frequent = run(logits, [row(SamplingParams(temperature=0.0, frequency_penalty=0.3), tokens=[9, 3, 3], num_prompt=1)])
+    assert prompt_only.tokens[0] == 3 and in_output.tokens[0] == 4 and frequent.tokens[0] == 4
+
+
+def test_logprobs_are_the_models_log_softmax_with_the_best_first():
+    logits = logits_for(2)
+    out = run(logits, [row(SamplingParams(temperature=1.0), seed=3)] * 2)
+    expected = np.asarray(jax.nn.log_softmax(logits, -1))
+    np.testing.assert_allclose(out.logprobs, expected[np.arange(2), out.tokens], rtol=1e-5)
+    np.testing.assert_array_equal(out.top_ids[:, 0], np.argmax(expected, -1))
+    assert np.all(np.diff(out.top_logprobs, axis=-1) <= 0)

@@ -1,0 +1,116 @@
+"""Scheduler: token budget, max_num_seqs, decodes before chunked prefill, priority, preemption of the newest."""
+
+from batching.block_manager import BlockManager
+from batching.sampling_params import SamplingParams
+from batching.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batching.sequence import Sequence, SequenceStatus
+
+PAGE = 4
+
+
+def make_scheduler(num_pages: int = 64, max_num_seqs: int = 8, budget: int = 16) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget), BlockManager(num_pages, PAGE))
+
+
+def add(sched: Scheduler, seq_id: int, prompt_len: int, priority: int = 0, parent: Sequence | None = None,
+        index: int = 0) -> Sequence:
+    seq = Sequence(seq_id, f"r{seq_id}", index, tuple(range(100 * seq_id, 100 * seq_id + prompt_len)),
+                   SamplingParams(priority=priority), seed=0, arrival=seq_id, parent=parent)
+    sched.add(seq)
+    return seq
+
+
+def run_step(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    """Completes the scheduled step: sampling rows get one new token."""
+    sched.update_after_step(out.chunks)
+    for chunk in out.chunks:
+        if chunk.sample:
+            chunk.seq.token_ids.append(token)
+
+
+def test_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
+    sched = make_scheduler(budget=16)
+    seq = add(sched, 1, prompt_len=40)
+    sizes = []
+    for _ in range(3):
+        out = sched.schedule()
+        sizes.append([(c.start, c.num_tokens, c.sample) for c in out.chunks])
+        run_step(sched, out)
+    assert sizes == [[(0, 16, False)], [(16, 16, False)], [(32, 8, True)]]
+    assert seq.num_output_tokens == 1
+
+
+def test_running_decodes_are_scheduled_before_new_prefills():
+    sched = make_scheduler(budget=8)
+    a = add(sched, 1, prompt_len=4)
+    run_step(sched, sched.schedule())
+    b = add(sched, 2, prompt_len=20)
+    out = sched.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.chunks] == [(a, 1), (b, 7)]
+
+
+def test_max_num_seqs_caps_the_running_set():
+    sched = make_scheduler(max_num_seqs=2, budget=64)
+    seqs = [add(sched, i, prompt_len=3) for i in range(4)]
+    out = sched.schedule()
+    assert [c.seq for c in out.chunks] == seqs[:2]
+    assert sched.waiting == seqs[2:]
+
+
+def test_lower_priority_value_is_admitted_first_then_arrival_order():
+    sched = make_scheduler(max_num_seqs=2, budget=64)
+    late = add(sched, 1, prompt_len=3, priority=1)
+    urgent = add(sched, 2, prompt_len=3, priority=-1)
+    normal = add(sched, 3, prompt_len=3)
+    assert [c.seq for c in sched.schedule().chunks] == [urgent, normal]
+    assert sched.waiting == [late]
+
+
+def test_out_of_pages_preempts_the_newest_running_sequence_and_frees_its_pages():
+    sched = make_scheduler(num_pages=4, budget=64)
+    old = add(sched, 1, prompt_len=PAGE * 2)  # 2 pages, its next token needs a third
+    new = add(sched, 2, prompt_len=PAGE * 2 - 1)  # 2 pages
+    run_step(sched, sched.schedule())
+    assert sched.block_manager.num_free_pages == 0
+    out = sched.schedule()
+    assert out.preempted == [new]
+    assert new.status is SequenceStatus.WAITING and new.page_table == [] and new.num_computed_tokens == 0
+    assert [c.seq for c in out.chunks] == [old]
+    assert sched.num_preemptions == 1
+
+
+def test_preempted_sequence_recomputes_all_its_tokens_when_readmitted():
+    sched = make_scheduler(num_pages=4, budget=64)
+    old = add(sched, 1, prompt_len=PAGE * 2)
+    new = add(sched, 2, prompt_len=PAGE * 2 - 1)
+    run_step(sched, sched.schedule())
+    run_step(sched, sched.schedule())  # `new` preempted, `old` decodes
+    sched.finish(old)
+    out = sched.schedule()
+    # 7 prompt tokens + 1 sampled: the first full page comes back from the prefix cache, the rest is recomputed
+    assert [(c.seq, c.start, c.num_tokens, c.sample) for c in out.chunks] == [(new, PAGE, 4, True)]
+
+
+def test_finish_frees_pages_of_waiting_and_running_sequences():
+    sched = make_scheduler(budget=8)
+    running = add(sched, 1, prompt_len=20)
+    waiting = add(sched, 2, prompt_len=20)
+    sched.schedule()
+    sched.finish(running)
+    sched.finish(waiting)
+    assert sched.block_manager.num_used_pages == 0
+    assert not sched.has_work
+
+
+def test_sibling_waits_for_the_prompt_then_shares_its_full_pages():
+    sched = make_scheduler(budget=64)
+    first = add(sched, 1, prompt_len=10)
+    sibling = Sequence(2, "r1", 1, first.prompt_ids, first.params, seed=1, arrival=1, parent=first)
+    sched.add(sibling)
+    out = sched.schedule()
+    assert [c.seq for c in out.chunks] == [first]
+    run_step(sched, out)
+    out = sched.schedule()
+    chunk = next(c for c in out.chunks if c.seq is sibling)
+    assert sibling.page_table[:2] == first.page_table[:2]
+    assert (chunk.start, chunk.num_tokens) == (2 * PAGE, 10 - 2 * PAGE)
