@@ -7,6 +7,7 @@ written with `dynamic_update_slice`, read densely under a causal mask.
 from __future__ import annotations
 
 from functools import partial
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,7 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def generate(
+def generate_stream(
     model: Llama,
     prompt_ids: list[int],
     max_new_tokens: int,
@@ -82,8 +83,8 @@ def generate(
     temperature: float = 0.0,
     seed: int = 0,
     stop_token_ids: tuple[int, ...] = (),
-) -> list[int]:
-    """Generates up to `max_new_tokens` tokens after `prompt_ids` (greedy when temperature == 0).
+) -> Iterator[int]:
+    """Yields up to `max_new_tokens` tokens after `prompt_ids` (greedy when temperature == 0), ending after a stop token.
 
     Prefill pads the prompt up to a bucket: the padding writes garbage K/V past the prompt, which each later
     decode step overwrites before any query can see it.
@@ -91,26 +92,27 @@ def generate(
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
     graphdef, state = nnx.split(model)
-    config = model.config
     prompt_len = len(prompt_ids)
     padded = _bucket(prompt_len)
     max_len = _bucket(max(padded, prompt_len + max_new_tokens))
-    dtype = model.embed[...].dtype
-    kv_cache = empty_kv_cache(config, num_pages=1, page_size=max_len, dtype=dtype)
+    kv_cache = empty_kv_cache(model.config, num_pages=1, page_size=max_len, dtype=model.embed[...].dtype)
     tokens = jnp.asarray(list(prompt_ids) + [0] * (padded - prompt_len), jnp.int32)
     logits, kv_cache = _forward_last(graphdef, state, kv_cache, tokens, jnp.int32(0), jnp.int32(prompt_len - 1))
     key = jax.random.key(seed)
-    out: list[int] = []
     for step in range(max_new_tokens):
         if temperature > 0.0:
             token = int(jax.random.categorical(jax.random.fold_in(key, step), logits / temperature))
         else:
             token = int(jnp.argmax(logits))
-        out.append(token)
+        yield token
         if token in stop_token_ids or step == max_new_tokens - 1:
-            break
+            return
         position = jnp.int32(prompt_len + step)
         logits, kv_cache = _forward_last(
             graphdef, state, kv_cache, jnp.asarray([token], jnp.int32), position, jnp.int32(0)
         )
-    return out
+
+
+def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """All tokens of `generate_stream` as a list."""
+    return list(generate_stream(model, prompt_ids, max_new_tokens, **kwargs))

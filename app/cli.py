@@ -1,0 +1,98 @@
+"""The `sluice` command: fetch, generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from model.fetch import ModelNotFound
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from model.fetch import resolve_model
+
+    print(resolve_model(args.model))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from model.generate import generate_stream
+    from model.loader import load_model
+    from model.tokenizer import IncrementalDetokenizer
+
+    loaded = load_model(args.model, dtype=args.dtype)
+    tokenizer = loaded.tokenizer
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    prompt_ids = tokenizer.encode(text)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    tokens = generate_stream(
+        loaded.model, prompt_ids, args.max_tokens, temperature=args.temperature, seed=args.seed,
+        stop_token_ids=tokenizer.eos_token_ids,
+    )
+    for token in tokens:
+        if token in tokenizer.eos_token_ids:
+            break
+        print(detokenizer.push([token]), end="", flush=True)
+    print()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="High-throughput LLM inference on JAX/XLA.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    fetch = commands.add_parser("fetch", help="download/convert-check a model and print its path")
+    fetch.add_argument("--model", default=None)
+    fetch.set_defaults(run=_fetch)
+
+    gen = commands.add_parser("generate", help="complete one prompt offline, streaming to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    _add_model_arguments(gen)
+    gen.set_defaults(run=_generate)
+
+    try:
+        from app import serve
+    except ImportError:
+        serve = None
+    if serve is not None:
+        serve_parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+        serve.add_arguments(serve_parser)
+        serve_parser.set_defaults(run=serve.run)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    try:
+        from bench import throughput
+    except ImportError:
+        throughput = None
+    if throughput is not None:
+        tp = bench.add_parser("throughput", help="offline throughput: continuous vs static vs one-at-a-time")
+        throughput.add_arguments(tp)
+        tp.set_defaults(run=throughput.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ModelNotFound as error:
+        print(f"sluice: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
