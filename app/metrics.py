@@ -1,0 +1,88 @@
+"""Prometheus metrics, in a registry owned by one app (never the process-global one).
+
+Latencies are measured here from the engine's output stream; queue and KV numbers are read from
+`Engine.stats()` at scrape time by a collector, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class EngineStatsLike(Protocol):
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine_stats: Callable[[], EngineStatsLike | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "sluice_requests", "HTTP requests by route and status code", ["route", "status"], registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "sluice_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "sluice_inter_token_latency_seconds",
+            "Between consecutive streamed increments of one sequence, divided by the tokens they carry",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "sluice_e2e_request_latency_seconds",
+            "From a request's arrival to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, engine_stats: Callable[[], EngineStatsLike | None]) -> None:
+        self._engine_stats = engine_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine_stats()
+        if stats is None:
+            return
+        gauges = [
+            ("sluice_num_requests_running", "Sequences in the running batch", stats.num_running),
+            ("sluice_num_requests_waiting", "Sequences waiting to be scheduled", stats.num_waiting),
+            ("sluice_kv_pages_used", "KV-cache pages held by sequences", stats.kv_pages_used),
+            ("sluice_kv_pages_total", "KV-cache pages in the pool", stats.kv_pages_total),
+            ("sluice_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up",
+             stats.prefix_cache_hit_tokens / stats.prefix_cache_query_tokens if stats.prefix_cache_query_tokens else 0.0),
+        ]
+        counters = [
+            ("sluice_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", stats.prefix_cache_hit_tokens),
+            ("sluice_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_query_tokens),
+            ("sluice_prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total),
+            ("sluice_generation_tokens", "Tokens generated", stats.generation_tokens_total),
+            ("sluice_num_preemptions", "Sequences preempted to free KV pages", stats.num_preemptions),
+        ]
+        for name, documentation, value in gauges:
+            yield GaugeMetricFamily(name, documentation, value=value)
+        for name, documentation, value in counters:
+            yield CounterMetricFamily(name, documentation, value=value)

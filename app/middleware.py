@@ -1,0 +1,101 @@
+"""ASGI middleware that acts before routing: API-key check, body size limit, per-route request counts."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import body_too_large, error_response, unauthorized
+from app.metrics import ServerMetrics
+
+# Probes and scrapers do not hold the API key.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches, compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+                await error_response(unauthorized())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for a body over `max_bytes`, whether declared by Content-Length or only found while reading.
+
+    The body is read whole before the app runs (bodies here are small JSON) and then replayed; later
+    `receive` calls go to the server, so the app can still see `http.disconnect`.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self._max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
+            await error_response(body_too_large(self._max_bytes))(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max_bytes:
+                await error_response(body_too_large(self._max_bytes))(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class RequestCountMiddleware:
+    """Counts responses by route and status code; unknown paths share the route label "other"."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: frozenset[str]) -> None:
+        self.app = app
+        self._metrics = metrics
+        self._routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_recording_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_recording_status)
+        finally:
+            route = scope["path"] if scope["path"] in self._routes else "other"
+            self._metrics.requests.labels(route=route, status=str(status)).inc()

@@ -1,0 +1,107 @@
+"""What every route shares: settings, metrics, the engine once it is ready, and admission.
+
+Admission decides whether a generation request may enter (503 while loading or draining, 429 when the
+waiting queue is full) and counts what is in flight, so a SIGTERM drain knows when it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from app.errors import model_not_found, not_ready, queue_full
+from app.metrics import EngineStatsLike, ServerMetrics
+
+if TYPE_CHECKING:
+    from batching.engine import Engine
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """HTTP-side settings; `max_num_seqs` mirrors the engine's so the queue length can be foreseen."""
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_waiting: int = 1024
+    max_num_seqs: int = 64
+    max_body_bytes: int = 4 * 1024 * 1024
+    retry_after_s: int = 1
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.draining = False
+        self.metrics = ServerMetrics(self._engine_stats)
+        self._in_flight_seqs = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and not self.draining
+
+    @property
+    def model_name(self) -> str:
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
+        return self.engine.model_name if self.engine is not None else ""
+
+    def set_engine(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once nothing is in flight; False if `timeout_s` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def require_engine(self) -> Engine:
+        if self.draining:
+            raise not_ready("The server is shutting down")
+        if self.engine is None:
+            raise not_ready("The model is still loading")
+        return self.engine
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise model_not_found(requested)
+
+    def admit(self, num_seqs: int) -> Admission:
+        """Let `num_seqs` sequences in, or raise 503 / 429. Call `release()` on the result when they are done."""
+        engine = self.require_engine()
+        # The engine's own count lags behind requests submitted since its last step; what is in flight
+        # beyond the running batch's capacity is waiting too.
+        waiting = max(engine.stats().num_waiting, self._in_flight_seqs + num_seqs - self.settings.max_num_seqs)
+        if waiting > self.settings.max_waiting:
+            raise queue_full(self.settings.retry_after_s)
+        self._in_flight_seqs += num_seqs
+        self._idle.clear()
+        return Admission(self, num_seqs)
+
+    def _release(self, num_seqs: int) -> None:
+        self._in_flight_seqs -= num_seqs
+        if self._in_flight_seqs == 0:
+            self._idle.set()
+
+    def _engine_stats(self) -> EngineStatsLike | None:
+        return self.engine.stats() if self.engine is not None else None
+
+
+class Admission:
+    def __init__(self, state: ServerState, num_seqs: int) -> None:
+        self._state = state
+        self._num_seqs = num_seqs
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._state._release(self._num_seqs)
