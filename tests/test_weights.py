@@ -1,0 +1,163 @@
+"""Weight loading: a GGUF written with llama.cpp's conventions and an HF safetensors folder round-trip into Llama."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from model.config import ModelConfig
+from model.generate import sequence_logits
+from model.llama import Llama
+from model.loader import load_model
+from model.weights import GLOBAL_TENSORS, LAYER_TENSORS, TRANSPOSED
+
+CONFIG = ModelConfig.tiny(vocab_size=300, head_dim=32, hidden_size=64, num_heads=2, num_kv_heads=1, max_position_embeddings=256)
+
+
+def random_hf_tensors(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random weights keyed by HF tensor names, linears as [out, in] (the HF / GGUF numpy order)."""
+    rng = np.random.default_rng(seed)
+    model = Llama(config, rngs=nnx.Rngs(seed))
+    tensors = {}
+    for name, (_, hf_suffix) in LAYER_TENSORS.items():
+        if hasattr(model, name):
+            value = np.asarray(model.__getattribute__(name)[...])
+            if name.endswith("norm"):
+                value = rng.uniform(0.5, 1.5, value.shape).astype(np.float32)
+            for layer in range(config.num_layers):
+                tensors[f"model.layers.{layer}.{hf_suffix}"] = value[layer].T if name in TRANSPOSED else value[layer]
+    for name, (_, hf_name) in GLOBAL_TENSORS.items():
+        if hasattr(model, name):
+            value = np.asarray(getattr(model, name)[...])
+            tensors[hf_name] = value.T if name in TRANSPOSED else value
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
+
+
+def reference_model(config: ModelConfig, tensors: dict[str, np.ndarray]) -> Llama:
+    model = Llama(config, rngs=nnx.Rngs(0))
+    for name, (_, hf_suffix) in LAYER_TENSORS.items():
+        if hasattr(model, name):
+            layers = [tensors[f"model.layers.{i}.{hf_suffix}"] for i in range(config.num_layers)]
+            getattr(model, name)[...] = jnp.stack([t.T if name in TRANSPOSED else t for t in layers])
+    for name, (_, hf_name) in GLOBAL_TENSORS.items():
+        if hasattr(model, name):
+            getattr(model, name)[...] = tensors[hf_name].T if name in TRANSPOSED else tensors[hf_name]
+    return model
+
+
+def train_tokenizer(vocab_size: int) -> HFTokenizer:
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    return tokenizer
+
+
+def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K rows (the inverse of the loader's un-permute)."""
+    head_dim = weights.shape[0] // num_heads
+    return weights.reshape(num_heads, 2, head_dim // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+@pytest.fixture()
+def sluice_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    return tmp_path
+
+
+def test_hf_safetensors_folder_loads_the_same_model(sluice_home):
+    folder = sluice_home / "hf"
+    folder.mkdir()
+    tensors = random_hf_tensors(CONFIG, seed=1)
+    half = len(tensors) // 2
+    names = sorted(tensors)
+    save_file({k: tensors[k] for k in names[:half]}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in names[half:]}, str(folder / "model-00002-of-00002.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": CONFIG.vocab_size, "hidden_size": CONFIG.hidden_size,
+        "intermediate_size": CONFIG.intermediate_size, "num_hidden_layers": CONFIG.num_layers,
+        "num_attention_heads": CONFIG.num_heads, "num_key_value_heads": CONFIG.num_kv_heads,
+        "rope_theta": CONFIG.rope_theta, "rms_norm_eps": CONFIG.rms_norm_eps, "tie_word_embeddings": False,
+        "max_position_embeddings": CONFIG.max_position_embeddings, "bos_token_id": 1, "eos_token_id": 2,
+    }))
+    train_tokenizer(CONFIG.vocab_size).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.config == CONFIG
+    ids = loaded.tokenizer.encode("the lazy fox")
+    assert ids[0] == 1 and loaded.tokenizer.decode(ids) == "the lazy fox"
+    tokens = [5, 17, 42, 99, 7]
+    np.testing.assert_allclose(sequence_logits(loaded.model, tokens),
+                               sequence_logits(reference_model(CONFIG, tensors), tokens), rtol=1e-5, atol=1e-5)
+
+    reloaded = load_model(str(folder), dtype="bfloat16")
+    assert reloaded.model.wq[...].dtype == jnp.bfloat16
+
+
+def test_gguf_with_quantized_permuted_tensors_loads_the_same_model(sluice_home):
+    tensors = random_hf_tensors(CONFIG, seed=2)
+    path = sluice_home / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(CONFIG.num_layers)
+    writer.add_context_length(CONFIG.max_position_embeddings)
+    writer.add_embedding_length(CONFIG.hidden_size)
+    writer.add_feed_forward_length(CONFIG.intermediate_size)
+    writer.add_head_count(CONFIG.num_heads)
+    writer.add_head_count_kv(CONFIG.num_kv_heads)
+    writer.add_rope_freq_base(CONFIG.rope_theta)
+    writer.add_layer_norm_rms_eps(CONFIG.rms_norm_eps)
+    writer.add_vocab_size(CONFIG.vocab_size)
+    tokenizer = train_tokenizer(CONFIG.vocab_size)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([t for t, _ in vocab])
+    writer.add_token_types([3 if t.startswith("<") else 1 for t, _ in vocab])
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    expected = {}
+    for name, (gguf_suffix, hf_suffix) in {**LAYER_TENSORS, **GLOBAL_TENSORS}.items():
+        keys = ([(f"blk.{i}.{gguf_suffix}", f"model.layers.{i}.{hf_suffix}") for i in range(CONFIG.num_layers)]
+                if name in LAYER_TENSORS else [(gguf_suffix, hf_suffix)])
+        for gguf_name, hf_name in keys:
+            if hf_name not in tensors:
+                continue
+            value = tensors[hf_name]
+            if value.ndim == 1:
+                writer.add_tensor(gguf_name, value)
+                expected[hf_name] = value
+                continue
+            stored = value
+            if name == "wq":
+                stored = llama_cpp_permute(value, CONFIG.num_heads)
+            elif name == "wk":
+                stored = llama_cpp_permute(value, CONFIG.num_kv_heads)
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            quantized = gguf.quants.quantize(stored, qtype)
+            writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+            # Q8_0 rounds within rows and the permutation moves whole rows, so this is what the file holds.
+            expected[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.config.num_kv_heads == 1 and not loaded.config.tie_word_embeddings
+    tokens = [3, 8, 200, 41]
+    np.testing.assert_allclose(sequence_logits(loaded.model, tokens),
+                               sequence_logits(reference_model(CONFIG, expected), tokens), rtol=1e-5, atol=1e-5)
+
