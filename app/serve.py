@@ -1,0 +1,175 @@
+"""`sluice serve`: flags (each also a SLUICE_* environment variable), start-up and the serving loop.
+
+Uvicorn starts listening at once (/health answers 503) while the engine loads and compiles in a
+thread; readiness flips when the engine's step loop runs, and the URL is printed then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import uvicorn
+
+from batching.config import EngineConfig
+
+from app.drain import DrainingServer
+from app.server import create_app
+from app.state import ServerSettings, ServerState
+
+T = TypeVar("T")
+logger = logging.getLogger("sluice.serve")
+
+_ENGINE_DEFAULTS = EngineConfig()
+_SERVER_DEFAULTS = ServerSettings()
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """`1073741824`, `1G`, `1GiB`, `512MB` -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 2147483648, 2G, 512MiB)")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def env_name(flag: str) -> str:
+    return "SLUICE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kwargs: Any) -> None:
+    # argparse applies `type` to string defaults, so a malformed environment value fails like a flag would.
+    env = env_name(flag)
+    parser.add_argument(flag, default=os.environ.get(env, default), help=f"{help} [env {env}]", **kwargs)
+
+
+def _switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    env = env_name(flag)
+    default = os.environ.get(env, "").lower() in {"1", "true", "yes", "on"}
+    parser.add_argument(flag, action="store_true", default=default, help=f"{help} [env {env}=1]")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _option(parser, "--model", None, "a .gguf file, an HF folder or a known name (default: SmolLM2-135M-Instruct, fetched if missing)")
+    _option(parser, "--served-model-name", None, "the name clients pass as `model` (default: the model's name)")
+    _option(parser, "--host", "127.0.0.1", "address to listen on")
+    _option(parser, "--port", 8000, "port to listen on", type=int)
+    _option(parser, "--dtype", None, "parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
+            choices=["float32", "bfloat16", "float16"])
+    _option(parser, "--tp", _ENGINE_DEFAULTS.tp, "tensor-parallel degree (devices)", type=int)
+    _option(parser, "--max-model-len", None, "longest prompt + completion in tokens (default: min(model's, 4096))", type=int)
+    _option(parser, "--max-num-seqs", _ENGINE_DEFAULTS.max_num_seqs, "most sequences in one running batch", type=int)
+    _option(parser, "--max-num-batched-tokens", _ENGINE_DEFAULTS.max_num_batched_tokens,
+            "most tokens (prefill + decode) in one step", type=int)
+    _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
+            type=byte_size)
+    _option(parser, "--page-size", _ENGINE_DEFAULTS.page_size, "tokens per KV-cache page", type=int)
+    _switch(parser, "--disable-prefix-caching", "do not reuse KV pages of shared prompt prefixes")
+    _option(parser, "--attention-backend", _ENGINE_DEFAULTS.attention_backend, "attention implementation")
+    _option(parser, "--max-waiting", _SERVER_DEFAULTS.max_waiting,
+            "most sequences waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int)
+    _option(parser, "--api-key", None, "require `Authorization: Bearer KEY` on all routes but /health and /metrics")
+    _option(parser, "--max-body-bytes", _SERVER_DEFAULTS.max_body_bytes, "largest request body (413 beyond)",
+            type=byte_size)
+    _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting", type=float)
+    _option(parser, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args: argparse.Namespace) -> int:
+    engine_config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        page_size=args.page_size,
+        enable_prefix_caching=not args.disable_prefix_caching,
+        tp=args.tp,
+        attention_backend=args.attention_backend,
+    )
+    settings = ServerSettings(
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        max_num_seqs=args.max_num_seqs,
+        max_body_bytes=args.max_body_bytes,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    return asyncio.run(_serve(engine_config, settings, args))
+
+
+async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: argparse.Namespace) -> int:
+    from batching.engine import Engine
+
+    state = ServerState(settings)
+    config = uvicorn.Config(
+        create_app(state),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout)
+    serving = asyncio.ensure_future(server.serve())
+    loading = _in_daemon_thread(lambda: Engine.create(engine_config, progress=True))
+    await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():  # stopped (signal, bind error) before the model was ready
+        await serving
+        return 0
+    if loading.exception() is not None:
+        logger.error("Could not start the engine: %s", loading.exception())
+        server.should_exit = True
+        await serving
+        return 1
+    engine = loading.result()
+    await engine.start()
+    state.set_engine(engine)
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(f"Sluice is ready: http://{args.host}:{args.port}/v1 serving '{state.model_name}'", flush=True)
+    await serving
+    return 0
+
+
+def _in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """Runs `fn` in a daemon thread: a server told to stop mid-load must not wait for the load to end."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as error:  # delivered to the awaiting coroutine, not lost in the thread
+            loop.call_soon_threadsafe(settle, None, error)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=target, name="sluice-engine-load", daemon=True).start()
+    return future
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="sluice serve", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
