@@ -1,0 +1,107 @@
+"""Request validation: what the API accepts, and the 400 (field path as `param`) for what it does not."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from app.errors import APIError, from_validation_error
+from app.sampling import sampling_params
+from app.schemas import ChatCompletionRequest, CompletionRequest
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def rejection(schema, body: dict) -> APIError:
+    with pytest.raises(ValidationError) as caught:
+        schema.model_validate(body)
+    error = from_validation_error(caught.value)
+    assert error.status == 400 and error.type == "invalid_request_error"
+    return error
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", -1), ("max_tokens", 0), ("temperature", 2.5), ("temperature", -0.1), ("top_p", 0.0),
+     ("top_logprobs", 21), ("n", 0), ("presence_penalty", 3.0), ("stop", 7)],
+)
+def test_out_of_range_chat_field_is_rejected_with_its_name_as_param(field, value):
+    error = rejection(ChatCompletionRequest, {**CHAT, field: value, "logprobs": True})
+    assert error.param is not None and error.param.startswith(field)
+
+
+def test_unknown_role_is_rejected_and_names_the_message():
+    error = rejection(ChatCompletionRequest, {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]})
+    assert error.param == "messages.0.role"
+
+
+def test_empty_messages_are_rejected():
+    assert rejection(ChatCompletionRequest, {**CHAT, "messages": []}).param == "messages"
+
+
+def test_top_logprobs_without_logprobs_is_rejected():
+    rejection(ChatCompletionRequest, {**CHAT, "top_logprobs": 3})
+
+
+def test_stream_options_without_stream_is_rejected():
+    rejection(ChatCompletionRequest, {**CHAT, "stream_options": {"include_usage": True}})
+
+
+def test_null_fields_mean_their_defaults():
+    body = ChatCompletionRequest.model_validate({**CHAT, "temperature": None, "stop": None, "n": None})
+    assert (body.temperature, body.stop_strings, body.n) == (1.0, (), 1)
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    body = ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 5, "max_completion_tokens": 9})
+    assert body.max_new_tokens == 9
+
+
+def test_content_parts_are_joined_as_text():
+    body = ChatCompletionRequest.model_validate(
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    )
+    assert body.messages[0].text() == "a\nb"
+
+
+def test_non_text_content_parts_are_rejected():
+    rejection(ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_completion_prompt_takes_all_four_openai_forms(prompt):
+    assert CompletionRequest.model_validate({"prompt": prompt}).prompt == prompt
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], [[1], []]])
+def test_empty_completion_prompt_is_rejected(prompt):
+    rejection(CompletionRequest, {"prompt": prompt})
+
+
+def test_completion_logprobs_above_twenty_are_rejected():
+    assert rejection(CompletionRequest, {"prompt": "x", "logprobs": 21}).param == "logprobs"
+
+
+def test_echo_with_logprobs_is_rejected_rather_than_answered_without_prompt_logprobs():
+    rejection(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1})
+
+
+def test_sampling_params_carry_every_request_field():
+    body = ChatCompletionRequest.model_validate(
+        {**CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.5,
+         "frequency_penalty": -0.5, "repetition_penalty": 1.1, "seed": 7, "stop": "END", "n": 2,
+         "ignore_eos": True, "min_tokens": 3, "stop_token_ids": [5]}
+    )
+    params = sampling_params(body, max_tokens=20, logprobs=True, top_logprobs=4)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 40, 0.05)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert (params.seed, params.stop, params.n, params.ignore_eos) == (7, ("END",), 2, True)
+    assert (params.max_tokens, params.min_tokens, params.stop_token_ids) == (20, 3, (5,))
+    assert (params.logprobs, params.top_logprobs) == (True, 4)
+
+
+def test_min_tokens_above_max_tokens_is_a_400():
+    body = ChatCompletionRequest.model_validate({**CHAT, "min_tokens": 10})
+    with pytest.raises(APIError) as caught:
+        sampling_params(body, max_tokens=5, logprobs=False, top_logprobs=0)
+    assert caught.value.status == 400 and "min_tokens" in caught.value.message

@@ -1,0 +1,186 @@
+"""HTTP edges that hold before any model is loaded: readiness, API key, body limit, error shapes,
+SSE framing and disconnects, metrics registries, and the `sluice serve` flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+from starlette.testclient import TestClient
+
+from app.serve import add_arguments, byte_size
+from app.server import create_app
+from app.sse import DONE, EventStreamResponse, sse_event
+from app.state import ServerSettings, ServerState
+
+KEY = "s3cret"
+
+
+def client(**settings) -> TestClient:
+    # Without entering the lifespan no engine is ever set: the server is "still loading".
+    return TestClient(create_app(ServerState(ServerSettings(**settings))))
+
+
+def assert_openai_error(response, status: int) -> dict:
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_health_is_503_until_the_engine_is_ready():
+    assert_openai_error(client().get("/health"), 503)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_generation_routes_are_503_while_loading(path):
+    error = assert_openai_error(client().post(path, json={"prompt": "hi"}), 503)
+    assert error["code"] == "not_ready"
+
+
+def test_missing_api_key_is_401():
+    assert_openai_error(client(api_key=KEY).get("/v1/models"), 401)
+
+
+def test_wrong_api_key_is_401():
+    response = client(api_key=KEY).get("/v1/models", headers={"Authorization": "Bearer s3cres"})
+    assert assert_openai_error(response, 401)["code"] == "invalid_api_key"
+
+
+def test_right_api_key_passes_to_the_route():
+    response = client(api_key=KEY).get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert_openai_error(response, 503)
+
+
+def test_health_and_metrics_need_no_api_key():
+    c = client(api_key=KEY)
+    assert c.get("/metrics").status_code == 200
+    assert c.get("/health").status_code == 503
+
+
+def test_body_over_the_limit_is_413():
+    response = client(max_body_bytes=100).post("/v1/completions", content=b"{" + b" " * 200 + b"}")
+    assert assert_openai_error(response, 413)["code"] == "request_too_large"
+
+
+def test_chunked_body_over_the_limit_is_413_without_content_length():
+    def chunks():
+        for _ in range(10):
+            yield b" " * 50
+
+    response = client(max_body_bytes=100).post("/v1/completions", content=chunks())
+    assert_openai_error(response, 413)
+
+
+def test_unknown_route_is_an_openai_shaped_404():
+    assert_openai_error(client().get("/v1/nothing"), 404)
+
+
+def test_requests_are_counted_by_route_and_status():
+    c = client()
+    c.get("/health")
+    c.get("/v1/nothing")
+    text = c.get("/metrics").text
+    assert 'sluice_requests_total{route="/health",status="503"} 1.0' in text
+    assert 'sluice_requests_total{route="other",status="404"} 1.0' in text
+
+
+def test_each_app_has_its_own_metrics_registry():
+    first, second = client(), client()
+    first.get("/health")
+    assert 'route="/health"' not in second.get("/metrics").text
+
+
+def test_sse_event_frames_json_compactly():
+    assert sse_event({"a": [1, "é"]}) == 'data: {"a":[1,"é"]}\n\n'.encode()
+    assert DONE == b"data: [DONE]\n\n"
+
+
+def test_event_stream_stops_and_closes_when_the_client_disconnects():
+    """A client that leaves mid-stream must stop the event generator (that is what aborts the engine
+    request) even while the generator waits for its next event."""
+    seen: list[str] = []
+
+    async def events():
+        try:
+            yield b"data: 1\n\n"
+            await asyncio.sleep(3600)
+            yield b"data: never\n\n"
+        finally:
+            seen.append("generator closed")
+
+    async def on_close() -> None:
+        seen.append("on_close")
+
+    async def scenario() -> list[dict]:
+        sent: list[dict] = []
+        disconnect = asyncio.Event()
+
+        async def receive() -> dict:
+            await disconnect.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if message.get("body") == b"data: 1\n\n":
+                disconnect.set()
+
+        await asyncio.wait_for(EventStreamResponse(events(), on_close)({"type": "http"}, receive, send), 5)
+        return sent
+
+    sent = asyncio.run(scenario())
+    assert seen == ["generator closed", "on_close"]
+    assert sent[0]["headers"] and (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+
+
+def test_event_stream_runs_on_close_when_the_client_left_before_the_first_event():
+    closed: list[bool] = []
+
+    async def events():
+        await asyncio.sleep(3600)
+        yield b""
+
+    async def on_close() -> None:
+        closed.append(True)
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        pass
+
+    asyncio.run(asyncio.wait_for(EventStreamResponse(events(), on_close)({"type": "http"}, receive, send), 5))
+    assert closed == [True]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_every_serve_flag_is_settable_by_environment(monkeypatch):
+    monkeypatch.setenv("SLUICE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("SLUICE_API_KEY", "from-env")
+    monkeypatch.setenv("SLUICE_KV_CACHE_MEMORY", "2G")
+    monkeypatch.setenv("SLUICE_DISABLE_PREFIX_CACHING", "1")
+    args = parse([])
+    assert (args.max_num_seqs, args.api_key, args.kv_cache_memory) == (7, "from-env", 2 << 30)
+    assert args.disable_prefix_caching
+
+
+def test_a_flag_overrides_its_environment_variable(monkeypatch):
+    monkeypatch.setenv("SLUICE_PORT", "9000")
+    assert parse(["--port", "9100"]).port == 9100
+
+
+def test_malformed_environment_value_fails_like_a_malformed_flag(monkeypatch):
+    monkeypatch.setenv("SLUICE_MAX_WAITING", "many")
+    with pytest.raises(SystemExit):
+        parse([])
+
+
+@pytest.mark.parametrize(("text", "size"), [("4096", 4096), ("2G", 2 << 30), ("512MiB", 512 << 20), ("1kb", 1024)])
+def test_byte_sizes_accept_binary_units(text, size):
+    assert byte_size(text) == size
