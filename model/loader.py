@@ -23,8 +23,8 @@ from model.weights import load_gguf, load_safetensors_folder
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-ShardingRule = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
-"""(parameter name, shape) -> where that parameter lives."""
+ShardingRule = Callable[[ModelConfig, str, tuple[int, ...]], jax.sharding.Sharding]
+"""(model config, parameter name, shape) -> where that parameter lives."""
 
 
 @dataclass
@@ -82,7 +82,7 @@ def load_model(
     default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {
         path[0]: jax.ShapeDtypeStruct(
-            var.shape, var.dtype, sharding=sharding_rule(path[0], var.shape) if sharding_rule else default_sharding
+            var.shape, var.dtype, sharding=sharding_rule(config, path[0], var.shape) if sharding_rule else default_sharding
         )
         for path, var in flat.items()
     }

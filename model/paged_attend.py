@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
 from model.llama import AttendFn, KVCache
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.kv_cache import write_kv
+from sharding.mesh import TP_AXIS
 
 
 @jax.tree_util.register_dataclass
@@ -36,7 +38,12 @@ class AttentionMetadata:
     max_q_len: int = field(metadata=dict(static=True))
 
 
-def make_paged_attend(meta: AttentionMetadata, *, sm_scale: float, backend: str = "auto") -> AttendFn:
+def make_paged_attend(
+    meta: AttentionMetadata, *, sm_scale: float, backend: str = "auto", mesh: Mesh | None = None
+) -> AttendFn:
+    """The paged `AttendFn` for one step. With a `mesh`, it runs per device on that device's KV heads (shard_map),
+    so kernels see only local heads and the pool never moves between devices."""
+
     def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache):
         k_cache, v_cache = kv_cache
         num_layers, num_pages, *page_shape = k_cache.shape
@@ -52,4 +59,11 @@ def make_paged_attend(meta: AttentionMetadata, *, sm_scale: float, backend: str 
         )
         return out, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape))
 
-    return attend
+    if mesh is None:
+        return attend
+    heads = P(None, TP_AXIS, None)  # q/k/v/out [T, heads, head_dim]
+    pool = P(None, None, TP_AXIS, None, None)
+    return jax.shard_map(
+        attend, mesh=mesh, in_specs=(P(), heads, heads, heads, (pool, pool)), out_specs=(heads, (pool, pool)),
+        check_vma=False,
+    )
