@@ -36,6 +36,11 @@ class BlockManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every allocation and cached page (the pool's contents are gone)."""
+        num_pages = self.num_pages
         self.ref_counts = [0] * num_pages
         self._page_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_pages
         self._cached: dict[int, int] = {}  # hash -> page

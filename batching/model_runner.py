@@ -1,0 +1,214 @@
+"""Turns a scheduled batch into padded device arrays and runs one jitted step: model, logits, sampler.
+
+Every step is padded to a bucket from a small fixed set, so after the warm-up compiles them all the step never
+recompiles: decode-only steps by their number of sequences, mixed steps by their number of tokens. The KV pool is donated to the step and replaced by
+its output; the model parameters are split from the NNX module once and passed in as a pytree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from batching.sampler import SamplerOutput, SamplingBatch, build_sampling_batch, sample
+from batching.sampling_params import SamplingParams
+from batching.scheduler import ScheduledChunk
+from model.llama import KVCache, Llama, empty_kv_cache
+from model.paged_attend import AttentionMetadata, make_paged_attend
+
+MAX_BANNED_IDS = 32
+# Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
+# max_q_len, so short pieces keep the decode rows sharing a mixed step cheap, and the set of shapes small.
+PREFILL_PIECE = 16
+
+
+def enable_compilation_cache(path: Path | None = None) -> None:
+    """Persists compiled steps across starts (small entries too, or most would be skipped)."""
+    path = path or Path(os.environ.get("SLUICE_JAX_CACHE", Path.home() / ".cache" / "sluice" / "jax"))
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from lo, capped by hi, with hi itself last."""
+    out, b = [], 1
+    while b < hi:
+        if b >= lo:
+            out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """A compiled step shape: tokens, attention rows (sequences or prefill pieces), sampled rows, max_q_len."""
+
+    num_tokens: int
+    num_attn_seqs: int
+    num_rows: int
+    max_q_len: int
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs about one scheduled sequence."""
+
+    params: SamplingParams
+    seed: int
+    step: int
+    token_ids: list[int]
+    num_prompt: int
+    banned: tuple[int, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepInputs:
+    """token_ids, positions, slot_mapping: [T] int32 (slot -1 = padding); kv_lens: [S] int32;
+    page_table: [S, max_pages] int32; cu_q_lens: [S + 1] int32; logits_rows: [S] int32, each
+    sequence's last token row (the one it samples from)."""
+
+    token_ids: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    kv_lens: jax.Array
+    page_table: jax.Array
+    cu_q_lens: jax.Array
+    logits_rows: jax.Array
+
+
+def _step(graphdef: nnx.GraphDef, backend: str, max_q_len: int, state: nnx.State, kv_cache: KVCache,
+          inputs: StepInputs, sampling: SamplingBatch) -> tuple[SamplerOutput, KVCache]:
+    model = nnx.merge(graphdef, state)
+    meta = AttentionMetadata(
+        slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=inputs.page_table,
+        cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
+    )
+    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, make_paged_attend(meta, sm_scale=model.config.head_dim**-0.5, backend=backend))
+    logits = model.logits(hidden[inputs.logits_rows])
+    return sample(logits, sampling), kv_cache
+
+
+class PendingStep:
+    """A dispatched step whose sampled tokens are being copied to the host."""
+
+    def __init__(self, out: SamplerOutput):
+        self._out = out
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+
+    def fetch(self) -> SamplerOutput:
+        """Blocks until the step is done; numpy arrays."""
+        return jax.tree.map(np.asarray, self._out)
+
+
+class ModelRunner:
+    """Owns the KV pool and the compiled step for one model."""
+
+    def __init__(self, model: Llama, *, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, attention_backend: str = "auto"):
+        self.config = model.config
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.graphdef, self.state = nnx.split(model)
+        self.num_pages = num_pages
+        self.kv_dtype = model.embed[...].dtype
+        self.kv_cache = empty_kv_cache(self.config, num_pages, page_size, self.kv_dtype)
+        self.backend = attention_backend
+        self.max_num_seqs = max_num_seqs
+        self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
+        self.token_buckets = pow2_buckets(PREFILL_PIECE, max_num_batched_tokens)
+        self._steps: dict[int, jax.stages.Wrapped] = {}
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [self._decode_bucket(s) for s in self.decode_buckets] + [self._mixed_bucket(t) for t in self.token_buckets]
+
+    def _decode_bucket(self, num_seqs: int) -> Bucket:
+        return Bucket(num_seqs, num_seqs, num_seqs, 1)
+
+    def _mixed_bucket(self, num_tokens: int) -> Bucket:
+        # Each sequence adds at most one partial piece on top of num_tokens / PREFILL_PIECE full ones.
+        rows = min(self.max_num_seqs, num_tokens)
+        return Bucket(num_tokens, min(num_tokens, rows + num_tokens // PREFILL_PIECE), rows, PREFILL_PIECE)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, max_q_len: int) -> Bucket:
+        if max_q_len == 1:
+            return self._decode_bucket(next(b for b in self.decode_buckets if b >= num_seqs))
+        return self._mixed_bucket(next(b for b in self.token_buckets if b >= num_tokens))
+
+    def _step_fn(self, max_q_len: int):
+        if max_q_len not in self._steps:
+            self._steps[max_q_len] = jax.jit(
+                partial(_step, self.graphdef, self.backend, max_q_len), donate_argnums=(1,)
+            )
+        return self._steps[max_q_len]
+
+    def pool_lost(self) -> bool:
+        """Whether a failed step took the donated KV pool with it."""
+        return any(x.is_deleted() for x in self.kv_cache)
+
+    def reset_pool(self) -> None:
+        self.kv_cache = empty_kv_cache(self.config, self.num_pages, self.page_size, self.kv_dtype)
+
+    def num_compiled(self) -> int:
+        return sum(fn._cache_size() for fn in self._steps.values())
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compiles every bucket (an all-padding step writes nothing to the pool)."""
+        for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
+            inputs, sampling = self._pad([], [], bucket)
+            out, self.kv_cache = self._step_fn(bucket.max_q_len)(self.state, self.kv_cache, inputs, sampling)
+        jax.block_until_ready(self.kv_cache)
+
+    def dispatch(self, chunks: list[ScheduledChunk], rows: list[SamplingRow]) -> PendingStep:
+        """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting."""
+        num_tokens = sum(c.num_tokens for c in chunks)
+        bucket = self.bucket_for(num_tokens, len(chunks), max(c.num_tokens for c in chunks))
+        inputs, sampling = self._pad(chunks, rows, bucket)
+        out, self.kv_cache = self._step_fn(bucket.max_q_len)(self.state, self.kv_cache, inputs, sampling)
+        return PendingStep(out)
+
+    def _pad(self, chunks: list[ScheduledChunk], rows: list[SamplingRow], bucket: Bucket
+             ) -> tuple[StepInputs, SamplingBatch]:
+        t, a, num_rows = bucket.num_tokens, bucket.num_attn_seqs, bucket.num_rows
+        token_ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slot_mapping = np.full(t, -1, np.int32)
+        kv_lens = np.zeros(a, np.int32)
+        page_table = np.zeros((a, self.max_pages_per_seq), np.int32)
+        cu_q_lens = np.zeros(a + 1, np.int32)
+        logits_rows = np.zeros(num_rows, np.int32)
+        offset = piece = 0
+        for i, chunk in enumerate(chunks):
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            pos = np.arange(start, start + n, dtype=np.int32)
+            pages = np.asarray(seq.page_table, np.int32)
+            token_ids[offset:offset + n] = seq.token_ids[start:start + n]
+            positions[offset:offset + n] = pos
+            slot_mapping[offset:offset + n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
+            # A piece's queries are the last of its kv_len positions, so pieces of one chunk chain causally.
+            for lo in range(0, n, bucket.max_q_len):
+                hi = min(lo + bucket.max_q_len, n)
+                kv_lens[piece] = start + hi
+                page_table[piece, :len(pages)] = pages
+                cu_q_lens[piece + 1] = offset + hi
+                piece += 1
+            offset += n
+            logits_rows[i] = offset - 1
+        cu_q_lens[piece + 1:] = offset
+        sampling = build_sampling_batch(
+            [(r.params, r.seed, r.step, r.token_ids, r.num_prompt, r.banned) for r in rows],
+            num_rows, self.max_model_len, MAX_BANNED_IDS,
+        )
+        return StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows), sampling
