@@ -1,0 +1,374 @@
+"""End to end: a real `sluice serve` subprocess with the real SmolLM2 model, driven by the official
+`openai` client and by raw httpx for SSE framing. One server for the whole module (load + compile is slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key"
+MODEL = "smollm2-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# Small batch limits: warm-up compiles few shapes on a 2-core CPU.
+SERVER_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "512"]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    url: str
+    log: Path
+    health_statuses: list[int]
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(*flags: str, startup_timeout_s: float = 900) -> ServerProcess:
+    """Runs `sluice serve` and waits for /health 200, recording every /health status seen on the way."""
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="sluice-serve-", suffix=".log")[1])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
+            cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+        )
+    server = ServerProcess(process, f"http://127.0.0.1:{port}", log, [])
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.output()}")
+        try:
+            status = httpx.get(f"{server.url}/health", timeout=5).status_code
+        except httpx.TransportError:
+            time.sleep(0.2)
+            continue
+        server.health_statuses.append(status)
+        if status == 200:
+            return server
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not ready after {startup_timeout_s} s:\n{server.output()}")
+
+
+def metric(server_url: str, name: str) -> float:
+    text = httpx.get(f"{server_url}/metrics", timeout=10).text
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def wait_for_metric(server_url: str, name: str, value: float, timeout_s: float = 20) -> float:
+    deadline = time.monotonic() + timeout_s
+    while (seen := metric(server_url, name)) != value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return seen
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of a raw SSE body, checking the framing on the way."""
+    body = response.read().decode()
+    assert body.endswith("\n\n")
+    events = body.split("\n\n")[:-1]
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, repr(event)
+    return [event[len("data: "):] for event in events]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = start_server(*SERVER_FLAGS, "--api-key", API_KEY, "--served-model-name", MODEL)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+def chat(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+# --- the openai client ---------------------------------------------------------------------------
+
+
+def test_chat_answers_the_capital_of_france(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=chat("What is the capital of France?"), temperature=0, max_tokens=20
+    )
+    assert reply.id.startswith("chatcmpl-") and reply.object == "chat.completion" and reply.model == MODEL
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    usage = reply.usage
+    assert usage.prompt_tokens > 0 and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_streamed_chat_equals_the_unstreamed_answer(client):
+    kwargs = dict(model=MODEL, messages=chat("Name three colors."), temperature=0, max_tokens=24)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishing = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishing == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completion_with_max_tokens_stops_for_length(client):
+    reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert reply.id.startswith("cmpl-") and reply.object == "text_completion"
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 5
+
+
+def test_streamed_completion_equals_the_unstreamed_one(client):
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_prompt_as_token_ids_matches_the_string_prompt(server, client):
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello, my name is"}, headers=AUTH).json()["tokens"]
+    by_text = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_list_of_prompts_gives_one_choice_per_prompt_times_n(client):
+    reply = client.completions.create(model=MODEL, prompt=["One", "Two"], n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert reply.choices[0].text == reply.choices[1].text  # greedy: both samples of a prompt agree
+    assert reply.usage.completion_tokens == 16
+
+
+def test_echo_prepends_the_prompt(client):
+    reply = client.completions.create(model=MODEL, prompt="Roses are red,", echo=True, max_tokens=4, temperature=0)
+    assert reply.choices[0].text.startswith("Roses are red,")
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    free = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=0).choices[0]
+    stop = free.text.strip().split(",")[1].strip()  # a number the model is about to write
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+
+
+def test_same_seed_gives_the_same_sample(client):
+    kwargs = dict(model=MODEL, messages=chat("Write a word."), temperature=1.0, max_tokens=10, seed=1234)
+    first = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == first
+
+
+def test_chat_logprobs_have_top_alternatives_in_openai_shape(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=chat("Hi"), max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)  # greedy took the best
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+def test_completion_logprobs_have_tokens_offsets_and_top_dicts(client):
+    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.text_offset[0] == 0 and len(logprobs.token_logprobs) == 4
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_tokenize_and_detokenize_round_trip(server):
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Sluice serves tokens."}, headers=AUTH).json()
+    assert ids["count"] == len(ids["tokens"]) > 0
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids["tokens"]}, headers=AUTH).json()["prompt"]
+    assert text == "Sluice serves tokens."
+
+
+# --- raw HTTP ------------------------------------------------------------------------------------
+
+
+def test_stream_is_framed_as_server_sent_events_ending_with_done(server):
+    body = {"model": MODEL, "messages": chat("Hi"), "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("usage" in c for c in chunks) and all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-2]["choices"][0]["delta"] == {} and chunks[-2]["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_stream_without_include_usage_has_no_usage_key(server):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert chunks and all("usage" not in c for c in chunks)
+
+
+def post(server, path: str, body: dict | bytes, headers: dict = AUTH) -> httpx.Response:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    return httpx.post(f"{server.url}{path}", headers={**headers, "Content-Type": "application/json"}, timeout=60,
+                      **kwargs)
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 7}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "oracle", "content": "x"}]}, "messages.0.role"),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_invalid_chat_fields_are_400(server, body, param):
+    assert error_of(post(server, "/v1/chat/completions", body), 400)["param"] == param
+
+
+def test_malformed_json_is_400(server):
+    error_of(post(server, "/v1/chat/completions", b'{"messages": ['), 400)
+
+
+def test_prompt_longer_than_the_context_is_400(server):
+    error = error_of(post(server, "/v1/completions", {"prompt": "word " * 400, "max_tokens": 200}), 400)
+    assert "context length" in error["message"]
+
+
+def test_unknown_model_is_404(server):
+    error = error_of(post(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404)
+    assert error["code"] == "model_not_found"
+
+
+def test_wrong_api_key_is_401_for_the_openai_client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+
+
+def test_oversized_body_is_413(server):
+    error_of(post(server, "/v1/completions", {"prompt": "x" * (5 << 20)}), 413)
+
+
+# --- concurrency, disconnects, failures ------------------------------------------------------------
+
+PROMPTS = [f"Write one sentence about the number {i}." for i in range(32)]
+
+
+def stream_chat(server, content: str, max_tokens: int) -> str:
+    body = {"model": MODEL, "messages": chat(content), "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=600) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert sum(1 for c in chunks if c["choices"][0]["finish_reason"]) == 1
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+
+
+def test_32_concurrent_streams_are_complete_and_equal_to_each_prompt_alone(server):
+    alone = [stream_chat(server, p, 8) for p in PROMPTS]
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda p: stream_chat(server, p, 8), PROMPTS))
+    assert together == alone
+
+
+def test_client_disconnect_mid_stream_frees_its_kv_pages(server):
+    assert wait_for_metric(server.url, "sluice_kv_pages_used", 0) == 0
+    body = {"model": MODEL, "prompt": "Count to a thousand: 1, 2,", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert metric(server.url, "sluice_kv_pages_used") > 0
+    assert wait_for_metric(server.url, "sluice_kv_pages_used", 0) == 0
+    assert metric(server.url, "sluice_num_requests_running") == 0
+
+
+def test_200_aborted_streams_leave_no_pages_held_and_the_server_healthy(server):
+    def abort_one(i: int) -> None:
+        body = {"model": MODEL, "messages": chat(f"Tell a long story number {i}."), "max_tokens": 300,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+            assert r.status_code == 200
+            if i % 2:  # half leave after the first token, half right after the headers
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                next(lines), next(lines)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(abort_one, range(200)))
+    assert wait_for_metric(server.url, "sluice_kv_pages_used", 0, timeout_s=60) == 0
+    assert metric(server.url, "sluice_num_requests_running") == 0
+    assert metric(server.url, "sluice_num_requests_waiting") == 0
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert stream_chat(server, "Say hi.", 4)
+
+
+def test_metrics_report_latencies_tokens_and_request_counts(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ["sluice_time_to_first_token_seconds_count", "sluice_inter_token_latency_seconds_count",
+                 "sluice_e2e_request_latency_seconds_count", "sluice_prompt_tokens_total",
+                 "sluice_generation_tokens_total", "sluice_kv_pages_total", "sluice_prefix_cache_hit_rate",
+                 "sluice_num_preemptions_total"]:
+        assert metric(server.url, name) >= 0, name
+    assert metric(server.url, "sluice_generation_tokens_total") > 0
+    assert 'sluice_requests_total{route="/v1/chat/completions",status="200"}' in text
+    assert 'sluice_requests_total{route="/v1/completions",status="400"}' in text

@@ -1,0 +1,70 @@
+"""A real `sluice serve` through its life: 503 while loading, 429 when the queue is full, SIGTERM drain.
+
+Its own server (one batch slot, one waiting slot), since the drain test ends the process.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import pytest
+
+from test_api_e2e import start_server
+
+pytestmark = pytest.mark.slow
+
+FLAGS = ["--max-num-seqs", "1", "--max-waiting", "1", "--max-num-batched-tokens", "64", "--max-model-len", "256",
+         "--drain-timeout", "120"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = start_server(*FLAGS)
+    yield proc
+    proc.stop()
+
+
+def long_stream(server, max_tokens: int = 200) -> httpx.Response:
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    client = httpx.Client(base_url=server.url, timeout=120)
+    response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+    assert response.status_code == 200
+    return response
+
+
+def first_token(response: httpx.Response) -> dict:
+    return json.loads(next(line for line in response.iter_lines() if line.startswith("data: "))[len("data: "):])
+
+
+def test_health_is_503_while_the_model_loads_then_200(server):
+    assert server.health_statuses[0] == 503 and server.health_statuses[-1] == 200
+
+
+def test_full_waiting_queue_answers_429_with_retry_after(server):
+    running, waiting = long_stream(server), long_stream(server)
+    try:
+        first_token(running)
+        rejected = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        assert rejected.status_code == 429
+        assert int(rejected.headers["Retry-After"]) >= 1
+        assert rejected.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        running.close()
+        waiting.close()
+    admitted = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=120)
+    assert admitted.status_code == 200
+
+
+def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits_0(server):
+    in_flight = long_stream(server, max_tokens=48)
+    first_token(in_flight)
+    server.process.send_signal(signal.SIGTERM)
+    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    assert refused.status_code == 503
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 503
+    rest = [line[len("data: "):] for line in in_flight.iter_lines() if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+    assert server.process.wait(120) == 0
