@@ -174,6 +174,13 @@ class EngineCore:
             cached_prompt_tokens=request.seqs[0].num_cached_tokens,
         )
 
+    def fail_all(self, exc: Exception) -> None:
+        """Ends every request with an error (the step loop hit an unexpected failure)."""
+        message = "".join(traceback.format_exception_only(exc)).strip()
+        with self.lock:
+            for request in list(self.requests.values()):
+                self._fail(request, "error", message)
+
     def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> None:
         message = "".join(traceback.format_exception_only(exc)).strip()
         for request_id in dict.fromkeys(c.seq.request_id for c in chunks):
