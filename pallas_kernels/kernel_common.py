@@ -57,7 +57,8 @@ def attend_pages(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Online softmax of q against blocks [first_block, end_block) of one sequence's pages.
 
-    q: [rows, head_dim]; q_pos: [rows] int32, row r attends kv positions <= q_pos[r] and < kv_len.
+    q: [rows, head_dim]; q_pos: [rows] int32, row r attends kv positions <= q_pos[r]; a row the
+      caller stores has q_pos < kv_len.
     page_ids_ref: [>= end_block * pages_per_block] int32, the sequence's page-table row; entries
       past the kv_len's last page may be garbage and are never dereferenced.
     k_ref, v_ref: [num_pages, page_size, head_dim], one kv head of the pool.
@@ -76,9 +77,9 @@ def attend_pages(
         k = k_ref[ids].reshape(block_tokens, head_dim)
         v = v_ref[ids].reshape(block_tokens, head_dim)
         kv_pos = block * block_tokens + lax.iota(jnp.int32, block_tokens)
-        in_context = kv_pos < kv_len
-        v = jnp.where(in_context[:, None], v, jnp.zeros_like(v))
-        mask = in_context[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        # Slots past kv_len may hold NaN, which a zero probability would not cancel in p @ v.
+        v = jnp.where((kv_pos < kv_len)[:, None], v, jnp.zeros_like(v))
+        mask = kv_pos[None, :] <= q_pos[:, None]
         s = pltr.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * sm_scale
         s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))

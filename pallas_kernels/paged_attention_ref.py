@@ -28,7 +28,7 @@ def _attend(
 ) -> jax.Array:
     """q: [num_seqs, q_len, kv_heads, group, head_dim]; q_pos, q_valid: [num_seqs, q_len].
 
-    A valid row attends kv positions <= q_pos and < kv_len of its sequence; K/V past kv_len (and
+    A valid row (q_pos < kv_len) attends kv positions <= q_pos of its sequence; K/V past kv_len (and
     page-table entries past the last used page) are never read into the result. Invalid rows are
     zeros. Returns [num_seqs, q_len, kv_heads, group, head_dim] in q's dtype.
     """
@@ -41,6 +41,7 @@ def _attend(
     v = v_pages[page_ids]
     kv_pos = page_slot[:, None] * page_size + jnp.arange(page_size)[None, :]  # [max_pages, page_size]
     in_context = kv_pos[None] < kv_lens[:, None, None]  # [num_seqs, max_pages, page_size]
+    # Slots past kv_len may hold NaN, which a zero probability would not cancel.
     v = jnp.where(in_context[:, :, None, :, None], v, jnp.zeros_like(v))
 
     s = jnp.einsum(
@@ -48,8 +49,7 @@ def _attend(
         preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST,
     ) * sm_scale
     causal = kv_pos[None, None] <= q_pos[:, :, None, None]  # [num_seqs, q_len, max_pages, page_size]
-    mask = (in_context[:, None] & causal)[:, None, None]
-    s = jnp.where(mask, s, MASK_VALUE)
+    s = jnp.where(causal[:, None, None], s, MASK_VALUE)
     s_max = s.max(axis=(-2, -1), keepdims=True)
     p = jnp.exp(s - s_max)  # exactly 0 where masked, since a valid row has an unmasked position
     p = p / p.sum(axis=(-2, -1), keepdims=True)

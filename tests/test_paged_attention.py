@@ -1,0 +1,277 @@
+"""Paged attention (decode and ragged) against a float64 NumPy oracle, on both backends.
+
+The Pallas kernels run with interpret=True. Interpret mode allocates kernel outputs filled with NaN
+(jax's `uninitialized_value`; `test_interpret_mode_poisons_kernel_outputs` pins that), so a row a
+kernel forgets to write comes back NaN and fails. Every case draws fresh random inputs (never
+zeros) and poisons what must not be read: pool pages no sequence owns and slots past each
+sequence's kv_len hold NaN, and page-table entries past a sequence's last page hold garbage (ids of
+NaN pages, ids past the pool, negative ids).
+
+Cases cover page sizes 8/16/32, head dims 64/128, GQA ratios 1/3/4/8, batches 1..20, contexts of
+1, a page boundary, boundary + 1 and the maximum, float32 and bfloat16 - pairwise, not the full
+product, to keep the interpret-mode suite short.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas.ops.gpu import paged_attention as shipped
+
+from pallas_kernels.attention import paged_decode_attention, ragged_paged_attention
+from pallas_kernels.decode_kernel import paged_decode_attention_pallas
+
+TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+BACKENDS = [dict(backend="reference"), dict(backend="pallas", interpret=True)]
+BACKEND_IDS = ["reference", "pallas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    page_size: int
+    head_dim: int
+    group: int  # q heads per kv head
+    num_kv_heads: int
+    max_pages: int  # page-table columns per sequence
+    dtype: type
+
+    @property
+    def max_context(self) -> int:
+        return self.max_pages * self.page_size
+
+
+@dataclasses.dataclass
+class Batch:
+    q: np.ndarray  # [num_tokens or num_seqs, num_q_heads, head_dim]
+    k_pages: np.ndarray  # [num_pages, num_kv_heads, page_size, head_dim]
+    v_pages: np.ndarray
+    kv_lens: np.ndarray  # [num_seqs] int32
+    page_table: np.ndarray  # [num_seqs, max_pages] int32
+    cu_q_lens: np.ndarray  # [num_seqs + 1] int32
+
+    def device_args(self):
+        return tuple(jnp.asarray(a) for a in (self.q, self.k_pages, self.v_pages, self.kv_lens, self.page_table))
+
+
+def make_batch(shapes: Shapes, q_lens, kv_lens, *, seed: int, extra_rows: int = 0) -> Batch:
+    """Random pool, page tables and queries; q has sum(q_lens) + extra_rows rows."""
+    rng = np.random.default_rng(seed)
+    ps, d, kh = shapes.page_size, shapes.head_dim, shapes.num_kv_heads
+    q_lens, kv_lens = np.asarray(q_lens, np.int32), np.asarray(kv_lens, np.int32)
+    pages_used = -(-kv_lens // ps)
+    num_poison_pages = 4
+    num_pages = int(pages_used.sum()) + num_poison_pages
+    owner = rng.permutation(num_pages)
+
+    def pool():
+        x = rng.standard_normal((num_pages, kh, ps, d)).astype(np.float32)
+        x = np.array(jnp.asarray(x, shapes.dtype).astype(jnp.float32))  # values the dtype can hold
+        x[owner[int(pages_used.sum()):]] = np.nan
+        return x
+
+    k_pages, v_pages = pool(), pool()
+    poison_ids = owner[int(pages_used.sum()):]
+    garbage = np.concatenate([poison_ids, [num_pages, num_pages + 12345, -3, 2**31 - 1]])
+    page_table = rng.choice(garbage, size=(len(kv_lens), shapes.max_pages)).astype(np.int32)
+    next_page = 0
+    for s, (n, kv) in enumerate(zip(pages_used, kv_lens)):
+        ids = owner[next_page:next_page + n]
+        next_page += n
+        page_table[s, :n] = ids
+        if kv % ps:
+            k_pages[ids[-1], :, kv % ps:] = np.nan
+            v_pages[ids[-1], :, kv % ps:] = np.nan
+
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_q_heads = kh * shapes.group
+    q = rng.standard_normal((int(cu_q_lens[-1]) + extra_rows, num_q_heads, d)).astype(np.float32)
+    cast = lambda x: np.asarray(jnp.asarray(x, shapes.dtype))
+    return Batch(cast(q), cast(k_pages), cast(v_pages), kv_lens, page_table, cu_q_lens)
+
+
+def oracle(batch: Batch, sm_scale: float) -> np.ndarray:
+    """float64 ragged paged attention, token by token through the page table."""
+    q = batch.q.astype(np.float64)
+    num_pages, kh, ps, d = batch.k_pages.shape
+    group = q.shape[1] // kh
+    out = np.zeros(q.shape)
+    for s, kv_len in enumerate(batch.kv_lens):
+        start, end = batch.cu_q_lens[s], batch.cu_q_lens[s + 1]
+        if end == start:
+            continue
+        pos = np.arange(kv_len)
+        pages = batch.page_table[s, pos // ps]
+        k = batch.k_pages[pages, :, pos % ps].astype(np.float64)  # [kv_len, kv_heads, head_dim]
+        v = batch.v_pages[pages, :, pos % ps].astype(np.float64)
+        qs = q[start:end].reshape(end - start, kh, group, d)
+        logits = np.einsum("qkgd,tkd->qkgt", qs, k) * sm_scale
+        q_pos = kv_len - (end - start) + np.arange(end - start)
+        logits = np.where(pos[None, :] <= q_pos[:, None], 0.0, -np.inf)[:, None, None] + logits
+        w = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        w /= w.sum(axis=-1, keepdims=True)
+        out[start:end] = np.einsum("qkgt,tkd->qkgd", w, v).reshape(end - start, kh * group, d)
+    return out
+
+
+def decode_oracle(batch: Batch, sm_scale: float) -> np.ndarray:
+    """One query per sequence at kv_len - 1: the ragged oracle with q_len 1 (0 where kv_len is 0)."""
+    q_lens = (batch.kv_lens > 0).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    ragged = dataclasses.replace(batch, q=batch.q[q_lens > 0], cu_q_lens=cu)
+    out = np.zeros(batch.q.shape)
+    out[q_lens > 0] = oracle(ragged, sm_scale)
+    return out
+
+
+def assert_matches(out, expected, dtype):
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all(), "output has NaN/inf rows"
+    np.testing.assert_allclose(out, expected, **TOLERANCE[dtype])
+
+
+def contexts(shapes: Shapes, n: int, rng) -> np.ndarray:
+    """n context lengths cycling through 1, a page boundary, boundary + 1, the maximum, random."""
+    ps, mx = shapes.page_size, shapes.max_context
+    special = [1, ps, ps + 1, mx, 2 * ps, mx - 1]
+    return np.array([special[i] if i < len(special) else rng.integers(1, mx + 1) for i in range(n)], np.int32)
+
+
+DECODE_CASES = [
+    # (shapes, num_seqs): batch 1 with a long context exercises split-K.
+    (Shapes(8, 64, 1, 2, 64, jnp.float32), 1),
+    (Shapes(16, 128, 4, 2, 6, jnp.bfloat16), 16),
+    (Shapes(32, 64, 3, 3, 4, jnp.float32), 5),
+    (Shapes(8, 128, 8, 1, 5, jnp.float32), 20),
+    (Shapes(16, 64, 3, 1, 3, jnp.bfloat16), 1),
+    (Shapes(32, 128, 1, 4, 3, jnp.bfloat16), 8),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_decode_matches_float64_oracle(case, backend):
+    shapes, num_seqs = DECODE_CASES[case]
+    rng = np.random.default_rng(100 + case)
+    kv_lens = contexts(shapes, num_seqs, rng) if num_seqs > 1 else [shapes.max_context if case == 0 else 1]
+    batch = make_batch(shapes, np.ones(num_seqs), kv_lens, seed=case)
+    sm_scale = shapes.head_dim**-0.5
+    out = paged_decode_attention(*batch.device_args(), sm_scale=sm_scale, **backend)
+    assert out.dtype == shapes.dtype
+    assert_matches(out, decode_oracle(batch, sm_scale), shapes.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+def test_decode_gives_zeros_for_sequences_without_context(backend):
+    shapes = Shapes(16, 64, 4, 2, 4, jnp.float32)
+    batch = make_batch(shapes, [1, 1, 1], [0, 17, 0], seed=7)
+    out = paged_decode_attention(*batch.device_args(), sm_scale=0.125, **backend)
+    assert_matches(out, decode_oracle(batch, 0.125), shapes.dtype)
+    assert not np.asarray(out)[[0, 2]].any()
+
+
+def test_decode_split_count_does_not_change_the_result():
+    shapes = Shapes(8, 64, 4, 2, 32, jnp.float32)
+    batch = make_batch(shapes, [1, 1, 1], [256, 9, 1], seed=11)
+    run = functools.partial(paged_decode_attention_pallas, *batch.device_args(), sm_scale=0.125, interpret=True)
+    # 7 splits of 32 pages in blocks of 8 pages leaves the last split empty for every sequence.
+    one, seven = run(num_splits=1), run(num_splits=7)
+    assert_matches(seven, decode_oracle(batch, 0.125), shapes.dtype)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(seven), rtol=1e-5, atol=1e-6)
+
+
+RAGGED_CASES = [
+    # (shapes, [(q_len, kv_len), ...], padding rows after the last sequence)
+    (Shapes(8, 64, 1, 2, 6, jnp.float32), [(1, 1), (7, 7), (0, 0), (16, 40), (1, 8), (3, 9), (5, 48)], 3),
+    (Shapes(16, 128, 4, 2, 4, jnp.bfloat16), [(33, 33), (1, 17), (1, 16), (12, 64), (0, 0)], 0),
+    (Shapes(8, 128, 8, 1, 8, jnp.bfloat16), [(24, 30), (1, 1), (2, 64)], 5),
+    (Shapes(32, 64, 3, 3, 3, jnp.float32), "mixed-17", 2),
+]
+
+
+def mixed_batch(shapes: Shapes, num_seqs: int, rng) -> list[tuple[int, int]]:
+    """Decode rows and prefill chunks (with and without cached context) in random order."""
+    pairs = []
+    for kv in contexts(shapes, num_seqs, rng):
+        q = 1 if rng.random() < 0.5 else int(rng.integers(2, min(kv, 20) + 1)) if kv > 1 else 1
+        pairs.append((q, int(kv)))
+    return pairs
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
+def test_ragged_matches_float64_oracle(case, backend):
+    shapes, pairs, extra_rows = RAGGED_CASES[case]
+    if isinstance(pairs, str):
+        pairs = mixed_batch(shapes, 17, np.random.default_rng(200 + case))
+    q_lens, kv_lens = zip(*pairs)
+    batch = make_batch(shapes, q_lens, kv_lens, seed=50 + case, extra_rows=extra_rows)
+    sm_scale = shapes.head_dim**-0.5
+    out = ragged_paged_attention(
+        *batch.device_args(), jnp.asarray(batch.cu_q_lens), max_q_len=max(q_lens), sm_scale=sm_scale, **backend
+    )
+    assert out.dtype == shapes.dtype
+    assert_matches(out, oracle(batch, sm_scale), shapes.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+def test_decode_only_ragged_step_matches_oracle(backend):
+    shapes = Shapes(16, 64, 3, 3, 5, jnp.float32)
+    rng = np.random.default_rng(3)
+    kv_lens = contexts(shapes, 18, rng)
+    q_lens = np.ones(18, np.int32)
+    q_lens[[4, 9]], kv_lens[[4, 9]] = 0, 0  # padding sequences between real ones
+    batch = make_batch(shapes, q_lens, kv_lens, seed=3, extra_rows=4)
+    out = ragged_paged_attention(
+        *batch.device_args(), jnp.asarray(batch.cu_q_lens), max_q_len=1, sm_scale=0.125, **backend
+    )
+    assert_matches(out, oracle(batch, 0.125), shapes.dtype)
+
+
+def test_decode_kernel_matches_jax_shipped_paged_attention():
+    # The shipped kernel reads every page-table entry and unmasked V, so it gets clean inputs.
+    shapes = Shapes(16, 64, 4, 2, 8, jnp.float32)
+    kv_lens = [1, 16, 17, 128]
+    batch = make_batch(shapes, np.ones(4), kv_lens, seed=5)
+    k_pages = np.nan_to_num(batch.k_pages)
+    v_pages = np.nan_to_num(batch.v_pages)
+    page_table = np.where(batch.page_table >= 0, batch.page_table, 0) % k_pages.shape[0]
+    q = jnp.asarray(batch.q)
+    theirs = shipped.paged_attention(
+        q * shapes.head_dim**-0.5,  # it applies no softmax scale
+        jnp.asarray(k_pages.transpose(1, 0, 2, 3)), jnp.asarray(v_pages.transpose(1, 0, 2, 3)),
+        jnp.asarray(page_table), jnp.asarray(batch.kv_lens),
+        pages_per_compute_block=4, k_splits=2, interpret=True,
+    )
+    ours = paged_decode_attention(
+        q, jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(batch.kv_lens), jnp.asarray(page_table),
+        sm_scale=shapes.head_dim**-0.5, backend="pallas", interpret=True,
+    )
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_backend_serves_the_reference_on_cpu():
+    shapes = Shapes(16, 64, 3, 3, 4, jnp.float32)
+    batch = make_batch(shapes, [1, 1], [5, 33], seed=9)
+    auto = paged_decode_attention(*batch.device_args(), sm_scale=0.125)
+    ref = paged_decode_attention(*batch.device_args(), sm_scale=0.125, backend="reference")
+    assert jax.default_backend() == "cpu"
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
+
+
+def test_unknown_backend_is_rejected():
+    shapes = Shapes(16, 64, 1, 1, 1, jnp.float32)
+    batch = make_batch(shapes, [1], [3], seed=1)
+    with pytest.raises(ValueError, match="backend"):
+        paged_decode_attention(*batch.device_args(), sm_scale=0.125, backend="triton")
+
+
+def test_interpret_mode_poisons_kernel_outputs():
+    def writes_first_row_only(o_ref):
+        o_ref[0, :] = jnp.ones((8,), jnp.float32)
+
+    out = pl.pallas_call(writes_first_row_only, out_shape=jax.ShapeDtypeStruct((2, 8), jnp.float32), interpret=True)()
+    assert np.isnan(np.asarray(out)[1]).all()
