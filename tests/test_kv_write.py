@@ -1,0 +1,93 @@
+"""write_kv: new tokens' K/V land in their slots, padding writes nothing, and the pool is updated in place."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kv_cache import write_kv
+
+NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM = 6, 3, 4, 8
+
+
+def random_pool(rng, dtype=jnp.float32, num_pages=NUM_PAGES):
+    shape = (num_pages, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    return jnp.asarray(rng.standard_normal(shape), dtype), jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def expected_pool(pool, new, slots):
+    out = np.array(pool.astype(jnp.float32))
+    for token, slot in enumerate(slots):
+        if slot >= 0:
+            out[slot // PAGE_SIZE, :, slot % PAGE_SIZE] = np.asarray(jnp.asarray(new[token], pool.dtype).astype(jnp.float32))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_each_token_lands_in_its_slot_and_padding_writes_nothing(dtype):
+    rng = np.random.default_rng(0)
+    k_pages, v_pages = random_pool(rng, dtype)
+    # Slots across pages and offsets, last slot of the pool, and padding tokens.
+    slots = np.array([0, 5, -1, 7, 8, NUM_PAGES * PAGE_SIZE - 1, -1, 13], np.int32)
+    k = rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+    want_k, want_v = expected_pool(k_pages, k, slots), expected_pool(v_pages, v, slots)
+
+    k_pages, v_pages = write_kv(k_pages, v_pages, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+
+    assert k_pages.dtype == dtype and v_pages.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(k_pages.astype(jnp.float32)), want_k)
+    np.testing.assert_array_equal(np.asarray(v_pages.astype(jnp.float32)), want_v)
+
+
+def test_standalone_write_reuses_the_donated_pool_buffers():
+    rng = np.random.default_rng(1)
+    k_pages, v_pages = random_pool(rng, num_pages=64)
+    k = jnp.asarray(rng.standard_normal((3, NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
+    slots = jnp.asarray([3, -1, 200], jnp.int32)
+    compiled = write_kv.lower(k_pages, v_pages, k, k, slots).compile().as_text()
+    assert "input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }" in compiled
+    pointers = (k_pages.unsafe_buffer_pointer(), v_pages.unsafe_buffer_pointer())
+
+    new_k, new_v = write_kv(k_pages, v_pages, k, k, slots)
+
+    assert (new_k.unsafe_buffer_pointer(), new_v.unsafe_buffer_pointer()) == pointers
+    assert k_pages.is_deleted() and v_pages.is_deleted()
+
+
+def test_write_inside_a_layer_scan_over_the_folded_pool_touches_only_that_layer():
+    """How the model uses it: all layers in one donated array, folded to one flat page pool."""
+    num_layers, num_tokens = 3, 5
+    rng = np.random.default_rng(2)
+    shape = (num_layers, NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k_cache = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    new = jnp.asarray(rng.standard_normal((num_layers, num_tokens, NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
+    slots = jnp.asarray([2, 9, -1, 17, 23], jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(k_cache, v_cache, new, slots):
+        flat = lambda c: c.reshape(num_layers * NUM_PAGES, *c.shape[2:])
+
+        def layer(carry, xs):
+            k_pool, v_pool = carry
+            layer_idx, kv = xs
+            layer_slots = jnp.where(slots < 0, slots, slots + layer_idx * NUM_PAGES * PAGE_SIZE)
+            return write_kv(k_pool, v_pool, kv, -kv, layer_slots), None
+
+        (k_pool, v_pool), _ = jax.lax.scan(layer, (flat(k_cache), flat(v_cache)), (jnp.arange(num_layers), new))
+        return k_pool.reshape(shape), v_pool.reshape(shape)
+
+    want_k = np.stack([expected_pool(k_cache[l], new[l], np.asarray(slots)) for l in range(num_layers)])
+    want_v = np.stack([expected_pool(v_cache[l], -new[l], np.asarray(slots)) for l in range(num_layers)])
+    compiled = step.lower(k_cache, v_cache, new, slots).compile().as_text()
+    pointer = k_cache.unsafe_buffer_pointer()
+
+    k_cache, v_cache = step(k_cache, v_cache, new, slots)
+
+    np.testing.assert_array_equal(np.asarray(k_cache), want_k)
+    np.testing.assert_array_equal(np.asarray(v_cache), want_v)
+    assert "input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }" in compiled
+    assert k_cache.unsafe_buffer_pointer() == pointer
