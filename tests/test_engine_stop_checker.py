@@ -1,0 +1,78 @@
+"""Stop checking on detokenized text with SmolLM2's tokenizer: stop strings across token boundaries, never emitted."""
+
+import pytest
+
+from batching.sampling_params import SamplingParams
+from batching.stop_checker import StopChecker
+from model.loader import load_model
+from model.tokenizer import IncrementalDetokenizer
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model().tokenizer
+
+
+def feed(tokenizer, text: str, params: SamplingParams, extra: list[int] = ()):
+    """Feeds the tokens of `text` (then `extra`) one by one; returns (emitted text, finish reason, tokens used)."""
+    checker = StopChecker(params, (EOS,), IncrementalDetokenizer(tokenizer))
+    emitted = ""
+    ids = tokenizer.encode(text) + list(extra)
+    for used, token in enumerate(ids, 1):
+        decision = checker.append(token)
+        emitted += decision.text
+        if decision.finish_reason:
+            return emitted, decision.finish_reason, used
+    return emitted, None, len(ids)
+
+
+def test_stop_string_spanning_tokens_is_found_and_not_emitted(tokenizer):
+    text = "The capital of France is Paris. It is lovely."
+    ids = tokenizer.encode(text)
+    pieces = [tokenizer.decode([t]) for t in ids]
+    # a stop string made of the end of one token and the start of the next
+    k = next(i for i, p in enumerate(pieces[:-1]) if len(p) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][-1] + pieces[k + 1][:2]
+    emitted, reason, used = feed(tokenizer, text, SamplingParams(max_tokens=100, stop=(stop,)))
+    assert reason == "stop"
+    assert emitted == text[:text.index(stop)]
+    assert used == k + 2  # stops on the token that completes the stop string
+
+
+def test_text_that_might_start_a_stop_string_is_held_back_then_released(tokenizer):
+    checker = StopChecker(SamplingParams(max_tokens=100, stop=("Paris!",)), (EOS,), IncrementalDetokenizer(tokenizer))
+    emitted = ""
+    held_back_seen = False
+    for token in tokenizer.encode("Hello Paris. Bye"):
+        emitted += checker.append(token).text
+        if checker.text.endswith("Paris"):
+            assert emitted == checker.text[:-len("Paris")]
+            held_back_seen = True
+    assert held_back_seen and emitted == "Hello Paris. Bye"
+
+
+def test_length_finish_flushes_held_back_text(tokenizer):
+    ids = tokenizer.encode("one two three")
+    emitted, reason, _ = feed(tokenizer, "one two three", SamplingParams(max_tokens=len(ids), stop=(" three!",)))
+    assert reason == "length" and emitted == "one two three"
+
+
+def test_eos_stops_without_emitting_its_text_unless_ignored(tokenizer):
+    emitted, reason, used = feed(tokenizer, "Hi there", SamplingParams(max_tokens=20), extra=[EOS, 100])
+    assert (emitted, reason) == ("Hi there", "stop")
+    _, reason, used = feed(tokenizer, "Hi there", SamplingParams(max_tokens=20, ignore_eos=True), extra=[EOS, 100])
+    assert reason is None
+
+
+def test_min_tokens_defers_stop_strings_and_stop_ids(tokenizer):
+    params = SamplingParams(max_tokens=20, min_tokens=5, stop=("a",))
+    emitted, reason, used = feed(tokenizer, "a b c d e f a g", params)
+    assert reason == "stop" and used > 5
+    checker = StopChecker(SamplingParams(max_tokens=20, min_tokens=2, stop_token_ids=(7,)), (EOS,),
+                          IncrementalDetokenizer(tokenizer))
+    assert checker.banned_token_ids() == (EOS, 7)
+    checker.append(100)
+    checker.append(101)
+    assert checker.banned_token_ids() == ()
