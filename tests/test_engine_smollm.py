@@ -1,0 +1,77 @@
+"""Engine on the real SmolLM2: batched greedy equals the contiguous baseline, prefix caching, stop strings."""
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from batching.config import EngineConfig
+from batching.engine import Engine
+from batching.sampling_params import SamplingParams
+from model.generate import generate
+from model.loader import LoadedModel, load_model
+
+pytestmark = pytest.mark.slow
+
+PAGE_BYTES = 2 * 30 * 3 * 16 * 64 * 4  # SmolLM2 float32, page_size 16
+CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, kv_cache_memory=160 * PAGE_BYTES)
+SYSTEM = (
+    "<|im_start|>system\nYou are a helpful assistant named Sluice. You answer questions about geography, "
+    "history and science briefly and precisely, in one sentence, without any preamble.<|im_end|>\n"
+)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def engine(loaded) -> Engine:
+    return Engine(loaded, CONFIG, progress=False)
+
+
+def chat(loaded: LoadedModel, question: str) -> list[int]:
+    return loaded.tokenizer.encode(SYSTEM + f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_sixteen_mixed_length_requests_batched_equal_the_contiguous_baseline_one_at_a_time(loaded, engine):
+    rng = random.Random(0)
+    text = loaded.tokenizer.encode(
+        "In the beginning the river was small, a thread of water between stones. Over centuries it carved a "
+        "valley, fed forests and towns, and carried boats of salt, wool and news down to the sea. " * 3
+    )
+    prompts = [text[rng.randrange(0, 40):][:rng.randrange(4, 120)] for _ in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert list(out[0].token_ids) == generate(loaded.model, prompt, 10)
+
+
+def test_prefix_caching_on_and_off_give_identical_tokens_and_the_hit_counter_shows_reuse(loaded, engine):
+    questions = ["What is the capital of France?", "Who painted the Mona Lisa?", "What is H2O?",
+                 "How far is the Moon?"]
+    prompts = [chat(loaded, q) for q in questions]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    before = engine.stats()
+    cached = engine.generate(prompts[:1], params) + engine.generate(prompts[1:], params)
+    after = engine.stats()
+    uncached_engine = Engine(loaded, replace(CONFIG, enable_prefix_caching=False), progress=False)
+    uncached = uncached_engine.generate(prompts[:1], params) + uncached_engine.generate(prompts[1:], params)
+    assert [o[0].token_ids for o in cached] == [o[0].token_ids for o in uncached]
+    system_pages = len(loaded.tokenizer.encode(SYSTEM)) // CONFIG.page_size
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens >= 3 * system_pages * CONFIG.page_size
+    assert uncached_engine.stats().prefix_cache_hit_tokens == 0
+    assert cached[1][0].usage.cached_prompt_tokens >= system_pages * CONFIG.page_size
+
+
+def test_stop_string_across_tokens_ends_generation_before_it(loaded, engine):
+    prompt = chat(loaded, "What is the capital of France?")
+    free = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0][0]
+    pieces = [loaded.tokenizer.decode([t]) for t in free.token_ids]
+    k = next(i for i, p in enumerate(pieces[:-1]) if len(p) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][-1] + pieces[k + 1][:2]
+    stopped = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,)))[0][0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[:free.text.index(stop)]
+    assert stopped.token_ids == free.token_ids[:k + 2]
