@@ -1,7 +1,7 @@
 """Pure-jnp paged attention: the CPU serving path and the kernels' oracle.
 
-Cost follows the work: each sequence's pages are gathered once into
-`[num_seqs, max_pages, num_kv_heads, page_size, head_dim]`, queries are laid out
+Cost follows the work: each sequence's pages are gathered once, head-major, into
+`[num_seqs, num_kv_heads, max_pages * page_size, head_dim]`, queries are laid out
 `[num_seqs, max_q_len, num_kv_heads, group, head_dim]` (so a decode step costs num_seqs x context,
 not num_tokens x num_seqs x context), and GQA reshapes the q heads into [kv_heads, group] instead of
 repeating K/V. Masks use a finite large negative, so no row ever becomes NaN.
@@ -14,6 +14,19 @@ import jax.numpy as jnp
 from jax import lax
 
 MASK_VALUE = -1e30
+
+
+def _gather_head_major(pages: jax.Array, page_ids: jax.Array) -> jax.Array:
+    """pages: [num_pages, kv_heads, page_size, head_dim]; page_ids: [num_seqs, max_pages] (in range).
+
+    Returns [num_seqs, kv_heads, max_pages * page_size, head_dim]. Gathering (page, head) rows of
+    the pool viewed as [num_pages * kv_heads, page_size * head_dim] lands K/V head-major in one pass,
+    so the attention dots need no transposed copy (XLA's CPU dots want the batch dims leading).
+    """
+    num_pages, kv_heads, page_size, head_dim = pages.shape
+    rows = page_ids[:, None, :] * kv_heads + jnp.arange(kv_heads)[None, :, None]
+    out = pages.reshape(num_pages * kv_heads, page_size * head_dim)[rows]
+    return out.reshape(page_ids.shape[0], kv_heads, page_ids.shape[1] * page_size, head_dim)
 
 
 def _attend(
@@ -32,31 +45,33 @@ def _attend(
     page-table entries past the last used page) are never read into the result. Invalid rows are
     zeros. Returns [num_seqs, q_len, kv_heads, group, head_dim] in q's dtype.
     """
-    num_seqs, max_pages = page_table.shape
+    num_seqs, q_len, kv_heads, group, head_dim = q.shape
+    max_pages = page_table.shape[1]
     page_size = k_pages.shape[2]
     num_used_pages = -(-kv_lens // page_size)
-    page_slot = jnp.arange(max_pages)
-    page_ids = jnp.where(page_slot[None, :] < num_used_pages[:, None], page_table, 0)
-    k = k_pages[page_ids]  # [num_seqs, max_pages, kv_heads, page_size, head_dim]
-    v = v_pages[page_ids]
-    kv_pos = page_slot[:, None] * page_size + jnp.arange(page_size)[None, :]  # [max_pages, page_size]
-    in_context = kv_pos[None] < kv_lens[:, None, None]  # [num_seqs, max_pages, page_size]
+    page_ids = jnp.where(jnp.arange(max_pages)[None, :] < num_used_pages[:, None], page_table, 0)
+    k = _gather_head_major(k_pages, page_ids)  # [num_seqs, kv_heads, context, head_dim]
+    v = _gather_head_major(v_pages, page_ids)
+    kv_pos = jnp.arange(max_pages * page_size)
     # Slots past kv_len may hold NaN, which a zero probability would not cancel.
-    v = jnp.where(in_context[:, :, None, :, None], v, jnp.zeros_like(v))
+    v = jnp.where((kv_pos[None, :] < kv_lens[:, None])[:, None, :, None], v, jnp.zeros_like(v))
 
+    # Query rows r = (i, g) of each kv head: [num_seqs, kv_heads, q_len * group, head_dim].
+    q_rows = q.transpose(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, q_len * group, head_dim)
     s = jnp.einsum(
-        "sqkgd,spktd->skgqpt", q, k,
+        "sktd,skrd->sktr", k, q_rows,
         preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST,
     ) * sm_scale
-    causal = kv_pos[None, None] <= q_pos[:, :, None, None]  # [num_seqs, q_len, max_pages, page_size]
-    s = jnp.where(causal[:, None, None], s, MASK_VALUE)
-    s_max = s.max(axis=(-2, -1), keepdims=True)
-    p = jnp.exp(s - s_max)  # exactly 0 where masked, since a valid row has an unmasked position
-    p = p / p.sum(axis=(-2, -1), keepdims=True)
+    row_pos = jnp.repeat(q_pos, group, axis=1)  # [num_seqs, q_len * group]
+    causal = kv_pos[None, :, None] <= row_pos[:, None, :]  # [num_seqs, context, q_len * group]
+    s = jnp.where(causal[:, None], s, MASK_VALUE)
+    p = jnp.exp(s - s.max(axis=2, keepdims=True))  # exactly 0 where masked, since a valid row has an unmasked position
+    p = p / p.sum(axis=2, keepdims=True)
     out = jnp.einsum(
-        "skgqpt,spktd->sqkgd", p.astype(v.dtype), v,
+        "sktd,sktr->skrd", v, p.astype(v.dtype),
         preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST,
     )
+    out = out.reshape(num_seqs, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
     return jnp.where(q_valid[:, :, None, None, None], out, 0.0).astype(q.dtype)
 
 
