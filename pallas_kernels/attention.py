@@ -13,7 +13,8 @@ j reads kv head j // (num_q_heads // num_kv_heads). Softmax in float32, output i
 max_q_len == 1 (a decode-only step) takes the decode path: one query per sequence, split-K.
 
 Backends: "pallas" runs the Pallas kernels (`decode_kernel.py`, `ragged_kernel.py`, lowered through
-Triton for the reason in `kernel_common.py`; `interpret=True` runs them on the CPU for tests);
+Triton for the reason in `kernel_common.py`; they need power-of-2 page_size and head_dim, and pages
+of at most a few dozen tokens; `interpret=True` runs them on the CPU for tests);
 "reference" runs the jnp implementation (`paged_attention_ref.py`), which is the CPU serving path;
 "auto" picks "pallas" on a GPU and "reference" elsewhere.
 

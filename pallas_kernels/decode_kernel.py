@@ -77,7 +77,7 @@ def paged_decode_attention_pallas(
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     rows = max(MIN_ROWS, kc.next_power_of_2(group))
-    ppb = kc.pages_per_block(page_size)
+    ppb = kc.pages_per_block(page_size, head_dim)
     max_blocks = pl.cdiv(page_table.shape[1], ppb)
     if num_splits is None:
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_blocks)

@@ -34,10 +34,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def pages_per_block(page_size: int) -> int:
-    """Pages gathered per inner step (Triton tiles need power-of-2 sizes, so page_size is one)."""
-    if page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of 2, got {page_size}")
+def pages_per_block(page_size: int, head_dim: int) -> int:
+    """Pages gathered per inner step. Triton tiles need power-of-2 sizes, so both dims are checked."""
+    for name, value in (("page_size", page_size), ("head_dim", head_dim)):
+        if value & (value - 1):
+            raise ValueError(f"the Pallas kernels need a power-of-2 {name}, got {value}")
     return max(1, BLOCK_KV_TOKENS // page_size)
 
 

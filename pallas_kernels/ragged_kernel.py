@@ -81,7 +81,7 @@ def ragged_paged_attention_pallas(
     num_seqs = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
     block_q, group_rows = tile_shape(group, max_q_len)
-    ppb = kc.pages_per_block(page_size)
+    ppb = kc.pages_per_block(page_size, head_dim)
     padded_tokens = num_tokens + block_q
     padded_pages = pl.cdiv(page_table.shape[1], ppb) * ppb
 

@@ -275,3 +275,10 @@ def test_interpret_mode_poisons_kernel_outputs():
 
     out = pl.pallas_call(writes_first_row_only, out_shape=jax.ShapeDtypeStruct((2, 8), jnp.float32), interpret=True)()
     assert np.isnan(np.asarray(out)[1]).all()
+
+
+def test_pallas_backend_rejects_a_head_dim_triton_cannot_tile():
+    shapes = Shapes(16, 48, 1, 1, 1, jnp.float32)
+    batch = make_batch(shapes, [1], [3], seed=1)
+    with pytest.raises(ValueError, match="power-of-2 head_dim"):
+        paged_decode_attention(*batch.device_args(), sm_scale=0.125, backend="pallas", interpret=True)
