@@ -11,9 +11,11 @@ import random
 import threading
 import uuid
 from dataclasses import replace
+from functools import partial
 from typing import AsyncIterator
 
 import jax
+from jax.sharding import Mesh
 
 from batching.block_manager import BlockManager
 from batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
@@ -23,6 +25,8 @@ from batching.request_output import RequestOutput
 from batching.sampling_params import SamplingParams
 from batching.scheduler import Scheduler, SchedulerConfig
 from model.loader import LoadedModel, load_model
+from sharding.mesh import make_mesh
+from sharding.rules import param_sharding
 
 CPU_KV_CACHE_BYTES = 1 << 30
 ACCELERATOR_KV_FRACTION = 0.8
@@ -58,9 +62,8 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
 class Engine:
     """Continuous-batching generation over one model; see `add_request` and `generate`."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, progress: bool = True):
-        if config.tp != 1:
-            raise ValueError("tensor parallelism is applied by sharding/, not by Engine directly; use tp=1 here")
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, progress: bool = True, mesh: Mesh | None = None):
+        """`mesh`: the tensor-parallel mesh `loaded` was sharded onto (None: one device)."""
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -74,7 +77,7 @@ class Engine:
         self.runner = ModelRunner(
             loaded.model, num_pages=num_pages, page_size=config.page_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            attention_backend=config.attention_backend,
+            attention_backend=config.attention_backend, mesh=mesh,
         )
         block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), block_manager)
@@ -89,7 +92,11 @@ class Engine:
     @classmethod
     def create(cls, config: EngineConfig, *, progress: bool = True) -> Engine:
         """Loads the model, sizes the KV pool and compiles every step bucket."""
-        return cls(load_model(config.model, dtype=config.dtype), config, progress=progress)
+        if config.tp == 1:
+            return cls(load_model(config.model, dtype=config.dtype), config, progress=progress)
+        mesh = make_mesh(config.tp)
+        loaded = load_model(config.model, dtype=config.dtype, sharding_rule=partial(param_sharding, mesh))
+        return cls(loaded, config, progress=progress, mesh=mesh)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises RequestRejected if the request could never be served."""

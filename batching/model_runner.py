@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -23,6 +24,7 @@ from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk
 from model.llama import KVCache, Llama, empty_kv_cache
 from model.paged_attend import AttentionMetadata, make_paged_attend
+from sharding.rules import kv_cache_sharding
 
 MAX_BANNED_IDS = 32
 # Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
@@ -86,14 +88,14 @@ class StepInputs:
     logits_rows: jax.Array
 
 
-def _step(graphdef: nnx.GraphDef, backend: str, max_q_len: int, state: nnx.State, kv_cache: KVCache,
+def _step(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, max_q_len: int, state: nnx.State, kv_cache: KVCache,
           inputs: StepInputs, sampling: SamplingBatch) -> tuple[SamplerOutput, KVCache]:
     model = nnx.merge(graphdef, state)
     meta = AttentionMetadata(
         slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=inputs.page_table,
         cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
     )
-    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, make_paged_attend(meta, sm_scale=model.config.head_dim**-0.5, backend=backend))
+    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, make_paged_attend(meta, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh))
     logits = model.logits(hidden[inputs.logits_rows])
     return sample(logits, sampling), kv_cache
 
@@ -115,15 +117,18 @@ class ModelRunner:
     """Owns the KV pool and the compiled step for one model."""
 
     def __init__(self, model: Llama, *, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, attention_backend: str = "auto"):
+                 max_num_batched_tokens: int, attention_backend: str = "auto", mesh: Mesh | None = None):
+        """`mesh`: tensor-parallel mesh the model's params are sharded on; the KV pool is then split over KV heads."""
         self.config = model.config
+        self.mesh = mesh
+        self.kv_sharding = kv_cache_sharding(mesh) if mesh is not None else None
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.graphdef, self.state = nnx.split(model)
         self.num_pages = num_pages
         self.kv_dtype = model.embed[...].dtype
-        self.kv_cache = empty_kv_cache(self.config, num_pages, page_size, self.kv_dtype)
+        self.kv_cache = empty_kv_cache(self.config, num_pages, page_size, self.kv_dtype, self.kv_sharding)
         self.backend = attention_backend
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
@@ -150,7 +155,7 @@ class ModelRunner:
     def _step_fn(self, max_q_len: int):
         if max_q_len not in self._steps:
             self._steps[max_q_len] = jax.jit(
-                partial(_step, self.graphdef, self.backend, max_q_len), donate_argnums=(1,)
+                partial(_step, self.graphdef, self.backend, self.mesh, max_q_len), donate_argnums=(1,)
             )
         return self._steps[max_q_len]
 
@@ -159,7 +164,7 @@ class ModelRunner:
         return any(x.is_deleted() for x in self.kv_cache)
 
     def reset_pool(self) -> None:
-        self.kv_cache = empty_kv_cache(self.config, self.num_pages, self.page_size, self.kv_dtype)
+        self.kv_cache = empty_kv_cache(self.config, self.num_pages, self.page_size, self.kv_dtype, self.kv_sharding)
 
     def num_compiled(self) -> int:
         return sum(fn._cache_size() for fn in self._steps.values())

@@ -16,9 +16,11 @@ MLP width, and `validate_tp` names the valid values otherwise.
 from __future__ import annotations
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
+from model.llama import Llama
 from sharding.mesh import TP_AXIS, InvalidTensorParallelism
 
 T = TP_AXIS
@@ -71,3 +73,13 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def shard_model(model: Llama, mesh: Mesh) -> None:
+    """Moves an already-built model's parameters onto `mesh` by the rules (random-init models; real weights
+    are restored straight into their shardings by `model.loader.load_model`)."""
+    state = nnx.state(model)
+    shardings = {
+        path[0]: param_sharding(mesh, model.config, path[0], var.shape) for path, var in nnx.to_flat_state(state)
+    }
+    nnx.update(model, jax.tree.map_with_path(lambda path, x: jax.device_put(x, shardings[path[0].key]), state))

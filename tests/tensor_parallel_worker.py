@@ -1,0 +1,76 @@
+"""Runs the engine at several --tp values on simulated CPU devices and prints what the TP tests compare (JSON).
+
+A separate process because the device count must be set before jax is imported:
+    python tests/tensor_parallel_worker.py tiny 1 2 4
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import json  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from batching.config import EngineConfig  # noqa: E402
+from batching.engine import Engine  # noqa: E402
+from batching.sampling_params import SamplingParams  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.llama import Llama  # noqa: E402
+from model.loader import LoadedModel, load_model  # noqa: E402
+from sharding.mesh import make_mesh  # noqa: E402
+from sharding.rules import shard_model  # noqa: E402
+
+TINY = ModelConfig.tiny(num_heads=8, num_kv_heads=4, head_dim=16)
+ENGINE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=1 << 22,
+                      warmup=False)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=True)
+
+
+def run_engine(loaded: LoadedModel, tp: int, prompts: list[list[int]]) -> dict:
+    mesh = make_mesh(tp) if tp > 1 else None
+    if mesh is not None and loaded.name == "tiny":
+        shard_model(loaded.model, mesh)
+    engine = Engine(loaded, ENGINE, progress=False, mesh=mesh)
+    outputs = engine.generate(prompts, GREEDY)
+    k_cache = engine.runner.kv_cache[0]
+    return {
+        "tokens": [list(o[0].token_ids) for o in outputs],
+        "logprobs": [[lp.logprob for lp in o[0].logprobs] for o in outputs],
+        "kv_global_shape": list(k_cache.shape),
+        "kv_shard_shapes": sorted({tuple(s.data.shape) for s in k_cache.addressable_shards}),
+        "kv_devices": len(k_cache.sharding.device_set),
+        "wq_shard_shape": list(loaded.model.wq[...].addressable_shards[0].data.shape),
+    }
+
+
+def main() -> None:
+    which, tps = sys.argv[1], [int(t) for t in sys.argv[2:]]
+    rng = random.Random(0)
+    results = {}
+    for tp in tps:
+        if which == "tiny":
+            tokenizer = load_model().tokenizer
+            loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny")
+            prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+        else:
+            mesh = make_mesh(tp) if tp > 1 else None
+            from functools import partial
+            from sharding.rules import param_sharding
+            loaded = load_model(dtype="float32", sharding_rule=partial(param_sharding, mesh) if mesh else None)
+            tok = loaded.tokenizer
+            prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+                       for q in ("What is the capital of France?", "Name three colours.", "Write a haiku about rain.")]
+        rng = random.Random(0)
+        results[tp] = run_engine(loaded, tp, prompts)
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

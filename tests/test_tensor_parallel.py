@@ -1,0 +1,73 @@
+"""Tensor parallelism on simulated CPU devices: the same greedy tokens at every --tp, each device holding its heads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from openai import OpenAI
+
+from model.config import ModelConfig
+from sharding.mesh import InvalidTensorParallelism, make_mesh
+from sharding.rules import validate_tp
+from test_api_e2e import start_server
+
+WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
+
+
+def run_worker(which: str, *tps: int) -> dict[int, dict]:
+    result = subprocess.run([sys.executable, str(WORKER), which, *map(str, tps)], capture_output=True, text=True,
+                            timeout=900, cwd=WORKER.parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    return {int(tp): r for tp, r in json.loads(line[len("RESULT "):]).items()}
+
+
+def assert_same_generation(results: dict[int, dict], num_kv_heads: int) -> None:
+    base = results[1]
+    for tp, result in results.items():
+        assert result["tokens"] == base["tokens"], f"tp={tp} changed greedy tokens"
+        for got, want in zip(result["logprobs"], base["logprobs"]):
+            np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"tp={tp}")
+        assert result["kv_devices"] == tp
+        (shard_shape,) = result["kv_shard_shapes"]
+        assert shard_shape[2] == num_kv_heads // tp, "each device holds only its share of KV heads"
+        assert shard_shape[:2] + shard_shape[3:] == result["kv_global_shape"][:2] + result["kv_global_shape"][3:]
+
+
+def test_tiny_model_gives_the_same_tokens_at_tp_1_2_4():
+    assert_same_generation(run_worker("tiny", 1, 2, 4), num_kv_heads=4)
+
+
+def test_smollm2_gives_the_same_tokens_at_tp_1_and_3():
+    results = run_worker("smollm2", 1, 3)
+    assert_same_generation(results, num_kv_heads=3)
+    assert results[3]["wq_shard_shape"] == [30, 576, 192], "q projection split over 3 devices by heads"
+
+
+def test_tp_that_does_not_divide_the_kv_heads_is_refused_naming_valid_values():
+    smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64)
+    with pytest.raises(InvalidTensorParallelism, match="valid values: 1, 3"):
+        validate_tp(smollm2, 2)
+    with pytest.raises(InvalidTensorParallelism, match="only 1 cpu device"):
+        make_mesh(2)
+
+
+def test_served_chat_at_tp_3_answers_like_tp_1(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3")
+    flags = ["--tp", "3", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
+    server = start_server(*flags)
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, temperature=0, max_tokens=16,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
+        assert reply.choices[0].message.content == "The capital of France is Paris."
+    finally:
+        assert server.stop() == 0
