@@ -7,8 +7,8 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from batching.engine import Engine, RequestRejected
 from batching.request_output import RequestOutput
 from batching.sampling_params import SamplingParams
 
@@ -16,9 +16,6 @@ from app.errors import APIError, generation_failed, invalid_request
 from app.metrics import ServerMetrics
 from app.prompts import Prompt
 from app.state import Admission
-
-if TYPE_CHECKING:
-    from batching.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -52,8 +49,6 @@ class Generation:
         admission: Admission,
         metrics: ServerMetrics,
     ) -> None:
-        from batching.engine import RequestRejected
-
         self._engine = engine
         self._n = params.n
         self._admission = admission

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from batching.config import EngineConfig
+from batching.engine import Engine
 
 from app.drain import DrainingServer
 from app.server import create_app
@@ -107,8 +108,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: argparse.Namespace) -> int:
-    from batching.engine import Engine
-
     state = ServerState(settings)
     config = uvicorn.Config(
         create_app(state),
