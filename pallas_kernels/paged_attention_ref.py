@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 MASK_VALUE = -1e30
+BLOCK_TOKENS = 128
 
 
 def _gather_head_major(pages: jax.Array, page_ids: jax.Array) -> jax.Array:
@@ -44,33 +45,58 @@ def _attend(
     A valid row (q_pos < kv_len) attends kv positions <= q_pos of its sequence; K/V past kv_len (and
     page-table entries past the last used page) are never read into the result. Invalid rows are
     zeros. Returns [num_seqs, q_len, kv_heads, group, head_dim] in q's dtype.
+
+    The context is walked in blocks of BLOCK_TOKENS with an online softmax, for as many blocks as the
+    longest sequence in this call needs (a dynamic trip count): the cost follows the real contexts, not
+    the page table's width (max_model_len).
     """
     num_seqs, q_len, kv_heads, group, head_dim = q.shape
     max_pages = page_table.shape[1]
     page_size = k_pages.shape[2]
+    pages_per_block = max(1, BLOCK_TOKENS // page_size)
+    block = pages_per_block * page_size
+    padded_pages = -(-max_pages // pages_per_block) * pages_per_block
+    page_table = jnp.pad(page_table, ((0, 0), (0, padded_pages - max_pages)))
     num_used_pages = -(-kv_lens // page_size)
-    page_ids = jnp.where(jnp.arange(max_pages)[None, :] < num_used_pages[:, None], page_table, 0)
-    k = _gather_head_major(k_pages, page_ids)  # [num_seqs, kv_heads, context, head_dim]
-    v = _gather_head_major(v_pages, page_ids)
-    kv_pos = jnp.arange(max_pages * page_size)
-    # Slots past kv_len may hold NaN, which a zero probability would not cancel.
-    v = jnp.where((kv_pos[None, :] < kv_lens[:, None])[:, None, :, None], v, jnp.zeros_like(v))
+    num_blocks = -(-jnp.max(num_used_pages, initial=0) // pages_per_block)
 
+    rows = q_len * group
     # Query rows r = (i, g) of each kv head: [num_seqs, kv_heads, q_len * group, head_dim].
-    q_rows = q.transpose(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, q_len * group, head_dim)
-    s = jnp.einsum(
-        "sktd,skrd->sktr", k, q_rows,
-        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST,
-    ) * sm_scale
-    row_pos = jnp.repeat(q_pos, group, axis=1)  # [num_seqs, q_len * group]
-    causal = kv_pos[None, :, None] <= row_pos[:, None, :]  # [num_seqs, context, q_len * group]
-    s = jnp.where(causal[:, None], s, MASK_VALUE)
-    p = jnp.exp(s - s.max(axis=2, keepdims=True))  # exactly 0 where masked, since a valid row has an unmasked position
-    p = p / p.sum(axis=2, keepdims=True)
-    out = jnp.einsum(
-        "sktd,sktr->skrd", v, p.astype(v.dtype),
-        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST,
+    q_rows = q.transpose(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, rows, head_dim)
+    row_pos = jnp.repeat(q_pos, group, axis=1)  # [num_seqs, rows]
+
+    def step(b, carry):
+        m, l, acc = carry
+        first_page = b * pages_per_block
+        ids = lax.dynamic_slice_in_dim(page_table, first_page, pages_per_block, axis=1)
+        used = first_page + jnp.arange(pages_per_block)[None, :] < num_used_pages[:, None]
+        ids = jnp.where(used, ids, 0)
+        k = _gather_head_major(k_pages, ids)  # [num_seqs, kv_heads, block, head_dim]
+        v = _gather_head_major(v_pages, ids)
+        kv_pos = b * block + jnp.arange(block)
+        # Slots past kv_len may hold NaN, which a zero probability would not cancel.
+        v = jnp.where((kv_pos[None, :] < kv_lens[:, None])[:, None, :, None], v, jnp.zeros_like(v))
+        s = jnp.einsum(
+            "sktd,skrd->sktr", k, q_rows, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+        ) * sm_scale
+        visible = (kv_pos[None, :, None] <= row_pos[:, None, :])[:, None]  # [num_seqs, 1, block, rows]
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=2))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, :, None, :]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum(
+            "sktd,sktr->skrd", v, p.astype(v.dtype), preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
+        return m_new, l * alpha + p.sum(axis=2), acc * alpha[..., None] + pv
+
+    init = (
+        jnp.full((num_seqs, kv_heads, rows), MASK_VALUE, jnp.float32),
+        jnp.zeros((num_seqs, kv_heads, rows), jnp.float32),
+        jnp.zeros((num_seqs, kv_heads, rows, head_dim), jnp.float32),
     )
+    _, l, acc = lax.fori_loop(0, num_blocks, step, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = out.reshape(num_seqs, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
     return jnp.where(q_valid[:, :, None, None, None], out, 0.0).astype(q.dtype)
 
