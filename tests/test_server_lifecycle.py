@@ -16,6 +16,7 @@ from test_api_e2e import start_server
 pytestmark = pytest.mark.slow
 
 FLAGS = ["--max-num-seqs", "1", "--max-waiting", "1", "--max-num-batched-tokens", "64", "--max-model-len", "256",
+         "--kv-cache-memory", "16MiB",
          "--drain-timeout", "120"]
 
 
@@ -26,26 +27,43 @@ def server():
     proc.stop()
 
 
-def long_stream(server, max_tokens: int = 200) -> httpx.Response:
-    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    client = httpx.Client(base_url=server.url, timeout=120)
-    response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
-    assert response.status_code == 200
-    return response
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
 
 
-def first_token(response: httpx.Response) -> dict:
-    return json.loads(next(line for line in response.iter_lines() if line.startswith("data: "))[len("data: "):])
+class OpenStream:
+    """A streaming completion kept open until `close()`.
+
+    Its one line iterator must stay referenced: dropping a half-read iterator closes the connection,
+    which the server rightly takes as the client leaving.
+    """
+
+    def __init__(self, http: httpx.Client, max_tokens: int = 200) -> None:
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self.response = http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+        assert self.response.status_code == 200
+        self._events = (line[len("data: "):] for line in self.response.iter_lines() if line.startswith("data: "))
+
+    def next_event(self) -> str:
+        return next(self._events)
+
+    def rest(self) -> list[str]:
+        return list(self._events)
+
+    def close(self) -> None:
+        self.response.close()
 
 
 def test_health_is_503_while_the_model_loads_then_200(server):
     assert server.health_statuses[0] == 503 and server.health_statuses[-1] == 200
 
 
-def test_full_waiting_queue_answers_429_with_retry_after(server):
-    running, waiting = long_stream(server), long_stream(server)
+def test_full_waiting_queue_answers_429_with_retry_after(server, http):
+    running, waiting = OpenStream(http), OpenStream(http)
     try:
-        first_token(running)
+        running.next_event()
         rejected = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
         assert rejected.status_code == 429
         assert int(rejected.headers["Retry-After"]) >= 1
@@ -57,14 +75,14 @@ def test_full_waiting_queue_answers_429_with_retry_after(server):
     assert admitted.status_code == 200
 
 
-def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits_0(server):
-    in_flight = long_stream(server, max_tokens=48)
-    first_token(in_flight)
+def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits_0(server, http):
+    in_flight = OpenStream(http, max_tokens=48)
+    in_flight.next_event()
     server.process.send_signal(signal.SIGTERM)
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
     assert refused.status_code == 503
     assert httpx.get(f"{server.url}/health", timeout=60).status_code == 503
-    rest = [line[len("data: "):] for line in in_flight.iter_lines() if line.startswith("data: ")]
+    rest = in_flight.rest()
     assert rest[-1] == "[DONE]"
     assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
     assert server.process.wait(120) == 0
