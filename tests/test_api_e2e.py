@@ -373,3 +373,28 @@ def test_metrics_report_latencies_tokens_and_request_counts(server):
     assert metric(server.url, "sluice_generation_tokens_total") > 0
     assert 'sluice_requests_total{route="/v1/chat/completions",status="200"}' in text
     assert 'sluice_requests_total{route="/v1/completions",status="400"}' in text
+
+
+# A request that passes validation and then fails inside an engine step: any top_k >= the vocabulary
+# means "no top-k filter", but one beyond int32 cannot be packed into the engine's sampling batch
+# today. If the engine learns to clamp it, this test needs another request that fails in a step.
+FAILING_IN_STEP = {"top_k": 2**40}
+
+
+def test_error_inside_generation_ends_that_stream_with_an_error_event(server):
+    body = {"model": MODEL, "messages": chat("Hi"), "max_tokens": 4, "stream": True, **FAILING_IN_STEP}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and error["message"]
+
+
+def test_error_inside_generation_is_a_500_without_streaming_and_the_server_serves_on(server, client):
+    response = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **FAILING_IN_STEP})
+    assert error_of(response, 500)["code"] == "generation_error"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert wait_for_metric(server.url, "sluice_kv_pages_used", 0) == 0
+    reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3
