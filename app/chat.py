@@ -7,12 +7,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from batching.request_output import TokenLogprob
+from model.tokenizer import Tokenizer
 
 from app.disconnect import cancel_on_disconnect
 from app.errors import APIError, invalid_request
@@ -34,9 +34,6 @@ from app.schemas import (
 )
 from app.sse import DONE, EventStreamResponse, sse_event
 from app.state import ServerState
-
-if TYPE_CHECKING:
-    from model.tokenizer import Tokenizer
 
 
 async def create_chat_completion(request: Request) -> Response:

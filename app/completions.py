@@ -6,12 +6,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from batching.request_output import TokenLogprob
+from model.tokenizer import Tokenizer
 
 from app.disconnect import cancel_on_disconnect
 from app.errors import APIError
@@ -23,9 +23,6 @@ from app.sampling import sampling_params
 from app.schemas import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo
 from app.sse import DONE, EventStreamResponse, sse_event
 from app.state import ServerState
-
-if TYPE_CHECKING:
-    from model.tokenizer import Tokenizer
 
 # OpenAI's default for the legacy completions API.
 DEFAULT_MAX_TOKENS = 16

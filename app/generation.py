@@ -23,12 +23,11 @@ class ChoiceOutput:
     """An engine increment, placed among the HTTP response's choices (`prompt * n + index`)."""
 
     choice: int
-    prompt: int
     output: RequestOutput
 
 
 class _End:
-    pass
+    """Marks one engine stream as exhausted in the merged queue."""
 
 
 class Generation:
@@ -95,7 +94,7 @@ class Generation:
                 last_seen[(prompt, item.index)] = now
             if item.finished:
                 self._unfinished[prompt].discard(item.index)
-            yield ChoiceOutput(prompt * self._n + item.index, prompt, item)
+            yield ChoiceOutput(prompt * self._n + item.index, item)
         self._metrics.e2e_latency.observe(time.perf_counter() - self._arrival)
 
     async def close(self) -> None:

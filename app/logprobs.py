@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from batching.request_output import TokenLogprob
+from model.tokenizer import Tokenizer
 
 from app.schemas import ChatLogprobs, CompletionLogprobs, TokenLogprobInfo, TopLogprob
-
-if TYPE_CHECKING:
-    from model.tokenizer import Tokenizer
 
 
 def completion_logprobs(

@@ -7,30 +7,19 @@ Latencies are measured here from the engine's output stream; queue and KV number
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from batching.core import EngineStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-class EngineStatsLike(Protocol):
-    num_running: int
-    num_waiting: int
-    kv_pages_used: int
-    kv_pages_total: int
-    prefix_cache_hit_tokens: int
-    prefix_cache_query_tokens: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
 
 
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine_stats: Callable[[], EngineStatsLike | None]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "sluice_requests", "HTTP requests by route and status code", ["route", "status"], registry=self.registry
@@ -60,7 +49,7 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    def __init__(self, engine_stats: Callable[[], EngineStatsLike | None]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
         self._engine_stats = engine_stats
 
     def collect(self) -> Iterator[Metric]:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+from model.tokenizer import Tokenizer
 
 from app.errors import invalid_request
 from app.schemas import ChatMessage
-
-if TYPE_CHECKING:
-    from model.tokenizer import Tokenizer
 
 # The model's chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
 _TEMPLATE_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

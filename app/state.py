@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+from batching.core import EngineStats
+from batching.engine import Engine
 
 from app.errors import model_not_found, not_ready, queue_full
-from app.metrics import EngineStatsLike, ServerMetrics
-
-if TYPE_CHECKING:
-    from batching.engine import Engine
+from app.metrics import ServerMetrics
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ class ServerState:
         if self._in_flight_seqs == 0:
             self._idle.set()
 
-    def _engine_stats(self) -> EngineStatsLike | None:
+    def _engine_stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
 
 
