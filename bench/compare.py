@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python bench/compare.py` puts bench/, not the root, on the path
 
-from bench.dataset import save_jsonl  # noqa: E402
+from bench.dataset import BenchRequest, save_jsonl  # noqa: E402
 from bench.metrics import Slo  # noqa: E402
 from bench.roofline import measure_peaks, read_model_config, workload_roofline  # noqa: E402
 from bench.serve import LoadConfig, RunResult, add_dataset_arguments, benchmark, load_dataset, report  # noqa: E402
@@ -58,8 +58,10 @@ def start_server(port: int, args: argparse.Namespace, log: Path) -> subprocess.P
     command = [
         sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--log-level", "warning",
+        "--max-model-len", str(args.max_model_len), "--log-level", "warning",
     ]
+    if args.kv_cache_memory is not None:
+        command += ["--kv-cache-memory", args.kv_cache_memory]
     return subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -81,6 +83,9 @@ def main() -> int:
     add_dataset_arguments(parser)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="Sluice's running batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=1024,
+                        help="Sluice's context limit; the default workload's longest request is 512 + 192 tokens")
+    parser.add_argument("--kv-cache-memory", default=None, help="Sluice's KV pool, e.g. 512MiB (default: engine's)")
     parser.add_argument("--single-requests", type=int, default=8,
                         help="how many of the workload's requests the one-at-a-time run sends")
     parser.add_argument("--hf-python", type=Path, default=ROOT / ".venv-bench-ref/bin/python")
@@ -106,7 +111,8 @@ def main() -> int:
     try:
         wait_ready(url, server, args.ready_timeout)
         # Two short requests first, so nothing lazy on the server's first request lands in the timed runs.
-        benchmark(requests[:2], LoadConfig(url, seed=args.seed), Slo(), peaks, None, "float32")
+        warmup = [BenchRequest(r.prompt[:16], 2) for r in requests[:2]]
+        benchmark(warmup, LoadConfig(url, seed=args.seed), Slo(), peaks, None, "float32")
         saturated = benchmark(requests, LoadConfig(url, seed=args.seed), Slo(), peaks, None, "float32")
         print(report(saturated, command), flush=True)
         single = benchmark(
