@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -22,19 +22,14 @@ from tqdm import tqdm
 from batching.sampler import SamplerOutput, SamplingBatch, build_sampling_batch, sample
 from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk
-from model.llama import AttendFn, KVCache, Llama, empty_kv_cache
-from model.paged_attend import AttentionMetadata
-from pallas_kernels.attention import ragged_paged_attention
-from pallas_kernels.kv_cache import write_kv
-from sharding.mesh import TP_AXIS
+from model.llama import KVCache, Llama, empty_kv_cache
+from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
 from sharding.rules import kv_cache_sharding
 
 MAX_BANNED_IDS = 32
 # Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
 # max_q_len, so short pieces keep the decode rows sharing a mixed step cheap, and the set of shapes small.
 PREFILL_PIECE = 16
-# Inside the step the pool is flat, [num_layers * num_pages, num_kv_heads, page_size, head_dim]; TP splits KV heads.
-FLAT_POOL_SPEC = P(None, TP_AXIS, None, None)
 
 
 def enable_compilation_cache(path: Path | None = None) -> None:
@@ -93,50 +88,18 @@ class StepInputs:
     logits_rows: jax.Array
 
 
-def flat_pool_attend(meta: AttentionMetadata, num_pages: int, *, sm_scale: float, backend: str,
-                     mesh: Mesh | None) -> AttendFn:
-    """`model.paged_attend.make_paged_attend` for a pool kept flat, `[num_layers * num_pages, ...]`, all step long.
-
-    Reshaping the `[num_layers, num_pages, ...]` pool inside the layer scan makes XLA copy the whole pool in
-    every layer (measured: a decode step took 4.4 s with 160 pages against 0.56 s with 16, on SmolLM2); a flat
-    loop-carried pool is updated in place. Layer l's pages start at l * num_pages. With a `mesh`, each device
-    attends over its own KV heads (shard_map), as in `make_paged_attend`.
-    """
-
-    def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache):
-        k_pool, v_pool = kv_cache
-        page_size = k_pool.shape[2]
-        offset = layer * num_pages
-        slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + offset * page_size, -1)
-        k_pool, v_pool = write_kv(k_pool, v_pool, k.astype(k_pool.dtype), v.astype(v_pool.dtype), slots)
-        out = ragged_paged_attention(
-            q, k_pool, v_pool, meta.kv_lens, meta.page_table + offset, meta.cu_q_lens,
-            max_q_len=meta.max_q_len, sm_scale=sm_scale, backend=backend,
-        )
-        return out, (k_pool, v_pool)
-
-    if mesh is None:
-        return attend
-    heads = P(None, TP_AXIS, None)  # q/k/v/out [T, heads, head_dim]
-    return jax.shard_map(
-        attend, mesh=mesh, in_specs=(P(), heads, heads, heads, (FLAT_POOL_SPEC, FLAT_POOL_SPEC)),
-        out_specs=(heads, (FLAT_POOL_SPEC, FLAT_POOL_SPEC)), check_vma=False,
-    )
-
-
 def _step(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
           state: nnx.State, kv_cache: KVCache, inputs: StepInputs, sampling: SamplingBatch
           ) -> tuple[SamplerOutput, KVCache]:
     """kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (donated)."""
     model = nnx.merge(graphdef, state)
     shape = kv_cache[0].shape
-    kv_cache = tuple(x.reshape(-1, *shape[2:]) for x in kv_cache)  # flat outside the layer scan: free
     meta = AttentionMetadata(
         slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=inputs.page_table,
         cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
     )
-    attend = flat_pool_attend(meta, num_pages, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh)
-    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend)
+    attend = make_paged_attend(meta, num_pages, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh)
+    hidden, kv_cache = model(inputs.token_ids, inputs.positions, flat_pool(kv_cache), attend)
     logits = model.logits(hidden[inputs.logits_rows])
     return sample(logits, sampling), tuple(x.reshape(shape) for x in kv_cache)
 

@@ -18,7 +18,7 @@ from flax import nnx
 from model.config import ModelConfig
 
 KVCache = tuple[jax.Array, jax.Array]
-"""(k, v), each `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`."""
+"""(k, v) as the `AttendFn` keeps them: the model only threads them through its layers."""
 
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
 """attend(layer, q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], kv_cache) -> (out [T, Hq, Dh], kv_cache)."""

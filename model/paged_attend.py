@@ -1,8 +1,9 @@
 """The model's attention over the paged KV pool: per-step metadata and the `AttendFn` that uses the kernels.
 
-All layers share one pool `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`. Inside the layer scan
-the pool is viewed (a free reshape) as `[num_layers * num_pages, ...]` and layer l's pages are offset by
-l * num_pages, so the kernels see one flat pool and nothing slices (copies) a layer out of it.
+All layers share one pool, stored `[num_layers, num_pages, num_kv_heads, page_size, head_dim]` and handed to
+the model flat, `[num_layers * num_pages, ...]`: layer l's pages are offset by l * num_pages, so the kernels see
+one pool and nothing slices (copies) a layer out of it. The reshape happens outside the layer scan: inside it,
+XLA copies the whole pool in every layer, while a flat loop-carried pool is updated in place.
 """
 
 from __future__ import annotations
@@ -39,31 +40,37 @@ class AttentionMetadata:
 
 
 def make_paged_attend(
-    meta: AttentionMetadata, *, sm_scale: float, backend: str = "auto", mesh: Mesh | None = None
+    meta: AttentionMetadata, pages_per_layer: int, *, sm_scale: float, backend: str = "auto", mesh: Mesh | None = None
 ) -> AttendFn:
-    """The paged `AttendFn` for one step. With a `mesh`, it runs per device on that device's KV heads (shard_map),
-    so kernels see only local heads and the pool never moves between devices."""
+    """The paged `AttendFn` for one step over a flat pool: (k, v), each
+    `[num_layers * pages_per_layer, num_kv_heads, page_size, head_dim]`; layer l's pages start at l * pages_per_layer.
+
+    With a `mesh`, it runs per device on that device's KV heads (shard_map), so kernels see only local heads and
+    the pool never moves between devices.
+    """
 
     def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache):
-        k_cache, v_cache = kv_cache
-        num_layers, num_pages, *page_shape = k_cache.shape
-        page_size = page_shape[1]
-        k_pool = k_cache.reshape(num_layers * num_pages, *page_shape)
-        v_pool = v_cache.reshape(num_layers * num_pages, *page_shape)
-        page_offset = layer * num_pages
-        slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + page_offset * page_size, -1)
+        k_pool, v_pool = kv_cache
+        page_size = k_pool.shape[2]
+        offset = layer * pages_per_layer
+        slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + offset * page_size, -1)
         k_pool, v_pool = write_kv(k_pool, v_pool, k.astype(k_pool.dtype), v.astype(v_pool.dtype), slots)
         out = ragged_paged_attention(
-            q, k_pool, v_pool, meta.kv_lens, meta.page_table + page_offset, meta.cu_q_lens,
+            q, k_pool, v_pool, meta.kv_lens, meta.page_table + offset, meta.cu_q_lens,
             max_q_len=meta.max_q_len, sm_scale=sm_scale, backend=backend,
         )
-        return out, (k_pool.reshape(k_cache.shape), v_pool.reshape(v_cache.shape))
+        return out, (k_pool, v_pool)
 
     if mesh is None:
         return attend
     heads = P(None, TP_AXIS, None)  # q/k/v/out [T, heads, head_dim]
-    pool = P(None, None, TP_AXIS, None, None)
+    pool = P(None, TP_AXIS, None, None)
     return jax.shard_map(
         attend, mesh=mesh, in_specs=(P(), heads, heads, heads, (pool, pool)), out_specs=(heads, (pool, pool)),
         check_vma=False,
     )
+
+
+def flat_pool(kv_cache: KVCache) -> KVCache:
+    """[num_layers, num_pages, ...] -> [num_layers * num_pages, ...]: free outside the layer scan."""
+    return tuple(x.reshape(-1, *x.shape[2:]) for x in kv_cache)

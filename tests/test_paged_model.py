@@ -10,7 +10,7 @@ from flax import nnx
 from model.config import ModelConfig
 from model.generate import sequence_logits
 from model.llama import Llama, empty_kv_cache
-from model.paged_attend import AttentionMetadata, make_paged_attend
+from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
 
 PAGE_SIZE = 4
 
@@ -21,12 +21,12 @@ def test_chunked_prefill_and_decode_over_shuffled_pages_match_contiguous_logits(
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, n).tolist() for n in (9, 3, 14)]
     num_pages = 16
-    kv_cache = empty_kv_cache(config, num_pages, PAGE_SIZE, jnp.float32)
+    kv_cache = flat_pool(empty_kv_cache(config, num_pages, PAGE_SIZE, jnp.float32))
     pages = rng.permutation(num_pages)[:12].reshape(3, 4)  # each sequence owns 4 scattered pages
 
     @jax.jit
     def step(kv_cache, tokens, positions, meta):
-        attend = make_paged_attend(meta, sm_scale=config.head_dim**-0.5, backend="reference")
+        attend = make_paged_attend(meta, num_pages, sm_scale=config.head_dim**-0.5, backend="reference")
         hidden, kv_cache = model(tokens, positions, kv_cache, attend)
         return model.logits(hidden), kv_cache
 
