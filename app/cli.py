@@ -62,24 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(gen)
     gen.set_defaults(run=_generate)
 
-    try:
-        from app import serve
-    except ImportError:
-        serve = None
-    if serve is not None:
-        serve_parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-        serve.add_arguments(serve_parser)
-        serve_parser.set_defaults(run=serve.run)
+    from app import serve
+    from bench import serve as bench_serve, sweep, throughput
+
+    serve_parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(run=serve.run)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    try:
-        from bench import throughput
-    except ImportError:
-        throughput = None
-    if throughput is not None:
-        tp = bench.add_parser("throughput", help="offline throughput: continuous vs static vs one-at-a-time")
-        throughput.add_arguments(tp)
-        tp.set_defaults(run=throughput.run)
+    for name, module, text in (
+        ("throughput", throughput, "offline throughput: continuous vs static batching vs one at a time"),
+        ("serve", bench_serve, "load a running server with streaming requests; latency percentiles and goodput"),
+        ("sweep", sweep, "bench serve over a list of request rates; throughput-latency curve"),
+    ):
+        sub = bench.add_parser(name, help=text)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
     return parser
 
 
