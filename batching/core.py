@@ -38,6 +38,16 @@ class EngineStats:
     generation_tokens_total: int
 
 
+@dataclass(frozen=True)
+class SampledToken:
+    """A token appended to `seq` whose text (and stop-string check) waits for the next step's device time."""
+
+    seq: Sequence
+    token: int
+    logprobs: tuple[TokenLogprob, ...]
+    token_finish: FinishReason | None
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -46,11 +56,11 @@ class Request:
     checkers: list[StopChecker]
     sink: Sink
     num_prompt_tokens: int
-    completion_tokens: list[int] = field(default_factory=list)
+    final_sent: set[int] = field(default_factory=set)  # indices whose last output went out
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        return len(self.final_sent) == len(self.seqs)
 
 
 class EngineCore:
@@ -67,10 +77,11 @@ class EngineCore:
         self._arrivals = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self._unemitted: list[SampledToken] = []
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._unemitted)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int, sink: Sink) -> None:
         """Queues a validated request; its `n` sequences get seeds derived from `seed`."""
@@ -114,17 +125,20 @@ class EngineCore:
             )
 
     def step(self) -> None:
-        """Schedules, runs and post-processes one step. An error fails only that step's requests."""
+        """Schedules and dispatches one step, emits the previous step's text while the device runs, then
+        appends this step's tokens. An error fails only that step's requests."""
         with self.lock:
             chunks = self.scheduler.schedule().chunks
-            if not chunks:
-                return
-            rows = [self._sampling_row(c) for c in chunks]
-            try:
-                pending = self.runner.dispatch(chunks, rows)
-            except Exception as exc:  # noqa: BLE001 - the loop must keep serving other requests
-                self._fail_step(chunks, exc)
-                return
+            pending = None
+            if chunks:
+                rows = [self._sampling_row(c) for c in chunks]
+                try:
+                    pending = self.runner.dispatch(chunks, rows)
+                except Exception as exc:  # noqa: BLE001 - the loop must keep serving other requests
+                    self._fail_step(chunks, exc)
+            self._emit_unemitted()
+        if pending is None:
+            return
         try:
             result = pending.fetch()
         except Exception as exc:  # noqa: BLE001
@@ -141,31 +155,46 @@ class EngineCore:
         seq = chunk.seq
         checker = self.requests[seq.request_id].checkers[seq.index]
         return SamplingRow(seq.params, seq.seed, seq.num_output_tokens, seq.token_ids, seq.num_prompt_tokens,
-                           checker.banned_token_ids())
+                           checker.banned_token_ids(seq.num_output_tokens))
 
     def _append_token(self, seq: Sequence, result: SamplerOutput, row: int) -> None:
-        request = self.requests[seq.request_id]
+        """Appends the sampled token and stops the sequence now if its id or count says so."""
         token = int(result.tokens[row])
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
-        decision = request.checkers[seq.index].append(
-            token, at_max_model_len=seq.num_tokens >= self.runner.max_model_len
-        )
+        checker = self.requests[seq.request_id].checkers[seq.index]
+        finish = checker.token_finish(token, seq.num_output_tokens, seq.num_tokens >= self.runner.max_model_len)
         logprobs: tuple[TokenLogprob, ...] = ()
         if seq.params.logprobs or seq.params.top_logprobs:
             k = seq.params.top_logprobs
             top = tuple((int(t), float(lp)) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k]))
             logprobs = (TokenLogprob(token, float(result.logprobs[row]), top),)
-        if decision.finish_reason is not None:
-            seq.finish_reason = decision.finish_reason
+        if finish is not None:
+            seq.finish_reason = finish
             self.scheduler.finish(seq)
-        request.sink(RequestOutput(
-            request_id=seq.request_id, index=seq.index, text=decision.text, token_ids=(token,), logprobs=logprobs,
-            finish_reason=decision.finish_reason,
-            usage=self._usage(request) if decision.finish_reason is not None else None,
-        ))
-        if request.finished:
-            del self.requests[seq.request_id]
+        self._unemitted.append(SampledToken(seq, token, logprobs, finish))
+
+    def _emit_unemitted(self) -> None:
+        """Detokenizes and emits the sampled tokens; a stop string found here ends its sequence."""
+        for sampled in self._unemitted:
+            seq = sampled.seq
+            request = self.requests.get(seq.request_id)
+            if request is None:
+                continue  # aborted meanwhile
+            decision = request.checkers[seq.index].emit(sampled.token, sampled.token_finish)
+            if decision.finish_reason is not None and not seq.finished:
+                seq.finish_reason = decision.finish_reason
+                self.scheduler.finish(seq)  # its token in the step now running is dropped
+            request.sink(RequestOutput(
+                request_id=seq.request_id, index=seq.index, text=decision.text, token_ids=(sampled.token,),
+                logprobs=sampled.logprobs, finish_reason=decision.finish_reason,
+                usage=self._usage(request) if decision.finish_reason is not None else None,
+            ))
+            if decision.finish_reason is not None:
+                request.final_sent.add(seq.index)
+            if request.finished:
+                del self.requests[seq.request_id]
+        self._unemitted.clear()
 
     def _usage(self, request: Request) -> Usage:
         return Usage(
@@ -196,10 +225,11 @@ class EngineCore:
 
     def _fail(self, request: Request, reason: FinishReason, error: str | None) -> None:
         for seq in request.seqs:
-            if seq.finished:
+            if seq.index in request.final_sent:
                 continue
-            seq.finish_reason = reason
-            self.scheduler.finish(seq)
+            if not seq.finished:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
             request.sink(RequestOutput(
                 request_id=request.request_id, index=seq.index, text="", token_ids=(), finish_reason=reason,
                 usage=self._usage(request), error=error,

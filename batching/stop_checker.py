@@ -27,7 +27,11 @@ class StopDecision:
 
 
 class StopChecker:
-    """Stop state of one sequence; feed it each sampled token in order."""
+    """Stop state of one sequence; feed it each sampled token in order.
+
+    The check is split so the engine can stop a sequence on its token id at once and do the text work (and
+    stop strings) later, while the device runs the next step.
+    """
 
     def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...], detokenizer: Detokenizer):
         self.params = params
@@ -37,28 +41,41 @@ class StopChecker:
         self.num_emitted_chars = 0
         self.num_output_tokens = 0
 
-    def banned_token_ids(self) -> tuple[int, ...]:
+    def banned_token_ids(self, num_output_tokens: int) -> tuple[int, ...]:
         """Ids the sampler must avoid for the next token: stop ids while min_tokens is not reached."""
-        return tuple(sorted(self.stop_ids)) if self.num_output_tokens < self.params.min_tokens else ()
+        return tuple(sorted(self.stop_ids)) if num_output_tokens < self.params.min_tokens else ()
 
-    def append(self, token_id: int, *, at_max_model_len: bool = False) -> StopDecision:
+    def token_finish(self, token_id: int, num_output_tokens: int, at_max_model_len: bool = False
+                     ) -> FinishReason | None:
+        """The finish a token forces by its id and count alone (no text needed): stop ids, max_tokens."""
+        if num_output_tokens > self.params.min_tokens and token_id in self.stop_ids:
+            return "stop"
+        if num_output_tokens >= self.params.max_tokens or at_max_model_len:
+            return "length"
+        return None
+
+    def emit(self, token_id: int, token_finish: FinishReason | None) -> StopDecision:
+        """Adds the token's text; `token_finish` is what `token_finish` said about it."""
         self.num_output_tokens += 1
-        may_stop = self.num_output_tokens > self.params.min_tokens
-        if may_stop and token_id in self.stop_ids:
-            return StopDecision(self._flush(), "stop")
+        if token_finish == "stop":
+            return StopDecision(self._flush(), "stop")  # a stop id's own text is not emitted
         search_from = max(0, len(self.text) - max((len(s) for s in self.params.stop), default=0))
         self.text += self.detokenizer.push([token_id])
-        if may_stop and self.params.stop:
+        if self.params.stop and self.num_output_tokens > self.params.min_tokens:
             hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
             if hits:
                 self.text = self.text[:min(hits)]
                 return StopDecision(self._flush(), "stop")
-        if self.num_output_tokens >= self.params.max_tokens or at_max_model_len:
+        if token_finish == "length":
             return StopDecision(self._flush(), "length")
         end = len(self.text) - self._held_back()
         new = self.text[self.num_emitted_chars:end]
         self.num_emitted_chars = max(self.num_emitted_chars, end)
         return StopDecision(new)
+
+    def append(self, token_id: int, *, at_max_model_len: bool = False) -> StopDecision:
+        """`token_finish` then `emit`, for one token."""
+        return self.emit(token_id, self.token_finish(token_id, self.num_output_tokens + 1, at_max_model_len))
 
     def _flush(self) -> str:
         new = self.text[self.num_emitted_chars:]
