@@ -326,9 +326,9 @@ def stream_chat(server, content: str, max_tokens: int) -> str:
 
 
 def test_32_concurrent_streams_are_complete_and_equal_to_each_prompt_alone(server):
-    alone = [stream_chat(server, p, 4) for p in PROMPTS]
+    alone = [stream_chat(server, p, 8) for p in PROMPTS]
     with ThreadPoolExecutor(32) as pool:
-        together = list(pool.map(lambda p: stream_chat(server, p, 4), PROMPTS))
+        together = list(pool.map(lambda p: stream_chat(server, p, 8), PROMPTS))
     assert together == alone
 
 
