@@ -64,7 +64,7 @@ class Generation:
         except RequestRejected as error:
             self._abort_unfinished()
             admission.release()
-            raise invalid_request(str(error), param="max_tokens") from None
+            raise invalid_request(str(error)) from None
 
     async def outputs(self) -> AsyncGenerator[ChoiceOutput, None]:
         queue: asyncio.Queue[tuple[int, RequestOutput | Exception | _End]] = asyncio.Queue()
