@@ -1,8 +1,10 @@
 """Turns a scheduled batch into padded device arrays and runs one jitted step: model, logits, sampler.
 
 Every step is padded to a bucket from a small fixed set, so after the warm-up compiles them all the step never
-recompiles: decode-only steps by their number of sequences, mixed steps by their number of tokens. The KV pool is donated to the step and replaced by
-its output; the model parameters are split from the NNX module once and passed in as a pytree.
+recompiles: decode-only steps by their number of sequences, mixed steps by their number of tokens. The KV pool
+is donated to the step and replaced by its output; the model parameters are split from the NNX module once and
+passed in as a pytree. `dispatch` returns at once (async dispatch) and starts copying the sampled tokens to the
+host, so the engine does its text work while the device computes.
 """
 
 from __future__ import annotations
