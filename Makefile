@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The HF transformers baseline for `make bench` lives in its own venv: torch is not a Sluice dependency.
+BENCH_REF := .venv-bench-ref
 
 .PHONY: serve test model bench clean
 
@@ -23,8 +25,15 @@ serve: model
 test: model
 	$(BIN)/python -m pytest -q
 
-bench: model
+# torch first: pip then takes the CPU wheel and keeps it when transformers comes after.
+$(BENCH_REF)/.installed:
+	$(PYTHON) -m venv $(BENCH_REF)
+	$(BENCH_REF)/bin/pip install --quiet torch==2.13.0
+	$(BENCH_REF)/bin/pip install --quiet transformers gguf accelerate
+	touch $@
+
+bench: model $(BENCH_REF)/.installed
 	$(BIN)/python bench/compare.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(BENCH_REF)
