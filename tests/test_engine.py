@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 from flax import nnx
@@ -15,8 +16,7 @@ from model.llama import Llama
 from model.loader import LoadedModel, load_model
 
 PAGE = 4
-CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, page_size=PAGE,
-                      kv_cache_memory=None)
+CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, page_size=PAGE)
 TINY = ModelConfig.tiny()
 
 
@@ -32,7 +32,6 @@ def page_bytes(num_pages: int) -> int:
 
 
 def make_engine(tiny: LoadedModel, num_pages: int = 256, **overrides) -> Engine:
-    from dataclasses import replace
     return Engine(tiny, replace(CONFIG, kv_cache_memory=page_bytes(num_pages), **overrides), progress=False)
 
 
