@@ -14,9 +14,8 @@ from starlette.responses import Response
 from batching.request_output import TokenLogprob
 from model.tokenizer import Tokenizer
 
-from app.disconnect import cancel_on_disconnect
 from app.errors import APIError, invalid_request
-from app.generation import Generation
+from app.generation import Generation, respond
 from app.logprobs import chat_logprobs
 from app.parsing import parse_body
 from app.prompts import Prompt, chat_prompt, check_fits
@@ -32,7 +31,7 @@ from app.schemas import (
     ChatResponseMessage,
     UsageInfo,
 )
-from app.sse import DONE, EventStreamResponse, sse_event
+from app.sse import DONE, sse_event
 from app.state import ServerState
 
 
@@ -55,13 +54,7 @@ async def create_chat_completion(request: Request) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(engine, [prompt], params, request_id, admission, state.metrics)
     builder = _ChatBuilder(request_id, state.model_name, engine.tokenizer, body, prompt)
-    if body.stream:
-        return EventStreamResponse(builder.events(generation), on_close=generation.close)
-    try:
-        response = await cancel_on_disconnect(request, builder.collect(generation))
-    finally:
-        await generation.close()
-    return Response(response.model_dump_json(), media_type="application/json")
+    return await respond(request, generation, builder, body.stream)
 
 
 @dataclass

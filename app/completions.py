@@ -13,15 +13,14 @@ from starlette.responses import Response
 from batching.request_output import TokenLogprob
 from model.tokenizer import Tokenizer
 
-from app.disconnect import cancel_on_disconnect
 from app.errors import APIError
-from app.generation import Generation
+from app.generation import Generation, respond
 from app.logprobs import completion_logprobs
 from app.parsing import parse_body
 from app.prompts import Prompt, check_fits, completion_prompts
 from app.sampling import sampling_params
 from app.schemas import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo
-from app.sse import DONE, EventStreamResponse, sse_event
+from app.sse import DONE, sse_event
 from app.state import ServerState
 
 # OpenAI's default for the legacy completions API.
@@ -43,13 +42,7 @@ async def create_completion(request: Request) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = Generation(engine, prompts, params, request_id, admission, state.metrics)
     builder = _CompletionBuilder(request_id, state.model_name, engine.tokenizer, body, prompts)
-    if body.stream:
-        return EventStreamResponse(builder.events(generation), on_close=generation.close)
-    try:
-        response = await cancel_on_disconnect(request, builder.collect(generation))
-    finally:
-        await generation.close()
-    return Response(response.model_dump_json(), media_type="application/json")
+    return await respond(request, generation, builder, body.stream)
 
 
 @dataclass

@@ -7,14 +7,21 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
 
 from batching.engine import Engine, RequestRejected
 from batching.request_output import RequestOutput
 from batching.sampling_params import SamplingParams
 
+from app.disconnect import cancel_on_disconnect
 from app.errors import APIError, generation_failed, invalid_request
 from app.metrics import ServerMetrics
 from app.prompts import Prompt
+from app.sse import EventStreamResponse
 from app.state import Admission
 
 
@@ -126,3 +133,22 @@ async def _pump(prompt: int, stream: AsyncIterator[RequestOutput], queue: asynci
         queue.put_nowait((prompt, error))
     else:
         queue.put_nowait((prompt, _End()))
+
+
+class ResponseBuilder(Protocol):
+    """Shapes a generation into one OpenAI response (`collect`) or its SSE events (`events`)."""
+
+    def events(self, generation: Generation) -> AsyncIterator[str]: ...
+
+    async def collect(self, generation: Generation) -> BaseModel: ...
+
+
+async def respond(request: Request, generation: Generation, builder: ResponseBuilder, stream: bool) -> Response:
+    """An SSE stream or one JSON body; either way the generation is closed (its requests aborted) at the end."""
+    if stream:
+        return EventStreamResponse(builder.events(generation), on_close=generation.close)
+    try:
+        response = await cancel_on_disconnect(request, builder.collect(generation))
+    finally:
+        await generation.close()
+    return Response(response.model_dump_json(), media_type="application/json")
