@@ -49,7 +49,7 @@ def convert(source: Path, folder: Path) -> None:
         config, params, fields = load_gguf(source)
         tokenizer = Tokenizer.from_gguf_fields(fields)
     special = dataclasses.asdict(tokenizer.special)
-    checkpoint.save(folder, config, params, tokenizer._backend.to_str(), special)
+    checkpoint.save(folder, config, params, tokenizer.to_json(), special)
 
 
 def load_model(
@@ -72,9 +72,7 @@ def load_model(
     config = checkpoint.load_config(folder)
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])
-    from tokenizers import Tokenizer as HFTokenizer
-
-    tokenizer = Tokenizer(HFTokenizer.from_file(str(folder / checkpoint.TOKENIZER_FILE)), SpecialTokens(**special))
+    tokenizer = Tokenizer.from_json((folder / checkpoint.TOKENIZER_FILE).read_text(), SpecialTokens(**special))
 
     abstract = nnx.eval_shape(lambda: Llama(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)

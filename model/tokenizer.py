@@ -102,6 +102,14 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
         )
 
+    def to_json(self) -> str:
+        """The backend tokenizer as `tokenizer.json` text (special-token policy lives in `special`)."""
+        return self._backend.to_str()
+
+    @classmethod
+    def from_json(cls, text: str, special: SpecialTokens) -> Tokenizer:
+        return cls(HFTokenizer.from_str(text), special)
+
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
         """Builds the byte-level BPE tokenizer that a GGUF file describes (`tokenizer.ggml.*`)."""
