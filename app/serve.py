@@ -20,6 +20,7 @@ import uvicorn
 
 from batching.config import EngineConfig
 from batching.engine import Engine
+from sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
 from app.drain import DrainingServer
 from app.server import create_app
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--dtype", None, "parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
             choices=["float32", "bfloat16", "float16"])
     _option(parser, "--tp", _ENGINE_DEFAULTS.tp, "tensor-parallel degree (devices)", type=int)
+    _option(parser, "--coordinator-address", None,
+            "multi-process (multi-node) job: host:port where process 0 coordinates; every process passes the same")
+    _option(parser, "--num-processes", 1, "multi-process job: how many processes (one per node)", type=int)
+    _option(parser, "--process-id", 0, "multi-process job: this process's index; process 0 serves HTTP", type=int)
     _option(parser, "--max-model-len", None, "longest prompt + completion in tokens (default: min(model's, 4096))", type=int)
     _option(parser, "--max-num-seqs", _ENGINE_DEFAULTS.max_num_seqs, "most sequences in one running batch", type=int)
     _option(parser, "--max-num-batched-tokens", _ENGINE_DEFAULTS.max_num_batched_tokens,
@@ -104,7 +109,26 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    try:
+        initialize_distributed(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
+    except ValueError as error:
+        print(f"sluice serve: {error}", file=sys.stderr)
+        return 2
+    if args.process_id > 0:
+        return _follow(engine_config, args)
     return asyncio.run(_serve(engine_config, settings, args))
+
+
+def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:
+    """A process other than 0: loads its shards, then runs the steps process 0 schedules until it stops."""
+    try:
+        engine = Engine.create(engine_config, progress=False)
+    except InvalidTensorParallelism as error:
+        print(f"sluice serve: {error}", file=sys.stderr)
+        return 2
+    print(f"Sluice process {args.process_id} of {args.num_processes}: running process 0's steps", flush=True)
+    engine.follow()
+    return 0
 
 
 async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from batching.request_output import RequestOutput
 from batching.sampling_params import SamplingParams
 from batching.scheduler import Scheduler, SchedulerConfig
 from model.loader import LoadedModel, load_model
-from sharding.mesh import make_mesh
+from sharding.mesh import InvalidTensorParallelism, make_mesh
 from sharding.rules import param_sharding
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -44,7 +44,7 @@ def kv_page_bytes(loaded: LoadedModel, page_size: int) -> int:
 
 def default_kv_cache_bytes() -> int:
     """A fraction of the free memory of the first device; a fixed budget on the CPU."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if jax.default_backend() == "cpu" or "bytes_limit" not in stats:
         return CPU_KV_CACHE_BYTES
     return int(ACCELERATOR_KV_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
@@ -92,6 +92,11 @@ class Engine:
     @classmethod
     def create(cls, config: EngineConfig, *, progress: bool = True) -> Engine:
         """Loads the model, sizes the KV pool and compiles every step bucket."""
+        if jax.process_count() > 1 and config.tp != jax.device_count():
+            raise InvalidTensorParallelism(
+                f"a {jax.process_count()}-process job serves one model over all its devices: "
+                f"--tp must be {jax.device_count()}, got {config.tp}"
+            )
         if config.tp == 1:
             return cls(load_model(config.model, dtype=config.dtype), config, progress=progress)
         mesh = make_mesh(config.tp)
@@ -176,6 +181,10 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
+    def follow(self) -> None:
+        """Processes other than 0 of a multi-process job: replays process 0's steps until its `shutdown`."""
+        self.runner.follow()
+
     def stats(self) -> EngineStats:
         return self.core.stats()
 
@@ -189,6 +198,7 @@ class Engine:
             self._thread = None
         for request_id in list(self.core.requests):
             self.core.abort(request_id)
+        self.runner.stop_followers()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[RequestOutput]]:

@@ -10,7 +10,7 @@ host, so the engine does its text work while the device computes.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -21,12 +21,13 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from batching import step_broadcast
 from batching.sampler import SamplerOutput, SamplingBatch, build_sampling_batch, sample
 from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk
 from model.llama import KVCache, Llama, empty_kv_cache
 from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
-from sharding.rules import kv_cache_sharding
+from sharding.rules import kv_cache_sharding, replicated
 
 MAX_BANNED_IDS = 32
 # Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
@@ -162,10 +163,23 @@ class ModelRunner:
 
     def _step_fn(self, max_q_len: int):
         if max_q_len not in self._steps:
+            # Sampled tokens replicated on every device, so any process (process 0 in a multi-process job) reads them.
+            out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
             self._steps[max_q_len] = jax.jit(
-                partial(_step, self.graphdef, self.backend, self.mesh, self.num_pages, max_q_len), donate_argnums=(1,)
+                partial(_step, self.graphdef, self.backend, self.mesh, self.num_pages, max_q_len),
+                donate_argnums=(1,), out_shardings=out_shardings,
             )
         return self._steps[max_q_len]
+
+    def _run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingBatch) -> SamplerOutput:
+        """Launches the step on host inputs (numpy) and replaces the pool; returns without waiting."""
+        if step_broadcast.is_multiprocess():
+            # A computation spanning processes takes global arrays: each process holds the same full copy.
+            inputs, sampling = jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(replicated(self.mesh), x), (inputs, sampling)
+            )
+        out, self.kv_cache = self._step_fn(bucket.max_q_len)(self.state, self.kv_cache, inputs, sampling)
+        return out
 
     def pool_lost(self) -> bool:
         """Whether a failed step took the donated KV pool with it."""
@@ -181,8 +195,7 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> None:
         """Compiles every bucket (an all-padding step writes nothing to the pool)."""
         for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
-            inputs, sampling = self._pad([], [], bucket)
-            out, self.kv_cache = self._step_fn(bucket.max_q_len)(self.state, self.kv_cache, inputs, sampling)
+            self._run(bucket, *self._pad([], [], bucket))
         jax.block_until_ready(self.kv_cache)
 
     def dispatch(self, chunks: list[ScheduledChunk], rows: list[SamplingRow]) -> PendingStep:
@@ -190,8 +203,20 @@ class ModelRunner:
         num_tokens = sum(c.num_tokens for c in chunks)
         bucket = self.bucket_for(num_tokens, len(chunks), max(c.num_tokens for c in chunks))
         inputs, sampling = self._pad(chunks, rows, bucket)
-        out, self.kv_cache = self._step_fn(bucket.max_q_len)(self.state, self.kv_cache, inputs, sampling)
-        return PendingStep(out)
+        if step_broadcast.is_multiprocess():
+            step_broadcast.send_step(astuple(bucket), (inputs, sampling))
+        return PendingStep(self._run(bucket, inputs, sampling))
+
+    def follow(self) -> None:
+        """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
+        while (shape := step_broadcast.receive_step_shape()) is not None:
+            bucket = Bucket(*shape)
+            self._run(bucket, *step_broadcast.receive_payload(self._pad([], [], bucket)))
+
+    def stop_followers(self) -> None:
+        """Process 0 of a multi-process job: ends the other processes' `follow` (no-op otherwise)."""
+        if step_broadcast.is_multiprocess() and step_broadcast.is_leader():
+            step_broadcast.send_stop()
 
     def _pad(self, chunks: list[ScheduledChunk], rows: list[SamplingRow], bucket: Bucket
              ) -> tuple[StepInputs, SamplingBatch]:

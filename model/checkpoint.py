@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,12 @@ def checkpoint_dir(source: Path, cache_root: Path) -> Path:
 
 
 def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], tokenizer_json: str, special: dict[str, Any]) -> None:
-    """Writes the converted model atomically (to a temporary folder renamed into place)."""
-    tmp = folder.with_name(folder.name + ".tmp")
+    """Writes the converted model atomically (to a temporary folder renamed into place).
+
+    Processes converting the same source at once (the processes of a multi-process job on one filesystem)
+    each write their own temporary folder; the first rename wins.
+    """
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with ocp.StandardCheckpointer() as checkpointer:
@@ -43,8 +48,12 @@ def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], token
     (tmp / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=1))
     (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
     (tmp / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=1))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    try:
+        tmp.rename(folder)
+    except OSError:
+        if not folder.exists():
+            raise
+        shutil.rmtree(tmp)  # another process converted the same source first
 
 
 def load_config(folder: Path) -> ModelConfig:

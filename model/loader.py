@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -67,7 +68,11 @@ def load_model(
     if not folder.exists():
         start = time.perf_counter()
         print(f"Converting {source.name} (first use) ...", file=sys.stderr)
-        convert(source, folder)
+        if jax.process_count() > 1:
+            # In a multi-process job orbax saves collectively; each process's conversion is its own business.
+            subprocess.run([sys.executable, "-m", "model.loader", str(source), str(folder)], check=True)
+        else:
+            convert(source, folder)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
     config = checkpoint.load_config(folder)
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
@@ -88,3 +93,7 @@ def load_model(
     state = nnx.State({name: nnx.Param(value) for name, value in params.items()})
     llama = nnx.merge(graphdef, state)
     return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=source.stem)
+
+
+if __name__ == "__main__":  # python -m model.loader SOURCE FOLDER: one conversion, in a single-process JAX
+    convert(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import jax
@@ -19,19 +18,11 @@ class InvalidTensorParallelism(ValueError):
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Multi-host settings, from flags or SLUICE_COORDINATOR / SLUICE_NUM_PROCESSES / SLUICE_PROCESS_ID."""
+    """Multi-process settings (`sluice serve --coordinator-address --num-processes --process-id`)."""
 
     coordinator_address: str | None = None
     num_processes: int = 1
     process_id: int = 0
-
-    @classmethod
-    def from_env(cls) -> DistributedConfig:
-        return cls(
-            coordinator_address=os.environ.get("SLUICE_COORDINATOR"),
-            num_processes=int(os.environ.get("SLUICE_NUM_PROCESSES", "1")),
-            process_id=int(os.environ.get("SLUICE_PROCESS_ID", "0")),
-        )
 
 
 def initialize_distributed(config: DistributedConfig) -> None:
@@ -42,7 +33,11 @@ def initialize_distributed(config: DistributedConfig) -> None:
     if config.num_processes <= 1:
         return
     if not config.coordinator_address:
-        raise InvalidTensorParallelism("multi-process serving needs a coordinator address (host:port of process 0)")
+        raise ValueError("multi-process serving needs --coordinator-address (host:port of process 0)")
+    if not 0 <= config.process_id < config.num_processes:
+        raise ValueError(
+            f"--process-id must be in [0, {config.num_processes}), got {config.process_id}"
+        )
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address,
         num_processes=config.num_processes,

@@ -9,10 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import save_file
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from hf_folder import random_hf_tensors, train_tokenizer, write_hf_folder
 from model.config import ModelConfig
 from model.generate import sequence_logits
 from model.llama import Llama
@@ -20,25 +18,6 @@ from model.loader import load_model
 from model.weights import GLOBAL_TENSORS, LAYER_TENSORS, TRANSPOSED
 
 CONFIG = ModelConfig.tiny(vocab_size=300, head_dim=32, hidden_size=64, num_heads=2, num_kv_heads=1, max_position_embeddings=256)
-
-
-def random_hf_tensors(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """Random weights keyed by HF tensor names, linears as [out, in] (the HF / GGUF numpy order)."""
-    rng = np.random.default_rng(seed)
-    model = Llama(config, rngs=nnx.Rngs(seed))
-    tensors = {}
-    for name, (_, hf_suffix) in LAYER_TENSORS.items():
-        if hasattr(model, name):
-            value = np.asarray(model.__getattribute__(name)[...])
-            if name.endswith("norm"):
-                value = rng.uniform(0.5, 1.5, value.shape).astype(np.float32)
-            for layer in range(config.num_layers):
-                tensors[f"model.layers.{layer}.{hf_suffix}"] = value[layer].T if name in TRANSPOSED else value[layer]
-    for name, (_, hf_name) in GLOBAL_TENSORS.items():
-        if hasattr(model, name):
-            value = np.asarray(getattr(model, name)[...])
-            tensors[hf_name] = value.T if name in TRANSPOSED else value
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
 
 
 def reference_model(config: ModelConfig, tensors: dict[str, np.ndarray]) -> Llama:
@@ -51,16 +30,6 @@ def reference_model(config: ModelConfig, tensors: dict[str, np.ndarray]) -> Llam
         if hasattr(model, name):
             getattr(model, name)[...] = tensors[hf_name].T if name in TRANSPOSED else tensors[hf_name]
     return model
-
-
-def train_tokenizer(vocab_size: int) -> HFTokenizer:
-    tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
-    return tokenizer
 
 
 def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -77,21 +46,7 @@ def sluice_home(tmp_path, monkeypatch):
 
 def test_hf_safetensors_folder_loads_the_same_model(sluice_home):
     folder = sluice_home / "hf"
-    folder.mkdir()
-    tensors = random_hf_tensors(CONFIG, seed=1)
-    half = len(tensors) // 2
-    names = sorted(tensors)
-    save_file({k: tensors[k] for k in names[:half]}, str(folder / "model-00001-of-00002.safetensors"))
-    save_file({k: tensors[k] for k in names[half:]}, str(folder / "model-00002-of-00002.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": CONFIG.vocab_size, "hidden_size": CONFIG.hidden_size,
-        "intermediate_size": CONFIG.intermediate_size, "num_hidden_layers": CONFIG.num_layers,
-        "num_attention_heads": CONFIG.num_heads, "num_key_value_heads": CONFIG.num_kv_heads,
-        "rope_theta": CONFIG.rope_theta, "rms_norm_eps": CONFIG.rms_norm_eps, "tie_word_embeddings": False,
-        "max_position_embeddings": CONFIG.max_position_embeddings, "bos_token_id": 1, "eos_token_id": 2,
-    }))
-    train_tokenizer(CONFIG.vocab_size).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+    tensors = write_hf_folder(folder, CONFIG, seed=1, num_files=2)
 
     loaded = load_model(str(folder), dtype="float32")
     assert loaded.config == CONFIG

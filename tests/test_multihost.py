@@ -1,0 +1,84 @@
+"""Multi-process serving: two `sluice serve` processes on localhost (2 simulated CPU devices each, gloo
+collectives) serve one tensor-parallel model; process 0 answers HTTP like a single process at --tp 1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+
+from batching.config import EngineConfig
+from batching.engine import Engine
+from batching.sampling_params import SamplingParams
+from hf_folder import write_hf_folder
+from model.config import ModelConfig
+from model.loader import load_model
+from test_api_e2e import ROOT, free_port, start_server
+
+CONFIG = ModelConfig.tiny(vocab_size=300, num_heads=8, num_kv_heads=4, intermediate_size=256)
+LIMITS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--kv-cache-memory", "1M"]
+PROMPT = [1, 5, 17, 42, 99, 7]
+
+
+@pytest.fixture()
+def tiny_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    write_hf_folder(tmp_path / "tiny", CONFIG, seed=3)
+    return tmp_path / "tiny"
+
+
+def reference(folder) -> tuple[str, list[float]]:
+    """Greedy text and logprobs from a single-process engine at --tp 1."""
+    engine = Engine(load_model(str(folder), dtype="float32"),
+                    EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, kv_cache_memory=1 << 20))
+    [[out]] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True))
+    return out.text, [lp.logprob for lp in out.logprobs]
+
+
+def test_two_processes_serve_one_model_like_a_single_process(tiny_model, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    distributed = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    flags = ["--model", str(tiny_model), "--tp", "4", *LIMITS, *distributed]
+    # Process 1 first: it waits in jax.distributed.initialize until process 0 joins.
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", *flags, "--process-id", "1"],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        leader = start_server(*flags, "--process-id", "0", startup_timeout_s=600)
+        try:
+            reply = httpx.post(f"{leader.url}/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+            })
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+        finally:
+            assert leader.stop() == 0, leader.output()
+        assert follower.wait(timeout=60) == 0  # process 0's shutdown ends process 1's step loop
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        follower_log = follower.communicate()[0].decode(errors="replace")
+    assert "running process 0's steps" in follower_log
+
+    text, logprobs = reference(tiny_model)
+    assert choice["text"] == text
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=1e-4)
+
+
+def test_a_tp_that_does_not_span_every_process_is_refused(tiny_model, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    distributed = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    flags = ["--model", str(tiny_model), "--tp", "2", *LIMITS, *distributed]
+    processes = [
+        subprocess.Popen([sys.executable, "-m", "app.cli", "serve", *flags, "--process-id", str(i)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for i in (1, 0)
+    ]
+    outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in processes]
+    assert [p.returncode for p in processes] == [2, 1]  # the follower's CLI error; the server's failed start
+    assert all("--tp must be 4, got 2" in out for out in outputs), outputs
