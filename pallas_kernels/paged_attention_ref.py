@@ -1,10 +1,11 @@
 """Pure-jnp paged attention: the CPU serving path and the kernels' oracle.
 
-Cost follows the work: each sequence's pages are gathered once, head-major, into
-`[num_seqs, num_kv_heads, max_pages * page_size, head_dim]`, queries are laid out
-`[num_seqs, max_q_len, num_kv_heads, group, head_dim]` (so a decode step costs num_seqs x context,
-not num_tokens x num_seqs x context), and GQA reshapes the q heads into [kv_heads, group] instead of
-repeating K/V. Masks use a finite large negative, so no row ever becomes NaN.
+Cost follows the work: sequences are sorted by context length and taken in groups of ROW_GROUP, and each
+group walks only as many 128-token blocks of its pages as its longest sequence needs, so a batch of mixed
+lengths costs about the sum of its contexts, not num_seqs x the longest. Each block's pages are gathered
+head-major, queries are laid out `[num_seqs, q_len, num_kv_heads, group, head_dim]` (a decode step costs
+num_seqs x context, not num_tokens x num_seqs x context), and GQA reshapes the q heads into [kv_heads, group]
+instead of repeating K/V. Masks use a finite large negative, so no row ever becomes NaN.
 """
 
 import functools
@@ -15,6 +16,10 @@ from jax import lax
 
 MASK_VALUE = -1e30
 BLOCK_TOKENS = 128
+ROW_GROUP = 8
+# Up to this many query rows per KV head, the score and PV contractions are broadcast multiply-reduces: XLA's
+# CPU batched dot is slow for a handful of rows, while a multiply-reduce fuses into one vectorized loop.
+FEW_ROWS = 8
 
 
 def _gather_head_major(pages: jax.Array, page_ids: jax.Array) -> jax.Array:
@@ -30,7 +35,26 @@ def _gather_head_major(pages: jax.Array, page_ids: jax.Array) -> jax.Array:
     return out.reshape(page_ids.shape[0], kv_heads, page_ids.shape[1] * page_size, head_dim)
 
 
-def _attend(
+def _scores(k: jax.Array, q_rows: jax.Array) -> jax.Array:
+    """k: [s, kv_heads, block, head_dim], q_rows: [s, kv_heads, rows, head_dim] -> [s, kv_heads, block, rows] f32."""
+    if q_rows.shape[2] <= FEW_ROWS:
+        return (k[:, :, :, None, :].astype(jnp.float32) * q_rows[:, :, None, :, :].astype(jnp.float32)).sum(-1)
+    return jnp.einsum(
+        "sktd,skrd->sktr", k, q_rows, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+    )
+
+
+def _weighted_values(v: jax.Array, p: jax.Array) -> jax.Array:
+    """v: [s, kv_heads, block, head_dim], p: [s, kv_heads, block, rows] f32 -> [s, kv_heads, rows, head_dim] f32."""
+    if p.shape[3] <= FEW_ROWS:
+        return (v[:, :, :, None, :].astype(jnp.float32) * p[..., None]).sum(2)
+    return jnp.einsum(
+        "sktd,sktr->skrd", v, p.astype(v.dtype), preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,
+    )
+
+
+def _attend_rows(
     q: jax.Array,
     q_pos: jax.Array,
     q_valid: jax.Array,
@@ -48,7 +72,7 @@ def _attend(
 
     The context is walked in blocks of BLOCK_TOKENS with an online softmax, for as many blocks as the
     longest sequence in this call needs (a dynamic trip count): the cost follows the real contexts, not
-    the page table's width (max_model_len).
+    the page table's width (max_model_len). `_attend` calls this per group of similar lengths.
     """
     num_seqs, q_len, kv_heads, group, head_dim = q.shape
     max_pages = page_table.shape[1]
@@ -76,18 +100,13 @@ def _attend(
         kv_pos = b * block + jnp.arange(block)
         # Slots past kv_len may hold NaN, which a zero probability would not cancel.
         v = jnp.where((kv_pos[None, :] < kv_lens[:, None])[:, None, :, None], v, jnp.zeros_like(v))
-        s = jnp.einsum(
-            "sktd,skrd->sktr", k, q_rows, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
-        ) * sm_scale
+        s = _scores(k, q_rows) * sm_scale
         visible = (kv_pos[None, :, None] <= row_pos[:, None, :])[:, None]  # [num_seqs, 1, block, rows]
         s = jnp.where(visible, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=2))
         p = jnp.where(visible, jnp.exp(s - m_new[:, :, None, :]), 0.0)
         alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum(
-            "sktd,sktr->skrd", v, p.astype(v.dtype), preferred_element_type=jnp.float32,
-            precision=lax.Precision.HIGHEST,
-        )
+        pv = _weighted_values(v, p)
         return m_new, l * alpha + p.sum(axis=2), acc * alpha[..., None] + pv
 
     init = (
@@ -99,6 +118,38 @@ def _attend(
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = out.reshape(num_seqs, kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
     return jnp.where(q_valid[:, :, None, None, None], out, 0.0).astype(q.dtype)
+
+
+def _attend(
+    q: jax.Array,
+    q_pos: jax.Array,
+    q_valid: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    sm_scale: float,
+) -> jax.Array:
+    """`_attend_rows` over groups of ROW_GROUP sequences sorted by kv_len, longest first, so each group's
+    block loop runs for about its own rows' contexts. Same arguments and result."""
+    num_seqs = q.shape[0]
+    size = min(ROW_GROUP, num_seqs)
+    num_groups = -(-num_seqs // size)
+    order = jnp.argsort(-kv_lens, stable=True)
+
+    def grouped(x: jax.Array) -> jax.Array:  # padding sequences have kv_len 0 and no valid rows
+        x = jnp.pad(x[order], [(0, num_groups * size - num_seqs)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(num_groups, size, *x.shape[1:])
+
+    qs, q_pos, q_valid, kv_lens, page_table = map(grouped, (q, q_pos, q_valid, kv_lens, page_table))
+
+    def one_group(i: jax.Array, out: jax.Array) -> jax.Array:
+        rows = _attend_rows(qs[i], q_pos[i], q_valid[i], k_pages, v_pages, kv_lens[i], page_table[i], sm_scale)
+        return lax.dynamic_update_index_in_dim(out, rows, i, axis=0)
+
+    out = lax.fori_loop(0, num_groups, one_group, jnp.zeros_like(qs))
+    out = out.reshape(num_groups * size, *q.shape[1:])[:num_seqs]
+    return jnp.zeros_like(q).at[order].set(out)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
