@@ -8,6 +8,7 @@ XLA copies the whole pool in every layer, while a flat loop-carried pool is upda
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -49,7 +50,7 @@ def make_paged_attend(
     the pool never moves between devices.
     """
 
-    def attend(layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache):
+    def attend(meta: AttentionMetadata, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache):
         k_pool, v_pool = kv_cache
         page_size = k_pool.shape[2]
         offset = layer * pages_per_layer
@@ -61,14 +62,16 @@ def make_paged_attend(
         )
         return out, (k_pool, v_pool)
 
-    if mesh is None:
-        return attend
-    heads = P(None, TP_AXIS, None)  # q/k/v/out [T, heads, head_dim]
-    pool = P(None, TP_AXIS, None, None)
-    return jax.shard_map(
-        attend, mesh=mesh, in_specs=(P(), heads, heads, heads, (pool, pool)), out_specs=(heads, (pool, pool)),
-        check_vma=False,
-    )
+    if mesh is not None:
+        heads = P(None, TP_AXIS, None)  # q/k/v/out [T, heads, head_dim]
+        pool = P(None, TP_AXIS, None, None)
+        # The metadata goes in as an argument (replicated), not a closure: inside shard_map every array
+        # must be a per-device value, and a multi-process job's metadata arrives as a global array.
+        attend = jax.shard_map(
+            attend, mesh=mesh, in_specs=(P(), P(), heads, heads, heads, (pool, pool)),
+            out_specs=(heads, (pool, pool)), check_vma=False,
+        )
+    return functools.partial(attend, meta)
 
 
 def flat_pool(kv_cache: KVCache) -> KVCache:
