@@ -1,7 +1,7 @@
 """The physical limit a throughput figure is measured against, from peaks measured on this machine.
 
-Peaks: memory bandwidth from a large jitted elementwise pass (bytes read + written over time) and
-float32 matmul rate from a large jitted matmul; best of a few runs, after a compile-and-warm run.
+Peaks: memory bandwidth from large jitted read-only passes (a sum, a matrix-vector product) and float32
+matmul rate from large jitted matmuls; best of a few runs, after a compile-and-warm run.
 
 Bound for a workload at decode batch B: prefill is compute-bound (2 FLOPs per matmul weight per prompt
 token plus causal attention); every decode step reads all weights once plus the batch's KV cache, and
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -51,19 +52,30 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure_peaks(elements: int = 1 << 26, matmul_n: int = 2048, repeats: int = 5) -> Peaks:
-    """Measures the default JAX device: `elements` float32 values read and written; an n x n x n matmul."""
+def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 2048), repeats: int = 5) -> Peaks:
+    """Measures the default JAX device.
+
+    Bandwidth: bytes read per second, the best of a sum over `elements` float32 values and a matrix-vector
+    product over a matrix as large (a decode step's access pattern: every weight read once). Neither writes
+    a large output, so fresh-page faults are not timed. Matmul rate: the best over n x n x n float32 matmuls.
+    """
     import jax
     import jax.numpy as jnp
 
     x = jnp.ones((elements,), jnp.float32)
-    axpb = jax.jit(lambda v: v * 1.0001 + 0.5)
-    seconds = _best_seconds(lambda: axpb(x).block_until_ready(), repeats)
-    bandwidth = 2 * 4 * elements / seconds
-    a = jnp.ones((matmul_n, matmul_n), jnp.float32)
+    total = jax.jit(jnp.sum)
+    sum_s = _best_seconds(lambda: total(x).block_until_ready(), repeats)
+    side = math.isqrt(elements)
+    matrix, vector = jnp.ones((side, side), jnp.float32), jnp.ones((side,), jnp.float32)
+    gemv = jax.jit(lambda m, v: m @ v)
+    gemv_s = _best_seconds(lambda: gemv(matrix, vector).block_until_ready(), repeats)
+    bandwidth = max(4 * elements / sum_s, 4 * side * side / gemv_s)
+    del x, matrix
     matmul = jax.jit(lambda p, q: p @ q)
-    seconds = _best_seconds(lambda: matmul(a, a).block_until_ready(), repeats)
-    flops = 2 * matmul_n**3 / seconds
+    flops = 0.0
+    for n in matmul_sizes:
+        a = jnp.ones((n, n), jnp.float32)
+        flops = max(flops, 2 * n**3 / _best_seconds(lambda: matmul(a, a).block_until_ready(), repeats))
     return Peaks(bandwidth / 1e9, flops / 1e9, str(jax.devices()[0].device_kind))
 
 
