@@ -17,6 +17,7 @@ from batching.sampling_params import SamplingParams
 from hf_folder import write_hf_folder
 from model.config import ModelConfig
 from model.loader import load_model
+from sharding.mesh import DistributedConfig, initialize_distributed
 from test_api_e2e import ROOT, free_port, start_server
 
 CONFIG = ModelConfig.tiny(vocab_size=300, num_heads=8, num_kv_heads=4, intermediate_size=256)
@@ -82,3 +83,12 @@ def test_a_tp_that_does_not_span_every_process_is_refused(tiny_model, monkeypatc
     outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in processes]
     assert [p.returncode for p in processes] == [2, 1]  # the follower's CLI error; the server's failed start
     assert all("--tp must be 4, got 2" in out for out in outputs), outputs
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    (DistributedConfig(None, 2, 0), "needs --coordinator-address"),
+    (DistributedConfig("127.0.0.1:1", 2, 2), r"--process-id must be in \[0, 2\), got 2"),
+])
+def test_bad_multi_process_flags_are_refused_before_joining(config, message):
+    with pytest.raises(ValueError, match=message):
+        initialize_distributed(config)
