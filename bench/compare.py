@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python bench/compare.py` puts bench/, not the root, on the path
 
-from bench.dataset import BenchRequest, save_jsonl  # noqa: E402
+from bench.dataset import BenchRequest, fresh_prompts, save_jsonl  # noqa: E402
 from bench.metrics import Slo  # noqa: E402
 from bench.roofline import measure_peaks, read_model_config, workload_roofline  # noqa: E402
 from bench.serve import LoadConfig, RunResult, add_dataset_arguments, benchmark, load_dataset, report  # noqa: E402
@@ -112,12 +112,14 @@ def main() -> int:
     try:
         wait_ready(url, server, args.ready_timeout)
         # Two short requests first, so nothing lazy on the server's first request lands in the timed runs.
-        warmup = [BenchRequest(r.prompt[:16], 2) for r in requests[:2]]
+        # Every run gets prompts of its own: none may be served from the prefix cache a previous one filled.
+        warmup = [BenchRequest(r.prompt[:16], 2) for r in fresh_prompts(requests[:2], salt=1)]
         benchmark(warmup, LoadConfig(url, seed=args.seed), Slo(), peaks, None, "float32")
         saturated = benchmark(requests, LoadConfig(url, seed=args.seed), Slo(), peaks, None, "float32")
         print(report(saturated, command), flush=True)
         single = benchmark(
-            requests[: args.single_requests], LoadConfig(url, max_concurrency=1, seed=args.seed), Slo(), peaks, None, "float32"
+            fresh_prompts(requests[: args.single_requests], salt=2), LoadConfig(url, max_concurrency=1, seed=args.seed),
+            Slo(), peaks, None, "float32",
         )
         print(report(single, command), flush=True)
     finally:

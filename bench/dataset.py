@@ -77,6 +77,17 @@ def synthetic(spec: SyntheticSpec) -> list[BenchRequest]:
     ]
 
 
+def fresh_prompts(requests: list[BenchRequest], salt: int, vocab_size: int = 49152) -> list[BenchRequest]:
+    """The same lengths with new random token ids (seeded by `salt`), so a run that replays a workload
+    against one server is not served from the prefix cache the previous run filled. Text prompts stay."""
+    rng = np.random.default_rng([salt, len(requests)])
+    return [
+        r if isinstance(r.prompt, str)
+        else BenchRequest(tuple(int(t) for t in rng.integers(FIRST_ORDINARY_TOKEN, vocab_size, len(r.prompt))), r.output_tokens)
+        for r in requests
+    ]
+
+
 def load_jsonl(path: Path, num_requests: int | None = None) -> list[BenchRequest]:
     """The first `num_requests` lines of `path` (all when None)."""
     requests = []

@@ -1,5 +1,6 @@
 """`sluice bench sweep`: `bench serve` over a list of request rates against one server, then the
-throughput-latency curve. Each rate replays the same seeded workload; peaks are measured once."""
+throughput-latency curve. Each rate replays the same seeded lengths with fresh token-id prompts (so no
+rate is served from the prefix cache an earlier one filled); peaks are measured once."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.dataset import fresh_prompts
 from bench.metrics import Slo
 from bench.plots import plot_rate_curves, plot_throughput_latency
 from bench.roofline import peaks_from
@@ -33,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"dataset: {dataset}\npeaks: {peaks.bandwidth_gbs:.1f} GB/s, {peaks.matmul_gflops:.0f} GFLOP/s ({peaks.device})")
     args.out.mkdir(parents=True, exist_ok=True)
     results, failed = [], 0
-    for rate in args.request_rates:
-        result = benchmark(requests, load_config(args, rate), slo, peaks, args.roofline_model, args.dtype)
+    for index, rate in enumerate(args.request_rates):
+        result = benchmark(fresh_prompts(requests, salt=index), load_config(args, rate), slo, peaks,
+                           args.roofline_model, args.dtype)
         print(f"\n--- request rate {rate:g} req/s ---\n{report(result, command)}")
         results.append(result_json(result, command, dataset))
         failed += result.summary.failed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.dataset import BenchRequest, SyntheticSpec, fresh_prompts, synthetic
 from bench.metrics import Distribution, RequestRecord, Slo, percentile, summarize
 
 
@@ -87,3 +88,12 @@ def test_summary_counts_throughput_over_completed_requests_and_goodput_under_slo
     assert s.goodput == pytest.approx(0.5)
     # Two requests decoding for 1.0 s each during a 2 s run: one request decoding on average.
     assert s.mean_decode_batch == pytest.approx(1.0)
+
+
+def test_fresh_prompts_keep_lengths_and_outputs_but_not_token_ids() -> None:
+    requests = synthetic(SyntheticSpec(num_requests=6, seed=3)) + [BenchRequest("a text prompt", 5)]
+    fresh = fresh_prompts(requests, salt=1)
+    assert [(len(r.prompt), r.output_tokens) for r in fresh] == [(len(r.prompt), r.output_tokens) for r in requests]
+    assert all(f.prompt != r.prompt for f, r in zip(fresh[:-1], requests[:-1]))
+    assert fresh[-1] == requests[-1]  # text prompts are replayed as they are
+    assert fresh == fresh_prompts(requests, salt=1) and fresh != fresh_prompts(requests, salt=2)
