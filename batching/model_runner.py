@@ -211,7 +211,12 @@ class ModelRunner:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
         while (shape := step_broadcast.receive_step_shape()) is not None:
             bucket = Bucket(*shape)
-            self._run(bucket, *step_broadcast.receive_payload(self._pad([], [], bucket)))
+            inputs, sampling = step_broadcast.receive_payload(self._pad([], [], bucket))
+            try:
+                jax.block_until_ready(self._run(bucket, inputs, sampling))
+            except Exception:  # noqa: BLE001 - process 0 fails the same step; keep in step with it
+                if self.pool_lost():
+                    self.reset_pool()
 
     def stop_followers(self) -> None:
         """Process 0 of a multi-process job: ends the other processes' `follow` (no-op otherwise)."""
