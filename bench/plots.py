@@ -31,10 +31,7 @@ def plot_rate_curves(results: list[dict[str, Any]], folder: Path) -> list[Path]:
         ax.set_xticks(x, labels)
         ax.set_xlabel("request rate (req/s)")
         ax.legend()
-    latency.tight_layout()
-    latency_path = folder / "latency_vs_rate.png"
-    latency.savefig(latency_path, dpi=120)
-    plt.close(latency)
+    latency_path = _save(latency, folder / "latency_vs_rate.png")
 
     throughput, ax = plt.subplots(figsize=(6, 4))
     ax.plot(x, [r["summary"]["output_throughput"] for r in results], marker="o", label="output tok/s")
@@ -43,11 +40,15 @@ def plot_rate_curves(results: list[dict[str, Any]], folder: Path) -> list[Path]:
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("tokens/s")
     ax.legend()
-    throughput.tight_layout()
-    throughput_path = folder / "throughput_vs_rate.png"
-    throughput.savefig(throughput_path, dpi=120)
-    plt.close(throughput)
+    throughput_path = _save(throughput, folder / "throughput_vs_rate.png")
     return [latency_path, throughput_path]
+
+
+def _save(figure: plt.Figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
 
 
 def plot_throughput_latency(results: list[dict[str, Any]], path: Path) -> Path:
@@ -63,10 +64,7 @@ def plot_throughput_latency(results: list[dict[str, Any]], path: Path) -> Path:
     ax.set_ylabel("TPOT (ms)")
     ax.set_title("throughput vs latency (labels: req/s)")
     ax.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(figure, path)
 
 
 def plot_ttft_distribution(records: list[RequestRecord], path: Path) -> Path:
@@ -75,7 +73,4 @@ def plot_ttft_distribution(records: list[RequestRecord], path: Path) -> Path:
     ax.hist([r.ttft * 1e3 for r in records if r.ok], bins=30)
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("requests")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(figure, path)

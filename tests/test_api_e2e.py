@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from bench.compare import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +50,6 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(*flags: str, startup_timeout_s: float = 900) -> ServerProcess:

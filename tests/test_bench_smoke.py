@@ -6,10 +6,8 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from bench import serve
@@ -26,7 +24,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from bench.compare import free_port
+    from bench.compare import free_port, wait_ready
 
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
@@ -38,16 +36,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"sluice serve did not become ready:\n{log.read_text()[-2000:]}")
+        wait_ready(url, process, timeout_s=600)
         yield url
     finally:
         process.terminate()
