@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from model.fetch import ModelNotFound
@@ -21,10 +22,18 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+# `sluice bench NAME ...` runs `bench/NAME.py`; the benchmarks are imported only when asked for.
+BENCHMARKS = {
+    "throughput": "offline throughput: continuous vs static batching vs one at a time",
+    "serve": "load a running server with streaming requests; latency percentiles and goodput",
+    "sweep": "bench serve over a list of request rates; throughput-latency curve",
+    "responsiveness": "/health and /metrics latency while a running server is loaded with streams",
+}
+
+
 def _generate(args: argparse.Namespace) -> int:
     from model.generate import generate_stream
     from model.loader import load_model
-    from model.tokenizer import IncrementalDetokenizer
 
     loaded = load_model(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
@@ -32,7 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     prompt_ids = tokenizer.encode(text)
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    detokenizer = tokenizer.decode_stream(prompt_ids)
     tokens = generate_stream(
         loaded.model, prompt_ids, args.max_tokens, temperature=args.temperature, seed=args.seed,
         stop_token_ids=tokenizer.eos_token_ids,
@@ -63,22 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_generate)
 
     from app import serve
-    from bench import serve as bench_serve, sweep, throughput
 
     serve_parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_arguments(serve_parser)
     serve_parser.set_defaults(run=serve.run)
 
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    for name, module, text in (
-        ("throughput", throughput, "offline throughput: continuous vs static batching vs one at a time"),
-        ("serve", bench_serve, "load a running server with streaming requests; latency percentiles and goodput"),
-        ("sweep", sweep, "bench serve over a list of request rates; throughput-latency curve"),
-    ):
-        sub = bench.add_parser(name, help=text)
-        module.add_arguments(sub)
-        sub.set_defaults(run=module.run)
+    bench = commands.add_parser(
+        "bench", help="benchmarks", description="; ".join(f"{name}: {text}" for name, text in BENCHMARKS.items()),
+    )
+    bench.add_argument("benchmark", choices=BENCHMARKS, help="which benchmark (its own flags follow; try --help)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    bench.set_defaults(run=_bench)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    return importlib.import_module(f"bench.{args.benchmark}").main(args.args)
 
 
 def main(argv: list[str] | None = None) -> int:

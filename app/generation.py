@@ -1,152 +1,106 @@
-"""Drives the engine for one HTTP request: submits one engine request per prompt, merges their output
-streams into one, measures latencies, and aborts whatever is unfinished when closed."""
+"""One HTTP request's engine work: submitting it, reading its increments, measuring it, and cleaning up."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from batching.engine import Engine, RequestRejected
-from batching.request_output import RequestOutput
+from batching.engine import Engine
+from batching.outputs import Collector, Increment, Usage
+from batching.request import RequestRejected
 from batching.sampling_params import SamplingParams
 
-from app.disconnect import cancel_on_disconnect
 from app.errors import APIError, generation_failed, invalid_request
 from app.metrics import ServerMetrics
-from app.prompts import Prompt
-from app.sse import EventStreamResponse
-from app.state import Admission
+from app.state import Admission, ServerState
+from app.streaming import EventStreamResponse, cancel_on_disconnect
 
-
-@dataclass(frozen=True)
-class ChoiceOutput:
-    """An engine increment, placed among the HTTP response's choices (`prompt * n + index`)."""
-
-    choice: int
-    output: RequestOutput
-
-
-class _End:
-    """Marks one engine stream as exhausted in the merged queue."""
+Outcome = Literal["success", "error", "abort"]
 
 
 class Generation:
-    """The engine requests behind one HTTP request.
+    """The engine request behind one HTTP request (all its prompts and samples, one collector).
 
-    Construction submits every prompt (a `RequestRejected` becomes a 400, and whatever was already
-    submitted is aborted). `outputs()` yields increments from all prompts as they come; an engine error
-    raises a 500 `APIError`. `close()` is idempotent and must run in every case: it stops the streams,
-    aborts unfinished requests (freeing their KV pages) and releases the admission.
+    `increments()` yields them as they come; an engine error raises a 500 `APIError`, a server-side abort a
+    503. `close()` is idempotent and must run in every case: it aborts the engine request if it is unfinished
+    (freeing its KV pages), releases the admission, and records the end-to-end latency by outcome.
+    Latencies count from `arrival`, the moment the HTTP request reached its route.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        prompts: list[Prompt],
-        params: SamplingParams,
-        request_id: str,
-        admission: Admission,
-        metrics: ServerMetrics,
-    ) -> None:
+    def __init__(self, engine: Engine, collector: Collector, admission: Admission, metrics: ServerMetrics,
+                 arrival: float) -> None:
         self._engine = engine
-        self._n = params.n
+        self._collector = collector
         self._admission = admission
         self._metrics = metrics
-        self._arrival = time.perf_counter()
-        self._ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self._unfinished: dict[int, set[int]] = {i: set(range(params.n)) for i in range(len(prompts))}
-        self._streams: list[AsyncIterator[RequestOutput]] = []
-        self._pumps: list[asyncio.Task] = []
+        self._arrival = arrival
+        self._outcome: Outcome = "abort"
         self._closed = False
-        try:
-            for prompt, engine_id in zip(prompts, self._ids):
-                self._streams.append(engine.add_request(prompt.token_ids, params, engine_id))
-        except RequestRejected as error:
-            self._abort_unfinished()
-            admission.release()
-            raise invalid_request(str(error)) from None
 
-    async def outputs(self) -> AsyncGenerator[ChoiceOutput, None]:
-        queue: asyncio.Queue[tuple[int, RequestOutput | Exception | _End]] = asyncio.Queue()
-        self._pumps = [asyncio.create_task(_pump(i, stream, queue)) for i, stream in enumerate(self._streams)]
-        last_seen: dict[tuple[int, int], float] = {}
-        first_token_seen = False
-        remaining = len(self._pumps)
-        while remaining:
-            prompt, item = await queue.get()
-            if isinstance(item, _End):
-                remaining -= 1
-                continue
-            if isinstance(item, Exception):
-                raise generation_failed(f"generation failed: {item}")
-            if item.error is not None or item.finish_reason == "error":
-                raise generation_failed(f"generation failed: {item.error}")
-            if item.finish_reason == "abort":
+    @property
+    def usage(self) -> Usage | None:
+        return self._collector.usage
+
+    async def increments(self) -> AsyncGenerator[Increment, None]:
+        last_seen: dict[int, float] = {}
+        async for increment in self._collector:
+            if increment.finish_reason == "error":
+                self._outcome = "error"
+                raise generation_failed(f"generation failed: {increment.error}")
+            if increment.finish_reason == "abort":
                 raise APIError(503, "The request was aborted by the server", type="server_error", code="aborted")
-            now = time.perf_counter()
-            if item.token_ids:
-                if not first_token_seen:
-                    first_token_seen = True
+            if increment.token_ids:
+                now = time.perf_counter()
+                if not last_seen:
                     self._metrics.time_to_first_token.observe(now - self._arrival)
-                previous = last_seen.get((prompt, item.index))
+                previous = last_seen.get(increment.choice)
                 if previous is not None:
-                    self._metrics.inter_token_latency.observe((now - previous) / len(item.token_ids))
-                last_seen[(prompt, item.index)] = now
-            if item.finished:
-                self._unfinished[prompt].discard(item.index)
-            yield ChoiceOutput(prompt * self._n + item.index, item)
-        self._metrics.e2e_latency.observe(time.perf_counter() - self._arrival)
+                    self._metrics.inter_token_latency.observe((now - previous) / len(increment.token_ids))
+                last_seen[increment.choice] = now
+            yield increment
+        self._outcome = "success"
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for pump in self._pumps:
-            pump.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-        for stream in self._streams:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        self._abort_unfinished()
+        if not self._collector.finished:
+            self._engine.abort(self._collector.request_id)
         self._admission.release()
-
-    def _abort_unfinished(self) -> None:
-        # Closing a stream aborts its request only if the stream was ever started; abort explicitly.
-        for prompt, engine_id in enumerate(self._ids[: len(self._streams)]):
-            if self._unfinished[prompt]:
-                self._engine.abort(engine_id)
+        self._metrics.e2e_latency.labels(outcome=self._outcome).observe(time.perf_counter() - self._arrival)
 
 
-async def _pump(prompt: int, stream: AsyncIterator[RequestOutput], queue: asyncio.Queue) -> None:
+def start_generation(state: ServerState, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                     arrival: float) -> Generation:
+    """Admits the request (429/503) and submits it to the engine (400 if it can never fit)."""
+    engine = state.require_engine()
+    admission = state.admit(len(prompts) * params.n)
     try:
-        async for output in stream:
-            queue.put_nowait((prompt, output))
-    except Exception as error:  # an engine failure reaches the client as an error event, not a crash
-        queue.put_nowait((prompt, error))
-    else:
-        queue.put_nowait((prompt, _End()))
+        collector = engine.add_request(prompts, params, request_id)
+    except RequestRejected as error:
+        admission.release()
+        raise invalid_request(str(error)) from None
+    return Generation(engine, collector, admission, state.metrics, arrival)
 
 
 class ResponseBuilder(Protocol):
     """Shapes a generation into one OpenAI response (`collect`) or its SSE events (`events`)."""
 
-    def events(self, generation: Generation) -> AsyncIterator[str]: ...
+    def events(self, generation: Generation) -> AsyncIterator[bytes]: ...
 
     async def collect(self, generation: Generation) -> BaseModel: ...
 
 
-async def respond(request: Request, generation: Generation, builder: ResponseBuilder, stream: bool) -> Response:
-    """An SSE stream or one JSON body; either way the generation is closed (its requests aborted) at the end."""
+async def respond(request: Request, generation: Generation, builder: ResponseBuilder, stream: bool,
+                  keepalive_s: float) -> Response:
+    """An SSE stream or one JSON body; either way the generation is closed at the end."""
     if stream:
-        return EventStreamResponse(builder.events(generation), on_close=generation.close)
+        return EventStreamResponse(builder.events(generation), on_close=generation.close, keepalive_s=keepalive_s)
     try:
         response = await cancel_on_disconnect(request, builder.collect(generation))
     finally:

@@ -1,7 +1,8 @@
 """Prometheus metrics, in a registry owned by one app (never the process-global one).
 
-Latencies are measured here from the engine's output stream; queue and KV numbers are read from
-`Engine.stats()` at scrape time by a collector, so they are never stale.
+Latencies are measured by the HTTP side from each request's arrival (`generation.py`); engine numbers are read
+at scrape time from the stats snapshot the engine publishes after every step (no lock, at most a step old).
+Ratios such as the prefix-cache hit rate are left to PromQL over the exported counters.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from batching.core import EngineStats
+from batching.stats import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -38,7 +39,8 @@ class ServerMetrics:
         )
         self.e2e_latency = Histogram(
             "sluice_e2e_request_latency_seconds",
-            "From a request's arrival to its last token",
+            "From a request's arrival to its end, by outcome (success, error, abort)",
+            ["outcome"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -57,19 +59,21 @@ class _EngineCollector:
         if stats is None:
             return
         gauges = [
-            ("sluice_num_requests_running", "Sequences in the running batch", stats.num_running),
-            ("sluice_num_requests_waiting", "Sequences waiting to be scheduled", stats.num_waiting),
+            ("sluice_num_requests_running", "Requests with a sequence in the running batch", stats.num_requests_running),
+            ("sluice_num_requests_waiting", "Requests waiting for a batch slot", stats.num_requests_waiting),
+            ("sluice_num_seqs_running", "Sequences in the running batch", stats.num_seqs_running),
+            ("sluice_num_seqs_waiting", "Sequences waiting for a batch slot", stats.num_seqs_waiting),
             ("sluice_kv_pages_used", "KV-cache pages held by sequences", stats.kv_pages_used),
             ("sluice_kv_pages_total", "KV-cache pages in the pool", stats.kv_pages_total),
-            ("sluice_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up",
-             stats.prefix_cache_hit_tokens / stats.prefix_cache_query_tokens if stats.prefix_cache_query_tokens else 0.0),
         ]
         counters = [
             ("sluice_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", stats.prefix_cache_hit_tokens),
             ("sluice_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_query_tokens),
-            ("sluice_prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total),
+            ("sluice_prompt_tokens", "Prompt tokens processed (each prompt once, when its prefill completes)",
+             stats.prompt_tokens_total),
             ("sluice_generation_tokens", "Tokens generated", stats.generation_tokens_total),
             ("sluice_num_preemptions", "Sequences preempted to free KV pages", stats.num_preemptions),
+            ("sluice_engine_steps", "Engine steps run", stats.num_steps),
         ]
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)

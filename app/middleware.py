@@ -10,8 +10,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import body_too_large, error_response, unauthorized
 from app.metrics import ServerMetrics
 
-# Probes and scrapers do not hold the API key.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Probes, scrapers and API explorers do not hold the API key.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 class ApiKeyMiddleware:

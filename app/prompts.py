@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.tokenizer import Tokenizer
+from model.tokenizer import ChatTemplateError, Tokenizer
 
 from app.errors import invalid_request
 from app.schemas import ChatMessage
@@ -15,7 +15,7 @@ _TEMPLATE_ROLE = {"system": "system", "developer": "system", "user": "user", "as
 
 @dataclass(frozen=True)
 class Prompt:
-    """One engine request's prompt; `text` is what `echo` repeats back."""
+    """One prompt's token ids; `text` is what `echo` repeats back."""
 
     token_ids: list[int]
     text: str
@@ -33,36 +33,20 @@ def completion_prompts(
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
-    rendered = tokenizer.apply_chat_template(
-        [{"role": _TEMPLATE_ROLE[m.role], "content": m.text()} for m in messages],
-        add_generation_prompt=add_generation_prompt,
-    )
+    """The messages rendered with the model's chat template; a template that fails is the request's 400."""
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": _TEMPLATE_ROLE[m.role], "content": m.text()} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+        )
+    except ChatTemplateError as error:
+        raise invalid_request(str(error), param="messages") from None
     return _from_text(tokenizer, rendered)
 
 
-def check_fits(prompts: list[Prompt], max_tokens: int, max_model_len: int) -> None:
-    for prompt in prompts:
-        if len(prompt.token_ids) + max_tokens > max_model_len:
-            raise invalid_request(
-                f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                f"{len(prompt.token_ids)} tokens and {max_tokens} more were requested",
-                param="max_tokens",
-            )
-
-
 def _from_text(tokenizer: Tokenizer, text: str) -> Prompt:
-    ids = tokenizer.encode(text)
-    if not ids:
-        raise invalid_request("prompt must not be empty", param="prompt")
-    return Prompt(ids, text)
+    return Prompt(tokenizer.encode(text), text)
 
 
 def _from_ids(tokenizer: Tokenizer, ids: list[int]) -> Prompt:
-    check_token_ids(tokenizer, ids, param="prompt")
     return Prompt(list(ids), tokenizer.decode(ids))
-
-
-def check_token_ids(tokenizer: Tokenizer, ids: list[int], param: str) -> None:
-    bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
-    if bad:
-        raise invalid_request(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})", param=param)

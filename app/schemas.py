@@ -1,17 +1,38 @@
-"""Pydantic models of the OpenAI request and response bodies Sluice speaks.
+"""Pydantic models of the OpenAI request and response bodies Sluice speaks: the one place inputs are checked.
 
-Requests are validated here (ranges, types, cross-field rules); anything pydantic rejects becomes a 400.
-Unknown request fields are ignored, as OpenAI-compatible servers commonly do for load generators' extras.
-Responses and stream chunks use the same models, serialized in the OpenAI field order.
+Every request field is checked here, types and ranges, including what depends on the served vocabulary
+(token ids, given through the validation context `{"vocab_size": V}`); anything rejected becomes a 400 naming
+the field. Fields that would change the output but are not implemented are rejected by name rather than
+ignored. Unknown fields are ignored, as OpenAI-compatible servers do for load generators' extras. Responses and
+stream chunks use the same models, serialized in the OpenAI field order; `/openapi.json` is built from them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+from abc import abstractmethod
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
 
-from batching.sampling_params import MAX_TOP_LOGPROBS
+from batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 16
+MAX_PROMPTS = 256
+MAX_SAMPLES = 64
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+def _check_vocabulary(ids: list[int], info: ValidationInfo) -> list[int]:
+    vocab_size = (info.context or {}).get("vocab_size")
+    if vocab_size is not None:
+        bad = next((i for i in ids if i >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
 
 # --- requests ---------------------------------------------------------------------------------
 
@@ -33,54 +54,132 @@ class StreamOptions(_Request):
 
 
 class SamplingRequest(_Request):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions.
+
+    A field named like a `SamplingParams` field reaches the engine as it is (`sampling_params`).
+    """
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, description="-1 or 0: no top-k filter; beyond the vocabulary: no filter either")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    seed: int | None = None
-    stop: str | list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    n: int = Field(1, ge=1, le=64)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
+    best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty",
+                                                json_schema_extra={"maxProperties": 0})
+    response_format: dict[str, Any] | None = Field(
+        None, description='not supported yet: only {"type": "text"}',
+        json_schema_extra={"properties": {"type": {"const": "text"}}, "required": ["type"]},
+    )
+
+    _check_stop_token_ids = field_validator("stop_token_ids")(_check_vocabulary)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int, info: ValidationInfo) -> int:
+        if value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float]) -> dict[str, float]:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _plain_text_only(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type") != "text":
+            raise ValueError(f"response_format {value.get('type')!r} is not supported yet; only 'text'")
+        return value
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingRequest:
+    def _cross_field_rules(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
+            raise ValueError("min_tokens must not exceed the maximum number of tokens")
         return self
 
     @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's parameters; `default_max_tokens` applies when the request sets no limit."""
+        names = (f.name for f in dataclasses.fields(SamplingParams))
+        shared = {name: getattr(self, name) for name in names if name in type(self).model_fields}
+        return SamplingParams(**{
+            **shared,
+            "max_tokens": self.max_new_tokens if self.max_new_tokens is not None else default_max_tokens,
+            "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
+            "stop_token_ids": tuple(self.stop_token_ids),
+            **self._logprob_params(),
+        })
+
+    @abstractmethod
+    def _logprob_params(self) -> dict[str, Any]:
+        """`logprobs` and `top_logprobs` for the engine: each API asks for them in its own shape."""
+
+
+Prompt = str | list[TokenId] | list[str] | list[list[TokenId]]
+
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = Field(None, description="not supported: must be empty", json_schema_extra={"maxLength": 0})
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompts(cls, prompt: Prompt, info: ValidationInfo) -> Prompt:
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+        if any(not p for p in prompts):
+            raise ValueError("prompt must not be empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        for ids in prompts:
+            if isinstance(ids, list):
+                _check_vocabulary(ids, info)
+        return prompt
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str) -> str:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
 
     @model_validator(mode="after")
-    def _prompt_not_empty(self) -> CompletionRequest:
-        if not self.prompt or any(isinstance(p, list) and not p for p in self.prompt):
-            raise ValueError("prompt must not be empty")
+    def _echo_without_logprobs(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs needs prompt log-probabilities, which Sluice does not compute")
         return self
+
+    def _logprob_params(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0}
 
 
 class TextPart(_Request):
@@ -104,6 +203,28 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty",
+                                               json_schema_extra={"maxItems": 0})
+    tool_choice: str | dict[str, Any] | None = Field(None, description='not supported: only "none"',
+                                                     json_schema_extra={"const": "none"})
+    functions: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty",
+                                                   json_schema_extra={"maxItems": 0})
+    function_call: str | dict[str, Any] | None = Field(None, description='not supported: only "none"',
+                                                       json_schema_extra={"const": "none"})
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]], info: ValidationInfo) -> list[dict[str, Any]]:
+        if value:
+            raise ValueError(f"{info.field_name} are not supported")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict[str, Any], info: ValidationInfo) -> str | dict[str, Any]:
+        if value != "none":
+            raise ValueError(f'{info.field_name} other than "none" is not supported')
+        return value
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -114,6 +235,9 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _logprob_params(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
 
 
 class TokenizeRequest(_Request):
@@ -131,16 +255,23 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+    _check_tokens = field_validator("tokens")(_check_vocabulary)
 
 
 # --- responses --------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -255,3 +386,18 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,7 +1,8 @@
-"""`sluice serve`: flags (each also a SLUICE_* environment variable), start-up and the serving loop.
+"""`sluice serve`: flags (each also a SLUICE_* environment variable), start-up, serving and draining.
 
 Uvicorn starts listening at once (/health answers 503) while the engine loads and compiles in a
-thread; readiness flips when the engine's step loop runs, and the URL is printed then.
+thread; readiness flips when the engine's step loop runs, and the URL is printed then. The first
+SIGTERM/SIGINT drains: new requests get 503, requests in flight finish, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, TypeVar
 
 import uvicorn
@@ -22,7 +24,6 @@ from batching.config import EngineConfig
 from batching.engine import Engine
 from sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
-from app.drain import DrainingServer
 from app.server import create_app
 from app.state import ServerSettings, ServerState
 
@@ -85,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--max-body-bytes", _SERVER_DEFAULTS.max_body_bytes, "largest request body (413 beyond)",
             type=byte_size)
     _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting", type=float)
+    _option(parser, "--sse-keepalive", _SERVER_DEFAULTS.sse_keepalive_s,
+            "seconds between keep-alive comments of a stream that has nothing to send", type=float)
     _option(parser, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -105,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         max_waiting=args.max_waiting,
-        max_num_seqs=args.max_num_seqs,
         max_body_bytes=args.max_body_bytes,
+        sse_keepalive_s=args.sse_keepalive,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     try:
@@ -161,6 +164,45 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
         print(f"Sluice is ready: http://{args.host}:{args.port}/v1 serving '{state.model_name}'", flush=True)
     await serving
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM/SIGINT drains instead of closing the socket at once.
+
+    While draining, the listening socket stays open so that new requests get a clear 503 (and /health
+    turns 503 for load balancers), in-flight requests run to completion for up to `drain_timeout_s`,
+    and then uvicorn's own shutdown runs (the app's lifespan stops the engine). A second signal exits
+    at once. The signal is not re-raised afterwards, so a drained process exits with status 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._state.draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._state.draining
+            return
+        self._state.begin_drain()
+        # A signal handler runs between two bytecodes of the loop's thread; hand over to the loop.
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        logger.info("Draining: new requests get 503; waiting up to %.0f s for requests in flight", self._drain_timeout_s)
+        if not await self._state.wait_idle(self._drain_timeout_s):
+            logger.warning("Drain timeout: aborting the requests still in flight")
+        self.should_exit = True
 
 
 def _in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:

@@ -1,16 +1,17 @@
-"""The Starlette app: route table, error handlers, middleware and lifespan.
+"""The Starlette app: route table (with its OpenAPI description), error handlers, middleware and lifespan.
 
-Where a request goes: /v1/completions -> `completions.py`, /v1/chat/completions -> `chat.py`,
-/tokenize and /detokenize -> `tokenization.py`; both generation routes drive the engine through
-`generation.py` and stream with `sse.py`. `state.py` admits requests; `middleware.py` turns some away first.
+Where a request goes: the middleware (`middleware.py`: API key, body size, counts) -> a route: the OpenAI
+routes in `routes.py`, the small ones here -> for generation, `generation.py` drives the engine
+(`batching/engine.py`) and `responses.py` shapes its output, streamed by `streaming.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -19,50 +20,27 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.chat import create_chat_completion
-from app.completions import create_completion
 from app.errors import APIError, error_response, not_ready
-from app.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
-from app.schemas import ModelCard, ModelList
+from app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
+from app.openapi import Operation, openapi_document
+from app.routes import create_chat_completion, create_completion, detokenize, json_response, tokenize
+from app.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from app.state import ServerState
-from app.tokenization import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
-
-
-def create_app(state: ServerState) -> Starlette:
-    """An app serving `state`'s engine once `state.set_engine` has been called; 503 until then.
-
-    On shutdown (after uvicorn has finished the open requests) it stops that engine.
-    """
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/v1/completions", create_completion, methods=["POST"]),
-        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-    ]
-    middleware = [Middleware(RequestCountMiddleware, metrics=state.metrics, routes=frozenset(r.path for r in routes))]
-    if state.settings.api_key:
-        middleware.append(Middleware(ApiKeyMiddleware, api_key=state.settings.api_key))
-    middleware.append(Middleware(BodySizeLimitMiddleware, max_bytes=state.settings.max_body_bytes))
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        if state.engine is not None:
-            await state.engine.shutdown()
-
-    app = Starlette(
-        routes=routes,
-        middleware=middleware,
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
-        lifespan=lifespan,
-    )
-    app.state.sluice = state
-    return app
 
 
 async def health(request: Request) -> Response:
@@ -81,7 +59,59 @@ async def list_models(request: Request) -> Response:
     state: ServerState = request.app.state.sluice
     engine = state.require_engine()
     card = ModelCard(id=state.model_name, created=int(time.time()), max_model_len=engine.max_model_len)
-    return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+    return json_response(ModelList(data=[card]))
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+ROUTES: list[tuple[Handler, Operation]] = [
+    (health, Operation("/health", "GET", "Readiness: 200 once the model serves, 503 while loading or draining",
+                       response=HealthResponse)),
+    (metrics, Operation("/metrics", "GET", "Prometheus metrics", media_type="text/plain")),
+    (openapi, Operation("/openapi.json", "GET", "This document")),
+    (list_models, Operation("/v1/models", "GET", "The served model", response=ModelList)),
+    (create_completion, Operation("/v1/completions", "POST", "Text completion (OpenAI)",
+                                  CompletionRequest, CompletionResponse, stream_chunk=CompletionResponse)),
+    (create_chat_completion, Operation("/v1/chat/completions", "POST", "Chat completion (OpenAI)",
+                                       ChatCompletionRequest, ChatCompletionResponse, stream_chunk=ChatCompletionChunk)),
+    (tokenize, Operation("/tokenize", "POST", "Prompt or messages to token ids", TokenizeRequest, TokenizeResponse)),
+    (detokenize, Operation("/detokenize", "POST", "Token ids to text", DetokenizeRequest, DetokenizeResponse)),
+]
+
+
+def create_app(state: ServerState) -> Starlette:
+    """An app serving `state`'s engine once `state.set_engine` has been called; 503 until then.
+
+    On shutdown (after uvicorn has finished the open requests) it stops that engine.
+    """
+    routes = [Route(op.path, handler, methods=[op.method]) for handler, op in ROUTES]
+    middleware = [Middleware(RequestCountMiddleware, metrics=state.metrics, routes=frozenset(r.path for r in routes))]
+    if state.settings.api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=state.settings.api_key))
+    middleware.append(Middleware(BodySizeLimitMiddleware, max_bytes=state.settings.max_body_bytes))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        if state.engine is not None:
+            await state.engine.shutdown()
+
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
+        lifespan=lifespan,
+    )
+    app.state.sluice = state
+    app.state.openapi = openapi_document(
+        [op for _, op in ROUTES], "Sluice", version("sluice"), bearer_auth=bool(state.settings.api_key),
+        open_paths=OPEN_PATHS,
+    )
+    return app
 
 
 async def _api_error(request: Request, error: Exception) -> Response:
@@ -96,4 +126,4 @@ async def _http_error(request: Request, error: Exception) -> Response:
 
 async def _unexpected_error(request: Request, error: Exception) -> Response:
     logger.exception("unhandled error on %s", request.url.path)
-    return error_response(APIError(500, f"Internal server error: {error}", type="server_error"))
+    return error_response(APIError(500, "Internal server error", type="server_error"))

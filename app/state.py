@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from batching.core import EngineStats
 from batching.engine import Engine
+from batching.stats import EngineStats
 
 from app.errors import model_not_found, not_ready, queue_full
 from app.metrics import ServerMetrics
@@ -18,14 +18,15 @@ from app.metrics import ServerMetrics
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """HTTP-side settings; `max_num_seqs` mirrors the engine's so the queue length can be foreseen."""
+    """HTTP-side settings: `max_waiting` sequences may queue beyond the engine's running batch;
+    `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send."""
 
     served_model_name: str | None = None
     api_key: str | None = None
     max_waiting: int = 1024
-    max_num_seqs: int = 64
     max_body_bytes: int = 4 * 1024 * 1024
     retry_after_s: int = 1
+    sse_keepalive_s: float = 10.0
 
 
 class ServerState:
@@ -76,9 +77,8 @@ class ServerState:
     def admit(self, num_seqs: int) -> Admission:
         """Let `num_seqs` sequences in, or raise 503 / 429. Call `release()` on the result when they are done."""
         engine = self.require_engine()
-        # The engine's own count lags behind requests submitted since its last step; what is in flight
-        # beyond the running batch's capacity is waiting too.
-        waiting = max(engine.stats().num_waiting, self._in_flight_seqs + num_seqs - self.settings.max_num_seqs)
+        # What is in flight beyond the running batch's capacity waits (the engine's own count lags a step).
+        waiting = self._in_flight_seqs + num_seqs - engine.config.max_num_seqs
         if waiting > self.settings.max_waiting:
             raise queue_full(self.settings.retry_after_s)
         self._in_flight_seqs += num_seqs
@@ -91,7 +91,7 @@ class ServerState:
             self._idle.set()
 
     def _engine_stats(self) -> EngineStats | None:
-        return self.engine.stats() if self.engine is not None else None
+        return self.engine.stats if self.engine is not None else None
 
 
 class Admission:

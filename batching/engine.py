@@ -1,39 +1,48 @@
-"""`Engine`: the asyncio front of the engine core, and the offline `generate` helper.
+"""The engine: continuous batching over one model, stepped by one thread that alone owns its state.
 
-The step loop runs in a worker thread so device steps never block the event loop; each request's outputs
-travel back to its async iterator through the loop's thread-safe callback queue.
+A request's path: `submit` (any thread: builds and checks the request) -> the inbox -> `step` on the engine
+thread: drain the inbox -> schedule -> dispatch -> emit the previous step's text -> fetch -> append tokens.
+Requests, sequences, the scheduler, the block manager and the runner are touched by the engine thread only;
+the outside sees them through the inbox (adds, aborts), one delivery of increments per step, and a stats
+snapshot published after each step. No lock is held anywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
+import itertools
+import logging
+import queue
 import threading
+import time
+import traceback
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import AsyncIterator
+from typing import Callable
 
 import jax
 from jax.sharding import Mesh
 
 from batching.block_manager import BlockManager
 from batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from batching.core import EngineCore, EngineStats
-from batching.model_runner import MAX_BANNED_IDS, ModelRunner, enable_compilation_cache
-from batching.request_output import RequestOutput
+from batching.model_runner import ModelRunner, PendingStep, enable_compilation_cache
+from batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
+    TokenLogprob, deliver
+from batching.request import Request, RequestLimits, build_request
+from batching.sampler import SamplerOutput
 from batching.sampling_params import SamplingParams
-from batching.scheduler import Scheduler, SchedulerConfig
+from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from batching.sequence import Sequence, SequenceStatus
+from batching.stats import EngineStats, StepStats
 from model.loader import LoadedModel, load_model
 from sharding.mesh import InvalidTensorParallelism, make_mesh
 from sharding.rules import param_sharding
 
+logger = logging.getLogger(__name__)
+
 CPU_KV_CACHE_BYTES = 1 << 30
 ACCELERATOR_KV_FRACTION = 0.8
-
-
-class RequestRejected(ValueError):
-    """The request can never run here (too long for the model or the KV pool, unknown token ids, ...)."""
 
 
 def kv_page_bytes(loaded: LoadedModel, page_size: int) -> int:
@@ -50,44 +59,75 @@ def default_kv_cache_bytes() -> int:
     return int(ACCELERATOR_KV_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
 
 
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Joins one sequence's increments into a single RequestOutput."""
-    last = outputs[-1]
-    return replace(
-        last, text="".join(o.text for o in outputs), token_ids=tuple(t for o in outputs for t in o.token_ids),
-        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
-    )
+@dataclass(frozen=True)
+class _Add:
+    request: Request
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    """Ends the step loop; what is left is aborted."""
+
+
+@dataclass(frozen=True)
+class _SampledToken:
+    """A token appended to `seq` whose text (and stop-string check) waits for the next step's device time."""
+
+    seq: Sequence
+    token: int
+    logprobs: tuple[TokenLogprob, ...]
+    token_finish: FinishReason | None
+
+
+def _describe(error: BaseException) -> str:
+    return "".join(traceback.format_exception_only(error)).strip()
 
 
 class Engine:
-    """Continuous-batching generation over one model; see `add_request` and `generate`."""
+    """Continuous-batching generation over one model: `submit`/`add_request` and `abort` from anywhere,
+    `start` for a background step loop serving an event loop, or `generate` offline."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, *, progress: bool = True, mesh: Mesh | None = None):
         """`mesh`: the tensor-parallel mesh `loaded` was sharded onto (None: one device)."""
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        self.max_model_len = min(
-            config.max_model_len or DEFAULT_MAX_MODEL_LEN, loaded.config.max_position_embeddings
-        )
-        self.vocab_size = loaded.config.vocab_size
+        self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, loaded.config.max_position_embeddings)
         kv_bytes = config.kv_cache_memory or default_kv_cache_bytes()
         num_pages = max(1, kv_bytes // kv_page_bytes(loaded, config.page_size))
+        self.limits = RequestLimits(
+            max_model_len=self.max_model_len, num_pages=num_pages, page_size=config.page_size,
+            vocab_size=loaded.config.vocab_size,
+            eos_token_ids=tuple(loaded.config.eos_token_ids or self.tokenizer.eos_token_ids),
+        )
         enable_compilation_cache()
         self.runner = ModelRunner(
             loaded.model, num_pages=num_pages, page_size=config.page_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             attention_backend=config.attention_backend, mesh=mesh,
         )
-        block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
-        scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), block_manager)
-        eos = loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
-        self.core = EngineCore(self.runner, scheduler, self.tokenizer, tuple(eos))
+        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                                   self.block_manager)
         if config.warmup:
             self.runner.warmup(progress)
-        self._wake = threading.Condition()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._unemitted: list[_SampledToken] = []
+        self._deliveries: Deliveries = []
+        self._deliver: Callable[[Deliveries], None] = deliver
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._num_steps = 0
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self.stats = self._snapshot(None)
 
     @classmethod
     def create(cls, config: EngineConfig, *, progress: bool = True) -> Engine:
@@ -103,120 +143,254 @@ class Engine:
         loaded = load_model(config.model, dtype=config.dtype, sharding_rule=partial(param_sharding, mesh))
         return cls(loaded, config, progress=progress, mesh=mesh)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises RequestRejected if the request could never be served."""
-        if not prompt_ids:
-            raise RequestRejected("the prompt is empty")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len {self.max_model_len}"
-            )
-        pages = -(-total // self.config.page_size)
-        if pages > self.core.block_manager.num_pages:
-            raise RequestRejected(
-                f"the request needs {pages} KV pages but the whole pool has {self.core.block_manager.num_pages}"
-            )
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.core.eos_token_ids))
-        if params.min_tokens and len(banned) > MAX_BANNED_IDS:
-            raise RequestRejected(f"at most {MAX_BANNED_IDS} stop token ids are supported with min_tokens")
+    # --- the outside: any thread --------------------------------------------------------------------
 
-    def _seed(self, params: SamplingParams) -> int:
-        return params.seed % 2**32 if params.seed is not None else random.getrandbits(32)
+    def submit(self, prompts: list[list[int]], params: SamplingParams, sink: OutputSink, request_id: str) -> None:
+        """Queues a request of `len(prompts) * n` choices whose increments go to `sink`.
+
+        Raises RequestRejected now if it could never be served (context length, pool size).
+        """
+        request = build_request(request_id, prompts, params, sink, self.tokenizer, self.limits, self._seq_ids)
+        self._inbox.put(_Add(request))
+
+    def add_request(self, prompts: list[list[int]], params: SamplingParams, request_id: str | None = None
+                    ) -> Collector:
+        """`submit` for the event loop the step loop was `start`ed from: iterate the collector for increments."""
+        collector = Collector(request_id or uuid.uuid4().hex, len(prompts) * params.n)
+        self.submit(prompts, params, collector, collector.request_id)
+        return collector
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request with "abort" at the next step and frees its pages; unknown ids are ignored."""
+        self._inbox.put(_Abort(request_id))
+
+    # --- driving the loop -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Starts the step loop (in a worker thread) serving requests added from this event loop."""
+        """Starts the step loop in a worker thread; increments reach the collectors on this event loop."""
         if self._thread is not None:
             return
+        loop = asyncio.get_running_loop()
+        self._deliver = lambda deliveries: loop.call_soon_threadsafe(deliver, deliveries)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._stopping or self.core.has_work)
-                if self._stopping:
-                    return
-            try:
-                self.core.step()
-            except Exception as exc:  # noqa: BLE001 - a bug must not leave clients waiting forever
-                self.core.fail_all(exc)
-
-    def _notify(self) -> None:
-        with self._wake:
-            self._wake.notify()
-
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-                    ) -> AsyncIterator[RequestOutput]:
-        """Queues a request; iterate the result for its increments (indices 0..n-1, each ending finished).
-
-        Validation happens now (RequestRejected). Closing the iterator before the end aborts the request.
-        """
-        self.validate(prompt_ids, params)
-        loop = asyncio.get_running_loop()
-        request_id = request_id or uuid.uuid4().hex
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.core.add(request_id, list(prompt_ids), params, self._seed(params),
-                      lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
-        self._notify()
-        return self._stream(request_id, queue, params.n)
-
-    async def _stream(self, request_id: str, queue: asyncio.Queue[RequestOutput], n: int
-                      ) -> AsyncIterator[RequestOutput]:
-        remaining = n
-        try:
-            while remaining:
-                out = await queue.get()
-                if out.finished:
-                    remaining -= 1
-                yield out
-        finally:
-            if remaining:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self.core.abort(request_id)
+    async def shutdown(self) -> None:
+        """Stops the step loop; what is left is aborted (by the engine thread, which owns it)."""
+        if self._thread is not None:
+            self._inbox.put(_Stop())
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+            self._deliver = deliver
+        self.runner.stop_followers()
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: replays process 0's steps until its `shutdown`."""
         self.runner.follow()
 
-    def stats(self) -> EngineStats:
-        return self.core.stats()
-
-    async def shutdown(self) -> None:
-        """Stops the step loop and aborts whatever is left."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-        for request_id in list(self.core.requests):
-            self.core.abort(request_id)
-        self.runner.stop_followers()
-
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-                 ) -> list[list[RequestOutput]]:
-        """Offline: runs all prompts to completion in this thread; result[i][j] is prompt i's sequence j, merged.
+                 ) -> list[list[Completion]]:
+        """Offline: runs all prompts to completion in this thread; result[i][j] is prompt i's sample j.
 
-        Not to be mixed with a started async loop on the same engine.
+        Not to be mixed with a started step loop on the same engine.
         """
         if self._thread is not None:
-            raise RuntimeError("generate() cannot run while the async step loop is started")
+            raise RuntimeError("generate() cannot run while the step loop is started")
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         if len(all_params) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        for prompt, p in zip(prompts, all_params):
-            self.validate(prompt, p)
-        collected: list[list[list[RequestOutput]]] = [[[] for _ in range(p.n)] for p in all_params]
-        for i, (prompt, p) in enumerate(zip(prompts, all_params)):
-            self.core.add(f"offline-{uuid.uuid4().hex}-{i}", list(prompt), p, self._seed(p),
-                          lambda out, i=i: collected[i][out.index].append(out))
-        while self.core.has_work:
-            self.core.step()
-        return [[merge_outputs(seq_outputs) for seq_outputs in per_prompt] for per_prompt in collected]
+        collectors = [ListCollector(p.n) for p in all_params]
+        for prompt, p, collector in zip(prompts, all_params, collectors):
+            self.submit([list(prompt)], p, collector, f"offline-{uuid.uuid4().hex}")
+        while self.has_work:
+            self.step()
+        return [collector.completions() for collector in collectors]
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._unemitted) or not self._inbox.empty()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self.has_work:
+                self._apply(self._inbox.get())  # sleeps until there is something to do
+                continue
+            try:
+                self.step()
+            except Exception as error:  # noqa: BLE001 - a bug must not leave clients waiting forever
+                logger.exception("engine step failed")
+                self._fail(list(self._requests.values()), _describe(error))
+                self._flush()
+        for request in list(self._requests.values()):
+            self._finish(request, "abort", None)
+        self._flush()
+
+    # --- one step (engine thread) ---------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Drain the inbox -> schedule -> dispatch -> emit the previous step's text -> fetch -> append tokens.
+
+        A failure in the device step ends that step's requests; a failure in one request's host work ends
+        that request only.
+        """
+        start = time.perf_counter()
+        while not self._inbox.empty():
+            self._apply(self._inbox.get_nowait())
+        chunks = self.scheduler.schedule().chunks
+        pending = self._dispatch(chunks) if chunks else None
+        self._emit_text()
+        self._flush()
+        if pending is not None:
+            self._append_tokens(chunks, pending)
+            self._flush()  # failures found while fetching
+        self._num_steps += 1
+        self.stats = self._snapshot(StepStats.of(chunks, time.perf_counter() - start) if chunks else None)
+
+    def _apply(self, command: _Add | _Abort | _Stop) -> None:
+        if isinstance(command, _Add):
+            request = command.request
+            if request.request_id in self._requests:
+                self._reject_duplicate(request)
+                return
+            self._requests[request.request_id] = request
+            arrival = next(self._arrivals)
+            for seq in request.seqs:
+                seq.arrival = arrival
+                self.scheduler.add(seq)
+        elif isinstance(command, _Abort):
+            request = self._requests.get(command.request_id)
+            if request is not None:
+                self._finish(request, "abort", None)
+        else:
+            self._stopping = True
+
+    def _reject_duplicate(self, request: Request) -> None:
+        message = f"request id {request.request_id!r} is already in use"
+        for seq in request.seqs:
+            self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
+
+    def _dispatch(self, chunks: list[ScheduledChunk]) -> PendingStep | None:
+        try:
+            return self.runner.dispatch(chunks)
+        except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
+            self._fail_step(chunks, error)
+            return None
+
+    def _append_tokens(self, chunks: list[ScheduledChunk], pending: PendingStep) -> None:
+        try:
+            result = pending.fetch()
+        except Exception as error:  # noqa: BLE001
+            self._fail_step(chunks, error)
+            return
+        self.scheduler.update_after_step(chunks)
+        for row, chunk in enumerate(chunks):
+            if chunk.sample and chunk.seq.status is SequenceStatus.RUNNING:
+                self._isolated(chunk.seq.request_id, self._append_token, chunk.seq, result, row)
+
+    def _append_token(self, seq: Sequence, result: SamplerOutput, row: int) -> None:
+        """Appends the sampled token and ends the sequence now if its id or count says so."""
+        token = int(result.tokens[row])
+        seq.token_ids.append(token)
+        self._generation_tokens_total += 1
+        if seq.num_output_tokens == 1 and seq.parent is None:
+            self._prompt_tokens_total += seq.num_prompt_tokens
+        finish = seq.stop.token_finish(token, seq.num_output_tokens, seq.num_tokens >= self.max_model_len)
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if seq.params.wants_logprobs:
+            k = seq.params.top_logprobs
+            top = tuple((int(t), float(lp)) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k]))
+            logprobs = (TokenLogprob(token, float(result.logprobs[row]), top),)
+        if finish is not None:
+            seq.finish_reason = finish
+            self.scheduler.finish(seq)
+        self._unemitted.append(_SampledToken(seq, token, logprobs, finish))
+
+    def _emit_text(self) -> None:
+        """Detokenizes the previous step's tokens and checks stop strings; a stop string ends its sequence
+        (its token in the step now on the device is then dropped)."""
+        for sampled in self._unemitted:
+            request = self._requests.get(sampled.seq.request_id)
+            if request is not None and sampled.seq.choice not in request.finished_choices:
+                self._isolated(request.request_id, self._emit, request, sampled)
+        self._unemitted.clear()
+
+    def _emit(self, request: Request, sampled: _SampledToken) -> None:
+        seq = sampled.seq
+        decision = seq.stop.emit(sampled.token, sampled.token_finish)
+        if decision.finish_reason is not None and not seq.finished:
+            seq.finish_reason = decision.finish_reason
+            self.scheduler.finish(seq)
+        self._send(request, Increment(seq.choice, decision.text, (sampled.token,), sampled.logprobs,
+                                      decision.finish_reason))
+
+    def _send(self, request: Request, increment: Increment) -> None:
+        if increment.finished:
+            request.finished_choices.add(increment.choice)
+            if request.finished:
+                increment = replace(increment, usage=request.usage())
+                del self._requests[request.request_id]
+        self._deliveries.append((request.sink, increment))
+
+    def _flush(self) -> None:
+        if self._deliveries:
+            deliveries, self._deliveries = self._deliveries, []
+            self._deliver(deliveries)
+
+    # --- failures -----------------------------------------------------------------------------------
+
+    def _isolated(self, request_id: str, work: Callable[..., None], *args) -> None:
+        """Runs one request's host work; if it raises, that request alone ends with the error."""
+        try:
+            work(*args)
+        except Exception as error:  # noqa: BLE001
+            logger.exception("request %s failed", request_id)
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish(request, "error", _describe(error))
+
+    def _fail_step(self, chunks: list[ScheduledChunk], error: Exception) -> None:
+        logger.error("step failed: %s", _describe(error))
+        request_ids = dict.fromkeys(c.seq.request_id for c in chunks)
+        self._fail([self._requests[i] for i in request_ids if i in self._requests], _describe(error))
+        if self.runner.pool_lost():
+            # The failed step consumed the donated pool: nothing cached in it survives.
+            self._fail(list(self._requests.values()), _describe(error))
+            self.runner.reset_pool()
+            self.block_manager.reset()
+
+    def _fail(self, requests: list[Request], message: str) -> None:
+        for request in requests:
+            self._finish(request, "error", message)
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None) -> None:
+        """Ends every unfinished choice of `request` with `reason` and frees its pages now."""
+        for seq in request.seqs:
+            if seq.choice in request.finished_choices:
+                continue
+            if not seq.finished:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+            self._send(request, Increment(seq.choice, "", (), finish_reason=reason, error=error))
+
+    # --- statistics ---------------------------------------------------------------------------------
+
+    def _snapshot(self, last_step: StepStats | None) -> EngineStats:
+        running = {s.request_id for s in self.scheduler.running}
+        waiting = {s.request_id for s in self.scheduler.waiting} - running
+        pool = self.block_manager.counters()
+        return EngineStats(
+            num_requests_running=len(running),
+            num_requests_waiting=len(waiting),
+            num_seqs_running=len(self.scheduler.running),
+            num_seqs_waiting=len(self.scheduler.waiting),
+            kv_pages_used=pool.pages_used,
+            kv_pages_total=pool.pages_total,
+            prefix_cache_hit_tokens=pool.prefix_cache_hit_tokens,
+            prefix_cache_query_tokens=pool.prefix_cache_query_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_steps=self._num_steps,
+            last_step=last_step,
+        )

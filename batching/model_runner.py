@@ -22,14 +22,13 @@ from flax import nnx
 from tqdm import tqdm
 
 from batching import step_broadcast
-from batching.sampler import SamplerOutput, SamplingBatch, build_sampling_batch, sample
-from batching.sampling_params import SamplingParams
+from batching.request import MAX_BANNED_IDS
+from batching.sampler import SamplerOutput, SamplingBatch, SamplingInputs, pack_sampling_batch, sample
 from batching.scheduler import ScheduledChunk
 from model.llama import KVCache, Llama, empty_kv_cache
 from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
 from sharding.rules import kv_cache_sharding, replicated
 
-MAX_BANNED_IDS = 32
 # Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
 # max_q_len, so short pieces keep the decode rows sharing a mixed step cheap, and the set of shapes small.
 PREFILL_PIECE = 16
@@ -61,18 +60,6 @@ class Bucket:
     num_attn_seqs: int
     num_rows: int
     max_q_len: int
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """What the sampler needs about one scheduled sequence."""
-
-    params: SamplingParams
-    seed: int
-    step: int
-    token_ids: list[int]
-    num_prompt: int
-    banned: tuple[int, ...]
 
 
 @jax.tree_util.register_dataclass
@@ -195,14 +182,14 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> None:
         """Compiles every bucket (an all-padding step writes nothing to the pool)."""
         for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
-            self._run(bucket, *self._pad([], [], bucket))
+            self._run(bucket, *self._pad([], bucket))
         jax.block_until_ready(self.kv_cache)
 
-    def dispatch(self, chunks: list[ScheduledChunk], rows: list[SamplingRow]) -> PendingStep:
+    def dispatch(self, chunks: list[ScheduledChunk]) -> PendingStep:
         """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting."""
         num_tokens = sum(c.num_tokens for c in chunks)
         bucket = self.bucket_for(num_tokens, len(chunks), max(c.num_tokens for c in chunks))
-        inputs, sampling = self._pad(chunks, rows, bucket)
+        inputs, sampling = self._pad(chunks, bucket)
         if step_broadcast.is_multiprocess():
             step_broadcast.send_step(astuple(bucket), (inputs, sampling))
         return PendingStep(self._run(bucket, inputs, sampling))
@@ -211,7 +198,7 @@ class ModelRunner:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
         while (shape := step_broadcast.receive_step_shape()) is not None:
             bucket = Bucket(*shape)
-            inputs, sampling = step_broadcast.receive_payload(self._pad([], [], bucket))
+            inputs, sampling = step_broadcast.receive_payload(self._pad([], bucket))
             try:
                 jax.block_until_ready(self._run(bucket, inputs, sampling))
             except Exception:  # noqa: BLE001 - process 0 fails the same step; keep in step with it
@@ -223,8 +210,7 @@ class ModelRunner:
         if step_broadcast.is_multiprocess() and step_broadcast.is_leader():
             step_broadcast.send_stop()
 
-    def _pad(self, chunks: list[ScheduledChunk], rows: list[SamplingRow], bucket: Bucket
-             ) -> tuple[StepInputs, SamplingBatch]:
+    def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket) -> tuple[StepInputs, SamplingBatch]:
         t, a, num_rows = bucket.num_tokens, bucket.num_attn_seqs, bucket.num_rows
         token_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -251,8 +237,9 @@ class ModelRunner:
             offset += n
             logits_rows[i] = offset - 1
         cu_q_lens[piece + 1:] = offset
-        sampling = build_sampling_batch(
-            [(r.params, r.seed, r.step, r.token_ids, r.num_prompt, r.banned) for r in rows],
+        sampling = pack_sampling_batch(
+            [SamplingInputs(c.seq.sampling, c.seq.num_output_tokens, c.seq.token_ids, c.seq.num_prompt_tokens,
+                            c.seq.stop.banned_token_ids(c.seq.num_output_tokens)) for c in chunks],
             num_rows, self.max_model_len, MAX_BANNED_IDS,
         )
         return StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows), sampling

@@ -8,13 +8,72 @@ top-p and min-p become a per-row logit cutoff.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One sequence's sampling settings as the sampler packs them, built once when its request is added.
+
+    Every field is a per-row scalar of `SamplingBatch` with the same name; `seed` is the row's own (uint32).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, seed: int, vocab_size: int) -> SamplingRow:
+        """top_k beyond the vocabulary means no top-k filter, as in vLLM."""
+        return cls(
+            temperature=params.temperature,
+            top_k=params.top_k if 0 < params.top_k < vocab_size else 0,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            seed=seed % 2**32,
+        )
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether the penalties need the row's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+_ROW_DTYPES = {
+    field.name: np.uint32 if field.name == "seed" else {float: np.float32, int: np.int32}[type(field.default)]
+    for field in fields(SamplingRow)
+}
+_PADDING_ROW = SamplingRow()
+
+
+@dataclass(frozen=True)
+class SamplingInputs:
+    """What the sampler needs about one scheduled sequence this step.
+
+    `step` is the index of the token being sampled among the sequence's outputs; `token_ids` (prompt + output,
+    of which the first `num_prompt` are the prompt) is read only when the row's penalties need it; `banned`
+    are ids the row must not sample now (stop ids before min_tokens).
+    """
+
+    row: SamplingRow
+    step: int
+    token_ids: list[int]
+    num_prompt: int
+    banned: tuple[int, ...]
 
 
 @jax.tree_util.register_dataclass
@@ -54,36 +113,22 @@ class SamplerOutput:
     top_logprobs: jax.Array
 
 
-def build_sampling_batch(
-    rows: list[tuple[SamplingParams, int, int, list[int], int, tuple[int, ...]]], num_rows: int, history_len: int,
-    num_banned: int,
-) -> SamplingBatch:
-    """Host-side arrays for `rows` = [(params, seed, step, token_ids, num_prompt, banned_ids)], padded to `num_rows`.
-
-    Token history is filled only for rows that use a penalty (the others never read it).
-    """
-    temperature = np.zeros(num_rows, np.float32)
-    top_k = np.zeros(num_rows, np.int32)
-    top_p = np.ones(num_rows, np.float32)
-    min_p = np.zeros(num_rows, np.float32)
-    presence = np.zeros(num_rows, np.float32)
-    frequency = np.zeros(num_rows, np.float32)
-    repetition = np.ones(num_rows, np.float32)
-    seed = np.zeros(num_rows, np.uint32)
+def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len: int, num_banned: int
+                        ) -> SamplingBatch:
+    """Host-side arrays for `inputs`, padded to `num_rows`. Token history is filled only for rows that read it."""
+    rows = [i.row for i in inputs] + [_PADDING_ROW] * (num_rows - len(inputs))
+    scalars = {name: np.array([getattr(r, name) for r in rows], dtype) for name, dtype in _ROW_DTYPES.items()}
     step = np.zeros(num_rows, np.int32)
     banned = np.full((num_rows, num_banned), -1, np.int32)
     history = np.full((num_rows, history_len), -1, np.int32)
     num_prompt = np.zeros(num_rows, np.int32)
-    for i, (p, row_seed, row_step, token_ids, row_prompt, row_banned) in enumerate(rows):
-        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-        presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-        seed[i], step[i] = row_seed, row_step
-        banned[i, :len(row_banned)] = row_banned
-        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            history[i, :len(token_ids)] = token_ids
-            num_prompt[i] = row_prompt
-    return SamplingBatch(temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, step, banned,
-                         history, num_prompt)
+    for i, row_inputs in enumerate(inputs):
+        step[i] = row_inputs.step
+        banned[i, :len(row_inputs.banned)] = row_inputs.banned
+        if row_inputs.row.reads_history:
+            history[i, :len(row_inputs.token_ids)] = row_inputs.token_ids
+            num_prompt[i] = row_inputs.num_prompt
+    return SamplingBatch(**scalars, step=step, banned=banned, history=history, num_prompt=num_prompt)
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:

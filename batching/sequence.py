@@ -1,7 +1,7 @@
-"""One sequence's state: its tokens, how many of them have K/V in the pool, and which pages hold them.
+"""One sequence's state: its tokens, its pages, and everything that decides its next token and its text.
 
-A request with `n` > 1 becomes n sequences (index 0..n-1) that share the request id and, once the first has
-prefilled the prompt, the prompt's full pages.
+A request with several prompts or `n` > 1 has one sequence per choice (`choice = prompt * n + sample`); the
+samples of one prompt share the prompt's full pages once the first of them (their `parent`) has prefilled it.
 """
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from batching.request_output import FinishReason
+from batching.outputs import FinishReason
+from batching.sampler import SamplingRow
 from batching.sampling_params import SamplingParams
+from batching.stop_checker import StopChecker
 
 
 class SequenceStatus(enum.Enum):
@@ -23,17 +25,19 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """`token_ids` is prompt + output; tokens [0, num_computed_tokens) have their K/V in `page_table`'s pages.
 
-    `seed` keys the sampler (folded with the output step), so a sequence draws the same samples whatever
-    shares its batch and after a preemption. `arrival` orders first-come-first-served scheduling.
+    `sampling` is this sequence's row of the sampler (its seed keys the draws, folded with the output step, so
+    it samples the same tokens whatever shares its batch and after a preemption); `stop` turns its tokens
+    into text and decides when it ends. `arrival` orders first-come-first-served scheduling.
     """
 
     seq_id: int
     request_id: str
-    index: int
+    choice: int
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    seed: int
-    arrival: int
+    sampling: SamplingRow
+    stop: StopChecker
+    arrival: int = 0
     parent: Sequence | None = None
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -73,5 +77,5 @@ class Sequence:
 
     @property
     def schedule_key(self) -> tuple[int, int, int]:
-        """Lower runs first: priority (lower value = more urgent), then arrival, then index within the request."""
-        return (self.params.priority, self.arrival, self.index)
+        """Lower runs first: priority (lower value = more urgent), then arrival, then choice within the request."""
+        return (self.params.priority, self.arrival, self.choice)

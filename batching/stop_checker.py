@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from batching.request_output import FinishReason
+from batching.outputs import FinishReason
 from batching.sampling_params import SamplingParams
 
 
@@ -26,6 +26,11 @@ class StopDecision:
     finish_reason: FinishReason | None = None
 
 
+def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+    """The ids that end a sequence: its stop ids, and the model's EOS ids unless it ignores them."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+
+
 class StopChecker:
     """Stop state of one sequence; feed it each sampled token in order.
 
@@ -35,7 +40,7 @@ class StopChecker:
 
     def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...], detokenizer: Detokenizer):
         self.params = params
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+        self.stop_ids = stop_token_ids(params, eos_token_ids)
         self.detokenizer = detokenizer
         self.text = ""
         self.num_emitted_chars = 0

@@ -291,10 +291,10 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.summary.failed == 0 else 1
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__)
     add_arguments(parser)
-    return run(parser.parse_args())
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     static = run_static(engine, requests, args.max_num_seqs)
     print(f"static done in {static.seconds:.1f} s", file=sys.stderr)
     single = run_single(engine, requests[:args.single_requests])
-    stats = engine.stats()
+    stats = engine.stats
     print(f"\nworkload: {spec.describe()}")
     print(f"engine: max_num_seqs={config.max_num_seqs} (static B), max_num_batched_tokens="
           f"{config.max_num_batched_tokens}, max_model_len={engine.max_model_len}, "
@@ -148,10 +148,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args())
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

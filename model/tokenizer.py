@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from jinja2 import StrictUndefined
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 GGUF_CONTROL_TOKEN = 3
 GGUF_USER_DEFINED_TOKEN = 4
@@ -57,11 +62,7 @@ class Tokenizer:
     def __init__(self, backend: HFTokenizer, special: SpecialTokens):
         self._backend = backend
         self.special = special
-        self._template = None
-        if special.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined)
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(special.chat_template)
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
 
     @property
     def bos_token_id(self) -> int | None:
@@ -93,14 +94,41 @@ class Tokenizer:
         """The text of one token on its own (bytes of a split character come out as U+FFFD)."""
         return self._backend.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for, even when they are part of a UTF-8 character."""
+        token = self._backend.id_to_token(token_id)
+        if token is None or token_id in self._backend.get_added_tokens_decoder():
+            return self.token_text(token_id).encode()
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        if (byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", token)) is not None:  # SentencePiece byte fallback
+            return bytes([int(byte.group(1), 16)])
+        return token.replace("\u2581", " ").encode()
+
+    def decode_stream(self, prompt_ids: list[int] | tuple[int, ...] = ()) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._backend, prompt_ids)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        if self._template is None:
-            raise ValueError("this model has no chat template; use the completions API")
+        """The model's chat template rendered as Hugging Face renders it; ChatTemplateError if it cannot be."""
+        if self._chat_template is None:
+            raise ChatTemplateError("this model has no chat template; use the completions API")
         bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-        )
+        try:
+            return self._chat_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            )
+        except TemplateError as error:
+            raise ChatTemplateError(f"the chat template failed: {error}") from None
+
+    @cached_property
+    def _chat_template(self) -> Template | None:
+        if not self.special.chat_template:
+            return None
+        try:
+            return _chat_template_environment().from_string(self.special.chat_template)
+        except TemplateError as error:
+            raise ChatTemplateError(f"the model's chat template does not compile: {error}") from None
 
     def to_json(self) -> str:
         """The backend tokenizer as `tokenizer.json` text (special-token policy lives in `special`)."""
@@ -169,31 +197,57 @@ class Tokenizer:
         return cls(backend, special)
 
 
-def _raise_template_error(message: str) -> None:
+class ChatTemplateError(ValueError):
+    """The chat template is missing, does not compile, or failed on these messages (raise_exception included)."""
+
+
+def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, for streaming.
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    Decoding a window of recent tokens and diffing against the previous window keeps it O(1) per token; a
-    window ending in U+FFFD (a multi-byte character split across tokens) is held back until it completes.
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+def _chat_template_environment() -> ImmutableSandboxedEnvironment:
+    """The environment Hugging Face renders chat templates in: sandboxed, lenient undefined variables,
+    `{% break %}`/`{% continue %}`, `raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII text."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte value."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(shifted)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+# DecodeStream needs a few preceding ids for context-dependent decoders (a SentencePiece leading space).
+_DECODE_CONTEXT = 4
+
+
+class IncrementalDetokenizer:
+    """Turns a growing sequence of token ids into text deltas, for streaming (tokenizers' `DecodeStream`).
+
+    Bytes of a character split across tokens are held back until the character completes; special tokens
+    produce no text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | tuple[int, ...] = ()):
-        self._tokenizer = tokenizer
-        self._ids = list(prompt_ids)
-        self._prefix_offset = max(len(self._ids) - 6, 0)
-        self._read_offset = len(self._ids)
+    def __init__(self, backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...] = ()):
+        self._backend = backend
+        self._stream = DecodeStream(ids=list(prompt_ids[-_DECODE_CONTEXT:]), skip_special_tokens=True)
 
     def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
         """Appends tokens and returns the text they complete (possibly "")."""
-        self._ids.extend(new_ids)
-        decode = self._tokenizer.decode
-        before = decode(self._ids[self._prefix_offset : self._read_offset])
-        after = decode(self._ids[self._prefix_offset :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return after[len(before) :]
+        pieces = (self._stream.step(self._backend, token_id) for token_id in new_ids)
+        return "".join(piece for piece in pieces if piece is not None)

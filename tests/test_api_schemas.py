@@ -6,15 +6,16 @@ import pytest
 from pydantic import ValidationError
 
 from app.errors import APIError, from_validation_error
-from app.sampling import sampling_params
-from app.schemas import ChatCompletionRequest, CompletionRequest
+from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+
+VOCAB = {"vocab_size": 1000}
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def rejection(schema, body: dict) -> APIError:
     with pytest.raises(ValidationError) as caught:
-        schema.model_validate(body)
+        schema.model_validate(body, context=VOCAB)
     error = from_validation_error(caught.value)
     assert error.status == 400 and error.type == "invalid_request_error"
     return error
@@ -23,7 +24,9 @@ def rejection(schema, body: dict) -> APIError:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("max_tokens", -1), ("max_tokens", 0), ("temperature", 2.5), ("temperature", -0.1), ("top_p", 0.0),
-     ("top_logprobs", 21), ("n", 0), ("presence_penalty", 3.0), ("stop", 7)],
+     ("top_logprobs", 21), ("n", 0), ("n", 65), ("presence_penalty", 3.0), ("stop", 7), ("top_k", -2),
+     ("seed", -1), ("seed", 2**64), ("stop_token_ids", [1000]), ("stop_token_ids", [-1]),
+     ("stop_token_ids", list(range(17))), ("stop", ["x"] * 17), ("min_tokens", -1)],
 )
 def test_out_of_range_chat_field_is_rejected_with_its_name_as_param(field, value):
     error = rejection(ChatCompletionRequest, {**CHAT, field: value, "logprobs": True})
@@ -49,7 +52,8 @@ def test_stream_options_without_stream_is_rejected():
 
 def test_null_fields_mean_their_defaults():
     body = ChatCompletionRequest.model_validate({**CHAT, "temperature": None, "stop": None, "n": None})
-    assert (body.temperature, body.stop_strings, body.n) == (1.0, (), 1)
+    params = body.sampling_params(default_max_tokens=8)
+    assert (params.temperature, params.stop, params.n) == (1.0, (), 1)
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
@@ -90,9 +94,10 @@ def test_sampling_params_carry_every_request_field():
     body = ChatCompletionRequest.model_validate(
         {**CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.5,
          "frequency_penalty": -0.5, "repetition_penalty": 1.1, "seed": 7, "stop": "END", "n": 2,
-         "ignore_eos": True, "min_tokens": 3, "stop_token_ids": [5]}
+         "ignore_eos": True, "min_tokens": 3, "stop_token_ids": [5], "max_tokens": 20, "logprobs": True,
+         "top_logprobs": 4}
     )
-    params = sampling_params(body, max_tokens=20, logprobs=True, top_logprobs=4)
+    params = body.sampling_params(default_max_tokens=99)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 40, 0.05)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.1)
     assert (params.seed, params.stop, params.n, params.ignore_eos) == (7, ("END",), 2, True)
@@ -100,8 +105,44 @@ def test_sampling_params_carry_every_request_field():
     assert (params.logprobs, params.top_logprobs) == (True, 4)
 
 
-def test_min_tokens_above_max_tokens_is_a_400():
-    body = ChatCompletionRequest.model_validate({**CHAT, "min_tokens": 10})
-    with pytest.raises(APIError) as caught:
-        sampling_params(body, max_tokens=5, logprobs=False, top_logprobs=0)
-    assert caught.value.status == 400 and "min_tokens" in caught.value.message
+def test_default_max_tokens_applies_only_without_a_limit():
+    assert ChatCompletionRequest.model_validate(CHAT).sampling_params(default_max_tokens=99).max_tokens == 99
+    completion = CompletionRequest.model_validate({"prompt": "x", "logprobs": 2})
+    params = completion.sampling_params(default_max_tokens=16)
+    assert (params.max_tokens, params.logprobs, params.top_logprobs) == (16, True, 2)
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    assert "min_tokens" in rejection(ChatCompletionRequest, {**CHAT, "min_tokens": 10, "max_tokens": 5}).message
+
+
+@pytest.mark.parametrize("prompt", [[5, 1000], [[5], [1000]]])
+def test_prompt_token_ids_outside_the_vocabulary_are_rejected(prompt):
+    error = rejection(CompletionRequest, {"prompt": prompt})
+    assert error.param == "prompt" and "1000" in error.message
+
+
+def test_detokenize_ids_outside_the_vocabulary_are_rejected():
+    assert rejection(DetokenizeRequest, {"tokens": [1, 1000]}).param == "tokens"
+
+
+@pytest.mark.parametrize(
+    ("schema", "field", "value"),
+    [(ChatCompletionRequest, "tools", [{"type": "function", "function": {"name": "f"}}]),
+     (ChatCompletionRequest, "tool_choice", "auto"),
+     (ChatCompletionRequest, "functions", [{"name": "f"}]),
+     (ChatCompletionRequest, "response_format", {"type": "json_object"}),
+     (ChatCompletionRequest, "logit_bias", {"5": 10}),
+     (CompletionRequest, "best_of", 3),
+     (CompletionRequest, "suffix", "the end")],
+)
+def test_fields_that_would_change_the_output_but_are_not_implemented_are_named_in_a_400(schema, field, value):
+    body = {**CHAT} if schema is ChatCompletionRequest else {"prompt": "x"}
+    error = rejection(schema, {**body, field: value})
+    assert error.param == field and "not supported" in error.message
+
+
+def test_harmless_forms_of_unimplemented_fields_are_accepted():
+    ChatCompletionRequest.model_validate({**CHAT, "tool_choice": "none", "response_format": {"type": "text"},
+                                          "logit_bias": {}, "tools": []})
+    CompletionRequest.model_validate({"prompt": "x", "best_of": 1, "suffix": ""})

@@ -1,14 +1,15 @@
 """Block manager: reference-counted pages, chained-hash prefix caching, LRU eviction, counters."""
 
 from batching.block_manager import BlockManager
-from batching.sampling_params import SamplingParams
 from batching.sequence import Sequence
+
+from sequences import make_sequence
 
 PAGE = 4
 
 
 def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
-    return Sequence(seq_id, f"r{seq_id}", 0, tuple(tokens), SamplingParams(), seed=0, arrival=seq_id)
+    return make_sequence(seq_id, tokens)
 
 
 def prefill(bm: BlockManager, seq: Sequence) -> None:

@@ -1,4 +1,5 @@
-"""Engine on the tiny random model: preemption, aborts, seeds, n > 1, stop ids, rejection, no recompilation."""
+"""Engine on the tiny random model: preemption, aborts, seeds, n > 1, stop ids, rejection, failure isolation,
+no recompilation."""
 
 import asyncio
 import random
@@ -8,8 +9,11 @@ import pytest
 from flax import nnx
 
 from batching.config import EngineConfig
-from batching.engine import Engine, RequestRejected
+from batching.engine import Engine
+from batching.outputs import ListCollector
+from batching.request import RequestRejected
 from batching.sampling_params import SamplingParams
+from batching.sequence import Sequence
 from model.config import ModelConfig
 from model.generate import generate
 from model.llama import Llama
@@ -52,10 +56,21 @@ def test_small_pool_preempts_yet_every_request_gets_its_greedy_tokens_and_no_pag
     engine = make_engine(tiny, num_pages=24)
     batch = prompts(8, seed=1)
     outs = engine.generate(batch, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    assert engine.stats().num_preemptions > 0
+    assert engine.stats.num_preemptions > 0
     for prompt, out in zip(batch, outs):
         assert list(out[0].token_ids) == generate(tiny.model, prompt, 30)
-    assert engine.stats().kv_pages_used == 0
+    assert engine.stats.kv_pages_used == 0
+
+
+async def settled(engine: Engine, timeout_s: float = 10.0):
+    """The stats snapshot once the engine holds no request and no page (they are published after each step)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        stats = engine.stats
+        idle = stats.kv_pages_used == 0 and stats.num_requests_running == 0 and stats.num_requests_waiting == 0
+        if idle or asyncio.get_running_loop().time() > deadline:
+            return stats
+        await asyncio.sleep(0.01)
 
 
 def test_engine_requests_complete_with_usage_and_logprobs(engine):
@@ -64,7 +79,7 @@ def test_engine_requests_complete_with_usage_and_logprobs(engine):
     async def run():
         await engine.start()
         try:
-            return [out async for out in engine.add_request([5, 6, 7, 8], params, request_id="usage")]
+            return [out async for out in engine.add_request([[5, 6, 7, 8]], params, request_id="usage")]
         finally:
             await engine.shutdown()
 
@@ -78,53 +93,70 @@ def test_engine_requests_complete_with_usage_and_logprobs(engine):
         assert lp.top[0][0] == lp.token_id  # greedy picks the best
 
 
-def test_abort_mid_generation_frees_the_request_pages_at_once(engine):
+def test_one_request_fans_out_over_prompts_and_samples_with_usage_counting_each_prompt_once(tiny, engine):
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=2)
+    first, second = [5, 6, 7, 8, 9], [40, 41, 42]
+
     async def run():
         await engine.start()
         try:
-            stream = engine.add_request(list(range(10, 50)), SamplingParams(max_tokens=80, ignore_eos=True),
-                                        request_id="to-abort")
-            first = await anext(stream)
-            assert engine.stats().kv_pages_used > 0
-            engine.abort("to-abort")
-            assert engine.stats().kv_pages_used == 0
-            rest = [o async for o in stream]
-            return first, rest
+            collector = engine.add_request([first, second], params)
+            return [out async for out in collector], collector.usage
         finally:
             await engine.shutdown()
 
-    first, rest = asyncio.run(run())
+    outs, usage = asyncio.run(run())
+    by_choice = {c: tuple(t for o in outs if o.choice == c for t in o.token_ids) for c in range(4)}
+    alone = [generate(tiny.model, p, 4) for p in (first, second)]
+    assert [list(by_choice[c]) for c in range(4)] == [alone[0], alone[0], alone[1], alone[1]]
+    assert outs[-1].usage == usage and (usage.prompt_tokens, usage.completion_tokens) == (8, 16)
+
+
+def test_abort_mid_generation_ends_the_request_and_frees_its_pages_by_the_next_step(engine):
+    async def run():
+        await engine.start()
+        try:
+            stream = aiter(engine.add_request([list(range(10, 50))], SamplingParams(max_tokens=80, ignore_eos=True),
+                                              request_id="to-abort"))
+            first = await anext(stream)
+            assert engine.stats.kv_pages_used > 0
+            engine.abort("to-abort")
+            rest = [o async for o in stream]
+            return first, rest, await settled(engine)
+        finally:
+            await engine.shutdown()
+
+    first, rest, stats = asyncio.run(run())
     assert first.finish_reason is None
     assert rest[-1].finish_reason == "abort"
+    assert stats.kv_pages_used == 0
 
 
 def test_hundred_random_aborts_leak_no_pages(engine):
     rng = random.Random(3)
 
     async def one(i: int):
-        stream = engine.add_request(prompts(1, seed=100 + i)[0], SamplingParams(max_tokens=40, ignore_eos=True),
-                                    request_id=f"leak-{i}")
+        collector = engine.add_request([prompts(1, seed=100 + i)[0]], SamplingParams(max_tokens=40, ignore_eos=True))
         stop_after = rng.randrange(0, 6)
         seen = 0
-        async for _ in stream:
+        async for _ in collector:
             seen += 1
             if seen > stop_after:
                 break
-        await stream.aclose()  # closing early aborts
+        if not collector.finished:
+            engine.abort(collector.request_id)
 
     async def run():
         await engine.start()
         try:
             for wave in range(10):
                 await asyncio.gather(*(one(wave * 10 + j) for j in range(10)))
-            await asyncio.sleep(0.05)
-            return engine.stats()
+            return await settled(engine)
         finally:
             await engine.shutdown()
 
     stats = asyncio.run(run())
-    assert stats.kv_pages_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
-    assert not engine.core.requests
+    assert stats.kv_pages_used == 0 and stats.num_requests_running == 0 and stats.num_requests_waiting == 0
 
 
 def test_seeded_request_samples_the_same_tokens_in_different_batches(engine):
@@ -137,25 +169,28 @@ def test_seeded_request_samples_the_same_tokens_in_different_batches(engine):
     assert mixed[3][0].token_ids == alone
 
 
+def running(engine: Engine, request_id: str) -> list[Sequence]:
+    return sorted((s for s in engine.scheduler.running if s.request_id == request_id), key=lambda s: s.choice)
+
+
 def test_n_sequences_share_the_prompt_pages_and_sample_independently(engine):
     prompt = list(range(20, 60))  # 10 full pages
-    params = SamplingParams(temperature=1.0, max_tokens=6, n=4, seed=7, ignore_eos=True)
-    core = engine.core
-    outputs = []
-    core.add("shared", prompt, params, seed=7, sink=outputs.append)
-    first = core.requests["shared"].seqs[0]
+    collector = ListCollector(4)
+    engine.submit([prompt], SamplingParams(temperature=1.0, max_tokens=6, n=4, seed=7, ignore_eos=True), collector,
+                  "shared")
+    engine.step()
+    first = running(engine, "shared")[0]
     while first.num_computed_tokens < len(prompt):
-        core.step()
-    core.step()  # siblings join, sharing the prompt's full pages
-    siblings = core.requests["shared"].seqs
-    assert all(s.page_table[:9] == first.page_table[:9] for s in siblings)
-    assert core.block_manager.ref_counts[first.page_table[0]] == 4
-    while core.has_work:
-        core.step()
-    by_index = {i: tuple(t for o in outputs if o.index == i for t in o.token_ids) for i in range(4)}
-    assert all(len(v) == 6 for v in by_index.values())
-    assert len(set(by_index.values())) > 1
-    assert core.block_manager.num_used_pages == 0
+        engine.step()
+    engine.step()  # siblings join, sharing the prompt's full pages
+    siblings = running(engine, "shared")
+    assert len(siblings) == 4 and all(s.page_table[:9] == first.page_table[:9] for s in siblings)
+    assert engine.block_manager.ref_counts[first.page_table[0]] == 4
+    while engine.has_work:
+        engine.step()
+    outputs = [c.token_ids for c in collector.completions()]
+    assert all(len(o) == 6 for o in outputs) and len(set(outputs)) > 1
+    assert engine.block_manager.num_used_pages == 0
 
 
 def test_n_sequences_with_a_seed_are_reproducible(engine):
@@ -178,7 +213,7 @@ def test_stop_token_id_ends_the_sequence_but_not_before_min_tokens(engine):
 
 
 def test_requests_that_can_never_fit_are_rejected_up_front(tiny, engine):
-    with pytest.raises(RequestRejected, match="max_model_len"):
+    with pytest.raises(RequestRejected, match="context length"):
         engine.generate([[5] * 100], SamplingParams(max_tokens=29))
     small = make_engine(tiny, num_pages=8, warmup=False)
     with pytest.raises(RequestRejected, match="KV pages"):
@@ -187,24 +222,59 @@ def test_requests_that_can_never_fit_are_rejected_up_front(tiny, engine):
         engine.generate([[]], GREEDY)
 
 
+def test_a_failure_in_one_requests_host_work_ends_only_that_request(engine):
+    good, bad = [30, 31, 32, 33], [50, 51, 52]
+    alone = engine.generate([good], GREEDY)[0][0].token_ids
+    good_out, bad_out = ListCollector(1), ListCollector(1)
+    engine.submit([good], GREEDY, good_out, "good")
+    engine.submit([bad], GREEDY, bad_out, "bad")
+    engine.step()
+    (broken,) = running(engine, "bad")
+
+    def detokenizer_bug(*args):
+        raise UnicodeError("cannot decode")
+
+    broken.stop.emit = detokenizer_bug
+    while engine.has_work:
+        engine.step()
+    (failed,) = bad_out.completions()
+    assert failed.finish_reason == "error" and "cannot decode" in failed.error
+    assert good_out.completions()[0].token_ids == alone
+    assert engine.stats.kv_pages_used == 0
+
+
+def test_a_failed_device_step_ends_its_requests_and_the_engine_serves_the_next(tiny, engine, monkeypatch):
+    first = ListCollector(1)
+    engine.submit([[60, 61, 62]], GREEDY, first, "in-failed-step")
+    real_dispatch = engine.runner.dispatch
+
+    def failing_dispatch(chunks):
+        monkeypatch.setattr(engine.runner, "dispatch", real_dispatch)
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(engine.runner, "dispatch", failing_dispatch)
+    while engine.has_work:
+        engine.step()
+    (failed,) = first.completions()
+    assert failed.finish_reason == "error" and "device fault" in failed.error
+    assert engine.stats.kv_pages_used == 0
+    assert list(engine.generate([[60, 61, 62]], GREEDY)[0][0].token_ids) == generate(tiny.model, [60, 61, 62], 12)
+
+
 def test_steady_state_never_recompiles(engine):
     compiled = engine.runner.num_compiled()
     assert compiled == len(engine.runner.buckets)
     rng = random.Random(9)
-    core = engine.core
     steps = 0
     kinds = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=1, ignore_eos=True, max_tokens=9),
              SamplingParams(temperature=1.0, top_k=5, min_p=0.1, presence_penalty=0.5, repetition_penalty=1.2,
                             max_tokens=7, ignore_eos=True)]
     while steps < 50:
         if rng.random() < 0.3:
-            core.add(f"steady-{steps}", prompts(1, seed=steps)[0], rng.choice(kinds), seed=steps,
-                     sink=lambda out: None)
-        if core.has_work:
-            core.step()
+            engine.submit([prompts(1, seed=steps)[0]], rng.choice(kinds), ListCollector(1), f"steady-{steps}")
+        if engine.has_work:
+            engine.step()
             steps += 1
-        elif rng.random() < 0.5:
-            continue
-    while core.has_work:
-        core.step()
+    while engine.has_work:
+        engine.step()
     assert engine.runner.num_compiled() == compiled

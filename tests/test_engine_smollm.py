@@ -53,15 +53,15 @@ def test_prefix_caching_on_and_off_give_identical_tokens_and_the_hit_counter_sho
                  "How far is the Moon?"]
     prompts = [chat(loaded, q) for q in questions]
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    before = engine.stats()
+    before = engine.stats
     cached = engine.generate(prompts[:1], params) + engine.generate(prompts[1:], params)
-    after = engine.stats()
+    after = engine.stats
     uncached_engine = Engine(loaded, replace(CONFIG, enable_prefix_caching=False), progress=False)
     uncached = uncached_engine.generate(prompts[:1], params) + uncached_engine.generate(prompts[1:], params)
     assert [o[0].token_ids for o in cached] == [o[0].token_ids for o in uncached]
     system_pages = len(loaded.tokenizer.encode(SYSTEM)) // CONFIG.page_size
     assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens >= 3 * system_pages * CONFIG.page_size
-    assert uncached_engine.stats().prefix_cache_hit_tokens == 0
+    assert uncached_engine.stats.prefix_cache_hit_tokens == 0
     assert cached[1][0].usage.cached_prompt_tokens >= system_pages * CONFIG.page_size
 
 

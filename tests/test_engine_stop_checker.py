@@ -5,7 +5,6 @@ import pytest
 from batching.sampling_params import SamplingParams
 from batching.stop_checker import StopChecker
 from model.loader import load_model
-from model.tokenizer import IncrementalDetokenizer
 
 EOS = 2
 
@@ -17,7 +16,7 @@ def tokenizer():
 
 def feed(tokenizer, text: str, params: SamplingParams, extra: list[int] = ()):
     """Feeds the tokens of `text` (then `extra`) one by one; returns (emitted text, finish reason, tokens used)."""
-    checker = StopChecker(params, (EOS,), IncrementalDetokenizer(tokenizer))
+    checker = StopChecker(params, (EOS,), tokenizer.decode_stream())
     emitted = ""
     ids = tokenizer.encode(text) + list(extra)
     for used, token in enumerate(ids, 1):
@@ -42,7 +41,7 @@ def test_stop_string_spanning_tokens_is_found_and_not_emitted(tokenizer):
 
 
 def test_text_that_might_start_a_stop_string_is_held_back_then_released(tokenizer):
-    checker = StopChecker(SamplingParams(max_tokens=100, stop=("Paris!",)), (EOS,), IncrementalDetokenizer(tokenizer))
+    checker = StopChecker(SamplingParams(max_tokens=100, stop=("Paris!",)), (EOS,), tokenizer.decode_stream())
     emitted = ""
     held_back_seen = False
     for token in tokenizer.encode("Hello Paris. Bye"):
@@ -71,6 +70,6 @@ def test_min_tokens_defers_stop_strings_and_stop_ids(tokenizer):
     emitted, reason, used = feed(tokenizer, "a b c d e f a g", params)
     assert reason == "stop" and used > 5
     checker = StopChecker(SamplingParams(max_tokens=20, min_tokens=2, stop_token_ids=(7,)), (EOS,),
-                          IncrementalDetokenizer(tokenizer))
+                          tokenizer.decode_stream())
     assert checker.banned_token_ids(num_output_tokens=1) == (EOS, 7)
     assert checker.banned_token_ids(num_output_tokens=2) == ()

@@ -52,11 +52,11 @@ def test_two_processes_serve_one_model_like_a_single_process(tiny_model, monkeyp
     try:
         leader = start_server(*flags, "--process-id", "0", startup_timeout_s=600)
         try:
-            # A request that fails while its step is built (top_k overflows int32) sends nothing to process 1.
-            failing = httpx.post(f"{leader.url}/v1/completions", timeout=120, json={
-                "model": "tiny", "prompt": PROMPT, "max_tokens": 2, "top_k": 2**40,
+            # A request rejected at the edge never reaches either process's step loop.
+            rejected = httpx.post(f"{leader.url}/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": PROMPT, "max_tokens": 2, "top_k": -7,
             })
-            assert failing.status_code == 500, failing.text
+            assert rejected.status_code == 400, rejected.text
             reply = httpx.post(f"{leader.url}/v1/completions", timeout=120, json={
                 "model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1,
             })

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from batching.sampler import build_sampling_batch, sample
+from batching.sampler import SamplingInputs, SamplingRow, pack_sampling_batch, sample
 from batching.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -16,14 +16,13 @@ def logits_for(num_rows: int, seed: int = 0) -> jax.Array:
     return jax.random.normal(jax.random.key(seed), (num_rows, VOCAB), jnp.float32) * 3
 
 
-def run(logits, rows, num_rows=None, history_len=32):
-    """rows: [(params, seed, step, token_ids, num_prompt, banned)]"""
-    batch = build_sampling_batch(rows, num_rows or logits.shape[0], history_len, 4)
+def run(logits, rows: list[SamplingInputs], num_rows=None, history_len=32):
+    batch = pack_sampling_batch(rows, num_rows or logits.shape[0], history_len, 4)
     return jax.tree.map(np.asarray, sample_jit(logits, batch))
 
 
-def row(params: SamplingParams, seed: int = 0, step: int = 0, tokens=(), num_prompt=0, banned=()):
-    return (params, seed, step, list(tokens), num_prompt, tuple(banned))
+def row(params: SamplingParams, seed: int = 0, step: int = 0, tokens=(), num_prompt=0, banned=()) -> SamplingInputs:
+    return SamplingInputs(SamplingRow.from_params(params, seed, VOCAB), step, list(tokens), num_prompt, tuple(banned))
 
 
 def test_greedy_takes_the_argmax():
@@ -108,3 +107,11 @@ def test_logprobs_are_the_models_log_softmax_with_the_best_first():
     np.testing.assert_allclose(out.logprobs, expected[np.arange(2), out.tokens], rtol=1e-5)
     np.testing.assert_array_equal(out.top_ids[:, 0], np.argmax(expected, -1))
     assert np.all(np.diff(out.top_logprobs, axis=-1) <= 0)
+
+
+def test_top_k_beyond_the_vocabulary_means_no_filter():
+    logits = logits_for(1)
+    unfiltered = row(SamplingParams(temperature=1.0), seed=5)
+    huge = row(SamplingParams(temperature=1.0, top_k=2**40), seed=5)
+    assert huge.row.top_k == 0
+    assert run(logits, [huge]).tokens[0] == run(logits, [unfiltered]).tokens[0]

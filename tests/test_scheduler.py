@@ -5,6 +5,8 @@ from batching.sampling_params import SamplingParams
 from batching.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from batching.sequence import Sequence, SequenceStatus
 
+from sequences import make_sequence
+
 PAGE = 4
 
 
@@ -12,10 +14,8 @@ def make_scheduler(num_pages: int = 64, max_num_seqs: int = 8, budget: int = 16)
     return Scheduler(SchedulerConfig(max_num_seqs, budget), BlockManager(num_pages, PAGE))
 
 
-def add(sched: Scheduler, seq_id: int, prompt_len: int, priority: int = 0, parent: Sequence | None = None,
-        index: int = 0) -> Sequence:
-    seq = Sequence(seq_id, f"r{seq_id}", index, tuple(range(100 * seq_id, 100 * seq_id + prompt_len)),
-                   SamplingParams(priority=priority), seed=0, arrival=seq_id, parent=parent)
+def add(sched: Scheduler, seq_id: int, prompt_len: int, priority: int = 0) -> Sequence:
+    seq = make_sequence(seq_id, range(100 * seq_id, 100 * seq_id + prompt_len), SamplingParams(priority=priority))
     sched.add(seq)
     return seq
 
@@ -105,7 +105,7 @@ def test_finish_frees_pages_of_waiting_and_running_sequences():
 def test_sibling_waits_for_the_prompt_then_shares_its_full_pages():
     sched = make_scheduler(budget=64)
     first = add(sched, 1, prompt_len=10)
-    sibling = Sequence(2, "r1", 1, first.prompt_ids, first.params, seed=1, arrival=1, parent=first)
+    sibling = make_sequence(2, first.prompt_ids, first.params, choice=1, parent=first, arrival=1)
     sched.add(sibling)
     out = sched.schedule()
     assert [c.seq for c in out.chunks] == [first]

@@ -11,7 +11,7 @@ from starlette.testclient import TestClient
 
 from app.serve import add_arguments, byte_size
 from app.server import create_app
-from app.sse import DONE, EventStreamResponse, sse_event
+from app.streaming import DONE, KEEPALIVE, EventStreamResponse, sse_event
 from app.state import ServerSettings, ServerState
 
 KEY = "s3cret"
@@ -126,7 +126,7 @@ def test_event_stream_stops_and_closes_when_the_client_disconnects():
             if message.get("body") == b"data: 1\n\n":
                 disconnect.set()
 
-        await asyncio.wait_for(EventStreamResponse(events(), on_close)({"type": "http"}, receive, send), 5)
+        await asyncio.wait_for(EventStreamResponse(events(), on_close, keepalive_s=60)({"type": "http"}, receive, send), 5)
         return sent
 
     sent = asyncio.run(scenario())
@@ -150,8 +150,46 @@ def test_event_stream_runs_on_close_when_the_client_left_before_the_first_event(
     async def send(message: dict) -> None:
         pass
 
-    asyncio.run(asyncio.wait_for(EventStreamResponse(events(), on_close)({"type": "http"}, receive, send), 5))
+    asyncio.run(asyncio.wait_for(EventStreamResponse(events(), on_close, keepalive_s=60)({"type": "http"}, receive, send), 5))
     assert closed == [True]
+
+
+def test_event_stream_sends_keepalive_comments_while_no_event_is_ready_and_loses_no_event():
+    async def events():
+        await asyncio.sleep(0.3)
+        yield b"data: 1\n\n"
+        yield DONE
+
+    async def on_close() -> None:
+        pass
+
+    async def scenario() -> list[bytes]:
+        sent: list[bytes] = []
+
+        async def receive() -> dict:
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                sent.append(message.get("body", b""))
+
+        await asyncio.wait_for(EventStreamResponse(events(), on_close, keepalive_s=0.05)({"type": "http"}, receive, send), 5)
+        return [body for body in sent if body]
+
+    bodies = asyncio.run(scenario())
+    assert bodies[-2:] == [b"data: 1\n\n", DONE]
+    assert len(bodies) >= 4 and set(bodies[:-2]) == {KEEPALIVE}
+
+
+def test_openapi_document_describes_every_route_and_needs_no_api_key():
+    document = client(api_key=KEY).get("/openapi.json").json()
+    assert document["openapi"].startswith("3.1")
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].startswith("#/components/schemas/")
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert {"/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health"} <= set(document["paths"])
+    assert document["paths"]["/health"]["get"]["security"] == []
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -1,0 +1,92 @@
+"""The OpenAPI 3.1 document of the server, built from the route table and the pydantic models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from app.schemas import ErrorResponse
+
+_ERROR_STATUSES = {
+    "400": "Invalid request: a field out of range, a prompt too long for the context, a failed chat template",
+    "401": "Missing or wrong API key",
+    "404": "Unknown model",
+    "413": "Body too large",
+    "429": "Waiting queue full (Retry-After)",
+    "500": "Generation failed in the engine",
+    "503": "Loading, shutting down, or aborted by the server",
+}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """What a route takes and returns. `stream_chunk`: with `stream: true` the route answers with
+    `text/event-stream`, each event's data one such chunk (or an error, then `[DONE]`);
+    `media_type` for a response that is not JSON (its schema is then a string)."""
+
+    path: str
+    method: str
+    summary: str
+    request: type[BaseModel] | None = None
+    response: type[BaseModel] | None = None
+    stream_chunk: type[BaseModel] | None = None
+    media_type: str = "application/json"
+
+
+def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI before 3.2 describes each event with the media type's `schema`)."""
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, error]}}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}, "event": {"type": "string"}},
+    }
+
+
+def openapi_document(operations: list[Operation], title: str, version: str, bearer_auth: bool,
+                     open_paths: frozenset[str]) -> dict[str, Any]:
+    """With `bearer_auth`, every path but `open_paths` needs `Authorization: Bearer <key>`."""
+    models = {m for op in operations for m in (op.request, op.response, op.stream_chunk) if m is not None}
+    models.add(ErrorResponse)
+    keys = sorted(((m, "validation" if _is_request(m, operations) else "serialization") for m in models),
+                  key=lambda key: key[0].__name__)
+    refs, definitions = models_json_schema(keys, ref_template="#/components/schemas/{model}")
+    ref = {model: schema for (model, _), schema in refs.items()}
+    error = {"content": {"application/json": {"schema": ref[ErrorResponse]}}}
+    paths: dict[str, dict[str, Any]] = {}
+    for op in operations:
+        success: dict[str, Any] = {"description": "OK"}
+        if op.response is not None:
+            success["content"] = {op.media_type: {"schema": ref[op.response]}}
+        elif op.media_type != "application/json":
+            success["content"] = {op.media_type: {"schema": {"type": "string"}}}
+        if op.stream_chunk is not None:
+            event = _event_schema(ref[op.stream_chunk], ref[ErrorResponse])
+            success["content"]["text/event-stream"] = {"schema": event}
+        operation: dict[str, Any] = {
+            "summary": op.summary,
+            "responses": {"200": success, **{status: {"description": text, **error}
+                                             for status, text in _ERROR_STATUSES.items()}},
+        }
+        if bearer_auth and op.path in open_paths:
+            operation["security"] = []
+        if op.request is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[op.request]}}}
+        paths.setdefault(op.path, {})[op.method.lower()] = operation
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {"schemas": definitions.get("$defs", {})},
+    }
+    if bearer_auth:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+    return document
+
+
+def _is_request(model: type[BaseModel], operations: list[Operation]) -> bool:
+    return any(op.request is model for op in operations)

@@ -1,0 +1,199 @@
+"""Engine increments shaped into OpenAI responses: chat completions and text completions, whole or streamed.
+
+A builder turns one `Generation` into either a single response (`collect`) or its SSE events (`events`);
+an error during a stream becomes an error event before `[DONE]`. Usage is the engine's count (prompt tokens
+once per prompt, cached prompt tokens as `prompt_tokens_details.cached_tokens`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from batching.outputs import TokenLogprob, Usage
+from model.tokenizer import Tokenizer
+
+from app.errors import APIError
+from app.generation import Generation
+from app.prompts import Prompt
+from app.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    TokenLogprobInfo,
+    TopLogprob,
+    UsageInfo,
+)
+from app.streaming import DONE, sse_event
+
+
+def usage_info(usage: Usage | None) -> UsageInfo | None:
+    if usage is None:
+        return None
+    return UsageInfo(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+    )
+
+
+def chunk_json(chunk: ChatCompletionChunk | CompletionResponse, include_usage: bool) -> bytes:
+    # With include_usage, OpenAI sends `"usage": null` on every chunk but the last; without, no key.
+    return sse_event(chunk.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+
+async def event_stream(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    """The chunks, then `[DONE]`; an API error on the way (a failed generation) becomes an error event first."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as error:
+        yield sse_event(error.body())
+    yield DONE
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def _gather(generation: Generation, choices: list[_Choice]) -> None:
+    async for increment in generation.increments():
+        choice = choices[increment.choice]
+        choice.text += increment.text
+        choice.logprobs.extend(increment.logprobs)
+        choice.finish_reason = increment.finish_reason or choice.finish_reason
+
+
+class ChatBuilder:
+    """`chat.completion` responses and `chat.completion.chunk` streams."""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest) -> None:
+        self._id = request_id
+        self._created = int(time.time())
+        self._model = model
+        self._tokenizer = tokenizer
+        self._body = body
+
+    async def collect(self, generation: Generation) -> ChatCompletionResponse:
+        choices = [_Choice() for _ in range(self._body.n)]
+        await _gather(generation, choices)
+        return ChatCompletionResponse(
+            id=self._id,
+            created=self._created,
+            model=self._model,
+            choices=[
+                ChatChoice(index=i, message=ChatResponseMessage(content=c.text), logprobs=self._logprobs(c.logprobs),
+                           finish_reason=c.finish_reason)
+                for i, c in enumerate(choices)
+            ],
+            usage=usage_info(generation.usage),
+        )
+
+    def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        return event_stream(self._chunks(generation))
+
+    async def _chunks(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        for i in range(self._body.n):
+            yield self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        async for increment in generation.increments():
+            if increment.text or increment.logprobs:
+                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(content=increment.text),
+                                                   logprobs=self._logprobs(increment.logprobs))])
+            if increment.finish_reason is not None:
+                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
+                                                   finish_reason=increment.finish_reason)])
+        if self._body.include_usage:
+            yield self._chunk([], usage=usage_info(generation.usage))
+
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
+        if not self._body.logprobs:
+            return None
+        return ChatLogprobs(content=[
+            TokenLogprobInfo(**self._top(e.token_id, e.logprob).model_dump(),
+                             top_logprobs=[self._top(t, lp) for t, lp in e.top])
+            for e in entries
+        ])
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=self._tokenizer.token_text(token_id), logprob=logprob,
+                          bytes=list(self._tokenizer.token_bytes(token_id)))
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        chunk = ChatCompletionChunk(id=self._id, created=self._created, model=self._model, choices=choices,
+                                    usage=usage)
+        return chunk_json(chunk, self._body.include_usage)
+
+
+class CompletionBuilder:
+    """`text_completion` responses and their streams; choice `prompt * n + sample`."""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: CompletionRequest,
+                 prompts: list[Prompt]) -> None:
+        self._id = request_id
+        self._created = int(time.time())
+        self._model = model
+        self._tokenizer = tokenizer
+        self._body = body
+        self._prompts = prompts
+        self._num_choices = len(prompts) * body.n
+
+    async def collect(self, generation: Generation) -> CompletionResponse:
+        choices = [_Choice(text=self._echo(i)) for i in range(self._num_choices)]
+        await _gather(generation, choices)
+        return self._response(
+            [CompletionChoice(index=i, text=c.text, logprobs=self._logprobs(c.logprobs, len(self._echo(i))),
+                              finish_reason=c.finish_reason)
+             for i, c in enumerate(choices)],
+            usage=usage_info(generation.usage),
+        )
+
+    def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        return event_stream(self._chunks(generation))
+
+    async def _chunks(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        offsets = [len(self._echo(i)) for i in range(self._num_choices)]
+        if self._body.echo:
+            for i in range(self._num_choices):
+                yield self._chunk([CompletionChoice(index=i, text=self._echo(i))])
+        async for increment in generation.increments():
+            logprobs = self._logprobs(increment.logprobs, offsets[increment.choice])
+            offsets[increment.choice] += sum(len(self._tokenizer.token_text(e.token_id)) for e in increment.logprobs)
+            yield self._chunk([CompletionChoice(index=increment.choice, text=increment.text, logprobs=logprobs,
+                                                finish_reason=increment.finish_reason)])
+        if self._body.include_usage:
+            yield self._chunk([], usage=usage_info(generation.usage))
+
+    def _echo(self, choice: int) -> str:
+        return self._prompts[choice // self._body.n].text if self._body.echo else ""
+
+    def _logprobs(self, entries: Sequence[TokenLogprob], text_offset: int) -> CompletionLogprobs | None:
+        """As in OpenAI's API, each `top_logprobs` dict holds the k best tokens and the sampled one."""
+        if self._body.logprobs is None:
+            return None
+        text = self._tokenizer.token_text
+        tokens = [text(e.token_id) for e in entries]
+        offsets = [text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        top = [{text(t): lp for t, lp in (*e.top, (e.token_id, e.logprob))} for e in entries]
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries], top_logprobs=top,
+                                  text_offset=offsets)
+
+    def _response(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self._id, created=self._created, model=self._model, choices=choices, usage=usage)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        return chunk_json(self._response(choices, usage), self._body.include_usage)

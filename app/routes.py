@@ -1,0 +1,99 @@
+"""The OpenAI routes: parse and check the body, build the prompts, hand the request to the engine, respond.
+
+Where a request goes: `parse_body` (`schemas.py` checks every field) -> `prompts.py` (token ids) ->
+`generation.py` (admission, `Engine.add_request`, the collector) -> `responses.py` (OpenAI shapes, SSE).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from batching.engine import Engine
+
+from app.errors import from_validation_error, invalid_request
+from app.generation import respond, start_generation
+from app.prompts import chat_prompt, completion_prompts
+from app.responses import ChatBuilder, CompletionBuilder
+from app.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from app.state import ServerState
+
+M = TypeVar("M", bound=BaseModel)
+
+# OpenAI's default for the legacy completions API.
+DEFAULT_MAX_TOKENS = 16
+
+
+async def parse_body(request: Request, schema: type[M]) -> tuple[ServerState, Engine, M]:
+    """The server state, its engine (503 if not ready) and the JSON body checked against `schema` (malformed
+    JSON and invalid fields become 400s, an unknown `model` a 404)."""
+    state: ServerState = request.app.state.sluice
+    engine = state.require_engine()
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid_request(f"The body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise invalid_request("The body must be a JSON object")
+    try:
+        body = schema.model_validate(data, context={"vocab_size": engine.limits.vocab_size})
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+    state.check_model(body.model)
+    return state, engine, body
+
+
+def json_response(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def create_chat_completion(request: Request) -> Response:
+    arrival = time.perf_counter()
+    state, engine, body = await parse_body(request, ChatCompletionRequest)
+    prompt = chat_prompt(engine.tokenizer, body.messages)
+    # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
+    params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = start_generation(state, [prompt.token_ids], params, request_id, arrival)
+    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body)
+    return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+async def create_completion(request: Request) -> Response:
+    arrival = time.perf_counter()
+    state, engine, body = await parse_body(request, CompletionRequest)
+    prompts = completion_prompts(engine.tokenizer, body.prompt)
+    params = body.sampling_params(default_max_tokens=DEFAULT_MAX_TOKENS)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    generation = start_generation(state, [p.token_ids for p in prompts], params, request_id, arrival)
+    builder = CompletionBuilder(request_id, state.model_name, engine.tokenizer, body, prompts)
+    return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+async def tokenize(request: Request) -> Response:
+    """`prompt` is encoded as it is; `messages` are first rendered with the chat template."""
+    _, engine, body = await parse_body(request, TokenizeRequest)
+    if body.messages is not None:
+        ids = chat_prompt(engine.tokenizer, body.messages, body.add_generation_prompt).token_ids
+    else:
+        ids = engine.tokenizer.encode(body.prompt)
+    return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len))
+
+
+async def detokenize(request: Request) -> Response:
+    _, engine, body = await parse_body(request, DetokenizeRequest)
+    return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)))

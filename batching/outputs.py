@@ -1,0 +1,146 @@
+"""What the engine hands back for a request: per-choice increments, usage, and the collectors that receive them.
+
+A request has `len(prompts) * n` choices (choice `prompt * n + sample`). The engine thread never calls into a
+consumer directly: each step it gathers every request's increments and gives them to its driver in one batch
+(`Deliveries`); the async driver passes that batch to the event loop in one `call_soon_threadsafe`, where each
+request's `Collector` receives its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one sampled token, with the `top_logprobs` best alternatives (best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of a whole request: prompts counted once each (not once per sample), outputs of every choice."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Increment:
+    """What one choice produced since its previous increment.
+
+    `finish_reason` is set on the choice's last increment; `error` carries a message when it failed in the
+    engine; `usage` is set on the request's very last increment (when every choice has finished).
+    """
+
+    choice: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class OutputSink(Protocol):
+    """Receives one request's increments, in order, on the consumer's side of the engine."""
+
+    def put(self, increment: Increment) -> None: ...
+
+
+Deliveries = list[tuple[OutputSink, Increment]]
+
+
+def deliver(deliveries: Deliveries) -> None:
+    for sink, increment in deliveries:
+        sink.put(increment)
+
+
+class Collector:
+    """The async consumer of one request: `async for increment in collector` until every choice has finished.
+
+    Lives on the event loop; `put` is called there (by the engine's driver), never from the engine thread.
+    """
+
+    def __init__(self, request_id: str, num_choices: int) -> None:
+        self.request_id = request_id
+        self.num_choices = num_choices
+        self.num_finished = 0
+        self.usage: Usage | None = None
+        self._pending: deque[Increment] = deque()
+        self._wakeup = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == self.num_choices
+
+    def put(self, increment: Increment) -> None:
+        self._pending.append(increment)
+        self._wakeup.set()
+
+    async def __aiter__(self) -> AsyncIterator[Increment]:
+        while not self.finished:
+            if not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            increment = self._pending.popleft()
+            if increment.finished:
+                self.num_finished += 1
+                self.usage = increment.usage or self.usage
+            yield increment
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One choice's whole output, joined from its increments (offline `Engine.generate`)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: FinishReason | None
+    usage: Usage | None
+    error: str | None = None
+
+
+class ListCollector:
+    """The offline consumer: keeps one request's increments and joins them per choice."""
+
+    def __init__(self, num_choices: int) -> None:
+        self._by_choice: list[list[Increment]] = [[] for _ in range(num_choices)]
+        self._usage: Usage | None = None
+
+    def put(self, increment: Increment) -> None:
+        self._by_choice[increment.choice].append(increment)
+        self._usage = increment.usage or self._usage
+
+    def completions(self) -> list[Completion]:
+        return [
+            Completion(
+                text="".join(i.text for i in parts),
+                token_ids=tuple(t for i in parts for t in i.token_ids),
+                logprobs=tuple(lp for i in parts for lp in i.logprobs),
+                finish_reason=parts[-1].finish_reason if parts else None,
+                usage=self._usage,
+                error=parts[-1].error if parts else None,
+            )
+            for parts in self._by_choice
+        ]

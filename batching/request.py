@@ -1,0 +1,96 @@
+"""A request as the engine holds it: its sequences (one per choice), its consumer, and the checks that need the
+model (context length, pool size), done once when it is built."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from batching.outputs import OutputSink, Usage
+from batching.sampler import SamplingRow
+from batching.sampling_params import SamplingParams
+from batching.sequence import Sequence
+from batching.stop_checker import StopChecker, stop_token_ids
+from model.tokenizer import Tokenizer
+
+# Ids the sampler can ban at once (stop and EOS ids while min_tokens is not reached).
+MAX_BANNED_IDS = 32
+_SEED_STRIDE = 0x9E3779B9  # spreads the choices of one seeded request over distinct sampler seeds
+
+
+class RequestRejected(ValueError):
+    """The request can never run here (too long for the model or the KV pool, an empty prompt, ...)."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit: the model's context and the KV pool."""
+
+    max_model_len: int
+    num_pages: int
+    page_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class Request:
+    """`seqs[choice]` for each of the request's `len(prompts) * n` choices; the first sequence of each prompt
+    (its `parent` is None) prefills it for the others."""
+
+    request_id: str
+    seqs: list[Sequence]
+    sink: OutputSink
+    finished_choices: set[int] = field(default_factory=set)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finished_choices) == len(self.seqs)
+
+    def usage(self) -> Usage:
+        firsts = [s for s in self.seqs if s.parent is None]
+        return Usage(
+            prompt_tokens=sum(s.num_prompt_tokens for s in firsts),
+            completion_tokens=sum(s.num_output_tokens for s in self.seqs),
+            cached_prompt_tokens=sum(s.num_cached_tokens for s in firsts),
+        )
+
+
+def check_fits(prompts: list[list[int]], params: SamplingParams, limits: RequestLimits) -> None:
+    """Raises RequestRejected unless every prompt, with max_tokens more, fits the context and the pool."""
+    for prompt in prompts:
+        if not prompt:
+            raise RequestRejected("the prompt is empty")
+        total = len(prompt) + params.max_tokens
+        if total > limits.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {limits.max_model_len} tokens; the prompt has "
+                f"{len(prompt)} tokens and {params.max_tokens} more were requested"
+            )
+        pages = -(-total // limits.page_size)
+        if pages > limits.num_pages:
+            raise RequestRejected(f"the request needs {pages} KV pages but the whole pool has {limits.num_pages}")
+    if params.min_tokens and len(stop_token_ids(params, limits.eos_token_ids)) > MAX_BANNED_IDS:
+        raise RequestRejected(f"at most {MAX_BANNED_IDS} stop token ids are supported with min_tokens")
+
+
+def build_request(request_id: str, prompts: list[list[int]], params: SamplingParams, sink: OutputSink,
+                  tokenizer: Tokenizer, limits: RequestLimits, seq_ids: itertools.count) -> Request:
+    """Checks the request against `limits` and builds its sequences, each with its sampling row and stop
+    checker (so a conversion error is this request's rejection, never a step's failure)."""
+    check_fits(prompts, params, limits)
+    seed = params.seed if params.seed is not None else random.getrandbits(64)
+    seqs: list[Sequence] = []
+    for prompt in prompts:
+        parent = None
+        for _ in range(params.n):
+            choice = len(seqs)
+            seq = Sequence(
+                seq_id=next(seq_ids), request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
+                sampling=SamplingRow.from_params(params, seed + choice * _SEED_STRIDE, limits.vocab_size),
+                stop=StopChecker(params, limits.eos_token_ids, tokenizer.decode_stream(prompt)), parent=parent,
+            )
+            parent = parent or seq
+            seqs.append(seq)
+    return Request(request_id, seqs, sink)

@@ -1,0 +1,47 @@
+"""The engine's statistics: an immutable snapshot, published by the engine thread after every step.
+
+Readers (the HTTP server's metrics, admission, dashboards) take `engine.stats` as it is: replacing a reference
+is atomic, so they never lock and never see half a step. Counters only grow; gauges are the state after the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batching.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step: what ran and how long the engine thread spent on it (host work and device time)."""
+
+    num_tokens: int
+    num_seqs: int
+    num_decode_seqs: int
+    num_prefill_tokens: int
+    duration_s: float
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk], duration_s: float) -> StepStats:
+        decodes = sum(1 for c in chunks if c.num_tokens == 1 and c.sample)
+        num_tokens = sum(c.num_tokens for c in chunks)
+        return cls(num_tokens, len(chunks), decodes, num_tokens - decodes, duration_s)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Gauges count requests (a request is running while any of its sequences is), and sequences separately."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    num_seqs_running: int
+    num_seqs_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_steps: int
+    last_step: StepStats | None

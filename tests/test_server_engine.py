@@ -1,0 +1,119 @@
+"""The HTTP app over a real engine (the tiny random model, in-process): what the real server subprocess cannot
+be made to do on purpose — a failing engine step — plus template errors and keep-alive comments while queued."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+import httpx
+import pytest
+from flax import nnx
+
+from app.server import create_app
+from app.state import ServerSettings, ServerState
+from batching.config import EngineConfig
+from batching.engine import Engine
+from model.config import ModelConfig
+from model.llama import Llama
+from model.loader import LoadedModel
+from model.tokenizer import Tokenizer
+
+TINY = ModelConfig.tiny()
+CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=4,
+                      kv_cache_memory=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2) -> Engine:
+    loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
+    return Engine(loaded, CONFIG, progress=False)
+
+
+def serve(engine: Engine, scenario, **settings):
+    """Runs `scenario(client, state)` against the app with the engine's step loop started."""
+
+    async def run():
+        state = ServerState(ServerSettings(**settings))
+        state.set_engine(engine)
+        await engine.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://sluice", timeout=60) as client:
+                return await scenario(client, state)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def fail_next_dispatch(engine: Engine, monkeypatch) -> None:
+    real = engine.runner.dispatch
+
+    def failing(chunks):
+        monkeypatch.setattr(engine.runner, "dispatch", real)
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(engine.runner, "dispatch", failing)
+
+
+COMPLETION = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_failed_step_ends_the_stream_with_an_error_event_and_the_server_serves_on(engine, monkeypatch):
+    async def scenario(client, state):
+        fail_next_dispatch(engine, monkeypatch)
+        failed = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True})
+        after = await client.post("/v1/completions", json=COMPLETION)
+        return failed, after, state.metrics.render().decode()
+
+    failed, after, metrics = serve(engine, scenario)
+    assert failed.status_code == 200
+    events = [e[len("data: "):] for e in failed.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "injected device fault" in error["message"]
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 6
+    assert 'sluice_e2e_request_latency_seconds_count{outcome="error"} 1.0' in metrics
+
+
+def test_a_failed_step_is_a_500_without_streaming(engine, monkeypatch):
+    async def scenario(client, state):
+        fail_next_dispatch(engine, monkeypatch)
+        return await client.post("/v1/completions", json=COMPLETION)
+
+    response = serve(engine, scenario)
+    assert response.status_code == 500 and response.json()["error"]["code"] == "generation_error"
+
+
+def test_a_chat_template_that_fails_is_a_400_naming_messages(smollm2):
+    tokenizer = smollm2.tokenizer
+    failing = Tokenizer.from_json(tokenizer.to_json(), replace(
+        tokenizer.special, chat_template="{{ raise_exception('no system role here') }}"))
+    loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), failing, "tiny")
+    engine = Engine(loaded, replace(CONFIG, warmup=False), progress=False)  # no step runs: nothing to compile
+
+    async def scenario(client, state):
+        return await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+
+    response = serve(engine, scenario)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages" and "no system role here" in error["message"]
+
+
+def test_a_queued_stream_gets_keepalive_comments_before_its_first_token(engine):
+    long = {"prompt": [9, 10, 11], "max_tokens": 100, "ignore_eos": True, "stream": True}
+
+    async def scenario(client, state):
+        busy = [asyncio.create_task(client.post("/v1/completions", json=long)) for _ in range(CONFIG.max_num_seqs)]
+        await asyncio.sleep(0.05)
+        queued = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+        await asyncio.gather(*busy)
+        return queued
+
+    queued = serve(engine, scenario, sse_keepalive_s=0.005)
+    events = queued.text.split("\n\n")
+    first_data = next(i for i, e in enumerate(events) if e.startswith("data: "))
+    assert first_data > 0 and set(events[:first_data]) == {": keep-alive"}
