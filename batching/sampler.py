@@ -1,9 +1,10 @@
 """Batched token sampling with per-row parameters, as one pure jittable function.
 
-Every row carries its own temperature, filters, penalties and seed. A row's random draw depends only on
-(its seed, its output step), through `jax.random.fold_in`, so a seeded request samples the same tokens whatever
-else shares its batch. Filters never reorder the noise: the Gumbel noise is indexed by token id, and top-k,
-top-p and min-p become a per-row logit cutoff.
+Every row carries its own temperature, filters, penalties and seed. A row's draw is one uniform number that
+depends only on (its seed, its output step), through `jax.random.fold_in`, inverted through the row's own
+cumulative distribution in token-id order: a seeded request samples the same tokens whatever else shares its
+batch. Top-k, top-p and min-p become a per-row logit cutoff. Work that no row asks for (penalties, filters,
+sampling, top alternatives) is skipped with `lax.cond`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class SamplingRow:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    top_logprobs: int = 0
     seed: int = 0
 
     @classmethod
@@ -44,6 +46,7 @@ class SamplingRow:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty,
+            top_logprobs=params.top_logprobs,
             seed=seed % 2**32,
         )
 
@@ -82,7 +85,8 @@ class SamplingBatch:
     """Per-row sampling parameters for S rows (padding rows are greedy with no penalties).
 
     temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty: [S] float32
-    top_k: [S] int32 (<= 0 disables); seed: [S] uint32; step: [S] int32 (the row's output index)
+    top_k: [S] int32 (<= 0 disables); top_logprobs: [S] int32 (alternatives the row reports)
+    seed: [S] uint32; step: [S] int32 (the row's output index)
     banned: [S, B] int32 token ids that must not be sampled (EOS/stop ids before min_tokens), -1 pads
     history: [S, L] int32 the row's prompt + output ids, -1 pads; num_prompt: [S] int32 prompt length
     """
@@ -94,6 +98,7 @@ class SamplingBatch:
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
     repetition_penalty: jax.Array
+    top_logprobs: jax.Array
     seed: jax.Array
     step: jax.Array
     banned: jax.Array
@@ -105,7 +110,7 @@ class SamplingBatch:
 @dataclass(frozen=True)
 class SamplerOutput:
     """tokens: [S] int32; logprobs: [S] float32 of the chosen token under the model's distribution;
-    top_ids: [S, 20] int32 and top_logprobs: [S, 20] float32, best first."""
+    top_ids: [S, 20] int32 and top_logprobs: [S, 20] float32, best first (zeros when no row asks for them)."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -146,31 +151,96 @@ def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return logits - batch.presence_penalty[:, None] * (out_counts > 0).astype(logits.dtype)
 
 
+# XLA's CPU sort is orders of magnitude slower than a pass over the logits (a full-vocabulary sort of 64 rows
+# took a second), and so is its argmax (a variadic reduce): the filters bisect for their cutoffs instead of
+# sorting, and argmax goes through block maxima.
+_BISECTION_STEPS = 32
+_ARGMAX_BLOCK = 128
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """x: [S, V] -> [S] int32, the first index of each row's maximum (as jnp.argmax), through block maxima."""
+    num_rows, vocab = x.shape
+    pad = -vocab % _ARGMAX_BLOCK
+    blocks = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(num_rows, -1, _ARGMAX_BLOCK)
+    best_block = jnp.argmax(blocks.max(axis=-1), axis=-1)
+    within = jnp.argmax(jnp.take_along_axis(blocks, best_block[:, None, None], axis=1)[:, 0], axis=-1)
+    return (best_block * _ARGMAX_BLOCK + within).astype(jnp.int32)
+
+
+def largest_cutoff(x: jax.Array, measure, target: jax.Array) -> jax.Array:
+    """The largest value c of each row with measure(x >= c) >= target, for a measure that shrinks as c grows.
+
+    x: [S, V] (-inf entries are never kept); measure: [S, V] bool -> [S, 1]; target: [S, 1]. Bisects between
+    the row's smallest finite value (which keeps everything) and above its maximum, then snaps to a value of x.
+    """
+    finite = jnp.isfinite(x)
+    lo = jnp.min(jnp.where(finite, x, jnp.inf), axis=-1, keepdims=True)
+    hi = jnp.max(x, axis=-1, keepdims=True) + 1.0
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) / 2
+        keeps_enough = measure(x >= mid) >= target
+        return jnp.where(keeps_enough, mid, lo), jnp.where(keeps_enough, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, _BISECTION_STEPS, halve, (lo, hi))
+    return jnp.min(jnp.where(x >= lo, x, jnp.inf), axis=-1, keepdims=True)
+
+
 def filter_cutoff(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
-    """scaled: [S, V] temperature-scaled logits -> [S, 1] the smallest logit top-k, top-p and min-p keep."""
+    """scaled: [S, V] temperature-scaled logits -> [S, 1] the smallest logit top-k, top-p and min-p keep.
+
+    Top-p counts the mass of what top-k keeps (both act on the same ranking, as with a sort).
+    """
     vocab = scaled.shape[1]
-    desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    desc = jnp.where(desc >= kth, desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    num_kept = jnp.maximum(jnp.sum(mass_before < batch.top_p[:, None], axis=-1), 1)
-    top_p_cut = jnp.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)
-    min_p_cut = desc[:, :1] + jnp.log(jnp.maximum(batch.min_p, 1e-30))[:, None]
+    k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)[:, None]
+    kth = jax.lax.cond(
+        jnp.any(batch.top_k > 0),
+        lambda: largest_cutoff(scaled, lambda kept: jnp.sum(kept, axis=-1, keepdims=True), k),
+        lambda: jnp.full_like(scaled[:, :1], -jnp.inf),
+    )
+    top_k_kept = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    probs = jax.nn.softmax(top_k_kept, axis=-1)
+    top_p = batch.top_p[:, None]
+    top_p_cut = jax.lax.cond(
+        jnp.any(batch.top_p < 1),
+        lambda: jnp.where(top_p < 1, largest_cutoff(
+            top_k_kept, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), axis=-1, keepdims=True), top_p,
+        ), -jnp.inf),
+        lambda: jnp.full_like(kth, -jnp.inf),
+    )
+    min_p_cut = scaled.max(axis=-1, keepdims=True) + jnp.log(jnp.maximum(batch.min_p, 1e-30))[:, None]
     min_p_cut = jnp.where(batch.min_p[:, None] > 0, min_p_cut, -jnp.inf)
     return jnp.maximum(jnp.maximum(kth, top_p_cut), min_p_cut)
 
 
-def _row_gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
-    key = jax.random.fold_in(jax.random.key(seed), step)
-    return jax.random.gumbel(key, (vocab,), jnp.float32)
+def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (), jnp.float32)
+
+
+def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """probs: [S, V] (rows sum to 1), u: [S] in [0, 1) -> [S] int32, the first token whose cumulative mass
+    exceeds u. Cumulates over blocks first: a full-width cumulative sum is slow on the CPU."""
+    num_rows, vocab = probs.shape
+    pad = -vocab % _ARGMAX_BLOCK
+    blocks = jnp.pad(probs, ((0, 0), (0, pad))).reshape(num_rows, -1, _ARGMAX_BLOCK)
+    block_mass = blocks.sum(axis=-1)
+    mass_through = jnp.cumsum(block_mass, axis=-1)
+    u = u[:, None] * mass_through[:, -1:]  # the rows' own total, rounding included
+    block = jnp.minimum(jnp.sum(mass_through <= u, axis=-1), blocks.shape[1] - 1)
+    before = jnp.take_along_axis(mass_through - block_mass, block[:, None], axis=-1)
+    within = jnp.cumsum(jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0], axis=-1) + before
+    token = block * _ARGMAX_BLOCK + jnp.minimum(jnp.sum(within <= u, axis=-1), _ARGMAX_BLOCK - 1)
+    return jnp.minimum(token, vocab - 1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
-    """logits: [S, V] float32 -> SamplerOutput. Greedy rows (temperature 0) take the argmax."""
+    """logits: [S, V] float32 -> SamplerOutput. Greedy rows (temperature 0) take the argmax; the others draw
+    from the filtered, temperature-scaled distribution with one uniform number keyed by (seed, step)."""
     num_rows, vocab = logits.shape
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    model_logits = logits
     any_penalty = jnp.any(
         (batch.presence_penalty != 0) | (batch.frequency_penalty != 0) | (batch.repetition_penalty != 1)
     )
@@ -178,7 +248,7 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     rows = jnp.arange(num_rows)[:, None]
     banned = jnp.where(batch.banned >= 0, batch.banned, vocab)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = argmax(logits)
 
     def draw(logits: jax.Array) -> jax.Array:
         scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
@@ -186,12 +256,19 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
         cutoff = jax.lax.cond(
             any_filter, filter_cutoff, lambda s, _: jnp.full((num_rows, 1), -jnp.inf, s.dtype), scaled, batch
         )
-        scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-        noise = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(batch.seed, batch.step, vocab)
-        drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+        probs = jax.nn.softmax(jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
+        drawn = inverse_cdf(probs, jax.vmap(_row_uniform)(batch.seed, batch.step))
         return jnp.where(batch.temperature > 0, drawn, greedy_tokens)
 
     tokens = jax.lax.cond(jnp.any(batch.temperature > 0), draw, lambda _: greedy_tokens, logits)
-    chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs_all, MAX_TOP_LOGPROBS)
-    return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    chosen = jnp.take_along_axis(model_logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer[:, 0]
+
+    def top_alternatives() -> tuple[jax.Array, jax.Array]:
+        values, ids = jax.lax.top_k(model_logits, MAX_TOP_LOGPROBS)
+        return values - log_normalizer, ids.astype(jnp.int32)
+
+    top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(batch.top_logprobs > 0), top_alternatives,
+        lambda: (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32), jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32)),
+    )
+    return SamplerOutput(tokens, chosen, top_ids, top_logprobs)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from batching.sampler import SamplingInputs, SamplingRow, pack_sampling_batch, sample
+from batching.sampler import SamplingInputs, SamplingRow, argmax, filter_cutoff, pack_sampling_batch, sample
 from batching.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -102,7 +102,7 @@ def test_presence_and_frequency_penalties_count_only_output_tokens():
 
 def test_logprobs_are_the_models_log_softmax_with_the_best_first():
     logits = logits_for(2)
-    out = run(logits, [row(SamplingParams(temperature=1.0), seed=3)] * 2)
+    out = run(logits, [row(SamplingParams(temperature=1.0, logprobs=True, top_logprobs=5), seed=3)] * 2)
     expected = np.asarray(jax.nn.log_softmax(logits, -1))
     np.testing.assert_allclose(out.logprobs, expected[np.arange(2), out.tokens], rtol=1e-5)
     np.testing.assert_array_equal(out.top_ids[:, 0], np.argmax(expected, -1))
@@ -115,3 +115,31 @@ def test_top_k_beyond_the_vocabulary_means_no_filter():
     huge = row(SamplingParams(temperature=1.0, top_k=2**40), seed=5)
     assert huge.row.top_k == 0
     assert run(logits, [huge]).tokens[0] == run(logits, [unfiltered]).tokens[0]
+
+
+def test_argmax_is_the_first_index_of_the_maximum_whatever_the_width():
+    logits = jax.random.normal(jax.random.key(3), (5, 1000)).at[1, 7].set(9.0).at[1, 900].set(9.0)
+    np.testing.assert_array_equal(argmax(logits), np.argmax(np.asarray(logits), -1))
+
+
+def test_top_p_and_top_k_cutoffs_equal_a_sorted_reference():
+    logits = np.asarray(jax.random.normal(jax.random.key(4), (6, VOCAB)) * 2)
+    params = [SamplingParams(temperature=1.0, top_p=p, top_k=k) for p, k in
+              [(0.5, 0), (0.9, 0), (1.0, 7), (0.8, 10), (0.3, 3), (0.999, 0)]]
+    batch = pack_sampling_batch([row(p) for p in params], 6, 8, 4)
+    cutoff = np.asarray(jax.jit(filter_cutoff)(jnp.asarray(logits), batch))[:, 0]
+    for i, p in enumerate(params):
+        desc = np.sort(logits[i])[::-1]
+        kept = desc[:p.top_k] if p.top_k else desc
+        probs = np.exp(kept - kept.max()) / np.exp(kept - kept.max()).sum()
+        num_kept = max(1, int(np.sum(np.cumsum(probs) - probs < p.top_p)))
+        assert cutoff[i] == kept[num_kept - 1], i
+
+
+def test_sampled_tokens_follow_the_filtered_distribution():
+    num_rows = 4000
+    base = jnp.log(jnp.array([0.4, 0.3, 0.2, 0.1] + [1e-9] * (VOCAB - 4)))
+    out = run(jnp.tile(base, (num_rows, 1)), [row(SamplingParams(temperature=1.0, top_p=0.75), seed=s)
+                                               for s in range(num_rows)])
+    freq = np.bincount(out.tokens, minlength=VOCAB)[:4] / num_rows
+    np.testing.assert_allclose(freq, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0.0], atol=0.03)
