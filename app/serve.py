@@ -75,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--max-num-seqs", _ENGINE_DEFAULTS.max_num_seqs, "most sequences in one running batch", type=int)
     _option(parser, "--max-num-batched-tokens", _ENGINE_DEFAULTS.max_num_batched_tokens,
             "most tokens (prefill + decode) in one step", type=int)
+    _option(parser, "--num-decode-steps", _ENGINE_DEFAULTS.num_decode_steps,
+            "decode steps per device call when every running sequence decodes and none waits", type=int)
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--page-size", _ENGINE_DEFAULTS.page_size, "tokens per KV-cache page", type=int)
@@ -98,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        num_decode_steps=args.num_decode_steps,
         kv_cache_memory=args.kv_cache_memory,
         page_size=args.page_size,
         enable_prefix_caching=not args.disable_prefix_caching,

@@ -13,6 +13,8 @@ class EngineConfig:
 
     `max_model_len` None means min(the model's context, 4096). `kv_cache_memory` is the KV pool in bytes;
     None means a default (a fraction of free device memory on accelerators, a fixed budget on the CPU).
+    `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
+    in one device call (sampled tokens fed back on the device).
     """
 
     model: str | None = None
@@ -20,6 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    num_decode_steps: int = 1
     kv_cache_memory: int | None = None
     page_size: int = 16
     enable_prefix_caching: bool = True
@@ -31,6 +34,7 @@ class EngineConfig:
         checks = [
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1"),
+            (self.num_decode_steps >= 1, "num_decode_steps", "must be at least 1"),
             (self.page_size >= 1, "page_size", "must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),

@@ -75,9 +75,11 @@ class _Stop:
 
 @dataclass(frozen=True)
 class _SampledToken:
-    """A token appended to `seq` whose text (and stop-string check) waits for the next step's device time."""
+    """A token appended to `seq` (at `seq.token_ids[index]`) whose text and stop-string check wait for the next
+    step's device time."""
 
     seq: Sequence
+    index: int
     token: int
     logprobs: tuple[TokenLogprob, ...]
     token_finish: FinishReason | None
@@ -108,7 +110,7 @@ class Engine:
         self.runner = ModelRunner(
             loaded.model, num_pages=num_pages, page_size=config.page_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            attention_backend=config.attention_backend, mesh=mesh,
+            num_decode_steps=config.num_decode_steps, attention_backend=config.attention_backend, mesh=mesh,
         )
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
@@ -238,7 +240,8 @@ class Engine:
         while not self._inbox.empty():
             self._apply(self._inbox.get_nowait())
         chunks = self.scheduler.schedule().chunks
-        pending = self._dispatch(chunks) if chunks else None
+        limits = self._decode_limits(chunks)
+        pending = self._dispatch(chunks, limits) if chunks else None
         self._emit_text()
         self._flush()
         if pending is not None:
@@ -270,27 +273,52 @@ class Engine:
         for seq in request.seqs:
             self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
 
-    def _dispatch(self, chunks: list[ScheduledChunk]) -> PendingStep | None:
+    def _decode_limits(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Decode steps per sequence for a multi-step call, or None for a single step.
+
+        Only when every scheduled sequence decodes and nothing waits (a waiting request would wait the whole
+        call for its first step), each sequence limited by its max_tokens and the context, and only if the pool
+        holds the pages for all of them.
+        """
+        steps = self.config.num_decode_steps
+        if steps == 1 or not chunks or self.scheduler.waiting or not self._inbox.empty():
+            return None
+        if any(c.num_tokens != 1 or not c.sample for c in chunks):
+            return None
+        limits = [min(steps, c.seq.params.max_tokens - c.seq.num_output_tokens, self.max_model_len - c.seq.num_tokens)
+                  for c in chunks]
+        return limits if self.scheduler.reserve_lookahead(chunks, limits) else None
+
+    def _dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None) -> PendingStep | None:
         try:
-            return self.runner.dispatch(chunks)
+            return self.runner.dispatch(chunks, limits)
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
             self._fail_step(chunks, error)
             return None
 
     def _append_tokens(self, chunks: list[ScheduledChunk], pending: PendingStep) -> None:
+        """Appends each sampled chunk's tokens, step by step until its sequence ends, then marks what the
+        device computed (a chunk's tokens, and every token a multi-step call fed back)."""
         try:
             result = pending.fetch()
         except Exception as error:  # noqa: BLE001
             self._fail_step(chunks, error)
             return
-        self.scheduler.update_after_step(chunks)
+        num_computed = []
         for row, chunk in enumerate(chunks):
-            if chunk.sample and chunk.seq.status is SequenceStatus.RUNNING:
-                self._isolated(chunk.seq.request_id, self._append_token, chunk.seq, result, row)
+            appended = 0
+            if chunk.sample:
+                for step in range(result.tokens.shape[0]):
+                    if chunk.seq.status is not SequenceStatus.RUNNING:
+                        break
+                    self._isolated(chunk.seq.request_id, self._append_token, chunk.seq, result, step, row)
+                    appended += 1
+            num_computed.append(chunk.start + chunk.num_tokens + max(appended - 1, 0))
+        self.scheduler.update_after_step(chunks, num_computed)
 
-    def _append_token(self, seq: Sequence, result: SamplerOutput, row: int) -> None:
-        """Appends the sampled token and ends the sequence now if its id or count says so."""
-        token = int(result.tokens[row])
+    def _append_token(self, seq: Sequence, result: SamplerOutput, step: int, row: int) -> None:
+        """Appends the token sampled at `step` and ends the sequence now if its id or count says so."""
+        token = int(result.tokens[step, row])
         seq.token_ids.append(token)
         self._generation_tokens_total += 1
         if seq.num_output_tokens == 1 and seq.parent is None:
@@ -299,12 +327,13 @@ class Engine:
         logprobs: tuple[TokenLogprob, ...] = ()
         if seq.params.wants_logprobs:
             k = seq.params.top_logprobs
-            top = tuple((int(t), float(lp)) for t, lp in zip(result.top_ids[row, :k], result.top_logprobs[row, :k]))
-            logprobs = (TokenLogprob(token, float(result.logprobs[row]), top),)
+            ids, values = result.top_ids[step, row, :k], result.top_logprobs[step, row, :k]
+            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values))
+            logprobs = (TokenLogprob(token, float(result.logprobs[step, row]), top),)
         if finish is not None:
             seq.finish_reason = finish
             self.scheduler.finish(seq)
-        self._unemitted.append(_SampledToken(seq, token, logprobs, finish))
+        self._unemitted.append(_SampledToken(seq, seq.num_tokens - 1, token, logprobs, finish))
 
     def _emit_text(self) -> None:
         """Detokenizes the previous step's tokens and checks stop strings; a stop string ends its sequence
@@ -319,6 +348,9 @@ class Engine:
         seq = sampled.seq
         decision = seq.stop.emit(sampled.token, sampled.token_finish)
         if decision.finish_reason is not None and not seq.finished:
+            # A stop string: tokens sampled after this one (a multi-step call's) are dropped, never emitted.
+            self._generation_tokens_total -= seq.num_tokens - 1 - sampled.index
+            del seq.token_ids[sampled.index + 1:]
             seq.finish_reason = decision.finish_reason
             self.scheduler.finish(seq)
         self._send(request, Increment(seq.choice, decision.text, (sampled.token,), sampled.logprobs,

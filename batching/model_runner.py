@@ -5,12 +5,16 @@ recompiles: decode-only steps by their number of sequences, mixed steps by their
 is donated to the step and replaced by its output; the model parameters are split from the NNX module once and
 passed in as a pytree. `dispatch` returns at once (async dispatch) and starts copying the sampled tokens to the
 host, so the engine does its text work while the device computes.
+
+A decode-only step may run several decode steps in one call (`num_steps`): each sampled token is fed back on
+the device, rows stop on their stop ids there, and each row runs at most its `limit` steps (its pages are
+reserved for them beforehand). Outputs always carry a leading `[num_steps]` axis.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +26,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from batching import step_broadcast
-from batching.request import MAX_BANNED_IDS
+from batching.request import MAX_STOP_IDS
 from batching.sampler import SamplerOutput, SamplingBatch, SamplingInputs, pack_sampling_batch, sample
 from batching.scheduler import ScheduledChunk
 from model.llama import KVCache, Llama, empty_kv_cache
@@ -54,12 +58,14 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
 
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """A compiled step shape: tokens, attention rows (sequences or prefill pieces), sampled rows, max_q_len."""
+    """A compiled step shape: tokens, attention rows (sequences or prefill pieces), sampled rows, max_q_len,
+    and decode steps per call."""
 
     num_tokens: int
     num_attn_seqs: int
     num_rows: int
     max_q_len: int
+    num_steps: int = 1
 
 
 @jax.tree_util.register_dataclass
@@ -67,7 +73,8 @@ class Bucket:
 class StepInputs:
     """token_ids, positions, slot_mapping: [T] int32 (slot -1 = padding); kv_lens: [S] int32;
     page_table: [S, max_pages] int32; cu_q_lens: [S + 1] int32; logits_rows: [S] int32, each
-    sequence's last token row (the one it samples from)."""
+    sequence's last token row (the one it samples from); limits: [S] int32, decode steps each row may run
+    in a multi-step call (0 for padding)."""
 
     token_ids: jax.Array
     positions: jax.Array
@@ -76,22 +83,54 @@ class StepInputs:
     page_table: jax.Array
     cu_q_lens: jax.Array
     logits_rows: jax.Array
+    limits: jax.Array
 
 
-def _step(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
-          state: nnx.State, kv_cache: KVCache, inputs: StepInputs, sampling: SamplingBatch
-          ) -> tuple[SamplerOutput, KVCache]:
-    """kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (donated)."""
-    model = nnx.merge(graphdef, state)
-    shape = kv_cache[0].shape
+def _forward(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
+             inputs: StepInputs, sampling: SamplingBatch) -> tuple[SamplerOutput, KVCache]:
+    """One model step and its sampler over a flat pool."""
     meta = AttentionMetadata(
         slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=inputs.page_table,
         cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
     )
     attend = make_paged_attend(meta, num_pages, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh)
-    hidden, kv_cache = model(inputs.token_ids, inputs.positions, flat_pool(kv_cache), attend)
-    logits = model.logits(hidden[inputs.logits_rows])
-    return sample(logits, sampling), tuple(x.reshape(shape) for x in kv_cache)
+    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend)
+    return sample(model.logits(hidden[inputs.logits_rows]), sampling), kv_cache
+
+
+def _step(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int, max_q_len: int,
+          num_steps: int, state: nnx.State, kv_cache: KVCache, inputs: StepInputs, sampling: SamplingBatch
+          ) -> tuple[SamplerOutput, KVCache]:
+    """kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (donated).
+
+    Returns the sampler's outputs with a leading [num_steps] axis.
+    """
+    model = nnx.merge(graphdef, state)
+    shape = kv_cache[0].shape
+    forward = partial(_forward, model, backend, mesh, num_pages, max_q_len)
+    if num_steps == 1:
+        out, kv_cache = forward(flat_pool(kv_cache), inputs, sampling)
+        return jax.tree.map(lambda x: x[None], out), tuple(x.reshape(shape) for x in kv_cache)
+
+    rows = jnp.arange(inputs.token_ids.shape[0])
+
+    def decode(carry, k):
+        tokens, alive, kv_cache, sampling = carry
+        active = alive & (k < inputs.limits)
+        positions = inputs.positions + k
+        pages = inputs.page_table[rows, positions // page_size]
+        step_inputs = replace(
+            inputs, token_ids=tokens, positions=positions,
+            slot_mapping=jnp.where(active, pages * page_size + positions % page_size, -1),
+            kv_lens=jnp.where(active, inputs.kv_lens + k, 0),
+        )
+        out, kv_cache = forward(kv_cache, step_inputs, sampling)
+        alive = alive & ~(active & sampling.stops(out.tokens))
+        return (out.tokens, alive, kv_cache, sampling.advanced(out.tokens)), out
+
+    init = (inputs.token_ids, inputs.limits > 0, flat_pool(kv_cache), sampling)
+    (_, _, kv_cache, _), outs = jax.lax.scan(decode, init, jnp.arange(num_steps))
+    return outs, tuple(x.reshape(shape) for x in kv_cache)
 
 
 class PendingStep:
@@ -111,8 +150,10 @@ class ModelRunner:
     """Owns the KV pool and the compiled step for one model."""
 
     def __init__(self, model: Llama, *, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, attention_backend: str = "auto", mesh: Mesh | None = None):
-        """`mesh`: tensor-parallel mesh the model's params are sharded on; the KV pool is then split over KV heads."""
+                 max_num_batched_tokens: int, num_decode_steps: int = 1, attention_backend: str = "auto",
+                 mesh: Mesh | None = None):
+        """`mesh`: tensor-parallel mesh the model's params are sharded on; the KV pool is then split over KV heads.
+        `num_decode_steps` > 1 also compiles multi-step decode calls of that many steps."""
         self.config = model.config
         self.mesh = mesh
         self.kv_sharding = (
@@ -129,34 +170,38 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
         self.token_buckets = pow2_buckets(PREFILL_PIECE, max_num_batched_tokens)
-        self._steps: dict[int, jax.stages.Wrapped] = {}
+        self.num_decode_steps = num_decode_steps
+        self._steps: dict[tuple[int, int], jax.stages.Wrapped] = {}
 
     @property
     def buckets(self) -> list[Bucket]:
-        return [self._decode_bucket(s) for s in self.decode_buckets] + [self._mixed_bucket(t) for t in self.token_buckets]
+        decode_steps = sorted({1, self.num_decode_steps})
+        return ([self._decode_bucket(s, k) for k in decode_steps for s in self.decode_buckets]
+                + [self._mixed_bucket(t) for t in self.token_buckets])
 
-    def _decode_bucket(self, num_seqs: int) -> Bucket:
-        return Bucket(num_seqs, num_seqs, num_seqs, 1)
+    def _decode_bucket(self, num_seqs: int, num_steps: int = 1) -> Bucket:
+        return Bucket(num_seqs, num_seqs, num_seqs, 1, num_steps)
 
     def _mixed_bucket(self, num_tokens: int) -> Bucket:
         # Each sequence adds at most one partial piece on top of num_tokens / PREFILL_PIECE full ones.
         rows = min(self.max_num_seqs, num_tokens)
         return Bucket(num_tokens, min(num_tokens, rows + num_tokens // PREFILL_PIECE), rows, PREFILL_PIECE)
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, max_q_len: int) -> Bucket:
+    def bucket_for(self, num_tokens: int, num_seqs: int, max_q_len: int, num_steps: int = 1) -> Bucket:
         if max_q_len == 1:
-            return self._decode_bucket(next(b for b in self.decode_buckets if b >= num_seqs))
+            return self._decode_bucket(next(b for b in self.decode_buckets if b >= num_seqs), num_steps)
         return self._mixed_bucket(next(b for b in self.token_buckets if b >= num_tokens))
 
-    def _step_fn(self, max_q_len: int):
-        if max_q_len not in self._steps:
+    def _step_fn(self, bucket: Bucket):
+        key = (bucket.max_q_len, bucket.num_steps)
+        if key not in self._steps:
             # Sampled tokens replicated on every device, so any process (process 0 in a multi-process job) reads them.
             out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
-            self._steps[max_q_len] = jax.jit(
-                partial(_step, self.graphdef, self.backend, self.mesh, self.num_pages, max_q_len),
+            self._steps[key] = jax.jit(
+                partial(_step, self.graphdef, self.backend, self.mesh, self.num_pages, self.page_size, *key),
                 donate_argnums=(1,), out_shardings=out_shardings,
             )
-        return self._steps[max_q_len]
+        return self._steps[key]
 
     def _run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingBatch) -> SamplerOutput:
         """Launches the step on host inputs (numpy) and replaces the pool; returns without waiting."""
@@ -165,7 +210,7 @@ class ModelRunner:
             inputs, sampling = jax.tree.map(
                 lambda x: jax.make_array_from_process_local_data(replicated(self.mesh), x), (inputs, sampling)
             )
-        out, self.kv_cache = self._step_fn(bucket.max_q_len)(self.state, self.kv_cache, inputs, sampling)
+        out, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, inputs, sampling)
         return out
 
     def pool_lost(self) -> bool:
@@ -182,14 +227,19 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> None:
         """Compiles every bucket (an all-padding step writes nothing to the pool)."""
         for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
-            self._run(bucket, *self._pad([], bucket))
+            self._run(bucket, *self._pad([], bucket, None))
         jax.block_until_ready(self.kv_cache)
 
-    def dispatch(self, chunks: list[ScheduledChunk]) -> PendingStep:
-        """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting."""
+    def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None) -> PendingStep:
+        """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting.
+
+        `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i at most
+        limits[i] of them (its pages must hold them). Outputs have a leading [num_steps] axis either way.
+        """
         num_tokens = sum(c.num_tokens for c in chunks)
-        bucket = self.bucket_for(num_tokens, len(chunks), max(c.num_tokens for c in chunks))
-        inputs, sampling = self._pad(chunks, bucket)
+        num_steps = self.num_decode_steps if limits is not None else 1
+        bucket = self.bucket_for(num_tokens, len(chunks), max(c.num_tokens for c in chunks), num_steps)
+        inputs, sampling = self._pad(chunks, bucket, limits)
         if step_broadcast.is_multiprocess():
             step_broadcast.send_step(astuple(bucket), (inputs, sampling))
         return PendingStep(self._run(bucket, inputs, sampling))
@@ -198,7 +248,7 @@ class ModelRunner:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
         while (shape := step_broadcast.receive_step_shape()) is not None:
             bucket = Bucket(*shape)
-            inputs, sampling = step_broadcast.receive_payload(self._pad([], bucket))
+            inputs, sampling = step_broadcast.receive_payload(self._pad([], bucket, None))
             try:
                 jax.block_until_ready(self._run(bucket, inputs, sampling))
             except Exception:  # noqa: BLE001 - process 0 fails the same step; keep in step with it
@@ -210,7 +260,8 @@ class ModelRunner:
         if step_broadcast.is_multiprocess() and step_broadcast.is_leader():
             step_broadcast.send_stop()
 
-    def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket) -> tuple[StepInputs, SamplingBatch]:
+    def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket, limits: list[int] | None
+             ) -> tuple[StepInputs, SamplingBatch]:
         t, a, num_rows = bucket.num_tokens, bucket.num_attn_seqs, bucket.num_rows
         token_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -219,6 +270,8 @@ class ModelRunner:
         page_table = np.zeros((a, self.max_pages_per_seq), np.int32)
         cu_q_lens = np.zeros(a + 1, np.int32)
         logits_rows = np.zeros(num_rows, np.int32)
+        row_limits = np.zeros(num_rows, np.int32)
+        row_limits[:len(chunks)] = limits if limits is not None else 1
         offset = piece = 0
         for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
@@ -239,7 +292,8 @@ class ModelRunner:
         cu_q_lens[piece + 1:] = offset
         sampling = pack_sampling_batch(
             [SamplingInputs(c.seq.sampling, c.seq.num_output_tokens, c.seq.token_ids, c.seq.num_prompt_tokens,
-                            c.seq.stop.banned_token_ids(c.seq.num_output_tokens)) for c in chunks],
-            num_rows, self.max_model_len, MAX_BANNED_IDS,
+                            tuple(c.seq.stop.stop_ids), c.seq.params.min_tokens) for c in chunks],
+            num_rows, self.max_model_len, MAX_STOP_IDS,
         )
-        return StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows), sampling
+        inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits)
+        return inputs, sampling

@@ -14,8 +14,9 @@ from batching.sequence import Sequence
 from batching.stop_checker import StopChecker, stop_token_ids
 from model.tokenizer import Tokenizer
 
-# Ids the sampler can ban at once (stop and EOS ids while min_tokens is not reached).
-MAX_BANNED_IDS = 32
+# Stop ids (stop_token_ids and EOS) a sequence may have: the sampler bans them before min_tokens and the
+# device checks them to end a sequence inside a multi-step call.
+MAX_STOP_IDS = 32
 _SEED_STRIDE = 0x9E3779B9  # spreads the choices of one seeded request over distinct sampler seeds
 
 
@@ -71,8 +72,8 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
         pages = -(-total // limits.page_size)
         if pages > limits.num_pages:
             raise RequestRejected(f"the request needs {pages} KV pages but the whole pool has {limits.num_pages}")
-    if params.min_tokens and len(stop_token_ids(params, limits.eos_token_ids)) > MAX_BANNED_IDS:
-        raise RequestRejected(f"at most {MAX_BANNED_IDS} stop token ids are supported with min_tokens")
+    if len(stop_token_ids(params, limits.eos_token_ids)) > MAX_STOP_IDS:
+        raise RequestRejected(f"at most {MAX_STOP_IDS} stop token ids (EOS included) are supported")
 
 
 def build_request(request_id: str, prompts: list[list[int]], params: SamplingParams, sink: OutputSink,

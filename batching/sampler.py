@@ -9,7 +9,7 @@ sampling, top alternatives) is skipped with `lax.cond`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import jax
 import jax.numpy as jnp
@@ -68,15 +68,16 @@ class SamplingInputs:
     """What the sampler needs about one scheduled sequence this step.
 
     `step` is the index of the token being sampled among the sequence's outputs; `token_ids` (prompt + output,
-    of which the first `num_prompt` are the prompt) is read only when the row's penalties need it; `banned`
-    are ids the row must not sample now (stop ids before min_tokens).
+    of which the first `num_prompt` are the prompt) is read only when the row's penalties need it; `stop_ids`
+    end the sequence, and may not be sampled while `step < min_tokens`.
     """
 
     row: SamplingRow
     step: int
     token_ids: list[int]
     num_prompt: int
-    banned: tuple[int, ...]
+    stop_ids: tuple[int, ...]
+    min_tokens: int
 
 
 @jax.tree_util.register_dataclass
@@ -87,7 +88,8 @@ class SamplingBatch:
     temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty: [S] float32
     top_k: [S] int32 (<= 0 disables); top_logprobs: [S] int32 (alternatives the row reports)
     seed: [S] uint32; step: [S] int32 (the row's output index)
-    banned: [S, B] int32 token ids that must not be sampled (EOS/stop ids before min_tokens), -1 pads
+    stop_ids: [S, B] int32 ids that end the row (EOS and stop ids), -1 pads; min_tokens: [S] int32, the
+    output index before which stop ids are banned
     history: [S, L] int32 the row's prompt + output ids, -1 pads; num_prompt: [S] int32 prompt length
     """
 
@@ -101,9 +103,22 @@ class SamplingBatch:
     top_logprobs: jax.Array
     seed: jax.Array
     step: jax.Array
-    banned: jax.Array
+    stop_ids: jax.Array
+    min_tokens: jax.Array
     history: jax.Array
     num_prompt: jax.Array
+
+    def stops(self, tokens: jax.Array) -> jax.Array:
+        """tokens: [S] int32 sampled at `step` -> [S] bool, whether each ends its row (a stop id, min_tokens met)."""
+        return jnp.any(tokens[:, None] == self.stop_ids, axis=-1) & (self.step >= self.min_tokens)
+
+    def advanced(self, tokens: jax.Array) -> SamplingBatch:
+        """The batch for the next token of every row, `tokens` appended to the histories."""
+        rows = jnp.arange(tokens.shape[0])
+        index = self.num_prompt + self.step  # where the row's next output token goes in its history
+        reads = self.history[:, 0] >= 0  # histories are filled only for rows whose penalties read them
+        history = self.history.at[rows, jnp.where(reads, index, self.history.shape[1])].set(tokens, mode="drop")
+        return replace(self, step=self.step + 1, history=history)
 
 
 @jax.tree_util.register_dataclass
@@ -124,16 +139,19 @@ def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len
     rows = [i.row for i in inputs] + [_PADDING_ROW] * (num_rows - len(inputs))
     scalars = {name: np.array([getattr(r, name) for r in rows], dtype) for name, dtype in _ROW_DTYPES.items()}
     step = np.zeros(num_rows, np.int32)
-    banned = np.full((num_rows, num_banned), -1, np.int32)
+    stop_ids = np.full((num_rows, num_banned), -1, np.int32)
+    min_tokens = np.zeros(num_rows, np.int32)
     history = np.full((num_rows, history_len), -1, np.int32)
     num_prompt = np.zeros(num_rows, np.int32)
     for i, row_inputs in enumerate(inputs):
         step[i] = row_inputs.step
-        banned[i, :len(row_inputs.banned)] = row_inputs.banned
+        stop_ids[i, :len(row_inputs.stop_ids)] = row_inputs.stop_ids
+        min_tokens[i] = row_inputs.min_tokens
         if row_inputs.row.reads_history:
             history[i, :len(row_inputs.token_ids)] = row_inputs.token_ids
             num_prompt[i] = row_inputs.num_prompt
-    return SamplingBatch(**scalars, step=step, banned=banned, history=history, num_prompt=num_prompt)
+    return SamplingBatch(**scalars, step=step, stop_ids=stop_ids, min_tokens=min_tokens, history=history,
+                         num_prompt=num_prompt)
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -246,7 +264,7 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     )
     logits = jax.lax.cond(any_penalty, apply_penalties, lambda x, _: x, logits, batch)
     rows = jnp.arange(num_rows)[:, None]
-    banned = jnp.where(batch.banned >= 0, batch.banned, vocab)
+    banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     greedy_tokens = argmax(logits)
 

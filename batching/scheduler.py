@@ -149,11 +149,22 @@ class Scheduler:
         out.preempted.append(seq)
         return refund
 
-    def update_after_step(self, chunks: list[ScheduledChunk]) -> None:
-        """Marks the scheduled tokens computed and caches the pages they completed."""
-        for chunk in chunks:
+    def reserve_lookahead(self, chunks: list[ScheduledChunk], limits: list[int]) -> bool:
+        """Gives each decoding chunk's sequence pages for `limits[i]` tokens from its start (a multi-step call);
+        False, reserving nothing more, if the pool cannot hold them all."""
+        bm = self.block_manager
+        needed = sum(max(0, bm.pages_needed(c.start + n) - len(c.seq.page_table)) for c, n in zip(chunks, limits))
+        if needed > bm.num_free_pages:
+            return False
+        for chunk, n in zip(chunks, limits):
+            bm.grow(chunk.seq, chunk.start + n)
+        return True
+
+    def update_after_step(self, chunks: list[ScheduledChunk], num_computed: list[int]) -> None:
+        """Marks `num_computed[i]` tokens of chunk i's sequence computed and caches the pages they completed."""
+        for chunk, computed in zip(chunks, num_computed):
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+                continue  # finished or aborted meanwhile
+            seq.num_computed_tokens = computed
             self.block_manager.commit(seq)

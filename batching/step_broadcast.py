@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.experimental.multihost_utils import broadcast_one_to_all
 
-HEADER_LEN = 5
+HEADER_LEN = 6
 _STOP, _STEP = 0, 1
 
 

@@ -46,10 +46,6 @@ class StopChecker:
         self.num_emitted_chars = 0
         self.num_output_tokens = 0
 
-    def banned_token_ids(self, num_output_tokens: int) -> tuple[int, ...]:
-        """Ids the sampler must avoid for the next token: stop ids while min_tokens is not reached."""
-        return tuple(sorted(self.stop_ids)) if num_output_tokens < self.params.min_tokens else ()
-
     def token_finish(self, token_id: int, num_output_tokens: int, at_max_model_len: bool = False
                      ) -> FinishReason | None:
         """The finish a token forces by its id and count alone (no text needed): stop ids, max_tokens."""

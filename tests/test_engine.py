@@ -5,6 +5,7 @@ import asyncio
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -248,7 +249,7 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_serves_the_next(t
     engine.submit([[60, 61, 62]], GREEDY, first, "in-failed-step")
     real_dispatch = engine.runner.dispatch
 
-    def failing_dispatch(chunks):
+    def failing_dispatch(*args):
         monkeypatch.setattr(engine.runner, "dispatch", real_dispatch)
         raise RuntimeError("device fault")
 
@@ -259,6 +260,41 @@ def test_a_failed_device_step_ends_its_requests_and_the_engine_serves_the_next(t
     assert failed.finish_reason == "error" and "device fault" in failed.error
     assert engine.stats.kv_pages_used == 0
     assert list(engine.generate([[60, 61, 62]], GREEDY)[0][0].token_ids) == generate(tiny.model, [60, 61, 62], 12)
+
+
+MULTI_STEP_KINDS = [
+    GREEDY,
+    SamplingParams(temperature=0.9, top_p=0.8, seed=5, max_tokens=11, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=7, presence_penalty=0.8, frequency_penalty=0.3, repetition_penalty=1.3,
+                   seed=6, max_tokens=13, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=9, min_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=2),
+]
+
+
+def test_multi_step_decode_gives_the_tokens_and_logprobs_of_single_steps(tiny, engine):
+    batch = prompts(8, seed=21)
+    params = [MULTI_STEP_KINDS[i % len(MULTI_STEP_KINDS)] for i in range(8)]
+    multi = make_engine(tiny, num_decode_steps=4)
+    single_outs, multi_outs = engine.generate(batch, params), multi.generate(batch, params)
+    for single, many in zip(single_outs, multi_outs):
+        assert many[0].token_ids == single[0].token_ids and many[0].finish_reason == single[0].finish_reason
+        np.testing.assert_allclose([lp.logprob for lp in many[0].logprobs],
+                                   [lp.logprob for lp in single[0].logprobs], atol=1e-5)
+    assert multi.stats.kv_pages_used == 0 and multi.stats.num_steps < engine.stats.num_steps
+
+
+def test_multi_step_decode_stops_on_a_stop_id_or_string_inside_a_call_and_keeps_nothing_after(tiny, engine):
+    multi = make_engine(tiny, num_decode_steps=8)
+    prompt = [11, 12, 13, 14]
+    free = engine.generate([prompt], GREEDY)[0][0]
+    by_id = multi.generate([prompt], replace(GREEDY, stop_token_ids=(free.token_ids[4],)))[0][0]
+    first = free.token_ids.index(free.token_ids[4])
+    assert by_id.token_ids == free.token_ids[:first + 1] and by_id.finish_reason == "stop"
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 2]
+    by_text = multi.generate([prompt], replace(GREEDY, stop=(stop,)))[0][0]
+    assert by_text.finish_reason == "stop" and by_text.text == free.text[:free.text.index(stop)]
+    assert by_text.usage.completion_tokens == len(by_text.token_ids) < len(free.token_ids)
+    assert multi.stats.kv_pages_used == 0
 
 
 def test_steady_state_never_recompiles(engine):

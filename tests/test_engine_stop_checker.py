@@ -69,7 +69,3 @@ def test_min_tokens_defers_stop_strings_and_stop_ids(tokenizer):
     params = SamplingParams(max_tokens=20, min_tokens=5, stop=("a",))
     emitted, reason, used = feed(tokenizer, "a b c d e f a g", params)
     assert reason == "stop" and used > 5
-    checker = StopChecker(SamplingParams(max_tokens=20, min_tokens=2, stop_token_ids=(7,)), (EOS,),
-                          tokenizer.decode_stream())
-    assert checker.banned_token_ids(num_output_tokens=1) == (EOS, 7)
-    assert checker.banned_token_ids(num_output_tokens=2) == ()

@@ -21,8 +21,9 @@ def run(logits, rows: list[SamplingInputs], num_rows=None, history_len=32):
     return jax.tree.map(np.asarray, sample_jit(logits, batch))
 
 
-def row(params: SamplingParams, seed: int = 0, step: int = 0, tokens=(), num_prompt=0, banned=()) -> SamplingInputs:
-    return SamplingInputs(SamplingRow.from_params(params, seed, VOCAB), step, list(tokens), num_prompt, tuple(banned))
+def row(params: SamplingParams, seed: int = 0, step: int = 0, tokens=(), num_prompt=0, stop_ids=()) -> SamplingInputs:
+    return SamplingInputs(SamplingRow.from_params(params, seed, VOCAB), step, list(tokens), num_prompt,
+                          tuple(stop_ids), params.min_tokens)
 
 
 def test_greedy_takes_the_argmax():
@@ -79,10 +80,22 @@ def test_top_k_keeps_only_the_k_best():
     assert drawn <= best3 and len(drawn) > 1
 
 
-def test_banned_ids_are_never_sampled():
-    logits = jnp.zeros((1, VOCAB)).at[0, 5].set(100.0)
-    out = run(logits, [row(SamplingParams(temperature=0.0), banned=(5,))])
-    assert out.tokens[0] != 5
+def test_stop_ids_are_banned_until_min_tokens_then_end_the_row():
+    logits = jnp.zeros((2, VOCAB)).at[:, 5].set(100.0)
+    params = SamplingParams(temperature=0.0, min_tokens=3)
+    early, due = row(params, step=2, stop_ids=(5, 9)), row(params, step=3, stop_ids=(5, 9))
+    out = run(logits, [early, due])
+    assert out.tokens[0] != 5 and out.tokens[1] == 5
+    batch = pack_sampling_batch([early, due], 2, 32, 4)
+    np.testing.assert_array_equal(batch.stops(jnp.asarray([5, 5])), [False, True])
+
+
+def test_advancing_appends_the_token_to_histories_that_are_read():
+    reads = row(SamplingParams(presence_penalty=1.0), step=1, tokens=[7, 8, 9], num_prompt=2)
+    batch = jax.tree.map(jnp.asarray, pack_sampling_batch([reads, row(SamplingParams())], 2, 6, 4))
+    batch = batch.advanced(jnp.asarray([4, 5]))
+    np.testing.assert_array_equal(batch.step, [2, 1])
+    np.testing.assert_array_equal(batch.history, [[7, 8, 9, 4, -1, -1], [-1] * 6])
 
 
 def test_repetition_penalty_demotes_tokens_seen_in_the_prompt():

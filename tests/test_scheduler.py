@@ -22,7 +22,7 @@ def add(sched: Scheduler, seq_id: int, prompt_len: int, priority: int = 0) -> Se
 
 def run_step(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
     """Completes the scheduled step: sampling rows get one new token."""
-    sched.update_after_step(out.chunks)
+    sched.update_after_step(out.chunks, [c.start + c.num_tokens for c in out.chunks])
     for chunk in out.chunks:
         if chunk.sample:
             chunk.seq.token_ids.append(token)

@@ -51,7 +51,7 @@ def serve(engine: Engine, scenario, **settings):
 def fail_next_dispatch(engine: Engine, monkeypatch) -> None:
     real = engine.runner.dispatch
 
-    def failing(chunks):
+    def failing(*args):
         monkeypatch.setattr(engine.runner, "dispatch", real)
         raise RuntimeError("injected device fault")
 
