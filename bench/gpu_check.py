@@ -1,0 +1,367 @@
+"""The GPU path in one command: kernels, engine and throughput proven (or disproven) on the accelerator here.
+
+    python -m bench.gpu_check --out gpu-check        (make gpu-check)
+
+Steps, each in its own process, so that a crash or a hung kernel ends its step and not the run, and every
+step starts with the device's memory free; all under one time budget (--budget-s, 8.5 minutes by default):
+
+1. probe (`bench.probe`): device, driver, versions, measured peaks. Stops the run, with the reason, when a
+   module the kernels, model or engine need is missing or the HTTP stack gets imported.
+2. kernel correctness: tests/test_paged_attention.py (float64 oracle, jax's shipped paged attention) and
+   tests/test_kernel_lowering.py, every kernel compiled; the Mosaic GPU tests run in a second process after
+   the others, so a Mosaic failure cannot hide the Triton results.
+3. kernel benchmark (`bench.kernels`): decode at batch {1, 8, 64, 256} x context {512, 2048, 8192},
+   Llama-3-8B heads, bf16: time per call and bandwidth of both kernel families, the jnp/XLA reference and
+   jax's shipped kernel (Mosaic again in its own process).
+4. engine (`bench.engine_check`), one process per model: SmolLM2-135M, Llama-3.2-1B, Llama-3-8B (skipped
+   when the device cannot hold it), random weights with real shapes, bf16, concurrency 1, 64 and 256.
+
+Writes three files to --out: report.md (markdown ready for bench/RESULTS.md, also printed), results.json
+(every figure) and log.txt (every step's output). Steps run in that order and each gets at most its own
+cap and what is left of the budget; a step with too little time left is skipped and says so, and
+`--steps` / `--models` rerun a part in a second command. Exit status 1 when a step failed or timed out.
+
+Without a GPU the same steps run at small sizes (a kernel-test subset in interpret mode, a tiny benchmark,
+a tiny model on the CPU): tests/test_gpu_check.py runs it that way in `make test`, so it cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b")
+CPU_MODELS = ("tiny",)
+KERNEL_BACKENDS = ("pallas-triton", "pallas-mosaic", "reference")
+STEP_NAMES = ("kernel-tests", "kernel-bench", "engine")
+# Seconds a step needs at least to be worth starting, and the most each may take (GPU sizes).
+MIN_STEP_S = 20.0
+CAPS_S = {"probe": 120.0, "kernel-tests": 150.0, "kernel-tests-mosaic": 90.0, "kernel-bench": 150.0,
+          "kernel-bench-mosaic": 60.0, "engine-smollm2-135m": 100.0, "engine-llama-3.2-1b": 120.0,
+          "engine-llama-3-8b": 180.0, "engine-tiny": 120.0}
+# The CPU subset of the kernel tests: one case of each kind, every backend (Mosaic's skip included).
+CPU_TEST_FILTER = "test_decode_gives_zeros or shipped or mosaic_backend or (lowers_for_cuda and smollm2-135m-bf16)"
+CPU_BENCH_ARGS = ("--backends", "pallas-triton", "reference", "--interpret", "--batches", "2",
+                  "--contexts", "40", "--num-q-heads", "8", "--num-kv-heads", "2", "--head-dim", "64",
+                  "--dtype", "float32", "--calls", "1", "--repeats", "1")
+TEST_FILES = ("tests/test_paged_attention.py", "tests/test_kernel_lowering.py")
+
+
+@dataclass
+class StepResult:
+    name: str
+    status: str  # "ok", "failed", "timed out", "skipped"
+    seconds: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class Run:
+    """One gpu_check run: where it writes, how long it may take, what each step gave."""
+
+    out: Path
+    work: Path
+    budget_s: float
+    started: float = field(default_factory=time.perf_counter)
+    steps: list[StepResult] = field(default_factory=list)
+
+    @property
+    def left_s(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.started)
+
+    def step(self, name: str, command: list[str], env: dict[str, str]) -> StepResult:
+        """Runs `command` (from the project root) for at most its cap and the budget left; output to log.txt."""
+        timeout = min(CAPS_S[name], self.left_s)
+        if timeout < MIN_STEP_S:
+            result = StepResult(name, "skipped", note=f"{max(self.left_s, 0):.0f} s of the budget left")
+            self.steps.append(result)
+            return result
+        print(f"[gpu_check] {name}: {shlex.join(command)} (at most {timeout:.0f} s)", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        with open(self.out / "log.txt", "a") as log:
+            log.write(f"\n===== {name}: {shlex.join(command)}\n")
+            log.flush()
+            try:
+                proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=timeout, check=False)
+                status = "ok" if proc.returncode == 0 else "failed"
+                note = "" if proc.returncode == 0 else f"exit status {proc.returncode}; see log.txt"
+            except subprocess.TimeoutExpired:
+                status, note = "timed out", f"stopped after {timeout:.0f} s; see log.txt"
+        result = StepResult(name, status, time.perf_counter() - start, note)
+        self.steps.append(result)
+        print(f"[gpu_check] {name}: {status} in {result.seconds:.0f} s", file=sys.stderr, flush=True)
+        return result
+
+
+def child_env(work: Path) -> dict[str, str]:
+    # A fresh persistent compilation cache, so the engine's compile time is a cold start's.
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "SLUICE_JAX_CACHE": str(work / "jax-cache"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def test_outcomes(junit_xml: Path) -> list[dict]:
+    """[{name, backend, outcome, message}] from a pytest --junitxml file; [] if pytest never wrote it."""
+    if not junit_xml.exists():
+        return []
+    outcomes = []
+    for case in ElementTree.parse(junit_xml).iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            element = case.find(tag)
+            if element is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                text = (element.get("message") or element.text or "").strip()
+                message = text.splitlines()[0][:300] if text else ""
+                break
+        backend = next((b for b in KERNEL_BACKENDS if b in name), "pallas-mosaic" if "mosaic" in name else "other")
+        outcomes.append(dict(name=name, backend=backend, outcome=outcome, message=message))
+    return outcomes
+
+
+def run_kernel_tests(run: Run, env: dict[str, str], small: bool) -> list[dict]:
+    outcomes = []
+    if small:
+        parts = [("kernel-tests", CPU_TEST_FILTER)]
+    else:
+        parts = [("kernel-tests", "not mosaic"), ("kernel-tests-mosaic", "mosaic")]
+    for name, selection in parts:
+        junit = run.work / f"{name}.xml"
+        run.step(name, python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection,
+                              f"--junitxml={junit}", *TEST_FILES), env)
+        outcomes += test_outcomes(junit)
+    return outcomes
+
+
+def run_kernel_bench(run: Run, env: dict[str, str], small: bool, peak_gbs: float) -> list[dict]:
+    if small:
+        parts = [("kernel-bench", list(CPU_BENCH_ARGS))]
+    else:
+        parts = [("kernel-bench", ["--backends", "pallas-triton", "reference", "jax-shipped"]),
+                 ("kernel-bench-mosaic", ["--backends", "pallas-mosaic"])]
+    rows = []
+    for name, args in parts:
+        rows_json = run.work / f"{name}.json"
+        run.step(name, python("-m", "bench.kernels", *args, "--peak-gbs", f"{peak_gbs:.1f}", "--json", str(rows_json)),
+                 env)
+        if rows_json.exists():
+            rows += json.loads(rows_json.read_text())["rows"]
+    order = {b: i for i, b in enumerate(("pallas-triton", "pallas-mosaic", "reference", "jax-shipped"))}
+    rows.sort(key=lambda r: (r["batch"], r["context"], order.get(r["backend"], 9)))
+    return rows
+
+
+def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], backend: str) -> list[dict]:
+    results = []
+    for model in models:
+        out = run.work / f"engine-{model}.json"
+        step = run.step(f"engine-{model}", python(
+            "-m", "bench.engine_check", "--model", model, "--peaks", str(run.work / "peaks.json"), "--out", str(out),
+            "--attention-backend", backend, *(["--small"] if small else []),
+        ), env)
+        result = json.loads(out.read_text()) if out.exists() else dict(model=model, levels=[])
+        if "skipped" in result and step.status == "ok":
+            step.status, step.note = "skipped", result["skipped"]
+        results.append(result)
+    return results
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+
+
+def fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def environment_section(probe: dict, command: str, wall_s: float) -> list[str]:
+    smi = probe.get("nvidia_smi") or {}
+    driver = smi.get("driver_version", "none (no nvidia-smi)")
+    limit = probe.get("memory_limit_bytes")
+    memory = smi.get("memory.total") or (f"{limit / 2**30:.1f} GiB usable" if limit else "-")
+    return [
+        f"## Sluice GPU check, {probe.get('date', datetime.date.today().isoformat())}: "
+        f"{probe.get('device_kind', '?')} ({probe.get('platform', '?')})",
+        "",
+        f"`{command}` - {wall_s:.0f} s in all.",
+        "",
+        f"- Device: {probe.get('device_kind', '?')} x{probe.get('device_count', '?')}, compute capability "
+        f"{probe.get('compute_capability') or '-'}, memory {memory}, driver {driver}, runtime "
+        f"{probe.get('platform_version') or '-'}",
+        f"- Software: jax {probe.get('jax', '?')}, jaxlib {probe.get('jaxlib', '?')}, flax {probe.get('flax', '?')}, "
+        f"Python {probe.get('python', '?')}; host {probe.get('host', '?')}",
+        f"- Measured peaks: memory bandwidth {fmt(probe.get('bandwidth_gbs'), '.0f')} GB/s, matmul "
+        f"{fmt(probe.get('bf16_matmul_gflops'), '.0f')} GFLOP/s bf16, {fmt(probe.get('f32_matmul_gflops'), '.0f')} "
+        "GFLOP/s f32",
+        "",
+    ]
+
+
+def kernel_tests_section(outcomes: list[dict], small: bool) -> list[str]:
+    mode = "a subset, Triton interpreted: no GPU here" if small else "compiled"
+    lines = [f"### Kernel correctness ({mode})", "",
+             "tests/test_paged_attention.py (float64 oracle, jax's shipped paged attention) and "
+             "tests/test_kernel_lowering.py.", "",
+             "| backend | passed | failed | skipped |", "|---|---:|---:|---:|"]
+    for backend in (*KERNEL_BACKENDS, "other"):
+        mine = [o for o in outcomes if o["backend"] == backend]
+        if mine:
+            counts = [sum(o["outcome"] == k for o in mine) for k in ("passed", "failed", "skipped")]
+            lines.append(f"| {backend} | {counts[0]} | {counts[1]} | {counts[2]} |")
+    if not outcomes:
+        lines.append("| (no results: see the steps table and log.txt) | | | |")
+    failures = [o for o in outcomes if o["outcome"] == "failed"]
+    if failures:
+        lines += ["", "Failures:"] + [f"- `{o['name']}`: {o['message']}" for o in failures]
+    skip_reasons = sorted({o["message"] for o in outcomes if o["outcome"] == "skipped"})
+    if skip_reasons:
+        lines += ["", "Skipped because: " + "; ".join(skip_reasons)]
+    return lines + [""]
+
+
+def kernel_bench_section(rows: list[dict], peak_gbs: float | None) -> list[str]:
+    lines = ["### Decode attention kernels", "",
+             "`python -m bench.kernels` (see its docstring): median of chained calls; bandwidth counts K, V and "
+             "q read once" + (f", % of the measured {peak_gbs:.0f} GB/s" if peak_gbs else "") + ".", "",
+             "| backend | batch | context | ms / call | GB/s | % of peak | max abs diff vs reference |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | failed: {r['error']} | | | |")
+        else:
+            share = f"{100 * r['gbps'] / peak_gbs:.0f}%" if peak_gbs else "-"
+            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
+                         f"{share} | {r['max_diff']:.1e} |")
+    if not rows:
+        lines.append("| (no results: see the steps table and log.txt) | | | | | | |")
+    return lines + [""]
+
+
+def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
+    lines = ["### Engine offline, random weights with real shapes, bf16", "",
+             "`python -m bench.engine_check` (see its docstring). Throughput: the workload's requests in waves of "
+             "C. TTFT: C fresh prompts sent at once, until all have a first token. TPOT: the engine's decode step "
+             "at batch C, from two runs of different lengths. Step: a decode step at batch C timed directly "
+             "(forward + LM head + argmax), its attention over all layers, its LM head + argmax, the rest; "
+             "`engine extra` = TPOT - step (sampler, host work, bucket padding). HBM %: weights + K/V bytes over "
+             "the step's time, against the measured bandwidth. Roofline %: output tok/s over bench.roofline's bound.",
+             "",
+             "| model | attention | C | requests | output tok/s | total tok/s | TTFT s | TPOT ms | step ms | "
+             "attention ms | LM head ms | rest ms | engine extra ms | HBM % | roofline % | compile s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for result in results:
+        if "skipped" in result:
+            lines.append(f"| {result['model']} | skipped: {result['skipped']} |" + " |" * 14)
+            continue
+        if not result.get("levels"):
+            lines.append(f"| {result['model']} | no results: see the steps table and log.txt |" + " |" * 14)
+            continue
+        for level in result["levels"]:
+            step = level.get("step", {})
+            step_s = step.get("step_s")
+            rest = step_s - step["attention_s"] - step["head_s"] if step_s is not None else None
+            extra = level["tpot_s"] - step_s if "tpot_s" in level and step_s is not None else None
+            hbm = 100 * step["floor_bytes"] / (peak_gbs * 1e9) / step_s if step_s and peak_gbs else None
+            roofline = (100 * level["output_tok_s"] / level["roofline_output_tok_s"]
+                        if "roofline_output_tok_s" in level else None)
+            ms = lambda s: fmt(s and s * 1e3, ".2f")  # noqa: E731
+            lines.append(
+                f"| {result['model']} | {result.get('backend', '-')} | {level['concurrency']} | "
+                f"{level.get('requests', '-')} | {fmt(level.get('output_tok_s'), '.0f')} | "
+                f"{fmt(level.get('total_tok_s'), '.0f')} | {fmt(level.get('ttft_s'), '.3f')} | "
+                f"{ms(level.get('tpot_s'))} | {ms(step_s)} | {ms(step.get('attention_s'))} | "
+                f"{ms(step.get('head_s'))} | {ms(rest)} | {ms(extra)} | {fmt(hbm, '.0f')} | {fmt(roofline, '.0f')} | "
+                f"{fmt(result.get('compile_s'), '.0f')} |"
+            )
+    return lines + [""]
+
+
+def steps_section(steps: list[StepResult]) -> list[str]:
+    lines = ["### Steps", "", "| step | status | seconds | note |", "|---|---|---:|---|"]
+    lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.note} |" for s in steps]
+    return lines + [""]
+
+
+def report(results: dict, command: str, small: bool) -> str:
+    probe = results.get("probe", {})
+    peak = probe.get("bandwidth_gbs")
+    lines = environment_section(probe, command, results["wall_s"])
+    if "kernel-tests" in results:
+        lines += kernel_tests_section(results["kernel-tests"], small)
+    if "kernel-bench" in results:
+        lines += kernel_bench_section(results["kernel-bench"], peak)
+    if "engine" in results:
+        lines += engine_section(results["engine"], peak)
+    lines += steps_section([StepResult(**s) for s in results["steps"]])
+    return "\n".join(lines)
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for report.md, results.json, log.txt")
+    parser.add_argument("--budget-s", type=float, default=510.0, help="time for the whole run, in seconds")
+    parser.add_argument("--steps", nargs="+", choices=STEP_NAMES, default=list(STEP_NAMES),
+                        help="which steps to run after the probe")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help=f"engine models (default: {' '.join(GPU_MODELS)} on a GPU, {' '.join(CPU_MODELS)} "
+                             "elsewhere)")
+    parser.add_argument("--attention-backend", default="auto", help="the engine's attention backend")
+    parser.add_argument("--small", action="store_true", help="small sizes even on a GPU (the CPU default)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python -m bench.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "log.txt").write_text(f"{command}\n")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        run = Run(args.out, Path(work), args.budget_s)
+        env = child_env(run.work)
+        results: dict = dict(command=command)
+        probe_json = run.work / "probe.json"
+        probe = run.step("probe", python("-m", "bench.probe", "--out", str(probe_json), "--peaks",
+                                         str(run.work / "peaks.json"), *(["--small"] if args.small else [])), env)
+        if probe.status == "ok":
+            results["probe"] = json.loads(probe_json.read_text())
+            small = results["probe"]["small"]
+            models = args.models or list(CPU_MODELS if small else GPU_MODELS)
+            if "kernel-tests" in args.steps:
+                results["kernel-tests"] = run_kernel_tests(run, env, small)
+            if "kernel-bench" in args.steps:
+                results["kernel-bench"] = run_kernel_bench(run, env, small, results["probe"]["bandwidth_gbs"])
+            if "engine" in args.steps:
+                results["engine"] = run_engines(run, env, small, models, args.attention_backend)
+        else:
+            small = True
+            print("[gpu_check] the probe failed, so nothing else can run: see log.txt", file=sys.stderr)
+        results["wall_s"] = time.perf_counter() - run.started
+        results["steps"] = [asdict(s) for s in run.steps]
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = report(results, command, small)
+    (args.out / "report.md").write_text(text + "\n")
+    print(text)
+    return 0 if all(s.status in ("ok", "skipped") for s in run.steps) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
