@@ -8,15 +8,17 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
 
 - throughput: requests in waves of C (one `Engine.generate` call per wave; C = 1 runs the first
   MIN_REQUESTS requests one at a time), output and total tokens per second of wall time;
-- TTFT: one wave of C fresh prompts with max_tokens 1, all sent at once: the time until every one of
-  them has its first token (prefill of all C prompts plus one sample);
-- TPOT: the same wave again with max_tokens 1 + TPOT_STEPS, fresh prompts: the extra time over the
-  TTFT run per extra token, i.e. the engine's real decode step at batch C, host work included;
+- TTFT: the first C requests' lengths with fresh prompts and max_tokens 1, all sent at once: the time
+  until every one of them has its first token (prefill of all C prompts plus one sample);
+- TPOT: the same with max_tokens 1 + tpot_steps: the extra time over the TTFT run per extra token,
+  i.e. the engine's real decode step at batch C, host work included (each a median of
+  `latency_repeats` runs);
 - step breakdown, timed directly (jitted, outside the engine, medians after a compile): a decode
   step at batch C and the wave's mean context (model forward + LM head + argmax), the paged attention
-  of all layers alone, the LM head + argmax alone, and the rest; `host` is TPOT minus that device
-  step. `HBM %` is the step's byte floor (weights + the batch's K/V, read once) over its time at the
-  measured bandwidth, and `roofline %` the workload's output tok/s over `bench.roofline`'s bound;
+  of all layers alone, the LM head + argmax alone; the report adds the rest, and TPOT minus the
+  step (what the engine adds: sampler, host work, bucket padding). It also turns the step's byte
+  floor (weights + the batch's K/V, read once) into a share of the measured bandwidth, and the
+  workload's output tok/s into a share of `bench.roofline`'s bound;
 - compile time: building the `Engine`, which compiles every step bucket (persistent cache cold when
   SLUICE_JAX_CACHE points at an empty folder, as `bench.gpu_check` arranges).
 
@@ -77,6 +79,7 @@ MODELS = {
     "tiny": ModelConfig.tiny(vocab_size=512),
 }
 DTYPE = "bfloat16"
+PAGE_SIZE = 16
 MIN_REQUESTS = 4
 
 
@@ -90,17 +93,35 @@ class Sizes:
     tpot_steps: int = 32
     max_num_batched_tokens: int = 1024
     max_model_len: int = 1024
-    kv_cache_memory: int | None = None  # None: the engine's default (most of the free device memory)
     timing_repeats: int = 10
+    latency_repeats: int = 1  # runs of each TTFT/TPOT measurement (median)
 
     @classmethod
     def small(cls) -> Sizes:
-        # A small KV pool too: on a CPU a bf16 pool costs every step time in proportion to its size
-        # (about 200 ms per step for 64 MB measured here), which would drown the figures.
         return cls(
             concurrency=(1, 4), prompt=LengthDistribution(24, 0.5, 4, 48), output=LengthDistribution(8, 0.5, 2, 16),
-            tpot_steps=4, max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=4 << 20, timing_repeats=3,
+            tpot_steps=8, max_num_batched_tokens=16, max_model_len=128, timing_repeats=3, latency_repeats=3,
         )
+
+
+def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sizes: Sizes, page_size: int) -> int:
+    """A KV pool that holds the largest wave whole (no preemption), with a quarter to spare.
+
+    Sized from the workload rather than the engine's default (most of the free memory): the figures then
+    do not depend on the device's size, and on a CPU a bf16 pool costs every step time in proportion to
+    its size (about 200 ms per step for 64 MB, measured on the 2-core machine), which would drown them.
+    """
+    tokens = max(
+        sum(len(r.prompt) + max(r.output_tokens, sizes.tpot_steps + 1) + page_size for r in wave)
+        for c in sizes.concurrency for wave in waves(workload, c)
+    )
+    return int(1.25 * tokens * kv_bytes_per_token(config, jnp.dtype(DTYPE).itemsize))
+
+
+def waves(workload: list[BenchRequest], c: int) -> list[list[BenchRequest]]:
+    """The throughput run at concurrency c: the first max(c, MIN_REQUESTS) requests, c at a time."""
+    requests = workload[:max(c, MIN_REQUESTS)]
+    return [requests[i:i + c] for i in range(0, len(requests), c)]
 
 
 def file_free_tokenizer(config: ModelConfig) -> Tokenizer:
@@ -228,6 +249,35 @@ def decode_step_times(loaded: LoadedModel, batch: int, context: int, page_size: 
     return StepTimes(batch, context, step_s, attention_s, head_s, floor)
 
 
+def engine_level(engine: Engine, config: ModelConfig, workload: list[BenchRequest], sizes: Sizes, c: int,
+                 peaks: Peaks) -> dict:
+    """Throughput, TTFT and TPOT at concurrency c (module docstring). Every run gets fresh token ids with the
+    workload's lengths, so none is served from a previous run's prefix cache."""
+    fresh = [fresh_prompts(wave, salt=1000 * c + i, vocab_size=config.vocab_size)
+             for i, wave in enumerate(waves(workload, c))]
+    seconds = sum(generate_checked(engine, wave) for wave in fresh)
+    requests = [r for wave in fresh for r in wave]
+
+    def wave_seconds(max_tokens: int, salt: int) -> float:
+        """Median wall time of the first wave with fresh prompts and `max_tokens` outputs each."""
+        return statistics.median(
+            generate_checked(engine, [BenchRequest(r.prompt, max_tokens)
+                                      for r in fresh_prompts(workload[:c], salt=salt + i, vocab_size=config.vocab_size)])
+            for i in range(sizes.latency_repeats)
+        )
+
+    ttft_s = wave_seconds(1, salt=1000 * c + 900)
+    longer_s = wave_seconds(1 + sizes.tpot_steps, salt=1000 * c + 950)
+    prompt_lens = [len(r.prompt) for r in requests]
+    output_lens = [r.output_tokens for r in requests]
+    bound = workload_roofline(config, DTYPE, peaks, prompt_lens, output_lens, batch=c)
+    return dict(
+        requests=len(requests), prompt_tokens=sum(prompt_lens), output_tokens=sum(output_lens), seconds=seconds,
+        output_tok_s=sum(output_lens) / seconds, total_tok_s=(sum(prompt_lens) + sum(output_lens)) / seconds,
+        ttft_s=ttft_s, tpot_s=(longer_s - ttft_s) / sizes.tpot_steps, roofline_output_tok_s=bound.bound_output_tps,
+    )
+
+
 def run(args) -> dict:
     sizes = Sizes.small() if args.small else Sizes()
     peaks = Peaks.load(args.peaks)
@@ -251,19 +301,19 @@ def run(args) -> dict:
     workload = synthetic(SyntheticSpec(num_requests=max(*sizes.concurrency, MIN_REQUESTS), seed=0, prompt=sizes.prompt,
                                        output=sizes.output, vocab_size=config.vocab_size))
 
-    # Direct timings first: their KV pools are freed before the engine takes most of the free memory.
+    # Direct timings first: their KV pools are freed before the engine allocates its own.
     for c in sizes.concurrency:
         wave = workload[:c]
         context = round(np.mean([len(r.prompt) for r in wave]) + sizes.tpot_steps / 2)
-        times = decode_step_times(loaded, c, context, 16, args.attention_backend, sizes.timing_repeats)
+        times = decode_step_times(loaded, c, context, PAGE_SIZE, args.attention_backend, sizes.timing_repeats)
         result["levels"].append(dict(concurrency=c, step=dataclasses.asdict(times)))
         save()
         gc.collect()
 
     engine_config = EngineConfig(
-        dtype=DTYPE, max_num_seqs=max(sizes.concurrency), max_num_batched_tokens=sizes.max_num_batched_tokens,
-        max_model_len=sizes.max_model_len, kv_cache_memory=sizes.kv_cache_memory,
-        attention_backend=args.attention_backend,
+        dtype=DTYPE, page_size=PAGE_SIZE, max_num_seqs=max(sizes.concurrency),
+        max_num_batched_tokens=sizes.max_num_batched_tokens, max_model_len=sizes.max_model_len,
+        kv_cache_memory=kv_pool_bytes(config, workload, sizes, PAGE_SIZE), attention_backend=args.attention_backend,
     )
     start = time.perf_counter()
     engine = Engine(loaded, engine_config, progress=False)
@@ -271,23 +321,7 @@ def run(args) -> dict:
     save()
 
     for level, c in zip(result["levels"], sizes.concurrency):
-        # Fresh ids for every run (same lengths), so none is served from a previous run's prefix cache.
-        requests = fresh_prompts(workload[:max(c, MIN_REQUESTS)], salt=3 * c, vocab_size=config.vocab_size)
-        seconds = sum(generate_checked(engine, requests[i:i + c]) for i in range(0, len(requests), c))
-        wave = workload[:c]
-        first = [BenchRequest(r.prompt, 1) for r in fresh_prompts(wave, salt=3 * c + 1, vocab_size=config.vocab_size)]
-        ttft_s = generate_checked(engine, first)
-        longer = [BenchRequest(r.prompt, 1 + sizes.tpot_steps)
-                  for r in fresh_prompts(wave, salt=3 * c + 2, vocab_size=config.vocab_size)]
-        tpot_s = (generate_checked(engine, longer) - ttft_s) / sizes.tpot_steps
-        prompt_lens = [len(r.prompt) for r in requests]
-        output_lens = [r.output_tokens for r in requests]
-        bound = workload_roofline(config, DTYPE, peaks, prompt_lens, output_lens, batch=c)
-        level.update(
-            requests=len(requests), prompt_tokens=sum(prompt_lens), output_tokens=sum(output_lens), seconds=seconds,
-            output_tok_s=sum(output_lens) / seconds, total_tok_s=(sum(prompt_lens) + sum(output_lens)) / seconds,
-            ttft_s=ttft_s, tpot_s=tpot_s, roofline_output_tok_s=bound.bound_output_tps,
-        )
+        level.update(engine_level(engine, config, workload, sizes, c, peaks))
         save()
     return result
 
