@@ -72,6 +72,7 @@ def probe(force_small: bool) -> tuple[dict, object]:
     import jax
 
     from bench.roofline import Peaks, measure_peaks
+    from pallas_kernels.mosaic_attention import runs_on
 
     device = jax.devices()[0]
     small = force_small or device.platform != "gpu"
@@ -87,6 +88,7 @@ def probe(force_small: bool) -> tuple[dict, object]:
         info["platform_version"] = None
     stats = device.memory_stats() or {}
     info["memory_limit_bytes"] = stats.get("bytes_limit")
+    info["mosaic_gpu"] = runs_on(device)
     if small:
         peaks = measure_peaks(elements=1 << 22, matmul_sizes=(256,), repeats=2)
         bf16 = bf16_matmul_gflops(256, 2)

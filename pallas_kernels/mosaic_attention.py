@@ -56,6 +56,14 @@ ROWS = 64
 BLOCK_KV = 64
 STAGES = 3
 SWIZZLE_BYTES = 128
+# wgmma and the TMA unit arrived with Hopper (sm_90).
+MIN_COMPUTE_CAPABILITY = 9.0
+
+
+def runs_on(device: jax.Device) -> bool:
+    """Whether these kernels can run on `device`: an NVIDIA GPU of compute capability 9.0 or newer."""
+    capability = getattr(device, "compute_capability", None)
+    return device.platform == "gpu" and capability is not None and float(capability) >= MIN_COMPUTE_CAPABILITY
 
 
 def check_shapes(page_size: int, head_dim: int, dtype) -> None:

@@ -42,6 +42,7 @@ def test_kernels_agree_with_the_oracle_and_mosaic_waits_for_a_gpu(check):
     by_backend = {b: [o["outcome"] for o in outcomes if o["backend"] == b] for b in gpu_check.KERNEL_BACKENDS}
     assert "failed" not in [o["outcome"] for o in outcomes]
     assert by_backend["pallas-triton"].count("passed") >= 3 and by_backend["reference"].count("passed") >= 2
+    assert any("ragged_matches" in o["name"] and o["outcome"] == "passed" for o in outcomes)
     mosaic = [o for o in outcomes if o["backend"] == "pallas-mosaic"]
     assert any(o["outcome"] == "skipped" and "only on a GPU" in o["message"] for o in mosaic)
     assert any(o["outcome"] == "passed" and "lowers_for_cuda" in o["name"] for o in mosaic)
