@@ -28,7 +28,6 @@ a tiny model on the CPU): tests/test_gpu_check.py runs it that way in `make test
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -40,10 +39,11 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.gpu_report import KERNEL_BACKENDS, StepResult, report
+
 ROOT = Path(__file__).resolve().parent.parent
 GPU_MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b")
 CPU_MODELS = ("tiny",)
-KERNEL_BACKENDS = ("pallas-triton", "pallas-mosaic", "reference")
 STEP_NAMES = ("kernel-tests", "kernel-bench", "engine")
 # Seconds a step needs at least to be worth starting, and the most each may take (GPU sizes).
 MIN_STEP_S = 20.0
@@ -57,14 +57,6 @@ CPU_BENCH_ARGS = ("--backends", "pallas-triton", "reference", "--interpret", "--
                   "--contexts", "40", "--num-q-heads", "8", "--num-kv-heads", "2", "--head-dim", "64",
                   "--dtype", "float32", "--calls", "1", "--repeats", "1")
 TEST_FILES = ("tests/test_paged_attention.py", "tests/test_kernel_lowering.py")
-
-
-@dataclass
-class StepResult:
-    name: str
-    status: str  # "ok", "failed", "timed out", "skipped"
-    seconds: float = 0.0
-    note: str = ""
 
 
 @dataclass
@@ -95,17 +87,26 @@ class Run:
         with open(self.out / "log.txt", "a") as log:
             log.write(f"\n===== {name}: {shlex.join(command)}\n")
             log.flush()
+            output_starts = log.tell()
             try:
                 proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       timeout=timeout, check=False)
                 status = "ok" if proc.returncode == 0 else "failed"
-                note = "" if proc.returncode == 0 else f"exit status {proc.returncode}; see log.txt"
+                note = "" if proc.returncode == 0 else f"exit status {proc.returncode}: {last_line(log, output_starts)}"
             except subprocess.TimeoutExpired:
                 status, note = "timed out", f"stopped after {timeout:.0f} s; see log.txt"
         result = StepResult(name, status, time.perf_counter() - start, note)
         self.steps.append(result)
         print(f"[gpu_check] {name}: {status} in {result.seconds:.0f} s", file=sys.stderr, flush=True)
         return result
+
+
+def last_line(log, start: int) -> str:
+    """The last non-blank line a step wrote to the log (its error, when it failed)."""
+    with open(log.name) as f:
+        f.seek(start)
+        lines = [line.strip() for line in f.read().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
 
 
 def child_env(work: Path) -> dict[str, str]:
@@ -118,7 +119,7 @@ def python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
-def test_outcomes(junit_xml: Path) -> list[dict]:
+def junit_outcomes(junit_xml: Path) -> list[dict]:
     """[{name, backend, outcome, message}] from a pytest --junitxml file; [] if pytest never wrote it."""
     if not junit_xml.exists():
         return []
@@ -148,7 +149,7 @@ def run_kernel_tests(run: Run, env: dict[str, str], small: bool) -> list[dict]:
         junit = run.work / f"{name}.xml"
         run.step(name, python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection,
                               f"--junitxml={junit}", *TEST_FILES), env)
-        outcomes += test_outcomes(junit)
+        outcomes += junit_outcomes(junit)
     return outcomes
 
 
@@ -183,138 +184,6 @@ def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], b
             step.status, step.note = "skipped", result["skipped"]
         results.append(result)
     return results
-
-
-# ---- the report ----------------------------------------------------------------------------------------
-
-
-def fmt(value, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
-
-
-def environment_section(probe: dict, command: str, wall_s: float) -> list[str]:
-    smi = probe.get("nvidia_smi") or {}
-    driver = smi.get("driver_version", "none (no nvidia-smi)")
-    limit = probe.get("memory_limit_bytes")
-    memory = smi.get("memory.total") or (f"{limit / 2**30:.1f} GiB usable" if limit else "-")
-    return [
-        f"## Sluice GPU check, {probe.get('date', datetime.date.today().isoformat())}: "
-        f"{probe.get('device_kind', '?')} ({probe.get('platform', '?')})",
-        "",
-        f"`{command}` - {wall_s:.0f} s in all.",
-        "",
-        f"- Device: {probe.get('device_kind', '?')} x{probe.get('device_count', '?')}, compute capability "
-        f"{probe.get('compute_capability') or '-'}, memory {memory}, driver {driver}, runtime "
-        f"{probe.get('platform_version') or '-'}",
-        f"- Software: jax {probe.get('jax', '?')}, jaxlib {probe.get('jaxlib', '?')}, flax {probe.get('flax', '?')}, "
-        f"Python {probe.get('python', '?')}; host {probe.get('host', '?')}",
-        f"- Measured peaks: memory bandwidth {fmt(probe.get('bandwidth_gbs'), '.0f')} GB/s, matmul "
-        f"{fmt(probe.get('bf16_matmul_gflops'), '.0f')} GFLOP/s bf16, {fmt(probe.get('f32_matmul_gflops'), '.0f')} "
-        "GFLOP/s f32",
-        "",
-    ]
-
-
-def kernel_tests_section(outcomes: list[dict], small: bool) -> list[str]:
-    mode = "a subset, Triton interpreted: no GPU here" if small else "compiled"
-    lines = [f"### Kernel correctness ({mode})", "",
-             "tests/test_paged_attention.py (float64 oracle, jax's shipped paged attention) and "
-             "tests/test_kernel_lowering.py.", "",
-             "| backend | passed | failed | skipped |", "|---|---:|---:|---:|"]
-    for backend in (*KERNEL_BACKENDS, "other"):
-        mine = [o for o in outcomes if o["backend"] == backend]
-        if mine:
-            counts = [sum(o["outcome"] == k for o in mine) for k in ("passed", "failed", "skipped")]
-            lines.append(f"| {backend} | {counts[0]} | {counts[1]} | {counts[2]} |")
-    if not outcomes:
-        lines.append("| (no results: see the steps table and log.txt) | | | |")
-    failures = [o for o in outcomes if o["outcome"] == "failed"]
-    if failures:
-        lines += ["", "Failures:"] + [f"- `{o['name']}`: {o['message']}" for o in failures]
-    skip_reasons = sorted({o["message"] for o in outcomes if o["outcome"] == "skipped"})
-    if skip_reasons:
-        lines += ["", "Skipped because: " + "; ".join(skip_reasons)]
-    return lines + [""]
-
-
-def kernel_bench_section(rows: list[dict], peak_gbs: float | None) -> list[str]:
-    lines = ["### Decode attention kernels", "",
-             "`python -m bench.kernels` (see its docstring): median of chained calls; bandwidth counts K, V and "
-             "q read once" + (f", % of the measured {peak_gbs:.0f} GB/s" if peak_gbs else "") + ".", "",
-             "| backend | batch | context | ms / call | GB/s | % of peak | max abs diff vs reference |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | failed: {r['error']} | | | |")
-        else:
-            share = f"{100 * r['gbps'] / peak_gbs:.0f}%" if peak_gbs else "-"
-            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
-                         f"{share} | {r['max_diff']:.1e} |")
-    if not rows:
-        lines.append("| (no results: see the steps table and log.txt) | | | | | | |")
-    return lines + [""]
-
-
-def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
-    lines = ["### Engine offline, random weights with real shapes, bf16", "",
-             "`python -m bench.engine_check` (see its docstring). Throughput: the workload's requests in waves of "
-             "C. TTFT: C fresh prompts sent at once, until all have a first token. TPOT: the engine's decode step "
-             "at batch C, from two runs of different lengths. Step: a decode step at batch C timed directly "
-             "(forward + LM head + argmax), its attention over all layers, its LM head + argmax, the rest; "
-             "`engine extra` = TPOT - step (sampler, host work, bucket padding). HBM %: weights + K/V bytes over "
-             "the step's time, against the measured bandwidth. Roofline %: output tok/s over bench.roofline's bound.",
-             "",
-             "| model | attention | C | requests | output tok/s | total tok/s | TTFT s | TPOT ms | step ms | "
-             "attention ms | LM head ms | rest ms | engine extra ms | HBM % | roofline % | compile s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for result in results:
-        if "skipped" in result:
-            lines.append(f"| {result['model']} | skipped: {result['skipped']} |" + " |" * 14)
-            continue
-        if not result.get("levels"):
-            lines.append(f"| {result['model']} | no results: see the steps table and log.txt |" + " |" * 14)
-            continue
-        for level in result["levels"]:
-            step = level.get("step", {})
-            step_s = step.get("step_s")
-            rest = step_s - step["attention_s"] - step["head_s"] if step_s is not None else None
-            extra = level["tpot_s"] - step_s if "tpot_s" in level and step_s is not None else None
-            hbm = 100 * step["floor_bytes"] / (peak_gbs * 1e9) / step_s if step_s and peak_gbs else None
-            roofline = (100 * level["output_tok_s"] / level["roofline_output_tok_s"]
-                        if "roofline_output_tok_s" in level else None)
-            ms = lambda s: fmt(s and s * 1e3, ".2f")  # noqa: E731
-            lines.append(
-                f"| {result['model']} | {result.get('backend', '-')} | {level['concurrency']} | "
-                f"{level.get('requests', '-')} | {fmt(level.get('output_tok_s'), '.0f')} | "
-                f"{fmt(level.get('total_tok_s'), '.0f')} | {fmt(level.get('ttft_s'), '.3f')} | "
-                f"{ms(level.get('tpot_s'))} | {ms(step_s)} | {ms(step.get('attention_s'))} | "
-                f"{ms(step.get('head_s'))} | {ms(rest)} | {ms(extra)} | {fmt(hbm, '.0f')} | {fmt(roofline, '.0f')} | "
-                f"{fmt(result.get('compile_s'), '.0f')} |"
-            )
-    return lines + [""]
-
-
-def steps_section(steps: list[StepResult]) -> list[str]:
-    lines = ["### Steps", "", "| step | status | seconds | note |", "|---|---|---:|---|"]
-    lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.note} |" for s in steps]
-    return lines + [""]
-
-
-def report(results: dict, command: str, small: bool) -> str:
-    probe = results.get("probe", {})
-    peak = probe.get("bandwidth_gbs")
-    lines = environment_section(probe, command, results["wall_s"])
-    if "kernel-tests" in results:
-        lines += kernel_tests_section(results["kernel-tests"], small)
-    if "kernel-bench" in results:
-        lines += kernel_bench_section(results["kernel-bench"], peak)
-    if "engine" in results:
-        lines += engine_section(results["engine"], peak)
-    lines += steps_section([StepResult(**s) for s in results["steps"]])
-    return "\n".join(lines)
-
-
-# ---- the run ---------------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import gpu_check
+from bench import gpu_check, gpu_report
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_report_names_the_machine_and_has_every_section(check):
 def test_kernels_agree_with_the_oracle_and_mosaic_waits_for_a_gpu(check):
     _, _, results, report = check
     outcomes = results["kernel-tests"]
-    by_backend = {b: [o["outcome"] for o in outcomes if o["backend"] == b] for b in gpu_check.KERNEL_BACKENDS}
+    by_backend = {b: [o["outcome"] for o in outcomes if o["backend"] == b] for b in gpu_report.KERNEL_BACKENDS}
     assert "failed" not in [o["outcome"] for o in outcomes]
     assert by_backend["pallas-triton"].count("passed") >= 3 and by_backend["reference"].count("passed") >= 2
     assert any("ragged_matches" in o["name"] and o["outcome"] == "passed" for o in outcomes)
@@ -71,12 +71,12 @@ def test_a_step_without_time_left_is_skipped_and_reported(tmp_path):
     (tmp_path / "log.txt").write_text("")
     result = run.step("engine-tiny", gpu_check.python("-c", "raise SystemExit(1)"), gpu_check.child_env(tmp_path))
     assert result.status == "skipped" and "budget left" in result.note
-    assert "| engine-tiny | skipped | 0 |" in "\n".join(gpu_check.steps_section(run.steps))
+    assert "| engine-tiny | skipped | 0 |" in "\n".join(gpu_report.steps_section(run.steps))
 
 
 def test_a_failing_step_is_reported_with_its_output_in_the_log(tmp_path):
     run = gpu_check.Run(tmp_path, tmp_path, budget_s=60)
     command = gpu_check.python("-c", "print('the cause'); raise SystemExit(3)")
     result = run.step("probe", command, gpu_check.child_env(tmp_path))
-    assert result.status == "failed" and "exit status 3" in result.note
+    assert result.status == "failed" and result.note == "exit status 3: the cause"
     assert "the cause" in (tmp_path / "log.txt").read_text()
