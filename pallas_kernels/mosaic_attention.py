@@ -10,15 +10,17 @@ group_rows + head - and walks a range of the sequence's pages in blocks of BLOCK
   their own barriers;
 - S = Q K^T and the P V update are `wgmma`s (Q and K from shared memory, P from registers), with an
   online softmax in float32 in between;
-- the program writes its unnormalized accumulator with its running max and sum, so a decode step can
-  split long contexts over several programs (flash-decoding) and `kernel_common.combine_splits` merges
-  them; a ragged step has one split and the same merge normalizes it.
+- with one program per tile (every ragged step; decode at batch x kv heads >= 128) it normalizes and
+  stores its first `out_rows` rows in q's dtype by TMA from shared memory (the Q buffer, free by then);
+  a decode step with few sequences splits each context over several programs (flash-decoding), which
+  write their unnormalized float32 accumulators with running max and sum for
+  `kernel_common.combine_splits`.
 
 Queries are gathered into `[num_seqs, num_kv_heads, num_q_tiles, ROWS, head_dim]` tiles before the
 call and the results scattered back after it, in jnp: the kernel then reads and writes whole tiles
 with static shapes, whatever the sequences' offsets in the flat token array. A decode tile holds one
-token's group (the other rows are padding): the warpgroup MMA has 64 rows, and decode is bound by
-reading K/V, not by the multiplies.
+token's group (the other rows are padding, and only the group's rows, rounded up to 8, are stored):
+the warpgroup MMA has 64 rows, and decode is bound by reading K/V, not by the multiplies.
 
 Contract as `attention.py` states it: K/V slots at positions >= kv_len never reach a result, even when
 they hold NaN (S is masked with `where`; the V rows of a block that straddles kv_len are zeroed in
@@ -54,8 +56,12 @@ except ImportError as exc:  # pragma: no cover - every jax this project supports
 
 ROWS = 64
 BLOCK_KV = 64
-STAGES = 3
+# Blocks in flight per program. Two keep a program under half of an SM's shared memory (Q 16 KiB + K/V
+# 2 x 32 KiB at head_dim 128), so two programs share an SM and overlap each other's waits.
+STAGES = 2
 SWIZZLE_BYTES = 128
+# Rows of a shared-memory tile, so the granularity of a stored slice of rows.
+TILE_ROWS = 8
 # wgmma and the TMA unit arrived with Hopper (sm_90).
 MIN_COMPUTE_CAPABILITY = 9.0
 
@@ -80,16 +86,17 @@ def check_shapes(page_size: int, head_dim: int, dtype) -> None:
 def _smem_tile(shape: tuple[int, ...], dtype):
     """A shared-memory buffer laid out for TMA and wgmma: 8-row tiles of one 128-byte swizzle row."""
     elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+    transforms = (plgpu.TilingTransform((TILE_ROWS, elems)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
     return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
 def _attend_kernel(
-    kv_lens_ref, q_lens_ref, page_table_ref, q_ref, k_ref, v_ref,
-    acc_ref, m_ref, l_ref,
-    q_smem, k_smem, v_smem, q_barrier, k_barriers, v_barriers,
-    *, sm_scale: float, page_size: int, block_q: int, group_rows: int, num_splits: int, blocks_per_split: int,
+    kv_lens_ref, q_lens_ref, page_table_ref, q_ref, k_ref, v_ref, *refs,
+    sm_scale: float, page_size: int, block_q: int, group_rows: int, num_splits: int, blocks_per_split: int,
+    out_rows: int | None,
 ):
+    """Outputs: `out` when out_rows is set (normalized), else `acc, m, l` (partials); then the scratch."""
+    outs, (q_smem, k_smem, v_smem, q_barrier, k_barriers, v_barriers) = refs[:-6], refs[-6:]
     seq, head, part = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("part")
     q_tile, split = lax.div(part, num_splits), lax.rem(part, num_splits)
     pages_per_block = BLOCK_KV // page_size
@@ -163,39 +170,57 @@ def _attend_kernel(
         plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
     )
     acc, m, l = lax.fori_loop(0, num_steps, step, init)
-    acc_ref[split, seq, head, q_tile] = acc
-    m_ref[split, seq, head, q_tile] = m
-    l_ref[split, seq, head, q_tile] = l
+    if out_rows is None:
+        acc_ref, m_ref, l_ref = outs
+        acc_ref[split, seq, head, q_tile] = acc
+        m_ref[split, seq, head, q_tile] = m
+        l_ref[split, seq, head, q_tile] = l
+        return
+    (out_ref,) = outs
+    # Rows that saw no context (l = 0) come out as zeros.
+    out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
+    q_smem[...] = out.astype(q_smem.dtype)  # the scores MMAs that read Q are done
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, out_rows)], out_ref.at[seq, head, q_tile])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _attend_tiles(
     q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array, q_lens: jax.Array,
     page_table: jax.Array, *, sm_scale: float, block_q: int, group_rows: int, num_splits: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    out_rows: int | None,
+) -> tuple[jax.Array, ...]:
     """q_tiles: [num_seqs, num_kv_heads, num_q_tiles, ROWS, head_dim]; row r of tile t of sequence s is
     token t * block_q + r // group_rows of its q_len (at position kv_len - q_len + token).
     page_table: [num_seqs, pages] int32, pages a multiple of BLOCK_KV // page_size.
 
-    Returns (acc [num_splits, num_seqs, num_kv_heads, num_q_tiles, ROWS, head_dim] f32 unnormalized,
-    m, l [num_splits, num_seqs, num_kv_heads, num_q_tiles, ROWS] f32 running max and sum).
+    With out_rows (num_splits 1): (out [num_seqs, num_kv_heads, num_q_tiles, out_rows, head_dim] in q's
+    dtype, normalized, each tile's first out_rows rows). Without: (acc [num_splits, num_seqs,
+    num_kv_heads, num_q_tiles, ROWS, head_dim] f32 unnormalized, m, l [num_splits, num_seqs, num_kv_heads,
+    num_q_tiles, ROWS] f32 running max and sum).
     """
     num_seqs, num_kv_heads, num_q_tiles, _, head_dim = q_tiles.shape
     page_size = k_pages.shape[2]
     check_shapes(page_size, head_dim, k_pages.dtype)
     max_blocks = page_table.shape[1] * page_size // BLOCK_KV
-    blocks_per_split = pl.cdiv(max_blocks, num_splits)
-    stats = (num_splits, num_seqs, num_kv_heads, num_q_tiles, ROWS)
-    kernel = functools.partial(
-        _attend_kernel, sm_scale=sm_scale, page_size=page_size, block_q=block_q, group_rows=group_rows,
-        num_splits=num_splits, blocks_per_split=blocks_per_split,
-    )
-    return plgpu.kernel(
-        kernel,
-        out_type=(
+    if out_rows is None:
+        stats = (num_splits, num_seqs, num_kv_heads, num_q_tiles, ROWS)
+        out_type = (
             jax.ShapeDtypeStruct((*stats, head_dim), jnp.float32),
             jax.ShapeDtypeStruct(stats, jnp.float32),
             jax.ShapeDtypeStruct(stats, jnp.float32),
-        ),
+        )
+    else:
+        if num_splits != 1 or out_rows % TILE_ROWS or not 0 < out_rows <= ROWS:
+            raise ValueError(f"normalized output needs one split and out_rows a multiple of {TILE_ROWS} up to {ROWS}")
+        out_type = (jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_q_tiles, out_rows, head_dim), q_tiles.dtype),)
+    kernel = functools.partial(
+        _attend_kernel, sm_scale=sm_scale, page_size=page_size, block_q=block_q, group_rows=group_rows,
+        num_splits=num_splits, blocks_per_split=pl.cdiv(max_blocks, num_splits), out_rows=out_rows,
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
         scratch_types=(
             _smem_tile((ROWS, head_dim), q_tiles.dtype),
             _smem_tile((STAGES, BLOCK_KV, head_dim), k_pages.dtype),
@@ -247,12 +272,15 @@ def paged_decode_attention_mosaic(
     q_tiles = q.reshape(num_seqs, num_kv_heads, 1, group, head_dim)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     # Every row is the sequence's one token (block_q 1, group_rows ROWS): padding rows see its context.
-    acc, m, l = _attend_tiles(
-        q_tiles, k_pages, v_pages, kv_lens, (kv_lens > 0).astype(jnp.int32), page_table,
+    attend = functools.partial(
+        _attend_tiles, q_tiles, k_pages, v_pages, kv_lens, (kv_lens > 0).astype(jnp.int32), page_table,
         sm_scale=sm_scale, block_q=1, group_rows=ROWS, num_splits=num_splits,
     )
-    out = kc.combine_splits(acc, m, l)[:, :, 0, :group]
-    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
+    if num_splits == 1:
+        (out,) = attend(out_rows=pl.cdiv(group, TILE_ROWS) * TILE_ROWS)
+    else:
+        out = kc.combine_splits(*attend(out_rows=None))
+    return out[:, :, 0, :group].reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
 
 def tile_shape(group: int) -> tuple[int, int]:
@@ -299,11 +327,10 @@ def ragged_paged_attention_mosaic(
     gathered = jnp.pad(gathered, ((0, 0),) * 4 + ((0, group_rows - group), (0, 0)))
     q_tiles = gathered.transpose(0, 3, 1, 2, 4, 5).reshape(num_seqs, num_kv_heads, num_q_tiles, ROWS, head_dim)
 
-    acc, m, l = _attend_tiles(
+    (out,) = _attend_tiles(
         q_tiles, k_pages, v_pages, kv_lens, q_lens, _pad_page_table(page_table, page_size),
-        sm_scale=sm_scale, block_q=block_q, group_rows=group_rows, num_splits=1,
-    )
-    out = kc.combine_splits(acc, m, l).astype(q.dtype)  # [S, Hkv, tiles, ROWS, D]
+        sm_scale=sm_scale, block_q=block_q, group_rows=group_rows, num_splits=1, out_rows=ROWS,
+    )  # [S, Hkv, tiles, ROWS, D]
     out = out.reshape(num_seqs, num_kv_heads, num_q_tiles, block_q, group_rows, head_dim)[..., :group, :]
     out = out.transpose(0, 2, 3, 1, 4, 5).reshape(-1, num_q_heads, head_dim)
     return jnp.zeros_like(q).at[rows.reshape(-1)].set(out, mode="drop")

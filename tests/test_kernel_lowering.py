@@ -64,9 +64,10 @@ def kernel_cases():
     ]
 
 
+@pytest.mark.parametrize("num_seqs", [1, 64])  # 1: split-K over many programs; 64: one program per head
 @pytest.mark.parametrize("backend, name", kernel_cases())
-def test_decode_kernel_lowers_for_cuda(backend, name):
-    m = SERVED[name]
+def test_decode_kernel_lowers_for_cuda(backend, name, num_seqs):
+    m = dataclasses.replace(SERVED[name], max_num_seqs=num_seqs)
     q = jax.ShapeDtypeStruct((m.max_num_seqs, m.num_q_heads, m.head_dim), m.dtype)
     kv_lens = jax.ShapeDtypeStruct((m.max_num_seqs,), jnp.int32)
     exported = lower_for_cuda(
