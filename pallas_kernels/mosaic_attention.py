@@ -10,10 +10,10 @@ group_rows + head - and walks a range of the sequence's pages in blocks of BLOCK
   their own barriers;
 - S = Q K^T and the P V update are `wgmma`s (Q and K from shared memory, P from registers), with an
   online softmax in float32 in between;
-- with one program per tile (every ragged step; decode at batch x kv heads >= 128) it normalizes and
-  stores its first `out_rows` rows in q's dtype by TMA from shared memory (the Q buffer, free by then);
-  a decode step with few sequences splits each context over several programs (flash-decoding), which
-  write their unnormalized float32 accumulators with running max and sum for
+- with one program per tile (every ragged step, and decode steps whose sequences x kv heads fill the
+  GPU) a program normalizes and stores its first `out_rows` rows in q's dtype by TMA from shared memory
+  (the Q buffer, free by then); a decode step with few sequences splits each context over several
+  programs (flash-decoding), which write unnormalized float32 accumulators with running max and sum for
   `kernel_common.combine_splits`.
 
 Queries are gathered into `[num_seqs, num_kv_heads, num_q_tiles, ROWS, head_dim]` tiles before the
