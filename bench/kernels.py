@@ -210,8 +210,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--calls", type=int, default=20 if on_gpu else 2, help="chained calls per timed loop")
-    p.add_argument("--repeats", type=int, default=5 if on_gpu else 2, help="timed loops (median)")
+    p.add_argument("--calls", type=int, default=10 if on_gpu else 2, help="chained calls per timed loop")
+    p.add_argument("--repeats", type=int, default=3 if on_gpu else 2, help="timed loops (median)")
     p.add_argument("--interpret", action="store_true",
                    help="run the Triton and shipped kernels in interpret mode (checks the script on a CPU; "
                         "timings mean nothing)")
