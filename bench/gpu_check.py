@@ -1,12 +1,13 @@
 """The GPU path in one command: kernels, engine and throughput proven (or disproven) on the accelerator here.
 
-    python -m bench.gpu_check --out gpu-check        (make gpu-check)
+    python -m bench.gpu_check --out gpu-check --require-gpu        (make gpu-check)
 
 Steps, each in its own process, so that a crash or a hung kernel ends its step and not the run, and every
 step starts with the device's memory free; all under one time budget (--budget-s, 8.5 minutes by default):
 
 1. probe (`bench.probe`): device, driver, versions, measured peaks. Stops the run, with the reason, when a
-   module the kernels, model or engine need is missing or the HTTP stack gets imported.
+   module the kernels, model or engine need is missing, the HTTP stack gets imported, or (--require-gpu)
+   jax found no GPU.
 2. kernel correctness: tests/test_paged_attention.py (float64 oracle, jax's shipped paged attention) and
    tests/test_kernel_lowering.py, every kernel compiled; the Mosaic GPU tests run in a second process after
    the others, so a Mosaic failure cannot hide the Triton results.
@@ -198,6 +199,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "elsewhere)")
     parser.add_argument("--attention-backend", default="auto", help="the engine's attention backend")
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU (the CPU default)")
+    parser.add_argument("--require-gpu", action="store_true",
+                        help="stop at once unless jax runs on a GPU (what `make gpu-check` passes)")
     return parser.parse_args(argv)
 
 
@@ -211,8 +214,9 @@ def main(argv=None) -> int:
         env = child_env(run.work)
         results: dict = dict(command=command)
         probe_json = run.work / "probe.json"
+        options = [flag for flag, on in (("--small", args.small), ("--require-gpu", args.require_gpu)) if on]
         probe = run.step("probe", python("-m", "bench.probe", "--out", str(probe_json), "--peaks",
-                                         str(run.work / "peaks.json"), *(["--small"] if args.small else [])), env)
+                                         str(run.work / "peaks.json"), *options), env)
         if probe.status == "ok":
             results["probe"] = json.loads(probe_json.read_text())
             small = results["probe"]["small"]

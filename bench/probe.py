@@ -3,7 +3,8 @@
     python -m bench.probe --out probe.json --peaks peaks.json [--small]
 
 Fails (exit 1, the reason on stderr) when a module the kernels, model or engine need cannot be imported,
-or when importing them drags in the HTTP stack (which the GPU image lacks).
+when importing them drags in the HTTP stack (which the GPU image lacks), or, with `--require-gpu`, when
+jax found no GPU (it falls back to the CPU with only a warning when its CUDA plugin cannot start).
 Peaks: `bench.roofline.measure_peaks` for memory bandwidth and float32 matmuls, plus a bfloat16 matmul,
 the rate a bf16 model's prefill is bound by; `--peaks` saves them with the bf16 rate, for the engine's
 roofline. Arrays are GPU-sized on a GPU (4 GiB reads, 8192^3 matmuls) and small elsewhere or with `--small`.
@@ -104,7 +105,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="machine description JSON")
     parser.add_argument("--peaks", type=Path, required=True, help="peaks JSON for bench.roofline (bf16 matmul rate)")
     parser.add_argument("--small", action="store_true", help="measure peaks at CPU-sized arrays even on a GPU")
+    parser.add_argument("--require-gpu", action="store_true", help="fail unless jax runs on a GPU")
     args = parser.parse_args(argv)
+    if args.require_gpu:
+        import jax
+
+        if jax.default_backend() != "gpu":
+            print(f"cannot run: no GPU (jax {jax.__version__} runs on {jax.default_backend()}; is its CUDA plugin "
+                  "installed, and the driver visible?)", file=sys.stderr)
+            return 1
     if missing := missing_modules():
         print("cannot run: missing or broken modules: " + "; ".join(missing), file=sys.stderr)
         return 1

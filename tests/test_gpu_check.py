@@ -80,3 +80,12 @@ def test_a_failing_step_is_reported_with_its_output_in_the_log(tmp_path):
     result = run.step("probe", command, gpu_check.child_env(tmp_path))
     assert result.status == "failed" and result.note == "exit status 3: the cause"
     assert "the cause" in (tmp_path / "log.txt").read_text()
+
+
+def test_require_gpu_stops_at_once_without_one(tmp_path):
+    status = gpu_check.main(["--out", str(tmp_path), "--require-gpu"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert status == 1
+    assert [(s["name"], s["status"]) for s in results["steps"]] == [("probe", "failed")]
+    assert "cannot run: no GPU" in results["steps"][0]["note"]
+    assert "| probe | failed |" in (tmp_path / "report.md").read_text()
