@@ -50,7 +50,7 @@ from batching.config import EngineConfig
 from batching.engine import Engine
 from batching.sampling_params import SamplingParams
 from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
-from bench.roofline import Peaks, kv_bytes_per_token, matmul_weights, workload_roofline
+from bench.roofline import Peaks, kv_bytes_per_token, workload_roofline
 from model.config import ModelConfig, RopeScaling
 from model.llama import Llama, empty_kv_cache
 from model.loader import LoadedModel
