@@ -2,8 +2,9 @@
 
 `jax.export` lowers without a GPU, so a kernel using an operation with no GPU lowering rule fails
 here on a CPU-only CI machine. Both kernel families lower: Triton (a `__gpu$xla.gpu.triton` custom
-call) and Mosaic GPU (`mosaic_gpu_v2`; 16-bit dtypes only). Lowering is not compiling: the backend compile and the kernels' speed and
-GPU numerics show only on a GPU (`python -m bench.gpu_check` runs them there).
+call) and Mosaic GPU (`mosaic_gpu_v2`; 16-bit dtypes only). Lowering is not compiling: the backend
+compile and the kernels' speed and GPU numerics show only on a GPU (`python -m bench.gpu_check` runs
+them there).
 """
 
 import dataclasses
