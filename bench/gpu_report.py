@@ -145,4 +145,6 @@ def report(results: dict, command: str, small: bool) -> str:
     if "engine" in results:
         lines += engine_section(results["engine"], peak)
     lines += steps_section([StepResult(**s) for s in results["steps"]])
+    if results.get("unfinished"):
+        lines += ["Out of time for part of the run; to finish it: `" + results["unfinished"] + "`", ""]
     return "\n".join(lines)

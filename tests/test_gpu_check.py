@@ -74,6 +74,20 @@ def test_a_step_without_time_left_is_skipped_and_reported(tmp_path):
     assert "| engine-tiny | skipped | 0 |" in "\n".join(gpu_report.steps_section(run.steps))
 
 
+def test_what_ran_out_of_time_gets_a_command_to_finish_it(tmp_path):
+    steps = [
+        gpu_report.StepResult("kernel-tests", "ok"),
+        gpu_report.StepResult("kernel-bench-mosaic", "timed out"),
+        gpu_report.StepResult("engine-llama-3.2-1b", "skipped", note="12 s of the budget left"),
+        gpu_report.StepResult("engine-llama-3-8b", "skipped", note="needs about 24.0 GiB"),
+    ]
+    assert gpu_check.unfinished(steps, tmp_path / "a") == (
+        f"python -m bench.gpu_check --out {tmp_path}/a-more --require-gpu --steps kernel-bench engine "
+        "--models llama-3.2-1b"
+    )
+    assert gpu_check.unfinished(steps[:1], tmp_path) is None
+
+
 def test_a_failing_step_is_reported_with_its_output_in_the_log(tmp_path):
     run = gpu_check.Run(tmp_path, tmp_path, budget_s=60)
     command = gpu_check.python("-c", "print('the cause'); raise SystemExit(3)")
