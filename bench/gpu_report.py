@@ -26,6 +26,15 @@ def fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def ms(seconds: float | None) -> str:
+    return fmt(None if seconds is None else seconds * 1e3, ".2f")
+
+
+def cell(text: str) -> str:
+    """Free text (an error, a note) made safe inside a markdown table cell."""
+    return text.replace("|", "\\|")
+
+
 def environment_section(probe: dict, command: str, wall_s: float) -> list[str]:
     smi = probe.get("nvidia_smi") or {}
     driver = smi.get("driver_version", "none (no nvidia-smi)")
@@ -79,7 +88,7 @@ def kernel_bench_section(rows: list[dict], peak_gbs: float | None) -> list[str]:
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | failed: {cell(r['error'])} | | | |")
         else:
             share = f"{100 * r['gbps'] / peak_gbs:.0f}%" if peak_gbs else "-"
             lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
@@ -103,7 +112,7 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for result in results:
         if "skipped" in result:
-            lines.append(f"| {result['model']} | skipped: {result['skipped']} |" + " |" * 14)
+            lines.append(f"| {result['model']} | skipped: {cell(result['skipped'])} |" + " |" * 14)
             continue
         if not result.get("levels"):
             lines.append(f"| {result['model']} | no results: see the steps table and log.txt |" + " |" * 14)
@@ -116,7 +125,6 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
             hbm = 100 * step["floor_bytes"] / (peak_gbs * 1e9) / step_s if step_s and peak_gbs else None
             roofline = (100 * level["output_tok_s"] / level["roofline_output_tok_s"]
                         if "roofline_output_tok_s" in level else None)
-            ms = lambda s: fmt(s and s * 1e3, ".2f")  # noqa: E731
             lines.append(
                 f"| {result['model']} | {result.get('backend', '-')} | {level['concurrency']} | "
                 f"{level.get('requests', '-')} | {fmt(level.get('output_tok_s'), '.0f')} | "
@@ -130,7 +138,7 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
 
 def steps_section(steps: list[StepResult]) -> list[str]:
     lines = ["### Steps", "", "| step | status | seconds | note |", "|---|---|---:|---|"]
-    lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.note} |" for s in steps]
+    lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {cell(s.note)} |" for s in steps]
     return lines + [""]
 
 
