@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from jax.experimental.pallas.ops.gpu import paged_attention as shipped
 
 from pallas_kernels.attention import paged_decode_attention, ragged_paged_attention, resolve_backend
 from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, runs_on
@@ -266,6 +265,8 @@ def test_decode_only_ragged_step_matches_oracle(backend):
 
 @pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] != "reference"])
 def test_decode_kernel_matches_jax_shipped_paged_attention(backend):
+    # Deprecated from jax 0.11 (Triton ops): a jax without it skips this comparison, not the file.
+    shipped = pytest.importorskip("jax.experimental.pallas.ops.gpu.paged_attention")
     # The shipped kernel reads every page-table entry and unmasked V, so it gets clean inputs. Its float32
     # dots run as TF32 on a GPU, so there the comparison is in bfloat16.
     shapes = as_run_by(Shapes(16, 64, 4, 2, 8, jnp.bfloat16 if ON_GPU else jnp.float32), backend)
