@@ -92,9 +92,7 @@ def shipped_paged_attention():
 def backend_call(name: str, inputs: DecodeInputs, sm_scale: float, interpret: bool = False):
     """(fn, args): fn(q, *args) -> [batch, num_q_heads, head_dim], with layout changes done up front."""
     if name in OUR_BACKENDS:
-        fn = functools.partial(
-            paged_decode_attention, sm_scale=sm_scale, backend=name, interpret=interpret and name == "pallas-triton"
-        )
+        fn = functools.partial(paged_decode_attention, sm_scale=sm_scale, backend=name, interpret=interpret)
         return fn, (inputs.k_pages, inputs.v_pages, inputs.kv_lens, inputs.page_table)
     if name == "jax-shipped":
         shipped = shipped_paged_attention()
@@ -153,8 +151,6 @@ def run(args) -> list[dict]:
             for name in args.backends:
                 row = dict(backend=name, batch=batch, context=context, bytes=inputs.bytes_read())
                 try:
-                    if name == "pallas-mosaic" and args.interpret:
-                        raise ValueError("the Mosaic GPU kernels have no interpret mode")
                     fn, rest = backend_call(name, inputs, sm_scale, args.interpret)
                     seconds = time_backend(fn, inputs.q, rest, args.calls, args.repeats)
                     out = np.asarray(jax.jit(fn)(inputs.q, *rest).astype(jnp.float32))
