@@ -188,13 +188,14 @@ def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], b
 
 
 def unfinished(steps: list[StepResult], out: Path) -> str | None:
-    """The command that reruns what ran out of time (skipped for the budget, or timed out), or None."""
+    """The command that reruns what ran out of time (skipped for the budget, or timed out), or None. It writes
+    under this run's folder, so a tool that fetches the folder brings both runs back."""
     late = [s.name for s in steps if s.status == "timed out" or (s.status == "skipped" and "budget" in s.note)]
     if not late:
         return None
     names = list(dict.fromkeys(n.removesuffix("-mosaic") for n in late if not n.startswith("engine-")))
     models = [n.removeprefix("engine-") for n in late if n.startswith("engine-")]
-    command = ["python", "-m", "bench.gpu_check", "--out", f"{out}-more", "--require-gpu", "--steps", *names]
+    command = ["python", "-m", "bench.gpu_check", "--out", str(out / "more"), "--require-gpu", "--steps", *names]
     if models:
         command += ["engine", "--models", *models]
     return shlex.join(command)

@@ -82,7 +82,7 @@ def test_what_ran_out_of_time_gets_a_command_to_finish_it(tmp_path):
         gpu_report.StepResult("engine-llama-3-8b", "skipped", note="needs about 24.0 GiB"),
     ]
     assert gpu_check.unfinished(steps, tmp_path / "a") == (
-        f"python -m bench.gpu_check --out {tmp_path}/a-more --require-gpu --steps kernel-bench engine "
+        f"python -m bench.gpu_check --out {tmp_path}/a/more --require-gpu --steps kernel-bench engine "
         "--models llama-3.2-1b"
     )
     assert gpu_check.unfinished(steps[:1], tmp_path) is None
