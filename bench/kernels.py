@@ -1,33 +1,47 @@
 """Decode paged-attention benchmark: time per call and achieved bandwidth, per backend.
 
-    python bench/kernels.py                      # GPU: Llama-3-8B heads, batch {1,8,64,256} x context {512,2048,8192}
-    python bench/kernels.py --markdown bench/RESULTS.md   # also append the table there
+    python -m bench.kernels                      # GPU: Llama-3-8B heads, batch {1,8,64,256} x context {512,2048,8192}
+    python -m bench.kernels --markdown bench/RESULTS.md   # also append the table there
 
-Backends: "pallas" (our decode kernel), "reference" (the jnp/XLA path), "jax-shipped"
-(`jax.experimental.pallas.ops.gpu.paged_attention`, an independent Pallas kernel). On a CPU the
-defaults shrink to sizes that finish in seconds and run the reference only, so the script cannot
-rot where no GPU exists (`--interpret --backends pallas reference jax-shipped` runs every backend
-there, slowly). Bandwidth counts the bytes that must be read once: K and V of every
-context token plus q. Every row also reports the largest difference from the reference output.
+Backends: "pallas-triton" and "pallas-mosaic" (our kernels, `pallas_kernels/`), "reference" (the jnp/XLA
+path), "jax-shipped" (`jax.experimental.pallas.ops.gpu.paged_attention`, an independent Pallas kernel,
+deprecated from jax 0.11). On a CPU the defaults shrink to sizes that finish in seconds and run the
+reference only, so the script cannot rot where no GPU exists (`--interpret --backends pallas-triton
+reference jax-shipped` runs the interpretable backends there, slowly; the Mosaic kernels cannot be
+interpreted).
+
+Timing: one jitted loop of `--calls` calls, each call's output fed into the next call's query (so XLA
+can neither hoist nor overlap them), timed with one `block_until_ready`; the median over `--repeats` such
+loops, divided by the calls, after a compile-and-warm-up run. Python's dispatch cost is thereby out of a
+microsecond-scale kernel's figure. Bandwidth counts the bytes that must be read once: K and V of every
+context token plus q. Every row also reports the largest difference from the reference output; a backend
+that fails on a shape gets a row with its error instead of stopping the run.
 """
+
+from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
 import functools
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.gpu import paged_attention as shipped
+from jax import lax
 
 from pallas_kernels.attention import paged_decode_attention
+from pallas_kernels.mosaic_attention import runs_on
 
 SHIPPED_K_SPLITS = 16
 SHIPPED_PAGES_PER_COMPUTE_BLOCK = 8
+OUR_BACKENDS = ("pallas-triton", "pallas-mosaic", "reference")
+ALL_BACKENDS = (*OUR_BACKENDS, "jax-shipped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,41 +80,62 @@ def make_inputs(heads: Heads, batch: int, context: int, page_size: int, dtype, s
     )
 
 
-def backend_fn(name: str, inputs: DecodeInputs, sm_scale: float, interpret: bool = False):
-    """A zero-argument jitted call of one backend on these inputs (layout changes done up front)."""
-    if name in ("pallas", "reference"):
-        fn = jax.jit(functools.partial(
-            paged_decode_attention, sm_scale=sm_scale, backend=name, interpret=interpret and name == "pallas"
-        ))
-        args = (inputs.q, inputs.k_pages, inputs.v_pages, inputs.kv_lens, inputs.page_table)
-    elif name == "jax-shipped":
+def shipped_paged_attention():
+    """jax's own Pallas paged attention, or an ImportError saying why it is not there."""
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention
+    except ImportError as exc:
+        raise ImportError(f"jax {jax.__version__} does not ship jax.experimental.pallas.ops.gpu.paged_attention") from exc
+    return paged_attention.paged_attention
+
+
+def backend_call(name: str, inputs: DecodeInputs, sm_scale: float, interpret: bool = False):
+    """(fn, args): fn(q, *args) -> [batch, num_q_heads, head_dim], with layout changes done up front."""
+    if name in OUR_BACKENDS:
+        fn = functools.partial(paged_decode_attention, sm_scale=sm_scale, backend=name, interpret=interpret)
+        return fn, (inputs.k_pages, inputs.v_pages, inputs.kv_lens, inputs.page_table)
+    if name == "jax-shipped":
+        shipped = shipped_paged_attention()
         pages_per_seq = inputs.page_table.shape[1]
         k_splits = SHIPPED_K_SPLITS if pages_per_seq % SHIPPED_K_SPLITS == 0 else 1
-        fn = jax.jit(
-            lambda q, *rest: shipped.paged_attention(
-                q * sm_scale, *rest, k_splits=k_splits,
-                pages_per_compute_block=SHIPPED_PAGES_PER_COMPUTE_BLOCK, interpret=interpret,
-            )
-        )
+
+        def fn(q, *rest):
+            return shipped(q * sm_scale, *rest, k_splits=k_splits,
+                           pages_per_compute_block=SHIPPED_PAGES_PER_COMPUTE_BLOCK, interpret=interpret)
+
         # Its pool layout is [num_kv_heads, num_pages, page_size, head_dim].
-        args = (
-            inputs.q, inputs.k_pages.transpose(1, 0, 2, 3), inputs.v_pages.transpose(1, 0, 2, 3),
-            inputs.page_table, inputs.kv_lens,
-        )
-    else:
-        raise ValueError(f"unknown backend {name!r}")
-    return lambda: fn(*args)
+        return fn, (inputs.k_pages.transpose(1, 0, 2, 3), inputs.v_pages.transpose(1, 0, 2, 3),
+                    inputs.page_table, inputs.kv_lens)
+    raise ValueError(f"unknown backend {name!r}; choose from {ALL_BACKENDS}")
 
 
-def time_call(call, iters: int) -> float:
-    """Median seconds per call after a compile-and-warm-up call."""
-    call().block_until_ready()
+def chained(fn, calls: int):
+    """A jitted loop of `calls` calls of fn, each output added into the next query."""
+
+    def loop(q, *args):
+        def body(_, q):
+            return q + fn(q, *args).astype(q.dtype)
+
+        return lax.fori_loop(0, calls, body, q)
+
+    return jax.jit(loop)
+
+
+def time_backend(fn, q, args, calls: int, repeats: int) -> float:
+    """Median seconds per call (see the module docstring)."""
+    loop = chained(fn, calls)
+    loop(q, *args).block_until_ready()
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         start = time.perf_counter()
-        call().block_until_ready()
-        times.append(time.perf_counter() - start)
+        loop(q, *args).block_until_ready()
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
+
+
+def first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:300]
 
 
 def run(args) -> list[dict]:
@@ -111,16 +146,21 @@ def run(args) -> list[dict]:
     for batch in args.batches:
         for context in args.contexts:
             inputs = make_inputs(heads, batch, context, args.page_size, dtype)
-            expected = np.asarray(backend_fn("reference", inputs, sm_scale)().astype(jnp.float32))
+            fn, rest = backend_call("reference", inputs, sm_scale)
+            expected = np.asarray(jax.jit(fn)(inputs.q, *rest).astype(jnp.float32))
             for name in args.backends:
-                call = backend_fn(name, inputs, sm_scale, args.interpret)
-                seconds = time_call(call, args.iters)
-                diff = np.abs(np.asarray(call().astype(jnp.float32)) - expected).max()
-                rows.append(dict(
-                    backend=name, batch=batch, context=context, ms=seconds * 1e3,
-                    gbps=inputs.bytes_read() / seconds / 1e9, max_diff=float(diff),
-                ))
-                print(f"  {name:12s} batch {batch:4d} context {context:5d}: {seconds * 1e3:9.3f} ms", file=sys.stderr)
+                row = dict(backend=name, batch=batch, context=context, bytes=inputs.bytes_read())
+                try:
+                    fn, rest = backend_call(name, inputs, sm_scale, args.interpret)
+                    seconds = time_backend(fn, inputs.q, rest, args.calls, args.repeats)
+                    out = np.asarray(jax.jit(fn)(inputs.q, *rest).astype(jnp.float32))
+                    row.update(ms=seconds * 1e3, gbps=inputs.bytes_read() / seconds / 1e9,
+                               max_diff=float(np.abs(out - expected).max()))
+                    print(f"  {name:13s} batch {batch:4d} context {context:5d}: {seconds * 1e3:9.3f} ms", file=sys.stderr)
+                except Exception as exc:  # noqa: BLE001 - one backend failing must not hide the others' rows
+                    row.update(error=first_line(exc))
+                    print(f"  {name:13s} batch {batch:4d} context {context:5d}: {row['error']}", file=sys.stderr)
+                rows.append(row)
             del inputs
     return rows
 
@@ -131,45 +171,62 @@ def markdown(rows: list[dict], args, command: str) -> str:
         f"### Decode paged attention, {datetime.date.today().isoformat()}, {device.device_kind} ({device.platform})",
         "",
         f"`{command}` - jax {jax.__version__}, {args.num_q_heads} q heads, {args.num_kv_heads} kv heads, "
-        f"head_dim {args.head_dim}, {args.dtype}, page_size {args.page_size}, median of {args.iters} calls.",
+        f"head_dim {args.head_dim}, {args.dtype}, page_size {args.page_size}, median of {args.repeats} loops "
+        f"of {args.calls} chained calls.",
         "",
         "| backend | batch | context | ms / call | GB/s (K+V+q once) | max abs diff vs reference |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | failed: {r['error']} | | |")
+            continue
         lines.append(
-            f"| {r['backend']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['gbps']:.1f} | {r['max_diff']:.2e} |"
+            f"| {r['backend']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['gbps']:.1f} | {r['max_diff']:.2e} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def default_backends() -> list[str]:
+    """Every backend this device runs: all on a Hopper GPU, all but Mosaic on an older one, the reference on a CPU."""
+    if jax.default_backend() != "gpu":
+        return ["reference"]
+    return [b for b in ALL_BACKENDS if b != "pallas-mosaic" or runs_on(jax.devices()[0])]
+
+
 def parse_args(argv=None):
     on_gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256] if on_gpu else [1, 8])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192] if on_gpu else [128, 512])
-    p.add_argument("--backends", nargs="+", default=["pallas", "reference", "jax-shipped"] if on_gpu else ["reference"],
-                   choices=["pallas", "reference", "jax-shipped"])
+    p.add_argument("--backends", nargs="+", default=default_backends(), choices=ALL_BACKENDS)
     p.add_argument("--num-q-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--iters", type=int, default=20 if on_gpu else 3)
+    p.add_argument("--calls", type=int, default=10 if on_gpu else 2, help="chained calls per timed loop")
+    p.add_argument("--repeats", type=int, default=3 if on_gpu else 2, help="timed loops (median)")
     p.add_argument("--interpret", action="store_true",
-                   help="run the Pallas backends in interpret mode (checks the script on a CPU; timings mean nothing)")
+                   help="run the Triton and shipped kernels in interpret mode (checks the script on a CPU; "
+                        "timings mean nothing)")
     p.add_argument("--markdown", help="append the table to this file")
+    p.add_argument("--json", help="write the rows and the run's settings to this file")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    command = "python bench/kernels.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    table = markdown(run(args), args, command.strip())
+    command = "python -m bench.kernels " + " ".join(sys.argv[1:] if argv is None else argv)
+    rows = run(args)
+    table = markdown(rows, args, command.strip())
     print(table)
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write("\n" + table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(settings=vars(args), rows=rows), indent=2) + "\n")
 
 
 if __name__ == "__main__":

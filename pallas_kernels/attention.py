@@ -12,35 +12,50 @@ sequences have q_len 0 and kv_len 0; rows at or past cu_q_lens[-1] come back as 
 j reads kv head j // (num_q_heads // num_kv_heads). Softmax in float32, output in q's dtype.
 max_q_len == 1 (a decode-only step) takes the decode path: one query per sequence, split-K.
 
-Backends: "pallas" runs the Pallas kernels (`decode_kernel.py`, `ragged_kernel.py`, lowered through
-Triton for the reason in `kernel_common.py`; they need power-of-2 page_size and head_dim, and pages
-of at most a few dozen tokens; `interpret=True` runs them on the CPU for tests);
-"reference" runs the jnp implementation (`paged_attention_ref.py`), which is the CPU serving path;
-"auto" picks "pallas" on a GPU and "reference" elsewhere.
+Backends (the choice lives here only):
+- "pallas-triton": the Pallas kernels lowered through Triton (`triton_decode.py`, `triton_ragged.py`);
+  power-of-2 page_size and head_dim, pages of at most a few dozen tokens; `interpret=True` runs them on
+  the CPU for tests. Triton lowering is deprecated from jax 0.11.
+- "pallas-mosaic": the Pallas kernels on Mosaic GPU (`mosaic_attention.py`, Hopper or newer): TMA page
+  copies and warpgroup MMAs; 16-bit dtypes, head_dim a multiple of 64. They lower on any host but run
+  only on a GPU (no interpret mode).
+- "reference": the jnp implementation (`paged_attention_ref.py`), the CPU serving path and the oracle.
+- "pallas": the same as "pallas-triton" (the name the CLI and tests have used).
+- "auto": "pallas-triton" on a GPU, "reference" elsewhere. Mosaic becomes the GPU default once
+  `python -m bench.gpu_check` has shown it correct and at least as fast on a GPU.
 
 What only a real GPU run can show: the tests lower the kernels for "cuda" with `jax.export` on a
 CPU host, which checks that every operation has a GPU lowering rule, but lowering is not compiling:
-Triton's compile (register and shared-memory limits for the tile sizes, layout conversions of the
-gathered pages), the numerics of the tensor-core dots, and speed (bench/kernels.py) are known only
-after running on a GPU.
+the backend compile (register and shared-memory limits of the tile sizes, layouts), the numerics of
+the tensor-core dots, and speed are known only after running on a GPU (`python -m bench.gpu_check`
+runs the correctness suite compiled, the kernel benchmark and the engine there).
 """
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode_kernel import paged_decode_attention_pallas
+from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, ragged_paged_attention_mosaic
 from pallas_kernels.paged_attention_ref import paged_decode_attention_ref, ragged_paged_attention_ref
-from pallas_kernels.ragged_kernel import ragged_paged_attention_pallas
+from pallas_kernels.triton_decode import paged_decode_attention_triton
+from pallas_kernels.triton_ragged import ragged_paged_attention_triton
 
-BACKENDS = ("auto", "pallas", "reference")
+KERNELS = ("pallas-triton", "pallas-mosaic", "reference")
+ALIASES = {"pallas": "pallas-triton"}
+BACKENDS = ("auto", *KERNELS, *ALIASES)
 
 
-def _resolve(backend: str) -> str:
+def resolve_backend(backend: str) -> str:
+    """The implementation `backend` names here: one of KERNELS."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    return backend
+        return "pallas-triton" if jax.default_backend() == "gpu" else "reference"
+    return ALIASES.get(backend, backend)
+
+
+def _check_interpret(kernel: str, interpret: bool) -> None:
+    if interpret and kernel == "pallas-mosaic":
+        raise ValueError("the Mosaic GPU kernels have no interpret mode: they run only on a GPU")
 
 
 def paged_decode_attention(
@@ -60,10 +75,14 @@ def paged_decode_attention(
     head_dim]; kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq] int32.
     Returns [num_seqs, num_q_heads, head_dim] in q's dtype; rows with kv_len 0 are zeros.
     """
-    if _resolve(backend) == "pallas":
-        return paged_decode_attention_pallas(
+    kernel = resolve_backend(backend)
+    _check_interpret(kernel, interpret)
+    if kernel == "pallas-triton":
+        return paged_decode_attention_triton(
             q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale, interpret=interpret
         )
+    if kernel == "pallas-mosaic":
+        return paged_decode_attention_mosaic(q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale)
     return paged_decode_attention_ref(q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale)
 
 
@@ -92,10 +111,16 @@ def ragged_paged_attention(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
             sm_scale=sm_scale, backend=backend, interpret=interpret,
         )
-    if _resolve(backend) == "pallas":
-        return ragged_paged_attention_pallas(
+    kernel = resolve_backend(backend)
+    _check_interpret(kernel, interpret)
+    if kernel == "pallas-triton":
+        return ragged_paged_attention_triton(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
             max_q_len=max_q_len, sm_scale=sm_scale, interpret=interpret,
+        )
+    if kernel == "pallas-mosaic":
+        return ragged_paged_attention_mosaic(
+            q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q_len=max_q_len, sm_scale=sm_scale
         )
     return ragged_paged_attention_ref(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q_len=max_q_len, sm_scale=sm_scale

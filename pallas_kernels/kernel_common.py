@@ -1,98 +1,37 @@
-"""What the Pallas paged-attention kernels share: the GPU lowering and the online-softmax page loop.
+"""What every paged-attention kernel family shares, whatever it lowers through: masking, tile sizes, split-K.
 
-Lowering: the kernels are grid-style `pallas_call`s lowered through Triton (`triton.CompilerParams`,
-`triton.dot`, masked `triton.store`). Checked on jax 0.10.2: the Mosaic GPU lowering (the default for
-a plain `pallas_call`) has no rule for `dot_general` or `transpose` in either lowering semantics, so
-its matmuls need `plgpu.wgmma` on SMEM refs filled by TMA copies with barriers - kernels that run
-only under the Mosaic GPU interpreter, not under the portable `interpret=True` the tests rely on.
-The Triton path lowers for `platforms=["cuda"]` through `jax.export` and runs with `interpret=True`
-on the CPU. It is deprecated from jax 0.11 (still working there); a Mosaic GPU variant belongs
-beside these modules, chosen in `attention.py`.
+The kernels (Triton: `triton_decode.py`, `triton_ragged.py`; Mosaic GPU: `mosaic_attention.py`) compute an
+online softmax over blocks of a sequence's pages. A decode step with few sequences splits each sequence's
+blocks over several programs (flash-decoding); each program returns an unnormalized partial result with its
+running max and sum, and `combine_splits` merges them.
 """
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltr
 
 # Finite, so that a fully masked row gives exp(MASK - MASK) = 1 rather than NaN before the
 # `where` on the probabilities zeroes it.
 MASK_VALUE = -1e30
-# Tokens of K/V per inner step: enough columns for a tensor-core dot, small enough for registers.
-BLOCK_KV_TOKENS = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
-
-
-def compiler_params() -> pltr.CompilerParams:
-    """The GPU lowering of every kernel here (see the module docstring)."""
-    return pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+# Enough programs to fill an H100's 132 SMs.
+TARGET_PROGRAMS = 128
 
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def pages_per_block(page_size: int, head_dim: int) -> int:
-    """Pages gathered per inner step. Triton tiles need power-of-2 sizes, so both dims are checked."""
-    for name, value in (("page_size", page_size), ("head_dim", head_dim)):
-        if value & (value - 1):
-            raise ValueError(f"the Pallas kernels need a power-of-2 {name}, got {value}")
-    return max(1, BLOCK_KV_TOKENS // page_size)
+def num_splits_for(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
+    """Splits per sequence: enough programs to fill the GPU, never more than the page blocks."""
+    return max(1, min(max_blocks, TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
 
 
-def attend_pages(
-    q: jax.Array,
-    q_pos: jax.Array,
-    kv_len: jax.Array,
-    page_ids_ref,
-    k_ref,
-    v_ref,
-    first_block: jax.Array,
-    end_block: jax.Array,
-    *,
-    sm_scale: float,
-    page_size: int,
-    pages_per_block: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Online softmax of q against blocks [first_block, end_block) of one sequence's pages.
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """acc: [splits, ..., head_dim] f32; m, l: [splits, ...] f32 -> normalized [..., head_dim] f32.
 
-    q: [rows, head_dim]; q_pos: [rows] int32, row r attends kv positions <= q_pos[r]; a row the
-      caller stores has q_pos < kv_len.
-    page_ids_ref: [>= end_block * pages_per_block] int32, the sequence's page-table row; entries
-      past the kv_len's last page may be garbage and are never dereferenced.
-    k_ref, v_ref: [num_pages, page_size, head_dim], one kv head of the pool.
-    Returns (acc [rows, head_dim] f32 unnormalized, m [rows] f32 running max, l [rows] f32 sum).
-    K/V at positions >= kv_len never reach the result, even when they hold NaN.
+    Empty splits (m = MASK_VALUE, l = 0) weigh nothing; a row with no context gives zeros.
     """
-    rows, head_dim = q.shape
-    block_tokens = pages_per_block * page_size
-    num_used_pages = pl.cdiv(kv_len, page_size)
-
-    def body(block, carry):
-        acc, m, l = carry
-        slots = block * pages_per_block + lax.iota(jnp.int32, pages_per_block)
-        ids = page_ids_ref[pl.ds(block * pages_per_block, pages_per_block)]
-        ids = jnp.where(slots < num_used_pages, ids, 0)
-        k = k_ref[ids].reshape(block_tokens, head_dim)
-        v = v_ref[ids].reshape(block_tokens, head_dim)
-        kv_pos = block * block_tokens + lax.iota(jnp.int32, block_tokens)
-        # Slots past kv_len may hold NaN, which a zero probability would not cancel in p @ v.
-        v = jnp.where((kv_pos < kv_len)[:, None], v, jnp.zeros_like(v))
-        mask = kv_pos[None, :] <= q_pos[:, None]
-        s = pltr.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * sm_scale
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        l = alpha * l + p.sum(axis=1)
-        pv = pltr.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
-        return alpha[:, None] * acc + pv, m_new, l
-
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    return lax.fori_loop(first_block, end_block, body, init)
+    m_all = m.max(axis=0)
+    weight = jnp.exp(m - m_all)
+    l_all = (weight * l).sum(axis=0)
+    acc_all = (weight[..., None] * acc).sum(axis=0)
+    return acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]

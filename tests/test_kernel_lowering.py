@@ -1,8 +1,10 @@
 """Every Pallas kernel lowers for the GPU ("cuda") at the served shapes, on any host.
 
 `jax.export` lowers without a GPU, so a kernel using an operation with no GPU lowering rule fails
-here on a CPU-only CI machine. Lowering is not compiling: Triton's compile and the kernel's speed
-and GPU numerics show only on a GPU (bench/kernels.py, and this suite run there).
+here on a CPU-only CI machine. Both kernel families lower: Triton (a `__gpu$xla.gpu.triton` custom
+call) and Mosaic GPU (`mosaic_gpu_v2`; 16-bit dtypes only). Lowering is not compiling: the backend
+compile and the kernels' speed and GPU numerics show only on a GPU (`python -m bench.gpu_check` runs
+them there).
 """
 
 import dataclasses
@@ -14,8 +16,11 @@ import pytest
 from pallas_kernels.attention import paged_decode_attention, ragged_paged_attention
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
-# The served kernels lower through Triton (see pallas_kernels/kernel_common.py).
-DISABLED_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+MOSAIC_CALL = "mosaic_gpu_v2"
+KERNEL_CALLS = {"pallas-triton": TRITON_CALL, "pallas-mosaic": MOSAIC_CALL}
+# The Triton call is not on export's list of stable custom calls; the Mosaic one is on jax 0.10.2's,
+# and accepting it explicitly keeps the test about lowering whatever a later jax's list says.
+DISABLED_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(call) for call in KERNEL_CALLS.values()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,30 +55,52 @@ def lower_for_cuda(fn, *args):
     return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(*args)
 
 
-@pytest.mark.parametrize("name", SERVED)
-def test_decode_kernel_lowers_for_cuda(name):
-    m = SERVED[name]
+def kernel_cases():
+    """(backend, model) pairs a kernel family serves: Mosaic GPU takes 16-bit dtypes only."""
+    return [
+        pytest.param(backend, name, id=f"{backend}-{name}")
+        for backend in KERNEL_CALLS
+        for name, served in SERVED.items()
+        if backend != "pallas-mosaic" or jnp.dtype(served.dtype).itemsize == 2
+    ]
+
+
+@pytest.mark.parametrize("num_seqs", [1, 64])  # 1: split-K over many programs; 64: one program per head
+@pytest.mark.parametrize("backend, name", kernel_cases())
+def test_decode_kernel_lowers_for_cuda(backend, name, num_seqs):
+    m = dataclasses.replace(SERVED[name], max_num_seqs=num_seqs)
     q = jax.ShapeDtypeStruct((m.max_num_seqs, m.num_q_heads, m.head_dim), m.dtype)
     kv_lens = jax.ShapeDtypeStruct((m.max_num_seqs,), jnp.int32)
     exported = lower_for_cuda(
-        lambda *a: paged_decode_attention(*a, sm_scale=m.head_dim**-0.5, backend="pallas"),
+        lambda *a: paged_decode_attention(*a, sm_scale=m.head_dim**-0.5, backend=backend),
         q, m.pool(), m.pool(), kv_lens, m.page_table(),
     )
     assert exported.platforms == ("cuda",)
-    assert exported.mlir_module().count(f"@{TRITON_CALL}(") == 1
+    assert exported.mlir_module().count(f"@{KERNEL_CALLS[backend]}(") == 1
 
 
-@pytest.mark.parametrize("max_q_len", [1, 512])
-@pytest.mark.parametrize("name", SERVED)
-def test_ragged_kernel_lowers_for_cuda(name, max_q_len):
+@pytest.mark.parametrize("max_q_len", [1, 16, 512])
+@pytest.mark.parametrize("backend, name", kernel_cases())
+def test_ragged_kernel_lowers_for_cuda(backend, name, max_q_len):
     m = SERVED[name]
     q = jax.ShapeDtypeStruct((m.max_num_batched_tokens, m.num_q_heads, m.head_dim), m.dtype)
     kv_lens = jax.ShapeDtypeStruct((m.max_num_seqs,), jnp.int32)
     cu_q_lens = jax.ShapeDtypeStruct((m.max_num_seqs + 1,), jnp.int32)
     exported = lower_for_cuda(
-        lambda *a: ragged_paged_attention(
-            *a, max_q_len=max_q_len, sm_scale=m.head_dim**-0.5, backend="pallas"
-        ),
+        lambda *a: ragged_paged_attention(*a, max_q_len=max_q_len, sm_scale=m.head_dim**-0.5, backend=backend),
         q, m.pool(), m.pool(), kv_lens, m.page_table(), cu_q_lens,
     )
-    assert exported.mlir_module().count(f"@{TRITON_CALL}(") == 1
+    assert exported.mlir_module().count(f"@{KERNEL_CALLS[backend]}(") == 1
+
+
+def test_mosaic_kernel_lowering_is_checked_for_real():
+    """A Mosaic GPU kernel body with an operation it has no rule for fails to lower, so the tests above
+    would catch one in the attention kernels."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def sort_rows(x_ref, o_ref):
+        o_ref[...] = jnp.sort(x_ref[...], axis=-1)
+
+    kernel = plgpu.kernel(sort_rows, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    with pytest.raises(NotImplementedError, match="sort"):
+        lower_for_cuda(kernel, jax.ShapeDtypeStruct((64, 64), jnp.float32))

@@ -1,8 +1,8 @@
-"""Pallas paged decode attention: one query token per sequence, flash-decoding with split-K.
+"""Pallas paged decode attention lowered through Triton: one query token per sequence, flash-decoding with split-K.
 
 Grid (num_seqs, num_kv_heads, num_splits). A program owns one sequence, one kv head (all the q
 heads of its GQA group as rows of one tile) and one contiguous range of page blocks; it writes an
-unnormalized partial result with its softmax max and sum, and `_combine_splits` merges the splits.
+unnormalized partial result with its softmax max and sum, and `kernel_common.combine_splits` merges them.
 With few sequences the splits keep the GPU busy on long contexts; with many, num_splits is 1.
 """
 
@@ -13,9 +13,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import kernel_common as kc
+from pallas_kernels import triton_common as tc
 
-# Enough programs to fill an H100's 132 SMs.
-TARGET_PROGRAMS = 128
 # Triton dots need at least 16 rows.
 MIN_ROWS = 16
 
@@ -30,7 +29,7 @@ def _decode_kernel(
     end = jnp.minimum(first + blocks_per_split, num_blocks)
     q = q_ref[...]
     q_pos = jnp.full((q.shape[0],), kv_len - 1, jnp.int32)
-    acc, m, l = kc.attend_pages(
+    acc, m, l = tc.attend_pages(
         q, q_pos, kv_len, page_table_ref, k_ref, v_ref, first, end,
         sm_scale=sm_scale, page_size=page_size, pages_per_block=pages_per_block,
     )
@@ -39,25 +38,8 @@ def _decode_kernel(
     l_ref[...] = l
 
 
-def num_splits_for(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Splits per sequence: enough programs to fill the GPU, never more than the page blocks."""
-    return max(1, min(max_blocks, TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
-
-
-def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """acc: [splits, ..., head_dim] f32; m, l: [splits, ...] f32 -> normalized [..., head_dim] f32.
-
-    Empty splits (m = MASK_VALUE, l = 0) weigh nothing; a sequence with no context gives zeros.
-    """
-    m_all = m.max(axis=0)
-    weight = jnp.exp(m - m_all)
-    l_all = (weight * l).sum(axis=0)
-    acc_all = (weight[..., None] * acc).sum(axis=0)
-    return acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "interpret"))
-def paged_decode_attention_pallas(
+def paged_decode_attention_triton(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -77,10 +59,10 @@ def paged_decode_attention_pallas(
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     rows = max(MIN_ROWS, kc.next_power_of_2(group))
-    ppb = kc.pages_per_block(page_size, head_dim)
+    ppb = tc.pages_per_block(page_size, head_dim)
     max_blocks = pl.cdiv(page_table.shape[1], ppb)
     if num_splits is None:
-        num_splits = num_splits_for(num_seqs, num_kv_heads, max_blocks)
+        num_splits = kc.num_splits_for(num_seqs, num_kv_heads, max_blocks)
     blocks_per_split = pl.cdiv(max_blocks, num_splits)
     num_splits = pl.cdiv(max_blocks, blocks_per_split)
 
@@ -116,9 +98,9 @@ def paged_decode_attention_pallas(
             stats_shape,
             stats_shape,
         ],
-        compiler_params=kc.compiler_params(),
+        compiler_params=tc.compiler_params(),
         interpret=interpret,
         name="paged_decode_attention",
     )(kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_tiles, k_pages, v_pages)
-    out = _combine_splits(acc, m, l)[:, :, :group]
+    out = kc.combine_splits(acc, m, l)[:, :, :group]
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

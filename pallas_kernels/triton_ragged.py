@@ -1,4 +1,4 @@
-"""Pallas ragged paged attention: chunked prefill and decode rows of many sequences in one call.
+"""Pallas ragged paged attention lowered through Triton: chunked prefill and decode rows of many sequences in one call.
 
 Grid (num_seqs, num_kv_heads, cdiv(max_q_len, block_q)). A program owns block_q consecutive query
 tokens of one sequence and one kv head; the tokens' GQA q heads are rows of one tile (row =
@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import kernel_common as kc
+from pallas_kernels import triton_common as tc
 
 # Rows of a query tile (tokens x group heads): a tensor-core-sized tile for prefill chunks.
 TARGET_ROWS = 64
@@ -41,7 +42,7 @@ def _ragged_kernel(
         last_token = jnp.minimum(q_len, first_token + block_q) - 1
         kv_end = kv_len - q_len + last_token + 1
         num_blocks = pl.cdiv(kv_end, pages_per_block * page_size)
-        acc, _, l = kc.attend_pages(
+        acc, _, l = tc.attend_pages(
             q_ref[rows], q_pos, kv_len, page_table_ref, k_ref, v_ref, 0, num_blocks,
             sm_scale=sm_scale, page_size=page_size, pages_per_block=pages_per_block,
         )
@@ -59,7 +60,7 @@ def tile_shape(group: int, max_q_len: int) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "interpret"))
-def ragged_paged_attention_pallas(
+def ragged_paged_attention_triton(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -81,7 +82,7 @@ def ragged_paged_attention_pallas(
     num_seqs = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
     block_q, group_rows = tile_shape(group, max_q_len)
-    ppb = kc.pages_per_block(page_size, head_dim)
+    ppb = tc.pages_per_block(page_size, head_dim)
     padded_tokens = num_tokens + block_q
     padded_pages = pl.cdiv(page_table.shape[1], ppb) * ppb
 
@@ -112,7 +113,7 @@ def ragged_paged_attention_pallas(
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-        compiler_params=kc.compiler_params(),
+        compiler_params=tc.compiler_params(),
         interpret=interpret,
         name="ragged_paged_attention",
     )(

@@ -1,0 +1,341 @@
+"""The engine offline on random weights with a real model's shapes: throughput, latency, where a step's time goes.
+
+    python -m bench.engine_check --model llama-3-8b --peaks peaks.json --out engine.json
+
+Needs no model files and no HTTP stack: weights are random (`model.llama.Llama`'s own init) and the
+tokenizer is a file-free word-level vocabulary of the model's size (prompts are token ids, outputs ignore
+EOS, so the text is never read). For each concurrency C, on a fixed seeded variable-length workload:
+
+- throughput: requests in waves of C (one `Engine.generate` call per wave; C = 1 runs the first
+  MIN_REQUESTS requests one at a time), output and total tokens per second of wall time;
+- TTFT: the first C requests' lengths with fresh prompts and max_tokens 1, all sent at once: the time
+  until every one of them has its first token (prefill of all C prompts plus one sample);
+- TPOT: the same with max_tokens 1 + tpot_steps: the extra time over the TTFT run per extra token,
+  i.e. the engine's real decode step at batch C, host work included (each a median of
+  `latency_repeats` runs);
+- step breakdown, timed directly (jitted, outside the engine, medians after a compile): a decode
+  step at batch C and the wave's mean context (model forward + LM head + argmax), the paged attention
+  of all layers alone, the LM head + argmax alone; the report adds the rest, and TPOT minus the
+  step (what the engine adds: sampler, host work, bucket padding). It also turns the step's byte
+  floor (weights + the batch's K/V, read once) into a share of the measured bandwidth, and the
+  workload's output tok/s into a share of `bench.roofline`'s bound;
+- compile time: building the `Engine`, which compiles every step bucket (persistent cache cold when
+  SLUICE_JAX_CACHE points at an empty folder, as `bench.gpu_check` arranges).
+
+Every request's output length is checked against what was asked (a wrong count fails the run). Results
+go to `--out` as JSON after each stage, so a run stopped by a time limit keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
+
+from batching.config import EngineConfig
+from batching.engine import Engine
+from batching.sampling_params import SamplingParams
+from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
+from bench.roofline import Peaks, kv_bytes_per_token, workload_roofline
+from model.config import ModelConfig, RopeScaling
+from model.llama import Llama, empty_kv_cache
+from model.loader import LoadedModel
+from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
+from model.tokenizer import SpecialTokens, Tokenizer
+from pallas_kernels.attention import ragged_paged_attention, resolve_backend
+
+# Real shapes (from the models' published config.json); weights are random.
+MODELS = {
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+        head_dim=64, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
+        bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+        head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001,),
+    ),
+    "llama-3-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rope_theta=500000.0, max_position_embeddings=8192, bos_token_id=128000,
+        eos_token_ids=(128001,),
+    ),
+    # For the CPU run: the same steps at a size that finishes in seconds.
+    "tiny": ModelConfig.tiny(vocab_size=512),
+}
+DTYPE = "bfloat16"
+PAGE_SIZE = 16
+MIN_REQUESTS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """How big a run is: the GPU sizes by default, `small()` for a CPU."""
+
+    concurrency: tuple[int, ...] = (1, 64, 256)
+    prompt: LengthDistribution = LengthDistribution(mean=192, sigma=0.8, min=16, max=512)
+    output: LengthDistribution = LengthDistribution(mean=96, sigma=0.6, min=8, max=192)
+    tpot_steps: int = 32
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 1024
+    timing_repeats: int = 10
+    latency_repeats: int = 1  # runs of each TTFT/TPOT measurement (median)
+
+    @classmethod
+    def small(cls) -> Sizes:
+        return cls(
+            concurrency=(1, 4), prompt=LengthDistribution(24, 0.5, 4, 48), output=LengthDistribution(8, 0.5, 2, 16),
+            tpot_steps=8, max_num_batched_tokens=16, max_model_len=128, timing_repeats=3, latency_repeats=3,
+        )
+
+
+def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sizes: Sizes, page_size: int) -> int:
+    """A KV pool that holds the largest wave whole (no preemption), with a quarter to spare.
+
+    Sized from the workload rather than the engine's default (most of the free memory): the figures then
+    do not depend on the device's size, and on a CPU a bf16 pool costs every step time in proportion to
+    its size (about 200 ms per step for 64 MB, measured on the 2-core machine), which would drown them.
+    """
+    tokens = max(
+        sum(len(r.prompt) + max(r.output_tokens, sizes.tpot_steps + 1) + page_size for r in wave)
+        for c in sizes.concurrency for wave in waves(workload, c)
+    )
+    return int(1.25 * tokens * kv_bytes_per_token(config, jnp.dtype(DTYPE).itemsize))
+
+
+def waves(workload: list[BenchRequest], c: int) -> list[list[BenchRequest]]:
+    """The throughput run at concurrency c: the first max(c, MIN_REQUESTS) requests, c at a time."""
+    requests = workload[:max(c, MIN_REQUESTS)]
+    return [requests[i:i + c] for i in range(0, len(requests), c)]
+
+
+def file_free_tokenizer(config: ModelConfig) -> Tokenizer:
+    """A word-level vocabulary `<0> .. <vocab-1>`: the engine detokenizes every output token, and this
+    costs about what a real vocabulary's decode does without needing the model's files."""
+    vocab = {f"<{i}>": i for i in range(config.vocab_size)}
+    special = SpecialTokens(bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids, add_bos=False,
+                            chat_template=None)
+    return Tokenizer(HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<0>")), special)
+
+
+def random_model(name: str) -> LoadedModel:
+    config = MODELS[name]
+    model = Llama(config, dtype=jnp.dtype(DTYPE), rngs=nnx.Rngs(0))
+    return LoadedModel(config=config, model=model, tokenizer=file_free_tokenizer(config), name=f"{name}-random")
+
+
+def param_bytes(model: Llama) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+
+
+def memory_shortfall(config: ModelConfig) -> str | None:
+    """Why the device cannot hold this model with room for a KV pool and activations, or None if it can."""
+    needed = 1.5 * param_bytes(nnx.eval_shape(lambda: Llama(config, dtype=jnp.dtype(DTYPE), rngs=nnx.Rngs(0))))
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if limit is not None and limit < needed:
+        return f"needs about {needed / 2**30:.1f} GiB (weights x 1.5), the device offers {limit / 2**30:.1f} GiB"
+    return None
+
+
+def median_seconds(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def generate_checked(engine: Engine, requests: list[BenchRequest]) -> float:
+    """Runs the requests in one generate call; returns its wall seconds. Every output must have its length."""
+    start = time.perf_counter()
+    outs = engine.generate([list(r.prompt) for r in requests], [greedy(r.output_tokens) for r in requests])
+    seconds = time.perf_counter() - start
+    got = [len(o[0].token_ids) for o in outs]
+    want = [r.output_tokens for r in requests]
+    if got != want:
+        raise AssertionError(f"the engine produced {got} tokens where {want} were asked")
+    return seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """Device seconds of one decode step at batch `batch` and context `context`, and of its parts."""
+
+    batch: int
+    context: int
+    step_s: float
+    attention_s: float
+    head_s: float
+    floor_bytes: int
+
+
+def decode_step_times(loaded: LoadedModel, batch: int, context: int, page_size: int, backend: str,
+                      repeats: int) -> StepTimes:
+    """Times the model's decode step at batch x context directly (module docstring)."""
+    config, model = loaded.config, loaded.model
+    pages_per_seq = -(-(context + 1) // page_size)
+    num_pages = batch * pages_per_seq
+    graphdef, state = nnx.split(model)
+    kv_cache = empty_kv_cache(config, num_pages, page_size, jnp.dtype(DTYPE))
+    page_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_seq)
+    positions = jnp.full((batch,), context, jnp.int32)
+    meta = AttentionMetadata(
+        slot_mapping=page_table[:, context // page_size] * page_size + context % page_size,
+        kv_lens=jnp.full((batch,), context + 1, jnp.int32), page_table=page_table,
+        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32), max_q_len=1,
+    )
+    tokens = jnp.arange(batch, dtype=jnp.int32) % config.vocab_size
+    sm_scale = config.head_dim**-0.5
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, kv_cache, tokens, positions, meta):
+        model = nnx.merge(graphdef, state)
+        attend = make_paged_attend(meta, num_pages, sm_scale=sm_scale, backend=backend)
+        hidden, kv = model(tokens, positions, flat_pool(kv_cache), attend)
+        return jnp.argmax(model.logits(hidden), axis=-1), tuple(x.reshape(kv_cache[0].shape) for x in kv)
+
+    @jax.jit
+    def attention_all_layers(kv_cache, q, meta):
+        k_pool, v_pool = flat_pool(kv_cache)
+
+        def layer(index, q):
+            out = ragged_paged_attention(
+                q, k_pool, v_pool, meta.kv_lens, meta.page_table + index * num_pages, meta.cu_q_lens,
+                max_q_len=1, sm_scale=sm_scale, backend=backend,
+            )
+            return q + out
+
+        return lax.fori_loop(0, config.num_layers, layer, q)
+
+    @jax.jit
+    def head(state, hidden):
+        return jnp.argmax(nnx.merge(graphdef, state).logits(hidden), axis=-1)
+
+    pool = [kv_cache]  # the step donates the pool and returns the updated one
+
+    def one_step():
+        next_tokens, pool[0] = step(state, pool[0], tokens, positions, meta)
+        return next_tokens
+
+    q = jnp.ones((batch, config.num_heads, config.head_dim), jnp.dtype(DTYPE))
+    hidden = jnp.ones((batch, config.hidden_size), jnp.dtype(DTYPE))
+    del kv_cache
+    step_s = median_seconds(one_step, repeats)
+    attention_s = median_seconds(lambda: attention_all_layers(pool[0], q, meta), repeats)
+    head_s = median_seconds(lambda: head(state, hidden), repeats)
+    itemsize = jnp.dtype(DTYPE).itemsize
+    floor = param_bytes(model) + batch * (context + 1) * kv_bytes_per_token(config, itemsize)
+    return StepTimes(batch, context, step_s, attention_s, head_s, floor)
+
+
+def engine_level(engine: Engine, config: ModelConfig, workload: list[BenchRequest], sizes: Sizes, c: int,
+                 peaks: Peaks) -> dict:
+    """Throughput, TTFT and TPOT at concurrency c (module docstring). Every run gets fresh token ids with the
+    workload's lengths, so none is served from a previous run's prefix cache."""
+    fresh = [fresh_prompts(wave, salt=1000 * c + i, vocab_size=config.vocab_size)
+             for i, wave in enumerate(waves(workload, c))]
+    seconds = sum(generate_checked(engine, wave) for wave in fresh)
+    requests = [r for wave in fresh for r in wave]
+
+    def wave_seconds(max_tokens: int, salt: int) -> float:
+        """Median wall time of the first wave with fresh prompts and `max_tokens` outputs each."""
+        return statistics.median(
+            generate_checked(engine, [BenchRequest(r.prompt, max_tokens)
+                                      for r in fresh_prompts(workload[:c], salt=salt + i, vocab_size=config.vocab_size)])
+            for i in range(sizes.latency_repeats)
+        )
+
+    ttft_s = wave_seconds(1, salt=1000 * c + 900)
+    longer_s = wave_seconds(1 + sizes.tpot_steps, salt=1000 * c + 950)
+    prompt_lens = [len(r.prompt) for r in requests]
+    output_lens = [r.output_tokens for r in requests]
+    bound = workload_roofline(config, DTYPE, peaks, prompt_lens, output_lens, batch=c)
+    return dict(
+        requests=len(requests), prompt_tokens=sum(prompt_lens), output_tokens=sum(output_lens), seconds=seconds,
+        output_tok_s=sum(output_lens) / seconds, total_tok_s=(sum(prompt_lens) + sum(output_lens)) / seconds,
+        ttft_s=ttft_s, tpot_s=(longer_s - ttft_s) / sizes.tpot_steps, roofline_output_tok_s=bound.bound_output_tps,
+    )
+
+
+def run(args) -> dict:
+    sizes = Sizes.small() if args.small else Sizes()
+    peaks = Peaks.load(args.peaks)
+    result: dict = dict(model=args.model, dtype=DTYPE, backend=resolve_backend(args.attention_backend),
+                        device=str(jax.devices()[0]),
+                        sizes=dataclasses.asdict(sizes), levels=[])
+
+    def save() -> None:
+        result["http_stack_imported"] = sorted({"starlette", "uvicorn", "app"} & set(sys.modules))
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    if (shortfall := memory_shortfall(MODELS[args.model])) is not None:
+        result["skipped"] = shortfall
+        save()
+        return result
+    start = time.perf_counter()
+    loaded = random_model(args.model)
+    result.update(init_s=time.perf_counter() - start, param_bytes=param_bytes(loaded.model))
+    save()
+    config = loaded.config
+    workload = synthetic(SyntheticSpec(num_requests=max(*sizes.concurrency, MIN_REQUESTS), seed=0, prompt=sizes.prompt,
+                                       output=sizes.output, vocab_size=config.vocab_size))
+
+    # Direct timings first: their KV pools are freed before the engine allocates its own.
+    for c in sizes.concurrency:
+        wave = workload[:c]
+        context = round(np.mean([len(r.prompt) for r in wave]) + sizes.tpot_steps / 2)
+        times = decode_step_times(loaded, c, context, PAGE_SIZE, args.attention_backend, sizes.timing_repeats)
+        result["levels"].append(dict(concurrency=c, step=dataclasses.asdict(times)))
+        save()
+        gc.collect()
+
+    engine_config = EngineConfig(
+        dtype=DTYPE, page_size=PAGE_SIZE, max_num_seqs=max(sizes.concurrency),
+        max_num_batched_tokens=sizes.max_num_batched_tokens, max_model_len=sizes.max_model_len,
+        kv_cache_memory=kv_pool_bytes(config, workload, sizes, PAGE_SIZE), attention_backend=args.attention_backend,
+    )
+    start = time.perf_counter()
+    engine = Engine(loaded, engine_config, progress=False)
+    result["compile_s"] = time.perf_counter() - start
+    save()
+
+    for level, c in zip(result["levels"], sizes.concurrency):
+        level.update(engine_level(engine, config, workload, sizes, c, peaks))
+        save()
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=list(MODELS), required=True)
+    parser.add_argument("--peaks", type=Path, required=True, help="peaks JSON (python -m bench.roofline --save)")
+    parser.add_argument("--out", type=Path, required=True, help="results JSON, rewritten after each stage")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--small", action="store_true", help="CPU sizes: concurrency 1 and 4, short requests")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

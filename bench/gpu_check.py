@@ -1,0 +1,258 @@
+"""The GPU path in one command: kernels, engine and throughput proven (or disproven) on the accelerator here.
+
+    python -m bench.gpu_check --out gpu-check --require-gpu        (make gpu-check)
+
+Steps, each in its own process, so that a crash or a hung kernel ends its step and not the run, and every
+step starts with the device's memory free; all under one time budget (--budget-s, 8.5 minutes by default):
+
+1. probe (`bench.probe`): device, driver, versions, measured peaks. Stops the run, with the reason, when a
+   module the kernels, model or engine need is missing, the HTTP stack gets imported, or (--require-gpu)
+   jax found no GPU.
+2. kernel correctness: tests/test_paged_attention.py (float64 oracle, jax's shipped paged attention) and
+   tests/test_kernel_lowering.py, every kernel compiled; the Mosaic GPU tests run in a second process after
+   the others, so a Mosaic failure cannot hide the Triton results.
+3. kernel benchmark (`bench.kernels`): decode at batch {1, 8, 64, 256} x context {512, 2048, 8192},
+   Llama-3-8B heads, bf16: time per call and bandwidth of both kernel families, the jnp/XLA reference and
+   jax's shipped kernel (Mosaic again in its own process).
+4. engine (`bench.engine_check`), one process per model: SmolLM2-135M, Llama-3.2-1B, Llama-3-8B (skipped
+   when the device cannot hold it), random weights with real shapes, bf16, concurrency 1, 64 and 256.
+
+Writes three files to --out: report.md (markdown ready for bench/RESULTS.md, also printed), results.json
+(every figure) and log.txt (every step's output). Steps run in that order and each gets at most its own
+cap and what is left of the budget; a step with too little time left is skipped and says so, and
+`--steps` / `--models` rerun a part in a second command. Exit status 1 when a step failed or timed out.
+
+Without a GPU the same steps run at small sizes (a kernel-test subset in interpret mode, a tiny benchmark,
+a tiny model on the CPU): tests/test_gpu_check.py runs it that way in `make test`, so it cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.gpu_report import KERNEL_BACKENDS, StepResult, report
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b")
+CPU_MODELS = ("tiny",)
+STEP_NAMES = ("kernel-tests", "kernel-bench", "engine")
+# Seconds a step needs at least to be worth starting, and the most each may take (GPU sizes).
+MIN_STEP_S = 20.0
+CAPS_S = {"probe": 120.0, "kernel-tests": 150.0, "kernel-tests-mosaic": 90.0, "kernel-bench": 150.0,
+          "kernel-bench-mosaic": 60.0, "engine-smollm2-135m": 150.0, "engine-llama-3.2-1b": 150.0,
+          "engine-llama-3-8b": 240.0, "engine-tiny": 120.0}
+# The CPU subset of the kernel tests: one case of each kind, every backend (Mosaic's skip included).
+CPU_TEST_FILTER = ("test_decode_gives_zeros or (ragged_matches and (0-reference or 0-pallas)) or shipped "
+                   "or mosaic_backend or (lowers_for_cuda and smollm2-135m-bf16)")
+CPU_BENCH_ARGS = ("--backends", "pallas-triton", "reference", "--interpret", "--batches", "2",
+                  "--contexts", "40", "--num-q-heads", "8", "--num-kv-heads", "2", "--head-dim", "64",
+                  "--dtype", "float32", "--calls", "1", "--repeats", "1")
+TEST_FILES = ("tests/test_paged_attention.py", "tests/test_kernel_lowering.py")
+
+
+@dataclass
+class Run:
+    """One gpu_check run: where it writes, how long it may take, what each step gave."""
+
+    out: Path
+    work: Path
+    budget_s: float
+    started: float = field(default_factory=time.perf_counter)
+    steps: list[StepResult] = field(default_factory=list)
+
+    @property
+    def left_s(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.started)
+
+    def skip(self, name: str, note: str) -> None:
+        self.steps.append(StepResult(name, "skipped", note=note))
+
+    def step(self, name: str, command: list[str], env: dict[str, str]) -> StepResult:
+        """Runs `command` (from the project root) for at most its cap and the budget left; output to log.txt."""
+        timeout = min(CAPS_S[name], self.left_s)
+        if timeout < MIN_STEP_S:
+            self.skip(name, f"{max(self.left_s, 0):.0f} s of the budget left")
+            return self.steps[-1]
+        print(f"[gpu_check] {name}: {shlex.join(command)} (at most {timeout:.0f} s)", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        with open(self.out / "log.txt", "a") as log:
+            log.write(f"\n===== {name}: {shlex.join(command)}\n")
+            log.flush()
+            output_starts = log.tell()
+            try:
+                proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=timeout, check=False)
+                status = "ok" if proc.returncode == 0 else "failed"
+                note = "" if proc.returncode == 0 else f"exit status {proc.returncode}: {last_line(log, output_starts)}"
+            except subprocess.TimeoutExpired:
+                status, note = "timed out", f"stopped after {timeout:.0f} s; see log.txt"
+        result = StepResult(name, status, time.perf_counter() - start, note)
+        self.steps.append(result)
+        print(f"[gpu_check] {name}: {status} in {result.seconds:.0f} s", file=sys.stderr, flush=True)
+        return result
+
+
+def last_line(log, start: int) -> str:
+    """The last non-blank line a step wrote to the log (its error, when it failed)."""
+    with open(log.name) as f:
+        f.seek(start)
+        lines = [line.strip() for line in f.read().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def child_env(work: Path) -> dict[str, str]:
+    # A fresh persistent compilation cache, so the engine's compile time is a cold start's.
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "SLUICE_JAX_CACHE": str(work / "jax-cache"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def junit_outcomes(junit_xml: Path) -> list[dict]:
+    """[{name, backend, outcome, message}] from a pytest --junitxml file; [] if pytest never wrote it."""
+    if not junit_xml.exists():
+        return []
+    outcomes = []
+    for case in ElementTree.parse(junit_xml).iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            element = case.find(tag)
+            if element is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                text = (element.get("message") or element.text or "").strip()
+                message = text.splitlines()[0][:300] if text else ""
+                break
+        backend = next((b for b in KERNEL_BACKENDS if b in name), "pallas-mosaic" if "mosaic" in name else "other")
+        outcomes.append(dict(name=name, backend=backend, outcome=outcome, message=message))
+    return outcomes
+
+
+def run_kernel_tests(run: Run, env: dict[str, str], small: bool) -> list[dict]:
+    outcomes = []
+    if small:
+        parts = [("kernel-tests", CPU_TEST_FILTER)]
+    else:
+        parts = [("kernel-tests", "not mosaic"), ("kernel-tests-mosaic", "mosaic")]
+    for name, selection in parts:
+        junit = run.work / f"{name}.xml"
+        run.step(name, python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection,
+                              f"--junitxml={junit}", *TEST_FILES), env)
+        outcomes += junit_outcomes(junit)
+    return outcomes
+
+
+def run_kernel_bench(run: Run, env: dict[str, str], small: bool, probe: dict) -> list[dict]:
+    parts = [("kernel-bench", list(CPU_BENCH_ARGS) if small else ["--backends", "pallas-triton", "reference",
+                                                                   "jax-shipped"])]
+    if not small and probe["mosaic_gpu"]:
+        parts.append(("kernel-bench-mosaic", ["--backends", "pallas-mosaic"]))
+    elif not small:
+        run.skip("kernel-bench-mosaic", f"Mosaic GPU needs compute capability 9.0+, this is {probe['compute_capability']}")
+    rows = []
+    for name, args in parts:
+        rows_json = run.work / f"{name}.json"
+        run.step(name, python("-m", "bench.kernels", *args, "--json", str(rows_json)), env)
+        if rows_json.exists():
+            rows += json.loads(rows_json.read_text())["rows"]
+    order = {b: i for i, b in enumerate(("pallas-triton", "pallas-mosaic", "reference", "jax-shipped"))}
+    rows.sort(key=lambda r: (r["batch"], r["context"], order.get(r["backend"], 9)))
+    return rows
+
+
+def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], backend: str) -> list[dict]:
+    results = []
+    for model in models:
+        out = run.work / f"engine-{model}.json"
+        step = run.step(f"engine-{model}", python(
+            "-m", "bench.engine_check", "--model", model, "--peaks", str(run.work / "peaks.json"), "--out", str(out),
+            "--attention-backend", backend, *(["--small"] if small else []),
+        ), env)
+        result = json.loads(out.read_text()) if out.exists() else dict(model=model, levels=[])
+        if "skipped" in result and step.status == "ok":
+            step.status, step.note = "skipped", result["skipped"]
+        results.append(result)
+    return results
+
+
+def unfinished(steps: list[StepResult], out: Path) -> str | None:
+    """The command that reruns what ran out of time (skipped for the budget, or timed out), or None. It writes
+    under this run's folder, so a tool that fetches the folder brings both runs back."""
+    late = [s.name for s in steps if s.status == "timed out" or (s.status == "skipped" and "budget" in s.note)]
+    if not late:
+        return None
+    names = list(dict.fromkeys(n.removesuffix("-mosaic") for n in late if not n.startswith("engine-")))
+    models = [n.removeprefix("engine-") for n in late if n.startswith("engine-")]
+    command = ["python", "-m", "bench.gpu_check", "--out", str(out / "more"), "--require-gpu", "--steps", *names]
+    if models:
+        command += ["engine", "--models", *models]
+    return shlex.join(command)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for report.md, results.json, log.txt")
+    parser.add_argument("--budget-s", type=float, default=510.0, help="time for the whole run, in seconds")
+    parser.add_argument("--steps", nargs="+", choices=STEP_NAMES, default=list(STEP_NAMES),
+                        help="which steps to run after the probe")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help=f"engine models (default: {' '.join(GPU_MODELS)} on a GPU, {' '.join(CPU_MODELS)} "
+                             "elsewhere)")
+    parser.add_argument("--attention-backend", default="auto", help="the engine's attention backend")
+    parser.add_argument("--small", action="store_true", help="small sizes even on a GPU (the CPU default)")
+    parser.add_argument("--require-gpu", action="store_true",
+                        help="stop at once unless jax runs on a GPU (what `make gpu-check` passes)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python -m bench.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "log.txt").write_text(f"{command}\n")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        run = Run(args.out, Path(work), args.budget_s)
+        env = child_env(run.work)
+        results: dict = dict(command=command)
+        probe_json = run.work / "probe.json"
+        options = [flag for flag, on in (("--small", args.small), ("--require-gpu", args.require_gpu)) if on]
+        probe = run.step("probe", python("-m", "bench.probe", "--out", str(probe_json), "--peaks",
+                                         str(run.work / "peaks.json"), *options), env)
+        if probe.status == "ok":
+            results["probe"] = json.loads(probe_json.read_text())
+            small = results["probe"]["small"]
+            models = args.models or list(CPU_MODELS if small else GPU_MODELS)
+            if "kernel-tests" in args.steps:
+                results["kernel-tests"] = run_kernel_tests(run, env, small)
+            if "kernel-bench" in args.steps:
+                results["kernel-bench"] = run_kernel_bench(run, env, small, results["probe"])
+            if "engine" in args.steps:
+                results["engine"] = run_engines(run, env, small, models, args.attention_backend)
+        else:
+            small = True
+            print("[gpu_check] the probe failed, so nothing else can run: see log.txt", file=sys.stderr)
+        results["wall_s"] = time.perf_counter() - run.started
+        results["steps"] = [asdict(s) for s in run.steps]
+        results["unfinished"] = unfinished(run.steps, args.out)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = report(results, command, small)
+    (args.out / "report.md").write_text(text + "\n")
+    print(text)
+    return 0 if all(s.status in ("ok", "skipped") for s in run.steps) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

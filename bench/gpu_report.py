@@ -1,0 +1,158 @@
+"""The markdown report of a `bench.gpu_check` run, ready to paste into bench/RESULTS.md.
+
+`report(results, command, small)` takes the run's results (as results.json holds them): the probe's machine
+description, the kernel tests' outcomes, the kernel benchmark's rows, each model's engine figures and the
+steps' statuses. Figures a step did not produce (it failed, timed out or was skipped) show as "-" or as a
+row that says so; the steps table says why.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+KERNEL_BACKENDS = ("pallas-triton", "pallas-mosaic", "reference")
+
+
+@dataclass
+class StepResult:
+    name: str
+    status: str  # "ok", "failed", "timed out", "skipped"
+    seconds: float = 0.0
+    note: str = ""
+
+
+def fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def ms(seconds: float | None) -> str:
+    return fmt(None if seconds is None else seconds * 1e3, ".2f")
+
+
+def cell(text: str) -> str:
+    """Free text (an error, a note) made safe inside a markdown table cell."""
+    return text.replace("|", "\\|")
+
+
+def environment_section(probe: dict, command: str, wall_s: float) -> list[str]:
+    smi = probe.get("nvidia_smi") or {}
+    driver = smi.get("driver_version", "none (no nvidia-smi)")
+    limit = probe.get("memory_limit_bytes")
+    memory = smi.get("memory.total") or (f"{limit / 2**30:.1f} GiB usable" if limit else "-")
+    return [
+        f"## Sluice GPU check, {probe.get('date', datetime.date.today().isoformat())}: "
+        f"{probe.get('device_kind', '?')} ({probe.get('platform', '?')})",
+        "",
+        f"`{command}` - {wall_s:.0f} s in all.",
+        "",
+        f"- Device: {probe.get('device_kind', '?')} x{probe.get('device_count', '?')}, compute capability "
+        f"{probe.get('compute_capability') or '-'}, memory {memory}, driver {driver}, runtime "
+        f"{probe.get('platform_version') or '-'}",
+        f"- Software: jax {probe.get('jax', '?')}, jaxlib {probe.get('jaxlib', '?')}, flax {probe.get('flax', '?')}, "
+        f"Python {probe.get('python', '?')}; host {probe.get('host', '?')}",
+        f"- Measured peaks: memory bandwidth {fmt(probe.get('bandwidth_gbs'), '.0f')} GB/s, matmul "
+        f"{fmt(probe.get('bf16_matmul_gflops'), '.0f')} GFLOP/s bf16, {fmt(probe.get('f32_matmul_gflops'), '.0f')} "
+        "GFLOP/s f32",
+        "",
+    ]
+
+
+def kernel_tests_section(outcomes: list[dict], small: bool) -> list[str]:
+    mode = "a subset, Triton interpreted: no GPU here" if small else "compiled"
+    lines = [f"### Kernel correctness ({mode})", "",
+             "tests/test_paged_attention.py (float64 oracle, jax's shipped paged attention) and "
+             "tests/test_kernel_lowering.py.", "",
+             "| backend | passed | failed | skipped |", "|---|---:|---:|---:|"]
+    for backend in (*KERNEL_BACKENDS, "other"):
+        mine = [o for o in outcomes if o["backend"] == backend]
+        if mine:
+            counts = [sum(o["outcome"] == k for o in mine) for k in ("passed", "failed", "skipped")]
+            lines.append(f"| {backend} | {counts[0]} | {counts[1]} | {counts[2]} |")
+    if not outcomes:
+        lines.append("| (no results: see the steps table and log.txt) | | | |")
+    failures = [o for o in outcomes if o["outcome"] == "failed"]
+    if failures:
+        lines += ["", "Failures:"] + [f"- `{o['name']}`: {o['message']}" for o in failures]
+    skip_reasons = sorted({o["message"] for o in outcomes if o["outcome"] == "skipped"})
+    if skip_reasons:
+        lines += ["", "Skipped because: " + "; ".join(skip_reasons)]
+    return lines + [""]
+
+
+def kernel_bench_section(rows: list[dict], peak_gbs: float | None) -> list[str]:
+    lines = ["### Decode attention kernels", "",
+             "`python -m bench.kernels` (see its docstring): median of chained calls; bandwidth counts K, V and "
+             "q read once" + (f", % of the measured {peak_gbs:.0f} GB/s" if peak_gbs else "") + ".", "",
+             "| backend | batch | context | ms / call | GB/s | % of peak | max abs diff vs reference |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | failed: {cell(r['error'])} | | | |")
+        else:
+            share = f"{100 * r['gbps'] / peak_gbs:.0f}%" if peak_gbs else "-"
+            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
+                         f"{share} | {r['max_diff']:.1e} |")
+    if not rows:
+        lines.append("| (no results: see the steps table and log.txt) | | | | | | |")
+    return lines + [""]
+
+
+def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
+    lines = ["### Engine offline, random weights with real shapes, bf16", "",
+             "`python -m bench.engine_check` (see its docstring). Throughput: the workload's requests in waves of "
+             "C. TTFT: C fresh prompts sent at once, until all have a first token. TPOT: the engine's decode step "
+             "at batch C, from two runs of different lengths. Step: a decode step at batch C timed directly "
+             "(forward + LM head + argmax), its attention over all layers, its LM head + argmax, the rest; "
+             "`engine extra` = TPOT - step (sampler, host work, bucket padding). HBM %: weights + K/V bytes over "
+             "the step's time, against the measured bandwidth. Roofline %: output tok/s over bench.roofline's bound.",
+             "",
+             "| model | attention | C | requests | output tok/s | total tok/s | TTFT s | TPOT ms | step ms | "
+             "attention ms | LM head ms | rest ms | engine extra ms | HBM % | roofline % | compile s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for result in results:
+        if "skipped" in result:
+            lines.append(f"| {result['model']} | skipped: {cell(result['skipped'])} |" + " |" * 14)
+            continue
+        if not result.get("levels"):
+            lines.append(f"| {result['model']} | no results: see the steps table and log.txt |" + " |" * 14)
+            continue
+        for level in result["levels"]:
+            step = level.get("step", {})
+            step_s = step.get("step_s")
+            rest = step_s - step["attention_s"] - step["head_s"] if step_s is not None else None
+            extra = level["tpot_s"] - step_s if "tpot_s" in level and step_s is not None else None
+            hbm = 100 * step["floor_bytes"] / (peak_gbs * 1e9) / step_s if step_s and peak_gbs else None
+            roofline = (100 * level["output_tok_s"] / level["roofline_output_tok_s"]
+                        if "roofline_output_tok_s" in level else None)
+            lines.append(
+                f"| {result['model']} | {result.get('backend', '-')} | {level['concurrency']} | "
+                f"{level.get('requests', '-')} | {fmt(level.get('output_tok_s'), '.0f')} | "
+                f"{fmt(level.get('total_tok_s'), '.0f')} | {fmt(level.get('ttft_s'), '.3f')} | "
+                f"{ms(level.get('tpot_s'))} | {ms(step_s)} | {ms(step.get('attention_s'))} | "
+                f"{ms(step.get('head_s'))} | {ms(rest)} | {ms(extra)} | {fmt(hbm, '.0f')} | {fmt(roofline, '.0f')} | "
+                f"{fmt(result.get('compile_s'), '.0f')} |"
+            )
+    return lines + [""]
+
+
+def steps_section(steps: list[StepResult]) -> list[str]:
+    lines = ["### Steps", "", "| step | status | seconds | note |", "|---|---|---:|---|"]
+    lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {cell(s.note)} |" for s in steps]
+    return lines + [""]
+
+
+def report(results: dict, command: str, small: bool) -> str:
+    probe = results.get("probe", {})
+    peak = probe.get("bandwidth_gbs")
+    lines = environment_section(probe, command, results["wall_s"])
+    if "kernel-tests" in results:
+        lines += kernel_tests_section(results["kernel-tests"], small)
+    if "kernel-bench" in results:
+        lines += kernel_bench_section(results["kernel-bench"], peak)
+    if "engine" in results:
+        lines += engine_section(results["engine"], peak)
+    lines += steps_section([StepResult(**s) for s in results["steps"]])
+    if results.get("unfinished"):
+        lines += ["Out of time for part of the run; to finish it: `" + results["unfinished"] + "`", ""]
+    return "\n".join(lines)

@@ -1,0 +1,40 @@
+"""bench.engine_check's pieces that the GPU run relies on and a CPU can check exactly."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from bench import engine_check
+from bench.dataset import BenchRequest
+from model.llama import Llama
+
+
+@pytest.mark.parametrize("name, params", [
+    # Parameter counts the models' publishers state (config.json shapes, embeddings tied for the first two).
+    ("smollm2-135m", 134_515_008),
+    ("llama-3.2-1b", 1_235_814_400),
+    ("llama-3-8b", 8_030_261_248),
+])
+def test_model_shapes_have_the_published_parameter_counts(name, params):
+    config = engine_check.MODELS[name]
+    abstract = nnx.eval_shape(lambda: Llama(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(abstract))) == params
+
+
+def test_file_free_tokenizer_covers_the_vocabulary():
+    config = engine_check.MODELS["llama-3-8b"]
+    tokenizer = engine_check.file_free_tokenizer(config)
+    assert tokenizer.vocab_size == config.vocab_size
+    assert tokenizer.eos_token_ids == (128001,)
+    assert tokenizer.decode([5, 128255]) == "<5> <128255>"
+
+
+def test_kv_pool_holds_the_largest_wave_whole():
+    config, sizes = engine_check.MODELS["tiny"], engine_check.Sizes.small()
+    workload = [BenchRequest(tuple(range(100, 100 + p)), o) for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)]]
+    per_token = engine_check.kv_bytes_per_token(config, 2)
+    # The wave of all four at concurrency 4: prompts + max(output, tpot_steps + 1) + a page each.
+    tokens = sum(p + max(o, sizes.tpot_steps + 1) + 16 for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)])
+    assert engine_check.kv_pool_bytes(config, workload, sizes, 16) == int(1.25 * tokens * per_token)
+    assert [len(w) for w in engine_check.waves(workload, 1)] == [1, 1, 1, 1]

@@ -1,0 +1,105 @@
+"""`python -m bench.gpu_check` runs end to end on the CPU, at small sizes, so it cannot rot before a GPU comes.
+
+One run (about a minute) serves every test here: they read its report and results.
+"""
+
+import json
+
+import pytest
+
+from bench import gpu_check, gpu_report
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    status = gpu_check.main(["--out", str(out), "--budget-s", "400"])
+    return status, out, json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
+
+
+def test_every_step_ran_and_passed(check):
+    status, _, results, _ = check
+    assert status == 0, results["steps"]
+    assert [s["name"] for s in results["steps"]] == ["probe", "kernel-tests", "kernel-bench", "engine-tiny"]
+    assert all(s["status"] == "ok" for s in results["steps"])
+
+
+def test_report_names_the_machine_and_has_every_section(check):
+    _, out, results, report = check
+    probe = results["probe"]
+    assert report.startswith(f"## Sluice GPU check, {probe['date']}: cpu (cpu)")
+    assert f"jax {probe['jax']}, jaxlib {probe['jaxlib']}" in report
+    assert "driver none (no nvidia-smi)" in report
+    for section in ("### Kernel correctness", "### Decode attention kernels", "### Engine offline", "### Steps"):
+        assert section in report
+    log = (out / "log.txt").read_text()
+    assert all(f"\n===== {step['name']}: " in log for step in results["steps"])
+
+
+def test_kernels_agree_with_the_oracle_and_mosaic_waits_for_a_gpu(check):
+    _, _, results, report = check
+    outcomes = results["kernel-tests"]
+    by_backend = {b: [o["outcome"] for o in outcomes if o["backend"] == b] for b in gpu_report.KERNEL_BACKENDS}
+    assert "failed" not in [o["outcome"] for o in outcomes]
+    assert by_backend["pallas-triton"].count("passed") >= 3 and by_backend["reference"].count("passed") >= 2
+    assert any("ragged_matches" in o["name"] and o["outcome"] == "passed" for o in outcomes)
+    mosaic = [o for o in outcomes if o["backend"] == "pallas-mosaic"]
+    assert any(o["outcome"] == "skipped" and "only on a GPU" in o["message"] for o in mosaic)
+    assert any(o["outcome"] == "passed" and "lowers_for_cuda" in o["name"] for o in mosaic)
+    rows = results["kernel-bench"]
+    assert {r["backend"] for r in rows} == {"pallas-triton", "reference"}
+    assert all(r["max_diff"] < 1e-4 and r["gbps"] > 0 for r in rows)
+    assert "| pallas-triton | 2 | 40 |" in report
+
+
+def test_engine_produced_every_requested_token_without_the_http_stack(check):
+    _, _, results, report = check
+    (engine,) = results["engine"]
+    assert engine["model"] == "tiny" and engine["backend"] == "reference" and engine["http_stack_imported"] == []
+    assert [level["concurrency"] for level in engine["levels"]] == [1, 4]
+    for level in engine["levels"]:
+        # engine_check fails the run if any request got a different number of tokens than it asked for.
+        assert level["output_tokens"] > 0 and level["output_tok_s"] > 0
+        assert level["ttft_s"] > 0 and level["tpot_s"] > 0
+        assert 0 < level["step"]["attention_s"] < level["step"]["step_s"]
+    assert engine["compile_s"] > 0
+    assert "| tiny | reference | 4 | 4 |" in report
+
+
+def test_a_step_without_time_left_is_skipped_and_reported(tmp_path):
+    run = gpu_check.Run(tmp_path, tmp_path, budget_s=gpu_check.MIN_STEP_S - 1)
+    (tmp_path / "log.txt").write_text("")
+    result = run.step("engine-tiny", gpu_check.python("-c", "raise SystemExit(1)"), gpu_check.child_env(tmp_path))
+    assert result.status == "skipped" and "budget left" in result.note
+    assert "| engine-tiny | skipped | 0 |" in "\n".join(gpu_report.steps_section(run.steps))
+
+
+def test_what_ran_out_of_time_gets_a_command_to_finish_it(tmp_path):
+    steps = [
+        gpu_report.StepResult("kernel-tests", "ok"),
+        gpu_report.StepResult("kernel-bench-mosaic", "timed out"),
+        gpu_report.StepResult("engine-llama-3.2-1b", "skipped", note="12 s of the budget left"),
+        gpu_report.StepResult("engine-llama-3-8b", "skipped", note="needs about 24.0 GiB"),
+    ]
+    assert gpu_check.unfinished(steps, tmp_path / "a") == (
+        f"python -m bench.gpu_check --out {tmp_path}/a/more --require-gpu --steps kernel-bench engine "
+        "--models llama-3.2-1b"
+    )
+    assert gpu_check.unfinished(steps[:1], tmp_path) is None
+
+
+def test_a_failing_step_is_reported_with_its_output_in_the_log(tmp_path):
+    run = gpu_check.Run(tmp_path, tmp_path, budget_s=60)
+    command = gpu_check.python("-c", "print('the cause'); raise SystemExit(3)")
+    result = run.step("probe", command, gpu_check.child_env(tmp_path))
+    assert result.status == "failed" and result.note == "exit status 3: the cause"
+    assert "the cause" in (tmp_path / "log.txt").read_text()
+
+
+def test_require_gpu_stops_at_once_without_one(tmp_path):
+    status = gpu_check.main(["--out", str(tmp_path), "--require-gpu"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert status == 1
+    assert [(s["name"], s["status"]) for s in results["steps"]] == [("probe", "failed")]
+    assert "cannot run: no GPU" in results["steps"][0]["note"]
+    assert "| probe | failed |" in (tmp_path / "report.md").read_text()
