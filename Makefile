@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The HF transformers baseline for `make bench` lives in its own venv: torch is not a Sluice dependency.
 BENCH_REF := .venv-bench-ref
 
-.PHONY: serve test model bench clean
+.PHONY: serve test model bench gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The CPU kernels (C++, XLA FFI) are compiled for this machine; without a compiler the jnp references run.
 model: $(STAMP)
+	$(BIN)/python -m pallas_kernels.cpu_library
 	$(BIN)/sluice fetch
 
 serve: model
@@ -34,6 +36,11 @@ $(BENCH_REF)/.installed:
 
 bench: model $(BENCH_REF)/.installed
 	$(BIN)/python bench/compare.py
+
+# On a GPU machine, with the image's python (no venv): kernels, engine and throughput in one command.
+GPU_CHECK_OUT ?= gpu-check
+gpu-check:
+	$(PYTHON) -m bench.gpu_check --out $(GPU_CHECK_OUT) --require-gpu
 
 clean:
 	rm -rf $(VENV) $(BENCH_REF)

@@ -19,10 +19,13 @@ Backends (the choice lives here only):
 - "pallas-mosaic": the Pallas kernels on Mosaic GPU (`mosaic_attention.py`, Hopper or newer): TMA page
   copies and warpgroup MMAs; 16-bit dtypes, head_dim a multiple of 64. They lower on any host but run
   only on a GPU (no interpret mode).
-- "reference": the jnp implementation (`paged_attention_ref.py`), the CPU serving path and the oracle.
+- "cpu": the C++ kernel for the CPU (`cpu_attention.cc`, an XLA FFI custom call): reads each sequence's pages
+  in place, ragged rows natively (a decode row is one query, never padded to a prefill piece).
+- "reference": the jnp implementation (`paged_attention_ref.py`), the oracle, and the CPU path where the C++
+  kernel cannot be built.
 - "pallas": the same as "pallas-triton" (the name the CLI and tests have used).
-- "auto": "pallas-triton" on a GPU, "reference" elsewhere. Mosaic becomes the GPU default once
-  `python -m bench.gpu_check` has shown it correct and at least as fast on a GPU.
+- "auto": "pallas-triton" on a GPU, "cpu" on a CPU (or "reference" without a C++ compiler). Mosaic becomes
+  the GPU default once `python -m bench.gpu_check` has shown it correct and at least as fast on a GPU.
 
 What only a real GPU run can show: the tests lower the kernels for "cuda" with `jax.export` on a
 CPU host, which checks that every operation has a GPU lowering rule, but lowering is not compiling:
@@ -34,12 +37,14 @@ runs the correctness suite compiled, the kernel benchmark and the engine there).
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_attention
+from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
 from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, ragged_paged_attention_mosaic
 from pallas_kernels.paged_attention_ref import paged_decode_attention_ref, ragged_paged_attention_ref
 from pallas_kernels.triton_decode import paged_decode_attention_triton
 from pallas_kernels.triton_ragged import ragged_paged_attention_triton
 
-KERNELS = ("pallas-triton", "pallas-mosaic", "reference")
+KERNELS = ("pallas-triton", "pallas-mosaic", "cpu", "reference")
 ALIASES = {"pallas": "pallas-triton"}
 BACKENDS = ("auto", *KERNELS, *ALIASES)
 
@@ -49,7 +54,9 @@ def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pallas-triton" if jax.default_backend() == "gpu" else "reference"
+        if jax.default_backend() == "gpu":
+            return "pallas-triton"
+        return "cpu" if cpu_attention.available() else "reference"
     return ALIASES.get(backend, backend)
 
 
@@ -83,6 +90,9 @@ def paged_decode_attention(
         )
     if kernel == "pallas-mosaic":
         return paged_decode_attention_mosaic(q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale)
+    if kernel == "cpu":
+        cu_q_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+        return ragged_paged_attention_cpu(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale)
     return paged_decode_attention_ref(q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale)
 
 
@@ -106,13 +116,15 @@ def ragged_paged_attention(
     cu_q_lens: [num_seqs + 1] int32; max_q_len (static) bounds every q_len_s.
     Returns [num_tokens, num_q_heads, head_dim] in q's dtype.
     """
+    kernel = resolve_backend(backend)
+    _check_interpret(kernel, interpret)
+    if kernel == "cpu":
+        return ragged_paged_attention_cpu(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale)
     if max_q_len == 1:
         return _decode_rows(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
             sm_scale=sm_scale, backend=backend, interpret=interpret,
         )
-    kernel = resolve_backend(backend)
-    _check_interpret(kernel, interpret)
     if kernel == "pallas-triton":
         return ragged_paged_attention_triton(
             q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,

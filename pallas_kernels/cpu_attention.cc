@@ -2,7 +2,8 @@
 //
 // Semantics are those of `ragged_paged_attention` (pallas_kernels/attention.py): sequence s owns query rows
 // cu_q_lens[s]:cu_q_lens[s+1]; its i-th query sits at position kv_lens[s] - q_len + i and attends causally to
-// kv positions 0..that position of its pages. Rows no sequence owns come back as zeros.
+// kv positions 0..that position of its pages. Rows no sequence owns, and rows of a sequence with kv_len 0
+// (padding), come back as zeros.
 //
 // Layout: q [T, Hq, D] f32; k_pages, v_pages [P, Hkv, S, D] (f32, or int8 with per-token-per-head scales
 // [P, Hkv, S] f32); page_table [N, M] i32; kv_lens [N] i32; cu_q_lens [N + 1] i32. Only the pages a sequence's
@@ -32,6 +33,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Runs fn(0..n-1) over the calling thread and a fixed set of workers; returns when every item is done.
+// Calls from several threads (the devices of a simulated multi-device CPU run concurrently) take turns.
 class WorkerPool {
  public:
   explicit WorkerPool(int num_workers) {
@@ -52,6 +54,7 @@ class WorkerPool {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
+    std::lock_guard<std::mutex> turn(call_mutex_);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       fn_ = &fn;
@@ -91,7 +94,7 @@ class WorkerPool {
   }
 
   std::vector<std::thread> workers_;
-  std::mutex mutex_;
+  std::mutex call_mutex_, mutex_;
   std::condition_variable wake_, done_;
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t num_items_ = 0;
@@ -160,7 +163,7 @@ void AttendItem(int64_t seq, int64_t kv_head, const Shape& sh, const float* q, c
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t group = sh.num_q_heads / sh.num_kv_heads, d = sh.head_dim, ps = sh.page_size;
   const int64_t q_start = cu_q_lens[seq], q_len = cu_q_lens[seq + 1] - q_start, kv_len = kv_lens[seq];
-  if (q_len <= 0) return;
+  if (q_len <= 0 || kv_len <= 0) return;  // padding: its rows stay zero
   const int64_t rows = q_len * group;
   // Per-thread scratch, reused across calls: items are many and small.
   thread_local std::vector<float> m, l, acc, qs, scores, row_scratch;
@@ -229,7 +232,7 @@ ffi::Error Attend(const Shape& sh, const float* q, const PagePool<T>& k, const P
   std::fill(out, out + sh.num_tokens * sh.num_q_heads * sh.head_dim, 0.0f);
   for (int64_t s = 0; s < sh.num_seqs; ++s) {
     const int64_t q_len = cu_q_lens[s + 1] - cu_q_lens[s];
-    if (q_len < 0 || cu_q_lens[s + 1] > sh.num_tokens || q_len > kv_lens[s] ||
+    if (q_len < 0 || cu_q_lens[s + 1] > sh.num_tokens || (kv_lens[s] > 0 && q_len > kv_lens[s]) ||
         (kv_lens[s] + sh.page_size - 1) / sh.page_size > sh.max_pages)
       return ffi::Error::InvalidArgument("cpu_ragged_paged_attention: inconsistent cu_q_lens / kv_lens");
   }

@@ -24,13 +24,14 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from pallas_kernels import cpu_attention
 from pallas_kernels.attention import paged_decode_attention, ragged_paged_attention, resolve_backend
 from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, runs_on
 from pallas_kernels.triton_decode import paged_decode_attention_triton
 
 TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 ON_GPU = jax.default_backend() == "gpu"
-BACKEND_IDS = ["reference", "pallas-triton", "pallas-mosaic"]
+BACKEND_IDS = ["reference", "cpu", "pallas-triton", "pallas-mosaic"]
 needs_gpu = pytest.mark.skipif(
     not runs_on(jax.devices()[0]),
     reason="the Mosaic GPU kernels run only on a GPU of compute capability 9.0+ (lowering: test_kernel_lowering.py)",
@@ -42,7 +43,9 @@ def backend_kwargs(name: str) -> dict:
     return dict(backend=name, interpret=name == "pallas-triton" and not ON_GPU)
 
 
-BACKENDS = [pytest.param(name, marks=needs_gpu if name == "pallas-mosaic" else ()) for name in BACKEND_IDS]
+needs_cpu_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU kernel could not be built")
+MARKS = {"pallas-mosaic": needs_gpu, "cpu": needs_cpu_kernel}
+BACKENDS = [pytest.param(name, marks=MARKS.get(name, ())) for name in BACKEND_IDS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,8 +294,8 @@ def test_decode_kernel_matches_jax_shipped_paged_attention(backend):
     )
 
 
-def test_auto_backend_is_the_reference_on_cpu_and_triton_on_gpu():
-    assert resolve_backend("auto") == ("pallas-triton" if ON_GPU else "reference")
+def test_auto_backend_is_the_cpu_kernel_on_cpu_and_triton_on_gpu():
+    assert resolve_backend("auto") == ("pallas-triton" if ON_GPU else "cpu")
     shapes = Shapes(16, 64, 3, 3, 4, jnp.float32)
     batch = make_batch(shapes, [1, 1], [5, 33], seed=9)
     auto = paged_decode_attention(*batch.device_args(), sm_scale=0.125)
