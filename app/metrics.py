@@ -75,7 +75,19 @@ class _EngineCollector:
             ("sluice_num_preemptions", "Sequences preempted to free KV pages", stats.num_preemptions),
             ("sluice_engine_steps", "Engine steps run", stats.num_steps),
         ]
+        if stats.spec is not None:
+            counters += [
+                ("sluice_spec_decode_num_drafts", "Sequences that verified drafts, counted per step", stats.spec.num_drafts),
+                ("sluice_spec_decode_num_draft_tokens", "Draft tokens verified", stats.spec.num_draft_tokens),
+                ("sluice_spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.spec.num_accepted_tokens),
+            ]
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)
         for name, documentation, value in counters:
             yield CounterMetricFamily(name, documentation, value=value)
+        if stats.spec is not None:
+            per_position = CounterMetricFamily("sluice_spec_decode_num_accepted_tokens_per_pos",
+                                               "Draft tokens accepted, by draft position", labels=["position"])
+            for position, value in enumerate(stats.spec.accepted_per_position):
+                per_position.add_metric([str(position)], value)
+            yield per_position

@@ -77,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "most tokens (prefill + decode) in one step", type=int)
     _option(parser, "--num-decode-steps", _ENGINE_DEFAULTS.num_decode_steps,
             "decode steps per device call when every running sequence decodes and none waits", type=int)
+    _option(parser, "--speculative", None, "speculative decoding: 'ngram' (prompt lookup drafts)", choices=["ngram"])
+    _option(parser, "--num-speculative-tokens", _ENGINE_DEFAULTS.num_speculative_tokens,
+            "most draft tokens per sequence and step", type=int)
+    _option(parser, "--spec-ngram-min", _ENGINE_DEFAULTS.spec_ngram_min, "shortest suffix matched for drafts", type=int)
+    _option(parser, "--spec-ngram-max", _ENGINE_DEFAULTS.spec_ngram_max, "longest suffix matched for drafts", type=int)
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--page-size", _ENGINE_DEFAULTS.page_size, "tokens per KV-cache page", type=int)
@@ -94,19 +99,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine_config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_decode_steps=args.num_decode_steps,
-        kv_cache_memory=args.kv_cache_memory,
-        page_size=args.page_size,
-        enable_prefix_caching=not args.disable_prefix_caching,
-        tp=args.tp,
-        attention_backend=args.attention_backend,
-    )
+    try:
+        engine_config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_decode_steps=args.num_decode_steps,
+            speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
+            spec_ngram_min=args.spec_ngram_min,
+            spec_ngram_max=args.spec_ngram_max,
+            kv_cache_memory=args.kv_cache_memory,
+            page_size=args.page_size,
+            enable_prefix_caching=not args.disable_prefix_caching,
+            tp=args.tp,
+            attention_backend=args.attention_backend,
+        )
+    except ValueError as error:
+        print(f"sluice serve: error: {error}", file=sys.stderr)
+        return 2
     settings = ServerSettings(
         served_model_name=args.served_model_name,
         api_key=args.api_key,

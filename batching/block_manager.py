@@ -120,6 +120,14 @@ class BlockManager:
         for _ in range(self.pages_needed(num_tokens) - len(seq.page_table)):
             seq.page_table.append(self._allocate())
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Returns the pages of `seq` past those its first `num_tokens` tokens need (never cached ones: only
+        pages past every computed token)."""
+        keep = self.pages_needed(num_tokens)
+        for page in reversed(seq.page_table[keep:]):
+            self._release(page)
+        del seq.page_table[keep:]
+
     def commit(self, seq: Sequence) -> None:
         """Registers the pages `seq` has completely computed in the prefix cache."""
         if not self.enable_prefix_caching:
@@ -138,15 +146,18 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references; pages nobody references become free (or evictable when cached)."""
         for page in reversed(seq.page_table):  # the tail first, so a prefix outlives its extensions in the LRU
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] == 0:
-                if self._page_key[page] is None:
-                    self._free.append(page)
-                else:
-                    self._evictable[page] = None
+            self._release(page)
         seq.page_table = []
         seq.page_hashes = []
         seq.num_computed_tokens = 0
+
+    def _release(self, page: int) -> None:
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 0:
+            if self._page_key[page] is None:
+                self._free.append(page)
+            else:
+                self._evictable[page] = None
 
     def _take(self, page: int) -> None:
         if self.ref_counts[page] == 0:

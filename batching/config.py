@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pallas_kernels.attention import BACKENDS
+
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
@@ -15,6 +17,8 @@ class EngineConfig:
     None means a default (a fraction of free device memory on accelerators, a fixed budget on the CPU).
     `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
     in one device call (sampled tokens fed back on the device).
+    `speculative` "ngram": draft up to `num_speculative_tokens` tokens per decoding sequence by prompt lookup
+    (suffixes of `spec_ngram_min`..`spec_ngram_max` tokens) and verify them in one step, when that pays.
     """
 
     model: str | None = None
@@ -23,6 +27,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     num_decode_steps: int = 1
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    spec_ngram_min: int = 1
+    spec_ngram_max: int = 4
     kv_cache_memory: int | None = None
     page_size: int = 16
     enable_prefix_caching: bool = True
@@ -35,10 +43,14 @@ class EngineConfig:
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1"),
             (self.num_decode_steps >= 1, "num_decode_steps", "must be at least 1"),
+            (self.speculative in (None, "ngram"), "speculative", "must be 'ngram' or unset"),
+            (1 <= self.num_speculative_tokens <= 15, "num_speculative_tokens", "must be in [1, 15]"),
+            (1 <= self.spec_ngram_min <= self.spec_ngram_max, "spec_ngram_min", "must be in [1, spec_ngram_max]"),
             (self.page_size >= 1, "page_size", "must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),
             (self.tp >= 1, "tp", "must be at least 1"),
+            (self.attention_backend in BACKENDS, "attention_backend", f"must be one of {', '.join(BACKENDS)}"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from batching.block_manager import BlockManager
 from batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from batching.model_runner import ModelRunner, PendingStep, enable_compilation_cache
+from batching.ngram import NgramConfig
 from batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
     TokenLogprob, deliver
 from batching.request import Request, RequestLimits, build_request
@@ -34,6 +35,7 @@ from batching.sampler import SamplerOutput
 from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from batching.sequence import Sequence, SequenceStatus
+from batching.speculation import Speculator
 from batching.stats import EngineStats, StepStats
 from model.loader import LoadedModel, load_model
 from sharding.mesh import InvalidTensorParallelism, make_mesh
@@ -106,17 +108,25 @@ class Engine:
             vocab_size=loaded.config.vocab_size,
             eos_token_ids=tuple(loaded.config.eos_token_ids or self.tokenizer.eos_token_ids),
         )
+        self.ngram = (NgramConfig(config.num_speculative_tokens, config.spec_ngram_min, config.spec_ngram_max)
+                      if config.speculative == "ngram" else None)
         enable_compilation_cache()
         self.runner = ModelRunner(
             loaded.model, num_pages=num_pages, page_size=config.page_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            num_decode_steps=config.num_decode_steps, attention_backend=config.attention_backend, mesh=mesh,
+            num_decode_steps=config.num_decode_steps,
+            num_speculative_tokens=self.ngram.num_speculative_tokens if self.ngram else 0,
+            attention_backend=config.attention_backend, mesh=mesh,
         )
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
+        self.speculator = Speculator(self.ngram) if self.ngram else None
         if config.warmup:
             self.runner.warmup(progress)
+            if self.speculator is not None:
+                for tokens, seconds in self.runner.time_decode_steps():
+                    self.speculator.cost.observe(tokens, seconds)
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -152,7 +162,8 @@ class Engine:
 
         Raises RequestRejected now if it could never be served (context length, pool size).
         """
-        request = build_request(request_id, prompts, params, sink, self.tokenizer, self.limits, self._seq_ids)
+        request = build_request(request_id, prompts, params, sink, self.tokenizer, self.limits, self._seq_ids,
+                                self.ngram)
         self._inbox.put(_Add(request))
 
     def add_request(self, prompts: list[list[int]], params: SamplingParams, request_id: str | None = None
@@ -239,6 +250,9 @@ class Engine:
         start = time.perf_counter()
         while not self._inbox.empty():
             self._apply(self._inbox.get_nowait())
+        if self.speculator is not None:
+            decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+            self.speculator.propose(decoding, self.max_model_len)
         chunks = self.scheduler.schedule().chunks
         limits = self._decode_limits(chunks)
         pending = self._dispatch(chunks, limits) if chunks else None
@@ -248,7 +262,11 @@ class Engine:
             self._append_tokens(chunks, pending)
             self._flush()  # failures found while fetching
         self._num_steps += 1
-        self.stats = self._snapshot(StepStats.of(chunks, time.perf_counter() - start) if chunks else None)
+        duration = time.perf_counter() - start
+        if self.speculator is not None and chunks and limits is None and all(c.sample for c in chunks):
+            if all(c.num_tokens - c.num_drafts == 1 for c in chunks):  # decode and verify steps: what drafts cost
+                self.speculator.cost.observe(sum(c.num_tokens for c in chunks), duration)
+        self.stats = self._snapshot(StepStats.of(chunks, duration) if chunks else None)
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:
         if isinstance(command, _Add):
@@ -305,16 +323,31 @@ class Engine:
             self._fail_step(chunks, error)
             return
         num_computed = []
-        for row, chunk in enumerate(chunks):
-            appended = 0
+        for chunk, first_row in zip(chunks, pending.first_rows):
+            appended = accepted = 0
             if chunk.sample:
-                for step in range(result.tokens.shape[0]):
+                for step, row in self._sampled_positions(chunk, first_row, result.tokens.shape[0]):
                     if chunk.seq.status is not SequenceStatus.RUNNING:
                         break
                     self._isolated(chunk.seq.request_id, self._append_token, chunk.seq, result, step, row)
                     appended += 1
-            num_computed.append(chunk.start + chunk.num_tokens + max(appended - 1, 0))
+                    if chunk.num_drafts:
+                        if row - first_row == chunk.num_drafts or not result.accepted[step, row]:
+                            break  # the bonus token, or the token that replaced a rejected draft, ends the run
+                        accepted += 1
+                if chunk.num_drafts:
+                    self.speculator.record(chunk.seq, chunk.num_drafts, accepted)
+            # Computed: the chunk's own tokens, the drafts that were accepted, and tokens a multi-step call fed back.
+            num_computed.append(chunk.start + chunk.num_tokens - chunk.num_drafts + max(appended - 1, 0))
         self.scheduler.update_after_step(chunks, num_computed)
+
+    @staticmethod
+    def _sampled_positions(chunk: ScheduledChunk, first_row: int, num_steps: int) -> list[tuple[int, int]]:
+        """(step, row) of each token the chunk may append: a multi-step call's steps, or a verified chunk's
+        draft positions and bonus (in order; the caller stops at the first rejected draft)."""
+        if chunk.num_drafts:
+            return [(0, first_row + j) for j in range(chunk.num_drafts + 1)]
+        return [(step, first_row) for step in range(num_steps)]
 
     def _append_token(self, seq: Sequence, result: SamplerOutput, step: int, row: int) -> None:
         """Appends the token sampled at `step` and ends the sequence now if its id or count says so."""
@@ -330,6 +363,8 @@ class Engine:
             ids, values = result.top_ids[step, row, :k], result.top_logprobs[step, row, :k]
             top = tuple((int(t), float(lp)) for t, lp in zip(ids, values))
             logprobs = (TokenLogprob(token, float(result.logprobs[step, row]), top),)
+        if seq.proposer is not None:
+            seq.proposer.extend([token])
         if finish is not None:
             seq.finish_reason = finish
             self.scheduler.finish(seq)
@@ -425,4 +460,5 @@ class Engine:
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
             last_step=last_step,
+            spec=self.speculator.counters() if self.speculator is not None else None,
         )

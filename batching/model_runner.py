@@ -14,6 +14,7 @@ reserved for them beforehand). Outputs always carry a leading `[num_steps]` axis
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import astuple, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -133,11 +134,22 @@ def _step(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: in
     return outs, tuple(x.reshape(shape) for x in kv_cache)
 
 
-class PendingStep:
-    """A dispatched step whose sampled tokens are being copied to the host."""
+def first_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """The sampler row of each chunk's first sampled position: a chunk with drafts samples 1 + num_drafts rows."""
+    rows, row = [], 0
+    for chunk in chunks:
+        rows.append(row)
+        row += 1 + chunk.num_drafts
+    return rows
 
-    def __init__(self, out: SamplerOutput):
+
+class PendingStep:
+    """A dispatched step whose sampled tokens are being copied to the host; chunk i's rows start at
+    `first_rows[i]`."""
+
+    def __init__(self, out: SamplerOutput, first_rows: list[int]):
         self._out = out
+        self.first_rows = first_rows
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
 
@@ -150,10 +162,11 @@ class ModelRunner:
     """Owns the KV pool and the compiled step for one model."""
 
     def __init__(self, model: Llama, *, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, num_decode_steps: int = 1, attention_backend: str = "auto",
-                 mesh: Mesh | None = None):
+                 max_num_batched_tokens: int, num_decode_steps: int = 1, num_speculative_tokens: int = 0,
+                 attention_backend: str = "auto", mesh: Mesh | None = None):
         """`mesh`: tensor-parallel mesh the model's params are sharded on; the KV pool is then split over KV heads.
-        `num_decode_steps` > 1 also compiles multi-step decode calls of that many steps."""
+        `num_decode_steps` > 1 also compiles multi-step decode calls of that many steps;
+        `num_speculative_tokens` > 0 also compiles mixed steps that sample every draft position."""
         self.config = model.config
         self.mesh = mesh
         self.kv_sharding = (
@@ -171,26 +184,32 @@ class ModelRunner:
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
         self.token_buckets = pow2_buckets(PREFILL_PIECE, max_num_batched_tokens)
         self.num_decode_steps = num_decode_steps
+        self.num_speculative_tokens = num_speculative_tokens
         self._steps: dict[tuple[int, int], jax.stages.Wrapped] = {}
 
     @property
     def buckets(self) -> list[Bucket]:
         decode_steps = sorted({1, self.num_decode_steps})
+        speculative = [False, True] if self.num_speculative_tokens else [False]
         return ([self._decode_bucket(s, k) for k in decode_steps for s in self.decode_buckets]
-                + [self._mixed_bucket(t) for t in self.token_buckets])
+                + [self._mixed_bucket(t, spec) for spec in speculative for t in self.token_buckets])
 
     def _decode_bucket(self, num_seqs: int, num_steps: int = 1) -> Bucket:
         return Bucket(num_seqs, num_seqs, num_seqs, 1, num_steps)
 
-    def _mixed_bucket(self, num_tokens: int) -> Bucket:
-        # Each sequence adds at most one partial piece on top of num_tokens / PREFILL_PIECE full ones.
-        rows = min(self.max_num_seqs, num_tokens)
-        return Bucket(num_tokens, min(num_tokens, rows + num_tokens // PREFILL_PIECE), rows, PREFILL_PIECE)
+    def _mixed_bucket(self, num_tokens: int, speculative: bool) -> Bucket:
+        # Each sequence adds at most one partial piece on top of num_tokens / PREFILL_PIECE full ones. A
+        # speculative step samples every draft position of its decoding sequences, not one row per sequence.
+        seqs = min(self.max_num_seqs, num_tokens)
+        rows = min(num_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens)) if speculative else seqs
+        return Bucket(num_tokens, min(num_tokens, seqs + num_tokens // PREFILL_PIECE), rows, PREFILL_PIECE)
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, max_q_len: int, num_steps: int = 1) -> Bucket:
-        if max_q_len == 1:
-            return self._decode_bucket(next(b for b in self.decode_buckets if b >= num_seqs), num_steps)
-        return self._mixed_bucket(next(b for b in self.token_buckets if b >= num_tokens))
+    def bucket_for(self, chunks: list[ScheduledChunk], num_steps: int = 1) -> Bucket:
+        num_tokens = sum(c.num_tokens for c in chunks)
+        if max(c.num_tokens for c in chunks) == 1:
+            return self._decode_bucket(next(b for b in self.decode_buckets if b >= len(chunks)), num_steps)
+        speculative = any(c.num_drafts for c in chunks)
+        return self._mixed_bucket(next(b for b in self.token_buckets if b >= num_tokens), speculative)
 
     def _step_fn(self, bucket: Bucket):
         key = (bucket.max_q_len, bucket.num_steps)
@@ -230,19 +249,32 @@ class ModelRunner:
             self._run(bucket, *self._pad([], bucket, None))
         jax.block_until_ready(self.kv_cache)
 
+    def time_decode_steps(self) -> list[tuple[int, float]]:
+        """(rows, seconds) of a compiled decode step at the smallest and largest decode buckets: a first
+        measure of what a step costs per token (padding rows skip attention, so real steps refine it)."""
+        times = []
+        for rows in (self.decode_buckets[0], self.decode_buckets[-1]):
+            bucket = self._decode_bucket(rows)
+            inputs, sampling = self._pad([], bucket, None)
+            for _ in range(2):  # the second run is the measure
+                start = time.perf_counter()
+                jax.block_until_ready(self._run(bucket, inputs, sampling))
+                seconds = time.perf_counter() - start
+            times.append((rows, seconds))
+        return times
+
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None) -> PendingStep:
         """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting.
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i at most
         limits[i] of them (its pages must hold them). Outputs have a leading [num_steps] axis either way.
         """
-        num_tokens = sum(c.num_tokens for c in chunks)
         num_steps = self.num_decode_steps if limits is not None else 1
-        bucket = self.bucket_for(num_tokens, len(chunks), max(c.num_tokens for c in chunks), num_steps)
+        bucket = self.bucket_for(chunks, num_steps)
         inputs, sampling = self._pad(chunks, bucket, limits)
         if step_broadcast.is_multiprocess():
             step_broadcast.send_step(astuple(bucket), (inputs, sampling))
-        return PendingStep(self._run(bucket, inputs, sampling))
+        return PendingStep(self._run(bucket, inputs, sampling), first_rows(chunks))
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
@@ -273,11 +305,12 @@ class ModelRunner:
         row_limits = np.zeros(num_rows, np.int32)
         row_limits[:len(chunks)] = limits if limits is not None else 1
         offset = piece = 0
-        for i, chunk in enumerate(chunks):
+        sampled: list[SamplingInputs] = []
+        for chunk in chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             pos = np.arange(start, start + n, dtype=np.int32)
             pages = np.asarray(seq.page_table, np.int32)
-            token_ids[offset:offset + n] = seq.token_ids[start:start + n]
+            token_ids[offset:offset + n] = chunk.token_ids
             positions[offset:offset + n] = pos
             slot_mapping[offset:offset + n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
             # A piece's queries are the last of its kv_len positions, so pieces of one chunk chain causally.
@@ -288,12 +321,15 @@ class ModelRunner:
                 cu_q_lens[piece + 1] = offset + hi
                 piece += 1
             offset += n
-            logits_rows[i] = offset - 1
+            # One row per draft position (each scores the next token as if the drafts before it were accepted).
+            for j in range(chunk.num_drafts + 1):
+                logits_rows[len(sampled)] = offset - 1 - chunk.num_drafts + j
+                history = seq.token_ids + seq.drafts[:j] if j and seq.sampling.reads_history else seq.token_ids
+                sampled.append(SamplingInputs(
+                    seq.sampling, seq.num_output_tokens + j, history, seq.num_prompt_tokens, tuple(seq.stop.stop_ids),
+                    seq.params.min_tokens, seq.drafts[j] if j < chunk.num_drafts else -1,
+                ))
         cu_q_lens[piece + 1:] = offset
-        sampling = pack_sampling_batch(
-            [SamplingInputs(c.seq.sampling, c.seq.num_output_tokens, c.seq.token_ids, c.seq.num_prompt_tokens,
-                            tuple(c.seq.stop.stop_ids), c.seq.params.min_tokens) for c in chunks],
-            num_rows, self.max_model_len, MAX_STOP_IDS,
-        )
+        sampling = pack_sampling_batch(sampled, num_rows, self.max_model_len, MAX_STOP_IDS)
         inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits)
         return inputs, sampling

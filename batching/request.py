@@ -7,6 +7,7 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
+from batching.ngram import NgramConfig, NgramProposer
 from batching.outputs import OutputSink, Usage
 from batching.sampler import SamplingRow
 from batching.sampling_params import SamplingParams
@@ -77,9 +78,11 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
 
 
 def build_request(request_id: str, prompts: list[list[int]], params: SamplingParams, sink: OutputSink,
-                  tokenizer: Tokenizer, limits: RequestLimits, seq_ids: itertools.count) -> Request:
+                  tokenizer: Tokenizer, limits: RequestLimits, seq_ids: itertools.count,
+                  ngram: NgramConfig | None = None) -> Request:
     """Checks the request against `limits` and builds its sequences, each with its sampling row and stop
-    checker (so a conversion error is this request's rejection, never a step's failure)."""
+    checker (so a conversion error is this request's rejection, never a step's failure), and with a draft
+    proposer indexing its prompt when speculating."""
     check_fits(prompts, params, limits)
     seed = params.seed if params.seed is not None else random.getrandbits(64)
     seqs: list[Sequence] = []
@@ -91,7 +94,10 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
                 seq_id=next(seq_ids), request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
                 sampling=SamplingRow.from_params(params, seed + choice * _SEED_STRIDE, limits.vocab_size),
                 stop=StopChecker(params, limits.eos_token_ids, tokenizer.decode_stream(prompt)), parent=parent,
+                proposer=NgramProposer(ngram) if ngram else None,
             )
+            if seq.proposer is not None:
+                seq.proposer.extend(prompt)
             parent = parent or seq
             seqs.append(seq)
     return Request(request_id, seqs, sink)

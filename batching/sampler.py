@@ -69,7 +69,8 @@ class SamplingInputs:
 
     `step` is the index of the token being sampled among the sequence's outputs; `token_ids` (prompt + output,
     of which the first `num_prompt` are the prompt) is read only when the row's penalties need it; `stop_ids`
-    end the sequence, and may not be sampled while `step < min_tokens`.
+    end the sequence, and may not be sampled while `step < min_tokens`. `draft` (speculative decoding) is the
+    token proposed for this position, to accept or replace; -1 for none.
     """
 
     row: SamplingRow
@@ -78,6 +79,7 @@ class SamplingInputs:
     num_prompt: int
     stop_ids: tuple[int, ...]
     min_tokens: int
+    draft: int = -1
 
 
 @jax.tree_util.register_dataclass
@@ -91,6 +93,7 @@ class SamplingBatch:
     stop_ids: [S, B] int32 ids that end the row (EOS and stop ids), -1 pads; min_tokens: [S] int32, the
     output index before which stop ids are banned
     history: [S, L] int32 the row's prompt + output ids, -1 pads; num_prompt: [S] int32 prompt length
+    draft: [S] int32 the token proposed for the row's position (-1: none)
     """
 
     temperature: jax.Array
@@ -107,6 +110,7 @@ class SamplingBatch:
     min_tokens: jax.Array
     history: jax.Array
     num_prompt: jax.Array
+    draft: jax.Array
 
     def stops(self, tokens: jax.Array) -> jax.Array:
         """tokens: [S] int32 sampled at `step` -> [S] bool, whether each ends its row (a stop id, min_tokens met)."""
@@ -125,12 +129,14 @@ class SamplingBatch:
 @dataclass(frozen=True)
 class SamplerOutput:
     """tokens: [S] int32; logprobs: [S] float32 of the chosen token under the model's distribution;
-    top_ids: [S, 20] int32 and top_logprobs: [S, 20] float32, best first (zeros when no row asks for them)."""
+    top_ids: [S, 20] int32 and top_logprobs: [S, 20] float32, best first (zeros when no row asks for them);
+    accepted: [S] bool, whether the row's draft was accepted (then `tokens` is the draft)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    accepted: jax.Array
 
 
 def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len: int, num_banned: int
@@ -143,15 +149,17 @@ def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len
     min_tokens = np.zeros(num_rows, np.int32)
     history = np.full((num_rows, history_len), -1, np.int32)
     num_prompt = np.zeros(num_rows, np.int32)
+    draft = np.full(num_rows, -1, np.int32)
     for i, row_inputs in enumerate(inputs):
         step[i] = row_inputs.step
+        draft[i] = row_inputs.draft
         stop_ids[i, :len(row_inputs.stop_ids)] = row_inputs.stop_ids
         min_tokens[i] = row_inputs.min_tokens
         if row_inputs.row.reads_history:
             history[i, :len(row_inputs.token_ids)] = row_inputs.token_ids
             num_prompt[i] = row_inputs.num_prompt
     return SamplingBatch(**scalars, step=step, stop_ids=stop_ids, min_tokens=min_tokens, history=history,
-                         num_prompt=num_prompt)
+                         num_prompt=num_prompt, draft=draft)
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -233,8 +241,9 @@ def filter_cutoff(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
     return jnp.maximum(jnp.maximum(kth, top_p_cut), min_p_cut)
 
 
-def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
-    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (), jnp.float32)
+def _row_uniforms(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """[2] float32 in [0, 1) keyed by (seed, step): the draw, and the redraw after a rejected draft."""
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (2,), jnp.float32)
 
 
 def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
@@ -255,7 +264,12 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
 
 def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     """logits: [S, V] float32 -> SamplerOutput. Greedy rows (temperature 0) take the argmax; the others draw
-    from the filtered, temperature-scaled distribution with one uniform number keyed by (seed, step)."""
+    from the filtered, temperature-scaled distribution p with one uniform number keyed by (seed, step).
+
+    A row with a draft d verifies it exactly: greedy rows accept d if it is the argmax; sampling rows accept d
+    with probability p(d) and otherwise draw from p with d removed (renormalized), so each emitted token is
+    distributed as p whatever the draft.
+    """
     num_rows, vocab = logits.shape
     log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     model_logits = logits
@@ -267,18 +281,33 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     greedy_tokens = argmax(logits)
+    has_draft = batch.draft >= 0
+    greedy_accepted = has_draft & (batch.draft == greedy_tokens)
 
-    def draw(logits: jax.Array) -> jax.Array:
+    def draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
         any_filter = jnp.any((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
         cutoff = jax.lax.cond(
             any_filter, filter_cutoff, lambda s, _: jnp.full((num_rows, 1), -jnp.inf, s.dtype), scaled, batch
         )
         probs = jax.nn.softmax(jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
-        drawn = inverse_cdf(probs, jax.vmap(_row_uniform)(batch.seed, batch.step))
-        return jnp.where(batch.temperature > 0, drawn, greedy_tokens)
+        uniforms = jax.vmap(_row_uniforms)(batch.seed, batch.step)
+        drawn = inverse_cdf(probs, uniforms[:, 0])
 
-    tokens = jax.lax.cond(jnp.any(batch.temperature > 0), draw, lambda _: greedy_tokens, logits)
+        def verify(drawn: jax.Array) -> tuple[jax.Array, jax.Array]:
+            draft = jnp.where(has_draft, batch.draft, 0)
+            accepted = has_draft & (uniforms[:, 0] < jnp.take_along_axis(probs, draft[:, None], axis=-1)[:, 0])
+            without_draft = probs.at[rows[:, 0], jnp.where(has_draft, draft, vocab)].set(0.0, mode="drop")
+            redrawn = inverse_cdf(without_draft, uniforms[:, 1])
+            return jnp.where(has_draft, jnp.where(accepted, draft, redrawn), drawn), accepted
+
+        drawn, accepted = jax.lax.cond(jnp.any(has_draft), verify, lambda d: (d, jnp.zeros_like(has_draft)), drawn)
+        sampling = batch.temperature > 0
+        return jnp.where(sampling, drawn, greedy_tokens), jnp.where(sampling, accepted, greedy_accepted)
+
+    tokens, accepted = jax.lax.cond(
+        jnp.any(batch.temperature > 0), draw, lambda _: (greedy_tokens, greedy_accepted), logits
+    )
     chosen = jnp.take_along_axis(model_logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer[:, 0]
 
     def top_alternatives() -> tuple[jax.Array, jax.Array]:
@@ -289,4 +318,4 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
         jnp.any(batch.top_logprobs > 0), top_alternatives,
         lambda: (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32), jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32)),
     )
-    return SamplerOutput(tokens, chosen, top_ids, top_logprobs)
+    return SamplerOutput(tokens, chosen, top_ids, top_logprobs, accepted)

@@ -1,7 +1,8 @@
 """Who runs this step: iteration-level scheduling under a token budget.
 
-Each step takes running decodes first, then continues partial prefills, then admits waiting sequences
-(first come first served, lower `priority` value first), chunking prefills to fit `max_num_batched_tokens`.
+Each step takes running decodes first (with their draft tokens when speculating, as far as budget and pages
+allow), then continues partial prefills, then admits waiting sequences (first come first served, lower
+`priority` value first), chunking prefills to fit `max_num_batched_tokens`.
 When the pool runs out of pages, the newest running sequence is preempted: its pages are freed and it is
 recomputed from its tokens later (its full pages usually survive in the prefix cache).
 """
@@ -22,15 +23,22 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """`seq` computes tokens [start, start + num_tokens) this step; `sample` when that reaches its last token."""
+    """`seq` computes positions [start, start + num_tokens) this step: its tokens from `start`, then its first
+    `num_drafts` draft tokens (speculative decoding). `sample` when that reaches its last token."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    num_drafts: int = 0
 
     @property
     def sample(self) -> bool:
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - self.num_drafts == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        end = self.start + self.num_tokens - self.num_drafts
+        return self.seq.token_ids[self.start:end] + self.seq.drafts[:self.num_drafts]
 
 
 @dataclass
@@ -89,9 +97,13 @@ class Scheduler:
             if not bm.can_grow(seq, seq.num_computed_tokens + num_new):
                 self._preempt(seq, scheduled, out)
                 continue
-            bm.grow(seq, seq.num_computed_tokens + num_new)
-            scheduled[seq] = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
-            budget -= num_new
+            end = seq.num_computed_tokens + num_new
+            num_drafts = min(len(seq.drafts), budget - num_new) if end == seq.num_tokens else 0
+            if num_drafts and not bm.can_grow(seq, end + num_drafts):
+                num_drafts = 0  # drafts never preempt anyone
+            bm.grow(seq, end + num_drafts)
+            scheduled[seq] = ScheduledChunk(seq, seq.num_computed_tokens, num_new + num_drafts, num_drafts)
+            budget -= num_new + num_drafts
 
         if not out.preempted:
             budget = self._admit(budget, scheduled)
@@ -161,10 +173,13 @@ class Scheduler:
         return True
 
     def update_after_step(self, chunks: list[ScheduledChunk], num_computed: list[int]) -> None:
-        """Marks `num_computed[i]` tokens of chunk i's sequence computed and caches the pages they completed."""
+        """Marks `num_computed[i]` tokens of chunk i's sequence computed and caches the pages they completed;
+        pages reserved for drafts beyond the sequence's tokens go back to the pool."""
         for chunk, computed in zip(chunks, num_computed):
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted meanwhile
             seq.num_computed_tokens = computed
             self.block_manager.commit(seq)
+            if chunk.num_drafts:
+                self.block_manager.shrink(seq, seq.num_tokens)

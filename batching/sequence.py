@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from batching.ngram import NgramProposer
 from batching.outputs import FinishReason
 from batching.sampler import SamplingRow
 from batching.sampling_params import SamplingParams
@@ -27,7 +28,9 @@ class Sequence:
 
     `sampling` is this sequence's row of the sampler (its seed keys the draws, folded with the output step, so
     it samples the same tokens whatever shares its batch and after a preemption); `stop` turns its tokens
-    into text and decides when it ends. `arrival` orders first-come-first-served scheduling.
+    into text and decides when it ends. `arrival` orders first-come-first-served scheduling. With speculative
+    decoding, `proposer` drafts from the sequence's own tokens, `drafts` are this step's proposal, and
+    `acceptance` is the recent fraction of its drafts accepted (an exponential average).
     """
 
     seq_id: int
@@ -46,6 +49,9 @@ class Sequence:
     page_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    proposer: NgramProposer | None = None
+    drafts: list[int] = field(default_factory=list)
+    acceptance: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.token_ids:

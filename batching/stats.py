@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batching.scheduler import ScheduledChunk
+from batching.speculation import SpecCounters
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class StepStats:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Gauges count requests (a request is running while any of its sequences is), and sequences separately."""
+    """Gauges count requests (a request is running while any of its sequences is), and sequences separately.
+    `spec` is set when speculative decoding is on."""
 
     num_requests_running: int
     num_requests_waiting: int
@@ -45,3 +47,4 @@ class EngineStats:
     generation_tokens_total: int
     num_steps: int
     last_step: StepStats | None
+    spec: SpecCounters | None = None

@@ -1,0 +1,114 @@
+"""Speculative decoding policy: which sequences draft this step, from measured step costs and acceptance.
+
+Drafts pay when verifying them costs less than the tokens they save. A step's time is modelled as
+`a + b * tokens` (fitted to the engine's own step times, seeded at start-up by timing a 1-row and a full decode
+step), so a step of S decoding sequences yields S tokens in `a + b*S`. Giving a sequence k drafts adds `b*k` to the
+step and `E` expected tokens, where `E = alpha (1 - alpha^k) / (1 - alpha)` for its recent per-draft acceptance
+`alpha` (an exponential average, so a sequence whose drafts stop matching stops drafting). Sequences are added
+best first while `E / (b*k)` beats the step's current tokens per second. A large batch, whose step is already
+compute-bound (large `b*S` next to `a`), therefore drafts little or nothing; one stream with good drafts always
+drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batching.ngram import NgramConfig
+from batching.sequence import Sequence
+
+ACCEPTANCE_SMOOTHING = 0.3
+COST_DECAY = 0.98  # weight of older step times in the cost fit
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """vLLM's speculative-decoding counters: rows that drafted, draft tokens, accepted tokens, and accepted
+    tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """Expected accepted drafts out of k when each is accepted with probability alpha (until the first miss)."""
+    return k if alpha >= 1.0 else alpha * (1 - alpha**k) / (1 - alpha)
+
+
+@dataclass
+class StepCostModel:
+    """Least squares of step time on step tokens, older steps decaying; starts from two measured points."""
+
+    weight: float = 0.0
+    sum_t: float = 0.0
+    sum_tt: float = 0.0
+    sum_y: float = 0.0
+    sum_ty: float = 0.0
+
+    def observe(self, tokens: int, seconds: float, weight: float = 1.0) -> None:
+        d = COST_DECAY
+        self.weight = d * self.weight + weight
+        self.sum_t = d * self.sum_t + weight * tokens
+        self.sum_tt = d * self.sum_tt + weight * tokens * tokens
+        self.sum_y = d * self.sum_y + weight * seconds
+        self.sum_ty = d * self.sum_ty + weight * tokens * seconds
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b) of `seconds = a + b * tokens`, both kept positive."""
+        var = self.sum_tt * self.weight - self.sum_t**2
+        if var <= 0:
+            return max(self.sum_y / max(self.weight, 1e-9), 1e-6), 1e-6
+        b = (self.sum_ty * self.weight - self.sum_t * self.sum_y) / var
+        b = max(b, 1e-6)
+        return max((self.sum_y - b * self.sum_t) / self.weight, 1e-6), b
+
+
+@dataclass
+class Speculator:
+    config: NgramConfig
+    cost: StepCostModel = field(default_factory=StepCostModel)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.config.num_speculative_tokens
+
+    def propose(self, decoding: list[Sequence], max_model_len: int) -> None:
+        """Sets `seq.drafts` for this step on the sequences worth it, and clears it on the others."""
+        a, b = self.cost.coefficients()
+        candidates = []
+        for seq in decoding:
+            seq.drafts = []
+            room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
+            drafts = seq.proposer.propose(room) if seq.proposer is not None else []
+            if drafts:
+                candidates.append((expected_accepted(seq.acceptance, len(drafts)) / len(drafts), seq, drafts))
+        tokens, seconds = float(len(decoding)), a + b * len(decoding)
+        for gain_per_draft, seq, drafts in sorted(candidates, key=lambda c: -c[0]):
+            if gain_per_draft / b <= tokens / seconds:
+                break
+            seq.drafts = drafts
+            tokens += gain_per_draft * len(drafts)
+            seconds += b * len(drafts)
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """After verification: `num_accepted` of the sequence's `num_drafts` drafts were accepted."""
+        if not num_drafts:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+        # Drafts are verified in order until the first rejection: those reached estimate the per-draft rate.
+        reached = num_accepted + (num_accepted < num_drafts)
+        rate = num_accepted / reached
+        seq.acceptance = (1 - ACCEPTANCE_SMOOTHING) * seq.acceptance + ACCEPTANCE_SMOOTHING * rate
+
+    def counters(self) -> SpecCounters:
+        return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                            tuple(self.accepted_per_position))

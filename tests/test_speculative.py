@@ -1,0 +1,198 @@
+"""Speculative decoding (n-gram drafts, exact verification): same greedy output, same sampling distribution,
+stops inside accepted runs, and every page returned."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from batching.config import EngineConfig
+from batching.engine import Engine
+from batching.ngram import NgramConfig, NgramProposer
+from batching.sampler import SamplingInputs, SamplingRow, pack_sampling_batch, sample
+from batching.sampling_params import SamplingParams
+from batching.speculation import StepCostModel, expected_accepted
+from model.config import ModelConfig
+from model.llama import Llama
+from model.loader import LoadedModel
+
+TINY = ModelConfig.tiny()
+CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, page_size=4,
+                      kv_cache_memory=512 * 2 * TINY.num_layers * TINY.num_kv_heads * 4 * TINY.head_dim * 4)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2)
+# Greedy decoding of a random model settles into cycles: n-gram drafts then match, as they do on copy-heavy text.
+PROMPTS = [[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [30, 31, 32, 33, 34, 35], [100, 5, 100, 5, 100], [60, 61, 62]]
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2) -> LoadedModel:
+    return LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(1)), smollm2.tokenizer, "tiny")
+
+
+def free_verification(engine: Engine) -> Engine:
+    """Makes every draft worth verifying (as on a machine where extra tokens in a step cost nothing): two
+    measurements heavy enough that the tiny model's own step times never outweigh them."""
+    engine.speculator.cost = StepCostModel()
+    engine.speculator.cost.observe(1, 1.0, weight=1e9)
+    engine.speculator.cost.observe(1000, 1.0, weight=1e9)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain(tiny) -> Engine:
+    return Engine(tiny, CONFIG, progress=False)
+
+
+@pytest.fixture(scope="module")
+def speculative(tiny) -> Engine:
+    return free_verification(Engine(tiny, replace(CONFIG, speculative="ngram", num_speculative_tokens=4),
+                                    progress=False))
+
+
+def test_proposer_continues_the_longest_suffix_seen_before():
+    proposer = NgramProposer(NgramConfig(num_speculative_tokens=3, min_n=1, max_n=3))
+    proposer.extend([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
+    assert proposer.propose(10) == [4, 9, 2]  # "1 2 3" matched before "4 9 2"; not the later "2 3 5"
+    assert proposer.propose(2) == [4, 9]
+    proposer.extend([8])
+    assert proposer.propose(10) == []  # "8" never occurred before
+
+
+def test_greedy_output_and_logprobs_are_identical_with_and_without_drafts(plain, speculative):
+    before = speculative.speculator.counters()
+    expected = plain.generate(PROMPTS, GREEDY)
+    got = speculative.generate(PROMPTS, GREEDY)
+    for want, have in zip(expected, got):
+        assert have[0].token_ids == want[0].token_ids and have[0].finish_reason == want[0].finish_reason
+        np.testing.assert_allclose([lp.logprob for lp in have[0].logprobs], [lp.logprob for lp in want[0].logprobs],
+                                   atol=1e-4)
+        assert [lp.top[0][0] for lp in have[0].logprobs] == [lp.top[0][0] for lp in want[0].logprobs]
+    after = speculative.speculator.counters()
+    assert after.num_accepted_tokens - before.num_accepted_tokens > 20  # the drafts did the work
+    assert speculative.stats.kv_pages_used == 0
+
+
+def test_stop_string_and_max_tokens_inside_an_accepted_run(plain, speculative):
+    free = plain.generate([PROMPTS[0]], GREEDY)[0][0]
+    stop = free.text[12:14]
+    for params in (replace(GREEDY, stop=(stop,)), replace(GREEDY, max_tokens=13),
+                   replace(GREEDY, stop_token_ids=(free.token_ids[9],))):
+        want = plain.generate([PROMPTS[0]], params)[0][0]
+        have = speculative.generate([PROMPTS[0]], params)[0][0]
+        assert (have.text, have.token_ids, have.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+        assert have.usage == want.usage
+    assert speculative.stats.kv_pages_used == 0
+
+
+def test_n_samples_and_aborts_mid_run_leak_no_page(speculative):
+    params = SamplingParams(temperature=0.8, max_tokens=30, n=3, seed=4, ignore_eos=True)
+    outs = speculative.generate([PROMPTS[2]], params)[0]
+    assert len(outs) == 3 and all(len(o.token_ids) == 30 for o in outs)
+
+    async def run():
+        await speculative.start()
+        try:
+            collectors = [speculative.add_request([p], replace(GREEDY, max_tokens=120)) for p in PROMPTS]
+            for collector in collectors:
+                await anext(aiter(collector))
+                speculative.abort(collector.request_id)
+            for collector in collectors:
+                async for _ in collector:
+                    pass
+            for _ in range(200):
+                if speculative.stats.kv_pages_used == 0 and speculative.stats.num_requests_running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return speculative.stats
+        finally:
+            await speculative.shutdown()
+
+    stats = asyncio.run(run())
+    assert stats.kv_pages_used == 0 and stats.num_requests_running == 0
+
+
+def test_verified_sampling_emits_the_model_distribution_whatever_the_draft():
+    """Chi-square test: rows verifying a draft d emit tokens distributed as p (accept d w.p. p(d), else redraw
+    from p without d), for a likely and an unlikely draft."""
+    vocab, num_rows = 64, 6000
+    probs = np.array([0.35, 0.25, 0.2, 0.1, 0.06, 0.04] + [0.0] * (vocab - 6))
+    logits = jnp.tile(jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30), (num_rows, 1))
+    params = SamplingParams(temperature=1.0)
+    for draft in (0, 4):
+        rows = [SamplingInputs(SamplingRow.from_params(params, seed, vocab), 0, [1], 1, (), 0, draft)
+                for seed in range(num_rows)]
+        out = jax.tree.map(np.asarray, jax.jit(sample)(logits, pack_sampling_batch(rows, num_rows, 4, 4)))
+        counts = np.bincount(out.tokens, minlength=vocab)[:6]
+        expected = probs[:6] * num_rows
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < chi2_critical(5), (draft, counts)
+        assert out.accepted.mean() == pytest.approx(probs[draft], abs=0.03)
+
+
+def test_sampled_generations_follow_the_same_distribution_with_and_without_drafts(plain, speculative):
+    """Two-sample chi-square on sampled tokens, over a fixed set of seeds. The prompt holds half the vocabulary
+    once each, so a sampled token has often been seen and drafts what followed it."""
+    prompt = list(range(10, 130))
+    params = [SamplingParams(temperature=0.7, max_tokens=4, seed=seed, ignore_eos=True) for seed in range(300)]
+    drafted_before = speculative.speculator.counters().num_draft_tokens
+    tokens = [[o[0].token_ids[1:] for o in engine.generate([prompt] * len(params), params)]
+              for engine in (plain, speculative)]
+    assert speculative.speculator.counters().num_draft_tokens - drafted_before > 100
+    for position in range(3):
+        a, b = (np.array([t[position] for t in group]) for group in tokens)
+        values = [v for v in np.union1d(a, b) if np.sum(a == v) + np.sum(b == v) >= 10]
+        table = np.array([[np.sum(a == v) for v in values], [np.sum(b == v) for v in values]], float)
+        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+        chi2 = ((table - expected) ** 2 / expected).sum()
+        assert chi2 < chi2_critical(len(values) - 1), (position, table)
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square value exceeded with probability 0.001 (z = 3.09), by the Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_expected_accepted_drafts():
+    assert expected_accepted(0.0, 4) == 0 and expected_accepted(1.0, 4) == 4
+    assert expected_accepted(0.5, 2) == pytest.approx(0.5 + 0.25)
+
+
+def test_a_costly_step_turns_drafts_off(tiny):
+    engine = Engine(tiny, replace(CONFIG, speculative="ngram", warmup=False), progress=False)
+    engine.speculator.cost.observe(1, 0.01)
+    engine.speculator.cost.observe(64, 1.0)  # compute-bound: every token costs as much as a step of one
+    outs = engine.generate([PROMPTS[0]] * 8, replace(GREEDY, max_tokens=12))
+    assert engine.speculator.counters().num_drafts == 0 and all(len(o[0].token_ids) == 12 for o in outs)
+
+
+COPY_TEXT = (
+    "The river carried salt, wool and news down to the sea; the towns along it grew rich on the trade, and "
+    "their markets opened at dawn when the first boats arrived."
+)
+
+
+@pytest.mark.slow
+def test_real_model_gives_the_same_greedy_tokens_with_drafts_on_golden_and_copy_heavy_prompts(smollm2):
+    cases = json.loads((Path(__file__).parent / "data" / "golden_smollm2.json").read_text())["cases"]
+    chat = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this sentence exactly: {COPY_TEXT}"}])
+    prompts = [case["prompt_ids"] for case in cases] + [smollm2.tokenizer.encode(chat)]
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=320, kv_cache_memory=64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=True)
+    plain = Engine(smollm2, config, progress=False).generate(prompts, params)
+    spec_engine = free_verification(Engine(smollm2, replace(config, speculative="ngram"), progress=False))
+    spec = spec_engine.generate(prompts, params)
+    for want, have in zip(plain, spec):
+        assert (have[0].token_ids, have[0].finish_reason) == (want[0].token_ids, want[0].finish_reason)
+        np.testing.assert_allclose([lp.logprob for lp in have[0].logprobs], [lp.logprob for lp in want[0].logprobs],
+                                   atol=1e-4)
+    assert "The river carried salt" in spec[-1][0].text  # it copies (the drafts come from the prompt)
+    assert spec_engine.speculator.counters().num_accepted_tokens >= 10
