@@ -12,11 +12,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# The CPU kernels (jax.ffi, C++): without a compiler the build says so and the jnp references run instead.
+CPU_KERNELS := pallas_kernels/_cpu_qmatmul.so
+
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-model: $(STAMP)
+$(CPU_KERNELS): pallas_kernels/cpu_qmatmul.cc pallas_kernels/cpu_build.py $(STAMP)
+	$(BIN)/python -m pallas_kernels.cpu_build
+
+model: $(STAMP) $(CPU_KERNELS)
 	$(BIN)/sluice fetch
 
 serve: model
@@ -36,4 +42,4 @@ bench: model $(BENCH_REF)/.installed
 	$(BIN)/python bench/compare.py
 
 clean:
-	rm -rf $(VENV) $(BENCH_REF)
+	rm -rf $(VENV) $(BENCH_REF) $(CPU_KERNELS)
