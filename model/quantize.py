@@ -26,10 +26,11 @@ from pallas_kernels.cpu_qmatmul import GROUP
 
 QUANTIZATIONS = ("none", "int8", "int4")
 CHOICES = QUANTIZATIONS + ("auto",)
-AUTO = {"cpu": "int4", "gpu": "int8"}
-"""What "auto" picks per backend, from bench/quant.py (bench/RESULTS.md): on the CPU a decode step reads
-every weight once, so the fewest bytes win, and int4 holds quality (the default GGUF is Q4_1 already); on a
-GPU int8 weight-only halves bf16's bytes without a kernel of our own."""
+AUTO = {"cpu": "int8", "gpu": "int8"}
+"""What "auto" picks per backend, from bench/quant.py (bench/RESULTS.md). CPU: int8 steps fastest at every
+batch size measured (its kernel does less work per weight than int4's, which does not read few enough bytes
+fewer to make up for it on 2 cores, and int4's prefill pays for unpacking), within 0.2% of float32's
+perplexity. GPU: int8 weight-only halves bf16's bytes without a kernel of our own."""
 
 
 def resolve(quantization: str, backend: str | None = None) -> str:

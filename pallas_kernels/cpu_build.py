@@ -19,7 +19,7 @@ import jax
 from pallas_kernels.cpu_qmatmul import LIBRARY
 
 SOURCE = Path(__file__).with_name("cpu_qmatmul.cc")
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c"]
 
 
 def build(output: Path = LIBRARY) -> bool:

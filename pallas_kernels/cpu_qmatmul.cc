@@ -1,4 +1,4 @@
-// Quantized-weight matmuls for the CPU (AVX2 + FMA + F16C, OpenMP over the cores), registered with XLA
+// Quantized-weight matmuls for the CPU (AVX2 + FMA + F16C, split over XLA's intra-op threads), registered with XLA
 // through the typed FFI; `cpu_qmatmul.py` holds the jnp references with the same semantics.
 //
 // Weights stay quantized in memory and are widened to float32 in registers, a vector at a time, right
@@ -18,10 +18,11 @@
 // layer's slice out of the stack before the call.
 
 #include <immintrin.h>
-#include <omp.h>
-
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -46,21 +47,51 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Runs body(begin, end) over [0, units) split evenly across the threads; one thread for small work.
-template <typename Body>
-void ParallelFor(int64_t units, int64_t work, Body body) {
-  constexpr int64_t kMinWorkPerThread = 1 << 15;
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>({omp_get_max_threads(), units, work / kMinWorkPerThread})));
-  if (threads == 1) {
-    body(0, units);
+// Runs chunk(c) for c in [0, chunks) on the calling thread and on XLA's intra-op thread pool. Chunks are
+// claimed from a shared counter, so the caller never waits for a helper to start: on a busy machine, where a
+// woken helper may not run for milliseconds, the caller simply does more chunks itself (it waits only for
+// chunks a helper has already claimed). A helper that starts after every chunk is claimed touches nothing
+// but the shared counters, which it co-owns.
+struct ChunkCounters {
+  explicit ChunkCounters(int64_t total) : total(total) {}
+  const int64_t total;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename Chunk>
+void Drain(ChunkCounters& counters, const Chunk& chunk) {
+  for (int64_t c; (c = counters.next.fetch_add(1, std::memory_order_relaxed)) < counters.total;) {
+    chunk(c);
+    counters.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename Chunk>
+void ParallelChunks(ffi::ThreadPool& pool, int64_t chunks, int64_t work, const Chunk& chunk) {
+  constexpr int64_t kMinWorkPerHelper = 1 << 16;
+  const int64_t helpers = std::min({pool.num_threads(), chunks - 1, work / kMinWorkPerHelper});
+  if (helpers <= 0) {
+    for (int64_t c = 0; c < chunks; ++c) chunk(c);
     return;
   }
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num();
-    body(units * t / threads, units * (t + 1) / threads);
+  auto counters = std::make_shared<ChunkCounters>(chunks);
+  const Chunk* shared_chunk = &chunk;  // alive until every claimed chunk is done (the wait below)
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([counters, shared_chunk] { Drain(*counters, *shared_chunk); });
+  Drain(*counters, chunk);
+  for (int spins = 0; counters->done.load(std::memory_order_acquire) < chunks; ++spins) {
+    if (spins < 4096) _mm_pause(); else std::this_thread::yield();
   }
+}
+
+// Column ranges handed out as chunks: multiples of kColumnUnit, about kChunksPerThread per thread.
+constexpr int64_t kColumnUnit = 64;
+constexpr int64_t kChunksPerThread = 4;
+
+int64_t ChunkColumns(ffi::ThreadPool& pool, int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads() + 1);
+  const int64_t per_chunk = (N + threads * kChunksPerThread - 1) / (threads * kChunksPerThread);
+  return std::max(kColumnUnit, (per_chunk + kColumnUnit - 1) / kColumnUnit * kColumnUnit);
 }
 
 // ---- q8_kn: R rows x 8*NV columns per tile (R * NV = 8 accumulators), K walked in blocks of kKBlock rows.
@@ -181,18 +212,13 @@ struct Q4KnRowTile {
   }
 };
 
-// Columns are handed to threads in units of this many (a multiple of every tile width above).
-constexpr int64_t kColumnUnit = 64;
-
-int64_t ColumnUnits(int64_t N) { return (N + kColumnUnit - 1) / kColumnUnit; }
-
 ffi::Error CheckLayer(int32_t layer, int64_t num_layers) {
   if (layer < 0 || layer >= num_layers) return ffi::Error::InvalidArgument("layer index out of range");
   return ffi::Error::Success();
 }
 
-ffi::Error Q8KnImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Q8KnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || scale.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("q8_kn: x [M, K], w [L, K, N], scale [L, N]");
@@ -205,16 +231,17 @@ ffi::Error Q8KnImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer
   const float* sl = scale.typed_data() + l * N;
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  ParallelFor(ColumnUnits(N), M * K * N, [&](int64_t u0, int64_t u1) {
+  const int64_t cols = ChunkColumns(pool, N);
+  ParallelChunks(pool, (N + cols - 1) / cols, M * K * N, [&](int64_t c) {
     for (int64_t k0 = 0; k0 < K; k0 += kKBlock)
-      OverRowTiles<Q8KnRowTile>(M, K, N, xp, yp, K, k0, std::min(K, k0 + kKBlock), wl, N, sl, u0 * kColumnUnit,
-                                std::min(N, u1 * kColumnUnit));
+      OverRowTiles<Q8KnRowTile>(M, K, N, xp, yp, K, k0, std::min(K, k0 + kKBlock), wl, N, sl, c * cols,
+                                std::min(N, (c + 1) * cols));
   });
   return ffi::Error::Success();
 }
 
-ffi::Error Q8NkImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                    ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Q8NkImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || scale.dimensions().size() != 1)
     return ffi::Error::InvalidArgument("q8_nk: x [M, K], w [N, K], scale [N]");
@@ -225,14 +252,16 @@ ffi::Error Q8NkImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer
   const float* sp = scale.typed_data();
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  ParallelFor(ColumnUnits(N), M * K * N, [&](int64_t u0, int64_t u1) {
-    OverRowTiles<Q8NkRowTile>(M, K, N, xp, yp, K, wp, N, sp, u0 * kColumnUnit, std::min(N, u1 * kColumnUnit));
+  const int64_t cols = ChunkColumns(pool, N);
+  ParallelChunks(pool, (N + cols - 1) / cols, M * K * N, [&](int64_t c) {
+    OverRowTiles<Q8NkRowTile>(M, K, N, xp, yp, K, wp, N, sp, c * cols, std::min(N, (c + 1) * cols));
   });
   return ffi::Error::Success();
 }
 
-ffi::Error Q4KnImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> gscale,
-                    ffi::Buffer<ffi::F16> gmin, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Q4KnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                    ffi::Buffer<ffi::F16> gscale, ffi::Buffer<ffi::F16> gmin, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = gscale.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || gmin.dimensions().size() != 3)
     return ffi::Error::InvalidArgument("q4_kn: x [M, K], w [L, K/2, N], gscale and gmin [L, K/32, N]");
@@ -247,9 +276,10 @@ ffi::Error Q4KnImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer
   const auto* gm = reinterpret_cast<const uint16_t*>(gmin.untyped_data()) + l * (K / kGroup) * N;
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  ParallelFor(ColumnUnits(N), M * K * N, [&](int64_t u0, int64_t u1) {
+  const int64_t cols = ChunkColumns(pool, N);
+  ParallelChunks(pool, (N + cols - 1) / cols, M * K * N, [&](int64_t c) {
     for (int64_t g = 0; g < K / kGroup; ++g)
-      OverRowTiles<Q4KnRowTile>(M, K, N, xp, yp, K, g, wl, gs, gm, N, u0 * kColumnUnit, std::min(N, u1 * kColumnUnit));
+      OverRowTiles<Q4KnRowTile>(M, K, N, xp, yp, K, g, wl, gs, gm, N, c * cols, std::min(N, (c + 1) * cols));
   });
   return ffi::Error::Success();
 }
@@ -258,6 +288,7 @@ ffi::Error Q4KnImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ8Kn, Q8KnImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -266,6 +297,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ8Kn, Q8KnImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ8Nk, Q8NkImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -273,6 +305,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ8Nk, Q8NkImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ4Kn, Q4KnImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()

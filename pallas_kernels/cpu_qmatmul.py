@@ -79,9 +79,8 @@ def q8_nk_ref(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
 def unpack_q4(w: jax.Array, gscale: jax.Array, gmin: jax.Array) -> jax.Array:
     """w uint8 [K/2, N], gscale/gmin f16 [K/32, N] -> the weights [K, N] f32."""
     half, n = w.shape
-    q = jnp.stack([w & 0xF, w >> 4], axis=1).reshape(2 * half, n).astype(jnp.float32)
-    expand = lambda g: jnp.repeat(g.astype(jnp.float32), GROUP, axis=0)
-    return q * expand(gscale) + expand(gmin)
+    q = jnp.stack([w & 0xF, w >> 4], axis=1).reshape(-1, GROUP, n).astype(jnp.float32)
+    return (q * gscale.astype(jnp.float32)[:, None] + gmin.astype(jnp.float32)[:, None]).reshape(2 * half, n)
 
 
 def q4_kn_ref(x: jax.Array, w: jax.Array, gscale: jax.Array, gmin: jax.Array, layer: jax.Array) -> jax.Array:
