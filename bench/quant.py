@@ -14,7 +14,8 @@ round), so a change in the machine's load hits all forms alike.
 Part "model": the real model (`load_model(quantization=...)`), jitted forward + logits on fixed shapes:
 a decode step of B sequences at context C over the paged pool (reference attention), the same step with
 attention replaced by the identity (what the rest of the step costs), and a prefill of P tokens. Modes with
-":xla" run with the CPU kernels switched off (the XLA forms every bucket falls back to).
+":xla" run with the CPU kernels switched off (the XLA forms every bucket falls back to). All modes' steps are
+compiled first and then timed in the same interleaved rounds.
 """
 
 from __future__ import annotations
@@ -189,21 +190,23 @@ def _model_fns(mode: str, batch_sizes: list[int], context: int, prefill: int) ->
 
 
 def bench_model(modes: list[str], batch_sizes: list[int], context: int, prefill: int, repeats: int):
-    out = []
+    """Every mode's steps compiled first, then all timed in the same interleaved rounds."""
+    fns = {}
     for spec in modes:
         mode, _, form = spec.partition(":")
+        original = cpu_qmatmul.available
         if form == "xla":
-            original, cpu_qmatmul.available = cpu_qmatmul.available, lambda: False
+            cpu_qmatmul.available = lambda: False
         try:
-            fns = _model_fns(mode, batch_sizes, context, prefill)
-            for name, fn in fns.items():  # compile while the form is chosen
-                jax.block_until_ready(fn())
+            for name, fn in _model_fns(mode, batch_sizes, context, prefill).items():
+                jax.block_until_ready(fn())  # compiles while the form is chosen
+                fns[spec, name] = fn
         finally:
-            if form == "xla":
-                cpu_qmatmul.available = original
-        for name, seconds in _interleaved_medians(fns, repeats).items():
-            out.append((spec, name, seconds))
-            print(f"  model {spec:10s} {name:28s} {seconds * 1e3:9.2f} ms", file=sys.stderr, flush=True)
+            cpu_qmatmul.available = original
+    out = []
+    for (spec, name), seconds in _interleaved_medians(fns, repeats).items():
+        out.append((spec, name, seconds))
+        print(f"  model {spec:10s} {name:28s} {seconds * 1e3:9.2f} ms", file=sys.stderr, flush=True)
     return out
 
 
