@@ -91,8 +91,7 @@ class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         c = config
         self.config = config
-        self.dtype = dtype
-        """The activation (and KV cache) dtype; quantized weights keep their own."""
+        self.dtype = dtype  # of activations and the KV cache; quantized weights keep their own dtypes
         L, D, F = c.num_layers, c.hidden_size, c.intermediate_size
         q_dim = c.num_heads * c.head_dim
         qkv_group = (c.q_per_kv + 2) * c.head_dim
