@@ -4,6 +4,9 @@ the tensor-parallel partition of scales, and the quality guard on the real SmolL
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -123,6 +126,36 @@ def test_scales_are_split_with_the_output_columns_they_scale(quantization):
         else:  # per output channel: the weight's partition without its input axis
             k = LINEAR_WEIGHTS[name]
             assert scale == weight[:k] + weight[k + 1:], name
+
+
+SHARDED_LOGITS = """
+import numpy as np
+from flax import nnx
+from model.config import ModelConfig
+from model.generate import sequence_logits
+from model.llama import Llama
+from model.quantize import quantize_model
+from sharding.mesh import make_mesh
+from sharding.rules import shard_model
+
+config = ModelConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
+tokens = np.random.default_rng(0).integers(3, 256, 9).tolist()
+for quantization in ("int8", "int4"):
+    single = np.asarray(sequence_logits(quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization), tokens))
+    model = quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization)
+    shard_model(model, make_mesh(2))
+    assert len(model.wqkv_scale[...].sharding.device_set) == 2
+    np.testing.assert_allclose(np.asarray(sequence_logits(model, tokens)), single, rtol=1e-5, atol=1e-5)
+print("OK")
+"""
+
+
+def test_quantized_model_split_over_two_devices_gives_the_same_logits():
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(root)}
+    result = subprocess.run([sys.executable, "-c", SHARDED_LOGITS], capture_output=True, text=True, env=env,
+                            cwd=root, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
 
 
 # ---- The quality guard on the real weights (float32 activations, quantized weights).
