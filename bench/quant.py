@@ -71,6 +71,13 @@ def _xla(x: jax.Array, w: Weight, layer) -> jax.Array:
     return jnp.dot(x, dequantize(w if layer is None else jax.tree.map(lambda a: a[layer], w), jnp.float32))
 
 
+def _convert_then_scale(x: jax.Array, w: Weight, layer) -> jax.Array:
+    """int8 converted in front of the dot, its scale applied to the output (XLA can fuse the convert)."""
+    if layer is None:
+        return jnp.dot(x, w.values.astype(jnp.float32)) * w.scale
+    return jnp.dot(x, w.values[layer].astype(jnp.float32)) * w.scale[layer]
+
+
 def _kernel(x: jax.Array, w: Weight, layer) -> jax.Array:
     if layer is None:  # the tied LM head, row-major [vocab, hidden]
         return cpu_qmatmul.q8_nk(x, w.values, w.scale)
@@ -82,6 +89,7 @@ def _kernel(x: jax.Array, w: Weight, layer) -> jax.Array:
 FORMS = {  # name -> (weight format, layer form, LM head form)
     "float32, XLA dot": ("float", _xla, _xla),
     "int8 widened, XLA dot": ("int8", _xla, _xla),
+    "int8 converted, XLA dot, scale after": ("int8", _convert_then_scale, _convert_then_scale),
     "int8 x int8 -> int32, XLA dot": ("int8", _w8a8, _w8a8),
     "int8, C++ kernel": ("int8", _kernel, _kernel),
     "int4 unpacked, XLA dot": ("int4", _xla, _xla),
