@@ -88,7 +88,7 @@ def _kernel(x: jax.Array, w: Weight, layer) -> jax.Array:
 
 FORMS = {  # name -> (weight format, layer form, LM head form)
     "float32, XLA dot": ("float", _xla, _xla),
-    "int8 widened, XLA dot": ("int8", _xla, _xla),
+    "int8 widened (scaled before the dot), XLA dot": ("int8", _xla, _xla),
     "int8 converted, XLA dot, scale after": ("int8", _convert_then_scale, _convert_then_scale),
     "int8 x int8 -> int32, XLA dot": ("int8", _w8a8, _w8a8),
     "int8, C++ kernel": ("int8", _kernel, _kernel),
