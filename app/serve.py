@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from batching.config import EngineConfig
+from batching.config import QUANTIZATIONS, EngineConfig
 from batching.engine import Engine
 from sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--port", 8000, "port to listen on", type=int)
     _option(parser, "--dtype", None, "parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
             choices=["float32", "bfloat16", "float16"])
+    _option(parser, "--quantization", _ENGINE_DEFAULTS.quantization,
+            "weights: none (the dtype), int8 (per-channel), int4 (groups of 32), auto (the fastest for the device)",
+            choices=list(QUANTIZATIONS))
     _option(parser, "--tp", _ENGINE_DEFAULTS.tp, "tensor-parallel degree (devices)", type=int)
     _option(parser, "--coordinator-address", None,
             "multi-process (multi-node) job: host:port where process 0 coordinates; every process passes the same")
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         engine_config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            quantization=args.quantization,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model.quantize import CHOICES as QUANTIZATIONS
 from pallas_kernels.attention import BACKENDS
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -17,12 +18,14 @@ class EngineConfig:
     None means a default (a fraction of free device memory on accelerators, a fixed budget on the CPU).
     `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
     in one device call (sampled tokens fed back on the device).
+    `quantization`: the weights' format (`model.quantize.CHOICES`; "auto" picks per device).
     `speculative` "ngram": draft up to `num_speculative_tokens` tokens per decoding sequence by prompt lookup
     (suffixes of `spec_ngram_min`..`spec_ngram_max` tokens) and verify them in one step, when that pays.
     """
 
     model: str | None = None
     dtype: str | None = None
+    quantization: str = "none"
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -51,6 +54,7 @@ class EngineConfig:
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),
             (self.tp >= 1, "tp", "must be at least 1"),
             (self.attention_backend in BACKENDS, "attention_backend", f"must be one of {', '.join(BACKENDS)}"),
+            (self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -22,6 +22,7 @@ from functools import partial
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from batching.block_manager import BlockManager
@@ -49,7 +50,7 @@ ACCELERATOR_KV_FRACTION = 0.8
 
 def kv_page_bytes(loaded: LoadedModel, page_size: int) -> int:
     c = loaded.config
-    itemsize = loaded.model.embed[...].dtype.itemsize
+    itemsize = jnp.dtype(loaded.model.dtype).itemsize
     return 2 * c.num_layers * c.num_kv_heads * page_size * c.head_dim * itemsize
 
 
@@ -150,9 +151,11 @@ class Engine:
                 f"--tp must be {jax.device_count()}, got {config.tp}"
             )
         if config.tp == 1:
-            return cls(load_model(config.model, dtype=config.dtype), config, progress=progress)
+            return cls(load_model(config.model, dtype=config.dtype, quantization=config.quantization), config,
+                       progress=progress)
         mesh = make_mesh(config.tp)
-        loaded = load_model(config.model, dtype=config.dtype, sharding_rule=partial(param_sharding, mesh))
+        loaded = load_model(config.model, dtype=config.dtype, quantization=config.quantization,
+                            sharding_rule=partial(param_sharding, mesh))
         return cls(loaded, config, progress=progress, mesh=mesh)
 
     # --- the outside: any thread --------------------------------------------------------------------

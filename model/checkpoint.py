@@ -26,11 +26,18 @@ TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 
 
-def checkpoint_dir(source: Path, cache_root: Path) -> Path:
-    """Where the conversion of `source` lives: keyed by its name, size and modification time."""
+LAYOUT_VERSION = 2
+"""Bumped when the parameters' names or layouts change (2: fused q/k/v and gate/up), so no older conversion
+is restored into a model that no longer reads it."""
+
+
+def checkpoint_dir(source: Path, cache_root: Path, quantization: str) -> Path:
+    """Where the conversion of `source` with `quantization` lives: keyed by the source's name, size and
+    modification time, the layout version, and the quantization (which also names the folder)."""
     stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root / "checkpoints" / f"{source.stem}-{key}"
+    identity = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{LAYOUT_VERSION}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return cache_root / "checkpoints" / f"{source.stem}-{key}-{quantization}"
 
 
 def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], tokenizer_json: str, special: dict[str, Any]) -> None:

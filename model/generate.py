@@ -57,7 +57,7 @@ def _forward_last(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, t
 def sequence_logits(model: Llama, token_ids: list[int]) -> jax.Array:
     """Logits after every prefix of `token_ids` in one pass: [len(token_ids), vocab] float32 (teacher forcing)."""
     graphdef, state = nnx.split(model)
-    kv_cache = empty_kv_cache(model.config, num_pages=1, page_size=_bucket(len(token_ids)), dtype=model.embed[...].dtype)
+    kv_cache = empty_kv_cache(model.config, num_pages=1, page_size=_bucket(len(token_ids)), dtype=model.dtype)
     return _forward_all(graphdef, state, kv_cache, jnp.asarray(token_ids, jnp.int32))
 
 
@@ -95,7 +95,7 @@ def generate_stream(
     prompt_len = len(prompt_ids)
     padded = _bucket(prompt_len)
     max_len = _bucket(max(padded, prompt_len + max_new_tokens))
-    kv_cache = empty_kv_cache(model.config, num_pages=1, page_size=max_len, dtype=model.embed[...].dtype)
+    kv_cache = empty_kv_cache(model.config, num_pages=1, page_size=max_len, dtype=model.dtype)
     tokens = jnp.asarray(list(prompt_ids) + [0] * (padded - prompt_len), jnp.int32)
     logits, kv_cache = _forward_last(graphdef, state, kv_cache, tokens, jnp.int32(0), jnp.int32(prompt_len - 1))
     key = jax.random.key(seed)

@@ -4,6 +4,13 @@ Layer weights are stacked on a leading `[num_layers, ...]` axis and the layers r
 so compile time does not grow with depth. The model knows nothing about how K/V are cached: each layer hands
 its q/k/v to an `AttendFn`, which writes the new K/V into the cache and attends (paged in the engine,
 contiguous in the baseline `generate`). Linear weights are stored `[in_features, out_features]` (`x @ w`).
+
+Projections are fused, one matmul each for q/k/v and for gate/up, with the output axis split so that a
+tensor-parallel shard of the fused weight holds whole units of its own:
+- `wqkv` `[L, hidden, num_kv_heads, (q_per_kv + 2) * head_dim]`: per KV head, its q_per_kv query heads, then
+  its key head, then its value head (shards split KV heads, as attention does);
+- `w_gate_up` `[L, hidden, 2, intermediate]`: gate then up (shards split the intermediate axis).
+Any of the linear weights may be stored quantized (`model.quantize`); `model.linear` multiplies them.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
+from model.linear import Weight, embed_rows, project, project_rows
 
 KVCache = tuple[jax.Array, jax.Array]
 """(k, v) as the `AttendFn` keeps them: the model only threads them through its layers."""
@@ -23,7 +31,10 @@ KVCache = tuple[jax.Array, jax.Array]
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
 """attend(layer, q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], kv_cache) -> (out [T, Hq, Dh], kv_cache)."""
 
-LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+LINEAR_WEIGHTS = {"wqkv": 1, "wo": 1, "w_gate_up": 1, "w_down": 1, "embed": 1, "lm_head": 0}
+"""The weights that are multiplied (and may be quantized) -> their input-feature (contracting) axis. The
+tied `embed [vocab, hidden]` is the LM head `hidden -> vocab` read row-wise."""
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -48,6 +59,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def fuse_qkv(wq, wk, wv, config: ModelConfig):
+    """wq [..., num_heads * head_dim], wk and wv [..., num_kv_heads * head_dim] (weights or biases)
+    -> [..., num_kv_heads, (q_per_kv + 2) * head_dim] (the `wqkv` layout). NumPy or jnp arrays."""
+    c = config
+    lead = wq.shape[:-1]
+    q = wq.reshape(*lead, c.num_kv_heads, c.q_per_kv * c.head_dim)
+    k = wk.reshape(*lead, c.num_kv_heads, c.head_dim)
+    v = wv.reshape(*lead, c.num_kv_heads, c.head_dim)
+    concat = np.concatenate if isinstance(wq, np.ndarray) else jnp.concatenate
+    return concat([q, k, v], axis=-1)
+
+
+def split_qkv(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[..., num_kv_heads, (q_per_kv + 2) * head_dim] -> q [..., num_heads, head_dim], k and v
+    [..., num_kv_heads, head_dim]. Query head j sits in KV head j // q_per_kv's group, as GQA reads it."""
+    c = config
+    lead = qkv.shape[:-2]
+    grouped = qkv.reshape(*lead, c.num_kv_heads, c.q_per_kv + 2, c.head_dim)
+    q = grouped[..., : c.q_per_kv, :].reshape(*lead, c.num_heads, c.head_dim)
+    return q, grouped[..., c.q_per_kv, :], grouped[..., c.q_per_kv + 1, :]
+
+
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: int) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype))
 
@@ -58,28 +91,33 @@ class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         c = config
         self.config = config
+        self.dtype = dtype  # of activations and the KV cache; quantized weights keep their own dtypes
         L, D, F = c.num_layers, c.hidden_size, c.intermediate_size
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_dim = c.num_heads * c.head_dim
+        qkv_group = (c.q_per_kv + 2) * c.head_dim
         self.embed = _init(rngs, (c.vocab_size, D), dtype, 1)
         self.attn_norm = nnx.Param(jnp.ones((L, D), dtype))
-        self.wq = _init(rngs, (L, D, q_dim), dtype, D)
-        self.wk = _init(rngs, (L, D, kv_dim), dtype, D)
-        self.wv = _init(rngs, (L, D, kv_dim), dtype, D)
+        self.wqkv = _init(rngs, (L, D, c.num_kv_heads, qkv_group), dtype, D)
         if c.attention_bias:
-            self.bq = _init(rngs, (L, q_dim), dtype, 1)
-            self.bk = _init(rngs, (L, kv_dim), dtype, 1)
-            self.bv = _init(rngs, (L, kv_dim), dtype, 1)
+            self.bqkv = _init(rngs, (L, c.num_kv_heads, qkv_group), dtype, 1)
         self.wo = _init(rngs, (L, q_dim, D), dtype, q_dim)
         self.mlp_norm = nnx.Param(jnp.ones((L, D), dtype))
-        self.w_gate = _init(rngs, (L, D, F), dtype, D)
-        self.w_up = _init(rngs, (L, D, F), dtype, D)
+        self.w_gate_up = _init(rngs, (L, D, 2, F), dtype, D)
         self.w_down = _init(rngs, (L, F, D), dtype, F)
         self.final_norm = nnx.Param(jnp.ones((D,), dtype))
         if not c.tie_word_embeddings:
             self.lm_head = _init(rngs, (D, c.vocab_size), dtype, D)
 
-    def _layer_params(self) -> dict[str, jax.Array]:
-        return {name: getattr(self, name)[...] for name in LAYER_PARAMS if hasattr(self, name)}
+    def weight(self, name: str) -> Weight:
+        """A linear weight as stored, with its scales when quantized."""
+        part = lambda suffix: getattr(self, name + suffix)[...] if hasattr(self, name + suffix) else None
+        return Weight(getattr(self, name)[...], part("_scale"), part("_min"))
+
+    def _layer_params(self) -> dict[str, jax.Array | Weight]:
+        return {
+            name: self.weight(name) if name in LINEAR_WEIGHTS else getattr(self, name)[...]
+            for name in LAYER_PARAMS if hasattr(self, name)
+        }
 
     def __call__(
         self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, attend: AttendFn
@@ -87,33 +125,35 @@ class Llama(nnx.Module):
         """token_ids, positions: [T] int32 -> (hidden [T, D] in the params dtype, updated kv_cache)."""
         c = self.config
         num_tokens = token_ids.shape[0]
-        x = jnp.take(self.embed[...], token_ids, axis=0)
+        x = embed_rows(self.weight("embed"), token_ids, self.dtype)
         cos, sin = rope_cos_sin(positions, jnp.asarray(c.rope_inv_freq(), jnp.float32))
+        # The stacked weights enter the scan whole (closed over), indexed by layer where they are used: the
+        # CPU kernels then read a layer in place instead of a copy sliced out for them.
+        p = self._layer_params()
 
-        def layer(carry: tuple[jax.Array, KVCache], inputs: tuple[jax.Array, dict[str, jax.Array]]):
+        def layer(carry: tuple[jax.Array, KVCache], index: jax.Array):
             x, kv_cache = carry
-            index, p = inputs
-            h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            h = rms_norm(x, p["attn_norm"][index], c.rms_norm_eps)
+            qkv = project(h, p["wqkv"], index)
             if c.attention_bias:
-                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            q = apply_rope(q.reshape(num_tokens, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.reshape(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+                qkv = qkv + p["bqkv"][index]
+            q, k, v = split_qkv(qkv, c)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, kv_cache = attend(index, q, k, v, kv_cache)
-            x = x + attn.reshape(num_tokens, -1).astype(x.dtype) @ p["wo"]
-            h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], index)
+            h = rms_norm(x, p["mlp_norm"][index], c.rms_norm_eps)
+            gate_up = project(h, p["w_gate_up"], index)
+            x = x + project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], index)
             return (x, kv_cache), None
 
-        layers = (jnp.arange(c.num_layers, dtype=jnp.int32), self._layer_params())
-        (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), layers)
+        (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32))
         return rms_norm(x, self.final_norm[...], c.rms_norm_eps), kv_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, D] -> [N, vocab] float32. Call it only on the rows that are sampled."""
-        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+        if self.config.tie_word_embeddings:
+            return project_rows(hidden, self.weight("embed"))
+        return project(hidden, self.weight("lm_head"), out_dtype=jnp.float32)
 
 
 def empty_kv_cache(

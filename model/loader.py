@@ -13,12 +13,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from model import checkpoint
 from model.config import ModelConfig
 from model.fetch import resolve_model, sluice_home
 from model.llama import Llama
+from model.quantize import quantize_model, quantize_params, resolve
 from model.tokenizer import SpecialTokens, Tokenizer
 from model.weights import load_gguf, load_safetensors_folder
 
@@ -41,45 +43,55 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def convert(source: Path, folder: Path) -> None:
-    """Reads a GGUF file or HF folder and writes Sluice's converted folder (float32 weights)."""
+def convert(source: Path, folder: Path, quantization: str) -> None:
+    """Reads a GGUF file or HF folder and writes Sluice's converted folder (float32 weights, or quantized)."""
     if source.is_dir():
         config, params = load_safetensors_folder(source)
         tokenizer = Tokenizer.from_hf_folder(source)
     else:
         config, params, fields = load_gguf(source)
         tokenizer = Tokenizer.from_gguf_fields(fields)
+    params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
     special = dataclasses.asdict(tokenizer.special)
     checkpoint.save(folder, config, params, tokenizer.to_json(), special)
 
 
 def load_model(
-    model: str | None = None, *, dtype: str | None = None, sharding_rule: ShardingRule | None = None
+    model: str | None = None,
+    *,
+    dtype: str | None = None,
+    quantization: str = "none",
+    sharding_rule: ShardingRule | None = None,
 ) -> LoadedModel:
     """Loads `model` (a .gguf, an HF folder, or None for the default SmolLM2), converting on first use.
 
+    `dtype` is the activation dtype (and the weights' with quantization "none"); `quantization` one of
+    `model.quantize.CHOICES` ("auto" picks by backend), kept quantized in memory and in the converted folder.
     `sharding_rule` places each parameter as it is restored (tensor parallelism); default: the first device.
     """
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    quantization = resolve(quantization)
     source = resolve_model(model)
-    folder = checkpoint.checkpoint_dir(source, sluice_home())
+    folder = checkpoint.checkpoint_dir(source, sluice_home(), quantization)
     if not folder.exists():
         start = time.perf_counter()
         print(f"Converting {source.name} (first use) ...", file=sys.stderr)
         if jax.process_count() > 1:
             # In a multi-process job orbax saves collectively; each process's conversion is its own business.
-            subprocess.run([sys.executable, "-m", "model.loader", str(source), str(folder)], check=True)
+            subprocess.run([sys.executable, "-m", "model.loader", str(source), str(folder), quantization], check=True)
         else:
-            convert(source, folder)
+            convert(source, folder, quantization)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
     config = checkpoint.load_config(folder)
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])
     tokenizer = Tokenizer.from_json((folder / checkpoint.TOKENIZER_FILE).read_text(), SpecialTokens(**special))
 
-    abstract = nnx.eval_shape(lambda: Llama(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: quantize_model(Llama(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)), quantization)
+    )
     graphdef, abstract_state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(abstract_state))
     default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -95,5 +107,5 @@ def load_model(
     return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=source.stem)
 
 
-if __name__ == "__main__":  # python -m model.loader SOURCE FOLDER: one conversion, in a single-process JAX
-    convert(Path(sys.argv[1]), Path(sys.argv[2]))
+if __name__ == "__main__":  # python -m model.loader SOURCE FOLDER QUANTIZATION: one conversion, single-process JAX
+    convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

@@ -1,7 +1,9 @@
 """Loading weights from GGUF files and HF safetensors folders into Sluice's stacked parameter layout.
 
 Both loaders return `(ModelConfig, {name: float32 ndarray})` with the names and shapes of `model.llama.Llama`:
-linear weights `[num_layers, in_features, out_features]`, norms `[num_layers, hidden]`, `embed [vocab, hidden]`.
+linear weights `[num_layers, in_features, out_features...]` (q/k/v and gate/up fused as the model lays them out),
+norms `[num_layers, hidden]`, `embed [vocab, hidden]`. `LAYER_TENSORS` names the tensors as the files hold them,
+one per projection.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import numpy as np
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.llama import fuse_qkv
 
 Params = dict[str, np.ndarray]
 
-# Sluice name -> (GGUF tensor suffix, HF tensor suffix); per-layer names are stacked over layers.
+# File-level name -> (GGUF tensor suffix, HF tensor suffix); per-layer names are stacked over layers.
 LAYER_TENSORS = {
     "attn_norm": ("attn_norm.weight", "input_layernorm.weight"),
     "wq": ("attn_q.weight", "self_attn.q_proj.weight"),
@@ -62,6 +65,16 @@ def _collect(config: ModelConfig, read: Callable[[str, int | None], np.ndarray |
         layers = [read(name, i) for i in range(config.num_layers)]
         if all(t is not None for t in layers):
             params[name] = np.stack([t.T if name in TRANSPOSED else t for t in layers])
+    return fuse_projections(params, config)
+
+
+def fuse_projections(params: Params, config: ModelConfig) -> Params:
+    """One tensor per projection (`LAYER_TENSORS` names) -> the model's fused `wqkv`, `bqkv`, `w_gate_up`."""
+    params = dict(params)
+    params["wqkv"] = fuse_qkv(params.pop("wq"), params.pop("wk"), params.pop("wv"), config)
+    if "bq" in params:
+        params["bqkv"] = fuse_qkv(params.pop("bq"), params.pop("bk"), params.pop("bv"), config)
+    params["w_gate_up"] = np.stack([params.pop("w_gate"), params.pop("w_up")], axis=2)
     return params
 
 

@@ -11,103 +11,22 @@
 // >= kv_len reaches the result even if it holds NaN.
 //
 // Work is split by (sequence, kv head): each item reads its context's K/V once for all the q heads of its
-// GQA group and all its query rows, page by page with an online softmax. Items run on a small persistent
-// thread pool (one worker per extra core) with the calling thread taking part.
+// GQA group and all its query rows, page by page with an online softmax. Items are claimed by the calling
+// thread and by helpers on XLA's intra-op thread pool (cpu_parallel.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <limits>
-#include <mutex>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-// Runs fn(0..n-1) over the calling thread and a fixed set of workers; returns when every item is done.
-// Calls from several threads (the devices of a simulated multi-device CPU run concurrently) take turns.
-class WorkerPool {
- public:
-  explicit WorkerPool(int num_workers) {
-    for (int i = 0; i < num_workers; ++i) workers_.emplace_back([this] { Loop(); });
-  }
-
-  ~WorkerPool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    for (auto& w : workers_) w.join();
-  }
-
-  void Run(int64_t n, const std::function<void(int64_t)>& fn) {
-    if (workers_.empty() || n <= 1) {
-      for (int64_t i = 0; i < n; ++i) fn(i);
-      return;
-    }
-    std::lock_guard<std::mutex> turn(call_mutex_);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn;
-      num_items_ = n;
-      next_.store(0);
-      busy_ = static_cast<int>(workers_.size());
-      ++generation_;
-    }
-    wake_.notify_all();
-    Work();
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return busy_ == 0; });
-    fn_ = nullptr;
-  }
-
- private:
-  void Work() {
-    for (int64_t i; (i = next_.fetch_add(1)) < num_items_;) (*fn_)(i);
-  }
-
-  void Loop() {
-    uint64_t seen = 0;
-    while (true) {
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
-        if (stopping_) return;
-        seen = generation_;
-      }
-      Work();
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        --busy_;
-      }
-      done_.notify_one();
-    }
-  }
-
-  std::vector<std::thread> workers_;
-  std::mutex call_mutex_, mutex_;
-  std::condition_variable wake_, done_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t num_items_ = 0;
-  std::atomic<int64_t> next_{0};
-  int busy_ = 0;
-  uint64_t generation_ = 0;
-  bool stopping_ = false;
-};
-
-WorkerPool& Pool() {
-  static WorkerPool pool(std::max(1u, std::thread::hardware_concurrency()) - 1);
-  return pool;
-}
 
 // K/V rows of the pool: f32 as they are, or int8 times a per-(page, head, token) scale.
 template <typename T>
@@ -226,7 +145,7 @@ void AttendItem(int64_t seq, int64_t kv_head, const Shape& sh, const float* q, c
 }
 
 template <typename T>
-ffi::Error Attend(const Shape& sh, const float* q, const PagePool<T>& k, const PagePool<T>& v,
+ffi::Error Attend(ffi::ThreadPool& pool, const Shape& sh, const float* q, const PagePool<T>& k, const PagePool<T>& v,
                   const int32_t* kv_lens, const int32_t* page_table, const int32_t* cu_q_lens, float sm_scale,
                   float* out) {
   std::fill(out, out + sh.num_tokens * sh.num_q_heads * sh.head_dim, 0.0f);
@@ -237,7 +156,9 @@ ffi::Error Attend(const Shape& sh, const float* q, const PagePool<T>& k, const P
       return ffi::Error::InvalidArgument("cpu_ragged_paged_attention: inconsistent cu_q_lens / kv_lens");
   }
   const int64_t items = sh.num_seqs * sh.num_kv_heads;
-  Pool().Run(items, [&](int64_t item) {
+  int64_t work = 0;  // query rows x context: about what an item costs
+  for (int64_t s = 0; s < sh.num_seqs; ++s) work += (cu_q_lens[s + 1] - cu_q_lens[s]) * kv_lens[s];
+  sluice::ParallelChunks(pool, items, work * sh.num_q_heads * sh.head_dim, [&](int64_t item) {
     AttendItem<T>(item / sh.num_kv_heads, item % sh.num_kv_heads, sh, q, k, v, kv_lens, page_table, cu_q_lens,
                   sm_scale, out);
   });
@@ -250,18 +171,18 @@ Shape ShapeOf(ffi::Buffer<ffi::F32>& q, int64_t page_size, int64_t num_kv_heads,
   return Shape{qd[0], qd[1], qd[2], num_kv_heads, page_size, pt[0], pt[1]};
 }
 
-ffi::Error AttendF32(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+ffi::Error AttendF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
                      float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
   auto kd = k_pages.dimensions();
   Shape sh = ShapeOf(q, kd[2], kd[1], page_table);
   PagePool<float> k{k_pages.typed_data(), nullptr, kd[1], kd[2], kd[3]};
   PagePool<float> v{v_pages.typed_data(), nullptr, kd[1], kd[2], kd[3]};
-  return Attend<float>(sh, q.typed_data(), k, v, kv_lens.typed_data(), page_table.typed_data(),
+  return Attend<float>(pool, sh, q.typed_data(), k, v, kv_lens.typed_data(), page_table.typed_data(),
                        cu_q_lens.typed_data(), sm_scale, out->typed_data());
 }
 
-ffi::Error AttendInt8(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_pages, ffi::Buffer<ffi::F32> k_scales,
+ffi::Error AttendInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_pages, ffi::Buffer<ffi::F32> k_scales,
                       ffi::Buffer<ffi::S8> v_pages, ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens, float sm_scale,
                       ffi::ResultBuffer<ffi::F32> out) {
@@ -269,7 +190,7 @@ ffi::Error AttendInt8(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_pages, ffi
   Shape sh = ShapeOf(q, kd[2], kd[1], page_table);
   PagePool<int8_t> k{k_pages.typed_data(), k_scales.typed_data(), kd[1], kd[2], kd[3]};
   PagePool<int8_t> v{v_pages.typed_data(), v_scales.typed_data(), kd[1], kd[2], kd[3]};
-  return Attend<int8_t>(sh, q.typed_data(), k, v, kv_lens.typed_data(), page_table.typed_data(),
+  return Attend<int8_t>(pool, sh, q.typed_data(), k, v, kv_lens.typed_data(), page_table.typed_data(),
                         cu_q_lens.typed_data(), sm_scale, out->typed_data());
 }
 
@@ -277,6 +198,7 @@ ffi::Error AttendInt8(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_pages, ffi
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceCpuRaggedPagedAttentionF32, AttendF32,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -288,6 +210,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceCpuRaggedPagedAttentionF32, AttendF32,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceCpuRaggedPagedAttentionInt8, AttendInt8,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -28,6 +28,7 @@ from model.fetch import sluice_home
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cc"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-pthread"]
 LIBRARY = "libsluice_cpu.so"
 
@@ -38,10 +39,18 @@ class BuildError(RuntimeError):
 
 def library_path() -> Path:
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in [*SOURCES, *HEADERS]:
         key.update(source.read_bytes())
-    key.update(" ".join([*FLAGS, platform.machine(), platform.processor(), jax.__version__]).encode())
+    key.update(" ".join([*FLAGS, platform.machine(), _cpu_flags(), jax.__version__]).encode())
     return sluice_home() / "kernels" / key.hexdigest()[:16] / LIBRARY
+
+
+def _cpu_flags() -> str:
+    """What -march=native compiles for: the CPU's feature flags (Linux), else the processor name."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        return next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    return platform.processor()
 
 
 def build() -> Path:
@@ -75,9 +84,10 @@ def load() -> ctypes.CDLL | None:
 
 @functools.cache
 def register(target: str, symbol: str) -> bool:
-    """Registers `symbol` of the library as the CPU FFI target `target`; False when the library is unavailable."""
+    """Registers `symbol` of the library as the CPU FFI target `target`; False when the library is unavailable
+    or this CPU lacks what its kernels need."""
     library = load()
-    if library is None:
+    if library is None or not library.SluiceCpuSupported():
         return False
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     return True

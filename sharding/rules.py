@@ -1,8 +1,13 @@
 """Partition rules for the Llama parameters and the KV pool (Megatron-style tensor parallelism), in one place.
 
-- q/k/v projections and MLP gate/up are column-parallel (split over heads / intermediate features);
-  the o and down projections are row-parallel, so each layer needs one all-reduce after attention and one
-  after the MLP (XLA inserts them from these shardings).
+- The fused q/k/v projection and the fused MLP gate/up are column-parallel: `wqkv` is split over KV heads
+  (each KV head's group of query heads, key and value sit together in it, `model.llama`), `w_gate_up` over
+  the intermediate features (gate and up are a separate axis, so each shard holds both halves of its own
+  features). The o and down projections are row-parallel, so each layer needs one all-reduce after attention
+  and one after the MLP (XLA inserts them from these shardings).
+- Quantized weights (`model.quantize`) are split like their float form; a per-output-channel scale (rank one
+  lower: no input axis) like the weight without its input axis, an int4 group scale or min (same rank, input
+  axis counted in groups) like the weight itself.
 - The embedding is split over the vocabulary: a lookup is a masked local gather plus an all-reduce of a
   [T, hidden] activation, and the tied LM head then yields vocab-sharded logits that are gathered once for
   sampling. Splitting it divides the largest tensor of small models (SmolLM2: 113 MB of 540 MB in float32)
@@ -20,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
-from model.llama import Llama
+from model.llama import LINEAR_WEIGHTS, Llama
 from sharding.mesh import TP_AXIS, InvalidTensorParallelism
 
 T = TP_AXIS
@@ -30,15 +35,10 @@ PARAM_SPECS: dict[str, P] = {
     "attn_norm": P(),
     "mlp_norm": P(),
     "final_norm": P(),
-    "wq": P(None, None, T),  # [layers, hidden, heads * head_dim]
-    "wk": P(None, None, T),
-    "wv": P(None, None, T),
-    "bq": P(None, T),
-    "bk": P(None, T),
-    "bv": P(None, T),
+    "wqkv": P(None, None, T, None),  # [layers, hidden, kv_heads, (q_per_kv + 2) * head_dim]
+    "bqkv": P(None, T, None),  # [layers, kv_heads, (q_per_kv + 2) * head_dim]
     "wo": P(None, T, None),  # [layers, heads * head_dim, hidden]
-    "w_gate": P(None, None, T),  # [layers, hidden, intermediate]
-    "w_up": P(None, None, T),
+    "w_gate_up": P(None, None, None, T),  # [layers, hidden, 2, intermediate]
     "w_down": P(None, T, None),  # [layers, intermediate, hidden]
 }
 VOCAB_SHARDED = {"embed", "lm_head"}
@@ -58,12 +58,29 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         )
 
 
+def param_spec(name: str, shape: tuple[int, ...]) -> P:
+    """The partition of parameter `name`, a quantized weight's scale or min included."""
+    base = name.removesuffix("_scale").removesuffix("_min")
+    if base == name:
+        return PARAM_SPECS[name]
+    weight = tuple(PARAM_SPECS[base])
+    if len(shape) == len(weight):  # int4 group scale or min
+        return P(*weight)
+    k = LINEAR_WEIGHTS[base]  # one scale per output channel: the weight's partition without its input axis
+    return P(*weight[:k], *weight[k + 1:])
+
+
 def param_sharding(mesh: Mesh, config: ModelConfig, name: str, shape: tuple[int, ...]) -> NamedSharding:
     """Where parameter `name` lives on `mesh` (a `model.loader.ShardingRule` once the mesh is bound)."""
     validate_tp(config, mesh.shape[T])
-    spec = PARAM_SPECS[name]
-    if name in VOCAB_SHARDED and config.vocab_size % mesh.shape[T]:
+    spec = param_spec(name, shape)
+    if name.removesuffix("_scale") in VOCAB_SHARDED and config.vocab_size % mesh.shape[T]:
         spec = P()
+    for axis, part in enumerate(spec):
+        if part is not None and shape[axis] % mesh.shape[T]:
+            raise InvalidTensorParallelism(
+                f"--tp {mesh.shape[T]} does not divide axis {axis} of {name} {tuple(shape)}"
+            )
     return NamedSharding(mesh, spec)
 
 

@@ -12,25 +12,38 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from model.config import ModelConfig
-from model.llama import Llama
+from model.llama import Llama, split_qkv
 from model.weights import GLOBAL_TENSORS, LAYER_TENSORS, TRANSPOSED
+
+
+def unfuse_projections(params: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """The model's fused `wqkv`, `bqkv`, `w_gate_up` -> one tensor per projection (`LAYER_TENSORS` names)."""
+    params = dict(params)
+    for fused, names in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv"))):
+        if fused in params:
+            parts = split_qkv(params.pop(fused), config)
+            params.update({n: np.asarray(p).reshape(*p.shape[:-2], -1) for n, p in zip(names, parts)})
+    gate_up = params.pop("w_gate_up")
+    params["w_gate"], params["w_up"] = gate_up[:, :, 0], gate_up[:, :, 1]
+    return params
 
 
 def random_hf_tensors(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """Random weights keyed by HF tensor names, linears as [out, in] (the HF / GGUF numpy order)."""
     rng = np.random.default_rng(seed)
     model = Llama(config, rngs=nnx.Rngs(seed))
+    params = unfuse_projections({path[0]: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model))}, config)
     tensors = {}
     for name, (_, hf_suffix) in LAYER_TENSORS.items():
-        if hasattr(model, name):
-            value = np.asarray(getattr(model, name)[...])
+        if name in params:
+            value = params[name]
             if name.endswith("norm"):
                 value = rng.uniform(0.5, 1.5, value.shape).astype(np.float32)
             for layer in range(config.num_layers):
                 tensors[f"model.layers.{layer}.{hf_suffix}"] = value[layer].T if name in TRANSPOSED else value[layer]
     for name, (_, hf_name) in GLOBAL_TENSORS.items():
-        if hasattr(model, name):
-            value = np.asarray(getattr(model, name)[...])
+        if name in params:
+            value = params[name]
             tensors[hf_name] = value.T if name in TRANSPOSED else value
     return {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
 

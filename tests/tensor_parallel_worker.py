@@ -46,7 +46,7 @@ def run_engine(loaded: LoadedModel, tp: int, prompts: list[list[int]]) -> dict:
         "kv_global_shape": list(k_cache.shape),
         "kv_shard_shapes": sorted({tuple(s.data.shape) for s in k_cache.addressable_shards}),
         "kv_devices": len(k_cache.sharding.device_set),
-        "wq_shard_shape": list(loaded.model.wq[...].addressable_shards[0].data.shape),
+        "wqkv_shard_shape": list(loaded.model.wqkv[...].addressable_shards[0].data.shape),
     }
 
 

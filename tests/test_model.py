@@ -10,7 +10,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.generate import generate, sequence_logits
-from model.llama import Llama, apply_rope, rope_cos_sin
+from model.llama import Llama, apply_rope, fuse_qkv, rope_cos_sin, split_qkv
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +67,11 @@ def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
     mha_config = ModelConfig.tiny(num_heads=4, num_kv_heads=4)
     gqa = Llama(gqa_config, rngs=nnx.Rngs(5))
     mha = Llama(mha_config, rngs=nnx.Rngs(6))
-    for name in ("embed", "attn_norm", "wq", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "final_norm", "lm_head"):
+    for name in ("embed", "attn_norm", "wo", "mlp_norm", "w_gate_up", "w_down", "final_norm", "lm_head"):
         getattr(mha, name)[...] = getattr(gqa, name)[...]
-    for name in ("wk", "wv"):
-        w = getattr(gqa, name)[...].reshape(2, 64, 2, 16)  # [L, D, kv_heads, Dh]
-        getattr(mha, name)[...] = jnp.repeat(w, 2, axis=2).reshape(2, 64, 64)
+    q, k, v = split_qkv(gqa.wqkv[...], gqa_config)  # [L, D, heads, Dh]
+    mha.wqkv[...] = fuse_qkv(q.reshape(2, 64, 64), *(jnp.repeat(w, 2, axis=2).reshape(2, 64, 64) for w in (k, v)),
+                             mha_config)
     tokens = random_tokens(9, 4)
     np.testing.assert_allclose(sequence_logits(gqa, tokens), sequence_logits(mha, tokens), rtol=1e-5, atol=1e-5)
 
@@ -121,8 +121,10 @@ def test_one_layer_matches_float64_numpy_reference():
     model.attn_norm[...] = jax.random.uniform(jax.random.key(1), (1, 64), minval=0.5, maxval=1.5)
     model.final_norm[...] = jnp.ones(64)
     tokens = random_tokens(10, 10)
-    params = {n: np.asarray(getattr(model, n)[...], np.float64)[0] for n in
-              ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")}
+    params = {n: np.asarray(getattr(model, n)[...], np.float64)[0] for n in ("attn_norm", "wo", "mlp_norm", "w_down")}
+    q, k, v = split_qkv(np.asarray(model.wqkv[...], np.float64)[0], config)
+    params.update(wq=q.reshape(64, -1), wk=k.reshape(64, -1), wv=v.reshape(64, -1))
+    params["w_gate"], params["w_up"] = np.asarray(model.w_gate_up[...], np.float64)[0].transpose(1, 0, 2)
     x = np.asarray(model.embed[...], np.float64)[tokens]
     hidden = numpy_decoder_layer(x, params, config)
     hidden = hidden / np.sqrt(np.mean(hidden**2, -1, keepdims=True) + config.rms_norm_eps)

@@ -141,7 +141,7 @@ def test_sampled_generations_follow_the_same_distribution_with_and_without_draft
     """Two-sample chi-square on sampled tokens, over a fixed set of seeds. The prompt holds half the vocabulary
     once each, so a sampled token has often been seen and drafts what followed it."""
     prompt = list(range(10, 130))
-    params = [SamplingParams(temperature=0.7, max_tokens=4, seed=seed, ignore_eos=True) for seed in range(300)]
+    params = [SamplingParams(temperature=0.2, max_tokens=4, seed=seed, ignore_eos=True) for seed in range(300)]
     drafted_before = speculative.speculator.counters().num_draft_tokens
     tokens = [[o[0].token_ids[1:] for o in engine.generate([prompt] * len(params), params)]
               for engine in (plain, speculative)]
@@ -149,7 +149,10 @@ def test_sampled_generations_follow_the_same_distribution_with_and_without_draft
     for position in range(3):
         a, b = (np.array([t[position] for t in group]) for group in tokens)
         values = [v for v in np.union1d(a, b) if np.sum(a == v) + np.sum(b == v) >= 10]
-        table = np.array([[np.sum(a == v) for v in values], [np.sum(b == v) for v in values]], float)
+        assert len(values) >= 3, "the test needs a spread distribution"
+        # Frequent tokens each in a bin, the rest pooled in one.
+        table = np.array([[np.sum(x == v) for v in values] + [np.sum(~np.isin(x, values))] for x in (a, b)], float)
+        table = table[:, table.sum(0) > 0]
         expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
         chi2 = ((table - expected) ** 2 / expected).sum()
         assert chi2 < chi2_critical(len(values) - 1), (position, table)

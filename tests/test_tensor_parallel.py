@@ -46,7 +46,7 @@ def test_tiny_model_gives_the_same_tokens_at_tp_1_2_4():
 def test_smollm2_gives_the_same_tokens_at_tp_1_and_3():
     results = run_worker("smollm2", 1, 3)
     assert_same_generation(results, num_kv_heads=3)
-    assert results[3]["wq_shard_shape"] == [30, 576, 192], "q projection split over 3 devices by heads"
+    assert results[3]["wqkv_shard_shape"] == [30, 576, 1, 320], "q/k/v projection split over 3 devices by KV head"
 
 
 def test_tp_that_does_not_divide_the_kv_heads_is_refused_naming_valid_values():

@@ -15,20 +15,23 @@ from model.config import ModelConfig
 from model.generate import sequence_logits
 from model.llama import Llama
 from model.loader import load_model
-from model.weights import GLOBAL_TENSORS, LAYER_TENSORS, TRANSPOSED
+from model.weights import GLOBAL_TENSORS, LAYER_TENSORS, TRANSPOSED, fuse_projections
 
 CONFIG = ModelConfig.tiny(vocab_size=300, head_dim=32, hidden_size=64, num_heads=2, num_kv_heads=1, max_position_embeddings=256)
 
 
 def reference_model(config: ModelConfig, tensors: dict[str, np.ndarray]) -> Llama:
     model = Llama(config, rngs=nnx.Rngs(0))
+    params = {}
     for name, (_, hf_suffix) in LAYER_TENSORS.items():
-        if hasattr(model, name):
-            layers = [tensors[f"model.layers.{i}.{hf_suffix}"] for i in range(config.num_layers)]
-            getattr(model, name)[...] = jnp.stack([t.T if name in TRANSPOSED else t for t in layers])
+        layers = [tensors.get(f"model.layers.{i}.{hf_suffix}") for i in range(config.num_layers)]
+        if layers[0] is not None:
+            params[name] = np.stack([t.T if name in TRANSPOSED else t for t in layers])
     for name, (_, hf_name) in GLOBAL_TENSORS.items():
-        if hasattr(model, name):
-            getattr(model, name)[...] = tensors[hf_name].T if name in TRANSPOSED else tensors[hf_name]
+        if hf_name in tensors:
+            params[name] = tensors[hf_name].T if name in TRANSPOSED else tensors[hf_name]
+    for name, value in fuse_projections(params, config).items():
+        getattr(model, name)[...] = jnp.asarray(value)
     return model
 
 
@@ -57,7 +60,7 @@ def test_hf_safetensors_folder_loads_the_same_model(sluice_home):
                                sequence_logits(reference_model(CONFIG, tensors), tokens), rtol=1e-5, atol=1e-5)
 
     reloaded = load_model(str(folder), dtype="bfloat16")
-    assert reloaded.model.wq[...].dtype == jnp.bfloat16
+    assert reloaded.model.wqkv[...].dtype == jnp.bfloat16
 
 
 def test_gguf_with_quantized_permuted_tensors_loads_the_same_model(sluice_home):
