@@ -28,6 +28,7 @@ BENCHMARKS = {
     "serve": "load a running server with streaming requests; latency percentiles and goodput",
     "sweep": "bench serve over a list of request rates; throughput-latency curve",
     "responsiveness": "/health and /metrics latency while a running server is loaded with streams",
+    "speculative": "the same requests with and without n-gram drafts: output tok/s, TPOT, acceptance",
 }
 
 

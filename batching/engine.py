@@ -255,9 +255,10 @@ class Engine:
             self._apply(self._inbox.get_nowait())
         if self.speculator is not None:
             decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
-            self.speculator.propose(decoding, self.max_model_len)
+            self.speculator.propose(decoding, self.max_model_len, self._padded_tokens)
         chunks = self.scheduler.schedule().chunks
         limits = self._decode_limits(chunks)
+        step_stats = StepStats.of(chunks) if chunks else None  # before appending changes what the chunks cover
         pending = self._dispatch(chunks, limits) if chunks else None
         self._emit_text()
         self._flush()
@@ -266,10 +267,13 @@ class Engine:
             self._flush()  # failures found while fetching
         self._num_steps += 1
         duration = time.perf_counter() - start
-        if self.speculator is not None and chunks and limits is None and all(c.sample for c in chunks):
-            if all(c.num_tokens - c.num_drafts == 1 for c in chunks):  # decode and verify steps: what drafts cost
-                self.speculator.cost.observe(sum(c.num_tokens for c in chunks), duration)
-        self.stats = self._snapshot(StepStats.of(chunks, duration) if chunks else None)
+        if step_stats is not None:
+            step_stats = replace(step_stats, duration_s=duration)
+            if self.speculator is not None and limits is None and step_stats.num_prefill_tokens == 0:
+                # A decode or verify step: what a step of that many (bucketed) tokens costs.
+                tokens = step_stats.num_tokens
+                self.speculator.cost.observe(self._padded_tokens(tokens, tokens > step_stats.num_seqs), duration)
+        self.stats = self._snapshot(step_stats)
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:
         if isinstance(command, _Add):
@@ -293,6 +297,12 @@ class Engine:
         message = f"request id {request.request_id!r} is already in use"
         for seq in request.seqs:
             self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
+
+    def _padded_tokens(self, num_tokens: int, with_drafts: bool) -> int:
+        """Tokens a decode (or verify, with drafts) step of `num_tokens` computes in its compiled bucket."""
+        if with_drafts:
+            return self.runner.padded_tokens(num_tokens, True)
+        return next(b for b in self.runner.decode_buckets if b >= num_tokens)
 
     def _decode_limits(self, chunks: list[ScheduledChunk]) -> list[int] | None:
         """Decode steps per sequence for a multi-step call, or None for a single step.
@@ -340,6 +350,8 @@ class Engine:
                         accepted += 1
                 if chunk.num_drafts:
                     self.speculator.record(chunk.seq, chunk.num_drafts, accepted)
+                elif self.speculator is not None and appended:
+                    self.speculator.check_shadow(chunk.seq, chunk.seq.token_ids[chunk.start + chunk.num_tokens])
             # Computed: the chunk's own tokens, the drafts that were accepted, and tokens a multi-step call fed back.
             num_computed.append(chunk.start + chunk.num_tokens - chunk.num_drafts + max(appended - 1, 0))
         self.scheduler.update_after_step(chunks, num_computed)

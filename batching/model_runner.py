@@ -183,6 +183,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
         self.token_buckets = pow2_buckets(PREFILL_PIECE, max_num_batched_tokens)
+        # Verify steps of a few sequences are a few tokens each: their buckets start small.
+        self.spec_token_buckets = pow2_buckets(2, max_num_batched_tokens) if num_speculative_tokens else []
         self.num_decode_steps = num_decode_steps
         self.num_speculative_tokens = num_speculative_tokens
         self._steps: dict[tuple[int, int], jax.stages.Wrapped] = {}
@@ -190,9 +192,9 @@ class ModelRunner:
     @property
     def buckets(self) -> list[Bucket]:
         decode_steps = sorted({1, self.num_decode_steps})
-        speculative = [False, True] if self.num_speculative_tokens else [False]
         return ([self._decode_bucket(s, k) for k in decode_steps for s in self.decode_buckets]
-                + [self._mixed_bucket(t, spec) for spec in speculative for t in self.token_buckets])
+                + [self._mixed_bucket(t, False) for t in self.token_buckets]
+                + [self._mixed_bucket(t, True) for t in self.spec_token_buckets])
 
     def _decode_bucket(self, num_seqs: int, num_steps: int = 1) -> Bucket:
         return Bucket(num_seqs, num_seqs, num_seqs, 1, num_steps)
@@ -209,7 +211,12 @@ class ModelRunner:
         if max(c.num_tokens for c in chunks) == 1:
             return self._decode_bucket(next(b for b in self.decode_buckets if b >= len(chunks)), num_steps)
         speculative = any(c.num_drafts for c in chunks)
-        return self._mixed_bucket(next(b for b in self.token_buckets if b >= num_tokens), speculative)
+        return self._mixed_bucket(self.padded_tokens(num_tokens, speculative), speculative)
+
+    def padded_tokens(self, num_tokens: int, speculative: bool) -> int:
+        """The tokens a step of `num_tokens` computes: its bucket's size (a decode step: rows, bucketed)."""
+        buckets = self.spec_token_buckets if speculative else self.token_buckets
+        return next(b for b in buckets if b >= num_tokens)
 
     def _step_fn(self, bucket: Bucket):
         key = (bucket.max_q_len, bucket.num_steps)

@@ -29,8 +29,9 @@ class Sequence:
     `sampling` is this sequence's row of the sampler (its seed keys the draws, folded with the output step, so
     it samples the same tokens whatever shares its batch and after a preemption); `stop` turns its tokens
     into text and decides when it ends. `arrival` orders first-come-first-served scheduling. With speculative
-    decoding, `proposer` drafts from the sequence's own tokens, `drafts` are this step's proposal, and
-    `acceptance` is the recent fraction of its drafts accepted (an exponential average).
+    decoding, `proposer` drafts from the sequence's own tokens, `drafts` are this step's drafts, `shadow_draft`
+    the first token it would have drafted when it drafts none, and `acceptance` the recent rate at which its
+    drafts are (or would be) accepted.
     """
 
     seq_id: int
@@ -51,7 +52,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     proposer: NgramProposer | None = None
     drafts: list[int] = field(default_factory=list)
-    acceptance: float = 0.5
+    shadow_draft: int | None = None
+    acceptance: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,17 +1,21 @@
 """Speculative decoding policy: which sequences draft this step, from measured step costs and acceptance.
 
 Drafts pay when verifying them costs less than the tokens they save. A step's time is modelled as
-`a + b * tokens` (fitted to the engine's own step times, seeded at start-up by timing a 1-row and a full decode
-step), so a step of S decoding sequences yields S tokens in `a + b*S`. Giving a sequence k drafts adds `b*k` to the
-step and `E` expected tokens, where `E = alpha (1 - alpha^k) / (1 - alpha)` for its recent per-draft acceptance
-`alpha` (an exponential average, so a sequence whose drafts stop matching stops drafting). Sequences are added
-best first while `E / (b*k)` beats the step's current tokens per second. A large batch, whose step is already
-compute-bound (large `b*S` next to `a`), therefore drafts little or nothing; one stream with good drafts always
-drafts.
+`a + b * padded tokens` (the step's compiled bucket: what the device really computes), fitted to the engine's own
+decode and verify steps and seeded at start-up by timing a 1-row and a full decode step. A step of S decoding
+sequences yields S tokens. Giving a sequence k drafts adds k tokens to the step (and maybe a larger bucket) and
+`E` expected tokens, where `E = alpha (1 - alpha^k) / (1 - alpha)` for its recent per-draft acceptance `alpha`
+(an exponential average, so a sequence whose drafts stop matching stops drafting). A sequence left without
+drafts still has its first proposed token compared with the token it then samples, so `alpha` keeps following
+what drafts would do and a sequence that starts copying starts drafting. Sequences are ranked by E per
+draft, and the step drafts for the best prefix of that ranking by expected tokens per second, none at all when
+that is best. A large batch, whose step is already compute-bound (large `b*S` next to `a`), therefore drafts
+little or nothing; one stream with good drafts drafts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batching.ngram import NgramConfig
@@ -77,8 +81,11 @@ class Speculator:
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.config.num_speculative_tokens
 
-    def propose(self, decoding: list[Sequence], max_model_len: int) -> None:
-        """Sets `seq.drafts` for this step on the sequences worth it, and clears it on the others."""
+    def propose(self, decoding: list[Sequence], max_model_len: int, padded: Callable[[int, bool], int]) -> None:
+        """Sets `seq.drafts` for this step on the sequences worth it, and clears it on the others.
+
+        `padded(tokens, with_drafts)`: the tokens the step's compiled bucket computes for that many tokens.
+        """
         a, b = self.cost.coefficients()
         candidates = []
         for seq in decoding:
@@ -86,14 +93,26 @@ class Speculator:
             room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
             drafts = seq.proposer.propose(room) if seq.proposer is not None else []
             if drafts:
-                candidates.append((expected_accepted(seq.acceptance, len(drafts)) / len(drafts), seq, drafts))
-        tokens, seconds = float(len(decoding)), a + b * len(decoding)
-        for gain_per_draft, seq, drafts in sorted(candidates, key=lambda c: -c[0]):
-            if gain_per_draft / b <= tokens / seconds:
-                break
+                candidates.append((expected_accepted(seq.acceptance, len(drafts)), seq, drafts))
+        candidates.sort(key=lambda c: -c[0] / len(c[2]))
+        best, best_rate = 0, len(decoding) / (a + b * padded(len(decoding), False))
+        tokens, expected = len(decoding), float(len(decoding))
+        for count, (gain, _, drafts) in enumerate(candidates, 1):
+            tokens += len(drafts)
+            expected += gain
+            rate = expected / (a + b * padded(tokens, True))
+            if rate > best_rate:
+                best, best_rate = count, rate
+        for _, seq, drafts in candidates[:best]:
             seq.drafts = drafts
-            tokens += gain_per_draft * len(drafts)
-            seconds += b * len(drafts)
+        for _, seq, drafts in candidates[best:]:
+            seq.shadow_draft = drafts[0]
+
+    def check_shadow(self, seq: Sequence, token: int) -> None:
+        """The token a sequence sampled without drafts: was it the draft it would have verified first?"""
+        if seq.shadow_draft is not None:
+            self._update_acceptance(seq, float(token == seq.shadow_draft))
+            seq.shadow_draft = None
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After verification: `num_accepted` of the sequence's `num_drafts` drafts were accepted."""
@@ -106,7 +125,10 @@ class Speculator:
             self.accepted_per_position[position] += 1
         # Drafts are verified in order until the first rejection: those reached estimate the per-draft rate.
         reached = num_accepted + (num_accepted < num_drafts)
-        rate = num_accepted / reached
+        self._update_acceptance(seq, num_accepted / reached)
+
+    @staticmethod
+    def _update_acceptance(seq: Sequence, rate: float) -> None:
         seq.acceptance = (1 - ACCEPTANCE_SMOOTHING) * seq.acceptance + ACCEPTANCE_SMOOTHING * rate
 
     def counters(self) -> SpecCounters:

@@ -14,19 +14,27 @@ from batching.speculation import SpecCounters
 
 @dataclass(frozen=True)
 class StepStats:
-    """One step: what ran and how long the engine thread spent on it (host work and device time)."""
+    """One step: what ran and how long the engine thread spent on it (host work and device time).
+
+    Decode rows are sequences computing their one new token (with their drafts, when speculating);
+    everything else is prefill.
+    """
 
     num_tokens: int
     num_seqs: int
     num_decode_seqs: int
     num_prefill_tokens: int
-    duration_s: float
+    num_draft_tokens: int
+    duration_s: float = 0.0
 
     @classmethod
-    def of(cls, chunks: list[ScheduledChunk], duration_s: float) -> StepStats:
-        decodes = sum(1 for c in chunks if c.num_tokens == 1 and c.sample)
+    def of(cls, chunks: list[ScheduledChunk]) -> StepStats:
+        """Of the scheduled chunks, before their tokens are appended."""
+        decodes = [c for c in chunks if c.sample and c.num_tokens - c.num_drafts == 1]
         num_tokens = sum(c.num_tokens for c in chunks)
-        return cls(num_tokens, len(chunks), decodes, num_tokens - decodes, duration_s)
+        decode_tokens = sum(c.num_tokens for c in decodes)
+        drafts = sum(c.num_drafts for c in chunks)
+        return cls(num_tokens, len(chunks), len(decodes), num_tokens - decode_tokens, drafts)
 
 
 @dataclass(frozen=True)
