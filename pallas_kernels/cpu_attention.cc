@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -60,6 +61,26 @@ void Axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
   for (int64_t j = 0; j < n; ++j) y[j] += w * x[j];
 }
 
+// e^x for x <= 0 (and -inf -> 0), in plain arithmetic the compiler vectorizes (libm's expf is a scalar call):
+// x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error ~2e-7), 2^n in
+// the exponent bits.
+inline float ExpNonPositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::nearbyint(clamped * 1.44269504f);
+  const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
 // Token t of (page, head) as f32: the pool's own row for f32, else dequantized into `scratch`.
 template <typename T>
 const float* RowF32(const PagePool<T>& pool, int64_t page, int64_t head, int64_t t, float* scratch) {
@@ -99,9 +120,19 @@ void AttendItem(int64_t seq, int64_t kv_head, const Shape& sh, const float* q, c
       for (int64_t j = 0; j < d; ++j) qs[(i * group + g) * d + j] = src[j] * sm_scale;
     }
   const int64_t num_pages = (kv_len + ps - 1) / ps;
+  const int64_t page_bytes = ps * d * static_cast<int64_t>(sizeof(T));
   for (int64_t p = 0; p < num_pages; ++p) {
     const int64_t page = page_table[seq * sh.max_pages + p];
     const int64_t tokens = std::min(ps, kv_len - p * ps);
+    if (p + 1 < num_pages) {  // pages are scattered: start fetching the next one while this one is computed
+      const int64_t next = page_table[seq * sh.max_pages + p + 1];
+      const char* next_k = reinterpret_cast<const char*>(k.Row(next, kv_head, 0));
+      const char* next_v = reinterpret_cast<const char*>(v.Row(next, kv_head, 0));
+      for (int64_t offset = 0; offset < page_bytes; offset += 64) {
+        __builtin_prefetch(next_k + offset);
+        __builtin_prefetch(next_v + offset);
+      }
+    }
     // Rows whose query sees every token of this page, then the rest of the rows (a prefill's early queries).
     for (int64_t t = 0; t < tokens; ++t) {
       const float* kt = RowF32(k, page, kv_head, t, row_scratch.data());
@@ -116,10 +147,11 @@ void AttendItem(int64_t seq, int64_t kv_head, const Shape& sh, const float* q, c
       float block_max = m[r];
       for (int64_t t = 0; t < tokens; ++t) block_max = std::max(block_max, sr[t]);
       if (block_max == kNegInf) continue;  // nothing visible to this row yet
-      const float alpha = std::exp(m[r] - block_max);
+      const float alpha = ExpNonPositive(m[r] - block_max);
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < tokens; ++t) {
-        sr[t] = std::exp(sr[t] - block_max);
+        sr[t] = ExpNonPositive(sr[t] - block_max);
         sum += sr[t];
       }
       m[r] = block_max;
