@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The HF transformers baseline for `make bench` lives in its own venv: torch is not a Sluice dependency.
 BENCH_REF := .venv-bench-ref
+# llama.cpp, the CPU peer for `make bench`: built once from the sources vendored in the llama-cpp-python sdist.
+LLAMA_CPP := .llama-cpp
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CPP_SRC := llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 
 .PHONY: serve test model bench gpu-check clean
 
@@ -34,7 +38,17 @@ $(BENCH_REF)/.installed:
 	$(BENCH_REF)/bin/pip install --quiet transformers gguf accelerate
 	touch $@
 
-bench: model $(BENCH_REF)/.installed
+$(LLAMA_CPP)/.built: | $(BIN)/python
+	rm -rf $(LLAMA_CPP) && mkdir -p $(LLAMA_CPP)
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(LLAMA_CPP)
+	tar -xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CPP) $(LLAMA_CPP_SRC)
+	rm $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
+	cmake -S $(LLAMA_CPP)/$(LLAMA_CPP_SRC) -B $(LLAMA_CPP)/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release
+	nice -n 10 cmake --build $(LLAMA_CPP)/build -j 2 --target llama-server llama-bench
+	touch $@
+
+bench: model $(BENCH_REF)/.installed $(LLAMA_CPP)/.built
 	$(BIN)/python bench/compare.py
 
 # On a GPU machine, with the image's python (no venv): kernels, engine and throughput in one command.
@@ -43,4 +57,4 @@ gpu-check:
 	$(PYTHON) -m bench.gpu_check --out $(GPU_CHECK_OUT) --require-gpu
 
 clean:
-	rm -rf $(VENV) $(BENCH_REF)
+	rm -rf $(VENV) $(BENCH_REF) $(LLAMA_CPP)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
 
 from bench.dataset import BenchRequest, load_jsonl
 
@@ -38,7 +39,9 @@ def _batch_inputs(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return input_ids, mask
 
 
-def _generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, pad_id: int) -> torch.Tensor:
+def _generate(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, pad_id: int, streamer: BaseStreamer | None = None
+) -> torch.Tensor:
     input_ids, mask = _batch_inputs(prompts, pad_id)
     return model.generate(
         input_ids=input_ids,
@@ -47,7 +50,40 @@ def _generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int,
         min_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=pad_id,
+        streamer=streamer,
     )
+
+
+class TokenClock(BaseStreamer):
+    """When `generate` hands over each new token (`perf_counter` seconds); its first `put` is the prompt."""
+
+    def __init__(self) -> None:
+        self.token_times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.token_times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def run_one_at_a_time(model: torch.nn.Module, prompts: list[list[int]], outputs: list[int], pad_id: int) -> dict:
+    """Each request alone (batch 1), in order: per-request send, token and end times for `bench.metrics`."""
+    records = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt, wanted in zip(prompts, outputs):
+            clock = TokenClock()
+            sent_at = time.perf_counter()
+            _generate(model, [prompt], wanted, pad_id, clock)
+            records.append({
+                "sent_at": sent_at, "done_at": time.perf_counter(), "token_times": clock.token_times,
+                "prompt_tokens": len(prompt), "output_tokens": wanted,
+            })
+    return {"duration_s": time.perf_counter() - start, "completed": len(prompts), "records": records}
 
 
 def run_static(model: torch.nn.Module, prompts: list[list[int]], outputs: list[int], batch_size: int, pad_id: int) -> dict:
@@ -78,6 +114,7 @@ def main() -> int:
     parser.add_argument("--workload", type=Path, required=True, help="JSONL workload (bench.dataset format)")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the GGUF file")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--one-at-a-time", action="store_true", help="each request alone, timing every token")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--result-json", type=Path, default=None)
     args = parser.parse_args()
@@ -96,15 +133,21 @@ def main() -> int:
     outputs = [r.output_tokens for r in requests]
     with torch.inference_mode():
         _generate(model, prompts[:2], 2, pad_id)  # first-call allocations, outside the clock
-    result = run_static(model, prompts, outputs, args.batch_size, pad_id)
+    if args.one_at_a_time:
+        result = run_one_at_a_time(model, prompts, outputs, pad_id)
+    else:
+        result = run_static(model, prompts, outputs, args.batch_size, pad_id)
     result["command"] = shlex.join(["python", "-m", "bench.hf_baseline", *sys.argv[1:]])
     result["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
     result["threads"] = torch.get_num_threads()
-    print(
-        f"HF static batch {args.batch_size}: {result['completed']} requests in {result['duration_s']:.1f} s, "
-        f"{result['output_throughput']:.1f} output tok/s, {result['total_token_throughput']:.1f} total tok/s "
-        f"({result['generated_tokens']} tokens generated for {result['output_tokens']} requested)"
-    )
+    if args.one_at_a_time:
+        print(f"HF one at a time: {result['completed']} requests in {result['duration_s']:.1f} s")
+    else:
+        print(
+            f"HF static batch {args.batch_size}: {result['completed']} requests in {result['duration_s']:.1f} s, "
+            f"{result['output_throughput']:.1f} output tok/s, {result['total_token_throughput']:.1f} total tok/s "
+            f"({result['generated_tokens']} tokens generated for {result['output_tokens']} requested)"
+        )
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(result, indent=2) + "\n")

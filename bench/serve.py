@@ -5,7 +5,9 @@ capped at `--max-concurrency` in flight, whatever the server's pace: a slow serv
 production. Each request streams (`/v1/completions` with the prompt as token ids, or
 `/v1/chat/completions` with it as text), greedy, with `ignore_eos` and `max_tokens` from the dataset so
 every system produces the same number of tokens. Token counts come from the stream's final `usage`;
-each content chunk is taken as one token for ITL (Sluice and vLLM send one chunk per engine step).
+each content chunk is taken as one token for ITL (Sluice and vLLM send one chunk per engine step;
+llama-server holds back a token whose text ends inside a UTF-8 character and sends it with the next one,
+and ends its stream with a text-less chunk that carries only the finish reason, which is no token).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _content_chunk(event: dict[str, Any], endpoint: str) -> bool:
     choices = event.get("choices") or []
     if endpoint == "chat":
         return any(c.get("delta", {}).get("content") for c in choices)
-    return bool(choices)
+    return any(c.get("text") or c.get("finish_reason") is None for c in choices)
 
 
 async def _send(client: httpx.AsyncClient, request: BenchRequest, load: LoadConfig, model: str) -> RequestRecord:
@@ -130,7 +132,10 @@ async def run_load(requests: list[BenchRequest], load: LoadConfig) -> tuple[list
     gaps = rng.exponential(1.0 / load.request_rate, len(requests)) if np.isfinite(load.request_rate) else np.zeros(len(requests))
     limit = asyncio.Semaphore(load.max_concurrency or len(requests))
     timeout = httpx.Timeout(connect=30.0, read=None, write=30.0, pool=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
+    # A connection per request: llama-server may close a kept-alive connection after a streamed response,
+    # and a request sent on it fails before the server sees it. A loopback connect costs microseconds.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = load.model or await served_model(client, load.url)
         if load.endpoint == "chat":
             requests = await _as_text(client, load.url, requests)
