@@ -5,22 +5,23 @@
     python -m bench.quant --part model --modes none,int8,int4
 
 Part "forms": the model's 30-layer projection stack (q/k/v, o, gate/up, down, each layer fed by the last)
-plus the LM head, SmolLM2's shapes with random weights, under one `lax.scan` as the model runs it, for each
-candidate way to multiply: float32 XLA dot; int8 widened in front of XLA's dot; int8 weights with int8
-activations (per-row scales) through XLA's int8 x int8 -> int32 dot; the int8 C++ kernel; int4 unpacked in
-front of XLA's dot; the int4 C++ kernel. Times are medians over interleaved repeats (every form once per
-round), so a change in the machine's load hits all forms alike.
+plus the LM head, SmolLM2's shapes with random weights, under one `lax.scan` as the model runs it, through the
+model's own `model.linear.project` for each weight format: float32 (XLA's dot); Q8_0 and Q4_1 through the C++
+kernels (activations quantized per block of 32, integer dot products); Q8_0 and Q4_1 dequantized in front of
+XLA's dot (the weight-only form every mode falls back to without the kernels). Times are medians over
+interleaved repeats (every form once per round), so a change in the machine's load hits all forms alike.
 
 Part "model": the real model (`load_model(quantization=...)`), jitted forward + logits on fixed shapes:
-a decode step of B sequences at context C over the paged pool (reference attention), the same step with
+a decode step of B sequences at context C over the paged pool (the CPU attention kernel), the same step with
 attention replaced by the identity (what the rest of the step costs), and a prefill of P tokens. Modes with
-":xla" run with the CPU kernels switched off (the XLA forms every bucket falls back to). All modes' steps are
-compiled first and then timed in the same interleaved rounds.
+":xla" run with the CPU matmul kernels switched off. All modes' steps are compiled first and then timed in the
+same interleaved rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import statistics
 import sys
@@ -33,8 +34,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from model.linear import Weight, dequantize
-from model.quantize import quantize_int4, quantize_int8
+from model.linear import Weight, project
+from model.quantize import quantize_params
 from pallas_kernels import cpu_qmatmul
 
 LAYERS, HIDDEN, FFN, VOCAB, QKV = 30, 576, 1536, 49152, 960
@@ -55,96 +56,72 @@ def _interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> 
 
 # ---- Part 1: matmul forms.
 
-def _quant_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    scale = jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127.0
-    scale = jnp.where(scale == 0, 1.0, scale)
-    return jnp.round(x / scale).astype(jnp.int8), scale
-
-
-def _w8a8(x: jax.Array, w: Weight, layer) -> jax.Array:
-    xq, sx = _quant_rows(x)
-    values, scale = (w.values, w.scale) if layer is None else (w.values[layer], w.scale[layer])
-    return lax.dot(xq, values, preferred_element_type=jnp.int32).astype(jnp.float32) * sx * scale
-
-
-def _xla(x: jax.Array, w: Weight, layer) -> jax.Array:
-    return jnp.dot(x, dequantize(w if layer is None else jax.tree.map(lambda a: a[layer], w), jnp.float32))
-
-
-def _convert_then_scale(x: jax.Array, w: Weight, layer) -> jax.Array:
-    """int8 converted in front of the dot, its scale applied to the output (XLA can fuse the convert)."""
-    if layer is None:
-        return jnp.dot(x, w.values.astype(jnp.float32)) * w.scale
-    return jnp.dot(x, w.values[layer].astype(jnp.float32)) * w.scale[layer]
-
-
-def _kernel(x: jax.Array, w: Weight, layer) -> jax.Array:
-    if layer is None:  # the tied LM head, row-major [vocab, hidden]
-        return cpu_qmatmul.q8_nk(x, w.values, w.scale)
-    if w.format == "int8":
-        return cpu_qmatmul.q8_kn(x, w.values, w.scale, layer)
-    return cpu_qmatmul.q4_kn(x, w.values, w.scale, w.min, layer)
-
-
-FORMS = {  # name -> (weight format, layer form, LM head form)
-    "float32, XLA dot": ("float", _xla, _xla),
-    "int8 widened (scaled before the dot), XLA dot": ("int8", _xla, _xla),
-    "int8 converted, XLA dot, scale after": ("int8", _convert_then_scale, _convert_then_scale),
-    "int8 x int8 -> int32, XLA dot": ("int8", _w8a8, _w8a8),
-    "int8, C++ kernel": ("int8", _kernel, _kernel),
-    "int4 unpacked, XLA dot": ("int4", _xla, _xla),
-    "int4, C++ kernel": ("int4", _kernel, _kernel),
+FORMS = {  # name -> (quantization of the weights, whether the CPU kernels may run)
+    "float32, XLA dot": ("none", False),
+    "Q8_0, C++ kernel": ("int8", True),
+    "Q4_1 (Q8_0 LM head), C++ kernel": ("int4", True),
+    "Q8_0 dequantized, XLA dot": ("int8", False),
+    "Q4_1 dequantized, XLA dot": ("int4", False),
 }
 
 
-def _random_stack(seed: int = 0) -> dict[str, dict[str, Weight]]:
+def _random_stacks(seed: int = 0) -> dict[str, dict[str, Weight]]:
+    """Per quantization: the stacked layer weights (by the model's parameter names) and the LM head."""
     rng = np.random.default_rng(seed)
-    shapes = {"qkv": (HIDDEN, QKV), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * FFN), "down": (FFN, HIDDEN)}
-    floats = {k: (rng.standard_normal((LAYERS, *s)) / np.sqrt(s[0])).astype(np.float32) for k, s in shapes.items()}
-    table = (rng.standard_normal((VOCAB, HIDDEN)) * 0.05).astype(np.float32)
-    head_int8 = Weight(*quantize_int8(table, 1))
-    stacks = {
-        "float": {k: Weight(jnp.asarray(v)) for k, v in floats.items()},
-        "int8": {k: Weight(*quantize_int8(v, 1)) for k, v in floats.items()},
-        "int4": {k: Weight(*quantize_int4(v, 1)) for k, v in floats.items()},
-    }
-    for fmt, stack in stacks.items():
-        stack["head"] = Weight(jnp.asarray(table)) if fmt == "float" else head_int8
-    # The LM head of the XLA forms multiplies [hidden, vocab]; the kernel reads the table row-major.
-    for fmt in ("float", "int8", "int4"):
-        stacks[fmt]["head_kn"] = jax.tree.map(lambda a: a.T, stacks[fmt]["head"])
+    shapes = {"wqkv": (HIDDEN, QKV), "wo": (HIDDEN, HIDDEN), "w_gate_up": (HIDDEN, 2 * FFN), "w_down": (FFN, HIDDEN)}
+    floats = {k: jnp.asarray(rng.standard_normal((LAYERS, *s)) / np.sqrt(s[0]), jnp.float32) for k, s in shapes.items()}
+    floats["lm_head"] = jnp.asarray(rng.standard_normal((HIDDEN, VOCAB)) * 0.05, jnp.float32)
+    stacks = {}
+    for quantization in ("none", "int8", "int4"):
+        params = quantize_params(floats, quantization)
+        part = lambda name, suffix: params.get(name + suffix)
+        stacks[quantization] = {name: Weight(params[name], part(name, "_scale"), part(name, "_min")) for name in floats}
     return stacks
 
 
-def _stack_fn(fmt: str, layer_form, head_form, stacks) -> Callable[[jax.Array], jax.Array]:
-    w = stacks[fmt]
-    head = w["head"] if head_form is _kernel else w["head_kn"]
-
+def _stack_fn(w: dict[str, Weight]) -> Callable[[jax.Array], jax.Array]:
     def run(x: jax.Array) -> jax.Array:
         def layer(h, index):
-            qkv = layer_form(h, w["qkv"], index)
-            h = h + 1e-3 * layer_form(qkv[:, :HIDDEN], w["o"], index)
-            gate_up = layer_form(h, w["gate_up"], index)
-            return h + 1e-3 * layer_form(gate_up[:, :FFN], w["down"], index), None
+            qkv = project(h, w["wqkv"], index)
+            h = h + 1e-3 * project(qkv[:, :HIDDEN], w["wo"], index)
+            gate_up = project(h, w["w_gate_up"], index)
+            return h + 1e-3 * project(gate_up[:, :FFN], w["w_down"], index), None
 
         h, _ = lax.scan(layer, x, jnp.arange(LAYERS, dtype=jnp.int32))
-        return head_form(h, head, None)
+        return project(h, w["lm_head"])
 
     return jax.jit(run)
 
 
 def bench_forms(rows: list[int], repeats: int) -> list[tuple[int, str, float]]:
-    stacks = _random_stack()
-    forms = {n: f for n, f in FORMS.items() if "kernel" not in n or cpu_qmatmul.available()}
+    stacks = _random_stacks()
+    forms = {n: f for n, f in FORMS.items() if not f[1] or cpu_qmatmul.available()}
     out = []
     for m in rows:
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, HIDDEN)), jnp.float32)
-        fns = {name: (lambda fn=_stack_fn(*spec, stacks): fn(x)) for name, spec in forms.items()}
+        fns = {}
+        for name, (quantization, kernels) in forms.items():
+            with _kernels(kernels):
+                fn = _stack_fn(stacks[quantization])
+                jax.block_until_ready(fn(x))  # compiles while the form is chosen
+            fns[name] = lambda fn=fn: fn(x)
         reps = repeats if m <= 64 else max(3, repeats // 3)
         for name, seconds in _interleaved_medians(fns, reps).items():
             out.append((m, name, seconds))
-            print(f"  forms M={m:4d} {name:32s} {seconds * 1e3:9.2f} ms", file=sys.stderr, flush=True)
+            print(f"  forms M={m:4d} {name:34s} {seconds * 1e3:9.2f} ms", file=sys.stderr, flush=True)
     return out
+
+
+@contextlib.contextmanager
+def _kernels(enabled: bool):
+    """Switches the CPU matmul kernels off while tracing (the form is chosen then)."""
+    original = cpu_qmatmul.available
+    if not enabled:
+        cpu_qmatmul.available = lambda: False
+    try:
+        yield
+    finally:
+        cpu_qmatmul.available = original
 
 
 # ---- Part 2: the whole model.
@@ -182,7 +159,7 @@ def _model_fns(mode: str, batch_sizes: list[int], context: int, prefill: int) ->
         def step(state, kv):
             model = nnx.merge(graphdef, state)
             if attention:
-                attend = make_paged_attend(meta, num_pages, sm_scale=config.head_dim**-0.5, backend="reference")
+                attend = make_paged_attend(meta, num_pages, sm_scale=config.head_dim**-0.5, backend="auto")
             else:
                 attend = lambda layer, q, k, v, cache: (q, cache)
             hidden, kv = model(tokens, positions, flat_pool(kv), attend)
@@ -202,15 +179,10 @@ def bench_model(modes: list[str], batch_sizes: list[int], context: int, prefill:
     fns = {}
     for spec in modes:
         mode, _, form = spec.partition(":")
-        original = cpu_qmatmul.available
-        if form == "xla":
-            cpu_qmatmul.available = lambda: False
-        try:
+        with _kernels(form != "xla"):
             for name, fn in _model_fns(mode, batch_sizes, context, prefill).items():
                 jax.block_until_ready(fn())  # compiles while the form is chosen
                 fns[spec, name] = fn
-        finally:
-            cpu_qmatmul.available = original
     out = []
     for (spec, name), seconds in _interleaved_medians(fns, repeats).items():
         out.append((spec, name, seconds))
@@ -222,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.quant", description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("forms", "model", "all"), default="all")
     parser.add_argument("--rows", default="1,8,64,512", help="M values for the forms part")
-    parser.add_argument("--modes", default="none,int8,int4,int8:xla,int4:xla")
+    parser.add_argument("--modes", default="none,int8,int4")
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--prefill", type=int, default=512)

@@ -26,8 +26,9 @@ TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 
 
-LAYOUT_VERSION = 2
-"""Bumped when the parameters' names or layouts change (2: fused q/k/v and gate/up), so no older conversion
+LAYOUT_VERSION = 3
+"""Bumped when the parameters' names or layouts change (2: fused q/k/v and gate/up; 3: GGUF
+block formats packed in panels for the CPU kernels), so no older conversion
 is restored into a model that no longer reads it."""
 
 

@@ -1,40 +1,37 @@
-"""Linear projections over plain or quantized weights, and the one table that picks how each is multiplied.
+"""Linear projections over plain or quantized weights, and where each form is multiplied.
 
 A `Weight` is a parameter as stored (`model.quantize` makes the quantized ones):
 - float: values `[..., K, *N]` in the model dtype;
-- int8: values int8 like the float, scale f32 with the K axis removed (one per output channel);
-- int4: values uint8 with K halved (two 4-bit values per byte), scale and min f16 with K divided by 32.
-Layer weights are stacked `[num_layers, K, *N]` and indexed by the scan's layer inside `project`.
+- q8 (Q8_0): values int8 in the packed layout, scale f16 (`pallas_kernels/cpu_qmatmul.py`);
+- q4 (Q4_1): values uint8 (two 4-bit values per byte) in the packed layout, scale and min f16.
+Layer weights are stacked on a leading `[num_layers]` axis and indexed by the scan's layer inside `project`.
 
-How it is multiplied (measured on the 2-core CPU, bench/quant.py; see bench/RESULTS.md):
+How they are multiplied (measured on the 2-core CPU, bench/quant.py; see bench/RESULTS.md):
 - float weights: XLA's dot.
-- quantized on the CPU with at most KERNEL_MAX_ROWS rows (decode steps): the C++ kernels of
-  `pallas_kernels/cpu_qmatmul.cc`, which widen the weights in registers and take the whole layer stack, so
-  neither a float copy of the weights nor a per-layer slice is ever made.
-- quantized otherwise (prefill, large decode batches, other backends, or the kernel library not built): the
-  weights widened to the activation dtype in front of XLA's dot, int8 scaled after it (weight-only
-  quantization; XLA fuses the convert into its dot). XLA's int8 x int8 -> int32 dot with the rows quantized on the
-  fly is faster on the CPU from 8 rows up, but one activation scale per row costs too much quality
-  (SmolLM2's top-1 agreement with float32 falls from 97% to 89%), so it is not used.
+- quantized, on a CPU with the kernel library: the C++ kernels, for every row count. They quantize the
+  activations per block of 32 (as llama.cpp does) and multiply in integers; they take the whole layer stack,
+  so neither a float copy of the weights nor a per-layer slice is ever made.
+- quantized otherwise (an accelerator, or no C++ compiler): the weights dequantized in front of XLA's dot
+  (weight-only quantization).
+A projection may RMS-normalize its input first (`RmsNorm`, the norm in front of a Llama block's q/k/v and MLP
+and of its LM head); the CPU kernels do it inside, in an order that no other row of the batch changes.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_qmatmul
-
-KERNEL_MAX_ROWS = 16
+from pallas_kernels.cpu_qmatmul import PANEL
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Weight:
-    """values: float | int8 | uint8 (int4 pairs); scale, min: None for float weights (min only for int4)."""
+    """values: float | int8 (q8) | uint8 (q4); scale: None for float weights; min: q4 only."""
 
     values: jax.Array
     scale: jax.Array | None = None
@@ -44,69 +41,78 @@ class Weight:
     def format(self) -> str:
         if self.scale is None:
             return "float"
-        return "int4" if self.min is not None else "int8"
+        return "q4" if self.min is not None else "q8"
+
+    def out_shape(self, stacked: bool) -> tuple[int, ...]:
+        """The output axes `*N` (the float form's axes after K)."""
+        if self.format == "float":
+            return self.values.shape[2 if stacked else 1:]
+        *outer, panels = self.scale.shape[1 if stacked else 0:-2]
+        return (*outer, panels * PANEL)
 
 
-def _use_kernel(w: Weight, num_rows: int, num_out: int) -> bool:
-    return (
-        w.format != "float" and num_rows <= KERNEL_MAX_ROWS and num_out % 8 == 0
-        and jax.default_backend() == "cpu" and cpu_qmatmul.available()
-    )
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RmsNorm:
+    """x / sqrt(mean(x^2) + eps) * weight on a projection's input rows; weight `[K]`, or `[L, K]` stacked like
+    the projection's weight."""
+
+    weight: jax.Array
+    eps: float = field(metadata=dict(static=True))
 
 
-def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: jnp.dtype | None = None) -> jax.Array:
-    """x: [T, K] -> [T, *N] in `out_dtype` (default x's). w: stacked `[L, K, *N]` with `layer` an int32 index,
-    or `[K, *N]`."""
+def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: jnp.dtype | None = None,
+            norm: RmsNorm | None = None) -> jax.Array:
+    """x: [T, K] -> [T, *N] in `out_dtype` (default x's), x normalized first by `norm` if given. w: stacked
+    `[L, ...]` with `layer` an int32 index, or a single weight."""
+    out_shape = w.out_shape(stacked=layer is not None)
     if layer is None:
-        w = jax.tree.map(lambda a: a[None], w)
+        w, norm = jax.tree.map(lambda a: a[None], (w, norm))
         layer = jnp.int32(0)
-    out_shape = w.values.shape[2:]
-    w = _flatten_outputs(w, math.prod(out_shape))
-    if _use_kernel(w, x.shape[0], w.values.shape[2]):
-        x32 = x.astype(jnp.float32)
-        if w.format == "int8":
-            y = cpu_qmatmul.q8_kn(x32, w.values, w.scale, layer)
-        else:
-            y = cpu_qmatmul.q4_kn(x32, w.values, w.scale, w.min, layer)
+    if w.format != "float" and cpu_qmatmul.available():
+        y = _kernel(x.astype(jnp.float32), w, layer, norm)
     else:
-        y = _xla_dot(x, jax.tree.map(lambda a: a[layer], w))
+        h = x if norm is None else cpu_qmatmul.rms_norm(x, norm.weight[layer], norm.eps).astype(x.dtype)
+        weight = w.values[layer] if w.format == "float" else dequantize(jax.tree.map(lambda a: a[layer], w), x.dtype)
+        y = jnp.dot(h, weight.reshape(x.shape[1], -1), preferred_element_type=jnp.float32)
     return y.astype(out_dtype or x.dtype).reshape(x.shape[0], *out_shape)
 
 
-def _flatten_outputs(w: Weight, num_out: int) -> Weight:
-    """[L, K, *N] -> [L, K, prod(N)] (scales alike): free reshapes of contiguous trailing axes."""
-    keep = lambda a, axes: None if a is None else a.reshape(*a.shape[:axes], num_out)
-    return Weight(keep(w.values, 2), keep(w.scale, 1 if w.format == "int8" else 2), keep(w.min, 2))
+def _kernel(x: jax.Array, w: Weight, layer: jax.Array, norm: RmsNorm | None) -> jax.Array:
+    """The CPU kernels on the stack flattened to their `[L, P, K/pack, 16, 4]` (free reshapes)."""
+    def flat(a: jax.Array, tail: int) -> jax.Array:
+        return a.reshape(a.shape[0], -1, *a.shape[-tail:])
+
+    weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+    if w.format == "q8":
+        return cpu_qmatmul.q8_q8(x, flat(w.values, 3), flat(w.scale, 2), layer, weight, eps)
+    return cpu_qmatmul.q4_q8(x, flat(w.values, 3), flat(w.scale, 2), flat(w.min, 2), layer, weight, eps)
 
 
-def project_rows(x: jax.Array, table: Weight) -> jax.Array:
-    """x @ table.T, for an embedding table used as the LM head: x [T, K], table [N, K] -> [T, N] float32."""
-    if _use_kernel(table, x.shape[0], table.values.shape[0]) and table.format == "int8":
-        return cpu_qmatmul.q8_nk(x.astype(jnp.float32), table.values, table.scale)
-    return _xla_dot(x, jax.tree.map(lambda a: a.T, table))
-
-
-def _xla_dot(x: jax.Array, w: Weight) -> jax.Array:
-    """x [T, K] @ one weight [K, N] -> [T, N] float32 through XLA's dot. int8 is converted in front of the dot
-    and scaled after it, which lets XLA's CPU backend fuse the convert into its matmul (scaling first would
-    materialize a float copy of the weight, 1.5x slower at 64 rows)."""
-    if w.format == "int8":
-        return jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32) * w.scale
-    return jnp.dot(x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
+def project_rows(x: jax.Array, table: Weight, norm: RmsNorm | None = None) -> jax.Array:
+    """x @ table.T for an embedding table used as the LM head: x [T, K] -> [T, vocab] float32, x normalized
+    first by `norm` if given. A quantized table is stored like an `[K, vocab]` weight already."""
+    if table.format == "float":
+        table = Weight(table.values.T)
+    return project(x, table, out_dtype=jnp.float32, norm=norm)
 
 
 def dequantize(w: Weight, dtype: jnp.dtype) -> jax.Array:
-    """One weight `[K, N]` (scale `[N]`, or int4 scale/min `[K/32, N]`) widened to `dtype`."""
+    """One weight (not stacked) -> `[K, *N]` in `dtype`."""
     if w.format == "float":
         return w.values.astype(dtype)
-    if w.format == "int8":
-        return w.values.astype(dtype) * w.scale.astype(dtype)
-    return cpu_qmatmul.unpack_q4(w.values, w.scale, w.min).astype(dtype)
+    if w.format == "q8":
+        return cpu_qmatmul.dequantize_q8(w.values, w.scale).astype(dtype)
+    return cpu_qmatmul.dequantize_q4(w.values, w.scale, w.min).astype(dtype)
 
 
 def embed_rows(table: Weight, token_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Rows of an embedding table `[vocab, hidden]` (float or int8 with one scale per row) -> [T, hidden]."""
-    rows = jnp.take(table.values, token_ids, axis=0).astype(dtype)
+    """Rows of an embedding table `[vocab, hidden]` (float, or q8 stored like an `[hidden, vocab]` weight)
+    -> [T, hidden]."""
     if table.format == "float":
-        return rows
-    return rows * jnp.take(table.scale, token_ids, axis=0)[:, None].astype(dtype)
+        return jnp.take(table.values, token_ids, axis=0).astype(dtype)
+    panel, column = token_ids // PANEL, token_ids % PANEL
+    values = table.values[panel, :, column, :]  # [T, hidden/4, 4]
+    scale = table.scale[panel, :, column]  # [T, hidden/32]
+    rows = values.reshape(len(token_ids), -1, cpu_qmatmul.BLOCK).astype(dtype) * scale[..., None].astype(dtype)
+    return rows.reshape(len(token_ids), -1)

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
-from model.linear import Weight, embed_rows, project, project_rows
+from model.linear import RmsNorm, Weight, embed_rows, project, project_rows
 
 KVCache = tuple[jax.Array, jax.Array]
 """(k, v) as the `AttendFn` keeps them: the model only threads them through its layers."""
@@ -35,13 +35,6 @@ LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_d
 LINEAR_WEIGHTS = {"wqkv": 1, "wo": 1, "w_gate_up": 1, "w_down": 1, "embed": 1, "lm_head": 0}
 """The weights that are multiplied (and may be quantized) -> their input-feature (contracting) axis. The
 tied `embed [vocab, hidden]` is the LM head `hidden -> vocab` read row-wise."""
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x: [T, D] -> [T, D] in x's dtype; the mean of squares is taken in float32."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -122,7 +115,8 @@ class Llama(nnx.Module):
     def __call__(
         self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, attend: AttendFn
     ) -> tuple[jax.Array, KVCache]:
-        """token_ids, positions: [T] int32 -> (hidden [T, D] in the params dtype, updated kv_cache)."""
+        """token_ids, positions: [T] int32 -> (hidden [T, D] in the params dtype: the last layer's residual
+        stream, which `logits` normalizes; updated kv_cache)."""
         c = self.config
         num_tokens = token_ids.shape[0]
         x = embed_rows(self.weight("embed"), token_ids, self.dtype)
@@ -133,27 +127,27 @@ class Llama(nnx.Module):
 
         def layer(carry: tuple[jax.Array, KVCache], index: jax.Array):
             x, kv_cache = carry
-            h = rms_norm(x, p["attn_norm"][index], c.rms_norm_eps)
-            qkv = project(h, p["wqkv"], index)
+            qkv = project(x, p["wqkv"], index, norm=RmsNorm(p["attn_norm"], c.rms_norm_eps))
             if c.attention_bias:
                 qkv = qkv + p["bqkv"][index]
             q, k, v = split_qkv(qkv, c)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, kv_cache = attend(index, q, k, v, kv_cache)
             x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], index)
-            h = rms_norm(x, p["mlp_norm"][index], c.rms_norm_eps)
-            gate_up = project(h, p["w_gate_up"], index)
+            gate_up = project(x, p["w_gate_up"], index, norm=RmsNorm(p["mlp_norm"], c.rms_norm_eps))
             x = x + project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], index)
             return (x, kv_cache), None
 
         (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32))
-        return rms_norm(x, self.final_norm[...], c.rms_norm_eps), kv_cache
+        return x, kv_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden: [N, D] -> [N, vocab] float32. Call it only on the rows that are sampled."""
+        """hidden: [N, D] (the last layer's residual stream) -> [N, vocab] float32, through the final norm. Call
+        it only on the rows that are sampled."""
+        norm = RmsNorm(self.final_norm[...], self.config.rms_norm_eps)
         if self.config.tie_word_embeddings:
-            return project_rows(hidden, self.weight("embed"))
-        return project(hidden, self.weight("lm_head"), out_dtype=jnp.float32)
+            return project_rows(hidden, self.weight("embed"), norm)
+        return project(hidden, self.weight("lm_head"), out_dtype=jnp.float32, norm=norm)
 
 
 def empty_kv_cache(

@@ -1,15 +1,17 @@
-"""Weight quantization: which modes exist, what "auto" means on each backend, and the quantizers.
+"""Weight quantization: which modes exist, what "auto" means, and the quantizers into the kernels' layouts.
 
-Modes (`load_model(quantization=...)`):
+Modes (`load_model(quantization=...)`), GGUF's block formats with one scale per BLOCK = 32 consecutive inputs
+of each output column:
 - "none": weights in the model dtype.
-- "int8": every linear weight and the embedding int8, symmetric, one float32 scale per output channel
-  (`w ~= q * scale`, q in [-127, 127]; the scale has the weight's shape without its input axis).
-- "int4": the layer weights 4-bit, asymmetric, one scale and one min per GROUP consecutive inputs of each
-  output channel (`w ~= q * scale + min`, q in [0, 15], GGUF Q4_1's numbers in Sluice's layout: two values per
-  byte along the input axis, even inputs in the low nibble; scale and min float16 with the input axis divided
-  by GROUP); the embedding / LM head int8 as above. Quantizing the dequantized values of a Q4_1 GGUF gives
-  back its own values, scales and mins, so that conversion loses nothing.
-Activations stay in the model dtype (weight-only quantization): `model.linear` widens the weights.
+- "int8": every linear weight and the embedding in Q8_0: q in [-127, 127], `w ~= q * scale`, scale float16.
+- "int4": the layer weights in Q4_1: q in [0, 15], `w ~= q * scale + min`, scale and min float16; the embedding
+  / LM head in Q8_0.
+Both are GGUF's own numbers: quantizing the dequantized values of a Q4_1 (or Q8_0) GGUF tensor gives back its
+values, scales and mins exactly, so converting SmolLM2's Q4_1 / Q8_0 file to "int4" loses nothing.
+The values are stored packed for the CPU kernels (`pallas_kernels/cpu_qmatmul.py`): a weight `[*lead, K, *N]`
+(lead: the stacked layer axis, K: the input axis) becomes `[*lead, *N_outer, N_last/16, K/pack, 16, 4]` and
+its scales `[*lead, *N_outer, N_last/16, K/32, 16]` (`packed_order` gives the axis order). How they are
+multiplied is `model.linear`'s business.
 
 The quantizers are jnp functions, so `quantize_model` also runs under `nnx.eval_shape` (the loader builds its
 restore target that way).
@@ -17,20 +19,23 @@ restore target that way).
 
 from __future__ import annotations
 
+from typing import Sequence, TypeVar
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.llama import LINEAR_WEIGHTS, Llama
-from pallas_kernels.cpu_qmatmul import GROUP
+from model.llama import LAYER_PARAMS, LINEAR_WEIGHTS, Llama
+from pallas_kernels.cpu_qmatmul import BLOCK, PANEL, pack_q4, pack_q8, pack_scales
 
 QUANTIZATIONS = ("none", "int8", "int4")
 CHOICES = QUANTIZATIONS + ("auto",)
-AUTO = {"cpu": "int8", "gpu": "int8"}
-"""What "auto" picks per backend, from bench/quant.py (bench/RESULTS.md). CPU: int8 steps fastest at every
-batch size measured (its kernel does less work per weight than int4's, which does not read few enough bytes
-fewer to make up for it on 2 cores, and int4's prefill pays for unpacking), within 0.2% of float32's
-perplexity. GPU: int8 weight-only halves bf16's bytes without a kernel of our own."""
+AUTO = {"cpu": "int4", "gpu": "int8"}
+"""What "auto" picks per backend (bench/quant.py, bench/RESULTS.md). CPU: int4 reads the fewest bytes per
+decode step and multiplies as fast as int8 in the VNNI kernels, and for a 4-bit GGUF it is the file's own
+weights. GPU: int8 halves bf16's bytes without a kernel of our own."""
+
+T = TypeVar("T")
 
 
 def resolve(quantization: str, backend: str | None = None) -> str:
@@ -42,44 +47,63 @@ def resolve(quantization: str, backend: str | None = None) -> str:
     return AUTO.get(backend or jax.default_backend(), "none")
 
 
-def quantize_int8(w: jax.Array, k_axis: int) -> tuple[jax.Array, jax.Array]:
-    """w float -> (q int8 like w, scale float32 = w's shape without k_axis)."""
-    w = jnp.asarray(w, jnp.float32)
-    scale = jnp.max(jnp.abs(w), axis=k_axis) / 127.0
-    scale = jnp.where(scale == 0.0, 1.0, scale)
-    q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, k_axis)), -127, 127)
-    return q.astype(jnp.int8), scale
+def packed_order(name: str, axes: Sequence[T]) -> tuple[T, ...]:
+    """The axes of the float weight `name` (its shape, or its partition spec) in the packed layout's order:
+    lead (layer) axes, output axes, then the input axis. The layout's trailing [16, 4] (values) or [16]
+    (scales) are not included; the last output axis counts panels of 16 there."""
+    k, lead = LINEAR_WEIGHTS[name], 1 if name in LAYER_PARAMS else 0
+    outputs = [a for i, a in enumerate(axes) if i >= lead and i != k]
+    return (*axes[:lead], *outputs, axes[k])
 
 
-def quantize_int4(w: jax.Array, k_axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """w float (k_axis a multiple of GROUP) -> (packed uint8, k halved; scale, min f16, k divided by GROUP)."""
-    w = jnp.moveaxis(jnp.asarray(w, jnp.float32), k_axis, 0)
-    k = w.shape[0]
-    if k % GROUP:
-        raise ValueError(f"int4 needs the input dimension ({k}) to be a multiple of {GROUP}")
-    groups = w.reshape(k // GROUP, GROUP, *w.shape[1:])
-    low = groups.min(axis=1).astype(jnp.float16)
-    step = ((groups.max(axis=1) - low.astype(jnp.float32)) / 15.0).astype(jnp.float16)
-    step32 = jnp.where(step == 0, 1.0, step.astype(jnp.float32))
-    q = jnp.round((groups - low.astype(jnp.float32)[:, None]) / step32[:, None])
+def _blocks(w: jax.Array) -> jax.Array:
+    """[K, *N] -> [K / BLOCK, BLOCK, *N] f32, checking the shapes the packed layouts need."""
+    k, *outputs = w.shape
+    if k % BLOCK or outputs[-1] % PANEL:
+        raise ValueError(f"quantized weights need inputs in multiples of {BLOCK} and outputs of {PANEL}, got {w.shape}")
+    return jnp.asarray(w, jnp.float32).reshape(k // BLOCK, BLOCK, *outputs)
+
+
+def quantize_q8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w [K, *N] float -> Q8_0 packed: (values int8, scale f16)."""
+    blocks = _blocks(w)
+    scale = (jnp.max(jnp.abs(blocks), axis=1) / 127.0).astype(jnp.float16)
+    step = jnp.where(scale == 0, 1.0, scale.astype(jnp.float32))
+    q = jnp.clip(jnp.round(blocks / step[:, None]), -127, 127).astype(jnp.int8).reshape(w.shape)
+    return pack_q8(q), pack_scales(scale)
+
+
+def quantize_q4(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """w [K, *N] float -> Q4_1 packed: (values uint8, scale f16, min f16)."""
+    blocks = _blocks(w)
+    low = blocks.min(axis=1).astype(jnp.float16)
+    scale = ((blocks.max(axis=1) - low.astype(jnp.float32)) / 15.0).astype(jnp.float16)
+    step = jnp.where(scale == 0, 1.0, scale.astype(jnp.float32))
+    q = jnp.round((blocks - low.astype(jnp.float32)[:, None]) / step[:, None])
     q = jnp.clip(q, 0, 15).astype(jnp.uint8).reshape(w.shape)
-    packed = q[0::2] | (q[1::2] << 4)
-    return tuple(jnp.moveaxis(a, 0, k_axis) for a in (packed, step, low))
+    return pack_q4(q), pack_scales(scale), pack_scales(low)
+
+
+def quantize_weight(name: str, w: jax.Array, quantization: str) -> dict[str, jax.Array]:
+    """The float weight `name` -> its params in `quantization`: `name` (values), `name_scale`, and for int4
+    layer weights `name_min`."""
+    k, lead = LINEAR_WEIGHTS[name], 1 if name in LAYER_PARAMS else 0
+    w = jnp.moveaxis(jnp.asarray(w), k, lead)  # [*lead, K, *N]
+    four_bit = quantization == "int4" and name in LAYER_PARAMS
+    quantize = quantize_q4 if four_bit else quantize_q8
+    for _ in range(lead):
+        quantize = jax.vmap(quantize)
+    parts = quantize(w)
+    return dict(zip((name, f"{name}_scale", f"{name}_min"), parts))
 
 
 def quantize_params(params: dict[str, jax.Array], quantization: str) -> dict[str, jax.Array]:
-    """Float params by name (`Llama`'s) -> the params of that mode: each quantized weight `name` replaced by
-    its values, plus `name_scale` (and `name_min` for int4). "none" returns them as they are."""
+    """Float params by name (`Llama`'s) -> the params of that mode. "none" returns them as they are."""
     if quantization == "none":
         return dict(params)
     out = {}
     for name, value in params.items():
-        if name not in LINEAR_WEIGHTS:
-            out[name] = value
-        elif quantization == "int4" and name not in ("embed", "lm_head"):
-            out[name], out[f"{name}_scale"], out[f"{name}_min"] = quantize_int4(value, LINEAR_WEIGHTS[name])
-        else:
-            out[name], out[f"{name}_scale"] = quantize_int8(value, LINEAR_WEIGHTS[name])
+        out.update(quantize_weight(name, value, quantization) if name in LINEAR_WEIGHTS else {name: value})
     return out
 
 

@@ -14,6 +14,8 @@
 // GQA group and all its query rows, page by page with an online softmax. Items are claimed by the calling
 // thread and by helpers on XLA's intra-op thread pool (cpu_parallel.h).
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -49,130 +51,193 @@ struct Shape {
   int64_t num_tokens, num_q_heads, head_dim, num_kv_heads, page_size, num_seqs, max_pages;
 };
 
-float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < n; ++j) s += a[j] * b[j];
-  return s;
+// e^x lane by lane for x <= 0 (-inf -> 0): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
+// polynomial (relative error ~2e-7), 2^n in the exponent bits.
+inline __m256 ExpNonPositive(__m256 x) {
+  const __m256 clamped = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+  return _mm256_and_ps(result, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
 }
 
-void Axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) y[j] += w * x[j];
+inline float HorizontalMax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// e^x for x <= 0 (and -inf -> 0), in plain arithmetic the compiler vectorizes (libm's expf is a scalar call):
-// x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error ~2e-7), 2^n in
-// the exponent bits.
-inline float ExpNonPositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = std::nearbyint(clamped * 1.44269504f);
-  const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : p * scale;
+inline float HorizontalSum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
-// Token t of (page, head) as f32: the pool's own row for f32, else dequantized into `scratch`.
+// 8 consecutive elements (chunk c) of token t's row of (page, head), as f32.
 template <typename T>
-const float* RowF32(const PagePool<T>& pool, int64_t page, int64_t head, int64_t t, float* scratch) {
+inline __m256 Load8(const PagePool<T>& pool, int64_t page, int64_t head, int64_t t, int64_t c) {
+  const T* row = pool.Row(page, head, t) + 8 * c;
   if constexpr (std::is_same_v<T, float>) {
-    return pool.Row(page, head, t);
+    return _mm256_loadu_ps(row);
   } else {
-    const T* row = pool.Row(page, head, t);
-    const float scale = pool.Scale(page, head, t);
-#pragma omp simd
-    for (int64_t j = 0; j < pool.head_dim; ++j) scratch[j] = static_cast<float>(row[j]) * scale;
-    return scratch;
+    const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(pool.Scale(page, head, t)));
   }
 }
 
-// One (sequence, kv head): every query row of the group's q heads, over the sequence's pages.
+// Lane t of the result is the sum of the lanes of a[t].
+inline __m256 Sum8x8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Pages are scattered 4 KB blocks that the hardware prefetcher does not run ahead into: while a page is
+// computed, its V loop asks for the next page's K and V a token row at a time, into L2 (spread out, so the
+// requests never queue up behind each other; into L1 they would evict what the page itself needs).
+template <typename T>
+inline void PrefetchRow(const PagePool<T>& k, const PagePool<T>& v, int64_t page, int64_t head, int64_t t) {
+  const char* k_row = reinterpret_cast<const char*>(k.Row(page, head, t));
+  const char* v_row = reinterpret_cast<const char*>(v.Row(page, head, t));
+  for (int64_t offset = 0; offset < k.head_dim * static_cast<int64_t>(sizeof(T)); offset += 64) {
+    _mm_prefetch(k_row + offset, _MM_HINT_T1);
+    _mm_prefetch(v_row + offset, _MM_HINT_T1);
+  }
+}
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxPageSize = 256;
+
+// R query rows of one (sequence, kv head) over the sequence's pages, with an online softmax. Rows are
+// (query i, q head g) pairs; `visible[r]` is how many positions row r attends to. Each 8-token block of a
+// page is scored against all R rows at once (R x 8 independent accumulator chains, one horizontal reduction
+// per 8 scores), and each V row is read once for all R rows.
+template <typename T, int R>
+void AttendRows(const float* const* q, const int64_t* visible, const PagePool<T>& k, const PagePool<T>& v,
+                const int32_t* pages, int64_t kv_head, float* const* out) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t d8 = k.head_dim / 8, ps = k.page_size;
+  alignas(32) float o[R][kMaxHeadDim] = {};
+  alignas(32) float s[R][kMaxPageSize];
+  float m[R], l[R];
+  int64_t span = 0;
+  for (int r = 0; r < R; ++r) {
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+    span = std::max(span, visible[r]);
+  }
+  const int64_t num_pages = (span + ps - 1) / ps;
+  for (int64_t p = 0; p < num_pages; ++p) {
+    const int64_t page = pages[p], tokens = std::min(ps, span - p * ps);
+    // Scores, 8 tokens at a time (a short last block re-reads a valid row and is masked below).
+    for (int64_t t0 = 0; t0 < tokens; t0 += 8) {
+      __m256 acc[R][8];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 8; ++j) acc[r][j] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < d8; ++c) {
+        __m256 qc[R];
+        for (int r = 0; r < R; ++r) qc[r] = _mm256_loadu_ps(q[r] + 8 * c);
+        for (int j = 0; j < 8; ++j) {
+          const __m256 kc = Load8(k, page, kv_head, std::min(t0 + j, tokens - 1), c);
+          for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(qc[r], kc, acc[r][j]);
+        }
+      }
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(&s[r][t0], Sum8x8(acc[r]));
+    }
+    // Online softmax over this page's tokens (8 lanes at a time): the ones beyond a row's visible span weigh 0.
+    float alpha[R];  // how much of the earlier pages' weight row r keeps
+    for (int r = 0; r < R; ++r) {
+      const float seen = static_cast<float>(std::clamp<int64_t>(visible[r] - p * ps, 0, tokens));
+      __m256 valid[kMaxPageSize / 8];
+      __m256 block_max = _mm256_set1_ps(m[r]);
+      for (int64_t t0 = 0; t0 < tokens; t0 += 8) {
+        const __m256 position = _mm256_add_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(t0));
+        valid[t0 / 8] = _mm256_cmp_ps(position, _mm256_set1_ps(seen), _CMP_LT_OQ);
+        block_max = _mm256_max_ps(block_max, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(&s[r][t0]),
+                                                              valid[t0 / 8]));
+      }
+      const float new_max = HorizontalMax(block_max);
+      if (new_max == kNegInf) {  // nothing visible to this row yet
+        alpha[r] = 1.0f;
+        for (int64_t t = 0; t < tokens; ++t) s[r][t] = 0.0f;
+        continue;
+      }
+      alpha[r] = _mm256_cvtss_f32(ExpNonPositive(_mm256_set1_ps(m[r] - new_max)));
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t t0 = 0; t0 < tokens; t0 += 8) {
+        const __m256 e = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(&s[r][t0]), _mm256_set1_ps(new_max)));
+        const __m256 weight = _mm256_and_ps(e, valid[t0 / 8]);
+        _mm256_storeu_ps(&s[r][t0], weight);
+        sum = _mm256_add_ps(sum, weight);
+      }
+      m[r] = new_max;
+      l[r] = l[r] * alpha[r] + HorizontalSum(sum);
+    }
+    // o += s V, 4 column chunks (32 elements) of V at a time for all rows: R x 4 independent chains.
+    for (int64_t c0 = 0; c0 < d8; c0 += 4) {
+      __m256 oc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c)
+          oc[r][c] = _mm256_mul_ps(_mm256_load_ps(&o[r][8 * (c0 + c)]), _mm256_set1_ps(alpha[r]));
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (c0 == 0 && p + 1 < num_pages) PrefetchRow(k, v, pages[p + 1], kv_head, t);
+        __m256 vc[4];
+        for (int c = 0; c < 4; ++c) vc[c] = Load8(v, page, kv_head, t, std::min(c0 + c, d8 - 1));
+        for (int r = 0; r < R; ++r) {
+          const __m256 weight = _mm256_set1_ps(s[r][t]);
+          for (int c = 0; c < 4; ++c) oc[r][c] = _mm256_fmadd_ps(weight, vc[c], oc[r][c]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4 && c0 + c < d8; ++c) _mm256_store_ps(&o[r][8 * (c0 + c)], oc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t j = 0; j < k.head_dim; ++j) out[r][j] = o[r][j] * inv;
+  }
+}
+
+// One (sequence, kv head): every query row of the group's q heads, in tiles of up to 4 rows.
 template <typename T>
 void AttendItem(int64_t seq, int64_t kv_head, const Shape& sh, const float* q, const PagePool<T>& k,
                 const PagePool<T>& v, const int32_t* kv_lens, const int32_t* page_table, const int32_t* cu_q_lens,
                 float sm_scale, float* out) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t group = sh.num_q_heads / sh.num_kv_heads, d = sh.head_dim, ps = sh.page_size;
+  const int64_t group = sh.num_q_heads / sh.num_kv_heads, d = sh.head_dim;
   const int64_t q_start = cu_q_lens[seq], q_len = cu_q_lens[seq + 1] - q_start, kv_len = kv_lens[seq];
   if (q_len <= 0 || kv_len <= 0) return;  // padding: its rows stay zero
   const int64_t rows = q_len * group;
-  // Per-thread scratch, reused across calls: items are many and small.
-  thread_local std::vector<float> m, l, acc, qs, scores, row_scratch;
-  m.assign(rows, kNegInf);
-  l.assign(rows, 0.0f);
-  acc.assign(rows * d, 0.0f);
+  thread_local std::vector<float> qs;  // the item's query rows, scaled by sm_scale
   qs.resize(rows * d);
-  scores.resize(rows * ps);
-  row_scratch.resize(d);
   // Row r = (i, g): query i of q head kv_head * group + g, at position kv_len - q_len + i.
-  for (int64_t i = 0; i < q_len; ++i)
-    for (int64_t g = 0; g < group; ++g) {
-      const float* src = q + ((q_start + i) * sh.num_q_heads + kv_head * group + g) * d;
-      for (int64_t j = 0; j < d; ++j) qs[(i * group + g) * d + j] = src[j] * sm_scale;
-    }
-  const int64_t num_pages = (kv_len + ps - 1) / ps;
-  const int64_t page_bytes = ps * d * static_cast<int64_t>(sizeof(T));
-  for (int64_t p = 0; p < num_pages; ++p) {
-    const int64_t page = page_table[seq * sh.max_pages + p];
-    const int64_t tokens = std::min(ps, kv_len - p * ps);
-    if (p + 1 < num_pages) {  // pages are scattered: start fetching the next one while this one is computed
-      const int64_t next = page_table[seq * sh.max_pages + p + 1];
-      const char* next_k = reinterpret_cast<const char*>(k.Row(next, kv_head, 0));
-      const char* next_v = reinterpret_cast<const char*>(v.Row(next, kv_head, 0));
-      for (int64_t offset = 0; offset < page_bytes; offset += 64) {
-        __builtin_prefetch(next_k + offset);
-        __builtin_prefetch(next_v + offset);
-      }
-    }
-    // Rows whose query sees every token of this page, then the rest of the rows (a prefill's early queries).
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float* kt = RowF32(k, page, kv_head, t, row_scratch.data());
-      const int64_t pos = p * ps + t;
-      for (int64_t r = 0; r < rows; ++r) {
-        const bool visible = pos <= kv_len - q_len + r / group;
-        scores[r * ps + t] = visible ? Dot(&qs[r * d], kt, d) : kNegInf;
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = &scores[r * ps];
-      float block_max = m[r];
-      for (int64_t t = 0; t < tokens; ++t) block_max = std::max(block_max, sr[t]);
-      if (block_max == kNegInf) continue;  // nothing visible to this row yet
-      const float alpha = ExpNonPositive(m[r] - block_max);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < tokens; ++t) {
-        sr[t] = ExpNonPositive(sr[t] - block_max);
-        sum += sr[t];
-      }
-      m[r] = block_max;
-      l[r] = l[r] * alpha + sum;
-      float* ar = &acc[r * d];
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) ar[j] *= alpha;
-    }
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float* vt = RowF32(v, page, kv_head, t, row_scratch.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        const float w = scores[r * ps + t];
-        if (w > 0.0f) Axpy(w, vt, &acc[r * d], d);  // 0 for masked tokens, and for rows not started
-      }
-    }
-  }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r / group, g = r % group;
-    float* dst = out + ((q_start + i) * sh.num_q_heads + kv_head * group + g) * d;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int64_t j = 0; j < d; ++j) dst[j] = acc[r * d + j] * inv;
+    const float* src = q + ((q_start + r / group) * sh.num_q_heads + kv_head * group + r % group) * d;
+    for (int64_t j = 0; j < d; ++j) qs[r * d + j] = src[j] * sm_scale;
+  }
+  const int32_t* pages = page_table + seq * sh.max_pages;
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int tile = static_cast<int>(std::min<int64_t>(4, rows - r0));
+    const float* qr[4];
+    float* outr[4];
+    int64_t visible[4];
+    for (int i = 0; i < tile; ++i) {
+      const int64_t r = r0 + i;
+      qr[i] = &qs[r * d];
+      outr[i] = out + ((q_start + r / group) * sh.num_q_heads + kv_head * group + r % group) * d;
+      visible[i] = kv_len - q_len + r / group + 1;
+    }
+    switch (tile) {
+      case 4: AttendRows<T, 4>(qr, visible, k, v, pages, kv_head, outr); break;
+      case 3: AttendRows<T, 3>(qr, visible, k, v, pages, kv_head, outr); break;
+      case 2: AttendRows<T, 2>(qr, visible, k, v, pages, kv_head, outr); break;
+      default: AttendRows<T, 1>(qr, visible, k, v, pages, kv_head, outr); break;
+    }
   }
 }
 
@@ -187,6 +252,9 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& sh, const float* q, const 
         (kv_lens[s] + sh.page_size - 1) / sh.page_size > sh.max_pages)
       return ffi::Error::InvalidArgument("cpu_ragged_paged_attention: inconsistent cu_q_lens / kv_lens");
   }
+  if (sh.head_dim % 8 || sh.head_dim > kMaxHeadDim || sh.page_size > kMaxPageSize)
+    return ffi::Error::InvalidArgument("cpu_ragged_paged_attention: head_dim must be a multiple of 8 up to 256, "
+                                       "page_size at most 256");
   const int64_t items = sh.num_seqs * sh.num_kv_heads;
   int64_t work = 0;  // query rows x context: about what an item costs
   for (int64_t s = 0; s < sh.num_seqs; ++s) work += (cu_q_lens[s + 1] - cu_q_lens[s]) * kv_lens[s];

@@ -2,7 +2,8 @@
 XLA's FFI.
 
 `make serve` / `make test` build it at install time (`python -m pallas_kernels.cpu_library`); otherwise the first
-use builds it. It is compiled for the machine it runs on (`-march=native`, as llama.cpp's CPU build is) into
+use builds it. It is compiled for the machine it runs on (`-march=native`, as llama.cpp's CPU build is, plus
+any flags in `$SLUICE_CXXFLAGS`, e.g. `-mno-avx512vnni` to build the AVX2 path) into
 `$SLUICE_HOME/kernels/<key>/`, keyed by the sources, the flags and the machine, so a changed source or another
 CPU gets its own build. Without a C++ compiler `available()` is False and callers use the jnp references.
 """
@@ -37,11 +38,15 @@ class BuildError(RuntimeError):
     """The C++ compiler is missing or failed."""
 
 
+def flags() -> list[str]:
+    return FLAGS + os.environ.get("SLUICE_CXXFLAGS", "").split()
+
+
 def library_path() -> Path:
     key = hashlib.sha256()
     for source in [*SOURCES, *HEADERS]:
         key.update(source.read_bytes())
-    key.update(" ".join([*FLAGS, platform.machine(), _cpu_flags(), jax.__version__]).encode())
+    key.update(" ".join([*flags(), platform.machine(), _cpu_flags(), jax.__version__]).encode())
     return sluice_home() / "kernels" / key.hexdigest()[:16] / LIBRARY
 
 
@@ -64,7 +69,7 @@ def build() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         output = Path(tmp) / LIBRARY
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(output)]
+        command = [compiler, *flags(), f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(output)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise BuildError(f"{' '.join(command)} failed:\n{result.stderr}")

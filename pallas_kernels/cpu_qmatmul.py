@@ -1,17 +1,25 @@
-"""Quantized-weight matmuls on the CPU: the C++ kernels of `cpu_qmatmul.cc` (through `jax.ffi`) beside their
-jnp references.
+"""Quantized matmuls on the CPU: the C++ kernels of `cpu_qmatmul.cc` (through `jax.ffi`) beside their jnp
+references, and the packed weight layouts they read.
 
-The kernels widen int8 / 4-bit weights to float32 in registers and multiply float32 activations
-(weight-only quantization), multithreaded over the cores. XLA's own dots cannot do that at batch 1: a convert
-before the dot is materialized (a float32 copy of the weights every step), and its int8 x int8 dots need
-quantized activations and are slow for a handful of rows (bench/quant.py measures every form).
+Weights are GGUF's block formats: one scale (Q8_0), or one scale and one min (Q4_1), per BLOCK consecutive
+inputs of each output column. The kernels quantize the float32 activations the way llama.cpp does, per row in
+blocks of BLOCK inputs (`quantize_activations`), and multiply in integers (AVX-512 VNNI where the CPU has it);
+the references compute the same function with the activations fake-quantized and one float32 XLA dot.
 
-Layouts (`L` stacked layers; the kernels take the whole stack and a layer index, so a layer scan never slices):
-- q8_kn: w int8 `[L, K, N]`, scale f32 `[L, N]`: `y = (x @ w[layer]) * scale[layer]`.
-- q8_nk: w int8 `[N, K]`, scale f32 `[N]`: `y = (x @ w.T) * scale` (an embedding table as the LM head).
-- q4_kn: w uint8 `[L, K/2, N]` (byte (j, n) holds k = 2j in its low nibble, k = 2j + 1 in its high one),
-  gscale, gmin f16 `[L, K/32, N]`: `w[k, n] = q * gscale[k // 32, n] + gmin[k // 32, n]`.
-x: `[M, K]` f32; y: `[M, N]` f32.
+Packed layouts, for one weight `[K, *N]` (`pack_q8` / `pack_q4` make them): the output columns, flattened,
+come in panels of PANEL whose weights are contiguous over all of K (one sequential read per panel), the
+last output axis split as `(N_last / PANEL, PANEL)`; within a panel one 32-byte load holds 4 (q8) or 8 (q4)
+consecutive inputs of 8 columns, a VNNI operand as it is. Column n = PANEL * p + c:
+- q8: values int8 `[*N_outer, N_last/16, K/4, 16, 4]`, byte (p, j, c, i) = q[4j + i, n]; scale f16
+  `[*N_outer, N_last/16, K/BLOCK, 16]`: `w[k, n] = q[k, n] * scale[p, k // BLOCK, c]`.
+- q4: values uint8 `[*N_outer, N_last/16, K/8, 16, 4]`, byte (p, j, c, i) = q[8j + i, n] | q[8j + 4 + i, n] << 4;
+  scale and min like q8's scale: `w[k, n] = q[k, n] * scale[p, k // BLOCK, c] + min[p, k // BLOCK, c]`, q in
+  [0, 15].
+The kernels take `[L, P, K/pack, 16, 4]` (L stacked layers, P = N / 16 panels: the packed axes flattened) and a
+layer index, so a layer scan never slices. x: `[M, K]` f32; y: `[M, N]` f32.
+
+A kernel can also normalize its rows first (RMSNorm with a per-layer weight `[L, K]`): in one fixed order per
+row, so that a row's numbers never depend on the rows beside it (see `cpu_qmatmul.cc`).
 
 The library is built with the other CPU kernels (`cpu_library.py`); where it cannot be built or the CPU lacks
 AVX2/FMA/F16C, `available()` is False and callers use the references.
@@ -21,57 +29,146 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import cpu_library
 
-GROUP = 32
-"""q4 weights share one scale and one min per GROUP consecutive input features."""
-_TARGETS = {"sluice_q8_kn": "SluiceQ8Kn", "sluice_q8_nk": "SluiceQ8Nk", "sluice_q4_kn": "SluiceQ4Kn"}
+BLOCK = 32
+"""Inputs per weight scale (and min), and per activation scale."""
+PANEL = 16
+"""Output columns whose packed weights are contiguous over K."""
+_TARGETS = {"sluice_q8_q8": "SluiceQ8Q8", "sluice_q4_q8": "SluiceQ4Q8"}
 
 
 def available() -> bool:
     """Whether the kernels run here (registering their FFI targets the first time)."""
-    return all(cpu_library.register(target, symbol) for target, symbol in _TARGETS.items())
+    return jax.default_backend() == "cpu" and all(
+        cpu_library.register(target, symbol) for target, symbol in _TARGETS.items()
+    )
 
 
-def _out(x: jax.Array, n: int) -> jax.ShapeDtypeStruct:
+def _out(x: jax.Array, w: jax.Array) -> jax.ShapeDtypeStruct:
     if not available():
         raise RuntimeError("the CPU kernel library is not built or not supported here (see cpu_library.py)")
-    return jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ShapeDtypeStruct((x.shape[0], w.shape[1] * PANEL), jnp.float32)
 
 
-def q8_kn(x: jax.Array, w: jax.Array, scale: jax.Array, layer: jax.Array) -> jax.Array:
-    """x [M, K] f32, w int8 [L, K, N], scale [L, N] f32, layer int32 [] -> [M, N] f32."""
-    return jax.ffi.ffi_call("sluice_q8_kn", _out(x, w.shape[2]))(x, w, scale, jnp.asarray(layer, jnp.int32))
+def _norm(norm: jax.Array | None, w: jax.Array, k: int) -> jax.Array:
+    """The RMSNorm weights as the kernels take them: [L, K], or [L, 0] for none."""
+    return jnp.zeros((w.shape[0], 0), jnp.float32) if norm is None else norm.astype(jnp.float32).reshape(w.shape[0], k)
 
 
-def q8_nk(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [M, K] f32, w int8 [N, K], scale [N] f32 -> [M, N] f32."""
-    return jax.ffi.ffi_call("sluice_q8_nk", _out(x, w.shape[0]))(x, w, scale)
+def q8_q8(x: jax.Array, w: jax.Array, scale: jax.Array, layer: jax.Array, norm: jax.Array | None = None,
+          eps: float = 0.0) -> jax.Array:
+    """x [M, K] f32, w int8 [L, P, K/4, 16, 4], scale f16 [L, P, K/32, 16], layer int32 [] -> [M, 16 P] f32.
+    With `norm` [L, K], x's rows are RMS-normalized (by norm[layer], with `eps`) first."""
+    call = jax.ffi.ffi_call("sluice_q8_q8", _out(x, w))
+    return call(x, w, scale, jnp.asarray(layer, jnp.int32), _norm(norm, w, x.shape[1]), eps=np.float32(eps))
 
 
-def q4_kn(x: jax.Array, w: jax.Array, gscale: jax.Array, gmin: jax.Array, layer: jax.Array) -> jax.Array:
-    """x [M, K] f32, w uint8 [L, K/2, N], gscale/gmin f16 [L, K/32, N], layer int32 [] -> [M, N] f32."""
-    return jax.ffi.ffi_call("sluice_q4_kn", _out(x, w.shape[2]))(x, w, gscale, gmin, jnp.asarray(layer, jnp.int32))
+def q4_q8(x: jax.Array, w: jax.Array, scale: jax.Array, min: jax.Array, layer: jax.Array,
+          norm: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+    """x [M, K] f32, w uint8 [L, P, K/8, 16, 4], scale/min f16 [L, P, K/32, 16], layer int32 [] -> [M, 16 P] f32.
+    With `norm` [L, K], x's rows are RMS-normalized (by norm[layer], with `eps`) first."""
+    call = jax.ffi.ffi_call("sluice_q4_q8", _out(x, w))
+    return call(x, w, scale, min, jnp.asarray(layer, jnp.int32), _norm(norm, w, x.shape[1]), eps=np.float32(eps))
 
 
-def q8_kn_ref(x: jax.Array, w: jax.Array, scale: jax.Array, layer: jax.Array) -> jax.Array:
-    """The jnp reference of `q8_kn`: the weights widened to f32, then one XLA dot."""
-    return jnp.dot(x, w[layer].astype(jnp.float32), preferred_element_type=jnp.float32) * scale[layer]
+# ---- References and layouts.
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [M, K] -> x / sqrt(mean(x^2) + eps) * weight, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight.astype(jnp.float32)
 
 
-def q8_nk_ref(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
-    """The jnp reference of `q8_nk`."""
-    return jnp.dot(x, w.T.astype(jnp.float32), preferred_element_type=jnp.float32) * scale
+def quantize_activations(x: jax.Array) -> jax.Array:
+    """x [M, K] f32 -> the values the kernels compute with: per row and block of BLOCK inputs,
+    round(x * 127 / max|x|) * max|x| / 127 (round half to even)."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    return (jnp.round(blocks * inv) * (amax / 127.0)).reshape(m, k)
 
 
-def unpack_q4(w: jax.Array, gscale: jax.Array, gmin: jax.Array) -> jax.Array:
-    """w uint8 [K/2, N], gscale/gmin f16 [K/32, N] -> the weights [K, N] f32."""
-    half, n = w.shape
-    q = jnp.stack([w & 0xF, w >> 4], axis=1).reshape(-1, GROUP, n).astype(jnp.float32)
-    return (q * gscale.astype(jnp.float32)[:, None] + gmin.astype(jnp.float32)[:, None]).reshape(2 * half, n)
+def _panels(a: jax.Array, group: int) -> jax.Array:
+    """[K, *N] -> [*N_outer, N_last / PANEL, K / group, PANEL, group]."""
+    k, *outer, last = a.shape
+    a = a.reshape(k // group, group, *outer, last // PANEL, PANEL)
+    n = len(outer) + 1
+    return jnp.transpose(a, (*range(2, 2 + n), 0, 2 + n, 1))
 
 
-def q4_kn_ref(x: jax.Array, w: jax.Array, gscale: jax.Array, gmin: jax.Array, layer: jax.Array) -> jax.Array:
-    """The jnp reference of `q4_kn`: unpack one layer to f32, then one XLA dot."""
-    return jnp.dot(x, unpack_q4(w[layer], gscale[layer], gmin[layer]), preferred_element_type=jnp.float32)
+def _unpanel(a: jax.Array) -> jax.Array:
+    """The inverse of `_panels`: [*N_outer, P, K / group, PANEL, group] -> [K, *N_outer, P * PANEL]."""
+    *outer, p, kg, panel, group = a.shape
+    n = len(outer) + 1
+    a = jnp.transpose(a, (n, n + 2, *range(n), n + 1))  # [K/group, group, *outer, P, PANEL]
+    return a.reshape(kg * group, *outer, p * panel)
+
+
+def pack_scales(scale: jax.Array) -> jax.Array:
+    """Per-block scales or mins [K/BLOCK, *N] -> [*N_outer, N_last/16, K/BLOCK, 16]."""
+    return _panels(scale, 1)[..., 0]
+
+
+def unpack_scales(scale: jax.Array) -> jax.Array:
+    """The inverse of `pack_scales`."""
+    return _unpanel(scale[..., None])
+
+
+def pack_q8(q: jax.Array) -> jax.Array:
+    """int8 values [K, *N] -> the q8 layout."""
+    return _panels(q, 4)
+
+
+def pack_q4(q: jax.Array) -> jax.Array:
+    """4-bit values in uint8 [K, *N] -> the q4 layout."""
+    octets = q.reshape(q.shape[0] // 8, 2, 4, *q.shape[1:])
+    return _panels((octets[:, 0] | (octets[:, 1] << 4)).reshape(-1, *q.shape[1:]), 4)
+
+
+def unpack_q8(values: jax.Array) -> jax.Array:
+    """The q8 layout -> int8 values [K, *N]."""
+    return _unpanel(values)
+
+
+def unpack_q4(values: jax.Array) -> jax.Array:
+    """The q4 layout -> 4-bit values in uint8 [K, *N]."""
+    packed = _unpanel(values)  # [K/2, *N]: row 4j + i holds inputs 8j + i (low) and 8j + 4 + i (high)
+    quads = packed.reshape(-1, 4, *packed.shape[1:])
+    return jnp.concatenate([quads & 0xF, quads >> 4], axis=1).reshape(-1, *packed.shape[1:])
+
+
+def dequantize_q8(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """One q8 weight (packed values and scales) -> [K, *N] f32."""
+    return unpack_q8(values).astype(jnp.float32) * _per_block(unpack_scales(scale))
+
+
+def dequantize_q4(values: jax.Array, scale: jax.Array, min: jax.Array) -> jax.Array:
+    """One q4 weight (packed values, scales and mins) -> [K, *N] f32."""
+    return unpack_q4(values).astype(jnp.float32) * _per_block(unpack_scales(scale)) + _per_block(unpack_scales(min))
+
+
+def _per_block(a: jax.Array) -> jax.Array:
+    """[K/BLOCK, *N] -> [K, *N] f32, each block's value repeated over its inputs."""
+    return jnp.repeat(a.astype(jnp.float32), BLOCK, axis=0)
+
+
+def _activations_ref(x: jax.Array, layer: jax.Array, norm: jax.Array | None, eps: float) -> jax.Array:
+    return quantize_activations(x if norm is None else rms_norm(x, norm[layer], eps))
+
+
+def q8_q8_ref(x: jax.Array, w: jax.Array, scale: jax.Array, layer: jax.Array, norm: jax.Array | None = None,
+              eps: float = 0.0) -> jax.Array:
+    """The jnp reference of `q8_q8` (kernel-shaped arguments)."""
+    weight = dequantize_q8(w[layer], scale[layer])
+    return jnp.dot(_activations_ref(x, layer, norm, eps), weight, precision="highest")
+
+
+def q4_q8_ref(x: jax.Array, w: jax.Array, scale: jax.Array, min: jax.Array, layer: jax.Array,
+              norm: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+    """The jnp reference of `q4_q8` (kernel-shaped arguments)."""
+    weight = dequantize_q4(w[layer], scale[layer], min[layer])
+    return jnp.dot(_activations_ref(x, layer, norm, eps), weight, precision="highest")

@@ -5,9 +5,9 @@
   the intermediate features (gate and up are a separate axis, so each shard holds both halves of its own
   features). The o and down projections are row-parallel, so each layer needs one all-reduce after attention
   and one after the MLP (XLA inserts them from these shardings).
-- Quantized weights (`model.quantize`) are split like their float form; a per-output-channel scale (rank one
-  lower: no input axis) like the weight without its input axis, an int4 group scale or min (same rank, input
-  axis counted in groups) like the weight itself.
+- Quantized weights (`model.quantize`) are split like their float form, axis for axis in the packed layout's
+  order (`packed_order`): values, scales and mins alike (the input axis counted in packs or blocks, the last
+  output axis in panels of 16).
 - The embedding is split over the vocabulary: a lookup is a masked local gather plus an all-reduce of a
   [T, hidden] activation, and the tied LM head then yields vocab-sharded logits that are gathered once for
   sampling. Splitting it divides the largest tensor of small models (SmolLM2: 113 MB of 540 MB in float32)
@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.config import ModelConfig
 from model.llama import LINEAR_WEIGHTS, Llama
+from model.quantize import packed_order
 from sharding.mesh import TP_AXIS, InvalidTensorParallelism
 
 T = TP_AXIS
@@ -59,27 +60,26 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
 
 
 def param_spec(name: str, shape: tuple[int, ...]) -> P:
-    """The partition of parameter `name`, a quantized weight's scale or min included."""
+    """The partition of parameter `name`, a quantized weight's values, scale or min included (`shape` tells a
+    quantized weight from a float one: the packed layout has more axes)."""
     base = name.removesuffix("_scale").removesuffix("_min")
-    if base == name:
-        return PARAM_SPECS[name]
-    weight = tuple(PARAM_SPECS[base])
-    if len(shape) == len(weight):  # int4 group scale or min
-        return P(*weight)
-    k = LINEAR_WEIGHTS[base]  # one scale per output channel: the weight's partition without its input axis
-    return P(*weight[:k], *weight[k + 1:])
+    spec = tuple(PARAM_SPECS[base])
+    if base not in LINEAR_WEIGHTS or len(shape) == len(spec):  # a float parameter
+        return P(*spec)
+    return P(*packed_order(base, spec))
 
 
 def param_sharding(mesh: Mesh, config: ModelConfig, name: str, shape: tuple[int, ...]) -> NamedSharding:
     """Where parameter `name` lives on `mesh` (a `model.loader.ShardingRule` once the mesh is bound)."""
     validate_tp(config, mesh.shape[T])
     spec = param_spec(name, shape)
-    if name.removesuffix("_scale") in VOCAB_SHARDED and config.vocab_size % mesh.shape[T]:
+    tp = mesh.shape[T]
+    if name.removesuffix("_scale") in VOCAB_SHARDED and any(p and shape[a] % tp for a, p in enumerate(spec)):
         spec = P()
     for axis, part in enumerate(spec):
-        if part is not None and shape[axis] % mesh.shape[T]:
+        if part is not None and shape[axis] % tp:
             raise InvalidTensorParallelism(
-                f"--tp {mesh.shape[T]} does not divide axis {axis} of {name} {tuple(shape)}"
+                f"--tp {tp} does not divide axis {axis} of {name} {tuple(shape)}"
             )
     return NamedSharding(mesh, spec)
 

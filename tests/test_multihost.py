@@ -21,7 +21,9 @@ from sharding.mesh import DistributedConfig, initialize_distributed
 from test_api_e2e import ROOT, free_port, start_server
 
 CONFIG = ModelConfig.tiny(vocab_size=300, num_heads=8, num_kv_heads=4, intermediate_size=256)
-LIMITS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--kv-cache-memory", "1M"]
+# float32 weights, as the single-process reference below runs them.
+LIMITS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--kv-cache-memory", "1M",
+          "--quantization", "none"]
 PROMPT = [1, 5, 17, 42, 99, 7]
 
 

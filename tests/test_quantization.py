@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import gguf
 import pytest
 from flax import nnx
 
@@ -19,10 +20,10 @@ from hf_folder import write_hf_folder
 from model import checkpoint
 from model.config import ModelConfig
 from model.generate import sequence_logits
-from model.linear import KERNEL_MAX_ROWS
+from model.linear import Weight, dequantize
 from model.llama import LINEAR_WEIGHTS, Llama
 from model.loader import load_model
-from model.quantize import quantize_int4, quantize_int8, quantize_model, resolve
+from model.quantize import packed_order, quantize_model, quantize_q4, quantize_q8, resolve
 from pallas_kernels import cpu_qmatmul
 from sharding.rules import param_spec
 
@@ -32,30 +33,30 @@ TEXT = (DATA / "devils_dictionary_preface_and_a.txt").read_text()
 TINY = ModelConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
 
 
-def test_int8_rounds_each_weight_to_within_half_a_step_of_its_channel():
-    w = np.random.default_rng(0).standard_normal((3, 64, 40)).astype(np.float32)
-    q, scale = quantize_int8(w, k_axis=1)
-    assert q.dtype == jnp.int8 and scale.shape == (3, 40)
-    assert int(jnp.abs(q.astype(jnp.int32)).max()) == 127
-    error = np.abs(np.asarray(q, np.float32) * np.asarray(scale)[:, None] - w)
-    assert np.all(error <= np.asarray(scale)[:, None] * (0.5 + 1e-5))
+def gguf_round_trip(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """What a GGUF file of that type holds for `w` [N, K] (rows along K, as ggml stores them), as [K, N]."""
+    return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).T
 
 
-def test_int4_gives_back_weights_already_on_a_q4_1_grid_exactly():
-    rng = np.random.default_rng(1)
-    step = rng.uniform(0.001, 0.01, (2, 1, 24)).astype(np.float16).astype(np.float32)
-    low = rng.uniform(-0.1, 0.0, (2, 1, 24)).astype(np.float16).astype(np.float32)
-    q = rng.integers(0, 16, (2, 32, 24))
-    q[:, 0], q[:, 1] = 0, 15  # as GGUF's quantizer leaves every block: its min and max on the grid's ends
-    w = (q * step + low).astype(np.float32)
-    packed, scale, mins = quantize_int4(w, k_axis=1)
-    assert packed.shape == (2, 16, 24) and packed.dtype == jnp.uint8 and scale.dtype == jnp.float16
-    restored = cpu_qmatmul.unpack_q4(packed[1], scale[1], mins[1])
-    np.testing.assert_array_equal(np.asarray(restored), w[1])
+@pytest.mark.parametrize("qtype, quantize", [(gguf.GGMLQuantizationType.Q8_0, quantize_q8),
+                                             (gguf.GGMLQuantizationType.Q4_1, quantize_q4)])
+def test_a_gguf_tensor_of_the_same_block_format_converts_without_loss(qtype, quantize):
+    w = gguf_round_trip(np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32), qtype)
+    weight = Weight(*quantize(jnp.asarray(w)))
+    np.testing.assert_array_equal(np.asarray(dequantize(weight, jnp.float32)), w)
+
+
+def test_q8_rounds_each_weight_to_within_half_a_step_of_its_block():
+    w = np.random.default_rng(1).standard_normal((64, 2, 32)).astype(np.float32)
+    weight = Weight(*quantize_q8(jnp.asarray(w)))
+    assert weight.values.dtype == jnp.int8 and weight.values.shape == (2, 2, 16, 16, 4)
+    step = np.repeat(np.asarray(cpu_qmatmul.unpack_scales(weight.scale), np.float32), cpu_qmatmul.BLOCK, axis=0)
+    error = np.abs(np.asarray(dequantize(weight, jnp.float32)) - w)
+    assert np.all(error <= step * 0.5 + 1e-6) and np.abs(np.asarray(cpu_qmatmul.unpack_q8(weight.values))).max() == 127
 
 
 def test_auto_resolves_per_backend_and_unknown_modes_are_refused():
-    assert resolve("auto", "cpu") in ("int8", "int4") and resolve("auto", "gpu") == "int8"
+    assert resolve("auto", "cpu") == "int4" and resolve("auto", "gpu") == "int8"
     assert resolve("none", "cpu") == "none"
     with pytest.raises(ValueError, match="choose from none, int8, int4, auto"):
         resolve("fp8")
@@ -77,21 +78,41 @@ def test_quantized_tiny_model_tracks_the_float_model(quantization, tolerance):
     np.testing.assert_allclose(got, reference, atol=tolerance * np.abs(reference).max())
 
 
-@pytest.mark.skipif(not cpu_qmatmul.available(), reason="CPU kernel library not built")
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_kernel_form_and_xla_form_give_the_same_logits(quantization, monkeypatch):
-    model = quantize_model(Llama(TINY, rngs=nnx.Rngs(4)), quantization)
-    tokens = np.random.default_rng(3).integers(3, 256, KERNEL_MAX_ROWS)
+def logits_of(model: Llama, tokens: np.ndarray) -> np.ndarray:
+    """One forward over `tokens` with attention replaced by the identity: the projections alone decide it.
+    A fresh jit per call, since how weights are multiplied is chosen while tracing."""
     graphdef, state = nnx.split(model)
 
-    def forward():  # a fresh jit per form: the form is chosen while tracing
-        return jax.jit(lambda s: nnx.merge(graphdef, s).logits(
-            nnx.merge(graphdef, s)(jnp.asarray(tokens), jnp.arange(len(tokens)), (jnp.zeros(1),) * 2,
-                                   lambda layer, q, k, v, cache: (q, cache))[0]))(state)
+    def forward(s):
+        m = nnx.merge(graphdef, s)
+        identity = lambda layer, q, k, v, cache: (q, cache)
+        return m.logits(m(jnp.asarray(tokens), jnp.arange(len(tokens)), (jnp.zeros(1),) * 2, identity)[0])
 
-    with_kernels = forward()
+    return np.asarray(jax.jit(forward)(state))
+
+
+@pytest.fixture(params=["int8", "int4"])
+def tiny_through_kernels(request) -> tuple[Llama, np.ndarray, np.ndarray]:
+    """A quantized tiny model, tokens, and its logits through the CPU kernels."""
+    if not cpu_qmatmul.available():
+        pytest.skip("CPU kernel library not built")
+    model = quantize_model(Llama(TINY, rngs=nnx.Rngs(4)), request.param)
+    tokens = np.random.default_rng(3).integers(3, 256, 13)
+    return model, tokens, logits_of(model, tokens)
+
+
+def test_kernels_in_the_model_compute_what_their_references_do(tiny_through_kernels, monkeypatch):
+    model, tokens, with_kernels = tiny_through_kernels
+    monkeypatch.setattr(cpu_qmatmul, "q8_q8", cpu_qmatmul.q8_q8_ref)
+    monkeypatch.setattr(cpu_qmatmul, "q4_q8", cpu_qmatmul.q4_q8_ref)
+    np.testing.assert_allclose(with_kernels, logits_of(model, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_without_kernels_the_weights_are_dequantized_and_agree_with_the_kernels(tiny_through_kernels, monkeypatch):
+    model, tokens, with_kernels = tiny_through_kernels
     monkeypatch.setattr(cpu_qmatmul, "available", lambda: False)
-    np.testing.assert_allclose(with_kernels, forward(), rtol=1e-4, atol=1e-4)
+    weight_only = logits_of(model, tokens)  # activations not quantized: close, not equal
+    np.testing.assert_allclose(with_kernels, weight_only, atol=0.02 * np.abs(weight_only).max())
 
 
 def test_each_quantization_converts_into_its_own_folder_and_stays_quantized_in_memory(tmp_path, monkeypatch):
@@ -104,28 +125,28 @@ def test_each_quantization_converts_into_its_own_folder_and_stays_quantized_in_m
     int4 = load_model(str(folder), dtype="float32", quantization="int4")
     folders = {checkpoint.checkpoint_dir(folder, tmp_path / "home", q) for q in ("none", "int8", "int4")}
     assert len(folders) == 3 and all(f.exists() for f in folders)
-    assert int8.model.w_down[...].dtype == jnp.int8 and int8.model.w_down_scale[...].shape == (2, 64)
-    assert int4.model.w_down[...].shape == (2, 64, 64) and int4.model.w_down_min[...].shape == (2, 4, 64)
+    # w_down [layers 2, intermediate 128, hidden 64]: 4 panels of 16 outputs, 32 (Q8_0) or 16 (Q4_1) packs of inputs.
+    assert int8.model.w_down[...].dtype == jnp.int8 and int8.model.w_down[...].shape == (2, 4, 32, 16, 4)
+    assert int4.model.w_down[...].shape == (2, 4, 16, 16, 4) and int4.model.w_down_min[...].shape == (2, 4, 4, 16)
     reference = np.asarray(sequence_logits(plain.model, tokens))
     for loaded, tolerance in ((int8, 0.03), (int4, 0.3)):
         got = np.asarray(sequence_logits(loaded.model, tokens))
         np.testing.assert_allclose(got, reference, atol=tolerance * np.abs(reference).max())
 
 
+def abstract_shapes(make) -> dict[str, tuple[int, ...]]:
+    return {path[0]: var.shape for path, var in nnx.to_flat_state(nnx.state(nnx.eval_shape(make)))}
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_scales_are_split_with_the_output_columns_they_scale(quantization):
-    model = nnx.eval_shape(lambda: quantize_model(Llama(TINY, rngs=nnx.Rngs(0)), quantization))
-    shapes = {path[0]: var.shape for path, var in nnx.to_flat_state(nnx.state(model))}
-    for name in LINEAR_WEIGHTS:
-        if name not in shapes:
-            continue
-        weight = tuple(param_spec(name, shapes[name]))
-        scale = tuple(param_spec(f"{name}_scale", shapes[f"{name}_scale"]))
-        if len(scale) == len(weight):  # int4 group scale: input axis in groups, split alike
-            assert scale == weight, name
-        else:  # per output channel: the weight's partition without its input axis
-            k = LINEAR_WEIGHTS[name]
-            assert scale == weight[:k] + weight[k + 1:], name
+def test_values_scales_and_mins_are_split_like_the_float_weight_in_packed_order(quantization):
+    float_shapes = abstract_shapes(lambda: Llama(TINY, rngs=nnx.Rngs(0)))
+    shapes = abstract_shapes(lambda: quantize_model(Llama(TINY, rngs=nnx.Rngs(0)), quantization))
+    for name in LINEAR_WEIGHTS.keys() & float_shapes.keys():
+        packed = packed_order(name, tuple(param_spec(name, float_shapes[name])))
+        for part in (name, f"{name}_scale", f"{name}_min"):
+            if part in shapes:
+                assert tuple(param_spec(part, shapes[part])) == packed, part
 
 
 SHARDED_LOGITS = """
