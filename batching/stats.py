@@ -97,7 +97,7 @@ class StepTotals:
     bytes: float = 0.0
     queue_wait_s: float = 0.0
     num_admitted: int = 0
-    decode_batch_steps: list[int] = field(default_factory=list)
+    decode_batch_steps: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.decode_batch_steps = [0] * (self.max_num_seqs + 1)
