@@ -88,6 +88,7 @@ class Generation:
         failure = self._failure or APIError(499, "The client closed the stream")
         self._metrics.stream_failed(failure.status, self._collector.request_id, failure.message)
 
+
 def start_generation(state: ServerState, prompts: list[list[int]], params: SamplingParams, request_id: str,
                      arrival: float) -> Generation:
     """Admits the request (429/503) and submits it to the engine (400 if it can never fit)."""
@@ -113,7 +114,8 @@ async def respond(request: Request, generation: Generation, builder: ResponseBui
                   keepalive_s: float) -> Response:
     """An SSE stream or one JSON body; either way the generation is closed at the end."""
     if stream:
-        return EventStreamResponse(builder.events(generation), on_close=generation.close_stream, keepalive_s=keepalive_s)
+        return EventStreamResponse(builder.events(generation), on_close=generation.close_stream,
+                                   keepalive_s=keepalive_s)
     try:
         response = await cancel_on_disconnect(request, builder.collect(generation))
     finally:

@@ -4,8 +4,9 @@ One `sluice serve` (started here, dashboard on), then rounds of two runs each, i
 the machine's speed hits both arms alike: the same closed-loop load (`--max-concurrency` streams, fixed prompt and
 output lengths, fresh token ids every run so that no run is served from the prefix cache) with no dashboard, and
 with `--dashboards` clients reading the push stream (`/dashboard/events`) for the whole run, as open pages do.
-Prints each run, the two arms' medians, and the median over rounds of the ratio of a round's two runs (on a
-shared machine whose speed wanders, the paired ratio is the steadier figure).
+Prints each run, the two arms' medians, and the median over rounds of the ratio of a round's two runs. On a
+shared machine whose speed wanders with other jobs, wall-clock throughput is noisy; the server process's CPU
+time per output token (all its threads, from /proc) hardly depends on what else runs, so it is printed too.
 
     python -m bench.dashboard_overhead --rounds 4 --dashboards 5
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +34,14 @@ from bench.serve import LoadConfig, command_line, run_load
 class Run:
     dashboards: int
     output_tps: float
+    cpu_ms_per_token: float  # the server process's CPU time
     pushes: int  # samples the dashboards received during the run
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, all threads."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _watch(url: str, received: list[int]) -> None:
@@ -44,20 +53,22 @@ async def _watch(url: str, received: list[int]) -> None:
                 received[0] += 1
 
 
-async def measure(url: str, requests: list[BenchRequest], dashboards: int, max_concurrency: int) -> Run:
+async def measure(url: str, server_pid: int, requests: list[BenchRequest], dashboards: int,
+                  max_concurrency: int) -> Run:
     received = [0]
     watchers = [asyncio.create_task(_watch(url, received)) for _ in range(dashboards)]
     await asyncio.sleep(1.5)  # connected, first sample in
-    start_pushes = received[0]
+    start_pushes, start_cpu = received[0], cpu_seconds(server_pid)
     records, duration_s = await run_load(requests, LoadConfig(url, max_concurrency=max_concurrency))
-    pushes = received[0] - start_pushes
+    pushes, cpu_s = received[0] - start_pushes, cpu_seconds(server_pid) - start_cpu
     for watcher in watchers:
         watcher.cancel()
     await asyncio.gather(*watchers, return_exceptions=True)
     failed = [r.error for r in records if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]}")
-    return Run(dashboards, sum(r.output_tokens for r in records) / duration_s, pushes)
+    tokens = sum(r.output_tokens for r in records)
+    return Run(dashboards, tokens / duration_s, 1e3 * cpu_s / tokens, pushes)
 
 
 def main() -> int:
@@ -81,30 +92,35 @@ def main() -> int:
         server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_ready(url, server, timeout_s=900)
-            asyncio.run(measure(url, fresh_prompts(workload, salt=0), 0, args.max_concurrency))  # warm-up
+            asyncio.run(measure(url, server.pid, fresh_prompts(workload, salt=0), 0, args.max_concurrency))  # warm-up
             arms = [0, args.dashboards]
             for round_ in range(args.rounds):
                 order = arms if round_ % 2 == 0 else arms[::-1]
                 for dashboards in order:
                     salt = 1 + len(runs)
-                    run = asyncio.run(measure(url, fresh_prompts(workload, salt), dashboards, args.max_concurrency))
+                    requests = fresh_prompts(workload, salt)
+                    run = asyncio.run(measure(url, server.pid, requests, dashboards, args.max_concurrency))
                     runs.append(run)
-                    print(f"round {round_ + 1}: {dashboards} dashboards: {run.output_tps:.1f} output tok/s "
-                          f"({run.pushes} pushes received)", flush=True)
+                    print(f"round {round_ + 1}: {dashboards} dashboards: {run.output_tps:.1f} output tok/s, "
+                          f"server CPU {run.cpu_ms_per_token:.2f} ms/token ({run.pushes} pushes received)", flush=True)
         finally:
             server.terminate()
             server.wait(timeout=60)
-    medians = {d: statistics.median(r.output_tps for r in runs if r.dashboards == d) for d in (0, args.dashboards)}
-    change = medians[args.dashboards] / medians[0] - 1
-    pairs = [sorted(runs[i:i + 2], key=lambda r: r.dashboards) for i in range(0, len(runs), 2)]
-    ratios = sorted(with_.output_tps / without.output_tps for without, with_ in pairs)
     print(f"\n{datetime.date.today()}  {command_line()}")
-    print("| dashboards open | output tok/s per run | median |\n|---|---|---|")
-    for dashboards, median in medians.items():
-        per_run = ", ".join(f"{r.output_tps:.1f}" for r in runs if r.dashboards == dashboards)
-        print(f"| {dashboards} | {per_run} | {median:.1f} |")
-    print(f"\n{args.dashboards} dashboards vs none: {change:+.1%} output tok/s (medians); per round "
-          f"{', '.join(f'{r - 1:+.1%}' for r in ratios)}: median {statistics.median(ratios) - 1:+.1%}")
+    print("| dashboards open | output tok/s per run | median | server CPU ms/token per run | median |")
+    print("|---|---|---|---|---|")
+    arms = (0, args.dashboards)
+    for dashboards in arms:
+        mine = [r for r in runs if r.dashboards == dashboards]
+        tps, cpu = [r.output_tps for r in mine], [r.cpu_ms_per_token for r in mine]
+        print(f"| {dashboards} | {', '.join(f'{v:.1f}' for v in tps)} | {statistics.median(tps):.1f} | "
+              f"{', '.join(f'{v:.2f}' for v in cpu)} | {statistics.median(cpu):.2f} |")
+    pairs = [sorted(runs[i:i + 2], key=lambda r: r.dashboards) for i in range(0, len(runs), 2)]
+    for name, value in (("output tok/s", lambda r: r.output_tps), ("server CPU per token", lambda r: r.cpu_ms_per_token)):
+        medians = [statistics.median(value(r) for r in runs if r.dashboards == d) for d in arms]
+        ratios = sorted(value(with_) / value(without) for without, with_ in pairs)
+        print(f"{args.dashboards} dashboards vs none, {name}: {medians[1] / medians[0] - 1:+.1%} (medians); "
+              f"paired per round {', '.join(f'{r - 1:+.1%}' for r in ratios)}: median {statistics.median(ratios) - 1:+.1%}")
     return 0
 
 

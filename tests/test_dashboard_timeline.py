@@ -74,7 +74,8 @@ def test_prefix_hit_rate_and_draft_acceptance_cover_the_last_minute():
 def test_latency_percentiles_are_over_the_last_minute_of_raw_values():
     timeline = Timeline(PEAKS, window_s=60.0)
     timeline.tick(0.0, 0.0, IDLE, Taken(ttft=[1.0] * 100, itl=[], e2e=[], errors=[]))
-    sample = timeline.tick(30.0, 30.0, IDLE, Taken(ttft=[0.1 * i for i in range(1, 101)], itl=[0.02], e2e=[], errors=[]))
+    taken = Taken(ttft=[0.1 * i for i in range(1, 101)], itl=[0.02], e2e=[], errors=[])
+    sample = timeline.tick(30.0, 30.0, IDLE, taken)
     assert sample.ttft_ms[0] == pytest.approx(1000.0)  # half the values are the first tick's 1 s
     assert sample.itl_ms == pytest.approx((20.0, 20.0, 20.0))
     assert sample.e2e_ms is None

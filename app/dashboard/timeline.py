@@ -129,7 +129,11 @@ class Timeline:
         steps = np.subtract(stats.decode_batch_steps, last.decode_batch_steps)[1:]
         sizes = np.arange(1, len(steps) + 1)
         busy = stats.busy_s - last.busy_s
-        peaks = self.peaks
+        # FLOPs and bytes per second of stepping over the peaks: (work / peak rate) / time spent stepping.
+        compute = memory = None
+        if self.peaks is not None:
+            compute = _ratio((stats.flops - last.flops) / (self.peaks.matmul_gflops * 1e9), busy)
+            memory = _ratio((stats.bytes - last.bytes) / (self.peaks.bandwidth_gbs * 1e9), busy)
         self.decode_batch_histogram = np.subtract(stats.decode_batch_steps, first.decode_batch_steps)[1:].tolist()
         for entry in taken.errors:
             self.error_totals[entry.kind] += 1
@@ -145,7 +149,8 @@ class Timeline:
             decode_batch=_ratio(float(sizes @ steps), float(steps.sum())),
             running=stats.num_requests_running,
             waiting=stats.num_requests_waiting,
-            queue_wait_ms=_ratio(1e3 * (stats.queue_wait_s - last.queue_wait_s), stats.num_admitted - last.num_admitted),
+            queue_wait_ms=_ratio(1e3 * (stats.queue_wait_s - last.queue_wait_s),
+                                 stats.num_admitted - last.num_admitted),
             kv_used=stats.kv_pages_used,
             kv_total=stats.kv_pages_total,
             prefix_hit_rate=_ratio(stats.prefix_cache_hit_tokens - first.prefix_cache_hit_tokens,
@@ -153,8 +158,8 @@ class Timeline:
             ttft_ms=self._latency["ttft"].add(now, taken.ttft),
             itl_ms=self._latency["itl"].add(now, taken.itl),
             e2e_ms=self._latency["e2e"].add(now, taken.e2e),
-            compute_fraction=None if peaks is None else _ratio((stats.flops - last.flops) / peaks.matmul_gflops / 1e9, busy),
-            memory_fraction=None if peaks is None else _ratio((stats.bytes - last.bytes) / peaks.bandwidth_gbs / 1e9, busy),
+            compute_fraction=compute,
+            memory_fraction=memory,
             busy_fraction=min(busy / dt, 1.0),
             spec_acceptance=None if spec is None else _ratio(spec[0].num_accepted_tokens - spec[1].num_accepted_tokens,
                                                              spec[0].num_draft_tokens - spec[1].num_draft_tokens),
