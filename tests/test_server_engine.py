@@ -138,7 +138,7 @@ def test_the_push_stream_sends_settings_and_history_first_then_one_sample_per_ti
     assert len(first["history"]) == 1
     sample = second["sample"]
     assert sample["output_tps"] > 0 and sample["ttft_ms"] is not None and sample["e2e_ms"] is not None
-    assert sum(second["decode_batch_histogram"]) > 0
+    assert sum(second["live"]["decode_batch_histogram"]) > 0
 
 
 def test_a_stream_that_fails_after_its_200_is_listed_among_the_dashboards_errors(engine, monkeypatch):

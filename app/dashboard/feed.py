@@ -3,11 +3,15 @@
 A sample is encoded once, whatever the number of dashboards; each stream waits for the next tick and sends
 the latest (a stream too slow for one tick skips it rather than queueing). The engine is only read, never
 called: the tick takes its stats snapshot.
+
+Events: first `{"config", "history": [sample, ...], "live"}`, then `{"sample", "live"}` each tick (`sample`:
+`Timeline.Sample.as_json`; `live`: `Timeline.live`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncGenerator
 
@@ -42,7 +46,7 @@ class Feed:
         if self.timeline is None:
             self.timeline = Timeline(self._state.peaks)
         sample = self.timeline.tick(time.monotonic(), time.time(), engine.stats, self._state.metrics.recent.take())
-        self._message = sse_event({"sample": sample.as_json(), **self.timeline.live()})
+        self._message = sse_event(_object(sample=sample.json_text, live=json.dumps(self.timeline.live())))
         ticked, self._ticked = self._ticked, asyncio.Event()
         ticked.set()
 
@@ -53,8 +57,9 @@ class Feed:
             await self._ticked.wait()
         if self.timeline is None:
             return
-        yield sse_event({"config": self._config(), "history": [s.as_json() for s in self.timeline.samples],
-                         **self.timeline.live()})
+        history = "[" + ",".join(s.json_text for s in self.timeline.samples) + "]"
+        yield sse_event(_object(config=json.dumps(self._config()), history=history,
+                                live=json.dumps(self.timeline.live())))
         while not self._state.draining:
             await self._ticked.wait()
             yield self._message
@@ -74,3 +79,8 @@ class Feed:
             "window_s": WINDOW_S,
             "tick_s": self._tick_s,
         }
+
+
+def _object(**encoded: str) -> str:
+    """A JSON object of already-encoded values (the samples' cached text is not encoded again)."""
+    return "{" + ",".join(f'"{name}":{value}' for name, value in encoded.items()) + "}"

@@ -10,9 +10,11 @@ prefix-cache hit rate and draft acceptance over the last minute too.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -61,6 +63,11 @@ class Sample:
     def as_json(self) -> dict:
         """Numbers to 4 significant digits (what a chart shows, in a third of the bytes); the time to the ms."""
         return _json(self)
+
+    @cached_property
+    def json_text(self) -> str:
+        """`as_json` encoded, once: every dashboard that opens gets the history."""
+        return json.dumps(self.as_json(), separators=(",", ":"))
 
 
 def _json(record: Sample | ErrorEntry) -> dict:

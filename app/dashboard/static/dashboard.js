@@ -9,6 +9,7 @@ const HEIGHT = 200;
 // Axis labels: 1.5k, 2M.
 const compact = new Intl.NumberFormat(undefined, { notation: "compact", maximumFractionDigits: 1 });
 const axisValues = (u, splits) => splits.map((v) => (v == null ? "" : compact.format(v)));
+const clock = (u, splits) => splits.map((t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false }));
 
 const pct = (v) => (v == null ? null : 100 * v);
 const pick = (key, i) => (s) => (s[key] == null ? null : s[key][i]);
@@ -27,7 +28,9 @@ function timePanels(config) {
       { label: "prompt 1 s", stroke: GREEN, value: (s) => s.prompt_tps },
       { label: "prompt 1 min", stroke: LIME, value: (s) => s.prompt_tps_1m, width: 2 },
     ] },
-    batch: { series: [{ label: "decode batch", stroke: PURPLE, value: (s) => s.decode_batch, fill: "#7c3aed22" }],
+    // A second in which no step decoded (a long prefill step) has no mean: the line spans it.
+    batch: { series: [{ label: "decode batch", stroke: PURPLE, value: (s) => s.decode_batch, fill: "#7c3aed22",
+      spanGaps: true }],
       range: [0, config.max_num_seqs] },
     kv: { series: [
       { label: "pages used", stroke: BLUE, value: (s) => s.kv_used, fill: "#2563eb22" },
@@ -73,11 +76,11 @@ function timeChart(figure, panel, view) {
   const scales = { x: { time: true, range: () => view() } };
   if (panel.range) scales.y = { range: panel.range };
   const extra = [...new Set(panel.series.map((s) => s.scale).filter(Boolean))];
-  const axes = [{}, { size: 50, values: axisValues },
+  const axes = [{ space: 70, values: clock }, { size: 50, values: axisValues },
     ...extra.map((scale) => ({ scale, side: 1, size: 50, values: axisValues, grid: { show: false } }))];
   const series = [{}, ...panel.series.map((s) => ({
     label: s.label, stroke: s.stroke, width: s.width || 1.5, dash: s.dash, fill: s.fill, scale: s.scale || "y",
-    spanGaps: false, points: { show: false },
+    spanGaps: Boolean(s.spanGaps), points: { show: false },
   }))];
   return new uPlot({ width: chartWidth(figure), height: HEIGHT, scales, axes, series, legend: { live: false } },
     [[], ...panel.series.map(() => [])], figure.querySelector(".chart"));
@@ -147,7 +150,7 @@ export class Dashboard {
       const keep = this.config.history_s / this.config.tick_s;
       if (this.samples.length > keep) this.samples.splice(0, this.samples.length - keep);
     }
-    this.live = message;
+    this.live = message.live;
     this.render();
   }
 
