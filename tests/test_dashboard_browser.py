@@ -25,7 +25,7 @@ SCREENSHOTS = Path(__file__).resolve().parents[1] / "build" / "screenshots"
 # Declared peaks: no measuring at start-up.
 FLAGS = [*SERVER_FLAGS, "--api-key", KEY, "--peak-gflops", "100", "--peak-bandwidth-gbs", "20",
          "--slo-ttft-ms", "2000", "--slo-itl-ms", "200"]
-TIMEOUT_MS = 60_000
+TIMEOUT_MS = 120_000  # a first launch builds Chromium's font cache, slow on a busy 2-core machine
 
 
 def _missing() -> str | None:
@@ -47,7 +47,7 @@ def browser():
 
     with sync_playwright() as playwright:
         # No sandbox: it needs user namespaces, which containers (CI's included) often lack.
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=TIMEOUT_MS)
         yield chromium
         chromium.close()
 
