@@ -28,7 +28,17 @@ model: $(STAMP)
 serve: model
 	$(BIN)/sluice serve --host 127.0.0.1 --port 8000
 
-test: model
+# The browser tests drive Debian's Chromium through Playwright (which cannot download its own browsers here).
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing Chromium for the browser tests (apt-get) ..."; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else \
+		echo "No $(CHROMIUM) and not root with apt-get: the browser tests will say so (apt-get install chromium)"; \
+	fi
+
+test: model | $(CHROMIUM)
 	$(BIN)/python -m pytest -q
 
 # torch first: pip then takes the CPU wheel and keeps it when transformers comes after.

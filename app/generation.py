@@ -28,7 +28,8 @@ class Generation:
 
     `increments()` yields them as they come; an engine error raises a 500 `APIError`, a server-side abort a
     503. `close()` is idempotent and must run in every case: it aborts the engine request if it is unfinished
-    (freeing its KV pages), releases the admission, and records the end-to-end latency by outcome.
+    (freeing its KV pages), releases the admission, and records the end-to-end latency by outcome; a stream
+    closes with `close_stream()`.
     Latencies count from `arrival`, the moment the HTTP request reached its route.
     """
 
@@ -40,6 +41,7 @@ class Generation:
         self._metrics = metrics
         self._arrival = arrival
         self._outcome: Outcome = "abort"
+        self._failure: APIError | None = None
         self._closed = False
 
     @property
@@ -51,16 +53,19 @@ class Generation:
         async for increment in self._collector:
             if increment.finish_reason == "error":
                 self._outcome = "error"
-                raise generation_failed(f"generation failed: {increment.error}")
+                self._failure = generation_failed(f"generation failed: {increment.error}")
+                raise self._failure
             if increment.finish_reason == "abort":
-                raise APIError(503, "The request was aborted by the server", type="server_error", code="aborted")
+                self._failure = APIError(503, "The request was aborted by the server", type="server_error",
+                                         code="aborted")
+                raise self._failure
             if increment.token_ids:
                 now = time.perf_counter()
                 if not last_seen:
-                    self._metrics.time_to_first_token.observe(now - self._arrival)
+                    self._metrics.first_token(now - self._arrival)
                 previous = last_seen.get(increment.choice)
                 if previous is not None:
-                    self._metrics.inter_token_latency.observe((now - previous) / len(increment.token_ids))
+                    self._metrics.inter_token((now - previous) / len(increment.token_ids))
                 last_seen[increment.choice] = now
             yield increment
         self._outcome = "success"
@@ -72,7 +77,16 @@ class Generation:
         if not self._collector.finished:
             self._engine.abort(self._collector.request_id)
         self._admission.release()
-        self._metrics.e2e_latency.labels(outcome=self._outcome).observe(time.perf_counter() - self._arrival)
+        self._metrics.finished(self._outcome, time.perf_counter() - self._arrival)
+
+    async def close_stream(self) -> None:
+        """`close`, and a failure reported: after a stream's 200 it reached the client as an error event or
+        not at all (the client left), which the per-status request counts never see."""
+        await self.close()
+        if self._outcome == "success":
+            return
+        failure = self._failure or APIError(499, "The client closed the stream")
+        self._metrics.stream_failed(failure.status, self._collector.request_id, failure.message)
 
 
 def start_generation(state: ServerState, prompts: list[list[int]], params: SamplingParams, request_id: str,
@@ -100,7 +114,8 @@ async def respond(request: Request, generation: Generation, builder: ResponseBui
                   keepalive_s: float) -> Response:
     """An SSE stream or one JSON body; either way the generation is closed at the end."""
     if stream:
-        return EventStreamResponse(builder.events(generation), on_close=generation.close, keepalive_s=keepalive_s)
+        return EventStreamResponse(builder.events(generation), on_close=generation.close_stream,
+                                   keepalive_s=keepalive_s)
     try:
         response = await cancel_on_disconnect(request, builder.collect(generation))
     finally:

@@ -1,4 +1,5 @@
-"""Prometheus metrics, in a registry owned by one app (never the process-global one).
+"""What the HTTP side measures: Prometheus metrics, in a registry owned by one app (never the process-global
+one), and the same latencies and errors kept raw for the dashboard (`dashboard/recent.py`).
 
 Latencies are measured by the HTTP side from each request's arrival (`generation.py`); engine numbers are read
 at scrape time from the stats snapshot the engine publishes after every step (no lock, at most a step old).
@@ -13,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from batching.stats import EngineStats
+
+from app.dashboard.recent import RecentRequests
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -45,6 +48,32 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine_stats))
+        self.recent = RecentRequests()
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+        self.recent.ttft.append(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+        self.recent.itl.append(seconds)
+
+    def finished(self, outcome: str, seconds: float) -> None:
+        self.e2e_latency.labels(outcome=outcome).observe(seconds)
+        if outcome == "success":
+            self.recent.e2e.append(seconds)
+
+    def responded(self, route: str, status: int, error_message: str | None) -> None:
+        """Every HTTP response; `error_message` that of an error response's body. A /health 503 (loading,
+        draining) is the probe's answer, not a failure: it is not listed."""
+        self.requests.labels(route=route, status=str(status)).inc()
+        if error_message is not None and route != "/health":
+            self.recent.error(status, route, error_message)
+
+    def stream_failed(self, status: int, request_id: str, message: str) -> None:
+        """A stream that ended in an error event (`status` its error's) or whose client left (499) after its
+        200 went out."""
+        self.recent.error(status, request_id, message)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import json
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -10,19 +11,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import body_too_large, error_response, unauthorized
 from app.metrics import ServerMetrics
 
-# Probes, scrapers and API explorers do not hold the API key.
+# Probes, scrapers and API explorers do not hold the API key (nor does a browser opening the dashboard page).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches, compared in constant time."""
+    """401 unless `Authorization: Bearer <key>` matches, compared in constant time, on all but `open_paths`."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self._key = api_key.encode()
+        self._open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self._open_paths:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
                 await error_response(unauthorized())(scope, receive, send)
@@ -75,7 +77,8 @@ class BodySizeLimitMiddleware:
 
 
 class RequestCountMiddleware:
-    """Counts responses by route and status code; unknown paths share the route label "other"."""
+    """Counts responses by route and status code (unknown paths share the route label "other"), and hands
+    error responses' messages to the dashboard's error list."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: frozenset[str]) -> None:
         self.app = app
@@ -87,15 +90,26 @@ class RequestCountMiddleware:
             await self.app(scope, receive, send)
             return
         status = 500
+        error_body = b""
 
         async def send_recording_status(message: Message) -> None:
-            nonlocal status
+            nonlocal status, error_body
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400:
+                error_body += message.get("body", b"")
             await send(message)
 
         try:
             await self.app(scope, receive, send_recording_status)
         finally:
             route = scope["path"] if scope["path"] in self._routes else "other"
-            self._metrics.requests.labels(route=route, status=str(status)).inc()
+            self._metrics.responded(route, status, _error_message(error_body) if status >= 400 else None)
+
+
+def _error_message(body: bytes) -> str:
+    """The `error.message` of an OpenAI-shaped error body, else the body as text."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")

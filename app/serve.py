@@ -15,6 +15,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -22,6 +23,8 @@ import uvicorn
 
 from batching.config import QUANTIZATIONS, EngineConfig
 from batching.engine import Engine
+from batching.roofline import Peaks, measure_peaks
+from model.loader import default_dtype
 from sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
 from app.server import create_app
@@ -98,6 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting", type=float)
     _option(parser, "--sse-keepalive", _SERVER_DEFAULTS.sse_keepalive_s,
             "seconds between keep-alive comments of a stream that has nothing to send", type=float)
+    _switch(parser, "--no-ui", "do not serve the dashboard and playground page (/, /ui) nor its push stream")
+    _option(parser, "--slo-ttft-ms", None, "time-to-first-token objective, drawn on the dashboard's TTFT chart",
+            type=float)
+    _option(parser, "--slo-itl-ms", None, "inter-token latency objective, drawn on the dashboard's ITL chart",
+            type=float)
+    _option(parser, "--peak-gflops", None, "one device's peak matmul rate for the dashboard's roofline "
+            "(with --peak-bandwidth-gbs; default: measured at start-up)", type=float)
+    _option(parser, "--peak-bandwidth-gbs", None, "one device's peak memory bandwidth for the dashboard's roofline",
+            type=float)
     _option(parser, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -130,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         sse_keepalive_s=args.sse_keepalive,
+        ui=not args.no_ui,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     try:
@@ -165,7 +180,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     )
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout)
     serving = asyncio.ensure_future(server.serve())
-    loading = _in_daemon_thread(lambda: Engine.create(engine_config, progress=True))
+    loading = _in_daemon_thread(lambda: _load(engine_config, settings.ui, args))
     await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():  # stopped (signal, bind error) before the model was ready
         await serving
@@ -175,15 +190,31 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
         server.should_exit = True
         await serving
         return 1
-    engine = loading.result()
+    engine, peaks = loading.result()
     await engine.start()
-    state.set_engine(engine)
+    state.set_engine(engine, peaks)
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
         print(f"Sluice is ready: http://{args.host}:{args.port}/v1 serving '{state.model_name}'", flush=True)
     await serving
     return 0
+
+
+def _load(engine_config: EngineConfig, ui: bool, args: argparse.Namespace) -> tuple[Engine, Peaks | None]:
+    """The engine, and for the dashboard the peaks of all its devices: declared, or measured on the first
+    (before serving, so that nothing else runs on the device meanwhile)."""
+    engine = Engine.create(engine_config, progress=True)
+    if not ui:
+        return engine, None
+    if args.peak_gflops is not None and args.peak_bandwidth_gbs is not None:
+        peaks = Peaks(args.peak_bandwidth_gbs, args.peak_gflops, "declared")
+    else:
+        print("Measuring the device's peaks for the dashboard's roofline (declare them with --peak-gflops and "
+              "--peak-bandwidth-gbs to skip this) ...", file=sys.stderr, flush=True)
+        peaks = measure_peaks(dtype=engine_config.dtype or default_dtype())
+    return engine, replace(peaks, bandwidth_gbs=peaks.bandwidth_gbs * engine_config.tp,
+                           matmul_gflops=peaks.matmul_gflops * engine_config.tp)
 
 
 class DrainingServer(uvicorn.Server):

@@ -7,6 +7,7 @@ routes in `routes.py`, the small ones here -> for generation, `generation.py` dr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.dashboard import routes as dashboard
+from app.dashboard.feed import Feed
 from app.errors import APIError, error_response, not_ready
 from app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from app.openapi import Operation, openapi_document
@@ -86,17 +89,27 @@ ROUTES: list[tuple[Handler, Operation]] = [
 def create_app(state: ServerState) -> Starlette:
     """An app serving `state`'s engine once `state.set_engine` has been called; 503 until then.
 
-    On shutdown (after uvicorn has finished the open requests) it stops that engine.
+    With `settings.ui`, the dashboard's feed ticks while the app runs. On shutdown (after uvicorn has finished
+    the open requests) it stops that engine.
     """
+    ui = state.settings.ui
     routes = [Route(op.path, handler, methods=[op.method]) for handler, op in ROUTES]
+    if ui:
+        routes += dashboard.ui_routes()
     middleware = [Middleware(RequestCountMiddleware, metrics=state.metrics, routes=frozenset(r.path for r in routes))]
     if state.settings.api_key:
-        middleware.append(Middleware(ApiKeyMiddleware, api_key=state.settings.api_key))
+        open_paths = OPEN_PATHS | dashboard.OPEN_PATHS if ui else OPEN_PATHS
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=state.settings.api_key, open_paths=open_paths))
     middleware.append(Middleware(BodySizeLimitMiddleware, max_bytes=state.settings.max_body_bytes))
+    feed = Feed(state) if ui else None
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        ticking = asyncio.ensure_future(feed.run()) if feed is not None else None
         yield
+        if ticking is not None:
+            ticking.cancel()
+            await asyncio.gather(ticking, return_exceptions=True)
         if state.engine is not None:
             await state.engine.shutdown()
 
@@ -107,6 +120,7 @@ def create_app(state: ServerState) -> Starlette:
         lifespan=lifespan,
     )
     app.state.sluice = state
+    app.state.feed = feed
     app.state.openapi = openapi_document(
         [op for _, op in ROUTES], "Sluice", version("sluice"), bearer_auth=bool(state.settings.api_key),
         open_paths=OPEN_PATHS,

@@ -10,6 +10,7 @@ import asyncio
 from dataclasses import dataclass
 
 from batching.engine import Engine
+from batching.roofline import Peaks
 from batching.stats import EngineStats
 
 from app.errors import model_not_found, not_ready, queue_full
@@ -19,7 +20,8 @@ from app.metrics import ServerMetrics
 @dataclass(frozen=True)
 class ServerSettings:
     """HTTP-side settings: `max_waiting` sequences may queue beyond the engine's running batch;
-    `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send."""
+    `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send; `ui` serves the
+    dashboard and playground, whose latency charts draw the `slo_*_ms` lines when set."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -27,12 +29,16 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     retry_after_s: int = 1
     sse_keepalive_s: float = 10.0
+    ui: bool = True
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
 
 
 class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.engine: Engine | None = None
+        self.peaks: Peaks | None = None
         self.draining = False
         self.metrics = ServerMetrics(self._engine_stats)
         self._in_flight_seqs = 0
@@ -49,8 +55,10 @@ class ServerState:
             return self.settings.served_model_name
         return self.engine.model_name if self.engine is not None else ""
 
-    def set_engine(self, engine: Engine) -> None:
+    def set_engine(self, engine: Engine, peaks: Peaks | None = None) -> None:
+        """`peaks`: of all the devices the engine's model runs on (the dashboard's roofline), if known."""
         self.engine = engine
+        self.peaks = peaks
 
     def begin_drain(self) -> None:
         self.draining = True

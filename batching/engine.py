@@ -34,10 +34,11 @@ from batching.outputs import Collector, Completion, Deliveries, FinishReason, In
 from batching.request import Request, RequestLimits, build_request
 from batching.sampler import SamplerOutput
 from batching.sampling_params import SamplingParams
-from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from batching.sequence import Sequence, SequenceStatus
+from batching.roofline import StepCost
 from batching.speculation import Speculator
-from batching.stats import EngineStats, StepStats
+from batching.stats import EngineStats, StepStats, StepTotals
 from model.loader import LoadedModel, load_model
 from sharding.mesh import InvalidTensorParallelism, make_mesh
 from sharding.rules import param_sharding
@@ -123,6 +124,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
         self.speculator = Speculator(self.ngram) if self.ngram else None
+        self.step_cost = StepCost.of(loaded.config, loaded.model, jnp.dtype(loaded.model.dtype).itemsize)
         if config.warmup:
             self.runner.warmup(progress)
             if self.speculator is not None:
@@ -140,6 +142,7 @@ class Engine:
         self._num_steps = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._totals = StepTotals(config.max_num_seqs)
         self.stats = self._snapshot(None)
 
     @classmethod
@@ -256,9 +259,12 @@ class Engine:
         if self.speculator is not None:
             decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
             self.speculator.propose(decoding, self.max_model_len, self._padded_tokens)
-        chunks = self.scheduler.schedule().chunks
+        scheduled = self.scheduler.schedule()
+        self._note_queue_waits(scheduled)
+        chunks = scheduled.chunks
         limits = self._decode_limits(chunks)
-        step_stats = StepStats.of(chunks) if chunks else None  # before appending changes what the chunks cover
+        # Before appending changes what the chunks cover.
+        step_stats = StepStats.of(chunks, limits, self.step_cost) if chunks else None
         pending = self._dispatch(chunks, limits) if chunks else None
         self._emit_text()
         self._flush()
@@ -269,6 +275,7 @@ class Engine:
         duration = time.perf_counter() - start
         if step_stats is not None:
             step_stats = replace(step_stats, duration_s=duration)
+            self._totals.add_step(step_stats)
             if self.speculator is not None and limits is None and step_stats.num_prefill_tokens == 0:
                 # A decode or verify step: what a step of that many (bucketed) tokens costs.
                 tokens = step_stats.num_tokens
@@ -283,8 +290,10 @@ class Engine:
                 return
             self._requests[request.request_id] = request
             arrival = next(self._arrivals)
+            now = time.perf_counter()
             for seq in request.seqs:
                 seq.arrival = arrival
+                seq.queued_at = now
                 self.scheduler.add(seq)
         elif isinstance(command, _Abort):
             request = self._requests.get(command.request_id)
@@ -292,6 +301,12 @@ class Engine:
                 self._finish(request, "abort", None)
         else:
             self._stopping = True
+
+    def _note_queue_waits(self, scheduled: SchedulerOutput) -> None:
+        now = time.perf_counter()
+        self._totals.add_admitted(scheduled.admitted, now)
+        for seq in scheduled.preempted:
+            seq.queued_at = now
 
     def _reject_duplicate(self, request: Request) -> None:
         message = f"request id {request.request_id!r} is already in use"
@@ -476,4 +491,10 @@ class Engine:
             num_steps=self._num_steps,
             last_step=last_step,
             spec=self.speculator.counters() if self.speculator is not None else None,
+            busy_s=self._totals.busy_s,
+            flops=self._totals.flops,
+            bytes=self._totals.bytes,
+            decode_batch_steps=tuple(self._totals.decode_batch_steps),
+            queue_wait_s=self._totals.queue_wait_s,
+            num_admitted=self._totals.num_admitted,
         )

@@ -43,8 +43,11 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
+    """This step's chunks; the sequences sent back to waiting, and those moved from waiting to running."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -106,11 +109,11 @@ class Scheduler:
             budget -= num_new + num_drafts
 
         if not out.preempted:
-            budget = self._admit(budget, scheduled)
+            self._admit(budget, scheduled, out)
         out.chunks = list(scheduled.values())
         return out
 
-    def _admit(self, budget: int, scheduled: dict[Sequence, ScheduledChunk]) -> int:
+    def _admit(self, budget: int, scheduled: dict[Sequence, ScheduledChunk], out: SchedulerOutput) -> None:
         bm = self.block_manager
         self.waiting.sort(key=lambda s: s.schedule_key)
         for seq in list(self.waiting):
@@ -133,9 +136,9 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
+            out.admitted.append(seq)
             scheduled[seq] = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
             budget -= num_new
-        return budget
 
     def _fork_pages(self, seq: Sequence) -> tuple[list[int], list[int]] | None:
         """The prompt's full pages held by the request's first sequence, if it still holds them."""

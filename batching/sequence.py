@@ -28,7 +28,8 @@ class Sequence:
 
     `sampling` is this sequence's row of the sampler (its seed keys the draws, folded with the output step, so
     it samples the same tokens whatever shares its batch and after a preemption); `stop` turns its tokens
-    into text and decides when it ends. `arrival` orders first-come-first-served scheduling. With speculative
+    into text and decides when it ends. `arrival` orders first-come-first-served scheduling; `queued_at` is
+    when it last entered the waiting queue (`time.perf_counter()`). With speculative
     decoding, `proposer` drafts from the sequence's own tokens, `drafts` are this step's drafts, `shadow_draft`
     the first token it would have drafted when it drafts none, and `acceptance` the recent rate at which its
     drafts are (or would be) accepted.
@@ -42,6 +43,7 @@ class Sequence:
     sampling: SamplingRow
     stop: StopChecker
     arrival: int = 0
+    queued_at: float = 0.0
     parent: Sequence | None = None
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

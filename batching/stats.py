@@ -2,22 +2,27 @@
 
 Readers (the HTTP server's metrics, admission, dashboards) take `engine.stats` as it is: replacing a reference
 is atomic, so they never lock and never see half a step. Counters only grow; gauges are the state after the step.
+Per-step facts are also summed into counters, so a reader sampling the snapshot at its own pace gets exact
+totals over its interval (a dashboard's FLOPs per second, its decode batch sizes) without seeing every step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from batching.roofline import StepCost
 from batching.scheduler import ScheduledChunk
+from batching.sequence import Sequence
 from batching.speculation import SpecCounters
 
 
 @dataclass(frozen=True)
 class StepStats:
-    """One step: what ran and how long the engine thread spent on it (host work and device time).
+    """One step: what ran, what it cost in FLOPs and bytes moved, and how long the engine thread spent on it
+    (host work and device time).
 
     Decode rows are sequences computing their one new token (with their drafts, when speculating);
-    everything else is prefill.
+    everything else is prefill. A multi-step decode call counts its forward passes in `flops` and `bytes`.
     """
 
     num_tokens: int
@@ -25,22 +30,40 @@ class StepStats:
     num_decode_seqs: int
     num_prefill_tokens: int
     num_draft_tokens: int
+    flops: float = 0.0
+    bytes: float = 0.0
     duration_s: float = 0.0
 
     @classmethod
-    def of(cls, chunks: list[ScheduledChunk]) -> StepStats:
-        """Of the scheduled chunks, before their tokens are appended."""
+    def of(cls, chunks: list[ScheduledChunk], limits: list[int] | None, cost: StepCost) -> StepStats:
+        """Of the scheduled chunks, before their tokens are appended; `limits`: a multi-step call's decode
+        steps per chunk (None for one step)."""
         decodes = [c for c in chunks if c.sample and c.num_tokens - c.num_drafts == 1]
         num_tokens = sum(c.num_tokens for c in chunks)
         decode_tokens = sum(c.num_tokens for c in decodes)
         drafts = sum(c.num_drafts for c in chunks)
-        return cls(num_tokens, len(chunks), len(decodes), num_tokens - decode_tokens, drafts)
+        if limits is None:
+            # A chunk's token at position p attends to p + 1 keys; the chunk reads its whole context once.
+            attended = sum(c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2 for c in chunks)
+            computed, passes, read = num_tokens, 1, sum(c.start + c.num_tokens for c in chunks)
+        else:
+            # One token per pass per row, each pass attending to (and reading) one more key than the last.
+            attended = sum(n * (c.start + 1) + n * (n - 1) // 2 for c, n in zip(chunks, limits))
+            computed, passes, read = sum(limits), max(limits), attended
+        return cls(num_tokens, len(chunks), len(decodes), num_tokens - decode_tokens, drafts,
+                   flops=cost.flops(computed, attended), bytes=cost.bytes(passes, read))
 
 
 @dataclass(frozen=True)
 class EngineStats:
     """Gauges count requests (a request is running while any of its sequences is), and sequences separately.
-    `spec` is set when speculative decoding is on."""
+    `spec` is set when speculative decoding is on.
+
+    Sums over all steps: `busy_s` (time spent stepping), `flops` and `bytes` (what the steps computed and
+    moved), `decode_batch_steps[b]` (steps that decoded b sequences; b from 0 to max_num_seqs), and
+    `queue_wait_s` over `num_admitted` (from entering the waiting queue to being scheduled, each time a
+    sequence is admitted: a preempted sequence waits again).
+    """
 
     num_requests_running: int
     num_requests_waiting: int
@@ -56,3 +79,35 @@ class EngineStats:
     num_steps: int
     last_step: StepStats | None
     spec: SpecCounters | None = None
+    busy_s: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+    decode_batch_steps: tuple[int, ...] = ()
+    queue_wait_s: float = 0.0
+    num_admitted: int = 0
+
+
+@dataclass
+class StepTotals:
+    """The engine thread's running sums behind `EngineStats`' summed fields (see there)."""
+
+    max_num_seqs: int
+    busy_s: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+    queue_wait_s: float = 0.0
+    num_admitted: int = 0
+    decode_batch_steps: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decode_batch_steps = [0] * (self.max_num_seqs + 1)
+
+    def add_step(self, step: StepStats) -> None:
+        self.busy_s += step.duration_s
+        self.flops += step.flops
+        self.bytes += step.bytes
+        self.decode_batch_steps[step.num_decode_seqs] += 1
+
+    def add_admitted(self, seqs: list[Sequence], now: float) -> None:
+        self.queue_wait_s += sum(now - seq.queued_at for seq in seqs)
+        self.num_admitted += len(seqs)

@@ -48,6 +48,7 @@ from tokenizers import models
 
 from batching.config import EngineConfig
 from batching.engine import Engine
+from batching.roofline import param_bytes
 from batching.sampling_params import SamplingParams
 from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
 from bench.roofline import Peaks, kv_bytes_per_token, workload_roofline
@@ -137,10 +138,6 @@ def random_model(name: str) -> LoadedModel:
     config = MODELS[name]
     model = Llama(config, dtype=jnp.dtype(DTYPE), rngs=nnx.Rngs(0))
     return LoadedModel(config=config, model=model, tokenizer=file_free_tokenizer(config), name=f"{name}-random")
-
-
-def param_bytes(model: Llama) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
 
 
 def memory_shortfall(config: ModelConfig) -> str | None:

@@ -1,7 +1,6 @@
 """The physical limit a throughput figure is measured against, from peaks measured on this machine.
 
-Peaks: memory bandwidth from large jitted read-only passes (a sum, a matrix-vector product) and float32
-matmul rate from large jitted matmuls; best of a few runs, after a compile-and-warm run.
+Peaks and per-token costs come from `batching/roofline.py` (the server's dashboard uses them too).
 
 Bound for a workload at decode batch B: prefill is compute-bound (2 FLOPs per matmul weight per prompt
 token plus causal attention); every decode step reads all weights once plus the batch's KV cache, and
@@ -17,83 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from batching.roofline import Peaks, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
 from model.config import ModelConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True)
-class Peaks:
-    bandwidth_gbs: float
-    matmul_gflops: float
-    device: str
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> Peaks:
-        return cls(**json.loads(path.read_text()))
-
-
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # compile and warm
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 2048), repeats: int = 5) -> Peaks:
-    """Measures the default JAX device.
-
-    Bandwidth: bytes read per second, the best of a sum over `elements` float32 values and a matrix-vector
-    product over a matrix as large (a decode step's access pattern: every weight read once). Neither writes
-    a large output, so fresh-page faults are not timed. Matmul rate: the best over n x n x n float32 matmuls.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((elements,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    sum_s = _best_seconds(lambda: total(x).block_until_ready(), repeats)
-    side = math.isqrt(elements)
-    matrix, vector = jnp.ones((side, side), jnp.float32), jnp.ones((side,), jnp.float32)
-    gemv = jax.jit(lambda m, v: m @ v)
-    gemv_s = _best_seconds(lambda: gemv(matrix, vector).block_until_ready(), repeats)
-    bandwidth = max(4 * elements / sum_s, 4 * side * side / gemv_s)
-    del x, matrix
-    matmul = jax.jit(lambda p, q: p @ q)
-    flops = 0.0
-    for n in matmul_sizes:
-        a = jnp.ones((n, n), jnp.float32)
-        flops = max(flops, 2 * n**3 / _best_seconds(lambda: matmul(a, a).block_until_ready(), repeats))
-    return Peaks(bandwidth / 1e9, flops / 1e9, str(jax.devices()[0].device_kind))
-
-
-def matmul_weights(config: ModelConfig) -> int:
-    """Weights every token multiplies by: attention and MLP projections of all layers, and the LM head."""
-    c = config
-    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (q_out + 2 * kv_out) + q_out * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    return c.num_layers * per_layer + c.vocab_size * c.hidden_size
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
-
-
-def attention_flops(config: ModelConfig, context: float) -> float:
-    """One query token attending to `context` keys: QK^T and PV, 2 FLOPs per multiply-add each."""
-    return config.num_layers * 4 * config.num_heads * config.head_dim * context
 
 
 @dataclass(frozen=True)

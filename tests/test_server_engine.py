@@ -11,6 +11,7 @@ import httpx
 import pytest
 from flax import nnx
 
+from app.dashboard.feed import Feed
 from app.server import create_app
 from app.state import ServerSettings, ServerState
 from batching.config import EngineConfig
@@ -117,3 +118,35 @@ def test_a_queued_stream_gets_keepalive_comments_before_its_first_token(engine):
     events = queued.text.split("\n\n")
     first_data = next(i for i, e in enumerate(events) if e.startswith("data: "))
     assert first_data > 0 and set(events[:first_data]) == {": keep-alive"}
+
+
+def test_the_push_stream_sends_settings_and_history_first_then_one_sample_per_tick(engine):
+    async def scenario(client, state):
+        await client.post("/v1/completions", json=COMPLETION)
+        feed = Feed(state)
+        feed.tick()
+        events = feed.events()
+        first = await anext(events)
+        await client.post("/v1/completions", json=COMPLETION)
+        second = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0)
+        feed.tick()
+        return [json.loads(e.decode()[len("data: "):]) for e in (first, await second)]
+
+    first, second = serve(engine, scenario, slo_ttft_ms=300.0)
+    assert first["config"]["slo_ttft_ms"] == 300.0 and first["config"]["max_num_seqs"] == CONFIG.max_num_seqs
+    assert len(first["history"]) == 1
+    sample = second["sample"]
+    assert sample["output_tps"] > 0 and sample["ttft_ms"] is not None and sample["e2e_ms"] is not None
+    assert sum(second["live"]["decode_batch_histogram"]) > 0
+
+
+def test_a_stream_that_fails_after_its_200_is_listed_among_the_dashboards_errors(engine, monkeypatch):
+    async def scenario(client, state):
+        fail_next_dispatch(engine, monkeypatch)
+        await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+        return state.metrics.recent.take().errors
+
+    (error,) = serve(engine, scenario)
+    assert (error.kind, error.status) == ("5xx", 500) and error.source.startswith("cmpl-")
+    assert "injected device fault" in error.message

@@ -222,3 +222,52 @@ def test_malformed_environment_value_fails_like_a_malformed_flag(monkeypatch):
 @pytest.mark.parametrize(("text", "size"), [("4096", 4096), ("2G", 2 << 30), ("512MiB", 512 << 20), ("1kb", 1024)])
 def test_byte_sizes_accept_binary_units(text, size):
     assert byte_size(text) == size
+
+
+@pytest.mark.parametrize("path", ["/", "/ui", "/ui/app.js", "/ui/style.css", "/ui/vendor/uPlot.iife.min.js"])
+def test_the_dashboard_page_and_its_files_need_no_api_key(path):
+    response = client(api_key=KEY).get(path)
+    assert response.status_code == 200 and response.content
+
+
+def test_the_page_loads_the_vendored_chart_library_which_ships_with_its_licence():
+    c = client()
+    page = c.get("/").text
+    assert 'src="/ui/vendor/uPlot.iife.min.js"' in page and "http" not in page.split("<body>")[0]  # no CDN
+    assert "MIT License" in c.get("/ui/vendor/LICENSE.uPlot").text
+
+
+def test_the_push_stream_needs_the_api_key():
+    assert_openai_error(client(api_key=KEY).get("/dashboard/events"), 401)
+
+
+def test_the_push_stream_is_an_event_stream_that_ends_when_the_server_drains():
+    state = ServerState(ServerSettings(api_key=KEY))
+    state.begin_drain()
+    response = TestClient(create_app(state)).get("/dashboard/events", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+
+
+@pytest.mark.parametrize("path", ["/", "/ui", "/ui/app.js", "/dashboard/events"])
+def test_no_ui_serves_neither_the_page_nor_the_push_stream(path):
+    assert_openai_error(client(ui=False).get(path), 404)
+
+
+def test_error_responses_are_listed_for_the_dashboard_with_their_message_but_health_probes_are_not():
+    state = ServerState(ServerSettings(api_key=KEY))
+    c = TestClient(create_app(state))
+    c.get("/v1/models")
+    c.get("/health")
+    errors = state.metrics.recent.take().errors
+    assert [(e.kind, e.status, e.source, e.message) for e in errors] == [
+        ("400", 401, "/v1/models", "Missing or incorrect API key")]
+
+
+def test_dashboard_flags_parse_like_the_others_environment_included(monkeypatch):
+    monkeypatch.setenv("SLUICE_NO_UI", "1")
+    monkeypatch.setenv("SLUICE_SLO_TTFT_MS", "250")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--slo-itl-ms", "40", "--peak-gflops", "100", "--peak-bandwidth-gbs", "20"])
+    assert (args.no_ui, args.slo_ttft_ms, args.slo_itl_ms, args.peak_gflops, args.peak_bandwidth_gbs) == (
+        True, 250.0, 40.0, 100.0, 20.0)

@@ -1,0 +1,124 @@
+"""What a step costs and what the device can do: the two sides of a roofline.
+
+Costs, from the model's shape: every computed token multiplies by every matmul weight (2 FLOPs each), attention
+does 4 FLOPs per head dimension for each query-key pair, and a forward pass reads every weight once (an untied
+embedding table only by rows, so not counted) plus the cached K/V it attends to.
+
+Peaks, measured on the device: memory bandwidth from large jitted read-only passes (a sum, a matrix-vector
+product), matmul rate from large jitted matmuls; best of a few runs, after a compile-and-warm run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from model.config import ModelConfig
+
+
+def matmul_weights(config: ModelConfig) -> int:
+    """Weights every token multiplies by: attention and MLP projections of all layers, and the LM head."""
+    c = config
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q_out + 2 * kv_out) + q_out * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * per_layer + c.vocab_size * c.hidden_size
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+def attention_flops(config: ModelConfig, context: float) -> float:
+    """One query token attending to `context` keys: QK^T and PV, 2 FLOPs per multiply-add each."""
+    return config.num_layers * 4 * config.num_heads * config.head_dim * context
+
+
+def _nbytes(tree: object) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def param_bytes(model: nnx.Module) -> int:
+    return _nbytes(nnx.state(model))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A loaded model's cost coefficients: FLOPs per computed token and per attended query-key pair, bytes
+    of weights one forward pass reads, bytes of K/V per cached token."""
+
+    flops_per_token: float
+    flops_per_attended_key: float
+    weight_bytes: float
+    kv_bytes_per_token: float
+
+    @classmethod
+    def of(cls, config: ModelConfig, model: nnx.Module, kv_itemsize: int) -> StepCost:
+        """Weight bytes as stored (quantized weights count their scales)."""
+        flat = nnx.to_flat_state(nnx.state(model))
+        read = [var for path, var in flat if config.tie_word_embeddings or not str(path[0]).startswith("embed")]
+        return cls(2.0 * matmul_weights(config), attention_flops(config, 1), _nbytes(read),
+                   kv_bytes_per_token(config, kv_itemsize))
+
+    def flops(self, tokens: int, attended_keys: int) -> float:
+        return self.flops_per_token * tokens + self.flops_per_attended_key * attended_keys
+
+    def bytes(self, forward_passes: int, kv_tokens_read: int) -> float:
+        return self.weight_bytes * forward_passes + self.kv_bytes_per_token * kv_tokens_read
+
+
+@dataclass(frozen=True)
+class Peaks:
+    bandwidth_gbs: float
+    matmul_gflops: float
+    device: str
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Peaks:
+        return cls(**json.loads(path.read_text()))
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # compile and warm
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 2048), repeats: int = 5,
+                  dtype: str = "float32") -> Peaks:
+    """Measures the default JAX device.
+
+    Bandwidth: bytes read per second, the best of a sum over `elements` float32 values and a matrix-vector
+    product over a matrix as large (a decode step's access pattern: every weight read once). Neither writes
+    a large output, so fresh-page faults are not timed. Matmul rate: the best over n x n x n matmuls in `dtype`.
+    """
+    import jax.numpy as jnp
+
+    x = jnp.ones((elements,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    sum_s = _best_seconds(lambda: total(x).block_until_ready(), repeats)
+    side = math.isqrt(elements)
+    matrix, vector = jnp.ones((side, side), jnp.float32), jnp.ones((side,), jnp.float32)
+    gemv = jax.jit(lambda m, v: m @ v)
+    gemv_s = _best_seconds(lambda: gemv(matrix, vector).block_until_ready(), repeats)
+    bandwidth = max(4 * elements / sum_s, 4 * side * side / gemv_s)
+    del x, matrix
+    matmul = jax.jit(lambda p, q: p @ q)
+    flops = 0.0
+    for n in matmul_sizes:
+        a = jnp.ones((n, n), dtype)
+        flops = max(flops, 2 * n**3 / _best_seconds(lambda: matmul(a, a).block_until_ready(), repeats))
+    return Peaks(bandwidth / 1e9, flops / 1e9, str(jax.devices()[0].device_kind))
