@@ -24,7 +24,9 @@ import uvicorn
 from batching.config import QUANTIZATIONS, EngineConfig
 from batching.engine import Engine
 from batching.roofline import Peaks, measure_peaks
+from model.linear import arithmetic_dtype
 from model.loader import default_dtype
+from model.quantize import resolve
 from sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
 from app.server import create_app
@@ -212,7 +214,8 @@ def _load(engine_config: EngineConfig, ui: bool, args: argparse.Namespace) -> tu
     else:
         print("Measuring the device's peaks for the dashboard's roofline (declare them with --peak-gflops and "
               "--peak-bandwidth-gbs to skip this) ...", file=sys.stderr, flush=True)
-        peaks = measure_peaks(dtype=engine_config.dtype or default_dtype())
+        dtype = engine_config.dtype or default_dtype()
+        peaks = measure_peaks(dtype=arithmetic_dtype(resolve(engine_config.quantization), dtype))
     return engine, replace(peaks, bandwidth_gbs=peaks.bandwidth_gbs * engine_config.tp,
                            matmul_gflops=peaks.matmul_gflops * engine_config.tp)
 

@@ -103,7 +103,9 @@ def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 
 
     Bandwidth: bytes read per second, the best of a sum over `elements` float32 values and a matrix-vector
     product over a matrix as large (a decode step's access pattern: every weight read once). Neither writes
-    a large output, so fresh-page faults are not timed. Matmul rate: the best over n x n x n matmuls in `dtype`.
+    a large output, so fresh-page faults are not timed. Matmul rate: the best over n x n x n matmuls in `dtype`
+    ("int8": int8 x int8 -> int32, the arithmetic of the CPU's quantized-weight kernels; 2 ops per multiply-add
+    as for floats).
     """
     import jax.numpy as jnp
 
@@ -116,7 +118,8 @@ def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 
     gemv_s = _best_seconds(lambda: gemv(matrix, vector).block_until_ready(), repeats)
     bandwidth = max(4 * elements / sum_s, 4 * side * side / gemv_s)
     del x, matrix
-    matmul = jax.jit(lambda p, q: p @ q)
+    accumulate = jnp.int32 if dtype == "int8" else None
+    matmul = jax.jit(lambda p, q: jnp.matmul(p, q, preferred_element_type=accumulate))
     flops = 0.0
     for n in matmul_sizes:
         a = jnp.ones((n, n), dtype)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))  # `python bench/compare.py` puts bench/, not the 
 from bench import llama_cpp  # noqa: E402
 from bench.dataset import BenchRequest, fresh_prompts, save_jsonl  # noqa: E402
 from bench.metrics import RequestRecord, Slo, Summary, summarize  # noqa: E402
-from bench.roofline import Peaks, measure_peaks, read_model_config, workload_roofline  # noqa: E402
+from bench.roofline import Peaks, ServedModel, measure_peaks, workload_roofline  # noqa: E402
 from bench.serve import LoadConfig, RunResult, add_dataset_arguments, benchmark, load_dataset, report, result_json  # noqa: E402
 from model.fetch import resolve_model  # noqa: E402
 
@@ -112,7 +112,8 @@ class Session:
     """What the runs against every served system share."""
 
     phases: Phases
-    peaks: Peaks
+    served: ServedModel  # Sluice's model as served; llama.cpp computes on the same weights in the same arithmetic
+    peaks: Peaks  # measured in served.arithmetic
     seed: int
     dataset: str
     command: str
@@ -131,7 +132,7 @@ def run_phases(
     ):
         load = LoadConfig(url, max_concurrency=max_concurrency, seed=session.seed)
         before = read_counters() if read_counters is not None else None
-        result = benchmark(requests, load, Slo(), session.peaks, None, "float32")
+        result = benchmark(requests, load, Slo(), session.peaks, session.served)
         check_exact(result, requests, f"{system} {phase}")
         if read_counters is not None:
             llama_cpp.check_phase(read_counters() - before, requests, f"{system} {phase}")
@@ -223,15 +224,18 @@ def main() -> int:
         print(f"missing {', '.join(map(str, missing))}; `make bench` builds them", file=sys.stderr)
         return 2
 
-    peaks = measure_peaks()
-    print(f"peaks: {peaks.bandwidth_gbs:.1f} GB/s, {peaks.matmul_gflops:.0f} GFLOP/s ({peaks.device})", flush=True)
+    served, hf_served = ServedModel.of(None, "float32", "auto"), ServedModel.of(None, "float32", "none")
+    peaks = measure_peaks(dtype=served.arithmetic)
+    hf_peaks = measure_peaks(dtype=hf_served.arithmetic)
+    print(f"peaks: {peaks.bandwidth_gbs:.1f} GB/s, {peaks.matmul_gflops:.0f} G{served.arithmetic} ops/s, "
+          f"{hf_peaks.matmul_gflops:.0f} G{hf_served.arithmetic} ops/s ({peaks.device})", flush=True)
     workload, dataset = load_dataset(args)
     phases = Phases.of(workload, args.single_requests)
     save_jsonl(phases.saturation, args.out / "workload.jsonl")
     save_jsonl(phases.single, args.out / "single.jsonl")
     gguf = resolve_model(None)
 
-    session = Session(phases, peaks, args.seed, dataset, command, args.out, args.ready_timeout)
+    session = Session(phases, served, peaks, args.seed, dataset, command, args.out, args.ready_timeout)
     port = free_port()
     sluice = serve_and_run(session, "Sluice", "sluice", sluice_command(port, args), port)
 
@@ -250,7 +254,7 @@ def main() -> int:
     for batch_size in args.hf_batch_sizes:
         hf = hf_baseline(args, f"hf_baseline_b{batch_size}", "--workload", str(args.out / "workload.jsonl"), "--batch-size", str(batch_size))
         hf["roofline"] = asdict(workload_roofline(
-            read_model_config(None), "float32", peaks,
+            hf_served, hf_peaks,
             [len(r.prompt) for r in workload], [r.output_tokens for r in workload], batch_size,
         ))
         hf_runs.append(hf)
@@ -263,7 +267,8 @@ def main() -> int:
     one, llama_one = sluice.single.summary, llama.single.summary
     table = [
         f"CPU comparison, {datetime.date.today().isoformat()}, commit {commit}; {dataset}",
-        f"peaks measured: {peaks.bandwidth_gbs:.1f} GB/s memory, {peaks.matmul_gflops:.0f} GFLOP/s float32 matmul",
+        f"peaks measured: {peaks.bandwidth_gbs:.1f} GB/s memory, {peaks.matmul_gflops:.0f} G{served.arithmetic} ops/s "
+        f"(Sluice's and llama.cpp's matmuls), {hf_peaks.matmul_gflops:.0f} GFLOP/s {hf_served.arithmetic} (HF's)",
         "",
         f"| system | saturation output tok/s | total tok/s | duration s | one at a time ({len(phases.single)} requests): "
         "TTFT p50 ms | TPOT p50 ms | notes |",
@@ -271,7 +276,7 @@ def main() -> int:
         _summary_row(f"Sluice, continuous batching (max-num-seqs {args.max_num_seqs})", sat, one,
              f"saturation: TTFT p50 {sat.ttft_ms.median:.0f} ms, TPOT p50 {sat.tpot_ms.median:.0f} ms, "
              f"batch {sat.mean_decode_batch:.1f}, {held_back_tokens(sluice)} tokens held back, {sat.output_throughput / sluice.saturated.roofline.bound_output_tps:.1%} "
-             "of float32 roofline"),
+             f"of the roofline ({served.arithmetic} matmuls, {served.weight_bytes / 1e6:.0f} MB of weights)"),
         _summary_row(f"llama.cpp llama-server ({llama_config.parallel} slots, -t {llama_config.threads})", llama_sat, llama_one,
              f"saturation: TTFT p50 {llama_sat.ttft_ms.median:.0f} ms, TPOT p50 {llama_sat.tpot_ms.median:.0f} ms, "
              f"batch {llama_sat.mean_decode_batch:.1f}, {held_back_tokens(llama)} tokens held back; Q4_1 weights, f16 KV"),

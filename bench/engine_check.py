@@ -48,10 +48,10 @@ from tokenizers import models
 
 from batching.config import EngineConfig
 from batching.engine import Engine
-from batching.roofline import param_bytes
+from batching.roofline import StepCost, param_bytes
 from batching.sampling_params import SamplingParams
 from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
-from bench.roofline import Peaks, kv_bytes_per_token, workload_roofline
+from bench.roofline import Peaks, ServedModel, kv_bytes_per_token, workload_roofline
 from model.config import ModelConfig, RopeScaling
 from model.llama import Llama, empty_kv_cache
 from model.loader import LoadedModel
@@ -246,10 +246,11 @@ def decode_step_times(loaded: LoadedModel, batch: int, context: int, page_size: 
     return StepTimes(batch, context, step_s, attention_s, head_s, floor)
 
 
-def engine_level(engine: Engine, config: ModelConfig, workload: list[BenchRequest], sizes: Sizes, c: int,
+def engine_level(engine: Engine, served: ServedModel, workload: list[BenchRequest], sizes: Sizes, c: int,
                  peaks: Peaks) -> dict:
     """Throughput, TTFT and TPOT at concurrency c (module docstring). Every run gets fresh token ids with the
     workload's lengths, so none is served from a previous run's prefix cache."""
+    config = served.config
     fresh = [fresh_prompts(wave, salt=1000 * c + i, vocab_size=config.vocab_size)
              for i, wave in enumerate(waves(workload, c))]
     seconds = sum(generate_checked(engine, wave) for wave in fresh)
@@ -267,7 +268,7 @@ def engine_level(engine: Engine, config: ModelConfig, workload: list[BenchReques
     longer_s = wave_seconds(1 + sizes.tpot_steps, salt=1000 * c + 950)
     prompt_lens = [len(r.prompt) for r in requests]
     output_lens = [r.output_tokens for r in requests]
-    bound = workload_roofline(config, DTYPE, peaks, prompt_lens, output_lens, batch=c)
+    bound = workload_roofline(served, peaks, prompt_lens, output_lens, batch=c)
     return dict(
         requests=len(requests), prompt_tokens=sum(prompt_lens), output_tokens=sum(output_lens), seconds=seconds,
         output_tok_s=sum(output_lens) / seconds, total_tok_s=(sum(prompt_lens) + sum(output_lens)) / seconds,
@@ -317,8 +318,10 @@ def run(args) -> dict:
     result["compile_s"] = time.perf_counter() - start
     save()
 
+    itemsize = jnp.dtype(DTYPE).itemsize
+    served = ServedModel(config, StepCost.of(config, loaded.model, itemsize).weight_bytes, itemsize, DTYPE)
     for level, c in zip(result["levels"], sizes.concurrency):
-        level.update(engine_level(engine, config, workload, sizes, c, peaks))
+        level.update(engine_level(engine, served, workload, sizes, c, peaks))
         save()
     return result
 

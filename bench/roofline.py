@@ -3,10 +3,13 @@
 Peaks and per-token costs come from `batching/roofline.py` (the server's dashboard uses them too).
 
 Bound for a workload at decode batch B: prefill is compute-bound (2 FLOPs per matmul weight per prompt
-token plus causal attention); every decode step reads all weights once plus the batch's KV cache, and
-does 2 FLOPs per weight per token plus attention over the context, taking max(bytes / bandwidth,
-FLOPs / matmul rate). Decode needs (output tokens / B) steps at the workload's mean decode context.
-Output tokens over (prefill time + decode time) is the bound; achieved / bound is the fraction reported.
+token plus causal attention); every decode step reads all weights once (as stored: quantized weights count
+their packed bytes and scales) plus the batch's KV cache, and does 2 FLOPs per weight per token plus
+attention over the context, taking max(bytes / bandwidth, FLOPs / matmul rate). The matmul rate is the one of
+the arithmetic the weights multiply in (`model.linear.arithmetic_dtype`: int8 for quantized weights on a CPU
+with the kernels); attention's FLOPs are counted at that rate too, a bound on the safe side (they are ~6% of a
+SmolLM2 step). Decode needs (output tokens / B) steps at the workload's mean decode context. Output tokens
+over (prefill time + decode time) is the bound; achieved / bound is the fraction reported.
 
 `python -m bench.roofline --save peaks.json` measures and saves the peaks, so a benchmark that shares
 its machine with the server (a GPU) can measure before the server starts and pass the file along.
@@ -20,10 +23,39 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from batching.roofline import Peaks, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
+from batching.roofline import Peaks, StepCost, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
 from model.config import ModelConfig
 
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the roofline needs of a served model: its shape, the bytes of weights a forward pass reads, the
+    bytes of a cached K/V element, and the dtype its matmuls multiply in."""
+
+    config: ModelConfig
+    weight_bytes: float
+    kv_itemsize: int
+    arithmetic: str
+
+    @classmethod
+    def of(cls, model: str | None, dtype: str, quantization: str) -> ServedModel:
+        """`model` (a .gguf, an HF folder or None for the default) as `sluice serve --dtype --quantization`
+        runs it on this machine; built from its metadata and abstract shapes, no weights read."""
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from model.linear import arithmetic_dtype
+        from model.llama import Llama
+        from model.quantize import quantize_model, resolve
+
+        config, quantization = read_model_config(model), resolve(quantization)
+        abstract = nnx.eval_shape(lambda: quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)),
+                                                         quantization))
+        itemsize = jnp.dtype(dtype).itemsize
+        return cls(config, StepCost.of(config, abstract, itemsize).weight_bytes, itemsize,
+                   arithmetic_dtype(quantization, dtype))
 
 
 @dataclass(frozen=True)
@@ -53,14 +85,14 @@ class Roofline:
 
 
 def workload_roofline(
-    config: ModelConfig,
-    dtype: str,
+    served: ServedModel,
     peaks: Peaks,
     prompt_lens: Sequence[int],
     output_lens: Sequence[int],
     batch: float,
 ) -> Roofline:
-    dtype_bytes = BYTES[dtype]
+    """`peaks` measured in `served.arithmetic` (`peaks_from`)."""
+    config = served.config
     weights = matmul_weights(config)
     batch = max(batch, 1.0)
     bandwidth, rate = peaks.bandwidth_gbs * 1e9, peaks.matmul_gflops * 1e9
@@ -71,7 +103,7 @@ def workload_roofline(
     # Generated token i of a request attends to prompt + i keys; average over all generated tokens.
     context = sum(p * o + o * (o - 1) / 2 for p, o in zip(prompt_lens, output_lens)) / output_tokens
 
-    step_bytes = weights * dtype_bytes + batch * context * kv_bytes_per_token(config, dtype_bytes)
+    step_bytes = served.weight_bytes + batch * context * kv_bytes_per_token(config, served.kv_itemsize)
     step_flops = batch * (2 * weights + attention_flops(config, context))
     step_memory_s, step_compute_s = step_bytes / bandwidth, step_flops / rate
     prefill_s = prefill_flops / rate
@@ -103,16 +135,20 @@ def read_model_config(model: str | None) -> ModelConfig:
     return ModelConfig.from_gguf_fields(fields, tied_embeddings=all(t.name != "output.weight" for t in reader.tensors))
 
 
-def peaks_from(path: Path | None) -> Peaks:
-    return Peaks.load(path) if path is not None else measure_peaks()
+def peaks_from(path: Path | None, arithmetic: str = "float32") -> Peaks:
+    """Peaks saved by `--save` (measured in the arithmetic asked for then), or measured now in `arithmetic`."""
+    return Peaks.load(path) if path is not None else measure_peaks(dtype=arithmetic)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.roofline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--save", type=Path, default=None, help="write the measured peaks to this JSON file")
+    parser.add_argument("--arithmetic", default="float32", choices=[*DTYPES, "int8"],
+                        help="the dtype the served model's matmuls multiply in (int8: quantized weights on a CPU)")
     args = parser.parse_args()
-    peaks = measure_peaks()
-    print(f"{peaks.device}: memory bandwidth {peaks.bandwidth_gbs:.1f} GB/s, float32 matmul {peaks.matmul_gflops:.0f} GFLOP/s")
+    peaks = measure_peaks(dtype=args.arithmetic)
+    print(f"{peaks.device}: memory bandwidth {peaks.bandwidth_gbs:.1f} GB/s, {args.arithmetic} matmul "
+          f"{peaks.matmul_gflops:.0f} GFLOP/s")
     if args.save is not None:
         peaks.save(args.save)
     return 0

@@ -28,7 +28,7 @@ import numpy as np
 
 from bench.dataset import DEFAULT_OUTPUT, DEFAULT_PROMPT, BenchRequest, LengthDistribution, SyntheticSpec, load_jsonl, synthetic
 from bench.metrics import RequestRecord, Slo, Summary, summarize
-from bench.roofline import Peaks, Roofline, peaks_from, read_model_config, workload_roofline
+from bench.roofline import DTYPES, Peaks, Roofline, ServedModel, peaks_from, workload_roofline
 
 
 @dataclass(frozen=True)
@@ -153,14 +153,12 @@ async def run_load(requests: list[BenchRequest], load: LoadConfig) -> tuple[list
     return list(records), time.perf_counter() - start
 
 
-def benchmark(
-    requests: list[BenchRequest], load: LoadConfig, slo: Slo, peaks: Peaks, model: str | None, dtype: str
-) -> RunResult:
+def benchmark(requests: list[BenchRequest], load: LoadConfig, slo: Slo, peaks: Peaks, served: ServedModel) -> RunResult:
     records, duration = asyncio.run(run_load(requests, load))
     summary = summarize(records, duration, slo)
     done = [r for r in records if r.ok]
     roofline = workload_roofline(
-        read_model_config(model), dtype, peaks,
+        served, peaks,
         [r.prompt_tokens for r in done] or [1], [r.output_tokens for r in done] or [1], summary.mean_decode_batch,
     )
     return RunResult(load, records, summary, roofline)
@@ -257,8 +255,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")
     parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
     parser.add_argument("--roofline-model", default=None, help="model file whose shape the roofline uses (default: SmolLM2)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="the server's parameter and KV dtype, for the roofline")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="the server's activation and KV dtype, for the roofline")
+    parser.add_argument("--quantization", default="auto", help="the server's --quantization, for the roofline")
     parser.add_argument("--peaks", type=Path, default=None,
                         help="peaks JSON from `python -m bench.roofline --save` (default: measure here, now)")
 
@@ -278,9 +277,10 @@ def load_config(args: argparse.Namespace, request_rate: float) -> LoadConfig:
 def run(args: argparse.Namespace) -> int:
     command = command_line()
     requests, dataset = load_dataset(args)
-    peaks = peaks_from(args.peaks)
+    served = ServedModel.of(args.roofline_model, args.dtype, args.quantization)
+    peaks = peaks_from(args.peaks, served.arithmetic)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    result = benchmark(requests, load_config(args, args.request_rate), slo, peaks, args.roofline_model, args.dtype)
+    result = benchmark(requests, load_config(args, args.request_rate), slo, peaks, served)
     print(f"dataset: {dataset}\npeaks: {peaks.bandwidth_gbs:.1f} GB/s, {peaks.matmul_gflops:.0f} GFLOP/s ({peaks.device})")
     print(report(result, command))
     data = result_json(result, command, dataset)

@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.dataset import fresh_prompts
 from bench.metrics import Slo
 from bench.plots import plot_rate_curves, plot_throughput_latency
-from bench.roofline import peaks_from
+from bench.roofline import ServedModel, peaks_from
 from bench.serve import add_dataset_arguments, add_server_arguments, benchmark, command_line, load_config, load_dataset, report, result_json
 
 
@@ -30,14 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     command = command_line()
     requests, dataset = load_dataset(args)
-    peaks = peaks_from(args.peaks)
+    served = ServedModel.of(args.roofline_model, args.dtype, args.quantization)
+    peaks = peaks_from(args.peaks, served.arithmetic)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     print(f"dataset: {dataset}\npeaks: {peaks.bandwidth_gbs:.1f} GB/s, {peaks.matmul_gflops:.0f} GFLOP/s ({peaks.device})")
     args.out.mkdir(parents=True, exist_ok=True)
     results, failed = [], 0
     for index, rate in enumerate(args.request_rates):
-        result = benchmark(fresh_prompts(requests, salt=index), load_config(args, rate), slo, peaks,
-                           args.roofline_model, args.dtype)
+        result = benchmark(fresh_prompts(requests, salt=index), load_config(args, rate), slo, peaks, served)
         print(f"\n--- request rate {rate:g} req/s ---\n{report(result, command)}")
         results.append(result_json(result, command, dataset))
         failed += result.summary.failed

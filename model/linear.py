@@ -61,6 +61,13 @@ class RmsNorm:
     eps: float = field(metadata=dict(static=True))
 
 
+def arithmetic_dtype(quantization: str, dtype: str) -> str:
+    """The dtype the matmuls multiply in, for a resolved `quantization` and activation `dtype`: int8 where the
+    CPU kernels run quantized weights (their activations are int8 too), else `dtype` (float weights, or
+    quantized ones dequantized in front of XLA's dot)."""
+    return "int8" if quantization != "none" and cpu_qmatmul.available() else dtype
+
+
 def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: jnp.dtype | None = None,
             norm: RmsNorm | None = None) -> jax.Array:
     """x: [T, K] -> [T, *N] in `out_dtype` (default x's), x normalized first by `norm` if given. w: stacked
