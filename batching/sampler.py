@@ -4,7 +4,8 @@ Every row carries its own temperature, filters, penalties and seed. A row's draw
 depends only on (its seed, its output step), through `jax.random.fold_in`, inverted through the row's own
 cumulative distribution in token-id order: a seeded request samples the same tokens whatever else shares its
 batch. Top-k, top-p and min-p become a per-row logit cutoff. Work that no row asks for (penalties, filters,
-sampling, top alternatives) is skipped with `lax.cond`.
+sampling, top alternatives) is skipped with `lax.cond`. Structured output arrives as a packed bitmask of allowed
+tokens per row (all ones for rows without a grammar), applied before anything else.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class SamplingBatch:
     output index before which stop ids are banned
     history: [S, L] int32 the row's prompt + output ids, -1 pads; num_prompt: [S] int32 prompt length
     draft: [S] int32 the token proposed for the row's position (-1: none)
+    allowed: [S, ceil(V / 32)] int32 the tokens the row may sample, bit t % 32 of word t // 32 (structured
+    output; -1 words, all allowed, for rows without a grammar)
     """
 
     temperature: jax.Array
@@ -111,6 +114,7 @@ class SamplingBatch:
     history: jax.Array
     num_prompt: jax.Array
     draft: jax.Array
+    allowed: jax.Array
 
     def stops(self, tokens: jax.Array) -> jax.Array:
         """tokens: [S] int32 sampled at `step` -> [S] bool, whether each ends its row (a stop id, min_tokens met)."""
@@ -139,9 +143,10 @@ class SamplerOutput:
     accepted: jax.Array
 
 
-def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len: int, num_banned: int
-                        ) -> SamplingBatch:
-    """Host-side arrays for `inputs`, padded to `num_rows`. Token history is filled only for rows that read it."""
+def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len: int, num_banned: int,
+                        vocab_size: int) -> SamplingBatch:
+    """Host-side arrays for `inputs`, padded to `num_rows`. Token history is filled only for rows that read it;
+    every token is allowed (the runner writes constrained rows' masks into `allowed` before sampling)."""
     rows = [i.row for i in inputs] + [_PADDING_ROW] * (num_rows - len(inputs))
     scalars = {name: np.array([getattr(r, name) for r in rows], dtype) for name, dtype in _ROW_DTYPES.items()}
     step = np.zeros(num_rows, np.int32)
@@ -158,8 +163,21 @@ def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len
         if row_inputs.row.reads_history:
             history[i, :len(row_inputs.token_ids)] = row_inputs.token_ids
             num_prompt[i] = row_inputs.num_prompt
+    allowed = np.full((num_rows, bitmask_words(vocab_size)), -1, np.int32)
     return SamplingBatch(**scalars, step=step, stop_ids=stop_ids, min_tokens=min_tokens, history=history,
-                         num_prompt=num_prompt, draft=draft)
+                         num_prompt=num_prompt, draft=draft, allowed=allowed)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words in one row of a packed token bitmask: bit `t % 32` of word `t // 32` stands for token t."""
+    return -(-vocab_size // 32)
+
+
+def mask_disallowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits: [S, V]; allowed: [S, ceil(V / 32)] int32 packed bits -> logits, -inf where a bit is 0."""
+    num_rows, vocab = logits.shape
+    bits = jnp.right_shift(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return jnp.where(bits.reshape(num_rows, -1)[:, :vocab] != 0, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -269,8 +287,12 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     A row with a draft d verifies it exactly: greedy rows accept d if it is the argmax; sampling rows accept d
     with probability p(d) and otherwise draw from p with d removed (renormalized), so each emitted token is
     distributed as p whatever the draft.
+
+    Tokens a row's `allowed` mask excludes are removed first: the row samples, verifies and reports
+    logprobs under the model's distribution restricted to what its grammar allows.
     """
     num_rows, vocab = logits.shape
+    logits = jax.lax.cond(jnp.any(batch.allowed != -1), mask_disallowed, lambda x, _: x, logits, batch.allowed)
     log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     model_logits = logits
     any_penalty = jnp.any(
