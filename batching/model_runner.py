@@ -8,8 +8,8 @@ host, so the engine does its text work while the device computes.
 
 A step is two jitted calls, the model (to logits) and the sampler, so that the host fills the structured-output
 masks of the step's constrained rows (`batching/structured.py`) while the device runs the model: the masks need
-the tokens of the step before, which are known only at dispatch. Steps without a constrained row sample with an
-all-ones mask, which the sampler skips.
+the tokens of the step before, which are known only at dispatch. A step with a constrained row makes a third
+call between the two, which applies the masks (all-ones rows for its other rows); a step without one makes none.
 
 A decode-only step may run several decode steps in one call (`num_steps`): each sampled token is fed back on
 the device, rows stop on their stop ids there, and each row runs at most its `limit` steps (its pages are
@@ -35,7 +35,8 @@ from tqdm import tqdm
 
 from batching import step_broadcast
 from batching.request import MAX_STOP_IDS
-from batching.sampler import SamplerOutput, SamplingBatch, SamplingInputs, pack_sampling_batch, sample
+from batching.sampler import (SamplerOutput, SamplingBatch, SamplingInputs, bitmask_words, mask_disallowed,
+                              pack_sampling_batch, sample)
 from batching.scheduler import ScheduledChunk
 from batching.structured import fill_bitmask
 from model.llama import KVCache, Llama, empty_kv_cache
@@ -210,8 +211,11 @@ class ModelRunner:
         self.num_decode_steps = num_decode_steps
         self.num_speculative_tokens = num_speculative_tokens
         self._steps: dict[tuple[int, int], jax.stages.Wrapped] = {}
-        # Sampled tokens replicated on every device, so any process (process 0 in a multi-process job) reads them.
-        self._sample = jax.jit(_sample_step, out_shardings=None if mesh is None else replicated(mesh))
+        # Logits and sampled tokens replicated on every device, so any process (process 0 in a multi-process job)
+        # reads the tokens.
+        everywhere = None if mesh is None else replicated(mesh)
+        self._sample = jax.jit(_sample_step, out_shardings=everywhere)
+        self._mask = jax.jit(mask_disallowed, out_shardings=everywhere)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -246,8 +250,7 @@ class ModelRunner:
         """The model of a single step (to logits), or a whole multi-step decode call."""
         key = (bucket.max_q_len, bucket.num_steps)
         if key not in self._steps:
-            replicated_out = None if self.mesh is None else replicated(self.mesh)
-            out_shardings = None if self.mesh is None else (replicated_out, self.kv_sharding)
+            out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
             args = (self.graphdef, self.backend, self.mesh, self.num_pages)
             fn = (partial(_forward, *args, bucket.max_q_len) if bucket.num_steps == 1
                   else partial(_decode_steps, *args, self.page_size, bucket.num_steps))
@@ -258,7 +261,8 @@ class ModelRunner:
              fill_masks: Callable[[np.ndarray], None] | None = None) -> SamplerOutput:
         """Launches the step on host inputs (numpy) and replaces the pool; returns without waiting.
 
-        `fill_masks(sampling.allowed)` writes the constrained rows' masks while the model runs (single steps).
+        `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
+        ([num_rows, ceil(V / 32)] int32, all ones) while the model runs.
         """
         if bucket.num_steps > 1:
             out, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, self._global(inputs),
@@ -266,7 +270,9 @@ class ModelRunner:
             return out
         logits, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, self._global(inputs))
         if fill_masks is not None:
-            fill_masks(sampling.allowed)
+            allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
+            fill_masks(allowed)
+            logits = self._mask(logits, self._global(allowed))
         return self._sample(logits, self._global(sampling))
 
     def _global(self, tree):
@@ -284,13 +290,14 @@ class ModelRunner:
         self.kv_cache = empty_kv_cache(self.config, self.num_pages, self.page_size, self.kv_dtype, self.kv_sharding)
 
     def num_compiled(self) -> int:
-        """Compiled models (one per bucket) and samplers (one per bucket row count)."""
-        return sum(fn._cache_size() for fn in self._steps.values()) + self._sample._cache_size()
+        """Compiled models (one per bucket), and samplers and masks (one each per bucket row count)."""
+        return (sum(fn._cache_size() for fn in self._steps.values()) + self._sample._cache_size()
+                + self._mask._cache_size())
 
     def warmup(self, progress: bool = True) -> None:
-        """Compiles every bucket (an all-padding step writes nothing to the pool)."""
+        """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool)."""
         for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
-            self._run(bucket, *self._pad([], bucket, None))
+            self._run(bucket, *self._pad([], bucket, None), fill_masks=lambda allowed: None)
         jax.block_until_ready(self.kv_cache)
 
     def time_decode_steps(self) -> list[tuple[int, float]]:
@@ -389,6 +396,6 @@ class ModelRunner:
                     seq.params.min_tokens, seq.drafts[j] if j < chunk.num_drafts else -1,
                 ))
         cu_q_lens[piece + 1:] = offset
-        sampling = pack_sampling_batch(sampled, num_rows, self.max_model_len, MAX_STOP_IDS, self.config.vocab_size)
+        sampling = pack_sampling_batch(sampled, num_rows, self.max_model_len, MAX_STOP_IDS)
         inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits)
         return inputs, sampling

@@ -4,8 +4,8 @@ Every row carries its own temperature, filters, penalties and seed. A row's draw
 depends only on (its seed, its output step), through `jax.random.fold_in`, inverted through the row's own
 cumulative distribution in token-id order: a seeded request samples the same tokens whatever else shares its
 batch. Top-k, top-p and min-p become a per-row logit cutoff. Work that no row asks for (penalties, filters,
-sampling, top alternatives) is skipped with `lax.cond`. Structured output arrives as a packed bitmask of allowed
-tokens per row (all ones for rows without a grammar), applied before anything else.
+sampling, top alternatives) is skipped with `lax.cond`. Structured output masks the logits before they get here
+(`mask_disallowed`, its own call, made only for steps with a constrained row).
 """
 
 from __future__ import annotations
@@ -95,8 +95,6 @@ class SamplingBatch:
     output index before which stop ids are banned
     history: [S, L] int32 the row's prompt + output ids, -1 pads; num_prompt: [S] int32 prompt length
     draft: [S] int32 the token proposed for the row's position (-1: none)
-    allowed: [S, ceil(V / 32)] int32 the tokens the row may sample, bit t % 32 of word t // 32 (structured
-    output; -1 words, all allowed, for rows without a grammar)
     """
 
     temperature: jax.Array
@@ -114,7 +112,6 @@ class SamplingBatch:
     history: jax.Array
     num_prompt: jax.Array
     draft: jax.Array
-    allowed: jax.Array
 
     def stops(self, tokens: jax.Array) -> jax.Array:
         """tokens: [S] int32 sampled at `step` -> [S] bool, whether each ends its row (a stop id, min_tokens met)."""
@@ -143,10 +140,9 @@ class SamplerOutput:
     accepted: jax.Array
 
 
-def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len: int, num_banned: int,
-                        vocab_size: int) -> SamplingBatch:
-    """Host-side arrays for `inputs`, padded to `num_rows`. Token history is filled only for rows that read it;
-    every token is allowed (the runner writes constrained rows' masks into `allowed` before sampling)."""
+def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len: int, num_banned: int
+                        ) -> SamplingBatch:
+    """Host-side arrays for `inputs`, padded to `num_rows`. Token history is filled only for rows that read it."""
     rows = [i.row for i in inputs] + [_PADDING_ROW] * (num_rows - len(inputs))
     scalars = {name: np.array([getattr(r, name) for r in rows], dtype) for name, dtype in _ROW_DTYPES.items()}
     step = np.zeros(num_rows, np.int32)
@@ -163,9 +159,8 @@ def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len
         if row_inputs.row.reads_history:
             history[i, :len(row_inputs.token_ids)] = row_inputs.token_ids
             num_prompt[i] = row_inputs.num_prompt
-    allowed = np.full((num_rows, bitmask_words(vocab_size)), -1, np.int32)
     return SamplingBatch(**scalars, step=step, stop_ids=stop_ids, min_tokens=min_tokens, history=history,
-                         num_prompt=num_prompt, draft=draft, allowed=allowed)
+                         num_prompt=num_prompt, draft=draft)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -174,7 +169,12 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def mask_disallowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
-    """logits: [S, V]; allowed: [S, ceil(V / 32)] int32 packed bits -> logits, -inf where a bit is 0."""
+    """logits: [S, V]; allowed: [S, ceil(V / 32)] int32 packed bits -> logits, -inf where a bit is 0.
+
+    Structured output's mask, applied before `sample` (so before penalties, filters and logprobs): a row then
+    samples, verifies drafts and reports logprobs under the model's distribution restricted to what its grammar
+    allows. Rows without a grammar in a step that has one pass all-ones rows.
+    """
     num_rows, vocab = logits.shape
     bits = jnp.right_shift(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
     return jnp.where(bits.reshape(num_rows, -1)[:, :vocab] != 0, logits, -jnp.inf)
@@ -287,12 +287,8 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     A row with a draft d verifies it exactly: greedy rows accept d if it is the argmax; sampling rows accept d
     with probability p(d) and otherwise draw from p with d removed (renormalized), so each emitted token is
     distributed as p whatever the draft.
-
-    Tokens a row's `allowed` mask excludes are removed first: the row samples, verifies and reports
-    logprobs under the model's distribution restricted to what its grammar allows.
     """
     num_rows, vocab = logits.shape
-    logits = jax.lax.cond(jnp.any(batch.allowed != -1), mask_disallowed, lambda x, _: x, logits, batch.allowed)
     log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     model_logits = logits
     any_penalty = jnp.any(

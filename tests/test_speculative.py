@@ -129,7 +129,7 @@ def test_verified_sampling_emits_the_model_distribution_whatever_the_draft():
     for draft in (0, 4):
         rows = [SamplingInputs(SamplingRow.from_params(params, seed, vocab), 0, [1], 1, (), 0, draft)
                 for seed in range(num_rows)]
-        out = jax.tree.map(np.asarray, jax.jit(sample)(logits, pack_sampling_batch(rows, num_rows, 4, 4, vocab)))
+        out = jax.tree.map(np.asarray, jax.jit(sample)(logits, pack_sampling_batch(rows, num_rows, 4, 4)))
         counts = np.bincount(out.tokens, minlength=vocab)[:6]
         expected = probs[:6] * num_rows
         chi2 = float(((counts - expected) ** 2 / expected).sum())

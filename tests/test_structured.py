@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from batching.sampler import SamplingInputs, SamplingRow, bitmask_words, pack_sampling_batch, sample
+from batching.sampler import SamplingInputs, SamplingRow, bitmask_words, mask_disallowed, pack_sampling_batch, sample
 from batching.sampling_params import SamplingParams, StructuredOutput
 from batching.structured import GrammarCompiler, InvalidGrammar, fill_bitmask
 
@@ -95,21 +95,22 @@ def test_draft_rows_get_the_masks_of_the_grammar_after_each_draft_and_the_state_
     np.testing.assert_array_equal(mask_of(grammar, vocab), allowed_ids(bitmask[0], vocab))
 
 
-def test_masked_rows_sample_and_report_only_allowed_tokens_and_other_rows_are_untouched():
+def test_masked_rows_sample_and_report_only_allowed_tokens_and_all_ones_rows_are_untouched():
     vocab, num_rows = 100, 3
     logits = jax.random.normal(jax.random.key(0), (num_rows, vocab)) * 3
     params = [SamplingParams(temperature=0.0, top_logprobs=5), SamplingParams(temperature=1.0, seed=1),
               SamplingParams(temperature=0.0, top_logprobs=5)]
     rows = [SamplingInputs(SamplingRow.from_params(p, 7, vocab), 0, [], 0, (), 0) for p in params]
-    batch = pack_sampling_batch(rows, num_rows, 4, 4, vocab)
+    batch = pack_sampling_batch(rows, num_rows, 4, 4)
+    allowed_tokens = [3, 40, 63, 97]
+    allowed = np.full((num_rows, bitmask_words(vocab)), -1, np.int32)
+    allowed[:2] = 0
+    for token in allowed_tokens:
+        allowed[:2, token // 32] |= np.array(1 << (token % 32), np.uint32).view(np.int32)
     free = jax.tree.map(np.asarray, jax.jit(sample)(logits, batch))
-    allowed = [3, 40, 97]
-    for row in (0, 1):
-        batch.allowed[row] = 0
-        for token in allowed:
-            batch.allowed[row, token // 32] |= np.int32(1 << (token % 32)) if token % 32 < 31 else np.int32(-2**31)
-    out = jax.tree.map(np.asarray, jax.jit(sample)(logits, batch))
-    assert out.tokens[0] == allowed[int(np.argmax(np.asarray(logits)[0, allowed]))] and out.tokens[1] in allowed
-    assert set(out.top_ids[0, :3]) == set(allowed) and np.all(np.isneginf(out.top_logprobs[0, 3:5]))
-    np.testing.assert_allclose(np.exp(out.top_logprobs[0, :3]).sum(), 1.0, rtol=1e-5)
+    out = jax.tree.map(np.asarray, jax.jit(lambda x, m, b: sample(mask_disallowed(x, m), b))(logits, allowed, batch))
+    best = allowed_tokens[int(np.argmax(np.asarray(logits)[0, allowed_tokens]))]
+    assert out.tokens[0] == best and out.tokens[1] in allowed_tokens
+    assert set(out.top_ids[0, :4]) == set(allowed_tokens) and np.isneginf(out.top_logprobs[0, 4])
+    np.testing.assert_allclose(np.exp(out.top_logprobs[0, :4]).sum(), 1.0, rtol=1e-5)
     assert out.tokens[2] == free.tokens[2] and np.array_equal(out.top_ids[2], free.top_ids[2])
