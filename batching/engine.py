@@ -23,7 +23,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from batching.block_manager import BlockManager
@@ -175,7 +174,8 @@ class Engine:
 
     @cached_property
     def grammars(self) -> GrammarCompiler:
-        """Structured output's compiler for this model's vocabulary, built on the first request that needs it."""
+        """Structured output's compiler for this model's vocabulary, built on the first request that needs it
+        (RequestRejected if llguidance cannot take the tokenizer)."""
         return GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.limits.eos_token_ids)
 
     def add_request(self, prompts: list[list[int]], params: SamplingParams, request_id: str | None = None
@@ -389,7 +389,7 @@ class Engine:
         if seq.params.wants_logprobs:
             k = seq.params.top_logprobs
             ids, values = result.top_ids[step, row, :k], result.top_logprobs[step, row, :k]
-            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > -np.inf)
+            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > -jnp.inf)
             logprobs = (TokenLogprob(token, float(result.logprobs[step, row]), top),)
         if seq.proposer is not None:
             seq.proposer.extend([token])

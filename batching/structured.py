@@ -69,11 +69,19 @@ class GrammarCompiler:
     """Compiles requests' grammars for one tokenizer (about a millisecond for a typical schema)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        """vocab_size: the model's (masks have a bit per logit); EOS is allowed where a grammar is complete."""
+        """vocab_size: the model's (masks have a bit per logit); EOS is allowed where a grammar is complete.
+
+        Raises RequestRejected if llguidance cannot take the tokenizer (one with tokens beyond the model's logits,
+        say): then no request of this model can have structured output.
+        """
         import llguidance
 
         self._llguidance = llguidance
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size,
+                                                    eos_token=list(eos_token_ids))
+        except ValueError as error:
+            raise RequestRejected(f"structured output is not available with this model's tokenizer: {error}") from None
         self.executor = llguidance.LLExecutor()
 
     def compile(self, spec: StructuredOutput) -> Grammar:
@@ -85,7 +93,7 @@ class GrammarCompiler:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
             else:
                 grammar = llguidance.grammar_from(spec.kind, spec.source)
-        except ValueError as error:  # a JSON schema or choice list that is not valid JSON, an unknown kind
+        except ValueError as error:  # JSON that does not parse (a schema, a choice list), GBNF that does not convert
             raise InvalidGrammar(f"invalid {what}: {error}") from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():

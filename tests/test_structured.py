@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from batching.request import RequestRejected
 from batching.sampler import SamplingInputs, SamplingRow, bitmask_words, mask_disallowed, pack_sampling_batch, sample
 from batching.sampling_params import SamplingParams, StructuredOutput
 from batching.structured import GrammarCompiler, InvalidGrammar, fill_bitmask
@@ -51,6 +52,11 @@ def mask_of(grammar, vocab: int) -> np.ndarray:
 def test_invalid_or_unsupported_grammar_is_rejected_naming_the_problem(compiler, spec, problem):
     with pytest.raises(InvalidGrammar, match=problem):
         compiler.compile(spec)
+
+
+def test_a_tokenizer_with_tokens_beyond_the_models_logits_rejects_structured_output(tokenizer):
+    with pytest.raises(RequestRejected, match="structured output is not available"):
+        GrammarCompiler(tokenizer, 256, (EOS,))
 
 
 def test_json_text_the_schema_allows_is_accepted_token_by_token_and_eos_only_at_the_end(compiler, tokenizer):
