@@ -2,9 +2,12 @@
 
 1. Mask fill: each grammar's greedy output is replayed token by token and the mask of every position filled
    (`batching.structured.fill_bitmask`, the engine's call) for one row, and for 32 rows in one batched call
-   (32 matchers in lockstep, time per row): p50 / p99 per token, and the grammar's compile time.
+   (32 matchers in lockstep, time per row): p50 / p99 per token; the grammar's compile time, and the time its
+   matcher takes to advance by a sampled token (`Grammar.advance`, on the engine thread).
 2. Step time: decode steps of B sequences (B = 1 and 32), all constrained by a JSON schema that cannot end
-   within the run, then all unconstrained, same prompts and lengths: median engine step (host work included).
+   within the run, then all unconstrained, same prompts and lengths: median engine step (host work included),
+   interleaved `--repeats` times; and the device call that applies B rows of masks (`mask_disallowed`, its
+   host-to-device copy included), alone.
 3. Throughput: JSON-schema chat requests (three schemas) closed-loop at concurrency 16, against the same prompts
    unconstrained with the same output lengths (each request's max_tokens set to what it wrote constrained, EOS
    ignored), so the two differ by the constraint alone; interleaved, `--repeats` times: output tok/s, and output
@@ -24,12 +27,13 @@ import sys
 import time
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from batching.config import EngineConfig
 from batching.engine import Engine
 from batching.outputs import ListCollector
-from batching.sampler import bitmask_words
+from batching.sampler import bitmask_words, mask_disallowed
 from batching.sampling_params import SamplingParams, StructuredOutput
 from batching.structured import GrammarCompiler, fill_bitmask
 from bench.speculative import closed_loop
@@ -79,6 +83,7 @@ class FillTimes:
     compile_ms: float
     one_row_us: list[float]
     batched_us: list[float]
+    advance_us: list[float]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -94,7 +99,7 @@ def fill_times(compiler: GrammarCompiler, name: str, spec: StructuredOutput, tok
     lockstep = [grammar.fork() for _ in range(rows)]
     words = bitmask_words(compiler.tokenizer.vocab_size)
     one, many = np.zeros((1, words), np.int32), np.zeros((rows, words), np.int32)
-    one_row_us, batched_us = [], []
+    one_row_us, batched_us, advance_us = [], [], []
     for token in tokens:
         start = time.perf_counter()
         fill_bitmask([(grammar, 0, [])], one)
@@ -102,9 +107,12 @@ def fill_times(compiler: GrammarCompiler, name: str, spec: StructuredOutput, tok
         start = time.perf_counter()
         fill_bitmask([(g, row, []) for row, g in enumerate(lockstep)], many)
         batched_us.append((time.perf_counter() - start) * 1e6 / rows)
-        for g in (grammar, *lockstep):
+        start = time.perf_counter()
+        grammar.advance(token)
+        advance_us.append((time.perf_counter() - start) * 1e6)
+        for g in lockstep:
             g.advance(token)
-    return FillTimes(name, len(tokens), compile_ms, one_row_us, batched_us)
+    return FillTimes(name, len(tokens), compile_ms, one_row_us, batched_us, advance_us)
 
 
 def chat(engine: Engine, question: str) -> list[int]:
@@ -122,6 +130,20 @@ def decode_step_ms(engine: Engine, prompts: list[list[int]], params: SamplingPar
         if step is not None and step.num_prefill_tokens == 0 and step.num_seqs == len(prompts):
             durations.append(step.duration_s)
     return statistics.median(durations[1:]) * 1e3
+
+
+def mask_call_ms(rows: int, vocab_size: int, calls: int = 50) -> float:
+    """Median time of the device call that applies `rows` rows of masks (the engine's `mask_disallowed`)."""
+    apply = jax.jit(mask_disallowed)
+    logits = jax.random.normal(jax.random.key(0), (rows, vocab_size))
+    allowed = np.random.default_rng(0).integers(-2**31, 2**31, (rows, bitmask_words(vocab_size))).astype(np.int32)
+    jax.block_until_ready(apply(logits, allowed))
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(apply(logits, allowed))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 @dataclass(frozen=True)
@@ -161,19 +183,20 @@ def run(args: argparse.Namespace) -> int:
     compiler = engine.grammars
 
     print("## Mask fill per token (real vocabulary, one row, and 32 rows in one batched call)\n")
-    print("| grammar | tokens | compile ms | 1 row p50 / p99 us | 32 rows p50 / p99 us per row |")
-    print("|---|---:|---:|---:|---:|")
+    print("| grammar | tokens | compile ms | fill, 1 row: p50 / p99 us | fill, 32 rows: p50 / p99 us per row | "
+          "advance p50 us |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, question, spec in GRAMMARS:
         out = engine.generate([chat(engine, question)], SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                                                        structured=spec))[0][0]
         t = fill_times(compiler, name, spec, list(out.token_ids), 32)
         print(f"| {name} | {t.tokens} | {t.compile_ms:.2f} | {percentile(t.one_row_us, 50):.0f} / "
               f"{percentile(t.one_row_us, 99):.0f} | {percentile(t.batched_us, 50):.0f} / "
-              f"{percentile(t.batched_us, 99):.0f} |", flush=True)
+              f"{percentile(t.batched_us, 99):.0f} | {percentile(t.advance_us, 50):.0f} |", flush=True)
 
     print("\n## Decode step time, every row constrained vs none (median ms, host work included)\n")
-    print("| batch | unconstrained | constrained (64-record JSON schema) | cost |")
-    print("|---:|---:|---:|---:|")
+    print("| batch | unconstrained | constrained (64-record JSON schema) | difference | mask call alone |")
+    print("|---:|---:|---:|---:|---:|")
     for batch in (1, 32):
         prompts = [chat(engine, f"List some records about {SUBJECTS[i % len(SUBJECTS)]} in JSON, item {i}.")
                    for i in range(batch)]
@@ -184,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
             for is_constrained, params in ((False, plain), (True, constrained)):
                 times[is_constrained].append(decode_step_ms(engine, prompts, params))
         free, held = statistics.median(times[False]), statistics.median(times[True])
-        print(f"| {batch} | {free:.1f} | {held:.1f} | {held - free:+.1f} ms ({held / free - 1:+.1%}) |", flush=True)
+        print(f"| {batch} | {free:.1f} | {held:.1f} | {held - free:+.1f} ms ({held / free - 1:+.1%}) | "
+              f"{mask_call_ms(batch, loaded.config.vocab_size):.2f} ms |", flush=True)
 
     print(f"\n## JSON-schema requests at concurrency {args.concurrency} vs the same unconstrained\n")
     count = args.requests
@@ -216,7 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=48, help="requests per throughput run")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--step-tokens", type=int, default=40, help="tokens per sequence in the step-time runs")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
 
 
 def main(argv: list[str] | None = None) -> int:
