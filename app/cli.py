@@ -29,6 +29,7 @@ BENCHMARKS = {
     "sweep": "bench serve over a list of request rates; throughput-latency curve",
     "responsiveness": "/health and /metrics latency while a running server is loaded with streams",
     "speculative": "the same requests with and without n-gram drafts: output tok/s, TPOT, acceptance",
+    "structured": "structured output: mask fill time per token, step-time cost, JSON-schema throughput",
 }
 
 

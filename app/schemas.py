@@ -10,12 +10,13 @@ stream chunks use the same models, serialized in the OpenAI field order; `/opena
 from __future__ import annotations
 
 import dataclasses
+import json
 from abc import abstractmethod
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
 
-from batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 16
@@ -53,6 +54,71 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# --- structured output: OpenAI's response_format and vLLM's structured_outputs ---------------------------
+# What the grammars say is checked when the engine compiles them, against the model's vocabulary (a 400 too).
+
+
+class JsonSchemaSpec(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = Field(None, description="ignored: the schema is always enforced")
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one constraint. Unknown keys are refused: each would change the
+    output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema, or its JSON text")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, description="a Lark grammar (llama.cpp GBNF is accepted too)")
+    json_object: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [self.json_ is not None, self.regex is not None, self.choice is not None,
+                 self.grammar is not None, self.json_object]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar or json_object")
+        return self
+
+    def constraint(self) -> StructuredOutput:
+        if self.json_ is not None:
+            source = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return StructuredOutput("json_schema", source)
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex)
+        if self.choice is not None:
+            return StructuredOutput("choice", json.dumps(self.choice))
+        if self.grammar is not None:
+            return StructuredOutput("grammar", self.grammar)
+        return StructuredOutput("json_schema", ANY_JSON_OBJECT)
+
+
+# vLLM's older names for structured_outputs' keys: refused by name rather than ignored.
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
+
+
 class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions.
 
@@ -80,10 +146,8 @@ class SamplingRequest(_Request):
     user: str | None = None
     logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty",
                                                 json_schema_extra={"maxProperties": 0})
-    response_format: dict[str, Any] | None = Field(
-        None, description='not supported yet: only {"type": "text"}',
-        json_schema_extra={"properties": {"type": {"const": "text"}}, "required": ["type"]},
-    )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     _check_stop_token_ids = field_validator("stop_token_ids")(_check_vocabulary)
 
@@ -101,12 +165,12 @@ class SamplingRequest(_Request):
             raise ValueError("logit_bias is not supported")
         return value
 
-    @field_validator("response_format")
+    @model_validator(mode="before")
     @classmethod
-    def _plain_text_only(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if value.get("type") != "text":
-            raise ValueError(f"response_format {value.get('type')!r} is not supported yet; only 'text'")
-        return value
+    def _no_guided_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (guided := [name for name in _GUIDED_FIELDS if name in data]):
+            raise ValueError(f"{guided[0]} is not supported; use structured_outputs")
+        return data
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> SamplingRequest:
@@ -114,7 +178,23 @@ class SamplingRequest(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
             raise ValueError("min_tokens must not exceed the maximum number of tokens")
+        json_format = isinstance(self.response_format, (JsonObjectFormat, JsonSchemaFormat))
+        if self.structured_outputs is not None and json_format:
+            raise ValueError("give response_format or structured_outputs, not both")
+        if (self.structured_outputs is not None or json_format) and (self.ignore_eos or self.min_tokens):
+            raise ValueError("ignore_eos and min_tokens cannot be combined with structured output: the grammar "
+                             "decides where the output ends")
         return self
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the output must follow, if the request asks for one."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        if isinstance(self.response_format, JsonSchemaFormat):
+            return StructuredOutput("json_schema", json.dumps(self.response_format.json_schema.schema_))
+        if isinstance(self.response_format, JsonObjectFormat):
+            return StructuredOutput("json_schema", ANY_JSON_OBJECT)
+        return None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -133,6 +213,7 @@ class SamplingRequest(_Request):
             "max_tokens": self.max_new_tokens if self.max_new_tokens is not None else default_max_tokens,
             "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
             "stop_token_ids": tuple(self.stop_token_ids),
+            "structured": self.structured(),
             **self._logprob_params(),
         })
 

@@ -18,7 +18,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from typing import Callable
 
 import jax
@@ -39,6 +39,7 @@ from batching.sequence import Sequence, SequenceStatus
 from batching.roofline import StepCost
 from batching.speculation import Speculator
 from batching.stats import EngineStats, StepStats, StepTotals
+from batching.structured import GrammarCompiler
 from model.loader import LoadedModel, load_model
 from sharding.mesh import InvalidTensorParallelism, make_mesh
 from sharding.rules import param_sharding
@@ -166,11 +167,19 @@ class Engine:
     def submit(self, prompts: list[list[int]], params: SamplingParams, sink: OutputSink, request_id: str) -> None:
         """Queues a request of `len(prompts) * n` choices whose increments go to `sink`.
 
-        Raises RequestRejected now if it could never be served (context length, pool size).
+        Raises RequestRejected now if it could never be served (context length, pool size, a structured output
+        that does not compile).
         """
+        grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         request = build_request(request_id, prompts, params, sink, self.tokenizer, self.limits, self._seq_ids,
-                                self.ngram)
+                                self.ngram, grammar)
         self._inbox.put(_Add(request))
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler for this model's vocabulary, built on the first request that needs it
+        (RequestRejected if llguidance cannot take the tokenizer)."""
+        return GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.limits.eos_token_ids)
 
     def add_request(self, prompts: list[list[int]], params: SamplingParams, request_id: str | None = None
                     ) -> Collector:
@@ -324,12 +333,13 @@ class Engine:
 
         Only when every scheduled sequence decodes and nothing waits (a waiting request would wait the whole
         call for its first step), each sequence limited by its max_tokens and the context, and only if the pool
-        holds the pages for all of them.
+        holds the pages for all of them. A sequence with a grammar forces single steps: its mask for the next
+        token needs the token before, which only the host's matcher can take in.
         """
         steps = self.config.num_decode_steps
         if steps == 1 or not chunks or self.scheduler.waiting or not self._inbox.empty():
             return None
-        if any(c.num_tokens != 1 or not c.sample for c in chunks):
+        if any(c.num_tokens != 1 or not c.sample or c.seq.grammar is not None for c in chunks):
             return None
         limits = [min(steps, c.seq.params.max_tokens - c.seq.num_output_tokens, self.max_model_len - c.seq.num_tokens)
                   for c in chunks]
@@ -380,9 +390,12 @@ class Engine:
         return [(step, first_row) for step in range(num_steps)]
 
     def _append_token(self, seq: Sequence, result: SamplerOutput, step: int, row: int) -> None:
-        """Appends the token sampled at `step` and ends the sequence now if its id or count says so."""
+        """Appends the token sampled at `step` (advancing the sequence's grammar) and ends the sequence now if
+        its id or count says so. Top alternatives a grammar ruled out (logprob -inf) are not reported."""
         token = int(result.tokens[step, row])
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.advance(token)
         self._generation_tokens_total += 1
         if seq.num_output_tokens == 1 and seq.parent is None:
             self._prompt_tokens_total += seq.num_prompt_tokens
@@ -391,7 +404,7 @@ class Engine:
         if seq.params.wants_logprobs:
             k = seq.params.top_logprobs
             ids, values = result.top_ids[step, row, :k], result.top_logprobs[step, row, :k]
-            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values))
+            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > -jnp.inf)
             logprobs = (TokenLogprob(token, float(result.logprobs[step, row]), top),)
         if seq.proposer is not None:
             seq.proposer.extend([token])

@@ -1,4 +1,4 @@
-"""Turns a scheduled batch into padded device arrays and runs one jitted step: model, logits, sampler.
+"""Turns a scheduled batch into padded device arrays and runs one step on the device: model, then sampler.
 
 Every step is padded to a bucket from a small fixed set, so after the warm-up compiles them all the step never
 recompiles: decode-only steps by their number of sequences, mixed steps by their number of tokens. The KV pool
@@ -6,9 +6,15 @@ is donated to the step and replaced by its output; the model parameters are spli
 passed in as a pytree. `dispatch` returns at once (async dispatch) and starts copying the sampled tokens to the
 host, so the engine does its text work while the device computes.
 
+A step is two jitted calls, the model (to logits) and the sampler, so that the host fills the structured-output
+masks of the step's constrained rows (`batching/structured.py`) while the device runs the model: the masks need
+the tokens of the step before, which are known only at dispatch. A step with a constrained row makes a third
+call between the two, which applies the masks (all-ones rows for its other rows); a step without one makes none.
+
 A decode-only step may run several decode steps in one call (`num_steps`): each sampled token is fed back on
 the device, rows stop on their stop ids there, and each row runs at most its `limit` steps (its pages are
-reserved for them beforehand). Outputs always carry a leading `[num_steps]` axis.
+reserved for them beforehand). Outputs always carry a leading `[num_steps]` axis. Such a call is one jitted
+function, model and sampler; it is never given constrained rows (the engine makes them run single steps).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 from dataclasses import astuple, dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +35,10 @@ from tqdm import tqdm
 
 from batching import step_broadcast
 from batching.request import MAX_STOP_IDS
-from batching.sampler import SamplerOutput, SamplingBatch, SamplingInputs, pack_sampling_batch, sample
+from batching.sampler import (SamplerOutput, SamplingBatch, SamplingInputs, bitmask_words, mask_disallowed,
+                              pack_sampling_batch, sample)
 from batching.scheduler import ScheduledChunk
+from batching.structured import fill_bitmask
 from model.llama import KVCache, Llama, empty_kv_cache
 from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
 from sharding.rules import kv_cache_sharding, replicated
@@ -87,32 +96,45 @@ class StepInputs:
     limits: jax.Array
 
 
-def _forward(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
-             inputs: StepInputs, sampling: SamplingBatch) -> tuple[SamplerOutput, KVCache]:
-    """One model step and its sampler over a flat pool."""
+def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
+            inputs: StepInputs) -> tuple[jax.Array, KVCache]:
+    """One model step over a flat pool: the logits of the sampled rows, [S, V] float32."""
     meta = AttentionMetadata(
         slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=inputs.page_table,
         cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
     )
     attend = make_paged_attend(meta, num_pages, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh)
     hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend)
-    return sample(model.logits(hidden[inputs.logits_rows]), sampling), kv_cache
+    return model.logits(hidden[inputs.logits_rows]), kv_cache
 
 
-def _step(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int, max_q_len: int,
-          num_steps: int, state: nnx.State, kv_cache: KVCache, inputs: StepInputs, sampling: SamplingBatch
-          ) -> tuple[SamplerOutput, KVCache]:
-    """kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (donated).
+def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
+             state: nnx.State, kv_cache: KVCache, inputs: StepInputs) -> tuple[jax.Array, KVCache]:
+    """One step's model: the sampled rows' logits [S, V] float32, and the pool.
 
-    Returns the sampler's outputs with a leading [num_steps] axis.
+    kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (donated).
     """
     model = nnx.merge(graphdef, state)
     shape = kv_cache[0].shape
-    forward = partial(_forward, model, backend, mesh, num_pages, max_q_len)
-    if num_steps == 1:
-        out, kv_cache = forward(flat_pool(kv_cache), inputs, sampling)
-        return jax.tree.map(lambda x: x[None], out), tuple(x.reshape(shape) for x in kv_cache)
+    logits, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache), inputs)
+    return logits, tuple(x.reshape(shape) for x in kv_cache)
 
+
+def _sample_step(logits: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
+    """One step's sampler, outputs with a leading [1] axis (as a multi-step call's)."""
+    return jax.tree.map(lambda x: x[None], sample(logits, sampling))
+
+
+def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
+                  num_steps: int, state: nnx.State, kv_cache: KVCache, inputs: StepInputs, sampling: SamplingBatch
+                  ) -> tuple[SamplerOutput, KVCache]:
+    """`num_steps` decode steps, model and sampler, each sampled token fed back; kv_cache as in `_forward`.
+
+    Returns the sampler's outputs with a leading [num_steps] axis. No row has a structured-output mask: the
+    host cannot fill one between the steps.
+    """
+    model = nnx.merge(graphdef, state)
+    shape = kv_cache[0].shape
     rows = jnp.arange(inputs.token_ids.shape[0])
 
     def decode(carry, k):
@@ -125,7 +147,8 @@ def _step(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: in
             slot_mapping=jnp.where(active, pages * page_size + positions % page_size, -1),
             kv_lens=jnp.where(active, inputs.kv_lens + k, 0),
         )
-        out, kv_cache = forward(kv_cache, step_inputs, sampling)
+        logits, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, step_inputs)
+        out = sample(logits, sampling)
         alive = alive & ~(active & sampling.stops(out.tokens))
         return (out.tokens, alive, kv_cache, sampling.advanced(out.tokens)), out
 
@@ -188,6 +211,11 @@ class ModelRunner:
         self.num_decode_steps = num_decode_steps
         self.num_speculative_tokens = num_speculative_tokens
         self._steps: dict[tuple[int, int], jax.stages.Wrapped] = {}
+        # Logits and sampled tokens replicated on every device, so any process (process 0 in a multi-process job)
+        # reads the tokens.
+        everywhere = None if mesh is None else replicated(mesh)
+        self._sample = jax.jit(_sample_step, out_shardings=everywhere)
+        self._mask = jax.jit(mask_disallowed, out_shardings=everywhere)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -219,25 +247,39 @@ class ModelRunner:
         return next(b for b in buckets if b >= num_tokens)
 
     def _step_fn(self, bucket: Bucket):
+        """The model of a single step (to logits), or a whole multi-step decode call."""
         key = (bucket.max_q_len, bucket.num_steps)
         if key not in self._steps:
-            # Sampled tokens replicated on every device, so any process (process 0 in a multi-process job) reads them.
             out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
-            self._steps[key] = jax.jit(
-                partial(_step, self.graphdef, self.backend, self.mesh, self.num_pages, self.page_size, *key),
-                donate_argnums=(1,), out_shardings=out_shardings,
-            )
+            args = (self.graphdef, self.backend, self.mesh, self.num_pages)
+            fn = (partial(_forward, *args, bucket.max_q_len) if bucket.num_steps == 1
+                  else partial(_decode_steps, *args, self.page_size, bucket.num_steps))
+            self._steps[key] = jax.jit(fn, donate_argnums=(1,), out_shardings=out_shardings)
         return self._steps[key]
 
-    def _run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingBatch) -> SamplerOutput:
-        """Launches the step on host inputs (numpy) and replaces the pool; returns without waiting."""
-        if step_broadcast.is_multiprocess():
-            # A computation spanning processes takes global arrays: each process holds the same full copy.
-            inputs, sampling = jax.tree.map(
-                lambda x: jax.make_array_from_process_local_data(replicated(self.mesh), x), (inputs, sampling)
-            )
-        out, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, inputs, sampling)
-        return out
+    def _run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingBatch,
+             fill_masks: Callable[[np.ndarray], None] | None = None) -> SamplerOutput:
+        """Launches the step on host inputs (numpy) and replaces the pool; returns without waiting.
+
+        `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
+        ([num_rows, ceil(V / 32)] int32, all ones) while the model runs.
+        """
+        if bucket.num_steps > 1:
+            out, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, self._global(inputs),
+                                                       self._global(sampling))
+            return out
+        logits, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, self._global(inputs))
+        if fill_masks is not None:
+            allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
+            fill_masks(allowed)
+            logits = self._mask(logits, self._global(allowed))
+        return self._sample(logits, self._global(sampling))
+
+    def _global(self, tree):
+        """A computation spanning processes takes global arrays: each process holds the same full copy."""
+        if not step_broadcast.is_multiprocess():
+            return tree
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated(self.mesh), x), tree)
 
     def pool_lost(self) -> bool:
         """Whether a failed step took the donated KV pool with it."""
@@ -248,12 +290,14 @@ class ModelRunner:
         self.kv_cache = empty_kv_cache(self.config, self.num_pages, self.page_size, self.kv_dtype, self.kv_sharding)
 
     def num_compiled(self) -> int:
-        return sum(fn._cache_size() for fn in self._steps.values())
+        """Compiled models (one per bucket), and samplers and masks (one each per bucket row count)."""
+        return (sum(fn._cache_size() for fn in self._steps.values()) + self._sample._cache_size()
+                + self._mask._cache_size())
 
     def warmup(self, progress: bool = True) -> None:
-        """Compiles every bucket (an all-padding step writes nothing to the pool)."""
+        """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool)."""
         for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
-            self._run(bucket, *self._pad([], bucket, None))
+            self._run(bucket, *self._pad([], bucket, None), fill_masks=lambda allowed: None)
         jax.block_until_ready(self.kv_cache)
 
     def time_decode_steps(self) -> list[tuple[int, float]]:
@@ -275,21 +319,36 @@ class ModelRunner:
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i at most
         limits[i] of them (its pages must hold them). Outputs have a leading [num_steps] axis either way.
+        Sequences with a grammar get their masks (one per sampled row, drafts included) while the model runs.
         """
         num_steps = self.num_decode_steps if limits is not None else 1
         bucket = self.bucket_for(chunks, num_steps)
         inputs, sampling = self._pad(chunks, bucket, limits)
+        rows = first_rows(chunks)
+        constrained = [(c.seq.grammar, row, c.seq.drafts[:c.num_drafts])
+                       for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
         if step_broadcast.is_multiprocess():
-            step_broadcast.send_step(astuple(bucket), (inputs, sampling))
-        return PendingStep(self._run(bucket, inputs, sampling), first_rows(chunks))
+            step_broadcast.send_step((*astuple(bucket), bool(constrained)), (inputs, sampling))
+
+        def fill_masks(allowed: np.ndarray) -> None:
+            fill_bitmask(constrained, allowed)
+            if step_broadcast.is_multiprocess():
+                step_broadcast.send_payload(allowed)
+
+        return PendingStep(self._run(bucket, inputs, sampling, fill_masks if constrained else None), rows)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
-        while (shape := step_broadcast.receive_step_shape()) is not None:
+        while (header := step_broadcast.receive_step_shape()) is not None:
+            *shape, masked = header
             bucket = Bucket(*shape)
             inputs, sampling = step_broadcast.receive_payload(self._pad([], bucket, None))
+
+            def receive_masks(allowed: np.ndarray) -> None:
+                np.copyto(allowed, step_broadcast.receive_payload(allowed))
+
             try:
-                jax.block_until_ready(self._run(bucket, inputs, sampling))
+                jax.block_until_ready(self._run(bucket, inputs, sampling, receive_masks if masked else None))
             except Exception:  # noqa: BLE001 - process 0 fails the same step; keep in step with it
                 if self.pool_lost():
                     self.reset_pool()

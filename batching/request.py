@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batching.ngram import NgramConfig, NgramProposer
 from batching.outputs import OutputSink, Usage
@@ -14,6 +15,9 @@ from batching.sampling_params import SamplingParams
 from batching.sequence import Sequence
 from batching.stop_checker import StopChecker, stop_token_ids
 from model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from batching.structured import Grammar
 
 # Stop ids (stop_token_ids and EOS) a sequence may have: the sampler bans them before min_tokens and the
 # device checks them to end a sequence inside a multi-step call.
@@ -79,10 +83,11 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
 
 def build_request(request_id: str, prompts: list[list[int]], params: SamplingParams, sink: OutputSink,
                   tokenizer: Tokenizer, limits: RequestLimits, seq_ids: itertools.count,
-                  ngram: NgramConfig | None = None) -> Request:
+                  ngram: NgramConfig | None = None, grammar: Grammar | None = None) -> Request:
     """Checks the request against `limits` and builds its sequences, each with its sampling row and stop
-    checker (so a conversion error is this request's rejection, never a step's failure), and with a draft
-    proposer indexing its prompt when speculating."""
+    checker (so a conversion error is this request's rejection, never a step's failure), with a draft
+    proposer indexing its prompt when speculating, and with its own copy of `grammar` (the request's compiled
+    structured output) if there is one."""
     check_fits(prompts, params, limits)
     seed = params.seed if params.seed is not None else random.getrandbits(64)
     seqs: list[Sequence] = []
@@ -94,6 +99,7 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
                 seq_id=next(seq_ids), request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
                 sampling=SamplingRow.from_params(params, seed + choice * _SEED_STRIDE, limits.vocab_size),
                 stop=StopChecker(params, limits.eos_token_ids, tokenizer.decode_stream(prompt)), parent=parent,
+                grammar=grammar.fork() if grammar is not None else None,
                 proposer=NgramProposer(ngram) if ngram else None,
             )
             if seq.proposer is not None:

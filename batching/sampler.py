@@ -4,7 +4,8 @@ Every row carries its own temperature, filters, penalties and seed. A row's draw
 depends only on (its seed, its output step), through `jax.random.fold_in`, inverted through the row's own
 cumulative distribution in token-id order: a seeded request samples the same tokens whatever else shares its
 batch. Top-k, top-p and min-p become a per-row logit cutoff. Work that no row asks for (penalties, filters,
-sampling, top alternatives) is skipped with `lax.cond`.
+sampling, top alternatives) is skipped with `lax.cond`. Structured output masks the logits before they get here
+(`mask_disallowed`, its own call, made only for steps with a constrained row).
 """
 
 from __future__ import annotations
@@ -160,6 +161,23 @@ def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len
             num_prompt[i] = row_inputs.num_prompt
     return SamplingBatch(**scalars, step=step, stop_ids=stop_ids, min_tokens=min_tokens, history=history,
                          num_prompt=num_prompt, draft=draft)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words in one row of a packed token bitmask: bit `t % 32` of word `t // 32` stands for token t."""
+    return -(-vocab_size // 32)
+
+
+def mask_disallowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits: [S, V]; allowed: [S, ceil(V / 32)] int32 packed bits -> logits, -inf where a bit is 0.
+
+    Structured output's mask, applied before `sample` (so before penalties, filters and logprobs): a row then
+    samples, verifies drafts and reports logprobs under the model's distribution restricted to what its grammar
+    allows. Rows without a grammar in a step that has one pass all-ones rows.
+    """
+    num_rows, vocab = logits.shape
+    bits = jnp.right_shift(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return jnp.where(bits.reshape(num_rows, -1)[:, :vocab] != 0, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:

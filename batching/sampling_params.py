@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output text must follow, as the request gave it (compiled by `batching/structured.py`).
+
+    kind "json_schema": `source` is the schema as JSON text; "regex": a regular expression the whole output
+    matches; "choice": a JSON list of the strings the output may be; "grammar": a Lark (or llama.cpp GBNF)
+    grammar.
+    """
+
+    kind: Literal["json_schema", "regex", "choice", "grammar"]
+    source: str
 
 
 @dataclass(frozen=True)
@@ -18,6 +32,7 @@ class SamplingParams:
     `seed` makes the request's samples reproducible whatever else shares its batch.
     `logprobs` asks for the chosen token's log-probability; `top_logprobs` (0..20) for the k best.
     `n` samples per prompt; `priority`: lower runs first.
+    `structured`: a grammar the output must follow (EOS then ends it only where the grammar is complete).
     """
 
     max_tokens: int = 16
@@ -37,6 +52,7 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     priority: int = 0
+    structured: StructuredOutput | None = None
 
     @property
     def wants_logprobs(self) -> bool:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batching.ngram import NgramProposer
 from batching.outputs import FinishReason
 from batching.sampler import SamplingRow
 from batching.sampling_params import SamplingParams
 from batching.stop_checker import StopChecker
+
+if TYPE_CHECKING:
+    from batching.structured import Grammar
 
 
 class SequenceStatus(enum.Enum):
@@ -28,11 +32,11 @@ class Sequence:
 
     `sampling` is this sequence's row of the sampler (its seed keys the draws, folded with the output step, so
     it samples the same tokens whatever shares its batch and after a preemption); `stop` turns its tokens
-    into text and decides when it ends. `arrival` orders first-come-first-served scheduling; `queued_at` is
-    when it last entered the waiting queue (`time.perf_counter()`). With speculative
-    decoding, `proposer` drafts from the sequence's own tokens, `drafts` are this step's drafts, `shadow_draft`
-    the first token it would have drafted when it drafts none, and `acceptance` the recent rate at which its
-    drafts are (or would be) accepted.
+    into text and decides when it ends; `grammar` (structured output) is where its output stands in the grammar
+    it must follow. `arrival` orders first-come-first-served scheduling; `queued_at` is when it last entered the
+    waiting queue (`time.perf_counter()`). With speculative decoding, `proposer` drafts from the sequence's own
+    tokens, `drafts` are this step's drafts, `shadow_draft` the first token it would have drafted when it drafts
+    none, and `acceptance` the recent rate at which its drafts are (or would be) accepted.
     """
 
     seq_id: int
@@ -52,6 +56,7 @@ class Sequence:
     page_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    grammar: Grammar | None = None
     proposer: NgramProposer | None = None
     drafts: list[int] = field(default_factory=list)
     shadow_draft: int | None = None

@@ -92,6 +92,8 @@ class Speculator:
             seq.drafts = []
             room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
             drafts = seq.proposer.propose(room) if seq.proposer is not None else []
+            if seq.grammar is not None:
+                drafts = seq.grammar.valid_prefix(drafts)  # a draft its grammar forbids would be rejected
             if drafts:
                 candidates.append((expected_accepted(seq.acceptance, len(drafts)), seq, drafts))
         candidates.sort(key=lambda c: -c[0] / len(c[2]))

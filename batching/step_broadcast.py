@@ -2,8 +2,9 @@
 
 In a multi-process JAX job every process must launch the same computations in the same order. Only process 0
 runs the HTTP server and the scheduler. Before each step it broadcasts a small fixed-size header (the step's
-shape, or "stop") and then the padded inputs, over the same cross-process collectives the model uses (gloo on
-CPU, NCCL on GPU); the other processes receive them and launch the identical jitted step.
+shape and whether structured-output masks follow, or "stop") and then the padded inputs, over the same
+cross-process collectives the model uses (gloo on CPU, NCCL on GPU); the other processes receive them and launch
+the identical jitted step. Masks, filled while the model runs, follow as a second payload before the sampler.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 from jax.experimental.multihost_utils import broadcast_one_to_all
 
-HEADER_LEN = 6
+HEADER_LEN = 7
 _STOP, _STEP = 0, 1
 
 
@@ -27,8 +28,14 @@ def is_leader() -> bool:
 
 
 def send_step(shape: tuple[int, ...], payload: Any) -> None:
-    """Process 0: announces a step of `shape` (HEADER_LEN - 1 ints) and sends its inputs (a numpy pytree)."""
+    """Process 0: announces a step by `shape` (HEADER_LEN - 1 ints: the bucket, then 1 if masks follow) and
+    sends its inputs (a numpy pytree)."""
     broadcast_one_to_all(np.array([_STEP, *shape], np.int32))
+    broadcast_one_to_all(payload)
+
+
+def send_payload(payload: Any) -> None:
+    """Process 0: more inputs of the step it announced last (a numpy pytree the others `receive_payload`)."""
     broadcast_one_to_all(payload)
 
 
@@ -38,7 +45,7 @@ def send_stop() -> None:
 
 
 def receive_step_shape() -> tuple[int, ...] | None:
-    """Other processes: the next step's shape, or None when process 0 stops."""
+    """Other processes: the next step's `shape` as `send_step` sent it, or None when process 0 stops."""
     header = broadcast_one_to_all(np.zeros(HEADER_LEN, np.int32))
     return None if header[0] == _STOP else tuple(int(x) for x in header[1:])
 

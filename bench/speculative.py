@@ -73,18 +73,19 @@ def chat_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-async def closed_loop(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int
+async def closed_loop(engine: Engine, requests: list[tuple[list[int], SamplingParams]], concurrency: int
                       ) -> tuple[int, float, list[float]]:
-    """(output tokens, seconds, per-request TPOT in seconds) with `concurrency` requests in flight."""
-    pending = list(prompts)
+    """(output tokens, seconds, per-request TPOT in seconds) of (prompt, params) requests, `concurrency` of them
+    in flight (on an engine whose step loop is started)."""
+    pending = list(requests)
     tpots: list[float] = []
     total = 0
 
     async def worker() -> None:
         nonlocal total
         while pending:
-            prompt = pending.pop()
-            start, times = time.perf_counter(), []
+            prompt, params = pending.pop()
+            times = []
             async for increment in engine.add_request([prompt], params):
                 times.extend([time.perf_counter()] * len(increment.token_ids))
             total += len(times)
@@ -102,7 +103,7 @@ def measure(engine: Engine, workload: str, prompts: list[list[int]], params: Sam
         await engine.start()
         try:
             before = engine.stats.spec
-            tokens, seconds, tpots = await closed_loop(engine, prompts, params, concurrency)
+            tokens, seconds, tpots = await closed_loop(engine, [(p, params) for p in prompts], concurrency)
             after = engine.stats.spec
         finally:
             await engine.shutdown()

@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from app.errors import APIError, from_validation_error
 from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from batching.sampling_params import StructuredOutput
 
 VOCAB = {"vocab_size": 1000}
 
@@ -131,7 +132,6 @@ def test_detokenize_ids_outside_the_vocabulary_are_rejected():
     [(ChatCompletionRequest, "tools", [{"type": "function", "function": {"name": "f"}}]),
      (ChatCompletionRequest, "tool_choice", "auto"),
      (ChatCompletionRequest, "functions", [{"name": "f"}]),
-     (ChatCompletionRequest, "response_format", {"type": "json_object"}),
      (ChatCompletionRequest, "logit_bias", {"5": 10}),
      (CompletionRequest, "best_of", 3),
      (CompletionRequest, "suffix", "the end")],
@@ -146,3 +146,33 @@ def test_harmless_forms_of_unimplemented_fields_are_accepted():
     ChatCompletionRequest.model_validate({**CHAT, "tool_choice": "none", "response_format": {"type": "text"},
                                           "logit_bias": {}, "tools": []})
     CompletionRequest.model_validate({"prompt": "x", "best_of": 1, "suffix": ""})
+
+
+@pytest.mark.parametrize(("fields", "structured"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}},
+     StructuredOutput("json_schema", '{"type": "integer"}')),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_schema", '{"type": "object"}')),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_schema", '{"type": "object"}')),
+    ({"structured_outputs": {"json": '{"type": "string"}'}}, StructuredOutput("json_schema", '{"type": "string"}')),
+    ({"structured_outputs": {"regex": "a+"}}, StructuredOutput("regex", "a+")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput("choice", '["a", "b"]')),
+    ({"structured_outputs": {"grammar": 'start: "x"'}}, StructuredOutput("grammar", 'start: "x"')),
+    ({"response_format": {"type": "text"}}, None),
+])
+def test_response_format_and_structured_outputs_become_the_engines_grammar(fields, structured):
+    for schema, body in ((ChatCompletionRequest, CHAT), (CompletionRequest, {"prompt": "x"})):
+        request = schema.model_validate({**body, **fields}, context=VOCAB)
+        assert request.sampling_params(default_max_tokens=8).structured == structured
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+    {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+    {"structured_outputs": {}},
+    {"structured_outputs": {"choice": []}},
+    {"structured_outputs": {"regex": "a"}, "min_tokens": 2},
+    {"response_format": {"type": "json_object"}, "ignore_eos": True},
+    {"guided_regex": "a+"},
+])
+def test_conflicting_or_unknown_structured_output_fields_are_rejected(fields):
+    rejection(ChatCompletionRequest, {**CHAT, **fields})

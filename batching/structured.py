@@ -1,0 +1,101 @@
+"""Structured output: a request's grammar compiled by llguidance against the model's own vocabulary, one matcher
+per sequence, and the packed bitmask of the tokens each constrained sampler row may take next.
+
+llguidance's tokenizer is built from the served tokenizer's own `tokenizer.json` (the GGUF vocabulary and merges,
+or the HF folder's file), never fetched. JSON comes out in one fixed layout, `{"a": 1, "b": [2, 3]}`: with free
+whitespace a small model pads with newlines until max_tokens. llguidance is imported here only, when the first
+grammar is compiled, so an engine that is never asked for structured output runs without it (the GPU image
+lacks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from batching.request import RequestRejected
+from batching.sampling_params import StructuredOutput
+from model.tokenizer import Tokenizer
+
+# llguidance's JSON options; a schema's own "x-guidance" key overrides them.
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+_WHAT = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+class InvalidGrammar(RequestRejected):
+    """The request's schema, regex, choice or grammar does not compile, or uses a feature llguidance lacks."""
+
+
+@dataclass(eq=False)
+class Grammar:
+    """A sequence's place in its grammar: `matcher` (an llguidance LLMatcher) has consumed exactly the sequence's
+    output tokens. `executor` (shared by all sequences of a compiler) fills masks in parallel, without the GIL."""
+
+    matcher: Any
+    executor: Any
+
+    def fork(self) -> Grammar:
+        """The same place in the same grammar, advanced independently from now on (another sample)."""
+        return Grammar(self.matcher.deep_copy(), self.executor)
+
+    def advance(self, token: int) -> None:
+        """Consumes a sampled token; the sampler's mask allowed it, so a refusal is a bug, raised as one."""
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} broke the output's grammar: {self.matcher.get_error()}")
+
+    def valid_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of `tokens` (speculative drafts) that the grammar allows from here."""
+        return tokens[:self.matcher.validate_tokens(tokens)]
+
+
+def fill_bitmask(rows: list[tuple[Grammar, int, list[int]]], bitmask: np.ndarray) -> None:
+    """Writes the allowed tokens of each (grammar, row, drafts) into `bitmask` [S, words] int32: row `row` for the
+    grammar's next token and row `row + j` for the token after its first j drafts (the drafts are consumed to
+    get there and rolled back). One call for the whole batch, in parallel threads, without the GIL."""
+    from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+
+    executor = rows[0][0].executor
+    plain = [(grammar.matcher, row) for grammar, row, drafts in rows if not drafts]
+    drafted = [(grammar.matcher, row, drafts) for grammar, row, drafts in rows if drafts]
+    if plain:
+        fill_next_token_bitmask_par(executor, plain, bitmask)
+    if drafted:  # llguidance refuses an empty draft list here
+        fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bitmask)
+
+
+class GrammarCompiler:
+    """Compiles requests' grammars for one tokenizer (about a millisecond for a typical schema)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        """vocab_size: the model's (masks have a bit per logit); EOS is allowed where a grammar is complete.
+
+        Raises RequestRejected if llguidance cannot take the tokenizer (one with tokens beyond the model's logits,
+        say): then no request of this model can have structured output.
+        """
+        import llguidance
+
+        self._llguidance = llguidance
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size,
+                                                    eos_token=list(eos_token_ids))
+        except ValueError as error:
+            raise RequestRejected(f"structured output is not available with this model's tokenizer: {error}") from None
+        self.executor = llguidance.LLExecutor()
+
+    def compile(self, spec: StructuredOutput) -> Grammar:
+        """A fresh matcher for `spec`; InvalidGrammar naming the problem if it does not compile."""
+        llguidance = self._llguidance
+        what = _WHAT[spec.kind]
+        try:
+            if spec.kind == "json_schema":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
+            else:
+                grammar = llguidance.grammar_from(spec.kind, spec.source)
+        except ValueError as error:  # JSON that does not parse (a schema, a choice list), GBNF that does not convert
+            raise InvalidGrammar(f"invalid {what}: {error}") from None
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidGrammar(f"invalid {what}: {matcher.get_error()}")
+        return Grammar(matcher, self.executor)

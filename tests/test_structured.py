@@ -1,0 +1,122 @@
+"""Structured output's parts: grammars compiled against the real SmolLM2 vocabulary, their masks (drafts
+included), and the sampler applying a mask."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from batching.request import RequestRejected
+from batching.sampler import SamplingInputs, SamplingRow, bitmask_words, mask_disallowed, pack_sampling_batch, sample
+from batching.sampling_params import SamplingParams, StructuredOutput
+from batching.structured import GrammarCompiler, InvalidGrammar, fill_bitmask
+
+EOS = 2  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    return smollm2.tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2) -> GrammarCompiler:
+    return GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size, (EOS,))
+
+
+def allowed_ids(bitmask_row: np.ndarray, vocab: int) -> np.ndarray:
+    bits = (bitmask_row[:, None] >> np.arange(32)) & 1
+    return np.flatnonzero(bits.reshape(-1)[:vocab])
+
+
+def mask_of(grammar, vocab: int) -> np.ndarray:
+    bitmask = np.zeros((1, bitmask_words(vocab)), np.int32)
+    fill_bitmask([(grammar, 0, [])], bitmask)
+    return allowed_ids(bitmask[0], vocab)
+
+
+@pytest.mark.parametrize(("spec", "problem"), [
+    (StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"x": {"type": "strin"}}})),
+     "strin"),
+    (StructuredOutput("json_schema", json.dumps({"not": {"type": "string"}})), "not"),
+    (StructuredOutput("json_schema", json.dumps({"type": "string", "format": "weird"})), "weird"),
+    (StructuredOutput("json_schema", json.dumps({"$ref": "#/nowhere"})), "nowhere"),
+    (StructuredOutput("json_schema", "{not json"), "JSON schema"),
+    (StructuredOutput("regex", "[a-z"), "unclosed character class"),
+    (StructuredOutput("regex", "(?=x)y"), "look-around"),
+    (StructuredOutput("grammar", "start: missing_rule"), "missing_rule"),
+])
+def test_invalid_or_unsupported_grammar_is_rejected_naming_the_problem(compiler, spec, problem):
+    with pytest.raises(InvalidGrammar, match=problem):
+        compiler.compile(spec)
+
+
+def test_a_tokenizer_with_tokens_beyond_the_models_logits_rejects_structured_output(tokenizer):
+    with pytest.raises(RequestRejected, match="structured output is not available"):
+        GrammarCompiler(tokenizer, 256, (EOS,))
+
+
+def test_json_text_the_schema_allows_is_accepted_token_by_token_and_eos_only_at_the_end(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
+              "items": {"enum": ["a", "b"]}}}, "required": ["name", "tags"], "additionalProperties": False}
+    grammar = compiler.compile(StructuredOutput("json_schema", json.dumps(schema)))
+    vocab = compiler.tokenizer.vocab_size
+    for token in tokenizer.encode('{"name": "Ada", "tags": ["a", "b"]}'):
+        allowed = mask_of(grammar, vocab)
+        assert token in allowed and EOS not in allowed
+        grammar.advance(token)
+    assert list(mask_of(grammar, vocab)) == [EOS]
+
+
+def test_a_token_outside_the_grammar_is_refused_loudly(compiler, tokenizer):
+    grammar = compiler.compile(StructuredOutput("regex", r"\d+"))
+    with pytest.raises(RuntimeError, match="grammar"):
+        grammar.advance(tokenizer.encode("x")[0])
+
+
+def test_forked_grammars_advance_independently(compiler, tokenizer):
+    first = compiler.compile(StructuredOutput("choice", json.dumps(["yes", "no"])))
+    second = first.fork()
+    first.advance(tokenizer.encode("yes")[0])
+    vocab = compiler.tokenizer.vocab_size
+    assert list(mask_of(first, vocab)) == [EOS]
+    assert tokenizer.encode("no")[0] in mask_of(second, vocab)
+
+
+def test_draft_rows_get_the_masks_of_the_grammar_after_each_draft_and_the_state_is_rolled_back(compiler, tokenizer):
+    grammar = compiler.compile(StructuredOutput("regex", r"[0-9]{3}-[0-9]{4}"))
+    drafts = tokenizer.encode("123-45")
+    assert grammar.valid_prefix(drafts + tokenizer.encode("x")) == drafts
+    vocab = compiler.tokenizer.vocab_size
+    bitmask = np.zeros((len(drafts) + 1, bitmask_words(vocab)), np.int32)
+    fill_bitmask([(grammar, 0, drafts)], bitmask)
+    stepwise = grammar.fork()
+    for j in range(len(drafts) + 1):
+        np.testing.assert_array_equal(allowed_ids(bitmask[j], vocab), mask_of(stepwise, vocab))
+        if j < len(drafts):
+            stepwise.advance(drafts[j])
+    np.testing.assert_array_equal(mask_of(grammar, vocab), allowed_ids(bitmask[0], vocab))
+
+
+def test_masked_rows_sample_and_report_only_allowed_tokens_and_all_ones_rows_are_untouched():
+    vocab, num_rows = 100, 3
+    logits = jax.random.normal(jax.random.key(0), (num_rows, vocab)) * 3
+    params = [SamplingParams(temperature=0.0, top_logprobs=5), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.0, top_logprobs=5)]
+    rows = [SamplingInputs(SamplingRow.from_params(p, 7, vocab), 0, [], 0, (), 0) for p in params]
+    batch = pack_sampling_batch(rows, num_rows, 4, 4)
+    allowed_tokens = [3, 40, 63, 97]
+    allowed = np.full((num_rows, bitmask_words(vocab)), -1, np.int32)
+    allowed[:2] = 0
+    for token in allowed_tokens:
+        allowed[:2, token // 32] |= np.array(1 << (token % 32), np.uint32).view(np.int32)
+    free = jax.tree.map(np.asarray, jax.jit(sample)(logits, batch))
+    out = jax.tree.map(np.asarray, jax.jit(lambda x, m, b: sample(mask_disallowed(x, m), b))(logits, allowed, batch))
+    best = allowed_tokens[int(np.argmax(np.asarray(logits)[0, allowed_tokens]))]
+    assert out.tokens[0] == best and out.tokens[1] in allowed_tokens
+    assert set(out.top_ids[0, :4]) == set(allowed_tokens) and np.isneginf(out.top_logprobs[0, 4])
+    np.testing.assert_allclose(np.exp(out.top_logprobs[0, :4]).sum(), 1.0, rtol=1e-5)
+    assert out.tokens[2] == free.tokens[2] and np.array_equal(out.top_ids[2], free.top_ids[2])

@@ -1,0 +1,66 @@
+"""Structured output with the engine's speed features: speculative decoding (drafts verified under the mask,
+the grammar never left holding a rejected draft) and multi-step decode (constrained batches run single steps).
+A tiny random model over SmolLM2's full vocabulary, so every token id has a logit."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+from flax import nnx
+
+from batching.config import EngineConfig
+from batching.engine import Engine
+from batching.sampling_params import SamplingParams, StructuredOutput
+from model.config import ModelConfig
+from model.llama import Llama
+from model.loader import LoadedModel
+
+from test_speculative import free_verification
+
+CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, page_size=4,
+                      kv_cache_memory=8 << 20)
+# Greedy decoding of a random model settles into cycles, which n-gram drafts then follow.
+PATTERN = r"(ab|cd|ef)+\."
+CONSTRAINED = SamplingParams(temperature=0.0, max_tokens=60, logprobs=True,
+                             structured=StructuredOutput("regex", PATTERN))
+PROMPTS = [[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [30, 31, 32, 33, 34, 35], [100, 5, 100, 5, 100], [60, 61, 62]]
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2) -> LoadedModel:
+    config = ModelConfig.tiny(vocab_size=smollm2.tokenizer.vocab_size)
+    return LoadedModel(config, Llama(config, rngs=nnx.Rngs(1)), smollm2.tokenizer, "tiny")
+
+
+@pytest.fixture(scope="module")
+def plain(tiny) -> Engine:
+    return Engine(tiny, CONFIG, progress=False)
+
+
+def test_speculative_decoding_under_a_grammar_gives_the_tokens_of_plain_decoding(tiny, plain):
+    speculative = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram"), progress=False))
+    want = plain.generate(PROMPTS, CONSTRAINED)
+    have = speculative.generate(PROMPTS, CONSTRAINED)
+    for w, h in zip(want, have):
+        assert h[0].token_ids == w[0].token_ids and h[0].finish_reason == w[0].finish_reason == "stop"
+        assert re.fullmatch(PATTERN, h[0].text)
+    counters = speculative.speculator.counters()
+    assert counters.num_accepted_tokens > 20 and counters.num_accepted_tokens < counters.num_draft_tokens
+    assert speculative.stats.kv_pages_used == 0
+
+
+def test_multi_step_decode_runs_constrained_batches_one_step_per_call_with_the_same_tokens(tiny, plain):
+    multi = Engine(tiny, replace(CONFIG, num_decode_steps=4), progress=False)
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    params = [CONSTRAINED, free, CONSTRAINED, free]
+    before = plain.stats.num_steps
+    want = plain.generate(PROMPTS, params)
+    have = multi.generate(PROMPTS, params)
+    assert [h[0].token_ids for h in have] == [w[0].token_ids for w in want]
+    assert multi.stats.num_steps == plain.stats.num_steps - before
+    steps = multi.stats.num_steps
+    alone = multi.generate(PROMPTS[1::2], free)
+    assert [a[0].token_ids for a in alone] == [w[0].token_ids for w in want[1::2]]
+    assert multi.stats.num_steps - steps < free.max_tokens // 2  # alone, they decode 4 tokens per call
