@@ -214,8 +214,9 @@ class ModelRunner:
         # Logits and sampled tokens replicated on every device, so any process (process 0 in a multi-process job)
         # reads the tokens.
         everywhere = None if mesh is None else replicated(mesh)
-        self._sample = jax.jit(_sample_step, out_shardings=everywhere)
-        self._mask = jax.jit(mask_disallowed, out_shardings=everywhere)
+        # partial: jax.jit keys its cache by the function object, and this runner's compilations are its own.
+        self._sample = jax.jit(partial(_sample_step), out_shardings=everywhere)
+        self._mask = jax.jit(partial(mask_disallowed), out_shardings=everywhere)
 
     @property
     def buckets(self) -> list[Bucket]:
