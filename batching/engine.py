@@ -275,15 +275,18 @@ class Engine:
         # Before appending changes what the chunks cover.
         step_stats = StepStats.of(chunks, limits, self.step_cost) if chunks else None
         pending = self._dispatch(chunks, limits) if chunks else None
+        dispatched = time.perf_counter()
         self._emit_text()
         self._flush()
+        arrived = dispatched
         if pending is not None:
-            self._append_tokens(chunks, pending)
+            arrived = self._append_tokens(chunks, pending)
             self._flush()  # failures found while fetching
         self._num_steps += 1
-        duration = time.perf_counter() - start
+        end = time.perf_counter()
+        duration = end - start
         if step_stats is not None:
-            step_stats = replace(step_stats, duration_s=duration)
+            step_stats = replace(step_stats, duration_s=duration, host_s=(dispatched - start) + (end - arrived))
             self._totals.add_step(step_stats)
             if self.speculator is not None and limits is None and step_stats.num_prefill_tokens == 0:
                 # A decode or verify step: what a step of that many (bucketed) tokens costs.
@@ -352,14 +355,16 @@ class Engine:
             self._fail_step(chunks, error)
             return None
 
-    def _append_tokens(self, chunks: list[ScheduledChunk], pending: PendingStep) -> None:
+    def _append_tokens(self, chunks: list[ScheduledChunk], pending: PendingStep) -> float:
         """Appends each sampled chunk's tokens, step by step until its sequence ends, then marks what the
-        device computed (a chunk's tokens, and every token a multi-step call fed back)."""
+        device computed (a chunk's tokens, and every token a multi-step call fed back). Returns when the
+        sampled tokens arrived (`time.perf_counter()`)."""
         try:
             result = pending.fetch()
         except Exception as error:  # noqa: BLE001
             self._fail_step(chunks, error)
-            return
+            return time.perf_counter()
+        arrived = time.perf_counter()
         num_computed = []
         for chunk, first_row in zip(chunks, pending.first_rows):
             appended = accepted = 0
@@ -380,6 +385,7 @@ class Engine:
             # Computed: the chunk's own tokens, the drafts that were accepted, and tokens a multi-step call fed back.
             num_computed.append(chunk.start + chunk.num_tokens - chunk.num_drafts + max(appended - 1, 0))
         self.scheduler.update_after_step(chunks, num_computed)
+        return arrived
 
     @staticmethod
     def _sampled_positions(chunk: ScheduledChunk, first_row: int, num_steps: int) -> list[tuple[int, int]]:

@@ -18,8 +18,9 @@ from batching.speculation import SpecCounters
 
 @dataclass(frozen=True)
 class StepStats:
-    """One step: what ran, what it cost in FLOPs and bytes moved, and how long the engine thread spent on it
-    (host work and device time).
+    """One step: what ran, what it cost in FLOPs and bytes moved, and how long the engine thread spent on it:
+    `duration_s` in all, of which `host_s` outside the device's step (scheduling, padding and dispatch before
+    it, appending the sampled tokens after them; the text work in between overlaps the device).
 
     Decode rows are sequences computing their one new token (with their drafts, when speculating);
     everything else is prefill. A multi-step decode call counts its forward passes in `flops` and `bytes`.
@@ -33,6 +34,7 @@ class StepStats:
     flops: float = 0.0
     bytes: float = 0.0
     duration_s: float = 0.0
+    host_s: float = 0.0
 
     @classmethod
     def of(cls, chunks: list[ScheduledChunk], limits: list[int] | None, cost: StepCost) -> StepStats:
