@@ -71,7 +71,7 @@ def workload_roofline(
     # Generated token i of a request attends to prompt + i keys; average over all generated tokens.
     context = sum(p * o + o * (o - 1) / 2 for p, o in zip(prompt_lens, output_lens)) / output_tokens
 
-    step_bytes = weights * dtype_bytes + batch * context * kv_bytes_per_token(config, dtype_bytes)
+    step_bytes = weights * dtype_bytes + batch * context * kv_bytes_per_token(config, dtype)
     step_flops = batch * (2 * weights + attention_flops(config, context))
     step_memory_s, step_compute_s = step_bytes / bandwidth, step_flops / rate
     prefill_s = prefill_flops / rate
