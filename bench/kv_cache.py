@@ -140,7 +140,8 @@ def cpu_name() -> str:
 def header(argv: list[str]) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"`python -m bench.kv_cache {shlex.join(argv)}` at {commit}, {datetime.date.today()}, "
+    command = shlex.join(["python", "-m", "bench.kv_cache", *argv])
+    return (f"`{command}` at {commit}, {datetime.date.today()}, "
             f"{cpu_name()} ({os.cpu_count()} CPUs), load average {load}")
 
 
