@@ -77,10 +77,11 @@ def row_bytes(head_dim: int, dtype) -> int:
 
 def empty_pages(shape: tuple[int, ...], dtype, device=None) -> Pages:
     """Zeroed pages `shape` (`[..., num_pages, num_kv_heads, page_size, head_dim]`), int8 ones with zero scales.
-    `device`: a device or sharding; an int8 pool's scales take the same (its spec names no head_dim axis)."""
+    `device`: a device or sharding, the same for an int8 pool's scales (a sharding of the pool splits only axes
+    the scales share with the values: `sharding.rules.KV_CACHE_SPEC`)."""
     if jnp.dtype(dtype) == jnp.int8:
-        return QuantizedPages(jnp.zeros(shape, jnp.int8, device=device), jnp.zeros(shape[:-1], jnp.float32,
-                                                                                    device=device))
+        scales = jnp.zeros(shape[:-1], jnp.float32, device=device)
+        return QuantizedPages(jnp.zeros(shape, jnp.int8, device=device), scales)
     return jnp.zeros(shape, dtype, device=device)
 
 
