@@ -179,7 +179,7 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.graphdef, self.state = nnx.split(model)
         self.num_pages = num_pages
-        self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        self.kv_dtype = jnp.dtype(model.dtype if kv_dtype is None else kv_dtype)
         self.reset_pool()
         self.backend = attention_backend
         self.max_num_seqs = max_num_seqs

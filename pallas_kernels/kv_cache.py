@@ -63,9 +63,7 @@ Pages = jax.Array | QuantizedPages
 
 
 def kv_cache_dtype(choice: str, activation_dtype) -> jnp.dtype:
-    """The pool's dtype for a `--kv-cache-dtype` choice (KV_CACHE_DTYPES)."""
-    if choice not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {choice!r}")
+    """The pool's dtype for a `--kv-cache-dtype` choice (one of KV_CACHE_DTYPES, checked by `EngineConfig`)."""
     return jnp.dtype(jnp.int8) if choice == "int8" else jnp.dtype(activation_dtype)
 
 
