@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from batching.config import QUANTIZATIONS, EngineConfig
+from batching.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from batching.engine import Engine
 from batching.roofline import Peaks, measure_peaks
 from model.linear import arithmetic_dtype
@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--spec-ngram-max", _ENGINE_DEFAULTS.spec_ngram_max, "longest suffix matched for drafts", type=int)
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
+    _option(parser, "--kv-cache-dtype", _ENGINE_DEFAULTS.kv_cache_dtype,
+            "K/V storage: auto (the activation dtype) or int8 (a float32 scale per token and head)",
+            choices=list(KV_CACHE_DTYPES))
     _option(parser, "--page-size", _ENGINE_DEFAULTS.page_size, "tokens per KV-cache page", type=int)
     _switch(parser, "--disable-prefix-caching", "do not reuse KV pages of shared prompt prefixes")
     _option(parser, "--attention-backend", _ENGINE_DEFAULTS.attention_backend, "attention implementation")
@@ -130,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             spec_ngram_min=args.spec_ngram_min,
             spec_ngram_max=args.spec_ngram_max,
             kv_cache_memory=args.kv_cache_memory,
+            kv_cache_dtype=args.kv_cache_dtype,
             page_size=args.page_size,
             enable_prefix_caching=not args.disable_prefix_caching,
             tp=args.tp,

@@ -22,7 +22,6 @@ from functools import cached_property, partial
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from batching.block_manager import BlockManager
@@ -36,11 +35,13 @@ from batching.sampler import SamplerOutput
 from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from batching.sequence import Sequence, SequenceStatus
-from batching.roofline import StepCost
+from batching.roofline import StepCost, kv_bytes_per_token
 from batching.speculation import Speculator
 from batching.stats import EngineStats, StepStats, StepTotals
 from batching.structured import GrammarCompiler
+from model.config import ModelConfig
 from model.loader import LoadedModel, load_model
+from pallas_kernels.kv_cache import kv_cache_dtype
 from sharding.mesh import InvalidTensorParallelism, make_mesh
 from sharding.rules import param_sharding
 
@@ -50,10 +51,9 @@ CPU_KV_CACHE_BYTES = 1 << 30
 ACCELERATOR_KV_FRACTION = 0.8
 
 
-def kv_page_bytes(loaded: LoadedModel, page_size: int) -> int:
-    c = loaded.config
-    itemsize = jnp.dtype(loaded.model.dtype).itemsize
-    return 2 * c.num_layers * c.num_kv_heads * page_size * c.head_dim * itemsize
+def kv_page_bytes(config: ModelConfig, page_size: int, kv_dtype) -> int:
+    """One page of the pool: K and V of page_size tokens over all layers and KV heads (int8: with scales)."""
+    return page_size * kv_bytes_per_token(config, kv_dtype)
 
 
 def default_kv_cache_bytes() -> int:
@@ -104,8 +104,9 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, loaded.config.max_position_embeddings)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         kv_bytes = config.kv_cache_memory or default_kv_cache_bytes()
-        num_pages = max(1, kv_bytes // kv_page_bytes(loaded, config.page_size))
+        num_pages = max(1, kv_bytes // kv_page_bytes(loaded.config, config.page_size, kv_dtype))
         self.limits = RequestLimits(
             max_model_len=self.max_model_len, num_pages=num_pages, page_size=config.page_size,
             vocab_size=loaded.config.vocab_size,
@@ -119,13 +120,13 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_decode_steps=config.num_decode_steps,
             num_speculative_tokens=self.ngram.num_speculative_tokens if self.ngram else 0,
-            attention_backend=config.attention_backend, mesh=mesh,
+            attention_backend=config.attention_backend, kv_dtype=kv_dtype, mesh=mesh,
         )
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
         self.speculator = Speculator(self.ngram) if self.ngram else None
-        self.step_cost = StepCost.of(loaded.config, loaded.model, jnp.dtype(loaded.model.dtype).itemsize)
+        self.step_cost = StepCost.of(loaded.config, loaded.model, kv_dtype)
         if config.warmup:
             self.runner.warmup(progress)
             if self.speculator is not None:

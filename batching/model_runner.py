@@ -40,7 +40,7 @@ from batching.sampler import (SamplerOutput, SamplingBatch, SamplingInputs, bitm
 from batching.scheduler import ScheduledChunk
 from batching.structured import fill_bitmask
 from model.llama import KVCache, Llama, empty_kv_cache
-from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
+from model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
 from sharding.rules import kv_cache_sharding, replicated
 
 # Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
@@ -112,12 +112,12 @@ def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages:
              state: nnx.State, kv_cache: KVCache, inputs: StepInputs) -> tuple[jax.Array, KVCache]:
     """One step's model: the sampled rows' logits [S, V] float32, and the pool.
 
-    kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (donated).
+    kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (arrays or int8
+    `QuantizedPages`; donated).
     """
     model = nnx.merge(graphdef, state)
-    shape = kv_cache[0].shape
     logits, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache), inputs)
-    return logits, tuple(x.reshape(shape) for x in kv_cache)
+    return logits, layered_pool(kv_cache, model.config.num_layers)
 
 
 def _sample_step(logits: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
@@ -134,7 +134,6 @@ def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     host cannot fill one between the steps.
     """
     model = nnx.merge(graphdef, state)
-    shape = kv_cache[0].shape
     rows = jnp.arange(inputs.token_ids.shape[0])
 
     def decode(carry, k):
@@ -154,7 +153,7 @@ def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
 
     init = (inputs.token_ids, inputs.limits > 0, flat_pool(kv_cache), sampling)
     (_, _, kv_cache, _), outs = jax.lax.scan(decode, init, jnp.arange(num_steps))
-    return outs, tuple(x.reshape(shape) for x in kv_cache)
+    return outs, layered_pool(kv_cache, model.config.num_layers)
 
 
 def first_rows(chunks: list[ScheduledChunk]) -> list[int]:
@@ -186,8 +185,9 @@ class ModelRunner:
 
     def __init__(self, model: Llama, *, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, num_decode_steps: int = 1, num_speculative_tokens: int = 0,
-                 attention_backend: str = "auto", mesh: Mesh | None = None):
+                 attention_backend: str = "auto", kv_dtype: jnp.dtype | None = None, mesh: Mesh | None = None):
         """`mesh`: tensor-parallel mesh the model's params are sharded on; the KV pool is then split over KV heads.
+        `kv_dtype`: the pool's dtype (`kv_cache.kv_cache_dtype`); None: the model's activation dtype.
         `num_decode_steps` > 1 also compiles multi-step decode calls of that many steps;
         `num_speculative_tokens` > 0 also compiles mixed steps that sample every draft position."""
         self.config = model.config
@@ -200,7 +200,7 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.graphdef, self.state = nnx.split(model)
         self.num_pages = num_pages
-        self.kv_dtype = jnp.dtype(model.dtype)
+        self.kv_dtype = jnp.dtype(model.dtype if kv_dtype is None else kv_dtype)
         self.reset_pool()
         self.backend = attention_backend
         self.max_num_seqs = max_num_seqs
@@ -284,7 +284,7 @@ class ModelRunner:
 
     def pool_lost(self) -> bool:
         """Whether a failed step took the donated KV pool with it."""
-        return any(x.is_deleted() for x in self.kv_cache)
+        return any(x.is_deleted() for x in jax.tree.leaves(self.kv_cache))
 
     def reset_pool(self) -> None:
         """A zeroed pool, committed to its devices (so the first step compiles the same as later ones)."""

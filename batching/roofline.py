@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 
 from model.config import ModelConfig
+from pallas_kernels.kv_cache import row_bytes
 
 
 def matmul_weights(config: ModelConfig) -> int:
@@ -31,8 +32,9 @@ def matmul_weights(config: ModelConfig) -> int:
     return c.num_layers * per_layer + c.vocab_size * c.hidden_size
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+def kv_bytes_per_token(config: ModelConfig, kv_dtype) -> int:
+    """K and V of one token over all layers and KV heads, in a pool of `kv_dtype` (int8: with its scales)."""
+    return config.num_layers * 2 * config.num_kv_heads * row_bytes(config.head_dim, kv_dtype)
 
 
 def attention_flops(config: ModelConfig, context: float) -> float:
@@ -59,12 +61,12 @@ class StepCost:
     kv_bytes_per_token: float
 
     @classmethod
-    def of(cls, config: ModelConfig, model: nnx.Module, kv_itemsize: int) -> StepCost:
+    def of(cls, config: ModelConfig, model: nnx.Module, kv_dtype) -> StepCost:
         """Weight bytes as stored (quantized weights count their scales)."""
         flat = nnx.to_flat_state(nnx.state(model))
         read = [var for path, var in flat if config.tie_word_embeddings or not str(path[0]).startswith("embed")]
         return cls(2.0 * matmul_weights(config), attention_flops(config, 1), _nbytes(read),
-                   kv_bytes_per_token(config, kv_itemsize))
+                   kv_bytes_per_token(config, kv_dtype))
 
     def flops(self, tokens: int, attended_keys: int) -> float:
         return self.flops_per_token * tokens + self.flops_per_attended_key * attended_keys

@@ -116,7 +116,7 @@ def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sizes: Size
         sum(len(r.prompt) + max(r.output_tokens, sizes.tpot_steps + 1) + page_size for r in wave)
         for c in sizes.concurrency for wave in waves(workload, c)
     )
-    return int(1.25 * tokens * kv_bytes_per_token(config, jnp.dtype(DTYPE).itemsize))
+    return int(1.25 * tokens * kv_bytes_per_token(config, DTYPE))
 
 
 def waves(workload: list[BenchRequest], c: int) -> list[list[BenchRequest]]:
@@ -241,8 +241,7 @@ def decode_step_times(loaded: LoadedModel, batch: int, context: int, page_size: 
     step_s = median_seconds(one_step, repeats)
     attention_s = median_seconds(lambda: attention_all_layers(pool[0], q, meta), repeats)
     head_s = median_seconds(lambda: head(state, hidden), repeats)
-    itemsize = jnp.dtype(DTYPE).itemsize
-    floor = param_bytes(model) + batch * (context + 1) * kv_bytes_per_token(config, itemsize)
+    floor = param_bytes(model) + batch * (context + 1) * kv_bytes_per_token(config, DTYPE)
     return StepTimes(batch, context, step_s, attention_s, head_s, floor)
 
 
@@ -318,8 +317,7 @@ def run(args) -> dict:
     result["compile_s"] = time.perf_counter() - start
     save()
 
-    itemsize = jnp.dtype(DTYPE).itemsize
-    served = ServedModel(config, StepCost.of(config, loaded.model, itemsize).weight_bytes, itemsize, DTYPE)
+    served = ServedModel(config, StepCost.of(config, loaded.model, DTYPE).weight_bytes, DTYPE, DTYPE)
     for level, c in zip(result["levels"], sizes.concurrency):
         level.update(engine_level(engine, served, workload, sizes, c, peaks))
         save()

@@ -32,17 +32,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ServedModel:
     """What the roofline needs of a served model: its shape, the bytes of weights a forward pass reads, the
-    bytes of a cached K/V element, and the dtype its matmuls multiply in."""
+    dtype of its KV pool, and the dtype its matmuls multiply in."""
 
     config: ModelConfig
     weight_bytes: float
-    kv_itemsize: int
+    kv_dtype: str
     arithmetic: str
 
     @classmethod
-    def of(cls, model: str | None, dtype: str, quantization: str) -> ServedModel:
-        """`model` (a .gguf, an HF folder or None for the default) as `sluice serve --dtype --quantization`
-        runs it on this machine; built from its metadata and abstract shapes, no weights read."""
+    def of(cls, model: str | None, dtype: str, quantization: str, kv_cache_dtype: str = "auto") -> ServedModel:
+        """`model` (a .gguf, an HF folder or None for the default) as `sluice serve --dtype --quantization
+        --kv-cache-dtype` runs it on this machine; built from its metadata and abstract shapes, no weights read."""
         import jax.numpy as jnp
         from flax import nnx
 
@@ -53,8 +53,8 @@ class ServedModel:
         config, quantization = read_model_config(model), resolve(quantization)
         abstract = nnx.eval_shape(lambda: quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)),
                                                          quantization))
-        itemsize = jnp.dtype(dtype).itemsize
-        return cls(config, StepCost.of(config, abstract, itemsize).weight_bytes, itemsize,
+        kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        return cls(config, StepCost.of(config, abstract, kv_dtype).weight_bytes, kv_dtype,
                    arithmetic_dtype(quantization, dtype))
 
 
@@ -103,7 +103,7 @@ def workload_roofline(
     # Generated token i of a request attends to prompt + i keys; average over all generated tokens.
     context = sum(p * o + o * (o - 1) / 2 for p, o in zip(prompt_lens, output_lens)) / output_tokens
 
-    step_bytes = served.weight_bytes + batch * context * kv_bytes_per_token(config, served.kv_itemsize)
+    step_bytes = served.weight_bytes + batch * context * kv_bytes_per_token(config, served.kv_dtype)
     step_flops = batch * (2 * weights + attention_flops(config, context))
     step_memory_s, step_compute_s = step_bytes / bandwidth, step_flops / rate
     prefill_s = prefill_flops / rate

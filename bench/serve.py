@@ -258,6 +258,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="the server's activation and KV dtype, for the roofline")
     parser.add_argument("--quantization", default="auto", help="the server's --quantization, for the roofline")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype, for the roofline")
     parser.add_argument("--peaks", type=Path, default=None,
                         help="peaks JSON from `python -m bench.roofline --save` (default: measure here, now)")
 
@@ -277,7 +278,7 @@ def load_config(args: argparse.Namespace, request_rate: float) -> LoadConfig:
 def run(args: argparse.Namespace) -> int:
     command = command_line()
     requests, dataset = load_dataset(args)
-    served = ServedModel.of(args.roofline_model, args.dtype, args.quantization)
+    served = ServedModel.of(args.roofline_model, args.dtype, args.quantization, args.kv_cache_dtype)
     peaks = peaks_from(args.peaks, served.arithmetic)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     result = benchmark(requests, load_config(args, args.request_rate), slo, peaks, served)

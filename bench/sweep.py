@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     command = command_line()
     requests, dataset = load_dataset(args)
-    served = ServedModel.of(args.roofline_model, args.dtype, args.quantization)
+    served = ServedModel.of(args.roofline_model, args.dtype, args.quantization, args.kv_cache_dtype)
     peaks = peaks_from(args.peaks, served.arithmetic)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     print(f"dataset: {dataset}\npeaks: {peaks.bandwidth_gbs:.1f} GB/s, {peaks.matmul_gflops:.0f} GFLOP/s ({peaks.device})")

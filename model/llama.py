@@ -24,9 +24,11 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.linear import RmsNorm, Weight, embed_rows, project, project_rows
+from pallas_kernels.kv_cache import Pages, empty_pages
 
-KVCache = tuple[jax.Array, jax.Array]
-"""(k, v) as the `AttendFn` keeps them: the model only threads them through its layers."""
+KVCache = tuple[Pages, Pages]
+"""(k, v) as the `AttendFn` keeps them (arrays, or int8 `QuantizedPages`): the model only threads them through its
+layers."""
 
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
 """attend(layer, q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], kv_cache) -> (out [T, Hq, Dh], kv_cache)."""
@@ -153,8 +155,7 @@ class Llama(nnx.Module):
 def empty_kv_cache(
     config: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype, sharding: jax.sharding.Sharding | None = None
 ) -> KVCache:
-    """A zeroed KV pool: (k, v), each `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`."""
+    """A zeroed KV pool: (k, v), each `[num_layers, num_pages, num_kv_heads, page_size, head_dim]` of `dtype`
+    (int8: `QuantizedPages`, with scales `[num_layers, num_pages, num_kv_heads, page_size]`)."""
     shape = (config.num_layers, num_pages, config.num_kv_heads, page_size, config.head_dim)
-    k = jnp.zeros(shape, dtype, device=sharding)
-    v = jnp.zeros(shape, dtype, device=sharding)
-    return k, v
+    return empty_pages(shape, dtype, sharding), empty_pages(shape, dtype, sharding)

@@ -3,7 +3,8 @@
 All layers share one pool, stored `[num_layers, num_pages, num_kv_heads, page_size, head_dim]` and handed to
 the model flat, `[num_layers * num_pages, ...]`: layer l's pages are offset by l * num_pages, so the kernels see
 one pool and nothing slices (copies) a layer out of it. The reshape happens outside the layer scan: inside it,
-XLA copies the whole pool in every layer, while a flat loop-carried pool is updated in place.
+XLA copies the whole pool in every layer, while a flat loop-carried pool is updated in place. An int8 pool
+(`kv_cache.QuantizedPages`) is reshaped leaf by leaf, its scales like its values.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def make_paged_attend(
     meta: AttentionMetadata, pages_per_layer: int, *, sm_scale: float, backend: str = "auto", mesh: Mesh | None = None
 ) -> AttendFn:
     """The paged `AttendFn` for one step over a flat pool: (k, v), each
-    `[num_layers * pages_per_layer, num_kv_heads, page_size, head_dim]`; layer l's pages start at l * pages_per_layer.
+    `[num_layers * pages_per_layer, num_kv_heads, page_size, head_dim]` (arrays or `QuantizedPages`); layer l's
+    pages start at l * pages_per_layer.
 
     With a `mesh`, it runs per device on that device's KV heads (shard_map), so kernels see only local heads and
     the pool never moves between devices.
@@ -55,7 +57,7 @@ def make_paged_attend(
         page_size = k_pool.shape[2]
         offset = layer * pages_per_layer
         slots = jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + offset * page_size, -1)
-        k_pool, v_pool = write_kv(k_pool, v_pool, k.astype(k_pool.dtype), v.astype(v_pool.dtype), slots)
+        k_pool, v_pool = write_kv(k_pool, v_pool, k, v, slots)
         out = ragged_paged_attention(
             q, k_pool, v_pool, meta.kv_lens, meta.page_table + offset, meta.cu_q_lens,
             max_q_len=meta.max_q_len, sm_scale=sm_scale, backend=backend,
@@ -64,7 +66,7 @@ def make_paged_attend(
 
     if mesh is not None:
         heads = P(None, TP_AXIS, None)  # q/k/v/out [T, heads, head_dim]
-        pool = P(None, TP_AXIS, None, None)
+        pool = P(None, TP_AXIS)  # [pages, kv_heads, ...]: values and an int8 pool's scales alike
         # The metadata goes in as an argument (replicated), not a closure: inside shard_map every array
         # must be a per-device value, and a multi-process job's metadata arrives as a global array.
         attend = jax.shard_map(
@@ -76,4 +78,9 @@ def make_paged_attend(
 
 def flat_pool(kv_cache: KVCache) -> KVCache:
     """[num_layers, num_pages, ...] -> [num_layers * num_pages, ...]: free outside the layer scan."""
-    return tuple(x.reshape(-1, *x.shape[2:]) for x in kv_cache)
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), kv_cache)
+
+
+def layered_pool(kv_cache: KVCache, num_layers: int) -> KVCache:
+    """The inverse of `flat_pool`: [num_layers * num_pages, ...] -> [num_layers, num_pages, ...]."""
+    return jax.tree.map(lambda x: x.reshape(num_layers, -1, *x.shape[1:]), kv_cache)

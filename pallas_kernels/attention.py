@@ -1,7 +1,9 @@
 """Paged attention over the KV page pool: the one entry point the model calls, backend chosen here.
 
 Layout (see `kv_cache.py`): k_pages, v_pages `[num_pages, num_kv_heads, page_size, head_dim]`, one
-flat pool (the model folds layers into num_pages); page_table `[num_seqs, max_pages_per_seq]` int32.
+flat pool (the model folds layers into num_pages), each an array or int8 `QuantizedPages` of that shape
+(`--kv-cache-dtype int8`: values with a float32 scale per (page, head, token)); page_table
+`[num_seqs, max_pages_per_seq]` int32.
 Entries past a sequence's last used page (cdiv(kv_len, page_size)) may hold anything, and K/V slots
 at positions >= kv_len are never read into a result, even if they hold NaN.
 
@@ -18,7 +20,7 @@ Backends (the choice lives here only):
   the CPU for tests. Triton lowering is deprecated from jax 0.11.
 - "pallas-mosaic": the Pallas kernels on Mosaic GPU (`mosaic_attention.py`, Hopper or newer): TMA page
   copies and warpgroup MMAs; 16-bit dtypes, head_dim a multiple of 64. They lower on any host but run
-  only on a GPU (no interpret mode).
+  only on a GPU (no interpret mode). They do not read an int8 KV cache (INT8_KV_KERNELS do).
 - "cpu": the C++ kernel for the CPU (`cpu_attention.cc`, an XLA FFI custom call): reads each sequence's pages
   in place, ragged rows natively (a decode row is one query, never padded to a prefill piece).
 - "reference": the jnp implementation (`paged_attention_ref.py`), the oracle, and the CPU path where the C++
@@ -38,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_attention
+from pallas_kernels.kv_cache import Pages, QuantizedPages
 from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
 from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, ragged_paged_attention_mosaic
 from pallas_kernels.paged_attention_ref import paged_decode_attention_ref, ragged_paged_attention_ref
@@ -47,6 +50,7 @@ from pallas_kernels.triton_ragged import ragged_paged_attention_triton
 KERNELS = ("pallas-triton", "pallas-mosaic", "cpu", "reference")
 ALIASES = {"pallas": "pallas-triton"}
 BACKENDS = ("auto", *KERNELS, *ALIASES)
+INT8_KV_KERNELS = ("pallas-triton", "cpu", "reference")
 
 
 def resolve_backend(backend: str) -> str:
@@ -60,15 +64,23 @@ def resolve_backend(backend: str) -> str:
     return ALIASES.get(backend, backend)
 
 
-def _check_interpret(kernel: str, interpret: bool) -> None:
+def reads_int8_kv(backend: str) -> bool:
+    """Whether `backend` (one of BACKENDS) reads an int8 KV cache ("auto" always picks a kernel that does)."""
+    return backend == "auto" or ALIASES.get(backend, backend) in INT8_KV_KERNELS
+
+
+def _check(kernel: str, k_pages: Pages, interpret: bool) -> None:
     if interpret and kernel == "pallas-mosaic":
         raise ValueError("the Mosaic GPU kernels have no interpret mode: they run only on a GPU")
+    if isinstance(k_pages, QuantizedPages) and kernel not in INT8_KV_KERNELS:
+        raise ValueError(f"the {kernel} attention kernels do not read an int8 KV cache; "
+                         f"backends that do: {', '.join(INT8_KV_KERNELS)}")
 
 
 def paged_decode_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     kv_lens: jax.Array,
     page_table: jax.Array,
     *,
@@ -79,11 +91,12 @@ def paged_decode_attention(
     """One query per sequence, at position kv_lens[s] - 1.
 
     q: [num_seqs, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, num_kv_heads, page_size,
-    head_dim]; kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq] int32.
+    head_dim] (arrays or `QuantizedPages`); kv_lens: [num_seqs] int32; page_table: [num_seqs,
+    max_pages_per_seq] int32.
     Returns [num_seqs, num_q_heads, head_dim] in q's dtype; rows with kv_len 0 are zeros.
     """
     kernel = resolve_backend(backend)
-    _check_interpret(kernel, interpret)
+    _check(kernel, k_pages, interpret)
     if kernel == "pallas-triton":
         return paged_decode_attention_triton(
             q, k_pages, v_pages, kv_lens, page_table, sm_scale=sm_scale, interpret=interpret
@@ -98,8 +111,8 @@ def paged_decode_attention(
 
 def ragged_paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     kv_lens: jax.Array,
     page_table: jax.Array,
     cu_q_lens: jax.Array,
@@ -112,12 +125,12 @@ def ragged_paged_attention(
     """Mixed chunked-prefill and decode rows of many sequences (semantics in the module docstring).
 
     q: [num_tokens, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, num_kv_heads, page_size,
-    head_dim]; kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq] int32;
-    cu_q_lens: [num_seqs + 1] int32; max_q_len (static) bounds every q_len_s.
+    head_dim] (arrays or `QuantizedPages`); kv_lens: [num_seqs] int32; page_table: [num_seqs,
+    max_pages_per_seq] int32; cu_q_lens: [num_seqs + 1] int32; max_q_len (static) bounds every q_len_s.
     Returns [num_tokens, num_q_heads, head_dim] in q's dtype.
     """
     kernel = resolve_backend(backend)
-    _check_interpret(kernel, interpret)
+    _check(kernel, k_pages, interpret)
     if kernel == "cpu":
         return ragged_paged_attention_cpu(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale)
     if max_q_len == 1:

@@ -79,16 +79,24 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
-// 8 consecutive elements (chunk c) of token t's row of (page, head), as f32.
+// 8 consecutive elements (chunk c) of token t's row of (page, head), as f32: an int8 row unscaled (the caller
+// applies the row's scale once per token, to its score or its softmax weight, not to each element).
 template <typename T>
 inline __m256 Load8(const PagePool<T>& pool, int64_t page, int64_t head, int64_t t, int64_t c) {
   const T* row = pool.Row(page, head, t) + 8 * c;
   if constexpr (std::is_same_v<T, float>) {
     return _mm256_loadu_ps(row);
   } else {
-    const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(pool.Scale(page, head, t)));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
   }
+}
+
+// The scales of tokens t0..t0+7 of (page, head), each index clamped to last (an int8 pool only).
+template <typename T>
+inline __m256 Scales8(const PagePool<T>& pool, int64_t page, int64_t head, int64_t t0, int64_t last) {
+  alignas(32) float out[8];
+  for (int j = 0; j < 8; ++j) out[j] = pool.Scale(page, head, std::min(t0 + j, last));
+  return _mm256_load_ps(out);
 }
 
 // Lane t of the result is the sum of the lanes of a[t].
@@ -148,7 +156,12 @@ void AttendRows(const float* const* q, const int64_t* visible, const PagePool<T>
           for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(qc[r], kc, acc[r][j]);
         }
       }
-      for (int r = 0; r < R; ++r) _mm256_storeu_ps(&s[r][t0], Sum8x8(acc[r]));
+      if constexpr (std::is_same_v<T, float>) {
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(&s[r][t0], Sum8x8(acc[r]));
+      } else {
+        const __m256 scale = Scales8(k, page, kv_head, t0, tokens - 1);
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(&s[r][t0], _mm256_mul_ps(Sum8x8(acc[r]), scale));
+      }
     }
     // Online softmax over this page's tokens (8 lanes at a time): the ones beyond a row's visible span weigh 0.
     float alpha[R];  // how much of the earlier pages' weight row r keeps
@@ -179,7 +192,14 @@ void AttendRows(const float* const* q, const int64_t* visible, const PagePool<T>
       m[r] = new_max;
       l[r] = l[r] * alpha[r] + HorizontalSum(sum);
     }
-    // o += s V, 4 column chunks (32 elements) of V at a time for all rows: R x 4 independent chains.
+    // o += s V, 4 column chunks (32 elements) of V at a time for all rows: R x 4 independent chains. An int8
+    // V row's scale goes into its weights (l has summed them already).
+    if constexpr (!std::is_same_v<T, float>) {
+      for (int64_t t0 = 0; t0 < tokens; t0 += 8) {
+        const __m256 scale = Scales8(v, page, kv_head, t0, tokens - 1);
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(&s[r][t0], _mm256_mul_ps(_mm256_loadu_ps(&s[r][t0]), scale));
+      }
+    }
     for (int64_t c0 = 0; c0 < d8; c0 += 4) {
       __m256 oc[R][4];
       for (int r = 0; r < R; ++r)

@@ -27,7 +27,9 @@ they hold NaN (S is masked with `where`; the V rows of a block that straddles kv
 shared memory before the P V multiply, since 0 * NaN is NaN), and page-table entries past a sequence's
 last page are never dereferenced (they are replaced by page 0). Requirements: a 16-bit dtype (the MMAs
 take bf16/f16), head_dim a multiple of 64 (one 128-byte swizzle row) and page_size a multiple of 8 that
-divides BLOCK_KV.
+divides BLOCK_KV. An int8 KV cache (`kv_cache.QuantizedPages`) is not read here: `attention.py`
+refuses it for this backend, naming the ones that read it (the wgmma takes both operands in one type, so K/V
+would have to be dequantized into bf16 shared-memory tiles first, which needs a GPU to develop and check).
 
 Checked on jax 0.10.2 (CPU): both entry points lower for `platforms=["cuda"]` through `jax.export`
 (tests/test_kernel_lowering.py). They cannot run on a CPU: the portable `interpret=True` has no rules

@@ -5,7 +5,8 @@ group walks only as many 128-token blocks of its pages as its longest sequence n
 lengths costs about the sum of its contexts, not num_seqs x the longest. Each block's pages are gathered
 head-major, queries are laid out `[num_seqs, q_len, num_kv_heads, group, head_dim]` (a decode step costs
 num_seqs x context, not num_tokens x num_seqs x context), and GQA reshapes the q heads into [kv_heads, group]
-instead of repeating K/V. Masks use a finite large negative, so no row ever becomes NaN.
+instead of repeating K/V. Masks use a finite large negative, so no row ever becomes NaN. An int8 pool
+(`kv_cache.QuantizedPages`) is dequantized block by block as it is gathered, to float32.
 """
 
 import functools
@@ -13,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels.kv_cache import Pages, QuantizedPages, dequantize
 
 MASK_VALUE = -1e30
 BLOCK_TOKENS = 128
@@ -22,13 +25,17 @@ ROW_GROUP = 8
 FEW_ROWS = 8
 
 
-def _gather_head_major(pages: jax.Array, page_ids: jax.Array) -> jax.Array:
-    """pages: [num_pages, kv_heads, page_size, head_dim]; page_ids: [num_seqs, max_pages] (in range).
+def _gather_head_major(pages: Pages, page_ids: jax.Array) -> jax.Array:
+    """pages: [num_pages, kv_heads, page_size, head_dim] (an array, or `QuantizedPages`, returned dequantized
+    to float32); page_ids: [num_seqs, max_pages] (in range).
 
     Returns [num_seqs, kv_heads, max_pages * page_size, head_dim]. Gathering (page, head) rows of
     the pool viewed as [num_pages * kv_heads, page_size * head_dim] lands K/V head-major in one pass,
     so the attention dots need no transposed copy (XLA's CPU dots want the batch dims leading).
     """
+    if isinstance(pages, QuantizedPages):
+        scales = _gather_head_major(pages.scales[..., None], page_ids)[..., 0]
+        return dequantize(QuantizedPages(_gather_head_major(pages.values, page_ids), scales))
     num_pages, kv_heads, page_size, head_dim = pages.shape
     rows = page_ids[:, None, :] * kv_heads + jnp.arange(kv_heads)[None, :, None]
     out = pages.reshape(num_pages * kv_heads, page_size * head_dim)[rows]
@@ -58,8 +65,8 @@ def _attend_rows(
     q: jax.Array,
     q_pos: jax.Array,
     q_valid: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     kv_lens: jax.Array,
     page_table: jax.Array,
     sm_scale: float,
@@ -124,8 +131,8 @@ def _attend(
     q: jax.Array,
     q_pos: jax.Array,
     q_valid: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     kv_lens: jax.Array,
     page_table: jax.Array,
     sm_scale: float,
@@ -155,8 +162,8 @@ def _attend(
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def paged_decode_attention_ref(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     kv_lens: jax.Array,
     page_table: jax.Array,
     *,
@@ -178,8 +185,8 @@ def paged_decode_attention_ref(
 @functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale"))
 def ragged_paged_attention_ref(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     kv_lens: jax.Array,
     page_table: jax.Array,
     cu_q_lens: jax.Array,

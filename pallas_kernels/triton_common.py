@@ -6,6 +6,9 @@ a plain `pallas_call`) has no rule for `dot_general` or `transpose` in either lo
 Mosaic GPU kernel's matmuls need `plgpu.wgmma` on shared-memory tiles filled by TMA copies
 (`mosaic_attention.py`). The Triton path lowers for `platforms=["cuda"]` through `jax.export` and
 runs with the portable `interpret=True` on the CPU; it is deprecated from jax 0.11 (still working there).
+
+An int8 pool (`kv_cache.QuantizedPages`) goes into the kernels as a pytree of two refs, values and scales, and
+each block is dequantized in registers to q's dtype as it is loaded (the dots then run as for a float pool).
 """
 
 import jax
@@ -15,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.kernel_common import MASK_VALUE
+from pallas_kernels.kv_cache import Pages, QuantizedPages, dequantize
 
 # Tokens of K/V per inner step: enough columns for a tensor-core dot, small enough for registers.
 BLOCK_KV_TOKENS = 64
@@ -33,6 +37,25 @@ def pages_per_block(page_size: int, head_dim: int) -> int:
         if value & (value - 1):
             raise ValueError(f"the Pallas kernels need a power-of-2 {name}, got {value}")
     return max(1, BLOCK_KV_TOKENS // page_size)
+
+
+def pool_spec(pages: Pages) -> pl.BlockSpec | QuantizedPages:
+    """The block of a pool `[num_pages, num_kv_heads, page_size, head_dim]` a program of grid point
+    (sequence, kv head, *) reads: all pages of its head (values and scales alike for int8 pages)."""
+    num_pages, _, page_size, head_dim = pages.shape
+    values = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda s, h, _: (0, h, 0, 0))
+    if isinstance(pages, QuantizedPages):
+        return QuantizedPages(values, pl.BlockSpec((num_pages, None, page_size), lambda s, h, _: (0, h, 0)))
+    return values
+
+
+def _load_pages(ref, ids: jax.Array, dtype) -> jax.Array:
+    """Pages `ids` [n] of one head's pool ref -> [n * page_size, head_dim] in `dtype`."""
+    if isinstance(ref, QuantizedPages):
+        block = dequantize(QuantizedPages(ref.values[ids], ref.scales[ids]), dtype)
+    else:
+        block = ref[ids]
+    return block.reshape(-1, block.shape[-1])
 
 
 def attend_pages(
@@ -55,7 +78,8 @@ def attend_pages(
       caller stores has q_pos < kv_len.
     page_ids_ref: [>= end_block * pages_per_block] int32, the sequence's page-table row; entries
       past the kv_len's last page may be garbage and are never dereferenced.
-    k_ref, v_ref: [num_pages, page_size, head_dim], one kv head of the pool.
+    k_ref, v_ref: [num_pages, page_size, head_dim], one kv head of the pool (for int8 pages, `QuantizedPages`
+      of refs, scales [num_pages, page_size]).
     Returns (acc [rows, head_dim] f32 unnormalized, m [rows] f32 running max, l [rows] f32 sum).
     K/V at positions >= kv_len never reach the result, even when they hold NaN.
     """
@@ -68,8 +92,8 @@ def attend_pages(
         slots = block * pages_per_block + lax.iota(jnp.int32, pages_per_block)
         ids = page_ids_ref[pl.ds(block * pages_per_block, pages_per_block)]
         ids = jnp.where(slots < num_used_pages, ids, 0)
-        k = k_ref[ids].reshape(block_tokens, head_dim)
-        v = v_ref[ids].reshape(block_tokens, head_dim)
+        k = _load_pages(k_ref, ids, q.dtype)
+        v = _load_pages(v_ref, ids, q.dtype)
         kv_pos = block * block_tokens + lax.iota(jnp.int32, block_tokens)
         # Slots past kv_len may hold NaN, which a zero probability would not cancel in p @ v.
         v = jnp.where((kv_pos < kv_len)[:, None], v, jnp.zeros_like(v))

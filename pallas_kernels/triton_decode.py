@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import kernel_common as kc
 from pallas_kernels import triton_common as tc
+from pallas_kernels.kv_cache import Pages
 
 # Triton dots need at least 16 rows.
 MIN_ROWS = 16
@@ -41,8 +42,8 @@ def _decode_kernel(
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "interpret"))
 def paged_decode_attention_triton(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     kv_lens: jax.Array,
     page_table: jax.Array,
     *,
@@ -51,12 +52,12 @@ def paged_decode_attention_triton(
     interpret: bool = False,
 ) -> jax.Array:
     """q: [num_seqs, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, num_kv_heads, page_size,
-    head_dim]; kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq] int32.
+    head_dim] (arrays or int8 `QuantizedPages`); kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq] int32.
     Returns [num_seqs, num_q_heads, head_dim] in q's dtype; rows with kv_len 0 are zeros.
     num_splits: split-K factor, chosen from the shapes when None.
     """
     num_seqs, num_q_heads, head_dim = q.shape
-    num_pages, num_kv_heads, page_size, _ = k_pages.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     rows = max(MIN_ROWS, kc.next_power_of_2(group))
     ppb = tc.pages_per_block(page_size, head_dim)
@@ -75,7 +76,6 @@ def paged_decode_attention_triton(
         _decode_kernel, sm_scale=sm_scale, page_size=page_size, pages_per_block=ppb,
         blocks_per_split=blocks_per_split,
     )
-    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda s, h, c: (0, h, 0, 0))
     stats_spec = pl.BlockSpec((None, None, None, rows), lambda s, h, c: (c, s, h, 0))
     stats_shape = jax.ShapeDtypeStruct((num_splits, num_seqs, num_kv_heads, rows), jnp.float32)
     acc, m, l = pl.pallas_call(
@@ -85,8 +85,8 @@ def paged_decode_attention_triton(
             pl.BlockSpec((1,), lambda s, h, c: (s,)),
             pl.BlockSpec((None, padded_pages), lambda s, h, c: (s, 0)),
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, c: (s, h, 0, 0)),
-            pool_spec,
-            pool_spec,
+            tc.pool_spec(k_pages),
+            tc.pool_spec(v_pages),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, c: (c, s, h, 0, 0)),

@@ -19,6 +19,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import kernel_common as kc
 from pallas_kernels import triton_common as tc
+from pallas_kernels.kv_cache import Pages
 
 # Rows of a query tile (tokens x group heads): a tensor-core-sized tile for prefill chunks.
 TARGET_ROWS = 64
@@ -62,8 +63,8 @@ def tile_shape(group: int, max_q_len: int) -> tuple[int, int]:
 @functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "interpret"))
 def ragged_paged_attention_triton(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     kv_lens: jax.Array,
     page_table: jax.Array,
     cu_q_lens: jax.Array,
@@ -73,12 +74,12 @@ def ragged_paged_attention_triton(
     interpret: bool = False,
 ) -> jax.Array:
     """q: [num_tokens, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, num_kv_heads,
-    page_size, head_dim]; kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq]
+    page_size, head_dim] (arrays or int8 `QuantizedPages`); kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq]
     int32; cu_q_lens: [num_seqs + 1] int32. Returns [num_tokens, num_q_heads, head_dim] in q's
     dtype; rows at or past cu_q_lens[-1] are zeros. Semantics as `attention.ragged_paged_attention`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, num_kv_heads, page_size, _ = k_pages.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
     block_q, group_rows = tile_shape(group, max_q_len)
@@ -98,7 +99,6 @@ def ragged_paged_attention_triton(
     )
     per_seq = pl.BlockSpec((1,), lambda s, h, b: (s,))
     rows_spec = pl.BlockSpec((None, padded_tokens * group_rows, head_dim), lambda s, h, b: (h, 0, 0))
-    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda s, h, b: (0, h, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, pl.cdiv(max_q_len, block_q)),
@@ -108,8 +108,8 @@ def ragged_paged_attention_triton(
             per_seq,
             pl.BlockSpec((None, padded_pages), lambda s, h, b: (s, 0)),
             rows_spec,
-            pool_spec,
-            pool_spec,
+            tc.pool_spec(k_pages),
+            tc.pool_spec(v_pages),
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),

@@ -12,7 +12,7 @@
   [T, hidden] activation, and the tied LM head then yields vocab-sharded logits that are gathered once for
   sampling. Splitting it divides the largest tensor of small models (SmolLM2: 113 MB of 540 MB in float32)
   across devices. A vocabulary that tp does not divide is replicated instead.
-- The KV pool is split over KV heads: each device holds only its heads' pages.
+- The KV pool is split over KV heads: each device holds only its heads' pages (an int8 pool's scales too).
 - Norm weights are tiny and replicated.
 Heads are never padded or replicated: tp must divide the KV-head count (and so the query-head count) and the
 MLP width, and `validate_tp` names the valid values otherwise.
@@ -43,7 +43,8 @@ PARAM_SPECS: dict[str, P] = {
     "w_down": P(None, T, None),  # [layers, intermediate, hidden]
 }
 VOCAB_SHARDED = {"embed", "lm_head"}
-KV_CACHE_SPEC = P(None, None, T, None, None)  # [layers, pages, kv_heads, page_size, head_dim]
+# [layers, pages, kv_heads, ...]: values [..., page_size, head_dim] and an int8 pool's scales [..., page_size] alike.
+KV_CACHE_SPEC = P(None, None, T)
 
 
 def valid_tp_values(config: ModelConfig) -> list[int]:

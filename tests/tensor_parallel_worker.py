@@ -2,6 +2,7 @@
 
 A separate process because the device count must be set before jax is imported:
     python tests/tensor_parallel_worker.py tiny 1 2 4
+    python tests/tensor_parallel_worker.py tiny-int8 1 2 4    # the tiny model over an int8 KV cache
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import json  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,19 +35,19 @@ ENGINE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=1
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=True)
 
 
-def run_engine(loaded: LoadedModel, tp: int, prompts: list[list[int]]) -> dict:
+def run_engine(loaded: LoadedModel, tp: int, prompts: list[list[int]], config: EngineConfig) -> dict:
     mesh = make_mesh(tp) if tp > 1 else None
     if mesh is not None and loaded.name == "tiny":
         shard_model(loaded.model, mesh)
-    engine = Engine(loaded, ENGINE, progress=False, mesh=mesh)
+    engine = Engine(loaded, config, progress=False, mesh=mesh)
     outputs = engine.generate(prompts, GREEDY)
-    k_cache = engine.runner.kv_cache[0]
     return {
         "tokens": [list(o[0].token_ids) for o in outputs],
         "logprobs": [[lp.logprob for lp in o[0].logprobs] for o in outputs],
-        "kv_global_shape": list(k_cache.shape),
-        "kv_shard_shapes": sorted({tuple(s.data.shape) for s in k_cache.addressable_shards}),
-        "kv_devices": len(k_cache.sharding.device_set),
+        # The K pool's arrays: one, or an int8 pool's values and scales.
+        "kv": [{"global_shape": list(x.shape), "devices": len(x.sharding.device_set),
+                "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards})}
+               for x in jax.tree.leaves(engine.runner.kv_cache[0])],
         "wqkv_shard_shape": list(loaded.model.wqkv[...].addressable_shards[0].data.shape),
     }
 
@@ -55,7 +57,7 @@ def main() -> None:
     rng = random.Random(0)
     results = {}
     for tp in tps:
-        if which == "tiny":
+        if which in ("tiny", "tiny-int8"):
             tokenizer = load_model().tokenizer
             loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny")
             prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
@@ -68,7 +70,8 @@ def main() -> None:
             prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
                        for q in ("What is the capital of France?", "Name three colours.", "Write a haiku about rain.")]
         rng = random.Random(0)
-        results[tp] = run_engine(loaded, tp, prompts)
+        config = replace(ENGINE, kv_cache_dtype="int8") if which == "tiny-int8" else ENGINE
+        results[tp] = run_engine(loaded, tp, prompts, config)
     print("RESULT " + json.dumps(results))
 
 

@@ -33,7 +33,7 @@ def test_file_free_tokenizer_covers_the_vocabulary():
 def test_kv_pool_holds_the_largest_wave_whole():
     config, sizes = engine_check.MODELS["tiny"], engine_check.Sizes.small()
     workload = [BenchRequest(tuple(range(100, 100 + p)), o) for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)]]
-    per_token = engine_check.kv_bytes_per_token(config, 2)
+    per_token = engine_check.kv_bytes_per_token(config, "bfloat16")
     # The wave of all four at concurrency 4: prompts + max(output, tpot_steps + 1) + a page each.
     tokens = sum(p + max(o, sizes.tpot_steps + 1) + 16 for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)])
     assert engine_check.kv_pool_bytes(config, workload, sizes, 16) == int(1.25 * tokens * per_token)

@@ -41,7 +41,7 @@ def test_a_multi_step_call_costs_a_weight_read_per_pass_and_a_growing_context():
 
 def test_step_cost_counts_two_flops_per_matmul_weight_and_the_stored_weight_bytes():
     model = Llama(TINY, rngs=nnx.Rngs(0))
-    cost = StepCost.of(TINY, model, kv_itemsize=4)
+    cost = StepCost.of(TINY, model, kv_dtype="float32")
     assert cost.flops_per_token == 2 * matmul_weights(TINY)
     # Untied: the embedding table is read by rows, not whole.
     embed = TINY.vocab_size * TINY.hidden_size * 4

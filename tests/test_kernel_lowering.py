@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.attention import paged_decode_attention, ragged_paged_attention
+from pallas_kernels.kv_cache import QuantizedPages
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = "mosaic_gpu_v2"
@@ -39,6 +40,11 @@ class Served:
     def pool(self):
         shape = (self.num_layers * self.pages_per_layer, self.num_kv_heads, self.page_size, self.head_dim)
         return jax.ShapeDtypeStruct(shape, self.dtype)
+
+    def int8_pool(self):
+        values = self.pool()
+        return QuantizedPages(jax.ShapeDtypeStruct(values.shape, jnp.int8),
+                              jax.ShapeDtypeStruct(values.shape[:-1], jnp.float32))
 
     def page_table(self):
         return jax.ShapeDtypeStruct((self.max_num_seqs, self.max_model_len // self.page_size), jnp.int32)
@@ -91,6 +97,20 @@ def test_ragged_kernel_lowers_for_cuda(backend, name, max_q_len):
         q, m.pool(), m.pool(), kv_lens, m.page_table(), cu_q_lens,
     )
     assert exported.mlir_module().count(f"@{KERNEL_CALLS[backend]}(") == 1
+
+
+@pytest.mark.parametrize("max_q_len", [1, 16])
+@pytest.mark.parametrize("name", ["smollm2-135m-bf16", "llama3-8b-bf16"])
+def test_triton_kernels_lower_for_cuda_over_an_int8_kv_cache(name, max_q_len):
+    m = SERVED[name]
+    q = jax.ShapeDtypeStruct((m.max_num_batched_tokens, m.num_q_heads, m.head_dim), m.dtype)
+    kv_lens = jax.ShapeDtypeStruct((m.max_num_seqs,), jnp.int32)
+    cu_q_lens = jax.ShapeDtypeStruct((m.max_num_seqs + 1,), jnp.int32)
+    exported = lower_for_cuda(
+        lambda *a: ragged_paged_attention(*a, max_q_len=max_q_len, sm_scale=m.head_dim**-0.5, backend="pallas-triton"),
+        q, m.int8_pool(), m.int8_pool(), kv_lens, m.page_table(), cu_q_lens,
+    )
+    assert exported.mlir_module().count(f"@{TRITON_CALL}(") == 1
 
 
 def test_mosaic_kernel_lowering_is_checked_for_real():

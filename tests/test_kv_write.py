@@ -1,4 +1,5 @@
-"""write_kv: new tokens' K/V land in their slots, padding writes nothing, and the pool is updated in place."""
+"""write_kv: new tokens' K/V land in their slots, padding writes nothing, and the pool is updated in place; an
+int8 pool stores each row quantized with its own scale."""
 
 import functools
 
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_cache import write_kv
+from pallas_kernels.kv_cache import QuantizedPages, dequantize, empty_pages, row_bytes, write_kv
 
 NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM = 6, 3, 4, 8
 
@@ -91,3 +92,57 @@ def test_write_inside_a_layer_scan_over_the_folded_pool_touches_only_that_layer(
     np.testing.assert_array_equal(np.asarray(v_cache), want_v)
     assert "input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }" in compiled
     assert k_cache.unsafe_buffer_pointer() == pointer
+
+
+def int8_pool(rng) -> QuantizedPages:
+    shape = (NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    return QuantizedPages(jnp.asarray(rng.integers(-127, 128, shape), jnp.int8),
+                          jnp.asarray(rng.uniform(0.01, 0.1, shape[:-1]), jnp.float32))
+
+
+def test_int8_write_stores_each_row_within_half_its_step_and_a_zero_row_as_zeros():
+    rng = np.random.default_rng(3)
+    k_pages, v_pages = int8_pool(rng), int8_pool(rng)
+    before = jax.tree.map(np.asarray, (k_pages, v_pages))
+    slots = np.array([0, 5, -1, 7, 13, NUM_PAGES * PAGE_SIZE - 1], np.int32)
+    k = rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)).astype(np.float32) * [[1], [30], [0.01]]
+    k[4, 1] = 0.0
+    v = -k
+
+    k_pages, v_pages = write_kv(k_pages, v_pages, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+
+    for pages, x, old in ((k_pages, k, before[0]), (v_pages, v, before[1])):
+        assert pages.values.dtype == jnp.int8 and pages.scales.dtype == jnp.float32
+        written = [s for s in slots if s >= 0]
+        page, offset = np.array(written) // PAGE_SIZE, np.array(written) % PAGE_SIZE
+        rows = x[slots >= 0]
+        scales = np.asarray(pages.scales)[page, :, offset]  # [tokens, heads]
+        np.testing.assert_allclose(scales, np.abs(rows).max(-1) / 127, rtol=1e-6)
+        back = np.asarray(dequantize(pages))[page, :, offset]
+        assert np.all(np.abs(back - rows) <= scales[..., None] / 2 * (1 + 1e-5))
+        assert np.abs(np.asarray(pages.values)[page, :, offset]).max() == 127
+        assert scales[3, 1] == 0 and not np.asarray(pages.values)[page[3], 1, offset[3]].any()
+        untouched = np.ones((NUM_PAGES, PAGE_SIZE), bool)
+        untouched[page, offset] = False
+        np.testing.assert_array_equal(np.asarray(pages.values).transpose(0, 2, 1, 3)[untouched],
+                                      old.values.transpose(0, 2, 1, 3)[untouched])
+        np.testing.assert_array_equal(np.asarray(pages.scales).transpose(0, 2, 1)[untouched],
+                                      old.scales.transpose(0, 2, 1)[untouched])
+
+
+def test_standalone_int8_write_reuses_the_donated_values_and_scales():
+    rng = np.random.default_rng(4)
+    k_pages, v_pages = int8_pool(rng), int8_pool(rng)
+    k = jnp.asarray(rng.standard_normal((3, NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves((k_pages, v_pages))]
+
+    new = write_kv(k_pages, v_pages, k, k, jnp.asarray([3, -1, 20], jnp.int32))
+
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(new)] == pointers
+
+
+def test_an_empty_int8_pool_reads_back_as_zeros_and_counts_its_scales_in_its_bytes():
+    pages = empty_pages((2, NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM), jnp.int8)
+    assert pages.scales.shape == (2, NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE)
+    assert not np.asarray(dequantize(pages)).any()
+    assert row_bytes(HEAD_DIM, jnp.int8) == HEAD_DIM + 4 and row_bytes(HEAD_DIM, jnp.bfloat16) == 2 * HEAD_DIM

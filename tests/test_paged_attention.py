@@ -13,6 +13,10 @@ NaN pages, ids past the pool, negative ids).
 Cases cover page sizes 8/16/32, head dims 64/128, GQA ratios 1/3/4/8, batches 1..20, contexts of
 1, a page boundary, boundary + 1 and the maximum, float32 and bfloat16 - pairwise, not the full
 product, to keep the interpret-mode suite short.
+
+An int8 KV cache (`kv_cache.QuantizedPages`) is quantized here in NumPy from the float pool, poison included (a
+NaN row gets a NaN scale and random values); each backend must read exactly its dequantized values, and so land
+within the bound the quantization step puts on attention's error against the float pool's oracle.
 """
 
 import dataclasses
@@ -25,7 +29,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from pallas_kernels import cpu_attention
-from pallas_kernels.attention import paged_decode_attention, ragged_paged_attention, resolve_backend
+from pallas_kernels.attention import INT8_KV_KERNELS, paged_decode_attention, ragged_paged_attention, resolve_backend
+from pallas_kernels.kv_cache import QuantizedPages
 from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, runs_on
 from pallas_kernels.triton_decode import paged_decode_attention_triton
 
@@ -292,6 +297,93 @@ def test_decode_kernel_matches_jax_shipped_paged_attention(backend):
     np.testing.assert_allclose(
         np.asarray(ours.astype(jnp.float32)), np.asarray(theirs.astype(jnp.float32)), **TOLERANCE[shapes.dtype]
     )
+
+
+def quantize_pool(pages: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 form of a float pool [..., head_dim], per row: (values int8, scales float32 [...]). A row holding
+    NaN (poison) gets a NaN scale and random values."""
+    finite = np.nan_to_num(pages.astype(np.float32))
+    scales = (np.abs(finite).max(-1) / 127).astype(np.float32)
+    values = np.round(finite / np.where(scales > 0, scales, 1)[..., None]).astype(np.int8)
+    poison = np.isnan(pages).any(-1)
+    values[poison] = rng.integers(-128, 128, values[poison].shape)
+    return values, np.where(poison, np.nan, scales).astype(np.float32)
+
+
+def int8_pools(batch: Batch, seed: int) -> tuple[QuantizedPages, QuantizedPages, Batch]:
+    """The batch's K and V pools in int8 (device arrays), and the batch with the pools they read back as."""
+    rng = np.random.default_rng(seed)
+    (kv, ks), (vv, vs) = quantize_pool(batch.k_pages, rng), quantize_pool(batch.v_pages, rng)
+    dequantized = dataclasses.replace(batch, k_pages=kv * ks[..., None].astype(np.float64),
+                                      v_pages=vv * vs[..., None].astype(np.float64))
+    device = lambda v, s: QuantizedPages(jnp.asarray(v), jnp.asarray(s))
+    return device(kv, ks), device(vv, vs), dequantized
+
+
+def quantization_bound(batch: Batch, k_scales: np.ndarray, v_scales: np.ndarray, sm_scale: float) -> np.ndarray:
+    """How far int8 K/V (scales [num_pages, num_kv_heads, page_size]) can move each output element from the float
+    pool's: [num_tokens, num_q_heads, 1].
+
+    Each element of a K row is off by at most its step, scale / 2, so a score by at most E = sm_scale * |q|_1 *
+    max scale_k / 2; the softmax weights then move by at most a factor e^(+-2E), so the weighted sum of V by
+    (e^(2E) - 1) * max |v|; and V itself is off by at most max scale_v / 2. Maxima over the context, per kv head.
+    """
+    ps = batch.k_pages.shape[2]
+    group = batch.q.shape[1] // batch.k_pages.shape[1]
+    bound = np.zeros(batch.q.shape[:2] + (1,))
+    for s, kv_len in enumerate(batch.kv_lens):
+        start, end = batch.cu_q_lens[s], batch.cu_q_lens[s + 1]
+        if end == start:
+            continue
+        pos = np.arange(kv_len)
+        pages, slots = batch.page_table[s, pos // ps], pos % ps
+        per_q_head = lambda x: np.repeat(x, group)  # [num_kv_heads] -> [num_q_heads]
+        k_step = per_q_head(k_scales[pages, :, slots].max(0) / 2)
+        v_step = per_q_head(v_scales[pages, :, slots].max(0) / 2)
+        v_max = per_q_head(np.abs(batch.v_pages[pages, :, slots].astype(np.float64)).max((0, 2)))
+        e = sm_scale * np.abs(batch.q[start:end].astype(np.float64)).sum(-1) * k_step
+        bound[start:end, :, 0] = np.expm1(2 * e) * v_max + v_step
+    return bound
+
+
+INT8_CASES = [
+    # (decode or ragged, shapes, (q_len, kv_len) pairs)
+    ("decode", Shapes(16, 64, 3, 3, 6, jnp.float32), [(1, 1), (1, 16), (1, 17), (1, 96), (1, 40)]),
+    ("decode", Shapes(8, 128, 4, 2, 8, jnp.bfloat16), [(1, 64), (1, 9)]),
+    ("ragged", Shapes(16, 64, 3, 3, 4, jnp.float32), [(1, 1), (7, 7), (0, 0), (16, 40), (1, 33), (5, 64)]),
+]
+
+
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] in INT8_KV_KERNELS])
+@pytest.mark.parametrize("case", range(len(INT8_CASES)))
+def test_int8_kv_reads_as_its_dequantized_values_and_stays_within_the_quantization_bound(case, backend):
+    kind, shapes, pairs = INT8_CASES[case]
+    q_lens, kv_lens = zip(*pairs)
+    batch = make_batch(shapes, q_lens, kv_lens, seed=300 + case, extra_rows=2 * (kind == "ragged"))
+    k_int8, v_int8, dequantized = int8_pools(batch, seed=case)
+    sm_scale = shapes.head_dim**-0.5
+    q, kv_lens, page_table = (jnp.asarray(a) for a in (batch.q, batch.kv_lens, batch.page_table))
+    if kind == "decode":
+        out = paged_decode_attention(q, k_int8, v_int8, kv_lens, page_table, sm_scale=sm_scale,
+                                     **backend_kwargs(backend))
+        expected, float_pool = decode_oracle(dequantized, sm_scale), decode_oracle(batch, sm_scale)
+    else:
+        out = ragged_paged_attention(q, k_int8, v_int8, kv_lens, page_table, jnp.asarray(batch.cu_q_lens),
+                                     max_q_len=max(q_lens), sm_scale=sm_scale, **backend_kwargs(backend))
+        expected, float_pool = oracle(dequantized, sm_scale), oracle(batch, sm_scale)
+    assert out.dtype == shapes.dtype
+    assert_matches(out, expected, shapes.dtype)
+    error = np.abs(np.asarray(out.astype(jnp.float32)) - float_pool)
+    bound = quantization_bound(batch, np.asarray(k_int8.scales), np.asarray(v_int8.scales), sm_scale)
+    assert np.all(error <= bound + TOLERANCE[shapes.dtype]["atol"])
+
+
+def test_mosaic_backend_refuses_an_int8_kv_cache_naming_the_backends_that_read_it():
+    batch = make_batch(Shapes(16, 64, 1, 1, 1, jnp.bfloat16), [1], [3], seed=1)
+    k_int8, v_int8, _ = int8_pools(batch, seed=1)
+    q, _, _, kv_lens, page_table = batch.device_args()
+    with pytest.raises(ValueError, match="do not read an int8 KV cache; backends that do: pallas-triton, cpu"):
+        paged_decode_attention(q, k_int8, v_int8, kv_lens, page_table, sm_scale=0.125, backend="pallas-mosaic")
 
 
 def test_auto_backend_is_the_cpu_kernel_on_cpu_and_triton_on_gpu():

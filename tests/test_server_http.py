@@ -203,8 +203,10 @@ def test_every_serve_flag_is_settable_by_environment(monkeypatch):
     monkeypatch.setenv("SLUICE_API_KEY", "from-env")
     monkeypatch.setenv("SLUICE_KV_CACHE_MEMORY", "2G")
     monkeypatch.setenv("SLUICE_DISABLE_PREFIX_CACHING", "1")
+    monkeypatch.setenv("SLUICE_KV_CACHE_DTYPE", "int8")
     args = parse([])
     assert (args.max_num_seqs, args.api_key, args.kv_cache_memory) == (7, "from-env", 2 << 30)
+    assert args.kv_cache_dtype == "int8"
     assert args.disable_prefix_caching
 
 

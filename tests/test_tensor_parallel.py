@@ -33,14 +33,21 @@ def assert_same_generation(results: dict[int, dict], num_kv_heads: int) -> None:
         assert result["tokens"] == base["tokens"], f"tp={tp} changed greedy tokens"
         for got, want in zip(result["logprobs"], base["logprobs"]):
             np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"tp={tp}")
-        assert result["kv_devices"] == tp
-        (shard_shape,) = result["kv_shard_shapes"]
-        assert shard_shape[2] == num_kv_heads // tp, "each device holds only its share of KV heads"
-        assert shard_shape[:2] + shard_shape[3:] == result["kv_global_shape"][:2] + result["kv_global_shape"][3:]
+        for pool in result["kv"]:  # [layers, pages, kv_heads, ...]: the values, and an int8 pool's scales
+            assert pool["devices"] == tp
+            (shard_shape,) = pool["shard_shapes"]
+            assert shard_shape[2] == num_kv_heads // tp, "each device holds only its share of KV heads"
+            assert shard_shape[:2] + shard_shape[3:] == pool["global_shape"][:2] + pool["global_shape"][3:]
 
 
 def test_tiny_model_gives_the_same_tokens_at_tp_1_2_4():
     assert_same_generation(run_worker("tiny", 1, 2, 4), num_kv_heads=4)
+
+
+def test_tiny_model_over_an_int8_kv_cache_gives_the_same_tokens_and_logprobs_at_tp_1_and_2():
+    results = run_worker("tiny-int8", 1, 2)
+    assert [len(r["kv"]) for r in results.values()] == [2, 2], "values and scales"
+    assert_same_generation(results, num_kv_heads=4)
 
 
 def test_smollm2_gives_the_same_tokens_at_tp_1_and_3():
