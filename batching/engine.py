@@ -411,7 +411,7 @@ class Engine:
         if seq.params.wants_logprobs:
             k = seq.params.top_logprobs
             ids, values = result.top_ids[step, row, :k], result.top_logprobs[step, row, :k]
-            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > -jnp.inf)
+            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > float("-inf"))
             logprobs = (TokenLogprob(token, float(result.logprobs[step, row]), top),)
         if seq.proposer is not None:
             seq.proposer.extend([token])

@@ -17,7 +17,6 @@ import sys  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from batching.config import EngineConfig  # noqa: E402
