@@ -18,7 +18,8 @@ class EngineConfig:
     `max_model_len` None means min(the model's context, 4096). `kv_cache_memory` is the KV pool in bytes;
     None means a default (a fraction of free device memory on accelerators, a fixed budget on the CPU).
     `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
-    in one device call (sampled tokens fed back on the device).
+    in one device call (sampled tokens fed back on the device). 8 by measurement (`bench/decode_steps.py`,
+    RESULTS.md): it saves a call's fixed cost per token; a request that arrives mid-call waits at most one call.
     `quantization`: the weights' format (`model.quantize.CHOICES`; "auto" picks per device).
     `kv_cache_dtype`: "auto" keeps K/V in the activation dtype, "int8" stores them in int8 with a scale per
     token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
@@ -32,7 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    num_decode_steps: int = 1
+    num_decode_steps: int = 8
     speculative: str | None = None
     num_speculative_tokens: int = 4
     spec_ngram_min: int = 1

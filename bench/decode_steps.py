@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             num_decode_steps=k,
         ), progress=False)
         for b in batches:
-            steady_decode(engine, b, args.prompt, 8 * k, seed=0)  # warm: every bucket of this batch ran once
+            steady_decode(engine, b, args.prompt, args.output, seed=0)  # warm: every bucket of this batch ran once
             rows.append((k, steady_decode(engine, b, args.prompt, args.output, seed=1)))
             print(f"  K={k} B={b}: {rows[-1][1]}", file=sys.stderr, flush=True)
     print("\n| decode steps per call | batch | ms per output token (per sequence) | output tok/s | step ms (median) "

@@ -30,7 +30,7 @@ from sharding.rules import shard_model  # noqa: E402
 
 TINY = ModelConfig.tiny(num_heads=8, num_kv_heads=4, head_dim=16)
 ENGINE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=1 << 22,
-                      warmup=False)
+                      num_decode_steps=1, warmup=False)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=True)
 
 

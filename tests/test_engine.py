@@ -21,7 +21,8 @@ from model.llama import Llama
 from model.loader import LoadedModel, load_model
 
 PAGE = 4
-CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, page_size=PAGE)
+CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, page_size=PAGE,
+                      num_decode_steps=1)
 TINY = ModelConfig.tiny()
 
 

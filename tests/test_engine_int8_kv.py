@@ -25,7 +25,7 @@ from test_engine import prompts
 PAGE = 4
 TINY = ModelConfig.tiny()
 CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, page_size=PAGE,
-                      kv_cache_dtype="int8", warmup=False)
+                      kv_cache_dtype="int8", num_decode_steps=1, warmup=False)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 GOLDEN = json.loads((Path(__file__).parent / "data" / "golden_smollm2.json").read_text())["cases"]
 
@@ -117,7 +117,7 @@ def teacher_forced_agreement(engine: Engine) -> list[bool]:
 @pytest.mark.slow
 def test_int8_kv_keeps_float_kvs_greedy_choices_on_smollm2(smollm2):
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, kv_cache_memory=16 << 20,
-                          kv_cache_dtype="int8", warmup=False)
+                          kv_cache_dtype="int8", num_decode_steps=1, warmup=False)
     agreement = teacher_forced_agreement(Engine(smollm2, config, progress=False))
     assert len(agreement) == len(GOLDEN) * AGREEMENT_STEPS
     assert np.mean(agreement) >= MIN_TOP1_AGREEMENT, f"{sum(agreement)}/{len(agreement)}"

@@ -53,7 +53,7 @@ def test_step_cost_counts_two_flops_per_matmul_weight_and_the_stored_weight_byte
 def engine() -> Engine:
     loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), load_model().tokenizer, "tiny")
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=4,
-                          kv_cache_memory=1 << 20)
+                          kv_cache_memory=1 << 20, num_decode_steps=1)
     return Engine(loaded, config, progress=False)
 
 

@@ -37,7 +37,8 @@ def tiny_model(tmp_path, monkeypatch):
 def reference(folder) -> tuple[str, list[float]]:
     """Greedy text and logprobs from a single-process engine at --tp 1."""
     engine = Engine(load_model(str(folder), dtype="float32"),
-                    EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, kv_cache_memory=1 << 20))
+                    EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, kv_cache_memory=1 << 20,
+                                 num_decode_steps=1))
     [[out]] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True))
     return out.text, [lp.logprob for lp in out.logprobs]
 

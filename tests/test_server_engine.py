@@ -23,7 +23,7 @@ from model.tokenizer import Tokenizer
 
 TINY = ModelConfig.tiny()
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=4,
-                      kv_cache_memory=1 << 20)
+                      kv_cache_memory=1 << 20, num_decode_steps=1)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from model.llama import Llama
 from model.loader import LoadedModel
 
 TINY = ModelConfig.tiny()
-CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, page_size=4,
+CONFIG = EngineConfig(num_decode_steps=1, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, page_size=4,
                       kv_cache_memory=512 * 2 * TINY.num_layers * TINY.num_kv_heads * 4 * TINY.head_dim * 4)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2)
 # Greedy decoding of a random model settles into cycles: n-gram drafts then match, as they do on copy-heavy text.
@@ -188,7 +188,8 @@ def test_real_model_gives_the_same_greedy_tokens_with_drafts_on_golden_and_copy_
     chat = smollm2.tokenizer.apply_chat_template(
         [{"role": "user", "content": f"Repeat this sentence exactly: {COPY_TEXT}"}])
     prompts = [case["prompt_ids"] for case in cases] + [smollm2.tokenizer.encode(chat)]
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=320, kv_cache_memory=64 << 20)
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=320, kv_cache_memory=64 << 20,
+                          num_decode_steps=1)
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=True)
     plain = Engine(smollm2, config, progress=False).generate(prompts, params)
     spec_engine = free_verification(Engine(smollm2, replace(config, speculative="ngram"), progress=False))

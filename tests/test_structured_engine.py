@@ -20,7 +20,7 @@ from model.loader import LoadedModel
 from test_speculative import free_verification
 
 CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, page_size=4,
-                      kv_cache_memory=8 << 20)
+                      kv_cache_memory=8 << 20, num_decode_steps=1)
 # Greedy decoding of a random model settles into cycles, which n-gram drafts then follow.
 PATTERN = r"(ab|cd|ef)+\."
 CONSTRAINED = SamplingParams(temperature=0.0, max_tokens=60, logprobs=True,
