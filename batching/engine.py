@@ -130,8 +130,8 @@ class Engine:
         if config.warmup:
             self.runner.warmup(progress)
             if self.speculator is not None:
-                for tokens, seconds in self.runner.time_decode_steps():
-                    self.speculator.cost.observe(tokens, seconds)
+                for rows, num_steps, seconds in self.runner.time_decode_steps():
+                    self._observe_decode_cost(rows, num_steps, seconds)
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -268,7 +268,9 @@ class Engine:
             self._apply(self._inbox.get_nowait())
         if self.speculator is not None:
             decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
-            self.speculator.propose(decoding, self.max_model_len, self._padded_tokens)
+            multi_step = (self._may_run_multi_step() and len(decoding) == len(self.scheduler.running)
+                          and all(seq.grammar is None for seq in decoding))
+            self.speculator.propose(decoding, self.max_model_len, self._padded_tokens, multi_step)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
         chunks = scheduled.chunks
@@ -289,10 +291,11 @@ class Engine:
         if step_stats is not None:
             step_stats = replace(step_stats, duration_s=duration, host_s=(dispatched - start) + (end - arrived))
             self._totals.add_step(step_stats)
-            if self.speculator is not None and limits is None and step_stats.num_prefill_tokens == 0:
-                # A decode or verify step: what a step of that many (bucketed) tokens costs.
-                tokens = step_stats.num_tokens
-                self.speculator.cost.observe(self._padded_tokens(tokens, tokens > step_stats.num_seqs), duration)
+            if self.speculator is not None and step_stats.num_prefill_tokens == 0:
+                # A decode, verify or multi-step decode call: what a step of that many (bucketed) tokens costs.
+                num_steps = 1 if limits is None else self.config.num_decode_steps
+                self._observe_decode_cost(step_stats.num_tokens, num_steps, duration / num_steps,
+                                          drafts=step_stats.num_draft_tokens > 0)
         self.stats = self._snapshot(step_stats)
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:
@@ -326,11 +329,19 @@ class Engine:
         for seq in request.seqs:
             self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
 
+    def _observe_decode_cost(self, tokens: int, num_steps: int, seconds: float, drafts: bool = False) -> None:
+        """One decode step's time (`seconds`, per step of a `num_steps`-step call) for `tokens` tokens."""
+        cost = self.speculator.cost if num_steps == 1 else self.speculator.multi_step_cost
+        cost.observe(self._padded_tokens(tokens, drafts), seconds)
+
     def _padded_tokens(self, num_tokens: int, with_drafts: bool) -> int:
         """Tokens a decode (or verify, with drafts) step of `num_tokens` computes in its compiled bucket."""
         if with_drafts:
             return self.runner.padded_tokens(num_tokens, True)
         return next(b for b in self.runner.decode_buckets if b >= num_tokens)
+
+    def _may_run_multi_step(self) -> bool:
+        return self.config.num_decode_steps > 1 and not self.scheduler.waiting and self._inbox.empty()
 
     def _decode_limits(self, chunks: list[ScheduledChunk]) -> list[int] | None:
         """Decode steps per sequence for a multi-step call, or None for a single step.
@@ -341,7 +352,7 @@ class Engine:
         token needs the token before, which only the host's matcher can take in.
         """
         steps = self.config.num_decode_steps
-        if steps == 1 or not chunks or self.scheduler.waiting or not self._inbox.empty():
+        if not chunks or not self._may_run_multi_step():
             return None
         if any(c.num_tokens != 1 or not c.sample or c.seq.grammar is not None for c in chunks):
             return None

@@ -301,18 +301,20 @@ class ModelRunner:
             self._run(bucket, *self._pad([], bucket, None), fill_masks=lambda allowed: None)
         jax.block_until_ready(self.kv_cache)
 
-    def time_decode_steps(self) -> list[tuple[int, float]]:
-        """(rows, seconds) of a compiled decode step at the smallest and largest decode buckets: a first
-        measure of what a step costs per token (padding rows skip attention, so real steps refine it)."""
+    def time_decode_steps(self) -> list[tuple[int, int, float]]:
+        """(rows, steps per call, seconds per step) of compiled decode calls at the smallest and largest decode
+        buckets, single-step and multi-step: a first measure of what a step costs per token (padding rows skip
+        attention, so real steps refine it)."""
         times = []
-        for rows in (self.decode_buckets[0], self.decode_buckets[-1]):
-            bucket = self._decode_bucket(rows)
-            inputs, sampling = self._pad([], bucket, None)
-            for _ in range(2):  # the second run is the measure
-                start = time.perf_counter()
-                jax.block_until_ready(self._run(bucket, inputs, sampling))
-                seconds = time.perf_counter() - start
-            times.append((rows, seconds))
+        for num_steps in sorted({1, self.num_decode_steps}):
+            for rows in (self.decode_buckets[0], self.decode_buckets[-1]):
+                bucket = self._decode_bucket(rows, num_steps)
+                inputs, sampling = self._pad([], bucket, None)
+                for _ in range(2):  # the second run is the measure
+                    start = time.perf_counter()
+                    jax.block_until_ready(self._run(bucket, inputs, sampling))
+                    seconds = time.perf_counter() - start
+                times.append((rows, num_steps, seconds / num_steps))
         return times
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None) -> PendingStep:

@@ -11,6 +11,10 @@ what drafts would do and a sequence that starts copying starts drafting. Sequenc
 draft, and the step drafts for the best prefix of that ranking by expected tokens per second, none at all when
 that is best. A large batch, whose step is already compute-bound (large `b*S` next to `a`), therefore drafts
 little or nothing; one stream with good drafts drafts.
+
+Drafting also costs the alternative it displaces: a step with drafts is a single step, while a batch without
+them may run several decode steps in one call (multi-step decode), whose steps cost less each (a smaller `a`).
+When the step could be such a call, drafts are weighed against the multi-step steps' own fitted cost.
 """
 
 from __future__ import annotations
@@ -71,8 +75,11 @@ class StepCostModel:
 
 @dataclass
 class Speculator:
+    """`cost`: single decode and verify steps; `multi_step_cost`: one step inside a multi-step decode call."""
+
     config: NgramConfig
     cost: StepCostModel = field(default_factory=StepCostModel)
+    multi_step_cost: StepCostModel = field(default_factory=StepCostModel)
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -81,12 +88,15 @@ class Speculator:
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.config.num_speculative_tokens
 
-    def propose(self, decoding: list[Sequence], max_model_len: int, padded: Callable[[int, bool], int]) -> None:
+    def propose(self, decoding: list[Sequence], max_model_len: int, padded: Callable[[int, bool], int],
+                multi_step: bool = False) -> None:
         """Sets `seq.drafts` for this step on the sequences worth it, and clears it on the others.
 
         `padded(tokens, with_drafts)`: the tokens the step's compiled bucket computes for that many tokens.
+        `multi_step`: without drafts, this step would be a multi-step decode call.
         """
         a, b = self.cost.coefficients()
+        plain_a, plain_b = self.multi_step_cost.coefficients() if multi_step and self.multi_step_cost.weight else (a, b)
         candidates = []
         for seq in decoding:
             seq.drafts = []
@@ -97,7 +107,7 @@ class Speculator:
             if drafts:
                 candidates.append((expected_accepted(seq.acceptance, len(drafts)), seq, drafts))
         candidates.sort(key=lambda c: -c[0] / len(c[2]))
-        best, best_rate = 0, len(decoding) / (a + b * padded(len(decoding), False))
+        best, best_rate = 0, len(decoding) / (plain_a + plain_b * padded(len(decoding), False))
         tokens, expected = len(decoding), float(len(decoding))
         for count, (gain, _, drafts) in enumerate(candidates, 1):
             tokens += len(drafts)

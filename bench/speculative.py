@@ -161,7 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passage-words", type=int, default=60)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--quantization", default="auto", help="weights, as `sluice serve --quantization`")
 
 
 def main(argv: list[str] | None = None) -> int:

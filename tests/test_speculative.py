@@ -176,6 +176,16 @@ def test_a_costly_step_turns_drafts_off(tiny):
     assert engine.speculator.counters().num_drafts == 0 and all(len(o[0].token_ids) == 12 for o in outs)
 
 
+def test_drafts_give_way_to_a_cheaper_multi_step_call(tiny):
+    engine = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4, warmup=False),
+                                      progress=False))
+    engine.speculator.multi_step_cost.observe(1, 0.01, weight=1e9)
+    engine.speculator.multi_step_cost.observe(1000, 0.01, weight=1e9)  # a step in a multi-step call: 100x cheaper
+    outs = engine.generate([PROMPTS[0]], replace(GREEDY, max_tokens=12))
+    assert len(outs[0][0].token_ids) == 12 and engine.speculator.counters().num_drafts == 0
+    assert engine.stats.num_steps < 12  # the tokens came 4 per call
+
+
 COPY_TEXT = (
     "The river carried salt, wool and news down to the sea; the towns along it grew rich on the trade, and "
     "their markets opened at dawn when the first boats arrived."
