@@ -1,8 +1,8 @@
 """Speculative decoding's speed-up: the same requests with and without n-gram drafts, side by side.
 
 Two workloads, both chat-templated for the default model and greedy (so both engines give the same tokens):
-- copy-heavy: repeat or quote a passage of *The Devil's Dictionary* (the public-domain text in tests/data), where
-  drafts taken from the prompt are often right;
+- copy-heavy: repeat a passage of *The Devil's Dictionary* (the public-domain text in tests/data), the answer begun
+  with its first words, where drafts taken from the prompt are often right;
 - open chat: short questions answered freely, where drafts rarely match.
 Each runs closed-loop at each concurrency (that many requests in flight, a new one as one ends) on two engines
 over the same loaded weights, one with `speculative="ngram"`, interleaved. Reports output tok/s, TPOT, the
@@ -30,7 +30,8 @@ from model.loader import load_model
 from model.tokenizer import Tokenizer
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "devils_dictionary_preface_and_a.txt"
-COPY_INSTRUCTIONS = ("Repeat the following passage exactly:", "Quote the passage below verbatim:")
+COPY_INSTRUCTION = "Repeat the following passage exactly, word for word:"
+PREFILLED_WORDS = 3
 QUESTIONS = (
     "What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
     "Give me a tip for learning to cook.", "What does a bee do?", "How do I boil an egg?",
@@ -57,14 +58,16 @@ class Run:
 
 
 def copy_prompts(tokenizer: Tokenizer, count: int, words: int) -> list[list[int]]:
-    text = " ".join(TEXT.read_text().split())
-    tokens = text.split(" ")
+    """Passages to repeat, the assistant's turn begun with the passage's first words (a response prefill): asked
+    only, the 135M model as often comments on a passage as repeats it, and prompt lookup is measured here where
+    the output does repeat the input."""
+    tokens = " ".join(TEXT.read_text().split()).split(" ")
     prompts = []
     for i in range(count):
         start = (i * 97) % max(1, len(tokens) - words)
         passage = " ".join(tokens[start:start + words])
-        message = f"{COPY_INSTRUCTIONS[i % len(COPY_INSTRUCTIONS)]}\n\n{passage}"
-        prompts.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": message}])))
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": f"{COPY_INSTRUCTION}\n\n{passage}"}])
+        prompts.append(tokenizer.encode(chat + " ".join(tokens[start:start + PREFILLED_WORDS])))
     return prompts
 
 

@@ -19,7 +19,9 @@ namespace sluice {
 // claimed from a shared counter, so the caller never waits for a helper to start: on a busy machine, where a
 // woken helper may not run for milliseconds, the caller simply does more chunks itself (it waits only for
 // chunks a helper has already claimed). A helper that starts after every chunk is claimed touches nothing
-// but the shared counters, which it co-owns.
+// but the shared counters, which it co-owns. Helpers number one less than the pool's threads: with the caller
+// they fill the cores, and one more thread would only be descheduled (a step's context switches fell from
+// about 60 to 10 on a 2-core machine, and single model calls from 7-9 ms to 5.4 ms at batch 1).
 struct ChunkCounters {
   explicit ChunkCounters(int64_t total) : total(total) {}
   const int64_t total;
@@ -38,7 +40,7 @@ void Drain(ChunkCounters& counters, const Chunk& chunk) {
 template <typename Chunk>
 void ParallelChunks(xla::ffi::ThreadPool& pool, int64_t chunks, int64_t work, const Chunk& chunk) {
   constexpr int64_t kMinWorkPerHelper = 1 << 16;
-  const int64_t helpers = std::min({pool.num_threads(), chunks - 1, work / kMinWorkPerHelper});
+  const int64_t helpers = std::min({pool.num_threads() - 1, chunks - 1, work / kMinWorkPerHelper});
   if (helpers <= 0) {
     for (int64_t c = 0; c < chunks; ++c) chunk(c);
     return;
