@@ -84,7 +84,9 @@ class StepInputs:
     """token_ids, positions, slot_mapping: [T] int32 (slot -1 = padding); kv_lens: [S] int32;
     page_table: [S, max_pages] int32; cu_q_lens: [S + 1] int32; logits_rows: [S] int32, each
     sequence's last token row (the one it samples from); limits: [S] int32, decode steps each row may run
-    in a multi-step call (0 for padding)."""
+    in a multi-step call (0 for padding); num_sampled: [] int32, the rows of logits_rows that are sampled (the
+    first ones; real tokens are the first cu_q_lens[-1] rows). Padding rows' outputs are never read, and the
+    CPU kernels skip them."""
 
     token_ids: jax.Array
     positions: jax.Array
@@ -94,6 +96,7 @@ class StepInputs:
     cu_q_lens: jax.Array
     logits_rows: jax.Array
     limits: jax.Array
+    num_sampled: jax.Array
 
 
 def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
@@ -104,8 +107,8 @@ def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q
         cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
     )
     attend = make_paged_attend(meta, num_pages, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh)
-    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend)
-    return model.logits(hidden[inputs.logits_rows]), kv_cache
+    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend, num_real=inputs.cu_q_lens[-1])
+    return model.logits(hidden[inputs.logits_rows], num_real=inputs.num_sampled), kv_cache
 
 
 def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
@@ -303,13 +306,14 @@ class ModelRunner:
 
     def time_decode_steps(self) -> list[tuple[int, int, float]]:
         """(rows, steps per call, seconds per step) of compiled decode calls at the smallest and largest decode
-        buckets, single-step and multi-step: a first measure of what a step costs per token (padding rows skip
-        attention, so real steps refine it)."""
+        buckets, single-step and multi-step: a first measure of what a step costs per token. Every row counts as
+        a token (the matmuls compute it) but attends to nothing and writes nothing, so real steps refine it."""
         times = []
         for num_steps in sorted({1, self.num_decode_steps}):
             for rows in (self.decode_buckets[0], self.decode_buckets[-1]):
                 bucket = self._decode_bucket(rows, num_steps)
                 inputs, sampling = self._pad([], bucket, None)
+                inputs = replace(inputs, cu_q_lens=np.arange(rows + 1, dtype=np.int32), num_sampled=np.int32(rows))
                 for _ in range(2):  # the second run is the measure
                     start = time.perf_counter()
                     jax.block_until_ready(self._run(bucket, inputs, sampling))
@@ -400,5 +404,6 @@ class ModelRunner:
                 ))
         cu_q_lens[piece + 1:] = offset
         sampling = pack_sampling_batch(sampled, num_rows, self.max_model_len, MAX_STOP_IDS)
-        inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits)
+        inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits,
+                            np.int32(len(sampled)))
         return inputs, sampling

@@ -69,15 +69,16 @@ def arithmetic_dtype(quantization: str, dtype: str) -> str:
 
 
 def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: jnp.dtype | None = None,
-            norm: RmsNorm | None = None) -> jax.Array:
+            norm: RmsNorm | None = None, rows: jax.Array | None = None) -> jax.Array:
     """x: [T, K] -> [T, *N] in `out_dtype` (default x's), x normalized first by `norm` if given. w: stacked
-    `[L, ...]` with `layer` an int32 index, or a single weight."""
+    `[L, ...]` with `layer` an int32 index, or a single weight. `rows` (int32 [], default T): only x's first
+    rows matter; the others' outputs are unspecified (the CPU kernels skip them and give zeros)."""
     out_shape = w.out_shape(stacked=layer is not None)
     if layer is None:
         w, norm = jax.tree.map(lambda a: a[None], (w, norm))
         layer = jnp.int32(0)
     if w.format != "float" and cpu_qmatmul.available():
-        y = _kernel(x.astype(jnp.float32), w, layer, norm)
+        y = _kernel(x.astype(jnp.float32), w, layer, norm, rows)
     else:
         h = x if norm is None else cpu_qmatmul.rms_norm(x, norm.weight[layer], norm.eps).astype(x.dtype)
         weight = w.values[layer] if w.format == "float" else dequantize(jax.tree.map(lambda a: a[layer], w), x.dtype)
@@ -85,23 +86,24 @@ def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: 
     return y.astype(out_dtype or x.dtype).reshape(x.shape[0], *out_shape)
 
 
-def _kernel(x: jax.Array, w: Weight, layer: jax.Array, norm: RmsNorm | None) -> jax.Array:
+def _kernel(x: jax.Array, w: Weight, layer: jax.Array, norm: RmsNorm | None, rows: jax.Array | None) -> jax.Array:
     """The CPU kernels on the stack flattened to their `[L, P, K/pack, 16, 4]` (free reshapes)."""
     def flat(a: jax.Array, tail: int) -> jax.Array:
         return a.reshape(a.shape[0], -1, *a.shape[-tail:])
 
     weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     if w.format == "q8":
-        return cpu_qmatmul.q8_q8(x, flat(w.values, 3), flat(w.scale, 2), layer, weight, eps)
-    return cpu_qmatmul.q4_q8(x, flat(w.values, 3), flat(w.scale, 2), flat(w.min, 2), layer, weight, eps)
+        return cpu_qmatmul.q8_q8(x, flat(w.values, 3), flat(w.scale, 2), layer, weight, eps, rows)
+    return cpu_qmatmul.q4_q8(x, flat(w.values, 3), flat(w.scale, 2), flat(w.min, 2), layer, weight, eps, rows)
 
 
-def project_rows(x: jax.Array, table: Weight, norm: RmsNorm | None = None) -> jax.Array:
+def project_rows(x: jax.Array, table: Weight, norm: RmsNorm | None = None, rows: jax.Array | None = None) -> jax.Array:
     """x @ table.T for an embedding table used as the LM head: x [T, K] -> [T, vocab] float32, x normalized
-    first by `norm` if given. A quantized table is stored like an `[K, vocab]` weight already."""
+    first by `norm` if given, `rows` as in `project`. A quantized table is stored like an `[K, vocab]` weight
+    already."""
     if table.format == "float":
         table = Weight(table.values.T)
-    return project(x, table, out_dtype=jnp.float32, norm=norm)
+    return project(x, table, out_dtype=jnp.float32, norm=norm, rows=rows)
 
 
 def dequantize(w: Weight, dtype: jnp.dtype) -> jax.Array:

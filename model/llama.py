@@ -115,10 +115,12 @@ class Llama(nnx.Module):
         }
 
     def __call__(
-        self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, attend: AttendFn
+        self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, attend: AttendFn,
+        num_real: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """token_ids, positions: [T] int32 -> (hidden [T, D] in the params dtype: the last layer's residual
-        stream, which `logits` normalizes; updated kv_cache)."""
+        stream, which `logits` normalizes; updated kv_cache). `num_real` (int32 [], default T): only the first
+        rows are real tokens, the others padding whose hidden rows are unspecified (the CPU kernels skip them)."""
         c = self.config
         num_tokens = token_ids.shape[0]
         x = embed_rows(self.weight("embed"), token_ids, self.dtype)
@@ -129,27 +131,27 @@ class Llama(nnx.Module):
 
         def layer(carry: tuple[jax.Array, KVCache], index: jax.Array):
             x, kv_cache = carry
-            qkv = project(x, p["wqkv"], index, norm=RmsNorm(p["attn_norm"], c.rms_norm_eps))
+            qkv = project(x, p["wqkv"], index, norm=RmsNorm(p["attn_norm"], c.rms_norm_eps), rows=num_real)
             if c.attention_bias:
                 qkv = qkv + p["bqkv"][index]
             q, k, v = split_qkv(qkv, c)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, kv_cache = attend(index, q, k, v, kv_cache)
-            x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], index)
-            gate_up = project(x, p["w_gate_up"], index, norm=RmsNorm(p["mlp_norm"], c.rms_norm_eps))
-            x = x + project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], index)
+            x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], index, rows=num_real)
+            gate_up = project(x, p["w_gate_up"], index, norm=RmsNorm(p["mlp_norm"], c.rms_norm_eps), rows=num_real)
+            x = x + project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], index, rows=num_real)
             return (x, kv_cache), None
 
         (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32))
         return x, kv_cache
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
+    def logits(self, hidden: jax.Array, num_real: jax.Array | None = None) -> jax.Array:
         """hidden: [N, D] (the last layer's residual stream) -> [N, vocab] float32, through the final norm. Call
-        it only on the rows that are sampled."""
+        it only on the rows that are sampled; `num_real` as in `__call__`."""
         norm = RmsNorm(self.final_norm[...], self.config.rms_norm_eps)
         if self.config.tie_word_embeddings:
-            return project_rows(hidden, self.weight("embed"), norm)
-        return project(hidden, self.weight("lm_head"), out_dtype=jnp.float32, norm=norm)
+            return project_rows(hidden, self.weight("embed"), norm, rows=num_real)
+        return project(hidden, self.weight("lm_head"), out_dtype=jnp.float32, norm=norm, rows=num_real)
 
 
 def empty_kv_cache(

@@ -9,14 +9,18 @@
 // Layouts (row-major). The output columns come in panels of 16 whose weights are contiguous over all of K
 // (one sequential stream per panel), and within a panel one 32-byte load holds 4 (Q8_0) or 8 (Q4_1)
 // consecutive inputs of 8 columns, a VNNI operand as it is. Column n = 16 p + c:
-//   q8_q8: x f32 [M, K], w s8 [L, N/16, K/4, 16, 4], scale f16 [L, N/16, K/32, 16], layer s32 [] -> y f32 [M, N]
+//   q8_q8: x f32 [M, K], w s8 [L, N/16, K/4, 16, 4], scale f16 [L, N/16, K/32, 16], layer s32 [], rows s32 []
+//          -> y f32 [M, N]
 //          byte (p, j, c, i) is q[4j + i, n];   w[k, n] = q[k, n] * scale[p, k / 32, c]
-//   q4_q8: x f32 [M, K], w u8 [L, N/16, K/8, 16, 4], scale, min f16 [L, N/16, K/32, 16], layer s32 [] -> y f32 [M, N]
+//   q4_q8: x f32 [M, K], w u8 [L, N/16, K/8, 16, 4], scale, min f16 [L, N/16, K/32, 16], layer s32 [],
+//          rows s32 [] -> y f32 [M, N]
 //          byte (p, j, c, i) holds q[8j + i, n] in its low nibble and q[8j + 4 + i, n] in its high one;
 //          w[k, n] = q[k, n] * scale[p, k / 32, c] + min[p, k / 32, c]
 //   y[m, n] = sum over blocks b of d[m, b] * (scale[b, n] * sum_{k in b} xq[m, k] q[k, n]
 //                                            + min[b, n] * sum_{k in b} xq[m, k])
 // The stacked [L, ...] weights are passed whole with the layer index, so a layer scan never copies a layer.
+// Only the first `rows` rows of x are multiplied; the others (a step's padding up to its compiled size) are
+// zeros in y and cost nothing.
 //
 // Each call quantizes its rows once, then splits the panels into chunks over XLA's intra-op threads. A thread
 // computes tiles of up to 4 rows x one panel over the whole of K, the tile's accumulators in registers:
@@ -254,12 +258,15 @@ void Panels(const QuantizedRows& x, const Weights& w, int64_t p_begin, int64_t p
 constexpr int64_t kChunksPerThread = 4;
 
 template <class F>
-void Matmul(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const float* norm, float eps, const Weights& w,
-            float* y) {
-  const QuantizedRows& xq = Quantize(x, M, K, norm, eps);
+void Matmul(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t rows, int64_t K, const float* norm, float eps,
+            const Weights& w, float* y) {
+  const int64_t N = w.panels * kPanel;
+  std::memset(y + rows * N, 0, (M - rows) * N * sizeof(float));
+  if (rows == 0) return;
+  const QuantizedRows& xq = Quantize(x, rows, K, norm, eps);
   const int64_t threads = pool.num_threads() + 1;
   const int64_t per_chunk = std::max<int64_t>(1, w.panels / (threads * kChunksPerThread));
-  sluice::ParallelChunks(pool, (w.panels + per_chunk - 1) / per_chunk, M * K * w.panels * kPanel, [&](int64_t c) {
+  sluice::ParallelChunks(pool, (w.panels + per_chunk - 1) / per_chunk, rows * K * N, [&](int64_t c) {
     Panels<F>(xq, w, c * per_chunk, std::min(w.panels, (c + 1) * per_chunk), y);
   });
 }
@@ -267,6 +274,11 @@ void Matmul(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const f
 // The layer's RMSNorm weight [K], or nullptr when `norm` is empty ([L, 0]: no normalization).
 const float* NormOf(ffi::Buffer<ffi::F32>& norm, int32_t layer, int64_t K) {
   return norm.element_count() == 0 ? nullptr : norm.typed_data() + layer * K;
+}
+
+// The rows to multiply: the `rows` operand, clamped to [0, M].
+int64_t ValidRows(ffi::Buffer<ffi::S32>& rows, int64_t M) {
+  return std::clamp<int64_t>(*rows.typed_data(), 0, M);
 }
 
 // x [M, K]; w [L, P, K/pack, 16, 4]; scale (and min) [L, P, K/32, 16]; norm [L, K] or [L, 0].
@@ -285,8 +297,8 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
 }
 
 ffi::Error Q8Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                    ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> norm, float eps,
-                    ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                    ffi::Buffer<ffi::F32> norm, float eps, ffi::ResultBuffer<ffi::F32> y) {
   const int32_t l = *layer.typed_data();
   if (auto e = CheckShapes(x.dimensions(), w.dimensions(), scale.dimensions(), norm.dimensions(), 4, l); e.failure())
     return e;
@@ -294,13 +306,14 @@ ffi::Error Q8Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const Weights weights{reinterpret_cast<const uint8_t*>(w.typed_data()) + l * P * K * kPanel,
                         reinterpret_cast<const uint16_t*>(scale.untyped_data()) + l * P * (K / kBlock) * kPanel,
                         nullptr, P};
-  Matmul<Q8_0>(pool, x.typed_data(), M, K, NormOf(norm, l, K), eps, weights, y->typed_data());
+  Matmul<Q8_0>(pool, x.typed_data(), M, ValidRows(rows, M), K, NormOf(norm, l, K), eps, weights, y->typed_data());
   return ffi::Error::Success();
 }
 
 ffi::Error Q4Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                     ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> min, ffi::Buffer<ffi::S32> layer,
-                    ffi::Buffer<ffi::F32> norm, float eps, ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> norm, float eps,
+                    ffi::ResultBuffer<ffi::F32> y) {
   const int32_t l = *layer.typed_data();
   if (auto e = CheckShapes(x.dimensions(), w.dimensions(), scale.dimensions(), norm.dimensions(), 8, l); e.failure())
     return e;
@@ -312,7 +325,7 @@ ffi::Error Q4Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const Weights weights{w.typed_data() + l * P * (K / 2) * kPanel,
                         reinterpret_cast<const uint16_t*>(scale.untyped_data()) + scale_offset,
                         reinterpret_cast<const uint16_t*>(min.untyped_data()) + scale_offset, P};
-  Matmul<Q4_1>(pool, x.typed_data(), M, K, NormOf(norm, l, K), eps, weights, y->typed_data());
+  Matmul<Q4_1>(pool, x.typed_data(), M, ValidRows(rows, M), K, NormOf(norm, l, K), eps, weights, y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -325,6 +338,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ8Q8, Q8Q8Impl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -336,6 +350,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ4Q8, Q4Q8Impl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps")

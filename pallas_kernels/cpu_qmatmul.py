@@ -58,20 +58,27 @@ def _norm(norm: jax.Array | None, w: jax.Array, k: int) -> jax.Array:
     return jnp.zeros((w.shape[0], 0), jnp.float32) if norm is None else norm.astype(jnp.float32).reshape(w.shape[0], k)
 
 
+def _rows(rows: jax.Array | int | None, x: jax.Array) -> jax.Array:
+    return jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32)
+
+
 def q8_q8(x: jax.Array, w: jax.Array, scale: jax.Array, layer: jax.Array, norm: jax.Array | None = None,
-          eps: float = 0.0) -> jax.Array:
+          eps: float = 0.0, rows: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] f32, w int8 [L, P, K/4, 16, 4], scale f16 [L, P, K/32, 16], layer int32 [] -> [M, 16 P] f32.
-    With `norm` [L, K], x's rows are RMS-normalized (by norm[layer], with `eps`) first."""
+    With `norm` [L, K], x's rows are RMS-normalized (by norm[layer], with `eps`) first. `rows` (int32 [],
+    default M): only x's first `rows` rows are multiplied; the others' outputs are zeros, at no cost."""
     call = jax.ffi.ffi_call("sluice_q8_q8", _out(x, w))
-    return call(x, w, scale, jnp.asarray(layer, jnp.int32), _norm(norm, w, x.shape[1]), eps=np.float32(eps))
+    return call(x, w, scale, jnp.asarray(layer, jnp.int32), _rows(rows, x), _norm(norm, w, x.shape[1]),
+                eps=np.float32(eps))
 
 
 def q4_q8(x: jax.Array, w: jax.Array, scale: jax.Array, min: jax.Array, layer: jax.Array,
-          norm: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+          norm: jax.Array | None = None, eps: float = 0.0, rows: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] f32, w uint8 [L, P, K/8, 16, 4], scale/min f16 [L, P, K/32, 16], layer int32 [] -> [M, 16 P] f32.
-    With `norm` [L, K], x's rows are RMS-normalized (by norm[layer], with `eps`) first."""
+    `norm`, `eps` and `rows` as in `q8_q8`."""
     call = jax.ffi.ffi_call("sluice_q4_q8", _out(x, w))
-    return call(x, w, scale, min, jnp.asarray(layer, jnp.int32), _norm(norm, w, x.shape[1]), eps=np.float32(eps))
+    return call(x, w, scale, min, jnp.asarray(layer, jnp.int32), _rows(rows, x), _norm(norm, w, x.shape[1]),
+                eps=np.float32(eps))
 
 
 # ---- References and layouts.
@@ -160,15 +167,20 @@ def _activations_ref(x: jax.Array, layer: jax.Array, norm: jax.Array | None, eps
     return quantize_activations(x if norm is None else rms_norm(x, norm[layer], eps))
 
 
+def _leading_rows(y: jax.Array, rows: jax.Array | int | None) -> jax.Array:
+    """y with its rows from `rows` on zeroed (the kernels' padding rows)."""
+    return y if rows is None else jnp.where(jnp.arange(y.shape[0])[:, None] < rows, y, 0.0)
+
+
 def q8_q8_ref(x: jax.Array, w: jax.Array, scale: jax.Array, layer: jax.Array, norm: jax.Array | None = None,
-              eps: float = 0.0) -> jax.Array:
+              eps: float = 0.0, rows: jax.Array | int | None = None) -> jax.Array:
     """The jnp reference of `q8_q8` (kernel-shaped arguments)."""
     weight = dequantize_q8(w[layer], scale[layer])
-    return jnp.dot(_activations_ref(x, layer, norm, eps), weight, precision="highest")
+    return _leading_rows(jnp.dot(_activations_ref(x, layer, norm, eps), weight, precision="highest"), rows)
 
 
 def q4_q8_ref(x: jax.Array, w: jax.Array, scale: jax.Array, min: jax.Array, layer: jax.Array,
-              norm: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+              norm: jax.Array | None = None, eps: float = 0.0, rows: jax.Array | int | None = None) -> jax.Array:
     """The jnp reference of `q4_q8` (kernel-shaped arguments)."""
     weight = dequantize_q4(w[layer], scale[layer], min[layer])
-    return jnp.dot(_activations_ref(x, layer, norm, eps), weight, precision="highest")
+    return _leading_rows(jnp.dot(_activations_ref(x, layer, norm, eps), weight, precision="highest"), rows)

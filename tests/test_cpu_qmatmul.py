@@ -95,6 +95,23 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(kernel):
 
 
 @needs_kernels
+@pytest.mark.parametrize("kernel", ["q8", "q4"])
+def test_only_the_leading_rows_are_multiplied_and_the_padding_rows_are_zeros(kernel):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((13, 96)).astype(np.float32)
+    x[9:] = np.nan  # padding rows are never read
+    weights = random_q8(rng, 96, 48) if kernel == "q8" else random_q4(rng, 96, 48)
+    call = jax.jit(cq.q8_q8 if kernel == "q8" else cq.q4_q8)
+    reference = cq.q8_q8_ref if kernel == "q8" else cq.q4_q8_ref
+    full = np.asarray(call(x[:9], *weights, 2))
+    for rows in (0, 1, 9):
+        got = np.asarray(call(x, *weights, 2, rows=jnp.int32(rows)))
+        np.testing.assert_array_equal(got[:rows], full[:rows])
+        assert np.all(got[rows:] == 0)
+        np.testing.assert_array_equal(np.asarray(reference(np.nan_to_num(x), *weights, 2, rows=rows))[rows:], 0)
+
+
+@needs_kernels
 def test_rows_of_zeros_and_of_one_outlier_are_quantized_without_nan():
     rng = np.random.default_rng(3)
     w, scale, low = random_q4(rng, 64, 16)
