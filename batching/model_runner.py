@@ -313,7 +313,8 @@ class ModelRunner:
             for rows in (self.decode_buckets[0], self.decode_buckets[-1]):
                 bucket = self._decode_bucket(rows, num_steps)
                 inputs, sampling = self._pad([], bucket, None)
-                inputs = replace(inputs, cu_q_lens=np.arange(rows + 1, dtype=np.int32), num_sampled=np.int32(rows))
+                inputs = replace(inputs, cu_q_lens=np.arange(rows + 1, dtype=np.int32),
+                                 num_sampled=np.array(rows, np.int32))
                 for _ in range(2):  # the second run is the measure
                     start = time.perf_counter()
                     jax.block_until_ready(self._run(bucket, inputs, sampling))
@@ -405,5 +406,5 @@ class ModelRunner:
         cu_q_lens[piece + 1:] = offset
         sampling = pack_sampling_batch(sampled, num_rows, self.max_model_len, MAX_STOP_IDS)
         inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits,
-                            np.int32(len(sampled)))
+                            np.array(len(sampled), np.int32))
         return inputs, sampling

@@ -69,16 +69,16 @@ def arithmetic_dtype(quantization: str, dtype: str) -> str:
 
 
 def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: jnp.dtype | None = None,
-            norm: RmsNorm | None = None, rows: jax.Array | None = None) -> jax.Array:
+            norm: RmsNorm | None = None, num_real: jax.Array | None = None) -> jax.Array:
     """x: [T, K] -> [T, *N] in `out_dtype` (default x's), x normalized first by `norm` if given. w: stacked
-    `[L, ...]` with `layer` an int32 index, or a single weight. `rows` (int32 [], default T): only x's first
-    rows matter; the others' outputs are unspecified (the CPU kernels skip them and give zeros)."""
+    `[L, ...]` with `layer` an int32 index, or a single weight. `num_real` (int32 [], default T): only x's
+    first rows matter; the others' outputs are unspecified (the CPU kernels skip them and give zeros)."""
     out_shape = w.out_shape(stacked=layer is not None)
     if layer is None:
         w, norm = jax.tree.map(lambda a: a[None], (w, norm))
         layer = jnp.int32(0)
     if w.format != "float" and cpu_qmatmul.available():
-        y = _kernel(x.astype(jnp.float32), w, layer, norm, rows)
+        y = _kernel(x.astype(jnp.float32), w, layer, norm, num_real)
     else:
         h = x if norm is None else cpu_qmatmul.rms_norm(x, norm.weight[layer], norm.eps).astype(x.dtype)
         weight = w.values[layer] if w.format == "float" else dequantize(jax.tree.map(lambda a: a[layer], w), x.dtype)
@@ -97,13 +97,14 @@ def _kernel(x: jax.Array, w: Weight, layer: jax.Array, norm: RmsNorm | None, row
     return cpu_qmatmul.q4_q8(x, flat(w.values, 3), flat(w.scale, 2), flat(w.min, 2), layer, weight, eps, rows)
 
 
-def project_rows(x: jax.Array, table: Weight, norm: RmsNorm | None = None, rows: jax.Array | None = None) -> jax.Array:
+def project_rows(x: jax.Array, table: Weight, norm: RmsNorm | None = None,
+                 num_real: jax.Array | None = None) -> jax.Array:
     """x @ table.T for an embedding table used as the LM head: x [T, K] -> [T, vocab] float32, x normalized
-    first by `norm` if given, `rows` as in `project`. A quantized table is stored like an `[K, vocab]` weight
+    first by `norm` if given, `num_real` as in `project`. A quantized table is stored like an `[K, vocab]` weight
     already."""
     if table.format == "float":
         table = Weight(table.values.T)
-    return project(x, table, out_dtype=jnp.float32, norm=norm, rows=rows)
+    return project(x, table, out_dtype=jnp.float32, norm=norm, num_real=num_real)
 
 
 def dequantize(w: Weight, dtype: jnp.dtype) -> jax.Array:

@@ -131,15 +131,15 @@ class Llama(nnx.Module):
 
         def layer(carry: tuple[jax.Array, KVCache], index: jax.Array):
             x, kv_cache = carry
-            qkv = project(x, p["wqkv"], index, norm=RmsNorm(p["attn_norm"], c.rms_norm_eps), rows=num_real)
+            qkv = project(x, p["wqkv"], index, norm=RmsNorm(p["attn_norm"], c.rms_norm_eps), num_real=num_real)
             if c.attention_bias:
                 qkv = qkv + p["bqkv"][index]
             q, k, v = split_qkv(qkv, c)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, kv_cache = attend(index, q, k, v, kv_cache)
-            x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], index, rows=num_real)
-            gate_up = project(x, p["w_gate_up"], index, norm=RmsNorm(p["mlp_norm"], c.rms_norm_eps), rows=num_real)
-            x = x + project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], index, rows=num_real)
+            x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], index, num_real=num_real)
+            gate_up = project(x, p["w_gate_up"], index, norm=RmsNorm(p["mlp_norm"], c.rms_norm_eps), num_real=num_real)
+            x = x + project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], index, num_real=num_real)
             return (x, kv_cache), None
 
         (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32))
@@ -150,8 +150,8 @@ class Llama(nnx.Module):
         it only on the rows that are sampled; `num_real` as in `__call__`."""
         norm = RmsNorm(self.final_norm[...], self.config.rms_norm_eps)
         if self.config.tie_word_embeddings:
-            return project_rows(hidden, self.weight("embed"), norm, rows=num_real)
-        return project(hidden, self.weight("lm_head"), out_dtype=jnp.float32, norm=norm, rows=num_real)
+            return project_rows(hidden, self.weight("embed"), norm, num_real=num_real)
+        return project(hidden, self.weight("lm_head"), out_dtype=jnp.float32, norm=norm, num_real=num_real)
 
 
 def empty_kv_cache(
