@@ -268,6 +268,9 @@ class Engine:
             self._apply(self._inbox.get_nowait())
         if self.speculator is not None:
             decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+            for seq in self.scheduler.running:
+                if seq.num_uncomputed_tokens > 1:
+                    seq.drafts = []  # drafts of an earlier step, before a preemption or forced tokens: stale
             multi_step = (self._may_run_multi_step() and len(decoding) == len(self.scheduler.running)
                           and all(seq.grammar is None for seq in decoding))
             self.speculator.propose(decoding, self.max_model_len, self._padded_tokens, multi_step)
@@ -394,6 +397,8 @@ class Engine:
                     self.speculator.record(chunk.seq, chunk.num_drafts, accepted)
                 elif self.speculator is not None and appended:
                     self.speculator.check_shadow(chunk.seq, chunk.seq.token_ids[chunk.start + chunk.num_tokens])
+                if appended and chunk.seq.grammar is not None and not chunk.seq.params.wants_logprobs:
+                    self._isolated(chunk.seq.request_id, self._append_forced, chunk.seq)
             # Computed: the chunk's own tokens, the drafts that were accepted, and tokens a multi-step call fed back.
             num_computed.append(chunk.start + chunk.num_tokens - chunk.num_drafts + max(appended - 1, 0))
         self.scheduler.update_after_step(chunks, num_computed)
@@ -408,9 +413,30 @@ class Engine:
         return [(step, first_row) for step in range(num_steps)]
 
     def _append_token(self, seq: Sequence, result: SamplerOutput, step: int, row: int) -> None:
-        """Appends the token sampled at `step` (advancing the sequence's grammar) and ends the sequence now if
-        its id or count says so. Top alternatives a grammar ruled out (logprob -inf) are not reported."""
+        """Appends the token sampled at `step`. Top alternatives a grammar ruled out (logprob -inf) are not
+        reported."""
         token = int(result.tokens[step, row])
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if seq.params.wants_logprobs:
+            k = seq.params.top_logprobs
+            ids, values = result.top_ids[step, row, :k], result.top_logprobs[step, row, :k]
+            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > float("-inf"))
+            logprobs = (TokenLogprob(token, float(result.logprobs[step, row]), top),)
+        self._append(seq, token, logprobs)
+
+    def _append_forced(self, seq: Sequence) -> None:
+        """Appends the tokens the sequence's grammar forces, one allowed token at a time (`Grammar.forced_token`):
+        the next step computes them in one chunk instead of a step each. A stop id is left to the sampler (its
+        min_tokens rule), and a request that wants logprobs never gets here (they come from the model)."""
+        while seq.status is SequenceStatus.RUNNING:
+            token = seq.grammar.forced_token()
+            if token is None or token in seq.stop.stop_ids:
+                return
+            self._append(seq, token, ())
+
+    def _append(self, seq: Sequence, token: int, logprobs: tuple[TokenLogprob, ...]) -> None:
+        """Appends a token (advancing the sequence's grammar) and ends the sequence now if its id or count says
+        so."""
         seq.token_ids.append(token)
         if seq.grammar is not None:
             seq.grammar.advance(token)
@@ -418,12 +444,6 @@ class Engine:
         if seq.num_output_tokens == 1 and seq.parent is None:
             self._prompt_tokens_total += seq.num_prompt_tokens
         finish = seq.stop.token_finish(token, seq.num_output_tokens, seq.num_tokens >= self.max_model_len)
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if seq.params.wants_logprobs:
-            k = seq.params.top_logprobs
-            ids, values = result.top_ids[step, row, :k], result.top_logprobs[step, row, :k]
-            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > float("-inf"))
-            logprobs = (TokenLogprob(token, float(result.logprobs[step, row]), top),)
         if seq.proposer is not None:
             seq.proposer.extend([token])
         if finish is not None:

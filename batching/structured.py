@@ -6,6 +6,11 @@ or the HF folder's file), never fetched. JSON comes out in one fixed layout, `{"
 whitespace a small model pads with newlines until max_tokens. llguidance is imported here only, when the first
 grammar is compiled, so an engine that is never asked for structured output runs without it (the GPU image
 lacks it).
+
+A position where the grammar allows exactly one token needs no model step: every sampler would pick that token
+(all other logits are -inf), so the engine appends it at once and computes it with the next step's chunk
+(`Grammar.forced_token`). Only token-level forcing counts, never a forced byte string that could be tokenized
+another way, so the output is the same token for token.
 """
 
 from __future__ import annotations
@@ -31,14 +36,24 @@ class InvalidGrammar(RequestRejected):
 @dataclass(eq=False)
 class Grammar:
     """A sequence's place in its grammar: `matcher` (an llguidance LLMatcher) has consumed exactly the sequence's
-    output tokens. `executor` (shared by all sequences of a compiler) fills masks in parallel, without the GIL."""
+    output tokens. `executor` (shared by all sequences of a compiler) fills masks in parallel, without the GIL;
+    `scratch` ([1, ceil(V / 32)] int32, shared too: used on the engine thread only) holds one row's mask."""
 
     matcher: Any
     executor: Any
+    scratch: np.ndarray
 
     def fork(self) -> Grammar:
         """The same place in the same grammar, advanced independently from now on (another sample)."""
-        return Grammar(self.matcher.deep_copy(), self.executor)
+        return Grammar(self.matcher.deep_copy(), self.executor, self.scratch)
+
+    def forced_token(self) -> int | None:
+        """The next token if the grammar allows exactly one, else None."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, self.scratch, 0)
+        bits = np.unpackbits(self.scratch.view(np.uint8), bitorder="little")  # bit t of the row: token t
+        return int(np.argmax(bits)) if np.count_nonzero(bits) == 1 else None
 
     def advance(self, token: int) -> None:
         """Consumes a sampled token; the sampler's mask allowed it, so a refusal is a bug, raised as one."""
@@ -83,6 +98,7 @@ class GrammarCompiler:
         except ValueError as error:
             raise RequestRejected(f"structured output is not available with this model's tokenizer: {error}") from None
         self.executor = llguidance.LLExecutor()
+        self.scratch = np.zeros((1, -(-vocab_size // 32)), np.int32)
 
     def compile(self, spec: StructuredOutput) -> Grammar:
         """A fresh matcher for `spec`; InvalidGrammar naming the problem if it does not compile."""
@@ -98,4 +114,4 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidGrammar(f"invalid {what}: {matcher.get_error()}")
-        return Grammar(matcher, self.executor)
+        return Grammar(matcher, self.executor, self.scratch)

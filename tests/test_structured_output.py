@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from batching.config import EngineConfig
 from batching.engine import Engine
 from batching.sampling_params import SamplingParams, StructuredOutput
+from batching.structured import Grammar
 from model.loader import LoadedModel
 
 from test_server_engine import serve
@@ -68,6 +69,26 @@ def test_json_schema_outputs_parse_and_validate_for_several_schemas_greedy_and_s
         for completion in [c for choices in group for c in choices]:
             assert completion.finish_reason == "stop", completion.text
             jsonschema.validate(json.loads(completion.text), schema)
+    assert engine.stats.kv_pages_used == 0
+
+
+def test_tokens_the_grammar_forces_skip_their_steps_and_change_no_token(engine, monkeypatch):
+    prompts = [chat(engine, question) for question, _ in SCHEMAS]
+    params = [SamplingParams(structured=json_schema(schema), **sampling)
+              for (_, schema), sampling in zip(SCHEMAS, (dict(temperature=0.0, max_tokens=160),
+                                                         dict(temperature=0.9, seed=4, max_tokens=160),
+                                                         dict(temperature=0.0, max_tokens=30)))]
+
+    def run() -> tuple[list[list[int]], int]:
+        steps = engine.stats.num_steps
+        outs = engine.generate(prompts, params)
+        return [o[0].token_ids for o in outs], engine.stats.num_steps - steps
+
+    forced, forced_steps = run()
+    monkeypatch.setattr(Grammar, "forced_token", lambda self: None)
+    stepwise, stepwise_steps = run()
+    assert forced == stepwise
+    assert forced_steps < 0.8 * stepwise_steps  # JSON's keys and punctuation: many positions allow one token
     assert engine.stats.kv_pages_used == 0
 
 
