@@ -267,13 +267,8 @@ class Engine:
         while not self._inbox.empty():
             self._apply(self._inbox.get_nowait())
         if self.speculator is not None:
-            decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
-            for seq in self.scheduler.running:
-                if seq.num_uncomputed_tokens > 1:
-                    seq.drafts = []  # drafts of an earlier step, before a preemption or forced tokens: stale
-            multi_step = (self._may_run_multi_step() and len(decoding) == len(self.scheduler.running)
-                          and all(seq.grammar is None for seq in decoding))
-            self.speculator.propose(decoding, self.max_model_len, self._padded_tokens, multi_step)
+            running = self.scheduler.running
+            self.speculator.propose(running, self.max_model_len, self._padded_tokens, self._may_run_multi_step(running))
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
         chunks = scheduled.chunks
@@ -343,21 +338,23 @@ class Engine:
             return self.runner.padded_tokens(num_tokens, True)
         return next(b for b in self.runner.decode_buckets if b >= num_tokens)
 
-    def _may_run_multi_step(self) -> bool:
-        return self.config.num_decode_steps > 1 and not self.scheduler.waiting and self._inbox.empty()
+    def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
+        """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call
+        for its first step) and each has one token left to compute and no grammar (its mask for the next token
+        needs the token before, which only the host's matcher can take in)."""
+        return (self.config.num_decode_steps > 1 and not self.scheduler.waiting and self._inbox.empty()
+                and all(seq.num_uncomputed_tokens == 1 and seq.grammar is None for seq in seqs))
 
     def _decode_limits(self, chunks: list[ScheduledChunk]) -> list[int] | None:
         """Decode steps per sequence for a multi-step call, or None for a single step.
 
-        Only when every scheduled sequence decodes and nothing waits (a waiting request would wait the whole
-        call for its first step), each sequence limited by its max_tokens and the context, and only if the pool
-        holds the pages for all of them. A sequence with a grammar forces single steps: its mask for the next
-        token needs the token before, which only the host's matcher can take in.
+        Only when the scheduled sequences may share one (`_may_run_multi_step`) and each decodes without drafts,
+        each limited by its max_tokens and the context, and only if the pool holds the pages for all of them.
         """
         steps = self.config.num_decode_steps
-        if not chunks or not self._may_run_multi_step():
+        if not chunks or not self._may_run_multi_step([c.seq for c in chunks]):
             return None
-        if any(c.num_tokens != 1 or not c.sample or c.seq.grammar is not None for c in chunks):
+        if any(c.num_tokens != 1 or not c.sample for c in chunks):
             return None
         limits = [min(steps, c.seq.params.max_tokens - c.seq.num_output_tokens, self.max_model_len - c.seq.num_tokens)
                   for c in chunks]

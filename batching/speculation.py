@@ -88,18 +88,22 @@ class Speculator:
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.config.num_speculative_tokens
 
-    def propose(self, decoding: list[Sequence], max_model_len: int, padded: Callable[[int, bool], int],
+    def propose(self, running: list[Sequence], max_model_len: int, padded: Callable[[int, bool], int],
                 multi_step: bool = False) -> None:
-        """Sets `seq.drafts` for this step on the sequences worth it, and clears it on the others.
+        """Sets `seq.drafts` for this step on the decoding sequences (one token left to compute) worth it, and
+        clears it on every other running sequence (a draft of an earlier step is stale once a sequence has more
+        to compute: after a preemption, or tokens its grammar forced).
 
         `padded(tokens, with_drafts)`: the tokens the step's compiled bucket computes for that many tokens.
         `multi_step`: without drafts, this step would be a multi-step decode call.
         """
         a, b = self.cost.coefficients()
         plain_a, plain_b = self.multi_step_cost.coefficients() if multi_step and self.multi_step_cost.weight else (a, b)
+        for seq in running:
+            seq.drafts = []
+        decoding = [seq for seq in running if seq.num_uncomputed_tokens == 1]
         candidates = []
         for seq in decoding:
-            seq.drafts = []
             room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
             drafts = seq.proposer.propose(room) if seq.proposer is not None else []
             if seq.grammar is not None:
