@@ -8,11 +8,11 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
 
 - throughput: requests in waves of C (one `Engine.generate` call per wave; C = 1 runs the first
   MIN_REQUESTS requests one at a time), output and total tokens per second of wall time;
-- TTFT: the first C requests' lengths with fresh prompts and max_tokens 1, all sent at once: the time
-  until every one of them has its first token (prefill of all C prompts plus one sample);
-- TPOT: the same with max_tokens 1 + tpot_steps: the extra time over the TTFT run per extra token,
-  i.e. the engine's real decode step at batch C, host work included (each a median of
-  `latency_repeats` runs);
+- TTFT and TPOT: the first C requests' lengths with fresh prompts and max_tokens 1 + tpot_steps, all
+  sent at once, each token's arrival timed as a client would see it. TTFT: until every one of them has
+  its first token (prefill of all C prompts plus one sample); TPOT: vLLM's per request
+  (last - first arrival) / (tokens - 1), averaged over the wave, i.e. the engine's real decode at batch
+  C, multi-step calls and host work included (each a median of `latency_repeats` runs);
 - step breakdown, timed directly (jitted, outside the engine, medians after a compile): a decode
   step at batch C and the wave's mean context (model forward + LM head + argmax), the paged attention
   of all layers alone, the LM head + argmax alone; the report adds the rest, and TPOT minus the
@@ -48,6 +48,7 @@ from tokenizers import models
 
 from batching.config import EngineConfig
 from batching.engine import Engine
+from batching.outputs import Increment
 from batching.roofline import StepCost, param_bytes
 from batching.sampling_params import SamplingParams
 from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
@@ -175,6 +176,34 @@ def generate_checked(engine: Engine, requests: list[BenchRequest]) -> float:
     return seconds
 
 
+class ArrivalTimes:
+    """An output sink that keeps when each of a request's tokens arrived (seconds of `time.perf_counter`)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, increment: Increment) -> None:
+        if increment.error is not None:
+            raise AssertionError(f"a request failed in the engine: {increment.error}")
+        self.times += [time.perf_counter()] * len(increment.token_ids)
+
+
+def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int) -> tuple[float, float]:
+    """Sends the requests at once with `max_tokens` each; returns (TTFT: until every one has its first token,
+    TPOT: the mean over requests of (last - first arrival) / (max_tokens - 1))."""
+    sinks = [ArrivalTimes() for _ in requests]
+    start = time.perf_counter()
+    for i, (request, sink) in enumerate(zip(requests, sinks)):
+        engine.submit([list(request.prompt)], greedy(max_tokens), sink, f"timed-{i}")
+    while engine.has_work:
+        engine.step()
+    if any(len(sink.times) != max_tokens for sink in sinks):
+        raise AssertionError(f"the engine produced {[len(s.times) for s in sinks]} tokens where {max_tokens} were asked")
+    ttft = max(sink.times[0] for sink in sinks) - start
+    tpot = statistics.mean((sink.times[-1] - sink.times[0]) / (max_tokens - 1) for sink in sinks)
+    return ttft, tpot
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
     """Device seconds of one decode step at batch `batch` and context `context`, and of its parts."""
@@ -255,23 +284,18 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
     seconds = sum(generate_checked(engine, wave) for wave in fresh)
     requests = [r for wave in fresh for r in wave]
 
-    def wave_seconds(max_tokens: int, salt: int) -> float:
-        """Median wall time of the first wave with fresh prompts and `max_tokens` outputs each."""
-        return statistics.median(
-            generate_checked(engine, [BenchRequest(r.prompt, max_tokens)
-                                      for r in fresh_prompts(workload[:c], salt=salt + i, vocab_size=config.vocab_size)])
-            for i in range(sizes.latency_repeats)
-        )
-
-    ttft_s = wave_seconds(1, salt=1000 * c + 900)
-    longer_s = wave_seconds(1 + sizes.tpot_steps, salt=1000 * c + 950)
+    latencies = [timed_wave(engine, fresh_prompts(workload[:c], salt=1000 * c + 900 + i, vocab_size=config.vocab_size),
+                            1 + sizes.tpot_steps)
+                 for i in range(sizes.latency_repeats)]
+    ttft_s = statistics.median(ttft for ttft, _ in latencies)
+    tpot_s = statistics.median(tpot for _, tpot in latencies)
     prompt_lens = [len(r.prompt) for r in requests]
     output_lens = [r.output_tokens for r in requests]
     bound = workload_roofline(served, peaks, prompt_lens, output_lens, batch=c)
     return dict(
         requests=len(requests), prompt_tokens=sum(prompt_lens), output_tokens=sum(output_lens), seconds=seconds,
         output_tok_s=sum(output_lens) / seconds, total_tok_s=(sum(prompt_lens) + sum(output_lens)) / seconds,
-        ttft_s=ttft_s, tpot_s=(longer_s - ttft_s) / sizes.tpot_steps, roofline_output_tok_s=bound.bound_output_tps,
+        ttft_s=ttft_s, tpot_s=tpot_s, roofline_output_tok_s=bound.bound_output_tps,
     )
 
 

@@ -101,8 +101,8 @@ def kernel_bench_section(rows: list[dict], peak_gbs: float | None) -> list[str]:
 def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
     lines = ["### Engine offline, random weights with real shapes, bf16", "",
              "`python -m bench.engine_check` (see its docstring). Throughput: the workload's requests in waves of "
-             "C. TTFT: C fresh prompts sent at once, until all have a first token. TPOT: the engine's decode step "
-             "at batch C, from two runs of different lengths. Step: a decode step at batch C timed directly "
+             "C. TTFT: C fresh prompts sent at once, until all have a first token. TPOT: per request (last - first "
+             "token's arrival) / (tokens - 1), at batch C. Step: a decode step at batch C timed directly "
              "(forward + LM head + argmax), its attention over all layers, its LM head + argmax, the rest; "
              "`engine extra` = TPOT - step (sampler, host work, bucket padding). HBM %: weights + K/V bytes over "
              "the step's time, against the measured bandwidth. Roofline %: output tok/s over bench.roofline's bound.",
