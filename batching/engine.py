@@ -22,11 +22,12 @@ from functools import cached_property, partial
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from batching.block_manager import BlockManager
 from batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from batching.model_runner import ModelRunner, PendingStep, enable_compilation_cache
+from batching.model_runner import ModelRunner, PendingStep, VerifiedSteps, enable_compilation_cache
 from batching.ngram import NgramConfig
 from batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
     TokenLogprob, deliver
@@ -119,7 +120,7 @@ class Engine:
             loaded.model, num_pages=num_pages, page_size=config.page_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_decode_steps=config.num_decode_steps,
-            num_speculative_tokens=self.ngram.num_speculative_tokens if self.ngram else 0,
+            ngram=self.ngram,
             attention_backend=config.attention_backend, kv_dtype=kv_dtype, mesh=mesh,
         )
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
@@ -268,14 +269,17 @@ class Engine:
             self._apply(self._inbox.get_nowait())
         if self.speculator is not None:
             running = self.scheduler.running
-            self.speculator.propose(running, self.max_model_len, self._padded_tokens, self._may_run_multi_step(running))
+            if self._may_run_multi_step(running):
+                self.speculator.clear(running)  # drafts ride inside the multi-step call (`_multi_step_call`)
+            else:
+                self.speculator.propose(running, self.max_model_len, self._padded_tokens)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
         chunks = scheduled.chunks
-        limits = self._decode_limits(chunks)
+        limits, drafting = self._multi_step_call(chunks)
         # Before appending changes what the chunks cover.
         step_stats = StepStats.of(chunks, limits, self.step_cost) if chunks else None
-        pending = self._dispatch(chunks, limits) if chunks else None
+        pending = self._dispatch(chunks, limits, drafting) if chunks else None
         dispatched = time.perf_counter()
         self._emit_text()
         self._flush()
@@ -289,11 +293,17 @@ class Engine:
         if step_stats is not None:
             step_stats = replace(step_stats, duration_s=duration, host_s=(dispatched - start) + (end - arrived))
             self._totals.add_step(step_stats)
-            if self.speculator is not None and step_stats.num_prefill_tokens == 0:
-                # A decode, verify or multi-step decode call: what a step of that many (bucketed) tokens costs.
-                num_steps = 1 if limits is None else self.config.num_decode_steps
-                self._observe_decode_cost(step_stats.num_tokens, num_steps, duration / num_steps,
-                                          drafts=step_stats.num_draft_tokens > 0)
+            if self.speculator is not None and step_stats.num_prefill_tokens == 0 and pending is not None:
+                # A decode or verify step, or a multi-step call: what a step of that many computed tokens costs.
+                if limits is None:
+                    tokens = self._padded_tokens(step_stats.num_tokens, step_stats.num_draft_tokens > 0)
+                    self._observe_decode_cost(tokens, 1, duration)
+                else:
+                    num_steps = self.config.num_decode_steps
+                    result = pending.fetch()
+                    checked = int(result.num_verified.sum()) if isinstance(result, VerifiedSteps) else 0
+                    tokens = self._padded_tokens(len(chunks), False) + checked / num_steps
+                    self._observe_decode_cost(tokens, num_steps, duration / num_steps)
         self.stats = self._snapshot(step_stats)
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:
@@ -327,10 +337,11 @@ class Engine:
         for seq in request.seqs:
             self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
 
-    def _observe_decode_cost(self, tokens: int, num_steps: int, seconds: float, drafts: bool = False) -> None:
-        """One decode step's time (`seconds`, per step of a `num_steps`-step call) for `tokens` tokens."""
+    def _observe_decode_cost(self, tokens: float, num_steps: int, seconds: float) -> None:
+        """One decode step's time (`seconds`, per step of a `num_steps`-step call) for the `tokens` it computed
+        (its bucket's)."""
         cost = self.speculator.cost if num_steps == 1 else self.speculator.multi_step_cost
-        cost.observe(self._padded_tokens(tokens, drafts), seconds)
+        cost.observe(tokens, seconds)
 
     def _padded_tokens(self, num_tokens: int, with_drafts: bool) -> int:
         """Tokens a decode (or verify, with drafts) step of `num_tokens` computes in its compiled bucket."""
@@ -345,24 +356,31 @@ class Engine:
         return (self.config.num_decode_steps > 1 and not self.scheduler.waiting and self._inbox.empty()
                 and all(seq.num_uncomputed_tokens == 1 and seq.grammar is None for seq in seqs))
 
-    def _decode_limits(self, chunks: list[ScheduledChunk]) -> list[int] | None:
-        """Decode steps per sequence for a multi-step call, or None for a single step.
+    def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, list[bool] | None]:
+        """(tokens each sequence may emit, whether each drafts) for a multi-step call, or (None, None) for a
+        single step; drafting None when no sequence drafts.
 
-        Only when the scheduled sequences may share one (`_may_run_multi_step`) and each decodes without drafts,
-        each limited by its max_tokens and the context, and only if the pool holds the pages for all of them.
+        Only when the scheduled sequences may share one (`_may_run_multi_step`) and each decodes one token, each
+        limited to a token per step (1 + k with drafts), its max_tokens and the context, and only if the pool
+        holds the pages for all of them.
         """
         steps = self.config.num_decode_steps
-        if not chunks or not self._may_run_multi_step([c.seq for c in chunks]):
-            return None
-        if any(c.num_tokens != 1 or not c.sample for c in chunks):
-            return None
-        limits = [min(steps, c.seq.params.max_tokens - c.seq.num_output_tokens, self.max_model_len - c.seq.num_tokens)
-                  for c in chunks]
-        return limits if self.scheduler.reserve_lookahead(chunks, limits) else None
+        seqs = [c.seq for c in chunks]
+        if not chunks or not self._may_run_multi_step(seqs) or any(c.num_tokens != 1 or not c.sample for c in chunks):
+            return None, None
+        drafting = ([False] * len(seqs) if self.speculator is None
+                    else self.speculator.propose_for_call(seqs, self._padded_tokens))
+        per_step = [1 + self.runner.num_speculative_tokens if d else 1 for d in drafting]
+        limits = [min(steps * n, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+                  for seq, n in zip(seqs, per_step)]
+        if not self.scheduler.reserve_lookahead(chunks, limits):
+            return None, None
+        return limits, drafting if any(drafting) else None
 
-    def _dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None) -> PendingStep | None:
+    def _dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: list[bool] | None
+                  ) -> PendingStep | None:
         try:
-            return self.runner.dispatch(chunks, limits)
+            return self.runner.dispatch(chunks, limits, drafting)
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
             self._fail_step(chunks, error)
             return None
@@ -378,9 +396,11 @@ class Engine:
             return time.perf_counter()
         arrived = time.perf_counter()
         num_computed = []
-        for chunk, first_row in zip(chunks, pending.first_rows):
+        for index, (chunk, first_row) in enumerate(zip(chunks, pending.first_rows)):
             appended = accepted = 0
-            if chunk.sample:
+            if chunk.sample and isinstance(result, VerifiedSteps):
+                appended = self._append_verified(chunk.seq, result, index, first_row)
+            elif chunk.sample:
                 for step, row in self._sampled_positions(chunk, first_row, result.tokens.shape[0]):
                     if chunk.seq.status is not SequenceStatus.RUNNING:
                         break
@@ -400,6 +420,21 @@ class Engine:
             num_computed.append(chunk.start + chunk.num_tokens - chunk.num_drafts + max(appended - 1, 0))
         self.scheduler.update_after_step(chunks, num_computed)
         return arrived
+
+    def _append_verified(self, seq: Sequence, result: VerifiedSteps, index: int, first_row: int) -> int:
+        """Appends what a speculative multi-step call kept for `seq` (chunk `index`), step by step until the
+        sequence ends, and records each step's verification; returns how many tokens it appended."""
+        appended = 0
+        for step in range(result.num_emitted.shape[0]):
+            for row in range(first_row, first_row + int(result.num_emitted[step, index])):
+                if seq.status is not SequenceStatus.RUNNING:
+                    return appended
+                self._isolated(seq.request_id, self._append_token, seq, result.sampled, step, row)
+                appended += 1
+            if checked := int(result.num_verified[step, index]):
+                accepted = result.sampled.accepted[step, first_row:first_row + checked]
+                self.speculator.record(seq, checked, int(np.cumprod(accepted).sum()))
+        return appended
 
     @staticmethod
     def _sampled_positions(chunk: ScheduledChunk, first_row: int, num_steps: int) -> list[tuple[int, int]]:

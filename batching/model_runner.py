@@ -34,6 +34,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from batching import step_broadcast
+from batching.ngram import NgramConfig, propose_on_device
 from batching.request import MAX_STOP_IDS
 from batching.sampler import (SamplerOutput, SamplingBatch, SamplingInputs, bitmask_words, mask_disallowed,
                               pack_sampling_batch, sample)
@@ -69,13 +70,18 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
 @dataclass(frozen=True, order=True)
 class Bucket:
     """A compiled step shape: tokens, attention rows (sequences or prefill pieces), sampled rows, max_q_len,
-    and decode steps per call."""
+    and decode steps per call. A speculative multi-step call (`verifies`) is a multi-step call of S
+    sequences (its tokens) whose steps each take 1 + k queries per sequence (max_q_len)."""
 
     num_tokens: int
     num_attn_seqs: int
     num_rows: int
     max_q_len: int
     num_steps: int = 1
+
+    @property
+    def verifies(self) -> bool:
+        return self.num_steps > 1 and self.max_q_len > 1
 
 
 @jax.tree_util.register_dataclass
@@ -85,8 +91,9 @@ class StepInputs:
     page_table: [S, max_pages] int32; cu_q_lens: [S + 1] int32; logits_rows: [S] int32, each
     sequence's last token row (the one it samples from); limits: [S] int32, decode steps each row may run
     in a multi-step call (0 for padding); num_sampled: [] int32, the rows of logits_rows that are sampled (the
-    first ones; real tokens are the first cu_q_lens[-1] rows). Padding rows' outputs are never read, and the
-    CPU kernels skip them."""
+    first ones; real tokens are the first cu_q_lens[-1] rows); history: [S, H] int32, in a speculative
+    multi-step call each drafting row's tokens (prompt + output) then -1, all -1 for the others (H = 0 for
+    other calls). Padding rows' outputs are never read, and the CPU kernels skip them."""
 
     token_ids: jax.Array
     positions: jax.Array
@@ -97,6 +104,7 @@ class StepInputs:
     logits_rows: jax.Array
     limits: jax.Array
     num_sampled: jax.Array
+    history: jax.Array
 
 
 def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
@@ -128,6 +136,18 @@ def _sample_step(logits: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
     return jax.tree.map(lambda x: x[None], sample(logits, sampling))
 
 
+def _while_any_runs(step: Callable, running: Callable) -> Callable:
+    """A multi-step call's scan body: `step(carry, k)` while `running(carry, k)` ([S] bool) has a row left, then
+    nothing (zeros out), so the steps a call has left once every sequence has ended cost nothing."""
+
+    def body(carry, k):
+        outs = jax.eval_shape(step, carry, k)[1]
+        skip = lambda carry: (carry, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), outs))
+        return jax.lax.cond(jnp.any(running(carry, k)), lambda carry: step(carry, k), skip, carry)
+
+    return body
+
+
 def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
                   num_steps: int, state: nnx.State, kv_cache: KVCache, inputs: StepInputs, sampling: SamplingBatch
                   ) -> tuple[SamplerOutput, KVCache]:
@@ -155,7 +175,90 @@ def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
         return (out.tokens, alive, kv_cache, sampling.advanced(out.tokens)), out
 
     init = (inputs.token_ids, inputs.limits > 0, flat_pool(kv_cache), sampling)
-    (_, _, kv_cache, _), outs = jax.lax.scan(decode, init, jnp.arange(num_steps))
+    body = _while_any_runs(decode, lambda carry, k: carry[1] & (k < inputs.limits))
+    (_, _, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
+    return outs, layered_pool(kv_cache, model.config.num_layers)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class VerifiedSteps:
+    """A speculative multi-step call's outputs. `sampled`: leaves [num_steps, S * (1 + k), ...], sequence s's
+    rows at each step s * (1 + k) + j; `num_emitted`: [num_steps, S] int32, how many of those rows (a prefix)
+    are its tokens; `num_verified`: [num_steps, S] int32, how many drafts it checked at that step."""
+
+    sampled: SamplerOutput
+    num_emitted: jax.Array
+    num_verified: jax.Array
+
+
+def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
+                  ngram: NgramConfig, num_steps: int, state: nnx.State, kv_cache: KVCache, inputs: StepInputs,
+                  sampling: SamplingBatch) -> tuple[VerifiedSteps, KVCache]:
+    """`num_steps` decode steps in which each drafting sequence also checks up to k drafts, proposed on the
+    device from its tokens at every step (`propose_on_device`; k = ngram.num_speculative_tokens).
+
+    `inputs` is a decode step's (one row per sequence: its last token, position, pages and token limit) with
+    `history`. At each step a sequence computes its last token and its drafts as one causal query run (the runs
+    packed, ragged, so the CPU kernels compute only real tokens), every position is sampled with the draft
+    after it to verify (`sample`), and the sequence keeps its accepted drafts and the token after them, up to a
+    stop id or its limit. Positions written for rejected drafts lie beyond what the sequence keeps, and are
+    overwritten later. The sampler's outputs are returned as `VerifiedSteps`.
+    """
+    model = nnx.merge(graphdef, state)
+    width = 1 + ngram.num_speculative_tokens
+    num_seqs = inputs.history.shape[0]
+    seqs = jnp.arange(num_seqs)
+    token_rows = jnp.arange(num_seqs * width)
+    offsets = jnp.arange(width)
+
+    def verify(carry, _):
+        last, emitted, history, alive, kv_cache, sampling = carry
+        drafts, num_drafts = propose_on_device(history, ngram)
+        room = jnp.minimum(num_drafts, inputs.limits - emitted - 1)
+        q_lens = jnp.where(alive, 1 + jnp.clip(room, 0, width - 1), 0)
+        cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+        owner = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token_rows, side="right"), num_seqs - 1)
+        offset = token_rows - cu_q_lens[owner]  # each token's place in its sequence's run
+        real = token_rows < cu_q_lens[-1]
+        start = inputs.positions + emitted  # where each sequence's last token goes
+        positions = jnp.where(real, start[owner] + offset, 0)
+        draft_at = lambda j: drafts[owner, jnp.clip(j, 0, width - 2)]
+        pages = inputs.page_table[owner, positions // page_size]
+        step_inputs = replace(
+            inputs, token_ids=jnp.where(offset == 0, last[owner], draft_at(offset - 1)), positions=positions,
+            slot_mapping=jnp.where(real, pages * page_size + positions % page_size, -1),
+            kv_lens=jnp.where(q_lens > 0, start + q_lens, 0), cu_q_lens=cu_q_lens, logits_rows=token_rows,
+            num_sampled=cu_q_lens[-1],
+        )
+        logits, kv_cache = _logits(model, backend, mesh, num_pages, width, kv_cache, step_inputs)
+        checks = real & (offset < q_lens[owner] - 1)
+        rows = replace(jax.tree.map(lambda x: x[owner], sampling), step=sampling.step[owner] + offset,
+                       draft=jnp.where(checks, draft_at(offset), -1))
+        out = sample(logits, rows)
+        # Per sequence, its run's rows [S, width]: keep the accepted drafts and the token after them.
+        grid = jax.tree.map(lambda x: x[jnp.minimum(cu_q_lens[:-1, None] + offsets, token_rows[-1])], out)
+        accepted = grid.accepted & (offsets < q_lens[:, None] - 1)
+        num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1)
+        stopping = sampling.stops(grid.tokens) & (offsets <= num_accepted[:, None])
+        stopped = alive & jnp.any(stopping, axis=1)
+        kept = jnp.where(alive, jnp.where(stopped, jnp.argmax(stopping, axis=1), num_accepted) + 1, 0)
+        last = jnp.where(kept > 0, grid.tokens[seqs, jnp.maximum(kept - 1, 0)], last)
+        # Drafting rows' histories grow by what they kept (the others stay empty: they never draft).
+        drafting = history[:, 0] >= 0
+        at = jnp.where(drafting[:, None] & (offsets < kept[:, None]), inputs.positions[:, None] + 1 + emitted[:, None]
+                       + offsets, history.shape[1])
+        history = history.at[seqs[:, None], at].set(grid.tokens, mode="drop")
+        emitted = emitted + kept
+        carry = (last, emitted, history, alive & ~stopped & (emitted < inputs.limits), kv_cache,
+                 sampling.advanced(last, kept))
+        flat = jax.tree.map(lambda x: x.reshape(num_seqs * width, *x.shape[2:]), grid)
+        return carry, VerifiedSteps(flat, kept, jnp.maximum(q_lens - 1, 0))
+
+    init = (inputs.token_ids, jnp.zeros(num_seqs, jnp.int32), inputs.history, inputs.limits > 0, flat_pool(kv_cache),
+            sampling)
+    body = _while_any_runs(verify, lambda carry, _: carry[3])
+    (*_, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
     return outs, layered_pool(kv_cache, model.config.num_layers)
 
 
@@ -172,27 +275,31 @@ class PendingStep:
     """A dispatched step whose sampled tokens are being copied to the host; chunk i's rows start at
     `first_rows[i]`."""
 
-    def __init__(self, out: SamplerOutput, first_rows: list[int]):
+    def __init__(self, out: SamplerOutput | VerifiedSteps, first_rows: list[int]):
         self._out = out
+        self._fetched: SamplerOutput | VerifiedSteps | None = None
         self.first_rows = first_rows
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
 
-    def fetch(self) -> SamplerOutput:
+    def fetch(self) -> SamplerOutput | VerifiedSteps:
         """Blocks until the step is done; numpy arrays."""
-        return jax.tree.map(np.asarray, self._out)
+        if self._fetched is None:
+            self._fetched = jax.tree.map(np.asarray, self._out)
+        return self._fetched
 
 
 class ModelRunner:
     """Owns the KV pool and the compiled step for one model."""
 
     def __init__(self, model: Llama, *, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, num_decode_steps: int = 1, num_speculative_tokens: int = 0,
+                 max_num_batched_tokens: int, num_decode_steps: int = 1, ngram: NgramConfig | None = None,
                  attention_backend: str = "auto", kv_dtype: jnp.dtype | None = None, mesh: Mesh | None = None):
         """`mesh`: tensor-parallel mesh the model's params are sharded on; the KV pool is then split over KV heads.
         `kv_dtype`: the pool's dtype (`kv_cache.kv_cache_dtype`); None: the model's activation dtype.
         `num_decode_steps` > 1 also compiles multi-step decode calls of that many steps;
-        `num_speculative_tokens` > 0 also compiles mixed steps that sample every draft position."""
+        `ngram` (speculative decoding) also compiles mixed steps that sample every draft position, and with
+        multi-step decode, multi-step calls that propose and check drafts on the device."""
         self.config = model.config
         self.mesh = mesh
         self.kv_sharding = (
@@ -210,9 +317,10 @@ class ModelRunner:
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
         self.token_buckets = pow2_buckets(PREFILL_PIECE, max_num_batched_tokens)
         # Verify steps of a few sequences are a few tokens each: their buckets start small.
-        self.spec_token_buckets = pow2_buckets(2, max_num_batched_tokens) if num_speculative_tokens else []
+        self.spec_token_buckets = pow2_buckets(2, max_num_batched_tokens) if ngram else []
         self.num_decode_steps = num_decode_steps
-        self.num_speculative_tokens = num_speculative_tokens
+        self.ngram = ngram
+        self.num_speculative_tokens = ngram.num_speculative_tokens if ngram else 0
         self._steps: dict[tuple[int, int], jax.stages.Wrapped] = {}
         # Logits and sampled tokens replicated on every device, so any process (process 0 in a multi-process job)
         # reads the tokens.
@@ -225,11 +333,20 @@ class ModelRunner:
     def buckets(self) -> list[Bucket]:
         decode_steps = sorted({1, self.num_decode_steps})
         return ([self._decode_bucket(s, k) for k in decode_steps for s in self.decode_buckets]
+                + [self._verify_bucket(s) for s in self.verify_buckets]
                 + [self._mixed_bucket(t, False) for t in self.token_buckets]
                 + [self._mixed_bucket(t, True) for t in self.spec_token_buckets])
 
+    @property
+    def verify_buckets(self) -> list[int]:
+        """Sequences per speculative multi-step call (none without both speculation and multi-step decode)."""
+        return self.decode_buckets if self.num_speculative_tokens and self.num_decode_steps > 1 else []
+
     def _decode_bucket(self, num_seqs: int, num_steps: int = 1) -> Bucket:
         return Bucket(num_seqs, num_seqs, num_seqs, 1, num_steps)
+
+    def _verify_bucket(self, num_seqs: int) -> Bucket:
+        return Bucket(num_seqs, num_seqs, num_seqs, 1 + self.num_speculative_tokens, self.num_decode_steps)
 
     def _mixed_bucket(self, num_tokens: int, speculative: bool) -> Bucket:
         # Each sequence adds at most one partial piece on top of num_tokens / PREFILL_PIECE full ones. A
@@ -238,8 +355,10 @@ class ModelRunner:
         rows = min(num_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens)) if speculative else seqs
         return Bucket(num_tokens, min(num_tokens, seqs + num_tokens // PREFILL_PIECE), rows, PREFILL_PIECE)
 
-    def bucket_for(self, chunks: list[ScheduledChunk], num_steps: int = 1) -> Bucket:
+    def bucket_for(self, chunks: list[ScheduledChunk], num_steps: int = 1, verifies: bool = False) -> Bucket:
         num_tokens = sum(c.num_tokens for c in chunks)
+        if verifies:
+            return self._verify_bucket(next(b for b in self.verify_buckets if b >= len(chunks)))
         if max(c.num_tokens for c in chunks) == 1:
             return self._decode_bucket(next(b for b in self.decode_buckets if b >= len(chunks)), num_steps)
         speculative = any(c.num_drafts for c in chunks)
@@ -256,13 +375,17 @@ class ModelRunner:
         if key not in self._steps:
             out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
             args = (self.graphdef, self.backend, self.mesh, self.num_pages)
-            fn = (partial(_forward, *args, bucket.max_q_len) if bucket.num_steps == 1
-                  else partial(_decode_steps, *args, self.page_size, bucket.num_steps))
+            if bucket.verifies:
+                fn = partial(_verify_steps, *args, self.page_size, self.ngram, bucket.num_steps)
+            elif bucket.num_steps > 1:
+                fn = partial(_decode_steps, *args, self.page_size, bucket.num_steps)
+            else:
+                fn = partial(_forward, *args, bucket.max_q_len)
             self._steps[key] = jax.jit(fn, donate_argnums=(1,), out_shardings=out_shardings)
         return self._steps[key]
 
     def _run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingBatch,
-             fill_masks: Callable[[np.ndarray], None] | None = None) -> SamplerOutput:
+             fill_masks: Callable[[np.ndarray], None] | None = None) -> SamplerOutput | VerifiedSteps:
         """Launches the step on host inputs (numpy) and replaces the pool; returns without waiting.
 
         `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
@@ -322,17 +445,21 @@ class ModelRunner:
                 times.append((rows, num_steps, seconds / num_steps))
         return times
 
-    def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None) -> PendingStep:
+    def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
+                 drafting: list[bool] | None = None) -> PendingStep:
         """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting.
 
-        `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i at most
-        limits[i] of them (its pages must hold them). Outputs have a leading [num_steps] axis either way.
-        Sequences with a grammar get their masks (one per sampled row, drafts included) while the model runs.
+        `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i emitting at
+        most limits[i] tokens (its pages must hold them). `drafting` (with limits): whether chunk i drafts in
+        that call, proposing and checking drafts on the device (`_verify_steps`: the result is `VerifiedSteps`).
+        Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
+        sampled row, drafts included) while the model runs.
         """
         num_steps = self.num_decode_steps if limits is not None else 1
-        bucket = self.bucket_for(chunks, num_steps)
-        inputs, sampling = self._pad(chunks, bucket, limits)
-        rows = first_rows(chunks)
+        verifies = drafting is not None and any(drafting)
+        bucket = self.bucket_for(chunks, num_steps, verifies)
+        inputs, sampling = self._pad(chunks, bucket, limits, drafting)
+        rows = [i * bucket.max_q_len for i in range(len(chunks))] if verifies else first_rows(chunks)
         constrained = [(c.seq.grammar, row, c.seq.drafts[:c.num_drafts])
                        for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
         if step_broadcast.is_multiprocess():
@@ -366,9 +493,13 @@ class ModelRunner:
         if step_broadcast.is_multiprocess() and step_broadcast.is_leader():
             step_broadcast.send_stop()
 
-    def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket, limits: list[int] | None
-             ) -> tuple[StepInputs, SamplingBatch]:
+    def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket, limits: list[int] | None,
+             drafting: list[bool] | None = None) -> tuple[StepInputs, SamplingBatch]:
         t, a, num_rows = bucket.num_tokens, bucket.num_attn_seqs, bucket.num_rows
+        histories = np.full((num_rows, self.max_model_len if bucket.verifies else 0), -1, np.int32)
+        for i, (chunk, drafts) in enumerate(zip(chunks, drafting or [])):
+            if drafts:
+                histories[i, :chunk.seq.num_tokens] = chunk.seq.token_ids
         token_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         slot_mapping = np.full(t, -1, np.int32)
@@ -406,5 +537,5 @@ class ModelRunner:
         cu_q_lens[piece + 1:] = offset
         sampling = pack_sampling_batch(sampled, num_rows, self.max_model_len, MAX_STOP_IDS)
         inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits,
-                            np.array(len(sampled), np.int32))
+                            np.array(len(sampled), np.int32), histories)
         return inputs, sampling

@@ -114,16 +114,21 @@ class SamplingBatch:
     draft: jax.Array
 
     def stops(self, tokens: jax.Array) -> jax.Array:
-        """tokens: [S] int32 sampled at `step` -> [S] bool, whether each ends its row (a stop id, min_tokens met)."""
-        return jnp.any(tokens[:, None] == self.stop_ids, axis=-1) & (self.step >= self.min_tokens)
+        """tokens: [S] int32 sampled at `step`, or [S, W] sampled at steps `step` to `step + W - 1` -> bool of
+        the same shape, whether each ends its row (a stop id, min_tokens met)."""
+        run = tokens.reshape(tokens.shape[0], -1)
+        steps = self.step[:, None] + jnp.arange(run.shape[1])
+        hits = jnp.any(run[:, :, None] == self.stop_ids[:, None, :], axis=-1) & (steps >= self.min_tokens[:, None])
+        return hits.reshape(tokens.shape)
 
-    def advanced(self, tokens: jax.Array) -> SamplingBatch:
-        """The batch for the next token of every row, `tokens` appended to the histories."""
+    def advanced(self, tokens: jax.Array, counts: jax.Array | int = 1) -> SamplingBatch:
+        """The batch `counts` tokens later for every row (0 or 1 for rows whose penalties read their history),
+        `tokens` (each row's last one) appended to the histories that are kept."""
         rows = jnp.arange(tokens.shape[0])
         index = self.num_prompt + self.step  # where the row's next output token goes in its history
-        reads = self.history[:, 0] >= 0  # histories are filled only for rows whose penalties read them
+        reads = (self.history[:, 0] >= 0) & (counts > 0)  # histories are filled only for rows whose penalties read them
         history = self.history.at[rows, jnp.where(reads, index, self.history.shape[1])].set(tokens, mode="drop")
-        return replace(self, step=self.step + 1, history=history)
+        return replace(self, step=self.step + counts, history=history)
 
 
 @jax.tree_util.register_dataclass

@@ -36,7 +36,8 @@ class Sequence:
     it must follow. `arrival` orders first-come-first-served scheduling; `queued_at` is when it last entered the
     waiting queue (`time.perf_counter()`). With speculative decoding, `proposer` drafts from the sequence's own
     tokens, `drafts` are this step's drafts, `shadow_draft` the first token it would have drafted when it drafts
-    none, and `acceptance` the recent rate at which its drafts are (or would be) accepted.
+    none, and `acceptance` the recent rate at which its drafts are (or would be) accepted (None before any
+    evidence: the speculator then assumes the rate of the server's recent drafts).
     """
 
     seq_id: int
@@ -60,7 +61,7 @@ class Sequence:
     proposer: NgramProposer | None = None
     drafts: list[int] = field(default_factory=list)
     shadow_draft: int | None = None
-    acceptance: float = 0.25
+    acceptance: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

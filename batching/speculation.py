@@ -5,16 +5,20 @@ Drafts pay when verifying them costs less than the tokens they save. A step's ti
 decode and verify steps and seeded at start-up by timing a 1-row and a full decode step. A step of S decoding
 sequences yields S tokens. Giving a sequence k drafts adds k tokens to the step (and maybe a larger bucket) and
 `E` expected tokens, where `E = alpha (1 - alpha^k) / (1 - alpha)` for its recent per-draft acceptance `alpha`
-(an exponential average, so a sequence whose drafts stop matching stops drafting). A sequence left without
+(an exponential average, so a sequence whose drafts stop matching stops drafting; a new sequence starts
+from the server's recent rate). A sequence left without
 drafts still has its first proposed token compared with the token it then samples, so `alpha` keeps following
 what drafts would do and a sequence that starts copying starts drafting. Sequences are ranked by E per
 draft, and the step drafts for the best prefix of that ranking by expected tokens per second, none at all when
 that is best. A large batch, whose step is already compute-bound (large `b*S` next to `a`), therefore drafts
 little or nothing; one stream with good drafts drafts.
 
-Drafting also costs the alternative it displaces: a step with drafts is a single step, while a batch without
-them may run several decode steps in one call (multi-step decode), whose steps cost less each (a smaller `a`).
-When the step could be such a call, drafts are weighed against the multi-step steps' own fitted cost.
+When every running sequence decodes and none waits, the engine runs multi-step decode calls, and drafts ride
+inside them (`propose_for_call` picks the sequences): at every step of the call the device proposes up to k
+drafts for each drafting sequence from its tokens so far and checks them, so one call verifies several runs
+without the host in between. The same rule applies there with the steps of such calls' own fitted cost
+(`multi_step_cost`: their steps cost less each, a smaller `a`), their tokens being the call's rows plus the
+drafts a step checks.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from batching.ngram import NgramConfig
 from batching.sequence import Sequence
 
 ACCEPTANCE_SMOOTHING = 0.3
+PRIOR_SMOOTHING = 0.05  # the server-wide rate a new sequence starts from follows many verifications
 COST_DECAY = 0.98  # weight of older step times in the cost fit
 
 
@@ -75,7 +80,8 @@ class StepCostModel:
 
 @dataclass
 class Speculator:
-    """`cost`: single decode and verify steps; `multi_step_cost`: one step inside a multi-step decode call."""
+    """`cost`: single decode and verify steps; `multi_step_cost`: one step inside a multi-step decode call (with
+    or without drafts)."""
 
     config: NgramConfig
     cost: StepCostModel = field(default_factory=StepCostModel)
@@ -84,45 +90,76 @@ class Speculator:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    prior_acceptance: float = 0.25
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.config.num_speculative_tokens
 
-    def propose(self, running: list[Sequence], max_model_len: int, padded: Callable[[int, bool], int],
-                multi_step: bool = False) -> None:
-        """Sets `seq.drafts` for this step on the decoding sequences (one token left to compute) worth it, and
-        clears it on every other running sequence (a draft of an earlier step is stale once a sequence has more
-        to compute: after a preemption, or tokens its grammar forced).
+    def propose(self, running: list[Sequence], max_model_len: int, padded: Callable[[int, bool], int]) -> None:
+        """Sets `seq.drafts` for this (single) step on the decoding sequences (one token left to compute) worth
+        it, and clears it on every other running sequence (a draft of an earlier step is stale once a sequence
+        has more to compute: after a preemption, or tokens its grammar forced).
 
         `padded(tokens, with_drafts)`: the tokens the step's compiled bucket computes for that many tokens.
-        `multi_step`: without drafts, this step would be a multi-step decode call.
         """
-        a, b = self.cost.coefficients()
-        plain_a, plain_b = self.multi_step_cost.coefficients() if multi_step and self.multi_step_cost.weight else (a, b)
-        for seq in running:
-            seq.drafts = []
+        self.clear(running)
         decoding = [seq for seq in running if seq.num_uncomputed_tokens == 1]
-        candidates = []
+        proposals = {}
         for seq in decoding:
-            room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
+            room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens,
+                       self.config.num_speculative_tokens + 1) - 1
             drafts = seq.proposer.propose(room) if seq.proposer is not None else []
             if seq.grammar is not None:
                 drafts = seq.grammar.valid_prefix(drafts)  # a draft its grammar forbids would be rejected
             if drafts:
-                candidates.append((expected_accepted(seq.acceptance, len(drafts)), seq, drafts))
-        candidates.sort(key=lambda c: -c[0] / len(c[2]))
-        best, best_rate = 0, len(decoding) / (plain_a + plain_b * padded(len(decoding), False))
-        tokens, expected = len(decoding), float(len(decoding))
-        for count, (gain, _, drafts) in enumerate(candidates, 1):
-            tokens += len(drafts)
-            expected += gain
-            rate = expected / (a + b * padded(tokens, True))
+                proposals[seq] = drafts
+        chosen = self._choose([(seq, len(d)) for seq, d in proposals.items()], len(decoding), self.cost,
+                              padded(len(decoding), False), lambda drafts: padded(len(decoding) + drafts, True))
+        for seq, drafts in proposals.items():
+            if seq in chosen:
+                seq.drafts = drafts
+            else:
+                seq.shadow_draft = drafts[0]
+
+    def propose_for_call(self, seqs: list[Sequence], padded: Callable[[int, bool], int]) -> list[bool]:
+        """Which sequences of a multi-step decode call draft in it (up to k drafts a step, proposed on the device
+        from their tokens). Sequences whose penalties read their history never do: their drafts would need it."""
+        rows = padded(len(seqs), False)
+        candidates = [(seq, self.config.num_speculative_tokens) for seq in seqs
+                      if seq.proposer is not None and not seq.sampling.reads_history]
+        chosen = self._choose(candidates, len(seqs), self.multi_step_cost, rows, lambda drafts: rows + drafts)
+        for seq, _ in candidates:
+            if seq not in chosen and (drafts := seq.proposer.propose(1)):
+                seq.shadow_draft = drafts[0]
+        return [seq in chosen for seq in seqs]
+
+    @staticmethod
+    def clear(running: list[Sequence]) -> None:
+        for seq in running:
+            seq.drafts = []
+
+    def acceptance(self, seq: Sequence) -> float:
+        """The sequence's recent per-draft acceptance; before any evidence, that of the server's recent drafts."""
+        return self.prior_acceptance if seq.acceptance is None else seq.acceptance
+
+    def _choose(self, candidates: list[tuple[Sequence, int]], num_decoding: int, cost: StepCostModel,
+                plain_tokens: int, tokens_with: Callable[[int], int]) -> set[Sequence]:
+        """Of the candidates (a sequence, and the drafts a step would check for it), those to draft for: the best
+        prefix, by expected tokens per second of a step, of their ranking by expected accepted tokens per draft.
+        A step of the `num_decoding` sequences computes `plain_tokens` tokens without drafts and `tokens_with(d)`
+        with d drafts."""
+        a, b = cost.coefficients()
+        gain = lambda seq, num_drafts: expected_accepted(self.acceptance(seq), num_drafts)
+        ranked = sorted(candidates, key=lambda c: -gain(*c) / c[1])
+        best, best_rate = 0, num_decoding / (a + b * plain_tokens)
+        checked, expected = 0, float(num_decoding)
+        for count, (seq, num_drafts) in enumerate(ranked, 1):
+            checked += num_drafts
+            expected += gain(seq, num_drafts)
+            rate = expected / (a + b * tokens_with(checked))
             if rate > best_rate:
                 best, best_rate = count, rate
-        for _, seq, drafts in candidates[:best]:
-            seq.drafts = drafts
-        for _, seq, drafts in candidates[best:]:
-            seq.shadow_draft = drafts[0]
+        return {seq for seq, _ in ranked[:best]}
 
     def check_shadow(self, seq: Sequence, token: int) -> None:
         """The token a sequence sampled without drafts: was it the draft it would have verified first?"""
@@ -142,10 +179,10 @@ class Speculator:
         # Drafts are verified in order until the first rejection: those reached estimate the per-draft rate.
         reached = num_accepted + (num_accepted < num_drafts)
         self._update_acceptance(seq, num_accepted / reached)
+        self.prior_acceptance += PRIOR_SMOOTHING * (num_accepted / reached - self.prior_acceptance)
 
-    @staticmethod
-    def _update_acceptance(seq: Sequence, rate: float) -> None:
-        seq.acceptance = (1 - ACCEPTANCE_SMOOTHING) * seq.acceptance + ACCEPTANCE_SMOOTHING * rate
+    def _update_acceptance(self, seq: Sequence, rate: float) -> None:
+        seq.acceptance = (1 - ACCEPTANCE_SMOOTHING) * self.acceptance(seq) + ACCEPTANCE_SMOOTHING * rate
 
     def counters(self) -> SpecCounters:
         return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,

@@ -16,7 +16,7 @@ from flax import nnx
 
 from batching.config import EngineConfig
 from batching.engine import Engine
-from batching.ngram import NgramConfig, NgramProposer
+from batching.ngram import NgramConfig, NgramProposer, propose_on_device
 from batching.sampler import SamplingInputs, SamplingRow, pack_sampling_batch, sample
 from batching.sampling_params import SamplingParams
 from batching.speculation import StepCostModel, expected_accepted
@@ -38,11 +38,14 @@ def tiny(smollm2) -> LoadedModel:
 
 
 def free_verification(engine: Engine) -> Engine:
-    """Makes every draft worth verifying (as on a machine where extra tokens in a step cost nothing): two
-    measurements heavy enough that the tiny model's own step times never outweigh them."""
-    engine.speculator.cost = StepCostModel()
-    engine.speculator.cost.observe(1, 1.0, weight=1e9)
-    engine.speculator.cost.observe(1000, 1.0, weight=1e9)
+    """Makes every draft worth verifying (as on a machine where extra tokens in a step cost nothing), in single
+    steps and in multi-step calls: two measurements heavy enough that the tiny model's own step times never
+    outweigh them."""
+    for name in ("cost", "multi_step_cost"):
+        cost = StepCostModel()
+        cost.observe(1, 1.0, weight=1e9)
+        cost.observe(1000, 1.0, weight=1e9)
+        setattr(engine.speculator, name, cost)
     return engine
 
 
@@ -51,19 +54,37 @@ def plain(tiny) -> Engine:
     return Engine(tiny, CONFIG, progress=False)
 
 
-@pytest.fixture(scope="module")
-def speculative(tiny) -> Engine:
-    return free_verification(Engine(tiny, replace(CONFIG, speculative="ngram", num_speculative_tokens=4),
-                                    progress=False))
+@pytest.fixture(scope="module", params=[1, 4], ids=["verify-steps", "drafts-in-multi-step-calls"])
+def speculative(tiny, request) -> Engine:
+    """Drafts verified in single steps, or (4 decode steps per call) checked 4 per step inside multi-step calls
+    whenever every running sequence decodes."""
+    config = replace(CONFIG, speculative="ngram", num_speculative_tokens=4, num_decode_steps=request.param)
+    return free_verification(Engine(tiny, config, progress=False))
 
 
 def test_proposer_continues_the_longest_suffix_seen_before():
     proposer = NgramProposer(NgramConfig(num_speculative_tokens=3, min_n=1, max_n=3))
     proposer.extend([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
-    assert proposer.propose(10) == [4, 9, 2]  # "1 2 3" matched before "4 9 2"; not the later "2 3 5"
-    assert proposer.propose(2) == [4, 9]
+    assert proposer.propose(3) == [4, 9, 2]  # "1 2 3" matched before "4 9 2"; not the later "2 3 5"
+    assert proposer.propose(10) == [4, 9, 2, 3, 5, 1, 2, 3]  # as far as the tokens go
     proposer.extend([8])
     assert proposer.propose(10) == []  # "8" never occurred before
+
+
+@pytest.mark.parametrize("config", [NgramConfig(4, 1, 4), NgramConfig(3, 2, 3)])
+def test_the_device_proposes_what_the_host_proposer_does(config):
+    rng = np.random.default_rng(0)
+    histories = np.full((300, 48), -1, np.int32)
+    want = []
+    for row in histories:
+        tokens = rng.integers(0, 5, rng.integers(1, 40)).tolist()  # few distinct tokens: many matches
+        row[:len(tokens)] = tokens
+        proposer = NgramProposer(config)
+        proposer.extend(tokens)
+        want.append(proposer.propose(config.num_speculative_tokens))
+    drafts, num_drafts = jax.jit(propose_on_device, static_argnums=1)(jnp.asarray(histories), config)
+    assert [row[:n] for row, n in zip(np.asarray(drafts).tolist(), np.asarray(num_drafts))] == want
+    assert sum(map(len, want)) > 300
 
 
 def test_greedy_output_and_logprobs_are_identical_with_and_without_drafts(plain, speculative):
@@ -176,14 +197,27 @@ def test_a_costly_step_turns_drafts_off(tiny):
     assert engine.speculator.counters().num_drafts == 0 and all(len(o[0].token_ids) == 12 for o in outs)
 
 
-def test_drafts_give_way_to_a_cheaper_multi_step_call(tiny):
+def test_a_costly_multi_step_call_checks_no_drafts(tiny):
     engine = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4, warmup=False),
                                       progress=False))
-    engine.speculator.multi_step_cost.observe(1, 0.01, weight=1e9)
-    engine.speculator.multi_step_cost.observe(1000, 0.01, weight=1e9)  # a step in a multi-step call: 100x cheaper
+    engine.speculator.multi_step_cost = StepCostModel()
+    engine.speculator.multi_step_cost.observe(1, 0.01)
+    engine.speculator.multi_step_cost.observe(64, 1.0)  # compute-bound: every token costs as much as a step of one
     outs = engine.generate([PROMPTS[0]], replace(GREEDY, max_tokens=12))
     assert len(outs[0][0].token_ids) == 12 and engine.speculator.counters().num_drafts == 0
     assert engine.stats.num_steps < 12  # the tokens came 4 per call
+
+
+def test_drafts_checked_inside_multi_step_calls_save_calls(tiny, plain):
+    """One repeating sequence: the same tokens as without drafts, in fewer calls than 4 tokens per call."""
+    engine = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4), progress=False))
+    params = replace(GREEDY, max_tokens=40)
+    want = plain.generate([PROMPTS[2]], params)[0][0]
+    have = engine.generate([PROMPTS[2]], params)[0][0]
+    assert (have.token_ids, have.finish_reason) == (want.token_ids, want.finish_reason)
+    # Without drafts: a prefill step, then 39 tokens 4 per call.
+    assert engine.speculator.counters().num_accepted_tokens > 10 and engine.stats.num_steps < 1 + 39 / 4
+    assert engine.stats.kv_pages_used == 0
 
 
 COPY_TEXT = (
