@@ -37,7 +37,7 @@ from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from batching.sequence import Sequence, SequenceStatus
 from batching.roofline import StepCost, kv_bytes_per_token
-from batching.speculation import Speculator
+from batching.speculation import CallDrafts, Speculator
 from batching.stats import EngineStats, StepStats, StepTotals
 from batching.structured import GrammarCompiler
 from model.config import ModelConfig
@@ -285,7 +285,7 @@ class Engine:
         self._flush()
         arrived = dispatched
         if pending is not None:
-            arrived = self._append_tokens(chunks, pending)
+            arrived = self._append_tokens(chunks, pending, drafting)
             self._flush()  # failures found while fetching
         self._num_steps += 1
         end = time.perf_counter()
@@ -356,9 +356,9 @@ class Engine:
         return (self.config.num_decode_steps > 1 and not self.scheduler.waiting and self._inbox.empty()
                 and all(seq.num_uncomputed_tokens == 1 and seq.grammar is None for seq in seqs))
 
-    def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, list[bool] | None]:
-        """(tokens each sequence may emit, whether each drafts) for a multi-step call, or (None, None) for a
-        single step; drafting None when no sequence drafts.
+    def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, CallDrafts | None]:
+        """(tokens each sequence may emit, which draft) for a multi-step call, or (None, None) for a single step;
+        drafting None when no sequence drafts.
 
         Only when the scheduled sequences may share one (`_may_run_multi_step`) and each decodes one token, each
         limited to a token per step (1 + k with drafts), its max_tokens and the context, and only if the pool
@@ -368,16 +368,16 @@ class Engine:
         seqs = [c.seq for c in chunks]
         if not chunks or not self._may_run_multi_step(seqs) or any(c.num_tokens != 1 or not c.sample for c in chunks):
             return None, None
-        drafting = ([False] * len(seqs) if self.speculator is None
-                    else self.speculator.propose_for_call(seqs, self._padded_tokens))
-        per_step = [1 + self.runner.num_speculative_tokens if d else 1 for d in drafting]
+        drafting = None if self.speculator is None else self.speculator.propose_for_call(seqs, self._padded_tokens)
+        per_step = [1] * len(seqs) if drafting is None else [
+            1 if acceptance is None else 1 + self.runner.num_speculative_tokens for acceptance in drafting.acceptance]
         limits = [min(steps * n, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
                   for seq, n in zip(seqs, per_step)]
         if not self.scheduler.reserve_lookahead(chunks, limits):
             return None, None
-        return limits, drafting if any(drafting) else None
+        return limits, drafting
 
-    def _dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: list[bool] | None
+    def _dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: CallDrafts | None
                   ) -> PendingStep | None:
         try:
             return self.runner.dispatch(chunks, limits, drafting)
@@ -385,10 +385,11 @@ class Engine:
             self._fail_step(chunks, error)
             return None
 
-    def _append_tokens(self, chunks: list[ScheduledChunk], pending: PendingStep) -> float:
+    def _append_tokens(self, chunks: list[ScheduledChunk], pending: PendingStep, drafting: CallDrafts | None
+                       ) -> float:
         """Appends each sampled chunk's tokens, step by step until its sequence ends, then marks what the
-        device computed (a chunk's tokens, and every token a multi-step call fed back). Returns when the
-        sampled tokens arrived (`time.perf_counter()`)."""
+        device computed (a chunk's tokens, and every token a multi-step call fed back). `drafting`: who drafted
+        in a speculative multi-step call. Returns when the sampled tokens arrived (`time.perf_counter()`)."""
         try:
             result = pending.fetch()
         except Exception as error:  # noqa: BLE001
@@ -399,7 +400,8 @@ class Engine:
         for index, (chunk, first_row) in enumerate(zip(chunks, pending.first_rows)):
             appended = accepted = 0
             if chunk.sample and isinstance(result, VerifiedSteps):
-                appended = self._append_verified(chunk.seq, result, index, first_row)
+                appended = self._append_verified(chunk.seq, result, index, first_row,
+                                                 drafting is not None and drafting.acceptance[index] is not None)
             elif chunk.sample:
                 for step, row in self._sampled_positions(chunk, first_row, result.tokens.shape[0]):
                     if chunk.seq.status is not SequenceStatus.RUNNING:
@@ -421,12 +423,15 @@ class Engine:
         self.scheduler.update_after_step(chunks, num_computed)
         return arrived
 
-    def _append_verified(self, seq: Sequence, result: VerifiedSteps, index: int, first_row: int) -> int:
+    def _append_verified(self, seq: Sequence, result: VerifiedSteps, index: int, first_row: int, drafts: bool
+                         ) -> int:
         """Appends what a speculative multi-step call kept for `seq` (chunk `index`), step by step until the
-        sequence ends, and records each step's verification; returns how many tokens it appended."""
+        sequence ends, and records each step's verification; returns how many tokens it appended. `drafts`:
+        whether the sequence drafted in the call (else its first token is checked against its shadow draft)."""
         appended = 0
         for step in range(result.num_emitted.shape[0]):
-            for row in range(first_row, first_row + int(result.num_emitted[step, index])):
+            kept = int(result.num_emitted[step, index])
+            for row in range(first_row, first_row + kept):
                 if seq.status is not SequenceStatus.RUNNING:
                     return appended
                 self._isolated(seq.request_id, self._append_token, seq, result.sampled, step, row)
@@ -434,6 +439,10 @@ class Engine:
             if checked := int(result.num_verified[step, index]):
                 accepted = result.sampled.accepted[step, first_row:first_row + checked]
                 self.speculator.record(seq, checked, int(np.cumprod(accepted).sum()))
+            if drafts and kept:
+                self.speculator.adopt_acceptance(seq, float(result.acceptance[step, index]))
+            elif appended and step == 0:
+                self.speculator.check_shadow(seq, seq.token_ids[-appended])
         return appended
 
     @staticmethod

@@ -39,6 +39,7 @@ from batching.request import MAX_STOP_IDS
 from batching.sampler import (SamplerOutput, SamplingBatch, SamplingInputs, bitmask_words, mask_disallowed,
                               pack_sampling_batch, sample)
 from batching.scheduler import ScheduledChunk
+from batching.speculation import ACCEPTANCE_SMOOTHING, CallDrafts
 from batching.structured import fill_bitmask
 from model.llama import KVCache, Llama, empty_kv_cache
 from model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
@@ -86,14 +87,28 @@ class Bucket:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
+class DraftState:
+    """Drafting in a speculative multi-step call. history: [S, H] int32, each drafting row's tokens (prompt +
+    output) then -1, all -1 for a row that does not draft; acceptance: [S] float32, each row's recent per-draft
+    acceptance, updated at every step of the call as the speculator does between steps; min_acceptance: []
+    float32, below which a row checks no drafts at a step (it still compares its first draft with the token it
+    samples, so its acceptance follows what drafts would do)."""
+
+    history: jax.Array
+    acceptance: jax.Array
+    min_acceptance: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
 class StepInputs:
     """token_ids, positions, slot_mapping: [T] int32 (slot -1 = padding); kv_lens: [S] int32;
     page_table: [S, max_pages] int32; cu_q_lens: [S + 1] int32; logits_rows: [S] int32, each
     sequence's last token row (the one it samples from); limits: [S] int32, decode steps each row may run
     in a multi-step call (0 for padding); num_sampled: [] int32, the rows of logits_rows that are sampled (the
-    first ones; real tokens are the first cu_q_lens[-1] rows); history: [S, H] int32, in a speculative
-    multi-step call each drafting row's tokens (prompt + output) then -1, all -1 for the others (H = 0 for
-    other calls). Padding rows' outputs are never read, and the CPU kernels skip them."""
+    first ones; real tokens are the first cu_q_lens[-1] rows); drafting: a speculative multi-step call's
+    `DraftState` (no columns of history for other calls). Padding rows' outputs are never read, and the CPU
+    kernels skip them."""
 
     token_ids: jax.Array
     positions: jax.Array
@@ -104,7 +119,7 @@ class StepInputs:
     logits_rows: jax.Array
     limits: jax.Array
     num_sampled: jax.Array
-    history: jax.Array
+    drafting: DraftState
 
 
 def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
@@ -185,11 +200,13 @@ def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
 class VerifiedSteps:
     """A speculative multi-step call's outputs. `sampled`: leaves [num_steps, S * (1 + k), ...], sequence s's
     rows at each step s * (1 + k) + j; `num_emitted`: [num_steps, S] int32, how many of those rows (a prefix)
-    are its tokens; `num_verified`: [num_steps, S] int32, how many drafts it checked at that step."""
+    are its tokens; `num_verified`: [num_steps, S] int32, how many drafts it checked at that step;
+    `acceptance`: [num_steps, S] float32, its acceptance after that step."""
 
     sampled: SamplerOutput
     num_emitted: jax.Array
     num_verified: jax.Array
+    acceptance: jax.Array
 
 
 def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
@@ -199,7 +216,7 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     device from its tokens at every step (`propose_on_device`; k = ngram.num_speculative_tokens).
 
     `inputs` is a decode step's (one row per sequence: its last token, position, pages and token limit) with
-    `history`. At each step a sequence computes its last token and its drafts as one causal query run (the runs
+    `drafting`. At each step a sequence computes its last token and its drafts as one causal query run (the runs
     packed, ragged, so the CPU kernels compute only real tokens), every position is sampled with the draft
     after it to verify (`sample`), and the sequence keeps its accepted drafts and the token after them, up to a
     stop id or its limit. Positions written for rejected drafts lie beyond what the sequence keeps, and are
@@ -207,15 +224,17 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     """
     model = nnx.merge(graphdef, state)
     width = 1 + ngram.num_speculative_tokens
-    num_seqs = inputs.history.shape[0]
+    num_seqs = inputs.token_ids.shape[0]
+    may_draft = inputs.drafting.history[:, 0] >= 0
     seqs = jnp.arange(num_seqs)
     token_rows = jnp.arange(num_seqs * width)
     offsets = jnp.arange(width)
 
     def verify(carry, _):
-        last, emitted, history, alive, kv_cache, sampling = carry
+        last, emitted, history, acceptance, alive, kv_cache, sampling = carry
         drafts, num_drafts = propose_on_device(history, ngram)
-        room = jnp.minimum(num_drafts, inputs.limits - emitted - 1)
+        checks_drafts = may_draft & (acceptance >= inputs.drafting.min_acceptance)
+        room = jnp.where(checks_drafts, jnp.minimum(num_drafts, inputs.limits - emitted - 1), 0)
         q_lens = jnp.where(alive, 1 + jnp.clip(room, 0, width - 1), 0)
         cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
         owner = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token_rows, side="right"), num_seqs - 1)
@@ -244,20 +263,27 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
         stopped = alive & jnp.any(stopping, axis=1)
         kept = jnp.where(alive, jnp.where(stopped, jnp.argmax(stopping, axis=1), num_accepted) + 1, 0)
         last = jnp.where(kept > 0, grid.tokens[seqs, jnp.maximum(kept - 1, 0)], last)
+        # Acceptance as `Speculator` keeps it: drafts verified until the first rejection, or the first proposed
+        # draft against the sampled token.
+        checked = jnp.maximum(q_lens - 1, 0)
+        reached = num_accepted + (num_accepted < checked)
+        shadow = alive & may_draft & (checked == 0) & (num_drafts > 0)
+        rate = jnp.where(checked > 0, num_accepted / jnp.maximum(reached, 1), drafts[:, 0] == grid.tokens[:, 0])
+        acceptance = jnp.where((checked > 0) | shadow, acceptance + ACCEPTANCE_SMOOTHING * (rate - acceptance),
+                               acceptance)
         # Drafting rows' histories grow by what they kept (the others stay empty: they never draft).
-        drafting = history[:, 0] >= 0
-        at = jnp.where(drafting[:, None] & (offsets < kept[:, None]), inputs.positions[:, None] + 1 + emitted[:, None]
-                       + offsets, history.shape[1])
+        at = jnp.where(may_draft[:, None] & (offsets < kept[:, None]),
+                       inputs.positions[:, None] + 1 + emitted[:, None] + offsets, history.shape[1])
         history = history.at[seqs[:, None], at].set(grid.tokens, mode="drop")
         emitted = emitted + kept
-        carry = (last, emitted, history, alive & ~stopped & (emitted < inputs.limits), kv_cache,
+        carry = (last, emitted, history, acceptance, alive & ~stopped & (emitted < inputs.limits), kv_cache,
                  sampling.advanced(last, kept))
         flat = jax.tree.map(lambda x: x.reshape(num_seqs * width, *x.shape[2:]), grid)
-        return carry, VerifiedSteps(flat, kept, jnp.maximum(q_lens - 1, 0))
+        return carry, VerifiedSteps(flat, kept, checked, acceptance)
 
-    init = (inputs.token_ids, jnp.zeros(num_seqs, jnp.int32), inputs.history, inputs.limits > 0, flat_pool(kv_cache),
-            sampling)
-    body = _while_any_runs(verify, lambda carry, _: carry[3])
+    init = (inputs.token_ids, jnp.zeros(num_seqs, jnp.int32), inputs.drafting.history, inputs.drafting.acceptance,
+            inputs.limits > 0, flat_pool(kv_cache), sampling)
+    body = _while_any_runs(verify, lambda carry, _: carry[4])
     (*_, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
     return outs, layered_pool(kv_cache, model.config.num_layers)
 
@@ -446,17 +472,17 @@ class ModelRunner:
         return times
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
-                 drafting: list[bool] | None = None) -> PendingStep:
+                 drafting: CallDrafts | None = None) -> PendingStep:
         """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting.
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i emitting at
-        most limits[i] tokens (its pages must hold them). `drafting` (with limits): whether chunk i drafts in
-        that call, proposing and checking drafts on the device (`_verify_steps`: the result is `VerifiedSteps`).
+        most limits[i] tokens (its pages must hold them). `drafting` (with limits): which chunks draft in that
+        call, proposing and checking drafts on the device (`_verify_steps`: the result is `VerifiedSteps`).
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
         sampled row, drafts included) while the model runs.
         """
         num_steps = self.num_decode_steps if limits is not None else 1
-        verifies = drafting is not None and any(drafting)
+        verifies = drafting is not None
         bucket = self.bucket_for(chunks, num_steps, verifies)
         inputs, sampling = self._pad(chunks, bucket, limits, drafting)
         rows = [i * bucket.max_q_len for i in range(len(chunks))] if verifies else first_rows(chunks)
@@ -494,12 +520,16 @@ class ModelRunner:
             step_broadcast.send_stop()
 
     def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket, limits: list[int] | None,
-             drafting: list[bool] | None = None) -> tuple[StepInputs, SamplingBatch]:
+             drafting: CallDrafts | None = None) -> tuple[StepInputs, SamplingBatch]:
         t, a, num_rows = bucket.num_tokens, bucket.num_attn_seqs, bucket.num_rows
-        histories = np.full((num_rows, self.max_model_len if bucket.verifies else 0), -1, np.int32)
-        for i, (chunk, drafts) in enumerate(zip(chunks, drafting or [])):
-            if drafts:
-                histories[i, :chunk.seq.num_tokens] = chunk.seq.token_ids
+        draft_state = DraftState(np.full((num_rows, self.max_model_len if bucket.verifies else 0), -1, np.int32),
+                                 np.zeros(num_rows, np.float32), np.array(1.0, np.float32))
+        if drafting is not None:
+            draft_state = replace(draft_state, min_acceptance=np.array(drafting.min_acceptance, np.float32))
+            for i, (chunk, acceptance) in enumerate(zip(chunks, drafting.acceptance)):
+                if acceptance is not None:
+                    draft_state.history[i, :chunk.seq.num_tokens] = chunk.seq.token_ids
+                    draft_state.acceptance[i] = acceptance
         token_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         slot_mapping = np.full(t, -1, np.int32)
@@ -537,5 +567,5 @@ class ModelRunner:
         cu_q_lens[piece + 1:] = offset
         sampling = pack_sampling_batch(sampled, num_rows, self.max_model_len, MAX_STOP_IDS)
         inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits,
-                            np.array(len(sampled), np.int32), histories)
+                            np.array(len(sampled), np.int32), draft_state)
         return inputs, sampling

@@ -45,6 +45,15 @@ class SpecCounters:
     accepted_per_position: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class CallDrafts:
+    """Drafting in a multi-step decode call: each sequence's acceptance going in (None: it does not draft), and
+    the acceptance below which a sequence checks no drafts at a step of the call (where drafting stops paying)."""
+
+    acceptance: list[float | None]
+    min_acceptance: float
+
+
 def expected_accepted(alpha: float, k: int) -> float:
     """Expected accepted drafts out of k when each is accepted with probability alpha (until the first miss)."""
     return k if alpha >= 1.0 else alpha * (1 - alpha**k) / (1 - alpha)
@@ -121,17 +130,31 @@ class Speculator:
             else:
                 seq.shadow_draft = drafts[0]
 
-    def propose_for_call(self, seqs: list[Sequence], padded: Callable[[int, bool], int]) -> list[bool]:
+    def propose_for_call(self, seqs: list[Sequence], padded: Callable[[int, bool], int]) -> CallDrafts | None:
         """Which sequences of a multi-step decode call draft in it (up to k drafts a step, proposed on the device
-        from their tokens). Sequences whose penalties read their history never do: their drafts would need it."""
+        from their tokens), None if none. Sequences whose penalties read their history never do: their drafts
+        would need it. Within the call, a sequence checks drafts at a step while its acceptance stays at or above
+        the rate at which a lone sequence's drafts pay for their extra tokens."""
+        k = self.config.num_speculative_tokens
         rows = padded(len(seqs), False)
-        candidates = [(seq, self.config.num_speculative_tokens) for seq in seqs
-                      if seq.proposer is not None and not seq.sampling.reads_history]
+        candidates = [(seq, k) for seq in seqs if seq.proposer is not None and not seq.sampling.reads_history]
         chosen = self._choose(candidates, len(seqs), self.multi_step_cost, rows, lambda drafts: rows + drafts)
         for seq, _ in candidates:
             if seq not in chosen and (drafts := seq.proposer.propose(1)):
                 seq.shadow_draft = drafts[0]
-        return [seq in chosen for seq in seqs]
+        if not chosen:
+            return None
+        a, b = self.multi_step_cost.coefficients()
+        # A lone sequence's k drafts pay when E(alpha, k) > b k / (a + b): E grows with alpha, so bisect.
+        lo, hi = 0.0, 1.0
+        for _ in range(20):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if expected_accepted(mid, k) > b * k / (a + b) else (mid, hi)
+        return CallDrafts([self.acceptance(seq) if seq in chosen else None for seq in seqs], hi)
+
+    def adopt_acceptance(self, seq: Sequence, acceptance: float) -> None:
+        """The sequence's acceptance as a multi-step call's steps left it (`record` counts their drafts)."""
+        seq.acceptance = acceptance
 
     @staticmethod
     def clear(running: list[Sequence]) -> None:
@@ -168,7 +191,8 @@ class Speculator:
             seq.shadow_draft = None
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """After verification: `num_accepted` of the sequence's `num_drafts` drafts were accepted."""
+        """After verification: `num_accepted` of the sequence's `num_drafts` drafts were accepted (after a
+        multi-step call, `adopt_acceptance` then sets the sequence's rate as the device kept it)."""
         if not num_drafts:
             return
         self.num_drafts += 1
