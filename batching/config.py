@@ -24,7 +24,8 @@ class EngineConfig:
     `kv_cache_dtype`: "auto" keeps K/V in the activation dtype, "int8" stores them in int8 with a scale per
     token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
     `speculative` "ngram": draft up to `num_speculative_tokens` tokens per decoding sequence by prompt lookup
-    (suffixes of `spec_ngram_min`..`spec_ngram_max` tokens) and verify them in one step, when that pays.
+    (suffixes of `spec_ngram_min`..`spec_ngram_max` tokens) and verify them in one step, when that pays; inside
+    multi-step decode calls the device proposes and checks them at every step of the call.
     """
 
     model: str | None = None

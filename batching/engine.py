@@ -133,6 +133,7 @@ class Engine:
             if self.speculator is not None:
                 for rows, num_steps, seconds in self.runner.time_decode_steps():
                     self._observe_decode_cost(rows, num_steps, seconds)
+                self.speculator.verify_overhead = self.runner.time_verify_overhead()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -299,11 +300,13 @@ class Engine:
                     tokens = self._padded_tokens(step_stats.num_tokens, step_stats.num_draft_tokens > 0)
                     self._observe_decode_cost(tokens, 1, duration)
                 else:
-                    num_steps = self.config.num_decode_steps
-                    result = pending.fetch()
-                    checked = int(result.num_verified.sum()) if isinstance(result, VerifiedSteps) else 0
-                    tokens = self._padded_tokens(len(chunks), False) + checked / num_steps
-                    self._observe_decode_cost(tokens, num_steps, duration / num_steps)
+                    num_steps, rows = self.config.num_decode_steps, self._padded_tokens(len(chunks), False)
+                    seconds, checked = duration / num_steps, 0
+                    if isinstance(result := pending.fetch(), VerifiedSteps):
+                        # The fit is of plain multi-step calls' steps and the drafts they check.
+                        seconds -= self.speculator.verify_overhead.get(rows, 0.0)
+                        checked = int(result.num_verified.sum())
+                    self._observe_decode_cost(rows + checked / num_steps, num_steps, seconds)
         self.stats = self._snapshot(step_stats)
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:

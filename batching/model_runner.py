@@ -15,6 +15,9 @@ A decode-only step may run several decode steps in one call (`num_steps`): each 
 the device, rows stop on their stop ids there, and each row runs at most its `limit` steps (its pages are
 reserved for them beforehand). Outputs always carry a leading `[num_steps]` axis. Such a call is one jitted
 function, model and sampler; it is never given constrained rows (the engine makes them run single steps).
+With speculative decoding, its drafting rows also propose n-gram drafts on the device at every step and check
+them there (`_verify_steps`), so the host is not needed between one verification and the next; steps after
+every row has ended are skipped.
 """
 
 from __future__ import annotations
@@ -457,19 +460,29 @@ class ModelRunner:
         """(rows, steps per call, seconds per step) of compiled decode calls at the smallest and largest decode
         buckets, single-step and multi-step: a first measure of what a step costs per token. Every row counts as
         a token (the matmuls compute it) but attends to nothing and writes nothing, so real steps refine it."""
-        times = []
-        for num_steps in sorted({1, self.num_decode_steps}):
-            for rows in (self.decode_buckets[0], self.decode_buckets[-1]):
-                bucket = self._decode_bucket(rows, num_steps)
-                inputs, sampling = self._pad([], bucket, None)
-                inputs = replace(inputs, cu_q_lens=np.arange(rows + 1, dtype=np.int32),
-                                 num_sampled=np.array(rows, np.int32))
-                for _ in range(2):  # the second run is the measure
-                    start = time.perf_counter()
-                    jax.block_until_ready(self._run(bucket, inputs, sampling))
-                    seconds = time.perf_counter() - start
-                times.append((rows, num_steps, seconds / num_steps))
-        return times
+        return [(rows, num_steps, self._seconds_per_step(self._decode_bucket(rows, num_steps)))
+                for num_steps in sorted({1, self.num_decode_steps})
+                for rows in (self.decode_buckets[0], self.decode_buckets[-1])]
+
+    def time_verify_overhead(self) -> dict[int, float]:
+        """Per speculative multi-step bucket (by sequences): what one of its steps costs beyond a plain
+        multi-step call's with the same rows when no row checks a draft (its sampler scores 1 + k rows per
+        sequence, and proposals are searched), in seconds, at least 0."""
+        return {rows: max(0.0, self._seconds_per_step(self._verify_bucket(rows))
+                          - self._seconds_per_step(self._decode_bucket(rows, self.num_decode_steps)))
+                for rows in self.verify_buckets}
+
+    def _seconds_per_step(self, bucket: Bucket) -> float:
+        """A compiled call's time per step with every row real (as in `time_decode_steps`), its second run."""
+        rows = bucket.num_rows
+        inputs, sampling = self._pad([], bucket, None)
+        inputs = replace(inputs, cu_q_lens=np.arange(rows + 1, dtype=np.int32), num_sampled=np.array(rows, np.int32),
+                         limits=np.full(rows, bucket.num_steps, np.int32))
+        for _ in range(2):
+            start = time.perf_counter()
+            jax.block_until_ready(self._run(bucket, inputs, sampling))
+            seconds = time.perf_counter() - start
+        return seconds / bucket.num_steps
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
                  drafting: CallDrafts | None = None) -> PendingStep:

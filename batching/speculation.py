@@ -90,7 +90,9 @@ class StepCostModel:
 @dataclass
 class Speculator:
     """`cost`: single decode and verify steps; `multi_step_cost`: one step inside a multi-step decode call (with
-    or without drafts)."""
+    or without drafts); `verify_overhead`: what a step of a multi-step call with drafts costs beyond that, by its
+    compiled bucket's sequences (measured at start-up). `prior_acceptance`: the acceptance a new sequence starts
+    from, the server's recent rate (0.5, the mean of a uniform prior, before any draft)."""
 
     config: NgramConfig
     cost: StepCostModel = field(default_factory=StepCostModel)
@@ -99,7 +101,8 @@ class Speculator:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    prior_acceptance: float = 0.25
+    prior_acceptance: float = 0.5
+    verify_overhead: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.config.num_speculative_tokens
@@ -138,7 +141,8 @@ class Speculator:
         k = self.config.num_speculative_tokens
         rows = padded(len(seqs), False)
         candidates = [(seq, k) for seq in seqs if seq.proposer is not None and not seq.sampling.reads_history]
-        chosen = self._choose(candidates, len(seqs), self.multi_step_cost, rows, lambda drafts: rows + drafts)
+        chosen = self._choose(candidates, len(seqs), self.multi_step_cost, rows, lambda drafts: rows + drafts,
+                              self.verify_overhead.get(rows, 0.0))
         for seq, _ in candidates:
             if seq not in chosen and (drafts := seq.proposer.propose(1)):
                 seq.shadow_draft = drafts[0]
@@ -166,11 +170,11 @@ class Speculator:
         return self.prior_acceptance if seq.acceptance is None else seq.acceptance
 
     def _choose(self, candidates: list[tuple[Sequence, int]], num_decoding: int, cost: StepCostModel,
-                plain_tokens: int, tokens_with: Callable[[int], int]) -> set[Sequence]:
+                plain_tokens: int, tokens_with: Callable[[int], int], overhead: float = 0.0) -> set[Sequence]:
         """Of the candidates (a sequence, and the drafts a step would check for it), those to draft for: the best
         prefix, by expected tokens per second of a step, of their ranking by expected accepted tokens per draft.
         A step of the `num_decoding` sequences computes `plain_tokens` tokens without drafts and `tokens_with(d)`
-        with d drafts."""
+        with d drafts, and then costs `overhead` seconds more."""
         a, b = cost.coefficients()
         gain = lambda seq, num_drafts: expected_accepted(self.acceptance(seq), num_drafts)
         ranked = sorted(candidates, key=lambda c: -gain(*c) / c[1])
@@ -179,7 +183,7 @@ class Speculator:
         for count, (seq, num_drafts) in enumerate(ranked, 1):
             checked += num_drafts
             expected += gain(seq, num_drafts)
-            rate = expected / (a + b * tokens_with(checked))
+            rate = expected / (a + b * tokens_with(checked) + overhead)
             if rate > best_rate:
                 best, best_rate = count, rate
         return {seq for seq, _ in ranked[:best]}

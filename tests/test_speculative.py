@@ -198,11 +198,12 @@ def test_a_costly_step_turns_drafts_off(tiny):
 
 
 def test_a_costly_multi_step_call_checks_no_drafts(tiny):
-    engine = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4, warmup=False),
-                                      progress=False))
-    engine.speculator.multi_step_cost = StepCostModel()
-    engine.speculator.multi_step_cost.observe(1, 0.01)
-    engine.speculator.multi_step_cost.observe(64, 1.0)  # compute-bound: every token costs as much as a step of one
+    engine = Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4, warmup=False), progress=False)
+    # Compute-bound (every token costs as much as a step of one), heavy enough that the engine's own steps never
+    # outweigh it.
+    for cost in (engine.speculator.cost, engine.speculator.multi_step_cost):
+        cost.observe(1, 0.01, weight=1e9)
+        cost.observe(64, 1.0, weight=1e9)
     outs = engine.generate([PROMPTS[0]], replace(GREEDY, max_tokens=12))
     assert len(outs[0][0].token_ids) == 12 and engine.speculator.counters().num_drafts == 0
     assert engine.stats.num_steps < 12  # the tokens came 4 per call
@@ -236,11 +237,14 @@ def test_real_model_gives_the_same_greedy_tokens_with_drafts_on_golden_and_copy_
                           num_decode_steps=1)
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=True)
     plain = Engine(smollm2, config, progress=False).generate(prompts, params)
-    spec_engine = free_verification(Engine(smollm2, replace(config, speculative="ngram"), progress=False))
-    spec = spec_engine.generate(prompts, params)
-    for want, have in zip(plain, spec):
-        assert (have[0].token_ids, have[0].finish_reason) == (want[0].token_ids, want[0].finish_reason)
-        np.testing.assert_allclose([lp.logprob for lp in have[0].logprobs], [lp.logprob for lp in want[0].logprobs],
-                                   atol=1e-4)
-    assert "The river carried salt" in spec[-1][0].text  # it copies (the drafts come from the prompt)
-    assert spec_engine.speculator.counters().num_accepted_tokens >= 10
+    # Drafts verified in single steps, and proposed and checked inside 8-step calls.
+    for num_decode_steps in (1, 8):
+        spec_engine = free_verification(
+            Engine(smollm2, replace(config, speculative="ngram", num_decode_steps=num_decode_steps), progress=False))
+        spec = spec_engine.generate(prompts, params)
+        for want, have in zip(plain, spec):
+            assert (have[0].token_ids, have[0].finish_reason) == (want[0].token_ids, want[0].finish_reason)
+            np.testing.assert_allclose([lp.logprob for lp in have[0].logprobs],
+                                       [lp.logprob for lp in want[0].logprobs], atol=1e-4)
+        assert "The river carried salt" in spec[-1][0].text  # it copies (the drafts come from the prompt)
+        assert spec_engine.speculator.counters().num_accepted_tokens >= 10
