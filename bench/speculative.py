@@ -5,7 +5,8 @@ Two workloads, both chat-templated for the default model and greedy (so both eng
   with its first words, where drafts taken from the prompt are often right;
 - open chat: short questions answered freely, where drafts rarely match.
 Each runs closed-loop at each concurrency (that many requests in flight, a new one as one ends) on two engines
-over the same loaded weights, one with `speculative="ngram"`, interleaved. Reports output tok/s, TPOT, the
+over the same loaded weights, one with `speculative="ngram"`, alternating in up to
+four rounds (at least two requests per slot each). Reports output tok/s, TPOT, the
 ratio, and the acceptance rate (accepted / draft tokens) and mean accepted length (1 + accepted per drafting
 step) of the speculative run.
 
@@ -40,14 +41,19 @@ QUESTIONS = (
 )
 
 
+ROUNDS = 4  # alternations of the two engines per cell, at most
+
+
 @dataclass(frozen=True)
 class Run:
+    """One engine's share of a (workload, concurrency) cell, over one or more rounds; `tpots` in seconds."""
+
     workload: str
     concurrency: int
     speculative: bool
     output_tokens: int
     seconds: float
-    tpot_ms: float
+    tpots: tuple[float, ...]
     draft_tokens: int = 0
     accepted_tokens: int = 0
     drafting_steps: int = 0
@@ -55,6 +61,15 @@ class Run:
     @property
     def output_tok_s(self) -> float:
         return self.output_tokens / self.seconds
+
+    @property
+    def tpot_ms(self) -> float:
+        return statistics.median(self.tpots) * 1e3 if self.tpots else float("nan")
+
+    def __add__(self, other: Run) -> Run:
+        return Run(self.workload, self.concurrency, self.speculative, self.output_tokens + other.output_tokens,
+                   self.seconds + other.seconds, self.tpots + other.tpots, self.draft_tokens + other.draft_tokens,
+                   self.accepted_tokens + other.accepted_tokens, self.drafting_steps + other.drafting_steps)
 
 
 def copy_prompts(tokenizer: Tokenizer, count: int, words: int) -> list[list[int]]:
@@ -115,8 +130,7 @@ def measure(engine: Engine, workload: str, prompts: list[list[int]], params: Sam
             spec = dict(draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
                         accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens,
                         drafting_steps=after.num_drafts - before.num_drafts)
-        tpot = statistics.median(tpots) * 1e3 if tpots else float("nan")
-        return Run(workload, concurrency, speculative, tokens, seconds, tpot, **spec)
+        return Run(workload, concurrency, speculative, tokens, seconds, tuple(tpots), **spec)
 
     return asyncio.run(run())
 
@@ -148,9 +162,16 @@ def run(args: argparse.Namespace) -> int:
     for name, make in workloads.items():
         for concurrency in args.concurrency:
             prompts = make(max(args.requests_per_slot * concurrency, args.min_requests))
-            for speculative in (False, True):  # interleaved, so drift on the machine hits both
-                runs.append(measure(engines[speculative], name, prompts, params, concurrency, speculative))
-                print(f"{name} c={concurrency} drafts={speculative}: {runs[-1].output_tok_s:.1f} tok/s", file=sys.stderr)
+            # Interleaved in rounds of at least two requests per slot, so drift on the machine hits both engines.
+            rounds = max(1, min(ROUNDS, len(prompts) // (2 * concurrency)))
+            cell = {}
+            for i in range(rounds):
+                for speculative in (False, True):
+                    run_ = measure(engines[speculative], name, prompts[i::rounds], params, concurrency, speculative)
+                    cell[speculative] = cell[speculative] + run_ if speculative in cell else run_
+            runs += [cell[False], cell[True]]
+            print(f"{name} c={concurrency}: {cell[False].output_tok_s:.1f} / {cell[True].output_tok_s:.1f} tok/s "
+                  f"without / with drafts", file=sys.stderr)
     print(table(runs))
     print(f"\ncommand: {shlex.join(['python', '-m', 'bench.speculative', *sys.argv[1:]])}")
     return 0
@@ -159,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 32])
     parser.add_argument("--requests-per-slot", type=int, default=2, help="requests per concurrency slot")
-    parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--min-requests", type=int, default=16,
+                        help="at least this many requests per run (one at a time, 4 would take about a second)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--passage-words", type=int, default=60)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
