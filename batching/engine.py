@@ -273,7 +273,9 @@ class Engine:
             if self._may_run_multi_step(running):
                 self.speculator.clear(running)  # drafts ride inside the multi-step call (`_multi_step_call`)
             else:
-                self.speculator.propose(running, self.max_model_len, self._padded_tokens)
+                prefills = (any(seq.num_uncomputed_tokens > 1 for seq in running)
+                            or bool(self.scheduler.waiting) and len(running) < self.config.max_num_seqs)
+                self.speculator.propose(running, self.max_model_len, self._padded_tokens, prefills)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
         chunks = scheduled.chunks

@@ -107,12 +107,16 @@ class Speculator:
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.config.num_speculative_tokens
 
-    def propose(self, running: list[Sequence], max_model_len: int, padded: Callable[[int, bool], int]) -> None:
+    def propose(self, running: list[Sequence], max_model_len: int, padded: Callable[[int, bool], int],
+                prefills: bool = False) -> None:
         """Sets `seq.drafts` for this (single) step on the decoding sequences (one token left to compute) worth
         it, and clears it on every other running sequence (a draft of an earlier step is stale once a sequence
         has more to compute: after a preemption, or tokens its grammar forced).
 
         `padded(tokens, with_drafts)`: the tokens the step's compiled bucket computes for that many tokens.
+        `prefills`: the step will also prefill. It then drafts nothing: the fit knows decode and verify steps only,
+        and such a step is compute-bound by its prefill while drafts multiply its sampled rows (measured at
+        concurrency 32: 86 ms against 56 per step, RESULTS.md). Shadow drafts still follow acceptance.
         """
         self.clear(running)
         decoding = [seq for seq in running if seq.num_uncomputed_tokens == 1]
@@ -125,8 +129,9 @@ class Speculator:
                 drafts = seq.grammar.valid_prefix(drafts)  # a draft its grammar forbids would be rejected
             if drafts:
                 proposals[seq] = drafts
-        chosen = self._choose([(seq, len(d)) for seq, d in proposals.items()], len(decoding), self.cost,
-                              padded(len(decoding), False), lambda drafts: padded(len(decoding) + drafts, True))
+        chosen = set() if prefills else self._choose(
+            [(seq, len(d)) for seq, d in proposals.items()], len(decoding), self.cost, padded(len(decoding), False),
+            lambda drafts: padded(len(decoding) + drafts, True))
         for seq, drafts in proposals.items():
             if seq in chosen:
                 seq.drafts = drafts
