@@ -132,7 +132,8 @@ class Engine:
             self.runner.warmup(progress)
             if self.speculator is not None:
                 for rows, num_steps, seconds in self.runner.time_decode_steps():
-                    self._observe_decode_cost(rows, num_steps, seconds)
+                    cost = self.speculator.cost if num_steps == 1 else self.speculator.multi_step_cost
+                    cost.seed(rows, seconds)
                 self.speculator.verify_overhead = self.runner.time_verify_overhead()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._seq_ids = itertools.count()
@@ -296,7 +297,8 @@ class Engine:
         if step_stats is not None:
             step_stats = replace(step_stats, duration_s=duration, host_s=(dispatched - start) + (end - arrived))
             self._totals.add_step(step_stats)
-            if self.speculator is not None and step_stats.num_prefill_tokens == 0 and pending is not None:
+            if self.speculator is not None and step_stats.num_prefill_tokens == 0 and pending is not None \
+                    and pending.fetched is not None:
                 # A decode or verify step, or a multi-step call: what a step of that many computed tokens costs.
                 if limits is None:
                     tokens = self._padded_tokens(step_stats.num_tokens, step_stats.num_draft_tokens > 0)
@@ -304,7 +306,7 @@ class Engine:
                 else:
                     num_steps, rows = self.config.num_decode_steps, self._padded_tokens(len(chunks), False)
                     seconds, checked = duration / num_steps, 0
-                    if isinstance(result := pending.fetch(), VerifiedSteps):
+                    if isinstance(result := pending.fetched, VerifiedSteps):
                         # The fit is of plain multi-step calls' steps and the drafts they check.
                         seconds -= self.speculator.verify_overhead.get(rows, 0.0)
                         checked = int(result.num_verified.sum())

@@ -5,20 +5,23 @@ Drafts pay when verifying them costs less than the tokens they save. A step's ti
 decode and verify steps and seeded at start-up by timing a 1-row and a full decode step. A step of S decoding
 sequences yields S tokens. Giving a sequence k drafts adds k tokens to the step (and maybe a larger bucket) and
 `E` expected tokens, where `E = alpha (1 - alpha^k) / (1 - alpha)` for its recent per-draft acceptance `alpha`
-(an exponential average, so a sequence whose drafts stop matching stops drafting; a new sequence starts
-from the server's recent rate). A sequence left without
-drafts still has its first proposed token compared with the token it then samples, so `alpha` keeps following
-what drafts would do and a sequence that starts copying starts drafting. Sequences are ranked by E per
-draft, and the step drafts for the best prefix of that ranking by expected tokens per second, none at all when
-that is best. A large batch, whose step is already compute-bound (large `b*S` next to `a`), therefore drafts
-little or nothing; one stream with good drafts drafts.
+(an exponential average, so a sequence whose drafts stop matching stops drafting; a new sequence starts from the
+server's recent rate). A sequence left without drafts still has its first proposed token compared with the
+token it then samples, so `alpha` keeps following what drafts would do and a sequence that starts copying
+starts drafting. Sequences are ranked by E per draft, and the step drafts for the best prefix of that ranking by
+expected tokens per second, none at all when that is best. A large batch, whose step is already compute-bound
+(large `b*S` next to `a`), therefore drafts little or nothing; one stream with good drafts drafts. A single step
+that also prefills drafts nothing (see `propose`).
 
 When every running sequence decodes and none waits, the engine runs multi-step decode calls, and drafts ride
 inside them (`propose_for_call` picks the sequences): at every step of the call the device proposes up to k
 drafts for each drafting sequence from its tokens so far and checks them, so one call verifies several runs
 without the host in between. The same rule applies there with the steps of such calls' own fitted cost
 (`multi_step_cost`: their steps cost less each, a smaller `a`), their tokens being the call's rows plus the
-drafts a step checks.
+drafts a step checks, plus what such a call's step costs beyond a plain one's at that batch (`verify_overhead`,
+measured at start-up: its sampler scores 1 + k rows per sequence). Within the call each drafting sequence's
+acceptance is kept on the device, and a step checks its drafts only while it is at or above the break-even
+rate of a lone sequence, `E(alpha, k) > b k / (a + b)`.
 """
 
 from __future__ import annotations
@@ -61,15 +64,21 @@ def expected_accepted(alpha: float, k: int) -> float:
 
 @dataclass
 class StepCostModel:
-    """Least squares of step time on step tokens, older steps decaying; starts from two measured points."""
+    """Least squares of step time on step tokens: the start-up measurements (`seed`), which never decay, and the
+    engine's own steps (`observe`), older ones decaying. The seeds keep the slope known when the steps all have
+    about the same size (a steady batch), which alone would leave it unidentified."""
 
     weight: float = 0.0
     sum_t: float = 0.0
     sum_tt: float = 0.0
     sum_y: float = 0.0
     sum_ty: float = 0.0
+    seeds: list[tuple[float, float]] = field(default_factory=list)
 
-    def observe(self, tokens: int, seconds: float, weight: float = 1.0) -> None:
+    def seed(self, tokens: float, seconds: float) -> None:
+        self.seeds.append((tokens, seconds))
+
+    def observe(self, tokens: float, seconds: float, weight: float = 1.0) -> None:
         d = COST_DECAY
         self.weight = d * self.weight + weight
         self.sum_t = d * self.sum_t + weight * tokens
@@ -79,12 +88,16 @@ class StepCostModel:
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b) of `seconds = a + b * tokens`, both kept positive."""
-        var = self.sum_tt * self.weight - self.sum_t**2
+        w = self.weight + len(self.seeds)
+        t = self.sum_t + sum(x for x, _ in self.seeds)
+        tt = self.sum_tt + sum(x * x for x, _ in self.seeds)
+        y = self.sum_y + sum(v for _, v in self.seeds)
+        ty = self.sum_ty + sum(x * v for x, v in self.seeds)
+        var = tt * w - t**2
         if var <= 0:
-            return max(self.sum_y / max(self.weight, 1e-9), 1e-6), 1e-6
-        b = (self.sum_ty * self.weight - self.sum_t * self.sum_y) / var
-        b = max(b, 1e-6)
-        return max((self.sum_y - b * self.sum_t) / self.weight, 1e-6), b
+            return max(y / max(w, 1e-9), 1e-6), 1e-6
+        b = max((ty * w - t * y) / var, 1e-6)
+        return max((y - b * t) / w, 1e-6), b
 
 
 @dataclass

@@ -196,6 +196,17 @@ def test_expected_accepted_drafts():
     assert expected_accepted(0.5, 2) == pytest.approx(0.5 + 0.25)
 
 
+def test_a_steady_batch_keeps_the_slope_its_seeds_measured():
+    """Steps all of one size say nothing about the cost per token: the start-up seeds keep it."""
+    cost = StepCostModel()
+    cost.seed(1, 0.005)
+    cost.seed(64, 0.068)  # 4 ms a step, 1 ms a token
+    for _ in range(500):
+        cost.observe(32, 0.036)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.004, rel=1e-3) and b == pytest.approx(0.001, rel=1e-3)
+
+
 def test_a_costly_step_turns_drafts_off(tiny):
     engine = Engine(tiny, replace(CONFIG, speculative="ngram", warmup=False), progress=False)
     engine.speculator.cost.observe(1, 0.01)
