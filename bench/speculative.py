@@ -5,7 +5,7 @@ Two workloads, both chat-templated for the default model and greedy (so both eng
   with its first words, where drafts taken from the prompt are often right;
 - open chat: short questions answered freely, where drafts rarely match.
 Each runs closed-loop at each concurrency (that many requests in flight, a new one as one ends) on two engines
-over the same loaded weights, one with `speculative="ngram"`, alternating in up to four rounds (at least two
+over the same loaded weights, one with `speculative="ngram"`, alternating in up to eight rounds (at least two
 requests per slot each). Reports output tok/s, TPOT, the ratio, and the acceptance rate (accepted / draft
 tokens) and mean accepted length (1 + accepted per drafting step) of the speculative run.
 
@@ -40,7 +40,7 @@ QUESTIONS = (
 )
 
 
-ROUNDS = 4  # alternations of the two engines per cell, at most
+ROUNDS = 8  # alternations of the two engines per cell, at most
 
 
 @dataclass(frozen=True)
