@@ -48,6 +48,7 @@ def run_engine(loaded: LoadedModel, tp: int, prompts: list[list[int]], config: E
                 "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards})}
                for x in jax.tree.leaves(engine.runner.kv_cache[0])],
         "wqkv_shard_shape": list(loaded.model.wqkv[...].addressable_shards[0].data.shape),
+        "accepted_drafts": engine.speculator.counters().num_accepted_tokens if engine.speculator else 0,
     }
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     rng = random.Random(0)
     results = {}
     for tp in tps:
-        if which in ("tiny", "tiny-int8"):
+        if which in ("tiny", "tiny-int8", "tiny-drafts"):
             tokenizer = load_model().tokenizer
             loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny")
             prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
@@ -69,7 +70,9 @@ def main() -> None:
             prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
                        for q in ("What is the capital of France?", "Name three colours.", "Write a haiku about rain.")]
         rng = random.Random(0)
-        config = replace(ENGINE, kv_cache_dtype="int8") if which == "tiny-int8" else ENGINE
+        config = {"tiny-int8": replace(ENGINE, kv_cache_dtype="int8"),
+                  # Drafts proposed and checked inside 4-step calls (no cost seeds without warm-up: drafts look free).
+                  "tiny-drafts": replace(ENGINE, speculative="ngram", num_decode_steps=4)}.get(which, ENGINE)
         results[tp] = run_engine(loaded, tp, prompts, config)
     print("RESULT " + json.dumps(results))
 

@@ -50,6 +50,12 @@ def test_tiny_model_over_an_int8_kv_cache_gives_the_same_tokens_and_logprobs_at_
     assert_same_generation(results, num_kv_heads=4)
 
 
+def test_tiny_model_with_drafts_checked_inside_multi_step_calls_gives_the_same_tokens_at_tp_1_and_2():
+    results = run_worker("tiny-drafts", 1, 2)
+    assert_same_generation(results, num_kv_heads=4)
+    assert results[1]["accepted_drafts"] > 0 and results[2]["accepted_drafts"] > 0
+
+
 def test_smollm2_gives_the_same_tokens_at_tp_1_and_3():
     results = run_worker("smollm2", 1, 3)
     assert_same_generation(results, num_kv_heads=3)
