@@ -433,23 +433,28 @@ class Engine:
     def _append_verified(self, seq: Sequence, result: VerifiedSteps, index: int, first_row: int, drafts: bool
                          ) -> int:
         """Appends what a speculative multi-step call kept for `seq` (chunk `index`), step by step until the
-        sequence ends, and records each step's verification; returns how many tokens it appended. `drafts`:
-        whether the sequence drafted in the call (else its first token is checked against its shadow draft)."""
-        appended = 0
+        sequence ends, and counts each step's verification; returns how many tokens it appended. `drafts`:
+        whether the sequence drafted in the call (its acceptance is then as the device left it; else its first
+        token is checked against its shadow draft)."""
+        appended, acceptance = 0, None
         for step in range(result.num_emitted.shape[0]):
             kept = int(result.num_emitted[step, index])
             for row in range(first_row, first_row + kept):
                 if seq.status is not SequenceStatus.RUNNING:
-                    return appended
+                    break
                 self._isolated(seq.request_id, self._append_token, seq, result.sampled, step, row)
                 appended += 1
             if checked := int(result.num_verified[step, index]):
                 accepted = result.sampled.accepted[step, first_row:first_row + checked]
-                self.speculator.record(seq, checked, int(np.cumprod(accepted).sum()))
+                self.speculator.count(checked, int(np.cumprod(accepted).sum()))
             if drafts and kept:
-                self.speculator.adopt_acceptance(seq, float(result.acceptance[step, index]))
+                acceptance = float(result.acceptance[step, index])
             elif appended and step == 0:
                 self.speculator.check_shadow(seq, seq.token_ids[-appended])
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+        if acceptance is not None:
+            seq.acceptance = acceptance
         return appended
 
     @staticmethod

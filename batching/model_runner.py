@@ -351,6 +351,7 @@ class ModelRunner:
         self.ngram = ngram
         self.num_speculative_tokens = ngram.num_speculative_tokens if ngram else 0
         self._steps: dict[tuple[int, int], jax.stages.Wrapped] = {}
+        self._step_seconds: dict[Bucket, float] = {}
         # Logits and sampled tokens replicated on every device, so any process (process 0 in a multi-process job)
         # reads the tokens.
         everywhere = None if mesh is None else replicated(mesh)
@@ -474,7 +475,12 @@ class ModelRunner:
 
     def _seconds_per_step(self, bucket: Bucket) -> float:
         """A compiled call's time per step with every row real (as in `time_decode_steps`): the faster of two runs
-        after a first."""
+        after a first, timed once per bucket (the start-up's timings share buckets)."""
+        if bucket not in self._step_seconds:
+            self._step_seconds[bucket] = self._time_step(bucket)
+        return self._step_seconds[bucket]
+
+    def _time_step(self, bucket: Bucket) -> float:
         rows = bucket.num_rows
         inputs, sampling = self._pad([], bucket, None)
         inputs = replace(inputs, cu_q_lens=np.arange(rows + 1, dtype=np.int32), num_sampled=np.array(rows, np.int32),

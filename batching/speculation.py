@@ -62,6 +62,16 @@ def expected_accepted(alpha: float, k: int) -> float:
     return k if alpha >= 1.0 else alpha * (1 - alpha**k) / (1 - alpha)
 
 
+def break_even_acceptance(k: int, drafts_cost: float) -> float:
+    """The per-draft acceptance at which k drafts are expected to yield `drafts_cost` accepted tokens (what
+    their extra rows cost, in tokens): E(alpha, k) grows with alpha, so bisect."""
+    lo, hi = 0.0, 1.0
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if expected_accepted(mid, k) > drafts_cost else (mid, hi)
+    return hi
+
+
 @dataclass
 class StepCostModel:
     """Least squares of step time on step tokens: the start-up measurements (`seed`), which never decay, and the
@@ -167,16 +177,8 @@ class Speculator:
         if not chosen:
             return None
         a, b = self.multi_step_cost.coefficients()
-        # A lone sequence's k drafts pay when E(alpha, k) > b k / (a + b): E grows with alpha, so bisect.
-        lo, hi = 0.0, 1.0
-        for _ in range(20):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if expected_accepted(mid, k) > b * k / (a + b) else (mid, hi)
-        return CallDrafts([self.acceptance(seq) if seq in chosen else None for seq in seqs], hi)
-
-    def adopt_acceptance(self, seq: Sequence, acceptance: float) -> None:
-        """The sequence's acceptance as a multi-step call's steps left it (`record` counts their drafts)."""
-        seq.acceptance = acceptance
+        return CallDrafts([self.acceptance(seq) if seq in chosen else None for seq in seqs],
+                          break_even_acceptance(k, b * k / (a + b)))
 
     @staticmethod
     def clear(running: list[Sequence]) -> None:
@@ -213,19 +215,22 @@ class Speculator:
             seq.shadow_draft = None
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """After verification: `num_accepted` of the sequence's `num_drafts` drafts were accepted (after a
-        multi-step call, `adopt_acceptance` then sets the sequence's rate as the device kept it)."""
-        if not num_drafts:
-            return
+        """After a verify step: `num_accepted` of the sequence's `num_drafts` drafts were accepted."""
+        if num_drafts:
+            self._update_acceptance(seq, self.count(num_drafts, num_accepted))
+
+    def count(self, num_drafts: int, num_accepted: int) -> float:
+        """Counts one verification of `num_drafts` > 0 drafts, the server-wide rate following it; returns its
+        per-draft acceptance (a multi-step call keeps its sequences' own rates on the device)."""
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
         # Drafts are verified in order until the first rejection: those reached estimate the per-draft rate.
-        reached = num_accepted + (num_accepted < num_drafts)
-        self._update_acceptance(seq, num_accepted / reached)
-        self.prior_acceptance += PRIOR_SMOOTHING * (num_accepted / reached - self.prior_acceptance)
+        rate = num_accepted / (num_accepted + (num_accepted < num_drafts))
+        self.prior_acceptance += PRIOR_SMOOTHING * (rate - self.prior_acceptance)
+        return rate
 
     def _update_acceptance(self, seq: Sequence, rate: float) -> None:
         seq.acceptance = (1 - ACCEPTANCE_SMOOTHING) * self.acceptance(seq) + ACCEPTANCE_SMOOTHING * rate
