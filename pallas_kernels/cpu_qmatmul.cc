@@ -7,8 +7,8 @@
 // per int32 lane; AVX2's vpmaddubsw + vpmaddwd otherwise), turned into float once per block.
 //
 // Layouts (row-major). The output columns come in panels of 16 whose weights are contiguous over all of K
-// (one sequential stream per panel), and within a panel one 32-byte load holds 4 (Q8_0) or 8 (Q4_1)
-// consecutive inputs of 8 columns, a VNNI operand as it is. Column n = 16 p + c:
+// (one sequential stream per panel), and within a panel one 64-byte lane holds 4 (Q8_0) or 8 (Q4_1)
+// consecutive inputs of each of the 16 columns, a VNNI operand as it is (two 32-byte halves without AVX-512). Column n = 16 p + c:
 //   q8_q8: x f32 [M, K], w s8 [L, N/16, K/4, 16, 4], scale f16 [L, N/16, K/32, 16], layer s32 [], rows s32 []
 //          -> y f32 [M, N]
 //          byte (p, j, c, i) is q[4j + i, n];   w[k, n] = q[k, n] * scale[p, k / 32, c]
@@ -23,8 +23,9 @@
 // zeros in y and cost nothing.
 //
 // Each call quantizes its rows once, then splits the panels into chunks over XLA's intra-op threads. A thread
-// computes tiles of up to 4 rows x one panel over the whole of K, the tile's accumulators in registers:
-// integer within a block, float across blocks.
+// computes tiles of up to 8 rows (4 without AVX-512) x one panel over the whole of K, the last tile of a call
+// exactly as tall as the rows left, the tile's accumulators in registers: integer within a block, float across
+// blocks.
 
 #include <immintrin.h>
 
@@ -131,36 +132,99 @@ const QuantizedRows& Quantize(const float* x, int64_t rows, int64_t cols, const 
   return out;
 }
 
-// ---- Integer dot products: acc += 4-byte dot products of unsigned w and signed x, per int32 lane.
+// ---- A panel's 16 columns as SIMD values: `Ints` (16 int32 lanes, or the 64 bytes of 4 inputs of each column)
+// and `Floats` (16 float32). One 512-bit register each with AVX-512 (F, BW, VNNI); two 256-bit halves otherwise,
+// where vpdpbusd exists only with AVX-512 VL or AVX-VNNI and is otherwise emulated by vpmaddubsw + vpmaddwd.
+// Zen 4 runs a 512-bit vpdpbusd as two 256-bit halves, so the wide form multiplies no faster; it issues half the
+// instructions, and folds each row's broadcast into the vpdpbusd, which is what frees the pipes for the
+// multiplies.
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SLUICE_VNNI 1
+constexpr int kMaxTileRows = 8;  // 8 float + 8 int accumulators, of 32 registers
+
+struct Ints { __m512i v; };
+struct Floats { __m512 v; };
+
+inline Ints LoadInts(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline Ints SplatInts(int32_t v) { return {_mm512_set1_epi32(v)}; }
+inline Ints ZeroInts() { return {_mm512_setzero_si512()}; }
+inline Ints And(Ints a, Ints b) { return {_mm512_and_si512(a.v, b.v)}; }
+inline Ints Xor(Ints a, Ints b) { return {_mm512_xor_si512(a.v, b.v)}; }
+inline Ints ShiftRight4(Ints a) { return {_mm512_srli_epi16(a.v, 4)}; }
+inline Ints DotU8S8(Ints acc, Ints u, Ints s) { return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)}; }
+
+inline Floats ZeroFloats() { return {_mm512_setzero_ps()}; }
+inline Floats SplatFloats(float v) { return {_mm512_set1_ps(v)}; }
+inline Floats ToFloats(Ints a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline Floats LoadHalves(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline Floats Mul(Floats a, Floats b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Floats Fma(Floats a, Floats b, Floats c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline void Store(float* p, Floats a) { _mm512_storeu_ps(p, a.v); }
+
+#else
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-constexpr bool kVnni = true;
+#define SLUICE_VNNI 1
 #else
-constexpr bool kVnni = false;
+#define SLUICE_VNNI 0
 #endif
+constexpr int kMaxTileRows = 4;  // 16 registers: wider tiles spill
 
-inline __m256i DotU8S8(__m256i acc, __m256i w, __m256i x) {
+struct Ints { __m256i lo, hi; };
+struct Floats { __m256 lo, hi; };
+
+inline Ints LoadInts(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline Ints SplatInts(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+inline Ints ZeroInts() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline Ints And(Ints a, Ints b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+inline Ints Xor(Ints a, Ints b) { return {_mm256_xor_si256(a.lo, b.lo), _mm256_xor_si256(a.hi, b.hi)}; }
+inline Ints ShiftRight4(Ints a) { return {_mm256_srli_epi16(a.lo, 4), _mm256_srli_epi16(a.hi, 4)}; }
+inline __m256i DotU8S8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, w, x);
+  return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, w, x);
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-  // Pairs of u8 x s8 products summed to int16: no overflow while w <= 128 (4-bit values, |q| of Q8_0).
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  // Pairs of u8 x s8 products summed to int16: no overflow while u <= 128 (4-bit values, |q| of Q8_0).
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-
-inline __m256 LoadHalf8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+inline Ints DotU8S8(Ints acc, Ints u, Ints s) { return {DotU8S8(acc.lo, u.lo, s.lo), DotU8S8(acc.hi, u.hi, s.hi)}; }
+// |w| against x with w's sign moved onto x: the signed x signed product without VNNI.
+inline Ints DotS8S8(Ints acc, Ints w, Ints x) {
+  return {DotU8S8(acc.lo, _mm256_abs_epi8(w.lo), _mm256_sign_epi8(x.lo, w.lo)),
+          DotU8S8(acc.hi, _mm256_abs_epi8(w.hi), _mm256_sign_epi8(x.hi, w.hi))};
 }
 
-inline __m256i Broadcast4Bytes(const int8_t* p) {
+inline Floats ZeroFloats() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Floats SplatFloats(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline Floats ToFloats(Ints a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline Floats LoadHalves(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline Floats Mul(Floats a, Floats b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Floats Fma(Floats a, Floats b, Floats c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline void Store(float* p, Floats a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+#endif
+
+inline Ints Splat4Bytes(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
-  return _mm256_set1_epi32(v);
+  return SplatInts(v);
 }
 
-// ---- The two weight formats: how a 32-byte load of a panel (4-byte lanes, 8 columns) becomes VNNI operands,
+// ---- The two weight formats: how a 64-byte lane of a panel (4 bytes per column) becomes dot-product operands,
 // and how a block's integer sums become float.
 
 constexpr int64_t kPanel = 16;  // output columns whose packed weights are contiguous over K
@@ -173,35 +237,38 @@ struct Weights {
 };
 
 // Signed weights against signed activations. With VNNI: q + 128 (the sign bit flipped) as the unsigned side,
-// and 128 * sum(xq) taken off per block (x.sum holds d * sum(xq)). Without: |q| against x with q's sign moved
-// onto x, which keeps vpmaddubsw's int16 pair sums from saturating.
+// and 128 * sum(xq) taken off per block (x.sum holds d * sum(xq)). Without: `DotS8S8`.
 struct Q8_0 {
-  static constexpr int kInputsPerLane = 4;  // a load's lane holds inputs 4j..4j+3 of its column
+  static constexpr int kInputsPerLane = 4;  // a lane holds inputs 4j..4j+3 of its column
   static constexpr int kOperands = 1;
-  static void Operands(__m256i raw, __m256i* out) {
-    out[0] = kVnni ? _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80))) : raw;
+  static void Operands(Ints raw, Ints* out) {
+    out[0] = SLUICE_VNNI ? Xor(raw, SplatInts(static_cast<int32_t>(0x80808080u))) : raw;
   }
-  static __m256i Dot(__m256i acc, __m256i w, __m256i x) {
-    return kVnni ? DotU8S8(acc, w, x) : DotU8S8(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  static Ints Dot(Ints acc, Ints w, Ints x) {
+#if SLUICE_VNNI
+    return DotU8S8(acc, w, x);
+#else
+    return DotS8S8(acc, w, x);
+#endif
   }
-  static __m256 Flush(__m256 acc, __m256i dot, __m256 scale, __m256 /*min*/, float d, float sum) {
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d)), acc);
-    return kVnni ? _mm256_fmadd_ps(scale, _mm256_set1_ps(-128.0f * sum), acc) : acc;
+  static Floats Flush(Floats acc, Ints dot, Floats scale, Floats /*min*/, float d, float sum) {
+    acc = Fma(ToFloats(dot), Mul(scale, SplatFloats(d)), acc);
+    return SLUICE_VNNI ? Fma(scale, SplatFloats(-128.0f * sum), acc) : acc;
   }
 };
 
 struct Q4_1 {
   static constexpr int kInputsPerLane = 8;  // inputs 8j..8j+3 in the low nibbles, 8j+4..8j+7 in the high ones
   static constexpr int kOperands = 2;
-  static void Operands(__m256i raw, __m256i* out) {
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-    out[0] = _mm256_and_si256(raw, low_nibbles);
-    out[1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+  static void Operands(Ints raw, Ints* out) {
+    const Ints low_nibbles = SplatInts(0x0F0F0F0F);
+    out[0] = And(raw, low_nibbles);
+    out[1] = And(ShiftRight4(raw), low_nibbles);
   }
-  static __m256i Dot(__m256i acc, __m256i w, __m256i x) { return DotU8S8(acc, w, x); }
-  static __m256 Flush(__m256 acc, __m256i dot, __m256 scale, __m256 min, float d, float sum) {
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d)), acc);
-    return _mm256_fmadd_ps(min, _mm256_set1_ps(sum), acc);
+  static Ints Dot(Ints acc, Ints w, Ints x) { return DotU8S8(acc, w, x); }
+  static Floats Flush(Floats acc, Ints dot, Floats scale, Floats min, float d, float sum) {
+    acc = Fma(ToFloats(dot), Mul(scale, SplatFloats(d)), acc);
+    return Fma(min, SplatFloats(sum), acc);
   }
 };
 
@@ -210,46 +277,49 @@ struct Q4_1 {
 template <class F, int R>
 void Tile(const QuantizedRows& x, int64_t m, const Weights& w, int64_t p, float* y) {
   constexpr int64_t kLanesPerBlock = kBlock / F::kInputsPerLane;
+  constexpr int64_t kLaneBytes = 4 * kPanel;
   const int64_t blocks = x.Blocks(), N = w.panels * kPanel;
-  const uint8_t* panel = w.values + p * (x.cols / F::kInputsPerLane) * 4 * kPanel;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const uint8_t* panel = w.values + p * (x.cols / F::kInputsPerLane) * kLaneBytes;
+  Floats acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = ZeroFloats();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256i dot[R][2];
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    Ints dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = ZeroInts();
     for (int64_t j = b * kLanesPerBlock; j < (b + 1) * kLanesPerBlock; ++j) {
-      __m256i ops[2][F::kOperands];  // the panel's two 8-column halves
-      for (int v = 0; v < 2; ++v)
-        F::Operands(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (j * 2 + v) * 32)), ops[v]);
-      for (int r = 0; r < R; ++r)
-        for (int o = 0; o < F::kOperands; ++o) {
-          const __m256i xr = Broadcast4Bytes(x.Row(m + r) + F::kInputsPerLane * j + 4 * o);
-          for (int v = 0; v < 2; ++v) dot[r][v] = F::Dot(dot[r][v], ops[v][o], xr);
-        }
+      Ints ops[F::kOperands];
+      F::Operands(LoadInts(panel + j * kLaneBytes), ops);
+      for (int o = 0; o < F::kOperands; ++o)
+        for (int r = 0; r < R; ++r)
+          dot[r] = F::Dot(dot[r], ops[o], Splat4Bytes(x.Row(m + r) + F::kInputsPerLane * j + 4 * o));
     }
-    for (int v = 0; v < 2; ++v) {
-      const int64_t at = (p * blocks + b) * kPanel + 8 * v;
-      const __m256 scale = LoadHalf8(w.scale + at);
-      const __m256 min = w.min != nullptr ? LoadHalf8(w.min + at) : _mm256_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        const int64_t row_block = (m + r) * blocks + b;
-        acc[r][v] = F::Flush(acc[r][v], dot[r][v], scale, min, x.d[row_block], x.sum[row_block]);
-      }
+    const int64_t at = (p * blocks + b) * kPanel;
+    const Floats scale = LoadHalves(w.scale + at);
+    const Floats min = w.min != nullptr ? LoadHalves(w.min + at) : ZeroFloats();
+    for (int r = 0; r < R; ++r) {
+      const int64_t row_block = (m + r) * blocks + b;
+      acc[r] = F::Flush(acc[r], dot[r], scale, min, x.d[row_block], x.sum[row_block]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(y + (m + r) * N + p * kPanel + 8 * v, acc[r][v]);
+  for (int r = 0; r < R; ++r) Store(y + (m + r) * N + p * kPanel, acc[r]);
+}
+
+// The last `rows` (< kMaxTileRows) rows from m, as one tile.
+template <class F, int R = kMaxTileRows - 1>
+void LastTile(int64_t rows, const QuantizedRows& x, int64_t m, const Weights& w, int64_t p, float* y) {
+  if constexpr (R > 0) {
+    if (rows == R) return Tile<F, R>(x, m, w, p, y);
+    LastTile<F, R - 1>(rows, x, m, w, p, y);
+  }
 }
 
 // Panels [p_begin, p_end) of every row: a panel's weights come from memory for the first row tile and from
 // cache for the others.
 template <class F>
 void Panels(const QuantizedRows& x, const Weights& w, int64_t p_begin, int64_t p_end, float* y) {
+  const int64_t full = x.rows - x.rows % kMaxTileRows;
   for (int64_t p = p_begin; p < p_end; ++p) {
-    int64_t m = 0;
-    for (; m + 4 <= x.rows; m += 4) Tile<F, 4>(x, m, w, p, y);
-    for (; m + 2 <= x.rows; m += 2) Tile<F, 2>(x, m, w, p, y);
-    for (; m < x.rows; ++m) Tile<F, 1>(x, m, w, p, y);
+    for (int64_t m = 0; m < full; m += kMaxTileRows) Tile<F, kMaxTileRows>(x, m, w, p, y);
+    LastTile<F>(x.rows - full, x, full, w, p, y);
   }
 }
 

@@ -8,8 +8,8 @@ the references compute the same function with the activations fake-quantized and
 
 Packed layouts, for one weight `[K, *N]` (`pack_q8` / `pack_q4` make them): the output columns, flattened,
 come in panels of PANEL whose weights are contiguous over all of K (one sequential read per panel), the
-last output axis split as `(N_last / PANEL, PANEL)`; within a panel one 32-byte load holds 4 (q8) or 8 (q4)
-consecutive inputs of 8 columns, a VNNI operand as it is. Column n = PANEL * p + c:
+last output axis split as `(N_last / PANEL, PANEL)`; within a panel one 64-byte lane holds 4 (q8) or 8 (q4)
+consecutive inputs of each of its columns, a VNNI operand as it is. Column n = PANEL * p + c:
 - q8: values int8 `[*N_outer, N_last/16, K/4, 16, 4]`, byte (p, j, c, i) = q[4j + i, n]; scale f16
   `[*N_outer, N_last/16, K/BLOCK, 16]`: `w[k, n] = q[k, n] * scale[p, k // BLOCK, c]`.
 - q4: values uint8 `[*N_outer, N_last/16, K/8, 16, 4]`, byte (p, j, c, i) = q[8j + i, n] | q[8j + 4 + i, n] << 4;
