@@ -22,6 +22,9 @@ KERNEL_CALLS = {"pallas-triton": TRITON_CALL, "pallas-mosaic": MOSAIC_CALL}
 # The Triton call is not on export's list of stable custom calls; the Mosaic one is on jax 0.10.2's,
 # and accepting it explicitly keeps the test about lowering whatever a later jax's list says.
 DISABLED_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(call) for call in KERNEL_CALLS.values()]
+# The GPU the kernels are lowered for. Without a GPU here, jax 0.10.2's Triton lowering assumed compute
+# capability 9.0; jax 0.11 asks for an abstract device instead ("No supported GPU devices found").
+TARGET = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,8 @@ SERVED = {
 
 
 def lower_for_cuda(fn, *args):
-    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(*args)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=TARGET)):
+        return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=DISABLED_CHECKS)(*args)
 
 
 def kernel_cases():
