@@ -31,11 +31,12 @@ divides BLOCK_KV. An int8 KV cache (`kv_cache.QuantizedPages`) is not read here:
 refuses it for this backend, naming the ones that read it (the wgmma takes both operands in one type, so K/V
 would have to be dequantized into bf16 shared-memory tiles first, which needs a GPU to develop and check).
 
-Checked on jax 0.10.2 (CPU): both entry points lower for `platforms=["cuda"]` through `jax.export`
-(tests/test_kernel_lowering.py). They cannot run on a CPU: the portable `interpret=True` has no rules
-for TMA copies and barriers, and jax 0.10.2's Mosaic GPU interpreter (`InterpretGPUParams`) fails on
-the transposed K operand of the first MMA with "AttributeError: 'TransposeTransform' object has no
-attribute 'indices'" (it takes only untransformed shared-memory operands, and no register operand).
+Checked on jax 0.10.2 and 0.11.2 (CPU): both entry points lower for `platforms=["cuda"]` through
+`jax.export` (tests/test_kernel_lowering.py). They cannot run on a CPU: the portable `interpret=True`
+has no rules for TMA copies and barriers, and the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`)
+fails on 0.10.2 on the transposed K operand of the first MMA with "AttributeError: 'TransposeTransform'
+object has no attribute 'indices'", and on 0.11.2 with "NotImplementedError: MLIR translation rule for
+primitive 'wgmma' not found for platform cpu" (it has no rule for the warpgroup MMA).
 Their numerics and speed are first checked by `python -m bench.gpu_check` on a GPU.
 """
 
@@ -136,7 +137,7 @@ def _attend_kernel(
         plgpu.barrier_wait(k_barriers.at[slot])
 
         def scores(s_ref):
-            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
             return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32)) * sm_scale
@@ -153,7 +154,7 @@ def _attend_kernel(
         @pl.when(block_start + BLOCK_KV > kv_len)
         def _zero_v_past_kv_len():
             v_rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, v_smem.shape[-1]), 0, layout=plgpu.Layout.WGMMA)
-            v = plgpu.load(v_smem.at[slot], (), layout=plgpu.Layout.WGMMA)
+            v = v_smem.at[slot][...]  # a tiled, swizzled tile loads in the WGMMA layout
             v_smem.at[slot][...] = jnp.where(block_start + v_rows < kv_len, v, jnp.zeros_like(v))
             plgpu.commit_smem()
 
