@@ -10,7 +10,7 @@ LLAMA_CPP := .llama-cpp
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP_SRC := llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 
-.PHONY: serve test model bench gpu-check clean
+.PHONY: serve test model bench gpu-check check-jax-next clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,5 +66,21 @@ GPU_CHECK_OUT ?= gpu-check
 gpu-check:
 	$(PYTHON) -m bench.gpu_check --out $(GPU_CHECK_OUT) --require-gpu
 
+# Before a GPU session, on this CPU: the GPU image's software (Python 3.12, jax 0.11.2; no HTTP stack, gguf,
+# pydantic or llguidance) runs the kernel lowering and GPU-check tests, in a venv of its own.
+JAX_NEXT := .venv-jax-next
+# pyenv's shim for python3.12 refuses to run unless 3.12 is selected: take its interpreter directly.
+PYTHON_NEXT ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+JAX_NEXT_VERSION ?= 0.11.2
+$(JAX_NEXT)/.installed:
+	$(PYTHON_NEXT) -m venv $(JAX_NEXT)
+	$(JAX_NEXT)/bin/pip install --quiet jax==$(JAX_NEXT_VERSION) jaxlib==$(JAX_NEXT_VERSION) flax orbax-checkpoint \
+		numpy safetensors tokenizers jinja2 tqdm prometheus-client httpx pytest
+	touch $@
+
+check-jax-next: $(JAX_NEXT)/.installed
+	$(JAX_NEXT)/bin/python -m pytest -q tests/test_kernel_lowering.py tests/test_paged_attention.py \
+		tests/test_gpu_check.py tests/test_kernel_bench.py tests/test_engine_check.py
+
 clean:
-	rm -rf $(VENV) $(BENCH_REF) $(LLAMA_CPP)
+	rm -rf $(VENV) $(BENCH_REF) $(LLAMA_CPP) $(JAX_NEXT)
