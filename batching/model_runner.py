@@ -42,7 +42,7 @@ from batching.request import MAX_STOP_IDS
 from batching.sampler import (SamplerOutput, SamplingBatch, SamplingInputs, bitmask_words, mask_disallowed,
                               pack_sampling_batch, sample)
 from batching.scheduler import ScheduledChunk
-from batching.speculation import ACCEPTANCE_SMOOTHING, CallDrafts
+from batching.speculation import ACCEPTANCE_SMOOTHING, CallDrafts, paying_drafts
 from batching.structured import fill_bitmask
 from model.llama import KVCache, Llama, empty_kv_cache
 from model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
@@ -93,13 +93,14 @@ class Bucket:
 class DraftState:
     """Drafting in a speculative multi-step call. history: [S, H] int32, each drafting row's tokens (prompt +
     output) then -1, all -1 for a row that does not draft; acceptance: [S] float32, each row's recent per-draft
-    acceptance, updated at every step of the call as the speculator does between steps; min_acceptance: []
-    float32, below which a row checks no drafts at a step (it still compares its first draft with the token it
-    samples, so its acceptance follows what drafts would do)."""
+    acceptance, updated at every step of the call as the speculator does between steps; draft_cost: [] float32,
+    what a draft's row costs in tokens: a row checks the drafts that pay at its acceptance (`paying_drafts`), and
+    with none it still compares its first draft with the token it samples, so its acceptance follows what drafts
+    would do."""
 
     history: jax.Array
     acceptance: jax.Array
-    min_acceptance: jax.Array
+    draft_cost: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -236,8 +237,8 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     def verify(carry, _):
         last, emitted, history, acceptance, alive, kv_cache, sampling = carry
         drafts, num_drafts = propose_on_device(history, ngram)
-        checks_drafts = may_draft & (acceptance >= inputs.drafting.min_acceptance)
-        room = jnp.where(checks_drafts, jnp.minimum(num_drafts, inputs.limits - emitted - 1), 0)
+        paying = paying_drafts(acceptance, inputs.drafting.draft_cost, width - 1)
+        room = jnp.where(may_draft, jnp.minimum(jnp.minimum(num_drafts, paying), inputs.limits - emitted - 1), 0)
         q_lens = jnp.where(alive, 1 + jnp.clip(room, 0, width - 1), 0)
         cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
         owner = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token_rows, side="right"), num_seqs - 1)
@@ -546,7 +547,7 @@ class ModelRunner:
         draft_state = DraftState(np.full((num_rows, self.max_model_len if bucket.verifies else 0), -1, np.int32),
                                  np.zeros(num_rows, np.float32), np.array(1.0, np.float32))
         if drafting is not None:
-            draft_state = replace(draft_state, min_acceptance=np.array(drafting.min_acceptance, np.float32))
+            draft_state = replace(draft_state, draft_cost=np.array(drafting.draft_cost, np.float32))
             for i, (chunk, acceptance) in enumerate(zip(chunks, drafting.acceptance)):
                 if acceptance is not None:
                     draft_state.history[i, :chunk.seq.num_tokens] = chunk.seq.token_ids

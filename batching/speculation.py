@@ -13,21 +13,27 @@ expected tokens per second, none at all when that is best. A large batch, whose 
 (large `b*S` next to `a`), therefore drafts little or nothing; one stream with good drafts drafts. A single step
 that also prefills drafts nothing (see `propose`).
 
+How many drafts a sequence checks follows from the same costs: its i-th draft is kept with probability
+`alpha^i` and adds one token's row to the step, which costs `b` against `a + b` for the token a lone sequence's
+step yields, so the drafts that pay are those with `alpha^i >= b / (a + b)` (`paying_drafts`): all k while a
+sequence copies, fewer as its drafts start missing, none below `b / (a + b)`.
+
 When every running sequence decodes and none waits, the engine runs multi-step decode calls, and drafts ride
 inside them (`propose_for_call` picks the sequences): at every step of the call the device proposes up to k
-drafts for each drafting sequence from its tokens so far and checks them, so one call verifies several runs
-without the host in between. The same rule applies there with the steps of such calls' own fitted cost
+drafts for each drafting sequence from its tokens so far and checks those that pay, so one call verifies several
+runs without the host in between. The same rule applies there with the steps of such calls' own fitted cost
 (`multi_step_cost`: their steps cost less each, a smaller `a`), their tokens being the call's rows plus the
 drafts a step checks, plus what such a call's step costs beyond a plain one's at that batch (`verify_overhead`,
 measured at start-up: its sampler scores 1 + k rows per sequence). Within the call each drafting sequence's
-acceptance is kept on the device, and a step checks its drafts only while it is at or above the break-even
-rate of a lone sequence, `E(alpha, k) > b k / (a + b)`.
+acceptance is kept on the device, and at each step it checks the drafts that pay at its current acceptance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from batching.ngram import NgramConfig
 from batching.sequence import Sequence
@@ -51,10 +57,10 @@ class SpecCounters:
 @dataclass(frozen=True)
 class CallDrafts:
     """Drafting in a multi-step decode call: each sequence's acceptance going in (None: it does not draft), and
-    the acceptance below which a sequence checks no drafts at a step of the call (where drafting stops paying)."""
+    what a draft's row costs in tokens at a step of the call (`paying_drafts`' `draft_cost`)."""
 
     acceptance: list[float | None]
-    min_acceptance: float
+    draft_cost: float
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -62,14 +68,18 @@ def expected_accepted(alpha: float, k: int) -> float:
     return k if alpha >= 1.0 else alpha * (1 - alpha**k) / (1 - alpha)
 
 
-def break_even_acceptance(k: int, drafts_cost: float) -> float:
-    """The per-draft acceptance at which k drafts are expected to yield `drafts_cost` accepted tokens (what
-    their extra rows cost, in tokens): E(alpha, k) grows with alpha, so bisect."""
-    lo, hi = 0.0, 1.0
-    for _ in range(20):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if expected_accepted(mid, k) > drafts_cost else (mid, hi)
-    return hi
+def paying_drafts(acceptance, draft_cost: float, k: int):
+    """How many of k drafts pay for their rows: draft i is kept with probability `acceptance**i` (each accepted
+    with probability `acceptance`, in order until the first miss) and its row costs `draft_cost` tokens' worth of
+    step time, so drafts pay up to the first i with `acceptance**i < draft_cost`. acceptance: a numpy scalar or a
+    numpy or jax array [...] -> int [...]."""
+    return (acceptance[..., None] ** np.arange(1, k + 1) >= draft_cost).sum(-1)
+
+
+def draft_row_cost(cost: StepCostModel) -> float:
+    """What a draft's row costs in tokens: `b` seconds, against `a + b` for the token of a lone sequence's step."""
+    a, b = cost.coefficients()
+    return b / (a + b)
 
 
 @dataclass
@@ -152,33 +162,34 @@ class Speculator:
                 drafts = seq.grammar.valid_prefix(drafts)  # a draft its grammar forbids would be rejected
             if drafts:
                 proposals[seq] = drafts
+        row_cost = draft_row_cost(self.cost)
+        paying = {seq: drafts[:int(paying_drafts(np.float64(self.acceptance(seq)), row_cost, len(drafts)))]
+                  for seq, drafts in proposals.items()}
         chosen = set() if prefills else self._choose(
-            [(seq, len(d)) for seq, d in proposals.items()], len(decoding), self.cost, padded(len(decoding), False),
-            lambda drafts: padded(len(decoding) + drafts, True))
+            [(seq, len(d)) for seq, d in paying.items() if d], len(decoding), self.cost,
+            padded(len(decoding), False), lambda drafts: padded(len(decoding) + drafts, True))
         for seq, drafts in proposals.items():
             if seq in chosen:
-                seq.drafts = drafts
+                seq.drafts = paying[seq]
             else:
                 seq.shadow_draft = drafts[0]
 
     def propose_for_call(self, seqs: list[Sequence], padded: Callable[[int, bool], int]) -> CallDrafts | None:
         """Which sequences of a multi-step decode call draft in it (up to k drafts a step, proposed on the device
         from their tokens), None if none. Sequences whose penalties read their history never do: their drafts
-        would need it. Within the call, a sequence checks drafts at a step while its acceptance stays at or above
-        the rate at which a lone sequence's drafts pay for their extra tokens."""
-        k = self.config.num_speculative_tokens
-        rows = padded(len(seqs), False)
-        candidates = [(seq, k) for seq in seqs if seq.proposer is not None and not seq.sampling.reads_history]
-        chosen = self._choose(candidates, len(seqs), self.multi_step_cost, rows, lambda drafts: rows + drafts,
-                              self.verify_overhead.get(rows, 0.0))
+        would need it. Within the call, a sequence checks at each step the drafts that pay at its acceptance."""
+        k, rows, row_cost = self.config.num_speculative_tokens, padded(len(seqs), False), draft_row_cost(
+            self.multi_step_cost)
+        candidates = [(seq, int(paying_drafts(np.float64(self.acceptance(seq)), row_cost, k))) for seq in seqs
+                      if seq.proposer is not None and not seq.sampling.reads_history]
+        chosen = self._choose([c for c in candidates if c[1] > 0], len(seqs), self.multi_step_cost, rows,
+                              lambda drafts: rows + drafts, self.verify_overhead.get(rows, 0.0))
         for seq, _ in candidates:
             if seq not in chosen and (drafts := seq.proposer.propose(1)):
                 seq.shadow_draft = drafts[0]
         if not chosen:
             return None
-        a, b = self.multi_step_cost.coefficients()
-        return CallDrafts([self.acceptance(seq) if seq in chosen else None for seq in seqs],
-                          break_even_acceptance(k, b * k / (a + b)))
+        return CallDrafts([self.acceptance(seq) if seq in chosen else None for seq in seqs], row_cost)
 
     @staticmethod
     def clear(running: list[Sequence]) -> None:

@@ -19,7 +19,7 @@ from batching.engine import Engine
 from batching.ngram import NgramConfig, NgramProposer, propose_on_device
 from batching.sampler import SamplingInputs, SamplingRow, pack_sampling_batch, sample
 from batching.sampling_params import SamplingParams
-from batching.speculation import StepCostModel, expected_accepted
+from batching.speculation import StepCostModel, expected_accepted, paying_drafts
 from model.config import ModelConfig
 from model.llama import Llama
 from model.loader import LoadedModel
@@ -194,6 +194,18 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
 def test_expected_accepted_drafts():
     assert expected_accepted(0.0, 4) == 0 and expected_accepted(1.0, 4) == 4
     assert expected_accepted(0.5, 2) == pytest.approx(0.5 + 0.25)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_the_drafts_that_pay_are_the_count_with_the_most_expected_tokens_net_of_their_rows(k):
+    """`paying_drafts` (a closed form, run on the device) against a search over every count: n drafts yield
+    E(alpha, n) accepted tokens and cost n rows of `cost` tokens each."""
+    alphas = np.linspace(0.0, 1.0, 41)
+    for cost in (0.07, 0.11, 0.33, 0.61, 0.93):  # none a power of a grid point: no ties
+        best = [max(range(k + 1), key=lambda n: round(expected_accepted(a, n) - n * cost, 12)) for a in alphas]
+        np.testing.assert_array_equal(paying_drafts(alphas, cost, k), best)
+        on_device = paying_drafts(jnp.asarray(alphas, jnp.float32), jnp.float32(cost), k)
+        assert np.abs(np.asarray(on_device) - best).max() <= 1  # float32 at the boundaries only
 
 
 def test_a_steady_batch_keeps_the_slope_its_seeds_measured():
