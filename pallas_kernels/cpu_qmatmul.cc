@@ -274,6 +274,11 @@ struct Q4_1 {
 
 // ---- A tile: R rows x one panel over all of K, its accumulators in registers.
 
+// How far ahead of its loads a tile asks for the weights (into the next panel at a panel's end, which the next tile
+// reads; a prefetch past the end of the weights is harmless). At a few rows a step streams every weight from
+// memory once, and the hardware prefetcher alone kept one thread at about 16 GB/s; 4 KiB ahead, about 21 GB/s.
+constexpr int64_t kPrefetchBytes = 4096;
+
 template <class F, int R>
 void Tile(const QuantizedRows& x, int64_t m, const Weights& w, int64_t p, float* y) {
   constexpr int64_t kLanesPerBlock = kBlock / F::kInputsPerLane;
@@ -287,6 +292,7 @@ void Tile(const QuantizedRows& x, int64_t m, const Weights& w, int64_t p, float*
     for (int r = 0; r < R; ++r) dot[r] = ZeroInts();
     for (int64_t j = b * kLanesPerBlock; j < (b + 1) * kLanesPerBlock; ++j) {
       Ints ops[F::kOperands];
+      _mm_prefetch(reinterpret_cast<const char*>(panel + j * kLaneBytes + kPrefetchBytes), _MM_HINT_T0);
       F::Operands(LoadInts(panel + j * kLaneBytes), ops);
       for (int o = 0; o < F::kOperands; ++o)
         for (int r = 0; r < R; ++r)
