@@ -176,8 +176,6 @@ class SamplingRequest(_Request):
     def _cross_field_rules(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
-            raise ValueError("min_tokens must not exceed the maximum number of tokens")
         json_format = isinstance(self.response_format, (JsonObjectFormat, JsonSchemaFormat))
         if self.structured_outputs is not None and json_format:
             raise ValueError("give response_format or structured_outputs, not both")

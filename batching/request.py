@@ -64,7 +64,11 @@ class Request:
 
 
 def check_fits(prompts: list[list[int]], params: SamplingParams, limits: RequestLimits) -> None:
-    """Raises RequestRejected unless every prompt, with max_tokens more, fits the context and the pool."""
+    """Raises RequestRejected unless every prompt, with max_tokens more, fits the context and the pool, and
+    min_tokens is within max_tokens (the limit a request without one gets too)."""
+    if params.min_tokens > params.max_tokens:
+        raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed the maximum number of tokens "
+                              f"({params.max_tokens})")
     for prompt in prompts:
         if not prompt:
             raise RequestRejected("the prompt is empty")

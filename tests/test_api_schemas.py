@@ -113,10 +113,6 @@ def test_default_max_tokens_applies_only_without_a_limit():
     assert (params.max_tokens, params.logprobs, params.top_logprobs) == (16, True, 2)
 
 
-def test_min_tokens_above_max_tokens_is_rejected():
-    assert "min_tokens" in rejection(ChatCompletionRequest, {**CHAT, "min_tokens": 10, "max_tokens": 5}).message
-
-
 @pytest.mark.parametrize("prompt", [[5, 1000], [[5], [1000]]])
 def test_prompt_token_ids_outside_the_vocabulary_are_rejected(prompt):
     error = rejection(CompletionRequest, {"prompt": prompt})

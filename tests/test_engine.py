@@ -222,6 +222,8 @@ def test_requests_that_can_never_fit_are_rejected_up_front(tiny, engine):
         small.generate([[5] * 30], SamplingParams(max_tokens=3))
     with pytest.raises(RequestRejected, match="empty"):
         engine.generate([[]], GREEDY)
+    with pytest.raises(RequestRejected, match="min_tokens"):
+        engine.generate([[5]], SamplingParams(max_tokens=4, min_tokens=5))
 
 
 def test_a_failure_in_one_requests_host_work_ends_only_that_request(engine):
