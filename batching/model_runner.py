@@ -42,7 +42,7 @@ from batching.request import MAX_STOP_IDS
 from batching.sampler import (SamplerOutput, SamplingBatch, SamplingInputs, bitmask_words, mask_disallowed,
                               pack_sampling_batch, sample)
 from batching.scheduler import ScheduledChunk
-from batching.speculation import ACCEPTANCE_SMOOTHING, CallDrafts, paying_drafts
+from batching.speculation import CallDrafts, paying_drafts, per_draft_rate, smoothed
 from batching.structured import fill_bitmask
 from model.llama import KVCache, Llama, empty_kv_cache
 from model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
@@ -270,11 +270,9 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
         # Acceptance as `Speculator` keeps it: drafts verified until the first rejection, or the first proposed
         # draft against the sampled token.
         checked = jnp.maximum(q_lens - 1, 0)
-        reached = num_accepted + (num_accepted < checked)
         shadow = alive & may_draft & (checked == 0) & (num_drafts > 0)
-        rate = jnp.where(checked > 0, num_accepted / jnp.maximum(reached, 1), drafts[:, 0] == grid.tokens[:, 0])
-        acceptance = jnp.where((checked > 0) | shadow, acceptance + ACCEPTANCE_SMOOTHING * (rate - acceptance),
-                               acceptance)
+        rate = jnp.where(checked > 0, per_draft_rate(num_accepted, checked), drafts[:, 0] == grid.tokens[:, 0])
+        acceptance = jnp.where((checked > 0) | shadow, smoothed(acceptance, rate), acceptance)
         # Drafting rows' histories grow by what they kept (the others stay empty: they never draft).
         at = jnp.where(may_draft[:, None] & (offsets < kept[:, None]),
                        inputs.positions[:, None] + 1 + emitted[:, None] + offsets, history.shape[1])

@@ -76,6 +76,19 @@ def paying_drafts(acceptance, draft_cost: float, k: int):
     return (acceptance[..., None] ** np.arange(1, k + 1) >= draft_cost).sum(-1)
 
 
+def per_draft_rate(num_accepted, num_checked):
+    """The per-draft acceptance one verification shows: drafts are checked in order until the first rejection, so
+    those reached (the accepted ones, and the rejected one if any) estimate it. Python or numpy ints, or jax
+    arrays (elementwise; 0 where nothing was checked)."""
+    reached = num_accepted + (num_accepted < num_checked)
+    return num_accepted / (reached + (reached == 0))
+
+
+def smoothed(average, value, weight: float = ACCEPTANCE_SMOOTHING):
+    """An exponential average moved towards `value` by `weight` (floats or arrays)."""
+    return average + weight * (value - average)
+
+
 def draft_row_cost(cost: StepCostModel) -> float:
     """What a draft's row costs in tokens: `b` seconds, against `a + b` for the token of a lone sequence's step."""
     a, b = cost.coefficients()
@@ -238,13 +251,12 @@ class Speculator:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
-        # Drafts are verified in order until the first rejection: those reached estimate the per-draft rate.
-        rate = num_accepted / (num_accepted + (num_accepted < num_drafts))
-        self.prior_acceptance += PRIOR_SMOOTHING * (rate - self.prior_acceptance)
+        rate = per_draft_rate(num_accepted, num_drafts)
+        self.prior_acceptance = smoothed(self.prior_acceptance, rate, PRIOR_SMOOTHING)
         return rate
 
     def _update_acceptance(self, seq: Sequence, rate: float) -> None:
-        seq.acceptance = (1 - ACCEPTANCE_SMOOTHING) * self.acceptance(seq) + ACCEPTANCE_SMOOTHING * rate
+        seq.acceptance = smoothed(self.acceptance(seq), rate)
 
     def counters(self) -> SpecCounters:
         return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
