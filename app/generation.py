@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Literal, Protocol
@@ -89,17 +90,36 @@ class Generation:
         self._metrics.stream_failed(failure.status, self._collector.request_id, failure.message)
 
 
-def start_generation(state: ServerState, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                     arrival: float) -> Generation:
-    """Admits the request (429/503) and submits it to the engine (400 if it can never fit)."""
+async def start_generation(request: Request, state: ServerState, prompts: list[list[int]], params: SamplingParams,
+                           request_id: str, arrival: float) -> Generation:
+    """Admits the request (429/503) and submits it to the engine (400 if it can never fit).
+
+    Submitting builds the request (a structured output's grammar, the prompt's n-gram index, stop checkers),
+    which can take seconds, so it runs in a worker thread while the event loop serves everyone else. A client
+    that leaves meanwhile gets a 499, and its request is aborted as soon as it is built.
+    """
     engine = state.require_engine()
     admission = state.admit(len(prompts) * params.n)
+    collector = Collector(request_id, len(prompts) * params.n)  # on the loop, where its increments arrive
+    submitting = asyncio.ensure_future(asyncio.to_thread(engine.submit, prompts, params, collector, request_id))
     try:
-        collector = engine.add_request(prompts, params, request_id)
+        # Shielded: cancelling the wait cannot stop the thread, so the submission is seen through to its end.
+        await cancel_on_disconnect(request, asyncio.shield(submitting))
     except RequestRejected as error:
         admission.release()
         raise invalid_request(str(error)) from None
+    except BaseException:
+        submitting.add_done_callback(lambda _: abandon(engine, submitting, request_id, admission))
+        raise
     return Generation(engine, collector, admission, state.metrics, arrival)
+
+
+def abandon(engine: Engine, submitting: asyncio.Future[None], request_id: str, admission: Admission) -> None:
+    """Once a submission nobody waits for has ended: aborts the request if it reached the engine, and releases
+    its admission either way."""
+    if not submitting.cancelled() and submitting.exception() is None:
+        engine.abort(request_id)
+    admission.release()
 
 
 class ResponseBuilder(Protocol):

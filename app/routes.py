@@ -1,7 +1,7 @@
 """The OpenAI routes: parse and check the body, build the prompts, hand the request to the engine, respond.
 
 Where a request goes: `parse_body` (`schemas.py` checks every field) -> `prompts.py` (token ids) ->
-`generation.py` (admission, `Engine.add_request`, the collector) -> `responses.py` (OpenAI shapes, SSE).
+`generation.py` (admission, `Engine.submit` in a worker thread, the collector) -> `responses.py` (OpenAI shapes, SSE).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ async def create_chat_completion(request: Request) -> Response:
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = start_generation(state, [prompt.token_ids], params, request_id, arrival)
+    generation = await start_generation(request, state, [prompt.token_ids], params, request_id, arrival)
     builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
@@ -79,7 +79,7 @@ async def create_completion(request: Request) -> Response:
     prompts = completion_prompts(engine.tokenizer, body.prompt)
     params = body.sampling_params(default_max_tokens=DEFAULT_MAX_TOKENS)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = start_generation(state, [p.token_ids for p in prompts], params, request_id, arrival)
+    generation = await start_generation(request, state, [p.token_ids for p in prompts], params, request_id, arrival)
     builder = CompletionBuilder(request_id, state.model_name, engine.tokenizer, body, prompts)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 

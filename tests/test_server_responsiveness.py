@@ -1,0 +1,128 @@
+"""The event loop stays free while a request is built: compiling a structured output's grammar runs in a worker
+thread, so `/health` and other streams answer meanwhile, and a client that leaves during the build does not
+leave its request behind in the engine. The tiny random model with SmolLM2's vocabulary (llguidance needs the
+model's logits to cover the tokenizer), in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from flax import nnx
+
+from app.server import create_app
+from batching.engine import Engine
+from batching.structured import GrammarCompiler
+from model.config import ModelConfig
+from model.llama import Llama
+from model.loader import LoadedModel
+
+from test_server_engine import CONFIG, serve
+
+# What a large schema's compilation is made to take (unless released sooner): a real schema compiles in
+# milliseconds once llguidance's tokenizer is built, too fast to show a stall reliably.
+COMPILE_S = 2.0
+SCHEMA = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 8} for i in range(200)},
+          "required": [f"field_{i}" for i in range(200)], "additionalProperties": False}
+STRUCTURED = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": SCHEMA}}}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2) -> Engine:
+    tiny = ModelConfig.tiny(vocab_size=smollm2.config.vocab_size)
+    loaded = LoadedModel(tiny, Llama(tiny, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
+    return Engine(loaded, CONFIG, progress=False)
+
+
+@dataclass
+class SlowCompiles:
+    """Grammar compilations that take COMPILE_S, or until `release` is set; `started_at` is the last one's start."""
+
+    started: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    started_at: float = 0.0
+
+
+@pytest.fixture
+def slow_compiles(monkeypatch) -> SlowCompiles:
+    slow = SlowCompiles()
+    real = GrammarCompiler.compile
+
+    def compile(self, spec):
+        slow.started_at = time.perf_counter()
+        slow.started.set()
+        slow.release.wait(COMPILE_S)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", compile)
+    return slow
+
+
+def test_health_answers_at_once_while_a_large_schema_compiles(engine, slow_compiles):
+    async def scenario(client, state):
+        structured = asyncio.create_task(client.post("/v1/completions", json=STRUCTURED))
+        await asyncio.to_thread(slow_compiles.started.wait, COMPILE_S)
+        health = await client.get("/health")
+        answered_s = time.perf_counter() - slow_compiles.started_at
+        slow_compiles.release.set()
+        return health, answered_s, await structured
+
+    health, answered_s, structured = serve(engine, scenario)
+    assert health.status_code == 200 and answered_s < 0.5
+    assert structured.status_code == 200 and structured.json()["choices"][0]["finish_reason"] == "length"
+
+
+async def post_then_leave(app, body: dict, leave: threading.Event) -> list[dict]:
+    """POSTs `body` to /v1/completions over raw ASGI and disconnects once `leave` is set: the messages sent."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "server": ("sluice", 80), "client": ("client", 1),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+    requests = [{"type": "http.request", "body": raw, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if requests:
+            return requests.pop()
+        await asyncio.to_thread(leave.wait, COMPILE_S)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+def test_a_client_that_leaves_while_its_request_compiles_gets_it_aborted_once_built(engine, slow_compiles,
+                                                                                    monkeypatch):
+    calls: list[tuple[str, str]] = []
+    real_submit, real_abort = engine.submit, engine.abort
+
+    def submit(prompts, params, sink, request_id):
+        real_submit(prompts, params, sink, request_id)
+        calls.append(("submitted", request_id))
+
+    def abort(request_id):
+        calls.append(("aborted", request_id))
+        real_abort(request_id)
+
+    monkeypatch.setattr(engine, "submit", submit)
+    monkeypatch.setattr(engine, "abort", abort)
+
+    async def scenario(client, state):
+        sent = await post_then_leave(create_app(state), STRUCTURED, slow_compiles.started)
+        slow_compiles.release.set()
+        idle = await state.wait_idle(COMPILE_S)  # the admission is released once the build has ended
+        return sent, idle
+
+    sent, idle = serve(engine, scenario)
+    assert sent[0]["status"] == 499 and idle
+    request_id = calls[0][1]
+    assert calls == [("submitted", request_id), ("aborted", request_id)]
