@@ -85,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "most tokens (prefill + decode) in one step", type=int)
     _option(parser, "--num-decode-steps", _ENGINE_DEFAULTS.num_decode_steps,
             "decode steps per device call when every running sequence decodes and none waits", type=int)
+    _switch(parser, "--no-async-scheduling",
+            "collect each step before scheduling the next (no overlap of host and device work; for comparison)")
     _option(parser, "--speculative", None, "speculative decoding: 'ngram' (prompt lookup drafts)", choices=["ngram"])
     _option(parser, "--num-speculative-tokens", _ENGINE_DEFAULTS.num_speculative_tokens,
             "most draft tokens per sequence and step", type=int)
@@ -128,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_decode_steps=args.num_decode_steps,
+            async_scheduling=not args.no_async_scheduling,
             speculative=args.speculative,
             num_speculative_tokens=args.num_speculative_tokens,
             spec_ngram_min=args.spec_ngram_min,

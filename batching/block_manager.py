@@ -129,10 +129,10 @@ class BlockManager:
         del seq.page_table[keep:]
 
     def commit(self, seq: Sequence) -> None:
-        """Registers the pages `seq` has completely computed in the prefix cache."""
+        """Registers the pages `seq` has completely computed, and whose tokens are known, in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        while (len(seq.page_hashes) + 1) * self.page_size <= seq.num_computed_tokens:
+        while (len(seq.page_hashes) + 1) * self.page_size <= min(seq.num_computed_tokens, seq.num_known_tokens):
             i = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if seq.page_hashes else _ROOT_HASH
             tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])

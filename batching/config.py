@@ -20,6 +20,8 @@ class EngineConfig:
     `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
     in one device call (sampled tokens fed back on the device). 8 by measurement (`bench/decode_steps.py`,
     RESULTS.md): it saves a call's fixed cost per token; a request that arrives mid-call waits at most one call.
+    `async_scheduling`: overlap the host's work with the device's: the next step is scheduled and dispatched
+    while the last one runs, its sampled tokens fed on the device (off: each step is collected before the next).
     `quantization`: the weights' format (`model.quantize.CHOICES`; "auto" picks per device).
     `kv_cache_dtype`: "auto" keeps K/V in the activation dtype, "int8" stores them in int8 with a scale per
     token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
@@ -35,6 +37,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     num_decode_steps: int = 8
+    async_scheduling: bool = True
     speculative: str | None = None
     num_speculative_tokens: int = 4
     spec_ngram_min: int = 1

@@ -1,7 +1,10 @@
 """The engine: continuous batching over one model, stepped by one thread that alone owns its state.
 
 A request's path: `submit` (any thread: builds and checks the request) -> the inbox -> `step` on the engine
-thread: drain the inbox -> schedule -> dispatch -> emit the previous step's text -> fetch -> append tokens.
+thread: drain the inbox -> schedule -> dispatch -> collect the step before (append its tokens) -> emit text.
+The host works one step ahead of what it knows (overlapped scheduling): a dispatched step's sampled tokens are
+placeholders on their sequences (`Sequence.num_pending`) until the next step has been dispatched with them fed
+on the device; the host then takes them in and detokenizes them while that step runs.
 Requests, sequences, the scheduler, the block manager and the runner are touched by the engine thread only;
 the outside sees them through the inbox (adds, aborts), one delivery of increments per step, and a stats
 snapshot published after each step. No lock is held anywhere.
@@ -27,7 +30,8 @@ from jax.sharding import Mesh
 
 from batching.block_manager import BlockManager
 from batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from batching.model_runner import ModelRunner, PendingStep, VerifiedSteps, enable_compilation_cache
+from batching import step_broadcast
+from batching.model_runner import ModelRunner, PendingStep, SequenceOutput, enable_compilation_cache
 from batching.ngram import NgramConfig
 from batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
     TokenLogprob, deliver
@@ -77,6 +81,22 @@ class _Abort:
 
 class _Stop:
     """Ends the step loop; what is left is aborted."""
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A dispatched step the host has not collected yet: what ran (`limits`, `drafting`: a multi-step call's),
+    where each chunk's first sampled token goes in its sequence, when its step began (`time.perf_counter()`) and
+    the host time it took to schedule and dispatch."""
+
+    chunks: list[ScheduledChunk]
+    limits: list[int] | None
+    drafting: CallDrafts | None
+    first_indices: list[int]
+    pending: PendingStep
+    stats: StepStats
+    started: float
+    host_s: float
 
 
 @dataclass(frozen=True)
@@ -140,6 +160,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self._unemitted: list[_SampledToken] = []
+        self._in_flight: _Launched | None = None
+        self._last_step: StepStats | None = None
         self._deliveries: Deliveries = []
         self._deliver: Callable[[Deliveries], None] = deliver
         self._thread: threading.Thread | None = None
@@ -241,7 +263,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._unemitted) or not self._inbox.empty()
+        return (self.scheduler.has_work or bool(self._unemitted) or self._in_flight is not None
+                or not self._inbox.empty())
 
     def _run(self) -> None:
         while not self._stopping:
@@ -252,8 +275,10 @@ class Engine:
                 self.step()
             except Exception as error:  # noqa: BLE001 - a bug must not leave clients waiting forever
                 logger.exception("engine step failed")
+                self._in_flight = None
                 self._fail(list(self._requests.values()), _describe(error))
                 self._flush()
+        self._in_flight = None
         for request in list(self._requests.values()):
             self._finish(request, "abort", None)
         self._flush()
@@ -261,14 +286,40 @@ class Engine:
     # --- one step (engine thread) ---------------------------------------------------------------------
 
     def step(self) -> None:
-        """Drain the inbox -> schedule -> dispatch -> emit the previous step's text -> fetch -> append tokens.
+        """Schedule and dispatch a step -> collect the step before and append its tokens -> emit their text.
 
-        A failure in the device step ends that step's requests; a failure in one request's host work ends
-        that request only.
+        Overlapped (the default), the step before is still on the device when this one is dispatched: its
+        sampled tokens feed this one there, and the host takes them in while this one runs. When the host needs
+        them to build this step (drafts, grammar masks, penalty histories) or overlap is off, the step before is
+        collected first, and this one's tokens right after it ran. A failure in a device step ends that step's
+        requests; a failure in one request's host work ends that request only.
         """
         start = time.perf_counter()
         while not self._inbox.empty():
             self._apply(self._inbox.get_nowait())
+        overlap = self._overlaps()
+        if not overlap:
+            self._collect()
+        launched = self._launch(start)
+        if overlap:
+            self._collect()
+        self._emit_text()
+        self._flush()
+        self._in_flight = launched
+        if not overlap:
+            self._collect()
+        self._num_steps += 1
+        self.stats = self._snapshot(self._last_step)
+
+    def _overlaps(self) -> bool:
+        """Whether this step may be dispatched before the host has the previous step's tokens: only if nothing
+        it builds needs them (a draft, a grammar's mask, a penalty's token history; the other processes of a
+        multi-process job replay steps from host inputs alone)."""
+        return (self.config.async_scheduling and self.speculator is None and not step_broadcast.is_multiprocess()
+                and not any(seq.grammar is not None or seq.sampling.reads_history for seq in self.scheduler.running))
+
+    def _launch(self, start: float) -> _Launched | None:
+        """Schedules and dispatches a step; None if there is nothing to run (or it failed at once)."""
         if self.speculator is not None:
             running = self.scheduler.running
             if self._may_run_multi_step(running):
@@ -280,38 +331,79 @@ class Engine:
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
         chunks = scheduled.chunks
+        if not chunks:
+            return None
         limits, drafting = self._multi_step_call(chunks)
-        # Before appending changes what the chunks cover.
-        step_stats = StepStats.of(chunks, limits, self.step_cost) if chunks else None
-        pending = self._dispatch(chunks, limits, drafting) if chunks else None
-        dispatched = time.perf_counter()
-        self._emit_text()
-        self._flush()
-        arrived = dispatched
-        if pending is not None:
-            arrived = self._append_tokens(chunks, pending, drafting)
-            self._flush()  # failures found while fetching
-        self._num_steps += 1
+        stats = StepStats.of(chunks, limits, self.step_cost)  # before the chunks' sequences move on
+        try:
+            pending = self.runner.dispatch(chunks, limits, drafting)
+        except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
+            self._fail_step(chunks, error)
+            return None
+        return _Launched(chunks, limits, drafting, self._mark_dispatched(chunks, limits, drafting), pending, stats,
+                         start, time.perf_counter() - start)
+
+    def _mark_dispatched(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: CallDrafts | None
+                         ) -> list[int]:
+        """Moves each chunk's sequence past what the step computes, its sampled tokens as placeholders, so the
+        next step can be scheduled before they arrive. Returns where each chunk's first sampled token goes.
+        How many tokens a verification keeps is known only from its result: those sequences move on then."""
+        first_indices = []
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if chunk.num_drafts or drafting is not None:
+                first_indices.append(seq.num_tokens)
+                continue
+            count = (limits[i] if limits is not None else 1) if chunk.sample else 0
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens + max(count - 1, 0)
+            first_indices.append(seq.add_pending(count))
+        return first_indices
+
+    def _collect(self) -> None:
+        """Takes in the step in flight: appends each sequence's tokens (until it ends) and caches its pages."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            return
+        try:
+            result = launched.pending.fetch()
+        except Exception as error:  # noqa: BLE001
+            self._fail_step(launched.chunks, error)
+            return
+        arrived = time.perf_counter()
+        for chunk, output, index in zip(launched.chunks, result.seqs, launched.first_indices):
+            seq = chunk.seq
+            if output is not None and not seq.finished:
+                self._isolated(seq.request_id, self._append_output, seq, output, index, result.sampled)
+                if self.speculator is not None:
+                    self._count_drafts(seq, output, launched.drafting is not None and output.acceptance is not None)
+            if seq.status is SequenceStatus.RUNNING:
+                if chunk.num_drafts or launched.drafting is not None:
+                    kept = len(output.tokens) if output is not None else 0
+                    seq.num_computed_tokens = chunk.start + chunk.num_tokens - chunk.num_drafts + max(kept - 1, 0)
+                    self.block_manager.shrink(seq, seq.num_tokens)  # pages reserved for rejected drafts
+                self.block_manager.commit(seq)
+        self._flush()  # failures found while collecting
         end = time.perf_counter()
-        duration = end - start
-        if step_stats is not None:
-            step_stats = replace(step_stats, duration_s=duration, host_s=(dispatched - start) + (end - arrived))
-            self._totals.add_step(step_stats)
-            if self.speculator is not None and step_stats.num_prefill_tokens == 0 and pending is not None \
-                    and pending.fetched is not None:
-                # A decode or verify step, or a multi-step call: what a step of that many computed tokens costs.
-                if limits is None:
-                    tokens = self._padded_tokens(step_stats.num_tokens, step_stats.num_draft_tokens > 0)
-                    self._observe_decode_cost(tokens, 1, duration)
-                else:
-                    num_steps, rows = self.config.num_decode_steps, self._padded_tokens(len(chunks), False)
-                    seconds, checked = duration / num_steps, 0
-                    if isinstance(result := pending.fetched, VerifiedSteps):
-                        # The fit is of plain multi-step calls' steps and the drafts they check.
-                        seconds -= self.speculator.verify_overhead.get(rows, 0.0)
-                        checked = int(result.num_verified.sum())
-                    self._observe_decode_cost(rows + checked / num_steps, num_steps, seconds)
-        self.stats = self._snapshot(step_stats)
+        self._record_step(launched, end - launched.started, launched.host_s + end - arrived)
+
+    def _record_step(self, launched: _Launched, duration: float, host_s: float) -> None:
+        step_stats = replace(launched.stats, duration_s=duration, host_s=host_s)
+        self._totals.add_step(step_stats)
+        self._last_step = step_stats
+        if self.speculator is None or step_stats.num_prefill_tokens:
+            return
+        # A decode or verify step, or a multi-step call: what a step of that many computed tokens costs.
+        if launched.limits is None:
+            tokens = self._padded_tokens(step_stats.num_tokens, step_stats.num_draft_tokens > 0)
+            self._observe_decode_cost(tokens, 1, duration)
+        else:
+            num_steps, rows = self.config.num_decode_steps, self._padded_tokens(len(launched.chunks), False)
+            seconds, checked = duration / num_steps, 0
+            if launched.drafting is not None:
+                # The fit is of plain multi-step calls' steps and the drafts they check.
+                seconds -= self.speculator.verify_overhead.get(rows, 0.0)
+                checked = step_stats.num_draft_tokens
+            self._observe_decode_cost(rows + checked / num_steps, num_steps, seconds)
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:
         if isinstance(command, _Add):
@@ -384,98 +476,41 @@ class Engine:
             return None, None
         return limits, drafting
 
-    def _dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: CallDrafts | None
-                  ) -> PendingStep | None:
-        try:
-            return self.runner.dispatch(chunks, limits, drafting)
-        except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
-            self._fail_step(chunks, error)
-            return None
 
-    def _append_tokens(self, chunks: list[ScheduledChunk], pending: PendingStep, drafting: CallDrafts | None
-                       ) -> float:
-        """Appends each sampled chunk's tokens, step by step until its sequence ends, then marks what the
-        device computed (a chunk's tokens, and every token a multi-step call fed back). `drafting`: who drafted
-        in a speculative multi-step call. Returns when the sampled tokens arrived (`time.perf_counter()`)."""
-        try:
-            result = pending.fetch()
-        except Exception as error:  # noqa: BLE001
-            self._fail_step(chunks, error)
-            return time.perf_counter()
-        arrived = time.perf_counter()
-        num_computed = []
-        for index, (chunk, first_row) in enumerate(zip(chunks, pending.first_rows)):
-            appended = accepted = 0
-            if chunk.sample and isinstance(result, VerifiedSteps):
-                appended = self._append_verified(chunk.seq, result, index, first_row,
-                                                 drafting is not None and drafting.acceptance[index] is not None)
-            elif chunk.sample:
-                for step, row in self._sampled_positions(chunk, first_row, result.tokens.shape[0]):
-                    if chunk.seq.status is not SequenceStatus.RUNNING:
-                        break
-                    self._isolated(chunk.seq.request_id, self._append_token, chunk.seq, result, step, row)
-                    appended += 1
-                    if chunk.num_drafts:
-                        if row - first_row == chunk.num_drafts or not result.accepted[step, row]:
-                            break  # the bonus token, or the token that replaced a rejected draft, ends the run
-                        accepted += 1
-                if chunk.num_drafts:
-                    self.speculator.record(chunk.seq, chunk.num_drafts, accepted)
-                elif self.speculator is not None and appended:
-                    self.speculator.check_shadow(chunk.seq, chunk.seq.token_ids[chunk.start + chunk.num_tokens])
-                if appended and chunk.seq.grammar is not None and not chunk.seq.params.wants_logprobs:
-                    self._isolated(chunk.seq.request_id, self._append_forced, chunk.seq)
-            # Computed: the chunk's own tokens, the drafts that were accepted, and tokens a multi-step call fed back.
-            num_computed.append(chunk.start + chunk.num_tokens - chunk.num_drafts + max(appended - 1, 0))
-        self.scheduler.update_after_step(chunks, num_computed)
-        return arrived
-
-    def _append_verified(self, seq: Sequence, result: VerifiedSteps, index: int, first_row: int, drafts: bool
-                         ) -> int:
-        """Appends what a speculative multi-step call kept for `seq` (chunk `index`), step by step until the
-        sequence ends, and counts each step's verification; returns how many tokens it appended. `drafts`:
-        whether the sequence drafted in the call (its acceptance is then as the device left it; else its first
-        token is checked against its shadow draft)."""
-        appended, acceptance = 0, None
-        for step in range(result.num_emitted.shape[0]):
-            kept = int(result.num_emitted[step, index])
-            for row in range(first_row, first_row + kept):
-                if seq.status is not SequenceStatus.RUNNING:
-                    break
-                self._isolated(seq.request_id, self._append_token, seq, result.sampled, step, row)
-                appended += 1
-            if checked := int(result.num_verified[step, index]):
-                accepted = result.sampled.accepted[step, first_row:first_row + checked]
-                self.speculator.count(checked, int(np.cumprod(accepted).sum()))
-            if drafts and kept:
-                acceptance = float(result.acceptance[step, index])
-            elif appended and step == 0:
-                self.speculator.check_shadow(seq, seq.token_ids[-appended])
-            if seq.status is not SequenceStatus.RUNNING:
-                break
-        if acceptance is not None:
-            seq.acceptance = acceptance
-        return appended
+    def _append_output(self, seq: Sequence, output: SequenceOutput, index: int, sampled: SamplerOutput) -> None:
+        """Appends a step's tokens for `seq` from `index` on (over its placeholders) until it ends; then, for a
+        sequence with a grammar, the tokens the grammar forces."""
+        for j, (token, (step, row)) in enumerate(zip(output.tokens, output.positions)):
+            if seq.finished:
+                return
+            self._append(seq, index + j, token, self._logprobs(seq, token, sampled, step, row))
+        if seq.grammar is not None and not seq.params.wants_logprobs:
+            self._append_forced(seq)
 
     @staticmethod
-    def _sampled_positions(chunk: ScheduledChunk, first_row: int, num_steps: int) -> list[tuple[int, int]]:
-        """(step, row) of each token the chunk may append: a multi-step call's steps, or a verified chunk's
-        draft positions and bonus (in order; the caller stops at the first rejected draft)."""
-        if chunk.num_drafts:
-            return [(0, first_row + j) for j in range(chunk.num_drafts + 1)]
-        return [(step, first_row) for step in range(num_steps)]
+    def _logprobs(seq: Sequence, token: int, sampled: SamplerOutput, step: int, row: int
+                  ) -> tuple[TokenLogprob, ...]:
+        """The token's logprobs, if the sequence wants them. Top alternatives a grammar ruled out (logprob -inf)
+        are not reported."""
+        if not seq.params.wants_logprobs:
+            return ()
+        k = seq.params.top_logprobs
+        ids, values = sampled.top_ids[step, row, :k], sampled.top_logprobs[step, row, :k]
+        top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > float("-inf"))
+        return (TokenLogprob(token, float(sampled.logprobs[step, row]), top),)
 
-    def _append_token(self, seq: Sequence, result: SamplerOutput, step: int, row: int) -> None:
-        """Appends the token sampled at `step`. Top alternatives a grammar ruled out (logprob -inf) are not
-        reported."""
-        token = int(result.tokens[step, row])
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if seq.params.wants_logprobs:
-            k = seq.params.top_logprobs
-            ids, values = result.top_ids[step, row, :k], result.top_logprobs[step, row, :k]
-            top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > float("-inf"))
-            logprobs = (TokenLogprob(token, float(result.logprobs[step, row]), top),)
-        self._append(seq, token, logprobs)
+    def _count_drafts(self, seq: Sequence, output: SequenceOutput, drafted_in_call: bool) -> None:
+        """The speculator's counters and the sequence's acceptance, from what its drafts did (or, when it drafted
+        none, whether its first token matched the draft it would have checked)."""
+        for checked, accepted in output.verifications:
+            if drafted_in_call:
+                self.speculator.count(checked, accepted)
+            else:
+                self.speculator.record(seq, checked, accepted)
+        if drafted_in_call:
+            seq.acceptance = output.acceptance
+        elif not output.verifications and output.tokens:
+            self.speculator.check_shadow(seq, output.tokens[0])
 
     def _append_forced(self, seq: Sequence) -> None:
         """Appends the tokens the sequence's grammar forces, one allowed token at a time (`Grammar.forced_token`):
@@ -485,28 +520,30 @@ class Engine:
             token = seq.grammar.forced_token()
             if token is None or token in seq.stop.stop_ids:
                 return
-            self._append(seq, token, ())
+            self._append(seq, seq.num_tokens, token, ())
 
-    def _append(self, seq: Sequence, token: int, logprobs: tuple[TokenLogprob, ...]) -> None:
-        """Appends a token (advancing the sequence's grammar) and ends the sequence now if its id or count says
-        so."""
-        seq.token_ids.append(token)
+    def _append(self, seq: Sequence, index: int, token: int, logprobs: tuple[TokenLogprob, ...]) -> None:
+        """Places a token at `index` (advancing the sequence's grammar) and ends the sequence now if its id or
+        count says so (dropping the placeholders after it)."""
+        seq.place(index, token)
         if seq.grammar is not None:
             seq.grammar.advance(token)
         self._generation_tokens_total += 1
-        if seq.num_output_tokens == 1 and seq.parent is None:
+        num_output = index + 1 - seq.num_prompt_tokens
+        if num_output == 1 and seq.parent is None:
             self._prompt_tokens_total += seq.num_prompt_tokens
-        finish = seq.stop.token_finish(token, seq.num_output_tokens, seq.num_tokens >= self.max_model_len)
+        finish = seq.stop.token_finish(token, num_output, index + 1 >= self.max_model_len)
         if seq.proposer is not None:
             seq.proposer.extend([token])
         if finish is not None:
             seq.finish_reason = finish
+            seq.truncate(index + 1)
             self.scheduler.finish(seq)
-        self._unemitted.append(_SampledToken(seq, seq.num_tokens - 1, token, logprobs, finish))
+        self._unemitted.append(_SampledToken(seq, index, token, logprobs, finish))
 
     def _emit_text(self) -> None:
-        """Detokenizes the previous step's tokens and checks stop strings; a stop string ends its sequence
-        (its token in the step now on the device is then dropped)."""
+        """Detokenizes the tokens appended since the last call and checks stop strings; a stop string ends its
+        sequence (its tokens after that one, on the host or still on the device, are dropped)."""
         for sampled in self._unemitted:
             request = self._requests.get(sampled.seq.request_id)
             if request is not None and sampled.seq.choice not in request.finished_choices:
@@ -517,9 +554,9 @@ class Engine:
         seq = sampled.seq
         decision = seq.stop.emit(sampled.token, sampled.token_finish)
         if decision.finish_reason is not None and not seq.finished:
-            # A stop string: tokens sampled after this one (a multi-step call's) are dropped, never emitted.
-            self._generation_tokens_total -= seq.num_tokens - 1 - sampled.index
-            del seq.token_ids[sampled.index + 1:]
+            # A stop string: tokens sampled after this one (a multi-step call's, or the next step's) are dropped.
+            self._generation_tokens_total -= seq.num_known_tokens - 1 - sampled.index
+            seq.truncate(sampled.index + 1)
             seq.finish_reason = decision.finish_reason
             self.scheduler.finish(seq)
         self._send(request, Increment(seq.choice, decision.text, (sampled.token,), sampled.logprobs,

@@ -22,6 +22,7 @@ every row has ended are skipped.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import astuple, dataclass, replace
@@ -111,8 +112,9 @@ class StepInputs:
     sequence's last token row (the one it samples from); limits: [S] int32, decode steps each row may run
     in a multi-step call (0 for padding); num_sampled: [] int32, the rows of logits_rows that are sampled (the
     first ones; real tokens are the first cu_q_lens[-1] rows); drafting: a speculative multi-step call's
-    `DraftState` (no columns of history for other calls). Padding rows' outputs are never read, and the CPU
-    kernels skip them."""
+    `DraftState` (no columns of history for other calls); feed: [T] int32, for a token the host does not know
+    yet (overlapped scheduling), the row of the previous step's last tokens that holds it, else -1. Padding
+    rows' outputs are never read, and the CPU kernels skip them."""
 
     token_ids: jax.Array
     positions: jax.Array
@@ -124,6 +126,19 @@ class StepInputs:
     limits: jax.Array
     num_sampled: jax.Array
     drafting: DraftState
+    feed: jax.Array
+
+    def fed(self, last_tokens: jax.Array) -> StepInputs:
+        """With the tokens the previous step sampled ([R] int32, `last_tokens`) in place of the placeholders."""
+        fed = last_tokens[jnp.maximum(self.feed, 0)]
+        return replace(self, token_ids=jnp.where(self.feed >= 0, fed, self.token_ids))
+
+
+def last_tokens(tokens: jax.Array, num_rows: int) -> jax.Array:
+    """tokens: [S] int32, each sampled row's last token -> [num_rows] int32, cut or zero-padded: what the next
+    step may feed from (one shape whatever the bucket, so no step compiles once per previous bucket)."""
+    tokens = tokens[:num_rows]
+    return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
 
 
 def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
@@ -139,20 +154,23 @@ def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q
 
 
 def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
-             state: nnx.State, kv_cache: KVCache, inputs: StepInputs) -> tuple[jax.Array, KVCache]:
+             state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, inputs: StepInputs
+             ) -> tuple[jax.Array, KVCache]:
     """One step's model: the sampled rows' logits [S, V] float32, and the pool.
 
     kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (arrays or int8
-    `QuantizedPages`; donated).
+    `QuantizedPages`; donated). fed_from: [R] int32, the previous step's last tokens (`StepInputs.fed`).
     """
     model = nnx.merge(graphdef, state)
-    logits, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache), inputs)
+    logits, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache),
+                               inputs.fed(fed_from))
     return logits, layered_pool(kv_cache, model.config.num_layers)
 
 
-def _sample_step(logits: jax.Array, sampling: SamplingBatch) -> SamplerOutput:
-    """One step's sampler, outputs with a leading [1] axis (as a multi-step call's)."""
-    return jax.tree.map(lambda x: x[None], sample(logits, sampling))
+def _sample_step(num_rows: int, logits: jax.Array, sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
+    """One step's sampler, outputs with a leading [1] axis (as a multi-step call's), and its `last_tokens`."""
+    out = sample(logits, sampling)
+    return jax.tree.map(lambda x: x[None], out), last_tokens(out.tokens, num_rows)
 
 
 def _while_any_runs(step: Callable, running: Callable) -> Callable:
@@ -168,14 +186,16 @@ def _while_any_runs(step: Callable, running: Callable) -> Callable:
 
 
 def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
-                  num_steps: int, state: nnx.State, kv_cache: KVCache, inputs: StepInputs, sampling: SamplingBatch
-                  ) -> tuple[SamplerOutput, KVCache]:
-    """`num_steps` decode steps, model and sampler, each sampled token fed back; kv_cache as in `_forward`.
+                  num_steps: int, num_rows: int, state: nnx.State, kv_cache: KVCache, fed_from: jax.Array,
+                  inputs: StepInputs, sampling: SamplingBatch) -> tuple[tuple[SamplerOutput, jax.Array], KVCache]:
+    """`num_steps` decode steps, model and sampler, each sampled token fed back; kv_cache and fed_from as in
+    `_forward`.
 
-    Returns the sampler's outputs with a leading [num_steps] axis. No row has a structured-output mask: the
-    host cannot fill one between the steps.
+    Returns the sampler's outputs with a leading [num_steps] axis, and each row's last token (at its limit)
+    as `last_tokens`. No row has a structured-output mask: the host cannot fill one between the steps.
     """
     model = nnx.merge(graphdef, state)
+    inputs = inputs.fed(fed_from)
     rows = jnp.arange(inputs.token_ids.shape[0])
 
     def decode(carry, k):
@@ -196,7 +216,8 @@ def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     init = (inputs.token_ids, inputs.limits > 0, flat_pool(kv_cache), sampling)
     body = _while_any_runs(decode, lambda carry, k: carry[1] & (k < inputs.limits))
     (_, _, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
-    return outs, layered_pool(kv_cache, model.config.num_layers)
+    at_limit = jnp.take_along_axis(outs.tokens, jnp.maximum(inputs.limits - 1, 0)[None], axis=0)[0]
+    return (outs, last_tokens(at_limit, num_rows)), layered_pool(kv_cache, model.config.num_layers)
 
 
 @jax.tree_util.register_dataclass
@@ -214,8 +235,9 @@ class VerifiedSteps:
 
 
 def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
-                  ngram: NgramConfig, num_steps: int, state: nnx.State, kv_cache: KVCache, inputs: StepInputs,
-                  sampling: SamplingBatch) -> tuple[VerifiedSteps, KVCache]:
+                  ngram: NgramConfig, num_steps: int, num_rows: int, state: nnx.State, kv_cache: KVCache,
+                  fed_from: jax.Array, inputs: StepInputs, sampling: SamplingBatch
+                  ) -> tuple[tuple[VerifiedSteps, jax.Array], KVCache]:
     """`num_steps` decode steps in which each drafting sequence also checks up to k drafts, proposed on the
     device from its tokens at every step (`propose_on_device`; k = ngram.num_speculative_tokens).
 
@@ -227,6 +249,7 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     overwritten later. The sampler's outputs are returned as `VerifiedSteps`.
     """
     model = nnx.merge(graphdef, state)
+    inputs = inputs.fed(fed_from)
     width = 1 + ngram.num_speculative_tokens
     num_seqs = inputs.token_ids.shape[0]
     may_draft = inputs.drafting.history[:, 0] >= 0
@@ -286,8 +309,8 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     init = (inputs.token_ids, jnp.zeros(num_seqs, jnp.int32), inputs.drafting.history, inputs.drafting.acceptance,
             inputs.limits > 0, flat_pool(kv_cache), sampling)
     body = _while_any_runs(verify, lambda carry, _: carry[4])
-    (*_, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
-    return outs, layered_pool(kv_cache, model.config.num_layers)
+    (last, *_, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
+    return (outs, last_tokens(last, num_rows)), layered_pool(kv_cache, model.config.num_layers)
 
 
 def first_rows(chunks: list[ScheduledChunk]) -> list[int]:
@@ -299,22 +322,72 @@ def first_rows(chunks: list[ScheduledChunk]) -> list[int]:
     return rows
 
 
-class PendingStep:
-    """A dispatched step whose sampled tokens are being copied to the host; chunk i's rows start at
-    `first_rows[i]`."""
+@dataclass(frozen=True)
+class SequenceOutput:
+    """What one scheduled sequence got from a step, whatever ran (one step, a multi-step call, a verification):
+    its new tokens in order, where each lies in the sampler's output (`positions`, (step, row): its logprobs),
+    (drafts checked, drafts accepted) of each verification, and its acceptance as a speculative multi-step call
+    left it (None if it did not draft there). The engine stops taking tokens where the sequence ends."""
 
-    def __init__(self, out: SamplerOutput | VerifiedSteps, first_rows: list[int]):
+    tokens: list[int]
+    positions: list[tuple[int, int]]
+    verifications: list[tuple[int, int]]
+    acceptance: float | None = None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A step's results on the host: the sampler's arrays (numpy, leading [num_steps] axis) and, per scheduled
+    chunk, its sequence's share (None for a chunk that samples nothing: a prefill not yet at its end)."""
+
+    sampled: SamplerOutput
+    seqs: list[SequenceOutput | None]
+
+
+def _sequence_outputs(out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
+                      limits: list[int] | None, drafting: CallDrafts | None) -> list[SequenceOutput | None]:
+    """Each chunk's share of a fetched step (numpy arrays)."""
+    outputs: list[SequenceOutput | None] = []
+    for i, (chunk, row) in enumerate(zip(chunks, rows)):
+        if not chunk.sample:
+            outputs.append(None)
+        elif isinstance(out, VerifiedSteps):
+            positions, verifications, acceptance = [], [], None
+            for step in range(out.num_emitted.shape[0]):
+                kept = int(out.num_emitted[step, i])
+                positions += [(step, r) for r in range(row, row + kept)]
+                if checked := int(out.num_verified[step, i]):
+                    verifications.append((checked, int(np.cumprod(out.sampled.accepted[step, row:row + checked]).sum())))
+                if kept and drafting.acceptance[i] is not None:
+                    acceptance = float(out.acceptance[step, i])
+            outputs.append(SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications,
+                                          acceptance))
+        elif chunk.num_drafts:
+            accepted = int(np.cumprod(out.accepted[0, row:row + chunk.num_drafts]).sum())
+            positions = [(0, r) for r in range(row, row + accepted + 1)]  # the accepted drafts, then one sampled
+            outputs.append(SequenceOutput([int(out.tokens[p]) for p in positions], positions,
+                                          [(chunk.num_drafts, accepted)]))
+        else:
+            steps = limits[i] if limits is not None else 1
+            outputs.append(SequenceOutput(out.tokens[:steps, row].tolist(), [(s, row) for s in range(steps)], []))
+    return outputs
+
+
+class PendingStep:
+    """A dispatched step whose sampled tokens are being copied to the host."""
+
+    def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
+                 limits: list[int] | None, drafting: CallDrafts | None):
         self._out = out
-        self.fetched: SamplerOutput | VerifiedSteps | None = None  # once `fetch` has succeeded
-        self.first_rows = first_rows
+        self._shares = (chunks, rows, limits, drafting)
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
 
-    def fetch(self) -> SamplerOutput | VerifiedSteps:
-        """Blocks until the step is done; numpy arrays."""
-        if self.fetched is None:
-            self.fetched = jax.tree.map(np.asarray, self._out)
-        return self.fetched
+    def fetch(self) -> StepOutput:
+        """Blocks until the step is done."""
+        out = jax.tree.map(np.asarray, self._out)
+        sampled = out.sampled if isinstance(out, VerifiedSteps) else out
+        return StepOutput(sampled, _sequence_outputs(out, *self._shares))
 
 
 class ModelRunner:
@@ -355,8 +428,12 @@ class ModelRunner:
         # reads the tokens.
         everywhere = None if mesh is None else replicated(mesh)
         # partial: jax.jit keys its cache by the function object, and this runner's compilations are its own.
-        self._sample = jax.jit(partial(_sample_step), out_shardings=everywhere)
+        self._sample = jax.jit(partial(_sample_step, max_num_seqs), out_shardings=everywhere)
         self._mask = jax.jit(partial(mask_disallowed), out_shardings=everywhere)
+        # The last step's sampled tokens, each sequence's at its row, for the next step to feed (`StepInputs.feed`).
+        self._last_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
+                                           everywhere or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        self._last_rows: dict[int, int] = {}
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -405,9 +482,9 @@ class ModelRunner:
             out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
             args = (self.graphdef, self.backend, self.mesh, self.num_pages)
             if bucket.verifies:
-                fn = partial(_verify_steps, *args, self.page_size, self.ngram, bucket.num_steps)
+                fn = partial(_verify_steps, *args, self.page_size, self.ngram, bucket.num_steps, self.max_num_seqs)
             elif bucket.num_steps > 1:
-                fn = partial(_decode_steps, *args, self.page_size, bucket.num_steps)
+                fn = partial(_decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs)
             else:
                 fn = partial(_forward, *args, bucket.max_q_len)
             self._steps[key] = jax.jit(fn, donate_argnums=(1,), out_shardings=out_shardings)
@@ -421,15 +498,17 @@ class ModelRunner:
         ([num_rows, ceil(V / 32)] int32, all ones) while the model runs.
         """
         if bucket.num_steps > 1:
-            out, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, self._global(inputs),
-                                                       self._global(sampling))
+            (out, self._last_tokens), self.kv_cache = self._step_fn(bucket)(
+                self.state, self.kv_cache, self._last_tokens, self._global(inputs), self._global(sampling))
             return out
-        logits, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, self._global(inputs))
+        logits, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, self._last_tokens,
+                                                      self._global(inputs))
         if fill_masks is not None:
             allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
             fill_masks(allowed)
             logits = self._mask(logits, self._global(allowed))
-        return self._sample(logits, self._global(sampling))
+        out, self._last_tokens = self._sample(logits, self._global(sampling))
+        return out
 
     def _global(self, tree):
         """A computation spanning processes takes global arrays: each process holds the same full copy."""
@@ -506,6 +585,9 @@ class ModelRunner:
         bucket = self.bucket_for(chunks, num_steps, verifies)
         inputs, sampling = self._pad(chunks, bucket, limits, drafting)
         rows = [i * bucket.max_q_len for i in range(len(chunks))] if verifies else first_rows(chunks)
+        # Where each sequence's last token is in `last_tokens`, for the next step (unknown after drafts).
+        drafted = any(c.num_drafts for c in chunks)
+        self._last_rows = {} if drafted else {c.seq.seq_id: i for i, c in enumerate(chunks) if c.sample}
         constrained = [(c.seq.grammar, row, c.seq.drafts[:c.num_drafts])
                        for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
         if step_broadcast.is_multiprocess():
@@ -516,7 +598,8 @@ class ModelRunner:
             if step_broadcast.is_multiprocess():
                 step_broadcast.send_payload(allowed)
 
-        return PendingStep(self._run(bucket, inputs, sampling, fill_masks if constrained else None), rows)
+        return PendingStep(self._run(bucket, inputs, sampling, fill_masks if constrained else None), chunks, rows,
+                           limits, drafting)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
@@ -551,6 +634,7 @@ class ModelRunner:
                     draft_state.history[i, :chunk.seq.num_tokens] = chunk.seq.token_ids
                     draft_state.acceptance[i] = acceptance
         token_ids = np.zeros(t, np.int32)
+        feed = np.full(t, -1, np.int32)
         positions = np.zeros(t, np.int32)
         slot_mapping = np.full(t, -1, np.int32)
         kv_lens = np.zeros(a, np.int32)
@@ -559,33 +643,51 @@ class ModelRunner:
         logits_rows = np.zeros(num_rows, np.int32)
         row_limits = np.zeros(num_rows, np.int32)
         row_limits[:len(chunks)] = limits if limits is not None else 1
-        offset = piece = 0
+        # Python gathers each chunk's lists; numpy builds the arrays in one pass each.
+        tokens, starts, lengths, pages = [], [], [], []
+        piece_chunks, piece_ends, piece_kv_lens = [], [], []
         sampled: list[SamplingInputs] = []
-        for chunk in chunks:
+        offset, q = 0, bucket.max_q_len
+        for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-            pos = np.arange(start, start + n, dtype=np.int32)
-            pages = np.asarray(seq.page_table, np.int32)
-            token_ids[offset:offset + n] = chunk.token_ids
-            positions[offset:offset + n] = pos
-            slot_mapping[offset:offset + n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-            # A piece's queries are the last of its kv_len positions, so pieces of one chunk chain causally.
-            for lo in range(0, n, bucket.max_q_len):
-                hi = min(lo + bucket.max_q_len, n)
-                kv_lens[piece] = start + hi
-                page_table[piece, :len(pages)] = pages
-                cu_q_lens[piece + 1] = offset + hi
-                piece += 1
+            tokens += chunk.token_ids
+            if seq.num_pending:  # its last token is the previous step's, still on the device
+                feed[offset + n - 1] = self._last_rows[seq.seq_id]
+            starts.append(start)
+            lengths.append(n)
+            pages.append(seq.page_table)
+            # Pieces of at most q queries; a piece's queries are the last of its kv_len positions, so the pieces
+            # of one chunk chain causally.
+            ends = [*range(q, n, q), n]
+            piece_chunks += [i] * len(ends)
+            piece_ends += [offset + end for end in ends]
+            piece_kv_lens += [start + end for end in ends]
             offset += n
             # One row per draft position (each scores the next token as if the drafts before it were accepted).
             for j in range(chunk.num_drafts + 1):
                 logits_rows[len(sampled)] = offset - 1 - chunk.num_drafts + j
                 history = seq.token_ids + seq.drafts[:j] if j and seq.sampling.reads_history else seq.token_ids
                 sampled.append(SamplingInputs(
-                    seq.sampling, seq.num_output_tokens + j, history, seq.num_prompt_tokens, tuple(seq.stop.stop_ids),
+                    seq.sampling, seq.num_output_tokens + j, history, seq.num_prompt_tokens, seq.stop.stop_id_list,
                     seq.params.min_tokens, seq.drafts[j] if j < chunk.num_drafts else -1,
                 ))
-        cu_q_lens[piece + 1:] = offset
+        if chunks:
+            token_ids[:offset] = tokens
+            page_counts = np.array([len(p) for p in pages])
+            chunk_pages = np.zeros((len(chunks), self.max_pages_per_seq), np.int32)
+            chunk_pages[np.arange(self.max_pages_per_seq) < page_counts[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(pages), np.int32, page_counts.sum())
+            token_chunk = np.repeat(np.arange(len(chunks)), lengths)
+            chunk_offsets = np.cumsum(lengths) - lengths
+            positions[:offset] = np.arange(offset) - chunk_offsets[token_chunk] + np.asarray(starts)[token_chunk]
+            slot_mapping[:offset] = (chunk_pages[token_chunk, positions[:offset] // self.page_size] * self.page_size
+                                     + positions[:offset] % self.page_size)
+            num_pieces = len(piece_chunks)
+            page_table[:num_pieces] = chunk_pages[piece_chunks]
+            kv_lens[:num_pieces] = piece_kv_lens
+            cu_q_lens[1:num_pieces + 1] = piece_ends
+            cu_q_lens[num_pieces + 1:] = offset
         sampling = pack_sampling_batch(sampled, num_rows, self.max_model_len, MAX_STOP_IDS)
         inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits,
-                            np.array(len(sampled), np.int32), draft_state)
+                            np.array(len(sampled), np.int32), draft_state, feed)
         return inputs, sampling

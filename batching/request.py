@@ -103,6 +103,7 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
                 seq_id=next(seq_ids), request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
                 sampling=SamplingRow.from_params(params, seed + choice * _SEED_STRIDE, limits.vocab_size),
                 stop=StopChecker(params, limits.eos_token_ids, tokenizer.decode_stream(prompt)), parent=parent,
+                max_num_tokens=min(len(prompt) + params.max_tokens, limits.max_model_len),
                 grammar=grammar.fork() if grammar is not None else None,
                 proposer=NgramProposer(ngram) if ngram else None,
             )

@@ -10,7 +10,9 @@ sampling, top alternatives) is skipped with `lax.cond`. Structured output masks 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +52,11 @@ class SamplingRow:
             top_logprobs=params.top_logprobs,
             seed=seed % 2**32,
         )
+
+    @cached_property
+    def packed(self) -> tuple[float, ...]:
+        """The fields in order, as `pack_sampling_batch` lays them out (computed once per sequence)."""
+        return tuple(getattr(self, name) for name in _ROW_DTYPES)
 
     @property
     def reads_history(self) -> bool:
@@ -149,18 +156,21 @@ def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len
                         ) -> SamplingBatch:
     """Host-side arrays for `inputs`, padded to `num_rows`. Token history is filled only for rows that read it."""
     rows = [i.row for i in inputs] + [_PADDING_ROW] * (num_rows - len(inputs))
-    scalars = {name: np.array([getattr(r, name) for r in rows], dtype) for name, dtype in _ROW_DTYPES.items()}
-    step = np.zeros(num_rows, np.int32)
+    table = np.array([row.packed for row in rows], np.float64).reshape(num_rows, len(_ROW_DTYPES))
+    scalars = {name: table[:, column].astype(dtype) for column, (name, dtype) in enumerate(_ROW_DTYPES.items())}
+    n = len(inputs)
+    step, min_tokens, draft = (np.zeros(num_rows, np.int32) for _ in range(3))
+    draft[n:] = -1
+    step[:n] = [i.step for i in inputs]
+    min_tokens[:n] = [i.min_tokens for i in inputs]
+    draft[:n] = [i.draft for i in inputs]
+    stop_counts = np.array([len(i.stop_ids) for i in inputs], np.int64)
     stop_ids = np.full((num_rows, num_banned), -1, np.int32)
-    min_tokens = np.zeros(num_rows, np.int32)
+    stop_ids[:n][np.arange(num_banned) < stop_counts[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(i.stop_ids for i in inputs), np.int32, stop_counts.sum())
     history = np.full((num_rows, history_len), -1, np.int32)
     num_prompt = np.zeros(num_rows, np.int32)
-    draft = np.full(num_rows, -1, np.int32)
     for i, row_inputs in enumerate(inputs):
-        step[i] = row_inputs.step
-        draft[i] = row_inputs.draft
-        stop_ids[i, :len(row_inputs.stop_ids)] = row_inputs.stop_ids
-        min_tokens[i] = row_inputs.min_tokens
         if row_inputs.row.reads_history:
             history[i, :len(row_inputs.token_ids)] = row_inputs.token_ids
             num_prompt[i] = row_inputs.num_prompt

@@ -30,10 +30,11 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     num_drafts: int = 0
+    sample: bool = field(init=False)
 
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_tokens - self.num_drafts == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        # Fixed when scheduled: the sequence grows placeholders once its step is dispatched.
+        object.__setattr__(self, "sample", self.start + self.num_tokens - self.num_drafts == self.seq.num_tokens)
 
     @property
     def token_ids(self) -> list[int]:
@@ -71,7 +72,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Removes `seq` wherever it is and frees its pages now."""
+        """Removes `seq` wherever it is, drops its placeholders and frees its pages now."""
+        seq.truncate(seq.num_known_tokens)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -87,8 +89,8 @@ class Scheduler:
 
         # Decodes (one token left) before partial prefills, each group in schedule order.
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.schedule_key)):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq.at_limit:
+                continue  # preempted earlier in this loop, or its last token is still on the device
             if budget == 0:
                 break
             num_new = min(seq.num_uncomputed_tokens, budget)

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from batching.structured import Grammar
 
 
+PENDING = -1  # a token still on the device
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -47,12 +50,14 @@ class Sequence:
     params: SamplingParams
     sampling: SamplingRow
     stop: StopChecker
+    max_num_tokens: int
     arrival: int = 0
     queued_at: float = 0.0
     parent: Sequence | None = None
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    num_pending: int = 0
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -82,6 +87,36 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
+
+    @property
+    def at_limit(self) -> bool:
+        """Whether every token it may have is known or pending: nothing more to compute."""
+        return len(self.token_ids) >= self.max_num_tokens
+
+    def add_pending(self, count: int) -> int:
+        """Appends `count` placeholders; returns the index of the first."""
+        index = len(self.token_ids)
+        self.token_ids.extend([PENDING] * count)
+        self.num_pending += count
+        return index
+
+    def place(self, index: int, token: int) -> None:
+        """Writes a token the device sampled at `index`: over its placeholder, or appended."""
+        if index < len(self.token_ids):
+            self.token_ids[index] = token
+            self.num_pending -= 1
+        else:
+            self.token_ids.append(token)
+
+    def truncate(self, length: int) -> None:
+        """Drops every token from `length` on, placeholders included."""
+        removed = len(self.token_ids) - length
+        del self.token_ids[length:]
+        self.num_pending = max(0, self.num_pending - removed)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -41,6 +41,7 @@ class StopChecker:
     def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...], detokenizer: Detokenizer):
         self.params = params
         self.stop_ids = stop_token_ids(params, eos_token_ids)
+        self.stop_id_list = tuple(sorted(self.stop_ids))  # as the sampler packs them
         self.detokenizer = detokenizer
         self.text = ""
         self.num_emitted_chars = 0

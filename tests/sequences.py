@@ -22,5 +22,5 @@ def make_sequence(seq_id: int, tokens: list[int] | tuple[int, ...], params: Samp
         seq_id=seq_id, request_id=parent.request_id if parent else f"r{seq_id}", choice=choice,
         prompt_ids=tuple(tokens), params=params, sampling=SamplingRow.from_params(params, seq_id, 300),
         stop=StopChecker(params, TOKENIZER.eos_token_ids, TOKENIZER.decode_stream(tokens)),
-        arrival=seq_id if arrival is None else arrival, parent=parent,
+        max_num_tokens=len(tokens) + params.max_tokens, arrival=seq_id if arrival is None else arrival, parent=parent,
     )

@@ -1,0 +1,155 @@
+"""Host work per decode step of the real engine, by phase, and how much of it overlap hides.
+
+    python -m bench.host_overhead                                   # batches 1, 64, 256, 512; vocab 49,152 and 128,256
+    python -m bench.host_overhead --batches 64 --vocab 49152 --layers 8 --hidden 512   # a longer device step
+
+The model is small (random weights, two layers and hidden size 64 by default) with a real vocabulary (a
+file-free word-level tokenizer of that size), so its step is short next to the host's work; the sampler still
+scores the whole vocabulary. B requests decode together (greedy, EOS ignored), once with overlapped scheduling
+and once without, and the steady decode phase is timed by phase: schedule, inputs (building the step's
+arrays), dispatch, collect (turning the fetched arrays into each sequence's tokens), append (tokens onto
+sequences, stop ids, max_tokens) and emit (detokenize, stop strings, delivery). Host work is the phases' sum;
+wait is the time the host blocks on the device. Without overlap a step's period is about host + device; with
+it, about max(host, device): `--layers`/`--hidden` make the device step longer to show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import jax.numpy as jnp
+from flax import nnx
+
+from batching import model_runner
+from batching.config import EngineConfig
+from batching.engine import Engine
+from batching.outputs import ListCollector
+from batching.sampling_params import SamplingParams
+from bench.engine_check import file_free_tokenizer
+from model.config import ModelConfig
+from model.llama import Llama
+from model.loader import LoadedModel
+
+PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit")
+PROMPT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Per decode step, in milliseconds: each host phase, the time spent waiting for the device, all host work
+    (the phases' sum), and the step period (wall time per decode step)."""
+
+    phases: dict[str, float]
+    wait_ms: float
+    host_ms: float
+    period_ms: float
+
+
+def tiny_model(vocab_size: int, num_layers: int, hidden: int) -> LoadedModel:
+    """Random weights. At least two layers: a one-layer scan lets XLA copy the whole KV pool every step."""
+    config = ModelConfig.tiny(vocab_size=vocab_size, num_layers=num_layers, hidden_size=hidden,
+                              intermediate_size=2 * hidden, max_position_embeddings=4096)
+    model = Llama(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    return LoadedModel(config=config, model=model, tokenizer=file_free_tokenizer(config), name="host-overhead")
+
+
+class PhaseTimer:
+    """Wall-clock timers around the engine's phase functions (its code is unchanged); `wait` is the time the
+    host blocks on the device's results."""
+
+    def __init__(self, engine: Engine):
+        self.totals: dict[str, float] = defaultdict(float)
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.runner, "_pad", "inputs")
+        self._wrap(engine.runner, "_run", "dispatch")
+        self._wrap(model_runner, "_sequence_outputs", "collect")
+        self._wrap(model_runner.PendingStep, "fetch", "wait")
+        self._wrap(engine, "_append_output", "append")
+        self._wrap(engine, "_emit_text", "emit")
+        self._wrap(engine, "_flush", "emit")
+
+    def _wrap(self, owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+        totals = self.totals
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+        self._restore.append((owner, name, inner))
+
+    _restore: list = []
+
+    def close(self) -> None:
+        for owner, name, inner in reversed(self._restore):
+            setattr(owner, name, inner)
+        self._restore.clear()
+
+
+def measure(engine: Engine, batch: int, decode_steps: int) -> Measured:
+    """Runs `batch` requests to their end, timing the steps in which all of them decode."""
+    params = SamplingParams(max_tokens=decode_steps + 6 * engine.config.num_decode_steps, temperature=0.0,
+                            ignore_eos=True)
+    for i in range(batch):
+        prompt = [(7 * i + j) % 1000 + 3 for j in range(PROMPT_TOKENS)]
+        engine.submit([prompt], params, ListCollector(1), f"host-{i}")
+    while engine.stats.generation_tokens_total < batch:  # prefill and first tokens
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    timer = PhaseTimer(engine)
+    generated = engine.stats.generation_tokens_total
+    start = time.perf_counter()
+    while engine.stats.generation_tokens_total - generated < decode_steps * batch:
+        engine.step()
+    wall = time.perf_counter() - start
+    timer.close()
+    steps = (engine.stats.generation_tokens_total - generated) / batch
+    while engine.has_work:
+        engine.step()
+    ms = {phase: 1e3 * seconds / steps for phase, seconds in timer.totals.items()}
+    ms["wait"] -= ms.get("collect", 0.0)
+    phases = {phase: ms.get(phase, 0.0) for phase in PHASES}
+    return Measured(phases, ms["wait"], sum(phases.values()), 1e3 * wall / steps)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,64,256,512")
+    parser.add_argument("--vocab", default="49152,128256")
+    parser.add_argument("--layers", type=int, default=2, help="model layers (more: a longer device step)")
+    parser.add_argument("--hidden", type=int, default=64, help="model hidden size")
+    parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch and mode")
+    parser.add_argument("--num-decode-steps", type=int, default=1, help="the engine's decode steps per call")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"python -m bench.host_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"ms per decode step; {args.layers} layers, hidden {args.hidden}, {args.num_decode_steps} decode steps "
+          "per call; host = the phases' sum, wait = blocked on the device, period = wall time per step")
+    print(f"{'vocab':>7} {'batch':>5} {'overlap':>7} " + " ".join(f"{p:>8}" for p in PHASES)
+          + f" {'host':>8} {'wait':>8} {'period':>8}")
+    for vocab in [int(v) for v in args.vocab.split(",")]:
+        loaded = tiny_model(vocab, args.layers, args.hidden)
+        config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * PROMPT_TOKENS,
+                              max_model_len=512, num_decode_steps=args.num_decode_steps, kv_cache_memory=16 << 20)
+        engine = Engine(loaded, config, progress=False)
+        for batch in batches:
+            for overlap in (True, False):
+                engine.config = replace(config, async_scheduling=overlap)
+                m = measure(engine, batch, args.decode_steps)
+                print(f"{vocab:>7} {batch:>5} {'on' if overlap else 'off':>7} "
+                      + " ".join(f"{m.phases[p]:>8.3f}" for p in PHASES)
+                      + f" {m.host_ms:>8.3f} {m.wait_ms:>8.3f} {m.period_ms:>8.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""Overlapped scheduling on the tiny random model: the next step is dispatched before the host has the last
+step's tokens, and yet tokens, text, logprobs, stops, limits and aborts are exactly those of collecting every
+step first."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from batching.outputs import ListCollector
+from batching.sampling_params import SamplingParams
+from test_engine import GREEDY, make_engine, prompts, tiny  # noqa: F401 - `tiny` is a fixture
+
+KINDS = [
+    GREEDY,
+    replace(GREEDY, max_tokens=1),
+    replace(GREEDY, max_tokens=5, logprobs=True, top_logprobs=2),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(200,)),
+    replace(GREEDY, frequency_penalty=0.5),  # reads its history: steps with it are collected first
+]
+
+
+def fed_steps(engine) -> list[bool]:
+    """Records, for each dispatched step, whether a token of it came from the step before on the device."""
+    fed: list[bool] = []
+    dispatch = engine.runner.dispatch
+
+    def recording(chunks, *args, **kwargs):
+        fed.append(any(chunk.seq.num_pending for chunk in chunks))
+        return dispatch(chunks, *args, **kwargs)
+
+    engine.runner.dispatch = recording
+    return fed
+
+
+def assert_same(a, b):
+    assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
+    assert a.usage == b.usage
+    np.testing.assert_allclose([lp.logprob for lp in a.logprobs], [lp.logprob for lp in b.logprobs], atol=1e-5)
+
+
+@pytest.mark.parametrize("num_decode_steps", [1, 4])
+def test_overlap_gives_the_tokens_text_and_logprobs_of_collecting_every_step_first(tiny, num_decode_steps):
+    batch = prompts(12, seed=5)
+    params = [KINDS[i % len(KINDS)] for i in range(len(batch))]
+    overlapped = make_engine(tiny, num_decode_steps=num_decode_steps)
+    serial = make_engine(tiny, num_decode_steps=num_decode_steps, async_scheduling=False)
+    fed_overlapped, fed_serial = fed_steps(overlapped), fed_steps(serial)
+    for a, b in zip(overlapped.generate(batch, params), serial.generate(batch, params)):
+        assert_same(a[0], b[0])
+    assert any(fed_overlapped) and not any(fed_serial)
+    assert overlapped.stats.kv_pages_used == serial.stats.kv_pages_used == 0
+
+
+def test_a_stop_string_found_while_the_next_step_runs_emits_nothing_after_it(tiny):
+    engine = make_engine(tiny)
+    prompt = [31, 32, 33, 34, 35]
+    free = engine.generate([prompt], GREEDY)[0][0]
+    stop = free.text[len(free.text) // 3:len(free.text) // 3 + 2]
+    generated = engine.stats.generation_tokens_total
+    by_text = engine.generate([prompt], replace(GREEDY, stop=(stop,)))[0][0]
+    assert by_text.finish_reason == "stop" and by_text.text == free.text[:free.text.index(stop)]
+    assert by_text.token_ids == free.token_ids[:len(by_text.token_ids)]
+    assert by_text.usage.completion_tokens == len(by_text.token_ids) < len(free.token_ids)
+    assert engine.stats.generation_tokens_total - generated == len(by_text.token_ids)
+    assert engine.stats.kv_pages_used == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
+def test_max_tokens_is_exact_although_the_host_schedules_ahead(tiny, max_tokens):
+    engine = make_engine(tiny)
+    outs = engine.generate(prompts(5, seed=max_tokens), replace(GREEDY, max_tokens=max_tokens))
+    for out in outs:
+        assert len(out[0].token_ids) == out[0].usage.completion_tokens == max_tokens
+        assert out[0].finish_reason == "length"
+    assert engine.stats.kv_pages_used == 0 and engine.stats.num_seqs_running == 0
+
+
+def test_an_abort_with_a_step_in_flight_keeps_only_tokens_already_sampled_and_frees_every_page(tiny):
+    engine = make_engine(tiny)
+    prompt = [41, 42, 43, 44]
+    free = engine.generate([prompt], replace(GREEDY, max_tokens=30))[0][0]
+    collector = ListCollector(1)
+    engine.submit([prompt], replace(GREEDY, max_tokens=30), collector, "aborted")
+    for _ in range(6):
+        engine.step()
+    assert engine._in_flight is not None  # the abort meets a dispatched step whose tokens the host lacks
+    engine.abort("aborted")
+    while engine.has_work:
+        engine.step()
+    out = collector.completions()[0]
+    assert out.finish_reason == "abort"
+    assert 0 < len(out.token_ids) < 30 and out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert out.usage.completion_tokens == len(out.token_ids)
+    assert engine.stats.kv_pages_used == 0
