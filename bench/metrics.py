@@ -148,3 +148,21 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo = Sl
         good_requests=good,
         goodput=good / duration_s,
     )
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One figure over repeated runs: the median and the range. Formats as `median (min-max)` with the format
+    spec applied to each: f"{spread:.1f}" -> "358.3 (350.1-360.2)"."""
+
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        low, high = min(values), max(values)  # raises for no values
+        return cls(float(np.median(values)), float(low), float(high))
+
+    def __format__(self, spec: str) -> str:
+        return f"{self.median:{spec}} ({self.min:{spec}}-{self.max:{spec}})"

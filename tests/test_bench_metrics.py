@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.dataset import BenchRequest, SyntheticSpec, fresh_prompts, synthetic
-from bench.metrics import Distribution, RequestRecord, Slo, percentile, summarize
+from bench.metrics import Distribution, RequestRecord, Slo, Spread, percentile, summarize
 
 
 def _stream() -> RequestRecord:
@@ -97,3 +97,13 @@ def test_fresh_prompts_keep_lengths_and_outputs_but_not_token_ids() -> None:
     assert all(f.prompt != r.prompt for f, r in zip(fresh[:-1], requests[:-1]))
     assert fresh[-1] == requests[-1]  # text prompts are replayed as they are
     assert fresh == fresh_prompts(requests, salt=1) and fresh != fresh_prompts(requests, salt=2)
+
+
+def test_spread_is_the_median_and_range_of_repeated_runs() -> None:
+    assert Spread.of([358.3, 350.1, 360.2]) == Spread(median=358.3, min=350.1, max=360.2)
+    assert Spread.of([1.0, 4.0]).median == pytest.approx(2.5)
+
+
+def test_spread_formats_median_then_range_with_the_spec_applied_to_each() -> None:
+    assert f"{Spread(358.27, 350.1, 360.24):.1f}" == "358.3 (350.1-360.2)"
+    assert f"{Spread(112.4, 104.0, 131.0):.0f}" == "112 (104-131)"
