@@ -58,7 +58,11 @@ $(LLAMA_CPP)/.built: | $(BIN)/python
 	nice -n 10 cmake --build $(LLAMA_CPP)/build -j 2 --target llama-server llama-bench
 	touch $@
 
-bench: model $(BENCH_REF)/.installed $(LLAMA_CPP)/.built
+# llama-quantize writes the Q8_0 GGUF that `make bench` compares in besides the fetched Q4_1.
+$(LLAMA_CPP)/build/bin/llama-quantize: $(LLAMA_CPP)/.built
+	nice -n 10 cmake --build $(LLAMA_CPP)/build -j 2 --target llama-quantize
+
+bench: model $(BENCH_REF)/.installed $(LLAMA_CPP)/.built $(LLAMA_CPP)/build/bin/llama-quantize
 	$(BIN)/python bench/compare.py
 
 # On a GPU machine, with the image's python (no venv): kernels, engine and throughput in one command.

@@ -1,35 +1,86 @@
-"""llama.cpp, the CPU peer of `make bench`: where it is built, llama-server's command and counters, llama-bench's figures.
+"""llama.cpp, the CPU peer of `make bench`: where it is built, llama-server's settings, command line and
+the sweep over them, the requantized GGUF, llama-bench's figures.
 
-`make bench` builds `llama-server` and `llama-bench` once into `.llama-cpp/build/bin` from the llama.cpp
-sources vendored in the llama-cpp-python sdist (see the Makefile). The comparison serves the same GGUF
-with `llama-server -t 2 -np 64 -c N` (N: 64 slots of the workload's longest request) and sends it the
-same requests as Sluice through the same load generator (`bench/serve.py`).
+`make bench` builds `llama-server`, `llama-bench` and `llama-quantize` once into `.llama-cpp/build/bin` from
+the llama.cpp sources vendored in the llama-cpp-python sdist (see the Makefile). The comparison serves each
+format's GGUF with `llama-server -t 2 -np N -c C` and the sweep's other flags (C: N slots of the workload's
+longest request), and sends it the same requests as Sluice through the same load generator (`bench/serve.py`).
 
-Two behaviours of llama-server matter for a fair comparison. It keeps each slot's last prompt (and, with
-its default `--cache-ram`, a host-memory copy of idle slots) and reuses the longest common prefix of a new
-prompt (`cache_prompt` is on by default): every phase therefore gets fresh token ids, and the server's
-`/metrics` counters prove it (`prompt_tokens_cached_total` must not move). Its per-slot context is the
-total `-c` divided by `-np`, rounded up to a multiple of 256, so `-c` must hold 64 of the longest request.
+The settings swept, each a documented trade-off of llama-server on a CPU:
+- `-np` (slots): how many requests decode together; more slots, larger batches but more KV memory.
+- `-kvu` (one KV buffer for all slots): without it, an explicit `-np` gives each slot a KV stream of its own,
+  and a step is split into micro-batches of consecutive slots with equal token counts (`split_equal`), so a
+  step whose slots have gaps or mix prompt chunks with decodes runs as several.
+- `-b`/`-ub` (logical/physical batch, default 2048/512): with the default `-b`, a step may take 2048 prompt
+  tokens, and every decode in the batch waits for them.
+- `--cache-ram` (default 8192 MiB): idle slots are copied to a host-memory prompt cache; `0` turns that off.
+  Every phase's prompts are fresh token ids (`bench/server_counters.py` proves nothing is reused), so the copy
+  is pure cost.
+
+Its per-slot context is the total `-c` divided by `-np` (the whole `-c` with `-kvu`), rounded up to a
+multiple of 256, so `-c` holds `-np` of the longest request either way.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-import re
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 from bench.dataset import BenchRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_BIN = ROOT / ".llama-cpp/build/bin"
+REQUANTIZED = ROOT / ".llama-cpp/models"
 # llama.cpp pads each slot's context up to a multiple of this many tokens.
 CONTEXT_PADDING = 256
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One llama-server configuration of the sweep; None: llama-server's default."""
+
+    parallel: int = 64  # -np
+    kv_unified: bool = False  # -kvu / -no-kvu
+    batch: int | None = None  # -b and -ub
+    cache_ram_mib: int | None = None  # --cache-ram
+
+    def args(self) -> list[str]:
+        args = ["-np", str(self.parallel), "-kvu" if self.kv_unified else "-no-kvu"]
+        if self.batch is not None:
+            args += ["-b", str(self.batch), "-ub", str(self.batch)]
+        if self.cache_ram_mib is not None:
+            args += ["--cache-ram", str(self.cache_ram_mib)]
+        return args
+
+    @property
+    def label(self) -> str:
+        """The setting as its flags: `-np 64 -kvu -b 512 -ub 512 --cache-ram 0`."""
+        return " ".join(self.args())
+
+
+def sweep_settings(
+    parallel: Sequence[int], kv_unified: Sequence[bool], batch: Sequence[int | None], cache_ram_mib: Sequence[int | None]
+) -> list[Setting]:
+    """Every combination of the values given for each flag."""
+    return [Setting(*values) for values in itertools.product(parallel, kv_unified, batch, cache_ram_mib)]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A setting and the saturation output tok/s its sweep run reached."""
+
+    setting: Setting
+    output_throughput: float
+
+
+def best(sweep: Sequence[Measured]) -> Measured:
+    """The setting with the highest saturation output tok/s (the first of equals)."""
+    return max(sweep, key=lambda m: m.output_throughput)
 
 
 @dataclass(frozen=True)
@@ -37,13 +88,13 @@ class ServerConfig:
     model: Path
     port: int
     threads: int = 2
-    parallel: int = 64
+    setting: Setting = Setting()
     slot_context: int = 1024
 
     @property
     def context(self) -> int:
-        """The total `-c`: every slot holds `slot_context` tokens."""
-        return self.parallel * self.slot_context
+        """The total `-c`: every slot can hold `slot_context` tokens at once."""
+        return self.setting.parallel * self.slot_context
 
 
 def slot_context_for(requests: Sequence[BenchRequest]) -> int:
@@ -53,65 +104,32 @@ def slot_context_for(requests: Sequence[BenchRequest]) -> int:
 
 
 def server_command(config: ServerConfig, binary: Path = BUILD_BIN / "llama-server") -> list[str]:
-    """llama-server with continuous batching over `parallel` slots, and /metrics for the token counters."""
+    """llama-server with continuous batching as `config.setting` says, and /metrics for the token counters."""
     return [
-        str(binary), "-m", str(config.model), "-t", str(config.threads), "-np", str(config.parallel),
+        str(binary), "-m", str(config.model), "-t", str(config.threads), *config.setting.args(),
         "-c", str(config.context), "--host", "127.0.0.1", "--port", str(config.port), "--metrics",
     ]
 
 
-@dataclass(frozen=True)
-class ServerCounters:
-    """llama-server's cumulative token counters (Prometheus `/metrics`, names without the `llamacpp:` prefix)."""
-
-    prompt_tokens: int  # prompt tokens computed, excluding those reused from the prompt cache
-    prompt_tokens_cached: int
-    tokens_predicted: int
-    decode_calls: int  # llama_decode() calls: one per engine step
-
-    def __sub__(self, earlier: ServerCounters) -> ServerCounters:
-        return ServerCounters(
-            self.prompt_tokens - earlier.prompt_tokens,
-            self.prompt_tokens_cached - earlier.prompt_tokens_cached,
-            self.tokens_predicted - earlier.tokens_predicted,
-            self.decode_calls - earlier.decode_calls,
-        )
+def requantized_path(source: Path, gguf_type: str, folder: Path = REQUANTIZED) -> Path:
+    """Where `requantize` writes `source` in `gguf_type`: `SmolLM2-135M-Instruct.Q4_1.Q8_0.gguf`."""
+    return folder / f"{source.stem}.{gguf_type}.gguf"
 
 
-_METRIC = re.compile(r"^llamacpp:(\w+)\s+(\S+)$", re.MULTILINE)
+def quantize_command(source: Path, target: Path, gguf_type: str, binary: Path = BUILD_BIN / "llama-quantize") -> list[str]:
+    """`llama-quantize` from an already quantized GGUF: each tensor dequantized, then quantized to `gguf_type`."""
+    return [str(binary), "--allow-requantize", str(source), str(target), gguf_type]
 
 
-def parse_counters(metrics_text: str) -> ServerCounters:
-    values = {name: float(value) for name, value in _METRIC.findall(metrics_text)}
-    return ServerCounters(
-        prompt_tokens=int(values["prompt_tokens_total"]),
-        prompt_tokens_cached=int(values["prompt_tokens_cached_total"]),
-        tokens_predicted=int(values["tokens_predicted_total"]),
-        decode_calls=int(values["n_decode_total"]),
-    )
-
-
-def counters_reader(url: str) -> Callable[[], ServerCounters]:
-    """Reads the counters of the llama-server at `url` (started with `--metrics`) when called."""
-
-    def read() -> ServerCounters:
-        response = httpx.get(url + "/metrics", timeout=30)
-        response.raise_for_status()
-        return parse_counters(response.text)
-
-    return read
-
-
-def check_phase(counters: ServerCounters, requests: Sequence[BenchRequest], phase: str) -> None:
-    """Raises unless llama-server computed every prompt token of the phase afresh (nothing from its prompt
-    cache) and generated exactly the requested output tokens."""
-    prompt = sum(len(r.prompt) for r in requests)
-    output = sum(r.output_tokens for r in requests)
-    if counters.prompt_tokens_cached or counters.prompt_tokens != prompt or counters.tokens_predicted != output:
-        raise RuntimeError(
-            f"llama-server {phase}: computed {counters.prompt_tokens} prompt tokens ({counters.prompt_tokens_cached} "
-            f"from its cache) and {counters.tokens_predicted} output tokens; the phase sent {prompt} and asked for {output}"
-        )
+def requantize(source: Path, gguf_type: str) -> tuple[Path, list[str]]:
+    """`source` in `gguf_type`, written once beside the build: the file and the command that wrote it."""
+    target = requantized_path(source, gguf_type)
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".part")
+        subprocess.run(quantize_command(source, partial, gguf_type), capture_output=True, text=True, check=True)
+        partial.rename(target)
+    return target, quantize_command(source, target, gguf_type)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """A short `bench serve` run against a live `sluice serve` with the real default model, and the pieces of
-`make bench`'s llama.cpp baseline that need no llama.cpp build: its command, counters and bench output."""
+`make bench` that need no llama.cpp build: llama-server's settings, sweep and command, the servers' counters,
+llama-bench's output, the formats, the rounds' order and the options."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import llama_cpp, serve
+from bench import compare, llama_cpp, serve
+from bench.compare_report import FORMATS, sweep_table
 from bench.dataset import BenchRequest
 from bench.roofline import Peaks
+from bench.server_counters import ServerCounters, check_phase, parse_llama_server, parse_sluice
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = Path.home() / ".cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,9 +26,7 @@ needs_model = pytest.mark.skipif(not MODEL.exists(), reason="needs the default S
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from bench.compare import free_port, wait_ready
-
-    port = free_port()
+    port = compare.free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--max-num-seqs", "4",
@@ -35,7 +36,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, process, timeout_s=600)
+        compare.wait_ready(url, process, timeout_s=600)
         yield url
     finally:
         process.terminate()
@@ -76,14 +77,86 @@ def _request(prompt_tokens: int, output_tokens: int) -> BenchRequest:
 
 def test_llama_server_gets_a_slot_context_for_the_longest_request_in_every_slot() -> None:
     requests = [_request(500, 192), _request(16, 8)]  # 692 tokens: llama.cpp pads a slot to 768
-    config = llama_cpp.ServerConfig(Path("m.gguf"), port=8123, threads=2, parallel=64,
+    config = llama_cpp.ServerConfig(Path("m.gguf"), port=8123, threads=2, setting=llama_cpp.Setting(parallel=64),
                                     slot_context=llama_cpp.slot_context_for(requests))
 
     command = llama_cpp.server_command(config, binary=Path("llama-server"))
 
     assert config.slot_context == 768
-    assert command == ["llama-server", "-m", "m.gguf", "-t", "2", "-np", "64", "-c", str(64 * 768),
+    assert command == ["llama-server", "-m", "m.gguf", "-t", "2", "-np", "64", "-no-kvu", "-c", str(64 * 768),
                        "--host", "127.0.0.1", "--port", "8123", "--metrics"]
+
+
+def test_a_sweep_setting_becomes_llama_server_flags_and_is_labelled_by_them() -> None:
+    setting = llama_cpp.Setting(parallel=32, kv_unified=True, batch=512, cache_ram_mib=0)
+    config = llama_cpp.ServerConfig(Path("m.gguf"), port=8123, threads=2, setting=setting, slot_context=768)
+
+    command = llama_cpp.server_command(config, binary=Path("llama-server"))
+
+    assert command == ["llama-server", "-m", "m.gguf", "-t", "2", "-np", "32", "-kvu", "-b", "512", "-ub", "512",
+                       "--cache-ram", "0", "-c", str(32 * 768), "--host", "127.0.0.1", "--port", "8123", "--metrics"]
+    assert setting.label == "-np 32 -kvu -b 512 -ub 512 --cache-ram 0"
+
+
+def test_the_sweep_tries_every_combination_of_the_values_given() -> None:
+    settings = llama_cpp.sweep_settings(parallel=[16, 64], kv_unified=[False, True], batch=[None], cache_ram_mib=[None, 0])
+
+    assert len(settings) == len(set(settings)) == 8
+    assert settings[0] == llama_cpp.Setting(16, False, None, None)
+    assert settings[-1] == llama_cpp.Setting(64, True, None, 0)
+
+
+def test_the_best_setting_is_the_one_with_the_highest_saturation_output_throughput() -> None:
+    sweep = [llama_cpp.Measured(llama_cpp.Setting(parallel), tps) for parallel, tps in ((16, 91.0), (32, 140.5), (64, 120.0))]
+
+    assert llama_cpp.best(sweep).setting == llama_cpp.Setting(32)
+
+
+def test_the_sweep_table_has_a_column_per_format_and_bolds_each_formats_best() -> None:
+    low, high = llama_cpp.Setting(16), llama_cpp.Setting(64, kv_unified=True)
+    sweeps = {"Q4_1": [llama_cpp.Measured(low, 80.0), llama_cpp.Measured(high, 120.0)],
+              "Q8_0": [llama_cpp.Measured(low, 150.0), llama_cpp.Measured(high, 140.0)]}
+
+    table = sweep_table(sweeps)
+
+    assert table[0] == "| llama-server setting | Q4_1 | Q8_0 |"
+    assert table[2:] == ["| `-np 16 -no-kvu` | 80.0 | **150.0** |", "| `-np 64 -kvu` | **120.0** | 140.0 |"]
+
+
+def test_the_options_give_the_sweep_formats_and_repetitions() -> None:
+    default = compare.parse_args([])
+    short = compare.parse_args(["--formats", "Q8_0", "--repetitions", "1", "--llama-np", "64", "--llama-kvu", "on",
+                                "--llama-batch", "512", "--llama-cache-ram", "default", "0", "--sweep-requests", "8"])
+
+    assert default.formats == ["Q4_1", "Q8_0"] and default.repetitions == 3 and len(default.llama_settings) == 24
+    assert short.formats == ["Q8_0"] and short.repetitions == 1 and short.sweep_requests == 8
+    assert short.llama_settings == [llama_cpp.Setting(64, True, 512, None), llama_cpp.Setting(64, True, 512, 0)]
+
+
+def test_each_format_names_its_gguf_type_and_sluices_quantization() -> None:
+    assert FORMATS["Q4_1"].label == "Q4_1 (Sluice int4)"
+    assert FORMATS["Q8_0"].label == "Q8_0 (Sluice int8)"
+
+
+def test_a_gguf_already_in_the_format_is_served_as_it_is() -> None:
+    source = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+    assert compare.format_gguf(FORMATS["Q4_1"], source) == (source, None)
+
+
+def test_the_q8_0_file_is_the_q4_1_file_requantized_by_llama_quantize() -> None:
+    source = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+    target = llama_cpp.requantized_path(source, "Q8_0", folder=Path("out"))
+
+    assert target == Path("out/SmolLM2-135M-Instruct.Q4_1.Q8_0.gguf")
+    assert llama_cpp.quantize_command(source, target, "Q8_0", binary=Path("llama-quantize")) == [
+        "llama-quantize", "--allow-requantize", str(source), str(target), "Q8_0"]
+
+
+def test_the_system_that_goes_first_alternates_from_round_to_round() -> None:
+    assert [compare.round_order(i) for i in range(3)] == [
+        ("Sluice", "llama.cpp"), ("llama.cpp", "Sluice"), ("Sluice", "llama.cpp")]
 
 
 # As llama-server's /metrics writes them (HELP and TYPE lines, then the value).
@@ -100,26 +173,45 @@ llamacpp:n_tokens_max 711
 llamacpp:requests_processing 0
 """
 
+# As Sluice's /metrics writes them (prometheus_client: counters with _total, values as floats).
+SLUICE_METRICS = """# HELP sluice_prefix_cache_hit_tokens_total Prompt tokens served from the prefix cache
+# TYPE sluice_prefix_cache_hit_tokens_total counter
+sluice_prefix_cache_hit_tokens_total {cached}.0
+sluice_prompt_tokens_total 740.0
+sluice_generation_tokens_total 212.0
+sluice_engine_steps_total 90.0
+sluice_requests_total{{code="200"}} 4.0
+"""
+
+BEFORE = ServerCounters(prompt_tokens=224, prompt_tokens_cached=0, tokens_predicted=12, steps=10)
+
 
 def test_llama_server_counters_vouch_for_a_phase_computed_afresh() -> None:
-    before = llama_cpp.ServerCounters(prompt_tokens=224, prompt_tokens_cached=0, tokens_predicted=12, decode_calls=10)
     phase = [_request(500, 192), _request(16, 8)]
 
-    counters = llama_cpp.parse_counters(METRICS.format(cached=0))
+    counters = parse_llama_server(METRICS.format(cached=0))
 
-    assert counters == llama_cpp.ServerCounters(740, 0, 212, 90)
-    llama_cpp.check_phase(counters - before, phase, "saturation")  # 516 prompt, 200 output tokens: exact
+    assert counters == ServerCounters(740, 0, 212, 90)
+    check_phase(counters - BEFORE, phase, "saturation")  # 516 prompt, 200 output tokens: exact
+
+
+def test_sluice_counters_vouch_for_a_phase_computed_afresh() -> None:
+    phase = [_request(500, 192), _request(16, 8)]
+
+    counters = parse_sluice(SLUICE_METRICS.format(cached=0))
+
+    assert counters == ServerCounters(740, 0, 212, 90)
+    check_phase(counters - BEFORE, phase, "saturation")
 
 
 @pytest.mark.parametrize("cached, phase", [
-    (16, [_request(500, 192), _request(16, 8)]),  # a prefix came from llama-server's prompt cache
+    (16, [_request(500, 192), _request(16, 8)]),  # a prefix came from the server's prompt or prefix cache
     (0, [_request(500, 190), _request(16, 8)]),  # more tokens generated than asked for
 ])
-def test_llama_server_counters_reject_cached_prompts_or_other_output_lengths(cached: int, phase: list[BenchRequest]) -> None:
-    before = llama_cpp.ServerCounters(prompt_tokens=224, prompt_tokens_cached=0, tokens_predicted=12, decode_calls=10)
-
+@pytest.mark.parametrize("metrics, parse", [(METRICS, parse_llama_server), (SLUICE_METRICS, parse_sluice)])
+def test_server_counters_reject_cached_prompts_or_other_output_lengths(cached, phase, metrics, parse) -> None:
     with pytest.raises(RuntimeError, match="saturation"):
-        llama_cpp.check_phase(llama_cpp.parse_counters(METRICS.format(cached=cached)) - before, phase, "saturation")
+        check_phase(parse(metrics.format(cached=cached)) - BEFORE, phase, "saturation")
 
 
 def test_llama_bench_json_gives_prompt_and_generation_rates() -> None:
