@@ -542,25 +542,36 @@ class Engine:
         self._unemitted.append(_SampledToken(seq, index, token, logprobs, finish))
 
     def _emit_text(self) -> None:
-        """Detokenizes the tokens appended since the last call and checks stop strings; a stop string ends its
-        sequence (its tokens after that one, on the host or still on the device, are dropped)."""
+        """Detokenizes the tokens appended since the last call and checks stop strings: one increment per
+        sequence with all its new tokens. A stop string ends its sequence (its tokens after that one, on the host
+        or still on the device, are dropped)."""
+        by_seq: dict[Sequence, list[_SampledToken]] = {}
         for sampled in self._unemitted:
-            request = self._requests.get(sampled.seq.request_id)
-            if request is not None and sampled.seq.choice not in request.finished_choices:
-                self._isolated(request.request_id, self._emit, request, sampled)
+            by_seq.setdefault(sampled.seq, []).append(sampled)
         self._unemitted.clear()
+        for seq, tokens in by_seq.items():
+            request = self._requests.get(seq.request_id)
+            if request is not None and seq.choice not in request.finished_choices:
+                self._isolated(request.request_id, self._emit, request, seq, tokens)
 
-    def _emit(self, request: Request, sampled: _SampledToken) -> None:
-        seq = sampled.seq
-        decision = seq.stop.emit(sampled.token, sampled.token_finish)
-        if decision.finish_reason is not None and not seq.finished:
-            # A stop string: tokens sampled after this one (a multi-step call's, or the next step's) are dropped.
-            self._generation_tokens_total -= seq.num_known_tokens - 1 - sampled.index
-            seq.truncate(sampled.index + 1)
-            seq.finish_reason = decision.finish_reason
-            self.scheduler.finish(seq)
-        self._send(request, Increment(seq.choice, decision.text, (sampled.token,), sampled.logprobs,
-                                      decision.finish_reason))
+    def _emit(self, request: Request, seq: Sequence, tokens: list[_SampledToken]) -> None:
+        text, ids, logprobs, finish_reason = [], [], [], None
+        for sampled in tokens:
+            decision = seq.stop.emit(sampled.token, sampled.token_finish)
+            text.append(decision.text)
+            ids.append(sampled.token)
+            logprobs += sampled.logprobs
+            if decision.finish_reason is not None:
+                finish_reason = decision.finish_reason
+                if not seq.finished:
+                    # A stop string: tokens sampled after this one (a multi-step call's, or the next step's) are
+                    # dropped, never emitted.
+                    self._generation_tokens_total -= seq.num_known_tokens - 1 - sampled.index
+                    seq.truncate(sampled.index + 1)
+                    seq.finish_reason = finish_reason
+                    self.scheduler.finish(seq)
+                break
+        self._send(request, Increment(seq.choice, "".join(text), tuple(ids), tuple(logprobs), finish_reason))
 
     def _send(self, request: Request, increment: Increment) -> None:
         if increment.finished:
