@@ -13,6 +13,7 @@ snapshot published after each step. No lock is held anywhere.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import queue
@@ -155,6 +156,10 @@ class Engine:
                     cost = self.speculator.cost if num_steps == 1 else self.speculator.multi_step_cost
                     cost.seed(rows, seconds)
                 self.speculator.verify_overhead = self.runner.time_verify_overhead()
+        # What exists now (model, compiled steps, tokenizer) lives as long as the engine: kept out of the cyclic
+        # collector's full passes, which otherwise walk all of it and stall a step for milliseconds.
+        gc.collect()
+        gc.freeze()
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

@@ -4,7 +4,10 @@ Every step is padded to a bucket from a small fixed set, so after the warm-up co
 recompiles: decode-only steps by their number of sequences, mixed steps by their number of tokens. The KV pool
 is donated to the step and replaced by its output; the model parameters are split from the NNX module once and
 passed in as a pytree. `dispatch` returns at once (async dispatch) and starts copying the sampled tokens to the
-host, so the engine does its text work while the device computes.
+host, so the engine does its text work while the device computes. Each step also leaves every sequence's last
+sampled token on the device (`last_tokens`, a fixed [max_num_seqs] array), and the next step takes from it the
+tokens the host has not seen yet (`StepInputs.feed`): with overlapped scheduling the engine dispatches that step
+before it collects this one. A fetched step becomes one `SequenceOutput` per sequence, whatever ran.
 
 A step is two jitted calls, the model (to logits) and the sampler, so that the host fills the structured-output
 masks of the step's constrained rows (`batching/structured.py`) while the device runs the model: the masks need
