@@ -61,9 +61,12 @@ class StopChecker:
         self.num_output_tokens += 1
         if token_finish == "stop":
             return StopDecision(self._flush(), "stop")  # a stop id's own text is not emitted
-        search_from = max(0, len(self.text) - max((len(s) for s in self.params.stop), default=0))
-        self.text += self.detokenizer.push([token_id])
-        if self.params.stop and self.num_output_tokens > self.params.min_tokens:
+        if not self.params.stop:  # nothing to search for or hold back
+            self.text += self.detokenizer.push((token_id,))
+            return StopDecision(self._flush(), token_finish)
+        search_from = max(0, len(self.text) - max(len(s) for s in self.params.stop))
+        self.text += self.detokenizer.push((token_id,))
+        if self.num_output_tokens > self.params.min_tokens:
             hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
             if hits:
                 self.text = self.text[:min(hits)]

@@ -249,5 +249,9 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
         """Appends tokens and returns the text they complete (possibly "")."""
-        pieces = (self._stream.step(self._backend, token_id) for token_id in new_ids)
-        return "".join(piece for piece in pieces if piece is not None)
+        text = ""
+        for token_id in new_ids:
+            piece = self._stream.step(self._backend, token_id)
+            if piece is not None:
+                text += piece
+        return text
