@@ -1,7 +1,7 @@
 """Host work per decode step of the real engine, by phase, and how much of it overlap hides.
 
     python -m bench.host_overhead                                   # batches 1, 64, 256, 512; vocab 49,152 and 128,256
-    python -m bench.host_overhead --batches 64 --vocab 49152 --layers 8 --hidden 512   # a longer device step
+    python -m bench.host_overhead --batches 1,4,16,64 --model default              # the real model's device step
 
 The model is small (random weights, two layers and hidden size 64 by default) with a real vocabulary (a
 file-free word-level tokenizer of that size), so its step is short next to the host's work; the sampler still
@@ -10,7 +10,8 @@ and once without, and the steady decode phase is timed by phase: schedule, input
 arrays), dispatch, collect (turning the fetched arrays into each sequence's tokens), append (tokens onto
 sequences, stop ids, max_tokens) and emit (detokenize, stop strings, delivery). Host work is the phases' sum;
 wait is the time the host blocks on the device. Without overlap a step's period is about host + device; with
-it, about max(host, device): `--layers`/`--hidden` make the device step longer to show it.
+it, about max(host, device): `--layers`/`--hidden`, or `--model default` (the real SmolLM2, its step a few
+milliseconds on a CPU), make the device step longer to show it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from batching.sampling_params import SamplingParams
 from bench.engine_check import file_free_tokenizer
 from model.config import ModelConfig
 from model.llama import Llama
-from model.loader import LoadedModel
+from model.loader import LoadedModel, load_model
 
 PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit")
 PROMPT_TOKENS = 8
@@ -125,6 +126,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,64,256,512")
     parser.add_argument("--vocab", default="49152,128256")
+    parser.add_argument("--model", help="a real model instead ('default': SmolLM2-135M; weights quantized as the "
+                        "server's --quantization auto picks); --vocab, --layers and --hidden then do not apply")
     parser.add_argument("--layers", type=int, default=2, help="model layers (more: a longer device step)")
     parser.add_argument("--hidden", type=int, default=64, help="model hidden size")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch and mode")
@@ -132,14 +135,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"python -m bench.host_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"ms per decode step; {args.layers} layers, hidden {args.hidden}, {args.num_decode_steps} decode steps "
-          "per call; host = the phases' sum, wait = blocked on the device, period = wall time per step")
+    shape = f"model {args.model}" if args.model else f"{args.layers} layers, hidden {args.hidden}"
+    print(f"ms per decode step; {shape}, {args.num_decode_steps} decode steps per call; host = the phases' sum, "
+          "wait = blocked on the device, period = wall time per step")
     print(f"{'vocab':>7} {'batch':>5} {'overlap':>7} " + " ".join(f"{p:>8}" for p in PHASES)
           + f" {'host':>8} {'wait':>8} {'period':>8}")
-    for vocab in [int(v) for v in args.vocab.split(",")]:
-        loaded = tiny_model(vocab, args.layers, args.hidden)
+    models = ([lambda: load_model(None if args.model == "default" else args.model, quantization="auto")]
+              if args.model else [lambda v=int(v): tiny_model(v, args.layers, args.hidden) for v in args.vocab.split(",")])
+    for make_model in models:
+        loaded = make_model()
+        vocab = loaded.config.vocab_size
         config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * PROMPT_TOKENS,
-                              max_model_len=512, num_decode_steps=args.num_decode_steps, kv_cache_memory=16 << 20)
+                              max_model_len=512, num_decode_steps=args.num_decode_steps,
+                              kv_cache_memory=None if args.model else 16 << 20)
         engine = Engine(loaded, config, progress=False)
         for batch in batches:
             for overlap in (True, False):

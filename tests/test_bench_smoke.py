@@ -239,3 +239,17 @@ def test_a_text_less_finish_chunk_carries_no_token_but_a_text_less_token_chunk_d
     assert serve._content_chunk(incomplete_character, "completions")
     assert serve._content_chunk(last_token, "completions")
     assert not serve._content_chunk(usage_only, "completions")
+
+
+def test_host_overhead_times_every_phase_of_real_engine_steps_with_overlap_on_and_off(capsys) -> None:
+    """The benchmark wraps the engine's phase functions by name: a renamed one would time nothing."""
+    from bench import host_overhead
+
+    assert host_overhead.main(["--batches", "2", "--vocab", "512", "--decode-steps", "4"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("    512")]
+    assert [row[2] for row in rows] == ["on", "off"]
+    for row in rows:
+        schedule, inputs, dispatch, collect, append, emit, host, wait, period = map(float, row[3:])
+        assert min(schedule, inputs, dispatch, collect, append, emit) > 0
+        assert host == pytest.approx(schedule + inputs + dispatch + collect + append + emit, abs=0.01)
+        assert 0 < host < period
