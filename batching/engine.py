@@ -26,12 +26,11 @@ from functools import cached_property, partial
 from typing import Callable
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
+from batching import step_broadcast
 from batching.block_manager import BlockManager
 from batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from batching import step_broadcast
 from batching.model_runner import ModelRunner, PendingStep, SequenceOutput, enable_compilation_cache
 from batching.ngram import NgramConfig
 from batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
