@@ -70,8 +70,8 @@ GPU_CHECK_OUT ?= gpu-check
 gpu-check:
 	$(PYTHON) -m bench.gpu_check --out $(GPU_CHECK_OUT) --require-gpu
 
-# Before a GPU session, on this CPU: the GPU image's software (Python 3.12, jax 0.11.2; no HTTP stack, gguf,
-# pydantic or llguidance) runs the kernel lowering and GPU-check tests, in a venv of its own.
+# The software of a typical GPU machine (Python 3.12, jax 0.11.2; no HTTP stack, gguf, pydantic or llguidance),
+# on any machine: the kernel lowering and GPU-check tests in a venv of their own.
 JAX_NEXT := .venv-jax-next
 # pyenv's shim for python3.12 refuses to run unless 3.12 is selected: take its interpreter directly.
 PYTHON_NEXT ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)

@@ -6,7 +6,7 @@ A `Weight` is a parameter as stored (`model.quantize` makes the quantized ones):
 - q4 (Q4_1): values uint8 (two 4-bit values per byte) in the packed layout, scale and min f16.
 Layer weights are stacked on a leading `[num_layers]` axis and indexed by the scan's layer inside `project`.
 
-How they are multiplied (measured on the 2-core CPU, bench/quant.py; see bench/RESULTS.md):
+How they are multiplied (chosen by measurement: bench/quant.py, figures in bench/RESULTS.md):
 - float weights: XLA's dot.
 - quantized, on a CPU with the kernel library: the C++ kernels, for every row count. They quantize the
   activations per block of 32 (as llama.cpp does) and multiply in integers; they take the whole layer stack,

@@ -20,8 +20,7 @@ namespace sluice {
 // woken helper may not run for milliseconds, the caller simply does more chunks itself (it waits only for
 // chunks a helper has already claimed). A helper that starts after every chunk is claimed touches nothing
 // but the shared counters, which it co-owns. Helpers number one less than the pool's threads: with the caller
-// they fill the cores, and one more thread would only be descheduled (a step's context switches fell from
-// about 60 to 10 on a 2-core machine, and single model calls from 7-9 ms to 5.4 ms at batch 1).
+// they fill the cores, and one more thread would only be descheduled.
 struct ChunkCounters {
   explicit ChunkCounters(int64_t total) : total(total) {}
   const int64_t total;
