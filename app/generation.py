@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from batching.engine import Engine
 from batching.outputs import Collector, Increment, Usage
-from batching.request import RequestRejected
+from batching.sampling_params import RequestRejected
 from batching.sampling_params import SamplingParams
 
 from app.errors import APIError, generation_failed, invalid_request

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from batching.ngram import NgramConfig, NgramProposer
 from batching.outputs import OutputSink, Usage
 from batching.sampler import SamplingRow
-from batching.sampling_params import SamplingParams
+from batching.sampling_params import RequestRejected, SamplingParams
 from batching.sequence import Sequence
 from batching.stop_checker import StopChecker, stop_token_ids
 from model.tokenizer import Tokenizer
@@ -23,10 +23,6 @@ if TYPE_CHECKING:
 # device checks them to end a sequence inside a multi-step call.
 MAX_STOP_IDS = 32
 _SEED_STRIDE = 0x9E3779B9  # spreads the choices of one seeded request over distinct sampler seeds
-
-
-class RequestRejected(ValueError):
-    """The request can never run here (too long for the model or the KV pool, an empty prompt, ...)."""
 
 
 @dataclass(frozen=True)

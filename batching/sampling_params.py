@@ -8,6 +8,11 @@ from typing import Literal
 MAX_TOP_LOGPROBS = 20
 
 
+class RequestRejected(ValueError):
+    """The request can never run here (too long for the model or the KV pool, an empty prompt, a grammar that
+    does not compile, ...)."""
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """A grammar the output text must follow, as the request gave it (compiled by `batching/structured.py`).

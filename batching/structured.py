@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from batching.request import RequestRejected
-from batching.sampling_params import StructuredOutput
+from batching.sampling_params import RequestRejected, StructuredOutput
 from model.tokenizer import Tokenizer
 
 # llguidance's JSON options; a schema's own "x-guidance" key overrides them.

@@ -19,7 +19,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 from model.llama import AttendFn, KVCache
 from pallas_kernels.attention import ragged_paged_attention
 from pallas_kernels.kv_cache import write_kv
-from sharding.mesh import TP_AXIS
 
 
 @jax.tree_util.register_dataclass
@@ -65,8 +64,9 @@ def make_paged_attend(
         return out, (k_pool, v_pool)
 
     if mesh is not None:
-        heads = P(None, TP_AXIS, None)  # q/k/v/out [T, heads, head_dim]
-        pool = P(None, TP_AXIS)  # [pages, kv_heads, ...]: values and an int8 pool's scales alike
+        (axis,) = mesh.axis_names  # the tensor-parallel mesh has one axis
+        heads = P(None, axis, None)  # q/k/v/out [T, heads, head_dim]
+        pool = P(None, axis)  # [pages, kv_heads, ...]: values and an int8 pool's scales alike
         # The metadata goes in as an argument (replicated), not a closure: inside shard_map every array
         # must be a per-device value, and a multi-process job's metadata arrives as a global array.
         attend = jax.shard_map(

@@ -12,7 +12,7 @@ from flax import nnx
 from batching.config import EngineConfig
 from batching.engine import Engine
 from batching.outputs import ListCollector
-from batching.request import RequestRejected
+from batching.sampling_params import RequestRejected
 from batching.sampling_params import SamplingParams
 from batching.sequence import Sequence
 from model.config import ModelConfig

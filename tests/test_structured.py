@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from batching.request import RequestRejected
+from batching.sampling_params import RequestRejected
 from batching.sampler import SamplingInputs, SamplingRow, bitmask_words, mask_disallowed, pack_sampling_batch, sample
 from batching.sampling_params import SamplingParams, StructuredOutput
 from batching.structured import GrammarCompiler, InvalidGrammar, fill_bitmask
