@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from batching import step_broadcast
 from batching.block_manager import BlockManager
 from batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from batching.model_runner import ModelRunner, PendingStep, SequenceOutput, enable_compilation_cache
+from batching.model_runner import ModelRunner, PendingStep, SequenceOutput, StepOutput, enable_compilation_cache
 from batching.ngram import NgramConfig
 from batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
     TokenLogprob, deliver
@@ -388,9 +388,9 @@ class Engine:
                 self.block_manager.commit(seq)
         self._flush()  # failures found while collecting
         end = time.perf_counter()
-        self._record_step(launched, end - launched.started, launched.host_s + end - arrived)
+        self._record_step(launched, result, end - launched.started, launched.host_s + end - arrived)
 
-    def _record_step(self, launched: _Launched, duration: float, host_s: float) -> None:
+    def _record_step(self, launched: _Launched, result: StepOutput, duration: float, host_s: float) -> None:
         step_stats = replace(launched.stats, duration_s=duration, host_s=host_s)
         self._totals.add_step(step_stats)
         self._last_step = step_stats
@@ -406,7 +406,7 @@ class Engine:
             if launched.drafting is not None:
                 # The fit is of plain multi-step calls' steps and the drafts they check.
                 seconds -= self.speculator.verify_overhead.get(rows, 0.0)
-                checked = step_stats.num_draft_tokens
+                checked = sum(n for out in result.seqs if out is not None for n, _ in out.verifications)
             self._observe_decode_cost(rows + checked / num_steps, num_steps, seconds)
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:

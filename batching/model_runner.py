@@ -434,8 +434,7 @@ class ModelRunner:
         self._sample = jax.jit(partial(_sample_step, max_num_seqs), out_shardings=everywhere)
         self._mask = jax.jit(partial(mask_disallowed), out_shardings=everywhere)
         # The last step's sampled tokens, each sequence's at its row, for the next step to feed (`StepInputs.feed`).
-        self._last_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32),
-                                           everywhere or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        self._last_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), everywhere or self.kv_sharding)
         self._last_rows: dict[int, int] = {}
 
     @property
