@@ -92,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "most draft tokens per sequence and step", type=int)
     _option(parser, "--spec-ngram-min", _ENGINE_DEFAULTS.spec_ngram_min, "shortest suffix matched for drafts", type=int)
     _option(parser, "--spec-ngram-max", _ENGINE_DEFAULTS.spec_ngram_max, "longest suffix matched for drafts", type=int)
+    _option(parser, "--spec-max-batch-size", _ENGINE_DEFAULTS.spec_max_batch_size,
+            "no drafts while more sequences than this decode (their step is compute-bound)", type=int)
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--kv-cache-dtype", _ENGINE_DEFAULTS.kv_cache_dtype,
@@ -135,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             num_speculative_tokens=args.num_speculative_tokens,
             spec_ngram_min=args.spec_ngram_min,
             spec_ngram_max=args.spec_ngram_max,
+            spec_max_batch_size=args.spec_max_batch_size,
             kv_cache_memory=args.kv_cache_memory,
             kv_cache_dtype=args.kv_cache_dtype,
             page_size=args.page_size,

@@ -26,8 +26,9 @@ class EngineConfig:
     `kv_cache_dtype`: "auto" keeps K/V in the activation dtype, "int8" stores them in int8 with a scale per
     token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
     `speculative` "ngram": draft up to `num_speculative_tokens` tokens per decoding sequence by prompt lookup
-    (suffixes of `spec_ngram_min`..`spec_ngram_max` tokens) and verify them in one step, when that pays; inside
-    multi-step decode calls the device proposes and checks them at every step of the call.
+    (suffixes of `spec_ngram_min`..`spec_ngram_max` tokens) and verify them in one step, while at most
+    `spec_max_batch_size` sequences decode (`batching/speculation.py`); inside multi-step decode calls the device
+    proposes and checks them at every step of the call.
     """
 
     model: str | None = None
@@ -42,6 +43,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     spec_ngram_min: int = 1
     spec_ngram_max: int = 4
+    spec_max_batch_size: int = 8
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"
     page_size: int = 16
@@ -58,6 +60,7 @@ class EngineConfig:
             (self.speculative in (None, "ngram"), "speculative", "must be 'ngram' or unset"),
             (1 <= self.num_speculative_tokens <= 15, "num_speculative_tokens", "must be in [1, 15]"),
             (1 <= self.spec_ngram_min <= self.spec_ngram_max, "spec_ngram_min", "must be in [1, spec_ngram_max]"),
+            (self.spec_max_batch_size >= 1, "spec_max_batch_size", "must be at least 1"),
             (self.page_size >= 1, "page_size", "must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from batching import step_broadcast
 from batching.block_manager import BlockManager
 from batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from batching.model_runner import ModelRunner, PendingStep, SequenceOutput, StepOutput, enable_compilation_cache
+from batching.model_runner import ModelRunner, PendingStep, SequenceOutput, enable_compilation_cache
 from batching.ngram import NgramConfig
 from batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
     TokenLogprob, deliver
@@ -41,7 +41,7 @@ from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from batching.sequence import Sequence, SequenceStatus
 from batching.roofline import StepCost, kv_bytes_per_token
-from batching.speculation import CallDrafts, Speculator
+from batching.speculation import Speculator
 from batching.stats import EngineStats, StepStats, StepTotals
 from batching.structured import GrammarCompiler
 from model.config import ModelConfig
@@ -91,7 +91,7 @@ class _Launched:
 
     chunks: list[ScheduledChunk]
     limits: list[int] | None
-    drafting: CallDrafts | None
+    drafting: list[int] | None
     first_indices: list[int]
     pending: PendingStep
     stats: StepStats
@@ -133,8 +133,8 @@ class Engine:
             vocab_size=loaded.config.vocab_size,
             eos_token_ids=tuple(loaded.config.eos_token_ids or self.tokenizer.eos_token_ids),
         )
-        self.ngram = (NgramConfig(config.num_speculative_tokens, config.spec_ngram_min, config.spec_ngram_max)
-                      if config.speculative == "ngram" else None)
+        self.ngram = (NgramConfig(config.num_speculative_tokens, config.spec_ngram_min, config.spec_ngram_max,
+                                  config.spec_max_batch_size) if config.speculative == "ngram" else None)
         enable_compilation_cache()
         self.runner = ModelRunner(
             loaded.model, num_pages=num_pages, page_size=config.page_size, max_model_len=self.max_model_len,
@@ -150,11 +150,6 @@ class Engine:
         self.step_cost = StepCost.of(loaded.config, loaded.model, kv_dtype)
         if config.warmup:
             self.runner.warmup(progress)
-            if self.speculator is not None:
-                for rows, num_steps, seconds in self.runner.time_decode_steps():
-                    cost = self.speculator.cost if num_steps == 1 else self.speculator.multi_step_cost
-                    cost.seed(rows, seconds)
-                self.speculator.verify_overhead = self.runner.time_verify_overhead()
         # What exists now (model, compiled steps, tokenizer) lives as long as the engine: kept out of the cyclic
         # collector's full passes, which otherwise walk all of it and stall a step for milliseconds.
         gc.collect()
@@ -331,7 +326,7 @@ class Engine:
             else:
                 prefills = (any(seq.num_uncomputed_tokens > 1 for seq in running)
                             or bool(self.scheduler.waiting) and len(running) < self.config.max_num_seqs)
-                self.speculator.propose(running, self.max_model_len, self._padded_tokens, prefills)
+                self.speculator.propose(running, self.max_model_len, prefills)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
         chunks = scheduled.chunks
@@ -347,7 +342,7 @@ class Engine:
         return _Launched(chunks, limits, drafting, self._mark_dispatched(chunks, limits, drafting), pending, stats,
                          start, time.perf_counter() - start)
 
-    def _mark_dispatched(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: CallDrafts | None
+    def _mark_dispatched(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: list[int] | None
                          ) -> list[int]:
         """Moves each chunk's sequence past what the step computes, its sampled tokens as placeholders, so the
         next step can be scheduled before they arrive. Returns where each chunk's first sampled token goes.
@@ -378,8 +373,8 @@ class Engine:
             seq = chunk.seq
             if output is not None and not seq.finished:
                 self._isolated(seq.request_id, self._append_output, seq, output, index, result.sampled)
-                if self.speculator is not None:
-                    self._count_drafts(seq, output, launched.drafting is not None and output.acceptance is not None)
+                for checked, accepted in output.verifications:
+                    self.speculator.record(seq, checked, accepted)
             if seq.status is SequenceStatus.RUNNING:
                 if chunk.num_drafts or launched.drafting is not None:
                     kept = len(output.tokens) if output is not None else 0
@@ -388,26 +383,9 @@ class Engine:
                 self.block_manager.commit(seq)
         self._flush()  # failures found while collecting
         end = time.perf_counter()
-        self._record_step(launched, result, end - launched.started, launched.host_s + end - arrived)
-
-    def _record_step(self, launched: _Launched, result: StepOutput, duration: float, host_s: float) -> None:
-        step_stats = replace(launched.stats, duration_s=duration, host_s=host_s)
-        self._totals.add_step(step_stats)
-        self._last_step = step_stats
-        if self.speculator is None or step_stats.num_prefill_tokens:
-            return
-        # A decode or verify step, or a multi-step call: what a step of that many computed tokens costs.
-        if launched.limits is None:
-            tokens = self._padded_tokens(step_stats.num_tokens, step_stats.num_draft_tokens > 0)
-            self._observe_decode_cost(tokens, 1, duration)
-        else:
-            num_steps, rows = self.config.num_decode_steps, self._padded_tokens(len(launched.chunks), False)
-            seconds, checked = duration / num_steps, 0
-            if launched.drafting is not None:
-                # The fit is of plain multi-step calls' steps and the drafts they check.
-                seconds -= self.speculator.verify_overhead.get(rows, 0.0)
-                checked = sum(n for out in result.seqs if out is not None for n, _ in out.verifications)
-            self._observe_decode_cost(rows + checked / num_steps, num_steps, seconds)
+        self._last_step = replace(launched.stats, duration_s=end - launched.started,
+                                  host_s=launched.host_s + end - arrived)
+        self._totals.add_step(self._last_step)
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:
         if isinstance(command, _Add):
@@ -440,18 +418,6 @@ class Engine:
         for seq in request.seqs:
             self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
 
-    def _observe_decode_cost(self, tokens: float, num_steps: int, seconds: float) -> None:
-        """One decode step's time (`seconds`, per step of a `num_steps`-step call) for the `tokens` it computed
-        (its bucket's)."""
-        cost = self.speculator.cost if num_steps == 1 else self.speculator.multi_step_cost
-        cost.observe(tokens, seconds)
-
-    def _padded_tokens(self, num_tokens: int, with_drafts: bool) -> int:
-        """Tokens a decode (or verify, with drafts) step of `num_tokens` computes in its compiled bucket."""
-        if with_drafts:
-            return self.runner.padded_tokens(num_tokens, True)
-        return next(b for b in self.runner.decode_buckets if b >= num_tokens)
-
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
         """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call
         for its first step) and each has one token left to compute and no grammar (its mask for the next token
@@ -459,7 +425,7 @@ class Engine:
         return (self.config.num_decode_steps > 1 and not self.scheduler.waiting and self._inbox.empty()
                 and all(seq.num_uncomputed_tokens == 1 and seq.grammar is None for seq in seqs))
 
-    def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, CallDrafts | None]:
+    def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, list[int] | None]:
         """(tokens each sequence may emit, which draft) for a multi-step call, or (None, None) for a single step;
         drafting None when no sequence drafts.
 
@@ -471,11 +437,9 @@ class Engine:
         seqs = [c.seq for c in chunks]
         if not chunks or not self._may_run_multi_step(seqs) or any(c.num_tokens != 1 or not c.sample for c in chunks):
             return None, None
-        drafting = None if self.speculator is None else self.speculator.propose_for_call(seqs, self._padded_tokens)
-        per_step = [1] * len(seqs) if drafting is None else [
-            1 if acceptance is None else 1 + self.runner.num_speculative_tokens for acceptance in drafting.acceptance]
-        limits = [min(steps * n, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-                  for seq, n in zip(seqs, per_step)]
+        drafting = None if self.speculator is None else self.speculator.propose_for_call(seqs)
+        limits = [min(steps * (1 + num_drafts), seq.params.max_tokens - seq.num_output_tokens,
+                      self.max_model_len - seq.num_tokens) for seq, num_drafts in zip(seqs, drafting or [0] * len(seqs))]
         if not self.scheduler.reserve_lookahead(chunks, limits):
             return None, None
         return limits, drafting
@@ -502,19 +466,6 @@ class Engine:
         ids, values = sampled.top_ids[step, row, :k], sampled.top_logprobs[step, row, :k]
         top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > float("-inf"))
         return (TokenLogprob(token, float(sampled.logprobs[step, row]), top),)
-
-    def _count_drafts(self, seq: Sequence, output: SequenceOutput, drafted_in_call: bool) -> None:
-        """The speculator's counters and the sequence's acceptance, from what its drafts did (or, when it drafted
-        none, whether its first token matched the draft it would have checked)."""
-        for checked, accepted in output.verifications:
-            if drafted_in_call:
-                self.speculator.count(checked, accepted)
-            else:
-                self.speculator.record(seq, checked, accepted)
-        if drafted_in_call:
-            seq.acceptance = output.acceptance
-        elif not output.verifications and output.tokens:
-            self.speculator.check_shadow(seq, output.tokens[0])
 
     def _append_forced(self, seq: Sequence) -> None:
         """Appends the tokens the sequence's grammar forces, one allowed token at a time (`Grammar.forced_token`):

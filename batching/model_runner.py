@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from dataclasses import astuple, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -46,7 +45,6 @@ from batching.request import MAX_STOP_IDS
 from batching.sampler import (SamplerOutput, SamplingBatch, SamplingInputs, bitmask_words, mask_disallowed,
                               pack_sampling_batch, sample)
 from batching.scheduler import ScheduledChunk
-from batching.speculation import CallDrafts, paying_drafts, per_draft_rate, smoothed
 from batching.structured import fill_bitmask
 from model.llama import KVCache, Llama, empty_kv_cache
 from model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
@@ -96,15 +94,11 @@ class Bucket:
 @dataclass(frozen=True)
 class DraftState:
     """Drafting in a speculative multi-step call. history: [S, H] int32, each drafting row's tokens (prompt +
-    output) then -1, all -1 for a row that does not draft; acceptance: [S] float32, each row's recent per-draft
-    acceptance, updated at every step of the call as the speculator does between steps; draft_cost: [] float32,
-    what a draft's row costs in tokens: a row checks the drafts that pay at its acceptance (`paying_drafts`), and
-    with none it still compares its first draft with the token it samples, so its acceptance follows what drafts
-    would do."""
+    output) then -1, all -1 for a row that does not draft; max_drafts: [S] int32, the most drafts a row checks
+    at a step (0: it does not draft)."""
 
     history: jax.Array
-    acceptance: jax.Array
-    draft_cost: jax.Array
+    max_drafts: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -228,13 +222,11 @@ def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
 class VerifiedSteps:
     """A speculative multi-step call's outputs. `sampled`: leaves [num_steps, S * (1 + k), ...], sequence s's
     rows at each step s * (1 + k) + j; `num_emitted`: [num_steps, S] int32, how many of those rows (a prefix)
-    are its tokens; `num_verified`: [num_steps, S] int32, how many drafts it checked at that step;
-    `acceptance`: [num_steps, S] float32, its acceptance after that step."""
+    are its tokens; `num_verified`: [num_steps, S] int32, how many drafts it checked at that step."""
 
     sampled: SamplerOutput
     num_emitted: jax.Array
     num_verified: jax.Array
-    acceptance: jax.Array
 
 
 def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
@@ -255,16 +247,15 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     inputs = inputs.fed(fed_from)
     width = 1 + ngram.num_speculative_tokens
     num_seqs = inputs.token_ids.shape[0]
-    may_draft = inputs.drafting.history[:, 0] >= 0
+    may_draft = inputs.drafting.max_drafts > 0
     seqs = jnp.arange(num_seqs)
     token_rows = jnp.arange(num_seqs * width)
     offsets = jnp.arange(width)
 
     def verify(carry, _):
-        last, emitted, history, acceptance, alive, kv_cache, sampling = carry
+        last, emitted, history, alive, kv_cache, sampling = carry
         drafts, num_drafts = propose_on_device(history, ngram)
-        paying = paying_drafts(acceptance, inputs.drafting.draft_cost, width - 1)
-        room = jnp.where(may_draft, jnp.minimum(jnp.minimum(num_drafts, paying), inputs.limits - emitted - 1), 0)
+        room = jnp.minimum(jnp.minimum(num_drafts, inputs.drafting.max_drafts), inputs.limits - emitted - 1)
         q_lens = jnp.where(alive, 1 + jnp.clip(room, 0, width - 1), 0)
         cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
         owner = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token_rows, side="right"), num_seqs - 1)
@@ -293,25 +284,19 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
         stopped = alive & jnp.any(stopping, axis=1)
         kept = jnp.where(alive, jnp.where(stopped, jnp.argmax(stopping, axis=1), num_accepted) + 1, 0)
         last = jnp.where(kept > 0, grid.tokens[seqs, jnp.maximum(kept - 1, 0)], last)
-        # Acceptance as `Speculator` keeps it: drafts verified until the first rejection, or the first proposed
-        # draft against the sampled token.
-        checked = jnp.maximum(q_lens - 1, 0)
-        shadow = alive & may_draft & (checked == 0) & (num_drafts > 0)
-        rate = jnp.where(checked > 0, per_draft_rate(num_accepted, checked), drafts[:, 0] == grid.tokens[:, 0])
-        acceptance = jnp.where((checked > 0) | shadow, smoothed(acceptance, rate), acceptance)
         # Drafting rows' histories grow by what they kept (the others stay empty: they never draft).
         at = jnp.where(may_draft[:, None] & (offsets < kept[:, None]),
                        inputs.positions[:, None] + 1 + emitted[:, None] + offsets, history.shape[1])
         history = history.at[seqs[:, None], at].set(grid.tokens, mode="drop")
         emitted = emitted + kept
-        carry = (last, emitted, history, acceptance, alive & ~stopped & (emitted < inputs.limits), kv_cache,
+        carry = (last, emitted, history, alive & ~stopped & (emitted < inputs.limits), kv_cache,
                  sampling.advanced(last, kept))
         flat = jax.tree.map(lambda x: x.reshape(num_seqs * width, *x.shape[2:]), grid)
-        return carry, VerifiedSteps(flat, kept, checked, acceptance)
+        return carry, VerifiedSteps(flat, kept, jnp.maximum(q_lens - 1, 0))
 
-    init = (inputs.token_ids, jnp.zeros(num_seqs, jnp.int32), inputs.drafting.history, inputs.drafting.acceptance,
-            inputs.limits > 0, flat_pool(kv_cache), sampling)
-    body = _while_any_runs(verify, lambda carry, _: carry[4])
+    init = (inputs.token_ids, jnp.zeros(num_seqs, jnp.int32), inputs.drafting.history, inputs.limits > 0,
+            flat_pool(kv_cache), sampling)
+    body = _while_any_runs(verify, lambda carry, _: carry[3])
     (last, *_, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
     return (outs, last_tokens(last, num_rows)), layered_pool(kv_cache, model.config.num_layers)
 
@@ -329,13 +314,12 @@ def first_rows(chunks: list[ScheduledChunk]) -> list[int]:
 class SequenceOutput:
     """What one scheduled sequence got from a step, whatever ran (one step, a multi-step call, a verification):
     its new tokens in order, where each lies in the sampler's output (`positions`, (step, row): its logprobs),
-    (drafts checked, drafts accepted) of each verification, and its acceptance as a speculative multi-step call
-    left it (None if it did not draft there). The engine stops taking tokens where the sequence ends."""
+    and (drafts checked, drafts accepted) of each verification. The engine stops taking tokens where the
+    sequence ends."""
 
     tokens: list[int]
     positions: list[tuple[int, int]]
     verifications: list[tuple[int, int]]
-    acceptance: float | None = None
 
 
 @dataclass(frozen=True)
@@ -348,23 +332,20 @@ class StepOutput:
 
 
 def _sequence_outputs(out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                      limits: list[int] | None, drafting: CallDrafts | None) -> list[SequenceOutput | None]:
+                      limits: list[int] | None) -> list[SequenceOutput | None]:
     """Each chunk's share of a fetched step (numpy arrays)."""
     outputs: list[SequenceOutput | None] = []
     for i, (chunk, row) in enumerate(zip(chunks, rows)):
         if not chunk.sample:
             outputs.append(None)
         elif isinstance(out, VerifiedSteps):
-            positions, verifications, acceptance = [], [], None
+            positions, verifications = [], []
             for step in range(out.num_emitted.shape[0]):
                 kept = int(out.num_emitted[step, i])
                 positions += [(step, r) for r in range(row, row + kept)]
                 if checked := int(out.num_verified[step, i]):
                     verifications.append((checked, int(np.cumprod(out.sampled.accepted[step, row:row + checked]).sum())))
-                if kept and drafting.acceptance[i] is not None:
-                    acceptance = float(out.acceptance[step, i])
-            outputs.append(SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications,
-                                          acceptance))
+            outputs.append(SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications))
         elif chunk.num_drafts:
             accepted = int(np.cumprod(out.accepted[0, row:row + chunk.num_drafts]).sum())
             positions = [(0, r) for r in range(row, row + accepted + 1)]  # the accepted drafts, then one sampled
@@ -380,9 +361,9 @@ class PendingStep:
     """A dispatched step whose sampled tokens are being copied to the host."""
 
     def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, drafting: CallDrafts | None):
+                 limits: list[int] | None):
         self._out = out
-        self._shares = (chunks, rows, limits, drafting)
+        self._shares = (chunks, rows, limits)
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
 
@@ -420,13 +401,16 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
         self.token_buckets = pow2_buckets(PREFILL_PIECE, max_num_batched_tokens)
-        # Verify steps of a few sequences are a few tokens each: their buckets start small.
-        self.spec_token_buckets = pow2_buckets(2, max_num_batched_tokens) if ngram else []
         self.num_decode_steps = num_decode_steps
         self.ngram = ngram
         self.num_speculative_tokens = ngram.num_speculative_tokens if ngram else 0
+        # Verify steps are of at most ngram.max_batch_size decoding sequences, 1 + k tokens each.
+        max_verified = min(self.decode_buckets[-1], ngram.max_batch_size) if ngram else 0
+        self.spec_token_buckets = (
+            pow2_buckets(2, min(max_num_batched_tokens, max_verified * (1 + self.num_speculative_tokens))) if ngram
+            else [])
+        self.verify_buckets = pow2_buckets(1, max_verified) if ngram and num_decode_steps > 1 else []
         self._steps: dict[tuple[int, int], jax.stages.Wrapped] = {}
-        self._step_seconds: dict[Bucket, float] = {}
         # Logits and sampled tokens replicated on every device, so any process (process 0 in a multi-process job)
         # reads the tokens.
         everywhere = None if mesh is None else replicated(mesh)
@@ -444,11 +428,6 @@ class ModelRunner:
                 + [self._verify_bucket(s) for s in self.verify_buckets]
                 + [self._mixed_bucket(t, False) for t in self.token_buckets]
                 + [self._mixed_bucket(t, True) for t in self.spec_token_buckets])
-
-    @property
-    def verify_buckets(self) -> list[int]:
-        """Sequences per speculative multi-step call (none without both speculation and multi-step decode)."""
-        return self.decode_buckets if self.num_speculative_tokens and self.num_decode_steps > 1 else []
 
     def _decode_bucket(self, num_seqs: int, num_steps: int = 1) -> Bucket:
         return Bucket(num_seqs, num_seqs, num_seqs, 1, num_steps)
@@ -537,48 +516,13 @@ class ModelRunner:
             self._run(bucket, *self._pad([], bucket, None), fill_masks=lambda allowed: None)
         jax.block_until_ready(self.kv_cache)
 
-    def time_decode_steps(self) -> list[tuple[int, int, float]]:
-        """(rows, steps per call, seconds per step) of compiled decode calls at the smallest and largest decode
-        buckets, single-step and multi-step: a first measure of what a step costs per token. Every row counts as
-        a token (the matmuls compute it) but attends to nothing and writes nothing, so real steps refine it."""
-        return [(rows, num_steps, self._seconds_per_step(self._decode_bucket(rows, num_steps)))
-                for num_steps in sorted({1, self.num_decode_steps})
-                for rows in (self.decode_buckets[0], self.decode_buckets[-1])]
-
-    def time_verify_overhead(self) -> dict[int, float]:
-        """Per speculative multi-step bucket (by sequences): what one of its steps costs beyond a plain
-        multi-step call's with the same rows when no row checks a draft (its sampler scores 1 + k rows per
-        sequence, and proposals are searched), in seconds, at least 0."""
-        return {rows: max(0.0, self._seconds_per_step(self._verify_bucket(rows))
-                          - self._seconds_per_step(self._decode_bucket(rows, self.num_decode_steps)))
-                for rows in self.verify_buckets}
-
-    def _seconds_per_step(self, bucket: Bucket) -> float:
-        """A compiled call's time per step with every row real (as in `time_decode_steps`): the faster of two runs
-        after a first, timed once per bucket (the start-up's timings share buckets)."""
-        if bucket not in self._step_seconds:
-            self._step_seconds[bucket] = self._time_step(bucket)
-        return self._step_seconds[bucket]
-
-    def _time_step(self, bucket: Bucket) -> float:
-        rows = bucket.num_rows
-        inputs, sampling = self._pad([], bucket, None)
-        inputs = replace(inputs, cu_q_lens=np.arange(rows + 1, dtype=np.int32), num_sampled=np.array(rows, np.int32),
-                         limits=np.full(rows, bucket.num_steps, np.int32))
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            jax.block_until_ready(self._run(bucket, inputs, sampling))
-            times.append(time.perf_counter() - start)
-        return min(times[1:]) / bucket.num_steps
-
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
-                 drafting: CallDrafts | None = None) -> PendingStep:
+                 drafting: list[int] | None = None) -> PendingStep:
         """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting.
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i emitting at
-        most limits[i] tokens (its pages must hold them). `drafting` (with limits): which chunks draft in that
-        call, proposing and checking drafts on the device (`_verify_steps`: the result is `VerifiedSteps`).
+        most limits[i] tokens (its pages must hold them). `drafting` (with limits): the most drafts each chunk
+        checks at a step of that call (0: none), proposing and checking them on the device (`_verify_steps`: the result is `VerifiedSteps`).
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
         sampled row, drafts included) while the model runs.
         """
@@ -601,7 +545,7 @@ class ModelRunner:
                 step_broadcast.send_payload(allowed)
 
         return PendingStep(self._run(bucket, inputs, sampling, fill_masks if constrained else None), chunks, rows,
-                           limits, drafting)
+                           limits)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
@@ -625,16 +569,14 @@ class ModelRunner:
             step_broadcast.send_stop()
 
     def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket, limits: list[int] | None,
-             drafting: CallDrafts | None = None) -> tuple[StepInputs, SamplingBatch]:
+             drafting: list[int] | None = None) -> tuple[StepInputs, SamplingBatch]:
         t, a, num_rows = bucket.num_tokens, bucket.num_attn_seqs, bucket.num_rows
         draft_state = DraftState(np.full((num_rows, self.max_model_len if bucket.verifies else 0), -1, np.int32),
-                                 np.zeros(num_rows, np.float32), np.array(1.0, np.float32))
-        if drafting is not None:
-            draft_state = replace(draft_state, draft_cost=np.array(drafting.draft_cost, np.float32))
-            for i, (chunk, acceptance) in enumerate(zip(chunks, drafting.acceptance)):
-                if acceptance is not None:
-                    draft_state.history[i, :chunk.seq.num_tokens] = chunk.seq.token_ids
-                    draft_state.acceptance[i] = acceptance
+                                 np.zeros(num_rows, np.int32))
+        for i, (chunk, max_drafts) in enumerate(zip(chunks, drafting or [])):
+            if max_drafts:
+                draft_state.history[i, :chunk.seq.num_tokens] = chunk.seq.token_ids
+                draft_state.max_drafts[i] = max_drafts
         token_ids = np.zeros(t, np.int32)
         feed = np.full(t, -1, np.int32)
         positions = np.zeros(t, np.int32)

@@ -17,9 +17,13 @@ import jax.numpy as jnp
 
 @dataclass(frozen=True)
 class NgramConfig:
+    """Speculative decoding's settings: up to `num_speculative_tokens` drafts continuing a matched suffix of
+    `min_n`..`max_n` tokens, while at most `max_batch_size` sequences decode (`speculation.py`)."""
+
     num_speculative_tokens: int = 4
     min_n: int = 1
     max_n: int = 4
+    max_batch_size: int = 8
 
 
 @dataclass

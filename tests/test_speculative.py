@@ -19,7 +19,7 @@ from batching.engine import Engine
 from batching.ngram import NgramConfig, NgramProposer, propose_on_device
 from batching.sampler import SamplingInputs, SamplingRow, pack_sampling_batch, sample
 from batching.sampling_params import SamplingParams
-from batching.speculation import StepCostModel, expected_accepted, paying_drafts
+from batching.speculation import drafts_worth_checking, per_draft_rate
 from model.config import ModelConfig
 from model.llama import Llama
 from model.loader import LoadedModel
@@ -37,18 +37,6 @@ def tiny(smollm2) -> LoadedModel:
     return LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(1)), smollm2.tokenizer, "tiny")
 
 
-def free_verification(engine: Engine) -> Engine:
-    """Makes every draft worth verifying (as on a machine where extra tokens in a step cost nothing), in single
-    steps and in multi-step calls: two measurements heavy enough that the tiny model's own step times never
-    outweigh them."""
-    for name in ("cost", "multi_step_cost"):
-        cost = StepCostModel()
-        cost.observe(1, 1.0, weight=1e9)
-        cost.observe(1000, 1.0, weight=1e9)
-        setattr(engine.speculator, name, cost)
-    return engine
-
-
 @pytest.fixture(scope="module")
 def plain(tiny) -> Engine:
     return Engine(tiny, CONFIG, progress=False)
@@ -59,7 +47,7 @@ def speculative(tiny, request) -> Engine:
     """Drafts verified in single steps, or (4 decode steps per call) checked 4 per step inside multi-step calls
     whenever every running sequence decodes."""
     config = replace(CONFIG, speculative="ngram", num_speculative_tokens=4, num_decode_steps=request.param)
-    return free_verification(Engine(tiny, config, progress=False))
+    return Engine(tiny, config, progress=False)
 
 
 def test_proposer_continues_the_longest_suffix_seen_before():
@@ -191,57 +179,29 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
-def test_expected_accepted_drafts():
-    assert expected_accepted(0.0, 4) == 0 and expected_accepted(1.0, 4) == 4
-    assert expected_accepted(0.5, 2) == pytest.approx(0.5 + 0.25)
+def test_a_sequence_checks_the_drafts_likely_enough_to_be_kept_and_at_least_one():
+    assert [drafts_worth_checking(alpha, 4) for alpha in (1.0, 0.8, 0.5, 0.3, 0.0)] == [4, 4, 3, 1, 1]
+    assert drafts_worth_checking(0.9, 8) == 8 and drafts_worth_checking(0.7, 8) == 6
 
 
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_the_drafts_that_pay_are_the_count_with_the_most_expected_tokens_net_of_their_rows(k):
-    """`paying_drafts` (a closed form, run on the device) against a search over every count: n drafts yield
-    E(alpha, n) accepted tokens and cost n rows of `cost` tokens each."""
-    alphas = np.linspace(0.0, 1.0, 41)
-    for cost in (0.07, 0.11, 0.33, 0.61, 0.93):  # none a power of a grid point: no ties
-        best = [max(range(k + 1), key=lambda n: round(expected_accepted(a, n) - n * cost, 12)) for a in alphas]
-        np.testing.assert_array_equal(paying_drafts(alphas, cost, k), best)
-        on_device = paying_drafts(jnp.asarray(alphas, jnp.float32), jnp.float32(cost), k)
-        assert np.abs(np.asarray(on_device) - best).max() <= 1  # float32 at the boundaries only
+def test_a_verification_counts_the_drafts_it_reached():
+    assert per_draft_rate(4, 4) == 1.0 and per_draft_rate(0, 3) == 0.0 and per_draft_rate(2, 4) == pytest.approx(2 / 3)
 
 
-def test_a_steady_batch_keeps_the_slope_its_seeds_measured():
-    """Steps all of one size say nothing about the cost per token: the start-up seeds keep it."""
-    cost = StepCostModel()
-    cost.seed(1, 0.005)
-    cost.seed(64, 0.068)  # 4 ms a step, 1 ms a token
-    for _ in range(500):
-        cost.observe(32, 0.036)
-    a, b = cost.coefficients()
-    assert a == pytest.approx(0.004, rel=1e-3) and b == pytest.approx(0.001, rel=1e-3)
-
-
-def test_a_costly_step_turns_drafts_off(tiny):
-    engine = Engine(tiny, replace(CONFIG, speculative="ngram", warmup=False), progress=False)
-    engine.speculator.cost.observe(1, 0.01)
-    engine.speculator.cost.observe(64, 1.0)  # compute-bound: every token costs as much as a step of one
-    outs = engine.generate([PROMPTS[0]] * 8, replace(GREEDY, max_tokens=12))
+@pytest.mark.parametrize("num_decode_steps", [1, 4])
+def test_a_batch_above_the_cutoff_drafts_nothing(tiny, num_decode_steps):
+    config = replace(CONFIG, speculative="ngram", spec_max_batch_size=3, num_decode_steps=num_decode_steps,
+                     warmup=False)
+    engine = Engine(tiny, config, progress=False)
+    outs = engine.generate([PROMPTS[0]] * 4, replace(GREEDY, max_tokens=12))
     assert engine.speculator.counters().num_drafts == 0 and all(len(o[0].token_ids) == 12 for o in outs)
-
-
-def test_a_costly_multi_step_call_checks_no_drafts(tiny):
-    engine = Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4, warmup=False), progress=False)
-    # Compute-bound (every token costs as much as a step of one), heavy enough that the engine's own steps never
-    # outweigh it.
-    for cost in (engine.speculator.cost, engine.speculator.multi_step_cost):
-        cost.observe(1, 0.01, weight=1e9)
-        cost.observe(64, 1.0, weight=1e9)
-    outs = engine.generate([PROMPTS[0]], replace(GREEDY, max_tokens=12))
-    assert len(outs[0][0].token_ids) == 12 and engine.speculator.counters().num_drafts == 0
-    assert engine.stats.num_steps < 12  # the tokens came 4 per call
+    engine.generate([PROMPTS[0]] * 3, replace(GREEDY, max_tokens=12))
+    assert engine.speculator.counters().num_drafts > 0
 
 
 def test_drafts_checked_inside_multi_step_calls_save_calls(tiny, plain):
     """One repeating sequence: the same tokens as without drafts, in fewer calls than 4 tokens per call."""
-    engine = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4), progress=False))
+    engine = Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4), progress=False)
     params = replace(GREEDY, max_tokens=40)
     want = plain.generate([PROMPTS[2]], params)[0][0]
     have = engine.generate([PROMPTS[2]], params)[0][0]
@@ -269,8 +229,8 @@ def test_real_model_gives_the_same_greedy_tokens_with_drafts_on_golden_and_copy_
     plain = Engine(smollm2, config, progress=False).generate(prompts, params)
     # Drafts verified in single steps, and proposed and checked inside 8-step calls.
     for num_decode_steps in (1, 8):
-        spec_engine = free_verification(
-            Engine(smollm2, replace(config, speculative="ngram", num_decode_steps=num_decode_steps), progress=False))
+        spec_engine = Engine(smollm2, replace(config, speculative="ngram", num_decode_steps=num_decode_steps),
+                             progress=False)
         spec = spec_engine.generate(prompts, params)
         for want, have in zip(plain, spec):
             assert (have[0].token_ids, have[0].finish_reason) == (want[0].token_ids, want[0].finish_reason)
