@@ -1,0 +1,443 @@
+"""Step-bytes audit: what the engine's compiled decode step reads, against the floor, from its optimized HLO.
+
+    python -m bench.step_audit                                  # SmolLM2-135M, Llama-3.2-1B, Llama-3-8B; bf16, f32
+    python -m bench.step_audit --models smollm2-135m --dtypes bfloat16 --rows 64 --context 1024
+
+A decode step must read its weights once (as `batching.roofline.StepCost` counts them) and the batch's K/V
+once: `rows` sequences of `context` tokens, the most the compiled step can attend to (the audit's pool holds
+that and a spare page). The model is abstract (shapes only: nothing is in memory but the pool), so full-size
+models compile in seconds on a CPU. One decode bucket is compiled for this machine's backend, and its HLO text
+is checked for:
+- copies: a buffer the size of a weight or of the K/V pool (whole, or one layer of it) written from such an
+  array, such as a layer of the stacked weights sliced out under `lax.scan` at every layer. The pool's in-place
+  update is not one;
+- upcasts: a `convert` of a bf16/f16 weight or pool to f32 (matmuls in f32, or the array written out twice);
+- unfused projections: matmuls against weights that multiply the same input (q, k and v; gate and up).
+It also sets XLA's `compiled.cost_analysis()["bytes accessed"]` against the floor. That figure counts a while
+loop's body once, whatever its trip count (checked on this backend): the floor is then counted the same way, a
+stack the layer loop reads a layer at a time counting one layer. Custom calls count nothing (the attention
+kernels, the CPU's quantized matmuls), and the CPU counts the pool's in-place update as the whole pool read
+and written, so the ratio is a coarse signal; the three checks are the precise ones.
+The HLO is the backend's: a CPU run shows what XLA's CPU compiler makes of the step, a GPU run the GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from batching.model_runner import ModelRunner
+from batching.roofline import StepCost, kv_bytes_per_token
+from bench.engine_check import MODELS
+from model.config import ModelConfig
+from model.llama import LAYER_PARAMS, LINEAR_WEIGHTS, Llama
+from model.quantize import quantize_model
+
+PAGE_SIZE = 16
+WIDE = ("f32", "f64")
+NARROW = ("bf16", "f16")
+# Instructions that write no buffer of their own: views, tuples, and control flow (their bodies are audited).
+NO_BUFFER = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+             "after-all", "opt-barrier")
+IN_PLACE = ("scatter", "dynamic-update-slice")
+SELECTING = ("gather", "dynamic-slice", "slice")
+
+
+# --- HLO text ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Instr:
+    """One HLO instruction: `dims` None for a tuple; `args` the raw text between the opcode's parentheses."""
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...] | None
+    op: str
+    operands: tuple[str, ...]
+    args: str
+    attrs: str
+
+    @property
+    def type(self) -> str:
+        return f"{self.dtype}{list(self.dims or ())}"
+
+    def attr(self, pattern: str) -> str | None:
+        found = re.search(pattern, self.attrs)
+        return found.group(1) if found else None
+
+
+@dataclass
+class Computation:
+    """An HLO computation. `caller`: for a fused computation, the (computation, fusion instruction) that runs it
+    (XLA gives each fusion its own); None for one whose instructions run as kernels of their own (the entry, a
+    loop body). `trips`: how often it runs per step (a loop body: its known trip count, times its loop's)."""
+
+    name: str
+    instrs: dict[str, Instr] = field(default_factory=dict)
+    root: str = ""
+    caller: tuple[Computation, Instr] | None = None
+    trips: int = 1
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the parenthesis that closes the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    raise ValueError(f"unbalanced parentheses in {text!r}")
+
+
+def _instr(name: str, rest: str) -> Instr:
+    """`rest`: what follows `%name = ` on an instruction's line."""
+    if rest.startswith("("):
+        dtype, dims, rest = "tuple", None, rest[_closing(rest, 0) + 2:]
+    else:
+        type_text, rest = rest.split(" ", 1)
+        dtype, dims_text = re.match(r"(\w+)\[([\d,]*)\]", type_text).groups()
+        dims = tuple(int(d) for d in dims_text.split(",") if d)
+    op = re.match(r"[\w\-]+", rest).group(0)
+    end = _closing(rest, len(op))
+    args = rest[len(op) + 1:end]
+    return Instr(name, dtype, dims, op, tuple(re.findall(r"%([^\s,)]+)", args)), args, rest[end + 1:])
+
+
+def parse_hlo(text: str) -> dict[str, Computation]:
+    """`compiled.as_text()` -> its computations by name, each knowing its caller and how often it runs."""
+    computations: dict[str, Computation] = {}
+    current = None
+    for line in text.splitlines():
+        if header := re.match(r"(?:ENTRY )?%(\S+) \(.*\{$", line):
+            current = computations[header.group(1)] = Computation(header.group(1))
+        elif current is not None and (found := re.match(r"\s+(ROOT )?%(\S+) = (.*)$", line)):
+            root, name, rest = found.groups()
+            current.instrs[name] = _instr(name, rest)
+            current.root = name if root else current.root
+        elif line == "}":
+            current = None
+    # The text lists callees before their callers, the entry last: walk it backwards, callers first.
+    for comp in reversed(list(computations.values())):
+        for instr in comp.instrs.values():
+            trips = comp.trips * int(instr.attr(r'"known_trip_count":\{"n":"(\d+)"') or 1)
+            for name in re.findall(r"%([^\s,}]+)", instr.attrs):  # fusions, loops, calls, branches, reducers
+                if (callee := computations.get(name)) is not None:
+                    callee.trips = trips
+                    callee.caller = (comp, instr) if instr.op == "fusion" else None
+    return computations
+
+
+def _scope(comp: Computation) -> Computation:
+    """The computation whose kernels run `comp`'s code (itself unless fused)."""
+    while comp.caller is not None:
+        comp = comp.caller[0]
+    return comp
+
+
+def _where(comp: Computation, instr: Instr) -> str:
+    scope = _scope(comp)
+    kernel = comp.caller[1].name if comp.caller else instr.name
+    per_step = f", {scope.trips}x per step" if scope.trips > 1 else ""
+    return f"%{kernel} in {scope.name}{per_step}"
+
+
+def _in_place(computations: dict[str, Computation], instr: Instr) -> bool:
+    """An update of its first operand's buffer (a scatter or dynamic-update-slice, or a fusion ending in one)."""
+    if instr.op == "fusion":
+        callee = computations[instr.attr(r"calls=%([^\s,]+)")]
+        return callee.instrs[callee.root].op in IN_PLACE
+    return instr.op in IN_PLACE
+
+
+# --- What must be read once ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoredArray:
+    """An array the step must read once: a weight (`shape` of its values as stored; `nbytes` with its scales when
+    quantized) or the K/V pool; stacked `[num_layers, ...]` when `stacked`."""
+
+    name: str
+    shape: tuple[int, ...]
+    nbytes: int
+    stacked: bool
+
+
+@dataclass(frozen=True)
+class Match:
+    """An array the size of `array`, or of one layer of it (`layer`)."""
+
+    array: StoredArray
+    layer: bool
+
+    def __str__(self) -> str:
+        return f"{self.array.name}[layer]" if self.layer else self.array.name
+
+
+def _prefix_products(dims: Sequence[int]) -> set[int]:
+    return set(np.cumprod([d for d in dims if d > 1], dtype=np.int64).tolist())
+
+
+def _orientation(dims: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
+    """0 if an array of `dims` can be one of `shape` with adjacent axes merged or split (as XLA's bitcasts do:
+    one's prefix products contain the other's), 1 if one of its transpose, else None."""
+    if np.prod(dims, dtype=np.int64) != np.prod(shape, dtype=np.int64):
+        return None
+    own = _prefix_products(dims)
+    fits = [own <= other or other <= own for other in map(_prefix_products, (shape, shape[::-1]))]
+    return fits.index(True) if any(fits) else None
+
+
+def matches(arrays: Sequence[StoredArray], dims: tuple[int, ...] | None) -> list[Match]:
+    """The arrays, or layers of stacked ones, that an HLO value of `dims` (None: a tuple) can hold, those as
+    stored before those transposed."""
+    if dims is None:
+        return []
+    found = [(orientation, Match(a, layer)) for a in arrays for layer in ((False, True) if a.stacked else (False,))
+             if (orientation := _orientation(dims, a.shape[1:] if layer else a.shape)) is not None]
+    return [match for _, match in sorted(found, key=lambda f: f[0])]
+
+
+def _named(found: Sequence[Match]) -> str:
+    return " or ".join(map(str, found))
+
+
+# --- The three checks ----------------------------------------------------------------------------------------
+
+def copies(computations: dict[str, Computation], arrays: Sequence[StoredArray]) -> list[str]:
+    """Buffers the size of a stored array written from one, by instructions that run as kernels of their own (a
+    fused computation's inner values are never buffers), in-place updates excepted."""
+    found = []
+    for comp in computations.values():
+        if comp.caller is not None:
+            continue
+        for instr in comp.instrs.values():
+            if instr.op in NO_BUFFER or _in_place(computations, instr) or not (written := matches(arrays, instr.dims)):
+                continue
+            if any(matches(arrays, comp.instrs[o].dims) for o in instr.operands):
+                found.append(f"{_where(comp, instr)}: {instr.op} writes {instr.type}, a copy of {_named(written)}")
+    return found
+
+
+def upcasts(computations: dict[str, Computation], arrays: Sequence[StoredArray]) -> list[str]:
+    """`convert`s of a bf16/f16 stored array to f32, fused or not (but not fused into a gather or slice)."""
+    found = []
+    for comp in computations.values():
+        for instr in comp.instrs.values():
+            if instr.op != "convert" or instr.dtype not in WIDE or not (converted := matches(arrays, instr.dims)):
+                continue
+            source = comp.instrs[instr.operands[0]]
+            users = [u for u in comp.instrs.values() if instr.name in u.operands]
+            # Fused into a gather or slice, only the rows it selects are converted (an embedding lookup).
+            selects = comp.caller is not None and users and all(u.op in SELECTING for u in users)
+            if source.dtype in NARROW and not selects:
+                found.append(f"{_where(comp, instr)}: convert {source.type} -> {instr.dtype}, {_named(converted)}")
+    return found
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A matmul against a weight: the computation whose kernels run it, the weights (or layers of them) of its
+    weight operand's shape, and its other operand's value (`input`)."""
+
+    scope: Computation
+    weights: tuple[Match, ...]
+    input: str
+
+    def __str__(self) -> str:
+        return f"{_named(self.weights)} x{self.scope.trips}" if self.scope.trips > 1 else _named(self.weights)
+
+
+def _value(comp: Computation, name: str) -> str:
+    """A value as a string equal for equal values: a buffer's name, or the fused expression that computes it
+    from buffers (so two fusions that each recompute the same input, such as a norm, agree)."""
+    instr = comp.instrs[name]
+    if instr.op == "bitcast":
+        return _value(comp, instr.operands[0])
+    if comp.caller is None:
+        return name
+    if instr.op == "parameter":
+        outer, fusion = comp.caller
+        return _value(outer, fusion.operands[int(instr.args)])
+    inputs = ", ".join(_value(comp, o) for o in instr.operands)
+    return f"{instr.op}:{instr.type}({inputs or instr.args})"
+
+
+def projections(computations: dict[str, Computation], weights: Sequence[StoredArray]) -> list[Projection]:
+    """Dots and custom calls (a GPU's cuBLAS gemm, the CPU's quantized kernels) whose first two operands are a
+    weight-sized array and another, in the order of the HLO text."""
+    found = []
+    for comp in computations.values():
+        for instr in comp.instrs.values():
+            if instr.op not in ("dot", "custom-call"):
+                continue
+            pair = [(comp.instrs[o], matches(weights, comp.instrs[o].dims)) for o in instr.operands[:2]]
+            if len(pair) == 2 and bool(pair[0][1]) != bool(pair[1][1]):
+                (other, _), (_, weight) = sorted(pair, key=lambda operand: bool(operand[1]))
+                found.append(Projection(_scope(comp), tuple(weight), _value(comp, other.name)))
+    return found
+
+
+def unfused(found: Sequence[Projection]) -> list[str]:
+    """Groups of projections that multiply the same input in the same computation: each could be one matmul."""
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for p in found:
+        groups[(p.scope.name, p.input)].append(_named(p.weights))
+    return [f"{scope}: {len(names)} matmuls of one input ({', '.join(names)}), fusable into one"
+            for (scope, _), names in groups.items() if len(names) > 1]
+
+
+# --- The audit -----------------------------------------------------------------------------------------------
+
+def bytes_accessed(compiled: jax.stages.Compiled) -> float:
+    """From `cost_analysis()`: a dict (older jax gave a list of one dict per program)."""
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+
+
+@functools.cache
+def cost_counts_loop_once() -> bool:
+    """Whether this backend's cost analysis counts a while loop's body once: about the same bytes for a scan of
+    2 matmuls and of 4."""
+    def scan(ws: jax.Array, x: jax.Array) -> jax.Array:
+        return jax.lax.scan(lambda x, w: (x @ w, None), x, ws)[0]
+
+    def cost(n: int) -> float:
+        ws = jax.ShapeDtypeStruct((n, 256, 256), jnp.float32)
+        return bytes_accessed(jax.jit(scan).lower(ws, jax.ShapeDtypeStruct((8, 256), jnp.float32)).compile())
+
+    return cost(4) < 1.5 * cost(2)
+
+
+def counted_floor(floor_bytes: int, found: Sequence[Projection]) -> int:
+    """`floor_bytes` as the cost analysis counts it: where it counts a loop body once, a stacked weight that the
+    loop multiplies a layer at a time counts one layer."""
+    if not cost_counts_loop_once():
+        return floor_bytes
+    per_layer = {m.array: p.scope.trips for p in found for m in p.weights if m.layer}
+    return floor_bytes - sum(w.nbytes - w.nbytes // trips for w, trips in per_layer.items())
+
+
+@dataclass(frozen=True)
+class StepAudit:
+    """One compiled step's bytes against its floor, and what its HLO shows (see the module docstring). Each
+    projection and finding is a line of text; a projection says how often it runs per step."""
+
+    label: str
+    floor_bytes: int
+    counted_floor_bytes: int
+    cost_bytes: float
+    projections: tuple[str, ...]
+    copies: tuple[str, ...]
+    upcasts: tuple[str, ...]
+    unfused: tuple[str, ...]
+
+    @property
+    def ratio(self) -> float:
+        """Cost-analysis bytes over the floor, both counted the same way."""
+        return self.cost_bytes / self.counted_floor_bytes
+
+    @property
+    def clean(self) -> bool:
+        return not (self.copies or self.upcasts or self.unfused)
+
+    def findings(self) -> list[str]:
+        return ([f"copy: {f}" for f in self.copies] + [f"upcast: {f}" for f in self.upcasts]
+                + [f"unfused: {f}" for f in self.unfused])
+
+
+def audit(label: str, compiled: jax.stages.Compiled, weights: Sequence[StoredArray], floor_bytes: int,
+          pool: Sequence[StoredArray] = ()) -> StepAudit:
+    """Audits a compiled program that multiplies by `weights`, reads `pool` (K/V) and must read at least
+    `floor_bytes`."""
+    computations = parse_hlo(compiled.as_text())
+    found = projections(computations, weights)
+    return StepAudit(label, floor_bytes, counted_floor(floor_bytes, found), bytes_accessed(compiled),
+                     tuple(map(str, found)), tuple(copies(computations, [*weights, *pool])),
+                     tuple(upcasts(computations, [*weights, *pool])), tuple(unfused(found)))
+
+
+def compile_decode_step(runner: ModelRunner, rows: int) -> jax.stages.Compiled:
+    """The runner's single-step decode program for `rows` sequences, compiled (the model to logits; the sampler
+    is a call of its own). The one place that uses the runner's private names."""
+    bucket = runner._decode_bucket(rows, 1)
+    inputs, _ = runner._pad([], bucket, None)
+    return runner._step_fn(bucket).lower(runner.state, runner.kv_cache, runner._last_tokens, inputs).compile()
+
+
+def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
+                      quantization: str = "none") -> StepAudit:
+    """The engine's decode step for `rows` sequences of up to `context` tokens, for an abstract model of
+    `config` in `dtype` (its weights `quantization`: "none", "int8", "int4"), compiled for the default backend."""
+    model = nnx.eval_shape(lambda: quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)),
+                                                  quantization))
+    pages_per_seq = -(-context // PAGE_SIZE)
+    # A spare page, so that the pool's shape is unlike any weight's (its page count is no power of two).
+    runner = ModelRunner(model, num_pages=rows * pages_per_seq + 1, page_size=PAGE_SIZE, max_model_len=context,
+                         max_num_seqs=rows, max_num_batched_tokens=max(rows, PAGE_SIZE))
+    arrays = {str(path[0]): var.get_value() for path, var in nnx.to_flat_state(runner.state)}
+    nbytes = lambda name: sum(x.size * x.dtype.itemsize for part, x in arrays.items()
+                              if part in (name, f"{name}_scale", f"{name}_min"))
+    weights = [StoredArray(name, tuple(x.shape), nbytes(name), name in LAYER_PARAMS)
+               for name, x in arrays.items() if name in LINEAR_WEIGHTS]
+    k_pages = jax.tree.leaves(runner.kv_cache[0])[0]  # V's are alike
+    pool = [StoredArray("K/V pool", tuple(k_pages.shape), k_pages.nbytes, True)]
+    floor = (int(StepCost.of(config, model, dtype).weight_bytes)
+             + int(kv_bytes_per_token(config, dtype)) * rows * pages_per_seq * PAGE_SIZE)
+    quantized = "" if quantization == "none" else f" {quantization}"
+    return audit(f"{dtype}{quantized}, {rows} rows x {context} tokens", compile_decode_step(runner, rows),
+                 weights, floor, pool)
+
+
+# --- Command line --------------------------------------------------------------------------------------------
+
+def table(audits: Sequence[tuple[str, StepAudit]]) -> str:
+    """A markdown table, one row per (model, audit), then each audit's findings."""
+    mb = lambda n: f"{n / 1e6:,.1f}"
+    lines = ["| model | step | floor MB | floor as counted MB | cost analysis MB | ratio | projections per step "
+             "| copies | upcasts | unfused |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for model, a in audits:
+        lines.append(f"| {model} | {a.label} | {mb(a.floor_bytes)} | {mb(a.counted_floor_bytes)} | "
+                     f"{mb(a.cost_bytes)} | {a.ratio:.2f} | {'; '.join(a.projections)} | {len(a.copies)} | "
+                     f"{len(a.upcasts)} | {len(a.unfused)} |")
+    for model, a in audits:
+        if not a.clean:
+            lines += ["", f"{model}, {a.label}:", *(f"- {f}" for f in a.findings())]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
+                        default=["smollm2-135m", "llama-3.2-1b", "llama-3-8b"])
+    parser.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16", "float32"),
+                        default=["bfloat16", "float32"])
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
+    parser.add_argument("--rows", type=int, default=8, help="sequences in the decode step")
+    parser.add_argument("--context", type=int, default=256, help="tokens each sequence may attend to")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    audits = [(model, audit_decode_step(MODELS[model], dtype, args.rows, args.context, args.quantization))
+              for model in args.models for dtype in args.dtypes]
+    loops = "once" if cost_counts_loop_once() else "at every iteration"
+    print(f"Decode-step bytes on {jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__}); "
+          f"its cost analysis counts a loop body {loops}.\n")
+    print(table(audits))
+    print(f"\n$ python -m bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The step-bytes audit (`bench/step_audit.py`): what it finds in the engine's compiled decode step, and that each
+of its checks fires on a small program built to fail it."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench.step_audit import StoredArray, StepAudit, audit, audit_decode_step
+from model.config import ModelConfig
+from pallas_kernels import cpu_qmatmul
+
+# Small, with dims that no two weights (nor the pool, nor an activation) share, so every array is named by its
+# shape alone: per layer wqkv [96, 160], wo [96, 96], w_gate_up [96, 640], w_down [320, 96].
+CONFIG = ModelConfig.tiny(vocab_size=1008, num_layers=3, hidden_size=96, intermediate_size=320, num_heads=6,
+                          num_kv_heads=2, head_dim=16)
+LAYER_PROJECTIONS = {"wqkv[layer] x3", "wo[layer] x3", "w_gate_up[layer] x3", "w_down[layer] x3"}
+ISSUE = "issue 25, item 3 (weights read once per step); remove this mark when it passes"
+ROWS, K = 8, 256
+S = jax.ShapeDtypeStruct
+
+
+def audited(fn, args: tuple, weights: Sequence[StoredArray], pool: Sequence[StoredArray] = (),
+            donate: tuple[int, ...] = ()) -> StepAudit:
+    """`fn` jitted and compiled on `args` (shapes), audited against a floor of its weights and pool read once."""
+    compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    return audit(fn.__name__, compiled, weights, sum(a.nbytes for a in [*weights, *pool]), pool)
+
+
+def stored(name: str, shape: tuple[int, ...], dtype=jnp.float32, stacked: bool = False) -> StoredArray:
+    return StoredArray(name, shape, math.prod(shape) * jnp.dtype(dtype).itemsize, stacked)
+
+
+# --- The engine's decode step ------------------------------------------------------------------------------
+
+@functools.cache
+def decode_step(dtype: str, quantization: str = "none") -> StepAudit:
+    return audit_decode_step(CONFIG, dtype, rows=ROWS, quantization=quantization)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_step_multiplies_each_fused_projection_once_per_layer(dtype):
+    step = decode_step(dtype)
+    # The untied LM head [96, 1008] has the embedding's shape transposed.
+    assert set(step.projections) == LAYER_PROJECTIONS | {"lm_head or embed"}, step.projections
+    assert step.unfused == ()
+
+
+@pytest.mark.skipif(not cpu_qmatmul.available(), reason="the CPU's quantized matmul kernels are not built")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_decode_step_reads_weights_in_place(quantization):
+    step = decode_step("float32", quantization)
+    assert step.clean, step.findings()
+    assert {"wqkv x3", "wo x3", "w_gate_up x3", "w_down x3"} <= set(step.projections), step.projections
+
+
+@pytest.mark.xfail(strict=True, reason=f"model.linear.project slices each layer's float weights out of their stack, "
+                                       f"and XLA's CPU compiler copies the slice at every layer; {ISSUE}")
+def test_decode_step_reads_float_weights_in_place():
+    step = decode_step("float32")
+    assert step.copies == (), step.copies
+
+
+@pytest.mark.xfail(strict=True, reason=f"XLA's CPU compiler converts the bf16 weight stacks to f32 at every step, "
+                                       f"and the CPU attention kernel (f32 only) the whole bf16 pool at every layer; "
+                                       f"{ISSUE}")
+def test_decode_step_keeps_bf16_weights_and_pool_in_bf16():
+    step = decode_step("bfloat16")
+    assert step.upcasts == (), step.upcasts
+
+
+# --- Each check fails what it is for -------------------------------------------------------------------------
+
+def test_weights_read_in_place_pass_at_about_the_floor():
+    def separate_layers(w0, w1, w2, w3, x):
+        for w in (w0, w1, w2, w3):
+            x = jnp.tanh(x @ w)
+        return x
+
+    weights = [stored(f"w{i}", (K, K)) for i in range(4)]
+    result = audited(separate_layers, (*(S((K, K), jnp.float32) for _ in weights), S((ROWS, K), jnp.float32)),
+                     weights)
+    assert result.clean, result.findings()
+    assert result.ratio < 1.5
+
+
+def test_a_layer_sliced_from_stacked_weights_in_a_scan_is_a_copy():
+    def scan_over_stack(ws, x):
+        return jax.lax.scan(lambda x, i: (jnp.tanh(x @ ws[i]), None), x, jnp.arange(4))[0]
+
+    result = audited(scan_over_stack, (S((4, K, K), jnp.float32), S((ROWS, K), jnp.float32)),
+                     [stored("w", (4, K, K), stacked=True)])
+    assert len(result.copies) == 1 and "a copy of w[layer]" in result.copies[0] and "4x per step" in result.copies[0]
+    assert result.projections == ("w[layer] x4",)
+    assert result.ratio > 2.5, "each layer read, written and read again"
+
+
+def test_bf16_weights_converted_to_f32_are_an_upcast():
+    def f32_matmul(w, x):
+        return x @ w.astype(jnp.float32)
+
+    result = audited(f32_matmul, (S((K, K), jnp.bfloat16), S((ROWS, K), jnp.float32)),
+                     [stored("w", (K, K), jnp.bfloat16)])
+    assert len(result.upcasts) == 1 and "convert bf16[256, 256] -> f32, w" in result.upcasts[0]
+
+
+def test_separate_q_k_v_matmuls_of_one_input_are_unfused():
+    def separate_qkv(wq, wk, wv, x):
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True))
+        return h @ wq, h @ wk, h @ wv
+
+    shapes = {"wq": (K, K), "wk": (K, 64), "wv": (K, 32)}
+    result = audited(separate_qkv, (*(S(s, jnp.float32) for s in shapes.values()), S((ROWS, K), jnp.float32)),
+                     [stored(name, shape) for name, shape in shapes.items()])
+    assert len(result.unfused) == 1 and "3 matmuls of one input" in result.unfused[0], result.unfused
+    assert all(name in result.unfused[0] for name in shapes)
+
+
+def test_one_fused_qkv_matmul_is_not_unfused():
+    def fused_qkv(wqkv, x):
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True))
+        return jnp.split(h @ wqkv, [K, K + 64], axis=-1)
+
+    result = audited(fused_qkv, (S((K, K + 96), jnp.float32), S((ROWS, K), jnp.float32)),
+                     [stored("wqkv", (K, K + 96))])
+    assert result.projections == ("wqkv",) and result.clean, result.findings()
+
+
+@pytest.mark.parametrize("donated", [True, False])
+def test_a_pool_update_is_a_copy_unless_done_in_place(donated):
+    def write_rows(pool, rows, x):
+        return pool.at[rows].set(x)
+
+    result = audited(write_rows, (S((72, K), jnp.float32), S((ROWS,), jnp.int32), S((ROWS, K), jnp.float32)),
+                     [], [stored("pool", (72, K))], donate=(0,) if donated else ())
+    assert bool(result.copies) != donated, result.copies
