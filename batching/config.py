@@ -43,7 +43,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     spec_ngram_min: int = 1
     spec_ngram_max: int = 4
-    spec_max_batch_size: int = 8
+    spec_max_batch_size: int = 4
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"
     page_size: int = 16

@@ -373,8 +373,8 @@ class Engine:
             seq = chunk.seq
             if output is not None and not seq.finished:
                 self._isolated(seq.request_id, self._append_output, seq, output, index, result.sampled)
-                for checked, accepted in output.verifications:
-                    self.speculator.record(seq, checked, accepted)
+                if self.speculator is not None:
+                    self._count_drafts(seq, output)
             if seq.status is SequenceStatus.RUNNING:
                 if chunk.num_drafts or launched.drafting is not None:
                     kept = len(output.tokens) if output is not None else 0
@@ -466,6 +466,14 @@ class Engine:
         ids, values = sampled.top_ids[step, row, :k], sampled.top_logprobs[step, row, :k]
         top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > float("-inf"))
         return (TokenLogprob(token, float(sampled.logprobs[step, row]), top),)
+
+    def _count_drafts(self, seq: Sequence, output: SequenceOutput) -> None:
+        """The speculator's counters and the sequence's acceptance, from what its drafts did (or, when it drafted
+        none, whether its first token matched the draft it would have checked)."""
+        for checked, accepted in output.verifications:
+            self.speculator.record(seq, checked, accepted)
+        if not output.verifications and output.tokens:
+            self.speculator.check_shadow(seq, output.tokens[0])
 
     def _append_forced(self, seq: Sequence) -> None:
         """Appends the tokens the sequence's grammar forces, one allowed token at a time (`Grammar.forced_token`):

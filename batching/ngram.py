@@ -18,12 +18,15 @@ import jax.numpy as jnp
 @dataclass(frozen=True)
 class NgramConfig:
     """Speculative decoding's settings: up to `num_speculative_tokens` drafts continuing a matched suffix of
-    `min_n`..`max_n` tokens, while at most `max_batch_size` sequences decode (`speculation.py`)."""
+    `min_n`..`max_n` tokens, while at most `max_batch_size` sequences decode (`speculation.py`). `row_cost`: what
+    one more row costs next to a lone sequence's step (b / (a + b) of a step taking a + b * rows), as measured on
+    a 2-core CPU (RESULTS.md, speculative decoding)."""
 
     num_speculative_tokens: int = 4
     min_n: int = 1
     max_n: int = 4
-    max_batch_size: int = 8
+    max_batch_size: int = 4
+    row_cost: float = 0.1
 
 
 @dataclass

@@ -38,8 +38,8 @@ class Sequence:
     into text and decides when it ends; `grammar` (structured output) is where its output stands in the grammar
     it must follow. `arrival` orders first-come-first-served scheduling; `queued_at` is when it last entered the
     waiting queue (`time.perf_counter()`). With speculative decoding, `proposer` drafts from the sequence's own
-    tokens, `drafts` are this step's drafts, and `acceptance` the recent per-draft rate at which they are accepted
-    (None before its first verification).
+    tokens, `drafts` are this step's drafts, `shadow_draft` the first token it would have drafted when it drafts
+    none, and `acceptance` the recent per-draft rate at which they are (or would be) accepted (None before any).
     """
 
     seq_id: int
@@ -64,6 +64,7 @@ class Sequence:
     grammar: Grammar | None = None
     proposer: NgramProposer | None = None
     drafts: list[int] = field(default_factory=list)
+    shadow_draft: int | None = None
     acceptance: float | None = None
 
     def __post_init__(self) -> None:

@@ -5,12 +5,14 @@ its drafts run as one causal query, and the drafts are kept up to the first the 
 what the measurements in RESULTS.md (speculative decoding) support, and no more:
 - a fixed draft length k (`--num-speculative-tokens`);
 - a per-sequence acceptance average `alpha` (exponential, over its verifications' per-draft rates; 0.5 before
-  any). Draft i is kept with probability `alpha^i`, so a sequence checks the drafts with
-  `alpha^i >= MIN_KEEP_PROBABILITY`, and at least one, so that `alpha` keeps following what its drafts do: all k
-  while it copies, fewer as its drafts start missing. Against checking all k or none, this gained 10% on
-  copy-heavy requests one at a time;
+  any). Draft i is kept with probability `alpha^i` and adds one row to the step, so it pays when `alpha^i` is at
+  least the share of the step's time one token costs (`drafts_worth_checking`): all k while a sequence copies,
+  fewer as its drafts start missing, fewer as the batch grows. Against checking all k or none, this gained 10% on
+  copy-heavy requests one at a time. A sequence that drafts nothing still has its first proposed token compared
+  with the token it samples (`shadow_draft`), so `alpha` keeps following what its drafts would do;
 - a batch-size cutoff: with more than `max_batch_size` decoding sequences nobody drafts. A large batch's step is
-  compute-bound, and there drafts lost 2-3% (concurrency 32) where they gained 8-36% at concurrency 4.
+  compute-bound, and a step that checks drafts costs more than its rows (its sampler scores 1 + k rows per
+  sequence): measured on a 2-core CPU, copy-heavy requests gained 1.5x at concurrency 4 and nothing at 8.
 A single step that also prefills drafts nothing: its sampled rows would multiply (86 against 56 ms a step at
 concurrency 32). Inside multi-step decode calls the device proposes and checks drafts at every step
 (`model_runner._verify_steps`), each drafting sequence up to the count chosen here when the call starts.
@@ -23,9 +25,6 @@ from dataclasses import dataclass, field
 from batching.ngram import NgramConfig
 from batching.sequence import Sequence
 
-# What a draft's row costs next to the token of a lone sequence's step, on the CPU (b / (a + b) of a step's
-# measured `a + b * tokens`): a draft less likely than that to be kept is not worth its row.
-MIN_KEEP_PROBABILITY = 0.1
 INITIAL_ACCEPTANCE = 0.5
 ACCEPTANCE_SMOOTHING = 0.3
 
@@ -48,9 +47,12 @@ def per_draft_rate(num_accepted: int, num_checked: int) -> float:
     return num_accepted / reached if reached else 0.0
 
 
-def drafts_worth_checking(acceptance: float, k: int) -> int:
-    """Of k drafts, how many a sequence with this per-draft acceptance checks (at least one)."""
-    return max(1, sum(acceptance**i >= MIN_KEEP_PROBABILITY for i in range(1, k + 1)))
+def drafts_worth_checking(acceptance: float, k: int, batch_size: int, row_cost: float) -> int:
+    """Of k drafts, how many a sequence with this per-draft acceptance checks in a step of `batch_size` decoding
+    sequences, where one more row costs `row_cost` of a lone sequence's step: draft i is kept with probability
+    `acceptance^i`, against the share of the step's time one of its tokens costs, `c S / (1 - c + c S)`."""
+    token_share = row_cost * batch_size / (1 - row_cost + row_cost * batch_size)
+    return sum(acceptance**i >= token_share for i in range(1, k + 1))
 
 
 @dataclass
@@ -66,21 +68,26 @@ class Speculator:
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.config.num_speculative_tokens
 
-    def draft_count(self, seq: Sequence) -> int:
+    def draft_count(self, seq: Sequence, batch_size: int) -> int:
+        """How many drafts the sequence checks this step; with none, its first proposal becomes its shadow."""
         acceptance = INITIAL_ACCEPTANCE if seq.acceptance is None else seq.acceptance
-        return drafts_worth_checking(acceptance, self.config.num_speculative_tokens)
+        count = drafts_worth_checking(acceptance, self.config.num_speculative_tokens, batch_size,
+                                      self.config.row_cost)
+        if not count and (drafts := seq.proposer.propose(1)):
+            seq.shadow_draft = drafts[0]
+        return count
 
     def propose(self, running: list[Sequence], max_model_len: int, prefills: bool) -> None:
         """Sets `seq.drafts` for a single step on the decoding sequences (one token left to compute), and clears
         it on every other running sequence (a draft of an earlier step is stale once a sequence has more to
         compute: after a preemption, or tokens its grammar forced). `prefills`: the step also prefills."""
         self.clear(running)
-        decoding = [seq for seq in running if seq.num_uncomputed_tokens == 1 and seq.proposer is not None]
+        decoding = [seq for seq in running if seq.num_uncomputed_tokens == 1]
         if prefills or len(decoding) > self.config.max_batch_size:
             return
-        for seq in decoding:
+        for seq in (seq for seq in decoding if seq.proposer is not None):
             room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens,
-                       self.draft_count(seq) + 1) - 1
+                       self.draft_count(seq, len(decoding)) + 1) - 1
             drafts = seq.proposer.propose(room)
             # A draft its grammar forbids would be rejected.
             seq.drafts = seq.grammar.valid_prefix(drafts) if seq.grammar is not None else drafts
@@ -91,14 +98,15 @@ class Speculator:
         need it on the device."""
         if len(seqs) > self.config.max_batch_size:
             return None
-        counts = [self.draft_count(seq) if seq.proposer is not None and not seq.sampling.reads_history else 0
-                  for seq in seqs]
+        counts = [self.draft_count(seq, len(seqs)) if seq.proposer is not None and not seq.sampling.reads_history
+                  else 0 for seq in seqs]
         return counts if any(counts) else None
 
     @staticmethod
     def clear(running: list[Sequence]) -> None:
         for seq in running:
             seq.drafts = []
+            seq.shadow_draft = None
 
     def record(self, seq: Sequence, num_checked: int, num_accepted: int) -> None:
         """One verification: `num_accepted` of the sequence's `num_checked` > 0 drafts were accepted."""
@@ -107,8 +115,18 @@ class Speculator:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+        self._update_acceptance(seq, per_draft_rate(num_accepted, num_checked))
+
+    def check_shadow(self, seq: Sequence, token: int) -> None:
+        """The first token a sequence sampled without drafts: was it the draft it would have checked first?"""
+        if seq.shadow_draft is not None:
+            self._update_acceptance(seq, float(token == seq.shadow_draft))
+            seq.shadow_draft = None
+
+    @staticmethod
+    def _update_acceptance(seq: Sequence, rate: float) -> None:
         average = INITIAL_ACCEPTANCE if seq.acceptance is None else seq.acceptance
-        seq.acceptance = average + ACCEPTANCE_SMOOTHING * (per_draft_rate(num_accepted, num_checked) - average)
+        seq.acceptance = average + ACCEPTANCE_SMOOTHING * (rate - average)
 
     def counters(self) -> SpecCounters:
         return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,

@@ -25,7 +25,8 @@ from model.llama import Llama
 from model.loader import LoadedModel
 
 TINY = ModelConfig.tiny()
-CONFIG = EngineConfig(num_decode_steps=1, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, page_size=4,
+CONFIG = EngineConfig(num_decode_steps=1, max_num_seqs=8, spec_max_batch_size=8, max_num_batched_tokens=64,
+                      max_model_len=160, page_size=4,
                       kv_cache_memory=512 * 2 * TINY.num_layers * TINY.num_kv_heads * 4 * TINY.head_dim * 4)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2)
 # Greedy decoding of a random model settles into cycles: n-gram drafts then match, as they do on copy-heavy text.
@@ -35,6 +36,12 @@ PROMPTS = [[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [30, 31, 32, 33, 34, 35], [100, 5, 
 @pytest.fixture(scope="module")
 def tiny(smollm2) -> LoadedModel:
     return LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(1)), smollm2.tokenizer, "tiny")
+
+
+def free_verification(engine: Engine) -> Engine:
+    """Makes every draft worth verifying at any batch size, as on a machine where extra rows cost nothing."""
+    engine.speculator.config = replace(engine.speculator.config, row_cost=0.0)
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,7 @@ def speculative(tiny, request) -> Engine:
     """Drafts verified in single steps, or (4 decode steps per call) checked 4 per step inside multi-step calls
     whenever every running sequence decodes."""
     config = replace(CONFIG, speculative="ngram", num_speculative_tokens=4, num_decode_steps=request.param)
-    return Engine(tiny, config, progress=False)
+    return free_verification(Engine(tiny, config, progress=False))
 
 
 def test_proposer_continues_the_longest_suffix_seen_before():
@@ -179,9 +186,12 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
-def test_a_sequence_checks_the_drafts_likely_enough_to_be_kept_and_at_least_one():
-    assert [drafts_worth_checking(alpha, 4) for alpha in (1.0, 0.8, 0.5, 0.3, 0.0)] == [4, 4, 3, 1, 1]
-    assert drafts_worth_checking(0.9, 8) == 8 and drafts_worth_checking(0.7, 8) == 6
+def test_a_sequence_checks_the_drafts_likely_enough_to_pay_for_their_rows():
+    """Alone, a draft pays if kept with probability at least the row cost (0.1); in a step of 4, 0.4 / 1.3."""
+    assert [drafts_worth_checking(alpha, 4, 1, 0.1) for alpha in (1.0, 0.8, 0.5, 0.3, 0.0)] == [4, 4, 3, 1, 0]
+    assert [drafts_worth_checking(alpha, 4, 4, 0.1) for alpha in (1.0, 0.8, 0.5, 0.3, 0.0)] == [4, 4, 1, 0, 0]
+    assert drafts_worth_checking(0.9, 8, 1, 0.1) == 8 and drafts_worth_checking(0.7, 8, 1, 0.1) == 6
+    assert drafts_worth_checking(0.01, 4, 64, 0.0) == 4  # rows that cost nothing: every draft
 
 
 def test_a_verification_counts_the_drafts_it_reached():
@@ -201,7 +211,7 @@ def test_a_batch_above_the_cutoff_drafts_nothing(tiny, num_decode_steps):
 
 def test_drafts_checked_inside_multi_step_calls_save_calls(tiny, plain):
     """One repeating sequence: the same tokens as without drafts, in fewer calls than 4 tokens per call."""
-    engine = Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4), progress=False)
+    engine = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram", num_decode_steps=4), progress=False))
     params = replace(GREEDY, max_tokens=40)
     want = plain.generate([PROMPTS[2]], params)[0][0]
     have = engine.generate([PROMPTS[2]], params)[0][0]
@@ -229,8 +239,8 @@ def test_real_model_gives_the_same_greedy_tokens_with_drafts_on_golden_and_copy_
     plain = Engine(smollm2, config, progress=False).generate(prompts, params)
     # Drafts verified in single steps, and proposed and checked inside 8-step calls.
     for num_decode_steps in (1, 8):
-        spec_engine = Engine(smollm2, replace(config, speculative="ngram", num_decode_steps=num_decode_steps),
-                             progress=False)
+        spec_engine = free_verification(
+            Engine(smollm2, replace(config, speculative="ngram", num_decode_steps=num_decode_steps), progress=False))
         spec = spec_engine.generate(prompts, params)
         for want, have in zip(plain, spec):
             assert (have[0].token_ids, have[0].finish_reason) == (want[0].token_ids, want[0].finish_reason)

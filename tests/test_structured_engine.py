@@ -16,9 +16,10 @@ from batching.sampling_params import SamplingParams, StructuredOutput
 from model.config import ModelConfig
 from model.llama import Llama
 from model.loader import LoadedModel
+from test_speculative import free_verification
 
 
-CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, page_size=4,
+CONFIG = EngineConfig(max_num_seqs=8, spec_max_batch_size=8, max_num_batched_tokens=64, max_model_len=160, page_size=4,
                       kv_cache_memory=8 << 20, num_decode_steps=1)
 # Greedy decoding of a random model settles into cycles, which n-gram drafts then follow.
 PATTERN = r"(ab|cd|ef)+\."
@@ -39,7 +40,7 @@ def plain(tiny) -> Engine:
 
 
 def test_speculative_decoding_under_a_grammar_gives_the_tokens_of_plain_decoding(tiny, plain):
-    speculative = Engine(tiny, replace(CONFIG, speculative="ngram"), progress=False)
+    speculative = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram"), progress=False))
     want = plain.generate(PROMPTS, CONSTRAINED)
     have = speculative.generate(PROMPTS, CONSTRAINED)
     for w, h in zip(want, have):
