@@ -30,7 +30,10 @@ class PoolCounters:
 
 
 class BlockManager:
-    """Owns `num_pages` pages of `page_size` token slots; sequences hold pages through their `page_table`."""
+    """Owns `num_pages` pages of `page_size` token slots; sequences hold pages through their `page_table`.
+
+    A page table only grows in place; any other change gives the sequence a new list (the runner's persistent
+    input batch keeps a row current by appending what a list it already holds has gained)."""
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         self.num_pages = num_pages
@@ -126,7 +129,7 @@ class BlockManager:
         keep = self.pages_needed(num_tokens)
         for page in reversed(seq.page_table[keep:]):
             self._release(page)
-        del seq.page_table[keep:]
+        seq.page_table = seq.page_table[:keep]
 
     def commit(self, seq: Sequence) -> None:
         """Registers the pages `seq` has completely computed, and whose tokens are known, in the prefix cache."""

@@ -315,7 +315,7 @@ class Engine:
         it builds needs them (a draft, a grammar's mask, a penalty's token history; the other processes of a
         multi-process job replay steps from host inputs alone)."""
         return (self.config.async_scheduling and self.speculator is None and not step_broadcast.is_multiprocess()
-                and not any(seq.grammar is not None or seq.sampling.reads_history for seq in self.scheduler.running))
+                and not any(seq.grammar is not None or seq.params.reads_history for seq in self.scheduler.running))
 
     def _launch(self, start: float) -> _Launched | None:
         """Schedules and dispatches a step; None if there is nothing to run (or it failed at once)."""

@@ -3,7 +3,9 @@
 Every step is padded to a bucket from a small fixed set, so after the warm-up compiles them all the step never
 recompiles: decode-only steps by their number of sequences, mixed steps by their number of tokens. The KV pool
 is donated to the step and replaced by its output; the model parameters are split from the NNX module once and
-passed in as a pytree. `dispatch` returns at once (async dispatch) and starts copying the sampled tokens to the
+passed in as a pytree. Page tables and sampling parameters are not sent with each step: they live on the
+device in the persistent input batch (`input_batch.py`), one row per running sequence's slot, and a step sends
+only the rows that changed, then per token and per sampled row its slot. `dispatch` returns at once (async dispatch) and starts copying the sampled tokens to the
 host, so the engine does its text work while the device computes. Each step also leaves every sequence's last
 sampled token on the device (`last_tokens`, a fixed [max_num_seqs] array), and the next step takes from it the
 tokens the host has not seen yet (`StepInputs.feed`): with overlapped scheduling the engine dispatches that step
@@ -25,7 +27,6 @@ every row has ended are skipped.
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import astuple, dataclass, replace
 from functools import partial
@@ -42,8 +43,8 @@ from tqdm import tqdm
 from batching import step_broadcast
 from batching.ngram import NgramConfig, propose_on_device
 from batching.request import MAX_STOP_IDS
-from batching.sampler import (SamplerOutput, SamplingBatch, SamplingInputs, bitmask_words, mask_disallowed,
-                              pack_sampling_batch, sample)
+from batching.input_batch import InputBatch, SlotRows, SlotWrites, write_rows
+from batching.sampler import SampledRows, SamplerOutput, SamplingBatch, bitmask_words, mask_disallowed, sample
 from batching.scheduler import ScheduledChunk
 from batching.structured import fill_bitmask
 from model.llama import KVCache, Llama, empty_kv_cache
@@ -105,7 +106,8 @@ class DraftState:
 @dataclass(frozen=True)
 class StepInputs:
     """token_ids, positions, slot_mapping: [T] int32 (slot -1 = padding); kv_lens: [S] int32;
-    page_table: [S, max_pages] int32; cu_q_lens: [S + 1] int32; logits_rows: [S] int32, each
+    attn_slots: [S] int32, the slot whose page table each attention row reads (`input_batch.py`; the padding
+    slot for padding rows); cu_q_lens: [S + 1] int32; logits_rows: [S] int32, each
     sequence's last token row (the one it samples from); limits: [S] int32, decode steps each row may run
     in a multi-step call (0 for padding); num_sampled: [] int32, the rows of logits_rows that are sampled (the
     first ones; real tokens are the first cu_q_lens[-1] rows); drafting: a speculative multi-step call's
@@ -117,7 +119,7 @@ class StepInputs:
     positions: jax.Array
     slot_mapping: jax.Array
     kv_lens: jax.Array
-    page_table: jax.Array
+    attn_slots: jax.Array
     cu_q_lens: jax.Array
     logits_rows: jax.Array
     limits: jax.Array
@@ -139,10 +141,11 @@ def last_tokens(tokens: jax.Array, num_rows: int) -> jax.Array:
 
 
 def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
-            inputs: StepInputs) -> tuple[jax.Array, KVCache]:
-    """One model step over a flat pool: the logits of the sampled rows, [S, V] float32."""
+            page_table: jax.Array, inputs: StepInputs) -> tuple[jax.Array, KVCache]:
+    """One model step over a flat pool: the logits of the sampled rows, [S, V] float32. page_table: [A,
+    max_pages] int32, each attention row's."""
     meta = AttentionMetadata(
-        slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=inputs.page_table,
+        slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=page_table,
         cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
     )
     attend = make_paged_attend(meta, num_pages, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh)
@@ -151,22 +154,25 @@ def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q
 
 
 def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
-             state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, inputs: StepInputs
+             state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs
              ) -> tuple[jax.Array, KVCache]:
     """One step's model: the sampled rows' logits [S, V] float32, and the pool.
 
     kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (arrays or int8
     `QuantizedPages`; donated). fed_from: [R] int32, the previous step's last tokens (`StepInputs.fed`).
+    slots: the persistent input batch's rows on the device.
     """
     model = nnx.merge(graphdef, state)
     logits, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache),
-                               inputs.fed(fed_from))
+                               slots.page_table[inputs.attn_slots], inputs.fed(fed_from))
     return logits, layered_pool(kv_cache, model.config.num_layers)
 
 
-def _sample_step(num_rows: int, logits: jax.Array, sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
-    """One step's sampler, outputs with a leading [1] axis (as a multi-step call's), and its `last_tokens`."""
-    out = sample(logits, sampling)
+def _sample_step(num_rows: int, logits: jax.Array, table: SamplingBatch, rows: SampledRows
+                 ) -> tuple[SamplerOutput, jax.Array]:
+    """One step's sampler (the rows' parameters from the slots' `table`), outputs with a leading [1] axis (as a
+    multi-step call's), and its `last_tokens`."""
+    out = sample(logits, rows.batch(table))
     return jax.tree.map(lambda x: x[None], out), last_tokens(out.tokens, num_rows)
 
 
@@ -184,28 +190,31 @@ def _while_any_runs(step: Callable, running: Callable) -> Callable:
 
 def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
                   num_steps: int, num_rows: int, state: nnx.State, kv_cache: KVCache, fed_from: jax.Array,
-                  inputs: StepInputs, sampling: SamplingBatch) -> tuple[tuple[SamplerOutput, jax.Array], KVCache]:
-    """`num_steps` decode steps, model and sampler, each sampled token fed back; kv_cache and fed_from as in
-    `_forward`.
+                  slots: SlotRows, inputs: StepInputs, sampled: SampledRows
+                  ) -> tuple[tuple[SamplerOutput, jax.Array], KVCache]:
+    """`num_steps` decode steps, model and sampler, each sampled token fed back; kv_cache, fed_from and slots as
+    in `_forward`.
 
     Returns the sampler's outputs with a leading [num_steps] axis, and each row's last token (at its limit)
     as `last_tokens`. No row has a structured-output mask: the host cannot fill one between the steps.
     """
     model = nnx.merge(graphdef, state)
     inputs = inputs.fed(fed_from)
+    page_table = slots.page_table[inputs.attn_slots]
+    sampling = sampled.batch(slots.sampling)
     rows = jnp.arange(inputs.token_ids.shape[0])
 
     def decode(carry, k):
         tokens, alive, kv_cache, sampling = carry
         active = alive & (k < inputs.limits)
         positions = inputs.positions + k
-        pages = inputs.page_table[rows, positions // page_size]
+        pages = page_table[rows, positions // page_size]
         step_inputs = replace(
             inputs, token_ids=tokens, positions=positions,
             slot_mapping=jnp.where(active, pages * page_size + positions % page_size, -1),
             kv_lens=jnp.where(active, inputs.kv_lens + k, 0),
         )
-        logits, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, step_inputs)
+        logits, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, page_table, step_inputs)
         out = sample(logits, sampling)
         alive = alive & ~(active & sampling.stops(out.tokens))
         return (out.tokens, alive, kv_cache, sampling.advanced(out.tokens)), out
@@ -231,7 +240,7 @@ class VerifiedSteps:
 
 def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
                   ngram: NgramConfig, num_steps: int, num_rows: int, state: nnx.State, kv_cache: KVCache,
-                  fed_from: jax.Array, inputs: StepInputs, sampling: SamplingBatch
+                  fed_from: jax.Array, slots: SlotRows, inputs: StepInputs, sampled: SampledRows
                   ) -> tuple[tuple[VerifiedSteps, jax.Array], KVCache]:
     """`num_steps` decode steps in which each drafting sequence also checks up to k drafts, proposed on the
     device from its tokens at every step (`propose_on_device`; k = ngram.num_speculative_tokens).
@@ -245,6 +254,8 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     """
     model = nnx.merge(graphdef, state)
     inputs = inputs.fed(fed_from)
+    page_table = slots.page_table[inputs.attn_slots]
+    sampling = sampled.batch(slots.sampling)
     width = 1 + ngram.num_speculative_tokens
     num_seqs = inputs.token_ids.shape[0]
     may_draft = inputs.drafting.max_drafts > 0
@@ -264,14 +275,14 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
         start = inputs.positions + emitted  # where each sequence's last token goes
         positions = jnp.where(real, start[owner] + offset, 0)
         draft_at = lambda j: drafts[owner, jnp.clip(j, 0, width - 2)]
-        pages = inputs.page_table[owner, positions // page_size]
+        pages = page_table[owner, positions // page_size]
         step_inputs = replace(
             inputs, token_ids=jnp.where(offset == 0, last[owner], draft_at(offset - 1)), positions=positions,
             slot_mapping=jnp.where(real, pages * page_size + positions % page_size, -1),
             kv_lens=jnp.where(q_lens > 0, start + q_lens, 0), cu_q_lens=cu_q_lens, logits_rows=token_rows,
             num_sampled=cu_q_lens[-1],
         )
-        logits, kv_cache = _logits(model, backend, mesh, num_pages, width, kv_cache, step_inputs)
+        logits, kv_cache = _logits(model, backend, mesh, num_pages, width, kv_cache, page_table, step_inputs)
         checks = real & (offset < q_lens[owner] - 1)
         rows = replace(jax.tree.map(lambda x: x[owner], sampling), step=sampling.step[owner] + offset,
                        draft=jnp.where(checks, draft_at(offset), -1))
@@ -420,6 +431,9 @@ class ModelRunner:
         # The last step's sampled tokens, each sequence's at its row, for the next step to feed (`StepInputs.feed`).
         self._last_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), everywhere or self.kv_sharding)
         self._last_rows: dict[int, int] = {}
+        self.input_batch = InputBatch(max_num_seqs, self.max_pages_per_seq, self.config.vocab_size, MAX_STOP_IDS)
+        self._slots = jax.device_put(self.input_batch.host, everywhere or self.kv_sharding)
+        self._write_slots = jax.jit(partial(write_rows), donate_argnums=(0,), out_shardings=everywhere)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -471,25 +485,32 @@ class ModelRunner:
             self._steps[key] = jax.jit(fn, donate_argnums=(1,), out_shardings=out_shardings)
         return self._steps[key]
 
-    def _run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingBatch,
+    def _run(self, bucket: Bucket, writes: SlotWrites | None, inputs: StepInputs, sampled: SampledRows,
              fill_masks: Callable[[np.ndarray], None] | None = None) -> SamplerOutput | VerifiedSteps:
-        """Launches the step on host inputs (numpy) and replaces the pool; returns without waiting.
+        """Writes the changed slots, launches the step on host inputs (numpy) and replaces the pool; returns
+        without waiting.
 
         `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
         ([num_rows, ceil(V / 32)] int32, all ones) while the model runs.
         """
+        if writes is not None:
+            self._write(writes)
         if bucket.num_steps > 1:
             (out, self._last_tokens), self.kv_cache = self._step_fn(bucket)(
-                self.state, self.kv_cache, self._last_tokens, self._global(inputs), self._global(sampling))
+                self.state, self.kv_cache, self._last_tokens, self._slots, self._global(inputs),
+                self._global(sampled))
             return out
-        logits, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, self._last_tokens,
+        logits, self.kv_cache = self._step_fn(bucket)(self.state, self.kv_cache, self._last_tokens, self._slots,
                                                       self._global(inputs))
         if fill_masks is not None:
             allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
             fill_masks(allowed)
             logits = self._mask(logits, self._global(allowed))
-        out, self._last_tokens = self._sample(logits, self._global(sampling))
+        out, self._last_tokens = self._sample(logits, self._slots.sampling, self._global(sampled))
         return out
+
+    def _write(self, writes: SlotWrites) -> None:
+        self._slots = self._write_slots(self._slots, self._global(writes.slots), self._global(writes.rows))
 
     def _global(self, tree):
         """A computation spanning processes takes global arrays: each process holds the same full copy."""
@@ -506,15 +527,19 @@ class ModelRunner:
         self.kv_cache = empty_kv_cache(self.config, self.num_pages, self.page_size, self.kv_dtype, self.kv_sharding)
 
     def num_compiled(self) -> int:
-        """Compiled models (one per bucket), and samplers and masks (one each per bucket row count)."""
+        """Compiled models (one per bucket), samplers and masks (one each per bucket row count), and slot
+        writes (one per count of rows written)."""
         return (sum(fn._cache_size() for fn in self._steps.values()) + self._sample._cache_size()
-                + self._mask._cache_size())
+                + self._mask._cache_size() + self._write_slots._cache_size())
 
     def warmup(self, progress: bool = True) -> None:
-        """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool)."""
+        """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool), and every
+        size of slot writes (padding writes change nothing)."""
+        for size in self.input_batch.buckets:
+            self._write(self.input_batch.padding_writes(size))
         for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
-            self._run(bucket, *self._pad([], bucket, None), fill_masks=lambda allowed: None)
-        jax.block_until_ready(self.kv_cache)
+            self._run(bucket, None, *self._pad([], bucket, None), fill_masks=lambda allowed: None)
+        jax.block_until_ready((self.kv_cache, self._slots))
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
                  drafting: list[int] | None = None) -> PendingStep:
@@ -522,14 +547,16 @@ class ModelRunner:
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i emitting at
         most limits[i] tokens (its pages must hold them). `drafting` (with limits): the most drafts each chunk
-        checks at a step of that call (0: none), proposing and checking them on the device (`_verify_steps`: the result is `VerifiedSteps`).
+        checks at a step of that call (0: none), proposing and checking them on the device (`_verify_steps`: the
+        result is `VerifiedSteps`).
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
         sampled row, drafts included) while the model runs.
         """
         num_steps = self.num_decode_steps if limits is not None else 1
         verifies = drafting is not None
         bucket = self.bucket_for(chunks, num_steps, verifies)
-        inputs, sampling = self._pad(chunks, bucket, limits, drafting)
+        writes = self.input_batch.writes([c.seq for c in chunks])
+        inputs, sampled = self._pad(chunks, bucket, limits, drafting)
         rows = [i * bucket.max_q_len for i in range(len(chunks))] if verifies else first_rows(chunks)
         # Where each sequence's last token is in `last_tokens`, for the next step (unknown after drafts).
         drafted = any(c.num_drafts for c in chunks)
@@ -537,28 +564,35 @@ class ModelRunner:
         constrained = [(c.seq.grammar, row, c.seq.drafts[:c.num_drafts])
                        for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
         if step_broadcast.is_multiprocess():
-            step_broadcast.send_step((*astuple(bucket), bool(constrained)), (inputs, sampling))
+            num_writes = 0 if writes is None else len(writes.slots)
+            step_broadcast.send_step((*astuple(bucket), bool(constrained), num_writes), (inputs, sampled))
+            if writes is not None:
+                step_broadcast.send_payload((writes.slots, writes.rows))
 
         def fill_masks(allowed: np.ndarray) -> None:
             fill_bitmask(constrained, allowed)
             if step_broadcast.is_multiprocess():
                 step_broadcast.send_payload(allowed)
 
-        return PendingStep(self._run(bucket, inputs, sampling, fill_masks if constrained else None), chunks, rows,
-                           limits)
+        return PendingStep(self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None), chunks,
+                           rows, limits)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
         while (header := step_broadcast.receive_step_shape()) is not None:
-            *shape, masked = header
+            *shape, masked, num_writes = header
             bucket = Bucket(*shape)
-            inputs, sampling = step_broadcast.receive_payload(self._pad([], bucket, None))
+            inputs, sampled = step_broadcast.receive_payload(self._pad([], bucket, None))
+            writes = None
+            if num_writes:
+                template = self.input_batch.padding_writes(num_writes)
+                writes = SlotWrites(*step_broadcast.receive_payload((template.slots, template.rows)))
 
             def receive_masks(allowed: np.ndarray) -> None:
                 np.copyto(allowed, step_broadcast.receive_payload(allowed))
 
             try:
-                jax.block_until_ready(self._run(bucket, inputs, sampling, receive_masks if masked else None))
+                jax.block_until_ready(self._run(bucket, writes, inputs, sampled, receive_masks if masked else None))
             except Exception:  # noqa: BLE001 - process 0 fails the same step; keep in step with it
                 if self.pool_lost():
                     self.reset_pool()
@@ -569,7 +603,9 @@ class ModelRunner:
             step_broadcast.send_stop()
 
     def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket, limits: list[int] | None,
-             drafting: list[int] | None = None) -> tuple[StepInputs, SamplingBatch]:
+             drafting: list[int] | None = None) -> tuple[StepInputs, SampledRows]:
+        """The step's per-token and per-row arrays (numpy), padded to `bucket`; page tables and sampling
+        parameters are the slots' (`input_batch`), whose host rows must be current for `chunks`."""
         t, a, num_rows = bucket.num_tokens, bucket.num_attn_seqs, bucket.num_rows
         draft_state = DraftState(np.full((num_rows, self.max_model_len if bucket.verifies else 0), -1, np.int32),
                                  np.zeros(num_rows, np.int32))
@@ -577,20 +613,23 @@ class ModelRunner:
             if max_drafts:
                 draft_state.history[i, :chunk.seq.num_tokens] = chunk.seq.token_ids
                 draft_state.max_drafts[i] = max_drafts
+        padding_slot = self.input_batch.padding_slot
         token_ids = np.zeros(t, np.int32)
         feed = np.full(t, -1, np.int32)
         positions = np.zeros(t, np.int32)
         slot_mapping = np.full(t, -1, np.int32)
         kv_lens = np.zeros(a, np.int32)
-        page_table = np.zeros((a, self.max_pages_per_seq), np.int32)
+        attn_slots = np.full(a, padding_slot, np.int32)
         cu_q_lens = np.zeros(a + 1, np.int32)
         logits_rows = np.zeros(num_rows, np.int32)
         row_limits = np.zeros(num_rows, np.int32)
         row_limits[:len(chunks)] = limits if limits is not None else 1
+        sampled = SampledRows(np.full(num_rows, padding_slot, np.int32), np.zeros(num_rows, np.int32),
+                              np.full(num_rows, -1, np.int32), np.full((num_rows, self.max_model_len), -1, np.int32))
         # Python gathers each chunk's lists; numpy builds the arrays in one pass each.
-        tokens, starts, lengths, pages = [], [], [], []
+        tokens, starts, lengths, slots = [], [], [], []
         piece_chunks, piece_ends, piece_kv_lens = [], [], []
-        sampled: list[SamplingInputs] = []
+        row_slots, row_steps, row_drafts = [], [], []
         offset, q = 0, bucket.max_q_len
         for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
@@ -599,7 +638,7 @@ class ModelRunner:
                 feed[offset + n - 1] = self._last_rows[seq.seq_id]
             starts.append(start)
             lengths.append(n)
-            pages.append(seq.page_table)
+            slots.append(seq.slot)
             # Pieces of at most q queries; a piece's queries are the last of its kv_len positions, so the pieces
             # of one chunk chain causally.
             ends = [*range(q, n, q), n]
@@ -609,29 +648,30 @@ class ModelRunner:
             offset += n
             # One row per draft position (each scores the next token as if the drafts before it were accepted).
             for j in range(chunk.num_drafts + 1):
-                logits_rows[len(sampled)] = offset - 1 - chunk.num_drafts + j
-                history = seq.token_ids + seq.drafts[:j] if j and seq.sampling.reads_history else seq.token_ids
-                sampled.append(SamplingInputs(
-                    seq.sampling, seq.num_output_tokens + j, history, seq.num_prompt_tokens, seq.stop.stop_id_list,
-                    seq.params.min_tokens, seq.drafts[j] if j < chunk.num_drafts else -1,
-                ))
+                logits_rows[len(row_slots)] = offset - 1 - chunk.num_drafts + j
+                if seq.params.reads_history:
+                    history = seq.token_ids + seq.drafts[:j]
+                    sampled.history[len(row_slots), :len(history)] = history
+                row_slots.append(seq.slot)
+                row_steps.append(seq.num_output_tokens + j)
+                row_drafts.append(seq.drafts[j] if j < chunk.num_drafts else -1)
         if chunks:
             token_ids[:offset] = tokens
-            page_counts = np.array([len(p) for p in pages])
-            chunk_pages = np.zeros((len(chunks), self.max_pages_per_seq), np.int32)
-            chunk_pages[np.arange(self.max_pages_per_seq) < page_counts[:, None]] = np.fromiter(
-                itertools.chain.from_iterable(pages), np.int32, page_counts.sum())
-            token_chunk = np.repeat(np.arange(len(chunks)), lengths)
+            token_slots = np.repeat(np.asarray(slots, np.int32), lengths)
             chunk_offsets = np.cumsum(lengths) - lengths
+            token_chunk = np.repeat(np.arange(len(chunks)), lengths)
             positions[:offset] = np.arange(offset) - chunk_offsets[token_chunk] + np.asarray(starts)[token_chunk]
-            slot_mapping[:offset] = (chunk_pages[token_chunk, positions[:offset] // self.page_size] * self.page_size
-                                     + positions[:offset] % self.page_size)
+            pages = self.input_batch.host.page_table[token_slots, positions[:offset] // self.page_size]
+            slot_mapping[:offset] = pages * self.page_size + positions[:offset] % self.page_size
             num_pieces = len(piece_chunks)
-            page_table[:num_pieces] = chunk_pages[piece_chunks]
+            attn_slots[:num_pieces] = np.asarray(slots, np.int32)[piece_chunks]
             kv_lens[:num_pieces] = piece_kv_lens
             cu_q_lens[1:num_pieces + 1] = piece_ends
             cu_q_lens[num_pieces + 1:] = offset
-        sampling = pack_sampling_batch(sampled, num_rows, self.max_model_len, MAX_STOP_IDS)
-        inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, page_table, cu_q_lens, logits_rows, row_limits,
-                            np.array(len(sampled), np.int32), draft_state, feed)
-        return inputs, sampling
+            num_sampled = len(row_slots)
+            sampled.slot[:num_sampled] = row_slots
+            sampled.step[:num_sampled] = row_steps
+            sampled.draft[:num_sampled] = row_drafts
+        inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, attn_slots, cu_q_lens, logits_rows,
+                            row_limits, np.array(len(row_slots), np.int32), draft_state, feed)
+        return inputs, sampled

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from batching.ngram import NgramConfig, NgramProposer
 from batching.outputs import OutputSink, Usage
-from batching.sampler import SamplingRow
 from batching.sampling_params import RequestRejected, SamplingParams
 from batching.sequence import Sequence
 from batching.stop_checker import StopChecker, stop_token_ids
@@ -84,7 +83,7 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
 def build_request(request_id: str, prompts: list[list[int]], params: SamplingParams, sink: OutputSink,
                   tokenizer: Tokenizer, limits: RequestLimits, seq_ids: itertools.count,
                   ngram: NgramConfig | None = None, grammar: Grammar | None = None) -> Request:
-    """Checks the request against `limits` and builds its sequences, each with its sampling row and stop
+    """Checks the request against `limits` and builds its sequences, each with its seed and stop
     checker (so a conversion error is this request's rejection, never a step's failure), with a draft
     proposer indexing its prompt when speculating, and with its own copy of `grammar` (the request's compiled
     structured output) if there is one."""
@@ -97,7 +96,7 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
             choice = len(seqs)
             seq = Sequence(
                 seq_id=next(seq_ids), request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
-                sampling=SamplingRow.from_params(params, seed + choice * _SEED_STRIDE, limits.vocab_size),
+                seed=(seed + choice * _SEED_STRIDE) % 2**32,
                 stop=StopChecker(params, limits.eos_token_ids, tokenizer.decode_stream(prompt)), parent=parent,
                 max_num_tokens=min(len(prompt) + params.max_tokens, limits.max_model_len),
                 grammar=grammar.fork() if grammar is not None else None,

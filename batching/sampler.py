@@ -10,9 +10,7 @@ sampling, top alternatives) is skipped with `lax.cond`. Structured output masks 
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, fields, replace
-from functools import cached_property
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -21,87 +19,19 @@ import numpy as np
 from batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 
-@dataclass(frozen=True)
-class SamplingRow:
-    """One sequence's sampling settings as the sampler packs them, built once when its request is added.
-
-    Every field is a per-row scalar of `SamplingBatch` with the same name; `seed` is the row's own (uint32).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    top_logprobs: int = 0
-    seed: int = 0
-
-    @classmethod
-    def from_params(cls, params: SamplingParams, seed: int, vocab_size: int) -> SamplingRow:
-        """top_k beyond the vocabulary means no top-k filter, as in vLLM."""
-        return cls(
-            temperature=params.temperature,
-            top_k=params.top_k if 0 < params.top_k < vocab_size else 0,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty,
-            top_logprobs=params.top_logprobs,
-            seed=seed % 2**32,
-        )
-
-    @cached_property
-    def packed(self) -> tuple[float, ...]:
-        """The fields in order, as `pack_sampling_batch` lays them out (computed once per sequence)."""
-        return tuple(getattr(self, name) for name in _ROW_DTYPES)
-
-    @property
-    def reads_history(self) -> bool:
-        """Whether the penalties need the row's token history."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-
-_ROW_DTYPES = {
-    field.name: np.uint32 if field.name == "seed" else {float: np.float32, int: np.int32}[type(field.default)]
-    for field in fields(SamplingRow)
-}
-_PADDING_ROW = SamplingRow()
-
-
-@dataclass(frozen=True)
-class SamplingInputs:
-    """What the sampler needs about one scheduled sequence this step.
-
-    `step` is the index of the token being sampled among the sequence's outputs; `token_ids` (prompt + output,
-    of which the first `num_prompt` are the prompt) is read only when the row's penalties need it; `stop_ids`
-    end the sequence, and may not be sampled while `step < min_tokens`. `draft` (speculative decoding) is the
-    token proposed for this position, to accept or replace; -1 for none.
-    """
-
-    row: SamplingRow
-    step: int
-    token_ids: list[int]
-    num_prompt: int
-    stop_ids: tuple[int, ...]
-    min_tokens: int
-    draft: int = -1
-
-
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling parameters for S rows (padding rows are greedy with no penalties).
+    """Per-row sampling parameters for S rows (padding rows are greedy with no penalties): the one form they
+    take from a request's `SamplingParams` to the device.
 
-    temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty: [S] float32
-    top_k: [S] int32 (<= 0 disables); top_logprobs: [S] int32 (alternatives the row reports)
-    seed: [S] uint32; step: [S] int32 (the row's output index)
-    stop_ids: [S, B] int32 ids that end the row (EOS and stop ids), -1 pads; min_tokens: [S] int32, the
-    output index before which stop ids are banned
-    history: [S, L] int32 the row's prompt + output ids, -1 pads; num_prompt: [S] int32 prompt length
-    draft: [S] int32 the token proposed for the row's position (-1: none)
+    Per sequence (`write`): temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty:
+    [S] float32; top_k: [S] int32 (<= 0 disables); top_logprobs: [S] int32 (alternatives the row reports);
+    seed: [S] uint32; stop_ids: [S, B] int32 ids that end the row (EOS and stop ids), -1 pads; min_tokens: [S]
+    int32, the output index before which stop ids are banned; num_prompt: [S] int32 prompt length.
+    Per step (`SampledRows`): step: [S] int32, the row's output index; draft: [S] int32, the token proposed for
+    the row's position (-1: none); history: [S, L] int32, the row's prompt + output ids, -1 pads (filled only
+    for rows whose penalties read it).
     """
 
     temperature: jax.Array
@@ -119,6 +49,39 @@ class SamplingBatch:
     history: jax.Array
     num_prompt: jax.Array
     draft: jax.Array
+
+    @classmethod
+    def empty(cls, num_rows: int, num_banned: int, history_len: int = 0) -> SamplingBatch:
+        """Host arrays (numpy) of `num_rows` padding rows, to `write` into."""
+        floats = lambda value: np.full(num_rows, value, np.float32)
+        ints = lambda value: np.full(num_rows, value, np.int32)
+        return cls(temperature=floats(0.0), top_k=ints(0), top_p=floats(1.0), min_p=floats(0.0),
+                   presence_penalty=floats(0.0), frequency_penalty=floats(0.0), repetition_penalty=floats(1.0),
+                   top_logprobs=ints(0), seed=np.zeros(num_rows, np.uint32), step=ints(0),
+                   stop_ids=np.full((num_rows, num_banned), -1, np.int32), min_tokens=ints(0),
+                   history=np.full((num_rows, history_len), -1, np.int32), num_prompt=ints(0), draft=ints(-1))
+
+    def write(self, row: int, params: SamplingParams, seed: int, stop_ids: tuple[int, ...], num_prompt: int,
+              vocab_size: int) -> None:
+        """Sets a row's per-sequence fields in place (host arrays). top_k beyond the vocabulary means no top-k
+        filter, as in vLLM."""
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k if 0 < params.top_k < vocab_size else 0
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.top_logprobs[row] = params.top_logprobs
+        self.seed[row] = seed % 2**32
+        self.stop_ids[row] = -1
+        self.stop_ids[row, :len(stop_ids)] = stop_ids
+        self.min_tokens[row] = params.min_tokens
+        self.num_prompt[row] = num_prompt
+
+    def take(self, rows) -> SamplingBatch:
+        """rows: [R] int32 -> the batch of those rows."""
+        return jax.tree.map(lambda x: x[rows], self)
 
     def stops(self, tokens: jax.Array) -> jax.Array:
         """tokens: [S] int32 sampled at `step`, or [S, W] sampled at steps `step` to `step + W - 1` -> bool of
@@ -152,30 +115,20 @@ class SamplerOutput:
     accepted: jax.Array
 
 
-def pack_sampling_batch(inputs: list[SamplingInputs], num_rows: int, history_len: int, num_banned: int
-                        ) -> SamplingBatch:
-    """Host-side arrays for `inputs`, padded to `num_rows`. Token history is filled only for rows that read it."""
-    rows = [i.row for i in inputs] + [_PADDING_ROW] * (num_rows - len(inputs))
-    table = np.array([row.packed for row in rows], np.float64).reshape(num_rows, len(_ROW_DTYPES))
-    scalars = {name: table[:, column].astype(dtype) for column, (name, dtype) in enumerate(_ROW_DTYPES.items())}
-    n = len(inputs)
-    step, min_tokens, draft = (np.zeros(num_rows, np.int32) for _ in range(3))
-    draft[n:] = -1
-    step[:n] = [i.step for i in inputs]
-    min_tokens[:n] = [i.min_tokens for i in inputs]
-    draft[:n] = [i.draft for i in inputs]
-    stop_counts = np.array([len(i.stop_ids) for i in inputs], np.int64)
-    stop_ids = np.full((num_rows, num_banned), -1, np.int32)
-    stop_ids[:n][np.arange(num_banned) < stop_counts[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(i.stop_ids for i in inputs), np.int32, stop_counts.sum())
-    history = np.full((num_rows, history_len), -1, np.int32)
-    num_prompt = np.zeros(num_rows, np.int32)
-    for i, row_inputs in enumerate(inputs):
-        if row_inputs.row.reads_history:
-            history[i, :len(row_inputs.token_ids)] = row_inputs.token_ids
-            num_prompt[i] = row_inputs.num_prompt
-    return SamplingBatch(**scalars, step=step, stop_ids=stop_ids, min_tokens=min_tokens, history=history,
-                         num_prompt=num_prompt, draft=draft)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SampledRows:
+    """A step's sampled rows, each taking its sequence's parameters from a table of them (a `SamplingBatch` with
+    a row per sequence): slot: [R] int32, the table's row for each; step, draft: [R] int32 and history: [R, L]
+    int32, as in `SamplingBatch`."""
+
+    slot: jax.Array
+    step: jax.Array
+    draft: jax.Array
+    history: jax.Array
+
+    def batch(self, table: SamplingBatch) -> SamplingBatch:
+        return replace(table.take(self.slot), step=self.step, draft=self.draft, history=self.history)
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -62,3 +62,8 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether the penalties need the sequence's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

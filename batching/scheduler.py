@@ -62,6 +62,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._free_slots = list(range(config.max_num_seqs))[::-1]
 
     @property
     def has_work(self) -> bool:
@@ -75,7 +76,7 @@ class Scheduler:
         """Removes `seq` wherever it is, drops its placeholders and frees its pages now."""
         seq.truncate(seq.num_known_tokens)
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._leave_running(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -137,6 +138,7 @@ class Scheduler:
             bm.grow(seq, seq.num_computed_tokens + num_new)
             self.waiting.remove(seq)
             self.running.append(seq)
+            seq.slot = self._free_slots.pop()
             seq.status = SequenceStatus.RUNNING
             out.admitted.append(seq)
             scheduled[seq] = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
@@ -158,13 +160,18 @@ class Scheduler:
         chunk = scheduled.pop(seq, None)
         if chunk is not None:
             refund = chunk.num_tokens
-        self.running.remove(seq)
+        self._leave_running(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
         return refund
+
+    def _leave_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free_slots.append(seq.slot)
+        seq.slot = -1
 
     def reserve_lookahead(self, chunks: list[ScheduledChunk], limits: list[int]) -> bool:
         """Gives each decoding chunk's sequence pages for `limits[i]` tokens from its start (a multi-step call);
@@ -176,15 +183,3 @@ class Scheduler:
         for chunk, n in zip(chunks, limits):
             bm.grow(chunk.seq, chunk.start + n)
         return True
-
-    def update_after_step(self, chunks: list[ScheduledChunk], num_computed: list[int]) -> None:
-        """Marks `num_computed[i]` tokens of chunk i's sequence computed and caches the pages they completed;
-        pages reserved for drafts beyond the sequence's tokens go back to the pool."""
-        for chunk, computed in zip(chunks, num_computed):
-            seq = chunk.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # finished or aborted meanwhile
-            seq.num_computed_tokens = computed
-            self.block_manager.commit(seq)
-            if chunk.num_drafts:
-                self.block_manager.shrink(seq, seq.num_tokens)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from batching.ngram import NgramProposer
 from batching.outputs import FinishReason
-from batching.sampler import SamplingRow
 from batching.sampling_params import SamplingParams
 from batching.stop_checker import StopChecker
 
@@ -33,8 +32,9 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """`token_ids` is prompt + output; tokens [0, num_computed_tokens) have their K/V in `page_table`'s pages.
 
-    `sampling` is this sequence's row of the sampler (its seed keys the draws, folded with the output step, so
-    it samples the same tokens whatever shares its batch and after a preemption); `stop` turns its tokens
+    `seed` keys its draws (folded with the output step, so it samples the same tokens whatever shares its batch
+    and after a preemption); `slot` is its row of the runner's persistent input batch while it runs (the
+    scheduler's to give, -1 when it holds none); `stop` turns its tokens
     into text and decides when it ends; `grammar` (structured output) is where its output stands in the grammar
     it must follow. `arrival` orders first-come-first-served scheduling; `queued_at` is when it last entered the
     waiting queue (`time.perf_counter()`). With speculative decoding, `proposer` drafts from the sequence's own
@@ -47,9 +47,10 @@ class Sequence:
     choice: int
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    sampling: SamplingRow
+    seed: int
     stop: StopChecker
     max_num_tokens: int
+    slot: int = -1
     arrival: int = 0
     queued_at: float = 0.0
     parent: Sequence | None = None

@@ -98,7 +98,7 @@ class Speculator:
         need it on the device."""
         if len(seqs) > self.config.max_batch_size:
             return None
-        counts = [self.draft_count(seq, len(seqs)) if seq.proposer is not None and not seq.sampling.reads_history
+        counts = [self.draft_count(seq, len(seqs)) if seq.proposer is not None and not seq.params.reads_history
                   else 0 for seq in seqs]
         return counts if any(counts) else None
 

@@ -1,9 +1,8 @@
-"""Sequences built outside an engine, for scheduler and block-manager tests: real sampling rows and stop
+"""Sequences built outside an engine, for scheduler and block-manager tests: real stop
 checkers over a small trained byte-level tokenizer."""
 
 from __future__ import annotations
 
-from batching.sampler import SamplingRow
 from batching.sampling_params import SamplingParams
 from batching.sequence import Sequence
 from batching.stop_checker import StopChecker
@@ -20,7 +19,7 @@ def make_sequence(seq_id: int, tokens: list[int] | tuple[int, ...], params: Samp
     """Sequence `seq_id` of request `r<seq_id>` (or of its parent's request), arriving `seq_id`-th by default."""
     return Sequence(
         seq_id=seq_id, request_id=parent.request_id if parent else f"r{seq_id}", choice=choice,
-        prompt_ids=tuple(tokens), params=params, sampling=SamplingRow.from_params(params, seq_id, 300),
+        prompt_ids=tuple(tokens), params=params, seed=seq_id,
         stop=StopChecker(params, TOKENIZER.eos_token_ids, TOKENIZER.decode_stream(tokens)),
         max_num_tokens=len(tokens) + params.max_tokens, arrival=seq_id if arrival is None else arrival, parent=parent,
     )

@@ -303,7 +303,8 @@ def test_multi_step_decode_stops_on_a_stop_id_or_string_inside_a_call_and_keeps_
 def test_steady_state_never_recompiles(engine):
     compiled = engine.runner.num_compiled()
     row_counts = {b.num_rows for b in engine.runner.buckets if b.num_steps == 1}
-    assert compiled == len(engine.runner.buckets) + 2 * len(row_counts)  # a sampler and a mask per row count
+    # A sampler and a mask per row count, and a slot write per count of rows written.
+    assert compiled == len(engine.runner.buckets) + 2 * len(row_counts) + len(engine.runner.input_batch.buckets)
     rng = random.Random(9)
     steps = 0
     kinds = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=1, ignore_eos=True, max_tokens=9),

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from batching.sampler import SamplingInputs, SamplingRow, argmax, filter_cutoff, pack_sampling_batch, sample
+from batching.sampler import argmax, filter_cutoff, sample
 from batching.sampling_params import SamplingParams
+from sampling_rows import Row, sampling_batch
 
 VOCAB = 64
 sample_jit = jax.jit(sample)
@@ -16,14 +17,13 @@ def logits_for(num_rows: int, seed: int = 0) -> jax.Array:
     return jax.random.normal(jax.random.key(seed), (num_rows, VOCAB), jnp.float32) * 3
 
 
-def run(logits, rows: list[SamplingInputs], num_rows=None, history_len=32):
-    batch = pack_sampling_batch(rows, num_rows or logits.shape[0], history_len, 4)
+def run(logits, rows: list[Row], num_rows=None, history_len=32):
+    batch = sampling_batch(rows, num_rows or logits.shape[0], VOCAB, history_len)
     return jax.tree.map(np.asarray, sample_jit(logits, batch))
 
 
-def row(params: SamplingParams, seed: int = 0, step: int = 0, tokens=(), num_prompt=0, stop_ids=()) -> SamplingInputs:
-    return SamplingInputs(SamplingRow.from_params(params, seed, VOCAB), step, list(tokens), num_prompt,
-                          tuple(stop_ids), params.min_tokens)
+def row(params: SamplingParams, seed: int = 0, step: int = 0, tokens=(), num_prompt=0, stop_ids=()) -> Row:
+    return Row(params, seed, step, tuple(tokens), num_prompt, tuple(stop_ids))
 
 
 def test_greedy_takes_the_argmax():
@@ -86,13 +86,13 @@ def test_stop_ids_are_banned_until_min_tokens_then_end_the_row():
     early, due = row(params, step=2, stop_ids=(5, 9)), row(params, step=3, stop_ids=(5, 9))
     out = run(logits, [early, due])
     assert out.tokens[0] != 5 and out.tokens[1] == 5
-    batch = pack_sampling_batch([early, due], 2, 32, 4)
+    batch = sampling_batch([early, due], 2, VOCAB)
     np.testing.assert_array_equal(batch.stops(jnp.asarray([5, 5])), [False, True])
 
 
 def test_advancing_appends_the_token_to_histories_that_are_read():
     reads = row(SamplingParams(presence_penalty=1.0), step=1, tokens=[7, 8, 9], num_prompt=2)
-    batch = jax.tree.map(jnp.asarray, pack_sampling_batch([reads, row(SamplingParams())], 2, 6, 4))
+    batch = jax.tree.map(jnp.asarray, sampling_batch([reads, row(SamplingParams())], 2, VOCAB, 6))
     batch = batch.advanced(jnp.asarray([4, 5]))
     np.testing.assert_array_equal(batch.step, [2, 1])
     np.testing.assert_array_equal(batch.history, [[7, 8, 9, 4, -1, -1], [-1] * 6])
@@ -126,7 +126,7 @@ def test_top_k_beyond_the_vocabulary_means_no_filter():
     logits = logits_for(1)
     unfiltered = row(SamplingParams(temperature=1.0), seed=5)
     huge = row(SamplingParams(temperature=1.0, top_k=2**40), seed=5)
-    assert huge.row.top_k == 0
+    assert sampling_batch([huge], 1, VOCAB).top_k[0] == 0
     assert run(logits, [huge]).tokens[0] == run(logits, [unfiltered]).tokens[0]
 
 
@@ -139,7 +139,7 @@ def test_top_p_and_top_k_cutoffs_equal_a_sorted_reference():
     logits = np.asarray(jax.random.normal(jax.random.key(4), (6, VOCAB)) * 2)
     params = [SamplingParams(temperature=1.0, top_p=p, top_k=k) for p, k in
               [(0.5, 0), (0.9, 0), (1.0, 7), (0.8, 10), (0.3, 3), (0.999, 0)]]
-    batch = pack_sampling_batch([row(p) for p in params], 6, 8, 4)
+    batch = sampling_batch([row(p) for p in params], 6, VOCAB, 8)
     cutoff = np.asarray(jax.jit(filter_cutoff)(jnp.asarray(logits), batch))[:, 0]
     for i, p in enumerate(params):
         desc = np.sort(logits[i])[::-1]

@@ -21,9 +21,11 @@ def add(sched: Scheduler, seq_id: int, prompt_len: int, priority: int = 0) -> Se
 
 
 def run_step(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
-    """Completes the scheduled step: sampling rows get one new token."""
-    sched.update_after_step(out.chunks, [c.start + c.num_tokens for c in out.chunks])
+    """Completes the scheduled step as the engine does: its tokens are computed and their full pages cached, and
+    sampling rows get one new token."""
     for chunk in out.chunks:
+        chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+        sched.block_manager.commit(chunk.seq)
         if chunk.sample:
             chunk.seq.token_ids.append(token)
 

@@ -17,12 +17,13 @@ from flax import nnx
 from batching.config import EngineConfig
 from batching.engine import Engine
 from batching.ngram import NgramConfig, NgramProposer, propose_on_device
-from batching.sampler import SamplingInputs, SamplingRow, pack_sampling_batch, sample
+from batching.sampler import sample
 from batching.sampling_params import SamplingParams
 from batching.speculation import drafts_worth_checking, per_draft_rate
 from model.config import ModelConfig
 from model.llama import Llama
 from model.loader import LoadedModel
+from sampling_rows import Row, sampling_batch
 
 TINY = ModelConfig.tiny()
 CONFIG = EngineConfig(num_decode_steps=1, max_num_seqs=8, spec_max_batch_size=8, max_num_batched_tokens=64,
@@ -143,9 +144,8 @@ def test_verified_sampling_emits_the_model_distribution_whatever_the_draft():
     logits = jnp.tile(jnp.log(jnp.asarray(probs, jnp.float32) + 1e-30), (num_rows, 1))
     params = SamplingParams(temperature=1.0)
     for draft in (0, 4):
-        rows = [SamplingInputs(SamplingRow.from_params(params, seed, vocab), 0, [1], 1, (), 0, draft)
-                for seed in range(num_rows)]
-        out = jax.tree.map(np.asarray, jax.jit(sample)(logits, pack_sampling_batch(rows, num_rows, 4, 4)))
+        rows = [Row(params, seed, tokens=(1,), num_prompt=1, draft=draft) for seed in range(num_rows)]
+        out = jax.tree.map(np.asarray, jax.jit(sample)(logits, sampling_batch(rows, num_rows, vocab, 4)))
         counts = np.bincount(out.tokens, minlength=vocab)[:6]
         expected = probs[:6] * num_rows
         chi2 = float(((counts - expected) ** 2 / expected).sum())

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from batching.sampling_params import RequestRejected
-from batching.sampler import SamplingInputs, SamplingRow, bitmask_words, mask_disallowed, pack_sampling_batch, sample
+from batching.sampler import bitmask_words, mask_disallowed, sample
 from batching.sampling_params import SamplingParams, StructuredOutput
 from batching.structured import GrammarCompiler, InvalidGrammar, fill_bitmask
+from sampling_rows import Row, sampling_batch
 
 EOS = 2  # <|im_end|>
 
@@ -106,8 +107,7 @@ def test_masked_rows_sample_and_report_only_allowed_tokens_and_all_ones_rows_are
     logits = jax.random.normal(jax.random.key(0), (num_rows, vocab)) * 3
     params = [SamplingParams(temperature=0.0, top_logprobs=5), SamplingParams(temperature=1.0, seed=1),
               SamplingParams(temperature=0.0, top_logprobs=5)]
-    rows = [SamplingInputs(SamplingRow.from_params(p, 7, vocab), 0, [], 0, (), 0) for p in params]
-    batch = pack_sampling_batch(rows, num_rows, 4, 4)
+    batch = sampling_batch([Row(p, 7) for p in params], num_rows, vocab, 4)
     allowed_tokens = [3, 40, 63, 97]
     allowed = np.full((num_rows, bitmask_words(vocab)), -1, np.int32)
     allowed[:2] = 0

@@ -1,0 +1,99 @@
+"""The persistent input batch: each running sequence's page table and sampling parameters, kept on the device.
+
+The scheduler gives every running sequence a slot (`Sequence.slot`) from its admission until it is preempted or
+finishes. Slot s's row holds that sequence's page table and its `SamplingBatch` row, in host arrays (numpy) and
+on the device; one more row, the padding slot, stays empty and greedy for a step's padding rows. Before a step,
+only the rows that changed are sent, as whole rows in one scatter: a slot's new occupant, and sequences that
+gained pages. A step then carries, per row, its slot and what changes every step (tokens, positions, the
+sampler's output index); the device gathers page tables and sampling parameters by slot.
+
+A page table only grows in place while its sequence runs, and is replaced by a new list on any other change
+(`BlockManager`): a row is current while it was written from the same list and holds as many pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from batching.sampler import SamplingBatch
+from batching.sequence import Sequence
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SlotRows:
+    """page_table: [N, max_pages] int32; sampling: each slot's `SamplingBatch` row (per-step fields unset)."""
+
+    page_table: jax.Array
+    sampling: SamplingBatch
+
+
+@dataclass(frozen=True)
+class SlotWrites:
+    """Rows to write: slots: [U] int32 (padded with the padding slot, whose row stays as it is), and their new
+    contents, `SlotRows` of U rows (numpy)."""
+
+    slots: np.ndarray
+    rows: SlotRows
+
+
+def write_rows(table: SlotRows, slots: jax.Array, rows: SlotRows) -> SlotRows:
+    """The table with rows[i] at slots[i] (the padding slot's writes dropped: its row is the last)."""
+    padding = table.page_table.shape[0] - 1
+    target = jax.numpy.where(slots == padding, padding + 1, slots)
+    return jax.tree.map(lambda old, new: old.at[target].set(new, mode="drop"), table, rows)
+
+
+def write_buckets(num_slots: int) -> list[int]:
+    """Rows per scatter: powers of two up to the number of slots."""
+    out = [1]
+    while out[-1] < num_slots:
+        out.append(min(2 * out[-1], num_slots))
+    return out
+
+
+class InputBatch:
+    """The host side of the slots: what each row holds, and which rows a step must send."""
+
+    def __init__(self, num_slots: int, max_pages: int, vocab_size: int, num_stop_ids: int):
+        self.padding_slot = num_slots
+        self.vocab_size = vocab_size
+        self.host = SlotRows(np.zeros((num_slots + 1, max_pages), np.int32),
+                             SamplingBatch.empty(num_slots + 1, num_stop_ids))
+        self._occupants: list[Sequence | None] = [None] * num_slots
+        self._tables: list[list[int] | None] = [None] * num_slots  # the page list each row was written from
+        self._num_pages = [0] * num_slots
+        self.buckets = write_buckets(num_slots)
+
+    def writes(self, seqs: list[Sequence]) -> SlotWrites | None:
+        """Brings the host rows of `seqs` up to date; returns the rows the device must take (None: none)."""
+        dirty = []
+        for seq in seqs:
+            slot, pages = seq.slot, seq.page_table
+            changed = False
+            if self._occupants[slot] is not seq:
+                self._occupants[slot] = seq
+                self.host.sampling.write(slot, seq.params, seq.seed, seq.stop.stop_id_list, seq.num_prompt_tokens,
+                                         self.vocab_size)
+                changed = True
+            if self._tables[slot] is not pages or self._num_pages[slot] != len(pages):
+                start = self._num_pages[slot] if self._tables[slot] is pages else 0
+                self.host.page_table[slot, start:len(pages)] = pages[start:]
+                self._tables[slot], self._num_pages[slot] = pages, len(pages)
+                changed = True
+            if changed:
+                dirty.append(slot)
+        if not dirty:
+            return None
+        size = next(b for b in self.buckets if b >= len(dirty))
+        slots = np.full(size, self.padding_slot, np.int32)
+        slots[:len(dirty)] = dirty
+        return SlotWrites(slots, jax.tree.map(lambda x: x[slots], self.host))
+
+    def padding_writes(self, size: int) -> SlotWrites:
+        """`size` writes that change nothing (to compile, or to mirror another process's shapes)."""
+        slots = np.full(size, self.padding_slot, np.int32)
+        return SlotWrites(slots, jax.tree.map(lambda x: x[slots], self.host))
