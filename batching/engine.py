@@ -23,7 +23,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 from jax.sharding import Mesh
@@ -99,8 +99,7 @@ class _Launched:
     host_s: float
 
 
-@dataclass(frozen=True)
-class _SampledToken:
+class _SampledToken(NamedTuple):
     """A token appended to `seq` (at `seq.token_ids[index]`) whose text and stop-string check wait for the next
     step's device time."""
 

@@ -31,7 +31,7 @@ import os
 from dataclasses import astuple, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -321,8 +321,7 @@ def first_rows(chunks: list[ScheduledChunk]) -> list[int]:
     return rows
 
 
-@dataclass(frozen=True)
-class SequenceOutput:
+class SequenceOutput(NamedTuple):
     """What one scheduled sequence got from a step, whatever ran (one step, a multi-step call, a verification):
     its new tokens in order, where each lies in the sampler's output (`positions`, (step, row): its logprobs),
     and (drafts checked, drafts accepted) of each verification. The engine stops taking tokens where the
