@@ -433,6 +433,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, self.max_pages_per_seq, self.config.vocab_size, MAX_STOP_IDS)
         self._slots = jax.device_put(self.input_batch.host, everywhere or self.kv_sharding)
         self._write_slots = jax.jit(partial(write_rows), donate_argnums=(0,), out_shardings=everywhere)
+        self._no_histories: dict[int, jax.Array] = {}
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -510,6 +511,18 @@ class ModelRunner:
 
     def _write(self, writes: SlotWrites) -> None:
         self._slots = self._write_slots(self._slots, self._global(writes.slots), self._global(writes.rows))
+
+    def _history(self, history: np.ndarray | None, num_rows: int) -> np.ndarray | jax.Array:
+        """A step's token histories ([num_rows, max_model_len] int32) on the device, uncommitted (so the step
+        compiles the same whichever it gets); None: all -1, kept on the device per row count. A multi-process
+        job sends them as host arrays."""
+        if step_broadcast.is_multiprocess():
+            return np.full((num_rows, self.max_model_len), -1, np.int32) if history is None else history
+        if history is not None:
+            return jax.device_put(history)
+        if num_rows not in self._no_histories:
+            self._no_histories[num_rows] = jax.device_put(np.full((num_rows, self.max_model_len), -1, np.int32))
+        return self._no_histories[num_rows]
 
     def _global(self, tree):
         """A computation spanning processes takes global arrays: each process holds the same full copy."""
@@ -623,8 +636,9 @@ class ModelRunner:
         logits_rows = np.zeros(num_rows, np.int32)
         row_limits = np.zeros(num_rows, np.int32)
         row_limits[:len(chunks)] = limits if limits is not None else 1
-        sampled = SampledRows(np.full(num_rows, padding_slot, np.int32), np.zeros(num_rows, np.int32),
-                              np.full(num_rows, -1, np.int32), np.full((num_rows, self.max_model_len), -1, np.int32))
+        # Token histories are built only if a row's penalties read them (else an all -1 array kept on the device).
+        reads_history = any(c.seq.params.reads_history for c in chunks)
+        history = np.full((num_rows, self.max_model_len), -1, np.int32) if reads_history else None
         # Python gathers each chunk's lists; numpy builds the arrays in one pass each.
         tokens, starts, lengths, slots = [], [], [], []
         piece_chunks, piece_ends, piece_kv_lens = [], [], []
@@ -649,11 +663,13 @@ class ModelRunner:
             for j in range(chunk.num_drafts + 1):
                 logits_rows[len(row_slots)] = offset - 1 - chunk.num_drafts + j
                 if seq.params.reads_history:
-                    history = seq.token_ids + seq.drafts[:j]
-                    sampled.history[len(row_slots), :len(history)] = history
+                    seen = seq.token_ids + seq.drafts[:j]
+                    history[len(row_slots), :len(seen)] = seen
                 row_slots.append(seq.slot)
                 row_steps.append(seq.num_output_tokens + j)
                 row_drafts.append(seq.drafts[j] if j < chunk.num_drafts else -1)
+        sampled = SampledRows(np.full(num_rows, padding_slot, np.int32), np.zeros(num_rows, np.int32),
+                              np.full(num_rows, -1, np.int32), self._history(history, num_rows))
         if chunks:
             token_ids[:offset] = tokens
             token_slots = np.repeat(np.asarray(slots, np.int32), lengths)
