@@ -7,8 +7,7 @@ never emitted, not even in part.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from batching.outputs import FinishReason
 from batching.sampling_params import SamplingParams
@@ -18,8 +17,7 @@ class Detokenizer(Protocol):
     def push(self, new_ids: list[int]) -> str: ...
 
 
-@dataclass(frozen=True)
-class StopDecision:
+class StopDecision(NamedTuple):
     """`text`: what may be emitted now; `finish_reason`: set when the sequence is done."""
 
     text: str
@@ -43,7 +41,7 @@ class StopChecker:
         self.stop_ids = stop_token_ids(params, eos_token_ids)
         self.stop_id_list = tuple(sorted(self.stop_ids))  # as the sampler packs them
         self.detokenizer = detokenizer
-        self.text = ""
+        self.text = ""  # the output text so far, kept only while there are stop strings to search it for
         self.num_emitted_chars = 0
         self.num_output_tokens = 0
 
@@ -61,9 +59,8 @@ class StopChecker:
         self.num_output_tokens += 1
         if token_finish == "stop":
             return StopDecision(self._flush(), "stop")  # a stop id's own text is not emitted
-        if not self.params.stop:  # nothing to search for or hold back
-            self.text += self.detokenizer.push((token_id,))
-            return StopDecision(self._flush(), token_finish)
+        if not self.params.stop:  # nothing to search for or hold back, so no text to keep
+            return StopDecision(self.detokenizer.push((token_id,)), token_finish)
         search_from = max(0, len(self.text) - max(len(s) for s in self.params.stop))
         self.text += self.detokenizer.push((token_id,))
         if self.num_output_tokens > self.params.min_tokens:

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models
+from tokenizers import decoders, models, pre_tokenizers
 
 from batching.config import EngineConfig
 from batching.engine import Engine
@@ -126,13 +126,25 @@ def waves(workload: list[BenchRequest], c: int) -> list[list[BenchRequest]]:
     return [requests[i:i + c] for i in range(0, len(requests), c)]
 
 
+PRINTABLE = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+
+
 def file_free_tokenizer(config: ModelConfig) -> Tokenizer:
-    """A word-level vocabulary `<0> .. <vocab-1>`: the engine detokenizes every output token, and this
-    costs about what a real vocabulary's decode does without needing the model's files."""
-    vocab = {f"<{i}>": i for i in range(config.vocab_size)}
+    """A byte-level vocabulary, as the models' own: GPT-2's 256 byte characters, then tokens of two or more
+    printable characters (token i >= 256 spells i - 256 + 94 in base 94). The engine detokenizes every output
+    token as it would a real model's, without the model's files."""
+    tokens = pre_tokenizers.ByteLevel.alphabet()
+    for i in range(len(PRINTABLE), config.vocab_size - len(tokens) + len(PRINTABLE)):
+        digits = []
+        while i:
+            i, digit = divmod(i, len(PRINTABLE))
+            digits.append(PRINTABLE[digit])
+        tokens.append("".join(reversed(digits)))
+    backend = HFTokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=[]))
+    backend.decoder = decoders.ByteLevel()
     special = SpecialTokens(bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids, add_bos=False,
                             chat_template=None)
-    return Tokenizer(HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<0>")), special)
+    return Tokenizer(backend, special)
 
 
 def random_model(name: str) -> LoadedModel:

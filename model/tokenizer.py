@@ -105,8 +105,25 @@ class Tokenizer:
             return bytes([int(byte.group(1), 16)])
         return token.replace("\u2581", " ").encode()
 
-    def decode_stream(self, prompt_ids: list[int] | tuple[int, ...] = ()) -> IncrementalDetokenizer:
+    def decode_stream(self, prompt_ids: list[int] | tuple[int, ...] = ()) -> IncrementalDetokenizer | ByteDetokenizer:
+        """A streaming detokenizer for a sequence that follows `prompt_ids`."""
+        if self._byte_pieces is not None:
+            return ByteDetokenizer(self._byte_pieces)
         return IncrementalDetokenizer(self._backend, prompt_ids)
+
+    @cached_property
+    def _byte_pieces(self) -> BytePieces | None:
+        """Each token's bytes, for a byte-level vocabulary whose added tokens are all special (skipped when
+        streaming); None otherwise."""
+        added = self._backend.get_added_tokens_decoder()
+        if not self._byte_level or any(not token.special for token in added.values()):
+            return None
+        def piece(token_id: int) -> bytes:
+            token = self._backend.id_to_token(token_id)
+            return self.token_bytes(token_id) if token is None else bytes(_BYTE_OF_CHAR[c] for c in token)
+
+        size = self._backend.get_vocab_size(with_added_tokens=True)
+        return BytePieces([b"" if i in added else piece(i) for i in range(size)])
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The model's chat template rendered as Hugging Face renders it; ChatTemplateError if it cannot be."""
@@ -234,6 +251,48 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_alphabet()
 # DecodeStream needs a few preceding ids for context-dependent decoders (a SentencePiece leading space).
 _DECODE_CONTEXT = 4
+
+
+class BytePieces:
+    """A byte-level vocabulary's tokens as bytes, and as text where their bytes are whole UTF-8 characters."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.bytes = pieces
+        self.text = [_whole_text(piece) for piece in pieces]
+
+
+def _whole_text(piece: bytes) -> str | None:
+    try:
+        return piece.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+class ByteDetokenizer:
+    """`IncrementalDetokenizer` for a byte-level vocabulary, where every token stands for fixed bytes: a table
+    lookup per token instead of a call into the tokenizers library, with the same text (tests/test_tokenizer.py).
+
+    Bytes of a character split across tokens are held back until the character completes (bytes that never can
+    come out as U+FFFD, as the library's decoding does); special tokens produce no text.
+    """
+
+    def __init__(self, pieces: BytePieces):
+        self._pieces = pieces
+        self._held = b""
+
+    def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
+        """Appends tokens and returns the text they complete (possibly "")."""
+        text = ""
+        for token_id in new_ids:
+            if not self._held and (piece := self._pieces.text[token_id]) is not None:
+                text += piece
+                continue
+            self._held += self._pieces.bytes[token_id]
+            decoded = self._held.decode(errors="replace")
+            if not decoded.endswith("\ufffd"):
+                text += decoded
+                self._held = b""
+        return text
 
 
 class IncrementalDetokenizer:

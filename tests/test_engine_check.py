@@ -8,6 +8,7 @@ from flax import nnx
 from bench import engine_check
 from bench.dataset import BenchRequest
 from model.llama import Llama
+from model.tokenizer import ByteDetokenizer
 
 
 @pytest.mark.parametrize("name, params", [
@@ -27,7 +28,10 @@ def test_file_free_tokenizer_covers_the_vocabulary():
     tokenizer = engine_check.file_free_tokenizer(config)
     assert tokenizer.vocab_size == config.vocab_size
     assert tokenizer.eos_token_ids == (128001,)
-    assert tokenizer.decode([5, 128255]) == "<5> <128255>"
+    assert sorted(b"".join(tokenizer.token_bytes(i) for i in range(256))) == list(range(256))
+    # Token 256 spells 94 in base 94 with the printable characters from "!", 128255 spells 128093.
+    assert tokenizer.decode([256, 128255]) == '"!' + "/Ob"
+    assert isinstance(tokenizer.decode_stream(), ByteDetokenizer)
 
 
 def test_kv_pool_holds_the_largest_wave_whole():

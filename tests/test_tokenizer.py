@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
 
-from model.tokenizer import ChatTemplateError, Tokenizer
+from model.tokenizer import ByteDetokenizer, ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 SPLIT_CHARACTER_TEXT = "Tokyo is 東京 (tōkyō)."
 
@@ -37,6 +38,25 @@ def test_decode_stream_holds_split_characters_back_and_joins_to_the_text(tokeniz
     pieces = [stream.push([i]) for i in tokenizer.encode(SPLIT_CHARACTER_TEXT)]
     assert "".join(pieces) == SPLIT_CHARACTER_TEXT
     assert "" in pieces and not any("\ufffd" in p for p in pieces)
+
+
+def test_the_byte_level_stream_gives_the_text_of_the_library_stream(tokenizer):
+    """The table-driven stream (`ByteDetokenizer`) against tokenizers' own `DecodeStream`, on text with split
+    characters, special tokens, and random ids (bytes that never form a character), pushed in random groups."""
+    rng = random.Random(0)
+    texts = [SPLIT_CHARACTER_TEXT, "Emoji 🙂👍🏽 and café, naïve, 数学, Привет", "plain words and digits 12345"]
+    sequences = [tokenizer.encode(text) for text in texts]
+    sequences.append([*sequences[1][:5], tokenizer.eos_token_ids[0], *sequences[1][5:]])
+    sequences += [[rng.randrange(tokenizer.vocab_size) for _ in range(60)] for _ in range(20)]
+    for ids in sequences:
+        fast = tokenizer.decode_stream([])
+        assert isinstance(fast, ByteDetokenizer)
+        library = IncrementalDetokenizer(tokenizer._backend)
+        start = 0
+        while start < len(ids):
+            group = ids[start:start + rng.randint(1, 4)]
+            assert fast.push(group) == library.push(group), ids
+            start += len(group)
 
 
 def test_chat_template_gets_hugging_face_globals_filters_and_loop_controls(tokenizer):
