@@ -23,7 +23,7 @@ import uvicorn
 
 from batching.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from batching.engine import Engine
-from batching.roofline import Peaks, measure_peaks
+from model.roofline import Peaks, measure_peaks
 from model.linear import arithmetic_dtype
 from model.loader import default_dtype
 from model.quantize import resolve

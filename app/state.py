@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass
 
 from batching.engine import Engine
-from batching.roofline import Peaks
+from model.roofline import Peaks
 from batching.stats import EngineStats
 
 from app.errors import model_not_found, not_ready, queue_full

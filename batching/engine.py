@@ -40,7 +40,7 @@ from batching.sampler import SamplerOutput
 from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from batching.sequence import Sequence, SequenceStatus
-from batching.roofline import StepCost, kv_bytes_per_token
+from model.roofline import StepCost, kv_bytes_per_token
 from batching.speculation import Speculator
 from batching.stats import EngineStats, StepStats, StepTotals
 from batching.structured import GrammarCompiler

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batching.roofline import StepCost
+from model.roofline import StepCost
 from batching.scheduler import ScheduledChunk
 from batching.sequence import Sequence
 from batching.speculation import SpecCounters

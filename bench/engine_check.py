@@ -49,7 +49,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from batching.config import EngineConfig
 from batching.engine import Engine
 from batching.outputs import Increment
-from batching.roofline import StepCost, param_bytes
+from model.roofline import StepCost, param_bytes
 from batching.sampling_params import SamplingParams
 from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
 from bench.roofline import Peaks, ServedModel, kv_bytes_per_token, workload_roofline

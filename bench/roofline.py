@@ -1,6 +1,6 @@
 """The physical limit a throughput figure is measured against, from peaks measured on this machine.
 
-Peaks and per-token costs come from `batching/roofline.py` (the server's dashboard uses them too).
+Peaks and per-token costs come from `model/roofline.py` (the server's dashboard uses them too).
 
 Bound for a workload at decode batch B: prefill is compute-bound (2 FLOPs per matmul weight per prompt
 token plus causal attention); every decode step reads all weights once (as stored: quantized weights count
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from batching.roofline import Peaks, StepCost, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
+from model.roofline import Peaks, StepCost, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
 from model.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -3,7 +3,7 @@
     python -m bench.step_audit                                  # SmolLM2-135M, Llama-3.2-1B, Llama-3-8B; bf16, f32
     python -m bench.step_audit --models smollm2-135m --dtypes bfloat16 --rows 64 --context 1024
 
-A decode step must read its weights once (as `batching.roofline.StepCost` counts them) and the batch's K/V
+A decode step must read its weights once (as `model.roofline.StepCost` counts them) and the batch's K/V
 once: `rows` sequences of `context` tokens, the most the compiled step can attend to (the audit's pool holds
 that and a spare page). The model is abstract (shapes only: nothing is in memory but the pool), so full-size
 models compile in seconds on a CPU. One decode bucket is compiled for this machine's backend, and its HLO text
@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from batching.model_runner import ModelRunner
-from batching.roofline import StepCost, kv_bytes_per_token
+from model.roofline import StepCost, kv_bytes_per_token
 from bench.engine_check import MODELS
 from model.config import ModelConfig
 from model.llama import LAYER_PARAMS, LINEAR_WEIGHTS, Llama

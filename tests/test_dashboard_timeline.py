@@ -9,7 +9,7 @@ import pytest
 
 from app.dashboard.recent import ErrorEntry, RecentRequests, Taken, error_kind
 from app.dashboard.timeline import HISTORY_S, Timeline
-from batching.roofline import Peaks
+from model.roofline import Peaks
 from batching.speculation import SpecCounters
 from batching.stats import EngineStats
 

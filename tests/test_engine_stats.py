@@ -7,7 +7,7 @@ from flax import nnx
 
 from batching.config import EngineConfig
 from batching.engine import Engine
-from batching.roofline import StepCost, matmul_weights
+from model.roofline import StepCost, matmul_weights
 from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk
 from batching.stats import StepStats

@@ -18,7 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
-from batching.roofline import Peaks
+from model.roofline import Peaks
 from batching.stats import EngineStats
 
 from app.dashboard.recent import ERROR_KINDS, ErrorEntry, Taken
