@@ -19,6 +19,8 @@ restore target that way).
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Sequence, TypeVar
 
 import jax
@@ -26,25 +28,40 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.llama import LAYER_PARAMS, LINEAR_WEIGHTS, Llama
+from pallas_kernels import cpu_qmatmul
 from pallas_kernels.cpu_qmatmul import BLOCK, PANEL, pack_q4, pack_q8, pack_scales
+
+logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "int8", "int4")
 CHOICES = QUANTIZATIONS + ("auto",)
 AUTO = {"cpu": "int4", "gpu": "int8"}
 """What "auto" picks per backend (bench/quant.py, bench/RESULTS.md). CPU: int4 reads the fewest bytes per
 decode step and multiplies as fast as int8 in the VNNI kernels, and for a 4-bit GGUF it is the file's own
-weights. GPU: int8 halves bf16's bytes without a kernel of our own."""
+weights. GPU: int8 halves bf16's bytes without a kernel of our own. A CPU without the kernels takes "none"
+instead: there quantized weights are dequantized in front of XLA's dot, several times slower than float ones."""
 
 T = TypeVar("T")
 
 
-def resolve(quantization: str, backend: str | None = None) -> str:
-    """A mode from CHOICES -> one of QUANTIZATIONS for `backend` (default: JAX's)."""
+def resolve(quantization: str, backend: str | None = None, cpu_kernels: bool | None = None) -> str:
+    """A mode from CHOICES -> one of QUANTIZATIONS for `backend` (default: JAX's), "auto" on a CPU depending on
+    whether the CPU matmul kernels run (`cpu_kernels`, default: whether they run here)."""
     if quantization not in CHOICES:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {', '.join(CHOICES)}")
     if quantization != "auto":
         return quantization
-    return AUTO.get(backend or jax.default_backend(), "none")
+    backend = backend or jax.default_backend()
+    if backend == "cpu" and not (cpu_qmatmul.available() if cpu_kernels is None else cpu_kernels):
+        _say_auto_takes_float_weights()
+        return "none"
+    return AUTO.get(backend, "none")
+
+
+@functools.cache
+def _say_auto_takes_float_weights() -> None:
+    logger.warning('--quantization auto: float weights ("none"), the CPU matmul kernels being unavailable '
+                   "(int4 and int8 without them are several times slower)")
 
 
 def packed_order(name: str, axes: Sequence[T]) -> tuple[T, ...]:

@@ -26,8 +26,9 @@ Backends (the choice lives here only):
 - "reference": the jnp implementation (`paged_attention_ref.py`), the oracle, and the CPU path where the C++
   kernel cannot be built.
 - "pallas": the same as "pallas-triton" (the name the CLI and tests have used).
-- "auto": "pallas-triton" on a GPU, "cpu" on a CPU (or "reference" without a C++ compiler). Mosaic becomes
-  the GPU default once `python -m bench.gpu_check` has shown it correct and at least as fast on a GPU.
+- "auto": "pallas-triton" on a GPU, "cpu" on a CPU, or "reference" (said once) where the C++ kernel is
+  unavailable: no compiler, another ISA, a failed build (`cpu_library.py`). Mosaic becomes the GPU default
+  once `python -m bench.gpu_check` has shown it correct and at least as fast on a GPU.
 
 What only a real GPU run can show: the tests lower the kernels for "cuda" with `jax.export` on a
 CPU host, which checks that every operation has a GPU lowering rule, but lowering is not compiling:
@@ -35,6 +36,9 @@ the backend compile (register and shared-memory limits of the tile sizes, layout
 the tensor-core dots, and speed are known only after running on a GPU (`python -m bench.gpu_check`
 runs the correctness suite compiled, the kernel benchmark and the engine there).
 """
+
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +56,8 @@ ALIASES = {"pallas": "pallas-triton"}
 BACKENDS = ("auto", *KERNELS, *ALIASES)
 INT8_KV_KERNELS = ("pallas-triton", "cpu", "reference")
 
+logger = logging.getLogger(__name__)
+
 
 def resolve_backend(backend: str) -> str:
     """The implementation `backend` names here: one of KERNELS."""
@@ -60,8 +66,16 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         if jax.default_backend() == "gpu":
             return "pallas-triton"
-        return "cpu" if cpu_attention.available() else "reference"
+        if cpu_attention.available():
+            return "cpu"
+        _say_auto_takes_the_reference()
+        return "reference"
     return ALIASES.get(backend, backend)
+
+
+@functools.cache
+def _say_auto_takes_the_reference() -> None:
+    logger.warning("attention backend auto: the jnp reference, the CPU attention kernel being unavailable")
 
 
 def reads_int8_kv(backend: str) -> bool:

@@ -1,105 +1,96 @@
-"""The CPU kernels' shared library: every `pallas_kernels/*.cc`, compiled once per machine and registered with
-XLA's FFI.
+"""The CPU kernels' shared library, loaded once per process and registered with XLA's FFI.
 
-`make serve` / `make test` build it at install time (`python -m pallas_kernels.cpu_library`); otherwise the first
-use builds it. It is compiled for the machine it runs on (`-march=native`, as llama.cpp's CPU build is, plus
-any flags in `$SLUICE_CXXFLAGS`, e.g. `-mno-avx512vnni` to build the AVX2 path) into
-`$SLUICE_HOME/kernels/<key>/`, keyed by the sources, the flags and the machine, so a changed source or another
-CPU gets its own build. Without a C++ compiler `available()` is False and callers use the jnp references.
+`load()` takes the best ISA variant this CPU runs (`cpu_build.candidates()`: AVX-512 with VNNI, AVX-VNNI, or the
+x86-64-v3 baseline), built on first use into the cache (`cpu_build.py`); a variant whose build fails falls back
+to the next. Where none can be had (no compiler, another ISA, a failed build), it says why once, at the first
+use, and callers take pure-XLA forms: `available()` of `cpu_qmatmul` and `cpu_attention` is False.
+`python -m pallas_kernels.cpu_library` builds at install time (`make serve` / `make test`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 
-from model.fetch import sluice_home
+from pallas_kernels import cpu_build
+from pallas_kernels.cpu_build import BuildError, Variant
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted(Path(__file__).parent.glob("*.cc"))
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-LIBRARY = "libsluice_cpu.so"
+
+class Library(NamedTuple):
+    """The loaded library and the build it came from."""
+
+    dll: ctypes.CDLL
+    variant: Variant
+    path: Path
 
 
-class BuildError(RuntimeError):
-    """The C++ compiler is missing or failed."""
+def _failure(variant: Variant, error: Exception) -> str:
+    if isinstance(error, BuildError) and error.earlier:
+        return (f"the {variant.name} build failed at an earlier start (recorded in {error.record}; not retried until "
+                f"the sources or the compiler change): {error}")
+    return f"the {variant.name} build failed: {error}"
 
 
-def flags() -> list[str]:
-    return FLAGS + os.environ.get("SLUICE_CXXFLAGS", "").split()
-
-
-def library_path() -> Path:
-    key = hashlib.sha256()
-    for source in [*SOURCES, *HEADERS]:
-        key.update(source.read_bytes())
-    key.update(" ".join([*flags(), platform.machine(), _cpu_flags(), jax.__version__]).encode())
-    return sluice_home() / "kernels" / key.hexdigest()[:16] / LIBRARY
-
-
-def _cpu_flags() -> str:
-    """What -march=native compiles for: the CPU's feature flags (Linux), else the processor name."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        return next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    return platform.processor()
-
-
-def build() -> Path:
-    """Compiles the library if this machine has no build of the current sources; returns its path."""
-    path = library_path()
-    if path.exists():
-        return path
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise BuildError("no C++ compiler (g++ or c++) on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        output = Path(tmp) / LIBRARY
-        command = [compiler, *flags(), f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(output)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise BuildError(f"{' '.join(command)} failed:\n{result.stderr}")
-        output.replace(path)  # atomic: a concurrent build of the same key lands the same bytes
-    return path
+def find() -> tuple[Library | None, list[str]]:
+    """The library for the best variant that builds, loads and runs here (or None), and why each better variant
+    could not be had."""
+    try:
+        variants = cpu_build.candidates()
+    except BuildError as error:
+        return None, [str(error)]
+    compiler = cpu_build.find_compiler()
+    failures = []
+    for variant in variants:
+        try:
+            path = cpu_build.build(variant, compiler)
+            dll = ctypes.CDLL(str(path))
+        except (BuildError, OSError) as error:
+            failures.append(_failure(variant, error))
+            if compiler.command is None:
+                break  # no variant builds without a compiler
+            continue
+        if dll.SluiceCpuSupported():
+            return Library(dll, variant, path), failures
+        failures.append(f"this CPU lacks what the {variant.name} build needs")
+    return None, failures
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The library, built if needed; None (with a warning) if it cannot be built."""
-    try:
-        return ctypes.CDLL(str(build()))
-    except (BuildError, OSError) as error:
-        logger.warning("CPU kernels unavailable, using the jnp references: %s", error)
+def load() -> Library | None:
+    """The library, built if needed; None if none can be had here. Says which, or why not, once per process."""
+    library, failures = find()
+    if library is None:
+        logger.warning("CPU kernels unavailable (pure-XLA forms run instead): %s", "; ".join(failures))
         return None
+    for failure in failures:
+        logger.warning("CPU kernels: %s; using the %s build", failure, library.variant.name)
+    logger.info("CPU kernels: the %s build (%s)", library.variant.name, library.path)
+    return library
 
 
 @functools.cache
 def register(target: str, symbol: str) -> bool:
-    """Registers `symbol` of the library as the CPU FFI target `target`; False when the library is unavailable
-    or this CPU lacks what its kernels need."""
+    """Registers `symbol` of the library as the CPU FFI target `target`; False when the library is unavailable."""
     library = load()
-    if library is None or not library.SluiceCpuSupported():
+    if library is None:
         return False
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library.dll, symbol)), platform="cpu")
     return True
 
 
 if __name__ == "__main__":  # python -m pallas_kernels.cpu_library: build at install time
-    try:
-        print(build())
-    except BuildError as error:
-        print(f"CPU kernels not built ({error}); Sluice will use the jnp references", file=sys.stderr)
+    library, failures = find()
+    for failure in failures:
+        print(f"CPU kernels: {failure}", file=sys.stderr)
+    if library is None:
+        print("CPU kernels not built; Sluice will use pure-XLA forms", file=sys.stderr)
+    else:
+        print(f"{library.variant.name}: {library.path}")

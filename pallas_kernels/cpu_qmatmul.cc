@@ -432,8 +432,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ4Q8, Q4Q8Impl,
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Whether this CPU runs the instructions the library was compiled for (checked before registering).
+// Whether this CPU runs the instructions the library was compiled for (checked before registering): the
+// x86-64-v3 baseline's, and those of the variant's extensions (cpu_build.py).
 extern "C" __attribute__((target("default"))) int SluiceCpuSupported() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  int supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#if defined(__AVX512F__)
+  supported = supported && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vl");
+#endif
+#if defined(__AVX512VNNI__)
+  supported = supported && __builtin_cpu_supports("avx512vnni");
+#endif
+#if defined(__AVXVNNI__)
+  supported = supported && __builtin_cpu_supports("avxvnni");
+#endif
+  return supported;
 }

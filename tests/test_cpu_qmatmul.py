@@ -3,11 +3,6 @@ counts that exercise every row tile (4, 2, 1) and shapes with one or many panels
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +10,7 @@ import pytest
 
 from pallas_kernels import cpu_qmatmul as cq
 
-needs_kernels = pytest.mark.skipif(not cq.available(), reason="the CPU kernel library could not be built, or no AVX2 here")
+needs_kernels = pytest.mark.skipif(not cq.available(), reason="no CPU kernels here (see pallas_kernels/cpu_library.py)")
 ROWS = (1, 2, 3, 4, 6, 7, 16, 37)
 SHAPES = ((64, 16), (96, 208), (576, 960))  # (K, N): one panel, an odd number of panels, a model shape
 LAYERS = 3
@@ -148,30 +143,3 @@ def test_layer_index_out_of_range_is_an_error_not_a_read_past_the_stack():
     x = np.ones((1, 64), np.float32)
     with pytest.raises(Exception, match="layer index out of range"):
         jax.block_until_ready(jax.jit(cq.q8_q8)(x, w, scale, LAYERS))
-
-
-AVX2_CHECK = """
-import jax, numpy as np
-from pallas_kernels import cpu_qmatmul as cq
-import test_cpu_qmatmul as t
-assert cq.available()
-rng = np.random.default_rng(0)
-for rows in (1, 5):
-    x = rng.standard_normal((rows, 96)).astype(np.float32)
-    w, scale = t.random_q8(rng, 96, 208)
-    t.assert_close(jax.jit(cq.q8_q8)(x, w, scale, 1), cq.q8_q8_ref(x, w, scale, 1))
-    w, scale, low = t.random_q4(rng, 96, 208)
-    t.assert_close(jax.jit(cq.q4_q8)(x, w, scale, low, 1), cq.q4_q8_ref(x, w, scale, low, 1))
-print("OK")
-"""
-
-
-@needs_kernels
-def test_the_avx2_build_without_vnni_computes_the_same(tmp_path):
-    """CPUs without VNNI take the vpmaddubsw path: build it here (with VNNI switched off) and check it too."""
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "SLUICE_HOME": str(tmp_path), "SLUICE_CXXFLAGS": "-mno-avx512vnni -mno-avxvnni",
-           "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
-    result = subprocess.run([sys.executable, "-c", AVX2_CHECK], capture_output=True, text=True, env=env, cwd=root,
-                            timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
