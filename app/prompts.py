@@ -1,16 +1,31 @@
-"""Turns request inputs into prompt token ids: completions' four prompt forms and chat messages."""
+"""Turns request inputs into prompt token ids: completions' four prompt forms and chat messages.
+
+Chat messages with tools, an assistant's `tool_calls` and `role: "tool"` results go through the model's chat
+template as Hugging Face's `apply_chat_template(tools=...)` passes them (a call's arguments as a dict). A template
+that shows no tools it is given (SmolLM2's ChatML) gets them the default way (`app/tool_calls.py`): the tool
+definitions in the system prompt, past calls as `<tool_call>` text in the assistant's turn, and results as a
+user turn of `<tool_response>` blocks.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 from model.tokenizer import ChatTemplateError, Tokenizer
 
+from app import tool_calls
 from app.errors import invalid_request
-from app.schemas import ChatMessage
+from app.schemas import ChatMessage, ToolDefinition
 
-# The model's chat templates know system/user/assistant; OpenAI's newer "developer" role means system.
-_TEMPLATE_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# The model's chat templates know system/user/assistant (tool, if they have tools); OpenAI's newer "developer"
+# role means system.
+_TEMPLATE_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+                  "tool": "tool"}
+_PROBE_TOOL = {"type": "function", "function": {"name": "sluice_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
 
 
 @dataclass(frozen=True)
@@ -32,16 +47,77 @@ def completion_prompts(
     return [_from_text(tokenizer, item) if isinstance(item, str) else _from_ids(tokenizer, item) for item in prompt]
 
 
-def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
-    """The messages rendered with the model's chat template; a template that fails is the request's 400."""
+def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                tools: list[ToolDefinition] = ()) -> Prompt:
+    """The messages (and the tools the model may call) rendered with the model's chat template; a template that
+    fails is the request's 400."""
+    tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools]
+    uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
     try:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": _TEMPLATE_ROLE[m.role], "content": m.text()} for m in messages],
-            add_generation_prompt=add_generation_prompt,
-        )
+        if uses_tools and renders_tools(tokenizer):
+            rendered = tokenizer.apply_chat_template([_template_message(m) for m in messages],
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     tools=tool_dicts or None)
+        else:
+            rendered = tokenizer.apply_chat_template(_default_messages(messages, tool_dicts),
+                                                     add_generation_prompt=add_generation_prompt)
     except ChatTemplateError as error:
         raise invalid_request(str(error), param="messages") from None
     return _from_text(tokenizer, rendered)
+
+
+@lru_cache(maxsize=4)
+def renders_tools(tokenizer: Tokenizer) -> bool:
+    """Whether the model's template shows the tools it is given (as llama.cpp decides: it renders a probe)."""
+    try:
+        probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False,
+                                              tools=[_PROBE_TOOL])
+    except ChatTemplateError:
+        return False
+    return _PROBE_TOOL["function"]["name"] in probe
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": _TEMPLATE_ROLE[message.role], "content": message.text()}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+            for call in message.tool_calls
+        ]
+    if message.role == "tool":
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        rendered["name"] = message.name
+    return rendered
+
+
+def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Plain system/user/assistant messages for a template without tools: the tools prompt joins the system
+    message (or becomes one), calls are written into the assistant's text, and a run of tool results is one user
+    message."""
+    rendered: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            result = tool_calls.render_results([message.text()])
+            if i > 0 and messages[i - 1].role == "tool":
+                rendered[-1]["content"] += "\n" + result
+            else:
+                rendered.append({"role": "user", "content": result})
+            continue
+        content = message.text()
+        if message.tool_calls:
+            calls = [tool_calls.render_call(c.function.name, json.loads(c.function.arguments))
+                     for c in message.tool_calls]
+            content = "\n".join([content, *calls] if content else calls)
+        rendered.append({"role": _TEMPLATE_ROLE[message.role], "content": content})
+    if tools:
+        prompt = tool_calls.tools_prompt(tools)
+        if rendered[0]["role"] == "system":
+            rendered[0]["content"] = f"{rendered[0]['content']}\n\n{prompt}"
+        else:
+            rendered.insert(0, {"role": "system", "content": prompt})
+    return rendered
 
 
 def _from_text(tokenizer: Tokenizer, text: str) -> Prompt:

@@ -30,12 +30,17 @@ from app.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    FunctionCall,
+    FunctionCallDelta,
     PromptTokensDetails,
     TokenLogprobInfo,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     UsageInfo,
 )
 from app.streaming import DONE, sse_event
+from app.tool_calls import CallStart, StreamEvent, TextDelta, ToolCalling, new_call_id
 
 
 def usage_info(usage: Usage | None) -> UsageInfo | None:
@@ -80,14 +85,21 @@ async def _gather(generation: Generation, choices: list[_Choice]) -> None:
 
 
 class ChatBuilder:
-    """`chat.completion` responses and `chat.completion.chunk` streams."""
+    """`chat.completion` responses and `chat.completion.chunk` streams.
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest) -> None:
+    With `tool_calling`, each choice's text is read for calls: they become `message.tool_calls` (the rest of the
+    text its `content`) and the finish reason `"tool_calls"`; streamed, each call's first delta carries its index,
+    id, type and name, the next ones fragments of its arguments.
+    """
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest,
+                 tool_calling: ToolCalling | None = None) -> None:
         self._id = request_id
         self._created = int(time.time())
         self._model = model
         self._tokenizer = tokenizer
         self._body = body
+        self._tool_calling = tool_calling
 
     async def collect(self, generation: Generation) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(self._body.n)]
@@ -96,13 +108,20 @@ class ChatBuilder:
             id=self._id,
             created=self._created,
             model=self._model,
-            choices=[
-                ChatChoice(index=i, message=ChatResponseMessage(content=c.text), logprobs=self._logprobs(c.logprobs),
-                           finish_reason=c.finish_reason)
-                for i, c in enumerate(choices)
-            ],
+            choices=[self._choice(i, c) for i, c in enumerate(choices)],
             usage=usage_info(generation.usage),
         )
+
+    def _choice(self, index: int, choice: _Choice) -> ChatChoice:
+        logprobs = self._logprobs(choice.logprobs)
+        if self._tool_calling is None:
+            return ChatChoice(index=index, message=ChatResponseMessage(content=choice.text), logprobs=logprobs,
+                              finish_reason=choice.finish_reason)
+        content, calls = self._tool_calling.parse(choice.text)
+        tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                      for c in calls]
+        return ChatChoice(index=index, message=ChatResponseMessage(content=content, tool_calls=tool_calls or None),
+                          logprobs=logprobs, finish_reason="tool_calls" if calls else choice.finish_reason)
 
     def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         return event_stream(self._chunks(generation))
@@ -110,15 +129,42 @@ class ChatBuilder:
     async def _chunks(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         for i in range(self._body.n):
             yield self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        streams = [self._tool_calling.stream() for _ in range(self._body.n)] if self._tool_calling else None
         async for increment in generation.increments():
-            if increment.text or increment.logprobs:
-                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(content=increment.text),
-                                                   logprobs=self._logprobs(increment.logprobs))])
-            if increment.finish_reason is not None:
+            if streams is None:
+                if increment.text or increment.logprobs:
+                    yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(content=increment.text),
+                                                       logprobs=self._logprobs(increment.logprobs))])
+                finish_reason = increment.finish_reason
+            else:
+                stream = streams[increment.choice]
+                events = stream.push(increment.text)
+                if increment.finish_reason is not None:
+                    events += stream.finish()
+                deltas = [self._tool_delta(event) for event in events]
+                if increment.logprobs and not deltas:
+                    deltas = [ChatDelta(content="")]
+                for j, delta in enumerate(deltas):
+                    logprobs = self._logprobs(increment.logprobs) if j == 0 else None
+                    yield self._chunk([ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs)])
+                finish_reason = increment.finish_reason
+                if finish_reason is not None and stream.calls:
+                    finish_reason = "tool_calls"
+            if finish_reason is not None:
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
-                                                   finish_reason=increment.finish_reason)])
+                                                   finish_reason=finish_reason)])
         if self._body.include_usage:
             yield self._chunk([], usage=usage_info(generation.usage))
+
+    def _tool_delta(self, event: StreamEvent) -> ChatDelta:
+        if isinstance(event, TextDelta):
+            return ChatDelta(content=event.text)
+        if isinstance(event, CallStart):
+            call = ToolCallDelta(index=event.index, id=new_call_id(), type="function",
+                                 function=FunctionCallDelta(name=event.name, arguments=""))
+        else:
+            call = ToolCallDelta(index=event.index, function=FunctionCallDelta(arguments=event.text))
+        return ChatDelta(tool_calls=[call])
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         if not self._body.logprobs:

@@ -6,6 +6,8 @@ Where a request goes: `parse_body` (`schemas.py` checks every field) -> `prompts
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -16,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from batching.engine import Engine
+from batching.sampling_params import RequestRejected, StructuredOutput
 
 from app.errors import from_validation_error, invalid_request
 from app.generation import respond, start_generation
@@ -23,6 +26,7 @@ from app.prompts import chat_prompt, completion_prompts
 from app.responses import ChatBuilder, CompletionBuilder
 from app.schemas import (
     ChatCompletionRequest,
+    ToolDefinition,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -30,6 +34,7 @@ from app.schemas import (
     TokenizeResponse,
 )
 from app.state import ServerState
+from app.tool_calls import NO_ARGUMENTS, ToolCalling, call_grammar
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -64,13 +69,33 @@ def json_response(body: BaseModel) -> Response:
 async def create_chat_completion(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, ChatCompletionRequest)
-    prompt = chat_prompt(engine.tokenizer, body.messages)
+    if body.tools:
+        await asyncio.to_thread(check_tool_schemas, engine, body.tools)
+    tools = body.active_tools()
+    prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
+    if forced := body.forced_tools():
+        grammar = call_grammar([(t.function.name, t.function.parameters) for t in forced],
+                               parallel=body.parallel_tool_calls and body.tool_choice == "required")
+        params = dataclasses.replace(params, structured=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [prompt.token_ids], params, request_id, arrival)
-    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body)
+    calling = ToolCalling(frozenset(t.function.name for t in tools), forced=bool(forced)) if tools else None
+    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, calling)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+def check_tool_schemas(engine: Engine, tools: list[ToolDefinition]) -> None:
+    """Compiles each function's parameters schema (a millisecond each): one that does not compile is a 400
+    naming it, whether or not a grammar will force the calls."""
+    for i, tool in enumerate(tools):
+        schema = tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
+        try:
+            engine.grammars.compile(StructuredOutput("json_schema", json.dumps(schema)))
+        except RequestRejected as error:
+            raise invalid_request(f"tools.{i}.function.parameters: {error}",
+                                  param=f"tools.{i}.function.parameters") from None
 
 
 async def create_completion(request: Request) -> Response:

@@ -266,12 +266,78 @@ class TextPart(_Request):
     text: str
 
 
+# --- tool calling ---------------------------------------------------------------------------------
+# A function's `parameters` schema is compiled by the engine's grammar compiler before the request is queued
+# (app/routes.py), so a malformed one is a 400 whatever the tool_choice.
+
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+MAX_TOOLS = 128
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+class FunctionDefinition(_Request):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = Field(None, description="ignored: forced calls always follow the schema")
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object's text")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be a JSON object's text")
+        return value
+
+
+class ToolCallParam(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages, and only they, need tool_call_id")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
@@ -282,27 +348,47 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty",
-                                               json_schema_extra={"maxItems": 0})
-    tool_choice: str | dict[str, Any] | None = Field(None, description='not supported: only "none"',
-                                                     json_schema_extra={"const": "none"})
-    functions: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty",
+    tools: list[ToolDefinition] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tool_choice: str | NamedToolChoice | None = Field(
+        None, description='"none", "auto", "required" or a named function; default: "auto" with tools, "none" without')
+    parallel_tool_calls: bool = Field(True, description="with required: one call or several")
+    functions: list[dict[str, Any]] | None = Field(None, description="not supported (use tools): must be empty",
                                                    json_schema_extra={"maxItems": 0})
-    function_call: str | dict[str, Any] | None = Field(None, description='not supported: only "none"',
+    function_call: str | dict[str, Any] | None = Field(None, description='not supported (use tool_choice): only "none"',
                                                        json_schema_extra={"const": "none"})
 
-    @field_validator("tools", "functions")
+    @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]], info: ValidationInfo) -> list[dict[str, Any]]:
+    def _distinct_names(cls, tools: list[ToolDefinition]) -> list[ToolDefinition]:
+        names = [tool.function.name for tool in tools]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct names")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: str | NamedToolChoice, info: ValidationInfo) -> str | NamedToolChoice:
+        if isinstance(choice, str) and choice not in TOOL_CHOICES:
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function")
+        names = {tool.function.name for tool in info.data.get("tools", [])}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
+        return choice
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if value:
-            raise ValueError(f"{info.field_name} are not supported")
+            raise ValueError("functions are not supported; use tools")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, value: str | dict[str, Any], info: ValidationInfo) -> str | dict[str, Any]:
+    def _no_function_call(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
         if value != "none":
-            raise ValueError(f'{info.field_name} other than "none" is not supported')
+            raise ValueError('function_call other than "none" is not supported; use tool_choice')
         return value
 
     @model_validator(mode="after")
@@ -310,6 +396,26 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _forced_calls_are_the_grammar(self) -> ChatCompletionRequest:
+        if self.forced_tools() and self.structured() is not None:
+            raise ValueError("a required or named tool_choice cannot be combined with response_format or "
+                             "structured_outputs: the calls are the output's grammar")
+        if self.forced_tools() and (self.ignore_eos or self.min_tokens):
+            raise ValueError("ignore_eos and min_tokens cannot be combined with a required or named tool_choice: "
+                             "the grammar decides where the output ends")
+        return self
+
+    def active_tools(self) -> list[ToolDefinition]:
+        """The tools the model is told about and may call: none with tool_choice "none"."""
+        return [] if self.tool_choice == "none" else self.tools
+
+    def forced_tools(self) -> list[ToolDefinition]:
+        """The tools one of which must be called (required: any; named: that one), or [] if the model chooses."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [tool for tool in self.tools if tool.function.name == self.tool_choice.function.name]
+        return self.tools if self.tool_choice == "required" else []
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -394,17 +500,32 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -417,19 +538,34 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta has its id, type and name (arguments ""); the next ones fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: ChatFinishReason | None = None
 
     @field_serializer("delta")
-    def _delta_without_nulls(self, delta: ChatDelta) -> dict[str, str]:
+    def _delta_without_nulls(self, delta: ChatDelta) -> dict[str, Any]:
         # OpenAI's deltas carry only what changed: `{"content": "Hi"}`, and `{}` on the finishing chunk.
         return delta.model_dump(exclude_none=True)
 

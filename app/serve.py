@@ -31,6 +31,7 @@ from sharding.mesh import DistributedConfig, InvalidTensorParallelism, initializ
 
 from app.server import create_app
 from app.state import ServerSettings, ServerState
+from app.tool_calls import TOOL_CALL_PARSERS
 
 T = TypeVar("T")
 logger = logging.getLogger("sluice.serve")
@@ -110,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting", type=float)
     _option(parser, "--sse-keepalive", _SERVER_DEFAULTS.sse_keepalive_s,
             "seconds between keep-alive comments of a stream that has nothing to send", type=float)
+    _option(parser, "--tool-call-parser", _SERVER_DEFAULTS.tool_call_parser,
+            "how tool calls are written and read back: auto (the template's format; hermes so far) or hermes "
+            "(`<tool_call>{...}</tool_call>`)", choices=list(TOOL_CALL_PARSERS))
     _switch(parser, "--no-ui", "do not serve the dashboard and playground page (/, /ui) nor its push stream")
     _option(parser, "--slo-ttft-ms", None, "time-to-first-token objective, drawn on the dashboard's TTFT chart",
             type=float)
@@ -154,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         sse_keepalive_s=args.sse_keepalive,
+        tool_call_parser=args.tool_call_parser,
         ui=not args.no_ui,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms,

@@ -21,7 +21,8 @@ from app.metrics import ServerMetrics
 class ServerSettings:
     """HTTP-side settings: `max_waiting` sequences may queue beyond the engine's running batch;
     `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send; `ui` serves the
-    dashboard and playground, whose latency charts draw the `slo_*_ms` lines when set."""
+    dashboard and playground, whose latency charts draw the `slo_*_ms` lines when set; `tool_call_parser` names
+    the format of tool calls (`app/tool_calls.py`)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -32,6 +33,7 @@ class ServerSettings:
     ui: bool = True
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
+    tool_call_parser: str = "auto"
 
 
 class ServerState:

@@ -125,15 +125,20 @@ class Tokenizer:
         size = self._backend.get_vocab_size(with_added_tokens=True)
         return BytePieces([b"" if i in added else piece(i) for i in range(size)])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        """The model's chat template rendered as Hugging Face renders it; ChatTemplateError if it cannot be."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The model's chat template rendered as Hugging Face renders it; ChatTemplateError if it cannot be.
+
+        `tools`: function definitions (OpenAI's `{"type": "function", "function": {...}}`), the template's `tools`.
+        """
         if self._chat_template is None:
             raise ChatTemplateError("this model has no chat template; use the completions API")
         bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else ""
         try:
             return self._chat_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
+                tools=tools,
             )
         except TemplateError as error:
             raise ChatTemplateError(f"the chat template failed: {error}") from None

@@ -125,9 +125,8 @@ def test_detokenize_ids_outside_the_vocabulary_are_rejected():
 
 @pytest.mark.parametrize(
     ("schema", "field", "value"),
-    [(ChatCompletionRequest, "tools", [{"type": "function", "function": {"name": "f"}}]),
-     (ChatCompletionRequest, "tool_choice", "auto"),
-     (ChatCompletionRequest, "functions", [{"name": "f"}]),
+    [(ChatCompletionRequest, "functions", [{"name": "f"}]),
+     (ChatCompletionRequest, "function_call", "auto"),
      (ChatCompletionRequest, "logit_bias", {"5": 10}),
      (CompletionRequest, "best_of", 3),
      (CompletionRequest, "suffix", "the end")],

@@ -1,0 +1,291 @@
+"""Tool calling on /v1/chat/completions: the Hermes parser on its own, then the official `openai` client against a
+real `sluice serve` with SmolLM2 (whose template has no tools: the default format, forced by a grammar where
+tool_choice asks)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import openai
+import pytest
+
+from test_api_e2e import API_KEY, start_server
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
+
+from app.prompts import chat_prompt, renders_tools
+from app.schemas import ChatCompletionRequest
+from app.tool_calls import ArgumentsDelta, CallStart, CallStream, TextDelta, ToolCall, parse_calls
+from model.tokenizer import SpecialTokens, Tokenizer
+
+NAMES = frozenset({"get_weather", "add"})
+PARIS = '{"city": "Paris"}'
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+# --- the Hermes parser ---------------------------------------------------------------------------------------
+
+
+def test_text_before_and_after_a_call_is_kept_as_content():
+    text = f"Let me look.\n{call('get_weather', PARIS)}\nDone."
+    assert parse_calls(text, NAMES) == ("Let me look.\n\nDone.", [ToolCall("get_weather", PARIS)])
+
+
+def test_several_calls_come_back_in_order_with_their_own_arguments_text():
+    text = call("add", '{"a": 1, "b": {"c": [2, 3]}}') + "\n" + call("get_weather", "{}")
+    assert parse_calls(text, NAMES) == (None, [ToolCall("add", '{"a": 1, "b": {"c": [2, 3]}}'),
+                                               ToolCall("get_weather", "{}")])
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "add", "arguments": {"a": 1}',  # malformed JSON
+    '{"name": "delete_everything", "arguments": {}}',  # not one of the request's tools
+    '{"name": "add", "arguments": "a=1"}',  # arguments not an object
+])
+def test_what_is_not_a_call_stays_in_the_text(body):
+    text = f"Before <tool_call>{body}</tool_call> after"
+    assert parse_calls(text, NAMES) == (text, [])
+
+
+def test_a_closing_tag_inside_a_string_does_not_end_the_call():
+    text = call("add", '{"note": "</tool_call> is a tag"}')
+    assert parse_calls(text, NAMES) == (None, [ToolCall("add", '{"note": "</tool_call> is a tag"}')])
+
+
+def test_a_tag_followed_by_no_call_is_text_and_a_call_after_it_still_counts():
+    text = f"<tool_call> I will call: {call('get_weather', PARIS)}"
+    assert parse_calls(text, NAMES) == ("<tool_call> I will call:", [ToolCall("get_weather", PARIS)])
+
+
+def test_arguments_written_in_another_order_or_layout_are_reserialized():
+    text = '<tool_call>{"arguments":{"a":1},"name":"add"}</tool_call>'
+    assert parse_calls(text, NAMES) == (None, [ToolCall("add", '{"a": 1}')])
+
+
+def stream_in_pieces(text: str, progressive: bool, rng: random.Random) -> tuple[str | None, list[ToolCall], list]:
+    stream = CallStream(NAMES, progressive=progressive)
+    events, start = [], 0
+    while start < len(text):
+        size = rng.randint(1, 6)
+        events += stream.push(text[start:start + size])
+        start += size
+    events += stream.finish()
+    content = "".join(e.text for e in events if isinstance(e, TextDelta)) or None
+    calls = [ToolCall(e.name, "".join(a.text for a in events if isinstance(a, ArgumentsDelta) and a.index == e.index))
+             for e in events if isinstance(e, CallStart)]
+    return content, calls, events
+
+
+@pytest.mark.parametrize("text", [
+    f" Sure. {call('get_weather', PARIS)} and <tool_call>{{broken</tool_call> <tool_ca",
+    call("add", '{"a": {"b": {}}}') + "\n" + call("add", '{"x": "}}"}') + "\n\n",
+    "no calls here, but a < and a <tool",
+    "text then an unfinished <tool_call>\n{\"name\": \"add\", \"arg",
+    call("add", '{"s": "</tool_call>{\\"}"}') + " <tool_call> <tool_call>" + call("add", "{}"),
+])
+def test_a_stream_in_any_pieces_reassembles_to_the_parse_of_the_whole_text(text):
+    rng = random.Random(0)
+    for _ in range(50):
+        content, calls, _ = stream_in_pieces(text, progressive=False, rng=rng)
+        assert (content, calls) == parse_calls(text, NAMES)
+
+
+def test_forced_calls_stream_their_arguments_as_they_arrive():
+    text = call("add", '{"a": {"b": [1, 2]}, "c": "}"}') + "\n" + call("get_weather", '{"city": "Oslo"}')
+    content, calls, events = stream_in_pieces(text, progressive=True, rng=random.Random(1))
+    assert (content, calls) == parse_calls(text, NAMES)
+    assert isinstance(events[0], CallStart) and sum(isinstance(e, ArgumentsDelta) for e in events) > 4
+
+
+# --- rendering the conversation -----------------------------------------------------------------------------
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# A template with tools of its own, shaped as Qwen's: tools listed first, a call's arguments a dict.
+NATIVE = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+          "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+          "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.city }}{% endfor %}"
+          "{% if m.tool_call_id %} (for {{ m.tool_call_id }}){% endif %}|{% endfor %}")
+CONVERSATION = ChatCompletionRequest.model_validate({
+    "messages": [{"role": "user", "content": "Weather in Paris?"},
+                 {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                       "function": {"name": "get_weather", "arguments": PARIS}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+                 {"role": "tool", "tool_call_id": "call_2", "content": "rain"}],
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+})
+
+
+def with_template(template: str) -> Tokenizer:
+    return Tokenizer(HFTokenizer(models.BPE()), SpecialTokens(None, (), False, template))
+
+
+def test_a_template_without_tools_gets_them_in_the_system_prompt_and_calls_and_results_as_text():
+    tokenizer = with_template(CHATML)
+    assert not renders_tools(tokenizer)
+    text = chat_prompt(tokenizer, CONVERSATION.messages, tools=CONVERSATION.tools).text
+    system, question, calls, results = text.split("<|im_end|>\n")[:4]
+    assert system.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in system
+    assert calls == '<|im_start|>assistant\n' + call("get_weather", PARIS)
+    assert results == "<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\nrain\n</tool_response>"
+
+
+def test_a_template_with_tools_renders_them_itself_with_arguments_as_a_dict():
+    tokenizer = with_template(NATIVE)
+    assert renders_tools(tokenizer)
+    text = chat_prompt(tokenizer, CONVERSATION.messages, tools=CONVERSATION.tools).text
+    assert text == ("TOOLS:get_weather;|user: Weather in Paris?|assistant: CALL get_weather Paris|"
+                    "tool: 18 C (for call_1)|tool: rain (for call_2)|")
+
+
+# --- the openai client against a real server ---------------------------------------------------------------
+
+MODEL = "smollm2-tools"
+# Room for the tools prompt (about 200 tokens with three functions) and n=20 replies sharing its pages.
+FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
+         "--kv-cache-memory", "96MiB", "--api-key", API_KEY, "--served-model-name", MODEL,
+         "--tool-call-parser", "auto", "--no-ui"]
+
+
+def function(name: str, description: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+# String lengths are bounded: at temperature 0.8 the 135M model otherwise may write a name until max_tokens (a
+# valid prefix, but no call).
+NAME = {"type": "string", "maxLength": 24}
+WEATHER = function("get_weather", "The current weather of a city", {
+    "type": "object",
+    "properties": {"city": NAME, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+})
+BOOK = function("book_trip", "Books a trip", {
+    "type": "object",
+    "properties": {
+        "traveller": {"type": "object", "properties": {"name": NAME, "age": {"type": "integer"}},
+                      "required": ["name", "age"]},
+        "to": {"type": "object", "properties": {"city": NAME, "nights": {"type": "integer"}},
+               "required": ["city", "nights"]},
+    },
+    "required": ["traveller", "to"],
+})
+SHOP = function("add_to_cart", "Adds items to the shopping cart", {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 4}},
+    "required": ["items"],
+})
+TOOLS = [WEATHER, BOOK, SHOP]
+
+SCHEMA = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = {"get_weather": "What is the weather in Paris?", "book_trip": "Book me, Ann, 34, three nights in Rome.",
+       "add_to_cart": "Put apples and pears in my cart."}
+
+
+@pytest.fixture(scope="module")
+def client():
+    server = start_server(*FLAGS)
+    try:
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+            yield c
+    finally:
+        server.stop()
+
+
+def user(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEMA))
+def test_required_tool_choice_gives_arguments_valid_for_each_schema_in_all_20_samples(client, name):
+    tool = next(tool for tool in TOOLS if tool["function"]["name"] == name)
+    reply = client.chat.completions.create(model=MODEL, messages=user(ASK[name]), tools=[tool], tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0.8, n=20, seed=7, max_tokens=200)
+    assert len(reply.choices) == 20
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        [tool_call] = choice.message.tool_calls
+        assert tool_call.type == "function" and tool_call.id.startswith("call_")
+        assert tool_call.function.name == name
+        jsonschema.validate(json.loads(tool_call.function.arguments), SCHEMA[name])
+
+
+@pytest.mark.slow
+def test_required_with_parallel_calls_may_call_several_tools_each_valid(client):
+    reply = client.chat.completions.create(model=MODEL, messages=user("Weather in Oslo, and add milk to my cart."),
+                                           tools=TOOLS, tool_choice="required", temperature=0.8, seed=3, n=4,
+                                           max_tokens=200)
+    for choice in reply.choices:
+        assert choice.message.tool_calls, choice.message.content
+        for tool_call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(tool_call.function.arguments), SCHEMA[tool_call.function.name])
+
+
+def reassemble(chunks) -> tuple[str | None, list[tuple[str, str]], str, set[str]]:
+    """Content, (name, arguments) calls, the finish reason and the call ids, from a stream's deltas."""
+    content, calls, ids, finish = "", {}, set(), None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                if delta.id is not None:
+                    assert delta.type == "function" and delta.function.name and delta.function.arguments == ""
+                    assert delta.index == len(calls)
+                    calls[delta.index] = [delta.function.name, ""]
+                    ids.add(delta.id)
+                else:
+                    assert delta.function.name is None
+                    calls[delta.index][1] += delta.function.arguments
+    return content or None, [tuple(c) for c in calls.values()], finish, ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add_to_cart"}}, "auto"])
+def test_streamed_deltas_reassemble_to_the_unstreamed_calls_at_temperature_0(client, tool_choice):
+    kwargs = dict(model=MODEL, messages=user("What is the weather in Paris?"), tools=TOOLS, tool_choice=tool_choice,
+                  temperature=0, max_tokens=80)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    content, calls, finish, ids = reassemble(client.chat.completions.create(**kwargs, stream=True))
+    assert content == whole.message.content
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert finish == whole.finish_reason and len(ids) == len(calls)
+    if tool_choice != "auto":
+        assert calls and finish == "tool_calls"
+
+
+@pytest.mark.slow
+def test_a_round_trip_call_result_and_final_answer(client):
+    messages = user("What is the weather in Paris? Answer in celsius.")
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=80)
+    [tool_call] = first.choices[0].message.tool_calls
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps({"temperature": 31})}]
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                           temperature=0, max_tokens=40)
+    answer = final.choices[0]
+    assert answer.message.tool_calls is None and answer.finish_reason in ("stop", "length")
+    assert "31" in answer.message.content  # the result reached the model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch_rocket"}}}, "tool_choice"),
+    ({"tools": [function("f", "bad", {"type": "object", "properties": {"a": {"type": "banana"}}})]},
+     "tools.0.function.parameters"),
+    ({"tools": [function("f", "bad", {"type": "object", "required": "a"})], "tool_choice": "none"},
+     "tools.0.function.parameters"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_bad_tool_fields_are_400_in_openai_shape(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=4, **fields)
+    error = caught.value
+    assert error.status_code == 400 and error.param == param and error.type == "invalid_request_error"
