@@ -9,8 +9,9 @@ own between tags,
     </tool_call>
 
 A call is only a call if its JSON parses, names a function of the request, has an object as `arguments` and is
-followed by the closing tag; anything else stays in the message's text, so no text the model wrote is lost. The arguments string returned
-is the model's own JSON text for them (what it sampled), so streamed fragments join to the same string.
+followed by the closing tag; anything else stays in the message's text, so no text the model wrote is lost. The
+arguments string returned is the model's own JSON text for them (what it sampled; re-serialized only when it
+wrote them before the name), so streamed fragments join to the same string.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from batching.sampling_params import StructuredOutput
 
-# `--tool-call-parser` values; "auto" picks the one the model's template speaks (Hermes for every template so far).
+# `--tool-call-parser` values; "auto" is the format the model's template speaks, Hermes so far (the only one here).
 TOOL_CALL_PARSERS = ("auto", "hermes")
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -40,7 +41,8 @@ NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fals
 
 DEFAULT_TOOLS_PROMPT = """# Tools
 
-You may call one or more functions to help with the user's request. Their JSON signatures are between <tools></tools> tags:
+You may call one or more functions to help with the user's request. Their JSON signatures are between \
+<tools></tools> tags:
 <tools>
 {tools}
 </tools>
@@ -76,13 +78,6 @@ class ToolCalling:
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def resolve_parser(name: str) -> str:
-    """The format `--tool-call-parser NAME` stands for."""
-    if name not in TOOL_CALL_PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose from {', '.join(TOOL_CALL_PARSERS)}")
-    return "hermes"
 
 
 # --- writing: the prompt and past calls, for a template without tool support -------------------------------
