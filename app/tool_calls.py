@@ -211,6 +211,7 @@ class CallStream:
     _started: bool = False  # some text went out: whitespace before it is dropped, as `strip` does
     _whitespace: str = ""  # held until text follows it
     _open: tuple[int, int] | None = field(default=None)  # a call going out progressively: (arguments start, sent)
+    _end: _ObjectEnd | None = None  # the scan of the call being read
 
     def push(self, text: str) -> list[StreamEvent]:
         self._buffer += text
@@ -243,7 +244,9 @@ class CallStream:
 
     def _read_call(self, events: list[StreamEvent]) -> bool:
         """Reads the call after an opening tag; False while it is still arriving."""
-        end = _object_end(self._buffer)
+        if self._end is None:
+            self._end = _ObjectEnd()
+        end = self._end.find(self._buffer)
         if end is None:
             if self.progressive:
                 self._send_arguments(events)
@@ -263,11 +266,13 @@ class CallStream:
             self.calls += 1
         self._buffer = rest[len(CLOSE):] if closed else ""
         self._in_call = False
+        self._end = None
         return True
 
     def _not_a_call(self, events: list[StreamEvent]) -> None:
         self._text(OPEN, events)
         self._in_call = False
+        self._end = None
 
     def _text(self, text: str, events: list[StreamEvent]) -> None:
         if not text:
@@ -307,35 +312,53 @@ class CallStream:
 _JSON_OUTSIDE_STRINGS = frozenset(" \t\r\n,:-+.0123456789eEtruefalsn")
 
 
-def _object_end(text: str) -> int | None:
-    """Where the JSON object that `text` starts with (after whitespace) ends: the index after its closing brace;
-    None while it may still be arriving; -1 if `text` cannot begin one."""
-    start = len(text) - len(text.lstrip())
-    if start == len(text):
-        return None
-    if text[start] != "{":
-        return -1
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
+@dataclass
+class _ObjectEnd:
+    """Finds where the JSON object a text starts with (after whitespace) ends, reading the text as it grows: each
+    character is looked at once however often `find` is asked."""
+
+    _read: int = 0
+    _found: int | None = None
+    _started: bool = False
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+
+    def find(self, text: str) -> int | None:
+        """The index after the object's closing brace; None while it may still be arriving; -1 if `text` cannot
+        begin one. `text` must extend the text of the previous call."""
+        if self._found is None:
+            self._found = self._scan(text)
+        return self._found
+
+    def _scan(self, text: str) -> int | None:
+        for i in range(self._read, len(text)):
+            char = text[i]
+            self._read = i + 1
+            if not self._started:
+                if char.isspace():
+                    continue
+                if char != "{":
+                    return -1
+                self._started = True
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
             elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif char not in _JSON_OUTSIDE_STRINGS:
-            return -1
-    return None
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+            elif char not in _JSON_OUTSIDE_STRINGS:
+                return -1
+        return None
 
 
 def _partial_tag(text: str, tag: str) -> int:
