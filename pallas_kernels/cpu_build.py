@@ -96,13 +96,13 @@ def find_compiler() -> Compiler:
 
 
 def cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo; None where there is none to read (not Linux)."""
+    """The CPU's feature flags from /proc/cpuinfo; None where there are none to read (not Linux)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return None
-    line = next((line for line in lines if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+    line = next((line for line in lines if line.startswith("flags")), None)
+    return None if line is None else frozenset(line.partition(":")[2].split())
 
 
 def candidates() -> list[Variant]:

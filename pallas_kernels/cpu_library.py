@@ -34,8 +34,8 @@ class Library(NamedTuple):
 
 def _failure(variant: Variant, error: Exception) -> str:
     if isinstance(error, BuildError) and error.earlier:
-        return (f"the {variant.name} build failed at an earlier start (recorded in {error.record}; not retried until "
-                f"the sources or the compiler change): {error}")
+        return (f"the {variant.name} build failed at an earlier start (recorded in {error.record}, not retried until "
+                f"the sources or the compiler change; delete it to retry): {error}")
     return f"the {variant.name} build failed: {error}"
 
 
