@@ -77,6 +77,21 @@ def renders_tools(tokenizer: Tokenizer) -> bool:
     return _PROBE_TOOL["function"]["name"] in probe
 
 
+def tool_call_format(flag: str, tokenizer: Tokenizer) -> str:
+    """The format the reply's calls are read in (`--tool-call-parser`). A template without tools gets Hermes,
+    whatever the flag: the default prompt teaches it. Otherwise the flag's, and for "auto" the template's own:
+    Hermes if it writes `<tool_call>`, Llama 3's JSON if it has `<|python_tag|>` or asks for `"parameters"`, else
+    Hermes."""
+    if not renders_tools(tokenizer):
+        return "hermes"
+    if flag != "auto":
+        return flag
+    template = tokenizer.special.chat_template or ""
+    if tool_calls.OPEN not in template and ("<|python_tag|>" in template or '"parameters"' in template):
+        return "llama3_json"
+    return "hermes"
+
+
 def _template_message(message: ChatMessage) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": _TEMPLATE_ROLE[message.role], "content": message.text()}
     if message.tool_calls:

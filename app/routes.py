@@ -22,7 +22,7 @@ from batching.sampling_params import RequestRejected, StructuredOutput
 
 from app.errors import from_validation_error, invalid_request
 from app.generation import respond, start_generation
-from app.prompts import chat_prompt, completion_prompts
+from app.prompts import chat_prompt, completion_prompts, tool_call_format
 from app.responses import ChatBuilder, CompletionBuilder
 from app.schemas import (
     ChatCompletionRequest,
@@ -75,13 +75,14 @@ async def create_chat_completion(request: Request) -> Response:
     prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
+    parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer) if tools else "hermes"
     if forced := body.forced_tools():
         grammar = call_grammar([(t.function.name, t.function.parameters) for t in forced],
-                               parallel=body.parallel_tool_calls and body.tool_choice == "required")
+                               parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser)
         params = dataclasses.replace(params, structured=grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [prompt.token_ids], params, request_id, arrival)
-    calling = ToolCalling(frozenset(t.function.name for t in tools), forced=bool(forced)) if tools else None
+    calling = ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced)) if tools else None
     builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, calling)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 

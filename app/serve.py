@@ -112,8 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--sse-keepalive", _SERVER_DEFAULTS.sse_keepalive_s,
             "seconds between keep-alive comments of a stream that has nothing to send", type=float)
     _option(parser, "--tool-call-parser", _SERVER_DEFAULTS.tool_call_parser,
-            "how tool calls are written and read back: auto (the template's format; hermes so far) or hermes "
-            "(`<tool_call>{...}</tool_call>`)", choices=list(TOOL_CALL_PARSERS))
+            "how tool calls are read (and forced) for a template with tools: auto (the template's own format), hermes "
+            "(`<tool_call>{...}</tool_call>`) or llama3_json (`{\"name\", \"parameters\"}; ...`)",
+            choices=list(TOOL_CALL_PARSERS))
     _switch(parser, "--no-ui", "do not serve the dashboard and playground page (/, /ui) nor its push stream")
     _option(parser, "--slo-ttft-ms", None, "time-to-first-token objective, drawn on the dashboard's TTFT chart",
             type=float)

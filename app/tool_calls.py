@@ -25,8 +25,10 @@ from typing import Any
 
 from batching.sampling_params import StructuredOutput
 
-# `--tool-call-parser` values; "auto" is the format the model's template speaks, Hermes so far (the only one here).
-TOOL_CALL_PARSERS = ("auto", "hermes")
+# `--tool-call-parser` values; "auto" is the format the model's template speaks (`app/prompts.py`).
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+# What separates forced parallel calls, by format.
+_SEPARATOR = {"hermes": "\n", "llama3_json": "; "}
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # What a call starts with when written as the prompt asks and the grammar forces: its name, then its arguments.
@@ -63,16 +65,27 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """What a reply's text is read for: calls of the functions `names`. `forced`: a grammar makes the reply
-    nothing but calls, so each one parses and its arguments can stream as they are sampled."""
+    """What a reply's text is read for: calls of the functions `names`, written in the format `parser`.
+    `forced`: a grammar makes the reply nothing but calls, so each one parses and (Hermes) its arguments can
+    stream as they are sampled."""
 
     names: frozenset[str]
+    parser: str = "hermes"
     forced: bool = False
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return parse_calls(text, self.names)
+        """The message's text (all but the calls, stripped; None if empty) and its calls, in order: the stream
+        given the whole text at once, so a stream and its whole text always read the same."""
+        stream = self.stream()
+        events = stream.push(text) + stream.finish()
+        content = "".join(event.text for event in events if isinstance(event, TextDelta))
+        calls = [ToolCall(event.name, arguments.text) for event, arguments in zip(events, events[1:])
+                 if isinstance(event, CallStart)]
+        return content or None, calls
 
-    def stream(self) -> CallStream:
+    def stream(self) -> CallStream | JsonCallStream:
+        if self.parser == "llama3_json":
+            return JsonCallStream(self.names)
         return CallStream(self.names, progressive=self.forced)
 
 
@@ -100,16 +113,21 @@ def render_results(contents: Iterable[str]) -> str:
 # --- forcing: required and named tool_choice ----------------------------------------------------------------
 
 
-def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> StructuredOutput:
+def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: bool,
+                 parser: str = "hermes") -> StructuredOutput:
     """A Lark grammar (llguidance's, with `%json` for each function's arguments) whose every output is one call
-    of one of `functions` ((name, parameters schema) each), or with `parallel` several, one per line."""
+    of one of `functions` ((name, parameters schema) each), or with `parallel` several, written as `parser`
+    writes them (Hermes: one per line; Llama 3: separated by `; `)."""
     rules = []
     for i, (name, parameters) in enumerate(functions):
         schema = {"x-guidance": _LAYOUT, **_closed(parameters if parameters is not None else NO_ARGUMENTS)}
-        head = json.dumps(f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ')
-        tail = json.dumps(f"}}\n{CLOSE}")
-        rules.append(f"call_{i}: {head} %json {json.dumps(schema, ensure_ascii=False)} {tail}")
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        quoted = json.dumps(name, ensure_ascii=False)
+        if parser == "llama3_json":
+            head, tail = f'{{"name": {quoted}, "parameters": ', "}"
+        else:
+            head, tail = f'{OPEN}\n{{"name": {quoted}, "arguments": ', f"}}\n{CLOSE}"
+        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema, ensure_ascii=False)} {json.dumps(tail)}")
+    start = f"start: call ({json.dumps(_SEPARATOR[parser])} call)*" if parallel else "start: call"
     choices = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))
     return StructuredOutput("grammar", "\n".join([start, choices, *rules]) + "\n")
 
@@ -159,15 +177,9 @@ def _loads(text: str) -> Any:
         return None
 
 
-def parse_calls(text: str, names: frozenset[str]) -> tuple[str | None, list[ToolCall]]:
-    """The message's text (all but the calls, stripped; None if empty) and its calls, in order: `CallStream`
-    given the whole text at once, so a stream and its whole text always read the same."""
-    stream = CallStream(names)
-    events = stream.push(text) + stream.finish()
-    content = "".join(event.text for event in events if isinstance(event, TextDelta))
-    calls = [ToolCall(event.name, arguments.text) for event, arguments in zip(events, events[1:])
-             if isinstance(event, CallStart)]
-    return content or None, calls
+def parse_calls(text: str, names: frozenset[str], parser: str = "hermes") -> tuple[str | None, list[ToolCall]]:
+    """`ToolCalling.parse`: the message's text (stripped; None if empty) and its calls."""
+    return ToolCalling(names, parser).parse(text)
 
 
 @dataclass(frozen=True)
@@ -208,8 +220,7 @@ class CallStream:
     calls: int = 0
     _buffer: str = ""
     _in_call: bool = False
-    _started: bool = False  # some text went out: whitespace before it is dropped, as `strip` does
-    _whitespace: str = ""  # held until text follows it
+    _stripped: _StrippedText = field(default_factory=lambda: _StrippedText())
     _open: tuple[int, int] | None = field(default=None)  # a call going out progressively: (arguments start, sent)
     _end: _ObjectEnd | None = None  # the scan of the call being read
 
@@ -275,16 +286,8 @@ class CallStream:
         self._end = None
 
     def _text(self, text: str, events: list[StreamEvent]) -> None:
-        if not text:
-            return
-        body = text.rstrip()
-        if not body:
-            self._whitespace += text
-            return
-        lead = self._whitespace if self._started else ""
-        events.append(TextDelta(lead + (body if self._started else body.lstrip())))
-        self._started = True
-        self._whitespace = text[len(body):]
+        if out := self._stripped.add(text):
+            events.append(TextDelta(out))
 
     def _send_arguments(self, events: list[StreamEvent]) -> None:
         if self._open is None:
@@ -306,6 +309,89 @@ class CallStream:
         if call is not None and len(call.arguments) > sent - start:
             events.append(ArgumentsDelta(self.calls, call.arguments[sent - start:]))
         self.calls += 1
+
+
+@dataclass
+class _StrippedText:
+    """Text going out in pieces that join to the whole text stripped: whitespace at the start is dropped, and
+    whitespace is held until text follows it."""
+
+    _started: bool = False
+    _whitespace: str = ""
+
+    def add(self, text: str) -> str:
+        body = text.rstrip()
+        if not body:
+            self._whitespace += text
+            return ""
+        out = self._whitespace + body if self._started else body.lstrip()
+        self._started = True
+        self._whitespace = text[len(body):]
+        return out
+
+
+@dataclass
+class JsonCallStream:
+    """Llama 3's JSON tool calls: a reply that is nothing but calls, `{"name": ..., "parameters": {...}}` each,
+    separated by `;` (its template's `<|python_tag|>` is a special token, not in the text). Any other reply is
+    text, whole. A reply is known to be text at its first character other than `{`; to be calls only at its end,
+    so calls go out then, each whole."""
+
+    names: frozenset[str]
+    calls: int = 0
+    _buffer: str = ""
+    _is_text: bool | None = None
+    _stripped: _StrippedText = field(default_factory=lambda: _StrippedText())
+
+    def push(self, text: str) -> list[StreamEvent]:
+        if self._is_text is None:
+            self._buffer += text
+            if not self._buffer.strip():
+                return []
+            self._is_text = not self._buffer.lstrip().startswith("{")
+            if not self._is_text:
+                return []
+            text, self._buffer = self._buffer, ""
+        elif not self._is_text:
+            self._buffer += text
+            return []
+        out = self._stripped.add(text)
+        return [TextDelta(out)] if out else []
+
+    def finish(self) -> list[StreamEvent]:
+        if self._is_text or not self._buffer.strip():
+            return []
+        calls = _json_calls(self._buffer, self.names)
+        if calls is None:
+            return [TextDelta(self._buffer.strip())]
+        events: list[StreamEvent] = []
+        for call in calls:
+            events += [CallStart(self.calls, call.name), ArgumentsDelta(self.calls, call.arguments)]
+            self.calls += 1
+        return events
+
+
+def _json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
+    """The calls `text` consists of (JSON objects separated by `;`), or None if it is anything else."""
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while True:
+        position = len(text) - len(text[position:].lstrip())
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in names:
+            return None
+        arguments = value.get("parameters", value.get("arguments"))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False)))
+        rest = text[position:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            return None
+        position = len(text) - len(rest) + 1
 
 
 # Outside strings, JSON has only these characters besides brackets and quotes.

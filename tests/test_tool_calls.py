@@ -15,9 +15,12 @@ from test_api_e2e import API_KEY, start_server
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from app.prompts import chat_prompt, renders_tools
+from app.prompts import chat_prompt, renders_tools, tool_call_format
 from app.schemas import ChatCompletionRequest
-from app.tool_calls import ArgumentsDelta, CallStart, CallStream, TextDelta, ToolCall, parse_calls
+from app.tool_calls import ArgumentsDelta, CallStart, TextDelta, ToolCall, ToolCalling, call_grammar, parse_calls
+from batching.sampling_params import StructuredOutput
+from batching.structured import GrammarCompiler
+from hf_folder import train_tokenizer
 from model.tokenizer import SpecialTokens, Tokenizer
 
 NAMES = frozenset({"get_weather", "add"})
@@ -67,8 +70,9 @@ def test_arguments_written_in_another_order_or_layout_are_reserialized():
     assert parse_calls(text, NAMES) == (None, [ToolCall("add", '{"a": 1}')])
 
 
-def stream_in_pieces(text: str, progressive: bool, rng: random.Random) -> tuple[str | None, list[ToolCall], list]:
-    stream = CallStream(NAMES, progressive=progressive)
+def stream_in_pieces(text: str, progressive: bool, rng: random.Random, parser: str = "hermes"
+                     ) -> tuple[str | None, list[ToolCall], list]:
+    stream = ToolCalling(NAMES, parser, forced=progressive).stream()
     events, start = [], 0
     while start < len(text):
         size = rng.randint(1, 6)
@@ -100,6 +104,77 @@ def test_forced_calls_stream_their_arguments_as_they_arrive():
     content, calls, events = stream_in_pieces(text, progressive=True, rng=random.Random(1))
     assert (content, calls) == parse_calls(text, NAMES)
     assert isinstance(events[0], CallStart) and sum(isinstance(e, ArgumentsDelta) for e in events) > 4
+
+
+# --- Llama 3's JSON calls ----------------------------------------------------------------------------------
+
+
+def test_a_llama3_reply_of_calls_separated_by_semicolons_is_calls():
+    text = ' {"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}\n'
+    assert parse_calls(text, NAMES, "llama3_json") == (
+        None, [ToolCall("add", '{"a": 1}'), ToolCall("get_weather", '{"city": "Oslo"}')])
+
+
+@pytest.mark.parametrize("text", [
+    "The weather is fine.",
+    '{"name": "add", "parameters": {"a": 1}} and then some prose',
+    '{"name": "launch", "parameters": {}}',
+    '{"name": "add", "parameters": {"a": 1}',
+])
+def test_any_other_llama3_reply_is_text_whole(text):
+    assert parse_calls(text, NAMES, "llama3_json") == (text.strip(), [])
+
+
+@pytest.mark.parametrize("text", [
+    '\n {"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {}}',
+    "  Plain text,\n in lines.  ",
+    '{"name": "add", "parameters": {"a": 1}} trailing',
+])
+def test_a_llama3_stream_in_any_pieces_reads_as_the_whole_text(text):
+    rng = random.Random(2)
+    for _ in range(30):
+        content, calls, _ = stream_in_pieces(text, progressive=False, rng=rng, parser="llama3_json")
+        assert (content, calls) == parse_calls(text, NAMES, "llama3_json")
+
+
+# --- the grammar that forces calls -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    tokenizer = Tokenizer(train_tokenizer(300), SpecialTokens(1, (2,), False, None))
+    return GrammarCompiler(tokenizer, 300, (2,))
+
+
+def follows(compiler: GrammarCompiler, grammar: StructuredOutput, text: str) -> bool:
+    """Whether `text`, token by token, is a complete output of `grammar` (EOS allowed after it)."""
+    matcher = compiler.compile(grammar).matcher
+    return all(matcher.consume_token(t) for t in compiler.tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+ADD = ("add", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+
+@pytest.mark.parametrize(("parser", "one", "two"), [
+    ("hermes", call("add", '{"a": 1}'), call("add", '{"a": 1}') + "\n" + call("get_weather", "{}")),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}}',
+     '{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {}}'),
+])
+def test_the_grammar_takes_calls_in_the_parsers_format_with_arguments_that_follow_the_schema(compiler, parser, one,
+                                                                                            two):
+    functions = [ADD, ("get_weather", None)]
+    assert follows(compiler, call_grammar(functions, parallel=False, parser=parser), one)
+    assert not follows(compiler, call_grammar(functions, parallel=False, parser=parser), two)
+    assert follows(compiler, call_grammar(functions, parallel=True, parser=parser), two)
+    assert not follows(compiler, call_grammar(functions, parallel=True, parser=parser), one.replace("1", '"1"'))
+    assert not follows(compiler, call_grammar(functions, parallel=True, parser=parser), one.replace("{", "{ ", 1))
+
+
+def test_the_grammar_closes_objects_that_say_nothing_of_other_properties(compiler):
+    grammar = call_grammar([ADD], parallel=False)
+    assert not follows(compiler, grammar, call("add", '{"a": 1, "b": 2}'))
+    opened = ("add", {**ADD[1], "additionalProperties": True})
+    assert follows(compiler, call_grammar([opened], parallel=False), call("add", '{"a": 1, "b": 2}'))
 
 
 # --- rendering the conversation -----------------------------------------------------------------------------
@@ -141,6 +216,13 @@ def test_a_template_with_tools_renders_them_itself_with_arguments_as_a_dict():
     text = chat_prompt(tokenizer, CONVERSATION.messages, tools=CONVERSATION.tools).text
     assert text == ("TOOLS:get_weather;|user: Weather in Paris?|assistant: CALL get_weather Paris|"
                     "tool: 18 C (for call_1)|tool: rain (for call_2)|")
+
+
+def test_auto_reads_the_format_the_template_writes_and_hermes_where_the_template_has_no_tools():
+    assert tool_call_format("auto", with_template(NATIVE + "{# calls follow <|python_tag|> #}")) == "llama3_json"
+    assert tool_call_format("auto", with_template(NATIVE)) == "hermes"
+    assert tool_call_format("llama3_json", with_template(NATIVE)) == "llama3_json"
+    assert tool_call_format("llama3_json", with_template(CHATML)) == "hermes"
 
 
 # --- the openai client against a real server ---------------------------------------------------------------
