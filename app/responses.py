@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from batching.outputs import TokenLogprob, Usage
+from batching.outputs import Increment, TokenLogprob, Usage
 from model.tokenizer import Tokenizer
 
 from app.errors import APIError
@@ -129,32 +129,40 @@ class ChatBuilder:
     async def _chunks(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         for i in range(self._body.n):
             yield self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-        streams = [self._tool_calling.stream() for _ in range(self._body.n)] if self._tool_calling else None
-        async for increment in generation.increments():
-            if streams is None:
-                if increment.text or increment.logprobs:
-                    yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(content=increment.text),
-                                                       logprobs=self._logprobs(increment.logprobs))])
-                finish_reason = increment.finish_reason
-            else:
-                stream = streams[increment.choice]
-                events = stream.push(increment.text)
-                if increment.finish_reason is not None:
-                    events += stream.finish()
-                deltas = [self._tool_delta(event) for event in events]
-                if increment.logprobs and not deltas:
-                    deltas = [ChatDelta(content="")]
-                for j, delta in enumerate(deltas):
-                    logprobs = self._logprobs(increment.logprobs) if j == 0 else None
-                    yield self._chunk([ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs)])
-                finish_reason = increment.finish_reason
-                if finish_reason is not None and stream.calls:
-                    finish_reason = "tool_calls"
-            if finish_reason is not None:
-                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
-                                                   finish_reason=finish_reason)])
+        increments = generation.increments()
+        chunks = self._text_chunks(increments) if self._tool_calling is None else self._tool_chunks(increments)
+        async for chunk in chunks:
+            yield chunk
         if self._body.include_usage:
             yield self._chunk([], usage=usage_info(generation.usage))
+
+    async def _text_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
+        async for increment in increments:
+            if increment.text or increment.logprobs:
+                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(content=increment.text),
+                                                   logprobs=self._logprobs(increment.logprobs))])
+            if increment.finish_reason is not None:
+                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
+                                                   finish_reason=increment.finish_reason)])
+
+    async def _tool_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
+        """One chunk per text delta, call start or arguments fragment; an increment's logprobs ride on its first."""
+        streams = [self._tool_calling.stream() for _ in range(self._body.n)]
+        async for increment in increments:
+            stream = streams[increment.choice]
+            events = stream.push(increment.text)
+            if increment.finish_reason is not None:
+                events += stream.finish()
+            deltas = [self._tool_delta(event) for event in events]
+            if increment.logprobs and not deltas:
+                deltas = [ChatDelta(content="")]
+            for j, delta in enumerate(deltas):
+                logprobs = self._logprobs(increment.logprobs) if j == 0 else None
+                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs)])
+            if increment.finish_reason is not None:
+                finish_reason = "tool_calls" if stream.calls else increment.finish_reason
+                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
+                                                   finish_reason=finish_reason)])
 
     def _tool_delta(self, event: StreamEvent) -> ChatDelta:
         if isinstance(event, TextDelta):

@@ -26,12 +26,12 @@ from app.prompts import chat_prompt, completion_prompts, tool_call_format
 from app.responses import ChatBuilder, CompletionBuilder
 from app.schemas import (
     ChatCompletionRequest,
-    ToolDefinition,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
+    ToolDefinition,
 )
 from app.state import ServerState
 from app.tool_calls import NO_ARGUMENTS, ToolCalling, call_grammar
