@@ -370,9 +370,9 @@ def compile_decode_step(runner: ModelRunner, rows: int) -> jax.stages.Compiled:
     """The runner's single-step decode program for `rows` sequences, compiled (the model to logits; the sampler
     is a call of its own). The one place that uses the runner's private names."""
     bucket = runner._decode_bucket(rows, 1)
-    inputs, _ = runner._pad([], bucket, None)
+    inputs, sampled = runner._pad([], bucket, None)
     return runner._step_fn(bucket).lower(runner.state, runner.kv_cache, runner._last_tokens, runner._slots,
-                                         inputs).compile()
+                                         inputs, sampled).compile()
 
 
 def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
