@@ -425,12 +425,12 @@ class Engine:
                 and all(seq.num_uncomputed_tokens == 1 and seq.grammar is None for seq in seqs))
 
     def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, list[int] | None]:
-        """(tokens each sequence may emit, which draft) for a multi-step call, or (None, None) for a single step;
-        drafting None when no sequence drafts.
+        """(tokens each sequence may emit, the most drafts each checks at a step) for a multi-step call, or
+        (None, None) for a single step; drafting None when no sequence drafts.
 
         Only when the scheduled sequences may share one (`_may_run_multi_step`) and each decodes one token, each
-        limited to a token per step (1 + k with drafts), its max_tokens and the context, and only if the pool
-        holds the pages for all of them.
+        limited to a token per step (1 + its drafts when it drafts), its max_tokens and the context, and only if
+        the pool holds the pages for all of them.
         """
         steps = self.config.num_decode_steps
         seqs = [c.seq for c in chunks]
