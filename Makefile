@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The CPU kernels (C++, XLA FFI) are compiled for this machine; without a compiler the jnp references run.
+# The CPU kernels (C++, XLA FFI) build for the CPU's best variant (pallas_kernels/cpu_build.py); without them the
+# fastest pure-XLA forms run.
 model: $(STAMP)
 	$(BIN)/python -m pallas_kernels.cpu_library
 	$(BIN)/sluice fetch

@@ -161,7 +161,7 @@ def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages:
     kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (arrays or int8
     `QuantizedPages`; donated). fed_from: [R] int32, the previous step's last tokens (`StepInputs.fed`).
     slots: the persistent input batch's rows on the device. The sampling rows are gathered here rather than in
-    the sampler: XLA's CPU sampler ran 1.3-1.5x slower with the gathers in its own program.
+    the sampler: XLA's CPU sampler ran slower with the gathers in its own program (RESULTS.md, 2026-11-26).
     """
     model = nnx.merge(graphdef, state)
     logits, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache),

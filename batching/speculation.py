@@ -7,14 +7,13 @@ what the measurements in RESULTS.md (speculative decoding) support, and no more:
 - a per-sequence acceptance average `alpha` (exponential, over its verifications' per-draft rates; 0.5 before
   any). Draft i is kept with probability `alpha^i` and adds one row to the step, so it pays when `alpha^i` is at
   least the share of the step's time one token costs (`drafts_worth_checking`): all k while a sequence copies,
-  fewer as its drafts start missing, fewer as the batch grows. Against checking all k or none, this gained 10% on
-  copy-heavy requests one at a time. A sequence that drafts nothing still has its first proposed token compared
+  fewer as its drafts start missing, fewer as the batch grows (it beat checking all k or none on copy-heavy
+  requests one at a time). A sequence that drafts nothing still has its first proposed token compared
   with the token it samples (`shadow_draft`), so `alpha` keeps following what its drafts would do;
 - a batch-size cutoff: with more than `max_batch_size` decoding sequences nobody drafts. A large batch's step is
   compute-bound, and a step that checks drafts costs more than its rows (its sampler scores 1 + k rows per
-  sequence): measured on a 2-core CPU, copy-heavy requests gained 1.5x at concurrency 4 and nothing at 8.
-A single step that also prefills drafts nothing: its sampled rows would multiply (86 against 56 ms a step at
-concurrency 32). Inside multi-step decode calls the device proposes and checks drafts at every step
+  sequence), so drafts stop paying at a few sequences on a CPU.
+A single step that also prefills drafts nothing: its sampled rows would multiply. Inside multi-step decode calls the device proposes and checks drafts at every step
 (`model_runner._verify_steps`), each drafting sequence up to the count chosen here when the call starts.
 """
 
