@@ -47,18 +47,12 @@ def write_rows(table: SlotRows, slots: jax.Array, rows: SlotRows) -> SlotRows:
     return jax.tree.map(lambda old, new: old.at[target].set(new, mode="drop"), table, rows)
 
 
-def write_buckets(num_slots: int) -> list[int]:
-    """Rows per scatter: powers of two up to the number of slots."""
-    out = [1]
-    while out[-1] < num_slots:
-        out.append(min(2 * out[-1], num_slots))
-    return out
-
-
 class InputBatch:
     """The host side of the slots: what each row holds, and which rows a step must send."""
 
-    def __init__(self, num_slots: int, max_pages: int, vocab_size: int, num_stop_ids: int):
+    def __init__(self, num_slots: int, max_pages: int, vocab_size: int, num_stop_ids: int, buckets: list[int]):
+        """`buckets`: how many rows one scatter writes (the fewest that hold a step's changed rows), ascending,
+        the last at least `num_slots`."""
         self.padding_slot = num_slots
         self.vocab_size = vocab_size
         self.host = SlotRows(np.zeros((num_slots + 1, max_pages), np.int32),
@@ -66,7 +60,7 @@ class InputBatch:
         self._occupants: list[Sequence | None] = [None] * num_slots
         self._tables: list[list[int] | None] = [None] * num_slots  # the page list each row was written from
         self._num_pages = [0] * num_slots
-        self.buckets = write_buckets(num_slots)
+        self.buckets = buckets
 
     def writes(self, seqs: list[Sequence]) -> SlotWrites | None:
         """Brings the host rows of `seqs` up to date; returns the rows the device must take (None: none)."""

@@ -429,7 +429,8 @@ class ModelRunner:
         # The last step's sampled tokens, each sequence's at its row, for the next step to feed (`StepInputs.feed`).
         self._last_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), everywhere or self.kv_sharding)
         self._last_rows: dict[int, int] = {}
-        self.input_batch = InputBatch(max_num_seqs, self.max_pages_per_seq, self.config.vocab_size, MAX_STOP_IDS)
+        self.input_batch = InputBatch(max_num_seqs, self.max_pages_per_seq, self.config.vocab_size, MAX_STOP_IDS,
+                                      pow2_buckets(1, max_num_seqs))
         self._slots = jax.device_put(self.input_batch.host, everywhere or self.kv_sharding)
         self._write_slots = jax.jit(partial(write_rows), donate_argnums=(0,), out_shardings=everywhere)
         self._no_histories: dict[int, jax.Array] = {}

@@ -97,7 +97,7 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for, even when they are part of a UTF-8 character."""
         token = self._backend.id_to_token(token_id)
-        if token is None or token_id in self._backend.get_added_tokens_decoder():
+        if token is None or token_id in self._added_tokens:
             return self.token_text(token_id).encode()
         if self._byte_level:
             return bytes(_BYTE_OF_CHAR[c] for c in token)
@@ -115,15 +115,16 @@ class Tokenizer:
     def _byte_pieces(self) -> BytePieces | None:
         """Each token's bytes, for a byte-level vocabulary whose added tokens are all special (skipped when
         streaming); None otherwise."""
-        added = self._backend.get_added_tokens_decoder()
+        added = self._added_tokens
         if not self._byte_level or any(not token.special for token in added.values()):
             return None
-        def piece(token_id: int) -> bytes:
-            token = self._backend.id_to_token(token_id)
-            return self.token_bytes(token_id) if token is None else bytes(_BYTE_OF_CHAR[c] for c in token)
-
         size = self._backend.get_vocab_size(with_added_tokens=True)
-        return BytePieces([b"" if i in added else piece(i) for i in range(size)])
+        return BytePieces([b"" if i in added else self.token_bytes(i) for i in range(size)])
+
+    @cached_property
+    def _added_tokens(self) -> dict[int, AddedToken]:
+        """The added tokens by id (the library builds this dict anew on every call)."""
+        return self._backend.get_added_tokens_decoder()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:
