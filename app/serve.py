@@ -23,10 +23,10 @@ import uvicorn
 
 from batching.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from batching.engine import Engine
-from model.roofline import Peaks, measure_peaks
 from model.linear import arithmetic_dtype
 from model.loader import default_dtype
 from model.quantize import resolve
+from model.roofline import Peaks, measure_peaks
 from sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
 from app.server import create_app

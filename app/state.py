@@ -10,8 +10,8 @@ import asyncio
 from dataclasses import dataclass
 
 from batching.engine import Engine
-from model.roofline import Peaks
 from batching.stats import EngineStats
+from model.roofline import Peaks
 
 from app.errors import model_not_found, not_ready, queue_full
 from app.metrics import ServerMetrics

@@ -40,12 +40,12 @@ from batching.sampler import SamplerOutput
 from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from batching.sequence import Sequence, SequenceStatus
-from model.roofline import StepCost, kv_bytes_per_token
 from batching.speculation import Speculator
 from batching.stats import EngineStats, StepStats, StepTotals
 from batching.structured import GrammarCompiler
 from model.config import ModelConfig
 from model.loader import LoadedModel, load_model
+from model.roofline import StepCost, kv_bytes_per_token
 from pallas_kernels.kv_cache import kv_cache_dtype
 from sharding.mesh import InvalidTensorParallelism, make_mesh
 from sharding.rules import param_sharding

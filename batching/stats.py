@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model.roofline import StepCost
 from batching.scheduler import ScheduledChunk
 from batching.sequence import Sequence
 from batching.speculation import SpecCounters
+from model.roofline import StepCost
 
 
 @dataclass(frozen=True)

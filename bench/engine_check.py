@@ -49,7 +49,6 @@ from tokenizers import decoders, models, pre_tokenizers
 from batching.config import EngineConfig
 from batching.engine import Engine
 from batching.outputs import Increment
-from model.roofline import StepCost, param_bytes
 from batching.sampling_params import SamplingParams
 from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
 from bench.roofline import Peaks, ServedModel, kv_bytes_per_token, workload_roofline
@@ -57,6 +56,7 @@ from model.config import ModelConfig, RopeScaling
 from model.llama import Llama, empty_kv_cache
 from model.loader import LoadedModel
 from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
+from model.roofline import StepCost, param_bytes
 from model.tokenizer import SpecialTokens, Tokenizer
 from pallas_kernels.attention import ragged_paged_attention, resolve_backend
 

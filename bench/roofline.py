@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.roofline import Peaks, StepCost, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
 from model.config import ModelConfig
+from model.roofline import Peaks, StepCost, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
 
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -37,11 +37,11 @@ import numpy as np
 from flax import nnx
 
 from batching.model_runner import ModelRunner
-from model.roofline import StepCost, kv_bytes_per_token
 from bench.engine_check import MODELS
 from model.config import ModelConfig
 from model.llama import LAYER_PARAMS, LINEAR_WEIGHTS, Llama
 from model.quantize import quantize_model
+from model.roofline import StepCost, kv_bytes_per_token
 
 PAGE_SIZE = 16
 WIDE = ("f32", "f64")

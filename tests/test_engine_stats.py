@@ -7,13 +7,13 @@ from flax import nnx
 
 from batching.config import EngineConfig
 from batching.engine import Engine
-from model.roofline import StepCost, matmul_weights
 from batching.sampling_params import SamplingParams
 from batching.scheduler import ScheduledChunk
 from batching.stats import StepStats
 from model.config import ModelConfig
 from model.llama import Llama
 from model.loader import LoadedModel, load_model
+from model.roofline import StepCost, matmul_weights
 from sequences import make_sequence
 
 TINY = ModelConfig.tiny()

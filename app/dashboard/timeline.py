@@ -18,8 +18,8 @@ from functools import cached_property
 
 import numpy as np
 
-from model.roofline import Peaks
 from batching.stats import EngineStats
+from model.roofline import Peaks
 
 from app.dashboard.recent import ERROR_KINDS, ErrorEntry, Taken
 
