@@ -50,6 +50,7 @@ from batching.config import EngineConfig
 from batching.engine import Engine
 from batching.outputs import Increment
 from batching.sampling_params import SamplingParams
+from bench.device_profile import DeviceTrace
 from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
 from bench.roofline import Peaks, ServedModel, kv_bytes_per_token, workload_roofline
 from model.config import ModelConfig, RopeScaling
@@ -216,6 +217,26 @@ def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int) ->
     return ttft, tpot
 
 
+def profiled_decode(engine: Engine, requests: list[BenchRequest], decode_steps: int) -> dict:
+    """Traces `decode_steps` decode steps of the requests, all running (after their prefill), with
+    `bench.device_profile`: the engine's period per step against the device's busy time, by program and op
+    class, in milliseconds per step."""
+    sinks = [ArrivalTimes() for _ in requests]
+    for i, (request, sink) in enumerate(zip(requests, sinks)):
+        engine.submit([list(request.prompt)], greedy(2 * decode_steps + 4), sink, f"profiled-{i}")
+    emitted = lambda: min(len(sink.times) for sink in sinks)
+    while emitted() < 2:
+        engine.step()
+    before = emitted()
+    with DeviceTrace() as trace:
+        while emitted() < before + decode_steps:
+            engine.step()
+    steps = emitted() - before
+    while engine.has_work:
+        engine.step()
+    return trace.summary().as_dict(steps)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
     """Device seconds of one decode step at batch `batch` and context `context`, and of its parts."""
@@ -299,6 +320,8 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
     latencies = [timed_wave(engine, fresh_prompts(workload[:c], salt=1000 * c + 900 + i, vocab_size=config.vocab_size),
                             1 + sizes.tpot_steps)
                  for i in range(sizes.latency_repeats)]
+    profile = profiled_decode(engine, fresh_prompts(workload[:c], salt=1000 * c + 990, vocab_size=config.vocab_size),
+                              sizes.tpot_steps)
     ttft_s = statistics.median(ttft for ttft, _ in latencies)
     tpot_s = statistics.median(tpot for _, tpot in latencies)
     prompt_lens = [len(r.prompt) for r in requests]
@@ -307,7 +330,7 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
     return dict(
         requests=len(requests), prompt_tokens=sum(prompt_lens), output_tokens=sum(output_lens), seconds=seconds,
         output_tok_s=sum(output_lens) / seconds, total_tok_s=(sum(prompt_lens) + sum(output_lens)) / seconds,
-        ttft_s=ttft_s, tpot_s=tpot_s, roofline_output_tok_s=bound.bound_output_tps,
+        ttft_s=ttft_s, tpot_s=tpot_s, roofline_output_tok_s=bound.bound_output_tps, profile=profile,
     )
 
 

@@ -15,7 +15,9 @@ step starts with the device's memory free; all under one time budget (--budget-s
    Llama-3-8B heads, bf16: time per call and bandwidth of both kernel families, the jnp/XLA reference and
    jax's shipped kernel (Mosaic again in its own process).
 4. engine (`bench.engine_check`), one process per model: SmolLM2-135M, Llama-3.2-1B, Llama-3-8B (skipped
-   when the device cannot hold it), random weights with real shapes, bf16, concurrency 1, 64 and 256.
+   when the device cannot hold it), random weights with real shapes, bf16, concurrency 1, 64 and 256, with a
+   profiler trace of decode steps at each (`bench.device_profile`: device busy against the step period).
+5. step audit (`bench.step_audit`): the compiled decode step's bytes and HLO findings on this device.
 
 Writes three files to --out: report.md (markdown ready for bench/RESULTS.md, also printed), results.json
 (every figure) and log.txt (every step's output). Steps run in that order and each gets at most its own
@@ -47,12 +49,12 @@ from bench.gpu_report import KERNEL_BACKENDS, StepResult, report
 ROOT = Path(__file__).resolve().parent.parent
 GPU_MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b")
 CPU_MODELS = ("tiny",)
-STEP_NAMES = ("kernel-tests", "kernel-bench", "engine")
+STEP_NAMES = ("kernel-tests", "kernel-bench", "engine", "step-audit")
 # Seconds a step needs at least to be worth starting, and the most each may take (GPU sizes).
 MIN_STEP_S = 20.0
 CAPS_S = {"probe": 120.0, "kernel-tests": 150.0, "kernel-tests-mosaic": 90.0, "kernel-bench": 150.0,
           "kernel-bench-mosaic": 60.0, "engine-smollm2-135m": 150.0, "engine-llama-3.2-1b": 150.0,
-          "engine-llama-3-8b": 240.0, "engine-tiny": 120.0}
+          "engine-llama-3-8b": 240.0, "engine-tiny": 120.0, "step-audit": 90.0}
 # The CPU subset of the kernel tests: one case of each kind, every backend (Mosaic's skip included).
 CPU_TEST_FILTER = ("test_decode_gives_zeros or (ragged_matches and (0-reference or 0-pallas)) or shipped "
                    "or mosaic_backend or (lowers_for_cuda and smollm2-135m-bf16)")
@@ -189,6 +191,15 @@ def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], b
     return results
 
 
+def run_step_audit(run: Run, env: dict[str, str], small: bool, models: list[str]) -> str | None:
+    """The step-bytes audit of the engine's compiled decode step on this device: a markdown table, or None."""
+    out = run.work / "step-audit.md"
+    sizes = ["--rows", "2", "--context", "64"] if small else ["--rows", "64", "--context", "2048"]
+    run.step("step-audit", python("-m", "bench.step_audit", "--models", *models, "--dtypes", "bfloat16", *sizes,
+                                  "--out", str(out)), env)
+    return out.read_text() if out.exists() else None
+
+
 def unfinished(steps: list[StepResult], out: Path) -> str | None:
     """The command that reruns what ran out of time (skipped for the budget, or timed out), or None. It writes
     under this run's folder, so a tool that fetches the folder brings both runs back."""
@@ -243,6 +254,8 @@ def main(argv=None) -> int:
                 results["kernel-bench"] = run_kernel_bench(run, env, small, results["probe"])
             if "engine" in args.steps:
                 results["engine"] = run_engines(run, env, small, models, args.attention_backend)
+            if "step-audit" in args.steps:
+                results["step-audit"] = run_step_audit(run, env, small, models)
         else:
             small = True
             print("[gpu_check] the probe failed, so nothing else can run: see log.txt", file=sys.stderr)

@@ -136,6 +136,32 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
     return lines + [""]
 
 
+def profile_section(results: list[dict]) -> list[str]:
+    """Per model and concurrency: the engine's period per decode step against the device's busy time in it,
+    and the busy time by op class (`bench.device_profile`), all in ms per step."""
+    classes = ("matmul", "attention", "copy", "fusion", "other")
+    lines = ["### Where a decode step's time goes (engine, traced)", "",
+             "`bench.engine_check.profiled_decode`: C requests decoding, a `jax.profiler` trace of tpot_steps steps. "
+             "Period: the window's wall time per step; busy: the union of the device's kernels; idle = period - "
+             "busy, the device waiting for the host. Op classes sum kernel time (`bench.device_profile`); per "
+             "program, the top three by busy time.", "",
+             "| model | C | steps | period ms | busy ms | idle % | " + " | ".join(f"{c} ms" for c in classes)
+             + " | top programs (ms) |",
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(classes) + "---|"]
+    for result in results:
+        for level in result.get("levels", []):
+            p = level.get("profile")
+            if not p:
+                continue
+            programs = sorted(p["by_program_ms"].items(), key=lambda kv: -sum(kv[1].values()))[:3]
+            top = "; ".join(f"{cell(name)} {sum(c.values()):.2f}" for name, c in programs)
+            idle = 100 * (1 - p["busy_share"])
+            lines.append(f"| {result['model']} | {level['concurrency']} | {p['steps']} | {p['span_ms']:.2f} | "
+                         f"{p['busy_ms']:.2f} | {idle:.0f} | "
+                         + " | ".join(f"{p['by_class_ms'].get(c, 0.0):.2f}" for c in classes) + f" | {top} |")
+    return lines + [""]
+
+
 def steps_section(steps: list[StepResult]) -> list[str]:
     lines = ["### Steps", "", "| step | status | seconds | note |", "|---|---|---:|---|"]
     lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {cell(s.note)} |" for s in steps]
@@ -152,6 +178,9 @@ def report(results: dict, command: str, small: bool) -> str:
         lines += kernel_bench_section(results["kernel-bench"], peak)
     if "engine" in results:
         lines += engine_section(results["engine"], peak)
+        lines += profile_section(results["engine"])
+    if results.get("step-audit"):
+        lines += ["### Step-bytes audit (`bench.step_audit`)", "", results["step-audit"], ""]
     lines += steps_section([StepResult(**s) for s in results["steps"]])
     if results.get("unfinished"):
         lines += ["Out of time for part of the run; to finish it: `" + results["unfinished"] + "`", ""]

@@ -30,6 +30,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -425,6 +426,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     parser.add_argument("--rows", type=int, default=8, help="sequences in the decode step")
     parser.add_argument("--context", type=int, default=256, help="tokens each sequence may attend to")
+    parser.add_argument("--out", type=Path, help="also write the report (markdown) to this file")
     return parser.parse_args(argv)
 
 
@@ -433,10 +435,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     audits = [(model, audit_decode_step(MODELS[model], dtype, args.rows, args.context, args.quantization))
               for model in args.models for dtype in args.dtypes]
     loops = "once" if cost_counts_loop_once() else "at every iteration"
-    print(f"Decode-step bytes on {jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__}); "
-          f"its cost analysis counts a loop body {loops}.\n")
-    print(table(audits))
-    print(f"\n$ python -m bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")
+    text = (f"Decode-step bytes on {jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__}); "
+            f"its cost analysis counts a loop body {loops}.\n\n{table(audits)}\n\n"
+            f"$ python -m bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
     return 0
 
 

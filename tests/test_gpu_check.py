@@ -20,7 +20,8 @@ def check(tmp_path_factory):
 def test_every_step_ran_and_passed(check):
     status, _, results, _ = check
     assert status == 0, results["steps"]
-    assert [s["name"] for s in results["steps"]] == ["probe", "kernel-tests", "kernel-bench", "engine-tiny"]
+    assert [s["name"] for s in results["steps"]] == ["probe", "kernel-tests", "kernel-bench", "engine-tiny",
+                                                         "step-audit"]
     assert all(s["status"] == "ok" for s in results["steps"])
 
 
@@ -30,7 +31,8 @@ def test_report_names_the_machine_and_has_every_section(check):
     assert report.startswith(f"## Sluice GPU check, {probe['date']}: cpu (cpu)")
     assert f"jax {probe['jax']}, jaxlib {probe['jaxlib']}" in report
     assert "driver none (no nvidia-smi)" in report
-    for section in ("### Kernel correctness", "### Decode attention kernels", "### Engine offline", "### Steps"):
+    for section in ("### Kernel correctness", "### Decode attention kernels", "### Engine offline",
+                    "### Where a decode step's time goes", "### Step-bytes audit", "### Steps"):
         assert section in report
     log = (out / "log.txt").read_text()
     assert all(f"\n===== {step['name']}: " in log for step in results["steps"])
@@ -64,6 +66,18 @@ def test_engine_produced_every_requested_token_without_the_http_stack(check):
         assert 0 < level["step"]["attention_s"] < level["step"]["step_s"]
     assert engine["compile_s"] > 0
     assert "| tiny | cpu | 4 | 4 |" in report
+
+
+def test_the_traced_decode_steps_say_where_device_time_went(check):
+    _, _, results, report = check
+    for level in results["engine"][0]["levels"]:
+        profile = level["profile"]
+        assert profile["steps"] >= 8
+        assert 0 < profile["busy_ms"] <= profile["span_ms"]
+        # Every op class sum is kernel time inside the window, and the model's programs ran in it.
+        assert 0 < sum(profile["by_class_ms"].values())
+        assert any("decode" in program for program in profile["by_program_ms"])
+    assert "| tiny | 4 | " in report.split("### Where a decode step's time goes")[1]
 
 
 def test_a_step_without_time_left_is_skipped_and_reported(tmp_path):

@@ -1,0 +1,134 @@
+"""Where device time goes: a `jax.profiler` trace of a piece of work, summed by program and op class.
+
+    with DeviceTrace() as trace:
+        run_some_steps()
+    summary = trace.summary()        # busy and span seconds, seconds per (program, op class)
+
+XLA tags each kernel it runs with its HLO instruction (`hlo_op`) and program (`hlo_module`): on a GPU the
+kernels on the device's streams, on a CPU the thunks on the client's threads. Those events are the device's
+work; their union over the traced window is the busy time, and the window less that is the time the device
+waited (for the host, on an engine). Each event's class comes from its kernel and instruction names:
+matmuls (cuBLAS/cuDNN/XLA gemms, dots), attention (the Pallas kernels and Sluice's CPU kernels), copies
+(copy, transpose, slicing updates, gathers and scatters, memcpy/memset), reductions and elementwise fusions
+(norms, rotary, activations, the sampler's math), and other. Control-flow thunks (a while loop around the
+layers) hold their body's kernels, so they are left out of the sums, not out of the busy time.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import jax
+from jax.profiler import ProfileData
+
+CLASSES = ("matmul", "attention", "copy", "fusion", "other")
+_PATTERNS = (
+    ("matmul", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|cudnn|matmul|\bdot|convolution|ynn", re.I)),
+    ("attention", re.compile(r"attention|attend|paged|mosaic|pallas", re.I)),
+    ("copy", re.compile(r"copy|transpose|dynamic[-_]update|dynamic[-_]slice|gather|scatter|memcpy|memset|concat",
+                        re.I)),
+    ("fusion", re.compile(r"fusion|reduce|convert|add|multiply|exp|rsqrt|select|compare|iota|broadcast", re.I)),
+)
+_CONTROL_FLOW = re.compile(r"^(while|conditional|call)(\.|$)")
+
+
+def op_class(kernel: str, hlo_op: str) -> str:
+    """The class of one kernel (its name on the device, e.g. `sm90_xmma_gemm_bf16...`) running `hlo_op`."""
+    for name, pattern in _PATTERNS:
+        if pattern.search(kernel) or pattern.search(hlo_op):
+            return name
+    return "other"
+
+
+@dataclass(frozen=True)
+class DeviceEvent:
+    """One kernel (or CPU thunk) run: nanoseconds from the trace's start, and what XLA ran."""
+
+    start_ns: float
+    duration_ns: float
+    kernel: str
+    hlo_op: str
+    program: str
+
+
+@dataclass
+class ProfileSummary:
+    """A traced window: its wall time, the device's busy time in it (union of kernel intervals), and seconds per
+    (program, op class) and per op class. `steps` (set by the caller) turns them into per-step figures."""
+
+    span_s: float
+    busy_s: float
+    by_program: dict[str, dict[str, float]] = field(default_factory=dict)
+    by_class: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def busy_share(self) -> float:
+        return self.busy_s / self.span_s if self.span_s > 0 else 0.0
+
+    def as_dict(self, steps: int = 1) -> dict:
+        """Figures in milliseconds per step (`steps` steps in the window)."""
+        ms = lambda s: 1e3 * s / max(steps, 1)
+        return dict(steps=steps, span_ms=ms(self.span_s), busy_ms=ms(self.busy_s), busy_share=self.busy_share,
+                    by_class_ms={k: ms(v) for k, v in self.by_class.items()},
+                    by_program_ms={p: {k: ms(v) for k, v in c.items()} for p, c in self.by_program.items()})
+
+
+def device_events(profile: ProfileData) -> list[DeviceEvent]:
+    """The events that carry an `hlo_op`: from the GPU planes when there are any, else from the host's."""
+    planes = [p for p in profile.planes if p.name.startswith("/device:GPU")]
+    planes = planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]
+    events = []
+    for plane in planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" in stats:
+                    events.append(DeviceEvent(event.start_ns, event.duration_ns, event.name, str(stats["hlo_op"]),
+                                              str(stats.get("hlo_module", "?"))))
+    return events
+
+
+def summarize(events: list[DeviceEvent], span_ns: float) -> ProfileSummary:
+    """Busy time (interval union) over `span_ns`, and the class sums without control-flow events."""
+    busy, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e.start_ns):
+        stop = e.start_ns + e.duration_ns
+        if stop > end:
+            busy += stop - max(e.start_ns, end)
+            end = stop
+    by_program: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(CLASSES, 0.0))
+    by_class = dict.fromkeys(CLASSES, 0.0)
+    for e in events:
+        if _CONTROL_FLOW.match(e.hlo_op):
+            continue
+        cls = op_class(e.kernel, e.hlo_op)
+        by_program[e.program][cls] += e.duration_ns * 1e-9
+        by_class[cls] += e.duration_ns * 1e-9
+    return ProfileSummary(span_ns * 1e-9, busy * 1e-9, dict(by_program), by_class)
+
+
+class DeviceTrace:
+    """A context manager that traces what runs inside it; `summary()` afterwards. The span is the window's wall
+    time (the tracer's start and stop outside it); in a long window of a steady loop, work dispatched before it
+    or still running after it changes little."""
+
+    def __enter__(self) -> DeviceTrace:
+        self._dir = tempfile.TemporaryDirectory(prefix="sluice-trace-")
+        jax.profiler.start_trace(self._dir.name)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._span_s = time.perf_counter() - self._start
+        jax.profiler.stop_trace()
+        paths = glob.glob(f"{self._dir.name}/**/*.xplane.pb", recursive=True)
+        self._events = device_events(ProfileData.from_file(paths[0])) if paths else []
+        self._dir.cleanup()
+
+    def summary(self) -> ProfileSummary:
+        return summarize(self._events, self._span_s * 1e9)
