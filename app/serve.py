@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from batching.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from batching.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATIONS, EngineConfig
 from batching.engine import Engine
 from model.linear import arithmetic_dtype
 from model.loader import default_dtype
@@ -103,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--page-size", _ENGINE_DEFAULTS.page_size, "tokens per KV-cache page", type=int)
     _switch(parser, "--disable-prefix-caching", "do not reuse KV pages of shared prompt prefixes")
     _option(parser, "--attention-backend", _ENGINE_DEFAULTS.attention_backend, "attention implementation")
+    _option(parser, "--layer-loop", _ENGINE_DEFAULTS.layer_loop,
+            "how the model runs its layers: a scan over stacked weights, or unrolled over one array per layer "
+            "(auto: unrolled on a GPU, where the scan copies each layer's weights every step)",
+            choices=list(LAYER_LOOPS))
     _option(parser, "--max-waiting", _SERVER_DEFAULTS.max_waiting,
             "most sequences waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int)
     _option(parser, "--api-key", None, "require `Authorization: Bearer KEY` on all routes but /health and /metrics")
@@ -149,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.disable_prefix_caching,
             tp=args.tp,
             attention_backend=args.attention_backend,
+            layer_loop=args.layer_loop,
         )
     except ValueError as error:
         print(f"sluice serve: error: {error}", file=sys.stderr)

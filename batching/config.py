@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model.llama import LAYER_LOOPS
 from model.quantize import CHOICES as QUANTIZATIONS
 from pallas_kernels.attention import BACKENDS, INT8_KV_KERNELS, reads_int8_kv
 from pallas_kernels.kv_cache import KV_CACHE_DTYPES
@@ -25,6 +26,8 @@ class EngineConfig:
     `quantization`: the weights' format (`model.quantize.CHOICES`; "auto" picks per device).
     `kv_cache_dtype`: "auto" keeps K/V in the activation dtype, "int8" stores them in int8 with a scale per
     token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
+    `layer_loop`: how the model runs its layers (`model.llama.LAYER_LOOPS`; "auto": unrolled on a GPU, where a
+    scan copies each layer's weights out of their stack every step, a scan elsewhere).
     `speculative` "ngram": draft up to `num_speculative_tokens` tokens per decoding sequence by prompt lookup
     (suffixes of `spec_ngram_min`..`spec_ngram_max` tokens) and verify them in one step, while at most
     `spec_max_batch_size` sequences decode (`batching/speculation.py`); inside multi-step decode calls the device
@@ -50,6 +53,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tp: int = 1
     attention_backend: str = "auto"
+    layer_loop: str = "auto"
     warmup: bool = True
 
     def __post_init__(self) -> None:
@@ -66,6 +70,7 @@ class EngineConfig:
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),
             (self.tp >= 1, "tp", "must be at least 1"),
             (self.attention_backend in BACKENDS, "attention_backend", f"must be one of {', '.join(BACKENDS)}"),
+            (self.layer_loop in LAYER_LOOPS, "layer_loop", f"must be one of {', '.join(LAYER_LOOPS)}"),
             (self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
             (self.kv_cache_dtype != "int8" or reads_int8_kv(self.attention_backend), "kv_cache_dtype",

@@ -140,7 +140,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_decode_steps=config.num_decode_steps,
             ngram=self.ngram,
-            attention_backend=config.attention_backend, kv_dtype=kv_dtype, mesh=mesh,
+            attention_backend=config.attention_backend, kv_dtype=kv_dtype, mesh=mesh, layer_loop=config.layer_loop,
         )
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),

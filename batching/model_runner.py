@@ -47,7 +47,7 @@ from batching.input_batch import InputBatch, SlotRows, SlotWrites, write_rows
 from batching.sampler import SampledRows, SamplerOutput, SamplingBatch, bitmask_words, mask_disallowed, sample
 from batching.scheduler import ScheduledChunk
 from batching.structured import fill_bitmask
-from model.llama import KVCache, Llama, empty_kv_cache
+from model.llama import KVCache, Llama, empty_kv_cache, resolve_layer_loop
 from model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
 from sharding.rules import kv_cache_sharding, replicated
 
@@ -388,12 +388,14 @@ class ModelRunner:
 
     def __init__(self, model: Llama, *, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, num_decode_steps: int = 1, ngram: NgramConfig | None = None,
-                 attention_backend: str = "auto", kv_dtype: jnp.dtype | None = None, mesh: Mesh | None = None):
+                 attention_backend: str = "auto", kv_dtype: jnp.dtype | None = None, mesh: Mesh | None = None,
+                 layer_loop: str = "auto"):
         """`mesh`: tensor-parallel mesh the model's params are sharded on; the KV pool is then split over KV heads.
         `kv_dtype`: the pool's dtype (`kv_cache.kv_cache_dtype`); None: the model's activation dtype.
         `num_decode_steps` > 1 also compiles multi-step decode calls of that many steps;
         `ngram` (speculative decoding) also compiles mixed steps that sample every draft position, and with
-        multi-step decode, multi-step calls that propose and check drafts on the device."""
+        multi-step decode, multi-step calls that propose and check drafts on the device.
+        `layer_loop` (`model.llama.LAYER_LOOPS`): "unrolled" stores the model's layers one array each (in place)."""
         self.config = model.config
         self.mesh = mesh
         self.kv_sharding = (
@@ -402,6 +404,8 @@ class ModelRunner:
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.max_pages_per_seq = -(-max_model_len // page_size)
+        if resolve_layer_loop(layer_loop) == "unrolled":
+            model.unstack_layers()
         self.graphdef, self.state = nnx.split(model)
         self.num_pages = num_pages
         self.kv_dtype = jnp.dtype(model.dtype if kv_dtype is None else kv_dtype)

@@ -54,7 +54,7 @@ from bench.device_profile import DeviceTrace
 from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
 from bench.roofline import Peaks, ServedModel, kv_bytes_per_token, workload_roofline
 from model.config import ModelConfig, RopeScaling
-from model.llama import Llama, empty_kv_cache
+from model.llama import LAYER_LOOPS, Llama, empty_kv_cache, resolve_layer_loop
 from model.loader import LoadedModel
 from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
 from model.roofline import StepCost, param_bytes
@@ -351,6 +351,10 @@ def run(args) -> dict:
         return result
     start = time.perf_counter()
     loaded = random_model(args.model)
+    # The direct timings below run the model as the engine will (its runner would unstack it in place later).
+    result["layer_loop"] = resolve_layer_loop(args.layer_loop)
+    if result["layer_loop"] == "unrolled":
+        loaded.model.unstack_layers()
     result.update(init_s=time.perf_counter() - start, param_bytes=param_bytes(loaded.model))
     save()
     config = loaded.config
@@ -370,6 +374,7 @@ def run(args) -> dict:
         dtype=DTYPE, page_size=PAGE_SIZE, max_num_seqs=max(sizes.concurrency),
         max_num_batched_tokens=sizes.max_num_batched_tokens, max_model_len=sizes.max_model_len,
         kv_cache_memory=kv_pool_bytes(config, workload, sizes, PAGE_SIZE), attention_backend=args.attention_backend,
+        layer_loop=args.layer_loop,
     )
     start = time.perf_counter()
     engine = Engine(loaded, engine_config, progress=False)
@@ -389,6 +394,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peaks", type=Path, required=True, help="peaks JSON (python -m bench.roofline --save)")
     parser.add_argument("--out", type=Path, required=True, help="results JSON, rewritten after each stage")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS)
     parser.add_argument("--small", action="store_true", help="CPU sizes: concurrency 1 and 4, short requests")
     run(parser.parse_args(argv))
     return 0

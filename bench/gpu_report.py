@@ -107,7 +107,7 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
              "`engine extra` = TPOT - step (sampler, host work, bucket padding). HBM %: weights + K/V bytes over "
              "the step's time, against the measured bandwidth. Roofline %: output tok/s over bench.roofline's bound.",
              "",
-             "| model | attention | C | requests | output tok/s | total tok/s | TTFT s | TPOT ms | step ms | "
+             "| model | attention, layers | C | requests | output tok/s | total tok/s | TTFT s | TPOT ms | step ms | "
              "attention ms | LM head ms | rest ms | engine extra ms | HBM % | roofline % | compile s |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for result in results:
@@ -126,7 +126,8 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
             roofline = (100 * level["output_tok_s"] / level["roofline_output_tok_s"]
                         if "roofline_output_tok_s" in level else None)
             lines.append(
-                f"| {result['model']} | {result.get('backend', '-')} | {level['concurrency']} | "
+                f"| {result['model']} | {result.get('backend', '-')}, {result.get('layer_loop', '-')} | "
+                f"{level['concurrency']} | "
                 f"{level.get('requests', '-')} | {fmt(level.get('output_tok_s'), '.0f')} | "
                 f"{fmt(level.get('total_tok_s'), '.0f')} | {fmt(level.get('ttft_s'), '.3f')} | "
                 f"{ms(level.get('tpot_s'))} | {ms(step_s)} | {ms(step.get('attention_s'))} | "

@@ -40,7 +40,7 @@ from flax import nnx
 from batching.model_runner import ModelRunner
 from bench.engine_check import MODELS
 from model.config import ModelConfig
-from model.llama import LAYER_PARAMS, LINEAR_WEIGHTS, Llama
+from model.llama import LAYER_LOOPS, LAYER_PARAMS, LINEAR_WEIGHTS, Llama, resolve_layer_loop
 from model.quantize import quantize_model
 from model.roofline import StepCost, kv_bytes_per_token
 
@@ -377,26 +377,34 @@ def compile_decode_step(runner: ModelRunner, rows: int) -> jax.stages.Compiled:
 
 
 def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
-                      quantization: str = "none") -> StepAudit:
+                      quantization: str = "none", layer_loop: str = "auto") -> StepAudit:
     """The engine's decode step for `rows` sequences of up to `context` tokens, for an abstract model of
-    `config` in `dtype` (its weights `quantization`: "none", "int8", "int4"), compiled for the default backend."""
-    model = nnx.eval_shape(lambda: quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)),
-                                                  quantization))
+    `config` in `dtype` (its weights `quantization`: "none", "int8", "int4"; its layers run by `layer_loop`),
+    compiled for the default backend."""
+    def make() -> Llama:
+        model = quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)), quantization)
+        if resolve_layer_loop(layer_loop) == "unrolled":
+            model.unstack_layers()
+        return model
+
+    model = nnx.eval_shape(make)
     pages_per_seq = -(-context // PAGE_SIZE)
     # A spare page, so that the pool's shape is unlike any weight's (its page count is no power of two).
     runner = ModelRunner(model, num_pages=rows * pages_per_seq + 1, page_size=PAGE_SIZE, max_model_len=context,
-                         max_num_seqs=rows, max_num_batched_tokens=max(rows, PAGE_SIZE))
+                         max_num_seqs=rows, max_num_batched_tokens=max(rows, PAGE_SIZE), layer_loop=layer_loop)
+    # A layer parameter stored one array per layer (a tuple) counts as its stack: a layer of it is one array.
     arrays = {str(path[0]): var.get_value() for path, var in nnx.to_flat_state(runner.state)}
-    nbytes = lambda name: sum(x.size * x.dtype.itemsize for part, x in arrays.items()
-                              if part in (name, f"{name}_scale", f"{name}_min"))
-    weights = [StoredArray(name, tuple(x.shape), nbytes(name), name in LAYER_PARAMS)
+    shape = lambda x: (len(x), *x[0].shape) if isinstance(x, tuple) else tuple(x.shape)
+    nbytes = lambda name: sum(x.size * x.dtype.itemsize for part, value in arrays.items()
+                              if part in (name, f"{name}_scale", f"{name}_min") for x in jax.tree.leaves(value))
+    weights = [StoredArray(name, shape(x), nbytes(name), name in LAYER_PARAMS)
                for name, x in arrays.items() if name in LINEAR_WEIGHTS]
     k_pages = jax.tree.leaves(runner.kv_cache[0])[0]  # V's are alike
     pool = [StoredArray("K/V pool", tuple(k_pages.shape), k_pages.nbytes, True)]
     floor = (int(StepCost.of(config, model, dtype).weight_bytes)
              + int(kv_bytes_per_token(config, dtype)) * rows * pages_per_seq * PAGE_SIZE)
     quantized = "" if quantization == "none" else f" {quantization}"
-    return audit(f"{dtype}{quantized}, {rows} rows x {context} tokens", compile_decode_step(runner, rows),
+    return audit(f"{dtype}{quantized}, {resolve_layer_loop(layer_loop)}, {rows} rows x {context} tokens", compile_decode_step(runner, rows),
                  weights, floor, pool)
 
 
@@ -424,6 +432,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16", "float32"),
                         default=["bfloat16", "float32"])
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
+    parser.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS)
     parser.add_argument("--rows", type=int, default=8, help="sequences in the decode step")
     parser.add_argument("--context", type=int, default=256, help="tokens each sequence may attend to")
     parser.add_argument("--out", type=Path, help="also write the report (markdown) to this file")
@@ -432,7 +441,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    audits = [(model, audit_decode_step(MODELS[model], dtype, args.rows, args.context, args.quantization))
+    audits = [(model, audit_decode_step(MODELS[model], dtype, args.rows, args.context, args.quantization,
+                                        args.layer_loop))
               for model in args.models for dtype in args.dtypes]
     loops = "once" if cost_counts_loop_once() else "at every iteration"
     text = (f"Decode-step bytes on {jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__}); "

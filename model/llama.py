@@ -1,9 +1,12 @@
 """The Llama-family decoder in Flax NNX.
 
-Layer weights are stacked on a leading `[num_layers, ...]` axis and the layers run under `jax.lax.scan`,
-so compile time does not grow with depth. The model knows nothing about how K/V are cached: each layer hands
-its q/k/v to an `AttendFn`, which writes the new K/V into the cache and attends (paged in the engine,
-contiguous in the baseline `generate`). Linear weights are stored `[in_features, out_features]` (`x @ w`).
+Layer weights are stacked on a leading `[num_layers, ...]` axis, as loaded, and the layers run under
+`jax.lax.scan`, so compile time does not grow with depth. `Llama.unstack_layers` stores them instead as one
+array per layer and the layers then run unrolled: on a GPU, XLA copies a layer's slice of a stacked weight out
+before multiplying it, so a scanned step moves the weights three times (`resolve_layer_loop`). The model knows
+nothing about how K/V are cached: each layer hands its q/k/v to an `AttendFn`, which writes the new K/V into the
+cache and attends (paged in the engine, contiguous in the baseline `generate`). Linear weights are stored
+`[in_features, out_features]` (`x @ w`).
 
 Projections are fused, one matmul each for q/k/v and for gate/up, with the output axis split so that a
 tensor-parallel shard of the fused weight holds whole units of its own:
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from model.config import ModelConfig
 from model.linear import RmsNorm, Weight, embed_rows, project, project_rows
@@ -34,6 +38,7 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, KVCache], tuple
 """attend(layer, q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], kv_cache) -> (out [T, Hq, Dh], kv_cache)."""
 
 LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
 LINEAR_WEIGHTS = {"wqkv": 1, "wo": 1, "w_gate_up": 1, "w_down": 1, "embed": 1, "lm_head": 0}
 """The weights that are multiplied (and may be quantized) -> their input-feature (contracting) axis. The
 tied `embed [vocab, hidden]` is the LM head `hidden -> vocab` read row-wise."""
@@ -76,6 +81,23 @@ def split_qkv(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array
     return q, grouped[..., c.q_per_kv, :], grouped[..., c.q_per_kv + 1, :]
 
 
+def resolve_layer_loop(choice: str) -> str:
+    """"scan" or "unrolled" for a `LAYER_LOOPS` choice. "auto": unrolled on a GPU, where the scan's per-layer
+    weight copies took two-thirds of Llama-3-8B's decode step on an H200 (bench/RESULTS.md); a scan elsewhere:
+    compile time independent of depth, and the CPU kernels read a layer of the stack in place."""
+    if choice == "auto":
+        return "unrolled" if jax.default_backend() == "gpu" else "scan"
+    return choice
+
+
+def _split_layers(stacked: jax.Array) -> tuple[jax.Array, ...]:
+    """[L, ...] -> L arrays [...], each sharded as the stack was over its other axes."""
+    sharding = None if isinstance(stacked, jax.core.Tracer) else stacked.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    return jax.jit(lambda a: tuple(a), out_shardings=sharding)(stacked)
+
+
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: int) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype))
 
@@ -103,14 +125,36 @@ class Llama(nnx.Module):
         if not c.tie_word_embeddings:
             self.lm_head = _init(rngs, (D, c.vocab_size), dtype, D)
 
-    def weight(self, name: str) -> Weight:
-        """A linear weight as stored, with its scales when quantized."""
-        part = lambda suffix: getattr(self, name + suffix)[...] if hasattr(self, name + suffix) else None
-        return Weight(getattr(self, name)[...], part("_scale"), part("_min"))
+    @property
+    def layers_unstacked(self) -> bool:
+        """Whether the layer parameters are stored one array per layer (`unstack_layers`)."""
+        return isinstance(self.wqkv.get_value(), tuple)
 
-    def _layer_params(self) -> dict[str, jax.Array | Weight]:
+    def unstack_layers(self) -> None:
+        """Stores every layer parameter (and a quantized weight's scales) as a tuple of `num_layers` arrays in
+        place of its stack, freeing the stack; the layers then run unrolled."""
+        if self.layers_unstacked:
+            return
+        for name, variable in vars(self).items():
+            if isinstance(variable, nnx.Variable) and name.removesuffix("_scale").removesuffix("_min") in LAYER_PARAMS:
+                variable.set_value(_split_layers(variable.get_value()))
+
+    def weight(self, name: str, layer: int | None = None) -> Weight:
+        """A linear weight as stored, with its scales when quantized; `layer`: that layer's own arrays (the
+        layers unstacked)."""
+        def part(suffix: str) -> jax.Array | None:
+            if not hasattr(self, name + suffix):
+                return None
+            value = getattr(self, name + suffix).get_value()
+            return value if layer is None else value[layer]
+
+        return Weight(part(""), part("_scale"), part("_min"))
+
+    def _layer_params(self, layer: int | None = None) -> dict[str, jax.Array | Weight]:
+        """The stacks, or with `layer` (the layers unstacked) that layer's arrays."""
+        pick = lambda value: value if layer is None else value[layer]
         return {
-            name: self.weight(name) if name in LINEAR_WEIGHTS else getattr(self, name)[...]
+            name: self.weight(name, layer) if name in LINEAR_WEIGHTS else pick(getattr(self, name).get_value())
             for name in LAYER_PARAMS if hasattr(self, name)
         }
 
@@ -125,24 +169,33 @@ class Llama(nnx.Module):
         num_tokens = token_ids.shape[0]
         x = embed_rows(self.weight("embed"), token_ids, self.dtype)
         cos, sin = rope_cos_sin(positions, jnp.asarray(c.rope_inv_freq(), jnp.float32))
-        # The stacked weights enter the scan whole (closed over), indexed by layer where they are used: the
-        # CPU kernels then read a layer in place instead of a copy sliced out for them.
-        p = self._layer_params()
-
-        def layer(carry: tuple[jax.Array, KVCache], index: jax.Array):
-            x, kv_cache = carry
-            qkv = project(x, p["wqkv"], index, norm=RmsNorm(p["attn_norm"], c.rms_norm_eps), num_real=num_real)
+        def block(x: jax.Array, kv_cache: KVCache, p: dict, index: jax.Array | int, layer: jax.Array | None):
+            """Decoder layer `index`. p: the stacks with `layer` the index into them (traced), or the layer's own
+            arrays with `layer` None."""
+            at = (lambda a: a) if layer is None else (lambda a: a[layer])
+            qkv = project(x, p["wqkv"], layer, norm=RmsNorm(p["attn_norm"], c.rms_norm_eps), num_real=num_real)
             if c.attention_bias:
-                qkv = qkv + p["bqkv"][index]
+                qkv = qkv + at(p["bqkv"])
             q, k, v = split_qkv(qkv, c)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, kv_cache = attend(index, q, k, v, kv_cache)
-            x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], index, num_real=num_real)
-            gate_up = project(x, p["w_gate_up"], index, norm=RmsNorm(p["mlp_norm"], c.rms_norm_eps), num_real=num_real)
-            x = x + project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], index, num_real=num_real)
-            return (x, kv_cache), None
+            x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], layer, num_real=num_real)
+            gate_up = project(x, p["w_gate_up"], layer, norm=RmsNorm(p["mlp_norm"], c.rms_norm_eps), num_real=num_real)
+            x = x + project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], layer, num_real=num_real)
+            return x, kv_cache
 
-        (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32))
+        if self.layers_unstacked:
+            for index in range(c.num_layers):
+                x, kv_cache = block(x, kv_cache, self._layer_params(index), index, None)
+            return x, kv_cache
+        # The stacks enter the scan whole (closed over), indexed by layer where they are used: the CPU kernels
+        # then read a layer in place instead of a copy sliced out for them.
+        p = self._layer_params()
+
+        def scanned(carry: tuple[jax.Array, KVCache], index: jax.Array):
+            return block(*carry, p, index, index), None
+
+        (x, kv_cache), _ = jax.lax.scan(scanned, (x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32))
         return x, kv_cache
 
     def logits(self, hidden: jax.Array, num_real: jax.Array | None = None) -> jax.Array:

@@ -3,6 +3,7 @@
 A separate process because the device count must be set before jax is imported:
     python tests/tensor_parallel_worker.py tiny 1 2 4
     python tests/tensor_parallel_worker.py tiny-int8 1 2 4    # the tiny model over an int8 KV cache
+    python tests/tensor_parallel_worker.py tiny-unrolled 1 2  # its layers unrolled, one array each
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def run_engine(loaded: LoadedModel, tp: int, prompts: list[list[int]], config: E
         "kv": [{"global_shape": list(x.shape), "devices": len(x.sharding.device_set),
                 "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards})}
                for x in jax.tree.leaves(engine.runner.kv_cache[0])],
-        "wqkv_shard_shape": list(loaded.model.wqkv[...].addressable_shards[0].data.shape),
+        # The stack's shard, or with the layers unstacked the first layer's.
+        "wqkv_shard_shape": list(jax.tree.leaves(loaded.model.wqkv.get_value())[0].addressable_shards[0].data.shape),
         "accepted_drafts": engine.speculator.counters().num_accepted_tokens if engine.speculator else 0,
     }
 
@@ -57,7 +59,7 @@ def main() -> None:
     rng = random.Random(0)
     results = {}
     for tp in tps:
-        if which in ("tiny", "tiny-int8", "tiny-drafts"):
+        if which in ("tiny", "tiny-int8", "tiny-drafts", "tiny-unrolled"):
             tokenizer = load_model().tokenizer
             loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny")
             prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
@@ -72,7 +74,8 @@ def main() -> None:
         rng = random.Random(0)
         config = {"tiny-int8": replace(ENGINE, kv_cache_dtype="int8"),
                   # Drafts proposed and checked inside 4-step calls (no cost seeds without warm-up: drafts look free).
-                  "tiny-drafts": replace(ENGINE, speculative="ngram", num_decode_steps=4)}.get(which, ENGINE)
+                  "tiny-drafts": replace(ENGINE, speculative="ngram", num_decode_steps=4),
+                  "tiny-unrolled": replace(ENGINE, layer_loop="unrolled")}.get(which, ENGINE)
         results[tp] = run_engine(loaded, tp, prompts, config)
     print("RESULT " + json.dumps(results))
 

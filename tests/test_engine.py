@@ -286,6 +286,18 @@ def test_multi_step_decode_gives_the_tokens_and_logprobs_of_single_steps(tiny, e
     assert multi.stats.kv_pages_used == 0 and multi.stats.num_steps < engine.stats.num_steps
 
 
+def test_layers_unrolled_over_one_array_each_give_the_scans_tokens_and_logprobs(tiny, engine):
+    batch = prompts(8, seed=23)
+    params = [MULTI_STEP_KINDS[i % len(MULTI_STEP_KINDS)] for i in range(8)]
+    own = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tiny.tokenizer, "tiny")  # the runner unstacks it
+    unrolled = make_engine(own, num_decode_steps=4, layer_loop="unrolled")
+    assert own.model.layers_unstacked and not tiny.model.layers_unstacked
+    for scanned, unstacked in zip(engine.generate(batch, params), unrolled.generate(batch, params)):
+        assert unstacked[0].token_ids == scanned[0].token_ids
+        np.testing.assert_allclose([lp.logprob for lp in unstacked[0].logprobs],
+                                   [lp.logprob for lp in scanned[0].logprobs], atol=1e-5)
+
+
 def test_multi_step_decode_stops_on_a_stop_id_or_string_inside_a_call_and_keeps_nothing_after(tiny, engine):
     multi = make_engine(tiny, num_decode_steps=8)
     prompt = [11, 12, 13, 14]

@@ -65,7 +65,7 @@ def test_engine_produced_every_requested_token_without_the_http_stack(check):
         assert level["ttft_s"] > 0 and level["tpot_s"] > 0
         assert 0 < level["step"]["attention_s"] < level["step"]["step_s"]
     assert engine["compile_s"] > 0
-    assert "| tiny | cpu | 4 | 4 |" in report
+    assert "| tiny | cpu, scan | 4 | 4 |" in report
 
 
 def test_the_traced_decode_steps_say_where_device_time_went(check):

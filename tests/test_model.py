@@ -11,6 +11,7 @@ from flax import nnx
 from model.config import ModelConfig
 from model.generate import generate, sequence_logits
 from model.llama import Llama, apply_rope, fuse_qkv, rope_cos_sin, split_qkv
+from model.quantize import quantize_model
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +131,18 @@ def test_one_layer_matches_float64_numpy_reference():
     hidden = hidden / np.sqrt(np.mean(hidden**2, -1, keepdims=True) + config.rms_norm_eps)
     expected = hidden @ np.asarray(model.lm_head[...], np.float64)
     np.testing.assert_allclose(sequence_logits(model, tokens), expected, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_layers_stored_one_array_each_give_the_stacks_logits(quantization):
+    config = ModelConfig.tiny()
+    stacked = quantize_model(Llama(config, rngs=nnx.Rngs(3)), quantization)
+    unstacked = quantize_model(Llama(config, rngs=nnx.Rngs(3)), quantization)
+    unstacked.unstack_layers()
+    assert unstacked.layers_unstacked and not stacked.layers_unstacked
+    wqkv = unstacked.wqkv.get_value()
+    assert len(wqkv) == config.num_layers and wqkv[1].shape == stacked.wqkv.get_value().shape[1:]
+    np.testing.assert_array_equal(wqkv[1], stacked.wqkv.get_value()[1])
+    tokens = random_tokens(9, 4)
+    np.testing.assert_allclose(np.asarray(sequence_logits(unstacked, tokens)),
+                               np.asarray(sequence_logits(stacked, tokens)), rtol=1e-5, atol=1e-5)

@@ -56,6 +56,13 @@ def test_tiny_model_with_drafts_checked_inside_multi_step_calls_gives_the_same_t
     assert results[1]["accepted_drafts"] > 0 and results[2]["accepted_drafts"] > 0
 
 
+def test_tiny_model_with_its_layers_unrolled_keeps_each_layers_weights_split_by_kv_head():
+    results = run_worker("tiny-unrolled", 1, 2)
+    assert_same_generation(results, num_kv_heads=4)
+    hidden, kv_heads, group = results[1]["wqkv_shard_shape"]
+    assert kv_heads == 4 and results[2]["wqkv_shard_shape"] == [hidden, 2, group]
+
+
 def test_smollm2_gives_the_same_tokens_at_tp_1_and_3():
     results = run_worker("smollm2", 1, 3)
     assert_same_generation(results, num_kv_heads=3)
