@@ -26,9 +26,11 @@ Backends (the choice lives here only):
 - "reference": the jnp implementation (`paged_attention_ref.py`), the oracle, and the CPU path where the C++
   kernel cannot be built.
 - "pallas": the same as "pallas-triton" (the name the CLI and tests have used).
-- "auto": "pallas-triton" on a GPU, "cpu" on a CPU, or "reference" (said once) where the C++ kernel is
-  unavailable: no compiler, another ISA, a failed build (`cpu_library.py`). Mosaic becomes the GPU default
-  once `python -m bench.gpu_check` has shown it correct and at least as fast on a GPU.
+- "auto": on a GPU, "pallas-mosaic" where it runs (Hopper or newer) and takes the inputs (a 16-bit pool it can
+  tile, not int8), else "pallas-triton": on an H200 Mosaic passed the kernel tests and decoded 1.1-2.3x faster
+  than Triton from batch 8 up (84% of the measured bandwidth at batch 64 x 2048, against 46%; bench/RESULTS.md).
+  On a CPU "cpu", or "reference" (said once) where the C++ kernel is unavailable: no compiler, another ISA, a
+  failed build (`cpu_library.py`).
 
 What only a real GPU run can show: the tests lower the kernels for "cuda" with `jax.export` on a
 CPU host, which checks that every operation has a GPU lowering rule, but lowering is not compiling:
@@ -43,7 +45,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, mosaic_attention
 from pallas_kernels.kv_cache import Pages, QuantizedPages
 from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
 from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, ragged_paged_attention_mosaic
@@ -59,18 +61,38 @@ INT8_KV_KERNELS = ("pallas-triton", "cpu", "reference")
 logger = logging.getLogger(__name__)
 
 
-def resolve_backend(backend: str) -> str:
-    """The implementation `backend` names here: one of KERNELS."""
+def resolve_backend(backend: str, q: jax.Array | None = None, k_pages: Pages | None = None) -> str:
+    """The implementation `backend` names here (one of KERNELS), for these inputs when given: "auto" on a GPU
+    takes Mosaic only for inputs it can run."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if jax.default_backend() == "gpu":
-            return "pallas-triton"
+            return "pallas-mosaic" if _mosaic_takes(q, k_pages) else "pallas-triton"
         if cpu_attention.available():
             return "cpu"
         _say_auto_takes_the_reference()
         return "reference"
     return ALIASES.get(backend, backend)
+
+
+def _mosaic_takes(q: jax.Array | None, k_pages: Pages | None) -> bool:
+    """Whether the Mosaic kernels run on this device and can take these inputs (unknown inputs: a 16-bit pool
+    of the shapes they tile, as the engine's bf16 models have)."""
+    if not mosaic_attention.runs_on(jax.devices()[0]):
+        return False
+    if k_pages is None:
+        return True
+    if isinstance(k_pages, QuantizedPages):
+        return False
+    _, num_kv_heads, page_size, head_dim = k_pages.shape
+    if q is not None and q.shape[1] // num_kv_heads > mosaic_attention.ROWS:
+        return False
+    try:
+        mosaic_attention.check_shapes(page_size, head_dim, k_pages.dtype)
+    except ValueError:
+        return False
+    return True
 
 
 @functools.cache
@@ -109,7 +131,7 @@ def paged_decode_attention(
     max_pages_per_seq] int32.
     Returns [num_seqs, num_q_heads, head_dim] in q's dtype; rows with kv_len 0 are zeros.
     """
-    kernel = resolve_backend(backend)
+    kernel = resolve_backend(backend, q, k_pages)
     _check(kernel, k_pages, interpret)
     if kernel == "pallas-triton":
         return paged_decode_attention_triton(
@@ -143,7 +165,7 @@ def ragged_paged_attention(
     max_pages_per_seq] int32; cu_q_lens: [num_seqs + 1] int32; max_q_len (static) bounds every q_len_s.
     Returns [num_tokens, num_q_heads, head_dim] in q's dtype.
     """
-    kernel = resolve_backend(backend)
+    kernel = resolve_backend(backend, q, k_pages)
     _check(kernel, k_pages, interpret)
     if kernel == "cpu":
         return ragged_paged_attention_cpu(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, sm_scale=sm_scale)

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, mosaic_attention
 from pallas_kernels.attention import INT8_KV_KERNELS, paged_decode_attention, ragged_paged_attention, resolve_backend
 from pallas_kernels.kv_cache import QuantizedPages
 from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, runs_on
@@ -294,9 +294,14 @@ def test_decode_kernel_matches_jax_shipped_paged_attention(backend):
         q, jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(batch.kv_lens), jnp.asarray(page_table),
         sm_scale=shapes.head_dim**-0.5, **backend_kwargs(backend),
     )
-    np.testing.assert_allclose(
-        np.asarray(ours.astype(jnp.float32)), np.asarray(theirs.astype(jnp.float32)), **TOLERANCE[shapes.dtype]
-    )
+    # On an H200 in bfloat16 the shipped kernel returned NaN rows for the short sequences (bench/RESULTS.md,
+    # 2026-11-26): where it does, the fault is its own if ours matches the float64 oracle there, as everywhere.
+    clean = dataclasses.replace(batch, k_pages=k_pages, v_pages=v_pages, page_table=page_table)
+    assert_matches(ours, decode_oracle(clean, shapes.head_dim**-0.5), shapes.dtype)
+    theirs = np.asarray(theirs.astype(jnp.float32))
+    finite = np.isfinite(theirs).all(axis=(1, 2))
+    assert finite[np.argmax(kv_lens)], "the shipped kernel fails on the longest sequence, which both split"
+    np.testing.assert_allclose(np.asarray(ours.astype(jnp.float32))[finite], theirs[finite], **TOLERANCE[shapes.dtype])
 
 
 def quantize_pool(pages: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -386,13 +391,30 @@ def test_mosaic_backend_refuses_an_int8_kv_cache_naming_the_backends_that_read_i
         paged_decode_attention(q, k_int8, v_int8, kv_lens, page_table, sm_scale=0.125, backend="pallas-mosaic")
 
 
-def test_auto_backend_is_the_cpu_kernel_on_cpu_and_triton_on_gpu():
-    assert resolve_backend("auto") == ("pallas-triton" if ON_GPU else "cpu")
+def test_auto_backend_is_the_cpu_kernel_on_cpu_and_mosaic_on_hopper():
+    on_gpu = "pallas-mosaic" if runs_on(jax.devices()[0]) else "pallas-triton"
+    assert resolve_backend("auto") == (on_gpu if ON_GPU else "cpu")
     shapes = Shapes(16, 64, 3, 3, 4, jnp.float32)
     batch = make_batch(shapes, [1, 1], [5, 33], seed=9)
     auto = paged_decode_attention(*batch.device_args(), sm_scale=0.125)
     chosen = paged_decode_attention(*batch.device_args(), sm_scale=0.125, backend=resolve_backend("auto"))
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(chosen))
+
+
+def test_auto_on_a_hopper_gpu_takes_mosaic_only_for_inputs_it_runs(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(mosaic_attention, "runs_on", lambda device: True)
+    q = jnp.zeros((2, 8, 64), jnp.bfloat16)
+    pages = lambda page_size=16, head_dim=64, dtype=jnp.bfloat16: jnp.zeros((4, 2, page_size, head_dim), dtype)
+    assert resolve_backend("auto") == "pallas-mosaic"
+    assert resolve_backend("auto", q, pages()) == "pallas-mosaic"
+    int8 = QuantizedPages(jnp.zeros((4, 2, 16, 64), jnp.int8), jnp.ones((4, 2, 16), jnp.float32))
+    assert resolve_backend("auto", q, int8) == "pallas-triton"
+    assert resolve_backend("auto", q, pages(dtype=jnp.float32)) == "pallas-triton"
+    assert resolve_backend("auto", q, pages(head_dim=96)) == "pallas-triton"
+    assert resolve_backend("auto", q, pages(page_size=12)) == "pallas-triton"
+    monkeypatch.setattr(mosaic_attention, "runs_on", lambda device: False)  # an Ampere GPU
+    assert resolve_backend("auto", q, pages()) == "pallas-triton"
 
 
 def test_pallas_is_another_name_for_the_triton_kernels():
