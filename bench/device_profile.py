@@ -119,7 +119,9 @@ class DeviceTrace:
 
     def __enter__(self) -> DeviceTrace:
         self._dir = tempfile.TemporaryDirectory(prefix="sluice-trace-")
-        jax.profiler.start_trace(self._dir.name)
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0  # tracing every Python call would slow the host work being measured
+        jax.profiler.start_trace(self._dir.name, profiler_options=options)
         self._start = time.perf_counter()
         return self
 

@@ -51,6 +51,7 @@ from batching.engine import Engine
 from batching.outputs import Increment
 from batching.sampling_params import SamplingParams
 from bench.device_profile import DeviceTrace
+from bench.host_phases import PhaseTimer
 from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
 from bench.roofline import Peaks, ServedModel, kv_bytes_per_token, workload_roofline
 from model.config import ModelConfig, RopeScaling
@@ -220,7 +221,7 @@ def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int) ->
 def profiled_decode(engine: Engine, requests: list[BenchRequest], decode_steps: int) -> dict:
     """Traces `decode_steps` decode steps of the requests, all running (after their prefill), with
     `bench.device_profile`: the engine's period per step against the device's busy time, by program and op
-    class, in milliseconds per step."""
+    class, and the host's work by phase (`bench.host_phases`), in milliseconds per step."""
     sinks = [ArrivalTimes() for _ in requests]
     for i, (request, sink) in enumerate(zip(requests, sinks)):
         engine.submit([list(request.prompt)], greedy(2 * decode_steps + 4), sink, f"profiled-{i}")
@@ -228,13 +229,15 @@ def profiled_decode(engine: Engine, requests: list[BenchRequest], decode_steps: 
     while emitted() < 2:
         engine.step()
     before = emitted()
+    timer = PhaseTimer(engine)
     with DeviceTrace() as trace:
         while emitted() < before + decode_steps:
             engine.step()
+    timer.close()
     steps = emitted() - before
     while engine.has_work:
         engine.step()
-    return trace.summary().as_dict(steps)
+    return {**trace.summary().as_dict(steps), "host_ms": timer.per_step_ms(steps)}
 
 
 @dataclasses.dataclass(frozen=True)

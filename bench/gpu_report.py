@@ -12,6 +12,7 @@ import datetime
 from dataclasses import dataclass
 
 KERNEL_BACKENDS = ("pallas-triton", "pallas-mosaic", "reference")
+HOST_PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit", "wait")
 
 
 @dataclass
@@ -145,10 +146,11 @@ def profile_section(results: list[dict]) -> list[str]:
              "`bench.engine_check.profiled_decode`: C requests decoding, a `jax.profiler` trace of tpot_steps steps. "
              "Period: the window's wall time per step; busy: the union of the device's kernels; idle = period - "
              "busy, the device waiting for the host. Op classes sum kernel time (`bench.device_profile`); per "
-             "program, the top three by busy time.", "",
+             "program, the top three by busy time. Host: the engine's phases in the window (`bench.host_phases`; "
+             "wait: blocked on the device).", "",
              "| model | C | steps | period ms | busy ms | idle % | " + " | ".join(f"{c} ms" for c in classes)
-             + " | top programs (ms) |",
-             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(classes) + "---|"]
+             + " | top programs (ms) | host ms: " + ", ".join(HOST_PHASES) + " |",
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(classes) + "---|---|"]
     for result in results:
         for level in result.get("levels", []):
             p = level.get("profile")
@@ -159,7 +161,8 @@ def profile_section(results: list[dict]) -> list[str]:
             idle = 100 * (1 - p["busy_share"])
             lines.append(f"| {result['model']} | {level['concurrency']} | {p['steps']} | {p['span_ms']:.2f} | "
                          f"{p['busy_ms']:.2f} | {idle:.0f} | "
-                         + " | ".join(f"{p['by_class_ms'].get(c, 0.0):.2f}" for c in classes) + f" | {top} |")
+                         + " | ".join(f"{p['by_class_ms'].get(c, 0.0):.2f}" for c in classes) + f" | {top} | "
+                         + " / ".join(f"{p.get('host_ms', {}).get(h, 0.0):.2f}" for h in HOST_PHASES) + " |")
     return lines + [""]
 
 

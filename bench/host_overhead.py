@@ -19,23 +19,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import jax.numpy as jnp
 from flax import nnx
 
-from batching import model_runner
 from batching.config import EngineConfig
 from batching.engine import Engine
 from batching.outputs import ListCollector
 from batching.sampling_params import SamplingParams
 from bench.engine_check import file_free_tokenizer
+from bench.host_phases import PHASES, PhaseTimer
 from model.config import ModelConfig
 from model.llama import Llama
 from model.loader import LoadedModel, load_model
 
-PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit")
 PROMPT_TOKENS = 8
 
 
@@ -56,43 +54,6 @@ def tiny_model(vocab_size: int, num_layers: int, hidden: int) -> LoadedModel:
                               intermediate_size=2 * hidden, max_position_embeddings=4096)
     model = Llama(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     return LoadedModel(config=config, model=model, tokenizer=file_free_tokenizer(config), name="host-overhead")
-
-
-class PhaseTimer:
-    """Wall-clock timers around the engine's phase functions (its code is unchanged); `wait` is the time the
-    host blocks on the device's results."""
-
-    def __init__(self, engine: Engine):
-        self.totals: dict[str, float] = defaultdict(float)
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner, "_pad", "inputs")
-        self._wrap(engine.runner, "_run", "dispatch")
-        self._wrap(model_runner, "_sequence_outputs", "collect")
-        self._wrap(model_runner.PendingStep, "fetch", "wait")
-        self._wrap(engine, "_append_output", "append")
-        self._wrap(engine, "_emit_text", "emit")
-        self._wrap(engine, "_flush", "emit")
-
-    def _wrap(self, owner, name: str, phase: str) -> None:
-        inner = getattr(owner, name)
-        totals = self.totals
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                totals[phase] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
-        self._restore.append((owner, name, inner))
-
-    _restore: list = []
-
-    def close(self) -> None:
-        for owner, name, inner in reversed(self._restore):
-            setattr(owner, name, inner)
-        self._restore.clear()
 
 
 def measure(engine: Engine, batch: int, decode_steps: int) -> Measured:
@@ -116,9 +77,8 @@ def measure(engine: Engine, batch: int, decode_steps: int) -> Measured:
     steps = (engine.stats.generation_tokens_total - generated) / batch
     while engine.has_work:
         engine.step()
-    ms = {phase: 1e3 * seconds / steps for phase, seconds in timer.totals.items()}
-    ms["wait"] -= ms.get("collect", 0.0)
-    phases = {phase: ms.get(phase, 0.0) for phase in PHASES}
+    ms = timer.per_step_ms(steps)
+    phases = {phase: ms[phase] for phase in PHASES}
     return Measured(phases, ms["wait"], sum(phases.values()), 1e3 * wall / steps)
 
 

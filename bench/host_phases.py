@@ -1,0 +1,58 @@
+"""Wall-clock timers around the engine's host phases, per decode step (`bench.host_overhead`, `bench.engine_check`).
+
+Phases: schedule, inputs (building the step's arrays), dispatch, collect (turning the fetched arrays into each
+sequence's tokens), append (tokens onto sequences, stop ids, max_tokens) and emit (detokenize, stop strings,
+delivery); `wait` is the time the host blocks on the device's results (collect excluded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from batching import model_runner
+from batching.engine import Engine
+
+PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit")
+
+
+class PhaseTimer:
+    """Wall-clock timers around the engine's phase functions (its code is unchanged); `wait` is the time the
+    host blocks on the device's results."""
+
+    def __init__(self, engine: Engine):
+        self.totals: dict[str, float] = defaultdict(float)
+        self._restore: list[tuple[object, str, object]] = []
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.runner, "_pad", "inputs")
+        self._wrap(engine.runner, "_run", "dispatch")
+        self._wrap(model_runner, "_sequence_outputs", "collect")
+        self._wrap(model_runner.PendingStep, "fetch", "wait")
+        self._wrap(engine, "_append_output", "append")
+        self._wrap(engine, "_emit_text", "emit")
+        self._wrap(engine, "_flush", "emit")
+
+    def _wrap(self, owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+        totals = self.totals
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+        self._restore.append((owner, name, inner))
+
+    def close(self) -> None:
+        for owner, name, inner in reversed(self._restore):
+            setattr(owner, name, inner)
+        self._restore.clear()
+
+    def per_step_ms(self, steps: float) -> dict[str, float]:
+        """Milliseconds per decode step of each phase and of `wait` (blocked on the device, collect excluded)."""
+        ms = {phase: 1e3 * seconds / steps for phase, seconds in self.totals.items()}
+        return {**{phase: ms.get(phase, 0.0) for phase in PHASES},
+                "wait": ms.get("wait", 0.0) - ms.get("collect", 0.0)}
