@@ -11,6 +11,7 @@ import dataclasses
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -18,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from batching.engine import Engine
-from batching.sampling_params import RequestRejected, StructuredOutput
+from batching.sampling_params import RequestRejected, SamplingParams, StructuredOutput
 
 from app.errors import from_validation_error, invalid_request
 from app.generation import respond, start_generation
-from app.prompts import chat_prompt, completion_prompts, tool_call_format
+from app.prompts import Prompt, chat_prompt, completion_prompts, tool_call_format
 from app.responses import ChatBuilder, CompletionBuilder
 from app.schemas import (
     ChatCompletionRequest,
@@ -69,6 +70,25 @@ def json_response(body: BaseModel) -> Response:
 async def create_chat_completion(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, ChatCompletionRequest)
+    chat = await plan_chat(state, engine, body)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, request_id, arrival)
+    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, chat.calling)
+    return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """What a chat request becomes before the engine: its prompt, the engine's parameters (with the grammar that
+    forces calls, if the tool choice does), and what the reply is read for (None without tools)."""
+
+    prompt: Prompt
+    params: SamplingParams
+    calling: ToolCalling | None
+
+
+async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequest) -> ChatPlan:
+    """The prompt and parameters of a checked chat request (also what Anthropic's Messages API is turned into)."""
     if body.tools:
         await asyncio.to_thread(check_tool_schemas, engine, body.tools)
     tools = body.active_tools()
@@ -80,11 +100,8 @@ async def create_chat_completion(request: Request) -> Response:
         grammar = call_grammar([(t.function.name, t.function.parameters) for t in forced],
                                parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser)
         params = dataclasses.replace(params, structured=grammar)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = await start_generation(request, state, [prompt.token_ids], params, request_id, arrival)
     calling = ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced)) if tools else None
-    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, calling)
-    return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+    return ChatPlan(prompt, params, calling)
 
 
 def check_tool_schemas(engine: Engine, tools: list[ToolDefinition]) -> None:
