@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ from app.schemas import ErrorResponse
 _ERROR_STATUSES = {
     "400": "Invalid request: a field out of range, a prompt too long for the context, a failed chat template",
     "401": "Missing or wrong API key",
-    "404": "Unknown model",
+    "404": "Unknown model, or no stored response with that id",
     "413": "Body too large",
     "429": "Waiting queue full (Retry-After)",
     "500": "Generation failed in the engine",
@@ -73,6 +74,9 @@ def openapi_document(operations: list[Operation], title: str, version: str, bear
         }
         if bearer_auth and op.path in open_paths:
             operation["security"] = []
+        if names := re.findall(r"\{(\w+)\}", op.path):
+            operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                       for name in names]
         if op.request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[op.request]}}}
         paths.setdefault(op.path, {})[op.method.lower()] = operation

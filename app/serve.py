@@ -119,6 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "how tool calls are read (and forced) for a template with tools: auto (the template's own format), hermes "
             "(`<tool_call>{...}</tool_call>`) or llama3_json (`{\"name\", \"parameters\"}; ...`)",
             choices=list(TOOL_CALL_PARSERS))
+    _option(parser, "--responses-store-size", _SERVER_DEFAULTS.responses_store_size,
+            "most responses /v1/responses keeps for GET and previous_response_id (least recently used out first; "
+            "0: none)", type=int)
+    _option(parser, "--responses-store-bytes", _SERVER_DEFAULTS.responses_store_bytes,
+            "most bytes of stored responses (their JSON)", type=byte_size)
     _switch(parser, "--no-ui", "do not serve the dashboard and playground page (/, /ui) nor its push stream")
     _option(parser, "--slo-ttft-ms", None, "time-to-first-token objective, drawn on the dashboard's TTFT chart",
             type=float)
@@ -165,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         sse_keepalive_s=args.sse_keepalive,
         tool_call_parser=args.tool_call_parser,
+        responses_store_size=args.responses_store_size,
+        responses_store_bytes=args.responses_store_bytes,
         ui=not args.no_ui,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms,

@@ -26,6 +26,8 @@ from app.dashboard.feed import Feed
 from app.errors import APIError, error_response, not_ready
 from app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from app.openapi import Operation, openapi_document
+from app.responses_api import create_response, delete_response, get_response
+from app.responses_api_schemas import DeletedResponse, ResponseObject, ResponsesRequest, ResponseStreamEvent
 from app.routes import create_chat_completion, create_completion, detokenize, json_response, tokenize
 from app.schemas import (
     ChatCompletionChunk,
@@ -81,6 +83,11 @@ ROUTES: list[tuple[Handler, Operation]] = [
                                   CompletionRequest, CompletionResponse, stream_chunk=CompletionResponse)),
     (create_chat_completion, Operation("/v1/chat/completions", "POST", "Chat completion (OpenAI)",
                                        ChatCompletionRequest, ChatCompletionResponse, stream_chunk=ChatCompletionChunk)),
+    (create_response, Operation("/v1/responses", "POST", "Create a response (OpenAI's Responses API)",
+                                ResponsesRequest, ResponseObject, stream_chunk=ResponseStreamEvent)),
+    (get_response, Operation("/v1/responses/{response_id}", "GET", "A stored response", response=ResponseObject)),
+    (delete_response, Operation("/v1/responses/{response_id}", "DELETE", "Deletes a stored response",
+                                response=DeletedResponse)),
     (tokenize, Operation("/tokenize", "POST", "Prompt or messages to token ids", TokenizeRequest, TokenizeResponse)),
     (detokenize, Operation("/detokenize", "POST", "Token ids to text", DetokenizeRequest, DetokenizeResponse)),
 ]

@@ -1,4 +1,4 @@
-"""What every route shares: settings, metrics, the engine once it is ready, and admission.
+"""What every route shares: settings, metrics, the engine once it is ready, admission, and the stored responses.
 
 Admission decides whether a generation request may enter (503 while loading or draining, 429 when the
 waiting queue is full) and counts what is in flight, so a SIGTERM drain knows when it is done.
@@ -15,6 +15,7 @@ from model.roofline import Peaks
 
 from app.errors import model_not_found, not_ready, queue_full
 from app.metrics import ServerMetrics
+from app.responses_api_store import ResponseStore
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class ServerSettings:
     """HTTP-side settings: `max_waiting` sequences may queue beyond the engine's running batch;
     `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send; `ui` serves the
     dashboard and playground, whose latency charts draw the `slo_*_ms` lines when set; `tool_call_parser` names
-    the format of tool calls (`app/tool_calls.py`)."""
+    the format of tool calls (`app/tool_calls.py`); `/v1/responses` keeps at most `responses_store_size` responses
+    and `responses_store_bytes` bytes of them (`app/responses_api_store.py`)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -34,6 +36,8 @@ class ServerSettings:
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
     tool_call_parser: str = "auto"
+    responses_store_size: int = 1024
+    responses_store_bytes: int = 64 * 1024 * 1024
 
 
 class ServerState:
@@ -43,6 +47,7 @@ class ServerState:
         self.peaks: Peaks | None = None
         self.draining = False
         self.metrics = ServerMetrics(self._engine_stats)
+        self.responses = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
         self._in_flight_seqs = 0
         self._idle = asyncio.Event()
         self._idle.set()

@@ -1,0 +1,82 @@
+"""The Responses API routes: `POST /v1/responses` (served by the chat path), and `GET` / `DELETE` of a stored one.
+
+Where a request goes: `parse_body` (`responses_api_schemas.py`) -> the earlier response's conversation, if it
+continues one (`responses_api_store.py`, held by the server state) -> a chat request (`responses_api_convert.py`)
+-> `plan_chat` (`routes.py`: prompt, parameters, forced calls) -> the engine -> `responses_api_builder.py` (the
+response or its events) -> the store.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.errors import APIError
+from app.generation import respond, start_generation
+from app.responses_api_builder import ResponsesBuilder
+from app.responses_api_convert import ITEMS, Items, chat_request, output_items
+from app.responses_api_schemas import DeletedResponse, ResponseObject, ResponsesRequest
+from app.responses_api_store import StoredResponse
+from app.routes import json_response, parse_body, plan_chat
+from app.state import ServerState
+
+
+def response_not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"No response found with id '{response_id}'", param=param, code="response_not_found")
+
+
+async def create_response(request: Request) -> Response:
+    arrival = time.perf_counter()
+    state, engine, body = await parse_body(request, ResponsesRequest)
+    items = earlier_items(state, body.previous_response_id) + body.input_items()
+    chat = chat_request(body, items)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    plan = await plan_chat(state, engine, chat)
+    generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival)
+    response = ResponseObject(
+        id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens, model=state.model_name, output=[],
+        parallel_tool_calls=body.parallel_tool_calls, previous_response_id=body.previous_response_id,
+        temperature=body.temperature, top_p=body.top_p, tool_choice=body.tool_choice or "auto",
+        tools=body.tools, text=body.text, store=body.store, metadata=body.metadata,
+    )
+
+    def on_done(done: ResponseObject) -> None:
+        if body.store:
+            conversation = ITEMS.dump_json(items + output_items(done.output)).decode()
+            state.responses.put(done.id, StoredResponse(done.model_dump_json(), conversation))
+
+    builder = ResponsesBuilder(response, plan.calling, on_done)
+    return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+def earlier_items(state: ServerState, response_id: str | None) -> Items:
+    """The conversation a stored response ended (its input, then its output); none without `response_id`."""
+    if response_id is None:
+        return []
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise response_not_found(response_id, param="previous_response_id")
+    return ITEMS.validate_json(stored.items_json)
+
+
+async def get_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    stored = _state(request).responses.get(response_id)
+    if stored is None:
+        raise response_not_found(response_id)
+    return Response(stored.response_json, media_type="application/json")
+
+
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    if not _state(request).responses.delete(response_id):
+        raise response_not_found(response_id)
+    return json_response(DeletedResponse(id=response_id))
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.sluice

@@ -1,0 +1,173 @@
+"""Engine increments shaped into a Responses API response, whole (`collect`) or as its SSE events (`events`).
+
+Both walk the same events: the reply's text goes into a `message` item (one `output_text` part), each tool call
+into a `function_call` item, in the order the model wrote them; a call's text is read by the chat path's parser
+(`ToolCalling`), so streamed and whole replies read alike. A reply cut by `max_output_tokens` is `incomplete`.
+Streamed, each event is `event: <type>` then `data: <json>` with a `sequence_number`; an error after the 200
+becomes a `response.failed` event carrying the error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from batching.outputs import Usage
+
+from app.errors import APIError
+from app.generation import Generation
+from app.responses_api_schemas import (
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputFunctionCall,
+    OutputMessage,
+    OutputText,
+    ResponseError,
+    ResponseObject,
+    ResponseStreamEvent,
+    ResponseUsage,
+)
+from app.streaming import sse_event
+from app.tool_calls import ArgumentsDelta, CallStart, StreamEvent, TextDelta, ToolCalling, new_call_id
+
+Event = dict[str, Any]
+
+
+def response_usage(usage: Usage) -> ResponseUsage:
+    return ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                         total_tokens=usage.total_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_prompt_tokens))
+
+
+class ResponsesBuilder:
+    """`response` is the response in progress (no output yet); once the reply has ended it is completed in place
+    and handed to `on_done` (the store), streamed or not."""
+
+    def __init__(self, response: ResponseObject, tool_calling: ToolCalling | None,
+                 on_done: Callable[[ResponseObject], None]) -> None:
+        self._response = response
+        self._tool_calling = tool_calling
+        self._on_done = on_done
+
+    async def collect(self, generation: Generation) -> ResponseObject:
+        async for _ in self._events(generation):
+            pass
+        return self._response
+
+    def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        return self._stream(generation)
+
+    async def _stream(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        numbers = itertools.count()
+
+        def frame(event: Event) -> bytes:
+            data = ResponseStreamEvent(**event, sequence_number=next(numbers)).model_dump_json()
+            return f"event: {event['type']}\n".encode() + sse_event(data)
+
+        yield frame({"type": "response.created", "response": self._response})
+        yield frame({"type": "response.in_progress", "response": self._response})
+        try:
+            async for event in self._events(generation):
+                yield frame(event)
+        except APIError as error:
+            failed = self._response.model_copy(
+                update={"status": "failed", "error": ResponseError(code=error.code or error.type, message=error.message)})
+            yield frame({"type": "response.failed", "response": failed})
+            return
+        yield frame({"type": f"response.{self._response.status}", "response": self._response})
+
+    async def _events(self, generation: Generation) -> AsyncGenerator[Event, None]:
+        output = _Output(self._response.output)
+        finish_reason = None
+        async for event in self._reply(generation):
+            if isinstance(event, str):
+                finish_reason = event
+            else:
+                for out in output.add(event):
+                    yield out
+        incomplete = finish_reason == "length"
+        for out in output.close(incomplete):
+            yield out
+        self._response.status = "incomplete" if incomplete else "completed"
+        if incomplete:
+            self._response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+        self._response.usage = response_usage(generation.usage)
+        self._on_done(self._response)
+
+    async def _reply(self, generation: Generation) -> AsyncIterator[StreamEvent | str]:
+        """The reply as text deltas, call starts and arguments fragments, then its finish reason."""
+        stream = self._tool_calling.stream() if self._tool_calling is not None else None
+        async for increment in generation.increments():
+            if stream is not None:
+                for event in stream.push(increment.text):
+                    yield event
+            elif increment.text:
+                yield TextDelta(increment.text)
+            if increment.finish_reason is not None:
+                for event in stream.finish() if stream is not None else ():
+                    yield event
+                yield increment.finish_reason
+
+
+class _Output:
+    """The output items as they arrive (appended to `items`), and the events that add, fill and close them (items
+    in events are dumped when the event is made: the item changes as it fills)."""
+
+    def __init__(self, items: list[OutputMessage | OutputFunctionCall]) -> None:
+        self._items = items
+        self._open: OutputMessage | OutputFunctionCall | None = None
+
+    def add(self, event: StreamEvent) -> list[Event]:
+        if isinstance(event, TextDelta):
+            events = [] if isinstance(self._open, OutputMessage) else self._close("completed") + self._open_message()
+            self._open.content[0].text += event.text
+            return events + [{"type": "response.output_text.delta", **self._where(), "content_index": 0,
+                              "delta": event.text, "logprobs": []}]
+        if isinstance(event, CallStart):
+            call = OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", status="in_progress", call_id=new_call_id(),
+                                      name=event.name, arguments="")
+            return self._close("completed") + self._add(call)
+        assert isinstance(event, ArgumentsDelta) and isinstance(self._open, OutputFunctionCall)
+        self._open.arguments += event.text
+        return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": event.text}]
+
+    def close(self, incomplete: bool) -> list[Event]:
+        """The events that close the last item; a reply with no items gets an empty message."""
+        events = self._open_message() if not self._items else []
+        return events + self._close("incomplete" if incomplete else "completed")
+
+    def _open_message(self) -> list[Event]:
+        message = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
+        events = self._add(message)
+        message.content.append(OutputText(text=""))
+        return events + [{"type": "response.content_part.added", **self._where(), "content_index": 0,
+                          "part": message.content[0].model_dump()}]
+
+    def _add(self, item: OutputMessage | OutputFunctionCall) -> list[Event]:
+        self._items.append(item)
+        self._open = item
+        return [{"type": "response.output_item.added", "output_index": len(self._items) - 1,
+                 "item": item.model_dump()}]
+
+    def _close(self, status: str) -> list[Event]:
+        item = self._open
+        if item is None:
+            return []
+        where = self._where()
+        self._open = None
+        item.status = status
+        if isinstance(item, OutputMessage):
+            part = item.content[0]
+            events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": part.text,
+                       "logprobs": []},
+                      {"type": "response.content_part.done", **where, "content_index": 0, "part": part.model_dump()}]
+        else:
+            events = [{"type": "response.function_call_arguments.done", **where, "name": item.name,
+                       "arguments": item.arguments}]
+        return events + [{"type": "response.output_item.done", "output_index": where["output_index"],
+                          "item": item.model_dump()}]
+
+    def _where(self) -> Event:
+        return {"item_id": self._open.id, "output_index": len(self._items) - 1}

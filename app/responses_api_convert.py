@@ -1,0 +1,94 @@
+"""A Responses request turned into the chat request the chat path serves, and a reply's output turned back into
+input items (what `previous_response_id` continues from).
+
+The chat request's model checks what both APIs share (tool names, `tool_choice` among the tools, forced calls
+against a format); its complaints come back under the Responses API's field names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from app.errors import APIError, invalid_request
+from app.responses_api_schemas import (
+    FunctionCallItem,
+    FunctionToolChoice,
+    InputItem,
+    JsonSchemaTextFormat,
+    MessageItem,
+    OutputFunctionCall,
+    OutputItem,
+    ResponsesRequest,
+)
+from app.schemas import ChatCompletionRequest
+
+Items = list[InputItem]
+ITEMS = TypeAdapter(Items)
+# Chat fields under their Responses names, for errors.
+_RESPONSES_NAME = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
+    """The chat completion `body` asks for, over the conversation `items` (an earlier response's, then `body`'s)."""
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    chat: dict[str, Any] = {
+        "messages": messages + chat_messages(items),
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stream": body.stream,
+        "tools": [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+                  for tool in body.tools],
+        "parallel_tool_calls": body.parallel_tool_calls,
+    }
+    if isinstance(body.tool_choice, FunctionToolChoice):
+        chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
+    elif body.tool_choice is not None:
+        chat["tool_choice"] = body.tool_choice
+    text_format = body.text.format
+    if isinstance(text_format, JsonSchemaTextFormat):
+        chat["response_format"] = {"type": "json_schema",
+                                   "json_schema": text_format.model_dump(exclude={"type"}, exclude_none=True)}
+    elif text_format.type != "text":
+        chat["response_format"] = {"type": text_format.type}
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as error:
+        raise _renamed(error) from None
+
+
+def chat_messages(items: Items) -> list[dict[str, Any]]:
+    """Chat messages (dicts) of the items: a function call joins the assistant turn before it (its text, or the
+    calls made alongside it), and its output is a `tool` message."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+    return messages
+
+
+def output_items(output: list[OutputItem]) -> Items:
+    """A reply's output as the input items that stand for it in a later conversation. A call cut short by
+    `max_output_tokens` is left out: its arguments are not JSON, and no output can answer it."""
+    return ITEMS.validate_python([item.model_dump() for item in output
+                                  if not (isinstance(item, OutputFunctionCall) and item.status == "incomplete")])
+
+
+def _renamed(error: ValidationError) -> APIError:
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    if loc:
+        loc[0] = _RESPONSES_NAME.get(loc[0], loc[0])
+    param = ".".join(loc) or None
+    return invalid_request(f"{param}: {first['msg']}" if param else first["msg"], param)

@@ -1,0 +1,236 @@
+"""Pydantic models of OpenAI's Responses API (`/v1/responses`): the request, its input items, the response object
+and its output items.
+
+They reuse the chat models' pieces where the two APIs share a shape (a function's definition, the call arguments'
+check, the text formats). What the request says about tools, formats and sampling is checked again, once, where
+it is turned into a chat request (`responses_api_convert.py`), so a rule lives in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, model_validator
+
+from app.schemas import (
+    FunctionCallParam,
+    FunctionDefinition,
+    JsonObjectFormat,
+    JsonSchemaSpec,
+    TextFormat,
+    _Request,
+)
+
+# OpenAI's limits on `metadata`.
+MAX_METADATA_KEYS = 16
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+# Fields that would change the output but are not implemented: refused by name rather than ignored.
+_UNSUPPORTED = ("background", "conversation", "prompt", "reasoning", "max_tool_calls", "top_logprobs")
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+# --- input items ------------------------------------------------------------------------------------------
+
+
+class InputText(_Request):
+    """A message's text part: `input_text` in what the user sends, `output_text` in an earlier reply."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class MessageItem(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+
+class FunctionCallItem(FunctionCallParam):
+    """An earlier call of the model's: `name` and `arguments` (a JSON object's text) as a chat tool call has them."""
+
+    type: Literal["function_call"]
+    call_id: str
+
+
+class FunctionCallOutputItem(_Request):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "\n".join(part.text for part in self.output)
+
+
+def _item_type(item: Any) -> str:
+    # A message may leave out its `type` (OpenAI's "easy input message").
+    return (item.get("type") or "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+# --- the request ------------------------------------------------------------------------------------------
+
+
+class FunctionTool(FunctionDefinition):
+    """A function tool in the Responses API's flat form: `{type, name, description, parameters, strict}`."""
+
+    type: Literal["function"]
+
+
+class FunctionToolChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class JsonSchemaTextFormat(JsonSchemaSpec):
+    model_config = ConfigDict(serialize_by_alias=True)
+
+    type: Literal["json_schema"]
+
+
+TextFormatSpec = Annotated[TextFormat | JsonObjectFormat | JsonSchemaTextFormat, Field(discriminator="type")]
+
+
+class TextConfig(_Request):
+    format: TextFormatSpec = Field(default_factory=lambda: TextFormat(type="text"))
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = Field(None, description="a system message before the input; not carried over by "
+                                                        "previous_response_id")
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = Field(
+        None, description='default: "auto" with tools, "none" without')
+    parallel_tool_calls: bool = True
+    text: TextConfig = Field(default_factory=TextConfig)
+    store: bool = Field(True, description="keep the response for GET and previous_response_id (bounded, in memory)")
+    previous_response_id: str | None = None
+    metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=MAX_METADATA_KEYS)
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (given := [name for name in _UNSUPPORTED if data.get(name) is not None]):
+            raise ValueError(f"{given[0]} is not supported")
+        return data
+
+    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return self.input
+
+
+# --- the response -----------------------------------------------------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    status: ItemStatus
+    call_id: str
+    name: str
+    arguments: str
+
+
+OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """The response, whole or as the streamed events' `response` (then `in_progress`, or `failed` with `error`).
+    The request's settings are echoed as OpenAI does."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    temperature: float
+    top_p: float
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice
+    tools: list[FunctionTool]
+    text: TextConfig
+    store: bool
+    metadata: dict[str, str]
+    usage: ResponseUsage | None = None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One streamed event, sent as `event: <type>` and `data: <this>`: `response.created`, `.in_progress`,
+    `.output_item.added`, `.content_part.added`, `.output_text.delta` / `.done`, `.content_part.done`,
+    `.function_call_arguments.delta` / `.done`, `.output_item.done`, then `.completed` (or `.incomplete`,
+    `.failed`); the other fields are the type's, as OpenAI sends them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    sequence_number: int
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: Literal[True] = True

@@ -1,0 +1,63 @@
+"""The stored responses of `/v1/responses` (`store: true`): bounded, in memory, least recently used out first.
+
+Each entry holds two JSON texts: the response as `GET /v1/responses/{id}` returns it, and the conversation's
+items (the input, an earlier response's included, then the output) that `previous_response_id` continues. The
+bounds count entries and the bytes of those texts; storing past either evicts the least recently used (read or
+written) first. Only the event loop touches the store, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response_json: str
+    items_json: str
+
+    @cached_property
+    def size(self) -> int:
+        return len(self.response_json.encode()) + len(self.items_json.encode())
+
+
+class ResponseStore:
+    """At most `max_count` responses and `max_bytes` bytes of their JSON; a response larger than `max_bytes`
+    on its own is not stored."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        self.delete(response_id)
+        if self.max_count < 1 or entry.size > self.max_bytes:
+            return
+        self._entries[response_id] = entry
+        self._bytes += entry.size
+        while len(self._entries) > self.max_count or self._bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted.size
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._bytes -= entry.size
+        return entry is not None
