@@ -99,15 +99,16 @@ class _Launched:
     host_s: float
 
 
-class _SampledToken(NamedTuple):
-    """A token appended to `seq` (at `seq.token_ids[index]`) whose text and stop-string check wait for the next
-    step's device time."""
+class _SampledRun(NamedTuple):
+    """Tokens appended to `seq` (at `seq.token_ids[index:]`) by one step, whose text and stop-string check wait for
+    the next step's device time; `logprobs` one per token, or empty; `finish` what the last token's id or count
+    forces."""
 
     seq: Sequence
     index: int
-    token: int
-    logprobs: tuple[TokenLogprob, ...]
-    token_finish: FinishReason | None
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+    finish: FinishReason | None
 
 
 def _describe(error: BaseException) -> str:
@@ -157,7 +158,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
-        self._unemitted: list[_SampledToken] = []
+        self._unemitted: list[_SampledRun] = []
         self._in_flight: _Launched | None = None
         self._last_step: StepStats | None = None
         self._deliveries: Deliveries = []
@@ -445,26 +446,22 @@ class Engine:
 
 
     def _append_output(self, seq: Sequence, output: SequenceOutput, index: int, sampled: SamplerOutput) -> None:
-        """Appends a step's tokens for `seq` from `index` on (over its placeholders) until it ends; then, for a
-        sequence with a grammar, the tokens the grammar forces."""
-        for j, (token, (step, row)) in enumerate(zip(output.tokens, output.positions)):
-            if seq.finished:
-                return
-            self._append(seq, index + j, token, self._logprobs(seq, token, sampled, step, row))
+        """Appends a step's tokens for `seq` from `index` on (over its placeholders) up to where it ends; then, for
+        a sequence with a grammar, the tokens the grammar forces."""
+        logprobs = ([self._logprob(seq, token, sampled, step, row)
+                     for token, (step, row) in zip(output.tokens, output.positions)]
+                    if seq.params.wants_logprobs else [])
+        self._append(seq, index, output.tokens, logprobs)
         if seq.grammar is not None and not seq.params.wants_logprobs:
             self._append_forced(seq)
 
     @staticmethod
-    def _logprobs(seq: Sequence, token: int, sampled: SamplerOutput, step: int, row: int
-                  ) -> tuple[TokenLogprob, ...]:
-        """The token's logprobs, if the sequence wants them. Top alternatives a grammar ruled out (logprob -inf)
-        are not reported."""
-        if not seq.params.wants_logprobs:
-            return ()
+    def _logprob(seq: Sequence, token: int, sampled: SamplerOutput, step: int, row: int) -> TokenLogprob:
+        """The token's logprobs. Top alternatives a grammar ruled out (logprob -inf) are not reported."""
         k = seq.params.top_logprobs
         ids, values = sampled.top_ids[step, row, :k], sampled.top_logprobs[step, row, :k]
         top = tuple((int(t), float(lp)) for t, lp in zip(ids, values) if lp > float("-inf"))
-        return (TokenLogprob(token, float(sampled.logprobs[step, row]), top),)
+        return TokenLogprob(token, float(sampled.logprobs[step, row]), top)
 
     def _count_drafts(self, seq: Sequence, output: SequenceOutput) -> None:
         """The speculator's counters and the sequence's acceptance, from what its drafts did (or, when it drafted
@@ -482,54 +479,57 @@ class Engine:
             token = seq.grammar.forced_token()
             if token is None or token in seq.stop.stop_ids:
                 return
-            self._append(seq, seq.num_tokens, token, ())
+            self._append(seq, seq.num_tokens, [token], [])
 
-    def _append(self, seq: Sequence, index: int, token: int, logprobs: tuple[TokenLogprob, ...]) -> None:
-        """Places a token at `index` (advancing the sequence's grammar) and ends the sequence now if its id or
-        count says so (dropping the placeholders after it)."""
-        seq.place(index, token)
+    def _append(self, seq: Sequence, index: int, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
+        """Places tokens from `index` on (advancing the sequence's grammar) up to the first whose id or count ends
+        the sequence, and ends it there (dropping the placeholders after it)."""
+        if not tokens:
+            return
+        count, finish = seq.stop.run_finish(tokens, index - seq.num_prompt_tokens, self.max_model_len - index)
+        kept = tokens[:count]
+        seq.place(index, kept)
         if seq.grammar is not None:
-            seq.grammar.advance(token)
-        self._generation_tokens_total += 1
-        num_output = index + 1 - seq.num_prompt_tokens
-        if num_output == 1 and seq.parent is None:
+            for token in kept:
+                seq.grammar.advance(token)
+        self._generation_tokens_total += count
+        if index == seq.num_prompt_tokens and seq.parent is None:
             self._prompt_tokens_total += seq.num_prompt_tokens
-        finish = seq.stop.token_finish(token, num_output, index + 1 >= self.max_model_len)
         if seq.proposer is not None:
-            seq.proposer.extend([token])
+            seq.proposer.extend(kept)
         if finish is not None:
             seq.finish_reason = finish
-            seq.truncate(index + 1)
+            seq.truncate(index + count)
             self.scheduler.finish(seq)
-        self._unemitted.append(_SampledToken(seq, index, token, logprobs, finish))
+        self._unemitted.append(_SampledRun(seq, index, kept, logprobs[:count], finish))
 
     def _emit_text(self) -> None:
         """Detokenizes the tokens appended since the last call and checks stop strings: one increment per
         sequence with all its new tokens. A stop string ends its sequence (its tokens after that one, on the host
         or still on the device, are dropped)."""
-        by_seq: dict[Sequence, list[_SampledToken]] = {}
-        for sampled in self._unemitted:
-            by_seq.setdefault(sampled.seq, []).append(sampled)
+        by_seq: dict[Sequence, list[_SampledRun]] = {}
+        for run in self._unemitted:
+            by_seq.setdefault(run.seq, []).append(run)
         self._unemitted.clear()
-        for seq, tokens in by_seq.items():
+        for seq, runs in by_seq.items():
             request = self._requests.get(seq.request_id)
             if request is not None and seq.choice not in request.finished_choices:
-                self._isolated(request.request_id, self._emit, request, seq, tokens)
+                self._isolated(request.request_id, self._emit, request, seq, runs)
 
-    def _emit(self, request: Request, seq: Sequence, tokens: list[_SampledToken]) -> None:
+    def _emit(self, request: Request, seq: Sequence, runs: list[_SampledRun]) -> None:
         text, ids, logprobs, finish_reason = [], [], [], None
-        for sampled in tokens:
-            decision = seq.stop.emit(sampled.token, sampled.token_finish)
-            text.append(decision.text)
-            ids.append(sampled.token)
-            logprobs += sampled.logprobs
-            if decision.finish_reason is not None:
-                finish_reason = decision.finish_reason
+        for run in runs:
+            shown, count, finish_reason = seq.stop.emit_run(run.tokens, run.finish)
+            text.append(shown)
+            ids += run.tokens[:count]
+            logprobs += run.logprobs[:count]
+            if finish_reason is not None:
                 if not seq.finished:
-                    # A stop string: tokens sampled after this one (a multi-step call's, or the next step's) are
+                    # A stop string: tokens sampled after its token (a multi-step call's, or the next step's) are
                     # dropped, never emitted.
-                    self._generation_tokens_total -= seq.num_known_tokens - 1 - sampled.index
-                    seq.truncate(sampled.index + 1)
+                    end = run.index + count
+                    self._generation_tokens_total -= seq.num_known_tokens - end
+                    seq.truncate(end)
                     seq.finish_reason = finish_reason
                     self.scheduler.finish(seq)
                 break

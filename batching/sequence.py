@@ -104,13 +104,12 @@ class Sequence:
         self.num_pending += count
         return index
 
-    def place(self, index: int, token: int) -> None:
-        """Writes a token the device sampled at `index`: over its placeholder, or appended."""
-        if index < len(self.token_ids):
-            self.token_ids[index] = token
-            self.num_pending -= 1
-        else:
-            self.token_ids.append(token)
+    def place(self, index: int, tokens: list[int]) -> None:
+        """Writes tokens the device sampled from `index` on: over their placeholders, the rest appended."""
+        over = max(0, min(len(tokens), len(self.token_ids) - index))
+        self.token_ids[index:index + over] = tokens[:over]
+        self.num_pending -= over
+        self.token_ids.extend(tokens[over:])
 
     def truncate(self, length: int) -> None:
         """Drops every token from `length` on, placeholders included."""

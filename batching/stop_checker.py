@@ -54,6 +54,35 @@ class StopChecker:
             return "length"
         return None
 
+    def run_finish(self, tokens: list[int], num_output_before: int, context_left: int
+                   ) -> tuple[int, FinishReason | None]:
+        """For tokens sampled in a row after `num_output_before` output tokens, with `context_left` positions
+        left in the context: how many the sequence keeps, and the finish the last kept one forces (what
+        `token_finish` decides token by token)."""
+        at_length = max(1, min(self.params.max_tokens - num_output_before, context_left))
+        if not self.stop_ids.isdisjoint(tokens):
+            for j in range(max(0, self.params.min_tokens - num_output_before), min(len(tokens), at_length)):
+                if tokens[j] in self.stop_ids:
+                    return j + 1, "stop"
+        if at_length <= len(tokens):
+            return at_length, "length"
+        return len(tokens), None
+
+    def emit_run(self, tokens: list[int], finish: FinishReason | None) -> tuple[str, int, FinishReason | None]:
+        """`emit` for a run of tokens whose last alone may carry `finish` (from `run_finish`): (the text that may be
+        emitted, how many of the tokens it covers, the finish). A stop string ends the run at its token."""
+        if not self.params.stop:
+            self.num_output_tokens += len(tokens)
+            shown = tokens[:-1] if finish == "stop" else tokens  # a stop id's own text is not emitted
+            return self.detokenizer.push(shown), len(tokens), finish
+        texts = []
+        for j, token in enumerate(tokens):
+            decision = self.emit(token, finish if j == len(tokens) - 1 else None)
+            texts.append(decision.text)
+            if decision.finish_reason is not None:
+                return "".join(texts), j + 1, decision.finish_reason
+        return "".join(texts), len(tokens), None
+
     def emit(self, token_id: int, token_finish: FinishReason | None) -> StopDecision:
         """Adds the token's text; `token_finish` is what `token_finish` said about it."""
         self.num_output_tokens += 1

@@ -238,7 +238,7 @@ def test_a_failure_in_one_requests_host_work_ends_only_that_request(engine):
     def detokenizer_bug(*args):
         raise UnicodeError("cannot decode")
 
-    broken.stop.emit = detokenizer_bug
+    broken.stop.emit_run = detokenizer_bug
     while engine.has_work:
         engine.step()
     (failed,) = bad_out.completions()

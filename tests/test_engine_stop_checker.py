@@ -1,5 +1,7 @@
 """Stop checking on detokenized text with SmolLM2's tokenizer: stop strings across token boundaries, never emitted."""
 
+import random
+
 import pytest
 
 from batching.sampling_params import SamplingParams
@@ -69,3 +71,34 @@ def test_min_tokens_defers_stop_strings_and_stop_ids(tokenizer):
     params = SamplingParams(max_tokens=20, min_tokens=5, stop=("a",))
     emitted, reason, used = feed(tokenizer, "a b c d e f a g", params)
     assert reason == "stop" and used > 5
+
+
+def token_by_token(checker: StopChecker, tokens: list[int], num_output_before: int, context_left: int):
+    """(tokens kept, finish, text) as `token_finish` then `emit` decide them one token at a time."""
+    text = ""
+    for j, token in enumerate(tokens):
+        finish = checker.token_finish(token, num_output_before + j + 1, j + 1 >= context_left)
+        decision = checker.emit(token, finish)
+        text += decision.text
+        if decision.finish_reason is not None:
+            return j + 1, decision.finish_reason, text
+    return len(tokens), None, text
+
+
+@pytest.mark.parametrize("stop", [(), (" blue",)])
+def test_a_run_of_tokens_ends_and_reads_as_it_would_token_by_token(tokenizer, stop):
+    rng = random.Random(len(stop))
+    words = tokenizer.encode(" red green blue yellow")
+    for trial in range(300):
+        max_tokens = rng.randrange(1, 12)
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=rng.randrange(0, min(4, max_tokens + 1)), stop=stop,
+                                stop_token_ids=(words[0],))
+        tokens = [rng.choice([*words, EOS]) for _ in range(rng.randrange(1, 9))]
+        before, context_left = rng.randrange(0, params.max_tokens), rng.randrange(1, 12)
+        one, run = (StopChecker(params, (EOS,), tokenizer.decode_stream()) for _ in range(2))
+        count, finish = run.run_finish(tokens, before, context_left)
+        text, emitted, reason = run.emit_run(tokens[:count], finish)
+        expected = token_by_token(one, tokens, before, context_left)
+        assert (emitted, reason, text) == expected, (trial, tokens, params, before, context_left)
+        if not stop:
+            assert (count, finish) == expected[:2]
