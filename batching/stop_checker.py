@@ -104,10 +104,6 @@ class StopChecker:
         self.num_emitted_chars = max(self.num_emitted_chars, end)
         return StopDecision(new)
 
-    def append(self, token_id: int, *, at_max_model_len: bool = False) -> StopDecision:
-        """`token_finish` then `emit`, for one token."""
-        return self.emit(token_id, self.token_finish(token_id, self.num_output_tokens + 1, at_max_model_len))
-
     def _flush(self) -> str:
         new = self.text[self.num_emitted_chars:]
         self.num_emitted_chars = len(self.text)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from batching.sampling_params import SamplingParams
-from batching.stop_checker import StopChecker
+from batching.stop_checker import StopChecker, StopDecision
 from model.loader import load_model
 
 EOS = 2
@@ -16,13 +16,18 @@ def tokenizer():
     return load_model().tokenizer
 
 
+def append(checker: StopChecker, token: int) -> StopDecision:
+    """`token_finish` then `emit`, for one token."""
+    return checker.emit(token, checker.token_finish(token, checker.num_output_tokens + 1))
+
+
 def feed(tokenizer, text: str, params: SamplingParams, extra: list[int] = ()):
     """Feeds the tokens of `text` (then `extra`) one by one; returns (emitted text, finish reason, tokens used)."""
     checker = StopChecker(params, (EOS,), tokenizer.decode_stream())
     emitted = ""
     ids = tokenizer.encode(text) + list(extra)
     for used, token in enumerate(ids, 1):
-        decision = checker.append(token)
+        decision = append(checker, token)
         emitted += decision.text
         if decision.finish_reason:
             return emitted, decision.finish_reason, used
@@ -47,7 +52,7 @@ def test_text_that_might_start_a_stop_string_is_held_back_then_released(tokenize
     emitted = ""
     held_back_seen = False
     for token in tokenizer.encode("Hello Paris. Bye"):
-        emitted += checker.append(token).text
+        emitted += append(checker, token).text
         if checker.text.endswith("Paris"):
             assert emitted == checker.text[:-len("Paris")]
             held_back_seen = True
