@@ -31,7 +31,7 @@ def response_not_found(response_id: str, param: str | None = None) -> APIError:
 async def create_response(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, ResponsesRequest)
-    items = earlier_items(state, body.previous_response_id) + body.input_items()
+    items = earlier_items(state, body.previous_response_id) + body.input
     chat = chat_request(body, items)
     response_id = f"resp_{uuid.uuid4().hex}"
     plan = await plan_chat(state, engine, chat)

@@ -108,7 +108,7 @@ class TextConfig(_Request):
 
 class ResponsesRequest(_Request):
     model: str | None = None
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    input: list[InputItem] = Field(min_length=1, description="a string (one user message) or a list of items")
     instructions: str | None = Field(None, description="a system message before the input; not carried over by "
                                                         "previous_response_id")
     max_output_tokens: int | None = Field(None, ge=1)
@@ -132,10 +132,13 @@ class ResponsesRequest(_Request):
             raise ValueError(f"{given[0]} is not supported")
         return data
 
-    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
-        if isinstance(self.input, str):
-            return [MessageItem(role="user", content=self.input)]
-        return self.input
+    @model_validator(mode="before")
+    @classmethod
+    def _string_input_is_a_user_message(cls, data: Any) -> Any:
+        # Checked as items, so that a bad item's error names its place (`input.0.message.role`).
+        if isinstance(data, dict) and isinstance(data.get("input"), str):
+            return {**data, "input": [{"role": "user", "content": data["input"]}]}
+        return data
 
 
 # --- the response -----------------------------------------------------------------------------------------

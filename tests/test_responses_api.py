@@ -1,0 +1,213 @@
+"""The Responses API (`/v1/responses`): its store and its conversion on their own, then the official `openai`
+client's `client.responses` against a real `sluice serve` with SmolLM2 (greedy, short replies)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from test_api_e2e import API_KEY, AUTH, error_of, post, start_server
+
+from app.responses_api_convert import chat_request
+from app.responses_api_schemas import ResponsesRequest
+from app.responses_api_store import ResponseStore, StoredResponse
+
+# --- the store and the conversion ---------------------------------------------------------------------------
+
+
+def entry(size: int) -> StoredResponse:
+    return StoredResponse("x" * size, "")
+
+
+def test_the_store_evicts_the_least_recently_used_beyond_its_count():
+    store = ResponseStore(max_count=2, max_bytes=1000)
+    store.put("a", entry(1))
+    store.put("b", entry(1))
+    store.get("a")
+    store.put("c", entry(1))
+    assert (store.get("a"), store.get("b"), store.get("c")) == (entry(1), None, entry(1))
+
+
+def test_the_store_evicts_the_oldest_beyond_its_bytes_and_keeps_none_larger_than_them():
+    store = ResponseStore(max_count=10, max_bytes=100)
+    for name in "abc":
+        store.put(name, entry(40))
+    assert (store.get("a"), len(store), store.bytes) == (None, 2, 80)
+    store.put("huge", entry(101))
+    assert (store.get("huge"), len(store)) == (None, 2)
+
+
+def test_items_become_chat_messages_calls_joining_the_assistant_turn_before_them():
+    body = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]})
+    chat = chat_request(body, body.input)
+    assert [(m.role, m.text()) for m in chat.messages] == [
+        ("system", "Be brief."), ("user", "Weather?"), ("assistant", "Let me look."), ("tool", "sunny")]
+    assert chat.messages[2].tool_calls[0].function.name == "get_weather"
+    assert chat.messages[3].tool_call_id == "c1"
+
+
+# --- the openai client against a real server ----------------------------------------------------------------
+
+MODEL = "smollm2-responses"
+STORE_SIZE = 3
+FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
+         "--kv-cache-memory", "96MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui",
+         "--responses-store-size", str(STORE_SIZE)]
+GREEDY = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
+WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                          "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = start_server(*FLAGS)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_a_string_input_is_answered_in_one_message_with_usage(client):
+    reply = client.responses.create(input="What is the capital of France?", **GREEDY)
+    assert reply.id.startswith("resp_") and reply.object == "response" and reply.model == MODEL
+    [message] = reply.output
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
+    assert reply.output_text == message.content[0].text != ""
+    usage = reply.usage
+    assert usage.output_tokens == 12 and usage.total_tokens == usage.input_tokens + 12
+    assert usage.input_tokens_details.cached_tokens >= 0
+
+
+def test_running_out_of_max_output_tokens_is_incomplete(client):
+    reply = client.responses.create(input="Tell me a long story.", **GREEDY)
+    assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
+
+
+def test_items_with_instructions_are_the_same_prompt_as_the_chat_messages(client):
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi!"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"role": "user", "content": "What is 2+2?"}]
+    reply = client.responses.create(input=items, instructions="Answer in one word.", **GREEDY)
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=12,
+        messages=[{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hi!"},
+                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is 2+2?"}])
+    assert reply.output_text == chat.choices[0].message.content
+    assert reply.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_streamed_deltas_reassemble_to_the_unstreamed_text_in_openais_event_order(client):
+    whole = client.responses.create(input="Name a fruit.", **GREEDY)
+    events = list(client.responses.create(input="Name a fruit.", stream=True, **GREEDY))
+    types = [e.type for e in events]
+    deltas = types.count("response.output_text.delta")
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * deltas,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     f"response.{whole.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+
+
+def test_previous_response_id_puts_the_earlier_turn_before_the_new_input(server, client):
+    first = client.responses.create(input="My name is Ann.", **GREEDY)
+    second = client.responses.create(input="What is my name?", previous_response_id=first.id, **GREEDY)
+    messages = [{"role": "user", "content": "My name is Ann."}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "What is my name?"}]
+    prompt = post(server, "/tokenize", {"messages": messages}).json()
+    assert second.usage.input_tokens == prompt["count"]
+    assert second.previous_response_id == first.id
+
+
+def test_the_store_keeps_the_newest_and_an_evicted_id_is_a_404(server, client):
+    ids = [client.responses.create(input=f"Count to {i}.", **{**GREEDY, "max_output_tokens": 1}).id
+           for i in range(STORE_SIZE + 1)]
+    assert client.responses.retrieve(ids[-1]).id == ids[-1]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    error = error_of(httpx.get(f"{server.url}/v1/responses/{ids[0]}", headers=AUTH), 404)
+    assert ids[0] in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input="Go on.", previous_response_id=ids[0], **GREEDY)
+
+
+def test_an_unstored_or_deleted_response_is_gone(client):
+    unstored = client.responses.create(input="Hi", store=False, **{**GREEDY, "max_output_tokens": 1})
+    stored = client.responses.create(input="Hi", **{**GREEDY, "max_output_tokens": 1})
+    client.responses.delete(stored.id)
+    for response_id in (unstored.id, stored.id):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+
+
+def test_a_required_call_follows_the_schema_and_its_output_continues_the_conversation(client):
+    reply = client.responses.create(input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
+                                    parallel_tool_calls=False, model=MODEL, temperature=0, max_output_tokens=60)
+    [call] = reply.output
+    assert reply.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    answer = client.responses.create(
+        previous_response_id=reply.id, tools=[WEATHER],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}], **GREEDY)
+    assert answer.output[0].type == "message"
+    assert answer.usage.input_tokens > reply.usage.input_tokens + reply.usage.output_tokens
+
+
+def test_a_streamed_call_sends_its_arguments_in_fragments_that_join_to_the_unstreamed_call(client):
+    fields = {"input": "Weather in Oslo?", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+              "model": MODEL, "temperature": 0, "max_output_tokens": 60}
+    [call] = client.responses.create(**fields).output
+    events = list(client.responses.create(stream=True, **fields))
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert "".join(fragments) == done.arguments == call.arguments
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].name == "get_weather"
+
+
+def test_a_json_schema_text_format_gives_json_that_follows_the_schema(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    reply = client.responses.create(input="Describe a person as JSON.", model=MODEL, temperature=0,
+                                    max_output_tokens=60,
+                                    text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    assert reply.status == "completed"
+    jsonschema.validate(json.loads(reply.output_text), schema)
+    assert reply.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tools": [{**WEATHER, "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, None),
+    ({"input": [{"role": "oracle", "content": "x"}]}, "input.0.message.role"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+     "input.0.function_call.arguments"),
+    ({"temperature": 3}, "temperature"),
+    ({"background": True}, None),
+])
+def test_bad_fields_are_400_in_openai_shape(server, fields, param):
+    error = error_of(post(server, "/v1/responses", {"model": MODEL, "input": "x", **fields}), 400)
+    assert error["param"] == param, error
+
+
+def test_an_unknown_previous_response_id_is_404(server):
+    error = error_of(post(server, "/v1/responses", {"input": "x", "previous_response_id": "resp_unknown"}), 404)
+    assert error["param"] == "previous_response_id"
