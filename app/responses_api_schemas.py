@@ -25,7 +25,7 @@ from app.schemas import (
 MAX_METADATA_KEYS = 16
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
-# Fields that would change the output but are not implemented: refused by name rather than ignored.
+# Fields that would change the output but are not implemented: refused by name (when set) rather than ignored.
 _UNSUPPORTED = ("background", "conversation", "prompt", "reasoning", "max_tool_calls", "top_logprobs")
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -128,7 +128,7 @@ class ResponsesRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _no_unsupported_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and (given := [name for name in _UNSUPPORTED if data.get(name) is not None]):
+        if isinstance(data, dict) and (given := [name for name in _UNSUPPORTED if data.get(name)]):
             raise ValueError(f"{given[0]} is not supported")
         return data
 
