@@ -3,6 +3,7 @@ client's `client.responses` against a real `sluice serve` with SmolLM2 (greedy, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -12,8 +13,11 @@ import pytest
 
 from test_api_e2e import API_KEY, AUTH, error_of, post, start_server
 
+from app.errors import generation_failed
+from app.responses_api_builder import ResponsesBuilder
 from app.responses_api_convert import chat_request
-from app.responses_api_schemas import ResponsesRequest
+from app.responses_api_schemas import ResponseObject, ResponsesRequest, TextConfig
+from batching.outputs import Increment
 from app.responses_api_store import ResponseStore, StoredResponse
 
 # --- the store and the conversion ---------------------------------------------------------------------------
@@ -53,6 +57,33 @@ def test_items_become_chat_messages_calls_joining_the_assistant_turn_before_them
         ("system", "Be brief."), ("user", "Weather?"), ("assistant", "Let me look."), ("tool", "sunny")]
     assert chat.messages[2].tool_calls[0].function.name == "get_weather"
     assert chat.messages[3].tool_call_id == "c1"
+
+
+class FailingGeneration:
+    """A generation whose engine fails after its first text."""
+
+    usage = None
+
+    async def increments(self):
+        yield Increment(choice=0, text="Hel", token_ids=(1,))
+        raise generation_failed("generation failed: boom")
+
+
+def test_an_engine_error_after_the_200_is_a_response_failed_event_that_ends_the_stream():
+    response = ResponseObject(id="resp_x", created_at=0, status="in_progress", instructions=None,
+                              max_output_tokens=None, model="m", output=[], parallel_tool_calls=True,
+                              previous_response_id=None, temperature=1.0, top_p=1.0, tool_choice="auto", tools=[],
+                              text=TextConfig(), store=True, metadata={})
+    stored = []
+
+    async def events() -> list[bytes]:
+        return [e async for e in ResponsesBuilder(response, None, stored.append).events(FailingGeneration())]
+
+    frames = asyncio.run(events())
+    last = json.loads(frames[-1].decode().split("data: ", 1)[1])
+    assert frames[-1].startswith(b"event: response.failed\n")
+    assert last["response"]["status"] == "failed" and last["response"]["error"]["message"].endswith("boom")
+    assert b"response.output_text.delta" in frames[-2] and stored == []
 
 
 # --- the openai client against a real server ----------------------------------------------------------------
