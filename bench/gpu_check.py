@@ -14,8 +14,8 @@ step starts with the device's memory free; all under one time budget (--budget-s
 3. kernel benchmark (`bench.kernels`): decode at batch {1, 8, 64, 256} x context {512, 2048, 8192},
    Llama-3-8B heads, bf16: time per call and bandwidth of both kernel families, the jnp/XLA reference and
    jax's shipped kernel (Mosaic again in its own process).
-4. engine (`bench.engine_check`), one process per model: SmolLM2-135M, Llama-3.2-1B, Llama-3-8B (skipped
-   when the device cannot hold it), random weights with real shapes, bf16, concurrency 1, 64 and 256, with a
+4. engine (`bench.engine_check`), one process per model: Llama-3-8B (skipped when the device cannot hold
+   it), SmolLM2-135M, Llama-3.2-1B, random weights with real shapes, bf16, concurrency 1, 64 and 256, with a
    profiler trace of decode steps at each (`bench.device_profile`: device busy against the step period).
 5. step audit (`bench.step_audit`): the compiled decode step's bytes and HLO findings on this device.
 
@@ -47,14 +47,15 @@ from pathlib import Path
 from bench.gpu_report import KERNEL_BACKENDS, StepResult, report
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b")
+# Llama-3-8B first: its figures are the ones the GPU issues are judged by, so a tight budget cuts the others.
+GPU_MODELS = ("llama-3-8b", "smollm2-135m", "llama-3.2-1b")
 CPU_MODELS = ("tiny",)
 STEP_NAMES = ("kernel-tests", "kernel-bench", "engine", "step-audit")
 # Seconds a step needs at least to be worth starting, and the most each may take (GPU sizes).
 MIN_STEP_S = 20.0
 CAPS_S = {"probe": 120.0, "kernel-tests": 150.0, "kernel-tests-mosaic": 90.0, "kernel-bench": 150.0,
           "kernel-bench-mosaic": 60.0, "engine-smollm2-135m": 150.0, "engine-llama-3.2-1b": 150.0,
-          "engine-llama-3-8b": 240.0, "engine-tiny": 120.0, "step-audit": 90.0}
+          "engine-llama-3-8b": 300.0, "engine-tiny": 120.0, "step-audit": 90.0}
 # The CPU subset of the kernel tests: one case of each kind, every backend (Mosaic's skip included).
 CPU_TEST_FILTER = ("test_decode_gives_zeros or (ragged_matches and (0-reference or 0-pallas)) or shipped "
                    "or mosaic_backend or (lowers_for_cuda and smollm2-135m-bf16)")
