@@ -3,7 +3,8 @@ one), and the same latencies and errors kept raw for the dashboard (`dashboard/r
 
 Latencies are measured by the HTTP side from each request's arrival (`generation.py`); engine numbers are read
 at scrape time from the stats snapshot the engine publishes after every step (no lock, at most a step old).
-Ratios such as the prefix-cache hit rate are left to PromQL over the exported counters.
+Ratios such as the prefix-cache hit rate are left to PromQL over the exported counters. The gauges inference
+gateways read are also exported under vLLM's names (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, ...).
 """
 
 from __future__ import annotations
@@ -110,9 +111,10 @@ class _EngineCollector:
                 ("sluice_spec_decode_num_draft_tokens", "Draft tokens verified", stats.spec.num_draft_tokens),
                 ("sluice_spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.spec.num_accepted_tokens),
             ]
-        for name, documentation, value in gauges:
+        vllm_gauges, vllm_counters = _vllm_named(stats)
+        for name, documentation, value in gauges + vllm_gauges:
             yield GaugeMetricFamily(name, documentation, value=value)
-        for name, documentation, value in counters:
+        for name, documentation, value in counters + vllm_counters:
             yield CounterMetricFamily(name, documentation, value=value)
         if stats.spec is not None:
             per_position = CounterMetricFamily("sluice_spec_decode_num_accepted_tokens_per_pos",
@@ -120,3 +122,21 @@ class _EngineCollector:
             for position, value in enumerate(stats.spec.accepted_per_position):
                 per_position.add_metric([str(position)], value)
             yield per_position
+
+
+def _vllm_named(stats: EngineStats) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
+    """(gauges, counters) under vLLM's names, read by inference gateways (the Gateway API Inference Extension,
+    llm-d) to pick a replica by load and KV use; the same values as Sluice's own."""
+    usage = stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
+    gauges = [
+        ("vllm:num_requests_running", "Requests in the running batch (vLLM's name)", stats.num_requests_running),
+        ("vllm:num_requests_waiting", "Requests waiting for a batch slot (vLLM's name)", stats.num_requests_waiting),
+        ("vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use, 0 to 1 (vLLM's name)", usage),
+    ]
+    counters = [
+        ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's name)",
+         stats.prefix_cache_query_tokens),
+        ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (vLLM's name)",
+         stats.prefix_cache_hit_tokens),
+    ]
+    return gauges, counters

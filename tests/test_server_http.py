@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 
 import pytest
 from starlette.testclient import TestClient
 
+from batching.stats import EngineStats
+
+from app.metrics import ServerMetrics
 from app.serve import add_arguments, byte_size
 from app.server import create_app
 from app.streaming import DONE, KEEPALIVE, EventStreamResponse, sse_event
@@ -90,6 +94,20 @@ def test_each_app_has_its_own_metrics_registry():
     first, second = client(), client()
     first.get("/health")
     assert 'route="/health"' not in second.get("/metrics").text
+
+
+def test_gateways_read_the_engine_gauges_under_vllms_names_with_sluices_values():
+    stats = EngineStats(num_requests_running=3, num_requests_waiting=5, num_seqs_running=4, num_seqs_waiting=6,
+                        kv_pages_used=30, kv_pages_total=120, prefix_cache_hit_tokens=700,
+                        prefix_cache_query_tokens=1000, num_preemptions=0, prompt_tokens_total=1000,
+                        generation_tokens_total=50, num_steps=9, last_step=None)
+    text = ServerMetrics(lambda: stats).render().decode()
+    sample = lambda name: float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE).group(1))
+    assert sample("vllm:num_requests_running") == sample("sluice_num_requests_running") == 3
+    assert sample("vllm:num_requests_waiting") == sample("sluice_num_requests_waiting") == 5
+    assert sample("vllm:kv_cache_usage_perc") == sample("sluice_kv_pages_used") / sample("sluice_kv_pages_total")
+    assert sample("vllm:prefix_cache_hits_total") == sample("sluice_prefix_cache_hit_tokens_total") == 700
+    assert sample("vllm:prefix_cache_queries_total") == sample("sluice_prefix_cache_query_tokens_total") == 1000
 
 
 def test_sse_event_frames_json_compactly():
