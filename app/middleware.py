@@ -8,7 +8,8 @@ import json
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import body_too_large, error_response, unauthorized
+from app.anthropic_errors import error_response_for
+from app.errors import body_too_large, unauthorized
 from app.metrics import ServerMetrics
 
 # Probes, scrapers and API explorers do not hold the API key (nor does a browser opening the dashboard page).
@@ -16,7 +17,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches, compared in constant time, on all but `open_paths`."""
+    """401 unless `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's header) matches, compared in
+    constant time, on all but `open_paths`."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
@@ -25,9 +27,11 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._open_paths:
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
-                await error_response(unauthorized())(scope, receive, send)
+            headers = Headers(scope=scope)
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            keys = [token.strip() if scheme.lower() == "bearer" else None, headers.get("x-api-key")]
+            if not any(key is not None and hmac.compare_digest(key.encode(), self._key) for key in keys):
+                await error_response_for(scope["path"], unauthorized())(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -49,7 +53,7 @@ class BodySizeLimitMiddleware:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
-            await error_response(body_too_large(self._max_bytes))(scope, receive, send)
+            await error_response_for(scope["path"], body_too_large(self._max_bytes))(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -60,7 +64,7 @@ class BodySizeLimitMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self._max_bytes:
-                await error_response(body_too_large(self._max_bytes))(scope, receive, send)
+                await error_response_for(scope["path"], body_too_large(self._max_bytes))(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break

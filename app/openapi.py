@@ -26,7 +26,7 @@ _ERROR_STATUSES = {
 class Operation:
     """What a route takes and returns. `stream_chunk`: with `stream: true` the route answers with
     `text/event-stream`, each event's data one such chunk (or an error, then `[DONE]`);
-    `media_type` for a response that is not JSON (its schema is then a string)."""
+    `media_type` for a response that is not JSON (its schema is then a string); `error`: the body of its errors."""
 
     path: str
     method: str
@@ -35,6 +35,7 @@ class Operation:
     response: type[BaseModel] | None = None
     stream_chunk: type[BaseModel] | None = None
     media_type: str = "application/json"
+    error: type[BaseModel] = ErrorResponse
 
 
 def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
@@ -49,23 +50,23 @@ def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any
 
 def openapi_document(operations: list[Operation], title: str, version: str, bearer_auth: bool,
                      open_paths: frozenset[str]) -> dict[str, Any]:
-    """With `bearer_auth`, every path but `open_paths` needs `Authorization: Bearer <key>`."""
-    models = {m for op in operations for m in (op.request, op.response, op.stream_chunk) if m is not None}
-    models.add(ErrorResponse)
+    """With `bearer_auth`, every path but `open_paths` needs `Authorization: Bearer <key>` (or `x-api-key: <key>`,
+    as Anthropic's clients send it)."""
+    models = {m for op in operations for m in (op.request, op.response, op.stream_chunk, op.error) if m is not None}
     keys = sorted(((m, "validation" if _is_request(m, operations) else "serialization") for m in models),
                   key=lambda key: key[0].__name__)
     refs, definitions = models_json_schema(keys, ref_template="#/components/schemas/{model}")
     ref = {model: schema for (model, _), schema in refs.items()}
-    error = {"content": {"application/json": {"schema": ref[ErrorResponse]}}}
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
+        error = {"content": {"application/json": {"schema": ref[op.error]}}}
         success: dict[str, Any] = {"description": "OK"}
         if op.response is not None:
             success["content"] = {op.media_type: {"schema": ref[op.response]}}
         elif op.media_type != "application/json":
             success["content"] = {op.media_type: {"schema": {"type": "string"}}}
         if op.stream_chunk is not None:
-            event = _event_schema(ref[op.stream_chunk], ref[ErrorResponse])
+            event = _event_schema(ref[op.stream_chunk], ref[op.error])
             success["content"]["text/event-stream"] = {"schema": event}
         operation: dict[str, Any] = {
             "summary": op.summary,
@@ -87,8 +88,9 @@ def openapi_document(operations: list[Operation], title: str, version: str, bear
         "components": {"schemas": definitions.get("$defs", {})},
     }
     if bearer_auth:
-        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        document["security"] = [{"bearer": []}]
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                      "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+        document["security"] = [{"bearer": []}, {"apiKey": []}]
     return document
 
 

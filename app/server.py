@@ -22,6 +22,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.dashboard import routes as dashboard
+from app.anthropic_errors import error_response_for
+from app.anthropic_messages import count_message_tokens, create_message
+from app.anthropic_schemas import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    Message,
+    MessagesRequest,
+    MessageStreamEvent,
+)
 from app.dashboard.feed import Feed
 from app.errors import APIError, error_response, not_ready
 from app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
@@ -83,6 +93,11 @@ ROUTES: list[tuple[Handler, Operation]] = [
                                   CompletionRequest, CompletionResponse, stream_chunk=CompletionResponse)),
     (create_chat_completion, Operation("/v1/chat/completions", "POST", "Chat completion (OpenAI)",
                                        ChatCompletionRequest, ChatCompletionResponse, stream_chunk=ChatCompletionChunk)),
+    (create_message, Operation("/v1/messages", "POST", "Messages (Anthropic)", MessagesRequest, Message,
+                               stream_chunk=MessageStreamEvent, error=AnthropicErrorResponse)),
+    (count_message_tokens, Operation("/v1/messages/count_tokens", "POST", "A Messages request's prompt length "
+                                     "(Anthropic)", CountTokensRequest, CountTokensResponse,
+                                     error=AnthropicErrorResponse)),
     (create_response, Operation("/v1/responses", "POST", "Create a response (OpenAI's Responses API)",
                                 ResponsesRequest, ResponseObject, stream_chunk=ResponseStreamEvent)),
     (get_response, Operation("/v1/responses/{response_id}", "GET", "A stored response", response=ResponseObject)),
@@ -137,14 +152,15 @@ def create_app(state: ServerState) -> Starlette:
 
 async def _api_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, APIError)
-    return error_response(error)
+    return error_response_for(request.url.path, error)
 
 
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
-    return error_response(APIError(error.status_code, error.detail, headers=dict(error.headers or {})))
+    return error_response_for(request.url.path,
+                              APIError(error.status_code, error.detail, headers=dict(error.headers or {})))
 
 
 async def _unexpected_error(request: Request, error: Exception) -> Response:
     logger.exception("unhandled error on %s", request.url.path)
-    return error_response(APIError(500, "Internal server error", type="server_error"))
+    return error_response_for(request.url.path, APIError(500, "Internal server error", type="server_error"))

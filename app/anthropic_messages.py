@@ -1,0 +1,116 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+A request is checked against `anthropic_schemas.py`, then turned into the chat request it means and served by the
+chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars forcing calls):
+
+    system                       -> a system message
+    text blocks                  -> a message's text
+    tool_use blocks (assistant)  -> the assistant message's tool_calls (input as arguments)
+    tool_result blocks (user)    -> tool messages, in place
+    tool_choice auto/any/tool/none -> auto/required/named/none; disable_parallel_tool_use -> parallel_tool_calls
+    max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
+
+Only the reply's shape is Anthropic's own (`anthropic_responses.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.anthropic_responses import MessageBuilder
+from app.anthropic_schemas import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageParam,
+    MessagesRequest,
+    TextBlockParam,
+    ToolChoice,
+    ToolChoiceAny,
+    ToolChoiceNone,
+    ToolChoiceTool,
+    ToolResultBlockParam,
+)
+from app.errors import from_validation_error
+from app.generation import respond, start_generation
+from app.prompts import chat_prompt
+from app.routes import check_tool_schemas, json_response, parse_body, plan_chat
+from app.schemas import ChatCompletionRequest
+
+
+async def create_message(request: Request) -> Response:
+    arrival = time.perf_counter()
+    state, engine, body = await parse_body(request, MessagesRequest)
+    chat = await plan_chat(state, engine, chat_request(body))
+    message_id = f"msg_{uuid.uuid4().hex}"
+    generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
+    builder = MessageBuilder(message_id, state.model_name, engine.tokenizer, len(chat.prompt.token_ids),
+                             body.stop_sequences, chat.calling)
+    return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+async def count_message_tokens(request: Request) -> Response:
+    """The length of the prompt `/v1/messages` would render for the same system, messages and tools."""
+    _, engine, body = await parse_body(request, CountTokensRequest)
+    chat = chat_request(body)
+    if chat.tools:
+        await asyncio.to_thread(check_tool_schemas, engine, chat.tools)
+    prompt = chat_prompt(engine.tokenizer, chat.messages, tools=chat.active_tools())
+    return json_response(CountTokensResponse(input_tokens=len(prompt.token_ids)))
+
+
+def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request `body` means (see the module's table); what the chat request checks beyond Anthropic's
+    schema (a tool_choice naming no tool, say) is a 400 here."""
+    system = body.system_text()
+    data: dict[str, Any] = {
+        "messages": ([{"role": "system", "content": system}] if system else [])
+                    + [m for message in body.messages for m in _chat_messages(message)],
+        "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                    "parameters": t.input_schema}} for t in body.tools],
+    }
+    if body.tool_choice is not None:
+        data["tool_choice"] = _tool_choice(body.tool_choice)
+        if not isinstance(body.tool_choice, ToolChoiceNone):
+            data["parallel_tool_calls"] = not body.tool_choice.disable_parallel_tool_use
+    if isinstance(body, MessagesRequest):
+        data |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences, "temperature": body.temperature,
+                 "top_p": body.top_p, "top_k": body.top_k}
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def _tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    if isinstance(choice, ToolChoiceTool):
+        return {"type": "function", "function": {"name": choice.name}}
+    return "required" if isinstance(choice, ToolChoiceAny) else choice.type
+
+
+def _chat_messages(message: MessageParam) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: an assistant's is one (text and calls); a user's is its tool
+    results and runs of text, in order."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    if message.role == "assistant":
+        texts = [{"type": "text", "text": b.text} for b in message.content if isinstance(b, TextBlockParam)]
+        calls = [{"id": b.id, "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+                 for b in message.content if not isinstance(b, TextBlockParam)]
+        return [{"role": "assistant", "content": texts, "tool_calls": calls or None}]
+    messages: list[dict[str, Any]] = []
+    for block in message.content:
+        if isinstance(block, ToolResultBlockParam):
+            messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+        elif messages and messages[-1]["role"] == "user":
+            messages[-1]["content"].append({"type": "text", "text": block.text})
+        else:
+            messages.append({"role": "user", "content": [{"type": "text", "text": block.text}]})
+    return messages

@@ -1,0 +1,179 @@
+"""Engine increments shaped into Anthropic's `message`, whole (`collect`) or as its stream of events (`events`).
+
+The reply's text is read for tool calls as on the chat route (`ToolCalling`): calls become `tool_use` blocks with
+their input parsed, the rest of the text a `text` block. Streamed, each block opens with `content_block_start`,
+grows by `text_delta`s or `input_json_delta`s and closes with `content_block_stop`; `message_delta` then carries
+the stop reason and usage. An error during a stream becomes an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from batching.outputs import FinishReason
+from model.tokenizer import Tokenizer
+
+from app.anthropic_errors import anthropic_error
+from app.anthropic_schemas import (
+    ContentBlockDeltaEvent,
+    ContentBlockStartEvent,
+    ContentBlockStopEvent,
+    InputJsonDelta,
+    Message,
+    MessageDelta,
+    MessageDeltaEvent,
+    MessageStartEvent,
+    MessageStopEvent,
+    MessageUsage,
+    StopReason,
+    TextBlock,
+    TextDeltaBody,
+    ToolUseBlock,
+)
+from app.errors import APIError
+from app.generation import Generation
+from app.tool_calls import ArgumentsDelta, CallStart, StreamEvent, TextDelta, ToolCalling
+
+
+def sse(event: BaseModel) -> bytes:
+    """One event as Anthropic frames it: its `type` on the `event:` line, the JSON on the `data:` line."""
+    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n".encode()
+
+
+def new_tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def first_stop_sequence(output: str, sequences: Sequence[str]) -> str | None:
+    """The stop sequence found first in the decoded output, or None.
+
+    The engine cuts the text at the first stop string it finds and does not say which; the output cannot hold
+    another one before it (it would have stopped there), so the earliest one in the decoded tokens is the one.
+    """
+    hits = [(at, i) for i, s in enumerate(sequences) if (at := output.find(s)) >= 0]
+    return sequences[min(hits)[1]] if hits else None
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's input; `{}` for one that max_tokens cut off (a forced call streams its arguments as they come, so
+    an unfinished one is still a call)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
+
+
+class MessageBuilder:
+    """One generation (one choice) as an Anthropic `message`. `input_tokens`: the prompt's length, known before
+    the engine reports usage (`message_start` carries it); `calling`: what the text is read for (None: no tools)."""
+
+    def __init__(self, message_id: str, model: str, tokenizer: Tokenizer, input_tokens: int,
+                 stop_sequences: Sequence[str], calling: ToolCalling | None) -> None:
+        self._id = message_id
+        self._model = model
+        self._tokenizer = tokenizer
+        self._input_tokens = input_tokens
+        self._stop_sequences = stop_sequences
+        self._calling = calling
+        self._token_ids: list[int] = []
+        self._finish: FinishReason | None = None
+
+    async def collect(self, generation: Generation) -> Message:
+        text = ""
+        async for increment in generation.increments():
+            text += increment.text
+            self._record(increment.token_ids, increment.finish_reason)
+        content, calls = self._calling.parse(text) if self._calling is not None else (text, [])
+        blocks: list[TextBlock | ToolUseBlock] = [TextBlock(text=content)] if content else []
+        blocks += [ToolUseBlock(id=new_tool_use_id(), name=c.name, input=_input(c.arguments)) for c in calls]
+        stop_reason, stop_sequence = self._stop(bool(calls))
+        return self._message(blocks, stop_reason, stop_sequence, self._usage(generation))
+
+    def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        return self._events(generation)
+
+    async def _events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
+        start = self._message([], None, None, MessageUsage(input_tokens=self._input_tokens, output_tokens=0))
+        yield sse(MessageStartEvent(message=start))
+        blocks = _Blocks()
+        reader = self._calling.stream() if self._calling is not None else None
+        try:
+            async for increment in generation.increments():
+                self._record(increment.token_ids, increment.finish_reason)
+                if reader is None:
+                    pieces: list[StreamEvent] = [TextDelta(increment.text)] if increment.text else []
+                else:
+                    pieces = reader.push(increment.text) + (reader.finish() if increment.finished else [])
+                for piece in pieces:
+                    for event in blocks.add(piece):
+                        yield sse(event)
+            for event in blocks.close():
+                yield sse(event)
+            stop_reason, stop_sequence = self._stop(reader is not None and reader.calls > 0)
+            yield sse(MessageDeltaEvent(delta=MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
+                                        usage=self._usage(generation)))
+            yield sse(MessageStopEvent())
+        except APIError as error:
+            yield sse(anthropic_error(error))
+
+    def _record(self, token_ids: Sequence[int], finish: FinishReason | None) -> None:
+        self._token_ids.extend(token_ids)
+        self._finish = finish or self._finish
+
+    def _stop(self, called: bool) -> tuple[StopReason, str | None]:
+        if self._finish == "length":
+            return "max_tokens", None
+        if called:
+            return "tool_use", None
+        if self._stop_sequences:
+            sequence = first_stop_sequence(self._tokenizer.decode(self._token_ids), self._stop_sequences)
+            if sequence is not None:
+                return "stop_sequence", sequence
+        return "end_turn", None
+
+    def _usage(self, generation: Generation) -> MessageUsage:
+        usage = generation.usage
+        output_tokens = usage.completion_tokens if usage is not None else len(self._token_ids)
+        return MessageUsage(input_tokens=self._input_tokens, output_tokens=output_tokens)
+
+    def _message(self, content: list[TextBlock | ToolUseBlock], stop_reason: StopReason | None,
+                 stop_sequence: str | None, usage: MessageUsage) -> Message:
+        return Message(id=self._id, model=self._model, content=content, stop_reason=stop_reason,
+                       stop_sequence=stop_sequence, usage=usage)
+
+
+class _Blocks:
+    """The content blocks of a stream: a text delta goes to the open text block (opening one if a call or nothing
+    is open), each call starts a tool_use block, and its arguments' fragments go to it."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._open: Literal["text", "tool_use"] | None = None
+
+    def add(self, piece: StreamEvent) -> list[BaseModel]:
+        if isinstance(piece, ArgumentsDelta):
+            return [ContentBlockDeltaEvent(index=self._count - 1, delta=InputJsonDelta(partial_json=piece.text))]
+        if isinstance(piece, TextDelta) and self._open == "text":
+            return [ContentBlockDeltaEvent(index=self._count - 1, delta=TextDeltaBody(text=piece.text))]
+        events = self.close()
+        if isinstance(piece, TextDelta):
+            events += [ContentBlockStartEvent(index=self._count, content_block=TextBlock(text="")),
+                       ContentBlockDeltaEvent(index=self._count, delta=TextDeltaBody(text=piece.text))]
+            self._open = "text"
+        else:
+            block = ToolUseBlock(id=new_tool_use_id(), name=piece.name, input={})
+            events.append(ContentBlockStartEvent(index=self._count, content_block=block))
+            self._open = "tool_use"
+        self._count += 1
+        return events
+
+    def close(self) -> list[BaseModel]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [ContentBlockStopEvent(index=self._count - 1)]

@@ -1,0 +1,232 @@
+"""Pydantic models of Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`): requests, the
+`message` response, its stream events and the error body.
+
+Requests are checked here as the OpenAI ones are in `schemas.py` (types and ranges; unknown fields ignored;
+content blocks Sluice cannot show the model, such as images, rejected by their `type`), then turned into a chat
+request by `anthropic_messages.py`, which checks what the two APIs share.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, RootModel, field_validator, model_validator
+
+from app.schemas import MAX_STOP_STRINGS, MAX_TOOLS, ToolName, _Request
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class TextBlockParam(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlockParam(_Request):
+    """A call the assistant made earlier in the conversation."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlockParam(_Request):
+    """A call's result, in a user message."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlockParam] = ""
+    is_error: bool = False
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "\n".join(block.text for block in self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam, Field(discriminator="type")]
+
+
+class MessageParam(_Request):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlockParam]
+
+    @model_validator(mode="after")
+    def _blocks_of_the_role(self) -> MessageParam:
+        blocks = [] if isinstance(self.content, str) else self.content
+        if self.role == "user" and any(isinstance(b, ToolUseBlockParam) for b in blocks):
+            raise ValueError("tool_use blocks belong in assistant messages")
+        if self.role == "assistant" and any(isinstance(b, ToolResultBlockParam) for b in blocks):
+            raise ValueError("tool_result blocks belong in user messages")
+        return self
+
+
+class ToolParam(_Request):
+    type: Literal["custom"] | None = None
+    name: ToolName
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(description="a JSON schema of the call's input object")
+
+
+class _ToolChoiceBase(_Request):
+    disable_parallel_tool_use: bool = Field(False, description="with any: exactly one call")
+
+
+class ToolChoiceAuto(_ToolChoiceBase):
+    type: Literal["auto"]
+
+
+class ToolChoiceAny(_ToolChoiceBase):
+    type: Literal["any"]
+
+
+class ToolChoiceTool(_ToolChoiceBase):
+    type: Literal["tool"]
+    name: str
+
+
+class ToolChoiceNone(_Request):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+
+
+class CountTokensRequest(_Request):
+    """What a prompt is rendered from; `/v1/messages/count_tokens` takes this alone."""
+
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlockParam] | None = None
+    tools: list[ToolParam] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
+    thinking: dict[str, Any] | None = Field(None, description='not supported: only {"type": "disabled"}')
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_thinking(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type") != "disabled":
+            raise ValueError("extended thinking is not supported")
+        return value
+
+    def system_text(self) -> str | None:
+        if self.system is None or isinstance(self.system, str):
+            return self.system
+        return "\n".join(block.text for block in self.system)
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0: no top-k filter")
+    stream: bool = False
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+class TextBlock(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class Message(BaseModel):
+    """The whole reply; also the `message` of a stream's `message_start` (no content or stop reason yet)."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[ContentBlock]
+    stop_reason: StopReason | None
+    stop_sequence: str | None = None
+    usage: MessageUsage
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
+
+
+class TextDeltaBody(BaseModel):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class InputJsonDelta(BaseModel):
+    """A fragment of a tool_use block's input, as JSON text; the fragments join to the whole input."""
+
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
+class MessageStartEvent(BaseModel):
+    type: Literal["message_start"] = "message_start"
+    message: Message
+
+
+class ContentBlockStartEvent(BaseModel):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int
+    content_block: ContentBlock
+
+
+class ContentBlockDeltaEvent(BaseModel):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int
+    delta: Annotated[TextDeltaBody | InputJsonDelta, Field(discriminator="type")]
+
+
+class ContentBlockStopEvent(BaseModel):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int
+
+
+class MessageDelta(BaseModel):
+    stop_reason: StopReason
+    stop_sequence: str | None = None
+
+
+class MessageDeltaEvent(BaseModel):
+    type: Literal["message_delta"] = "message_delta"
+    delta: MessageDelta
+    usage: MessageUsage
+
+
+class MessageStopEvent(BaseModel):
+    type: Literal["message_stop"] = "message_stop"
+
+
+StreamEvent = (MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
+               | MessageDeltaEvent | MessageStopEvent)
+
+
+class MessageStreamEvent(RootModel[Annotated[StreamEvent, Field(discriminator="type")]]):
+    """Any one event of a `stream: true` reply (each sent as `event: <type>` and `data: <this>`)."""
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail

@@ -1,0 +1,203 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), driven by the official `anthropic` client
+against a real `sluice serve` with a tiny random model (ChatML template, no tools of its own: tools go the default
+Hermes way, and `any` / `tool` choices are forced by the grammar, so calls are valid whatever the weights)."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from app.anthropic_messages import chat_request
+from app.anthropic_responses import first_stop_sequence
+from app.anthropic_schemas import MessagesRequest
+from model.config import ModelConfig
+
+from hf_folder import write_hf_folder
+from test_api_e2e import API_KEY, start_server
+from test_api_fuzz import CHATML
+
+MODEL = "tiny-anthropic"
+# The tools prompt is long in a byte-level vocabulary of 288 tokens (the model's and the tokenizer's, above the
+# 259 symbols that grammars need):
+# room for it and a round trip.
+FLAGS = ["--max-model-len", "2048", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+         "--kv-cache-memory", "16MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui"]
+HELLO = [{"role": "user", "content": "the quick brown fox"}]
+# The client no longer has sampling arguments of its own; the API still takes them.
+GREEDY = {"extra_body": {"temperature": 0}}
+# Bounded strings and an enum: a random model cannot run on until max_tokens inside the call (about 120 byte-level
+# tokens with its forced head and tail).
+WEATHER = {
+    "name": "get_weather",
+    "description": "The current weather of a city",
+    "input_schema": {"type": "object",
+                     "properties": {"city": {"type": "string", "maxLength": 8},
+                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                     "required": ["city", "unit"]},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("anthropic") / "tiny"
+    write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=2048), seed=5)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    proc = start_server("--model", str(folder), *FLAGS, env={"SLUICE_HOME": str(tmp_path_factory.mktemp("home"))})
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_create_returns_a_message_with_text_usage_and_a_stop_reason(client):
+    message = client.messages.create(model=MODEL, max_tokens=8, messages=HELLO,
+                                     system=[{"type": "text", "text": "Be brief."}])
+    assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
+    assert message.model == MODEL and message.stop_reason in ("end_turn", "max_tokens")
+    assert [block.type for block in message.content] in ([], ["text"])
+    assert message.usage.input_tokens > 0 and 0 < message.usage.output_tokens <= 8
+
+
+def test_a_stream_assembles_to_the_unstreamed_message_at_temperature_0(client):
+    kwargs = dict(model=MODEL, max_tokens=12, messages=HELLO, **GREEDY, system="Be brief.")
+    whole = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        events = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert [b.text for b in streamed.content] == [b.text for b in whole.content]
+    assert streamed.stop_reason == whole.stop_reason
+    assert streamed.usage.input_tokens == whole.usage.input_tokens
+    assert streamed.usage.output_tokens == whole.usage.output_tokens > 0
+    assert events[0] == "message_start" and events[-1] == "message_stop" and "message_delta" in events
+
+
+def test_a_stop_sequence_is_named_as_the_stop_reason(client):
+    free = client.messages.create(model=MODEL, max_tokens=16, messages=HELLO, **GREEDY)
+    text = free.content[0].text
+    stop = next(char for char in text[1:] if char.isascii() and char.isalnum())  # whole characters of the output
+    message = client.messages.create(model=MODEL, max_tokens=16, messages=HELLO, **GREEDY,
+                                     stop_sequences=["never there", stop])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert stop not in "".join(block.text for block in message.content)
+
+
+def test_the_first_stop_sequence_in_the_output_is_the_one_that_stopped_it():
+    assert first_stop_sequence("ab STOP cd END", ["END", "STOP"]) == "STOP"
+    assert first_stop_sequence("no stop here", ["END"]) is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_any_gives_a_valid_tool_use_and_a_tool_result_continues(client, stream):
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    request = dict(model=MODEL, max_tokens=200, tools=[WEATHER], messages=question, **GREEDY,
+                   tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    if stream:
+        with client.messages.stream(**request) as events:
+            first = events.get_final_message()
+    else:
+        first = client.messages.create(**request)
+    assert first.stop_reason == "tool_use"
+    [call] = [block for block in first.content if block.type == "tool_use"]
+    assert call.name == "get_weather" and call.id.startswith("toolu_")
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "18 C"}
+    conversation = [*question, {"role": "assistant", "content": first.content}, {"role": "user", "content": [result]}]
+    reply = client.messages.create(**{**request, "tool_choice": {"type": "auto"}, "max_tokens": 6,
+                                      "messages": conversation})
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    assert reply.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_off_by_max_tokens_stops_for_max_tokens(client, stream):
+    request = dict(model=MODEL, max_tokens=30, tools=[WEATHER], messages=HELLO, tool_choice={"type": "any"})
+    if stream:
+        with client.messages.stream(**request) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**request)
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 30
+
+
+def test_a_named_tool_choice_calls_that_tool(client):
+    other = {**WEATHER, "name": "get_time"}
+    message = client.messages.create(model=MODEL, max_tokens=200, tools=[other, WEATHER], **GREEDY,
+                                     tool_choice={"type": "tool", "name": "get_weather"}, messages=HELLO)
+    assert [block.name for block in message.content if block.type == "tool_use"] == ["get_weather"]
+
+
+def test_blocks_become_the_chat_messages_they_mean():
+    body = MessagesRequest.model_validate({
+        "model": MODEL, "max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}], "tools": [WEATHER],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "stop_sequences": ["END"],
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Looking."},
+                                              {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                                          "content": [{"type": "text", "text": "down"}]},
+                                         {"type": "text", "text": "And?"}]},
+        ]})
+    chat = chat_request(body)
+    assert [(m.role, m.text()) for m in chat.messages] == [
+        ("system", "Be brief."), ("user", "Weather?"), ("assistant", "Looking."), ("tool", "Error: down"),
+        ("user", "And?")]
+    [call] = chat.messages[2].tool_calls
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == ("toolu_1", "get_weather",
+                                                                                   {"city": "Oslo"})
+    assert chat.messages[3].tool_call_id == "toolu_1"
+    assert chat.tools[0].function.parameters == WEATHER["input_schema"]
+    assert chat.tool_choice == "required" and not chat.parallel_tool_calls and chat.stop == ["END"]
+
+
+def test_count_tokens_counts_the_prompt_that_create_renders(client):
+    kwargs = dict(model=MODEL, messages=HELLO, system="Be brief.", tools=[WEATHER])
+    counted = client.messages.count_tokens(**kwargs).input_tokens
+    assert counted == client.messages.create(**kwargs, max_tokens=1).usage.input_tokens
+    assert counted > client.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens
+
+
+def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
+    body = {"model": MODEL, "messages": HELLO}
+    url = f"{server.url}/v1/messages/count_tokens"
+    assert httpx.post(url, json=body, headers={"x-api-key": API_KEY}).status_code == 200
+    assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    with anthropic.Anthropic(base_url=server.url, auth_token=API_KEY, max_retries=0) as bearer:
+        assert bearer.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens > 0
+    with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as wrong:
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            wrong.messages.create(model=MODEL, max_tokens=4, messages=HELLO)
+    assert caught.value.body["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"messages": HELLO}, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": 4, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "launch"}},
+     "launch"),
+    ({"messages": HELLO, "max_tokens": 4,
+      "tools": [{**WEATHER, "input_schema": {"type": "object", "properties": {"a": {"type": "banana"}}}}]},
+     "tools.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "messages"),
+    ({"messages": HELLO, "max_tokens": 4, "temperature": 1.5}, "temperature"),
+])
+def test_bad_requests_are_400_invalid_request_errors_in_anthropics_shape(server, fields, words):
+    response = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, **fields}, headers={"x-api-key": API_KEY})
+    body = response.json()
+    assert response.status_code == 400 and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error" and words in body["error"]["message"]
+
+
+def test_an_unknown_model_is_a_404_not_found_error(client):
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.messages.create(model="claude-elsewhere", max_tokens=4, messages=HELLO)
+    assert caught.value.body["error"]["type"] == "not_found_error"
