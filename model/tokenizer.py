@@ -290,6 +290,8 @@ class ByteDetokenizer:
         """Appends tokens and returns the text they complete (possibly "")."""
         text = ""
         for token_id in new_ids:
+            if token_id >= len(self._pieces.bytes):
+                continue  # a model's vocabulary padded past the tokenizer's: no text, as for a special token
             if not self._held and (piece := self._pieces.text[token_id]) is not None:
                 text += piece
                 continue

@@ -59,6 +59,12 @@ def test_the_byte_level_stream_gives_the_text_of_the_library_stream(tokenizer):
             start += len(group)
 
 
+def test_ids_of_a_vocabulary_padded_past_the_tokenizers_give_no_text(tokenizer):
+    hello = tokenizer.encode("Hello")
+    stream = tokenizer.decode_stream([])
+    assert stream.push([*hello, tokenizer.vocab_size, tokenizer.vocab_size + 63]) == "Hello"
+
+
 def test_chat_template_gets_hugging_face_globals_filters_and_loop_controls(tokenizer):
     template = (
         "{% if tools %}TOOLS{% endif %}"
