@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # The CPU kernels (C++, XLA FFI) build for the CPU's best variant (pallas_kernels/cpu_build.py); without them the
 # fastest pure-XLA forms run.
 model: $(STAMP)
-	$(BIN)/python -m pallas_kernels.cpu_library
+	$(BIN)/python -m sluice.pallas_kernels.cpu_library
 	$(BIN)/sluice fetch
 
 serve: model
@@ -69,7 +69,7 @@ bench: model $(BENCH_REF)/.installed $(LLAMA_CPP)/.built $(LLAMA_CPP)/build/bin/
 # On a GPU machine, with the image's python (no venv): kernels, engine and throughput in one command.
 GPU_CHECK_OUT ?= gpu-check
 gpu-check:
-	$(PYTHON) -m bench.gpu_check --out $(GPU_CHECK_OUT) --require-gpu
+	$(PYTHON) -m sluice.bench.gpu_check --out $(GPU_CHECK_OUT) --require-gpu
 
 # The software of a typical GPU machine (Python 3.12, jax 0.11.2; no HTTP stack, gguf, pydantic or llguidance),
 # on any machine: the kernel lowering and GPU-check tests in a venv of their own.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from app.anthropic_schemas import AnthropicErrorDetail, AnthropicErrorResponse
-from app.errors import APIError, error_response
+from sluice.app.anthropic_schemas import AnthropicErrorDetail, AnthropicErrorResponse
+from sluice.app.errors import APIError, error_response
 
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 

@@ -25,8 +25,8 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.anthropic_responses import MessageBuilder
-from app.anthropic_schemas import (
+from sluice.app.anthropic_responses import MessageBuilder
+from sluice.app.anthropic_schemas import (
     CountTokensRequest,
     CountTokensResponse,
     MessageParam,
@@ -38,11 +38,11 @@ from app.anthropic_schemas import (
     ToolChoiceTool,
     ToolResultBlockParam,
 )
-from app.errors import from_validation_error
-from app.generation import respond, start_generation
-from app.prompts import chat_prompt
-from app.routes import check_tool_schemas, json_response, parse_body, plan_chat
-from app.schemas import ChatCompletionRequest
+from sluice.app.errors import from_validation_error
+from sluice.app.generation import respond, start_generation
+from sluice.app.prompts import chat_prompt
+from sluice.app.routes import check_tool_schemas, json_response, parse_body, plan_chat
+from sluice.app.schemas import ChatCompletionRequest
 
 
 async def create_message(request: Request) -> Response:

@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from batching.outputs import FinishReason
-from model.tokenizer import Tokenizer
+from sluice.batching.outputs import FinishReason
+from sluice.model.tokenizer import Tokenizer
 
-from app.anthropic_errors import anthropic_error
-from app.anthropic_schemas import (
+from sluice.app.anthropic_errors import anthropic_error
+from sluice.app.anthropic_schemas import (
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
     ContentBlockStopEvent,
@@ -35,9 +35,9 @@ from app.anthropic_schemas import (
     TextDeltaBody,
     ToolUseBlock,
 )
-from app.errors import APIError
-from app.generation import Generation
-from app.tool_calls import ArgumentsDelta, CallStart, StreamEvent, TextDelta, ToolCalling
+from sluice.app.errors import APIError
+from sluice.app.generation import Generation
+from sluice.app.tool_calls import ArgumentsDelta, CallStart, StreamEvent, TextDelta, ToolCalling
 
 
 def sse(event: BaseModel) -> bytes:

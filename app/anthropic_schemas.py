@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, RootModel, field_validator, model_validator
 
-from app.schemas import MAX_STOP_STRINGS, MAX_TOOLS, ToolName, _Request
+from sluice.app.schemas import MAX_STOP_STRINGS, MAX_TOOLS, ToolName, _Request
 
 # --- requests ---------------------------------------------------------------------------------
 

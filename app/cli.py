@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from model.fetch import ModelNotFound
+from sluice.model.fetch import ModelNotFound
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +16,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from model.fetch import resolve_model
+    from sluice.model.fetch import resolve_model
 
     print(resolve_model(args.model))
     return 0
@@ -34,8 +34,8 @@ BENCHMARKS = {
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from model.generate import generate_stream
-    from model.loader import load_model
+    from sluice.model.generate import generate_stream
+    from sluice.model.loader import load_model
 
     loaded = load_model(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(gen)
     gen.set_defaults(run=_generate)
 
-    from app import serve
+    from sluice.app import serve
 
     serve_parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_arguments(serve_parser)

@@ -11,15 +11,15 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from batching.engine import Engine
-from batching.outputs import Collector, Increment, Usage
-from batching.sampling_params import RequestRejected
-from batching.sampling_params import SamplingParams
+from sluice.batching.engine import Engine
+from sluice.batching.outputs import Collector, Increment, Usage
+from sluice.batching.sampling_params import RequestRejected
+from sluice.batching.sampling_params import SamplingParams
 
-from app.errors import APIError, generation_failed, invalid_request
-from app.metrics import ServerMetrics
-from app.state import Admission, ServerState
-from app.streaming import EventStreamResponse, cancel_on_disconnect
+from sluice.app.errors import APIError, generation_failed, invalid_request
+from sluice.app.metrics import ServerMetrics
+from sluice.app.state import Admission, ServerState
+from sluice.app.streaming import EventStreamResponse, cancel_on_disconnect
 
 Outcome = Literal["success", "error", "abort"]
 

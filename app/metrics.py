@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from batching.stats import EngineStats
+from sluice.batching.stats import EngineStats
 
-from app.dashboard.recent import RecentRequests
+from sluice.app.dashboard.recent import RecentRequests
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 

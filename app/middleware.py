@@ -8,9 +8,9 @@ import json
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.anthropic_errors import error_response_for
-from app.errors import body_too_large, unauthorized
-from app.metrics import ServerMetrics
+from sluice.app.anthropic_errors import error_response_for
+from sluice.app.errors import body_too_large, unauthorized
+from sluice.app.metrics import ServerMetrics
 
 # Probes, scrapers and API explorers do not hold the API key (nor does a browser opening the dashboard page).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from app.schemas import ErrorResponse
+from sluice.app.schemas import ErrorResponse
 
 _ERROR_STATUSES = {
     "400": "Invalid request: a field out of range, a prompt too long for the context, a failed chat template",

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from model.tokenizer import ChatTemplateError, Tokenizer
+from sluice.model.tokenizer import ChatTemplateError, Tokenizer
 
-from app import tool_calls
-from app.errors import invalid_request
-from app.schemas import ChatMessage, ToolDefinition
+from sluice.app import tool_calls
+from sluice.app.errors import invalid_request
+from sluice.app.schemas import ChatMessage, ToolDefinition
 
 # The model's chat templates know system/user/assistant (tool, if they have tools); OpenAI's newer "developer"
 # role means system.

@@ -11,13 +11,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from batching.outputs import Increment, TokenLogprob, Usage
-from model.tokenizer import Tokenizer
+from sluice.batching.outputs import Increment, TokenLogprob, Usage
+from sluice.model.tokenizer import Tokenizer
 
-from app.errors import APIError
-from app.generation import Generation
-from app.prompts import Prompt
-from app.schemas import (
+from sluice.app.errors import APIError
+from sluice.app.generation import Generation
+from sluice.app.prompts import Prompt
+from sluice.app.schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -39,8 +39,8 @@ from app.schemas import (
     TopLogprob,
     UsageInfo,
 )
-from app.streaming import DONE, sse_event
-from app.tool_calls import CallStart, StreamEvent, TextDelta, ToolCalling, new_call_id
+from sluice.app.streaming import DONE, sse_event
+from sluice.app.tool_calls import CallStart, StreamEvent, TextDelta, ToolCalling, new_call_id
 
 
 def usage_info(usage: Usage | None) -> UsageInfo | None:

@@ -14,14 +14,14 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.errors import APIError
-from app.generation import respond, start_generation
-from app.responses_api_builder import ResponsesBuilder
-from app.responses_api_convert import ITEMS, Items, chat_request, output_items
-from app.responses_api_schemas import DeletedResponse, ResponseObject, ResponsesRequest
-from app.responses_api_store import StoredResponse
-from app.routes import json_response, parse_body, plan_chat
-from app.state import ServerState
+from sluice.app.errors import APIError
+from sluice.app.generation import respond, start_generation
+from sluice.app.responses_api_builder import ResponsesBuilder
+from sluice.app.responses_api_convert import ITEMS, Items, chat_request, output_items
+from sluice.app.responses_api_schemas import DeletedResponse, ResponseObject, ResponsesRequest
+from sluice.app.responses_api_store import StoredResponse
+from sluice.app.routes import json_response, parse_body, plan_chat
+from sluice.app.state import ServerState
 
 
 def response_not_found(response_id: str, param: str | None = None) -> APIError:

@@ -14,11 +14,11 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
-from batching.outputs import Usage
+from sluice.batching.outputs import Usage
 
-from app.errors import APIError
-from app.generation import Generation
-from app.responses_api_schemas import (
+from sluice.app.errors import APIError
+from sluice.app.generation import Generation
+from sluice.app.responses_api_schemas import (
     IncompleteDetails,
     InputTokensDetails,
     OutputFunctionCall,
@@ -29,8 +29,8 @@ from app.responses_api_schemas import (
     ResponseStreamEvent,
     ResponseUsage,
 )
-from app.streaming import sse_event
-from app.tool_calls import ArgumentsDelta, CallStart, StreamEvent, TextDelta, ToolCalling, new_call_id
+from sluice.app.streaming import sse_event
+from sluice.app.tool_calls import ArgumentsDelta, CallStart, StreamEvent, TextDelta, ToolCalling, new_call_id
 
 Event = dict[str, Any]
 

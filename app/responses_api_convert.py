@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from app.errors import APIError, invalid_request
-from app.responses_api_schemas import (
+from sluice.app.errors import APIError, invalid_request
+from sluice.app.responses_api_schemas import (
     FunctionCallItem,
     FunctionToolChoice,
     InputItem,
@@ -22,7 +22,7 @@ from app.responses_api_schemas import (
     OutputItem,
     ResponsesRequest,
 )
-from app.schemas import ChatCompletionRequest
+from sluice.app.schemas import ChatCompletionRequest
 
 Items = list[InputItem]
 ITEMS = TypeAdapter(Items)

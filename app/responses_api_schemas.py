@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, model_validator
 
-from app.schemas import (
+from sluice.app.schemas import (
     FunctionCallParam,
     FunctionDefinition,
     JsonObjectFormat,

@@ -18,14 +18,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from batching.engine import Engine
-from batching.sampling_params import RequestRejected, SamplingParams, StructuredOutput
+from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import RequestRejected, SamplingParams, StructuredOutput
 
-from app.errors import from_validation_error, invalid_request
-from app.generation import respond, start_generation
-from app.prompts import Prompt, chat_prompt, completion_prompts, tool_call_format
-from app.responses import ChatBuilder, CompletionBuilder
-from app.schemas import (
+from sluice.app.errors import from_validation_error, invalid_request
+from sluice.app.generation import respond, start_generation
+from sluice.app.prompts import Prompt, chat_prompt, completion_prompts, tool_call_format
+from sluice.app.responses import ChatBuilder, CompletionBuilder
+from sluice.app.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -34,8 +34,8 @@ from app.schemas import (
     TokenizeResponse,
     ToolDefinition,
 )
-from app.state import ServerState
-from app.tool_calls import NO_ARGUMENTS, ToolCalling, call_grammar
+from sluice.app.state import ServerState
+from sluice.app.tool_calls import NO_ARGUMENTS, ToolCalling, call_grammar
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
 
-from batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
+from sluice.batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 16

@@ -21,17 +21,17 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from batching.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATIONS, EngineConfig
-from batching.engine import Engine
-from model.linear import arithmetic_dtype
-from model.loader import default_dtype
-from model.quantize import resolve
-from model.roofline import Peaks, measure_peaks
-from sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
+from sluice.batching.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATIONS, EngineConfig
+from sluice.batching.engine import Engine
+from sluice.model.linear import arithmetic_dtype
+from sluice.model.loader import default_dtype
+from sluice.model.quantize import resolve
+from sluice.model.roofline import Peaks, measure_peaks
+from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
-from app.server import create_app
-from app.state import ServerSettings, ServerState
-from app.tool_calls import TOOL_CALL_PARSERS
+from sluice.app.server import create_app
+from sluice.app.state import ServerSettings, ServerState
+from sluice.app.tool_calls import TOOL_CALL_PARSERS
 
 T = TypeVar("T")
 logger = logging.getLogger("sluice.serve")

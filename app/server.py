@@ -21,10 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.dashboard import routes as dashboard
-from app.anthropic_errors import error_response_for
-from app.anthropic_messages import count_message_tokens, create_message
-from app.anthropic_schemas import (
+from sluice.app.dashboard import routes as dashboard
+from sluice.app.anthropic_errors import error_response_for
+from sluice.app.anthropic_messages import count_message_tokens, create_message
+from sluice.app.anthropic_schemas import (
     AnthropicErrorResponse,
     CountTokensRequest,
     CountTokensResponse,
@@ -32,14 +32,14 @@ from app.anthropic_schemas import (
     MessagesRequest,
     MessageStreamEvent,
 )
-from app.dashboard.feed import Feed
-from app.errors import APIError, error_response, not_ready
-from app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
-from app.openapi import Operation, openapi_document
-from app.responses_api import create_response, delete_response, get_response
-from app.responses_api_schemas import DeletedResponse, ResponseObject, ResponsesRequest, ResponseStreamEvent
-from app.routes import create_chat_completion, create_completion, detokenize, json_response, tokenize
-from app.schemas import (
+from sluice.app.dashboard.feed import Feed
+from sluice.app.errors import APIError, error_response, not_ready
+from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
+from sluice.app.openapi import Operation, openapi_document
+from sluice.app.responses_api import create_response, delete_response, get_response
+from sluice.app.responses_api_schemas import DeletedResponse, ResponseObject, ResponsesRequest, ResponseStreamEvent
+from sluice.app.routes import create_chat_completion, create_completion, detokenize, json_response, tokenize
+from sluice.app.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,7 +53,7 @@ from app.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from app.state import ServerState
+from sluice.app.state import ServerState
 
 logger = logging.getLogger(__name__)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from batching.engine import Engine
-from batching.stats import EngineStats
-from model.roofline import Peaks
+from sluice.batching.engine import Engine
+from sluice.batching.stats import EngineStats
+from sluice.model.roofline import Peaks
 
-from app.errors import model_not_found, not_ready, queue_full
-from app.metrics import ServerMetrics
-from app.responses_api_store import ResponseStore
+from sluice.app.errors import model_not_found, not_ready, queue_full
+from sluice.app.metrics import ServerMetrics
+from sluice.app.responses_api_store import ResponseStore
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from app.errors import APIError
+from sluice.app.errors import APIError
 
 T = TypeVar("T")
 

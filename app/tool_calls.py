@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from batching.sampling_params import StructuredOutput
+from sluice.batching.sampling_params import StructuredOutput
 
 # `--tool-call-parser` values; "auto" is the format the model's template speaks (`app/prompts.py`).
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")

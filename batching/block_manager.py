@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from batching.sequence import Sequence
+from sluice.batching.sequence import Sequence
 
 _ROOT_HASH = 0
 

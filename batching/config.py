@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.llama import LAYER_LOOPS
-from model.quantize import CHOICES as QUANTIZATIONS
-from pallas_kernels.attention import BACKENDS, INT8_KV_KERNELS, reads_int8_kv
-from pallas_kernels.kv_cache import KV_CACHE_DTYPES
+from sluice.model.llama import LAYER_LOOPS
+from sluice.model.quantize import CHOICES as QUANTIZATIONS
+from sluice.pallas_kernels.attention import BACKENDS, INT8_KV_KERNELS, reads_int8_kv
+from sluice.pallas_kernels.kv_cache import KV_CACHE_DTYPES
 
 DEFAULT_MAX_MODEL_LEN = 4096
 

@@ -28,27 +28,27 @@ from typing import Callable, NamedTuple
 import jax
 from jax.sharding import Mesh
 
-from batching import step_broadcast
-from batching.block_manager import BlockManager
-from batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from batching.model_runner import ModelRunner, PendingStep, SequenceOutput, enable_compilation_cache
-from batching.ngram import NgramConfig
-from batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
+from sluice.batching import step_broadcast
+from sluice.batching.block_manager import BlockManager
+from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from sluice.batching.model_runner import ModelRunner, PendingStep, SequenceOutput, enable_compilation_cache
+from sluice.batching.ngram import NgramConfig
+from sluice.batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
     TokenLogprob, deliver
-from batching.request import Request, RequestLimits, build_request
-from batching.sampler import SamplerOutput
-from batching.sampling_params import SamplingParams
-from batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from batching.sequence import Sequence, SequenceStatus
-from batching.speculation import Speculator
-from batching.stats import EngineStats, StepStats, StepTotals
-from batching.structured import GrammarCompiler
-from model.config import ModelConfig
-from model.loader import LoadedModel, load_model
-from model.roofline import StepCost, kv_bytes_per_token
-from pallas_kernels.kv_cache import kv_cache_dtype
-from sharding.mesh import InvalidTensorParallelism, make_mesh
-from sharding.rules import param_sharding
+from sluice.batching.request import Request, RequestLimits, build_request
+from sluice.batching.sampler import SamplerOutput
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from sluice.batching.sequence import Sequence, SequenceStatus
+from sluice.batching.speculation import Speculator
+from sluice.batching.stats import EngineStats, StepStats, StepTotals
+from sluice.batching.structured import GrammarCompiler
+from sluice.model.config import ModelConfig
+from sluice.model.loader import LoadedModel, load_model
+from sluice.model.roofline import StepCost, kv_bytes_per_token
+from sluice.pallas_kernels.kv_cache import kv_cache_dtype
+from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
+from sluice.sharding.rules import param_sharding
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from batching.sampler import SamplingBatch
-from batching.sequence import Sequence
+from sluice.batching.sampler import SamplingBatch
+from sluice.batching.sequence import Sequence
 
 
 @jax.tree_util.register_dataclass

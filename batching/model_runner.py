@@ -40,16 +40,16 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from batching import step_broadcast
-from batching.ngram import NgramConfig, propose_on_device
-from batching.request import MAX_STOP_IDS
-from batching.input_batch import InputBatch, SlotRows, SlotWrites, write_rows
-from batching.sampler import SampledRows, SamplerOutput, SamplingBatch, bitmask_words, mask_disallowed, sample
-from batching.scheduler import ScheduledChunk
-from batching.structured import fill_bitmask
-from model.llama import KVCache, Llama, empty_kv_cache, resolve_layer_loop
-from model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
-from sharding.rules import kv_cache_sharding, replicated
+from sluice.batching import step_broadcast
+from sluice.batching.ngram import NgramConfig, propose_on_device
+from sluice.batching.request import MAX_STOP_IDS
+from sluice.batching.input_batch import InputBatch, SlotRows, SlotWrites, write_rows
+from sluice.batching.sampler import SampledRows, SamplerOutput, SamplingBatch, bitmask_words, mask_disallowed, sample
+from sluice.batching.scheduler import ScheduledChunk
+from sluice.batching.structured import fill_bitmask
+from sluice.model.llama import KVCache, Llama, empty_kv_cache, resolve_layer_loop
+from sluice.model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
+from sluice.sharding.rules import kv_cache_sharding, replicated
 
 # Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
 # max_q_len, so short pieces keep the decode rows sharing a mixed step cheap, and the set of shapes small.

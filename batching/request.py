@@ -8,15 +8,15 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from batching.ngram import NgramConfig, NgramProposer
-from batching.outputs import OutputSink, Usage
-from batching.sampling_params import RequestRejected, SamplingParams
-from batching.sequence import Sequence
-from batching.stop_checker import StopChecker, stop_token_ids
-from model.tokenizer import Tokenizer
+from sluice.batching.ngram import NgramConfig, NgramProposer
+from sluice.batching.outputs import OutputSink, Usage
+from sluice.batching.sampling_params import RequestRejected, SamplingParams
+from sluice.batching.sequence import Sequence
+from sluice.batching.stop_checker import StopChecker, stop_token_ids
+from sluice.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from batching.structured import Grammar
+    from sluice.batching.structured import Grammar
 
 # Stop ids (stop_token_ids and EOS) a sequence may have: the sampler bans them before min_tokens and the
 # device checks them to end a sequence inside a multi-step call.

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from sluice.batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 
 @jax.tree_util.register_dataclass

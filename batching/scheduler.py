@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batching.block_manager import BlockManager
-from batching.sequence import Sequence, SequenceStatus
+from sluice.batching.block_manager import BlockManager
+from sluice.batching.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

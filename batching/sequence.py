@@ -10,13 +10,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from batching.ngram import NgramProposer
-from batching.outputs import FinishReason
-from batching.sampling_params import SamplingParams
-from batching.stop_checker import StopChecker
+from sluice.batching.ngram import NgramProposer
+from sluice.batching.outputs import FinishReason
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.stop_checker import StopChecker
 
 if TYPE_CHECKING:
-    from batching.structured import Grammar
+    from sluice.batching.structured import Grammar
 
 
 PENDING = -1  # a token still on the device

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batching.ngram import NgramConfig
-from batching.sequence import Sequence
+from sluice.batching.ngram import NgramConfig
+from sluice.batching.sequence import Sequence
 
 INITIAL_ACCEPTANCE = 0.5
 ACCEPTANCE_SMOOTHING = 0.3

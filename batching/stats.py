@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batching.scheduler import ScheduledChunk
-from batching.sequence import Sequence
-from batching.speculation import SpecCounters
-from model.roofline import StepCost
+from sluice.batching.scheduler import ScheduledChunk
+from sluice.batching.sequence import Sequence
+from sluice.batching.speculation import SpecCounters
+from sluice.model.roofline import StepCost
 
 
 @dataclass(frozen=True)

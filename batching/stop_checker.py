@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from batching.outputs import FinishReason
-from batching.sampling_params import SamplingParams
+from sluice.batching.outputs import FinishReason
+from sluice.batching.sampling_params import SamplingParams
 
 
 class Detokenizer(Protocol):

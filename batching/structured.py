@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from batching.sampling_params import RequestRejected, StructuredOutput
-from model.tokenizer import Tokenizer
+from sluice.batching.sampling_params import RequestRejected, StructuredOutput
+from sluice.model.tokenizer import Tokenizer
 
 # llguidance's JSON options; a schema's own "x-guidance" key overrides them.
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}

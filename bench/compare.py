@@ -39,16 +39,16 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python bench/compare.py` puts bench/, not the root, on the path
 
-from bench import llama_cpp  # noqa: E402
-from bench.compare_report import (  # noqa: E402
+from sluice.bench import llama_cpp  # noqa: E402
+from sluice.bench.compare_report import (  # noqa: E402
     FORMATS, Format, FormatResult, ServedRuns, format_json, format_rows, hf_row, ratio_line, relative, shown, sweep_table,
 )
-from bench.dataset import BenchRequest, fresh_prompts, save_jsonl  # noqa: E402
-from bench.metrics import RequestRecord, Slo, Summary, summarize  # noqa: E402
-from bench.roofline import Peaks, ServedModel, measure_peaks, workload_roofline  # noqa: E402
-from bench.serve import LoadConfig, RunResult, add_dataset_arguments, benchmark, load_dataset, report, result_json  # noqa: E402
-from bench.server_counters import ServerCounters, check_phase, parse_llama_server, parse_sluice, reader  # noqa: E402
-from model.fetch import resolve_model  # noqa: E402
+from sluice.bench.dataset import BenchRequest, fresh_prompts, save_jsonl  # noqa: E402
+from sluice.bench.metrics import RequestRecord, Slo, Summary, summarize  # noqa: E402
+from sluice.bench.roofline import Peaks, ServedModel, measure_peaks, workload_roofline  # noqa: E402
+from sluice.bench.serve import LoadConfig, RunResult, add_dataset_arguments, benchmark, load_dataset, report, result_json  # noqa: E402
+from sluice.bench.server_counters import ServerCounters, check_phase, parse_llama_server, parse_sluice, reader  # noqa: E402
+from sluice.model.fetch import resolve_model  # noqa: E402
 
 
 def free_port() -> int:
@@ -73,7 +73,7 @@ def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
 
 def sluice_command(port: int, gguf: Path, quantization: str, args: argparse.Namespace) -> list[str]:
     command = [
-        sys.executable, "-m", "app.cli", "serve", "--model", str(gguf), "--quantization", quantization,
+        sys.executable, "-m", "sluice.app.cli", "serve", "--model", str(gguf), "--quantization", quantization,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-model-len", str(args.max_model_len), "--log-level", "warning",
@@ -246,7 +246,7 @@ def run_format(session: Session, fmt: Format, gguf: Path, requantized_by: list[s
 
 def hf_baseline(args: argparse.Namespace, name: str, *options: str) -> dict:
     result_json = args.out / f"{name}.json"
-    subprocess.run([str(args.hf_python), "-m", "bench.hf_baseline", *options, "--result-json", str(result_json)],
+    subprocess.run([str(args.hf_python), "-m", "sluice.bench.hf_baseline", *options, "--result-json", str(result_json)],
                    cwd=ROOT, check=True)
     return json.loads(result_json.read_text())
 

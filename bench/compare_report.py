@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import llama_cpp
-from bench.metrics import Spread, Summary
-from bench.roofline import ServedModel
-from bench.serve import RunResult
+from sluice.bench import llama_cpp
+from sluice.bench.metrics import Spread, Summary
+from sluice.bench.roofline import ServedModel
+from sluice.bench.serve import RunResult
 
 ROOT = Path(__file__).resolve().parent.parent
 

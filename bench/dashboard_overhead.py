@@ -8,7 +8,7 @@ Prints each run, the two arms' medians, and the median over rounds of the ratio 
 shared machine whose speed wanders with other jobs, wall-clock throughput is noisy; the server process's CPU
 time per output token (all its threads, from /proc) hardly depends on what else runs, so it is printed too.
 
-    python -m bench.dashboard_overhead --rounds 4 --dashboards 5
+    python -m sluice.bench.dashboard_overhead --rounds 4 --dashboards 5
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.compare import ROOT, free_port, wait_ready
-from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
-from bench.serve import LoadConfig, command_line, run_load
+from sluice.bench.compare import ROOT, free_port, wait_ready
+from sluice.bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
+from sluice.bench.serve import LoadConfig, command_line, run_load
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ async def measure(url: str, server_pid: int, requests: list[BenchRequest], dashb
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.dashboard_overhead", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.dashboard_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4, help="pairs of runs (one per arm), in ABBA order")
     parser.add_argument("--dashboards", type=int, default=5)
     parser.add_argument("--num-requests", type=int, default=64, help="requests per run")
@@ -85,7 +85,7 @@ def main() -> int:
     workload = synthetic(SyntheticSpec(args.num_requests, prompt=fixed(args.prompt_len), output=fixed(args.output_len)))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    command = [sys.executable, "-m", "sluice.app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "warning"]
     runs: list[Run] = []
     with tempfile.TemporaryFile() as log:

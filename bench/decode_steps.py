@@ -1,8 +1,8 @@
 """Steady decode through the engine: time per output token, and the engine thread's host time per step, by
 batch size and by decode steps per device call (multi-step decode).
 
-    python -m bench.decode_steps                                  # batches 1, 8, 64; 1, 2, 4, 8 steps per call
-    python -m bench.decode_steps --batch-sizes 1 --steps 1,4 --quantization none
+    python -m sluice.bench.decode_steps                                  # batches 1, 8, 64; 1, 2, 4, 8 steps per call
+    python -m sluice.bench.decode_steps --batch-sizes 1 --steps 1,4 --quantization none
 
 For each (batch B, steps K): an engine with `--num-decode-steps K` (compiled once per K), B requests with
 fresh random prompts of `--prompt` tokens, greedy, EOS ignored, `--output` tokens each, submitted at once and
@@ -21,11 +21,11 @@ import sys
 
 import numpy as np
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.outputs import ListCollector
-from batching.sampling_params import SamplingParams
-from bench.dataset import FIRST_ORDINARY_TOKEN
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.outputs import ListCollector
+from sluice.batching.sampling_params import SamplingParams
+from sluice.bench.dataset import FIRST_ORDINARY_TOKEN
 
 
 def steady_decode(engine: Engine, batch: int, prompt_len: int, output_len: int, seed: int) -> dict:
@@ -50,7 +50,7 @@ def steady_decode(engine: Engine, batch: int, prompt_len: int, output_len: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.decode_steps", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.decode_steps", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--steps", default="1,2,4,8", help="decode steps per device call (--num-decode-steps)")
     parser.add_argument("--quantization", default="auto")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=int, default=64, help="output tokens per request")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    print("python -m bench.decode_steps " + shlex.join(argv if argv is not None else sys.argv[1:]), flush=True)
+    print("python -m sluice.bench.decode_steps " + shlex.join(argv if argv is not None else sys.argv[1:]), flush=True)
     rows = []
     for k in (int(s) for s in args.steps.split(",")):
         engine = Engine.create(EngineConfig(

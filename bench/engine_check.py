@@ -1,6 +1,6 @@
 """The engine offline on random weights with a real model's shapes: throughput, latency, where a step's time goes.
 
-    python -m bench.engine_check --model llama-3-8b --peaks peaks.json --out engine.json
+    python -m sluice.bench.engine_check --model llama-3-8b --peaks peaks.json --out engine.json
 
 Needs no model files and no HTTP stack: weights are random (`model.llama.Llama`'s own init) and the
 tokenizer is a file-free word-level vocabulary of the model's size (prompts are token ids, outputs ignore
@@ -46,21 +46,21 @@ from jax import lax
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.outputs import Increment
-from batching.sampling_params import SamplingParams
-from bench.device_profile import DeviceTrace
-from bench.host_phases import PhaseTimer
-from bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
-from bench.roofline import Peaks, ServedModel, kv_bytes_per_token, workload_roofline
-from model.config import ModelConfig, RopeScaling
-from model.llama import LAYER_LOOPS, Llama, empty_kv_cache, resolve_layer_loop
-from model.loader import LoadedModel
-from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
-from model.roofline import StepCost, param_bytes
-from model.tokenizer import SpecialTokens, Tokenizer
-from pallas_kernels.attention import ragged_paged_attention, resolve_backend
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.outputs import Increment
+from sluice.batching.sampling_params import SamplingParams
+from sluice.bench.device_profile import DeviceTrace
+from sluice.bench.host_phases import PhaseTimer
+from sluice.bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
+from sluice.bench.roofline import Peaks, ServedModel, kv_bytes_per_token, workload_roofline
+from sluice.model.config import ModelConfig, RopeScaling
+from sluice.model.llama import LAYER_LOOPS, Llama, empty_kv_cache, resolve_layer_loop
+from sluice.model.loader import LoadedModel
+from sluice.model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
+from sluice.model.roofline import StepCost, param_bytes
+from sluice.model.tokenizer import SpecialTokens, Tokenizer
+from sluice.pallas_kernels.attention import ragged_paged_attention, resolve_backend
 
 # Real shapes (from the models' published config.json); weights are random.
 MODELS = {
@@ -392,9 +392,9 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.engine_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=list(MODELS), required=True)
-    parser.add_argument("--peaks", type=Path, required=True, help="peaks JSON (python -m bench.roofline --save)")
+    parser.add_argument("--peaks", type=Path, required=True, help="peaks JSON (python -m sluice.bench.roofline --save)")
     parser.add_argument("--out", type=Path, required=True, help="results JSON, rewritten after each stage")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS)

@@ -1,6 +1,6 @@
 """The GPU path in one command: kernels, engine and throughput proven (or disproven) on the accelerator here.
 
-    python -m bench.gpu_check --out gpu-check --require-gpu        (make gpu-check)
+    python -m sluice.bench.gpu_check --out gpu-check --require-gpu        (make gpu-check)
 
 Steps, each in its own process, so that a crash or a hung kernel ends its step and not the run, and every
 step starts with the device's memory free; all under one time budget (--budget-s, 8.5 minutes by default):
@@ -44,7 +44,7 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.gpu_report import KERNEL_BACKENDS, StepResult, report
+from sluice.bench.gpu_report import KERNEL_BACKENDS, StepResult, report
 
 ROOT = Path(__file__).resolve().parent.parent
 # Llama-3-8B first: its figures are the ones the GPU issues are judged by, so a tight budget cuts the others.
@@ -169,7 +169,7 @@ def run_kernel_bench(run: Run, env: dict[str, str], small: bool, probe: dict) ->
     rows = []
     for name, args in parts:
         rows_json = run.work / f"{name}.json"
-        run.step(name, python("-m", "bench.kernels", *args, "--json", str(rows_json)), env)
+        run.step(name, python("-m", "sluice.bench.kernels", *args, "--json", str(rows_json)), env)
         if rows_json.exists():
             rows += json.loads(rows_json.read_text())["rows"]
     order = {b: i for i, b in enumerate(("pallas-triton", "pallas-mosaic", "reference", "jax-shipped"))}
@@ -182,7 +182,7 @@ def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], b
     for model in models:
         out = run.work / f"engine-{model}.json"
         step = run.step(f"engine-{model}", python(
-            "-m", "bench.engine_check", "--model", model, "--peaks", str(run.work / "peaks.json"), "--out", str(out),
+            "-m", "sluice.bench.engine_check", "--model", model, "--peaks", str(run.work / "peaks.json"), "--out", str(out),
             "--attention-backend", backend, *(["--small"] if small else []),
         ), env)
         result = json.loads(out.read_text()) if out.exists() else dict(model=model, levels=[])
@@ -196,7 +196,7 @@ def run_step_audit(run: Run, env: dict[str, str], small: bool, models: list[str]
     """The step-bytes audit of the engine's compiled decode step on this device: a markdown table, or None."""
     out = run.work / "step-audit.md"
     sizes = ["--rows", "2", "--context", "64"] if small else ["--rows", "64", "--context", "2048"]
-    run.step("step-audit", python("-m", "bench.step_audit", "--models", *models, "--dtypes", "bfloat16", *sizes,
+    run.step("step-audit", python("-m", "sluice.bench.step_audit", "--models", *models, "--dtypes", "bfloat16", *sizes,
                                   "--out", str(out)), env)
     return out.read_text() if out.exists() else None
 
@@ -209,14 +209,14 @@ def unfinished(steps: list[StepResult], out: Path) -> str | None:
         return None
     names = list(dict.fromkeys(n.removesuffix("-mosaic") for n in late if not n.startswith("engine-")))
     models = [n.removeprefix("engine-") for n in late if n.startswith("engine-")]
-    command = ["python", "-m", "bench.gpu_check", "--out", str(out / "more"), "--require-gpu", "--steps", *names]
+    command = ["python", "-m", "sluice.bench.gpu_check", "--out", str(out / "more"), "--require-gpu", "--steps", *names]
     if models:
         command += ["engine", "--models", *models]
     return shlex.join(command)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for report.md, results.json, log.txt")
     parser.add_argument("--budget-s", type=float, default=510.0, help="time for the whole run, in seconds")
@@ -234,7 +234,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    command = "python -m bench.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m sluice.bench.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "log.txt").write_text(f"{command}\n")
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
         results: dict = dict(command=command)
         probe_json = run.work / "probe.json"
         options = [flag for flag, on in (("--small", args.small), ("--require-gpu", args.require_gpu)) if on]
-        probe = run.step("probe", python("-m", "bench.probe", "--out", str(probe_json), "--peaks",
+        probe = run.step("probe", python("-m", "sluice.bench.probe", "--out", str(probe_json), "--peaks",
                                          str(run.work / "peaks.json"), *options), env)
         if probe.status == "ok":
             results["probe"] = json.loads(probe_json.read_text())

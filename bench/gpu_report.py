@@ -83,7 +83,7 @@ def kernel_tests_section(outcomes: list[dict], small: bool) -> list[str]:
 
 def kernel_bench_section(rows: list[dict], peak_gbs: float | None) -> list[str]:
     lines = ["### Decode attention kernels", "",
-             "`python -m bench.kernels` (see its docstring): median of chained calls; bandwidth counts K, V and "
+             "`python -m sluice.bench.kernels` (see its docstring): median of chained calls; bandwidth counts K, V and "
              "q read once" + (f", % of the measured {peak_gbs:.0f} GB/s" if peak_gbs else "") + ".", "",
              "| backend | batch | context | ms / call | GB/s | % of peak | max abs diff vs reference |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -101,7 +101,7 @@ def kernel_bench_section(rows: list[dict], peak_gbs: float | None) -> list[str]:
 
 def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
     lines = ["### Engine offline, random weights with real shapes, bf16", "",
-             "`python -m bench.engine_check` (see its docstring). Throughput: the workload's requests in waves of "
+             "`python -m sluice.bench.engine_check` (see its docstring). Throughput: the workload's requests in waves of "
              "C. TTFT: C fresh prompts sent at once, until all have a first token. TPOT: per request (last - first "
              "token's arrival) / (tokens - 1), at batch C. Step: a decode step at batch C timed directly "
              "(forward + LM head + argmax), its attention over all layers, its LM head + argmax, the rest; "

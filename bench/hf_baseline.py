@@ -8,7 +8,7 @@ do; the decode steps a batch spends past a request's own length are the price of
 
 Runs in its own environment (`.venv-bench-ref`: torch CPU, transformers, gguf, accelerate), not Sluice's;
 it imports nothing of Sluice but the NumPy-only `bench.dataset`. Run from the repository root:
-`.venv-bench-ref/bin/python -m bench.hf_baseline --workload W.jsonl --batch-size 64 --result-json R.json`.
+`.venv-bench-ref/bin/python -m sluice.bench.hf_baseline --workload W.jsonl --batch-size 64 --result-json R.json`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from bench.dataset import BenchRequest, load_jsonl
+from sluice.bench.dataset import BenchRequest, load_jsonl
 
 DEFAULT_MODEL = Path.home() / ".cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -110,7 +110,7 @@ def run_static(model: torch.nn.Module, prompts: list[list[int]], outputs: list[i
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.hf_baseline", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.hf_baseline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", type=Path, required=True, help="JSONL workload (bench.dataset format)")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the GGUF file")
     parser.add_argument("--batch-size", type=int, default=64)
@@ -137,7 +137,7 @@ def main() -> int:
         result = run_one_at_a_time(model, prompts, outputs, pad_id)
     else:
         result = run_static(model, prompts, outputs, args.batch_size, pad_id)
-    result["command"] = shlex.join(["python", "-m", "bench.hf_baseline", *sys.argv[1:]])
+    result["command"] = shlex.join(["python", "-m", "sluice.bench.hf_baseline", *sys.argv[1:]])
     result["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
     result["threads"] = torch.get_num_threads()
     if args.one_at_a_time:

@@ -1,7 +1,7 @@
 """Host work per decode step of the real engine, by phase, and how much of it overlap hides.
 
-    python -m bench.host_overhead                                   # batches 1, 64, 256, 512; vocab 49,152 and 128,256
-    python -m bench.host_overhead --batches 1,4,16,64 --model default              # the real model's device step
+    python -m sluice.bench.host_overhead                                   # batches 1, 64, 256, 512; vocab 49,152 and 128,256
+    python -m sluice.bench.host_overhead --batches 1,4,16,64 --model default              # the real model's device step
 
 The model is small (random weights, two layers and hidden size 64 by default) with a real vocabulary (a
 file-free word-level tokenizer of that size), so its step is short next to the host's work; the sampler still
@@ -24,15 +24,15 @@ from dataclasses import dataclass, replace
 import jax.numpy as jnp
 from flax import nnx
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.outputs import ListCollector
-from batching.sampling_params import SamplingParams
-from bench.engine_check import file_free_tokenizer
-from bench.host_phases import PHASES, PhaseTimer
-from model.config import ModelConfig
-from model.llama import Llama
-from model.loader import LoadedModel, load_model
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.outputs import ListCollector
+from sluice.batching.sampling_params import SamplingParams
+from sluice.bench.engine_check import file_free_tokenizer
+from sluice.bench.host_phases import PHASES, PhaseTimer
+from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel, load_model
 
 PROMPT_TOKENS = 8
 
@@ -83,7 +83,7 @@ def measure(engine: Engine, batch: int, decode_steps: int) -> Measured:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.host_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,64,256,512")
     parser.add_argument("--vocab", default="49152,128256")
     parser.add_argument("--model", help="a real model instead ('default': SmolLM2-135M; weights quantized as the "
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-decode-steps", type=int, default=1, help="the engine's decode steps per call")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"python -m bench.host_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"python -m sluice.bench.host_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
     shape = f"model {args.model}" if args.model else f"{args.layers} layers, hidden {args.hidden}"
     print(f"ms per decode step; {shape}, {args.num_decode_steps} decode steps per call; host = the phases' sum, "
           "wait = blocked on the device, period = wall time per step")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from batching import model_runner
-from batching.engine import Engine
+from sluice.batching import model_runner
+from sluice.batching.engine import Engine
 
 PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit")
 

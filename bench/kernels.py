@@ -1,7 +1,7 @@
 """Decode paged-attention benchmark: time per call and achieved bandwidth, per backend.
 
-    python -m bench.kernels                      # GPU: Llama-3-8B heads, batch {1,8,64,256} x context {512,2048,8192}
-    python -m bench.kernels --markdown bench/RESULTS.md   # also append the table there
+    python -m sluice.bench.kernels                      # GPU: Llama-3-8B heads, batch {1,8,64,256} x context {512,2048,8192}
+    python -m sluice.bench.kernels --markdown bench/RESULTS.md   # also append the table there
 
 Backends: "pallas-triton" and "pallas-mosaic" (our kernels, `pallas_kernels/`), "reference" (the jnp/XLA
 path), "jax-shipped" (`jax.experimental.pallas.ops.gpu.paged_attention`, an independent Pallas kernel,
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.attention import paged_decode_attention
-from pallas_kernels.mosaic_attention import runs_on
+from sluice.pallas_kernels.attention import paged_decode_attention
+from sluice.pallas_kernels.mosaic_attention import runs_on
 
 SHIPPED_K_SPLITS = 16
 SHIPPED_PAGES_PER_COMPUTE_BLOCK = 8
@@ -196,7 +196,7 @@ def default_backends() -> list[str]:
 
 def parse_args(argv=None):
     on_gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m sluice.bench.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256] if on_gpu else [1, 8])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192] if on_gpu else [128, 512])
@@ -218,7 +218,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    command = "python -m bench.kernels " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m sluice.bench.kernels " + " ".join(sys.argv[1:] if argv is None else argv)
     rows = run(args)
     table = markdown(rows, args, command.strip())
     print(table)

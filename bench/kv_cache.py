@@ -1,8 +1,8 @@
 """int8 against float KV cache on this machine: decode steps through the engine's jitted step, and quality.
 
-    python -m bench.kv_cache                       # steps: batch 1, 64 x context 256, 1024, both KV dtypes
-    python -m bench.kv_cache --batch-sizes 1,8,64 --contexts 256,1024,2048 --repeats 9
-    python -m bench.kv_cache --part quality        # greedy choices and log-probabilities against float KV
+    python -m sluice.bench.kv_cache                       # steps: batch 1, 64 x context 256, 1024, both KV dtypes
+    python -m sluice.bench.kv_cache --batch-sizes 1,8,64 --contexts 256,1024,2048 --repeats 9
+    python -m sluice.bench.kv_cache --part quality        # greedy choices and log-probabilities against float KV
 
 Part "steps": for each KV dtype ("auto": the activation dtype, float32 on a CPU; "int8"), an engine over the real
 SmolLM2 with the weights `sluice serve` runs (`--quantization auto`) and a pool that holds the largest batch's
@@ -33,14 +33,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from batching.config import EngineConfig
-from batching.engine import Engine, kv_page_bytes
-from batching.outputs import ListCollector
-from batching.request import build_request
-from batching.sampling_params import SamplingParams
-from batching.scheduler import ScheduledChunk
-from model.loader import LoadedModel, load_model
-from pallas_kernels.kv_cache import KV_CACHE_DTYPES, kv_cache_dtype
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine, kv_page_bytes
+from sluice.batching.outputs import ListCollector
+from sluice.batching.request import build_request
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.scheduler import ScheduledChunk
+from sluice.model.loader import LoadedModel, load_model
+from sluice.pallas_kernels.kv_cache import KV_CACHE_DTYPES, kv_cache_dtype
 
 GOLDEN = Path(__file__).parents[1] / "tests" / "data" / "golden_smollm2.json"
 PAGE_SIZE = 16
@@ -140,7 +140,7 @@ def cpu_name() -> str:
 def header(argv: list[str]) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    command = shlex.join(["python", "-m", "bench.kv_cache", *argv])
+    command = shlex.join(["python", "-m", "sluice.bench.kv_cache", *argv])
     return (f"`{command}` at {commit}, {datetime.date.today()}, "
             f"{cpu_name()} ({os.cpu_count()} CPUs), load average {load}")
 

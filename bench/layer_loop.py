@@ -1,6 +1,6 @@
 """Which form of a per-layer weight lets XLA multiply it in place, without copying the layer out first.
 
-    [XLA_FLAGS=...] python -m bench.layer_loop
+    [XLA_FLAGS=...] python -m sluice.bench.layer_loop
 
 Eight layers of a Llama-3-8B MLP-sized bf16 weight (a tenth of that on a CPU), multiplied by 1 and 64 rows:
 under a scan (the stack closed over and indexed by the layer, or passed as the scan's xs, or stored

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.dataset import BenchRequest
+from sluice.bench.dataset import BenchRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_BIN = ROOT / ".llama-cpp/build/bin"

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from bench.metrics import RequestRecord  # noqa: E402
+from sluice.bench.metrics import RequestRecord  # noqa: E402
 
 
 def _rate_axis(results: list[dict[str, Any]]) -> tuple[list[int], list[str]]:

@@ -1,6 +1,6 @@
 """What this machine is and what it can do: device, driver, versions, measured peaks, Sluice importable.
 
-    python -m bench.probe --out probe.json --peaks peaks.json [--small]
+    python -m sluice.bench.probe --out probe.json --peaks peaks.json [--small]
 
 Fails (exit 1, the reason on stderr) when a module the kernels, model or engine need cannot be imported,
 when importing them drags in the HTTP stack (which the GPU image lacks), or, with `--require-gpu`, when
@@ -25,8 +25,9 @@ from pathlib import Path
 # What the kernels, the model and the engine import between them (tokenizers and jinja2 come with the
 # tokenizer, orbax with the checkpoint loader): everything a GPU image must have for bench.gpu_check.
 REQUIRED_MODULES = ("jax", "flax", "numpy", "orbax.checkpoint", "tokenizers", "jinja2", "tqdm")
-SLUICE_MODULES = ("pallas_kernels.attention", "model.loader", "model.paged_attend", "batching.engine",
-                  "bench.engine_check", "bench.kernels")
+SLUICE_MODULES = tuple(f"sluice.{name}" for name in (
+    "pallas_kernels.attention", "model.loader", "model.paged_attend", "batching.engine", "bench.engine_check",
+    "bench.kernels"))
 HTTP_STACK = ("starlette", "uvicorn", "app")
 
 
@@ -72,8 +73,8 @@ def probe(force_small: bool) -> tuple[dict, object]:
     import flax
     import jax
 
-    from bench.roofline import Peaks, measure_peaks
-    from pallas_kernels.mosaic_attention import runs_on
+    from sluice.bench.roofline import Peaks, measure_peaks
+    from sluice.pallas_kernels.mosaic_attention import runs_on
 
     device = jax.devices()[0]
     small = force_small or device.platform != "gpu"
@@ -101,7 +102,7 @@ def probe(force_small: bool) -> tuple[dict, object]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="machine description JSON")
     parser.add_argument("--peaks", type=Path, required=True, help="peaks JSON for bench.roofline (bf16 matmul rate)")
     parser.add_argument("--small", action="store_true", help="measure peaks at CPU-sized arrays even on a GPU")

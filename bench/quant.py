@@ -1,8 +1,8 @@
 """Quantized weights on this machine: matmul forms, then whole-model steps, per quantization mode.
 
-    python -m bench.quant                         # both parts, default sizes
-    python -m bench.quant --part forms --rows 1,8,64,512
-    python -m bench.quant --part model --modes none,int8,int4
+    python -m sluice.bench.quant                         # both parts, default sizes
+    python -m sluice.bench.quant --part forms --rows 1,8,64,512
+    python -m sluice.bench.quant --part model --modes none,int8,int4
 
 Part "forms": the model's 30-layer projection stack (q/k/v, o, gate/up, down, each layer fed by the last)
 plus the LM head, SmolLM2's shapes with random weights, under one `lax.scan` as the model runs it, through the
@@ -35,9 +35,9 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from model.linear import Weight, project
-from model.quantize import quantize_params
-from pallas_kernels import cpu_qmatmul
+from sluice.model.linear import Weight, project
+from sluice.model.quantize import quantize_params
+from sluice.pallas_kernels import cpu_qmatmul
 
 LAYERS, HIDDEN, FFN, VOCAB, QKV = 30, 576, 1536, 49152, 960
 
@@ -128,9 +128,9 @@ def _kernels(enabled: bool):
 # ---- Part 2: the whole model.
 
 def _model_fns(mode: str, batch_sizes: list[int], context: int, prefill: int) -> dict[str, Callable[[], object]]:
-    from model.llama import empty_kv_cache
-    from model.loader import load_model
-    from model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
+    from sluice.model.llama import empty_kv_cache
+    from sluice.model.loader import load_model
+    from sluice.model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
 
     loaded = load_model(dtype="float32", quantization=mode)
     config = loaded.config
@@ -200,7 +200,7 @@ def bench_model(modes: list[str], batch_sizes: list[int], context: int, prefill:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.quant", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.quant", description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("forms", "model", "all"), default="all")
     parser.add_argument("--rows", default="1,8,64,512", help="M values for the forms part")
     parser.add_argument("--modes", default="none,int8,int4")
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args(argv)
-    command = "python -m bench.quant " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m sluice.bench.quant " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"{command}\n(jax {jax.__version__}, {jax.devices()[0].device_kind}, CPU kernels "
           f"{'built' if cpu_qmatmul.available() else 'not built'})\n")
     if args.part in ("forms", "all"):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from bench.dataset import SyntheticSpec, synthetic
-from bench.serve import LoadConfig, run_load
+from sluice.bench.dataset import SyntheticSpec, synthetic
+from sluice.bench.serve import LoadConfig, run_load
 
 PROBED = ("/health", "/metrics")
 

@@ -11,7 +11,7 @@ with the kernels); attention's FLOPs are counted at that rate too, a bound on th
 SmolLM2 step). Decode needs (output tokens / B) steps at the workload's mean decode context. Output tokens
 over (prefill time + decode time) is the bound; achieved / bound is the fraction reported.
 
-`python -m bench.roofline --save peaks.json` measures and saves the peaks, so a benchmark that shares
+`python -m sluice.bench.roofline --save peaks.json` measures and saves the peaks, so a benchmark that shares
 its machine with the server (a GPU) can measure before the server starts and pass the file along.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.config import ModelConfig
-from model.roofline import Peaks, StepCost, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
+from sluice.model.config import ModelConfig
+from sluice.model.roofline import Peaks, StepCost, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -46,9 +46,9 @@ class ServedModel:
         import jax.numpy as jnp
         from flax import nnx
 
-        from model.linear import arithmetic_dtype
-        from model.llama import Llama
-        from model.quantize import quantize_model, resolve
+        from sluice.model.linear import arithmetic_dtype
+        from sluice.model.llama import Llama
+        from sluice.model.quantize import quantize_model, resolve
 
         config, quantization = read_model_config(model), resolve(quantization)
         abstract = nnx.eval_shape(lambda: quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)),
@@ -123,7 +123,7 @@ def workload_roofline(
 
 def read_model_config(model: str | None) -> ModelConfig:
     """The shape of `model` (a .gguf, an HF folder or None for the default), read from its metadata only."""
-    from model.fetch import resolve_model
+    from sluice.model.fetch import resolve_model
 
     source = resolve_model(model)
     if source.is_dir():
@@ -141,7 +141,7 @@ def peaks_from(path: Path | None, arithmetic: str = "float32") -> Peaks:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.roofline", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.roofline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--save", type=Path, default=None, help="write the measured peaks to this JSON file")
     parser.add_argument("--arithmetic", default="float32", choices=[*DTYPES, "int8"],
                         help="the dtype the served model's matmuls multiply in (int8: quantized weights on a CPU)")

@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.dataset import DEFAULT_OUTPUT, DEFAULT_PROMPT, BenchRequest, LengthDistribution, SyntheticSpec, load_jsonl, synthetic
-from bench.metrics import RequestRecord, Slo, Summary, summarize
-from bench.roofline import DTYPES, Peaks, Roofline, ServedModel, peaks_from, workload_roofline
+from sluice.bench.dataset import DEFAULT_OUTPUT, DEFAULT_PROMPT, BenchRequest, LengthDistribution, SyntheticSpec, load_jsonl, synthetic
+from sluice.bench.metrics import RequestRecord, Slo, Summary, summarize
+from sluice.bench.roofline import DTYPES, Peaks, Roofline, ServedModel, peaks_from, workload_roofline
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="auto", help="the server's --quantization, for the roofline")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype, for the roofline")
     parser.add_argument("--peaks", type=Path, default=None,
-                        help="peaks JSON from `python -m bench.roofline --save` (default: measure here, now)")
+                        help="peaks JSON from `python -m sluice.bench.roofline --save` (default: measure here, now)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     args.result_json.write_text(json.dumps(data, indent=2) + "\n")
     print(f"result: {args.result_json}")
     if args.plot is not None:
-        from bench.plots import plot_rate_curves, plot_ttft_distribution
+        from sluice.bench.plots import plot_rate_curves, plot_ttft_distribution
 
         plot_ttft_distribution(result.records, args.plot / "ttft_distribution.png")
         plot_rate_curves([data], args.plot)
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.serve", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.dataset import BenchRequest
+from sluice.bench.dataset import BenchRequest
 
 
 @dataclass(frozen=True)

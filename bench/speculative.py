@@ -9,7 +9,7 @@ over the same loaded weights, one with `speculative="ngram"`, alternating in up 
 requests per slot each). Reports output tok/s, TPOT, the ratio, and the acceptance rate (accepted / draft
 tokens) and mean accepted length (1 + accepted per drafting step) of the speculative run.
 
-    python -m bench.speculative                 (or: sluice bench speculative ...)
+    python -m sluice.bench.speculative                 (or: sluice bench speculative ...)
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.sampling_params import SamplingParams
-from model.loader import load_model
-from model.tokenizer import Tokenizer
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import SamplingParams
+from sluice.model.loader import load_model
+from sluice.model.tokenizer import Tokenizer
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "devils_dictionary_preface_and_a.txt"
 COPY_INSTRUCTION = "Repeat the following passage exactly, word for word:"
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name} c={concurrency}: {cell[False].output_tok_s:.1f} / {cell[True].output_tok_s:.1f} tok/s "
                   f"without / with drafts", file=sys.stderr)
     print(table(runs))
-    print(f"\ncommand: {shlex.join(['python', '-m', 'bench.speculative', *sys.argv[1:]])}")
+    print(f"\ncommand: {shlex.join(['python', '-m', 'sluice.bench.speculative', *sys.argv[1:]])}")
     return 0
 
 
@@ -189,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.speculative", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

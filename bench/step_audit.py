@@ -1,7 +1,7 @@
 """Step-bytes audit: what the engine's compiled decode step reads, against the floor, from its optimized HLO.
 
-    python -m bench.step_audit                                  # SmolLM2-135M, Llama-3.2-1B, Llama-3-8B; bf16, f32
-    python -m bench.step_audit --models smollm2-135m --dtypes bfloat16 --rows 64 --context 1024
+    python -m sluice.bench.step_audit                                  # SmolLM2-135M, Llama-3.2-1B, Llama-3-8B; bf16, f32
+    python -m sluice.bench.step_audit --models smollm2-135m --dtypes bfloat16 --rows 64 --context 1024
 
 A decode step must read its weights once (as `model.roofline.StepCost` counts them) and the batch's K/V
 once: `rows` sequences of `context` tokens, the most the compiled step can attend to (the audit's pool holds
@@ -37,12 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from batching.model_runner import ModelRunner
-from bench.engine_check import MODELS
-from model.config import ModelConfig
-from model.llama import LAYER_LOOPS, LAYER_PARAMS, LINEAR_WEIGHTS, Llama, resolve_layer_loop
-from model.quantize import quantize_model
-from model.roofline import StepCost, kv_bytes_per_token
+from sluice.batching.model_runner import ModelRunner
+from sluice.bench.engine_check import MODELS
+from sluice.model.config import ModelConfig
+from sluice.model.llama import LAYER_LOOPS, LAYER_PARAMS, LINEAR_WEIGHTS, Llama, resolve_layer_loop
+from sluice.model.quantize import quantize_model
+from sluice.model.roofline import StepCost, kv_bytes_per_token
 
 PAGE_SIZE = 16
 WIDE = ("f32", "f64")
@@ -447,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     loops = "once" if cost_counts_loop_once() else "at every iteration"
     text = (f"Decode-step bytes on {jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__}); "
             f"its cost analysis counts a loop body {loops}.\n\n{table(audits)}\n\n"
-            f"$ python -m bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")
+            f"$ python -m sluice.bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")

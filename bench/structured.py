@@ -13,7 +13,7 @@
    ignored), so the two differ by the constraint alone; interleaved, `--repeats` times: output tok/s, and output
    tokens per CPU-second of this process (all its threads), which other load on the machine disturbs less.
 
-    python -m bench.structured                (or: sluice bench structured ...)
+    python -m sluice.bench.structured                (or: sluice bench structured ...)
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from dataclasses import dataclass, replace
 import jax
 import numpy as np
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.outputs import ListCollector
-from batching.sampler import bitmask_words, mask_disallowed
-from batching.sampling_params import SamplingParams, StructuredOutput
-from batching.structured import GrammarCompiler, fill_bitmask
-from bench.speculative import closed_loop
-from model.loader import load_model
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.outputs import ListCollector
+from sluice.batching.sampler import bitmask_words, mask_disallowed
+from sluice.batching.sampling_params import SamplingParams, StructuredOutput
+from sluice.batching.structured import GrammarCompiler, fill_bitmask
+from sluice.bench.speculative import closed_loop
+from sluice.model.loader import load_model
 
 STRING = {"type": "string", "maxLength": 24}
 CITY = {"type": "object", "properties": {"name": STRING, "country": STRING,
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     cpu = statistics.median(c.output_tok_per_cpu_s / u.output_tok_per_cpu_s for u, c in pairs)
     print(f"\nJSON schema / unconstrained, median over the {len(pairs)} pairs: output tok/s {wall:.3f}, "
           f"output tokens per CPU-second {cpu:.3f}")
-    print(f"\ncommand: {shlex.join(['python', '-m', 'bench.structured', *sys.argv[1:]])}")
+    print(f"\ncommand: {shlex.join(['python', '-m', 'sluice.bench.structured', *sys.argv[1:]])}")
     return 0
 
 
@@ -249,7 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.structured", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

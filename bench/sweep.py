@@ -8,11 +8,11 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.dataset import fresh_prompts
-from bench.metrics import Slo
-from bench.plots import plot_rate_curves, plot_throughput_latency
-from bench.roofline import ServedModel, peaks_from
-from bench.serve import add_dataset_arguments, add_server_arguments, benchmark, command_line, load_config, load_dataset, report, result_json
+from sluice.bench.dataset import fresh_prompts
+from sluice.bench.metrics import Slo
+from sluice.bench.plots import plot_rate_curves, plot_throughput_latency
+from sluice.bench.roofline import ServedModel, peaks_from
+from sluice.bench.serve import add_dataset_arguments, add_server_arguments, benchmark, command_line, load_config, load_dataset, report, result_json
 
 
 def _rates(text: str) -> list[float]:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sluice.bench.sweep", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -5,7 +5,7 @@ per iteration; (b) static batching, requests in arrival batches of B with prompt
 longest and every row decoding until the batch's longest output is done; (c) one request at a time.
 Outputs ignore EOS so every request produces exactly its sampled length.
 
-    python -m bench.throughput --num-prompts 64     (or: sluice bench throughput ...)
+    python -m sluice.bench.throughput --num-prompts 64     (or: sluice bench throughput ...)
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.sampling_params import SamplingParams
-from bench.dataset import FIRST_ORDINARY_TOKEN, BenchRequest, LengthDistribution, SyntheticSpec, synthetic
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import SamplingParams
+from sluice.bench.dataset import FIRST_ORDINARY_TOKEN, BenchRequest, LengthDistribution, SyntheticSpec, synthetic
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def table(results: list[Measurement], static: Measurement) -> str:
 def command_line() -> str:
     """How this run was started, as it can be typed again."""
     if sys.argv[0].endswith("throughput.py"):
-        return shlex.join(["python", "-m", "bench.throughput", *sys.argv[1:]])
+        return shlex.join(["python", "-m", "sluice.bench.throughput", *sys.argv[1:]])
     return shlex.join(["sluice", *sys.argv[1:]])
 
 

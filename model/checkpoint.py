@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from model.config import ModelConfig, RopeScaling
+from sluice.model.config import ModelConfig, RopeScaling
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"

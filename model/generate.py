@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.llama import AttendFn, KVCache, Llama, empty_kv_cache
+from sluice.model.llama import AttendFn, KVCache, Llama, empty_kv_cache
 
 
 def contiguous_attend(start: jax.Array, sm_scale: float) -> AttendFn:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_qmatmul
-from pallas_kernels.cpu_qmatmul import PANEL
+from sluice.pallas_kernels import cpu_qmatmul
+from sluice.pallas_kernels.cpu_qmatmul import PANEL
 
 
 @jax.tree_util.register_dataclass

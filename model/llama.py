@@ -26,9 +26,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from model.config import ModelConfig
-from model.linear import RmsNorm, Weight, embed_rows, project, project_rows
-from pallas_kernels.kv_cache import Pages, empty_pages
+from sluice.model.config import ModelConfig
+from sluice.model.linear import RmsNorm, Weight, embed_rows, project, project_rows
+from sluice.pallas_kernels.kv_cache import Pages, empty_pages
 
 KVCache = tuple[Pages, Pages]
 """(k, v) as the `AttendFn` keeps them (arrays, or int8 `QuantizedPages`): the model only threads them through its

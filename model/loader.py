@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import checkpoint
-from model.config import ModelConfig
-from model.fetch import resolve_model, sluice_home
-from model.llama import Llama
-from model.quantize import quantize_model, quantize_params, resolve
-from model.tokenizer import SpecialTokens, Tokenizer
-from model.weights import load_gguf, load_safetensors_folder
+from sluice.model import checkpoint
+from sluice.model.config import ModelConfig
+from sluice.model.fetch import resolve_model, sluice_home
+from sluice.model.llama import Llama
+from sluice.model.quantize import quantize_model, quantize_params, resolve
+from sluice.model.tokenizer import SpecialTokens, Tokenizer
+from sluice.model.weights import load_gguf, load_safetensors_folder
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -80,7 +80,7 @@ def load_model(
         print(f"Converting {source.name} (first use) ...", file=sys.stderr)
         if jax.process_count() > 1:
             # In a multi-process job orbax saves collectively; each process's conversion is its own business.
-            subprocess.run([sys.executable, "-m", "model.loader", str(source), str(folder), quantization], check=True)
+            subprocess.run([sys.executable, "-m", "sluice.model.loader", str(source), str(folder), quantization], check=True)
         else:
             convert(source, folder, quantization)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
@@ -107,5 +107,5 @@ def load_model(
     return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=source.stem)
 
 
-if __name__ == "__main__":  # python -m model.loader SOURCE FOLDER QUANTIZATION: one conversion, single-process JAX
+if __name__ == "__main__":  # python -m sluice.model.loader SOURCE FOLDER QUANTIZATION: one conversion, single-process JAX
     convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

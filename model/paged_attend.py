@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from model.llama import AttendFn, KVCache
-from pallas_kernels.attention import ragged_paged_attention
-from pallas_kernels.kv_cache import write_kv
+from sluice.model.llama import AttendFn, KVCache
+from sluice.pallas_kernels.attention import ragged_paged_attention
+from sluice.pallas_kernels.kv_cache import write_kv
 
 
 @jax.tree_util.register_dataclass

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.llama import LAYER_PARAMS, LINEAR_WEIGHTS, Llama
-from pallas_kernels import cpu_qmatmul
-from pallas_kernels.cpu_qmatmul import BLOCK, PANEL, pack_q4, pack_q8, pack_scales
+from sluice.model.llama import LAYER_PARAMS, LINEAR_WEIGHTS, Llama
+from sluice.pallas_kernels import cpu_qmatmul
+from sluice.pallas_kernels.cpu_qmatmul import BLOCK, PANEL, pack_q4, pack_q8, pack_scales
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from model.config import ModelConfig
-from pallas_kernels.kv_cache import row_bytes
+from sluice.model.config import ModelConfig
+from sluice.pallas_kernels.kv_cache import row_bytes
 
 
 def matmul_weights(config: ModelConfig) -> int:

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import numpy as np
 from tqdm import tqdm
 
-from model.config import ModelConfig
-from model.llama import fuse_qkv
+from sluice.model.config import ModelConfig
+from sluice.model.llama import fuse_qkv
 
 Params = dict[str, np.ndarray]
 

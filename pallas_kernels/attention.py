@@ -35,7 +35,7 @@ Backends (the choice lives here only):
 What only a real GPU run can show: the tests lower the kernels for "cuda" with `jax.export` on a
 CPU host, which checks that every operation has a GPU lowering rule, but lowering is not compiling:
 the backend compile (register and shared-memory limits of the tile sizes, layouts), the numerics of
-the tensor-core dots, and speed are known only after running on a GPU (`python -m bench.gpu_check`
+the tensor-core dots, and speed are known only after running on a GPU (`python -m sluice.bench.gpu_check`
 runs the correctness suite compiled, the kernel benchmark and the engine there).
 """
 
@@ -45,13 +45,13 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_attention, mosaic_attention
-from pallas_kernels.kv_cache import Pages, QuantizedPages
-from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
-from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, ragged_paged_attention_mosaic
-from pallas_kernels.paged_attention_ref import paged_decode_attention_ref, ragged_paged_attention_ref
-from pallas_kernels.triton_decode import paged_decode_attention_triton
-from pallas_kernels.triton_ragged import ragged_paged_attention_triton
+from sluice.pallas_kernels import cpu_attention, mosaic_attention
+from sluice.pallas_kernels.kv_cache import Pages, QuantizedPages
+from sluice.pallas_kernels.cpu_attention import ragged_paged_attention_cpu
+from sluice.pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, ragged_paged_attention_mosaic
+from sluice.pallas_kernels.paged_attention_ref import paged_decode_attention_ref, ragged_paged_attention_ref
+from sluice.pallas_kernels.triton_decode import paged_decode_attention_triton
+from sluice.pallas_kernels.triton_ragged import ragged_paged_attention_triton
 
 KERNELS = ("pallas-triton", "pallas-mosaic", "cpu", "reference")
 ALIASES = {"pallas": "pallas-triton"}

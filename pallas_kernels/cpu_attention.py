@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_library
-from pallas_kernels.kv_cache import Pages, QuantizedPages
+from sluice.pallas_kernels import cpu_library
+from sluice.pallas_kernels.kv_cache import Pages, QuantizedPages
 
 _TARGETS = {
     "sluice_cpu_ragged_paged_attention_f32": "SluiceCpuRaggedPagedAttentionF32",

@@ -4,7 +4,7 @@
 x86-64-v3 baseline), built on first use into the cache (`cpu_build.py`); a variant whose build fails falls back
 to the next. Where none can be had (no compiler, another ISA, a failed build), it says why once, at the first
 use, and callers take pure-XLA forms: `available()` of `cpu_qmatmul` and `cpu_attention` is False.
-`python -m pallas_kernels.cpu_library` builds at install time (`make serve` / `make test`).
+`python -m sluice.pallas_kernels.cpu_library` builds at install time (`make serve` / `make test`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import jax
 
-from pallas_kernels import cpu_build
-from pallas_kernels.cpu_build import BuildError, Variant
+from sluice.pallas_kernels import cpu_build
+from sluice.pallas_kernels.cpu_build import BuildError, Variant
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def register(target: str, symbol: str) -> bool:
     return True
 
 
-if __name__ == "__main__":  # python -m pallas_kernels.cpu_library: build at install time
+if __name__ == "__main__":  # python -m sluice.pallas_kernels.cpu_library: build at install time
     library, failures = find()
     for failure in failures:
         print(f"CPU kernels: {failure}", file=sys.stderr)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_library
+from sluice.pallas_kernels import cpu_library
 
 BLOCK = 32
 """Inputs per weight scale (and min), and per activation scale."""

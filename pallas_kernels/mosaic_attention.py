@@ -37,7 +37,7 @@ has no rules for TMA copies and barriers, and the Mosaic GPU interpreter (`plgpu
 fails on 0.10.2 on the transposed K operand of the first MMA with "AttributeError: 'TransposeTransform'
 object has no attribute 'indices'", and on 0.11.2 with "NotImplementedError: MLIR translation rule for
 primitive 'wgmma' not found for platform cpu" (it has no rule for the warpgroup MMA).
-Their numerics and speed are first checked by `python -m bench.gpu_check` on a GPU.
+Their numerics and speed are first checked by `python -m sluice.bench.gpu_check` on a GPU.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import kernel_common as kc
+from sluice.pallas_kernels import kernel_common as kc
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu

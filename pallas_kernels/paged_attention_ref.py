@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.kv_cache import Pages, QuantizedPages, dequantize
+from sluice.pallas_kernels.kv_cache import Pages, QuantizedPages, dequantize
 
 MASK_VALUE = -1e30
 BLOCK_TOKENS = 128

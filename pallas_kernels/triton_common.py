@@ -17,8 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.kernel_common import MASK_VALUE
-from pallas_kernels.kv_cache import Pages, QuantizedPages, dequantize
+from sluice.pallas_kernels.kernel_common import MASK_VALUE
+from sluice.pallas_kernels.kv_cache import Pages, QuantizedPages, dequantize
 
 # Tokens of K/V per inner step: enough columns for a tensor-core dot, small enough for registers.
 BLOCK_KV_TOKENS = 64

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import kernel_common as kc
-from pallas_kernels import triton_common as tc
-from pallas_kernels.kv_cache import Pages
+from sluice.pallas_kernels import kernel_common as kc
+from sluice.pallas_kernels import triton_common as tc
+from sluice.pallas_kernels.kv_cache import Pages
 
 # Triton dots need at least 16 rows.
 MIN_ROWS = 16

@@ -17,9 +17,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import kernel_common as kc
-from pallas_kernels import triton_common as tc
-from pallas_kernels.kv_cache import Pages
+from sluice.pallas_kernels import kernel_common as kc
+from sluice.pallas_kernels import triton_common as tc
+from sluice.pallas_kernels.kv_cache import Pages
 
 # Rows of a query tile (tokens x group heads): a tensor-core-sized tile for prefill chunks.
 TARGET_ROWS = 64

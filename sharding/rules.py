@@ -24,10 +24,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from model.config import ModelConfig
-from model.llama import LINEAR_WEIGHTS, Llama
-from model.quantize import packed_order
-from sharding.mesh import TP_AXIS, InvalidTensorParallelism
+from sluice.model.config import ModelConfig
+from sluice.model.llama import LINEAR_WEIGHTS, Llama
+from sluice.model.quantize import packed_order
+from sluice.sharding.mesh import TP_AXIS, InvalidTensorParallelism
 
 T = TP_AXIS
 PARAM_SPECS: dict[str, P] = {

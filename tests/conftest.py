@@ -8,6 +8,6 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (float32), fetched and converted on first use."""
-    from model.loader import load_model
+    from sluice.model.loader import load_model
 
     return load_model(dtype="float32")

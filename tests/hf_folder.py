@@ -11,9 +11,9 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from model.config import ModelConfig
-from model.llama import Llama, split_qkv
-from model.weights import GLOBAL_TENSORS, LAYER_TENSORS, TRANSPOSED
+from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama, split_qkv
+from sluice.model.weights import GLOBAL_TENSORS, LAYER_TENSORS, TRANSPOSED
 
 
 def unfuse_projections(params: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batching.sampler import SamplingBatch
-from batching.sampling_params import SamplingParams
+from sluice.batching.sampler import SamplingBatch
+from sluice.batching.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

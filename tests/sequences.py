@@ -3,10 +3,10 @@ checkers over a small trained byte-level tokenizer."""
 
 from __future__ import annotations
 
-from batching.sampling_params import SamplingParams
-from batching.sequence import Sequence
-from batching.stop_checker import StopChecker
-from model.tokenizer import SpecialTokens, Tokenizer
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.sequence import Sequence
+from sluice.batching.stop_checker import StopChecker
+from sluice.model.tokenizer import SpecialTokens, Tokenizer
 
 from hf_folder import train_tokenizer
 

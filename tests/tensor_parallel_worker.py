@@ -20,14 +20,14 @@ from dataclasses import replace  # noqa: E402
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from batching.config import EngineConfig  # noqa: E402
-from batching.engine import Engine  # noqa: E402
-from batching.sampling_params import SamplingParams  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from model.llama import Llama  # noqa: E402
-from model.loader import LoadedModel, load_model  # noqa: E402
-from sharding.mesh import make_mesh  # noqa: E402
-from sharding.rules import shard_model  # noqa: E402
+from sluice.batching.config import EngineConfig  # noqa: E402
+from sluice.batching.engine import Engine  # noqa: E402
+from sluice.batching.sampling_params import SamplingParams  # noqa: E402
+from sluice.model.config import ModelConfig  # noqa: E402
+from sluice.model.llama import Llama  # noqa: E402
+from sluice.model.loader import LoadedModel, load_model  # noqa: E402
+from sluice.sharding.mesh import make_mesh  # noqa: E402
+from sluice.sharding.rules import shard_model  # noqa: E402
 
 TINY = ModelConfig.tiny(num_heads=8, num_kv_heads=4, head_dim=16)
 ENGINE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=1 << 22,
@@ -66,7 +66,7 @@ def main() -> None:
         else:
             mesh = make_mesh(tp) if tp > 1 else None
             from functools import partial
-            from sharding.rules import param_sharding
+            from sluice.sharding.rules import param_sharding
             loaded = load_model(dtype="float32", sharding_rule=partial(param_sharding, mesh) if mesh else None)
             tok = loaded.tokenizer
             prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))

@@ -11,10 +11,10 @@ import httpx
 import jsonschema
 import pytest
 
-from app.anthropic_messages import chat_request
-from app.anthropic_responses import first_stop_sequence
-from app.anthropic_schemas import MessagesRequest
-from model.config import ModelConfig
+from sluice.app.anthropic_messages import chat_request
+from sluice.app.anthropic_responses import first_stop_sequence
+from sluice.app.anthropic_schemas import MessagesRequest
+from sluice.model.config import ModelConfig
 
 from hf_folder import write_hf_folder
 from test_api_e2e import API_KEY, start_server

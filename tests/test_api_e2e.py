@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from bench.compare import free_port
+from sluice.bench.compare import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def start_server(*flags: str, startup_timeout_s: float = 900, env: dict[str, str
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
+            [sys.executable, "-m", "sluice.app.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
             cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
         )
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log, [])

@@ -17,8 +17,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from app.server import ROUTES
-from model.config import ModelConfig
+from sluice.app.server import ROUTES
+from sluice.model.config import ModelConfig
 
 from hf_folder import write_hf_folder
 from test_api_e2e import start_server

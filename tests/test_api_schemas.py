@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from app.errors import APIError, from_validation_error
-from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
-from batching.sampling_params import StructuredOutput
+from sluice.app.errors import APIError, from_validation_error
+from sluice.app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from sluice.batching.sampling_params import StructuredOutput
 
 VOCAB = {"vocab_size": 1000}
 

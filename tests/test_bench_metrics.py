@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.dataset import BenchRequest, SyntheticSpec, fresh_prompts, synthetic
-from bench.metrics import Distribution, RequestRecord, Slo, Spread, percentile, summarize
+from sluice.bench.dataset import BenchRequest, SyntheticSpec, fresh_prompts, synthetic
+from sluice.bench.metrics import Distribution, RequestRecord, Slo, Spread, percentile, summarize
 
 
 def _stream() -> RequestRecord:

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import compare, llama_cpp, serve
-from bench.compare_report import FORMATS, sweep_table
-from bench.dataset import BenchRequest
-from bench.roofline import Peaks
-from bench.server_counters import ServerCounters, check_phase, parse_llama_server, parse_sluice
+from sluice.bench import compare, llama_cpp, serve
+from sluice.bench.compare_report import FORMATS, sweep_table
+from sluice.bench.dataset import BenchRequest
+from sluice.bench.roofline import Peaks
+from sluice.bench.server_counters import ServerCounters, check_phase, parse_llama_server, parse_sluice
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = Path.home() / ".cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,7 +29,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     port = compare.free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--max-num-seqs", "4",
+        [sys.executable, "-m", "sluice.app.cli", "serve", "--port", str(port), "--max-num-seqs", "4",
          "--max-num-batched-tokens", "64", "--max-model-len", "128", "--kv-cache-memory", "16MiB",
          "--log-level", "warning"],
         cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
@@ -243,7 +243,7 @@ def test_a_text_less_finish_chunk_carries_no_token_but_a_text_less_token_chunk_d
 
 def test_host_overhead_times_every_phase_of_real_engine_steps_with_overlap_on_and_off(capsys) -> None:
     """The benchmark wraps the engine's phase functions by name: a renamed one would time nothing."""
-    from bench import host_overhead
+    from sluice.bench import host_overhead
 
     assert host_overhead.main(["--batches", "2", "--vocab", "512", "--decode-steps", "4"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("    512")]

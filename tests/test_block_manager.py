@@ -1,7 +1,7 @@
 """Block manager: reference-counted pages, chained-hash prefix caching, LRU eviction, counters."""
 
-from batching.block_manager import BlockManager
-from batching.sequence import Sequence
+from sluice.batching.block_manager import BlockManager
+from sluice.batching.sequence import Sequence
 
 from sequences import make_sequence
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-SLUICE = [sys.executable, "-m", "app.cli"]
+SLUICE = [sys.executable, "-m", "sluice.app.cli"]
 
 
 def run_sluice(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_qmatmul as cq
+from sluice.pallas_kernels import cpu_qmatmul as cq
 
 needs_kernels = pytest.mark.skipif(not cq.available(), reason="no CPU kernels here (see pallas_kernels/cpu_library.py)")
 ROWS = (1, 2, 3, 4, 6, 7, 16, 37)

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from app.dashboard.recent import ErrorEntry, RecentRequests, Taken, error_kind
-from app.dashboard.timeline import HISTORY_S, Timeline
-from batching.speculation import SpecCounters
-from batching.stats import EngineStats
-from model.roofline import Peaks
+from sluice.app.dashboard.recent import ErrorEntry, RecentRequests, Taken, error_kind
+from sluice.app.dashboard.timeline import HISTORY_S, Timeline
+from sluice.batching.speculation import SpecCounters
+from sluice.batching.stats import EngineStats
+from sluice.model.roofline import Peaks
 
 IDLE = EngineStats(
     num_requests_running=0, num_requests_waiting=0, num_seqs_running=0, num_seqs_waiting=0, kv_pages_used=0,

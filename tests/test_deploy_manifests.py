@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.serve import add_arguments, env_name
-from app.server import ROUTES
+from sluice.app.serve import add_arguments, env_name
+from sluice.app.server import ROUTES
 
 DEPLOY = Path(__file__).parents[1] / "deploy" / "kubernetes"
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench.device_profile import DeviceEvent, DeviceTrace, op_class, summarize
+from sluice.bench.device_profile import DeviceEvent, DeviceTrace, op_class, summarize
 
 
 def event(start, duration, kernel, hlo_op="fusion.1", program="jit_step"):

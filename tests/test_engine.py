@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.outputs import ListCollector
-from batching.sampling_params import RequestRejected
-from batching.sampling_params import SamplingParams
-from batching.sequence import Sequence
-from model.config import ModelConfig
-from model.generate import generate
-from model.llama import Llama
-from model.loader import LoadedModel, load_model
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.outputs import ListCollector
+from sluice.batching.sampling_params import RequestRejected
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.sequence import Sequence
+from sluice.model.config import ModelConfig
+from sluice.model.generate import generate
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel, load_model
 
 PAGE = 4
 CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, page_size=PAGE,

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from bench import engine_check
-from bench.dataset import BenchRequest
-from model.llama import Llama
-from model.tokenizer import ByteDetokenizer
+from sluice.bench import engine_check
+from sluice.bench.dataset import BenchRequest
+from sluice.model.llama import Llama
+from sluice.model.tokenizer import ByteDetokenizer
 
 
 @pytest.mark.parametrize("name, params", [

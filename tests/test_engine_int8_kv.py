@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from batching.config import EngineConfig
-from batching.engine import Engine, kv_page_bytes
-from batching.outputs import ListCollector
-from batching.sampling_params import SamplingParams
-from model.config import ModelConfig
-from model.llama import Llama
-from model.loader import LoadedModel, load_model
-from pallas_kernels.kv_cache import QuantizedPages
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine, kv_page_bytes
+from sluice.batching.outputs import ListCollector
+from sluice.batching.sampling_params import SamplingParams
+from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel, load_model
+from sluice.pallas_kernels.kv_cache import QuantizedPages
 from test_engine import prompts
 
 PAGE = 4

@@ -7,8 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from batching.outputs import ListCollector
-from batching.sampling_params import SamplingParams
+from sluice.batching.outputs import ListCollector
+from sluice.batching.sampling_params import SamplingParams
 from test_engine import GREEDY, make_engine, prompts, tiny  # noqa: F401 - `tiny` is a fixture
 
 KINDS = [

@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import pytest
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.sampling_params import SamplingParams
-from model.generate import generate
-from model.loader import LoadedModel, load_model
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import SamplingParams
+from sluice.model.generate import generate
+from sluice.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

@@ -5,15 +5,15 @@ import jax
 import pytest
 from flax import nnx
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.sampling_params import SamplingParams
-from batching.scheduler import ScheduledChunk
-from batching.stats import StepStats
-from model.config import ModelConfig
-from model.llama import Llama
-from model.loader import LoadedModel, load_model
-from model.roofline import StepCost, matmul_weights
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.scheduler import ScheduledChunk
+from sluice.batching.stats import StepStats
+from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel, load_model
+from sluice.model.roofline import StepCost, matmul_weights
 from sequences import make_sequence
 
 TINY = ModelConfig.tiny()

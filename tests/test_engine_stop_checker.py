@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from batching.sampling_params import SamplingParams
-from batching.stop_checker import StopChecker, StopDecision
-from model.loader import load_model
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.stop_checker import StopChecker, StopDecision
+from sluice.model.loader import load_model
 
 EOS = 2
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from model.generate import generate, sequence_logits
+from sluice.model.generate import generate, sequence_logits
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "golden_smollm2.json").read_text())
 CASES = GOLDEN["cases"]

@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_check` runs end to end on the CPU, at small sizes, so it cannot rot before a GPU comes.
+"""`python -m sluice.bench.gpu_check` runs end to end on the CPU, at small sizes, so it cannot rot before a GPU comes.
 
 One run (about a minute) serves every test here: they read its report and results.
 """
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import gpu_check, gpu_report
+from sluice.bench import gpu_check, gpu_report
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_what_ran_out_of_time_gets_a_command_to_finish_it(tmp_path):
         gpu_report.StepResult("engine-llama-3-8b", "skipped", note="needs about 24.0 GiB"),
     ]
     assert gpu_check.unfinished(steps, tmp_path / "a") == (
-        f"python -m bench.gpu_check --out {tmp_path}/a/more --require-gpu --steps kernel-bench engine "
+        f"python -m sluice.bench.gpu_check --out {tmp_path}/a/more --require-gpu --steps kernel-bench engine "
         "--models llama-3.2-1b"
     )
     assert gpu_check.unfinished(steps[:1], tmp_path) is None

@@ -2,7 +2,7 @@
 
 import json
 
-from bench import kernels
+from sluice.bench import kernels
 
 
 def test_kernel_benchmark_runs_every_backend_and_agrees_with_the_reference(tmp_path, capsys):
@@ -21,4 +21,4 @@ def test_kernel_benchmark_runs_every_backend_and_agrees_with_the_reference(tmp_p
     saved = json.loads(rows_json.read_text())["rows"]
     assert [r["backend"] for r in saved if "error" not in r] == ["pallas-triton", "reference", "jax-shipped"]
     assert all(r["gbps"] > 0 for r in saved if "error" not in r)
-    assert "python -m bench.kernels --backends" in capsys.readouterr().out
+    assert "python -m sluice.bench.kernels --backends" in capsys.readouterr().out

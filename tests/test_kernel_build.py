@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.linear import Weight, project
-from model.quantize import quantize_params, resolve
-from pallas_kernels import cpu_build, cpu_library
-from pallas_kernels import cpu_qmatmul as cq
-from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
-from pallas_kernels.cpu_build import BASELINE, BuildError
+from sluice.model.linear import Weight, project
+from sluice.model.quantize import quantize_params, resolve
+from sluice.pallas_kernels import cpu_build, cpu_library
+from sluice.pallas_kernels import cpu_qmatmul as cq
+from sluice.pallas_kernels.cpu_attention import ragged_paged_attention_cpu
+from sluice.pallas_kernels.cpu_build import BASELINE, BuildError
 from test_cpu_qmatmul import random_q4, random_q8
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,8 +104,8 @@ def test_a_failed_build_is_recorded_and_retried_only_when_the_compiler_changes(t
 
 
 NO_KERNELS = """
-from model.quantize import resolve
-from pallas_kernels.attention import resolve_backend
+from sluice.model.quantize import resolve
+from sluice.pallas_kernels.attention import resolve_backend
 print(resolve("auto"), resolve("auto"), resolve_backend("auto"), resolve_backend("auto"))
 """
 
@@ -181,7 +181,7 @@ def kernel_outputs() -> dict[str, np.ndarray]:
 
 V3_OUTPUTS = """
 import numpy as np
-from pallas_kernels import cpu_library
+from sluice.pallas_kernels import cpu_library
 import test_kernel_build as t
 np.savez("{path}", **t.kernel_outputs())
 print(cpu_library.load().variant.name)

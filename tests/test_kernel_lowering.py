@@ -3,7 +3,7 @@
 `jax.export` lowers without a GPU, so a kernel using an operation with no GPU lowering rule fails
 here on a CPU-only CI machine. Both kernel families lower: Triton (a `__gpu$xla.gpu.triton` custom
 call) and Mosaic GPU (`mosaic_gpu_v2`; 16-bit dtypes only). Lowering is not compiling: the backend
-compile and the kernels' speed and GPU numerics show only on a GPU (`python -m bench.gpu_check` runs
+compile and the kernels' speed and GPU numerics show only on a GPU (`python -m sluice.bench.gpu_check` runs
 them there).
 """
 
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.attention import paged_decode_attention, ragged_paged_attention
-from pallas_kernels.kv_cache import QuantizedPages
+from sluice.pallas_kernels.attention import paged_decode_attention, ragged_paged_attention
+from sluice.pallas_kernels.kv_cache import QuantizedPages
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = "mosaic_gpu_v2"

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_cache import QuantizedPages, dequantize, empty_pages, row_bytes, write_kv
+from sluice.pallas_kernels.kv_cache import QuantizedPages, dequantize, empty_pages, row_bytes, write_kv
 
 NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM = 6, 3, 4, 8
 

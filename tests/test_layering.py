@@ -16,6 +16,15 @@ def module_name(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
+def imported_names(node: ast.AST) -> list[str]:
+    """The modules (and `from` names) an import statement names; [] for other nodes and relative imports."""
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    return []
+
+
 def imports() -> dict[str, set[str]]:
     """Each of the project's modules -> the project modules it imports."""
     graph: dict[str, set[str]] = {}
@@ -23,12 +32,7 @@ def imports() -> dict[str, set[str]]:
         for path in sorted((ROOT / layer).glob("*.py")):
             found = set()
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-                elif isinstance(node, ast.Import):
-                    names = [alias.name for alias in node.names]
-                else:
-                    continue
+                names = [name.removeprefix("sluice.") for name in imported_names(node)]
                 found |= {name for name in names if name.split(".")[0] in LAYERS
                           and (ROOT / (name.replace(".", "/") + ".py")).exists()}
             graph[module_name(path)] = found - {module_name(path)}
@@ -57,3 +61,13 @@ def test_no_modules_import_each_other_in_a_circle():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_the_project_is_imported_only_as_the_sluice_package():
+    """A folder imported by its own name as well would load its modules twice (and a wheel has no such name)."""
+    bare = []
+    for path in sorted(p for folder in [*LAYERS, "tests"] for p in (ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            bare += [f"{path.relative_to(ROOT)}: {name}" for name in imported_names(node)
+                     if name.split(".")[0] in LAYERS]
+    assert bare == []

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.config import ModelConfig
-from model.generate import generate, sequence_logits
-from model.llama import Llama, apply_rope, fuse_qkv, rope_cos_sin, split_qkv
-from model.quantize import quantize_model
+from sluice.model.config import ModelConfig
+from sluice.model.generate import generate, sequence_logits
+from sluice.model.llama import Llama, apply_rope, fuse_qkv, rope_cos_sin, split_qkv
+from sluice.model.quantize import quantize_model
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_rope_preserves_norm_and_depends_only_on_relative_position():
 
 
 def test_llama3_rope_scaling_slows_only_low_frequencies():
-    from model.config import RopeScaling
+    from sluice.model.config import RopeScaling
 
     base = ModelConfig.tiny(head_dim=64, rope_theta=500000.0)
     scaled = ModelConfig.tiny(head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64))

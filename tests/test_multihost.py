@@ -11,13 +11,13 @@ import httpx
 import numpy as np
 import pytest
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.sampling_params import SamplingParams
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import SamplingParams
 from hf_folder import write_hf_folder
-from model.config import ModelConfig
-from model.loader import load_model
-from sharding.mesh import DistributedConfig, initialize_distributed
+from sluice.model.config import ModelConfig
+from sluice.model.loader import load_model
+from sluice.sharding.mesh import DistributedConfig, initialize_distributed
 from test_api_e2e import ROOT, free_port, start_server
 
 CONFIG = ModelConfig.tiny(vocab_size=300, num_heads=8, num_kv_heads=4, intermediate_size=256)
@@ -49,7 +49,7 @@ def test_two_processes_serve_one_model_like_a_single_process(tiny_model, monkeyp
     flags = ["--model", str(tiny_model), "--tp", "4", *LIMITS, *distributed]
     # Process 1 first: it waits in jax.distributed.initialize until process 0 joins.
     follower = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", *flags, "--process-id", "1"],
+        [sys.executable, "-m", "sluice.app.cli", "serve", *flags, "--process-id", "1"],
         cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
@@ -84,7 +84,7 @@ def test_a_tp_that_does_not_span_every_process_is_refused(tiny_model, monkeypatc
     distributed = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     flags = ["--model", str(tiny_model), "--tp", "2", *LIMITS, *distributed]
     processes = [
-        subprocess.Popen([sys.executable, "-m", "app.cli", "serve", *flags, "--process-id", str(i)],
+        subprocess.Popen([sys.executable, "-m", "sluice.app.cli", "serve", *flags, "--process-id", str(i)],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for i in (1, 0)
     ]

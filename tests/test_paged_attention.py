@@ -2,7 +2,7 @@
 
 On a CPU the Triton kernels run with interpret=True and the Mosaic GPU kernels are skipped (they have
 no interpret mode; tests/test_kernel_lowering.py lowers them for "cuda"). On a GPU every kernel runs
-compiled - `python -m bench.gpu_check` runs this file there. The Mosaic kernels take 16-bit inputs, so
+compiled - `python -m sluice.bench.gpu_check` runs this file there. The Mosaic kernels take 16-bit inputs, so
 they run the float32 cases in bfloat16 (inputs cast, tolerance of bfloat16). Interpret mode allocates
 kernel outputs filled with NaN (jax's `uninitialized_value`; `test_interpret_mode_poisons_kernel_outputs`
 pins that), so a row a kernel forgets to write comes back NaN and fails. Every case draws fresh random inputs (never
@@ -28,11 +28,11 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import cpu_attention, mosaic_attention
-from pallas_kernels.attention import INT8_KV_KERNELS, paged_decode_attention, ragged_paged_attention, resolve_backend
-from pallas_kernels.kv_cache import QuantizedPages
-from pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, runs_on
-from pallas_kernels.triton_decode import paged_decode_attention_triton
+from sluice.pallas_kernels import cpu_attention, mosaic_attention
+from sluice.pallas_kernels.attention import INT8_KV_KERNELS, paged_decode_attention, ragged_paged_attention, resolve_backend
+from sluice.pallas_kernels.kv_cache import QuantizedPages
+from sluice.pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, runs_on
+from sluice.pallas_kernels.triton_decode import paged_decode_attention_triton
 
 TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 ON_GPU = jax.default_backend() == "gpu"

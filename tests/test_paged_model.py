@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.config import ModelConfig
-from model.generate import sequence_logits
-from model.llama import Llama, empty_kv_cache
-from model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
+from sluice.model.config import ModelConfig
+from sluice.model.generate import sequence_logits
+from sluice.model.llama import Llama, empty_kv_cache
+from sluice.model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
 
 PAGE_SIZE = 4
 

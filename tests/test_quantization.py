@@ -17,15 +17,15 @@ import pytest
 from flax import nnx
 
 from hf_folder import write_hf_folder
-from model import checkpoint
-from model.config import ModelConfig
-from model.generate import sequence_logits
-from model.linear import Weight, dequantize
-from model.llama import LINEAR_WEIGHTS, Llama
-from model.loader import load_model
-from model.quantize import packed_order, quantize_model, quantize_q4, quantize_q8, resolve
-from pallas_kernels import cpu_qmatmul
-from sharding.rules import param_spec
+from sluice.model import checkpoint
+from sluice.model.config import ModelConfig
+from sluice.model.generate import sequence_logits
+from sluice.model.linear import Weight, dequantize
+from sluice.model.llama import LINEAR_WEIGHTS, Llama
+from sluice.model.loader import load_model
+from sluice.model.quantize import packed_order, quantize_model, quantize_q4, quantize_q8, resolve
+from sluice.pallas_kernels import cpu_qmatmul
+from sluice.sharding.rules import param_spec
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = json.loads((DATA / "golden_smollm2.json").read_text())["cases"]
@@ -152,12 +152,12 @@ def test_values_scales_and_mins_are_split_like_the_float_weight_in_packed_order(
 SHARDED_LOGITS = """
 import numpy as np
 from flax import nnx
-from model.config import ModelConfig
-from model.generate import sequence_logits
-from model.llama import Llama
-from model.quantize import quantize_model
-from sharding.mesh import make_mesh
-from sharding.rules import shard_model
+from sluice.model.config import ModelConfig
+from sluice.model.generate import sequence_logits
+from sluice.model.llama import Llama
+from sluice.model.quantize import quantize_model
+from sluice.sharding.mesh import make_mesh
+from sluice.sharding.rules import shard_model
 
 config = ModelConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
 tokens = np.random.default_rng(0).integers(3, 256, 9).tolist()

@@ -13,12 +13,12 @@ import pytest
 
 from test_api_e2e import API_KEY, AUTH, error_of, post, start_server
 
-from app.errors import generation_failed
-from app.responses_api_builder import ResponsesBuilder
-from app.responses_api_convert import chat_request
-from app.responses_api_schemas import ResponseObject, ResponsesRequest, TextConfig
-from batching.outputs import Increment
-from app.responses_api_store import ResponseStore, StoredResponse
+from sluice.app.errors import generation_failed
+from sluice.app.responses_api_builder import ResponsesBuilder
+from sluice.app.responses_api_convert import chat_request
+from sluice.app.responses_api_schemas import ResponseObject, ResponsesRequest, TextConfig
+from sluice.batching.outputs import Increment
+from sluice.app.responses_api_store import ResponseStore, StoredResponse
 
 # --- the store and the conversion ---------------------------------------------------------------------------
 

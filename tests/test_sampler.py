@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from batching.sampler import argmax, filter_cutoff, sample
-from batching.sampling_params import SamplingParams
+from sluice.batching.sampler import argmax, filter_cutoff, sample
+from sluice.batching.sampling_params import SamplingParams
 from sampling_rows import Row, sampling_batch
 
 VOCAB = 64

@@ -1,9 +1,9 @@
 """Scheduler: token budget, max_num_seqs, decodes before chunked prefill, priority, preemption of the newest."""
 
-from batching.block_manager import BlockManager
-from batching.sampling_params import SamplingParams
-from batching.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from batching.sequence import Sequence, SequenceStatus
+from sluice.batching.block_manager import BlockManager
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from sluice.batching.sequence import Sequence, SequenceStatus
 
 from sequences import make_sequence
 

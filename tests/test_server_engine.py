@@ -11,15 +11,15 @@ import httpx
 import pytest
 from flax import nnx
 
-from app.dashboard.feed import Feed
-from app.server import create_app
-from app.state import ServerSettings, ServerState
-from batching.config import EngineConfig
-from batching.engine import Engine
-from model.config import ModelConfig
-from model.llama import Llama
-from model.loader import LoadedModel
-from model.tokenizer import Tokenizer
+from sluice.app.dashboard.feed import Feed
+from sluice.app.server import create_app
+from sluice.app.state import ServerSettings, ServerState
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel
+from sluice.model.tokenizer import Tokenizer
 
 TINY = ModelConfig.tiny()
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=4,

@@ -10,13 +10,13 @@ import re
 import pytest
 from starlette.testclient import TestClient
 
-from batching.stats import EngineStats
+from sluice.batching.stats import EngineStats
 
-from app.metrics import ServerMetrics
-from app.serve import add_arguments, byte_size
-from app.server import create_app
-from app.streaming import DONE, KEEPALIVE, EventStreamResponse, sse_event
-from app.state import ServerSettings, ServerState
+from sluice.app.metrics import ServerMetrics
+from sluice.app.serve import add_arguments, byte_size
+from sluice.app.server import create_app
+from sluice.app.streaming import DONE, KEEPALIVE, EventStreamResponse, sse_event
+from sluice.app.state import ServerSettings, ServerState
 
 KEY = "s3cret"
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import pytest
 from flax import nnx
 
-from app.server import create_app
-from batching.engine import Engine
-from batching.structured import GrammarCompiler
-from model.config import ModelConfig
-from model.llama import Llama
-from model.loader import LoadedModel
+from sluice.app.server import create_app
+from sluice.batching.engine import Engine
+from sluice.batching.structured import GrammarCompiler
+from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel
 
 from test_server_engine import CONFIG, serve
 

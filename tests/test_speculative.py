@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.ngram import NgramConfig, NgramProposer, propose_on_device
-from batching.sampler import sample
-from batching.sampling_params import SamplingParams
-from batching.speculation import drafts_worth_checking, per_draft_rate
-from model.config import ModelConfig
-from model.llama import Llama
-from model.loader import LoadedModel
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.ngram import NgramConfig, NgramProposer, propose_on_device
+from sluice.batching.sampler import sample
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.speculation import drafts_worth_checking, per_draft_rate
+from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel
 from sampling_rows import Row, sampling_batch
 
 TINY = ModelConfig.tiny()

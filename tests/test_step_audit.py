@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench.step_audit import StoredArray, StepAudit, audit, audit_decode_step
-from model.config import ModelConfig
-from pallas_kernels import cpu_qmatmul
+from sluice.bench.step_audit import StoredArray, StepAudit, audit, audit_decode_step
+from sluice.model.config import ModelConfig
+from sluice.pallas_kernels import cpu_qmatmul
 
 # Small, with dims that no two weights (nor the pool, nor an activation) share, so every array is named by its
 # shape alone: per layer wqkv [96, 160], wo [96, 96], w_gate_up [96, 640], w_down [320, 96].

@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from batching.sampling_params import RequestRejected
-from batching.sampler import bitmask_words, mask_disallowed, sample
-from batching.sampling_params import SamplingParams, StructuredOutput
-from batching.structured import GrammarCompiler, InvalidGrammar, fill_bitmask
+from sluice.batching.sampling_params import RequestRejected
+from sluice.batching.sampler import bitmask_words, mask_disallowed, sample
+from sluice.batching.sampling_params import SamplingParams, StructuredOutput
+from sluice.batching.structured import GrammarCompiler, InvalidGrammar, fill_bitmask
 from sampling_rows import Row, sampling_batch
 
 EOS = 2  # <|im_end|>

@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 from flax import nnx
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.sampling_params import SamplingParams, StructuredOutput
-from model.config import ModelConfig
-from model.llama import Llama
-from model.loader import LoadedModel
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import SamplingParams, StructuredOutput
+from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel
 from test_speculative import free_verification
 
 

@@ -12,11 +12,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from batching.config import EngineConfig
-from batching.engine import Engine
-from batching.sampling_params import SamplingParams, StructuredOutput
-from batching.structured import Grammar
-from model.loader import LoadedModel
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import SamplingParams, StructuredOutput
+from sluice.batching.structured import Grammar
+from sluice.model.loader import LoadedModel
 
 from test_server_engine import serve
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from openai import OpenAI
 
-from model.config import ModelConfig
-from sharding.mesh import InvalidTensorParallelism, make_mesh
-from sharding.rules import validate_tp
+from sluice.model.config import ModelConfig
+from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
+from sluice.sharding.rules import validate_tp
 from test_api_e2e import start_server
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")

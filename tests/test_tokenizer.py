@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from model.tokenizer import ByteDetokenizer, ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from sluice.model.tokenizer import ByteDetokenizer, ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 SPLIT_CHARACTER_TEXT = "Tokyo is 東京 (tōkyō)."
 

@@ -15,13 +15,13 @@ from test_api_e2e import API_KEY, start_server
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from app.prompts import chat_prompt, renders_tools, tool_call_format
-from app.schemas import ChatCompletionRequest
-from app.tool_calls import ArgumentsDelta, CallStart, TextDelta, ToolCall, ToolCalling, call_grammar, parse_calls
-from batching.sampling_params import StructuredOutput
-from batching.structured import GrammarCompiler
+from sluice.app.prompts import chat_prompt, renders_tools, tool_call_format
+from sluice.app.schemas import ChatCompletionRequest
+from sluice.app.tool_calls import ArgumentsDelta, CallStart, TextDelta, ToolCall, ToolCalling, call_grammar, parse_calls
+from sluice.batching.sampling_params import StructuredOutput
+from sluice.batching.structured import GrammarCompiler
 from hf_folder import train_tokenizer
-from model.tokenizer import SpecialTokens, Tokenizer
+from sluice.model.tokenizer import SpecialTokens, Tokenizer
 
 NAMES = frozenset({"get_weather", "add"})
 PARIS = '{"city": "Paris"}'

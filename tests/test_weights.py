@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 
 from hf_folder import random_hf_tensors, train_tokenizer, write_hf_folder
-from model.config import ModelConfig
-from model.generate import sequence_logits
-from model.llama import Llama
-from model.loader import load_model
-from model.weights import GLOBAL_TENSORS, LAYER_TENSORS, TRANSPOSED, fuse_projections
+from sluice.model.config import ModelConfig
+from sluice.model.generate import sequence_logits
+from sluice.model.llama import Llama
+from sluice.model.loader import load_model
+from sluice.model.weights import GLOBAL_TENSORS, LAYER_TENSORS, TRANSPOSED, fuse_projections
 
 CONFIG = ModelConfig.tiny(vocab_size=300, head_dim=32, hidden_size=64, num_heads=2, num_kv_heads=1, max_position_embeddings=256)
 

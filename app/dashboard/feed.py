@@ -15,9 +15,9 @@ import json
 import time
 from collections.abc import AsyncGenerator
 
-from app.dashboard.timeline import HISTORY_S, WINDOW_S, Timeline
-from app.state import ServerState
-from app.streaming import sse_event
+from sluice.app.dashboard.timeline import HISTORY_S, WINDOW_S, Timeline
+from sluice.app.state import ServerState
+from sluice.app.streaming import sse_event
 
 TICK_S = 1.0
 

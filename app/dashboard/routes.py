@@ -10,9 +10,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.dashboard.feed import Feed
-from app.state import ServerState
-from app.streaming import EventStreamResponse
+from sluice.app.dashboard.feed import Feed
+from sluice.app.state import ServerState
+from sluice.app.streaming import EventStreamResponse
 
 EVENTS_PATH = "/dashboard/events"
 PAGE_PATHS = ("/", "/ui")
@@ -22,7 +22,7 @@ _MEDIA_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/cs
 def _static_files() -> dict[str, tuple[bytes, str]]:
     """`/ui/<relative path>` -> (content, media type) for every file under static/."""
     found: dict[str, tuple[bytes, str]] = {}
-    pending = [("", files("app.dashboard") / "static")]
+    pending = [("", files("sluice.app.dashboard") / "static")]
     while pending:
         prefix, folder = pending.pop()
         for entry in folder.iterdir():

@@ -18,10 +18,10 @@ from functools import cached_property
 
 import numpy as np
 
-from batching.stats import EngineStats
-from model.roofline import Peaks
+from sluice.batching.stats import EngineStats
+from sluice.model.roofline import Peaks
 
-from app.dashboard.recent import ERROR_KINDS, ErrorEntry, Taken
+from sluice.app.dashboard.recent import ERROR_KINDS, ErrorEntry, Taken
 
 HISTORY_S = 15 * 60
 WINDOW_S = 60.0
