@@ -6,6 +6,7 @@ import hmac
 import json
 
 from starlette.datastructures import Headers
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.app.anthropic_errors import error_response_for
@@ -81,13 +82,18 @@ class BodySizeLimitMiddleware:
 
 
 class RequestCountMiddleware:
-    """Counts responses by route and status code (unknown paths share the route label "other"), and hands
-    error responses' messages to the dashboard's error list."""
+    """Counts responses by route (its path template, such as /v1/responses/{response_id}; unknown paths share
+    the label "other") and status code, and hands error responses' messages to the dashboard's error list."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: tuple[Route, ...]) -> None:
         self.app = app
         self._metrics = metrics
-        self._routes = routes
+        self._routes = {route.path: route.path_regex for route in routes}
+
+    def _route(self, path: str) -> str:
+        if path in self._routes:
+            return path
+        return next((template for template, regex in self._routes.items() if regex.match(path)), "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -107,8 +113,7 @@ class RequestCountMiddleware:
         try:
             await self.app(scope, receive, send_recording_status)
         finally:
-            route = scope["path"] if scope["path"] in self._routes else "other"
-            self._metrics.responded(route, status, _error_message(error_body) if status >= 400 else None)
+            self._metrics.responded(self._route(scope["path"]), status, _error_message(error_body) if status >= 400 else None)
 
 
 def _error_message(body: bytes) -> str:

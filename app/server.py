@@ -118,7 +118,7 @@ def create_app(state: ServerState) -> Starlette:
     routes = [Route(op.path, handler, methods=[op.method]) for handler, op in ROUTES]
     if ui:
         routes += dashboard.ui_routes()
-    middleware = [Middleware(RequestCountMiddleware, metrics=state.metrics, routes=frozenset(r.path for r in routes))]
+    middleware = [Middleware(RequestCountMiddleware, metrics=state.metrics, routes=tuple(routes))]
     if state.settings.api_key:
         open_paths = OPEN_PATHS | dashboard.OPEN_PATHS if ui else OPEN_PATHS
         middleware.append(Middleware(ApiKeyMiddleware, api_key=state.settings.api_key, open_paths=open_paths))

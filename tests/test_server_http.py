@@ -90,6 +90,14 @@ def test_requests_are_counted_by_route_and_status():
     assert 'sluice_requests_total{route="other",status="404"} 1.0' in text
 
 
+def test_a_route_with_a_path_parameter_is_counted_under_its_template():
+    c = client()
+    c.get("/v1/responses/resp_123")
+    text = c.get("/metrics").text
+    assert 'sluice_requests_total{route="/v1/responses/{response_id}",' in text
+    assert 'route="other"' not in text
+
+
 def test_each_app_has_its_own_metrics_registry():
     first, second = client(), client()
     first.get("/health")
