@@ -108,9 +108,8 @@ inline __m256 Sum8x8(const __m256* a) {
 
 // Pages are scattered 4 KB blocks that the hardware prefetcher does not run ahead into: as a page begins, every
 // K and V row of the page two ahead is asked for, into L2 (into L1 they would evict what the page itself needs).
-// One page ahead, spread over the page's V loop, left the loads waiting on memory (perf: most of the kernel's
-// samples on its K and V loads, the K/V read at about 10 GB/s); two ahead, requested at once, took 12-13% off a
-// model step at batch 8 x context 1024 and batch 32 x 256.
+// One page ahead, spread over the page's V loop, left the loads waiting on memory (most of the kernel's profile
+// samples on its K and V loads); two ahead, requested at once, made model steps faster (bench/RESULTS.md).
 constexpr int64_t kPrefetchPagesAhead = 2;
 
 template <typename T>
