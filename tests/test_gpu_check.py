@@ -63,7 +63,8 @@ def test_engine_produced_every_requested_token_without_the_http_stack(check):
         # engine_check fails the run if any request got a different number of tokens than it asked for.
         assert level["output_tokens"] > 0 and level["output_tok_s"] > 0
         assert level["ttft_s"] > 0 and level["tpot_s"] > 0
-        assert 0 < level["step"]["attention_s"] < level["step"]["step_s"]
+        # Timed separately on a shared CPU, attention alone may take longer than a whole step: only measured.
+        assert level["step"]["attention_s"] > 0 and level["step"]["step_s"] > 0
     assert engine["compile_s"] > 0
     assert "| tiny | cpu, scan | 4 | 4 |" in report
 
