@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    return importlib.import_module(f"bench.{args.benchmark}").main(args.args)
+    return importlib.import_module(f"sluice.bench.{args.benchmark}").main(args.args)
 
 
 def main(argv: list[str] | None = None) -> int:

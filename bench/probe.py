@@ -28,7 +28,7 @@ REQUIRED_MODULES = ("jax", "flax", "numpy", "orbax.checkpoint", "tokenizers", "j
 SLUICE_MODULES = tuple(f"sluice.{name}" for name in (
     "pallas_kernels.attention", "model.loader", "model.paged_attend", "batching.engine", "bench.engine_check",
     "bench.kernels"))
-HTTP_STACK = ("starlette", "uvicorn", "app")
+HTTP_STACK = ("starlette", "uvicorn", "sluice.app")
 
 
 def missing_modules() -> list[str]:

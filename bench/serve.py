@@ -216,7 +216,7 @@ def result_json(result: RunResult, command: str, dataset: str) -> dict[str, Any]
 def command_line() -> str:
     """How this process was started, as a reader would retype it."""
     program = Path(sys.argv[0])
-    prefix = ["sluice"] if program.name == "sluice" else ["python", "-m", f"bench.{program.stem}"]
+    prefix = ["sluice"] if program.name == "sluice" else ["python", "-m", f"sluice.bench.{program.stem}"]
     return shlex.join(prefix + sys.argv[1:])
 
 

