@@ -16,8 +16,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# The ray extra too: the tests of `sluice serve --replicas` run when it is there (and skip without it).
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,ray]'
 	touch $(STAMP)
 
 # The CPU kernels (C++, XLA FFI) build for the CPU's best variant (pallas_kernels/cpu_build.py); without them the

@@ -29,6 +29,7 @@ from sluice.model.quantize import resolve
 from sluice.model.roofline import Peaks, measure_peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
+from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
 from sluice.app.tool_calls import TOOL_CALL_PARSERS
@@ -38,6 +39,7 @@ logger = logging.getLogger("sluice.serve")
 
 _ENGINE_DEFAULTS = EngineConfig()
 _SERVER_DEFAULTS = ServerSettings()
+_SCALE_DEFAULTS = ScaleOutConfig(replicas=1)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -133,6 +135,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "(with --peak-bandwidth-gbs; default: measured at start-up)", type=float)
     _option(parser, "--peak-bandwidth-gbs", None, "one device's peak memory bandwidth for the dashboard's roofline",
             type=float)
+    _option(parser, "--replicas", None, "serve with this many engine replicas behind one ingress, as a Ray Serve "
+            "application (needs `pip install 'sluice[ray]'`)", type=int)
+    _option(parser, "--ray-address", None, "with --replicas: join this Ray cluster (default: start a local one)")
+    _option(parser, "--routing", _SCALE_DEFAULTS.routing,
+            "with --replicas: how the ingress picks a replica: prefix (the one that was sent the longest prefix of "
+            "the prompt, unless overloaded), round-robin, or pow2 (the less loaded of two random ones)",
+            choices=list(ROUTINGS))
+    _option(parser, "--imbalanced-threshold", _SCALE_DEFAULTS.imbalanced_threshold,
+            "with --routing prefix: ongoing requests beyond the least loaded replica's that make a prefix's "
+            "replica overloaded (its request then goes to the less loaded of two random replicas)", type=int)
+    _option(parser, "--max-ongoing-requests", None,
+            "with --replicas: most requests a replica is sent at once; more wait at the ingress "
+            "(default: twice --max-num-seqs)", type=int)
+    _option(parser, "--max-replicas", None, "with --replicas: autoscale up to this many replicas on queue depth",
+            type=int)
+    _option(parser, "--min-replicas", None, "with --max-replicas: fewest replicas (default 1)", type=int)
+    _option(parser, "--target-ongoing-requests", None,
+            "with --max-replicas: ongoing (queued or running) requests per replica the autoscaler aims at "
+            "(default: --max-num-seqs)", type=float)
+    _option(parser, "--upscale-delay", _SCALE_DEFAULTS.upscale_delay_s,
+            "with --max-replicas: seconds of sustained load before adding a replica", type=float)
+    _option(parser, "--downscale-delay", _SCALE_DEFAULTS.downscale_delay_s,
+            "with --max-replicas: seconds of sustained low load before removing a replica (it drains first, "
+            "for up to --drain-timeout)", type=float)
     _option(parser, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -177,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
         slo_itl_ms=args.slo_itl_ms,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    if args.replicas is not None:
+        return _serve_replicas(engine_config, settings, args)
     try:
         initialize_distributed(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
     except ValueError as error:
@@ -185,6 +213,40 @@ def run(args: argparse.Namespace) -> int:
     if args.process_id > 0:
         return _follow(engine_config, args)
     return asyncio.run(_serve(engine_config, settings, args))
+
+
+def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args: argparse.Namespace) -> int:
+    """`--replicas N`: the Ray Serve application (`app/ray_app.py`), if Ray is installed."""
+    if args.num_processes > 1:
+        print("sluice serve: error: --replicas and --num-processes do not combine", file=sys.stderr)
+        return 2
+    try:
+        from sluice.app.ray_app import serve_replicas
+        from sluice.app.replicas import ReplicaConfig
+    except ImportError as error:
+        print(f"sluice serve: error: --replicas needs Ray Serve ({error}): pip install 'sluice[ray]' "
+              "(in a checkout: pip install -e '.[ray]')", file=sys.stderr)
+        return 2
+    try:
+        scale = ScaleOutConfig(
+            replicas=args.replicas,
+            host=args.host,
+            port=args.port,
+            ray_address=args.ray_address,
+            routing=args.routing,
+            imbalanced_threshold=args.imbalanced_threshold,
+            max_ongoing_requests=args.max_ongoing_requests or 2 * engine_config.max_num_seqs,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests or engine_config.max_num_seqs,
+            upscale_delay_s=args.upscale_delay,
+            downscale_delay_s=args.downscale_delay,
+            graceful_shutdown_timeout_s=args.drain_timeout,
+        )
+    except ValueError as error:
+        print(f"sluice serve: error: {error}", file=sys.stderr)
+        return 2
+    return serve_replicas(ReplicaConfig(engine_config, settings, declared_peaks(args)), scale)
 
 
 def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:
@@ -210,7 +272,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     )
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout)
     serving = asyncio.ensure_future(server.serve())
-    loading = _in_daemon_thread(lambda: _load(engine_config, settings.ui, args))
+    loading = _in_daemon_thread(lambda: load_engine(engine_config, settings.ui, declared_peaks(args)))
     await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():  # stopped (signal, bind error) before the model was ready
         await serving
@@ -231,14 +293,22 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     return 0
 
 
-def _load(engine_config: EngineConfig, ui: bool, args: argparse.Namespace) -> tuple[Engine, Peaks | None]:
-    """The engine, and for the dashboard the peaks of all its devices: declared, or measured on the first
+def declared_peaks(args: argparse.Namespace) -> Peaks | None:
+    """One device's peaks as `--peak-gflops` and `--peak-bandwidth-gbs` declare them (both, or none)."""
+    if args.peak_gflops is None or args.peak_bandwidth_gbs is None:
+        return None
+    return Peaks(args.peak_bandwidth_gbs, args.peak_gflops, "declared")
+
+
+def load_engine(engine_config: EngineConfig, ui: bool, declared: Peaks | None,
+                progress: bool = True) -> tuple[Engine, Peaks | None]:
+    """The engine, and for the dashboard the peaks of all its devices: `declared`, or measured on the first
     (before serving, so that nothing else runs on the device meanwhile)."""
-    engine = Engine.create(engine_config, progress=True)
+    engine = Engine.create(engine_config, progress=progress)
     if not ui:
         return engine, None
-    if args.peak_gflops is not None and args.peak_bandwidth_gbs is not None:
-        peaks = Peaks(args.peak_bandwidth_gbs, args.peak_gflops, "declared")
+    if declared is not None:
+        peaks = declared
     else:
         print("Measuring the device's peaks for the dashboard's roofline (declare them with --peak-gflops and "
               "--peak-bandwidth-gbs to skip this) ...", file=sys.stderr, flush=True)

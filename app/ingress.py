@@ -1,0 +1,120 @@
+"""The HTTP ingress of `sluice serve --replicas N`: every request to a Sluice replica, streamed back as it comes.
+
+Why an ingress deployment in front of the replicas rather than the replicas as Ray Serve's HTTP ingress: the
+proxy routes an HTTP request before its body is read, so a router there cannot see the prompt; and when a
+replica dies mid-stream, something outside it must end the client's stream cleanly. So the ingress reads the
+body, derives the routing key (`routing_key`: the request's prompt fields, as JSON) and calls the replicas'
+handle, whose router (`app/prefix_router.py`) picks the replica; the replica runs the request through the
+single process's app (`app/replicas.py`) and the ingress relays the status, headers and body bytes unchanged,
+adding `x-sluice-replica` (which replica answered).
+
+A replica that fails before it answered gives the client a 503 in the route's error shape; one that dies
+mid-stream ends an event stream with an error event (then `data: [DONE]`, as a failed generation does in the
+single process; Anthropic's routes get their `event: error`), and cuts any other body short, so no client is
+left waiting. `GET /metrics` here reports the replicas' prefix-cache counters, labelled by replica, as of the
+last response each sent through this ingress; each replica's own metrics are its /metrics in the single
+process's names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error, error_response_for
+from sluice.app.errors import APIError
+from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
+from sluice.app.streaming import DONE, sse_event
+
+logger = logging.getLogger("sluice.ingress")
+
+# The body fields that hold a prompt, in the order a prompt's text comes (instructions and system prompts first).
+PROMPT_FIELDS = ("instructions", "system", "messages", "input", "prompt")
+REPLICA_HEADER = "x-sluice-replica"
+
+
+def routing_key(body: bytes) -> str:
+    """The text whose prefixes choose the replica: the JSON of the body's prompt fields, in `PROMPT_FIELDS` order.
+
+    Requests that share a system prompt, a conversation's earlier turns or the first token ids of a prompt share
+    a prefix of their keys. A body that is not a JSON object has no key (the replica answers its 400).
+    """
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return ""
+    if not isinstance(payload, dict):
+        return ""
+    return json.dumps([payload[field] for field in PROMPT_FIELDS if field in payload], separators=(",", ":"))
+
+
+class SluiceIngress:
+    """A Ray Serve deployment class; `replicas` is the handle of the `SluiceReplica` deployment."""
+
+    def __init__(self, replicas: DeploymentHandle) -> None:
+        self._replicas = replicas.options(method_name="forward", stream=True)
+        self._reports: dict[str, ReplicaReport] = {}
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if path == "/metrics" and request.method == "GET":
+            return Response(self._render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = await request.body()
+        forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
+                                     tuple(request.scope["headers"]), body)
+        stream: DeploymentResponseGenerator = self._replicas.remote(routing_key(body), forwarded)
+        try:
+            start = await anext(stream)
+        except Exception as error:  # the replica died or failed before answering
+            logger.warning("replica failed before answering %s %s: %s", request.method, path, error)
+            stream.cancel()
+            return error_response_for(path, _replica_failed())
+        assert isinstance(start, ResponseStart)
+        headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in start.headers)
+        headers[REPLICA_HEADER] = start.replica
+        return StreamingResponse(self._relay(stream, path, _is_event_stream(start)), status_code=start.status,
+                                 headers=headers)
+
+    async def _relay(self, stream: DeploymentResponseGenerator, path: str, events: bool) -> AsyncIterator[bytes]:
+        try:
+            async for item in stream:
+                if isinstance(item, ReplicaReport):
+                    self._reports[item.replica] = item
+                else:
+                    yield item
+        except Exception as error:
+            logger.warning("replica failed mid-response on %s: %s", path, error)
+            if events:
+                yield _stream_failure(path)
+
+    def _render_metrics(self) -> bytes:
+        lines = []
+        for name, field, help in (
+            ("sluice_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens", "prompt tokens served from the cache"),
+            ("sluice_prefix_cache_query_tokens_total", "prefix_cache_query_tokens", "prompt tokens looked up"),
+        ):
+            lines += [f"# HELP {name} Each replica's {help}, as of its last response.", f"# TYPE {name} counter"]
+            lines += [f'{name}{{replica="{r.replica}"}} {getattr(r, field)}' for r in self._reports.values()]
+        return ("\n".join(lines) + "\n").encode()
+
+
+def _replica_failed() -> APIError:
+    return APIError(503, "The replica serving this request failed; retry", type="server_error",
+                    code="replica_failed")
+
+
+def _stream_failure(path: str) -> bytes:
+    """How an event stream on `path` ends when its replica died: the route's error event (and `[DONE]`)."""
+    error = _replica_failed()
+    if path in ANTHROPIC_PATHS:
+        return b"event: error\n" + sse_event(anthropic_error(error).model_dump())
+    return sse_event(error.body()) + DONE
+
+
+def _is_event_stream(start: ResponseStart) -> bool:
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.headers)

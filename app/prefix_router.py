@@ -1,0 +1,145 @@
+"""Ray Serve request routers for Sluice replicas: prefix affinity, and round-robin to compare it with.
+
+`PrefixAffinityRouter` sends a request to the replica that was sent the longest prefix of its prompt, so that
+replica's prefix cache serves it; a request no replica has seen the start of goes to the least loaded
+replica (by Ray's cached queue lengths, ties broken at random), and so does one whose replica is overloaded:
+its ongoing requests exceed the least loaded replica's by more than `imbalanced_threshold`, when the less
+loaded of two random replicas takes it (power of two choices) and becomes a second holder of the prefix.
+
+Why not Ray's shipped `PrefixCacheAffinityRouter` (ray.llm): it matches characters of OpenAI request objects
+(`.prompt` / `.messages`), where Sluice prompts are often token ids, and it keeps its tree in a detached actor
+that it queries with a blocking `ray.get` on the routing event loop for every request. Here the index lives in
+the router itself (one per ingress process: an approximation of what each replica caches, as SGLang's router
+keeps): `PrefixIndex` maps chained hashes of fixed-size blocks of the request's routing key (the prompt fields
+of its JSON body, `app/ingress.py`) to the replicas that were sent them, forgetting the least recently used
+blocks beyond its capacity, as the replicas' caches evict theirs.
+
+The routing key is the first positional argument of the replica call (`SluiceReplica.forward`'s caller passes
+it); Ray's `RequestRouter` base probes queue lengths and picks the least loaded replica of the rank returned.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+
+class PrefixIndex:
+    """Which replicas were sent which prefixes: chained block hashes -> replica ids, least recently used first out.
+
+    A key's i-th hash covers its first (i + 1) * `block_chars` characters, so equal hashes mean equal prefixes
+    (up to hash collisions); a trailing partial block is not indexed, as the engine caches only full pages.
+    """
+
+    def __init__(self, block_chars: int = 64, capacity_blocks: int = 200_000) -> None:
+        self.block_chars = block_chars
+        self.capacity_blocks = capacity_blocks
+        self._owners: OrderedDict[int, set[str]] = OrderedDict()
+
+    def hashes(self, key: str) -> list[int]:
+        chained, out = 0, []
+        for start in range(0, len(key) - self.block_chars + 1, self.block_chars):
+            chained = hash((chained, key[start:start + self.block_chars]))
+            out.append(chained)
+        return out
+
+    def match(self, hashes: list[int], candidates: Iterable[str]) -> tuple[set[str], int]:
+        """The candidates holding the longest indexed prefix of `hashes`, and its length in blocks."""
+        holders, depth = set(candidates), 0
+        for block in hashes:
+            owners = self._owners.get(block)
+            deeper = holders & owners if owners else set()
+            if not deeper:
+                break
+            holders, depth = deeper, depth + 1
+            self._owners.move_to_end(block)
+        return (holders, depth) if depth else (set(), 0)
+
+    def record(self, hashes: list[int], replica: str) -> None:
+        for block in hashes:
+            self._owners.setdefault(block, set()).add(replica)
+            self._owners.move_to_end(block)
+        while len(self._owners) > self.capacity_blocks:
+            self._owners.popitem(last=False)
+
+    def forget(self, replica: str) -> None:
+        for block in [b for b, owners in self._owners.items() if replica in owners]:
+            owners = self._owners[block]
+            owners.discard(replica)
+            if not owners:
+                del self._owners[block]
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+
+def _routing_key(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], str):
+        return None
+    return pending_request.args[0]
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Prefix affinity with a load guard (module docstring). Set with Ray Serve's `request_router_config`."""
+
+    def initialize_state(self, imbalanced_threshold: int = 16, block_chars: int = 64,
+                         capacity_blocks: int = 200_000) -> None:
+        self._imbalanced_threshold = imbalanced_threshold
+        self._index = PrefixIndex(block_chars, capacity_blocks)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        key = _routing_key(pending_request)
+        hashes = self._index.hashes(key) if key else []
+        holders, _ = self._index.match(hashes, by_id)
+        least = min(self._load(r) for r in candidate_replicas)
+        if holders and min(self._load(by_id[h]) for h in holders) - least <= self._imbalanced_threshold:
+            return [[by_id[h] for h in holders]]
+        if holders:
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        # A new prefix: the least loaded replica takes it, recorded now so that the requests sharing it that
+        # are routed before this one lands follow it there instead of spreading.
+        chosen = random.choice([r for r in candidate_replicas if self._load(r) == least])
+        if hashes:
+            self._index.record(hashes, chosen.replica_id.unique_id)
+        return [[chosen]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
+        key = _routing_key(pending_request)
+        if key:
+            self._index.record(self._index.hashes(key), replica_id.unique_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._index.forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        gone = set(self._replica_id_set) - {r.replica_id for r in replicas}
+        super().update_replicas(replicas)
+        for replica_id in gone:
+            self._index.forget(replica_id.unique_id)
+
+    def _load(self, replica: RunningReplica) -> int:
+        """The replica's ongoing requests as last reported (0 if unknown: a fresh replica)."""
+        return self._replica_queue_len_cache.get(replica.replica_id) or 0
+
+
+class RoundRobinRouter(RequestRouter):
+    """Each request to the next replica in a fixed order, whatever its prompt or load: the baseline."""
+
+    def initialize_state(self) -> None:
+        self._turn = 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        self._turn += 1
+        return [[ordered[self._turn % len(ordered)]]]

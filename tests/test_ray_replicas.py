@@ -1,0 +1,129 @@
+"""`sluice serve --replicas 2` (a local Ray cluster, two replicas of the default model behind the ingress):
+the single process's routes, SSE and errors through the ingress, prefix affinity, and a replica killed under load.
+
+One cluster for the module; the SIGKILL test runs last, since it takes a replica down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from openai import OpenAI
+
+from test_api_e2e import SERVER_FLAGS, start_server
+
+pytestmark = pytest.mark.slow
+
+REPLICA_PROCESS = "ray::ServeReplica:sluice:SluiceReplica"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    server = start_server("--replicas", "2", "--no-ui", *SERVER_FLAGS, "--drain-timeout", "10",
+                          startup_timeout_s=300)
+    yield server
+    assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
+
+
+def replica_pids() -> list[int]:
+    """The replicas' processes, found as an operator would (Ray names them in their command line)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(REPLICA_PROCESS.encode()):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_openai_client_streams_a_chat_through_the_ingress(cluster):
+    client = OpenAI(base_url=f"{cluster.url}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=8, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_errors_come_back_as_the_single_process_sends_them(cluster):
+    bad = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "hi", "top_k": -7}, timeout=60)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "top_k"
+    unknown = httpx.post(f"{cluster.url}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=60)
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_requests_sharing_a_prefix_go_to_the_replica_that_cached_it(cluster):
+    shared = list(range(1000, 1200))
+    replicas, cached = set(), []
+    for i in range(4):
+        reply = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+            "prompt": shared + [2000 + i] * 8, "max_tokens": 1, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        replicas.add(reply.headers["x-sluice-replica"])
+        cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(replicas) == 1
+    assert cached[0] == 0 and min(cached[1:]) >= 192  # the shared 200 tokens, in whole 16-token pages
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=30).text
+    [replica] = replicas
+    assert f'sluice_prefix_cache_hit_tokens_total{{replica="{replica}"}}' in metrics
+
+
+async def _stream(client: httpx.AsyncClient, url: str, i: int) -> str:
+    """One streamed completion: 'ok' (finished), 'failed' (an error event then [DONE], or an error status)."""
+    body = {"prompt": [100 + i, 7, 8, 9] * 4, "max_tokens": 48, "ignore_eos": True, "temperature": 0, "stream": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            assert response.status_code == 503, await response.aread()
+            return "failed"
+        events = [line[len("data: "):] async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    errors = [e for e in events[:-1] if "error" in json.loads(e)]
+    assert len(errors) <= 1 and (not errors or errors[0] == events[-2])
+    return "failed" if errors else "ok"
+
+
+async def _load_and_kill(url: str) -> list[str]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+        streams = [asyncio.ensure_future(_stream(client, url, i)) for i in range(32)]
+        await asyncio.sleep(3.0)
+        os.kill(replica_pids()[0], signal.SIGKILL)
+        # No client hangs: every stream ends, answered or cleanly failed, well within the client's timeout.
+        return await asyncio.wait_for(asyncio.gather(*streams), 120)
+
+
+def _answering_replica(url: str, prompt: str) -> str | None:
+    reply = httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+    return reply.headers["x-sluice-replica"] if reply.status_code == 200 else None
+
+
+def test_sigkill_of_a_replica_under_32_streams_fails_its_streams_cleanly_and_the_service_goes_on(cluster):
+    assert len(replica_pids()) == 2
+    outcomes = asyncio.run(_load_and_kill(cluster.url))
+    assert outcomes.count("ok") + outcomes.count("failed") == 32
+    assert "failed" in outcomes  # the killed replica had streams in flight
+    killed_at = time.monotonic()
+    while (survivor := _answering_replica(cluster.url, "Hello")) is None:  # new requests go to the live replica
+        assert time.monotonic() - killed_at < 60
+        time.sleep(1)
+    deadline = time.monotonic() + 180  # and Ray starts a replacement, which serves once warm
+    answering = {survivor}
+    while len(answering) < 2:
+        assert time.monotonic() < deadline, "no replacement replica answered"
+        answering.add(_answering_replica(cluster.url, f"Hello number {len(answering)} {time.monotonic()}"))
+        answering.discard(None)
+        time.sleep(0.5)
