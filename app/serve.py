@@ -221,13 +221,6 @@ def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args:
         print("sluice serve: error: --replicas and --num-processes do not combine", file=sys.stderr)
         return 2
     try:
-        from sluice.app.ray_app import serve_replicas
-        from sluice.app.replicas import ReplicaConfig
-    except ImportError as error:
-        print(f"sluice serve: error: --replicas needs Ray Serve ({error}): pip install 'sluice[ray]' "
-              "(in a checkout: pip install -e '.[ray]')", file=sys.stderr)
-        return 2
-    try:
         scale = ScaleOutConfig(
             replicas=args.replicas,
             host=args.host,
@@ -245,6 +238,15 @@ def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args:
         )
     except ValueError as error:
         print(f"sluice serve: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        from sluice.app.ray_app import serve_replicas
+        from sluice.app.replicas import ReplicaConfig
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.split(".")[0] != "ray":
+            raise
+        print("sluice serve: error: --replicas needs Ray Serve: pip install 'sluice[ray]' "
+              "(in a checkout: pip install -e '.[ray]')", file=sys.stderr)
         return 2
     return serve_replicas(ReplicaConfig(engine_config, settings, declared_peaks(args)), scale)
 

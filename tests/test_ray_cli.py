@@ -1,0 +1,53 @@
+"""`sluice serve --replicas` from the command line, with or without Ray: Ray stays an optional import, and a bad
+scale-out flag or a missing extra is a one-line error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from test_api_e2e import ROOT
+
+# Runs the CLI in a fresh interpreter; `block_ray` makes `import ray` fail as if the extra were not installed.
+_RUN = """
+import sys
+if {block_ray}:
+    sys.modules["ray"] = None
+from sluice.app.cli import main
+code = main(sys.argv[1:])
+print("ray imported:", "ray" in sys.modules and sys.modules["ray"] is not None)
+sys.exit(code)
+"""
+
+
+def sluice(*argv: str, block_ray: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _RUN.format(block_ray=block_ray), *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_without_ray_replicas_says_how_to_install_it():
+    result = sluice("serve", "--replicas", "2", block_ray=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "sluice serve: error: --replicas needs Ray Serve: pip install 'sluice[ray]' "
+        "(in a checkout: pip install -e '.[ray]')")
+
+
+def test_the_serve_flags_parse_without_importing_ray():
+    check = ("import sys; from sluice.app.cli import build_parser; "
+             "args = build_parser().parse_args(['serve', '--replicas', '2', '--routing', 'round-robin']); "
+             "print(args.replicas, args.routing, 'ray' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["2", "round-robin", "False"], result.stderr
+
+
+def test_a_bad_scale_out_flag_is_a_one_line_error_before_ray_starts():
+    for flags, message in (
+        (["--replicas", "0"], "--replicas must be at least 1, got 0"),
+        (["--replicas", "2", "--min-replicas", "1"], "--min-replicas needs --max-replicas (autoscaling)"),
+        (["--replicas", "3", "--max-replicas", "2"], "need --min-replicas <= --replicas <= --max-replicas, got 1 <= 3 <= 2"),
+    ):
+        result = sluice("serve", *flags)
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [f"sluice serve: error: {message}"]
+        assert "ray imported: False" in result.stdout
