@@ -40,7 +40,7 @@ from sluice.app.anthropic_schemas import (
 )
 from sluice.app.errors import from_validation_error
 from sluice.app.generation import respond, start_generation
-from sluice.app.prompts import chat_prompt
+from sluice.app.prompts import chat_prompt, tool_call_format
 from sluice.app.routes import check_tool_schemas, json_response, parse_body, plan_chat
 from sluice.app.schemas import ChatCompletionRequest
 
@@ -58,11 +58,12 @@ async def create_message(request: Request) -> Response:
 
 async def count_message_tokens(request: Request) -> Response:
     """The length of the prompt `/v1/messages` would render for the same system, messages and tools."""
-    _, engine, body = await parse_body(request, CountTokensRequest)
+    state, engine, body = await parse_body(request, CountTokensRequest)
     chat = chat_request(body)
     if chat.tools:
         await asyncio.to_thread(check_tool_schemas, engine, chat.tools)
-    prompt = chat_prompt(engine.tokenizer, chat.messages, tools=chat.active_tools())
+    prompt = chat_prompt(engine.tokenizer, chat.messages, tools=chat.active_tools(),
+                         call_format=tool_call_format(state.settings.tool_call_parser, engine.tokenizer))
     return json_response(CountTokensResponse(input_tokens=len(prompt.token_ids)))
 
 

@@ -37,7 +37,8 @@ from sluice.app.anthropic_schemas import (
 )
 from sluice.app.errors import APIError
 from sluice.app.generation import Generation
-from sluice.app.tool_calls import ArgumentsDelta, CallStart, StreamEvent, TextDelta, ToolCalling
+from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, StreamEvent, TextDelta
+from sluice.app.tool_calls import ToolCalling
 
 
 def sse(event: BaseModel) -> bytes:
@@ -86,7 +87,7 @@ class MessageBuilder:
     async def collect(self, generation: Generation) -> Message:
         text = ""
         async for increment in generation.increments():
-            text += increment.text
+            text += self._calling.text_of(increment) if self._calling is not None else increment.text
             self._record(increment.token_ids, increment.finish_reason)
         content, calls = self._calling.parse(text) if self._calling is not None else (text, [])
         blocks: list[TextBlock | ToolUseBlock] = [TextBlock(text=content)] if content else []
@@ -108,7 +109,7 @@ class MessageBuilder:
                 if reader is None:
                     pieces: list[StreamEvent] = [TextDelta(increment.text)] if increment.text else []
                 else:
-                    pieces = reader.push(increment.text) + (reader.finish() if increment.finished else [])
+                    pieces = reader.push(self._calling.text_of(increment)) + (reader.finish() if increment.finished else [])
                 for piece in pieces:
                     for event in blocks.add(piece):
                         yield sse(event)

@@ -4,7 +4,8 @@ Chat messages with tools, an assistant's `tool_calls` and `role: "tool"` results
 template as Hugging Face's `apply_chat_template(tools=...)` passes them (a call's arguments as a dict). A template
 that shows no tools it is given (SmolLM2's ChatML) gets them the default way (`app/tool_calls.py`): the tool
 definitions in the system prompt, past calls as `<tool_call>` text in the assistant's turn, and results as a
-user turn of `<tool_response>` blocks.
+user turn of `<tool_response>` blocks. Mistral's templates refuse call ids that are not nine letters or digits:
+with the Mistral format, ids go to the template in that form (`tool_calls.mistral_call_id`).
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ def completion_prompts(
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                tools: list[ToolDefinition] = ()) -> Prompt:
+                tools: list[ToolDefinition] = (), call_format: str = "hermes") -> Prompt:
     """The messages (and the tools the model may call) rendered with the model's chat template; a template that
-    fails is the request's 400."""
+    fails is the request's 400. `call_format`: the format of tool calls (`tool_call_format`)."""
     tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools]
     uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
     try:
         if uses_tools and renders_tools(tokenizer):
-            rendered = tokenizer.apply_chat_template([_template_message(m) for m in messages],
+            rendered = tokenizer.apply_chat_template([_template_message(m, call_format) for m in messages],
                                                      add_generation_prompt=add_generation_prompt,
                                                      tools=tool_dicts or None)
         else:
@@ -80,28 +81,31 @@ def renders_tools(tokenizer: Tokenizer) -> bool:
 def tool_call_format(flag: str, tokenizer: Tokenizer) -> str:
     """The format the reply's calls are read in (`--tool-call-parser`). A template without tools gets Hermes,
     whatever the flag: the default prompt teaches it. Otherwise the flag's, and for "auto" the template's own:
-    Hermes if it writes `<tool_call>`, Llama 3's JSON if it has `<|python_tag|>` or asks for `"parameters"`, else
-    Hermes."""
+    Mistral's if it writes `[TOOL_CALLS]`, Hermes if it writes `<tool_call>`, Llama 3's JSON if it has
+    `<|python_tag|>` or asks for `"parameters"`, else Hermes."""
     if not renders_tools(tokenizer):
         return "hermes"
     if flag != "auto":
         return flag
     template = tokenizer.special.chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
     if tool_calls.OPEN not in template and ("<|python_tag|>" in template or '"parameters"' in template):
         return "llama3_json"
     return "hermes"
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
+def _template_message(message: ChatMessage, call_format: str) -> dict[str, Any]:
+    call_id = tool_calls.mistral_call_id if call_format == "mistral" else str
     rendered: dict[str, Any] = {"role": _TEMPLATE_ROLE[message.role], "content": message.text()}
     if message.tool_calls:
         rendered["tool_calls"] = [
-            {"id": call.id, "type": "function",
+            {"id": call_id(call.id), "type": "function",
              "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
             for call in message.tool_calls
         ]
     if message.role == "tool":
-        rendered["tool_call_id"] = message.tool_call_id
+        rendered["tool_call_id"] = call_id(message.tool_call_id)
     if message.name is not None:
         rendered["name"] = message.name
     return rendered

@@ -8,7 +8,7 @@ once per prompt, cached prompt tokens as `prompt_tokens_details.cached_tokens`).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from sluice.batching.outputs import Increment, TokenLogprob, Usage
@@ -40,7 +40,8 @@ from sluice.app.schemas import (
     UsageInfo,
 )
 from sluice.app.streaming import DONE, sse_event
-from sluice.app.tool_calls import CallStart, StreamEvent, TextDelta, ToolCalling, new_call_id
+from sluice.app.tool_call_streams import CallStart, StreamEvent, TextDelta
+from sluice.app.tool_calls import ToolCalling, new_call_id
 
 
 def usage_info(usage: Usage | None) -> UsageInfo | None:
@@ -76,12 +77,20 @@ class _Choice:
     finish_reason: str | None = None
 
 
-async def _gather(generation: Generation, choices: list[_Choice]) -> None:
+async def _gather(generation: Generation, choices: list[_Choice],
+                  text_of: Callable[[Increment], str] | None = None) -> None:
+    """Each choice's text (as `text_of` reads an increment, if given), logprobs and finish reason."""
     async for increment in generation.increments():
         choice = choices[increment.choice]
-        choice.text += increment.text
+        choice.text += text_of(increment) if text_of is not None else increment.text
         choice.logprobs.extend(increment.logprobs)
         choice.finish_reason = increment.finish_reason or choice.finish_reason
+
+
+def _call_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """`"tool_calls"` for a reply that made calls, except one that max_tokens cut (`"length"`, as OpenAI's: its
+    last call may be unfinished)."""
+    return "tool_calls" if called and finish_reason != "length" else finish_reason
 
 
 class ChatBuilder:
@@ -103,7 +112,7 @@ class ChatBuilder:
 
     async def collect(self, generation: Generation) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(self._body.n)]
-        await _gather(generation, choices)
+        await _gather(generation, choices, self._tool_calling.text_of if self._tool_calling is not None else None)
         return ChatCompletionResponse(
             id=self._id,
             created=self._created,
@@ -121,7 +130,7 @@ class ChatBuilder:
         tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in calls]
         return ChatChoice(index=index, message=ChatResponseMessage(content=content, tool_calls=tool_calls or None),
-                          logprobs=logprobs, finish_reason="tool_calls" if calls else choice.finish_reason)
+                          logprobs=logprobs, finish_reason=_call_finish_reason(choice.finish_reason, bool(calls)))
 
     def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         return event_stream(self._chunks(generation))
@@ -150,7 +159,7 @@ class ChatBuilder:
         streams = [self._tool_calling.stream() for _ in range(self._body.n)]
         async for increment in increments:
             stream = streams[increment.choice]
-            events = stream.push(increment.text)
+            events = stream.push(self._tool_calling.text_of(increment))
             if increment.finish_reason is not None:
                 events += stream.finish()
             deltas = [self._tool_delta(event) for event in events]
@@ -160,7 +169,7 @@ class ChatBuilder:
                 logprobs = self._logprobs(increment.logprobs) if j == 0 else None
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs)])
             if increment.finish_reason is not None:
-                finish_reason = "tool_calls" if stream.calls else increment.finish_reason
+                finish_reason = _call_finish_reason(increment.finish_reason, stream.calls > 0)
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
                                                    finish_reason=finish_reason)])
 

@@ -30,7 +30,8 @@ from sluice.app.responses_api_schemas import (
     ResponseUsage,
 )
 from sluice.app.streaming import sse_event
-from sluice.app.tool_calls import ArgumentsDelta, CallStart, StreamEvent, TextDelta, ToolCalling, new_call_id
+from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, StreamEvent, TextDelta
+from sluice.app.tool_calls import ToolCalling, new_call_id
 
 Event = dict[str, Any]
 
@@ -101,7 +102,7 @@ class ResponsesBuilder:
         stream = self._tool_calling.stream() if self._tool_calling is not None else None
         async for increment in generation.increments():
             if stream is not None:
-                for event in stream.push(increment.text):
+                for event in stream.push(self._tool_calling.text_of(increment)):
                     yield event
             elif increment.text:
                 yield TextDelta(increment.text)

@@ -35,7 +35,7 @@ from sluice.app.schemas import (
     ToolDefinition,
 )
 from sluice.app.state import ServerState
-from sluice.app.tool_calls import NO_ARGUMENTS, ToolCalling, call_grammar
+from sluice.app.tool_calls import NO_ARGUMENTS, ToolCalling, call_grammar, special_marker
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -92,15 +92,17 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     if body.tools:
         await asyncio.to_thread(check_tool_schemas, engine, body.tools)
     tools = body.active_tools()
-    prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools)
+    parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
+    prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
-    parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer) if tools else "hermes"
+    marker = special_marker(engine.tokenizer, parser)
     if forced := body.forced_tools():
         grammar = call_grammar([(t.function.name, t.function.parameters) for t in forced],
-                               parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser)
+                               parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser,
+                               marker=marker)
         params = dataclasses.replace(params, structured=grammar)
-    calling = ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced)) if tools else None
+    calling = ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced), marker) if tools else None
     return ChatPlan(prompt, params, calling)
 
 

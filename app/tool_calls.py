@@ -1,38 +1,44 @@
-"""Tool calling's text format: how tools are described to a model whose template has no tool support, how its
-calls are written, the grammar that forces them, and the parser that takes them back out of the text.
+"""Tool calling's text formats: how tools are described to a model whose template has no tool support, how its
+calls are written, the grammar that forces them, and which reader (`app/tool_call_streams.py`) takes them back
+out of the text.
 
-One format so far, Hermes (Qwen and NousResearch Hermes use it natively): each call is a JSON object on its
-own between tags,
+Three formats (`--tool-call-parser`):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+    hermes       <tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>   (Qwen, Hermes)
+    llama3_json  {"name": "get_weather", "parameters": {"city": "Paris"}}                         (Llama 3.x)
+    mistral      [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]           (Mistral)
 
-A call is only a call if its JSON parses, names a function of the request, has an object as `arguments` and is
-followed by the closing tag; anything else stays in the message's text, so no text the model wrote is lost. The
-arguments string returned is the model's own JSON text for them (what it sampled; re-serialized only when it
-wrote them before the name), so streamed fragments join to the same string.
+A call is only a call if its JSON parses, names a function of the request and has an object as arguments;
+anything else stays in the message's text, so no text the model wrote is lost. Mistral's `[TOOL_CALLS]` is a
+special token in Mistral's vocabularies, which the detokenizer leaves out of the text: it is put back from the
+token ids (`SpecialMarker`) before the text is read.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from sluice.batching.outputs import Increment
 from sluice.batching.sampling_params import StructuredOutput
+from sluice.model.tokenizer import Tokenizer
+
+from sluice.app.tool_call_streams import (
+    HERMES,
+    MISTRAL,
+    CallStart,
+    CallStream,
+    JsonCallStream,
+    TextDelta,
+    ToolCall,
+)
 
 # `--tool-call-parser` values; "auto" is the format the model's template speaks (`app/prompts.py`).
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
-# What separates forced parallel calls, by format.
-_SEPARATOR = {"hermes": "\n", "llama3_json": "; "}
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-# What a call starts with when written as the prompt asks and the grammar forces: its name, then its arguments.
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+OPEN, CLOSE = HERMES.open, HERMES.close
 # The same fixed JSON layout as structured output's (batching/structured.py): free whitespace lets a small model
 # pad with newlines.
 _LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -56,22 +62,77 @@ To call a function, answer with a JSON object holding its name and arguments bet
 
 
 @dataclass(frozen=True)
-class ToolCall:
-    """One parsed call: the function's name and its arguments as JSON text (an object)."""
+class _Written:
+    """How a format's forced calls are written: `marker` then `before` ahead of the calls, each call as
+    `call_head` + `{"name": ..., "<key>": <arguments>}` + `call_tail`, `separator` between two, `after` last."""
 
-    name: str
-    arguments: str
+    key: str
+    separator: str
+    call_head: str = ""
+    call_tail: str = ""
+    marker: str = ""
+    before: str = ""
+    after: str = ""
+
+
+_WRITTEN = {
+    "hermes": _Written("arguments", "\n", call_head=f"{OPEN}\n", call_tail=f"\n{CLOSE}"),
+    "llama3_json": _Written("parameters", "; "),
+    # As Mistral's template writes an assistant's calls.
+    "mistral": _Written("arguments", ", ", marker=MISTRAL.open, before=" [", after="]"),
+}
+
+
+@dataclass(frozen=True)
+class SpecialMarker:
+    """A format's marker that the vocabulary holds as one special token (`token_id`): the detokenizer leaves it
+    out of the text, so `restore` puts its `text` back where the token ids say it was."""
+
+    text: str
+    token_id: int
+    decode: Callable[[Sequence[int]], str]
+
+    def restore(self, text: str, token_ids: Sequence[int]) -> str:
+        """`text` (the text of `token_ids`) with the marker before the text of the tokens after each marker token
+        (decoded on their own: a character whose bytes straddle the marker may land on its other side)."""
+        if self.token_id not in token_ids:
+            return text
+        ids = list(token_ids)
+        cuts = [i for i, token in enumerate(ids) if token == self.token_id]
+        tails = [len(self.decode(ids[cut + 1:end])) for cut, end in zip(cuts, cuts[1:] + [len(ids)])]
+        out, position = [], max(0, len(text) - sum(tails))
+        out.append(text[:position])
+        for tail in tails:
+            out += [self.text, text[position:position + tail]]
+            position += tail
+        return "".join(out)
+
+
+def special_marker(tokenizer: Tokenizer, parser: str) -> SpecialMarker | None:
+    """The format's marker if the vocabulary holds it as one special token (so it decodes to no text)."""
+    marker = _WRITTEN[parser].marker
+    ids = tokenizer.encode(marker, add_special_tokens=False) if marker else []
+    if len(ids) != 1 or tokenizer.decode(ids):
+        return None
+    return SpecialMarker(marker, ids[0], tokenizer.decode)
 
 
 @dataclass(frozen=True)
 class ToolCalling:
     """What a reply's text is read for: calls of the functions `names`, written in the format `parser`.
-    `forced`: a grammar makes the reply nothing but calls, so each one parses and (Hermes) its arguments can
-    stream as they are sampled."""
+    `forced`: a grammar makes the reply nothing but calls, so each one parses and (Hermes, Mistral) its arguments
+    can stream as they are sampled. `marker`: the format's marker as a special token, put back into the text."""
 
     names: frozenset[str]
     parser: str = "hermes"
     forced: bool = False
+    marker: SpecialMarker | None = None
+
+    def text_of(self, increment: Increment) -> str:
+        """The increment's text as the reader reads it (with the marker the detokenizer left out)."""
+        if self.marker is None:
+            return increment.text
+        return self.marker.restore(increment.text, increment.token_ids)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The message's text (all but the calls, stripped; None if empty) and its calls, in order: the stream
@@ -86,11 +147,23 @@ class ToolCalling:
     def stream(self) -> CallStream | JsonCallStream:
         if self.parser == "llama3_json":
             return JsonCallStream(self.names)
-        return CallStream(self.names, progressive=self.forced)
+        return CallStream(self.names, MISTRAL if self.parser == "mistral" else HERMES, progressive=self.forced)
+
+
+def parse_calls(text: str, names: frozenset[str], parser: str = "hermes") -> tuple[str | None, list[ToolCall]]:
+    """`ToolCalling.parse`: the message's text (stripped; None if empty) and its calls."""
+    return ToolCalling(names, parser).parse(text)
 
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id(call_id: str) -> str:
+    """A call id as Mistral's templates require it (nine letters or digits): the id's last nine, zero-padded.
+    The assistant's call and the tool result that answers it map alike."""
+    kept = "".join(char for char in call_id if char.isascii() and char.isalnum())
+    return kept[-9:].rjust(9, "0")
 
 
 # --- writing: the prompt and past calls, for a template without tool support -------------------------------
@@ -113,21 +186,25 @@ def render_results(contents: Iterable[str]) -> str:
 # --- forcing: required and named tool_choice ----------------------------------------------------------------
 
 
-def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: bool,
-                 parser: str = "hermes") -> StructuredOutput:
+def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: bool, parser: str = "hermes",
+                 marker: SpecialMarker | None = None) -> StructuredOutput:
     """A Lark grammar (llguidance's, with `%json` for each function's arguments) whose every output is one call
     of one of `functions` ((name, parameters schema) each), or with `parallel` several, written as `parser`
-    writes them (Hermes: one per line; Llama 3: separated by `; `)."""
+    writes them (Hermes: one per line; Llama 3: separated by `; `; Mistral: a list after `[TOOL_CALLS]`). A
+    `marker` that is a special token is written as that token."""
+    written = _WRITTEN[parser]
     rules = []
     for i, (name, parameters) in enumerate(functions):
         schema = {"x-guidance": _LAYOUT, **_closed(parameters if parameters is not None else NO_ARGUMENTS)}
-        quoted = json.dumps(name, ensure_ascii=False)
-        if parser == "llama3_json":
-            head, tail = f'{{"name": {quoted}, "parameters": ', "}"
-        else:
-            head, tail = f'{OPEN}\n{{"name": {quoted}, "arguments": ', f"}}\n{CLOSE}"
-        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema, ensure_ascii=False)} {json.dumps(tail)}")
-    start = f"start: call ({json.dumps(_SEPARATOR[parser])} call)*" if parallel else "start: call"
+        head = f'{written.call_head}{{"name": {json.dumps(name, ensure_ascii=False)}, "{written.key}": '
+        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema, ensure_ascii=False)} "
+                     f"{json.dumps('}' + written.call_tail)}")
+    calls = f"call ({json.dumps(written.separator)} call)*" if parallel else "call"
+    if marker is not None:
+        opening = [f"<[{marker.token_id}]>", json.dumps(written.before)]
+    else:
+        opening = [json.dumps(written.marker + written.before)]
+    start = "start: " + " ".join(t for t in [*opening, calls, json.dumps(written.after)] if t != '""')
     choices = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))
     return StructuredOutput("grammar", "\n".join([start, choices, *rules]) + "\n")
 
@@ -149,307 +226,3 @@ def _closed(schema: Any) -> Any:
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
-
-
-# --- reading: whole texts and streams -------------------------------------------------------------------------
-
-
-def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
-    """The call written between the tags, or None if `body` is not one."""
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or value.get("name") not in names or not isinstance(value.get("arguments"), dict):
-        return None
-    head = _HEAD.match(body)
-    if head is not None:
-        arguments = body[head.end():body.rindex("}")].rstrip()
-        if _loads(arguments) == value["arguments"]:
-            return ToolCall(value["name"], arguments)
-    return ToolCall(value["name"], json.dumps(value["arguments"], ensure_ascii=False))
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def parse_calls(text: str, names: frozenset[str], parser: str = "hermes") -> tuple[str | None, list[ToolCall]]:
-    """`ToolCalling.parse`: the message's text (stripped; None if empty) and its calls."""
-    return ToolCalling(names, parser).parse(text)
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class CallStart:
-    index: int
-    name: str
-
-
-@dataclass(frozen=True)
-class ArgumentsDelta:
-    index: int
-    text: str
-
-
-StreamEvent = TextDelta | CallStart | ArgumentsDelta
-
-
-@dataclass
-class CallStream:
-    """Reads calls out of text that arrives in pieces: text deltas, each call's start (its name), then fragments
-    of its arguments. The text deltas join to the text around the calls, stripped.
-
-    After an opening tag, a call is a JSON object (its end found by matching braces outside strings, so a string
-    may hold a closing tag) then the closing tag. Whether it is one is known once the object has closed, or
-    earlier when what follows the tag cannot be JSON; if it is not, the tag is text and reading goes on after
-    it. By default a call goes out whole once its closing tag arrives. With `progressive` (a grammar forced the
-    calls, so each one parses), its arguments go out as they are sampled; only a tail that may be the call's
-    closing braces and tag is held back.
-    """
-
-    names: frozenset[str]
-    progressive: bool = False
-    calls: int = 0
-    _buffer: str = ""
-    _in_call: bool = False
-    _stripped: _StrippedText = field(default_factory=lambda: _StrippedText())
-    _open: tuple[int, int] | None = field(default=None)  # a call going out progressively: (arguments start, sent)
-    _end: _ObjectEnd | None = None  # the scan of the call being read
-
-    def push(self, text: str) -> list[StreamEvent]:
-        self._buffer += text
-        events: list[StreamEvent] = []
-        while True:
-            if not self._in_call:
-                start = self._buffer.find(OPEN)
-                if start < 0:
-                    keep = _partial_tag(self._buffer, OPEN)
-                    self._text(self._buffer[:len(self._buffer) - keep], events)
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
-                    return events
-                self._text(self._buffer[:start], events)
-                self._buffer = self._buffer[start + len(OPEN):]
-                self._in_call = True
-            elif not self._read_call(events):
-                return events
-
-    def finish(self) -> list[StreamEvent]:
-        """What is held back at the end of the text: a call still open is text (unless its arguments were already
-        going out), and so is a tag's beginning."""
-        events: list[StreamEvent] = []
-        while self._in_call and self._open is None:
-            self._not_a_call(events)
-            events += self.push("")
-        if not self._in_call:
-            self._text(self._buffer, events)
-        self._buffer = ""
-        return events
-
-    def _read_call(self, events: list[StreamEvent]) -> bool:
-        """Reads the call after an opening tag; False while it is still arriving."""
-        if self._end is None:
-            self._end = _ObjectEnd()
-        end = self._end.find(self._buffer)
-        if end is None:
-            if self.progressive:
-                self._send_arguments(events)
-            return False
-        rest = self._buffer[end:].lstrip() if end >= 0 else None
-        if rest is not None and len(rest) < len(CLOSE) and CLOSE.startswith(rest):
-            return False  # the closing tag is arriving
-        closed = rest is not None and rest.startswith(CLOSE)
-        call = parse_call(self._buffer[:end], self.names) if closed else None
-        if self._open is not None:
-            self._finish_progressive(call, events)
-        elif call is None:
-            self._not_a_call(events)
-            return True
-        else:
-            events += [CallStart(self.calls, call.name), ArgumentsDelta(self.calls, call.arguments)]
-            self.calls += 1
-        self._buffer = rest[len(CLOSE):] if closed else ""
-        self._in_call = False
-        self._end = None
-        return True
-
-    def _not_a_call(self, events: list[StreamEvent]) -> None:
-        self._text(OPEN, events)
-        self._in_call = False
-        self._end = None
-
-    def _text(self, text: str, events: list[StreamEvent]) -> None:
-        if out := self._stripped.add(text):
-            events.append(TextDelta(out))
-
-    def _send_arguments(self, events: list[StreamEvent]) -> None:
-        if self._open is None:
-            head = _HEAD.match(self._buffer)
-            # The head is complete once something follows its whitespace.
-            if head is None or head.end() == len(self._buffer) or head.group(1) not in self.names:
-                return
-            events.append(CallStart(self.calls, head.group(1)))
-            self._open = (head.end(), head.end())
-        start, sent = self._open
-        visible = len(self._buffer.rstrip("} \t\r\n"))
-        if visible > sent:
-            events.append(ArgumentsDelta(self.calls, self._buffer[sent:visible]))
-            self._open = (start, visible)
-
-    def _finish_progressive(self, call: ToolCall | None, events: list[StreamEvent]) -> None:
-        start, sent = self._open
-        self._open = None
-        if call is not None and len(call.arguments) > sent - start:
-            events.append(ArgumentsDelta(self.calls, call.arguments[sent - start:]))
-        self.calls += 1
-
-
-@dataclass
-class _StrippedText:
-    """Text going out in pieces that join to the whole text stripped: whitespace at the start is dropped, and
-    whitespace is held until text follows it."""
-
-    _started: bool = False
-    _whitespace: str = ""
-
-    def add(self, text: str) -> str:
-        body = text.rstrip()
-        if not body:
-            self._whitespace += text
-            return ""
-        out = self._whitespace + body if self._started else body.lstrip()
-        self._started = True
-        self._whitespace = text[len(body):]
-        return out
-
-
-@dataclass
-class JsonCallStream:
-    """Llama 3's JSON tool calls: a reply that is nothing but calls, `{"name": ..., "parameters": {...}}` each,
-    separated by `;` (its template's `<|python_tag|>` is a special token, not in the text). Any other reply is
-    text, whole. A reply is known to be text at its first character other than `{`; to be calls only at its end,
-    so calls go out then, each whole."""
-
-    names: frozenset[str]
-    calls: int = 0
-    _buffer: str = ""
-    _is_text: bool | None = None
-    _stripped: _StrippedText = field(default_factory=lambda: _StrippedText())
-
-    def push(self, text: str) -> list[StreamEvent]:
-        if self._is_text is None:
-            self._buffer += text
-            if not self._buffer.strip():
-                return []
-            self._is_text = not self._buffer.lstrip().startswith("{")
-            if not self._is_text:
-                return []
-            text, self._buffer = self._buffer, ""
-        elif not self._is_text:
-            self._buffer += text
-            return []
-        out = self._stripped.add(text)
-        return [TextDelta(out)] if out else []
-
-    def finish(self) -> list[StreamEvent]:
-        if self._is_text or not self._buffer.strip():
-            return []
-        calls = _json_calls(self._buffer, self.names)
-        if calls is None:
-            return [TextDelta(self._buffer.strip())]
-        events: list[StreamEvent] = []
-        for call in calls:
-            events += [CallStart(self.calls, call.name), ArgumentsDelta(self.calls, call.arguments)]
-            self.calls += 1
-        return events
-
-
-def _json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
-    """The calls `text` consists of (JSON objects separated by `;`), or None if it is anything else."""
-    decoder, calls, position = json.JSONDecoder(), [], 0
-    while True:
-        position = len(text) - len(text[position:].lstrip())
-        try:
-            value, position = decoder.raw_decode(text, position)
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or value.get("name") not in names:
-            return None
-        arguments = value.get("parameters", value.get("arguments"))
-        if not isinstance(arguments, dict):
-            return None
-        calls.append(ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False)))
-        rest = text[position:].lstrip()
-        if not rest:
-            return calls
-        if not rest.startswith(";"):
-            return None
-        position = len(text) - len(rest) + 1
-
-
-# Outside strings, JSON has only these characters besides brackets and quotes.
-_JSON_OUTSIDE_STRINGS = frozenset(" \t\r\n,:-+.0123456789eEtruefalsn")
-
-
-@dataclass
-class _ObjectEnd:
-    """Finds where the JSON object a text starts with (after whitespace) ends, reading the text as it grows: each
-    character is looked at once however often `find` is asked."""
-
-    _read: int = 0
-    _found: int | None = None
-    _started: bool = False
-    _depth: int = 0
-    _in_string: bool = False
-    _escaped: bool = False
-
-    def find(self, text: str) -> int | None:
-        """The index after the object's closing brace; None while it may still be arriving; -1 if `text` cannot
-        begin one. `text` must extend the text of the previous call."""
-        if self._found is None:
-            self._found = self._scan(text)
-        return self._found
-
-    def _scan(self, text: str) -> int | None:
-        for i in range(self._read, len(text)):
-            char = text[i]
-            self._read = i + 1
-            if not self._started:
-                if char.isspace():
-                    continue
-                if char != "{":
-                    return -1
-                self._started = True
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif char == "\\":
-                    self._escaped = True
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char in "{[":
-                self._depth += 1
-            elif char in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    return i + 1
-            elif char not in _JSON_OUTSIDE_STRINGS:
-                return -1
-        return None
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (held back: the tag may be arriving)."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0

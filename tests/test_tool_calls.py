@@ -12,12 +12,14 @@ import openai
 import pytest
 
 from test_api_e2e import API_KEY, start_server
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from sluice.app.prompts import chat_prompt, renders_tools, tool_call_format
 from sluice.app.schemas import ChatCompletionRequest
-from sluice.app.tool_calls import ArgumentsDelta, CallStart, TextDelta, ToolCall, ToolCalling, call_grammar, parse_calls
+from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, TextDelta, ToolCall
+from sluice.app.tool_calls import ToolCalling, call_grammar, mistral_call_id, parse_calls, special_marker
 from sluice.batching.sampling_params import StructuredOutput
 from sluice.batching.structured import GrammarCompiler
 from hf_folder import train_tokenizer
@@ -85,6 +87,13 @@ def stream_in_pieces(text: str, progressive: bool, rng: random.Random, parser: s
     return content, calls, events
 
 
+def assert_any_pieces_read_as_the_whole(text: str, parser: str) -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        content, calls, _ = stream_in_pieces(text, progressive=False, rng=rng, parser=parser)
+        assert (content, calls) == parse_calls(text, NAMES, parser)
+
+
 @pytest.mark.parametrize("text", [
     f" Sure. {call('get_weather', PARIS)} and <tool_call>{{broken</tool_call> <tool_ca",
     call("add", '{"a": {"b": {}}}') + "\n" + call("add", '{"x": "}}"}') + "\n\n",
@@ -93,10 +102,7 @@ def stream_in_pieces(text: str, progressive: bool, rng: random.Random, parser: s
     call("add", '{"s": "</tool_call>{\\"}"}') + " <tool_call> <tool_call>" + call("add", "{}"),
 ])
 def test_a_stream_in_any_pieces_reassembles_to_the_parse_of_the_whole_text(text):
-    rng = random.Random(0)
-    for _ in range(50):
-        content, calls, _ = stream_in_pieces(text, progressive=False, rng=rng)
-        assert (content, calls) == parse_calls(text, NAMES)
+    assert_any_pieces_read_as_the_whole(text, "hermes")
 
 
 def test_forced_calls_stream_their_arguments_as_they_arrive():
@@ -131,10 +137,71 @@ def test_any_other_llama3_reply_is_text_whole(text):
     '{"name": "add", "parameters": {"a": 1}} trailing',
 ])
 def test_a_llama3_stream_in_any_pieces_reads_as_the_whole_text(text):
-    rng = random.Random(2)
-    for _ in range(30):
-        content, calls, _ = stream_in_pieces(text, progressive=False, rng=rng, parser="llama3_json")
-        assert (content, calls) == parse_calls(text, NAMES, "llama3_json")
+    assert_any_pieces_read_as_the_whole(text, "llama3_json")
+
+
+# --- Mistral's calls ----------------------------------------------------------------------------------------
+
+
+def mistral(*calls: tuple[str, str]) -> str:
+    return "[TOOL_CALLS] [" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]"
+
+
+def test_a_mistral_list_after_the_marker_is_calls_and_the_text_before_it_content():
+    text = "Let me check. " + mistral(("get_weather", PARIS), ("add", '{"a": [1, {"b": "]"}]}'))
+    assert parse_calls(text, NAMES, "mistral") == (
+        "Let me check.", [ToolCall("get_weather", PARIS), ToolCall("add", '{"a": [1, {"b": "]"}]}')])
+
+
+@pytest.mark.parametrize("text", [
+    mistral(("get_weather", PARIS), ("launch", "{}")),  # one element names no tool: the whole list is text
+    '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}; {"name": "add", "arguments": {}}]',
+    '[TOOL_CALLS] {"name": "add", "arguments": {"a": 1}}',  # no list
+    '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}',  # the list never closes
+])
+def test_a_mistral_marker_followed_by_anything_but_a_list_of_calls_stays_in_the_text(text):
+    assert parse_calls(text, NAMES, "mistral") == (text, [])
+
+
+@pytest.mark.parametrize("text", [
+    " Sure. " + mistral(("get_weather", PARIS)) + " and [TOOL_CALLS] [{broken}] [TOOL_CA",
+    mistral(("add", '{"a": {"b": {}}}'), ("add", '{"x": "]}"}')) + "\n\n" + mistral(("get_weather", "{}")),
+    "no calls here, but a [ and a [TOOL",
+    'an unfinished [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"na',
+])
+def test_a_mistral_stream_in_any_pieces_reassembles_to_the_parse_of_the_whole_text(text):
+    assert_any_pieces_read_as_the_whole(text, "mistral")
+
+
+def test_forced_mistral_calls_stream_each_ones_arguments_as_they_arrive():
+    text = mistral(("add", '{"a": {"b": [1, 2]}, "c": "}"}'), ("get_weather", '{"city": "Oslo"}'))
+    content, calls, events = stream_in_pieces(text, progressive=True, rng=random.Random(4), parser="mistral")
+    assert (content, calls) == parse_calls(text, NAMES, "mistral")
+    assert isinstance(events[0], CallStart) and [e.index for e in events if isinstance(e, CallStart)] == [0, 1]
+    assert sum(isinstance(e, ArgumentsDelta) for e in events) > 4
+
+
+def marker_tokenizer() -> Tokenizer:
+    """A byte-level vocabulary of 288 tokens whose last is `[TOOL_CALLS]`, a special token (as in Mistral's)."""
+    backend = train_tokenizer(287)
+    backend.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False)])
+    return Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+
+
+def test_the_special_marker_the_detokenizer_drops_is_put_back_where_its_token_was():
+    tokenizer = marker_tokenizer()
+    marker = special_marker(tokenizer, "mistral")
+    assert marker is not None and marker.token_id == 287
+    reply = "the fox " + mistral(("add", '{"a": 1}')) + " over [TOOL_CALLS] [x"
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    rng = random.Random(5)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(ids)), 4))
+        pieces = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+        detokenizer = tokenizer.decode_stream()
+        assert "".join(marker.restore(detokenizer.push(piece), piece) for piece in pieces) == reply
+    assert special_marker(Tokenizer(train_tokenizer(300), SpecialTokens(1, (2,), False, None)), "mistral") is None
+    assert special_marker(tokenizer, "hermes") is None
 
 
 # --- the grammar that forces calls -------------------------------------------------------------------------
@@ -159,6 +226,7 @@ ADD = ("add", {"type": "object", "properties": {"a": {"type": "integer"}}, "requ
     ("hermes", call("add", '{"a": 1}'), call("add", '{"a": 1}') + "\n" + call("get_weather", "{}")),
     ("llama3_json", '{"name": "add", "parameters": {"a": 1}}',
      '{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {}}'),
+    ("mistral", mistral(("add", '{"a": 1}')), mistral(("add", '{"a": 1}'), ("get_weather", "{}"))),
 ])
 def test_the_grammar_takes_calls_in_the_parsers_format_with_arguments_that_follow_the_schema(compiler, parser, one,
                                                                                             two):
@@ -175,6 +243,17 @@ def test_the_grammar_closes_objects_that_say_nothing_of_other_properties(compile
     assert not follows(compiler, grammar, call("add", '{"a": 1, "b": 2}'))
     opened = ("add", {**ADD[1], "additionalProperties": True})
     assert follows(compiler, call_grammar([opened], parallel=False), call("add", '{"a": 1, "b": 2}'))
+
+
+def test_the_mistral_grammar_writes_a_special_marker_as_its_token():
+    tokenizer = marker_tokenizer()
+    compiler = GrammarCompiler(tokenizer, 288, (2,))
+    grammar = call_grammar([ADD], parallel=False, parser="mistral", marker=special_marker(tokenizer, "mistral"))
+    matcher = compiler.compile(grammar).matcher
+    reply = tokenizer.encode(mistral(("add", '{"a": 1}')), add_special_tokens=False)
+    assert reply[0] == 287 and all(matcher.consume_token(t) for t in reply) and matcher.is_accepting()
+    spelled = compiler.compile(grammar).matcher
+    assert not spelled.consume_token(tokenizer.encode("[", add_special_tokens=False)[0])
 
 
 # --- rendering the conversation -----------------------------------------------------------------------------
@@ -194,6 +273,26 @@ CONVERSATION = ChatCompletionRequest.model_validate({
                  {"role": "tool", "tool_call_id": "call_2", "content": "rain"}],
     "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
 })
+
+# Shaped as Mistral-7B-Instruct-v0.3's: tools before the last user turn, calls as a list after `[TOOL_CALLS]`, and
+# call ids that must be nine letters or digits.
+MISTRAL = (
+    "{% set last_user = (messages | selectattr('role', 'equalto', 'user') | list)[-1] %}{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}"
+    "{% if tools and m == last_user %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST] {{ m.content }}[/INST]"
+    "{% elif m.role == 'system' %}{{ m.content }}\n\n"
+    "{% elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}"
+    "{% if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{% endif %}{{ {'name': c.function.name, 'arguments': c.function.arguments, 'id': c.id} | tojson }}"
+    "{{ ', ' if not loop.last else ']' + eos_token }}{% endfor %}"
+    "{% elif m.role == 'tool' %}"
+    "{% if m.tool_call_id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with "
+    "length 9!') }}{% endif %}"
+    "[TOOL_RESULTS] {{ {'content': m.content, 'call_id': m.tool_call_id} | tojson }}[/TOOL_RESULTS]"
+    "{% else %} {{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
+)
 
 
 def with_template(template: str) -> Tokenizer:
@@ -218,7 +317,19 @@ def test_a_template_with_tools_renders_them_itself_with_arguments_as_a_dict():
                     "tool: 18 C (for call_1)|tool: rain (for call_2)|")
 
 
+def test_with_the_mistral_format_call_ids_reach_the_template_as_nine_letters_or_digits():
+    tokenizer = with_template(MISTRAL)
+    assert renders_tools(tokenizer)
+    text = chat_prompt(tokenizer, CONVERSATION.messages, tools=CONVERSATION.tools, call_format="mistral").text
+    assert ('[INST] Weather in Paris?[/INST][TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, '
+            '"id": "0000call1"}]') in text
+    assert '"call_id": "0000call1"' in text and '"call_id": "0000call2"' in text
+    assert mistral_call_id("call_" + "ab12" * 6) == "2ab12ab12" and mistral_call_id("toolu_x-y") == "00tooluxy"
+
+
 def test_auto_reads_the_format_the_template_writes_and_hermes_where_the_template_has_no_tools():
+    assert tool_call_format("auto", with_template(MISTRAL)) == "mistral"
+    assert tool_call_format("mistral", with_template(CHATML)) == "hermes"
     assert tool_call_format("auto", with_template(NATIVE + "{# calls follow <|python_tag|> #}")) == "llama3_json"
     assert tool_call_format("auto", with_template(NATIVE)) == "hermes"
     assert tool_call_format("llama3_json", with_template(NATIVE)) == "llama3_json"

@@ -1,0 +1,385 @@
+"""Reading tool calls out of a reply's text as it arrives: text deltas, each call's start (its name), then
+fragments of its arguments. `tool_calls.ToolCalling` picks the reader of the request's format; a whole text is
+read by the same reader given it at once, so a stream and its whole text always read the same.
+
+Two readers. `CallStream` reads calls between an opening tag and a close, with a JSON object per call: Hermes
+(`<tool_call>{...}</tool_call>`, one call per tag) and Mistral (`[TOOL_CALLS] [{...}, {...}]`, a list per tag).
+`JsonCallStream` reads Llama 3's replies, which are calls only if they are nothing but calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+# What a call starts with when written as the prompt asks and the grammar forces: its name, then its arguments.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
+# Outside strings, JSON has only these characters besides brackets and quotes.
+_JSON_OUTSIDE_STRINGS = frozenset(" \t\r\n,:-+.0123456789eEtruefalsn")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the function's name and its arguments as JSON text (an object)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    index: int
+    text: str
+
+
+StreamEvent = TextDelta | CallStart | ArgumentsDelta
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a format wraps its calls in text: `open` starts a group of calls, JSON objects after `begin`, separated
+    by `separator` (None: one call a group) and ended by `close`; whitespace may come between any two."""
+
+    open: str
+    begin: str
+    separator: str | None
+    close: str
+
+
+HERMES = CallSyntax("<tool_call>", "", None, "</tool_call>")
+MISTRAL = CallSyntax("[TOOL_CALLS]", "[", ",", "]")
+
+
+def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
+    """The call `body` (one JSON object) writes, or None if it is not one: it must name one of `names` and have an
+    object as `arguments`. The arguments' text is the model's own (what it sampled), re-serialized only when it
+    wrote them before the name, so streamed fragments join to the same string."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names or not isinstance(value.get("arguments"), dict):
+        return None
+    head = _HEAD.match(body)
+    if head is not None:
+        arguments = body[head.end():body.rindex("}")].rstrip()
+        if _loads(arguments) == value["arguments"]:
+            return ToolCall(value["name"], arguments)
+    return ToolCall(value["name"], json.dumps(value["arguments"], ensure_ascii=False))
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+@dataclass
+class _Group:
+    """The calls after an opening tag, as far as they have arrived. `position`: where in the reader's buffer (the
+    text after the tag) the next part starts; `part`: what is expected there; `calls`: the group's calls read so
+    far, held until its close (unless they go out progressively); `open`: the call whose arguments are going out,
+    as (where its arguments start, how far they went out) in its object's text; `committed`: calls of the group
+    have gone out, so it is no longer text whatever follows."""
+
+    position: int = 0
+    part: str = "begin"  # "begin" | "object" | "after" (a separator or the close)
+    calls: list[ToolCall] = field(default_factory=list)
+    end: _ObjectEnd = field(default_factory=lambda: _ObjectEnd())
+    open: tuple[int, int] | None = None
+    committed: bool = False
+
+
+@dataclass
+class CallStream:
+    """Reads the calls of a tag-delimited format (`syntax`) out of text that arrives in pieces. The text deltas
+    join to the text around the calls, stripped.
+
+    After an opening tag come JSON objects (each one's end found by matching braces outside strings, so a string
+    may hold a closing tag) with the format's punctuation. A group is calls once its close has arrived and each
+    object is a call; it is text as soon as something else follows the tag (an object that is no call, other
+    punctuation, the reply's end), and reading goes on after the tag. By default a group's calls go out when
+    its close arrives. With `progressive` (a grammar forced the calls, so each one parses), each call's
+    arguments go out as they are sampled; only a tail that may be the object's closing braces is held back.
+    """
+
+    names: frozenset[str]
+    syntax: CallSyntax = HERMES
+    progressive: bool = False
+    calls: int = 0
+    _buffer: str = ""  # text not given out yet: inside a group, the text after its opening tag
+    _group: _Group | None = None
+    _stripped: _StrippedText = field(default_factory=lambda: _StrippedText())
+
+    def push(self, text: str) -> list[StreamEvent]:
+        self._buffer += text
+        events: list[StreamEvent] = []
+        while True:
+            if self._group is None:
+                start = self._buffer.find(self.syntax.open)
+                if start < 0:
+                    keep = _partial_tag(self._buffer, self.syntax.open)
+                    self._text(self._buffer[:len(self._buffer) - keep], events)
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    return events
+                self._text(self._buffer[:start], events)
+                self._buffer = self._buffer[start + len(self.syntax.open):]
+                self._group = _Group()
+            elif not self._read_group(events):
+                return events
+
+    def finish(self) -> list[StreamEvent]:
+        """What is held back at the end of the text: a group still open is text (unless its calls were already
+        going out), and so is a tag's beginning."""
+        events: list[StreamEvent] = []
+        while self._group is not None and not self._group.committed:
+            self._abandon(events)
+            events += self.push("")
+        if self._group is None:
+            self._text(self._buffer, events)
+        self._buffer = ""
+        return events
+
+    def _read_group(self, events: list[StreamEvent]) -> bool:
+        """Reads on in the group; False while its next part is still arriving."""
+        group = self._group
+        while True:
+            rest = self._buffer[group.position:]
+            if group.part == "object":
+                end = group.end.find(rest)
+                if end is None:
+                    if self.progressive:
+                        self._send_arguments(rest, events)
+                    return False
+                call = parse_call(rest[:end], self.names) if end >= 0 else None
+                if call is None:
+                    self._abandon(events)
+                    return True
+                self._take(call, events)
+                group.position += end
+                group.part = "after"
+                continue
+            expected = [self.syntax.begin] if group.part == "begin" else [self.syntax.close, self.syntax.separator]
+            stripped = rest.lstrip()
+            if any(len(stripped) < len(e) and e.startswith(stripped) for e in expected if e is not None):
+                return False  # what is expected may be arriving
+            matched = next((e for e in expected if e is not None and stripped.startswith(e)), None)
+            if matched is None:
+                self._abandon(events)
+                return True
+            group.position = len(self._buffer) - len(stripped) + len(matched)
+            if group.part == "after" and matched == self.syntax.close:
+                for call in group.calls:
+                    self._emit(call, events)
+                self._buffer = self._buffer[group.position:]
+                self._group = None
+                return True
+            group.part = "object"
+            group.end = _ObjectEnd()
+
+    def _take(self, call: ToolCall, events: list[StreamEvent]) -> None:
+        """A call whose object has closed: held for the group's close, or (progressive) out now."""
+        group = self._group
+        if not self.progressive:
+            group.calls.append(call)
+            return
+        if group.open is None:
+            self._emit(call, events)
+        else:
+            start, sent = group.open
+            if len(call.arguments) > sent - start:
+                events.append(ArgumentsDelta(self.calls, call.arguments[sent - start:]))
+            group.open = None
+            self.calls += 1
+        group.committed = True
+
+    def _emit(self, call: ToolCall, events: list[StreamEvent]) -> None:
+        events += [CallStart(self.calls, call.name), ArgumentsDelta(self.calls, call.arguments)]
+        self.calls += 1
+
+    def _send_arguments(self, text: str, events: list[StreamEvent]) -> None:
+        """Sends what has arrived of the arguments of the call being sampled (`text`: its object so far)."""
+        group = self._group
+        if group.open is None:
+            head = _HEAD.match(text)
+            # The head is complete once something follows its whitespace.
+            if head is None or head.end() == len(text) or head.group(1) not in self.names:
+                return
+            events.append(CallStart(self.calls, head.group(1)))
+            group.open = (head.end(), head.end())
+            group.committed = True
+        start, sent = group.open
+        visible = len(text.rstrip("} \t\r\n"))
+        if visible > sent:
+            events.append(ArgumentsDelta(self.calls, text[sent:visible]))
+            group.open = (start, visible)
+
+    def _abandon(self, events: list[StreamEvent]) -> None:
+        """What follows is not calls: the opening tag is text and reading goes on after it; in a group whose calls
+        went out already, reading goes on where its calls end."""
+        group = self._group
+        self._group = None
+        if group.committed:
+            if group.open is not None:
+                self.calls += 1
+            self._buffer = self._buffer[group.position:]
+        else:
+            self._text(self.syntax.open, events)
+
+    def _text(self, text: str, events: list[StreamEvent]) -> None:
+        if out := self._stripped.add(text):
+            events.append(TextDelta(out))
+
+
+@dataclass
+class _StrippedText:
+    """Text going out in pieces that join to the whole text stripped: whitespace at the start is dropped, and
+    whitespace is held until text follows it."""
+
+    _started: bool = False
+    _whitespace: str = ""
+
+    def add(self, text: str) -> str:
+        body = text.rstrip()
+        if not body:
+            self._whitespace += text
+            return ""
+        out = self._whitespace + body if self._started else body.lstrip()
+        self._started = True
+        self._whitespace = text[len(body):]
+        return out
+
+
+@dataclass
+class JsonCallStream:
+    """Llama 3's JSON tool calls: a reply that is nothing but calls, `{"name": ..., "parameters": {...}}` each,
+    separated by `;` (its template's `<|python_tag|>` is a special token, not in the text). Any other reply is
+    text, whole. A reply is known to be text at its first character other than `{`; to be calls only at its end,
+    so calls go out then, each whole."""
+
+    names: frozenset[str]
+    calls: int = 0
+    _buffer: str = ""
+    _is_text: bool | None = None
+    _stripped: _StrippedText = field(default_factory=lambda: _StrippedText())
+
+    def push(self, text: str) -> list[StreamEvent]:
+        if self._is_text is None:
+            self._buffer += text
+            if not self._buffer.strip():
+                return []
+            self._is_text = not self._buffer.lstrip().startswith("{")
+            if not self._is_text:
+                return []
+            text, self._buffer = self._buffer, ""
+        elif not self._is_text:
+            self._buffer += text
+            return []
+        out = self._stripped.add(text)
+        return [TextDelta(out)] if out else []
+
+    def finish(self) -> list[StreamEvent]:
+        if self._is_text or not self._buffer.strip():
+            return []
+        calls = _json_calls(self._buffer, self.names)
+        if calls is None:
+            return [TextDelta(self._buffer.strip())]
+        events: list[StreamEvent] = []
+        for call in calls:
+            events += [CallStart(self.calls, call.name), ArgumentsDelta(self.calls, call.arguments)]
+            self.calls += 1
+        return events
+
+
+def _json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
+    """The calls `text` consists of (JSON objects separated by `;`), or None if it is anything else."""
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while True:
+        position = len(text) - len(text[position:].lstrip())
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in names:
+            return None
+        arguments = value.get("parameters", value.get("arguments"))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False)))
+        rest = text[position:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            return None
+        position = len(text) - len(rest) + 1
+
+
+@dataclass
+class _ObjectEnd:
+    """Finds where the JSON object a text starts with (after whitespace) ends, reading the text as it grows: each
+    character is looked at once however often `find` is asked."""
+
+    _read: int = 0
+    _found: int | None = None
+    _started: bool = False
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+
+    def find(self, text: str) -> int | None:
+        """The index after the object's closing brace; None while it may still be arriving; -1 if `text` cannot
+        begin one. `text` must extend the text of the previous call."""
+        if self._found is None:
+            self._found = self._scan(text)
+        return self._found
+
+    def _scan(self, text: str) -> int | None:
+        for i in range(self._read, len(text)):
+            char = text[i]
+            self._read = i + 1
+            if not self._started:
+                if char.isspace():
+                    continue
+                if char != "{":
+                    return -1
+                self._started = True
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+            elif char not in _JSON_OUTSIDE_STRINGS:
+                return -1
+        return None
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (held back: the tag may be arriving)."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
