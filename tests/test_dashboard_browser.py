@@ -7,6 +7,7 @@ skipped saying what is missing, and fail instead under CI (CI=true), where they 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -115,6 +116,42 @@ def test_a_playground_chat_streams_its_answer_with_ttft_rate_and_snippets(page):
     page.click("button[data-snippet=python]")
     assert "client.chat.completions.create(" in page.inner_text("#pg-snippet")
     screenshot(page, "playground")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}}}
+
+
+def test_playground_tools_show_the_streamed_call_and_the_next_message_answers_it(page):
+    page.click("button[data-tab=playground]")
+    page.fill("#pg-temperature", "0")
+    page.fill("#pg-max-tokens", "60")
+    page.fill("#pg-tools", "[{")
+    assert page.inner_text("#pg-tools-error").startswith("tools:")
+    page.fill("#pg-tools", json.dumps([WEATHER]))
+    page.select_option("#pg-tool-choice", "required")
+    page.uncheck("#pg-parallel")
+    assert page.inner_text("#pg-tools-error") == "" and '"get_weather"' in page.inner_text("#pg-snippet")
+    page.fill("#pg-input", "What is the weather in Paris?")
+    page.click("#pg-send")
+    page.wait_for_function("document.getElementById('pg-stats').textContent.includes('finish')")
+    assert "finish: tool_calls" in page.inner_text("#pg-stats")
+    assert page.inner_text(".message.assistant .tool-name") == "get_weather"
+    assert set(json.loads(page.inner_text(".message.assistant .tool-arguments"))) == {"city"}
+    assert page.get_attribute("#pg-input", "placeholder").startswith("Result of get_weather")
+    screenshot(page, "playground-tool-call")
+
+    page.select_option("#pg-tool-choice", "none")
+    page.fill("#pg-input", '{"temperature": 18, "sky": "sunny"}')
+    page.click("#pg-send")
+    page.wait_for_function("document.querySelectorAll('.message.assistant').length === 2"
+                           " && !document.getElementById('pg-send').disabled")
+    assert page.inner_text(".message.tool .role") == "tool"
+    answer = page.locator(".message.assistant").nth(1)
+    assert answer.locator(".text").inner_text() and answer.locator(".tool-call").count() == 0
+    python = page.click("button[data-snippet=python]") or page.inner_text("#pg-snippet")
+    assert '"role": "tool"' in python and '"tool_calls": [' in python and "tool_choice=\"none\"" in python
 
 
 def test_load_moves_the_throughput_and_batch_panels(page, server):

@@ -1,6 +1,8 @@
 // The playground view: a chat with the served model over /v1/chat/completions (streamed), with TTFT and
-// tokens/s, optional per-token probability colours, and the same request as curl and openai snippets.
+// tokens/s, optional per-token probability colours, tools (the reply's calls shown as they stream; the next
+// message answers them), and the same request as curl and openai snippets.
 import { apiFetch, apiKey, errorMessage, sseData, Unauthorized } from "./api.js";
+import { parseTools, ToolCallsView } from "./tool_calls.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -9,6 +11,7 @@ export class Playground {
     this.askForKey = askForKey;
     this.model = "";
     this.history = [];
+    this.pendingCalls = [];  // the last reply's calls: the next message is their result
     this.snippetKind = "curl";
     this.controller = null;
     $("pg-form").addEventListener("submit", (event) => { event.preventDefault(); this.send(); });
@@ -16,8 +19,13 @@ export class Playground {
       if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); this.send(); }
     });
     $("pg-stop-button").addEventListener("click", () => this.controller && this.controller.abort());
-    $("pg-clear").addEventListener("click", () => { this.history = []; $("pg-messages").replaceChildren(); this.updateSnippet(); });
-    for (const input of document.querySelectorAll("#playground input, #playground textarea")) {
+    $("pg-clear").addEventListener("click", () => {
+      this.history = [];
+      this.setPendingCalls([]);
+      $("pg-messages").replaceChildren();
+      this.updateSnippet();
+    });
+    for (const input of document.querySelectorAll("#playground input, #playground textarea, #playground select")) {
       input.addEventListener("input", () => this.updateSnippet());
     }
     for (const tab of document.querySelectorAll("button.snippet-tab")) {
@@ -35,20 +43,50 @@ export class Playground {
     this.updateSnippet();
   }
 
-  // The request's fields from the settings; empty fields are left to the server's defaults.
+  // The request's fields from the settings; empty fields are left to the server's defaults. Tools that do not
+  // parse are left out (and said so under their box).
   params() {
     const number = (id) => ($(id).value === "" ? undefined : Number($(id).value));
     const stop = $("pg-stop").value.split("\n").filter((s) => s !== "");
+    const tools = this.tools();
     return {
       temperature: number("pg-temperature"), top_p: number("pg-top-p"), max_tokens: number("pg-max-tokens"),
       seed: number("pg-seed"), stop: stop.length ? stop : undefined, logprobs: $("pg-logprobs").checked || undefined,
+      tools: tools && tools.length ? tools : undefined,
+      tool_choice: tools && tools.length ? $("pg-tool-choice").value : undefined,
+      parallel_tool_calls: tools && tools.length && !$("pg-parallel").checked ? false : undefined,
     };
+  }
+
+  // The tools box's tools, or null (with the reason shown) when it does not parse.
+  tools() {
+    try {
+      const tools = parseTools($("pg-tools").value);
+      $("pg-tools-error").textContent = "";
+      return tools;
+    } catch (error) {
+      $("pg-tools-error").textContent = `tools: ${error.message}`;
+      return null;
+    }
+  }
+
+  // The conversation's next turn: the user's message, or, after a reply that made calls, their result.
+  turn(text) {
+    if (!this.pendingCalls.length) return [{ role: "user", content: text }];
+    return this.pendingCalls.map((call) => ({ role: "tool", tool_call_id: call.id, content: text }));
+  }
+
+  setPendingCalls(calls) {
+    this.pendingCalls = calls;
+    const names = calls.map((call) => call.function.name).join(", ");
+    $("pg-input").placeholder = calls.length ? `Result of ${names} (sent as the tool message)`
+      : "Message (Enter sends, Shift+Enter for a new line)";
   }
 
   messages(next) {
     const system = $("pg-system").value.trim();
     return [...(system ? [{ role: "system", content: system }] : []), ...this.history,
-      ...(next ? [{ role: "user", content: next }] : [])];
+      ...(next ? this.turn(next) : [])];
   }
 
   body(next) {
@@ -66,15 +104,17 @@ export class Playground {
     }
     const { model, messages, stream, ...params } = body;
     const args = Object.entries(params).filter(([, v]) => v !== undefined)
-      .map(([k, v]) => `    ${k}=${v === true ? "True" : JSON.stringify(v)},`).join("\n");
+      .map(([k, v]) => `    ${k}=${python(v)},`).join("\n");
     const key = apiKey() ? 'os.environ["SLUICE_API_KEY"]' : '"unused"';
     const lines = [...(apiKey() ? ["import os", ""] : []), "from openai import OpenAI", "",
       `client = OpenAI(base_url="${base}", api_key=${key})`,
       "stream = client.chat.completions.create(",
       `    model=${JSON.stringify(model)},`,
-      `    messages=${JSON.stringify(messages, null, 4).replaceAll("\n", "\n    ")},`,
+      `    messages=${python(messages)},`,
       ...(args ? [args] : []), "    stream=True,", ")",
       "for chunk in stream:",
+      ...(params.tools ? ["    for call in chunk.choices[0].delta.tool_calls or []:",
+        '        print(call.function.name or "", call.function.arguments, end="", flush=True)'] : []),
       '    print(chunk.choices[0].delta.content or "", end="", flush=True)'];
     $("pg-snippet").textContent = lines.join("\n");
   }
@@ -88,7 +128,9 @@ export class Playground {
     const body = document.createElement("span");
     body.className = "text";
     body.textContent = text;
-    message.append(label, body);
+    const calls = document.createElement("div");
+    calls.className = "tool-calls";
+    message.append(label, body, calls);
     $("pg-messages").append(message);
     $("pg-messages").scrollTop = $("pg-messages").scrollHeight;
     return message;
@@ -96,22 +138,26 @@ export class Playground {
 
   async send() {
     const text = $("pg-input").value.trim();
-    if (!text || this.controller) return;
+    if (!text || this.controller || this.tools() === null) return;
     const body = this.body(text);
-    this.history.push({ role: "user", content: text });
+    const before = this.history.length;
+    const turn = this.turn(text);
+    this.history.push(...turn);
     $("pg-input").value = "";
-    this.addMessage("user", text);
+    this.addMessage(turn[0].role, text);
     const reply = this.addMessage("assistant", "");
     this.controller = new AbortController();
     $("pg-send").disabled = true;
     $("pg-stop-button").disabled = false;
     try {
-      const answer = await this.stream(body, reply.querySelector(".text"));
-      this.history.push({ role: "assistant", content: answer });
+      const { answer, calls } = await this.stream(body, reply);
+      this.history.push({ role: "assistant", content: answer || (calls.length ? null : ""),
+        ...(calls.length ? { tool_calls: calls } : {}) });
+      this.setPendingCalls(calls);
     } catch (error) {
       reply.classList.add("error");
       reply.querySelector(".text").textContent = error.name === "AbortError" ? "(stopped)" : error.message;
-      this.history.pop();
+      this.history.length = before;
       if (error instanceof Unauthorized) this.askForKey();
     } finally {
       this.controller = null;
@@ -121,8 +167,10 @@ export class Playground {
     }
   }
 
-  // Streams one answer into `target`; resolves to its text.
-  async stream(body, target) {
+  // Streams one answer into the `reply` message; resolves to its text and its tool calls.
+  async stream(body, reply) {
+    const target = reply.querySelector(".text");
+    const calls = new ToolCallsView(reply.querySelector(".tool-calls"));
     const sent = performance.now();
     const response = await apiFetch("/v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
@@ -139,16 +187,18 @@ export class Playground {
       if (!choice) continue;
       finish = choice.finish_reason || finish;
       const content = choice.delta.content || "";
-      if (!content) continue;
+      const toolCalls = choice.delta.tool_calls || [];
+      if (!content && !toolCalls.length) continue;
       last = performance.now();
       first = first || last;
       tokens += 1;
       answer += content;
-      this.appendText(target, content, choice.logprobs && choice.logprobs.content);
+      if (content) this.appendText(target, content, choice.logprobs && choice.logprobs.content);
+      calls.add(toolCalls);
       $("pg-stats").textContent = this.stats(sent, first, last, tokens, null);
     }
     $("pg-stats").textContent = this.stats(sent, first, last, tokens, finish);
-    return answer;
+    return { answer, calls: calls.finish() };
   }
 
   appendText(target, content, logprobs) {
@@ -174,4 +224,17 @@ export class Playground {
     return [`TTFT ${ttft.toFixed(0)} ms`, rate === null ? null : `${rate.toFixed(1)} tok/s`, `${tokens} tokens`,
       finish && `finish: ${finish}`].filter(Boolean).join(" · ");
   }
+}
+
+// A JSON value written as a Python literal (for the openai snippet).
+function python(value, indent = "    ") {
+  if (value === null || value === undefined) return "None";
+  if (value === true) return "True";
+  if (value === false) return "False";
+  if (typeof value !== "object") return JSON.stringify(value);
+  const inner = indent + "    ";
+  const items = Array.isArray(value) ? value.map((v) => python(v, inner))
+    : Object.entries(value).map(([k, v]) => `${JSON.stringify(k)}: ${python(v, inner)}`);
+  const [open, close] = Array.isArray(value) ? ["[", "]"] : ["{", "}"];
+  return items.length ? `${open}\n${inner}${items.join(`,\n${inner}`)},\n${indent}${close}` : open + close;
 }
