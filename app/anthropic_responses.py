@@ -3,7 +3,8 @@
 The reply's text is read for tool calls as on the chat route (`ToolCalling`): calls become `tool_use` blocks with
 their input parsed, the rest of the text a `text` block. Streamed, each block opens with `content_block_start`,
 grows by `text_delta`s or `input_json_delta`s and closes with `content_block_stop`; `message_delta` then carries
-the stop reason and usage. An error during a stream becomes an `error` event.
+the stop reason (with the stop sequence that ended the reply, if one did) and usage. A `ping` follows
+`message_start`, as in Anthropic's streams. An error during a stream becomes an `error` event.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sluice.app.anthropic_schemas import (
     MessageStartEvent,
     MessageStopEvent,
     MessageUsage,
+    PingEvent,
     StopReason,
     TextBlock,
     TextDeltaBody,
@@ -101,6 +103,7 @@ class MessageBuilder:
     async def _events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         start = self._message([], None, None, MessageUsage(input_tokens=self._input_tokens, output_tokens=0))
         yield sse(MessageStartEvent(message=start))
+        yield sse(PingEvent())
         blocks = _Blocks()
         reader = self._calling.stream() if self._calling is not None else None
         try:

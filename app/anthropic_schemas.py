@@ -214,7 +214,13 @@ class MessageStopEvent(BaseModel):
     type: Literal["message_stop"] = "message_stop"
 
 
-StreamEvent = (MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
+class PingEvent(BaseModel):
+    """Sent after `message_start`, as Anthropic's API does; clients skip it."""
+
+    type: Literal["ping"] = "ping"
+
+
+StreamEvent = (MessageStartEvent | PingEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
                | MessageDeltaEvent | MessageStopEvent)
 
 

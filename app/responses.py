@@ -55,6 +55,16 @@ def usage_info(usage: Usage | None) -> UsageInfo | None:
     )
 
 
+def token_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> list[TokenLogprobInfo]:
+    """Sampled tokens' logprobs with their alternatives, in the shape chat and the Responses API share."""
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=tokenizer.token_text(token_id), logprob=logprob,
+                          bytes=list(tokenizer.token_bytes(token_id)))
+
+    return [TokenLogprobInfo(**top(e.token_id, e.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in e.top])
+            for e in entries]
+
+
 def chunk_json(chunk: ChatCompletionChunk | CompletionResponse, include_usage: bool) -> bytes:
     # With include_usage, OpenAI sends `"usage": null` on every chunk but the last; without, no key.
     return sse_event(chunk.model_dump_json(exclude=None if include_usage else {"usage"}))
@@ -186,15 +196,7 @@ class ChatBuilder:
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         if not self._body.logprobs:
             return None
-        return ChatLogprobs(content=[
-            TokenLogprobInfo(**self._top(e.token_id, e.logprob).model_dump(),
-                             top_logprobs=[self._top(t, lp) for t, lp in e.top])
-            for e in entries
-        ])
-
-    def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        return TopLogprob(token=self._tokenizer.token_text(token_id), logprob=logprob,
-                          bytes=list(self._tokenizer.token_bytes(token_id)))
+        return ChatLogprobs(content=token_logprobs(self._tokenizer, entries))
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         chunk = ChatCompletionChunk(id=self._id, created=self._created, model=self._model, choices=choices,

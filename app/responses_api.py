@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import time
 import uuid
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.app.errors import APIError
+from sluice.app.errors import APIError, invalid_request
 from sluice.app.generation import respond, start_generation
 from sluice.app.responses_api_builder import ResponsesBuilder
-from sluice.app.responses_api_convert import ITEMS, Items, chat_request, output_items
-from sluice.app.responses_api_schemas import DeletedResponse, ResponseObject, ResponsesRequest
+from sluice.app.responses import token_logprobs
+from sluice.app.responses_api_convert import ITEMS, Items, chat_request, output_items, stored_items
+from sluice.app.responses_api_schemas import (
+    DeletedResponse,
+    InputItemList,
+    InputItemsQuery,
+    ResponseObject,
+    ResponsesRequest,
+)
 from sluice.app.responses_api_store import StoredResponse
-from sluice.app.routes import json_response, parse_body, plan_chat
+from sluice.app.routes import json_response, parse_body, parse_query, plan_chat
 from sluice.app.state import ServerState
 
 
@@ -40,16 +48,18 @@ async def create_response(request: Request) -> Response:
         id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,
         max_output_tokens=body.max_output_tokens, model=state.model_name, output=[],
         parallel_tool_calls=body.parallel_tool_calls, previous_response_id=body.previous_response_id,
-        temperature=body.temperature, top_p=body.top_p, tool_choice=body.tool_choice or "auto",
+        temperature=body.temperature, top_p=body.top_p, top_logprobs=body.top_logprobs,
+        tool_choice=body.tool_choice or "auto",
         tools=body.tools, text=body.text, store=body.store, metadata=body.metadata,
     )
 
     def on_done(done: ResponseObject) -> None:
         if body.store:
-            conversation = ITEMS.dump_json(items + output_items(done.output)).decode()
-            state.responses.put(done.id, StoredResponse(done.model_dump_json(), conversation))
+            conversation = ITEMS.dump_json(stored_items(items + output_items(done.output))).decode()
+            state.responses.put(done.id, StoredResponse(done.model_dump_json(), conversation, len(items)))
 
-    builder = ResponsesBuilder(response, plan.calling, on_done)
+    logprobs = partial(token_logprobs, engine.tokenizer) if body.logprobs else None
+    builder = ResponsesBuilder(response, plan.calling, on_done, logprobs)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 
@@ -69,6 +79,28 @@ async def get_response(request: Request) -> Response:
     if stored is None:
         raise response_not_found(response_id)
     return Response(stored.response_json, media_type="application/json")
+
+
+async def list_input_items(request: Request) -> Response:
+    """The items the response was given: its conversation before its output (an earlier response's included),
+    `limit` at a time after the item `after`, newest first unless `order` is `asc`."""
+    response_id = request.path_params["response_id"]
+    query = parse_query(request, InputItemsQuery)
+    stored = _state(request).responses.get(response_id)
+    if stored is None:
+        raise response_not_found(response_id)
+    items = ITEMS.validate_json(stored.items_json)[:stored.input_count]
+    if query.order == "desc":
+        items.reverse()
+    if query.after is not None:
+        ids = [item.id for item in items]
+        if query.after not in ids:
+            raise invalid_request(f"after: no input item '{query.after}' in response '{response_id}'",
+                                  param="after")
+        items = items[ids.index(query.after) + 1:]
+    page = items[:query.limit]
+    return json_response(InputItemList(data=page, first_id=page[0].id if page else None,
+                                       last_id=page[-1].id if page else None, has_more=len(items) > len(page)))
 
 
 async def delete_response(request: Request) -> Response:

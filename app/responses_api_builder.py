@@ -3,6 +3,8 @@
 Both walk the same events: the reply's text goes into a `message` item (one `output_text` part), each tool call
 into a `function_call` item, in the order the model wrote them; a call's text is read by the chat path's parser
 (`ToolCalling`), so streamed and whole replies read alike. A reply cut by `max_output_tokens` is `incomplete`.
+With logprobs asked for, each token's logprob goes with the text it produced (the output text's `logprobs`, and
+each `output_text.delta`'s); those of a call's tokens are not text, and are left out.
 Streamed, each event is `event: <type>` then `data: <json>` with a `sequence_number`; an error after the 200
 becomes a `response.failed` event carrying the error.
 """
@@ -11,10 +13,11 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sluice.batching.outputs import Usage
+from sluice.batching.outputs import TokenLogprob, Usage
 
 from sluice.app.errors import APIError
 from sluice.app.generation import Generation
@@ -29,11 +32,20 @@ from sluice.app.responses_api_schemas import (
     ResponseStreamEvent,
     ResponseUsage,
 )
+from sluice.app.schemas import TokenLogprobInfo
 from sluice.app.streaming import sse_event
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling, new_call_id
 
 Event = dict[str, Any]
+LogprobsOf = Callable[[Sequence[TokenLogprob]], list[TokenLogprobInfo]]
+
+
+@dataclass(frozen=True)
+class _Logprobs:
+    """An increment's token logprobs, ahead of the text events they belong to."""
+
+    entries: list[TokenLogprobInfo]
 
 
 def response_usage(usage: Usage) -> ResponseUsage:
@@ -44,13 +56,15 @@ def response_usage(usage: Usage) -> ResponseUsage:
 
 class ResponsesBuilder:
     """`response` is the response in progress (no output yet); once the reply has ended it is completed in place
-    and handed to `on_done` (the store), streamed or not."""
+    and handed to `on_done` (the store), streamed or not. `logprobs`: how token logprobs are shown (None: the
+    request did not ask for them)."""
 
     def __init__(self, response: ResponseObject, tool_calling: ToolCalling | None,
-                 on_done: Callable[[ResponseObject], None]) -> None:
+                 on_done: Callable[[ResponseObject], None], logprobs: LogprobsOf | None = None) -> None:
         self._response = response
         self._tool_calling = tool_calling
         self._on_done = on_done
+        self._logprobs = logprobs
 
     async def collect(self, generation: Generation) -> ResponseObject:
         async for _ in self._events(generation):
@@ -97,10 +111,13 @@ class ResponsesBuilder:
         self._response.usage = response_usage(generation.usage)
         self._on_done(self._response)
 
-    async def _reply(self, generation: Generation) -> AsyncIterator[StreamEvent | str]:
-        """The reply as text deltas, call starts and arguments fragments, then its finish reason."""
+    async def _reply(self, generation: Generation) -> AsyncIterator[StreamEvent | _Logprobs | str]:
+        """The reply as text deltas, call starts and arguments fragments (each increment's logprobs first, if
+        asked for), then its finish reason."""
         stream = self._tool_calling.stream() if self._tool_calling is not None else None
         async for increment in generation.increments():
+            if self._logprobs is not None and increment.logprobs:
+                yield _Logprobs(self._logprobs(increment.logprobs))
             if stream is not None:
                 for event in stream.push(self._tool_calling.text_of(increment)):
                     yield event
@@ -119,13 +136,20 @@ class _Output:
     def __init__(self, items: list[OutputMessage | OutputFunctionCall]) -> None:
         self._items = items
         self._open: OutputMessage | OutputFunctionCall | None = None
+        self._logprobs: list[TokenLogprobInfo] = []  # of tokens whose text has not come yet
 
-    def add(self, event: StreamEvent) -> list[Event]:
+    def add(self, event: StreamEvent | _Logprobs) -> list[Event]:
+        if isinstance(event, _Logprobs):
+            self._logprobs += event.entries
+            return []
         if isinstance(event, TextDelta):
             events = [] if isinstance(self._open, OutputMessage) else self._close("completed") + self._open_message()
+            logprobs, self._logprobs = self._logprobs, []
             self._open.content[0].text += event.text
+            self._open.content[0].logprobs += logprobs
             return events + [{"type": "response.output_text.delta", **self._where(), "content_index": 0,
-                              "delta": event.text, "logprobs": []}]
+                              "delta": event.text, "logprobs": logprobs}]
+        self._logprobs = []
         if isinstance(event, CallStart):
             call = OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", status="in_progress", call_id=new_call_id(),
                                       name=event.name, arguments="")
@@ -162,7 +186,7 @@ class _Output:
         if isinstance(item, OutputMessage):
             part = item.content[0]
             events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": part.text,
-                       "logprobs": []},
+                       "logprobs": part.logprobs},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": part.model_dump()}]
         else:
             events = [{"type": "response.function_call_arguments.done", **where, "name": item.name,

@@ -1,5 +1,5 @@
 """A Responses request turned into the chat request the chat path serves, and a reply's output turned back into
-input items (what `previous_response_id` continues from).
+input items (what `previous_response_id` continues from, and `input_items` lists).
 
 The chat request's model checks what both APIs share (tool names, `tool_choice` among the tools, forced calls
 against a format); its complaints come back under the Responses API's field names.
@@ -7,6 +7,7 @@ against a format); its complaints come back under the Responses API's field name
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -14,8 +15,10 @@ from pydantic import TypeAdapter, ValidationError
 from sluice.app.errors import APIError, invalid_request
 from sluice.app.responses_api_schemas import (
     FunctionCallItem,
+    FunctionCallOutputItem,
     FunctionToolChoice,
     InputItem,
+    InputText,
     JsonSchemaTextFormat,
     MessageItem,
     OutputFunctionCall,
@@ -38,6 +41,8 @@ def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
+        "logprobs": body.logprobs,
+        "top_logprobs": body.top_logprobs,
         "stream": body.stream,
         "tools": [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                   for tool in body.tools],
@@ -83,6 +88,23 @@ def output_items(output: list[OutputItem]) -> Items:
     `max_output_tokens` is left out: its arguments are not JSON, and no output can answer it."""
     return ITEMS.validate_python([item.model_dump() for item in output
                                   if not (isinstance(item, OutputFunctionCall) and item.status == "incomplete")])
+
+
+_ID_PREFIX = {MessageItem: "msg", FunctionCallItem: "fc", FunctionCallOutputItem: "fco"}
+
+
+def stored_items(items: Items) -> Items:
+    """The items as a stored conversation lists them (OpenAI's input item shape): each with an `id` (its own, or
+    a new one) and a `status`, a message's text as a list of parts."""
+    stored = []
+    for item in items:
+        update: dict[str, Any] = {"id": item.id or f"{_ID_PREFIX[type(item)]}_{uuid.uuid4().hex}",
+                                  "status": item.status or "completed"}
+        if isinstance(item, MessageItem) and isinstance(item.content, str):
+            part = "output_text" if item.role == "assistant" else "input_text"
+            update["content"] = [InputText(type=part, text=item.content)]
+        stored.append(item.model_copy(update=update))
+    return stored
 
 
 def _renamed(error: ValidationError) -> APIError:

@@ -18,6 +18,7 @@ from sluice.app.schemas import (
     JsonObjectFormat,
     JsonSchemaSpec,
     TextFormat,
+    TokenLogprobInfo,
     _Request,
 )
 
@@ -26,7 +27,14 @@ MAX_METADATA_KEYS = 16
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 # Fields that would change the output but are not implemented: refused by name (when set) rather than ignored.
-_UNSUPPORTED = ("background", "conversation", "prompt", "reasoning", "max_tool_calls", "top_logprobs")
+_UNSUPPORTED = ("background", "conversation", "prompt", "reasoning", "max_tool_calls")
+# OpenAI's `include` values. Only the logprobs one adds anything here: the others name items (hosted tools'
+# results, images, reasoning) that Sluice's responses never hold.
+Includable = Literal["message.output_text.logprobs", "file_search_call.results", "web_search_call.results",
+                     "web_search_call.action.sources", "message.input_image.image_url",
+                     "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+                     "reasoning.encrypted_content"]
+LOGPROBS = "message.output_text.logprobs"
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -42,7 +50,12 @@ class InputText(_Request):
 
 
 class MessageItem(_Request):
+    """A message; `id` is kept when given (an earlier output item sent back), else made when the response is
+    stored (as for every input item)."""
+
     type: Literal["message"] = "message"
+    id: str | None = None
+    status: ItemStatus | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
 
@@ -54,11 +67,15 @@ class FunctionCallItem(FunctionCallParam):
     """An earlier call of the model's: `name` and `arguments` (a JSON object's text) as a chat tool call has them."""
 
     type: Literal["function_call"]
+    id: str | None = None
+    status: ItemStatus | None = None
     call_id: str
 
 
 class FunctionCallOutputItem(_Request):
     type: Literal["function_call_output"]
+    id: str | None = None
+    status: ItemStatus | None = None
     call_id: str
     output: str | list[InputText]
 
@@ -114,6 +131,10 @@ class ResponsesRequest(_Request):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    include: list[Includable] = Field(default_factory=list,
+                                      description='"message.output_text.logprobs": the text\'s token logprobs')
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives listed with each token's "
+                                                                    "logprob (and logprobs included)")
     stream: bool = False
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = Field(
@@ -140,6 +161,11 @@ class ResponsesRequest(_Request):
             return {**data, "input": [{"role": "user", "content": data["input"]}]}
         return data
 
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text carries its tokens' logprobs: asked by `include`, or by `top_logprobs`."""
+        return LOGPROBS in self.include or self.top_logprobs is not None
+
 
 # --- the response -----------------------------------------------------------------------------------------
 
@@ -148,6 +174,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[dict[str, Any]] = Field(default_factory=list)
+    logprobs: list[TokenLogprobInfo] = Field(default_factory=list)
 
 
 class OutputMessage(BaseModel):
@@ -213,6 +240,7 @@ class ResponseObject(BaseModel):
     previous_response_id: str | None
     temperature: float
     top_p: float
+    top_logprobs: int | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice
     tools: list[FunctionTool]
     text: TextConfig
@@ -231,6 +259,23 @@ class ResponseStreamEvent(BaseModel):
 
     type: str
     sequence_number: int
+
+
+class InputItemsQuery(_Request):
+    """`GET /v1/responses/{id}/input_items`'s query: `limit` items after the item `after`, in `order`."""
+
+    after: str | None = None
+    limit: int = Field(20, ge=1, le=100)
+    order: Literal["asc", "desc"] = "desc"
+    include: list[Includable] = Field(default_factory=list)
+
+
+class InputItemList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[InputItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class DeletedResponse(BaseModel):

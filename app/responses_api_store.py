@@ -1,7 +1,8 @@
 """The stored responses of `/v1/responses` (`store: true`): bounded, in memory, least recently used out first.
 
 Each entry holds two JSON texts: the response as `GET /v1/responses/{id}` returns it, and the conversation's
-items (the input, an earlier response's included, then the output) that `previous_response_id` continues. The
+items (the input, an earlier response's included, then the output) that `previous_response_id` continues, of
+which the first `input_count` are what `GET /v1/responses/{id}/input_items` lists. The
 bounds count entries and the bytes of those texts; storing past either evicts the least recently used (read or
 written) first. Only the event loop touches the store, so it needs no lock.
 """
@@ -17,6 +18,7 @@ from functools import cached_property
 class StoredResponse:
     response_json: str
     items_json: str
+    input_count: int = 0
 
     @cached_property
     def size(self) -> int:

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import time
+import typing
 import uuid
 from dataclasses import dataclass
 from typing import TypeVar
@@ -61,6 +62,22 @@ async def parse_body(request: Request, schema: type[M]) -> tuple[ServerState, En
         raise from_validation_error(error) from None
     state.check_model(body.model)
     return state, engine, body
+
+
+def parse_query(request: Request, schema: type[M]) -> M:
+    """The query string checked against `schema` (invalid values are 400s). A list field takes every value of
+    its key, written `key=a&key=b` or `key[]=a&key[]=b` (the openai client's way)."""
+    params = request.query_params
+    data: dict[str, str | list[str]] = {}
+    for key in params.keys():
+        name = key.removesuffix("[]")
+        field = schema.model_fields.get(name)
+        listed = field is not None and typing.get_origin(field.annotation) is list
+        data[name] = params.getlist(key) if listed else params[key]
+    try:
+        return schema.model_validate(data)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
 
 
 def json_response(body: BaseModel) -> Response:

@@ -36,8 +36,14 @@ from sluice.app.dashboard.feed import Feed
 from sluice.app.errors import APIError, error_response, not_ready
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from sluice.app.openapi import Operation, openapi_document
-from sluice.app.responses_api import create_response, delete_response, get_response
-from sluice.app.responses_api_schemas import DeletedResponse, ResponseObject, ResponsesRequest, ResponseStreamEvent
+from sluice.app.responses_api import create_response, delete_response, get_response, list_input_items
+from sluice.app.responses_api_schemas import (
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 from sluice.app.routes import create_chat_completion, create_completion, detokenize, json_response, tokenize
 from sluice.app.schemas import (
     ChatCompletionChunk,
@@ -103,6 +109,8 @@ ROUTES: list[tuple[Handler, Operation]] = [
     (get_response, Operation("/v1/responses/{response_id}", "GET", "A stored response", response=ResponseObject)),
     (delete_response, Operation("/v1/responses/{response_id}", "DELETE", "Deletes a stored response",
                                 response=DeletedResponse)),
+    (list_input_items, Operation("/v1/responses/{response_id}/input_items", "GET", "A stored response's input "
+                                 "items (query: after, limit, order)", response=InputItemList)),
     (tokenize, Operation("/tokenize", "POST", "Prompt or messages to token ids", TokenizeRequest, TokenizeResponse)),
     (detokenize, Operation("/detokenize", "POST", "Token ids to text", DetokenizeRequest, DetokenizeResponse)),
 ]

@@ -77,7 +77,7 @@ def test_a_stream_assembles_to_the_unstreamed_message_at_temperature_0(client):
     assert streamed.stop_reason == whole.stop_reason
     assert streamed.usage.input_tokens == whole.usage.input_tokens
     assert streamed.usage.output_tokens == whole.usage.output_tokens > 0
-    assert events[0] == "message_start" and events[-1] == "message_stop" and "message_delta" in events
+    assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
 
 
 def test_a_stop_sequence_is_named_as_the_stop_reason(client):
@@ -88,6 +88,20 @@ def test_a_stop_sequence_is_named_as_the_stop_reason(client):
                                      stop_sequences=["never there", stop])
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
     assert stop not in "".join(block.text for block in message.content)
+
+
+def test_a_streamed_reply_pings_after_its_start_and_names_its_stop_sequence_in_the_message_delta(server, client):
+    text = client.messages.create(model=MODEL, max_tokens=16, messages=HELLO, **GREEDY).content[0].text
+    stop = next(char for char in text[1:] if char.isascii() and char.isalnum())
+    body = {"model": MODEL, "max_tokens": 16, "messages": HELLO, "temperature": 0, "stream": True,
+            "stop_sequences": [stop]}
+    response = httpx.post(f"{server.url}/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=120)
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert [event["type"] for event in events[:2]] == ["message_start", "ping"]  # the client skips pings
+    [delta] = [event for event in events if event["type"] == "message_delta"]
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+    with client.messages.stream(model=MODEL, max_tokens=16, messages=HELLO, stop_sequences=[stop], **GREEDY) as s:
+        assert s.get_final_message().stop_sequence == stop
 
 
 def test_the_first_stop_sequence_in_the_output_is_the_one_that_stopped_it():
@@ -182,6 +196,9 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
 
 @pytest.mark.parametrize(("fields", "words"), [
     ({"messages": HELLO}, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": -5}, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": 1_000_000}, "1000000 more were requested"),
     ({"messages": HELLO, "max_tokens": 4, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "launch"}},
      "launch"),
     ({"messages": HELLO, "max_tokens": 4,

@@ -223,6 +223,44 @@ def test_a_json_schema_text_format_gives_json_that_follows_the_schema(client):
     assert reply.text.format.type == "json_schema"
 
 
+def test_included_logprobs_come_with_the_text_whole_and_in_its_deltas(client):
+    fields = {"input": "Name a fruit.", "include": ["message.output_text.logprobs"], "top_logprobs": 2, **GREEDY}
+    whole = client.responses.create(**fields)
+    part = whole.output[0].content[0]
+    assert whole.top_logprobs == 2 and 0 < len(part.logprobs) <= whole.usage.output_tokens  # EOS has no text
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in part.logprobs)
+    events = list(client.responses.create(stream=True, **fields))
+    streamed = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in done.logprobs] == [
+        (e.token, e.logprob) for e in part.logprobs]
+
+
+def test_without_include_there_are_no_logprobs(client):
+    assert client.responses.create(input="Hi", **GREEDY).output[0].content[0].logprobs == []
+
+
+def test_input_items_list_the_conversation_before_the_output_newest_first_in_pages(client):
+    first = client.responses.create(input="My name is Ann.", **{**GREEDY, "max_output_tokens": 2})
+    second = client.responses.create(input=[{"role": "user", "content": "And yours?"}], previous_response_id=first.id,
+                                     **{**GREEDY, "max_output_tokens": 2})
+    items = client.responses.input_items.list(second.id).data
+    assert [(item.type, item.role) for item in items] == [("message", "user"), ("message", "assistant"),
+                                                          ("message", "user")]
+    assert [item.content[0].text for item in items] == ["And yours?", first.output_text, "My name is Ann."]
+    assert items[1].id == first.output[0].id and all(item.id for item in items)
+    assert [item.status for item in items] == ["completed", first.output[0].status, "completed"]
+    page = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [item.id for item in page.data] == [items[2].id, items[1].id] and page.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=page.data[-1].id)
+    assert [item.id for item in rest.data] == [items[0].id] and not rest.has_more
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(second.id, limit=101)
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tools": [{**WEATHER, "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}],
@@ -233,6 +271,8 @@ def test_a_json_schema_text_format_gives_json_that_follows_the_schema(client):
      "input.0.function_call.arguments"),
     ({"temperature": 3}, "temperature"),
     ({"background": True}, None),
+    ({"include": ["message.output_text.everything"]}, "include.0"),
+    ({"top_logprobs": 21}, "top_logprobs"),
 ])
 def test_bad_fields_are_400_in_openai_shape(server, fields, param):
     error = error_of(post(server, "/v1/responses", {"model": MODEL, "input": "x", **fields}), 400)
