@@ -30,6 +30,7 @@ BENCHMARKS = {
     "responsiveness": "/health and /metrics latency while a running server is loaded with streams",
     "speculative": "the same requests with and without n-gram drafts: output tok/s, TPOT, acceptance",
     "structured": "structured output: mask fill time per token, step-time cost, JSON-schema throughput",
+    "routing": "sluice serve --replicas: prefix-aware routing against round-robin on a shared-prefix workload",
 }
 
 

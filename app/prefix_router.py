@@ -1,10 +1,10 @@
 """Ray Serve request routers for Sluice replicas: prefix affinity, and round-robin to compare it with.
 
 `PrefixAffinityRouter` sends a request to the replica that was sent the longest prefix of its prompt, so that
-replica's prefix cache serves it; a request no replica has seen the start of goes to the least loaded
-replica (by Ray's cached queue lengths, ties broken at random), and so does one whose replica is overloaded:
-its ongoing requests exceed the least loaded replica's by more than `imbalanced_threshold`, when the less
-loaded of two random replicas takes it (power of two choices) and becomes a second holder of the prefix.
+replica's prefix cache serves it; a request no replica has seen the start of goes to the replica that holds
+the fewest prefixes among those not overloaded (so that prefixes spread evenly over the caches). A replica is overloaded when its ongoing requests (Ray's cached queue lengths) exceed the least loaded
+replica's by more than `imbalanced_threshold`; a request whose prefix's replica is overloaded goes to the less
+loaded of two random replicas (power of two choices), which becomes a second holder of the prefix.
 
 Why not Ray's shipped `PrefixCacheAffinityRouter` (ray.llm): it matches characters of OpenAI request objects
 (`.prompt` / `.messages`), where Sluice prompts are often token ids, and it keeps its tree in a detached actor
@@ -21,7 +21,7 @@ it); Ray's `RequestRouter` base probes queue lengths and picks the least loaded 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -38,6 +38,7 @@ class PrefixIndex:
         self.block_chars = block_chars
         self.capacity_blocks = capacity_blocks
         self._owners: OrderedDict[int, set[str]] = OrderedDict()
+        self._held: Counter[str] = Counter()  # blocks each replica holds
 
     def hashes(self, key: str) -> list[int]:
         chained, out = 0, []
@@ -60,10 +61,14 @@ class PrefixIndex:
 
     def record(self, hashes: list[int], replica: str) -> None:
         for block in hashes:
-            self._owners.setdefault(block, set()).add(replica)
+            owners = self._owners.setdefault(block, set())
+            if replica not in owners:
+                owners.add(replica)
+                self._held[replica] += 1
             self._owners.move_to_end(block)
         while len(self._owners) > self.capacity_blocks:
-            self._owners.popitem(last=False)
+            _, owners = self._owners.popitem(last=False)
+            self._held.subtract(owners)
 
     def forget(self, replica: str) -> None:
         for block in [b for b, owners in self._owners.items() if replica in owners]:
@@ -71,6 +76,11 @@ class PrefixIndex:
             owners.discard(replica)
             if not owners:
                 del self._owners[block]
+        del self._held[replica]
+
+    def held(self, replica: str) -> int:
+        """How many indexed blocks `replica` holds: its share of the prefixes in play."""
+        return self._held[replica]
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -103,9 +113,12 @@ class PrefixAffinityRouter(RequestRouter):
             return [[by_id[h] for h in holders]]
         if holders:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-        # A new prefix: the least loaded replica takes it, recorded now so that the requests sharing it that
-        # are routed before this one lands follow it there instead of spreading.
-        chosen = random.choice([r for r in candidate_replicas if self._load(r) == least])
+        # A new prefix: of the replicas not overloaded, the one holding the fewest prefixes takes it, so that the
+        # groups spread evenly over the caches; recorded now, so that the requests sharing it that are routed
+        # before this one lands follow it there instead of spreading.
+        fit = [r for r in candidate_replicas if self._load(r) - least <= self._imbalanced_threshold]
+        fewest = min(self._index.held(r.replica_id.unique_id) for r in fit)
+        chosen = random.choice([r for r in fit if self._index.held(r.replica_id.unique_id) == fewest])
         if hashes:
             self._index.record(hashes, chosen.replica_id.unique_id)
         return [[chosen]]

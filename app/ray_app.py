@@ -14,16 +14,13 @@ requests in flight finish; a second exits at once.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-from types import FrameType
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from sluice.app.ingress import SluiceIngress
+from sluice.app.ray_cluster import connect, stop_on_signal
 from sluice.app.prefix_router import PrefixAffinityRouter, RoundRobinRouter
 from sluice.app.replicas import ReplicaConfig, SluiceReplica
 from sluice.app.scale_out import ScaleOutConfig
@@ -66,35 +63,21 @@ def build_application(replica: ReplicaConfig, scale: ScaleOutConfig, gpus: bool)
 def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:
     """Starts (or joins) Ray, runs the application until a signal, then deletes it; the exit status."""
     local = scale.ray_address is None
-    if local:
-        # Every replica asks for one CPU; a CPU-only machine runs them all on the same cores anyway.
-        cpus = max(os.cpu_count() or 1, scale.max_replicas or scale.replicas)
-        ray.init(num_cpus=cpus, include_dashboard=False)
-    else:
-        ray.init(address=scale.ray_address)
-    stop = threading.Event()
-
-    def on_signal(sig: int, frame: FrameType | None) -> None:
-        if stop.is_set():
-            os._exit(1)
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    connect(scale.ray_address, scale.max_replicas or scale.replicas)
     try:
-        serve.start(http_options={"host": scale.host, "port": scale.port})
-        gpus = ray.cluster_resources().get("GPU", 0) > 0
-        serve.run(build_application(replica, scale, gpus), name=APP_NAME, route_prefix="/")
-        print(f"Sluice is ready: http://{scale.host}:{scale.port}/v1 on {scale.replicas} replicas "
-              f"({scale.routing} routing)", flush=True)
-        while not stop.wait(0.5):
-            pass
-        print("Stopping: replicas finish their requests in flight", flush=True)
-        serve.delete(APP_NAME)
-        if local:
-            serve.shutdown()
+        with stop_on_signal() as stop:
+            serve.start(http_options={"host": scale.host, "port": scale.port})
+            gpus = ray.cluster_resources().get("GPU", 0) > 0
+            serve.run(build_application(replica, scale, gpus), name=APP_NAME, route_prefix="/")
+            print(f"Sluice is ready: http://{scale.host}:{scale.port}/v1 on {scale.replicas} replicas "
+                  f"({scale.routing} routing)", flush=True)
+            while not stop.wait(0.5):
+                pass
+            print("Stopping: replicas finish their requests in flight", flush=True)
+            serve.delete(APP_NAME)
+            if local:
+                serve.shutdown()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if local:
             ray.shutdown()
     return 0

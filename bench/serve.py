@@ -27,7 +27,9 @@ import httpx
 import numpy as np
 
 from sluice.bench.dataset import DEFAULT_OUTPUT, DEFAULT_PROMPT, BenchRequest, LengthDistribution, SyntheticSpec, load_jsonl, synthetic
+from sluice.bench import prefix_cache
 from sluice.bench.metrics import RequestRecord, Slo, Summary, summarize
+from sluice.bench.prefix_workload import PrefixGroupsSpec, shared_prefix
 from sluice.bench.roofline import DTYPES, Peaks, Roofline, ServedModel, peaks_from, workload_roofline
 
 
@@ -232,18 +234,22 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len-max", type=int, default=DEFAULT_PROMPT.max)
     parser.add_argument("--output-len-mean", type=float, default=DEFAULT_OUTPUT.mean)
     parser.add_argument("--output-len-max", type=int, default=DEFAULT_OUTPUT.max)
+    parser.add_argument("--prefix-groups", type=int, default=None,
+                        help="shared-prefix workload: this many system prompts of --prefix-len tokens, each request "
+                             "one of them (at random) followed by a synthetic prompt of its own")
+    parser.add_argument("--prefix-len", type=int, default=1024, help="tokens of each shared prefix")
 
 
 def load_dataset(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
     """The workload and a one-line description of it."""
     if args.dataset != "synthetic":
         return load_jsonl(Path(args.dataset), args.num_requests), f"{args.dataset} (first {args.num_requests})"
-    spec = SyntheticSpec(
-        num_requests=args.num_requests,
-        seed=args.seed,
-        prompt=LengthDistribution(args.prompt_len_mean, DEFAULT_PROMPT.sigma, DEFAULT_PROMPT.min, args.prompt_len_max),
-        output=LengthDistribution(args.output_len_mean, DEFAULT_OUTPUT.sigma, DEFAULT_OUTPUT.min, args.output_len_max),
-    )
+    prompt = LengthDistribution(args.prompt_len_mean, DEFAULT_PROMPT.sigma, DEFAULT_PROMPT.min, args.prompt_len_max)
+    output = LengthDistribution(args.output_len_mean, DEFAULT_OUTPUT.sigma, DEFAULT_OUTPUT.min, args.output_len_max)
+    if args.prefix_groups is not None:
+        groups = PrefixGroupsSpec(args.prefix_groups, args.prefix_len, args.num_requests, prompt, output, args.seed)
+        return shared_prefix(groups), groups.describe()
+    spec = SyntheticSpec(num_requests=args.num_requests, seed=args.seed, prompt=prompt, output=output)
     return synthetic(spec), spec.describe()
 
 
@@ -281,10 +287,14 @@ def run(args: argparse.Namespace) -> int:
     served = ServedModel.of(args.roofline_model, args.dtype, args.quantization, args.kv_cache_dtype)
     peaks = peaks_from(args.peaks, served.arithmetic)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    url = args.url.rstrip("/")
+    cache_before = prefix_cache.read(url)
     result = benchmark(requests, load_config(args, args.request_rate), slo, peaks, served)
+    cache = prefix_cache.difference(prefix_cache.read(url), cache_before)
     print(f"dataset: {dataset}\npeaks: {peaks.bandwidth_gbs:.1f} GB/s, {peaks.matmul_gflops:.0f} GFLOP/s ({peaks.device})")
     print(report(result, command))
-    data = result_json(result, command, dataset)
+    print("\n".join(f"{name}  {value}" for name, value in prefix_cache.report_rows(cache)))
+    data = result_json(result, command, dataset) | {"prefix_cache": {r: asdict(c) for r, c in cache.items()}}
     args.result_json.parent.mkdir(parents=True, exist_ok=True)
     args.result_json.write_text(json.dumps(data, indent=2) + "\n")
     print(f"result: {args.result_json}")

@@ -52,3 +52,14 @@ def test_the_least_recently_used_blocks_go_first_past_capacity():
     index.record(index.hashes("eeeeffff"), "r")
     assert index.match(index.hashes("aaaabbbb"), ["r"])[1] == 2
     assert index.match(index.hashes("ccccdddd"), ["r"])[1] == 0
+
+
+def test_each_replica_counts_the_blocks_it_holds():
+    index = PrefixIndex(block_chars=64, capacity_blocks=12)
+    index.record(index.hashes(SYSTEM), "a")  # 9 blocks
+    index.record(index.hashes(SYSTEM[:128]), "b")  # 2 of them
+    assert (index.held("a"), index.held("b")) == (9, 2)
+    index.record(index.hashes("z" * 320), "b")  # 5 more: 14 blocks, 2 least recently used out (a's)
+    assert (index.held("a"), index.held("b")) == (7, 7)
+    index.forget("b")
+    assert (index.held("a"), index.held("b")) == (7, 0)

@@ -1,0 +1,124 @@
+"""`sluice bench routing`: prefix-aware routing against round-robin, one shared-prefix workload, in one run.
+
+For each routing policy in turn it starts `sluice serve --replicas N --routing POLICY` (a fresh local Ray
+cluster, so every policy starts with cold caches), sends the same shared-prefix workload (`--prefix-groups`,
+`bench/prefix_workload.py`) through the ingress, reads each replica's prefix-cache counters, and stops the
+server; then prints one table: the cached-token share (prompt tokens served from a prefix cache over all prompt
+tokens), each replica's hit rate, TTFT and throughput per policy, and the first policy's ratios to the others.
+A prefix cache too small to hold every group on every replica is where routing matters: round-robin makes each
+replica cycle through all the groups, affinity gives each only its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sluice.bench import prefix_cache
+from sluice.bench.compare import ROOT, free_port, wait_ready
+from sluice.bench.metrics import Summary, summarize
+from sluice.bench.prefix_cache import CacheCounters
+from sluice.bench.serve import LoadConfig, add_dataset_arguments, command_line, load_dataset, run_load
+
+# Sized for a 2-core CPU: 8 groups of 1,024 tokens do not all fit in one replica's 225 MiB KV pool (5,120
+# float32 tokens of SmolLM2-135M: 320 pages of 16), half of them do, with the pages of the requests running.
+DEFAULT_SERVER_ARGS = ("--no-ui --max-num-seqs 16 --max-num-batched-tokens 512 --max-model-len 2048 "
+                       "--kv-cache-memory 225MiB")
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    routing: str
+    summary: Summary
+    cache: dict[str, CacheCounters]
+
+    @property
+    def cached_share(self) -> float:
+        return prefix_cache.total(self.cache).hit_rate
+
+
+def run_policy(routing: str, args: argparse.Namespace, requests: list) -> PolicyResult:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "sluice.app.cli", "serve", "--replicas", str(args.replicas), "--routing", routing,
+               "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.server_args)]
+    log = Path(tempfile.mkstemp(prefix=f"sluice-routing-{routing}-", suffix=".log")[1])
+    print(f"{routing}: {shlex.join(command)} (log {log})", flush=True)
+    with log.open("wb") as sink:
+        server = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(url, server, args.startup_timeout)
+        before = prefix_cache.read(url)
+        load = LoadConfig(url, "completions", None, float("inf"), args.max_concurrency, args.seed)
+        records, duration = asyncio.run(run_load(requests, load))
+        cache = prefix_cache.difference(prefix_cache.read(url), before)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    return PolicyResult(routing, summarize(records, duration), cache)
+
+
+def report(results: list[PolicyResult], dataset: str, command: str) -> str:
+    header = ("routing", "cached share", "hit rate per replica", "TTFT p50 ms", "TTFT p90 ms", "E2E p50 ms",
+              "output tok/s", "failed")
+    rows = [header] + [(
+        r.routing, f"{r.cached_share:.1%}", " ".join(f"{c.hit_rate:.0%}" for c in r.cache.values()),
+        f"{r.summary.ttft_ms.median:.0f}", f"{r.summary.ttft_ms.p90:.0f}", f"{r.summary.e2e_ms.median:.0f}",
+        f"{r.summary.output_throughput:.1f}", str(r.summary.failed),
+    ) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [f"dataset: {dataset}"] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    first = results[0]
+    for other in results[1:]:
+        share = first.cached_share / other.cached_share if other.cached_share else float("inf")
+        lines.append(f"{first.routing} vs {other.routing}: {share:.2f}x the cached-token share, TTFT p50 "
+                     f"{first.summary.ttft_ms.median:.0f} vs {other.summary.ttft_ms.median:.0f} ms")
+    lines.append(f"command: {command}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dataset_arguments(parser)
+    parser.set_defaults(prefix_groups=8, num_requests=96, prompt_len_mean=32, prompt_len_max=64,
+                        output_len_mean=16, output_len_max=32)
+    parser.add_argument("--routings", default="prefix,round-robin", help="policies to compare, the first against the others")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--max-concurrency", type=int, default=16, help="most requests in flight")
+    parser.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="more `sluice serve` flags, one string")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--result-json", type=Path, default=Path("bench/out/routing.json"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sluice bench routing", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    command = command_line()
+    requests, dataset = load_dataset(args)
+    results = [run_policy(routing, args, requests) for routing in args.routings.split(",")]
+    print(report(results, dataset, command))
+    args.result_json.parent.mkdir(parents=True, exist_ok=True)
+    args.result_json.write_text(json.dumps({
+        "command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"), "dataset": dataset,
+        "results": [{"routing": r.routing, "cached_share": r.cached_share, "summary": asdict(r.summary),
+                     "prefix_cache": {k: asdict(c) for k, c in r.cache.items()}} for r in results],
+    }, indent=2) + "\n")
+    print(f"result: {args.result_json}")
+    return 0 if all(r.summary.failed == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
