@@ -19,7 +19,14 @@ from sluice.app.errors import APIError, invalid_request
 from sluice.app.generation import respond, start_generation
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses import token_logprobs
-from sluice.app.responses_api_convert import ITEMS, Items, chat_request, output_items, stored_items
+from sluice.app.responses_api_convert import (
+    ITEMS,
+    Items,
+    chat_request,
+    in_responses_terms,
+    output_items,
+    stored_items,
+)
 from sluice.app.responses_api_schemas import (
     DeletedResponse,
     InputItemList,
@@ -42,7 +49,10 @@ async def create_response(request: Request) -> Response:
     items = earlier_items(state, body.previous_response_id) + body.input
     chat = chat_request(body, items)
     response_id = f"resp_{uuid.uuid4().hex}"
-    plan = await plan_chat(state, engine, chat)
+    try:
+        plan = await plan_chat(state, engine, chat)
+    except APIError as error:
+        raise in_responses_terms(error) from None
     generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival)
     response = ResponseObject(
         id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,

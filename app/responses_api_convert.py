@@ -107,10 +107,24 @@ def stored_items(items: Items) -> Items:
     return stored
 
 
+def in_responses_terms(error: APIError) -> APIError:
+    """A chat request's error (raised while planning it) naming the field as the Responses request has it."""
+    if error.param is None:
+        return error
+    param = _responses_param(error.param.split("."))
+    message = param + error.message[len(error.param):] if error.message.startswith(error.param) else error.message
+    return APIError(error.status, message, type=error.type, param=param, code=error.code, headers=error.headers)
+
+
+def _responses_param(loc: list[str]) -> str:
+    """A chat field's path under the Responses API's names (its function tools are flat: no `function` level)."""
+    loc = [_RESPONSES_NAME.get(loc[0], loc[0]), *loc[1:]]
+    if loc[0] == "tools" and loc[2:3] == ["function"]:
+        del loc[2]
+    return ".".join(loc)
+
+
 def _renamed(error: ValidationError) -> APIError:
     first = error.errors()[0]
-    loc = [str(part) for part in first["loc"]]
-    if loc:
-        loc[0] = _RESPONSES_NAME.get(loc[0], loc[0])
-    param = ".".join(loc) or None
+    param = _responses_param([str(part) for part in first["loc"]]) if first["loc"] else None
     return invalid_request(f"{param}: {first['msg']}" if param else first["msg"], param)

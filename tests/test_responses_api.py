@@ -264,7 +264,7 @@ def test_input_items_list_the_conversation_before_the_output_newest_first_in_pag
 @pytest.mark.parametrize(("fields", "param"), [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tools": [{**WEATHER, "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}],
-      "tool_choice": "required"}, "tools.0.function.parameters"),
+      "tool_choice": "required"}, "tools.0.parameters"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, None),
     ({"input": [{"role": "oracle", "content": "x"}]}, "input.0.message.role"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
