@@ -25,7 +25,7 @@ class ScaleOutConfig:
     port: int = 8000
     ray_address: str | None = None
     routing: str = "prefix"
-    imbalanced_threshold: int = 16
+    imbalanced_threshold: int = 8
     max_ongoing_requests: int = 128
     min_replicas: int | None = None
     max_replicas: int | None = None

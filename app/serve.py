@@ -135,9 +135,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "(with --peak-bandwidth-gbs; default: measured at start-up)", type=float)
     _option(parser, "--peak-bandwidth-gbs", None, "one device's peak memory bandwidth for the dashboard's roofline",
             type=float)
+    _option(parser, "--hosts", None, "run one engine over this many processes, one per host, as Ray actors (its "
+            "--tp split evenly over them; needs `pip install 'sluice[ray]'`)", type=int)
     _option(parser, "--replicas", None, "serve with this many engine replicas behind one ingress, as a Ray Serve "
             "application (needs `pip install 'sluice[ray]'`)", type=int)
-    _option(parser, "--ray-address", None, "with --replicas: join this Ray cluster (default: start a local one)")
+    _option(parser, "--ray-address", None, "with --replicas or --hosts: join this Ray cluster (default: start a local one)")
     _option(parser, "--routing", _SCALE_DEFAULTS.routing,
             "with --replicas: how the ingress picks a replica: prefix (the one that was sent the longest prefix of "
             "the prompt, unless overloaded), round-robin, or pow2 (the less loaded of two random ones)",
@@ -205,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     if args.replicas is not None:
         return _serve_replicas(engine_config, settings, args)
+    if args.hosts is not None:
+        return _serve_on_hosts(args)
     try:
         initialize_distributed(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
     except ValueError as error:
@@ -217,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args: argparse.Namespace) -> int:
     """`--replicas N`: the Ray Serve application (`app/ray_app.py`), if Ray is installed."""
-    if args.num_processes > 1:
-        print("sluice serve: error: --replicas and --num-processes do not combine", file=sys.stderr)
+    if args.num_processes > 1 or args.hosts is not None:
+        print("sluice serve: error: --replicas takes neither --num-processes nor --hosts", file=sys.stderr)
         return 2
     try:
         scale = ScaleOutConfig(
@@ -243,12 +247,33 @@ def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args:
         from sluice.app.ray_app import serve_replicas
         from sluice.app.replicas import ReplicaConfig
     except ModuleNotFoundError as error:
-        if error.name is None or error.name.split(".")[0] != "ray":
-            raise
-        print("sluice serve: error: --replicas needs Ray Serve: pip install 'sluice[ray]' "
-              "(in a checkout: pip install -e '.[ray]')", file=sys.stderr)
-        return 2
+        return _ray_missing(error, "--replicas")
     return serve_replicas(ReplicaConfig(engine_config, settings, declared_peaks(args)), scale)
+
+
+def _serve_on_hosts(args: argparse.Namespace) -> int:
+    """`--hosts H`: this command as H processes of one multi-process job, started by Ray (`app/ray_hosts.py`)."""
+    if args.hosts < 1 or args.tp % args.hosts:
+        print(f"sluice serve: error: --hosts must be at least 1 and divide --tp ({args.tp}), got {args.hosts}",
+              file=sys.stderr)
+        return 2
+    if args.num_processes > 1:
+        print("sluice serve: error: --hosts starts the processes itself: leave out --num-processes", file=sys.stderr)
+        return 2
+    try:
+        from sluice.app.ray_hosts import serve_on_hosts
+    except ModuleNotFoundError as error:
+        return _ray_missing(error, "--hosts")
+    return serve_on_hosts(args, args.hosts, args.tp // args.hosts)
+
+
+def _ray_missing(error: ModuleNotFoundError, flag: str) -> int:
+    """Says how to install Ray when Ray is what is missing; any other missing module is a bug, raised."""
+    if error.name is None or error.name.split(".")[0] != "ray":
+        raise error
+    print(f"sluice serve: error: {flag} needs Ray Serve: pip install 'sluice[ray]' "
+          "(in a checkout: pip install -e '.[ray]')", file=sys.stderr)
+    return 2
 
 
 def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:

@@ -1,0 +1,31 @@
+"""`sluice serve --hosts 2`: Ray starts the two processes of a multi-process job (two actors in a placement group,
+2 simulated CPU devices each), which serve one tensor-parallel model as `--coordinator-address` does by hand."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")
+
+from test_api_e2e import start_server
+from test_multihost import LIMITS, PROMPT, reference, tiny_model  # noqa: F401 (a fixture)
+
+
+def test_two_ray_actors_serve_one_model_like_a_single_process(tiny_model):  # noqa: F811
+    server = start_server("--model", str(tiny_model), "--tp", "4", "--hosts", "2", "--no-ui", *LIMITS,
+                          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, startup_timeout_s=600)
+    try:
+        reply = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+        })
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+    finally:
+        assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
+    assert "running process 0's steps" in server.output()
+
+    text, logprobs = reference(tiny_model)
+    assert choice["text"] == text
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=1e-4)
