@@ -95,7 +95,7 @@ def _routing_key(pending_request: PendingRequest | None) -> str | None:
 class PrefixAffinityRouter(RequestRouter):
     """Prefix affinity with a load guard (module docstring). Set with Ray Serve's `request_router_config`."""
 
-    def initialize_state(self, imbalanced_threshold: int = 8, block_chars: int = 64,
+    def initialize_state(self, imbalanced_threshold: int = 64, block_chars: int = 64,
                          capacity_blocks: int = 200_000) -> None:
         self._imbalanced_threshold = imbalanced_threshold
         self._index = PrefixIndex(block_chars, capacity_blocks)

@@ -25,7 +25,7 @@ class ScaleOutConfig:
     port: int = 8000
     ray_address: str | None = None
     routing: str = "prefix"
-    imbalanced_threshold: int = 8
+    imbalanced_threshold: int = 64
     max_ongoing_requests: int = 128
     min_replicas: int | None = None
     max_replicas: int | None = None
@@ -44,8 +44,9 @@ class ScaleOutConfig:
         if self.max_replicas is not None and not (self.lowest <= self.replicas <= self.max_replicas):
             raise ValueError(f"need --min-replicas <= --replicas <= --max-replicas, got "
                              f"{self.lowest} <= {self.replicas} <= {self.max_replicas}")
-        if self.max_ongoing_requests < 1 or self.target_ongoing_requests <= 0:
-            raise ValueError("--max-ongoing-requests and --target-ongoing-requests must be positive")
+        if self.max_ongoing_requests < 1 or self.target_ongoing_requests <= 0 or self.imbalanced_threshold < 1:
+            raise ValueError("--max-ongoing-requests, --target-ongoing-requests and --imbalanced-threshold must be "
+                             "positive")
 
     @property
     def lowest(self) -> int:

@@ -144,9 +144,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "with --replicas: how the ingress picks a replica: prefix (the one that was sent the longest prefix of "
             "the prompt, unless overloaded), round-robin, or pow2 (the less loaded of two random ones)",
             choices=list(ROUTINGS))
-    _option(parser, "--imbalanced-threshold", _SCALE_DEFAULTS.imbalanced_threshold,
+    _option(parser, "--imbalanced-threshold", None,
             "with --routing prefix: ongoing requests beyond the least loaded replica's that make a prefix's "
-            "replica overloaded (its request then goes to the less loaded of two random replicas)", type=int)
+            "replica overloaded (its request then goes to the less loaded of two random replicas; default: "
+            "--max-num-seqs, a batch)", type=int)
     _option(parser, "--max-ongoing-requests", None,
             "with --replicas: most requests a replica is sent at once; more wait at the ingress "
             "(default: twice --max-num-seqs)", type=int)
@@ -231,7 +232,7 @@ def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args:
             port=args.port,
             ray_address=args.ray_address,
             routing=args.routing,
-            imbalanced_threshold=args.imbalanced_threshold,
+            imbalanced_threshold=args.imbalanced_threshold or engine_config.max_num_seqs,
             max_ongoing_requests=args.max_ongoing_requests or 2 * engine_config.max_num_seqs,
             min_replicas=args.min_replicas,
             max_replicas=args.max_replicas,

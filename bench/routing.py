@@ -20,9 +20,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
+
+from sluice.app.ingress import REPLICA_HEADER
 from sluice.bench import prefix_cache
 from sluice.bench.compare import ROOT, free_port, wait_ready
 from sluice.bench.metrics import Summary, summarize
@@ -46,6 +50,20 @@ class PolicyResult:
         return prefix_cache.total(self.cache).hit_rate
 
 
+def wait_for_replicas(url: str, replicas: int, timeout_s: float) -> None:
+    """Until `replicas` replicas have answered: /health is 200 once one replica serves, and a policy measured
+    while the ingress knows only some of them would place every prefix there."""
+    deadline = time.monotonic() + timeout_s
+    seen: set[str] = set()
+    while len(seen) < replicas:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only replicas {sorted(seen)} answered in {timeout_s:.0f} s")
+        response = httpx.get(url + "/health", timeout=30)
+        if response.status_code == 200:
+            seen.add(response.headers[REPLICA_HEADER])
+        time.sleep(0.1)
+
+
 def run_policy(routing: str, args: argparse.Namespace, requests: list) -> PolicyResult:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -57,6 +75,7 @@ def run_policy(routing: str, args: argparse.Namespace, requests: list) -> Policy
         server = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, server, args.startup_timeout)
+        wait_for_replicas(url, args.replicas, args.startup_timeout)
         before = prefix_cache.read(url)
         load = LoadConfig(url, "completions", None, float("inf"), args.max_concurrency, args.seed)
         records, duration = asyncio.run(run_load(requests, load))

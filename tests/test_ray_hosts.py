@@ -9,6 +9,9 @@ import pytest
 
 pytest.importorskip("ray")
 
+# Ray's start-up on top of what tests/test_multihost.py checks by hand: about 100 s on 2 cores.
+pytestmark = pytest.mark.long
+
 from test_api_e2e import start_server
 from test_multihost import LIMITS, PROMPT, reference, tiny_model  # noqa: F401 (a fixture)
 
