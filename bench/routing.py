@@ -47,7 +47,14 @@ class PolicyResult:
 
     @property
     def cached_share(self) -> float:
+        """Prompt tokens served from a prefix cache over those looked up (vLLM's hits / queries), where a
+        preempted request's prompt is looked up again."""
         return prefix_cache.total(self.cache).hit_rate
+
+    @property
+    def hits_per_prompt_token(self) -> float:
+        """Prompt tokens served from a prefix cache over the prompt tokens sent."""
+        return prefix_cache.total(self.cache).hit_tokens / max(self.summary.prompt_tokens, 1)
 
 
 def wait_for_replicas(url: str, replicas: int, timeout_s: float) -> None:
@@ -91,22 +98,27 @@ def run_policy(routing: str, args: argparse.Namespace, requests: list) -> Policy
 
 
 def report(results: list[PolicyResult], dataset: str, command: str) -> str:
-    header = ("routing", "cached share", "hit rate per replica", "TTFT p50 ms", "TTFT p90 ms", "E2E p50 ms",
-              "output tok/s", "failed")
+    header = ("routing", "cached share", "hits / prompt tokens", "hit rate per replica", "TTFT p50 ms", "TTFT p90 ms",
+              "E2E p50 ms", "output tok/s", "failed")
     rows = [header] + [(
-        r.routing, f"{r.cached_share:.1%}", " ".join(f"{c.hit_rate:.0%}" for c in r.cache.values()),
-        f"{r.summary.ttft_ms.median:.0f}", f"{r.summary.ttft_ms.p90:.0f}", f"{r.summary.e2e_ms.median:.0f}",
+        r.routing, f"{r.cached_share:.1%}", f"{r.hits_per_prompt_token:.1%}",
+        " ".join(f"{c.hit_rate:.0%}" for c in r.cache.values()), f"{r.summary.ttft_ms.median:.0f}", f"{r.summary.ttft_ms.p90:.0f}", f"{r.summary.e2e_ms.median:.0f}",
         f"{r.summary.output_throughput:.1f}", str(r.summary.failed),
     ) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [f"dataset: {dataset}"] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     first = results[0]
     for other in results[1:]:
-        share = first.cached_share / other.cached_share if other.cached_share else float("inf")
-        lines.append(f"{first.routing} vs {other.routing}: {share:.2f}x the cached-token share, TTFT p50 "
-                     f"{first.summary.ttft_ms.median:.0f} vs {other.summary.ttft_ms.median:.0f} ms")
+        lines.append(
+            f"{first.routing} vs {other.routing}: {_ratio(first.cached_share, other.cached_share):.2f}x the cached-token "
+            f"share ({_ratio(first.hits_per_prompt_token, other.hits_per_prompt_token):.2f}x the hits per prompt token), "
+            f"TTFT p50 {first.summary.ttft_ms.median:.0f} vs {other.summary.ttft_ms.median:.0f} ms")
     lines.append(f"command: {command}")
     return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("inf")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     args.result_json.parent.mkdir(parents=True, exist_ok=True)
     args.result_json.write_text(json.dumps({
         "command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"), "dataset": dataset,
-        "results": [{"routing": r.routing, "cached_share": r.cached_share, "summary": asdict(r.summary),
+        "results": [{"routing": r.routing, "cached_share": r.cached_share,
+                     "hits_per_prompt_token": r.hits_per_prompt_token, "summary": asdict(r.summary),
                      "prefix_cache": {k: asdict(c) for k, c in r.cache.items()}} for r in results],
     }, indent=2) + "\n")
     print(f"result: {args.result_json}")
