@@ -116,7 +116,8 @@ class BlockManager:
             self.hit_tokens += seq.num_computed_tokens
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.pages_needed(num_tokens) - len(seq.page_table) <= self.num_free_pages
+        needed = self.pages_needed(num_tokens) - len(seq.page_table)
+        return needed <= 0 or needed <= self.num_free_pages
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Adds pages so `seq.page_table` has slots for its first `num_tokens` tokens."""
@@ -133,8 +134,8 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Registers the pages `seq` has completely computed, and whose tokens are known, in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or (len(seq.page_hashes) + 1) * self.page_size > seq.num_computed_tokens:
+            return  # no page newly full (most steps)
         while (len(seq.page_hashes) + 1) * self.page_size <= min(seq.num_computed_tokens, seq.num_known_tokens):
             i = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if seq.page_hashes else _ROOT_HASH

@@ -158,7 +158,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
-        self._unemitted: list[_SampledRun] = []
+        self._unemitted: dict[Sequence, list[_SampledRun]] = {}  # insertion order: the order they were appended
         self._in_flight: _Launched | None = None
         self._last_step: StepStats | None = None
         self._deliveries: Deliveries = []
@@ -372,7 +372,10 @@ class Engine:
         for chunk, output, index in zip(launched.chunks, result.seqs, launched.first_indices):
             seq = chunk.seq
             if output is not None and not seq.finished:
-                self._isolated(seq.request_id, self._append_output, seq, output, index, result.sampled)
+                try:
+                    self._append_output(seq, output, index, result.sampled)
+                except Exception as error:  # noqa: BLE001 - one request's failure is its own
+                    self._fail_request(seq.request_id, error)
                 if self.speculator is not None:
                     self._count_drafts(seq, output)
             if seq.status is SequenceStatus.RUNNING:
@@ -397,8 +400,7 @@ class Engine:
             arrival = next(self._arrivals)
             now = time.perf_counter()
             for seq in request.seqs:
-                seq.arrival = arrival
-                seq.queued_at = now
+                seq.arrive(arrival, now)
                 self.scheduler.add(seq)
         elif isinstance(command, _Abort):
             request = self._requests.get(command.request_id)
@@ -501,26 +503,26 @@ class Engine:
             seq.finish_reason = finish
             seq.truncate(index + count)
             self.scheduler.finish(seq)
-        self._unemitted.append(_SampledRun(seq, index, kept, logprobs[:count], finish))
+        self._unemitted.setdefault(seq, []).append(_SampledRun(seq, index, kept, logprobs[:count], finish))
 
     def _emit_text(self) -> None:
         """Detokenizes the tokens appended since the last call and checks stop strings: one increment per
         sequence with all its new tokens. A stop string ends its sequence (its tokens after that one, on the host
         or still on the device, are dropped)."""
-        by_seq: dict[Sequence, list[_SampledRun]] = {}
-        for run in self._unemitted:
-            by_seq.setdefault(run.seq, []).append(run)
-        self._unemitted.clear()
-        for seq, runs in by_seq.items():
+        unemitted, self._unemitted = self._unemitted, {}
+        for seq, runs in unemitted.items():
             request = self._requests.get(seq.request_id)
             if request is not None and seq.choice not in request.finished_choices:
-                self._isolated(request.request_id, self._emit, request, seq, runs)
+                try:
+                    self._emit(request, seq, runs)
+                except Exception as error:  # noqa: BLE001
+                    self._fail_request(request.request_id, error)
 
     def _emit(self, request: Request, seq: Sequence, runs: list[_SampledRun]) -> None:
-        text, ids, logprobs, finish_reason = [], [], [], None
+        text, ids, logprobs, finish_reason = "", [], [], None
         for run in runs:
             shown, count, finish_reason = seq.stop.emit_run(run.tokens, run.finish)
-            text.append(shown)
+            text += shown
             ids += run.tokens[:count]
             logprobs += run.logprobs[:count]
             if finish_reason is not None:
@@ -533,13 +535,13 @@ class Engine:
                     seq.finish_reason = finish_reason
                     self.scheduler.finish(seq)
                 break
-        self._send(request, Increment(seq.choice, "".join(text), tuple(ids), tuple(logprobs), finish_reason))
+        self._send(request, Increment(seq.choice, text, tuple(ids), tuple(logprobs), finish_reason))
 
     def _send(self, request: Request, increment: Increment) -> None:
-        if increment.finished:
+        if increment.finish_reason is not None:
             request.finished_choices.add(increment.choice)
             if request.finished:
-                increment = replace(increment, usage=request.usage())
+                increment = increment._replace(usage=request.usage())
                 del self._requests[request.request_id]
         self._deliveries.append((request.sink, increment))
 
@@ -550,15 +552,12 @@ class Engine:
 
     # --- failures -----------------------------------------------------------------------------------
 
-    def _isolated(self, request_id: str, work: Callable[..., None], *args) -> None:
-        """Runs one request's host work; if it raises, that request alone ends with the error."""
-        try:
-            work(*args)
-        except Exception as error:  # noqa: BLE001
-            logger.exception("request %s failed", request_id)
-            request = self._requests.get(request_id)
-            if request is not None:
-                self._finish(request, "error", _describe(error))
+    def _fail_request(self, request_id: str, error: Exception) -> None:
+        """One request's host work raised: that request alone ends with the error."""
+        logger.exception("request %s failed", request_id, exc_info=error)
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._finish(request, "error", _describe(error))
 
     def _fail_step(self, chunks: list[ScheduledChunk], error: Exception) -> None:
         logger.error("step failed: %s", _describe(error))

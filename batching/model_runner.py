@@ -27,6 +27,7 @@ every row has ended are skipped.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import astuple, dataclass, replace
 from functools import partial
@@ -131,6 +132,30 @@ class StepInputs:
         """With the tokens the previous step sampled ([R] int32, `last_tokens`) in place of the placeholders."""
         fed = last_tokens[jnp.maximum(self.feed, 0)]
         return replace(self, token_ids=jnp.where(self.feed >= 0, fed, self.token_ids))
+
+
+Packing = tuple[jax.tree_util.PyTreeDef, tuple[tuple[int, ...], ...]]  # a packed pytree's structure and shapes
+
+
+def pack(tree) -> tuple[np.ndarray, Packing]:
+    """A pytree of int32 numpy arrays as one flat buffer: a step's inputs cross to the device in one copy instead of
+    one per array (each costs about 11 us of jit dispatch on a CPU). The packing is static (a compiled step's key)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return np.concatenate([x.ravel() for x in leaves]), (treedef, tuple(x.shape for x in leaves))
+
+
+def unpack(flat: jax.Array, packing: Packing):
+    treedef, shapes = packing
+    parts = jnp.split(flat, np.cumsum([int(np.prod(shape)) for shape in shapes])[:-1])
+    return jax.tree.unflatten(treedef, [part.reshape(shape) for part, shape in zip(parts, shapes)])
+
+
+def _packed(step: Callable, packing: Packing, state: nnx.State, kv_cache: KVCache, fed_from: jax.Array,
+            slots: SlotRows, flat: jax.Array, history: jax.Array):
+    """`step` (`_forward`, `_decode_steps`, `_verify_steps`) on its `StepInputs` and `SampledRows` sent packed
+    (`pack`), the token histories apart (they stay on the device)."""
+    inputs, sampled = unpack(flat, packing)
+    return step(state, kv_cache, fed_from, slots, inputs, replace(sampled, history=history))
 
 
 def last_tokens(tokens: jax.Array, num_rows: int) -> jax.Array:
@@ -311,13 +336,10 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
     return (outs, last_tokens(last, num_rows)), layered_pool(kv_cache, model.config.num_layers)
 
 
-def first_rows(chunks: list[ScheduledChunk]) -> list[int]:
-    """The sampler row of each chunk's first sampled position: a chunk with drafts samples 1 + num_drafts rows."""
-    rows, row = [], 0
-    for chunk in chunks:
-        rows.append(row)
-        row += 1 + chunk.num_drafts
-    return rows
+def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Items in groups of `counts[i]` items, in order: each item's group, and its index within the group."""
+    group = np.repeat(np.arange(len(counts)), counts)
+    return group, np.arange(len(group)) - (np.cumsum(counts) - counts)[group]
 
 
 class SequenceOutput(NamedTuple):
@@ -342,8 +364,10 @@ class StepOutput:
 
 def _sequence_outputs(out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
                       limits: list[int] | None) -> list[SequenceOutput | None]:
-    """Each chunk's share of a fetched step (numpy arrays)."""
+    """Each chunk's share of a fetched step (numpy arrays). A plain run's positions are listed only if its
+    sequence wants logprobs (nothing else reads them)."""
     outputs: list[SequenceOutput | None] = []
+    by_row = out.tokens.T.tolist() if isinstance(out, SamplerOutput) else None  # [rows][steps], in one call
     for i, (chunk, row) in enumerate(zip(chunks, rows)):
         if not chunk.sample:
             outputs.append(None)
@@ -362,7 +386,8 @@ def _sequence_outputs(out: SamplerOutput | VerifiedSteps, chunks: list[Scheduled
                                           [(chunk.num_drafts, accepted)]))
         else:
             steps = limits[i] if limits is not None else 1
-            outputs.append(SequenceOutput(out.tokens[:steps, row].tolist(), [(s, row) for s in range(steps)], []))
+            positions = [(s, row) for s in range(steps)] if chunk.seq.params.wants_logprobs else []
+            outputs.append(SequenceOutput(by_row[row][:steps], positions, []))
     return outputs
 
 
@@ -486,7 +511,8 @@ class ModelRunner:
                 fn = partial(_decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs)
             else:
                 fn = partial(_forward, *args, bucket.max_q_len)
-            self._steps[key] = jax.jit(fn, donate_argnums=(1,), out_shardings=out_shardings)
+            self._steps[key] = jax.jit(partial(_packed, fn), static_argnums=(0,), donate_argnums=(2,),
+                                       out_shardings=out_shardings)
         return self._steps[key]
 
     def _run(self, bucket: Bucket, writes: SlotWrites | None, inputs: StepInputs, sampled: SampledRows,
@@ -499,13 +525,13 @@ class ModelRunner:
         """
         if writes is not None:
             self._write(writes)
+        flat, packing = pack((inputs, replace(sampled, history=None)))
+        result, self.kv_cache = self._step_fn(bucket)(packing, self.state, self.kv_cache, self._last_tokens,
+                                                      self._slots, self._global(flat), self._global(sampled.history))
         if bucket.num_steps > 1:
-            (out, self._last_tokens), self.kv_cache = self._step_fn(bucket)(
-                self.state, self.kv_cache, self._last_tokens, self._slots, self._global(inputs),
-                self._global(sampled))
+            out, self._last_tokens = result
             return out
-        (logits, sampling), self.kv_cache = self._step_fn(bucket)(
-            self.state, self.kv_cache, self._last_tokens, self._slots, self._global(inputs), self._global(sampled))
+        logits, sampling = result
         if fill_masks is not None:
             allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
             fill_masks(allowed)
@@ -573,7 +599,9 @@ class ModelRunner:
         bucket = self.bucket_for(chunks, num_steps, verifies)
         writes = self.input_batch.writes([c.seq for c in chunks])
         inputs, sampled = self._pad(chunks, bucket, limits, drafting)
-        rows = [i * bucket.max_q_len for i in range(len(chunks))] if verifies else first_rows(chunks)
+        # Each chunk's first sampled row: a chunk with drafts samples one row per draft position, and one more.
+        rows = ([i * bucket.max_q_len for i in range(len(chunks))] if verifies
+                else list(itertools.accumulate((1 + c.num_drafts for c in chunks[:-1]), initial=0)))
         # Where each sequence's last token is in `last_tokens`, for the next step (unknown after drafts).
         drafted = any(c.num_drafts for c in chunks)
         self._last_rows = {} if drafted else {c.seq.seq_id: i for i, c in enumerate(chunks) if c.sample}
@@ -621,7 +649,9 @@ class ModelRunner:
     def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket, limits: list[int] | None,
              drafting: list[int] | None = None) -> tuple[StepInputs, SampledRows]:
         """The step's per-token and per-row arrays (numpy), padded to `bucket`; page tables and sampling
-        parameters are the slots' (`input_batch`), whose host rows must be current for `chunks`."""
+        parameters are the slots' (`input_batch`), whose host rows must be current for `chunks`. Python gathers
+        one list per field (a comprehension each); numpy derives the rest, so a decode step of hundreds of
+        sequences costs no Python loop per sequence."""
         t, a, num_rows = bucket.num_tokens, bucket.num_attn_seqs, bucket.num_rows
         draft_state = DraftState(np.full((num_rows, self.max_model_len if bucket.verifies else 0), -1, np.int32),
                                  np.zeros(num_rows, np.int32))
@@ -630,67 +660,68 @@ class ModelRunner:
                 draft_state.history[i, :chunk.seq.num_tokens] = chunk.seq.token_ids
                 draft_state.max_drafts[i] = max_drafts
         padding_slot = self.input_batch.padding_slot
-        token_ids = np.zeros(t, np.int32)
-        feed = np.full(t, -1, np.int32)
-        positions = np.zeros(t, np.int32)
-        slot_mapping = np.full(t, -1, np.int32)
-        kv_lens = np.zeros(a, np.int32)
-        attn_slots = np.full(a, padding_slot, np.int32)
-        cu_q_lens = np.zeros(a + 1, np.int32)
-        logits_rows = np.zeros(num_rows, np.int32)
-        row_limits = np.zeros(num_rows, np.int32)
-        row_limits[:len(chunks)] = limits if limits is not None else 1
+        inputs = StepInputs(
+            token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), slot_mapping=np.full(t, -1, np.int32),
+            kv_lens=np.zeros(a, np.int32), attn_slots=np.full(a, padding_slot, np.int32),
+            cu_q_lens=np.zeros(a + 1, np.int32), logits_rows=np.zeros(num_rows, np.int32),
+            limits=np.zeros(num_rows, np.int32), num_sampled=np.array(0, np.int32), drafting=draft_state,
+            feed=np.full(t, -1, np.int32))
+        inputs.limits[:len(chunks)] = limits if limits is not None else 1
         # Token histories are built only if a row's penalties read them (else an all -1 array kept on the device).
         reads_history = any(c.seq.params.reads_history for c in chunks)
         history = np.full((num_rows, self.max_model_len), -1, np.int32) if reads_history else None
-        # Python gathers each chunk's lists; numpy builds the arrays in one pass each.
-        tokens, starts, lengths, slots = [], [], [], []
-        piece_chunks, piece_ends, piece_kv_lens = [], [], []
-        row_slots, row_steps, row_drafts = [], [], []
-        offset, q = 0, bucket.max_q_len
-        for i, chunk in enumerate(chunks):
-            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-            tokens += chunk.token_ids
-            if seq.num_pending:  # its last token is the previous step's, still on the device
-                feed[offset + n - 1] = self._last_rows[seq.seq_id]
-            starts.append(start)
-            lengths.append(n)
-            slots.append(seq.slot)
-            # Pieces of at most q queries; a piece's queries are the last of its kv_len positions, so the pieces
-            # of one chunk chain causally.
-            ends = [*range(q, n, q), n]
-            piece_chunks += [i] * len(ends)
-            piece_ends += [offset + end for end in ends]
-            piece_kv_lens += [start + end for end in ends]
-            offset += n
-            # One row per draft position (each scores the next token as if the drafts before it were accepted).
-            for j in range(chunk.num_drafts + 1):
-                logits_rows[len(row_slots)] = offset - 1 - chunk.num_drafts + j
-                if seq.params.reads_history:
-                    seen = seq.token_ids + seq.drafts[:j]
-                    history[len(row_slots), :len(seen)] = seen
-                row_slots.append(seq.slot)
-                row_steps.append(seq.num_output_tokens + j)
-                row_drafts.append(seq.drafts[j] if j < chunk.num_drafts else -1)
         sampled = SampledRows(np.full(num_rows, padding_slot, np.int32), np.zeros(num_rows, np.int32),
-                              np.full(num_rows, -1, np.int32), self._history(history, num_rows))
+                              np.full(num_rows, -1, np.int32), history)
         if chunks:
-            token_ids[:offset] = tokens
-            token_slots = np.repeat(np.asarray(slots, np.int32), lengths)
-            chunk_offsets = np.cumsum(lengths) - lengths
-            token_chunk = np.repeat(np.arange(len(chunks)), lengths)
-            positions[:offset] = np.arange(offset) - chunk_offsets[token_chunk] + np.asarray(starts)[token_chunk]
-            pages = self.input_batch.host.page_table[token_slots, positions[:offset] // self.page_size]
-            slot_mapping[:offset] = pages * self.page_size + positions[:offset] % self.page_size
-            num_pieces = len(piece_chunks)
-            attn_slots[:num_pieces] = np.asarray(slots, np.int32)[piece_chunks]
-            kv_lens[:num_pieces] = piece_kv_lens
-            cu_q_lens[1:num_pieces + 1] = piece_ends
-            cu_q_lens[num_pieces + 1:] = offset
-            num_sampled = len(row_slots)
-            sampled.slot[:num_sampled] = row_slots
-            sampled.step[:num_sampled] = row_steps
-            sampled.draft[:num_sampled] = row_drafts
-        inputs = StepInputs(token_ids, positions, slot_mapping, kv_lens, attn_slots, cu_q_lens, logits_rows,
-                            row_limits, np.array(len(row_slots), np.int32), draft_state, feed)
-        return inputs, sampled
+            self._fill_tokens(chunks, bucket.max_q_len, inputs)
+            self._fill_rows(chunks, inputs, sampled)
+        return inputs, replace(sampled, history=self._history(history, num_rows))
+
+    def _fill_tokens(self, chunks: list[ScheduledChunk], q: int, inputs: StepInputs) -> None:
+        """Per token: id (or where the device holds it), position, pool slot; per attention row: its chunk's
+        slot, kv_len and query range. A chunk's queries go in pieces of at most q; a piece's queries are the last
+        of its kv_len positions, so the pieces of one chunk chain causally."""
+        lengths = np.array([c.num_tokens for c in chunks])
+        starts = np.array([c.start for c in chunks])
+        slots = np.array([c.seq.slot for c in chunks], np.int32)
+        ends = np.cumsum(lengths)
+        num = int(ends[-1])
+        inputs.token_ids[:num] = ([c.seq.token_ids[c.start] for c in chunks] if num == len(chunks)  # decodes
+                                  else [token for c in chunks for token in c.token_ids])
+        # A sequence whose last token is the previous step's, still on the device, takes it from there.
+        fed = [(int(end) - 1, self._last_rows[c.seq.seq_id]) for c, end in zip(chunks, ends) if c.seq.num_pending]
+        if fed:
+            at, rows = zip(*fed)
+            inputs.feed[list(at)] = rows
+        token_chunk, offset = ragged(lengths)
+        positions = inputs.positions[:num] = starts[token_chunk] + offset
+        pages = self.input_batch.host.page_table[slots[token_chunk], positions // self.page_size]
+        inputs.slot_mapping[:num] = pages * self.page_size + positions % self.page_size
+        piece_chunk, piece = ragged(-(-lengths // q))
+        piece_end = np.minimum((piece + 1) * q, lengths[piece_chunk])  # within its chunk
+        inputs.attn_slots[:len(piece_chunk)] = slots[piece_chunk]
+        inputs.kv_lens[:len(piece_chunk)] = starts[piece_chunk] + piece_end
+        inputs.cu_q_lens[1:len(piece_chunk) + 1] = (ends - lengths)[piece_chunk] + piece_end
+        inputs.cu_q_lens[len(piece_chunk) + 1:] = num
+
+    @staticmethod
+    def _fill_rows(chunks: list[ScheduledChunk], inputs: StepInputs, sampled: SampledRows) -> None:
+        """Per sampled row: its logits row, slot, output step and draft. A chunk with drafts has one row per draft
+        position, each scoring the next token as if the drafts before it were accepted."""
+        num_drafts = [c.num_drafts for c in chunks]
+        num_rows = np.array(num_drafts) + 1
+        row_chunk, j = ragged(num_rows)
+        ends = np.cumsum([c.num_tokens for c in chunks])
+        n = len(row_chunk)
+        inputs.logits_rows[:n] = ends[row_chunk] - num_rows[row_chunk] + j
+        sampled.slot[:n] = np.array([c.seq.slot for c in chunks], np.int32)[row_chunk]
+        sampled.step[:n] = np.array([c.seq.num_output_tokens for c in chunks])[row_chunk] + j
+        if any(num_drafts):
+            sampled.draft[:n] = [d for c in chunks for d in (*c.seq.drafts[:c.num_drafts], -1)]
+        inputs.num_sampled[...] = n
+        if sampled.history is not None:
+            for row, (chunk, k) in enumerate(zip(row_chunk.tolist(), j.tolist())):
+                seq = chunks[chunk].seq
+                if seq.params.reads_history:
+                    seen = seq.token_ids + seq.drafts[:k]
+                    sampled.history[row, :len(seen)] = seen

@@ -67,10 +67,19 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)
     shadow_draft: int | None = None
     acceptance: float | None = None
+    schedule_key: tuple[int, int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        self.arrive(self.arrival, self.queued_at)
+
+    def arrive(self, arrival: int, now: float) -> None:
+        """Enters the engine `arrival`-th, at `now`. Its `schedule_key` (lower runs first): priority (lower value =
+        more urgent), then arrival, then choice within the request; kept, not derived, as the scheduler sorts by
+        it every step."""
+        self.arrival, self.queued_at = arrival, now
+        self.schedule_key = (self.params.priority, arrival, self.choice)
 
     @property
     def num_tokens(self) -> int:
@@ -124,8 +133,3 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def schedule_key(self) -> tuple[int, int, int]:
-        """Lower runs first: priority (lower value = more urgent), then arrival, then choice within the request."""
-        return (self.params.priority, self.arrival, self.choice)

@@ -45,20 +45,11 @@ class StopChecker:
         self.num_emitted_chars = 0
         self.num_output_tokens = 0
 
-    def token_finish(self, token_id: int, num_output_tokens: int, at_max_model_len: bool = False
-                     ) -> FinishReason | None:
-        """The finish a token forces by its id and count alone (no text needed): stop ids, max_tokens."""
-        if num_output_tokens > self.params.min_tokens and token_id in self.stop_ids:
-            return "stop"
-        if num_output_tokens >= self.params.max_tokens or at_max_model_len:
-            return "length"
-        return None
-
     def run_finish(self, tokens: list[int], num_output_before: int, context_left: int
                    ) -> tuple[int, FinishReason | None]:
         """For tokens sampled in a row after `num_output_before` output tokens, with `context_left` positions
-        left in the context: how many the sequence keeps, and the finish the last kept one forces (what
-        `token_finish` decides token by token)."""
+        left in the context: how many the sequence keeps, and the finish the last kept one forces by its id or
+        count alone (stop ids after min_tokens, max_tokens, the context's end)."""
         at_length = max(1, min(self.params.max_tokens - num_output_before, context_left))
         if not self.stop_ids.isdisjoint(tokens):
             for j in range(max(0, self.params.min_tokens - num_output_before), min(len(tokens), at_length)):
@@ -84,7 +75,7 @@ class StopChecker:
         return "".join(texts), len(tokens), None
 
     def emit(self, token_id: int, token_finish: FinishReason | None) -> StopDecision:
-        """Adds the token's text; `token_finish` is what `token_finish` said about it."""
+        """Adds the token's text; `token_finish` is the finish its id or count forces (`run_finish`'s)."""
         self.num_output_tokens += 1
         if token_finish == "stop":
             return StopDecision(self._flush(), "stop")  # a stop id's own text is not emitted

@@ -16,9 +16,18 @@ def tokenizer():
     return load_model().tokenizer
 
 
+def token_finish(checker: StopChecker, token_id: int, num_output_tokens: int, at_max_model_len: bool = False):
+    """The finish a token forces by its id and count alone, one token at a time: the reference for `run_finish`."""
+    if num_output_tokens > checker.params.min_tokens and token_id in checker.stop_ids:
+        return "stop"
+    if num_output_tokens >= checker.params.max_tokens or at_max_model_len:
+        return "length"
+    return None
+
+
 def append(checker: StopChecker, token: int) -> StopDecision:
     """`token_finish` then `emit`, for one token."""
-    return checker.emit(token, checker.token_finish(token, checker.num_output_tokens + 1))
+    return checker.emit(token, token_finish(checker, token, checker.num_output_tokens + 1))
 
 
 def feed(tokenizer, text: str, params: SamplingParams, extra: list[int] = ()):
@@ -82,7 +91,7 @@ def token_by_token(checker: StopChecker, tokens: list[int], num_output_before: i
     """(tokens kept, finish, text) as `token_finish` then `emit` decide them one token at a time."""
     text = ""
     for j, token in enumerate(tokens):
-        finish = checker.token_finish(token, num_output_before + j + 1, j + 1 >= context_left)
+        finish = token_finish(checker, token, num_output_before + j + 1, j + 1 >= context_left)
         decision = checker.emit(token, finish)
         text += decision.text
         if decision.finish_reason is not None:
