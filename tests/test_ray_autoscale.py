@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from sluice.bench.routing import wait_for_replicas
 from test_api_e2e import SERVER_FLAGS, start_server
 from test_ray_replicas import replica_pids
 
@@ -24,14 +25,14 @@ pytestmark = pytest.mark.slow
 REMOVAL = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) controller .* Removing 1 replica from "
                      r"Deployment\(name='SluiceReplica'")
 
-# Few ongoing requests want one replica (target 64 each); the autoscaler acts after 4 s of that.
+# Few ongoing requests want one replica (target 64 each); the autoscaler acts after 6 s of that.
 AUTOSCALING = ["--replicas", "2", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "64",
-               "--downscale-delay", "4", "--drain-timeout", "120"]
+               "--downscale-delay", "6", "--drain-timeout", "120"]
 
 
 async def _stream(client: httpx.AsyncClient, url: str, i: int) -> tuple[str, list[str]]:
     """A long streamed completion: the replica that served it, and its events."""
-    body = {"prompt": [300 + i, 5, 6, 7] * 4, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True,
+    body = {"prompt": [300 + i, 5, 6, 7] * 4, "max_tokens": 240, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -47,14 +48,14 @@ async def _streams(url: str, n: int) -> list[tuple[str, list[str]]]:
 def test_a_replica_scaled_down_finishes_its_streams_in_flight():
     server = start_server(*AUTOSCALING, "--no-ui", *SERVER_FLAGS, startup_timeout_s=300)
     try:
-        assert len(replica_pids()) == 2
+        wait_for_replicas(server.url, 2, timeout_s=60)
         results = asyncio.run(_streams(server.url, 8))
         streams_done = datetime.datetime.now()
         assert len({replica for replica, _ in results}) == 2  # both replicas had streams in flight
         for _, events in results:
             assert events[-1] == "[DONE]"
             assert not any("error" in json.loads(e) for e in events[:-1])
-            assert json.loads(events[-2])["usage"]["completion_tokens"] == 200
+            assert json.loads(events[-2])["usage"]["completion_tokens"] == 240
         deadline = time.monotonic() + 60
         while len(replica_pids()) > 1:
             assert time.monotonic() < deadline, "the autoscaler kept both replicas"

@@ -20,6 +20,7 @@ pytest.importorskip("ray.serve")
 
 from openai import OpenAI
 
+from sluice.bench.routing import wait_for_replicas
 from test_api_e2e import SERVER_FLAGS, start_server
 
 pytestmark = pytest.mark.slow
@@ -31,6 +32,7 @@ REPLICA_PROCESS = "ray::ServeReplica:sluice:SluiceReplica"
 def cluster():
     server = start_server("--replicas", "2", "--no-ui", *SERVER_FLAGS, "--drain-timeout", "10",
                           startup_timeout_s=300)
+    wait_for_replicas(server.url, 2, timeout_s=60)  # /health is 200 once the first one answers
     yield server
     assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
 
