@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 import socket
+from collections.abc import Callable
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -21,11 +22,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sluice.app.ray_cluster import connect, stop_on_signal
 
+# `sluice serve`'s entry point for one process, given by its caller (app/serve.py imports this module).
+ServeProcess = Callable[[argparse.Namespace], int]
+
 
 @ray.remote
 class SluiceProcess:
-    """One process of the job: `serve` runs `sluice serve` with this process's place in it (on the actor's main
-    thread, so that the leader's uvicorn takes SIGTERM as it does outside Ray)."""
+    """One process of the job: `serve` runs `sluice serve`'s entry point with this process's place in it (on the
+    actor's main thread, so that the leader's uvicorn takes SIGTERM as it does outside Ray)."""
 
     def coordinator_address(self) -> str:
         """host:port on this actor's node where `jax.distributed`'s coordinator can listen."""
@@ -37,9 +41,7 @@ class SluiceProcess:
     def pid(self) -> int:
         return os.getpid()
 
-    def serve(self, args: argparse.Namespace) -> int:
-        from sluice.app.serve import run
-
+    def serve(self, run: ServeProcess, args: argparse.Namespace) -> int:
         return run(args)
 
 
@@ -49,8 +51,8 @@ def _terminate(pid: int) -> None:
     os.kill(pid, signal.SIGTERM)
 
 
-def serve_on_hosts(args: argparse.Namespace, hosts: int, gpus_per_host: int) -> int:
-    """Runs `args` (a parsed `sluice serve` command line) as `hosts` processes; the worst exit status.
+def serve_on_hosts(run: ServeProcess, args: argparse.Namespace, hosts: int, gpus_per_host: int) -> int:
+    """Runs `args` (a parsed `sluice serve` command line) with `run` as `hosts` processes; the worst exit status.
 
     `gpus_per_host`: each process's GPUs on a cluster with GPUs (0: a CPU each).
     """
@@ -61,13 +63,13 @@ def serve_on_hosts(args: argparse.Namespace, hosts: int, gpus_per_host: int) -> 
     group = placement_group([bundle] * hosts, strategy="SPREAD")
     try:
         ray.get(group.ready())
-        return _run(args, hosts, group, gpus_per_host)
+        return _run(run, args, hosts, group, gpus_per_host)
     finally:
         remove_placement_group(group)
         ray.shutdown()
 
 
-def _run(args: argparse.Namespace, hosts: int, group: PlacementGroup, gpus_per_host: int) -> int:
+def _run(run: ServeProcess, args: argparse.Namespace, hosts: int, group: PlacementGroup, gpus_per_host: int) -> int:
     def placed(i: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
 
@@ -75,7 +77,7 @@ def _run(args: argparse.Namespace, hosts: int, group: PlacementGroup, gpus_per_h
                  for i in range(hosts)]
     coordinator = ray.get(processes[0].coordinator_address.remote())
     leader_pid = ray.get(processes[0].pid.remote())
-    runs = [process.serve.remote(_place(args, coordinator, hosts, i)) for i, process in enumerate(processes)]
+    runs = [process.serve.remote(run, _place(args, coordinator, hosts, i)) for i, process in enumerate(processes)]
     with stop_on_signal() as stop:
         while not stop.is_set() and not ray.wait([runs[0]], timeout=0.5)[0]:
             pass

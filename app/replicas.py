@@ -24,7 +24,7 @@ from typing import Any
 
 from ray import serve
 
-from sluice.app.serve import load_engine
+from sluice.app.engine_loading import load_engine
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
 from sluice.batching.config import EngineConfig

@@ -15,7 +15,6 @@ import re
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -23,12 +22,10 @@ import uvicorn
 
 from sluice.batching.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATIONS, EngineConfig
 from sluice.batching.engine import Engine
-from sluice.model.linear import arithmetic_dtype
-from sluice.model.loader import default_dtype
-from sluice.model.quantize import resolve
-from sluice.model.roofline import Peaks, measure_peaks
+from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
+from sluice.app.engine_loading import load_engine
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
@@ -265,7 +262,7 @@ def _serve_on_hosts(args: argparse.Namespace) -> int:
         from sluice.app.ray_hosts import serve_on_hosts
     except ModuleNotFoundError as error:
         return _ray_missing(error, "--hosts")
-    return serve_on_hosts(args, args.hosts, args.tp // args.hosts)
+    return serve_on_hosts(run, args, args.hosts, args.tp // args.hosts)
 
 
 def _ray_missing(error: ModuleNotFoundError, flag: str) -> int:
@@ -326,24 +323,6 @@ def declared_peaks(args: argparse.Namespace) -> Peaks | None:
     if args.peak_gflops is None or args.peak_bandwidth_gbs is None:
         return None
     return Peaks(args.peak_bandwidth_gbs, args.peak_gflops, "declared")
-
-
-def load_engine(engine_config: EngineConfig, ui: bool, declared: Peaks | None,
-                progress: bool = True) -> tuple[Engine, Peaks | None]:
-    """The engine, and for the dashboard the peaks of all its devices: `declared`, or measured on the first
-    (before serving, so that nothing else runs on the device meanwhile)."""
-    engine = Engine.create(engine_config, progress=progress)
-    if not ui:
-        return engine, None
-    if declared is not None:
-        peaks = declared
-    else:
-        print("Measuring the device's peaks for the dashboard's roofline (declare them with --peak-gflops and "
-              "--peak-bandwidth-gbs to skip this) ...", file=sys.stderr, flush=True)
-        dtype = engine_config.dtype or default_dtype()
-        peaks = measure_peaks(dtype=arithmetic_dtype(resolve(engine_config.quantization), dtype))
-    return engine, replace(peaks, bandwidth_gbs=peaks.bandwidth_gbs * engine_config.tp,
-                           matmul_gflops=peaks.matmul_gflops * engine_config.tp)
 
 
 class DrainingServer(uvicorn.Server):
