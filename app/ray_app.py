@@ -14,14 +14,13 @@ requests in flight finish; a second exits at once.
 
 from __future__ import annotations
 
-
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from sluice.app.ingress import SluiceIngress
-from sluice.app.ray_cluster import connect, stop_on_signal
 from sluice.app.prefix_router import PrefixAffinityRouter, RoundRobinRouter
+from sluice.app.ray_cluster import connect, stop_on_signal
 from sluice.app.replicas import ReplicaConfig, SluiceReplica
 from sluice.app.scale_out import ScaleOutConfig
 
