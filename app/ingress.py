@@ -29,13 +29,13 @@ from starlette.responses import Response, StreamingResponse
 from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error, error_response_for
 from sluice.app.errors import APIError
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
+from sluice.app.scale_out import REPLICA_HEADER
 from sluice.app.streaming import DONE, sse_event
 
 logger = logging.getLogger("sluice.ingress")
 
 # The body fields that hold a prompt, in the order a prompt's text comes (instructions and system prompts first).
 PROMPT_FIELDS = ("instructions", "system", "messages", "input", "prompt")
-REPLICA_HEADER = "x-sluice-replica"
 
 
 def routing_key(body: bytes) -> str:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 # prefix: app/prefix_router.py's affinity router; round-robin: its baseline; pow2: Ray Serve's default router.
 ROUTINGS = ("prefix", "round-robin", "pow2")
+# The response header in which the ingress names the replica that answered.
+REPLICA_HEADER = "x-sluice-replica"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from sluice.app.ingress import REPLICA_HEADER
+from sluice.app.scale_out import REPLICA_HEADER
 from sluice.bench import prefix_cache
 from sluice.bench.compare import ROOT, free_port, wait_ready
 from sluice.bench.metrics import Summary, summarize
