@@ -51,10 +51,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):

@@ -12,7 +12,7 @@ import datetime
 from dataclasses import dataclass
 
 KERNEL_BACKENDS = ("pallas-triton", "pallas-mosaic", "reference")
-HOST_PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit", "wait")
+HOST_PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit", "wait", "cpu")
 
 
 @dataclass

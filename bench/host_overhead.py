@@ -46,6 +46,7 @@ class Measured:
     wait_ms: float
     host_ms: float
     period_ms: float
+    cpu_ms: float
 
 
 def tiny_model(vocab_size: int, num_layers: int, hidden: int) -> LoadedModel:
@@ -79,7 +80,7 @@ def measure(engine: Engine, batch: int, decode_steps: int) -> Measured:
         engine.step()
     ms = timer.per_step_ms(steps)
     phases = {phase: ms[phase] for phase in PHASES}
-    return Measured(phases, ms["wait"], sum(phases.values()), 1e3 * wall / steps)
+    return Measured(phases, ms["wait"], sum(phases.values()), 1e3 * wall / steps, ms["cpu"])
 
 
 def main(argv=None) -> int:
@@ -97,9 +98,9 @@ def main(argv=None) -> int:
     print(f"python -m sluice.bench.host_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
     shape = f"model {args.model}" if args.model else f"{args.layers} layers, hidden {args.hidden}"
     print(f"ms per decode step; {shape}, {args.num_decode_steps} decode steps per call; host = the phases' sum, "
-          "wait = blocked on the device, period = wall time per step")
+          "wait = blocked on the device, period = wall time per step, cpu = the engine thread's CPU time per step")
     print(f"{'vocab':>7} {'batch':>5} {'overlap':>7} " + " ".join(f"{p:>8}" for p in PHASES)
-          + f" {'host':>8} {'wait':>8} {'period':>8}")
+          + f" {'host':>8} {'wait':>8} {'period':>8} {'cpu':>8}")
     models = ([lambda: load_model(None if args.model == "default" else args.model, quantization="auto")]
               if args.model else [lambda v=int(v): tiny_model(v, args.layers, args.hidden) for v in args.vocab.split(",")])
     for make_model in models:
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
                 m = measure(engine, batch, args.decode_steps)
                 print(f"{vocab:>7} {batch:>5} {'on' if overlap else 'off':>7} "
                       + " ".join(f"{m.phases[p]:>8.3f}" for p in PHASES)
-                      + f" {m.host_ms:>8.3f} {m.wait_ms:>8.3f} {m.period_ms:>8.3f}", flush=True)
+                      + f" {m.host_ms:>8.3f} {m.wait_ms:>8.3f} {m.period_ms:>8.3f} {m.cpu_ms:>8.3f}", flush=True)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 Phases: schedule, inputs (building the step's arrays), dispatch, collect (turning the fetched arrays into each
 sequence's tokens), append (tokens onto sequences, stop ids, max_tokens) and emit (detokenize, stop strings,
-delivery); `wait` is the time the host blocks on the device's results (collect excluded).
+delivery); `wait` is the time the host blocks on the device's results (collect excluded). `cpu` is the engine
+thread's CPU time per step (`time.thread_time` around `Engine.step`): its host work without the time it waits, for
+the device or for a core, so it holds on a loaded machine where wall-clock phases do not.
 """
 
 from __future__ import annotations
@@ -31,17 +33,18 @@ class PhaseTimer:
         self._wrap(engine, "_append_output", "append")
         self._wrap(engine, "_emit_text", "emit")
         self._wrap(engine, "_flush", "emit")
+        self._wrap(engine, "step", "cpu", time.thread_time)
 
-    def _wrap(self, owner, name: str, phase: str) -> None:
+    def _wrap(self, owner, name: str, phase: str, clock=time.perf_counter) -> None:
         inner = getattr(owner, name)
         totals = self.totals
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return inner(*args, **kwargs)
             finally:
-                totals[phase] += time.perf_counter() - start
+                totals[phase] += clock() - start
 
         setattr(owner, name, timed)
         self._restore.append((owner, name, inner))
@@ -55,4 +58,4 @@ class PhaseTimer:
         """Milliseconds per decode step of each phase and of `wait` (blocked on the device, collect excluded)."""
         ms = {phase: 1e3 * seconds / steps for phase, seconds in self.totals.items()}
         return {**{phase: ms.get(phase, 0.0) for phase in PHASES},
-                "wait": ms.get("wait", 0.0) - ms.get("collect", 0.0)}
+                "wait": ms.get("wait", 0.0) - ms.get("collect", 0.0), "cpu": ms.get("cpu", 0.0)}
