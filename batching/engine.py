@@ -26,6 +26,7 @@ from functools import cached_property, partial
 from typing import Callable, NamedTuple
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from sluice.batching import step_broadcast
@@ -111,6 +112,13 @@ class _SampledRun(NamedTuple):
     finish: FinishReason | None
 
 
+class _PoolingBlockManager(BlockManager):
+    """A mean needs every prompt token's hidden state: a sequence that pools one takes no cached pages."""
+
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        return ([], []) if seq.params.pooling == "mean" else super().match_prefix(seq)
+
+
 def _describe(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(error)).strip()
 
@@ -143,7 +151,7 @@ class Engine:
             ngram=self.ngram,
             attention_backend=config.attention_backend, kv_dtype=kv_dtype, mesh=mesh, layer_loop=config.layer_loop,
         )
-        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.block_manager = _PoolingBlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
         self.speculator = Speculator(self.ngram) if self.ngram else None
@@ -158,6 +166,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._num_pooling = 0  # embedding requests in `_requests`: their steps fetch pooled rows
         self._unemitted: dict[Sequence, list[_SampledRun]] = {}  # insertion order: the order they were appended
         self._in_flight: _Launched | None = None
         self._last_step: StepStats | None = None
@@ -335,7 +344,7 @@ class Engine:
         limits, drafting = self._multi_step_call(chunks)
         stats = StepStats.of(chunks, limits, self.step_cost)  # before the chunks' sequences move on
         try:
-            pending = self.runner.dispatch(chunks, limits, drafting)
+            pending = self.runner.dispatch(chunks, limits, drafting, self._num_pooling > 0)
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
             self._fail_step(chunks, error)
             return None
@@ -369,6 +378,8 @@ class Engine:
             self._fail_step(launched.chunks, error)
             return
         arrived = time.perf_counter()
+        if result.pooled is not None:
+            self._pool(launched.chunks, result.pooled)
         for chunk, output, index in zip(launched.chunks, result.seqs, launched.first_indices):
             seq = chunk.seq
             if output is not None and not seq.finished:
@@ -397,6 +408,7 @@ class Engine:
                 self._reject_duplicate(request)
                 return
             self._requests[request.request_id] = request
+            self._num_pooling += request.seqs[0].params.pooling is not None
             arrival = next(self._arrivals)
             now = time.perf_counter()
             for seq in request.seqs:
@@ -442,10 +454,27 @@ class Engine:
         drafting = None if self.speculator is None else self.speculator.propose_for_call(seqs)
         limits = [min(steps * (1 + num_drafts), seq.params.max_tokens - seq.num_output_tokens,
                       self.max_model_len - seq.num_tokens) for seq, num_drafts in zip(seqs, drafting or [0] * len(seqs))]
-        if not self.scheduler.reserve_lookahead(chunks, limits):
+        if 0 in limits or not self.scheduler.reserve_lookahead(chunks, limits):  # 0: an embedding's (max_tokens 0)
             return None, None
         return limits, drafting
 
+
+    def _pool(self, chunks: list[ScheduledChunk], pooled: np.ndarray) -> None:
+        """Adds each embedding's chunk's pooled row (`StepOutput.pooled`) to its sum, restarted by a chunk from its
+        first token (a preempted sequence recomputes); at its prompt's end, sends the sum and ends the sequence."""
+        for chunk, row in zip(chunks, pooled):
+            seq = chunk.seq
+            if seq.params.pooling is None or seq.finished:
+                continue
+            request = self._requests[seq.request_id]
+            request.pooled[seq.choice] = row + request.pooled.get(seq.choice, 0) if chunk.start else row
+            if chunk.sample:
+                self.block_manager.commit(seq)
+                seq.finish_reason = "stop"
+                self.scheduler.finish(seq)
+                self._prompt_tokens_total += seq.num_prompt_tokens
+                embedding = request.pooled.pop(seq.choice)
+                self._send(request, Increment(seq.choice, "", (), finish_reason="stop", embedding=embedding))
 
     def _append_output(self, seq: Sequence, output: SequenceOutput, index: int, sampled: SamplerOutput) -> None:
         """Appends a step's tokens for `seq` from `index` on (over its placeholders) up to where it ends; then, for
@@ -543,6 +572,7 @@ class Engine:
             if request.finished:
                 increment = increment._replace(usage=request.usage())
                 del self._requests[request.request_id]
+                self._num_pooling -= request.seqs[0].params.pooling is not None
         self._deliveries.append((request.sink, increment))
 
     def _flush(self) -> None:

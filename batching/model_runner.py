@@ -113,8 +113,9 @@ class StepInputs:
     in a multi-step call (0 for padding); num_sampled: [] int32, the rows of logits_rows that are sampled (the
     first ones; real tokens are the first cu_q_lens[-1] rows); drafting: a speculative multi-step call's
     `DraftState` (no columns of history for other calls); feed: [T] int32, for a token the host does not know
-    yet (overlapped scheduling), the row of the previous step's last tokens that holds it, else -1. Padding
-    rows' outputs are never read, and the CPU kernels skip them."""
+    yet (overlapped scheduling), the row of the previous step's last tokens that holds it, else -1; pool_ids: [T]
+    int32, the row of `StepOutput.pooled` each token adds to, else -1. Padding rows' outputs are never read, and
+    the CPU kernels skip them."""
 
     token_ids: jax.Array
     positions: jax.Array
@@ -127,6 +128,7 @@ class StepInputs:
     num_sampled: jax.Array
     drafting: DraftState
     feed: jax.Array
+    pool_ids: jax.Array
 
     def fed(self, last_tokens: jax.Array) -> StepInputs:
         """With the tokens the previous step sampled ([R] int32, `last_tokens`) in place of the placeholders."""
@@ -166,22 +168,23 @@ def last_tokens(tokens: jax.Array, num_rows: int) -> jax.Array:
 
 
 def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
-            page_table: jax.Array, inputs: StepInputs) -> tuple[jax.Array, KVCache]:
-    """One model step over a flat pool: the logits of the sampled rows, [S, V] float32. page_table: [A,
-    max_pages] int32, each attention row's."""
+            page_table: jax.Array, inputs: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One model step over a flat pool: the logits of the sampled rows, [S, V] float32, and the hidden states,
+    [T, D]. page_table: [A, max_pages] int32, each attention row's."""
     meta = AttentionMetadata(
         slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=page_table,
         cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
     )
     attend = make_paged_attend(meta, num_pages, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh)
     hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend, num_real=inputs.cu_q_lens[-1])
-    return model.logits(hidden[inputs.logits_rows], num_real=inputs.num_sampled), kv_cache
+    return model.logits(hidden[inputs.logits_rows], num_real=inputs.num_sampled), hidden, kv_cache
 
 
 def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
              state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs,
-             sampled: SampledRows) -> tuple[tuple[jax.Array, SamplingBatch], KVCache]:
-    """One step's model: the sampled rows' logits [S, V] float32 and their `SamplingBatch`, and the pool.
+             sampled: SampledRows) -> tuple[tuple[jax.Array, SamplingBatch, jax.Array], KVCache]:
+    """One step's model: the sampled rows' logits [S, V] float32, their `SamplingBatch` and the pooled rows
+    [S, D] float32 (`StepInputs.pool_ids`; a few microseconds, always computed), and the pool.
 
     kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (arrays or int8
     `QuantizedPages`; donated). fed_from: [R] int32, the previous step's last tokens (`StepInputs.fed`).
@@ -189,9 +192,10 @@ def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages:
     the sampler: XLA's CPU sampler ran slower with the gathers in its own program (RESULTS.md, 2026-11-26).
     """
     model = nnx.merge(graphdef, state)
-    logits, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache),
-                               slots.page_table[inputs.attn_slots], inputs.fed(fed_from))
-    return (logits, sampled.batch(slots.sampling)), layered_pool(kv_cache, model.config.num_layers)
+    logits, hidden, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache),
+                                       slots.page_table[inputs.attn_slots], inputs.fed(fed_from))
+    pooled = model.pooled(hidden, inputs.pool_ids, inputs.logits_rows.shape[0])
+    return (logits, sampled.batch(slots.sampling), pooled), layered_pool(kv_cache, model.config.num_layers)
 
 
 def _sample_step(num_rows: int, logits: jax.Array, sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
@@ -238,7 +242,7 @@ def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
             slot_mapping=jnp.where(active, pages * page_size + positions % page_size, -1),
             kv_lens=jnp.where(active, inputs.kv_lens + k, 0),
         )
-        logits, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, page_table, step_inputs)
+        logits, _, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, page_table, step_inputs)
         out = sample(logits, sampling)
         alive = alive & ~(active & sampling.stops(out.tokens))
         return (out.tokens, alive, kv_cache, sampling.advanced(out.tokens)), out
@@ -306,7 +310,7 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
             kv_lens=jnp.where(q_lens > 0, start + q_lens, 0), cu_q_lens=cu_q_lens, logits_rows=token_rows,
             num_sampled=cu_q_lens[-1],
         )
-        logits, kv_cache = _logits(model, backend, mesh, num_pages, width, kv_cache, page_table, step_inputs)
+        logits, _, kv_cache = _logits(model, backend, mesh, num_pages, width, kv_cache, page_table, step_inputs)
         checks = real & (offset < q_lens[owner] - 1)
         rows = replace(jax.tree.map(lambda x: x[owner], sampling), step=sampling.step[owner] + offset,
                        draft=jnp.where(checks, draft_at(offset), -1))
@@ -356,10 +360,12 @@ class SequenceOutput(NamedTuple):
 @dataclass(frozen=True)
 class StepOutput:
     """A step's results on the host: the sampler's arrays (numpy, leading [num_steps] axis) and, per scheduled
-    chunk, its sequence's share (None for a chunk that samples nothing: a prefill not yet at its end)."""
+    chunk, its sequence's share (None for a chunk that samples nothing: a prefill not yet at its end); `pooled`
+    ([S, D] float32, row i chunk i's sum of its pooled tokens' final hidden states) when the step pools."""
 
     sampled: SamplerOutput
     seqs: list[SequenceOutput | None]
+    pooled: np.ndarray | None
 
 
 def _sequence_outputs(out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
@@ -395,17 +401,17 @@ class PendingStep:
     """A dispatched step whose sampled tokens are being copied to the host."""
 
     def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None):
-        self._out = out
+                 limits: list[int] | None, pooled: jax.Array | None):
+        self._out = (out, pooled)
         self._shares = (chunks, rows, limits)
-        for leaf in jax.tree.leaves(out):
+        for leaf in jax.tree.leaves(self._out):
             leaf.copy_to_host_async()
 
     def fetch(self) -> StepOutput:
         """Blocks until the step is done."""
-        out = jax.tree.map(np.asarray, self._out)
+        out, pooled = jax.tree.map(np.asarray, self._out)
         sampled = out.sampled if isinstance(out, VerifiedSteps) else out
-        return StepOutput(sampled, _sequence_outputs(out, *self._shares))
+        return StepOutput(sampled, _sequence_outputs(out, *self._shares), pooled)
 
 
 class ModelRunner:
@@ -516,9 +522,10 @@ class ModelRunner:
         return self._steps[key]
 
     def _run(self, bucket: Bucket, writes: SlotWrites | None, inputs: StepInputs, sampled: SampledRows,
-             fill_masks: Callable[[np.ndarray], None] | None = None) -> SamplerOutput | VerifiedSteps:
+             fill_masks: Callable[[np.ndarray], None] | None = None
+             ) -> tuple[SamplerOutput | VerifiedSteps, jax.Array | None]:
         """Writes the changed slots, launches the step on host inputs (numpy) and replaces the pool; returns
-        without waiting.
+        without waiting, with a single step's pooled rows (`_forward`).
 
         `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
         ([num_rows, ceil(V / 32)] int32, all ones) while the model runs.
@@ -530,14 +537,14 @@ class ModelRunner:
                                                       self._slots, self._global(flat), self._global(sampled.history))
         if bucket.num_steps > 1:
             out, self._last_tokens = result
-            return out
-        logits, sampling = result
+            return out, None
+        logits, sampling, pooled = result
         if fill_masks is not None:
             allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
             fill_masks(allowed)
             logits = self._mask(logits, self._global(allowed))
         out, self._last_tokens = self._sample(logits, sampling)
-        return out
+        return out, pooled
 
     def _write(self, writes: SlotWrites) -> None:
         self._slots = self._write_slots(self._slots, self._global(writes.slots), self._global(writes.rows))
@@ -584,7 +591,7 @@ class ModelRunner:
         jax.block_until_ready((self.kv_cache, self._slots))
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
-                 drafting: list[int] | None = None) -> PendingStep:
+                 drafting: list[int] | None = None, pooling: bool = False) -> PendingStep:
         """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting.
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i emitting at
@@ -592,13 +599,15 @@ class ModelRunner:
         checks at a step of that call (0: none), proposing and checking them on the device (`_verify_steps`: the
         result is `VerifiedSteps`).
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
-        sampled row, drafts included) while the model runs.
+        sampled row, drafts included) while the model runs. `pooling`: fetch the pooled rows (`StepOutput.pooled`).
         """
         num_steps = self.num_decode_steps if limits is not None else 1
         verifies = drafting is not None
         bucket = self.bucket_for(chunks, num_steps, verifies)
         writes = self.input_batch.writes([c.seq for c in chunks])
         inputs, sampled = self._pad(chunks, bucket, limits, drafting)
+        if pooling:
+            self._fill_pooling(chunks, inputs)
         # Each chunk's first sampled row: a chunk with drafts samples one row per draft position, and one more.
         rows = ([i * bucket.max_q_len for i in range(len(chunks))] if verifies
                 else list(itertools.accumulate((1 + c.num_drafts for c in chunks[:-1]), initial=0)))
@@ -618,8 +627,8 @@ class ModelRunner:
             if step_broadcast.is_multiprocess():
                 step_broadcast.send_payload(allowed)
 
-        return PendingStep(self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None), chunks,
-                           rows, limits)
+        out, pooled = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None)
+        return PendingStep(out, chunks, rows, limits, pooled if pooling else None)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
@@ -665,7 +674,7 @@ class ModelRunner:
             kv_lens=np.zeros(a, np.int32), attn_slots=np.full(a, padding_slot, np.int32),
             cu_q_lens=np.zeros(a + 1, np.int32), logits_rows=np.zeros(num_rows, np.int32),
             limits=np.zeros(num_rows, np.int32), num_sampled=np.array(0, np.int32), drafting=draft_state,
-            feed=np.full(t, -1, np.int32))
+            feed=np.full(t, -1, np.int32), pool_ids=np.full(t, -1, np.int32))
         inputs.limits[:len(chunks)] = limits if limits is not None else 1
         # Token histories are built only if a row's penalties read them (else an all -1 array kept on the device).
         reads_history = any(c.seq.params.reads_history for c in chunks)
@@ -703,6 +712,14 @@ class ModelRunner:
         inputs.kv_lens[:len(piece_chunk)] = starts[piece_chunk] + piece_end
         inputs.cu_q_lens[1:len(piece_chunk) + 1] = (ends - lengths)[piece_chunk] + piece_end
         inputs.cu_q_lens[len(piece_chunk) + 1:] = num
+
+    @staticmethod
+    def _fill_pooling(chunks: list[ScheduledChunk], inputs: StepInputs) -> None:
+        """Chunk i's pooled tokens add to row i: all its tokens for a mean, the prompt's last for a last token."""
+        for i, (chunk, end) in enumerate(zip(chunks, itertools.accumulate(c.num_tokens for c in chunks))):
+            pooling = chunk.seq.params.pooling
+            if pooling == "mean" or pooling == "last" and chunk.sample:
+                inputs.pool_ids[end - (chunk.num_tokens if pooling == "mean" else 1):end] = i
 
     @staticmethod
     def _fill_rows(chunks: list[ScheduledChunk], inputs: StepInputs, sampled: SampledRows) -> None:

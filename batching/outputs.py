@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -43,7 +45,8 @@ class Increment(NamedTuple):
     step, and a frozen dataclass costs 3x as much to build).
 
     `finish_reason` is set on the choice's last increment; `error` carries a message when it failed in the
-    engine; `usage` is set on the request's very last increment (when every choice has finished).
+    engine; `usage` is set on the request's very last increment (when every choice has finished); `embedding`
+    ([hidden] float32, `SamplingParams.pooling`) on an embedding's only increment.
     """
 
     choice: int
@@ -53,6 +56,7 @@ class Increment(NamedTuple):
     finish_reason: FinishReason | None = None
     error: str | None = None
     usage: Usage | None = None
+    embedding: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

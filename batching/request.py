@@ -16,6 +16,7 @@ from sluice.batching.stop_checker import StopChecker, stop_token_ids
 from sluice.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import numpy as np
     from sluice.batching.structured import Grammar
 
 # Stop ids (stop_token_ids and EOS) a sequence may have: the sampler bans them before min_tokens and the
@@ -38,12 +39,13 @@ class RequestLimits:
 @dataclass(eq=False)
 class Request:
     """`seqs[choice]` for each of the request's `len(prompts) * n` choices; the first sequence of each prompt
-    (its `parent` is None) prefills it for the others."""
+    (its `parent` is None) prefills it for the others. `pooled`: an embedding's sum so far, per choice."""
 
     request_id: str
     seqs: list[Sequence]
     sink: OutputSink
     finished_choices: set[int] = field(default_factory=set)
+    pooled: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -98,9 +100,9 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
                 seq_id=next(seq_ids), request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
                 seed=(seed + choice * _SEED_STRIDE) % 2**32,
                 stop=StopChecker(params, limits.eos_token_ids, tokenizer.decode_stream(prompt)), parent=parent,
-                max_num_tokens=min(len(prompt) + params.max_tokens, limits.max_model_len),
+                max_num_tokens=len(prompt) + max(params.max_tokens, 1),  # an embedding's last chunk samples once
                 grammar=grammar.fork() if grammar is not None else None,
-                proposer=NgramProposer(ngram) if ngram else None,
+                proposer=NgramProposer(ngram) if ngram and params.pooling is None else None,
             )
             if seq.proposer is not None:
                 seq.proposer.extend(prompt)

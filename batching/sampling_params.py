@@ -38,6 +38,8 @@ class SamplingParams:
     `logprobs` asks for the chosen token's log-probability; `top_logprobs` (0..20) for the k best.
     `n` samples per prompt; `priority`: lower runs first.
     `structured`: a grammar the output must follow (EOS then ends it only where the grammar is complete).
+    `pooling` makes it an embedding request (max_tokens 0): each prompt is prefilled, never sampled, and ends with
+    the sum of its final hidden states ("last": its last token's, "mean": all its tokens') in `Increment.embedding`.
     """
 
     max_tokens: int = 16
@@ -58,6 +60,7 @@ class SamplingParams:
     n: int = 1
     priority: int = 0
     structured: StructuredOutput | None = None
+    pooling: Literal["last", "mean"] | None = None
 
     @property
     def wants_logprobs(self) -> bool:

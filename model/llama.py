@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sluice.model.config import ModelConfig
 from sluice.model.linear import RmsNorm, Weight, embed_rows, project, project_rows
+from sluice.pallas_kernels.cpu_qmatmul import rms_norm
 from sluice.pallas_kernels.kv_cache import Pages, empty_pages
 
 KVCache = tuple[Pages, Pages]
@@ -205,6 +206,12 @@ class Llama(nnx.Module):
         if self.config.tie_word_embeddings:
             return project_rows(hidden, self.weight("embed"), norm, num_real=num_real)
         return project(hidden, self.weight("lm_head"), out_dtype=jnp.float32, norm=norm, num_real=num_real)
+
+    def pooled(self, hidden: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
+        """hidden: [T, D] (as `__call__` returns it), segments: [T] int32 (-1: none) -> [num_segments, D] float32,
+        each segment's sum of its rows through the final norm (what an embedding pools, `app/embeddings.py`)."""
+        normed = rms_norm(hidden, self.final_norm[...], self.config.rms_norm_eps)
+        return jax.ops.segment_sum(normed, segments, num_segments)
 
 
 def empty_kv_cache(
