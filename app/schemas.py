@@ -223,26 +223,28 @@ class SamplingRequest(_Request):
 Prompt = str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
+def check_prompts(prompt: Prompt, info: ValidationInfo) -> Prompt:
+    """A field of prompts (`prompt`, embeddings' `input`): none empty, at most MAX_PROMPTS, ids in the vocabulary."""
+    if not prompt:
+        raise ValueError(f"{info.field_name} must not be empty")
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    if any(not p for p in prompts):
+        raise ValueError(f"{info.field_name} must not be empty")
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+    for ids in prompts:
+        if isinstance(ids, list):
+            _check_vocabulary(ids, info)
+    return prompt
+
+
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = Field(None, description="not supported: must be empty", json_schema_extra={"maxLength": 0})
 
-    @field_validator("prompt")
-    @classmethod
-    def _check_prompts(cls, prompt: Prompt, info: ValidationInfo) -> Prompt:
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-        if any(not p for p in prompts):
-            raise ValueError("prompt must not be empty")
-        if len(prompts) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
-        for ids in prompts:
-            if isinstance(ids, list):
-                _check_vocabulary(ids, info)
-        return prompt
+    _check_prompts = field_validator("prompt")(check_prompts)
 
     @field_validator("suffix")
     @classmethod

@@ -33,6 +33,8 @@ from sluice.app.anthropic_schemas import (
     MessageStreamEvent,
 )
 from sluice.app.dashboard.feed import Feed
+from sluice.app.embeddings import create_embeddings
+from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
 from sluice.app.errors import APIError, error_response, not_ready
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from sluice.app.openapi import Operation, openapi_document
@@ -111,6 +113,8 @@ ROUTES: list[tuple[Handler, Operation]] = [
                                 response=DeletedResponse)),
     (list_input_items, Operation("/v1/responses/{response_id}/input_items", "GET", "A stored response's input "
                                  "items (query: after, limit, order)", response=InputItemList)),
+    (create_embeddings, Operation("/v1/embeddings", "POST", "Embeddings: each input's pooled, normalized final "
+                                  "hidden state (OpenAI)", EmbeddingRequest, EmbeddingResponse)),
     (tokenize, Operation("/tokenize", "POST", "Prompt or messages to token ids", TokenizeRequest, TokenizeResponse)),
     (detokenize, Operation("/detokenize", "POST", "Token ids to text", DetokenizeRequest, DetokenizeResponse)),
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Literal
 
 from sluice.batching.engine import Engine
 from sluice.batching.stats import EngineStats
@@ -24,7 +25,8 @@ class ServerSettings:
     `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send; `ui` serves the
     dashboard and playground, whose latency charts draw the `slo_*_ms` lines when set; `tool_call_parser` names
     the format of tool calls (`app/tool_calls.py`); `/v1/responses` keeps at most `responses_store_size` responses
-    and `responses_store_bytes` bytes of them (`app/responses_api_store.py`)."""
+    and `responses_store_bytes` bytes of them (`app/responses_api_store.py`); `embedding_pooling` is how
+    `/v1/embeddings` pools an input's hidden states (`app/embeddings.py`)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -38,6 +40,7 @@ class ServerSettings:
     tool_call_parser: str = "auto"
     responses_store_size: int = 1024
     responses_store_bytes: int = 64 * 1024 * 1024
+    embedding_pooling: Literal["last", "mean"] = "last"
 
 
 class ServerState:

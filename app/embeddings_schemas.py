@@ -1,0 +1,37 @@
+"""Pydantic models of OpenAI's embeddings request and response (`POST /v1/embeddings`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from sluice.app.schemas import Prompt, _Request, check_prompts
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="must be the model's hidden size (no truncation)")
+    user: str | None = None
+
+    _check_input = field_validator("input")(check_prompts)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="unit length; base64: little-endian float32 values")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
