@@ -152,12 +152,18 @@ def unpack(flat: jax.Array, packing: Packing):
     return jax.tree.unflatten(treedef, [part.reshape(shape) for part, shape in zip(parts, shapes)])
 
 
-def _packed(step: Callable, packing: Packing, state: nnx.State, kv_cache: KVCache, fed_from: jax.Array,
-            slots: SlotRows, flat: jax.Array, history: jax.Array):
-    """`step` (`_forward`, `_decode_steps`, `_verify_steps`) on its `StepInputs` and `SampledRows` sent packed
-    (`pack`), the token histories apart (they stay on the device)."""
-    inputs, sampled = unpack(flat, packing)
-    return step(state, kv_cache, fed_from, slots, inputs, replace(sampled, history=history))
+def _packed(step: partial) -> Callable:
+    """`step` (a partial of `_forward`, `_decode_steps` or `_verify_steps`) taking its `StepInputs` and
+    `SampledRows` packed (`pack`), the token histories apart (they stay on the device); named as the step, so
+    its compiled program is too (profiles look for it)."""
+
+    def run(packing: Packing, state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows,
+            flat: jax.Array, history: jax.Array):
+        inputs, sampled = unpack(flat, packing)
+        return step(state, kv_cache, fed_from, slots, inputs, replace(sampled, history=history))
+
+    run.__name__ = step.func.__name__
+    return run
 
 
 def last_tokens(tokens: jax.Array, num_rows: int) -> jax.Array:
@@ -517,7 +523,7 @@ class ModelRunner:
                 fn = partial(_decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs)
             else:
                 fn = partial(_forward, *args, bucket.max_q_len)
-            self._steps[key] = jax.jit(partial(_packed, fn), static_argnums=(0,), donate_argnums=(2,),
+            self._steps[key] = jax.jit(_packed(fn), static_argnums=(0,), donate_argnums=(2,),
                                        out_shardings=out_shardings)
         return self._steps[key]
 

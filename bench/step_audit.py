@@ -29,7 +29,7 @@ import re
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jax
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sluice.batching.model_runner import ModelRunner
+from sluice.batching.model_runner import ModelRunner, pack
 from sluice.bench.engine_check import MODELS
 from sluice.model.config import ModelConfig
 from sluice.model.llama import LAYER_LOOPS, LAYER_PARAMS, LINEAR_WEIGHTS, Llama, resolve_layer_loop
@@ -372,8 +372,9 @@ def compile_decode_step(runner: ModelRunner, rows: int) -> jax.stages.Compiled:
     is a call of its own). The one place that uses the runner's private names."""
     bucket = runner._decode_bucket(rows, 1)
     inputs, sampled = runner._pad([], bucket, None)
-    return runner._step_fn(bucket).lower(runner.state, runner.kv_cache, runner._last_tokens, runner._slots,
-                                         inputs, sampled).compile()
+    flat, packing = pack((inputs, replace(sampled, history=None)))  # as `ModelRunner._run` sends them
+    return runner._step_fn(bucket).lower(packing, runner.state, runner.kv_cache, runner._last_tokens, runner._slots,
+                                         flat, sampled.history).compile()
 
 
 def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
