@@ -116,7 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "seconds between keep-alive comments of a stream that has nothing to send", type=float)
     _option(parser, "--tool-call-parser", _SERVER_DEFAULTS.tool_call_parser,
             "how tool calls are read (and forced) for a template with tools: auto (the template's own format), hermes "
-            "(`<tool_call>{...}</tool_call>`) or llama3_json (`{\"name\", \"parameters\"}; ...`)",
+            "(`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}; ...`) or mistral "
+            "(`[TOOL_CALLS] [{\"name\", \"arguments\"}, ...]`)",
             choices=list(TOOL_CALL_PARSERS))
     _option(parser, "--responses-store-size", _SERVER_DEFAULTS.responses_store_size,
             "most responses /v1/responses keeps for GET and previous_response_id (least recently used out first; "
