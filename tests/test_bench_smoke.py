@@ -249,7 +249,8 @@ def test_host_overhead_times_every_phase_of_real_engine_steps_with_overlap_on_an
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("    512")]
     assert [row[2] for row in rows] == ["on", "off"]
     for row in rows:
-        schedule, inputs, dispatch, collect, append, emit, host, wait, period = map(float, row[3:])
+        schedule, inputs, dispatch, collect, append, emit, host, wait, period, cpu = map(float, row[3:])
         assert min(schedule, inputs, dispatch, collect, append, emit) > 0
         assert host == pytest.approx(schedule + inputs + dispatch + collect + append + emit, abs=0.01)
         assert 0 < host < period
+        assert 0 < cpu
