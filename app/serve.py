@@ -119,6 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "(`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}; ...`) or mistral "
             "(`[TOOL_CALLS] [{\"name\", \"arguments\"}, ...]`)",
             choices=list(TOOL_CALL_PARSERS))
+    _option(parser, "--embedding-pooling", _SERVER_DEFAULTS.embedding_pooling,
+            "how /v1/embeddings pools an input's final hidden states: last (the last prompt token's, as vLLM pools a "
+            "causal LM) or mean (over every prompt token; such requests take no pages from the prefix cache)",
+            choices=["last", "mean"])
     _option(parser, "--responses-store-size", _SERVER_DEFAULTS.responses_store_size,
             "most responses /v1/responses keeps for GET and previous_response_id (least recently used out first; "
             "0: none)", type=int)
@@ -197,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         sse_keepalive_s=args.sse_keepalive,
         tool_call_parser=args.tool_call_parser,
+        embedding_pooling=args.embedding_pooling,
         responses_store_size=args.responses_store_size,
         responses_store_bytes=args.responses_store_bytes,
         ui=not args.no_ui,

@@ -77,9 +77,10 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """(pages, their hashes): cached pages holding a prefix of `seq`'s tokens; looks only, takes nothing.
 
-        At least the last token is left to compute, since its logits are needed to sample.
+        At least the last token is left to compute, since its logits are needed to sample. A sequence that pools
+        the mean of its prompt's hidden states (an embedding) needs every token's, so it takes none.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.pooling == "mean":
             return [], []
         pages: list[int] = []
         hashes: list[int] = []

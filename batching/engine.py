@@ -112,13 +112,6 @@ class _SampledRun(NamedTuple):
     finish: FinishReason | None
 
 
-class _PoolingBlockManager(BlockManager):
-    """A mean needs every prompt token's hidden state: a sequence that pools one takes no cached pages."""
-
-    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        return ([], []) if seq.params.pooling == "mean" else super().match_prefix(seq)
-
-
 def _describe(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(error)).strip()
 
@@ -151,7 +144,7 @@ class Engine:
             ngram=self.ngram,
             attention_backend=config.attention_backend, kv_dtype=kv_dtype, mesh=mesh, layer_loop=config.layer_loop,
         )
-        self.block_manager = _PoolingBlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
         self.speculator = Speculator(self.ngram) if self.ngram else None
