@@ -9,7 +9,6 @@ request's `Collector` receives its own.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
@@ -81,6 +80,8 @@ class Collector:
     """The async consumer of one request: `async for increment in collector` until every choice has finished.
 
     Lives on the event loop; `put` is called there (by the engine's driver), never from the engine thread.
+    Increments not yet taken are kept per choice and joined into one when taken, so a consumer that stops
+    taking them (a stalled reader) holds what its request generates, at most `max_tokens` per choice.
     """
 
     def __init__(self, request_id: str, num_choices: int) -> None:
@@ -88,7 +89,7 @@ class Collector:
         self.num_choices = num_choices
         self.num_finished = 0
         self.usage: Usage | None = None
-        self._pending: deque[Increment] = deque()
+        self._pending: dict[int, list[Increment]] = {}
         self._wakeup = asyncio.Event()
 
     @property
@@ -96,7 +97,10 @@ class Collector:
         return self.num_finished == self.num_choices
 
     def put(self, increment: Increment) -> None:
-        self._pending.append(increment)
+        # Moved to the end, so the request's last increment (the one with its usage) is taken last.
+        parts = self._pending.pop(increment.choice, [])
+        parts.append(increment)
+        self._pending[increment.choice] = [joined(parts)] if len(parts) >= 64 else parts
         self._wakeup.set()
 
     async def __aiter__(self) -> AsyncIterator[Increment]:
@@ -105,11 +109,19 @@ class Collector:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            increment = self._pending.popleft()
+            increment = joined(self._pending.pop(next(iter(self._pending))))
             if increment.finished:
                 self.num_finished += 1
                 self.usage = increment.usage or self.usage
             yield increment
+
+
+def joined(parts: list[Increment]) -> Increment:
+    """One choice's consecutive increments as one (the last one's finish, error and usage)."""
+    if len(parts) == 1:
+        return parts[0]
+    return parts[-1]._replace(text="".join(p.text for p in parts), token_ids=tuple(t for p in parts for t in p.token_ids),
+                              logprobs=tuple(lp for p in parts for lp in p.logprobs))
 
 
 @dataclass(frozen=True)
