@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Literal, Protocol
@@ -23,6 +24,8 @@ from sluice.app.streaming import EventStreamResponse, cancel_on_disconnect
 
 Outcome = Literal["success", "error", "abort"]
 
+logger = logging.getLogger(__name__)
+
 
 class Generation:
     """The engine request behind one HTTP request (all its prompts and samples, one collector).
@@ -35,7 +38,8 @@ class Generation:
     """
 
     def __init__(self, engine: Engine, collector: Collector, admission: Admission, metrics: ServerMetrics,
-                 arrival: float) -> None:
+                 arrival: float, stall_timeout_s: float | None = None) -> None:
+        self.stall_timeout_s = stall_timeout_s
         self._engine = engine
         self._collector = collector
         self._admission = admission
@@ -80,6 +84,13 @@ class Generation:
         self._admission.release()
         self._metrics.finished(self._outcome, time.perf_counter() - self._arrival)
 
+    def stalled(self) -> None:
+        """The stream's reader accepted nothing for `stall_timeout_s`: counted, and reported when it closes."""
+        self._failure = APIError(408, f"The client read nothing for {self.stall_timeout_s:g} s", code="stream_stalled")
+        self._metrics.stream_stalled()
+        logger.warning("request %s: the client read nothing for %g s; aborted", self._collector.request_id,
+                       self.stall_timeout_s)
+
     async def close_stream(self) -> None:
         """`close`, and a failure reported: after a stream's 200 it reached the client as an error event or
         not at all (the client left), which the per-status request counts never see."""
@@ -111,7 +122,8 @@ async def start_generation(request: Request, state: ServerState, prompts: list[l
     except BaseException:
         submitting.add_done_callback(lambda _: abandon(engine, submitting, request_id, admission))
         raise
-    return Generation(engine, collector, admission, state.metrics, arrival)
+    return Generation(engine, collector, admission, state.metrics, arrival,
+                      state.settings.stream_stall_timeout_s or None)
 
 
 def abandon(engine: Engine, submitting: asyncio.Future[None], request_id: str, admission: Admission) -> None:
@@ -135,7 +147,8 @@ async def respond(request: Request, generation: Generation, builder: ResponseBui
     """An SSE stream or one JSON body; either way the generation is closed at the end."""
     if stream:
         return EventStreamResponse(builder.events(generation), on_close=generation.close_stream,
-                                   keepalive_s=keepalive_s)
+                                   keepalive_s=keepalive_s, stall_timeout_s=generation.stall_timeout_s,
+                                   on_stall=generation.stalled)
     try:
         response = await cancel_on_disconnect(request, builder.collect(generation))
     finally:

@@ -48,6 +48,10 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.stream_stalls = Counter(
+            "sluice_stream_stalls", "Streams aborted because their reader accepted nothing for the stall timeout",
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine_stats))
         self.recent = RecentRequests()
 
@@ -75,6 +79,9 @@ class ServerMetrics:
         """A stream that ended in an error event (`status` its error's) or whose client left (499) after its
         200 went out."""
         self.recent.error(status, request_id, message)
+
+    def stream_stalled(self) -> None:
+        self.stream_stalls.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

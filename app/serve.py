@@ -114,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting", type=float)
     _option(parser, "--sse-keepalive", _SERVER_DEFAULTS.sse_keepalive_s,
             "seconds between keep-alive comments of a stream that has nothing to send", type=float)
+    _option(parser, "--stream-stall-timeout", _SERVER_DEFAULTS.stream_stall_timeout_s,
+            "abort a stream whose reader accepts nothing for this many seconds, freeing its KV pages (0: never)",
+            type=float)
     _option(parser, "--tool-call-parser", _SERVER_DEFAULTS.tool_call_parser,
             "how tool calls are read (and forced) for a template with tools: auto (the template's own format), hermes "
             "(`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}; ...`) or mistral "
@@ -200,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         sse_keepalive_s=args.sse_keepalive,
+        stream_stall_timeout_s=args.stream_stall_timeout,
         tool_call_parser=args.tool_call_parser,
         embedding_pooling=args.embedding_pooling,
         responses_store_size=args.responses_store_size,

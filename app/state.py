@@ -22,7 +22,8 @@ from sluice.app.responses_api_store import ResponseStore
 @dataclass(frozen=True)
 class ServerSettings:
     """HTTP-side settings: `max_waiting` sequences may queue beyond the engine's running batch;
-    `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send; `ui` serves the
+    `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send; a stream whose reader
+    accepts nothing for `stream_stall_timeout_s` (0: never) is aborted (`app/streaming.py`); `ui` serves the
     dashboard and playground, whose latency charts draw the `slo_*_ms` lines when set; `tool_call_parser` names
     the format of tool calls (`app/tool_calls.py`); `/v1/responses` keeps at most `responses_store_size` responses
     and `responses_store_bytes` bytes of them (`app/responses_api_store.py`); `embedding_pooling` is how
@@ -34,6 +35,7 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     retry_after_s: int = 1
     sse_keepalive_s: float = 10.0
+    stream_stall_timeout_s: float = 60.0
     ui: bool = True
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None

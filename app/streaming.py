@@ -2,7 +2,8 @@
 
 Each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`, as OpenAI's does. While no event
 is ready (a request waiting in the queue), a comment `: keep-alive` goes out every `keepalive_s` seconds, so
-proxies and clients keep the connection; SSE clients ignore comments.
+proxies and clients keep the connection; SSE clients ignore comments. A reader that accepts no send for
+`stall_timeout_s` seconds (its TCP window stays full) has its stream ended, so its request stops holding KV pages.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from sluice.app.errors import APIError
 
@@ -32,26 +33,42 @@ def sse_event(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+class StreamStalled(Exception):
+    """The reader accepted no send for the stall timeout."""
+
+
 class EventStreamResponse(StreamingResponse):
     """A `text/event-stream` response that stops its events as soon as the client disconnects.
 
     Stopping is what aborts the engine request and frees its KV pages, so it must happen when the client
     leaves, not at the next token (which may be far off for a queued request). Starlette only watches
     for the disconnect under ASGI spec < 2.4; this does it whatever the server. `on_close` runs last in
-    every case, including a client gone before the first event.
+    every case, including a client gone before the first event. A send that waits more than `stall_timeout_s`
+    (None: no limit) ends the stream the same way, after `on_stall`; the server then closes the connection
+    (once the at most 64 KiB already written drains, asyncio's transport holds it until then).
     """
 
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]],
-                 keepalive_s: float) -> None:
+                 keepalive_s: float, stall_timeout_s: float | None = None,
+                 on_stall: Callable[[], None] = lambda: None) -> None:
         self._stream = with_keepalive(events, keepalive_s)
         super().__init__(self._stream, headers=SSE_HEADERS)
         self._events = events
         self._on_close = on_close
+        self._stall_timeout_s = stall_timeout_s
+        self._on_stall = on_stall
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streaming = asyncio.ensure_future(self.stream_response(send))
+        async def send_or_stall(message: Message) -> None:
+            try:
+                async with asyncio.timeout(self._stall_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise StreamStalled from None
+
+        streaming = asyncio.ensure_future(self.stream_response(send_or_stall))
         watching = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
@@ -59,6 +76,8 @@ class EventStreamResponse(StreamingResponse):
             for task in (streaming, watching):
                 task.cancel()
             await asyncio.gather(streaming, watching, return_exceptions=True)
+            if not streaming.cancelled() and isinstance(streaming.exception(), StreamStalled):
+                self._on_stall()
             # A task parked in `send` rather than inside the generators was cancelled without reaching
             # their own cleanup; close them explicitly, the outer first (it may be waiting on the inner).
             await self._stream.aclose()
@@ -66,7 +85,7 @@ class EventStreamResponse(StreamingResponse):
             await self._on_close()
         if not streaming.cancelled() and streaming.exception() is not None:
             error = streaming.exception()
-            if not isinstance(error, OSError):  # the client went away mid-send
+            if not isinstance(error, OSError | StreamStalled):  # the client went away or stopped reading
                 raise error
 
 
