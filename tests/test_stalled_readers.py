@@ -17,8 +17,12 @@ import socket
 import time
 from pathlib import Path
 
+import asyncio
+
 import httpx
 import pytest
+
+from sluice.batching.outputs import Collector, Increment, TokenLogprob, Usage
 
 from test_api_e2e import metric, start_server, wait_for_metric
 
@@ -73,6 +77,25 @@ def read_to_end(sock: socket.socket, timeout_s: float) -> bytes:
     while chunk := sock.recv(1 << 16):
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def test_increments_nobody_takes_are_joined_per_choice_in_order():
+    async def scenario() -> list[Increment]:
+        collector = Collector("r", num_choices=2)
+        for step in range(500):
+            for choice in (0, 1):
+                collector.put(Increment(choice, f"{step},", (step,), (TokenLogprob(step, -1.0),)))
+        collector.put(Increment(0, "", (), finish_reason="length"))
+        collector.put(Increment(1, "", (), finish_reason="length", usage=Usage(3, 1000)))
+        assert sum(len(parts) for parts in collector._pending.values()) < 2 * 64
+        return [increment async for increment in collector]
+
+    taken = asyncio.run(scenario())
+    assert [i.choice for i in taken] == [0, 1] and taken[-1].usage == Usage(3, 1000)
+    for increment in taken:
+        assert increment.text == "".join(f"{step}," for step in range(500))
+        assert increment.token_ids == tuple(range(500)) and len(increment.logprobs) == 500
+        assert increment.finish_reason == "length"
 
 
 def test_stalled_readers_stay_bounded_then_are_aborted_and_their_pages_freed(server):
