@@ -472,11 +472,11 @@ class Engine:
     def _append_output(self, seq: Sequence, output: SequenceOutput, index: int, sampled: SamplerOutput) -> None:
         """Appends a step's tokens for `seq` from `index` on (over its placeholders) up to where it ends; then, for
         a sequence with a grammar, the tokens the grammar forces."""
+        wants_logprobs = seq.params.wants_logprobs
         logprobs = ([self._logprob(seq, token, sampled, step, row)
-                     for token, (step, row) in zip(output.tokens, output.positions)]
-                    if seq.params.wants_logprobs else [])
+                     for token, (step, row) in zip(output.tokens, output.positions)] if wants_logprobs else [])
         self._append(seq, index, output.tokens, logprobs)
-        if seq.grammar is not None and not seq.params.wants_logprobs:
+        if seq.grammar is not None and not wants_logprobs:
             self._append_forced(seq)
 
     @staticmethod
