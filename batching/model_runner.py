@@ -688,17 +688,18 @@ class ModelRunner:
         sampled = SampledRows(np.full(num_rows, padding_slot, np.int32), np.zeros(num_rows, np.int32),
                               np.full(num_rows, -1, np.int32), history)
         if chunks:
-            self._fill_tokens(chunks, bucket.max_q_len, inputs)
-            self._fill_rows(chunks, inputs, sampled)
+            lengths = np.array([c.num_tokens for c in chunks])
+            slots = np.array([c.seq.slot for c in chunks], np.int32)
+            self._fill_tokens(chunks, lengths, slots, bucket.max_q_len, inputs)
+            self._fill_rows(chunks, np.cumsum(lengths), slots, inputs, sampled)
         return inputs, replace(sampled, history=self._history(history, num_rows))
 
-    def _fill_tokens(self, chunks: list[ScheduledChunk], q: int, inputs: StepInputs) -> None:
+    def _fill_tokens(self, chunks: list[ScheduledChunk], lengths: np.ndarray, slots: np.ndarray, q: int,
+                     inputs: StepInputs) -> None:
         """Per token: id (or where the device holds it), position, pool slot; per attention row: its chunk's
         slot, kv_len and query range. A chunk's queries go in pieces of at most q; a piece's queries are the last
         of its kv_len positions, so the pieces of one chunk chain causally."""
-        lengths = np.array([c.num_tokens for c in chunks])
         starts = np.array([c.start for c in chunks])
-        slots = np.array([c.seq.slot for c in chunks], np.int32)
         ends = np.cumsum(lengths)
         num = int(ends[-1])
         inputs.token_ids[:num] = ([c.seq.token_ids[c.start] for c in chunks] if num == len(chunks)  # decodes
@@ -728,16 +729,16 @@ class ModelRunner:
                 inputs.pool_ids[end - (chunk.num_tokens if pooling == "mean" else 1):end] = i
 
     @staticmethod
-    def _fill_rows(chunks: list[ScheduledChunk], inputs: StepInputs, sampled: SampledRows) -> None:
+    def _fill_rows(chunks: list[ScheduledChunk], ends: np.ndarray, slots: np.ndarray, inputs: StepInputs,
+                   sampled: SampledRows) -> None:
         """Per sampled row: its logits row, slot, output step and draft. A chunk with drafts has one row per draft
         position, each scoring the next token as if the drafts before it were accepted."""
         num_drafts = [c.num_drafts for c in chunks]
         num_rows = np.array(num_drafts) + 1
         row_chunk, j = ragged(num_rows)
-        ends = np.cumsum([c.num_tokens for c in chunks])
         n = len(row_chunk)
         inputs.logits_rows[:n] = ends[row_chunk] - num_rows[row_chunk] + j
-        sampled.slot[:n] = np.array([c.seq.slot for c in chunks], np.int32)[row_chunk]
+        sampled.slot[:n] = slots[row_chunk]
         sampled.step[:n] = np.array([c.seq.num_output_tokens for c in chunks])[row_chunk] + j
         if any(num_drafts):
             sampled.draft[:n] = [d for c in chunks for d in (*c.seq.drafts[:c.num_drafts], -1)]
