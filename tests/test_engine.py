@@ -89,10 +89,10 @@ def test_engine_requests_complete_with_usage_and_logprobs(engine):
     assert sum(len(o.token_ids) for o in outs) == 5
     assert outs[-1].finish_reason == "length" and all(o.finish_reason is None for o in outs[:-1])
     assert outs[-1].usage.prompt_tokens == 4 and outs[-1].usage.completion_tokens == 5
-    for o in outs:
-        (lp,) = o.logprobs
-        assert lp.token_id == o.token_ids[0] and len(lp.top) == 3
-        assert lp.top[0][0] == lp.token_id  # greedy picks the best
+    for o in outs:  # increments the consumer had not taken yet arrive joined (Collector), one logprob per token
+        assert [lp.token_id for lp in o.logprobs] == list(o.token_ids)
+        for lp in o.logprobs:
+            assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy picks the best
 
 
 def test_one_request_fans_out_over_prompts_and_samples_with_usage_counting_each_prompt_once(tiny, engine):
