@@ -31,6 +31,7 @@ BENCHMARKS = {
     "speculative": "the same requests with and without n-gram drafts: output tok/s, TPOT, acceptance",
     "structured": "structured output: mask fill time per token, step-time cost, JSON-schema throughput",
     "routing": "sluice serve --replicas: prefix-aware routing against round-robin on a shared-prefix workload",
+    "soak": "a mixed load for --minutes M with a SIGKILL and restart halfway: lost requests, 5xx, RSS, KV pages",
 }
 
 
