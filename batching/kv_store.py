@@ -1,0 +1,358 @@
+"""Full KV pages kept past the device pool, keyed by content: a host-RAM tier in front of a directory on disk.
+
+Keys: a page's key chains blake2b over (the previous page's key, this page's token ids), the first page's chained
+from the fingerprint of the `KVLayout` (model, weights, dtypes, page layout), so equal prefixes under one model
+map to equal keys and another model never reads them.
+
+Payload: one page's `PagePayload`, the leaves of the pool's (k, v) tree (`model.llama.empty_kv_cache`) with the
+page axis taken out, in `jax.tree.leaves` order: k, v each `[num_layers, num_kv_heads, page_size, head_dim]` of
+the KV dtype, or for an int8 pool k.values, k.scales, v.values, v.scales, the scales
+`[num_layers, num_kv_heads, page_size]` float32 (`KVLayout.payload_specs`).
+
+Tiers: `put` keeps a page in RAM and writes it through to disk, so it survives a SIGKILL once written. RAM is an
+LRU bounded in bytes; a page it evicts spills to the most recent end of the disk tier (written there if it is not
+on disk). The disk tier, `directory/<fingerprint>/<key>.kv`, is an LRU bounded in bytes, ordered by a file's
+mtime (refreshed on use) and rebuilt from the directory when a store opens; other fingerprints' folders are never
+read. A directory serves one process at a time.
+
+File: a header, then the payload's arrays' bytes in order. Header (little-endian): magic 8s, format version u32,
+fingerprint 32s, key 32s, payload length u64, then the checksum 32s (blake2b of the payload). A write goes to a
+temporary file beside it, is fsynced, then renamed over the name (`os.replace`), so a name only ever holds a
+whole file; a file whose size, header or checksum is wrong is removed, logged once and counted, never served.
+
+Threads: the engine thread owns the store and calls every method. Disk writes run on one writer thread fed by a
+bounded queue (a write that finds it full is dropped and counted: the page stays in RAM); `_lock` guards what
+the two share: the disk index and the counters the writer moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from math import prod
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sluice.model.config import ModelConfig
+from sluice.pallas_kernels.kv_cache import empty_pages
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"SLUICEKV"
+DIGEST_SIZE = 32
+_FIELDS = struct.Struct(f"<8sI{DIGEST_SIZE}s{DIGEST_SIZE}sQ")  # magic, version, fingerprint, key, payload length
+HEADER_SIZE = _FIELDS.size + DIGEST_SIZE  # the fields, then the payload's checksum
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+
+PageKey = str
+"""A page's key: 64 hex digits (`KVLayout.page_keys`), also its file's name."""
+PagePayload = tuple[np.ndarray, ...]
+"""One page's K/V arrays, as the module docstring lays them out."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything a page's K/V depends on besides its tokens: two stores share pages only if these are equal.
+
+    model: the weights' identity as loaded (a name plus a digest of the file, or its path, size and mtime)
+    quantization: how the weights run (`--quantization`), which changes the K/V they compute
+    dtype, kv_dtype: the activation and pool dtypes' names ("bfloat16", "int8", ...)
+    """
+
+    model: str
+    quantization: str
+    dtype: str
+    kv_dtype: str
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, *, model: str, quantization: str, dtype, kv_dtype, page_size: int) -> KVLayout:
+        """The layout of an engine's pool (`ModelRunner.kv_dtype`, `EngineConfig.page_size`)."""
+        return cls(model, quantization, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name, page_size,
+                   config.num_layers, config.num_kv_heads, config.head_dim)
+
+    @cached_property
+    def fingerprint(self) -> bytes:
+        """blake2b of the fields and the file format's version: [32] bytes."""
+        fields = json.dumps({**asdict(self), "format": FORMAT_VERSION}, sort_keys=True)
+        return hashlib.blake2b(fields.encode(), digest_size=DIGEST_SIZE).digest()
+
+    @cached_property
+    def payload_specs(self) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+        """(shape, dtype) of each array of a page's payload: the pool's own pages (`empty_pages`) with one page."""
+        shape = (self.num_layers, self.num_kv_heads, self.page_size, self.head_dim)
+        leaves = jax.tree.leaves(jax.eval_shape(lambda: (empty_pages(shape, self.kv_dtype),) * 2))
+        return tuple((leaf.shape, np.dtype(leaf.dtype)) for leaf in leaves)
+
+    @cached_property
+    def page_nbytes(self) -> int:
+        return sum(prod(shape) * dtype.itemsize for shape, dtype in self.payload_specs)
+
+    def page_keys(self, token_ids: Sequence[int], parent: PageKey | None = None) -> list[PageKey]:
+        """Keys of the full pages of `token_ids` (a trailing partial page has none). `parent`: the key of the page
+        before `token_ids[0]`, so a sequence's keys can be extended a page at a time; None: `token_ids` start the
+        sequence (its first page chains from the fingerprint)."""
+        digest = self.fingerprint if parent is None else bytes.fromhex(parent)
+        tokens = np.asarray(token_ids, "<i4")
+        keys = []
+        for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
+            digest = hashlib.blake2b(digest + tokens[start:start + self.page_size].tobytes(),
+                                     digest_size=DIGEST_SIZE).digest()
+            keys.append(digest.hex())
+        return keys
+
+
+@dataclass(frozen=True)
+class TierCounters:
+    hits: int
+    misses: int
+    pages: int  # held now
+    bytes: int  # held now: payloads in RAM, whole files on disk
+    evictions: int
+
+
+@dataclass(frozen=True)
+class KVStoreCounters:
+    ram: TierCounters
+    disk: TierCounters
+    corrupt: int  # files found torn, truncated or corrupt (each removed)
+    dropped_writes: int  # pages not written to disk: the writer's queue was full, or the write failed
+
+
+@dataclass
+class _Tally:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+
+class KVStore:
+    """The two tiers of `layout`'s pages under `directory`: at most `ram_bytes` of payloads in RAM and `disk_bytes`
+    of files on disk; `queue_pages` writes may wait for the writer thread."""
+
+    def __init__(self, layout: KVLayout, directory: Path | str, *, ram_bytes: int, disk_bytes: int,
+                 queue_pages: int = 256):
+        self.layout = layout
+        self.directory = Path(directory) / layout.fingerprint.hex()
+        self.ram_bytes = ram_bytes
+        self.disk_bytes = disk_bytes
+        self.file_bytes = HEADER_SIZE + layout.page_nbytes
+        self._ram: OrderedDict[PageKey, PagePayload] = OrderedDict()  # least recently used first
+        self._disk: OrderedDict[PageKey, None] = OrderedDict()  # the files; least recently used first
+        self._lock = threading.Lock()
+        self._ram_tally, self._disk_tally = _Tally(), _Tally()
+        self._corrupt = 0
+        self._dropped = 0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._open_directory()
+        self._queue: queue.Queue[tuple[PageKey, PagePayload] | None] = queue.Queue(queue_pages)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
+        self._writer.start()
+
+    def put(self, key: PageKey, payload: PagePayload) -> None:
+        """Keeps one page (the store holds the arrays from now on: leave them unchanged), in RAM and written
+        through to disk. A payload that does not match the layout's `payload_specs` is a ValueError."""
+        payload = tuple(np.ascontiguousarray(a) for a in payload)
+        got = tuple((a.shape, a.dtype) for a in payload)
+        if got != self.layout.payload_specs:
+            raise ValueError(f"page payload {got} does not match the layout's {self.layout.payload_specs}")
+        if key in self._ram:
+            self._ram.move_to_end(key)
+            return
+        self._spill(key, payload)
+        self._keep_in_ram(key, payload)
+
+    def get(self, key: PageKey) -> PagePayload | None:
+        """The page's payload (the store's own arrays: leave them unchanged), or None; a disk hit is brought into
+        RAM."""
+        payload = self._ram.get(key)
+        if payload is not None:
+            self._ram.move_to_end(key)
+            self._ram_tally.hits += 1
+            return payload
+        self._ram_tally.misses += 1
+        payload = self._read(key)
+        if payload is None:
+            self._disk_tally.misses += 1
+            return None
+        self._disk_tally.hits += 1
+        self._touch(key)
+        self._keep_in_ram(key, payload)
+        return payload
+
+    def contains(self, key: PageKey) -> bool:
+        with self._lock:
+            return key in self._ram or key in self._disk
+
+    def counters(self) -> KVStoreCounters:
+        ram_pages = len(self._ram)
+        with self._lock:
+            disk_pages = len(self._disk)
+            disk = TierCounters(self._disk_tally.hits, self._disk_tally.misses, disk_pages,
+                                disk_pages * self.file_bytes, self._disk_tally.evictions)
+            dropped = self._dropped
+        ram = TierCounters(self._ram_tally.hits, self._ram_tally.misses, ram_pages,
+                           ram_pages * self.layout.page_nbytes, self._ram_tally.evictions)
+        return KVStoreCounters(ram, disk, self._corrupt, dropped)
+
+    def flush(self) -> None:
+        """Returns once every page put so far is on disk (or dropped)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Flushes, then stops the writer thread."""
+        self._queue.put(None)
+        self._writer.join()
+
+    def _path(self, key: PageKey) -> Path:
+        return self.directory / f"{key}{SUFFIX}"
+
+    def _open_directory(self) -> None:
+        """Indexes the files a previous store left, oldest use first; removes temporaries (writes a dead process
+        left unfinished) and files of the wrong size."""
+        found = []
+        for path in self.directory.iterdir():
+            if path.suffix == TMP_SUFFIX:
+                path.unlink(missing_ok=True)
+            elif path.suffix == SUFFIX:
+                stat = path.stat()
+                if stat.st_size != self.file_bytes:
+                    self._discard(path, f"{stat.st_size} bytes, not {self.file_bytes}")
+                else:
+                    found.append((stat.st_mtime_ns, path.stem))
+        with self._lock:
+            for _, key in sorted(found):
+                self._disk[key] = None
+            self._evict_disk()
+
+    def _keep_in_ram(self, key: PageKey, payload: PagePayload) -> None:
+        self._ram[key] = payload
+        while len(self._ram) * self.layout.page_nbytes > self.ram_bytes:
+            old, old_payload = self._ram.popitem(last=False)
+            self._ram_tally.evictions += 1
+            self._spill(old, old_payload)
+
+    def _spill(self, key: PageKey, payload: PagePayload) -> None:
+        """Makes `key` the disk tier's most recent page, queueing its write if it is not on disk."""
+        if not self._touch(key):
+            try:
+                self._queue.put_nowait((key, payload))
+            except queue.Full:
+                with self._lock:
+                    self._dropped += 1
+
+    def _touch(self, key: PageKey) -> bool:
+        """Marks `key`'s file used now (its mtime too, for the next store's order); whether it is on disk."""
+        with self._lock:
+            if key not in self._disk:
+                return False
+            self._disk.move_to_end(key)
+        try:
+            os.utime(self._path(key))
+        except FileNotFoundError:  # the writer evicted it meanwhile
+            return False
+        return True
+
+    def _read(self, key: PageKey) -> PagePayload | None:
+        with self._lock:
+            if key not in self._disk:
+                return None
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        problem = self._problem(key, data)
+        if problem is not None:
+            self._discard(path, problem)
+            return None
+        arrays, offset = [], HEADER_SIZE
+        for shape, dtype in self.layout.payload_specs:
+            arrays.append(np.frombuffer(data, dtype, prod(shape), offset).reshape(shape))
+            offset += prod(shape) * dtype.itemsize
+        return tuple(arrays)
+
+    def _fields(self, key: PageKey) -> bytes:
+        """The header a file of `key` must begin with, up to its checksum."""
+        return _FIELDS.pack(MAGIC, FORMAT_VERSION, self.layout.fingerprint, bytes.fromhex(key),
+                            self.layout.page_nbytes)
+
+    def _problem(self, key: PageKey, data: bytes) -> str | None:
+        """What is wrong with the file `data` read for `key`, or None."""
+        if len(data) != self.file_bytes:
+            return f"{len(data)} bytes, not {self.file_bytes}"
+        if data[:_FIELDS.size] != self._fields(key):
+            return "header does not match its name and layout"
+        checksum = hashlib.blake2b(memoryview(data)[HEADER_SIZE:], digest_size=DIGEST_SIZE).digest()
+        if checksum != data[_FIELDS.size:HEADER_SIZE]:
+            return "checksum mismatch"
+        return None
+
+    def _discard(self, path: Path, problem: str) -> None:
+        logger.warning("KV store: removed corrupt page file %s (%s)", path, problem)
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self._disk.pop(path.stem, None)
+        self._corrupt += 1
+
+    def _evict_disk(self) -> None:
+        """Removes the least recently used files until the tier fits its bound; the caller holds `_lock`."""
+        while self._disk and len(self._disk) * self.file_bytes > self.disk_bytes:
+            key, _ = self._disk.popitem(last=False)
+            self._path(key).unlink(missing_ok=True)
+            self._disk_tally.evictions += 1
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._write(*item)
+            except OSError as e:  # disk full, directory gone: the page stays in RAM only
+                logger.warning("KV store: could not write page %s: %s", item[0], e)
+                with self._lock:
+                    self._dropped += 1
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, key: PageKey, payload: PagePayload) -> None:
+        """Writes one page's file atomically (temporary file, fsync, rename), then evicts what no longer fits."""
+        with self._lock:
+            if key in self._disk:  # queued twice (spilled before its first write landed)
+                return
+        data = [a.reshape(-1).view(np.uint8) for a in payload]
+        checksum = hashlib.blake2b(digest_size=DIGEST_SIZE)
+        for chunk in data:
+            checksum.update(chunk)
+        fd, tmp = tempfile.mkstemp(suffix=TMP_SUFFIX, prefix=key, dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._fields(key) + checksum.digest())
+                for chunk in data:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(key))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        with self._lock:
+            self._disk[key] = None
+            self._evict_disk()

@@ -1,0 +1,284 @@
+"""The persistent prefix store: pages keyed by content and layout round-trip through RAM and disk, each tier evicts
+its least recently used pages under its byte bound, the disk tier outlives the store, and a damaged file is never
+served; the device half moves pages between a real pool and the host."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sluice.batching import kv_store
+from sluice.batching.kv_store import HEADER_SIZE, KVLayout, KVStore
+from sluice.batching.kv_transfer import fetch_pages, load_pages
+from sluice.model.config import ModelConfig
+from sluice.model.llama import empty_kv_cache
+
+LAYOUT = KVLayout(model="test-model", quantization="none", dtype="float32", kv_dtype="float32", page_size=2,
+                  num_layers=1, num_kv_heads=1, head_dim=4)
+FILE_BYTES = HEADER_SIZE + LAYOUT.page_nbytes
+A, B, C = LAYOUT.page_keys(range(6))
+
+
+def payload(layout: KVLayout, seed: int) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    return tuple(rng.integers(-100, 100, shape).astype(dtype) for shape, dtype in layout.payload_specs)
+
+
+def assert_same(got, want) -> None:
+    assert got is not None
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture
+def open_store(tmp_path):
+    """open_store(layout, ram_pages, disk_pages) -> a store over tmp_path, closed after the test."""
+    stores = []
+
+    def open_(layout: KVLayout = LAYOUT, ram_pages: int = 4, disk_pages: int = 8, **kwargs) -> KVStore:
+        store = KVStore(layout, tmp_path, ram_bytes=ram_pages * layout.page_nbytes,
+                        disk_bytes=disk_pages * (HEADER_SIZE + layout.page_nbytes), **kwargs)
+        stores.append(store)
+        return store
+
+    yield open_
+    for store in stores:
+        store.close()
+
+
+def files(store: KVStore) -> set[str]:
+    return {path.name for path in store.directory.iterdir()}
+
+
+def test_page_keys_chain_over_the_whole_prefix_and_the_layout():
+    keys = LAYOUT.page_keys([1, 2, 3, 4, 5])
+
+    assert len(keys) == 2  # the trailing partial page has no key
+    assert LAYOUT.page_keys([1, 2, 3, 9])[0] == keys[0] and LAYOUT.page_keys([1, 2, 3, 9])[1] != keys[1]
+    assert LAYOUT.page_keys([0, 2, 3, 4])[1] != keys[1]  # a change in an earlier page changes every later key
+    assert LAYOUT.page_keys([3, 4], parent=keys[0]) == keys[1:]
+    assert replace(LAYOUT, quantization="int4").page_keys([1, 2]) != keys[:1]
+
+
+def test_a_page_round_trips_through_ram(open_store):
+    store = open_store()
+    store.put(A, payload(LAYOUT, 0))
+
+    assert_same(store.get(A), payload(LAYOUT, 0))
+    assert store.get(B) is None
+    counters = store.counters()
+    assert (counters.ram.hits, counters.ram.misses, counters.disk.misses) == (1, 1, 1)
+    assert (counters.ram.pages, counters.ram.bytes) == (1, LAYOUT.page_nbytes)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_a_page_survives_a_restart_on_disk(open_store, kv_dtype):
+    layout = replace(LAYOUT, kv_dtype=kv_dtype)
+    first = open_store(layout)
+    first.put(A, payload(layout, 0))
+    first.close()
+
+    store = open_store(layout)
+
+    assert store.contains(A)
+    assert_same(store.get(A), payload(layout, 0))
+    assert_same(store.get(A), payload(layout, 0))
+    counters = store.counters()
+    assert (counters.disk.hits, counters.ram.hits) == (1, 1)  # the disk hit was brought into RAM
+    assert (counters.disk.pages, counters.disk.bytes) == (1, HEADER_SIZE + layout.page_nbytes)
+
+
+def test_ram_evicts_the_least_recently_used_page_to_disk(open_store):
+    store = open_store(ram_pages=2)
+    store.put(A, payload(LAYOUT, 0))
+    store.put(B, payload(LAYOUT, 1))
+    store.get(A)
+    store.put(C, payload(LAYOUT, 2))
+    store.flush()
+
+    assert store.counters().ram.evictions == 1
+    assert_same(store.get(A), payload(LAYOUT, 0))
+    assert store.counters().ram.hits == 2
+    assert_same(store.get(B), payload(LAYOUT, 1))
+    assert store.counters().disk.hits == 1
+
+
+def test_disk_evicts_the_least_recently_used_file(open_store):
+    store = open_store(ram_pages=0, disk_pages=2)
+    store.put(A, payload(LAYOUT, 0))
+    store.put(B, payload(LAYOUT, 1))
+    store.flush()
+    store.get(A)
+    store.put(C, payload(LAYOUT, 2))
+    store.flush()
+
+    assert files(store) == {f"{A}.kv", f"{C}.kv"}
+    assert store.get(B) is None
+    counters = store.counters()
+    assert (counters.disk.pages, counters.disk.bytes, counters.disk.evictions) == (2, 2 * FILE_BYTES, 1)
+
+
+def test_a_reopened_store_orders_its_files_by_last_use_and_keeps_its_bound(open_store):
+    first = open_store(disk_pages=3)
+    for i, key in enumerate((A, B, C)):
+        first.put(key, payload(LAYOUT, i))
+    first.close()
+    for key, last_used in ((A, 3), (B, 1), (C, 2)):
+        os.utime(first.directory / f"{key}.kv", (last_used, last_used))
+
+    store = open_store(disk_pages=2)
+
+    assert files(store) == {f"{A}.kv", f"{C}.kv"}
+    assert store.counters().disk.evictions == 1
+
+
+def test_another_fingerprint_misses_and_leaves_the_files_alone(open_store):
+    first = open_store()
+    first.put(A, payload(LAYOUT, 0))
+    first.close()
+
+    other = open_store(replace(LAYOUT, model="other-weights"))
+
+    assert not other.contains(A) and other.get(A) is None
+    assert files(first) == {f"{A}.kv"}
+    assert_same(open_store().get(A), payload(LAYOUT, 0))
+
+
+def test_every_corrupted_byte_is_detected_never_served_and_the_file_removed(open_store, caplog):
+    first = open_store()
+    first.put(A, payload(LAYOUT, 0))
+    first.close()
+    path = first.directory / f"{A}.kv"
+    good = path.read_bytes()
+    assert len(good) == FILE_BYTES
+
+    caplog.set_level(logging.WARNING, logger=kv_store.__name__)
+    for position in range(len(good)):  # the header's every field, the checksum and the payload
+        for mask in (0x01, 0xFF):
+            bad = bytearray(good)
+            bad[position] ^= mask
+            path.write_bytes(bad)
+            store = open_store()
+            assert store.get(A) is None, (position, mask)
+            assert not path.exists()
+            assert store.counters().corrupt == 1
+            store.close()
+    assert len(caplog.records) == 2 * len(good)
+    assert all(path.name in record.getMessage() for record in caplog.records)
+
+
+def test_a_truncated_or_extended_file_is_removed_when_the_store_opens(open_store):
+    first = open_store()
+    first.put(A, payload(LAYOUT, 0))
+    first.close()
+    path = first.directory / f"{A}.kv"
+    good = path.read_bytes()
+
+    for bad in [good[:length] for length in range(len(good))] + [good + b"\0"]:
+        path.write_bytes(bad)
+        store = open_store()
+        assert not store.contains(A) and store.get(A) is None
+        assert not path.exists()
+        assert store.counters().corrupt == 1
+        store.close()
+
+
+def test_a_file_corrupted_under_a_running_store_is_a_miss(open_store):
+    store = open_store(ram_pages=0)
+    store.put(A, payload(LAYOUT, 0))
+    store.flush()
+    path = store.directory / f"{A}.kv"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x10
+    path.write_bytes(data)
+
+    assert store.get(A) is None
+    counters = store.counters()
+    assert (counters.corrupt, counters.disk.misses, counters.disk.pages) == (1, 1, 0)
+    assert not path.exists()
+
+
+def test_a_leftover_temporary_file_is_ignored_and_removed(open_store):
+    first = open_store()
+    leftover = first.directory / f"{A}x1y2.tmp"
+    leftover.write_bytes(b"SLUICEKV half a page")
+    first.close()
+
+    store = open_store()
+
+    assert not store.contains(A)
+    assert files(store) == set()
+
+
+def test_a_failed_write_leaves_no_file_and_keeps_the_page_in_ram(open_store, monkeypatch):
+    def failing_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kv_store.os, "fsync", failing_fsync)
+    store = open_store()
+    store.put(A, payload(LAYOUT, 0))
+    store.flush()
+
+    assert files(store) == set()
+    assert store.counters().dropped_writes == 1
+    assert_same(store.get(A), payload(LAYOUT, 0))
+
+
+def test_a_full_write_queue_drops_the_write_and_counts_it(open_store, monkeypatch):
+    writing, release = threading.Event(), threading.Event()
+    fsync = kv_store.os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        writing.set()
+        release.wait()
+        fsync(fd)
+
+    monkeypatch.setattr(kv_store.os, "fsync", slow_fsync)
+    store = open_store(queue_pages=1)
+    store.put(A, payload(LAYOUT, 0))
+    writing.wait()
+    store.put(B, payload(LAYOUT, 1))
+    store.put(C, payload(LAYOUT, 2))
+    release.set()
+    store.flush()
+
+    assert files(store) == {f"{A}.kv", f"{B}.kv"}
+    assert store.counters().dropped_writes == 1
+    assert_same(store.get(C), payload(LAYOUT, 2))
+
+
+def test_put_rejects_a_payload_of_another_layout(open_store):
+    with pytest.raises(ValueError, match="does not match"):
+        open_store().put(A, payload(replace(LAYOUT, kv_dtype="int8"), 0))
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.int8])
+def test_pool_pages_round_trip_through_the_store_into_other_pages(open_store, kv_dtype):
+    config, num_pages, page_size = ModelConfig.tiny(), 8, 4
+    rng = np.random.default_rng(0)
+    pool = jax.tree.map(lambda x: jnp.asarray(rng.integers(-100, 100, x.shape), x.dtype),
+                        empty_kv_cache(config, num_pages, page_size, kv_dtype))
+    before = jax.device_get(pool)
+    layout = KVLayout.of(config, model="tiny", quantization="none", dtype=jnp.float32, kv_dtype=kv_dtype,
+                         page_size=page_size)
+    keys = layout.page_keys(range(3 * page_size))
+    first = open_store(layout)
+    for key, page in zip(keys, fetch_pages(pool, [5, 2, 7]), strict=True):
+        first.put(key, page)
+    first.close()
+
+    target = empty_kv_cache(config, num_pages, page_size, kv_dtype)
+    loaded = load_pages(target, [1, 3, 0], [open_store(layout).get(key) for key in keys])
+
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(target))  # donated: written in place
+    for got, want in zip(jax.tree.leaves(jax.device_get(loaded)), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(got[:, [1, 3, 0]], want[:, [5, 2, 7]])
+        assert not got[:, [2, 4, 5, 6, 7]].any()  # the padding wrote nothing
