@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import random
@@ -127,7 +128,10 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         raise RuntimeError(f"no VmRSS for process {pid}") from None
-    return psutil.Process(pid).memory_info().rss
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.NoSuchProcess as error:
+        raise ProcessLookupError(pid) from error
 
 
 def gauges(metrics_text: str) -> dict[str, int]:
@@ -183,10 +187,11 @@ async def kind_stream(life: Life, rng: random.Random) -> None:
 async def kind_hangup(life: Life, rng: random.Random) -> None:
     body = _chat(life, _prompt(rng), max_tokens=128, ignore_eos=True, stream=True)
     seen = 0
-    async for _ in _events(life, "/v1/chat/completions", body):
-        seen += 1
-        if seen == 2:
-            return  # leaving the `async with` closes the connection mid-stream
+    async with contextlib.aclosing(_events(life, "/v1/chat/completions", body)) as events:
+        async for _ in events:
+            seen += 1
+            if seen == 2:
+                return  # closing the events leaves their `async with`: the connection closes mid-stream
     raise Wrong("a 128-token stream ended before its second event")
 
 
@@ -294,6 +299,8 @@ async def send(soak: Soak, life: Life, kind: str, rng: random.Random) -> Record:
         outcome, detail = "wrong", f"{type(error).__name__}: {error}"
     except (Cut, httpx.TransportError, openai.APIConnectionError) as error:
         outcome, detail = "lost", f"{type(error).__name__}: {error}"
+    except Exception as error:  # an answer of an unexpected shape (a missing field): wrong, and the load goes on
+        outcome, detail = "wrong", f"{type(error).__name__}: {error}"
     end = soak.now()
     if outcome in ("5xx", "lost") and soak.killed_at_s is not None and start <= soak.killed_at_s <= end:
         outcome = "killed"
