@@ -1,6 +1,10 @@
 # Two commands set everything up on a fresh machine: `make serve` and `make test`.
+# `make test PYTHON=python3.12` runs under another interpreter, in a venv of its own (.venv-python3.12).
 PYTHON ?= python3
-VENV := .venv
+# pyenv's shim for python3.N refuses to run unless that version is selected: where pyenv has it, take its
+# interpreter directly.
+PYTHON_BIN = $(firstword $(wildcard $(HOME)/.pyenv/versions/$(patsubst python%,%,$(filter python3.%,$(1)))*/bin/$(filter python3.%,$(1))) $(1))
+VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The HF transformers baseline for `make bench` lives in its own venv: torch is not a Sluice dependency.
@@ -10,10 +14,10 @@ LLAMA_CPP := .llama-cpp
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP_SRC := llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 
-.PHONY: serve test model bench gpu-check check-jax-next clean
+.PHONY: serve test model bench gpu-check check-jax-next check-gpu-image clean
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+	$(call PYTHON_BIN,$(PYTHON)) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 # The ray extra too: the tests of `sluice serve --replicas` run when it is there (and skip without it).
@@ -45,7 +49,7 @@ test: model | $(CHROMIUM)
 
 # torch first: pip then takes the CPU wheel and keeps it when transformers comes after.
 $(BENCH_REF)/.installed:
-	$(PYTHON) -m venv $(BENCH_REF)
+	$(call PYTHON_BIN,$(PYTHON)) -m venv $(BENCH_REF)
 	$(BENCH_REF)/bin/pip install --quiet torch==2.13.0
 	$(BENCH_REF)/bin/pip install --quiet transformers gguf accelerate
 	touch $@
@@ -72,21 +76,31 @@ GPU_CHECK_OUT ?= gpu-check
 gpu-check:
 	$(PYTHON) -m sluice.bench.gpu_check --out $(GPU_CHECK_OUT) --require-gpu
 
+# The whole suite, as `make test` runs it, under Python 3.12 and the newest jax on the index, whatever
+# pyproject's pin allows (JAX_NEXT_VERSION=X takes that one instead), in a venv of its own: whether the pin may grow.
+JAX_NEXT := .venv-jax-next
+PYTHON_NEXT ?= python3.12
+JAX_NEXT_VERSION ?=
+check-jax-next:
+	$(MAKE) --no-print-directory PYTHON=$(PYTHON_NEXT) VENV=$(JAX_NEXT) $(JAX_NEXT)/.installed
+	$(JAX_NEXT)/bin/pip install --quiet --upgrade \
+		jax$(if $(JAX_NEXT_VERSION),==$(JAX_NEXT_VERSION)) jaxlib$(if $(JAX_NEXT_VERSION),==$(JAX_NEXT_VERSION))
+	$(JAX_NEXT)/bin/python -c 'import sys, jax, jaxlib; print("Python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__)'
+	$(MAKE) --no-print-directory PYTHON=$(PYTHON_NEXT) VENV=$(JAX_NEXT) test
+
 # The software of a typical GPU machine (Python 3.12, jax 0.11.2; no HTTP stack, gguf, pydantic or llguidance),
 # on any machine: the kernel lowering and GPU-check tests in a venv of their own.
-JAX_NEXT := .venv-jax-next
-# pyenv's shim for python3.12 refuses to run unless 3.12 is selected: take its interpreter directly.
-PYTHON_NEXT ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
-JAX_NEXT_VERSION ?= 0.11.2
-$(JAX_NEXT)/.installed:
-	$(PYTHON_NEXT) -m venv $(JAX_NEXT)
-	$(JAX_NEXT)/bin/pip install --quiet jax==$(JAX_NEXT_VERSION) jaxlib==$(JAX_NEXT_VERSION) flax orbax-checkpoint \
+GPU_IMAGE := .venv-gpu-image
+GPU_IMAGE_JAX ?= 0.11.2
+$(GPU_IMAGE)/.installed:
+	$(call PYTHON_BIN,$(PYTHON_NEXT)) -m venv $(GPU_IMAGE)
+	$(GPU_IMAGE)/bin/pip install --quiet jax==$(GPU_IMAGE_JAX) jaxlib==$(GPU_IMAGE_JAX) flax orbax-checkpoint \
 		numpy safetensors tokenizers jinja2 tqdm prometheus-client httpx pytest
 	touch $@
 
-check-jax-next: $(JAX_NEXT)/.installed
-	$(JAX_NEXT)/bin/python -m pytest -q tests/test_kernel_lowering.py tests/test_paged_attention.py \
+check-gpu-image: $(GPU_IMAGE)/.installed
+	$(GPU_IMAGE)/bin/python -m pytest -q tests/test_kernel_lowering.py tests/test_paged_attention.py \
 		tests/test_gpu_check.py tests/test_kernel_bench.py tests/test_engine_check.py
 
 clean:
-	rm -rf $(VENV) $(BENCH_REF) $(LLAMA_CPP) $(JAX_NEXT)
+	rm -rf $(VENV) $(BENCH_REF) $(LLAMA_CPP) $(JAX_NEXT) $(GPU_IMAGE)

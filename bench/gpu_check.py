@@ -26,7 +26,7 @@ cap and what is left of the budget; a step with too little time left is skipped 
 
 Without a GPU the same steps run at small sizes (a kernel-test subset in interpret mode, a tiny benchmark,
 a tiny model on the CPU): tests/test_gpu_check.py runs it that way in `make test`, so it cannot rot.
-`make check-jax-next` runs those tests and the kernel lowering on this CPU under the GPU image's jax
+`make check-gpu-image` runs those tests and the kernel lowering on a CPU under the GPU image's jax
 (Python 3.12, jax 0.11.2, no HTTP stack) before a GPU session.
 """
 
