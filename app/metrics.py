@@ -111,6 +111,8 @@ class _EngineCollector:
             ("sluice_generation_tokens", "Tokens generated", stats.generation_tokens_total),
             ("sluice_num_preemptions", "Sequences preempted to free KV pages", stats.num_preemptions),
             ("sluice_engine_steps", "Engine steps run", stats.num_steps),
+            ("sluice_engine_step_failures", "Steps that failed: every request in flight ended with an error, and the "
+             "engine started over with an empty KV pool", stats.num_step_failures),
         ]
         if stats.spec is not None:
             counters += [

@@ -167,6 +167,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--downscale-delay", _SCALE_DEFAULTS.downscale_delay_s,
             "with --max-replicas: seconds of sustained low load before removing a replica (it drains first, "
             "for up to --drain-timeout)", type=float)
+    _option(parser, "--step-timeout", _ENGINE_DEFAULTS.step_timeout_s,
+            "seconds one engine step may run before it is taken for hung: every request in flight then ends with "
+            "an error and the server exits (code 75) for its supervisor to restart it; 0 turns the watchdog off",
+            type=float)
     _option(parser, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -193,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
             tp=args.tp,
             attention_backend=args.attention_backend,
             layer_loop=args.layer_loop,
+            step_timeout_s=args.step_timeout or None,
         )
     except ValueError as error:
         print(f"sluice serve: error: {error}", file=sys.stderr)

@@ -69,7 +69,9 @@ logger = logging.getLogger(__name__)
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.sluice
     if not state.ready:
-        return error_response(not_ready("shutting down" if state.draining else "loading"))
+        reason = ("shutting down" if state.draining else "loading" if state.engine is None
+                  else "the engine failed a step and is starting over, or hung")
+        return error_response(not_ready(reason))
     return JSONResponse({"status": "ok"})
 
 

@@ -59,7 +59,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.engine is not None and not self.draining and self.engine.healthy
 
     @property
     def model_name(self) -> str:

@@ -39,18 +39,18 @@ class BlockManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hit_tokens = 0
+        self.query_tokens = 0
         self.reset()
 
     def reset(self) -> None:
-        """Forgets every allocation and cached page (the pool's contents are gone)."""
+        """Forgets every allocation and cached page (the pool's contents are gone); the counters go on."""
         num_pages = self.num_pages
         self.ref_counts = [0] * num_pages
         self._page_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_pages
         self._cached: dict[int, int] = {}  # hash -> page
         self._free: deque[int] = deque(range(num_pages))  # unreferenced, no hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; oldest first
-        self.hit_tokens = 0
-        self.query_tokens = 0
 
     @property
     def num_free_pages(self) -> int:

@@ -32,6 +32,8 @@ class EngineConfig:
     (suffixes of `spec_ngram_min`..`spec_ngram_max` tokens) and verify them in one step, while at most
     `spec_max_batch_size` sequences decode (`batching/speculation.py`); inside multi-step decode calls the device
     proposes and checks them at every step of the call.
+    `step_timeout_s`: the watchdog's limit on one step of a started engine (None: no watchdog); past it the step is
+    taken for hung, and the process exits (`Engine._watch`). 300 s, as SGLang's.
     """
 
     model: str | None = None
@@ -55,6 +57,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     layer_loop: str = "auto"
     warmup: bool = True
+    step_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,6 +72,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),
             (self.tp >= 1, "tp", "must be at least 1"),
+            (self.step_timeout_s is None or self.step_timeout_s > 0, "step_timeout_s", "must be positive"),
             (self.attention_backend in BACKENDS, "attention_backend", f"must be one of {', '.join(BACKENDS)}"),
             (self.layer_loop in LAYER_LOOPS, "layer_loop", f"must be one of {', '.join(LAYER_LOOPS)}"),
             (self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}"),

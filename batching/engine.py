@@ -16,6 +16,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -54,6 +55,8 @@ from sluice.sharding.rules import param_sharding
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30
+EXIT_STEP_HUNG = 75  # sysexits' EX_TEMPFAIL: a supervisor should restart the server
+HUNG_EXIT_GRACE_S = 1.0
 ACCELERATOR_KV_FRACTION = 0.8
 
 
@@ -168,6 +171,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._num_steps = 0
+        self._num_step_failures = 0
+        self.healthy = True  # False while the engine starts over after a failed step, and for good once one hangs
+        self._step_began: float | None = None  # time.monotonic() of the step running now, for the watchdog
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._totals = StepTotals(config.max_num_seqs)
@@ -230,6 +236,9 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
+        if self.config.step_timeout_s is not None:
+            threading.Thread(target=self._watch, args=(self._thread, self.config.step_timeout_s),
+                             name="sluice-watchdog", daemon=True).start()
 
     async def shutdown(self) -> None:
         """Stops the step loop; what is left is aborted (by the engine thread, which owns it)."""
@@ -272,17 +281,39 @@ class Engine:
             if not self.has_work:
                 self._apply(self._inbox.get())  # sleeps until there is something to do
                 continue
+            self._step_began = time.monotonic()
             try:
                 self.step()
             except Exception as error:  # noqa: BLE001 - a bug must not leave clients waiting forever
                 logger.exception("engine step failed")
-                self._in_flight = None
-                self._fail(list(self._requests.values()), _describe(error))
-                self._flush()
+                self._start_over(error)
+            self._step_began = None
         self._in_flight = None
         for request in list(self._requests.values()):
             self._finish(request, "abort", None)
         self._flush()
+
+    def _watch(self, engine_thread: threading.Thread, timeout_s: float) -> None:
+        """The watchdog: a step that runs past `timeout_s` (a hung kernel) cannot be interrupted, so every request
+        in flight ends with an error, /health turns 503, and the process exits with EXIT_STEP_HUNG for its
+        supervisor to restart it. It reads the engine's requests from this thread: their owner is stuck."""
+        while engine_thread.is_alive():
+            began = self._step_began
+            if began is not None and time.monotonic() - began > timeout_s:
+                break
+            time.sleep(min(1.0, timeout_s / 10))
+        else:
+            return
+        self.healthy = False
+        shape = self._in_flight.pending.bucket if self._in_flight is not None else "none (hung while dispatching)"
+        message = f"the engine's step ran past --step-timeout ({timeout_s:g} s); the server restarts"
+        logger.critical("a step ran past --step-timeout (%g s); step in flight: %s; ending every request and "
+                        "exiting with %d", timeout_s, shape, EXIT_STEP_HUNG)
+        self._deliver([(request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message))
+                       for request in list(self._requests.values()) for seq in request.seqs
+                       if seq.choice not in request.finished_choices])
+        time.sleep(HUNG_EXIT_GRACE_S)  # for the event loop to send the errors
+        os._exit(EXIT_STEP_HUNG)
 
     # --- one step (engine thread) ---------------------------------------------------------------------
 
@@ -303,7 +334,10 @@ class Engine:
             self._collect()
         launched = self._launch(start)
         if overlap:
+            failures = self._num_step_failures
             self._collect()
+            if self._num_step_failures != failures:
+                launched = None  # fed from the failed step, on a pool that is gone
         self._emit_text()
         self._flush()
         self._in_flight = launched
@@ -339,7 +373,7 @@ class Engine:
         try:
             pending = self.runner.dispatch(chunks, limits, drafting, self._num_pooling > 0)
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
-            self._fail_step(chunks, error)
+            self._start_over(error)
             return None
         return _Launched(chunks, limits, drafting, self._mark_dispatched(chunks, limits, drafting), pending, stats,
                          start, time.perf_counter() - start)
@@ -362,20 +396,23 @@ class Engine:
 
     def _collect(self) -> None:
         """Takes in the step in flight: appends each sequence's tokens (until it ends) and caches its pages."""
-        launched, self._in_flight = self._in_flight, None
+        launched = self._in_flight  # kept there while it is fetched, for the watchdog to name
         if launched is None:
             return
         try:
             result = launched.pending.fetch()
         except Exception as error:  # noqa: BLE001
-            self._fail_step(launched.chunks, error)
+            self._start_over(error)
             return
+        self._in_flight = None
         arrived = time.perf_counter()
         if result.pooled is not None:
             self._pool(launched.chunks, result.pooled)
         for chunk, output, index in zip(launched.chunks, result.seqs, launched.first_indices):
             seq = chunk.seq
-            if output is not None and not seq.finished:
+            if output is not None and not output.finite and not seq.finished:
+                self._fail_request(seq.request_id, FloatingPointError("the model's logits were not finite"))
+            elif output is not None and not seq.finished:
                 try:
                     self._append_output(seq, output, index, result.sampled)
                 except Exception as error:  # noqa: BLE001 - one request's failure is its own
@@ -582,19 +619,21 @@ class Engine:
         if request is not None:
             self._finish(request, "error", _describe(error))
 
-    def _fail_step(self, chunks: list[ScheduledChunk], error: Exception) -> None:
-        logger.error("step failed: %s", _describe(error))
-        request_ids = dict.fromkeys(c.seq.request_id for c in chunks)
-        self._fail([self._requests[i] for i in request_ids if i in self._requests], _describe(error))
-        if self.runner.pool_lost():
-            # The failed step consumed the donated pool: nothing cached in it survives.
-            self._fail(list(self._requests.values()), _describe(error))
-            self.runner.reset_pool()
-            self.block_manager.reset()
-
-    def _fail(self, requests: list[Request], message: str) -> None:
-        for request in requests:
-            self._finish(request, "error", message)
+    def _start_over(self, error: Exception) -> None:
+        """A step failed (on the device, or a bug in the engine): what it wrote to the pool and fed to the steps
+        after it is suspect, so every request in flight ends with the error, and the engine starts over in-process
+        with an empty pool (the prefix cache too). Unhealthy meanwhile."""
+        self.healthy = False
+        logger.error("step failed; ending every request in flight and starting over: %s", _describe(error))
+        self._num_step_failures += 1
+        self._in_flight = None
+        for request in list(self._requests.values()):
+            self._finish(request, "error", _describe(error))
+        self._unemitted.clear()
+        self._flush()
+        self.runner.reset()
+        self.block_manager.reset()
+        self.healthy = True
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None) -> None:
         """Ends every unfinished choice of `request` with `reason` and frees its pages now."""
@@ -625,6 +664,7 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
+            num_step_failures=self._num_step_failures,
             last_step=last_step,
             spec=self.speculator.counters() if self.speculator is not None else None,
             busy_s=self._totals.busy_s,

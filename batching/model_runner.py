@@ -42,6 +42,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from sluice.batching import step_broadcast
+from sluice.batching.faults import Fault, strike
 from sluice.batching.ngram import NgramConfig, propose_on_device
 from sluice.batching.request import MAX_STOP_IDS
 from sluice.batching.input_batch import InputBatch, SlotRows, SlotWrites, write_rows
@@ -356,11 +357,15 @@ class SequenceOutput(NamedTuple):
     """What one scheduled sequence got from a step, whatever ran (one step, a multi-step call, a verification):
     its new tokens in order, where each lies in the sampler's output (`positions`, (step, row): its logprobs),
     and (drafts checked, drafts accepted) of each verification. The engine stops taking tokens where the
-    sequence ends."""
+    sequence ends. `finite` is False if its logits were not (NaN or inf): it then has no tokens."""
 
     tokens: list[int]
     positions: list[tuple[int, int]]
     verifications: list[tuple[int, int]]
+    finite: bool = True
+
+
+_NONFINITE = SequenceOutput([], [], [], finite=False)
 
 
 @dataclass(frozen=True)
@@ -377,12 +382,17 @@ class StepOutput:
 def _sequence_outputs(out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
                       limits: list[int] | None) -> list[SequenceOutput | None]:
     """Each chunk's share of a fetched step (numpy arrays). A plain run's positions are listed only if its
-    sequence wants logprobs (nothing else reads them)."""
+    sequence wants logprobs (nothing else reads them). A row's logits are checked at the call's first step, where
+    every sampled row is live (later, a row that stopped computes padding)."""
     outputs: list[SequenceOutput | None] = []
+    sampled = out.sampled if isinstance(out, VerifiedSteps) else out
     by_row = out.tokens.T.tolist() if isinstance(out, SamplerOutput) else None  # [rows][steps], in one call
+    nonfinite = np.flatnonzero(~np.isfinite(sampled.logprobs[0]))
     for i, (chunk, row) in enumerate(zip(chunks, rows)):
         if not chunk.sample:
             outputs.append(None)
+        elif nonfinite.size and row in nonfinite:
+            outputs.append(_NONFINITE)
         elif isinstance(out, VerifiedSteps):
             positions, verifications = [], []
             for step in range(out.num_emitted.shape[0]):
@@ -407,14 +417,18 @@ class PendingStep:
     """A dispatched step whose sampled tokens are being copied to the host."""
 
     def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, pooled: jax.Array | None):
+                 limits: list[int] | None, pooled: jax.Array | None, bucket: Bucket, fault: str | None = None):
+        """`bucket`: the step's shape, for a hung step's report; `fault`: an injected one (`faults.py`)."""
         self._out = (out, pooled)
         self._shares = (chunks, rows, limits)
+        self.bucket = bucket
+        self._fault = fault
         for leaf in jax.tree.leaves(self._out):
             leaf.copy_to_host_async()
 
     def fetch(self) -> StepOutput:
         """Blocks until the step is done."""
+        strike(self._fault, self.bucket)
         out, pooled = jax.tree.map(np.asarray, self._out)
         sampled = out.sampled if isinstance(out, VerifiedSteps) else out
         return StepOutput(sampled, _sequence_outputs(out, *self._shares), pooled)
@@ -446,7 +460,6 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.num_pages = num_pages
         self.kv_dtype = jnp.dtype(model.dtype if kv_dtype is None else kv_dtype)
-        self.reset_pool()
         self.backend = attention_backend
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
@@ -467,14 +480,12 @@ class ModelRunner:
         # partial: jax.jit keys its cache by the function object, and this runner's compilations are its own.
         self._sample = jax.jit(partial(_sample_step, max_num_seqs), out_shardings=everywhere)
         self._mask = jax.jit(partial(mask_disallowed), out_shardings=everywhere)
-        # The last step's sampled tokens, each sequence's at its row, for the next step to feed (`StepInputs.feed`).
-        self._last_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), everywhere or self.kv_sharding)
-        self._last_rows: dict[int, int] = {}
-        self.input_batch = InputBatch(max_num_seqs, self.max_pages_per_seq, self.config.vocab_size, MAX_STOP_IDS,
-                                      pow2_buckets(1, max_num_seqs))
-        self._slots = jax.device_put(self.input_batch.host, everywhere or self.kv_sharding)
+        self._step_outputs_sharding = everywhere or self.kv_sharding
+        self.reset()
         self._write_slots = jax.jit(partial(write_rows), donate_argnums=(0,), out_shardings=everywhere)
         self._no_histories: dict[int, jax.Array] = {}
+        self.fault = Fault.from_env()
+        self._num_dispatched = 0
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -528,13 +539,14 @@ class ModelRunner:
         return self._steps[key]
 
     def _run(self, bucket: Bucket, writes: SlotWrites | None, inputs: StepInputs, sampled: SampledRows,
-             fill_masks: Callable[[np.ndarray], None] | None = None
+             fill_masks: Callable[[np.ndarray], None] | None = None, poison: bool = False
              ) -> tuple[SamplerOutput | VerifiedSteps, jax.Array | None]:
         """Writes the changed slots, launches the step on host inputs (numpy) and replaces the pool; returns
         without waiting, with a single step's pooled rows (`_forward`).
 
         `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
-        ([num_rows, ceil(V / 32)] int32, all ones) while the model runs.
+        ([num_rows, ceil(V / 32)] int32, all ones) while the model runs. `poison`: the first row's logits become NaN
+        (an injected fault).
         """
         if writes is not None:
             self._write(writes)
@@ -545,6 +557,8 @@ class ModelRunner:
             out, self._last_tokens = result
             return out, None
         logits, sampling, pooled = result
+        if poison:
+            logits = logits.at[0].set(jnp.nan)
         if fill_masks is not None:
             allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
             fill_masks(allowed)
@@ -573,13 +587,17 @@ class ModelRunner:
             return tree
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated(self.mesh), x), tree)
 
-    def pool_lost(self) -> bool:
-        """Whether a failed step took the donated KV pool with it."""
-        return any(x.is_deleted() for x in jax.tree.leaves(self.kv_cache))
-
-    def reset_pool(self) -> None:
-        """A zeroed pool, committed to its devices (so the first step compiles the same as later ones)."""
+    def reset(self) -> None:
+        """What steps update, as at start (no sequence holds a slot or a page then): a zeroed pool, committed to
+        its devices (so the first step compiles the same as later ones), empty slots, and the last step's sampled
+        tokens (each sequence's at its row, for the next step to feed: `StepInputs.feed`). After a failed step,
+        all of them are suspect."""
         self.kv_cache = empty_kv_cache(self.config, self.num_pages, self.page_size, self.kv_dtype, self.kv_sharding)
+        self.input_batch = InputBatch(self.max_num_seqs, self.max_pages_per_seq, self.config.vocab_size,
+                                      MAX_STOP_IDS, pow2_buckets(1, self.max_num_seqs))
+        self._slots = jax.device_put(self.input_batch.host, self._step_outputs_sharding)
+        self._last_tokens = jax.device_put(np.zeros(self.max_num_seqs, np.int32), self._step_outputs_sharding)
+        self._last_rows: dict[int, int] = {}
 
     def num_compiled(self) -> int:
         """Compiled models (one per bucket), samplers and masks (one each per bucket row count), and slot
@@ -633,8 +651,10 @@ class ModelRunner:
             if step_broadcast.is_multiprocess():
                 step_broadcast.send_payload(allowed)
 
-        out, pooled = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None)
-        return PendingStep(out, chunks, rows, limits, pooled if pooling else None)
+        self._num_dispatched += 1
+        fault = self.fault.fires(self._num_dispatched, num_steps == 1) if self.fault is not None else None
+        out, pooled = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None, fault == "nan")
+        return PendingStep(out, chunks, rows, limits, pooled if pooling else None, bucket, fault)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
@@ -652,9 +672,8 @@ class ModelRunner:
 
             try:
                 jax.block_until_ready(self._run(bucket, writes, inputs, sampled, receive_masks if masked else None))
-            except Exception:  # noqa: BLE001 - process 0 fails the same step; keep in step with it
-                if self.pool_lost():
-                    self.reset_pool()
+            except Exception:  # noqa: BLE001 - process 0 fails the same step and starts over; so do we
+                self.reset()
 
     def stop_followers(self) -> None:
         """Process 0 of a multi-process job: ends the other processes' `follow` (no-op otherwise)."""

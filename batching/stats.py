@@ -59,7 +59,8 @@ class StepStats:
 @dataclass(frozen=True)
 class EngineStats:
     """Gauges count requests (a request is running while any of its sequences is), and sequences separately.
-    `spec` is set when speculative decoding is on.
+    `spec` is set when speculative decoding is on; `num_step_failures` counts steps that failed (every request in
+    flight then ended with an error, and the engine started over).
 
     Sums over all steps: `busy_s` (time spent stepping), `flops` and `bytes` (what the steps computed and
     moved), `decode_batch_steps[b]` (steps that decoded b sequences; b from 0 to max_num_seqs), and
@@ -80,6 +81,7 @@ class EngineStats:
     generation_tokens_total: int
     num_steps: int
     last_step: StepStats | None
+    num_step_failures: int = 0
     spec: SpecCounters | None = None
     busy_s: float = 0.0
     flops: float = 0.0

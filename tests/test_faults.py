@@ -1,0 +1,137 @@
+"""Injected faults (`SLUICE_FAULT`, batching/faults.py): a failed device step ends every request in flight with an
+error and the engine starts over in-process; NaN logits fail only their request; a hung step makes the watchdog
+end every request and exit for a supervisor to restart the server. No request is left hanging."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from sluice.batching.engine import EXIT_STEP_HUNG
+from sluice.batching.outputs import ListCollector
+from sluice.model.generate import generate
+from test_api_e2e import metric, start_server
+from test_engine import GREEDY, make_engine, prompts, tiny  # noqa: F401 - tiny: the fixture
+
+
+def run_to_completion(engine, batch: list[list[int]]) -> list:
+    collectors = [ListCollector(1) for _ in batch]
+    for i, (prompt, collector) in enumerate(zip(batch, collectors)):
+        engine.submit([prompt], GREEDY, collector, f"req-{i}-{time.monotonic_ns()}")
+    while engine.has_work:
+        engine.step()
+    return [c.completions()[0] for c in collectors]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_a_failed_step_ends_every_request_in_flight_and_the_engine_starts_over(tiny, monkeypatch, overlap):
+    monkeypatch.setenv("SLUICE_FAULT", "raise@4")
+    engine = make_engine(tiny, async_scheduling=overlap)
+    batch = prompts(5, seed=3)
+    failed = run_to_completion(engine, batch)
+    assert all(c.finish_reason == "error" and "injected fault" in c.error for c in failed)
+    assert engine.healthy and engine.stats.num_step_failures == 1 and engine.stats.kv_pages_used == 0
+    served = run_to_completion(engine, batch)
+    assert [list(c.token_ids) for c in served] == [generate(tiny.model, p, GREEDY.max_tokens) for p in batch]
+    assert engine.stats.kv_pages_used == 0
+
+
+def test_nan_logits_fail_only_their_request(tiny, monkeypatch):
+    monkeypatch.setenv("SLUICE_FAULT", "nan@3")
+    engine = make_engine(tiny)
+    batch = prompts(4, seed=4)
+    done = run_to_completion(engine, batch)
+    failed = [c for c in done if c.finish_reason == "error"]
+    assert len(failed) == 1 and "not finite" in failed[0].error
+    for prompt, completion in zip(batch, done):
+        if completion.finish_reason != "error":
+            assert list(completion.token_ids) == generate(tiny.model, prompt, GREEDY.max_tokens)
+    assert engine.stats.num_step_failures == 0 and engine.stats.kv_pages_used == 0
+
+
+def test_a_malformed_fault_switch_is_refused(tiny, monkeypatch):
+    monkeypatch.setenv("SLUICE_FAULT", "explode@2")
+    with pytest.raises(ValueError, match="SLUICE_FAULT"):
+        make_engine(tiny)
+
+
+# --- a real server ---------------------------------------------------------------------------------------------
+
+FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "2048",
+         "--kv-cache-memory", "512MiB"]
+LONG = {"prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "ignore_eos": True}
+
+
+class Stream:
+    """A streaming completion read in a thread to its end; `started` once its first token arrived."""
+
+    def __init__(self, url: str) -> None:
+        self.events: list[str] = []
+        self.started = threading.Event()
+        self.status = 0
+        self._thread = threading.Thread(target=self._read, args=(url,), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=300) as response:
+            self.status = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line[len("data: "):])
+                    self.started.set()
+        self.started.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "a stream was left hanging"
+
+
+def ends_with_an_error(stream: Stream) -> bool:
+    errors = [json.loads(e) for e in stream.events[:-1] if "error" in json.loads(e)]
+    return stream.status == 200 and stream.events[-1] == "[DONE]" and len(errors) == 1
+
+
+@pytest.mark.slow
+def test_server_a_failed_step_errors_every_request_then_serves_the_next():
+    # Warm-up compiles without dispatching, so step 40 comes well after the streams below are under way.
+    server = start_server(*FLAGS, env={"SLUICE_FAULT": "raise@40"})
+    try:
+        streams = [Stream(server.url) for _ in range(3)]
+        whole: list[httpx.Response] = []
+        plain = threading.Thread(target=lambda: whole.append(
+            httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=300)), daemon=True)
+        plain.start()
+        for stream in streams:
+            stream.join(300)
+        plain.join(300)
+        assert all(ends_with_an_error(s) for s in streams), [s.events[-3:] for s in streams]
+        (response,) = whole
+        assert response.status_code == 500 and "injected fault" in response.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert metric(server.url, "sluice_engine_step_failures_total") == 1
+        after = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+        assert metric(server.url, "sluice_kv_pages_used") == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_server_a_hung_step_errors_every_stream_and_exits_for_a_restart():
+    server = start_server(*FLAGS, "--step-timeout", "2", env={"SLUICE_FAULT": "hang@20"})
+    try:
+        streams = [Stream(server.url) for _ in range(2)]
+        for stream in streams:
+            stream.join(120)
+        assert all(ends_with_an_error(s) for s in streams), [s.events[-3:] for s in streams]
+        hung_at = time.monotonic()
+        server.process.wait(timeout=10)
+        assert server.process.returncode == EXIT_STEP_HUNG, time.monotonic() - hung_at
+        log = server.output()
+        assert "ran past --step-timeout" in log and "Bucket(" in log
+    finally:
+        server.stop()
