@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from sluice.batching.kv_store import KVStoreCounters
 from sluice.batching.stats import EngineStats
 
 from sluice.app.dashboard.recent import RecentRequests
@@ -125,12 +126,37 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, documentation, value=value)
         for name, documentation, value in counters + vllm_counters:
             yield CounterMetricFamily(name, documentation, value=value)
+        if stats.prefix_store is not None:
+            yield from _prefix_store_metrics(stats.prefix_store)
         if stats.spec is not None:
             per_position = CounterMetricFamily("sluice_spec_decode_num_accepted_tokens_per_pos",
                                                "Draft tokens accepted, by draft position", labels=["position"])
             for position, value in enumerate(stats.spec.accepted_per_position):
                 per_position.add_metric([str(position)], value)
             yield per_position
+
+
+def _prefix_store_metrics(store: KVStoreCounters) -> Iterator[Metric]:
+    """The persistent prefix cache's tiers (host RAM, disk): lookups, what each holds, and the files found corrupt."""
+    tiers = {"ram": store.ram, "disk": store.disk}
+    families = [
+        (CounterMetricFamily, "sluice_prefix_store_hits", "Pages the persistent prefix cache found, by tier", "hits"),
+        (CounterMetricFamily, "sluice_prefix_store_misses", "Pages the persistent prefix cache lacked, by tier",
+         "misses"),
+        (CounterMetricFamily, "sluice_prefix_store_evictions", "Pages evicted from a tier (least recently used)",
+         "evictions"),
+        (GaugeMetricFamily, "sluice_prefix_store_pages", "Pages held, by tier", "pages"),
+        (GaugeMetricFamily, "sluice_prefix_store_bytes", "Bytes held, by tier", "bytes"),
+    ]
+    for family, name, documentation, field in families:
+        metric = family(name, documentation, labels=["tier"])
+        for tier, counters in tiers.items():
+            metric.add_metric([tier], getattr(counters, field))
+        yield metric
+    yield CounterMetricFamily("sluice_prefix_store_corrupt", "Page files found torn, truncated or corrupt (removed, "
+                              "never served)", value=store.corrupt)
+    yield CounterMetricFamily("sluice_prefix_store_dropped_writes", "Pages not written to disk (the writer's queue "
+                              "was full, or the write failed)", value=store.dropped_writes)
 
 
 def _vllm_named(stats: EngineStats) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:

@@ -101,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             choices=list(KV_CACHE_DTYPES))
     _option(parser, "--page-size", _ENGINE_DEFAULTS.page_size, "tokens per KV-cache page", type=int)
     _switch(parser, "--disable-prefix-caching", "do not reuse KV pages of shared prompt prefixes")
+    _option(parser, "--prefix-cache-dir", None,
+            "keep full KV pages past the pool, in host RAM and then as files in DIR, so prefixes survive a restart")
+    _option(parser, "--prefix-cache-size", _ENGINE_DEFAULTS.prefix_cache_size,
+            "most bytes of KV page files in --prefix-cache-dir (least recently used out first), e.g. 16G",
+            type=byte_size)
+    _option(parser, "--prefix-cache-ram", _ENGINE_DEFAULTS.prefix_cache_ram,
+            "most bytes of KV pages the persistent prefix cache keeps in host RAM, e.g. 1G", type=byte_size)
     _option(parser, "--attention-backend", _ENGINE_DEFAULTS.attention_backend, "attention implementation")
     _option(parser, "--layer-loop", _ENGINE_DEFAULTS.layer_loop,
             "how the model runs its layers: a scan over stacked weights, or unrolled over one array per layer "
@@ -198,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend,
             layer_loop=args.layer_loop,
             step_timeout_s=args.step_timeout or None,
+            prefix_cache_dir=args.prefix_cache_dir,
+            prefix_cache_size=args.prefix_cache_size,
+            prefix_cache_ram=args.prefix_cache_ram,
         )
     except ValueError as error:
         print(f"sluice serve: error: {error}", file=sys.stderr)

@@ -3,6 +3,11 @@
 A full page is named by a hash chained over (parent page's hash, the page's token ids), so equal prefixes map
 to equal hash chains whatever request they came from. A page whose last reference goes away keeps its hash
 and stays reusable until it is evicted, least recently freed first, to make room for new allocations.
+
+With a persistent prefix store (`kv_store.py`, host RAM then disk), the cache has a tier below the pool: every
+page newly full is listed in `saves` for the engine to copy out to the store, and a prefix found in the store
+past what the pool holds is admitted into fresh pages, listed in `loads` for the engine to write into the pool
+before the step that reads them.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from sluice.batching.kv_store import KVStore, PageKey, PagePayload
 from sluice.batching.sequence import Sequence
 
 _ROOT_HASH = 0
@@ -35,10 +41,12 @@ class BlockManager:
     A page table only grows in place; any other change gives the sequence a new list (the runner's persistent
     input batch keeps a row current by appending what a list it already holds has gained)."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 store: KVStore | None = None):
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.store = store if enable_prefix_caching else None
         self.hit_tokens = 0
         self.query_tokens = 0
         self.reset()
@@ -51,6 +59,8 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> page
         self._free: deque[int] = deque(range(num_pages))  # unreferenced, no hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; oldest first
+        self.loads: list[tuple[int, PagePayload]] = []  # (page, what to write into it), for the engine
+        self.saves: list[tuple[int, PageKey]] = []  # (page, its store key), for the engine to copy out
 
     @property
     def num_free_pages(self) -> int:
@@ -74,14 +84,15 @@ class BlockManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """(pages, their hashes): cached pages holding a prefix of `seq`'s tokens; looks only, takes nothing.
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int], list[PagePayload]]:
+        """(pages, their hashes, stored): cached pages holding a prefix of `seq`'s tokens, then the payloads of the
+        store's pages that continue it; takes nothing.
 
         At least the last token is left to compute, since its logits are needed to sample. A sequence that pools
         the mean of its prompt's hidden states (an embedding) needs every token's, so it takes none.
         """
         if not self.enable_prefix_caching or seq.params.pooling == "mean":
-            return [], []
+            return [], [], []
         pages: list[int] = []
         hashes: list[int] = []
         parent = _ROOT_HASH
@@ -94,27 +105,54 @@ class BlockManager:
             pages.append(page)
             hashes.append(h)
             parent = h
-        return pages, hashes
+        return pages, hashes, self._stored(seq, len(pages), (seq.num_tokens - 1) // self.page_size)
+
+    def _stored(self, seq: Sequence, start: int, end: int) -> list[PagePayload]:
+        """The store's payloads of `seq`'s pages from `start` on, as far as it holds them, before page `end`."""
+        if self.store is None or start >= end:
+            return []
+        keys = self._store_keys(seq, end)
+        payloads = []
+        for key in keys[start:end]:
+            if (payload := self.store.get(key)) is None:
+                break
+            payloads.append(payload)
+        return payloads
+
+    def _store_keys(self, seq: Sequence, num_pages: int) -> list[PageKey]:
+        """The store keys of `seq`'s first `num_pages` full pages (kept on it: a prefix's keys never change)."""
+        known = len(seq.store_keys)
+        if known < num_pages:
+            parent = seq.store_keys[-1] if known else None
+            seq.store_keys += self.store.layout.page_keys(seq.token_ids[known * self.page_size:num_pages * self.page_size],
+                                                         parent)
+        return seq.store_keys
 
     def can_admit(self, seq: Sequence, shared: list[int], num_new_tokens: int) -> bool:
-        """Whether `seq` (holding no pages) can take `shared` pages and room for `num_new_tokens` after them."""
+        """Whether `seq` (holding no pages) can take `shared` pages and room for `num_new_tokens` after them (the
+        stored pages it loads included)."""
         reclaimed = sum(1 for p in shared if self.ref_counts[p] == 0)
         fresh = self.pages_needed(len(shared) * self.page_size + num_new_tokens) - len(shared)
         return fresh + reclaimed <= self.num_free_pages
 
-    def admit(self, seq: Sequence, shared: list[int], hashes: list[int], *, count_query: bool) -> None:
-        """Gives `seq` (holding no pages) the full pages in `shared` (prefix hashes `hashes` when caching).
-
-        Their tokens count as computed.
-        """
+    def admit(self, seq: Sequence, shared: list[int], hashes: list[int], stored: list[PagePayload] = (), *,
+              count_query: bool) -> None:
+        """Gives `seq` (holding no pages) the full pages in `shared` (prefix hashes `hashes` when caching), then
+        fresh pages for the `stored` payloads after them (listed in `loads`). Their tokens count as computed."""
         for page in shared:
             self._take(page)
         seq.page_table = list(shared)
         seq.page_hashes = list(hashes)
-        seq.num_computed_tokens = len(shared) * self.page_size
+        for payload in stored:
+            seq.page_table.append(self._allocate())
+            self.loads.append((seq.page_table[-1], payload))
+        seq.num_computed_tokens = len(seq.page_table) * self.page_size
+        seq.num_stored_pages = max(seq.num_stored_pages, len(seq.page_table))
         if count_query:
             self.query_tokens += seq.num_tokens
             self.hit_tokens += seq.num_computed_tokens
+        if stored:
+            self.commit(seq)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         needed = self.pages_needed(num_tokens) - len(seq.page_table)
@@ -134,7 +172,8 @@ class BlockManager:
         seq.page_table = seq.page_table[:keep]
 
     def commit(self, seq: Sequence) -> None:
-        """Registers the pages `seq` has completely computed, and whose tokens are known, in the prefix cache."""
+        """Registers the pages `seq` has completely computed, and whose tokens are known, in the prefix cache (and
+        lists those the store lacks in `saves`)."""
         if not self.enable_prefix_caching or (len(seq.page_hashes) + 1) * self.page_size > seq.num_computed_tokens:
             return  # no page newly full (most steps)
         while (len(seq.page_hashes) + 1) * self.page_size <= min(seq.num_computed_tokens, seq.num_known_tokens):
@@ -147,6 +186,11 @@ class BlockManager:
                 self._cached[h] = page
                 self._page_key[page] = (parent, tokens)
             seq.page_hashes.append(h)
+        if self.store is not None and seq.num_stored_pages < len(seq.page_hashes):
+            keys = self._store_keys(seq, len(seq.page_hashes))
+            self.saves += [(seq.page_table[i], keys[i]) for i in range(seq.num_stored_pages, len(seq.page_hashes))
+                           if not self.store.contains(keys[i])]
+            seq.num_stored_pages = len(seq.page_hashes)
 
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references; pages nobody references become free (or evictable when cached)."""

@@ -34,6 +34,8 @@ class EngineConfig:
     proposes and checks them at every step of the call.
     `step_timeout_s`: the watchdog's limit on one step of a started engine (None: no watchdog); past it the step is
     taken for hung, and the process exits (`Engine._watch`). 300 s, as SGLang's.
+    `prefix_cache_dir`: keep full KV pages past the pool, in `prefix_cache_ram` bytes of host RAM and then up to
+    `prefix_cache_size` bytes of files in that directory (`kv_store.py`), so a restarted server still has them.
     """
 
     model: str | None = None
@@ -58,6 +60,9 @@ class EngineConfig:
     layer_loop: str = "auto"
     warmup: bool = True
     step_timeout_s: float | None = 300.0
+    prefix_cache_dir: str | None = None
+    prefix_cache_size: int = 16 << 30
+    prefix_cache_ram: int = 1 << 30
 
     def __post_init__(self) -> None:
         checks = [
@@ -73,6 +78,11 @@ class EngineConfig:
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),
             (self.tp >= 1, "tp", "must be at least 1"),
             (self.step_timeout_s is None or self.step_timeout_s > 0, "step_timeout_s", "must be positive"),
+            (self.prefix_cache_dir is None or self.enable_prefix_caching, "prefix_cache_dir",
+             "needs prefix caching (it is a tier below it)"),
+            (self.prefix_cache_dir is None or self.tp == 1, "prefix_cache_dir", "is not supported with --tp > 1 yet"),
+            (self.prefix_cache_size > 0 and self.prefix_cache_ram >= 0, "prefix_cache_size",
+             "must be positive (and prefix_cache_ram not negative)"),
             (self.attention_backend in BACKENDS, "attention_backend", f"must be one of {', '.join(BACKENDS)}"),
             (self.layer_loop in LAYER_LOOPS, "layer_loop", f"must be one of {', '.join(LAYER_LOOPS)}"),
             (self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}"),

@@ -32,6 +32,8 @@ from jax.sharding import Mesh
 
 from sluice.batching import step_broadcast
 from sluice.batching.block_manager import BlockManager
+from sluice.batching.kv_store import KVLayout, KVStore
+from sluice.batching.kv_transfer import PageCopy
 from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from sluice.batching.model_runner import ModelRunner, PendingStep, SequenceOutput, enable_compilation_cache
 from sluice.batching.ngram import NgramConfig
@@ -147,7 +149,16 @@ class Engine:
             ngram=self.ngram,
             attention_backend=config.attention_backend, kv_dtype=kv_dtype, mesh=mesh, layer_loop=config.layer_loop,
         )
-        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.prefix_store = (KVStore(KVLayout.of(loaded.config, model=f"{loaded.name}|{loaded.weights}",
+                                                 quantization=config.quantization, dtype=loaded.model.dtype,
+                                                 kv_dtype=kv_dtype, page_size=config.page_size),
+                                     config.prefix_cache_dir, ram_bytes=config.prefix_cache_ram,
+                                     disk_bytes=config.prefix_cache_size)
+                             if config.prefix_cache_dir else None)
+        self._saving: PageCopy | None = None  # pages on their way to the store
+        self._saving_keys: list[str] = []
+        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching,
+                                          self.prefix_store)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
         self.speculator = Speculator(self.ngram) if self.ngram else None
@@ -248,6 +259,14 @@ class Engine:
             self._thread = None
             self._deliver = deliver
         self.runner.stop_followers()
+        self.close_store()
+
+    def close_store(self) -> None:
+        """Writes what the persistent prefix store holds in flight and stops its writer (no-op without one)."""
+        if self.prefix_store is not None:
+            self._save_pages()
+            self._save_pages()
+            self.prefix_store.close()
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: replays process 0's steps until its `shutdown`."""
@@ -365,6 +384,10 @@ class Engine:
                 self.speculator.propose(running, self.max_model_len, prefills)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
+        if self.block_manager.loads:  # the store's pages, into the pool before the step reads them
+            pages, payloads = zip(*self.block_manager.loads)
+            self.block_manager.loads.clear()
+            self.runner.load_pages(list(pages), list(payloads))
         chunks = scheduled.chunks
         if not chunks:
             return None
@@ -426,10 +449,24 @@ class Engine:
                     self.block_manager.shrink(seq, seq.num_tokens)  # pages reserved for rejected drafts
                 self.block_manager.commit(seq)
         self._flush()  # failures found while collecting
+        if self.prefix_store is not None:
+            self._save_pages()
         end = time.perf_counter()
         self._last_step = replace(launched.stats, duration_s=end - launched.started,
                                   host_s=launched.host_s + end - arrived)
         self._totals.add_step(self._last_step)
+
+    def _save_pages(self) -> None:
+        """Hands the store the pages copied out at the step before (their copy is done by now), and starts copying
+        out the pages newly full at this one (`BlockManager.saves`)."""
+        if self._saving is not None:
+            for key, payload in zip(self._saving_keys, self._saving.payloads()):
+                self.prefix_store.put(key, payload)
+            self._saving = None
+        if self.block_manager.saves:
+            pages, self._saving_keys = map(list, zip(*self.block_manager.saves))
+            self.block_manager.saves.clear()
+            self._saving = self.runner.copy_out(pages)
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:
         if isinstance(command, _Add):
@@ -627,6 +664,7 @@ class Engine:
         logger.error("step failed; ending every request in flight and starting over: %s", _describe(error))
         self._num_step_failures += 1
         self._in_flight = None
+        self._saving = None
         for request in list(self._requests.values()):
             self._finish(request, "error", _describe(error))
         self._unemitted.clear()
@@ -665,6 +703,7 @@ class Engine:
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
             num_step_failures=self._num_step_failures,
+            prefix_store=self.prefix_store.counters() if self.prefix_store is not None else None,
             last_step=last_step,
             spec=self.speculator.counters() if self.speculator is not None else None,
             busy_s=self._totals.busy_s,

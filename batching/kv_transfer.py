@@ -38,13 +38,27 @@ def _padded(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+class PageCopy:
+    """Pages `page_ids` (non-empty) on their way out of the pool: gathered on the device at once (after the steps
+    already dispatched), copied to the host without blocking; `payloads` waits for them."""
+
+    def __init__(self, kv_cache: KVCache, page_ids: Sequence[int]):
+        ids = np.zeros(_padded(len(page_ids)), np.int32)  # the padding gathers page 0, never returned
+        ids[:len(page_ids)] = page_ids
+        self._leaves = jax.tree.leaves(gather_pages(kv_cache, ids))
+        self._count = len(page_ids)
+        for leaf in self._leaves:
+            leaf.copy_to_host_async()
+
+    def payloads(self) -> list[PagePayload]:
+        leaves = [np.asarray(leaf) for leaf in self._leaves]
+        # Each page copied out, so a page the store keeps holds its own bytes, not the whole batch's.
+        return [tuple(np.array(leaf[i]) for leaf in leaves) for i in range(self._count)]
+
+
 def fetch_pages(kv_cache: KVCache, page_ids: Sequence[int]) -> list[PagePayload]:
     """The payloads of `page_ids` (non-empty), gathered on the device and copied to the host together."""
-    ids = np.zeros(_padded(len(page_ids)), np.int32)  # the padding gathers page 0, never returned
-    ids[:len(page_ids)] = page_ids
-    leaves = jax.device_get(jax.tree.leaves(gather_pages(kv_cache, ids)))
-    # Each page copied out, so a page the store keeps holds its own bytes, not the whole batch's.
-    return [tuple(np.array(leaf[i]) for leaf in leaves) for i in range(len(page_ids))]
+    return PageCopy(kv_cache, page_ids).payloads()
 
 
 def load_pages(kv_cache: KVCache, page_ids: Sequence[int], payloads: Sequence[PagePayload]) -> KVCache:

@@ -46,6 +46,8 @@ from sluice.batching.faults import Fault, strike
 from sluice.batching.ngram import NgramConfig, propose_on_device
 from sluice.batching.request import MAX_STOP_IDS
 from sluice.batching.input_batch import InputBatch, SlotRows, SlotWrites, write_rows
+from sluice.batching.kv_store import PagePayload
+from sluice.batching.kv_transfer import PageCopy, load_pages
 from sluice.batching.sampler import SampledRows, SamplerOutput, SamplingBatch, bitmask_words, mask_disallowed, sample
 from sluice.batching.scheduler import ScheduledChunk
 from sluice.batching.structured import fill_bitmask
@@ -598,6 +600,14 @@ class ModelRunner:
         self._slots = jax.device_put(self.input_batch.host, self._step_outputs_sharding)
         self._last_tokens = jax.device_put(np.zeros(self.max_num_seqs, np.int32), self._step_outputs_sharding)
         self._last_rows: dict[int, int] = {}
+
+    def load_pages(self, pages: list[int], payloads: list[PagePayload]) -> None:
+        """Writes stored pages' K/V into `pages` of the pool, ordered after the steps already dispatched."""
+        self.kv_cache = load_pages(self.kv_cache, pages, payloads)
+
+    def copy_out(self, pages: list[int]) -> PageCopy:
+        """Starts copying `pages` of the pool to the host, after the steps already dispatched."""
+        return PageCopy(self.kv_cache, pages)
 
     def num_compiled(self) -> int:
         """Compiled models (one per bucket), samplers and masks (one each per bucket row count), and slot

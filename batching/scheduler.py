@@ -124,14 +124,14 @@ class Scheduler:
             parent = seq.parent
             if parent is not None and not parent.finished and parent.num_computed_tokens < parent.num_prompt_tokens:
                 continue  # a sibling waits for the first sequence to prefill the prompt it will share
-            shared, hashes = bm.match_prefix(seq)
+            shared, hashes, stored = bm.match_prefix(seq)
             fork = self._fork_pages(seq)
-            if fork is not None and len(fork[0]) > len(shared):
-                shared, hashes = fork
-            num_new = min(seq.num_tokens - len(shared) * bm.page_size, budget)
-            if not bm.can_admit(seq, shared, num_new):
+            if fork is not None and len(fork[0]) > len(shared) + len(stored):
+                (shared, hashes), stored = fork, []
+            num_new = min(seq.num_tokens - (len(shared) + len(stored)) * bm.page_size, budget)
+            if not bm.can_admit(seq, shared, len(stored) * bm.page_size + num_new):
                 break
-            bm.admit(seq, shared, hashes, count_query=seq.num_output_tokens == 0)
+            bm.admit(seq, shared, hashes, stored, count_query=seq.num_output_tokens == 0)
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             bm.grow(seq, seq.num_computed_tokens + num_new)

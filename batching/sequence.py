@@ -40,6 +40,8 @@ class Sequence:
     waiting queue (`time.perf_counter()`). With speculative decoding, `proposer` drafts from the sequence's own
     tokens, `drafts` are this step's drafts, `shadow_draft` the first token it would have drafted when it drafts
     none, and `acceptance` the recent per-draft rate at which they are (or would be) accepted (None before any).
+    With a persistent prefix store, `store_keys` are its first full pages' keys there (`kv_store.KVLayout.page_keys`,
+    computed as needed), of which the first `num_stored_pages` are stored or on their way.
     """
 
     seq_id: int
@@ -67,6 +69,8 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)
     shadow_draft: int | None = None
     acceptance: float | None = None
+    store_keys: list[str] = field(default_factory=list)
+    num_stored_pages: int = 0
     schedule_key: tuple[int, int, int] = field(init=False)
 
     def __post_init__(self) -> None:

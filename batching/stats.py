@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sluice.batching.kv_store import KVStoreCounters
 from sluice.batching.scheduler import ScheduledChunk
 from sluice.batching.sequence import Sequence
 from sluice.batching.speculation import SpecCounters
@@ -60,7 +61,8 @@ class StepStats:
 class EngineStats:
     """Gauges count requests (a request is running while any of its sequences is), and sequences separately.
     `spec` is set when speculative decoding is on; `num_step_failures` counts steps that failed (every request in
-    flight then ended with an error, and the engine started over).
+    flight then ended with an error, and the engine started over); `prefix_store` is the persistent prefix
+    store's counters, when there is one.
 
     Sums over all steps: `busy_s` (time spent stepping), `flops` and `bytes` (what the steps computed and
     moved), `decode_batch_steps[b]` (steps that decoded b sequences; b from 0 to max_num_seqs), and
@@ -82,6 +84,7 @@ class EngineStats:
     num_steps: int
     last_step: StepStats | None
     num_step_failures: int = 0
+    prefix_store: KVStoreCounters | None = None
     spec: SpecCounters | None = None
     busy_s: float = 0.0
     flops: float = 0.0

@@ -36,6 +36,7 @@ class LoadedModel:
     model: Llama
     tokenizer: Tokenizer
     name: str
+    weights: str = ""  # the converted checkpoint's folder name (it names the source file's identity); "": none
 
 
 def default_dtype() -> str:
@@ -104,7 +105,7 @@ def load_model(
     params = checkpoint.restore_params(folder, target)
     state = nnx.State({name: nnx.Param(value) for name, value in params.items()})
     llama = nnx.merge(graphdef, state)
-    return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=source.stem)
+    return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=source.stem, weights=folder.name)
 
 
 if __name__ == "__main__":  # python -m sluice.model.loader SOURCE FOLDER QUANTIZATION: one conversion, single-process JAX

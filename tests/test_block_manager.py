@@ -1,6 +1,9 @@
 """Block manager: reference-counted pages, chained-hash prefix caching, LRU eviction, counters."""
 
+import numpy as np
+
 from sluice.batching.block_manager import BlockManager
+from sluice.batching.kv_store import KVLayout, KVStore
 from sluice.batching.sequence import Sequence
 
 from sequences import make_sequence
@@ -14,8 +17,8 @@ def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
 
 def prefill(bm: BlockManager, seq: Sequence) -> None:
     """Admits `seq` with whatever the cache holds and marks its whole prompt computed."""
-    shared, hashes = bm.match_prefix(seq)
-    bm.admit(seq, shared, hashes, count_query=True)
+    shared, hashes, stored = bm.match_prefix(seq)
+    bm.admit(seq, shared, hashes, stored, count_query=True)
     bm.grow(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     bm.commit(seq)
@@ -49,14 +52,14 @@ def test_hash_is_chained_so_an_equal_page_after_a_different_prefix_is_not_reused
     bm = BlockManager(num_pages=16, page_size=PAGE)
     prefill(bm, make_seq([1, 1, 1, 1, 2, 2, 2, 2, 0], seq_id=0))
     other = make_seq([3, 3, 3, 3, 2, 2, 2, 2, 0], seq_id=1)
-    assert bm.match_prefix(other) == ([], [])
+    assert bm.match_prefix(other) == ([], [], [])
 
 
 def test_whole_prompt_cached_still_leaves_the_last_token_to_compute():
     bm = BlockManager(num_pages=16, page_size=PAGE)
     prefill(bm, make_seq(list(range(8)), seq_id=0))
     again = make_seq(list(range(8)), seq_id=1)
-    pages, _ = bm.match_prefix(again)
+    pages, _, _ = bm.match_prefix(again)
     assert len(pages) == 1  # 8 tokens = 2 full pages, but the second holds the token to sample from
 
 
@@ -75,7 +78,7 @@ def test_freed_cached_pages_stay_reusable_until_evicted_oldest_first():
     c = make_seq([7] * 16, seq_id=2)
     bm.grow(c, 16)
     assert bm.num_free_pages == 0
-    assert bm.match_prefix(make_seq([1] * 8 + [5], seq_id=3)) == ([], [])
+    assert bm.match_prefix(make_seq([1] * 8 + [5], seq_id=3)) == ([], [], [])
 
 
 def test_eviction_takes_the_tail_of_a_freed_prefix_before_its_head():
@@ -86,14 +89,14 @@ def test_eviction_takes_the_tail_of_a_freed_prefix_before_its_head():
     bm.free(a)
     bm.grow(make_seq([0], seq_id=1), 1)  # takes the uncached third page
     bm.grow(make_seq([0], seq_id=2), 1)  # evicts one cached page: the second, not the first
-    pages, _ = bm.match_prefix(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], seq_id=3))
+    pages, _, _ = bm.match_prefix(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], seq_id=3))
     assert pages == a_pages[:1]
 
 
 def test_prefix_caching_off_never_shares():
     bm = BlockManager(num_pages=16, page_size=PAGE, enable_prefix_caching=False)
     prefill(bm, make_seq(list(range(9)), seq_id=0))
-    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == ([], [])
+    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == ([], [], [])
     assert bm.counters().pages_cached == 0
 
 
@@ -103,7 +106,33 @@ def test_can_admit_counts_reclaimed_cached_pages_against_the_free_pool():
     prefill(bm, a)
     bm.free(a)  # 2 evictable cached pages + 1 free page
     b = make_seq([1] * 8 + [2, 3, 4, 5, 6], seq_id=1)
-    shared, _ = bm.match_prefix(b)
+    shared, _, _ = bm.match_prefix(b)
     assert len(shared) == 2
     assert bm.can_admit(b, shared, num_new_tokens=4)  # reuses 2 pages, needs 1 more
     assert not bm.can_admit(b, shared, num_new_tokens=5)  # would need 2 more
+
+
+def test_with_a_store_full_pages_are_listed_to_save_and_a_stored_prefix_is_admitted_into_fresh_pages(tmp_path):
+    layout = KVLayout(model="m", quantization="none", dtype="float32", kv_dtype="float32", page_size=PAGE,
+                      num_layers=1, num_kv_heads=1, head_dim=2)
+    store = KVStore(layout, tmp_path, ram_bytes=1 << 20, disk_bytes=1 << 20)
+    first = BlockManager(num_pages=16, page_size=PAGE, store=store)
+    seq = make_seq(list(range(10)), seq_id=0)
+    prefill(first, seq)
+    assert [page for page, _ in first.saves] == seq.page_table[:2]  # the two full pages, not the partial third
+    keys = layout.page_keys(seq.token_ids)
+    assert [key for _, key in first.saves] == keys
+    for i, key in enumerate(keys):
+        store.put(key, tuple(np.full(shape, i, dtype) for shape, dtype in layout.payload_specs))
+    # A fresh pool (a restarted engine) admits the stored prefix instead of computing it.
+    second = BlockManager(num_pages=16, page_size=PAGE, store=store)
+    again = make_seq(list(range(9)) + [77], seq_id=1)
+    shared, hashes, stored = second.match_prefix(again)
+    assert shared == [] and [int(p[0].flat[0]) for p in stored] == [0, 1]
+    second.admit(again, shared, hashes, stored, count_query=True)
+    assert again.num_computed_tokens == 2 * PAGE and second.hit_tokens == 2 * PAGE
+    assert [page for page, _ in second.loads] == again.page_table
+    assert second.saves == []  # already stored
+    # The loaded pages are in the pool's own prefix cache now.
+    assert second.match_prefix(make_seq(list(range(9)), seq_id=2))[0] == again.page_table
+    store.close()

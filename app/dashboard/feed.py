@@ -71,6 +71,7 @@ class Feed:
             "model": state.model_name,
             "max_num_seqs": engine.config.max_num_seqs,
             "speculative": engine.config.speculative is not None,
+            "prefix_store": engine.prefix_store is not None,
             "slo_ttft_ms": state.settings.slo_ttft_ms,
             "slo_itl_ms": state.settings.slo_itl_ms,
             "peaks": None if peaks is None else {"matmul_gflops": peaks.matmul_gflops,

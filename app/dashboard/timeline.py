@@ -37,7 +37,9 @@ class Sample:
     batch of its steps and `queue_wait_ms` the mean wait of the sequences admitted in it (None when there were
     none); latency percentiles (p50, p90, p99, ms), prefix-cache hit rate and draft acceptance over the last
     minute; `compute_fraction` / `memory_fraction`: FLOPs and bytes per second of stepping over the device's
-    peaks; `busy_fraction`: the share of the second the engine spent stepping; `errors`: by kind, this second."""
+    peaks; `busy_fraction`: the share of the second the engine spent stepping; `errors`: by kind, this second;
+    `store_*`: the persistent prefix cache's tiers (MB held in RAM and on disk, and the share of its lookups
+    found in either over the last minute), None without one."""
 
     t: float
     output_tps: float
@@ -59,6 +61,9 @@ class Sample:
     busy_fraction: float
     spec_acceptance: float | None
     errors: dict[str, int]
+    store_ram_mb: float | None = None
+    store_disk_mb: float | None = None
+    store_hit_rate: float | None = None
 
     def as_json(self) -> dict:
         """Numbers to 4 significant digits (what a chart shows, in a third of the bytes); the time to the ms."""
@@ -146,6 +151,12 @@ class Timeline:
             self.error_totals[entry.kind] += 1
         self.recent_errors.extend(taken.errors)
         spec = (stats.spec, first.spec) if stats.spec is not None and first.spec is not None else None
+        store = stats.prefix_store
+        store_hit_rate = None
+        if store is not None and first.prefix_store is not None:
+            before = first.prefix_store
+            store_hit_rate = _ratio(store.ram.hits + store.disk.hits - before.ram.hits - before.disk.hits,
+                                    store.ram.hits + store.ram.misses - before.ram.hits - before.ram.misses)
 
         sample = Sample(
             t=unix_now,
@@ -171,6 +182,9 @@ class Timeline:
             spec_acceptance=None if spec is None else _ratio(spec[0].num_accepted_tokens - spec[1].num_accepted_tokens,
                                                              spec[0].num_draft_tokens - spec[1].num_draft_tokens),
             errors={kind: sum(e.kind == kind for e in taken.errors) for kind in ERROR_KINDS},
+            store_ram_mb=None if store is None else store.ram.bytes / 1e6,
+            store_disk_mb=None if store is None else store.disk.bytes / 1e6,
+            store_hit_rate=store_hit_rate,
         )
         self.samples.append(sample)
         return sample

@@ -61,6 +61,13 @@ function timePanels(config) {
     panels.spec = { series: [{ label: "accepted %", stroke: GREEN, value: (s) => pct(s.spec_acceptance) }],
       range: [0, 100] };
   }
+  if (config.prefix_store) {
+    panels.store = { series: [
+      { label: "RAM MB", stroke: BLUE, value: (s) => s.store_ram_mb },
+      { label: "disk MB", stroke: ORANGE, value: (s) => s.store_disk_mb },
+      { label: "found %", stroke: GREEN, value: (s) => pct(s.store_hit_rate), scale: "%" },
+    ] };
+  }
   for (const panel of Object.values(panels)) {
     if (panel.slo != null) panel.series.push({ label: "SLO", stroke: RED, dash: [6, 4], value: () => panel.slo });
   }
@@ -158,6 +165,7 @@ export class Dashboard {
     if (this.charts) Object.values(this.charts).forEach(({ plot }) => plot.destroy());
     this.panels = timePanels(this.config);
     this.root.querySelector("#panel-spec").hidden = !this.config.speculative;
+    this.root.querySelector("#panel-store").hidden = !this.config.prefix_store;
     this.charts = {};
     for (const [name, panel] of Object.entries(this.panels)) {
       const figure = this.root.querySelector(`#panel-${name}`);

@@ -1,0 +1,99 @@
+"""The persistent prefix cache (`--prefix-cache-dir`): a 2,000-token prompt's KV pages outlive the server that
+computed them, through a SIGKILL and a clean restart; the restarted server loads them instead of recomputing (a
+fifth of the time to the first token or less) and answers the same greedy tokens; a corrupt page file is
+reported, removed and recomputed, with the same tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.kv_store import SUFFIX
+from test_api_e2e import metric, start_server
+
+PROMPT_TOKENS = 2000
+FULL_PAGES = (PROMPT_TOKENS - 1) // 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory=256 << 20,
+                      warmup=False, step_timeout_s=None)
+
+
+def long_prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(length)]
+
+
+def serve_once(smollm2, directory: Path, prompt: list[int]) -> tuple[list[int], Engine]:
+    """The greedy tokens of an engine over `directory`'s store, closed after it."""
+    engine = Engine(smollm2, replace(CONFIG, prefix_cache_dir=str(directory)), progress=False)
+    (completion,), = engine.generate([prompt], GREEDY)
+    engine.close_store()
+    return list(completion.token_ids), engine
+
+
+def test_a_corrupt_page_file_is_reported_removed_and_recomputed(smollm2, tmp_path, caplog):
+    prompt = long_prompt(4, length=200)
+    want, first = serve_once(smollm2, tmp_path, prompt)
+    files = sorted(Path(first.prefix_store.directory).glob(f"*{SUFFIX}"))
+    # One byte of each of three page files: the header's magic, a byte of the checksum, one of the payload.
+    for file, offset in zip(files[:3], (0, 90, -1)):
+        data = bytearray(file.read_bytes())
+        data[offset] ^= 0xFF
+        file.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        have, second = serve_once(smollm2, tmp_path, prompt)
+    assert have == want
+    assert second.stats.prefix_store.corrupt >= 1
+    reported = [r.getMessage() for r in caplog.records if "corrupt page file" in r.getMessage()]
+    assert len(reported) == second.stats.prefix_store.corrupt
+    assert all(any(f.name in message for f in files[:3]) for message in reported)
+
+
+@pytest.mark.slow
+def test_pages_survive_a_sigkill_and_a_clean_restart_and_the_server_answers_the_same_faster(tmp_path):
+    flags = ["--max-num-seqs", "1", "--num-decode-steps", "1", "--max-num-batched-tokens", "512",
+             "--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--prefix-cache-dir", str(tmp_path)]
+    body = {"prompt": long_prompt(5), "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def complete(url: str) -> tuple[float, str]:
+        start, ttft, text = time.perf_counter(), None, ""
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    piece = json.loads(line[len("data: "):])["choices"][0]["text"]
+                    ttft = ttft or (time.perf_counter() - start if piece else None)
+                    text += piece
+        return ttft, text
+
+    server = start_server(*flags)
+    try:
+        cold, want = complete(server.url)
+        deadline = time.monotonic() + 60
+        while metric(server.url, 'sluice_prefix_store_pages{tier="disk"}') < FULL_PAGES:
+            assert time.monotonic() < deadline, "the prompt's pages never reached the disk"
+            time.sleep(0.2)
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait(30)
+    finally:
+        server.stop()
+    for restart in ("after SIGKILL", "after SIGTERM"):
+        server = start_server(*flags)
+        try:
+            warm, have = complete(server.url)
+            assert have == want, restart
+            assert metric(server.url, 'sluice_prefix_store_hits_total{tier="disk"}') >= FULL_PAGES, restart
+            assert warm <= cold / 5, (restart, warm, cold)
+        finally:
+            assert server.stop() == 0
