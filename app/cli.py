@@ -32,6 +32,7 @@ BENCHMARKS = {
     "structured": "structured output: mask fill time per token, step-time cost, JSON-schema throughput",
     "routing": "sluice serve --replicas: prefix-aware routing against round-robin on a shared-prefix workload",
     "soak": "a mixed load for --minutes M with a SIGKILL and restart halfway: lost requests, 5xx, RSS, KV pages",
+    "prefix_restart": "TTFT of long prompts before and after a restart, with the persistent prefix cache",
 }
 
 

@@ -264,8 +264,8 @@ class Engine:
     def close_store(self) -> None:
         """Writes what the persistent prefix store holds in flight and stops its writer (no-op without one)."""
         if self.prefix_store is not None:
-            self._save_pages()
-            self._save_pages()
+            self._save_pages()  # into the store: the pages copied out at the last step; the pages still listed...
+            self._save_pages()  # ... copied out now, and into the store too
             self.prefix_store.close()
 
     def follow(self) -> None:
@@ -433,10 +433,10 @@ class Engine:
             self._pool(launched.chunks, result.pooled)
         for chunk, output, index in zip(launched.chunks, result.seqs, launched.first_indices):
             seq = chunk.seq
-            if output is not None and not output.finite and not seq.finished:
-                self._fail_request(seq.request_id, FloatingPointError("the model's logits were not finite"))
-            elif output is not None and not seq.finished:
+            if output is not None and not seq.finished:
                 try:
+                    if not output.finite:
+                        raise FloatingPointError("the model's logits for this sequence were not finite")
                     self._append_output(seq, output, index, result.sampled)
                 except Exception as error:  # noqa: BLE001 - one request's failure is its own
                     self._fail_request(seq.request_id, error)
