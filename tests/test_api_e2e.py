@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -414,3 +415,20 @@ def test_top_k_beyond_the_vocabulary_means_no_filter(client):
     plain = client.completions.create(**kwargs).choices[0].text
     assert client.completions.create(**kwargs, extra_body={"top_k": 2**40}).choices[0].text == plain
 
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(server):
+    """httpx and the OpenAI SDK reuse a pooled connection for 5 s; a server that closed it at 5 s too would now
+    and then reset a request sent at that instant, unread (`sluice bench soak` lost one so)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("GET", "/health")
+        first = connection.getresponse()
+        assert first.status == 200 and first.read()
+        sock = connection.sock
+        time.sleep(6)
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200
+        assert connection.sock is sock
+    finally:
+        connection.close()
