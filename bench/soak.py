@@ -298,7 +298,8 @@ async def send(soak: Soak, life: Life, kind: str, rng: random.Random) -> Record:
     except (Wrong, openai.APIStatusError, json.JSONDecodeError) as error:
         outcome, detail = "wrong", f"{type(error).__name__}: {error}"
     except (Cut, httpx.TransportError, openai.APIConnectionError) as error:
-        outcome, detail = "lost", f"{type(error).__name__}: {error}"
+        cause = f" ({type(error.__cause__).__name__}: {error.__cause__})" if error.__cause__ else ""
+        outcome, detail = "lost", f"{type(error).__name__}: {error}{cause}"
     except Exception as error:  # an answer of an unexpected shape (a missing field): wrong, and the load goes on
         outcome, detail = "wrong", f"{type(error).__name__}: {error}"
     end = soak.now()
