@@ -3,7 +3,7 @@
 PYTHON ?= python3
 # pyenv's shim for python3.N refuses to run unless that version is selected: where pyenv has it, take its
 # interpreter directly.
-PYTHON_BIN = $(firstword $(wildcard $(HOME)/.pyenv/versions/$(patsubst python%,%,$(filter python3.%,$(1)))*/bin/$(filter python3.%,$(1))) $(1))
+PYTHON_BIN = $(firstword $(if $(filter python3.%,$(1)),$(wildcard $(HOME)/.pyenv/versions/$(patsubst python%,%,$(1))*/bin/$(1))) $(1))
 VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
