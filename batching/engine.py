@@ -60,6 +60,10 @@ CPU_KV_CACHE_BYTES = 1 << 30
 EXIT_STEP_HUNG = 75  # sysexits' EX_TEMPFAIL: a supervisor should restart the server
 HUNG_EXIT_GRACE_S = 1.0
 ACCELERATOR_KV_FRACTION = 0.8
+# A decode step of hundreds of sequences allocates thousands of short-lived tuples and lists, nearly none in a
+# cycle. At Python's default (700 allocations) the young generation is collected several times a step, and
+# every tenth time the next one with it: about a tenth of the host's step (RESULTS.md, 2026-11-26).
+GC_YOUNG_THRESHOLD = 10_000
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, kv_dtype) -> int:
@@ -169,6 +173,7 @@ class Engine:
         # collector's full passes, which otherwise walk all of it and stall a step for milliseconds.
         gc.collect()
         gc.freeze()
+        gc.set_threshold(max(gc.get_threshold()[0], GC_YOUNG_THRESHOLD), *gc.get_threshold()[1:])
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
