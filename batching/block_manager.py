@@ -7,13 +7,16 @@ and stays reusable until it is evicted, least recently freed first, to make room
 With a persistent prefix store (`kv_store.py`, host RAM then disk), the cache has a tier below the pool: every
 page newly full is listed in `saves` for the engine to copy out to the store, and a prefix found in the store
 past what the pool holds is admitted into fresh pages, listed in `loads` for the engine to write into the pool
-before the step that reads them.
+before the step that reads them. The store reads those pages on its own thread, asked when the sequence starts
+waiting (`prefetch`); until they are in, `match_prefix` says to try again later.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from sluice.batching.kv_store import KVStore, PageKey, PagePayload
 from sluice.batching.sequence import Sequence
@@ -23,6 +26,13 @@ _ROOT_HASH = 0
 
 def page_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
+
+
+class StoredPrefix(NamedTuple):
+    """A waiting sequence's pages being read from the store: from its page `first` on, as far as it holds them."""
+
+    first: int
+    payloads: Future[list[PagePayload]]
 
 
 @dataclass(frozen=True)
@@ -84,15 +94,26 @@ class BlockManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int], list[PagePayload]]:
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int], list[PagePayload] | None]:
         """(pages, their hashes, stored): cached pages holding a prefix of `seq`'s tokens, then the payloads of the
-        store's pages that continue it; takes nothing.
+        store's pages that continue it, None while the store is still reading them; takes nothing.
 
         At least the last token is left to compute, since its logits are needed to sample. A sequence that pools
         the mean of its prompt's hidden states (an embedding) needs every token's, so it takes none.
         """
+        pages, hashes = self._cached_prefix(seq)
+        return pages, hashes, self._stored(seq, len(pages), (seq.num_tokens - 1) // self.page_size)
+
+    def prefetch(self, seq: Sequence) -> None:
+        """Asks the store for `seq`'s pages past those the pool holds now, if it has the first of them: `seq` has
+        started waiting, and its admission will want them."""
+        if self.store is not None:
+            self._stored(seq, len(self._cached_prefix(seq)[0]), (seq.num_tokens - 1) // self.page_size)
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """The pool's cached pages holding a prefix of `seq`'s tokens (all but its last), and their hashes."""
         if not self.enable_prefix_caching or seq.params.pooling == "mean":
-            return [], [], []
+            return [], []
         pages: list[int] = []
         hashes: list[int] = []
         parent = _ROOT_HASH
@@ -105,19 +126,23 @@ class BlockManager:
             pages.append(page)
             hashes.append(h)
             parent = h
-        return pages, hashes, self._stored(seq, len(pages), (seq.num_tokens - 1) // self.page_size)
+        return pages, hashes
 
-    def _stored(self, seq: Sequence, start: int, end: int) -> list[PagePayload]:
-        """The store's payloads of `seq`'s pages from `start` on, as far as it holds them, before page `end`."""
-        if self.store is None or start >= end:
+    def _stored(self, seq: Sequence, start: int, end: int) -> list[PagePayload] | None:
+        """The store's payloads of `seq`'s pages from `start` on, as far as it holds them, before page `end`; None
+        while they are being read. The first ask starts the read (unless the store lacks the first page), as does
+        one that finds the pool has lost pages since its read began."""
+        if self.store is None or seq.params.pooling == "mean" or start >= end:
             return []
-        keys = self._store_keys(seq, end)
-        payloads = []
-        for key in keys[start:end]:
-            if (payload := self.store.get(key)) is None:
-                break
-            payloads.append(payload)
-        return payloads
+        read = seq.stored_prefix
+        if read is None or read.first > start:
+            keys = self._store_keys(seq, end)[start:end]
+            if not self.store.contains(keys[0]):
+                return []
+            read = seq.stored_prefix = StoredPrefix(start, self.store.prefetch(keys))
+        if not read.payloads.done():
+            return None
+        return read.payloads.result()[start - read.first:end - read.first]
 
     def _store_keys(self, seq: Sequence, num_pages: int) -> list[PageKey]:
         """The store keys of `seq`'s first `num_pages` full pages (kept on it: a prefix's keys never change)."""
@@ -148,6 +173,7 @@ class BlockManager:
             self.loads.append((seq.page_table[-1], payload))
         seq.num_computed_tokens = len(seq.page_table) * self.page_size
         seq.num_stored_pages = max(seq.num_stored_pages, len(seq.page_table))
+        seq.stored_prefix = None
         if count_query:
             self.query_tokens += seq.num_tokens
             self.hit_tokens += seq.num_computed_tokens

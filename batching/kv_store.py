@@ -21,8 +21,9 @@ temporary file beside it, is fsynced, then renamed over the name (`os.replace`),
 whole file; a file whose size, header or checksum is wrong is removed, logged once and counted, never served.
 
 Threads: the engine thread owns the store and calls every method. Disk writes run on one writer thread fed by a
-bounded queue (a write that finds it full is dropped and counted: the page stays in RAM); `_lock` guards what
-the two share: the disk index and the counters the writer moves.
+bounded queue (a write that finds it full is dropped and counted: the page stays in RAM), and `prefetch` reads
+pages on one reader thread, so the engine's steps never wait on the disk; `_lock` guards what the threads share
+(both tiers' indexes and counters).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from math import prod
@@ -157,7 +159,7 @@ class KVStore:
         self.file_bytes = HEADER_SIZE + layout.page_nbytes
         self._ram: OrderedDict[PageKey, PagePayload] = OrderedDict()  # least recently used first
         self._disk: OrderedDict[PageKey, None] = OrderedDict()  # the files; least recently used first
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._ram_tally, self._disk_tally = _Tally(), _Tally()
         self._corrupt = 0
         self._dropped = 0
@@ -166,6 +168,7 @@ class KVStore:
         self._queue: queue.Queue[tuple[PageKey, PagePayload] | None] = queue.Queue(queue_pages)
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-reader")
 
     def put(self, key: PageKey, payload: PagePayload) -> None:
         """Keeps one page (the store holds the arrays from now on: leave them unchanged), in RAM and written
@@ -174,51 +177,69 @@ class KVStore:
         got = tuple((a.shape, a.dtype) for a in payload)
         if got != self.layout.payload_specs:
             raise ValueError(f"page payload {got} does not match the layout's {self.layout.payload_specs}")
-        if key in self._ram:
-            self._ram.move_to_end(key)
-            return
-        self._spill(key, payload)
-        self._keep_in_ram(key, payload)
+        with self._lock:
+            if key in self._ram:
+                self._ram.move_to_end(key)
+                return
+            self._spill(key, payload)
+            self._keep_in_ram(key, payload)
 
     def get(self, key: PageKey) -> PagePayload | None:
         """The page's payload (the store's own arrays: leave them unchanged), or None; a disk hit is brought into
-        RAM."""
-        payload = self._ram.get(key)
-        if payload is not None:
-            self._ram.move_to_end(key)
-            self._ram_tally.hits += 1
-            return payload
-        self._ram_tally.misses += 1
+        RAM. Reads the disk on the calling thread: the engine's is `prefetch`'s reader."""
+        with self._lock:
+            payload = self._ram.get(key)
+            if payload is not None:
+                self._ram.move_to_end(key)
+                self._ram_tally.hits += 1
+                return payload
+            self._ram_tally.misses += 1
         payload = self._read(key)
-        if payload is None:
-            self._disk_tally.misses += 1
-            return None
-        self._disk_tally.hits += 1
-        self._touch(key)
-        self._keep_in_ram(key, payload)
+        with self._lock:
+            if payload is None:
+                self._disk_tally.misses += 1
+                return None
+            self._disk_tally.hits += 1
+            self._touch(key)
+            self._keep_in_ram(key, payload)
         return payload
+
+    def prefetch(self, keys: list[PageKey]) -> Future[list[PagePayload]]:
+        """The payloads of `keys` in order, as far as the store holds them, read on the reader thread. A page
+        that cannot be read (an I/O error) ends them, as a miss does."""
+        return self._reader.submit(self._get_run, keys)
+
+    def _get_run(self, keys: list[PageKey]) -> list[PagePayload]:
+        payloads = []
+        try:
+            for key in keys:
+                if (payload := self.get(key)) is None:
+                    break
+                payloads.append(payload)
+        except OSError as e:
+            logger.warning("KV store: could not read a page: %s", e)
+        return payloads
 
     def contains(self, key: PageKey) -> bool:
         with self._lock:
             return key in self._ram or key in self._disk
 
     def counters(self) -> KVStoreCounters:
-        ram_pages = len(self._ram)
         with self._lock:
-            disk_pages = len(self._disk)
+            ram_pages, disk_pages = len(self._ram), len(self._disk)
             disk = TierCounters(self._disk_tally.hits, self._disk_tally.misses, disk_pages,
                                 disk_pages * self.file_bytes, self._disk_tally.evictions)
-            dropped = self._dropped
-        ram = TierCounters(self._ram_tally.hits, self._ram_tally.misses, ram_pages,
-                           ram_pages * self.layout.page_nbytes, self._ram_tally.evictions)
-        return KVStoreCounters(ram, disk, self._corrupt, dropped)
+            ram = TierCounters(self._ram_tally.hits, self._ram_tally.misses, ram_pages,
+                               ram_pages * self.layout.page_nbytes, self._ram_tally.evictions)
+            return KVStoreCounters(ram, disk, self._corrupt, self._dropped)
 
     def flush(self) -> None:
         """Returns once every page put so far is on disk (or dropped)."""
         self._queue.join()
 
     def close(self) -> None:
-        """Flushes, then stops the writer thread."""
+        """Finishes the reads asked for, flushes, then stops the threads."""
+        self._reader.shutdown()
         self._queue.put(None)
         self._writer.join()
 
@@ -260,11 +281,11 @@ class KVStore:
                     self._dropped += 1
 
     def _touch(self, key: PageKey) -> bool:
-        """Marks `key`'s file used now (its mtime too, for the next store's order); whether it is on disk."""
-        with self._lock:
-            if key not in self._disk:
-                return False
-            self._disk.move_to_end(key)
+        """Marks `key`'s file used now (its mtime too, for the next store's order); whether it is on disk. The
+        caller holds `_lock`."""
+        if key not in self._disk:
+            return False
+        self._disk.move_to_end(key)
         try:
             os.utime(self._path(key))
         except FileNotFoundError:  # the writer evicted it meanwhile
@@ -311,7 +332,7 @@ class KVStore:
         path.unlink(missing_ok=True)
         with self._lock:
             self._disk.pop(path.stem, None)
-        self._corrupt += 1
+            self._corrupt += 1
 
     def _evict_disk(self) -> None:
         """Removes the least recently used files until the tier fits its bound; the caller holds `_lock`."""

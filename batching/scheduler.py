@@ -9,10 +9,14 @@ recomputed from its tokens later (its full pages usually survive in the prefix c
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.sequence import Sequence, SequenceStatus
+
+
+STORE_READ_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.block_manager.prefetch(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Removes `seq` wherever it is, drops its placeholders and frees its pages now."""
@@ -113,6 +118,9 @@ class Scheduler:
         if not out.preempted:
             self._admit(budget, scheduled, out)
         out.chunks = list(scheduled.values())
+        if not out.chunks and not self.running:  # maybe pages coming from the store: wait for them, not spin
+            reads = [s.stored_prefix.payloads for s in self.waiting if s.stored_prefix is not None]
+            wait(reads, timeout=STORE_READ_WAIT_S, return_when=FIRST_COMPLETED)
         return out
 
     def _admit(self, budget: int, scheduled: dict[Sequence, ScheduledChunk], out: SchedulerOutput) -> None:
@@ -125,6 +133,8 @@ class Scheduler:
             if parent is not None and not parent.finished and parent.num_computed_tokens < parent.num_prompt_tokens:
                 continue  # a sibling waits for the first sequence to prefill the prompt it will share
             shared, hashes, stored = bm.match_prefix(seq)
+            if stored is None:
+                continue  # its pages are still being read from the store
             fork = self._fork_pages(seq)
             if fork is not None and len(fork[0]) > len(shared) + len(stored):
                 (shared, hashes), stored = fork, []
@@ -163,6 +173,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.block_manager.prefetch(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
         return refund

@@ -16,6 +16,7 @@ from sluice.batching.sampling_params import SamplingParams
 from sluice.batching.stop_checker import StopChecker
 
 if TYPE_CHECKING:
+    from sluice.batching.block_manager import StoredPrefix
     from sluice.batching.structured import Grammar
 
 
@@ -41,7 +42,8 @@ class Sequence:
     tokens, `drafts` are this step's drafts, `shadow_draft` the first token it would have drafted when it drafts
     none, and `acceptance` the recent per-draft rate at which they are (or would be) accepted (None before any).
     With a persistent prefix store, `store_keys` are its first full pages' keys there (`kv_store.KVLayout.page_keys`,
-    computed as needed), of which the first `num_stored_pages` are stored or on their way.
+    computed as needed), of which the first `num_stored_pages` are stored or on their way; `stored_prefix` is the
+    read of its stored pages while it waits (`BlockManager.prefetch`).
     """
 
     seq_id: int
@@ -71,6 +73,7 @@ class Sequence:
     acceptance: float | None = None
     store_keys: list[str] = field(default_factory=list)
     num_stored_pages: int = 0
+    stored_prefix: StoredPrefix | None = None
     schedule_key: tuple[int, int, int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,5 +1,7 @@
 """Block manager: reference-counted pages, chained-hash prefix caching, LRU eviction, counters."""
 
+import threading
+
 import numpy as np
 
 from sluice.batching.block_manager import BlockManager
@@ -112,7 +114,8 @@ def test_can_admit_counts_reclaimed_cached_pages_against_the_free_pool():
     assert not bm.can_admit(b, shared, num_new_tokens=5)  # would need 2 more
 
 
-def test_with_a_store_full_pages_are_listed_to_save_and_a_stored_prefix_is_admitted_into_fresh_pages(tmp_path):
+def test_with_a_store_full_pages_are_listed_to_save_and_a_stored_prefix_is_admitted_into_fresh_pages(tmp_path,
+                                                                                                    monkeypatch):
     layout = KVLayout(model="m", quantization="none", dtype="float32", kv_dtype="float32", page_size=PAGE,
                       num_layers=1, num_kv_heads=1, head_dim=2)
     store = KVStore(layout, tmp_path, ram_bytes=1 << 20, disk_bytes=1 << 20)
@@ -124,15 +127,57 @@ def test_with_a_store_full_pages_are_listed_to_save_and_a_stored_prefix_is_admit
     assert [key for _, key in first.saves] == keys
     for i, key in enumerate(keys):
         store.put(key, tuple(np.full(shape, i, dtype) for shape, dtype in layout.payload_specs))
-    # A fresh pool (a restarted engine) admits the stored prefix instead of computing it.
+    store.flush()
+    store._ram.clear()  # on disk only, as after a restart
+    reads = []
+    real_read = KVStore._read
+    monkeypatch.setattr(KVStore, "_read", lambda self, key: reads.append(threading.current_thread().name)
+                        or real_read(self, key))
+    # A fresh pool (a restarted engine) admits the stored prefix instead of computing it, once the store's reader
+    # thread has read it.
     second = BlockManager(num_pages=16, page_size=PAGE, store=store)
     again = make_seq(list(range(9)) + [77], seq_id=1)
+    second.prefetch(again)
+    again.stored_prefix.payloads.result(timeout=10)
     shared, hashes, stored = second.match_prefix(again)
     assert shared == [] and [int(p[0].flat[0]) for p in stored] == [0, 1]
+    assert len(reads) == 2 and all(name.startswith("kv-store-reader") for name in reads)
     second.admit(again, shared, hashes, stored, count_query=True)
     assert again.num_computed_tokens == 2 * PAGE and second.hit_tokens == 2 * PAGE
     assert [page for page, _ in second.loads] == again.page_table
     assert second.saves == []  # already stored
     # The loaded pages are in the pool's own prefix cache now.
     assert second.match_prefix(make_seq(list(range(9)), seq_id=2))[0] == again.page_table
+    store.close()
+
+
+def test_a_stored_prefix_is_not_ready_until_read_and_is_read_again_if_the_pool_lost_pages_meanwhile(tmp_path):
+    layout = KVLayout(model="m", quantization="none", dtype="float32", kv_dtype="float32", page_size=PAGE,
+                      num_layers=1, num_kv_heads=1, head_dim=2)
+    store = KVStore(layout, tmp_path, ram_bytes=1 << 20, disk_bytes=1 << 20)
+    tokens = list(range(13))
+    for i, key in enumerate(layout.page_keys(tokens[:3 * PAGE])):
+        store.put(key, tuple(np.full(shape, i, dtype) for shape, dtype in layout.payload_specs))
+    bm = BlockManager(num_pages=16, page_size=PAGE, store=store)
+    holder = make_seq(tokens[:PAGE + 1], seq_id=0)
+    bm.admit(holder, [], [], [], count_query=False)  # the pool holds page 0 (computed, not read)
+    bm.grow(holder, PAGE + 1)
+    holder.num_computed_tokens = PAGE + 1
+    bm.commit(holder)
+    seq = make_seq(tokens, seq_id=1)
+    gate = threading.Event()
+    real_get = store.get
+    store.get = lambda key: gate.wait(10) and real_get(key)
+    bm.prefetch(seq)
+    assert seq.stored_prefix.first == 1
+    assert bm.match_prefix(seq)[2] is None  # still reading
+    gate.set()
+    seq.stored_prefix.payloads.result(timeout=10)
+    shared, _, stored = bm.match_prefix(seq)
+    assert shared == holder.page_table[:1] and [int(p[0].flat[0]) for p in stored] == [1, 2]
+    bm.free(holder)
+    bm.reset()  # the pool's pages are gone: page 0 must come from the store too, so it is read again
+    assert bm.match_prefix(seq)[2] is None
+    seq.stored_prefix.payloads.result(timeout=10)
+    assert [int(p[0].flat[0]) for p in bm.match_prefix(seq)[2]] == [0, 1, 2]
     store.close()
