@@ -56,7 +56,7 @@ class Request:
         return Usage(
             prompt_tokens=sum(s.num_prompt_tokens for s in firsts),
             completion_tokens=sum(s.num_output_tokens for s in self.seqs),
-            cached_prompt_tokens=sum(s.num_cached_tokens for s in firsts),
+            cached_prompt_tokens=sum(s.num_cached_tokens or 0 for s in firsts),
         )
 
 

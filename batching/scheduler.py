@@ -142,7 +142,7 @@ class Scheduler:
             if not bm.can_admit(seq, shared, len(stored) * bm.page_size + num_new):
                 break
             bm.admit(seq, shared, hashes, stored, count_query=seq.num_output_tokens == 0)
-            if seq.num_output_tokens == 0:
+            if seq.num_cached_tokens is None:  # at its first admission, as vLLM's usage reports it
                 seq.num_cached_tokens = seq.num_computed_tokens
             bm.grow(seq, seq.num_computed_tokens + num_new)
             self.waiting.remove(seq)

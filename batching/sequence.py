@@ -64,7 +64,7 @@ class Sequence:
     num_pending: int = 0
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    num_cached_tokens: int | None = None
     finish_reason: FinishReason | None = None
     grammar: Grammar | None = None
     proposer: NgramProposer | None = None

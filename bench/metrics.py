@@ -26,7 +26,8 @@ class RequestRecord:
     """What the client saw of one request. Times are seconds on `time.perf_counter`'s clock.
 
     `chunk_times[i]` is when the i-th stream chunk carrying output tokens arrived and `chunk_tokens[i]`
-    how many tokens it carried. `error` is None for a request that completed.
+    how many tokens it carried. `error` is None for a request that completed. `cached_tokens`: the prompt tokens
+    its usage reports served from a prefix cache.
     """
 
     sent_at: float
@@ -36,6 +37,7 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     error: str | None = None
+    cached_tokens: int = 0
 
     @property
     def ok(self) -> bool:

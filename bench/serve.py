@@ -107,6 +107,7 @@ async def _send(client: httpx.AsyncClient, request: BenchRequest, load: LoadConf
         prompt_tokens=usage.get("prompt_tokens", request.prompt_tokens or 0),
         output_tokens=usage.get("completion_tokens", len(chunk_times)),
         error=error if error is not None or chunk_times else "no tokens streamed",
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
     )
 
 

@@ -93,6 +93,20 @@ def test_preempted_sequence_recomputes_all_its_tokens_when_readmitted():
     assert [(c.seq, c.start, c.num_tokens, c.sample) for c in out.chunks] == [(new, PAGE, 4, True)]
 
 
+def test_cached_tokens_are_those_found_at_the_first_admission_not_after_a_preemption():
+    sched = make_scheduler(num_pages=4, budget=12)
+    old = add(sched, 1, prompt_len=PAGE * 2)
+    new = add(sched, 2, prompt_len=PAGE * 2 + 2)
+    run_step(sched, sched.schedule())  # `old` prefills, `new` its first page
+    out = sched.schedule()  # `old` takes the last free page: `new`, mid-prefill, is preempted
+    assert out.preempted == [new] and new.num_cached_tokens == 0
+    run_step(sched, out)
+    sched.finish(old)
+    out = sched.schedule()
+    assert out.chunks[0].start == PAGE  # its own first page came back from the prefix cache...
+    assert new.num_cached_tokens == 0  # ... but its usage reports what the cache held when it first arrived (vLLM's)
+
+
 def test_finish_frees_pages_of_waiting_and_running_sequences():
     sched = make_scheduler(budget=8)
     running = add(sched, 1, prompt_len=20)
