@@ -48,7 +48,7 @@ async def _streams(url: str, n: int) -> list[tuple[str, list[str]]]:
 def test_a_replica_scaled_down_finishes_its_streams_in_flight():
     server = start_server(*AUTOSCALING, "--no-ui", *SERVER_FLAGS, startup_timeout_s=300)
     try:
-        wait_for_replicas(server.url, 2, timeout_s=60)
+        wait_for_replicas(server.url, 2, timeout_s=180)  # a loaded machine starts a replica slowly
         results = asyncio.run(_streams(server.url, 8))
         streams_done = datetime.datetime.now()
         assert len({replica for replica, _ in results}) == 2  # both replicas had streams in flight
