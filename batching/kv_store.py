@@ -265,6 +265,7 @@ class KVStore:
             self._evict_disk()
 
     def _keep_in_ram(self, key: PageKey, payload: PagePayload) -> None:
+        """The caller holds `_lock`."""
         self._ram[key] = payload
         while len(self._ram) * self.layout.page_nbytes > self.ram_bytes:
             old, old_payload = self._ram.popitem(last=False)
@@ -272,13 +273,13 @@ class KVStore:
             self._spill(old, old_payload)
 
     def _spill(self, key: PageKey, payload: PagePayload) -> None:
-        """Makes `key` the disk tier's most recent page, queueing its write if it is not on disk."""
+        """Makes `key` the disk tier's most recent page, queueing its write if it is not on disk. The caller holds
+        `_lock`."""
         if not self._touch(key):
             try:
                 self._queue.put_nowait((key, payload))
             except queue.Full:
-                with self._lock:
-                    self._dropped += 1
+                self._dropped += 1
 
     def _touch(self, key: PageKey) -> bool:
         """Marks `key`'s file used now (its mtime too, for the next store's order); whether it is on disk. The
