@@ -12,8 +12,9 @@ the KV dtype, or for an int8 pool k.values, k.scales, v.values, v.scales, the sc
 Tiers: `put` keeps a page in RAM and writes it through to disk, so it survives a SIGKILL once written. RAM is an
 LRU bounded in bytes; a page it evicts spills to the most recent end of the disk tier (written there if it is not
 on disk). The disk tier, `directory/<fingerprint>/<key>.kv`, is an LRU bounded in bytes, ordered by a file's
-mtime (refreshed on use) and rebuilt from the directory when a store opens; other fingerprints' folders are never
-read. A directory serves one process at a time.
+mtime (refreshed on use) and rebuilt from the directory when a store opens; other fingerprints' folders (another
+model's pages) are never read, and are removed, least recently used first, when a store opens and the whole
+directory holds more than the disk bound. A directory serves one process at a time.
 
 File: a header, then the payload's arrays' bytes in order. Header (little-endian): magic 8s, format version u32,
 fingerprint 32s, key 32s, payload length u64, then the checksum 32s (blake2b of the payload). A write goes to a
@@ -33,6 +34,8 @@ import json
 import logging
 import os
 import queue
+import shutil
+import string
 import struct
 import tempfile
 import threading
@@ -263,6 +266,26 @@ class KVStore:
             for _, key in sorted(found):
                 self._disk[key] = None
             self._evict_disk()
+            self._trim_other_layouts(len(self._disk) * self.file_bytes)
+
+    def _trim_other_layouts(self, own_bytes: int) -> None:
+        """Removes other fingerprints' folders, least recently used first, while the directory holds more than the
+        disk bound with them."""
+        others = []
+        for folder in self.directory.parent.iterdir():
+            name = folder.name
+            if folder == self.directory or len(name) != 2 * DIGEST_SIZE or not set(name) <= set(string.hexdigits):
+                continue
+            stats = [path.stat() for path in folder.iterdir()]
+            others.append((max((st.st_mtime_ns for st in stats), default=0), sum(st.st_size for st in stats), folder))
+        total = own_bytes + sum(size for _, size, _ in others)
+        for _, size, folder in sorted(others):
+            if total <= self.disk_bytes:
+                break
+            logger.info("KV store: removed %s (another model's pages, %d bytes) to keep within %d bytes",
+                        folder, size, self.disk_bytes)
+            shutil.rmtree(folder, ignore_errors=True)
+            total -= size
 
     def _keep_in_ram(self, key: PageKey, payload: PagePayload) -> None:
         """The caller holds `_lock`."""

@@ -152,6 +152,23 @@ def test_another_fingerprint_misses_and_leaves_the_files_alone(open_store):
     assert_same(open_store().get(A), payload(LAYOUT, 0))
 
 
+def test_another_fingerprint_s_folder_is_removed_once_the_directory_outgrows_the_bound(open_store):
+    first = open_store()
+    for i in range(6):
+        first.put(f"{i:064x}", payload(LAYOUT, i))
+    first.close()
+    other_layout = replace(LAYOUT, model="other-weights")
+    other = open_store(other_layout)  # 6 pages of the first, none of its own: within the 8-page bound
+    assert files(first) == {f"{i:064x}.kv" for i in range(6)}
+    for i in range(4):
+        other.put(f"{i:064x}", payload(other_layout, i))
+    other.close()
+    again = open_store(other_layout)  # 4 + 6 pages: the first layout's folder goes
+    assert not first.directory.exists()
+    assert files(again) == {f"{i:064x}.kv" for i in range(4)}
+    assert_same(again.get(f"{3:064x}"), payload(other_layout, 3))
+
+
 def test_every_corrupted_byte_is_detected_never_served_and_the_file_removed(open_store, caplog):
     first = open_store()
     first.put(A, payload(LAYOUT, 0))
