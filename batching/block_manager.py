@@ -14,11 +14,9 @@ waiting (`prefetch`); until they are in, `match_prefix` says to try again later.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from sluice.batching.kv_store import KVStore, PageKey, PagePayload
+from sluice.batching.kv_store import KVStore, PageKey, PagePayload, StoredPrefix
 from sluice.batching.sequence import Sequence
 
 _ROOT_HASH = 0
@@ -26,13 +24,6 @@ _ROOT_HASH = 0
 
 def page_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
-
-
-class StoredPrefix(NamedTuple):
-    """A waiting sequence's pages being read from the store: from its page `first` on, as far as it holds them."""
-
-    first: int
-    payloads: Future[list[PagePayload]]
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from math import prod
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,14 @@ class KVLayout:
                                      digest_size=DIGEST_SIZE).digest()
             keys.append(digest.hex())
         return keys
+
+
+class StoredPrefix(NamedTuple):
+    """A waiting sequence's pages being read from the store (`KVStore.prefetch`): from its page `first` on, as far
+    as the store holds them."""
+
+    first: int
+    payloads: Future[list[PagePayload]]
 
 
 @dataclass(frozen=True)

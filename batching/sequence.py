@@ -16,7 +16,7 @@ from sluice.batching.sampling_params import SamplingParams
 from sluice.batching.stop_checker import StopChecker
 
 if TYPE_CHECKING:
-    from sluice.batching.block_manager import StoredPrefix
+    from sluice.batching.kv_store import StoredPrefix
     from sluice.batching.structured import Grammar
 
 
