@@ -412,13 +412,14 @@ class Engine:
         next step can be scheduled before they arrive. Returns where each chunk's first sampled token goes.
         How many tokens a verification keeps is known only from its result: those sequences move on then."""
         first_indices = []
-        for i, chunk in enumerate(chunks):
+        verifying = drafting is not None
+        for chunk, limit in zip(chunks, limits or itertools.repeat(1)):
             seq = chunk.seq
-            if chunk.num_drafts or drafting is not None:
-                first_indices.append(seq.num_tokens)
+            if chunk.num_drafts or verifying:
+                first_indices.append(len(seq.token_ids))
                 continue
-            count = (limits[i] if limits is not None else 1) if chunk.sample else 0
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens + max(count - 1, 0)
+            count = limit if chunk.sample else 0
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens + (count - 1 if count else 0)
             first_indices.append(seq.add_pending(count))
         return first_indices
 
@@ -436,9 +437,10 @@ class Engine:
         arrived = time.perf_counter()
         if result.pooled is not None:
             self._pool(launched.chunks, result.pooled)
+        verified = launched.drafting is not None
         for chunk, output, index in zip(launched.chunks, result.seqs, launched.first_indices):
             seq = chunk.seq
-            if output is not None and not seq.finished:
+            if output is not None and seq.status is not SequenceStatus.FINISHED:
                 try:
                     if not output.finite:
                         raise FloatingPointError("the model's logits for this sequence were not finite")
@@ -448,7 +450,7 @@ class Engine:
                 if self.speculator is not None:
                     self._count_drafts(seq, output)
             if seq.status is SequenceStatus.RUNNING:
-                if chunk.num_drafts or launched.drafting is not None:
+                if chunk.num_drafts or verified:
                     kept = len(output.tokens) if output is not None else 0
                     seq.num_computed_tokens = chunk.start + chunk.num_tokens - chunk.num_drafts + max(kept - 1, 0)
                     self.block_manager.shrink(seq, seq.num_tokens)  # pages reserved for rejected drafts
@@ -551,11 +553,11 @@ class Engine:
     def _append_output(self, seq: Sequence, output: SequenceOutput, index: int, sampled: SamplerOutput) -> None:
         """Appends a step's tokens for `seq` from `index` on (over its placeholders) up to where it ends; then, for
         a sequence with a grammar, the tokens the grammar forces."""
-        wants_logprobs = seq.params.wants_logprobs
         logprobs = ([self._logprob(seq, token, sampled, step, row)
-                     for token, (step, row) in zip(output.tokens, output.positions)] if wants_logprobs else [])
+                     for token, (step, row) in zip(output.tokens, output.positions)]
+                    if output.positions and seq.params.wants_logprobs else [])
         self._append(seq, index, output.tokens, logprobs)
-        if seq.grammar is not None and not wants_logprobs:
+        if seq.grammar is not None and not seq.params.wants_logprobs:
             self._append_forced(seq)
 
     @staticmethod
@@ -589,15 +591,16 @@ class Engine:
         the sequence, and ends it there (dropping the placeholders after it)."""
         if not tokens:
             return
-        count, finish = seq.stop.run_finish(tokens, index - seq.num_prompt_tokens, self.max_model_len - index)
-        kept = tokens[:count]
+        num_prompt_tokens = len(seq.prompt_ids)
+        count, finish = seq.stop.run_finish(tokens, index - num_prompt_tokens, self.max_model_len - index)
+        kept = tokens if count == len(tokens) else tokens[:count]
         seq.place(index, kept)
         if seq.grammar is not None:
             for token in kept:
                 seq.grammar.advance(token)
         self._generation_tokens_total += count
-        if index == seq.num_prompt_tokens and seq.parent is None:
-            self._prompt_tokens_total += seq.num_prompt_tokens
+        if index == num_prompt_tokens and seq.parent is None:
+            self._prompt_tokens_total += num_prompt_tokens
         if seq.proposer is not None:
             seq.proposer.extend(kept)
         if finish is not None:

@@ -155,14 +155,16 @@ def unpack(flat: jax.Array, packing: Packing):
     return jax.tree.unflatten(treedef, [part.reshape(shape) for part, shape in zip(parts, shapes)])
 
 
-def _packed(step: partial) -> Callable:
-    """`step` (a partial of `_forward`, `_decode_steps` or `_verify_steps`) taking its `StepInputs` and
-    `SampledRows` packed (`pack`), the token histories apart (they stay on the device); named as the step, so
-    its compiled program is too (profiles look for it)."""
+def _packed(step: partial, state_def: jax.tree_util.PyTreeDef) -> Callable:
+    """`step` (a partial of `_forward`, `_decode_steps` or `_verify_steps`) taking the model's weights as a flat
+    list of arrays (`state_def` rebuilds the nnx.State: flattening its Variables costs about 2 us each, every
+    call) and its `StepInputs` and `SampledRows` packed (`pack`), the token histories apart (they stay on the
+    device); named as the step, so its compiled program is too (profiles look for it)."""
 
-    def run(packing: Packing, state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows,
+    def run(packing: Packing, weights: list[jax.Array], kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows,
             flat: jax.Array, history: jax.Array):
         inputs, sampled = unpack(flat, packing)
+        state = jax.tree.unflatten(state_def, weights)
         return step(state, kv_cache, fed_from, slots, inputs, replace(sampled, history=history))
 
     run.__name__ = step.func.__name__
@@ -387,15 +389,16 @@ def _sequence_outputs(out: SamplerOutput | VerifiedSteps, chunks: list[Scheduled
     sequence wants logprobs (nothing else reads them). A row's logits are checked at the call's first step, where
     every sampled row is live (later, a row that stopped computes padding)."""
     outputs: list[SequenceOutput | None] = []
-    sampled = out.sampled if isinstance(out, VerifiedSteps) else out
-    by_row = out.tokens.T.tolist() if isinstance(out, SamplerOutput) else None  # [rows][steps], in one call
-    nonfinite = np.flatnonzero(~np.isfinite(sampled.logprobs[0]))
+    verified = isinstance(out, VerifiedSteps)
+    sampled = out.sampled if verified else out
+    by_row = None if verified else out.tokens.T.tolist()  # [rows][steps], in one call
+    nonfinite = set(np.flatnonzero(~np.isfinite(sampled.logprobs[0])).tolist())
     for i, (chunk, row) in enumerate(zip(chunks, rows)):
         if not chunk.sample:
             outputs.append(None)
-        elif nonfinite.size and row in nonfinite:
+        elif row in nonfinite:
             outputs.append(_NONFINITE)
-        elif isinstance(out, VerifiedSteps):
+        elif verified:
             positions, verifications = [], []
             for step in range(out.num_emitted.shape[0]):
                 kept = int(out.num_emitted[step, i])
@@ -409,9 +412,9 @@ def _sequence_outputs(out: SamplerOutput | VerifiedSteps, chunks: list[Scheduled
             outputs.append(SequenceOutput([int(out.tokens[p]) for p in positions], positions,
                                           [(chunk.num_drafts, accepted)]))
         else:
-            steps = limits[i] if limits is not None else 1
-            positions = [(s, row) for s in range(steps)] if chunk.seq.params.wants_logprobs else []
-            outputs.append(SequenceOutput(by_row[row][:steps], positions, []))
+            tokens = by_row[row] if limits is None else by_row[row][:limits[i]]
+            positions = [(s, row) for s in range(len(tokens))] if chunk.seq.params.wants_logprobs else []
+            outputs.append(SequenceOutput(tokens, positions, []))
     return outputs
 
 
@@ -460,6 +463,7 @@ class ModelRunner:
         if resolve_layer_loop(layer_loop) == "unrolled":
             model.unstack_layers()
         self.graphdef, self.state = nnx.split(model)
+        self.weights, self._state_def = jax.tree.flatten(self.state)
         self.num_pages = num_pages
         self.kv_dtype = jnp.dtype(model.dtype if kv_dtype is None else kv_dtype)
         self.backend = attention_backend
@@ -536,7 +540,7 @@ class ModelRunner:
                 fn = partial(_decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs)
             else:
                 fn = partial(_forward, *args, bucket.max_q_len)
-            self._steps[key] = jax.jit(_packed(fn), static_argnums=(0,), donate_argnums=(2,),
+            self._steps[key] = jax.jit(_packed(fn, self._state_def), static_argnums=(0,), donate_argnums=(2,),
                                        out_shardings=out_shardings)
         return self._steps[key]
 
@@ -553,7 +557,7 @@ class ModelRunner:
         if writes is not None:
             self._write(writes)
         flat, packing = pack((inputs, replace(sampled, history=None)))
-        result, self.kv_cache = self._step_fn(bucket)(packing, self.state, self.kv_cache, self._last_tokens,
+        result, self.kv_cache = self._step_fn(bucket)(packing, self.weights, self.kv_cache, self._last_tokens,
                                                       self._slots, self._global(flat), self._global(sampled.history))
         if bucket.num_steps > 1:
             out, self._last_tokens = result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 MAX_TOP_LOGPROBS = 20
@@ -62,11 +63,11 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     pooling: Literal["last", "mean"] | None = None
 
-    @property
+    @cached_property  # read per sequence and step: kept after the first read (in the instance's __dict__)
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
-    @property
+    @cached_property
     def reads_history(self) -> bool:
         """Whether the penalties need the sequence's token history."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -39,7 +39,7 @@ class ScheduledChunk:
 
     def __post_init__(self) -> None:
         # Fixed when scheduled: the sequence grows placeholders once its step is dispatched.
-        self.sample = self.start + self.num_tokens - self.num_drafts == self.seq.num_tokens
+        self.sample = self.start + self.num_tokens - self.num_drafts == len(self.seq.token_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -54,6 +54,11 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
+
+
+def _schedule_order(seq: Sequence) -> tuple[bool, tuple[int, int, int]]:
+    """Decodes (one token left to compute) first, then by `Sequence.schedule_key`."""
+    return len(seq.token_ids) - seq.num_computed_tokens > 1, seq.schedule_key
 
 
 class Scheduler:
@@ -91,28 +96,27 @@ class Scheduler:
         bm = self.block_manager
 
         # Decodes (one token left) before partial prefills, each group in schedule order.
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.schedule_key)):
-            if seq.status is not SequenceStatus.RUNNING or seq.at_limit:
+        for seq in sorted(self.running, key=_schedule_order):
+            if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) >= seq.max_num_tokens:
                 continue  # preempted earlier in this loop, or its last token is still on the device
             if budget == 0:
                 break
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            fits = bm.can_grow(seq, seq.num_computed_tokens + num_new)
-            while not fits:
-                victim = max(self.running, key=lambda s: s.schedule_key)
-                if victim is seq:
-                    break
-                budget += self._preempt(victim, scheduled, out)
-                fits = bm.can_grow(seq, seq.num_computed_tokens + num_new)
-            if not fits:
-                self._preempt(seq, scheduled, out)
-                continue
-            end = seq.num_computed_tokens + num_new
-            num_drafts = min(len(seq.drafts), budget - num_new) if end == seq.num_tokens else 0
-            if num_drafts and not bm.can_grow(seq, end + num_drafts):
+            start = seq.num_computed_tokens
+            num_new = min(len(seq.token_ids) - start, budget)
+            end = start + num_new
+            if end > len(seq.page_table) * bm.page_size:  # most decode steps fill a page they hold
+                fits, refund = self._make_room(seq, end, scheduled, out)
+                budget += refund
+                if not fits:
+                    self._preempt(seq, scheduled, out)
+                    continue
+                bm.grow(seq, end)
+            num_drafts = min(len(seq.drafts), budget - num_new) if seq.drafts and end == len(seq.token_ids) else 0
+            if num_drafts and bm.can_grow(seq, end + num_drafts):
+                bm.grow(seq, end + num_drafts)
+            else:
                 num_drafts = 0  # drafts never preempt anyone
-            bm.grow(seq, end + num_drafts)
-            scheduled[seq] = ScheduledChunk(seq, seq.num_computed_tokens, num_new + num_drafts, num_drafts)
+            scheduled[seq] = ScheduledChunk(seq, start, num_new + num_drafts, num_drafts)
             budget -= num_new + num_drafts
 
         if not out.preempted:
@@ -152,6 +156,18 @@ class Scheduler:
             out.admitted.append(seq)
             scheduled[seq] = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
             budget -= num_new
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: dict[Sequence, ScheduledChunk],
+                   out: SchedulerOutput) -> tuple[bool, int]:
+        """Preempts the newest running sequences until `seq` may hold `num_tokens` tokens: (whether it may without
+        preempting itself, the budget the preempted sequences' unscheduling gives back)."""
+        refund = 0
+        while not self.block_manager.can_grow(seq, num_tokens):
+            victim = max(self.running, key=lambda s: s.schedule_key)
+            if victim is seq:
+                return False, refund
+            refund += self._preempt(victim, scheduled, out)
+        return True, refund
 
     def _fork_pages(self, seq: Sequence) -> tuple[list[int], list[int]] | None:
         """The prompt's full pages held by the request's first sequence, if it still holds them."""

@@ -373,7 +373,7 @@ def compile_decode_step(runner: ModelRunner, rows: int) -> jax.stages.Compiled:
     bucket = runner._decode_bucket(rows, 1)
     inputs, sampled = runner._pad([], bucket, None)
     flat, packing = pack((inputs, replace(sampled, history=None)))  # as `ModelRunner._run` sends them
-    return runner._step_fn(bucket).lower(packing, runner.state, runner.kv_cache, runner._last_tokens, runner._slots,
+    return runner._step_fn(bucket).lower(packing, runner.weights, runner.kv_cache, runner._last_tokens, runner._slots,
                                          flat, sampled.history).compile()
 
 

@@ -283,19 +283,20 @@ class ByteDetokenizer:
     """
 
     def __init__(self, pieces: BytePieces):
-        self._pieces = pieces
+        self._bytes = pieces.bytes
+        self._texts = pieces.text
         self._held = b""
 
     def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
         """Appends tokens and returns the text they complete (possibly "")."""
         text = ""
         for token_id in new_ids:
-            if token_id >= len(self._pieces.bytes):
+            if token_id >= len(self._bytes):
                 continue  # a model's vocabulary padded past the tokenizer's: no text, as for a special token
-            if not self._held and (piece := self._pieces.text[token_id]) is not None:
+            if not self._held and (piece := self._texts[token_id]) is not None:
                 text += piece
                 continue
-            self._held += self._pieces.bytes[token_id]
+            self._held += self._bytes[token_id]
             decoded = self._held.decode(errors="replace")
             if not decoded.endswith("\ufffd"):
                 text += decoded
