@@ -13,6 +13,11 @@ BENCH_REF := .venv-bench-ref
 LLAMA_CPP := .llama-cpp
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP_SRC := llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+# GGML_NATIVE compiles AMX tile code in wherever the CPU lists AMX, but a VM may list it without enabling the tile
+# state (this workplace's Xeon VMs: llama-server dies of SIGILL at its first `tilezero`). So AMX is opt-in:
+# `make bench LLAMA_CPP_AMX=on` on a machine whose kernel grants it (remove .llama-cpp to rebuild).
+LLAMA_CPP_AMX ?= off
+LLAMA_CPP_FLAGS := $(if $(and $(filter off,$(LLAMA_CPP_AMX)),$(filter x86_64,$(shell uname -m))),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 
 .PHONY: serve test model bench gpu-check check-jax-next check-gpu-image clean
 
@@ -60,7 +65,8 @@ $(LLAMA_CPP)/.built: | $(BIN)/python
 	tar -xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CPP) $(LLAMA_CPP_SRC)
 	rm $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
 	cmake -S $(LLAMA_CPP)/$(LLAMA_CPP_SRC) -B $(LLAMA_CPP)/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release \
+		-DCMAKE_C_FLAGS="$(LLAMA_CPP_FLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CPP_FLAGS)"
 	nice -n 10 cmake --build $(LLAMA_CPP)/build -j 2 --target llama-server llama-bench
 	touch $@
 

@@ -101,10 +101,6 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids):]
-
-    @property
     def num_known_tokens(self) -> int:
         return len(self.token_ids) - self.num_pending
 
