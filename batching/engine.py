@@ -419,7 +419,7 @@ class Engine:
                 first_indices.append(len(seq.token_ids))
                 continue
             count = limit if chunk.sample else 0
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens + (count - 1 if count else 0)
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens + max(count - 1, 0)
             first_indices.append(seq.add_pending(count))
         return first_indices
 

@@ -39,7 +39,7 @@ class ScheduledChunk:
 
     def __post_init__(self) -> None:
         # Fixed when scheduled: the sequence grows placeholders once its step is dispatched.
-        self.sample = self.start + self.num_tokens - self.num_drafts == len(self.seq.token_ids)
+        self.sample = self.start + self.num_tokens - self.num_drafts == self.seq.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -58,7 +58,7 @@ class SchedulerOutput:
 
 def _schedule_order(seq: Sequence) -> tuple[bool, tuple[int, int, int]]:
     """Decodes (one token left to compute) first, then by `Sequence.schedule_key`."""
-    return len(seq.token_ids) - seq.num_computed_tokens > 1, seq.schedule_key
+    return seq.num_uncomputed_tokens > 1, seq.schedule_key
 
 
 class Scheduler:
@@ -97,12 +97,12 @@ class Scheduler:
 
         # Decodes (one token left) before partial prefills, each group in schedule order.
         for seq in sorted(self.running, key=_schedule_order):
-            if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) >= seq.max_num_tokens:
+            if seq.status is not SequenceStatus.RUNNING or seq.at_limit:
                 continue  # preempted earlier in this loop, or its last token is still on the device
             if budget == 0:
                 break
             start = seq.num_computed_tokens
-            num_new = min(len(seq.token_ids) - start, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget)
             end = start + num_new
             if end > len(seq.page_table) * bm.page_size:  # most decode steps fill a page they hold
                 fits, refund = self._make_room(seq, end, scheduled, out)
@@ -111,7 +111,7 @@ class Scheduler:
                     self._preempt(seq, scheduled, out)
                     continue
                 bm.grow(seq, end)
-            num_drafts = min(len(seq.drafts), budget - num_new) if seq.drafts and end == len(seq.token_ids) else 0
+            num_drafts = min(len(seq.drafts), budget - num_new) if seq.drafts and end == seq.num_tokens else 0
             if num_drafts and bm.can_grow(seq, end + num_drafts):
                 bm.grow(seq, end + num_drafts)
             else:

@@ -104,25 +104,24 @@ class Sequence:
     def num_known_tokens(self) -> int:
         return len(self.token_ids) - self.num_pending
 
+    @property
+    def at_limit(self) -> bool:
+        """Whether every token it may have is known or pending: nothing more to compute."""
+        return len(self.token_ids) >= self.max_num_tokens
+
     def add_pending(self, count: int) -> int:
         """Appends `count` placeholders; returns the index of the first."""
         index = len(self.token_ids)
-        if count:
-            self.token_ids += [PENDING] * count
-            self.num_pending += count
+        self.token_ids.extend([PENDING] * count)
+        self.num_pending += count
         return index
 
     def place(self, index: int, tokens: list[int]) -> None:
         """Writes tokens the device sampled from `index` on: over their placeholders, the rest appended."""
-        token_ids = self.token_ids
-        over = min(len(tokens), len(token_ids) - index)
-        if over == len(tokens):  # the common case: each token has its placeholder
-            token_ids[index:index + over] = tokens
-        else:
-            over = max(over, 0)
-            token_ids[index:index + over] = tokens[:over]
-            token_ids.extend(tokens[over:])
+        over = max(0, min(len(tokens), len(self.token_ids) - index))
+        self.token_ids[index:index + over] = tokens[:over]
         self.num_pending -= over
+        self.token_ids.extend(tokens[over:])
 
     def truncate(self, length: int) -> None:
         """Drops every token from `length` on, placeholders included."""
