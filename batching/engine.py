@@ -24,7 +24,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import numpy as np
@@ -109,18 +109,6 @@ class _Launched:
     host_s: float
 
 
-class _SampledRun(NamedTuple):
-    """Tokens appended to `seq` (at `seq.token_ids[index:]`) by one step, whose text and stop-string check wait for
-    the next step's device time; `logprobs` one per token, or empty; `finish` what the last token's id or count
-    forces."""
-
-    seq: Sequence
-    index: int
-    tokens: list[int]
-    logprobs: list[TokenLogprob]
-    finish: FinishReason | None
-
-
 def _describe(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(error)).strip()
 
@@ -179,7 +167,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self._num_pooling = 0  # embedding requests in `_requests`: their steps fetch pooled rows
-        self._unemitted: dict[Sequence, list[_SampledRun]] = {}  # insertion order: the order they were appended
+        self._unemitted: dict[Sequence, None] = {}  # sequences with tokens not yet emitted, in append order
         self._in_flight: _Launched | None = None
         self._last_step: StepStats | None = None
         self._deliveries: Deliveries = []
@@ -603,43 +591,48 @@ class Engine:
             self._prompt_tokens_total += num_prompt_tokens
         if seq.proposer is not None:
             seq.proposer.extend(kept)
+        if logprobs:
+            seq.logprobs += logprobs[:count]
         if finish is not None:
             seq.finish_reason = finish
             seq.truncate(index + count)
             self.scheduler.finish(seq)
-        self._unemitted.setdefault(seq, []).append(_SampledRun(seq, index, kept, logprobs[:count], finish))
+        self._unemitted[seq] = None
 
     def _emit_text(self) -> None:
         """Detokenizes the tokens appended since the last call and checks stop strings: one increment per
         sequence with all its new tokens. A stop string ends its sequence (its tokens after that one, on the host
         or still on the device, are dropped)."""
         unemitted, self._unemitted = self._unemitted, {}
-        for seq, runs in unemitted.items():
+        for seq in unemitted:
             request = self._requests.get(seq.request_id)
             if request is not None and seq.choice not in request.finished_choices:
                 try:
-                    self._emit(request, seq, runs)
+                    self._emit(request, seq)
                 except Exception as error:  # noqa: BLE001
                     self._fail_request(request.request_id, error)
 
-    def _emit(self, request: Request, seq: Sequence, runs: list[_SampledRun]) -> None:
-        text, ids, logprobs, finish_reason = "", [], [], None
-        for run in runs:
-            shown, count, finish_reason = seq.stop.emit_run(run.tokens, run.finish)
-            text += shown
-            ids += run.tokens[:count]
-            logprobs += run.logprobs[:count]
-            if finish_reason is not None:
-                if not seq.finished:
-                    # A stop string: tokens sampled after its token (a multi-step call's, or the next step's) are
-                    # dropped, never emitted.
-                    end = run.index + count
-                    self._generation_tokens_total -= seq.num_known_tokens - end
-                    seq.truncate(end)
-                    seq.finish_reason = finish_reason
-                    self.scheduler.finish(seq)
-                break
-        self._send(request, Increment(seq.choice, text, tuple(ids), tuple(logprobs), finish_reason))
+    def _emit(self, request: Request, seq: Sequence) -> None:
+        """Sends the sequence's known tokens past those its stop checker has seen, with the finish its last one
+        forces by id or count (`_append`), or a stop string's."""
+        start = len(seq.prompt_ids) + seq.stop.num_output_tokens
+        tokens = seq.token_ids[start:len(seq.token_ids) - seq.num_pending]
+        finished = seq.status is SequenceStatus.FINISHED
+        text, count, finish_reason = seq.stop.emit_run(tokens, seq.finish_reason if finished else None)
+        if count < len(tokens) or finish_reason is not None and not finished:
+            # A stop string: tokens sampled after its token (a multi-step call's, or the next step's) are dropped,
+            # never emitted.
+            end = start + count
+            self._generation_tokens_total -= seq.num_known_tokens - end
+            seq.truncate(end)
+            seq.finish_reason = finish_reason
+            if not finished:
+                self.scheduler.finish(seq)
+            del tokens[count:]
+        logprobs = ()
+        if seq.logprobs:
+            logprobs, seq.logprobs = tuple(seq.logprobs[:count]), []
+        self._send(request, Increment(seq.choice, text, tuple(tokens), logprobs, finish_reason))
 
     def _send(self, request: Request, increment: Increment) -> None:
         if increment.finish_reason is not None:

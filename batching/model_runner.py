@@ -50,6 +50,7 @@ from sluice.batching.kv_store import PagePayload
 from sluice.batching.kv_transfer import PageCopy, load_pages
 from sluice.batching.sampler import SampledRows, SamplerOutput, SamplingBatch, bitmask_words, mask_disallowed, sample
 from sluice.batching.scheduler import ScheduledChunk
+from sluice.batching.sequence import PENDING
 from sluice.batching.structured import fill_bitmask
 from sluice.model.llama import KVCache, Llama, empty_kv_cache, resolve_layer_loop
 from sluice.model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
@@ -375,7 +376,8 @@ _NONFINITE = SequenceOutput([], [], [], finite=False)
 
 @dataclass(frozen=True)
 class StepOutput:
-    """A step's results on the host: the sampler's arrays (numpy, leading [num_steps] axis) and, per scheduled
+    """A step's results on the host: the sampler's arrays (numpy, leading [num_steps] axis; `top_ids` and
+    `top_logprobs` None unless a sequence wants logprobs, `accepted` None unless one drafted) and, per scheduled
     chunk, its sequence's share (None for a chunk that samples nothing: a prefill not yet at its end); `pooled`
     ([S, D] float32, row i chunk i's sum of its pooled tokens' final hidden states) when the step pools."""
 
@@ -604,7 +606,7 @@ class ModelRunner:
                                       MAX_STOP_IDS, pow2_buckets(1, self.max_num_seqs))
         self._slots = jax.device_put(self.input_batch.host, self._step_outputs_sharding)
         self._last_tokens = jax.device_put(np.zeros(self.max_num_seqs, np.int32), self._step_outputs_sharding)
-        self._last_rows: dict[int, int] = {}
+        self._last_row = np.full(self.max_num_seqs + 1, -1, np.int32)  # by slot: its token's row in `_last_tokens`
 
     def load_pages(self, pages: list[int], payloads: list[PagePayload]) -> None:
         """Writes stored pages' K/V into `pages` of the pool, ordered after the steps already dispatched."""
@@ -650,9 +652,12 @@ class ModelRunner:
         # Each chunk's first sampled row: a chunk with drafts samples one row per draft position, and one more.
         rows = ([i * bucket.max_q_len for i in range(len(chunks))] if verifies
                 else list(itertools.accumulate((1 + c.num_drafts for c in chunks[:-1]), initial=0)))
-        # Where each sequence's last token is in `last_tokens`, for the next step (unknown after drafts).
+        # Where each slot's last token is in `last_tokens`, for the next step (unknown after drafts).
+        self._last_row.fill(-1)
         drafted = any(c.num_drafts for c in chunks)
-        self._last_rows = {} if drafted else {c.seq.seq_id: i for i, c in enumerate(chunks) if c.sample}
+        if not drafted:
+            sampling = [i for i, c in enumerate(chunks) if c.sample]
+            self._last_row[[chunks[i].seq.slot for i in sampling]] = sampling
         constrained = [(c.seq.grammar, row, c.seq.drafts[:c.num_drafts])
                        for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
         if step_broadcast.is_multiprocess():
@@ -669,6 +674,11 @@ class ModelRunner:
         self._num_dispatched += 1
         fault = self.fault.fires(self._num_dispatched, num_steps == 1) if self.fault is not None else None
         out, pooled = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None, fault == "nan")
+        if not verifies:  # the host reads the top alternatives only for logprobs, and acceptances only for drafts
+            logprobs = any(c.seq.params.wants_logprobs for c in chunks)
+            out = replace(out, top_ids=out.top_ids if logprobs else None,
+                          top_logprobs=out.top_logprobs if logprobs else None,
+                          accepted=out.accepted if drafted else None)
         return PendingStep(out, chunks, rows, limits, pooled if pooling else None, bucket, fault)
 
     def follow(self) -> None:
@@ -717,32 +727,33 @@ class ModelRunner:
             feed=np.full(t, -1, np.int32), pool_ids=np.full(t, -1, np.int32))
         inputs.limits[:len(chunks)] = limits if limits is not None else 1
         # Token histories are built only if a row's penalties read them (else an all -1 array kept on the device).
-        reads_history = any(c.seq.params.reads_history for c in chunks)
+        slots = np.array([c.seq.slot for c in chunks], np.int32)
+        reads_history = self.input_batch.reads_history[slots].any()
         history = np.full((num_rows, self.max_model_len), -1, np.int32) if reads_history else None
         sampled = SampledRows(np.full(num_rows, padding_slot, np.int32), np.zeros(num_rows, np.int32),
                               np.full(num_rows, -1, np.int32), history)
         if chunks:
             lengths = np.array([c.num_tokens for c in chunks])
-            slots = np.array([c.seq.slot for c in chunks], np.int32)
-            self._fill_tokens(chunks, lengths, slots, bucket.max_q_len, inputs)
-            self._fill_rows(chunks, np.cumsum(lengths), slots, inputs, sampled)
+            starts = np.array([c.start for c in chunks])
+            self._fill_tokens(chunks, starts, lengths, slots, bucket.max_q_len, inputs)
+            self._fill_rows(chunks, starts, lengths, slots, self.input_batch.host.sampling.num_prompt[slots],
+                            inputs, sampled)
         return inputs, replace(sampled, history=self._history(history, num_rows))
 
-    def _fill_tokens(self, chunks: list[ScheduledChunk], lengths: np.ndarray, slots: np.ndarray, q: int,
-                     inputs: StepInputs) -> None:
+    def _fill_tokens(self, chunks: list[ScheduledChunk], starts: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
+                     q: int, inputs: StepInputs) -> None:
         """Per token: id (or where the device holds it), position, pool slot; per attention row: its chunk's
         slot, kv_len and query range. A chunk's queries go in pieces of at most q; a piece's queries are the last
         of its kv_len positions, so the pieces of one chunk chain causally."""
-        starts = np.array([c.start for c in chunks])
         ends = np.cumsum(lengths)
         num = int(ends[-1])
         inputs.token_ids[:num] = ([c.seq.token_ids[c.start] for c in chunks] if num == len(chunks)  # decodes
                                   else [token for c in chunks for token in c.token_ids])
         # A sequence whose last token is the previous step's, still on the device, takes it from there.
-        fed = [(int(end) - 1, self._last_rows[c.seq.seq_id]) for c, end in zip(chunks, ends) if c.seq.num_pending]
-        if fed:
-            at, rows = zip(*fed)
-            inputs.feed[list(at)] = rows
+        last = ends - 1
+        pending = inputs.token_ids[last] == PENDING
+        if pending.any():
+            inputs.feed[last[pending]] = self._last_row[slots[pending]]
         token_chunk, offset = ragged(lengths)
         positions = inputs.positions[:num] = starts[token_chunk] + offset
         pages = self.input_batch.host.page_table[slots[token_chunk], positions // self.page_size]
@@ -763,17 +774,18 @@ class ModelRunner:
                 inputs.pool_ids[end - (chunk.num_tokens if pooling == "mean" else 1):end] = i
 
     @staticmethod
-    def _fill_rows(chunks: list[ScheduledChunk], ends: np.ndarray, slots: np.ndarray, inputs: StepInputs,
-                   sampled: SampledRows) -> None:
-        """Per sampled row: its logits row, slot, output step and draft. A chunk with drafts has one row per draft
-        position, each scoring the next token as if the drafts before it were accepted."""
+    def _fill_rows(chunks: list[ScheduledChunk], starts: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
+                   num_prompt: np.ndarray, inputs: StepInputs, sampled: SampledRows) -> None:
+        """Per sampled row: its logits row, slot, output step (the output index of the token it samples) and
+        draft. A chunk with drafts has one row per draft position, each scoring the next token as if the drafts
+        before it were accepted."""
         num_drafts = [c.num_drafts for c in chunks]
         num_rows = np.array(num_drafts) + 1
         row_chunk, j = ragged(num_rows)
         n = len(row_chunk)
-        inputs.logits_rows[:n] = ends[row_chunk] - num_rows[row_chunk] + j
+        inputs.logits_rows[:n] = np.cumsum(lengths)[row_chunk] - num_rows[row_chunk] + j
         sampled.slot[:n] = slots[row_chunk]
-        sampled.step[:n] = np.array([c.seq.num_output_tokens for c in chunks])[row_chunk] + j
+        sampled.step[:n] = (starts + lengths - num_rows + 1 - num_prompt)[row_chunk] + j
         if any(num_drafts):
             sampled.draft[:n] = [d for c in chunks for d in (*c.seq.drafts[:c.num_drafts], -1)]
         inputs.num_sampled[...] = n

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sluice.batching.ngram import NgramProposer
-from sluice.batching.outputs import FinishReason
+from sluice.batching.outputs import FinishReason, TokenLogprob
 from sluice.batching.sampling_params import SamplingParams
 from sluice.batching.stop_checker import StopChecker
 
@@ -35,8 +35,9 @@ class Sequence:
 
     `seed` keys its draws (folded with the output step, so it samples the same tokens whatever shares its batch
     and after a preemption); `slot` is its row of the runner's persistent input batch while it runs (the
-    scheduler's to give, -1 when it holds none); `stop` turns its tokens
-    into text and decides when it ends; `grammar` (structured output) is where its output stands in the grammar
+    scheduler's to give, -1 when it holds none); `stop` turns its tokens into text and decides when it ends (its
+    count of output tokens is where the next text starts); `logprobs` are those of its tokens not yet emitted,
+    when it wants them; `grammar` (structured output) is where its output stands in the grammar
     it must follow. `arrival` orders first-come-first-served scheduling; `queued_at` is when it last entered the
     waiting queue (`time.perf_counter()`). With speculative decoding, `proposer` drafts from the sequence's own
     tokens, `drafts` are this step's drafts, `shadow_draft` the first token it would have drafted when it drafts
@@ -66,6 +67,7 @@ class Sequence:
     page_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     grammar: Grammar | None = None
     proposer: NgramProposer | None = None
     drafts: list[int] = field(default_factory=list)
@@ -118,8 +120,13 @@ class Sequence:
 
     def place(self, index: int, tokens: list[int]) -> None:
         """Writes tokens the device sampled from `index` on: over their placeholders, the rest appended."""
-        over = max(0, min(len(tokens), len(self.token_ids) - index))
-        self.token_ids[index:index + over] = tokens[:over]
+        end = index + len(tokens)
+        if end <= len(self.token_ids):  # all over placeholders: the usual case
+            self.token_ids[index:end] = tokens
+            self.num_pending -= len(tokens)
+            return
+        over = max(0, len(self.token_ids) - index)
+        self.token_ids[index:] = tokens[:over]
         self.num_pending -= over
         self.token_ids.extend(tokens[over:])
 
