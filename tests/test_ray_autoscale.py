@@ -57,7 +57,7 @@ def test_a_replica_scaled_down_finishes_its_streams_in_flight():
             assert not any("error" in json.loads(e) for e in events[:-1])
             assert json.loads(events[-2])["usage"]["completion_tokens"] == 240
         deadline = time.monotonic() + 60
-        while len(replica_pids()) > 1:
+        while len(replica_pids(server)) > 1:
             assert time.monotonic() < deadline, "the autoscaler kept both replicas"
             time.sleep(1)
         [removed_at] = REMOVAL.findall(server.output())

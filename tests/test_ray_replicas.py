@@ -21,7 +21,7 @@ pytest.importorskip("ray.serve")
 from openai import OpenAI
 
 from sluice.bench.routing import wait_for_replicas
-from test_api_e2e import SERVER_FLAGS, start_server
+from test_api_e2e import SERVER_FLAGS, ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +37,28 @@ def cluster():
     assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
 
 
-def replica_pids() -> list[int]:
-    """The replicas' processes, found as an operator would (Ray names them in their command line)."""
+def replica_pids(server: ServerProcess) -> list[int]:
+    """`server`'s replicas, found as an operator would: processes Ray names as replicas, below `server`'s process
+    (its Ray cluster's raylet is its child), so another Ray cluster on the machine is left alone."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "cmdline").read_bytes().startswith(REPLICA_PROCESS.encode()):
+                if ((entry / "cmdline").read_bytes().startswith(REPLICA_PROCESS.encode())
+                        and server.process.pid in _ancestors(int(entry.name))):
                     pids.append(int(entry.name))
             except OSError:
                 continue
     return pids
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        # /proc/<pid>/stat: "pid (comm) state ppid ...", and comm may hold spaces or parentheses
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        chain.append(pid)
+    return chain
 
 
 def test_openai_client_streams_a_chat_through_the_ingress(cluster):
@@ -99,11 +110,11 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int) -> str:
     return "failed" if errors else "ok"
 
 
-async def _load_and_kill(url: str) -> list[str]:
+async def _load_and_kill(server: ServerProcess) -> list[str]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-        streams = [asyncio.ensure_future(_stream(client, url, i)) for i in range(32)]
+        streams = [asyncio.ensure_future(_stream(client, server.url, i)) for i in range(32)]
         await asyncio.sleep(3.0)
-        os.kill(replica_pids()[0], signal.SIGKILL)
+        os.kill(replica_pids(server)[0], signal.SIGKILL)
         # No client hangs: every stream ends, answered or cleanly failed, well within the client's timeout.
         return await asyncio.wait_for(asyncio.gather(*streams), 120)
 
@@ -114,8 +125,8 @@ def _answering_replica(url: str, prompt: str) -> str | None:
 
 
 def test_sigkill_of_a_replica_under_32_streams_fails_its_streams_cleanly_and_the_service_goes_on(cluster):
-    assert len(replica_pids()) == 2
-    outcomes = asyncio.run(_load_and_kill(cluster.url))
+    assert len(replica_pids(cluster)) == 2
+    outcomes = asyncio.run(_load_and_kill(cluster))
     assert outcomes.count("ok") + outcomes.count("failed") == 32
     assert "failed" in outcomes  # the killed replica had streams in flight
     killed_at = time.monotonic()
