@@ -514,8 +514,9 @@ class Engine:
         if not chunks or not self._may_run_multi_step(seqs) or any(c.num_tokens != 1 or not c.sample for c in chunks):
             return None, None
         drafting = None if self.speculator is None else self.speculator.propose_for_call(seqs)
-        limits = [min(steps * (1 + num_drafts), seq.params.max_tokens - seq.num_output_tokens,
-                      self.max_model_len - seq.num_tokens) for seq, num_drafts in zip(seqs, drafting or [0] * len(seqs))]
+        # A request's max_tokens fits the context (`check_fits`), so it bounds each sequence's tokens alone.
+        limits = [min(steps * (1 + num_drafts), seq.params.max_tokens - seq.num_output_tokens)
+                  for seq, num_drafts in zip(seqs, drafting or itertools.repeat(0))]
         if 0 in limits or not self.scheduler.reserve_lookahead(chunks, limits):  # 0: an embedding's (max_tokens 0)
             return None, None
         return limits, drafting

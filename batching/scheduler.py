@@ -12,6 +12,8 @@ from __future__ import annotations
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.sequence import Sequence, SequenceStatus
 
@@ -203,9 +205,10 @@ class Scheduler:
         """Gives each decoding chunk's sequence pages for `limits[i]` tokens from its start (a multi-step call);
         False, reserving nothing more, if the pool cannot hold them all."""
         bm = self.block_manager
-        needed = sum(max(0, bm.pages_needed(c.start + n) - len(c.seq.page_table)) for c, n in zip(chunks, limits))
-        if needed > bm.num_free_pages:
+        ends = np.array([c.start for c in chunks]) + limits
+        missing = bm.pages_needed(ends) - np.array([len(c.seq.page_table) for c in chunks])
+        if missing[missing > 0].sum() > bm.num_free_pages:
             return False
-        for chunk, n in zip(chunks, limits):
-            bm.grow(chunk.seq, chunk.start + n)
+        for i in np.flatnonzero(missing > 0).tolist():
+            bm.grow(chunks[i].seq, int(ends[i]))
         return True
