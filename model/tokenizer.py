@@ -289,6 +289,11 @@ class ByteDetokenizer:
 
     def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
         """Appends tokens and returns the text they complete (possibly "")."""
+        if not self._held:
+            try:  # the usual case, every token a whole piece of text: no bytes held, none to hold
+                return "".join([self._texts[token_id] for token_id in new_ids])
+            except (TypeError, IndexError):  # a piece of a character (None), or a token past the tokenizer's
+                pass
         text = ""
         for token_id in new_ids:
             if token_id >= len(self._bytes):
