@@ -61,25 +61,31 @@ def test_a_corrupt_page_file_is_reported_removed_and_recomputed(smollm2, tmp_pat
 
 
 @pytest.mark.slow
-def test_pages_survive_a_sigkill_and_a_clean_restart_and_the_server_answers_the_same_faster(tmp_path):
+def test_pages_survive_a_sigkill_and_a_clean_restart_and_the_server_answers_the_same_from_them(tmp_path):
+    """How much sooner the first token comes is a benchmark's to show (`bench/prefix_restart.py`, RESULTS.md): on a
+    loaded machine a timed bound here failed by chance (0.69 s against a bound of 0.65 under a full test run)."""
     flags = ["--max-num-seqs", "1", "--num-decode-steps", "1", "--max-num-batched-tokens", "512",
              "--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--prefix-cache-dir", str(tmp_path)]
-    body = {"prompt": long_prompt(5), "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": long_prompt(5), "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
 
-    def complete(url: str) -> tuple[float, str]:
-        start, ttft, text = time.perf_counter(), None, ""
+    def complete(url: str) -> tuple[str, int]:
+        """(the text, the prompt's tokens served from cached pages)"""
+        text, cached = "", None
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    piece = json.loads(line[len("data: "):])["choices"][0]["text"]
-                    ttft = ttft or (time.perf_counter() - start if piece else None)
-                    text += piece
-        return ttft, text
+                    chunk = json.loads(line[len("data: "):])
+                    text += "".join(choice["text"] for choice in chunk["choices"])
+                    if chunk.get("usage"):
+                        cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return text, cached
 
     server = start_server(*flags)
     try:
-        cold, want = complete(server.url)
+        want, cached = complete(server.url)
+        assert cached == 0
         deadline = time.monotonic() + 60
         while metric(server.url, 'sluice_prefix_store_pages{tier="disk"}') < FULL_PAGES:
             assert time.monotonic() < deadline, "the prompt's pages never reached the disk"
@@ -91,9 +97,10 @@ def test_pages_survive_a_sigkill_and_a_clean_restart_and_the_server_answers_the_
     for restart in ("after SIGKILL", "after SIGTERM"):
         server = start_server(*flags)
         try:
-            warm, have = complete(server.url)
+            have, cached = complete(server.url)
             assert have == want, restart
+            # The prompt's full pages came from the disk, not from computing them again.
             assert metric(server.url, 'sluice_prefix_store_hits_total{tier="disk"}') >= FULL_PAGES, restart
-            assert warm <= cold / 5, (restart, warm, cold)
+            assert cached == FULL_PAGES * 16, restart
         finally:
             assert server.stop() == 0
