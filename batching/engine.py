@@ -617,8 +617,8 @@ class Engine:
         """Sends the sequence's known tokens past those its stop checker has seen, with the finish its last one
         forces by id or count (`_append`), or a stop string's."""
         start = len(seq.prompt_ids) + seq.stop.num_output_tokens
-        tokens = seq.token_ids[start:len(seq.token_ids) - seq.num_pending]
-        finished = seq.status is SequenceStatus.FINISHED
+        tokens = seq.token_ids[start:seq.num_known_tokens]
+        finished = seq.finished
         text, count, finish_reason = seq.stop.emit_run(tokens, seq.finish_reason if finished else None)
         if count < len(tokens) or finish_reason is not None and not finished:
             # A stop string: tokens sampled after its token (a multi-step call's, or the next step's) are dropped,

@@ -57,7 +57,6 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.host = SlotRows(np.zeros((num_slots + 1, max_pages), np.int32),
                              SamplingBatch.empty(num_slots + 1, num_stop_ids))
-        self.reads_history = np.zeros(num_slots + 1, bool)  # whether a slot's penalties read its token history
         self._occupants: list[Sequence | None] = [None] * num_slots
         self._tables: list[list[int] | None] = [None] * num_slots  # the page list each row was written from
         self._num_pages = [0] * num_slots
@@ -73,7 +72,6 @@ class InputBatch:
                 self._occupants[slot] = seq
                 self.host.sampling.write(slot, seq.params, seq.seed, seq.stop.stop_id_list, seq.num_prompt_tokens,
                                          self.vocab_size)
-                self.reads_history[slot] = seq.params.reads_history
                 changed = True
             if self._tables[slot] is not pages or self._num_pages[slot] != len(pages):
                 start = self._num_pages[slot] if self._tables[slot] is pages else 0

@@ -728,7 +728,7 @@ class ModelRunner:
         inputs.limits[:len(chunks)] = limits if limits is not None else 1
         # Token histories are built only if a row's penalties read them (else an all -1 array kept on the device).
         slots = np.array([c.seq.slot for c in chunks], np.int32)
-        reads_history = self.input_batch.reads_history[slots].any()
+        reads_history = self.input_batch.host.sampling.penalized()[slots].any()
         history = np.full((num_rows, self.max_model_len), -1, np.int32) if reads_history else None
         sampled = SampledRows(np.full(num_rows, padding_slot, np.int32), np.zeros(num_rows, np.int32),
                               np.full(num_rows, -1, np.int32), history)

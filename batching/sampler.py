@@ -83,6 +83,10 @@ class SamplingBatch:
         """rows: [R] int32 -> the batch of those rows."""
         return jax.tree.map(lambda x: x[rows], self)
 
+    def penalized(self) -> jax.Array:
+        """[S] bool: rows with a penalty, which reads the row's token history (numpy or jax arrays alike)."""
+        return (self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.repetition_penalty != 1)
+
     def stops(self, tokens: jax.Array) -> jax.Array:
         """tokens: [S] int32 sampled at `step`, or [S, W] sampled at steps `step` to `step + W - 1` -> bool of
         the same shape, whether each ends its row (a stop id, min_tokens met)."""
@@ -259,10 +263,7 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     num_rows, vocab = logits.shape
     log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     model_logits = logits
-    any_penalty = jnp.any(
-        (batch.presence_penalty != 0) | (batch.frequency_penalty != 0) | (batch.repetition_penalty != 1)
-    )
-    logits = jax.lax.cond(any_penalty, apply_penalties, lambda x, _: x, logits, batch)
+    logits = jax.lax.cond(jnp.any(batch.penalized()), apply_penalties, lambda x, _: x, logits, batch)
     rows = jnp.arange(num_rows)[:, None]
     banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")

@@ -120,13 +120,8 @@ class Sequence:
 
     def place(self, index: int, tokens: list[int]) -> None:
         """Writes tokens the device sampled from `index` on: over their placeholders, the rest appended."""
-        end = index + len(tokens)
-        if end <= len(self.token_ids):  # all over placeholders: the usual case
-            self.token_ids[index:end] = tokens
-            self.num_pending -= len(tokens)
-            return
-        over = max(0, len(self.token_ids) - index)
-        self.token_ids[index:] = tokens[:over]
+        over = max(0, min(len(tokens), len(self.token_ids) - index))
+        self.token_ids[index:index + over] = tokens[:over]
         self.num_pending -= over
         self.token_ids.extend(tokens[over:])
 
