@@ -8,14 +8,15 @@ import datetime
 import json
 import re
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
 pytest.importorskip("ray.serve")
 
-from sluice.bench.routing import wait_for_replicas
-from test_api_e2e import SERVER_FLAGS, start_server
+from sluice.app.scale_out import REPLICA_HEADER
+from test_api_e2e import SERVER_FLAGS, ServerProcess, start_server
 from test_ray_replicas import replica_pids
 
 pytestmark = pytest.mark.slow
@@ -25,43 +26,77 @@ pytestmark = pytest.mark.slow
 REMOVAL = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) controller .* Removing 1 replica from "
                      r"Deployment\(name='SluiceReplica'")
 
-# Few ongoing requests want one replica (target 64 each); the autoscaler acts after 6 s of that.
+# Eight streams want one replica (target 64 each). The autoscaler's downscale clock starts once the first replica
+# runs, while the second may still be starting (seconds later on a loaded machine), so its delay covers that.
+DOWNSCALE_DELAY_S = 20
 AUTOSCALING = ["--replicas", "2", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "64",
-               "--downscale-delay", "6", "--drain-timeout", "120"]
+               "--downscale-delay", str(DOWNSCALE_DELAY_S), "--drain-timeout", "120"]
+CONCURRENCY = 8
+MAX_TOKENS = 240
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int) -> tuple[str, list[str]]:
-    """A long streamed completion: the replica that served it, and its events."""
-    body = {"prompt": [300 + i, 5, 6, 7] * 4, "max_tokens": 240, "ignore_eos": True, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+@dataclass
+class Stream:
+    replica: str
+    events: list[str]
+    started: datetime.datetime
+    finished: datetime.datetime
+
+
+def _removed_at(server: ServerProcess) -> datetime.datetime | None:
+    found = REMOVAL.findall(server.output())
+    return datetime.datetime.strptime(found[0], "%Y-%m-%d %H:%M:%S,%f") if found else None
+
+
+async def _stream(client: httpx.AsyncClient, url: str, i: int) -> Stream:
+    """A long streamed completion with its own first token (so prefix routing spreads the streams)."""
+    body = {"prompt": [300 + i, 5, 6, 7] * 4, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = datetime.datetime.now()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         assert response.status_code == 200
         events = [line[len("data: "):] async for line in response.aiter_lines() if line.startswith("data: ")]
-    return response.headers["x-sluice-replica"], events
+    return Stream(response.headers[REPLICA_HEADER], events, started, datetime.datetime.now())
 
 
-async def _streams(url: str, n: int) -> list[tuple[str, list[str]]]:
+async def _load_until_removal(server: ServerProcess, timeout_s: float) -> list[Stream]:
+    """Keeps `CONCURRENCY` streams in flight, each worker starting its next as its last ends, until the
+    controller logs a removal; every stream started is awaited to its end."""
+    deadline = time.monotonic() + timeout_s
+    streams: list[Stream] = []
+    next_prompt = iter(range(10_000))
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while _removed_at(server) is None and time.monotonic() < deadline:
+            streams.append(await _stream(client, server.url, next(next_prompt)))
+
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-        return await asyncio.gather(*(_stream(client, url, i) for i in range(n)))
+        await asyncio.gather(*(worker(client) for _ in range(CONCURRENCY)))
+    return streams
 
 
 def test_a_replica_scaled_down_finishes_its_streams_in_flight():
     server = start_server(*AUTOSCALING, "--no-ui", *SERVER_FLAGS, startup_timeout_s=300)
     try:
-        wait_for_replicas(server.url, 2, timeout_s=180)  # a loaded machine starts a replica slowly
-        results = asyncio.run(_streams(server.url, 8))
-        streams_done = datetime.datetime.now()
-        assert len({replica for replica, _ in results}) == 2  # both replicas had streams in flight
-        for _, events in results:
-            assert events[-1] == "[DONE]"
-            assert not any("error" in json.loads(e) for e in events[:-1])
-            assert json.loads(events[-2])["usage"]["completion_tokens"] == 240
+        load_started = datetime.datetime.now()
+        streams = asyncio.run(_load_until_removal(server, timeout_s=DOWNSCALE_DELAY_S + 180))
+        removed_at = _removed_at(server)
+        assert removed_at is not None, "the autoscaler kept both replicas"
+        assert removed_at > load_started, "a replica was removed before the streams began"
+        for stream in streams:
+            assert stream.events[-1] == "[DONE]"
+            assert not any("error" in json.loads(e) for e in stream.events[:-1])
+            assert json.loads(stream.events[-2])["usage"]["completion_tokens"] == MAX_TOKENS
+
         deadline = time.monotonic() + 60
         while len(replica_pids(server)) > 1:
-            assert time.monotonic() < deadline, "the autoscaler kept both replicas"
+            assert time.monotonic() < deadline, "the removed replica's process outlived its drain"
             time.sleep(1)
-        [removed_at] = REMOVAL.findall(server.output())
-        # The replica was told to go while streams ran on it, and they all finished.
-        assert datetime.datetime.strptime(removed_at, "%Y-%m-%d %H:%M:%S,%f") < streams_done
+        survivors = {httpx.get(f"{server.url}/health", timeout=30).headers[REPLICA_HEADER] for _ in range(4)}
+        removed = {stream.replica for stream in streams} - survivors
+        assert len(survivors) == 1 and len(removed) == 1, (survivors, removed)
+        # The replica was told to go while streams ran on it, and they all finished (checked above).
+        in_flight = [s for s in streams if s.replica in removed and s.started < removed_at < s.finished]
+        assert in_flight, f"no stream of the removed replica {removed} was in flight at {removed_at}"
     finally:
         assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
