@@ -27,12 +27,13 @@ REMOVAL = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) controller .* Removi
                      r"Deployment\(name='SluiceReplica'")
 
 # Eight streams want one replica (target 64 each). The autoscaler's downscale clock starts once the first replica
-# runs, while the second may still be starting (seconds later on a loaded machine), so its delay covers that.
-DOWNSCALE_DELAY_S = 20
+# runs, while the second may still be starting (seconds later on a loaded machine), so its delay covers that and
+# the streams are short: those started once the second replica is up reach it before the removal.
+DOWNSCALE_DELAY_S = 15
 AUTOSCALING = ["--replicas", "2", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "64",
                "--downscale-delay", str(DOWNSCALE_DELAY_S), "--drain-timeout", "120"]
 CONCURRENCY = 8
-MAX_TOKENS = 240
+MAX_TOKENS = 96
 
 
 @dataclass
