@@ -2,6 +2,7 @@
 
     python -m sluice.bench.host_overhead                                   # batches 1, 64, 256, 512; vocab 49,152 and 128,256
     python -m sluice.bench.host_overhead --batches 1,4,16,64 --model default              # the real model's device step
+    python -m sluice.bench.host_overhead --batches 1,4,16,64 --model default --device-cores 1   # host on its own core
 
 The model is small (random weights, two layers and hidden size 64 by default) with a real vocabulary (a
 file-free word-level tokenizer of that size), so its step is short next to the host's work; the sampler still
@@ -11,16 +12,20 @@ arrays), dispatch, collect (turning the fetched arrays into each sequence's toke
 sequences, stop ids, max_tokens) and emit (detokenize, stop strings, delivery). Host work is the phases' sum;
 wait is the time the host blocks on the device. Without overlap a step's period is about host + device; with
 it, about max(host, device): `--layers`/`--hidden`, or `--model default` (the real SmolLM2, its step a few
-milliseconds on a CPU), make the device step longer to show it.
+milliseconds on a CPU), make the device step longer to show it. On a CPU the "device" is the host's own cores,
+so overlap can only hide host work where the device leaves a core idle: `--device-cores` keeps XLA's threads
+off one core (or more) for the engine's thread, as on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -83,6 +88,18 @@ def measure(engine: Engine, batch: int, decode_steps: int) -> Measured:
     return Measured(phases, ms["wait"], sum(phases.values()), 1e3 * wall / steps, ms["cpu"])
 
 
+def give_device_cores(num_cores: int) -> None:
+    """Keeps XLA's CPU threads on the last `num_cores` cores, leaving the others to the engine's Python thread, as
+    a GPU's host keeps its CPU to itself. XLA sizes its CPU client's thread pool from the process's affinity when
+    it creates the client, and the threads it starts then keep that affinity; only this thread is unpinned after."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not 0 < num_cores < len(cores):
+        raise SystemExit(f"--device-cores must leave the host a core: 1 to {len(cores) - 1} on this machine")
+    os.sched_setaffinity(0, cores[-num_cores:])
+    jax.devices()
+    os.sched_setaffinity(0, cores)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sluice.bench.host_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,64,256,512")
@@ -93,7 +110,12 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=64, help="model hidden size")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch and mode")
     parser.add_argument("--num-decode-steps", type=int, default=1, help="the engine's decode steps per call")
+    parser.add_argument("--device-cores", type=int, default=None,
+                        help="CPU only: XLA's threads on this many cores, the engine's thread on the others (default: "
+                             "all share every core)")
     args = parser.parse_args(argv)
+    if args.device_cores is not None:
+        give_device_cores(args.device_cores)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"python -m sluice.bench.host_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
     shape = f"model {args.model}" if args.model else f"{args.layers} layers, hidden {args.hidden}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -254,3 +255,26 @@ def test_host_overhead_times_every_phase_of_real_engine_steps_with_overlap_on_an
         assert host == pytest.approx(schedule + inputs + dispatch + collect + append + emit, abs=0.01)
         assert 0 < host < period
         assert 0 < cpu
+
+
+
+# Prints the calling thread's allowed cores, then the other threads' (`Cpus_allowed_list`, e.g. "0-1" or "1").
+THREAD_AFFINITIES = """
+import os, jax.numpy as jnp
+from sluice.bench.host_overhead import give_device_cores
+give_device_cores(1)
+(jnp.ones((512, 512)) @ jnp.ones((512, 512))).block_until_ready()
+def allowed(task):
+    return open(f"/proc/self/task/{task}/status").read().split("Cpus_allowed_list:")[1].split()[0]
+print(allowed(os.getpid()), *{allowed(t) for t in os.listdir("/proc/self/task") if int(t) != os.getpid()})
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_device_cores_keeps_xlas_threads_off_the_hosts_core() -> None:
+    """`host_overhead --device-cores 1`: XLA's threads stay on the last core; the calling thread may use all."""
+    last = str(max(os.sched_getaffinity(0)))
+    run = subprocess.run([sys.executable, "-c", THREAD_AFFINITIES], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    main, *others = run.stdout.split()
+    assert main != last and last in others, run.stdout
