@@ -91,7 +91,8 @@ def measure(engine: Engine, batch: int, decode_steps: int) -> Measured:
 def give_device_cores(num_cores: int) -> None:
     """Keeps XLA's CPU threads on the last `num_cores` cores, leaving the others to the engine's Python thread, as
     a GPU's host keeps its CPU to itself. XLA sizes its CPU client's thread pool from the process's affinity when
-    it creates the client, and the threads it starts then keep that affinity; only this thread is unpinned after."""
+    it creates the client, and the threads it starts then keep that affinity; only this thread is unpinned after.
+    So it must run before anything creates that client (first thing in `main`)."""
     cores = sorted(os.sched_getaffinity(0))
     if not 0 < num_cores < len(cores):
         raise SystemExit(f"--device-cores must leave the host a core: 1 to {len(cores) - 1} on this machine")

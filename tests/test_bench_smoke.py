@@ -257,7 +257,6 @@ def test_host_overhead_times_every_phase_of_real_engine_steps_with_overlap_on_an
         assert 0 < cpu
 
 
-
 # Prints the calling thread's allowed cores, then the other threads' (`Cpus_allowed_list`, e.g. "0-1" or "1").
 THREAD_AFFINITIES = """
 import os, jax.numpy as jnp
