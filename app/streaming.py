@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from sluice.app.errors import APIError
 
@@ -33,10 +33,6 @@ def sse_event(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-class StreamStalled(Exception):
-    """The reader accepted no send for the stall timeout."""
-
-
 class EventStreamResponse(StreamingResponse):
     """A `text/event-stream` response that stops its events as soon as the client disconnects.
 
@@ -46,6 +42,12 @@ class EventStreamResponse(StreamingResponse):
     every case, including a client gone before the first event. A send that waits more than `stall_timeout_s`
     (None: no limit) ends the stream the same way, after `on_stall`; the server then closes the connection
     (once the at most 64 KiB already written drains, asyncio's transport holds it until then).
+
+    Keep-alive comments and the stall limit hang off one timer per stream, re-armed only when it fires: at
+    hundreds of streams and a token per stream every few milliseconds, a timer or a task per event cost the
+    event loop about a third of its time (RESULTS.md, 2026-11-27). A comment is sent only while the stream
+    waits for its next event; if that event comes while the comment's send is still blocked (a full socket),
+    the two sends queue on the transport in the order they began.
     """
 
     media_type = "text/event-stream"
@@ -53,63 +55,98 @@ class EventStreamResponse(StreamingResponse):
     def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]],
                  keepalive_s: float, stall_timeout_s: float | None = None,
                  on_stall: Callable[[], None] = lambda: None) -> None:
-        self._stream = with_keepalive(events, keepalive_s)
-        super().__init__(self._stream, headers=SSE_HEADERS)
+        super().__init__(events, headers=SSE_HEADERS)
         self._events = events
         self._on_close = on_close
+        self._keepalive_s = keepalive_s
         self._stall_timeout_s = stall_timeout_s
         self._on_stall = on_stall
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def send_or_stall(message: Message) -> None:
-            try:
-                async with asyncio.timeout(self._stall_timeout_s):
-                    await send(message)
-            except TimeoutError:
-                raise StreamStalled from None
-
-        streaming = asyncio.ensure_future(self.stream_response(send_or_stall))
+        link = _Link(send, self._keepalive_s, self._stall_timeout_s)
+        streaming = asyncio.ensure_future(self._stream(link))
         watching = asyncio.ensure_future(wait_for_disconnect(receive))
+        link.watch(streaming)
         try:
             await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in (streaming, watching):
                 task.cancel()
+            await link.close()
             await asyncio.gather(streaming, watching, return_exceptions=True)
-            if not streaming.cancelled() and isinstance(streaming.exception(), StreamStalled):
+            if link.stalled:
                 self._on_stall()
-            # A task parked in `send` rather than inside the generators was cancelled without reaching
-            # their own cleanup; close them explicitly, the outer first (it may be waiting on the inner).
-            await self._stream.aclose()
+            # A task parked in `send` rather than inside the generator was cancelled without reaching its
+            # own cleanup; close it explicitly.
             await self._events.aclose()
             await self._on_close()
         if not streaming.cancelled() and streaming.exception() is not None:
             error = streaming.exception()
-            if not isinstance(error, OSError | StreamStalled):  # the client went away or stopped reading
+            if not isinstance(error, OSError):  # the client went away
                 raise error
 
+    async def _stream(self, link: _Link) -> None:
+        await link.send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self._events:
+            await link.body(event)
+        link.finishing = True
+        await link.send({"type": "http.response.body", "body": b"", "more_body": False})
 
-async def with_keepalive(events: AsyncIterator[bytes], keepalive_s: float) -> AsyncGenerator[bytes, None]:
-    """`events`, with a keep-alive comment after every `keepalive_s` seconds without one.
 
-    The pending `anext` is waited on, never cancelled: cancelling it would close the event generator.
-    """
-    iterator = aiter(events)
-    next_event: asyncio.Future[bytes] | None = None
-    try:
-        while True:
-            next_event = asyncio.ensure_future(anext(iterator))
-            while not (await asyncio.wait({next_event}, timeout=keepalive_s))[0]:
-                yield KEEPALIVE
-            try:
-                event = next_event.result()
-            except StopAsyncIteration:
+class _Link:
+    """One stream's sends, timed: when the last one ended, and since when the oldest still blocked began."""
+
+    def __init__(self, send: Send, keepalive_s: float, stall_timeout_s: float | None) -> None:
+        self.send = send
+        self.stalled = False
+        self.finishing = False
+        self._keepalive_s = keepalive_s
+        self._stall_timeout_s = stall_timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._last_sent = self._loop.time()
+        self._blocked_since = 0.0
+        self._num_sending = 0
+        self._streaming: asyncio.Task | None = None
+        self._keepalive: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, streaming: asyncio.Task) -> None:
+        """Starts the timer: keep-alive comments while `streaming` waits for events, and its cancellation
+        (`stalled`) when a send blocks past the stall limit."""
+        self._streaming = streaming
+        self._timer = self._loop.call_at(self._last_sent + self._keepalive_s, self._on_timer)
+
+    async def body(self, data: bytes) -> None:
+        self._num_sending += 1
+        if self._num_sending == 1:
+            self._blocked_since = self._loop.time()
+        try:
+            await self.send({"type": "http.response.body", "body": data, "more_body": True})
+        finally:
+            self._num_sending -= 1
+            self._last_sent = self._blocked_since = self._loop.time()  # the reader took this one
+
+    def _on_timer(self) -> None:
+        now = self._loop.time()
+        if self._num_sending:
+            if self._stall_timeout_s is not None and now - self._blocked_since >= self._stall_timeout_s:
+                self.stalled = True
+                self._streaming.cancel()
                 return
-            yield event
-    finally:
-        if next_event is not None and not next_event.done():
-            next_event.cancel()
-            await asyncio.gather(next_event, return_exceptions=True)
+            due = self._blocked_since + (self._stall_timeout_s or self._keepalive_s)
+        elif now - self._last_sent >= self._keepalive_s and not self.finishing:
+            self._keepalive = asyncio.ensure_future(self.body(KEEPALIVE))
+            due = now + self._keepalive_s
+        else:
+            due = self._last_sent + self._keepalive_s
+        self._timer = self._loop.call_at(due, self._on_timer)
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            await asyncio.gather(self._keepalive, return_exceptions=True)
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

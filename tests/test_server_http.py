@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import time
 
 import pytest
 from starlette.testclient import TestClient
@@ -206,6 +207,44 @@ def test_event_stream_sends_keepalive_comments_while_no_event_is_ready_and_loses
     bodies = asyncio.run(scenario())
     assert bodies[-2:] == [b"data: 1\n\n", DONE]
     assert len(bodies) >= 4 and set(bodies[:-2]) == {KEEPALIVE}
+
+
+def test_event_stream_blocked_in_a_send_past_the_stall_limit_ends_and_reports_the_stall():
+    seen: list[str] = []
+    unblock = asyncio.Event()
+
+    async def events():
+        try:
+            while True:
+                yield b"data: 1\n\n"
+        finally:
+            seen.append("generator closed")
+
+    async def on_close() -> None:
+        seen.append("on_close")
+
+    async def scenario() -> float:
+        sent: list[bytes] = []
+
+        async def receive() -> dict:
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message.get("body", b""))
+            if len(sent) == 3:  # the reader stops reading: this send never returns
+                await unblock.wait()
+
+        response = EventStreamResponse(events(), on_close, keepalive_s=0.02, stall_timeout_s=0.3,
+                                       on_stall=lambda: seen.append("stalled"))
+        start = time.monotonic()
+        await asyncio.wait_for(response({"type": "http"}, receive, send), 5)
+        assert len(sent) == 3, "no keep-alive or event may be sent past a blocked one"
+        return time.monotonic() - start
+
+    took = asyncio.run(scenario())
+    assert seen == ["stalled", "generator closed", "on_close"]
+    assert 0.3 <= took < 2
 
 
 def test_openapi_document_describes_every_route_and_needs_no_api_key():
