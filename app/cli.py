@@ -28,6 +28,7 @@ BENCHMARKS = {
     "serve": "load a running server with streaming requests; latency percentiles and goodput",
     "sweep": "bench serve over a list of request rates; throughput-latency curve",
     "responsiveness": "/health and /metrics latency while a running server is loaded with streams",
+    "server_threads": "a running server's CPU per engine call and per token, by thread, at a given concurrency",
     "speculative": "the same requests with and without n-gram drafts: output tok/s, TPOT, acceptance",
     "structured": "structured output: mask fill time per token, step-time cost, JSON-schema throughput",
     "routing": "sluice serve --replicas: prefix-aware routing against round-robin on a shared-prefix workload",

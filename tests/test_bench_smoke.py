@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench import compare, llama_cpp, serve
+from sluice.bench import compare, llama_cpp, serve, server_threads
 from sluice.bench.compare_report import FORMATS, sweep_table
 from sluice.bench.dataset import BenchRequest
 from sluice.bench.roofline import Peaks
@@ -26,7 +26,8 @@ needs_model = pytest.mark.skipif(not MODEL.exists(), reason="needs the default S
 
 
 @pytest.fixture(scope="module")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+def server(tmp_path_factory: pytest.TempPathFactory) -> subprocess.Popen:
+    """A server of the default model; its `url` attribute is where it listens."""
     port = compare.free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     process = subprocess.Popen(
@@ -35,10 +36,10 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
          "--log-level", "warning"],
         cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )
-    url = f"http://127.0.0.1:{port}"
+    process.url = f"http://127.0.0.1:{port}"
     try:
-        compare.wait_ready(url, process, timeout_s=600)
-        yield url
+        compare.wait_ready(process.url, process, timeout_s=600)
+        yield process
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -46,14 +47,14 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.slow
 @needs_model
-def test_bench_serve_streams_every_requested_token_and_writes_its_result(server_url: str, tmp_path: Path) -> None:
+def test_bench_serve_streams_every_requested_token_and_writes_its_result(server: subprocess.Popen, tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     peaks = tmp_path / "peaks.json"
     Peaks(bandwidth_gbs=6.0, matmul_gflops=250.0, device="test").save(peaks)
     result = tmp_path / "serve.json"
     args = parser.parse_args([
-        "--url", server_url, "--num-requests", "4", "--max-concurrency", "2", "--prompt-len-mean", "24",
+        "--url", server.url, "--num-requests", "4", "--max-concurrency", "2", "--prompt-len-mean", "24",
         "--prompt-len-max", "48", "--output-len-mean", "6", "--output-len-max", "8",
         "--peaks", str(peaks), "--result-json", str(result), "--slo-ttft-ms", "600000",
     ])
@@ -70,6 +71,20 @@ def test_bench_serve_streams_every_requested_token_and_writes_its_result(server_
     assert summary["good_requests"] == 4
     assert 0 < summary["ttft_ms"]["median"] <= summary["e2e_ms"]["median"]
     assert data["roofline"]["fraction_of_limit"] > 0
+
+
+@pytest.mark.slow
+@needs_model
+def test_server_threads_splits_a_running_servers_cpu_between_its_event_loop_engine_and_xla(
+        server: subprocess.Popen, capsys: pytest.CaptureFixture) -> None:
+    assert server_threads.main(["--url", server.url, "--pid", str(server.pid), "--concurrency", "4",
+                                "--max-tokens", "100", "--window", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    calls = int(lines[0].split(": ")[1].split()[0])
+    cpu_s = {line.rsplit(maxsplit=3)[0]: float(line.rsplit(maxsplit=3)[1]) for line in lines[2:]}
+    assert calls > 0 and {"event loop", "engine"} <= cpu_s.keys()
+    assert any(name.startswith("tf_") for name in cpu_s)  # XLA's CPU threads: the "device" here
+    assert sum(cpu_s.values()) > 0
 
 
 def _request(prompt_tokens: int, output_tokens: int) -> BenchRequest:
