@@ -56,11 +56,12 @@ def run_engine(loaded: LoadedModel, tp: int, prompts: list[list[int]], config: E
 
 def main() -> None:
     which, tps = sys.argv[1], [int(t) for t in sys.argv[2:]]
+    tiny = which in ("tiny", "tiny-int8", "tiny-drafts", "tiny-unrolled")
+    tokenizer = load_model().tokenizer if tiny else None  # SmolLM2's, to detokenize the tiny model's tokens
     rng = random.Random(0)
     results = {}
     for tp in tps:
-        if which in ("tiny", "tiny-int8", "tiny-drafts", "tiny-unrolled"):
-            tokenizer = load_model().tokenizer
+        if tiny:
             loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny")
             prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
         else:
