@@ -184,6 +184,9 @@ def test_quantized_model_split_over_two_devices_gives_the_same_logits():
 AGREEMENT_STEPS = 24
 MIN_TOP1_AGREEMENT = 0.95
 MAX_PERPLEXITY_INCREASE = {"int8": 0.01, "int4": 0.05}
+# The text's first 2048 tokens (of 2301): sequence_logits pads its cache to a power of two and attends over all
+# of it, so the whole text would pad to 4096 and take twice as long (32 s a model, not 16, on 2 cores).
+PERPLEXITY_TOKENS = 2048
 
 
 def perplexity(model: Llama, token_ids: list[int]) -> float:
@@ -209,8 +212,8 @@ def greedy_top1(model: Llama) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def float_reference(smollm2):
-    ids = smollm2.tokenizer.encode(TEXT)
-    assert len(ids) >= 2000
+    ids = smollm2.tokenizer.encode(TEXT)[:PERPLEXITY_TOKENS]
+    assert len(ids) == PERPLEXITY_TOKENS
     return ids, perplexity(smollm2.model, ids), greedy_top1(smollm2.model)
 
 
