@@ -53,20 +53,25 @@ class ServerProcess:
             return self.process.wait()
 
 
-def start_server(*flags: str, startup_timeout_s: float = 900, env: dict[str, str] | None = None) -> ServerProcess:
-    """Runs `sluice serve` and waits for /health 200, recording every /health status seen on the way."""
+def start_server(*flags: str, startup_timeout_s: float = 900, env: dict[str, str] | None = None,
+                 tries: int = 3) -> ServerProcess:
+    """Runs `sluice serve` and waits for /health 200, recording every /health status seen on the way. A port
+    taken between free_port() and the server's bind (by another test's server or connection: the workers of
+    `make test` start servers side by side) is given up for another one."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="sluice-serve-", suffix=".log")[1])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "sluice.app.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
-            cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+            cwd=ROOT, env=full_env, stdout=sink, stderr=subprocess.STDOUT,
         )
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log, [])
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            if tries > 1 and "address already in use" in server.output():
+                return start_server(*flags, startup_timeout_s=startup_timeout_s, env=env, tries=tries - 1)
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.output()}")
         try:
             status = httpx.get(f"{server.url}/health", timeout=5).status_code
