@@ -49,8 +49,11 @@ $(CHROMIUM):
 		echo "No $(CHROMIUM) and not root with apt-get: the browser tests will say so (apt-get install chromium)"; \
 	fi
 
+# Two pytest-xdist workers, so that one module's waits (server start-ups, Ray's timers, Python between steps) overlap
+# another's compute; tests/conftest.py keeps each module on one worker and runs those that cannot share the machine
+# alone. `pytest -p no:xdist` runs the suite in one process.
 test: model | $(CHROMIUM)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # torch first: pip then takes the CPU wheel and keeps it when transformers comes after.
 $(BENCH_REF)/.installed:
