@@ -18,36 +18,24 @@ from sluice.bench.compare_report import FORMATS, sweep_table
 from sluice.bench.dataset import BenchRequest
 from sluice.bench.roofline import Peaks
 from sluice.bench.server_counters import ServerCounters, check_phase, parse_llama_server, parse_sluice
+from test_api_e2e import ServerProcess, start_server
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = Path.home() / ".cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 needs_model = pytest.mark.skipif(not MODEL.exists(), reason="needs the default SmolLM2 GGUF (`sluice fetch`)")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> subprocess.Popen:
-    """A server of the default model; its `url` attribute is where it listens."""
-    port = compare.free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sluice.app.cli", "serve", "--port", str(port), "--max-num-seqs", "4",
-         "--max-num-batched-tokens", "64", "--max-model-len", "128", "--kv-cache-memory", "16MiB",
-         "--log-level", "warning"],
-        cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-    )
-    process.url = f"http://127.0.0.1:{port}"
-    try:
-        compare.wait_ready(process.url, process, timeout_s=600)
-        yield process
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+def server() -> ServerProcess:
+    server = start_server("--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128",
+                          "--kv-cache-memory", "16MiB", "--log-level", "warning", startup_timeout_s=600)
+    yield server
+    server.stop()
 
 
 @pytest.mark.slow
 @needs_model
-def test_bench_serve_streams_every_requested_token_and_writes_its_result(server: subprocess.Popen, tmp_path: Path) -> None:
+def test_bench_serve_streams_every_requested_token_and_writes_its_result(server: ServerProcess, tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     peaks = tmp_path / "peaks.json"
@@ -76,8 +64,8 @@ def test_bench_serve_streams_every_requested_token_and_writes_its_result(server:
 @pytest.mark.slow
 @needs_model
 def test_server_threads_splits_a_running_servers_cpu_between_its_event_loop_engine_and_xla(
-        server: subprocess.Popen, capsys: pytest.CaptureFixture) -> None:
-    assert server_threads.main(["--url", server.url, "--pid", str(server.pid), "--concurrency", "4",
+        server: ServerProcess, capsys: pytest.CaptureFixture) -> None:
+    assert server_threads.main(["--url", server.url, "--pid", str(server.process.pid), "--concurrency", "4",
                                 "--max-tokens", "100", "--window", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     calls = int(lines[0].split(": ")[1].split()[0])
