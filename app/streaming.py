@@ -129,11 +129,14 @@ class _Link:
     def _on_timer(self) -> None:
         now = self._loop.time()
         if self._num_sending:
-            if self._stall_timeout_s is not None and now - self._blocked_since >= self._stall_timeout_s:
+            if self._stall_timeout_s is None:
+                due = now + self._keepalive_s  # no limit: look again later
+            elif now - self._blocked_since >= self._stall_timeout_s:
                 self.stalled = True
                 self._streaming.cancel()
                 return
-            due = self._blocked_since + (self._stall_timeout_s or self._keepalive_s)
+            else:
+                due = self._blocked_since + self._stall_timeout_s
         elif now - self._last_sent >= self._keepalive_s and not self.finishing:
             self._keepalive = asyncio.ensure_future(self.body(KEEPALIVE))
             due = now + self._keepalive_s
