@@ -181,7 +181,7 @@ class Engine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._totals = StepTotals(config.max_num_seqs)
-        self.stats = self._snapshot(None)
+        self._stats = self._snapshot(None)
 
     @classmethod
     def create(cls, config: EngineConfig, *, progress: bool = True) -> Engine:
@@ -257,9 +257,14 @@ class Engine:
     def close_store(self) -> None:
         """Writes what the persistent prefix store holds in flight and stops its writer (no-op without one)."""
         if self.prefix_store is not None:
-            self._save_pages()  # into the store: the pages copied out at the last step; the pages still listed...
-            self._save_pages()  # ... copied out now, and into the store too
+            self._store_pending_pages()
             self.prefix_store.close()
+
+    def _store_pending_pages(self) -> None:
+        """Hands the persistent prefix store the pages copied out at the last step and those still listed to
+        save, which a next step would otherwise hand it: at shutdown, and when the loop goes idle."""
+        while self.prefix_store is not None and (self._saving is not None or self.block_manager.saves):
+            self._save_pages()
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: replays process 0's steps until its `shutdown`."""
@@ -284,6 +289,14 @@ class Engine:
         return [collector.completions() for collector in collectors]
 
     @property
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step, and the persistent prefix store's as of now: its writer
+        goes on writing pages while the loop is idle."""
+        if self.prefix_store is None:
+            return self._stats
+        return replace(self._stats, prefix_store=self.prefix_store.counters())
+
+    @property
     def has_work(self) -> bool:
         return (self.scheduler.has_work or bool(self._unemitted) or self._in_flight is not None
                 or not self._inbox.empty())
@@ -291,6 +304,7 @@ class Engine:
     def _run(self) -> None:
         while not self._stopping:
             if not self.has_work:
+                self._store_pending_pages()
                 self._apply(self._inbox.get())  # sleeps until there is something to do
                 continue
             self._step_began = time.monotonic()
@@ -356,7 +370,7 @@ class Engine:
         if not overlap:
             self._collect()
         self._num_steps += 1
-        self.stats = self._snapshot(self._last_step)
+        self._stats = self._snapshot(self._last_step)
 
     def _overlaps(self) -> bool:
         """Whether this step may be dispatched before the host has the previous step's tokens: only if nothing
@@ -428,6 +442,10 @@ class Engine:
         verified = launched.drafting is not None
         for chunk, output, index in zip(launched.chunks, result.seqs, launched.first_indices):
             seq = chunk.seq
+            drafted = chunk.num_drafts or verified
+            if drafted and seq.status is SequenceStatus.RUNNING:  # the K/V of rejected drafts is not the sequence's
+                kept = len(output.tokens) if output is not None else 0
+                seq.num_computed_tokens = chunk.start + chunk.num_tokens - chunk.num_drafts + max(kept - 1, 0)
             if output is not None and seq.status is not SequenceStatus.FINISHED:
                 try:
                     if not output.finite:
@@ -438,9 +456,7 @@ class Engine:
                 if self.speculator is not None:
                     self._count_drafts(seq, output)
             if seq.status is SequenceStatus.RUNNING:
-                if chunk.num_drafts or verified:
-                    kept = len(output.tokens) if output is not None else 0
-                    seq.num_computed_tokens = chunk.start + chunk.num_tokens - chunk.num_drafts + max(kept - 1, 0)
+                if drafted:
                     self.block_manager.shrink(seq, seq.num_tokens)  # pages reserved for rejected drafts
                 self.block_manager.commit(seq)
         self._flush()  # failures found while collecting
@@ -597,6 +613,7 @@ class Engine:
         if finish is not None:
             seq.finish_reason = finish
             seq.truncate(index + count)
+            self.block_manager.commit(seq)  # pages its last step filled, before they are freed
             self.scheduler.finish(seq)
         self._unemitted[seq] = None
 
@@ -705,7 +722,6 @@ class Engine:
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
             num_step_failures=self._num_step_failures,
-            prefix_store=self.prefix_store.counters() if self.prefix_store is not None else None,
             last_step=last_step,
             spec=self.speculator.counters() if self.speculator is not None else None,
             busy_s=self._totals.busy_s,

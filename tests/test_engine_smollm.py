@@ -66,6 +66,16 @@ def test_prefix_caching_on_and_off_give_identical_tokens_and_the_hit_counter_sho
     assert cached[1][0].usage.cached_prompt_tokens >= system_pages * CONFIG.page_size
 
 
+def test_a_one_token_request_leaves_its_prompts_pages_cached_for_the_next(loaded, engine):
+    """Its only step computes the prompt and ends it (a cache warm-up's `max_tokens: 1`): the pages that step
+    filled are cached before they are freed."""
+    prompt = chat(loaded, "Which river flows through Vienna, Budapest and Belgrade?")
+    warm, = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    again, = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))
+    full_pages = (len(prompt) - 1) // CONFIG.page_size
+    assert again[0].usage.cached_prompt_tokens == full_pages * CONFIG.page_size > warm[0].usage.cached_prompt_tokens
+
+
 def test_stop_string_across_tokens_ends_generation_before_it(loaded, engine):
     prompt = chat(loaded, "What is the capital of France?")
     free = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0][0]

@@ -5,6 +5,7 @@ reported, removed and recomputed, with the same tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -58,6 +59,27 @@ def test_a_corrupt_page_file_is_reported_removed_and_recomputed(smollm2, tmp_pat
     reported = [r.getMessage() for r in caplog.records if "corrupt page file" in r.getMessage()]
     assert len(reported) == second.stats.prefix_store.corrupt
     assert all(any(f.name in message for f in files[:3]) for message in reported)
+
+
+def test_an_idle_server_writes_its_last_steps_pages_and_reports_them_as_they_land(smollm2, tmp_path):
+    """A one-step request: its pages are copied out at its only step, which a next step would hand the store; the
+    idle loop hands them over itself, and `stats` counts the writer's files as they land, with no step running."""
+    prompt = long_prompt(6, length=200)
+    engine = Engine(smollm2, replace(CONFIG, prefix_cache_dir=str(tmp_path)), progress=False)
+    params = replace(GREEDY, max_tokens=1)
+
+    async def run() -> None:
+        await engine.start()
+        try:
+            [_ async for _ in engine.add_request([prompt], params)]
+            deadline = time.monotonic() + 60
+            while engine.stats.prefix_store.disk.pages < (len(prompt) - 1) // 16:
+                assert time.monotonic() < deadline, f"{engine.stats.prefix_store} on disk"
+                await asyncio.sleep(0.05)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
 
 
 @pytest.mark.slow
