@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import uvicorn
 
@@ -332,7 +332,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():  # stopped (signal, bind error) before the model was ready
         await serving
-        return 0
+        _exit_now(0)
     if loading.exception() is not None:
         logger.error("Could not start the engine: %s", loading.exception())
         server.should_exit = True
@@ -393,6 +393,16 @@ class DrainingServer(uvicorn.Server):
         if not await self._state.wait_idle(self._drain_timeout_s):
             logger.warning("Drain timeout: aborting the requests still in flight")
         self.should_exit = True
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Ends the process without finalizing the interpreter, for a server stopped while its load thread is still
+    in XLA's C++: finalizing would end that thread inside a C++ call, which aborts the process (glibc's "FATAL:
+    exception not rethrown", SIGABRT) instead of exiting with `code`."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:

@@ -54,8 +54,9 @@ class ServerProcess:
 
 
 def start_server(*flags: str, startup_timeout_s: float = 900, env: dict[str, str] | None = None,
-                 tries: int = 3) -> ServerProcess:
-    """Runs `sluice serve` and waits for /health 200, recording every /health status seen on the way. A port
+                 tries: int = 3, until: int = 200) -> ServerProcess:
+    """Runs `sluice serve` and waits for /health `until` (200: ready; 503: loading), recording every /health
+    status seen on the way. A port
     taken between free_port() and the server's bind (by another test's server or connection: the workers of
     `make test` start servers side by side) is given up for another one."""
     port = free_port()
@@ -71,7 +72,8 @@ def start_server(*flags: str, startup_timeout_s: float = 900, env: dict[str, str
     while time.monotonic() < deadline:
         if process.poll() is not None:
             if tries > 1 and "address already in use" in server.output():
-                return start_server(*flags, startup_timeout_s=startup_timeout_s, env=env, tries=tries - 1)
+                return start_server(*flags, startup_timeout_s=startup_timeout_s, env=env, tries=tries - 1,
+                                    until=until)
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.output()}")
         try:
             status = httpx.get(f"{server.url}/health", timeout=5).status_code
@@ -79,7 +81,7 @@ def start_server(*flags: str, startup_timeout_s: float = 900, env: dict[str, str
             time.sleep(0.2)
             continue
         server.health_statuses.append(status)
-        if status == 200:
+        if status == until:
             return server
         time.sleep(0.2)
     server.stop()

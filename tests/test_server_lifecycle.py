@@ -60,6 +60,13 @@ def test_health_is_503_while_the_model_loads_then_200(server):
     assert server.health_statuses[0] == 503 and server.health_statuses[-1] == 200
 
 
+def test_a_server_stopped_while_the_model_loads_exits_0_at_once():
+    """The load thread is still in XLA's C++ then: the process must not wait for it, nor abort under it."""
+    loading = start_server(*FLAGS, until=503)
+    assert loading.stop(timeout_s=30) == 0, loading.output()
+    assert "not rethrown" not in loading.output()
+
+
 def test_full_waiting_queue_answers_429_with_retry_after(server, http):
     running, waiting = OpenStream(http), OpenStream(http)
     try:
