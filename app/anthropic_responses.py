@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from sluice.batching.outputs import FinishReason
 from sluice.model.tokenizer import Tokenizer
@@ -115,9 +116,9 @@ class MessageBuilder:
                     pieces = reader.push(self._calling.text_of(increment)) + (reader.finish() if increment.finished else [])
                 for piece in pieces:
                     for event in blocks.add(piece):
-                        yield sse(event)
+                        yield event
             for event in blocks.close():
-                yield sse(event)
+                yield event
             stop_reason, stop_sequence = self._stop(reader is not None and reader.calls > 0)
             yield sse(MessageDeltaEvent(delta=MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
                                         usage=self._usage(generation)))
@@ -152,32 +153,42 @@ class MessageBuilder:
 
 
 class _Blocks:
-    """The content blocks of a stream: a text delta goes to the open text block (opening one if a call or nothing
-    is open), each call starts a tool_use block, and its arguments' fragments go to it."""
+    """The content blocks of a stream, as SSE events: a text delta goes to the open text block (opening one if a
+    call or nothing is open), each call starts a tool_use block, and its arguments' fragments go to it.
+
+    A text delta's event (one per token) differs from the block's others only in its text, so the JSON around the
+    text is serialized once per block, from the schema, and each delta serializes its text alone."""
 
     def __init__(self) -> None:
         self._count = 0
         self._open: Literal["text", "tool_use"] | None = None
+        self._text_frame = (b"", b"")
 
-    def add(self, piece: StreamEvent) -> list[BaseModel]:
+    def add(self, piece: StreamEvent) -> list[bytes]:
         if isinstance(piece, ArgumentsDelta):
-            return [ContentBlockDeltaEvent(index=self._count - 1, delta=InputJsonDelta(partial_json=piece.text))]
+            return [sse(ContentBlockDeltaEvent(index=self._count - 1, delta=InputJsonDelta(partial_json=piece.text)))]
         if isinstance(piece, TextDelta) and self._open == "text":
-            return [ContentBlockDeltaEvent(index=self._count - 1, delta=TextDeltaBody(text=piece.text))]
+            return [self._text_delta(piece.text)]
         events = self.close()
         if isinstance(piece, TextDelta):
-            events += [ContentBlockStartEvent(index=self._count, content_block=TextBlock(text="")),
-                       ContentBlockDeltaEvent(index=self._count, delta=TextDeltaBody(text=piece.text))]
+            head, tail = sse(ContentBlockDeltaEvent(index=self._count, delta=TextDeltaBody(text=""))).split(b'""}')
+            self._text_frame = (head, b"}" + tail)
+            events += [sse(ContentBlockStartEvent(index=self._count, content_block=TextBlock(text=""))),
+                       self._text_delta(piece.text)]
             self._open = "text"
         else:
             block = ToolUseBlock(id=new_tool_use_id(), name=piece.name, input={})
-            events.append(ContentBlockStartEvent(index=self._count, content_block=block))
+            events.append(sse(ContentBlockStartEvent(index=self._count, content_block=block)))
             self._open = "tool_use"
         self._count += 1
         return events
 
-    def close(self) -> list[BaseModel]:
+    def _text_delta(self, text: str) -> bytes:
+        head, tail = self._text_frame
+        return head + to_json(text) + tail
+
+    def close(self) -> list[bytes]:
         if self._open is None:
             return []
         self._open = None
-        return [ContentBlockStopEvent(index=self._count - 1)]
+        return [sse(ContentBlockStopEvent(index=self._count - 1))]

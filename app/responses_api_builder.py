@@ -17,6 +17,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic_core import to_json
+
 from sluice.batching.outputs import TokenLogprob, Usage
 
 from sluice.app.errors import APIError
@@ -29,11 +31,9 @@ from sluice.app.responses_api_schemas import (
     OutputText,
     ResponseError,
     ResponseObject,
-    ResponseStreamEvent,
     ResponseUsage,
 )
 from sluice.app.schemas import TokenLogprobInfo
-from sluice.app.streaming import sse_event
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling, new_call_id
 
@@ -46,6 +46,14 @@ class _Logprobs:
     """An increment's token logprobs, ahead of the text events they belong to."""
 
     entries: list[TokenLogprobInfo]
+
+
+def stream_event(event: Event, sequence_number: int) -> bytes:
+    """The SSE event `event: <type>`, `data: <ResponseStreamEvent(**event, sequence_number=...)'s JSON>`, its JSON
+    serialized without building the model (its two fields first, then the event's in order): there is an event
+    per token, and building the model cost the event loop 10 us of each."""
+    data = to_json({"type": event["type"], "sequence_number": sequence_number, **event})
+    return b"event: " + event["type"].encode() + b"\ndata: " + data + b"\n\n"
 
 
 def response_usage(usage: Usage) -> ResponseUsage:
@@ -78,8 +86,7 @@ class ResponsesBuilder:
         numbers = itertools.count()
 
         def frame(event: Event) -> bytes:
-            data = ResponseStreamEvent(**event, sequence_number=next(numbers)).model_dump_json()
-            return f"event: {event['type']}\n".encode() + sse_event(data)
+            return stream_event(event, next(numbers))
 
         yield frame({"type": "response.created", "response": self._response})
         yield frame({"type": "response.in_progress", "response": self._response})

@@ -7,7 +7,12 @@ import json
 
 import pytest
 
+from sluice.app.anthropic_responses import _Blocks
+from sluice.app.anthropic_responses import sse as anthropic_sse
+from sluice.app.anthropic_schemas import ContentBlockDeltaEvent, TextDeltaBody
 from sluice.app.responses import ChunkFrame
+from sluice.app.responses_api_builder import stream_event
+from sluice.app.responses_api_schemas import ResponseObject, ResponseStreamEvent, TextConfig
 from sluice.app.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -17,10 +22,13 @@ from sluice.app.schemas import (
     CompletionResponse,
     FunctionCallDelta,
     PromptTokensDetails,
+    TokenLogprobInfo,
+    TopLogprob,
     ToolCallDelta,
     UsageInfo,
 )
 from sluice.app.streaming import sse_event
+from sluice.app.tool_call_streams import CallStart, TextDelta
 
 # Quotes, a backslash, non-ASCII text and a newline: whatever JSON must escape.
 ID, MODEL = 'cmpl-"7"\\', "smöl\nlm"
@@ -59,3 +67,38 @@ def test_each_chunk_is_the_event_of_the_whole_chunk(empty, cases, include_usage:
     if include_usage:  # only then does a stream end with a usage chunk
         last = empty.model_copy(update={"usage": USAGE})
         assert json.loads(frame.usage_event(last)[len(b"data: "):])["usage"]["total_tokens"] == 7
+
+
+def test_anthropic_text_deltas_framed_once_per_block_are_the_schemas_events():
+    """`_Blocks` frames a text block's deltas once; each must be the whole event's bytes, in every block."""
+    texts = ["Hi", ' "quoted" \\ back', "é\n\t\x01</s>", "🙂", "", "\u2028"]
+    blocks, have, want = _Blocks(), [], []
+    for block, piece in enumerate([*texts, CallStart(0, "get_weather"), *texts]):
+        index = 0 if block < len(texts) else 2  # a call closes the first text block; the text after opens a third
+        events = blocks.add(TextDelta(piece) if isinstance(piece, str) else piece)
+        have.append(events[-1])
+        want.append(events[-1] if not isinstance(piece, str)
+                    else anthropic_sse(ContentBlockDeltaEvent(index=index, delta=TextDeltaBody(text=piece))))
+    assert have == want
+
+
+def test_responses_api_events_serialized_without_their_model_are_the_models_events():
+    response = ResponseObject(id="resp_x", created_at=0, status="in_progress", instructions='say "é"\n',
+                              max_output_tokens=None, model=MODEL, output=[], parallel_tool_calls=True,
+                              previous_response_id=None, temperature=1.0, top_p=1.0, tool_choice="auto", tools=[],
+                              text=TextConfig(), store=True, metadata={"k": "v"})
+    logprob = TokenLogprobInfo(token="é", logprob=-0.5, bytes=[195, 169],
+                               top_logprobs=[TopLogprob(token="é", logprob=-0.5, bytes=[195, 169])])
+    where = {"item_id": "msg_1", "output_index": 0}
+    events = [
+        {"type": "response.created", "response": response},
+        {"type": "response.output_item.added", "output_index": 0,
+         "item": {"id": "msg_1", "type": "message", "status": "in_progress", "content": []}},
+        {"type": "response.output_text.delta", **where, "content_index": 0, "delta": 'é "q"\\\n</s>',
+         "logprobs": [logprob]},
+        {"type": "response.output_text.delta", **where, "content_index": 0, "delta": "🙂", "logprobs": []},
+        {"type": "response.function_call_arguments.delta", **where, "delta": '{"city": "Z'},
+    ]
+    for number, event in enumerate(events):
+        model = ResponseStreamEvent(**event, sequence_number=number).model_dump_json()
+        assert stream_event(event, number) == f"event: {event['type']}\n".encode() + sse_event(model)
