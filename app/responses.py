@@ -11,6 +11,8 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from pydantic_core import to_json
+
 from sluice.batching.outputs import Increment, TokenLogprob, Usage
 from sluice.model.tokenizer import Tokenizer
 
@@ -68,24 +70,41 @@ def token_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> lis
 class ChunkFrame:
     """The SSE events of one stream's chunks. Its chunks differ only in their choices (and the last one's usage),
     so the JSON around the choices is serialized once, from the schema, and each event serializes its choices
-    alone: half the cost of a chunk (RESULTS.md, 2026-11-27), paid for every token of every stream.
+    alone: half the cost of a chunk (RESULTS.md, 2026-11-27), paid for every token of every stream. Most chunks
+    hold one choice with text alone (`text_event`): that choice's JSON around its text is serialized once per
+    choice index too.
 
     With include_usage, OpenAI sends `"usage": null` on every chunk but the last; without, no key.
     """
 
-    def __init__(self, empty: ChatCompletionChunk | CompletionResponse, include_usage: bool) -> None:
-        """`empty`: the stream's chunk with no choices and no usage."""
+    def __init__(self, empty: ChatCompletionChunk | CompletionResponse, include_usage: bool,
+                 text_choice: Callable[[int, str], ChatChunkChoice | CompletionChoice]) -> None:
+        """`empty`: the stream's chunk with no choices and no usage; `text_choice(index, text)`: choice `index`
+        with `text` and nothing else."""
         self._exclude = None if include_usage else {"usage"}
         head, tail = empty.model_dump_json(exclude=self._exclude).split('"choices":[]')
         self._head = f'data: {head}"choices":['.encode()
         self._tail = f"]{tail}\n\n".encode()
+        self._text_choice = text_choice
+        self._text_frames: dict[int, tuple[bytes, bytes]] = {}
 
     def event(self, choices: list[ChatChunkChoice] | list[CompletionChoice]) -> bytes:
         return self._head + b",".join(choice.__pydantic_serializer__.to_json(choice) for choice in choices) + self._tail
 
+    def text_event(self, index: int, text: str) -> bytes:
+        """`event([text_choice(index, text)])`."""
+        frame = self._text_frames.get(index)
+        if frame is None:
+            head, tail = self.event([self._text_choice(index, _TEXT_MARK)]).split(to_json(_TEXT_MARK))
+            frame = self._text_frames[index] = (head, tail)
+        return frame[0] + to_json(text) + frame[1]
+
     def usage_event(self, chunk: ChatCompletionChunk | CompletionResponse) -> bytes:
         """The last chunk, with the usage."""
         return sse_event(chunk.model_dump_json(exclude=self._exclude))
+
+
+_TEXT_MARK = "\ue000sluice-text\ue000"  # where a choice's text goes in its frame: no id, model or name holds it
 
 
 async def event_stream(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
@@ -138,7 +157,8 @@ class ChatBuilder:
         self._body = body
         self._tool_calling = tool_calling
         self._frame = ChunkFrame(ChatCompletionChunk(id=request_id, created=self._created, model=model, choices=[]),
-                                 body.include_usage)
+                                 body.include_usage,
+                                 lambda i, text: ChatChunkChoice(index=i, delta=ChatDelta(content=text)))
 
     async def collect(self, generation: Generation) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(self._body.n)]
@@ -177,9 +197,11 @@ class ChatBuilder:
 
     async def _text_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
         async for increment in increments:
-            if increment.text or increment.logprobs:
+            if self._body.logprobs and (increment.text or increment.logprobs):
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(content=increment.text),
                                                    logprobs=self._logprobs(increment.logprobs))])
+            elif increment.text:
+                yield self._frame.text_event(increment.choice, increment.text)
             if increment.finish_reason is not None:
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
                                                    finish_reason=increment.finish_reason)])
@@ -237,7 +259,8 @@ class CompletionBuilder:
         self._body = body
         self._prompts = prompts
         self._num_choices = len(prompts) * body.n
-        self._frame = ChunkFrame(self._response([]), body.include_usage)
+        self._frame = ChunkFrame(self._response([]), body.include_usage,
+                                 lambda i, text: CompletionChoice(index=i, text=text))
 
     async def collect(self, generation: Generation) -> CompletionResponse:
         choices = [_Choice(text=self._echo(i)) for i in range(self._num_choices)]
@@ -258,6 +281,9 @@ class CompletionBuilder:
             for i in range(self._num_choices):
                 yield self._chunk([CompletionChoice(index=i, text=self._echo(i))])
         async for increment in generation.increments():
+            if self._body.logprobs is None and increment.finish_reason is None:
+                yield self._frame.text_event(increment.choice, increment.text)
+                continue
             logprobs = self._logprobs(increment.logprobs, offsets[increment.choice])
             offsets[increment.choice] += sum(len(self._tokenizer.token_text(e.token_id)) for e in increment.logprobs)
             yield self._chunk([CompletionChoice(index=increment.choice, text=increment.text, logprobs=logprobs,

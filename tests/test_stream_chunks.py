@@ -51,19 +51,33 @@ USAGE = UsageInfo(prompt_tokens=5, completion_tokens=2, total_tokens=7,
                   prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
 
 
+TEXTS = ["Hi", ' "quoted" \\ back', "é\n\t\x01</s>", "🙂", "", "\u2028"]
+
+
+def chat_text(index: int, text: str) -> ChatChunkChoice:
+    return ChatChunkChoice(index=index, delta=ChatDelta(content=text))
+
+
+def completion_text(index: int, text: str) -> CompletionChoice:
+    return CompletionChoice(index=index, text=text)
+
+
 @pytest.mark.parametrize("include_usage", [False, True])
-@pytest.mark.parametrize(("empty", "cases"), [
-    (ChatCompletionChunk(id=ID, created=1, model=MODEL, choices=[]), CHAT_CHOICES),
-    (CompletionResponse(id=ID, created=1, model=MODEL, choices=[]), COMPLETION_CHOICES),
+@pytest.mark.parametrize(("empty", "cases", "text_choice"), [
+    (ChatCompletionChunk(id=ID, created=1, model=MODEL, choices=[]), CHAT_CHOICES, chat_text),
+    (CompletionResponse(id=ID, created=1, model=MODEL, choices=[]), COMPLETION_CHOICES, completion_text),
 ], ids=["chat", "completion"])
-def test_each_chunk_is_the_event_of_the_whole_chunk(empty, cases, include_usage: bool) -> None:
-    frame = ChunkFrame(empty, include_usage)
+def test_each_chunk_is_the_event_of_the_whole_chunk(empty, cases, text_choice, include_usage: bool) -> None:
+    frame = ChunkFrame(empty, include_usage, text_choice)
     exclude = None if include_usage else {"usage"}
-    for choices in cases:
+    texts = [(index, text) for index in (0, 3, 0) for text in TEXTS]
+    for choices in cases + [[text_choice(index, text)] for index, text in texts]:
         whole = empty.model_copy(update={"choices": choices})
         event = frame.event(choices)
         assert event == sse_event(whole.model_dump_json(exclude=exclude))
         assert ("usage" in json.loads(event[len(b"data: "):])) == include_usage
+    for index, text in texts:
+        assert frame.text_event(index, text) == frame.event([text_choice(index, text)])
     if include_usage:  # only then does a stream end with a usage chunk
         last = empty.model_copy(update={"usage": USAGE})
         assert json.loads(frame.usage_event(last)[len(b"data: "):])["usage"]["total_tokens"] == 7
@@ -71,10 +85,9 @@ def test_each_chunk_is_the_event_of_the_whole_chunk(empty, cases, include_usage:
 
 def test_anthropic_text_deltas_framed_once_per_block_are_the_schemas_events():
     """`_Blocks` frames a text block's deltas once; each must be the whole event's bytes, in every block."""
-    texts = ["Hi", ' "quoted" \\ back', "é\n\t\x01</s>", "🙂", "", "\u2028"]
     blocks, have, want = _Blocks(), [], []
-    for block, piece in enumerate([*texts, CallStart(0, "get_weather"), *texts]):
-        index = 0 if block < len(texts) else 2  # a call closes the first text block; the text after opens a third
+    for block, piece in enumerate([*TEXTS, CallStart(0, "get_weather"), *TEXTS]):
+        index = 0 if block < len(TEXTS) else 2  # a call closes the first text block; the text after opens a third
         events = blocks.add(TextDelta(piece) if isinstance(piece, str) else piece)
         have.append(events[-1])
         want.append(events[-1] if not isinstance(piece, str)
