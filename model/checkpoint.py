@@ -33,11 +33,12 @@ is restored into a model that no longer reads it."""
 
 
 def checkpoint_dir(source: Path, cache_root: Path, quantization: str) -> Path:
-    """Where the conversion of `source` with `quantization` lives: keyed by the source's name, size and
-    modification time, the layout version, and the quantization (which also names the folder)."""
-    stat = source.stat()
-    identity = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{LAYOUT_VERSION}"
-    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    """Where the conversion of `source` with `quantization` lives: keyed by the name, size and modification time
+    of the source file or of every file in the source folder (a file rewritten in place leaves its folder's own
+    time as it was), the layout version, and the quantization (which also names the folder)."""
+    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    identity = ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in files for st in [p.stat()])
+    key = hashlib.sha256(f"{identity}:{LAYOUT_VERSION}".encode()).hexdigest()[:12]
     return cache_root / "checkpoints" / f"{source.stem}-{key}-{quantization}"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import gguf
 import jax.numpy as jnp
@@ -61,6 +62,29 @@ def test_hf_safetensors_folder_loads_the_same_model(sluice_home):
 
     reloaded = load_model(str(folder), dtype="bfloat16")
     assert reloaded.model.wqkv[...].dtype == jnp.bfloat16
+
+
+def test_a_folder_whose_files_are_rewritten_in_place_is_converted_again(sluice_home):
+    """Weights copied over the old file, a chat template fixed in its config: the folder's own time stays as it
+    was, and the model must not be served from the stale conversion."""
+    folder = sluice_home / "hf"
+    tensors = write_hf_folder(folder, CONFIG, seed=1)
+    assert load_model(str(folder), dtype="float32").tokenizer.special.chat_template is None
+    folder_times = os.stat(folder).st_atime_ns, os.stat(folder).st_mtime_ns
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": "{{ messages[0]['content'] }}"}))
+    [weights] = folder.glob("*.safetensors")
+    new_tensors = write_hf_folder(sluice_home / "other", CONFIG, seed=2)
+    weights.write_bytes(next((sluice_home / "other").glob("*.safetensors")).read_bytes())
+    os.utime(folder, ns=folder_times)
+
+    reloaded = load_model(str(folder), dtype="float32")
+    assert reloaded.tokenizer.special.chat_template == "{{ messages[0]['content'] }}"
+    tokens = [5, 17, 42, 99, 7]
+    np.testing.assert_allclose(sequence_logits(reloaded.model, tokens),
+                               sequence_logits(reference_model(CONFIG, new_tensors), tokens), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(sequence_logits(reloaded.model, tokens),
+                           sequence_logits(reference_model(CONFIG, tensors), tokens), atol=1e-3)
 
 
 def test_gguf_with_quantized_permuted_tensors_loads_the_same_model(sluice_home):
