@@ -3,7 +3,7 @@
     sluice serve --model M --max-num-seqs 256 --max-num-batched-tokens 2048 --max-model-len 512 --port 8000 &
     sluice bench server_threads --url http://127.0.0.1:8000 --pid $! --concurrency 256 --max-tokens 480
 
-Opens `--concurrency` streaming completions (greedy, EOS ignored), waits until the server runs them all, then
+Opens `--concurrency` streaming completions (or chat completions: `--api chat`; greedy, EOS ignored), waits until the server runs them all, then
 for `--window` seconds reads each thread's CPU time from /proc and the engine's step and token counters from
 /metrics. It prints the CPU per engine call and per output token of the event loop (the process's main thread:
 HTTP, SSE chunks, socket writes), the engine thread, and XLA's threads. The event loop and the engine share the
@@ -46,6 +46,9 @@ def _stat(pid: int, tid: int) -> tuple[str, int]:
     return stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) + int(fields[12])
 
 
+API_PATHS = {"completions": "completions", "chat": "chat/completions"}
+
+
 def counters(client: httpx.Client) -> tuple[float, float, float]:
     """(engine calls, output tokens, requests running) from /metrics."""
     text = client.get("/metrics").text
@@ -54,10 +57,13 @@ def counters(client: httpx.Client) -> tuple[float, float, float]:
             value("vllm:num_requests_running"))
 
 
-async def stream(client: httpx.AsyncClient, model: str, index: int, max_tokens: int) -> None:
-    body = {"model": model, "prompt": f"request {index}:", "max_tokens": max_tokens, "stream": True,
-            "temperature": 0, "ignore_eos": True}
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+async def stream(client: httpx.AsyncClient, api: str, model: str, index: int, max_tokens: int) -> None:
+    body = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0, "ignore_eos": True}
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": f"request {index}:"}]
+    else:
+        body["prompt"] = f"request {index}:"
+    async with client.stream("POST", f"/v1/{API_PATHS[api]}", json=body) as response:
         response.raise_for_status()
         async for _ in response.aiter_lines():
             pass
@@ -68,8 +74,11 @@ async def measure(args: argparse.Namespace) -> None:
         model = metrics.get("/v1/models").json()["data"][0]["id"]
         limits = httpx.Limits(max_connections=args.concurrency + 8)
         async with httpx.AsyncClient(base_url=args.url, timeout=None, limits=limits) as client:
-            streams = [asyncio.create_task(stream(client, model, i, args.max_tokens)) for i in range(args.concurrency)]
+            streams = [asyncio.create_task(stream(client, args.api, model, i, args.max_tokens))
+                       for i in range(args.concurrency)]
             while (await asyncio.to_thread(counters, metrics))[2] < args.concurrency:
+                if failed := next((s for s in streams if s.done() and s.exception() is not None), None):
+                    raise SystemExit(f"a stream failed: {failed.exception()}")
                 await asyncio.sleep(0.2)
             steps0, tokens0, _ = await asyncio.to_thread(counters, metrics)
             cpu0, start = thread_cpu_s(args.pid), time.perf_counter()
@@ -93,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=480, help="per stream: long enough to outlast the window")
     parser.add_argument("--window", type=float, default=6.0, help="seconds measured once every stream runs")
+    parser.add_argument("--api", choices=sorted(API_PATHS), default="completions", help="the streams' route")
     asyncio.run(measure(parser.parse_args(argv)))
     return 0
 

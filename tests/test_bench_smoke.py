@@ -66,7 +66,7 @@ def test_bench_serve_streams_every_requested_token_and_writes_its_result(server:
 def test_server_threads_splits_a_running_servers_cpu_between_its_event_loop_engine_and_xla(
         server: ServerProcess, capsys: pytest.CaptureFixture) -> None:
     assert server_threads.main(["--url", server.url, "--pid", str(server.process.pid), "--concurrency", "4",
-                                "--max-tokens", "100", "--window", "1"]) == 0
+                                "--max-tokens", "60", "--window", "1", "--api", "chat"]) == 0
     lines = capsys.readouterr().out.splitlines()
     calls = int(lines[0].split(": ")[1].split()[0])
     cpu_s = {line.rsplit(maxsplit=3)[0]: float(line.rsplit(maxsplit=3)[1]) for line in lines[2:]}
