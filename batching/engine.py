@@ -304,12 +304,13 @@ class Engine:
     def _run(self) -> None:
         while not self._stopping:
             if not self.has_work:
-                self._store_pending_pages()
                 self._apply(self._inbox.get())  # sleeps until there is something to do
                 continue
             self._step_began = time.monotonic()
             try:
                 self.step()
+                if not self.has_work:  # no next step will hand the store the pages this one copied out
+                    self._store_pending_pages()
             except Exception as error:  # noqa: BLE001 - a bug must not leave clients waiting forever
                 logger.exception("engine step failed")
                 self._start_over(error)
