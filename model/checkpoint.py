@@ -24,6 +24,7 @@ PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
+SOURCE_FILE = "source.txt"  # the converted file or folder's path, for `remove_stale`
 
 
 LAYOUT_VERSION = 3
@@ -34,16 +35,30 @@ is restored into a model that no longer reads it."""
 
 def checkpoint_dir(source: Path, cache_root: Path, quantization: str) -> Path:
     """Where the conversion of `source` with `quantization` lives: keyed by the name, size and modification time
-    of the source file or of every file in the source folder (a file rewritten in place leaves its folder's own
-    time as it was), the layout version, and the quantization (which also names the folder)."""
-    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    of the source file or of each file in the source folder but hidden ones (a file rewritten in place leaves its
+    folder's own time as it was; a git checkout's `.git` is not the model), the layout version, and the
+    quantization (which also names the folder)."""
+    files = [source] if source.is_file() else sorted(
+        p for p in source.iterdir() if p.is_file() and not p.name.startswith("."))
     identity = ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in files for st in [p.stat()])
     key = hashlib.sha256(f"{identity}:{LAYOUT_VERSION}".encode()).hexdigest()[:12]
     return cache_root / "checkpoints" / f"{source.stem}-{key}-{quantization}"
 
 
-def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], tokenizer_json: str, special: dict[str, Any]) -> None:
-    """Writes the converted model atomically (to a temporary folder renamed into place).
+def remove_stale(folder: Path, source: Path) -> None:
+    """Removes the conversions of `source` that `folder` (just converted, with the same quantization) replaces:
+    those made before the source changed, which no load reads again."""
+    quantization = folder.name.rsplit("-", 1)[1]
+    for other in folder.parent.iterdir():
+        made_from = other / SOURCE_FILE
+        if (other != folder and other.name.endswith(f"-{quantization}") and made_from.is_file()
+                and made_from.read_text() == str(source.resolve())):
+            shutil.rmtree(other, ignore_errors=True)
+
+
+def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], tokenizer_json: str, special: dict[str, Any],
+         source: Path) -> None:
+    """Writes the converted model of `source` atomically (to a temporary folder renamed into place).
 
     Processes converting the same source at once (the processes of a multi-process job on one filesystem)
     each write their own temporary folder; the first rename wins.
@@ -57,6 +72,7 @@ def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], token
     (tmp / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=1))
     (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
     (tmp / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=1))
+    (tmp / SOURCE_FILE).write_text(str(source.resolve()))
     try:
         tmp.rename(folder)
     except OSError:

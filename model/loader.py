@@ -54,7 +54,7 @@ def convert(source: Path, folder: Path, quantization: str) -> None:
         tokenizer = Tokenizer.from_gguf_fields(fields)
     params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
     special = dataclasses.asdict(tokenizer.special)
-    checkpoint.save(folder, config, params, tokenizer.to_json(), special)
+    checkpoint.save(folder, config, params, tokenizer.to_json(), special, source)
 
 
 def load_model(
@@ -85,6 +85,7 @@ def load_model(
         else:
             convert(source, folder, quantization)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
+        checkpoint.remove_stale(folder, source)
     config = checkpoint.load_config(folder)
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])

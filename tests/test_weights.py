@@ -69,7 +69,11 @@ def test_a_folder_whose_files_are_rewritten_in_place_is_converted_again(sluice_h
     was, and the model must not be served from the stale conversion."""
     folder = sluice_home / "hf"
     tensors = write_hf_folder(folder, CONFIG, seed=1)
-    assert load_model(str(folder), dtype="float32").tokenizer.special.chat_template is None
+    first = load_model(str(folder), dtype="float32")
+    assert first.tokenizer.special.chat_template is None
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main")  # not the model: no new conversion
+    assert load_model(str(folder), dtype="float32").weights == first.weights
     folder_times = os.stat(folder).st_atime_ns, os.stat(folder).st_mtime_ns
     config = folder / "tokenizer_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": "{{ messages[0]['content'] }}"}))
@@ -79,6 +83,9 @@ def test_a_folder_whose_files_are_rewritten_in_place_is_converted_again(sluice_h
     os.utime(folder, ns=folder_times)
 
     reloaded = load_model(str(folder), dtype="float32")
+    assert reloaded.weights != first.weights
+    conversions = sluice_home / "home" / "checkpoints"
+    assert sorted(p.name for p in conversions.iterdir()) == [reloaded.weights]  # the stale one is removed
     assert reloaded.tokenizer.special.chat_template == "{{ messages[0]['content'] }}"
     tokens = [5, 17, 42, 99, 7]
     np.testing.assert_allclose(sequence_logits(reloaded.model, tokens),
