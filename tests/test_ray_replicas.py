@@ -20,6 +20,7 @@ pytest.importorskip("ray.serve")
 
 from openai import OpenAI
 
+from sluice.app.scale_out import REPLICA_HEADER
 from sluice.bench.routing import wait_for_replicas
 from test_api_e2e import SERVER_FLAGS, ServerProcess, start_server
 
@@ -96,19 +97,22 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_cached_it(cluster):
     assert f'sluice_prefix_cache_hit_tokens_total{{replica="{replica}"}}' in metrics
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int, started: set[int]) -> str:
-    """One streamed completion: 'ok' (finished), 'failed' (an error event then [DONE], or an error status). Adds
-    `i` to `started` at its first event."""
+async def _stream(client: httpx.AsyncClient, url: str, i: int, streaming: dict[int, str]) -> str:
+    """One streamed completion: 'ok' (finished), 'failed' (an error event then [DONE], or an error status). While
+    its tokens come, `streaming[i]` names the replica sending them."""
     body = {"prompt": [100 + i, 7, 8, 9] * 4, "max_tokens": 48, "ignore_eos": True, "temperature": 0, "stream": True}
     events = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             assert response.status_code == 503, await response.aread()
             return "failed"
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[len("data: "):])
-                started.add(i)
+        try:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    streaming[i] = response.headers[REPLICA_HEADER]
+        finally:
+            streaming.pop(i, None)
     assert events[-1] == "[DONE]", events[-3:]
     errors = [e for e in events[:-1] if "error" in json.loads(e)]
     assert len(errors) <= 1 and (not errors or errors[0] == events[-2])
@@ -116,14 +120,14 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int, started: set[int]
 
 
 async def _load_and_kill(server: ServerProcess) -> list[str]:
-    """32 streams on replicas of 8 slots each: the kill comes once every stream has its first token, so while the
-    second wave of each replica streams (a fixed wait let both waves finish first on a quick machine)."""
+    """32 streams; the kill comes once both replicas are sending tokens, so the killed one has streams in flight
+    whichever it is (a fixed wait let every stream finish first on a quick machine)."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-        started: set[int] = set()
-        streams = [asyncio.ensure_future(_stream(client, server.url, i, started)) for i in range(32)]
+        streaming: dict[int, str] = {}
+        streams = [asyncio.ensure_future(_stream(client, server.url, i, streaming)) for i in range(32)]
         deadline = time.monotonic() + 120
-        while len(started) < 32 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        while len(set(streaming.values())) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         os.kill(replica_pids(server)[0], signal.SIGKILL)
         # No client hangs: every stream ends, answered or cleanly failed, well within the client's timeout.
         return await asyncio.wait_for(asyncio.gather(*streams), 120)
