@@ -15,7 +15,6 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel
-from pydantic_core import to_json
 
 from sluice.batching.outputs import FinishReason
 from sluice.model.tokenizer import Tokenizer
@@ -40,6 +39,7 @@ from sluice.app.anthropic_schemas import (
 )
 from sluice.app.errors import APIError
 from sluice.app.generation import Generation
+from sluice.app.streaming import TextFrame
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling
 
@@ -162,19 +162,20 @@ class _Blocks:
     def __init__(self) -> None:
         self._count = 0
         self._open: Literal["text", "tool_use"] | None = None
-        self._text_frame = (b"", b"")
+        self._text_frame: TextFrame | None = None
 
     def add(self, piece: StreamEvent) -> list[bytes]:
         if isinstance(piece, ArgumentsDelta):
             return [sse(ContentBlockDeltaEvent(index=self._count - 1, delta=InputJsonDelta(partial_json=piece.text)))]
         if isinstance(piece, TextDelta) and self._open == "text":
-            return [self._text_delta(piece.text)]
+            return [self._text_frame.event(piece.text)]
         events = self.close()
         if isinstance(piece, TextDelta):
-            head, tail = sse(ContentBlockDeltaEvent(index=self._count, delta=TextDeltaBody(text=""))).split(b'""}')
-            self._text_frame = (head, b"}" + tail)
-            events += [sse(ContentBlockStartEvent(index=self._count, content_block=TextBlock(text=""))),
-                       self._text_delta(piece.text)]
+            index = self._count
+            self._text_frame = TextFrame(
+                lambda text: sse(ContentBlockDeltaEvent(index=index, delta=TextDeltaBody(text=text))))
+            events += [sse(ContentBlockStartEvent(index=index, content_block=TextBlock(text=""))),
+                       self._text_frame.event(piece.text)]
             self._open = "text"
         else:
             block = ToolUseBlock(id=new_tool_use_id(), name=piece.name, input={})
@@ -182,10 +183,6 @@ class _Blocks:
             self._open = "tool_use"
         self._count += 1
         return events
-
-    def _text_delta(self, text: str) -> bytes:
-        head, tail = self._text_frame
-        return head + to_json(text) + tail
 
     def close(self) -> list[bytes]:
         if self._open is None:

@@ -11,8 +11,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from pydantic_core import to_json
-
 from sluice.batching.outputs import Increment, TokenLogprob, Usage
 from sluice.model.tokenizer import Tokenizer
 
@@ -41,7 +39,7 @@ from sluice.app.schemas import (
     TopLogprob,
     UsageInfo,
 )
-from sluice.app.streaming import DONE, sse_event
+from sluice.app.streaming import DONE, TextFrame, sse_event
 from sluice.app.tool_call_streams import CallStart, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling, new_call_id
 
@@ -86,7 +84,7 @@ class ChunkFrame:
         self._head = f'data: {head}"choices":['.encode()
         self._tail = f"]{tail}\n\n".encode()
         self._text_choice = text_choice
-        self._text_frames: dict[int, tuple[bytes, bytes]] = {}
+        self._text_frames: dict[int, TextFrame] = {}
 
     def event(self, choices: list[ChatChunkChoice] | list[CompletionChoice]) -> bytes:
         return self._head + b",".join(choice.__pydantic_serializer__.to_json(choice) for choice in choices) + self._tail
@@ -95,16 +93,12 @@ class ChunkFrame:
         """`event([text_choice(index, text)])`."""
         frame = self._text_frames.get(index)
         if frame is None:
-            head, tail = self.event([self._text_choice(index, _TEXT_MARK)]).split(to_json(_TEXT_MARK))
-            frame = self._text_frames[index] = (head, tail)
-        return frame[0] + to_json(text) + frame[1]
+            frame = self._text_frames[index] = TextFrame(lambda mark: self.event([self._text_choice(index, mark)]))
+        return frame.event(text)
 
     def usage_event(self, chunk: ChatCompletionChunk | CompletionResponse) -> bytes:
         """The last chunk, with the usage."""
         return sse_event(chunk.model_dump_json(exclude=self._exclude))
-
-
-_TEXT_MARK = "\ue000sluice-text\ue000"  # where a choice's text goes in its frame: no id, model or name holds it
 
 
 async def event_stream(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:

@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
+from pydantic_core import to_json
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -25,6 +26,19 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class TextFrame:
+    """An event that recurs with only a text changing (a stream's text deltas): the bytes around the text are
+    serialized once, from the event built by `event_with(mark)`, and each event then serializes its text alone."""
+
+    _MARK = "\ue000sluice-text\ue000"  # no id, model or name holds it
+
+    def __init__(self, event_with: Callable[[str], bytes]) -> None:
+        self._head, self._tail = event_with(self._MARK).split(to_json(self._MARK))
+
+    def event(self, text: str) -> bytes:
+        return self._head + to_json(text) + self._tail
 
 
 def sse_event(payload: dict | str) -> bytes:

@@ -45,10 +45,9 @@ def checkpoint_dir(source: Path, cache_root: Path, quantization: str) -> Path:
     return cache_root / "checkpoints" / f"{source.stem}-{key}-{quantization}"
 
 
-def remove_stale(folder: Path, source: Path) -> None:
-    """Removes the conversions of `source` that `folder` (just converted, with the same quantization) replaces:
-    those made before the source changed, which no load reads again."""
-    quantization = folder.name.rsplit("-", 1)[1]
+def remove_stale(folder: Path, source: Path, quantization: str) -> None:
+    """Removes the conversions of `source` with `quantization` that `folder` (just converted) replaces: those made
+    before the source changed, which no load reads again."""
     for other in folder.parent.iterdir():
         made_from = other / SOURCE_FILE
         if (other != folder and other.name.endswith(f"-{quantization}") and made_from.is_file()

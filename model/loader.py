@@ -85,7 +85,7 @@ def load_model(
         else:
             convert(source, folder, quantization)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
-        checkpoint.remove_stale(folder, source)
+        checkpoint.remove_stale(folder, source, quantization)
     config = checkpoint.load_config(folder)
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])
