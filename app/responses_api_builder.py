@@ -4,7 +4,8 @@ Both walk the same events: the reply's text goes into a `message` item (one `out
 into a `function_call` item, in the order the model wrote them; a call's text is read by the chat path's parser
 (`ToolCalling`), so streamed and whole replies read alike. A reply cut by `max_output_tokens` is `incomplete`.
 With logprobs asked for, each token's logprob goes with the text it produced (the output text's `logprobs`, and
-each `output_text.delta`'s); those of a call's tokens are not text, and are left out.
+each `output_text.delta`'s); those of a call's tokens and of the token that stops the reply are not text,
+and are left out.
 Streamed, each event is `event: <type>` then `data: <json>` with a `sequence_number`; an error after the 200
 becomes a `response.failed` event carrying the error.
 """
@@ -124,7 +125,10 @@ class ResponsesBuilder:
         stream = self._tool_calling.stream() if self._tool_calling is not None else None
         async for increment in generation.increments():
             if self._logprobs is not None and increment.logprobs:
-                yield _Logprobs(self._logprobs(increment.logprobs))
+                # The token that stops a reply is not shown, whichever increment it comes in (alone, or with
+                # the text before it), and neither is its logprob.
+                shown = increment.logprobs[:-1] if increment.finish_reason == "stop" else increment.logprobs
+                yield _Logprobs(self._logprobs(shown))
             if stream is not None:
                 for event in stream.push(self._tool_calling.text_of(increment)):
                     yield event

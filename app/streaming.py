@@ -152,11 +152,16 @@ class _Link:
             else:
                 due = self._blocked_since + self._stall_timeout_s
         elif now - self._last_sent >= self._keepalive_s and not self.finishing:
-            self._keepalive = asyncio.ensure_future(self.body(KEEPALIVE))
+            self._keepalive = asyncio.ensure_future(self._keep_alive())
             due = now + self._keepalive_s
         else:
             due = self._last_sent + self._keepalive_s
         self._timer = self._loop.call_at(due, self._on_timer)
+
+    async def _keep_alive(self) -> None:
+        # The stream may have sent events, its last included, between the timer and this task's start.
+        if not self.finishing and self._loop.time() - self._last_sent >= self._keepalive_s:
+            await self.body(KEEPALIVE)
 
     async def close(self) -> None:
         if self._timer is not None:

@@ -17,7 +17,8 @@ from sluice.app.errors import generation_failed
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses_api_convert import chat_request
 from sluice.app.responses_api_schemas import ResponseObject, ResponsesRequest, TextConfig
-from sluice.batching.outputs import Increment
+from sluice.app.schemas import TokenLogprobInfo
+from sluice.batching.outputs import Increment, TokenLogprob, Usage
 from sluice.app.responses_api_store import ResponseStore, StoredResponse
 
 # --- the store and the conversion ---------------------------------------------------------------------------
@@ -69,21 +70,65 @@ class FailingGeneration:
         raise generation_failed("generation failed: boom")
 
 
+def blank_response() -> ResponseObject:
+    return ResponseObject(id="resp_x", created_at=0, status="in_progress", instructions=None, max_output_tokens=None,
+                          model="m", output=[], parallel_tool_calls=True, previous_response_id=None, temperature=1.0,
+                          top_p=1.0, tool_choice="auto", tools=[], text=TextConfig(), store=True, metadata={})
+
+
 def test_an_engine_error_after_the_200_is_a_response_failed_event_that_ends_the_stream():
-    response = ResponseObject(id="resp_x", created_at=0, status="in_progress", instructions=None,
-                              max_output_tokens=None, model="m", output=[], parallel_tool_calls=True,
-                              previous_response_id=None, temperature=1.0, top_p=1.0, tool_choice="auto", tools=[],
-                              text=TextConfig(), store=True, metadata={})
     stored = []
 
     async def events() -> list[bytes]:
-        return [e async for e in ResponsesBuilder(response, None, stored.append).events(FailingGeneration())]
+        return [e async for e in ResponsesBuilder(blank_response(), None, stored.append).events(FailingGeneration())]
 
     frames = asyncio.run(events())
     last = json.loads(frames[-1].decode().split("data: ", 1)[1])
     assert frames[-1].startswith(b"event: response.failed\n")
     assert last["response"]["status"] == "failed" and last["response"]["error"]["message"].endswith("boom")
     assert b"response.output_text.delta" in frames[-2] and stored == []
+
+
+class ScriptedGeneration:
+    """A generation whose increments are given (each token's logprob is minus its id)."""
+
+    usage = Usage(prompt_tokens=3, completion_tokens=3)
+
+    def __init__(self, *increments: tuple[str, tuple[int, ...], str | None]) -> None:
+        self._increments = [Increment(0, text, ids, tuple(TokenLogprob(t, -float(t)) for t in ids), finish)
+                            for text, ids, finish in increments]
+
+    async def increments(self):
+        for increment in self._increments:
+            yield increment
+
+
+def shown_logprobs(entries):
+    return [TokenLogprobInfo(token=TOKEN_TEXT[e.token_id], logprob=e.logprob, bytes=[], top_logprobs=[])
+            for e in entries]
+
+
+TOKEN_TEXT = {1: "The", 2: " end", 3: "<|im_end|>"}
+
+
+@pytest.mark.parametrize("increments", [
+    [("The", (1,), None), (" end", (2,), None), ("", (3,), "stop")],
+    [("The", (1,), None), (" end", (2, 3), "stop")],  # the stop token with the text before it
+], ids=["stop-token-alone", "stop-token-with-text"])
+def test_the_stop_tokens_logprob_is_left_out_whichever_increment_it_comes_in(increments):
+    def build() -> ResponsesBuilder:
+        return ResponsesBuilder(blank_response(), None, lambda _: None, shown_logprobs)
+
+    async def run() -> tuple[ResponseObject, list[bytes]]:
+        whole = await build().collect(ScriptedGeneration(*increments))
+        return whole, [e async for e in build().events(ScriptedGeneration(*increments))]
+
+    whole, frames = asyncio.run(run())
+    [part] = whole.output[0].content
+    deltas = [json.loads(f.decode().split("data: ", 1)[1])
+              for f in frames if f.startswith(b"event: response.output_text.delta")]
+    assert part.text == "The end" and [(e.token, e.logprob) for e in part.logprobs] == [("The", -1.0), (" end", -2.0)]
+    assert [(e["token"], e["logprob"]) for d in deltas for e in d["logprobs"]] == [("The", -1.0), (" end", -2.0)]
 
 
 # --- the openai client against a real server ----------------------------------------------------------------
