@@ -181,63 +181,47 @@ def test_event_stream_runs_on_close_when_the_client_left_before_the_first_event(
     assert closed == [True]
 
 
+async def bodies_sent(events, keepalive_s: float) -> list[bytes]:
+    """The non-empty bodies an event stream sends to a client that never leaves."""
+    sent: list[bytes] = []
+
+    async def receive() -> dict:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message.get("body", b""))
+
+    async def on_close() -> None:
+        pass
+
+    await asyncio.wait_for(EventStreamResponse(events, on_close, keepalive_s)({"type": "http"}, receive, send), 5)
+    return [body for body in sent if body]
+
+
 def test_event_stream_sends_keepalive_comments_while_no_event_is_ready_and_loses_no_event():
     async def events():
         await asyncio.sleep(0.3)
         yield b"data: 1\n\n"
         yield DONE
 
-    async def on_close() -> None:
-        pass
-
-    async def scenario() -> list[bytes]:
-        sent: list[bytes] = []
-
-        async def receive() -> dict:
-            await asyncio.sleep(3600)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            if message["type"] == "http.response.body":
-                sent.append(message.get("body", b""))
-
-        await asyncio.wait_for(EventStreamResponse(events(), on_close, keepalive_s=0.05)({"type": "http"}, receive, send), 5)
-        return [body for body in sent if body]
-
-    bodies = asyncio.run(scenario())
+    bodies = asyncio.run(bodies_sent(events(), keepalive_s=0.05))
     assert bodies[-2:] == [b"data: 1\n\n", DONE]
     assert len(bodies) >= 4 and set(bodies[:-2]) == {KEEPALIVE}
 
 
 def test_no_keepalive_comment_follows_the_last_event_when_its_timer_fires_as_the_events_come():
-    async def scenario() -> list[bytes]:
-        sent: list[bytes] = []
+    async def events():
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        loop.call_later(0.01, ready.set_result, None)
+        time.sleep(0.2)  # the loop is held: the keep-alive timer (50 ms) and `ready` fire in one turn
+        await ready
+        yield b"data: 1\n\n"
+        yield DONE
 
-        async def events():
-            loop = asyncio.get_running_loop()
-            ready = loop.create_future()
-            loop.call_later(0.01, ready.set_result, None)
-            time.sleep(0.2)  # the loop is held: the keep-alive timer (50 ms) and `ready` fire in one turn
-            await ready
-            yield b"data: 1\n\n"
-            yield DONE
-
-        async def receive() -> dict:
-            await asyncio.sleep(3600)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            if message["type"] == "http.response.body":
-                sent.append(message.get("body", b""))
-
-        async def on_close() -> None:
-            pass
-
-        response = EventStreamResponse(events(), on_close, keepalive_s=0.05)
-        await asyncio.wait_for(response({"type": "http"}, receive, send), 5)
-        return [body for body in sent if body]
-
-    assert asyncio.run(scenario()) == [b"data: 1\n\n", DONE]
+    assert asyncio.run(bodies_sent(events(), keepalive_s=0.05)) == [b"data: 1\n\n", DONE]
 
 
 def test_event_stream_blocked_in_a_send_past_the_stall_limit_ends_and_reports_the_stall():
