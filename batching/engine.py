@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from typing import Callable
@@ -96,13 +97,15 @@ class _Stop:
 @dataclass(frozen=True)
 class _Launched:
     """A dispatched step the host has not collected yet: what ran (`limits`, `drafting`: a multi-step call's),
-    where each chunk's first sampled token goes in its sequence, when its step began (`time.perf_counter()`) and
-    the host time it took to schedule and dispatch."""
+    where each chunk's first sampled token goes in its sequence and how many placeholders it got there (0 for a
+    chunk that drafts: how many it keeps is known only from its result), when its step began
+    (`time.perf_counter()`) and the host time it took to schedule and dispatch."""
 
     chunks: list[ScheduledChunk]
     limits: list[int] | None
     drafting: list[int] | None
     first_indices: list[int]
+    counts: list[int]
     pending: PendingStep
     stats: StepStats
     started: float
@@ -406,25 +409,29 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
             self._start_over(error)
             return None
-        return _Launched(chunks, limits, drafting, self._mark_dispatched(chunks, limits, drafting), pending, stats,
-                         start, time.perf_counter() - start)
+        first_indices, counts = self._mark_dispatched(chunks, limits, drafting)
+        return _Launched(chunks, limits, drafting, first_indices, counts, pending, stats, start,
+                         time.perf_counter() - start)
 
     def _mark_dispatched(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: list[int] | None
-                         ) -> list[int]:
+                         ) -> tuple[list[int], list[int]]:
         """Moves each chunk's sequence past what the step computes, its sampled tokens as placeholders, so the
-        next step can be scheduled before they arrive. Returns where each chunk's first sampled token goes.
-        How many tokens a verification keeps is known only from its result: those sequences move on then."""
-        first_indices = []
+        next step can be scheduled before they arrive. Returns where each chunk's first sampled token goes, and
+        how many placeholders it got. How many tokens a verification keeps is known only from its result: those
+        sequences move on then."""
+        first_indices, counts = [], []
         verifying = drafting is not None
         for chunk, limit in zip(chunks, limits or itertools.repeat(1)):
             seq = chunk.seq
             if chunk.num_drafts or verifying:
                 first_indices.append(len(seq.token_ids))
+                counts.append(0)
                 continue
             count = limit if chunk.sample else 0
             seq.num_computed_tokens = chunk.start + chunk.num_tokens + max(count - 1, 0)
             first_indices.append(seq.add_pending(count))
-        return first_indices
+            counts.append(count)
+        return first_indices, counts
 
     def _collect(self) -> None:
         """Takes in the step in flight: appends each sequence's tokens (until it ends) and caches its pages."""
@@ -441,7 +448,12 @@ class Engine:
         if result.pooled is not None:
             self._pool(launched.chunks, result.pooled)
         verified = launched.drafting is not None
-        for chunk, output, index in zip(launched.chunks, result.seqs, launched.first_indices):
+        left: Iterable[int] = range(len(launched.chunks))
+        if self.speculator is None and result.sampled.top_ids is None:  # no chunk drafts or wants logprobs
+            # The slot of a sequence that no longer runs may have changed hands: that chunk is left in any case.
+            left = self._append_decoded(launched, *result.runs(self.runner.input_batch.host.sampling.stop_ids))
+        for i in left:
+            chunk, output, index = launched.chunks[i], result.share(i), launched.first_indices[i]
             seq = chunk.seq
             drafted = chunk.num_drafts or verified
             if drafted and seq.status is SequenceStatus.RUNNING:  # the K/V of rejected drafts is not the sequence's
@@ -467,6 +479,35 @@ class Engine:
         self._last_step = replace(launched.stats, duration_s=end - launched.started,
                                   host_s=launched.host_s + end - arrived)
         self._totals.add_step(self._last_step)
+
+    def _append_decoded(self, launched: _Launched, runs: list[list[int]], may_end: list[bool]) -> list[int]:
+        """Appends, in one pass, the tokens of each sequence that just goes on decoding (a decode step's common
+        case, at hundreds of sequences): over its placeholders, its newly full pages committed. `runs`,
+        `may_end`: `StepOutput.runs` of a step in which no chunk drafts or wants logprobs. Returns the indices of
+        the chunks left to `_append_output`: those with a token that may end their sequence (`may_end`, or the
+        last allowed), a sequence's first output token, a chunk that samples nothing, and sequences that no
+        longer run or have a grammar."""
+        chunks = launched.chunks
+        left = []
+        num_appended = 0
+        max_model_len = self.max_model_len
+        commit = self.block_manager.commit
+        unemitted = self._unemitted
+        for i, (chunk, index, count, run, ends) in enumerate(zip(chunks, launched.first_indices, launched.counts,
+                                                                 runs, may_end)):
+            seq = chunk.seq
+            end = index + count
+            if (ends or not count or seq.status is not SequenceStatus.RUNNING or seq.grammar is not None
+                    or end >= seq.max_num_tokens or end >= max_model_len or index == len(seq.prompt_ids)):
+                left.append(i)
+                continue
+            seq.token_ids[index:end] = run[:count]  # over its placeholders: a running sequence keeps them
+            seq.num_pending -= count
+            num_appended += count
+            commit(seq)
+            unemitted[seq] = None
+        self._generation_tokens_total += num_appended
+        return left
 
     def _save_pages(self) -> None:
         """Hands the store the pages copied out at the step before (their copy is done by now), and starts copying

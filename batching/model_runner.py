@@ -9,7 +9,7 @@ only the rows that changed, then per token and per sampled row its slot. `dispat
 host, so the engine does its text work while the device computes. Each step also leaves every sequence's last
 sampled token on the device (`last_tokens`, a fixed [max_num_seqs] array), and the next step takes from it the
 tokens the host has not seen yet (`StepInputs.feed`): with overlapped scheduling the engine dispatches that step
-before it collects this one. A fetched step becomes one `SequenceOutput` per sequence, whatever ran.
+before it collects this one. A fetched step gives each sequence a `SequenceOutput`, whatever ran.
 
 A step is two jitted calls, the model (to logits) and the sampler, so that the host fills the structured-output
 masks of the step's constrained rows (`batching/structured.py`) while the device runs the model: the masks need
@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import astuple, dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -382,61 +382,74 @@ class SequenceOutput(NamedTuple):
 _NONFINITE = SequenceOutput([], [], [], finite=False)
 
 
-@dataclass(frozen=True)
 class StepOutput:
     """A step's results on the host: the sampler's arrays (numpy, leading [num_steps] axis; `top_ids` and
-    `top_logprobs` None unless a sequence wants logprobs, `accepted` None unless one drafted) and, per scheduled
-    chunk, its sequence's share (None for a chunk that samples nothing: a prefill not yet at its end); `pooled`
-    ([S, D] float32, row i chunk i's sum of its pooled tokens' final hidden states) when the step pools."""
+    `top_logprobs` None unless a sequence wants logprobs, `accepted` None unless one drafted; row i is chunk i's
+    first when no chunk drafts), each chunk's share of them (`share`), and `pooled` ([S, D] float32, row i chunk
+    i's sum of its pooled tokens' final hidden states) when the step pools."""
 
-    sampled: SamplerOutput
-    seqs: list[SequenceOutput | None]
-    pooled: np.ndarray | None
+    def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
+                 limits: list[int] | None, row_slots: np.ndarray, pooled: np.ndarray | None) -> None:
+        """`rows`: each chunk's first sampled row; `row_slots`: [rows] int32, each row's slot."""
+        self.sampled = out.sampled if isinstance(out, VerifiedSteps) else out
+        self.pooled = pooled
+        self._out = out
+        self._chunks, self._rows, self._limits, self._row_slots = chunks, rows, limits, row_slots
 
+    @cached_property
+    def nonfinite(self) -> np.ndarray:
+        """[rows] bool: whether a row's logits were not finite, checked at the call's first step (where every
+        sampled row is live; later, a row that stopped computes padding)."""
+        return ~np.isfinite(self.sampled.logprobs[0])
 
-def _sequence_outputs(out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                      limits: list[int] | None) -> list[SequenceOutput | None]:
-    """Each chunk's share of a fetched step (numpy arrays). A plain run's positions are listed only if its
-    sequence wants logprobs (nothing else reads them). A row's logits are checked at the call's first step, where
-    every sampled row is live (later, a row that stopped computes padding)."""
-    outputs: list[SequenceOutput | None] = []
-    verified = isinstance(out, VerifiedSteps)
-    sampled = out.sampled if verified else out
-    by_row = None if verified else out.tokens.T.tolist()  # [rows][steps], in one call
-    nonfinite = set(np.flatnonzero(~np.isfinite(sampled.logprobs[0])).tolist())
-    for i, (chunk, row) in enumerate(zip(chunks, rows)):
+    @cached_property
+    def _by_row(self) -> list[list[int]]:
+        return self.sampled.tokens.T.tolist()  # [rows][steps], in one call
+
+    def runs(self, stop_ids: np.ndarray) -> tuple[list[list[int]], list[bool]]:
+        """For a step in which no chunk drafts (row i is chunk i's): each chunk's tokens of every step, and whether
+        one of them may end its sequence: one of its slot's stop ids (`stop_ids`: [slots, B] int32, -1 pads,
+        `SamplingBatch.stop_ids`) or logits not finite."""
+        n = len(self._chunks)
+        tokens = self.sampled.tokens[:, :n]  # [steps, chunks]
+        stops = (tokens[:, :, None] == stop_ids[self._row_slots[:n]][None]).any(axis=(0, 2))
+        return tokens.T.tolist(), (stops | self.nonfinite[:n]).tolist()
+
+    def share(self, i: int) -> SequenceOutput | None:
+        """Chunk i's share: None for a chunk that samples nothing (a prefill not yet at its end). A plain run's
+        positions are listed only if its sequence wants logprobs (nothing else reads them)."""
+        chunk, row, out = self._chunks[i], self._rows[i], self._out
         if not chunk.sample:
-            outputs.append(None)
-        elif row in nonfinite:
-            outputs.append(_NONFINITE)
-        elif verified:
+            return None
+        if self.nonfinite[row]:
+            return _NONFINITE
+        if isinstance(out, VerifiedSteps):
             positions, verifications = [], []
             for step in range(out.num_emitted.shape[0]):
                 kept = int(out.num_emitted[step, i])
                 positions += [(step, r) for r in range(row, row + kept)]
                 if checked := int(out.num_verified[step, i]):
-                    verifications.append((checked, int(np.cumprod(out.sampled.accepted[step, row:row + checked]).sum())))
-            outputs.append(SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications))
-        elif chunk.num_drafts:
+                    accepted = int(np.cumprod(out.sampled.accepted[step, row:row + checked]).sum())
+                    verifications.append((checked, accepted))
+            return SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications)
+        if chunk.num_drafts:
             accepted = int(np.cumprod(out.accepted[0, row:row + chunk.num_drafts]).sum())
             positions = [(0, r) for r in range(row, row + accepted + 1)]  # the accepted drafts, then one sampled
-            outputs.append(SequenceOutput([int(out.tokens[p]) for p in positions], positions,
-                                          [(chunk.num_drafts, accepted)]))
-        else:
-            tokens = by_row[row] if limits is None else by_row[row][:limits[i]]
-            positions = [(s, row) for s in range(len(tokens))] if chunk.seq.params.wants_logprobs else []
-            outputs.append(SequenceOutput(tokens, positions, []))
-    return outputs
+            return SequenceOutput([int(out.tokens[p]) for p in positions], positions, [(chunk.num_drafts, accepted)])
+        tokens = self._by_row[row] if self._limits is None else self._by_row[row][:self._limits[i]]
+        positions = [(s, row) for s in range(len(tokens))] if chunk.seq.params.wants_logprobs else []
+        return SequenceOutput(tokens, positions, [])
 
 
 class PendingStep:
     """A dispatched step whose sampled tokens are being copied to the host."""
 
     def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, pooled: jax.Array | None, bucket: Bucket, fault: str | None = None):
+                 limits: list[int] | None, row_slots: np.ndarray, pooled: jax.Array | None, bucket: Bucket,
+                 fault: str | None = None):
         """`bucket`: the step's shape, for a hung step's report; `fault`: an injected one (`faults.py`)."""
         self._out = (out, pooled)
-        self._shares = (chunks, rows, limits)
+        self._shares = (chunks, rows, limits, row_slots)
         self.bucket = bucket
         self._fault = fault
         for leaf in jax.tree.leaves(self._out):
@@ -446,8 +459,7 @@ class PendingStep:
         """Blocks until the step is done."""
         strike(self._fault, self.bucket)
         out, pooled = jax.tree.map(np.asarray, self._out)
-        sampled = out.sampled if isinstance(out, VerifiedSteps) else out
-        return StepOutput(sampled, _sequence_outputs(out, *self._shares), pooled)
+        return StepOutput(out, *self._shares, pooled)
 
 
 class ModelRunner:
@@ -667,7 +679,7 @@ class ModelRunner:
         drafted = any(c.num_drafts for c in chunks)
         if not drafted:
             sampling = [i for i, c in enumerate(chunks) if c.sample]
-            self._last_row[[chunks[i].seq.slot for i in sampling]] = sampling
+            self._last_row[sampled.slot[sampling]] = sampling  # no chunk drafts: row i is chunk i's
         constrained = [(c.seq.grammar, row, c.seq.drafts[:c.num_drafts])
                        for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
         if step_broadcast.is_multiprocess():
@@ -689,7 +701,7 @@ class ModelRunner:
             out = replace(out, top_ids=out.top_ids if logprobs else None,
                           top_logprobs=out.top_logprobs if logprobs else None,
                           accepted=out.accepted if drafted else None)
-        return PendingStep(out, chunks, rows, limits, pooled if pooling else None, bucket, fault)
+        return PendingStep(out, chunks, rows, limits, sampled.slot, pooled if pooling else None, bucket, fault)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""

@@ -9,6 +9,7 @@ recomputed from its tokens later (its full pages usually survive in the prefix c
 
 from __future__ import annotations
 
+import bisect
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
@@ -58,9 +59,8 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)
 
 
-def _schedule_order(seq: Sequence) -> tuple[bool, tuple[int, int, int]]:
-    """Decodes (one token left to compute) first, then by `Sequence.schedule_key`."""
-    return seq.num_uncomputed_tokens > 1, seq.schedule_key
+def _schedule_key(seq: Sequence) -> tuple[int, int, int]:
+    return seq.schedule_key
 
 
 class Scheduler:
@@ -68,7 +68,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in `Sequence.schedule_key` order
         self.num_preemptions = 0
         self._free_slots = list(range(config.max_num_seqs))[::-1]
 
@@ -98,7 +98,11 @@ class Scheduler:
         bm = self.block_manager
 
         # Decodes (one token left) before partial prefills, each group in schedule order.
-        for seq in sorted(self.running, key=_schedule_order):
+        running = list(self.running)  # a copy: the loop preempts
+        prefilling = [seq for seq in running if seq.num_uncomputed_tokens > 1]
+        if prefilling:
+            running = [seq for seq in running if seq.num_uncomputed_tokens <= 1] + prefilling
+        for seq in running:
             if seq.status is not SequenceStatus.RUNNING or seq.at_limit:
                 continue  # preempted earlier in this loop, or its last token is still on the device
             if budget == 0:
@@ -152,7 +156,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             bm.grow(seq, seq.num_computed_tokens + num_new)
             self.waiting.remove(seq)
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=_schedule_key)
             seq.slot = self._free_slots.pop()
             seq.status = SequenceStatus.RUNNING
             out.admitted.append(seq)
@@ -165,7 +169,7 @@ class Scheduler:
         preempting itself, the budget the preempted sequences' unscheduling gives back)."""
         refund = 0
         while not self.block_manager.can_grow(seq, num_tokens):
-            victim = max(self.running, key=lambda s: s.schedule_key)
+            victim = self.running[-1]
             if victim is seq:
                 return False, refund
             refund += self._preempt(victim, scheduled, out)

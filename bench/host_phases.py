@@ -1,8 +1,8 @@
 """Wall-clock timers around the engine's host phases, per decode step (`bench.host_overhead`, `bench.engine_check`).
 
-Phases: schedule, inputs (building the step's arrays), dispatch, collect (turning the fetched arrays into each
-sequence's tokens), append (tokens onto sequences, stop ids, max_tokens) and emit (detokenize, stop strings,
-delivery); `wait` is the time the host blocks on the device's results (collect excluded). `cpu` is the engine
+Phases: schedule, inputs (building the step's arrays), dispatch, collect (turning the fetched arrays into a
+sequence's tokens, for those not appended in one pass), append (tokens onto sequences, stop ids, max_tokens)
+and emit (detokenize, stop strings, delivery); `wait` is the time the host blocks on the device's results. `cpu` is the engine
 thread's CPU time per step (`time.thread_time` around `Engine.step`): its host work without the time it waits, for
 the device or for a core, so it holds on a loaded machine where wall-clock phases do not.
 """
@@ -28,8 +28,10 @@ class PhaseTimer:
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "_pad", "inputs")
         self._wrap(engine.runner, "_run", "dispatch")
-        self._wrap(model_runner, "_sequence_outputs", "collect")
+        self._wrap(model_runner.StepOutput, "runs", "collect")
+        self._wrap(model_runner.StepOutput, "share", "collect")
         self._wrap(model_runner.PendingStep, "fetch", "wait")
+        self._wrap(engine, "_append_decoded", "append")
         self._wrap(engine, "_append_output", "append")
         self._wrap(engine, "_emit_text", "emit")
         self._wrap(engine, "_flush", "emit")
@@ -55,7 +57,7 @@ class PhaseTimer:
         self._restore.clear()
 
     def per_step_ms(self, steps: float) -> dict[str, float]:
-        """Milliseconds per decode step of each phase and of `wait` (blocked on the device, collect excluded)."""
+        """Milliseconds per decode step of each phase and of `wait` (blocked on the device)."""
         ms = {phase: 1e3 * seconds / steps for phase, seconds in self.totals.items()}
-        return {**{phase: ms.get(phase, 0.0) for phase in PHASES},
-                "wait": ms.get("wait", 0.0) - ms.get("collect", 0.0), "cpu": ms.get("cpu", 0.0)}
+        return {**{phase: ms.get(phase, 0.0) for phase in PHASES}, "wait": ms.get("wait", 0.0),
+                "cpu": ms.get("cpu", 0.0)}
