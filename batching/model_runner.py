@@ -413,7 +413,7 @@ class StepOutput:
         n = len(self._chunks)
         tokens = self.sampled.tokens[:, :n]  # [steps, chunks]
         stops = (tokens[:, :, None] == stop_ids[self._row_slots[:n]][None]).any(axis=(0, 2))
-        return tokens.T.tolist(), (stops | self.nonfinite[:n]).tolist()
+        return self._by_row[:n], (stops | self.nonfinite[:n]).tolist()
 
     def share(self, i: int) -> SequenceOutput | None:
         """Chunk i's share: None for a chunk that samples nothing (a prefill not yet at its end). A plain run's

@@ -5,8 +5,8 @@
 
 Opens `--concurrency` streaming completions (chat completions with `--api chat`; greedy, EOS ignored), waits
 until the server runs them all, then for `--window` seconds reads each thread's CPU time from /proc and the
-engine's step and token counters from /metrics. It prints the CPU per engine call and per output token of the event loop (the process's main thread:
-HTTP, SSE chunks, socket writes), the engine thread, and XLA's threads. The event loop and the engine share the
+engine's step and token counters from /metrics. It prints the CPU per engine call and per output token of the
+event loop (the process's main thread: HTTP, SSE chunks, socket writes), the engine thread, and XLA's threads. The event loop and the engine share the
 GIL, so their sum is the host work a device step must hide; run it on an otherwise idle machine.
 """
 
