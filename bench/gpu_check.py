@@ -17,12 +17,15 @@ step starts with the device's memory free; all under one time budget (--budget-s
 4. engine (`bench.engine_check`), one process per model: Llama-3-8B (skipped when the device cannot hold
    it), SmolLM2-135M, Llama-3.2-1B, random weights with real shapes, bf16, concurrency 1, 64 and 256, with a
    profiler trace of decode steps at each (`bench.device_profile`: device busy against the step period).
-5. step audit (`bench.step_audit`): the compiled decode step's bytes and HLO findings on this device.
+5. step audit (`bench.step_audit`): the compiled decode step's bytes and HLO findings on this device, and the
+   host syncs (conditionals) of the multi-step decode call.
 
 Writes three files to --out: report.md (markdown ready for bench/RESULTS.md, also printed), results.json
 (every figure) and log.txt (every step's output). Steps run in that order and each gets at most its own
 cap and what is left of the budget; a step with too little time left is skipped and says so, and
 `--steps` / `--models` rerun a part in a second command. Exit status 1 when a step failed or timed out.
+
+`--xla-flags` runs every step under more XLA flags, to set a setting against the defaults in a second run.
 
 Without a GPU the same steps run at small sizes (a kernel-test subset in interpret mode, a tiny benchmark,
 a tiny model on the CPU): tests/test_gpu_check.py runs it that way in `make test`, so it cannot rot.
@@ -63,6 +66,10 @@ CPU_BENCH_ARGS = ("--backends", "pallas-triton", "reference", "--interpret", "--
                   "--contexts", "40", "--num-q-heads", "8", "--num-kv-heads", "2", "--head-dim", "64",
                   "--dtype", "float32", "--calls", "1", "--repeats", "1")
 TEST_FILES = ("tests/test_paged_attention.py", "tests/test_kernel_lowering.py")
+# XLA's command buffers (CUDA graphs) with conditionals and loops too, even for short runs of kernels: the
+# experiment for the decode call's host syncs (bench.step_audit) and launch gaps.
+COMMAND_BUFFERS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE "
+                   "--xla_gpu_graph_min_graph_size=1")
 
 
 @dataclass
@@ -115,10 +122,12 @@ def last_line(log, start: int) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def child_env(work: Path) -> dict[str, str]:
-    # A fresh persistent compilation cache, so the engine's compile time is a cold start's.
+def child_env(work: Path, xla_flags: str = "") -> dict[str, str]:
+    """A fresh persistent compilation cache, so the engine's compile time is a cold start's; `xla_flags` after
+    those of XLA_FLAGS."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "SLUICE_JAX_CACHE": str(work / "jax-cache"),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "XLA_FLAGS": " ".join(filter(None, [os.environ.get("XLA_FLAGS"), xla_flags]))}
 
 
 def python(*args: str) -> list[str]:
@@ -227,6 +236,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "elsewhere)")
     parser.add_argument("--attention-backend", default="auto", help="the engine's attention backend")
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU (the CPU default)")
+    parser.add_argument("--xla-flags", default="",
+                        help="XLA flags for every step (after XLA_FLAGS'), to compare a setting against the defaults "
+                             f"in a second run: {COMMAND_BUFFERS!r}, say, captures the decode call's conditionals "
+                             "and loops in CUDA graphs (bench/RESULTS.md)")
     parser.add_argument("--require-gpu", action="store_true",
                         help="stop at once unless jax runs on a GPU (what `make gpu-check` passes)")
     return parser.parse_args(argv)
@@ -239,7 +252,7 @@ def main(argv=None) -> int:
     (args.out / "log.txt").write_text(f"{command}\n")
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         run = Run(args.out, Path(work), args.budget_s)
-        env = child_env(run.work)
+        env = child_env(run.work, args.xla_flags)
         results: dict = dict(command=command)
         probe_json = run.work / "probe.json"
         options = [flag for flag, on in (("--small", args.small), ("--require-gpu", args.require_gpu)) if on]

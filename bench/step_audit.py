@@ -19,6 +19,14 @@ stack the layer loop reads a layer at a time counting one layer. Custom calls co
 kernels, the CPU's quantized matmuls), and the CPU counts the pool's in-place update as the whole pool read
 and written, so the ratio is a coarse signal; the three checks are the precise ones.
 The HLO is the backend's: a CPU run shows what XLA's CPU compiler makes of the step, a GPU run the GPU's.
+
+Host syncs are audited on the engine's multi-step decode call (model and sampler, `num_decode_steps` steps, the
+program that runs at saturation): its conditionals, and its while loops of unknown trip count. XLA:GPU runs each
+by copying its predicate to the host and waiting there for the device (`ConditionalThunk`, `WhileThunk`), unless
+it captured it in a command buffer (CUDA graph), which the HLO does not show. The thread that launched the call
+then blocks until the device has run everything before it: the call returns only when the device is nearly
+done, so the host cannot prepare the next call meanwhile (overlapped scheduling), and after each sync the device
+waits for the host's next launches.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sluice.batching.config import EngineConfig
 from sluice.batching.model_runner import ModelRunner, pack
 from sluice.bench.engine_check import MODELS
 from sluice.model.config import ModelConfig
@@ -51,6 +60,7 @@ NARROW = ("bf16", "f16")
 NO_BUFFER = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
              "after-all", "opt-barrier")
 IN_PLACE = ("scatter", "dynamic-update-slice")
+KNOWN_TRIP_COUNT = r'"known_trip_count":\{"n":"(\d+)"'
 SELECTING = ("gather", "dynamic-slice", "slice")
 
 
@@ -130,7 +140,7 @@ def parse_hlo(text: str) -> dict[str, Computation]:
     # The text lists callees before their callers, the entry last: walk it backwards, callers first.
     for comp in reversed(list(computations.values())):
         for instr in comp.instrs.values():
-            trips = comp.trips * int(instr.attr(r'"known_trip_count":\{"n":"(\d+)"') or 1)
+            trips = comp.trips * int(instr.attr(KNOWN_TRIP_COUNT) or 1)
             for name in re.findall(r"%([^\s,}]+)", instr.attrs):  # fusions, loops, calls, branches, reducers
                 if (callee := computations.get(name)) is not None:
                     callee.trips = trips
@@ -145,11 +155,11 @@ def _scope(comp: Computation) -> Computation:
     return comp
 
 
-def _where(comp: Computation, instr: Instr) -> str:
+def _where(comp: Computation, instr: Instr, per: str = "step") -> str:
     scope = _scope(comp)
     kernel = comp.caller[1].name if comp.caller else instr.name
-    per_step = f", {scope.trips}x per step" if scope.trips > 1 else ""
-    return f"%{kernel} in {scope.name}{per_step}"
+    times = f", {scope.trips}x per {per}" if scope.trips > 1 else ""
+    return f"%{kernel} in {scope.name}{times}"
 
 
 def _in_place(computations: dict[str, Computation], instr: Instr) -> bool:
@@ -297,6 +307,18 @@ def unfused(found: Sequence[Projection]) -> list[str]:
             for (scope, _), names in groups.items() if len(names) > 1]
 
 
+def host_syncs(computations: dict[str, Computation]) -> list[str]:
+    """Conditionals, and while loops of unknown trip count, wherever they run (inside a branch too: a sync when it
+    is taken), with how often per call (see the module docstring)."""
+    found = []
+    for comp in computations.values():
+        for instr in comp.instrs.values():
+            if instr.op == "conditional" or instr.op == "while" and instr.attr(KNOWN_TRIP_COUNT) is None:
+                loop = ", at every iteration" if instr.op == "while" else ""
+                found.append(f"{_where(comp, instr, 'call')}: {instr.op}{loop}")
+    return found
+
+
 # --- The audit -----------------------------------------------------------------------------------------------
 
 def bytes_accessed(compiled: jax.stages.Compiled) -> float:
@@ -367,32 +389,46 @@ def audit(label: str, compiled: jax.stages.Compiled, weights: Sequence[StoredArr
                      tuple(upcasts(computations, [*weights, *pool])), tuple(unfused(found)))
 
 
-def compile_decode_step(runner: ModelRunner, rows: int) -> jax.stages.Compiled:
-    """The runner's single-step decode program for `rows` sequences, compiled (the model to logits; the sampler
-    is a call of its own). The one place that uses the runner's private names."""
-    bucket = runner._decode_bucket(rows, 1)
+def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1) -> jax.stages.Compiled:
+    """The runner's decode program for `rows` sequences, compiled: one step (the model to logits; the sampler is a
+    call of its own), or a multi-step call (model and sampler, `num_steps` <= the runner's `num_decode_steps`). The
+    one place that uses the runner's private names."""
+    bucket = runner._decode_bucket(rows, num_steps)
     inputs, sampled = runner._pad([], bucket, None)
     flat, packing = pack((inputs, replace(sampled, history=None)))  # as `ModelRunner._run` sends them
     return runner._step_fn(bucket).lower(packing, runner.weights, runner.kv_cache, runner._last_tokens, runner._slots,
                                          flat, sampled.history).compile()
 
 
-def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
-                      quantization: str = "none", layer_loop: str = "auto") -> StepAudit:
-    """The engine's decode step for `rows` sequences of up to `context` tokens, for an abstract model of
-    `config` in `dtype` (its weights `quantization`: "none", "int8", "int4"; its layers run by `layer_loop`),
-    compiled for the default backend."""
+def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, quantization: str = "none",
+                    layer_loop: str = "auto", num_decode_steps: int = 1) -> ModelRunner:
+    """A runner of `rows` sequences of up to `context` tokens for an abstract model of `config` in `dtype` (its
+    weights `quantization`: "none", "int8", "int4"; its layers run by `layer_loop`): only its pool is in memory."""
     def make() -> Llama:
         model = quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)), quantization)
         if resolve_layer_loop(layer_loop) == "unrolled":
             model.unstack_layers()
         return model
 
-    model = nnx.eval_shape(make)
-    pages_per_seq = -(-context // PAGE_SIZE)
     # A spare page, so that the pool's shape is unlike any weight's (its page count is no power of two).
-    runner = ModelRunner(model, num_pages=rows * pages_per_seq + 1, page_size=PAGE_SIZE, max_model_len=context,
-                         max_num_seqs=rows, max_num_batched_tokens=max(rows, PAGE_SIZE), layer_loop=layer_loop)
+    return ModelRunner(nnx.eval_shape(make), num_pages=rows * -(-context // PAGE_SIZE) + 1, page_size=PAGE_SIZE,
+                       max_model_len=context, max_num_seqs=rows, max_num_batched_tokens=max(rows, PAGE_SIZE),
+                       num_decode_steps=num_decode_steps, layer_loop=layer_loop)
+
+
+def decode_call_syncs(config: ModelConfig, dtype: str, num_steps: int, rows: int = 8, context: int = 256,
+                      layer_loop: str = "auto") -> list[str]:
+    """`host_syncs` of the engine's multi-step decode call of `num_steps` steps (as `audit_decode_step`'s)."""
+    runner = abstract_runner(config, dtype, rows, context, layer_loop=layer_loop, num_decode_steps=num_steps)
+    return host_syncs(parse_hlo(compile_decode_step(runner, rows, num_steps).as_text()))
+
+
+def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
+                      quantization: str = "none", layer_loop: str = "auto") -> StepAudit:
+    """The engine's decode step for `rows` sequences of up to `context` tokens (`abstract_runner`), compiled for
+    the default backend."""
+    runner = abstract_runner(config, dtype, rows, context, quantization, layer_loop)
+    pages_per_seq = -(-context // PAGE_SIZE)
     # A layer parameter stored one array per layer (a tuple) counts as its stack: a layer of it is one array.
     arrays = {str(path[0]): var.get_value() for path, var in nnx.to_flat_state(runner.state)}
     shape = lambda x: (len(x), *x[0].shape) if isinstance(x, tuple) else tuple(x.shape)
@@ -402,7 +438,7 @@ def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: i
                for name, x in arrays.items() if name in LINEAR_WEIGHTS]
     k_pages = jax.tree.leaves(runner.kv_cache[0])[0]  # V's are alike
     pool = [StoredArray("K/V pool", tuple(k_pages.shape), k_pages.nbytes, True)]
-    floor = (int(StepCost.of(config, model, dtype).weight_bytes)
+    floor = (int(StepCost.of(config, nnx.merge(runner.graphdef, runner.state), dtype).weight_bytes)
              + int(kv_bytes_per_token(config, dtype)) * rows * pages_per_seq * PAGE_SIZE)
     quantized = "" if quantization == "none" else f" {quantization}"
     return audit(f"{dtype}{quantized}, {resolve_layer_loop(layer_loop)}, {rows} rows x {context} tokens", compile_decode_step(runner, rows),
@@ -436,6 +472,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS)
     parser.add_argument("--rows", type=int, default=8, help="sequences in the decode step")
     parser.add_argument("--context", type=int, default=256, help="tokens each sequence may attend to")
+    parser.add_argument("--decode-steps", type=int, default=EngineConfig.num_decode_steps,
+                        help="decode steps per call of the multi-step call whose host syncs are audited")
     parser.add_argument("--out", type=Path, help="also write the report (markdown) to this file")
     return parser.parse_args(argv)
 
@@ -446,8 +484,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         args.layer_loop))
               for model in args.models for dtype in args.dtypes]
     loops = "once" if cost_counts_loop_once() else "at every iteration"
+    # The sampler and the loop around the model make the syncs, whatever the model: the smallest one's call (the
+    # quickest to compile) shows them.
+    smallest = min(args.models, key=lambda name: MODELS[name].num_layers * MODELS[name].hidden_size)
+    syncs = decode_call_syncs(MODELS[smallest], args.dtypes[0], args.decode_steps, args.rows, args.context,
+                              args.layer_loop)
     text = (f"Decode-step bytes on {jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__}); "
             f"its cost analysis counts a loop body {loops}.\n\n{table(audits)}\n\n"
+            f"Host syncs in the decode call of {args.decode_steps} steps ({smallest}, {args.dtypes[0]}, "
+            f"{args.rows} rows): {len(syncs)} in its program" + "".join(f"\n- {f}" for f in syncs) + "\n\n"
             f"$ python -m sluice.bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(text)
     if args.out is not None:

@@ -18,8 +18,8 @@ def check(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         # A fresh compilation cache makes the engine's compile time a cold start's, a GPU figure: here its steps
         # compile through the suite's cache (conftest.py), which spares the smoke run about 40 s of CPU.
-        patch.setattr(gpu_check, "child_env", lambda work: {
-            **child_env(work), "SLUICE_JAX_CACHE": os.environ["JAX_COMPILATION_CACHE_DIR"]})
+        patch.setattr(gpu_check, "child_env", lambda work, xla_flags: {
+            **child_env(work, xla_flags), "SLUICE_JAX_CACHE": os.environ["JAX_COMPILATION_CACHE_DIR"]})
         status = gpu_check.main(["--out", str(out), "--budget-s", "400"])
     return status, out, json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
 
@@ -41,6 +41,7 @@ def test_report_names_the_machine_and_has_every_section(check):
     for section in ("### Kernel correctness", "### Decode attention kernels", "### Engine offline",
                     "### Where a decode step's time goes", "### Step-bytes audit", "### Steps"):
         assert section in report
+    assert "Host syncs in the decode call of 8 steps (tiny, bfloat16, 2 rows): " in report
     log = (out / "log.txt").read_text()
     assert all(f"\n===== {step['name']}: " in log for step in results["steps"])
 
@@ -108,6 +109,14 @@ def test_what_ran_out_of_time_gets_a_command_to_finish_it(tmp_path):
         "--models llama-3.2-1b"
     )
     assert gpu_check.unfinished(steps[:1], tmp_path) is None
+
+
+def test_xla_flags_reach_every_step_after_the_environments(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert gpu_check.child_env(tmp_path, gpu_check.COMMAND_BUFFERS)["XLA_FLAGS"] == (
+        "--xla_dump_to=/tmp/x " + gpu_check.COMMAND_BUFFERS)
+    monkeypatch.delenv("XLA_FLAGS")
+    assert gpu_check.child_env(tmp_path)["XLA_FLAGS"] == ""
 
 
 def test_a_failing_step_is_reported_with_its_output_in_the_log(tmp_path):
