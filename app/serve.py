@@ -20,7 +20,7 @@ from typing import Any, NoReturn, TypeVar
 
 import uvicorn
 
-from sluice.batching.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATIONS, EngineConfig
+from sluice.batching.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
 from sluice.batching.engine import Engine
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
@@ -118,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "how the model runs its layers: a scan over stacked weights, or unrolled over one array per layer "
             "(auto: unrolled on a GPU, where the scan copies each layer's weights every step)",
             choices=list(LAYER_LOOPS))
+    _option(parser, "--sampler-branches", _ENGINE_DEFAULTS.sampler_branches,
+            "who decides which of the sampler's passes (penalties, sampling, filters, top logprobs) a step runs: "
+            "the device, or the host, one compiled sampler per combination (auto: the host on a GPU, where the "
+            "device's decisions stall each step)", choices=list(SAMPLER_BRANCHES))
     _option(parser, "--max-waiting", _SERVER_DEFAULTS.max_waiting,
             "most sequences waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int)
     _option(parser, "--api-key", None, "require `Authorization: Bearer KEY` on all routes but /health and /metrics")
@@ -209,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
             tp=args.tp,
             attention_backend=args.attention_backend,
             layer_loop=args.layer_loop,
+            sampler_branches=args.sampler_branches,
             step_timeout_s=args.step_timeout or None,
             prefix_cache_dir=args.prefix_cache_dir,
             prefix_cache_size=args.prefix_cache_size,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluice.batching.sampler import SAMPLER_BRANCHES
 from sluice.model.llama import LAYER_LOOPS
 from sluice.model.quantize import CHOICES as QUANTIZATIONS
 from sluice.pallas_kernels.attention import BACKENDS, INT8_KV_KERNELS, reads_int8_kv
@@ -28,6 +29,8 @@ class EngineConfig:
     token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
     `layer_loop`: how the model runs its layers (`model.llama.LAYER_LOOPS`; "auto": unrolled on a GPU, where a
     scan copies each layer's weights out of their stack every step, a scan elsewhere).
+    `sampler_branches`: who decides which of the sampler's optional passes a step runs (`sampler.SAMPLER_BRANCHES`;
+    "auto": the host off the CPU, where a device-side decision stalls the call; the device on a CPU).
     `speculative` "ngram": draft up to `num_speculative_tokens` tokens per decoding sequence by prompt lookup
     (suffixes of `spec_ngram_min`..`spec_ngram_max` tokens) and verify them in one step, while at most
     `spec_max_batch_size` sequences decode (`batching/speculation.py`); inside multi-step decode calls the device
@@ -58,6 +61,7 @@ class EngineConfig:
     tp: int = 1
     attention_backend: str = "auto"
     layer_loop: str = "auto"
+    sampler_branches: str = "auto"
     warmup: bool = True
     step_timeout_s: float | None = 300.0
     prefix_cache_dir: str | None = None
@@ -85,6 +89,8 @@ class EngineConfig:
              "must be positive (and prefix_cache_ram not negative)"),
             (self.attention_backend in BACKENDS, "attention_backend", f"must be one of {', '.join(BACKENDS)}"),
             (self.layer_loop in LAYER_LOOPS, "layer_loop", f"must be one of {', '.join(LAYER_LOOPS)}"),
+            (self.sampler_branches in SAMPLER_BRANCHES, "sampler_branches",
+             f"must be one of {', '.join(SAMPLER_BRANCHES)}"),
             (self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
             (self.kv_cache_dtype != "int8" or reads_int8_kv(self.attention_backend), "kv_cache_dtype",

@@ -143,6 +143,7 @@ class Engine:
             num_decode_steps=config.num_decode_steps,
             ngram=self.ngram,
             attention_backend=config.attention_backend, kv_dtype=kv_dtype, mesh=mesh, layer_loop=config.layer_loop,
+            sampler_branches=config.sampler_branches,
         )
         self.prefix_store = (KVStore(KVLayout.of(loaded.config, model=f"{loaded.name}|{loaded.weights}",
                                                  quantization=config.quantization, dtype=loaded.model.dtype,

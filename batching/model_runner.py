@@ -22,7 +22,8 @@ reserved for them beforehand). Outputs always carry a leading `[num_steps]` axis
 function, model and sampler; it is never given constrained rows (the engine makes them run single steps).
 With speculative decoding, its drafting rows also propose n-gram drafts on the device at every step and check
 them there (`_verify_steps`), so the host is not needed between one verification and the next; steps after
-every row has ended are skipped.
+every row has ended are skipped, unless the host decides the sampler's branches (`SamplerPlan`: on a GPU, where
+each decision left to the device is a conditional that stalls the call), when the call has none and runs them.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from sluice.batching.request import MAX_STOP_IDS
 from sluice.batching.input_batch import InputBatch, SlotRows, SlotWrites, write_rows
 from sluice.batching.kv_store import PagePayload
 from sluice.batching.kv_transfer import PageCopy, load_pages
-from sluice.batching.sampler import SampledRows, SamplerOutput, SamplingBatch, bitmask_words, mask_disallowed, sample
+from sluice.batching.sampler import SampledRows, SamplerOutput, SamplerPlan, SamplingBatch, bitmask_words, \
+    mask_disallowed, resolve_sampler_branches, sample
 from sluice.batching.scheduler import ScheduledChunk
 from sluice.batching.sequence import PENDING
 from sluice.batching.structured import fill_bitmask
@@ -219,15 +221,19 @@ def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages:
     return (logits, sampled.batch(slots.sampling), pooled), layered_pool(kv_cache, model.config.num_layers)
 
 
-def _sample_step(num_rows: int, logits: jax.Array, sampling: SamplingBatch) -> tuple[SamplerOutput, jax.Array]:
+def _sample_step(num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch
+                 ) -> tuple[SamplerOutput, jax.Array]:
     """One step's sampler, outputs with a leading [1] axis (as a multi-step call's), and its `last_tokens`."""
-    out = sample(logits, sampling)
+    out = sample(logits, sampling, plan)
     return jax.tree.map(lambda x: x[None], out), last_tokens(out.tokens, num_rows)
 
 
-def _while_any_runs(step: Callable, running: Callable) -> Callable:
+def _while_any_runs(step: Callable, running: Callable, plan: SamplerPlan | None) -> Callable:
     """A multi-step call's scan body: `step(carry, k)` while `running(carry, k)` ([S] bool) has a row left, then
-    nothing (zeros out), so the steps a call has left once every sequence has ended cost nothing."""
+    nothing (zeros out), so the steps a call has left once every sequence has ended cost nothing. With a
+    `SamplerPlan` (the host decides the sampler's branches: no conditional in the call), every step runs."""
+    if plan is not None:
+        return step
 
     def body(carry, k):
         outs = jax.eval_shape(step, carry, k)[1]
@@ -238,8 +244,8 @@ def _while_any_runs(step: Callable, running: Callable) -> Callable:
 
 
 def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
-                  num_steps: int, num_rows: int, state: nnx.State, kv_cache: KVCache, fed_from: jax.Array,
-                  slots: SlotRows, inputs: StepInputs, sampled: SampledRows
+                  num_steps: int, num_rows: int, plan: SamplerPlan | None, state: nnx.State, kv_cache: KVCache,
+                  fed_from: jax.Array, slots: SlotRows, inputs: StepInputs, sampled: SampledRows
                   ) -> tuple[tuple[SamplerOutput, jax.Array], KVCache]:
     """`num_steps` decode steps, model and sampler, each sampled token fed back; kv_cache, fed_from and slots as
     in `_forward`.
@@ -264,12 +270,12 @@ def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
             kv_lens=jnp.where(active, inputs.kv_lens + k, 0),
         )
         logits, _, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, page_table, step_inputs)
-        out = sample(logits, sampling)
+        out = sample(logits, sampling, plan)
         alive = alive & ~(active & sampling.stops(out.tokens))
         return (out.tokens, alive, kv_cache, sampling.advanced(out.tokens)), out
 
     init = (inputs.token_ids, inputs.limits > 0, flat_pool(kv_cache), sampling)
-    body = _while_any_runs(decode, lambda carry, k: carry[1] & (k < inputs.limits))
+    body = _while_any_runs(decode, lambda carry, k: carry[1] & (k < inputs.limits), plan)
     (_, _, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
     at_limit = jnp.take_along_axis(outs.tokens, jnp.maximum(inputs.limits - 1, 0)[None], axis=0)[0]
     return (outs, last_tokens(at_limit, num_rows)), layered_pool(kv_cache, model.config.num_layers)
@@ -288,8 +294,8 @@ class VerifiedSteps:
 
 
 def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
-                  ngram: NgramConfig, num_steps: int, num_rows: int, state: nnx.State, kv_cache: KVCache,
-                  fed_from: jax.Array, slots: SlotRows, inputs: StepInputs, sampled: SampledRows
+                  ngram: NgramConfig, num_steps: int, num_rows: int, plan: SamplerPlan | None, state: nnx.State,
+                  kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs, sampled: SampledRows
                   ) -> tuple[tuple[VerifiedSteps, jax.Array], KVCache]:
     """`num_steps` decode steps in which each drafting sequence also checks up to k drafts, proposed on the
     device from its tokens at every step (`propose_on_device`; k = ngram.num_speculative_tokens).
@@ -335,7 +341,7 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
         checks = real & (offset < q_lens[owner] - 1)
         rows = replace(jax.tree.map(lambda x: x[owner], sampling), step=sampling.step[owner] + offset,
                        draft=jnp.where(checks, draft_at(offset), -1))
-        out = sample(logits, rows)
+        out = sample(logits, rows, plan)
         # Per sequence, its run's rows [S, width]: keep the accepted drafts and the token after them.
         grid = jax.tree.map(lambda x: x[jnp.minimum(cu_q_lens[:-1, None] + offsets, token_rows[-1])], out)
         accepted = grid.accepted & (offsets < q_lens[:, None] - 1)
@@ -356,7 +362,7 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
 
     init = (inputs.token_ids, jnp.zeros(num_seqs, jnp.int32), inputs.drafting.history, inputs.limits > 0,
             flat_pool(kv_cache), sampling)
-    body = _while_any_runs(verify, lambda carry, _: carry[3])
+    body = _while_any_runs(verify, lambda carry, _: carry[3], plan)
     (last, *_, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
     return (outs, last_tokens(last, num_rows)), layered_pool(kv_cache, model.config.num_layers)
 
@@ -468,13 +474,16 @@ class ModelRunner:
     def __init__(self, model: Llama, *, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, num_decode_steps: int = 1, ngram: NgramConfig | None = None,
                  attention_backend: str = "auto", kv_dtype: jnp.dtype | None = None, mesh: Mesh | None = None,
-                 layer_loop: str = "auto"):
+                 layer_loop: str = "auto", sampler_branches: str = "auto"):
         """`mesh`: tensor-parallel mesh the model's params are sharded on; the KV pool is then split over KV heads.
         `kv_dtype`: the pool's dtype (`kv_cache.kv_cache_dtype`); None: the model's activation dtype.
         `num_decode_steps` > 1 also compiles multi-step decode calls of that many steps;
         `ngram` (speculative decoding) also compiles mixed steps that sample every draft position, and with
         multi-step decode, multi-step calls that propose and check drafts on the device.
-        `layer_loop` (`model.llama.LAYER_LOOPS`): "unrolled" stores the model's layers one array each (in place)."""
+        `layer_loop` (`model.llama.LAYER_LOOPS`): "unrolled" stores the model's layers one array each (in place).
+        `sampler_branches` (`sampler.SAMPLER_BRANCHES`): "host" decides each step's `SamplerPlan` at dispatch, and
+        compiles a sampler (and a multi-step call) per plan met, the plans of greedy and of plain sampling rows at
+        warm-up; a multi-process job leaves it to the device (the steps it broadcasts carry no plan)."""
         self.config = model.config
         self.mesh = mesh
         self.kv_sharding = (
@@ -507,7 +516,9 @@ class ModelRunner:
         # reads the tokens.
         everywhere = None if mesh is None else replicated(mesh)
         # partial: jax.jit keys its cache by the function object, and this runner's compilations are its own.
-        self._sample = jax.jit(partial(_sample_step, max_num_seqs), out_shardings=everywhere)
+        self.plans_on_host = (resolve_sampler_branches(sampler_branches) == "host"
+                              and not step_broadcast.is_multiprocess())
+        self._sample = jax.jit(partial(_sample_step, max_num_seqs), static_argnums=(0,), out_shardings=everywhere)
         self._mask = jax.jit(partial(mask_disallowed), out_shardings=everywhere)
         self._step_outputs_sharding = everywhere or self.kv_sharding
         self.reset()
@@ -552,16 +563,17 @@ class ModelRunner:
         buckets = self.spec_token_buckets if speculative else self.token_buckets
         return next(b for b in buckets if b >= num_tokens)
 
-    def _step_fn(self, bucket: Bucket):
-        """The model of a single step (to logits), or a whole multi-step decode call."""
-        key = (bucket.max_q_len, bucket.num_steps)
+    def _step_fn(self, bucket: Bucket, plan: SamplerPlan | None = None):
+        """The model of a single step (to logits), or a whole multi-step decode call (its sampler's `plan`)."""
+        key = (bucket.max_q_len, bucket.num_steps, plan if bucket.num_steps > 1 else None)
         if key not in self._steps:
             out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
             args = (self.graphdef, self.backend, self.mesh, self.num_pages)
             if bucket.verifies:
-                fn = partial(_verify_steps, *args, self.page_size, self.ngram, bucket.num_steps, self.max_num_seqs)
+                fn = partial(_verify_steps, *args, self.page_size, self.ngram, bucket.num_steps, self.max_num_seqs,
+                             plan)
             elif bucket.num_steps > 1:
-                fn = partial(_decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs)
+                fn = partial(_decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs, plan)
             else:
                 fn = partial(_forward, *args, bucket.max_q_len)
             self._steps[key] = jax.jit(_packed(fn, self._state_def), static_argnums=(0,), donate_argnums=(2,),
@@ -569,20 +581,21 @@ class ModelRunner:
         return self._steps[key]
 
     def _run(self, bucket: Bucket, writes: SlotWrites | None, inputs: StepInputs, sampled: SampledRows,
-             fill_masks: Callable[[np.ndarray], None] | None = None, poison: bool = False
-             ) -> tuple[SamplerOutput | VerifiedSteps, jax.Array | None]:
+             fill_masks: Callable[[np.ndarray], None] | None = None, poison: bool = False,
+             plan: SamplerPlan | None = None) -> tuple[SamplerOutput | VerifiedSteps, jax.Array | None]:
         """Writes the changed slots, launches the step on host inputs (numpy) and replaces the pool; returns
         without waiting, with a single step's pooled rows (`_forward`).
 
         `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
         ([num_rows, ceil(V / 32)] int32, all ones) while the model runs. `poison`: the first row's logits become NaN
-        (an injected fault).
+        (an injected fault). `plan`: the sampler's, when the host decides it.
         """
         if writes is not None:
             self._write(writes)
         flat, packing = pack((inputs, replace(sampled, history=None)))
-        result, self.kv_cache = self._step_fn(bucket)(packing, self.weights, self.kv_cache, self._last_tokens,
-                                                      self._slots, self._global(flat), self._global(sampled.history))
+        result, self.kv_cache = self._step_fn(bucket, plan)(
+            packing, self.weights, self.kv_cache, self._last_tokens, self._slots, self._global(flat),
+            self._global(sampled.history))
         if bucket.num_steps > 1:
             out, self._last_tokens = result
             return out, None
@@ -593,7 +606,7 @@ class ModelRunner:
             allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
             fill_masks(allowed)
             logits = self._mask(logits, self._global(allowed))
-        out, self._last_tokens = self._sample(logits, sampling)
+        out, self._last_tokens = self._sample(plan, logits, sampling)
         return out, pooled
 
     def _write(self, writes: SlotWrites) -> None:
@@ -645,12 +658,16 @@ class ModelRunner:
                 + self._mask._cache_size() + self._write_slots._cache_size())
 
     def warmup(self, progress: bool = True) -> None:
-        """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool), and every
-        size of slot writes (padding writes change nothing)."""
+        """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool), for each plan a
+        step of greedy or of plain sampling rows takes (`plans_on_host`), and every size of slot writes (padding
+        writes change nothing)."""
         for size in self.input_batch.buckets:
             self._write(self.input_batch.padding_writes(size))
+        plans = [SamplerPlan(), SamplerPlan(sampling=True)] if self.plans_on_host else [None]
         for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
-            self._run(bucket, None, *self._pad([], bucket, None), fill_masks=lambda allowed: None)
+            for plan in plans:
+                plan = replace(plan, drafts=True) if plan is not None and bucket.verifies else plan
+                self._run(bucket, None, *self._pad([], bucket, None), fill_masks=lambda allowed: None, plan=plan)
         jax.block_until_ready((self.kv_cache, self._slots))
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
@@ -695,13 +712,22 @@ class ModelRunner:
 
         self._num_dispatched += 1
         fault = self.fault.fires(self._num_dispatched, num_steps == 1) if self.fault is not None else None
-        out, pooled = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None, fault == "nan")
+        out, pooled = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None, fault == "nan",
+                                self._plan(sampled, int(inputs.num_sampled), verifies))
         if not verifies:  # the host reads the top alternatives only for logprobs, and acceptances only for drafts
             logprobs = any(c.seq.params.wants_logprobs for c in chunks)
             out = replace(out, top_ids=out.top_ids if logprobs else None,
                           top_logprobs=out.top_logprobs if logprobs else None,
                           accepted=out.accepted if drafted else None)
         return PendingStep(out, chunks, rows, limits, sampled.slot, pooled if pooling else None, bucket, fault)
+
+    def _plan(self, sampled: SampledRows, num_rows: int, verifies: bool) -> SamplerPlan | None:
+        """The sampler's passes this step's first `num_rows` sampled rows need, when the host decides them; a
+        verification checks drafts the device proposes."""
+        if not self.plans_on_host:
+            return None
+        plan = SamplerPlan.of(self.input_batch.host.sampling, sampled.slot[:num_rows], sampled.draft[:num_rows])
+        return replace(plan, drafts=True) if verifies else plan
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""

@@ -4,13 +4,17 @@ Every row carries its own temperature, filters, penalties and seed. A row's draw
 depends only on (its seed, its output step), through `jax.random.fold_in`, inverted through the row's own
 cumulative distribution in token-id order: a seeded request samples the same tokens whatever else shares its
 batch. Top-k, top-p and min-p become a per-row logit cutoff. Work that no row asks for (penalties, filters,
-sampling, top alternatives) is skipped with `lax.cond`. Structured output masks the logits before they get here
+sampling, top alternatives) is skipped: decided by the host from the step's rows (a `SamplerPlan`, a static
+argument), or without one on the device with `lax.cond`. XLA:GPU runs a conditional by copying its predicate to
+the host and waiting for the device, so on a GPU the host decides (`model_runner.py`); on a CPU a conditional
+costs nothing and spares a compiled sampler per plan. Structured output masks the logits before they get here
 (`mask_disallowed`, its own call, made only for steps with a constrained row).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +107,50 @@ class SamplingBatch:
         reads = (self.history[:, 0] >= 0) & (counts > 0)  # histories are filled only for rows whose penalties read them
         history = self.history.at[rows, jnp.where(reads, index, self.history.shape[1])].set(tokens, mode="drop")
         return replace(self, step=self.step + counts, history=history)
+
+
+SAMPLER_BRANCHES = ("auto", "device", "host")
+
+
+def resolve_sampler_branches(choice: str) -> str:
+    """"device" or "host" for a `SAMPLER_BRANCHES` choice: who decides which of the sampler's passes a step runs.
+    "auto": the host off the CPU, the device (`lax.cond`) on it (see the module docstring)."""
+    if choice == "auto":
+        return "device" if jax.default_backend() == "cpu" else "host"
+    return choice
+
+
+@dataclass(frozen=True)
+class SamplerPlan:
+    """Which of `sample`'s optional passes a step's rows need: some row samples (temperature > 0), is penalized,
+    filters by top-k, top-p or min-p (sampling rows), checks a draft, or wants top alternatives."""
+
+    sampling: bool = False
+    penalties: bool = False
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+    drafts: bool = False
+    top_logprobs: bool = False
+
+    @classmethod
+    def of(cls, table: SamplingBatch, slots: np.ndarray, drafts: np.ndarray) -> SamplerPlan:
+        """For the rows of `slots` in a host (numpy) table of per-sequence parameters, with `drafts` ([R] int32,
+        -1: none) to check."""
+        rows = table.take(slots)
+        sampling = rows.temperature > 0
+        return cls(sampling=bool(sampling.any()), penalties=bool(rows.penalized().any()),
+                   top_k=bool((sampling & (rows.top_k > 0)).any()), top_p=bool((sampling & (rows.top_p < 1)).any()),
+                   min_p=bool((sampling & (rows.min_p > 0)).any()), drafts=bool((drafts >= 0).any()),
+                   top_logprobs=bool((rows.top_logprobs > 0).any()))
+
+
+def _branch(known: bool | None, needed: jax.Array, then: Callable, otherwise: Callable, *operands):
+    """`then(*operands)` if some row needs it, else `otherwise(*operands)`: as the host decided (`known`, from a
+    `SamplerPlan`), or on the device from `needed` ([] bool) when it did not (None)."""
+    if known is None:
+        return jax.lax.cond(needed, then, otherwise, *operands)
+    return (then if known else otherwise)(*operands)
 
 
 @jax.tree_util.register_dataclass
@@ -204,23 +252,23 @@ def largest_cutoff(x: jax.Array, measure, target: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x >= lo, x, jnp.inf), axis=-1, keepdims=True)
 
 
-def filter_cutoff(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
+def filter_cutoff(scaled: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = None) -> jax.Array:
     """scaled: [S, V] temperature-scaled logits -> [S, 1] the smallest logit top-k, top-p and min-p keep.
 
     Top-p counts the mass of what top-k keeps (both act on the same ranking, as with a sort).
     """
     vocab = scaled.shape[1]
     k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)[:, None]
-    kth = jax.lax.cond(
-        jnp.any(batch.top_k > 0),
+    kth = _branch(
+        plan and plan.top_k, jnp.any(batch.top_k > 0),
         lambda: largest_cutoff(scaled, lambda kept: jnp.sum(kept, axis=-1, keepdims=True), k),
         lambda: jnp.full_like(scaled[:, :1], -jnp.inf),
     )
     top_k_kept = jnp.where(scaled >= kth, scaled, -jnp.inf)
     probs = jax.nn.softmax(top_k_kept, axis=-1)
     top_p = batch.top_p[:, None]
-    top_p_cut = jax.lax.cond(
-        jnp.any(batch.top_p < 1),
+    top_p_cut = _branch(
+        plan and plan.top_p, jnp.any(batch.top_p < 1),
         lambda: jnp.where(top_p < 1, largest_cutoff(
             top_k_kept, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), axis=-1, keepdims=True), top_p,
         ), -jnp.inf),
@@ -252,18 +300,20 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(token, vocab - 1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
+def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = None) -> SamplerOutput:
     """logits: [S, V] float32 -> SamplerOutput. Greedy rows (temperature 0) take the argmax; the others draw
     from the filtered, temperature-scaled distribution p with one uniform number keyed by (seed, step).
 
     A row with a draft d verifies it exactly: greedy rows accept d if it is the argmax; sampling rows accept d
     with probability p(d) and otherwise draw from p with d removed (renormalized), so each emitted token is
-    distributed as p whatever the draft.
+    distributed as p whatever the draft. `plan`: the passes the rows need, as the host decided (None: decided
+    here, on the device); the outputs are the same either way.
     """
     num_rows, vocab = logits.shape
     log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     model_logits = logits
-    logits = jax.lax.cond(jnp.any(batch.penalized()), apply_penalties, lambda x, _: x, logits, batch)
+    logits = _branch(plan and plan.penalties, jnp.any(batch.penalized()), apply_penalties, lambda x, _: x, logits,
+                     batch)
     rows = jnp.arange(num_rows)[:, None]
     banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
@@ -274,8 +324,9 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     def draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
         any_filter = jnp.any((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
-        cutoff = jax.lax.cond(
-            any_filter, filter_cutoff, lambda s, _: jnp.full((num_rows, 1), -jnp.inf, s.dtype), scaled, batch
+        cutoff = _branch(
+            plan and (plan.top_k or plan.top_p or plan.min_p), any_filter,
+            lambda s: filter_cutoff(s, batch, plan), lambda s: jnp.full((num_rows, 1), -jnp.inf, s.dtype), scaled,
         )
         probs = jax.nn.softmax(jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
         uniforms = jax.vmap(_row_uniforms)(batch.seed, batch.step)
@@ -288,12 +339,14 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
             redrawn = inverse_cdf(without_draft, uniforms[:, 1])
             return jnp.where(has_draft, jnp.where(accepted, draft, redrawn), drawn), accepted
 
-        drawn, accepted = jax.lax.cond(jnp.any(has_draft), verify, lambda d: (d, jnp.zeros_like(has_draft)), drawn)
+        drawn, accepted = _branch(plan and plan.drafts, jnp.any(has_draft), verify,
+                                  lambda d: (d, jnp.zeros_like(has_draft)), drawn)
         sampling = batch.temperature > 0
         return jnp.where(sampling, drawn, greedy_tokens), jnp.where(sampling, accepted, greedy_accepted)
 
-    tokens, accepted = jax.lax.cond(
-        jnp.any(batch.temperature > 0), draw, lambda _: (greedy_tokens, greedy_accepted), logits
+    tokens, accepted = _branch(
+        plan and plan.sampling, jnp.any(batch.temperature > 0), draw, lambda _: (greedy_tokens, greedy_accepted),
+        logits,
     )
     chosen = jnp.take_along_axis(model_logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer[:, 0]
 
@@ -301,8 +354,8 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
         values, ids = jax.lax.top_k(model_logits, MAX_TOP_LOGPROBS)
         return values - log_normalizer, ids.astype(jnp.int32)
 
-    top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(batch.top_logprobs > 0), top_alternatives,
+    top_logprobs, top_ids = _branch(
+        plan and plan.top_logprobs, jnp.any(batch.top_logprobs > 0), top_alternatives,
         lambda: (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32), jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32)),
     )
     return SamplerOutput(tokens, chosen, top_ids, top_logprobs, accepted)

@@ -49,6 +49,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import Increment
+from sluice.batching.sampler import SAMPLER_BRANCHES
 from sluice.batching.sampling_params import SamplingParams
 from sluice.bench.device_profile import DeviceTrace
 from sluice.bench.host_phases import PhaseTimer
@@ -385,7 +386,7 @@ def run(args) -> dict:
         dtype=DTYPE, page_size=PAGE_SIZE, max_num_seqs=max(sizes.concurrency),
         max_num_batched_tokens=sizes.max_num_batched_tokens, max_model_len=sizes.max_model_len,
         kv_cache_memory=kv_pool_bytes(config, workload, sizes, PAGE_SIZE), attention_backend=args.attention_backend,
-        layer_loop=args.layer_loop,
+        layer_loop=args.layer_loop, sampler_branches=args.sampler_branches,
     )
     start = time.perf_counter()
     engine = Engine(loaded, engine_config, progress=False)
@@ -406,6 +407,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="results JSON, rewritten after each stage")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS)
+    parser.add_argument("--sampler-branches", default="auto", choices=SAMPLER_BRANCHES)
     parser.add_argument("--small", action="store_true", help="CPU sizes: concurrency 1 and 4, short requests")
     run(parser.parse_args(argv))
     return 0

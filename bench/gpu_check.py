@@ -186,13 +186,14 @@ def run_kernel_bench(run: Run, env: dict[str, str], small: bool, probe: dict) ->
     return rows
 
 
-def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], backend: str) -> list[dict]:
+def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], backend: str,
+                sampler_branches: str) -> list[dict]:
     results = []
     for model in models:
         out = run.work / f"engine-{model}.json"
         step = run.step(f"engine-{model}", python(
             "-m", "sluice.bench.engine_check", "--model", model, "--peaks", str(run.work / "peaks.json"), "--out", str(out),
-            "--attention-backend", backend, *(["--small"] if small else []),
+            "--attention-backend", backend, "--sampler-branches", sampler_branches, *(["--small"] if small else []),
         ), env)
         result = json.loads(out.read_text()) if out.exists() else dict(model=model, levels=[])
         if "skipped" in result and step.status == "ok":
@@ -201,12 +202,13 @@ def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], b
     return results
 
 
-def run_step_audit(run: Run, env: dict[str, str], small: bool, models: list[str]) -> str | None:
+def run_step_audit(run: Run, env: dict[str, str], small: bool, models: list[str], sampler_branches: str
+                   ) -> str | None:
     """The step-bytes audit of the engine's compiled decode step on this device: a markdown table, or None."""
     out = run.work / "step-audit.md"
     sizes = ["--rows", "2", "--context", "64"] if small else ["--rows", "64", "--context", "2048"]
     run.step("step-audit", python("-m", "sluice.bench.step_audit", "--models", *models, "--dtypes", "bfloat16", *sizes,
-                                  "--out", str(out)), env)
+                                  "--sampler-branches", sampler_branches, "--out", str(out)), env)
     return out.read_text() if out.exists() else None
 
 
@@ -235,6 +237,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"engine models (default: {' '.join(GPU_MODELS)} on a GPU, {' '.join(CPU_MODELS)} "
                              "elsewhere)")
     parser.add_argument("--attention-backend", default="auto", help="the engine's attention backend")
+    parser.add_argument("--sampler-branches", default="auto",
+                        help="who decides the engine's sampler branches: auto, device or host (the engine's flag; "
+                             "device: the comparison with the host's plans, auto's choice on a GPU)")
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU (the CPU default)")
     parser.add_argument("--xla-flags", default="",
                         help="XLA flags for every step (after XLA_FLAGS'), to compare a setting against the defaults "
@@ -267,9 +272,9 @@ def main(argv=None) -> int:
             if "kernel-bench" in args.steps:
                 results["kernel-bench"] = run_kernel_bench(run, env, small, results["probe"])
             if "engine" in args.steps:
-                results["engine"] = run_engines(run, env, small, models, args.attention_backend)
+                results["engine"] = run_engines(run, env, small, models, args.attention_backend, args.sampler_branches)
             if "step-audit" in args.steps:
-                results["step-audit"] = run_step_audit(run, env, small, models)
+                results["step-audit"] = run_step_audit(run, env, small, models, args.sampler_branches)
         else:
             small = True
             print("[gpu_check] the probe failed, so nothing else can run: see log.txt", file=sys.stderr)

@@ -47,6 +47,7 @@ from flax import nnx
 
 from sluice.batching.config import EngineConfig
 from sluice.batching.model_runner import ModelRunner, pack
+from sluice.batching.sampler import SAMPLER_BRANCHES, resolve_sampler_branches
 from sluice.bench.engine_check import MODELS
 from sluice.model.config import ModelConfig
 from sluice.model.llama import LAYER_LOOPS, LAYER_PARAMS, LINEAR_WEIGHTS, Llama, resolve_layer_loop
@@ -391,19 +392,22 @@ def audit(label: str, compiled: jax.stages.Compiled, weights: Sequence[StoredArr
 
 def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1) -> jax.stages.Compiled:
     """The runner's decode program for `rows` sequences, compiled: one step (the model to logits; the sampler is a
-    call of its own), or a multi-step call (model and sampler, `num_steps` <= the runner's `num_decode_steps`). The
-    one place that uses the runner's private names."""
+    call of its own), or a multi-step call (model and sampler, `num_steps` <= the runner's `num_decode_steps`; the
+    sampler as for greedy rows). The one place that uses the runner's private names."""
     bucket = runner._decode_bucket(rows, num_steps)
     inputs, sampled = runner._pad([], bucket, None)
     flat, packing = pack((inputs, replace(sampled, history=None)))  # as `ModelRunner._run` sends them
-    return runner._step_fn(bucket).lower(packing, runner.weights, runner.kv_cache, runner._last_tokens, runner._slots,
+    plan = runner._plan(sampled, rows, verifies=False)
+    return runner._step_fn(bucket, plan).lower(packing, runner.weights, runner.kv_cache, runner._last_tokens, runner._slots,
                                          flat, sampled.history).compile()
 
 
 def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, quantization: str = "none",
-                    layer_loop: str = "auto", num_decode_steps: int = 1) -> ModelRunner:
+                    layer_loop: str = "auto", num_decode_steps: int = 1, sampler_branches: str = "auto"
+                    ) -> ModelRunner:
     """A runner of `rows` sequences of up to `context` tokens for an abstract model of `config` in `dtype` (its
-    weights `quantization`: "none", "int8", "int4"; its layers run by `layer_loop`): only its pool is in memory."""
+    weights `quantization`: "none", "int8", "int4"; its layers run by `layer_loop`; its sampler's branches
+    decided by `sampler_branches`): only its pool is in memory."""
     def make() -> Llama:
         model = quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)), quantization)
         if resolve_layer_loop(layer_loop) == "unrolled":
@@ -413,13 +417,15 @@ def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, qu
     # A spare page, so that the pool's shape is unlike any weight's (its page count is no power of two).
     return ModelRunner(nnx.eval_shape(make), num_pages=rows * -(-context // PAGE_SIZE) + 1, page_size=PAGE_SIZE,
                        max_model_len=context, max_num_seqs=rows, max_num_batched_tokens=max(rows, PAGE_SIZE),
-                       num_decode_steps=num_decode_steps, layer_loop=layer_loop)
+                       num_decode_steps=num_decode_steps, layer_loop=layer_loop, sampler_branches=sampler_branches)
 
 
 def decode_call_syncs(config: ModelConfig, dtype: str, num_steps: int, rows: int = 8, context: int = 256,
-                      layer_loop: str = "auto") -> list[str]:
-    """`host_syncs` of the engine's multi-step decode call of `num_steps` steps (as `audit_decode_step`'s)."""
-    runner = abstract_runner(config, dtype, rows, context, layer_loop=layer_loop, num_decode_steps=num_steps)
+                      layer_loop: str = "auto", sampler_branches: str = "auto") -> list[str]:
+    """`host_syncs` of the engine's multi-step decode call of `num_steps` steps (as `audit_decode_step`'s) for
+    greedy rows, its sampler's branches decided as `sampler_branches` says."""
+    runner = abstract_runner(config, dtype, rows, context, layer_loop=layer_loop, num_decode_steps=num_steps,
+                             sampler_branches=sampler_branches)
     return host_syncs(parse_hlo(compile_decode_step(runner, rows, num_steps).as_text()))
 
 
@@ -474,6 +480,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=256, help="tokens each sequence may attend to")
     parser.add_argument("--decode-steps", type=int, default=EngineConfig.num_decode_steps,
                         help="decode steps per call of the multi-step call whose host syncs are audited")
+    parser.add_argument("--sampler-branches", default="auto", choices=SAMPLER_BRANCHES,
+                        help="who decides the sampler's branches in the audited decode call (as the engine's flag)")
     parser.add_argument("--out", type=Path, help="also write the report (markdown) to this file")
     return parser.parse_args(argv)
 
@@ -488,11 +496,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # quickest to compile) shows them.
     smallest = min(args.models, key=lambda name: MODELS[name].num_layers * MODELS[name].hidden_size)
     syncs = decode_call_syncs(MODELS[smallest], args.dtypes[0], args.decode_steps, args.rows, args.context,
-                              args.layer_loop)
+                              args.layer_loop, args.sampler_branches)
     text = (f"Decode-step bytes on {jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__}); "
             f"its cost analysis counts a loop body {loops}.\n\n{table(audits)}\n\n"
             f"Host syncs in the decode call of {args.decode_steps} steps ({smallest}, {args.dtypes[0]}, "
-            f"{args.rows} rows): {len(syncs)} in its program" + "".join(f"\n- {f}" for f in syncs) + "\n\n"
+            f"{args.rows} greedy rows, the sampler's branches decided by the "
+            f"{resolve_sampler_branches(args.sampler_branches)}): {len(syncs)} in its program"
+            + "".join(f"\n- {f}" for f in syncs) + "\n\n"
             f"$ python -m sluice.bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(text)
     if args.out is not None:

@@ -41,7 +41,8 @@ def test_report_names_the_machine_and_has_every_section(check):
     for section in ("### Kernel correctness", "### Decode attention kernels", "### Engine offline",
                     "### Where a decode step's time goes", "### Step-bytes audit", "### Steps"):
         assert section in report
-    assert "Host syncs in the decode call of 8 steps (tiny, bfloat16, 2 rows): " in report
+    assert ("Host syncs in the decode call of 8 steps (tiny, bfloat16, 2 greedy rows, the sampler's branches "
+            "decided by the device): ") in report
     log = (out / "log.txt").read_text()
     assert all(f"\n===== {step['name']}: " in log for step in results["steps"])
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sluice.batching.sampler import argmax, filter_cutoff, sample
+from sluice.batching.sampler import SamplerPlan, argmax, filter_cutoff, sample
 from sluice.batching.sampling_params import SamplingParams
 from sampling_rows import Row, sampling_batch
 
@@ -156,3 +156,33 @@ def test_sampled_tokens_follow_the_filtered_distribution():
                                                for s in range(num_rows)])
     freq = np.bincount(out.tokens, minlength=VOCAB)[:4] / num_rows
     np.testing.assert_allclose(freq, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0.0], atol=0.03)
+
+
+PLAN_CASES = {
+    "greedy": ([row(SamplingParams(temperature=0.0))] * 4, SamplerPlan()),
+    "sampling": ([row(SamplingParams(temperature=0.8), seed=s) for s in range(4)], SamplerPlan(sampling=True)),
+    "filters and penalties": (
+        [row(SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.05, presence_penalty=0.5,
+                            repetition_penalty=1.2), seed=s, tokens=(1, 2, 3, 1), num_prompt=2) for s in range(3)]
+        + [row(SamplingParams(temperature=0.0, top_k=3))],
+        SamplerPlan(sampling=True, penalties=True, top_k=True, top_p=True, min_p=True)),
+    "drafts and top logprobs": (
+        [Row(SamplingParams(temperature=0.9, top_logprobs=5), seed=s, draft=s + 3) for s in range(2)]
+        + [Row(SamplingParams(temperature=0.0, logprobs=True), draft=7), row(SamplingParams(temperature=0.0))],
+        SamplerPlan(sampling=True, drafts=True, top_logprobs=True)),
+}
+
+
+@pytest.mark.parametrize("rows, plan", PLAN_CASES.values(), ids=PLAN_CASES.keys())
+def test_a_plan_the_host_decides_samples_what_the_device_decides_without_a_conditional(rows, plan):
+    logits = logits_for(len(rows), seed=3)
+    batch = sampling_batch(rows, len(rows), VOCAB)
+    assert SamplerPlan.of(batch, np.arange(len(rows)), batch.draft) == plan
+    planned = jax.jit(sample, static_argnums=2).lower(logits, batch, plan).compile()
+    assert " conditional(" not in planned.as_text()
+    with_plan, on_device = (jax.tree.map(np.asarray, out) for out in (planned(logits, batch), sample_jit(logits, batch)))
+    np.testing.assert_array_equal(with_plan.tokens, on_device.tokens)
+    np.testing.assert_array_equal(with_plan.accepted, on_device.accepted)
+    np.testing.assert_array_equal(with_plan.top_ids, on_device.top_ids)
+    np.testing.assert_allclose(with_plan.logprobs, on_device.logprobs, rtol=1e-6)
+    np.testing.assert_allclose(with_plan.top_logprobs, on_device.top_logprobs, rtol=1e-6)

@@ -50,11 +50,15 @@ def plain(tiny) -> Engine:
     return Engine(tiny, CONFIG, progress=False)
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["verify-steps", "drafts-in-multi-step-calls"])
+@pytest.fixture(scope="module", params=[(1, "device"), (4, "device"), (4, "host")],
+                ids=["verify-steps", "drafts-in-multi-step-calls", "drafts-in-multi-step-calls-host-plans"])
 def speculative(tiny, request) -> Engine:
     """Drafts verified in single steps, or (4 decode steps per call) checked 4 per step inside multi-step calls
-    whenever every running sequence decodes."""
-    config = replace(CONFIG, speculative="ngram", num_speculative_tokens=4, num_decode_steps=request.param)
+    whenever every running sequence decodes, the sampler's branches decided on the device or by the host (as
+    on a GPU: `SamplerPlan`)."""
+    num_decode_steps, sampler_branches = request.param
+    config = replace(CONFIG, speculative="ngram", num_speculative_tokens=4, num_decode_steps=num_decode_steps,
+                     sampler_branches=sampler_branches)
     return free_verification(Engine(tiny, config, progress=False))
 
 

@@ -87,12 +87,15 @@ def test_decode_step_keeps_bf16_weights_and_pool_in_bf16():
     assert step.upcasts == (), step.upcasts
 
 
-@pytest.mark.xfail(strict=True, reason="the sampler's lax.conds (penalties, sampling, top logprobs) and the skip of "
-                                       "the steps after every row ended run inside each step: on XLA:GPU each copies "
-                                       "its predicate to the host and waits for the device; issue 25, item 3 (no host "
-                                       "sync inside a multi-step call); remove this mark when it passes")
-def test_the_multi_step_decode_call_has_no_host_sync():
-    assert decode_call_syncs(CONFIG, "float32", num_steps=4, rows=ROWS) == []
+def test_the_multi_step_decode_call_has_no_host_sync_when_the_host_decides_the_samplers_branches():
+    assert decode_call_syncs(CONFIG, "float32", num_steps=4, rows=ROWS, sampler_branches="host") == []
+
+
+def test_the_sampler_branches_the_device_decides_are_host_syncs_at_every_step_of_the_call():
+    # The CPU's choice (a conditional costs nothing there): the skip of the steps after every row ended, and the
+    # sampler's penalties, sampling and top-logprob branches (with filters and draft checks inside sampling).
+    syncs = decode_call_syncs(CONFIG, "float32", num_steps=4, rows=ROWS, sampler_branches="device")
+    assert len(syncs) >= 4 and all("4x per call: conditional" in f for f in syncs), syncs
 
 
 # --- Each check fails what it is for -------------------------------------------------------------------------
