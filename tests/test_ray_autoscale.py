@@ -76,7 +76,9 @@ async def _load_until_removal(server: ServerProcess, timeout_s: float) -> list[S
     return streams
 
 
-def test_a_replica_scaled_down_finishes_its_streams_in_flight():
+def _scale_down_under_load() -> tuple[list[Stream], datetime.datetime, set[str]]:
+    """One server of two replicas, loaded until the autoscaler removes one: every stream completes, one replica
+    is left. Returns the streams, when the removal was decided, and the removed replica."""
     server = start_server(*AUTOSCALING, "--no-ui", *SERVER_FLAGS, startup_timeout_s=300)
     try:
         load_started = datetime.datetime.now()
@@ -96,8 +98,18 @@ def test_a_replica_scaled_down_finishes_its_streams_in_flight():
         survivors = {httpx.get(f"{server.url}/health", timeout=30).headers[REPLICA_HEADER] for _ in range(4)}
         removed = {stream.replica for stream in streams} - survivors
         assert len(survivors) == 1 and len(removed) == 1, (survivors, removed)
-        # The replica was told to go while streams ran on it, and they all finished (checked above).
-        in_flight = [s for s in streams if s.replica in removed and s.started < removed_at < s.finished]
-        assert in_flight, f"no stream of the removed replica {removed} was in flight at {removed_at}"
+        return streams, removed_at, removed
     finally:
         assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
+
+
+def test_a_replica_scaled_down_finishes_its_streams_in_flight():
+    # The replica must have been told to go while streams ran on it. In one CI run (2026-11-27, a loaded machine),
+    # every stream the removed replica served had ended before the removal: then the scenario did not happen, and
+    # it is run once more.
+    for _ in range(2):
+        streams, removed_at, removed = _scale_down_under_load()
+        in_flight = [s for s in streams if s.replica in removed and s.started < removed_at < s.finished]
+        if in_flight:
+            break
+    assert in_flight, f"no stream of the removed replica {removed} was in flight at {removed_at}, twice"
