@@ -23,10 +23,10 @@ The HLO is the backend's: a CPU run shows what XLA's CPU compiler makes of the s
 Host syncs are audited on the engine's multi-step decode call (model and sampler, `num_decode_steps` steps, the
 program that runs at saturation): its conditionals, and its while loops of unknown trip count. XLA:GPU runs each
 by copying its predicate to the host and waiting there for the device (`ConditionalThunk`, `WhileThunk`), unless
-it captured it in a command buffer (CUDA graph), which the HLO does not show. The thread that launched the call
-then blocks until the device has run everything before it: the call returns only when the device is nearly
-done, so the host cannot prepare the next call meanwhile (overlapped scheduling), and after each sync the device
-waits for the host's next launches.
+it captured it in a command buffer (CUDA graph), which the HLO does not show. After each sync the device waits
+for the host's next launches; and where a call's kernels are launched on the thread that makes the call (XLA's
+stream-executor client), that thread blocks until the device has caught up, so the call returns only when the
+device is nearly done and the host cannot prepare the next call meanwhile (overlapped scheduling).
 """
 
 from __future__ import annotations
@@ -398,8 +398,8 @@ def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1) -> j
     inputs, sampled = runner._pad([], bucket, None)
     flat, packing = pack((inputs, replace(sampled, history=None)))  # as `ModelRunner._run` sends them
     plan = runner._plan(sampled, rows, verifies=False)
-    return runner._step_fn(bucket, plan).lower(packing, runner.weights, runner.kv_cache, runner._last_tokens, runner._slots,
-                                         flat, sampled.history).compile()
+    return runner._step_fn(bucket, plan).lower(packing, runner.weights, runner.kv_cache, runner._last_tokens,
+                                               runner._slots, flat, sampled.history).compile()
 
 
 def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, quantization: str = "none",

@@ -180,7 +180,8 @@ def test_a_plan_the_host_decides_samples_what_the_device_decides_without_a_condi
     assert SamplerPlan.of(batch, np.arange(len(rows)), batch.draft) == plan
     planned = jax.jit(sample, static_argnums=2).lower(logits, batch, plan).compile()
     assert " conditional(" not in planned.as_text()
-    with_plan, on_device = (jax.tree.map(np.asarray, out) for out in (planned(logits, batch), sample_jit(logits, batch)))
+    with_plan, on_device = (jax.tree.map(np.asarray, out)
+                            for out in (planned(logits, batch), sample_jit(logits, batch)))
     np.testing.assert_array_equal(with_plan.tokens, on_device.tokens)
     np.testing.assert_array_equal(with_plan.accepted, on_device.accepted)
     np.testing.assert_array_equal(with_plan.top_ids, on_device.top_ids)
