@@ -14,6 +14,8 @@ requests in flight finish; a second exits at once.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -67,7 +69,11 @@ def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:
         with stop_on_signal() as stop:
             serve.start(http_options={"host": scale.host, "port": scale.port})
             gpus = ray.cluster_resources().get("GPU", 0) > 0
-            serve.run(build_application(replica, scale, gpus), name=APP_NAME, route_prefix="/")
+            # The replicas' batch, for the router's thresholds too (a device's size is not known here).
+            engine = replica.engine.with_batch_defaults("gpu" if gpus else "cpu", None)
+            replica = replace(replica, engine=engine)
+            serve.run(build_application(replica, scale.with_batch(engine.max_num_seqs), gpus), name=APP_NAME,
+                      route_prefix="/")
             print(f"Sluice is ready: http://{scale.host}:{scale.port}/v1 on {scale.replicas} replicas "
                   f"({scale.routing} routing)", flush=True)
             while not stop.wait(0.5):

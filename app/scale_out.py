@@ -3,7 +3,7 @@ that the flags and their checks work without Ray installed)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # prefix: app/prefix_router.py's affinity router; round-robin: its baseline; pow2: Ray Serve's default router.
 ROUTINGS = ("prefix", "round-robin", "pow2")
@@ -19,7 +19,8 @@ class ScaleOutConfig:
     between `min_replicas` and `max_replicas` to keep about `target_ongoing_requests` per replica, waiting
     `upscale_delay_s` / `downscale_delay_s` of sustained load first. `max_ongoing_requests`: most requests a
     replica is sent at once (more wait in the router). `routing`: one of `ROUTINGS`; `imbalanced_threshold`:
-    how many more ongoing requests than the least loaded replica make a prefix's replica overloaded.
+    how many more ongoing requests than the least loaded replica make a prefix's replica overloaded. Those three
+    left None follow a replica's batch (`with_batch`), known once Ray says which devices the replicas get.
     """
 
     replicas: int
@@ -27,11 +28,11 @@ class ScaleOutConfig:
     port: int = 8000
     ray_address: str | None = None
     routing: str = "prefix"
-    imbalanced_threshold: int = 64
-    max_ongoing_requests: int = 128
+    imbalanced_threshold: int | None = None
+    max_ongoing_requests: int | None = None
     min_replicas: int | None = None
     max_replicas: int | None = None
-    target_ongoing_requests: float = 64.0
+    target_ongoing_requests: float | None = None
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     graceful_shutdown_timeout_s: float = 30.0
@@ -46,9 +47,17 @@ class ScaleOutConfig:
         if self.max_replicas is not None and not (self.lowest <= self.replicas <= self.max_replicas):
             raise ValueError(f"need --min-replicas <= --replicas <= --max-replicas, got "
                              f"{self.lowest} <= {self.replicas} <= {self.max_replicas}")
-        if self.max_ongoing_requests < 1 or self.target_ongoing_requests <= 0 or self.imbalanced_threshold < 1:
+        if any(x is not None and x <= 0 for x in (self.max_ongoing_requests, self.target_ongoing_requests,
+                                                  self.imbalanced_threshold)):
             raise ValueError("--max-ongoing-requests, --target-ongoing-requests and --imbalanced-threshold must be "
                              "positive")
+
+    def with_batch(self, max_num_seqs: int) -> ScaleOutConfig:
+        """The thresholds left unset, from a replica's `max_num_seqs`: overloaded a batch beyond the least loaded
+        replica, sent at most two batches, a batch per replica for the autoscaler."""
+        return replace(self, imbalanced_threshold=self.imbalanced_threshold or max_num_seqs,
+                       max_ongoing_requests=self.max_ongoing_requests or 2 * max_num_seqs,
+                       target_ongoing_requests=self.target_ongoing_requests or max_num_seqs)
 
     @property
     def lowest(self) -> int:

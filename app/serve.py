@@ -20,7 +20,8 @@ from typing import Any, NoReturn, TypeVar
 
 import uvicorn
 
-from sluice.batching.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
+from sluice.batching.config import ACCELERATOR_BATCH, CPU_BATCH, KV_CACHE_DTYPES, LAYER_LOOPS, LARGE_ACCELERATOR_BATCH, \
+    QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
 from sluice.batching.engine import Engine
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
@@ -85,9 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--num-processes", 1, "multi-process job: how many processes (one per node)", type=int)
     _option(parser, "--process-id", 0, "multi-process job: this process's index; process 0 serves HTTP", type=int)
     _option(parser, "--max-model-len", None, "longest prompt + completion in tokens (default: min(model's, 4096))", type=int)
-    _option(parser, "--max-num-seqs", _ENGINE_DEFAULTS.max_num_seqs, "most sequences in one running batch", type=int)
-    _option(parser, "--max-num-batched-tokens", _ENGINE_DEFAULTS.max_num_batched_tokens,
-            "most tokens (prefill + decode) in one step", type=int)
+    _option(parser, "--max-num-seqs", None, "most sequences in one running batch (default: {} on a CPU, {} on an "
+            "accelerator, {} on one of 80 GB or more)".format(CPU_BATCH[0], ACCELERATOR_BATCH[0],
+                                                             LARGE_ACCELERATOR_BATCH[0]), type=int)
+    _option(parser, "--max-num-batched-tokens", None, "most tokens (prefill + decode) in one step (default: {}, {}, "
+            "{} as for --max-num-seqs)".format(CPU_BATCH[1], ACCELERATOR_BATCH[1], LARGE_ACCELERATOR_BATCH[1]),
+            type=int)
     _option(parser, "--num-decode-steps", _ENGINE_DEFAULTS.num_decode_steps,
             "decode steps per device call when every running sequence decodes and none waits", type=int)
     _switch(parser, "--no-async-scheduling",
@@ -264,11 +268,11 @@ def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args:
             port=args.port,
             ray_address=args.ray_address,
             routing=args.routing,
-            imbalanced_threshold=args.imbalanced_threshold or engine_config.max_num_seqs,
-            max_ongoing_requests=args.max_ongoing_requests or 2 * engine_config.max_num_seqs,
+            imbalanced_threshold=args.imbalanced_threshold,
+            max_ongoing_requests=args.max_ongoing_requests,
             min_replicas=args.min_replicas,
             max_replicas=args.max_replicas,
-            target_ongoing_requests=args.target_ongoing_requests or engine_config.max_num_seqs,
+            target_ongoing_requests=args.target_ongoing_requests,
             upscale_delay_s=args.upscale_delay,
             downscale_delay_s=args.downscale_delay,
             graceful_shutdown_timeout_s=args.drain_timeout,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sluice.batching.sampler import SAMPLER_BRANCHES
 from sluice.model.llama import LAYER_LOOPS
@@ -11,13 +11,33 @@ from sluice.pallas_kernels.attention import BACKENDS, INT8_KV_KERNELS, reads_int
 from sluice.pallas_kernels.kv_cache import KV_CACHE_DTYPES
 
 DEFAULT_MAX_MODEL_LEN = 4096
+# The batch limits when none are given: (max_num_seqs, max_num_batched_tokens) per kind of device. On a CPU, the
+# setting every CPU figure in RESULTS.md was measured with: a step's time grows with its rows there, so a larger
+# batch trades each stream's speed for little throughput. On an accelerator, vLLM's defaults for its API server:
+# 1,024 sequences and 8,192 tokens on an 80 GB-class device or larger (H100, H200), 256 and 2,048 on a smaller one
+# or where the size is not known. The KV pool bounds how many of them run at once (`scheduler.py` admits a
+# sequence when its pages fit). The size is the allocator's limit, 75% of a GPU under jax's default
+# preallocation: 60 GiB on an 80 GB H100.
+CPU_BATCH = (64, 512)
+ACCELERATOR_BATCH = (256, 2048)
+LARGE_ACCELERATOR_BATCH = (1024, 8192)
+LARGE_ACCELERATOR_BYTES = 48 << 30
+
+
+def default_batch(platform: str, device_bytes: int | None) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) for a device of `platform` (jax's: "cpu", "gpu", "tpu") whose
+    allocator may hold `device_bytes` (its `memory_stats()["bytes_limit"]`; None: not known)."""
+    if platform == "cpu":
+        return CPU_BATCH
+    return LARGE_ACCELERATOR_BATCH if (device_bytes or 0) >= LARGE_ACCELERATOR_BYTES else ACCELERATOR_BATCH
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine loads its model and sizes its batch and KV pool.
 
-    `max_model_len` None means min(the model's context, 4096). `kv_cache_memory` is the KV pool in bytes;
+    `max_model_len` None means min(the model's context, 4096). `max_num_seqs` and `max_num_batched_tokens` None
+    mean the device's defaults (`default_batch`), filled in by `with_batch_defaults` where the device is known. `kv_cache_memory` is the KV pool in bytes;
     None means a default (a fraction of free device memory on accelerators, a fixed budget on the CPU).
     `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
     in one device call (sampled tokens fed back on the device). 8 by measurement (`bench/decode_steps.py`,
@@ -45,8 +65,8 @@ class EngineConfig:
     dtype: str | None = None
     quantization: str = "none"
     max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     num_decode_steps: int = 8
     async_scheduling: bool = True
     speculative: str | None = None
@@ -70,8 +90,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
-            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+             "must be at least 1"),
             (self.num_decode_steps >= 1, "num_decode_steps", "must be at least 1"),
             (self.speculative in (None, "ngram"), "speculative", "must be 'ngram' or unset"),
             (1 <= self.num_speculative_tokens <= 15, "num_speculative_tokens", "must be in [1, 15]"),
@@ -99,3 +120,9 @@ class EngineConfig:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    def with_batch_defaults(self, platform: str, device_bytes: int | None) -> EngineConfig:
+        """This config with the batch limits it leaves unset taken from `default_batch`."""
+        seqs, tokens = default_batch(platform, device_bytes)
+        return replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                       max_num_batched_tokens=self.max_num_batched_tokens or tokens)

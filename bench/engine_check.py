@@ -47,7 +47,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from sluice.batching.config import EngineConfig
-from sluice.batching.engine import Engine
+from sluice.batching.engine import Engine, default_kv_cache_bytes
 from sluice.batching.outputs import Increment
 from sluice.batching.sampler import SAMPLER_BRANCHES
 from sluice.batching.sampling_params import SamplingParams
@@ -110,7 +110,8 @@ class Sizes:
 
 
 def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sizes: Sizes, page_size: int) -> int:
-    """A KV pool that holds the largest wave whole (no preemption), with a quarter to spare.
+    """A KV pool that holds the largest wave whole (no preemption), with a quarter to spare (`run` caps it at the
+    engine's default, most of the free memory).
 
     Sized from the workload rather than the engine's default (most of the free memory): the figures then
     do not depend on the device's size, and on a CPU a bf16 pool costs every step time in proportion to
@@ -348,6 +349,8 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
 
 def run(args) -> dict:
     sizes = Sizes.small() if args.small else Sizes()
+    if args.concurrency:
+        sizes = dataclasses.replace(sizes, concurrency=tuple(args.concurrency))
     peaks = Peaks.load(args.peaks)
     result: dict = dict(model=args.model, dtype=DTYPE, backend=resolve_backend(args.attention_backend),
                         device=str(jax.devices()[0]),
@@ -385,7 +388,8 @@ def run(args) -> dict:
     engine_config = EngineConfig(
         dtype=DTYPE, page_size=PAGE_SIZE, max_num_seqs=max(sizes.concurrency),
         max_num_batched_tokens=sizes.max_num_batched_tokens, max_model_len=sizes.max_model_len,
-        kv_cache_memory=kv_pool_bytes(config, workload, sizes, PAGE_SIZE), attention_backend=args.attention_backend,
+        kv_cache_memory=min(kv_pool_bytes(config, workload, sizes, PAGE_SIZE), default_kv_cache_bytes()),
+        attention_backend=args.attention_backend,
         layer_loop=args.layer_loop, sampler_branches=args.sampler_branches,
     )
     start = time.perf_counter()
@@ -409,6 +413,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS)
     parser.add_argument("--sampler-branches", default="auto", choices=SAMPLER_BRANCHES)
     parser.add_argument("--small", action="store_true", help="CPU sizes: concurrency 1 and 4, short requests")
+    parser.add_argument("--concurrency", type=int, nargs="+",
+                        help="these levels instead (a saturation run: 1024; the pool is then capped by the free memory, "
+                             "so a wave that outgrows it preempts)")
     run(parser.parse_args(argv))
     return 0
 

@@ -8,6 +8,8 @@ import sys
 
 from test_api_e2e import ROOT
 
+from sluice.app.scale_out import ScaleOutConfig
+
 # Runs the CLI in a fresh interpreter; `block_ray` makes `import ray` fail as if the extra were not installed.
 _RUN = """
 import sys
@@ -51,3 +53,8 @@ def test_a_bad_scale_out_flag_is_a_one_line_error_before_ray_starts():
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [f"sluice serve: error: {message}"]
         assert "ray imported: False" in result.stdout
+
+def test_scale_out_thresholds_left_unset_follow_a_replicas_batch():
+    scale = ScaleOutConfig(replicas=2, max_ongoing_requests=10).with_batch(256)
+    assert (scale.imbalanced_threshold, scale.max_ongoing_requests, scale.target_ongoing_requests) == (256, 10, 256)
+    assert ScaleOutConfig(replicas=1).with_batch(64).max_ongoing_requests == 128
