@@ -351,6 +351,8 @@ def run(args) -> dict:
     sizes = Sizes.small() if args.small else Sizes()
     if args.concurrency:
         sizes = dataclasses.replace(sizes, concurrency=tuple(args.concurrency))
+    if args.max_num_batched_tokens:
+        sizes = dataclasses.replace(sizes, max_num_batched_tokens=args.max_num_batched_tokens)
     peaks = Peaks.load(args.peaks)
     result: dict = dict(model=args.model, dtype=DTYPE, backend=resolve_backend(args.attention_backend),
                         device=str(jax.devices()[0]),
@@ -416,6 +418,9 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+",
                         help="these levels instead (a saturation run: 1024; the pool is then capped by the free memory, "
                              "so a wave that outgrows it preempts)")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="the engine's tokens per step instead (a saturation run: the device's serving default, "
+                             "8192 on an H100, so that a wave's prefill does not crawl beside its decodes)")
     run(parser.parse_args(argv))
     return 0
 

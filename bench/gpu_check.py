@@ -187,7 +187,8 @@ def run_kernel_bench(run: Run, env: dict[str, str], small: bool, probe: dict) ->
 
 
 def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], backend: str,
-                sampler_branches: str, concurrency: list[int] | None) -> list[dict]:
+                sampler_branches: str, concurrency: list[int] | None, max_num_batched_tokens: int | None
+                ) -> list[dict]:
     results = []
     for model in models:
         out = run.work / f"engine-{model}.json"
@@ -195,6 +196,7 @@ def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], b
             "-m", "sluice.bench.engine_check", "--model", model, "--peaks", str(run.work / "peaks.json"), "--out", str(out),
             "--attention-backend", backend, "--sampler-branches", sampler_branches, *(["--small"] if small else []),
             *(["--concurrency", *map(str, concurrency)] if concurrency else []),
+            *(["--max-num-batched-tokens", str(max_num_batched_tokens)] if max_num_batched_tokens else []),
         ), env)
         result = json.loads(out.read_text()) if out.exists() else dict(model=model, levels=[])
         if "skipped" in result and step.status == "ok":
@@ -244,7 +246,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU (the CPU default)")
     parser.add_argument("--concurrency", type=int, nargs="+",
                         help="the engine's concurrency levels instead of 1, 64, 256 (a saturation run: "
-                             "--steps engine --models llama-3-8b --concurrency 1024)")
+                             "--steps engine --models llama-3-8b --concurrency 1024 --max-num-batched-tokens 8192)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's tokens per step instead of 1024")
     parser.add_argument("--xla-flags", default="",
                         help="XLA flags for every step (after XLA_FLAGS'), to compare a setting against the defaults "
                              f"in a second run: {COMMAND_BUFFERS!r}, say, captures the decode call's conditionals "
@@ -277,7 +280,7 @@ def main(argv=None) -> int:
                 results["kernel-bench"] = run_kernel_bench(run, env, small, results["probe"])
             if "engine" in args.steps:
                 results["engine"] = run_engines(run, env, small, models, args.attention_backend, args.sampler_branches,
-                                                args.concurrency)
+                                                args.concurrency, args.max_num_batched_tokens)
             if "step-audit" in args.steps:
                 results["step-audit"] = run_step_audit(run, env, small, models, args.sampler_branches)
         else:
