@@ -400,8 +400,10 @@ def run(args) -> dict:
     save()
 
     served = ServedModel(config, StepCost.of(config, loaded.model, DTYPE).weight_bytes, DTYPE, DTYPE)
+    result["kv_cache_bytes"] = engine_config.kv_cache_memory
     for level, c in zip(result["levels"], sizes.concurrency):
         level.update(engine_level(engine, served, workload, sizes, c, peaks))
+        result["num_preemptions"] = engine.stats.num_preemptions
         save()
     return result
 
