@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--dtype", None, "parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
             choices=["float32", "bfloat16", "float16"])
     _option(parser, "--quantization", "auto",
-            "weights: none (the dtype), int8 (GGUF Q8_0), int4 (GGUF Q4_1, embedding Q8_0), auto (int4 on a CPU, int8 on a GPU)",
+            "weights: none (the dtype), int8 (GGUF Q8_0), int4 (GGUF Q4_1, embedding Q8_0), auto (int4 on a CPU, none on a GPU)",
             choices=list(QUANTIZATIONS))
     _option(parser, "--tp", _ENGINE_DEFAULTS.tp, "tensor-parallel degree (devices)", type=int)
     _option(parser, "--coordinator-address", None,

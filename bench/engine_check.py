@@ -59,6 +59,7 @@ from sluice.model.config import ModelConfig, RopeScaling
 from sluice.model.llama import LAYER_LOOPS, Llama, empty_kv_cache, resolve_layer_loop
 from sluice.model.loader import LoadedModel
 from sluice.model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
+from sluice.model.quantize import QUANTIZATIONS, quantize_model
 from sluice.model.roofline import StepCost, param_bytes
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
 from sluice.pallas_kernels.attention import ragged_paged_attention, resolve_backend
@@ -151,9 +152,10 @@ def file_free_tokenizer(config: ModelConfig) -> Tokenizer:
     return Tokenizer(backend, special)
 
 
-def random_model(name: str) -> LoadedModel:
+def random_model(name: str, quantization: str = "none") -> LoadedModel:
+    """Random weights of the model's real shapes, in DTYPE, stored as `quantization` says ("none", "int8", "int4")."""
     config = MODELS[name]
-    model = Llama(config, dtype=jnp.dtype(DTYPE), rngs=nnx.Rngs(0))
+    model = quantize_model(Llama(config, dtype=jnp.dtype(DTYPE), rngs=nnx.Rngs(0)), quantization)
     return LoadedModel(config=config, model=model, tokenizer=file_free_tokenizer(config), name=f"{name}-random")
 
 
@@ -354,7 +356,8 @@ def run(args) -> dict:
     if args.max_num_batched_tokens:
         sizes = dataclasses.replace(sizes, max_num_batched_tokens=args.max_num_batched_tokens)
     peaks = Peaks.load(args.peaks)
-    result: dict = dict(model=args.model, dtype=DTYPE, backend=resolve_backend(args.attention_backend),
+    result: dict = dict(model=args.model, dtype=DTYPE, quantization=args.quantization,
+                        backend=resolve_backend(args.attention_backend),
                         device=str(jax.devices()[0]),
                         sizes=dataclasses.asdict(sizes), levels=[])
 
@@ -367,7 +370,7 @@ def run(args) -> dict:
         save()
         return result
     start = time.perf_counter()
-    loaded = random_model(args.model)
+    loaded = random_model(args.model, args.quantization)
     # The direct timings below run the model as the engine will (its runner would unstack it in place later).
     result["layer_loop"] = resolve_layer_loop(args.layer_loop)
     if result["layer_loop"] == "unrolled":
@@ -415,6 +418,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="results JSON, rewritten after each stage")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS)
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                        help="the random weights stored so (int8: whether weight-only int8 pays on this device)")
     parser.add_argument("--sampler-branches", default="auto", choices=SAMPLER_BRANCHES)
     parser.add_argument("--small", action="store_true", help="CPU sizes: concurrency 1 and 4, short requests")
     parser.add_argument("--concurrency", type=int, nargs="+",

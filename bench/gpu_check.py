@@ -187,15 +187,15 @@ def run_kernel_bench(run: Run, env: dict[str, str], small: bool, probe: dict) ->
 
 
 def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], backend: str,
-                sampler_branches: str, concurrency: list[int] | None, max_num_batched_tokens: int | None
-                ) -> list[dict]:
+                sampler_branches: str, concurrency: list[int] | None, max_num_batched_tokens: int | None,
+                quantization: str) -> list[dict]:
     results = []
     for model in models:
         out = run.work / f"engine-{model}.json"
         step = run.step(f"engine-{model}", python(
             "-m", "sluice.bench.engine_check", "--model", model, "--peaks", str(run.work / "peaks.json"), "--out", str(out),
-            "--attention-backend", backend, "--sampler-branches", sampler_branches, *(["--small"] if small else []),
-            *(["--concurrency", *map(str, concurrency)] if concurrency else []),
+            "--attention-backend", backend, "--sampler-branches", sampler_branches, "--quantization", quantization,
+            *(["--small"] if small else []), *(["--concurrency", *map(str, concurrency)] if concurrency else []),
             *(["--max-num-batched-tokens", str(max_num_batched_tokens)] if max_num_batched_tokens else []),
         ), env)
         result = json.loads(out.read_text()) if out.exists() else dict(model=model, levels=[])
@@ -205,13 +205,14 @@ def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], b
     return results
 
 
-def run_step_audit(run: Run, env: dict[str, str], small: bool, models: list[str], sampler_branches: str
-                   ) -> str | None:
+def run_step_audit(run: Run, env: dict[str, str], small: bool, models: list[str], sampler_branches: str,
+                   quantization: str) -> str | None:
     """The step-bytes audit of the engine's compiled decode step on this device: a markdown table, or None."""
     out = run.work / "step-audit.md"
     sizes = ["--rows", "2", "--context", "64"] if small else ["--rows", "64", "--context", "2048"]
     run.step("step-audit", python("-m", "sluice.bench.step_audit", "--models", *models, "--dtypes", "bfloat16", *sizes,
-                                  "--sampler-branches", sampler_branches, "--out", str(out)), env)
+                                  "--sampler-branches", sampler_branches, "--quantization", quantization,
+                                  "--out", str(out)), env)
     return out.read_text() if out.exists() else None
 
 
@@ -248,6 +249,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the engine's concurrency levels instead of 1, 64, 256 (a saturation run: "
                              "--steps engine --models llama-3-8b --concurrency 1024 --max-num-batched-tokens 8192)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's tokens per step instead of 1024")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                        help="the engine's and the step audit's weights (int8: does weight-only int8 pay here, so that "
+                             "--quantization auto should take it?)")
     parser.add_argument("--xla-flags", default="",
                         help="XLA flags for every step (after XLA_FLAGS'), to compare a setting against the defaults "
                              f"in a second run: {COMMAND_BUFFERS!r}, say, captures the decode call's conditionals "
@@ -280,9 +284,10 @@ def main(argv=None) -> int:
                 results["kernel-bench"] = run_kernel_bench(run, env, small, results["probe"])
             if "engine" in args.steps:
                 results["engine"] = run_engines(run, env, small, models, args.attention_backend, args.sampler_branches,
-                                                args.concurrency, args.max_num_batched_tokens)
+                                                args.concurrency, args.max_num_batched_tokens, args.quantization)
             if "step-audit" in args.steps:
-                results["step-audit"] = run_step_audit(run, env, small, models, args.sampler_branches)
+                results["step-audit"] = run_step_audit(run, env, small, models, args.sampler_branches,
+                                                       args.quantization)
         else:
             small = True
             print("[gpu_check] the probe failed, so nothing else can run: see log.txt", file=sys.stderr)

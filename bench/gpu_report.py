@@ -127,7 +127,8 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
             roofline = (100 * level["output_tok_s"] / level["roofline_output_tok_s"]
                         if "roofline_output_tok_s" in level else None)
             lines.append(
-                f"| {result['model']} | {result.get('backend', '-')}, {result.get('layer_loop', '-')} | "
+                f"| {result['model']} | {result.get('backend', '-')}, {result.get('layer_loop', '-')}"
+                f"{'' if result.get('quantization', 'none') == 'none' else ', ' + result['quantization']} | "
                 f"{level['concurrency']} | "
                 f"{level.get('requests', '-')} | {fmt(level.get('output_tok_s'), '.0f')} | "
                 f"{fmt(level.get('total_tok_s'), '.0f')} | {fmt(level.get('ttft_s'), '.3f')} | "

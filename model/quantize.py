@@ -35,11 +35,14 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "int8", "int4")
 CHOICES = QUANTIZATIONS + ("auto",)
-AUTO = {"cpu": "int4", "gpu": "int8"}
+AUTO = {"cpu": "int4"}
 """What "auto" picks per backend (bench/quant.py, bench/RESULTS.md). CPU: int4 reads the fewest bytes per
 decode step and multiplies as fast as int8 in the VNNI kernels, and for a 4-bit GGUF it is the file's own
-weights. GPU: int8 halves bf16's bytes without a kernel of our own. A CPU without the kernels takes "none"
-instead: there quantized weights are dequantized in front of XLA's dot, several times slower than float ones."""
+weights. Elsewhere "none", the float weights every GPU figure was measured with: there quantized weights are
+dequantized in front of XLA's dot (`model/linear.py`), which pays only if XLA fuses the dequantization into the
+matmul instead of writing the float weight out at every step; not measured on a GPU yet (`gpu_check
+--quantization int8`). A CPU without the kernels takes "none" too: there the dequantized form is several times
+slower than float weights."""
 
 T = TypeVar("T")
 

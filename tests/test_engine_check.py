@@ -1,5 +1,7 @@
 """bench.engine_check's pieces that the GPU run relies on and a CPU can check exactly."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -8,6 +10,7 @@ from flax import nnx
 from sluice.bench import engine_check
 from sluice.bench.dataset import BenchRequest
 from sluice.model.llama import Llama
+from sluice.model.roofline import Peaks, param_bytes
 from sluice.model.tokenizer import ByteDetokenizer
 
 
@@ -42,3 +45,16 @@ def test_kv_pool_holds_the_largest_wave_whole():
     tokens = sum(p + max(o, sizes.tpot_steps + 1) + 16 for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)])
     assert engine_check.kv_pool_bytes(config, workload, sizes, 16) == int(1.25 * tokens * per_token)
     assert [len(w) for w in engine_check.waves(workload, 1)] == [1, 1, 1, 1]
+
+
+def test_an_int8_run_measures_the_engine_on_int8_weights(tmp_path):
+    """`--quantization int8`: the engine runs on the random weights quantized (what `gpu_check --quantization int8`
+    measures against the float run), and the result says so."""
+    Peaks(bandwidth_gbs=10.0, matmul_gflops=100.0, device="cpu").save(tmp_path / "peaks.json")
+    out = tmp_path / "engine.json"
+    assert engine_check.main(["--model", "tiny", "--peaks", str(tmp_path / "peaks.json"), "--out", str(out),
+                              "--small", "--quantization", "int8", "--concurrency", "2"]) == 0
+    result = json.loads(out.read_text())
+    assert result["quantization"] == "int8" and [level["concurrency"] for level in result["levels"]] == [2]
+    assert result["levels"][0]["output_tokens"] > 0
+    assert result["param_bytes"] < param_bytes(engine_check.random_model("tiny").model) / 1.5

@@ -56,7 +56,7 @@ def test_q8_rounds_each_weight_to_within_half_a_step_of_its_block():
 
 
 def test_auto_resolves_per_backend_and_unknown_modes_are_refused():
-    assert resolve("auto", "cpu", cpu_kernels=True) == "int4" and resolve("auto", "gpu") == "int8"
+    assert resolve("auto", "cpu", cpu_kernels=True) == "int4" and resolve("auto", "gpu") == "none"
     assert resolve("none", "cpu") == "none"
     with pytest.raises(ValueError, match="choose from none, int8, int4, auto"):
         resolve("fp8")
