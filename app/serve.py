@@ -20,8 +20,8 @@ from typing import Any, NoReturn, TypeVar
 
 import uvicorn
 
-from sluice.batching.config import ACCELERATOR_BATCH, CPU_BATCH, KV_CACHE_DTYPES, LAYER_LOOPS, LARGE_ACCELERATOR_BATCH, \
-    QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
+from sluice.batching.config import ACCELERATOR_BATCH, CPU_BATCH, KV_CACHE_DTYPES, LAYER_LOOPS, \
+    LARGE_ACCELERATOR_BATCH, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
 from sluice.batching.engine import Engine
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed

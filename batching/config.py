@@ -37,8 +37,9 @@ class EngineConfig:
     """How the engine loads its model and sizes its batch and KV pool.
 
     `max_model_len` None means min(the model's context, 4096). `max_num_seqs` and `max_num_batched_tokens` None
-    mean the device's defaults (`default_batch`), filled in by `with_batch_defaults` where the device is known. `kv_cache_memory` is the KV pool in bytes;
-    None means a default (a fraction of free device memory on accelerators, a fixed budget on the CPU).
+    mean the device's defaults (`default_batch`), filled in by `with_batch_defaults` where the device is known.
+    `kv_cache_memory` is the KV pool in bytes; None means a default (a fraction of free device memory on
+    accelerators, a fixed budget on the CPU).
     `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
     in one device call (sampled tokens fed back on the device). 8 by measurement (`bench/decode_steps.py`,
     RESULTS.md): it saves a call's fixed cost per token; a request that arrives mid-call waits at most one call.

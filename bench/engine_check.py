@@ -423,8 +423,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sampler-branches", default="auto", choices=SAMPLER_BRANCHES)
     parser.add_argument("--small", action="store_true", help="CPU sizes: concurrency 1 and 4, short requests")
     parser.add_argument("--concurrency", type=int, nargs="+",
-                        help="these levels instead (a saturation run: 1024; the pool is then capped by the free memory, "
-                             "so a wave that outgrows it preempts)")
+                        help="these levels instead (a saturation run: 1024; the pool is then capped by the free "
+                             "memory, so a wave that outgrows it preempts)")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="the engine's tokens per step instead (a saturation run: the device's serving default, "
                              "8192 on an H100, so that a wave's prefill does not crawl beside its decodes)")

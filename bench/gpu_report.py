@@ -137,8 +137,9 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
                 f"{fmt(result.get('compile_s'), '.0f')} |"
             )
     settings = [f"- {r['model']}: up to {max(r['sizes']['concurrency'])} sequences, "
-                f"{r['sizes']['max_num_batched_tokens']} tokens per step, a KV pool of {r['kv_cache_bytes'] / 2**20:,.2f} "
-                f"MiB, {r.get('num_preemptions', 0)} preemptions" for r in results if "kv_cache_bytes" in r]
+                f"{r['sizes']['max_num_batched_tokens']} tokens per step, a KV pool of "
+                f"{r['kv_cache_bytes'] / 2**20:,.2f} MiB, {r.get('num_preemptions', 0)} preemptions"
+                for r in results if "kv_cache_bytes" in r]
     return lines + ([""] + settings if settings else []) + [""]
 
 

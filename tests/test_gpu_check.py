@@ -79,8 +79,8 @@ def test_engine_produced_every_requested_token_without_the_http_stack(check):
         assert level["step"]["attention_s"] > 0 and level["step"]["step_s"] > 0
     assert engine["compile_s"] > 0
     assert "| tiny | cpu, scan | 3 | 4 |" in report
-    assert f"- tiny: up to 3 sequences, 24 tokens per step, a KV pool of {engine['kv_cache_bytes'] / 2**20:,.2f} MiB, " \
-           "0 preemptions" in report
+    pool_mib = engine["kv_cache_bytes"] / 2**20
+    assert f"- tiny: up to 3 sequences, 24 tokens per step, a KV pool of {pool_mib:,.2f} MiB, 0 preemptions" in report
 
 
 def test_the_traced_decode_steps_say_where_device_time_went(check):
