@@ -87,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--process-id", 0, "multi-process job: this process's index; process 0 serves HTTP", type=int)
     _option(parser, "--max-model-len", None, "longest prompt + completion in tokens (default: min(model's, 4096))", type=int)
     _option(parser, "--max-num-seqs", None, "most sequences in one running batch (default: {} on a CPU, {} on an "
-            "accelerator, {} on one of 80 GB or more)".format(CPU_BATCH[0], ACCELERATOR_BATCH[0],
-                                                             LARGE_ACCELERATOR_BATCH[0]), type=int)
+            "accelerator, {} on one of 80 GB or more but an A100)".format(
+                CPU_BATCH[0], ACCELERATOR_BATCH[0], LARGE_ACCELERATOR_BATCH[0]), type=int)
     _option(parser, "--max-num-batched-tokens", None, "most tokens (prefill + decode) in one step (default: {}, {}, "
             "{} as for --max-num-seqs)".format(CPU_BATCH[1], ACCELERATOR_BATCH[1], LARGE_ACCELERATOR_BATCH[1]),
             type=int)

@@ -14,22 +14,24 @@ DEFAULT_MAX_MODEL_LEN = 4096
 # The batch limits when none are given: (max_num_seqs, max_num_batched_tokens) per kind of device. On a CPU, the
 # setting every CPU figure in RESULTS.md was measured with: a step's time grows with its rows there, so a larger
 # batch trades each stream's speed for little throughput. On an accelerator, vLLM's defaults for its API server:
-# 1,024 sequences and 8,192 tokens on an 80 GB-class device or larger (H100, H200), 256 and 2,048 on a smaller one
-# or where the size is not known. The KV pool bounds how many of them run at once (`scheduler.py` admits a
-# sequence when its pages fit). The size is the allocator's limit, 75% of a GPU under jax's default
-# preallocation: 60 GiB on an 80 GB H100.
+# 1,024 sequences and 8,192 tokens on an 80 GB-class device or larger (H100, H200), but not an A100 (vLLM found
+# the larger prefill chunks slower there), 256 and 2,048 on the others or where the size is not known. The KV pool
+# bounds how many of them run at once (`scheduler.py` admits a sequence when its pages fit). The size is the
+# allocator's limit, 75% of a GPU under jax's default preallocation: 60 GiB on an 80 GB H100.
 CPU_BATCH = (64, 512)
 ACCELERATOR_BATCH = (256, 2048)
 LARGE_ACCELERATOR_BATCH = (1024, 8192)
 LARGE_ACCELERATOR_BYTES = 48 << 30
 
 
-def default_batch(platform: str, device_bytes: int | None) -> tuple[int, int]:
+def default_batch(platform: str, device_bytes: int | None, device_kind: str = "") -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) for a device of `platform` (jax's: "cpu", "gpu", "tpu") whose
-    allocator may hold `device_bytes` (its `memory_stats()["bytes_limit"]`; None: not known)."""
+    allocator may hold `device_bytes` (its `memory_stats()["bytes_limit"]`; None: not known), of `device_kind`
+    (jax's name for it, "NVIDIA H100 80GB HBM3" say)."""
     if platform == "cpu":
         return CPU_BATCH
-    return LARGE_ACCELERATOR_BATCH if (device_bytes or 0) >= LARGE_ACCELERATOR_BYTES else ACCELERATOR_BATCH
+    large = (device_bytes or 0) >= LARGE_ACCELERATOR_BYTES and "a100" not in device_kind.lower()
+    return LARGE_ACCELERATOR_BATCH if large else ACCELERATOR_BATCH
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,8 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-    def with_batch_defaults(self, platform: str, device_bytes: int | None) -> EngineConfig:
+    def with_batch_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
         """This config with the batch limits it leaves unset taken from `default_batch`."""
-        seqs, tokens = default_batch(platform, device_bytes)
+        seqs, tokens = default_batch(platform, device_bytes, device_kind)
         return replace(self, max_num_seqs=self.max_num_seqs or seqs,
                        max_num_batched_tokens=self.max_num_batched_tokens or tokens)

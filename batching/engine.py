@@ -80,9 +80,12 @@ def default_kv_cache_bytes() -> int:
     return int(ACCELERATOR_KV_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
 
 
-def device_bytes() -> int | None:
-    """What the first device's allocator may hold (None where jax does not say: the CPU)."""
-    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+def batch_defaults(config: EngineConfig) -> EngineConfig:
+    """`config` with the batch limits it leaves unset taken for the first device: its platform, what its allocator
+    may hold (unknown on the CPU) and its kind."""
+    device = jax.local_devices()[0]
+    return config.with_batch_defaults(device.platform, (device.memory_stats() or {}).get("bytes_limit"),
+                                      device.device_kind)
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, *, progress: bool = True, mesh: Mesh | None = None):
         """`mesh`: the tensor-parallel mesh `loaded` was sharded onto (None: one device)."""
-        self.config = config = config.with_batch_defaults(jax.default_backend(), device_bytes())
+        self.config = config = batch_defaults(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, loaded.config.max_position_embeddings)

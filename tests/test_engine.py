@@ -59,6 +59,7 @@ def test_batch_limits_left_unset_are_the_devices_and_set_ones_are_kept(tiny):
     assert default_batch("gpu", None) == default_batch("gpu", 18 << 30) == ACCELERATOR_BATCH == (256, 2048)
     h100 = int(0.75 * (80 << 30))  # the allocator's limit under jax's default preallocation
     assert default_batch("gpu", h100) == default_batch("tpu", 95 << 30) == LARGE_ACCELERATOR_BATCH == (1024, 8192)
+    assert default_batch("gpu", h100, "NVIDIA A100-SXM4-80GB") == ACCELERATOR_BATCH  # vLLM's exception
     unset = Engine(tiny, replace(CONFIG, max_num_seqs=None, max_num_batched_tokens=None, warmup=False), progress=False)
     assert (unset.config.max_num_seqs, unset.config.max_num_batched_tokens) == CPU_BATCH
     assert unset.scheduler.config.max_num_seqs == unset.runner.max_num_seqs == 64
