@@ -22,6 +22,8 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
 - compile time: building the `Engine`, which compiles every step bucket (persistent cache cold when
   SLUICE_JAX_CACHE points at an empty folder, as `bench.gpu_check` arranges).
 
+Requests decode greedily unless `--temperature` (and `--top-p`) make them sample. Each level records how many
+programs compiled while it ran (a sampler plan compiled at its first step shows there, its time in the figures).
 Every request's output length is checked against what was asked (a wrong count fails the run). Results
 go to `--out` as JSON after each stage, so a run stopped by a time limit keeps what it measured.
 """
@@ -178,14 +180,22 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How every request of a run picks its tokens: greedy by default, else sampled at `temperature` from the
+    `top_p` nucleus (the sampler's filter passes then run too)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens, ignore_eos=True)
 
 
-def generate_checked(engine: Engine, requests: list[BenchRequest]) -> float:
+def generate_checked(engine: Engine, requests: list[BenchRequest], decoding: Decoding) -> float:
     """Runs the requests in one generate call; returns its wall seconds. Every output must have its length."""
     start = time.perf_counter()
-    outs = engine.generate([list(r.prompt) for r in requests], [greedy(r.output_tokens) for r in requests])
+    outs = engine.generate([list(r.prompt) for r in requests], [decoding.params(r.output_tokens) for r in requests])
     seconds = time.perf_counter() - start
     got = [len(o[0].token_ids) for o in outs]
     want = [r.output_tokens for r in requests]
@@ -206,13 +216,14 @@ class ArrivalTimes:
         self.times += [time.perf_counter()] * len(increment.token_ids)
 
 
-def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int) -> tuple[float, float]:
+def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int, decoding: Decoding
+               ) -> tuple[float, float]:
     """Sends the requests at once with `max_tokens` each; returns (TTFT: until every one has its first token,
     TPOT: the mean over requests of (last - first arrival) / (max_tokens - 1))."""
     sinks = [ArrivalTimes() for _ in requests]
     start = time.perf_counter()
     for i, (request, sink) in enumerate(zip(requests, sinks)):
-        engine.submit([list(request.prompt)], greedy(max_tokens), sink, f"timed-{i}")
+        engine.submit([list(request.prompt)], decoding.params(max_tokens), sink, f"timed-{i}")
     while engine.has_work:
         engine.step()
     if any(len(sink.times) != max_tokens for sink in sinks):
@@ -222,21 +233,22 @@ def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int) ->
     return ttft, tpot
 
 
-def profiled_decode(engine: Engine, requests: list[BenchRequest], decode_steps: int) -> dict:
+def profiled_decode(engine: Engine, requests: list[BenchRequest], decode_steps: int, decoding: Decoding) -> dict:
     """Traces `decode_steps` decode steps of the requests, all running (after their prefill), with
     `bench.device_profile`: the engine's period per step against the device's busy time, by program and op
     class, and the host's work by phase (`bench.host_phases`), in milliseconds per step."""
     for attempt in range(2):  # on a CPU the tracer now and then records no XLA event in a window (cause not found)
-        profile = _traced_decode(engine, requests, decode_steps, f"profiled-{attempt}")
+        profile = _traced_decode(engine, requests, decode_steps, decoding, f"profiled-{attempt}")
         if profile["busy_ms"] > 0:
             break
     return profile
 
 
-def _traced_decode(engine: Engine, requests: list[BenchRequest], decode_steps: int, name: str) -> dict:
+def _traced_decode(engine: Engine, requests: list[BenchRequest], decode_steps: int, decoding: Decoding,
+                   name: str) -> dict:
     sinks = [ArrivalTimes() for _ in requests]
     for i, (request, sink) in enumerate(zip(requests, sinks)):
-        engine.submit([list(request.prompt)], greedy(2 * decode_steps + 4), sink, f"{name}-{i}")
+        engine.submit([list(request.prompt)], decoding.params(2 * decode_steps + 4), sink, f"{name}-{i}")
     emitted = lambda: min(len(sink.times) for sink in sinks)
     while emitted() < 2:
         engine.step()
@@ -323,20 +335,20 @@ def decode_step_times(loaded: LoadedModel, batch: int, context: int, page_size: 
 
 
 def engine_level(engine: Engine, served: ServedModel, workload: list[BenchRequest], sizes: Sizes, c: int,
-                 peaks: Peaks) -> dict:
+                 peaks: Peaks, decoding: Decoding) -> dict:
     """Throughput, TTFT and TPOT at concurrency c (module docstring). Every run gets fresh token ids with the
     workload's lengths, so none is served from a previous run's prefix cache."""
     config = served.config
     fresh = [fresh_prompts(wave, salt=1000 * c + i, vocab_size=config.vocab_size)
              for i, wave in enumerate(waves(workload, c))]
-    seconds = sum(generate_checked(engine, wave) for wave in fresh)
+    seconds = sum(generate_checked(engine, wave, decoding) for wave in fresh)
     requests = [r for wave in fresh for r in wave]
 
     latencies = [timed_wave(engine, fresh_prompts(workload[:c], salt=1000 * c + 900 + i, vocab_size=config.vocab_size),
-                            1 + sizes.tpot_steps)
+                            1 + sizes.tpot_steps, decoding)
                  for i in range(sizes.latency_repeats)]
     profile = profiled_decode(engine, fresh_prompts(workload[:c], salt=1000 * c + 990, vocab_size=config.vocab_size),
-                              sizes.tpot_steps)
+                              sizes.tpot_steps, decoding)
     ttft_s = statistics.median(ttft for ttft, _ in latencies)
     tpot_s = statistics.median(tpot for _, tpot in latencies)
     prompt_lens = [len(r.prompt) for r in requests]
@@ -356,7 +368,9 @@ def run(args) -> dict:
     if args.max_num_batched_tokens:
         sizes = dataclasses.replace(sizes, max_num_batched_tokens=args.max_num_batched_tokens)
     peaks = Peaks.load(args.peaks)
+    decoding = Decoding(args.temperature, args.top_p)
     result: dict = dict(model=args.model, dtype=DTYPE, quantization=args.quantization,
+                        decoding=dataclasses.asdict(decoding),
                         backend=resolve_backend(args.attention_backend),
                         device=str(jax.devices()[0]),
                         sizes=dataclasses.asdict(sizes), levels=[])
@@ -405,7 +419,10 @@ def run(args) -> dict:
     served = ServedModel(config, StepCost.of(config, loaded.model, DTYPE).weight_bytes, DTYPE, DTYPE)
     result["kv_cache_bytes"] = engine_config.kv_cache_memory
     for level, c in zip(result["levels"], sizes.concurrency):
-        level.update(engine_level(engine, served, workload, sizes, c, peaks))
+        compiled = engine.runner.num_compiled()
+        level.update(engine_level(engine, served, workload, sizes, c, peaks, decoding))
+        # Programs compiled while this level ran, its timings included (a sampler plan not compiled at warm-up).
+        level["compiled"] = engine.runner.num_compiled() - compiled
         result["num_preemptions"] = engine.stats.num_preemptions
         save()
     return result
@@ -422,6 +439,9 @@ def main(argv=None) -> int:
                         help="the random weights stored so (int8: whether weight-only int8 pays on this device)")
     parser.add_argument("--sampler-branches", default="auto", choices=SAMPLER_BRANCHES)
     parser.add_argument("--small", action="store_true", help="CPU sizes: concurrency 1 and 4, short requests")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature instead of greedily (the sampler's passes then run too)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus sampled from")
     parser.add_argument("--concurrency", type=int, nargs="+",
                         help="these levels instead (a saturation run: 1024; the pool is then capped by the free "
                              "memory, so a wave that outgrows it preempts)")

@@ -187,16 +187,14 @@ def run_kernel_bench(run: Run, env: dict[str, str], small: bool, probe: dict) ->
 
 
 def run_engines(run: Run, env: dict[str, str], small: bool, models: list[str], backend: str,
-                sampler_branches: str, concurrency: list[int] | None, max_num_batched_tokens: int | None,
-                quantization: str) -> list[dict]:
+                sampler_branches: str, quantization: str, engine_args: list[str]) -> list[dict]:
     results = []
     for model in models:
         out = run.work / f"engine-{model}.json"
         step = run.step(f"engine-{model}", python(
             "-m", "sluice.bench.engine_check", "--model", model, "--peaks", str(run.work / "peaks.json"), "--out", str(out),
             "--attention-backend", backend, "--sampler-branches", sampler_branches, "--quantization", quantization,
-            *(["--small"] if small else []), *(["--concurrency", *map(str, concurrency)] if concurrency else []),
-            *(["--max-num-batched-tokens", str(max_num_batched_tokens)] if max_num_batched_tokens else []),
+            *(["--small"] if small else []), *engine_args,
         ), env)
         result = json.loads(out.read_text()) if out.exists() else dict(model=model, levels=[])
         if "skipped" in result and step.status == "ok":
@@ -245,10 +243,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="who decides the engine's sampler branches: auto, device or host (the engine's flag; "
                              "device: the comparison with the host's plans, auto's choice on a GPU)")
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU (the CPU default)")
-    parser.add_argument("--concurrency", type=int, nargs="+",
-                        help="the engine's concurrency levels instead of 1, 64, 256 (a saturation run: "
-                             "--steps engine --models llama-3-8b --concurrency 1024 --max-num-batched-tokens 8192)")
-    parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's tokens per step instead of 1024")
+    parser.add_argument("--engine-args", type=shlex.split, default=[],
+                        help="more flags for each engine step (`bench.engine_check`'s), in one string: the saturation "
+                             "run is --steps engine --models llama-3-8b --engine-args '--concurrency 1024 "
+                             "--max-num-batched-tokens 8192'; '--temperature 0.8 --top-p 0.95' samples")
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
                         help="the engine's and the step audit's weights (int8: does weight-only int8 pay here, so that "
                              "--quantization auto should take it?)")
@@ -284,7 +282,7 @@ def main(argv=None) -> int:
                 results["kernel-bench"] = run_kernel_bench(run, env, small, results["probe"])
             if "engine" in args.steps:
                 results["engine"] = run_engines(run, env, small, models, args.attention_backend, args.sampler_branches,
-                                                args.concurrency, args.max_num_batched_tokens, args.quantization)
+                                                args.quantization, args.engine_args)
             if "step-audit" in args.steps:
                 results["step-audit"] = run_step_audit(run, env, small, models, args.sampler_branches,
                                                        args.quantization)

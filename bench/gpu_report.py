@@ -99,6 +99,12 @@ def kernel_bench_section(rows: list[dict], peak_gbs: float | None) -> list[str]:
     return lines + [""]
 
 
+def _decoding(decoding: dict | None) -> str:
+    if not decoding or not decoding["temperature"]:
+        return "greedy"
+    return f"sampled at temperature {decoding['temperature']:g}, top-p {decoding['top_p']:g}"
+
+
 def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
     lines = ["### Engine offline, random weights with real shapes, bf16", "",
              "`python -m sluice.bench.engine_check` (see its docstring). Throughput: the workload's requests in waves of "
@@ -138,7 +144,9 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
             )
     settings = [f"- {r['model']}: up to {max(r['sizes']['concurrency'])} sequences, "
                 f"{r['sizes']['max_num_batched_tokens']} tokens per step, a KV pool of "
-                f"{r['kv_cache_bytes'] / 2**20:,.2f} MiB, {r.get('num_preemptions', 0)} preemptions"
+                f"{r['kv_cache_bytes'] / 2**20:,.2f} MiB, {r.get('num_preemptions', 0)} preemptions, "
+                f"{_decoding(r.get('decoding'))}, programs compiled during the timed levels "
+                f"{[level.get('compiled', 0) for level in r['levels']]}"
                 for r in results if "kv_cache_bytes" in r]
     return lines + ([""] + settings if settings else []) + [""]
 

@@ -20,9 +20,9 @@ def check(tmp_path_factory):
         # compile through the suite's cache (conftest.py), which spares the smoke run about 40 s of CPU.
         patch.setattr(gpu_check, "child_env", lambda work, xla_flags: {
             **child_env(work, xla_flags), "SLUICE_JAX_CACHE": os.environ["JAX_COMPILATION_CACHE_DIR"]})
-        # Concurrency 3 and 24 tokens per step in place of the small sizes' 4 and 16: both reach the engine's step.
-        status = gpu_check.main(["--out", str(out), "--budget-s", "400", "--concurrency", "1", "3",
-                                 "--max-num-batched-tokens", "24"])
+        # Concurrency 3 and 24 tokens per step in place of the small sizes' 4 and 16, sampled: all reach the engine.
+        status = gpu_check.main(["--out", str(out), "--budget-s", "400", "--engine-args",
+                                 "--concurrency 1 3 --max-num-batched-tokens 24 --temperature 0.8 --top-p 0.9"])
     return status, out, json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
 
 
@@ -71,6 +71,7 @@ def test_engine_produced_every_requested_token_without_the_http_stack(check):
     assert engine["model"] == "tiny" and engine["backend"] == "cpu" and engine["http_stack_imported"] == []
     assert [level["concurrency"] for level in engine["levels"]] == [1, 3]
     assert engine["sizes"]["max_num_batched_tokens"] == 24
+    assert engine["decoding"] == {"temperature": 0.8, "top_p": 0.9}
     for level in engine["levels"]:
         # engine_check fails the run if any request got a different number of tokens than it asked for.
         assert level["output_tokens"] > 0 and level["output_tok_s"] > 0
@@ -80,7 +81,8 @@ def test_engine_produced_every_requested_token_without_the_http_stack(check):
     assert engine["compile_s"] > 0
     assert "| tiny | cpu, scan | 3 | 4 |" in report
     pool_mib = engine["kv_cache_bytes"] / 2**20
-    assert f"- tiny: up to 3 sequences, 24 tokens per step, a KV pool of {pool_mib:,.2f} MiB, 0 preemptions" in report
+    assert (f"- tiny: up to 3 sequences, 24 tokens per step, a KV pool of {pool_mib:,.2f} MiB, 0 preemptions, sampled "
+            "at temperature 0.8, top-p 0.9, programs compiled during the timed levels [0, 0]") in report
 
 
 def test_the_traced_decode_steps_say_where_device_time_went(check):
