@@ -411,13 +411,13 @@ class Engine:
         chunks = scheduled.chunks
         if not chunks:
             return None
-        limits, drafting = self._multi_step_call(chunks)
-        stats = StepStats.of(chunks, limits, self.step_cost)  # before the chunks' sequences move on
         try:
-            pending = self.runner.dispatch(chunks, limits, drafting, self._num_pooling > 0)
+            pending = self.runner.dispatch(chunks, *self._multi_step_call(chunks), self._num_pooling > 0)
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
             self._start_over(error)
             return None
+        limits, drafting = pending.limits, pending.drafting  # what ran: a call may run as one step meanwhile
+        stats = StepStats.of(chunks, limits, self.step_cost)  # before the chunks' sequences move on
         first_indices, counts = self._mark_dispatched(chunks, limits, drafting)
         return _Launched(chunks, limits, drafting, first_indices, counts, pending, stats, start,
                          time.perf_counter() - start)

@@ -24,6 +24,8 @@ With speculative decoding, its drafting rows also propose n-gram drafts on the d
 them there (`_verify_steps`), so the host is not needed between one verification and the next; steps after
 every row has ended are skipped, unless the host decides the sampler's branches (`SamplerPlan`: on a GPU, where
 each decision left to the device is a conditional that stalls the call), when the call has none and runs them.
+A plan met after warm-up compiles off the engine thread (`background_compile.py`); until it is ready, a
+multi-step call of it runs as single steps, and a single step samples with every pass (the same tokens).
 """
 
 from __future__ import annotations
@@ -43,14 +45,15 @@ from flax import nnx
 from tqdm import tqdm
 
 from sluice.batching import step_broadcast
+from sluice.batching.background_compile import BackgroundCompiler, shapes_of
 from sluice.batching.faults import Fault, strike
 from sluice.batching.ngram import NgramConfig, propose_on_device
 from sluice.batching.request import MAX_STOP_IDS
 from sluice.batching.input_batch import InputBatch, SlotRows, SlotWrites, write_rows
 from sluice.batching.kv_store import PagePayload
 from sluice.batching.kv_transfer import PageCopy, load_pages
-from sluice.batching.sampler import SampledRows, SamplerOutput, SamplerPlan, SamplingBatch, bitmask_words, \
-    mask_disallowed, resolve_sampler_branches, sample
+from sluice.batching.sampler import EVERY_PASS, SampledRows, SamplerOutput, SamplerPlan, SamplingBatch, \
+    bitmask_words, mask_disallowed, resolve_sampler_branches, sample
 from sluice.batching.scheduler import ScheduledChunk
 from sluice.batching.sequence import PENDING
 from sluice.batching.structured import fill_bitmask
@@ -449,9 +452,11 @@ class PendingStep:
     """A dispatched step whose sampled tokens are being copied to the host."""
 
     def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, row_slots: np.ndarray, pooled: jax.Array | None, bucket: Bucket,
-                 fault: str | None = None):
-        """`bucket`: the step's shape, for a hung step's report; `fault`: an injected one (`faults.py`)."""
+                 limits: list[int] | None, drafting: list[int] | None, row_slots: np.ndarray,
+                 pooled: jax.Array | None, bucket: Bucket, fault: str | None = None):
+        """`limits`, `drafting`: the multi-step call's that ran (`ModelRunner.dispatch`), None for a single step;
+        `bucket`: the step's shape, for a hung step's report; `fault`: an injected one (`faults.py`)."""
+        self.limits, self.drafting = limits, drafting
         self._out = (out, pooled)
         self._shares = (chunks, rows, limits, row_slots)
         self.bucket = bucket
@@ -523,6 +528,10 @@ class ModelRunner:
         self._write_slots = jax.jit(partial(_write_packed), static_argnums=(0,), donate_argnums=(1,),
                                     out_shardings=everywhere)
         self._no_histories: dict[int, jax.Array] = {}
+        # Host plans: the multi-step calls, (bucket, plan), and samplers, (rows, plan), compiled on this thread
+        # (at warm-up); the others compile on a thread of their own (`background_compile.py`).
+        self._jitted: set[tuple] = set()
+        self._compiler = BackgroundCompiler()
         self.fault = Fault.from_env()
         self._num_dispatched = 0
 
@@ -591,8 +600,9 @@ class ModelRunner:
         if writes is not None:
             self._write(writes)
         flat, packing = pack((inputs, replace(sampled, history=None)))
-        result, self.kv_cache = self._step_fn(bucket, plan)(
-            packing, self.weights, self.kv_cache, self._last_tokens, self._slots, self._global(flat),
+        program = self._compiler.get((bucket, plan)) if bucket.num_steps > 1 else None
+        result, self.kv_cache = (program or partial(self._step_fn(bucket, plan), packing))(
+            self.weights, self.kv_cache, self._last_tokens, self._slots, self._global(flat),
             self._global(sampled.history))
         if bucket.num_steps > 1:
             out, self._last_tokens = result
@@ -604,8 +614,35 @@ class ModelRunner:
             allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
             fill_masks(allowed)
             logits = self._mask(logits, self._global(allowed))
-        out, self._last_tokens = self._sample(plan, logits, sampling)
+        out, self._last_tokens = self._sampler(bucket.num_rows, plan, logits, sampling)(logits, sampling)
         return out, pooled
+
+    def _sampler(self, num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch
+                 ) -> Callable[[jax.Array, SamplingBatch], tuple[SamplerOutput, jax.Array]]:
+        """A single step's sampler for `plan`: compiled here (at warm-up) or off this thread; until then, the
+        sampler of every pass, which gives the same outputs (its top alternatives and acceptances are read only
+        when the plan has them)."""
+        key = (num_rows, plan)
+        if plan is None or key in self._jitted:
+            return partial(self._sample, plan)
+        if (program := self._compiler.get(key)) is not None:
+            return program
+        if key not in self._compiler:
+            self._compiler.submit(key, partial(self._sample.lower, plan, *shapes_of((logits, sampling))))
+        self._jitted.add((num_rows, EVERY_PASS))  # warmed, or compiled now, once per row count
+        return partial(self._sample, EVERY_PASS)
+
+    def _call_ready(self, bucket: Bucket, plan: SamplerPlan | None) -> bool:
+        """Whether the multi-step call of `bucket` is compiled for `plan`; if not, it compiles off this thread."""
+        key = (bucket, plan)
+        if plan is None or key in self._jitted or self._compiler.get(key) is not None:
+            return True
+        if key not in self._compiler:
+            inputs, sampled = self._pad([], bucket, None)
+            flat, packing = pack((inputs, replace(sampled, history=None)))
+            shapes = shapes_of((self.weights, self.kv_cache, self._last_tokens, self._slots, flat, sampled.history))
+            self._compiler.submit(key, partial(self._step_fn(bucket, plan).lower, packing, *shapes))
+        return False
 
     def _write(self, writes: SlotWrites) -> None:
         flat, packing = pack((writes.slots, writes.rows))
@@ -650,21 +687,32 @@ class ModelRunner:
         return PageCopy(self.kv_cache, pages)
 
     def num_compiled(self) -> int:
-        """Compiled models (one per bucket), samplers and masks (one each per bucket row count), and slot
-        writes (one per count of rows written)."""
+        """Programs compiled on the engine thread: models (one per bucket), samplers and masks (one each per bucket
+        row count), and slot writes (one per count of rows written)."""
         return (sum(fn._cache_size() for fn in self._steps.values()) + self._sample._cache_size()
                 + self._mask._cache_size() + self._write_slots._cache_size())
 
+    @property
+    def num_compiled_off_thread(self) -> int:
+        """Programs compiled off the engine thread (`background_compile.py`)."""
+        return self._compiler.num_compiled
+
+    def wait_for_compiles(self) -> None:
+        """Blocks until the programs queued off the engine thread are compiled (a benchmark's or a test's warm-up)."""
+        self._compiler.wait()
+
     def warmup(self, progress: bool = True) -> None:
         """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool), for each plan a
-        step of greedy or of plain sampling rows takes (`plans_on_host`), and every size of slot writes (padding
+        step of greedy or of plain sampling rows takes (`plans_on_host`), with a single step's sampler of every pass
+        (which stands in for a plan met later while that one compiles), and every size of slot writes (padding
         writes change nothing)."""
         for size in self.input_batch.buckets:
             self._write(self.input_batch.padding_writes(size))
         plans = [SamplerPlan(), SamplerPlan(sampling=True)] if self.plans_on_host else [None]
         for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
-            for plan in plans:
+            for plan in plans + ([EVERY_PASS] if self.plans_on_host and bucket.num_steps == 1 else []):
                 plan = replace(plan, drafts=True) if plan is not None and bucket.verifies else plan
+                self._jitted.add((bucket, plan) if bucket.num_steps > 1 else (bucket.num_rows, plan))
                 self._run(bucket, None, *self._pad([], bucket, None), fill_masks=lambda allowed: None, plan=plan)
         jax.block_until_ready((self.kv_cache, self._slots))
 
@@ -678,11 +726,19 @@ class ModelRunner:
         result is `VerifiedSteps`).
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
         sampled row, drafts included) while the model runs. `pooling`: fetch the pooled rows (`StepOutput.pooled`).
+        A multi-step call not compiled for its sampler's plan runs as a single step while it compiles off this
+        thread: the returned step's `limits` and `drafting` say what ran.
         """
+        writes = self.input_batch.writes([c.seq for c in chunks])
+        drafted = any(c.num_drafts for c in chunks)
+        plan = self._plan(chunks, drafted or drafting is not None)
+        if limits is not None and not self._call_ready(
+                self.bucket_for(chunks, self.num_decode_steps, drafting is not None), plan):
+            limits = drafting = None
+            plan = self._plan(chunks, drafted)
         num_steps = self.num_decode_steps if limits is not None else 1
         verifies = drafting is not None
         bucket = self.bucket_for(chunks, num_steps, verifies)
-        writes = self.input_batch.writes([c.seq for c in chunks])
         inputs, sampled = self._pad(chunks, bucket, limits, drafting)
         if pooling:
             self._fill_pooling(chunks, inputs)
@@ -691,7 +747,6 @@ class ModelRunner:
                 else list(itertools.accumulate((1 + c.num_drafts for c in chunks[:-1]), initial=0)))
         # Where each slot's last token is in `last_tokens`, for the next step (unknown after drafts).
         self._last_row.fill(-1)
-        drafted = any(c.num_drafts for c in chunks)
         if not drafted:
             sampling = [i for i, c in enumerate(chunks) if c.sample]
             self._last_row[sampled.slot[sampling]] = sampling  # no chunk drafts: row i is chunk i's
@@ -711,21 +766,22 @@ class ModelRunner:
         self._num_dispatched += 1
         fault = self.fault.fires(self._num_dispatched, num_steps == 1) if self.fault is not None else None
         out, pooled = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None, fault == "nan",
-                                self._plan(sampled, int(inputs.num_sampled), verifies))
+                                plan)
         if not verifies:  # the host reads the top alternatives only for logprobs, and acceptances only for drafts
             logprobs = any(c.seq.params.wants_logprobs for c in chunks)
             out = replace(out, top_ids=out.top_ids if logprobs else None,
                           top_logprobs=out.top_logprobs if logprobs else None,
                           accepted=out.accepted if drafted else None)
-        return PendingStep(out, chunks, rows, limits, sampled.slot, pooled if pooling else None, bucket, fault)
+        return PendingStep(out, chunks, rows, limits, drafting, sampled.slot, pooled if pooling else None, bucket,
+                           fault)
 
-    def _plan(self, sampled: SampledRows, num_rows: int, verifies: bool) -> SamplerPlan | None:
-        """The sampler's passes this step's first `num_rows` sampled rows need, when the host decides them; a
-        verification checks drafts the device proposes."""
+    def _plan(self, chunks: list[ScheduledChunk], drafts: bool) -> SamplerPlan | None:
+        """The sampler's passes the chunks' rows need (`drafts`: some row checks a draft, the host's or, in a
+        verification, the device's), when the host decides them; their slots' rows must be current."""
         if not self.plans_on_host:
             return None
-        plan = SamplerPlan.of(self.input_batch.host.sampling, sampled.slot[:num_rows], sampled.draft[:num_rows])
-        return replace(plan, drafts=True) if verifies else plan
+        slots = np.array([c.seq.slot for c in chunks], np.int32)
+        return SamplerPlan.of(self.input_batch.host.sampling, slots, drafts)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""

@@ -13,7 +13,7 @@ costs nothing and spares a compiled sampler per plan. Structured output masks th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import jax
@@ -134,15 +134,19 @@ class SamplerPlan:
     top_logprobs: bool = False
 
     @classmethod
-    def of(cls, table: SamplingBatch, slots: np.ndarray, drafts: np.ndarray) -> SamplerPlan:
-        """For the rows of `slots` in a host (numpy) table of per-sequence parameters, with `drafts` ([R] int32,
-        -1: none) to check."""
+    def of(cls, table: SamplingBatch, slots: np.ndarray, drafts: bool) -> SamplerPlan:
+        """For the rows of `slots` in a host (numpy) table of per-sequence parameters, `drafts` if some row checks
+        one."""
         rows = table.take(slots)
         sampling = rows.temperature > 0
         return cls(sampling=bool(sampling.any()), penalties=bool(rows.penalized().any()),
                    top_k=bool((sampling & (rows.top_k > 0)).any()), top_p=bool((sampling & (rows.top_p < 1)).any()),
-                   min_p=bool((sampling & (rows.min_p > 0)).any()), drafts=bool((drafts >= 0).any()),
+                   min_p=bool((sampling & (rows.min_p > 0)).any()), drafts=drafts,
                    top_logprobs=bool((rows.top_logprobs > 0).any()))
+
+
+# Each pass is exact per row whichever rows need it, so this plan samples any rows as their own plan would.
+EVERY_PASS = SamplerPlan(*[True] * len(fields(SamplerPlan)))
 
 
 def _branch(known: bool | None, needed: jax.Array, then: Callable, otherwise: Callable, *operands):

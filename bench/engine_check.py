@@ -23,7 +23,8 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
   SLUICE_JAX_CACHE points at an empty folder, as `bench.gpu_check` arranges).
 
 Requests decode greedily unless `--temperature` (and `--top-p`) make them sample. Each level records how many
-programs compiled while it ran (a sampler plan compiled at its first step shows there, its time in the figures).
+programs compiled while it ran, on the engine thread (a stall, its time in the figures) and off it (a sampler plan
+met after warm-up: its steps run single, with the sampler of every pass, until it is compiled).
 Every request's output length is checked against what was asked (a wrong count fails the run). Results
 go to `--out` as JSON after each stage, so a run stopped by a time limit keeps what it measured.
 """
@@ -419,10 +420,12 @@ def run(args) -> dict:
     served = ServedModel(config, StepCost.of(config, loaded.model, DTYPE).weight_bytes, DTYPE, DTYPE)
     result["kv_cache_bytes"] = engine_config.kv_cache_memory
     for level, c in zip(result["levels"], sizes.concurrency):
-        compiled = engine.runner.num_compiled()
+        compiled, compiled_off_thread = engine.runner.num_compiled(), engine.runner.num_compiled_off_thread
         level.update(engine_level(engine, served, workload, sizes, c, peaks, decoding))
-        # Programs compiled while this level ran, its timings included (a sampler plan not compiled at warm-up).
+        # Programs compiled while this level ran: on the engine thread, each stalled the steps (its time is in the
+        # figures); off it, a plan not compiled at warm-up, whose steps ran single meanwhile.
         level["compiled"] = engine.runner.num_compiled() - compiled
+        level["compiled_off_thread"] = engine.runner.num_compiled_off_thread - compiled_off_thread
         result["num_preemptions"] = engine.stats.num_preemptions
         save()
     return result

@@ -146,7 +146,8 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
                 f"{r['sizes']['max_num_batched_tokens']} tokens per step, a KV pool of "
                 f"{r['kv_cache_bytes'] / 2**20:,.2f} MiB, {r.get('num_preemptions', 0)} preemptions, "
                 f"{_decoding(r.get('decoding'))}, programs compiled during the timed levels "
-                f"{[level.get('compiled', 0) for level in r['levels']]}"
+                f"{[level.get('compiled', 0) for level in r['levels']]} on the engine thread (each a stall) and "
+                f"{[level.get('compiled_off_thread', 0) for level in r['levels']]} off it"
                 for r in results if "kv_cache_bytes" in r]
     return lines + ([""] + settings if settings else []) + [""]
 

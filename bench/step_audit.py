@@ -397,7 +397,7 @@ def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1) -> j
     bucket = runner._decode_bucket(rows, num_steps)
     inputs, sampled = runner._pad([], bucket, None)
     flat, packing = pack((inputs, replace(sampled, history=None)))  # as `ModelRunner._run` sends them
-    plan = runner._plan(sampled, rows, verifies=False)
+    plan = runner._plan([], drafts=False)  # padding rows: greedy
     return runner._step_fn(bucket, plan).lower(packing, runner.weights, runner.kv_cache, runner._last_tokens,
                                                runner._slots, flat, sampled.history).compile()
 

@@ -66,6 +66,34 @@ def test_host_decided_sampler_branches_give_the_tokens_text_and_logprobs_of_devi
     assert host.stats.kv_pages_used == 0
 
 
+def test_a_plan_met_after_warm_up_compiles_off_the_engine_thread_and_its_steps_run_meanwhile(tiny):
+    """Host plans: a request whose filters and logprobs no warmed plan covers runs single steps with the sampler of
+    every pass while its own programs compile aside; nothing compiles on the engine thread, and the tokens are
+    the device-decided engine's before and after."""
+    host = make_engine(tiny, num_decode_steps=4, sampler_branches="host", enable_prefix_caching=False)
+    device = make_engine(tiny, num_decode_steps=4, sampler_branches="device")
+    compiled = host.runner.num_compiled()
+    batch = prompts(6, seed=8)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=i, max_tokens=12, logprobs=True,
+                             top_logprobs=2, ignore_eos=True) for i in range(len(batch))]
+    want = device.generate(batch, params)
+    steps = host.stats.num_steps
+    meanwhile = host.generate(batch, params)
+    steps_meanwhile = host.stats.num_steps - steps
+    host.runner.wait_for_compiles()
+    steps = host.stats.num_steps
+    compiled_aside = host.generate(batch, params)
+    for a, b, c in zip(meanwhile, compiled_aside, want):
+        assert_same(a[0], c[0])
+        assert_same(b[0], c[0])
+        np.testing.assert_allclose([lp.logprob for lp in a[0].logprobs], [lp.logprob for lp in c[0].logprobs],
+                                   atol=1e-5)
+    assert host.runner.num_compiled() == compiled
+    assert host.runner.num_compiled_off_thread >= 2  # the decode call and a sampler, at least
+    assert host.stats.num_steps - steps < steps_meanwhile  # decode calls of 4 steps, once compiled
+    assert host.stats.kv_pages_used == 0
+
+
 def test_a_stop_string_found_while_the_next_step_runs_emits_nothing_after_it(tiny):
     engine = make_engine(tiny)
     prompt = [31, 32, 33, 34, 35]

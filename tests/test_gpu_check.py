@@ -82,7 +82,8 @@ def test_engine_produced_every_requested_token_without_the_http_stack(check):
     assert "| tiny | cpu, scan | 3 | 4 |" in report
     pool_mib = engine["kv_cache_bytes"] / 2**20
     assert (f"- tiny: up to 3 sequences, 24 tokens per step, a KV pool of {pool_mib:,.2f} MiB, 0 preemptions, sampled "
-            "at temperature 0.8, top-p 0.9, programs compiled during the timed levels [0, 0]") in report
+            "at temperature 0.8, top-p 0.9, programs compiled during the timed levels [0, 0] on the engine thread "
+            "(each a stall) and [0, 0] off it") in report
 
 
 def test_the_traced_decode_steps_say_where_device_time_went(check):

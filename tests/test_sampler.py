@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sluice.batching.sampler import SamplerPlan, argmax, filter_cutoff, sample
+from sluice.batching.sampler import EVERY_PASS, SamplerPlan, argmax, filter_cutoff, sample
 from sluice.batching.sampling_params import SamplingParams
 from sampling_rows import Row, sampling_batch
 
@@ -174,10 +174,24 @@ PLAN_CASES = {
 
 
 @pytest.mark.parametrize("rows, plan", PLAN_CASES.values(), ids=PLAN_CASES.keys())
+def test_the_plan_of_every_pass_samples_what_the_rows_own_plan_does(rows, plan):
+    logits = logits_for(len(rows), seed=4)
+    batch = sampling_batch(rows, len(rows), VOCAB)
+    own, every = (jax.tree.map(np.asarray, jax.jit(sample, static_argnums=2)(logits, batch, p))
+                  for p in (plan, EVERY_PASS))
+    np.testing.assert_array_equal(every.tokens, own.tokens)
+    np.testing.assert_allclose(every.logprobs, own.logprobs, rtol=1e-6)
+    if plan.drafts:
+        np.testing.assert_array_equal(every.accepted, own.accepted)
+    if plan.top_logprobs:
+        np.testing.assert_array_equal(every.top_ids, own.top_ids)
+
+
+@pytest.mark.parametrize("rows, plan", PLAN_CASES.values(), ids=PLAN_CASES.keys())
 def test_a_plan_the_host_decides_samples_what_the_device_decides_without_a_conditional(rows, plan):
     logits = logits_for(len(rows), seed=3)
     batch = sampling_batch(rows, len(rows), VOCAB)
-    assert SamplerPlan.of(batch, np.arange(len(rows)), batch.draft) == plan
+    assert SamplerPlan.of(batch, np.arange(len(rows)), bool((batch.draft >= 0).any())) == plan
     planned = jax.jit(sample, static_argnums=2).lower(logits, batch, plan).compile()
     assert " conditional(" not in planned.as_text()
     with_plan, on_device = (jax.tree.map(np.asarray, out)

@@ -1,0 +1,74 @@
+"""Programs compiled on a thread of their own, so that a step never waits for one.
+
+The runner compiles what a step may need at warm-up. A program met later (the host decides the sampler's plan, and
+a request brings filters or logprobs no warmed plan covers) would otherwise compile on the engine thread, and every
+running request would stall for it: seconds for a multi-step call on a GPU. Instead the step runs a warmed
+program that gives the same tokens, and the exact one compiles here; steps take it once it is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Hashable
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundCompiler:
+    """Compiles lowered programs one at a time on a daemon thread, each key once; owned by the engine thread."""
+
+    def __init__(self) -> None:
+        self._ready: dict[Hashable, jax.stages.Compiled] = {}  # written by the compile thread, read by the owner
+        self._queued: set[Hashable] = set()
+        self._jobs: queue.Queue[tuple[Hashable, Callable[[], jax.stages.Lowered]]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def get(self, key: Hashable) -> jax.stages.Compiled | None:
+        """The compiled program for `key`; None until it is ready."""
+        return self._ready.get(key)
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether `key` was submitted."""
+        return key in self._queued
+
+    def submit(self, key: Hashable, lower: Callable[[], jax.stages.Lowered]) -> None:
+        """Queues `lower().compile()` for `key`. `lower` runs on the compile thread: it must not read arrays a step
+        may donate meanwhile (lower against their `shapes_of`)."""
+        self._queued.add(key)
+        self._jobs.put((key, lower))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="sluice-compile", daemon=True)
+            self._thread.start()
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._ready)
+
+    @property
+    def num_pending(self) -> int:
+        """Programs queued and not compiled yet (a failed one stays pending: its steps keep the stand-in)."""
+        return len(self._queued) - len(self._ready)
+
+    def wait(self) -> None:
+        """Blocks until every program submitted so far is compiled (or failed)."""
+        self._jobs.join()
+
+    def _work(self) -> None:
+        while True:
+            key, lower = self._jobs.get()
+            try:
+                self._ready[key] = lower().compile()
+            except Exception:  # noqa: BLE001 - the steps go on with the program standing in for it
+                logger.exception("compiling %s off the engine thread failed", key)
+            finally:
+                self._jobs.task_done()
+
+
+def shapes_of(tree):
+    """Each array of `tree` (jax or numpy) as its shape, dtype and (a jax array's) sharding, to lower against."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)
