@@ -8,14 +8,18 @@ program that gives the same tokens, and the exact one compiles here; steps take 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 
 import jax
 
 logger = logging.getLogger(__name__)
+
+_Job = tuple[Hashable, Callable[[], jax.stages.Lowered]]
 
 
 class BackgroundCompiler:
@@ -24,8 +28,9 @@ class BackgroundCompiler:
     def __init__(self) -> None:
         self._ready: dict[Hashable, jax.stages.Compiled] = {}  # written by the compile thread, read by the owner
         self._queued: set[Hashable] = set()
-        self._jobs: queue.Queue[tuple[Hashable, Callable[[], jax.stages.Lowered]]] = queue.Queue()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()  # None: stop
         self._thread: threading.Thread | None = None
+        _compilers.add(self)
 
     def get(self, key: Hashable) -> jax.stages.Compiled | None:
         """The compiled program for `key`; None until it is ready."""
@@ -48,22 +53,34 @@ class BackgroundCompiler:
     def num_compiled(self) -> int:
         return len(self._ready)
 
-    @property
-    def num_pending(self) -> int:
-        """Programs queued and not compiled yet (a failed one stays pending: its steps keep the stand-in)."""
-        return len(self._queued) - len(self._ready)
-
     def wait(self) -> None:
         """Blocks until every program submitted so far is compiled (or failed)."""
         self._jobs.join()
 
+    def close(self) -> None:
+        """Drops the programs not started and waits for the one compiling: a process that exits in the middle of a
+        compile is aborted by XLA."""
+        while True:
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            self._jobs.task_done()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
     def _work(self) -> None:
         while True:
-            key, lower = self._jobs.get()
+            job = self._jobs.get()
             try:
+                if job is None:
+                    return
+                key, lower = job
                 self._ready[key] = lower().compile()
-            except Exception:  # noqa: BLE001 - the steps go on with the program standing in for it
-                logger.exception("compiling %s off the engine thread failed", key)
+            except Exception:  # noqa: BLE001 - a failed program stays queued: its steps keep the stand-in
+                logger.exception("compiling %s off the engine thread failed", job[0])
             finally:
                 self._jobs.task_done()
 
@@ -72,3 +89,12 @@ def shapes_of(tree):
     """Each array of `tree` (jax or numpy) as its shape, dtype and (a jax array's) sharding, to lower against."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                         tree)
+
+
+_compilers: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for compiler in list(_compilers):
+        compiler.close()

@@ -1,0 +1,76 @@
+"""Programs compiled off the engine thread: compiled once per key, failures kept to their key, and a process that
+exits while one compiles exits cleanly (XLA aborts a process torn down in the middle of a compile)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sluice.batching.background_compile import BackgroundCompiler, shapes_of
+
+SPEC = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+
+
+def test_a_submitted_program_compiles_once_and_runs_as_the_jitted_one():
+    compiler = BackgroundCompiler()
+    double = jax.jit(lambda x: 2 * x)
+    x = jnp.arange(16, dtype=jnp.float32).reshape(4, 4)
+    assert compiler.get("double") is None and "double" not in compiler
+    compiler.submit("double", lambda: double.lower(*shapes_of((x,))))
+    assert "double" in compiler
+    compiler.wait()
+    np.testing.assert_array_equal(compiler.get("double")(x), double(x))
+    assert compiler.num_compiled == 1
+    compiler.close()
+
+
+def test_a_program_that_fails_to_compile_stays_missing_and_the_others_compile():
+    compiler = BackgroundCompiler()
+
+    def broken():
+        raise RuntimeError("no such program")
+
+    compiler.submit("broken", broken)
+    compiler.submit("negate", lambda: jax.jit(lambda x: -x).lower(SPEC))
+    compiler.wait()
+    assert compiler.get("broken") is None and "broken" in compiler
+    assert compiler.get("negate") is not None
+    compiler.close()
+
+
+def test_a_process_that_exits_while_a_program_compiles_exits_cleanly():
+    script = textwrap.dedent("""
+        import threading, time
+        import jax, jax.numpy as jnp
+        from sluice.batching.background_compile import BackgroundCompiler
+
+        def long(x):
+            def body(x, _):
+                for _ in range(1500):
+                    x = jnp.sin(x @ x) + jnp.cos(x)
+                return x, None
+            return jax.lax.scan(body, x, None, length=8)[0]
+
+        compiler = BackgroundCompiler()
+        spec = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+        lowered = threading.Event()
+
+        def lower():
+            program = jax.jit(long).lower(spec)
+            lowered.set()  # XLA compiles it next
+            return program
+
+        compiler.submit("long", lower)
+        compiler.submit("queued", lambda: jax.jit(lambda x: long(x) + 1).lower(spec))
+        lowered.wait()
+        time.sleep(0.5)  # into the compile, which takes seconds
+        print("compiled at exit:", compiler.num_compiled)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # compiled, not loaded
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compiled at exit: 0" in done.stdout
