@@ -91,6 +91,14 @@ class SamplingBatch:
         """[S] bool: rows with a penalty, which reads the row's token history (numpy or jax arrays alike)."""
         return (self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.repetition_penalty != 1)
 
+    def needs(self) -> dict[str, jax.Array]:
+        """For each of `sample`'s optional passes (a `SamplerPlan` field), [S] bool: the rows that need it
+        (numpy or jax arrays alike). Filters matter only to sampling rows."""
+        sampling = self.temperature > 0
+        return dict(sampling=sampling, penalties=self.penalized(), top_k=sampling & (self.top_k > 0),
+                    top_p=sampling & (self.top_p < 1), min_p=sampling & (self.min_p > 0), drafts=self.draft >= 0,
+                    top_logprobs=self.top_logprobs > 0)
+
     def stops(self, tokens: jax.Array) -> jax.Array:
         """tokens: [S] int32 sampled at `step`, or [S, W] sampled at steps `step` to `step + W - 1` -> bool of
         the same shape, whether each ends its row (a stop id, min_tokens met)."""
@@ -135,26 +143,23 @@ class SamplerPlan:
 
     @classmethod
     def of(cls, table: SamplingBatch, slots: np.ndarray, drafts: bool) -> SamplerPlan:
-        """For the rows of `slots` in a host (numpy) table of per-sequence parameters, `drafts` if some row checks
-        one."""
-        rows = table.take(slots)
-        sampling = rows.temperature > 0
-        return cls(sampling=bool(sampling.any()), penalties=bool(rows.penalized().any()),
-                   top_k=bool((sampling & (rows.top_k > 0)).any()), top_p=bool((sampling & (rows.top_p < 1)).any()),
-                   min_p=bool((sampling & (rows.min_p > 0)).any()), drafts=drafts,
-                   top_logprobs=bool((rows.top_logprobs > 0).any()))
+        """For the rows of `slots` in a host (numpy) table of per-sequence parameters (`SamplingBatch.needs`),
+        `drafts` if some row checks one (a per-step field, not in the table)."""
+        needs = {name: bool(rows.any()) for name, rows in table.take(slots).needs().items()}
+        return cls(**{**needs, "drafts": drafts})
 
 
 # Each pass is exact per row whichever rows need it, so this plan samples any rows as their own plan would.
 EVERY_PASS = SamplerPlan(*[True] * len(fields(SamplerPlan)))
 
 
-def _branch(known: bool | None, needed: jax.Array, then: Callable, otherwise: Callable, *operands):
-    """`then(*operands)` if some row needs it, else `otherwise(*operands)`: as the host decided (`known`, from a
-    `SamplerPlan`), or on the device from `needed` ([] bool) when it did not (None)."""
-    if known is None:
-        return jax.lax.cond(needed, then, otherwise, *operands)
-    return (then if known else otherwise)(*operands)
+def _branch(plan: SamplerPlan | None, needs: dict[str, jax.Array], passes: tuple[str, ...], then: Callable,
+            otherwise: Callable, *operands):
+    """`then(*operands)` if some row needs one of `passes`, else `otherwise(*operands)`: as the host decided
+    (`plan`), or without a plan on the device, from `needs` (`SamplingBatch.needs`)."""
+    if plan is None:
+        return jax.lax.cond(jnp.any(jnp.stack([needs[name] for name in passes])), then, otherwise, *operands)
+    return (then if any(getattr(plan, name) for name in passes) else otherwise)(*operands)
 
 
 @jax.tree_util.register_dataclass
@@ -262,9 +267,10 @@ def filter_cutoff(scaled: jax.Array, batch: SamplingBatch, plan: SamplerPlan | N
     Top-p counts the mass of what top-k keeps (both act on the same ranking, as with a sort).
     """
     vocab = scaled.shape[1]
+    needs = batch.needs()
     k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)[:, None]
     kth = _branch(
-        plan and plan.top_k, jnp.any(batch.top_k > 0),
+        plan, needs, ("top_k",),
         lambda: largest_cutoff(scaled, lambda kept: jnp.sum(kept, axis=-1, keepdims=True), k),
         lambda: jnp.full_like(scaled[:, :1], -jnp.inf),
     )
@@ -272,7 +278,7 @@ def filter_cutoff(scaled: jax.Array, batch: SamplingBatch, plan: SamplerPlan | N
     probs = jax.nn.softmax(top_k_kept, axis=-1)
     top_p = batch.top_p[:, None]
     top_p_cut = _branch(
-        plan and plan.top_p, jnp.any(batch.top_p < 1),
+        plan, needs, ("top_p",),
         lambda: jnp.where(top_p < 1, largest_cutoff(
             top_k_kept, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), axis=-1, keepdims=True), top_p,
         ), -jnp.inf),
@@ -316,8 +322,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
     num_rows, vocab = logits.shape
     log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     model_logits = logits
-    logits = _branch(plan and plan.penalties, jnp.any(batch.penalized()), apply_penalties, lambda x, _: x, logits,
-                     batch)
+    needs = batch.needs()
+    logits = _branch(plan, needs, ("penalties",), apply_penalties, lambda x, _: x, logits, batch)
     rows = jnp.arange(num_rows)[:, None]
     banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
@@ -327,9 +333,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
 
     def draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
-        any_filter = jnp.any((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0))
         cutoff = _branch(
-            plan and (plan.top_k or plan.top_p or plan.min_p), any_filter,
+            plan, needs, ("top_k", "top_p", "min_p"),
             lambda s: filter_cutoff(s, batch, plan), lambda s: jnp.full((num_rows, 1), -jnp.inf, s.dtype), scaled,
         )
         probs = jax.nn.softmax(jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
@@ -343,15 +348,11 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
             redrawn = inverse_cdf(without_draft, uniforms[:, 1])
             return jnp.where(has_draft, jnp.where(accepted, draft, redrawn), drawn), accepted
 
-        drawn, accepted = _branch(plan and plan.drafts, jnp.any(has_draft), verify,
-                                  lambda d: (d, jnp.zeros_like(has_draft)), drawn)
-        sampling = batch.temperature > 0
+        drawn, accepted = _branch(plan, needs, ("drafts",), verify, lambda d: (d, jnp.zeros_like(has_draft)), drawn)
+        sampling = needs["sampling"]
         return jnp.where(sampling, drawn, greedy_tokens), jnp.where(sampling, accepted, greedy_accepted)
 
-    tokens, accepted = _branch(
-        plan and plan.sampling, jnp.any(batch.temperature > 0), draw, lambda _: (greedy_tokens, greedy_accepted),
-        logits,
-    )
+    tokens, accepted = _branch(plan, needs, ("sampling",), draw, lambda _: (greedy_tokens, greedy_accepted), logits)
     chosen = jnp.take_along_axis(model_logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer[:, 0]
 
     def top_alternatives() -> tuple[jax.Array, jax.Array]:
@@ -359,7 +360,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
         return values - log_normalizer, ids.astype(jnp.int32)
 
     top_logprobs, top_ids = _branch(
-        plan and plan.top_logprobs, jnp.any(batch.top_logprobs > 0), top_alternatives,
+        plan, needs, ("top_logprobs",), top_alternatives,
         lambda: (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32), jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32)),
     )
     return SamplerOutput(tokens, chosen, top_ids, top_logprobs, accepted)
