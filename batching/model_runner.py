@@ -5,11 +5,11 @@ recompiles: decode-only steps by their number of sequences, mixed steps by their
 is donated to the step and replaced by its output; the model parameters are split from the NNX module once and
 passed in as a pytree. Page tables and sampling parameters are not sent with each step: they live on the
 device in the persistent input batch (`input_batch.py`), one row per running sequence's slot, and a step sends
-only the rows that changed, then per token and per sampled row its slot. `dispatch` returns at once (async dispatch) and starts copying the sampled tokens to the
-host, so the engine does its text work while the device computes. Each step also leaves every sequence's last
-sampled token on the device (`last_tokens`, a fixed [max_num_seqs] array), and the next step takes from it the
-tokens the host has not seen yet (`StepInputs.feed`): with overlapped scheduling the engine dispatches that step
-before it collects this one. A fetched step gives each sequence a `SequenceOutput`, whatever ran.
+only the rows that changed, then per token and per sampled row its slot. `dispatch` returns at once (async
+dispatch) and starts copying the sampled tokens to the host, so the engine does its text work while the device
+computes. Each step also leaves every sequence's last sampled token on the device (`last_tokens`, a fixed
+[max_num_seqs] array), and the next step takes from it the tokens the host has not seen yet (`StepInputs.feed`):
+with overlapped scheduling the engine dispatches that step before it collects this one. A fetched step gives each sequence a `SequenceOutput`, whatever ran.
 
 A step is two jitted calls, the model (to logits) and the sampler, so that the host fills the structured-output
 masks of the step's constrained rows (`batching/structured.py`) while the device runs the model: the masks need
@@ -614,10 +614,10 @@ class ModelRunner:
             allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
             fill_masks(allowed)
             logits = self._mask(logits, self._global(allowed))
-        out, self._last_tokens = self._sampler(bucket.num_rows, plan, logits, sampling)(logits, sampling)
+        out, self._last_tokens = self._sampler_for(bucket.num_rows, plan, logits, sampling)(logits, sampling)
         return out, pooled
 
-    def _sampler(self, num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch
+    def _sampler_for(self, num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch
                  ) -> Callable[[jax.Array, SamplingBatch], tuple[SamplerOutput, jax.Array]]:
         """A single step's sampler for `plan`: compiled here (at warm-up) or off this thread; until then, the
         sampler of every pass, which gives the same outputs (its top alternatives and acceptances are read only

@@ -361,6 +361,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
 
     top_logprobs, top_ids = _branch(
         plan, needs, ("top_logprobs",), top_alternatives,
-        lambda: (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32), jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32)),
+        lambda: (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32),
+                 jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32)),
     )
     return SamplerOutput(tokens, chosen, top_ids, top_logprobs, accepted)
