@@ -9,7 +9,8 @@ only the rows that changed, then per token and per sampled row its slot. `dispat
 dispatch) and starts copying the sampled tokens to the host, so the engine does its text work while the device
 computes. Each step also leaves every sequence's last sampled token on the device (`last_tokens`, a fixed
 [max_num_seqs] array), and the next step takes from it the tokens the host has not seen yet (`StepInputs.feed`):
-with overlapped scheduling the engine dispatches that step before it collects this one. A fetched step gives each sequence a `SequenceOutput`, whatever ran.
+with overlapped scheduling the engine dispatches that step before it collects this one. A fetched step gives
+each sequence a `SequenceOutput`, whatever ran.
 
 A step is two jitted calls, the model (to logits) and the sampler, so that the host fills the structured-output
 masks of the step's constrained rows (`batching/structured.py`) while the device runs the model: the masks need
