@@ -41,7 +41,7 @@ from sluice.batching.ngram import NgramConfig
 from sluice.batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
     TokenLogprob, deliver
 from sluice.batching.request import Request, RequestLimits, build_request
-from sluice.batching.sampler import SamplerOutput
+from sluice.batching.sampler import SamplerOutput, SamplerPlan
 from sluice.batching.sampling_params import SamplingParams
 from sluice.batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from sluice.batching.sequence import Sequence, SequenceStatus
@@ -128,8 +128,11 @@ class Engine:
     """Continuous-batching generation over one model: `submit`/`add_request` and `abort` from anywhere,
     `start` for a background step loop serving an event loop, or `generate` offline."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, progress: bool = True, mesh: Mesh | None = None):
-        """`mesh`: the tensor-parallel mesh `loaded` was sharded onto (None: one device)."""
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, progress: bool = True, mesh: Mesh | None = None,
+                 warm_for: list[SamplingParams] | None = None):
+        """`mesh`: the tensor-parallel mesh `loaded` was sharded onto (None: one device). `warm_for`: where the host
+        decides the sampler's plans, warm-up compiles those of these parameters (default: greedy and plain
+        sampling); others compile off the engine thread when first met."""
         self.config = config = batch_defaults(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -168,7 +171,8 @@ class Engine:
         self.speculator = Speculator(self.ngram) if self.ngram else None
         self.step_cost = StepCost.of(loaded.config, loaded.model, kv_dtype)
         if config.warmup:
-            self.runner.warmup(progress)
+            plans = None if warm_for is None else [SamplerPlan.for_params(p, self.limits.vocab_size) for p in warm_for]
+            self.runner.warmup(progress, plans)
         # What exists now (model, compiled steps, tokenizer) lives as long as the engine: kept out of the cyclic
         # collector's full passes, which otherwise walk all of it and stall a step for milliseconds.
         gc.collect()

@@ -702,14 +702,17 @@ class ModelRunner:
         """Blocks until the programs queued off the engine thread are compiled (a benchmark's or a test's warm-up)."""
         self._compiler.wait()
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool), for each plan a
-        step of greedy or of plain sampling rows takes (`plans_on_host`), with a single step's sampler of every pass
-        (which stands in for a plan met later while that one compiles), and every size of slot writes (padding
-        writes change nothing)."""
+    def warmup(self, progress: bool = True, plans: list[SamplerPlan] | None = None) -> None:
+        """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool), for each of
+        `plans` when the host decides them (default: those of greedy and of plain sampling rows), with a single
+        step's sampler of every pass (which stands in for a plan met later while that one compiles), and every
+        size of slot writes (padding writes change nothing)."""
         for size in self.input_batch.buckets:
             self._write(self.input_batch.padding_writes(size))
-        plans = [SamplerPlan(), SamplerPlan(sampling=True)] if self.plans_on_host else [None]
+        if not self.plans_on_host:
+            plans = [None]
+        elif plans is None:
+            plans = [SamplerPlan(), SamplerPlan(sampling=True)]
         for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
             for plan in plans + ([EVERY_PASS] if self.plans_on_host and bucket.num_steps == 1 else []):
                 plan = replace(plan, drafts=True) if plan is not None and bucket.verifies else plan

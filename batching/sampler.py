@@ -148,6 +148,13 @@ class SamplerPlan:
         needs = {name: bool(rows.any()) for name, rows in table.take(slots).needs().items()}
         return cls(**{**needs, "drafts": drafts})
 
+    @classmethod
+    def for_params(cls, params: SamplingParams, vocab_size: int) -> SamplerPlan:
+        """For rows that sample with `params` and check no drafts."""
+        table = SamplingBatch.empty(1, 0)
+        table.write(0, params, 0, (), 0, vocab_size)
+        return cls.of(table, np.zeros(1, np.int32), drafts=False)
+
 
 # Each pass is exact per row whichever rows need it, so this plan samples any rows as their own plan would.
 EVERY_PASS = SamplerPlan(*[True] * len(fields(SamplerPlan)))

@@ -7,9 +7,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import SamplingParams
-from test_engine import GREEDY, make_engine, prompts, tiny  # noqa: F401 - `tiny` is a fixture
+from test_engine import CONFIG, GREEDY, make_engine, page_bytes, prompts, tiny  # noqa: F401 - `tiny` is a fixture
 
 KINDS = [
     GREEDY,
@@ -92,6 +93,17 @@ def test_a_plan_met_after_warm_up_compiles_off_the_engine_thread_and_its_steps_r
     assert host.runner.num_compiled_off_thread >= 2  # the decode call and a sampler, at least
     assert host.stats.num_steps - steps < steps_meanwhile  # decode calls of 4 steps, once compiled
     assert host.stats.kv_pages_used == 0
+
+
+def test_warm_up_compiles_the_plans_of_the_parameters_it_is_given(tiny):
+    config = replace(CONFIG, kv_cache_memory=page_bytes(256), num_decode_steps=4, sampler_branches="host")
+    both = Engine(tiny, config, progress=False)
+    greedy = Engine(tiny, config, progress=False, warm_for=[GREEDY])
+    compiled = greedy.runner.num_compiled()
+    assert compiled < both.runner.num_compiled()  # no multi-step calls of sampling rows
+    greedy.generate(prompts(6, seed=9), GREEDY)
+    greedy.runner.wait_for_compiles()
+    assert greedy.runner.num_compiled() == compiled and greedy.runner.num_compiled_off_thread == 0
 
 
 def test_a_stop_string_found_while_the_next_step_runs_emits_nothing_after_it(tiny):

@@ -173,6 +173,15 @@ PLAN_CASES = {
 }
 
 
+def test_the_plan_for_parameters_is_that_of_their_rows():
+    assert SamplerPlan.for_params(SamplingParams(temperature=0.0), VOCAB) == SamplerPlan()
+    assert SamplerPlan.for_params(SamplingParams(temperature=0.8, top_p=0.9), VOCAB) == SamplerPlan(sampling=True,
+                                                                                                  top_p=True)
+    assert SamplerPlan.for_params(SamplingParams(temperature=0.0, top_k=5, logprobs=True, top_logprobs=2,
+                                                 repetition_penalty=1.1), VOCAB) == SamplerPlan(penalties=True,
+                                                                                                 top_logprobs=True)
+
+
 @pytest.mark.parametrize("rows, plan", PLAN_CASES.values(), ids=PLAN_CASES.keys())
 def test_the_plan_of_every_pass_samples_what_the_rows_own_plan_does(rows, plan):
     logits = logits_for(len(rows), seed=4)
