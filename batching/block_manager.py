@@ -140,8 +140,8 @@ class BlockManager:
         known = len(seq.store_keys)
         if known < num_pages:
             parent = seq.store_keys[-1] if known else None
-            seq.store_keys += self.store.layout.page_keys(seq.token_ids[known * self.page_size:num_pages * self.page_size],
-                                                         parent)
+            tokens = seq.token_ids[known * self.page_size:num_pages * self.page_size]
+            seq.store_keys += self.store.layout.page_keys(tokens, parent)
         return seq.store_keys
 
     def can_admit(self, seq: Sequence, shared: list[int], num_new_tokens: int) -> bool:

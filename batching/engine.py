@@ -38,8 +38,8 @@ from sluice.batching.kv_transfer import PageCopy
 from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from sluice.batching.model_runner import ModelRunner, PendingStep, SequenceOutput, enable_compilation_cache
 from sluice.batching.ngram import NgramConfig
-from sluice.batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, OutputSink, \
-    TokenLogprob, deliver
+from sluice.batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, \
+    OutputSink, TokenLogprob, deliver
 from sluice.batching.request import Request, RequestLimits, build_request
 from sluice.batching.sampler import SamplerOutput, SamplerPlan
 from sluice.batching.sampling_params import SamplingParams

@@ -28,7 +28,8 @@ class Fault:
             return None
         kind, _, step = spec.partition("@")
         if kind not in KINDS or not step.isdigit() or int(step) < 1:
-            raise ValueError(f"SLUICE_FAULT must be KIND@N with KIND one of {', '.join(KINDS)} and N >= 1, got {spec!r}")
+            raise ValueError(f"SLUICE_FAULT must be KIND@N with KIND one of {', '.join(KINDS)} and N >= 1, "
+                             f"got {spec!r}")
         return cls(kind, int(step))  # type: ignore[arg-type]
 
     def fires(self, num_dispatched: int, single_step: bool) -> str | None:

@@ -120,7 +120,8 @@ def joined(parts: list[Increment]) -> Increment:
     """One choice's consecutive increments as one (the last one's finish, error and usage)."""
     if len(parts) == 1:
         return parts[0]
-    return parts[-1]._replace(text="".join(p.text for p in parts), token_ids=tuple(t for p in parts for t in p.token_ids),
+    return parts[-1]._replace(text="".join(p.text for p in parts),
+                              token_ids=tuple(t for p in parts for t in p.token_ids),
                               logprobs=tuple(lp for p in parts for lp in p.logprobs))
 
 

@@ -13,8 +13,9 @@ what the measurements in RESULTS.md (speculative decoding) support, and no more:
 - a batch-size cutoff: with more than `max_batch_size` decoding sequences nobody drafts. A large batch's step is
   compute-bound, and a step that checks drafts costs more than its rows (its sampler scores 1 + k rows per
   sequence), so drafts stop paying at a few sequences on a CPU.
-A single step that also prefills drafts nothing: its sampled rows would multiply. Inside multi-step decode calls the device proposes and checks drafts at every step
-(`model_runner._verify_steps`), each drafting sequence up to the count chosen here when the call starts.
+A single step that also prefills drafts nothing: its sampled rows would multiply. Inside multi-step decode calls
+the device proposes and checks drafts at every step (`model_runner._verify_steps`), each drafting sequence up to
+the count chosen here when the call starts.
 """
 
 from __future__ import annotations
