@@ -601,7 +601,7 @@ class ModelRunner:
         if writes is not None:
             self._write(writes)
         flat, packing = pack((inputs, replace(sampled, history=None)))
-        program = self._compiler.get((bucket, plan)) if bucket.num_steps > 1 else None
+        program = self._compiler.get((bucket, plan)) if bucket.num_steps > 1 and plan is not None else None
         result, self.kv_cache = (program or partial(self._step_fn(bucket, plan), packing))(
             self.weights, self.kv_cache, self._last_tokens, self._slots, self._global(flat),
             self._global(sampled.history))
@@ -633,10 +633,10 @@ class ModelRunner:
         self._jitted.add((num_rows, EVERY_PASS))  # warmed, or compiled now, once per row count
         return partial(self._sample, EVERY_PASS)
 
-    def _call_ready(self, bucket: Bucket, plan: SamplerPlan | None) -> bool:
+    def _call_ready(self, bucket: Bucket, plan: SamplerPlan) -> bool:
         """Whether the multi-step call of `bucket` is compiled for `plan`; if not, it compiles off this thread."""
         key = (bucket, plan)
-        if plan is None or key in self._jitted or self._compiler.get(key) is not None:
+        if key in self._jitted or self._compiler.get(key) is not None:
             return True
         if key not in self._compiler:
             inputs, sampled = self._pad([], bucket, None)
@@ -736,7 +736,7 @@ class ModelRunner:
         writes = self.input_batch.writes([c.seq for c in chunks])
         drafted = any(c.num_drafts for c in chunks)
         plan = self._plan(chunks, drafted or drafting is not None)
-        if limits is not None and not self._call_ready(
+        if limits is not None and plan is not None and not self._call_ready(
                 self.bucket_for(chunks, self.num_decode_steps, drafting is not None), plan):
             limits = drafting = None
             plan = self._plan(chunks, drafted)
