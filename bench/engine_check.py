@@ -20,8 +20,8 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
   floor (weights + the batch's K/V, read once) into a share of the measured bandwidth, and the
   workload's output tok/s into a share of `bench.roofline`'s bound;
 - compile time: building the `Engine`, which compiles every step bucket (persistent cache cold when
-  SLUICE_JAX_CACHE points at an empty folder, as `bench.gpu_check` arranges), where the host decides the
-  sampler's plans for this run's plan alone (a server compiles greedy's and plain sampling's).
+  SLUICE_JAX_CACHE points at an empty folder, as `bench.gpu_check` arranges); where the host decides the
+  sampler's plans, for this run's plan alone (a server compiles greedy's and plain sampling's).
 
 Requests decode greedily unless `--temperature` (and `--top-p`) make them sample. Each level records how many
 programs compiled while it ran, on the engine thread (a stall, its time in the figures) and off it (a sampler plan
