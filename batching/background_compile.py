@@ -86,9 +86,10 @@ class BackgroundCompiler:
 
 
 def shapes_of(tree):
-    """Each array of `tree` (jax or numpy) as its shape, dtype and (a jax array's) sharding, to lower against."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                        tree)
+    """Each array of `tree` (jax or numpy) as its shape, dtype and (a committed jax array's) sharding, to lower
+    against: lowered so, a program is the one jit compiles when called with the arrays (and finds in its cache)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding if getattr(x, "committed", False) else None), tree)
 
 
 _compilers: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, replace
 from functools import cached_property, partial
 from pathlib import Path
@@ -65,6 +66,8 @@ from sluice.sharding.rules import kv_cache_sharding, replicated
 # Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
 # max_q_len, so short pieces keep the decode rows sharing a mixed step cheap, and the set of shapes small.
 PREFILL_PIECE = 16
+# Threads that compile the step programs at warm-up (each compile holds a few GB of host memory for a large model).
+WARMUP_THREADS = 8
 
 
 def enable_compilation_cache(path: Path | None = None) -> None:
@@ -639,11 +642,16 @@ class ModelRunner:
         if key in self._jitted or self._compiler.get(key) is not None:
             return True
         if key not in self._compiler:
-            inputs, sampled = self._pad([], bucket, None)
-            flat, packing = pack((inputs, replace(sampled, history=None)))
-            shapes = shapes_of((self.weights, self.kv_cache, self._last_tokens, self._slots, flat, sampled.history))
-            self._compiler.submit(key, partial(self._step_fn(bucket, plan).lower, packing, *shapes))
+            self._compiler.submit(key, self._lowering(bucket, plan))
         return False
+
+    def _lowering(self, bucket: Bucket, plan: SamplerPlan | None) -> Callable[[], jax.stages.Lowered]:
+        """Lowers `bucket`'s program for `plan` when called, on any thread: against the shapes of the arrays a step
+        passes, never the arrays (a step may donate them meanwhile)."""
+        inputs, sampled = self._pad([], bucket, None)
+        flat, packing = pack((inputs, replace(sampled, history=None)))
+        shapes = shapes_of((self.weights, self.kv_cache, self._last_tokens, self._slots, flat, sampled.history))
+        return partial(self._step_fn(bucket, plan).lower, packing, *shapes)
 
     def _write(self, writes: SlotWrites) -> None:
         flat, packing = pack((writes.slots, writes.rows))
@@ -713,12 +721,31 @@ class ModelRunner:
             plans = [None]
         elif plans is None:
             plans = [SamplerPlan(), SamplerPlan(sampling=True)]
-        for bucket in tqdm(self.buckets, desc="Compiling step buckets", disable=not progress):
-            for plan in plans + ([EVERY_PASS] if self.plans_on_host and bucket.num_steps == 1 else []):
-                plan = replace(plan, drafts=True) if plan is not None and bucket.verifies else plan
-                self._jitted.add((bucket, plan) if bucket.num_steps > 1 else (bucket.num_rows, plan))
-                self._run(bucket, None, *self._pad([], bucket, None), fill_masks=lambda allowed: None, plan=plan)
+        calls = [(bucket, replace(plan, drafts=True) if plan is not None and bucket.verifies else plan)
+                 for bucket in self.buckets
+                 for plan in plans + ([EVERY_PASS] if self.plans_on_host and bucket.num_steps == 1 else [])]
+        self._compile_models(calls, progress)
+        for bucket, plan in calls:
+            self._jitted.add((bucket, plan) if bucket.num_steps > 1 else (bucket.num_rows, plan))
+            self._run(bucket, None, *self._pad([], bucket, None), fill_masks=lambda allowed: None, plan=plan)
         jax.block_until_ready((self.kv_cache, self._slots))
+
+    def _compile_models(self, calls: list[tuple[Bucket, SamplerPlan | None]], progress: bool) -> None:
+        """Compiles the model programs of `calls` (a single step's is one for every plan) on up to WARMUP_THREADS
+        threads: XLA releases the GIL while it compiles, and an 8B model's unrolled layers took 8-10 s a program on
+        an H200. The calls then find them in jit's cache. A multi-process job compiles as it calls (its steps take
+        global arrays)."""
+        if step_broadcast.is_multiprocess():
+            return
+        programs = {}
+        for bucket, plan in calls:
+            key = (bucket, plan if bucket.num_steps > 1 else None)
+            if key not in programs:
+                programs[key] = self._lowering(bucket, plan)
+        with ThreadPoolExecutor(min(WARMUP_THREADS, os.cpu_count() or 1), thread_name_prefix="sluice-warmup") as pool:
+            compiled = pool.map(lambda lowering: lowering().compile(), programs.values())
+            for _ in tqdm(compiled, total=len(programs), desc="Compiling step buckets", disable=not progress):
+                pass
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
                  drafting: list[int] | None = None, pooling: bool = False) -> PendingStep:

@@ -7,7 +7,9 @@
 XLA tags each kernel it runs with its HLO instruction (`hlo_op`) and program (`hlo_module`): on a GPU the
 kernels on the device's streams, on a CPU the thunks on the client's threads. Those events are the device's
 work; their union over the traced window is the busy time, and the window less that is the time the device
-waited (for the host, on an engine). Each event's class comes from its kernel and instruction names:
+waited (for the host, on an engine). The window is an annotation on the host's timeline, and kernels are cut to
+it: an engine dispatches ahead, so a whole call of kernels may run before or after the host's steps in it (the
+first H200 run, uncut, counted 19-23% more busy time than wall time). Each event's class comes from its kernel and instruction names:
 matmuls (cuBLAS/cuDNN/XLA gemms, dots), attention (the Pallas kernels and Sluice's CPU kernels), copies
 (copy, transpose, slicing updates, gathers and scatters, memcpy/memset), reductions and elementwise fusions
 (norms, rotary, activations, the sampler's math), and other. Control-flow thunks (a while loop around the
@@ -19,9 +21,8 @@ from __future__ import annotations
 import glob
 import re
 import tempfile
-import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 from jax.profiler import ProfileData
@@ -35,6 +36,7 @@ _PATTERNS = (
     ("fusion", re.compile(r"fusion|reduce|convert|add|multiply|exp|rsqrt|select|compare|iota|broadcast", re.I)),
 )
 _CONTROL_FLOW = re.compile(r"^(while|conditional|call)(\.|$)")
+_WINDOW = "sluice-traced-window"
 
 
 def op_class(kernel: str, hlo_op: str) -> str:
@@ -93,44 +95,62 @@ def device_events(profile: ProfileData) -> list[DeviceEvent]:
     return events
 
 
-def summarize(events: list[DeviceEvent], span_ns: float) -> ProfileSummary:
-    """Busy time (interval union) over `span_ns`, and the class sums without control-flow events."""
+def summarize(events: list[DeviceEvent], window_ns: tuple[float, float]) -> ProfileSummary:
+    """Busy time (interval union) in the window [start, stop), and the class sums without control-flow events, of
+    the events cut to the window."""
+    lo, hi = window_ns
+    cut = [replace(e, start_ns=max(e.start_ns, lo), duration_ns=min(e.start_ns + e.duration_ns, hi) - max(e.start_ns, lo))
+           for e in events]
+    cut = [e for e in cut if e.duration_ns > 0]
     busy, end = 0.0, float("-inf")
-    for e in sorted(events, key=lambda e: e.start_ns):
+    for e in sorted(cut, key=lambda e: e.start_ns):
         stop = e.start_ns + e.duration_ns
         if stop > end:
             busy += stop - max(e.start_ns, end)
             end = stop
     by_program: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(CLASSES, 0.0))
     by_class = dict.fromkeys(CLASSES, 0.0)
-    for e in events:
+    for e in cut:
         if _CONTROL_FLOW.match(e.hlo_op):
             continue
         cls = op_class(e.kernel, e.hlo_op)
         by_program[e.program][cls] += e.duration_ns * 1e-9
         by_class[cls] += e.duration_ns * 1e-9
-    return ProfileSummary(span_ns * 1e-9, busy * 1e-9, dict(by_program), by_class)
+    return ProfileSummary((hi - lo) * 1e-9, busy * 1e-9, dict(by_program), by_class)
+
+
+def window_of(profile: ProfileData) -> tuple[float, float] | None:
+    """[start, stop) of the traced window's annotation on the host's timeline, in the kernels' clock."""
+    for plane in profile.planes:
+        if plane.name.startswith("/host:CPU"):
+            for line in plane.lines:
+                for event in line.events:
+                    if event.name == _WINDOW:
+                        return event.start_ns, event.start_ns + event.duration_ns
+    return None
 
 
 class DeviceTrace:
-    """A context manager that traces what runs inside it; `summary()` afterwards. The span is the window's wall
-    time (the tracer's start and stop outside it); in a long window of a steady loop, work dispatched before it
-    or still running after it changes little."""
+    """A context manager that traces what runs inside it; `summary()` afterwards. The window is the time inside it
+    (the tracer's start and stop outside): kernels that ran before or after it are cut off."""
 
     def __enter__(self) -> DeviceTrace:
         self._dir = tempfile.TemporaryDirectory(prefix="sluice-trace-")
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0  # tracing every Python call would slow the host work being measured
         jax.profiler.start_trace(self._dir.name, profiler_options=options)
-        self._start = time.perf_counter()
+        self._annotation = jax.profiler.TraceAnnotation(_WINDOW)
+        self._annotation.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._span_s = time.perf_counter() - self._start
+        self._annotation.__exit__(*exc)
         jax.profiler.stop_trace()
         paths = glob.glob(f"{self._dir.name}/**/*.xplane.pb", recursive=True)
-        self._events = device_events(ProfileData.from_file(paths[0])) if paths else []
+        profile = ProfileData.from_file(paths[0]) if paths else None
+        self._events = device_events(profile) if profile else []
+        self._window = (window_of(profile) if profile else None) or (0.0, 0.0)
         self._dir.cleanup()
 
     def summary(self) -> ProfileSummary:
-        return summarize(self._events, self._span_s * 1e9)
+        return summarize(self._events, self._window)

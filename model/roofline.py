@@ -107,7 +107,9 @@ def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 
     per row of 8192 (on a GPU XLA reads rows faster than one long reduction: an H200's 1-D sum read 3.8 TB/s
     where a decode attention kernel read 4.2) and a matrix-vector product over a matrix as large (a decode
     step's access pattern: every weight read once). None writes a large output, so fresh-page faults are not
-    timed. Matmul rate: the best over n x n x n matmuls in `dtype`
+    timed; on a GPU, which has none, also an elementwise scale counting bytes read and written (STREAM's copy
+    measure): there XLA's reductions read slower than a pipelined kernel does (an H200's best reduction 3.6-3.8
+    TB/s, its decode attention kernel 4.2 TB/s), which put kernels above 100% of the peak. Matmul rate: the best over n x n x n matmuls in `dtype`
     ("int8": int8 x int8 -> int32, the arithmetic of the CPU's quantized-weight kernels; 2 ops per multiply-add
     as for floats).
     """
@@ -124,6 +126,9 @@ def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 
     gemv = jax.jit(lambda m, v: m @ v)
     gemv_s = _best_seconds(lambda: gemv(matrix, vector).block_until_ready(), repeats)
     bandwidth = max(4 * elements / sum_s, 4 * elements / row_sum_s, 4 * side * side / gemv_s)
+    if jax.default_backend() == "gpu":
+        scale = jax.jit(lambda a: 2 * a)
+        bandwidth = max(bandwidth, 8 * elements / _best_seconds(lambda: scale(x).block_until_ready(), repeats))
     del x, rows, matrix
     accumulate = jnp.int32 if dtype == "int8" else None
     matmul = jax.jit(lambda p, q: jnp.matmul(p, q, preferred_element_type=accumulate))

@@ -14,11 +14,20 @@ def event(start, duration, kernel, hlo_op="fusion.1", program="jit_step"):
 def test_busy_time_counts_overlapping_kernels_once_and_control_flow_not_at_all():
     events = [event(0, 10, "sm90_xmma_gemm_bf16bf16", "custom-call.3"), event(5, 10, "loop_add_fusion"),
               event(30, 5, "ragged_paged_attention", "custom-call.7"), event(0, 40, "while", "while.2")]
-    summary = summarize(events, span_ns=100)
+    summary = summarize(events, window_ns=(0, 100))
     assert (summary.busy_s, summary.span_s, summary.busy_share) == pytest.approx((40e-9, 100e-9, 0.4))
     assert summary.by_class == pytest.approx(dict(matmul=10e-9, attention=5e-9, copy=0.0, fusion=10e-9, other=0.0))
     per_step = summary.as_dict(steps=2)
     assert per_step["busy_ms"] == pytest.approx(20e-6) and per_step["by_program_ms"]["jit_step"]["matmul"] == 5e-6
+
+
+def test_kernels_dispatched_ahead_count_only_their_part_inside_the_window():
+    # An engine's call runs on after the host's window closes, and the one before it ran into the window's start.
+    events = [event(-30, 40, "sm90_xmma_gemm_bf16bf16", "custom-call.3"), event(20, 30, "loop_add_fusion"),
+              event(90, 50, "ragged_paged_attention", "custom-call.7"), event(120, 10, "loop_add_fusion")]
+    summary = summarize(events, window_ns=(0, 100))
+    assert (summary.busy_s, summary.span_s) == pytest.approx((50e-9, 100e-9))
+    assert summary.by_class == pytest.approx(dict(matmul=10e-9, attention=10e-9, copy=0.0, fusion=30e-9, other=0.0))
 
 
 def test_kernel_names_and_instructions_give_the_class():

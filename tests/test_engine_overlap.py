@@ -2,7 +2,10 @@
 step's tokens, and yet tokens, text, logprobs, stops, limits and aborts are exactly those of collecting every
 step first."""
 
+import logging
 from dataclasses import replace
+
+import jax
 
 import numpy as np
 import pytest
@@ -104,6 +107,22 @@ def test_warm_up_compiles_the_plans_of_the_parameters_it_is_given(tiny):
     greedy.generate(prompts(6, seed=9), GREEDY)
     greedy.runner.wait_for_compiles()
     assert greedy.runner.num_compiled() == compiled and greedy.runner.num_compiled_off_thread == 0
+
+
+def test_warm_up_compiles_each_model_program_once_off_the_engine_thread(tiny, caplog):
+    config = replace(CONFIG, kv_cache_memory=page_bytes(256), num_decode_steps=4, sampler_branches="host")
+    jax.config.update("jax_log_compiles", True)  # for every thread (`jax.log_compiles()` is the calling thread's)
+    try:
+        with caplog.at_level(logging.WARNING):
+            runner = Engine(tiny, config, progress=False).runner
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    models = [r.threadName for r in caplog.records
+              if r.getMessage().startswith(("Compiling jit(_forward)", "Compiling jit(_decode_steps)"))]
+    # A single step's program per bucket, a multi-step call's per bucket and plan (greedy, sampling): each compiled
+    # once, on a warm-up thread, and found in jit's cache when warm-up then runs it.
+    assert len(models) == 3 * len(runner.decode_buckets) + len(runner.token_buckets)
+    assert all(name.startswith("sluice-warmup") for name in models)
 
 
 def test_a_stop_string_found_while_the_next_step_runs_emits_nothing_after_it(tiny):
