@@ -15,8 +15,8 @@ step starts with the device's memory free; all under one time budget (--budget-s
    Llama-3-8B heads, bf16: time per call and bandwidth of both kernel families, the jnp/XLA reference and
    jax's shipped kernel (Mosaic again in its own process).
 4. engine (`bench.engine_check`), one process per model: Llama-3-8B (skipped when the device cannot hold
-   it), SmolLM2-135M, Llama-3.2-1B, random weights with real shapes, bf16, concurrency 1, 64 and 256, with a
-   profiler trace of decode steps at each (`bench.device_profile`: device busy against the step period).
+   it), SmolLM2-135M, Llama-3.2-1B, random weights with real shapes, bf16, concurrency 1, 64, 256 and 1,024,
+   with a profiler trace of decode steps at each (`bench.device_profile`: device busy against the step period).
 5. step audit (`bench.step_audit`): the compiled decode step's bytes and HLO findings on this device, and the
    host syncs (conditionals) of the multi-step decode call.
 
@@ -245,9 +245,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "device: the comparison with the host's plans, auto's choice on a GPU)")
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU (the CPU default)")
     parser.add_argument("--engine-args", type=shlex.split, default=[],
-                        help="more flags for each engine step (`bench.engine_check`'s), in one string: the saturation "
-                             "run is --steps engine --models llama-3-8b --engine-args '--concurrency 1024 "
-                             "--max-num-batched-tokens 8192'; '--temperature 0.8 --top-p 0.95' samples")
+                        help="more flags for each engine step (`bench.engine_check`'s), in one string: "
+                             "'--temperature 0.8 --top-p 0.95' samples; '--concurrency 1 256' runs those levels alone")
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
                         help="the engine's and the step audit's weights (int8: does weight-only int8 pay here, so that "
                              "--quantization auto should take it?)")
