@@ -3,7 +3,7 @@
     python -m sluice.bench.gpu_check --out gpu-check --require-gpu        (make gpu-check)
 
 Steps, each in its own process, so that a crash or a hung kernel ends its step and not the run, and every
-step starts with the device's memory free; all under one time budget (--budget-s, 8.5 minutes by default):
+step starts with the device's memory free; all under one time budget (--budget-s, 9 minutes by default):
 
 1. probe (`bench.probe`): device, driver, versions, measured peaks. Stops the run, with the reason, when a
    module the kernels, model or engine need is missing, the HTTP stack gets imported, or (--require-gpu)
@@ -12,8 +12,8 @@ step starts with the device's memory free; all under one time budget (--budget-s
    tests/test_kernel_lowering.py, every kernel compiled; the Mosaic GPU tests run in a second process after
    the others, so a Mosaic failure cannot hide the Triton results.
 3. kernel benchmark (`bench.kernels`): decode at batch {1, 8, 64, 256} x context {512, 2048, 8192},
-   Llama-3-8B heads, bf16: time per call and bandwidth of both kernel families, the jnp/XLA reference and
-   jax's shipped kernel (Mosaic again in its own process).
+   Llama-3-8B heads, bf16: time per call and bandwidth of both kernel families and jax's shipped kernel (Mosaic
+   again in its own process), each row's largest difference from the jnp reference.
 4. engine (`bench.engine_check`), one process per model: Llama-3-8B (skipped when the device cannot hold
    it), SmolLM2-135M, Llama-3.2-1B, random weights with real shapes, bf16, concurrency 1, 64, 256 and 1,024,
    with a profiler trace of decode steps at each (`bench.device_profile`: device busy against the step period).
@@ -170,8 +170,9 @@ def run_kernel_tests(run: Run, env: dict[str, str], small: bool) -> list[dict]:
 
 
 def run_kernel_bench(run: Run, env: dict[str, str], small: bool, probe: dict) -> list[dict]:
-    parts = [("kernel-bench", list(CPU_BENCH_ARGS) if small else ["--backends", "pallas-triton", "reference",
-                                                                   "jax-shipped"])]
+    # On a GPU the jnp reference is not timed (it reads at 3-4% of the bandwidth, 64 ms a call at the largest size):
+    # every row still reports its difference from the reference's output.
+    parts = [("kernel-bench", list(CPU_BENCH_ARGS) if small else ["--backends", "pallas-triton", "jax-shipped"])]
     if not small and probe["mosaic_gpu"]:
         parts.append(("kernel-bench-mosaic", ["--backends", "pallas-mosaic"]))
     elif not small:
@@ -233,7 +234,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sluice.bench.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for report.md, results.json, log.txt")
-    parser.add_argument("--budget-s", type=float, default=510.0, help="time for the whole run, in seconds")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="time for the whole run, in seconds")
     parser.add_argument("--steps", nargs="+", choices=STEP_NAMES, default=list(STEP_NAMES),
                         help="which steps to run after the probe")
     parser.add_argument("--models", nargs="+", default=None,
