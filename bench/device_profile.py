@@ -4,16 +4,16 @@
         run_some_steps()
     summary = trace.summary()        # busy and span seconds, seconds per (program, op class)
 
-XLA tags each kernel it runs with its HLO instruction (`hlo_op`) and program (`hlo_module`): on a GPU the
-kernels on the device's streams, on a CPU the thunks on the client's threads. Those events are the device's
-work; their union over the traced window is the busy time, and the window less that is the time the device
-waited (for the host, on an engine). The window is an annotation on the host's timeline, and kernels are cut to
-it: an engine dispatches ahead, so a whole call of kernels may run before or after the host's steps in it (the
-first H200 run, uncut, counted 19-23% more busy time than wall time). Each event's class comes from its kernel and instruction names:
-matmuls (cuBLAS/cuDNN/XLA gemms, dots), attention (the Pallas kernels and Sluice's CPU kernels), copies
+XLA tags each kernel it runs with its HLO instruction (`hlo_op`) and program (`hlo_module`): on a GPU the kernels
+on the device's streams, on a CPU the thunks on the client's threads. Those events are the device's work; their
+union over the traced window is the busy time, and the window less that is the time the device waited (for the
+host, on an engine). The window is an annotation on the host's timeline, and kernels are cut to it: an engine
+dispatches ahead, so a whole call of kernels may run before or after the host's steps in it (the first H200 run,
+uncut, counted 19-23% more busy time than wall time). Each event's class comes from its kernel and instruction
+names: matmuls (cuBLAS/cuDNN/XLA gemms, dots), attention (the Pallas kernels and Sluice's CPU kernels), copies
 (copy, transpose, slicing updates, gathers and scatters, memcpy/memset), reductions and elementwise fusions
-(norms, rotary, activations, the sampler's math), and other. Control-flow thunks (a while loop around the
-layers) hold their body's kernels, so they are left out of the sums, not out of the busy time.
+(norms, rotary, activations, the sampler's math), and other. Control-flow thunks (a while loop around the layers)
+hold their body's kernels, so they are left out of the sums, not out of the busy time.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def summarize(events: list[DeviceEvent], window_ns: tuple[float, float]) -> Prof
     """Busy time (interval union) in the window [start, stop), and the class sums without control-flow events, of
     the events cut to the window."""
     lo, hi = window_ns
-    cut = [replace(e, start_ns=max(e.start_ns, lo), duration_ns=min(e.start_ns + e.duration_ns, hi) - max(e.start_ns, lo))
-           for e in events]
+    cut = [replace(e, start_ns=max(e.start_ns, lo),
+                   duration_ns=min(e.start_ns + e.duration_ns, hi) - max(e.start_ns, lo)) for e in events]
     cut = [e for e in cut if e.duration_ns > 0]
     busy, end = 0.0, float("-inf")
     for e in sorted(cut, key=lambda e: e.start_ns):

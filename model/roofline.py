@@ -109,9 +109,9 @@ def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 
     step's access pattern: every weight read once). None writes a large output, so fresh-page faults are not
     timed; on a GPU, which has none, also an elementwise scale counting bytes read and written (STREAM's copy
     measure): there XLA's reductions read slower than a pipelined kernel does (an H200's best reduction 3.6-3.8
-    TB/s, its decode attention kernel 4.2 TB/s), which put kernels above 100% of the peak. Matmul rate: the best over n x n x n matmuls in `dtype`
-    ("int8": int8 x int8 -> int32, the arithmetic of the CPU's quantized-weight kernels; 2 ops per multiply-add
-    as for floats).
+    TB/s, its decode attention kernel 4.2 TB/s), which put kernels above 100% of the peak. Matmul rate: the best
+    over n x n x n matmuls in `dtype` ("int8": int8 x int8 -> int32, the arithmetic of the CPU's quantized-weight
+    kernels; 2 ops per multiply-add as for floats).
     """
     import jax.numpy as jnp
 

@@ -6,7 +6,6 @@ import logging
 from dataclasses import replace
 
 import jax
-
 import numpy as np
 import pytest
 
