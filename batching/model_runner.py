@@ -742,7 +742,8 @@ class ModelRunner:
             key = (bucket, plan if bucket.num_steps > 1 else None)
             if key not in programs:
                 programs[key] = self._lowering(bucket, plan)
-        with ThreadPoolExecutor(min(WARMUP_THREADS, os.cpu_count() or 1), thread_name_prefix="sluice-warmup") as pool:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        with ThreadPoolExecutor(min(WARMUP_THREADS, cores), thread_name_prefix="sluice-warmup") as pool:
             compiled = pool.map(lambda lowering: lowering().compile(), programs.values())
             for _ in tqdm(compiled, total=len(programs), desc="Compiling step buckets", disable=not progress):
                 pass

@@ -5,6 +5,8 @@ One run (about half a minute) serves every test here: they read its report and r
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -143,3 +145,12 @@ def test_require_gpu_stops_at_once_without_one(tmp_path):
     assert [(s["name"], s["status"]) for s in results["steps"]] == [("probe", "failed")]
     assert "cannot run: no GPU" in results["steps"][0]["note"]
     assert "| probe | failed |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_command_buffer_flags_are_flags_this_xla_knows():
+    # XLA parses every backend's flags on any backend, and aborts the process at an unknown one: a typo here would
+    # cost a GPU session its run.
+    env = {**os.environ, "XLA_FLAGS": gpu_check.COMMAND_BUFFERS}
+    done = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(2).sum())"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "2.0", done.stderr[-1000:]
