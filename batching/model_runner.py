@@ -235,10 +235,13 @@ def _sample_step(num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sam
     return jax.tree.map(lambda x: x[None], out), last_tokens(out.tokens, num_rows)
 
 
-def _while_any_runs(step: Callable, running: Callable) -> Callable:
+def _while_any_runs(step: Callable, running: Callable, plan: SamplerPlan | None, model: Llama) -> Callable:
     """A multi-step call's scan body: `step(carry, k)` while `running(carry, k)` ([S] bool) has a row left, then
     nothing (zeros out), so the steps a call has left once every sequence has ended cost nothing. Not with a
-    `SamplerPlan`: the call then has no conditional, and runs every step."""
+    `SamplerPlan` (the call then has no conditional, and runs every step), nor with the layers unrolled: XLA
+    then copies the whole pool at every call to pass it through the conditional (`bench.step_audit`)."""
+    if plan is not None or model.layers_unstacked:
+        return step
 
     def body(carry, k):
         outs = jax.eval_shape(step, carry, k)[1]
@@ -280,7 +283,7 @@ def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
         return (out.tokens, alive, kv_cache, sampling.advanced(out.tokens)), out
 
     init = (inputs.token_ids, inputs.limits > 0, flat_pool(kv_cache), sampling)
-    body = decode if plan is not None else _while_any_runs(decode, lambda carry, k: carry[1] & (k < inputs.limits))
+    body = _while_any_runs(decode, lambda carry, k: carry[1] & (k < inputs.limits), plan, model)
     (_, _, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
     at_limit = jnp.take_along_axis(outs.tokens, jnp.maximum(inputs.limits - 1, 0)[None], axis=0)[0]
     return (outs, last_tokens(at_limit, num_rows)), layered_pool(kv_cache, model.config.num_layers)
@@ -367,7 +370,7 @@ def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_p
 
     init = (inputs.token_ids, jnp.zeros(num_seqs, jnp.int32), inputs.drafting.history, inputs.limits > 0,
             flat_pool(kv_cache), sampling)
-    body = verify if plan is not None else _while_any_runs(verify, lambda carry, _: carry[3])
+    body = _while_any_runs(verify, lambda carry, _: carry[3], plan, model)
     (last, *_, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
     return (outs, last_tokens(last, num_rows)), layered_pool(kv_cache, model.config.num_layers)
 

@@ -12,7 +12,11 @@ is checked for:
   array, such as a layer of the stacked weights sliced out under `lax.scan` at every layer. The pool's in-place
   update is not one;
 - upcasts: a `convert` of a bf16/f16 weight or pool to f32 (matmuls in f32, or the array written out twice);
-- unfused projections: matmuls against weights that multiply the same input (q, k and v; gate and up).
+- unfused projections: matmuls against weights that multiply the same input (q, k and v; gate and up);
+- a copy of the pool: temporaries (`compiled.memory_analysis()`) as large as the whole K/V pool, which XLA
+  allocates when it cannot update the donated pool in place (openxla/xla#45912: an update whose input a loop
+  reads again). Each step would then write the pool out, and a server's pool, most of the free memory, would
+  not fit twice. The first H200 run's XLA warned that the 8B decode programs needed 109 GiB for a 44 GiB pool.
 It also sets XLA's `compiled.cost_analysis()["bytes accessed"]` against the floor. That figure counts a while
 loop's body once, whatever its trip count (checked on this backend): the floor is then counted the same way, a
 stack the layer loop reads a layer at a time counting one layer. Custom calls count nothing (the attention
@@ -20,7 +24,7 @@ kernels, the CPU's quantized matmuls), and the CPU counts the pool's in-place up
 and written, so the ratio is a coarse signal; the three checks are the precise ones.
 The HLO is the backend's: a CPU run shows what XLA's CPU compiler makes of the step, a GPU run the GPU's.
 
-Host syncs are audited on the engine's multi-step decode call (model and sampler, `num_decode_steps` steps, the
+Host syncs and a copy of the pool are audited on the engine's multi-step decode call (model and sampler, `num_decode_steps` steps, the
 program that runs at saturation): its conditionals, and its while loops of unknown trip count. XLA:GPU runs each
 by copying its predicate to the host and waiting there for the device (`ConditionalThunk`, `WhileThunk`), unless
 it captured it in a command buffer (CUDA graph), which the HLO does not show. After each sync the device waits
@@ -322,6 +326,15 @@ def host_syncs(computations: dict[str, Computation]) -> list[str]:
 
 # --- The audit -----------------------------------------------------------------------------------------------
 
+def pool_copy(compiled: jax.stages.Compiled, pool_bytes: int) -> list[str]:
+    """A finding when the program's temporaries could hold the whole K/V pool of `pool_bytes` (module docstring)."""
+    analysis = compiled.memory_analysis()
+    temp = 0 if analysis is None else analysis.temp_size_in_bytes
+    if pool_bytes == 0 or temp < pool_bytes:
+        return []
+    return [f"temporaries of {temp / 1e6:,.1f} MB, as large as the K/V pool ({pool_bytes / 1e6:,.1f} MB): a copy of it"]
+
+
 def bytes_accessed(compiled: jax.stages.Compiled) -> float:
     """From `cost_analysis()`: a dict (older jax gave a list of one dict per program)."""
     cost = compiled.cost_analysis()
@@ -380,13 +393,14 @@ class StepAudit:
 
 
 def audit(label: str, compiled: jax.stages.Compiled, weights: Sequence[StoredArray], floor_bytes: int,
-          pool: Sequence[StoredArray] = ()) -> StepAudit:
-    """Audits a compiled program that multiplies by `weights`, reads `pool` (K/V) and must read at least
-    `floor_bytes`."""
+          pool: Sequence[StoredArray] = (), pool_bytes: int = 0) -> StepAudit:
+    """Audits a compiled program that multiplies by `weights`, reads `pool` (K/V arrays; `pool_bytes` in all) and
+    must read at least `floor_bytes`."""
     computations = parse_hlo(compiled.as_text())
     found = projections(computations, weights)
     return StepAudit(label, floor_bytes, counted_floor(floor_bytes, found), bytes_accessed(compiled),
-                     tuple(map(str, found)), tuple(copies(computations, [*weights, *pool])),
+                     tuple(map(str, found)),
+                     tuple(copies(computations, [*weights, *pool]) + pool_copy(compiled, pool_bytes)),
                      tuple(upcasts(computations, [*weights, *pool])), tuple(unfused(found)))
 
 
@@ -420,13 +434,26 @@ def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, qu
                        num_decode_steps=num_decode_steps, layer_loop=layer_loop, sampler_branches=sampler_branches)
 
 
-def decode_call_syncs(config: ModelConfig, dtype: str, num_steps: int, rows: int = 8, context: int = 256,
-                      layer_loop: str = "auto", sampler_branches: str = "auto") -> list[str]:
-    """`host_syncs` of the engine's multi-step decode call of `num_steps` steps (as `audit_decode_step`'s) for
-    greedy rows, its sampler's branches decided as `sampler_branches` says."""
+@dataclass(frozen=True)
+class DecodeCall:
+    """What the engine's multi-step decode call shows: its host syncs, and a copy of the pool (if any)."""
+
+    syncs: list[str]
+    pool_copy: list[str]
+
+
+def audit_decode_call(config: ModelConfig, dtype: str, num_steps: int, rows: int = 8, context: int = 256,
+                      layer_loop: str = "auto", sampler_branches: str = "auto") -> DecodeCall:
+    """The engine's multi-step decode call of `num_steps` steps (as `audit_decode_step`'s) for greedy rows, its
+    sampler's branches decided as `sampler_branches` says."""
     runner = abstract_runner(config, dtype, rows, context, layer_loop=layer_loop, num_decode_steps=num_steps,
                              sampler_branches=sampler_branches)
-    return host_syncs(parse_hlo(compile_decode_step(runner, rows, num_steps).as_text()))
+    compiled = compile_decode_step(runner, rows, num_steps)
+    return DecodeCall(host_syncs(parse_hlo(compiled.as_text())), pool_copy(compiled, pool_bytes(runner)))
+
+
+def pool_bytes(runner: ModelRunner) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_cache))
 
 
 def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
@@ -447,8 +474,8 @@ def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: i
     floor = (int(StepCost.of(config, nnx.merge(runner.graphdef, runner.state), dtype).weight_bytes)
              + int(kv_bytes_per_token(config, dtype)) * rows * pages_per_seq * PAGE_SIZE)
     quantized = "" if quantization == "none" else f" {quantization}"
-    return audit(f"{dtype}{quantized}, {resolve_layer_loop(layer_loop)}, {rows} rows x {context} tokens", compile_decode_step(runner, rows),
-                 weights, floor, pool)
+    return audit(f"{dtype}{quantized}, {resolve_layer_loop(layer_loop)}, {rows} rows x {context} tokens",
+                 compile_decode_step(runner, rows), weights, floor, pool, pool_bytes(runner))
 
 
 # --- Command line --------------------------------------------------------------------------------------------
@@ -495,14 +522,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The sampler and the loop around the model make the syncs, whatever the model: the smallest one's call (the
     # quickest to compile) shows them.
     smallest = min(args.models, key=lambda name: MODELS[name].num_layers * MODELS[name].hidden_size)
-    syncs = decode_call_syncs(MODELS[smallest], args.dtypes[0], args.decode_steps, args.rows, args.context,
-                              args.layer_loop, args.sampler_branches)
+    call = audit_decode_call(MODELS[smallest], args.dtypes[0], args.decode_steps, args.rows, args.context,
+                             args.layer_loop, args.sampler_branches)
     text = (f"Decode-step bytes on {jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__}); "
             f"its cost analysis counts a loop body {loops}.\n\n{table(audits)}\n\n"
             f"Host syncs in the decode call of {args.decode_steps} steps ({smallest}, {args.dtypes[0]}, "
             f"{args.rows} greedy rows, the sampler's branches decided by the "
-            f"{resolve_sampler_branches(args.sampler_branches)}): {len(syncs)} in its program"
-            + "".join(f"\n- {f}" for f in syncs) + "\n\n"
+            f"{resolve_sampler_branches(args.sampler_branches)}): {len(call.syncs)} in its program"
+            + "".join(f"\n- {f}" for f in call.syncs)
+            + f"\n\nA copy of the pool in that call: {'; '.join(call.pool_copy) or 'none'}.\n\n"
             f"$ python -m sluice.bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(text)
     if args.out is not None:

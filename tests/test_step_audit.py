@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sluice.bench.step_audit import StoredArray, StepAudit, audit, audit_decode_step, decode_call_syncs, host_syncs, \
-    parse_hlo
+from sluice.bench.step_audit import StoredArray, StepAudit, audit, audit_decode_call, audit_decode_step, host_syncs, \
+    parse_hlo, pool_copy
 from sluice.model.config import ModelConfig
 from sluice.pallas_kernels import cpu_qmatmul
 
@@ -88,17 +88,37 @@ def test_decode_step_keeps_bf16_weights_and_pool_in_bf16():
 
 
 def test_the_multi_step_decode_call_has_no_host_sync_when_the_host_decides_the_samplers_branches():
-    assert decode_call_syncs(CONFIG, "float32", num_steps=4, rows=ROWS, sampler_branches="host") == []
+    assert audit_decode_call(CONFIG, "float32", num_steps=4, rows=ROWS, sampler_branches="host").syncs == []
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_the_multi_step_decode_call_updates_the_pool_in_place(layer_loop):
+    call = audit_decode_call(CONFIG, "float32", num_steps=4, rows=ROWS, layer_loop=layer_loop)
+    assert call.pool_copy == [], call.pool_copy
 
 
 def test_the_sampler_branches_the_device_decides_are_host_syncs_at_every_step_of_the_call():
     # The CPU's choice (a conditional costs nothing there): the skip of the steps after every row ended, and the
     # sampler's penalties, sampling and top-logprob branches (with filters and draft checks inside sampling).
-    syncs = decode_call_syncs(CONFIG, "float32", num_steps=4, rows=ROWS, sampler_branches="device")
+    syncs = audit_decode_call(CONFIG, "float32", num_steps=4, rows=ROWS, sampler_branches="device").syncs
     assert len(syncs) >= 4 and all("4x per call: conditional" in f for f in syncs), syncs
 
 
 # --- Each check fails what it is for -------------------------------------------------------------------------
+
+def test_a_donated_pool_whose_update_a_loop_reads_before_it_is_copied():
+    # openxla/xla#45912's pattern: the update's input is read again (here by a loop) after the update, so XLA keeps
+    # both and the donated buffer cannot take the update in place.
+    def update_then_read(pool, x):
+        updated = pool.at[0].set(x[0])
+        return jax.lax.fori_loop(0, 4, lambda i, acc: acc + pool[i], updated)
+
+    args = (S((72, K), jnp.float32), S((ROWS, K), jnp.float32))
+    compiled = jax.jit(update_then_read, donate_argnums=0).lower(*args).compile()
+    assert len(pool_copy(compiled, 72 * K * 4)) == 1
+    in_place = jax.jit(lambda pool, x: pool.at[0].set(x[0]), donate_argnums=0).lower(*args).compile()
+    assert pool_copy(in_place, 72 * K * 4) == []
+
 
 def test_conditionals_and_while_loops_of_unknown_trip_count_are_host_syncs():
     def branches_in_a_scan(ws, x, n):
