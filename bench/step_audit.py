@@ -327,7 +327,8 @@ def host_syncs(computations: dict[str, Computation]) -> list[str]:
 # --- The audit -----------------------------------------------------------------------------------------------
 
 def pool_copy(compiled: jax.stages.Compiled, pool_bytes: int) -> list[str]:
-    """A finding when the program's temporaries could hold the whole K/V pool of `pool_bytes` (module docstring)."""
+    """A finding when the program's temporaries could hold the whole K/V pool of `pool_bytes` (module docstring).
+    The pool must be much larger than the step's activations (a few rows over a short context are not)."""
     analysis = compiled.memory_analysis()
     temp = 0 if analysis is None else analysis.temp_size_in_bytes
     if pool_bytes == 0 or temp < pool_bytes:
