@@ -98,8 +98,8 @@ check-jax-next:
 	$(MAKE) --no-print-directory PYTHON=$(PYTHON_NEXT) VENV=$(JAX_NEXT) test
 
 # The software of a typical GPU machine (Python 3.12, jax 0.11.2; no HTTP stack, gguf, pydantic or llguidance),
-# on any machine: the kernel lowering and GPU-check tests, and the engine with the host deciding the sampler's
-# plans (the GPU's default) and its compile thread, in a venv of its own.
+# on any machine: the kernel lowering and GPU-check tests, the engine with the host deciding the sampler's plans
+# (the GPU's default) and its compile thread, the step audit and the profiler's window, in a venv of its own.
 GPU_IMAGE := .venv-gpu-image
 GPU_IMAGE_JAX ?= 0.11.2
 $(GPU_IMAGE)/.installed:
@@ -111,7 +111,8 @@ $(GPU_IMAGE)/.installed:
 check-gpu-image: $(GPU_IMAGE)/.installed
 	$(GPU_IMAGE)/bin/python -m pytest -q tests/test_kernel_lowering.py tests/test_paged_attention.py \
 		tests/test_gpu_check.py tests/test_kernel_bench.py tests/test_engine_check.py \
-		tests/test_engine_overlap.py tests/test_background_compile.py
+		tests/test_engine_overlap.py tests/test_background_compile.py tests/test_step_audit.py \
+		tests/test_device_profile.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_REF) $(LLAMA_CPP) $(JAX_NEXT) $(GPU_IMAGE)
