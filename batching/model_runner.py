@@ -32,6 +32,7 @@ multi-step call of it runs as single steps, and a single step samples with every
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, replace
@@ -62,6 +63,8 @@ from sluice.batching.structured import fill_bitmask
 from sluice.model.llama import KVCache, Llama, empty_kv_cache, resolve_layer_loop
 from sluice.model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
 from sluice.sharding.rules import kv_cache_sharding, replicated
+
+logger = logging.getLogger(__name__)
 
 # Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
 # max_q_len, so short pieces keep the decode rows sharing a mixed step cheap, and the set of shapes small.
@@ -737,7 +740,7 @@ class ModelRunner:
         """Compiles the model programs of `calls` (a single step's is one for every plan) on up to WARMUP_THREADS
         threads: XLA releases the GIL while it compiles, and an 8B model's unrolled layers took 8-10 s a program on
         an H200. The calls then find them in jit's cache. A multi-process job compiles as it calls (its steps take
-        global arrays)."""
+        global arrays), and so does every program left when one fails here (the call then raises, if it must)."""
         if step_broadcast.is_multiprocess():
             return
         programs = {}
@@ -746,10 +749,17 @@ class ModelRunner:
             if key not in programs:
                 programs[key] = self._lowering(bucket, plan)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        with ThreadPoolExecutor(min(WARMUP_THREADS, cores), thread_name_prefix="sluice-warmup") as pool:
+        threads = min(WARMUP_THREADS, cores)
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="sluice-warmup")
+        try:
             compiled = pool.map(lambda lowering: lowering().compile(), programs.values())
             for _ in tqdm(compiled, total=len(programs), desc="Compiling step buckets", disable=not progress):
                 pass
+        except Exception as error:  # noqa: BLE001 - warm-up's calls compile what is left, one at a time
+            logger.warning("compiling the step programs on %d threads failed (%s: %s); compiling one at a time",
+                           threads, type(error).__name__, error)
+        finally:
+            pool.shutdown(cancel_futures=True)
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
                  drafting: list[int] | None = None, pooling: bool = False) -> PendingStep:

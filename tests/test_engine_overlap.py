@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sluice.batching.engine import Engine
+from sluice.batching.model_runner import ModelRunner
 from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import SamplingParams
 from test_engine import CONFIG, GREEDY, make_engine, page_bytes, prompts, tiny  # noqa: F401 - `tiny` is a fixture
@@ -122,6 +123,25 @@ def test_warm_up_compiles_each_model_program_once_off_the_engine_thread(tiny, ca
     # once, on a warm-up thread, and found in jit's cache when warm-up then runs it.
     assert len(models) == 3 * len(runner.decode_buckets) + len(runner.token_buckets)
     assert all(name.startswith("sluice-warmup") for name in models)
+
+
+def test_a_program_that_fails_to_compile_off_the_thread_compiles_at_its_warm_up_call(tiny, caplog, monkeypatch):
+    lowering = ModelRunner._lowering
+
+    def failing(runner, bucket, plan):
+        if bucket.num_steps > 1 and bucket.num_rows == 2:
+            def fail():
+                raise RuntimeError("no compiler thread today")
+            return fail
+        return lowering(runner, bucket, plan)
+
+    monkeypatch.setattr(ModelRunner, "_lowering", failing)
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine(tiny, num_decode_steps=4)
+    assert "compiling one at a time" in caplog.text and "no compiler thread today" in caplog.text
+    batch = prompts(4, seed=3)
+    assert [o[0].token_ids for o in engine.generate(batch, GREEDY)] == \
+        [o[0].token_ids for o in make_engine(tiny, num_decode_steps=1).generate(batch, GREEDY)]
 
 
 def test_a_stop_string_found_while_the_next_step_runs_emits_nothing_after_it(tiny):
