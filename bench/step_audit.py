@@ -41,7 +41,7 @@ import re
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from sluice.batching.config import EngineConfig
-from sluice.batching.model_runner import ModelRunner, pack
+from sluice.batching.model_runner import ModelRunner
 from sluice.batching.sampler import SAMPLER_BRANCHES, resolve_sampler_branches
 from sluice.bench.engine_check import MODELS
 from sluice.model.config import ModelConfig
@@ -409,12 +409,8 @@ def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1) -> j
     """The runner's decode program for `rows` sequences, compiled: one step (the model to logits; the sampler is a
     call of its own), or a multi-step call (model and sampler, `num_steps` <= the runner's `num_decode_steps`; the
     sampler as for greedy rows). The one place that uses the runner's private names."""
-    bucket = runner._decode_bucket(rows, num_steps)
-    inputs, sampled = runner._pad([], bucket, None)
-    flat, packing = pack((inputs, replace(sampled, history=None)))  # as `ModelRunner._run` sends them
     plan = runner._plan([], drafts=False)  # padding rows: greedy
-    return runner._step_fn(bucket, plan).lower(packing, runner.weights, runner.kv_cache, runner._last_tokens,
-                                               runner._slots, flat, sampled.history).compile()
+    return runner._lowering(runner._decode_bucket(rows, num_steps), plan)().compile()
 
 
 def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, quantization: str = "none",
