@@ -36,7 +36,8 @@ from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore
 from sluice.batching.kv_transfer import PageCopy
 from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from sluice.batching.model_runner import ModelRunner, PendingStep, SequenceOutput, enable_compilation_cache
+from sluice.batching.model_runner import ModelRunner, enable_compilation_cache
+from sluice.batching.step_output import PendingStep, SequenceOutput
 from sluice.batching.ngram import NgramConfig
 from sluice.batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, \
     OutputSink, TokenLogprob, deliver

@@ -1,32 +1,21 @@
-"""Turns a scheduled batch into padded device arrays and runs one step on the device: model, then sampler.
+"""Turns a scheduled batch into padded device arrays and runs one step on the device (`device_step.py`).
 
 Every step is padded to a bucket from a small fixed set, so after the warm-up compiles them all the step never
 recompiles: decode-only steps by their number of sequences, mixed steps by their number of tokens. The KV pool
 is donated to the step and replaced by its output; the model parameters are split from the NNX module once and
-passed in as a pytree. Page tables and sampling parameters are not sent with each step: they live on the
-device in the persistent input batch (`input_batch.py`), one row per running sequence's slot, and a step sends
-only the rows that changed, then per token and per sampled row its slot. `dispatch` returns at once (async
-dispatch) and starts copying the sampled tokens to the host, so the engine does its text work while the device
-computes. Each step also leaves every sequence's last sampled token on the device (`last_tokens`, a fixed
-[max_num_seqs] array), and the next step takes from it the tokens the host has not seen yet (`StepInputs.feed`):
-with overlapped scheduling the engine dispatches that step before it collects this one. A fetched step gives
-each sequence a `SequenceOutput`, whatever ran.
+passed in as a flat list. Page tables and sampling parameters live on the device in the persistent input batch
+(`input_batch.py`), one row per running sequence's slot: a step sends only the rows that changed, then per token
+and per sampled row its slot. `dispatch` returns at once (async dispatch) and starts copying the sampled tokens to
+the host (`step_output.py`), so the engine does its text work while the device computes.
 
-A step is two jitted calls, the model (to logits) and the sampler, so that the host fills the structured-output
-masks of the step's constrained rows (`batching/structured.py`) while the device runs the model: the masks need
-the tokens of the step before, which are known only at dispatch. A step with a constrained row makes a third
-call between the two, which applies the masks (all-ones rows for its other rows); a step without one makes none.
-
-A decode-only step may run several decode steps in one call (`num_steps`): each sampled token is fed back on
-the device, rows stop on their stop ids there, and each row runs at most its `limit` steps (its pages are
-reserved for them beforehand). Outputs always carry a leading `[num_steps]` axis. Such a call is one jitted
-function, model and sampler; it is never given constrained rows (the engine makes them run single steps).
-With speculative decoding, its drafting rows also propose n-gram drafts on the device at every step and check
-them there (`_verify_steps`), so the host is not needed between one verification and the next; steps after
-every row has ended are skipped, unless the host decides the sampler's branches (`SamplerPlan`: on a GPU, where
-each decision left to the device is a conditional that stalls the call), when the call has none and runs them.
-A plan met after warm-up compiles off the engine thread (`background_compile.py`); until it is ready, a
-multi-step call of it runs as single steps, and a single step samples with every pass (the same tokens).
+A single step is two jitted calls, the model (to logits) and the sampler, so that the host fills the
+structured-output masks of the step's constrained rows (`batching/structured.py`) while the device runs the
+model: the masks need the tokens of the step before, which are known only at dispatch. A step with a constrained
+row makes a third call between the two, which applies the masks (all-ones rows for its other rows); a step
+without one makes none. A decode-only step of sequences without constraints may instead be one multi-step call,
+model and sampler in one program. Where the host decides the sampler's plans, a plan met after warm-up compiles
+off the engine thread (`background_compile.py`); until it is ready, a multi-step call of it runs as single
+steps, and a single step samples with every pass (the same tokens).
 """
 
 from __future__ import annotations
@@ -35,10 +24,10 @@ import itertools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import astuple, dataclass, replace
-from functools import cached_property, partial
+from dataclasses import astuple, replace
+from functools import partial
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,19 +38,21 @@ from tqdm import tqdm
 
 from sluice.batching import step_broadcast
 from sluice.batching.background_compile import BackgroundCompiler, shapes_of
-from sluice.batching.faults import Fault, strike
-from sluice.batching.ngram import NgramConfig, propose_on_device
+from sluice.batching.device_step import Bucket, DraftState, StepInputs, VerifiedSteps, decode_steps, forward, pack, \
+    packed_step, sample_step, verify_steps, write_packed
+from sluice.batching.faults import Fault
+from sluice.batching.ngram import NgramConfig
 from sluice.batching.request import MAX_STOP_IDS
-from sluice.batching.input_batch import InputBatch, SlotRows, SlotWrites, write_rows
+from sluice.batching.input_batch import InputBatch, SlotWrites
 from sluice.batching.kv_store import PagePayload
 from sluice.batching.kv_transfer import PageCopy, load_pages
 from sluice.batching.sampler import EVERY_PASS, SampledRows, SamplerOutput, SamplerPlan, SamplingBatch, \
-    bitmask_words, mask_disallowed, resolve_sampler_branches, sample
+    bitmask_words, mask_disallowed, resolve_sampler_branches
 from sluice.batching.scheduler import ScheduledChunk
 from sluice.batching.sequence import PENDING
+from sluice.batching.step_output import PendingStep
 from sluice.batching.structured import fill_bitmask
-from sluice.model.llama import KVCache, Llama, empty_kv_cache, resolve_layer_loop
-from sluice.model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
+from sluice.model.llama import Llama, empty_kv_cache, resolve_layer_loop
 from sluice.sharding.rules import kv_cache_sharding, replicated
 
 logger = logging.getLogger(__name__)
@@ -91,394 +82,10 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
     return out + [hi]
 
 
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """A compiled step shape: tokens, attention rows (sequences or prefill pieces), sampled rows, max_q_len,
-    and decode steps per call. A speculative multi-step call (`verifies`) is a multi-step call of S
-    sequences (its tokens) whose steps each take 1 + k queries per sequence (max_q_len)."""
-
-    num_tokens: int
-    num_attn_seqs: int
-    num_rows: int
-    max_q_len: int
-    num_steps: int = 1
-
-    @property
-    def verifies(self) -> bool:
-        return self.num_steps > 1 and self.max_q_len > 1
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class DraftState:
-    """Drafting in a speculative multi-step call. history: [S, H] int32, each drafting row's tokens (prompt +
-    output) then -1, all -1 for a row that does not draft; max_drafts: [S] int32, the most drafts a row checks
-    at a step (0: it does not draft)."""
-
-    history: jax.Array
-    max_drafts: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class StepInputs:
-    """token_ids, positions, slot_mapping: [T] int32 (slot -1 = padding); kv_lens: [S] int32;
-    attn_slots: [S] int32, the slot whose page table each attention row reads (`input_batch.py`; the padding
-    slot for padding rows); cu_q_lens: [S + 1] int32; logits_rows: [S] int32, each
-    sequence's last token row (the one it samples from); limits: [S] int32, decode steps each row may run
-    in a multi-step call (0 for padding); num_sampled: [] int32, the rows of logits_rows that are sampled (the
-    first ones; real tokens are the first cu_q_lens[-1] rows); drafting: a speculative multi-step call's
-    `DraftState` (no columns of history for other calls); feed: [T] int32, for a token the host does not know
-    yet (overlapped scheduling), the row of the previous step's last tokens that holds it, else -1; pool_ids: [T]
-    int32, the row of `StepOutput.pooled` each token adds to, else -1. Padding rows' outputs are never read, and
-    the CPU kernels skip them."""
-
-    token_ids: jax.Array
-    positions: jax.Array
-    slot_mapping: jax.Array
-    kv_lens: jax.Array
-    attn_slots: jax.Array
-    cu_q_lens: jax.Array
-    logits_rows: jax.Array
-    limits: jax.Array
-    num_sampled: jax.Array
-    drafting: DraftState
-    feed: jax.Array
-    pool_ids: jax.Array
-
-    def fed(self, last_tokens: jax.Array) -> StepInputs:
-        """With the tokens the previous step sampled ([R] int32, `last_tokens`) in place of the placeholders."""
-        fed = last_tokens[jnp.maximum(self.feed, 0)]
-        return replace(self, token_ids=jnp.where(self.feed >= 0, fed, self.token_ids))
-
-
-Packing = tuple[jax.tree_util.PyTreeDef, tuple[tuple[tuple[int, ...], str], ...]]  # structure, (shape, dtype)s
-
-
-def pack(tree) -> tuple[np.ndarray, Packing]:
-    """A pytree of numpy arrays of 4-byte dtypes (int32, uint32, float32) as one flat int32 buffer: they cross to
-    the device in one copy instead of one per array (each costs about 11 us of jit dispatch on a CPU). The packing
-    is static (a compiled step's key)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    flat = np.concatenate([np.ascontiguousarray(x).view(np.int32).ravel() for x in leaves])
-    return flat, (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
-
-
-def unpack(flat: jax.Array, packing: Packing):
-    treedef, specs = packing
-    parts = jnp.split(flat, np.cumsum([int(np.prod(shape)) for shape, _ in specs])[:-1])
-    return jax.tree.unflatten(treedef, [jax.lax.bitcast_convert_type(part, jnp.dtype(dtype)).reshape(shape)
-                                        for part, (shape, dtype) in zip(parts, specs)])
-
-
-def _write_packed(packing: Packing, table: SlotRows, flat: jax.Array) -> SlotRows:
-    """`write_rows` of a packed `SlotWrites` (its slots and rows: `pack`)."""
-    return write_rows(table, *unpack(flat, packing))
-
-
-def _packed(step: partial, state_def: jax.tree_util.PyTreeDef) -> Callable:
-    """`step` (a partial of `_forward`, `_decode_steps` or `_verify_steps`) taking the model's weights as a flat
-    list of arrays (`state_def` rebuilds the nnx.State inside: flattening a State at every call cost twice a list's,
-    34 against 15 us for 30 unrolled layers) and its `StepInputs` and `SampledRows` packed (`pack`), the token
-    histories apart (they stay on the device); named as the step, so its compiled program is too (profiles look
-    for it)."""
-
-    def run(packing: Packing, weights: list[jax.Array], kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows,
-            flat: jax.Array, history: jax.Array):
-        inputs, sampled = unpack(flat, packing)
-        state = jax.tree.unflatten(state_def, weights)
-        return step(state, kv_cache, fed_from, slots, inputs, replace(sampled, history=history))
-
-    run.__name__ = step.func.__name__
-    return run
-
-
-def last_tokens(tokens: jax.Array, num_rows: int) -> jax.Array:
-    """tokens: [S] int32, each sampled row's last token -> [num_rows] int32, cut or zero-padded: what the next
-    step may feed from (one shape whatever the bucket, so no step compiles once per previous bucket)."""
-    tokens = tokens[:num_rows]
-    return jnp.pad(tokens, (0, num_rows - tokens.shape[0]))
-
-
-def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
-            page_table: jax.Array, inputs: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
-    """One model step over a flat pool: the logits of the sampled rows, [S, V] float32, and the hidden states,
-    [T, D]. page_table: [A, max_pages] int32, each attention row's."""
-    meta = AttentionMetadata(
-        slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=page_table,
-        cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
-    )
-    attend = make_paged_attend(meta, num_pages, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh)
-    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend, num_real=inputs.cu_q_lens[-1])
-    return model.logits(hidden[inputs.logits_rows], num_real=inputs.num_sampled), hidden, kv_cache
-
-
-def _forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
-             state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs,
-             sampled: SampledRows) -> tuple[tuple[jax.Array, SamplingBatch, jax.Array], KVCache]:
-    """One step's model: the sampled rows' logits [S, V] float32, their `SamplingBatch` and the pooled rows
-    [S, D] float32 (`StepInputs.pool_ids`; a few microseconds, always computed), and the pool.
-
-    kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (arrays or int8
-    `QuantizedPages`; donated). fed_from: [R] int32, the previous step's last tokens (`StepInputs.fed`).
-    slots: the persistent input batch's rows on the device. The sampling rows are gathered here rather than in
-    the sampler: XLA's CPU sampler ran slower with the gathers in its own program (RESULTS.md, 2026-11-26).
-    """
-    model = nnx.merge(graphdef, state)
-    logits, hidden, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache),
-                                       slots.page_table[inputs.attn_slots], inputs.fed(fed_from))
-    pooled = model.pooled(hidden, inputs.pool_ids, inputs.logits_rows.shape[0])
-    return (logits, sampled.batch(slots.sampling), pooled), layered_pool(kv_cache, model.config.num_layers)
-
-
-def _sample_step(num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch
-                 ) -> tuple[SamplerOutput, jax.Array]:
-    """One step's sampler, outputs with a leading [1] axis (as a multi-step call's), and its `last_tokens`."""
-    out = sample(logits, sampling, plan)
-    return jax.tree.map(lambda x: x[None], out), last_tokens(out.tokens, num_rows)
-
-
-def _while_any_runs(step: Callable, running: Callable, plan: SamplerPlan | None, model: Llama) -> Callable:
-    """A multi-step call's scan body: `step(carry, k)` while `running(carry, k)` ([S] bool) has a row left, then
-    nothing (zeros out), so the steps a call has left once every sequence has ended cost nothing. Not with a
-    `SamplerPlan` (the call then has no conditional, and runs every step), nor with the layers unrolled: XLA
-    then copies the whole pool at every call to pass it through the conditional (`bench.step_audit`)."""
-    if plan is not None or model.layers_unstacked:
-        return step
-
-    def body(carry, k):
-        outs = jax.eval_shape(step, carry, k)[1]
-        skip = lambda carry: (carry, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), outs))
-        return jax.lax.cond(jnp.any(running(carry, k)), lambda carry: step(carry, k), skip, carry)
-
-    return body
-
-
-def _decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
-                  num_steps: int, num_rows: int, plan: SamplerPlan | None, state: nnx.State, kv_cache: KVCache,
-                  fed_from: jax.Array, slots: SlotRows, inputs: StepInputs, sampled: SampledRows
-                  ) -> tuple[tuple[SamplerOutput, jax.Array], KVCache]:
-    """`num_steps` decode steps, model and sampler, each sampled token fed back; kv_cache, fed_from and slots as
-    in `_forward`.
-
-    Returns the sampler's outputs with a leading [num_steps] axis, and each row's last token (at its limit)
-    as `last_tokens`. No row has a structured-output mask: the host cannot fill one between the steps.
-    """
-    model = nnx.merge(graphdef, state)
-    inputs = inputs.fed(fed_from)
-    page_table = slots.page_table[inputs.attn_slots]
-    sampling = sampled.batch(slots.sampling)
-    rows = jnp.arange(inputs.token_ids.shape[0])
-
-    def decode(carry, k):
-        tokens, alive, kv_cache, sampling = carry
-        active = alive & (k < inputs.limits)
-        positions = inputs.positions + k
-        pages = page_table[rows, positions // page_size]
-        step_inputs = replace(
-            inputs, token_ids=tokens, positions=positions,
-            slot_mapping=jnp.where(active, pages * page_size + positions % page_size, -1),
-            kv_lens=jnp.where(active, inputs.kv_lens + k, 0),
-        )
-        logits, _, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, page_table, step_inputs)
-        out = sample(logits, sampling, plan)
-        alive = alive & ~(active & sampling.stops(out.tokens))
-        return (out.tokens, alive, kv_cache, sampling.advanced(out.tokens)), out
-
-    init = (inputs.token_ids, inputs.limits > 0, flat_pool(kv_cache), sampling)
-    body = _while_any_runs(decode, lambda carry, k: carry[1] & (k < inputs.limits), plan, model)
-    (_, _, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
-    at_limit = jnp.take_along_axis(outs.tokens, jnp.maximum(inputs.limits - 1, 0)[None], axis=0)[0]
-    return (outs, last_tokens(at_limit, num_rows)), layered_pool(kv_cache, model.config.num_layers)
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class VerifiedSteps:
-    """A speculative multi-step call's outputs. `sampled`: leaves [num_steps, S * (1 + k), ...], sequence s's
-    rows at each step s * (1 + k) + j; `num_emitted`: [num_steps, S] int32, how many of those rows (a prefix)
-    are its tokens; `num_verified`: [num_steps, S] int32, how many drafts it checked at that step."""
-
-    sampled: SamplerOutput
-    num_emitted: jax.Array
-    num_verified: jax.Array
-
-
-def _verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, page_size: int,
-                  ngram: NgramConfig, num_steps: int, num_rows: int, plan: SamplerPlan | None, state: nnx.State,
-                  kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs, sampled: SampledRows
-                  ) -> tuple[tuple[VerifiedSteps, jax.Array], KVCache]:
-    """`num_steps` decode steps in which each drafting sequence also checks up to k drafts, proposed on the
-    device from its tokens at every step (`propose_on_device`; k = ngram.num_speculative_tokens).
-
-    `inputs` is a decode step's (one row per sequence: its last token, position, pages and token limit) with
-    `drafting`. At each step a sequence computes its last token and its drafts as one causal query run (the runs
-    packed, ragged, so the CPU kernels compute only real tokens), every position is sampled with the draft
-    after it to verify (`sample`), and the sequence keeps its accepted drafts and the token after them, up to a
-    stop id or its limit. Positions written for rejected drafts lie beyond what the sequence keeps, and are
-    overwritten later. The sampler's outputs are returned as `VerifiedSteps`.
-    """
-    model = nnx.merge(graphdef, state)
-    inputs = inputs.fed(fed_from)
-    page_table = slots.page_table[inputs.attn_slots]
-    sampling = sampled.batch(slots.sampling)
-    width = 1 + ngram.num_speculative_tokens
-    num_seqs = inputs.token_ids.shape[0]
-    may_draft = inputs.drafting.max_drafts > 0
-    seqs = jnp.arange(num_seqs)
-    token_rows = jnp.arange(num_seqs * width)
-    offsets = jnp.arange(width)
-
-    def verify(carry, _):
-        last, emitted, history, alive, kv_cache, sampling = carry
-        drafts, num_drafts = propose_on_device(history, ngram)
-        room = jnp.minimum(jnp.minimum(num_drafts, inputs.drafting.max_drafts), inputs.limits - emitted - 1)
-        q_lens = jnp.where(alive, 1 + jnp.clip(room, 0, width - 1), 0)
-        cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
-        owner = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token_rows, side="right"), num_seqs - 1)
-        offset = token_rows - cu_q_lens[owner]  # each token's place in its sequence's run
-        real = token_rows < cu_q_lens[-1]
-        start = inputs.positions + emitted  # where each sequence's last token goes
-        positions = jnp.where(real, start[owner] + offset, 0)
-        draft_at = lambda j: drafts[owner, jnp.clip(j, 0, width - 2)]
-        pages = page_table[owner, positions // page_size]
-        step_inputs = replace(
-            inputs, token_ids=jnp.where(offset == 0, last[owner], draft_at(offset - 1)), positions=positions,
-            slot_mapping=jnp.where(real, pages * page_size + positions % page_size, -1),
-            kv_lens=jnp.where(q_lens > 0, start + q_lens, 0), cu_q_lens=cu_q_lens, logits_rows=token_rows,
-            num_sampled=cu_q_lens[-1],
-        )
-        logits, _, kv_cache = _logits(model, backend, mesh, num_pages, width, kv_cache, page_table, step_inputs)
-        checks = real & (offset < q_lens[owner] - 1)
-        rows = replace(jax.tree.map(lambda x: x[owner], sampling), step=sampling.step[owner] + offset,
-                       draft=jnp.where(checks, draft_at(offset), -1))
-        out = sample(logits, rows, plan)
-        # Per sequence, its run's rows [S, width]: keep the accepted drafts and the token after them.
-        grid = jax.tree.map(lambda x: x[jnp.minimum(cu_q_lens[:-1, None] + offsets, token_rows[-1])], out)
-        accepted = grid.accepted & (offsets < q_lens[:, None] - 1)
-        num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1)
-        stopping = sampling.stops(grid.tokens) & (offsets <= num_accepted[:, None])
-        stopped = alive & jnp.any(stopping, axis=1)
-        kept = jnp.where(alive, jnp.where(stopped, jnp.argmax(stopping, axis=1), num_accepted) + 1, 0)
-        last = jnp.where(kept > 0, grid.tokens[seqs, jnp.maximum(kept - 1, 0)], last)
-        # Drafting rows' histories grow by what they kept (the others stay empty: they never draft).
-        at = jnp.where(may_draft[:, None] & (offsets < kept[:, None]),
-                       inputs.positions[:, None] + 1 + emitted[:, None] + offsets, history.shape[1])
-        history = history.at[seqs[:, None], at].set(grid.tokens, mode="drop")
-        emitted = emitted + kept
-        carry = (last, emitted, history, alive & ~stopped & (emitted < inputs.limits), kv_cache,
-                 sampling.advanced(last, kept))
-        flat = jax.tree.map(lambda x: x.reshape(num_seqs * width, *x.shape[2:]), grid)
-        return carry, VerifiedSteps(flat, kept, jnp.maximum(q_lens - 1, 0))
-
-    init = (inputs.token_ids, jnp.zeros(num_seqs, jnp.int32), inputs.drafting.history, inputs.limits > 0,
-            flat_pool(kv_cache), sampling)
-    body = _while_any_runs(verify, lambda carry, _: carry[3], plan, model)
-    (last, *_, kv_cache, _), outs = jax.lax.scan(body, init, jnp.arange(num_steps))
-    return (outs, last_tokens(last, num_rows)), layered_pool(kv_cache, model.config.num_layers)
-
-
 def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Items in groups of `counts[i]` items, in order: each item's group, and its index within the group."""
     group = np.repeat(np.arange(len(counts)), counts)
     return group, np.arange(len(group)) - (np.cumsum(counts) - counts)[group]
-
-
-class SequenceOutput(NamedTuple):
-    """What one scheduled sequence got from a step, whatever ran (one step, a multi-step call, a verification):
-    its new tokens in order, where each lies in the sampler's output (`positions`, (step, row): its logprobs),
-    and (drafts checked, drafts accepted) of each verification. The engine stops taking tokens where the
-    sequence ends. `finite` is False if its logits were not (NaN or inf): it then has no tokens."""
-
-    tokens: list[int]
-    positions: list[tuple[int, int]]
-    verifications: list[tuple[int, int]]
-    finite: bool = True
-
-
-_NONFINITE = SequenceOutput([], [], [], finite=False)
-
-
-class StepOutput:
-    """A step's results on the host: the sampler's arrays (numpy, leading [num_steps] axis; `top_ids` and
-    `top_logprobs` None unless a sequence wants logprobs, `accepted` None unless one drafted; row i is chunk i's
-    first when no chunk drafts), each chunk's share of them (`share`), and `pooled` ([S, D] float32, row i chunk
-    i's sum of its pooled tokens' final hidden states) when the step pools."""
-
-    def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, row_slots: np.ndarray, pooled: np.ndarray | None) -> None:
-        """`rows`: each chunk's first sampled row; `row_slots`: [rows] int32, each row's slot."""
-        self.sampled = out.sampled if isinstance(out, VerifiedSteps) else out
-        self.pooled = pooled
-        self._out = out
-        self._chunks, self._rows, self._limits, self._row_slots = chunks, rows, limits, row_slots
-
-    @cached_property
-    def nonfinite(self) -> np.ndarray:
-        """[rows] bool: whether a row's logits were not finite, checked at the call's first step (where every
-        sampled row is live; later, a row that stopped computes padding)."""
-        return ~np.isfinite(self.sampled.logprobs[0])
-
-    @cached_property
-    def _by_row(self) -> list[list[int]]:
-        return self.sampled.tokens.T.tolist()  # [rows][steps], in one call
-
-    def runs(self, stop_ids: np.ndarray) -> tuple[list[list[int]], list[bool]]:
-        """For a step in which no chunk drafts (row i is chunk i's): each chunk's tokens of every step, and whether
-        one of them may end its sequence: one of its slot's stop ids (`stop_ids`: [slots, B] int32, -1 pads,
-        `SamplingBatch.stop_ids`) or logits not finite."""
-        n = len(self._chunks)
-        tokens = self.sampled.tokens[:, :n]  # [steps, chunks]
-        stops = (tokens[:, :, None] == stop_ids[self._row_slots[:n]][None]).any(axis=(0, 2))
-        return self._by_row[:n], (stops | self.nonfinite[:n]).tolist()
-
-    def share(self, i: int) -> SequenceOutput | None:
-        """Chunk i's share: None for a chunk that samples nothing (a prefill not yet at its end). A plain run's
-        positions are listed only if its sequence wants logprobs (nothing else reads them)."""
-        chunk, row, out = self._chunks[i], self._rows[i], self._out
-        if not chunk.sample:
-            return None
-        if self.nonfinite[row]:
-            return _NONFINITE
-        if isinstance(out, VerifiedSteps):
-            positions, verifications = [], []
-            for step in range(out.num_emitted.shape[0]):
-                kept = int(out.num_emitted[step, i])
-                positions += [(step, r) for r in range(row, row + kept)]
-                if checked := int(out.num_verified[step, i]):
-                    accepted = int(np.cumprod(out.sampled.accepted[step, row:row + checked]).sum())
-                    verifications.append((checked, accepted))
-            return SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications)
-        if chunk.num_drafts:
-            accepted = int(np.cumprod(out.accepted[0, row:row + chunk.num_drafts]).sum())
-            positions = [(0, r) for r in range(row, row + accepted + 1)]  # the accepted drafts, then one sampled
-            return SequenceOutput([int(out.tokens[p]) for p in positions], positions, [(chunk.num_drafts, accepted)])
-        tokens = self._by_row[row] if self._limits is None else self._by_row[row][:self._limits[i]]
-        positions = [(s, row) for s in range(len(tokens))] if chunk.seq.params.wants_logprobs else []
-        return SequenceOutput(tokens, positions, [])
-
-
-class PendingStep:
-    """A dispatched step whose sampled tokens are being copied to the host."""
-
-    def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, drafting: list[int] | None, row_slots: np.ndarray,
-                 pooled: jax.Array | None, bucket: Bucket, fault: str | None = None):
-        """`limits`, `drafting`: the multi-step call's that ran (`ModelRunner.dispatch`), None for a single step;
-        `bucket`: the step's shape, for a hung step's report; `fault`: an injected one (`faults.py`)."""
-        self.limits, self.drafting = limits, drafting
-        self._out = (out, pooled)
-        self._shares = (chunks, rows, limits, row_slots)
-        self.bucket = bucket
-        self._fault = fault
-        for leaf in jax.tree.leaves(self._out):
-            leaf.copy_to_host_async()
-
-    def fetch(self) -> StepOutput:
-        """Blocks until the step is done."""
-        strike(self._fault, self.bucket)
-        out, pooled = jax.tree.map(np.asarray, self._out)
-        return StepOutput(out, *self._shares, pooled)
 
 
 class ModelRunner:
@@ -531,11 +138,11 @@ class ModelRunner:
         # partial: jax.jit keys its cache by the function object, and this runner's compilations are its own.
         self.plans_on_host = (resolve_sampler_branches(sampler_branches) == "host"
                               and not step_broadcast.is_multiprocess())
-        self._sample = jax.jit(partial(_sample_step, max_num_seqs), static_argnums=(0,), out_shardings=everywhere)
+        self._sample = jax.jit(partial(sample_step, max_num_seqs), static_argnums=(0,), out_shardings=everywhere)
         self._mask = jax.jit(partial(mask_disallowed), out_shardings=everywhere)
         self._step_outputs_sharding = everywhere or self.kv_sharding
         self.reset()
-        self._write_slots = jax.jit(partial(_write_packed), static_argnums=(0,), donate_argnums=(1,),
+        self._write_slots = jax.jit(partial(write_packed), static_argnums=(0,), donate_argnums=(1,),
                                     out_shardings=everywhere)
         self._no_histories: dict[int, jax.Array] = {}
         # Host plans: the multi-step calls, (bucket, plan), and samplers, (rows, plan), compiled on this thread
@@ -547,8 +154,8 @@ class ModelRunner:
 
     @property
     def buckets(self) -> list[Bucket]:
-        decode_steps = sorted({1, self.num_decode_steps})
-        return ([self._decode_bucket(s, k) for k in decode_steps for s in self.decode_buckets]
+        steps_per_call = sorted({1, self.num_decode_steps})
+        return ([self._decode_bucket(s, k) for k in steps_per_call for s in self.decode_buckets]
                 + [self._verify_bucket(s) for s in self.verify_buckets]
                 + [self._mixed_bucket(t, False) for t in self.token_buckets]
                 + [self._mixed_bucket(t, True) for t in self.spec_token_buckets])
@@ -587,13 +194,13 @@ class ModelRunner:
             out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
             args = (self.graphdef, self.backend, self.mesh, self.num_pages)
             if bucket.verifies:
-                fn = partial(_verify_steps, *args, self.page_size, self.ngram, bucket.num_steps, self.max_num_seqs,
+                fn = partial(verify_steps, *args, self.page_size, self.ngram, bucket.num_steps, self.max_num_seqs,
                              plan)
             elif bucket.num_steps > 1:
-                fn = partial(_decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs, plan)
+                fn = partial(decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs, plan)
             else:
-                fn = partial(_forward, *args, bucket.max_q_len)
-            self._steps[key] = jax.jit(_packed(fn, self._state_def), static_argnums=(0,), donate_argnums=(2,),
+                fn = partial(forward, *args, bucket.max_q_len)
+            self._steps[key] = jax.jit(packed_step(fn, self._state_def), static_argnums=(0,), donate_argnums=(2,),
                                        out_shardings=out_shardings)
         return self._steps[key]
 
@@ -601,7 +208,7 @@ class ModelRunner:
              fill_masks: Callable[[np.ndarray], None] | None = None, poison: bool = False,
              plan: SamplerPlan | None = None) -> tuple[SamplerOutput | VerifiedSteps, jax.Array | None]:
         """Writes the changed slots, launches the step on host inputs (numpy) and replaces the pool; returns
-        without waiting, with a single step's pooled rows (`_forward`).
+        without waiting, with a single step's pooled rows (`forward`).
 
         `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
         ([num_rows, ceil(V / 32)] int32, all ones) while the model runs. `poison`: the first row's logits become NaN
@@ -767,7 +374,7 @@ class ModelRunner:
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i emitting at
         most limits[i] tokens (its pages must hold them). `drafting` (with limits): the most drafts each chunk
-        checks at a step of that call (0: none), proposing and checking them on the device (`_verify_steps`: the
+        checks at a step of that call (0: none), proposing and checking them on the device (`verify_steps`: the
         result is `VerifiedSteps`).
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
         sampled row, drafts included) while the model runs. `pooling`: fetch the pooled rows (`StepOutput.pooled`).

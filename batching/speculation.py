@@ -14,7 +14,7 @@ what the measurements in RESULTS.md (speculative decoding) support, and no more:
   compute-bound, and a step that checks drafts costs more than its rows (its sampler scores 1 + k rows per
   sequence), so drafts stop paying at a few sequences on a CPU.
 A single step that also prefills drafts nothing: its sampled rows would multiply. Inside multi-step decode calls
-the device proposes and checks drafts at every step (`model_runner._verify_steps`), each drafting sequence up to
+the device proposes and checks drafts at every step (`device_step.verify_steps`), each drafting sequence up to
 the count chosen here when the call starts.
 """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from sluice.batching import model_runner
+from sluice.batching import step_output
 from sluice.batching.engine import Engine
 
 PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit")
@@ -28,9 +28,9 @@ class PhaseTimer:
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "_pad", "inputs")
         self._wrap(engine.runner, "_run", "dispatch")
-        self._wrap(model_runner.StepOutput, "runs", "collect")
-        self._wrap(model_runner.StepOutput, "share", "collect")
-        self._wrap(model_runner.PendingStep, "fetch", "wait")
+        self._wrap(step_output.StepOutput, "runs", "collect")
+        self._wrap(step_output.StepOutput, "share", "collect")
+        self._wrap(step_output.PendingStep, "fetch", "wait")
         self._wrap(engine, "_append_decoded", "append")
         self._wrap(engine, "_append_output", "append")
         self._wrap(engine, "_emit_text", "emit")

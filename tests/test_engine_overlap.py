@@ -118,7 +118,7 @@ def test_warm_up_compiles_each_model_program_once_off_the_engine_thread(tiny, ca
     finally:
         jax.config.update("jax_log_compiles", False)
     models = [r.threadName for r in caplog.records
-              if r.getMessage().startswith(("Compiling jit(_forward)", "Compiling jit(_decode_steps)"))]
+              if r.getMessage().startswith(("Compiling jit(forward)", "Compiling jit(decode_steps)"))]
     # A single step's program per bucket, a multi-step call's per bucket and plan (greedy, sampling): each compiled
     # once, on a warm-up thread, and found in jit's cache when warm-up then runs it.
     assert len(models) == 3 * len(runner.decode_buckets) + len(runner.token_buckets)

@@ -1,0 +1,112 @@
+"""A dispatched step's results on their way to the host, and each scheduled sequence's share of them, whatever
+ran: one step, a multi-step call or a verification (`device_step.py`)."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from sluice.batching.device_step import Bucket, VerifiedSteps
+from sluice.batching.faults import strike
+from sluice.batching.sampler import SamplerOutput
+from sluice.batching.scheduler import ScheduledChunk
+
+
+class SequenceOutput(NamedTuple):
+    """What one scheduled sequence got from a step, whatever ran (one step, a multi-step call, a verification):
+    its new tokens in order, where each lies in the sampler's output (`positions`, (step, row): its logprobs),
+    and (drafts checked, drafts accepted) of each verification. The engine stops taking tokens where the
+    sequence ends. `finite` is False if its logits were not (NaN or inf): it then has no tokens."""
+
+    tokens: list[int]
+    positions: list[tuple[int, int]]
+    verifications: list[tuple[int, int]]
+    finite: bool = True
+
+
+_NONFINITE = SequenceOutput([], [], [], finite=False)
+
+
+class StepOutput:
+    """A step's results on the host: the sampler's arrays (numpy, leading [num_steps] axis; `top_ids` and
+    `top_logprobs` None unless a sequence wants logprobs, `accepted` None unless one drafted; row i is chunk i's
+    first when no chunk drafts), each chunk's share of them (`share`), and `pooled` ([S, D] float32, row i chunk
+    i's sum of its pooled tokens' final hidden states) when the step pools."""
+
+    def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
+                 limits: list[int] | None, row_slots: np.ndarray, pooled: np.ndarray | None) -> None:
+        """`rows`: each chunk's first sampled row; `row_slots`: [rows] int32, each row's slot."""
+        self.sampled = out.sampled if isinstance(out, VerifiedSteps) else out
+        self.pooled = pooled
+        self._out = out
+        self._chunks, self._rows, self._limits, self._row_slots = chunks, rows, limits, row_slots
+
+    @cached_property
+    def nonfinite(self) -> np.ndarray:
+        """[rows] bool: whether a row's logits were not finite, checked at the call's first step (where every
+        sampled row is live; later, a row that stopped computes padding)."""
+        return ~np.isfinite(self.sampled.logprobs[0])
+
+    @cached_property
+    def _by_row(self) -> list[list[int]]:
+        return self.sampled.tokens.T.tolist()  # [rows][steps], in one call
+
+    def runs(self, stop_ids: np.ndarray) -> tuple[list[list[int]], list[bool]]:
+        """For a step in which no chunk drafts (row i is chunk i's): each chunk's tokens of every step, and whether
+        one of them may end its sequence: one of its slot's stop ids (`stop_ids`: [slots, B] int32, -1 pads,
+        `SamplingBatch.stop_ids`) or logits not finite."""
+        n = len(self._chunks)
+        tokens = self.sampled.tokens[:, :n]  # [steps, chunks]
+        stops = (tokens[:, :, None] == stop_ids[self._row_slots[:n]][None]).any(axis=(0, 2))
+        return self._by_row[:n], (stops | self.nonfinite[:n]).tolist()
+
+    def share(self, i: int) -> SequenceOutput | None:
+        """Chunk i's share: None for a chunk that samples nothing (a prefill not yet at its end). A plain run's
+        positions are listed only if its sequence wants logprobs (nothing else reads them)."""
+        chunk, row, out = self._chunks[i], self._rows[i], self._out
+        if not chunk.sample:
+            return None
+        if self.nonfinite[row]:
+            return _NONFINITE
+        if isinstance(out, VerifiedSteps):
+            positions, verifications = [], []
+            for step in range(out.num_emitted.shape[0]):
+                kept = int(out.num_emitted[step, i])
+                positions += [(step, r) for r in range(row, row + kept)]
+                if checked := int(out.num_verified[step, i]):
+                    accepted = int(np.cumprod(out.sampled.accepted[step, row:row + checked]).sum())
+                    verifications.append((checked, accepted))
+            return SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications)
+        if chunk.num_drafts:
+            accepted = int(np.cumprod(out.accepted[0, row:row + chunk.num_drafts]).sum())
+            positions = [(0, r) for r in range(row, row + accepted + 1)]  # the accepted drafts, then one sampled
+            return SequenceOutput([int(out.tokens[p]) for p in positions], positions, [(chunk.num_drafts, accepted)])
+        tokens = self._by_row[row] if self._limits is None else self._by_row[row][:self._limits[i]]
+        positions = [(s, row) for s in range(len(tokens))] if chunk.seq.params.wants_logprobs else []
+        return SequenceOutput(tokens, positions, [])
+
+
+class PendingStep:
+    """A dispatched step whose sampled tokens are being copied to the host."""
+
+    def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
+                 limits: list[int] | None, drafting: list[int] | None, row_slots: np.ndarray,
+                 pooled: jax.Array | None, bucket: Bucket, fault: str | None = None):
+        """`limits`, `drafting`: the multi-step call's that ran (`ModelRunner.dispatch`), None for a single step;
+        `bucket`: the step's shape, for a hung step's report; `fault`: an injected one (`faults.py`)."""
+        self.limits, self.drafting = limits, drafting
+        self._out = (out, pooled)
+        self._shares = (chunks, rows, limits, row_slots)
+        self.bucket = bucket
+        self._fault = fault
+        for leaf in jax.tree.leaves(self._out):
+            leaf.copy_to_host_async()
+
+    def fetch(self) -> StepOutput:
+        """Blocks until the step is done."""
+        strike(self._fault, self.bucket)
+        out, pooled = jax.tree.map(np.asarray, self._out)
+        return StepOutput(out, *self._shares, pooled)
