@@ -13,9 +13,9 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
   its first token (prefill of all C prompts plus one sample); TPOT: vLLM's per request
   (last - first arrival) / (tokens - 1), averaged over the wave, i.e. the engine's real decode at batch
   C, multi-step calls and host work included (each a median of `latency_repeats` runs);
-- step breakdown, timed directly (jitted, outside the engine, medians after a compile): a decode
-  step at batch C and the wave's mean context (model forward + LM head + argmax), the paged attention
-  of all layers alone, the LM head + argmax alone; the report adds the rest, and TPOT minus the
+- step breakdown, timed directly (jitted, outside the engine, medians after a compile; every level's step
+  compiles first, on a thread each): a decode step at batch C and the wave's mean context (model forward +
+  LM head + argmax), the paged attention of all layers alone, the LM head + argmax alone; the report adds the rest, and TPOT minus the
   step (what the engine adds: sampler, host work, bucket padding). It also turns the step's byte
   floor (weights + the batch's K/V, read once) into a share of the measured bandwidth, and the
   workload's output tok/s into a share of `bench.roofline`'s bound;
@@ -40,6 +40,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -60,7 +61,7 @@ from sluice.bench.host_phases import PhaseTimer
 from sluice.bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
 from sluice.bench.roofline import Peaks, ServedModel, kv_bytes_per_token, workload_roofline
 from sluice.model.config import ModelConfig, RopeScaling
-from sluice.model.llama import LAYER_LOOPS, Llama, empty_kv_cache, resolve_layer_loop
+from sluice.model.llama import LAYER_LOOPS, KVCache, Llama, empty_kv_cache, resolve_layer_loop
 from sluice.model.loader import LoadedModel
 from sluice.model.paged_attend import AttentionMetadata, flat_pool, make_paged_attend
 from sluice.model.quantize import QUANTIZATIONS, quantize_model
@@ -279,62 +280,82 @@ class StepTimes:
     floor_bytes: int
 
 
-def decode_step_times(loaded: LoadedModel, batch: int, context: int, page_size: int, backend: str,
-                      repeats: int) -> StepTimes:
-    """Times the model's decode step at batch x context directly (module docstring)."""
-    config, model = loaded.config, loaded.model
-    pages_per_seq = -(-(context + 1) // page_size)
-    num_pages = batch * pages_per_seq
-    graphdef, state = nnx.split(model)
-    kv_cache = empty_kv_cache(config, num_pages, page_size, jnp.dtype(DTYPE))
-    page_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_seq)
-    positions = jnp.full((batch,), context, jnp.int32)
-    meta = AttentionMetadata(
-        slot_mapping=page_table[:, context // page_size] * page_size + context % page_size,
-        kv_lens=jnp.full((batch,), context + 1, jnp.int32), page_table=page_table,
-        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32), max_q_len=1,
-    )
-    tokens = jnp.arange(batch, dtype=jnp.int32) % config.vocab_size
-    sm_scale = config.head_dim**-0.5
+class DirectStep:
+    """A decode step at batch x context, timed directly (module docstring): the model's step (forward, LM head,
+    argmax; the pool donated), the paged attention of all layers alone, and the LM head + argmax alone, each
+    jitted. `compile` may run on any thread (it lowers against shapes); `time` allocates the pool and times."""
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(state, kv_cache, tokens, positions, meta):
-        model = nnx.merge(graphdef, state)
-        attend = make_paged_attend(meta, num_pages, sm_scale=sm_scale, backend=backend)
-        hidden, kv = model(tokens, positions, flat_pool(kv_cache), attend)
-        return jnp.argmax(model.logits(hidden), axis=-1), tuple(x.reshape(kv_cache[0].shape) for x in kv)
+    def __init__(self, loaded: LoadedModel, batch: int, context: int, page_size: int, backend: str):
+        config, model = loaded.config, loaded.model
+        self.loaded, self.batch, self.context, self.page_size = loaded, batch, context, page_size
+        pages_per_seq = -(-(context + 1) // page_size)
+        self.num_pages = num_pages = batch * pages_per_seq
+        graphdef, self.state = nnx.split(model)
+        page_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_seq)
+        self.positions = jnp.full((batch,), context, jnp.int32)
+        self.meta = meta = AttentionMetadata(
+            slot_mapping=page_table[:, context // page_size] * page_size + context % page_size,
+            kv_lens=jnp.full((batch,), context + 1, jnp.int32), page_table=page_table,
+            cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32), max_q_len=1,
+        )
+        self.tokens = jnp.arange(batch, dtype=jnp.int32) % config.vocab_size
+        sm_scale = config.head_dim**-0.5
 
-    @jax.jit
-    def attention_all_layers(kv_cache, q, meta):
-        k_pool, v_pool = flat_pool(kv_cache)
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def step(state, kv_cache, tokens, positions, meta):
+            model = nnx.merge(graphdef, state)
+            attend = make_paged_attend(meta, num_pages, sm_scale=sm_scale, backend=backend)
+            hidden, kv = model(tokens, positions, flat_pool(kv_cache), attend)
+            return jnp.argmax(model.logits(hidden), axis=-1), tuple(x.reshape(kv_cache[0].shape) for x in kv)
 
-        def layer(index, q):
-            out = ragged_paged_attention(
-                q, k_pool, v_pool, meta.kv_lens, meta.page_table + index * num_pages, meta.cu_q_lens,
-                max_q_len=1, sm_scale=sm_scale, backend=backend,
-            )
-            return q + out
+        @jax.jit
+        def attention_all_layers(kv_cache, q, meta):
+            k_pool, v_pool = flat_pool(kv_cache)
 
-        return lax.fori_loop(0, config.num_layers, layer, q)
+            def layer(index, q):
+                out = ragged_paged_attention(
+                    q, k_pool, v_pool, meta.kv_lens, meta.page_table + index * num_pages, meta.cu_q_lens,
+                    max_q_len=1, sm_scale=sm_scale, backend=backend,
+                )
+                return q + out
 
-    @jax.jit
-    def head(state, hidden):
-        return jnp.argmax(nnx.merge(graphdef, state).logits(hidden), axis=-1)
+            return lax.fori_loop(0, config.num_layers, layer, q)
 
-    pool = [kv_cache]  # the step donates the pool and returns the updated one
+        @jax.jit
+        def head(state, hidden):
+            return jnp.argmax(nnx.merge(graphdef, state).logits(hidden), axis=-1)
 
-    def one_step():
-        next_tokens, pool[0] = step(state, pool[0], tokens, positions, meta)
-        return next_tokens
+        self.step, self.attention_all_layers, self.head = step, attention_all_layers, head
 
-    q = jnp.ones((batch, config.num_heads, config.head_dim), jnp.dtype(DTYPE))
-    hidden = jnp.ones((batch, config.hidden_size), jnp.dtype(DTYPE))
-    del kv_cache
-    step_s = median_seconds(one_step, repeats)
-    attention_s = median_seconds(lambda: attention_all_layers(pool[0], q, meta), repeats)
-    head_s = median_seconds(lambda: head(state, hidden), repeats)
-    floor = param_bytes(model) + batch * (context + 1) * kv_bytes_per_token(config, DTYPE)
-    return StepTimes(batch, context, step_s, attention_s, head_s, floor)
+    def _empty_pool(self) -> KVCache:
+        return empty_kv_cache(self.loaded.config, self.num_pages, self.page_size, jnp.dtype(DTYPE))
+
+    def compile(self) -> None:
+        """Compiles the model's step, the slow one (an unrolled 8B's took 8-10 s on an H200), into jit's cache."""
+        pool = jax.eval_shape(self._empty_pool)
+        self.step.lower(self.state, pool, self.tokens, self.positions, self.meta).compile()
+
+    def time(self, repeats: int) -> StepTimes:
+        config, batch, context = self.loaded.config, self.batch, self.context
+        pool = [self._empty_pool()]  # the step donates the pool and returns the updated one
+
+        def one_step():
+            next_tokens, pool[0] = self.step(self.state, pool[0], self.tokens, self.positions, self.meta)
+            return next_tokens
+
+        q = jnp.ones((batch, config.num_heads, config.head_dim), jnp.dtype(DTYPE))
+        hidden = jnp.ones((batch, config.hidden_size), jnp.dtype(DTYPE))
+        step_s = median_seconds(one_step, repeats)
+        attention_s = median_seconds(lambda: self.attention_all_layers(pool[0], q, self.meta), repeats)
+        head_s = median_seconds(lambda: self.head(self.state, hidden), repeats)
+        floor = param_bytes(self.loaded.model) + batch * (context + 1) * kv_bytes_per_token(config, DTYPE)
+        return StepTimes(batch, context, step_s, attention_s, head_s, floor)
+
+
+def compile_in_parallel(steps: list[DirectStep]) -> None:
+    """Compiles the steps' programs on a thread each (XLA releases the GIL while it compiles)."""
+    with ThreadPoolExecutor(len(steps), thread_name_prefix="engine-check-compile") as pool:
+        list(pool.map(DirectStep.compile, steps))
 
 
 def engine_level(engine: Engine, served: ServedModel, workload: list[BenchRequest], sizes: Sizes, c: int,
@@ -399,13 +420,16 @@ def run(args) -> dict:
                                        output=sizes.output, vocab_size=config.vocab_size))
 
     # Direct timings first: their KV pools are freed before the engine allocates its own.
-    for c in sizes.concurrency:
-        wave = workload[:c]
-        context = round(np.mean([len(r.prompt) for r in wave]) + sizes.tpot_steps / 2)
-        times = decode_step_times(loaded, c, context, PAGE_SIZE, args.attention_backend, sizes.timing_repeats)
-        result["levels"].append(dict(concurrency=c, step=dataclasses.asdict(times)))
+    steps = [DirectStep(loaded, c, round(np.mean([len(r.prompt) for r in workload[:c]]) + sizes.tpot_steps / 2),
+                        PAGE_SIZE, args.attention_backend) for c in sizes.concurrency]
+    start = time.perf_counter()
+    compile_in_parallel(steps)
+    result["direct_compile_s"] = time.perf_counter() - start
+    for c, step in zip(sizes.concurrency, steps):
+        result["levels"].append(dict(concurrency=c, step=dataclasses.asdict(step.time(sizes.timing_repeats))))
         save()
         gc.collect()
+    del steps
 
     engine_config = EngineConfig(
         dtype=DTYPE, page_size=PAGE_SIZE, max_num_seqs=max(sizes.concurrency),

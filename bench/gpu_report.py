@@ -147,7 +147,8 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
                 f"{r['kv_cache_bytes'] / 2**20:,.2f} MiB, {r.get('num_preemptions', 0)} preemptions, "
                 f"{_decoding(r.get('decoding'))}, programs compiled during the timed levels "
                 f"{[level.get('compiled', 0) for level in r['levels']]} on the engine thread (each a stall) and "
-                f"{[level.get('compiled_off_thread', 0) for level in r['levels']]} off it"
+                f"{[level.get('compiled_off_thread', 0) for level in r['levels']]} off it; the direct steps "
+                f"compiled in {fmt(r.get('direct_compile_s'), '.0f')} s, one thread each"
                 for r in results if "kv_cache_bytes" in r]
     return lines + ([""] + settings if settings else []) + [""]
 

@@ -1,6 +1,7 @@
 """bench.engine_check's pieces that the GPU run relies on and a CPU can check exactly."""
 
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -58,3 +59,19 @@ def test_an_int8_run_measures_the_engine_on_int8_weights(tmp_path):
     assert result["quantization"] == "int8" and [level["concurrency"] for level in result["levels"]] == [2]
     assert result["levels"][0]["output_tokens"] > 0
     assert result["param_bytes"] < param_bytes(engine_check.random_model("tiny").model) / 1.5
+
+
+def test_each_direct_step_compiles_once_off_the_main_thread_and_times_from_jits_cache(caplog):
+    loaded = engine_check.random_model("tiny")
+    steps = [engine_check.DirectStep(loaded, batch, 40, engine_check.PAGE_SIZE, "auto") for batch in (1, 4)]
+    jax.config.update("jax_log_compiles", True)  # for every thread (`jax.log_compiles()` is the calling thread's)
+    try:
+        with caplog.at_level(logging.WARNING):
+            engine_check.compile_in_parallel(steps)
+            times = [step.time(repeats=2) for step in steps]
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    compiles = [r.threadName for r in caplog.records if r.getMessage().startswith("Compiling jit(step)")]
+    assert len(compiles) == len(steps)
+    assert all(name.startswith("engine-check-compile") for name in compiles)
+    assert [t.batch for t in times] == [1, 4] and all(t.step_s > 0 and t.attention_s > 0 for t in times)
