@@ -15,9 +15,9 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
   C, multi-step calls and host work included (each a median of `latency_repeats` runs);
 - step breakdown, timed directly (jitted, outside the engine, medians after a compile; every level's step
   compiles first, on a thread each): a decode step at batch C and the wave's mean context (model forward +
-  LM head + argmax), the paged attention of all layers alone, the LM head + argmax alone; the report adds the rest, and TPOT minus the
-  step (what the engine adds: sampler, host work, bucket padding). It also turns the step's byte
-  floor (weights + the batch's K/V, read once) into a share of the measured bandwidth, and the
+  LM head + argmax), the paged attention of all layers alone, the LM head + argmax alone; the report adds
+  the rest, and TPOT minus the step (what the engine adds: sampler, host work, bucket padding). It also turns
+  the step's byte floor (weights + the batch's K/V, read once) into a share of the measured bandwidth, and the
   workload's output tok/s into a share of `bench.roofline`'s bound;
 - compile time: building the `Engine`, which compiles every step bucket (persistent cache cold when
   SLUICE_JAX_CACHE points at an empty folder, as `bench.gpu_check` arranges); where the host decides the
