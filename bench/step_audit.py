@@ -24,13 +24,14 @@ kernels, the CPU's quantized matmuls), and the CPU counts the pool's in-place up
 and written, so the ratio is a coarse signal; the three checks are the precise ones.
 The HLO is the backend's: a CPU run shows what XLA's CPU compiler makes of the step, a GPU run the GPU's.
 
-Host syncs and a copy of the pool are audited on the engine's multi-step decode call (model and sampler, `num_decode_steps` steps, the
-program that runs at saturation): its conditionals, and its while loops of unknown trip count. XLA:GPU runs each
-by copying its predicate to the host and waiting there for the device (`ConditionalThunk`, `WhileThunk`), unless
-it captured it in a command buffer (CUDA graph), which the HLO does not show. After each sync the device waits
-for the host's next launches; and where a call's kernels are launched on the thread that makes the call (XLA's
-stream-executor client), that thread blocks until the device has caught up, so the call returns only when the
-device is nearly done and the host cannot prepare the next call meanwhile (overlapped scheduling).
+Host syncs and a copy of the pool are audited on the engine's multi-step decode call (model and sampler,
+`num_decode_steps` steps, the program that runs at saturation): its conditionals, and its while loops of unknown
+trip count. XLA:GPU runs each by copying its predicate to the host and waiting there for the device
+(`ConditionalThunk`, `WhileThunk`), unless it captured it in a command buffer (CUDA graph), which the HLO does not
+show. After each sync the device waits for the host's next launches; and where a call's kernels are launched on the
+thread that makes the call (XLA's stream-executor client), that thread blocks until the device has caught up, so
+the call returns only when the device is nearly done and the host cannot prepare the next call meanwhile
+(overlapped scheduling).
 """
 
 from __future__ import annotations
@@ -450,7 +451,7 @@ def audit_decode_call(config: ModelConfig, dtype: str, num_steps: int, rows: int
 
 
 def pool_bytes(runner: ModelRunner) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.kv_cache))
+    return sum(x.nbytes for x in jax.tree.leaves(runner.kv_cache))
 
 
 def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
