@@ -465,7 +465,7 @@ class Engine:
         left: Iterable[int] = range(len(launched.chunks))
         if self.speculator is None and result.sampled.top_ids is None:  # no chunk drafts or wants logprobs
             # The slot of a sequence that no longer runs may have changed hands: that chunk is left in any case.
-            left = self._append_decoded(launched, *result.runs(self.runner.input_batch.host.sampling.stop_ids))
+            left = self._append_decoded(launched, *result.runs())
         for i in left:
             chunk, output, index = launched.chunks[i], result.share(i), launched.first_indices[i]
             seq = chunk.seq
@@ -494,32 +494,43 @@ class Engine:
                                   host_s=launched.host_s + end - arrived)
         self._totals.add_step(self._last_step)
 
-    def _append_decoded(self, launched: _Launched, runs: list[list[int]], may_end: list[bool]) -> list[int]:
-        """Appends, in one pass, the tokens of each sequence that just goes on decoding (a decode step's common
-        case, at hundreds of sequences): over its placeholders, its newly full pages committed. `runs`,
-        `may_end`: `StepOutput.runs` of a step in which no chunk drafts or wants logprobs. Returns the indices of
-        the chunks left to `_append_output`: those with a token that may end their sequence (`may_end`, or the
-        last allowed), a sequence's first output token, a chunk that samples nothing, and sequences that no
+    def _append_decoded(self, launched: _Launched, runs: list[list[int]], nonfinite: list[bool]) -> list[int]:
+        """Appends and emits, in one pass, the tokens of each sequence that just goes on decoding (a decode step's
+        common case, at hundreds of sequences): over its placeholders, its newly full pages committed, its text
+        sent (or, with stop strings to search it for, left to `_emit_text`). `runs`, `nonfinite`:
+        `StepOutput.runs` of a step in which no chunk drafts or wants logprobs. Returns the indices of the chunks
+        left to `_append_output`: those with a token that may end their sequence (a stop id, the last allowed,
+        logits not finite), a sequence's first output token, a chunk that samples nothing, and sequences that no
         longer run or have a grammar."""
         chunks = launched.chunks
         left = []
         num_appended = 0
         max_model_len = self.max_model_len
         commit = self.block_manager.commit
-        unemitted = self._unemitted
-        for i, (chunk, index, count, run, ends) in enumerate(zip(chunks, launched.first_indices, launched.counts,
-                                                                 runs, may_end)):
+        unemitted, requests, deliveries = self._unemitted, self._requests, self._deliveries
+        for i, (chunk, index, count, run, failed) in enumerate(zip(chunks, launched.first_indices, launched.counts,
+                                                                   runs, nonfinite)):
             seq = chunk.seq
             end = index + count
-            if (ends or not count or seq.status is not SequenceStatus.RUNNING or seq.grammar is not None
-                    or end >= seq.max_num_tokens or end >= max_model_len or index == len(seq.prompt_ids)):
+            tokens = run if count == len(run) else run[:count]
+            if (failed or not count or seq.status is not SequenceStatus.RUNNING or seq.grammar is not None
+                    or end >= seq.max_num_tokens or end >= max_model_len or index == len(seq.prompt_ids)
+                    or not seq.stop.stop_ids.isdisjoint(tokens)):
                 left.append(i)
                 continue
-            seq.token_ids[index:end] = run[:count]  # over its placeholders: a running sequence keeps them
+            seq.token_ids[index:end] = tokens  # over its placeholders: a running sequence keeps them
             seq.num_pending -= count
             num_appended += count
             commit(seq)
-            unemitted[seq] = None
+            if seq.stop.params.stop:  # its text is searched for stop strings, and held back: `_emit_text`
+                unemitted[seq] = None
+                continue
+            try:  # all its tokens are emitted at each step: these are the ones since
+                text = seq.stop.emit_run(tokens, None)[0]
+            except Exception as error:  # noqa: BLE001 - one request's failure is its own
+                self._fail_request(seq.request_id, error)
+                continue
+            deliveries.append((requests[seq.request_id].sink, Increment(seq.choice, text, tuple(tokens))))
         self._generation_tokens_total += num_appended
         return left
 

@@ -424,8 +424,7 @@ class ModelRunner:
             out = replace(out, top_ids=out.top_ids if logprobs else None,
                           top_logprobs=out.top_logprobs if logprobs else None,
                           accepted=out.accepted if drafted else None)
-        return PendingStep(out, chunks, rows, limits, drafting, sampled.slot, pooled if pooling else None, bucket,
-                           fault)
+        return PendingStep(out, chunks, rows, limits, drafting, pooled if pooling else None, bucket, fault)
 
     def _plan(self, chunks: list[ScheduledChunk], drafts: bool) -> SamplerPlan | None:
         """The sampler's passes the chunks' rows need (`drafts`: some row checks a draft, the host's or, in a

@@ -37,12 +37,12 @@ class StepOutput:
     i's sum of its pooled tokens' final hidden states) when the step pools."""
 
     def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, row_slots: np.ndarray, pooled: np.ndarray | None) -> None:
-        """`rows`: each chunk's first sampled row; `row_slots`: [rows] int32, each row's slot."""
+                 limits: list[int] | None, pooled: np.ndarray | None) -> None:
+        """`rows`: each chunk's first sampled row."""
         self.sampled = out.sampled if isinstance(out, VerifiedSteps) else out
         self.pooled = pooled
         self._out = out
-        self._chunks, self._rows, self._limits, self._row_slots = chunks, rows, limits, row_slots
+        self._chunks, self._rows, self._limits = chunks, rows, limits
 
     @cached_property
     def nonfinite(self) -> np.ndarray:
@@ -54,14 +54,11 @@ class StepOutput:
     def _by_row(self) -> list[list[int]]:
         return self.sampled.tokens.T.tolist()  # [rows][steps], in one call
 
-    def runs(self, stop_ids: np.ndarray) -> tuple[list[list[int]], list[bool]]:
+    def runs(self) -> tuple[list[list[int]], list[bool]]:
         """For a step in which no chunk drafts (row i is chunk i's): each chunk's tokens of every step, and whether
-        one of them may end its sequence: one of its slot's stop ids (`stop_ids`: [slots, B] int32, -1 pads,
-        `SamplingBatch.stop_ids`) or logits not finite."""
+        its logits were not finite."""
         n = len(self._chunks)
-        tokens = self.sampled.tokens[:, :n]  # [steps, chunks]
-        stops = (tokens[:, :, None] == stop_ids[self._row_slots[:n]][None]).any(axis=(0, 2))
-        return self._by_row[:n], (stops | self.nonfinite[:n]).tolist()
+        return self._by_row[:n], self.nonfinite[:n].tolist()
 
     def share(self, i: int) -> SequenceOutput | None:
         """Chunk i's share: None for a chunk that samples nothing (a prefill not yet at its end). A plain run's
@@ -93,13 +90,13 @@ class PendingStep:
     """A dispatched step whose sampled tokens are being copied to the host."""
 
     def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, drafting: list[int] | None, row_slots: np.ndarray,
-                 pooled: jax.Array | None, bucket: Bucket, fault: str | None = None):
+                 limits: list[int] | None, drafting: list[int] | None, pooled: jax.Array | None, bucket: Bucket,
+                 fault: str | None = None):
         """`limits`, `drafting`: the multi-step call's that ran (`ModelRunner.dispatch`), None for a single step;
         `bucket`: the step's shape, for a hung step's report; `fault`: an injected one (`faults.py`)."""
         self.limits, self.drafting = limits, drafting
         self._out = (out, pooled)
-        self._shares = (chunks, rows, limits, row_slots)
+        self._shares = (chunks, rows, limits)
         self.bucket = bucket
         self._fault = fault
         for leaf in jax.tree.leaves(self._out):
