@@ -100,6 +100,8 @@ check-jax-next:
 # The software of a typical GPU machine (Python 3.12, jax 0.11.2; no HTTP stack, gguf, pydantic or llguidance),
 # on any machine: the kernel lowering and GPU-check tests, the engine with the host deciding the sampler's plans
 # (the GPU's default) and its compile thread, the step audit and the profiler's window, in a venv of its own.
+# With jax's CUDA plugin (and JAX_PLATFORMS=cpu, so no GPU is looked for) the step audit also compiles the engine's
+# decode programs with XLA:GPU for an abstract H100 (bench/step_audit.py --target h100).
 GPU_IMAGE := .venv-gpu-image
 GPU_IMAGE_JAX ?= 0.11.2
 $(GPU_IMAGE)/.installed:
@@ -108,8 +110,12 @@ $(GPU_IMAGE)/.installed:
 		numpy safetensors tokenizers jinja2 tqdm prometheus-client httpx pytest
 	touch $@
 
-check-gpu-image: $(GPU_IMAGE)/.installed
-	$(GPU_IMAGE)/bin/python -m pytest -q tests/test_kernel_lowering.py tests/test_paged_attention.py \
+$(GPU_IMAGE)/.cuda-plugin: $(GPU_IMAGE)/.installed
+	$(GPU_IMAGE)/bin/pip install --quiet jax-cuda12-plugin==$(GPU_IMAGE_JAX) jax-cuda12-pjrt==$(GPU_IMAGE_JAX)
+	touch $@
+
+check-gpu-image: $(GPU_IMAGE)/.cuda-plugin
+	JAX_PLATFORMS=cpu $(GPU_IMAGE)/bin/python -m pytest -q tests/test_kernel_lowering.py tests/test_paged_attention.py \
 		tests/test_gpu_check.py tests/test_kernel_bench.py tests/test_engine_check.py \
 		tests/test_engine_overlap.py tests/test_background_compile.py tests/test_step_audit.py \
 		tests/test_device_profile.py

@@ -2,6 +2,7 @@
 
     python -m sluice.bench.step_audit                                  # SmolLM2-135M, Llama-3.2-1B, Llama-3-8B; bf16, f32
     python -m sluice.bench.step_audit --models smollm2-135m --dtypes bfloat16 --rows 64 --context 1024
+    JAX_PLATFORMS=cpu python -m sluice.bench.step_audit --target h100 --dtypes bfloat16   # XLA:GPU's, no GPU needed
 
 A decode step must read its weights once (as `model.roofline.StepCost` counts them) and the batch's K/V
 once: `rows` sequences of `context` tokens, the most the compiled step can attend to (the audit's pool holds
@@ -23,6 +24,10 @@ stack the layer loop reads a layer at a time counting one layer. Custom calls co
 kernels, the CPU's quantized matmuls), and the CPU counts the pool's in-place update as the whole pool read
 and written, so the ratio is a coarse signal; the three checks are the precise ones.
 The HLO is the backend's: a CPU run shows what XLA's CPU compiler makes of the step, a GPU run the GPU's.
+`--target h100` compiles for an abstract H100 on any machine (XLA:GPU without a device: jax's CUDA plugin
+installed, `JAX_PLATFORMS=cpu`; `make check-gpu-image` sets it up), its description in `bench/targets/`.
+Such a compile cannot autotune, so its GEMM tilings are XLA's defaults, not the device's choice; what the
+audit reads (which buffers are written, copied or converted, and the control flow) does not depend on them.
 
 Host syncs and a copy of the pool are audited on the engine's multi-step decode call (model and sampler,
 `num_decode_steps` steps, the program that runs at saturation): its conditionals, and its while loops of unknown
@@ -40,7 +45,7 @@ import argparse
 import functools
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +65,7 @@ from sluice.model.quantize import quantize_model
 from sluice.model.roofline import StepCost, kv_bytes_per_token
 
 PAGE_SIZE = 16
+TARGETS = {"h100": Path(__file__).parent / "targets" / "h100_sxm.txtpb"}
 WIDE = ("f32", "f64")
 NARROW = ("bf16", "f16")
 # Instructions that write no buffer of their own: views, tuples, and control flow (their bodies are audited).
@@ -337,30 +343,32 @@ def pool_copy(compiled: jax.stages.Compiled, pool_bytes: int) -> list[str]:
     return [f"temporaries of {temp / 1e6:,.1f} MB, as large as the K/V pool ({pool_bytes / 1e6:,.1f} MB): a copy of it"]
 
 
-def bytes_accessed(compiled: jax.stages.Compiled) -> float:
-    """From `cost_analysis()`: a dict (older jax gave a list of one dict per program)."""
+def bytes_accessed(compiled: jax.stages.Compiled) -> float | None:
+    """From `cost_analysis()`: a dict (older jax gave a list of one dict per program); None where there is none
+    (a program compiled without a device)."""
     cost = compiled.cost_analysis()
-    return (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+    return None if cost is None else (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
 
 
 @functools.cache
-def cost_counts_loop_once() -> bool:
-    """Whether this backend's cost analysis counts a while loop's body once: about the same bytes for a scan of
-    2 matmuls and of 4."""
+def cost_counts_loop_once(device: jax.Device | None = None) -> bool:
+    """Whether the cost analysis of `device`'s backend (None: this machine's) counts a while loop's body once:
+    about the same bytes for a scan of 2 matmuls and of 4."""
     def scan(ws: jax.Array, x: jax.Array) -> jax.Array:
         return jax.lax.scan(lambda x, w: (x @ w, None), x, ws)[0]
 
     def cost(n: int) -> float:
-        ws = jax.ShapeDtypeStruct((n, 256, 256), jnp.float32)
-        return bytes_accessed(jax.jit(scan).lower(ws, jax.ShapeDtypeStruct((8, 256), jnp.float32)).compile())
+        shapes = [(n, 256, 256), (8, 256)]
+        return bytes_accessed(jax.jit(scan).lower(*placed([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes],
+                                                          device)).compile())
 
     return cost(4) < 1.5 * cost(2)
 
 
-def counted_floor(floor_bytes: int, found: Sequence[Projection]) -> int:
+def counted_floor(floor_bytes: int, found: Sequence[Projection], device: jax.Device | None = None) -> int:
     """`floor_bytes` as the cost analysis counts it: where it counts a loop body once, a stacked weight that the
     loop multiplies a layer at a time counts one layer."""
-    if not cost_counts_loop_once():
+    if not cost_counts_loop_once(device):
         return floor_bytes
     per_layer = {m.array: p.scope.trips for p in found for m in p.weights if m.layer}
     return floor_bytes - sum(w.nbytes - w.nbytes // trips for w, trips in per_layer.items())
@@ -374,16 +382,16 @@ class StepAudit:
     label: str
     floor_bytes: int
     counted_floor_bytes: int
-    cost_bytes: float
+    cost_bytes: float | None
     projections: tuple[str, ...]
     copies: tuple[str, ...]
     upcasts: tuple[str, ...]
     unfused: tuple[str, ...]
 
     @property
-    def ratio(self) -> float:
-        """Cost-analysis bytes over the floor, both counted the same way."""
-        return self.cost_bytes / self.counted_floor_bytes
+    def ratio(self) -> float | None:
+        """Cost-analysis bytes over the floor, both counted the same way (None without a cost analysis)."""
+        return None if self.cost_bytes is None else self.cost_bytes / self.counted_floor_bytes
 
     @property
     def clean(self) -> bool:
@@ -395,41 +403,82 @@ class StepAudit:
 
 
 def audit(label: str, compiled: jax.stages.Compiled, weights: Sequence[StoredArray], floor_bytes: int,
-          pool: Sequence[StoredArray] = (), pool_bytes: int = 0) -> StepAudit:
-    """Audits a compiled program that multiplies by `weights`, reads `pool` (K/V arrays; `pool_bytes` in all) and
-    must read at least `floor_bytes`."""
+          pool: Sequence[StoredArray] = (), pool_bytes: int = 0, device: jax.Device | None = None) -> StepAudit:
+    """Audits a program compiled for `device` (None: this machine's) that multiplies by `weights`, reads `pool`
+    (K/V arrays; `pool_bytes` in all) and must read at least `floor_bytes`."""
     computations = parse_hlo(compiled.as_text())
     found = projections(computations, weights)
-    return StepAudit(label, floor_bytes, counted_floor(floor_bytes, found), bytes_accessed(compiled),
+    cost = bytes_accessed(compiled)
+    counted = floor_bytes if cost is None else counted_floor(floor_bytes, found, device)
+    return StepAudit(label, floor_bytes, counted, cost,
                      tuple(map(str, found)),
                      tuple(copies(computations, [*weights, *pool]) + pool_copy(compiled, pool_bytes)),
                      tuple(upcasts(computations, [*weights, *pool])), tuple(unfused(found)))
 
 
-def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1) -> jax.stages.Compiled:
-    """The runner's decode program for `rows` sequences, compiled: one step (the model to logits; the sampler is a
-    call of its own), or a multi-step call (model and sampler, `num_steps` <= the runner's `num_decode_steps`; the
-    sampler as for greedy rows). The one place that uses the runner's private names."""
+def target_device(name: str) -> jax.Device:
+    """A compile-only device of `TARGETS` (XLA:GPU without a GPU): needs jax's CUDA plugin, and JAX_PLATFORMS=cpu
+    where the machine has no GPU."""
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(name, "cuda", target_config=TARGETS[name].read_text(),
+                                                topology="1x1x1")
+    except Exception as error:  # noqa: BLE001 - one line for the command line, whatever the plugin's state
+        raise SystemExit(f"--target {name} needs jax's CUDA plugin (pip install jax-cuda12-plugin=="
+                         f"{jax.__version__} jax-cuda12-pjrt=={jax.__version__}) and, without a GPU, "
+                         f"JAX_PLATFORMS=cpu: {type(error).__name__}: {error}") from error
+    return topology.devices[0]
+
+
+def placed(shapes, device: jax.Device | None):
+    """`shapes` (ShapeDtypeStructs) on `device` (None: as they are)."""
+    if device is None:
+        return shapes
+    at = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: x.update(sharding=at), shapes)
+
+
+def for_device(choice: str, on_gpu: str, device: jax.Device | None) -> str:
+    """An engine flag's value for a target device: "auto" becomes the GPU's choice `on_gpu` for a GPU target (the
+    flags resolve "auto" for this machine's backend)."""
+    return on_gpu if choice == "auto" and device is not None and device.platform == "gpu" else choice
+
+
+def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1, device: jax.Device | None = None
+                        ) -> jax.stages.Compiled:
+    """The runner's decode program for `rows` sequences, compiled for `device` (None: this machine's): one step
+    (the model to logits; the sampler is a call of its own), or a multi-step call (model and sampler, `num_steps`
+    <= the runner's `num_decode_steps`; the sampler as for greedy rows). The one place that uses the runner's
+    private names."""
     plan = runner._plan([], drafts=False)  # padding rows: greedy
-    return runner._lowering(runner._decode_bucket(rows, num_steps), plan)().compile()
+    lowering = runner._lowering(runner._decode_bucket(rows, num_steps), plan)  # lower(packing, *shapes)
+    packing, *shapes = lowering.args
+    return functools.partial(lowering.func, packing, *placed(shapes, device))().compile()
 
 
 def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, quantization: str = "none",
-                    layer_loop: str = "auto", num_decode_steps: int = 1, sampler_branches: str = "auto"
-                    ) -> ModelRunner:
+                    layer_loop: str = "auto", num_decode_steps: int = 1, sampler_branches: str = "auto",
+                    device: jax.Device | None = None) -> ModelRunner:
     """A runner of `rows` sequences of up to `context` tokens for an abstract model of `config` in `dtype` (its
     weights `quantization`: "none", "int8", "int4"; its layers run by `layer_loop`; its sampler's branches
-    decided by `sampler_branches`): only its pool is in memory."""
+    decided by `sampler_branches`), as the engine makes one for `device` (None: this machine's): only its pool is
+    in memory, on this machine. For a GPU target, the attention is the Mosaic kernel (a custom call, which the audit
+    does not read)."""
+    layer_loop = resolve_layer_loop(for_device(layer_loop, "unrolled", device))
+
     def make() -> Llama:
         model = quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)), quantization)
-        if resolve_layer_loop(layer_loop) == "unrolled":
+        if layer_loop == "unrolled":
             model.unstack_layers()
         return model
 
     # A spare page, so that the pool's shape is unlike any weight's (its page count is no power of two).
     return ModelRunner(nnx.eval_shape(make), num_pages=rows * -(-context // PAGE_SIZE) + 1, page_size=PAGE_SIZE,
                        max_model_len=context, max_num_seqs=rows, max_num_batched_tokens=max(rows, PAGE_SIZE),
-                       num_decode_steps=num_decode_steps, layer_loop=layer_loop, sampler_branches=sampler_branches)
+                       num_decode_steps=num_decode_steps, layer_loop=layer_loop,
+                       sampler_branches=for_device(sampler_branches, "host", device),
+                       attention_backend=for_device("auto", "pallas-mosaic", device))
 
 
 @dataclass(frozen=True)
@@ -441,12 +490,13 @@ class DecodeCall:
 
 
 def audit_decode_call(config: ModelConfig, dtype: str, num_steps: int, rows: int = 8, context: int = 256,
-                      layer_loop: str = "auto", sampler_branches: str = "auto") -> DecodeCall:
+                      layer_loop: str = "auto", sampler_branches: str = "auto", device: jax.Device | None = None
+                      ) -> DecodeCall:
     """The engine's multi-step decode call of `num_steps` steps (as `audit_decode_step`'s) for greedy rows, its
     sampler's branches decided as `sampler_branches` says."""
     runner = abstract_runner(config, dtype, rows, context, layer_loop=layer_loop, num_decode_steps=num_steps,
-                             sampler_branches=sampler_branches)
-    compiled = compile_decode_step(runner, rows, num_steps)
+                             sampler_branches=sampler_branches, device=device)
+    compiled = compile_decode_step(runner, rows, num_steps, device)
     return DecodeCall(host_syncs(parse_hlo(compiled.as_text())), pool_copy(compiled, pool_bytes(runner)))
 
 
@@ -455,10 +505,11 @@ def pool_bytes(runner: ModelRunner) -> int:
 
 
 def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
-                      quantization: str = "none", layer_loop: str = "auto") -> StepAudit:
+                      quantization: str = "none", layer_loop: str = "auto", device: jax.Device | None = None
+                      ) -> StepAudit:
     """The engine's decode step for `rows` sequences of up to `context` tokens (`abstract_runner`), compiled for
-    the default backend."""
-    runner = abstract_runner(config, dtype, rows, context, quantization, layer_loop)
+    `device` (None: this machine's)."""
+    runner = abstract_runner(config, dtype, rows, context, quantization, layer_loop, device=device)
     pages_per_seq = -(-context // PAGE_SIZE)
     # A layer parameter stored one array per layer (a tuple) counts as its stack: a layer of it is one array.
     arrays = {str(path[0]): var.get_value() for path, var in nnx.to_flat_state(runner.state)}
@@ -469,23 +520,27 @@ def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: i
                for name, x in arrays.items() if name in LINEAR_WEIGHTS]
     k_pages = jax.tree.leaves(runner.kv_cache[0])[0]  # V's are alike
     pool = [StoredArray("K/V pool", tuple(k_pages.shape), k_pages.nbytes, True)]
-    floor = (int(StepCost.of(config, nnx.merge(runner.graphdef, runner.state), dtype).weight_bytes)
+    model = nnx.merge(runner.graphdef, runner.state)
+    floor = (int(StepCost.of(config, model, dtype).weight_bytes)
              + int(kv_bytes_per_token(config, dtype)) * rows * pages_per_seq * PAGE_SIZE)
     quantized = "" if quantization == "none" else f" {quantization}"
-    return audit(f"{dtype}{quantized}, {resolve_layer_loop(layer_loop)}, {rows} rows x {context} tokens",
-                 compile_decode_step(runner, rows), weights, floor, pool, pool_bytes(runner))
+    loop = "unrolled" if model.layers_unstacked else "scan"
+    return audit(f"{dtype}{quantized}, {loop}, {rows} rows x {context} tokens",
+                 compile_decode_step(runner, rows, device=device), weights, floor, pool, pool_bytes(runner), device)
 
 
 # --- Command line --------------------------------------------------------------------------------------------
 
 def table(audits: Sequence[tuple[str, StepAudit]]) -> str:
     """A markdown table, one row per (model, audit), then each audit's findings."""
-    mb = lambda n: f"{n / 1e6:,.1f}"
+    mb = lambda n: "n/a" if n is None else f"{n / 1e6:,.1f}"
     lines = ["| model | step | floor MB | floor as counted MB | cost analysis MB | ratio | projections per step "
              "| copies | upcasts | unfused |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for model, a in audits:
+        counted = Counter(a.projections)  # an unrolled step lists each layer's
+        listed = "; ".join(p if n == 1 else f"{p} x{n}" for p, n in counted.items())
         lines.append(f"| {model} | {a.label} | {mb(a.floor_bytes)} | {mb(a.counted_floor_bytes)} | "
-                     f"{mb(a.cost_bytes)} | {a.ratio:.2f} | {'; '.join(a.projections)} | {len(a.copies)} | "
+                     f"{mb(a.cost_bytes)} | {'n/a' if a.ratio is None else f'{a.ratio:.2f}'} | {listed} | {len(a.copies)} | "
                      f"{len(a.upcasts)} | {len(a.unfused)} |")
     for model, a in audits:
         if not a.clean:
@@ -507,26 +562,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="decode steps per call of the multi-step call whose host syncs are audited")
     parser.add_argument("--sampler-branches", default="auto", choices=SAMPLER_BRANCHES,
                         help="who decides the sampler's branches in the audited decode call (as the engine's flag)")
+    parser.add_argument("--target", choices=sorted(TARGETS),
+                        help="compile for this device, without it (XLA:GPU: jax's CUDA plugin; module docstring)")
     parser.add_argument("--out", type=Path, help="also write the report (markdown) to this file")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    device = target_device(args.target) if args.target else None
     audits = [(model, audit_decode_step(MODELS[model], dtype, args.rows, args.context, args.quantization,
-                                        args.layer_loop))
+                                        args.layer_loop, device))
               for model in args.models for dtype in args.dtypes]
-    loops = "once" if cost_counts_loop_once() else "at every iteration"
+    loops = ("no cost analysis (a compile without a device has none)" if audits[0][1].cost_bytes is None
+             else f"its cost analysis counts a loop body {'once' if cost_counts_loop_once(device) else 'at every iteration'}")
     # The sampler and the loop around the model make the syncs, whatever the model: the smallest one's call (the
     # quickest to compile) shows them.
     smallest = min(args.models, key=lambda name: MODELS[name].num_layers * MODELS[name].hidden_size)
     call = audit_decode_call(MODELS[smallest], args.dtypes[0], args.decode_steps, args.rows, args.context,
-                             args.layer_loop, args.sampler_branches)
-    text = (f"Decode-step bytes on {jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__}); "
-            f"its cost analysis counts a loop body {loops}.\n\n{table(audits)}\n\n"
+                             args.layer_loop, args.sampler_branches, device)
+    where = (f"an abstract {device.device_kind} (XLA:GPU compiled without a device)" if device is not None
+             else f"{jax.devices()[0].device_kind} ({jax.default_backend()})")
+    branches = resolve_sampler_branches(for_device(args.sampler_branches, "host", device))
+    text = (f"Decode-step bytes on {where}, jax {jax.__version__}; {loops}.\n\n{table(audits)}\n\n"
             f"Host syncs in the decode call of {args.decode_steps} steps ({smallest}, {args.dtypes[0]}, "
             f"{args.rows} greedy rows, the sampler's branches decided by the "
-            f"{resolve_sampler_branches(args.sampler_branches)}): {len(call.syncs)} in its program"
+            f"{branches}): {len(call.syncs)} in its program"
             + "".join(f"\n- {f}" for f in call.syncs)
             + f"\n\nA copy of the pool in that call: {'; '.join(call.pool_copy) or 'none'}.\n\n"
             f"$ python -m sluice.bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")

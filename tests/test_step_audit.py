@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from sluice.bench.step_audit import StoredArray, StepAudit, audit, audit_decode_call, audit_decode_step, host_syncs, \
-    parse_hlo, pool_copy
+    parse_hlo, pool_copy, target_device
 from sluice.model.config import ModelConfig
 from sluice.pallas_kernels import cpu_qmatmul
 
@@ -207,3 +207,32 @@ def test_a_pool_update_is_a_copy_unless_done_in_place(donated):
     result = audited(write_rows, (S((72, K), jnp.float32), S((ROWS,), jnp.int32), S((ROWS, K), jnp.float32)),
                      [], [stored("pool", (72, K))], donate=(0,) if donated else ())
     assert bool(result.copies) != donated, result.copies
+
+
+# --- XLA:GPU's step, compiled without a GPU ------------------------------------------------------------------
+
+# As CONFIG, with heads of 64 (the Mosaic kernel's least) and a wider hidden size.
+GPU_CONFIG = ModelConfig.tiny(vocab_size=1008, num_layers=3, hidden_size=192, intermediate_size=320, num_heads=4,
+                              num_kv_heads=2, head_dim=64)
+
+
+def h100():
+    """The abstract H100 the audit compiles for, or a skip where jax's CUDA plugin is missing (`make
+    check-gpu-image` installs it)."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="jax's CUDA plugin (make check-gpu-image installs it)")
+    try:
+        return target_device("h100")
+    except SystemExit as error:
+        pytest.fail(str(error))
+
+
+def test_the_gpus_bf16_decode_step_reads_weights_and_pool_in_place_in_bf16():
+    step = audit_decode_step(GPU_CONFIG, "bfloat16", rows=ROWS, device=h100())
+    assert step.clean, step.findings()
+    assert "unrolled" in step.label and step.cost_bytes is None
+    assert {"wo[layer]", "w_gate_up[layer]", "w_down[layer]"} <= set(step.projections), step.projections
+
+
+def test_the_gpus_multi_step_decode_call_has_no_host_sync_and_updates_the_pool_in_place():
+    call = audit_decode_call(GPU_CONFIG, "bfloat16", num_steps=4, rows=ROWS, device=h100())
+    assert call.syncs == [] and call.pool_copy == [], (call.syncs, call.pool_copy)
