@@ -464,7 +464,6 @@ class Engine:
         verified = launched.drafting is not None
         left: Iterable[int] = range(len(launched.chunks))
         if self.speculator is None and result.sampled.top_ids is None:  # no chunk drafts or wants logprobs
-            # The slot of a sequence that no longer runs may have changed hands: that chunk is left in any case.
             left = self._append_decoded(launched, *result.runs())
         for i in left:
             chunk, output, index = launched.chunks[i], result.share(i), launched.first_indices[i]
