@@ -351,24 +351,23 @@ def bytes_accessed(compiled: jax.stages.Compiled) -> float | None:
 
 
 @functools.cache
-def cost_counts_loop_once(device: jax.Device | None = None) -> bool:
-    """Whether the cost analysis of `device`'s backend (None: this machine's) counts a while loop's body once:
-    about the same bytes for a scan of 2 matmuls and of 4."""
+def cost_counts_loop_once() -> bool:
+    """Whether this backend's cost analysis counts a while loop's body once: about the same bytes for a scan of
+    2 matmuls and of 4."""
     def scan(ws: jax.Array, x: jax.Array) -> jax.Array:
         return jax.lax.scan(lambda x, w: (x @ w, None), x, ws)[0]
 
     def cost(n: int) -> float:
-        shapes = [(n, 256, 256), (8, 256)]
-        return bytes_accessed(jax.jit(scan).lower(*placed([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes],
-                                                          device)).compile())
+        ws = jax.ShapeDtypeStruct((n, 256, 256), jnp.float32)
+        return bytes_accessed(jax.jit(scan).lower(ws, jax.ShapeDtypeStruct((8, 256), jnp.float32)).compile())
 
     return cost(4) < 1.5 * cost(2)
 
 
-def counted_floor(floor_bytes: int, found: Sequence[Projection], device: jax.Device | None = None) -> int:
+def counted_floor(floor_bytes: int, found: Sequence[Projection]) -> int:
     """`floor_bytes` as the cost analysis counts it: where it counts a loop body once, a stacked weight that the
     loop multiplies a layer at a time counts one layer."""
-    if not cost_counts_loop_once(device):
+    if not cost_counts_loop_once():
         return floor_bytes
     per_layer = {m.array: p.scope.trips for p in found for m in p.weights if m.layer}
     return floor_bytes - sum(w.nbytes - w.nbytes // trips for w, trips in per_layer.items())
@@ -403,13 +402,14 @@ class StepAudit:
 
 
 def audit(label: str, compiled: jax.stages.Compiled, weights: Sequence[StoredArray], floor_bytes: int,
-          pool: Sequence[StoredArray] = (), pool_bytes: int = 0, device: jax.Device | None = None) -> StepAudit:
-    """Audits a program compiled for `device` (None: this machine's) that multiplies by `weights`, reads `pool`
-    (K/V arrays; `pool_bytes` in all) and must read at least `floor_bytes`."""
+          pool: Sequence[StoredArray] = (), pool_bytes: int = 0) -> StepAudit:
+    """Audits a compiled program that multiplies by `weights`, reads `pool` (K/V arrays; `pool_bytes` in all) and
+    must read at least `floor_bytes` (counted as this machine's cost analysis counts, where it has one: a
+    program compiled without its device has none)."""
     computations = parse_hlo(compiled.as_text())
     found = projections(computations, weights)
     cost = bytes_accessed(compiled)
-    counted = floor_bytes if cost is None else counted_floor(floor_bytes, found, device)
+    counted = floor_bytes if cost is None else counted_floor(floor_bytes, found)
     return StepAudit(label, floor_bytes, counted, cost,
                      tuple(map(str, found)),
                      tuple(copies(computations, [*weights, *pool]) + pool_copy(compiled, pool_bytes)),
@@ -526,7 +526,7 @@ def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: i
     quantized = "" if quantization == "none" else f" {quantization}"
     loop = "unrolled" if model.layers_unstacked else "scan"
     return audit(f"{dtype}{quantized}, {loop}, {rows} rows x {context} tokens",
-                 compile_decode_step(runner, rows, device=device), weights, floor, pool, pool_bytes(runner), device)
+                 compile_decode_step(runner, rows, device=device), weights, floor, pool, pool_bytes(runner))
 
 
 # --- Command line --------------------------------------------------------------------------------------------
@@ -575,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         args.layer_loop, device))
               for model in args.models for dtype in args.dtypes]
     loops = ("no cost analysis (a compile without a device has none)" if audits[0][1].cost_bytes is None
-             else f"its cost analysis counts a loop body {'once' if cost_counts_loop_once(device) else 'at every iteration'}")
+             else f"its cost analysis counts a loop body {'once' if cost_counts_loop_once() else 'at every iteration'}")
     # The sampler and the loop around the model make the syncs, whatever the model: the smallest one's call (the
     # quickest to compile) shows them.
     smallest = min(args.models, key=lambda name: MODELS[name].num_layers * MODELS[name].hidden_size)
