@@ -93,8 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "{} as for --max-num-seqs)".format(CPU_BATCH[1], ACCELERATOR_BATCH[1], LARGE_ACCELERATOR_BATCH[1]),
             type=int)
     _option(parser, "--num-decode-steps", _ENGINE_DEFAULTS.num_decode_steps,
-            "decode steps per device call when every running sequence decodes and no waiting request has a free "
-            "slot", type=int)
+            "decode steps per device call when every running sequence decodes and none waits", type=int)
     _switch(parser, "--no-async-scheduling",
             "collect each step before scheduling the next (no overlap of host and device work; for comparison)")
     _option(parser, "--speculative", None, "speculative decoding: 'ngram' (prompt lookup drafts)", choices=["ngram"])

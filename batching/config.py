@@ -42,10 +42,9 @@ class EngineConfig:
     mean the device's defaults (`default_batch`), filled in by `with_batch_defaults` where the device is known.
     `kv_cache_memory` is the KV pool in bytes; None means a default (a fraction of free device memory on
     accelerators, a fixed budget on the CPU).
-    `num_decode_steps` > 1: when every running sequence is decoding and no waiting request has a free slot to
-    start in, run that many decode steps in one device call (sampled tokens fed back on the device). 8 by
-    measurement (`bench/decode_steps.py`, RESULTS.md): it saves a call's fixed cost per token; a request that
-    arrives mid-call waits at most one call (and, with the batch full, a slot freed mid-call opens at its end).
+    `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
+    in one device call (sampled tokens fed back on the device). 8 by measurement (`bench/decode_steps.py`,
+    RESULTS.md): it saves a call's fixed cost per token; a request that arrives mid-call waits at most one call.
     `async_scheduling`: overlap the host's work with the device's: the next step is scheduled and dispatched
     while the last one runs, its sampled tokens fed on the device (off: each step is collected before the next).
     `quantization`: the weights' format (`model.quantize.CHOICES`; "auto" picks per device).

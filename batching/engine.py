@@ -404,7 +404,8 @@ class Engine:
             if self._may_run_multi_step(running):
                 self.speculator.clear(running)  # drafts ride inside the multi-step call (`_multi_step_call`)
             else:
-                prefills = any(seq.num_uncomputed_tokens > 1 for seq in running) or self._may_admit()
+                prefills = (any(seq.num_uncomputed_tokens > 1 for seq in running)
+                            or bool(self.scheduler.waiting) and len(running) < self.config.max_num_seqs)
                 self.speculator.propose(running, self.max_model_len, prefills)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
@@ -575,17 +576,11 @@ class Engine:
         for seq in request.seqs:
             self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
 
-    def _may_admit(self) -> bool:
-        """Whether a request waits (or has just arrived) while a slot of the batch is free for it."""
-        return ((bool(self.scheduler.waiting) or not self._inbox.empty())
-                and len(self.scheduler.running) < self.config.max_num_seqs)
-
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
-        """Whether `seqs` may share a multi-step call: no waiting request could start meanwhile (it would wait the
-        whole call for its first step; with every slot of the batch taken it waits for one anyway) and each has
-        one token left to compute and no grammar (its mask for the next token needs the token before, which only
-        the host's matcher can take in)."""
-        return (self.config.num_decode_steps > 1 and not self._may_admit()
+        """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call
+        for its first step) and each has one token left to compute and no grammar (its mask for the next token
+        needs the token before, which only the host's matcher can take in)."""
+        return (self.config.num_decode_steps > 1 and not self.scheduler.waiting and self._inbox.empty()
                 and all(seq.num_uncomputed_tokens == 1 and seq.grammar is None for seq in seqs))
 
     def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, list[int] | None]:

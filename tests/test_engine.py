@@ -299,24 +299,6 @@ def test_multi_step_decode_gives_the_tokens_and_logprobs_of_single_steps(tiny, e
     assert multi.stats.kv_pages_used == 0 and multi.stats.num_steps < engine.stats.num_steps
 
 
-def test_a_full_batch_runs_multi_step_calls_while_requests_wait_and_a_free_slot_ends_them(tiny, engine, monkeypatch):
-    batch = prompts(4, seed=22)
-    multi = make_engine(tiny, num_decode_steps=4, max_num_seqs=2)
-    calls = []  # (multi-step, sequences waiting, slots free) per dispatched step
-    dispatch = multi.runner.dispatch
-
-    def recording(chunks, limits=None, *args):
-        calls.append((limits is not None, len(multi.scheduler.waiting), len(multi.scheduler.running) < 2))
-        return dispatch(chunks, limits, *args)
-
-    monkeypatch.setattr(multi.runner, "dispatch", recording)
-    for single, many in zip(engine.generate(batch, GREEDY), multi.generate(batch, GREEDY)):
-        assert many[0].token_ids == single[0].token_ids and many[0].finish_reason == single[0].finish_reason
-    assert any(is_multi and waiting for is_multi, waiting, _ in calls)  # the first two decode, the others wait
-    assert not any(is_multi and waiting and free for is_multi, waiting, free in calls)
-    assert multi.stats.kv_pages_used == 0
-
-
 def test_layers_unrolled_over_one_array_each_give_the_scans_tokens_and_logprobs(tiny, engine):
     batch = prompts(8, seed=23)
     params = [MULTI_STEP_KINDS[i % len(MULTI_STEP_KINDS)] for i in range(8)]
