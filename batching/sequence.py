@@ -29,7 +29,9 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+# Slots: a decode step reads hundreds of sequences, each out of cache after the device's step on a CPU; without a
+# __dict__ one takes fewer cache lines (5-9% of the host's step at 256 sequences, RESULTS.md).
+@dataclass(eq=False, slots=True)
 class Sequence:
     """`token_ids` is prompt + output; tokens [0, num_computed_tokens) have their K/V in `page_table`'s pages.
 
