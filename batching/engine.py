@@ -187,6 +187,7 @@ class Engine:
         self._unemitted: dict[Sequence, None] = {}  # sequences with tokens not yet emitted, in append order
         self._in_flight: _Launched | None = None
         self._last_step: StepStats | None = None
+        self._last_collected = 0.0  # `time.perf_counter()` when the last step was collected
         self._deliveries: Deliveries = []
         self._deliver: Callable[[Deliveries], None] = deliver
         self._thread: threading.Thread | None = None
@@ -489,8 +490,10 @@ class Engine:
         if self.prefix_store is not None:
             self._save_pages()
         end = time.perf_counter()
-        self._last_step = replace(launched.stats, duration_s=end - launched.started,
+        # Overlapped, this step was dispatched before the last one was collected: that time is the last one's.
+        self._last_step = replace(launched.stats, duration_s=end - max(launched.started, self._last_collected),
                                   host_s=launched.host_s + end - arrived)
+        self._last_collected = end
         self._totals.add_step(self._last_step)
 
     def _append_decoded(self, launched: _Launched, runs: list[list[int]], nonfinite: list[bool]) -> list[int]:

@@ -20,8 +20,10 @@ from sluice.model.roofline import StepCost
 @dataclass(frozen=True)
 class StepStats:
     """One step: what ran, what it cost in FLOPs and bytes moved, and how long the engine thread spent on it:
-    `duration_s` in all, of which `host_s` outside the device's step (scheduling, padding and dispatch before
-    it, appending the sampled tokens after them; the text work in between overlaps the device).
+    `duration_s` in all, from its dispatch (or, when it was dispatched while the step before ran, from that step's
+    collection) to its collection, so the durations of consecutive steps never overlap and sum to the time the
+    engine was stepping; of which `host_s` outside the device's step (scheduling, padding and dispatch before it,
+    appending the sampled tokens after them; the text work in between overlaps the device).
 
     Decode rows are sequences computing their one new token (with their drafts, when speculating);
     everything else is prefill. A multi-step decode call counts its forward passes in `flops` and `bytes`.

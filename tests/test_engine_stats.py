@@ -1,6 +1,8 @@
 """The stats snapshot's summed fields, which let a reader sampling at its own pace rebuild per-step facts:
 FLOPs and bytes of each step from its geometry, decode batch sizes, busy time and queue waits."""
 
+import time
+
 import jax
 import pytest
 from flax import nnx
@@ -66,6 +68,16 @@ def test_engine_sums_step_costs_busy_time_and_decode_batch_sizes(engine):
     decoded = sum(size * count for size, count in enumerate(steps))
     assert decoded == 6 * 4  # every output token but each sequence's first (sampled by its prefill)
     assert after.busy_s > before.busy_s and after.flops > before.flops and after.bytes > before.bytes
+
+
+def test_busy_time_counts_each_moment_once_when_steps_overlap(engine):
+    # Overlapped (the default), a step is dispatched before the one before it is collected; the time between
+    # counts once, for that one, so busy time never exceeds the time spent stepping.
+    before = engine.stats
+    start = time.perf_counter()
+    engine.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    assert 0 < engine.stats.busy_s - before.busy_s <= elapsed
 
 
 def test_every_admitted_sequence_counts_its_queue_wait(engine):
