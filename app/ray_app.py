@@ -70,7 +70,7 @@ def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:
             serve.start(http_options={"host": scale.host, "port": scale.port})
             gpus = ray.cluster_resources().get("GPU", 0) > 0
             # The replicas' batch, for the router's thresholds too (a device's size is not known here).
-            engine = replica.engine.with_batch_defaults("gpu" if gpus else "cpu", None)
+            engine = replica.engine.with_device_defaults("gpu" if gpus else "cpu", None)
             replica = replace(replica, engine=engine)
             serve.run(build_application(replica, scale.with_batch(engine.max_num_seqs), gpus), name=APP_NAME,
                       route_prefix="/")

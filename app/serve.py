@@ -20,8 +20,8 @@ from typing import Any, NoReturn, TypeVar
 
 import uvicorn
 
-from sluice.batching.config import ACCELERATOR_BATCH, CPU_BATCH, KV_CACHE_DTYPES, LAYER_LOOPS, \
-    LARGE_ACCELERATOR_BATCH, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
+from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU_BATCH, CPU_PAGE_SIZE, \
+    KV_CACHE_DTYPES, LAYER_LOOPS, LARGE_ACCELERATOR_BATCH, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
 from sluice.batching.engine import Engine
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
@@ -108,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--kv-cache-dtype", _ENGINE_DEFAULTS.kv_cache_dtype,
             "K/V storage: auto (the activation dtype) or int8 (a float32 scale per token and head)",
             choices=list(KV_CACHE_DTYPES))
-    _option(parser, "--page-size", _ENGINE_DEFAULTS.page_size, "tokens per KV-cache page", type=int)
+    _option(parser, "--page-size", None, "tokens per KV-cache page (default: {} on a CPU, {} on an accelerator)".format(
+        CPU_PAGE_SIZE, ACCELERATOR_PAGE_SIZE), type=int)
     _switch(parser, "--disable-prefix-caching", "do not reuse KV pages of shared prompt prefixes")
     _option(parser, "--prefix-cache-dir", None,
             "keep full KV pages past the pool, in host RAM and then as files in DIR, so prefixes survive a restart")

@@ -24,6 +24,13 @@ LARGE_ACCELERATOR_BATCH = (1024, 8192)
 LARGE_ACCELERATOR_BYTES = 48 << 30
 
 
+# Tokens per KV page when none is given. On a CPU, 64: the attention kernel reads a page of one head as one block,
+# and the hardware prefetchers do not run past 4 KB, so 16 tokens (4 KB in float32 at head_dim 64) leave it waiting
+# on memory; 64 served 16-20% more output tokens per second (RESULTS.md, 2026-11-28). Elsewhere 16, as vLLM's.
+CPU_PAGE_SIZE = 64
+ACCELERATOR_PAGE_SIZE = 16
+
+
 def default_batch(platform: str, device_bytes: int | None, device_kind: str = "") -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) for a device of `platform` (jax's: "cpu", "gpu", "tpu") whose
     allocator may hold `device_bytes` (its `memory_stats()["bytes_limit"]`; None: not known), of `device_kind`
@@ -38,8 +45,9 @@ def default_batch(platform: str, device_bytes: int | None, device_kind: str = ""
 class EngineConfig:
     """How the engine loads its model and sizes its batch and KV pool.
 
-    `max_model_len` None means min(the model's context, 4096). `max_num_seqs` and `max_num_batched_tokens` None
-    mean the device's defaults (`default_batch`), filled in by `with_batch_defaults` where the device is known.
+    `max_model_len` None means min(the model's context, 4096). `max_num_seqs`, `max_num_batched_tokens` and
+    `page_size` None mean the device's defaults (`default_batch`, `CPU_PAGE_SIZE`), filled in by
+    `with_device_defaults` where the device is known.
     `kv_cache_memory` is the KV pool in bytes; None means a default (a fraction of free device memory on
     accelerators, a fixed budget on the CPU).
     `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
@@ -79,7 +87,7 @@ class EngineConfig:
     spec_max_batch_size: int = 4
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"
-    page_size: int = 16
+    page_size: int | None = None
     enable_prefix_caching: bool = True
     tp: int = 1
     attention_backend: str = "auto"
@@ -101,7 +109,7 @@ class EngineConfig:
             (1 <= self.num_speculative_tokens <= 15, "num_speculative_tokens", "must be in [1, 15]"),
             (1 <= self.spec_ngram_min <= self.spec_ngram_max, "spec_ngram_min", "must be in [1, spec_ngram_max]"),
             (self.spec_max_batch_size >= 1, "spec_max_batch_size", "must be at least 1"),
-            (self.page_size >= 1, "page_size", "must be at least 1"),
+            (self.page_size is None or self.page_size >= 1, "page_size", "must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),
             (self.tp >= 1, "tp", "must be at least 1"),
@@ -124,8 +132,11 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-    def with_batch_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
-        """This config with the batch limits it leaves unset taken from `default_batch`."""
+    def with_device_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
+        """This config with the batch limits (`default_batch`) and the page size it leaves unset taken for a device
+        (`default_batch`'s arguments)."""
         seqs, tokens = default_batch(platform, device_bytes, device_kind)
+        page_size = CPU_PAGE_SIZE if platform == "cpu" else ACCELERATOR_PAGE_SIZE
         return replace(self, max_num_seqs=self.max_num_seqs or seqs,
-                       max_num_batched_tokens=self.max_num_batched_tokens or tokens)
+                       max_num_batched_tokens=self.max_num_batched_tokens or tokens,
+                       page_size=self.page_size or page_size)

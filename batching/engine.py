@@ -81,11 +81,11 @@ def default_kv_cache_bytes() -> int:
     return int(ACCELERATOR_KV_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
 
 
-def batch_defaults(config: EngineConfig) -> EngineConfig:
-    """`config` with the batch limits it leaves unset taken for the first device: its platform, what its allocator
-    may hold (unknown on the CPU) and its kind."""
+def device_defaults(config: EngineConfig) -> EngineConfig:
+    """`config` with the batch limits and page size it leaves unset taken for the first device: its platform, what
+    its allocator may hold (unknown on the CPU) and its kind."""
     device = jax.local_devices()[0]
-    return config.with_batch_defaults(device.platform, (device.memory_stats() or {}).get("bytes_limit"),
+    return config.with_device_defaults(device.platform, (device.memory_stats() or {}).get("bytes_limit"),
                                       device.device_kind)
 
 
@@ -134,7 +134,7 @@ class Engine:
         """`mesh`: the tensor-parallel mesh `loaded` was sharded onto (None: one device). `warm_for`: where the host
         decides the sampler's plans, warm-up compiles those of these parameters (default: greedy and plain
         sampling); others compile off the engine thread when first met."""
-        self.config = config = batch_defaults(config)
+        self.config = config = device_defaults(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, loaded.config.max_position_embeddings)

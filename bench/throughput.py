@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nworkload: {spec.describe()}")
     print(f"engine: max_num_seqs={config.max_num_seqs} (static B), max_num_batched_tokens="
           f"{config.max_num_batched_tokens}, max_model_len={engine.max_model_len}, "
-          f"kv pages={stats.kv_pages_total}x{config.page_size}, preemptions={stats.num_preemptions}")
+          f"kv pages={stats.kv_pages_total}x{engine.config.page_size}, preemptions={stats.num_preemptions}")
     print(table([continuous, static, single], static))
     print(f"\ncontinuous / static output tok/s: {continuous.output_tok_s / static.output_tok_s:.2f}x; "
           f"continuous / one-at-a-time: {continuous.output_tok_s / single.output_tok_s:.2f}x")

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sluice.batching.config import ACCELERATOR_BATCH, CPU_BATCH, LARGE_ACCELERATOR_BATCH, EngineConfig, default_batch
+from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU_BATCH, CPU_PAGE_SIZE, \
+    LARGE_ACCELERATOR_BATCH, EngineConfig, default_batch
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import RequestRejected
@@ -54,17 +55,20 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def test_batch_limits_left_unset_are_the_devices_and_set_ones_are_kept(tiny):
+def test_batch_limits_and_page_size_left_unset_are_the_devices_and_set_ones_are_kept(tiny):
     assert default_batch("cpu", None) == CPU_BATCH == (64, 512)
     assert default_batch("gpu", None) == default_batch("gpu", 18 << 30) == ACCELERATOR_BATCH == (256, 2048)
     h100 = int(0.75 * (80 << 30))  # the allocator's limit under jax's default preallocation
     assert default_batch("gpu", h100) == default_batch("tpu", 95 << 30) == LARGE_ACCELERATOR_BATCH == (1024, 8192)
     assert default_batch("gpu", h100, "NVIDIA A100-SXM4-80GB") == ACCELERATOR_BATCH  # vLLM's exception
-    unset = Engine(tiny, replace(CONFIG, max_num_seqs=None, max_num_batched_tokens=None, warmup=False), progress=False)
+    unset = Engine(tiny, replace(CONFIG, max_num_seqs=None, max_num_batched_tokens=None, page_size=None,
+                                 warmup=False), progress=False)
     assert (unset.config.max_num_seqs, unset.config.max_num_batched_tokens) == CPU_BATCH
     assert unset.scheduler.config.max_num_seqs == unset.runner.max_num_seqs == 64
-    kept = EngineConfig(max_num_seqs=8).with_batch_defaults("gpu", h100)
-    assert (kept.max_num_seqs, kept.max_num_batched_tokens) == (8, 8192)
+    assert unset.config.page_size == unset.runner.page_size == unset.block_manager.page_size == CPU_PAGE_SIZE == 64
+    kept = EngineConfig(max_num_seqs=8, page_size=32).with_device_defaults("gpu", h100)
+    assert (kept.max_num_seqs, kept.max_num_batched_tokens, kept.page_size) == (8, 8192, 32)
+    assert EngineConfig().with_device_defaults("gpu", h100).page_size == ACCELERATOR_PAGE_SIZE == 16
 
 
 def test_small_pool_preempts_yet_every_request_gets_its_greedy_tokens_and_no_page_is_left(tiny):

@@ -13,9 +13,10 @@ from sluice.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 
-PAGE_BYTES = 2 * 30 * 3 * 16 * 64 * 4  # SmolLM2 float32, page_size 16
+PAGE_SIZE = 16  # so the system prompt below spans whole pages
+PAGE_BYTES = 2 * 30 * 3 * PAGE_SIZE * 64 * 4  # SmolLM2 float32
 CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, kv_cache_memory=160 * PAGE_BYTES,
-                      num_decode_steps=1)
+                      num_decode_steps=1, page_size=PAGE_SIZE)
 SYSTEM = (
     "<|im_start|>system\nYou are a helpful assistant named Sluice. You answer questions about geography, "
     "history and science briefly and precisely, in one sentence, without any preamble.<|im_end|>\n"

@@ -24,10 +24,11 @@ from sluice.batching.kv_store import SUFFIX
 from test_api_e2e import metric, start_server
 
 PROMPT_TOKENS = 2000
-FULL_PAGES = (PROMPT_TOKENS - 1) // 16
+PAGE_SIZE = 16
+FULL_PAGES = (PROMPT_TOKENS - 1) // PAGE_SIZE
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory=256 << 20,
-                      warmup=False, step_timeout_s=None)
+                      page_size=PAGE_SIZE, warmup=False, step_timeout_s=None)
 
 
 def long_prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
@@ -73,7 +74,7 @@ def test_an_idle_server_writes_its_last_steps_pages_and_reports_them_as_they_lan
         try:
             [_ async for _ in engine.add_request([prompt], params)]
             deadline = time.monotonic() + 60
-            while engine.stats.prefix_store.disk.pages < (len(prompt) - 1) // 16:
+            while engine.stats.prefix_store.disk.pages < (len(prompt) - 1) // PAGE_SIZE:
                 assert time.monotonic() < deadline, f"{engine.stats.prefix_store} on disk"
                 await asyncio.sleep(0.05)
         finally:
@@ -87,7 +88,8 @@ def test_pages_survive_a_sigkill_and_a_clean_restart_and_the_server_answers_the_
     """How much sooner the first token comes is a benchmark's to show (`bench/prefix_restart.py`, RESULTS.md): on a
     loaded machine a timed bound here failed by chance (0.69 s against a bound of 0.65 under a full test run)."""
     flags = ["--max-num-seqs", "1", "--num-decode-steps", "1", "--max-num-batched-tokens", "512",
-             "--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--prefix-cache-dir", str(tmp_path)]
+             "--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--page-size", str(PAGE_SIZE),
+             "--prefix-cache-dir", str(tmp_path)]
     body = {"prompt": long_prompt(5), "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
 
@@ -123,6 +125,6 @@ def test_pages_survive_a_sigkill_and_a_clean_restart_and_the_server_answers_the_
             assert have == want, restart
             # The prompt's full pages came from the disk, not from computing them again.
             assert metric(server.url, 'sluice_prefix_store_hits_total{tier="disk"}') >= FULL_PAGES, restart
-            assert cached == FULL_PAGES * 16, restart
+            assert cached == FULL_PAGES * PAGE_SIZE, restart
         finally:
             assert server.stop() == 0
