@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from sluice.pallas_kernels.attention import paged_decode_attention
-from sluice.pallas_kernels.mosaic_attention import runs_on
+from sluice.pallas_kernels.mosaic_attention import DEFAULT_TILING, Tiling, paged_decode_attention_mosaic, runs_on
 
 SHIPPED_K_SPLITS = 16
 SHIPPED_PAGES_PER_COMPUTE_BLOCK = 8
@@ -89,8 +89,13 @@ def shipped_paged_attention():
     return paged_attention.paged_attention
 
 
-def backend_call(name: str, inputs: DecodeInputs, sm_scale: float, interpret: bool = False):
-    """(fn, args): fn(q, *args) -> [batch, num_q_heads, head_dim], with layout changes done up front."""
+def backend_call(name: str, inputs: DecodeInputs, sm_scale: float, interpret: bool = False,
+                 tiling: Tiling = DEFAULT_TILING):
+    """(fn, args): fn(q, *args) -> [batch, num_q_heads, head_dim], with layout changes done up front. `tiling`
+    is the Mosaic kernel's."""
+    if name == "pallas-mosaic" and tiling != DEFAULT_TILING:
+        fn = functools.partial(paged_decode_attention_mosaic, sm_scale=sm_scale, tiling=tiling)
+        return fn, (inputs.k_pages, inputs.v_pages, inputs.kv_lens, inputs.page_table)
     if name in OUR_BACKENDS:
         fn = functools.partial(paged_decode_attention, sm_scale=sm_scale, backend=name, interpret=interpret)
         return fn, (inputs.k_pages, inputs.v_pages, inputs.kv_lens, inputs.page_table)
@@ -148,21 +153,32 @@ def run(args) -> list[dict]:
             inputs = make_inputs(heads, batch, context, args.page_size, dtype)
             fn, rest = backend_call("reference", inputs, sm_scale)
             expected = np.asarray(jax.jit(fn)(inputs.q, *rest).astype(jnp.float32))
-            for name in args.backends:
+            for name, tiling in variants(args.backends, args.mosaic_tilings):
                 row = dict(backend=name, batch=batch, context=context, bytes=inputs.bytes_read())
+                name_shown = name
+                if tiling != DEFAULT_TILING:
+                    row["tiling"] = str(tiling)
+                    name_shown = f"{name} {tiling}"
                 try:
-                    fn, rest = backend_call(name, inputs, sm_scale, args.interpret)
+                    fn, rest = backend_call(name, inputs, sm_scale, args.interpret, tiling)
                     seconds = time_backend(fn, inputs.q, rest, args.calls, args.repeats)
                     out = np.asarray(jax.jit(fn)(inputs.q, *rest).astype(jnp.float32))
                     row.update(ms=seconds * 1e3, gbps=inputs.bytes_read() / seconds / 1e9,
                                max_diff=float(np.abs(out - expected).max()))
-                    print(f"  {name:13s} batch {batch:4d} context {context:5d}: {seconds * 1e3:9.3f} ms", file=sys.stderr)
+                    print(f"  {name_shown:19s} batch {batch:4d} context {context:5d}: {seconds * 1e3:9.3f} ms",
+                          file=sys.stderr)
                 except Exception as exc:  # noqa: BLE001 - one backend failing must not hide the others' rows
                     row.update(error=first_line(exc))
-                    print(f"  {name:13s} batch {batch:4d} context {context:5d}: {row['error']}", file=sys.stderr)
+                    print(f"  {name_shown:19s} batch {batch:4d} context {context:5d}: {row['error']}", file=sys.stderr)
                 rows.append(row)
             del inputs
     return rows
+
+
+def variants(backends: list[str], mosaic_tilings: list[Tiling]) -> list[tuple[str, Tiling]]:
+    """(backend, tiling) pairs to time: the Mosaic kernel once per tiling, every other backend once."""
+    return [(name, tiling) for name in backends
+            for tiling in (mosaic_tilings if name == "pallas-mosaic" else [DEFAULT_TILING])]
 
 
 def markdown(rows: list[dict], args, command: str) -> str:
@@ -178,11 +194,12 @@ def markdown(rows: list[dict], args, command: str) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        backend = f"{r['backend']} {r['tiling']}" if "tiling" in r else r["backend"]
         if "error" in r:
-            lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | failed: {r['error']} | | |")
+            lines.append(f"| {backend} | {r['batch']} | {r['context']} | failed: {r['error']} | | |")
             continue
         lines.append(
-            f"| {r['backend']} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['gbps']:.1f} | {r['max_diff']:.2e} |"
+            f"| {backend} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['gbps']:.1f} | {r['max_diff']:.2e} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -208,6 +225,8 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--calls", type=int, default=10 if on_gpu else 2, help="chained calls per timed loop")
     p.add_argument("--repeats", type=int, default=3 if on_gpu else 2, help="timed loops (median)")
+    p.add_argument("--mosaic-tilings", type=Tiling.parse, nargs="+", default=[DEFAULT_TILING],
+                   help="the Mosaic kernel's tilings to time, each BLOCK_KVxSTAGES (64x2, the default; 128x2, 64x3, ...)")
     p.add_argument("--interpret", action="store_true",
                    help="run the Triton and shipped kernels in interpret mode (checks the script on a CPU; "
                         "timings mean nothing)")
@@ -226,7 +245,7 @@ def main(argv=None) -> None:
         with open(args.markdown, "a") as f:
             f.write("\n" + table)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(settings=vars(args), rows=rows), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(dict(settings=vars(args), rows=rows), indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

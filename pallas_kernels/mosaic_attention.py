@@ -2,9 +2,9 @@
 
 One kernel body serves decode and ragged (chunked-prefill) steps. A program owns a tile of ROWS = 64 query
 rows of one sequence and one kv head - the GQA q heads of block_q consecutive tokens, row = token *
-group_rows + head - and walks a range of the sequence's pages in blocks of BLOCK_KV = 64 tokens:
+group_rows + head - and walks a range of the sequence's pages in blocks of `Tiling.block_kv` (64) tokens:
 
-- the page copies of the next STAGES blocks are in flight while a block is computed: each block's
+- the page copies of the next `Tiling.stages` (2) blocks are in flight while a block is computed: each block's
   pages go by TMA from the pool (`[num_pages, num_kv_heads, page_size, head_dim]`, one contiguous
   `[page_size, head_dim]` tile per page and head) into 128-byte-swizzled shared memory, K and V on
   their own barriers;
@@ -27,7 +27,7 @@ they hold NaN (S is masked with `where`; the V rows of a block that straddles kv
 shared memory before the P V multiply, since 0 * NaN is NaN), and page-table entries past a sequence's
 last page are never dereferenced (they are replaced by page 0). Requirements: a 16-bit dtype (the MMAs
 take bf16/f16), head_dim a multiple of 64 (one 128-byte swizzle row) and page_size a multiple of 8 that
-divides BLOCK_KV. An int8 KV cache (`kv_cache.QuantizedPages`) is not read here: `attention.py`
+divides the block of KV tokens. An int8 KV cache (`kv_cache.QuantizedPages`) is not read here: `attention.py`
 refuses it for this backend, naming the ones that read it (the wgmma takes both operands in one type, so K/V
 would have to be dequantized into bf16 shared-memory tiles first, which needs a GPU to develop and check).
 
@@ -42,6 +42,7 @@ Their numerics and speed are first checked by `python -m sluice.bench.gpu_check`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -58,15 +59,36 @@ except ImportError as exc:  # pragma: no cover - every jax this project supports
     raise ImportError(f"the Mosaic GPU attention needs jax.experimental.pallas.mosaic_gpu ({exc})") from exc
 
 ROWS = 64
-BLOCK_KV = 64
-# Blocks in flight per program. Two keep a program under half of an SM's shared memory (Q 16 KiB + K/V
-# 2 x 32 KiB at head_dim 128), so two programs share an SM and overlap each other's waits.
-STAGES = 2
 SWIZZLE_BYTES = 128
 # Rows of a shared-memory tile, so the granularity of a stored slice of rows.
 TILE_ROWS = 8
 # wgmma and the TMA unit arrived with Hopper (sm_90).
 MIN_COMPUTE_CAPABILITY = 9.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How a program walks its pages: block_kv tokens per step, `stages` blocks in flight.
+
+    The default's two stages keep a program under half of an SM's shared memory (Q 16 KiB + K/V 2 x 32 KiB at
+    head_dim 128), so two programs share an SM and overlap each other's waits. `bench.kernels --mosaic-tilings`
+    times others.
+    """
+
+    block_kv: int = 64
+    stages: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> Tiling:
+        """"64x2" -> Tiling(block_kv=64, stages=2)."""
+        block_kv, stages = (int(part) for part in text.split("x"))
+        return cls(block_kv, stages)
+
+    def __str__(self) -> str:
+        return f"{self.block_kv}x{self.stages}"
+
+
+DEFAULT_TILING = Tiling()
 
 
 def runs_on(device: jax.Device) -> bool:
@@ -75,15 +97,15 @@ def runs_on(device: jax.Device) -> bool:
     return device.platform == "gpu" and capability is not None and float(capability) >= MIN_COMPUTE_CAPABILITY
 
 
-def check_shapes(page_size: int, head_dim: int, dtype) -> None:
+def check_shapes(page_size: int, head_dim: int, dtype, tiling: Tiling = DEFAULT_TILING) -> None:
     """Raises ValueError for shapes this kernel cannot tile (see the module docstring)."""
     if jnp.dtype(dtype).itemsize != 2:
         raise ValueError(f"the Mosaic GPU kernels need a 16-bit dtype (bfloat16/float16), got {jnp.dtype(dtype)}")
     if head_dim % 64:
         raise ValueError(f"the Mosaic GPU kernels need head_dim a multiple of 64, got {head_dim}")
-    if page_size % 8 or BLOCK_KV % page_size:
-        raise ValueError(f"the Mosaic GPU kernels need a page_size that is a multiple of 8 dividing {BLOCK_KV}, "
-                         f"got {page_size}")
+    if page_size % 8 or tiling.block_kv % page_size:
+        raise ValueError(f"the Mosaic GPU kernels need a page_size that is a multiple of 8 dividing "
+                         f"{tiling.block_kv}, got {page_size}")
 
 
 def _smem_tile(shape: tuple[int, ...], dtype):
@@ -96,19 +118,20 @@ def _smem_tile(shape: tuple[int, ...], dtype):
 def _attend_kernel(
     kv_lens_ref, q_lens_ref, page_table_ref, q_ref, k_ref, v_ref, *refs,
     sm_scale: float, page_size: int, block_q: int, group_rows: int, num_splits: int, blocks_per_split: int,
-    out_rows: int | None,
+    out_rows: int | None, tiling: Tiling,
 ):
     """Outputs: `out` when out_rows is set (normalized), else `acc, m, l` (partials); then the scratch."""
     outs, (q_smem, k_smem, v_smem, q_barrier, k_barriers, v_barriers) = refs[:-6], refs[-6:]
     seq, head, part = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("part")
     q_tile, split = lax.div(part, num_splits), lax.rem(part, num_splits)
-    pages_per_block = BLOCK_KV // page_size
+    block_kv, stages = tiling.block_kv, tiling.stages
+    pages_per_block = block_kv // page_size
     kv_len, q_len = kv_lens_ref[seq], q_lens_ref[seq]
     first_token = q_tile * block_q
     # Tokens of this tile attend kv positions < kv_end (causal); a tile past q_len attends nothing.
     last_token = jnp.minimum(q_len, first_token + block_q) - 1
     kv_end = jnp.where(first_token < q_len, kv_len - q_len + last_token + 1, 0)
-    num_blocks = lax.div(kv_end + BLOCK_KV - 1, BLOCK_KV)
+    num_blocks = lax.div(kv_end + block_kv - 1, block_kv)
     first_block = split * blocks_per_split
     num_steps = jnp.maximum(jnp.minimum(first_block + blocks_per_split, num_blocks) - first_block, 0)
     num_used_pages = lax.div(kv_len + page_size - 1, page_size)
@@ -122,25 +145,25 @@ def _attend_kernel(
             plgpu.copy_gmem_to_smem(v_ref.at[page, head], v_smem.at[slot, rows], v_barriers.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[seq, head, q_tile], q_smem, q_barrier)
-    for stage in range(STAGES):
+    for stage in range(stages):
         pl.when(stage < num_steps)(functools.partial(fetch, stage, stage))
     plgpu.barrier_wait(q_barrier)
 
-    row = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 0, layout=plgpu.Layout.WGMMA)
-    column = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+    row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+    column = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
     q_pos = kv_len - q_len + first_token + lax.shift_right_logical(row, int(math.log2(group_rows)))
 
     def step(i, carry):
         acc, m, l = carry
-        slot = lax.rem(i, STAGES)
-        block_start = (first_block + i) * BLOCK_KV
+        slot = lax.rem(i, stages)
+        block_start = (first_block + i) * block_kv
         plgpu.barrier_wait(k_barriers.at[slot])
 
         def scores(s_ref):
             plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
             return s_ref[...]
 
-        s = pl.run_scoped(scores, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32)) * sm_scale
+        s = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32)) * sm_scale
         kv_pos = block_start + column
         visible = (kv_pos <= q_pos) & (kv_pos < kv_len)
         s = jnp.where(visible, s, kc.MASK_VALUE)
@@ -151,9 +174,9 @@ def _attend_kernel(
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_barriers.at[slot])
 
-        @pl.when(block_start + BLOCK_KV > kv_len)
+        @pl.when(block_start + block_kv > kv_len)
         def _zero_v_past_kv_len():
-            v_rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_KV, v_smem.shape[-1]), 0, layout=plgpu.Layout.WGMMA)
+            v_rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, v_smem.shape[-1]), 0, layout=plgpu.Layout.WGMMA)
             v = v_smem.at[slot][...]  # a tiled, swizzled tile loads in the WGMMA layout
             v_smem.at[slot][...] = jnp.where(block_start + v_rows < kv_len, v, jnp.zeros_like(v))
             plgpu.commit_smem()
@@ -163,7 +186,7 @@ def _attend_kernel(
 
         acc = pl.run_state(weighted_values)(plgpu.ACC.init(acc))
         # The MMAs reading this slot are done (run_state waits for them): refill it.
-        pl.when(i + STAGES < num_steps)(lambda: fetch(i + STAGES, slot))
+        pl.when(i + stages < num_steps)(lambda: fetch(i + stages, slot))
         return acc, m_new, l
 
     head_dim = q_smem.shape[-1]
@@ -191,11 +214,11 @@ def _attend_kernel(
 def _attend_tiles(
     q_tiles: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array, q_lens: jax.Array,
     page_table: jax.Array, *, sm_scale: float, block_q: int, group_rows: int, num_splits: int,
-    out_rows: int | None,
+    out_rows: int | None, tiling: Tiling = DEFAULT_TILING,
 ) -> tuple[jax.Array, ...]:
     """q_tiles: [num_seqs, num_kv_heads, num_q_tiles, ROWS, head_dim]; row r of tile t of sequence s is
     token t * block_q + r // group_rows of its q_len (at position kv_len - q_len + token).
-    page_table: [num_seqs, pages] int32, pages a multiple of BLOCK_KV // page_size.
+    page_table: [num_seqs, pages] int32, pages a multiple of tiling.block_kv // page_size.
 
     With out_rows (num_splits 1): (out [num_seqs, num_kv_heads, num_q_tiles, out_rows, head_dim] in q's
     dtype, normalized, each tile's first out_rows rows). Without: (acc [num_splits, num_seqs,
@@ -204,8 +227,8 @@ def _attend_tiles(
     """
     num_seqs, num_kv_heads, num_q_tiles, _, head_dim = q_tiles.shape
     page_size = k_pages.shape[2]
-    check_shapes(page_size, head_dim, k_pages.dtype)
-    max_blocks = page_table.shape[1] * page_size // BLOCK_KV
+    check_shapes(page_size, head_dim, k_pages.dtype, tiling)
+    max_blocks = page_table.shape[1] * page_size // tiling.block_kv
     if out_rows is None:
         stats = (num_splits, num_seqs, num_kv_heads, num_q_tiles, ROWS)
         out_type = (
@@ -219,18 +242,19 @@ def _attend_tiles(
         out_type = (jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_q_tiles, out_rows, head_dim), q_tiles.dtype),)
     kernel = functools.partial(
         _attend_kernel, sm_scale=sm_scale, page_size=page_size, block_q=block_q, group_rows=group_rows,
-        num_splits=num_splits, blocks_per_split=pl.cdiv(max_blocks, num_splits), out_rows=out_rows,
+        num_splits=num_splits, blocks_per_split=pl.cdiv(max_blocks, num_splits), out_rows=out_rows, tiling=tiling,
     )
+    kv_tile, pages_per_block = (tiling.stages, tiling.block_kv, head_dim), tiling.block_kv // page_size
     return plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=(
             _smem_tile((ROWS, head_dim), q_tiles.dtype),
-            _smem_tile((STAGES, BLOCK_KV, head_dim), k_pages.dtype),
-            _smem_tile((STAGES, BLOCK_KV, head_dim), v_pages.dtype),
+            _smem_tile(kv_tile, k_pages.dtype),
+            _smem_tile(kv_tile, v_pages.dtype),
             plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=BLOCK_KV // page_size, num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=BLOCK_KV // page_size, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=tiling.stages),
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=tiling.stages),
         ),
         grid=(num_seqs, num_kv_heads, num_q_tiles * num_splits),
         grid_names=("seq", "head", "part"),
@@ -238,13 +262,13 @@ def _attend_tiles(
     )(kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_tiles, k_pages, v_pages)
 
 
-def _pad_page_table(page_table: jax.Array, page_size: int) -> jax.Array:
-    pages_per_block = BLOCK_KV // page_size
+def _pad_page_table(page_table: jax.Array, page_size: int, block_kv: int) -> jax.Array:
+    pages_per_block = block_kv // page_size
     padded = pl.cdiv(page_table.shape[1], pages_per_block) * pages_per_block
     return jnp.pad(page_table, ((0, 0), (0, padded - page_table.shape[1])))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "tiling"))
 def paged_decode_attention_mosaic(
     q: jax.Array,
     k_pages: jax.Array,
@@ -254,6 +278,7 @@ def paged_decode_attention_mosaic(
     *,
     sm_scale: float,
     num_splits: int | None = None,
+    tiling: Tiling = DEFAULT_TILING,
 ) -> jax.Array:
     """q: [num_seqs, num_q_heads, head_dim]; k_pages, v_pages: [num_pages, num_kv_heads, page_size,
     head_dim]; kv_lens: [num_seqs] int32; page_table: [num_seqs, max_pages_per_seq] int32.
@@ -265,9 +290,9 @@ def paged_decode_attention_mosaic(
     group = num_q_heads // num_kv_heads
     if group > ROWS:
         raise ValueError(f"a GQA group of {group} q heads does not fit a {ROWS}-row tile")
-    check_shapes(page_size, head_dim, q.dtype)
-    page_table = _pad_page_table(page_table, page_size)
-    max_blocks = page_table.shape[1] * page_size // BLOCK_KV
+    check_shapes(page_size, head_dim, q.dtype, tiling)
+    page_table = _pad_page_table(page_table, page_size, tiling.block_kv)
+    max_blocks = page_table.shape[1] * page_size // tiling.block_kv
     if num_splits is None:
         num_splits = kc.num_splits_for(num_seqs, num_kv_heads, max_blocks)
     num_splits = pl.cdiv(max_blocks, pl.cdiv(max_blocks, num_splits))
@@ -277,7 +302,7 @@ def paged_decode_attention_mosaic(
     # Every row is the sequence's one token (block_q 1, group_rows ROWS): padding rows see its context.
     attend = functools.partial(
         _attend_tiles, q_tiles, k_pages, v_pages, kv_lens, (kv_lens > 0).astype(jnp.int32), page_table,
-        sm_scale=sm_scale, block_q=1, group_rows=ROWS, num_splits=num_splits,
+        sm_scale=sm_scale, block_q=1, group_rows=ROWS, num_splits=num_splits, tiling=tiling,
     )
     if num_splits == 1:
         (out,) = attend(out_rows=pl.cdiv(group, TILE_ROWS) * TILE_ROWS)
@@ -331,7 +356,7 @@ def ragged_paged_attention_mosaic(
     q_tiles = gathered.transpose(0, 3, 1, 2, 4, 5).reshape(num_seqs, num_kv_heads, num_q_tiles, ROWS, head_dim)
 
     (out,) = _attend_tiles(
-        q_tiles, k_pages, v_pages, kv_lens, q_lens, _pad_page_table(page_table, page_size),
+        q_tiles, k_pages, v_pages, kv_lens, q_lens, _pad_page_table(page_table, page_size, DEFAULT_TILING.block_kv),
         sm_scale=sm_scale, block_q=block_q, group_rows=group_rows, num_splits=1, out_rows=ROWS,
     )  # [S, Hkv, tiles, ROWS, D]
     out = out.reshape(num_seqs, num_kv_heads, num_q_tiles, block_q, group_rows, head_dim)[..., :group, :]

@@ -89,6 +89,21 @@ def test_decode_kernel_lowers_for_cuda(backend, name, num_seqs):
     assert exported.mlir_module().count(f"@{KERNEL_CALLS[backend]}(") == 1
 
 
+@pytest.mark.parametrize("tiling", ["128x2", "64x3", "64x4"])
+def test_mosaic_decode_kernel_lowers_for_cuda_at_each_swept_tiling(tiling):
+    """`bench.kernels --mosaic-tilings` times these on a GPU: each must lower first."""
+    from sluice.pallas_kernels.mosaic_attention import Tiling, paged_decode_attention_mosaic
+
+    m = dataclasses.replace(SERVED["llama3-8b-bf16"], max_num_seqs=64)
+    q = jax.ShapeDtypeStruct((m.max_num_seqs, m.num_q_heads, m.head_dim), m.dtype)
+    kv_lens = jax.ShapeDtypeStruct((m.max_num_seqs,), jnp.int32)
+    exported = lower_for_cuda(
+        lambda *a: paged_decode_attention_mosaic(*a, sm_scale=m.head_dim**-0.5, tiling=Tiling.parse(tiling)),
+        q, m.pool(), m.pool(), kv_lens, m.page_table(),
+    )
+    assert exported.mlir_module().count(f"@{MOSAIC_CALL}(") == 1
+
+
 @pytest.mark.parametrize("max_q_len", [1, 16, 512])
 @pytest.mark.parametrize("backend, name", kernel_cases())
 def test_ragged_kernel_lowers_for_cuda(backend, name, max_q_len):
