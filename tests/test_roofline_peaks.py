@@ -1,0 +1,24 @@
+"""The streamed bandwidth measure (`model.roofline.streamed_bandwidth`), which a GPU's peak takes: its loops do
+every pass, each depending on the last."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from sluice.model.roofline import stream_loops, streamed_bandwidth
+
+
+def test_stream_loops_do_every_pass_on_what_the_last_one_gave():
+    m = np.random.default_rng(0).random((16, 8192), dtype=np.float32)
+    read, read_write = stream_loops(3)
+    expected = np.zeros(16, np.float32)
+    for _ in range(3):
+        expected = expected + np.maximum(m - expected[:1, None], 0).sum(axis=1)
+    np.testing.assert_allclose(read(jnp.asarray(m)), expected, rtol=1e-5)
+    np.testing.assert_array_equal(read_write(jnp.asarray(m)), -m)
+    for loop in stream_loops(3):
+        assert "while" in loop.lower(jnp.asarray(m)).compile().as_text()  # the passes stay in the loop
+
+
+def test_streamed_bandwidth_is_a_rate():
+    bandwidth = streamed_bandwidth(jnp.ones((512, 8192), jnp.float32), repeats=3)
+    assert 1e8 < bandwidth < 1e14, bandwidth
