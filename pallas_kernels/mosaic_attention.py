@@ -103,6 +103,9 @@ def check_shapes(page_size: int, head_dim: int, dtype, tiling: Tiling = DEFAULT_
         raise ValueError(f"the Mosaic GPU kernels need a 16-bit dtype (bfloat16/float16), got {jnp.dtype(dtype)}")
     if head_dim % 64:
         raise ValueError(f"the Mosaic GPU kernels need head_dim a multiple of 64, got {head_dim}")
+    if tiling.block_kv % ROWS or tiling.stages < 1:
+        raise ValueError(f"the Mosaic GPU kernels need a KV block of a multiple of {ROWS} tokens (the warpgroup "
+                         f"layout of the V rows it masks) and a stage or more, got {tiling}")
     if page_size % 8 or tiling.block_kv % page_size:
         raise ValueError(f"the Mosaic GPU kernels need a page_size that is a multiple of 8 dividing "
                          f"{tiling.block_kv}, got {page_size}")

@@ -89,7 +89,7 @@ def test_decode_kernel_lowers_for_cuda(backend, name, num_seqs):
     assert exported.mlir_module().count(f"@{KERNEL_CALLS[backend]}(") == 1
 
 
-@pytest.mark.parametrize("tiling", ["128x2", "64x3", "64x4"])
+@pytest.mark.parametrize("tiling", ["128x2", "64x3", "64x1"])
 def test_mosaic_decode_kernel_lowers_for_cuda_at_each_swept_tiling(tiling):
     """`bench.kernels --mosaic-tilings` times these on a GPU: each must lower first."""
     from sluice.pallas_kernels.mosaic_attention import Tiling, paged_decode_attention_mosaic
@@ -102,6 +102,13 @@ def test_mosaic_decode_kernel_lowers_for_cuda_at_each_swept_tiling(tiling):
         q, m.pool(), m.pool(), kv_lens, m.page_table(),
     )
     assert exported.mlir_module().count(f"@{MOSAIC_CALL}(") == 1
+
+
+def test_mosaic_refuses_a_kv_block_its_v_mask_cannot_lay_out():
+    from sluice.pallas_kernels.mosaic_attention import Tiling, check_shapes
+
+    with pytest.raises(ValueError, match="multiple of 64 tokens"):
+        check_shapes(16, 128, jnp.bfloat16, Tiling(block_kv=32, stages=3))
 
 
 @pytest.mark.parametrize("max_q_len", [1, 16, 512])
