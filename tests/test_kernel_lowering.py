@@ -89,19 +89,24 @@ def test_decode_kernel_lowers_for_cuda(backend, name, num_seqs):
     assert exported.mlir_module().count(f"@{KERNEL_CALLS[backend]}(") == 1
 
 
-@pytest.mark.parametrize("tiling", ["128x2", "64x3", "64x1"])
-def test_mosaic_decode_kernel_lowers_for_cuda_at_each_swept_tiling(tiling):
-    """`bench.kernels --mosaic-tilings` times these on a GPU: each must lower first."""
+@pytest.mark.parametrize("num_seqs", [1, 64])  # 1: split-K partials; 64: normalized tiles
+@pytest.mark.parametrize("tiling", ["128x2", "64x3", "64x1", "64x2n", "64x1n"])
+def test_mosaic_decode_kernel_lowers_for_cuda_at_each_swept_tiling(tiling, num_seqs):
+    """`bench.kernels --mosaic-tilings` times these on a GPU: each must lower first. A narrow one ("n") copies
+    the GQA group's 4 query rows as one 8-row tile per sequence and head, not 64."""
     from sluice.pallas_kernels.mosaic_attention import Tiling, paged_decode_attention_mosaic
 
-    m = dataclasses.replace(SERVED["llama3-8b-bf16"], max_num_seqs=64)
+    m = dataclasses.replace(SERVED["llama3-8b-bf16"], max_num_seqs=num_seqs)
     q = jax.ShapeDtypeStruct((m.max_num_seqs, m.num_q_heads, m.head_dim), m.dtype)
     kv_lens = jax.ShapeDtypeStruct((m.max_num_seqs,), jnp.int32)
     exported = lower_for_cuda(
         lambda *a: paged_decode_attention_mosaic(*a, sm_scale=m.head_dim**-0.5, tiling=Tiling.parse(tiling)),
         q, m.pool(), m.pool(), kv_lens, m.page_table(),
     )
-    assert exported.mlir_module().count(f"@{MOSAIC_CALL}(") == 1
+    module = exported.mlir_module()
+    assert module.count(f"@{MOSAIC_CALL}(") == 1
+    q_tile_rows = 8 if tiling.endswith("n") else 64
+    assert f"tensor<{num_seqs}x8x1x{q_tile_rows}x128xbf16>" in module
 
 
 def test_mosaic_refuses_a_kv_block_its_v_mask_cannot_lay_out():
