@@ -108,6 +108,18 @@ def test_a_step_without_time_left_is_skipped_and_reported(tmp_path):
     assert "| engine-tiny | skipped | 0 |" in "\n".join(gpu_report.steps_section(run.steps))
 
 
+def test_an_engine_step_is_not_started_with_less_left_than_it_needs(tmp_path):
+    """A model's engine compiles for about two minutes: started with 100 s left it would time out having measured
+    nothing, where a short step still runs."""
+    run = gpu_check.Run(tmp_path, tmp_path, budget_s=100)
+    (tmp_path / "log.txt").write_text("")
+    env = gpu_check.child_env(tmp_path)
+    engine = run.step("engine-smollm2-135m", gpu_check.python("-c", "pass"), env)
+    audit = run.step("step-audit", gpu_check.python("-c", "pass"), env)
+    assert engine.status == "skipped" and "budget left" in engine.note
+    assert audit.status == "ok"
+
+
 def test_what_ran_out_of_time_gets_a_command_to_finish_it(tmp_path):
     steps = [
         gpu_report.StepResult("kernel-tests", "ok"),
