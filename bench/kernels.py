@@ -226,7 +226,8 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=10 if on_gpu else 2, help="chained calls per timed loop")
     p.add_argument("--repeats", type=int, default=3 if on_gpu else 2, help="timed loops (median)")
     p.add_argument("--mosaic-tilings", type=Tiling.parse, nargs="+", default=[DEFAULT_TILING],
-                   help="the Mosaic kernel's tilings to time, each BLOCK_KVxSTAGES (64x2, the default; 128x2, 64x3, ...)")
+                   help="the Mosaic kernel's tilings to time, each BLOCK_KVxSTAGES, n after it for a narrow query "
+                        "tile (64x2, the default; 64x1, 64x2n, ...)")
     p.add_argument("--interpret", action="store_true",
                    help="run the Triton and shipped kernels in interpret mode (checks the script on a CPU; "
                         "timings mean nothing)")

@@ -155,7 +155,7 @@ def _attend_kernel(
             plgpu.copy_gmem_to_smem(v_ref.at[page, head], v_smem.at[slot, rows], v_barriers.at[slot])
 
     q_rows = q_ref.shape[3]
-    if q_rows < ROWS:  # a narrow query tile: the MMA's other rows are zeros (finite scores, never stored)
+    if q_rows < ROWS:  # a narrow query tile: the MMA's other rows are zeros (finite scores, results dropped)
         q_smem[...] = plgpu.layout_cast(jnp.zeros(q_smem.shape, q_smem.dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()  # the zeros land before the copy into the first rows does
     plgpu.copy_gmem_to_smem(q_ref.at[seq, head, q_tile], q_smem.at[pl.ds(0, q_rows)], q_barrier)
