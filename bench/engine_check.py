@@ -12,7 +12,9 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
   sent at once, each token's arrival timed as a client would see it. TTFT: until every one of them has
   its first token (prefill of all C prompts plus one sample); TPOT: vLLM's per request
   (last - first arrival) / (tokens - 1), averaged over the wave, i.e. the engine's real decode at batch
-  C, multi-step calls and host work included (each a median of `latency_repeats` runs);
+  C, multi-step calls and host work included, and the other requests' prefill that a request's tokens wait
+  through; decode TPOT: the same wave's time per token once every request decodes (`steady_decode_s`),
+  without that prefill (each a median of `latency_repeats` runs);
 - step breakdown, timed directly (jitted, outside the engine, medians after a compile; every level's step
   compiles first, on a thread each): a decode step at batch C and the wave's mean context (model forward +
   LM head + argmax), the paged attention of all layers alone, the LM head + argmax alone; the report adds
@@ -220,10 +222,20 @@ class ArrivalTimes:
         self.times += [time.perf_counter()] * len(increment.token_ids)
 
 
+def steady_decode_s(arrivals: list[list[float]]) -> float:
+    """Seconds per token per request while every request decodes: from the last request's first token to the
+    first request's last, the C requests' tokens delivered in between (after the first of those moments, up to
+    the second) over C x that time. Tokens a multi-step call delivers together count whole."""
+    decoding_from = max(times[0] for times in arrivals)
+    until = min(times[-1] for times in arrivals)
+    tokens = sum(decoding_from < t <= until for times in arrivals for t in times)
+    return len(arrivals) * (until - decoding_from) / tokens if tokens else float("nan")
+
+
 def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int, decoding: Decoding
-               ) -> tuple[float, float]:
+               ) -> tuple[float, float, float]:
     """Sends the requests at once with `max_tokens` each; returns (TTFT: until every one has its first token,
-    TPOT: the mean over requests of (last - first arrival) / (max_tokens - 1))."""
+    TPOT: the mean over requests of (last - first arrival) / (max_tokens - 1), decode TPOT: `steady_decode_s`)."""
     sinks = [ArrivalTimes() for _ in requests]
     start = time.perf_counter()
     for i, (request, sink) in enumerate(zip(requests, sinks)):
@@ -234,7 +246,7 @@ def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int, de
         raise AssertionError(f"the engine produced {[len(s.times) for s in sinks]} tokens where {max_tokens} were asked")
     ttft = max(sink.times[0] for sink in sinks) - start
     tpot = statistics.mean((sink.times[-1] - sink.times[0]) / (max_tokens - 1) for sink in sinks)
-    return ttft, tpot
+    return ttft, tpot, steady_decode_s([sink.times for sink in sinks])
 
 
 def profiled_decode(engine: Engine, requests: list[BenchRequest], decode_steps: int, decoding: Decoding) -> dict:
@@ -373,15 +385,15 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
                  for i in range(sizes.latency_repeats)]
     profile = profiled_decode(engine, fresh_prompts(workload[:c], salt=1000 * c + 990, vocab_size=config.vocab_size),
                               sizes.tpot_steps, decoding)
-    ttft_s = statistics.median(ttft for ttft, _ in latencies)
-    tpot_s = statistics.median(tpot for _, tpot in latencies)
+    ttft_s, tpot_s, decode_tpot_s = (statistics.median(column) for column in zip(*latencies))
     prompt_lens = [len(r.prompt) for r in requests]
     output_lens = [r.output_tokens for r in requests]
     bound = workload_roofline(served, peaks, prompt_lens, output_lens, batch=c)
     return dict(
         requests=len(requests), prompt_tokens=sum(prompt_lens), output_tokens=sum(output_lens), seconds=seconds,
         output_tok_s=sum(output_lens) / seconds, total_tok_s=(sum(prompt_lens) + sum(output_lens)) / seconds,
-        ttft_s=ttft_s, tpot_s=tpot_s, roofline_output_tok_s=bound.bound_output_tps, profile=profile,
+        ttft_s=ttft_s, tpot_s=tpot_s, decode_tpot_s=decode_tpot_s, roofline_output_tok_s=bound.bound_output_tps,
+        profile=profile,
     )
 
 

@@ -48,6 +48,16 @@ def test_kv_pool_holds_the_largest_wave_whole():
     assert [len(w) for w in engine_check.waves(workload, 1)] == [1, 1, 1, 1]
 
 
+def test_decode_tpot_counts_only_tokens_after_every_request_decodes():
+    """Three requests: one's first token at 0 s, then one token per 10 ms; the others' first tokens at 50 ms (a
+    prefill in between), then bursts of 4 tokens (a multi-step call) every 40 ms. From 50 ms (the last first token)
+    to 130 ms (the first request to end) 24 tokens arrive: 3 requests x 80 ms / 24 = 10 ms per token. The tokens
+    at 50 ms came with the last first token, and count as before the window."""
+    early = [0.010 * i for i in range(14)]  # 0 .. 130 ms
+    bursty = [0.050] + [0.050 + 0.040 * (1 + i // 4) for i in range(12)]  # bursts at 90, 130, 170 ms
+    assert engine_check.steady_decode_s([early, bursty, list(bursty)]) == pytest.approx(0.010)
+
+
 def test_an_int8_run_measures_the_engine_on_int8_weights(tmp_path):
     """`--quantization int8`: the engine runs on the random weights quantized (what `gpu_check --quantization int8`
     measures against the float run), and the result says so."""
