@@ -103,15 +103,16 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 def stream_loops(passes: int) -> tuple[Callable, Callable]:
     """Two jitted loops of `passes` passes over a [rows, cols] array, each pass depending on the last so that XLA
-    can neither hoist nor merge them: row sums (reads the array: [rows] out) and a sign flip (reads and writes it,
-    STREAM's copy measure: the array out)."""
+    can neither hoist nor merge them, even unrolled: row sums (reads the array: [rows] out) and adding one (reads
+    and writes it, STREAM's copy measure: the array out; XLA does not reassociate float adds, where it would fold
+    a sign flip's pairs)."""
 
     def read(m):  # max(m - c, 0): no algebra takes the sum out of the loop
         return lax.fori_loop(0, passes, lambda _, acc: acc + jnp.maximum(m - acc[:1, None], 0).sum(axis=1),
                              jnp.zeros(m.shape[0], m.dtype))
 
     def read_write(m):
-        return lax.fori_loop(0, passes, lambda _, a: -a, m)
+        return lax.fori_loop(0, passes, lambda _, a: a + 1, m)
 
     return jax.jit(read), jax.jit(read_write)
 

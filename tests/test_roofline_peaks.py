@@ -14,7 +14,7 @@ def test_stream_loops_do_every_pass_on_what_the_last_one_gave():
     for _ in range(3):
         expected = expected + np.maximum(m - expected[:1, None], 0).sum(axis=1)
     np.testing.assert_allclose(read(jnp.asarray(m)), expected, rtol=1e-5)
-    np.testing.assert_array_equal(read_write(jnp.asarray(m)), -m)
+    np.testing.assert_allclose(read_write(jnp.asarray(m)), m + 3, rtol=1e-6)
 
 
 def test_streamed_bandwidth_is_a_rate():
