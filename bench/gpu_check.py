@@ -13,7 +13,8 @@ step starts with the device's memory free; all under one time budget (--budget-s
    the others, so a Mosaic failure cannot hide the Triton results.
 3. kernel benchmark (`bench.kernels`): decode at batch {1, 8, 64, 256} x context {512, 2048, 8192},
    Llama-3-8B heads, bf16: time per call and bandwidth of both kernel families and jax's shipped kernel (Mosaic
-   again in its own process), each row's largest difference from the jnp reference.
+   again in its own process, with its kernel's own traced time beside the call's), each row's largest difference
+   from the jnp reference.
 4. engine (`bench.engine_check`), one process per model: Llama-3-8B (skipped when the device cannot hold
    it), SmolLM2-135M, Llama-3.2-1B, random weights with real shapes, bf16, concurrency 1, 64, 256 and 1,024,
    with a profiler trace of decode steps at each (`bench.device_profile`: device busy against the step period).
@@ -67,7 +68,7 @@ CAPS_S = {"probe": 120.0, "kernel-tests": 150.0, "kernel-tests-mosaic": 90.0, "k
 # The CPU subset of the kernel tests: one case of each kind, every backend (Mosaic's skip included).
 CPU_TEST_FILTER = ("test_decode_gives_zeros or (ragged_matches and (0-reference or 0-pallas)) or shipped "
                    "or mosaic_backend or (lowers_for_cuda and smollm2-135m-bf16)")
-CPU_BENCH_ARGS = ("--backends", "pallas-triton", "reference", "--interpret", "--batches", "2",
+CPU_BENCH_ARGS = ("--backends", "pallas-triton", "reference", "--interpret", "--trace", "--batches", "2",
                   "--contexts", "40", "--num-q-heads", "8", "--num-kv-heads", "2", "--head-dim", "64",
                   "--dtype", "float32", "--calls", "1", "--repeats", "1")
 TEST_FILES = ("tests/test_paged_attention.py", "tests/test_kernel_lowering.py")
@@ -178,7 +179,7 @@ def run_kernel_bench(run: Run, env: dict[str, str], small: bool, probe: dict) ->
     # every row still reports its difference from the reference's output.
     parts = [("kernel-bench", list(CPU_BENCH_ARGS) if small else ["--backends", "pallas-triton", "jax-shipped"])]
     if not small and probe["mosaic_gpu"]:
-        parts.append(("kernel-bench-mosaic", ["--backends", "pallas-mosaic"]))
+        parts.append(("kernel-bench-mosaic", ["--backends", "pallas-mosaic", "--trace"]))
     elif not small:
         run.skip("kernel-bench-mosaic", f"Mosaic GPU needs compute capability 9.0+, this is {probe['compute_capability']}")
     rows = []

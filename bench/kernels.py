@@ -13,7 +13,10 @@ interpreted).
 Timing: one jitted loop of `--calls` calls, each call's output fed into the next call's query (so XLA
 can neither hoist nor overlap them), timed with one `block_until_ready`; the median over `--repeats` such
 loops, divided by the calls, after a compile-and-warm-up run. Python's dispatch cost is thereby out of a
-microsecond-scale kernel's figure. Bandwidth counts the bytes that must be read once: K and V of every
+microsecond-scale kernel's figure. A call's time includes what a backend does around its kernel (the Mosaic
+and Triton wrappers pad the queries into tiles and slice the output); `--trace` also runs one more loop under
+`jax.profiler` and reports the attention kernels' own device time per call (`bench.device_profile`'s
+attention class), and the bandwidth at that time. Bandwidth counts the bytes that must be read once: K and V of every
 context token plus q. Every row also reports the largest difference from the reference output; a backend
 that fails on a shape gets a row with its error instead of stopping the run.
 """
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sluice.bench.device_profile import DeviceTrace
 from sluice.pallas_kernels.attention import paged_decode_attention
 from sluice.pallas_kernels.mosaic_attention import DEFAULT_TILING, Tiling, paged_decode_attention_mosaic, runs_on
 
@@ -138,6 +142,17 @@ def time_backend(fn, q, args, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def traced_kernel_seconds(fn, q, args, calls: int) -> float | None:
+    """Device seconds per call of the attention kernels alone, from a trace of one loop; None if the trace shows
+    none (a CPU's reference has no such kernel)."""
+    loop = chained(fn, calls)
+    loop(q, *args).block_until_ready()
+    with DeviceTrace() as trace:
+        loop(q, *args).block_until_ready()
+    seconds = trace.summary().by_class["attention"] / calls
+    return seconds or None
+
+
 def first_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     return text.splitlines()[0][:300]
@@ -165,6 +180,8 @@ def run(args) -> list[dict]:
                     out = np.asarray(jax.jit(fn)(inputs.q, *rest).astype(jnp.float32))
                     row.update(ms=seconds * 1e3, gbps=inputs.bytes_read() / seconds / 1e9,
                                max_diff=float(np.abs(out - expected).max()))
+                    if args.trace and (kernel_s := traced_kernel_seconds(fn, inputs.q, rest, args.calls)):
+                        row.update(kernel_ms=kernel_s * 1e3, kernel_gbps=inputs.bytes_read() / kernel_s / 1e9)
                     print(f"  {name_shown:19s} batch {batch:4d} context {context:5d}: {seconds * 1e3:9.3f} ms",
                           file=sys.stderr)
                 except Exception as exc:  # noqa: BLE001 - one backend failing must not hide the others' rows
@@ -190,17 +207,18 @@ def markdown(rows: list[dict], args, command: str) -> str:
         f"head_dim {args.head_dim}, {args.dtype}, page_size {args.page_size}, median of {args.repeats} loops "
         f"of {args.calls} chained calls.",
         "",
-        "| backend | batch | context | ms / call | GB/s (K+V+q once) | max abs diff vs reference |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| backend | batch | context | ms / call | GB/s (K+V+q once) | kernel ms (traced) | kernel GB/s "
+        "| max abs diff vs reference |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         backend = f"{r['backend']} {r['tiling']}" if "tiling" in r else r["backend"]
         if "error" in r:
-            lines.append(f"| {backend} | {r['batch']} | {r['context']} | failed: {r['error']} | | |")
+            lines.append(f"| {backend} | {r['batch']} | {r['context']} | failed: {r['error']} | | | | |")
             continue
-        lines.append(
-            f"| {backend} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['gbps']:.1f} | {r['max_diff']:.2e} |"
-        )
+        kernel = (f"{r['kernel_ms']:.4f} | {r['kernel_gbps']:.1f}" if "kernel_ms" in r else "- | -")
+        lines.append(f"| {backend} | {r['batch']} | {r['context']} | {r['ms']:.4f} | {r['gbps']:.1f} | {kernel} | "
+                     f"{r['max_diff']:.2e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -228,6 +246,8 @@ def parse_args(argv=None):
     p.add_argument("--mosaic-tilings", type=Tiling.parse, nargs="+", default=[DEFAULT_TILING],
                    help="the Mosaic kernel's tilings to time, each BLOCK_KVxSTAGES, n after it for a narrow query "
                         "tile (64x2, the default; 64x1, 64x2n, ...)")
+    p.add_argument("--trace", action="store_true",
+                   help="also the attention kernels' own device time per call, from a profiler trace of one loop")
     p.add_argument("--interpret", action="store_true",
                    help="run the Triton and shipped kernels in interpret mode (checks the script on a CPU; "
                         "timings mean nothing)")

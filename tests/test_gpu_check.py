@@ -108,6 +108,15 @@ def test_a_step_without_time_left_is_skipped_and_reported(tmp_path):
     assert "| engine-tiny | skipped | 0 |" in "\n".join(gpu_report.steps_section(run.steps))
 
 
+def test_the_kernel_table_gives_a_traced_kernel_time_its_share_of_the_peak():
+    row = dict(backend="pallas-mosaic", batch=64, context=2048, bytes=10**8, ms=0.2, gbps=500.0, kernel_ms=0.125,
+               kernel_gbps=800.0, max_diff=1e-3)
+    untraced = {k: v for k, v in row.items() if not k.startswith("kernel")}
+    lines = gpu_report.kernel_bench_section([row, untraced], peak_gbs=1000.0)
+    assert "| pallas-mosaic | 64 | 2048 | 0.2000 | 500 | 50% | 0.1250 | 80% | 1.0e-03 |" in lines
+    assert "| pallas-mosaic | 64 | 2048 | 0.2000 | 500 | 50% | - | - | 1.0e-03 |" in lines
+
+
 def test_an_engine_step_is_not_started_with_less_left_than_it_needs(tmp_path):
     """A model's engine compiles for about two minutes: started with 100 s left it would time out having measured
     nothing, where a short step still runs."""

@@ -16,7 +16,7 @@ def test_kernel_benchmark_runs_every_backend_and_agrees_with_the_reference(tmp_p
     rows = [line.split("|") for line in results.read_text().splitlines() if line.startswith("| ") and "backend" not in line]
     assert [r[1].strip() for r in rows] == ["pallas-triton", "pallas-mosaic", "reference", "jax-shipped"]
     timed = [r for r in rows if r[1].strip() != "pallas-mosaic"]
-    assert all(float(r[6]) < 1e-4 for r in timed), rows
+    assert all(float(r[8]) < 1e-4 for r in timed), rows  # the largest difference, after the traced columns
     assert "no interpret mode" in rows[1][4]
     saved = json.loads(rows_json.read_text())["rows"]
     assert [r["backend"] for r in saved if "error" not in r] == ["pallas-triton", "reference", "jax-shipped"]
