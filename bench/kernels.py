@@ -97,11 +97,11 @@ def backend_call(name: str, inputs: DecodeInputs, sm_scale: float, interpret: bo
                  tiling: Tiling = DEFAULT_TILING):
     """(fn, args): fn(q, *args) -> [batch, num_q_heads, head_dim], with layout changes done up front. `tiling`
     is the Mosaic kernel's."""
-    if name == "pallas-mosaic" and tiling != DEFAULT_TILING:
-        fn = functools.partial(paged_decode_attention_mosaic, sm_scale=sm_scale, tiling=tiling)
-        return fn, (inputs.k_pages, inputs.v_pages, inputs.kv_lens, inputs.page_table)
     if name in OUR_BACKENDS:
-        fn = functools.partial(paged_decode_attention, sm_scale=sm_scale, backend=name, interpret=interpret)
+        if name == "pallas-mosaic" and tiling != DEFAULT_TILING:
+            fn = functools.partial(paged_decode_attention_mosaic, sm_scale=sm_scale, tiling=tiling)
+        else:
+            fn = functools.partial(paged_decode_attention, sm_scale=sm_scale, backend=name, interpret=interpret)
         return fn, (inputs.k_pages, inputs.v_pages, inputs.kv_lens, inputs.page_table)
     if name == "jax-shipped":
         shipped = shipped_paged_attention()
@@ -130,9 +130,8 @@ def chained(fn, calls: int):
     return jax.jit(loop)
 
 
-def time_backend(fn, q, args, calls: int, repeats: int) -> float:
-    """Median seconds per call (see the module docstring)."""
-    loop = chained(fn, calls)
+def time_backend(loop, q, args, calls: int, repeats: int) -> float:
+    """Median seconds per call of `loop` (`chained`'s, of `calls` calls; see the module docstring)."""
     loop(q, *args).block_until_ready()
     times = []
     for _ in range(repeats):
@@ -142,11 +141,9 @@ def time_backend(fn, q, args, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def traced_kernel_seconds(fn, q, args, calls: int) -> float | None:
-    """Device seconds per call of the attention kernels alone, from a trace of one loop; None if the trace shows
-    none (a CPU's reference has no such kernel)."""
-    loop = chained(fn, calls)
-    loop(q, *args).block_until_ready()
+def traced_kernel_seconds(loop, q, args, calls: int) -> float | None:
+    """Device seconds per call of the attention kernels alone, from a trace of one run of `loop` (compiled and
+    warm: `time_backend`'s); None if the trace shows none (a CPU's reference has no such kernel)."""
     with DeviceTrace() as trace:
         loop(q, *args).block_until_ready()
     seconds = trace.summary().by_class["attention"] / calls
@@ -176,11 +173,12 @@ def run(args) -> list[dict]:
                     name_shown = f"{name} {tiling}"
                 try:
                     fn, rest = backend_call(name, inputs, sm_scale, args.interpret, tiling)
-                    seconds = time_backend(fn, inputs.q, rest, args.calls, args.repeats)
+                    loop = chained(fn, args.calls)
+                    seconds = time_backend(loop, inputs.q, rest, args.calls, args.repeats)
                     out = np.asarray(jax.jit(fn)(inputs.q, *rest).astype(jnp.float32))
                     row.update(ms=seconds * 1e3, gbps=inputs.bytes_read() / seconds / 1e9,
                                max_diff=float(np.abs(out - expected).max()))
-                    if args.trace and (kernel_s := traced_kernel_seconds(fn, inputs.q, rest, args.calls)):
+                    if args.trace and (kernel_s := traced_kernel_seconds(loop, inputs.q, rest, args.calls)):
                         row.update(kernel_ms=kernel_s * 1e3, kernel_gbps=inputs.bytes_read() / kernel_s / 1e9)
                     print(f"  {name_shown:19s} batch {batch:4d} context {context:5d}: {seconds * 1e3:9.3f} ms",
                           file=sys.stderr)
