@@ -77,12 +77,21 @@ def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: 
     if layer is None:
         w, norm = jax.tree.map(lambda a: a[None], (w, norm))
         layer = jnp.int32(0)
-    if w.format != "float" and cpu_qmatmul.available():
-        y = _kernel(x.astype(jnp.float32), w, layer, norm, num_real)
-    else:
+
+    def xla_dot(x, w, layer, norm, num_real) -> jax.Array:
         h = x if norm is None else cpu_qmatmul.rms_norm(x, norm.weight[layer], norm.eps).astype(x.dtype)
         weight = w.values[layer] if w.format == "float" else dequantize(jax.tree.map(lambda a: a[layer], w), x.dtype)
-        y = jnp.dot(h, weight.reshape(x.shape[1], -1), preferred_element_type=jnp.float32)
+        return jnp.dot(h, weight.reshape(x.shape[1], -1), preferred_element_type=jnp.float32)
+
+    def kernel(x, w, layer, norm, num_real) -> jax.Array:
+        return _kernel(x.astype(jnp.float32), w, layer, norm, num_real)
+
+    if w.format != "float" and cpu_qmatmul.available():
+        # Chosen where the program is lowered, not by this process's default device: a program compiled here for
+        # a GPU (`bench.step_audit --target`) takes the dequantizing path.
+        y = jax.lax.platform_dependent(x, w, layer, norm, num_real, cpu=kernel, default=xla_dot)
+    else:
+        y = xla_dot(x, w, layer, norm, num_real)
     return y.astype(out_dtype or x.dtype).reshape(x.shape[0], *out_shape)
 
 

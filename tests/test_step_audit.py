@@ -236,3 +236,11 @@ def test_the_gpus_bf16_decode_step_reads_weights_and_pool_in_place_in_bf16():
 def test_the_gpus_multi_step_decode_call_has_no_host_sync_and_updates_the_pool_in_place():
     call = audit_decode_call(GPU_CONFIG, "bfloat16", num_steps=4, rows=ROWS, device=h100())
     assert call.syncs == [] and call.pool_copy == [], (call.syncs, call.pool_copy)
+
+
+def test_the_gpus_int8_decode_step_dequantizes_in_front_of_xlas_dot():
+    """The CPU kernels are this process's choice, not the GPU program's: it compiles (it once looked for the CPU
+    kernels' FFI targets on CUDA), and its weights are neither copied nor upcast."""
+    step = audit_decode_step(GPU_CONFIG, "bfloat16", rows=ROWS, quantization="int8", device=h100())
+    assert "int8" in step.label
+    assert step.clean, step.findings()
