@@ -3,7 +3,9 @@
 A `Weight` is a parameter as stored (`model.quantize` makes the quantized ones):
 - float: values `[..., K, *N]` in the model dtype;
 - q8 (Q8_0): values int8 in the packed layout, scale f16 (`pallas_kernels/cpu_qmatmul.py`);
-- q4 (Q4_1): values uint8 (two 4-bit values per byte) in the packed layout, scale and min f16.
+- q4 (Q4_1): values uint8 (two 4-bit values per byte) in the packed layout, scale and min f16;
+- q8c (int8 per output channel, where the CPU kernels do not run): values int8 in the float form's shape, scale
+  float32 in that shape without K (told from q8 by its dtype: GGUF's scales are f16).
 Layer weights are stacked on a leading `[num_layers]` axis and indexed by the scan's layer inside `project`.
 
 How they are multiplied (chosen by measurement: bench/quant.py, figures in bench/RESULTS.md):
@@ -11,8 +13,9 @@ How they are multiplied (chosen by measurement: bench/quant.py, figures in bench
 - quantized, on a CPU with the kernel library: the C++ kernels, for every row count. They quantize the
   activations per block of 32 (as llama.cpp does) and multiply in integers; they take the whole layer stack,
   so neither a float copy of the weights nor a per-layer slice is ever made.
-- quantized otherwise (an accelerator, or no C++ compiler): the weights dequantized in front of XLA's dot
-  (weight-only quantization).
+- q8c: XLA's dot of the int8 values converted to the activations' dtype, scaled per output channel after it
+  (XLA:GPU fuses the conversion into the matmul, so the weights are read in place, a byte per parameter).
+- q8 and q4 otherwise (an accelerator, or no C++ compiler): the weights dequantized in front of XLA's dot.
 A projection may RMS-normalize its input first (`RmsNorm`, the norm in front of a Llama block's q/k/v and MLP
 and of its LM head); the CPU kernels do it inside, in an order that no other row of the batch changes.
 """
@@ -31,7 +34,7 @@ from sluice.pallas_kernels.cpu_qmatmul import PANEL
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Weight:
-    """values: float | int8 (q8) | uint8 (q4); scale: None for float weights; min: q4 only."""
+    """values: float | int8 (q8, q8c) | uint8 (q4); scale: None for float weights; min: q4 only."""
 
     values: jax.Array
     scale: jax.Array | None = None
@@ -41,11 +44,13 @@ class Weight:
     def format(self) -> str:
         if self.scale is None:
             return "float"
-        return "q4" if self.min is not None else "q8"
+        if self.min is not None:
+            return "q4"
+        return "q8c" if self.scale.dtype == jnp.float32 else "q8"
 
     def out_shape(self, stacked: bool) -> tuple[int, ...]:
         """The output axes `*N` (the float form's axes after K)."""
-        if self.format == "float":
+        if self.format in ("float", "q8c"):
             return self.values.shape[2 if stacked else 1:]
         *outer, panels = self.scale.shape[1 if stacked else 0:-2]
         return (*outer, panels * PANEL)
@@ -80,13 +85,16 @@ def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: 
 
     def xla_dot(x, w, layer, norm, num_real) -> jax.Array:
         h = x if norm is None else cpu_qmatmul.rms_norm(x, norm.weight[layer], norm.eps).astype(x.dtype)
+        if w.format == "q8c":
+            y = jnp.dot(h, w.values[layer].astype(x.dtype).reshape(x.shape[1], -1), preferred_element_type=jnp.float32)
+            return y * w.scale[layer].reshape(-1)
         weight = w.values[layer] if w.format == "float" else dequantize(jax.tree.map(lambda a: a[layer], w), x.dtype)
         return jnp.dot(h, weight.reshape(x.shape[1], -1), preferred_element_type=jnp.float32)
 
     def kernel(x, w, layer, norm, num_real) -> jax.Array:
         return _kernel(x.astype(jnp.float32), w, layer, norm, num_real)
 
-    if w.format != "float" and cpu_qmatmul.available():
+    if w.format in ("q8", "q4") and cpu_qmatmul.available():
         # Chosen where the program is lowered, not by this process's default device: a program compiled here for
         # a GPU (`bench.step_audit --target`) takes the dequantizing path.
         y = jax.lax.platform_dependent(x, w, layer, norm, num_real, cpu=kernel, default=xla_dot)
@@ -109,10 +117,10 @@ def _kernel(x: jax.Array, w: Weight, layer: jax.Array, norm: RmsNorm | None, row
 def project_rows(x: jax.Array, table: Weight, norm: RmsNorm | None = None,
                  num_real: jax.Array | None = None) -> jax.Array:
     """x @ table.T for an embedding table used as the LM head: x [T, K] -> [T, vocab] float32, x normalized
-    first by `norm` if given, `num_real` as in `project`. A quantized table is stored like an `[K, vocab]` weight
+    first by `norm` if given, `num_real` as in `project`. A packed table is stored like an `[K, vocab]` weight
     already."""
-    if table.format == "float":
-        table = Weight(table.values.T)
+    if table.format in ("float", "q8c"):
+        table = Weight(table.values.T, table.scale)
     return project(x, table, out_dtype=jnp.float32, norm=norm, num_real=num_real)
 
 
@@ -120,16 +128,21 @@ def dequantize(w: Weight, dtype: jnp.dtype) -> jax.Array:
     """One weight (not stacked) -> `[K, *N]` in `dtype`."""
     if w.format == "float":
         return w.values.astype(dtype)
+    if w.format == "q8c":
+        return (w.values.astype(jnp.float32) * w.scale).astype(dtype)
     if w.format == "q8":
         return cpu_qmatmul.dequantize_q8(w.values, w.scale).astype(dtype)
     return cpu_qmatmul.dequantize_q4(w.values, w.scale, w.min).astype(dtype)
 
 
 def embed_rows(table: Weight, token_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Rows of an embedding table `[vocab, hidden]` (float, or q8 stored like an `[hidden, vocab]` weight)
+    """Rows of an embedding table `[vocab, hidden]` (float or q8c, or q8 stored like an `[hidden, vocab]` weight)
     -> [T, hidden]."""
     if table.format == "float":
         return jnp.take(table.values, token_ids, axis=0).astype(dtype)
+    if table.format == "q8c":  # a scale per vocabulary row
+        rows = jnp.take(table.values, token_ids, axis=0).astype(jnp.float32)
+        return (rows * jnp.take(table.scale, token_ids)[:, None]).astype(dtype)
     panel, column = token_ids // PANEL, token_ids % PANEL
     values = table.values[panel, :, column, :]  # [T, hidden/4, 4]
     scale = table.scale[panel, :, column]  # [T, hidden/32]

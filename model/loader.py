@@ -20,7 +20,7 @@ from sluice.model import checkpoint
 from sluice.model.config import ModelConfig
 from sluice.model.fetch import resolve_model, sluice_home
 from sluice.model.llama import Llama
-from sluice.model.quantize import quantize_model, quantize_params, resolve
+from sluice.model.quantize import default_layout, quantize_model, quantize_params, resolve
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
 from sluice.model.weights import load_gguf, load_safetensors_folder
 
@@ -75,7 +75,9 @@ def load_model(
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     quantization = resolve(quantization)
     source = resolve_model(model)
-    folder = checkpoint.checkpoint_dir(source, sluice_home(), quantization)
+    # Per-channel int8 (`model.quantize`, where the CPU kernels do not run) is a conversion of its own.
+    stored = f"{quantization}-channel" if default_layout(quantization) == "channel" else quantization
+    folder = checkpoint.checkpoint_dir(source, sluice_home(), stored)
     if not folder.exists():
         start = time.perf_counter()
         print(f"Converting {source.name} (first use) ...", file=sys.stderr)
@@ -85,7 +87,7 @@ def load_model(
         else:
             convert(source, folder, quantization)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
-        checkpoint.remove_stale(folder, source, quantization)
+        checkpoint.remove_stale(folder, source, stored)
     config = checkpoint.load_config(folder)
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])

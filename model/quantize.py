@@ -8,10 +8,14 @@ of each output column:
   / LM head in Q8_0.
 Both are GGUF's own numbers: quantizing the dequantized values of a Q4_1 (or Q8_0) GGUF tensor gives back its
 values, scales and mins exactly, so converting SmolLM2's Q4_1 / Q8_0 file to "int4" loses nothing.
-The values are stored packed for the CPU kernels (`pallas_kernels/cpu_qmatmul.py`): a weight `[*lead, K, *N]`
-(lead: the stacked layer axis, K: the input axis) becomes `[*lead, *N_outer, N_last/16, K/pack, 16, 4]` and
-its scales `[*lead, *N_outer, N_last/16, K/32, 16]` (`packed_order` gives the axis order). How they are
-multiplied is `model.linear`'s business.
+Where the CPU kernels run, the values are stored packed for them (`pallas_kernels/cpu_qmatmul.py`): a weight
+`[*lead, K, *N]` (lead: the stacked layer axis, K: the input axis) becomes `[*lead, *N_outer, N_last/16, K/pack,
+16, 4]` and its scales `[*lead, *N_outer, N_last/16, K/32, 16]` (`packed_order` gives the axis order).
+Elsewhere (a GPU) "int8" stores each weight per output channel instead: values int8 in the float weight's own
+shape, and one float32 scale per output feature (the float shape without K). XLA:GPU reads that form in place,
+its int8 -> float conversion fused into the matmul, and applies the scale to the product; GGUF's blocks along K
+would be dequantized into a float copy of the weight at every step (`bench.step_audit --target h100`). int4
+keeps the packed form everywhere. How each form is multiplied is `model.linear`'s business.
 
 The quantizers are jnp functions, so `quantize_model` also runs under `nnx.eval_shape` (the loader builds its
 restore target that way).
@@ -38,13 +42,21 @@ CHOICES = QUANTIZATIONS + ("auto",)
 AUTO = {"cpu": "int4"}
 """What "auto" picks per backend (bench/quant.py, bench/RESULTS.md). CPU: int4 reads the fewest bytes per
 decode step and multiplies as fast as int8 in the VNNI kernels, and for a 4-bit GGUF it is the file's own
-weights. Elsewhere "none", the float weights every GPU figure was measured with: there quantized weights are
-dequantized in front of XLA's dot (`model/linear.py`), which pays only if XLA fuses the dequantization into the
-matmul instead of writing the float weight out at every step; not measured on a GPU yet (`gpu_check
---quantization int8`). A CPU without the kernels takes "none" too: there the dequantized form is several times
-slower than float weights."""
+weights. Elsewhere "none", the float weights every GPU figure was measured with. On a GPU, int8's per-channel form
+compiles to matmuls that read the int8 weights in place (half the bf16 bytes; `bench.step_audit --target h100
+--quantization int8`), but it has not been timed on a GPU yet (`gpu_check --quantization int8`). A CPU without
+the kernels takes "none" too: there the dequantized form is several times slower than float weights."""
 
 T = TypeVar("T")
+
+
+LAYOUTS = ("packed", "channel")
+
+
+def default_layout(quantization: str) -> str:
+    """How `quantization`'s weights are stored here: "channel" for int8 where the CPU kernels do not run (a GPU),
+    else "packed" (module docstring)."""
+    return "channel" if quantization == "int8" and not cpu_qmatmul.available() else "packed"
 
 
 def resolve(quantization: str, backend: str | None = None, cpu_kernels: bool | None = None) -> str:
@@ -104,10 +116,21 @@ def quantize_q4(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return pack_q4(q), pack_scales(scale), pack_scales(low)
 
 
-def quantize_weight(name: str, w: jax.Array, quantization: str) -> dict[str, jax.Array]:
-    """The float weight `name` -> its params in `quantization`: `name` (values), `name_scale`, and for int4
-    layer weights `name_min`."""
+def quantize_per_channel(w: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """w float with its input axis at `k` -> (values int8 of w's shape, scale float32 [w's shape without k]):
+    `w ~= values * scale` broadcast along k, symmetric, q in [-127, 127]."""
+    w = jnp.asarray(w, jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=k) / 127.0
+    step = jnp.expand_dims(jnp.where(scale == 0, 1.0, scale), k)
+    return jnp.clip(jnp.round(w / step), -127, 127).astype(jnp.int8), scale
+
+
+def quantize_weight(name: str, w: jax.Array, quantization: str, layout: str = "packed") -> dict[str, jax.Array]:
+    """The float weight `name` -> its params in `quantization` stored in `layout` (LAYOUTS): `name` (values),
+    `name_scale`, and for int4 layer weights `name_min`."""
     k, lead = LINEAR_WEIGHTS[name], 1 if name in LAYER_PARAMS else 0
+    if layout == "channel" and quantization == "int8":
+        return dict(zip((name, f"{name}_scale"), quantize_per_channel(w, k)))
     w = jnp.moveaxis(jnp.asarray(w), k, lead)  # [*lead, K, *N]
     four_bit = quantization == "int4" and name in LAYER_PARAMS
     quantize = quantize_q4 if four_bit else quantize_q8
@@ -117,19 +140,22 @@ def quantize_weight(name: str, w: jax.Array, quantization: str) -> dict[str, jax
     return dict(zip((name, f"{name}_scale", f"{name}_min"), parts))
 
 
-def quantize_params(params: dict[str, jax.Array], quantization: str) -> dict[str, jax.Array]:
-    """Float params by name (`Llama`'s) -> the params of that mode. "none" returns them as they are."""
+def quantize_params(params: dict[str, jax.Array], quantization: str, layout: str | None = None
+                    ) -> dict[str, jax.Array]:
+    """Float params by name (`Llama`'s) -> the params of that mode, in `layout` (default: `default_layout`).
+    "none" returns them as they are."""
     if quantization == "none":
         return dict(params)
+    layout = layout or default_layout(quantization)
     out = {}
     for name, value in params.items():
-        out.update(quantize_weight(name, value, quantization) if name in LINEAR_WEIGHTS else {name: value})
+        out.update(quantize_weight(name, value, quantization, layout) if name in LINEAR_WEIGHTS else {name: value})
     return out
 
 
-def quantize_model(model: Llama, quantization: str) -> Llama:
-    """Replaces `model`'s float weights by their quantized form (in place) and returns it."""
+def quantize_model(model: Llama, quantization: str, layout: str | None = None) -> Llama:
+    """Replaces `model`'s float weights by their quantized form in `layout` (in place) and returns it."""
     params = {path[0]: var[...] for path, var in nnx.to_flat_state(nnx.state(model))}
-    for name, value in quantize_params(params, quantization).items():
+    for name, value in quantize_params(params, quantization, layout).items():
         setattr(model, name, nnx.Param(value))
     return model

@@ -7,7 +7,8 @@
   and one after the MLP (XLA inserts them from these shardings).
 - Quantized weights (`model.quantize`) are split like their float form, axis for axis in the packed layout's
   order (`packed_order`): values, scales and mins alike (the input axis counted in packs or blocks, the last
-  output axis in panels of 16).
+  output axis in panels of 16). Per-channel int8 values have the float form's shape, and their scales that
+  shape without the input axis.
 - The embedding is split over the vocabulary: a lookup is a masked local gather plus an all-reduce of a
   [T, hidden] activation, and the tied LM head then yields vocab-sharded logits that are gathered once for
   sampling. Splitting it divides the largest tensor of small models (SmolLM2: 113 MB of 540 MB in float32)
@@ -61,12 +62,14 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
 
 
 def param_spec(name: str, shape: tuple[int, ...]) -> P:
-    """The partition of parameter `name`, a quantized weight's values, scale or min included (`shape` tells a
-    quantized weight from a float one: the packed layout has more axes)."""
+    """The partition of parameter `name`, a quantized weight's values, scale or min included (`shape` tells its
+    form from the float one's: the packed layout has more axes, a per-channel scale one fewer)."""
     base = name.removesuffix("_scale").removesuffix("_min")
     spec = tuple(PARAM_SPECS[base])
-    if base not in LINEAR_WEIGHTS or len(shape) == len(spec):  # a float parameter
+    if base not in LINEAR_WEIGHTS or len(shape) == len(spec):  # a float parameter, or per-channel int8 values
         return P(*spec)
+    if len(shape) == len(spec) - 1:  # a per-channel scale
+        return P(*(part for axis, part in enumerate(spec) if axis != LINEAR_WEIGHTS[base]))
     return P(*packed_order(base, spec))
 
 

@@ -78,6 +78,23 @@ def test_quantized_tiny_model_tracks_the_float_model(quantization, tolerance):
     np.testing.assert_allclose(got, reference, atol=tolerance * np.abs(reference).max())
 
 
+def test_int8_per_channel_keeps_the_float_shapes_and_tracks_the_float_model():
+    """The GPU's int8 form (`model.quantize`): values int8 of the float weight's shape, a float32 scale per output
+    feature, each weight within half a step of its scale."""
+    tokens = np.random.default_rng(2).integers(3, 256, 9)
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    floats = {name: np.asarray(getattr(model, name)[...]) for name in LINEAR_WEIGHTS if hasattr(model, name)}
+    reference = tiny_forward(model, tokens)
+    quantized = quantize_model(Llama(TINY, rngs=nnx.Rngs(0)), "int8", layout="channel")
+    for name, w in floats.items():
+        values, scale = np.asarray(getattr(quantized, name)[...]), np.asarray(getattr(quantized, f"{name}_scale")[...])
+        k = LINEAR_WEIGHTS[name]
+        assert values.dtype == np.int8 and values.shape == w.shape and scale.dtype == np.float32, name
+        assert scale.shape == w.shape[:k] + w.shape[k + 1:] and np.abs(values).max() == 127, name
+        assert np.all(np.abs(values * np.expand_dims(scale, k) - w) <= np.expand_dims(scale, k) * 0.5 + 1e-6), name
+    np.testing.assert_allclose(tiny_forward(quantized, tokens), reference, atol=0.03 * np.abs(reference).max())
+
+
 def logits_of(model: Llama, tokens: np.ndarray) -> np.ndarray:
     """One forward over `tokens` with attention replaced by the identity: the projections alone decide it.
     A fresh jit per call, since how weights are multiplied is chosen while tracing."""
@@ -138,6 +155,16 @@ def abstract_shapes(make) -> dict[str, tuple[int, ...]]:
     return {path[0]: var.shape for path, var in nnx.to_flat_state(nnx.state(nnx.eval_shape(make)))}
 
 
+def test_per_channel_values_are_split_like_the_float_weight_and_their_scales_without_its_input_axis():
+    float_shapes = abstract_shapes(lambda: Llama(TINY, rngs=nnx.Rngs(0)))
+    shapes = abstract_shapes(lambda: quantize_model(Llama(TINY, rngs=nnx.Rngs(0)), "int8", layout="channel"))
+    for name in LINEAR_WEIGHTS.keys() & float_shapes.keys():
+        spec = tuple(param_spec(name, float_shapes[name]))
+        assert tuple(param_spec(name, shapes[name])) == spec, name
+        without_k = spec[:LINEAR_WEIGHTS[name]] + spec[LINEAR_WEIGHTS[name] + 1:]
+        assert tuple(param_spec(f"{name}_scale", shapes[f"{name}_scale"])) == without_k, name
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_values_scales_and_mins_are_split_like_the_float_weight_in_packed_order(quantization):
     float_shapes = abstract_shapes(lambda: Llama(TINY, rngs=nnx.Rngs(0)))
@@ -161,9 +188,9 @@ from sluice.sharding.rules import shard_model
 
 config = ModelConfig.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
 tokens = np.random.default_rng(0).integers(3, 256, 9).tolist()
-for quantization in ("int8", "int4"):
-    single = np.asarray(sequence_logits(quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization), tokens))
-    model = quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization)
+for quantization, layout in (("int8", "packed"), ("int4", "packed"), ("int8", "channel")):
+    single = np.asarray(sequence_logits(quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization, layout), tokens))
+    model = quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization, layout)
     shard_model(model, make_mesh(2))
     assert len(model.wqkv_scale[...].sharding.device_set) == 2
     np.testing.assert_allclose(np.asarray(sequence_logits(model, tokens)), single, rtol=1e-5, atol=1e-5)

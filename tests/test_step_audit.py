@@ -3,6 +3,8 @@ of its checks fires on a small program built to fail it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 from collections import Counter
@@ -238,9 +240,13 @@ def test_the_gpus_multi_step_decode_call_has_no_host_sync_and_updates_the_pool_i
     assert call.syncs == [] and call.pool_copy == [], (call.syncs, call.pool_copy)
 
 
-def test_the_gpus_int8_decode_step_dequantizes_in_front_of_xlas_dot():
-    """The CPU kernels are this process's choice, not the GPU program's: it compiles (it once looked for the CPU
-    kernels' FFI targets on CUDA), and its weights are neither copied nor upcast."""
-    step = audit_decode_step(GPU_CONFIG, "bfloat16", rows=ROWS, quantization="int8", device=h100())
+def test_the_gpus_int8_decode_step_reads_its_int8_weights_in_place():
+    """The GPU's int8 weights are per output channel (`model.quantize`): XLA:GPU fuses their conversion into the
+    matmuls: each matmul reads its stored weight, and no float copy of one is made. (It once looked for the CPU
+    kernels' FFI targets on CUDA, and GGUF's blocks were dequantized into a copy per layer.)"""
+    # An MLP width of whole 128-wide tiles: XLA:GPU pads an int8 contracting axis of 320 into a converted copy.
+    config = dataclasses.replace(GPU_CONFIG, intermediate_size=640)
+    step = audit_decode_step(config, "bfloat16", rows=ROWS, quantization="int8", device=h100())
     assert "int8" in step.label
     assert step.clean, step.findings()
+    assert {"wqkv[layer]", "wo[layer]", "w_gate_up[layer]", "w_down[layer]"} <= set(step.projections), step.projections
