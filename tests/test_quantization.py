@@ -151,6 +151,25 @@ def test_each_quantization_converts_into_its_own_folder_and_stays_quantized_in_m
         np.testing.assert_allclose(got, reference, atol=tolerance * np.abs(reference).max())
 
 
+def test_where_the_cpu_kernels_do_not_run_int8_converts_per_channel_into_a_folder_of_its_own(tmp_path, monkeypatch):
+    """A GPU machine's load (`model.quantize.default_layout`): the conversion and the restore target agree on the
+    per-channel form, kept apart from the packed conversion."""
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(cpu_qmatmul, "available", lambda: False)
+    folder = tmp_path / "hf"
+    write_hf_folder(folder, TINY, seed=5)
+    tokens = [5, 17, 42, 99, 7]
+    plain = load_model(str(folder), dtype="float32", quantization="none")
+    int8 = load_model(str(folder), dtype="float32", quantization="int8")
+    assert checkpoint.checkpoint_dir(folder, tmp_path / "home", "int8-channel").exists()
+    assert not checkpoint.checkpoint_dir(folder, tmp_path / "home", "int8").exists()
+    assert int8.model.w_down[...].dtype == jnp.int8 and int8.model.w_down[...].shape == plain.model.w_down[...].shape
+    assert int8.model.w_down_scale[...].dtype == jnp.float32 and int8.model.w_down_scale[...].shape == (2, 64)
+    reference = np.asarray(sequence_logits(plain.model, tokens))
+    got = np.asarray(sequence_logits(int8.model, tokens))
+    np.testing.assert_allclose(got, reference, atol=0.03 * np.abs(reference).max())
+
+
 def abstract_shapes(make) -> dict[str, tuple[int, ...]]:
     return {path[0]: var.shape for path, var in nnx.to_flat_state(nnx.state(nnx.eval_shape(make)))}
 
