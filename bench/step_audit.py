@@ -466,8 +466,8 @@ def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, qu
     in memory, on this machine. For a GPU target, the attention is the Mosaic kernel (a custom call, which the audit
     does not read)."""
     layer_loop = resolve_layer_loop(for_device(layer_loop, "unrolled", device))
-    layout = for_device("auto", "channel", device)  # as a GPU's engine stores int8 (`model.quantize`)
-    layout = None if layout == "auto" else layout
+    on_gpu = device is not None and device.platform == "gpu"
+    layout = "channel" if on_gpu else None  # as a GPU's engine stores int8 (`model.quantize.default_layout`)
 
     def make() -> Llama:
         model = quantize_model(Llama(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)), quantization, layout)

@@ -50,9 +50,6 @@ the kernels takes "none" too: there the dequantized form is several times slower
 T = TypeVar("T")
 
 
-LAYOUTS = ("packed", "channel")
-
-
 def default_layout(quantization: str) -> str:
     """How `quantization`'s weights are stored here: "channel" for int8 where the CPU kernels do not run (a GPU),
     else "packed" (module docstring)."""
@@ -126,8 +123,8 @@ def quantize_per_channel(w: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_weight(name: str, w: jax.Array, quantization: str, layout: str = "packed") -> dict[str, jax.Array]:
-    """The float weight `name` -> its params in `quantization` stored in `layout` (LAYOUTS): `name` (values),
-    `name_scale`, and for int4 layer weights `name_min`."""
+    """The float weight `name` -> its params in `quantization` stored in `layout` ("packed" or "channel",
+    `default_layout`): `name` (values), `name_scale`, and for int4 layer weights `name_min`."""
     k, lead = LINEAR_WEIGHTS[name], 1 if name in LAYER_PARAMS else 0
     if layout == "channel" and quantization == "int8":
         return dict(zip((name, f"{name}_scale"), quantize_per_channel(w, k)))
