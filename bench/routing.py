@@ -37,9 +37,9 @@ from sluice.bench.serve import LoadConfig, add_dataset_arguments, command_line, 
 
 # Sized for a 2-core CPU, where routing decides: one replica's KV pool holds its half of the 8 groups' prefixes of
 # 1,024 tokens and its share of the requests in flight, not every group. 211 MiB is 4,801 float32 tokens of
-# SmolLM2-135M, 300 pages of 16: 256 for 4 prefixes and 44 for the own tokens (suffix and output, up to 6 pages
-# each) of the requests it runs when 8 are in flight. With room to spare, a pool holds more than half the groups
-# and round-robin's share rises with it (RESULTS.md, 2026-11-29).
+# SmolLM2-135M, 300 pages of 16: 256 for 4 prefixes and 44 for the own tokens (suffix and output: 3 pages on
+# average, at most 6) of the requests it runs of the 8 in flight. With room to spare, a pool holds more than half
+# the groups and round-robin's share rises with it (RESULTS.md, 2026-11-29).
 DEFAULT_SERVER_ARGS = ("--no-ui --max-num-seqs 16 --max-num-batched-tokens 512 --max-model-len 2048 "
                        "--kv-cache-memory 211MiB")
 
