@@ -81,10 +81,12 @@ class StopChecker:
             return StopDecision(self._flush(), "stop")  # a stop id's own text is not emitted
         if not self.params.stop:  # nothing to search for or hold back, so no text to keep
             return StopDecision(self.detokenizer.push((token_id,)), token_finish)
-        search_from = max(0, len(self.text) - max(len(s) for s in self.params.stop))
+        before = len(self.text)
         self.text += self.detokenizer.push((token_id,))
         if self.num_output_tokens > self.params.min_tokens:
-            hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
+            # Only a match that ends in this token's text: one wholly in the text of a token within min_tokens
+            # does not stop the sequence (and was emitted).
+            hits = [i for s in self.params.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if hits:
                 self.text = self.text[:min(hits)]
                 return StopDecision(self._flush(), "stop")

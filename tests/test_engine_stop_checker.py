@@ -87,6 +87,19 @@ def test_min_tokens_defers_stop_strings_and_stop_ids(tokenizer):
     assert reason == "stop" and used > 5
 
 
+def test_a_stop_string_wholly_within_min_tokens_does_not_stop_later(tokenizer):
+    """Text emitted while min_tokens deferred stop strings stays emitted; a match must end after it."""
+    x, ab, c = (tokenizer.encode(piece) for piece in ("x", "ab", "c"))
+    assert len(x) == len(ab) == len(c) == 1
+    params = SamplingParams(max_tokens=20, min_tokens=2, stop=("ab",))
+    checker = StopChecker(params, (EOS,), tokenizer.decode_stream())
+    decisions = [append(checker, token) for token in (*x, *ab, *c)]
+    assert "".join(d.text for d in decisions) == "xabc"
+    assert all(d.finish_reason is None for d in decisions)
+    # A match that ends past min_tokens still stops, and is not emitted.
+    assert append(checker, *ab) == StopDecision("", "stop")
+
+
 def token_by_token(checker: StopChecker, tokens: list[int], num_output_before: int, context_left: int):
     """(tokens kept, finish, text) as `token_finish` then `emit` decide them one token at a time."""
     text = ""
