@@ -73,12 +73,17 @@ def kv_page_bytes(config: ModelConfig, page_size: int, kv_dtype) -> int:
     return page_size * kv_bytes_per_token(config, kv_dtype)
 
 
-def default_kv_cache_bytes() -> int:
-    """A fraction of the free memory of the first device; a fixed budget on the CPU."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if jax.default_backend() == "cpu" or "bytes_limit" not in stats:
+def default_kv_cache_bytes(mesh: Mesh | None = None) -> int:
+    """The whole pool, over the devices of `mesh` (None: the first device), each holding an equal share of it
+    (its KV heads): a fraction of the least free memory of this process's devices, once per device; a fixed
+    budget on the CPU."""
+    devices = (jax.local_devices()[:1] if mesh is None
+               else [d for d in mesh.devices.flat if d.process_index == jax.process_index()])
+    stats = [d.memory_stats() or {} for d in devices]
+    if devices[0].platform == "cpu" or any("bytes_limit" not in s for s in stats):
         return CPU_KV_CACHE_BYTES
-    return int(ACCELERATOR_KV_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    return int(ACCELERATOR_KV_FRACTION * free) * (mesh.size if mesh is not None else 1)
 
 
 def device_defaults(config: EngineConfig) -> EngineConfig:
@@ -139,7 +144,7 @@ class Engine:
         self.model_name = loaded.name
         self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, loaded.config.max_position_embeddings)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
-        kv_bytes = config.kv_cache_memory or default_kv_cache_bytes()
+        kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh)
         num_pages = max(1, kv_bytes // kv_page_bytes(loaded.config, config.page_size, kv_dtype))
         self.limits = RequestLimits(
             max_model_len=self.max_model_len, num_pages=num_pages, page_size=config.page_size,
@@ -350,7 +355,8 @@ class Engine:
         else:
             return
         self.healthy = False
-        shape = self._in_flight.pending.bucket if self._in_flight is not None else "none (hung while dispatching)"
+        launched = self._in_flight  # read once: the step may end meanwhile
+        shape = launched.pending.bucket if launched is not None else "none (hung while dispatching)"
         message = f"the engine's step ran past --step-timeout ({timeout_s:g} s); the server restarts"
         logger.critical("a step ran past --step-timeout (%g s); step in flight: %s; ending every request and "
                         "exiting with %d", timeout_s, shape, EXIT_STEP_HUNG)

@@ -318,11 +318,12 @@ class KVStore:
         caller holds `_lock`."""
         if key not in self._disk:
             return False
-        self._disk.move_to_end(key)
         try:
             os.utime(self._path(key))
-        except FileNotFoundError:  # the writer evicted it meanwhile
+        except FileNotFoundError:  # removed from outside the store: forgotten, so it is written again
+            del self._disk[key]
             return False
+        self._disk.move_to_end(key)
         return True
 
     def _read(self, key: PageKey) -> PagePayload | None:
@@ -332,7 +333,9 @@ class KVStore:
         path = self._path(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except FileNotFoundError:  # evicted meanwhile, or removed from outside the store
+            with self._lock:
+                self._disk.pop(key, None)
             return None
         problem = self._problem(key, data)
         if problem is not None:

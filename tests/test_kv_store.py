@@ -223,6 +223,23 @@ def test_a_file_corrupted_under_a_running_store_is_a_miss(open_store):
     assert not path.exists()
 
 
+def test_a_file_removed_from_outside_is_forgotten_and_written_again(open_store):
+    store = open_store(ram_pages=1)
+    store.put(A, payload(LAYOUT, 0))
+    store.put(B, payload(LAYOUT, 1))  # both written through; A leaves RAM
+    store.flush()
+    (store.directory / f"{A}.kv").unlink()
+    (store.directory / f"{B}.kv").unlink()
+
+    assert store.get(A) is None and not store.contains(A)  # read: a miss, and forgotten
+    assert store.counters().disk.pages == 1
+    store.put(A, payload(LAYOUT, 0))
+    store.put(B, payload(LAYOUT, 1))  # B was still listed: found missing when touched, and written again
+    store.flush()
+    assert files(store) == {f"{A}.kv", f"{B}.kv"}
+    assert store.counters().disk.pages == 2
+
+
 def test_a_leftover_temporary_file_is_ignored_and_removed(open_store):
     first = open_store()
     leftover = first.directory / f"{A}x1y2.tmp"

@@ -6,12 +6,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
 from openai import OpenAI
 
+from sluice.batching.engine import ACCELERATOR_KV_FRACTION, default_kv_cache_bytes
 from sluice.model.config import ModelConfig
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
 from sluice.sharding.rules import validate_tp
@@ -68,6 +70,26 @@ def test_smollm2_gives_the_same_tokens_at_tp_1_and_3():
     results = run_worker("smollm2", 1, 3)
     assert_same_generation(results, num_kv_heads=3)
     assert results[3]["wqkv_shard_shape"] == [30, 576, 1, 320], "q/k/v projection split over 3 devices by KV head"
+
+
+class Accelerator:
+    """A GPU as `default_kv_cache_bytes` sees one: a platform, a process, and its free memory."""
+
+    platform, process_index = "gpu", 0
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"bytes_limit": 80 << 30, "bytes_in_use": (80 << 30) - self.free}
+
+
+def test_the_default_kv_pool_takes_its_share_of_every_device_of_the_mesh():
+    """The pool is split over the mesh by KV heads: each device holds 1/tp of it, sized by the least free one."""
+    one_device = int(ACCELERATOR_KV_FRACTION * (30 << 30))
+    mesh = SimpleNamespace(devices=np.array([Accelerator(40 << 30), Accelerator(30 << 30)]), size=2)
+    assert default_kv_cache_bytes(mesh) == 2 * one_device
+    assert default_kv_cache_bytes(SimpleNamespace(devices=np.array([Accelerator(30 << 30)]), size=1)) == one_device
 
 
 def test_tp_that_does_not_divide_the_kv_heads_is_refused_naming_valid_values():
