@@ -322,7 +322,7 @@ def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:
         print(f"sluice serve: {error}", file=sys.stderr)
         return 2
     print(f"Sluice process {args.process_id} of {args.num_processes}: running process 0's steps", flush=True)
-    engine.runner.follow()
+    engine.follow()
     return 0
 
 

@@ -14,6 +14,7 @@ waiting (`prefetch`); until they are in, `match_prefix` says to try again later.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from sluice.batching.kv_store import KVStore, PageKey, PagePayload, StoredPrefix
 from sluice.batching.sequence import Sequence
@@ -23,6 +24,16 @@ _ROOT_HASH = 0
 
 def page_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
+
+
+@dataclass(frozen=True)
+class PoolCounters:
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    pages_cached: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
 
 
 class BlockManager:
@@ -60,6 +71,16 @@ class BlockManager:
     @property
     def num_used_pages(self) -> int:
         return self.num_pages - self.num_free_pages
+
+    def counters(self) -> PoolCounters:
+        return PoolCounters(
+            pages_total=self.num_pages,
+            pages_used=self.num_used_pages,
+            pages_free=self.num_free_pages,
+            pages_cached=len(self._cached),
+            prefix_cache_hit_tokens=self.hit_tokens,
+            prefix_cache_query_tokens=self.query_tokens,
+        )
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -44,7 +44,7 @@ from sluice.batching.outputs import Collector, Completion, Deliveries, FinishRea
 from sluice.batching.request import Request, RequestLimits, build_request
 from sluice.batching.sampler import SamplerOutput, SamplerPlan
 from sluice.batching.sampling_params import SamplingParams
-from sluice.batching.scheduler import ChunkColumns, ScheduledChunk, Scheduler, SchedulerConfig
+from sluice.batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from sluice.batching.sequence import Sequence, SequenceStatus
 from sluice.batching.speculation import Speculator
 from sluice.batching.stats import EngineStats, StepStats, StepTotals
@@ -86,6 +86,14 @@ def default_kv_cache_bytes(mesh: Mesh | None = None) -> int:
     return int(ACCELERATOR_KV_FRACTION * free) * (mesh.size if mesh is not None else 1)
 
 
+def device_defaults(config: EngineConfig) -> EngineConfig:
+    """`config` with the batch limits and page size it leaves unset taken for the first device: its platform, what
+    its allocator may hold (unknown on the CPU) and its kind."""
+    device = jax.local_devices()[0]
+    return config.with_device_defaults(device.platform, (device.memory_stats() or {}).get("bytes_limit"),
+                                      device.device_kind)
+
+
 @dataclass(frozen=True)
 class _Add:
     request: Request
@@ -102,12 +110,14 @@ class _Stop:
 
 @dataclass(frozen=True)
 class _Launched:
-    """A dispatched step the host has not collected yet: what ran (`pending.limits`, `pending.drafting`), where each
-    chunk's first sampled token goes in its sequence and how many placeholders it got there (0 for a chunk that
-    drafts: how many it keeps is known only from its result), when its step began (`time.perf_counter()`) and the
-    host time it took to schedule and dispatch."""
+    """A dispatched step the host has not collected yet: what ran (`limits`, `drafting`: a multi-step call's),
+    where each chunk's first sampled token goes in its sequence and how many placeholders it got there (0 for a
+    chunk that drafts: how many it keeps is known only from its result), when its step began
+    (`time.perf_counter()`) and the host time it took to schedule and dispatch."""
 
     chunks: list[ScheduledChunk]
+    limits: list[int] | None
+    drafting: list[int] | None
     first_indices: list[int]
     counts: list[int]
     pending: PendingStep
@@ -129,11 +139,7 @@ class Engine:
         """`mesh`: the tensor-parallel mesh `loaded` was sharded onto (None: one device). `warm_for`: where the host
         decides the sampler's plans, warm-up compiles those of these parameters (default: greedy and plain
         sampling); others compile off the engine thread when first met."""
-        # The batch limits and page size `config` leaves unset: the first device's, by its platform, what its
-        # allocator may hold (unknown on the CPU) and its kind.
-        device = jax.local_devices()[0]
-        self.config = config = config.with_device_defaults(
-            device.platform, (device.memory_stats() or {}).get("bytes_limit"), device.device_kind)
+        self.config = config = device_defaults(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, loaded.config.max_position_embeddings)
@@ -283,6 +289,10 @@ class Engine:
         while self.prefix_store is not None and (self._saving is not None or self.block_manager.saves):
             self._save_pages()
 
+    def follow(self) -> None:
+        """Processes other than 0 of a multi-process job: replays process 0's steps until its `shutdown`."""
+        self.runner.follow()
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[Completion]]:
         """Offline: runs all prompts to completion in this thread; result[i][j] is prompt i's sample j.
@@ -405,10 +415,7 @@ class Engine:
                             or bool(self.scheduler.waiting) and len(running) < self.config.max_num_seqs)
                 self.speculator.propose(running, self.max_model_len, prefills)
         scheduled = self.scheduler.schedule()
-        now = time.perf_counter()
-        self._totals.add_admitted(scheduled.admitted, now)
-        for seq in scheduled.preempted:
-            seq.queued_at = now
+        self._note_queue_waits(scheduled)
         if self.block_manager.loads:  # the store's pages, into the pool before the step reads them
             pages, payloads = zip(*self.block_manager.loads)
             self.block_manager.loads.clear()
@@ -416,17 +423,16 @@ class Engine:
         chunks = scheduled.chunks
         if not chunks:
             return None
-        columns = ChunkColumns.of(chunks)
         try:
-            pending = self.runner.dispatch(chunks, columns, *self._multi_step_call(chunks, columns),
-                                           self._num_pooling > 0)
+            pending = self.runner.dispatch(chunks, *self._multi_step_call(chunks), self._num_pooling > 0)
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
             self._start_over(error)
             return None
         limits, drafting = pending.limits, pending.drafting  # what ran: a call may run as one step meanwhile
-        stats = StepStats.of(columns, limits, self.step_cost)
+        stats = StepStats.of(chunks, limits, self.step_cost)  # before the chunks' sequences move on
         first_indices, counts = self._mark_dispatched(chunks, limits, drafting)
-        return _Launched(chunks, first_indices, counts, pending, stats, start, time.perf_counter() - start)
+        return _Launched(chunks, limits, drafting, first_indices, counts, pending, stats, start,
+                         time.perf_counter() - start)
 
     def _mark_dispatched(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: list[int] | None
                          ) -> tuple[list[int], list[int]]:
@@ -462,7 +468,7 @@ class Engine:
         arrived = time.perf_counter()
         if result.pooled is not None:
             self._pool(launched.chunks, result.pooled)
-        verified = launched.pending.drafting is not None
+        verified = launched.drafting is not None
         left: Iterable[int] = range(len(launched.chunks))
         if self.speculator is None and result.sampled.top_ids is None:  # no chunk drafts or wants logprobs
             left = self._append_decoded(launched, *result.runs())
@@ -568,6 +574,12 @@ class Engine:
         else:
             self._stopping = True
 
+    def _note_queue_waits(self, scheduled: SchedulerOutput) -> None:
+        now = time.perf_counter()
+        self._totals.add_admitted(scheduled.admitted, now)
+        for seq in scheduled.preempted:
+            seq.queued_at = now
+
     def _reject_duplicate(self, request: Request) -> None:
         message = f"request id {request.request_id!r} is already in use"
         for seq in request.seqs:
@@ -580,8 +592,7 @@ class Engine:
         return (self.config.num_decode_steps > 1 and not self.scheduler.waiting and self._inbox.empty()
                 and all(seq.num_uncomputed_tokens == 1 and seq.grammar is None for seq in seqs))
 
-    def _multi_step_call(self, chunks: list[ScheduledChunk], columns: ChunkColumns
-                         ) -> tuple[list[int] | None, list[int] | None]:
+    def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, list[int] | None]:
         """(tokens each sequence may emit, the most drafts each checks at a step) for a multi-step call, or
         (None, None) for a single step; drafting None when no sequence drafts.
 
@@ -591,7 +602,7 @@ class Engine:
         """
         steps = self.config.num_decode_steps
         seqs = [c.seq for c in chunks]
-        if not self._may_run_multi_step(seqs) or (columns.num_tokens != 1).any() or not columns.sample.all():
+        if not chunks or not self._may_run_multi_step(seqs) or any(c.num_tokens != 1 or not c.sample for c in chunks):
             return None, None
         drafting = None if self.speculator is None else self.speculator.propose_for_call(seqs)
         # A request's max_tokens fits the context (`check_fits`), so it bounds each sequence's tokens alone.
@@ -771,16 +782,16 @@ class Engine:
     def _snapshot(self, last_step: StepStats | None) -> EngineStats:
         running = {s.request_id for s in self.scheduler.running}
         waiting = {s.request_id for s in self.scheduler.waiting} - running
-        pool = self.block_manager
+        pool = self.block_manager.counters()
         return EngineStats(
             num_requests_running=len(running),
             num_requests_waiting=len(waiting),
             num_seqs_running=len(self.scheduler.running),
             num_seqs_waiting=len(self.scheduler.waiting),
-            kv_pages_used=pool.num_used_pages,
-            kv_pages_total=pool.num_pages,
-            prefix_cache_hit_tokens=pool.hit_tokens,
-            prefix_cache_query_tokens=pool.query_tokens,
+            kv_pages_used=pool.pages_used,
+            kv_pages_total=pool.pages_total,
+            prefix_cache_hit_tokens=pool.prefix_cache_hit_tokens,
+            prefix_cache_query_tokens=pool.prefix_cache_query_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,

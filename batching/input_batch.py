@@ -57,9 +57,6 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.host = SlotRows(np.zeros((num_slots + 1, max_pages), np.int32),
                              SamplingBatch.empty(num_slots + 1, num_stop_ids))
-        # Whether each slot's sequence has a grammar, and wants logprobs: what a step's host work must look for.
-        self.constrained = np.zeros(num_slots + 1, bool)
-        self.wants_logprobs = np.zeros(num_slots + 1, bool)
         self._occupants: list[Sequence | None] = [None] * num_slots
         self._tables: list[list[int] | None] = [None] * num_slots  # the page list each row was written from
         self._num_pages = [0] * num_slots
@@ -75,7 +72,6 @@ class InputBatch:
                 self._occupants[slot] = seq
                 self.host.sampling.write(slot, seq.params, seq.seed, seq.stop.stop_id_list, seq.num_prompt_tokens,
                                          self.vocab_size)
-                self.constrained[slot], self.wants_logprobs[slot] = seq.grammar is not None, seq.params.wants_logprobs
                 changed = True
             if self._tables[slot] is not pages or self._num_pages[slot] != len(pages):
                 start = self._num_pages[slot] if self._tables[slot] is pages else 0

@@ -48,7 +48,7 @@ from sluice.batching.kv_store import PagePayload
 from sluice.batching.kv_transfer import PageCopy, load_pages
 from sluice.batching.sampler import EVERY_PASS, SampledRows, SamplerOutput, SamplerPlan, SamplingBatch, \
     bitmask_words, mask_disallowed, resolve_sampler_branches
-from sluice.batching.scheduler import ChunkColumns, ScheduledChunk
+from sluice.batching.scheduler import ScheduledChunk
 from sluice.batching.sequence import PENDING
 from sluice.batching.step_output import PendingStep
 from sluice.batching.structured import fill_bitmask
@@ -173,15 +173,19 @@ class ModelRunner:
         rows = min(num_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens)) if speculative else seqs
         return Bucket(num_tokens, min(num_tokens, seqs + num_tokens // PREFILL_PIECE), rows, PREFILL_PIECE)
 
-    def bucket_for(self, chunks: ChunkColumns, num_steps: int = 1, verifies: bool = False) -> Bucket:
+    def bucket_for(self, chunks: list[ScheduledChunk], num_steps: int = 1, verifies: bool = False) -> Bucket:
+        num_tokens = sum(c.num_tokens for c in chunks)
         if verifies:
             return self._verify_bucket(next(b for b in self.verify_buckets if b >= len(chunks)))
-        num_tokens = int(chunks.num_tokens.sum())
-        if num_tokens == len(chunks):  # decodes only
+        if max(c.num_tokens for c in chunks) == 1:
             return self._decode_bucket(next(b for b in self.decode_buckets if b >= len(chunks)), num_steps)
-        speculative = bool(chunks.num_drafts.any())
+        speculative = any(c.num_drafts for c in chunks)
+        return self._mixed_bucket(self.padded_tokens(num_tokens, speculative), speculative)
+
+    def padded_tokens(self, num_tokens: int, speculative: bool) -> int:
+        """The tokens a step of `num_tokens` computes: its bucket's size (a decode step: rows, bucketed)."""
         buckets = self.spec_token_buckets if speculative else self.token_buckets
-        return self._mixed_bucket(next(b for b in buckets if b >= num_tokens), speculative)
+        return next(b for b in buckets if b >= num_tokens)
 
     def _step_fn(self, bucket: Bucket, plan: SamplerPlan | None = None):
         """The model of a single step (to logits), or a whole multi-step decode call (its sampler's `plan`)."""
@@ -257,7 +261,7 @@ class ModelRunner:
     def _lowering(self, bucket: Bucket, plan: SamplerPlan | None) -> Callable[[], jax.stages.Lowered]:
         """Lowers `bucket`'s program for `plan` when called, on any thread: against the shapes of the arrays a step
         passes, never the arrays (a step may donate them meanwhile)."""
-        inputs, sampled = self._padding(bucket)
+        inputs, sampled = self._pad([], bucket, None)
         flat, packing = pack((inputs, replace(sampled, history=None)))
         shapes = shapes_of((self.weights, self.kv_cache, self._last_tokens, self._slots, flat, sampled.history))
         return partial(self._step_fn(bucket, plan).lower, packing, *shapes)
@@ -336,7 +340,7 @@ class ModelRunner:
         self._compile_models(calls, progress)
         for bucket, plan in calls:
             self._jitted.add((bucket, plan) if bucket.num_steps > 1 else (bucket.num_rows, plan))
-            self._run(bucket, None, *self._padding(bucket), fill_masks=lambda allowed: None, plan=plan)
+            self._run(bucket, None, *self._pad([], bucket, None), fill_masks=lambda allowed: None, plan=plan)
         jax.block_until_ready((self.kv_cache, self._slots))
 
     def _compile_models(self, calls: list[tuple[Bucket, SamplerPlan | None]], progress: bool) -> None:
@@ -364,10 +368,9 @@ class ModelRunner:
         finally:
             pool.shutdown(cancel_futures=True)
 
-    def dispatch(self, chunks: list[ScheduledChunk], columns: ChunkColumns, limits: list[int] | None = None,
+    def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
                  drafting: list[int] | None = None, pooling: bool = False) -> PendingStep:
-        """Runs one step for `chunks` (`columns`: theirs; row i of the sampler output belongs to chunks[i]) without
-        waiting.
+        """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting.
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i emitting at
         most limits[i] tokens (its pages must hold them). `drafting` (with limits): the most drafts each chunk
@@ -379,28 +382,28 @@ class ModelRunner:
         thread: the returned step's `limits` and `drafting` say what ran.
         """
         writes = self.input_batch.writes([c.seq for c in chunks])
-        drafted = bool(columns.num_drafts.any())
-        plan = self._plan(columns.slots, drafted or drafting is not None)
+        drafted = any(c.num_drafts for c in chunks)
+        plan = self._plan(chunks, drafted or drafting is not None)
         if limits is not None and plan is not None and not self._call_ready(
-                self.bucket_for(columns, self.num_decode_steps, drafting is not None), plan):
+                self.bucket_for(chunks, self.num_decode_steps, drafting is not None), plan):
             limits = drafting = None
-            plan = self._plan(columns.slots, drafted)
+            plan = self._plan(chunks, drafted)
         num_steps = self.num_decode_steps if limits is not None else 1
         verifies = drafting is not None
-        bucket = self.bucket_for(columns, num_steps, verifies)
-        inputs, sampled = self._pad(chunks, columns, bucket, limits, drafting)
+        bucket = self.bucket_for(chunks, num_steps, verifies)
+        inputs, sampled = self._pad(chunks, bucket, limits, drafting)
         if pooling:
             self._fill_pooling(chunks, inputs)
         # Each chunk's first sampled row: a chunk with drafts samples one row per draft position, and one more.
-        first_rows = (np.arange(len(chunks)) * bucket.max_q_len if verifies
-                      else np.cumsum(1 + columns.num_drafts) - 1 - columns.num_drafts)
+        rows = ([i * bucket.max_q_len for i in range(len(chunks))] if verifies
+                else list(itertools.accumulate((1 + c.num_drafts for c in chunks[:-1]), initial=0)))
         # Where each slot's last token is in `last_tokens`, for the next step (unknown after drafts).
         self._last_row.fill(-1)
         if not drafted:
-            sampling = np.flatnonzero(columns.sample)
-            self._last_row[columns.slots[sampling]] = sampling  # no chunk drafts: row i is chunk i's
-        constrained = [(chunks[i].seq.grammar, int(first_rows[i]), chunks[i].seq.drafts[:chunks[i].num_drafts])
-                       for i in np.flatnonzero(self.input_batch.constrained[columns.slots] & columns.sample)]
+            sampling = [i for i, c in enumerate(chunks) if c.sample]
+            self._last_row[sampled.slot[sampling]] = sampling  # no chunk drafts: row i is chunk i's
+        constrained = [(c.seq.grammar, row, c.seq.drafts[:c.num_drafts])
+                       for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
         if step_broadcast.is_multiprocess():
             num_writes = 0 if writes is None else len(writes.slots)
             step_broadcast.send_step((*astuple(bucket), bool(constrained), num_writes), (inputs, sampled))
@@ -417,18 +420,18 @@ class ModelRunner:
         out, pooled = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None, fault == "nan",
                                 plan)
         if not verifies:  # the host reads the top alternatives only for logprobs, and acceptances only for drafts
-            logprobs = bool(self.input_batch.wants_logprobs[columns.slots].any())
+            logprobs = any(c.seq.params.wants_logprobs for c in chunks)
             out = replace(out, top_ids=out.top_ids if logprobs else None,
                           top_logprobs=out.top_logprobs if logprobs else None,
                           accepted=out.accepted if drafted else None)
-        return PendingStep(out, chunks, first_rows.tolist(), limits, drafting, pooled if pooling else None, bucket,
-                           fault)
+        return PendingStep(out, chunks, rows, limits, drafting, pooled if pooling else None, bucket, fault)
 
-    def _plan(self, slots: np.ndarray, drafts: bool) -> SamplerPlan | None:
-        """The sampler's passes the rows of `slots` need (`drafts`: some row checks a draft, the host's or, in a
-        verification, the device's), when the host decides them; their rows must be current."""
+    def _plan(self, chunks: list[ScheduledChunk], drafts: bool) -> SamplerPlan | None:
+        """The sampler's passes the chunks' rows need (`drafts`: some row checks a draft, the host's or, in a
+        verification, the device's), when the host decides them; their slots' rows must be current."""
         if not self.plans_on_host:
             return None
+        slots = np.array([c.seq.slot for c in chunks], np.int32)
         return SamplerPlan.of(self.input_batch.host.sampling, slots, drafts)
 
     def follow(self) -> None:
@@ -436,7 +439,7 @@ class ModelRunner:
         while (header := step_broadcast.receive_step_shape()) is not None:
             *shape, masked, num_writes = header
             bucket = Bucket(*shape)
-            inputs, sampled = step_broadcast.receive_payload(self._padding(bucket))
+            inputs, sampled = step_broadcast.receive_payload(self._pad([], bucket, None))
             writes = None
             if num_writes:
                 template = self.input_batch.padding_writes(num_writes)
@@ -455,16 +458,12 @@ class ModelRunner:
         if step_broadcast.is_multiprocess() and step_broadcast.is_leader():
             step_broadcast.send_stop()
 
-    def _padding(self, bucket: Bucket) -> tuple[StepInputs, SampledRows]:
-        """`_pad` of a step of padding alone (to compile, or to mirror another process's shapes)."""
-        return self._pad([], ChunkColumns.of([]), bucket, None)
-
-    def _pad(self, chunks: list[ScheduledChunk], columns: ChunkColumns, bucket: Bucket, limits: list[int] | None,
+    def _pad(self, chunks: list[ScheduledChunk], bucket: Bucket, limits: list[int] | None,
              drafting: list[int] | None = None) -> tuple[StepInputs, SampledRows]:
         """The step's per-token and per-row arrays (numpy), padded to `bucket`; page tables and sampling
-        parameters are the slots' (`input_batch`), whose host rows must be current for `chunks`. numpy derives
-        them from the chunks' `columns`, so a decode step of hundreds of sequences costs no Python loop per
-        sequence (but the one gathering token ids)."""
+        parameters are the slots' (`input_batch`), whose host rows must be current for `chunks`. Python gathers
+        one list per field (a comprehension each); numpy derives the rest, so a decode step of hundreds of
+        sequences costs no Python loop per sequence."""
         t, a, num_rows = bucket.num_tokens, bucket.num_attn_seqs, bucket.num_rows
         draft_state = DraftState(np.full((num_rows, self.max_model_len if bucket.verifies else 0), -1, np.int32),
                                  np.zeros(num_rows, np.int32))
@@ -481,21 +480,24 @@ class ModelRunner:
             feed=np.full(t, -1, np.int32), pool_ids=np.full(t, -1, np.int32))
         inputs.limits[:len(chunks)] = limits if limits is not None else 1
         # Token histories are built only if a row's penalties read them (else an all -1 array kept on the device).
-        slots = columns.slots
+        slots = np.array([c.seq.slot for c in chunks], np.int32)
         reads_history = self.input_batch.host.sampling.penalized()[slots].any()
         history = np.full((num_rows, self.max_model_len), -1, np.int32) if reads_history else None
         sampled = SampledRows(np.full(num_rows, padding_slot, np.int32), np.zeros(num_rows, np.int32),
                               np.full(num_rows, -1, np.int32), history)
         if chunks:
-            self._fill_tokens(chunks, columns, bucket.max_q_len, inputs)
-            self._fill_rows(chunks, columns, self.input_batch.host.sampling.num_prompt[slots], inputs, sampled)
+            lengths = np.array([c.num_tokens for c in chunks])
+            starts = np.array([c.start for c in chunks])
+            self._fill_tokens(chunks, starts, lengths, slots, bucket.max_q_len, inputs)
+            self._fill_rows(chunks, starts, lengths, slots, self.input_batch.host.sampling.num_prompt[slots],
+                            inputs, sampled)
         return inputs, replace(sampled, history=self._history(history, num_rows))
 
-    def _fill_tokens(self, chunks: list[ScheduledChunk], columns: ChunkColumns, q: int, inputs: StepInputs) -> None:
+    def _fill_tokens(self, chunks: list[ScheduledChunk], starts: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
+                     q: int, inputs: StepInputs) -> None:
         """Per token: id (or where the device holds it), position, pool slot; per attention row: its chunk's
         slot, kv_len and query range. A chunk's queries go in pieces of at most q; a piece's queries are the last
         of its kv_len positions, so the pieces of one chunk chain causally."""
-        starts, lengths, slots = columns.starts, columns.num_tokens, columns.slots
         ends = np.cumsum(lengths)
         num = int(ends[-1])
         inputs.token_ids[:num] = ([c.seq.token_ids[c.start] for c in chunks] if num == len(chunks)  # decodes
@@ -525,19 +527,19 @@ class ModelRunner:
                 inputs.pool_ids[end - (chunk.num_tokens if pooling == "mean" else 1):end] = i
 
     @staticmethod
-    def _fill_rows(chunks: list[ScheduledChunk], columns: ChunkColumns, num_prompt: np.ndarray, inputs: StepInputs,
-                   sampled: SampledRows) -> None:
+    def _fill_rows(chunks: list[ScheduledChunk], starts: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
+                   num_prompt: np.ndarray, inputs: StepInputs, sampled: SampledRows) -> None:
         """Per sampled row: its logits row, slot, output step (the output index of the token it samples) and
         draft. A chunk with drafts has one row per draft position, each scoring the next token as if the drafts
         before it were accepted."""
-        starts, lengths = columns.starts, columns.num_tokens
-        num_rows = columns.num_drafts + 1
+        num_drafts = [c.num_drafts for c in chunks]
+        num_rows = np.array(num_drafts) + 1
         row_chunk, j = ragged(num_rows)
         n = len(row_chunk)
         inputs.logits_rows[:n] = np.cumsum(lengths)[row_chunk] - num_rows[row_chunk] + j
-        sampled.slot[:n] = columns.slots[row_chunk]
+        sampled.slot[:n] = slots[row_chunk]
         sampled.step[:n] = (starts + lengths - num_rows + 1 - num_prompt)[row_chunk] + j
-        if columns.num_drafts.any():
+        if any(num_drafts):
             sampled.draft[:n] = [d for c in chunks for d in (*c.seq.drafts[:c.num_drafts], -1)]
         inputs.num_sampled[...] = n
         if sampled.history is not None:

@@ -149,6 +149,14 @@ class ListCollector:
         self._usage = increment.usage or self._usage
 
     def completions(self) -> list[Completion]:
-        """Each choice's increments joined (every choice has its finishing one once `generate` returns)."""
-        return [Completion(whole.text, whole.token_ids, whole.logprobs, whole.finish_reason, self._usage, whole.error)
-                for whole in map(joined, self._by_choice)]
+        return [
+            Completion(
+                text="".join(i.text for i in parts),
+                token_ids=tuple(t for i in parts for t in i.token_ids),
+                logprobs=tuple(lp for i in parts for lp in i.logprobs),
+                finish_reason=parts[-1].finish_reason if parts else None,
+                usage=self._usage,
+                error=parts[-1].error if parts else None,
+            )
+            for parts in self._by_choice
+        ]

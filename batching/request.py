@@ -36,7 +36,7 @@ class RequestLimits:
     eos_token_ids: tuple[int, ...]
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False)
 class Request:
     """`seqs[choice]` for each of the request's `len(prompts) * n` choices; the first sequence of each prompt
     (its `parent` is None) prefills it for the others. `pooled`: an embedding's sum so far, per choice."""

@@ -10,7 +10,6 @@ recomputed from its tokens later (its full pages usually survive in the prefix c
 from __future__ import annotations
 
 import bisect
-import operator
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
@@ -51,27 +50,6 @@ class ScheduledChunk:
         return self.seq.token_ids[self.start:end] + self.seq.drafts[:self.num_drafts]
 
 
-@dataclass(frozen=True)
-class ChunkColumns:
-    """A step's chunks field by field ([num_chunks] arrays), gathered from them once for the runner's step arrays
-    and the step's statistics: numpy does the rest, so hundreds of decodes cost no further pass in Python."""
-
-    starts: np.ndarray  # int64
-    num_tokens: np.ndarray  # int64
-    num_drafts: np.ndarray  # int64
-    slots: np.ndarray  # int32
-    sample: np.ndarray  # bool
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    @classmethod
-    def of(cls, chunks: list[ScheduledChunk]) -> ChunkColumns:
-        return cls(np.array([c.start for c in chunks], np.int64), np.array([c.num_tokens for c in chunks], np.int64),
-                   np.array([c.num_drafts for c in chunks], np.int64), np.array([c.seq.slot for c in chunks], np.int32),
-                   np.array([c.sample for c in chunks], bool))
-
-
 @dataclass
 class SchedulerOutput:
     """This step's chunks; the sequences sent back to waiting, and those moved from waiting to running."""
@@ -81,7 +59,8 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)
 
 
-_schedule_key = operator.attrgetter("schedule_key")
+def _schedule_key(seq: Sequence) -> tuple[int, int, int]:
+    return seq.schedule_key
 
 
 class Scheduler:
@@ -156,7 +135,7 @@ class Scheduler:
 
     def _admit(self, budget: int, scheduled: dict[Sequence, ScheduledChunk], out: SchedulerOutput) -> None:
         bm = self.block_manager
-        self.waiting.sort(key=_schedule_key)
+        self.waiting.sort(key=lambda s: s.schedule_key)
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -208,13 +187,18 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, scheduled: dict[Sequence, ScheduledChunk], out: SchedulerOutput) -> int:
         """Sends `seq` back to waiting with no pages; returns the budget its unscheduling gives back."""
+        refund = 0
         chunk = scheduled.pop(seq, None)
+        if chunk is not None:
+            refund = chunk.num_tokens
         self._leave_running(seq)
         self.block_manager.free(seq)
-        self.add(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.block_manager.prefetch(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
-        return chunk.num_tokens if chunk is not None else 0
+        return refund
 
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)

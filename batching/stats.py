@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from sluice.batching.kv_store import KVStoreCounters
-from sluice.batching.scheduler import ChunkColumns
+from sluice.batching.scheduler import ScheduledChunk
 from sluice.batching.sequence import Sequence
 from sluice.batching.speculation import SpecCounters
 from sluice.model.roofline import StepCost
@@ -31,30 +29,33 @@ class StepStats:
     everything else is prefill. A multi-step decode call counts its forward passes in `flops` and `bytes`.
     """
 
+    num_tokens: int
     num_seqs: int
     num_decode_seqs: int
     num_prefill_tokens: int
+    num_draft_tokens: int
     flops: float = 0.0
     bytes: float = 0.0
     duration_s: float = 0.0
     host_s: float = 0.0
 
     @classmethod
-    def of(cls, chunks: ChunkColumns, limits: list[int] | None, cost: StepCost) -> StepStats:
-        """Of the scheduled chunks; `limits`: a multi-step call's decode steps per chunk (None for one step)."""
-        n, start = chunks.num_tokens, chunks.starts
-        decodes = chunks.sample & (n - chunks.num_drafts == 1)
-        num_tokens = int(n.sum())
+    def of(cls, chunks: list[ScheduledChunk], limits: list[int] | None, cost: StepCost) -> StepStats:
+        """Of the scheduled chunks, before their tokens are appended; `limits`: a multi-step call's decode
+        steps per chunk (None for one step)."""
+        decodes = [c for c in chunks if c.sample and c.num_tokens - c.num_drafts == 1]
+        num_tokens = sum(c.num_tokens for c in chunks)
+        decode_tokens = sum(c.num_tokens for c in decodes)
+        drafts = sum(c.num_drafts for c in chunks)
         if limits is None:
             # A chunk's token at position p attends to p + 1 keys; the chunk reads its whole context once.
-            attended = int((n * start + n * (n + 1) // 2).sum())
-            computed, passes, read = num_tokens, 1, int((start + n).sum())
+            attended = sum(c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2 for c in chunks)
+            computed, passes, read = num_tokens, 1, sum(c.start + c.num_tokens for c in chunks)
         else:
             # One token per pass per row, each pass attending to (and reading) one more key than the last.
-            steps = np.array(limits, np.int64)
-            attended = int((steps * (start + 1) + steps * (steps - 1) // 2).sum())
-            computed, passes, read = int(steps.sum()), int(steps.max()), attended
-        return cls(len(n), int(decodes.sum()), num_tokens - int(n[decodes].sum()),
+            attended = sum(n * (c.start + 1) + n * (n - 1) // 2 for c, n in zip(chunks, limits))
+            computed, passes, read = sum(limits), max(limits), attended
+        return cls(num_tokens, len(chunks), len(decodes), num_tokens - decode_tokens, drafts,
                    flops=cost.flops(computed, attended), bytes=cost.bytes(passes, read))
 
 

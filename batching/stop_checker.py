@@ -36,10 +36,6 @@ class StopChecker:
     stop strings) later, while the device runs the next step.
     """
 
-    # Slots: a decode step reads hundreds of these, each out of cache on a CPU (as `Sequence`).
-    __slots__ = ("params", "stop_ids", "stop_id_list", "detokenizer", "text", "num_emitted_chars",
-                 "num_output_tokens")
-
     def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...], detokenizer: Detokenizer):
         self.params = params
         self.stop_ids = stop_token_ids(params, eos_token_ids)

@@ -38,7 +38,7 @@ from sluice.batching.engine import Engine, kv_page_bytes
 from sluice.batching.outputs import ListCollector
 from sluice.batching.request import build_request
 from sluice.batching.sampling_params import SamplingParams
-from sluice.batching.scheduler import ChunkColumns, ScheduledChunk
+from sluice.batching.scheduler import ScheduledChunk
 from sluice.model.loader import LoadedModel, load_model
 from sluice.pallas_kernels.kv_cache import KV_CACHE_DTYPES, kv_cache_dtype
 
@@ -88,15 +88,14 @@ def time_steps(loaded: LoadedModel, args: argparse.Namespace) -> dict[tuple[str,
     for kv in KV_CACHE_DTYPES:
         engine = engine_for(loaded, kv, shapes)
         for shape in shapes:
-            chunks = decode_chunks(engine, shape)
-            steps[kv, shape] = (engine.runner, chunks, ChunkColumns.of(chunks))
-    for runner, chunks, columns in steps.values():  # compile and warm
-        runner.dispatch(chunks, columns).fetch()
+            steps[kv, shape] = (engine.runner, decode_chunks(engine, shape))
+    for runner, chunks in steps.values():  # compile and warm
+        runner.dispatch(chunks).fetch()
     times: dict[tuple[str, Shape], list[float]] = {key: [] for key in steps}
     for _ in range(args.repeats):
-        for key, (runner, chunks, columns) in steps.items():
+        for key, (runner, chunks) in steps.items():
             start = time.perf_counter()
-            runner.dispatch(chunks, columns).fetch()
+            runner.dispatch(chunks).fetch()
             times[key].append(time.perf_counter() - start)
     return {key: statistics.median(t) for key, t in times.items()}
 

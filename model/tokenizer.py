@@ -282,8 +282,6 @@ class ByteDetokenizer:
     come out as U+FFFD, as the library's decoding does); special tokens produce no text.
     """
 
-    __slots__ = ("_bytes", "_texts", "_held")  # one per sequence, read at every step (`StopChecker`)
-
     def __init__(self, pieces: BytePieces):
         self._bytes = pieces.bytes
         self._texts = pieces.text
@@ -317,8 +315,6 @@ class IncrementalDetokenizer:
     Bytes of a character split across tokens are held back until the character completes; special tokens
     produce no text.
     """
-
-    __slots__ = ("_backend", "_stream")
 
     def __init__(self, backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...] = ()):
         self._backend = backend

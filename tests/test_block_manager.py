@@ -71,7 +71,7 @@ def test_freed_cached_pages_stay_reusable_until_evicted_oldest_first():
     prefill(bm, a)
     a_pages = list(a.page_table)
     bm.free(a)
-    assert bm.num_used_pages == 0 and len(bm._cached) == 2
+    assert bm.num_used_pages == 0 and bm.counters().pages_cached == 2
     b = make_seq([1] * 8 + [5], seq_id=1)
     prefill(bm, b)
     assert b.page_table[:2] == a_pages[:2]
@@ -99,7 +99,7 @@ def test_prefix_caching_off_never_shares():
     bm = BlockManager(num_pages=16, page_size=PAGE, enable_prefix_caching=False)
     prefill(bm, make_seq(list(range(9)), seq_id=0))
     assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == ([], [], [])
-    assert len(bm._cached) == 0
+    assert bm.counters().pages_cached == 0
 
 
 def test_can_admit_counts_reclaimed_cached_pages_against_the_free_pool():

@@ -252,11 +252,10 @@ def test_a_failure_in_one_requests_host_work_ends_only_that_request(engine):
     engine.step()
     (broken,) = running(engine, "bad")
 
-    class BrokenDetokenizer:
-        def push(self, new_ids):
-            raise UnicodeError("cannot decode")
+    def detokenizer_bug(*args):
+        raise UnicodeError("cannot decode")
 
-    broken.stop.detokenizer = BrokenDetokenizer()
+    broken.stop.emit_run = detokenizer_bug
     while engine.has_work:
         engine.step()
     (failed,) = bad_out.completions()

@@ -10,7 +10,7 @@ from flax import nnx
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import SamplingParams
-from sluice.batching.scheduler import ChunkColumns, ScheduledChunk
+from sluice.batching.scheduler import ScheduledChunk
 from sluice.batching.stats import StepStats
 from sluice.model.config import ModelConfig
 from sluice.model.llama import Llama
@@ -28,7 +28,7 @@ def chunk(num_prompt: int, start: int, num_tokens: int) -> ScheduledChunk:
 
 def test_a_step_costs_its_tokens_attended_keys_and_one_read_of_weights_and_context():
     # A prefill chunk of 4 from position 0 (1+2+3+4 keys) and a decode at position 9 (10 keys).
-    step = StepStats.of(ChunkColumns.of([chunk(4, 0, 4), chunk(10, 9, 1)]), None, COST)
+    step = StepStats.of([chunk(4, 0, 4), chunk(10, 9, 1)], None, COST)
     assert step.flops == 10 * 5 + (10 + 10)
     assert step.bytes == 1000 + 2 * (4 + 10)
     assert (step.num_decode_seqs, step.num_prefill_tokens) == (1, 4)
@@ -36,7 +36,7 @@ def test_a_step_costs_its_tokens_attended_keys_and_one_read_of_weights_and_conte
 
 def test_a_multi_step_call_costs_a_weight_read_per_pass_and_a_growing_context():
     # Two decodes at positions 9 and 4, running 3 and 2 passes: keys 10+11+12 and 5+6.
-    step = StepStats.of(ChunkColumns.of([chunk(10, 9, 1), chunk(5, 4, 1)]), [3, 2], COST)
+    step = StepStats.of([chunk(10, 9, 1), chunk(5, 4, 1)], [3, 2], COST)
     assert step.flops == 10 * 5 + 44
     assert step.bytes == 1000 * 3 + 2 * 44
 
