@@ -1,0 +1,86 @@
+"""The OpenAI Agents SDK (`openai-agents`) against a real `sluice serve` with SmolLM2: an agent with a function tool
+runs its loop (the model calls the tool, the SDK runs it and sends its output back, the model answers) over the
+Responses API and over Chat Completions, whole and streamed, and a second user turn carries the first's items."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from agents import (Agent, MessageOutputItem, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
+                    RunResult, RunResultStreaming, ToolCallItem, ToolCallOutputItem, function_tool,
+                    set_tracing_disabled)
+
+from test_api_e2e import API_KEY, start_server
+
+MODEL = "smollm2-agents"
+FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--max-model-len", "2048",
+         "--kv-cache-memory", "96MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui"]
+MODELS = {"responses": OpenAIResponsesModel, "chat_completions": OpenAIChatCompletionsModel}
+
+set_tracing_disabled(True)  # the SDK would send its traces to OpenAI
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = start_server(*FLAGS)
+    yield proc
+    proc.stop()
+
+
+def weather_agent(server, api: str, asked: list[str]) -> Agent:
+    """An agent that must call `get_weather` first (the SDK lets the model choose after that call), greedy."""
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather of a city."""
+        asked.append(city)
+        return f"Sunny, 24 C in {city}"
+
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+                 model=MODELS[api](MODEL, client),
+                 model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=300))
+
+
+async def run(agent: Agent, prompt: str | list, stream: bool) -> RunResult | RunResultStreaming:
+    if not stream:
+        return await Runner.run(agent, prompt, max_turns=3)
+    result = Runner.run_streamed(agent, prompt, max_turns=3)
+    async for _ in result.stream_events():
+        pass
+    return result
+
+
+def assert_called_the_tool_then_answered(result: RunResult | RunResultStreaming, asked: list[str]) -> None:
+    calls = [item for item in result.new_items if isinstance(item, ToolCallItem)]
+    outputs = [item.output for item in result.new_items if isinstance(item, ToolCallOutputItem)]
+    assert asked and all(isinstance(city, str) and city for city in asked)
+    assert len(calls) == len(asked) and outputs == [f"Sunny, 24 C in {city}" for city in asked]
+    assert isinstance(result.new_items[-1], MessageOutputItem)
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert result.context_wrapper.usage.requests == 2  # the call, then the answer to its output
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", MODELS)
+def test_an_agent_calls_its_tool_and_answers_from_its_output(server, api, stream):
+    asked: list[str] = []
+    result = asyncio.run(run(weather_agent(server, api, asked), "What is the weather in Paris?", stream))
+    assert_called_the_tool_then_answered(result, asked)
+
+
+@pytest.mark.parametrize("api", MODELS)
+def test_a_second_turn_sends_the_first_turns_calls_and_outputs_back(server, api):
+    asked: list[str] = []
+    agent = weather_agent(server, api, asked)
+
+    async def two_turns() -> tuple[list, RunResult]:
+        history = (await run(agent, "What is the weather in Paris?", stream=False)).to_input_list()
+        del asked[:]
+        return history, await run(agent, [*history, {"role": "user", "content": "And in Rome?"}], stream=False)
+
+    history, second = asyncio.run(two_turns())
+    assert {item.get("type") for item in history} >= {"function_call", "function_call_output"}
+    assert_called_the_tool_then_answered(second, asked)
