@@ -13,6 +13,7 @@ becomes a `response.failed` event carrying the error.
 from __future__ import annotations
 
 import itertools
+import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -170,9 +171,11 @@ class _Output:
         return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": event.text}]
 
     def close(self, incomplete: bool) -> list[Event]:
-        """The events that close the last item; a reply with no items gets an empty message."""
+        """The events that close the last item; a reply with no items gets an empty message. In a reply cut
+        short the last item is incomplete, unless it is a call written whole (only what follows it was cut)."""
         events = self._open_message() if not self._items else []
-        return events + self._close("incomplete" if incomplete else "completed")
+        cut = incomplete and not _written_whole(self._open)
+        return events + self._close("incomplete" if cut else "completed")
 
     def _open_message(self) -> list[Event]:
         message = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
@@ -207,3 +210,14 @@ class _Output:
 
     def _where(self) -> Event:
         return {"item_id": self._open.id, "output_index": len(self._items) - 1}
+
+
+def _written_whole(item: OutputMessage | OutputFunctionCall | None) -> bool:
+    """Whether `item` is a call whose arguments are a whole JSON object: a call's arguments go out without the
+    object's closing braces until it has closed, so a call cut short never parses."""
+    if not isinstance(item, OutputFunctionCall):
+        return False
+    try:
+        return isinstance(json.loads(item.arguments), dict)
+    except ValueError:
+        return False

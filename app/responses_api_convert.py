@@ -35,6 +35,7 @@ _RESPONSES_NAME = {"messages": "input", "max_completion_tokens": "max_output_tok
 
 def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
     """The chat completion `body` asks for, over the conversation `items` (an earlier response's, then `body`'s)."""
+    _check_outputs_answer_calls(items)
     messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     chat: dict[str, Any] = {
         "messages": messages + chat_messages(items),
@@ -62,6 +63,18 @@ def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as error:
         raise _renamed(error) from None
+
+
+def _check_outputs_answer_calls(items: Items) -> None:
+    """Each function call output must answer a call made before it (a 400 otherwise, as OpenAI's): the model
+    would be shown the result of a call it never made."""
+    calls: set[str] = set()
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            calls.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+            raise invalid_request(f"No tool call found for function call output with call_id '{item.call_id}'",
+                                  param="input")
 
 
 def chat_messages(items: Items) -> list[dict[str, Any]]:

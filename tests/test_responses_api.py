@@ -327,3 +327,24 @@ def test_bad_fields_are_400_in_openai_shape(server, fields, param):
 def test_an_unknown_previous_response_id_is_404(server):
     error = error_of(post(server, "/v1/responses", {"input": "x", "previous_response_id": "resp_unknown"}), 404)
     assert error["param"] == "previous_response_id"
+
+
+def test_a_function_call_output_that_answers_no_earlier_call_is_400(server):
+    unanswered = {"type": "function_call_output", "call_id": "call_nope", "output": "Sunny"}
+    error = error_of(post(server, "/v1/responses", {"model": MODEL, "input": [unanswered]}), 400)
+    assert error["param"] == "input" and "call_nope" in error["message"]
+
+
+def test_a_call_written_whole_before_max_output_tokens_ran_out_is_completed_and_can_be_answered(client):
+    fields = {"input": "Weather in Oslo?", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+              "model": MODEL, "temperature": 0}
+    whole = client.responses.create(max_output_tokens=60, **fields)
+    # One token short: the call's object is written, what ends the reply after it (its close, the EOS) is not.
+    cut = client.responses.create(max_output_tokens=whole.usage.output_tokens - 1, **fields)
+    [call] = cut.output
+    assert cut.status == "incomplete" and call.status == "completed" and call.arguments == whole.output[0].arguments
+    answer = client.responses.create(
+        previous_response_id=cut.id, tools=[WEATHER],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}], **GREEDY)
+    items = client.responses.input_items.list(answer.id, order="asc").data
+    assert [item.type for item in items] == ["message", "function_call", "function_call_output"]
