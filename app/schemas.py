@@ -134,7 +134,8 @@ class SamplingRequest(_Request):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64,
+                             description="OpenAI's signed 64-bit range, or an unsigned 64-bit seed")
     stop: str | list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
@@ -150,6 +151,14 @@ class SamplingRequest(_Request):
     structured_outputs: StructuredOutputs | None = None
 
     _check_stop_token_ids = field_validator("stop_token_ids")(_check_vocabulary)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: str | list[str]) -> str | list[str]:
+        # "" matches at once: honoured, it would end every reply after its first token.
+        if "" in ([value] if isinstance(value, str) else value):
+            raise ValueError("stop must not contain an empty string")
+        return value
 
     @field_validator("best_of")
     @classmethod

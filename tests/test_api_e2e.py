@@ -396,8 +396,9 @@ def test_cached_prompt_tokens_reach_the_client_in_usage(client):
 
 # Each is out of range for one field (or names an unimplemented one, or a schema feature llguidance lacks) and
 # must be that request's 400 alone.
-BAD_FIELDS = [{"top_k": -5}, {"seed": -1}, {"seed": 2**64}, {"stop_token_ids": [49152]}, {"stop_token_ids": [-1]},
-              {"max_tokens": 0}, {"temperature": 3}, {"n": 1000}, {"min_tokens": 9, "max_tokens": 2},
+BAD_FIELDS = [{"top_k": -5}, {"seed": -(2**63) - 1}, {"seed": 2**64}, {"stop_token_ids": [49152]},
+              {"stop_token_ids": [-1]}, {"max_tokens": 0}, {"temperature": 3}, {"n": 1000},
+              {"min_tokens": 9, "max_tokens": 2},
               {"max_tokens": None, "min_tokens": 7584327827},
               {"logit_bias": {"5": 3}}, {"prompt": [1, 2, 10**9]}, {"max_tokens": 10**6},
               {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}}]

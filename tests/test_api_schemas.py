@@ -26,7 +26,7 @@ def rejection(schema, body: dict) -> APIError:
     ("field", "value"),
     [("max_tokens", -1), ("max_tokens", 0), ("temperature", 2.5), ("temperature", -0.1), ("top_p", 0.0),
      ("top_logprobs", 21), ("n", 0), ("n", 65), ("presence_penalty", 3.0), ("stop", 7), ("top_k", -2),
-     ("seed", -1), ("seed", 2**64), ("stop_token_ids", [1000]), ("stop_token_ids", [-1]),
+     ("seed", -(2**63) - 1), ("seed", 2**64), ("stop_token_ids", [1000]), ("stop_token_ids", [-1]),
      ("stop_token_ids", list(range(17))), ("stop", ["x"] * 17), ("min_tokens", -1)],
 )
 def test_out_of_range_chat_field_is_rejected_with_its_name_as_param(field, value):
@@ -49,6 +49,18 @@ def test_top_logprobs_without_logprobs_is_rejected():
 
 def test_stream_options_without_stream_is_rejected():
     rejection(ChatCompletionRequest, {**CHAT, "stream_options": {"include_usage": True}})
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**64 - 1])
+def test_seed_takes_openais_signed_64_bit_range_and_any_unsigned_one(seed):
+    body = ChatCompletionRequest.model_validate({**CHAT, "seed": seed})
+    assert body.sampling_params(default_max_tokens=8).seed == seed
+
+
+@pytest.mark.parametrize("stop", ["", ["END", ""]])
+def test_an_empty_stop_string_is_rejected_rather_than_ending_every_reply_at_once(stop):
+    for schema, body in ((ChatCompletionRequest, CHAT), (CompletionRequest, {"prompt": "x"})):
+        assert rejection(schema, {**body, "stop": stop}).param == "stop"
 
 
 def test_null_fields_mean_their_defaults():

@@ -1,0 +1,59 @@
+"""The official `openai` client against the app over a real engine (a tiny random model with SmolLM2's tokenizer,
+in-process): request fields the OpenAI API accepts reach the engine as OpenAI means them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from flax import nnx
+
+from sluice.app.server import create_app
+from sluice.app.state import ServerSettings, ServerState
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
+from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel
+
+CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=4,
+                      kv_cache_memory=1 << 20, num_decode_steps=1)
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2) -> Engine:
+    # The tokenizer's whole vocabulary, so that the chat template's ids are the model's.
+    config = ModelConfig.tiny(vocab_size=smollm2.tokenizer.vocab_size)
+    loaded = LoadedModel(config, Llama(config, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
+    return Engine(loaded, CONFIG, progress=False)
+
+
+def serve(engine: Engine, scenario):
+    """Runs `scenario(client)`, an `openai.AsyncOpenAI` on the app, with the engine's step loop started."""
+
+    async def run():
+        state = ServerState(ServerSettings())
+        state.set_engine(engine)
+        await engine.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(state))
+            async with httpx.AsyncClient(transport=transport, base_url="http://sluice/v1", timeout=60) as http:
+                return await scenario(openai.AsyncOpenAI(api_key="none", base_url="http://sluice/v1",
+                                                         http_client=http))
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_a_negative_seed_as_openai_allows_samples_the_same_reply_twice(engine):
+    async def scenario(client: openai.AsyncOpenAI) -> list[str]:
+        replies = [await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6,
+                                                        temperature=1.0, seed=-7) for _ in range(2)]
+        return [reply.choices[0].message.content for reply in replies]
+
+    first, again = serve(engine, scenario)
+    assert first and first == again
