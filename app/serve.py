@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "multi-process (multi-node) job: host:port where process 0 coordinates; every process passes the same")
     _option(parser, "--num-processes", 1, "multi-process job: how many processes (one per node)", type=int)
     _option(parser, "--process-id", 0, "multi-process job: this process's index; process 0 serves HTTP", type=int)
-    _option(parser, "--max-model-len", None, "longest prompt + completion in tokens (default: min(model's, 4096))", type=int)
+    _option(parser, "--max-model-len", None,
+            "longest prompt + completion in tokens (default: min(model's, 4096, what the KV pool holds))", type=int)
     _option(parser, "--max-num-seqs", None, "most sequences in one running batch (default: {} on a CPU, {} on an "
             "accelerator, {} on one of 80 GB or more but an A100)".format(
                 CPU_BATCH[0], ACCELERATOR_BATCH[0], LARGE_ACCELERATOR_BATCH[0]), type=int)

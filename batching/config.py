@@ -45,9 +45,9 @@ def default_batch(platform: str, device_bytes: int | None, device_kind: str = ""
 class EngineConfig:
     """How the engine loads its model and sizes its batch and KV pool.
 
-    `max_model_len` None means min(the model's context, 4096). `max_num_seqs`, `max_num_batched_tokens` and
-    `page_size` None mean the device's defaults (`default_batch`, `CPU_PAGE_SIZE`), filled in by
-    `with_device_defaults` where the device is known.
+    `max_model_len` None means min(the model's context, 4096, what the KV pool holds). `max_num_seqs`,
+    `max_num_batched_tokens` and `page_size` None mean the device's defaults (`default_batch`, `CPU_PAGE_SIZE`),
+    filled in by `with_device_defaults` where the device is known.
     `kv_cache_memory` is the KV pool in bytes; None means a default (a fraction of free device memory on
     accelerators, a fixed budget on the CPU).
     `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps

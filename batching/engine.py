@@ -86,6 +86,19 @@ def default_kv_cache_bytes(mesh: Mesh | None = None) -> int:
     return int(ACCELERATOR_KV_FRACTION * free) * (mesh.size if mesh is not None else 1)
 
 
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_pages: int) -> int:
+    """`config.max_model_len`, else the model's context up to DEFAULT_MAX_MODEL_LEN and to what the pool holds: a
+    request without max_tokens may fill the rest of the context, which a smaller pool would refuse every time."""
+    if config.max_model_len is not None:
+        return min(config.max_model_len, model.max_position_embeddings)
+    longest = min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
+    if num_pages * config.page_size < longest:
+        logger.warning("the KV pool holds %d tokens, fewer than the default context of %d: max_model_len is %d "
+                       "(a larger --kv-cache-memory holds more)", num_pages * config.page_size, longest,
+                       num_pages * config.page_size)
+    return min(longest, num_pages * config.page_size)
+
+
 def device_defaults(config: EngineConfig) -> EngineConfig:
     """`config` with the batch limits and page size it leaves unset taken for the first device: its platform, what
     its allocator may hold (unknown on the CPU) and its kind."""
@@ -142,10 +155,10 @@ class Engine:
         self.config = config = device_defaults(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        self.max_model_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, loaded.config.max_position_embeddings)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh)
         num_pages = max(1, kv_bytes // kv_page_bytes(loaded.config, config.page_size, kv_dtype))
+        self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
         self.limits = RequestLimits(
             max_model_len=self.max_model_len, num_pages=num_pages, page_size=config.page_size,
             vocab_size=loaded.config.vocab_size,

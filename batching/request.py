@@ -71,10 +71,11 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
             raise RequestRejected("the prompt is empty")
         total = len(prompt) + params.max_tokens
         if total > limits.max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {limits.max_model_len} tokens; the prompt has "
-                f"{len(prompt)} tokens and {params.max_tokens} more were requested"
-            )
+            # A prompt that fills the context alone left its request's default max_tokens nothing to count.
+            asked = ("" if len(prompt) >= limits.max_model_len
+                     else f" and {params.max_tokens} more were requested")
+            raise RequestRejected(f"This model's maximum context length is {limits.max_model_len} tokens; the "
+                                  f"prompt has {len(prompt)} tokens{asked}")
         pages = -(-total // limits.page_size)
         if pages > limits.num_pages:
             raise RequestRejected(f"the request needs {pages} KV pages but the whole pool has {limits.num_pages}")

@@ -231,9 +231,20 @@ def test_stop_token_id_ends_the_sequence_but_not_before_min_tokens(engine):
     assert stop_id not in held[0][0].token_ids[:first_at + 2]
 
 
+def test_by_default_the_context_is_no_longer_than_the_pool_holds(tiny):
+    small = make_engine(tiny, num_pages=8, warmup=False, max_model_len=None)
+    assert small.max_model_len == 8 * PAGE
+    prompt = [5] * 10  # and a reply that fills the rest of the context, as a chat without max_tokens asks
+    [[done]] = small.generate([prompt], SamplingParams(max_tokens=small.max_model_len - len(prompt), temperature=0,
+                                                       ignore_eos=True))
+    assert len(done.token_ids) == small.max_model_len - len(prompt) and done.finish_reason == "length"
+
+
 def test_requests_that_can_never_fit_are_rejected_up_front(tiny, engine):
     with pytest.raises(RequestRejected, match="context length"):
         engine.generate([[5] * 100], SamplingParams(max_tokens=29))
+    with pytest.raises(RequestRejected, match="the prompt has 128 tokens$"):  # no reply length to speak of
+        engine.generate([[5] * 128], SamplingParams(max_tokens=1))
     small = make_engine(tiny, num_pages=8, warmup=False)
     with pytest.raises(RequestRejected, match="KV pages"):
         small.generate([[5] * 30], SamplingParams(max_tokens=3))
