@@ -71,7 +71,7 @@ def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
         value = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(value, dict) or value.get("name") not in names or not isinstance(value.get("arguments"), dict):
+    if not _names_one_of(value, names) or not isinstance(value.get("arguments"), dict):
         return None
     head = _HEAD.match(body)
     if head is not None:
@@ -79,6 +79,12 @@ def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
         if _loads(arguments) == value["arguments"]:
             return ToolCall(value["name"], arguments)
     return ToolCall(value["name"], json.dumps(value["arguments"], ensure_ascii=False))
+
+
+def _names_one_of(value: Any, names: frozenset[str]) -> bool:
+    """Whether `value` is an object whose `name` is one of `names` (a name the model wrote as a list or an object
+    is no name, and unhashable)."""
+    return isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"] in names
 
 
 def _loads(text: str) -> Any:
@@ -120,7 +126,7 @@ class CallStream:
     names: frozenset[str]
     syntax: CallSyntax = HERMES
     progressive: bool = False
-    calls: int = 0
+    calls: int = 0  # calls started (their `CallStart` out), one cut short included: the next call's index
     _buffer: str = ""  # text not given out yet: inside a group, the text after its opening tag
     _group: _Group | None = None
     _stripped: _StrippedText = field(default_factory=lambda: _StrippedText())
@@ -202,9 +208,8 @@ class CallStream:
         else:
             start, sent = group.open
             if len(call.arguments) > sent - start:
-                events.append(ArgumentsDelta(self.calls, call.arguments[sent - start:]))
+                events.append(ArgumentsDelta(self.calls - 1, call.arguments[sent - start:]))
             group.open = None
-            self.calls += 1
         group.committed = True
 
     def _emit(self, call: ToolCall, events: list[StreamEvent]) -> None:
@@ -220,12 +225,13 @@ class CallStream:
             if head is None or head.end() == len(text) or head.group(1) not in self.names:
                 return
             events.append(CallStart(self.calls, head.group(1)))
+            self.calls += 1
             group.open = (head.end(), head.end())
             group.committed = True
         start, sent = group.open
         visible = len(text.rstrip("} \t\r\n"))
         if visible > sent:
-            events.append(ArgumentsDelta(self.calls, text[sent:visible]))
+            events.append(ArgumentsDelta(self.calls - 1, text[sent:visible]))
             group.open = (start, visible)
 
     def _abandon(self, events: list[StreamEvent]) -> None:
@@ -234,8 +240,6 @@ class CallStream:
         group = self._group
         self._group = None
         if group.committed:
-            if group.open is not None:
-                self.calls += 1
             self._buffer = self._buffer[group.position:]
         else:
             self._text(self.syntax.open, events)
@@ -314,7 +318,7 @@ def _json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
             value, position = decoder.raw_decode(text, position)
         except ValueError:
             return None
-        if not isinstance(value, dict) or value.get("name") not in names:
+        if not _names_one_of(value, names):
             return None
         arguments = value.get("parameters", value.get("arguments"))
         if not isinstance(arguments, dict):

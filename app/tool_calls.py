@@ -195,7 +195,9 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
     written = _WRITTEN[parser]
     rules = []
     for i, (name, parameters) in enumerate(functions):
-        schema = {"x-guidance": _LAYOUT, **_closed(parameters if parameters is not None else NO_ARGUMENTS)}
+        # A schema that names no type (`{}`, say) allows any value, but arguments that are no object are no call.
+        schema = {"x-guidance": _LAYOUT, "type": "object",
+                  **_closed(parameters if parameters is not None else NO_ARGUMENTS)}
         head = f'{written.call_head}{{"name": {json.dumps(name, ensure_ascii=False)}, "{written.key}": '
         rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema, ensure_ascii=False)} "
                      f"{json.dumps('}' + written.call_tail)}")

@@ -51,6 +51,7 @@ def test_several_calls_come_back_in_order_with_their_own_arguments_text():
     '{"name": "add", "arguments": {"a": 1}',  # malformed JSON
     '{"name": "delete_everything", "arguments": {}}',  # not one of the request's tools
     '{"name": "add", "arguments": "a=1"}',  # arguments not an object
+    '{"name": ["add"], "arguments": {}}',  # a name that is no string
 ])
 def test_what_is_not_a_call_stays_in_the_text(body):
     text = f"Before <tool_call>{body}</tool_call> after"
@@ -126,6 +127,7 @@ def test_a_llama3_reply_of_calls_separated_by_semicolons_is_calls():
     '{"name": "add", "parameters": {"a": 1}} and then some prose',
     '{"name": "launch", "parameters": {}}',
     '{"name": "add", "parameters": {"a": 1}',
+    '{"name": {"add": 1}, "parameters": {}}',
 ])
 def test_any_other_llama3_reply_is_text_whole(text):
     assert parse_calls(text, NAMES, "llama3_json") == (text.strip(), [])
@@ -158,6 +160,7 @@ def test_a_mistral_list_after_the_marker_is_calls_and_the_text_before_it_content
     '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}; {"name": "add", "arguments": {}}]',
     '[TOOL_CALLS] {"name": "add", "arguments": {"a": 1}}',  # no list
     '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}',  # the list never closes
+    '[TOOL_CALLS] [{"name": ["add"], "arguments": {}}]',
 ])
 def test_a_mistral_marker_followed_by_anything_but_a_list_of_calls_stays_in_the_text(text):
     assert parse_calls(text, NAMES, "mistral") == (text, [])
@@ -243,6 +246,14 @@ def test_the_grammar_closes_objects_that_say_nothing_of_other_properties(compile
     assert not follows(compiler, grammar, call("add", '{"a": 1, "b": 2}'))
     opened = ("add", {**ADD[1], "additionalProperties": True})
     assert follows(compiler, call_grammar([opened], parallel=False), call("add", '{"a": 1, "b": 2}'))
+
+
+@pytest.mark.parametrize("parameters", [{}, {"properties": {"a": {"type": "integer"}}}])
+def test_the_grammar_takes_only_an_object_as_arguments_where_the_schema_allows_any_value(compiler, parameters):
+    # A call whose arguments are no object is no call: the forced reply would come back as text.
+    grammar = call_grammar([("add", parameters)], parallel=False)
+    assert follows(compiler, grammar, call("add", '{"a": 1}'))
+    assert not follows(compiler, grammar, call("add", '"a=1"'))
 
 
 def test_the_mistral_grammar_writes_a_special_marker_as_its_token():

@@ -91,3 +91,14 @@ def test_a_round_trip_renders_the_call_and_its_result_through_the_mistral_templa
                                            max_tokens=4)
     # The prompt grew by the call and its result (a template that refused the ids would have been a 400).
     assert final.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def test_a_stop_string_inside_a_forced_call_ends_the_stream_as_it_ends_the_whole_reply(client):
+    # The grammar writes `"city"` inside the arguments, so the stop string cuts the call after it has started.
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                  temperature=0, max_tokens=120, stop=['"city"'])
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    _, calls, finish, _ = reassemble(client.chat.completions.create(**kwargs, stream=True))
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        ("get_weather", "{")]
+    assert finish == whole.finish_reason
