@@ -119,7 +119,8 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
                                parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser,
                                marker=marker)
         params = dataclasses.replace(params, structured=grammar)
-    calling = ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced), marker) if tools else None
+    calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced), marker,
+                           body.parallel_tool_calls) if tools else None)
     return ChatPlan(prompt, params, calling)
 
 

@@ -362,7 +362,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDefinition] = Field(default_factory=list, max_length=MAX_TOOLS)
     tool_choice: str | NamedToolChoice | None = Field(
         None, description='"none", "auto", "required" or a named function; default: "auto" with tools, "none" without')
-    parallel_tool_calls: bool = Field(True, description="with required: one call or several")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call (the first the reply writes)")
     functions: list[dict[str, Any]] | None = Field(None, description="not supported (use tools): must be empty",
                                                    json_schema_extra={"maxItems": 0})
     function_call: str | dict[str, Any] | None = Field(None, description='not supported (use tool_choice): only "none"',

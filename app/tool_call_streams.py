@@ -309,6 +309,28 @@ class JsonCallStream:
         return events
 
 
+@dataclass
+class FirstCallOnly:
+    """A reader's events without those of its second call on (`parallel_tool_calls: false`: at most one call, as
+    OpenAI promises, however many the model wrote)."""
+
+    reader: CallStream | JsonCallStream
+
+    @property
+    def calls(self) -> int:
+        return min(self.reader.calls, 1)
+
+    def push(self, text: str) -> list[StreamEvent]:
+        return _first_call(self.reader.push(text))
+
+    def finish(self) -> list[StreamEvent]:
+        return _first_call(self.reader.finish())
+
+
+def _first_call(events: list[StreamEvent]) -> list[StreamEvent]:
+    return [event for event in events if isinstance(event, TextDelta) or event.index == 0]
+
+
 def _json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
     """The calls `text` consists of (JSON objects separated by `;`), or None if it is anything else."""
     decoder, calls, position = json.JSONDecoder(), [], 0

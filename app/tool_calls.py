@@ -31,6 +31,7 @@ from sluice.app.tool_call_streams import (
     MISTRAL,
     CallStart,
     CallStream,
+    FirstCallOnly,
     JsonCallStream,
     TextDelta,
     ToolCall,
@@ -121,12 +122,14 @@ def special_marker(tokenizer: Tokenizer, parser: str) -> SpecialMarker | None:
 class ToolCalling:
     """What a reply's text is read for: calls of the functions `names`, written in the format `parser`.
     `forced`: a grammar makes the reply nothing but calls, so each one parses and (Hermes, Mistral) its arguments
-    can stream as they are sampled. `marker`: the format's marker as a special token, put back into the text."""
+    can stream as they are sampled. `marker`: the format's marker as a special token, put back into the text.
+    `parallel` False: the reply's first call alone (`parallel_tool_calls: false`)."""
 
     names: frozenset[str]
     parser: str = "hermes"
     forced: bool = False
     marker: SpecialMarker | None = None
+    parallel: bool = True
 
     def text_of(self, increment: Increment) -> str:
         """The increment's text as the reader reads it (with the marker the detokenizer left out)."""
@@ -144,10 +147,12 @@ class ToolCalling:
                  if isinstance(event, CallStart)]
         return content or None, calls
 
-    def stream(self) -> CallStream | JsonCallStream:
+    def stream(self) -> CallStream | JsonCallStream | FirstCallOnly:
         if self.parser == "llama3_json":
-            return JsonCallStream(self.names)
-        return CallStream(self.names, MISTRAL if self.parser == "mistral" else HERMES, progressive=self.forced)
+            reader = JsonCallStream(self.names)
+        else:
+            reader = CallStream(self.names, MISTRAL if self.parser == "mistral" else HERMES, progressive=self.forced)
+        return reader if self.parallel else FirstCallOnly(reader)
 
 
 def parse_calls(text: str, names: frozenset[str], parser: str = "hermes") -> tuple[str | None, list[ToolCall]]:

@@ -73,9 +73,9 @@ def test_arguments_written_in_another_order_or_layout_are_reserialized():
     assert parse_calls(text, NAMES) == (None, [ToolCall("add", '{"a": 1}')])
 
 
-def stream_in_pieces(text: str, progressive: bool, rng: random.Random, parser: str = "hermes"
+def stream_in_pieces(text: str, progressive: bool, rng: random.Random, parser: str = "hermes", parallel: bool = True
                      ) -> tuple[str | None, list[ToolCall], list]:
-    stream = ToolCalling(NAMES, parser, forced=progressive).stream()
+    stream = ToolCalling(NAMES, parser, forced=progressive, parallel=parallel).stream()
     events, start = [], 0
     while start < len(text):
         size = rng.randint(1, 6)
@@ -111,6 +111,19 @@ def test_forced_calls_stream_their_arguments_as_they_arrive():
     content, calls, events = stream_in_pieces(text, progressive=True, rng=random.Random(1))
     assert (content, calls) == parse_calls(text, NAMES)
     assert isinstance(events[0], CallStart) and sum(isinstance(e, ArgumentsDelta) for e in events) > 4
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", "Sure. " + call("add", '{"a": 1}') + "\n" + call("get_weather", PARIS) + " Bye."),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {"city": "P"}}'),
+])
+def test_without_parallel_calls_a_reply_keeps_its_first_call_alone(parser, text):
+    whole = ToolCalling(NAMES, parser, parallel=False).parse(text)
+    assert whole[1] == [ToolCall("add", '{"a": 1}')] and whole[0] == parse_calls(text, NAMES, parser)[0]
+    rng = random.Random(6)
+    for progressive in (False, True):
+        content, calls, _ = stream_in_pieces(text, progressive, rng, parser, parallel=False)
+        assert (content, calls) == whole
 
 
 # --- Llama 3's JSON calls ----------------------------------------------------------------------------------
