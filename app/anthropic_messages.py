@@ -10,12 +10,15 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     tool_choice auto/any/tool/none -> auto/required/named/none; disable_parallel_tool_use -> parallel_tool_calls
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
 
-Only the reply's shape is Anthropic's own (`anthropic_responses.py`).
+A final assistant message without tool_use blocks (after others) is Anthropic's prefill: the start of the reply,
+which the prompt ends with (after the generation prompt) rather than closing it as a turn. Only the reply's shape
+is Anthropic's own (`anthropic_responses.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -24,6 +27,8 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
+
+from sluice.model.tokenizer import Tokenizer
 
 from sluice.app.anthropic_responses import MessageBuilder
 from sluice.app.anthropic_schemas import (
@@ -37,10 +42,11 @@ from sluice.app.anthropic_schemas import (
     ToolChoiceNone,
     ToolChoiceTool,
     ToolResultBlockParam,
+    ToolUseBlockParam,
 )
 from sluice.app.errors import from_validation_error
 from sluice.app.generation import respond, start_generation
-from sluice.app.prompts import chat_prompt, tool_call_format
+from sluice.app.prompts import Prompt, chat_prompt, tool_call_format
 from sluice.app.routes import check_tool_schemas, json_response, parse_body, plan_chat
 from sluice.app.schemas import ChatCompletionRequest
 
@@ -49,6 +55,7 @@ async def create_message(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, MessagesRequest)
     chat = await plan_chat(state, engine, chat_request(body))
+    chat = dataclasses.replace(chat, prompt=continued(engine.tokenizer, chat.prompt, body))
     message_id = f"msg_{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
     builder = MessageBuilder(message_id, state.model_name, engine.tokenizer, len(chat.prompt.token_ids),
@@ -64,16 +71,36 @@ async def count_message_tokens(request: Request) -> Response:
         await asyncio.to_thread(check_tool_schemas, engine, chat.tools)
     prompt = chat_prompt(engine.tokenizer, chat.messages, tools=chat.active_tools(),
                          call_format=tool_call_format(state.settings.tool_call_parser, engine.tokenizer))
+    prompt = continued(engine.tokenizer, prompt, body)
     return json_response(CountTokensResponse(input_tokens=len(prompt.token_ids)))
 
 
+def continued(tokenizer: Tokenizer, prompt: Prompt, body: CountTokensRequest) -> Prompt:
+    """`prompt` (the chat request's, ending with the generation prompt) followed by the prefill's text, if
+    `body` has a prefill."""
+    prefill = _prefill(body)
+    if prefill is None:
+        return prompt
+    text = prompt.text + "\n".join(b.text for b in prefill.blocks() if isinstance(b, TextBlockParam))
+    return Prompt(tokenizer.encode(text), text)
+
+
+def _prefill(body: CountTokensRequest) -> MessageParam | None:
+    """The final message if it is a prefill: the assistant's, without calls, after other messages."""
+    *earlier, last = body.messages
+    calls = any(isinstance(block, ToolUseBlockParam) for block in last.blocks())
+    return last if earlier and last.role == "assistant" and not calls else None
+
+
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request `body` means (see the module's table); what the chat request checks beyond Anthropic's
-    schema (a tool_choice naming no tool, say) is a 400 here."""
+    """The chat request `body` means (see the module's table), without its prefill (`continued` adds it to the
+    prompt); what the chat request checks beyond Anthropic's schema (a tool_choice naming no tool, say) is a 400
+    here."""
     system = body.system_text()
+    messages = body.messages[:-1] if _prefill(body) is not None else body.messages
     data: dict[str, Any] = {
         "messages": ([{"role": "system", "content": system}] if system else [])
-                    + [m for message in body.messages for m in _chat_messages(message)],
+                    + [m for message in messages for m in _chat_messages(message)],
         "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                     "parameters": t.input_schema}} for t in body.tools],
     }

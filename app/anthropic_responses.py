@@ -1,10 +1,11 @@
 """Engine increments shaped into Anthropic's `message`, whole (`collect`) or as its stream of events (`events`).
 
 The reply's text is read for tool calls as on the chat route (`ToolCalling`): calls become `tool_use` blocks with
-their input parsed, the rest of the text a `text` block. Streamed, each block opens with `content_block_start`,
-grows by `text_delta`s or `input_json_delta`s and closes with `content_block_stop`; `message_delta` then carries
-the stop reason (with the stop sequence that ended the reply, if one did) and usage. A `ping` follows
-`message_start`, as in Anthropic's streams. An error during a stream becomes an `error` event.
+their input parsed, the text around them `text` blocks, in the reply's order (whole or streamed alike). Streamed,
+each block opens with `content_block_start`, grows by `text_delta`s or `input_json_delta`s and closes with
+`content_block_stop`; `message_delta` then carries the stop reason (with the stop sequence that ended the reply, if
+one did) and usage. A `ping` follows `message_start`, as in Anthropic's streams. An error during a stream becomes
+an `error` event.
 """
 
 from __future__ import annotations
@@ -72,6 +73,31 @@ def _input(arguments: str) -> dict[str, Any]:
         return {}
 
 
+def _opening(text: str, after_call: bool) -> str:
+    """A text block's first text: after a call, without the whitespace that came between them (the reader holds
+    whitespace until text follows, so it arrives at the start of the next text)."""
+    return text.lstrip() if after_call else text
+
+
+def _content(pieces: list[StreamEvent]) -> list[TextBlock | ToolUseBlock]:
+    """The blocks a reader's events for a whole reply make, in order: the blocks `_Blocks` streams for them."""
+    blocks: list[TextBlock | ToolUseBlock] = []
+    arguments: dict[int, str] = {}  # a call's block's index -> its arguments so far
+    for piece in pieces:
+        if isinstance(piece, ArgumentsDelta):
+            arguments[len(blocks) - 1] += piece.text
+        elif isinstance(piece, CallStart):
+            arguments[len(blocks)] = ""
+            blocks.append(ToolUseBlock(id=new_tool_use_id(), name=piece.name, input={}))
+        elif blocks and isinstance(blocks[-1], TextBlock):
+            blocks[-1].text += piece.text
+        else:
+            blocks.append(TextBlock(text=_opening(piece.text, after_call=bool(blocks))))
+    for index, text in arguments.items():
+        blocks[index].input = _input(text)
+    return blocks
+
+
 class MessageBuilder:
     """One generation (one choice) as an Anthropic `message`. `input_tokens`: the prompt's length, known before
     the engine reports usage (`message_start` carries it); `calling`: what the text is read for (None: no tools)."""
@@ -92,10 +118,13 @@ class MessageBuilder:
         async for increment in generation.increments():
             text += self._calling.text_of(increment) if self._calling is not None else increment.text
             self._record(increment.token_ids, increment.finish_reason)
-        content, calls = self._calling.parse(text) if self._calling is not None else (text, [])
-        blocks: list[TextBlock | ToolUseBlock] = [TextBlock(text=content)] if content else []
-        blocks += [ToolUseBlock(id=new_tool_use_id(), name=c.name, input=_input(c.arguments)) for c in calls]
-        stop_reason, stop_sequence = self._stop(bool(calls))
+        if self._calling is None:
+            pieces: list[StreamEvent] = [TextDelta(text)] if text else []
+        else:
+            reader = self._calling.stream()
+            pieces = reader.push(text) + reader.finish()
+        blocks = _content(pieces)
+        stop_reason, stop_sequence = self._stop(any(isinstance(block, ToolUseBlock) for block in blocks))
         return self._message(blocks, stop_reason, stop_sequence, self._usage(generation))
 
     def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
@@ -175,7 +204,7 @@ class _Blocks:
             self._text_frame = TextFrame(
                 lambda text: sse(ContentBlockDeltaEvent(index=index, delta=TextDeltaBody(text=text))))
             events += [sse(ContentBlockStartEvent(index=index, content_block=TextBlock(text=""))),
-                       self._text_frame.event(piece.text)]
+                       self._text_frame.event(_opening(piece.text, after_call=index > 0))]
             self._open = "text"
         else:
             block = ToolUseBlock(id=new_tool_use_id(), name=piece.name, input={})

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, RootModel, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from sluice.app.schemas import MAX_STOP_STRINGS, MAX_TOOLS, ToolName, _Request
 
@@ -47,9 +48,44 @@ class ToolResultBlockParam(_Request):
 ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam, Field(discriminator="type")]
 
 
+# The block types Sluice can show the model: in a message, and in a tool result's content.
+_MESSAGE_BLOCKS = ("text", "tool_use", "tool_result")
+_RESULT_BLOCKS = ("text",)
+
+
+def _refuse_unsupported_blocks(content: Any, supported: tuple[str, ...], where: str) -> None:
+    """Refuses the first block of raw `content` (and of its tool results' content) whose type is not `supported`,
+    naming it: left to the union `str | list[block]`, it would be reported as content that is not a string."""
+    if not isinstance(content, list):
+        return
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, str):
+            continue
+        if kind not in supported:
+            raise PydanticCustomError("unsupported_block", "{where}: '{kind}' blocks are not supported (only "
+                                      "{supported})", {"where": f"{where}.{i}", "kind": kind,
+                                                       "supported": ", ".join(supported)})
+        if kind == "tool_result":
+            _refuse_unsupported_blocks(block.get("content"), _RESULT_BLOCKS, f"{where}.{i}.content")
+
+
 class MessageParam(_Request):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlockParam]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _supported_blocks(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _refuse_unsupported_blocks(data.get("content"), _MESSAGE_BLOCKS, "content")
+        return data
+
+    def blocks(self) -> list[ContentBlockParam]:
+        """The content as blocks (a string is one text block)."""
+        if isinstance(self.content, str):
+            return [TextBlockParam(type="text", text=self.content)]
+        return self.content
 
     @model_validator(mode="after")
     def _blocks_of_the_role(self) -> MessageParam:
@@ -109,6 +145,19 @@ class CountTokensRequest(_Request):
             raise ValueError("extended thinking is not supported")
         return value
 
+    @field_validator("messages")
+    @classmethod
+    def _one_turn_a_role(cls, messages: list[MessageParam]) -> list[MessageParam]:
+        """Consecutive messages of one role as one turn, as Anthropic combines them (chat templates may insist
+        that roles alternate)."""
+        turns: list[MessageParam] = []
+        for message in messages:
+            if turns and turns[-1].role == message.role:
+                turns[-1] = MessageParam(role=message.role, content=turns[-1].blocks() + message.blocks())
+            else:
+                turns.append(message)
+        return turns
+
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
             return self.system
@@ -122,6 +171,14 @@ class MessagesRequest(CountTokensRequest):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0: no top-k filter")
     stream: bool = False
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _no_empty_stop_sequence(cls, sequences: list[str]) -> list[str]:
+        # The empty string is found in any text: the reply would stop at its first token.
+        if "" in sequences:
+            raise ValueError("a stop sequence must not be empty")
+        return sequences
 
 
 # --- responses --------------------------------------------------------------------------------

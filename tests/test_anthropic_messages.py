@@ -4,7 +4,9 @@ Hermes way, and `any` / `tool` choices are forced by the grammar, so calls are v
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncGenerator
 
 import anthropic
 import httpx
@@ -12,8 +14,10 @@ import jsonschema
 import pytest
 
 from sluice.app.anthropic_messages import chat_request
-from sluice.app.anthropic_responses import first_stop_sequence
+from sluice.app.anthropic_responses import MessageBuilder, first_stop_sequence
 from sluice.app.anthropic_schemas import MessagesRequest
+from sluice.app.tool_calls import ToolCalling
+from sluice.batching.outputs import Increment, Usage
 from sluice.model.config import ModelConfig
 
 from hf_folder import write_hf_folder
@@ -181,6 +185,25 @@ def test_count_tokens_counts_the_prompt_that_create_renders(client):
     assert counted > client.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens
 
 
+def test_a_final_assistant_message_is_the_start_of_the_reply(server, client):
+    prefill = [*HELLO, {"role": "assistant", "content": [{"type": "text", "text": "Sure,"}]}]
+    # CHATML's rendering of HELLO, its generation prompt, then the prefill: no end of turn after it.
+    continued = "<s>user\nthe quick brown fox</s>\n<s>assistant\nSure,"
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"prompt": continued}, headers={"x-api-key": API_KEY})
+    assert client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens == tokenized.json()["count"]
+    message = client.messages.create(model=MODEL, max_tokens=4, messages=prefill)
+    assert message.usage.input_tokens == tokenized.json()["count"]
+
+
+def test_consecutive_messages_of_one_role_are_one_turn(client):
+    def count(messages: list[dict]) -> int:
+        return client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+
+    first, second = {"type": "text", "text": "the quick"}, {"type": "text", "text": "brown fox"}
+    assert count([{"role": "user", "content": "the quick"}, {"role": "user", "content": [second]}]) == count(
+        [{"role": "user", "content": [first, second]}])
+
+
 def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
     body = {"model": MODEL, "messages": HELLO}
     url = f"{server.url}/v1/messages/count_tokens"
@@ -204,7 +227,12 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
     ({"messages": HELLO, "max_tokens": 4,
       "tools": [{**WEATHER, "input_schema": {"type": "object", "properties": {"a": {"type": "banana"}}}}]},
      "tools.0"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4},
+     "messages.0: content.0: 'image' blocks are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                 "content": [{"type": "document", "source": {}}]}]}],
+      "max_tokens": 4}, "messages.0: content.0.content.0: 'document' blocks are not supported"),
+    ({"messages": HELLO, "max_tokens": 4, "stop_sequences": ["END", ""]}, "stop_sequences"),
     ({"messages": HELLO, "max_tokens": 4, "temperature": 1.5}, "temperature"),
 ])
 def test_bad_requests_are_400_invalid_request_errors_in_anthropics_shape(server, fields, words):
@@ -218,3 +246,39 @@ def test_an_unknown_model_is_a_404_not_found_error(client):
     with pytest.raises(anthropic.NotFoundError) as caught:
         client.messages.create(model="claude-elsewhere", max_tokens=4, messages=HELLO)
     assert caught.value.body["error"]["type"] == "not_found_error"
+
+
+class _Replay:
+    """A generation that replays `texts` as increments of one token each (what `MessageBuilder` reads)."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self._texts = texts
+        self.usage = Usage(prompt_tokens=3, completion_tokens=len(texts))
+
+    async def increments(self) -> AsyncGenerator[Increment, None]:
+        for i, text in enumerate(self._texts):
+            yield Increment(0, text, (i,), finish_reason="stop" if i == len(self._texts) - 1 else None)
+
+
+def test_text_after_a_call_is_a_block_after_it_whole_as_streamed():
+    texts = ["Checking.", "\n<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+             "\n</tool_call>\n", "Done."]
+
+    def builder() -> MessageBuilder:
+        return MessageBuilder("msg_1", MODEL, None, 3, [], ToolCalling(frozenset({"get_weather"})))
+
+    async def stream() -> list[dict]:
+        return [json.loads(event.split(b"data: ")[1]) async for event in builder().events(_Replay(texts))]
+
+    whole = asyncio.run(builder().collect(_Replay(texts)))
+
+    streamed: dict[int, tuple[str, str]] = {}
+    for event in asyncio.run(stream()):
+        if event["type"] == "content_block_start":
+            streamed[event["index"]] = (event["content_block"]["type"], "")
+        elif event["type"] == "content_block_delta" and event["delta"]["type"] == "text_delta":
+            streamed[event["index"]] = ("text", streamed[event["index"]][1] + event["delta"]["text"])
+    blocks = [("text", "Checking."), ("tool_use", ""), ("text", "Done.")]
+    assert list(streamed.values()) == blocks
+    assert [(block.type, getattr(block, "text", "")) for block in whole.content] == blocks
+    assert whole.content[1].input == {"city": "Oslo"} and whole.stop_reason == "tool_use"
