@@ -27,11 +27,13 @@ _TYPES = {
 def anthropic_error(error: APIError) -> AnthropicErrorResponse:
     """The body of `error`; a status without its own Anthropic type is an `api_error` (5xx) or invalid request."""
     kind = _TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    return AnthropicErrorResponse(error=AnthropicErrorDetail(type=kind, message=error.message))
+    details = {"error_code": error.code} if error.code is not None else None
+    return AnthropicErrorResponse(error=AnthropicErrorDetail(type=kind, message=error.message, details=details))
 
 
 def error_response_for(path: str, error: APIError) -> JSONResponse:
     """`error` as the route at `path` speaks: Anthropic's shape on its routes, OpenAI's elsewhere."""
     if path not in ANTHROPIC_PATHS:
         return error_response(error)
-    return JSONResponse(anthropic_error(error).model_dump(), status_code=error.status, headers=error.headers)
+    return JSONResponse(anthropic_error(error).model_dump(exclude_none=True), status_code=error.status,
+                        headers=error.headers)

@@ -44,7 +44,7 @@ from sluice.app.anthropic_schemas import (
     ToolResultBlockParam,
     ToolUseBlockParam,
 )
-from sluice.app.errors import from_validation_error
+from sluice.app.errors import APIError, from_validation_error
 from sluice.app.generation import respond, start_generation
 from sluice.app.prompts import Prompt, chat_prompt, tool_call_format
 from sluice.app.routes import check_tool_schemas, json_response, parse_body, plan_chat
@@ -54,6 +54,8 @@ from sluice.app.schemas import ChatCompletionRequest
 async def create_message(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, MessagesRequest)
+    if body.thread is not None:
+        raise thread_unsupported()
     chat = await plan_chat(state, engine, chat_request(body))
     chat = dataclasses.replace(chat, prompt=continued(engine.tokenizer, chat.prompt, body))
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -61,6 +63,13 @@ async def create_message(request: Request) -> Response:
     builder = MessageBuilder(message_id, state.model_name, engine.tokenizer, len(chat.prompt.token_ids),
                              body.stop_sequences, chat.calling)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+def thread_unsupported() -> APIError:
+    """Sluice holds no message threads (beta). This refusal's error_code is the one the anthropic client's tool
+    runner answers by sending the whole history from then on, as for any request a server cannot thread."""
+    return APIError(400, "message threads are not supported: send the whole history", param="thread",
+                    code="thread_unsupported_request")
 
 
 async def count_message_tokens(request: Request) -> Response:

@@ -171,6 +171,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0: no top-k filter")
     stream: bool = False
+    thread: dict[str, Any] | None = Field(
+        None, description="message threads (beta) are not held: refused as thread_unsupported_request, which the "
+                          "anthropic client's tool runner answers by sending the whole history")
 
     @field_validator("stop_sequences")
     @classmethod
@@ -288,6 +291,7 @@ class MessageStreamEvent(RootModel[Annotated[StreamEvent, Field(discriminator="t
 class AnthropicErrorDetail(BaseModel):
     type: str
     message: str
+    details: dict[str, Any] | None = Field(None, description="`error_code`: what the client may act on")
 
 
 class AnthropicErrorResponse(BaseModel):

@@ -112,7 +112,7 @@ def _stream_failure(path: str) -> bytes:
     """How an event stream on `path` ends when its replica died: the route's error event (and `[DONE]`)."""
     error = _replica_failed()
     if path in ANTHROPIC_PATHS:
-        return b"event: error\n" + sse_event(anthropic_error(error).model_dump())
+        return b"event: error\n" + sse_event(anthropic_error(error).model_dump(exclude_none=True))
     return sse_event(error.body()) + DONE
 
 

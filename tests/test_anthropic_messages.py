@@ -248,6 +248,32 @@ def test_an_unknown_model_is_a_404_not_found_error(client):
     assert caught.value.body["error"]["type"] == "not_found_error"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_clients_tool_runner_runs_its_loop_sending_whole_histories(client, stream):
+    # The runner asks for a message thread first; refused as a thread it cannot hold, it sends whole histories.
+    asked = []
+
+    def get_weather(city: str, unit: str) -> str:
+        asked.append(city)
+        return f"18 degrees {unit} in {city}"
+
+    tool = anthropic.beta_tool(get_weather, description=WEATHER["description"], input_schema=WEATHER["input_schema"])
+    runner = client.beta.messages.tool_runner(
+        model=MODEL, max_tokens=200, tools=[tool], messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True}, max_iterations=2, stream=stream, **GREEDY)
+    replies = [(turn.get_final_message() if stream else turn) for turn in runner]
+    assert [reply.stop_reason for reply in replies] == ["tool_use", "tool_use"] and len(asked) == 2
+    # The second reply's prompt held the first turn: its call and the tool's result.
+    assert replies[1].usage.input_tokens > replies[0].usage.input_tokens + replies[0].usage.output_tokens
+
+
+def test_a_message_thread_is_refused_as_one_the_client_can_go_on_without(server):
+    response = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": API_KEY},
+                          json={"model": MODEL, "max_tokens": 4, "messages": HELLO, "thread": {"type": "create"}})
+    assert response.status_code == 400
+    assert response.json()["error"]["details"] == {"error_code": "thread_unsupported_request"}
+
+
 class _Replay:
     """A generation that replays `texts` as increments of one token each (what `MessageBuilder` reads)."""
 
