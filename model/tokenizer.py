@@ -10,9 +10,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from jinja2 import Template
+from jinja2 import Template, nodes
 from jinja2.exceptions import TemplateError
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -141,7 +142,7 @@ class Tokenizer:
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
                 tools=tools,
             )
-        except TemplateError as error:
+        except Exception as error:  # the model's code, failing on these messages: raise_exception's or any other
             raise ChatTemplateError(f"the chat template failed: {error}") from None
 
     @cached_property
@@ -237,10 +238,23 @@ def _strftime_now(format: str) -> str:
     return datetime.datetime.now().strftime(format)
 
 
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}`, which marks an assistant's text for transformers'
+    `return_assistant_tokens_mask`: the text renders as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _chat_template_environment() -> ImmutableSandboxedEnvironment:
     """The environment Hugging Face renders chat templates in: sandboxed, lenient undefined variables,
-    `{% break %}`/`{% continue %}`, `raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII text."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    `{% break %}`/`{% continue %}`, `{% generation %}`, `raise_exception`, `strftime_now` and a `tojson` that keeps
+    non-ASCII text."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -318,13 +332,40 @@ class IncrementalDetokenizer:
 
     def __init__(self, backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...] = ()):
         self._backend = backend
-        self._stream = DecodeStream(ids=list(prompt_ids[-_DECODE_CONTEXT:]), skip_special_tokens=True)
+        self._stream = DecodeStream(ids=_decode_context(backend, prompt_ids), skip_special_tokens=True)
+        self._held: list[int] = []  # the ids pushed since the last text
 
     def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
         """Appends tokens and returns the text they complete (possibly "")."""
         text = ""
         for token_id in new_ids:
-            piece = self._stream.step(self._backend, token_id)
-            if piece is not None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception as error:  # noqa: BLE001 - the library raises a bare Exception
+                piece = self._restart(token_id, error)
+            if piece is None:
+                self._held.append(token_id)
+            else:
                 text += piece
+                self._held = []
         return text
+
+    def _restart(self, token_id: int, error: Exception) -> str | None:
+        """A fresh stream from the held ids, when `DecodeStream` finds the text it emitted is no longer a prefix
+        of the decode: byte-fallback tokens decode as one run, all U+FFFD if the run is not UTF-8, so a lead byte
+        never finished takes back the bytes emitted before it. Their text stands; the held ones come out as
+        U+FFFD."""
+        if not str(error).startswith("Invalid prefix"):
+            raise error
+        self._stream = DecodeStream(ids=self._held, skip_special_tokens=True)
+        return self._stream.step(self._backend, token_id)
+
+
+def _decode_context(backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...]) -> list[int]:
+    """The last few prompt ids, less the bytes of a character the prompt leaves unfinished: from a context whose
+    text ends in U+FFFD, `DecodeStream` would put the context's own text into the stream along with the first
+    output text."""
+    context = list(prompt_ids[-_DECODE_CONTEXT:])
+    while context and backend.decode(context, skip_special_tokens=True).endswith("\ufffd"):
+        context.pop()
+    return context

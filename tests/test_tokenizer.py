@@ -6,6 +6,10 @@ import random
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from sluice.model.tokenizer import ByteDetokenizer, ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
@@ -87,3 +91,133 @@ def test_raise_exception_in_a_template_is_a_chat_template_error(tokenizer):
 def test_a_template_that_does_not_compile_is_a_chat_template_error(tokenizer):
     with pytest.raises(ChatTemplateError, match="does not compile"):
         with_template(tokenizer, "{% for m in messages %}").apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("failing", ["{{ messages[0]['content'] + 1 }}", "{{ messages[0]['name'] | tojson }}",
+                                     "{{ range(10 ** 9) | list }}"])
+def test_any_error_a_template_raises_is_a_chat_template_error(tokenizer, failing):
+    with pytest.raises(ChatTemplateError, match="the chat template failed"):
+        with_template(tokenizer, failing).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_a_template_that_marks_the_generation_renders_as_hugging_face_renders_it(tokenizer):
+    """Templates written for training mark the assistant's text with `{% generation %}` (transformers'
+    `return_assistant_tokens_mask`); rendering leaves the text as it is."""
+    marked = with_template(tokenizer, "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+                                      "{% endfor %}")
+    assert marked.apply_chat_template([{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]) == "ab"
+
+def with_user_defined_token(tokenizer: Tokenizer) -> Tokenizer:
+    """The same vocabulary plus a non-special added token (as Qwen's GGUF files have `<tool_call>`): its text
+    is output, so streams go through the library (`IncrementalDetokenizer`)."""
+    backend = HFTokenizer.from_str(tokenizer.to_json())
+    backend.add_tokens([AddedToken("<user_defined>", special=False, normalized=False)])
+    return Tokenizer(backend, tokenizer.special)
+
+
+@pytest.fixture(scope="module")
+def library_streamed(tokenizer) -> Tokenizer:
+    streaming = with_user_defined_token(tokenizer)
+    assert isinstance(streaming.decode_stream(), IncrementalDetokenizer)
+    return streaming
+
+
+@pytest.fixture(scope="module")
+def piece_ids(tokenizer) -> list[int]:
+    """Ids of tokens that hold only part of a character (on their own they decode to U+FFFD)."""
+    return [i for i in range(tokenizer.vocab_size) if "\ufffd" in tokenizer.token_text(i)]
+
+
+def streamed(stream: IncrementalDetokenizer | ByteDetokenizer, ids: list[int], group_sizes: list[int]) -> list[str]:
+    """The pieces of text a stream gives for `ids` pushed in groups of the given sizes (the rest one by one)."""
+    pieces, start = [], 0
+    for size in group_sizes:
+        pieces.append(stream.push(ids[start:start + size]))
+        start += size
+    return pieces + [stream.push([i]) for i in ids[start:]]
+
+
+def assert_streams_as_the_whole_decodes(tokenizer: Tokenizer, pieces: list[str], ids: list[int]) -> None:
+    """The pieces join to the whole decode, but for a character left unfinished at the end (held back, as the
+    stream has not ended); none has a U+FFFD that the whole decode has not."""
+    whole, joined = tokenizer.decode(ids), "".join(pieces)
+    if whole.endswith("\ufffd"):
+        assert whole.startswith(joined)
+    else:
+        assert joined == whole
+    if "\ufffd" not in whole:
+        assert not any("\ufffd" in piece for piece in pieces)
+
+
+def token_ids(tokenizer: Tokenizer, piece_ids: list[int]) -> st.SearchStrategy[int]:
+    """Any id of the vocabulary, often one holding part of a character or a special token."""
+    specials = [tokenizer.bos_token_id, *tokenizer.eos_token_ids]
+    return st.one_of(st.integers(0, tokenizer.vocab_size - 1), st.sampled_from(piece_ids), st.sampled_from(specials))
+
+
+SOME_TEXT = st.text(st.one_of(st.characters(codec="utf-8"), st.sampled_from("🙂👍🏽東京数学é ")), max_size=40)
+GROUP_SIZES = st.lists(st.integers(1, 4), max_size=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), group_sizes=GROUP_SIZES)
+def test_the_stream_of_random_ids_joins_to_their_whole_decode(tokenizer, library_streamed, piece_ids, data,
+                                                               group_sizes):
+    prompt = data.draw(st.lists(token_ids(tokenizer, piece_ids), max_size=6))
+    ids = data.draw(st.lists(token_ids(tokenizer, piece_ids), max_size=20))
+    for streaming in (tokenizer, library_streamed):
+        pieces = streamed(streaming.decode_stream(prompt), ids, group_sizes)
+        assert_streams_as_the_whole_decodes(tokenizer, pieces, ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=SOME_TEXT, text=SOME_TEXT, group_sizes=GROUP_SIZES)
+def test_the_stream_of_encoded_text_joins_to_its_whole_decode(tokenizer, library_streamed, prompt, text,
+                                                               group_sizes):
+    ids = tokenizer.encode(text)
+    for streaming in (tokenizer, library_streamed):
+        pieces = streamed(streaming.decode_stream(tokenizer.encode(prompt)), ids, group_sizes)
+        assert_streams_as_the_whole_decodes(tokenizer, pieces, ids)
+
+
+def test_a_prompt_that_ends_mid_character_puts_none_of_its_text_in_the_stream(tokenizer, library_streamed):
+    tokyo = tokenizer.encode("東京")
+    assert len(tokyo) == 4, "京 should be split across the last two tokens"
+    prompt, output = tokenizer.encode("Say ") + tokyo[:3], [tokyo[3], *tokenizer.encode(" is big")]
+    for streaming in (tokenizer, library_streamed):
+        stream = streaming.decode_stream(prompt)
+        assert "".join(stream.push([i]) for i in output) == tokenizer.decode(output) == "\ufffd is big"
+
+
+def llama_style_tokenizer() -> HFTokenizer:
+    """A SentencePiece vocabulary with Llama 2's normalizer and decoder: "▁" for a space, `<0xE6>`-style
+    byte-fallback tokens, and a decoder that drops the text's leading space."""
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "▁Hello", "▁world", "▁is", "京"]
+    backend = HFTokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=0, byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return backend
+
+
+def test_a_sentencepiece_stream_keeps_the_space_after_the_prompt_and_holds_byte_fallback_characters_whole():
+    backend = llama_style_tokenizer()
+    prompt, output = backend.encode("Hello").ids, backend.encode("world is 東京 🙂").ids
+    assert backend.id_to_token(output[-1]) == "<0x82>"
+    stream = IncrementalDetokenizer(backend, [1, *prompt])
+    pieces = [stream.push([i]) for i in output]
+    assert "".join(pieces) == " world is 東京 🙂"
+    assert "" in pieces and not any("\ufffd" in p for p in pieces)
+
+
+def test_a_sentencepiece_stream_goes_on_past_a_byte_fallback_character_left_unfinished():
+    """Byte-fallback tokens decode as one run, so a lead byte never finished turns the newline emitted before it
+    into U+FFFD in the whole decode, which tokenizers' `DecodeStream` reports as an invalid prefix."""
+    backend = llama_style_tokenizer()
+    output = [backend.token_to_id("<0x0A>"), backend.token_to_id("<0xE6>"), *backend.encode("world").ids]
+    assert backend.decode(output) == "\ufffd\ufffd world"
+    stream = IncrementalDetokenizer(backend, backend.encode("Hello").ids)
+    assert [stream.push([i]) for i in output] == ["\n", "", "\ufffd world"]
+
