@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 from sluice.model.fetch import ModelNotFound
 
@@ -60,6 +61,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least(low: float, kind: type) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, refused below `low`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="High-throughput LLM inference on JAX/XLA.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -71,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="complete one prompt offline, streaming to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=_at_least(1, int), default=128)
+    gen.add_argument("--temperature", type=_at_least(0.0, float), default=0.0, help="0: greedy")
     gen.add_argument("--seed", type=int, default=0)
     _add_model_arguments(gen)
     gen.set_defaults(run=_generate)

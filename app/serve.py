@@ -23,6 +23,7 @@ import uvicorn
 from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU_BATCH, CPU_PAGE_SIZE, \
     KV_CACHE_DTYPES, LAYER_LOOPS, LARGE_ACCELERATOR_BATCH, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
 from sluice.batching.engine import Engine
+from sluice.model.fetch import resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
@@ -54,6 +55,12 @@ def byte_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2)]
 
 
+def port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0 to 65535)")
+    return int(text)
+
+
 def env_name(flag: str) -> str:
     return "SLUICE_" + flag.lstrip("-").replace("-", "_").upper()
 
@@ -74,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--model", None, "a .gguf file, an HF folder or a known name (default: SmolLM2-135M-Instruct, fetched if missing)")
     _option(parser, "--served-model-name", None, "the name clients pass as `model` (default: the model's name)")
     _option(parser, "--host", "127.0.0.1", "address to listen on")
-    _option(parser, "--port", 8000, "port to listen on", type=int)
+    _option(parser, "--port", 8000, "port to listen on", type=port)
     _option(parser, "--dtype", None, "parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
             choices=["float32", "bfloat16", "float16"])
     _option(parser, "--quantization", "auto",
@@ -247,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         return _serve_replicas(engine_config, settings, args)
     if args.hosts is not None:
-        return _serve_on_hosts(args)
+        return _serve_on_hosts(args)  # the model's path is the hosts'
+    if args.model is not None:
+        resolve_model(args.model)  # a path that holds no model is a one-line error now, not once the server is up
     try:
         initialize_distributed(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
     except ValueError as error:

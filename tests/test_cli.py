@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SLUICE = [sys.executable, "-m", "sluice.app.cli"]
 
 
@@ -35,3 +37,15 @@ def test_bench_runs_the_named_benchmark_from_any_directory(tmp_path):
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "--url" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["serve", "--model", "/nonexistent/model.gguf"], "model '/nonexistent/model.gguf' not found"),
+    (["serve", "--port", "99999"], "not a port"),
+    (["generate", "hi", "--max-tokens", "-3"], "--max-tokens: must be at least 1"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature: must be at least 0"),
+])
+def test_bad_arguments_are_a_one_line_error_before_anything_starts(args, words):
+    result = run_sluice(*args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert words in result.stderr.strip().splitlines()[-1]
