@@ -123,6 +123,11 @@ class TextConfig(_Request):
     format: TextFormatSpec = Field(default_factory=lambda: TextFormat(type="text"))
 
 
+def _asks(value: Any) -> bool:
+    """Whether a field's value asks for something: `{"effort": null}`, as clients send for "not set", does not."""
+    return any(v is not None for v in value.values()) if isinstance(value, dict) else bool(value)
+
+
 class ResponsesRequest(_Request):
     model: str | None = None
     input: list[InputItem] = Field(min_length=1, description="a string (one user message) or a list of items")
@@ -149,7 +154,7 @@ class ResponsesRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _no_unsupported_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and (given := [name for name in _UNSUPPORTED if data.get(name)]):
+        if isinstance(data, dict) and (given := [name for name in _UNSUPPORTED if _asks(data.get(name))]):
             raise ValueError(f"{given[0]} is not supported")
         return data
 

@@ -46,6 +46,12 @@ def test_the_store_evicts_the_oldest_beyond_its_bytes_and_keeps_none_larger_than
     assert (store.get("huge"), len(store)) == (None, 2)
 
 
+def test_an_unsupported_field_that_asks_for_nothing_is_no_error():
+    body = ResponsesRequest.model_validate({"input": "Hi", "reasoning": {"effort": None, "summary": None},
+                                            "background": False})
+    assert body.input[0].content == "Hi"
+
+
 def test_items_become_chat_messages_calls_joining_the_assistant_turn_before_them():
     body = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
@@ -316,6 +322,7 @@ def test_input_items_list_the_conversation_before_the_output_newest_first_in_pag
      "input.0.function_call.arguments"),
     ({"temperature": 3}, "temperature"),
     ({"background": True}, None),
+    ({"reasoning": {"effort": "high"}}, None),
     ({"include": ["message.output_text.everything"]}, "include.0"),
     ({"top_logprobs": 21}, "top_logprobs"),
 ])
