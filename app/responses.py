@@ -276,7 +276,8 @@ class CompletionBuilder:
                 yield self._chunk([CompletionChoice(index=i, text=self._echo(i))])
         async for increment in generation.increments():
             if self._body.logprobs is None and increment.finish_reason is None:
-                yield self._frame.text_event(increment.choice, increment.text)
+                if increment.text:  # none yet: a character's first bytes, or text held back for a stop string
+                    yield self._frame.text_event(increment.choice, increment.text)
                 continue
             logprobs = self._logprobs(increment.logprobs, offsets[increment.choice])
             offsets[increment.choice] += sum(len(self._tokenizer.token_text(e.token_id)) for e in increment.logprobs)

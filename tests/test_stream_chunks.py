@@ -3,14 +3,17 @@ events of the whole chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncGenerator
 
 import pytest
 
 from sluice.app.anthropic_responses import _Blocks
 from sluice.app.anthropic_responses import sse as anthropic_sse
 from sluice.app.anthropic_schemas import ContentBlockDeltaEvent, TextDeltaBody
-from sluice.app.responses import ChunkFrame
+from sluice.app.prompts import Prompt
+from sluice.app.responses import ChunkFrame, CompletionBuilder
 from sluice.app.responses_api_builder import stream_event
 from sluice.app.responses_api_schemas import ResponseObject, ResponseStreamEvent, TextConfig
 from sluice.app.schemas import (
@@ -19,6 +22,7 @@ from sluice.app.schemas import (
     ChatDelta,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionRequest,
     CompletionResponse,
     FunctionCallDelta,
     PromptTokensDetails,
@@ -29,6 +33,7 @@ from sluice.app.schemas import (
 )
 from sluice.app.streaming import sse_event
 from sluice.app.tool_call_streams import CallStart, TextDelta
+from sluice.batching.outputs import Increment, Usage
 
 # Quotes, a backslash, non-ASCII text and a newline: whatever JSON must escape.
 ID, MODEL = 'cmpl-"7"\\', "smöl\nlm"
@@ -115,3 +120,28 @@ def test_responses_api_events_serialized_without_their_model_are_the_models_even
     for number, event in enumerate(events):
         model = ResponseStreamEvent(**event, sequence_number=number).model_dump_json()
         assert stream_event(event, number) == f"event: {event['type']}\n".encode() + sse_event(model)
+
+
+class _Replay:
+    """A generation that replays increments (what a response builder reads)."""
+
+    def __init__(self, increments: list[Increment]) -> None:
+        self._increments = increments
+        self.usage = Usage(prompt_tokens=2, completion_tokens=len(increments))
+
+    async def increments(self) -> AsyncGenerator[Increment, None]:
+        for increment in self._increments:
+            yield increment
+
+
+def test_a_completion_stream_sends_no_chunk_for_an_increment_without_text(smollm2):
+    # A character's first bytes, or text held back as it may start a stop string, come with no text yet.
+    body = CompletionRequest.model_validate({"prompt": "x", "stream": True})
+    builder = CompletionBuilder("cmpl-1", MODEL, smollm2.tokenizer, body, [Prompt([1], "x")])
+    replay = _Replay([Increment(0, "", (5,)), Increment(0, "Hi", (6,)), Increment(0, "", (7,), finish_reason="stop")])
+
+    async def texts() -> list[str]:
+        events = [event async for event in builder.events(replay)]
+        return [json.loads(e.removeprefix(b"data: "))["choices"][0]["text"] for e in events if b"choices" in e]
+
+    assert asyncio.run(texts()) == ["Hi", ""]  # the text, then the finish
