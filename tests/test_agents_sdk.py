@@ -60,7 +60,7 @@ def assert_called_the_tool_then_answered(result: RunResult | RunResultStreaming,
     assert len(calls) == len(asked) and outputs == [f"Sunny, 24 C in {city}" for city in asked]
     assert isinstance(result.new_items[-1], MessageOutputItem)
     assert isinstance(result.final_output, str) and result.final_output.strip()
-    assert result.context_wrapper.usage.requests == 2  # the call, then the answer to its output
+    assert result.context_wrapper.usage.requests >= 2  # the call, then (after any more) the answer to its output
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
