@@ -42,11 +42,12 @@ def routing_key(body: bytes) -> str:
     """The text whose prefixes choose the replica: the JSON of the body's prompt fields, in `PROMPT_FIELDS` order.
 
     Requests that share a system prompt, a conversation's earlier turns or the first token ids of a prompt share
-    a prefix of their keys. A body that is not a JSON object has no key (the replica answers its 400).
+    a prefix of their keys. A body that is not a JSON object has no key (the replica answers its 400), nor has
+    one nested deeper than the parser recurses (a body of 100 KB can be).
     """
     try:
         payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return ""
     if not isinstance(payload, dict):
         return ""

@@ -81,9 +81,17 @@ class BodySizeLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+# nginx's status for a client that closed its connection before the answer (streaming.py answers it too).
+_CLIENT_CLOSED = 499
+
+
 class RequestCountMiddleware:
     """Counts responses by route (its path template, such as /v1/responses/{response_id}; unknown paths share
-    the label "other") and status code, and hands error responses' messages to the dashboard's error list."""
+    the label "other") and status code, and hands error responses' messages to the dashboard's error list.
+
+    A request that got no response counts as a 500 if the app raised (the server then sends that 500), else
+    as a 499: its client left before there was anything to answer (while still sending its body, say).
+    """
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: tuple[Route, ...]) -> None:
         self.app = app
@@ -99,7 +107,7 @@ class RequestCountMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status = 0  # until the response starts
         error_body = b""
 
         async def send_recording_status(message: Message) -> None:
@@ -112,7 +120,12 @@ class RequestCountMiddleware:
 
         try:
             await self.app(scope, receive, send_recording_status)
+        except Exception:
+            status = status or 500
+            raise
         finally:
+            if not status:
+                status, error_body = _CLIENT_CLOSED, b"The client left before it was answered"
             self._metrics.responded(self._route(scope["path"]), status, _error_message(error_body) if status >= 400 else None)
 
 

@@ -52,7 +52,7 @@ async def parse_body(request: Request, schema: type[M]) -> tuple[ServerState, En
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:  # Recursion: nested too deep
         raise invalid_request(f"The body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise invalid_request("The body must be a JSON object")

@@ -1,5 +1,5 @@
-"""The official `openai` client against the app over a real engine (a tiny random model with SmolLM2's tokenizer,
-in-process): request fields the OpenAI API accepts reach the engine as OpenAI means them."""
+"""The official `openai` client (and raw bodies) against the app over a real engine (a tiny random model with
+SmolLM2's tokenizer, in-process): request fields the OpenAI API accepts reach the engine as OpenAI means them."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def engine(smollm2) -> Engine:
 
 
 def serve(engine: Engine, scenario):
-    """Runs `scenario(client)`, an `openai.AsyncOpenAI` on the app, with the engine's step loop started."""
+    """Runs `scenario(client, http)`, an `openai.AsyncOpenAI` on the app and the `httpx.AsyncClient` under it,
+    with the engine's step loop started."""
 
     async def run():
         state = ServerState(ServerSettings())
@@ -42,7 +43,7 @@ def serve(engine: Engine, scenario):
             transport = httpx.ASGITransport(app=create_app(state))
             async with httpx.AsyncClient(transport=transport, base_url="http://sluice/v1", timeout=60) as http:
                 return await scenario(openai.AsyncOpenAI(api_key="none", base_url="http://sluice/v1",
-                                                         http_client=http))
+                                                         http_client=http), http)
         finally:
             await engine.shutdown()
 
@@ -50,10 +51,19 @@ def serve(engine: Engine, scenario):
 
 
 def test_a_negative_seed_as_openai_allows_samples_the_same_reply_twice(engine):
-    async def scenario(client: openai.AsyncOpenAI) -> list[str]:
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list[str]:
         replies = [await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6,
                                                         temperature=1.0, seed=-7) for _ in range(2)]
         return [reply.choices[0].message.content for reply in replies]
 
     first, again = serve(engine, scenario)
     assert first and first == again
+
+
+def test_a_body_nested_deeper_than_the_json_parser_goes_is_a_400(engine):
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> httpx.Response:
+        return await http.post("/chat/completions", content=b"[" * 100_000,
+                               headers={"content-type": "application/json"})
+
+    response = serve(engine, scenario)
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]

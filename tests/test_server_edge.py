@@ -1,0 +1,77 @@
+"""The server's edge, no model loaded: what the request counts and the dashboard's error list say about requests
+that got no answer (under a real uvicorn), and the scale-out ingress's reading of bodies."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from sluice.app.ingress import routing_key
+from sluice.app.metrics import ServerMetrics
+from sluice.app.middleware import RequestCountMiddleware
+from sluice.app.server import create_app
+from sluice.app.state import ServerSettings, ServerState
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[ServerState, tuple[str, int]]]:
+    """A loading server's state and its address; uvicorn runs in a thread."""
+    state = ServerState(ServerSettings())
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    yield state, (host, port)
+    server.should_exit = True
+    thread.join(10)
+
+
+def counts(address: tuple[str, int], route: str) -> list[str]:
+    """The `sluice_requests_total` samples of `route`."""
+    text = httpx.get("http://{}:{}/metrics".format(*address)).text
+    return [line for line in text.splitlines() if line.startswith(f'sluice_requests_total{{route="{route}",')]
+
+
+def test_a_client_gone_while_sending_its_body_is_counted_as_closed_not_as_a_server_error(served):
+    state, address = served
+    with socket.create_connection(address) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: sluice\r\nContent-Length: 100\r\n\r\n{\"prompt")
+        time.sleep(0.1)  # the middleware is waiting for the rest of the body when the client leaves
+    deadline = time.monotonic() + 5
+    while not counts(address, "/v1/completions"):
+        assert time.monotonic() < deadline, "the request was never counted"
+        time.sleep(0.05)
+    assert counts(address, "/v1/completions") == ['sluice_requests_total{route="/v1/completions",status="499"} 1.0']
+    [error] = state.metrics.recent.take().errors
+    assert (error.kind, error.status, error.message) == ("aborted", 499, "The client left before it was answered")
+
+
+def test_a_route_that_raises_is_still_counted_as_a_500():
+    async def broken(request: Request) -> None:
+        raise RuntimeError("a bug")
+
+    metrics = ServerMetrics(lambda: None)
+    routes = (Route("/broken", broken),)
+    counting = Middleware(RequestCountMiddleware, metrics=metrics, routes=routes)
+    app = Starlette(routes=list(routes), middleware=[counting])
+    assert TestClient(app, raise_server_exceptions=False).get("/broken").status_code == 500
+    assert 'sluice_requests_total{route="/broken",status="500"} 1.0' in metrics.render().decode()
+
+
+def test_a_body_nested_too_deep_for_the_json_parser_has_no_routing_key():
+    assert routing_key(b"[" * 100_000) == ""
