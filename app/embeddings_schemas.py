@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from sluice.app.schemas import Prompt, _Request, check_prompts
+
+# OpenAI's limit, above a completion's: LangChain's OpenAIEmbeddings sends 1000 inputs a request.
+MAX_INPUTS = 2048
+
+
+def check_inputs(value: Prompt, info: ValidationInfo) -> Prompt:
+    """`input`: as a completion's prompts (`check_prompts`), up to OpenAI's MAX_INPUTS of them."""
+    return check_prompts(value, info, max_prompts=MAX_INPUTS)
 
 
 class EmbeddingRequest(_Request):
@@ -16,7 +24,7 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = Field(None, ge=1, description="must be the model's hidden size (no truncation)")
     user: str | None = None
 
-    _check_input = field_validator("input")(check_prompts)
+    _check_input = field_validator("input")(check_inputs)
 
 
 class Embedding(BaseModel):

@@ -232,15 +232,16 @@ class SamplingRequest(_Request):
 Prompt = str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
-def check_prompts(prompt: Prompt, info: ValidationInfo) -> Prompt:
-    """A field of prompts (`prompt`, embeddings' `input`): none empty, at most MAX_PROMPTS, ids in the vocabulary."""
+def check_prompts(prompt: Prompt, info: ValidationInfo, max_prompts: int = MAX_PROMPTS) -> Prompt:
+    """A field of prompts (`prompt`, embeddings' `input`): none empty, at most `max_prompts`, ids in the
+    vocabulary."""
     if not prompt:
         raise ValueError(f"{info.field_name} must not be empty")
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
     if any(not p for p in prompts):
         raise ValueError(f"{info.field_name} must not be empty")
-    if len(prompts) > MAX_PROMPTS:
-        raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+    if len(prompts) > max_prompts:
+        raise ValueError(f"at most {max_prompts} prompts per request")
     for ids in prompts:
         if isinstance(ids, list):
             _check_vocabulary(ids, info)

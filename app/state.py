@@ -99,7 +99,9 @@ class ServerState:
         engine = self.require_engine()
         # What is in flight beyond the running batch's capacity waits (the engine's own count lags a step).
         waiting = self._in_flight_seqs + num_seqs - engine.config.max_num_seqs
-        if waiting > self.settings.max_waiting:
+        # A request larger than the whole queue (2048 embedding inputs, say) gets in when nothing else is in flight:
+        # refused then, it could never get in.
+        if waiting > self.settings.max_waiting and self._in_flight_seqs:
             raise queue_full(self.settings.retry_after_s)
         self._in_flight_seqs += num_seqs
         self._idle.clear()

@@ -213,6 +213,31 @@ def test_token_ids_embed_as_their_text_and_pages_return_to_idle(engine):
     assert engine.stats.kv_pages_used == 0
 
 
+def test_a_batch_of_as_many_inputs_as_langchain_sends_embeds_each_in_input_order(engine):
+    texts = ["alpha", "bravo charlie", "delta echo foxtrot", "golf"]
+    inputs = [texts[i % 4] for i in range(1000)]  # LangChain's OpenAIEmbeddings sends 1000 inputs a request
+
+    async def scenario(client, http):
+        alone = await client.embeddings.create(model="tiny", input=texts)
+        return alone, await client.embeddings.create(model="tiny", input=inputs)
+
+    alone, batch = serve(engine, scenario)
+    assert [d.index for d in batch.data] == list(range(len(inputs)))
+    expected = np.array([alone.data[i % 4].embedding for i in range(len(inputs))])
+    np.testing.assert_allclose(np.array([d.embedding for d in batch.data]), expected, atol=1e-5)
+    assert batch.usage.prompt_tokens == 250 * alone.usage.prompt_tokens
+
+
+def test_a_request_larger_than_the_whole_queue_is_served_when_nothing_else_is_in_flight(engine):
+    inputs = [f"item {i}" for i in range(CONFIG.max_num_seqs + 4 + 8)]  # past the running batch and the queue
+
+    async def scenario(client, http):
+        return await client.embeddings.create(model="tiny", input=inputs)
+
+    reply = serve(engine, scenario, max_waiting=4)
+    assert [d.index for d in reply.data] == list(range(len(inputs)))
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
@@ -225,6 +250,8 @@ def test_token_ids_embed_as_their_text_and_pages_return_to_idle(engine):
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "hi", "dimensions": 32}, "dimensions"),
     ({"input": [5] * 129}, None),
+    ({"input": ["a"] * 2049}, "input"),
+    ({"input": [[5]] * 2049}, "input"),
 ])
 def test_bad_inputs_are_openai_shaped_400s(engine, body, param):
     async def scenario(client, http):
