@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error, error_response_for
-from sluice.app.errors import APIError
+from sluice.app.errors import APIError, body_too_large
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
 from sluice.app.scale_out import REPLICA_HEADER
 from sluice.app.streaming import DONE, sse_event
@@ -57,15 +57,18 @@ def routing_key(body: bytes) -> str:
 class SluiceIngress:
     """A Ray Serve deployment class; `replicas` is the handle of the `SluiceReplica` deployment."""
 
-    def __init__(self, replicas: DeploymentHandle) -> None:
+    def __init__(self, replicas: DeploymentHandle, max_body_bytes: int) -> None:
         self._replicas = replicas.options(method_name="forward", stream=True)
+        self._max_body_bytes = max_body_bytes
         self._reports: dict[str, ReplicaReport] = {}
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
             return Response(self._render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
-        body = await request.body()
+        body = await self._body(request)
+        if body is None:
+            return error_response_for(path, body_too_large(self._max_body_bytes))
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      tuple(request.scope["headers"]), body)
         stream: DeploymentResponseGenerator = self._replicas.remote(routing_key(body), forwarded)
@@ -80,6 +83,17 @@ class SluiceIngress:
         headers[REPLICA_HEADER] = start.replica
         return StreamingResponse(self._relay(stream, path, _is_event_stream(start)), status_code=start.status,
                                  headers=headers)
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The request's body, or None past the replicas' limit: read no further (the replica would refuse it
+        with the same 413, after this process had held all of it)."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self._max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _relay(self, stream: DeploymentResponseGenerator, path: str, events: bool) -> AsyncIterator[bytes]:
         try:

@@ -81,6 +81,13 @@ def test_errors_come_back_as_the_single_process_sends_them(cluster):
     assert unknown.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_body_over_the_limit_is_refused_by_the_ingress_before_any_replica_sees_it(cluster):
+    huge = httpx.post(f"{cluster.url}/v1/completions", content=b"x" * (5 << 20), timeout=60,
+                      headers={"content-type": "application/json"})
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    assert REPLICA_HEADER not in huge.headers  # no replica answered it: the ingress read no more than the limit
+
+
 def test_requests_sharing_a_prefix_go_to_the_replica_that_cached_it(cluster):
     shared = list(range(1000, 1200))
     replicas, cached = set(), []
