@@ -31,7 +31,8 @@ class ApiKeyMiddleware:
             headers = Headers(scope=scope)
             scheme, _, token = headers.get("authorization", "").partition(" ")
             keys = [token.strip() if scheme.lower() == "bearer" else None, headers.get("x-api-key")]
-            if not any(key is not None and hmac.compare_digest(key.encode(), self._key) for key in keys):
+            # Starlette decodes header bytes as latin-1: encoded back, they are the bytes the client sent.
+            if not any(key is not None and hmac.compare_digest(key.encode("latin-1"), self._key) for key in keys):
                 await error_response_for(scope["path"], unauthorized())(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -58,6 +58,13 @@ def test_right_api_key_passes_to_the_route():
     assert_openai_error(response, 503)
 
 
+def test_a_key_beyond_ascii_matches_as_its_utf8_bytes():
+    key = "clé-🔑"
+    for header in ("Authorization", "x-api-key"):
+        value = (f"Bearer {key}" if header == "Authorization" else key).encode()
+        assert_openai_error(client(api_key=key).get("/v1/models", headers={header: value}), 503)
+
+
 def test_health_and_metrics_need_no_api_key():
     c = client(api_key=KEY)
     assert c.get("/metrics").status_code == 200
