@@ -23,7 +23,7 @@ MAX_STOP_TOKEN_IDS = 16
 MAX_PROMPTS = 256
 MAX_SAMPLES = 64
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, strict=True)]  # strict: `true` or "5" is no token id
 
 
 def _check_vocabulary(ids: list[int], info: ValidationInfo) -> list[int]:

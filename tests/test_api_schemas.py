@@ -27,11 +27,17 @@ def rejection(schema, body: dict) -> APIError:
     [("max_tokens", -1), ("max_tokens", 0), ("temperature", 2.5), ("temperature", -0.1), ("top_p", 0.0),
      ("top_logprobs", 21), ("n", 0), ("n", 65), ("presence_penalty", 3.0), ("stop", 7), ("top_k", -2),
      ("seed", -(2**63) - 1), ("seed", 2**64), ("stop_token_ids", [1000]), ("stop_token_ids", [-1]),
-     ("stop_token_ids", list(range(17))), ("stop", ["x"] * 17), ("min_tokens", -1)],
+     ("stop_token_ids", list(range(17))), ("stop", ["x"] * 17), ("min_tokens", -1), ("stop_token_ids", [True]),
+     ("stop_token_ids", ["5"])],
 )
 def test_out_of_range_chat_field_is_rejected_with_its_name_as_param(field, value):
     error = rejection(ChatCompletionRequest, {**CHAT, field: value, "logprobs": True})
     assert error.param is not None and error.param.startswith(field)
+
+
+@pytest.mark.parametrize("prompt", [[True, 5], [[5, False]], ["x", 5]])
+def test_a_prompt_of_anything_but_token_ids_or_strings_is_rejected(prompt):
+    assert rejection(CompletionRequest, {"prompt": prompt}).param.startswith("prompt")
 
 
 def test_unknown_role_is_rejected_and_names_the_message():
