@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse
 
 from sluice.app.anthropic_schemas import AnthropicErrorDetail, AnthropicErrorResponse
 from sluice.app.errors import APIError, error_response
+from sluice.app.streaming import sse_event
 
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
@@ -29,6 +30,11 @@ def anthropic_error(error: APIError) -> AnthropicErrorResponse:
     kind = _TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
     details = {"error_code": error.code} if error.code is not None else None
     return AnthropicErrorResponse(error=AnthropicErrorDetail(type=kind, message=error.message, details=details))
+
+
+def anthropic_error_event(error: APIError) -> bytes:
+    """`error` as the `error` event that ends an Anthropic stream."""
+    return b"event: error\n" + sse_event(anthropic_error(error).model_dump(exclude_none=True))
 
 
 def error_response_for(path: str, error: APIError) -> JSONResponse:

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from sluice.batching.outputs import FinishReason
 from sluice.model.tokenizer import Tokenizer
 
-from sluice.app.anthropic_errors import anthropic_error
+from sluice.app.anthropic_errors import anthropic_error_event
 from sluice.app.anthropic_schemas import (
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
@@ -38,7 +38,7 @@ from sluice.app.anthropic_schemas import (
     TextDeltaBody,
     ToolUseBlock,
 )
-from sluice.app.errors import APIError
+from sluice.app.errors import as_api_error
 from sluice.app.generation import Generation
 from sluice.app.streaming import TextFrame
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, StreamEvent, TextDelta
@@ -152,8 +152,8 @@ class MessageBuilder:
             yield sse(MessageDeltaEvent(delta=MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
                                         usage=self._usage(generation)))
             yield sse(MessageStopEvent())
-        except APIError as error:
-            yield sse(anthropic_error(error))
+        except Exception as error:  # noqa: BLE001 - the client hears why its stream ended
+            yield anthropic_error_event(as_api_error(error, "a message stream"))
 
     def _record(self, token_ids: Sequence[int], finish: FinishReason | None) -> None:
         self._token_ids.extend(token_ids)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -45,6 +49,19 @@ def from_validation_error(error: ValidationError) -> APIError:
     param = ".".join(str(part) for part in first["loc"]) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
     return invalid_request(message, param)
+
+
+def internal_error() -> APIError:
+    return APIError(500, "Internal server error", type="server_error")
+
+
+def as_api_error(error: Exception, where: str) -> APIError:
+    """`error` as the client is told it: itself if an `APIError`, else a 500 (a bug, logged with its traceback):
+    a stream that fails after its 200 still ends with its API's error event."""
+    if isinstance(error, APIError):
+        return error
+    logger.error("unhandled error in %s", where, exc_info=error)
+    return internal_error()
 
 
 def model_not_found(name: str) -> APIError:

@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error, error_response_for
+from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error_event, error_response_for
 from sluice.app.errors import APIError, body_too_large
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
 from sluice.app.scale_out import REPLICA_HEADER
@@ -127,7 +127,7 @@ def _stream_failure(path: str) -> bytes:
     """How an event stream on `path` ends when its replica died: the route's error event (and `[DONE]`)."""
     error = _replica_failed()
     if path in ANTHROPIC_PATHS:
-        return b"event: error\n" + sse_event(anthropic_error(error).model_dump(exclude_none=True))
+        return anthropic_error_event(error)
     return sse_event(error.body()) + DONE
 
 

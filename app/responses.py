@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from sluice.batching.outputs import Increment, TokenLogprob, Usage
 from sluice.model.tokenizer import Tokenizer
 
-from sluice.app.errors import APIError
+from sluice.app.errors import as_api_error
 from sluice.app.generation import Generation
 from sluice.app.prompts import Prompt
 from sluice.app.schemas import (
@@ -102,12 +102,13 @@ class ChunkFrame:
 
 
 async def event_stream(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
-    """The chunks, then `[DONE]`; an API error on the way (a failed generation) becomes an error event first."""
+    """The chunks, then `[DONE]`; an error on the way (a failed generation, or a bug) becomes an error event
+    first."""
     try:
         async for chunk in chunks:
             yield chunk
-    except APIError as error:
-        yield sse_event(error.body())
+    except Exception as error:  # noqa: BLE001 - the client hears why its stream ended
+        yield sse_event(as_api_error(error, "a stream").body())
     yield DONE
 
 

@@ -23,7 +23,7 @@ from pydantic_core import to_json
 
 from sluice.batching.outputs import TokenLogprob, Usage
 
-from sluice.app.errors import APIError
+from sluice.app.errors import as_api_error
 from sluice.app.generation import Generation
 from sluice.app.responses_api_schemas import (
     IncompleteDetails,
@@ -95,7 +95,8 @@ class ResponsesBuilder:
         try:
             async for event in self._events(generation):
                 yield frame(event)
-        except APIError as error:
+        except Exception as caught:  # noqa: BLE001 - the client hears why its stream ended
+            error = as_api_error(caught, "a response stream")
             failed = self._response.model_copy(
                 update={"status": "failed", "error": ResponseError(code=error.code or error.type, message=error.message)})
             yield frame({"type": "response.failed", "response": failed})

@@ -35,7 +35,7 @@ from sluice.app.anthropic_schemas import (
 from sluice.app.dashboard.feed import Feed
 from sluice.app.embeddings import create_embeddings
 from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
-from sluice.app.errors import APIError, error_response, not_ready
+from sluice.app.errors import APIError, error_response, internal_error, not_ready
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from sluice.app.openapi import Operation, openapi_document
 from sluice.app.responses_api import create_response, delete_response, get_response, list_input_items
@@ -177,4 +177,4 @@ async def _http_error(request: Request, error: Exception) -> Response:
 
 async def _unexpected_error(request: Request, error: Exception) -> Response:
     logger.exception("unhandled error on %s", request.url.path)
-    return error_response_for(request.url.path, APIError(500, "Internal server error", type="server_error"))
+    return error_response_for(request.url.path, internal_error())

@@ -308,3 +308,22 @@ def test_text_after_a_call_is_a_block_after_it_whole_as_streamed():
     assert list(streamed.values()) == blocks
     assert [(block.type, getattr(block, "text", "")) for block in whole.content] == blocks
     assert whole.content[1].input == {"city": "Oslo"} and whole.stop_reason == "tool_use"
+
+
+class _Broken(_Replay):
+    """A generation whose reading fails after its texts, as a bug would (not an engine error)."""
+
+    async def increments(self) -> AsyncGenerator[Increment, None]:
+        for i, text in enumerate(self._texts):
+            yield Increment(0, text, (i,))
+        raise RuntimeError("a bug")
+
+
+def test_a_bug_mid_stream_ends_the_stream_with_an_api_error_event():
+    async def stream() -> list[dict]:
+        builder = MessageBuilder("msg_1", MODEL, None, 3, [], None)
+        return [json.loads(event.split(b"data: ")[1]) async for event in builder.events(_Broken(["Hi"]))]
+
+    events = asyncio.run(stream())
+    assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": "Internal server error"}}
+    assert any(e["type"] == "content_block_delta" for e in events)

@@ -355,3 +355,22 @@ def test_a_call_written_whole_before_max_output_tokens_ran_out_is_completed_and_
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}], **GREEDY)
     items = client.responses.input_items.list(answer.id, order="asc").data
     assert [item.type for item in items] == ["message", "function_call", "function_call_output"]
+
+
+class BrokenGeneration:
+    """A generation whose reading fails after its first text, as a bug would (not an engine error)."""
+
+    usage = None
+
+    async def increments(self):
+        yield Increment(choice=0, text="Hel", token_ids=(1,))
+        raise RuntimeError("a bug")
+
+
+def test_a_bug_mid_stream_is_a_response_failed_event_too():
+    async def events() -> list[bytes]:
+        return [e async for e in ResponsesBuilder(blank_response(), None, lambda done: None).events(BrokenGeneration())]
+
+    last = asyncio.run(events())[-1]
+    assert last.startswith(b"event: response.failed\n")
+    assert json.loads(last.decode().split("data: ", 1)[1])["response"]["error"]["message"] == "Internal server error"

@@ -31,7 +31,7 @@ from sluice.app.schemas import (
     ToolCallDelta,
     UsageInfo,
 )
-from sluice.app.streaming import sse_event
+from sluice.app.streaming import DONE, sse_event
 from sluice.app.tool_call_streams import CallStart, TextDelta
 from sluice.batching.outputs import Increment, Usage
 
@@ -145,3 +145,23 @@ def test_a_completion_stream_sends_no_chunk_for_an_increment_without_text(smollm
         return [json.loads(e.removeprefix(b"data: "))["choices"][0]["text"] for e in events if b"choices" in e]
 
     assert asyncio.run(texts()) == ["Hi", ""]  # the text, then the finish
+
+
+class _Broken(_Replay):
+    """A generation whose reading fails after its increments, as a bug would (not an engine error)."""
+
+    async def increments(self) -> AsyncGenerator[Increment, None]:
+        async for increment in super().increments():
+            yield increment
+        raise RuntimeError("a bug")
+
+
+def test_a_bug_mid_stream_ends_the_stream_with_an_error_event_and_done(smollm2):
+    body = CompletionRequest.model_validate({"prompt": "x", "stream": True})
+    builder = CompletionBuilder("cmpl-1", MODEL, smollm2.tokenizer, body, [Prompt([1], "x")])
+
+    async def events() -> list[bytes]:
+        return [event async for event in builder.events(_Broken([Increment(0, "Hi", (6,))]))]
+
+    *_, error, done = asyncio.run(events())
+    assert json.loads(error.removeprefix(b"data: "))["error"]["type"] == "server_error" and done == DONE
