@@ -121,13 +121,16 @@ class RequestCountMiddleware:
 
         try:
             await self.app(scope, receive, send_recording_status)
-        except Exception:
-            status = status or 500
+        except Exception as error:
+            # The 500 is sent outside this middleware (Starlette's ServerErrorMiddleware): its list entry names
+            # the exception instead.
+            status, error_body = status or 500, error_body or f"{type(error).__name__}: {error}".encode()
             raise
         finally:
             if not status:
                 status, error_body = _CLIENT_CLOSED, b"The client left before it was answered"
-            self._metrics.responded(self._route(scope["path"]), status, _error_message(error_body) if status >= 400 else None)
+            message = _error_message(error_body) if status >= 400 else None
+            self._metrics.responded(self._route(scope["path"]), status, message)
 
 
 def _error_message(body: bytes) -> str:

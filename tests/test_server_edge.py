@@ -71,6 +71,8 @@ def test_a_route_that_raises_is_still_counted_as_a_500():
     app = Starlette(routes=list(routes), middleware=[counting])
     assert TestClient(app, raise_server_exceptions=False).get("/broken").status_code == 500
     assert 'sluice_requests_total{route="/broken",status="500"} 1.0' in metrics.render().decode()
+    [error] = metrics.recent.take().errors
+    assert (error.status, error.message) == (500, "RuntimeError: a bug")  # the dashboard's list names it
 
 
 def test_a_body_nested_too_deep_for_the_json_parser_has_no_routing_key():
