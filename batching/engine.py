@@ -92,11 +92,11 @@ def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_pages: i
     if config.max_model_len is not None:
         return min(config.max_model_len, model.max_position_embeddings)
     longest = min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
-    if num_pages * config.page_size < longest:
+    pooled = num_pages * config.page_size
+    if pooled < longest:
         logger.warning("the KV pool holds %d tokens, fewer than the default context of %d: max_model_len is %d "
-                       "(a larger --kv-cache-memory holds more)", num_pages * config.page_size, longest,
-                       num_pages * config.page_size)
-    return min(longest, num_pages * config.page_size)
+                       "(a larger --kv-cache-memory holds more)", pooled, longest, pooled)
+    return min(longest, pooled)
 
 
 def device_defaults(config: EngineConfig) -> EngineConfig:
