@@ -57,7 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
         if token in tokenizer.eos_token_ids:
             break
         print(detokenizer.push([token]), end="", flush=True)
-    print()
+    print(detokenizer.flush())
     return 0
 
 

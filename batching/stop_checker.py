@@ -16,6 +16,10 @@ from sluice.batching.sampling_params import SamplingParams
 class Detokenizer(Protocol):
     def push(self, new_ids: list[int]) -> str: ...
 
+    def flush(self) -> str:
+        """The text held back for a character not yet complete, its bytes as U+FFFD: the sequence ends here."""
+        ...
+
 
 class StopDecision(NamedTuple):
     """`text`: what may be emitted now; `finish_reason`: set when the sequence is done."""
@@ -65,7 +69,10 @@ class StopChecker:
         if not self.params.stop:
             self.num_output_tokens += len(tokens)
             shown = tokens[:-1] if finish == "stop" else tokens  # a stop id's own text is not emitted
-            return self.detokenizer.push(shown), len(tokens), finish
+            text = self.detokenizer.push(shown)
+            if finish is not None:
+                text += self.detokenizer.flush()
+            return text, len(tokens), finish
         texts = []
         for j, token in enumerate(tokens):
             decision = self.emit(token, finish if j == len(tokens) - 1 else None)
@@ -77,12 +84,16 @@ class StopChecker:
     def emit(self, token_id: int, token_finish: FinishReason | None) -> StopDecision:
         """Adds the token's text; `token_finish` is the finish its id or count forces (`run_finish`'s)."""
         self.num_output_tokens += 1
-        if token_finish == "stop":
-            return StopDecision(self._flush(), "stop")  # a stop id's own text is not emitted
+        if token_finish == "stop":  # a stop id's own text is not emitted
+            self.text += self.detokenizer.flush()
+            return StopDecision(self._flush(), "stop")
+        text = self.detokenizer.push((token_id,))
+        if token_finish is not None:
+            text += self.detokenizer.flush()
         if not self.params.stop:  # nothing to search for or hold back, so no text to keep
-            return StopDecision(self.detokenizer.push((token_id,)), token_finish)
+            return StopDecision(text, token_finish)
         before = len(self.text)
-        self.text += self.detokenizer.push((token_id,))
+        self.text += text
         if self.num_output_tokens > self.params.min_tokens:
             # Only a match that ends in this token's text: one wholly in the text of a token within min_tokens
             # does not stop the sequence (and was emitted).

@@ -322,6 +322,12 @@ class ByteDetokenizer:
                 self._held = b""
         return text
 
+    def flush(self) -> str:
+        """The held bytes as U+FFFD, for a stream that ends before their character completes: the whole text
+        then reads as the library's decode of the ids (its lossy UTF-8 decoding, as Python's errors="replace")."""
+        text, self._held = self._held.decode(errors="replace"), b""
+        return text
+
 
 class IncrementalDetokenizer:
     """Turns a growing sequence of token ids into text deltas, for streaming (tokenizers' `DecodeStream`).
@@ -332,7 +338,8 @@ class IncrementalDetokenizer:
 
     def __init__(self, backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...] = ()):
         self._backend = backend
-        self._stream = DecodeStream(ids=_decode_context(backend, prompt_ids), skip_special_tokens=True)
+        self._context = _decode_context(backend, prompt_ids)  # the ids of the last text, as the stream keeps them
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=True)
         self._held: list[int] = []  # the ids pushed since the last text
 
     def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
@@ -347,8 +354,21 @@ class IncrementalDetokenizer:
                 self._held.append(token_id)
             else:
                 text += piece
-                self._held = []
+                self._context, self._held = [*self._held, token_id], []
         return text
+
+    def flush(self) -> str:
+        """The held ids' text, bytes of an unfinished character as U+FFFD, for a stream that ends here: decoded
+        after the ids of the last text, as `DecodeStream` decodes them (a decoder may strip the text's leading
+        space), or on their own where that decode takes back text already emitted (`_restart`)."""
+        if not self._held:
+            return ""
+        held, self._held = self._held, []
+        before = self._backend.decode(self._context, skip_special_tokens=True)
+        text = self._backend.decode([*self._context, *held], skip_special_tokens=True)
+        if text.startswith(before):
+            return text[len(before):]
+        return self._backend.decode(held, skip_special_tokens=True)
 
     def _restart(self, token_id: int, error: Exception) -> str | None:
         """A fresh stream from the held ids, when `DecodeStream` finds the text it emitted is no longer a prefix

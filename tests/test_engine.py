@@ -231,6 +231,15 @@ def test_stop_token_id_ends_the_sequence_but_not_before_min_tokens(engine):
     assert stop_id not in held[0][0].token_ids[:first_at + 2]
 
 
+@pytest.mark.parametrize("stop", [(), ("never",)])
+def test_a_completion_cut_mid_character_reads_as_the_tokenizer_decodes_its_tokens(tiny, engine, stop):
+    """max_tokens cutting a character whose bytes span several tokens: those bytes end the text as U+FFFD."""
+    completions = [out[0] for out in engine.generate(prompts(8), replace(GREEDY, max_tokens=3, stop=stop))]
+    decoded = [tiny.tokenizer.decode(c.token_ids) for c in completions]
+    assert any(text.endswith("\ufffd") for text in decoded), "some completion should end mid-character"
+    assert [c.text for c in completions] == decoded
+
+
 def test_by_default_the_context_is_no_longer_than_the_pool_holds(tiny):
     small = make_engine(tiny, num_pages=8, warmup=False, max_model_len=None)
     assert small.max_model_len == 8 * PAGE
@@ -333,7 +342,8 @@ def test_multi_step_decode_stops_on_a_stop_id_or_string_inside_a_call_and_keeps_
     by_id = multi.generate([prompt], replace(GREEDY, stop_token_ids=(free.token_ids[4],)))[0][0]
     first = free.token_ids.index(free.token_ids[4])
     assert by_id.token_ids == free.token_ids[:first + 1] and by_id.finish_reason == "stop"
-    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 2]
+    streamed = free.text.rstrip("\ufffd")  # a character cut at the end comes out, as U+FFFD, only at the finish
+    stop = streamed[len(streamed) // 2:len(streamed) // 2 + 2]
     by_text = multi.generate([prompt], replace(GREEDY, stop=(stop,)))[0][0]
     assert by_text.finish_reason == "stop" and by_text.text == free.text[:free.text.index(stop)]
     assert by_text.usage.completion_tokens == len(by_text.token_ids) < len(free.token_ids)

@@ -115,7 +115,7 @@ def token_by_token(checker: StopChecker, tokens: list[int], num_output_before: i
 @pytest.mark.parametrize("stop", [(), (" blue",)])
 def test_a_run_of_tokens_ends_and_reads_as_it_would_token_by_token(tokenizer, stop):
     rng = random.Random(len(stop))
-    words = tokenizer.encode(" red green blue yellow")
+    words = tokenizer.encode(" red green blue yellow 東京")  # with tokens that hold part of a character
     for trial in range(300):
         max_tokens = rng.randrange(1, 12)
         params = SamplingParams(max_tokens=max_tokens, min_tokens=rng.randrange(0, min(4, max_tokens + 1)), stop=stop,
@@ -129,3 +129,29 @@ def test_a_run_of_tokens_ends_and_reads_as_it_would_token_by_token(tokenizer, st
         assert (emitted, reason, text) == expected, (trial, tokens, params, before, context_left)
         if not stop:
             assert (count, finish) == expected[:2]
+
+
+@pytest.mark.parametrize("stop", [(), ("zzz",)])
+@pytest.mark.parametrize("ending", ["max_tokens", "context", "stop_id"])
+def test_a_run_that_ends_mid_character_ends_with_its_held_bytes_as_the_tokenizer_decodes_them(tokenizer, stop,
+                                                                                                ending):
+    """A sequence cut, or stopped by its stop id, after half a character: the held bytes come out as U+FFFD, so
+    the whole text is the tokenizer's decode of the output (the stop id's own text left out)."""
+    half = tokenizer.encode("Hi 🦜")[:-1]
+    tokens = [*half, EOS] if ending == "stop_id" else half
+    params = SamplingParams(max_tokens=len(half) if ending == "max_tokens" else 100, stop=stop)
+    checker = StopChecker(params, (EOS,), tokenizer.decode_stream())
+    count, finish = checker.run_finish(tokens, 0, len(half) if ending == "context" else 100)
+    assert (count, finish) == (len(tokens), "stop" if ending == "stop_id" else "length")
+    text = checker.emit_run(tokens[:count - 1], None)[0]
+    assert checker.emit_run(tokens[count - 1:], finish) == (" \ufffd", 1, finish)
+    assert text + " \ufffd" == tokenizer.decode(tokens) == "Hi \ufffd"
+
+
+@pytest.mark.parametrize("stop", [(), ("zzz",)])
+def test_a_token_that_ends_mid_character_emits_its_held_bytes_as_u_fffd(tokenizer, stop):
+    half = tokenizer.encode("Hi 🦜")[:-1]
+    emitted, reason, _ = feed(tokenizer, "Hi 🦜", SamplingParams(max_tokens=len(half), stop=stop))
+    assert (emitted, reason) == ("Hi \ufffd", "length")
+    checker = StopChecker(SamplingParams(max_tokens=100, stop=stop), (EOS,), tokenizer.decode_stream())
+    assert "".join(append(checker, token).text for token in [*half, EOS]) == "Hi \ufffd"

@@ -61,6 +61,16 @@ def test_the_byte_level_stream_gives_the_text_of_the_library_stream(tokenizer):
             group = ids[start:start + rng.randint(1, 4)]
             assert fast.push(group) == library.push(group), ids
             start += len(group)
+        assert fast.flush() == library.flush(), ids
+
+
+@pytest.mark.parametrize("streaming", ["byte_level", "library"])
+def test_a_stream_ended_mid_character_flushes_its_held_bytes_as_the_whole_decode_does(tokenizer, library_streamed,
+                                                                                       streaming):
+    ids = tokenizer.encode("Hi 🦜")[:-1]  # the parrot's last byte cut off
+    stream = (tokenizer if streaming == "byte_level" else library_streamed).decode_stream(tokenizer.encode("Say:"))
+    assert stream.push(ids) == "Hi"  # the space is a byte of the parrot's first token
+    assert stream.flush() == " \ufffd" and tokenizer.decode(ids) == "Hi \ufffd"
 
 
 def test_ids_of_a_vocabulary_padded_past_the_tokenizers_give_no_text(tokenizer):
@@ -129,22 +139,20 @@ def piece_ids(tokenizer) -> list[int]:
 
 
 def streamed(stream: IncrementalDetokenizer | ByteDetokenizer, ids: list[int], group_sizes: list[int]) -> list[str]:
-    """The pieces of text a stream gives for `ids` pushed in groups of the given sizes (the rest one by one)."""
+    """The pieces of text a stream gives for `ids` pushed in groups of the given sizes (the rest one by one),
+    then its flush, as for a sequence that ends there."""
     pieces, start = [], 0
     for size in group_sizes:
         pieces.append(stream.push(ids[start:start + size]))
         start += size
-    return pieces + [stream.push([i]) for i in ids[start:]]
+    return pieces + [stream.push([i]) for i in ids[start:]] + [stream.flush()]
 
 
 def assert_streams_as_the_whole_decodes(tokenizer: Tokenizer, pieces: list[str], ids: list[int]) -> None:
-    """The pieces join to the whole decode, but for a character left unfinished at the end (held back, as the
-    stream has not ended); none has a U+FFFD that the whole decode has not."""
+    """The pieces, the flush of a character left unfinished at the end included, join to the whole decode; none
+    has a U+FFFD that the whole decode has not."""
     whole, joined = tokenizer.decode(ids), "".join(pieces)
-    if whole.endswith("\ufffd"):
-        assert whole.startswith(joined)
-    else:
-        assert joined == whole
+    assert joined == whole
     if "\ufffd" not in whole:
         assert not any("\ufffd" in piece for piece in pieces)
 
@@ -221,3 +229,19 @@ def test_a_sentencepiece_stream_goes_on_past_a_byte_fallback_character_left_unfi
     stream = IncrementalDetokenizer(backend, backend.encode("Hello").ids)
     assert [stream.push([i]) for i in output] == ["\n", "", "\ufffd world"]
 
+
+def test_a_sentencepiece_stream_ended_mid_character_flushes_its_held_byte_fallback_tokens_as_u_fffd():
+    backend = llama_style_tokenizer()
+    prompt, output = backend.encode("Hello").ids, backend.encode("world is 🙂").ids[:-1]
+    stream = IncrementalDetokenizer(backend, prompt)
+    pieces = [stream.push([i]) for i in output] + [stream.flush()]
+    assert pieces[-1] == "\ufffd" * 3  # one for each byte-fallback token, as the library's decode renders them
+    assert "".join(pieces) == backend.decode([*prompt, *output])[len("Hello"):] == " world is \ufffd\ufffd\ufffd"
+
+
+def test_a_sentencepiece_stream_restarted_past_an_unfinished_character_flushes_the_next_one_as_u_fffd():
+    backend = llama_style_tokenizer()
+    lead = backend.token_to_id("<0xE6>")
+    output = [backend.token_to_id("<0x0A>"), lead, *backend.encode("world").ids, lead]
+    stream = IncrementalDetokenizer(backend, backend.encode("Hello").ids)
+    assert [stream.push([i]) for i in output] + [stream.flush()] == ["\n", "", "\ufffd world", "", "\ufffd"]
