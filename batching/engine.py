@@ -209,6 +209,7 @@ class Engine:
         self._deliveries: Deliveries = []
         self._deliver: Callable[[Deliveries], None] = deliver
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
         self._stopping = False
         self._num_steps = 0
         self._num_step_failures = 0
@@ -277,14 +278,21 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
         if self.config.step_timeout_s is not None:
-            threading.Thread(target=self._watch, args=(self._thread, self.config.step_timeout_s),
-                             name="sluice-watchdog", daemon=True).start()
+            self._watchdog = threading.Thread(target=self._watch, args=(self._thread, self.config.step_timeout_s),
+                                              name="sluice-watchdog", daemon=True)
+            self._watchdog.start()
 
     async def shutdown(self) -> None:
         """Stops the step loop; what is left is aborted (by the engine thread, which owns it)."""
         if self._thread is not None:
             self._inbox.put(_Stop())
             await asyncio.to_thread(self._thread.join)
+            if self._watchdog is not None:
+                # It returns as the loop ends, and must be gone before this does: its target holds the engine, and
+                # a daemon thread that drops an engine's last reference while the interpreter exits frees jax
+                # arrays there, which aborts the process ("FATAL: exception not rethrown").
+                await asyncio.to_thread(self._watchdog.join)
+                self._watchdog = None
             self._thread = None
             self._deliver = deliver
         self.runner.stop_followers()
@@ -364,7 +372,7 @@ class Engine:
             began = self._step_began
             if began is not None and time.monotonic() - began > timeout_s:
                 break
-            time.sleep(min(1.0, timeout_s / 10))
+            engine_thread.join(min(1.0, timeout_s / 10))  # returns at once when the loop ends
         else:
             return
         self.healthy = False

@@ -3,6 +3,7 @@ no recompilation."""
 
 import asyncio
 import random
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -110,6 +111,22 @@ def test_engine_requests_complete_with_usage_and_logprobs(engine):
         assert [lp.token_id for lp in o.logprobs] == list(o.token_ids)
         for lp in o.logprobs:
             assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy picks the best
+
+
+def test_shutdown_returns_once_the_engine_and_its_watchdog_threads_are_gone(engine):
+    """A watchdog left running holds the engine: at interpreter exit it would free jax arrays and abort."""
+
+    def threads() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.name.startswith("sluice-")}
+
+    async def run():
+        await engine.start()
+        running = threads()
+        await engine.shutdown()
+        return running, threads()
+
+    assert engine.config.step_timeout_s is not None
+    assert asyncio.run(run()) == ({"sluice-engine", "sluice-watchdog"}, set())
 
 
 def test_one_request_fans_out_over_prompts_and_samples_with_usage_counting_each_prompt_once(tiny, engine):
