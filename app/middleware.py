@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sluice.app.anthropic_errors import error_response_for
 from sluice.app.errors import body_too_large, unauthorized
 from sluice.app.metrics import ServerMetrics
+from sluice.app.openapi import path_template
 
 # Probes, scrapers and API explorers do not hold the API key (nor does a browser opening the dashboard page).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
@@ -97,7 +98,7 @@ class RequestCountMiddleware:
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: tuple[Route, ...]) -> None:
         self.app = app
         self._metrics = metrics
-        self._routes = {route.path: route.path_regex for route in routes}
+        self._routes = {path_template(route.path): route.path_regex for route in routes}
 
     def _route(self, path: str) -> str:
         if path in self._routes:

@@ -48,6 +48,11 @@ def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any
     }
 
 
+def path_template(route_path: str) -> str:
+    """A Starlette route's path as OpenAPI writes it: without the parameters' convertors ("{id:path}" -> "{id}")."""
+    return re.sub(r"\{(\w+):\w+\}", r"{\1}", route_path)
+
+
 def openapi_document(operations: list[Operation], title: str, version: str, bearer_auth: bool,
                      open_paths: frozenset[str]) -> dict[str, Any]:
     """With `bearer_auth`, every path but `open_paths` needs `Authorization: Bearer <key>` (or `x-api-key: <key>`,
@@ -75,12 +80,13 @@ def openapi_document(operations: list[Operation], title: str, version: str, bear
         }
         if bearer_auth and op.path in open_paths:
             operation["security"] = []
-        if names := re.findall(r"\{(\w+)\}", op.path):
+        path = path_template(op.path)
+        if names := re.findall(r"\{(\w+)\}", path):
             operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
                                        for name in names]
         if op.request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[op.request]}}}
-        paths.setdefault(op.path, {})[op.method.lower()] = operation
+        paths.setdefault(path, {})[op.method.lower()] = operation
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},

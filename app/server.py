@@ -80,11 +80,21 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
 
-async def list_models(request: Request) -> Response:
-    state: ServerState = request.app.state.sluice
+def _model_card(state: ServerState) -> ModelCard:
     engine = state.require_engine()
-    card = ModelCard(id=state.model_name, created=int(time.time()), max_model_len=engine.max_model_len)
-    return json_response(ModelList(data=[card]))
+    return ModelCard(id=state.model_name, created=int(time.time()), max_model_len=engine.max_model_len)
+
+
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=[_model_card(request.app.state.sluice)]))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """OpenAI's `models.retrieve`: the served model's card, 404 for any other id (an id may hold a "/")."""
+    state: ServerState = request.app.state.sluice
+    card = _model_card(state)
+    state.check_model(request.path_params["model_id"])
+    return json_response(card)
 
 
 async def openapi(request: Request) -> Response:
@@ -99,6 +109,8 @@ ROUTES: list[tuple[Handler, Operation]] = [
     (metrics, Operation("/metrics", "GET", "Prometheus metrics", media_type="text/plain")),
     (openapi, Operation("/openapi.json", "GET", "This document")),
     (list_models, Operation("/v1/models", "GET", "The served model", response=ModelList)),
+    (retrieve_model, Operation("/v1/models/{model_id:path}", "GET", "The served model by its id",
+                               response=ModelCard)),
     (create_completion, Operation("/v1/completions", "POST", "Text completion (OpenAI)",
                                   CompletionRequest, CompletionResponse, stream_chunk=CompletionResponse)),
     (create_chat_completion, Operation("/v1/chat/completions", "POST", "Chat completion (OpenAI)",

@@ -229,8 +229,11 @@ def test_completion_logprobs_have_tokens_offsets_and_top_dicts(client):
     assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
 
 
-def test_models_lists_the_served_name(client):
+def test_models_lists_the_served_name_and_retrieves_it_by_id(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve(f"{MODEL}-other")
 
 
 def test_tokenize_and_detokenize_round_trip(server):

@@ -17,6 +17,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from sluice.app.openapi import path_template
 from sluice.app.server import ROUTES
 from sluice.model.config import ModelConfig
 
@@ -52,9 +53,9 @@ def api(server):
 # (Schemathesis's own pytest parametrization does not run under pytest 9; hypothesis drives each operation.)
 # Valid requests everywhere; valid ones forced to stream where a route streams (the generator seldom sets
 # `stream` itself); invalid ones where there is a body to break.
-CASES = [("valid", op.method, op.path) for _, op in ROUTES]
-CASES += [("streamed", op.method, op.path) for _, op in ROUTES if op.stream_chunk is not None]
-CASES += [("invalid", op.method, op.path) for _, op in ROUTES if op.request is not None]
+CASES = [("valid", op.method, path_template(op.path)) for _, op in ROUTES]
+CASES += [("streamed", op.method, path_template(op.path)) for _, op in ROUTES if op.stream_chunk is not None]
+CASES += [("invalid", op.method, path_template(op.path)) for _, op in ROUTES if op.request is not None]
 
 
 def streamed(case):

@@ -150,3 +150,16 @@ def test_a_stream_that_fails_after_its_200_is_listed_among_the_dashboards_errors
     (error,) = serve(engine, scenario)
     assert (error.kind, error.status) == ("5xx", 500) and error.source.startswith("cmpl-")
     assert "injected device fault" in error.message
+
+
+def test_a_model_is_retrieved_by_its_id_slash_included_and_any_other_id_is_a_404(engine):
+    async def scenario(client, state):
+        return [await client.get(f"/v1/models/{name}") for name in ("org/tiny-chat", "tiny")], \
+            state.metrics.render().decode()
+
+    (found, other), metrics = serve(engine, scenario, served_model_name="org/tiny-chat")
+    assert found.status_code == 200
+    assert found.json() | {"created": 0} == {"id": "org/tiny-chat", "object": "model", "created": 0,
+                                             "owned_by": "sluice", "max_model_len": CONFIG.max_model_len}
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert 'route="/v1/models/{model_id}",status="404"' in metrics
