@@ -4,6 +4,7 @@ A separate process because the device count must be set before jax is imported:
     python tests/tensor_parallel_worker.py tiny 1 2 4
     python tests/tensor_parallel_worker.py tiny-int8 1 2 4    # the tiny model over an int8 KV cache
     python tests/tensor_parallel_worker.py tiny-unrolled 1 2  # its layers unrolled, one array each
+    python tests/tensor_parallel_worker.py smollm2 1 3        # SmolLM2-135M-Instruct through Engine.create
 """
 
 from __future__ import annotations
@@ -35,49 +36,47 @@ ENGINE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=1
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=True)
 
 
-def run_engine(loaded: LoadedModel, tp: int, prompts: list[list[int]], config: EngineConfig) -> dict:
+def tiny_engine(loaded: LoadedModel, tp: int, config: EngineConfig) -> Engine:
     mesh = make_mesh(tp) if tp > 1 else None
-    if mesh is not None and loaded.name == "tiny":
+    if mesh is not None:
         shard_model(loaded.model, mesh)
-    engine = Engine(loaded, config, progress=False, mesh=mesh)
+    return Engine(loaded, config, progress=False, mesh=mesh)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]]) -> dict:
     outputs = engine.generate(prompts, GREEDY)
     return {
         "tokens": [list(o[0].token_ids) for o in outputs],
+        "texts": [o[0].text for o in outputs],
         "logprobs": [[lp.logprob for lp in o[0].logprobs] for o in outputs],
         # The K pool's arrays: one, or an int8 pool's values and scales.
         "kv": [{"global_shape": list(x.shape), "devices": len(x.sharding.device_set),
                 "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards})}
                for x in jax.tree.leaves(engine.runner.kv_cache[0])],
         # The stack's shard, or with the layers unstacked the first layer's.
-        "wqkv_shard_shape": list(jax.tree.leaves(loaded.model.wqkv.get_value())[0].addressable_shards[0].data.shape),
+        "wqkv_shard_shape": list(jax.tree.leaves(engine.runner.state["wqkv"])[0].addressable_shards[0].data.shape),
         "accepted_drafts": engine.speculator.counters().num_accepted_tokens if engine.speculator else 0,
     }
 
 
 def main() -> None:
     which, tps = sys.argv[1], [int(t) for t in sys.argv[2:]]
-    tiny = which in ("tiny", "tiny-int8", "tiny-drafts", "tiny-unrolled")
-    tokenizer = load_model().tokenizer if tiny else None  # SmolLM2's, to detokenize the tiny model's tokens
-    rng = random.Random(0)
+    config = {"tiny-int8": replace(ENGINE, kv_cache_dtype="int8"),
+              # Drafts proposed and checked inside 4-step calls (no cost seeds without warm-up: drafts look free).
+              "tiny-drafts": replace(ENGINE, speculative="ngram", num_decode_steps=4),
+              "tiny-unrolled": replace(ENGINE, layer_loop="unrolled")}.get(which, ENGINE)
+    tokenizer = load_model().tokenizer  # SmolLM2's: its chat prompts, and to detokenize the tiny model's tokens
     results = {}
     for tp in tps:
-        if tiny:
-            loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny")
-            prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
-        else:
-            mesh = make_mesh(tp) if tp > 1 else None
-            from functools import partial
-            from sluice.sharding.rules import param_sharding
-            loaded = load_model(dtype="float32", sharding_rule=partial(param_sharding, mesh) if mesh else None)
-            tok = loaded.tokenizer
-            prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+        if which == "smollm2":  # as `sluice serve --tp N --quantization none` builds it: float32, HF's answers
+            engine = Engine.create(replace(config, tp=tp, dtype="float32"), progress=False)
+            prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
                        for q in ("What is the capital of France?", "Name three colours.", "Write a haiku about rain.")]
-        rng = random.Random(0)
-        config = {"tiny-int8": replace(ENGINE, kv_cache_dtype="int8"),
-                  # Drafts proposed and checked inside 4-step calls (no cost seeds without warm-up: drafts look free).
-                  "tiny-drafts": replace(ENGINE, speculative="ngram", num_decode_steps=4),
-                  "tiny-unrolled": replace(ENGINE, layer_loop="unrolled")}.get(which, ENGINE)
-        results[tp] = run_engine(loaded, tp, prompts, config)
+        else:
+            engine = tiny_engine(LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny"), tp, config)
+            rng = random.Random(0)
+            prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+        results[tp] = run_engine(engine, prompts)
     print("RESULT " + json.dumps(results))
 
 

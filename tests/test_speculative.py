@@ -241,7 +241,7 @@ def test_real_model_gives_the_same_greedy_tokens_with_drafts_on_golden_and_copy_
         [{"role": "user", "content": f"Repeat this sentence exactly: {COPY_TEXT}"}])
     prompts = [case["prompt_ids"] for case in cases] + [smollm2.tokenizer.encode(chat)]
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=320, kv_cache_memory=64 << 20,
-                          num_decode_steps=1)
+                          num_decode_steps=1, warmup=False)
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=True)
     plain = Engine(smollm2, config, progress=False).generate(prompts, params)
     # Drafts verified in single steps, and proposed and checked inside 8-step calls.
