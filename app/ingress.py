@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -60,12 +62,14 @@ class SluiceIngress:
     def __init__(self, replicas: DeploymentHandle, max_body_bytes: int) -> None:
         self._replicas = replicas.options(method_name="forward", stream=True)
         self._max_body_bytes = max_body_bytes
-        self._reports: dict[str, ReplicaReport] = {}
+        self._reports = _ReplicaReports()
+        self._registry = CollectorRegistry()
+        self._registry.register(self._reports)
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
-            return Response(self._render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+            return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
         body = await self._body(request)
         if body is None:
             return error_response_for(path, body_too_large(self._max_body_bytes))
@@ -99,7 +103,7 @@ class SluiceIngress:
         try:
             async for item in stream:
                 if isinstance(item, ReplicaReport):
-                    self._reports[item.replica] = item
+                    self._reports.latest[item.replica] = item
                 else:
                     yield item
         except Exception as error:
@@ -107,15 +111,22 @@ class SluiceIngress:
             if events:
                 yield _stream_failure(path)
 
-    def _render_metrics(self) -> bytes:
-        lines = []
+
+class _ReplicaReports:
+    """A Prometheus collector of each replica's prefix-cache counters, as of the last response it sent here."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, ReplicaReport] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
         for name, field, help in (
-            ("sluice_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens", "prompt tokens served from the cache"),
-            ("sluice_prefix_cache_query_tokens_total", "prefix_cache_query_tokens", "prompt tokens looked up"),
+            ("sluice_prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "prompt tokens served from the cache"),
+            ("sluice_prefix_cache_query_tokens", "prefix_cache_query_tokens", "prompt tokens looked up"),
         ):
-            lines += [f"# HELP {name} Each replica's {help}, as of its last response.", f"# TYPE {name} counter"]
-            lines += [f'{name}{{replica="{r.replica}"}} {getattr(r, field)}' for r in self._reports.values()]
-        return ("\n".join(lines) + "\n").encode()
+            family = CounterMetricFamily(name, f"Each replica's {help}, as of its last response.", labels=["replica"])
+            for report in self.latest.values():
+                family.add_metric([report.replica], getattr(report, field))
+            yield family
 
 
 def _replica_failed() -> APIError:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+from prometheus_client import CollectorRegistry, generate_latest
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -17,11 +18,13 @@ from starlette.requests import Request
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from sluice.app.ingress import routing_key
+from sluice.app.ingress import _ReplicaReports, routing_key
 from sluice.app.metrics import ServerMetrics
 from sluice.app.middleware import RequestCountMiddleware
+from sluice.app.replicas import ReplicaReport
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
+from sluice.bench.prefix_cache import CacheCounters, parse
 
 
 @pytest.fixture
@@ -77,3 +80,12 @@ def test_a_route_that_raises_is_still_counted_as_a_500():
 
 def test_a_body_nested_too_deep_for_the_json_parser_has_no_routing_key():
     assert routing_key(b"[" * 100_000) == ""
+
+
+def test_the_ingress_exports_each_replicas_latest_counters_under_the_single_process_names():
+    reports = _ReplicaReports()
+    registry = CollectorRegistry()
+    registry.register(reports)
+    for report in (ReplicaReport("a", 0, 16), ReplicaReport("b", 0, 8), ReplicaReport("a", 192, 400)):
+        reports.latest[report.replica] = report
+    assert parse(generate_latest(registry).decode()) == {"a": CacheCounters(192, 400), "b": CacheCounters(0, 8)}
