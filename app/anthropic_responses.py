@@ -116,7 +116,7 @@ class MessageBuilder:
     async def collect(self, generation: Generation) -> Message:
         text = ""
         async for increment in generation.increments():
-            text += self._calling.text_of(increment) if self._calling is not None else increment.text
+            text += increment.text
             self._record(increment.token_ids, increment.finish_reason)
         if self._calling is None:
             pieces: list[StreamEvent] = [TextDelta(text)] if text else []
@@ -142,7 +142,7 @@ class MessageBuilder:
                 if reader is None:
                     pieces: list[StreamEvent] = [TextDelta(increment.text)] if increment.text else []
                 else:
-                    pieces = reader.push(self._calling.text_of(increment)) + (reader.finish() if increment.finished else [])
+                    pieces = reader.push(increment.text) + (reader.finish() if increment.finished else [])
                 for piece in pieces:
                     for event in blocks.add(piece):
                         yield event

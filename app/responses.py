@@ -119,12 +119,11 @@ class _Choice:
     finish_reason: str | None = None
 
 
-async def _gather(generation: Generation, choices: list[_Choice],
-                  text_of: Callable[[Increment], str] | None = None) -> None:
-    """Each choice's text (as `text_of` reads an increment, if given), logprobs and finish reason."""
+async def _gather(generation: Generation, choices: list[_Choice]) -> None:
+    """Each choice's text, logprobs and finish reason."""
     async for increment in generation.increments():
         choice = choices[increment.choice]
-        choice.text += text_of(increment) if text_of is not None else increment.text
+        choice.text += increment.text
         choice.logprobs.extend(increment.logprobs)
         choice.finish_reason = increment.finish_reason or choice.finish_reason
 
@@ -157,7 +156,7 @@ class ChatBuilder:
 
     async def collect(self, generation: Generation) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(self._body.n)]
-        await _gather(generation, choices, self._tool_calling.text_of if self._tool_calling is not None else None)
+        await _gather(generation, choices)
         return ChatCompletionResponse(
             id=self._id,
             created=self._created,
@@ -206,7 +205,7 @@ class ChatBuilder:
         streams = [self._tool_calling.stream() for _ in range(self._body.n)]
         async for increment in increments:
             stream = streams[increment.choice]
-            events = stream.push(self._tool_calling.text_of(increment))
+            events = stream.push(increment.text)
             if increment.finish_reason is not None:
                 events += stream.finish()
             deltas = [self._tool_delta(event) for event in events]

@@ -132,7 +132,7 @@ class ResponsesBuilder:
                 shown = increment.logprobs[:-1] if increment.finish_reason == "stop" else increment.logprobs
                 yield _Logprobs(self._logprobs(shown))
             if stream is not None:
-                for event in stream.push(self._tool_calling.text_of(increment)):
+                for event in stream.push(increment.text):
                     yield event
             elif increment.text:
                 yield TextDelta(increment.text)

@@ -36,7 +36,7 @@ from sluice.app.schemas import (
     ToolDefinition,
 )
 from sluice.app.state import ServerState
-from sluice.app.tool_calls import NO_ARGUMENTS, ToolCalling, call_grammar, special_marker
+from sluice.app.tool_calls import NO_ARGUMENTS, ToolCalling, call_grammar, reads_special_tokens, special_marker
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -97,7 +97,8 @@ async def create_chat_completion(request: Request) -> Response:
 @dataclass(frozen=True)
 class ChatPlan:
     """What a chat request becomes before the engine: its prompt, the engine's parameters (with the grammar that
-    forces calls, if the tool choice does), and what the reply is read for (None without tools)."""
+    forces calls, if the tool choice does, and special tokens' text kept where the call format's tag is one), and
+    what the reply is read for (None without tools)."""
 
     prompt: Prompt
     params: SamplingParams
@@ -113,13 +114,15 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
-    marker = special_marker(engine.tokenizer, parser)
     if forced := body.forced_tools():
         grammar = call_grammar([(t.function.name, t.function.parameters) for t in forced],
                                parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser,
-                               marker=marker)
+                               marker_id=special_marker(engine.tokenizer, parser))
         params = dataclasses.replace(params, structured=grammar)
-    calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced), marker,
+    if tools and reads_special_tokens(engine.tokenizer, parser):
+        # The tag's token then has text for the reader to find, as vLLM's Mistral and Hermes parsers ask.
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced),
                            body.parallel_tool_calls) if tools else None)
     return ChatPlan(prompt, params, calling)
 

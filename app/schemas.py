@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
 
-from sluice.batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
+from sluice.batching.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 16
@@ -24,6 +24,8 @@ MAX_PROMPTS = 256
 MAX_SAMPLES = 64
 
 TokenId = Annotated[int, Field(ge=0, strict=True)]  # strict: `true` or "5" is no token id
+# logit_bias's keys: token ids written as JSON object keys.
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 
 
 def _check_vocabulary(ids: list[int], info: ValidationInfo) -> list[int]:
@@ -142,11 +144,13 @@ class SamplingRequest(_Request):
     best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    skip_special_tokens: bool = Field(True, description="vLLM's extension: false keeps special tokens' text in "
+                                                        "the output")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty",
-                                                json_schema_extra={"maxProperties": 0})
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id -> bias added to its logit before sampling")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -169,9 +173,10 @@ class SamplingRequest(_Request):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float]) -> dict[str, float]:
+    def _logit_bias_in_vocabulary(cls, value: dict[str, float] | None, info: ValidationInfo
+                                  ) -> dict[str, float] | None:
         if value:
-            raise ValueError("logit_bias is not supported")
+            _check_vocabulary([int(key) for key in value], info)
         return value
 
     @model_validator(mode="before")
@@ -220,6 +225,7 @@ class SamplingRequest(_Request):
             "max_tokens": self.max_new_tokens if self.max_new_tokens is not None else default_max_tokens,
             "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
             "stop_token_ids": tuple(self.stop_token_ids),
+            "logit_bias": tuple(sorted({int(key): bias for key, bias in (self.logit_bias or {}).items()}.items())),
             "structured": self.structured(),
             **self._logprob_params(),
         })

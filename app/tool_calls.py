@@ -10,19 +10,19 @@ Three formats (`--tool-call-parser`):
 
 A call is only a call if its JSON parses, names a function of the request and has an object as arguments;
 anything else stays in the message's text, so no text the model wrote is lost. Mistral's `[TOOL_CALLS]` is a
-special token in Mistral's vocabularies, which the detokenizer leaves out of the text: it is put back from the
-token ids (`SpecialMarker`) before the text is read.
+special token in Mistral's vocabularies (Hermes's `<tool_call>` in some), whose text the detokenizer leaves out by
+default: such a request keeps special tokens' text (`SamplingParams.skip_special_tokens` False, as vLLM's Mistral
+and Hermes parsers ask), so the tag is in the text where its token was (`reads_special_tokens`).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.batching.outputs import Increment
 from sluice.batching.sampling_params import StructuredOutput
 from sluice.model.tokenizer import Tokenizer
 
@@ -40,6 +40,8 @@ from sluice.app.tool_call_streams import (
 # `--tool-call-parser` values; "auto" is the format the model's template speaks (`app/prompts.py`).
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 OPEN, CLOSE = HERMES.open, HERMES.close
+# The tags `CallStream` reads each format's calls between (Llama 3's calls have none).
+_SYNTAX = {"hermes": HERMES, "mistral": MISTRAL}
 # The same fixed JSON layout as structured output's (batching/structured.py): free whitespace lets a small model
 # pad with newlines.
 _LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -84,58 +86,36 @@ _WRITTEN = {
 }
 
 
-@dataclass(frozen=True)
-class SpecialMarker:
-    """A format's marker that the vocabulary holds as one special token (`token_id`): the detokenizer leaves it
-    out of the text, so `restore` puts its `text` back where the token ids say it was."""
-
-    text: str
-    token_id: int
-    decode: Callable[[Sequence[int]], str]
-
-    def restore(self, text: str, token_ids: Sequence[int]) -> str:
-        """`text` (the text of `token_ids`) with the marker before the text of the tokens after each marker token
-        (decoded on their own: a character whose bytes straddle the marker may land on its other side)."""
-        if self.token_id not in token_ids:
-            return text
-        ids = list(token_ids)
-        cuts = [i for i, token in enumerate(ids) if token == self.token_id]
-        tails = [len(self.decode(ids[cut + 1:end])) for cut, end in zip(cuts, cuts[1:] + [len(ids)])]
-        out, position = [], max(0, len(text) - sum(tails))
-        out.append(text[:position])
-        for tail in tails:
-            out += [self.text, text[position:position + tail]]
-            position += tail
-        return "".join(out)
+def _special_token_id(tokenizer: Tokenizer, text: str) -> int | None:
+    """The id of `text` if the vocabulary holds it as one special token (so it decodes to no text by default)."""
+    ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+    return ids[0] if len(ids) == 1 and not tokenizer.decode(ids) else None
 
 
-def special_marker(tokenizer: Tokenizer, parser: str) -> SpecialMarker | None:
-    """The format's marker if the vocabulary holds it as one special token (so it decodes to no text)."""
-    marker = _WRITTEN[parser].marker
-    ids = tokenizer.encode(marker, add_special_tokens=False) if marker else []
-    if len(ids) != 1 or tokenizer.decode(ids):
-        return None
-    return SpecialMarker(marker, ids[0], tokenizer.decode)
+def special_marker(tokenizer: Tokenizer, parser: str) -> int | None:
+    """The id of the format's marker if the vocabulary holds it as one special token, for the grammar to write
+    it as that token."""
+    return _special_token_id(tokenizer, _WRITTEN[parser].marker)
+
+
+def reads_special_tokens(tokenizer: Tokenizer, parser: str) -> bool:
+    """Whether a tag the format's reader looks for is one special token in this vocabulary: its text is then in
+    the reply only where the detokenizer keeps special tokens' text (`skip_special_tokens` False)."""
+    syntax = _SYNTAX.get(parser)
+    return syntax is not None and any(_special_token_id(tokenizer, tag) is not None
+                                      for tag in (syntax.open, syntax.close))
 
 
 @dataclass(frozen=True)
 class ToolCalling:
     """What a reply's text is read for: calls of the functions `names`, written in the format `parser`.
     `forced`: a grammar makes the reply nothing but calls, so each one parses and (Hermes, Mistral) its arguments
-    can stream as they are sampled. `marker`: the format's marker as a special token, put back into the text.
-    `parallel` False: the reply's first call alone (`parallel_tool_calls: false`)."""
+    can stream as they are sampled. `parallel` False: the reply's first call alone (`parallel_tool_calls: false`)."""
 
     names: frozenset[str]
     parser: str = "hermes"
     forced: bool = False
-    marker: SpecialMarker | None = None
     parallel: bool = True
-
-    def text_of(self, increment: Increment) -> str:
-        """The increment's text as the reader reads it (with the marker the detokenizer left out)."""
-        if self.marker is None:
-            return increment.text
-        return self.marker.restore(increment.text, increment.token_ids)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The message's text (all but the calls, stripped; None if empty) and its calls, in order: the stream
@@ -148,10 +128,11 @@ class ToolCalling:
         return content or None, calls
 
     def stream(self) -> CallStream | JsonCallStream | FirstCallOnly:
-        if self.parser == "llama3_json":
+        syntax = _SYNTAX.get(self.parser)
+        if syntax is None:
             reader = JsonCallStream(self.names)
         else:
-            reader = CallStream(self.names, MISTRAL if self.parser == "mistral" else HERMES, progressive=self.forced)
+            reader = CallStream(self.names, syntax, progressive=self.forced)
         return reader if self.parallel else FirstCallOnly(reader)
 
 
@@ -192,11 +173,11 @@ def render_results(contents: Iterable[str]) -> str:
 
 
 def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: bool, parser: str = "hermes",
-                 marker: SpecialMarker | None = None) -> StructuredOutput:
+                 marker_id: int | None = None) -> StructuredOutput:
     """A Lark grammar (llguidance's, with `%json` for each function's arguments) whose every output is one call
     of one of `functions` ((name, parameters schema) each), or with `parallel` several, written as `parser`
-    writes them (Hermes: one per line; Llama 3: separated by `; `; Mistral: a list after `[TOOL_CALLS]`). A
-    `marker` that is a special token is written as that token."""
+    writes them (Hermes: one per line; Llama 3: separated by `; `; Mistral: a list after `[TOOL_CALLS]`).
+    `marker_id`: the marker's id where it is a special token (`special_marker`), written as that token."""
     written = _WRITTEN[parser]
     rules = []
     for i, (name, parameters) in enumerate(functions):
@@ -207,8 +188,8 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
         rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema, ensure_ascii=False)} "
                      f"{json.dumps('}' + written.call_tail)}")
     calls = f"call ({json.dumps(written.separator)} call)*" if parallel else "call"
-    if marker is not None:
-        opening = [f"<[{marker.token_id}]>", json.dumps(written.before)]
+    if marker_id is not None:
+        opening = [f"<[{marker_id}]>", json.dumps(written.before)]
     else:
         opening = [json.dumps(written.marker + written.before)]
     start = "start: " + " ".join(t for t in [*opening, calls, json.dumps(written.after)] if t != '""')

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from sluice.batching.ngram import NgramConfig, NgramProposer
 from sluice.batching.outputs import OutputSink, Usage
-from sluice.batching.sampling_params import RequestRejected, SamplingParams
+from sluice.batching.sampling_params import MAX_LOGIT_BIAS, RequestRejected, SamplingParams
 from sluice.batching.sequence import Sequence
 from sluice.batching.stop_checker import StopChecker, stop_token_ids
 from sluice.model.tokenizer import Tokenizer
@@ -81,6 +81,8 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
             raise RequestRejected(f"the request needs {pages} KV pages but the whole pool has {limits.num_pages}")
     if len(stop_token_ids(params, limits.eos_token_ids)) > MAX_STOP_IDS:
         raise RequestRejected(f"at most {MAX_STOP_IDS} stop token ids (EOS included) are supported")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise RequestRejected(f"at most {MAX_LOGIT_BIAS} logit_bias entries are supported")
 
 
 def build_request(request_id: str, prompts: list[list[int]], params: SamplingParams, sink: OutputSink,
@@ -100,7 +102,9 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
             seq = Sequence(
                 seq_id=next(seq_ids), request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
                 seed=(seed + choice * _SEED_STRIDE) % 2**32,
-                stop=StopChecker(params, limits.eos_token_ids, tokenizer.decode_stream(prompt)), parent=parent,
+                stop=StopChecker(params, limits.eos_token_ids,
+                                 tokenizer.decode_stream(prompt, skip_special_tokens=params.skip_special_tokens)),
+                parent=parent,
                 max_num_tokens=len(prompt) + max(params.max_tokens, 1),  # an embedding's last chunk samples once
                 grammar=grammar.fork() if grammar is not None else None,
                 proposer=NgramProposer(ngram) if ngram and params.pooling is None else None,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sluice.batching.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from sluice.batching.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -32,7 +32,9 @@ class SamplingBatch:
     Per sequence (`write`): temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty:
     [S] float32; top_k: [S] int32 (<= 0 disables); top_logprobs: [S] int32 (alternatives the row reports);
     seed: [S] uint32; stop_ids: [S, B] int32 ids that end the row (EOS and stop ids), -1 pads; min_tokens: [S]
-    int32, the output index before which stop ids are banned; num_prompt: [S] int32 prompt length.
+    int32, the output index before which stop ids are banned; num_prompt: [S] int32 prompt length; bias_ids:
+    [S, MAX_LOGIT_BIAS] int32, -1 pads, and bias: [S, MAX_LOGIT_BIAS] float32, what `logit_bias` adds to those
+    ids' logits.
     Per step (`SampledRows`): step: [S] int32, the row's output index; draft: [S] int32, the token proposed for
     the row's position (-1: none); history: [S, L] int32, the row's prompt + output ids, -1 pads (filled only
     for rows whose penalties read it).
@@ -53,6 +55,8 @@ class SamplingBatch:
     history: jax.Array
     num_prompt: jax.Array
     draft: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
 
     @classmethod
     def empty(cls, num_rows: int, num_banned: int, history_len: int = 0) -> SamplingBatch:
@@ -63,7 +67,9 @@ class SamplingBatch:
                    presence_penalty=floats(0.0), frequency_penalty=floats(0.0), repetition_penalty=floats(1.0),
                    top_logprobs=ints(0), seed=np.zeros(num_rows, np.uint32), step=ints(0),
                    stop_ids=np.full((num_rows, num_banned), -1, np.int32), min_tokens=ints(0),
-                   history=np.full((num_rows, history_len), -1, np.int32), num_prompt=ints(0), draft=ints(-1))
+                   history=np.full((num_rows, history_len), -1, np.int32), num_prompt=ints(0), draft=ints(-1),
+                   bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
+                   bias=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32))
 
     def write(self, row: int, params: SamplingParams, seed: int, stop_ids: tuple[int, ...], num_prompt: int,
               vocab_size: int) -> None:
@@ -82,6 +88,9 @@ class SamplingBatch:
         self.stop_ids[row, :len(stop_ids)] = stop_ids
         self.min_tokens[row] = params.min_tokens
         self.num_prompt[row] = num_prompt
+        self.bias_ids[row], self.bias[row] = -1, 0.0
+        for column, (token_id, bias) in enumerate(params.logit_bias):
+            self.bias_ids[row, column], self.bias[row, column] = token_id, bias
 
     def take(self, rows) -> SamplingBatch:
         """rows: [R] int32 -> the batch of those rows."""
@@ -97,7 +106,7 @@ class SamplingBatch:
         sampling = self.temperature > 0
         return dict(sampling=sampling, penalties=self.penalized(), top_k=sampling & (self.top_k > 0),
                     top_p=sampling & (self.top_p < 1), min_p=sampling & (self.min_p > 0), drafts=self.draft >= 0,
-                    top_logprobs=self.top_logprobs > 0)
+                    top_logprobs=self.top_logprobs > 0, logit_bias=self.bias_ids[:, 0] >= 0)
 
     def stops(self, tokens: jax.Array) -> jax.Array:
         """tokens: [S] int32 sampled at `step`, or [S, W] sampled at steps `step` to `step + W - 1` -> bool of
@@ -131,7 +140,7 @@ def resolve_sampler_branches(choice: str) -> str:
 @dataclass(frozen=True)
 class SamplerPlan:
     """Which of `sample`'s optional passes a step's rows need: some row samples (temperature > 0), is penalized,
-    filters by top-k, top-p or min-p (sampling rows), checks a draft, or wants top alternatives."""
+    filters by top-k, top-p or min-p (sampling rows), checks a draft, wants top alternatives, or biases logits."""
 
     sampling: bool = False
     penalties: bool = False
@@ -140,12 +149,13 @@ class SamplerPlan:
     min_p: bool = False
     drafts: bool = False
     top_logprobs: bool = False
+    logit_bias: bool = False
 
     @classmethod
     def of(cls, table: SamplingBatch, slots: np.ndarray, drafts: bool) -> SamplerPlan:
         """For the rows of `slots` in a host (numpy) table of per-sequence parameters (`SamplingBatch.needs`),
         `drafts` if some row checks one (a per-step field, not in the table)."""
-        needs = {name: bool(rows.any()) for name, rows in table.take(slots).needs().items()}
+        needs = {name: bool(rows[slots].any()) for name, rows in table.needs().items()}
         return cls(**{**needs, "drafts": drafts})
 
     @classmethod
@@ -214,6 +224,13 @@ def mask_disallowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     num_rows, vocab = logits.shape
     bits = jnp.right_shift(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
     return jnp.where(bits.reshape(num_rows, -1)[:, :vocab] != 0, logits, -jnp.inf)
+
+
+def add_logit_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """OpenAI's logit_bias: each row's biases added to its ids' logits (a bias of -100 all but bans a token)."""
+    num_rows, vocab = logits.shape
+    ids = jnp.where(batch.bias_ids >= 0, batch.bias_ids, vocab)  # out of range: dropped by the scatter
+    return logits.at[jnp.arange(num_rows)[:, None], ids].add(batch.bias, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -318,8 +335,9 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = None) -> SamplerOutput:
-    """logits: [S, V] float32 -> SamplerOutput. Greedy rows (temperature 0) take the argmax; the others draw
-    from the filtered, temperature-scaled distribution p with one uniform number keyed by (seed, step).
+    """logits: [S, V] float32 -> SamplerOutput. Each row's logit_bias, penalties and min_tokens ban apply first;
+    then greedy rows (temperature 0) take the argmax, and the others draw from the filtered, temperature-scaled
+    distribution p with one uniform number keyed by (seed, step). Logprobs are the model's, before all of these.
 
     A row with a draft d verifies it exactly: greedy rows accept d if it is the argmax; sampling rows accept d
     with probability p(d) and otherwise draw from p with d removed (renormalized), so each emitted token is
@@ -330,6 +348,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
     log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     model_logits = logits
     needs = batch.needs()
+    logits = _branch(plan, needs, ("logit_bias",), add_logit_bias, lambda x, _: x, logits, batch)
     logits = _branch(plan, needs, ("penalties",), apply_penalties, lambda x, _: x, logits, batch)
     rows = jnp.arange(num_rows)[:, None]
     banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)

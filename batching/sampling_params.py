@@ -7,6 +7,7 @@ from functools import cached_property
 from typing import Literal
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
 
 
 class RequestRejected(ValueError):
@@ -38,6 +39,9 @@ class SamplingParams:
     `seed` makes the request's samples reproducible whatever else shares its batch.
     `logprobs` asks for the chosen token's log-probability; `top_logprobs` (0..20) for the k best.
     `n` samples per prompt; `priority`: lower runs first.
+    `logit_bias`: (token id, bias) pairs, each bias (-100..100) added to that token's logit before sampling.
+    `skip_special_tokens` False keeps special tokens' text in the output text (vLLM's extension; what a tool-call
+    reader needs when the format's tag is a special token); host-only, like `stop`: it picks the detokenizer.
     `structured`: a grammar the output must follow (EOS then ends it only where the grammar is complete).
     `pooling` makes it an embedding request (max_tokens 0): each prompt is prefilled, never sampled, and ends with
     the sum of its final hidden states ("last": its last token's, "mean": all its tokens') in `Increment.embedding`.
@@ -56,6 +60,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1

@@ -261,7 +261,7 @@ def _bad_inputs(life: Life) -> list[tuple[str, dict | bytes, int]]:
         ("/v1/chat/completions", b"{not json", 400),
         ("/v1/chat/completions", {"model": life.model, "messages": hello, "temperature": -1}, 400),
         ("/v1/chat/completions", {"model": "no-such-model", "messages": hello}, 404),
-        ("/v1/chat/completions", {"model": life.model, "messages": hello, "logit_bias": {"1": 5}}, 400),
+        ("/v1/chat/completions", {"model": life.model, "messages": hello, "logit_bias": {"1": 500}}, 400),
         ("/v1/chat/completions", {"model": life.model}, 400),
         ("/v1/chat/completions", {"model": life.model, "messages": hello, "tools": [WEATHER_TOOL],
                                   "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),

@@ -106,21 +106,31 @@ class Tokenizer:
             return bytes([int(byte.group(1), 16)])
         return token.replace("\u2581", " ").encode()
 
-    def decode_stream(self, prompt_ids: list[int] | tuple[int, ...] = ()) -> IncrementalDetokenizer | ByteDetokenizer:
-        """A streaming detokenizer for a sequence that follows `prompt_ids`."""
+    def decode_stream(self, prompt_ids: list[int] | tuple[int, ...] = (), *, skip_special_tokens: bool = True
+                      ) -> IncrementalDetokenizer | ByteDetokenizer:
+        """A streaming detokenizer for a sequence that follows `prompt_ids`, whose text joins to `decode`'s with
+        the same `skip_special_tokens`."""
         if self._byte_pieces is not None:
-            return ByteDetokenizer(self._byte_pieces)
-        return IncrementalDetokenizer(self._backend, prompt_ids)
+            return ByteDetokenizer(self._byte_pieces if skip_special_tokens else self._byte_pieces_with_special)
+        return IncrementalDetokenizer(self._backend, prompt_ids, skip_special_tokens=skip_special_tokens)
 
     @cached_property
     def _byte_pieces(self) -> BytePieces | None:
-        """Each token's bytes, for a byte-level vocabulary whose added tokens are all special (skipped when
-        streaming); None otherwise."""
+        """Each token's bytes, special tokens' none (skipped), for a byte-level vocabulary whose added tokens are
+        all special; None otherwise."""
         added = self._added_tokens
         if not self._byte_level or any(not token.special for token in added.values()):
             return None
         size = self._backend.get_vocab_size(with_added_tokens=True)
         return BytePieces([b"" if i in added else self.token_bytes(i) for i in range(size)])
+
+    @cached_property
+    def _byte_pieces_with_special(self) -> BytePieces:
+        """`_byte_pieces` with the special tokens' bytes (their text), for streams that keep it; built on first
+        use, as few requests ask for it. The library's decode passes special tokens through the byte-level
+        decoder like any other, so their bytes join their neighbours' as a table lookup joins them."""
+        pieces = self._byte_pieces.bytes
+        return BytePieces([self.token_bytes(i) if i in self._added_tokens else piece for i, piece in enumerate(pieces)])
 
     @cached_property
     def _added_tokens(self) -> dict[int, AddedToken]:
@@ -293,7 +303,8 @@ class ByteDetokenizer:
     lookup per token instead of a call into the tokenizers library, with the same text (tests/test_tokenizer.py).
 
     Bytes of a character split across tokens are held back until the character completes (bytes that never can
-    come out as U+FFFD, as the library's decoding does); special tokens produce no text.
+    come out as U+FFFD, as the library's decoding does); special tokens produce the text `pieces` gives them (none
+    from `Tokenizer._byte_pieces`, which skips them).
     """
 
     def __init__(self, pieces: BytePieces):
@@ -333,13 +344,16 @@ class IncrementalDetokenizer:
     """Turns a growing sequence of token ids into text deltas, for streaming (tokenizers' `DecodeStream`).
 
     Bytes of a character split across tokens are held back until the character completes; special tokens
-    produce no text.
+    produce no text unless `skip_special_tokens` is False.
     """
 
-    def __init__(self, backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...] = ()):
+    def __init__(self, backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...] = (), *,
+                 skip_special_tokens: bool = True):
         self._backend = backend
-        self._context = _decode_context(backend, prompt_ids)  # the ids of the last text, as the stream keeps them
-        self._stream = DecodeStream(ids=self._context, skip_special_tokens=True)
+        self._skip_special_tokens = skip_special_tokens
+        # the ids of the last text, as the stream keeps them
+        self._context = _decode_context(backend, prompt_ids, skip_special_tokens)
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
         self._held: list[int] = []  # the ids pushed since the last text
 
     def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
@@ -364,11 +378,14 @@ class IncrementalDetokenizer:
         if not self._held:
             return ""
         held, self._held = self._held, []
-        before = self._backend.decode(self._context, skip_special_tokens=True)
-        text = self._backend.decode([*self._context, *held], skip_special_tokens=True)
+        before = self._decode(self._context)
+        text = self._decode([*self._context, *held])
         if text.startswith(before):
             return text[len(before):]
-        return self._backend.decode(held, skip_special_tokens=True)
+        return self._decode(held)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _restart(self, token_id: int, error: Exception) -> str | None:
         """A fresh stream from the held ids, when `DecodeStream` finds the text it emitted is no longer a prefix
@@ -377,15 +394,16 @@ class IncrementalDetokenizer:
         U+FFFD."""
         if not str(error).startswith("Invalid prefix"):
             raise error
-        self._stream = DecodeStream(ids=self._held, skip_special_tokens=True)
+        self._stream = DecodeStream(ids=self._held, skip_special_tokens=self._skip_special_tokens)
         return self._stream.step(self._backend, token_id)
 
 
-def _decode_context(backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...]) -> list[int]:
-    """The last few prompt ids, less the bytes of a character the prompt leaves unfinished: from a context whose
-    text ends in U+FFFD, `DecodeStream` would put the context's own text into the stream along with the first
-    output text."""
+def _decode_context(backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...],
+                    skip_special_tokens: bool) -> list[int]:
+    """The last few prompt ids, less the bytes of a character the prompt leaves unfinished (its text decoded as
+    the stream decodes it): from a context whose text ends in U+FFFD, `DecodeStream` would put the context's own
+    text into the stream along with the first output text."""
     context = list(prompt_ids[-_DECODE_CONTEXT:])
-    while context and backend.decode(context, skip_special_tokens=True).endswith("\ufffd"):
+    while context and backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
         context.pop()
     return context

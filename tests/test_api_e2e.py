@@ -150,6 +150,23 @@ def test_chat_answers_the_capital_of_germany(client):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_logit_bias_bans_the_greedy_token_or_forces_another(server, client):
+    def ids(text: str) -> list[int]:
+        return httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=AUTH).json()["tokens"]
+
+    kwargs = dict(model=MODEL, prompt="The capital of Germany is", max_tokens=1, temperature=0)
+    greedy = client.completions.create(**kwargs).choices[0].text
+    [greedy_id] = ids(greedy)
+    banned = client.completions.create(**kwargs, logit_bias={str(greedy_id): -100}).choices[0].text
+    assert banned != greedy
+    [blue] = ids(" blue")
+    forced = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0.7,
+                                       logit_bias={str(blue): 100})
+    assert forced.choices[0].text == " blue" * 3
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logit_bias={"999999": 1})
+
+
 def test_streamed_chat_equals_the_unstreamed_answer(client):
     kwargs = dict(model=MODEL, messages=chat("Name three colors."), temperature=0, max_tokens=24)
     whole = client.chat.completions.create(**kwargs)

@@ -114,14 +114,14 @@ def test_sampling_params_carry_every_request_field():
         {**CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.5,
          "frequency_penalty": -0.5, "repetition_penalty": 1.1, "seed": 7, "stop": "END", "n": 2,
          "ignore_eos": True, "min_tokens": 3, "stop_token_ids": [5], "max_tokens": 20, "logprobs": True,
-         "top_logprobs": 4}
+         "top_logprobs": 4, "skip_special_tokens": False}
     )
     params = body.sampling_params(default_max_tokens=99)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 40, 0.05)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.1)
     assert (params.seed, params.stop, params.n, params.ignore_eos) == (7, ("END",), 2, True)
     assert (params.max_tokens, params.min_tokens, params.stop_token_ids) == (20, 3, (5,))
-    assert (params.logprobs, params.top_logprobs) == (True, 4)
+    assert (params.logprobs, params.top_logprobs, params.skip_special_tokens) == (True, 4, False)
 
 
 def test_default_max_tokens_applies_only_without_a_limit():
@@ -145,7 +145,6 @@ def test_detokenize_ids_outside_the_vocabulary_are_rejected():
     ("schema", "field", "value"),
     [(ChatCompletionRequest, "functions", [{"name": "f"}]),
      (ChatCompletionRequest, "function_call", "auto"),
-     (ChatCompletionRequest, "logit_bias", {"5": 10}),
      (CompletionRequest, "best_of", 3),
      (CompletionRequest, "suffix", "the end")],
 )
@@ -153,6 +152,16 @@ def test_fields_that_would_change_the_output_but_are_not_implemented_are_named_i
     body = {**CHAT} if schema is ChatCompletionRequest else {"prompt": "x"}
     error = rejection(schema, {**body, field: value})
     assert error.param == field and "not supported" in error.message
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"5": 100.5}, {"1000": 1}, {str(i): 1 for i in range(301)}])
+def test_logit_bias_takes_at_most_300_ids_of_the_vocabulary_with_biases_within_100(bias):
+    assert rejection(ChatCompletionRequest, {**CHAT, "logit_bias": bias}).param.startswith("logit_bias")
+
+
+def test_logit_bias_keys_become_token_ids_the_last_of_a_repeated_id_winning():
+    request = ChatCompletionRequest.model_validate({**CHAT, "logit_bias": {"9": -100, "3": 2.5, "03": 1}})
+    assert request.sampling_params(16).logit_bias == ((3, 1.0), (9, -100.0))
 
 
 def test_harmless_forms_of_unimplemented_fields_are_accepted():

@@ -113,6 +113,19 @@ def test_presence_and_frequency_penalties_count_only_output_tokens():
     assert prompt_only.tokens[0] == 3 and in_output.tokens[0] == 4 and frequent.tokens[0] == 4
 
 
+def test_logit_bias_shifts_a_rows_logits_before_sampling_but_not_its_logprobs():
+    logits = jnp.zeros((3, VOCAB)).at[:, 3].set(2.0).at[:, 4].set(1.5)
+    banned = row(SamplingParams(temperature=0.0, logprobs=True, logit_bias=((3, -100.0),)))
+    chosen = row(SamplingParams(temperature=0.0, logit_bias=((9, 100.0), (4, 1.0))))
+    out = run(logits, [banned, chosen, row(SamplingParams(temperature=0.0))])
+    np.testing.assert_array_equal(out.tokens, [4, 9, 3])
+    expected = np.asarray(jax.nn.log_softmax(logits[0]))
+    np.testing.assert_allclose(out.logprobs[0], expected[4], rtol=1e-6)  # the model's own distribution
+    sampled = {int(run(logits[:1], [row(SamplingParams(temperature=1.0, logit_bias=((20, 100.0),)), seed=s)]).tokens[0])
+               for s in range(10)}
+    assert sampled == {20}
+
+
 def test_logprobs_are_the_models_log_softmax_with_the_best_first():
     logits = logits_for(2)
     out = run(logits, [row(SamplingParams(temperature=1.0, logprobs=True, top_logprobs=5), seed=3)] * 2)
@@ -170,6 +183,10 @@ PLAN_CASES = {
         [Row(SamplingParams(temperature=0.9, top_logprobs=5), seed=s, draft=s + 3) for s in range(2)]
         + [Row(SamplingParams(temperature=0.0, logprobs=True), draft=7), row(SamplingParams(temperature=0.0))],
         SamplerPlan(sampling=True, drafts=True, top_logprobs=True)),
+    "logit bias": (
+        [row(SamplingParams(temperature=0.0, logit_bias=((5, 4.0), (6, -100.0)))),
+         row(SamplingParams(temperature=0.9, logit_bias=((1, 2.5),)), seed=2), row(SamplingParams(temperature=0.0))],
+        SamplerPlan(sampling=True, logit_bias=True)),
 }
 
 

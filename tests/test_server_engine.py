@@ -28,7 +28,9 @@ CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=1
 
 @pytest.fixture(scope="module")
 def engine(smollm2) -> Engine:
-    loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
+    # The tokenizer's whole vocabulary, so that a request's grammar compiles (structured output needs every id).
+    config = replace(TINY, vocab_size=smollm2.tokenizer.vocab_size)
+    loaded = LoadedModel(config, Llama(config, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
     return Engine(loaded, CONFIG, progress=False)
 
 
@@ -163,3 +165,18 @@ def test_a_model_is_retrieved_by_its_id_slash_included_and_any_other_id_is_a_404
                                              "owned_by": "sluice", "max_model_len": CONFIG.max_model_len}
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert 'route="/v1/models/{model_id}",status="404"' in metrics
+
+
+@pytest.mark.parametrize(("skip_special_tokens", "text"), [(True, ""), (False, "<|im_start|>")])
+def test_skip_special_tokens_false_keeps_the_text_of_a_sampled_special_token(engine, skip_special_tokens, text):
+    # The grammar makes the reply `<|im_start|>` (id 1) whatever the weights; EOS then ends it, unshown.
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "skip_special_tokens": skip_special_tokens,
+            "structured_outputs": {"grammar": "start: <[1]>"}}
+
+    async def scenario(client, state):
+        return await client.post("/v1/completions", json=body)
+
+    response = serve(engine, scenario)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (text, "stop")

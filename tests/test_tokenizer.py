@@ -44,7 +44,8 @@ def test_decode_stream_holds_split_characters_back_and_joins_to_the_text(tokeniz
     assert "" in pieces and not any("\ufffd" in p for p in pieces)
 
 
-def test_the_byte_level_stream_gives_the_text_of_the_library_stream(tokenizer):
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_byte_level_stream_gives_the_text_of_the_library_stream(tokenizer, skip_special_tokens):
     """The table-driven stream (`ByteDetokenizer`) against tokenizers' own `DecodeStream`, on text with split
     characters, special tokens, and random ids (bytes that never form a character), pushed in random groups."""
     rng = random.Random(0)
@@ -53,9 +54,9 @@ def test_the_byte_level_stream_gives_the_text_of_the_library_stream(tokenizer):
     sequences.append([*sequences[1][:5], tokenizer.eos_token_ids[0], *sequences[1][5:]])
     sequences += [[rng.randrange(tokenizer.vocab_size) for _ in range(60)] for _ in range(20)]
     for ids in sequences:
-        fast = tokenizer.decode_stream([])
+        fast = tokenizer.decode_stream([], skip_special_tokens=skip_special_tokens)
         assert isinstance(fast, ByteDetokenizer)
-        library = IncrementalDetokenizer(tokenizer._backend)
+        library = IncrementalDetokenizer(tokenizer._backend, skip_special_tokens=skip_special_tokens)
         start = 0
         while start < len(ids):
             group = ids[start:start + rng.randint(1, 4)]
@@ -71,6 +72,17 @@ def test_a_stream_ended_mid_character_flushes_its_held_bytes_as_the_whole_decode
     stream = (tokenizer if streaming == "byte_level" else library_streamed).decode_stream(tokenizer.encode("Say:"))
     assert stream.push(ids) == "Hi"  # the space is a byte of the parrot's first token
     assert stream.flush() == " \ufffd" and tokenizer.decode(ids) == "Hi \ufffd"
+
+
+@pytest.mark.parametrize("streaming", ["byte_level", "library"])
+def test_a_stream_that_keeps_special_tokens_gives_their_text_where_they_were(tokenizer, library_streamed, streaming):
+    text = "<|im_start|>assistant\n東京<|im_end|>Hi"
+    ids = tokenizer.encode(text)
+    stream = (tokenizer if streaming == "byte_level" else library_streamed).decode_stream(
+        tokenizer.encode("Say:<|im_end|>"), skip_special_tokens=False)
+    pieces = [stream.push([i]) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert pieces[0] == "<|im_start|>"
 
 
 def test_ids_of_a_vocabulary_padded_past_the_tokenizers_give_no_text(tokenizer):
@@ -148,10 +160,11 @@ def streamed(stream: IncrementalDetokenizer | ByteDetokenizer, ids: list[int], g
     return pieces + [stream.push([i]) for i in ids[start:]] + [stream.flush()]
 
 
-def assert_streams_as_the_whole_decodes(tokenizer: Tokenizer, pieces: list[str], ids: list[int]) -> None:
-    """The pieces, the flush of a character left unfinished at the end included, join to the whole decode; none
-    has a U+FFFD that the whole decode has not."""
-    whole, joined = tokenizer.decode(ids), "".join(pieces)
+def assert_streams_as_the_whole_decodes(tokenizer: Tokenizer, pieces: list[str], ids: list[int],
+                                        skip_special_tokens: bool = True) -> None:
+    """The pieces, the flush of a character left unfinished at the end included, join to the whole decode (with
+    the same `skip_special_tokens`); none has a U+FFFD that the whole decode has not."""
+    whole, joined = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), "".join(pieces)
     assert joined == whole
     if "\ufffd" not in whole:
         assert not any("\ufffd" in piece for piece in pieces)
@@ -168,14 +181,14 @@ GROUP_SIZES = st.lists(st.integers(1, 4), max_size=10)
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data(), group_sizes=GROUP_SIZES)
+@given(data=st.data(), group_sizes=GROUP_SIZES, skip_special_tokens=st.booleans())
 def test_the_stream_of_random_ids_joins_to_their_whole_decode(tokenizer, library_streamed, piece_ids, data,
-                                                               group_sizes):
+                                                               group_sizes, skip_special_tokens):
     prompt = data.draw(st.lists(token_ids(tokenizer, piece_ids), max_size=6))
     ids = data.draw(st.lists(token_ids(tokenizer, piece_ids), max_size=20))
     for streaming in (tokenizer, library_streamed):
-        pieces = streamed(streaming.decode_stream(prompt), ids, group_sizes)
-        assert_streams_as_the_whole_decodes(tokenizer, pieces, ids)
+        pieces = streamed(streaming.decode_stream(prompt, skip_special_tokens=skip_special_tokens), ids, group_sizes)
+        assert_streams_as_the_whole_decodes(tokenizer, pieces, ids, skip_special_tokens)
 
 
 @settings(max_examples=200, deadline=None)
@@ -195,6 +208,17 @@ def test_a_prompt_that_ends_mid_character_puts_none_of_its_text_in_the_stream(to
     for streaming in (tokenizer, library_streamed):
         stream = streaming.decode_stream(prompt)
         assert "".join(stream.push([i]) for i in output) == tokenizer.decode(output) == "\ufffd is big"
+
+
+def test_a_prompt_ending_in_bytes_around_a_special_token_puts_none_of_its_text_in_a_stream_that_keeps_it(
+        tokenizer, library_streamed):
+    # Skipped, the special token leaves the bytes one character; kept, it splits them into two U+FFFD.
+    east = tokenizer.encode("東")
+    assert len(east) == 2, "東 should be split across two tokens"
+    prompt, output = [east[0], tokenizer.eos_token_ids[0], east[1]], tokenizer.encode(" is east")
+    for streaming in (tokenizer, library_streamed):
+        stream = streaming.decode_stream(prompt, skip_special_tokens=False)
+        assert "".join(stream.push([i]) for i in output) == " is east"
 
 
 def llama_style_tokenizer() -> HFTokenizer:

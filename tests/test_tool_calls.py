@@ -19,8 +19,16 @@ from tokenizers import models
 from sluice.app.prompts import chat_prompt, renders_tools, tool_call_format
 from sluice.app.schemas import ChatCompletionRequest
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, TextDelta, ToolCall
-from sluice.app.tool_calls import ToolCalling, call_grammar, mistral_call_id, parse_calls, special_marker
-from sluice.batching.sampling_params import StructuredOutput
+from sluice.app.tool_calls import (
+    ToolCalling,
+    call_grammar,
+    mistral_call_id,
+    parse_calls,
+    reads_special_tokens,
+    special_marker,
+)
+from sluice.batching.sampling_params import SamplingParams, StructuredOutput
+from sluice.batching.stop_checker import StopChecker
 from sluice.batching.structured import GrammarCompiler
 from hf_folder import train_tokenizer
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
@@ -82,10 +90,15 @@ def stream_in_pieces(text: str, progressive: bool, rng: random.Random, parser: s
         events += stream.push(text[start:start + size])
         start += size
     events += stream.finish()
+    return (*read(events), events)
+
+
+def read(events: list) -> tuple[str | None, list[ToolCall]]:
+    """The content and calls a reader's events make up."""
     content = "".join(e.text for e in events if isinstance(e, TextDelta)) or None
     calls = [ToolCall(e.name, "".join(a.text for a in events if isinstance(a, ArgumentsDelta) and a.index == e.index))
              for e in events if isinstance(e, CallStart)]
-    return content, calls, events
+    return content, calls
 
 
 def assert_any_pieces_read_as_the_whole(text: str, parser: str) -> None:
@@ -204,20 +217,54 @@ def marker_tokenizer() -> Tokenizer:
     return Tokenizer(backend, SpecialTokens(1, (2,), False, None))
 
 
-def test_the_special_marker_the_detokenizer_drops_is_put_back_where_its_token_was():
+def hermes_tag_tokenizer() -> Tokenizer:
+    """A byte-level vocabulary whose Hermes tags are special tokens, as some Hermes models' vocabularies make them."""
+    backend = train_tokenizer(286)
+    backend.add_special_tokens([AddedToken(tag, special=True, normalized=False)
+                                for tag in ("<tool_call>", "</tool_call>")])
+    return Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+
+
+def test_a_format_whose_tag_is_a_special_token_reads_special_tokens_text():
+    tokenizer, plain = marker_tokenizer(), Tokenizer(train_tokenizer(300), SpecialTokens(1, (2,), False, None))
+    assert special_marker(tokenizer, "mistral") == 287 and reads_special_tokens(tokenizer, "mistral")
+    assert special_marker(plain, "mistral") is None and not reads_special_tokens(plain, "mistral")
+    assert special_marker(tokenizer, "hermes") is None and not reads_special_tokens(tokenizer, "hermes")
+    assert reads_special_tokens(hermes_tag_tokenizer(), "hermes")
+    assert not reads_special_tokens(hermes_tag_tokenizer(), "llama3_json")
+
+
+def read_mistral_stream(texts: list[str]) -> tuple[str | None, list[ToolCall]]:
+    """The content and calls a Mistral-format stream reads from the increments' texts, pushed one by one."""
+    stream = ToolCalling(NAMES, "mistral").stream()
+    return read([event for text in texts for event in stream.push(text)] + stream.finish())
+
+
+def keeping_special_tokens(tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> StopChecker:
+    params = SamplingParams(max_tokens=100, stop=stop, skip_special_tokens=False)
+    return StopChecker(params, (2,), tokenizer.decode_stream(skip_special_tokens=params.skip_special_tokens))
+
+
+def test_a_mistral_call_after_text_held_back_for_a_stop_string_has_its_marker_in_place():
+    # "fox" may start the stop string "fox!": it is held back until the marker's text settles it.
     tokenizer = marker_tokenizer()
-    marker = special_marker(tokenizer, "mistral")
-    assert marker is not None and marker.token_id == 287
-    reply = "the fox " + mistral(("add", '{"a": 1}')) + " over [TOOL_CALLS] [x"
+    reply = "the quick fox" + mistral(("add", '{"a": 1}'))
+    checker = keeping_special_tokens(tokenizer, stop=("fox!",))
+    texts = [checker.emit(token, None).text for token in tokenizer.encode(reply, add_special_tokens=False)]
+    assert "".join(texts) == reply
+    assert read_mistral_stream(texts) == ("the quick fox", [ToolCall("add", '{"a": 1}')])
+
+
+def test_a_mistral_call_whose_increment_ends_mid_character_has_its_marker_in_place():
+    # One increment runs from the text before the marker into the first byte of "é" (held back for the next).
+    tokenizer = marker_tokenizer()
+    reply = "the fox" + mistral(("add", '{"a": "é"}'))
     ids = tokenizer.encode(reply, add_special_tokens=False)
-    rng = random.Random(5)
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(ids)), 4))
-        pieces = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
-        detokenizer = tokenizer.decode_stream()
-        assert "".join(marker.restore(detokenizer.push(piece), piece) for piece in pieces) == reply
-    assert special_marker(Tokenizer(train_tokenizer(300), SpecialTokens(1, (2,), False, None)), "mistral") is None
-    assert special_marker(tokenizer, "hermes") is None
+    marker, split = ids.index(287), next(i for i, t in enumerate(ids) if "\ufffd" in tokenizer.token_text(t))
+    checker = keeping_special_tokens(tokenizer)
+    texts = [checker.emit_run(run, None)[0] for run in (ids[:marker - 1], ids[marker - 1:split + 1], ids[split + 1:])]
+    assert "".join(texts) == reply
+    assert read_mistral_stream(texts) == ("the fox", [ToolCall("add", '{"a": "é"}')])
 
 
 # --- the grammar that forces calls -------------------------------------------------------------------------
@@ -272,7 +319,7 @@ def test_the_grammar_takes_only_an_object_as_arguments_where_the_schema_allows_a
 def test_the_mistral_grammar_writes_a_special_marker_as_its_token():
     tokenizer = marker_tokenizer()
     compiler = GrammarCompiler(tokenizer, 288, (2,))
-    grammar = call_grammar([ADD], parallel=False, parser="mistral", marker=special_marker(tokenizer, "mistral"))
+    grammar = call_grammar([ADD], parallel=False, parser="mistral", marker_id=special_marker(tokenizer, "mistral"))
     matcher = compiler.compile(grammar).matcher
     reply = tokenizer.encode(mistral(("add", '{"a": 1}')), add_special_tokens=False)
     assert reply[0] == 287 and all(matcher.consume_token(t) for t in reply) and matcher.is_accepting()
