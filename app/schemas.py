@@ -146,6 +146,8 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = Field(True, description="vLLM's extension: false keeps special tokens' text in "
                                                         "the output")
+    include_stop_str_in_output: bool = Field(False, description="vLLM's extension: the stop string (or stop token "
+                                                                "id's text) that ended the output stays in it")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

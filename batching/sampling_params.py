@@ -39,6 +39,7 @@ class SamplingParams:
     `seed` makes the request's samples reproducible whatever else shares its batch.
     `logprobs` asks for the chosen token's log-probability; `top_logprobs` (0..20) for the k best.
     `n` samples per prompt; `priority`: lower runs first.
+    `include_stop_str_in_output` (vLLM's): the stop string, or stop id's text, that ended the output stays in it.
     `logit_bias`: (token id, bias) pairs, each bias (-100..100) added to that token's logit before sampling.
     `skip_special_tokens` False keeps special tokens' text in the output text (vLLM's extension; what a tool-call
     reader needs when the format's tag is a special token); host-only, like `stop`: it picks the detokenizer.
@@ -61,6 +62,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0

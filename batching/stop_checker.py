@@ -68,7 +68,8 @@ class StopChecker:
         emitted, how many of the tokens it covers, the finish). A stop string ends the run at its token."""
         if not self.params.stop:
             self.num_output_tokens += len(tokens)
-            shown = tokens[:-1] if finish == "stop" else tokens  # a stop id's own text is not emitted
+            # A stop id's own text is not emitted, unless the request includes what stopped it.
+            shown = tokens[:-1] if finish == "stop" and not self.params.include_stop_str_in_output else tokens
             text = self.detokenizer.push(shown)
             if finish is not None:
                 text += self.detokenizer.flush()
@@ -82,9 +83,12 @@ class StopChecker:
         return "".join(texts), len(tokens), None
 
     def emit(self, token_id: int, token_finish: FinishReason | None) -> StopDecision:
-        """Adds the token's text; `token_finish` is the finish its id or count forces (`run_finish`'s)."""
+        """Adds the token's text; `token_finish` is the finish its id or count forces (`run_finish`'s). With
+        `include_stop_str_in_output`, the stop string or stop id that ends the sequence is emitted with it, and no
+        text is held back (a stop string's beginning may then be emitted before it completes)."""
         self.num_output_tokens += 1
-        if token_finish == "stop":  # a stop id's own text is not emitted
+        include = self.params.include_stop_str_in_output
+        if token_finish == "stop" and not include:  # a stop id's own text is not emitted
             self.text += self.detokenizer.flush()
             return StopDecision(self._flush(), "stop")
         text = self.detokenizer.push((token_id,))
@@ -97,13 +101,15 @@ class StopChecker:
         if self.num_output_tokens > self.params.min_tokens:
             # Only a match that ends in this token's text: one wholly in the text of a token within min_tokens
             # does not stop the sequence (and was emitted).
-            hits = [i for s in self.params.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
+            hits = [(i, i + len(s)) for s in self.params.stop
+                    if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                start, end = min(hits)
+                self.text = self.text[:end if include else start]
                 return StopDecision(self._flush(), "stop")
-        if token_finish == "length":
-            return StopDecision(self._flush(), "length")
-        end = len(self.text) - self._held_back()
+        if token_finish is not None:
+            return StopDecision(self._flush(), token_finish)
+        end = len(self.text) - (0 if include else self._held_back())
         new = self.text[self.num_emitted_chars:end]
         self.num_emitted_chars = max(self.num_emitted_chars, end)
         return StopDecision(new)

@@ -167,6 +167,16 @@ def test_logit_bias_bans_the_greedy_token_or_forces_another(server, client):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logit_bias={"999999": 1})
 
 
+def test_a_stop_string_ends_the_text_before_it_or_after_it_when_included(client):
+    kwargs = dict(model=MODEL, prompt="The capital of Germany is", max_tokens=12, temperature=0)
+    free = client.completions.create(**kwargs).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    cut = free.index(stop)
+    for include, expected in ((False, free[:cut]), (True, free[:cut + len(stop)])):
+        reply = client.completions.create(**kwargs, stop=[stop], extra_body={"include_stop_str_in_output": include})
+        assert (reply.choices[0].text, reply.choices[0].finish_reason) == (expected, "stop")
+
+
 def test_streamed_chat_equals_the_unstreamed_answer(client):
     kwargs = dict(model=MODEL, messages=chat("Name three colors."), temperature=0, max_tokens=24)
     whole = client.chat.completions.create(**kwargs)
@@ -420,7 +430,7 @@ BAD_FIELDS = [{"top_k": -5}, {"seed": -(2**63) - 1}, {"seed": 2**64}, {"stop_tok
               {"stop_token_ids": [-1]}, {"max_tokens": 0}, {"temperature": 3}, {"n": 1000},
               {"min_tokens": 9, "max_tokens": 2},
               {"max_tokens": None, "min_tokens": 7584327827},
-              {"logit_bias": {"5": 3}}, {"prompt": [1, 2, 10**9]}, {"max_tokens": 10**6},
+              {"logit_bias": {"5": 300}}, {"prompt": [1, 2, 10**9]}, {"max_tokens": 10**6},
               {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}}]
 
 

@@ -114,7 +114,8 @@ def test_sampling_params_carry_every_request_field():
         {**CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.5,
          "frequency_penalty": -0.5, "repetition_penalty": 1.1, "seed": 7, "stop": "END", "n": 2,
          "ignore_eos": True, "min_tokens": 3, "stop_token_ids": [5], "max_tokens": 20, "logprobs": True,
-         "top_logprobs": 4, "skip_special_tokens": False}
+         "top_logprobs": 4, "skip_special_tokens": False, "include_stop_str_in_output": True,
+         "logit_bias": {"7": 1.5}}
     )
     params = body.sampling_params(default_max_tokens=99)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.9, 40, 0.05)
@@ -122,6 +123,7 @@ def test_sampling_params_carry_every_request_field():
     assert (params.seed, params.stop, params.n, params.ignore_eos) == (7, ("END",), 2, True)
     assert (params.max_tokens, params.min_tokens, params.stop_token_ids) == (20, 3, (5,))
     assert (params.logprobs, params.top_logprobs, params.skip_special_tokens) == (True, 4, False)
+    assert (params.include_stop_str_in_output, params.logit_bias) == (True, ((7, 1.5),))
 
 
 def test_default_max_tokens_applies_only_without_a_limit():

@@ -74,6 +74,18 @@ def test_length_finish_flushes_held_back_text(tokenizer):
     assert reason == "length" and emitted == "one two three"
 
 
+def test_the_stop_string_or_stop_ids_text_is_emitted_when_included_and_nothing_is_held_back(tokenizer):
+    text = "The capital of France is Paris. It is lovely."
+    include = SamplingParams(max_tokens=100, stop=("Paris.",), include_stop_str_in_output=True)
+    assert feed(tokenizer, text, include)[:2] == ("The capital of France is Paris.", "stop")
+    checker = StopChecker(include, (EOS,), tokenizer.decode_stream())
+    assert "".join(append(checker, token).text for token in tokenizer.encode("Hello Paris")) == "Hello Paris"
+    there = tokenizer.encode(" there")[-1]
+    for included, expected in ((False, "Hi"), (True, "Hi there")):
+        params = SamplingParams(max_tokens=20, stop_token_ids=(there,), include_stop_str_in_output=included)
+        assert feed(tokenizer, "Hi there", params)[:2] == (expected, "stop")
+
+
 def test_eos_stops_without_emitting_its_text_unless_ignored(tokenizer):
     emitted, reason, used = feed(tokenizer, "Hi there", SamplingParams(max_tokens=20), extra=[EOS, 100])
     assert (emitted, reason) == ("Hi there", "stop")
@@ -112,14 +124,15 @@ def token_by_token(checker: StopChecker, tokens: list[int], num_output_before: i
     return len(tokens), None, text
 
 
+@pytest.mark.parametrize("include", [False, True], ids=["", "including-the-stop"])
 @pytest.mark.parametrize("stop", [(), (" blue",)])
-def test_a_run_of_tokens_ends_and_reads_as_it_would_token_by_token(tokenizer, stop):
+def test_a_run_of_tokens_ends_and_reads_as_it_would_token_by_token(tokenizer, stop, include):
     rng = random.Random(len(stop))
     words = tokenizer.encode(" red green blue yellow 東京")  # with tokens that hold part of a character
     for trial in range(300):
         max_tokens = rng.randrange(1, 12)
         params = SamplingParams(max_tokens=max_tokens, min_tokens=rng.randrange(0, min(4, max_tokens + 1)), stop=stop,
-                                stop_token_ids=(words[0],))
+                                stop_token_ids=(words[0],), include_stop_str_in_output=include)
         tokens = [rng.choice([*words, EOS]) for _ in range(rng.randrange(1, 9))]
         before, context_left = rng.randrange(0, params.max_tokens), rng.randrange(1, 12)
         one, run = (StopChecker(params, (EOS,), tokenizer.decode_stream()) for _ in range(2))
