@@ -60,8 +60,7 @@ async def create_message(request: Request) -> Response:
     chat = dataclasses.replace(chat, prompt=continued(engine.tokenizer, chat.prompt, body))
     message_id = f"msg_{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
-    builder = MessageBuilder(message_id, state.model_name, engine.tokenizer, len(chat.prompt.token_ids),
-                             body.stop_sequences, chat.calling)
+    builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from sluice.batching.outputs import FinishReason
-from sluice.model.tokenizer import Tokenizer
+from sluice.batching.outputs import FinishReason, Increment
 
 from sluice.app.anthropic_errors import anthropic_error_event
 from sluice.app.anthropic_schemas import (
@@ -52,16 +51,6 @@ def sse(event: BaseModel) -> bytes:
 
 def new_tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
-
-
-def first_stop_sequence(output: str, sequences: Sequence[str]) -> str | None:
-    """The stop sequence found first in the decoded output, or None.
-
-    The engine cuts the text at the first stop string it finds and does not say which; the output cannot hold
-    another one before it (it would have stopped there), so the earliest one in the decoded tokens is the one.
-    """
-    hits = [(at, i) for i, s in enumerate(sequences) if (at := output.find(s)) >= 0]
-    return sequences[min(hits)[1]] if hits else None
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -102,22 +91,20 @@ class MessageBuilder:
     """One generation (one choice) as an Anthropic `message`. `input_tokens`: the prompt's length, known before
     the engine reports usage (`message_start` carries it); `calling`: what the text is read for (None: no tools)."""
 
-    def __init__(self, message_id: str, model: str, tokenizer: Tokenizer, input_tokens: int,
-                 stop_sequences: Sequence[str], calling: ToolCalling | None) -> None:
+    def __init__(self, message_id: str, model: str, input_tokens: int, calling: ToolCalling | None) -> None:
         self._id = message_id
         self._model = model
-        self._tokenizer = tokenizer
         self._input_tokens = input_tokens
-        self._stop_sequences = stop_sequences
         self._calling = calling
-        self._token_ids: list[int] = []
+        self._num_tokens = 0
         self._finish: FinishReason | None = None
+        self._stop_reason: str | int | None = None
 
     async def collect(self, generation: Generation) -> Message:
         text = ""
         async for increment in generation.increments():
             text += increment.text
-            self._record(increment.token_ids, increment.finish_reason)
+            self._record(increment)
         if self._calling is None:
             pieces: list[StreamEvent] = [TextDelta(text)] if text else []
         else:
@@ -138,7 +125,7 @@ class MessageBuilder:
         reader = self._calling.stream() if self._calling is not None else None
         try:
             async for increment in generation.increments():
-                self._record(increment.token_ids, increment.finish_reason)
+                self._record(increment)
                 if reader is None:
                     pieces: list[StreamEvent] = [TextDelta(increment.text)] if increment.text else []
                 else:
@@ -155,24 +142,23 @@ class MessageBuilder:
         except Exception as error:  # noqa: BLE001 - the client hears why its stream ended
             yield anthropic_error_event(as_api_error(error, "a message stream"))
 
-    def _record(self, token_ids: Sequence[int], finish: FinishReason | None) -> None:
-        self._token_ids.extend(token_ids)
-        self._finish = finish or self._finish
+    def _record(self, increment: Increment) -> None:
+        self._num_tokens += len(increment.token_ids)
+        self._finish = increment.finish_reason or self._finish
+        self._stop_reason = increment.stop_reason
 
     def _stop(self, called: bool) -> tuple[StopReason, str | None]:
         if self._finish == "length":
             return "max_tokens", None
         if called:
             return "tool_use", None
-        if self._stop_sequences:
-            sequence = first_stop_sequence(self._tokenizer.decode(self._token_ids), self._stop_sequences)
-            if sequence is not None:
-                return "stop_sequence", sequence
+        if isinstance(self._stop_reason, str):
+            return "stop_sequence", self._stop_reason
         return "end_turn", None
 
     def _usage(self, generation: Generation) -> MessageUsage:
         usage = generation.usage
-        output_tokens = usage.completion_tokens if usage is not None else len(self._token_ids)
+        output_tokens = usage.completion_tokens if usage is not None else self._num_tokens
         return MessageUsage(input_tokens=self._input_tokens, output_tokens=output_tokens)
 
     def _message(self, content: list[TextBlock | ToolUseBlock], stop_reason: StopReason | None,

@@ -117,15 +117,17 @@ class _Choice:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 async def _gather(generation: Generation, choices: list[_Choice]) -> None:
-    """Each choice's text, logprobs and finish reason."""
+    """Each choice's text, logprobs, finish and stop reason."""
     async for increment in generation.increments():
         choice = choices[increment.choice]
         choice.text += increment.text
         choice.logprobs.extend(increment.logprobs)
         choice.finish_reason = increment.finish_reason or choice.finish_reason
+        choice.stop_reason = increment.stop_reason
 
 
 def _call_finish_reason(finish_reason: str | None, called: bool) -> str | None:
@@ -169,12 +171,13 @@ class ChatBuilder:
         logprobs = self._logprobs(choice.logprobs)
         if self._tool_calling is None:
             return ChatChoice(index=index, message=ChatResponseMessage(content=choice.text), logprobs=logprobs,
-                              finish_reason=choice.finish_reason)
+                              finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
         content, calls = self._tool_calling.parse(choice.text)
         tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in calls]
         return ChatChoice(index=index, message=ChatResponseMessage(content=content, tool_calls=tool_calls or None),
-                          logprobs=logprobs, finish_reason=_call_finish_reason(choice.finish_reason, bool(calls)))
+                          logprobs=logprobs, finish_reason=_call_finish_reason(choice.finish_reason, bool(calls)),
+                          stop_reason=choice.stop_reason)
 
     def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         return event_stream(self._chunks(generation))
@@ -198,7 +201,8 @@ class ChatBuilder:
                 yield self._frame.text_event(increment.choice, increment.text)
             if increment.finish_reason is not None:
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
-                                                   finish_reason=increment.finish_reason)])
+                                                   finish_reason=increment.finish_reason,
+                                                   stop_reason=increment.stop_reason)])
 
     async def _tool_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
         """One chunk per text delta, call start or arguments fragment; an increment's logprobs ride on its first."""
@@ -217,7 +221,7 @@ class ChatBuilder:
             if increment.finish_reason is not None:
                 finish_reason = _call_finish_reason(increment.finish_reason, stream.calls > 0)
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
-                                                   finish_reason=finish_reason)])
+                                                   finish_reason=finish_reason, stop_reason=increment.stop_reason)])
 
     def _tool_delta(self, event: StreamEvent) -> ChatDelta:
         if isinstance(event, TextDelta):
@@ -261,7 +265,7 @@ class CompletionBuilder:
         await _gather(generation, choices)
         return self._response(
             [CompletionChoice(index=i, text=c.text, logprobs=self._logprobs(c.logprobs, len(self._echo(i))),
-                              finish_reason=c.finish_reason)
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
              for i, c in enumerate(choices)],
             usage=usage_info(generation.usage),
         )
@@ -282,7 +286,8 @@ class CompletionBuilder:
             logprobs = self._logprobs(increment.logprobs, offsets[increment.choice])
             offsets[increment.choice] += sum(len(self._tokenizer.token_text(e.token_id)) for e in increment.logprobs)
             yield self._chunk([CompletionChoice(index=increment.choice, text=increment.text, logprobs=logprobs,
-                                                finish_reason=increment.finish_reason)])
+                                                finish_reason=increment.finish_reason,
+                                                stop_reason=increment.stop_reason)])
         if self._body.include_usage:
             yield self._chunk([], usage=usage_info(generation.usage))
 

@@ -486,11 +486,15 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+StopReason = int | str | None  # vLLM's: the stop string or stop token id that ended a choice (None: EOS, length)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: StopReason = None
 
 
 class CompletionResponse(BaseModel):
@@ -546,6 +550,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -583,6 +588,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None = None
+    stop_reason: StopReason = None
 
     @field_serializer("delta")
     def _delta_without_nulls(self, delta: ChatDelta) -> dict[str, Any]:

@@ -746,7 +746,8 @@ class Engine:
         logprobs = ()
         if seq.logprobs:
             logprobs, seq.logprobs = tuple(seq.logprobs[:count]), []
-        self._send(request, Increment(seq.choice, text, tuple(tokens), logprobs, finish_reason))
+        self._send(request, Increment(seq.choice, text, tuple(tokens), logprobs, finish_reason,
+                                      stop_reason=seq.stop.stop_reason))
 
     def _send(self, request: Request, increment: Increment) -> None:
         if increment.finish_reason is not None:

@@ -45,7 +45,8 @@ class Increment(NamedTuple):
 
     `finish_reason` is set on the choice's last increment; `error` carries a message when it failed in the
     engine; `usage` is set on the request's very last increment (when every choice has finished); `embedding`
-    ([hidden] float32, `SamplingParams.pooling`) on an embedding's only increment.
+    ([hidden] float32, `SamplingParams.pooling`) on an embedding's only increment. `stop_reason` (vLLM's), on a
+    choice that finished with "stop": the stop string or the request's stop token id that ended it (None for EOS).
     """
 
     choice: int
@@ -56,6 +57,7 @@ class Increment(NamedTuple):
     error: str | None = None
     usage: Usage | None = None
     embedding: np.ndarray | None = None
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -135,6 +137,7 @@ class Completion:
     finish_reason: FinishReason | None
     usage: Usage | None
     error: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ListCollector:
@@ -157,6 +160,7 @@ class ListCollector:
                 finish_reason=parts[-1].finish_reason if parts else None,
                 usage=self._usage,
                 error=parts[-1].error if parts else None,
+                stop_reason=parts[-1].stop_reason if parts else None,
             )
             for parts in self._by_choice
         ]

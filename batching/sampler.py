@@ -89,8 +89,9 @@ class SamplingBatch:
         self.min_tokens[row] = params.min_tokens
         self.num_prompt[row] = num_prompt
         self.bias_ids[row], self.bias[row] = -1, 0.0
-        for column, (token_id, bias) in enumerate(params.logit_bias):
-            self.bias_ids[row, column], self.bias[row, column] = token_id, bias
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias)
+            self.bias_ids[row, :len(ids)], self.bias[row, :len(ids)] = ids, biases
 
     def take(self, rows) -> SamplingBatch:
         """rows: [R] int32 -> the batch of those rows."""

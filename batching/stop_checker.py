@@ -48,6 +48,7 @@ class StopChecker:
         self.text = ""  # the output text so far, kept only while there are stop strings to search it for
         self.num_emitted_chars = 0
         self.num_output_tokens = 0
+        self.stop_reason: str | int | None = None  # what ended the sequence with "stop": a stop string, or an id
 
     def run_finish(self, tokens: list[int], num_output_before: int, context_left: int
                    ) -> tuple[int, FinishReason | None]:
@@ -70,6 +71,8 @@ class StopChecker:
             self.num_output_tokens += len(tokens)
             # A stop id's own text is not emitted, unless the request includes what stopped it.
             shown = tokens[:-1] if finish == "stop" and not self.params.include_stop_str_in_output else tokens
+            if finish == "stop":
+                self._stopped_by_id(tokens[-1])
             text = self.detokenizer.push(shown)
             if finish is not None:
                 text += self.detokenizer.flush()
@@ -88,6 +91,8 @@ class StopChecker:
         text is held back (a stop string's beginning may then be emitted before it completes)."""
         self.num_output_tokens += 1
         include = self.params.include_stop_str_in_output
+        if token_finish == "stop":
+            self._stopped_by_id(token_id)
         if token_finish == "stop" and not include:  # a stop id's own text is not emitted
             self.text += self.detokenizer.flush()
             return StopDecision(self._flush(), "stop")
@@ -101,11 +106,13 @@ class StopChecker:
         if self.num_output_tokens > self.params.min_tokens:
             # Only a match that ends in this token's text: one wholly in the text of a token within min_tokens
             # does not stop the sequence (and was emitted).
-            hits = [(i, i + len(s)) for s in self.params.stop
+            hits = [(i, i + len(s), s) for s in self.params.stop
                     if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if hits:
-                start, end = min(hits)
+                start, end, stop = min(hits)
                 self.text = self.text[:end if include else start]
+                if token_finish != "stop":  # a stop id comes first, as in vLLM
+                    self.stop_reason = stop
                 return StopDecision(self._flush(), "stop")
         if token_finish is not None:
             return StopDecision(self._flush(), token_finish)
@@ -113,6 +120,11 @@ class StopChecker:
         new = self.text[self.num_emitted_chars:end]
         self.num_emitted_chars = max(self.num_emitted_chars, end)
         return StopDecision(new)
+
+    def _stopped_by_id(self, token_id: int) -> None:
+        """A stop id ended the sequence: the request's own is its stop reason; EOS has none (as in vLLM)."""
+        if token_id in self.params.stop_token_ids:
+            self.stop_reason = token_id
 
     def _flush(self) -> str:
         new = self.text[self.num_emitted_chars:]

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from sluice.app.anthropic_messages import chat_request
-from sluice.app.anthropic_responses import MessageBuilder, first_stop_sequence
+from sluice.app.anthropic_responses import MessageBuilder
 from sluice.app.anthropic_schemas import MessagesRequest
 from sluice.app.tool_calls import ToolCalling
 from sluice.batching.outputs import Increment, Usage
@@ -106,11 +106,6 @@ def test_a_streamed_reply_pings_after_its_start_and_names_its_stop_sequence_in_t
     assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
     with client.messages.stream(model=MODEL, max_tokens=16, messages=HELLO, stop_sequences=[stop], **GREEDY) as s:
         assert s.get_final_message().stop_sequence == stop
-
-
-def test_the_first_stop_sequence_in_the_output_is_the_one_that_stopped_it():
-    assert first_stop_sequence("ab STOP cd END", ["END", "STOP"]) == "STOP"
-    assert first_stop_sequence("no stop here", ["END"]) is None
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -275,15 +270,38 @@ def test_a_message_thread_is_refused_as_one_the_client_can_go_on_without(server)
 
 
 class _Replay:
-    """A generation that replays `texts` as increments of one token each (what `MessageBuilder` reads)."""
+    """A generation that replays `texts` as increments of one token each (what `MessageBuilder` reads), the last
+    one with a "stop" finish and `stop_reason`."""
 
-    def __init__(self, texts: list[str]) -> None:
+    def __init__(self, texts: list[str], stop_reason: str | int | None = None) -> None:
         self._texts = texts
+        self._stop_reason = stop_reason
         self.usage = Usage(prompt_tokens=3, completion_tokens=len(texts))
 
     async def increments(self) -> AsyncGenerator[Increment, None]:
         for i, text in enumerate(self._texts):
-            yield Increment(0, text, (i,), finish_reason="stop" if i == len(self._texts) - 1 else None)
+            last = i == len(self._texts) - 1
+            yield Increment(0, text, (i,), finish_reason="stop" if last else None,
+                            stop_reason=self._stop_reason if last else None)
+
+
+@pytest.mark.parametrize("stop_reason, expected", [("<|im_end|>", ("stop_sequence", "<|im_end|>")),
+                                                   (None, ("end_turn", None))])
+def test_the_stop_sequence_is_the_one_the_engine_stopped_on_even_if_its_text_is_not_in_the_output(stop_reason,
+                                                                                                  expected):
+    """The engine names the stop string that ended a choice; a special token's text, left out of the decoded
+    output, is named all the same."""
+    async def streamed() -> dict:
+        events = [json.loads(event.split(b"data: ")[1]) async for event in builder().events(replay)]
+        return next(event for event in events if event["type"] == "message_delta")["delta"]
+
+    def builder() -> MessageBuilder:
+        return MessageBuilder("msg_1", MODEL, 3, None)
+
+    replay = _Replay(["Hello", " there"], stop_reason)
+    whole = asyncio.run(builder().collect(replay))
+    assert (whole.stop_reason, whole.stop_sequence) == expected
+    assert asyncio.run(streamed()) == dict(zip(("stop_reason", "stop_sequence"), expected))
 
 
 def test_text_after_a_call_is_a_block_after_it_whole_as_streamed():
@@ -291,7 +309,7 @@ def test_text_after_a_call_is_a_block_after_it_whole_as_streamed():
              "\n</tool_call>\n", "Done."]
 
     def builder() -> MessageBuilder:
-        return MessageBuilder("msg_1", MODEL, None, 3, [], ToolCalling(frozenset({"get_weather"})))
+        return MessageBuilder("msg_1", MODEL, 3, ToolCalling(frozenset({"get_weather"})))
 
     async def stream() -> list[dict]:
         return [json.loads(event.split(b"data: ")[1]) async for event in builder().events(_Replay(texts))]
@@ -321,7 +339,7 @@ class _Broken(_Replay):
 
 def test_a_bug_mid_stream_ends_the_stream_with_an_api_error_event():
     async def stream() -> list[dict]:
-        builder = MessageBuilder("msg_1", MODEL, None, 3, [], None)
+        builder = MessageBuilder("msg_1", MODEL, 3, None)
         return [json.loads(event.split(b"data: ")[1]) async for event in builder.events(_Broken(["Hi"]))]
 
     events = asyncio.run(stream())

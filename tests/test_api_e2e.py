@@ -14,6 +14,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -150,10 +151,12 @@ def test_chat_answers_the_capital_of_germany(client):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_logit_bias_bans_the_greedy_token_or_forces_another(server, client):
-    def ids(text: str) -> list[int]:
-        return httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=AUTH).json()["tokens"]
+def token_ids(server, text: str) -> list[int]:
+    return httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=AUTH).json()["tokens"]
 
+
+def test_logit_bias_bans_the_greedy_token_or_forces_another(server, client):
+    ids = partial(token_ids, server)
     kwargs = dict(model=MODEL, prompt="The capital of Germany is", max_tokens=1, temperature=0)
     greedy = client.completions.create(**kwargs).choices[0].text
     [greedy_id] = ids(greedy)
@@ -167,14 +170,25 @@ def test_logit_bias_bans_the_greedy_token_or_forces_another(server, client):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logit_bias={"999999": 1})
 
 
-def test_a_stop_string_ends_the_text_before_it_or_after_it_when_included(client):
+def test_a_stop_string_or_id_ends_the_text_and_is_named_as_the_stop_reason(server, client):
     kwargs = dict(model=MODEL, prompt="The capital of Germany is", max_tokens=12, temperature=0)
-    free = client.completions.create(**kwargs).choices[0].text
-    stop = free[len(free) // 2:len(free) // 2 + 3]
-    cut = free.index(stop)
-    for include, expected in ((False, free[:cut]), (True, free[:cut + len(stop)])):
-        reply = client.completions.create(**kwargs, stop=[stop], extra_body={"include_stop_str_in_output": include})
-        assert (reply.choices[0].text, reply.choices[0].finish_reason) == (expected, "stop")
+    free = client.completions.create(**kwargs)
+    text = free.choices[0].text
+    assert (free.choices[0].finish_reason, free.choices[0].stop_reason) == ("length", None)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = text.index(stop)
+    for include, expected in ((False, text[:cut]), (True, text[:cut + len(stop)])):
+        reply = client.completions.create(**kwargs, stop=["never there", stop],
+                                          extra_body={"include_stop_str_in_output": include})
+        assert (reply.choices[0].text, reply.choices[0].finish_reason, reply.choices[0].stop_reason) == (
+            expected, "stop", stop)
+    chunks = list(client.completions.create(**kwargs, stop=[stop], stream=True))
+    assert [(c.choices[0].finish_reason, c.choices[0].stop_reason) for c in chunks if c.choices[0].finish_reason] == [
+        ("stop", stop)]
+    prompt_ids = token_ids(server, kwargs["prompt"])
+    third = token_ids(server, kwargs["prompt"] + text)[len(prompt_ids) + 2]  # the third token of the output
+    stopped = client.completions.create(**kwargs, extra_body={"stop_token_ids": [third]}).choices[0]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", third)
 
 
 def test_streamed_chat_equals_the_unstreamed_answer(client):

@@ -93,6 +93,24 @@ def test_eos_stops_without_emitting_its_text_unless_ignored(tokenizer):
     assert reason is None
 
 
+def test_the_stop_reason_is_the_stop_string_that_matched_first_or_the_requests_stop_id_and_none_for_eos(tokenizer):
+    text = "Hi there, Paris."
+    there = tokenizer.encode(" there")[-1]
+    for params, extra, expected in (
+        (SamplingParams(max_tokens=20, stop=("Paris", "there,")), [], "there,"),
+        (SamplingParams(max_tokens=20, stop=("zzz",), stop_token_ids=(there,)), [], there),
+        (SamplingParams(max_tokens=20, stop_token_ids=(there,), include_stop_str_in_output=True), [], there),
+        (SamplingParams(max_tokens=20, stop=("zzz",)), [EOS], None),
+        (SamplingParams(max_tokens=20, stop=("Hi there, Paris.",)), [EOS], "Hi there, Paris."),
+        (SamplingParams(max_tokens=2, stop=("Paris",)), [], None),
+    ):
+        checker = StopChecker(params, (EOS,), tokenizer.decode_stream())
+        for token in [*tokenizer.encode(text), *extra]:
+            if append(checker, token).finish_reason is not None:
+                break
+        assert checker.stop_reason == expected, params
+
+
 def test_min_tokens_defers_stop_strings_and_stop_ids(tokenizer):
     params = SamplingParams(max_tokens=20, min_tokens=5, stop=("a",))
     emitted, reason, used = feed(tokenizer, "a b c d e f a g", params)
@@ -140,6 +158,7 @@ def test_a_run_of_tokens_ends_and_reads_as_it_would_token_by_token(tokenizer, st
         text, emitted, reason = run.emit_run(tokens[:count], finish)
         expected = token_by_token(one, tokens, before, context_left)
         assert (emitted, reason, text) == expected, (trial, tokens, params, before, context_left)
+        assert run.stop_reason == one.stop_reason
         if not stop:
             assert (count, finish) == expected[:2]
 
