@@ -11,14 +11,13 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
 
 A final assistant message without tool_use blocks (after others) is Anthropic's prefill: the start of the reply,
-which the prompt ends with (after the generation prompt) rather than closing it as a turn. Only the reply's shape
-is Anthropic's own (`anthropic_responses.py`).
+which the prompt ends with rather than closing it as a turn (the chat request's `continue_final_message`). Only
+the reply's shape is Anthropic's own (`anthropic_responses.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -27,8 +26,6 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
-
-from sluice.model.tokenizer import Tokenizer
 
 from sluice.app.anthropic_responses import MessageBuilder
 from sluice.app.anthropic_schemas import (
@@ -46,7 +43,7 @@ from sluice.app.anthropic_schemas import (
 )
 from sluice.app.errors import APIError, from_validation_error
 from sluice.app.generation import respond, start_generation
-from sluice.app.prompts import Prompt, chat_prompt, tool_call_format
+from sluice.app.prompts import chat_prompt, tool_call_format
 from sluice.app.routes import check_tool_schemas, json_response, parse_body, plan_chat
 from sluice.app.schemas import ChatCompletionRequest
 
@@ -57,7 +54,6 @@ async def create_message(request: Request) -> Response:
     if body.thread is not None:
         raise thread_unsupported()
     chat = await plan_chat(state, engine, chat_request(body))
-    chat = dataclasses.replace(chat, prompt=continued(engine.tokenizer, chat.prompt, body))
     message_id = f"msg_{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
     builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling)
@@ -78,40 +74,30 @@ async def count_message_tokens(request: Request) -> Response:
     if chat.tools:
         await asyncio.to_thread(check_tool_schemas, engine, chat.tools)
     prompt = chat_prompt(engine.tokenizer, chat.messages, tools=chat.active_tools(),
-                         call_format=tool_call_format(state.settings.tool_call_parser, engine.tokenizer))
-    prompt = continued(engine.tokenizer, prompt, body)
+                         call_format=tool_call_format(state.settings.tool_call_parser, engine.tokenizer),
+                         **chat.rendering())
     return json_response(CountTokensResponse(input_tokens=len(prompt.token_ids)))
 
 
-def continued(tokenizer: Tokenizer, prompt: Prompt, body: CountTokensRequest) -> Prompt:
-    """`prompt` (the chat request's, ending with the generation prompt) followed by the prefill's text, if
-    `body` has a prefill."""
-    prefill = _prefill(body)
-    if prefill is None:
-        return prompt
-    text = prompt.text + "\n".join(b.text for b in prefill.blocks() if isinstance(b, TextBlockParam))
-    return Prompt(tokenizer.encode(text), text)
-
-
-def _prefill(body: CountTokensRequest) -> MessageParam | None:
-    """The final message if it is a prefill: the assistant's, without calls, after other messages."""
+def _prefills(body: CountTokensRequest) -> bool:
+    """Whether the final message is a prefill: the assistant's, without calls, after other messages."""
     *earlier, last = body.messages
     calls = any(isinstance(block, ToolUseBlockParam) for block in last.blocks())
-    return last if earlier and last.role == "assistant" and not calls else None
+    return bool(earlier) and last.role == "assistant" and not calls
 
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request `body` means (see the module's table), without its prefill (`continued` adds it to the
-    prompt); what the chat request checks beyond Anthropic's schema (a tool_choice naming no tool, say) is a 400
-    here."""
+    """The chat request `body` means (see the module's table); what the chat request checks beyond Anthropic's
+    schema (a tool_choice naming no tool, say) is a 400 here."""
     system = body.system_text()
-    messages = body.messages[:-1] if _prefill(body) is not None else body.messages
     data: dict[str, Any] = {
         "messages": ([{"role": "system", "content": system}] if system else [])
-                    + [m for message in messages for m in _chat_messages(message)],
+                    + [m for message in body.messages for m in _chat_messages(message)],
         "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                     "parameters": t.input_schema}} for t in body.tools],
     }
+    if _prefills(body):
+        data |= {"add_generation_prompt": False, "continue_final_message": True}
     if body.tool_choice is not None:
         data["tool_choice"] = _tool_choice(body.tool_choice)
         if not isinstance(body.tool_choice, ToolChoiceNone):

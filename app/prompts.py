@@ -11,6 +11,7 @@ with the Mistral format, ids go to the template in that form (`tool_calls.mistra
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -49,22 +50,40 @@ def completion_prompts(
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                tools: list[ToolDefinition] = (), call_format: str = "hermes") -> Prompt:
+                tools: list[ToolDefinition] = (), call_format: str = "hermes", continue_final_message: bool = False,
+                template_kwargs: Mapping[str, Any] | None = None) -> Prompt:
     """The messages (and the tools the model may call) rendered with the model's chat template; a template that
-    fails is the request's 400. `call_format`: the format of tool calls (`tool_call_format`)."""
+    fails is the request's 400. `call_format`: the format of tool calls (`tool_call_format`).
+    `continue_final_message`: the prompt ends with the final message's text, its turn left open (`ChatRendering`
+    checks that it is an assistant's). `template_kwargs`: the template's other variables."""
     tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools]
     uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
     try:
         if uses_tools and renders_tools(tokenizer):
             rendered = tokenizer.apply_chat_template([_template_message(m, call_format) for m in messages],
                                                      add_generation_prompt=add_generation_prompt,
-                                                     tools=tool_dicts or None)
+                                                     tools=tool_dicts or None, template_kwargs=template_kwargs)
         else:
             rendered = tokenizer.apply_chat_template(_default_messages(messages, tool_dicts),
-                                                     add_generation_prompt=add_generation_prompt)
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     template_kwargs=template_kwargs)
     except ChatTemplateError as error:
         raise invalid_request(str(error), param="messages") from None
+    if continue_final_message:
+        rendered = _open_final_turn(rendered, messages[-1].text())
     return _from_text(tokenizer, rendered)
+
+
+def _open_final_turn(rendered: str, final: str) -> str:
+    """The rendered chat cut right after the final message's text, so what closes its turn is gone (as Hugging
+    Face's `continue_final_message`: the last place the text occurs, or its stripped text for a template that
+    trims messages)."""
+    for text in (final, final.strip()):
+        at = rendered.rfind(text)
+        if text and at >= 0:
+            return rendered[:at + len(text)]
+    raise invalid_request("the chat template does not write the final message's text, so it cannot be continued",
+                          param="continue_final_message")
 
 
 @lru_cache(maxsize=4)

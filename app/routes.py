@@ -111,7 +111,7 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
         await asyncio.to_thread(check_tool_schemas, engine, body.tools)
     tools = body.active_tools()
     parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
-    prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser)
+    prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser, **body.rendering())
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
     if forced := body.forced_tools():
@@ -154,7 +154,7 @@ async def tokenize(request: Request) -> Response:
     """`prompt` is encoded as it is; `messages` are first rendered with the chat template."""
     _, engine, body = await parse_body(request, TokenizeRequest)
     if body.messages is not None:
-        ids = chat_prompt(engine.tokenizer, body.messages, body.add_generation_prompt).token_ids
+        ids = chat_prompt(engine.tokenizer, body.messages, **body.rendering()).token_ids
     else:
         ids = engine.tokenizer.encode(body.prompt)
     return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len))

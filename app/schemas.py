@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
 
 from sluice.batching.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
+from sluice.model.tokenizer import TEMPLATE_VARIABLES
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 16
@@ -363,7 +364,41 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatRendering(_Request):
+    """How the messages become the prompt through the model's chat template (vLLM's fields)."""
+
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="end the prompt inside the final message, an "
+                                         "assistant's, so the reply continues its text")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict,
+                                                 description="more variables for the template, e.g. enable_thinking")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_template_variable_replaced(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if taken := sorted(TEMPLATE_VARIABLES.intersection(kwargs)):
+            raise ValueError(f"{', '.join(taken)} cannot be set here: the server gives the template these")
+        return kwargs
+
+    @model_validator(mode="after")
+    def _a_final_assistant_message_to_continue(self) -> ChatRendering:
+        if not self.continue_final_message:
+            return self
+        if self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        final = self.messages[-1] if self.messages else None
+        if final is None or final.role != "assistant" or final.tool_calls or not final.text().strip():
+            raise ValueError("continue_final_message needs a final assistant message with text and no tool_calls")
+        return self
+
+    def rendering(self) -> dict[str, Any]:
+        """`chat_prompt`'s keyword arguments for these fields."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(SamplingRequest, ChatRendering):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
@@ -445,11 +480,9 @@ class ChatCompletionRequest(SamplingRequest):
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(ChatRendering):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> TokenizeRequest:

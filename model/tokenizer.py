@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -138,10 +139,13 @@ class Tokenizer:
         return self._backend.get_added_tokens_decoder()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The model's chat template rendered as Hugging Face renders it; ChatTemplateError if it cannot be.
 
         `tools`: function definitions (OpenAI's `{"type": "function", "function": {...}}`), the template's `tools`.
+        `template_kwargs`: more variables for the template (vLLM's `chat_template_kwargs`, such as Qwen3's
+        `enable_thinking`); none may be one of `TEMPLATE_VARIABLES`.
         """
         if self._chat_template is None:
             raise ChatTemplateError("this model has no chat template; use the completions API")
@@ -149,8 +153,8 @@ class Tokenizer:
         eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else ""
         try:
             return self._chat_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
-                tools=tools,
+                **(template_kwargs or {}), messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=bos, eos_token=eos, tools=tools,
             )
         except Exception as error:  # the model's code, failing on these messages: raise_exception's or any other
             raise ChatTemplateError(f"the chat template failed: {error}") from None
@@ -269,6 +273,12 @@ def _chat_template_environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+# What `apply_chat_template` gives a template itself, and the environment's globals (`namespace`, `range`, ...):
+# a request's template variables may not replace them.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                                *_chat_template_environment().globals})
 
 
 def _byte_level_alphabet() -> dict[str, int]:

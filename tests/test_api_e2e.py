@@ -191,6 +191,23 @@ def test_a_stop_string_or_id_ends_the_text_and_is_named_as_the_stop_reason(serve
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", third)
 
 
+def test_continue_final_message_continues_the_assistants_text_as_the_model_would_have(server, client):
+    messages = chat("What is the capital of Germany?")
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16)
+    answer = whole.choices[0].message.content
+    start = answer[:answer.index(" ", 4)]  # its first words, cut before a space (a token's start)
+    opened = [*messages, {"role": "assistant", "content": start}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = client.chat.completions.create(model=MODEL, messages=opened, temperature=0, max_tokens=4,
+                                           extra_body=fields)
+    assert answer[len(start):].startswith(reply.choices[0].message.content)
+    counted = httpx.post(f"{server.url}/tokenize", json={"messages": opened, **fields}, headers=AUTH).json()["count"]
+    assert reply.usage.prompt_tokens == counted
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        client.chat.completions.create(model=MODEL, messages=opened, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+
+
 def test_streamed_chat_equals_the_unstreamed_answer(client):
     kwargs = dict(model=MODEL, messages=chat("Name three colors."), temperature=0, max_tokens=24)
     whole = client.chat.completions.create(**kwargs)

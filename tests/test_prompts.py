@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from pydantic import ValidationError
 
 from sluice.app.errors import APIError
 from sluice.app.prompts import chat_prompt
-from sluice.app.schemas import ChatMessage
+from sluice.app.schemas import ChatCompletionRequest, ChatMessage
 from sluice.model.tokenizer import Tokenizer
 
 
@@ -49,3 +50,46 @@ def test_a_template_that_fails_on_the_messages_is_a_400_on_messages(tokenizer, t
         chat_prompt(with_special(tokenizer, chat_template=template), [user("Hi")])
     assert (raised.value.status, raised.value.param) == (400, "messages")
     assert raised.value.message.startswith("the chat template failed: ")
+
+
+def chat(messages: list[dict], **fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": messages, **fields})
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistants_text(tokenizer):
+    request = chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! I am"}],
+                   add_generation_prompt=False, continue_final_message=True)
+    opened = chat_prompt(tokenizer, request.messages, **request.rendering())
+    answered = chat_prompt(tokenizer, [user("Hi")])
+    assert opened.text == answered.text + "Hello! I am"  # no end of turn after it
+    # A template that trims messages: the stripped text is the one it wrote.
+    trims = with_special(tokenizer, chat_template="{% for m in messages %}[{{ m['content'] | trim }}]{% endfor %}")
+    padded = chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Sure, "}],
+                  add_generation_prompt=False, continue_final_message=True)
+    assert chat_prompt(trims, padded.messages, **padded.rendering()).text == "[Hi][Sure,"
+    hides = with_special(tokenizer, chat_template="{{ messages[0]['content'] }}")
+    with pytest.raises(APIError) as raised:
+        chat_prompt(hides, padded.messages, **padded.rendering())
+    assert (raised.value.status, raised.value.param) == (400, "continue_final_message")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"continue_final_message": True}, "cannot both be true"),
+    ({"continue_final_message": True, "add_generation_prompt": False, "final": "user"}, "final assistant message"),
+    ({"continue_final_message": True, "add_generation_prompt": False, "final": "  "}, "final assistant message"),
+    ({"chat_template_kwargs": {"messages": []}}, "messages cannot be set here"),
+    ({"chat_template_kwargs": {"namespace": 1, "tools": []}}, "namespace, tools cannot be set here"),
+])
+def test_rendering_fields_that_cannot_be_honoured_are_refused(fields, message):
+    final = fields.pop("final", "Sure")
+    last = {"role": "user", "content": "Hi"} if final == "user" else {"role": "assistant", "content": final}
+    with pytest.raises(ValidationError, match=message):
+        chat([{"role": "user", "content": "Hi"}, last], **fields)
+
+
+def test_chat_template_kwargs_are_the_templates_variables(tokenizer):
+    thinks = with_special(tokenizer, chat_template=(
+        "{{ messages[0]['content'] }}{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}"))
+    for kwargs, expected in (({}, "Hi"), ({"enable_thinking": False}, "Hi /no_think")):
+        request = chat([{"role": "user", "content": "Hi"}], chat_template_kwargs=kwargs)
+        assert chat_prompt(thinks, request.messages, **request.rendering()).text == expected
