@@ -158,6 +158,16 @@ def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]]) 
     return rendered
 
 
+def truncated(tokenizer: Tokenizer, prompt: Prompt, keep: int | None, max_model_len: int) -> Prompt:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: `max_model_len`); None: all of it."""
+    if keep is None:
+        return prompt
+    keep = max_model_len if keep == -1 else keep
+    if len(prompt.token_ids) <= keep:
+        return prompt
+    return _from_ids(tokenizer, prompt.token_ids[-keep:])
+
+
 def _from_text(tokenizer: Tokenizer, text: str) -> Prompt:
     return Prompt(tokenizer.encode(text), text)
 

@@ -24,7 +24,7 @@ from sluice.batching.sampling_params import RequestRejected, SamplingParams, Str
 
 from sluice.app.errors import from_validation_error, invalid_request
 from sluice.app.generation import respond, start_generation
-from sluice.app.prompts import Prompt, chat_prompt, completion_prompts, tool_call_format
+from sluice.app.prompts import Prompt, chat_prompt, completion_prompts, tool_call_format, truncated
 from sluice.app.responses import ChatBuilder, CompletionBuilder
 from sluice.app.schemas import (
     ChatCompletionRequest,
@@ -112,6 +112,7 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     tools = body.active_tools()
     parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
     prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser, **body.rendering())
+    prompt = truncated(engine.tokenizer, prompt, body.truncate_prompt_tokens, engine.max_model_len)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
     if forced := body.forced_tools():
@@ -142,7 +143,8 @@ def check_tool_schemas(engine: Engine, tools: list[ToolDefinition]) -> None:
 async def create_completion(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, CompletionRequest)
-    prompts = completion_prompts(engine.tokenizer, body.prompt)
+    prompts = [truncated(engine.tokenizer, prompt, body.truncate_prompt_tokens, engine.max_model_len)
+               for prompt in completion_prompts(engine.tokenizer, body.prompt)]
     params = body.sampling_params(default_max_tokens=DEFAULT_MAX_TOKENS)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [p.token_ids for p in prompts], params, request_id, arrival)

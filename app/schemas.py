@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from abc import abstractmethod
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
 
@@ -120,9 +120,28 @@ class StructuredOutputs(_Request):
 
 # vLLM's older names for structured_outputs' keys: refused by name rather than ignored.
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
+_ANY = object()
+# vLLM's fields that would change the output and are not implemented here: refused by name rather than ignored,
+# unless null or set to what they do by default (`_ANY`: every value).
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    **dict.fromkeys(_GUIDED_FIELDS, _ANY), "prompt_logprobs": _ANY, "allowed_token_ids": _ANY, "bad_words": [],
+    "use_beam_search": False, "length_penalty": 1.0,
+}
 
 
-class SamplingRequest(_Request):
+class PromptTruncation(_Request):
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="vLLM's extension: keep only each prompt's "
+                                               "last k tokens (-1: as many as the context holds), k >= 1")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1, or -1")
+        return value
+
+
+class SamplingRequest(PromptTruncation):
     """Fields shared by /v1/completions and /v1/chat/completions.
 
     A field named like a `SamplingParams` field reaches the engine as it is (`sampling_params`).
@@ -149,6 +168,8 @@ class SamplingRequest(_Request):
                                                         "the output")
     include_stop_str_in_output: bool = Field(False, description="vLLM's extension: the stop string (or stop token "
                                                                 "id's text) that ended the output stays in it")
+    priority: int = Field(0, ge=-(2**31), lt=2**31, description="vLLM's extension: a lower value is scheduled "
+                                                            "first (then arrival order)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -157,6 +178,7 @@ class SamplingRequest(_Request):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
+    unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED_FIELDS
     _check_stop_token_ids = field_validator("stop_token_ids")(_check_vocabulary)
 
     @field_validator("stop")
@@ -184,9 +206,13 @@ class SamplingRequest(_Request):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_guided_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and (guided := [name for name in _GUIDED_FIELDS if name in data]):
-            raise ValueError(f"{guided[0]} is not supported; use structured_outputs")
+    def _no_unsupported_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, default in cls.unsupported.items():
+            if data.get(name) is not None and (default is _ANY or data[name] != default):
+                hint = "; use structured_outputs" if name in _GUIDED_FIELDS else ""
+                raise ValueError(f"{name} is not supported{hint}")
         return data
 
     @model_validator(mode="after")
@@ -411,6 +437,10 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
                                                    json_schema_extra={"maxItems": 0})
     function_call: str | dict[str, Any] | None = Field(None, description='not supported (use tool_choice): only "none"',
                                                        json_schema_extra={"const": "none"})
+
+    # A template sent with the request (vLLM serves one only with --trust-request-chat-template), and vLLM's
+    # chat echo (the reply prefixed with a last message of its role).
+    unsupported: ClassVar[dict[str, Any]] = {**UNSUPPORTED_FIELDS, "chat_template": _ANY, "echo": False}
 
     @field_validator("tools")
     @classmethod

@@ -208,6 +208,17 @@ def test_continue_final_message_continues_the_assistants_text_as_the_model_would
                                        extra_body={"continue_final_message": True})
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, client):
+    prompt = "The capital of Germany is Berlin. The capital of France is"
+    kwargs = dict(model=MODEL, max_tokens=6, temperature=0, echo=True)
+    cut = client.completions.create(**kwargs, prompt=prompt, extra_body={"truncate_prompt_tokens": 5})
+    tail = client.completions.create(**kwargs, prompt=token_ids(server, prompt)[-5:])
+    assert cut.usage.prompt_tokens == tail.usage.prompt_tokens == 5
+    assert cut.choices[0].text == tail.choices[0].text  # the echo too: the text of the tokens kept
+    whole = client.completions.create(**kwargs, prompt=prompt, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.choices[0].text.startswith(prompt)
+
+
 def test_streamed_chat_equals_the_unstreamed_answer(client):
     kwargs = dict(model=MODEL, messages=chat("Name three colors."), temperature=0, max_tokens=24)
     whole = client.chat.completions.create(**kwargs)

@@ -200,3 +200,29 @@ def test_response_format_and_structured_outputs_become_the_engines_grammar(field
 ])
 def test_conflicting_or_unknown_structured_output_fields_are_rejected(fields):
     rejection(ChatCompletionRequest, {**CHAT, **fields})
+
+
+@pytest.mark.parametrize("fields", [
+    {"prompt_logprobs": 0}, {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]}, {"use_beam_search": True},
+    {"length_penalty": 0.5}, {"chat_template": "{{ messages }}"}, {"echo": True},
+])
+def test_vllm_fields_sluice_does_not_implement_are_refused_by_name_unless_left_at_their_default(fields):
+    [(name, value)] = fields.items()
+    error = rejection(ChatCompletionRequest, {**CHAT, **fields})
+    assert f"{name} is not supported" in error.message
+    if name not in ("chat_template", "echo"):  # chat's own; a completion's echo is OpenAI's
+        rejection(CompletionRequest, {"prompt": "hi", **fields})
+    default = {"bad_words": [], "use_beam_search": False, "length_penalty": 1.0, "echo": False}
+    if name in default:
+        ChatCompletionRequest.model_validate({**CHAT, name: default[name]}, context=VOCAB)
+    ChatCompletionRequest.model_validate({**CHAT, name: None}, context=VOCAB)
+
+
+def test_truncate_prompt_tokens_keeps_at_least_one_token():
+    assert CompletionRequest.model_validate({"prompt": "hi", "truncate_prompt_tokens": -1}).truncate_prompt_tokens == -1
+    for value in (0, -2):
+        rejection(CompletionRequest, {"prompt": "hi", "truncate_prompt_tokens": value})
+
+
+def test_priority_reaches_the_engine():
+    assert ChatCompletionRequest.model_validate({**CHAT, "priority": -3}).sampling_params(16).priority == -3

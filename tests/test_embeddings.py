@@ -197,19 +197,23 @@ def test_the_openai_client_gets_unit_vectors_as_floats_and_as_base64(engine):
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == num_tokens
 
 
-def test_token_ids_embed_as_their_text_and_pages_return_to_idle(engine):
+def test_token_ids_embed_as_their_text_and_truncated_as_their_last_tokens_and_pages_return_to_idle(engine):
     text = "Hello there, embeddings."
     ids = engine.tokenizer.encode(text)
 
     async def scenario(client, http):
         by_text = await client.embeddings.create(model="tiny", input=text, encoding_format="float")
-        by_ids = await client.embeddings.create(model="tiny", input=[ids, ids[:3]], encoding_format="float",
+        by_ids = await client.embeddings.create(model="tiny", input=[ids, ids[-3:]], encoding_format="float",
                                                 dimensions=TINY.hidden_size)
-        return by_text, by_ids
+        cut = await client.embeddings.create(model="tiny", input=text, encoding_format="float",
+                                             extra_body={"truncate_prompt_tokens": 3})
+        return by_text, by_ids, cut
 
-    by_text, by_ids = serve(engine, scenario)
+    by_text, by_ids, cut = serve(engine, scenario)
     np.testing.assert_allclose(by_ids.data[0].embedding, by_text.data[0].embedding, atol=1e-6)
     assert by_ids.usage.prompt_tokens == len(ids) + 3
+    np.testing.assert_allclose(cut.data[0].embedding, by_ids.data[1].embedding, atol=1e-6)
+    assert cut.usage.prompt_tokens == 3
     assert engine.stats.kv_pages_used == 0
 
 
