@@ -118,14 +118,16 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 async def _gather(generation: Generation, choices: list[_Choice]) -> None:
-    """Each choice's text, logprobs, finish and stop reason."""
+    """Each choice's text, logprobs (its prompt's too, when asked), finish and stop reason."""
     async for increment in generation.increments():
         choice = choices[increment.choice]
         choice.text += increment.text
         choice.logprobs.extend(increment.logprobs)
+        choice.prompt_logprobs = increment.prompt_logprobs or choice.prompt_logprobs
         choice.finish_reason = increment.finish_reason or choice.finish_reason
         choice.stop_reason = increment.stop_reason
 
@@ -264,7 +266,7 @@ class CompletionBuilder:
         choices = [_Choice(text=self._echo(i)) for i in range(self._num_choices)]
         await _gather(generation, choices)
         return self._response(
-            [CompletionChoice(index=i, text=c.text, logprobs=self._logprobs(c.logprobs, len(self._echo(i))),
+            [CompletionChoice(index=i, text=c.text, logprobs=self._choice_logprobs(i, c),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
              for i, c in enumerate(choices)],
             usage=usage_info(generation.usage),
@@ -275,10 +277,14 @@ class CompletionBuilder:
 
     async def _chunks(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         offsets = [len(self._echo(i)) for i in range(self._num_choices)]
-        if self._body.echo:
+        if self._body.echo and self._body.logprobs is None:  # else with its logprobs, which come with its first tokens
             for i in range(self._num_choices):
                 yield self._chunk([CompletionChoice(index=i, text=self._echo(i))])
         async for increment in generation.increments():
+            if increment.prompt_logprobs is not None:
+                echoed = self._prompt_logprobs(increment.choice, increment.prompt_logprobs)
+                yield self._chunk([CompletionChoice(index=increment.choice, text=self._echo(increment.choice),
+                                                    logprobs=echoed)])
             if self._body.logprobs is None and increment.finish_reason is None:
                 if increment.text:  # none yet: a character's first bytes, or text held back for a stop string
                     yield self._frame.text_event(increment.choice, increment.text)
@@ -293,6 +299,19 @@ class CompletionBuilder:
 
     def _echo(self, choice: int) -> str:
         return self._prompts[choice // self._body.n].text if self._body.echo else ""
+
+    def _choice_logprobs(self, index: int, choice: _Choice) -> CompletionLogprobs | None:
+        generated = self._logprobs(choice.logprobs, len(self._echo(index)))
+        if choice.prompt_logprobs is None:
+            return generated
+        return self._prompt_logprobs(index, choice.prompt_logprobs).then(generated)
+
+    def _prompt_logprobs(self, index: int, scored: tuple[TokenLogprob | None, ...]) -> CompletionLogprobs:
+        """Choice `index`'s echoed prompt's tokens (`scored`: `Increment.prompt_logprobs`), from offset 0; its
+        first token has no logprob."""
+        first = self._tokenizer.token_text(self._prompts[index // self._body.n].token_ids[0])
+        opening = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+        return opening.then(self._logprobs(scored[1:], len(first)))
 
     def _logprobs(self, entries: Sequence[TokenLogprob], text_offset: int) -> CompletionLogprobs | None:
         """As in OpenAI's API, each `top_logprobs` dict holds the k best tokens and the sampled one."""

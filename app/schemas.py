@@ -211,7 +211,8 @@ class SamplingRequest(PromptTruncation):
             return data
         for name, default in cls.unsupported.items():
             if data.get(name) is not None and (default is _ANY or data[name] != default):
-                hint = "; use structured_outputs" if name in _GUIDED_FIELDS else ""
+                hint = ("; use structured_outputs" if name in _GUIDED_FIELDS
+                        else "; a completion's echo with logprobs scores the prompt" if name == "prompt_logprobs" else "")
                 raise ValueError(f"{name} is not supported{hint}")
         return data
 
@@ -298,14 +299,10 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         return value
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt log-probabilities, which Sluice does not compute")
-        return self
-
     def _logprob_params(self) -> dict[str, Any]:
-        return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0}
+        """With echo, the prompt's tokens get their logprobs too (OpenAI's legacy API; what lm-eval scores with)."""
+        return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0,
+                "prompt_logprobs": self.logprobs if self.echo else None}
 
 
 class TextPart(_Request):
@@ -543,10 +540,19 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """A prompt's first token, echoed, has no logprob (nothing comes before it): null there."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+    def then(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        """These tokens', then `other`'s."""
+        return CompletionLogprobs(tokens=self.tokens + other.tokens,
+                                  token_logprobs=self.token_logprobs + other.token_logprobs,
+                                  top_logprobs=(self.top_logprobs or []) + (other.top_logprobs or []),
+                                  text_offset=self.text_offset + other.text_offset)
 
 
 StopReason = int | str | None  # vLLM's: the stop string or stop token id that ended a choice (None: EOS, length)

@@ -89,8 +89,8 @@ class BlockManager:
         """(pages, their hashes, stored): cached pages holding a prefix of `seq`'s tokens, then the payloads of the
         store's pages that continue it, None while the store is still reading them; takes nothing.
 
-        At least the last token is left to compute, since its logits are needed to sample. A sequence that pools
-        the mean of its prompt's hidden states (an embedding) needs every token's, so it takes none.
+        At least the last token is left to compute, since its logits are needed to sample; a sequence that
+        `computes_every_token` takes none.
         """
         pages, hashes = self._cached_prefix(seq)
         return pages, hashes, self._stored(seq, len(pages), (seq.num_tokens - 1) // self.page_size)
@@ -103,7 +103,7 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """The pool's cached pages holding a prefix of `seq`'s tokens (all but its last), and their hashes."""
-        if not self.enable_prefix_caching or seq.params.pooling == "mean":
+        if not self.enable_prefix_caching or seq.computes_every_token:
             return [], []
         pages: list[int] = []
         hashes: list[int] = []
@@ -123,7 +123,7 @@ class BlockManager:
         """The store's payloads of `seq`'s pages from `start` on, as far as it holds them, before page `end`; None
         while they are being read. The first ask starts the read (unless the store lacks the first page), as does
         one that finds the pool has lost pages since its read began."""
-        if self.store is None or seq.params.pooling == "mean" or start >= end:
+        if self.store is None or seq.computes_every_token or start >= end:
             return []
         read = seq.stored_prefix
         if read is None or read.first > start:

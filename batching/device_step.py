@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 from sluice.batching.input_batch import SlotRows, write_rows
 from sluice.batching.ngram import NgramConfig, propose_on_device
 from sluice.batching.sampler import SampledRows, SamplerOutput, SamplerPlan, SamplingBatch, sample
+from sluice.batching.sampling_params import MAX_TOP_LOGPROBS
 from sluice.model.llama import KVCache, Llama
 from sluice.model.paged_attend import AttentionMetadata, flat_pool, layered_pool, make_paged_attend
 
@@ -77,8 +78,9 @@ class StepInputs:
     first ones; real tokens are the first cu_q_lens[-1] rows); drafting: a speculative multi-step call's
     `DraftState` (no columns of history for other calls); feed: [T] int32, for a token the host does not know
     yet (overlapped scheduling), the row of the previous step's last tokens that holds it, else -1; pool_ids: [T]
-    int32, the row of `StepOutput.pooled` each token adds to, else -1. Padding rows' outputs are never read, and
-    the CPU kernels skip them."""
+    int32, the row of `StepOutput.pooled` each token adds to, else -1; score_ids: [T] int32, the prompt token
+    each token's logits score (`prompt_scores`: the next one, for a sequence that wants prompt logprobs), else
+    -1. Padding rows' outputs are never read, and the CPU kernels skip them."""
 
     token_ids: jax.Array
     positions: jax.Array
@@ -92,6 +94,7 @@ class StepInputs:
     drafting: DraftState
     feed: jax.Array
     pool_ids: jax.Array
+    score_ids: jax.Array
 
     def fed(self, last_tokens: jax.Array) -> StepInputs:
         """With the tokens the previous step sampled ([R] int32, `last_tokens`) in place of the placeholders."""
@@ -160,11 +163,48 @@ def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q
     return model.logits(hidden[inputs.logits_rows], num_real=inputs.num_sampled), hidden, kv_cache
 
 
-def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PromptScores:
+    """Per token of a step: logprobs [T] float32, the log-probability of the prompt token its logits score
+    (`StepInputs.score_ids`); top_ids [T, 20] int32 and top_logprobs [T, 20] float32, the best alternatives, best
+    first. Rows without a target hold values nobody reads."""
+
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+SCORE_BLOCK = 256  # rows of logits a step scores at once: [256, V] float32 at most, whatever the step's tokens
+
+
+def prompt_scores(model: Llama, hidden: jax.Array, score_ids: jax.Array) -> PromptScores:
+    """hidden: [T, D] (as the model returns it), score_ids: [T] int32 (-1: none) -> each row's `PromptScores`
+    under the model's distribution (log-softmax of its logits), SCORE_BLOCK rows at a time."""
+    num_tokens = hidden.shape[0]
+    block = min(SCORE_BLOCK, num_tokens)
+    pad = -num_tokens % block
+    blocks = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, block, hidden.shape[-1])
+    targets = jnp.pad(score_ids, (0, pad)).reshape(-1, block)
+
+    def score(rows_and_targets: tuple[jax.Array, jax.Array]) -> PromptScores:
+        rows, ids = rows_and_targets
+        logprobs = jax.nn.log_softmax(model.logits(rows), axis=-1)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+        chosen = jnp.take_along_axis(logprobs, jnp.maximum(ids, 0)[:, None], axis=-1)[:, 0]
+        return PromptScores(chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+    scores = jax.lax.map(score, (blocks, targets))
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:num_tokens], scores)
+
+
+def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, scores: bool,
              state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs,
-             sampled: SampledRows) -> tuple[tuple[jax.Array, SamplingBatch, jax.Array], KVCache]:
-    """One step's model: the sampled rows' logits [S, V] float32, their `SamplingBatch` and the pooled rows
-    [S, D] float32 (`StepInputs.pool_ids`; a few microseconds, always computed), and the pool.
+             sampled: SampledRows
+             ) -> tuple[tuple[jax.Array, SamplingBatch, jax.Array, PromptScores | None], KVCache]:
+    """One step's model: the sampled rows' logits [S, V] float32, their `SamplingBatch`, the pooled rows
+    [S, D] float32 (`StepInputs.pool_ids`; a few microseconds, always computed) and, with `scores`, its tokens'
+    `PromptScores` (a program of its own: logits for every token cost a step's worth of LM head), and the pool.
 
     kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (arrays or int8
     `QuantizedPages`; donated). fed_from: [R] int32, the previous step's last tokens (`StepInputs.fed`).
@@ -175,7 +215,8 @@ def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: 
     logits, hidden, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache),
                                        slots.page_table[inputs.attn_slots], inputs.fed(fed_from))
     pooled = model.pooled(hidden, inputs.pool_ids, inputs.logits_rows.shape[0])
-    return (logits, sampled.batch(slots.sampling), pooled), layered_pool(kv_cache, model.config.num_layers)
+    scored = prompt_scores(model, hidden, inputs.score_ids) if scores else None
+    return (logits, sampled.batch(slots.sampling), pooled, scored), layered_pool(kv_cache, model.config.num_layers)
 
 
 def sample_step(num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch

@@ -37,6 +37,7 @@ from sluice.batching.kv_store import KVLayout, KVStore
 from sluice.batching.kv_transfer import PageCopy
 from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from sluice.batching.model_runner import ModelRunner, enable_compilation_cache
+from sluice.batching.device_step import PromptScores
 from sluice.batching.step_output import PendingStep, SequenceOutput
 from sluice.batching.ngram import NgramConfig
 from sluice.batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, \
@@ -202,6 +203,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self._num_pooling = 0  # embedding requests in `_requests`: their steps fetch pooled rows
+        self._num_scoring = 0  # requests in `_requests` that want prompt logprobs: their steps may score
         self._unemitted: dict[Sequence, None] = {}  # sequences with tokens not yet emitted, in append order
         self._in_flight: _Launched | None = None
         self._last_step: StepStats | None = None
@@ -445,7 +447,8 @@ class Engine:
         if not chunks:
             return None
         try:
-            pending = self.runner.dispatch(chunks, *self._multi_step_call(chunks), self._num_pooling > 0)
+            pending = self.runner.dispatch(chunks, *self._multi_step_call(chunks), self._num_pooling > 0,
+                                           self._num_scoring > 0)
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
             self._start_over(error)
             return None
@@ -489,6 +492,8 @@ class Engine:
         arrived = time.perf_counter()
         if result.pooled is not None:
             self._pool(launched.chunks, result.pooled)
+        if result.scores is not None:
+            self._score_prompts(launched.chunks, result.scores)
         verified = launched.drafting is not None
         left: Iterable[int] = range(len(launched.chunks))
         if self.speculator is None and result.sampled.top_ids is None:  # no chunk drafts or wants logprobs
@@ -583,6 +588,7 @@ class Engine:
                 return
             self._requests[request.request_id] = request
             self._num_pooling += request.seqs[0].params.pooling is not None
+            self._num_scoring += request.seqs[0].params.prompt_logprobs is not None
             arrival = next(self._arrivals)
             now = time.perf_counter()
             for seq in request.seqs:
@@ -650,6 +656,21 @@ class Engine:
                 self._prompt_tokens_total += seq.num_prompt_tokens
                 embedding = request.pooled.pop(seq.choice)
                 self._send(request, Increment(seq.choice, "", (), finish_reason="stop", embedding=embedding))
+
+    @staticmethod
+    def _score_prompts(chunks: list[ScheduledChunk], scores: PromptScores) -> None:
+        """Each scored prompt token's logprob, with the best alternatives its sequence asks for, into the
+        sequence's `prompt_logprobs` (`ScheduledChunk.num_scored`; a recomputed prefill scores them again)."""
+        for chunk, begin in zip(chunks, itertools.accumulate((c.num_tokens for c in chunks), initial=0)):
+            if not (n := chunk.num_scored):
+                continue
+            seq, k, rows = chunk.seq, chunk.seq.params.prompt_logprobs, slice(begin, begin + n)
+            logprobs, top_ids = scores.logprobs[rows].tolist(), scores.top_ids[rows, :k].tolist()
+            top_logprobs = scores.top_logprobs[rows, :k].tolist()
+            for j in range(n):
+                position = chunk.start + 1 + j
+                seq.prompt_logprobs[position] = TokenLogprob(seq.prompt_ids[position], logprobs[j],
+                                                             tuple(zip(top_ids[j], top_logprobs[j])))
 
     def _append_output(self, seq: Sequence, output: SequenceOutput, index: int, sampled: SamplerOutput) -> None:
         """Appends a step's tokens for `seq` from `index` on (over its placeholders) up to where it ends; then, for
@@ -746,8 +767,11 @@ class Engine:
         logprobs = ()
         if seq.logprobs:
             logprobs, seq.logprobs = tuple(seq.logprobs[:count]), []
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None:  # its first increment
+            prompt_logprobs, seq.prompt_logprobs = tuple(seq.prompt_logprobs), None
         self._send(request, Increment(seq.choice, text, tuple(tokens), logprobs, finish_reason,
-                                      stop_reason=seq.stop.stop_reason))
+                                      stop_reason=seq.stop.stop_reason, prompt_logprobs=prompt_logprobs))
 
     def _send(self, request: Request, increment: Increment) -> None:
         if increment.finish_reason is not None:
@@ -756,6 +780,7 @@ class Engine:
                 increment = increment._replace(usage=request.usage())
                 del self._requests[request.request_id]
                 self._num_pooling -= request.seqs[0].params.pooling is not None
+                self._num_scoring -= request.seqs[0].params.prompt_logprobs is not None
         self._deliveries.append((request.sink, increment))
 
     def _flush(self) -> None:

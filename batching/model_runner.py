@@ -38,8 +38,8 @@ from tqdm import tqdm
 
 from sluice.batching import step_broadcast
 from sluice.batching.background_compile import BackgroundCompiler, shapes_of
-from sluice.batching.device_step import Bucket, DraftState, StepInputs, VerifiedSteps, decode_steps, forward, pack, \
-    packed_step, sample_step, verify_steps, write_packed
+from sluice.batching.device_step import Bucket, DraftState, PromptScores, StepInputs, VerifiedSteps, decode_steps, \
+    forward, pack, packed_step, sample_step, verify_steps, write_packed
 from sluice.batching.faults import Fault
 from sluice.batching.ngram import NgramConfig
 from sluice.batching.request import MAX_STOP_IDS
@@ -187,9 +187,10 @@ class ModelRunner:
         buckets = self.spec_token_buckets if speculative else self.token_buckets
         return next(b for b in buckets if b >= num_tokens)
 
-    def _step_fn(self, bucket: Bucket, plan: SamplerPlan | None = None):
-        """The model of a single step (to logits), or a whole multi-step decode call (its sampler's `plan`)."""
-        key = (bucket.max_q_len, bucket.num_steps, plan if bucket.num_steps > 1 else None)
+    def _step_fn(self, bucket: Bucket, plan: SamplerPlan | None = None, scores: bool = False):
+        """The model of a single step (to logits; with `scores`, its tokens' `PromptScores` too), or a whole
+        multi-step decode call (its sampler's `plan`)."""
+        key = (bucket.max_q_len, bucket.num_steps, plan if bucket.num_steps > 1 else None, scores)
         if key not in self._steps:
             out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
             args = (self.graphdef, self.backend, self.mesh, self.num_pages)
@@ -199,16 +200,17 @@ class ModelRunner:
             elif bucket.num_steps > 1:
                 fn = partial(decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs, plan)
             else:
-                fn = partial(forward, *args, bucket.max_q_len)
+                fn = partial(forward, *args, bucket.max_q_len, scores)
             self._steps[key] = jax.jit(packed_step(fn, self._state_def), static_argnums=(0,), donate_argnums=(2,),
                                        out_shardings=out_shardings)
         return self._steps[key]
 
     def _run(self, bucket: Bucket, writes: SlotWrites | None, inputs: StepInputs, sampled: SampledRows,
              fill_masks: Callable[[np.ndarray], None] | None = None, poison: bool = False,
-             plan: SamplerPlan | None = None) -> tuple[SamplerOutput | VerifiedSteps, jax.Array | None]:
+             plan: SamplerPlan | None = None, scores: bool = False
+             ) -> tuple[SamplerOutput | VerifiedSteps, jax.Array | None, PromptScores | None]:
         """Writes the changed slots, launches the step on host inputs (numpy) and replaces the pool; returns
-        without waiting, with a single step's pooled rows (`forward`).
+        without waiting, with a single step's pooled rows and, with `scores`, its `PromptScores` (`forward`).
 
         `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
         ([num_rows, ceil(V / 32)] int32, all ones) while the model runs. `poison`: the first row's logits become NaN
@@ -218,13 +220,13 @@ class ModelRunner:
             self._write(writes)
         flat, packing = pack((inputs, replace(sampled, history=None)))
         program = self._compiler.get((bucket, plan)) if bucket.num_steps > 1 and plan is not None else None
-        result, self.kv_cache = (program or partial(self._step_fn(bucket, plan), packing))(
+        result, self.kv_cache = (program or partial(self._step_fn(bucket, plan, scores), packing))(
             self.weights, self.kv_cache, self._last_tokens, self._slots, self._global(flat),
             self._global(sampled.history))
         if bucket.num_steps > 1:
             out, self._last_tokens = result
-            return out, None
-        logits, sampling, pooled = result
+            return out, None, None
+        logits, sampling, pooled, scored = result
         if poison:
             logits = logits.at[0].set(jnp.nan)
         if fill_masks is not None:
@@ -232,7 +234,7 @@ class ModelRunner:
             fill_masks(allowed)
             logits = self._mask(logits, self._global(allowed))
         out, self._last_tokens = self._sampler_for(bucket.num_rows, plan, logits, sampling)(logits, sampling)
-        return out, pooled
+        return out, pooled, scored
 
     def _sampler_for(self, num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch
                  ) -> Callable[[jax.Array, SamplingBatch], tuple[SamplerOutput, jax.Array]]:
@@ -369,7 +371,7 @@ class ModelRunner:
             pool.shutdown(cancel_futures=True)
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
-                 drafting: list[int] | None = None, pooling: bool = False) -> PendingStep:
+                 drafting: list[int] | None = None, pooling: bool = False, scoring: bool = False) -> PendingStep:
         """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting.
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i emitting at
@@ -378,6 +380,8 @@ class ModelRunner:
         result is `VerifiedSteps`).
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
         sampled row, drafts included) while the model runs. `pooling`: fetch the pooled rows (`StepOutput.pooled`).
+        `scoring`: some sequence may score its prompt (`SamplingParams.prompt_logprobs`); a step with prompt tokens
+        to score runs the model's program that scores them (`StepOutput.scores`), compiled when first met.
         A multi-step call not compiled for its sampler's plan runs as a single step while it compiles off this
         thread: the returned step's `limits` and `drafting` say what ran.
         """
@@ -394,6 +398,7 @@ class ModelRunner:
         inputs, sampled = self._pad(chunks, bucket, limits, drafting)
         if pooling:
             self._fill_pooling(chunks, inputs)
+        scores = scoring and self._fill_scores(chunks, inputs)
         # Each chunk's first sampled row: a chunk with drafts samples one row per draft position, and one more.
         rows = ([i * bucket.max_q_len for i in range(len(chunks))] if verifies
                 else list(itertools.accumulate((1 + c.num_drafts for c in chunks[:-1]), initial=0)))
@@ -406,7 +411,7 @@ class ModelRunner:
                        for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
         if step_broadcast.is_multiprocess():
             num_writes = 0 if writes is None else len(writes.slots)
-            step_broadcast.send_step((*astuple(bucket), bool(constrained), num_writes), (inputs, sampled))
+            step_broadcast.send_step((*astuple(bucket), bool(constrained), num_writes, scores), (inputs, sampled))
             if writes is not None:
                 step_broadcast.send_payload((writes.slots, writes.rows))
 
@@ -417,14 +422,14 @@ class ModelRunner:
 
         self._num_dispatched += 1
         fault = self.fault.fires(self._num_dispatched, num_steps == 1) if self.fault is not None else None
-        out, pooled = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None, fault == "nan",
-                                plan)
+        out, pooled, scored = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None,
+                                        fault == "nan", plan, scores)
         if not verifies:  # the host reads the top alternatives only for logprobs, and acceptances only for drafts
             logprobs = any(c.seq.params.wants_logprobs for c in chunks)
             out = replace(out, top_ids=out.top_ids if logprobs else None,
                           top_logprobs=out.top_logprobs if logprobs else None,
                           accepted=out.accepted if drafted else None)
-        return PendingStep(out, chunks, rows, limits, drafting, pooled if pooling else None, bucket, fault)
+        return PendingStep(out, chunks, rows, limits, drafting, pooled if pooling else None, scored, bucket, fault)
 
     def _plan(self, chunks: list[ScheduledChunk], drafts: bool) -> SamplerPlan | None:
         """The sampler's passes the chunks' rows need (`drafts`: some row checks a draft, the host's or, in a
@@ -437,7 +442,7 @@ class ModelRunner:
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""
         while (header := step_broadcast.receive_step_shape()) is not None:
-            *shape, masked, num_writes = header
+            *shape, masked, num_writes, scores = header
             bucket = Bucket(*shape)
             inputs, sampled = step_broadcast.receive_payload(self._pad([], bucket, None))
             writes = None
@@ -449,7 +454,8 @@ class ModelRunner:
                 np.copyto(allowed, step_broadcast.receive_payload(allowed))
 
             try:
-                jax.block_until_ready(self._run(bucket, writes, inputs, sampled, receive_masks if masked else None))
+                jax.block_until_ready(self._run(bucket, writes, inputs, sampled, receive_masks if masked else None,
+                                                scores=bool(scores)))
             except Exception:  # noqa: BLE001 - process 0 fails the same step and starts over; so do we
                 self.reset()
 
@@ -477,7 +483,7 @@ class ModelRunner:
             kv_lens=np.zeros(a, np.int32), attn_slots=np.full(a, padding_slot, np.int32),
             cu_q_lens=np.zeros(a + 1, np.int32), logits_rows=np.zeros(num_rows, np.int32),
             limits=np.zeros(num_rows, np.int32), num_sampled=np.array(0, np.int32), drafting=draft_state,
-            feed=np.full(t, -1, np.int32), pool_ids=np.full(t, -1, np.int32))
+            feed=np.full(t, -1, np.int32), pool_ids=np.full(t, -1, np.int32), score_ids=np.full(t, -1, np.int32))
         inputs.limits[:len(chunks)] = limits if limits is not None else 1
         # Token histories are built only if a row's penalties read them (else an all -1 array kept on the device).
         slots = np.array([c.seq.slot for c in chunks], np.int32)
@@ -525,6 +531,17 @@ class ModelRunner:
             pooling = chunk.seq.params.pooling
             if pooling == "mean" or pooling == "last" and chunk.sample:
                 inputs.pool_ids[end - (chunk.num_tokens if pooling == "mean" else 1):end] = i
+
+    @staticmethod
+    def _fill_scores(chunks: list[ScheduledChunk], inputs: StepInputs) -> bool:
+        """A chunk's scoring tokens (`ScheduledChunk.num_scored`) score the prompt's next token each. Returns
+        whether any token scores."""
+        scores = False
+        for chunk, begin in zip(chunks, itertools.accumulate((c.num_tokens for c in chunks), initial=0)):
+            if n := chunk.num_scored:
+                inputs.score_ids[begin:begin + n] = chunk.seq.prompt_ids[chunk.start + 1:chunk.start + 1 + n]
+                scores = True
+        return scores
 
     @staticmethod
     def _fill_rows(chunks: list[ScheduledChunk], starts: np.ndarray, lengths: np.ndarray, slots: np.ndarray,

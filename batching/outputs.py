@@ -47,6 +47,8 @@ class Increment(NamedTuple):
     engine; `usage` is set on the request's very last increment (when every choice has finished); `embedding`
     ([hidden] float32, `SamplingParams.pooling`) on an embedding's only increment. `stop_reason` (vLLM's), on a
     choice that finished with "stop": the stop string or the request's stop token id that ended it (None for EOS).
+    `prompt_logprobs` (`SamplingParams.prompt_logprobs`), on a choice's first increment: its prompt tokens'
+    logprobs, None for the first token.
     """
 
     choice: int
@@ -58,6 +60,7 @@ class Increment(NamedTuple):
     usage: Usage | None = None
     embedding: np.ndarray | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -119,12 +122,14 @@ class Collector:
 
 
 def joined(parts: list[Increment]) -> Increment:
-    """One choice's consecutive increments as one (the last one's finish, error and usage)."""
+    """One choice's consecutive increments as one (the first one's prompt logprobs, the last one's finish, error
+    and usage)."""
     if len(parts) == 1:
         return parts[0]
     return parts[-1]._replace(text="".join(p.text for p in parts),
                               token_ids=tuple(t for p in parts for t in p.token_ids),
-                              logprobs=tuple(lp for p in parts for lp in p.logprobs))
+                              logprobs=tuple(lp for p in parts for lp in p.logprobs),
+                              prompt_logprobs=parts[0].prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class Completion:
     usage: Usage | None
     error: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class ListCollector:
@@ -161,6 +167,7 @@ class ListCollector:
                 usage=self._usage,
                 error=parts[-1].error if parts else None,
                 stop_reason=parts[-1].stop_reason if parts else None,
+                prompt_logprobs=parts[0].prompt_logprobs if parts else None,
             )
             for parts in self._by_choice
         ]

@@ -108,6 +108,7 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
                 max_num_tokens=len(prompt) + max(params.max_tokens, 1),  # an embedding's last chunk samples once
                 grammar=grammar.fork() if grammar is not None else None,
                 proposer=NgramProposer(ngram) if ngram and params.pooling is None else None,
+                prompt_logprobs=[None] * len(prompt) if params.prompt_logprobs is not None else None,
             )
             if seq.proposer is not None:
                 seq.proposer.extend(prompt)

@@ -46,6 +46,9 @@ class SamplingParams:
     `structured`: a grammar the output must follow (EOS then ends it only where the grammar is complete).
     `pooling` makes it an embedding request (max_tokens 0): each prompt is prefilled, never sampled, and ends with
     the sum of its final hidden states ("last": its last token's, "mean": all its tokens') in `Increment.embedding`.
+    `prompt_logprobs` (0..20): each prompt token's log-probability after the tokens before it, with that many best
+    alternatives (`Increment.prompt_logprobs`); scored while prefilling, so such a sequence reads nothing from the
+    prefix cache.
     """
 
     max_tokens: int = 16
@@ -70,6 +73,7 @@ class SamplingParams:
     priority: int = 0
     structured: StructuredOutput | None = None
     pooling: Literal["last", "mean"] | None = None
+    prompt_logprobs: int | None = None
 
     @cached_property  # read per sequence and step: kept after the first read (in the instance's __dict__)
     def wants_logprobs(self) -> bool:

@@ -49,6 +49,14 @@ class ScheduledChunk:
         end = self.start + self.num_tokens - self.num_drafts
         return self.seq.token_ids[self.start:end] + self.seq.drafts[:self.num_drafts]
 
+    @property
+    def num_scored(self) -> int:
+        """How many of its first tokens score the prompt token after them (`SamplingParams.prompt_logprobs`):
+        prompt positions before the prompt's last, whose logits sample the first output token instead."""
+        if self.seq.prompt_logprobs is None:
+            return 0
+        return max(0, min(self.start + self.num_tokens, len(self.seq.prompt_ids) - 1) - self.start)
+
 
 @dataclass
 class SchedulerOutput:
@@ -178,7 +186,8 @@ class Scheduler:
     def _fork_pages(self, seq: Sequence) -> tuple[list[int], list[int]] | None:
         """The prompt's full pages held by the request's first sequence, if it still holds them."""
         parent = seq.parent
-        if parent is None or parent.status is not SequenceStatus.RUNNING or seq.num_output_tokens:
+        if (parent is None or parent.status is not SequenceStatus.RUNNING or seq.num_output_tokens
+                or seq.computes_every_token):
             return None
         num_pages = min((seq.num_tokens - 1) // self.block_manager.page_size,
                         parent.num_computed_tokens // self.block_manager.page_size)

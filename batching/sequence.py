@@ -39,7 +39,8 @@ class Sequence:
     and after a preemption); `slot` is its row of the runner's persistent input batch while it runs (the
     scheduler's to give, -1 when it holds none); `stop` turns its tokens into text and decides when it ends (its
     count of output tokens is where the next text starts); `logprobs` are those of its tokens not yet emitted,
-    when it wants them; `grammar` (structured output) is where its output stands in the grammar
+    when it wants them; `prompt_logprobs`, while it wants them and has not sent them, those of its prompt's tokens
+    (None for the first, and for those not scored yet); `grammar` (structured output) is where its output stands in the grammar
     it must follow. `arrival` orders first-come-first-served scheduling; `queued_at` is when it last entered the
     waiting queue (`time.perf_counter()`). With speculative decoding, `proposer` drafts from the sequence's own
     tokens, `drafts` are this step's drafts, `shadow_draft` the first token it would have drafted when it drafts
@@ -70,6 +71,7 @@ class Sequence:
     num_cached_tokens: int | None = None
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     grammar: Grammar | None = None
     proposer: NgramProposer | None = None
     drafts: list[int] = field(default_factory=list)
@@ -84,6 +86,13 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         self.arrive(self.arrival, self.queued_at)
+
+    @property
+    def computes_every_token(self) -> bool:
+        """Whether it needs every prompt token's hidden state (an embedding's mean) or logits (its prompt's
+        logprobs, not sent yet), so it takes no page from the prefix cache, the store or its request's first
+        sequence."""
+        return self.params.pooling == "mean" or self.prompt_logprobs is not None
 
     def arrive(self, arrival: int, now: float) -> None:
         """Enters the engine `arrival`-th, at `now`. Its `schedule_key` (lower runs first): priority (lower value =

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.experimental.multihost_utils import broadcast_one_to_all
 
-HEADER_LEN = 8
+HEADER_LEN = 9
 _STOP, _STEP = 0, 1
 
 
@@ -28,8 +28,8 @@ def is_leader() -> bool:
 
 
 def send_step(shape: tuple[int, ...], payload: Any) -> None:
-    """Process 0: announces a step by `shape` (HEADER_LEN - 1 ints: the bucket, 1 if masks follow, and how
-    many slot rows it writes) and sends its inputs (a numpy pytree)."""
+    """Process 0: announces a step by `shape` (HEADER_LEN - 1 ints: the bucket, 1 if masks follow, how many slot
+    rows it writes, 1 if it scores prompt tokens) and sends its inputs (a numpy pytree)."""
     broadcast_one_to_all(np.array([_STEP, *shape], np.int32))
     broadcast_one_to_all(payload)
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from sluice.batching.device_step import Bucket, VerifiedSteps
+from sluice.batching.device_step import Bucket, PromptScores, VerifiedSteps
 from sluice.batching.faults import strike
 from sluice.batching.sampler import SamplerOutput
 from sluice.batching.scheduler import ScheduledChunk
@@ -33,14 +33,16 @@ _NONFINITE = SequenceOutput([], [], [], finite=False)
 class StepOutput:
     """A step's results on the host: the sampler's arrays (numpy, leading [num_steps] axis; `top_ids` and
     `top_logprobs` None unless a sequence wants logprobs, `accepted` None unless one drafted; row i is chunk i's
-    first when no chunk drafts), each chunk's share of them (`share`), and `pooled` ([S, D] float32, row i chunk
-    i's sum of its pooled tokens' final hidden states) when the step pools."""
+    first when no chunk drafts), each chunk's share of them (`share`), `pooled` ([S, D] float32, row i chunk
+    i's sum of its pooled tokens' final hidden states) when the step pools, and `scores` (`PromptScores`, numpy,
+    a row per token of the step) when it scores prompt tokens."""
 
     def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, pooled: np.ndarray | None) -> None:
+                 limits: list[int] | None, pooled: np.ndarray | None, scores: PromptScores | None) -> None:
         """`rows`: each chunk's first sampled row."""
         self.sampled = out.sampled if isinstance(out, VerifiedSteps) else out
         self.pooled = pooled
+        self.scores = scores
         self._out = out
         self._chunks, self._rows, self._limits = chunks, rows, limits
 
@@ -90,12 +92,12 @@ class PendingStep:
     """A dispatched step whose sampled tokens are being copied to the host."""
 
     def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, drafting: list[int] | None, pooled: jax.Array | None, bucket: Bucket,
-                 fault: str | None = None):
+                 limits: list[int] | None, drafting: list[int] | None, pooled: jax.Array | None,
+                 scores: PromptScores | None, bucket: Bucket, fault: str | None = None):
         """`limits`, `drafting`: the multi-step call's that ran (`ModelRunner.dispatch`), None for a single step;
         `bucket`: the step's shape, for a hung step's report; `fault`: an injected one (`faults.py`)."""
         self.limits, self.drafting = limits, drafting
-        self._out = (out, pooled)
+        self._out = (out, pooled, scores)
         self._shares = (chunks, rows, limits)
         self.bucket = bucket
         self._fault = fault
@@ -105,5 +107,5 @@ class PendingStep:
     def fetch(self) -> StepOutput:
         """Blocks until the step is done."""
         strike(self._fault, self.bucket)
-        out, pooled = jax.tree.map(np.asarray, self._out)
-        return StepOutput(out, *self._shares, pooled)
+        out, pooled, scores = jax.tree.map(np.asarray, self._out)
+        return StepOutput(out, *self._shares, pooled, scores)

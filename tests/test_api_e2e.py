@@ -260,6 +260,29 @@ def test_list_of_prompts_gives_one_choice_per_prompt_times_n(client):
     assert reply.usage.completion_tokens == 16
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, client):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs, max_tokens 1): the prompt's tokens come first,
+    the first without a logprob, each scored as the model scores the token after the tokens before it."""
+    context = token_ids(server, "The capital of Germany is")
+    nexts = client.completions.create(model=MODEL, prompt=context, max_tokens=1, temperature=0, logprobs=5)
+    [berlin] = token_ids(server, " Berlin")
+    ids = [*context, berlin]
+    kwargs = dict(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    reply = client.completions.create(**kwargs)
+    logprobs = reply.choices[0].logprobs
+    assert reply.choices[0].text.startswith("The capital of Germany is Berlin")
+    assert len(logprobs.tokens) == len(ids) + 1 and logprobs.text_offset[0] == 0
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.tokens[len(context)] == " Berlin"
+    expected = nexts.choices[0].logprobs.top_logprobs[0][" Berlin"]
+    assert logprobs.token_logprobs[len(context)] == pytest.approx(expected, abs=1e-3)
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 1
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    streamed = [lp for chunk in chunks if chunk.choices[0].logprobs for lp in chunk.choices[0].logprobs.token_logprobs]
+    assert streamed == logprobs.token_logprobs
+    assert "".join(chunk.choices[0].text for chunk in chunks) == reply.choices[0].text
+
+
 def test_echo_prepends_the_prompt(client):
     reply = client.completions.create(model=MODEL, prompt="Roses are red,", echo=True, max_tokens=4, temperature=0)
     assert reply.choices[0].text.startswith("Roses are red,")

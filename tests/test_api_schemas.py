@@ -105,8 +105,10 @@ def test_completion_logprobs_above_twenty_are_rejected():
     assert rejection(CompletionRequest, {"prompt": "x", "logprobs": 21}).param == "logprobs"
 
 
-def test_echo_with_logprobs_is_rejected_rather_than_answered_without_prompt_logprobs():
-    rejection(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1})
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
+    params = CompletionRequest.model_validate({"prompt": "x", "echo": True, "logprobs": 2}).sampling_params(16)
+    assert (params.prompt_logprobs, params.top_logprobs) == (2, 2)
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).sampling_params(16).prompt_logprobs is None
 
 
 def test_sampling_params_carry_every_request_field():

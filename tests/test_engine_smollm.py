@@ -3,12 +3,13 @@
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import SamplingParams
-from sluice.model.generate import generate
+from sluice.model.generate import generate, sequence_logits
 from sluice.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
@@ -87,3 +88,33 @@ def test_stop_string_across_tokens_ends_generation_before_it(loaded, engine):
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[:free.text.index(stop)]
     assert stopped.token_ids == free.token_ids[:k + 2]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_prompt_logprobs_are_the_teacher_forced_pass_whatever_the_cache_chunks_and_batch_hold(loaded, engine):
+    """Each prompt token's logprob after the tokens before it, in prefill chunks (three prompts in steps of 64
+    tokens), with the prompt's cached pages ignored, for both samples of n=2, beside a plain request; against
+    the contiguous pass (`sequence_logits`), top alternatives too."""
+    prompt = chat(loaded, "Name the largest ocean, the longest river and the highest mountain on Earth, please.")
+    assert CONFIG.max_num_batched_tokens < 2 * len(prompt)
+    engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))  # its pages now cached
+    plain = SamplingParams(temperature=0.0, max_tokens=6)
+    scored = replace(plain, prompt_logprobs=3, n=2)
+    [alone], [pair, beside] = engine.generate([prompt], plain), engine.generate([prompt, prompt], [scored, plain])
+    reference = log_softmax(np.asarray(sequence_logits(loaded.model, prompt)))
+    for choice in pair:
+        assert choice.token_ids == alone[0].token_ids  # scoring changes no token
+        assert choice.prompt_logprobs[0] is None and len(choice.prompt_logprobs) == len(prompt)
+        got = np.array([entry.logprob for entry in choice.prompt_logprobs[1:]])
+        np.testing.assert_allclose(got, reference[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-4)
+        for position in (1, len(prompt) // 2, len(prompt) - 1):
+            top = choice.prompt_logprobs[position].top
+            assert [token for token, _ in top] == np.argsort(-reference[position - 1])[:3].tolist()
+    assert beside[0].token_ids == alone[0].token_ids and beside[0].prompt_logprobs is None
+    assert pair[0].usage.cached_prompt_tokens == 0
+    assert engine.stats.kv_pages_used == 0
