@@ -43,12 +43,14 @@ def tiny_engine(loaded: LoadedModel, tp: int, config: EngineConfig) -> Engine:
     return Engine(loaded, config, progress=False, mesh=mesh)
 
 
-def run_engine(engine: Engine, prompts: list[list[int]]) -> dict:
-    outputs = engine.generate(prompts, GREEDY)
+def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> dict:
+    outputs = engine.generate(prompts, params)
     return {
         "tokens": [list(o[0].token_ids) for o in outputs],
         "texts": [o[0].text for o in outputs],
         "logprobs": [[lp.logprob for lp in o[0].logprobs] for o in outputs],
+        "prompt_logprobs": [[lp.logprob for lp in o[0].prompt_logprobs[1:]] if o[0].prompt_logprobs else []
+                            for o in outputs],
         # The K pool's arrays: one, or an int8 pool's values and scales.
         "kv": [{"global_shape": list(x.shape), "devices": len(x.sharding.device_set),
                 "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards})}
@@ -76,7 +78,8 @@ def main() -> None:
             engine = tiny_engine(LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny"), tp, config)
             rng = random.Random(0)
             prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
-        results[tp] = run_engine(engine, prompts)
+        # The plain tiny model's prompts are scored too (`prompt_logprobs`): its LM head over every token.
+        results[tp] = run_engine(engine, prompts, replace(GREEDY, prompt_logprobs=2) if which == "tiny" else GREEDY)
     print("RESULT " + json.dumps(results))
 
 

@@ -32,8 +32,9 @@ def assert_same_generation(results: dict[int, dict], num_kv_heads: int) -> None:
     base = results[1]
     for tp, result in results.items():
         assert result["tokens"] == base["tokens"], f"tp={tp} changed greedy tokens"
-        for got, want in zip(result["logprobs"], base["logprobs"]):
-            np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"tp={tp}")
+        for field in ("logprobs", "prompt_logprobs"):
+            for got, want in zip(result[field], base[field]):
+                np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"tp={tp}, {field}")
         for pool in result["kv"]:  # [layers, pages, kv_heads, ...]: the values, and an int8 pool's scales
             assert pool["devices"] == tp
             (shard_shape,) = pool["shard_shapes"]
@@ -41,8 +42,10 @@ def assert_same_generation(results: dict[int, dict], num_kv_heads: int) -> None:
             assert shard_shape[:2] + shard_shape[3:] == pool["global_shape"][:2] + pool["global_shape"][3:]
 
 
-def test_tiny_model_gives_the_same_tokens_at_tp_1_2_4():
-    assert_same_generation(run_worker("tiny", 1, 2, 4), num_kv_heads=4)
+def test_tiny_model_gives_the_same_tokens_and_prompt_logprobs_at_tp_1_2_4():
+    results = run_worker("tiny", 1, 2, 4)
+    assert_same_generation(results, num_kv_heads=4)
+    assert all(len(scored) >= 2 for scored in results[1]["prompt_logprobs"])  # prompts of 3 to 40 tokens
 
 
 def test_tiny_model_over_an_int8_kv_cache_gives_the_same_tokens_and_logprobs_at_tp_1_and_2():
