@@ -32,6 +32,8 @@ from sluice.app.schemas import (
     CompletionResponse,
     FunctionCall,
     FunctionCallDelta,
+    PromptLogprobs,
+    PromptTokenLogprob,
     PromptTokensDetails,
     TokenLogprobInfo,
     ToolCall,
@@ -63,6 +65,17 @@ def token_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> lis
 
     return [TokenLogprobInfo(**top(e.token_id, e.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in e.top])
             for e in entries]
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, scored: tuple[TokenLogprob | None, ...], k: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` of `Increment.prompt_logprobs`: per token, its entry then its `k` best
+    alternatives' (ranked 1 to k), keyed by token id; null for the first token."""
+    def entry(token_id: int, logprob: float, rank: int) -> PromptTokenLogprob:
+        return PromptTokenLogprob(logprob=logprob, rank=rank, decoded_token=tokenizer.token_text(token_id))
+
+    return [None] + [{str(e.token_id): entry(e.token_id, e.logprob, e.rank)}
+                     | {str(t): entry(t, lp, rank) for rank, (t, lp) in enumerate(e.top[:k], 1) if t != e.token_id}
+                     for e in scored[1:]]
 
 
 class ChunkFrame:
@@ -161,12 +174,15 @@ class ChatBuilder:
     async def collect(self, generation: Generation) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(self._body.n)]
         await _gather(generation, choices)
+        scored = choices[0].prompt_logprobs  # every choice's prompt is the one
         return ChatCompletionResponse(
             id=self._id,
             created=self._created,
             model=self._model,
             choices=[self._choice(i, c) for i, c in enumerate(choices)],
             usage=usage_info(generation.usage),
+            prompt_logprobs=(vllm_prompt_logprobs(self._tokenizer, scored, self._body.prompt_logprobs)
+                             if scored is not None else None),
         )
 
     def _choice(self, index: int, choice: _Choice) -> ChatChoice:
@@ -267,7 +283,8 @@ class CompletionBuilder:
         await _gather(generation, choices)
         return self._response(
             [CompletionChoice(index=i, text=c.text, logprobs=self._choice_logprobs(i, c),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                              prompt_logprobs=self._vllm_prompt_logprobs(c))
              for i, c in enumerate(choices)],
             usage=usage_info(generation.usage),
         )
@@ -281,8 +298,8 @@ class CompletionBuilder:
             for i in range(self._num_choices):
                 yield self._chunk([CompletionChoice(index=i, text=self._echo(i))])
         async for increment in generation.increments():
-            if increment.prompt_logprobs is not None:
-                echoed = self._prompt_logprobs(increment.choice, increment.prompt_logprobs)
+            if increment.prompt_logprobs is not None:  # echo with logprobs (vLLM's prompt_logprobs is not streamed)
+                echoed = self._echoed_logprobs(increment.choice, increment.prompt_logprobs)
                 yield self._chunk([CompletionChoice(index=increment.choice, text=self._echo(increment.choice),
                                                     logprobs=echoed)])
             if self._body.logprobs is None and increment.finish_reason is None:
@@ -300,18 +317,25 @@ class CompletionBuilder:
     def _echo(self, choice: int) -> str:
         return self._prompts[choice // self._body.n].text if self._body.echo else ""
 
+    def _vllm_prompt_logprobs(self, choice: _Choice) -> PromptLogprobs | None:
+        k = self._body.prompt_logprobs
+        if k is None or choice.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self._tokenizer, choice.prompt_logprobs, k)
+
     def _choice_logprobs(self, index: int, choice: _Choice) -> CompletionLogprobs | None:
         generated = self._logprobs(choice.logprobs, len(self._echo(index)))
-        if choice.prompt_logprobs is None:
+        if generated is None or not self._body.echo or choice.prompt_logprobs is None:
             return generated
-        return self._prompt_logprobs(index, choice.prompt_logprobs).then(generated)
+        return self._echoed_logprobs(index, choice.prompt_logprobs).then(generated)
 
-    def _prompt_logprobs(self, index: int, scored: tuple[TokenLogprob | None, ...]) -> CompletionLogprobs:
+    def _echoed_logprobs(self, index: int, scored: tuple[TokenLogprob | None, ...]) -> CompletionLogprobs:
         """Choice `index`'s echoed prompt's tokens (`scored`: `Increment.prompt_logprobs`), from offset 0; its
         first token has no logprob."""
         first = self._tokenizer.token_text(self._prompts[index // self._body.n].token_ids[0])
         opening = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
-        return opening.then(self._logprobs(scored[1:], len(first)))
+        entries = [e._replace(top=e.top[:self._body.logprobs]) for e in scored[1:]]  # vLLM's may ask for more
+        return opening.then(self._logprobs(entries, len(first)))
 
     def _logprobs(self, entries: Sequence[TokenLogprob], text_offset: int) -> CompletionLogprobs | None:
         """As in OpenAI's API, each `top_logprobs` dict holds the k best tokens and the sampled one."""

@@ -14,7 +14,8 @@ import json
 from abc import abstractmethod
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_serializer, \
+    model_validator
 
 from sluice.batching.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from sluice.model.tokenizer import TEMPLATE_VARIABLES
@@ -124,7 +125,7 @@ _ANY = object()
 # vLLM's fields that would change the output and are not implemented here: refused by name rather than ignored,
 # unless null or set to what they do by default (`_ANY`: every value).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    **dict.fromkeys(_GUIDED_FIELDS, _ANY), "prompt_logprobs": _ANY, "allowed_token_ids": _ANY, "bad_words": [],
+    **dict.fromkeys(_GUIDED_FIELDS, _ANY), "allowed_token_ids": _ANY, "bad_words": [],
     "use_beam_search": False, "length_penalty": 1.0,
 }
 
@@ -170,6 +171,8 @@ class SamplingRequest(PromptTruncation):
                                                                 "id's text) that ended the output stays in it")
     priority: int = Field(0, ge=-(2**31), lt=2**31, description="vLLM's extension: a lower value is scheduled "
                                                             "first (then arrival order)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="vLLM's extension: each prompt "
+                                        "token's logprob and rank, with this many best alternatives (not streamed)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -211,8 +214,7 @@ class SamplingRequest(PromptTruncation):
             return data
         for name, default in cls.unsupported.items():
             if data.get(name) is not None and (default is _ANY or data[name] != default):
-                hint = ("; use structured_outputs" if name in _GUIDED_FIELDS
-                        else "; a completion's echo with logprobs scores the prompt" if name == "prompt_logprobs" else "")
+                hint = "; use structured_outputs" if name in _GUIDED_FIELDS else ""
                 raise ValueError(f"{name} is not supported{hint}")
         return data
 
@@ -220,6 +222,8 @@ class SamplingRequest(PromptTruncation):
     def _cross_field_rules(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
         json_format = isinstance(self.response_format, (JsonObjectFormat, JsonSchemaFormat))
         if self.structured_outputs is not None and json_format:
             raise ValueError("give response_format or structured_outputs, not both")
@@ -300,9 +304,11 @@ class CompletionRequest(SamplingRequest):
         return value
 
     def _logprob_params(self) -> dict[str, Any]:
-        """With echo, the prompt's tokens get their logprobs too (OpenAI's legacy API; what lm-eval scores with)."""
+        """With echo, the prompt's tokens get their logprobs too (OpenAI's legacy API; what lm-eval scores with),
+        as with vLLM's prompt_logprobs: the engine scores the prompt for the more alternatives of the two."""
+        scored = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
         return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0,
-                "prompt_logprobs": self.logprobs if self.echo else None}
+                "prompt_logprobs": max(scored, default=None)}
 
 
 class TextPart(_Request):
@@ -558,12 +564,34 @@ class CompletionLogprobs(BaseModel):
 StopReason = int | str | None  # vLLM's: the stop string or stop token id that ended a choice (None: EOS, length)
 
 
+class PromptTokenLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`: a token's logprob, its rank in the vocabulary (1: the most likely) and
+    its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt token (null for the first), its entry and its best alternatives', keyed by token id.
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: StopReason = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: only when asked for (not streamed)")
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_only_when_asked(self, handler) -> dict[str, Any]:
+        # Not a null on every streamed chunk: a request without them never sees the key.
+        data = handler(self)
+        if self.prompt_logprobs is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class CompletionResponse(BaseModel):
@@ -630,6 +658,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: the prompt's (prompt_logprobs)")
 
 
 class FunctionCallDelta(BaseModel):

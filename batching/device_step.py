@@ -167,10 +167,12 @@ def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q
 @dataclass(frozen=True)
 class PromptScores:
     """Per token of a step: logprobs [T] float32, the log-probability of the prompt token its logits score
-    (`StepInputs.score_ids`); top_ids [T, 20] int32 and top_logprobs [T, 20] float32, the best alternatives, best
-    first. Rows without a target hold values nobody reads."""
+    (`StepInputs.score_ids`), and ranks [T] int32, its rank in the vocabulary (1: the most likely); top_ids
+    [T, 20] int32 and top_logprobs [T, 20] float32, the best alternatives, best first. Rows without a target hold
+    values nobody reads."""
 
     logprobs: jax.Array
+    ranks: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
 
@@ -192,7 +194,8 @@ def prompt_scores(model: Llama, hidden: jax.Array, score_ids: jax.Array) -> Prom
         logprobs = jax.nn.log_softmax(model.logits(rows), axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
         chosen = jnp.take_along_axis(logprobs, jnp.maximum(ids, 0)[:, None], axis=-1)[:, 0]
-        return PromptScores(chosen, top_ids.astype(jnp.int32), top_logprobs)
+        ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+        return PromptScores(chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
 
     scores = jax.lax.map(score, (blocks, targets))
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:num_tokens], scores)

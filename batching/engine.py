@@ -665,12 +665,12 @@ class Engine:
             if not (n := chunk.num_scored):
                 continue
             seq, k, rows = chunk.seq, chunk.seq.params.prompt_logprobs, slice(begin, begin + n)
-            logprobs, top_ids = scores.logprobs[rows].tolist(), scores.top_ids[rows, :k].tolist()
-            top_logprobs = scores.top_logprobs[rows, :k].tolist()
+            logprobs, ranks = scores.logprobs[rows].tolist(), scores.ranks[rows].tolist()
+            top_ids, top_logprobs = scores.top_ids[rows, :k].tolist(), scores.top_logprobs[rows, :k].tolist()
             for j in range(n):
                 position = chunk.start + 1 + j
                 seq.prompt_logprobs[position] = TokenLogprob(seq.prompt_ids[position], logprobs[j],
-                                                             tuple(zip(top_ids[j], top_logprobs[j])))
+                                                             tuple(zip(top_ids[j], top_logprobs[j])), ranks[j])
 
     def _append_output(self, seq: Sequence, output: SequenceOutput, index: int, sampled: SamplerOutput) -> None:
         """Appends a step's tokens for `seq` from `index` on (over its placeholders) up to where it ends; then, for

@@ -19,11 +19,13 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class TokenLogprob(NamedTuple):
-    """Log-probability of one sampled token, with the `top_logprobs` best alternatives (best first)."""
+    """Log-probability of one sampled token, with the `top_logprobs` best alternatives (best first); a prompt
+    token's (`Increment.prompt_logprobs`) has its `rank` in the vocabulary too (1: the most likely)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,28 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, client
     assert "".join(chunk.choices[0].text for chunk in chunks) == reply.choices[0].text
 
 
+def test_vllms_prompt_logprobs_rank_each_prompt_token_and_agree_with_the_echoed_logprobs(server, client):
+    prompt = "The capital of Germany is Berlin"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
+    scored = reply["choices"][0]["prompt_logprobs"]
+    ids = token_ids(server, prompt)
+    assert scored[0] is None and len(scored) == len(ids) == reply["usage"]["prompt_tokens"]
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                       logprobs=2).choices[0].logprobs
+    for position, (token, entries) in enumerate(zip(ids[1:], scored[1:]), 1):
+        mine = entries[str(token)]
+        assert mine["logprob"] == pytest.approx(echoed.token_logprobs[position], abs=1e-4)
+        # The token, and the two best (the token among them if it is one, keyed once).
+        by_rank = {entry["rank"]: entry["logprob"] for entry in entries.values()}
+        assert {1, 2} <= by_rank.keys() and len(entries) == (2 if mine["rank"] <= 2 else 3)
+        assert by_rank[1] >= by_rank[2] >= (mine["logprob"] if mine["rank"] > 2 else by_rank[2])
+    chatted = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=120, json={
+        "model": MODEL, "messages": chat("Hi"), "max_tokens": 1, "n": 2, "prompt_logprobs": 0}).json()
+    assert len(chatted["prompt_logprobs"]) == chatted["usage"]["prompt_tokens"]
+    assert all(len(entries) == 1 for entries in chatted["prompt_logprobs"][1:])
+
+
 def test_echo_prepends_the_prompt(client):
     reply = client.completions.create(model=MODEL, prompt="Roses are red,", echo=True, max_tokens=4, temperature=0)
     assert reply.choices[0].text.startswith("Roses are red,")

@@ -105,10 +105,15 @@ def test_completion_logprobs_above_twenty_are_rejected():
     assert rejection(CompletionRequest, {"prompt": "x", "logprobs": 21}).param == "logprobs"
 
 
-def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
-    params = CompletionRequest.model_validate({"prompt": "x", "echo": True, "logprobs": 2}).sampling_params(16)
-    assert (params.prompt_logprobs, params.top_logprobs) == (2, 2)
-    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).sampling_params(16).prompt_logprobs is None
+def test_echo_with_logprobs_or_vllms_prompt_logprobs_ask_for_the_prompts_logprobs_but_not_streamed():
+    def scored(**fields) -> int | None:
+        return CompletionRequest.model_validate({"prompt": "x", **fields}).sampling_params(16).prompt_logprobs
+
+    assert (scored(echo=True, logprobs=2), scored(logprobs=2), scored(prompt_logprobs=0)) == (2, None, 0)
+    assert scored(echo=True, logprobs=1, prompt_logprobs=3) == 3  # the engine keeps the more alternatives
+    assert ChatCompletionRequest.model_validate({**CHAT, "prompt_logprobs": 4}).sampling_params(16).prompt_logprobs == 4
+    rejection(ChatCompletionRequest, {**CHAT, "prompt_logprobs": 1, "stream": True})
+    rejection(CompletionRequest, {"prompt": "x", "prompt_logprobs": 21})
 
 
 def test_sampling_params_carry_every_request_field():
@@ -205,7 +210,7 @@ def test_conflicting_or_unknown_structured_output_fields_are_rejected(fields):
 
 
 @pytest.mark.parametrize("fields", [
-    {"prompt_logprobs": 0}, {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]}, {"use_beam_search": True},
+    {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]}, {"use_beam_search": True},
     {"length_penalty": 0.5}, {"chat_template": "{{ messages }}"}, {"echo": True},
 ])
 def test_vllm_fields_sluice_does_not_implement_are_refused_by_name_unless_left_at_their_default(fields):
