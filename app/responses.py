@@ -57,21 +57,35 @@ def usage_info(usage: Usage | None) -> UsageInfo | None:
     )
 
 
-def token_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> list[TokenLogprobInfo]:
+@dataclass(frozen=True)
+class TokenNames:
+    """How logprobs name tokens: by their text, or (vLLM's `return_tokens_as_token_ids`) as "token_id:{id}", so
+    tokens whose text is part of a character, or alike, are told apart."""
+
+    tokenizer: Tokenizer
+    as_ids: bool = False
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.tokenizer.token_text(token_id)
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self.text(token_id).encode() if self.as_ids else self.tokenizer.token_bytes(token_id))
+
+
+def token_logprobs(names: TokenNames, entries: Sequence[TokenLogprob]) -> list[TokenLogprobInfo]:
     """Sampled tokens' logprobs with their alternatives, in the shape chat and the Responses API share."""
     def top(token_id: int, logprob: float) -> TopLogprob:
-        return TopLogprob(token=tokenizer.token_text(token_id), logprob=logprob,
-                          bytes=list(tokenizer.token_bytes(token_id)))
+        return TopLogprob(token=names.text(token_id), logprob=logprob, bytes=names.bytes(token_id))
 
     return [TokenLogprobInfo(**top(e.token_id, e.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in e.top])
             for e in entries]
 
 
-def vllm_prompt_logprobs(tokenizer: Tokenizer, scored: tuple[TokenLogprob | None, ...], k: int) -> PromptLogprobs:
+def vllm_prompt_logprobs(names: TokenNames, scored: tuple[TokenLogprob | None, ...], k: int) -> PromptLogprobs:
     """vLLM's `prompt_logprobs` of `Increment.prompt_logprobs`: per token, its entry then its `k` best
     alternatives' (ranked 1 to k), keyed by token id; null for the first token."""
     def entry(token_id: int, logprob: float, rank: int) -> PromptTokenLogprob:
-        return PromptTokenLogprob(logprob=logprob, rank=rank, decoded_token=tokenizer.token_text(token_id))
+        return PromptTokenLogprob(logprob=logprob, rank=rank, decoded_token=names.text(token_id))
 
     return [None] + [{str(e.token_id): entry(e.token_id, e.logprob, e.rank)}
                      | {str(t): entry(t, lp, rank) for rank, (t, lp) in enumerate(e.top[:k], 1) if t != e.token_id}
@@ -164,7 +178,7 @@ class ChatBuilder:
         self._id = request_id
         self._created = int(time.time())
         self._model = model
-        self._tokenizer = tokenizer
+        self._names = TokenNames(tokenizer, body.return_tokens_as_token_ids)
         self._body = body
         self._tool_calling = tool_calling
         self._frame = ChunkFrame(ChatCompletionChunk(id=request_id, created=self._created, model=model, choices=[]),
@@ -181,7 +195,7 @@ class ChatBuilder:
             model=self._model,
             choices=[self._choice(i, c) for i, c in enumerate(choices)],
             usage=usage_info(generation.usage),
-            prompt_logprobs=(vllm_prompt_logprobs(self._tokenizer, scored, self._body.prompt_logprobs)
+            prompt_logprobs=(vllm_prompt_logprobs(self._names, scored, self._body.prompt_logprobs)
                              if scored is not None else None),
         )
 
@@ -254,7 +268,7 @@ class ChatBuilder:
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         if not self._body.logprobs:
             return None
-        return ChatLogprobs(content=token_logprobs(self._tokenizer, entries))
+        return ChatLogprobs(content=token_logprobs(self._names, entries))
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         if usage is None:
@@ -271,7 +285,7 @@ class CompletionBuilder:
         self._id = request_id
         self._created = int(time.time())
         self._model = model
-        self._tokenizer = tokenizer
+        self._names = TokenNames(tokenizer, body.return_tokens_as_token_ids)
         self._body = body
         self._prompts = prompts
         self._num_choices = len(prompts) * body.n
@@ -307,7 +321,7 @@ class CompletionBuilder:
                     yield self._frame.text_event(increment.choice, increment.text)
                 continue
             logprobs = self._logprobs(increment.logprobs, offsets[increment.choice])
-            offsets[increment.choice] += sum(len(self._tokenizer.token_text(e.token_id)) for e in increment.logprobs)
+            offsets[increment.choice] += sum(len(self._names.text(e.token_id)) for e in increment.logprobs)
             yield self._chunk([CompletionChoice(index=increment.choice, text=increment.text, logprobs=logprobs,
                                                 finish_reason=increment.finish_reason,
                                                 stop_reason=increment.stop_reason)])
@@ -321,7 +335,7 @@ class CompletionBuilder:
         k = self._body.prompt_logprobs
         if k is None or choice.prompt_logprobs is None:
             return None
-        return vllm_prompt_logprobs(self._tokenizer, choice.prompt_logprobs, k)
+        return vllm_prompt_logprobs(self._names, choice.prompt_logprobs, k)
 
     def _choice_logprobs(self, index: int, choice: _Choice) -> CompletionLogprobs | None:
         generated = self._logprobs(choice.logprobs, len(self._echo(index)))
@@ -332,7 +346,7 @@ class CompletionBuilder:
     def _echoed_logprobs(self, index: int, scored: tuple[TokenLogprob | None, ...]) -> CompletionLogprobs:
         """Choice `index`'s echoed prompt's tokens (`scored`: `Increment.prompt_logprobs`), from offset 0; its
         first token has no logprob."""
-        first = self._tokenizer.token_text(self._prompts[index // self._body.n].token_ids[0])
+        first = self._names.text(self._prompts[index // self._body.n].token_ids[0])
         opening = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
         entries = [e._replace(top=e.top[:self._body.logprobs]) for e in scored[1:]]  # vLLM's may ask for more
         return opening.then(self._logprobs(entries, len(first)))
@@ -341,7 +355,7 @@ class CompletionBuilder:
         """As in OpenAI's API, each `top_logprobs` dict holds the k best tokens and the sampled one."""
         if self._body.logprobs is None:
             return None
-        text = self._tokenizer.token_text
+        text = self._names.text
         tokens = [text(e.token_id) for e in entries]
         offsets = [text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         top = [{text(t): lp for t, lp in (*e.top, (e.token_id, e.logprob))} for e in entries]

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from sluice.app.errors import APIError, invalid_request
 from sluice.app.generation import respond, start_generation
 from sluice.app.responses_api_builder import ResponsesBuilder
-from sluice.app.responses import token_logprobs
+from sluice.app.responses import TokenNames, token_logprobs
 from sluice.app.responses_api_convert import (
     ITEMS,
     Items,
@@ -68,7 +68,7 @@ async def create_response(request: Request) -> Response:
             conversation = ITEMS.dump_json(stored_items(items + output_items(done.output))).decode()
             state.responses.put(done.id, StoredResponse(done.model_dump_json(), conversation, len(items)))
 
-    logprobs = partial(token_logprobs, engine.tokenizer) if body.logprobs else None
+    logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
     builder = ResponsesBuilder(response, plan.calling, on_done, logprobs)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 

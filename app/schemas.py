@@ -173,6 +173,8 @@ class SamplingRequest(PromptTruncation):
                                                             "first (then arrival order)")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="vLLM's extension: each prompt "
                                         "token's logprob and rank, with this many best alternatives (not streamed)")
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM's extension: logprobs name tokens "
+                                                                "\"token_id:{id}\" instead of by their text")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -305,6 +305,21 @@ def test_vllms_prompt_logprobs_rank_each_prompt_token_and_agree_with_the_echoed_
     assert all(len(entries) == 1 for entries in chatted["prompt_logprobs"][1:])
 
 
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(server, client):
+    ids = token_ids(server, "Hello there")
+    named = {"return_tokens_as_token_ids": True}
+    reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                                      extra_body=named)
+    tokens = reply.choices[0].logprobs.tokens
+    assert tokens[:len(ids)] == [f"token_id:{i}" for i in ids] and all(t.startswith("token_id:") for t in tokens)
+    assert all(key.startswith("token_id:") for top in reply.choices[0].logprobs.top_logprobs[1:] for key in top)
+    chat_reply = client.chat.completions.create(model=MODEL, messages=chat("Hi"), max_tokens=2, temperature=0,
+                                                logprobs=True, top_logprobs=1, extra_body=named)
+    [first, _] = chat_reply.choices[0].logprobs.content
+    assert first.token.startswith("token_id:") and bytes(first.bytes).decode() == first.token
+    assert first.top_logprobs[0].token == first.token  # greedy: the best is the one taken
+
+
 def test_echo_prepends_the_prompt(client):
     reply = client.completions.create(model=MODEL, prompt="Roses are red,", echo=True, max_tokens=4, temperature=0)
     assert reply.choices[0].text.startswith("Roses are red,")
