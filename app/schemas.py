@@ -292,6 +292,7 @@ def check_prompts(prompt: Prompt, info: ValidationInfo, max_prompts: int = MAX_P
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo: the prompt alone, scored with logprobs")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = Field(None, description="not supported: must be empty", json_schema_extra={"maxLength": 0})
@@ -304,6 +305,12 @@ class CompletionRequest(SamplingRequest):
         if value:
             raise ValueError("suffix is not supported")
         return value
+
+    @model_validator(mode="after")
+    def _no_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo (the prompt is then the whole answer)")
+        return self
 
     def _logprob_params(self) -> dict[str, Any]:
         """With echo, the prompt's tokens get their logprobs too (OpenAI's legacy API; what lm-eval scores with),

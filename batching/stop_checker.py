@@ -55,7 +55,8 @@ class StopChecker:
         """For tokens sampled in a row after `num_output_before` output tokens, with `context_left` positions
         left in the context: how many the sequence keeps, and the finish the last kept one forces by its id or
         count alone (stop ids after min_tokens, max_tokens, the context's end)."""
-        at_length = max(1, min(self.params.max_tokens - num_output_before, context_left))
+        # At least the one token sampled, unless the request asks for none (an echo scoring its prompt alone).
+        at_length = max(min(1, self.params.max_tokens), min(self.params.max_tokens - num_output_before, context_left))
         if not self.stop_ids.isdisjoint(tokens):
             for j in range(max(0, self.params.min_tokens - num_output_before), min(len(tokens), at_length)):
                 if tokens[j] in self.stop_ids:
@@ -67,6 +68,8 @@ class StopChecker:
     def emit_run(self, tokens: list[int], finish: FinishReason | None) -> tuple[str, int, FinishReason | None]:
         """`emit` for a run of tokens whose last alone may carry `finish` (from `run_finish`): (the text that may be
         emitted, how many of the tokens it covers, the finish). A stop string ends the run at its token."""
+        if not tokens:  # it ends with none (max_tokens 0)
+            return "", 0, finish
         if not self.params.stop:
             self.num_output_tokens += len(tokens)
             # A stop id's own text is not emitted, unless the request includes what stopped it.

@@ -283,6 +283,27 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, client
     assert "".join(chunk.choices[0].text for chunk in chunks) == reply.choices[0].text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_of_no_tokens_scores_the_prompt_alone(server, client, stream):
+    """max_tokens 0 with echo (OpenAI's legacy scoring call): the prompt, its logprobs, no token after it; with a
+    stop string to hold text back for, too."""
+    prompt = "The capital of Germany is Berlin"
+    kwargs = dict(model=MODEL, prompt=prompt, temperature=0, echo=True, logprobs=1, stop=["zzz"])
+    scored = client.completions.create(**kwargs, max_tokens=1).choices[0].logprobs.token_logprobs[:-1]
+    if stream:
+        chunks = list(client.completions.create(**kwargs, max_tokens=0, stream=True))
+        text = "".join(chunk.choices[0].text for chunk in chunks)
+        logprobs = [lp for chunk in chunks if chunk.choices[0].logprobs
+                    for lp in chunk.choices[0].logprobs.token_logprobs]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.completions.create(**kwargs, max_tokens=0).choices[0]
+        text, logprobs, finish = choice.text, choice.logprobs.token_logprobs, choice.finish_reason
+    assert (text, finish) == (prompt, "length")
+    assert logprobs == scored and len(logprobs) == len(token_ids(server, prompt))
+    assert wait_for_metric(server.url, "sluice_kv_pages_used", 0) == 0
+
+
 def test_vllms_prompt_logprobs_rank_each_prompt_token_and_agree_with_the_echoed_logprobs(server, client):
     prompt = "The capital of Germany is Berlin"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}

@@ -105,6 +105,12 @@ def test_completion_logprobs_above_twenty_are_rejected():
     assert rejection(CompletionRequest, {"prompt": "x", "logprobs": 21}).param == "logprobs"
 
 
+def test_a_completion_of_no_tokens_needs_echo():
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0, "echo": True}).max_tokens == 0
+    assert rejection(CompletionRequest, {"prompt": "x", "max_tokens": 0}).message.endswith("needs echo (the prompt is "
+                                                                                          "then the whole answer)")
+
+
 def test_echo_with_logprobs_or_vllms_prompt_logprobs_ask_for_the_prompts_logprobs_but_not_streamed():
     def scored(**fields) -> int | None:
         return CompletionRequest.model_validate({"prompt": "x", **fields}).sampling_params(16).prompt_logprobs
