@@ -125,7 +125,7 @@ _ANY = object()
 # vLLM's fields that would change the output and are not implemented here: refused by name rather than ignored,
 # unless null or set to what they do by default (`_ANY`: every value).
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    **dict.fromkeys(_GUIDED_FIELDS, _ANY), "allowed_token_ids": _ANY, "bad_words": [],
+    **dict.fromkeys(_GUIDED_FIELDS, _ANY), "bad_words": [],
     "use_beam_search": False, "length_penalty": 1.0,
 }
 
@@ -180,11 +180,13 @@ class SamplingRequest(PromptTruncation):
     user: str | None = None
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="token id -> bias added to its logit before sampling")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_LOGIT_BIAS,
+                                                    description="vLLM's extension: the only ids that may be sampled")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
     unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED_FIELDS
-    _check_stop_token_ids = field_validator("stop_token_ids")(_check_vocabulary)
+    _check_stop_token_ids = field_validator("stop_token_ids", "allowed_token_ids")(_check_vocabulary)
 
     @field_validator("stop")
     @classmethod
@@ -232,6 +234,9 @@ class SamplingRequest(PromptTruncation):
         if (self.structured_outputs is not None or json_format) and (self.ignore_eos or self.min_tokens):
             raise ValueError("ignore_eos and min_tokens cannot be combined with structured output: the grammar "
                              "decides where the output ends")
+        if (self.structured_outputs is not None or json_format) and self.allowed_token_ids:
+            raise ValueError("allowed_token_ids cannot be combined with structured output: the grammar decides "
+                             "which tokens are allowed")
         return self
 
     def structured(self) -> StructuredOutput | None:
@@ -262,6 +267,7 @@ class SamplingRequest(PromptTruncation):
             "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
             "stop_token_ids": tuple(self.stop_token_ids),
             "logit_bias": tuple(sorted({int(key): bias for key, bias in (self.logit_bias or {}).items()}.items())),
+            "allowed_token_ids": tuple(dict.fromkeys(self.allowed_token_ids or ())),
             "structured": self.structured(),
             **self._logprob_params(),
         })

@@ -81,8 +81,8 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
             raise RequestRejected(f"the request needs {pages} KV pages but the whole pool has {limits.num_pages}")
     if len(stop_token_ids(params, limits.eos_token_ids)) > MAX_STOP_IDS:
         raise RequestRejected(f"at most {MAX_STOP_IDS} stop token ids (EOS included) are supported")
-    if len(params.logit_bias) > MAX_LOGIT_BIAS:
-        raise RequestRejected(f"at most {MAX_LOGIT_BIAS} logit_bias entries are supported")
+    if len(params.biased_ids) > MAX_LOGIT_BIAS:
+        raise RequestRejected(f"at most {MAX_LOGIT_BIAS} logit_bias entries or allowed token ids are supported")
 
 
 def build_request(request_id: str, prompts: list[list[int]], params: SamplingParams, sink: OutputSink,

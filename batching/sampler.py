@@ -34,7 +34,8 @@ class SamplingBatch:
     seed: [S] uint32; stop_ids: [S, B] int32 ids that end the row (EOS and stop ids), -1 pads; min_tokens: [S]
     int32, the output index before which stop ids are banned; num_prompt: [S] int32 prompt length; bias_ids:
     [S, MAX_LOGIT_BIAS] int32, -1 pads, and bias: [S, MAX_LOGIT_BIAS] float32, what `logit_bias` adds to those
-    ids' logits.
+    ids' logits (`SamplingParams.biased_ids`); exclusive: [S] int32, 1 if those ids are the only ones the row may
+    sample (`allowed_token_ids`).
     Per step (`SampledRows`): step: [S] int32, the row's output index; draft: [S] int32, the token proposed for
     the row's position (-1: none); history: [S, L] int32, the row's prompt + output ids, -1 pads (filled only
     for rows whose penalties read it).
@@ -57,6 +58,7 @@ class SamplingBatch:
     draft: jax.Array
     bias_ids: jax.Array
     bias: jax.Array
+    exclusive: jax.Array
 
     @classmethod
     def empty(cls, num_rows: int, num_banned: int, history_len: int = 0) -> SamplingBatch:
@@ -69,7 +71,7 @@ class SamplingBatch:
                    stop_ids=np.full((num_rows, num_banned), -1, np.int32), min_tokens=ints(0),
                    history=np.full((num_rows, history_len), -1, np.int32), num_prompt=ints(0), draft=ints(-1),
                    bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
-                   bias=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32))
+                   bias=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32), exclusive=ints(0))
 
     def write(self, row: int, params: SamplingParams, seed: int, stop_ids: tuple[int, ...], num_prompt: int,
               vocab_size: int) -> None:
@@ -89,9 +91,10 @@ class SamplingBatch:
         self.min_tokens[row] = params.min_tokens
         self.num_prompt[row] = num_prompt
         self.bias_ids[row], self.bias[row] = -1, 0.0
-        if params.logit_bias:
-            ids, biases = zip(*params.logit_bias)
+        if params.biased_ids:
+            ids, biases = zip(*params.biased_ids)
             self.bias_ids[row, :len(ids)], self.bias[row, :len(ids)] = ids, biases
+        self.exclusive[row] = bool(params.allowed_token_ids)
 
     def take(self, rows) -> SamplingBatch:
         """rows: [R] int32 -> the batch of those rows."""
@@ -228,10 +231,14 @@ def mask_disallowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
 
 
 def add_logit_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
-    """OpenAI's logit_bias: each row's biases added to its ids' logits (a bias of -100 all but bans a token)."""
+    """OpenAI's logit_bias: each row's biases added to its ids' logits (a bias of -100 all but bans a token); an
+    exclusive row's other ids banned (vLLM's allowed_token_ids)."""
     num_rows, vocab = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
     ids = jnp.where(batch.bias_ids >= 0, batch.bias_ids, vocab)  # out of range: dropped by the scatter
-    return logits.at[jnp.arange(num_rows)[:, None], ids].add(batch.bias, mode="drop")
+    biased = logits.at[rows, ids].add(batch.bias, mode="drop")
+    listed = jnp.zeros(logits.shape, bool).at[rows, ids].set(True, mode="drop")
+    return jnp.where((batch.exclusive[:, None] > 0) & ~listed, -jnp.inf, biased)
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:

@@ -41,6 +41,7 @@ class SamplingParams:
     `n` samples per prompt; `priority`: lower runs first.
     `include_stop_str_in_output` (vLLM's): the stop string, or stop id's text, that ended the output stays in it.
     `logit_bias`: (token id, bias) pairs, each bias (-100..100) added to that token's logit before sampling.
+    `allowed_token_ids` (vLLM's), when set: the only ids it may sample (up to MAX_LOGIT_BIAS, in the same columns).
     `skip_special_tokens` False keeps special tokens' text in the output text (vLLM's extension; what a tool-call
     reader needs when the format's tag is a special token); host-only, like `stop`: it picks the detokenizer.
     `structured`: a grammar the output must follow (EOS then ends it only where the grammar is complete).
@@ -67,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
@@ -74,6 +76,15 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     pooling: Literal["last", "mean"] | None = None
     prompt_logprobs: int | None = None
+
+    @cached_property
+    def biased_ids(self) -> tuple[tuple[int, float], ...]:
+        """The (id, bias) pairs the sampler's bias columns hold: the allowed ids, with their logit_bias, when some
+        are; else the logit_bias."""
+        if not self.allowed_token_ids:
+            return self.logit_bias
+        bias = dict(self.logit_bias)
+        return tuple((token, bias.get(token, 0.0)) for token in self.allowed_token_ids)
 
     @cached_property  # read per sequence and step: kept after the first read (in the instance's __dict__)
     def wants_logprobs(self) -> bool:

@@ -155,7 +155,7 @@ def token_ids(server, text: str) -> list[int]:
     return httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=AUTH).json()["tokens"]
 
 
-def test_logit_bias_bans_the_greedy_token_or_forces_another(server, client):
+def test_logit_bias_bans_the_greedy_token_or_forces_another_and_allowed_token_ids_are_all_it_samples(server, client):
     ids = partial(token_ids, server)
     kwargs = dict(model=MODEL, prompt="The capital of Germany is", max_tokens=1, temperature=0)
     greedy = client.completions.create(**kwargs).choices[0].text
@@ -168,6 +168,14 @@ def test_logit_bias_bans_the_greedy_token_or_forces_another(server, client):
     assert forced.choices[0].text == " blue" * 3
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logit_bias={"999999": 1})
+    [red] = ids(" red")
+    allowed = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=1.0, seed=3,
+                                        extra_body={"allowed_token_ids": [blue, red]}, logprobs=0)
+    assert set(token_ids(server, allowed.choices[0].text)) <= {blue, red}
+    assert len(allowed.choices[0].logprobs.tokens) == 6 and set(allowed.choices[0].logprobs.tokens) <= {" blue", " red"}
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids cannot be combined with structured output"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={
+            "allowed_token_ids": [blue], "structured_outputs": {"choice": ["a"]}})
 
 
 def test_a_stop_string_or_id_ends_the_text_and_is_named_as_the_stop_reason(server, client):

@@ -216,7 +216,7 @@ def test_conflicting_or_unknown_structured_output_fields_are_rejected(fields):
 
 
 @pytest.mark.parametrize("fields", [
-    {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]}, {"use_beam_search": True},
+    {"bad_words": ["x"]}, {"use_beam_search": True},
     {"length_penalty": 0.5}, {"chat_template": "{{ messages }}"}, {"echo": True},
 ])
 def test_vllm_fields_sluice_does_not_implement_are_refused_by_name_unless_left_at_their_default(fields):
@@ -235,6 +235,14 @@ def test_truncate_prompt_tokens_keeps_at_least_one_token():
     assert CompletionRequest.model_validate({"prompt": "hi", "truncate_prompt_tokens": -1}).truncate_prompt_tokens == -1
     for value in (0, -2):
         rejection(CompletionRequest, {"prompt": "hi", "truncate_prompt_tokens": value})
+
+
+def test_allowed_token_ids_reach_the_engine_once_each_and_are_checked_against_the_vocabulary():
+    body = {**CHAT, "allowed_token_ids": [5, 3, 5], "logit_bias": {"3": 2}}
+    params = ChatCompletionRequest.model_validate(body, context=VOCAB).sampling_params(16)
+    assert params.allowed_token_ids == (5, 3) and params.biased_ids == ((5, 0.0), (3, 2.0))
+    for bad in ([], [VOCAB["vocab_size"]]):
+        rejection(ChatCompletionRequest, {**CHAT, "allowed_token_ids": bad})
 
 
 def test_priority_reaches_the_engine():

@@ -126,6 +126,18 @@ def test_logit_bias_shifts_a_rows_logits_before_sampling_but_not_its_logprobs():
     assert sampled == {20}
 
 
+def test_allowed_token_ids_are_all_a_row_may_sample_with_its_logit_bias_and_logprobs_stay_the_models():
+    logits = jnp.zeros((3, VOCAB)).at[:, 3].set(2.0).at[:, 7].set(1.0).at[:, 8].set(0.5)
+    only = row(SamplingParams(temperature=0.0, logprobs=True, allowed_token_ids=(8, 7)))
+    biased = row(SamplingParams(temperature=0.0, allowed_token_ids=(7, 8), logit_bias=((8, 5.0), (3, 50.0))))
+    out = run(logits, [only, biased, row(SamplingParams(temperature=0.0))])
+    np.testing.assert_array_equal(out.tokens, [7, 8, 3])  # 3, outside the allowed ids, whatever its bias
+    np.testing.assert_allclose(out.logprobs[0], jax.nn.log_softmax(logits[0])[7], rtol=1e-6)
+    sampled = {int(run(logits[:1], [row(SamplingParams(temperature=1.5, allowed_token_ids=(11, 12, 13)), seed=s)])
+                   .tokens[0]) for s in range(20)}
+    assert sampled == {11, 12, 13}
+
+
 def test_logprobs_are_the_models_log_softmax_with_the_best_first():
     logits = logits_for(2)
     out = run(logits, [row(SamplingParams(temperature=1.0, logprobs=True, top_logprobs=5), seed=3)] * 2)
@@ -185,7 +197,8 @@ PLAN_CASES = {
         SamplerPlan(sampling=True, drafts=True, top_logprobs=True)),
     "logit bias": (
         [row(SamplingParams(temperature=0.0, logit_bias=((5, 4.0), (6, -100.0)))),
-         row(SamplingParams(temperature=0.9, logit_bias=((1, 2.5),)), seed=2), row(SamplingParams(temperature=0.0))],
+         row(SamplingParams(temperature=0.9, logit_bias=((1, 2.5),)), seed=2), row(SamplingParams(temperature=0.0)),
+         row(SamplingParams(temperature=0.9, allowed_token_ids=(2, 9)), seed=3)],
         SamplerPlan(sampling=True, logit_bias=True)),
 }
 
