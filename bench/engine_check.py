@@ -8,10 +8,11 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
 
 - throughput: requests in waves of C (one `Engine.generate` call per wave; C = 1 runs the first
   MIN_REQUESTS requests one at a time), output and total tokens per second of wall time;
-- TTFT and TPOT: the first C requests' lengths with fresh prompts and max_tokens 1 + tpot_steps, all
-  sent at once, each token's arrival timed as a client would see it. TTFT: until every one of them has
-  its first token (prefill of all C prompts plus one sample); TPOT: vLLM's per request
-  (last - first arrival) / (tokens - 1), averaged over the wave, i.e. the engine's real decode at batch
+- TTFT and TPOT: the first C requests' lengths with fresh prompts, all sent at once, each token's arrival
+  timed as a client would see it, over the first 1 + tpot_steps tokens of each (they ask for a multi-step
+  call's more, so the calls that end them fall outside). TTFT: until every one of them has its first token
+  (prefill of all C prompts plus one sample); TPOT: vLLM's per request (last - first arrival) / (tokens - 1),
+  averaged over the wave, i.e. the engine's real decode at batch
   C, multi-step calls and host work included, and the other requests' prefill that a request's tokens wait
   through; decode TPOT: the same wave's time per token once every request decodes (`steady_decode_s`),
   without that prefill (each a median of `latency_repeats` runs);
@@ -126,8 +127,9 @@ def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sizes: Size
     do not depend on the device's size, and on a CPU a bf16 pool costs every step time in proportion to
     its size (about 200 ms per step for 64 MB, measured on the 2-core machine), which would drown them.
     """
+    timed_tokens = sizes.tpot_steps + 1 + EngineConfig.num_decode_steps  # `timed_wave`'s
     tokens = max(
-        sum(len(r.prompt) + max(r.output_tokens, sizes.tpot_steps + 1) + page_size for r in wave)
+        sum(len(r.prompt) + max(r.output_tokens, timed_tokens) + page_size for r in wave)
         for c in sizes.concurrency for wave in waves(workload, c)
     )
     return int(1.25 * tokens * kv_bytes_per_token(config, DTYPE))
@@ -222,20 +224,25 @@ class ArrivalTimes:
         self.times += [time.perf_counter()] * len(increment.token_ids)
 
 
-def steady_decode_s(arrivals: list[list[float]]) -> float:
+def steady_decode_s(arrivals: list[list[float]], tokens: int) -> float:
     """Seconds per token per request while every request decodes: from the last request's first token to the
-    first request's last, the C requests' tokens delivered in between (after the first of those moments, up to
-    the second) over C x that time. Tokens a multi-step call delivers together count whole."""
+    earliest `tokens`-th token of any request, the C requests' tokens delivered in between (after the first of
+    those moments, up to the second) over C x that time. Tokens a multi-step call delivers together count whole.
+    The requests run on past `tokens` (`timed_wave`), so every call in the window is full: a call that ends
+    requests runs its whole length for the rows still going, and would count as time without their tokens."""
     decoding_from = max(times[0] for times in arrivals)
-    until = min(times[-1] for times in arrivals)
-    tokens = sum(decoding_from < t <= until for times in arrivals for t in times)
-    return len(arrivals) * (until - decoding_from) / tokens if tokens else float("nan")
+    until = min(times[tokens - 1] for times in arrivals)
+    counted = sum(decoding_from < t <= until for times in arrivals for t in times)
+    return len(arrivals) * (until - decoding_from) / counted if counted else float("nan")
 
 
-def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int, decoding: Decoding
+def timed_wave(engine: Engine, requests: list[BenchRequest], tokens: int, decoding: Decoding
                ) -> tuple[float, float, float]:
-    """Sends the requests at once with `max_tokens` each; returns (TTFT: until every one has its first token,
-    TPOT: the mean over requests of (last - first arrival) / (max_tokens - 1), decode TPOT: `steady_decode_s`)."""
+    """Sends the requests at once; returns (TTFT: until every one has its first token, TPOT: the mean over
+    requests of (the `tokens`-th token's arrival - the first's) / (tokens - 1), decode TPOT: `steady_decode_s`).
+    Each asks for a multi-step call's tokens more than `tokens`, so no call before every request's `tokens`-th
+    token ends one of them."""
+    max_tokens = tokens + engine.config.num_decode_steps
     sinks = [ArrivalTimes() for _ in requests]
     start = time.perf_counter()
     for i, (request, sink) in enumerate(zip(requests, sinks)):
@@ -245,8 +252,8 @@ def timed_wave(engine: Engine, requests: list[BenchRequest], max_tokens: int, de
     if any(len(sink.times) != max_tokens for sink in sinks):
         raise AssertionError(f"the engine produced {[len(s.times) for s in sinks]} tokens where {max_tokens} were asked")
     ttft = max(sink.times[0] for sink in sinks) - start
-    tpot = statistics.mean((sink.times[-1] - sink.times[0]) / (max_tokens - 1) for sink in sinks)
-    return ttft, tpot, steady_decode_s([sink.times for sink in sinks])
+    tpot = statistics.mean((sink.times[tokens - 1] - sink.times[0]) / (tokens - 1) for sink in sinks)
+    return ttft, tpot, steady_decode_s([sink.times for sink in sinks], tokens)
 
 
 def profiled_decode(engine: Engine, requests: list[BenchRequest], decode_steps: int, decoding: Decoding) -> dict:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from sluice.batching.config import EngineConfig
 from sluice.bench import engine_check
 from sluice.bench.dataset import BenchRequest
 from sluice.model.llama import Llama
@@ -42,8 +43,8 @@ def test_kv_pool_holds_the_largest_wave_whole():
     config, sizes = engine_check.MODELS["tiny"], engine_check.Sizes.small()
     workload = [BenchRequest(tuple(range(100, 100 + p)), o) for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)]]
     per_token = engine_check.kv_bytes_per_token(config, "bfloat16")
-    # The wave of all four at concurrency 4: prompts + max(output, tpot_steps + 1) + a page each.
-    tokens = sum(p + max(o, sizes.tpot_steps + 1) + 16 for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)])
+    # The wave of all four at concurrency 4: prompts + max(output, the timed wave's tokens) + a page each.
+    tokens = sum(p + max(o, sizes.tpot_steps + 1 + EngineConfig.num_decode_steps) + 16 for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)])
     assert engine_check.kv_pool_bytes(config, workload, sizes, 16) == int(1.25 * tokens * per_token)
     assert [len(w) for w in engine_check.waves(workload, 1)] == [1, 1, 1, 1]
 
@@ -51,11 +52,22 @@ def test_kv_pool_holds_the_largest_wave_whole():
 def test_decode_tpot_counts_only_tokens_after_every_request_decodes():
     """Three requests: one's first token at 0 s, then one token per 10 ms; the others' first tokens at 50 ms (a
     prefill in between), then bursts of 4 tokens (a multi-step call) every 40 ms. From 50 ms (the last first token)
-    to 130 ms (the first request to end) 24 tokens arrive: 3 requests x 80 ms / 24 = 10 ms per token. The tokens
+    to 130 ms (the earliest 14th token) 24 tokens arrive: 3 requests x 80 ms / 24 = 10 ms per token. The tokens
     at 50 ms came with the last first token, and count as before the window."""
-    early = [0.010 * i for i in range(14)]  # 0 .. 130 ms
-    bursty = [0.050] + [0.050 + 0.040 * (1 + i // 4) for i in range(12)]  # bursts at 90, 130, 170 ms
-    assert engine_check.steady_decode_s([early, bursty, list(bursty)]) == pytest.approx(0.010)
+    early = [0.010 * i for i in range(18)]  # 0 .. 170 ms
+    bursty = [0.050] + [0.050 + 0.040 * (1 + i // 4) for i in range(16)]  # bursts at 90, 130, 170, 210 ms
+    assert engine_check.steady_decode_s([early, bursty, list(bursty)], tokens=14) == pytest.approx(0.010)
+
+
+def test_decode_tpot_leaves_out_the_calls_that_end_requests():
+    """Two requests decoding in calls of 4 tokens every 40 ms (10 ms per token), from a first token at 0 ms. A
+    call that ends a request after 1 of its 4 steps still takes 40 ms: counted, the window would read 40 ms of
+    that call for 2 tokens. The timed wave asks for a call's tokens more than it times, so that call is past
+    the window."""
+    timed = [0.0] + [0.040 * (1 + i // 4) for i in range(8)]  # tokens 2..9 at 40 and 80 ms
+    ending = [*timed, 0.120]  # the 10th token, alone in a call of 4 steps
+    assert engine_check.steady_decode_s([ending, list(ending)], tokens=9) == pytest.approx(0.010)
+    assert engine_check.steady_decode_s([ending, list(ending)], tokens=10) > 0.012
 
 
 def test_an_int8_run_measures_the_engine_on_int8_weights(tmp_path):
