@@ -10,15 +10,15 @@ reference only, so the script cannot rot where no GPU exists (`--interpret --bac
 reference jax-shipped` runs the interpretable backends there, slowly; the Mosaic kernels cannot be
 interpreted).
 
-Timing: one jitted loop of `--calls` calls, each call's output fed into the next call's query (so XLA
-can neither hoist nor overlap them), timed with one `block_until_ready`; the median over `--repeats` such
-loops, divided by the calls, after a compile-and-warm-up run. Python's dispatch cost is thereby out of a
-microsecond-scale kernel's figure. A call's time includes what a backend does around its kernel (the Mosaic
-and Triton wrappers pad the queries into tiles and slice the output); `--trace` also runs one more loop under
-`jax.profiler` and reports the attention kernels' own device time per call (`bench.device_profile`'s
-attention class), and the bandwidth at that time. Bandwidth counts the bytes that must be read once: K and V of every
-context token plus q. Every row also reports the largest difference from the reference output; a backend
-that fails on a shape gets a row with its error instead of stopping the run.
+Timing: one jitted program of `--calls` calls, unrolled as the model's layers are on a GPU, each call's
+output fed into the next call's query (so XLA can neither hoist nor overlap them), timed with one
+`block_until_ready`; the median over `--repeats` such programs, divided by the calls, after a compile-and-warm-up
+run. Python's dispatch cost is thereby out of a microsecond-scale kernel's figure. A call's time includes what a
+backend does around its kernel (the Mosaic and Triton wrappers pad the queries into tiles and slice the output);
+`--trace` also runs the program once more under `jax.profiler` and reports the attention kernels' own device time
+per call (`bench.device_profile`'s attention class), and the bandwidth at that time. Bandwidth counts the bytes
+that must be read once: K and V of every context token plus q. Every row also reports the largest difference
+from the reference output; a backend that fails on a shape gets a row with its error instead of stopping the run.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from sluice.bench.device_profile import DeviceTrace
 from sluice.pallas_kernels.attention import paged_decode_attention
@@ -119,13 +118,14 @@ def backend_call(name: str, inputs: DecodeInputs, sm_scale: float, interpret: bo
 
 
 def chained(fn, calls: int):
-    """A jitted loop of `calls` calls of fn, each output added into the next query."""
+    """A jitted program of `calls` calls of fn, each output added into the next query, unrolled as the model's
+    layers run on a GPU (`model.llama.resolve_layer_loop`): a call costs what a layer's attention costs there,
+    its wrapper's small ops beside the kernel included, and no loop's per-iteration control."""
 
     def loop(q, *args):
-        def body(_, q):
-            return q + fn(q, *args).astype(q.dtype)
-
-        return lax.fori_loop(0, calls, body, q)
+        for _ in range(calls):
+            q = q + fn(q, *args).astype(q.dtype)
+        return q
 
     return jax.jit(loop)
 
@@ -202,8 +202,8 @@ def markdown(rows: list[dict], args, command: str) -> str:
         f"### Decode paged attention, {datetime.date.today().isoformat()}, {device.device_kind} ({device.platform})",
         "",
         f"`{command}` - jax {jax.__version__}, {args.num_q_heads} q heads, {args.num_kv_heads} kv heads, "
-        f"head_dim {args.head_dim}, {args.dtype}, page_size {args.page_size}, median of {args.repeats} loops "
-        f"of {args.calls} chained calls.",
+        f"head_dim {args.head_dim}, {args.dtype}, page_size {args.page_size}, median of {args.repeats} runs "
+        f"of {args.calls} chained calls, unrolled.",
         "",
         "| backend | batch | context | ms / call | GB/s (K+V+q once) | kernel ms (traced) | kernel GB/s "
         "| max abs diff vs reference |",
@@ -239,13 +239,13 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--calls", type=int, default=10 if on_gpu else 2, help="chained calls per timed loop")
-    p.add_argument("--repeats", type=int, default=3 if on_gpu else 2, help="timed loops (median)")
+    p.add_argument("--calls", type=int, default=10 if on_gpu else 2, help="chained calls per timed program")
+    p.add_argument("--repeats", type=int, default=3 if on_gpu else 2, help="timed runs of the program (median)")
     p.add_argument("--mosaic-tilings", type=Tiling.parse, nargs="+", default=[DEFAULT_TILING],
                    help="the Mosaic kernel's tilings to time, each BLOCK_KVxSTAGES, n after it for a narrow query "
                         "tile (64x2, the default; 64x1, 64x2n, ...)")
     p.add_argument("--trace", action="store_true",
-                   help="also the attention kernels' own device time per call, from a profiler trace of one loop")
+                   help="also the attention kernels' own device time per call, from a profiler trace of one run")
     p.add_argument("--interpret", action="store_true",
                    help="run the Triton and shipped kernels in interpret mode (checks the script on a CPU; "
                         "timings mean nothing)")
