@@ -221,6 +221,21 @@ def test_decode_split_count_does_not_change_the_result(backend):
     )
 
 
+@needs_gpu
+@pytest.mark.parametrize("tiling", ["64x1", "64x2n", "64x1n"])
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_mosaic_decode_tilings_match_the_oracle(tiling, num_splits, group):
+    """Every tiling `bench.kernels --mosaic-tilings` times, right before it can become the default: normalized
+    tiles (one split) and partials (several), wide and narrow query tiles (the narrow one's padding rows zeroed in
+    shared memory), at GQA groups of 1, 4 (Llama-3-8B's) and 8 (a narrow tile with no padding row)."""
+    shapes = Shapes(16, 128, group, 2, 24, jnp.bfloat16)
+    batch = make_batch(shapes, [1, 1, 1, 1], [384, 65, 1, 0], seed=group)
+    out = paged_decode_attention_mosaic(*batch.device_args(), sm_scale=0.125, num_splits=num_splits,
+                                        tiling=mosaic_attention.Tiling.parse(tiling))
+    assert_matches(out, decode_oracle(batch, 0.125), shapes.dtype)
+
+
 RAGGED_CASES = [
     # (shapes, [(q_len, kv_len), ...], padding rows after the last sequence)
     (Shapes(8, 64, 1, 2, 6, jnp.float32), [(1, 1), (7, 7), (0, 0), (16, 40), (1, 8), (3, 9), (5, 48)], 3),
