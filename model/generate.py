@@ -32,14 +32,16 @@ def contiguous_attend(start: jax.Array, sm_scale: float) -> AttendFn:
         keys = k_cache[layer, 0].astype(jnp.float32)  # [Hkv, max_len, Dh]
         values = v_cache[layer, 0].astype(jnp.float32)
         group = num_heads // num_kv_heads
-        qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-        scores = jnp.einsum("tkgd,ksd->tkgs", qg, keys) * sm_scale
-        query_pos = start + jnp.arange(num_tokens)
-        visible = jnp.arange(max_len)[None, :] <= query_pos[:, None]  # [T, max_len]
-        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("tkgs,ksd->tkgd", probs, values).reshape(num_tokens, num_heads, head_dim)
-        return out.astype(q.dtype), (k_cache, v_cache)
+        # Rows of a KV head's queries token-major ([Hkv, T * group, Dh]): the KV head leads both products as their
+        # batch dimension, which XLA's CPU dots take as they are (twice as fast as with it in the middle).
+        qg = (q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+              .reshape(num_kv_heads, num_tokens * group, head_dim))
+        scores = jnp.einsum("kqd,ksd->kqs", qg, keys) * sm_scale
+        query_pos = start + jnp.repeat(jnp.arange(num_tokens), group)
+        visible = jnp.arange(max_len)[None, :] <= query_pos[:, None]  # [T * group, max_len]
+        probs = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
+        out = jnp.einsum("kqs,ksd->kqd", probs, values).reshape(num_kv_heads, num_tokens, group, head_dim)
+        return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim).astype(q.dtype), (k_cache, v_cache)
 
     return attend
 
