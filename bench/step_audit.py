@@ -18,6 +18,8 @@ is checked for:
   allocates when it cannot update the donated pool in place (openxla/xla#45912: an update whose input a loop
   reads again). Each step would then write the pool out, and a server's pool, most of the free memory, would
   not fit twice. The first H200 run's XLA warned that the 8B decode programs needed 109 GiB for a 44 GiB pool.
+It counts the kernels the step launches (`launches`): each costs the host microseconds to launch, unless the
+step runs as a CUDA graph, and the device a gap between kernels, a large share of a small batch's step.
 It also sets XLA's `compiled.cost_analysis()["bytes accessed"]` against the floor. That figure counts a while
 loop's body once, whatever its trip count (checked on this backend): the floor is then counted the same way, a
 stack the layer loop reads a layer at a time counting one layer. Custom calls count nothing (the attention
@@ -333,6 +335,29 @@ def host_syncs(computations: dict[str, Computation]) -> list[str]:
 
 # --- The audit -----------------------------------------------------------------------------------------------
 
+def launches(computations: dict[str, Computation]) -> int:
+    """The kernels a step launches: each instruction of the entry that writes a buffer (a fusion, a custom call, a
+    copy, ...), and of what it runs as kernels of their own: a loop's body and condition at every known trip, a
+    call, the largest branch of a conditional. Each launch costs the host a few microseconds unless the step is
+    captured in a CUDA graph, and the device a gap between kernels (bench/RESULTS.md)."""
+
+    def count(comp: Computation) -> int:
+        total = 0
+        for instr in comp.instrs.values():
+            called = [computations[name] for name in re.findall(r"%([^\s,}]+)", instr.attrs) if name in computations]
+            if instr.op == "while":
+                total += int(instr.attr(KNOWN_TRIP_COUNT) or 1) * sum(map(count, called))
+            elif instr.op == "conditional":
+                total += 1 + max(map(count, called), default=0)  # the branch index's read, then one branch
+            elif instr.op == "call":
+                total += sum(map(count, called))
+            elif instr.op not in NO_BUFFER:
+                total += 1
+        return total
+
+    return count(list(computations.values())[-1])  # the text lists the entry last
+
+
 def pool_copy(compiled: jax.stages.Compiled, pool_bytes: int) -> list[str]:
     """A finding when the program's temporaries could hold the whole K/V pool of `pool_bytes` (module docstring).
     The pool must be much larger than the step's activations (a few rows over a short context are not)."""
@@ -386,6 +411,7 @@ class StepAudit:
     copies: tuple[str, ...]
     upcasts: tuple[str, ...]
     unfused: tuple[str, ...]
+    launches: int
 
     @property
     def ratio(self) -> float | None:
@@ -413,7 +439,7 @@ def audit(label: str, compiled: jax.stages.Compiled, weights: Sequence[StoredArr
     return StepAudit(label, floor_bytes, counted, cost,
                      tuple(map(str, found)),
                      tuple(copies(computations, [*weights, *pool]) + pool_copy(compiled, pool_bytes)),
-                     tuple(upcasts(computations, [*weights, *pool])), tuple(unfused(found)))
+                     tuple(upcasts(computations, [*weights, *pool])), tuple(unfused(found)), launches(computations))
 
 
 def target_device(name: str) -> jax.Device:
@@ -537,13 +563,13 @@ def table(audits: Sequence[tuple[str, StepAudit]]) -> str:
     """A markdown table, one row per (model, audit), then each audit's findings."""
     mb = lambda n: "n/a" if n is None else f"{n / 1e6:,.1f}"
     lines = ["| model | step | floor MB | floor as counted MB | cost analysis MB | ratio | projections per step "
-             "| copies | upcasts | unfused |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "| copies | upcasts | unfused | kernels |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for model, a in audits:
         counted = Counter(a.projections)  # an unrolled step lists each layer's
         listed = "; ".join(p if n == 1 else f"{p} x{n}" for p, n in counted.items())
         lines.append(f"| {model} | {a.label} | {mb(a.floor_bytes)} | {mb(a.counted_floor_bytes)} | "
                      f"{mb(a.cost_bytes)} | {'n/a' if a.ratio is None else f'{a.ratio:.2f}'} | {listed} | {len(a.copies)} | "
-                     f"{len(a.upcasts)} | {len(a.unfused)} |")
+                     f"{len(a.upcasts)} | {len(a.unfused)} | {a.launches:,} |")
     for model, a in audits:
         if not a.clean:
             lines += ["", f"{model}, {a.label}:", *(f"- {f}" for f in a.findings())]

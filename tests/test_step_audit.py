@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from sluice.bench.step_audit import StoredArray, StepAudit, audit, audit_decode_call, audit_decode_step, host_syncs, \
-    parse_hlo, pool_copy, target_device
+    launches, parse_hlo, pool_copy, target_device
 from sluice.model.config import ModelConfig
 from sluice.pallas_kernels import cpu_qmatmul
 
@@ -146,6 +146,18 @@ def test_a_scan_is_no_host_sync():
     assert host_syncs(parse_hlo(jax.jit(scan_only).lower(*args).compile().as_text())) == []
 
 
+def test_a_loops_kernels_count_at_every_trip():
+    def layers(ws, x):
+        return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w) * 2.0, None), x, ws)[0]
+
+    def count(num_layers: int) -> int:
+        args = (S((num_layers, K, K), jnp.float32), S((ROWS, K), jnp.float32))
+        return launches(parse_hlo(jax.jit(layers).lower(*args).compile().as_text()))
+
+    two, four, eight = count(2), count(4), count(8)
+    assert eight - four == 2 * (four - two) > 0, (two, four, eight)
+
+
 def test_weights_read_in_place_pass_at_about_the_floor():
     def separate_layers(w0, w1, w2, w3, x):
         for w in (w0, w1, w2, w3):
@@ -233,6 +245,7 @@ def test_the_gpus_bf16_decode_step_reads_weights_and_pool_in_place_in_bf16():
     assert step.clean, step.findings()
     assert "unrolled" in step.label and step.cost_bytes is None
     assert {"wo[layer]", "w_gate_up[layer]", "w_down[layer]"} <= set(step.projections), step.projections
+    assert step.launches >= 5 * GPU_CONFIG.num_layers  # a layer's four matmuls and its attention, at the least
 
 
 def test_the_gpus_multi_step_decode_call_has_no_host_sync_and_updates_the_pool_in_place():
