@@ -45,7 +45,7 @@ from sluice.batching.outputs import Collector, Completion, Deliveries, FinishRea
 from sluice.batching.request import Request, RequestLimits, build_request
 from sluice.batching.sampler import SamplerOutput, SamplerPlan
 from sluice.batching.sampling_params import SamplingParams
-from sluice.batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from sluice.batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput, scored_rows
 from sluice.batching.sequence import Sequence, SequenceStatus
 from sluice.batching.speculation import Speculator
 from sluice.batching.stats import EngineStats, StepStats, StepTotals
@@ -661,13 +661,11 @@ class Engine:
     def _score_prompts(chunks: list[ScheduledChunk], scores: PromptScores) -> None:
         """Each scored prompt token's logprob, with the best alternatives its sequence asks for, into the
         sequence's `prompt_logprobs` (`ScheduledChunk.num_scored`; a recomputed prefill scores them again)."""
-        for chunk, begin in zip(chunks, itertools.accumulate((c.num_tokens for c in chunks), initial=0)):
-            if not (n := chunk.num_scored):
-                continue
-            seq, k, rows = chunk.seq, chunk.seq.params.prompt_logprobs, slice(begin, begin + n)
+        for chunk, rows in scored_rows(chunks):
+            seq, k = chunk.seq, chunk.seq.params.prompt_logprobs
             logprobs, ranks = scores.logprobs[rows].tolist(), scores.ranks[rows].tolist()
             top_ids, top_logprobs = scores.top_ids[rows, :k].tolist(), scores.top_logprobs[rows, :k].tolist()
-            for j in range(n):
+            for j in range(chunk.num_scored):
                 position = chunk.start + 1 + j
                 seq.prompt_logprobs[position] = TokenLogprob(seq.prompt_ids[position], logprobs[j],
                                                              tuple(zip(top_ids[j], top_logprobs[j])), ranks[j])

@@ -48,7 +48,7 @@ from sluice.batching.kv_store import PagePayload
 from sluice.batching.kv_transfer import PageCopy, load_pages
 from sluice.batching.sampler import EVERY_PASS, SampledRows, SamplerOutput, SamplerPlan, SamplingBatch, \
     bitmask_words, mask_disallowed, resolve_sampler_branches
-from sluice.batching.scheduler import ScheduledChunk
+from sluice.batching.scheduler import ScheduledChunk, scored_rows
 from sluice.batching.sequence import PENDING
 from sluice.batching.step_output import PendingStep
 from sluice.batching.structured import fill_bitmask
@@ -537,10 +537,9 @@ class ModelRunner:
         """A chunk's scoring tokens (`ScheduledChunk.num_scored`) score the prompt's next token each. Returns
         whether any token scores."""
         scores = False
-        for chunk, begin in zip(chunks, itertools.accumulate((c.num_tokens for c in chunks), initial=0)):
-            if n := chunk.num_scored:
-                inputs.score_ids[begin:begin + n] = chunk.seq.prompt_ids[chunk.start + 1:chunk.start + 1 + n]
-                scores = True
+        for chunk, rows in scored_rows(chunks):
+            inputs.score_ids[rows] = chunk.seq.prompt_ids[chunk.start + 1:chunk.start + 1 + chunk.num_scored]
+            scores = True
         return scores
 
     @staticmethod

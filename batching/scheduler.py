@@ -10,6 +10,8 @@ recomputed from its tokens later (its full pages usually survive in the prefix c
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
@@ -56,6 +58,14 @@ class ScheduledChunk:
         if self.seq.prompt_logprobs is None:
             return 0
         return max(0, min(self.start + self.num_tokens, len(self.seq.prompt_ids) - 1) - self.start)
+
+
+def scored_rows(chunks: list[ScheduledChunk]) -> Iterator[tuple[ScheduledChunk, slice]]:
+    """Each chunk that scores prompt tokens, with the rows of the step's flat tokens that score them (its first
+    `num_scored`)."""
+    for chunk, begin in zip(chunks, itertools.accumulate((c.num_tokens for c in chunks), initial=0)):
+        if n := chunk.num_scored:
+            yield chunk, slice(begin, begin + n)
 
 
 @dataclass
