@@ -12,10 +12,10 @@ EOS, so the text is never read). For each concurrency C, on a fixed seeded varia
   timed as a client would see it, over the first 1 + tpot_steps tokens of each (they ask for a multi-step
   call's more, so the calls that end them fall outside). TTFT: until every one of them has its first token
   (prefill of all C prompts plus one sample); TPOT: vLLM's per request (last - first arrival) / (tokens - 1),
-  averaged over the wave, i.e. the engine's real decode at batch
-  C, multi-step calls and host work included, and the other requests' prefill that a request's tokens wait
-  through; decode TPOT: the same wave's time per token once every request decodes (`steady_decode_s`),
-  without that prefill (each a median of `latency_repeats` runs);
+  averaged over the wave, i.e. the engine's real decode at batch C, multi-step calls and host work included,
+  and the other requests' prefill that a request's tokens wait through; decode TPOT: the same wave's time per
+  token once every request decodes (`steady_decode_s`), without that prefill (each a median of
+  `latency_repeats` runs);
 - step breakdown, timed directly (jitted, outside the engine, medians after a compile; every level's step
   compiles first, on a thread each): a decode step at batch C and the wave's mean context (model forward +
   LM head + argmax), the paged attention of all layers alone, the LM head + argmax alone; the report adds

@@ -44,7 +44,8 @@ def test_kv_pool_holds_the_largest_wave_whole():
     workload = [BenchRequest(tuple(range(100, 100 + p)), o) for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)]]
     per_token = engine_check.kv_bytes_per_token(config, "bfloat16")
     # The wave of all four at concurrency 4: prompts + max(output, the timed wave's tokens) + a page each.
-    tokens = sum(p + max(o, sizes.tpot_steps + 1 + EngineConfig.num_decode_steps) + 16 for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)])
+    timed = sizes.tpot_steps + 1 + EngineConfig.num_decode_steps
+    tokens = sum(p + max(o, timed) + 16 for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)])
     assert engine_check.kv_pool_bytes(config, workload, sizes, 16) == int(1.25 * tokens * per_token)
     assert [len(w) for w in engine_check.waves(workload, 1)] == [1, 1, 1, 1]
 
