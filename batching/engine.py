@@ -825,12 +825,10 @@ class Engine:
     # --- statistics ---------------------------------------------------------------------------------
 
     def _snapshot(self, last_step: StepStats | None) -> EngineStats:
-        running = {s.request_id for s in self.scheduler.running}
-        waiting = {s.request_id for s in self.scheduler.waiting} - running
         pool = self.block_manager.counters()
         return EngineStats(
-            num_requests_running=len(running),
-            num_requests_waiting=len(waiting),
+            num_requests_running=len({s.request_id for s in self.scheduler.running}),
+            num_requests_waiting=self.scheduler.num_waiting_requests(),
             num_seqs_running=len(self.scheduler.running),
             num_seqs_waiting=len(self.scheduler.waiting),
             kv_pages_used=pool.pages_used,

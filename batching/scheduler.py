@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
@@ -85,9 +86,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
+        # Both in `Sequence.schedule_key` order, kept as sequences come and go: a queue of thousands costs a step
+        # no sort and no scan (RESULTS.md, 2026-11-29).
         self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []  # in `Sequence.schedule_key` order
+        self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._waiting_requests: Counter[str] = Counter()  # request id -> its sequences in `waiting`
         self._free_slots = list(range(config.max_num_seqs))[::-1]
 
     @property
@@ -96,8 +100,13 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enter_waiting(seq)
         self.block_manager.prefetch(seq)
+
+    def num_waiting_requests(self) -> int:
+        """Requests with a sequence waiting and none running."""
+        running = {seq.request_id for seq in self.running}
+        return len(self._waiting_requests) - sum(request_id in self._waiting_requests for request_id in running)
 
     def finish(self, seq: Sequence) -> None:
         """Removes `seq` wherever it is, drops its placeholders and frees its pages now."""
@@ -105,7 +114,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self._leave_running(seq)
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self._leave_waiting(self._waiting_index(seq))
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -153,15 +162,16 @@ class Scheduler:
 
     def _admit(self, budget: int, scheduled: dict[Sequence, ScheduledChunk], out: SchedulerOutput) -> None:
         bm = self.block_manager
-        self.waiting.sort(key=lambda s: s.schedule_key)
-        for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                break
+        i = 0  # the first waiting sequence not yet looked at: those admitted leave the list
+        while i < len(self.waiting) and budget and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
             parent = seq.parent
             if parent is not None and not parent.finished and parent.num_computed_tokens < parent.num_prompt_tokens:
+                i += 1
                 continue  # a sibling waits for the first sequence to prefill the prompt it will share
             shared, hashes, stored = bm.match_prefix(seq)
             if stored is None:
+                i += 1
                 continue  # its pages are still being read from the store
             fork = self._fork_pages(seq)
             if fork is not None and len(fork[0]) > len(shared) + len(stored):
@@ -173,7 +183,7 @@ class Scheduler:
             if seq.num_cached_tokens is None:  # at its first admission, as vLLM's usage reports it
                 seq.num_cached_tokens = seq.num_computed_tokens
             bm.grow(seq, seq.num_computed_tokens + num_new)
-            self.waiting.remove(seq)
+            self._leave_waiting(i)
             bisect.insort(self.running, seq, key=_schedule_key)
             seq.slot = self._free_slots.pop()
             seq.status = SequenceStatus.RUNNING
@@ -213,11 +223,27 @@ class Scheduler:
         self._leave_running(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enter_waiting(seq)
         self.block_manager.prefetch(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
         return refund
+
+    def _enter_waiting(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=_schedule_key)
+        self._waiting_requests[seq.request_id] += 1
+
+    def _waiting_index(self, seq: Sequence) -> int:
+        index = bisect.bisect_left(self.waiting, seq.schedule_key, key=_schedule_key)
+        while self.waiting[index] is not seq:  # keys are unique in an engine (arrival, choice), not in every test
+            index += 1
+        return index
+
+    def _leave_waiting(self, index: int) -> None:
+        request_id = self.waiting.pop(index).request_id
+        self._waiting_requests[request_id] -= 1
+        if not self._waiting_requests[request_id]:
+            del self._waiting_requests[request_id]
 
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)

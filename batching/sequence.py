@@ -96,8 +96,8 @@ class Sequence:
 
     def arrive(self, arrival: int, now: float) -> None:
         """Enters the engine `arrival`-th, at `now`. Its `schedule_key` (lower runs first): priority (lower value =
-        more urgent), then arrival, then choice within the request; kept, not derived, as the scheduler sorts by
-        it every step."""
+        more urgent), then arrival, then choice within the request; kept, not derived, as the scheduler orders
+        its queues by it."""
         self.arrival, self.queued_at = arrival, now
         self.schedule_key = (self.params.priority, arrival, self.choice)
 

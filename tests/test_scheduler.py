@@ -118,6 +118,33 @@ def test_finish_frees_pages_of_waiting_and_running_sequences():
     assert not sched.has_work
 
 
+def test_the_queue_stays_in_schedule_order_as_sequences_come_and_go():
+    """The queue is kept ordered as sequences enter (arrival, preemption) and leave (admission, finish), not
+    sorted at each step; the requests waiting are those with a sequence waiting and none running."""
+    sched = make_scheduler(num_pages=4, max_num_seqs=2, budget=64)
+    old = add(sched, 1, prompt_len=PAGE * 2)  # 2 pages, its next token needs a third
+    new = add(sched, 2, prompt_len=PAGE * 2 - 1)
+    late, normal = add(sched, 3, 3, priority=1), add(sched, 4, 3)
+    sibling = make_sequence(5, normal.prompt_ids, normal.params, choice=1, parent=normal, arrival=4)
+    sched.add(sibling)
+    assert sched.waiting == [old, new, normal, sibling, late] and sched.num_waiting_requests() == 4
+    run_step(sched, sched.schedule())
+    assert sched.waiting == [normal, sibling, late] and sched.num_waiting_requests() == 2
+    assert sched.schedule().preempted == [new]
+    urgent = add(sched, 6, 3, priority=-1)
+    assert sched.waiting == [urgent, new, normal, sibling, late]
+    sched.finish(sibling)
+    assert sched.waiting == [urgent, new, normal, late] and sched.num_waiting_requests() == 4
+    sched.finish(old)
+    assert [c.seq for c in sched.schedule().chunks] == [urgent, new] and sched.waiting == [normal, late]
+
+    sched = make_scheduler(budget=64)
+    first = add(sched, 1, prompt_len=10)
+    sched.add(make_sequence(2, first.prompt_ids, first.params, choice=1, parent=first, arrival=1))
+    sched.schedule()  # the sibling waits for the prompt, its request runs
+    assert len(sched.waiting) == 1 and sched.num_waiting_requests() == 0
+
+
 def test_sibling_waits_for_the_prompt_then_shares_its_full_pages():
     sched = make_scheduler(budget=64)
     first = add(sched, 1, prompt_len=10)
