@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import time
 import typing
 import uuid
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -52,16 +53,45 @@ async def parse_body(request: Request, schema: type[M]) -> tuple[ServerState, En
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:  # Recursion: nested too deep
+    except (ValueError, RecursionError) as error:  # ValueError: an integer of over 4,300 digits too
         raise invalid_request(f"The body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise invalid_request("The body must be a JSON object")
+    if LONE_SURROGATE.search(raw) and (where := _lone_surrogate(data)) is not None:  # before any text is used
+        raise invalid_request(f"{where}: a lone UTF-16 surrogate escape is not text", param=where)
     try:
         body = schema.model_validate(data, context={"vocab_size": engine.limits.vocab_size})
     except ValidationError as error:
         raise from_validation_error(error) from None
     state.check_model(body.model)
     return state, engine, body
+
+
+# A \\uD800-\\uDFFF escape: JSON lets a string hold half of a UTF-16 pair, which no text encoding can write.
+LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(body: dict[str, Any]) -> str | None:
+    """Where (`messages.0.content`) a string or key of a parsed body holds a lone surrogate, if one does."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str) and not _is_text(value):
+            return where
+        if isinstance(value, (dict, list)):
+            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+                if isinstance(key, str) and not _is_text(key):
+                    return f"{where or 'body'} (a key)"
+                stack.append((f"{where}.{key}" if where else str(key), item))
+    return None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_query(request: Request, schema: type[M]) -> M:

@@ -159,7 +159,7 @@ class SamplingRequest(PromptTruncation):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64,
                              description="OpenAI's signed 64-bit range, or an unsigned 64-bit seed")
-    stop: str | list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] = Field(default_factory=list)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
     best_of: int | None = Field(None, ge=1, description="only best_of == n is supported")
@@ -370,7 +370,7 @@ class FunctionCallParam(_Request):
     def _json_object(cls, value: str) -> str:
         try:
             parsed = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser
             parsed = None
         if not isinstance(parsed, dict):
             raise ValueError("arguments must be a JSON object's text")

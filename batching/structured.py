@@ -55,9 +55,11 @@ class Grammar:
         return int(np.argmax(bits)) if np.count_nonzero(bits) == 1 else None
 
     def advance(self, token: int) -> None:
-        """Consumes a sampled token; the sampler's mask allowed it, so a refusal is a bug, raised as one."""
+        """Consumes a sampled token. The sampler's mask allowed it, so a refusal is one of llguidance's limits met
+        past the first token (`GrammarCompiler._first_token_error`) or a bug; either ends the request."""
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} broke the output's grammar: {self.matcher.get_error()}")
+            raise RuntimeError(f"the output's grammar refused token {token}: "
+                               f"{self.matcher.get_error().splitlines()[0]}")
 
     def valid_prefix(self, tokens: list[int]) -> list[int]:
         """The longest prefix of `tokens` (speculative drafts) that the grammar allows from here."""
@@ -113,4 +115,21 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidGrammar(f"invalid {what}: {matcher.get_error()}")
+        if (error := self._first_token_error(matcher)) is not None:
+            raise InvalidGrammar(f"{what} too large for structured output: {error}")
         return Grammar(matcher, self.executor, self.scratch)
+
+    def _first_token_error(self, matcher: Any) -> str | None:
+        """What llguidance says when a copy of `matcher` takes its first allowed token, if it refuses it: some of
+        its parser's limits (lexer states, items per row) show only then, as a refusal of a token its own mask
+        allowed, which would end the request mid-reply instead of refusing it now. The mask this computes is then
+        cached in the lexer, so the first step's costs no more."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        probe = matcher.deep_copy()
+        mask = np.zeros_like(self.scratch)  # not the scratch: this runs off the engine thread
+        fill_next_token_bitmask(probe, mask, 0)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        if probe.is_error() or len(allowed) and not probe.consume_token(int(allowed[0])):
+            return probe.get_error().splitlines()[0]
+        return None

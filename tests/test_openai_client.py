@@ -67,3 +67,37 @@ def test_a_body_nested_deeper_than_the_json_parser_goes_is_a_400(engine):
 
     response = serve(engine, scenario)
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+DEEP_ARGUMENTS = "[" * 50_000 + "]" * 50_000
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+    ("/completions", '{"prompt": ["fine", "\\uDC00"], "max_tokens": 1}', "prompt.1"),
+    ("/chat/completions", '{"model": "\\udbff", "messages": []}', "model"),
+    ("/messages", '{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "metadata": {"\\ud801": 1}}',
+     "metadata (a key)"),
+    ("/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1' + "0" * 5000 + "}",
+     None),
+    ("/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
+     '"function": {"name": "f", "arguments": "' + DEEP_ARGUMENTS + '"}}]}]}', "messages.0.tool_calls.0.function.arguments"),
+])
+def test_text_no_encoding_writes_numbers_past_the_parsers_limit_and_deep_arguments_are_400s(engine, path, body, param):
+    """Each of these was a 500: a lone surrogate reached the tokenizer (or the 404's message), an integer of 5,000
+    digits and arguments nested 50,000 deep raised past the parsers' handlers."""
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> httpx.Response:
+        return await http.post(path, content=body.encode(), headers={"content-type": "application/json"})
+
+    response = serve(engine, scenario)
+    error = response.json()["error"]
+    assert response.status_code == 400, error
+    assert error.get("param") == param if path != "/messages" else param in error["message"]
+
+
+def test_a_stop_string_may_be_longer_than_the_number_of_stop_strings_allowed(engine):
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient):
+        return await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0,
+                                                    stop="a stop string of 30 characters")
+
+    assert serve(engine, scenario).choices[0].finish_reason == "length"

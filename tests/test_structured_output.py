@@ -178,6 +178,11 @@ def test_structured_outputs_regex_choice_grammar_and_json_object_hold_on_both_ro
     ({"response_format": {"type": "xml"}}, "xml"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
+    # Past llguidance's limits, which show only as its first token is taken: refused, not failed mid-reply.
+    ({"structured_outputs": {"choice": [f"option {i}" for i in range(2001)]}}, "choice too large"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+        "$ref": "#/$defs/n"}}}}, "JSON schema too large"),
 ])
 def test_invalid_or_unsupported_structured_output_is_a_400_naming_the_problem(engine, body, problem):
     async def scenario(client, state):
