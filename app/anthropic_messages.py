@@ -53,7 +53,7 @@ async def create_message(request: Request) -> Response:
     state, engine, body = await parse_body(request, MessagesRequest)
     if body.thread is not None:
         raise thread_unsupported()
-    chat = await plan_chat(state, engine, chat_request(body))
+    chat = await plan_chat(state, engine, chat_request(body), "input_schema")
     message_id = f"msg_{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
     builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling)
@@ -72,7 +72,7 @@ async def count_message_tokens(request: Request) -> Response:
     state, engine, body = await parse_body(request, CountTokensRequest)
     chat = chat_request(body)
     if chat.tools:
-        await asyncio.to_thread(check_tool_schemas, engine, chat.tools)
+        await asyncio.to_thread(check_tool_schemas, engine, chat.tools, "input_schema")
     prompt = chat_prompt(engine.tokenizer, chat.messages, tools=chat.active_tools(),
                          call_format=tool_call_format(state.settings.tool_call_parser, engine.tokenizer),
                          **chat.rendering())

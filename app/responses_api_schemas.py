@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, field_validator, \
+    model_validator
 
 from sluice.app.schemas import (
     FunctionCallParam,
@@ -20,6 +21,7 @@ from sluice.app.schemas import (
     TextFormat,
     TokenLogprobInfo,
     _Request,
+    text_parts_only,
 )
 
 # OpenAI's limits on `metadata`.
@@ -58,6 +60,8 @@ class MessageItem(_Request):
     status: ItemStatus | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
+
+    _text_only = field_validator("content", mode="before")(text_parts_only("input_text", "output_text"))
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)

@@ -135,10 +135,12 @@ class ChatPlan:
     calling: ToolCalling | None
 
 
-async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequest) -> ChatPlan:
-    """The prompt and parameters of a checked chat request (also what Anthropic's Messages API is turned into)."""
+async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequest,
+                    schema_field: str = "function.parameters") -> ChatPlan:
+    """The prompt and parameters of a checked chat request (also what the Responses and Anthropic's Messages APIs
+    are turned into; `schema_field`: where the request's tools hold a function's parameters schema)."""
     if body.tools:
-        await asyncio.to_thread(check_tool_schemas, engine, body.tools)
+        await asyncio.to_thread(check_tool_schemas, engine, body.tools, schema_field)
     tools = body.active_tools()
     parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
     prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser, **body.rendering())
@@ -158,16 +160,17 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     return ChatPlan(prompt, params, calling)
 
 
-def check_tool_schemas(engine: Engine, tools: list[ToolDefinition]) -> None:
+def check_tool_schemas(engine: Engine, tools: list[ToolDefinition], schema_field: str = "function.parameters"
+                       ) -> None:
     """Compiles each function's parameters schema (a millisecond each): one that does not compile is a 400
-    naming it, whether or not a grammar will force the calls."""
+    naming it (`tools.{i}.{schema_field}`, as the request's API calls it), whether or not a grammar will force
+    the calls."""
     for i, tool in enumerate(tools):
         schema = tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
         try:
             engine.grammars.compile(StructuredOutput("json_schema", json.dumps(schema)))
         except RequestRejected as error:
-            raise invalid_request(f"tools.{i}.function.parameters: {error}",
-                                  param=f"tools.{i}.function.parameters") from None
+            raise invalid_request(f"tools.{i}.{schema_field}: {error}", param=f"tools.{i}.{schema_field}") from None
 
 
 async def create_completion(request: Request) -> Response:

@@ -39,6 +39,21 @@ def _check_vocabulary(ids: list[int], info: ValidationInfo) -> list[int]:
     return ids
 
 
+def text_parts_only(*types: str):
+    """A before-validator of a `str | list[<text part>]` content field: a part of another type (an image, audio, a
+    file) is refused by its type, not by the union's failed branches ("content.str: Input should be a valid
+    string")."""
+
+    def check(value: Any) -> Any:
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in types:
+                raise ValueError(f"content parts of type {kind!r} are not supported: the model reads text only")
+        return value
+
+    return check
+
+
 # --- requests ---------------------------------------------------------------------------------
 
 
@@ -389,6 +404,8 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant's calls")
     tool_call_id: str | None = Field(None, description="the call a tool message answers")
+
+    _text_only = field_validator("content", mode="before")(text_parts_only("text"))
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:

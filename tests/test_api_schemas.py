@@ -87,8 +87,10 @@ def test_content_parts_are_joined_as_text():
     assert body.messages[0].text() == "a\nb"
 
 
-def test_non_text_content_parts_are_rejected():
-    rejection(ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+def test_non_text_content_parts_are_rejected_by_their_type():
+    error = rejection(ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert error.param == "messages.0.content" and "'image_url' are not supported" in error.message
 
 
 @pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])

@@ -318,6 +318,7 @@ def test_input_items_list_the_conversation_before_the_output_newest_first_in_pag
       "tool_choice": "required"}, "tools.0.parameters"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, None),
     ({"input": [{"role": "oracle", "content": "x"}]}, "input.0.message.role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.message.content"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
      "input.0.function_call.arguments"),
     ({"temperature": 3}, "temperature"),
