@@ -1,21 +1,53 @@
-"""ASGI middleware that acts before routing: API-key check, body size limit, per-route request counts."""
+"""ASGI middleware that acts before routing: a bug's 500, API-key check, body size limit, per-route request counts."""
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 
 from starlette.datastructures import Headers
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.app.anthropic_errors import error_response_for
-from sluice.app.errors import body_too_large, unauthorized
+from sluice.app.errors import body_too_large, internal_error, unauthorized
 from sluice.app.metrics import ServerMetrics
 from sluice.app.openapi import path_template
 
+logger = logging.getLogger(__name__)
+
 # Probes, scrapers and API explorers do not hold the API key (nor does a browser opening the dashboard page).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+
+
+class InternalErrorMiddleware:
+    """The outermost: a request whose handler raised (a bug) before its response started gets its route's 500,
+    and the exception is logged. Starlette's own handler re-raises after answering, and the server then closes
+    the connection, so a client's next request on it failed too. A failure after the response started still
+    propagates: that response cannot be mended."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception:
+            if started:
+                raise
+            logger.exception("unhandled error on %s", scope["path"])
+            await error_response_for(scope["path"], internal_error())(scope, receive, send)
 
 
 class ApiKeyMiddleware:
@@ -123,8 +155,8 @@ class RequestCountMiddleware:
         try:
             await self.app(scope, receive, send_recording_status)
         except Exception as error:
-            # The 500 is sent outside this middleware (Starlette's ServerErrorMiddleware): its list entry names
-            # the exception instead.
+            # The 500 is sent outside this middleware (`InternalErrorMiddleware`): its list entry names the
+            # exception instead.
             status, error_body = status or 500, error_body or f"{type(error).__name__}: {error}".encode()
             raise
         finally:

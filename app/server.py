@@ -8,7 +8,6 @@ routes in `routes.py`, the small ones here -> for generation, `generation.py` dr
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -35,8 +34,9 @@ from sluice.app.anthropic_schemas import (
 from sluice.app.dashboard.feed import Feed
 from sluice.app.embeddings import create_embeddings
 from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
-from sluice.app.errors import APIError, error_response, internal_error, not_ready
-from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
+from sluice.app.errors import APIError, error_response, not_ready
+from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, InternalErrorMiddleware, \
+    RequestCountMiddleware
 from sluice.app.openapi import Operation, openapi_document
 from sluice.app.responses_api import create_response, delete_response, get_response, list_input_items
 from sluice.app.responses_api_schemas import (
@@ -62,8 +62,6 @@ from sluice.app.schemas import (
     TokenizeResponse,
 )
 from sluice.app.state import ServerState
-
-logger = logging.getLogger(__name__)
 
 
 async def health(request: Request) -> Response:
@@ -144,7 +142,8 @@ def create_app(state: ServerState) -> Starlette:
     routes = [Route(op.path, handler, methods=[op.method]) for handler, op in ROUTES]
     if ui:
         routes += dashboard.ui_routes()
-    middleware = [Middleware(RequestCountMiddleware, metrics=state.metrics, routes=tuple(routes))]
+    middleware = [Middleware(InternalErrorMiddleware),
+                  Middleware(RequestCountMiddleware, metrics=state.metrics, routes=tuple(routes))]
     if state.settings.api_key:
         open_paths = OPEN_PATHS | dashboard.OPEN_PATHS if ui else OPEN_PATHS
         middleware.append(Middleware(ApiKeyMiddleware, api_key=state.settings.api_key, open_paths=open_paths))
@@ -164,7 +163,7 @@ def create_app(state: ServerState) -> Starlette:
     app = Starlette(
         routes=routes,
         middleware=middleware,
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
+        exception_handlers={APIError: _api_error, HTTPException: _http_error},
         lifespan=lifespan,
     )
     app.state.sluice = state
@@ -185,8 +184,3 @@ async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
     return error_response_for(request.url.path,
                               APIError(error.status_code, error.detail, headers=dict(error.headers or {})))
-
-
-async def _unexpected_error(request: Request, error: Exception) -> Response:
-    logger.exception("unhandled error on %s", request.url.path)
-    return error_response_for(request.url.path, internal_error())

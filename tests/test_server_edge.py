@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from sluice.app.ingress import _ReplicaReports, routing_key
 from sluice.app.metrics import ServerMetrics
-from sluice.app.middleware import RequestCountMiddleware
+from sluice.app.middleware import InternalErrorMiddleware, RequestCountMiddleware
 from sluice.app.replicas import ReplicaReport
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
@@ -64,16 +64,23 @@ def test_a_client_gone_while_sending_its_body_is_counted_as_closed_not_as_a_serv
     assert (error.kind, error.status, error.message) == ("aborted", 499, "The client left before it was answered")
 
 
-def test_a_route_that_raises_is_still_counted_as_a_500():
+def test_a_route_that_raises_is_answered_with_its_apis_500_and_counted():
+    """Answered inside the app, so the exception does not reach the server, which would close the connection."""
     async def broken(request: Request) -> None:
         raise RuntimeError("a bug")
 
     metrics = ServerMetrics(lambda: None)
-    routes = (Route("/broken", broken),)
+    routes = (Route("/broken", broken), Route("/v1/messages", broken, methods=["POST"]))
     counting = Middleware(RequestCountMiddleware, metrics=metrics, routes=routes)
-    app = Starlette(routes=list(routes), middleware=[counting])
-    assert TestClient(app, raise_server_exceptions=False).get("/broken").status_code == 500
-    assert 'sluice_requests_total{route="/broken",status="500"} 1.0' in metrics.render().decode()
+    app = Starlette(routes=list(routes), middleware=[Middleware(InternalErrorMiddleware), counting])
+    client = TestClient(app)  # raises what reaches the server
+    response = client.get("/broken")
+    assert response.status_code == 500 and response.json()["error"]["message"] == "Internal server error"
+    assert client.post("/v1/messages").json() == {"type": "error", "error": {"type": "api_error",
+                                                                         "message": "Internal server error"}}
+    metrics.recent.take()
+    assert client.get("/broken").status_code == 500
+    assert 'sluice_requests_total{route="/broken",status="500"} 2.0' in metrics.render().decode()
     [error] = metrics.recent.take().errors
     assert (error.status, error.message) == (500, "RuntimeError: a bug")  # the dashboard's list names it
 
