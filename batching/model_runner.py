@@ -336,8 +336,7 @@ class ModelRunner:
             plans = [None]
         elif plans is None:
             plans = [SamplerPlan(), SamplerPlan(sampling=True)]
-        calls = [(bucket, replace(plan, drafts=True) if plan is not None and bucket.verifies else plan)
-                 for bucket in self.buckets
+        calls = [(bucket, plan) for bucket in self.buckets
                  for plan in plans + ([EVERY_PASS] if self.plans_on_host and bucket.num_steps == 1 else [])]
         self._compile_models(calls, progress)
         for bucket, plan in calls:
@@ -387,11 +386,10 @@ class ModelRunner:
         """
         writes = self.input_batch.writes([c.seq for c in chunks])
         drafted = any(c.num_drafts for c in chunks)
-        plan = self._plan(chunks, drafted or drafting is not None)
+        plan = self._plan(chunks)
         if limits is not None and plan is not None and not self._call_ready(
                 self.bucket_for(chunks, self.num_decode_steps, drafting is not None), plan):
             limits = drafting = None
-            plan = self._plan(chunks, drafted)
         num_steps = self.num_decode_steps if limits is not None else 1
         verifies = drafting is not None
         bucket = self.bucket_for(chunks, num_steps, verifies)
@@ -431,13 +429,13 @@ class ModelRunner:
                           accepted=out.accepted if drafted else None)
         return PendingStep(out, chunks, rows, limits, drafting, pooled if pooling else None, scored, bucket, fault)
 
-    def _plan(self, chunks: list[ScheduledChunk], drafts: bool) -> SamplerPlan | None:
-        """The sampler's passes the chunks' rows need (`drafts`: some row checks a draft, the host's or, in a
-        verification, the device's), when the host decides them; their slots' rows must be current."""
+    def _plan(self, chunks: list[ScheduledChunk]) -> SamplerPlan | None:
+        """The sampler's passes the chunks' rows need, when the host decides them; their slots' rows must be
+        current."""
         if not self.plans_on_host:
             return None
         slots = np.array([c.seq.slot for c in chunks], np.int32)
-        return SamplerPlan.of(self.input_batch.host.sampling, slots, drafts)
+        return SamplerPlan.of(self.input_batch.host.sampling, slots)
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-process job: runs the steps process 0 sends until it stops."""

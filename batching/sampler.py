@@ -109,7 +109,7 @@ class SamplingBatch:
         (numpy or jax arrays alike). Filters matter only to sampling rows."""
         sampling = self.temperature > 0
         return dict(sampling=sampling, penalties=self.penalized(), top_k=sampling & (self.top_k > 0),
-                    top_p=sampling & (self.top_p < 1), min_p=sampling & (self.min_p > 0), drafts=self.draft >= 0,
+                    top_p=sampling & (self.top_p < 1), min_p=sampling & (self.min_p > 0),
                     top_logprobs=self.top_logprobs > 0, logit_bias=self.bias_ids[:, 0] >= 0)
 
     def stops(self, tokens: jax.Array) -> jax.Array:
@@ -144,30 +144,27 @@ def resolve_sampler_branches(choice: str) -> str:
 @dataclass(frozen=True)
 class SamplerPlan:
     """Which of `sample`'s optional passes a step's rows need: some row samples (temperature > 0), is penalized,
-    filters by top-k, top-p or min-p (sampling rows), checks a draft, wants top alternatives, or biases logits."""
+    filters by top-k, top-p or min-p (sampling rows), wants top alternatives, or biases logits."""
 
     sampling: bool = False
     penalties: bool = False
     top_k: bool = False
     top_p: bool = False
     min_p: bool = False
-    drafts: bool = False
     top_logprobs: bool = False
     logit_bias: bool = False
 
     @classmethod
-    def of(cls, table: SamplingBatch, slots: np.ndarray, drafts: bool) -> SamplerPlan:
-        """For the rows of `slots` in a host (numpy) table of per-sequence parameters (`SamplingBatch.needs`),
-        `drafts` if some row checks one (a per-step field, not in the table)."""
-        needs = {name: bool(rows[slots].any()) for name, rows in table.needs().items()}
-        return cls(**{**needs, "drafts": drafts})
+    def of(cls, table: SamplingBatch, slots: np.ndarray) -> SamplerPlan:
+        """For the rows of `slots` in a host (numpy) table of per-sequence parameters (`SamplingBatch.needs`)."""
+        return cls(**{name: bool(rows[slots].any()) for name, rows in table.needs().items()})
 
     @classmethod
     def for_params(cls, params: SamplingParams, vocab_size: int) -> SamplerPlan:
-        """For rows that sample with `params` and check no drafts."""
+        """For rows that sample with `params`."""
         table = SamplingBatch.empty(1, 0)
         table.write(0, params, 0, (), 0, vocab_size)
-        return cls.of(table, np.zeros(1, np.int32), drafts=False)
+        return cls.of(table, np.zeros(1, np.int32))
 
 
 # Each pass is exact per row whichever rows need it, so this plan samples any rows as their own plan would.
@@ -321,9 +318,9 @@ def filter_cutoff(scaled: jax.Array, batch: SamplingBatch, plan: SamplerPlan | N
     return jnp.maximum(jnp.maximum(kth, top_p_cut), min_p_cut)
 
 
-def _row_uniforms(seed: jax.Array, step: jax.Array) -> jax.Array:
-    """[2] float32 in [0, 1) keyed by (seed, step): the draw, and the redraw after a rejected draft."""
-    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (2,), jnp.float32)
+def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """[] float32 in [0, 1) keyed by (seed, step): the row's draw."""
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (), jnp.float32)
 
 
 def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
@@ -347,10 +344,11 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
     then greedy rows (temperature 0) take the argmax, and the others draw from the filtered, temperature-scaled
     distribution p with one uniform number keyed by (seed, step). Logprobs are the model's, before all of these.
 
-    A row with a draft d verifies it exactly: greedy rows accept d if it is the argmax; sampling rows accept d
-    with probability p(d) and otherwise draw from p with d removed (renormalized), so each emitted token is
-    distributed as p whatever the draft. `plan`: the passes the rows need, as the host decided (None: decided
-    here, on the device); the outputs are the same either way.
+    A row with a draft d (one token, proposed by n-gram lookup) keeps it if d is the token the row samples: the
+    argmax for a greedy row; for a sampling row, with probability p(d), the acceptance rate of speculative
+    sampling's verification for a draft of one sure token. Every row emits the token it samples, draft or not,
+    so a seeded request's tokens are those it gets without speculation. `plan`: the passes the rows need, as the
+    host decided (None: decided here, on the device); the outputs are the same either way.
     """
     num_rows, vocab = logits.shape
     log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
@@ -362,31 +360,19 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
     banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     greedy_tokens = argmax(logits)
-    has_draft = batch.draft >= 0
-    greedy_accepted = has_draft & (batch.draft == greedy_tokens)
 
-    def draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def draw(logits: jax.Array) -> jax.Array:
         scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
         cutoff = _branch(
             plan, needs, ("top_k", "top_p", "min_p"),
             lambda s: filter_cutoff(s, batch, plan), lambda s: jnp.full((num_rows, 1), -jnp.inf, s.dtype), scaled,
         )
         probs = jax.nn.softmax(jnp.where(scaled >= cutoff, scaled, -jnp.inf), axis=-1)
-        uniforms = jax.vmap(_row_uniforms)(batch.seed, batch.step)
-        drawn = inverse_cdf(probs, uniforms[:, 0])
+        drawn = inverse_cdf(probs, jax.vmap(_row_uniform)(batch.seed, batch.step))
+        return jnp.where(needs["sampling"], drawn, greedy_tokens)
 
-        def verify(drawn: jax.Array) -> tuple[jax.Array, jax.Array]:
-            draft = jnp.where(has_draft, batch.draft, 0)
-            accepted = has_draft & (uniforms[:, 0] < jnp.take_along_axis(probs, draft[:, None], axis=-1)[:, 0])
-            without_draft = probs.at[rows[:, 0], jnp.where(has_draft, draft, vocab)].set(0.0, mode="drop")
-            redrawn = inverse_cdf(without_draft, uniforms[:, 1])
-            return jnp.where(has_draft, jnp.where(accepted, draft, redrawn), drawn), accepted
-
-        drawn, accepted = _branch(plan, needs, ("drafts",), verify, lambda d: (d, jnp.zeros_like(has_draft)), drawn)
-        sampling = needs["sampling"]
-        return jnp.where(sampling, drawn, greedy_tokens), jnp.where(sampling, accepted, greedy_accepted)
-
-    tokens, accepted = _branch(plan, needs, ("sampling",), draw, lambda _: (greedy_tokens, greedy_accepted), logits)
+    tokens = _branch(plan, needs, ("sampling",), draw, lambda _: greedy_tokens, logits)
+    accepted = (batch.draft >= 0) & (tokens == batch.draft)
     chosen = jnp.take_along_axis(model_logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer[:, 0]
 
     def top_alternatives() -> tuple[jax.Array, jax.Array]:

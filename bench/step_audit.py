@@ -477,7 +477,7 @@ def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1, devi
     (the model to logits; the sampler is a call of its own), or a multi-step call (model and sampler, `num_steps`
     <= the runner's `num_decode_steps`; the sampler as for greedy rows). The one place that uses the runner's
     private names."""
-    plan = runner._plan([], drafts=False)  # padding rows: greedy
+    plan = runner._plan([])  # padding rows: greedy
     lowering = runner._lowering(runner._decode_bucket(rows, num_steps), plan)  # lower(packing, *shapes)
     packing, *shapes = lowering.args
     return functools.partial(lowering.func, packing, *placed(shapes, device))().compile()

@@ -194,7 +194,7 @@ PLAN_CASES = {
     "drafts and top logprobs": (
         [Row(SamplingParams(temperature=0.9, top_logprobs=5), seed=s, draft=s + 3) for s in range(2)]
         + [Row(SamplingParams(temperature=0.0, logprobs=True), draft=7), row(SamplingParams(temperature=0.0))],
-        SamplerPlan(sampling=True, drafts=True, top_logprobs=True)),
+        SamplerPlan(sampling=True, top_logprobs=True)),
     "logit bias": (
         [row(SamplingParams(temperature=0.0, logit_bias=((5, 4.0), (6, -100.0)))),
          row(SamplingParams(temperature=0.9, logit_bias=((1, 2.5),)), seed=2), row(SamplingParams(temperature=0.0)),
@@ -220,8 +220,7 @@ def test_the_plan_of_every_pass_samples_what_the_rows_own_plan_does(rows, plan):
                   for p in (plan, EVERY_PASS))
     np.testing.assert_array_equal(every.tokens, own.tokens)
     np.testing.assert_allclose(every.logprobs, own.logprobs, rtol=1e-6)
-    if plan.drafts:
-        np.testing.assert_array_equal(every.accepted, own.accepted)
+    np.testing.assert_array_equal(every.accepted, own.accepted)
     if plan.top_logprobs:
         np.testing.assert_array_equal(every.top_ids, own.top_ids)
 
@@ -230,7 +229,7 @@ def test_the_plan_of_every_pass_samples_what_the_rows_own_plan_does(rows, plan):
 def test_a_plan_the_host_decides_samples_what_the_device_decides_without_a_conditional(rows, plan):
     logits = logits_for(len(rows), seed=3)
     batch = sampling_batch(rows, len(rows), VOCAB)
-    assert SamplerPlan.of(batch, np.arange(len(rows)), bool((batch.draft >= 0).any())) == plan
+    assert SamplerPlan.of(batch, np.arange(len(rows))) == plan
     planned = jax.jit(sample, static_argnums=2).lower(logits, batch, plan).compile()
     assert " conditional(" not in planned.as_text()
     with_plan, on_device = (jax.tree.map(np.asarray, out)
