@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from collections.abc import Callable
 
-from sluice.model.fetch import ModelNotFound
+from sluice.model.fetch import InvalidModel, ModelNotFound
+
+
+class CommandError(RuntimeError):
+    """Input a command refuses once it has read it (a prompt too long for the model, say): one line, exit 2."""
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +53,12 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     prompt_ids = tokenizer.encode(text)
+    context = loaded.config.max_position_embeddings
+    if not prompt_ids:
+        raise CommandError("the prompt is empty")
+    if len(prompt_ids) + args.max_tokens > context:
+        raise CommandError(f"the prompt's {len(prompt_ids)} tokens and --max-tokens {args.max_tokens} exceed the "
+                           f"model's context of {context} tokens")
     detokenizer = tokenizer.decode_stream(prompt_ids)
     tokens = generate_stream(
         loaded.model, prompt_ids, args.max_tokens, temperature=args.temperature, seed=args.seed,
@@ -69,8 +80,8 @@ def _at_least(low: float, kind: type) -> Callable[[str], float]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"must be a number of at least {low}, got {text}")
         return value
 
     return parse
@@ -80,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="High-throughput LLM inference on JAX/XLA.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    fetch = commands.add_parser("fetch", help="download/convert-check a model and print its path")
+    fetch = commands.add_parser("fetch", help="find a model (downloading the default one) and print its path")
     fetch.add_argument("--model", default=None)
     fetch.set_defaults(run=_fetch)
 
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except ModelNotFound as error:
+    except (ModelNotFound, InvalidModel, CommandError) as error:
         print(f"sluice: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -158,7 +158,11 @@ class Engine:
         self.model_name = loaded.name
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh)
-        num_pages = max(1, kv_bytes // kv_page_bytes(loaded.config, config.page_size, kv_dtype))
+        page_bytes = kv_page_bytes(loaded.config, config.page_size, kv_dtype)
+        if kv_bytes < page_bytes:
+            raise ValueError(f"a KV pool of {kv_bytes:,} bytes holds no page: one page of {config.page_size} tokens "
+                             f"takes {page_bytes:,} bytes (--kv-cache-memory)")
+        num_pages = kv_bytes // page_bytes
         self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
         self.limits = RequestLimits(
             max_model_len=self.max_model_len, num_pages=num_pages, page_size=config.page_size,

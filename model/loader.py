@@ -18,7 +18,7 @@ from flax import nnx
 
 from sluice.model import checkpoint
 from sluice.model.config import ModelConfig
-from sluice.model.fetch import resolve_model, sluice_home
+from sluice.model.fetch import InvalidModel, resolve_model, sluice_home
 from sluice.model.llama import Llama
 from sluice.model.quantize import default_layout, quantize_model, quantize_params, resolve
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
@@ -45,13 +45,17 @@ def default_dtype() -> str:
 
 
 def convert(source: Path, folder: Path, quantization: str) -> None:
-    """Reads a GGUF file or HF folder and writes Sluice's converted folder (float32 weights, or quantized)."""
-    if source.is_dir():
-        config, params = load_safetensors_folder(source)
-        tokenizer = Tokenizer.from_hf_folder(source)
-    else:
-        config, params, fields = load_gguf(source)
-        tokenizer = Tokenizer.from_gguf_fields(fields)
+    """Reads a GGUF file or HF folder and writes Sluice's converted folder (float32 weights, or quantized).
+    InvalidModel if the source does not read as a Llama-family model."""
+    try:
+        if source.is_dir():
+            config, params = load_safetensors_folder(source)
+            tokenizer = Tokenizer.from_hf_folder(source)
+        else:
+            config, params, fields = load_gguf(source)
+            tokenizer = Tokenizer.from_gguf_fields(fields)
+    except (ValueError, KeyError, TypeError, OSError) as error:  # what reading a malformed file raises
+        raise InvalidModel(f"{source} does not read as a model: {type(error).__name__}: {error}") from error
     params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
     special = dataclasses.asdict(tokenizer.special)
     checkpoint.save(folder, config, params, tokenizer.to_json(), special, source)

@@ -42,10 +42,38 @@ def test_bench_runs_the_named_benchmark_from_any_directory(tmp_path):
 @pytest.mark.parametrize(("args", "words"), [
     (["serve", "--model", "/nonexistent/model.gguf"], "model '/nonexistent/model.gguf' not found"),
     (["serve", "--port", "99999"], "not a port"),
-    (["generate", "hi", "--max-tokens", "-3"], "--max-tokens: must be at least 1"),
-    (["generate", "hi", "--temperature", "-1"], "--temperature: must be at least 0"),
+    (["generate", "hi", "--max-tokens", "-3"], "--max-tokens: must be a number of at least 1"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature: must be a number of at least 0"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature: must be a number of at least 0"),
 ])
 def test_bad_arguments_are_a_one_line_error_before_anything_starts(args, words):
     result = run_sluice(*args)
     assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert words in result.stderr.strip().splitlines()[-1]
+
+
+def _files(tmp_path):
+    from sluice.model.fetch import default_model_path
+
+    (tmp_path / "notes.gguf").write_text("not a model")
+    (tmp_path / "cut.gguf").write_bytes(default_model_path().read_bytes()[:1_000_000])
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "home").write_text("a file where SLUICE_HOME's folder should be")
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["generate", "hi", "--model", "{tmp}/notes.gguf"], "notes.gguf is not a GGUF file"),
+    (["generate", "hi", "--model", "{tmp}/cut.gguf"], "cut.gguf does not read as a model: ValueError"),
+    (["generate", "hi", "--model", "{tmp}/hf"], "hf does not read as a model: KeyError"),
+    (["generate", ""], "the prompt is empty"),
+    (["generate", "word " * 9000], "exceed the model's context of 8192 tokens"),
+    (["fetch"], "set SLUICE_HOME to a folder Sluice may write"),
+])
+def test_input_found_bad_once_read_is_a_one_line_error(tmp_path, args, words):
+    """Model files that do not read as a model, a prompt the model cannot take, a cache folder that cannot be."""
+    _files(tmp_path)
+    env = {"SLUICE_HOME": str(tmp_path / "home" / "sluice")} if args == ["fetch"] else None
+    result = run_sluice(*(arg.replace("{tmp}", str(tmp_path)) for arg in args), env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert words in result.stderr.strip().splitlines()[-1]

@@ -266,6 +266,11 @@ def test_by_default_the_context_is_no_longer_than_the_pool_holds(tiny):
     assert len(done.token_ids) == small.max_model_len - len(prompt) and done.finish_reason == "length"
 
 
+def test_a_pool_smaller_than_one_page_is_refused_not_rounded_up(tiny):
+    with pytest.raises(ValueError, match=f"holds no page: one page of {PAGE} tokens takes {page_bytes(1):,} bytes"):
+        Engine(tiny, replace(CONFIG, kv_cache_memory=page_bytes(1) - 1), progress=False)
+
+
 def test_requests_that_can_never_fit_are_rejected_up_front(tiny, engine):
     with pytest.raises(RequestRejected, match="context length"):
         engine.generate([[5] * 100], SamplingParams(max_tokens=29))
