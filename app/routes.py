@@ -67,7 +67,7 @@ async def parse_body(request: Request, schema: type[M]) -> tuple[ServerState, En
     return state, engine, body
 
 
-# A \\uD800-\\uDFFF escape: JSON lets a string hold half of a UTF-16 pair, which no text encoding can write.
+# A \uD800-\uDFFF escape: JSON lets a string hold half of a UTF-16 pair, which no text encoding can write.
 LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
