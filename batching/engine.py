@@ -830,9 +830,10 @@ class Engine:
 
     def _snapshot(self, last_step: StepStats | None) -> EngineStats:
         pool = self.block_manager.counters()
+        num_requests_running, num_requests_waiting = self.scheduler.num_requests()
         return EngineStats(
-            num_requests_running=len({s.request_id for s in self.scheduler.running}),
-            num_requests_waiting=self.scheduler.num_waiting_requests(),
+            num_requests_running=num_requests_running,
+            num_requests_waiting=num_requests_waiting,
             num_seqs_running=len(self.scheduler.running),
             num_seqs_waiting=len(self.scheduler.waiting),
             kv_pages_used=pool.pages_used,

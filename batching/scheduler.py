@@ -103,10 +103,11 @@ class Scheduler:
         self._enter_waiting(seq)
         self.block_manager.prefetch(seq)
 
-    def num_waiting_requests(self) -> int:
-        """Requests with a sequence waiting and none running."""
+    def num_requests(self) -> tuple[int, int]:
+        """(requests with a sequence running, requests with a sequence waiting and none running)."""
         running = {seq.request_id for seq in self.running}
-        return len(self._waiting_requests) - sum(request_id in self._waiting_requests for request_id in running)
+        waiting = len(self._waiting_requests) - sum(request_id in self._waiting_requests for request_id in running)
+        return len(running), waiting
 
     def finish(self, seq: Sequence) -> None:
         """Removes `seq` wherever it is, drops its placeholders and frees its pages now."""

@@ -127,14 +127,14 @@ def test_the_queue_stays_in_schedule_order_as_sequences_come_and_go():
     late, normal = add(sched, 3, 3, priority=1), add(sched, 4, 3)
     sibling = make_sequence(5, normal.prompt_ids, normal.params, choice=1, parent=normal, arrival=4)
     sched.add(sibling)
-    assert sched.waiting == [old, new, normal, sibling, late] and sched.num_waiting_requests() == 4
+    assert sched.waiting == [old, new, normal, sibling, late] and sched.num_requests() == (0, 4)
     run_step(sched, sched.schedule())
-    assert sched.waiting == [normal, sibling, late] and sched.num_waiting_requests() == 2
+    assert sched.waiting == [normal, sibling, late] and sched.num_requests() == (2, 2)
     assert sched.schedule().preempted == [new]
     urgent = add(sched, 6, 3, priority=-1)
     assert sched.waiting == [urgent, new, normal, sibling, late]
     sched.finish(sibling)
-    assert sched.waiting == [urgent, new, normal, late] and sched.num_waiting_requests() == 4
+    assert sched.waiting == [urgent, new, normal, late] and sched.num_requests() == (1, 4)
     sched.finish(old)
     assert [c.seq for c in sched.schedule().chunks] == [urgent, new] and sched.waiting == [normal, late]
 
@@ -142,7 +142,7 @@ def test_the_queue_stays_in_schedule_order_as_sequences_come_and_go():
     first = add(sched, 1, prompt_len=10)
     sched.add(make_sequence(2, first.prompt_ids, first.params, choice=1, parent=first, arrival=1))
     sched.schedule()  # the sibling waits for the prompt, its request runs
-    assert len(sched.waiting) == 1 and sched.num_waiting_requests() == 0
+    assert len(sched.waiting) == 1 and sched.num_requests() == (1, 0)
 
 
 def test_sibling_waits_for_the_prompt_then_shares_its_full_pages():
