@@ -12,9 +12,13 @@ the KV dtype, or for an int8 pool k.values, k.scales, v.values, v.scales, the sc
 Tiers: `put` keeps a page in RAM and writes it through to disk, so it survives a SIGKILL once written. RAM is an
 LRU bounded in bytes; a page it evicts spills to the most recent end of the disk tier (written there if it is not
 on disk). The disk tier, `directory/<fingerprint>/<key>.kv`, is an LRU bounded in bytes, ordered by a file's
-mtime (refreshed on use) and rebuilt from the directory when a store opens; other fingerprints' folders (another
-model's pages) are never read, and are removed, least recently used first, when a store opens and the whole
-directory holds more than the disk bound. A directory serves one process at a time.
+mtime (refreshed on use) and rebuilt from the directory when a store opens.
+
+Slots: a store holds its folder alone, by a flock on the folder's `lock` file (the kernel lets go of it when the
+process dies). A second process of the same layout on the same directory (a replica beside another) takes the
+next free slot, `<fingerprint>-1`, `-2`, ..., so a restarted replica takes a slot back with its pages. Other
+slots (another model's pages, a replica's that is gone) are never read; those no live store holds are removed,
+least recently used first, when a store opens and the whole directory holds more than the disk bound.
 
 File: a header, then the payload's arrays' bytes in order. Header (little-endian): magic 8s, format version u32,
 fingerprint 32s, key 32s, payload length u64, then the checksum 32s (blake2b of the payload). A write goes to a
@@ -29,13 +33,14 @@ pages on one reader thread, so the engine's steps never wait on the disk; `_lock
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import queue
+import re
 import shutil
-import string
 import struct
 import tempfile
 import threading
@@ -64,6 +69,9 @@ _FIELDS = struct.Struct(f"<8sI{DIGEST_SIZE}s{DIGEST_SIZE}sQ")  # magic, version,
 HEADER_SIZE = _FIELDS.size + DIGEST_SIZE  # the fields, then the payload's checksum
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
+SLOT_LOCK = "lock"
+MAX_SLOTS = 64
+_SLOT_NAME = re.compile(f"[0-9a-f]{{{2 * DIGEST_SIZE}}}(-[0-9]+)?")
 
 PageKey = str
 """A page's key: 64 hex digits (`KVLayout.page_keys`), also its file's name."""
@@ -126,6 +134,43 @@ class KVLayout:
         return keys
 
 
+class KVStoreBusy(OSError):
+    """Every slot of the layout in the directory is held by a live store."""
+
+
+def _lock_slot(folder: Path) -> int | None:
+    """An open descriptor holding `folder`'s lock, or None if a live store holds it."""
+    fd = os.open(folder / SLOT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _claim_slot(root: Path, fingerprint: str) -> tuple[Path, int]:
+    """The first free slot of `fingerprint` under `root` (made if new) and the descriptor holding its lock."""
+    for i in range(MAX_SLOTS):
+        folder = root / (fingerprint if i == 0 else f"{fingerprint}-{i}")
+        folder.mkdir(parents=True, exist_ok=True)
+        if (fd := _lock_slot(folder)) is not None:
+            return folder, fd
+    raise KVStoreBusy(f"{root}: the {MAX_SLOTS} slots of this model's KV pages are all held by live processes")
+
+
+def _usage(folder: Path) -> tuple[int, int]:
+    """(the latest mtime in ns, the bytes) of the files in `folder`; a live store's files may go meanwhile."""
+    last_used = size = 0
+    for path in folder.iterdir():
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        last_used, size = max(last_used, stat.st_mtime_ns), size + stat.st_size
+    return last_used, size
+
+
 class StoredPrefix(NamedTuple):
     """A waiting sequence's pages being read from the store (`KVStore.prefetch`): from its page `first` on, as far
     as the store holds them."""
@@ -165,7 +210,8 @@ class KVStore:
     def __init__(self, layout: KVLayout, directory: Path | str, *, ram_bytes: int, disk_bytes: int,
                  queue_pages: int = 256):
         self.layout = layout
-        self.directory = Path(directory) / layout.fingerprint.hex()
+        self.directory, lock = _claim_slot(Path(directory), layout.fingerprint.hex())
+        self._slot_lock: int | None = lock
         self.ram_bytes = ram_bytes
         self.disk_bytes = disk_bytes
         self.file_bytes = HEADER_SIZE + layout.page_nbytes
@@ -175,8 +221,11 @@ class KVStore:
         self._ram_tally, self._disk_tally = _Tally(), _Tally()
         self._corrupt = 0
         self._dropped = 0
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._open_directory()
+        try:
+            self._open_directory()
+        except BaseException:
+            os.close(lock)
+            raise
         self._queue: queue.Queue[tuple[PageKey, PagePayload] | None] = queue.Queue(queue_pages)
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self._writer.start()
@@ -250,10 +299,13 @@ class KVStore:
         self._queue.join()
 
     def close(self) -> None:
-        """Finishes the reads asked for, flushes, then stops the threads."""
+        """Finishes the reads asked for, flushes, stops the threads, then lets go of the slot."""
         self._reader.shutdown()
         self._queue.put(None)
         self._writer.join()
+        if self._slot_lock is not None:
+            os.close(self._slot_lock)
+            self._slot_lock = None
 
     def _path(self, key: PageKey) -> Path:
         return self.directory / f"{key}{SUFFIX}"
@@ -275,26 +327,34 @@ class KVStore:
             for _, key in sorted(found):
                 self._disk[key] = None
             self._evict_disk()
-            self._trim_other_layouts(len(self._disk) * self.file_bytes)
+            self._trim_other_slots(len(self._disk) * self.file_bytes)
 
-    def _trim_other_layouts(self, own_bytes: int) -> None:
-        """Removes other fingerprints' folders, least recently used first, while the directory holds more than the
-        disk bound with them."""
-        others = []
-        for folder in self.directory.parent.iterdir():
-            name = folder.name
-            if folder == self.directory or len(name) != 2 * DIGEST_SIZE or not set(name) <= set(string.hexdigits):
-                continue
-            stats = [path.stat() for path in folder.iterdir()]
-            others.append((max((st.st_mtime_ns for st in stats), default=0), sum(st.st_size for st in stats), folder))
-        total = own_bytes + sum(size for _, size, _ in others)
-        for _, size, folder in sorted(others):
-            if total <= self.disk_bytes:
-                break
-            logger.info("KV store: removed %s (another model's pages, %d bytes) to keep within %d bytes",
-                        folder, size, self.disk_bytes)
-            shutil.rmtree(folder, ignore_errors=True)
-            total -= size
+    def _trim_other_slots(self, own_bytes: int) -> None:
+        """Removes the slots no live store holds, least recently used first, while the whole directory (live
+        stores' slots too) holds more than the disk bound; each is locked while it is measured and removed."""
+        total, idle = own_bytes, []
+        try:
+            for folder in self.directory.parent.iterdir():
+                if folder == self.directory or not _SLOT_NAME.fullmatch(folder.name) or not folder.is_dir():
+                    continue
+                try:
+                    fd = _lock_slot(folder)
+                except FileNotFoundError:  # removed meanwhile, by another store opening
+                    continue
+                last_used, size = _usage(folder)
+                total += size
+                if fd is not None:
+                    idle.append((last_used, size, folder, fd))
+            for _, size, folder, _ in sorted(idle, key=lambda slot: slot[0]):
+                if total <= self.disk_bytes:
+                    break
+                logger.info("KV store: removed %s (pages of another model or of a process gone, %d bytes) to keep "
+                            "within %d bytes", folder, size, self.disk_bytes)
+                shutil.rmtree(folder, ignore_errors=True)
+                total -= size
+        finally:
+            for *_, fd in idle:
+                os.close(fd)
 
     def _keep_in_ram(self, key: PageKey, payload: PagePayload) -> None:
         """The caller holds `_lock`."""

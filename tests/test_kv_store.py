@@ -55,7 +55,7 @@ def open_store(tmp_path):
 
 
 def files(store: KVStore) -> set[str]:
-    return {path.name for path in store.directory.iterdir()}
+    return {path.name for path in store.directory.iterdir()} - {kv_store.SLOT_LOCK}
 
 
 def test_page_keys_chain_over_the_whole_prefix_and_the_layout():
@@ -252,6 +252,43 @@ def test_a_leftover_temporary_file_is_ignored_and_removed(open_store):
     assert files(store) == set()
 
 
+def test_a_second_store_on_the_directory_takes_a_slot_of_its_own_and_a_reopened_one_takes_the_first_back(
+        open_store):
+    first = open_store()
+    first.put(A, payload(LAYOUT, 0))
+    first.flush()
+    in_flight = first.directory / f"{B}x1y2.tmp"  # a write of the first store's, not yet renamed
+    in_flight.write_bytes(b"SLUICEKV half a page")
+
+    second = open_store()  # a replica beside the first, on the same directory
+    second.put(B, payload(LAYOUT, 1))
+    second.flush()
+
+    assert second.directory.name == f"{LAYOUT.fingerprint.hex()}-1" and not second.contains(A)
+    assert files(first) == {f"{A}.kv", in_flight.name} and files(second) == {f"{B}.kv"}
+    first.close()
+    assert_same(open_store().get(A), payload(LAYOUT, 0))  # the first slot, free again, with its pages
+
+
+def test_a_live_store_s_slot_is_never_trimmed_and_a_gone_one_s_is(open_store):
+    live = open_store()
+    for i in range(6):
+        live.put(f"{i:064x}", payload(LAYOUT, i))
+    gone = open_store()
+    gone.put(A, payload(LAYOUT, 9))
+    gone.close()
+    live.flush()
+    other_layout = replace(LAYOUT, model="other-weights")
+    other = open_store(other_layout, disk_pages=2)  # 7 pages besides its own, over its 2-page bound
+
+    assert not gone.directory.exists()
+    assert files(live) == {f"{i:064x}.kv" for i in range(6)}
+    live.put(B, payload(LAYOUT, 7))
+    live.flush()
+    assert f"{B}.kv" in files(live) and live.counters().dropped_writes == 0
+    other.close()
+
+
 def test_a_failed_write_leaves_no_file_and_keeps_the_page_in_ram(open_store, monkeypatch):
     def failing_fsync(fd: int) -> None:
         raise OSError(28, "No space left on device")
@@ -310,7 +347,8 @@ def test_pool_pages_round_trip_through_the_store_into_other_pages(open_store, kv
     first.close()
 
     target = empty_kv_cache(config, num_pages, page_size, kv_dtype)
-    loaded = load_pages(target, [1, 3, 0], [open_store(layout).get(key) for key in keys])
+    store = open_store(layout)
+    loaded = load_pages(target, [1, 3, 0], [store.get(key) for key in keys])
 
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(target))  # donated: written in place
     for got, want in zip(jax.tree.leaves(jax.device_get(loaded)), jax.tree.leaves(before), strict=True):
