@@ -11,8 +11,8 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
 
 A final assistant message without tool_use blocks (after others) is Anthropic's prefill: the start of the reply,
-which the prompt ends with rather than closing it as a turn (the chat request's `continue_final_message`). Only
-the reply's shape is Anthropic's own (`anthropic_responses.py`).
+which the prompt ends with rather than closing it as a turn (the chat request's `continue_final_message`); an
+empty one is left out. Only the reply's shape is Anthropic's own (`anthropic_responses.py`).
 """
 
 from __future__ import annotations
@@ -79,24 +79,33 @@ async def count_message_tokens(request: Request) -> Response:
     return json_response(CountTokensResponse(input_tokens=len(prompt.token_ids)))
 
 
-def _prefills(body: CountTokensRequest) -> bool:
+def _prefills(messages: list[MessageParam]) -> bool:
     """Whether the final message is a prefill: the assistant's, without calls, after other messages."""
-    *earlier, last = body.messages
+    *earlier, last = messages
     calls = any(isinstance(block, ToolUseBlockParam) for block in last.blocks())
     return bool(earlier) and last.role == "assistant" and not calls
+
+
+def _without_an_empty_prefill(messages: list[MessageParam]) -> list[MessageParam]:
+    """The messages less a final assistant message with no text (or only whitespace): Anthropic allows the final
+    one, alone of all, to be empty, and it starts no reply."""
+    if _prefills(messages) and not "".join(block.text for block in messages[-1].blocks()).strip():
+        return messages[:-1]
+    return messages
 
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request `body` means (see the module's table); what the chat request checks beyond Anthropic's
     schema (a tool_choice naming no tool, say) is a 400 here."""
     system = body.system_text()
+    messages = _without_an_empty_prefill(body.messages)
     data: dict[str, Any] = {
         "messages": ([{"role": "system", "content": system}] if system else [])
-                    + [m for message in body.messages for m in _chat_messages(message)],
+                    + [m for message in messages for m in _chat_messages(message)],
         "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                     "parameters": t.input_schema}} for t in body.tools],
     }
-    if _prefills(body):
+    if _prefills(messages):
         data |= {"add_generation_prompt": False, "continue_final_message": True}
     if body.tool_choice is not None:
         data["tool_choice"] = _tool_choice(body.tool_choice)

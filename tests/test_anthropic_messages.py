@@ -173,6 +173,17 @@ def test_blocks_become_the_chat_messages_they_mean():
     assert chat.tool_choice == "required" and not chat.parallel_tool_calls and chat.stop == ["END"]
 
 
+@pytest.mark.parametrize("empty", ["", " ", [], [{"type": "text", "text": ""}]])
+def test_an_empty_final_assistant_message_is_no_prefill(empty):
+    """Anthropic allows the final assistant message, alone of all, to be empty: the reply then starts afresh (it
+    was a 400 naming continue_final_message, a field the request never had)."""
+    body = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4,
+                                           "messages": [*HELLO, {"role": "assistant", "content": empty}]})
+    chat = chat_request(body)
+    assert [(m.role, m.text()) for m in chat.messages] == [("user", "the quick brown fox")]
+    assert chat.add_generation_prompt and not chat.continue_final_message
+
+
 def test_count_tokens_counts_the_prompt_that_create_renders(client):
     kwargs = dict(model=MODEL, messages=HELLO, system="Be brief.", tools=[WEATHER])
     counted = client.messages.count_tokens(**kwargs).input_tokens
