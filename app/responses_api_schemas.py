@@ -21,6 +21,7 @@ from sluice.app.schemas import (
     TextFormat,
     TokenLogprobInfo,
     _Request,
+    named_function_choice,
     text_parts_only,
 )
 
@@ -108,6 +109,14 @@ class FunctionTool(FunctionDefinition):
 
     type: Literal["function"]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, data: Any) -> Any:
+        # A hosted tool (web_search, file_search, ...) named by its type, not by the `name` it lacks.
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "function":
+            raise ValueError(f"tools of type {data['type']!r} are not supported: only function tools")
+        return data
+
 
 class FunctionToolChoice(_Request):
     type: Literal["function"]
@@ -154,6 +163,9 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=MAX_METADATA_KEYS)
     user: str | None = None
+
+    _named_function = field_validator("tool_choice", mode="before")(
+        named_function_choice('{"type": "function", "name": ...}', "name"))
 
     @model_validator(mode="before")
     @classmethod

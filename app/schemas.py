@@ -54,6 +54,23 @@ def text_parts_only(*types: str):
     return check
 
 
+def named_function_choice(shape: str, name_key: str):
+    """A before-validator of a `"none" | "auto" | "required" | <named function>` tool_choice field: an object of
+    another type (`allowed_tools`, a hosted tool) or without `name_key` is refused by what it is, not by the
+    union's failed branches ("tool_choice.str: Input should be a valid string"). `shape`: the named choice as
+    the API writes it."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") != "function":
+            raise ValueError(f"tool_choice of type {value.get('type')!r} is not supported: give none, auto, "
+                             f"required or {shape}")
+        if isinstance(value, dict) and name_key not in value:
+            raise ValueError(f"a named tool_choice is {shape}")
+        return value
+
+    return check
+
+
 # --- requests ---------------------------------------------------------------------------------
 
 
@@ -484,6 +501,9 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
         if len(set(names)) != len(names):
             raise ValueError("tools must have distinct names")
         return tools
+
+    _named_function = field_validator("tool_choice", mode="before")(
+        named_function_choice('{"type": "function", "function": {"name": ...}}', "function"))
 
     @field_validator("tool_choice")
     @classmethod

@@ -93,6 +93,18 @@ def test_non_text_content_parts_are_rejected_by_their_type():
     assert error.param == "messages.0.content" and "'image_url' are not supported" in error.message
 
 
+@pytest.mark.parametrize(("choice", "words"), [
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "of type 'allowed_tools'"),
+    ({"type": "function", "name": "f"}, '{"type": "function", "function": {"name": ...}}'),
+])
+def test_a_tool_choice_object_other_than_a_named_function_is_refused_by_what_it_is(choice, words):
+    """Not by the union's failed branches: it was "tool_choice.str: Input should be a valid string", with
+    "tool_choice.str" as its param."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    error = rejection(ChatCompletionRequest, {**CHAT, "tools": tools, "tool_choice": choice})
+    assert error.param == "tool_choice" and words in error.message
+
+
 @pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_completion_prompt_takes_all_four_openai_forms(prompt):
     assert CompletionRequest.model_validate({"prompt": prompt}).prompt == prompt

@@ -10,10 +10,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import ValidationError
 
 from test_api_e2e import API_KEY, AUTH, error_of, post, start_server
 
-from sluice.app.errors import generation_failed
+from sluice.app.errors import from_validation_error, generation_failed
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses_api_convert import chat_request
 from sluice.app.responses_api_schemas import ResponseObject, ResponsesRequest, TextConfig
@@ -50,6 +51,20 @@ def test_an_unsupported_field_that_asks_for_nothing_is_no_error():
     body = ResponsesRequest.model_validate({"input": "Hi", "reasoning": {"effort": None, "summary": None},
                                             "background": False})
     assert body.input[0].content == "Hi"
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"tools": [{"type": "web_search"}]}, "tools.0", "of type 'web_search'"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice", "of type 'allowed_tools'"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", '{"type": "function", "name": ...}'),
+])
+def test_a_hosted_tool_or_another_tool_choice_is_refused_by_what_it_is(fields, param, words):
+    """Not by a field it lacks or the union's failed branches ("tools.0.name: Field required",
+    "tool_choice.literal['none','auto','required']: ...")."""
+    with pytest.raises(ValidationError) as caught:
+        ResponsesRequest.model_validate({"input": "x", **fields})
+    error = from_validation_error(caught.value)
+    assert error.param == param and words in error.message
 
 
 def test_items_become_chat_messages_calls_joining_the_assistant_turn_before_them():
