@@ -165,7 +165,7 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.page_table) * self.page_size
         seq.num_stored_pages = max(seq.num_stored_pages, len(seq.page_table))
         seq.stored_prefix = None
-        if count_query:
+        if count_query and self.enable_prefix_caching:  # without a cache, a sibling's shared pages are no hit
             self.query_tokens += seq.num_tokens
             self.hit_tokens += seq.num_computed_tokens
         if stored:

@@ -1,5 +1,7 @@
 """Scheduler: token budget, max_num_seqs, decodes before chunked prefill, priority, preemption of the newest."""
 
+import pytest
+
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.sampling_params import SamplingParams
 from sluice.batching.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -145,8 +147,10 @@ def test_the_queue_stays_in_schedule_order_as_sequences_come_and_go():
     assert len(sched.waiting) == 1 and sched.num_requests() == (1, 0)
 
 
-def test_sibling_waits_for_the_prompt_then_shares_its_full_pages():
-    sched = make_scheduler(budget=64)
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_sibling_waits_for_the_prompt_then_shares_its_full_pages(prefix_caching):
+    """Shared with prefix caching off too; the pages count as prefix-cache hits only where there is a cache."""
+    sched = Scheduler(SchedulerConfig(8, 64), BlockManager(64, PAGE, enable_prefix_caching=prefix_caching))
     first = add(sched, 1, prompt_len=10)
     sibling = make_sequence(2, first.prompt_ids, first.params, choice=1, parent=first, arrival=1)
     sched.add(sibling)
@@ -157,3 +161,6 @@ def test_sibling_waits_for_the_prompt_then_shares_its_full_pages():
     chunk = next(c for c in out.chunks if c.seq is sibling)
     assert sibling.page_table[:2] == first.page_table[:2]
     assert (chunk.start, chunk.num_tokens) == (2 * PAGE, 10 - 2 * PAGE)
+    counters = sched.block_manager.counters()
+    assert (counters.prefix_cache_hit_tokens, counters.prefix_cache_query_tokens) == ((2 * PAGE, 20) if prefix_caching
+                                                                                      else (0, 0))
