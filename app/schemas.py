@@ -395,11 +395,13 @@ class NamedToolChoice(_Request):
 
 class FunctionCallParam(_Request):
     name: str
-    arguments: str = Field(description="the arguments as a JSON object's text")
+    arguments: str = Field(description='the arguments as a JSON object\'s text ("" reads as "{}", as vLLM reads it)')
 
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, value: str) -> str:
+        if value == "":  # some servers stream a call of a function without parameters so; agents send it back
+            return "{}"
         try:
             parsed = json.loads(value)
         except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser

@@ -105,6 +105,22 @@ def test_a_tool_choice_object_other_than_a_named_function_is_refused_by_what_it_
     assert error.param == "tool_choice" and words in error.message
 
 
+def test_a_past_calls_empty_arguments_are_no_arguments():
+    """As vLLM reads them: some servers stream a call of a function without parameters with arguments "", and an
+    agent sends the history back as it got it (it was a 400)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": ""}}
+    body = ChatCompletionRequest.model_validate({**CHAT, "messages": [
+        *CHAT["messages"], {"role": "assistant", "tool_calls": [call]}]})
+    assert body.messages[1].tool_calls[0].function.arguments == "{}"
+
+
+@pytest.mark.parametrize("arguments", ["[]", "1", "{", "  "])
+def test_a_past_calls_arguments_that_are_no_object_are_rejected(arguments):
+    call = {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": arguments}}
+    error = rejection(ChatCompletionRequest, {**CHAT, "messages": [{"role": "assistant", "tool_calls": [call]}]})
+    assert error.param == "messages.0.tool_calls.0.function.arguments"
+
+
 @pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_completion_prompt_takes_all_four_openai_forms(prompt):
     assert CompletionRequest.model_validate({"prompt": prompt}).prompt == prompt

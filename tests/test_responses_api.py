@@ -56,7 +56,8 @@ def test_an_unsupported_field_that_asks_for_nothing_is_no_error():
 @pytest.mark.parametrize(("fields", "param", "words"), [
     ({"tools": [{"type": "web_search"}]}, "tools.0", "of type 'web_search'"),
     ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice", "of type 'allowed_tools'"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", '{"type": "function", "name": ...}'),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     '{"type": "function", "name": ...}'),
 ])
 def test_a_hosted_tool_or_another_tool_choice_is_refused_by_what_it_is(fields, param, words):
     """Not by a field it lacks or the union's failed branches ("tools.0.name: Field required",
