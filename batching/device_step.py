@@ -201,13 +201,14 @@ def prompt_scores(model: Llama, hidden: jax.Array, score_ids: jax.Array) -> Prom
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:num_tokens], scores)
 
 
-def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, scores: bool,
-             state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs,
-             sampled: SampledRows
-             ) -> tuple[tuple[jax.Array, SamplingBatch, jax.Array, PromptScores | None], KVCache]:
+def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
+            state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs,
+            sampled: SampledRows
+            ) -> tuple[tuple[jax.Array, SamplingBatch, jax.Array, jax.Array | None], KVCache]:
     """One step's model: the sampled rows' logits [S, V] float32, their `SamplingBatch`, the pooled rows
-    [S, D] float32 (`StepInputs.pool_ids`; a few microseconds, always computed) and, with `scores`, its tokens'
-    `PromptScores` (a program of its own: logits for every token cost a step's worth of LM head), and the pool.
+    [S, D] float32 (`StepInputs.pool_ids`; a few microseconds, always computed), and for a step that may compute
+    prompt tokens (`max_q_len` > 1) their final hidden states [T, D], which `score_step` scores when a sequence
+    wants prompt logprobs (on the device, unread otherwise); and the pool.
 
     kv_cache: (k, v), each [num_layers, num_pages, num_kv_heads, page_size, head_dim] (arrays or int8
     `QuantizedPages`; donated). fed_from: [R] int32, the previous step's last tokens (`StepInputs.fed`).
@@ -218,8 +219,16 @@ def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: 
     logits, hidden, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache),
                                        slots.page_table[inputs.attn_slots], inputs.fed(fed_from))
     pooled = model.pooled(hidden, inputs.pool_ids, inputs.logits_rows.shape[0])
-    scored = prompt_scores(model, hidden, inputs.score_ids) if scores else None
-    return (logits, sampled.batch(slots.sampling), pooled, scored), layered_pool(kv_cache, model.config.num_layers)
+    return ((logits, sampled.batch(slots.sampling), pooled, hidden if max_q_len > 1 else None),
+            layered_pool(kv_cache, model.config.num_layers))
+
+
+def score_step(graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDef, weights: list[jax.Array],
+               hidden: jax.Array, score_ids: jax.Array) -> PromptScores:
+    """A step's `PromptScores` from its hidden states (`forward`): a program of its own, beside the step's, so
+    that the first request for prompt logprobs compiles the LM head and its log-softmax, not a whole model step
+    that would stall every running request meanwhile (logits for every token cost a step's worth of LM head)."""
+    return prompt_scores(nnx.merge(graphdef, jax.tree.unflatten(state_def, weights)), hidden, score_ids)
 
 
 def sample_step(num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from sluice.batching import step_broadcast
 from sluice.batching.background_compile import BackgroundCompiler, shapes_of
 from sluice.batching.device_step import Bucket, DraftState, PromptScores, StepInputs, VerifiedSteps, decode_steps, \
-    forward, pack, packed_step, sample_step, verify_steps, write_packed
+    forward, pack, packed_step, sample_step, score_step, verify_steps, write_packed
 from sluice.batching.faults import Fault
 from sluice.batching.ngram import NgramConfig
 from sluice.batching.request import MAX_STOP_IDS
@@ -140,6 +140,7 @@ class ModelRunner:
                               and not step_broadcast.is_multiprocess())
         self._sample = jax.jit(partial(sample_step, max_num_seqs), static_argnums=(0,), out_shardings=everywhere)
         self._mask = jax.jit(partial(mask_disallowed), out_shardings=everywhere)
+        self._score = jax.jit(partial(score_step, self.graphdef, self._state_def), out_shardings=everywhere)
         self._step_outputs_sharding = everywhere or self.kv_sharding
         self.reset()
         self._write_slots = jax.jit(partial(write_packed), static_argnums=(0,), donate_argnums=(1,),
@@ -187,10 +188,9 @@ class ModelRunner:
         buckets = self.spec_token_buckets if speculative else self.token_buckets
         return next(b for b in buckets if b >= num_tokens)
 
-    def _step_fn(self, bucket: Bucket, plan: SamplerPlan | None = None, scores: bool = False):
-        """The model of a single step (to logits; with `scores`, its tokens' `PromptScores` too), or a whole
-        multi-step decode call (its sampler's `plan`)."""
-        key = (bucket.max_q_len, bucket.num_steps, plan if bucket.num_steps > 1 else None, scores)
+    def _step_fn(self, bucket: Bucket, plan: SamplerPlan | None = None):
+        """The model of a single step (to logits), or a whole multi-step decode call (its sampler's `plan`)."""
+        key = (bucket.max_q_len, bucket.num_steps, plan if bucket.num_steps > 1 else None)
         if key not in self._steps:
             out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
             args = (self.graphdef, self.backend, self.mesh, self.num_pages)
@@ -200,7 +200,7 @@ class ModelRunner:
             elif bucket.num_steps > 1:
                 fn = partial(decode_steps, *args, self.page_size, bucket.num_steps, self.max_num_seqs, plan)
             else:
-                fn = partial(forward, *args, bucket.max_q_len, scores)
+                fn = partial(forward, *args, bucket.max_q_len)
             self._steps[key] = jax.jit(packed_step(fn, self._state_def), static_argnums=(0,), donate_argnums=(2,),
                                        out_shardings=out_shardings)
         return self._steps[key]
@@ -210,7 +210,7 @@ class ModelRunner:
              plan: SamplerPlan | None = None, scores: bool = False
              ) -> tuple[SamplerOutput | VerifiedSteps, jax.Array | None, PromptScores | None]:
         """Writes the changed slots, launches the step on host inputs (numpy) and replaces the pool; returns
-        without waiting, with a single step's pooled rows and, with `scores`, its `PromptScores` (`forward`).
+        without waiting, with a single step's pooled rows and, with `scores`, its `PromptScores` (`score_step`).
 
         `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
         ([num_rows, ceil(V / 32)] int32, all ones) while the model runs. `poison`: the first row's logits become NaN
@@ -220,13 +220,14 @@ class ModelRunner:
             self._write(writes)
         flat, packing = pack((inputs, replace(sampled, history=None)))
         program = self._compiler.get((bucket, plan)) if bucket.num_steps > 1 and plan is not None else None
-        result, self.kv_cache = (program or partial(self._step_fn(bucket, plan, scores), packing))(
+        result, self.kv_cache = (program or partial(self._step_fn(bucket, plan), packing))(
             self.weights, self.kv_cache, self._last_tokens, self._slots, self._global(flat),
             self._global(sampled.history))
         if bucket.num_steps > 1:
             out, self._last_tokens = result
             return out, None, None
-        logits, sampling, pooled, scored = result
+        logits, sampling, pooled, hidden = result
+        scored = self._score(self.weights, hidden, self._global(inputs.score_ids)) if scores else None
         if poison:
             logits = logits.at[0].set(jnp.nan)
         if fill_masks is not None:
@@ -312,7 +313,8 @@ class ModelRunner:
 
     def num_compiled(self) -> int:
         """Programs compiled on the engine thread: models (one per bucket), samplers and masks (one each per bucket
-        row count), and slot writes (one per count of rows written)."""
+        row count), and slot writes (one per count of rows written); not the small scoring programs (`score_step`),
+        compiled when prompt logprobs are first asked for."""
         return (sum(fn._cache_size() for fn in self._steps.values()) + self._sample._cache_size()
                 + self._mask._cache_size() + self._write_slots._cache_size())
 
@@ -380,7 +382,7 @@ class ModelRunner:
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
         sampled row, drafts included) while the model runs. `pooling`: fetch the pooled rows (`StepOutput.pooled`).
         `scoring`: some sequence may score its prompt (`SamplingParams.prompt_logprobs`); a step with prompt tokens
-        to score runs the model's program that scores them (`StepOutput.scores`), compiled when first met.
+        to score runs the scoring program after it (`StepOutput.scores`; compiled when first met, a small one).
         A multi-step call not compiled for its sampler's plan runs as a single step while it compiles off this
         thread: the returned step's `limits` and `drafting` say what ran.
         """

@@ -391,3 +391,6 @@ def test_steady_state_never_recompiles(engine):
     while engine.has_work:
         engine.step()
     assert engine.runner.num_compiled() == compiled
+    # Prompt logprobs: the scoring program runs after the warmed step, which compiles no model of its own.
+    scored, = engine.generate([prompts(1, seed=50)[0]], replace(GREEDY, prompt_logprobs=1))
+    assert len(scored[0].prompt_logprobs) > 1 and engine.runner.num_compiled() == compiled
