@@ -120,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    return importlib.import_module(f"sluice.bench.{args.benchmark}").main(args.args)
+    import httpx
+
+    try:
+        return importlib.import_module(f"sluice.bench.{args.benchmark}").main(args.args)
+    except httpx.ConnectError as error:  # no server at --url (or at the one the benchmark started)
+        raise CommandError(f"cannot connect to {error.request.url}: {error}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import uvicorn
 from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU_BATCH, CPU_PAGE_SIZE, \
     KV_CACHE_DTYPES, LAYER_LOOPS, LARGE_ACCELERATOR_BATCH, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
 from sluice.batching.engine import Engine
-from sluice.model.fetch import resolve_model
+from sluice.model.fetch import InvalidModel, resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
@@ -45,6 +46,13 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 # closes first: a server that closes at the instant a client reuses the connection resets that request unread
 # (`sluice bench soak` lost one in 21,246 so).
 KEEP_ALIVE_S = 65
+# The flags that tune speculative decoding, and what each sets.
+SPECULATION_FLAGS = {
+    "--num-speculative-tokens": "most draft tokens per sequence and step",
+    "--spec-ngram-min": "shortest suffix matched for drafts",
+    "--spec-ngram-max": "longest suffix matched for drafts",
+    "--spec-max-batch-size": "no drafts while more sequences than this decode (their step is compute-bound)",
+}
 
 
 def byte_size(text: str) -> int:
@@ -62,7 +70,11 @@ def port(text: str) -> int:
 
 
 def env_name(flag: str) -> str:
-    return "SLUICE_" + flag.lstrip("-").replace("-", "_").upper()
+    return "SLUICE_" + _dest(flag).upper()
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kwargs: Any) -> None:
@@ -105,12 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _switch(parser, "--no-async-scheduling",
             "collect each step before scheduling the next (no overlap of host and device work; for comparison)")
     _option(parser, "--speculative", None, "speculative decoding: 'ngram' (prompt lookup drafts)", choices=["ngram"])
-    _option(parser, "--num-speculative-tokens", _ENGINE_DEFAULTS.num_speculative_tokens,
-            "most draft tokens per sequence and step", type=int)
-    _option(parser, "--spec-ngram-min", _ENGINE_DEFAULTS.spec_ngram_min, "shortest suffix matched for drafts", type=int)
-    _option(parser, "--spec-ngram-max", _ENGINE_DEFAULTS.spec_ngram_max, "longest suffix matched for drafts", type=int)
-    _option(parser, "--spec-max-batch-size", _ENGINE_DEFAULTS.spec_max_batch_size,
-            "no drafts while more sequences than this decode (their step is compute-bound)", type=int)
+    for flag, text in SPECULATION_FLAGS.items():  # None unless given: given without --speculative, refused
+        _option(parser, flag, None, f"with --speculative: {text} (default {getattr(_ENGINE_DEFAULTS, _dest(flag))})",
+                type=int)
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--kv-cache-dtype", _ENGINE_DEFAULTS.kv_cache_dtype,
@@ -204,6 +213,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    speculation = {_dest(flag): value for flag in SPECULATION_FLAGS if (value := getattr(args, _dest(flag))) is not None}
+    if speculation and args.speculative is None:
+        return _refuse(f"--{next(iter(speculation)).replace('_', '-')} tunes speculative decoding, which is off: "
+                       "add --speculative ngram")
+    if (cache_error := _jax_cache_error()) is not None:
+        return _refuse(cache_error)
     try:
         engine_config = EngineConfig(
             model=args.model,
@@ -215,10 +230,7 @@ def run(args: argparse.Namespace) -> int:
             num_decode_steps=args.num_decode_steps,
             async_scheduling=not args.no_async_scheduling,
             speculative=args.speculative,
-            num_speculative_tokens=args.num_speculative_tokens,
-            spec_ngram_min=args.spec_ngram_min,
-            spec_ngram_max=args.spec_ngram_max,
-            spec_max_batch_size=args.spec_max_batch_size,
+            **speculation,
             kv_cache_memory=args.kv_cache_memory,
             kv_cache_dtype=args.kv_cache_dtype,
             page_size=args.page_size,
@@ -233,8 +245,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_cache_ram=args.prefix_cache_ram,
         )
     except ValueError as error:
-        print(f"sluice serve: error: {error}", file=sys.stderr)
-        return 2
+        return _refuse(str(error))
     settings = ServerSettings(
         served_model_name=args.served_model_name,
         api_key=args.api_key,
@@ -260,18 +271,55 @@ def run(args: argparse.Namespace) -> int:
     try:
         initialize_distributed(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
     except ValueError as error:
-        print(f"sluice serve: {error}", file=sys.stderr)
-        return 2
+        return _refuse(str(error))
     if args.process_id > 0:
         return _follow(engine_config, args)
-    return asyncio.run(_serve(engine_config, settings, args))
+    try:
+        listener = listening_socket(args.host, args.port)
+    except OSError as error:
+        return _refuse(f"cannot listen on {args.host}:{args.port}: {error.strerror}")
+    with listener:
+        return asyncio.run(_serve(engine_config, settings, args, listener))
+
+
+def _refuse(message: str) -> int:
+    """Input refused before serving: one line on stderr, exit status 2 (as argparse's)."""
+    print(f"sluice serve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _jax_cache_error() -> str | None:
+    """Why $SLUICE_JAX_CACHE cannot hold the compiled steps (None: it can, or is unset). JAX would only warn once,
+    on its first compile, and then compile every step again at each start."""
+    path = os.environ.get("SLUICE_JAX_CACHE")
+    if not path:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        return f"SLUICE_JAX_CACHE={path} cannot be a folder ({error.strerror}): point it at a folder Sluice may write"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"SLUICE_JAX_CACHE={path} is a folder Sluice may not write: point it at one it may"
+    return None
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: an address in use or a host that does not resolve is
+    a one-line error now, not uvicorn's exit once loading has begun. Bound as uvicorn binds its own."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args: argparse.Namespace) -> int:
     """`--replicas N`: the Ray Serve application (`app/ray_app.py`), if Ray is installed."""
     if args.num_processes > 1 or args.hosts is not None:
-        print("sluice serve: error: --replicas takes neither --num-processes nor --hosts", file=sys.stderr)
-        return 2
+        return _refuse("--replicas takes neither --num-processes nor --hosts")
     try:
         scale = ScaleOutConfig(
             replicas=args.replicas,
@@ -289,8 +337,7 @@ def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args:
             graceful_shutdown_timeout_s=args.drain_timeout,
         )
     except ValueError as error:
-        print(f"sluice serve: error: {error}", file=sys.stderr)
-        return 2
+        return _refuse(str(error))
     try:
         from sluice.app.ray_app import serve_replicas
         from sluice.app.replicas import ReplicaConfig
@@ -302,12 +349,9 @@ def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args:
 def _serve_on_hosts(args: argparse.Namespace) -> int:
     """`--hosts H`: this command as H processes of one multi-process job, started by Ray (`app/ray_hosts.py`)."""
     if args.hosts < 1 or args.tp % args.hosts:
-        print(f"sluice serve: error: --hosts must be at least 1 and divide --tp ({args.tp}), got {args.hosts}",
-              file=sys.stderr)
-        return 2
+        return _refuse(f"--hosts must be at least 1 and divide --tp ({args.tp}), got {args.hosts}")
     if args.num_processes > 1:
-        print("sluice serve: error: --hosts starts the processes itself: leave out --num-processes", file=sys.stderr)
-        return 2
+        return _refuse("--hosts starts the processes itself: leave out --num-processes")
     try:
         from sluice.app.ray_hosts import serve_on_hosts
     except ModuleNotFoundError as error:
@@ -319,9 +363,7 @@ def _ray_missing(error: ModuleNotFoundError, flag: str) -> int:
     """Says how to install Ray when Ray is what is missing; any other missing module is a bug, raised."""
     if error.name is None or error.name.split(".")[0] != "ray":
         raise error
-    print(f"sluice serve: error: {flag} needs Ray Serve: pip install 'sluice[ray]' "
-          "(in a checkout: pip install -e '.[ray]')", file=sys.stderr)
-    return 2
+    return _refuse(f"{flag} needs Ray Serve: pip install 'sluice[ray]' (in a checkout: pip install -e '.[ray]')")
 
 
 def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:
@@ -329,14 +371,14 @@ def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     try:
         engine = Engine.create(engine_config, progress=False)
     except InvalidTensorParallelism as error:
-        print(f"sluice serve: {error}", file=sys.stderr)
-        return 2
+        return _refuse(str(error))
     print(f"Sluice process {args.process_id} of {args.num_processes}: running process 0's steps", flush=True)
     engine.follow()
     return 0
 
 
-async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: argparse.Namespace) -> int:
+async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: argparse.Namespace,
+                 listener: socket.socket) -> int:
     state = ServerState(settings)
     config = uvicorn.Config(
         create_app(state),
@@ -347,16 +389,20 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
         timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout)
-    serving = asyncio.ensure_future(server.serve())
+    serving = asyncio.ensure_future(server.serve([listener]))
+    port = listener.getsockname()[1]
+    print(f"Sluice is listening on http://{args.host}:{port} (/health: 503 until the model is ready)", flush=True)
     loading = _in_daemon_thread(lambda: load_engine(engine_config, settings.ui, declared_peaks(args)))
     await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
-    if not loading.done():  # stopped (signal, bind error) before the model was ready
+    if not loading.done():  # stopped (a signal) before the model was ready
         await serving
         _exit_now(0)
     if loading.exception() is not None:
-        logger.error("Could not start the engine: %s", loading.exception())
         server.should_exit = True
         await serving
+        if isinstance(loading.exception(), (InvalidModel, InvalidTensorParallelism)):  # input, found bad once read
+            return _refuse(str(loading.exception()))
+        logger.error("Could not start the engine: %s", loading.exception())
         return 1
     engine, peaks = loading.result()
     await engine.start()
@@ -364,7 +410,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
-        print(f"Sluice is ready: http://{args.host}:{args.port}/v1 serving '{state.model_name}'", flush=True)
+        print(f"Sluice is ready: http://{args.host}:{port}/v1 serving '{state.model_name}'", flush=True)
     await serving
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -81,3 +82,78 @@ def test_input_found_bad_once_read_is_a_one_line_error(tmp_path, monkeypatch, ca
     assert main([arg.replace("{tmp}", str(tmp_path)) for arg in args]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert words in errors[-1] and errors[-1].startswith("sluice: error:") and "Traceback" not in "".join(errors)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """`sluice serve` in this process fails at once if it gets as far as loading the model."""
+    from sluice.app import serve
+
+    def load_engine(*args, **kwargs):
+        raise AssertionError("the model began to load")
+
+    monkeypatch.setattr(serve, "load_engine", load_engine)
+
+
+@pytest.fixture
+def serve_in_process(monkeypatch, capsys):
+    """`sluice serve ARGS` in this process as the command runs it, on a free port unless ARGS name one: its exit
+    status and its stderr's lines."""
+    import uvicorn
+
+    from sluice.app.cli import main
+
+    monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)  # it would close pytest's handlers
+
+    def serve(args: list[str]) -> tuple[int, list[str]]:
+        status = main(["serve", "--port", "0", "--no-ui", *args])
+        return status, capsys.readouterr().err.strip().splitlines()
+
+    return serve
+
+
+@pytest.mark.parametrize(("args", "env", "words"), [
+    (["--port", "{busy}"], {}, "cannot listen on 127.0.0.1:{busy}: Address already in use"),
+    (["--host", "999.1.1.1"], {}, "cannot listen on 999.1.1.1:0: Name or service not known"),
+    (["--page-size", "48"], {}, "page_size must be a power of two"),
+    (["--num-speculative-tokens", "3"], {}, "--num-speculative-tokens tunes speculative decoding, which is off"),
+    ([], {"SLUICE_SPEC_NGRAM_MAX": "3"}, "--spec-ngram-max tunes speculative decoding, which is off"),
+    ([], {"SLUICE_JAX_CACHE": "{tmp}/file"}, "SLUICE_JAX_CACHE={tmp}/file cannot be a folder (File exists)"),
+])
+def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path, monkeypatch, serve_in_process,
+                                                                        no_model_load, args, env, words):
+    """An address it cannot listen on, a page size the GPU kernels cannot tile, speculation's settings without
+    speculation, a compilation cache that cannot be a folder: one line and exit 2, before the model loads (seconds
+    for a port in use, not the minutes of a load that ends in uvicorn's traceback)."""
+    (tmp_path / "file").write_text("a file where a folder should be")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        fill = lambda text: text.replace("{busy}", port).replace("{tmp}", str(tmp_path))
+        for name, value in env.items():
+            monkeypatch.setenv(name, fill(value))
+        status, errors = serve_in_process([fill(arg) for arg in args])
+    assert status == 2 and len(errors) == 1 and errors[0].startswith(f"sluice serve: error: {fill(words)}"), errors
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--tp", "1024"], "--tp 1024 needs 1024 devices but only"),
+    (["--model", "{tmp}/hf"], "{tmp}/hf does not read as a model: KeyError"),
+])
+def test_serve_input_found_bad_once_loading_begins_is_a_one_line_error(tmp_path, serve_in_process, args, words):
+    """What only loading finds (the devices --tp asks for, a model folder's contents) ends the server it started
+    with the same one line and exit 2 as flags refused before, not a logged error and exit 1."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    status, errors = serve_in_process([arg.replace("{tmp}", str(tmp_path)) for arg in args])
+    assert status == 2 and errors[-1].startswith(f"sluice serve: error: {words.replace('{tmp}', str(tmp_path))}"), errors
+    assert [line for line in errors if "error" in line.lower()] == errors[-1:]
+
+
+def test_bench_without_a_server_at_its_url_is_a_one_line_error(capsys):
+    from sluice.app.cli import main
+
+    assert main(["bench", "server_threads", "--url", "http://127.0.0.1:9", "--pid", "1"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("sluice: error: cannot connect to http://127.0.0.1:9/"), errors
