@@ -22,7 +22,8 @@ from typing import Any, NoReturn, TypeVar
 import uvicorn
 
 from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU_BATCH, CPU_PAGE_SIZE, \
-    KV_CACHE_DTYPES, LAYER_LOOPS, LARGE_ACCELERATOR_BATCH, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig
+    KV_CACHE_DTYPES, LAYER_LOOPS, LARGE_ACCELERATOR_BATCH, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig, \
+    InvalidEngineConfig
 from sluice.batching.engine import Engine
 from sluice.model.fetch import InvalidModel, resolve_model
 from sluice.model.roofline import Peaks
@@ -370,7 +371,7 @@ def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     """A process other than 0: loads its shards, then runs the steps process 0 schedules until it stops."""
     try:
         engine = Engine.create(engine_config, progress=False)
-    except InvalidTensorParallelism as error:
+    except (InvalidEngineConfig, InvalidTensorParallelism) as error:
         return _refuse(str(error))
     print(f"Sluice process {args.process_id} of {args.num_processes}: running process 0's steps", flush=True)
     engine.follow()
@@ -400,7 +401,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     if loading.exception() is not None:
         server.should_exit = True
         await serving
-        if isinstance(loading.exception(), (InvalidModel, InvalidTensorParallelism)):  # input, found bad once read
+        if isinstance(loading.exception(), (InvalidModel, InvalidEngineConfig, InvalidTensorParallelism)):  # input
             return _refuse(str(loading.exception()))
         logger.error("Could not start the engine: %s", loading.exception())
         return 1

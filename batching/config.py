@@ -41,6 +41,11 @@ def default_batch(platform: str, device_bytes: int | None, device_kind: str = ""
     return LARGE_ACCELERATOR_BATCH if large else ACCELERATOR_BATCH
 
 
+class InvalidEngineConfig(ValueError):
+    """Engine settings that cannot be served (some found so only once the model is read): the message names the
+    setting and what it may be."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine loads its model and sizes its batch and KV pool.
@@ -131,7 +136,7 @@ class EngineConfig:
         ]
         for ok, name, why in checks:
             if not ok:
-                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+                raise InvalidEngineConfig(f"{name} {why}, got {getattr(self, name)!r}")
 
     def with_device_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
         """This config with the batch limits (`default_batch`) and the page size it leaves unset taken for a device

@@ -35,7 +35,7 @@ from sluice.batching import step_broadcast
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore
 from sluice.batching.kv_transfer import PageCopy
-from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, InvalidEngineConfig
 from sluice.batching.model_runner import ModelRunner, enable_compilation_cache
 from sluice.batching.device_step import PromptScores
 from sluice.batching.step_output import PendingStep, SequenceOutput
@@ -91,7 +91,10 @@ def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_pages: i
     """`config.max_model_len`, else the model's context up to DEFAULT_MAX_MODEL_LEN and to what the pool holds: a
     request without max_tokens may fill the rest of the context, which a smaller pool would refuse every time."""
     if config.max_model_len is not None:
-        return min(config.max_model_len, model.max_position_embeddings)
+        if config.max_model_len > model.max_position_embeddings:
+            raise InvalidEngineConfig(f"max_model_len {config.max_model_len} exceeds the model's context of "
+                                      f"{model.max_position_embeddings} tokens")
+        return config.max_model_len
     longest = min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
     pooled = num_pages * config.page_size
     if pooled < longest:
@@ -160,8 +163,8 @@ class Engine:
         kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh)
         page_bytes = kv_page_bytes(loaded.config, config.page_size, kv_dtype)
         if kv_bytes < page_bytes:
-            raise ValueError(f"a KV pool of {kv_bytes:,} bytes holds no page: one page of {config.page_size} tokens "
-                             f"takes {page_bytes:,} bytes (--kv-cache-memory)")
+            raise InvalidEngineConfig(f"a KV pool of {kv_bytes:,} bytes holds no page: one page of "
+                                      f"{config.page_size} tokens takes {page_bytes:,} bytes (--kv-cache-memory)")
         num_pages = kv_bytes // page_bytes
         self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
         self.limits = RequestLimits(

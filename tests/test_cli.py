@@ -140,10 +140,13 @@ def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path
 @pytest.mark.parametrize(("args", "words"), [
     (["--tp", "1024"], "--tp 1024 needs 1024 devices but only"),
     (["--model", "{tmp}/hf"], "{tmp}/hf does not read as a model: KeyError"),
+    (["--max-model-len", "100000"], "max_model_len 100000 exceeds the model's context of 8192 tokens"),
+    (["--kv-cache-memory", "1K"], "a KV pool of 1,024 bytes holds no page"),
 ])
 def test_serve_input_found_bad_once_loading_begins_is_a_one_line_error(tmp_path, serve_in_process, args, words):
-    """What only loading finds (the devices --tp asks for, a model folder's contents) ends the server it started
-    with the same one line and exit 2 as flags refused before, not a logged error and exit 1."""
+    """What only loading finds (the devices --tp asks for, a model folder's contents, the model's context, a page's
+    bytes) ends the server it started with the same one line and exit 2 as flags refused before, not a logged
+    error and exit 1 (or, for --max-model-len past the context, a silent cut)."""
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
     status, errors = serve_in_process([arg.replace("{tmp}", str(tmp_path)) for arg in args])
