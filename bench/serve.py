@@ -223,13 +223,31 @@ def command_line() -> str:
     return shlex.join(prefix + sys.argv[1:])
 
 
-def _rate(text: str) -> float:
-    return float("inf") if text == "inf" else float(text)
+def request_rate(text: str) -> float:
+    """An argparse type: a Poisson arrival rate in req/s, positive, or inf (every request at once)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r}") from None
+    if not rate > 0:  # zero, negative, nan
+        raise argparse.ArgumentTypeError(f"must be positive or inf, got {text}")
+    return rate
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="synthetic", help="'synthetic' or a JSONL file of {prompt, output_tokens}")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=at_least_one, default=64)
     parser.add_argument("--seed", type=int, default=0, help="seeds the synthetic workload and the arrival times")
     parser.add_argument("--prompt-len-mean", type=float, default=DEFAULT_PROMPT.mean)
     parser.add_argument("--prompt-len-max", type=int, default=DEFAULT_PROMPT.max)
@@ -258,7 +276,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument("--max-concurrency", type=at_least_one, default=None, help="most requests in flight")
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")
     parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
     parser.add_argument("--roofline-model", default=None, help="model file whose shape the roofline uses (default: SmolLM2)")
@@ -273,7 +291,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     add_dataset_arguments(parser)
-    parser.add_argument("--request-rate", type=_rate, default=float("inf"), help="Poisson arrival rate, req/s, or inf")
+    parser.add_argument("--request-rate", type=request_rate, default=float("inf"), help="Poisson arrival rate, req/s, or inf")
     parser.add_argument("--result-json", type=Path, default=Path("bench/out/serve.json"))
     parser.add_argument("--plot", type=Path, default=None, help="write PNG charts into this folder")
 

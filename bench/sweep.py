@@ -12,11 +12,12 @@ from sluice.bench.dataset import fresh_prompts
 from sluice.bench.metrics import Slo
 from sluice.bench.plots import plot_rate_curves, plot_throughput_latency
 from sluice.bench.roofline import ServedModel, peaks_from
-from sluice.bench.serve import add_dataset_arguments, add_server_arguments, benchmark, command_line, load_config, load_dataset, report, result_json
+from sluice.bench.serve import add_dataset_arguments, add_server_arguments, benchmark, command_line, load_config, load_dataset, report, request_rate, \
+    result_json
 
 
 def _rates(text: str) -> list[float]:
-    return [float("inf") if r.strip() == "inf" else float(r) for r in text.split(",")]
+    return [request_rate(r.strip()) for r in text.split(",")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -160,3 +160,15 @@ def test_bench_without_a_server_at_its_url_is_a_one_line_error(capsys):
     assert main(["bench", "server_threads", "--url", "http://127.0.0.1:9", "--pid", "1"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("sluice: error: cannot connect to http://127.0.0.1:9/"), errors
+
+
+@pytest.mark.parametrize("args", [["serve", "--request-rate", "0"], ["serve", "--request-rate", "nan"],
+                                  ["serve", "--max-concurrency", "0"], ["sweep", "--request-rates", "1,-2"]])
+def test_bench_refuses_a_rate_or_count_it_cannot_run_in_one_line(capsys, args):
+    """A rate of 0 divided by zero, a negative one crashed numpy, nan ran unlimited, a concurrency of 0 too."""
+    from sluice.app.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *args])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and "must be" in errors[-1], errors
