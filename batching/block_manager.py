@@ -120,23 +120,26 @@ class BlockManager:
         return pages, hashes
 
     def _stored(self, seq: Sequence, start: int, end: int) -> list[PagePayload] | None:
-        """The store's payloads of `seq`'s pages from `start` on, as far as it holds them, before page `end`; None
-        while they are being read. The first ask starts the read (unless the store lacks the first page), as does
-        one that finds the pool has lost pages since its read began."""
+        """The store's payloads of `seq`'s pages from `start` on, as far as it holds them, before page `end` and
+        the first page with a token still on the device (a placeholder has no key); None while they are being
+        read. The first ask starts the read (unless the store lacks the first page), as does one that finds the
+        pool has lost pages since its read began, or that wants pages known since."""
+        end = min(end, seq.num_known_tokens // self.page_size)
         if self.store is None or seq.computes_every_token or start >= end:
             return []
         read = seq.stored_prefix
-        if read is None or read.first > start:
+        if read is None or read.first > start or read.end < end:
             keys = self._store_keys(seq, end)[start:end]
             if not self.store.contains(keys[0]):
                 return []
-            read = seq.stored_prefix = StoredPrefix(start, self.store.prefetch(keys))
+            read = seq.stored_prefix = StoredPrefix(start, end, self.store.prefetch(keys))
         if not read.payloads.done():
             return None
         return read.payloads.result()[start - read.first:end - read.first]
 
     def _store_keys(self, seq: Sequence, num_pages: int) -> list[PageKey]:
-        """The store keys of `seq`'s first `num_pages` full pages (kept on it: a prefix's keys never change)."""
+        """The store keys of `seq`'s first `num_pages` full pages, whose tokens must be known (kept on it: a prefix's
+        keys never change)."""
         known = len(seq.store_keys)
         if known < num_pages:
             parent = seq.store_keys[-1] if known else None

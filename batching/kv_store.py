@@ -172,10 +172,11 @@ def _usage(folder: Path) -> tuple[int, int]:
 
 
 class StoredPrefix(NamedTuple):
-    """A waiting sequence's pages being read from the store (`KVStore.prefetch`): from its page `first` on, as far
-    as the store holds them."""
+    """A waiting sequence's pages being read from the store (`KVStore.prefetch`): from its page `first` on, before
+    page `end`, as far as the store holds them."""
 
     first: int
+    end: int
     payloads: Future[list[PagePayload]]
 
 

@@ -181,3 +181,26 @@ def test_a_stored_prefix_is_not_ready_until_read_and_is_read_again_if_the_pool_l
     seq.stored_prefix.payloads.result(timeout=10)
     assert [int(p[0].flat[0]) for p in bm.match_prefix(seq)[2]] == [0, 1, 2]
     store.close()
+
+
+def test_a_sequence_preempted_with_placeholders_reads_and_keys_only_its_known_pages(tmp_path):
+    """Preempted while its multi-step call runs, a sequence's last tokens are placeholders: the store is asked for
+    the pages of its known tokens only, and its store keys, kept on it, are those of its real tokens once they come
+    (keys hashed over placeholders filed its pages where no prefix would find them)."""
+    layout = KVLayout(model="m", quantization="none", dtype="float32", kv_dtype="float32", page_size=PAGE,
+                      num_layers=1, num_kv_heads=1, head_dim=2)
+    store = KVStore(layout, tmp_path, ram_bytes=1 << 20, disk_bytes=1 << 20)
+    tokens = list(range(3 * PAGE + 1))
+    for i, key in enumerate(layout.page_keys(tokens)):
+        store.put(key, tuple(np.full(shape, i, dtype) for shape, dtype in layout.payload_specs))
+    bm = BlockManager(num_pages=16, page_size=PAGE, store=store)
+    seq = make_seq(tokens[:PAGE + 2], seq_id=0)
+    index = seq.add_pending(2 * PAGE - 1)  # pages 1 and 2 end in placeholders
+    bm.prefetch(seq)
+    assert seq.stored_prefix.first == 0 and len(seq.stored_prefix.payloads.result(timeout=10)) == 1
+    seq.place(index, tokens[index:])
+    assert bm.match_prefix(seq)[2] is None  # the pages known since are read now
+    seq.stored_prefix.payloads.result(timeout=10)
+    assert [int(p[0].flat[0]) for p in bm.match_prefix(seq)[2]] == [0, 1, 2]
+    assert seq.store_keys == layout.page_keys(tokens)
+    store.close()
