@@ -47,13 +47,20 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 # closes first: a server that closes at the instant a client reuses the connection resets that request unread
 # (`sluice bench soak` lost one in 21,246 so).
 KEEP_ALIVE_S = 65
-# The flags that tune speculative decoding, and what each sets.
-SPECULATION_FLAGS = {
-    "--num-speculative-tokens": "most draft tokens per sequence and step",
-    "--spec-ngram-min": "shortest suffix matched for drafts",
-    "--spec-ngram-max": "longest suffix matched for drafts",
-    "--spec-max-batch-size": "no drafts while more sequences than this decode (their step is compute-bound)",
-}
+# Flags that tune a mode another flag turns on: set without it (to other than their default), they would do
+# nothing, so they are refused. Each mode: what it is, what turns it on, whether `args` do, and its flags.
+TUNING_FLAGS: list[tuple[str, str, Callable[[argparse.Namespace], bool], tuple[str, ...]]] = [
+    ("speculative decoding", "--speculative ngram", lambda args: args.speculative is not None,
+     ("--num-speculative-tokens", "--spec-ngram-min", "--spec-ngram-max", "--spec-max-batch-size")),
+    ("the persistent prefix cache", "--prefix-cache-dir DIR", lambda args: args.prefix_cache_dir is not None,
+     ("--prefix-cache-size", "--prefix-cache-ram")),
+    ("serving over replicas", "--replicas N", lambda args: args.replicas is not None,
+     ("--routing", "--imbalanced-threshold", "--max-ongoing-requests", "--max-replicas", "--min-replicas",
+      "--target-ongoing-requests", "--upscale-delay", "--downscale-delay")),
+    ("joining a Ray cluster", "--replicas N or --hosts H",
+     lambda args: args.replicas is not None or args.hosts is not None, ("--ray-address",)),
+]
+_BUILT_IN_DEFAULTS: dict[str, Any] = {}  # flag -> its default before the environment's (`_option`)
 
 
 def byte_size(text: str) -> int:
@@ -81,6 +88,7 @@ def _dest(flag: str) -> str:
 def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kwargs: Any) -> None:
     # argparse applies `type` to string defaults, so a malformed environment value fails like a flag would.
     env = env_name(flag)
+    _BUILT_IN_DEFAULTS[flag] = default
     parser.add_argument(flag, default=os.environ.get(env, default), help=f"{help} [env {env}]", **kwargs)
 
 
@@ -118,9 +126,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _switch(parser, "--no-async-scheduling",
             "collect each step before scheduling the next (no overlap of host and device work; for comparison)")
     _option(parser, "--speculative", None, "speculative decoding: 'ngram' (prompt lookup drafts)", choices=["ngram"])
-    for flag, text in SPECULATION_FLAGS.items():  # None unless given: given without --speculative, refused
-        _option(parser, flag, None, f"with --speculative: {text} (default {getattr(_ENGINE_DEFAULTS, _dest(flag))})",
-                type=int)
+    _option(parser, "--num-speculative-tokens", _ENGINE_DEFAULTS.num_speculative_tokens,
+            "with --speculative: most draft tokens per sequence and step", type=int)
+    _option(parser, "--spec-ngram-min", _ENGINE_DEFAULTS.spec_ngram_min,
+            "with --speculative: shortest suffix matched for drafts", type=int)
+    _option(parser, "--spec-ngram-max", _ENGINE_DEFAULTS.spec_ngram_max,
+            "with --speculative: longest suffix matched for drafts", type=int)
+    _option(parser, "--spec-max-batch-size", _ENGINE_DEFAULTS.spec_max_batch_size,
+            "with --speculative: no drafts while more sequences than this decode (their step is compute-bound)",
+            type=int)
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--kv-cache-dtype", _ENGINE_DEFAULTS.kv_cache_dtype,
@@ -214,10 +228,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    speculation = {_dest(flag): value for flag in SPECULATION_FLAGS if (value := getattr(args, _dest(flag))) is not None}
-    if speculation and args.speculative is None:
-        return _refuse(f"--{next(iter(speculation)).replace('_', '-')} tunes speculative decoding, which is off: "
-                       "add --speculative ngram")
+    if (idle := _idle_tuning(args)) is not None:
+        return _refuse(idle)
     if (cache_error := _jax_cache_error()) is not None:
         return _refuse(cache_error)
     try:
@@ -231,7 +243,10 @@ def run(args: argparse.Namespace) -> int:
             num_decode_steps=args.num_decode_steps,
             async_scheduling=not args.no_async_scheduling,
             speculative=args.speculative,
-            **speculation,
+            num_speculative_tokens=args.num_speculative_tokens,
+            spec_ngram_min=args.spec_ngram_min,
+            spec_ngram_max=args.spec_ngram_max,
+            spec_max_batch_size=args.spec_max_batch_size,
             kv_cache_memory=args.kv_cache_memory,
             kv_cache_dtype=args.kv_cache_dtype,
             page_size=args.page_size,
@@ -281,6 +296,15 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(f"cannot listen on {args.host}:{args.port}: {error.strerror}")
     with listener:
         return asyncio.run(_serve(engine_config, settings, args, listener))
+
+
+def _idle_tuning(args: argparse.Namespace) -> str | None:
+    """Why a flag set for a mode that is off is refused (`TUNING_FLAGS`); None if none is."""
+    for mode, switch, on, flags in TUNING_FLAGS:
+        for flag in flags:
+            if not on(args) and getattr(args, _dest(flag)) != _BUILT_IN_DEFAULTS[flag]:
+                return f"{flag} tunes {mode}, which is off: add {switch}"
+    return None
 
 
 def _refuse(message: str) -> int:

@@ -118,13 +118,18 @@ def serve_in_process(monkeypatch, capsys):
     (["--page-size", "48"], {}, "page_size must be a power of two"),
     (["--num-speculative-tokens", "3"], {}, "--num-speculative-tokens tunes speculative decoding, which is off"),
     ([], {"SLUICE_SPEC_NGRAM_MAX": "3"}, "--spec-ngram-max tunes speculative decoding, which is off"),
+    (["--prefix-cache-size", "1G"], {}, "--prefix-cache-size tunes the persistent prefix cache, which is off"),
+    (["--routing", "round-robin"], {}, "--routing tunes serving over replicas, which is off: add --replicas N"),
+    (["--max-replicas", "4"], {}, "--max-replicas tunes serving over replicas, which is off"),
+    ([], {"SLUICE_RAY_ADDRESS": "auto"}, "--ray-address tunes joining a Ray cluster, which is off"),
     ([], {"SLUICE_JAX_CACHE": "{tmp}/file"}, "SLUICE_JAX_CACHE={tmp}/file cannot be a folder (File exists)"),
 ])
 def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path, monkeypatch, serve_in_process,
                                                                         no_model_load, args, env, words):
-    """An address it cannot listen on, a page size the GPU kernels cannot tile, speculation's settings without
-    speculation, a compilation cache that cannot be a folder: one line and exit 2, before the model loads (seconds
-    for a port in use, not the minutes of a load that ends in uvicorn's traceback)."""
+    """An address it cannot listen on, a page size the GPU kernels cannot tile, a mode's settings without the mode
+    (speculation, the persistent prefix cache, replicas, Ray), a compilation cache that cannot be a folder: one
+    line and exit 2, before the model loads (seconds for a port in use, not the minutes of a load that ends in
+    uvicorn's traceback)."""
     (tmp_path / "file").write_text("a file where a folder should be")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
