@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_cache_ram=args.prefix_cache_ram,
         )
     except ValueError as error:
-        return _refuse(str(error))
+        return _refuse(_said_by_flag(error))
     settings = ServerSettings(
         served_model_name=args.served_model_name,
         api_key=args.api_key,
@@ -305,6 +305,13 @@ def _idle_tuning(args: argparse.Namespace) -> str | None:
             if not on(args) and getattr(args, _dest(flag)) != _BUILT_IN_DEFAULTS[flag]:
                 return f"{flag} tunes {mode}, which is off: add {switch}"
     return None
+
+
+def _said_by_flag(error: Exception) -> str:
+    """An error's message as the command line says it: an engine setting by its flag (`--page-size`)."""
+    if isinstance(error, InvalidEngineConfig):
+        return f"--{error.setting.replace('_', '-')} {error.problem}"
+    return str(error)
 
 
 def _refuse(message: str) -> int:
@@ -396,7 +403,7 @@ def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     try:
         engine = Engine.create(engine_config, progress=False)
     except (InvalidEngineConfig, InvalidTensorParallelism) as error:
-        return _refuse(str(error))
+        return _refuse(_said_by_flag(error))
     print(f"Sluice process {args.process_id} of {args.num_processes}: running process 0's steps", flush=True)
     engine.follow()
     return 0
@@ -426,7 +433,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
         server.should_exit = True
         await serving
         if isinstance(loading.exception(), (InvalidModel, InvalidEngineConfig, InvalidTensorParallelism)):  # input
-            return _refuse(str(loading.exception()))
+            return _refuse(_said_by_flag(loading.exception()))
         logger.error("Could not start the engine: %s", loading.exception())
         return 1
     engine, peaks = loading.result()

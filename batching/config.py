@@ -42,8 +42,13 @@ def default_batch(platform: str, device_bytes: int | None, device_kind: str = ""
 
 
 class InvalidEngineConfig(ValueError):
-    """Engine settings that cannot be served (some found so only once the model is read): the message names the
-    setting and what it may be."""
+    """Engine settings that cannot be served (some found so only once the model is read): `setting`, the field
+    of `EngineConfig`, and its `problem` (what it may be)."""
+
+    def __init__(self, setting: str, problem: str):
+        super().__init__(f"{setting} {problem}")
+        self.setting = setting
+        self.problem = problem
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ class EngineConfig:
         ]
         for ok, name, why in checks:
             if not ok:
-                raise InvalidEngineConfig(f"{name} {why}, got {getattr(self, name)!r}")
+                raise InvalidEngineConfig(name, f"{why}, got {getattr(self, name)!r}")
 
     def with_device_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
         """This config with the batch limits (`default_batch`) and the page size it leaves unset taken for a device

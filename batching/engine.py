@@ -92,8 +92,8 @@ def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_pages: i
     request without max_tokens may fill the rest of the context, which a smaller pool would refuse every time."""
     if config.max_model_len is not None:
         if config.max_model_len > model.max_position_embeddings:
-            raise InvalidEngineConfig(f"max_model_len {config.max_model_len} exceeds the model's context of "
-                                      f"{model.max_position_embeddings} tokens")
+            raise InvalidEngineConfig("max_model_len", f"{config.max_model_len} exceeds the model's context of "
+                                                       f"{model.max_position_embeddings} tokens")
         return config.max_model_len
     longest = min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
     pooled = num_pages * config.page_size
@@ -163,8 +163,8 @@ class Engine:
         kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh)
         page_bytes = kv_page_bytes(loaded.config, config.page_size, kv_dtype)
         if kv_bytes < page_bytes:
-            raise InvalidEngineConfig(f"a KV pool of {kv_bytes:,} bytes holds no page: one page of "
-                                      f"{config.page_size} tokens takes {page_bytes:,} bytes (--kv-cache-memory)")
+            raise InvalidEngineConfig("kv_cache_memory", f"of {kv_bytes:,} bytes holds no page: one page of "
+                                                         f"{config.page_size} tokens takes {page_bytes:,} bytes")
         num_pages = kv_bytes // page_bytes
         self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
         self.limits = RequestLimits(

@@ -115,7 +115,7 @@ def serve_in_process(monkeypatch, capsys):
 @pytest.mark.parametrize(("args", "env", "words"), [
     (["--port", "{busy}"], {}, "cannot listen on 127.0.0.1:{busy}: Address already in use"),
     (["--host", "999.1.1.1"], {}, "cannot listen on 999.1.1.1:0: Name or service not known"),
-    (["--page-size", "48"], {}, "page_size must be a power of two"),
+    (["--page-size", "48"], {}, "--page-size must be a power of two"),
     (["--num-speculative-tokens", "3"], {}, "--num-speculative-tokens tunes speculative decoding, which is off"),
     ([], {"SLUICE_SPEC_NGRAM_MAX": "3"}, "--spec-ngram-max tunes speculative decoding, which is off"),
     (["--prefix-cache-size", "1G"], {}, "--prefix-cache-size tunes the persistent prefix cache, which is off"),
@@ -145,8 +145,8 @@ def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path
 @pytest.mark.parametrize(("args", "words"), [
     (["--tp", "1024"], "--tp 1024 needs 1024 devices but only"),
     (["--model", "{tmp}/hf"], "{tmp}/hf does not read as a model: KeyError"),
-    (["--max-model-len", "100000"], "max_model_len 100000 exceeds the model's context of 8192 tokens"),
-    (["--kv-cache-memory", "1K"], "a KV pool of 1,024 bytes holds no page"),
+    (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 8192 tokens"),
+    (["--kv-cache-memory", "1K"], "--kv-cache-memory of 1,024 bytes holds no page"),
 ])
 def test_serve_input_found_bad_once_loading_begins_is_a_one_line_error(tmp_path, serve_in_process, args, words):
     """What only loading finds (the devices --tp asks for, a model folder's contents, the model's context, a page's
