@@ -14,6 +14,7 @@ import shlex
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -58,21 +59,20 @@ def run(args: argparse.Namespace) -> int:
     spec = SyntheticSpec(args.concurrency, seed=args.seed)
     requests = synthetic(spec)
     stop = threading.Event()
-    result: dict[str, dict[str, list[float]]] = {}
-    prober = threading.Thread(target=lambda: result.update(times=probe(args.url, args.interval_ms / 1e3, stop)))
-    prober.start()
-    try:
-        records, duration = asyncio.run(run_load(requests, LoadConfig(args.url, max_concurrency=args.concurrency)))
-    finally:
-        stop.set()
-        prober.join()
+    with ThreadPoolExecutor(1, thread_name_prefix="prober") as prober:  # its failure is raised here, by `result`
+        probing = prober.submit(probe, args.url, args.interval_ms / 1e3, stop)
+        try:
+            records, duration = asyncio.run(run_load(requests, LoadConfig(args.url, max_concurrency=args.concurrency)))
+        finally:
+            stop.set()
+        times = probing.result()
     failed = sum(1 for r in records if not r.ok)
     tokens = sum(r.output_tokens for r in records)
     print(f"load: {args.concurrency} concurrent streaming requests ({spec.describe()}), {duration:.1f} s, "
           f"{tokens} output tokens, {failed} failed")
     print("| path | probes | p50 ms | p90 ms | p99 ms | max ms |\n|---|---:|---:|---:|---:|---:|")
     for path in PROBED:
-        s = ProbeStats.of(path, result["times"][path])
+        s = ProbeStats.of(path, times[path])
         print(f"| {s.path} | {s.count} | {s.p50_ms:.1f} | {s.p90_ms:.1f} | {s.p99_ms:.1f} | {s.max_ms:.1f} |")
     print(f"command: {shlex.join(['sluice', 'bench', 'responsiveness', *sys.argv[1:]])}")
     return 0 if failed == 0 else 1

@@ -159,10 +159,12 @@ def test_serve_input_found_bad_once_loading_begins_is_a_one_line_error(tmp_path,
     assert [line for line in errors if "error" in line.lower()] == errors[-1:]
 
 
-def test_bench_without_a_server_at_its_url_is_a_one_line_error(capsys):
+@pytest.mark.parametrize("args", [["server_threads", "--pid", "1"], ["responsiveness"]])
+def test_bench_without_a_server_at_its_url_is_a_one_line_error(capsys, args):
+    """(responsiveness's prober thread printed its own traceback first.)"""
     from sluice.app.cli import main
 
-    assert main(["bench", "server_threads", "--url", "http://127.0.0.1:9", "--pid", "1"]) == 2
+    assert main(["bench", args[0], "--url", "http://127.0.0.1:9", *args[1:]]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("sluice: error: cannot connect to http://127.0.0.1:9/"), errors
 
