@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, RootModel, field_validator, model_validator
+from pydantic import BaseModel, Field, RootModel, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from sluice.app.schemas import MAX_STOP_STRINGS, MAX_TOOLS, ToolName, _Request
@@ -137,6 +137,16 @@ class CountTokensRequest(_Request):
     tools: list[ToolParam] = Field(default_factory=list, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
     thinking: dict[str, Any] | None = Field(None, description='not supported: only {"type": "disabled"}')
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        names = {tool.name for tool in info.data.get("tools", [])}
+        if isinstance(choice, ToolChoiceTool) and choice.name not in names:
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
+        if isinstance(choice, ToolChoiceAny) and not names:
+            raise ValueError('tool_choice "any" needs tools')
+        return choice
 
     @field_validator("thinking")
     @classmethod
