@@ -162,13 +162,13 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
 
 def check_tool_schemas(engine: Engine, tools: list[ToolDefinition], schema_field: str = "function.parameters"
                        ) -> None:
-    """Compiles each function's parameters schema (a millisecond each): one that does not compile is a 400
-    naming it (`tools.{i}.{schema_field}`, as the request's API calls it), whether or not a grammar will force
-    the calls."""
+    """Checks that each function's parameters schema compiles (a millisecond, once per distinct schema): one that
+    does not is a 400 naming it (`tools.{i}.{schema_field}`, as the request's API calls it), whether or not a
+    grammar will force the calls."""
     for i, tool in enumerate(tools):
         schema = tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
         try:
-            engine.grammars.compile(StructuredOutput("json_schema", json.dumps(schema)))
+            engine.grammars.check(StructuredOutput("json_schema", json.dumps(schema)))
         except RequestRejected as error:
             raise invalid_request(f"tools.{i}.{schema_field}: {error}", param=f"tools.{i}.{schema_field}") from None
 

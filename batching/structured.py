@@ -16,6 +16,7 @@ another way, so the output is the same token for token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from sluice.batching.sampling_params import RequestRejected, StructuredOutput
 from sluice.model.tokenizer import Tokenizer
 
+CHECKED_SPECS = 1024  # specs whose check's outcome `GrammarCompiler.check` remembers
 # llguidance's JSON options; a schema's own "x-guidance" key overrides them.
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 _WHAT = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -100,6 +102,7 @@ class GrammarCompiler:
             raise RequestRejected(f"structured output is not available with this model's tokenizer: {error}") from None
         self.executor = llguidance.LLExecutor()
         self.scratch = np.zeros((1, -(-vocab_size // 32)), np.int32)
+        self._checked = lru_cache(maxsize=CHECKED_SPECS)(self._problem)
 
     def compile(self, spec: StructuredOutput) -> Grammar:
         """A fresh matcher for `spec`; InvalidGrammar naming the problem if it does not compile."""
@@ -118,6 +121,19 @@ class GrammarCompiler:
         if (error := self._first_token_error(matcher)) is not None:
             raise InvalidGrammar(f"{what} too large for structured output: {error}")
         return Grammar(matcher, self.executor, self.scratch)
+
+    def check(self, spec: StructuredOutput) -> None:
+        """Raises InvalidGrammar as `compile` would, keeping no matcher. Outcomes are remembered (the last
+        CHECKED_SPECS specs): an agent sends the same tools' schemas with every request."""
+        if (problem := self._checked(spec)) is not None:
+            raise InvalidGrammar(problem)
+
+    def _problem(self, spec: StructuredOutput) -> str | None:
+        try:
+            self.compile(spec)
+        except InvalidGrammar as error:
+            return str(error)
+        return None
 
     def _first_token_error(self, matcher: Any) -> str | None:
         """What llguidance says when a copy of `matcher` takes its first allowed token, if it refuses it: some of

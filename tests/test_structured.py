@@ -55,6 +55,21 @@ def test_invalid_or_unsupported_grammar_is_rejected_naming_the_problem(compiler,
         compiler.compile(spec)
 
 
+def test_a_check_refuses_what_compile_refuses_and_compiles_each_spec_once(compiler, monkeypatch):
+    """Tools' schemas are checked with every request that carries them: an agent's are the same each time."""
+    compiled = []
+    compile_ = compiler.compile
+    monkeypatch.setattr(compiler, "compile", lambda spec: compiled.append(spec) or compile_(spec))
+    good = StructuredOutput("json_schema", json.dumps({"type": "object",
+                                                       "properties": {"checked_once": {"type": "integer"}}}))
+    bad = StructuredOutput("regex", "[a-q")
+    for _ in range(3):
+        compiler.check(good)
+        with pytest.raises(InvalidGrammar, match="unclosed character class"):
+            compiler.check(bad)
+    assert compiled == [good, bad]
+
+
 def test_a_tokenizer_with_tokens_beyond_the_models_logits_rejects_structured_output(tokenizer):
     with pytest.raises(RequestRejected, match="structured output is not available"):
         GrammarCompiler(tokenizer, 256, (EOS,))
