@@ -72,7 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least(low: float, kind: type) -> Callable[[str], float]:
+def at_least(low: float, kind: type) -> Callable[[str], float]:
     """An argparse type: `kind` of the text, refused below `low`."""
 
     def parse(text: str) -> float:
@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="complete one prompt offline, streaming to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=_at_least(1, int), default=128)
-    gen.add_argument("--temperature", type=_at_least(0.0, float), default=0.0, help="0: greedy")
+    gen.add_argument("--max-tokens", type=at_least(1, int), default=128)
+    gen.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0: greedy")
     gen.add_argument("--seed", type=int, default=0)
     _add_model_arguments(gen)
     gen.set_defaults(run=_generate)

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from sluice.app.cli import at_least
 from sluice.bench.dataset import DEFAULT_OUTPUT, DEFAULT_PROMPT, BenchRequest, LengthDistribution, SyntheticSpec, load_jsonl, synthetic
 from sluice.bench import prefix_cache
 from sluice.bench.metrics import RequestRecord, Slo, Summary, summarize
@@ -234,20 +235,9 @@ def request_rate(text: str) -> float:
     return rate
 
 
-def at_least_one(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
-
-
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="synthetic", help="'synthetic' or a JSONL file of {prompt, output_tokens}")
-    parser.add_argument("--num-requests", type=at_least_one, default=64)
+    parser.add_argument("--num-requests", type=at_least(1, int), default=64)
     parser.add_argument("--seed", type=int, default=0, help="seeds the synthetic workload and the arrival times")
     parser.add_argument("--prompt-len-mean", type=float, default=DEFAULT_PROMPT.mean)
     parser.add_argument("--prompt-len-max", type=int, default=DEFAULT_PROMPT.max)
@@ -276,7 +266,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    parser.add_argument("--max-concurrency", type=at_least_one, default=None, help="most requests in flight")
+    parser.add_argument("--max-concurrency", type=at_least(1, int), default=None, help="most requests in flight")
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")
     parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
     parser.add_argument("--roofline-model", default=None, help="model file whose shape the roofline uses (default: SmolLM2)")
