@@ -42,8 +42,6 @@ class ScaleOutConfig:
             raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
-        if self.max_replicas is None and self.min_replicas is not None:
-            raise ValueError("--min-replicas needs --max-replicas (autoscaling)")
         if self.max_replicas is not None and not (self.lowest <= self.replicas <= self.max_replicas):
             raise ValueError(f"need --min-replicas <= --replicas <= --max-replicas, got "
                              f"{self.lowest} <= {self.replicas} <= {self.max_replicas}")

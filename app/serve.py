@@ -57,6 +57,9 @@ TUNING_FLAGS: list[tuple[str, str, Callable[[argparse.Namespace], bool], tuple[s
     ("serving over replicas", "--replicas N", lambda args: args.replicas is not None,
      ("--routing", "--imbalanced-threshold", "--max-ongoing-requests", "--max-replicas", "--min-replicas",
       "--target-ongoing-requests", "--upscale-delay", "--downscale-delay")),
+    ("autoscaling", "--max-replicas N", lambda args: args.max_replicas is not None,
+     ("--min-replicas", "--target-ongoing-requests", "--upscale-delay", "--downscale-delay")),
+    ("prefix-aware routing", "--routing prefix", lambda args: args.routing == "prefix", ("--imbalanced-threshold",)),
     ("joining a Ray cluster", "--replicas N or --hosts H",
      lambda args: args.replicas is not None or args.hosts is not None, ("--ray-address",)),
 ]

@@ -114,6 +114,9 @@ class EngineConfig:
             (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
              "must be at least 1"),
+            (None in (self.max_num_seqs, self.max_num_batched_tokens)
+             or self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+             f"must be at least the sequences a step may run ({self.max_num_seqs}), one token of each"),
             (self.num_decode_steps >= 1, "num_decode_steps", "must be at least 1"),
             (self.speculative in (None, "ngram"), "speculative", "must be 'ngram' or unset"),
             (1 <= self.num_speculative_tokens <= 15, "num_speculative_tokens", "must be in [1, 15]"),
@@ -145,9 +148,10 @@ class EngineConfig:
 
     def with_device_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
         """This config with the batch limits (`default_batch`) and the page size it leaves unset taken for a device
-        (`default_batch`'s arguments)."""
+        (`default_batch`'s arguments). A limit left unset yields to the other one given (a step's token budget at
+        least its sequences)."""
         seqs, tokens = default_batch(platform, device_bytes, device_kind)
         page_size = CPU_PAGE_SIZE if platform == "cpu" else ACCELERATOR_PAGE_SIZE
-        return replace(self, max_num_seqs=self.max_num_seqs or seqs,
-                       max_num_batched_tokens=self.max_num_batched_tokens or tokens,
+        return replace(self, max_num_seqs=self.max_num_seqs or min(seqs, self.max_num_batched_tokens or seqs),
+                       max_num_batched_tokens=self.max_num_batched_tokens or max(tokens, self.max_num_seqs or 0),
                        page_size=self.page_size or page_size)

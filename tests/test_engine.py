@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU_BATCH, CPU_PAGE_SIZE, \
-    LARGE_ACCELERATOR_BATCH, EngineConfig, default_batch
+    LARGE_ACCELERATOR_BATCH, EngineConfig, InvalidEngineConfig, default_batch
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import RequestRejected
@@ -70,6 +70,15 @@ def test_batch_limits_and_page_size_left_unset_are_the_devices_and_set_ones_are_
     kept = EngineConfig(max_num_seqs=8, page_size=32).with_device_defaults("gpu", h100)
     assert (kept.max_num_seqs, kept.max_num_batched_tokens, kept.page_size) == (8, 8192, 32)
     assert EngineConfig().with_device_defaults("gpu", h100).page_size == ACCELERATOR_PAGE_SIZE == 16
+
+
+def test_a_steps_token_budget_is_never_below_its_sequences():
+    """A decode step holds a token of each running sequence: a budget below the batch is refused when both are
+    given, and a limit left unset yields to the one given."""
+    with pytest.raises(InvalidEngineConfig, match=r"tokens must be at least the sequences a step may run \(64\)"):
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    assert EngineConfig(max_num_batched_tokens=32).with_device_defaults("cpu", None).max_num_seqs == 32
+    assert EngineConfig(max_num_seqs=1024).with_device_defaults("cpu", None).max_num_batched_tokens == 1024
 
 
 def test_small_pool_preempts_yet_every_request_gets_its_greedy_tokens_and_no_page_is_left(tiny):

@@ -46,7 +46,10 @@ def test_the_serve_flags_parse_without_importing_ray():
 def test_a_bad_scale_out_flag_is_a_one_line_error_before_ray_starts():
     for flags, message in (
         (["--replicas", "0"], "--replicas must be at least 1, got 0"),
-        (["--replicas", "2", "--min-replicas", "1"], "--min-replicas needs --max-replicas (autoscaling)"),
+        (["--replicas", "2", "--min-replicas", "1"],
+         "--min-replicas tunes autoscaling, which is off: add --max-replicas N"),
+        (["--replicas", "2", "--routing", "pow2", "--imbalanced-threshold", "8"],
+         "--imbalanced-threshold tunes prefix-aware routing, which is off: add --routing prefix"),
         (["--replicas", "3", "--max-replicas", "2"], "need --min-replicas <= --replicas <= --max-replicas, got 1 <= 3 <= 2"),
     ):
         result = sluice("serve", *flags)
