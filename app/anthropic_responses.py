@@ -6,6 +6,10 @@ each block opens with `content_block_start`, grows by `text_delta`s or `input_js
 `content_block_stop`; `message_delta` then carries the stop reason (with the stop sequence that ended the reply, if
 one did) and usage. A `ping` follows `message_start`, as in Anthropic's streams. An error during a stream becomes
 an `error` event.
+
+Usage splits the prompt as Anthropic does: `input_tokens` are the tokens computed, `cache_read_input_tokens` those the
+prefix cache held. The engine reports the split when the reply ends, so a stream's `message_start` counts the whole
+prompt as input, and its `message_delta` (whose counts replace them, as Anthropic's clients read them) gives the split.
 """
 
 from __future__ import annotations
@@ -158,8 +162,10 @@ class MessageBuilder:
 
     def _usage(self, generation: Generation) -> MessageUsage:
         usage = generation.usage
-        output_tokens = usage.completion_tokens if usage is not None else self._num_tokens
-        return MessageUsage(input_tokens=self._input_tokens, output_tokens=output_tokens)
+        if usage is None:
+            return MessageUsage(input_tokens=self._input_tokens, output_tokens=self._num_tokens)
+        return MessageUsage(input_tokens=self._input_tokens - usage.cached_prompt_tokens,
+                            cache_read_input_tokens=usage.cached_prompt_tokens, output_tokens=usage.completion_tokens)
 
     def _message(self, content: list[TextBlock | ToolUseBlock], stop_reason: StopReason | None,
                  stop_sequence: str | None, usage: MessageUsage) -> Message:

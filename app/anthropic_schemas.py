@@ -214,8 +214,15 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class MessageUsage(BaseModel):
+    """Anthropic's split of the prompt: `input_tokens` + `cache_creation_input_tokens` + `cache_read_input_tokens`
+    is its length. `cache_read_input_tokens`: the prompt's prefix found in the prefix cache (not computed again).
+    `cache_creation_input_tokens` is 0: Anthropic counts there the tokens a request's `cache_control` breakpoints
+    write, billed apart; Sluice caches every prompt's prefix by itself, and no request asks it to."""
+
     input_tokens: int
     output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
 
 
 class Message(BaseModel):

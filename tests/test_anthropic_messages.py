@@ -45,6 +45,11 @@ WEATHER = {
 }
 
 
+def prompt_length(usage: anthropic.types.Usage) -> int:
+    """The prompt's length, as Anthropic splits it: computed, written to the cache, and read from it."""
+    return usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("anthropic") / "tiny"
@@ -79,9 +84,26 @@ def test_a_stream_assembles_to_the_unstreamed_message_at_temperature_0(client):
         streamed = stream.get_final_message()
     assert [b.text for b in streamed.content] == [b.text for b in whole.content]
     assert streamed.stop_reason == whole.stop_reason
-    assert streamed.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_length(streamed.usage) == prompt_length(whole.usage)
     assert streamed.usage.output_tokens == whole.usage.output_tokens > 0
     assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_repeated_prompt_is_read_from_the_cache_and_input_tokens_count_only_the_rest(client, stream):
+    """Anthropic's usage semantics: the prefix cache's share is cache_read_input_tokens, not input_tokens."""
+    # Longer than a KV page (64 tokens on a CPU): the cache holds whole pages.
+    messages = [{"role": "user", "content": f"streamed: {stream}; " + "the quick brown fox jumps over the lazy dog " * 3}]
+    counted = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    kwargs = dict(model=MODEL, max_tokens=2, messages=messages, **GREEDY)
+    client.messages.create(**kwargs)
+    if stream:
+        with client.messages.stream(**kwargs) as events:
+            usage = events.get_final_message().usage
+    else:
+        usage = client.messages.create(**kwargs).usage
+    assert 0 < usage.cache_read_input_tokens < counted and usage.cache_creation_input_tokens == 0
+    assert usage.input_tokens + usage.cache_read_input_tokens == counted
 
 
 def test_a_stop_sequence_is_named_as_the_stop_reason(client):
@@ -127,7 +149,7 @@ def test_tool_choice_any_gives_a_valid_tool_use_and_a_tool_result_continues(clie
     reply = client.messages.create(**{**request, "tool_choice": {"type": "auto"}, "max_tokens": 6,
                                       "messages": conversation})
     assert reply.stop_reason in ("end_turn", "max_tokens")
-    assert reply.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert prompt_length(reply.usage) > prompt_length(first.usage) + first.usage.output_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -187,7 +209,7 @@ def test_an_empty_final_assistant_message_is_no_prefill(empty):
 def test_count_tokens_counts_the_prompt_that_create_renders(client):
     kwargs = dict(model=MODEL, messages=HELLO, system="Be brief.", tools=[WEATHER])
     counted = client.messages.count_tokens(**kwargs).input_tokens
-    assert counted == client.messages.create(**kwargs, max_tokens=1).usage.input_tokens
+    assert counted == prompt_length(client.messages.create(**kwargs, max_tokens=1).usage)
     assert counted > client.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens
 
 
@@ -198,7 +220,7 @@ def test_a_final_assistant_message_is_the_start_of_the_reply(server, client):
     tokenized = httpx.post(f"{server.url}/tokenize", json={"prompt": continued}, headers={"x-api-key": API_KEY})
     assert client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens == tokenized.json()["count"]
     message = client.messages.create(model=MODEL, max_tokens=4, messages=prefill)
-    assert message.usage.input_tokens == tokenized.json()["count"]
+    assert prompt_length(message.usage) == tokenized.json()["count"]
 
 
 def test_consecutive_messages_of_one_role_are_one_turn(client):
@@ -271,7 +293,7 @@ def test_the_clients_tool_runner_runs_its_loop_sending_whole_histories(client, s
     replies = [(turn.get_final_message() if stream else turn) for turn in runner]
     assert [reply.stop_reason for reply in replies] == ["tool_use", "tool_use"] and len(asked) == 2
     # The second reply's prompt held the first turn: its call and the tool's result.
-    assert replies[1].usage.input_tokens > replies[0].usage.input_tokens + replies[0].usage.output_tokens
+    assert prompt_length(replies[1].usage) > prompt_length(replies[0].usage) + replies[0].usage.output_tokens
 
 
 def test_a_message_thread_is_refused_as_one_the_client_can_go_on_without(server):
@@ -314,6 +336,22 @@ def test_the_stop_sequence_is_the_one_the_engine_stopped_on_even_if_its_text_is_
     whole = asyncio.run(builder().collect(replay))
     assert (whole.stop_reason, whole.stop_sequence) == expected
     assert asyncio.run(streamed()) == dict(zip(("stop_reason", "stop_sequence"), expected))
+
+
+def test_message_start_counts_the_whole_prompt_as_input_and_message_delta_splits_off_the_cached_part():
+    """The engine reports the prefix cache's share when the reply ends, after message_start went out."""
+    replay = _Replay(["Hi"])
+    replay.usage = Usage(prompt_tokens=3, completion_tokens=1, cached_prompt_tokens=2)
+
+    async def stream() -> list[dict]:
+        return [json.loads(event.split(b"data: ")[1])
+                async for event in MessageBuilder("msg_1", MODEL, 3, None).events(replay)]
+
+    events = {event["type"]: event for event in asyncio.run(stream())}
+    split = {"input_tokens": 1, "output_tokens": 1, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 2}
+    assert events["message_start"]["message"]["usage"] == {**split, "input_tokens": 3, "output_tokens": 0,
+                                                           "cache_read_input_tokens": 0}
+    assert events["message_delta"]["usage"] == split
 
 
 def test_text_after_a_call_is_a_block_after_it_whole_as_streamed():
