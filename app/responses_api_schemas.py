@@ -219,7 +219,12 @@ OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="
 
 
 class InputTokensDetails(BaseModel):
+    """`cached_tokens`: the prompt's prefix the prefix cache held. `cache_write_tokens` is 0: OpenAI counts there the
+    tokens a request's prompt caching writes to be kept (billed apart); Sluice caches every prompt's prefix by
+    itself, for as long as the pool has room, and no request asks it to."""
+
     cached_tokens: int
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):

@@ -190,6 +190,12 @@ def test_a_string_input_is_answered_in_one_message_with_usage(client):
     assert usage.input_tokens_details.cached_tokens >= 0
 
 
+def test_usage_has_every_field_the_openai_types_require(server):
+    reply = post(server, "/v1/responses", {"input": "Hi", **GREEDY}).json()
+    usage = openai.types.responses.ResponseUsage.model_validate(reply["usage"])
+    assert usage.input_tokens_details.cache_write_tokens == 0
+
+
 def test_running_out_of_max_output_tokens_is_incomplete(client):
     reply = client.responses.create(input="Tell me a long story.", **GREEDY)
     assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
