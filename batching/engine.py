@@ -419,11 +419,11 @@ class Engine:
             self._collect()
             if self._num_step_failures != failures:
                 launched = None  # fed from the failed step, on a pool that is gone
-        self._emit_text()
-        self._flush()
         self._in_flight = launched
         if not overlap:
-            self._collect()
+            self._collect()  # before its stop strings are searched: a sequence they end is not scheduled again
+        self._emit_text()
+        self._flush()
         self._num_steps += 1
         self._stats = self._snapshot(self._last_step)
 

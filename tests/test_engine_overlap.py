@@ -158,6 +158,19 @@ def test_a_stop_string_found_while_the_next_step_runs_emits_nothing_after_it(tin
     assert engine.stats.kv_pages_used == 0
 
 
+def test_collecting_every_step_first_a_stop_string_ends_its_sequence_before_the_next_step(tiny):
+    """Without overlap, the host knows a step's tokens before it schedules the next, so a stop string costs no
+    step past the one that sampled it: one step a token, the prompt's included."""
+    engine = make_engine(tiny, async_scheduling=False)
+    prompt = [31, 32, 33, 34, 35]
+    free = engine.generate([prompt], GREEDY)[0][0]
+    stop = free.text[len(free.text) // 3:len(free.text) // 3 + 2]
+    steps = engine.stats.num_steps
+    by_text = engine.generate([prompt], replace(GREEDY, stop=(stop,)))[0][0]
+    assert by_text.finish_reason == "stop" and len(by_text.token_ids) < len(free.token_ids)
+    assert engine.stats.num_steps - steps == len(by_text.token_ids)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
 def test_max_tokens_is_exact_although_the_host_schedules_ahead(tiny, max_tokens):
     engine = make_engine(tiny)
