@@ -70,10 +70,10 @@ class ServerMetrics:
             self.recent.e2e.append(seconds)
 
     def responded(self, route: str, status: int, error_message: str | None) -> None:
-        """Every HTTP response; `error_message` that of an error response's body. A /health 503 (loading,
-        draining) is the probe's answer, not a failure: it is not listed."""
+        """Every HTTP response; `error_message` that of an error response's body. A /health (or /ping) 503
+        (loading, draining) is the probe's answer, not a failure: it is not listed."""
         self.requests.labels(route=route, status=str(status)).inc()
-        if error_message is not None and route != "/health":
+        if error_message is not None and route not in ("/health", "/ping"):
             self.recent.error(status, route, error_message)
 
     def stream_failed(self, status: int, request_id: str, message: str) -> None:

@@ -18,7 +18,7 @@ from sluice.app.openapi import path_template
 logger = logging.getLogger(__name__)
 
 # Probes, scrapers and API explorers do not hold the API key (nor does a browser opening the dashboard page).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
 
 
 class InternalErrorMiddleware:

@@ -785,6 +785,10 @@ class HealthResponse(BaseModel):
     status: Literal["ok"]
 
 
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

@@ -164,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "device's decisions stall each step)", choices=list(SAMPLER_BRANCHES))
     _option(parser, "--max-waiting", _SERVER_DEFAULTS.max_waiting,
             "most sequences waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int)
-    _option(parser, "--api-key", None, "require `Authorization: Bearer KEY` on all routes but /health and /metrics")
+    _option(parser, "--api-key", None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on all routes but "
+            "/health, /metrics, /openapi.json and the dashboard's")
     _option(parser, "--max-body-bytes", _SERVER_DEFAULTS.max_body_bytes, "largest request body (413 beyond)",
             type=byte_size)
     _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting", type=float)
@@ -197,9 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--peak-bandwidth-gbs", None, "one device's peak memory bandwidth for the dashboard's roofline",
             type=float)
     _option(parser, "--hosts", None, "run one engine over this many processes, one per host, as Ray actors (its "
-            "--tp split evenly over them; needs `pip install 'sluice[ray]'`)", type=int)
+            "--tp split evenly over them; needs Ray Serve: `pip install -e '.[ray]'` in the checkout)", type=int)
     _option(parser, "--replicas", None, "serve with this many engine replicas behind one ingress, as a Ray Serve "
-            "application (needs `pip install 'sluice[ray]'`)", type=int)
+            "application (needs Ray Serve: `pip install -e '.[ray]'` in the checkout)", type=int)
     _option(parser, "--ray-address", None, "with --replicas or --hosts: join this Ray cluster (default: start a local one)")
     _option(parser, "--routing", _SCALE_DEFAULTS.routing,
             "with --replicas: how the ingress picks a replica: prefix (the one that was sent the longest prefix of "
@@ -398,7 +399,7 @@ def _ray_missing(error: ModuleNotFoundError, flag: str) -> int:
     """Says how to install Ray when Ray is what is missing; any other missing module is a bug, raised."""
     if error.name is None or error.name.split(".")[0] != "ray":
         raise error
-    return _refuse(f"{flag} needs Ray Serve: pip install 'sluice[ray]' (in a checkout: pip install -e '.[ray]')")
+    return _refuse(f"{flag} needs Ray Serve: pip install -e '.[ray]' in Sluice's checkout")
 
 
 def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:

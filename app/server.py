@@ -60,6 +60,7 @@ from sluice.app.schemas import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 from sluice.app.state import ServerState
 
@@ -71,6 +72,10 @@ async def health(request: Request) -> Response:
                   else "the engine failed a step and is starting over, or hung")
         return error_response(not_ready(reason))
     return JSONResponse({"status": "ok"})
+
+
+async def server_version(request: Request) -> Response:
+    return json_response(VersionResponse(version=version("sluice")))
 
 
 async def metrics(request: Request) -> Response:
@@ -104,6 +109,9 @@ Handler = Callable[[Request], Awaitable[Response]]
 ROUTES: list[tuple[Handler, Operation]] = [
     (health, Operation("/health", "GET", "Readiness: 200 once the model serves, 503 while loading or draining",
                        response=HealthResponse)),
+    (health, Operation("/ping", "GET", "/health by its other name (vLLM's, SageMaker's)", response=HealthResponse)),
+    (health, Operation("/ping", "POST", "/health by its other name (vLLM's, SageMaker's)", response=HealthResponse)),
+    (server_version, Operation("/version", "GET", "Sluice's version", response=VersionResponse)),
     (metrics, Operation("/metrics", "GET", "Prometheus metrics", media_type="text/plain")),
     (openapi, Operation("/openapi.json", "GET", "This document")),
     (list_models, Operation("/v1/models", "GET", "The served model", response=ModelList)),

@@ -60,7 +60,8 @@ def disk_pages(url: str, name: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="sluice bench prefix_restart", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--prompts", type=int, default=3, help="distinct long prompts, each asked cold then warm")
     parser.add_argument("--restart", choices=["sigkill", "sigterm"], default="sigkill")

@@ -55,7 +55,7 @@ def probe(url: str, interval_s: float, stop: threading.Event) -> dict[str, list[
     return times
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, argv: list[str]) -> int:
     spec = SyntheticSpec(args.concurrency, seed=args.seed)
     requests = synthetic(spec)
     stop = threading.Event()
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     for path in PROBED:
         s = ProbeStats.of(path, times[path])
         print(f"| {s.path} | {s.count} | {s.p50_ms:.1f} | {s.p90_ms:.1f} | {s.p99_ms:.1f} | {s.max_ms:.1f} |")
-    print(f"command: {shlex.join(['sluice', 'bench', 'responsiveness', *sys.argv[1:]])}")
+    print(f"command: {shlex.join(['sluice', 'bench', 'responsiveness', *argv])}")
     return 0 if failed == 0 else 1
 
 
@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sluice bench responsiveness", description=__doc__)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    return run(parser.parse_args(argv), argv)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.bench.sweep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="sluice bench sweep", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

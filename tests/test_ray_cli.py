@@ -31,8 +31,7 @@ def test_without_ray_replicas_says_how_to_install_it():
     result = sluice("serve", "--replicas", "2", block_ray=True)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "sluice serve: error: --replicas needs Ray Serve: pip install 'sluice[ray]' "
-        "(in a checkout: pip install -e '.[ray]')")
+        "sluice serve: error: --replicas needs Ray Serve: pip install -e '.[ray]' in Sluice's checkout")
 
 
 def test_the_serve_flags_parse_without_importing_ray():

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import re
 import time
+from importlib.metadata import version
 
 import pytest
 from starlette.testclient import TestClient
@@ -69,6 +70,15 @@ def test_health_and_metrics_need_no_api_key():
     c = client(api_key=KEY)
     assert c.get("/metrics").status_code == 200
     assert c.get("/health").status_code == 503
+
+
+def test_vllms_ping_and_version_routes_answer_without_the_api_key():
+    """/ping is /health by the name vLLM (and SageMaker) probe, GET or POST; /version is the package's."""
+    state = ServerState(ServerSettings(api_key=KEY))
+    c = TestClient(create_app(state))
+    assert c.get("/ping").status_code == c.post("/ping").status_code == 503
+    assert c.get("/version").json() == {"version": version("sluice")}
+    assert state.metrics.recent.take().errors == []  # a probe's 503 is not an error to list
 
 
 def test_body_over_the_limit_is_413():
