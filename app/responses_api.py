@@ -1,7 +1,8 @@
 """The Responses API routes: `POST /v1/responses` (served by the chat path), and `GET` / `DELETE` of a stored one.
 
 Where a request goes: `parse_body` (`responses_api_schemas.py`) -> the earlier response's conversation, if it
-continues one (`responses_api_store.py`, held by the server state) -> a chat request (`responses_api_convert.py`)
+continues one, and the stored items its input references (`responses_api_store.py`, held by the server state)
+-> a chat request (`responses_api_convert.py`)
 -> `plan_chat` (`routes.py`: prompt, parameters, forced calls) -> the engine -> `responses_api_builder.py` (the
 response or its events) -> the store.
 """
@@ -29,8 +30,11 @@ from sluice.app.responses_api_convert import (
 )
 from sluice.app.responses_api_schemas import (
     DeletedResponse,
+    InputItem,
     InputItemList,
     InputItemsQuery,
+    ItemReference,
+    RequestItem,
     ResponseObject,
     ResponsesRequest,
 )
@@ -46,7 +50,7 @@ def response_not_found(response_id: str, param: str | None = None) -> APIError:
 async def create_response(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, ResponsesRequest)
-    items = earlier_items(state, body.previous_response_id) + body.input
+    items = earlier_items(state, body.previous_response_id) + referenced_items(state, body.input)
     chat = chat_request(body, items)
     response_id = f"resp_{uuid.uuid4().hex}"
     try:
@@ -65,8 +69,9 @@ async def create_response(request: Request) -> Response:
 
     def on_done(done: ResponseObject) -> None:
         if body.store:
-            conversation = ITEMS.dump_json(stored_items(items + output_items(done.output))).decode()
-            state.responses.put(done.id, StoredResponse(done.model_dump_json(), conversation, len(items)))
+            conversation = stored_items(items + output_items(done.output))
+            state.responses.put(done.id, StoredResponse(done.model_dump_json(), ITEMS.dump_json(conversation).decode(),
+                                                        len(items), frozenset(item.id for item in conversation)))
 
     logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
     builder = ResponsesBuilder(response, plan.calling, on_done, logprobs)
@@ -81,6 +86,18 @@ def earlier_items(state: ServerState, response_id: str | None) -> Items:
     if stored is None:
         raise response_not_found(response_id, param="previous_response_id")
     return ITEMS.validate_json(stored.items_json)
+
+
+def referenced_items(state: ServerState, items: list[RequestItem]) -> Items:
+    """`items` with each item reference replaced by the stored item it names; one naming none is a 400."""
+    return [_stored_item(state, item.id) if isinstance(item, ItemReference) else item for item in items]
+
+
+def _stored_item(state: ServerState, item_id: str) -> InputItem:
+    stored = state.responses.holding(item_id)
+    if stored is None:
+        raise invalid_request(f"item_reference: no stored item with id '{item_id}'", param="input")
+    return next(item for item in ITEMS.validate_json(stored.items_json) if item.id == item_id)
 
 
 async def get_response(request: Request) -> Response:

@@ -23,6 +23,7 @@ from sluice.app.responses_api_schemas import (
     MessageItem,
     OutputFunctionCall,
     OutputItem,
+    ReasoningItem,
     ResponsesRequest,
 )
 from sluice.app.schemas import ChatCompletionRequest
@@ -79,9 +80,11 @@ def _check_outputs_answer_calls(items: Items) -> None:
 
 def chat_messages(items: Items) -> list[dict[str, Any]]:
     """Chat messages (dicts) of the items: a function call joins the assistant turn before it (its text, or the
-    calls made alongside it), and its output is a `tool` message."""
+    calls made alongside it), and its output is a `tool` message. Reasoning is left out (`ReasoningItem`)."""
     messages: list[dict[str, Any]] = []
     for item in items:
+        if isinstance(item, ReasoningItem):
+            continue
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -103,7 +106,7 @@ def output_items(output: list[OutputItem]) -> Items:
                                   if not (isinstance(item, OutputFunctionCall) and item.status == "incomplete")])
 
 
-_ID_PREFIX = {MessageItem: "msg", FunctionCallItem: "fc", FunctionCallOutputItem: "fco"}
+_ID_PREFIX = {MessageItem: "msg", FunctionCallItem: "fc", FunctionCallOutputItem: "fco", ReasoningItem: "rs"}
 
 
 def stored_items(items: Items) -> Items:

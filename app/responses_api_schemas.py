@@ -52,6 +52,17 @@ class InputText(_Request):
     text: str
 
 
+class RefusalPart(_Request):
+    """An earlier reply's refusal: text the model wrote, shown to it again as its message's text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
 class MessageItem(_Request):
     """A message; `id` is kept when given (an earlier output item sent back), else made when the response is
     stored (as for every input item)."""
@@ -60,9 +71,15 @@ class MessageItem(_Request):
     id: str | None = None
     status: ItemStatus | None = None
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[Annotated[InputText | RefusalPart, Field(discriminator="type")]]
 
-    _text_only = field_validator("content", mode="before")(text_parts_only("input_text", "output_text"))
+    _text_only = field_validator("content", mode="before")(text_parts_only("input_text", "output_text", "refusal"))
+
+    @model_validator(mode="after")
+    def _refusals_are_the_assistants(self) -> MessageItem:
+        if self.role != "assistant" and any(isinstance(part, RefusalPart) for part in self.content):
+            raise ValueError("refusal parts belong in assistant messages")
+        return self
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
@@ -88,17 +105,50 @@ class FunctionCallOutputItem(_Request):
         return self.output if isinstance(self.output, str) else "\n".join(part.text for part in self.output)
 
 
+class ReasoningText(_Request):
+    type: Literal["summary_text", "reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Request):
+    """An earlier reply's reasoning, as agent SDKs send it back (another model's: Sluice writes none). It stays in
+    the conversation (stored, listed among the input items) but not in the prompt. vLLM gives its text to the
+    chat template as the assistant message's `reasoning`, which only a reasoning model's template shows; Sluice's
+    chat messages have no such field, so for every model it serves the prompt is the one vLLM renders for a model
+    without a reasoning parser."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    status: ItemStatus | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    encrypted_content: str | None = None
+
+
+class ItemReference(_Request):
+    """An item of a stored response's conversation (its input or output), by id: the request's input holds that
+    item in its place (`responses_api.py` looks it up before anything reads the input)."""
+
+    type: Literal["item_reference"] = "item_reference"
+    id: str
+
+
 def _item_type(item: Any) -> str:
-    # A message may leave out its `type` (OpenAI's "easy input message").
-    return (item.get("type") or "message") if isinstance(item, dict) else getattr(item, "type", "message")
+    """An item's type. A message may leave it out (OpenAI's "easy input message"), and so may an item reference:
+    then it is an `id` without a `role`."""
+    if not isinstance(item, dict):
+        return getattr(item, "type", "message")
+    return item.get("type") or ("item_reference" if "id" in item and "role" not in item else "message")
 
 
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-    Discriminator(_item_type),
-]
+_ITEMS = (Annotated[MessageItem, Tag("message")]
+          | Annotated[FunctionCallItem, Tag("function_call")]
+          | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+          | Annotated[ReasoningItem, Tag("reasoning")])
+# An item of a conversation, as stored.
+InputItem = Annotated[_ITEMS, Discriminator(_item_type)]
+# An item of a request's input: a conversation's, or a reference to a stored one.
+RequestItem = Annotated[_ITEMS | Annotated[ItemReference, Tag("item_reference")], Discriminator(_item_type)]
 
 
 # --- the request ------------------------------------------------------------------------------------------
@@ -143,7 +193,7 @@ def _asks(value: Any) -> bool:
 
 class ResponsesRequest(_Request):
     model: str | None = None
-    input: list[InputItem] = Field(min_length=1, description="a string (one user message) or a list of items")
+    input: list[RequestItem] = Field(min_length=1, description="a string (one user message) or a list of items")
     instructions: str | None = Field(None, description="a system message before the input; not carried over by "
                                                         "previous_response_id")
     max_output_tokens: int | None = Field(None, ge=1)

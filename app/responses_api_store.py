@@ -2,7 +2,8 @@
 
 Each entry holds two JSON texts: the response as `GET /v1/responses/{id}` returns it, and the conversation's
 items (the input, an earlier response's included, then the output) that `previous_response_id` continues, of
-which the first `input_count` are what `GET /v1/responses/{id}/input_items` lists. The
+which the first `input_count` are what `GET /v1/responses/{id}/input_items` lists; and those items' ids, by which
+an `item_reference` finds the entry holding one. The
 bounds count entries and the bytes of those texts; storing past either evicts the least recently used (read or
 written) first. Only the event loop touches the store, so it needs no lock.
 """
@@ -19,6 +20,7 @@ class StoredResponse:
     response_json: str
     items_json: str
     input_count: int = 0
+    item_ids: frozenset[str] = frozenset()
 
     @cached_property
     def size(self) -> int:
@@ -34,6 +36,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
+        self._holders: dict[str, set[str]] = {}  # an item's id -> the responses whose conversations hold it
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -48,9 +51,10 @@ class ResponseStore:
             return
         self._entries[response_id] = entry
         self._bytes += entry.size
+        for item_id in entry.item_ids:
+            self._holders.setdefault(item_id, set()).add(response_id)
         while len(self._entries) > self.max_count or self._bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self._bytes -= evicted.size
+            self._forget(*self._entries.popitem(last=False))
 
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
@@ -58,8 +62,22 @@ class ResponseStore:
             self._entries.move_to_end(response_id)
         return entry
 
+    def holding(self, item_id: str) -> StoredResponse | None:
+        """A stored response whose conversation holds the item `item_id` (read, as `get` reads it)."""
+        holders = self._holders.get(item_id)
+        return self.get(next(iter(holders))) if holders else None
+
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
-            self._bytes -= entry.size
+            self._forget(response_id, entry)
         return entry is not None
+
+    def _forget(self, response_id: str, entry: StoredResponse) -> None:
+        """Takes the entry, already out of `_entries`, out of the byte count and the item index."""
+        self._bytes -= entry.size
+        for item_id in entry.item_ids:
+            holders = self._holders[item_id]
+            holders.discard(response_id)
+            if not holders:
+                del self._holders[item_id]

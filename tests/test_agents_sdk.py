@@ -84,3 +84,20 @@ def test_a_second_turn_sends_the_first_turns_calls_and_outputs_back(server, api)
     history, second = asyncio.run(two_turns())
     assert {item.get("type") for item in history} >= {"function_call", "function_call_output"}
     assert_called_the_tool_then_answered(second, asked)
+
+
+def test_a_history_with_a_reasoning_models_reasoning_items_goes_on_over_the_responses_api(server):
+    """A conversation another (reasoning) model began: its reasoning items come back with the rest (the SDK's
+    chat completions model leaves them out itself, for any model but DeepSeek's)."""
+    asked: list[str] = []
+    agent = weather_agent(server, "responses", asked)
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Use the tool."}]}
+
+    async def two_turns() -> RunResult:
+        history = (await run(agent, "What is the weather in Paris?", stream=False)).to_input_list()
+        del asked[:]
+        first_call = next(i for i, item in enumerate(history) if item.get("type") == "function_call")
+        history.insert(first_call, reasoning)
+        return await run(agent, [*history, {"role": "user", "content": "And in Rome?"}], stream=False)
+
+    assert_called_the_tool_then_answered(asyncio.run(two_turns()), asked)

@@ -17,7 +17,7 @@ from test_api_e2e import API_KEY, AUTH, error_of, post, start_server
 from sluice.app.errors import from_validation_error, generation_failed
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses_api_convert import chat_request
-from sluice.app.responses_api_schemas import ResponseObject, ResponsesRequest, TextConfig
+from sluice.app.responses_api_schemas import ItemReference, ResponseObject, ResponsesRequest, TextConfig
 from sluice.app.schemas import TokenLogprobInfo
 from sluice.batching.outputs import Increment, TokenLogprob, Usage
 from sluice.app.responses_api_store import ResponseStore, StoredResponse
@@ -45,6 +45,24 @@ def test_the_store_evicts_the_oldest_beyond_its_bytes_and_keeps_none_larger_than
     assert (store.get("a"), len(store), store.bytes) == (None, 2, 80)
     store.put("huge", entry(101))
     assert (store.get("huge"), len(store)) == (None, 2)
+
+
+def test_the_store_finds_an_item_while_a_response_holding_it_is_stored():
+    store = ResponseStore(max_count=2, max_bytes=1000)
+    first = StoredResponse("a", "", item_ids=frozenset({"msg_1"}))
+    second = StoredResponse("b", "", item_ids=frozenset({"msg_1", "fc_2"}))
+    store.put("a", first)
+    store.put("b", second)
+    store.delete("b")
+    assert (store.holding("msg_1"), store.holding("fc_2")) == (first, None)
+    store.put("c", entry(1))
+    store.put("d", entry(1))
+    assert store.holding("msg_1") is None
+
+
+def test_an_item_with_an_id_and_no_type_or_role_is_an_item_reference():
+    """OpenAI's item reference may leave out its type, as a message may."""
+    assert ResponsesRequest.model_validate({"input": [{"id": "msg_1"}]}).input == [ItemReference(id="msg_1")]
 
 
 def test_an_unsupported_field_that_asks_for_nothing_is_no_error():
@@ -214,6 +232,53 @@ def test_items_with_instructions_are_the_same_prompt_as_the_chat_messages(client
     assert reply.usage.input_tokens == chat.usage.prompt_tokens
 
 
+# A question, the call a reasoning model made for it (its reasoning first), and the call's output.
+CALL = [{"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 24 C"}]
+REASONING = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Check the weather."}],
+             "content": [{"type": "reasoning_text", "text": "The user wants Paris; call get_weather."}],
+             "encrypted_content": None}
+
+
+def test_a_reasoning_item_stays_in_the_conversation_but_not_in_the_prompt(client):
+    without = client.responses.create(input=CALL, tools=[WEATHER], **GREEDY)
+    reply = client.responses.create(input=[CALL[0], REASONING, *CALL[1:]], tools=[WEATHER], **GREEDY)
+    assert (reply.usage.input_tokens, reply.output_text) == (without.usage.input_tokens, without.output_text)
+    items = client.responses.input_items.list(reply.id, order="asc").data
+    assert [item.type for item in items] == ["message", "reasoning", "function_call", "function_call_output"]
+    assert items[1].id == "rs_1" and items[1].summary[0].text == "Check the weather."
+
+
+def test_an_assistant_messages_refusal_is_its_text(client):
+    def reply_after(part: dict):
+        return client.responses.create(input=[{"role": "user", "content": "Tell me a secret."},
+                                              {"role": "assistant", "content": [part]},
+                                              {"role": "user", "content": "Why not?"}], **GREEDY)
+
+    refused = reply_after({"type": "refusal", "refusal": "I can't share that."})
+    said = reply_after({"type": "output_text", "text": "I can't share that."})
+    assert (refused.usage.input_tokens, refused.output_text) == (said.usage.input_tokens, said.output_text)
+
+
+def test_item_references_stand_for_the_stored_items_they_name(client):
+    first = client.responses.create(input="My name is Ann.", **GREEDY)
+    [question] = client.responses.input_items.list(first.id).data
+    again = [{"type": "item_reference", "id": question.id}, {"type": "item_reference", "id": first.output[0].id}]
+    referenced = client.responses.create(input=[*again, {"role": "user", "content": "What is my name?"}], **GREEDY)
+    continued = client.responses.create(input="What is my name?", previous_response_id=first.id, **GREEDY)
+    assert (referenced.usage.input_tokens, referenced.output_text) == (continued.usage.input_tokens,
+                                                                       continued.output_text)
+    items = client.responses.input_items.list(referenced.id, order="asc").data
+    assert [item.id for item in items[:2]] == [question.id, first.output[0].id]
+
+
+def test_an_item_reference_to_no_stored_item_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(input=[{"type": "item_reference", "id": "msg_nowhere"}], **GREEDY)
+    assert "msg_nowhere" in caught.value.body["message"] and caught.value.body["param"] == "input"
+
+
 def test_streamed_deltas_reassemble_to_the_unstreamed_text_in_openais_event_order(client):
     whole = client.responses.create(input="Name a fruit.", **GREEDY)
     events = list(client.responses.create(input="Name a fruit.", stream=True, **GREEDY))
@@ -341,6 +406,7 @@ def test_input_items_list_the_conversation_before_the_output_newest_first_in_pag
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, None),
     ({"input": [{"role": "oracle", "content": "x"}]}, "input.0.message.role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.message.content"),
+    ({"input": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]}, "input.0.message"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
      "input.0.function_call.arguments"),
     ({"temperature": 3}, "temperature"),
