@@ -93,7 +93,8 @@ def test_a_stream_assembles_to_the_unstreamed_message_at_temperature_0(client):
 def test_a_repeated_prompt_is_read_from_the_cache_and_input_tokens_count_only_the_rest(client, stream):
     """Anthropic's usage semantics: the prefix cache's share is cache_read_input_tokens, not input_tokens."""
     # Longer than a KV page (64 tokens on a CPU): the cache holds whole pages.
-    messages = [{"role": "user", "content": f"streamed: {stream}; " + "the quick brown fox jumps over the lazy dog " * 3}]
+    text = f"streamed: {stream}; " + "the quick brown fox jumps over the lazy dog " * 3
+    messages = [{"role": "user", "content": text}]
     counted = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
     kwargs = dict(model=MODEL, max_tokens=2, messages=messages, **GREEDY)
     client.messages.create(**kwargs)
