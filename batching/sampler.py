@@ -323,19 +323,31 @@ def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (), jnp.float32)
 
 
+def _first_past(mass_through: jax.Array, mass: jax.Array, u: jax.Array) -> jax.Array:
+    """mass_through, mass: [S, N]; u: [S, 1] -> [S] int32, the first index with mass whose cumulative mass exceeds
+    u, else the last index with mass. Indices without mass are never taken: the block sums and the cumulative sums
+    round differently, so u may fall in a gap between them (a zero-probability token taken about once in a million
+    draws, a grammar's masked token among them)."""
+    index = jnp.arange(mass.shape[-1])
+    first = jnp.min(jnp.where((mass > 0) & (mass_through > u), index, mass.shape[-1]), axis=-1)
+    last = jnp.max(jnp.where(mass > 0, index, 0), axis=-1)
+    return jnp.where(first < mass.shape[-1], first, last).astype(jnp.int32)
+
+
 def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     """probs: [S, V] (rows sum to 1), u: [S] in [0, 1) -> [S] int32, the first token whose cumulative mass
-    exceeds u. Cumulates over blocks first: a full-width cumulative sum is slow on the CPU."""
+    exceeds u, always one of positive probability. Cumulates over blocks first: a full-width cumulative sum is
+    slow on the CPU."""
     num_rows, vocab = probs.shape
     pad = -vocab % _ARGMAX_BLOCK
     blocks = jnp.pad(probs, ((0, 0), (0, pad))).reshape(num_rows, -1, _ARGMAX_BLOCK)
     block_mass = blocks.sum(axis=-1)
     mass_through = jnp.cumsum(block_mass, axis=-1)
     u = u[:, None] * mass_through[:, -1:]  # the rows' own total, rounding included
-    block = jnp.minimum(jnp.sum(mass_through <= u, axis=-1), blocks.shape[1] - 1)
+    block = _first_past(mass_through, block_mass, u)
     before = jnp.take_along_axis(mass_through - block_mass, block[:, None], axis=-1)
-    within = jnp.cumsum(jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0], axis=-1) + before
-    token = block * _ARGMAX_BLOCK + jnp.minimum(jnp.sum(within <= u, axis=-1), _ARGMAX_BLOCK - 1)
+    chosen = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    token = block * _ARGMAX_BLOCK + _first_past(jnp.cumsum(chosen, axis=-1) + before, chosen, u)
     return jnp.minimum(token, vocab - 1).astype(jnp.int32)
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sluice.batching.sampler import EVERY_PASS, SamplerPlan, argmax, filter_cutoff, sample
+from sluice.batching.sampler import EVERY_PASS, SamplerPlan, argmax, filter_cutoff, inverse_cdf, sample
 from sluice.batching.sampling_params import SamplingParams
 from sampling_rows import Row, sampling_batch
 
@@ -182,6 +182,24 @@ def test_sampled_tokens_follow_the_filtered_distribution():
     freq = np.bincount(out.tokens, minlength=VOCAB)[:4] / num_rows
     np.testing.assert_allclose(freq, [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0.0], atol=0.03)
 
+
+
+def test_a_draw_never_takes_a_token_of_zero_probability():
+    """Draws next to each 128-token block's cumulative mass, where a block's sum and its running sum round apart:
+    a token a filter, a ban or a grammar left at zero probability is never the one taken (every draw
+    jax.random.uniform can make: multiples of 2**-23)."""
+    rng = np.random.default_rng(0)
+    vocab = 512
+    probs = rng.random((40, vocab)).astype(np.float32) ** 4
+    probs[rng.random(probs.shape) < 0.3] = 0
+    probs[:, np.arange(vocab) % 128 >= 100] = 0  # each block ends with masked tokens
+    probs = (probs / probs.sum(-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    mass = np.cumsum(probs.reshape(40, -1, 128).sum(-1), axis=-1)
+    grid = np.round(mass[:, :, None] * 2**23) + np.arange(-64, 65)
+    draws = (np.clip(grid, 0, 2**23 - 1) / 2**23).astype(np.float32).reshape(40, -1)
+    rows = np.repeat(np.arange(40), draws.shape[1])
+    tokens = np.asarray(jax.jit(inverse_cdf)(jnp.asarray(probs[rows]), jnp.asarray(draws.reshape(-1))))
+    assert np.all(probs[rows, tokens] > 0)
 
 PLAN_CASES = {
     "greedy": ([row(SamplingParams(temperature=0.0))] * 4, SamplerPlan()),
