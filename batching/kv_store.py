@@ -149,20 +149,45 @@ def _lock_slot(folder: Path) -> int | None:
     return fd
 
 
+def _holds(fd: int, folder: Path) -> bool:
+    """Whether `fd` is the lock file `folder` holds now (not one removed with its folder meanwhile)."""
+    try:
+        now = os.stat(folder / SLOT_LOCK)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
 def _claim_slot(root: Path, fingerprint: str) -> tuple[Path, int]:
-    """The first free slot of `fingerprint` under `root` (made if new) and the descriptor holding its lock."""
-    for i in range(MAX_SLOTS):
+    """The first free slot of `fingerprint` under `root` (made if new) and the descriptor holding its lock. A slot
+    that another store's trim removes meanwhile (it holds the lock while it does) is made again."""
+    i = 0
+    while i < MAX_SLOTS:
         folder = root / (fingerprint if i == 0 else f"{fingerprint}-{i}")
         folder.mkdir(parents=True, exist_ok=True)
-        if (fd := _lock_slot(folder)) is not None:
+        try:
+            fd = _lock_slot(folder)
+        except FileNotFoundError:  # removed since the mkdir
+            continue
+        if fd is None:
+            i += 1
+        elif _holds(fd, folder):
             return folder, fd
+        else:  # the lock of a folder removed since it was opened
+            os.close(fd)
     raise KVStoreBusy(f"{root}: the {MAX_SLOTS} slots of this model's KV pages are all held by live processes")
 
 
 def _usage(folder: Path) -> tuple[int, int]:
-    """(the latest mtime in ns, the bytes) of the files in `folder`; a live store's files may go meanwhile."""
+    """(the latest mtime in ns, the bytes) of the files in `folder`; a live store's files may go meanwhile, and a
+    slot another store's trim holds may go whole."""
     last_used = size = 0
-    for path in folder.iterdir():
+    try:
+        paths = list(folder.iterdir())
+    except FileNotFoundError:
+        return last_used, size
+    for path in paths:
         try:
             stat = path.stat()
         except FileNotFoundError:

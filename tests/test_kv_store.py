@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from dataclasses import replace
 
@@ -288,6 +289,38 @@ def test_a_live_store_s_slot_is_never_trimmed_and_a_gone_one_s_is(open_store):
     assert f"{B}.kv" in files(live) and live.counters().dropped_writes == 0
     other.close()
 
+
+
+@pytest.mark.parametrize("when", ["before its lock is opened", "after it is locked", "while it is measured"])
+def test_a_store_opens_while_another_stores_trim_removes_a_slot(open_store, monkeypatch, when):
+    """Replicas starting together on one directory: another store's trim, holding an idle slot's lock, removes it
+    (rmtree) at any point of this store's claiming its own slot or measuring that one."""
+    other = replace(LAYOUT, model="other-weights")
+    gone = open_store(other)
+    gone.put(A, payload(other, 0))
+    gone.flush()
+    gone.close()
+    lock_slot, usage = kv_store._lock_slot, kv_store._usage
+    removed = []
+
+    def remove_once(folder) -> None:
+        if not removed:
+            removed.append(folder)
+            shutil.rmtree(folder)
+
+    if when == "before its lock is opened":
+        monkeypatch.setattr(kv_store, "_lock_slot", lambda folder: remove_once(folder) or lock_slot(folder))
+    elif when == "after it is locked":
+        monkeypatch.setattr(kv_store, "_lock_slot", lambda folder: (lock_slot(folder), remove_once(folder))[0])
+    else:  # the other store holds the idle slot's lock meanwhile
+        monkeypatch.setattr(kv_store, "_lock_slot", lambda folder: None if folder == gone.directory
+                            else lock_slot(folder))
+        monkeypatch.setattr(kv_store, "_usage", lambda folder: (folder == gone.directory and remove_once(folder),
+                                                                usage(folder))[1])
+    store = open_store(disk_pages=0)  # over its bound: it trims the other slots
+    store.put(B, payload(LAYOUT, 1))
+    store.flush()
+    assert removed and store.directory.is_dir() and store.counters().dropped_writes == 0
 
 def test_a_failed_write_leaves_no_file_and_keeps_the_page_in_ram(open_store, monkeypatch):
     def failing_fsync(fd: int) -> None:
