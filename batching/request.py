@@ -62,7 +62,7 @@ class Request:
 
 def check_fits(prompts: list[list[int]], params: SamplingParams, limits: RequestLimits) -> None:
     """Raises RequestRejected unless every prompt, with max_tokens more, fits the context and the pool, and
-    min_tokens is within max_tokens (the limit a request without one gets too)."""
+    min_tokens is within max_tokens (the limit a request without one gets too) and leaves a token to sample."""
     if params.min_tokens > params.max_tokens:
         raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed the maximum number of tokens "
                               f"({params.max_tokens})")
@@ -79,8 +79,12 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
         pages = -(-total // limits.page_size)
         if pages > limits.num_pages:
             raise RequestRejected(f"the request needs {pages} KV pages but the whole pool has {limits.num_pages}")
-    if len(stop_token_ids(params, limits.eos_token_ids)) > MAX_STOP_IDS:
+    stop_ids = stop_token_ids(params, limits.eos_token_ids)
+    if len(stop_ids) > MAX_STOP_IDS:
         raise RequestRejected(f"at most {MAX_STOP_IDS} stop token ids (EOS included) are supported")
+    if params.min_tokens and params.allowed_token_ids and stop_ids.issuperset(params.allowed_token_ids):
+        raise RequestRejected("min_tokens needs an allowed token id that is not a stop id: the stop ids are "
+                              "banned until min_tokens, and allowed_token_ids allows nothing else")
     if len(params.biased_ids) > MAX_LOGIT_BIAS:
         raise RequestRejected(f"at most {MAX_LOGIT_BIAS} logit_bias entries or allowed token ids are supported")
 

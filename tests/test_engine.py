@@ -292,6 +292,8 @@ def test_requests_that_can_never_fit_are_rejected_up_front(tiny, engine):
         engine.generate([[]], GREEDY)
     with pytest.raises(RequestRejected, match="min_tokens"):
         engine.generate([[5]], SamplingParams(max_tokens=4, min_tokens=5))
+    with pytest.raises(RequestRejected, match="min_tokens needs an allowed token id that is not a stop id"):
+        engine.generate([[5]], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(7,), allowed_token_ids=(7,)))
 
 
 def test_a_failure_in_one_requests_host_work_ends_only_that_request(engine):
