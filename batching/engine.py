@@ -399,7 +399,7 @@ class Engine:
     # --- one step (engine thread) ---------------------------------------------------------------------
 
     def step(self) -> None:
-        """Schedule and dispatch a step -> collect the step before and append its tokens -> emit their text.
+        """Schedule and dispatch a step -> collect the step before: append its tokens, emit their text.
 
         Overlapped (the default), the step before is still on the device when this one is dispatched: its
         sampled tokens feed this one there, and the host takes them in while this one runs. When the host needs
@@ -421,8 +421,7 @@ class Engine:
                 launched = None  # fed from the failed step, on a pool that is gone
         self._in_flight = launched
         if not overlap:
-            self._collect()  # before its stop strings are searched: a sequence they end is not scheduled again
-        self._emit_text()
+            self._collect()  # and its stop strings searched: a sequence they end is not scheduled again
         self._flush()
         self._num_steps += 1
         self._stats = self._snapshot(self._last_step)
@@ -486,7 +485,8 @@ class Engine:
         return first_indices, counts
 
     def _collect(self) -> None:
-        """Takes in the step in flight: appends each sequence's tokens (until it ends) and caches its pages."""
+        """Takes in the step in flight: appends each sequence's tokens (until it ends), emits their text and
+        caches its pages."""
         launched = self._in_flight  # kept there while it is fetched, for the watchdog to name
         if launched is None:
             return
@@ -525,7 +525,8 @@ class Engine:
                 if drafted:
                     self.block_manager.shrink(seq, seq.num_tokens)  # pages reserved for rejected drafts
                 self.block_manager.commit(seq)
-        self._flush()  # failures found while collecting
+        self._emit_text()  # before any next collect: `_append_decoded` sends a run only after all before it
+        self._flush()
         if self.prefix_store is not None:
             self._save_pages()
         end = time.perf_counter()

@@ -171,6 +171,17 @@ def test_collecting_every_step_first_a_stop_string_ends_its_sequence_before_the_
     assert engine.stats.num_steps - steps == len(by_text.token_ids)
 
 
+def test_a_sequence_whose_steps_are_collected_twice_in_one_step_emits_each_token_once_in_order(tiny):
+    """A penalized neighbour turns overlap off from the second step: that step collects the first (a plain
+    sequence's first token, appended one by one) and then itself (its second, appended and sent in one pass);
+    the first must be sent before the second."""
+    engine = make_engine(tiny)
+    plain, penalized = prompts(2, seed=3)
+    alone = engine.generate([plain], GREEDY)[0][0]
+    both = engine.generate([plain, penalized], [GREEDY, replace(GREEDY, frequency_penalty=0.5)])
+    assert both[0][0].token_ids == alone.token_ids and both[0][0].text == alone.text
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
 def test_max_tokens_is_exact_although_the_host_schedules_ahead(tiny, max_tokens):
     engine = make_engine(tiny)
