@@ -48,6 +48,12 @@ _LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible":
 # Schema keywords whose value maps names to schemas, and those whose value is data rather than a schema.
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "x-guidance")
+# Keywords whose subschemas describe the object that holds them, so their properties join its own: `allOf`'s
+# always, the others' where that object has properties of its own (or is itself such a part).
+_ALL_PARTS = ("allOf", "dependentSchemas")
+_ONE_PART = ("anyOf", "oneOf", "then", "else")
+# Keywords whose subschemas test the object rather than describe it: closing one would change what it tests.
+_TESTS = ("not", "if")
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 DEFAULT_TOOLS_PROMPT = """# Tools
@@ -197,20 +203,33 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
     return StructuredOutput("grammar", "\n".join([start, choices, *rules]) + "\n")
 
 
-def _closed(schema: Any) -> Any:
+def _closed(schema: Any, part: bool = False) -> Any:
     """`schema` with `"additionalProperties": false` on every object that lists its properties and says nothing
     of others (OpenAI's strict mode asks it of every schema): otherwise a small model, free to add keys, invents
-    them until max_tokens. The arguments still validate against the schema as given."""
+    them until max_tokens. The arguments still validate against the schema as given.
+
+    An object whose properties are spread over several subschemas (`allOf`, or properties beside `anyOf`, `oneOf`,
+    `then`/`else`, `dependentSchemas` or `$ref`) is left open, and so is each `part`: closing one part would refuse
+    the properties the others name, and the grammar would refuse arguments the schema allows (or compile to
+    nothing). `not` and `if` are left as given: closing them would change what they test."""
     if isinstance(schema, list):
         return [_closed(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
+    joined = part or "properties" in schema or "patternProperties" in schema or "allOf" in schema
     closed = {}
     for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            closed[key] = {name: _closed(subschema) for name, subschema in value.items()}
+        if key in _NOT_SCHEMAS or key in _TESTS:
+            closed[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: _closed(subschema, part=key in _ALL_PARTS) for name, subschema in value.items()}
+        elif key in _ALL_PARTS + _ONE_PART:
+            is_part = key in _ALL_PARTS or joined
+            closed[key] = ([_closed(item, is_part) for item in value] if isinstance(value, list)
+                           else _closed(value, is_part))
         else:
-            closed[key] = value if key in _NOT_SCHEMAS else _closed(value)
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+            closed[key] = _closed(value)
+    spread = part or any(key in schema for key in (*_ALL_PARTS, *_ONE_PART, "$ref"))
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema and not spread:
         closed["additionalProperties"] = False
     return closed

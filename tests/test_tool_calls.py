@@ -308,6 +308,26 @@ def test_the_grammar_closes_objects_that_say_nothing_of_other_properties(compile
     assert follows(compiler, call_grammar([opened], parallel=False), call("add", '{"a": 1, "b": 2}'))
 
 
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                 {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"properties": {"b": {"type": "integer"}}}]},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+     "anyOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}, {"required": ["c"]}]},
+])
+def test_the_grammar_takes_properties_a_schema_spreads_over_its_parts(compiler, parameters):
+    # Closing each part alone would refuse the properties the other parts name (or compile to nothing at all).
+    grammar = call_grammar([("add", parameters)], parallel=False)
+    assert any(follows(compiler, grammar, call("add", arguments)) for arguments in ('{"a": 1, "b": 2}', '{"b": 2, "a": 1}'))
+
+
+def test_each_branch_of_a_union_is_still_closed(compiler):
+    union = {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                       {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    assert follows(compiler, call_grammar([("add", union)], parallel=False), call("add", '{"a": 1}'))
+    assert not follows(compiler, call_grammar([("add", union)], parallel=False), call("add", '{"a": 1, "c": 2}'))
+
+
 @pytest.mark.parametrize("parameters", [{}, {"properties": {"a": {"type": "integer"}}}])
 def test_the_grammar_takes_only_an_object_as_arguments_where_the_schema_allows_any_value(compiler, parameters):
     # A call whose arguments are no object is no call: the forced reply would come back as text.
