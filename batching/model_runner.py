@@ -174,11 +174,14 @@ class ModelRunner:
         rows = min(num_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens)) if speculative else seqs
         return Bucket(num_tokens, min(num_tokens, seqs + num_tokens // PREFILL_PIECE), rows, PREFILL_PIECE)
 
-    def bucket_for(self, chunks: list[ScheduledChunk], num_steps: int = 1, verifies: bool = False) -> Bucket:
+    def bucket_for(self, chunks: list[ScheduledChunk], num_steps: int = 1, verifies: bool = False,
+                   scores: bool = False) -> Bucket:
+        """The compiled shape that runs `chunks`; `scores`: a chunk scores prompt tokens, which needs the hidden
+        states only a mixed step returns (a prompt chunk of one token would otherwise run decode-shaped)."""
         num_tokens = sum(c.num_tokens for c in chunks)
         if verifies:
             return self._verify_bucket(next(b for b in self.verify_buckets if b >= len(chunks)))
-        if max(c.num_tokens for c in chunks) == 1:
+        if max(c.num_tokens for c in chunks) == 1 and not scores:
             return self._decode_bucket(next(b for b in self.decode_buckets if b >= len(chunks)), num_steps)
         speculative = any(c.num_drafts for c in chunks)
         return self._mixed_bucket(self.padded_tokens(num_tokens, speculative), speculative)
@@ -394,11 +397,13 @@ class ModelRunner:
             limits = drafting = None
         num_steps = self.num_decode_steps if limits is not None else 1
         verifies = drafting is not None
-        bucket = self.bucket_for(chunks, num_steps, verifies)
+        scores = scoring and any(c.num_scored for c in chunks)
+        bucket = self.bucket_for(chunks, num_steps, verifies, scores)
         inputs, sampled = self._pad(chunks, bucket, limits, drafting)
         if pooling:
             self._fill_pooling(chunks, inputs)
-        scores = scoring and self._fill_scores(chunks, inputs)
+        if scores:
+            self._fill_scores(chunks, inputs)
         # Each chunk's first sampled row: a chunk with drafts samples one row per draft position, and one more.
         rows = ([i * bucket.max_q_len for i in range(len(chunks))] if verifies
                 else list(itertools.accumulate((1 + c.num_drafts for c in chunks[:-1]), initial=0)))
@@ -533,14 +538,10 @@ class ModelRunner:
                 inputs.pool_ids[end - (chunk.num_tokens if pooling == "mean" else 1):end] = i
 
     @staticmethod
-    def _fill_scores(chunks: list[ScheduledChunk], inputs: StepInputs) -> bool:
-        """A chunk's scoring tokens (`ScheduledChunk.num_scored`) score the prompt's next token each. Returns
-        whether any token scores."""
-        scores = False
+    def _fill_scores(chunks: list[ScheduledChunk], inputs: StepInputs) -> None:
+        """A chunk's scoring tokens (`ScheduledChunk.num_scored`) score the prompt's next token each."""
         for chunk, rows in scored_rows(chunks):
             inputs.score_ids[rows] = chunk.seq.prompt_ids[chunk.start + 1:chunk.start + 1 + chunk.num_scored]
-            scores = True
-        return scores
 
     @staticmethod
     def _fill_rows(chunks: list[ScheduledChunk], starts: np.ndarray, lengths: np.ndarray, slots: np.ndarray,

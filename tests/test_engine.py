@@ -405,3 +405,19 @@ def test_steady_state_never_recompiles(engine):
     # Prompt logprobs: the scoring program runs after the warmed step, which compiles no model of its own.
     scored, = engine.generate([prompts(1, seed=50)[0]], replace(GREEDY, prompt_logprobs=1))
     assert len(scored[0].prompt_logprobs) > 1 and engine.runner.num_compiled() == compiled
+
+
+def test_a_prompt_scored_a_token_a_step_beside_a_decoding_neighbour_gets_the_logprobs_of_one_chunk(tiny, engine):
+    """A token budget of 2 leaves a scoring prompt one token a step beside a decoding sequence: a step of one-token
+    chunks that scores (it once ran decode-shaped, without the hidden states scoring reads, and failed the step
+    and its neighbour)."""
+    scored_params = replace(GREEDY, max_tokens=3, prompt_logprobs=1)
+    prompt, neighbour = [10, 20, 30, 40, 50], [1, 2, 3]
+    whole = engine.generate([prompt], scored_params)[0][0]
+    narrow = make_engine(tiny, max_num_seqs=2, max_num_batched_tokens=2, warmup=False)
+    beside, alone = narrow.generate([neighbour, prompt], [replace(GREEDY, max_tokens=20), scored_params])
+    assert beside[0].finish_reason == alone[0].finish_reason == "length" and narrow.stats.num_step_failures == 0
+    assert alone[0].token_ids == whole.token_ids
+    assert whole.prompt_logprobs[0] is None and alone[0].prompt_logprobs[0] is None
+    np.testing.assert_allclose([lp.logprob for lp in alone[0].prompt_logprobs[1:]],
+                               [lp.logprob for lp in whole.prompt_logprobs[1:]], atol=1e-5)
