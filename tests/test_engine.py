@@ -407,6 +407,21 @@ def test_steady_state_never_recompiles(engine):
     assert len(scored[0].prompt_logprobs) > 1 and engine.runner.num_compiled() == compiled
 
 
+@pytest.mark.parametrize("num_decode_steps", [1, 4])
+def test_a_page_ending_in_a_stop_id_is_not_cached_before_its_kv_is_written(tiny, num_decode_steps):
+    """A multi-step call stops a row at its stop id without feeding it: the page whose last slot that id fills
+    has no K/V there, so the next turn (prompt, reply, more) must not take that page from the prefix cache."""
+    prompt = [33, 44]  # with the reply's first two tokens, one page of PAGE = 4
+    free = make_engine(tiny, enable_prefix_caching=False, warmup=False)
+    stop_id = free.generate([prompt], replace(GREEDY, max_tokens=24))[0][0].token_ids[1]
+    engine = make_engine(tiny, num_decode_steps=num_decode_steps, warmup=False)
+    first = engine.generate([prompt], replace(GREEDY, max_tokens=24, stop_token_ids=(stop_id,)))[0][0]
+    assert first.finish_reason == "stop" and len(prompt) + len(first.token_ids) == PAGE
+    next_turn = [*prompt, *first.token_ids, 60, 61]
+    assert (engine.generate([next_turn], replace(GREEDY, max_tokens=8))[0][0].token_ids
+            == free.generate([next_turn], replace(GREEDY, max_tokens=8))[0][0].token_ids)
+
+
 def test_a_prompt_scored_a_token_a_step_beside_a_decoding_neighbour_gets_the_logprobs_of_one_chunk(tiny, engine):
     """A token budget of 2 leaves a scoring prompt one token a step beside a decoding sequence: a step of one-token
     chunks that scores (it once ran decode-shaped, without the hidden states scoring reads, and failed the step
