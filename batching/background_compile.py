@@ -23,7 +23,11 @@ _Job = tuple[Hashable, Callable[[], jax.stages.Lowered]]
 
 
 class BackgroundCompiler:
-    """Compiles lowered programs one at a time on a daemon thread, each key once; owned by the engine thread."""
+    """Compiles lowered programs one at a time on a daemon thread, each key once; owned by the engine thread.
+
+    The thread holds the queue and the finished programs, not the compiler: once its owner drops the compiler, the
+    thread ends after the job it is on (a process that builds engine after engine keeps no thread per engine).
+    """
 
     def __init__(self) -> None:
         self._ready: dict[Hashable, jax.stages.Compiled] = {}  # written by the compile thread, read by the owner
@@ -46,8 +50,10 @@ class BackgroundCompiler:
         self._queued.add(key)
         self._jobs.put((key, lower))
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="sluice-compile", daemon=True)
+            self._thread = threading.Thread(target=_work, args=(self._jobs, self._ready), name="sluice-compile",
+                                            daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._jobs.put, None).atexit = False  # at exit, `_close_all` stops it
 
     @property
     def num_compiled(self) -> int:
@@ -71,18 +77,19 @@ class BackgroundCompiler:
             self._thread.join()
             self._thread = None
 
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    return
-                key, lower = job
-                self._ready[key] = lower().compile()
-            except Exception:  # noqa: BLE001 - a failed program stays queued: its steps keep the stand-in
-                logger.exception("compiling %s off the engine thread failed", job[0])
-            finally:
-                self._jobs.task_done()
+
+def _work(jobs: queue.Queue[_Job | None], ready: dict[Hashable, jax.stages.Compiled]) -> None:
+    while True:
+        job = jobs.get()
+        try:
+            if job is None:
+                return
+            key, lower = job
+            ready[key] = lower().compile()
+        except Exception:  # noqa: BLE001 - a failed program stays queued: its steps keep the stand-in
+            logger.exception("compiling %s off the engine thread failed", job[0])
+        finally:
+            jobs.task_done()
 
 
 def shapes_of(tree):

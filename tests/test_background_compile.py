@@ -1,10 +1,13 @@
 """Programs compiled off the engine thread: compiled once per key, failures kept to their key, and a process that
 exits while one compiles exits cleanly (XLA aborts a process torn down in the middle of a compile)."""
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -74,3 +77,18 @@ def test_a_process_that_exits_while_a_program_compiles_exits_cleanly():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "compiled at exit: 0" in done.stdout
+
+
+def test_a_dropped_compiler_ends_its_thread():
+    """A process that builds engine after engine (a test run, a fuzz) keeps no compile thread, nor its programs,
+    per engine gone."""
+    before = set(threading.enumerate())
+    compiler = BackgroundCompiler()
+    compiler.submit("negate", lambda: jax.jit(lambda x: -x).lower(SPEC))
+    compiler.wait()
+    (thread,) = set(threading.enumerate()) - before
+    gone = weakref.ref(compiler)
+    del compiler
+    gc.collect()
+    thread.join(timeout=30)
+    assert gone() is None and not thread.is_alive()

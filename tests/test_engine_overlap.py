@@ -2,7 +2,9 @@
 step's tokens, and yet tokens, text, logprobs, stops, limits and aborts are exactly those of collecting every
 step first."""
 
+import gc
 import logging
+import threading
 from dataclasses import replace
 
 import jax
@@ -74,6 +76,7 @@ def test_a_plan_met_after_warm_up_compiles_off_the_engine_thread_and_its_steps_r
     """Host plans: a request whose filters and logprobs no warmed plan covers runs single steps with the sampler of
     every pass while its own programs compile aside; nothing compiles on the engine thread, and the tokens are
     the device-decided engine's before and after."""
+    before = set(threading.enumerate())
     host = make_engine(tiny, num_decode_steps=4, sampler_branches="host", enable_prefix_caching=False)
     device = make_engine(tiny, num_decode_steps=4, sampler_branches="device")
     compiled = host.runner.num_compiled()
@@ -96,6 +99,11 @@ def test_a_plan_met_after_warm_up_compiles_off_the_engine_thread_and_its_steps_r
     assert host.runner.num_compiled_off_thread >= 2  # the decode call and a sampler, at least
     assert host.stats.num_steps - steps < steps_meanwhile  # decode calls of 4 steps, once compiled
     assert host.stats.kv_pages_used == 0
+    (compiling,) = [thread for thread in set(threading.enumerate()) - before if thread.name == "sluice-compile"]
+    del host, device
+    gc.collect()
+    compiling.join(timeout=30)
+    assert not compiling.is_alive()  # a dropped engine's compile thread ends
 
 
 def test_warm_up_compiles_the_plans_of_the_parameters_it_is_given(tiny):
