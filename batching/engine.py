@@ -736,9 +736,10 @@ class Engine:
         if finish is not None:
             seq.finish_reason = finish
             seq.truncate(index + count)
-            # Its last token may never have been fed (a multi-step call stops a row without feeding it): no page
-            # caches that token's K/V.
-            seq.num_computed_tokens = min(seq.num_computed_tokens, index + count - 1)
+            # No page caches its last token's K/V unless a step was dispatched that feeds it: overlapped, the next
+            # step feeds the call's last token, but a multi-step call stops a row without feeding its stop id.
+            fed = count == len(tokens) and seq.num_computed_tokens >= index + count
+            seq.num_computed_tokens = min(seq.num_computed_tokens, index + count if fed else index + count - 1)
             self.block_manager.commit(seq)  # pages its last step filled, before they are freed
             self.scheduler.finish(seq)
         self._unemitted[seq] = None

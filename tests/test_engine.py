@@ -418,8 +418,11 @@ def test_a_page_ending_in_a_stop_id_is_not_cached_before_its_kv_is_written(tiny,
     first = engine.generate([prompt], replace(GREEDY, max_tokens=24, stop_token_ids=(stop_id,)))[0][0]
     assert first.finish_reason == "stop" and len(prompt) + len(first.token_ids) == PAGE
     next_turn = [*prompt, *first.token_ids, 60, 61]
+    hits = engine.stats.prefix_cache_hit_tokens
     assert (engine.generate([next_turn], replace(GREEDY, max_tokens=8))[0][0].token_ids
             == free.generate([next_turn], replace(GREEDY, max_tokens=8))[0][0].token_ids)
+    # Overlapped single steps: the step after the stop id's was dispatched before the host saw it, and fed it.
+    assert engine.stats.prefix_cache_hit_tokens - hits == (PAGE if num_decode_steps == 1 else 0)
 
 
 def test_a_prompt_scored_a_token_a_step_beside_a_decoding_neighbour_gets_the_logprobs_of_one_chunk(tiny, engine):
