@@ -51,15 +51,18 @@ StreamEvent = TextDelta | CallStart | ArgumentsDelta
 @dataclass(frozen=True)
 class CallSyntax:
     """How a format wraps its calls in text: `open` starts a group of calls, JSON objects after `begin`, separated
-    by `separator` (None: one call a group) and ended by `close`; whitespace may come between any two."""
+    by `separator` (None: one call a group) and ended by `close`; whitespace may come between any two.
+    `closed_by_end`: the reply's end closes a group as `close` would (a model may stop right after a call's JSON,
+    before its close; vLLM's Hermes parser reads such a call)."""
 
     open: str
     begin: str
     separator: str | None
     close: str
+    closed_by_end: bool = False
 
 
-HERMES = CallSyntax("<tool_call>", "", None, "</tool_call>")
+HERMES = CallSyntax("<tool_call>", "", None, "</tool_call>", closed_by_end=True)
 MISTRAL = CallSyntax("[TOOL_CALLS]", "[", ",", "]")
 
 
@@ -117,10 +120,11 @@ class CallStream:
 
     After an opening tag come JSON objects (each one's end found by matching braces outside strings, so a string
     may hold a closing tag) with the format's punctuation. A group is calls once its close has arrived and each
-    object is a call; it is text as soon as something else follows the tag (an object that is no call, other
-    punctuation, the reply's end), and reading goes on after the tag. By default a group's calls go out when
-    its close arrives. With `progressive` (a grammar forced the calls, so each one parses), each call's
-    arguments go out as they are sampled; only a tail that may be the object's closing braces is held back.
+    object is a call (or the reply ends after a call, where the syntax is `closed_by_end`); it is text as soon as
+    something else follows the tag (an object that is no call, other punctuation, the reply's end), and reading goes
+    on after the tag. By default a group's calls go out when its close arrives. With `progressive` (a grammar
+    forced the calls, so each one parses), each call's arguments go out as they are sampled; only a tail that may
+    be the object's closing braces is held back.
     """
 
     names: frozenset[str]
@@ -150,10 +154,13 @@ class CallStream:
 
     def finish(self) -> list[StreamEvent]:
         """What is held back at the end of the text: a group still open is text (unless its calls were already
-        going out), and so is a tag's beginning."""
+        going out, or the end closes it), and so is a tag's beginning."""
         events: list[StreamEvent] = []
         while self._group is not None and not self._group.committed:
-            self._abandon(events)
+            if self._closed_by_end():
+                self._close(events)
+            else:
+                self._abandon(events)
             events += self.push("")
         if self._group is None:
             self._text(self._buffer, events)
@@ -189,13 +196,22 @@ class CallStream:
                 return True
             group.position = len(self._buffer) - len(stripped) + len(matched)
             if group.part == "after" and matched == self.syntax.close:
-                for call in group.calls:
-                    self._emit(call, events)
-                self._buffer = self._buffer[group.position:]
-                self._group = None
+                self._close(events)
                 return True
             group.part = "object"
             group.end = _ObjectEnd()
+
+    def _close(self, events: list[StreamEvent]) -> None:
+        """The group's calls are complete: out they go, and reading goes on after them."""
+        for call in self._group.calls:
+            self._emit(call, events)
+        self._buffer = self._buffer[self._group.position:]
+        self._group = None
+
+    def _closed_by_end(self) -> bool:
+        """Whether the reply, ending now, ends the group after a call (and whitespace) in a format that takes it."""
+        group = self._group
+        return self.syntax.closed_by_end and group.part == "after" and not self._buffer[group.position:].strip()
 
     def _take(self, call: ToolCall, events: list[StreamEvent]) -> None:
         """A call whose object has closed: held for the group's close, or (progressive) out now."""

@@ -119,6 +119,27 @@ def test_a_stream_in_any_pieces_reassembles_to_the_parse_of_the_whole_text(text)
     assert_any_pieces_read_as_the_whole(text, "hermes")
 
 
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n', "Sure.", [ToolCall("add", '{"a": 1}')]),
+    (call("add", "{}") + '\n<tool_call>{"name": "get_weather", "arguments": ' + PARIS + "}", None,
+     [ToolCall("add", "{}"), ToolCall("get_weather", PARIS)]),
+])
+def test_a_call_whose_closing_tag_the_reply_ends_without_is_still_a_call(text, content, calls):
+    # A model that stops (EOS or a stop string) right after its JSON; vLLM's Hermes parser reads it as a call too.
+    assert parse_calls(text, NAMES) == (content, calls)
+    assert_any_pieces_read_as_the_whole(text, "hermes")
+
+
+@pytest.mark.parametrize("text", [
+    'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1}',  # cut inside the JSON
+    '<tool_call>{"name": "launch", "arguments": {}}',  # not one of the request's tools
+    '<tool_call>{"name": "add", "arguments": {}} and some prose',
+])
+def test_an_unclosed_call_that_is_not_whole_json_naming_a_tool_stays_text(text):
+    assert parse_calls(text, NAMES) == (text, [])
+    assert_any_pieces_read_as_the_whole(text, "hermes")
+
+
 def test_forced_calls_stream_their_arguments_as_they_arrive():
     text = call("add", '{"a": {"b": [1, 2]}, "c": "}"}') + "\n" + call("get_weather", '{"city": "Oslo"}')
     content, calls, events = stream_in_pieces(text, progressive=True, rng=random.Random(1))
