@@ -6,6 +6,9 @@ that shows no tools it is given (SmolLM2's ChatML) gets them the default way (`a
 definitions in the system prompt, past calls as `<tool_call>` text in the assistant's turn, and results as a
 user turn of `<tool_response>` blocks. Mistral's templates refuse call ids that are not nine letters or digits:
 with the Mistral format, ids go to the template in that form (`tool_calls.mistral_call_id`).
+
+An assistant's reasoning reaches the template as vLLM gives it: as the message's `reasoning_content` (what Qwen3's
+and DeepSeek-R1's templates read) and `reasoning`; a template that reads neither renders as without it.
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ def tool_call_format(flag: str, tokenizer: Tokenizer) -> str:
 
 def _template_message(message: ChatMessage, call_format: str) -> dict[str, Any]:
     call_id = tool_calls.mistral_call_id if call_format == "mistral" else str
-    rendered: dict[str, Any] = {"role": _TEMPLATE_ROLE[message.role], "content": message.text()}
+    rendered: dict[str, Any] = {"role": _TEMPLATE_ROLE[message.role], "content": message.text(), **_reasoning(message)}
     if message.tool_calls:
         rendered["tool_calls"] = [
             {"id": call_id(call.id), "type": "function",
@@ -128,6 +131,12 @@ def _template_message(message: ChatMessage, call_format: str) -> dict[str, Any]:
     if message.name is not None:
         rendered["name"] = message.name
     return rendered
+
+
+def _reasoning(message: ChatMessage) -> dict[str, str]:
+    if message.reasoning_content is None:
+        return {}
+    return {"reasoning_content": message.reasoning_content, "reasoning": message.reasoning_content}
 
 
 def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -148,7 +157,7 @@ def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]]) 
             calls = [tool_calls.render_call(c.function.name, json.loads(c.function.arguments))
                      for c in message.tool_calls]
             content = "\n".join([content, *calls] if content else calls)
-        rendered.append({"role": _TEMPLATE_ROLE[message.role], "content": content})
+        rendered.append({"role": _TEMPLATE_ROLE[message.role], "content": content, **_reasoning(message)})
     if tools:
         prompt = tool_calls.tools_prompt(tools)
         if rendered[0]["role"] == "system":

@@ -14,8 +14,8 @@ import json
 from abc import abstractmethod
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, model_serializer, \
-    model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, \
+    model_serializer, model_validator
 
 from sluice.batching.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from sluice.model.tokenizer import TEMPLATE_VARIABLES
@@ -423,6 +423,10 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant's calls")
     tool_call_id: str | None = Field(None, description="the call a tool message answers")
+    reasoning_content: str | None = Field(
+        None, validation_alias=AliasChoices("reasoning_content", "reasoning"),
+        description="an assistant's reasoning before its reply (also taken as `reasoning`, as vLLM takes both); the "
+                    "chat template sees it as the message's `reasoning_content` and `reasoning`")
 
     _text_only = field_validator("content", mode="before")(text_parts_only("text"))
 
@@ -430,8 +434,10 @@ class ChatMessage(_Request):
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages have tool_calls")
-        if self.content is None and not self.tool_calls:
-            raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have reasoning")
+        if self.content is None and not self.tool_calls and self.reasoning_content is None:
+            raise ValueError("content is required (an assistant message may give tool_calls or reasoning instead)")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("tool messages, and only they, need tool_call_id")
         return self

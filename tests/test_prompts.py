@@ -93,3 +93,40 @@ def test_chat_template_kwargs_are_the_templates_variables(tokenizer):
     for kwargs, expected in (({}, "Hi"), ({"enable_thinking": False}, "Hi /no_think")):
         request = chat([{"role": "user", "content": "Hi"}], chat_template_kwargs=kwargs)
         assert chat_prompt(thinks, request.messages, **request.rendering()).text == expected
+
+
+# Reads an assistant's reasoning as Qwen3's and DeepSeek-R1's templates do; shows the tools it is given.
+THINKS = ("{% for t in tools or [] %}{{ t.function.name }};{% endfor %}{% for m in messages %}{{ m.role }}:"
+          "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}|{% endfor %}")
+TOOL = {"type": "function", "function": {"name": "look", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+@pytest.mark.parametrize("tools", [[], [TOOL]])
+def test_an_assistants_reasoning_reaches_the_template_as_reasoning_content(tokenizer, field, tools):
+    request = chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", field: "greet"},
+                    {"role": "user", "content": "Bye"}], tools=tools)
+    rendered = chat_prompt(with_special(tokenizer, chat_template=THINKS), request.messages,
+                           tools=request.active_tools()).text
+    assert rendered.endswith("user:Hi|assistant:<think>greet</think>Hello|user:Bye|")
+
+
+def test_the_template_sees_the_reasoning_under_vllms_other_name_too(tokenizer):
+    reads_reasoning = with_special(tokenizer, chat_template="{{ messages[1].reasoning }}")
+    request = chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning": "greet"}])
+    assert chat_prompt(reads_reasoning, request.messages).text == "greet"
+
+
+def test_a_template_that_does_not_read_reasoning_renders_as_without_it(tokenizer):
+    def rendered(assistant: dict) -> str:
+        return chat_prompt(tokenizer, chat([{"role": "user", "content": "Hi"}, assistant]).messages).text
+
+    assert rendered({"role": "assistant", "content": "Hello", "reasoning_content": "greet"}) == rendered(
+        {"role": "assistant", "content": "Hello"})
+
+
+def test_an_assistant_message_may_be_reasoning_alone_and_only_an_assistants_has_reasoning():
+    thought = chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "reasoning": "greet"}]).messages[1]
+    assert (thought.text(), thought.reasoning_content) == ("", "greet")
+    with pytest.raises(ValidationError, match="only assistant messages have reasoning"):
+        chat([{"role": "user", "content": "Hi", "reasoning_content": "greet"}])
