@@ -6,6 +6,7 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     system                       -> a system message
     text blocks                  -> a message's text
     tool_use blocks (assistant)  -> the assistant message's tool_calls (input as arguments)
+    thinking blocks (assistant)  -> the assistant message's reasoning_content (redacted_thinking: left out)
     tool_result blocks (user)    -> tool messages, in place
     tool_choice auto/any/tool/none -> auto/required/named/none; disable_parallel_tool_use -> parallel_tool_calls
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
@@ -34,6 +35,7 @@ from sluice.app.anthropic_schemas import (
     MessageParam,
     MessagesRequest,
     TextBlockParam,
+    ThinkingBlockParam,
     ToolChoice,
     ToolChoiceAny,
     ToolChoiceNone,
@@ -89,9 +91,13 @@ def _prefills(messages: list[MessageParam]) -> bool:
 def _without_an_empty_prefill(messages: list[MessageParam]) -> list[MessageParam]:
     """The messages less a final assistant message with no text (or only whitespace): Anthropic allows the final
     one, alone of all, to be empty, and it starts no reply."""
-    if _prefills(messages) and not "".join(block.text for block in messages[-1].blocks()).strip():
+    if _prefills(messages) and not _text(messages[-1]).strip():
         return messages[:-1]
     return messages
+
+
+def _text(message: MessageParam) -> str:
+    return "".join(block.text for block in message.blocks() if isinstance(block, TextBlockParam))
 
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
@@ -134,8 +140,10 @@ def _chat_messages(message: MessageParam) -> list[dict[str, Any]]:
     if message.role == "assistant":
         texts = [{"type": "text", "text": b.text} for b in message.content if isinstance(b, TextBlockParam)]
         calls = [{"id": b.id, "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
-                 for b in message.content if not isinstance(b, TextBlockParam)]
-        return [{"role": "assistant", "content": texts, "tool_calls": calls or None}]
+                 for b in message.content if isinstance(b, ToolUseBlockParam)]
+        thoughts = [b.thinking for b in message.content if isinstance(b, ThinkingBlockParam)]
+        return [{"role": "assistant", "content": texts, "tool_calls": calls or None,
+                 "reasoning_content": "\n".join(thoughts) if thoughts else None}]
     messages: list[dict[str, Any]] = []
     for block in message.content:
         if isinstance(block, ToolResultBlockParam):

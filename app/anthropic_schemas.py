@@ -45,11 +45,29 @@ class ToolResultBlockParam(_Request):
         return f"Error: {text}" if self.is_error else text
 
 
-ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam, Field(discriminator="type")]
+class ThinkingBlockParam(_Request):
+    """An earlier reply's reasoning, in an assistant message: the chat template sees it as the message's
+    `reasoning_content` (its signature, which Anthropic checks, is not shown)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
 
 
-# The block types Sluice can show the model: in a message, and in a tool result's content.
-_MESSAGE_BLOCKS = ("text", "tool_use", "tool_result")
+class RedactedThinkingBlockParam(_Request):
+    """Reasoning Anthropic encrypted: no text a model here can read, so left out of the prompt."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam
+                              | RedactedThinkingBlockParam, Field(discriminator="type")]
+
+
+# The block types Sluice can show the model (or, redacted thinking, accept and leave out): in a message, and in a
+# tool result's content.
+_MESSAGE_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 _RESULT_BLOCKS = ("text",)
 
 
@@ -92,6 +110,8 @@ class MessageParam(_Request):
         blocks = [] if isinstance(self.content, str) else self.content
         if self.role == "user" and any(isinstance(b, ToolUseBlockParam) for b in blocks):
             raise ValueError("tool_use blocks belong in assistant messages")
+        if self.role == "user" and any(isinstance(b, ThinkingBlockParam | RedactedThinkingBlockParam) for b in blocks):
+            raise ValueError("thinking blocks belong in assistant messages")
         if self.role == "assistant" and any(isinstance(b, ToolResultBlockParam) for b in blocks):
             raise ValueError("tool_result blocks belong in user messages")
         return self

@@ -12,6 +12,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from pydantic import ValidationError
 
 from sluice.app.anthropic_messages import chat_request
 from sluice.app.anthropic_responses import MessageBuilder
@@ -196,7 +197,28 @@ def test_blocks_become_the_chat_messages_they_mean():
     assert chat.tool_choice == "required" and not chat.parallel_tool_calls and chat.stop == ["END"]
 
 
-@pytest.mark.parametrize("empty", ["", " ", [], [{"type": "text", "text": ""}]])
+THOUGHT = {"type": "thinking", "thinking": "A fox.", "signature": "sig"}
+
+
+def test_thinking_blocks_are_the_assistant_messages_reasoning_and_redacted_thinking_is_left_out():
+    body = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4, "messages": [
+        *HELLO,
+        {"role": "assistant", "content": [THOUGHT, {"type": "redacted_thinking", "data": "opaque"},
+                                          {"type": "thinking", "thinking": "It jumps.", "signature": "sig"},
+                                          {"type": "text", "text": "Over the dog."}]},
+        {"role": "user", "content": "And then?"}]})
+    assistant = chat_request(body).messages[1]
+    assert (assistant.text(), assistant.reasoning_content) == ("Over the dog.", "A fox.\nIt jumps.")
+
+
+@pytest.mark.parametrize("block", [THOUGHT, {"type": "redacted_thinking", "data": "opaque"}])
+def test_thinking_blocks_belong_in_assistant_messages(block):
+    with pytest.raises(ValidationError, match="thinking blocks belong in assistant messages"):
+        MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4,
+                                        "messages": [{"role": "user", "content": [block]}]})
+
+
+@pytest.mark.parametrize("empty", ["", " ", [], [{"type": "text", "text": ""}], [THOUGHT]])
 def test_an_empty_final_assistant_message_is_no_prefill(empty):
     """Anthropic allows the final assistant message, alone of all, to be empty: the reply then starts afresh (it
     was a 400 naming continue_final_message, a field the request never had)."""
