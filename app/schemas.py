@@ -207,6 +207,9 @@ class SamplingRequest(PromptTruncation):
                                         "token's logprob and rank, with this many best alternatives (not streamed)")
     return_tokens_as_token_ids: bool = Field(False, description="vLLM's extension: logprobs name tokens "
                                                                 "\"token_id:{id}\" instead of by their text")
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM's extension: the prefix cache is shared only "
+                                   "among requests with the same salt (one tenant's prompts stay unguessable to "
+                                   "another from its time to first token)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -1,7 +1,7 @@
 """The KV page pool: allocation with reference counts and automatic prefix caching.
 
 A full page is named by a hash chained over (parent page's hash, the page's token ids), so equal prefixes map
-to equal hash chains whatever request they came from. A page whose last reference goes away keeps its hash
+to equal hash chains whatever request they came from (a request's `cache_salt` starts its chain elsewhere). A page whose last reference goes away keeps its hash
 and stays reusable until it is evicted, least recently freed first, to make room for new allocations.
 
 With a persistent prefix store (`kv_store.py`, host RAM then disk), the cache has a tier below the pool: every
@@ -24,6 +24,12 @@ _ROOT_HASH = 0
 
 def page_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
+
+
+def root_hash(seq: Sequence) -> int:
+    """The parent of `seq`'s first page: requests share cached pages only if they have the same `cache_salt`."""
+    salt = seq.params.cache_salt
+    return _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt))
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,7 @@ class BlockManager:
             return [], []
         pages: list[int] = []
         hashes: list[int] = []
-        parent = _ROOT_HASH
+        parent = root_hash(seq)
         for i in range((seq.num_tokens - 1) // self.page_size):
             tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
             h = page_hash(parent, tokens)
@@ -144,7 +150,7 @@ class BlockManager:
         if known < num_pages:
             parent = seq.store_keys[-1] if known else None
             tokens = seq.token_ids[known * self.page_size:num_pages * self.page_size]
-            seq.store_keys += self.store.layout.page_keys(tokens, parent)
+            seq.store_keys += self.store.layout.page_keys(tokens, parent, seq.params.cache_salt)
         return seq.store_keys
 
     def can_admit(self, seq: Sequence, shared: list[int], num_new_tokens: int) -> bool:
@@ -198,7 +204,7 @@ class BlockManager:
             return  # no page newly full (most steps)
         while (len(seq.page_hashes) + 1) * self.page_size <= min(seq.num_computed_tokens, seq.num_known_tokens):
             i = len(seq.page_hashes)
-            parent = seq.page_hashes[-1] if seq.page_hashes else _ROOT_HASH
+            parent = seq.page_hashes[-1] if seq.page_hashes else root_hash(seq)
             tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
             h = page_hash(parent, tokens)
             page = seq.page_table[i]

@@ -120,11 +120,17 @@ class KVLayout:
     def page_nbytes(self) -> int:
         return sum(prod(shape) * dtype.itemsize for shape, dtype in self.payload_specs)
 
-    def page_keys(self, token_ids: Sequence[int], parent: PageKey | None = None) -> list[PageKey]:
+    def page_keys(self, token_ids: Sequence[int], parent: PageKey | None = None, salt: str | None = None
+                  ) -> list[PageKey]:
         """Keys of the full pages of `token_ids` (a trailing partial page has none). `parent`: the key of the page
         before `token_ids[0]`, so a sequence's keys can be extended a page at a time; None: `token_ids` start the
-        sequence (its first page chains from the fingerprint)."""
-        digest = self.fingerprint if parent is None else bytes.fromhex(parent)
+        sequence (its first page chains from the fingerprint, salted with the request's `cache_salt` if any)."""
+        if parent is not None:
+            digest = bytes.fromhex(parent)
+        elif salt is not None:
+            digest = hashlib.blake2b(self.fingerprint + salt.encode(), digest_size=DIGEST_SIZE).digest()
+        else:
+            digest = self.fingerprint
         tokens = np.asarray(token_ids, "<i4")
         keys = []
         for start in range(0, len(tokens) - self.page_size + 1, self.page_size):

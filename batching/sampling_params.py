@@ -50,6 +50,8 @@ class SamplingParams:
     `prompt_logprobs` (0..20): each prompt token's log-probability after the tokens before it, with that many best
     alternatives (`Increment.prompt_logprobs`); scored while prefilling, so such a sequence reads nothing from the
     prefix cache.
+    `cache_salt` (vLLM's): the prefix cache (pool and persistent store) is shared only among requests with the same
+    salt, so one tenant cannot learn from time to first token which prompts another sent.
     """
 
     max_tokens: int = 16
@@ -76,6 +78,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     pooling: Literal["last", "mean"] | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
 
     @cached_property
     def biased_ids(self) -> tuple[tuple[int, float], ...]:

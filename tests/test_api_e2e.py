@@ -555,13 +555,28 @@ def test_cached_prompt_tokens_reach_the_client_in_usage(client):
     assert again.usage.prompt_tokens_details.cached_tokens >= 32
 
 
+def test_a_cache_salt_shares_cached_prompt_tokens_only_with_its_own_salt(client):
+    system = "You keep a ledger of ships that pass the lighthouse and answer with one ship's name. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which ship came first?"}]
+
+    def cached(salt: str | None) -> int:
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                               extra_body={} if salt is None else {"cache_salt": salt})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    cached(None)
+    assert cached(None) >= 32  # the prompt is in the cache
+    assert cached("tenant-a") == 0 and cached("tenant-b") == 0
+    assert cached("tenant-a") >= 32
+
+
 # Each is out of range for one field (or names an unimplemented one, or a schema feature llguidance lacks) and
 # must be that request's 400 alone.
 BAD_FIELDS = [{"top_k": -5}, {"seed": -(2**63) - 1}, {"seed": 2**64}, {"stop_token_ids": [49152]},
               {"stop_token_ids": [-1]}, {"max_tokens": 0}, {"temperature": 3}, {"n": 1000},
               {"min_tokens": 9, "max_tokens": 2},
               {"max_tokens": None, "min_tokens": 7584327827},
-              {"logit_bias": {"5": 300}}, {"prompt": [1, 2, 10**9]}, {"max_tokens": 10**6},
+              {"logit_bias": {"5": 300}}, {"prompt": [1, 2, 10**9]}, {"max_tokens": 10**6}, {"cache_salt": ""},
               {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}}]
 
 

@@ -6,6 +6,7 @@ import numpy as np
 
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore
+from sluice.batching.sampling_params import SamplingParams
 from sluice.batching.sequence import Sequence
 
 from sequences import make_sequence
@@ -55,6 +56,26 @@ def test_hash_is_chained_so_an_equal_page_after_a_different_prefix_is_not_reused
     prefill(bm, make_seq([1, 1, 1, 1, 2, 2, 2, 2, 0], seq_id=0))
     other = make_seq([3, 3, 3, 3, 2, 2, 2, 2, 0], seq_id=1)
     assert bm.match_prefix(other) == ([], [], [])
+
+
+def test_a_cache_salt_shares_pages_only_with_requests_of_the_same_salt(tmp_path):
+    layout = KVLayout(model="m", quantization="none", dtype="float32", kv_dtype="float32", page_size=PAGE,
+                      num_layers=1, num_kv_heads=1, head_dim=2)
+    store = KVStore(layout, tmp_path, ram_bytes=1 << 20, disk_bytes=1 << 20)
+    bm = BlockManager(num_pages=32, page_size=PAGE, store=store)
+    tokens = list(range(9))
+
+    def salted(salt: str | None, seq_id: int) -> Sequence:
+        return make_sequence(seq_id, tokens, SamplingParams(cache_salt=salt))
+
+    prefill(bm, salted("alice", 0))
+    assert bm.match_prefix(salted("bob", 1))[0] == [] and bm.match_prefix(salted(None, 2))[0] == []
+    assert len(bm.match_prefix(salted("alice", 3))[0]) == 2
+    # The persistent store's keys are salted too, and the unsalted ones unchanged.
+    saved = [key for _, key in bm.saves]
+    assert saved == layout.page_keys(tokens, salt="alice")
+    assert not set(saved) & set(layout.page_keys(tokens, salt="bob") + layout.page_keys(tokens))
+    store.close()
 
 
 def test_whole_prompt_cached_still_leaves_the_last_token_to_compute():
