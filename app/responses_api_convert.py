@@ -80,10 +80,15 @@ def _check_outputs_answer_calls(items: Items) -> None:
 
 def chat_messages(items: Items) -> list[dict[str, Any]]:
     """Chat messages (dicts) of the items: a function call joins the assistant turn before it (its text, or the
-    calls made alongside it), and its output is a `tool` message. Reasoning is left out (`ReasoningItem`)."""
+    calls made alongside it), and its output is a `tool` message. Reasoning items are the reasoning of the
+    assistant turn their next item is part of (as the reply that wrote them had it); before any other turn, left
+    out."""
     messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []
     for item in items:
         if isinstance(item, ReasoningItem):
+            if text := item.text():
+                reasoning.append(text)
             continue
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
@@ -96,6 +101,10 @@ def chat_messages(items: Items) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        if reasoning and messages[-1]["role"] == "assistant":
+            earlier = [messages[-1]["reasoning_content"]] if "reasoning_content" in messages[-1] else []
+            messages[-1]["reasoning_content"] = "\n".join(earlier + reasoning)
+        reasoning = []
     return messages
 
 

@@ -112,10 +112,8 @@ class ReasoningText(_Request):
 
 class ReasoningItem(_Request):
     """An earlier reply's reasoning, as agent SDKs send it back (another model's: Sluice writes none). It stays in
-    the conversation (stored, listed among the input items) but not in the prompt. vLLM gives its text to the
-    chat template as the assistant message's `reasoning`, which only a reasoning model's template shows; Sluice's
-    chat messages have no such field, so for every model it serves the prompt is the one vLLM renders for a model
-    without a reasoning parser."""
+    the conversation (stored, listed among the input items), and its text is the reasoning of the assistant message
+    it comes before (`responses_api_convert.chat_messages`), which only a reasoning model's chat template shows."""
 
     type: Literal["reasoning"]
     id: str | None = None
@@ -123,6 +121,11 @@ class ReasoningItem(_Request):
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] = Field(default_factory=list)
     encrypted_content: str | None = None
+
+    def text(self) -> str:
+        """The reasoning itself (its content, as vLLM writes it), else its summary (all that OpenAI's models send); ""
+        for encrypted reasoning alone."""
+        return "\n".join(part.text for part in self.content or self.summary)
 
 
 class ItemReference(_Request):

@@ -100,6 +100,26 @@ def test_items_become_chat_messages_calls_joining_the_assistant_turn_before_them
     assert chat.messages[3].tool_call_id == "c1"
 
 
+def test_reasoning_items_are_the_reasoning_of_the_assistant_turn_after_them():
+    body = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Look it up."}],
+         "content": [{"type": "reasoning_text", "text": "Call get_weather."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "It is sunny."}]},
+        {"type": "reasoning", "summary": [], "encrypted_content": "opaque"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Say so."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "No turn of mine follows."}]},
+        {"role": "user", "content": "Thanks."},
+    ]})
+    chat = chat_request(body, body.input)
+    assert [(m.role, m.reasoning_content) for m in chat.messages] == [
+        ("user", None), ("assistant", "Call get_weather."), ("tool", None), ("assistant", "It is sunny.\nSay so."),
+        ("user", None)]
+
+
 class FailingGeneration:
     """A generation whose engine fails after its first text."""
 
@@ -241,7 +261,7 @@ REASONING = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_te
              "encrypted_content": None}
 
 
-def test_a_reasoning_item_stays_in_the_conversation_but_not_in_the_prompt(client):
+def test_a_reasoning_item_stays_in_the_conversation_and_a_template_that_does_not_read_it_shows_nothing(client):
     without = client.responses.create(input=CALL, tools=[WEATHER], **GREEDY)
     reply = client.responses.create(input=[CALL[0], REASONING, *CALL[1:]], tools=[WEATHER], **GREEDY)
     assert (reply.usage.input_tokens, reply.output_text) == (without.usage.input_tokens, without.output_text)
