@@ -3,7 +3,8 @@ fragments of its arguments. `tool_calls.ToolCalling` picks the reader of the req
 read by the same reader given it at once, so a stream and its whole text always read the same.
 
 Two readers. `CallStream` reads calls between an opening tag and a close, with a JSON object per call: Hermes
-(`<tool_call>{...}</tool_call>`, one call per tag) and Mistral (`[TOOL_CALLS] [{...}, {...}]`, a list per tag).
+(`<tool_call>{...}</tool_call>`, one call per tag) and Mistral (`[TOOL_CALLS] [{...}, {...}]`, a list per tag, or
+as its v11+ tokenizers write them, `[TOOL_CALLS]name[ARGS]{...}`, one call per tag with no close).
 `JsonCallStream` reads Llama 3's replies, which are calls only if they are nothing but calls.
 """
 
@@ -16,6 +17,9 @@ from typing import Any
 
 # What a call starts with when written as the prompt asks and the grammar forces: its name, then its arguments.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
+# The head of a call written by name (Mistral's v11+ tokenizers): its name, maybe its id, then its arguments.
+_CALL_ID, _ARGS = "[CALL_ID]", "[ARGS]"
+_NAMED_HEAD = re.compile(rf"\s*(.*?)(?:{re.escape(_CALL_ID)}[A-Za-z0-9]*)?{re.escape(_ARGS)}", re.DOTALL)
 # Outside strings, JSON has only these characters besides brackets and quotes.
 _JSON_OUTSIDE_STRINGS = frozenset(" \t\r\n,:-+.0123456789eEtruefalsn")
 
@@ -53,17 +57,19 @@ class CallSyntax:
     """How a format wraps its calls in text: `open` starts a group of calls, JSON objects after `begin`, separated
     by `separator` (None: one call a group) and ended by `close`; whitespace may come between any two.
     `closed_by_end`: the reply's end closes a group as `close` would (a model may stop right after a call's JSON,
-    before its close; vLLM's Hermes parser reads such a call)."""
+    before its close; vLLM's Hermes parser reads such a call). `by_name`: a call may instead follow `open` as its
+    name, `[ARGS]` and its arguments (`name[CALL_ID]id[ARGS]{...}` with an id), one call per tag and no close."""
 
     open: str
     begin: str
     separator: str | None
     close: str
     closed_by_end: bool = False
+    by_name: bool = False
 
 
 HERMES = CallSyntax("<tool_call>", "", None, "</tool_call>", closed_by_end=True)
-MISTRAL = CallSyntax("[TOOL_CALLS]", "[", ",", "]")
+MISTRAL = CallSyntax("[TOOL_CALLS]", "[", ",", "]", by_name=True)
 
 
 def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
@@ -101,13 +107,15 @@ def _loads(text: str) -> Any:
 class _Group:
     """The calls after an opening tag, as far as they have arrived. `position`: where in the reader's buffer (the
     text after the tag) the next part starts; `part`: what is expected there; `calls`: the group's calls read so
-    far, held until its close (unless they go out progressively); `open`: the call whose arguments are going out,
-    as (where its arguments start, how far they went out) in its object's text; `committed`: calls of the group
-    have gone out, so it is no longer text whatever follows."""
+    far, held until its close (unless they go out progressively); `name`: a call written by name, the function's;
+    `open`: the call whose arguments are going out, as (where its arguments start, how far they went out) in its
+    object's text; `committed`: calls of the group have gone out, so it is no longer text whatever follows."""
 
     position: int = 0
-    part: str = "begin"  # "begin" | "object" | "after" (a separator or the close)
+    # "begin" | "object" | "after" (a separator or the close); by name, "head" then "arguments"
+    part: str = "begin"
     calls: list[ToolCall] = field(default_factory=list)
+    name: str = ""
     end: _ObjectEnd = field(default_factory=lambda: _ObjectEnd())
     open: tuple[int, int] | None = None
     committed: bool = False
@@ -168,38 +176,79 @@ class CallStream:
         return events
 
     def _read_group(self, events: list[StreamEvent]) -> bool:
-        """Reads on in the group; False while its next part is still arriving."""
+        """Reads on in the group until it ends (True) or its next part is still arriving (False): each `_read_*`
+        reads one part, False while it is still arriving."""
+        readers = {"object": self._read_object, "head": self._read_head, "arguments": self._read_object}
+        while self._group is not None:
+            if not readers.get(self._group.part, self._read_punctuation)(events):
+                return False
+        return True
+
+    def _read_punctuation(self, events: list[StreamEvent]) -> bool:
+        """The format's text before, between or after the objects."""
         group = self._group
-        while True:
-            rest = self._buffer[group.position:]
-            if group.part == "object":
-                end = group.end.find(rest)
-                if end is None:
-                    if self.progressive:
-                        self._send_arguments(rest, events)
-                    return False
-                call = parse_call(rest[:end], self.names) if end >= 0 else None
-                if call is None:
-                    self._abandon(events)
-                    return True
-                self._take(call, events)
-                group.position += end
-                group.part = "after"
-                continue
-            expected = [self.syntax.begin] if group.part == "begin" else [self.syntax.close, self.syntax.separator]
-            stripped = rest.lstrip()
-            if any(len(stripped) < len(e) and e.startswith(stripped) for e in expected if e is not None):
-                return False  # what is expected may be arriving
-            matched = next((e for e in expected if e is not None and stripped.startswith(e)), None)
-            if matched is None:
+        expected = [self.syntax.begin] if group.part == "begin" else [self.syntax.close, self.syntax.separator]
+        stripped = self._buffer[group.position:].lstrip()
+        if any(len(stripped) < len(e) and e.startswith(stripped) for e in expected if e is not None):
+            return False  # what is expected may be arriving
+        matched = next((e for e in expected if e is not None and stripped.startswith(e)), None)
+        if matched is None:
+            if group.part == "begin" and self.syntax.by_name:
+                group.part = "head"
+            else:
                 self._abandon(events)
-                return True
-            group.position = len(self._buffer) - len(stripped) + len(matched)
-            if group.part == "after" and matched == self.syntax.close:
-                self._close(events)
-                return True
+            return True
+        group.position = len(self._buffer) - len(stripped) + len(matched)
+        if group.part == "after" and matched == self.syntax.close:
+            self._close(events)
+        else:
             group.part = "object"
             group.end = _ObjectEnd()
+        return True
+
+    def _read_object(self, events: list[StreamEvent]) -> bool:
+        """A call's object, or a call by name's arguments (which end its group)."""
+        group = self._group
+        rest = self._buffer[group.position:]
+        end = group.end.find(rest)
+        if end is None:
+            if self.progressive and group.part == "object":
+                self._send_arguments(rest, events)
+            return False
+        call = self._call(rest[:end]) if end >= 0 else None
+        if call is None:
+            self._abandon(events)
+            return True
+        self._take(call, events)
+        group.position += end
+        if group.part == "arguments":
+            self._close(events)
+        else:
+            group.part = "after"
+        return True
+
+    def _call(self, text: str) -> ToolCall | None:
+        """The call an object's text writes, None if it is none (by name: the arguments' text, an object)."""
+        if self._group.part == "object":
+            return parse_call(text, self.names)
+        arguments = text.strip()
+        return ToolCall(self._group.name, arguments) if isinstance(_loads(arguments), dict) else None
+
+    def _read_head(self, events: list[StreamEvent]) -> bool:
+        """A call by name's head: a function's name, maybe an id, then `[ARGS]`."""
+        group = self._group
+        rest = self._buffer[group.position:]
+        head = _NAMED_HEAD.match(rest)
+        if head is None and _may_begin_head(rest, self.names):
+            return False
+        if head is None or head.group(1) not in self.names:
+            self._abandon(events)
+            return True
+        group.name = head.group(1)
+        group.position += head.end()
+        group.part = "arguments"
+        group.end = _ObjectEnd()
+        return True
 
     def _close(self, events: list[StreamEvent]) -> None:
         """The group's calls are complete: out they go, and reading goes on after them."""
@@ -417,6 +466,17 @@ class _ObjectEnd:
             elif char not in _JSON_OUTSIDE_STRINGS:
                 return -1
         return None
+
+
+def _may_begin_head(text: str, names: frozenset[str]) -> bool:
+    """Whether `text` (no whole head yet) may still grow into the head of a call by name of one of `names`."""
+    so_far = text.lstrip()
+    so_far = so_far[:len(so_far) - _partial_tag(so_far, _ARGS)]
+    name, tag, call_id = so_far.partition(_CALL_ID)
+    if tag:
+        return name in names and (not call_id or (call_id.isascii() and call_id.isalnum()))
+    name = name[:len(name) - _partial_tag(name, _CALL_ID)]
+    return any(known.startswith(name) for known in names)
 
 
 def _partial_tag(text: str, tag: str) -> int:

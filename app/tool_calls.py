@@ -7,6 +7,7 @@ Three formats (`--tool-call-parser`):
     hermes       <tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>   (Qwen, Hermes)
     llama3_json  {"name": "get_weather", "parameters": {"city": "Paris"}}                         (Llama 3.x)
     mistral      [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]           (Mistral)
+                 [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}                  (Mistral's v11+ tokenizers)
 
 A call is only a call if its JSON parses, names a function of the request and has an object as arguments;
 anything else stays in the message's text, so no text the model wrote is lost. Mistral's `[TOOL_CALLS]` is a

@@ -231,6 +231,43 @@ def test_forced_mistral_calls_stream_each_ones_arguments_as_they_arrive():
     assert sum(isinstance(e, ArgumentsDelta) for e in events) > 4
 
 
+def mistral_by_name(*calls: tuple[str, str]) -> str:
+    """Calls as Mistral's v11+ tokenizers write them: each after its own marker, its name before `[ARGS]`."""
+    return "".join(f"[TOOL_CALLS]{n}[ARGS]{a}" for n, a in calls)
+
+
+def test_mistral_calls_written_by_name_are_calls_and_the_text_before_them_content():
+    text = "Let me check. " + mistral_by_name(("get_weather", PARIS), ("add", '{"a": [1, {"b": "]"}]}'))
+    assert parse_calls(text, NAMES, "mistral") == (
+        "Let me check.", [ToolCall("get_weather", PARIS), ToolCall("add", '{"a": [1, {"b": "]"}]}')])
+
+
+def test_a_mistral_call_by_name_may_carry_its_id_before_its_arguments():
+    text = '[TOOL_CALLS]add[CALL_ID]a1b2c3d4e[ARGS]{"a": 1}'
+    assert parse_calls(text, NAMES, "mistral") == (None, [ToolCall("add", '{"a": 1}')])
+
+
+@pytest.mark.parametrize("text", [
+    "[TOOL_CALLS]launch[ARGS]{}",  # not one of the request's tools
+    '[TOOL_CALLS]add[ARGS]{"a": 1',  # the arguments never close
+    '[TOOL_CALLS]add[ARGS]"a=1"',  # arguments not an object
+    '[TOOL_CALLS]add{"a": 1}',  # no [ARGS]
+    "[TOOL_CALLS]add[CALL_ID]a-b[ARGS]{}",  # an id of other characters than letters and digits
+])
+def test_a_mistral_marker_followed_by_no_call_by_name_stays_in_the_text(text):
+    assert parse_calls(text, NAMES, "mistral") == (text, [])
+
+
+@pytest.mark.parametrize("text", [
+    " Sure. " + mistral_by_name(("get_weather", PARIS), ("add", '{"x": "[ARGS]}"}')) + " Done. [TOOL_CA",
+    mistral_by_name(("add", "{}")) + " " + mistral(("get_weather", PARIS)) + "[TOOL_CALLS]ad",
+    '[TOOL_CALLS]get_weather[CALL_ID]abc123XYZ[ARGS]{"city": "Oslo"}[TOOL_CALLS]launch[ARGS]{}',
+    "[TOOL_CALLS]add[CALL_ID]abc[AR",
+])
+def test_a_stream_of_mistral_calls_by_name_in_any_pieces_reads_as_the_whole_text(text):
+    assert_any_pieces_read_as_the_whole(text, "mistral")
+
+
 def marker_tokenizer() -> Tokenizer:
     """A byte-level vocabulary of 288 tokens whose last is `[TOOL_CALLS]`, a special token (as in Mistral's)."""
     backend = train_tokenizer(287)
@@ -286,6 +323,17 @@ def test_a_mistral_call_whose_increment_ends_mid_character_has_its_marker_in_pla
     texts = [checker.emit_run(run, None)[0] for run in (ids[:marker - 1], ids[marker - 1:split + 1], ids[split + 1:])]
     assert "".join(texts) == reply
     assert read_mistral_stream(texts) == ("the fox", [ToolCall("add", '{"a": "é"}')])
+
+
+def test_mistral_calls_by_name_whose_tags_are_special_tokens_are_read_from_the_kept_text():
+    backend = train_tokenizer(285)
+    backend.add_special_tokens([AddedToken(tag, special=True, normalized=False)
+                                for tag in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")])
+    tokenizer = Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+    reply = "the fox[TOOL_CALLS]add[CALL_ID]x1y2z3w4v[ARGS]{\"a\": 1}[TOOL_CALLS]get_weather[ARGS]{}"
+    checker = keeping_special_tokens(tokenizer)
+    texts = [checker.emit(token, None).text for token in tokenizer.encode(reply, add_special_tokens=False)]
+    assert read_mistral_stream(texts) == ("the fox", [ToolCall("add", '{"a": 1}'), ToolCall("get_weather", "{}")])
 
 
 # --- the grammar that forces calls -------------------------------------------------------------------------
