@@ -18,7 +18,9 @@ and Hermes parsers ask), so the tag is in the text where its token was (`reads_s
 
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ _ONE_PART = ("anyOf", "oneOf", "then", "else")
 # Keywords whose subschemas test the object rather than describe it: closing one would change what it tests.
 _TESTS = ("not", "if")
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+_ALPHANUMERIC = string.ascii_letters + string.digits
 
 DEFAULT_TOOLS_PROMPT = """# Tools
 
@@ -153,10 +156,18 @@ def new_call_id() -> str:
 
 
 def mistral_call_id(call_id: str) -> str:
-    """A call id as Mistral's templates require it (nine letters or digits): the id's last nine, zero-padded.
-    The assistant's call and the tool result that answers it map alike."""
-    kept = "".join(char for char in call_id if char.isascii() and char.isalnum())
-    return kept[-9:].rjust(9, "0")
+    """A call id as Mistral's templates require it (nine letters or digits), the same for the assistant's call and
+    the tool result that answers it: one that is such an id already stays; any other becomes nine base-62 digits
+    of its SHA-256, so that distinct ids stay apart (a conversation's `1` and `01`, say) but for a chance of one
+    in 62**9 a pair."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).digest())
+    digits = []
+    for _ in range(9):
+        number, digit = divmod(number, len(_ALPHANUMERIC))
+        digits.append(_ALPHANUMERIC[digit])
+    return "".join(digits)
 
 
 # --- writing: the prompt and past calls, for a template without tool support -------------------------------

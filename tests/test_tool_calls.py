@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import openai
@@ -481,10 +482,37 @@ def test_with_the_mistral_format_call_ids_reach_the_template_as_nine_letters_or_
     tokenizer = with_template(MISTRAL)
     assert renders_tools(tokenizer)
     text = chat_prompt(tokenizer, CONVERSATION.messages, tools=CONVERSATION.tools, call_format="mistral").text
+    first, second = mistral_call_id("call_1"), mistral_call_id("call_2")
     assert ('[INST] Weather in Paris?[/INST][TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, '
-            '"id": "0000call1"}]') in text
-    assert '"call_id": "0000call1"' in text and '"call_id": "0000call2"' in text
-    assert mistral_call_id("call_" + "ab12" * 6) == "2ab12ab12" and mistral_call_id("toolu_x-y") == "00tooluxy"
+            f'"id": "{first}"}}]') in text
+    assert f'"call_id": "{first}"' in text and f'"call_id": "{second}"' in text
+    assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in (first, second))
+
+
+def test_distinct_call_ids_become_distinct_mistral_ids_and_one_already_of_nine_stays():
+    ids = ["1", "01", "001", "call_1", "call-1", "toolu_x-y", "toolux_y", "x" * 30 + "123456789", "123456789",
+           "Ünï_1", "_1"]
+    mapped = [mistral_call_id(call_id) for call_id in ids]
+    assert len(set(mapped)) == len(ids)
+    assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in mapped)
+    assert mapped == [mistral_call_id(call_id) for call_id in ids]  # a tool result finds its call's id again
+    assert mistral_call_id("a1B2c3D4e") == "a1B2c3D4e"
+
+
+def test_calls_whose_ids_differ_only_in_padding_each_keep_their_result_in_the_mistral_template():
+    ask = {"role": "user", "content": "Weather in Paris and Oslo?"}
+    calls = [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": PARIS}}
+             for call_id in ("1", "01")]
+    conversation = ChatCompletionRequest.model_validate({
+        "messages": [ask, {"role": "assistant", "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": "1", "content": "18 C"},
+                     {"role": "tool", "tool_call_id": "01", "content": "rain"}],
+        "tools": CONVERSATION.tools})
+    text = chat_prompt(with_template(MISTRAL), conversation.messages, tools=conversation.tools,
+                       call_format="mistral").text
+    ids = re.findall(r'"id": "(\w+)"', text)
+    results = re.findall(r'"content": "([^"]*)", "call_id": "(\w+)"', text)
+    assert len(set(ids)) == 2 and results == [("18 C", ids[0]), ("rain", ids[1])]
 
 
 def test_auto_reads_the_format_the_template_writes_and_hermes_where_the_template_has_no_tools():
