@@ -23,8 +23,9 @@ import json
 import string
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from sluice.batching.sampling_params import StructuredOutput
 from sluice.model.tokenizer import Tokenizer
@@ -215,33 +216,60 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
     return StructuredOutput("grammar", "\n".join([start, choices, *rules]) + "\n")
 
 
-def _closed(schema: Any, part: bool = False) -> Any:
+def _closed(schema: Any) -> Any:
     """`schema` with `"additionalProperties": false` on every object that lists its properties and says nothing
     of others (OpenAI's strict mode asks it of every schema): otherwise a small model, free to add keys, invents
     them until max_tokens. The arguments still validate against the schema as given.
 
     An object whose properties are spread over several subschemas (`allOf`, or properties beside `anyOf`, `oneOf`,
-    `then`/`else`, `dependentSchemas` or `$ref`) is left open, and so is each `part`: closing one part would refuse
-    the properties the others name, and the grammar would refuse arguments the schema allows (or compile to
-    nothing). `not` and `if` are left as given: closing them would change what they test."""
+    `then`/`else`, `dependentSchemas` or `$ref`) is left open, and so is each part, a `$ref`'s target included:
+    closing one part would refuse the properties the others name, and the grammar would refuse arguments the
+    schema allows (or compile to nothing). `not` and `if` are left as given: closing them would change what they
+    test. A target found to be a part may hold a `$ref` that makes another one a part: passes run until none is
+    found anew."""
+    parts = _Parts(frozenset())
+    while True:
+        closed = _close(schema, "#", False, parts)
+        if parts.found <= parts.opened:
+            return closed
+        parts = _Parts(parts.opened | parts.found)
+
+
+@dataclass
+class _Parts:
+    """The `$ref` targets (JSON pointers into the schema, `#/$defs/base`) that are parts of an object: `opened`,
+    those left open in this pass; `found`, those it found."""
+
+    opened: frozenset[str]
+    found: set[str] = field(default_factory=set)
+
+
+def _close(schema: Any, at: str, part: bool, parts: _Parts) -> Any:
+    """`_closed` of the subschema at the JSON pointer `at`; `part`: whether it is a part of an object."""
     if isinstance(schema, list):
-        return [_closed(item) for item in schema]
+        return [_close(item, f"{at}/{i}", part, parts) for i, item in enumerate(schema)]
     if not isinstance(schema, dict):
         return schema
+    part = part or at in parts.opened
     joined = part or "properties" in schema or "patternProperties" in schema or "allOf" in schema
+    if joined and isinstance(schema.get("$ref"), str):
+        parts.found.add(unquote(schema["$ref"]))
     closed = {}
     for key, value in schema.items():
+        here = f"{at}/{_pointer_token(key)}"
         if key in _NOT_SCHEMAS or key in _TESTS:
             closed[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            closed[key] = {name: _closed(subschema, part=key in _ALL_PARTS) for name, subschema in value.items()}
-        elif key in _ALL_PARTS + _ONE_PART:
-            is_part = key in _ALL_PARTS or joined
-            closed[key] = ([_closed(item, is_part) for item in value] if isinstance(value, list)
-                           else _closed(value, is_part))
+            closed[key] = {name: _close(subschema, f"{here}/{_pointer_token(name)}", key in _ALL_PARTS, parts)
+                           for name, subschema in value.items()}
         else:
-            closed[key] = _closed(value)
+            closed[key] = _close(value, here, key in _ALL_PARTS or (key in _ONE_PART and joined), parts)
     spread = part or any(key in schema for key in (*_ALL_PARTS, *_ONE_PART, "$ref"))
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema and not spread:
         closed["additionalProperties"] = False
     return closed
+
+
+def _pointer_token(key: str) -> str:
+    """`key` as a JSON pointer writes it (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")

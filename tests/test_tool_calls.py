@@ -391,6 +391,31 @@ def test_the_grammar_takes_properties_a_schema_spreads_over_its_parts(compiler, 
     assert any(follows(compiler, grammar, call("add", arguments)) for arguments in ('{"a": 1, "b": 2}', '{"b": 2, "a": 1}'))
 
 
+BASE = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+EXTRA = {"properties": {"b": {"type": "integer"}}, "required": ["b"]}
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "$defs": {"base": BASE}, "allOf": [{"$ref": "#/$defs/base"}, EXTRA]},
+    {"type": "object", "definitions": {"base": BASE}, "allOf": [EXTRA, {"$ref": "#/definitions/base"}]},
+    {"type": "object", "$defs": {"base": BASE}, "$ref": "#/$defs/base", **EXTRA},
+    {"type": "object", "$defs": {"base": {"$ref": "#/$defs/root"}, "root": BASE},
+     "allOf": [{"$ref": "#/$defs/base"}, EXTRA]},
+])
+def test_the_grammar_takes_properties_a_schema_spreads_over_a_ref_and_its_own(compiler, parameters):
+    # The $ref's target is a part of the object as an allOf part is: closed, it would refuse `b`.
+    grammar = call_grammar([("add", parameters)], parallel=False)
+    assert any(follows(compiler, grammar, call("add", arguments)) for arguments in ('{"a": 1, "b": 2}', '{"b": 2, "a": 1}'))
+
+
+def test_a_ref_target_used_alone_is_still_closed(compiler):
+    parameters = {"type": "object", "$defs": {"base": BASE}, "properties": {"x": {"$ref": "#/$defs/base"}},
+                  "required": ["x"]}
+    grammar = call_grammar([("add", parameters)], parallel=False)
+    assert follows(compiler, grammar, call("add", '{"x": {"a": 1}}'))
+    assert not follows(compiler, grammar, call("add", '{"x": {"a": 1, "c": 2}}'))
+
+
 def test_each_branch_of_a_union_is_still_closed(compiler):
     union = {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
                        {"type": "object", "properties": {"b": {"type": "integer"}}}]}
