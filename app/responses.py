@@ -123,8 +123,8 @@ class ChunkFrame:
             frame = self._text_frames[index] = TextFrame(lambda mark: self.event([self._text_choice(index, mark)]))
         return frame.event(text)
 
-    def usage_event(self, chunk: ChatCompletionChunk | CompletionResponse) -> bytes:
-        """The last chunk, with the usage."""
+    def whole_event(self, chunk: ChatCompletionChunk | CompletionResponse) -> bytes:
+        """A chunk serialized whole: the last, with the usage, or a chat stream's first, with the prompt's ids."""
         return sse_event(chunk.model_dump_json(exclude=self._exclude))
 
 
@@ -142,6 +142,7 @@ async def event_stream(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, No
 @dataclass
 class _Choice:
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -149,10 +150,11 @@ class _Choice:
 
 
 async def _gather(generation: Generation, choices: list[_Choice]) -> None:
-    """Each choice's text, logprobs (its prompt's too, when asked), finish and stop reason."""
+    """Each choice's text, token ids, logprobs (its prompt's too, when asked), finish and stop reason."""
     async for increment in generation.increments():
         choice = choices[increment.choice]
         choice.text += increment.text
+        choice.token_ids.extend(increment.token_ids)
         choice.logprobs.extend(increment.logprobs)
         choice.prompt_logprobs = increment.prompt_logprobs or choice.prompt_logprobs
         choice.finish_reason = increment.finish_reason or choice.finish_reason
@@ -174,8 +176,9 @@ class ChatBuilder:
     """
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest,
-                 tool_calling: ToolCalling | None = None) -> None:
+                 prompt_ids: Sequence[int], tool_calling: ToolCalling | None = None) -> None:
         self._id = request_id
+        self._prompt_ids = list(prompt_ids) if body.return_token_ids else None
         self._created = int(time.time())
         self._model = model
         self._names = TokenNames(tokenizer, body.return_tokens_as_token_ids)
@@ -197,26 +200,35 @@ class ChatBuilder:
             usage=usage_info(generation.usage),
             prompt_logprobs=(vllm_prompt_logprobs(self._names, scored, self._body.prompt_logprobs)
                              if scored is not None else None),
+            prompt_token_ids=self._prompt_ids,
         )
 
     def _choice(self, index: int, choice: _Choice) -> ChatChoice:
         logprobs = self._logprobs(choice.logprobs)
+        token_ids = self._token_ids(choice.token_ids)
         if self._tool_calling is None:
             return ChatChoice(index=index, message=ChatResponseMessage(content=choice.text), logprobs=logprobs,
-                              finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+                              finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                              token_ids=token_ids)
         content, calls = self._tool_calling.parse(choice.text)
         tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in calls]
         return ChatChoice(index=index, message=ChatResponseMessage(content=content, tool_calls=tool_calls or None),
                           logprobs=logprobs, finish_reason=_call_finish_reason(choice.finish_reason, bool(calls)),
-                          stop_reason=choice.stop_reason)
+                          stop_reason=choice.stop_reason, token_ids=token_ids)
 
     def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         return event_stream(self._chunks(generation))
 
     async def _chunks(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         for i in range(self._body.n):
-            yield self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]
+            if i == 0 and self._prompt_ids is not None:
+                yield self._frame.whole_event(ChatCompletionChunk(id=self._id, created=self._created,
+                                                                  model=self._model, choices=opening,
+                                                                  prompt_token_ids=self._prompt_ids))
+            else:
+                yield self._chunk(opening)
         increments = generation.increments()
         chunks = self._text_chunks(increments) if self._tool_calling is None else self._tool_chunks(increments)
         async for chunk in chunks:
@@ -225,10 +237,12 @@ class ChatBuilder:
             yield self._chunk([], usage=usage_info(generation.usage))
 
     async def _text_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
+        per_token = self._body.logprobs or self._body.return_token_ids
         async for increment in increments:
-            if self._body.logprobs and (increment.text or increment.logprobs):
+            if per_token and (increment.text or increment.token_ids):
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(content=increment.text),
-                                                   logprobs=self._logprobs(increment.logprobs))])
+                                                   logprobs=self._logprobs(increment.logprobs),
+                                                   token_ids=self._token_ids(increment.token_ids))])
             elif increment.text:
                 yield self._frame.text_event(increment.choice, increment.text)
             if increment.finish_reason is not None:
@@ -237,7 +251,8 @@ class ChatBuilder:
                                                    stop_reason=increment.stop_reason)])
 
     async def _tool_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
-        """One chunk per text delta, call start or arguments fragment; an increment's logprobs ride on its first."""
+        """One chunk per text delta, call start or arguments fragment; an increment's logprobs and token ids ride on
+        its first."""
         streams = [self._tool_calling.stream() for _ in range(self._body.n)]
         async for increment in increments:
             stream = streams[increment.choice]
@@ -245,11 +260,13 @@ class ChatBuilder:
             if increment.finish_reason is not None:
                 events += stream.finish()
             deltas = [self._tool_delta(event) for event in events]
-            if increment.logprobs and not deltas:
+            if (increment.logprobs or self._body.return_token_ids and increment.token_ids) and not deltas:
                 deltas = [ChatDelta(content="")]
             for j, delta in enumerate(deltas):
-                logprobs = self._logprobs(increment.logprobs) if j == 0 else None
-                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs)])
+                logprobs, token_ids = ((self._logprobs(increment.logprobs), self._token_ids(increment.token_ids))
+                                       if j == 0 else (None, None))
+                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs,
+                                                   token_ids=token_ids)])
             if increment.finish_reason is not None:
                 finish_reason = _call_finish_reason(increment.finish_reason, stream.calls > 0)
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
@@ -270,10 +287,13 @@ class ChatBuilder:
             return None
         return ChatLogprobs(content=token_logprobs(self._names, entries))
 
+    def _token_ids(self, token_ids: Sequence[int]) -> list[int] | None:
+        return list(token_ids) if self._body.return_token_ids else None
+
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         if usage is None:
             return self._frame.event(choices)
-        return self._frame.usage_event(ChatCompletionChunk(id=self._id, created=self._created, model=self._model,
+        return self._frame.whole_event(ChatCompletionChunk(id=self._id, created=self._created, model=self._model,
                                                            choices=choices, usage=usage))
 
 
@@ -289,6 +309,7 @@ class CompletionBuilder:
         self._body = body
         self._prompts = prompts
         self._num_choices = len(prompts) * body.n
+        self._unopened = set(range(self._num_choices)) if body.return_token_ids else set()
         self._frame = ChunkFrame(self._response([]), body.include_usage,
                                  lambda i, text: CompletionChoice(index=i, text=text))
 
@@ -298,7 +319,7 @@ class CompletionBuilder:
         return self._response(
             [CompletionChoice(index=i, text=c.text, logprobs=self._choice_logprobs(i, c),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                              prompt_logprobs=self._vllm_prompt_logprobs(c))
+                              prompt_logprobs=self._vllm_prompt_logprobs(c), **self._token_ids(i, c.token_ids))
              for i, c in enumerate(choices)],
             usage=usage_info(generation.usage),
         )
@@ -310,13 +331,13 @@ class CompletionBuilder:
         offsets = [len(self._echo(i)) for i in range(self._num_choices)]
         if self._body.echo and self._body.logprobs is None:  # else with its logprobs, which come with its first tokens
             for i in range(self._num_choices):
-                yield self._chunk([CompletionChoice(index=i, text=self._echo(i))])
+                yield self._chunk([CompletionChoice(index=i, text=self._echo(i), **self._token_ids(i, ()))])
         async for increment in generation.increments():
             if increment.prompt_logprobs is not None:  # echo with logprobs (vLLM's prompt_logprobs is not streamed)
                 echoed = self._echoed_logprobs(increment.choice, increment.prompt_logprobs)
                 yield self._chunk([CompletionChoice(index=increment.choice, text=self._echo(increment.choice),
-                                                    logprobs=echoed)])
-            if self._body.logprobs is None and increment.finish_reason is None:
+                                                    logprobs=echoed, **self._token_ids(increment.choice, ()))])
+            if self._body.logprobs is None and not self._body.return_token_ids and increment.finish_reason is None:
                 if increment.text:  # none yet: a character's first bytes, or text held back for a stop string
                     yield self._frame.text_event(increment.choice, increment.text)
                 continue
@@ -324,12 +345,23 @@ class CompletionBuilder:
             offsets[increment.choice] += sum(len(self._names.text(e.token_id)) for e in increment.logprobs)
             yield self._chunk([CompletionChoice(index=increment.choice, text=increment.text, logprobs=logprobs,
                                                 finish_reason=increment.finish_reason,
-                                                stop_reason=increment.stop_reason)])
+                                                stop_reason=increment.stop_reason,
+                                                **self._token_ids(increment.choice, increment.token_ids))])
         if self._body.include_usage:
             yield self._chunk([], usage=usage_info(generation.usage))
 
     def _echo(self, choice: int) -> str:
         return self._prompts[choice // self._body.n].text if self._body.echo else ""
+
+    def _token_ids(self, choice: int, token_ids: Sequence[int]) -> dict[str, list[int]]:
+        """vLLM's return_token_ids fields of a choice's chunk (or whole choice): its new ids, and on its first, its
+        prompt's."""
+        if not self._body.return_token_ids:
+            return {}
+        if choice not in self._unopened:
+            return {"token_ids": list(token_ids)}
+        self._unopened.discard(choice)
+        return {"token_ids": list(token_ids), "prompt_token_ids": list(self._prompts[choice // self._body.n].token_ids)}
 
     def _vllm_prompt_logprobs(self, choice: _Choice) -> PromptLogprobs | None:
         k = self._body.prompt_logprobs
@@ -368,4 +400,4 @@ class CompletionBuilder:
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
         if usage is None:
             return self._frame.event(choices)
-        return self._frame.usage_event(self._response(choices, usage))
+        return self._frame.whole_event(self._response(choices, usage))

@@ -120,7 +120,7 @@ async def create_chat_completion(request: Request) -> Response:
     chat = await plan_chat(state, engine, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, request_id, arrival)
-    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, chat.calling)
+    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, chat.prompt.token_ids, chat.calling)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 

@@ -207,6 +207,9 @@ class SamplingRequest(PromptTruncation):
                                         "token's logprob and rank, with this many best alternatives (not streamed)")
     return_tokens_as_token_ids: bool = Field(False, description="vLLM's extension: logprobs name tokens "
                                                                 "\"token_id:{id}\" instead of by their text")
+    return_token_ids: bool = Field(False, description="vLLM's extension: the response has the prompt's token ids "
+                                   "and each choice's (streamed: the prompt's on the first chunk, each chunk its "
+                                   "new ones)")
     cache_salt: str | None = Field(None, min_length=1, description="vLLM's extension: the prefix cache is shared only "
                                    "among requests with the same salt (one tenant's prompts stay unguessable to "
                                    "another from its time to first token)")
@@ -640,21 +643,33 @@ class PromptTokenLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
 
 
-class CompletionChoice(BaseModel):
+class _AskedFor(BaseModel):
+    """A response part with fields of vLLM's that are sent only when the request asks for them (`asked_for`): left
+    out, not null, otherwise (a request without them never sees the keys, on no streamed chunk)."""
+
+    asked_for: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _only_when_asked(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        for key in self.asked_for:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class CompletionChoice(_AskedFor):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: StopReason = None
     prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: only when asked for (not streamed)")
+    prompt_token_ids: list[int] | None = Field(None, description="vLLM's (return_token_ids): streamed, on the "
+                                               "choice's first chunk")
+    token_ids: list[int] | None = Field(None, description="vLLM's (return_token_ids): streamed, the chunk's own")
 
-    @model_serializer(mode="wrap")
-    def _prompt_logprobs_only_when_asked(self, handler) -> dict[str, Any]:
-        # Not a null on every streamed chunk: a request without them never sees the key.
-        data = handler(self)
-        if self.prompt_logprobs is None:
-            data.pop("prompt_logprobs", None)
-        return data
+    asked_for: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "prompt_token_ids", "token_ids")
 
 
 class CompletionResponse(BaseModel):
@@ -705,15 +720,18 @@ class ChatResponseMessage(BaseModel):
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_AskedFor):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None
     stop_reason: StopReason = None
+    token_ids: list[int] | None = Field(None, description="vLLM's (return_token_ids)")
+
+    asked_for: ClassVar[tuple[str, ...]] = ("token_ids",)
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_AskedFor):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -722,6 +740,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's: the prompt's (prompt_logprobs)")
+    prompt_token_ids: list[int] | None = Field(None, description="vLLM's (return_token_ids)")
+
+    asked_for: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
 
 
 class FunctionCallDelta(BaseModel):
@@ -744,12 +765,15 @@ class ChatDelta(BaseModel):
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_AskedFor):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None = None
     stop_reason: StopReason = None
+    token_ids: list[int] | None = Field(None, description="vLLM's (return_token_ids): the chunk's new ones")
+
+    asked_for: ClassVar[tuple[str, ...]] = ("token_ids",)
 
     @field_serializer("delta")
     def _delta_without_nulls(self, delta: ChatDelta) -> dict[str, Any]:
@@ -757,7 +781,7 @@ class ChatChunkChoice(BaseModel):
         return delta.model_dump(exclude_none=True)
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_AskedFor):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -765,6 +789,9 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="vLLM's (return_token_ids): on the first chunk")
+
+    asked_for: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
 
 
 class ModelCard(BaseModel):

@@ -616,3 +616,35 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(server):
         assert connection.sock is sock
     finally:
         connection.close()
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids_whole_and_streamed(server, client):
+    """vLLM's `return_token_ids` (what RL and agent frameworks read to train on exactly the tokens sampled): the
+    prompt's ids (once per completion choice, once per chat response; streamed, on the first chunk), and each
+    choice's sampled ids (streamed, each chunk its new ones), the stop token included; no keys unless asked."""
+    prompt = "Name three colors:"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    whole = client.completions.create(**kwargs, extra_body={"return_token_ids": True,
+                                                            "return_tokens_as_token_ids": True}).choices[0]
+    assert whole.prompt_token_ids == token_ids(server, prompt)
+    assert whole.token_ids == [int(t.removeprefix("token_id:")) for t in whole.logprobs.tokens]
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].prompt_token_ids == whole.prompt_token_ids
+    assert all("prompt_token_ids" not in c.choices[0].model_extra for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].token_ids] == whole.token_ids
+    assert not {"prompt_token_ids", "token_ids"} & set(client.completions.create(**kwargs).choices[0].model_extra)
+
+    messages = chat("Name a fruit.")
+    chat_kwargs = dict(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    reply = client.chat.completions.create(**chat_kwargs, extra_body={"return_token_ids": True})
+    rendered = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, headers=AUTH).json()["tokens"]
+    assert reply.prompt_token_ids == rendered
+    decoded = httpx.post(f"{server.url}/detokenize", json={"tokens": reply.choices[0].token_ids},
+                         headers=AUTH).json()["prompt"]
+    assert decoded.startswith(reply.choices[0].message.content) and len(reply.choices[0].token_ids) > 1
+    stream = list(client.chat.completions.create(**chat_kwargs, stream=True, extra_body={"return_token_ids": True}))
+    assert stream[0].prompt_token_ids == rendered
+    assert all("prompt_token_ids" not in c.model_extra for c in stream[1:])
+    assert [t for c in stream for t in c.choices[0].model_extra.get("token_ids", [])] == reply.choices[0].token_ids
+    plain = client.chat.completions.create(**chat_kwargs)
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra

@@ -13,12 +13,13 @@ from sluice.app.anthropic_responses import _Blocks
 from sluice.app.anthropic_responses import sse as anthropic_sse
 from sluice.app.anthropic_schemas import ContentBlockDeltaEvent, TextDeltaBody
 from sluice.app.prompts import Prompt
-from sluice.app.responses import ChunkFrame, CompletionBuilder
+from sluice.app.responses import ChatBuilder, ChunkFrame, CompletionBuilder
 from sluice.app.responses_api_builder import stream_event
 from sluice.app.responses_api_schemas import ResponseObject, ResponseStreamEvent, TextConfig
 from sluice.app.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatDelta,
     CompletionChoice,
     CompletionLogprobs,
@@ -33,6 +34,7 @@ from sluice.app.schemas import (
 )
 from sluice.app.streaming import DONE, sse_event
 from sluice.app.tool_call_streams import CallStart, TextDelta
+from sluice.app.tool_calls import ToolCalling
 from sluice.batching.outputs import Increment, Usage
 
 # Quotes, a backslash, non-ASCII text and a newline: whatever JSON must escape.
@@ -85,7 +87,7 @@ def test_each_chunk_is_the_event_of_the_whole_chunk(empty, cases, text_choice, i
         assert frame.text_event(index, text) == frame.event([text_choice(index, text)])
     if include_usage:  # only then does a stream end with a usage chunk
         last = empty.model_copy(update={"usage": USAGE})
-        assert json.loads(frame.usage_event(last)[len(b"data: "):])["usage"]["total_tokens"] == 7
+        assert json.loads(frame.whole_event(last)[len(b"data: "):])["usage"]["total_tokens"] == 7
 
 
 def test_anthropic_text_deltas_framed_once_per_block_are_the_schemas_events():
@@ -165,3 +167,24 @@ def test_a_bug_mid_stream_ends_the_stream_with_an_error_event_and_done(smollm2):
 
     *_, error, done = asyncio.run(events())
     assert json.loads(error.removeprefix(b"data: "))["error"]["type"] == "server_error" and done == DONE
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool calls"])
+def test_a_chat_stream_with_return_token_ids_sends_every_increments_ids_once_and_the_prompts_first(smollm2, tools):
+    """Each increment's ids ride on its first chunk (or a chunk of their own, when its text is held back or a call
+    has not parsed yet); the prompt's ride on the stream's first chunk only."""
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                                 "return_token_ids": True})
+    calling = ToolCalling(frozenset({"get_weather"})) if tools else None
+    builder = ChatBuilder("chatcmpl-1", MODEL, smollm2.tokenizer, body, [1, 2, 3], calling)
+    pieces = ["Hi ", "<tool_call>", '{"name": "get_weather", ', '"arguments": {}}', "</tool_call>", ""]
+    replay = _Replay([Increment(0, text, (10 + i, 20 + i), finish_reason="stop" if i == len(pieces) - 1 else None)
+                      for i, text in enumerate(pieces)])
+
+    async def chunks() -> list[dict]:
+        return [json.loads(e.removeprefix(b"data: ")) for e in [e async for e in builder.events(replay)] if e != DONE]
+
+    chunks = asyncio.run(chunks())
+    assert chunks[0]["prompt_token_ids"] == [1, 2, 3] and not any("prompt_token_ids" in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == [t for i in range(6)
+                                                                                 for t in (10 + i, 20 + i)]
