@@ -425,6 +425,31 @@ def test_a_page_ending_in_a_stop_id_is_not_cached_before_its_kv_is_written(tiny,
     assert engine.stats.prefix_cache_hit_tokens - hits == (PAGE if num_decode_steps == 1 else 0)
 
 
+@pytest.mark.parametrize("num_decode_steps", [1, 3, 4])
+def test_next_turns_read_from_the_prefix_cache_answer_as_computed_afresh(tiny, num_decode_steps):
+    """A differential check of the cache's pages against their K/V: replies of random lengths (a stop id at a
+    random place, batched or alone), each followed by a next turn (prompt, reply, one more token); the engine with
+    the prefix cache answers every next turn as one without it. Pages of 4 tokens: many replies end on a page's
+    last slot, in every place of a multi-step call."""
+    free = make_engine(tiny, enable_prefix_caching=False, warmup=False)
+    engine = make_engine(tiny, num_decode_steps=num_decode_steps, warmup=False)
+    rng = random.Random(num_decode_steps)
+    hits = engine.stats.prefix_cache_hit_tokens
+    for case in range(30):
+        batch = prompts(rng.randrange(1, 5), seed=100 + case)
+        replies = [out[0].token_ids for out in free.generate(batch, replace(GREEDY, max_tokens=20))]
+        stops = [replace(GREEDY, max_tokens=20, stop_token_ids=(rng.choice(reply),)) for reply in replies]
+        if case % 2:
+            firsts = [engine.generate([p], params)[0][0] for p, params in zip(batch, stops)]
+        else:
+            firsts = [out[0] for out in engine.generate(batch, stops)]
+        turns = [[*p, *first.token_ids, rng.randrange(3, 256)] for p, first in zip(batch, firsts)]
+        params = replace(GREEDY, max_tokens=6)
+        assert ([out[0].token_ids for out in engine.generate(turns, params)]
+                == [out[0].token_ids for out in free.generate(turns, params)]), case
+    assert engine.stats.prefix_cache_hit_tokens - hits > 0
+
+
 def test_a_prompt_scored_a_token_a_step_beside_a_decoding_neighbour_gets_the_logprobs_of_one_chunk(tiny, engine):
     """A token budget of 2 leaves a scoring prompt one token a step beside a decoding sequence: a step of one-token
     chunks that scores (it once ran decode-shaped, without the hidden states scoring reads, and failed the step
