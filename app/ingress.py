@@ -11,16 +11,16 @@ adding `x-sluice-replica` (which replica answered).
 A replica that fails before it answered gives the client a 503 in the route's error shape; one that dies
 mid-stream ends an event stream with an error event (then `data: [DONE]`, as a failed generation does in the
 single process; Anthropic's routes get their `event: error`), and cuts any other body short, so no client is
-left waiting. `GET /metrics` here reports the replicas' prefix-cache counters, labelled by replica, as of the
-last response each sent through this ingress; each replica's own metrics are its /metrics in the single
-process's names.
+left waiting. `GET /metrics` here reports the running replicas' prefix-cache counters, labelled by replica, as of
+the last response each sent through this ingress (a replica scaled down or dead is dropped); each replica's own
+metrics are its /metrics in the single process's names.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -62,7 +62,7 @@ class SluiceIngress:
     def __init__(self, replicas: DeploymentHandle, max_body_bytes: int) -> None:
         self._replicas = replicas.options(method_name="forward", stream=True)
         self._max_body_bytes = max_body_bytes
-        self._reports = _ReplicaReports()
+        self._reports = _ReplicaReports(lambda: _running_replicas(self._replicas))
         self._registry = CollectorRegistry()
         self._registry.register(self._reports)
 
@@ -103,7 +103,7 @@ class SluiceIngress:
         try:
             async for item in stream:
                 if isinstance(item, ReplicaReport):
-                    self._reports.latest[item.replica] = item
+                    self._reports.record(item)
                 else:
                     yield item
         except Exception as error:
@@ -112,19 +112,43 @@ class SluiceIngress:
                 yield _stream_failure(path)
 
 
-class _ReplicaReports:
-    """A Prometheus collector of each replica's prefix-cache counters, as of the last response it sent here."""
+def _running_replicas(handle: DeploymentHandle) -> set[str] | None:
+    """The unique ids of the replicas `handle` routes to now (Ray Serve's controller updates them as replicas start,
+    stop or die), or None before its request router has them. Ray Serve names them nowhere public (`serve.status()`
+    only counts them), so they are read from the handle's router."""
+    try:
+        router = handle._router._asyncio_router._request_router
+    except AttributeError:  # a Ray Serve that keeps them elsewhere: no replica is known to be gone
+        return None
+    return None if router is None else {replica_id.unique_id for replica_id in list(router.curr_replicas)}
 
-    def __init__(self) -> None:
-        self.latest: dict[str, ReplicaReport] = {}
+
+class _ReplicaReports:
+    """A Prometheus collector of each running replica's prefix-cache counters, as of the last response it sent
+    here. `running`: the running replicas' ids, or None while not known; the report of a replica gone (scaled down,
+    or dead: its last report would be exported forever, and one kept per replica ever started) is dropped."""
+
+    def __init__(self, running: Callable[[], set[str] | None]) -> None:
+        self._running = running
+        self._latest: dict[str, ReplicaReport] = {}
+
+    def record(self, report: ReplicaReport) -> None:
+        self._latest[report.replica] = report
+        self._drop_gone()
+
+    def _drop_gone(self) -> None:
+        running = self._running()
+        if running is not None:
+            self._latest = {replica: report for replica, report in self._latest.items() if replica in running}
 
     def collect(self) -> Iterator[CounterMetricFamily]:
+        self._drop_gone()
         for name, field, help in (
             ("sluice_prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "prompt tokens served from the cache"),
             ("sluice_prefix_cache_query_tokens", "prefix_cache_query_tokens", "prompt tokens looked up"),
         ):
             family = CounterMetricFamily(name, f"Each replica's {help}, as of its last response.", labels=["replica"])
-            for report in self.latest.values():
+            for report in self._latest.values():
                 family.add_metric([report.replica], getattr(report, field))
             yield family
 

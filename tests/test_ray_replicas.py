@@ -21,6 +21,7 @@ pytest.importorskip("ray.serve")
 from openai import OpenAI
 
 from sluice.app.scale_out import REPLICA_HEADER
+from sluice.bench.prefix_cache import parse
 from sluice.bench.routing import wait_for_replicas
 from test_api_e2e import SERVER_FLAGS, ServerProcess, start_server
 
@@ -145,8 +146,17 @@ def _answering_replica(url: str, prompt: str) -> str | None:
     return reply.headers["x-sluice-replica"] if reply.status_code == 200 else None
 
 
+def _reporting_replicas(url: str) -> set[str]:
+    """The replicas whose prefix-cache counters the ingress's /metrics exports."""
+    return set(parse(httpx.get(f"{url}/metrics", timeout=30).text))
+
+
 def test_sigkill_of_a_replica_under_32_streams_fails_its_streams_cleanly_and_the_service_goes_on(cluster):
     assert len(replica_pids(cluster)) == 2
+    started = time.monotonic()
+    while len(_reporting_replicas(cluster.url)) < 2:  # both have answered, so the killed one has a report
+        assert time.monotonic() - started < 60
+        _answering_replica(cluster.url, f"Hi {time.monotonic()}")
     outcomes = asyncio.run(_load_and_kill(cluster))
     assert outcomes.count("ok") + outcomes.count("failed") == 32
     assert "failed" in outcomes  # the killed replica had streams in flight
@@ -161,3 +171,4 @@ def test_sigkill_of_a_replica_under_32_streams_fails_its_streams_cleanly_and_the
         answering.add(_answering_replica(cluster.url, f"Hello number {len(answering)} {time.monotonic()}"))
         answering.discard(None)
         time.sleep(0.5)
+    assert _reporting_replicas(cluster.url) == answering  # the killed replica's counters are gone with it

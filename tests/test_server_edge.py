@@ -89,10 +89,31 @@ def test_a_body_nested_too_deep_for_the_json_parser_has_no_routing_key():
     assert routing_key(b"[" * 100_000) == ""
 
 
-def test_the_ingress_exports_each_replicas_latest_counters_under_the_single_process_names():
-    reports = _ReplicaReports()
+def exported(reports: _ReplicaReports) -> dict[str, CacheCounters]:
     registry = CollectorRegistry()
     registry.register(reports)
+    return parse(generate_latest(registry).decode())
+
+
+def test_the_ingress_exports_each_replicas_latest_counters_under_the_single_process_names():
+    reports = _ReplicaReports(lambda: {"a", "b"})
     for report in (ReplicaReport("a", 0, 16), ReplicaReport("b", 0, 8), ReplicaReport("a", 192, 400)):
-        reports.latest[report.replica] = report
-    assert parse(generate_latest(registry).decode()) == {"a": CacheCounters(192, 400), "b": CacheCounters(0, 8)}
+        reports.record(report)
+    assert exported(reports) == {"a": CacheCounters(192, 400), "b": CacheCounters(0, 8)}
+
+
+def test_the_ingress_drops_a_replicas_counters_once_it_is_no_longer_running():
+    running = {"a", "b"}
+    reports = _ReplicaReports(lambda: running)
+    reports.record(ReplicaReport("a", 0, 16))
+    reports.record(ReplicaReport("b", 0, 8))
+    running.discard("a")  # scaled down, or dead
+    assert exported(reports) == {"b": CacheCounters(0, 8)}
+    reports.record(ReplicaReport("a", 64, 80))  # a response it finished while draining
+    assert exported(reports) == {"b": CacheCounters(0, 8)}
+
+
+def test_the_ingress_keeps_every_report_while_the_running_replicas_are_not_known():
+    reports = _ReplicaReports(lambda: None)
+    reports.record(ReplicaReport("a", 0, 16))
+    assert exported(reports) == {"a": CacheCounters(0, 16)}
