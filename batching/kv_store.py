@@ -44,6 +44,7 @@ import shutil
 import struct
 import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -243,7 +244,6 @@ class KVStore:
                  queue_pages: int = 256):
         self.layout = layout
         self.directory, lock = _claim_slot(Path(directory), layout.fingerprint.hex())
-        self._slot_lock: int | None = lock
         self.ram_bytes = ram_bytes
         self.disk_bytes = disk_bytes
         self.file_bytes = HEADER_SIZE + layout.page_nbytes
@@ -259,9 +259,15 @@ class KVStore:
             os.close(lock)
             raise
         self._queue: queue.Queue[tuple[PageKey, PagePayload] | None] = queue.Queue(queue_pages)
-        self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
+        # The writer holds the store weakly, so that a store dropped without `close` (an engine a test or a fuzz
+        # drops) is freed, and with it its RAM tier, its threads and its slot (a later store on the directory
+        # would take the next slot, never reading its pages, and the 65th none).
+        self._writer = threading.Thread(target=_write_loop, args=(weakref.ref(self), self._queue),
+                                        name="kv-store-writer", daemon=True)
         self._writer.start()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-reader")
+        self._release = weakref.finalize(self, _let_go, self._queue, lock)
+        self._release.atexit = False  # at exit the kernel frees the slot, after the last write
 
     def put(self, key: PageKey, payload: PagePayload) -> None:
         """Keeps one page (the store holds the arrays from now on: leave them unchanged), in RAM and written
@@ -335,9 +341,7 @@ class KVStore:
         self._reader.shutdown()
         self._queue.put(None)
         self._writer.join()
-        if self._slot_lock is not None:
-            os.close(self._slot_lock)
-            self._slot_lock = None
+        self._release()  # once: closing again, or the store's collection, does nothing more
 
     def _path(self, key: PageKey) -> Path:
         return self.directory / f"{key}{SUFFIX}"
@@ -469,17 +473,13 @@ class KVStore:
             self._path(key).unlink(missing_ok=True)
             self._disk_tally.evictions += 1
 
-    def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                self._write(*item)
-            except OSError as e:  # disk full, directory gone: the page stays in RAM only
-                logger.warning("KV store: could not write page %s: %s", item[0], e)
-                with self._lock:
-                    self._dropped += 1
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
+    def _write_page(self, key: PageKey, payload: PagePayload) -> None:
+        try:
+            self._write(key, payload)
+        except OSError as e:  # disk full, directory gone: the page stays in RAM only
+            logger.warning("KV store: could not write page %s: %s", key, e)
+            with self._lock:
+                self._dropped += 1
 
     def _write(self, key: PageKey, payload: PagePayload) -> None:
         """Writes one page's file atomically (temporary file, fsync, rename), then evicts what no longer fits."""
@@ -505,3 +505,27 @@ class KVStore:
         with self._lock:
             self._disk[key] = None
             self._evict_disk()
+
+
+def _write_loop(store: weakref.ref[KVStore], jobs: queue.Queue[tuple[PageKey, PagePayload] | None]) -> None:
+    """The writer thread: writes the queued pages until `close` (None) or the store's collection; the pages still
+    queued then go with the store."""
+    while (item := jobs.get()) is not None:
+        try:
+            if (writer := store()) is None:
+                return
+            writer._write_page(*item)
+            del writer  # held only while it writes: waiting, the thread must not keep the store alive
+        finally:
+            jobs.task_done()
+    jobs.task_done()
+
+
+def _let_go(jobs: queue.Queue[tuple[PageKey, PagePayload] | None], slot_lock: int) -> None:
+    """A store's end, by `close` or its collection: stops the writer (a full queue: it finds the store gone at
+    its next page) and frees the slot."""
+    try:
+        jobs.put_nowait(None)
+    except queue.Full:
+        pass
+    os.close(slot_lock)

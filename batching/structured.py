@@ -15,8 +15,9 @@ another way, so the output is the same token for token.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -102,7 +103,9 @@ class GrammarCompiler:
             raise RequestRejected(f"structured output is not available with this model's tokenizer: {error}") from None
         self.executor = llguidance.LLExecutor()
         self.scratch = np.zeros((1, -(-vocab_size // 32)), np.int32)
-        self._checked = lru_cache(maxsize=CHECKED_SPECS)(self._problem)
+        # Over a weak reference: a cache of a bound method would make the compiler a cycle, which only a full
+        # collection frees (never, once a later engine's gc.freeze() has frozen it): 30 MB and a thread each.
+        self._checked = lru_cache(maxsize=CHECKED_SPECS)(partial(_problem, weakref.proxy(self)))
 
     def compile(self, spec: StructuredOutput) -> Grammar:
         """A fresh matcher for `spec`; InvalidGrammar naming the problem if it does not compile."""
@@ -128,13 +131,6 @@ class GrammarCompiler:
         if (problem := self._checked(spec)) is not None:
             raise InvalidGrammar(problem)
 
-    def _problem(self, spec: StructuredOutput) -> str | None:
-        try:
-            self.compile(spec)
-        except InvalidGrammar as error:
-            return str(error)
-        return None
-
     def _first_token_error(self, matcher: Any) -> str | None:
         """What llguidance says when a copy of `matcher` takes its first allowed token, if it refuses it: some of
         its parser's limits (lexer states, items per row) show only then, as a refusal of a token its own mask
@@ -150,3 +146,11 @@ class GrammarCompiler:
         if probe.is_error() or len(allowed) and not probe.consume_token(int(allowed[0])):
             return probe.get_error().splitlines()[0]
         return None
+
+
+def _problem(compiler: GrammarCompiler, spec: StructuredOutput) -> str | None:
+    try:
+        compiler.compile(spec)
+    except InvalidGrammar as error:
+        return str(error)
+    return None
