@@ -42,7 +42,8 @@ from sluice.app.schemas import (
     UsageInfo,
 )
 from sluice.app.streaming import DONE, TextFrame, sse_event
-from sluice.app.tool_call_streams import CallStart, StreamEvent, TextDelta
+from sluice.app.reasoning import ReasoningFormat, ReasoningStream, Thought
+from sluice.app.tool_call_streams import CallStart, CallStream, FirstCallOnly, JsonCallStream, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling, new_call_id
 
 
@@ -170,13 +171,16 @@ def _call_finish_reason(finish_reason: str | None, called: bool) -> str | None:
 class ChatBuilder:
     """`chat.completion` responses and `chat.completion.chunk` streams.
 
-    With `tool_calling`, each choice's text is read for calls: they become `message.tool_calls` (the rest of the
-    text its `content`) and the finish reason `"tool_calls"`; streamed, each call's first delta carries its index,
-    id, type and name, the next ones fragments of its arguments.
+    With `reasoning`, each choice's reasoning is told from its answer (`app/reasoning.py`): `message.reasoning`
+    (and `reasoning_content`), streamed as deltas of those. With `tool_calling`, the answer is read for calls: they
+    become `message.tool_calls` (the rest of the text its `content`) and the finish reason `"tool_calls"`;
+    streamed, each call's first delta carries its index, id, type and name, the next ones fragments of its
+    arguments.
     """
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, body: ChatCompletionRequest,
-                 prompt_ids: Sequence[int], tool_calling: ToolCalling | None = None) -> None:
+                 prompt_ids: Sequence[int], tool_calling: ToolCalling | None = None,
+                 reasoning: ReasoningFormat | None = None) -> None:
         self._id = request_id
         self._prompt_ids = list(prompt_ids) if body.return_token_ids else None
         self._created = int(time.time())
@@ -184,6 +188,7 @@ class ChatBuilder:
         self._names = TokenNames(tokenizer, body.return_tokens_as_token_ids)
         self._body = body
         self._tool_calling = tool_calling
+        self._reasoning = reasoning
         self._frame = ChunkFrame(ChatCompletionChunk(id=request_id, created=self._created, model=model, choices=[]),
                                  body.include_usage,
                                  lambda i, text: ChatChunkChoice(index=i, delta=ChatDelta(content=text)))
@@ -206,15 +211,19 @@ class ChatBuilder:
     def _choice(self, index: int, choice: _Choice) -> ChatChoice:
         logprobs = self._logprobs(choice.logprobs)
         token_ids = self._token_ids(choice.token_ids)
+        reasoning, answer = (None, choice.text) if self._reasoning is None else self._reasoning.split(choice.text)
         if self._tool_calling is None:
-            return ChatChoice(index=index, message=ChatResponseMessage(content=choice.text), logprobs=logprobs,
-                              finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
-                              token_ids=token_ids)
-        content, calls = self._tool_calling.parse(choice.text)
+            content = answer if self._reasoning is None else answer or None
+            message = ChatResponseMessage(content=content, reasoning=reasoning, reasoning_content=reasoning)
+            return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=choice.finish_reason,
+                              stop_reason=choice.stop_reason, token_ids=token_ids)
+        content, calls = self._tool_calling.parse(answer)
         tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in calls]
-        return ChatChoice(index=index, message=ChatResponseMessage(content=content, tool_calls=tool_calls or None),
-                          logprobs=logprobs, finish_reason=_call_finish_reason(choice.finish_reason, bool(calls)),
+        message = ChatResponseMessage(content=content, tool_calls=tool_calls or None, reasoning=reasoning,
+                                      reasoning_content=reasoning)
+        return ChatChoice(index=index, message=message, logprobs=logprobs,
+                          finish_reason=_call_finish_reason(choice.finish_reason, bool(calls)),
                           stop_reason=choice.stop_reason, token_ids=token_ids)
 
     def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
@@ -230,7 +239,8 @@ class ChatBuilder:
             else:
                 yield self._chunk(opening)
         increments = generation.increments()
-        chunks = self._text_chunks(increments) if self._tool_calling is None else self._tool_chunks(increments)
+        read = self._tool_calling is not None or self._reasoning is not None
+        chunks = self._read_chunks(increments) if read else self._text_chunks(increments)
         async for chunk in chunks:
             yield chunk
         if self._body.include_usage:
@@ -250,16 +260,14 @@ class ChatBuilder:
                                                    finish_reason=increment.finish_reason,
                                                    stop_reason=increment.stop_reason)])
 
-    async def _tool_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
-        """One chunk per text delta, call start or arguments fragment; an increment's logprobs and token ids ride on
-        its first."""
-        streams = [self._tool_calling.stream() for _ in range(self._body.n)]
+    async def _read_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
+        """Replies read for reasoning or calls: one chunk per reasoning piece, text delta, call start or arguments
+        fragment; an increment's logprobs and token ids ride on its first."""
+        n = self._body.n
+        thoughts = [self._reasoning.stream() if self._reasoning is not None else None for _ in range(n)]
+        calls = [self._tool_calling.stream() if self._tool_calling is not None else None for _ in range(n)]
         async for increment in increments:
-            stream = streams[increment.choice]
-            events = stream.push(increment.text)
-            if increment.finish_reason is not None:
-                events += stream.finish()
-            deltas = [self._tool_delta(event) for event in events]
+            deltas = self._read_deltas(increment, thoughts[increment.choice], calls[increment.choice])
             if (increment.logprobs or self._body.return_token_ids and increment.token_ids) and not deltas:
                 deltas = [ChatDelta(content="")]
             for j, delta in enumerate(deltas):
@@ -268,9 +276,30 @@ class ChatBuilder:
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs,
                                                    token_ids=token_ids)])
             if increment.finish_reason is not None:
-                finish_reason = _call_finish_reason(increment.finish_reason, stream.calls > 0)
+                stream = calls[increment.choice]
+                finish_reason = _call_finish_reason(increment.finish_reason, stream is not None and stream.calls > 0)
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
                                                    finish_reason=finish_reason, stop_reason=increment.stop_reason)])
+
+    def _read_deltas(self, increment: Increment, thoughts: ReasoningStream | None,
+                     calls: CallStream | JsonCallStream | FirstCallOnly | None) -> list[ChatDelta]:
+        """An increment's text as deltas: its reasoning's, then its answer's (read for calls, with `calls`)."""
+        final = increment.finish_reason is not None
+        if thoughts is None:
+            pieces: list[Thought | TextDelta] = [TextDelta(increment.text)]
+        else:
+            pieces = thoughts.push(increment.text) + (thoughts.finish() if final else [])
+        deltas = []
+        for piece in pieces:
+            if isinstance(piece, Thought):
+                deltas.append(ChatDelta(reasoning=piece.text, reasoning_content=piece.text))
+            elif calls is None:
+                deltas.append(ChatDelta(content=piece.text))
+            else:
+                deltas += [self._tool_delta(event) for event in calls.push(piece.text)]
+        if final and calls is not None:
+            deltas += [self._tool_delta(event) for event in calls.finish()]
+        return deltas
 
     def _tool_delta(self, event: StreamEvent) -> ChatDelta:
         if isinstance(event, TextDelta):

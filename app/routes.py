@@ -26,6 +26,7 @@ from sluice.batching.sampling_params import RequestRejected, SamplingParams, Str
 from sluice.app.errors import from_validation_error, invalid_request
 from sluice.app.generation import respond, start_generation
 from sluice.app.prompts import Prompt, chat_prompt, completion_prompts, tool_call_format, truncated
+from sluice.app.reasoning import ReasoningFormat, keeps_tag_text
 from sluice.app.responses import ChatBuilder, CompletionBuilder
 from sluice.app.schemas import (
     ChatCompletionRequest,
@@ -120,19 +121,22 @@ async def create_chat_completion(request: Request) -> Response:
     chat = await plan_chat(state, engine, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, request_id, arrival)
-    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, chat.prompt.token_ids, chat.calling)
+    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, chat.prompt.token_ids, chat.calling,
+                          chat.reasoning)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 
 @dataclass(frozen=True)
 class ChatPlan:
     """What a chat request becomes before the engine: its prompt, the engine's parameters (with the grammar that
-    forces calls, if the tool choice does, and special tokens' text kept where the call format's tag is one), and
-    what the reply is read for (None without tools)."""
+    forces calls, if the tool choice does, and special tokens' text kept where a tag the reply is read for is
+    one), and what the reply is read for: calls (None without tools), and reasoning (None without a
+    --reasoning-parser)."""
 
     prompt: Prompt
     params: SamplingParams
     calling: ToolCalling | None
+    reasoning: ReasoningFormat | None
 
 
 async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequest,
@@ -152,12 +156,14 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
                                parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser,
                                marker_id=special_marker(engine.tokenizer, parser))
         params = dataclasses.replace(params, structured=grammar)
-    if tools and reads_special_tokens(engine.tokenizer, parser):
+    reasoning = ReasoningFormat.named(state.settings.reasoning_parser)
+    if (tools and reads_special_tokens(engine.tokenizer, parser)
+            or reasoning is not None and keeps_tag_text(engine.tokenizer)):
         # The tag's token then has text for the reader to find, as vLLM's Mistral and Hermes parsers ask.
         params = dataclasses.replace(params, skip_special_tokens=False)
     calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced),
                            body.parallel_tool_calls) if tools else None)
-    return ChatPlan(prompt, params, calling)
+    return ChatPlan(prompt, params, calling, reasoning)
 
 
 def check_tool_schemas(engine: Engine, tools: list[ToolDefinition], schema_field: str = "function.parameters"

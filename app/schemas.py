@@ -710,11 +710,15 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ChatResponseMessage(BaseModel):
+class ChatResponseMessage(_AskedFor):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = Field(None, description="vLLM's: the reply's reasoning (--reasoning-parser)")
+    reasoning_content: str | None = Field(None, description="the same, by its older name (SGLang's, llama.cpp's)")
+
+    asked_for: ClassVar[tuple[str, ...]] = ("reasoning", "reasoning_content")
 
 
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
@@ -763,6 +767,8 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(_AskedFor):

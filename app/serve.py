@@ -33,6 +33,7 @@ from sluice.app.engine_loading import load_engine
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
+from sluice.app.reasoning import REASONING_PARSERS
 from sluice.app.tool_calls import TOOL_CALL_PARSERS
 
 T = TypeVar("T")
@@ -179,6 +180,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "(`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}; ...`) or mistral "
             "(`[TOOL_CALLS] [{\"name\", \"arguments\"}, ...]`)",
             choices=list(TOOL_CALL_PARSERS))
+    _option(parser, "--reasoning-parser", _SERVER_DEFAULTS.reasoning_parser,
+            "tell a reasoning model's thinking from its answer (chat's `reasoning`, Anthropic's thinking blocks, the "
+            "Responses API's reasoning items): deepseek_r1 (the reply starts inside <think>, as R1's template opens "
+            "it) or qwen3 (the reply thinks if it starts with <think>) (default: none)",
+            choices=list(REASONING_PARSERS))
     _option(parser, "--embedding-pooling", _SERVER_DEFAULTS.embedding_pooling,
             "how /v1/embeddings pools an input's final hidden states: last (the last prompt token's, as vLLM pools a "
             "causal LM) or mean (over every prompt token; such requests take no pages from the prefix cache)",
@@ -274,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
         sse_keepalive_s=args.sse_keepalive,
         stream_stall_timeout_s=args.stream_stall_timeout,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         embedding_pooling=args.embedding_pooling,
         responses_store_size=args.responses_store_size,
         responses_store_bytes=args.responses_store_bytes,

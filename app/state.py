@@ -27,7 +27,8 @@ class ServerSettings:
     dashboard and playground, whose latency charts draw the `slo_*_ms` lines when set; `tool_call_parser` names
     the format of tool calls (`app/tool_calls.py`); `/v1/responses` keeps at most `responses_store_size` responses
     and `responses_store_bytes` bytes of them (`app/responses_api_store.py`); `embedding_pooling` is how
-    `/v1/embeddings` pools an input's hidden states (`app/embeddings.py`)."""
+    `/v1/embeddings` pools an input's hidden states (`app/embeddings.py`); `reasoning_parser` names how a reasoning
+    model's thinking is told from its answer (`app/reasoning.py`; None: not at all)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -43,6 +44,7 @@ class ServerSettings:
     responses_store_size: int = 1024
     responses_store_bytes: int = 64 * 1024 * 1024
     embedding_pooling: Literal["last", "mean"] = "last"
+    reasoning_parser: str | None = None
 
 
 class ServerState:

@@ -97,23 +97,17 @@ _WRITTEN = {
 }
 
 
-def _special_token_id(tokenizer: Tokenizer, text: str) -> int | None:
-    """The id of `text` if the vocabulary holds it as one special token (so it decodes to no text by default)."""
-    ids = tokenizer.encode(text, add_special_tokens=False) if text else []
-    return ids[0] if len(ids) == 1 and not tokenizer.decode(ids) else None
-
-
 def special_marker(tokenizer: Tokenizer, parser: str) -> int | None:
     """The id of the format's marker if the vocabulary holds it as one special token, for the grammar to write
     it as that token."""
-    return _special_token_id(tokenizer, _WRITTEN[parser].marker)
+    return tokenizer.special_token_id(_WRITTEN[parser].marker)
 
 
 def reads_special_tokens(tokenizer: Tokenizer, parser: str) -> bool:
     """Whether a tag the format's reader looks for is one special token in this vocabulary: its text is then in
     the reply only where the detokenizer keeps special tokens' text (`skip_special_tokens` False)."""
     syntax = _SYNTAX.get(parser)
-    return syntax is not None and any(_special_token_id(tokenizer, tag) is not None
+    return syntax is not None and any(tokenizer.special_token_id(tag) is not None
                                       for tag in (syntax.open, syntax.close))
 
 

@@ -92,6 +92,11 @@ class Tokenizer:
     def decode(self, ids: list[int] | tuple[int, ...], *, skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of `text` if the vocabulary holds it as one special token (so it decodes to no text by default)."""
+        ids = self.encode(text, add_special_tokens=False) if text else []
+        return ids[0] if len(ids) == 1 and not self.decode(ids) else None
+
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (bytes of a split character come out as U+FFFD)."""
         return self._backend.decode([token_id], skip_special_tokens=False)

@@ -58,8 +58,17 @@ def train_tokenizer(vocab_size: int) -> HFTokenizer:
     return tokenizer
 
 
-def write_hf_folder(folder: Path, config: ModelConfig, seed: int, num_files: int = 1) -> dict[str, np.ndarray]:
-    """Writes config.json, tokenizer files and random weights split over `num_files` safetensors; returns them.
+# A ChatML-like template in the tokenizer's own special tokens.
+CHATML = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def write_hf_folder(folder: Path, config: ModelConfig, seed: int, num_files: int = 1,
+                    chat_template: str | None = None) -> dict[str, np.ndarray]:
+    """Writes config.json, tokenizer files (with `chat_template`, if given) and random weights split over
+    `num_files` safetensors; returns them.
 
     The tokenizer has `<s>` = 1 (BOS, added) and `</s>` = 2 (EOS).
     """
@@ -78,7 +87,8 @@ def write_hf_folder(folder: Path, config: ModelConfig, seed: int, num_files: int
         "max_position_embeddings": config.max_position_embeddings, "bos_token_id": 1, "eos_token_id": 2,
     }))
     train_tokenizer(config.vocab_size).save(str(folder / "tokenizer.json"))
+    template = {} if chat_template is None else {"chat_template": chat_template}
     (folder / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, **template})
     )
     return tensors

@@ -21,9 +21,8 @@ from sluice.app.tool_calls import ToolCalling
 from sluice.batching.outputs import Increment, Usage
 from sluice.model.config import ModelConfig
 
-from hf_folder import write_hf_folder
+from hf_folder import CHATML, write_hf_folder
 from test_api_e2e import API_KEY, start_server
-from test_api_fuzz import CHATML
 
 MODEL = "tiny-anthropic"
 # The tools prompt is long in a byte-level vocabulary of 288 tokens (the model's and the tokenizer's, above the
@@ -54,9 +53,7 @@ def prompt_length(usage: anthropic.types.Usage) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("anthropic") / "tiny"
-    write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=2048), seed=5)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=2048), seed=5, chat_template=CHATML)
     proc = start_server("--model", str(folder), *FLAGS, env={"SLUICE_HOME": str(tmp_path_factory.mktemp("home"))})
     yield proc
     proc.stop()

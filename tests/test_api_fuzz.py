@@ -4,7 +4,6 @@ schemas. The server runs a tiny random model (with a ChatML template) so that ea
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import schemathesis
@@ -21,13 +20,9 @@ from sluice.app.openapi import path_template
 from sluice.app.server import ROUTES
 from sluice.model.config import ModelConfig
 
-from hf_folder import write_hf_folder
+from hf_folder import CHATML, write_hf_folder
 from test_api_e2e import start_server
 
-CHATML = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
          "--kv-cache-memory", "8MiB", "--max-waiting", "64", "--served-model-name", "tiny"]
 EXAMPLES_PER_ROUTE = 25
@@ -36,9 +31,7 @@ EXAMPLES_PER_ROUTE = 25
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz") / "tiny"
-    write_hf_folder(folder, ModelConfig.tiny(), seed=5)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    write_hf_folder(folder, ModelConfig.tiny(), seed=5, chat_template=CHATML)
     home = tmp_path_factory.mktemp("home")
     proc = start_server("--model", str(folder), *FLAGS, env={"SLUICE_HOME": str(home)})
     yield proc

@@ -1,0 +1,122 @@
+"""A reasoning model's thinking told apart from its answer (vLLM's `--reasoning-parser`): the text between
+`<think>` and `</think>` is the reply's reasoning, sent as `reasoning` (and `reasoning_content`, the older name) in
+chat, a `thinking` block in Anthropic's Messages and a `reasoning` item in the Responses API; the rest is its
+content, read for tool calls as usual.
+
+Formats: `deepseek_r1` (DeepSeek-R1 and its distills, QwQ, Qwen3's thinking-only models: the chat template opens
+`<think>` in the prompt, so a reply starts inside its reasoning, a `<think>` of its own skipped; without
+`</think>` all of it is reasoning, cut short) and `qwen3` (a reply thinks only if it starts with `<think>`, as
+Qwen3 does unless `enable_thinking` is false).
+
+`ReasoningStream` splits a reply as it streams, holding back text that may be the start of a tag; a whole reply
+is split by the same stream, so the two always agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.app.tool_call_streams import TextDelta
+from sluice.model.tokenizer import Tokenizer
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Thought:
+    """A piece of the reply's reasoning."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a reply's reasoning is marked: `opens_in_prompt`, whether the reply starts inside it (deepseek_r1)."""
+
+    name: str
+    opens_in_prompt: bool
+
+    @classmethod
+    def named(cls, name: str | None) -> ReasoningFormat | None:
+        return None if name is None else cls(name, opens_in_prompt=name == "deepseek_r1")
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole reply; reasoning None if it has none."""
+        stream = self.stream()
+        pieces = stream.push(text) + stream.finish()
+        reasoning = "".join(piece.text for piece in pieces if isinstance(piece, Thought))
+        return reasoning or None, "".join(piece.text for piece in pieces if isinstance(piece, TextDelta))
+
+
+def keeps_tag_text(tokenizer: Tokenizer) -> bool:
+    """Whether a tag is one special token in this vocabulary: its text is then in the reply only where the
+    detokenizer keeps special tokens' text (`skip_special_tokens` False)."""
+    return any(tokenizer.special_token_id(tag) is not None for tag in (START, END))
+
+
+class ReasoningStream:
+    """Splits a reply's text, pushed piece by piece, into `Thought`s and the answer's `TextDelta`s. The answer's
+    leading whitespace (the blank line after `</think>`) is left out."""
+
+    def __init__(self, format: ReasoningFormat) -> None:
+        self._opens_in_prompt = format.opens_in_prompt
+        self._state = "opening"  # then "thinking" (or straight to "answering"), then "answering"
+        self._held = ""  # text that may start a tag (or, opening, the reply's leading whitespace)
+        self._answered = False  # whether the answer has begun (its leading whitespace is behind it)
+
+    def push(self, text: str) -> list[Thought | TextDelta]:
+        self._held += text
+        pieces: list[Thought | TextDelta] = []
+        if self._state == "opening":
+            head = self._held.lstrip()
+            if START.startswith(head):  # whitespace alone, or the start of <think>: wait for more
+                return pieces
+            self._open(head)
+        if self._state == "thinking":
+            end = self._held.find(END)
+            if end < 0:  # all of it is reasoning, but an end that may start </think>
+                keep = len(self._held) - _partial_tag_length(self._held, END)
+                pieces += self._thought(self._held[:keep])
+                self._held = self._held[keep:]
+                return pieces
+            pieces += self._thought(self._held[:end])
+            self._held = self._held[end + len(END):]
+            self._state = "answering"
+        held, self._held = self._held, ""
+        return pieces + self._answer(held)
+
+    def finish(self) -> list[Thought | TextDelta]:
+        """What is still held, now that the reply has ended."""
+        if self._state == "opening":
+            self._open(self._held.lstrip())  # not a whole <think>
+        held, self._held = self._held, ""
+        return self._thought(held) if self._state == "thinking" else self._answer(held)
+
+    def _open(self, head: str) -> None:
+        """Decides from the reply's first text (`head`, without leading whitespace) whether it thinks."""
+        if head.startswith(START):
+            self._held, self._state = head[len(START):], "thinking"
+        else:
+            self._state = "thinking" if self._opens_in_prompt else "answering"
+
+    @staticmethod
+    def _thought(text: str) -> list[Thought | TextDelta]:
+        return [Thought(text)] if text else []
+
+    def _answer(self, text: str) -> list[Thought | TextDelta]:
+        if not self._answered:
+            text = text.lstrip()
+            self._answered = bool(text)
+        return [TextDelta(text)] if text else []
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `tag`."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
