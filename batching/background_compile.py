@@ -53,7 +53,7 @@ class BackgroundCompiler:
             self._thread = threading.Thread(target=_work, args=(self._jobs, self._ready), name="sluice-compile",
                                             daemon=True)
             self._thread.start()
-            weakref.finalize(self, self._jobs.put, None).atexit = False  # at exit, `_close_all` stops it
+            weakref.finalize(self, _stop, self._jobs).atexit = False  # at exit, `_close_all` stops it
 
     @property
     def num_compiled(self) -> int:
@@ -66,16 +66,22 @@ class BackgroundCompiler:
     def close(self) -> None:
         """Drops the programs not started and waits for the one compiling: a process that exits in the middle of a
         compile is aborted by XLA."""
-        while True:
-            try:
-                self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            self._jobs.task_done()
         if self._thread is not None:
-            self._jobs.put(None)
+            _stop(self._jobs)
             self._thread.join()
             self._thread = None
+
+
+def _stop(jobs: queue.Queue[_Job | None]) -> None:
+    """Drops the jobs not started and stops the thread after the one compiling: a dropped engine's programs are
+    not compiled for nobody (a multi-step call's take seconds on a GPU, and hold their memory meanwhile)."""
+    while True:
+        try:
+            jobs.get_nowait()
+        except queue.Empty:
+            break
+        jobs.task_done()
+    jobs.put(None)
 
 
 def _work(jobs: queue.Queue[_Job | None], ready: dict[Hashable, jax.stages.Compiled]) -> None:
