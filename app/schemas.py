@@ -25,6 +25,8 @@ MAX_STOP_TOKEN_IDS = 16
 MAX_PROMPTS = 256
 MAX_SAMPLES = 64
 
+# How much a reasoning model is to think: OpenAI's levels (and vLLM's).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 TokenId = Annotated[int, Field(ge=0, strict=True)]  # strict: `true` or "5" is no token id
 # logit_bias's keys: token ids written as JSON object keys.
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
@@ -465,6 +467,9 @@ class ChatRendering(_Request):
                                          "assistant's, so the reply continues its text")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict,
                                                  description="more variables for the template, e.g. enable_thinking")
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="OpenAI's: the template's `reasoning_effort`, and its `enable_thinking` (false for none) "
+                          "unless chat_template_kwargs sets it, as vLLM passes them")
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -487,7 +492,13 @@ class ChatRendering(_Request):
     def rendering(self) -> dict[str, Any]:
         """`chat_prompt`'s keyword arguments for these fields."""
         return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message, "template_kwargs": self.chat_template_kwargs}
+                "continue_final_message": self.continue_final_message, "template_kwargs": self._template_kwargs()}
+
+    def _template_kwargs(self) -> dict[str, Any]:
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"enable_thinking": self.reasoning_effort != "none", **self.chat_template_kwargs,
+                "reasoning_effort": self.reasoning_effort}
 
 
 class ChatCompletionRequest(SamplingRequest, ChatRendering):

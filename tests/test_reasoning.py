@@ -8,6 +8,7 @@ import json
 import random
 from collections.abc import AsyncGenerator
 
+import httpx
 import openai
 import pytest
 
@@ -19,7 +20,7 @@ from sluice.app.tool_calls import ToolCalling
 from sluice.batching.outputs import Increment, Usage
 from sluice.model.config import ModelConfig
 
-from hf_folder import CHATML, write_hf_folder
+from hf_folder import write_hf_folder
 from test_api_e2e import API_KEY, start_server
 
 DEEPSEEK, QWEN3 = ReasoningFormat.named("deepseek_r1"), ReasoningFormat.named("qwen3")
@@ -107,10 +108,23 @@ THINKING = {"structured_outputs": {"regex": "<think>[a-z]{2,8}</think>\n[a-z]{2,
 PLAIN = {"structured_outputs": {"regex": "[a-z]{2,8}"}, "temperature": 0}
 
 
+# ChatML that shows what a reasoning model's template reads: an assistant's reasoning, the effort asked for and
+# whether to think.
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% endif %}{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}\n{% endif %}"
+    "{% if enable_thinking is defined %}thinking: {{ enable_thinking }}\n{% endif %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+HELLO = [{"role": "user", "content": "the quick brown fox"}]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reasoning") / "tiny"
-    write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=1024), seed=7, chat_template=CHATML)
+    write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=1024), seed=7,
+                    chat_template=TEMPLATE)
     proc = start_server("--model", str(folder), *FLAGS, env={"SLUICE_HOME": str(tmp_path_factory.mktemp("home"))})
     yield proc
     proc.stop()
@@ -123,7 +137,7 @@ def client(server):
 
 
 def test_served_chat_gives_the_reasoning_apart_whole_and_streamed_and_none_for_a_reply_that_does_not_think(client):
-    messages = [{"role": "user", "content": "the quick brown fox"}]
+    messages = HELLO
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, extra_body=THINKING)
     message = reply.choices[0].message
     thought, answer = message.model_extra["reasoning"], message.content
@@ -135,3 +149,28 @@ def test_served_chat_gives_the_reasoning_apart_whole_and_streamed_and_none_for_a
     assert "".join(d.content or "" for d in deltas) == answer
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, extra_body=PLAIN)
     assert plain.choices[0].message.content.isalpha() and "reasoning" not in plain.choices[0].message.model_extra
+
+
+def rendered(server, messages: list[dict], **fields) -> tuple[str, int]:
+    """The prompt /tokenize renders for the messages and chat fields (its text, through /detokenize) and its
+    length."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **fields}, headers=headers,
+                        timeout=60).json()["tokens"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}, headers=headers, timeout=60).json()["prompt"]
+    return text, len(tokens)
+
+
+@pytest.mark.parametrize(("fields", "shown"), [
+    ({"reasoning_effort": "high"}, "effort: high\nthinking: True\n"),
+    ({"reasoning_effort": "none"}, "effort: none\nthinking: False\n"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}, "effort: low\nthinking: False\n"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "effort: low\nthinking: True\n"),
+    ({}, "fox\nassistant\n"),  # special tokens (<s>, </s>) have no text
+], ids=["high", "none", "thinking set", "kwargs effort replaced", "not set"])
+def test_chats_reasoning_effort_reaches_the_template_with_enable_thinking_as_vllm_passes_them(server, client, fields,
+                                                                                              shown):
+    text, length = rendered(server, HELLO, **fields)
+    assert shown in text and ("effort" in text) == bool(fields)
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1, extra_body=fields)
+    assert reply.usage.prompt_tokens == length
