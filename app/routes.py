@@ -38,7 +38,14 @@ from sluice.app.schemas import (
     ToolDefinition,
 )
 from sluice.app.state import ServerState
-from sluice.app.tool_calls import NO_ARGUMENTS, ToolCalling, call_grammar, reads_special_tokens, special_marker
+from sluice.app.tool_calls import (
+    NO_ARGUMENTS,
+    ToolCalling,
+    args_token,
+    call_grammar,
+    reads_special_tokens,
+    special_marker,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -154,7 +161,8 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     if forced := body.forced_tools():
         grammar = call_grammar([(t.function.name, t.function.parameters) for t in forced],
                                parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser,
-                               marker_id=special_marker(engine.tokenizer, parser))
+                               marker_id=special_marker(engine.tokenizer, parser),
+                               args_id=args_token(engine.tokenizer, parser))
         params = dataclasses.replace(params, structured=grammar)
     reasoning = ReasoningFormat.named(state.settings.reasoning_parser)
     if (tools and reads_special_tokens(engine.tokenizer, parser)

@@ -18,8 +18,8 @@ from typing import Any
 # What a call starts with when written as the prompt asks and the grammar forces: its name, then its arguments.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
 # The head of a call written by name (Mistral's v11+ tokenizers): its name, maybe its id, then its arguments.
-_CALL_ID, _ARGS = "[CALL_ID]", "[ARGS]"
-_NAMED_HEAD = re.compile(rf"\s*(.*?)(?:{re.escape(_CALL_ID)}[A-Za-z0-9]*)?{re.escape(_ARGS)}", re.DOTALL)
+_CALL_ID, ARGS = "[CALL_ID]", "[ARGS]"
+_NAMED_HEAD = re.compile(rf"\s*(.*?)(?:{re.escape(_CALL_ID)}[A-Za-z0-9]*)?{re.escape(ARGS)}", re.DOTALL)
 # Outside strings, JSON has only these characters besides brackets and quotes.
 _JSON_OUTSIDE_STRINGS = frozenset(" \t\r\n,:-+.0123456789eEtruefalsn")
 
@@ -471,7 +471,7 @@ class _ObjectEnd:
 def _may_begin_head(text: str, names: frozenset[str]) -> bool:
     """Whether `text` (no whole head yet) may still grow into the head of a call by name of one of `names`."""
     so_far = text.lstrip()
-    so_far = so_far[:len(so_far) - _partial_tag(so_far, _ARGS)]
+    so_far = so_far[:len(so_far) - _partial_tag(so_far, ARGS)]
     name, tag, call_id = so_far.partition(_CALL_ID)
     if tag:
         return name in names and (not call_id or (call_id.isascii() and call_id.isalnum()))

@@ -31,6 +31,7 @@ from sluice.batching.sampling_params import StructuredOutput
 from sluice.model.tokenizer import Tokenizer
 
 from sluice.app.tool_call_streams import (
+    ARGS,
     HERMES,
     MISTRAL,
     CallStart,
@@ -101,6 +102,12 @@ def special_marker(tokenizer: Tokenizer, parser: str) -> int | None:
     """The id of the format's marker if the vocabulary holds it as one special token, for the grammar to write
     it as that token."""
     return tokenizer.special_token_id(_WRITTEN[parser].marker)
+
+
+def args_token(tokenizer: Tokenizer, parser: str) -> int | None:
+    """The id of `[ARGS]` where the format is Mistral's and the vocabulary holds it as a special token (Mistral's
+    v11 and later tokenizers): their models write calls by name, `[TOOL_CALLS]name[ARGS]{...}`, one per marker."""
+    return tokenizer.special_token_id(ARGS) if parser == "mistral" else None
 
 
 def reads_special_tokens(tokenizer: Tokenizer, parser: str) -> bool:
@@ -186,26 +193,31 @@ def render_results(contents: Iterable[str]) -> str:
 
 
 def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: bool, parser: str = "hermes",
-                 marker_id: int | None = None) -> StructuredOutput:
+                 marker_id: int | None = None, args_id: int | None = None) -> StructuredOutput:
     """A Lark grammar (llguidance's, with `%json` for each function's arguments) whose every output is one call
     of one of `functions` ((name, parameters schema) each), or with `parallel` several, written as `parser`
-    writes them (Hermes: one per line; Llama 3: separated by `; `; Mistral: a list after `[TOOL_CALLS]`).
-    `marker_id`: the marker's id where it is a special token (`special_marker`), written as that token."""
+    writes them (Hermes: one per line; Llama 3: separated by `; `; Mistral: a list after `[TOOL_CALLS]`, or with
+    `args_id` each call as `[TOOL_CALLS]name[ARGS]{...}`). `marker_id`, `args_id`: the marker's and `[ARGS]`'s
+    ids where they are special tokens (`special_marker`, `args_token`), written as those tokens."""
     written = _WRITTEN[parser]
-    rules = []
-    for i, (name, parameters) in enumerate(functions):
-        # A schema that names no type (`{}`, say) allows any value, but arguments that are no object are no call.
-        schema = {"x-guidance": _LAYOUT, "type": "object",
-                  **_closed(parameters if parameters is not None else NO_ARGUMENTS)}
-        head = f'{written.call_head}{{"name": {json.dumps(name, ensure_ascii=False)}, "{written.key}": '
-        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema, ensure_ascii=False)} "
-                     f"{json.dumps('}' + written.call_tail)}")
-    calls = f"call ({json.dumps(written.separator)} call)*" if parallel else "call"
-    if marker_id is not None:
-        opening = [f"<[{marker_id}]>", json.dumps(written.before)]
+    marker = f"<[{marker_id}]>" if marker_id is not None else json.dumps(written.marker)
+    schemas = [json.dumps({"x-guidance": _LAYOUT, "type": "object",
+                           # A schema that names no type (`{}`, say) allows any value, but arguments that are
+                           # no object are no call.
+                           **_closed(parameters if parameters is not None else NO_ARGUMENTS)}, ensure_ascii=False)
+               for _, parameters in functions]
+    if args_id is not None:
+        rules = [f"call_{i}: {marker} {json.dumps(name, ensure_ascii=False)} <[{args_id}]> %json {schema}"
+                 for i, ((name, _), schema) in enumerate(zip(functions, schemas))]
+        start = "start: call+" if parallel else "start: call"
     else:
-        opening = [json.dumps(written.marker + written.before)]
-    start = "start: " + " ".join(t for t in [*opening, calls, json.dumps(written.after)] if t != '""')
+        rules = []
+        for i, ((name, _), schema) in enumerate(zip(functions, schemas)):
+            head = f'{written.call_head}{{"name": {json.dumps(name, ensure_ascii=False)}, "{written.key}": '
+            rules.append(f"call_{i}: {json.dumps(head)} %json {schema} {json.dumps('}' + written.call_tail)}")
+        calls = f"call ({json.dumps(written.separator)} call)*" if parallel else "call"
+        start = "start: " + " ".join(t for t in [marker, json.dumps(written.before), calls, json.dumps(written.after)]
+                                     if t != '""')
     choices = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))
     return StructuredOutput("grammar", "\n".join([start, choices, *rules]) + "\n")
 

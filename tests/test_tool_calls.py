@@ -22,6 +22,7 @@ from sluice.app.schemas import ChatCompletionRequest
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, TextDelta, ToolCall
 from sluice.app.tool_calls import (
     ToolCalling,
+    args_token,
     call_grammar,
     mistral_call_id,
     parse_calls,
@@ -440,6 +441,33 @@ def test_the_mistral_grammar_writes_a_special_marker_as_its_token():
     assert reply[0] == 287 and all(matcher.consume_token(t) for t in reply) and matcher.is_accepting()
     spelled = compiler.compile(grammar).matcher
     assert not spelled.consume_token(tokenizer.encode("[", add_special_tokens=False)[0])
+
+
+def test_the_mistral_grammar_of_a_v11_vocabulary_writes_calls_by_name_and_its_reader_takes_them_back():
+    """A vocabulary with `[ARGS]` as a special token is Mistral's v11 or later: its models write
+    `[TOOL_CALLS]name[ARGS]{...}`, one call per marker, and a forced call is written so too."""
+    backend = train_tokenizer(285)
+    backend.add_special_tokens([AddedToken(tag, special=True, normalized=False)
+                                for tag in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")])
+    tokenizer = Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+    assert args_token(tokenizer, "mistral") is not None and args_token(tokenizer, "hermes") is None
+    compiler = GrammarCompiler(tokenizer, 288, (2,))
+    two = '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]get_weather[ARGS]{}'
+
+    def grammar(parallel: bool) -> StructuredOutput:
+        return call_grammar([ADD, ("get_weather", None)], parallel=parallel, parser="mistral",
+                            marker_id=special_marker(tokenizer, "mistral"), args_id=args_token(tokenizer, "mistral"))
+
+    def takes(parallel: bool, text: str) -> bool:
+        matcher = compiler.compile(grammar(parallel)).matcher
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    assert takes(True, two) and not takes(False, two) and takes(False, two[:two.index("}") + 1])
+    assert not takes(True, '[TOOL_CALLS]add[ARGS]{"a": "1"}') and not takes(True, '[TOOL_CALLS] [{"name": "add"')
+    checker = keeping_special_tokens(tokenizer)
+    texts = [checker.emit(token, None).text for token in tokenizer.encode(two, add_special_tokens=False)]
+    assert read_mistral_stream(texts) == (None, [ToolCall("add", '{"a": 1}'), ToolCall("get_weather", "{}")])
 
 
 # --- rendering the conversation -----------------------------------------------------------------------------
