@@ -38,8 +38,10 @@ class ReasoningFormat:
     opens_in_prompt: bool
 
     @classmethod
-    def named(cls, name: str | None) -> ReasoningFormat | None:
-        return None if name is None else cls(name, opens_in_prompt=name == "deepseek_r1")
+    def named(cls, name: str | None, under_grammar: bool = False) -> ReasoningFormat | None:
+        """The format `name` (None: none); `under_grammar`: for a reply a grammar holds whole, which starts inside
+        no reasoning the template opened."""
+        return None if name is None else cls(name, opens_in_prompt=name == "deepseek_r1" and not under_grammar)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
@@ -60,13 +62,13 @@ def keeps_tag_text(tokenizer: Tokenizer) -> bool:
 
 class ReasoningStream:
     """Splits a reply's text, pushed piece by piece, into `Thought`s and the answer's `TextDelta`s. The answer's
-    leading whitespace (the blank line after `</think>`) is left out."""
+    leading whitespace after `</think>` (its blank line) is left out; a reply that does not think is as written."""
 
     def __init__(self, format: ReasoningFormat) -> None:
         self._opens_in_prompt = format.opens_in_prompt
         self._state = "opening"  # then "thinking" (or straight to "answering"), then "answering"
         self._held = ""  # text that may start a tag (or, opening, the reply's leading whitespace)
-        self._answered = False  # whether the answer has begun (its leading whitespace is behind it)
+        self._after_end = False  # whether the answer after </think> is yet to begin (whitespace is left out)
 
     def push(self, text: str) -> list[Thought | TextDelta]:
         self._held += text
@@ -85,7 +87,7 @@ class ReasoningStream:
                 return pieces
             pieces += self._thought(self._held[:end])
             self._held = self._held[end + len(END):]
-            self._state = "answering"
+            self._state, self._after_end = "answering", True
         held, self._held = self._held, ""
         return pieces + self._answer(held)
 
@@ -108,9 +110,9 @@ class ReasoningStream:
         return [Thought(text)] if text else []
 
     def _answer(self, text: str) -> list[Thought | TextDelta]:
-        if not self._answered:
+        if self._after_end:
             text = text.lstrip()
-            self._answered = bool(text)
+            self._after_end = not text
         return [TextDelta(text)] if text else []
 
 

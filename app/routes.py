@@ -164,7 +164,9 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
                                marker_id=special_marker(engine.tokenizer, parser),
                                args_id=args_token(engine.tokenizer, parser))
         params = dataclasses.replace(params, structured=grammar)
-    reasoning = ReasoningFormat.named(state.settings.reasoning_parser)
+    # A reply under a grammar (structured output, forced calls) thinks only if the grammar writes <think>: the
+    # grammar holds the whole reply, so it never starts inside an opened reasoning.
+    reasoning = ReasoningFormat.named(state.settings.reasoning_parser, under_grammar=params.structured is not None)
     if (tools and reads_special_tokens(engine.tokenizer, parser)
             or reasoning is not None and keeps_tag_text(engine.tokenizer)):
         # The tag's token then has text for the reader to find, as vLLM's Mistral and Hermes parsers ask.

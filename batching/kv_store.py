@@ -128,8 +128,9 @@ class KVLayout:
         sequence (its first page chains from the fingerprint, salted with the request's `cache_salt` if any)."""
         if parent is not None:
             digest = bytes.fromhex(parent)
-        elif salt is not None:
-            digest = hashlib.blake2b(self.fingerprint + salt.encode(), digest_size=DIGEST_SIZE).digest()
+        elif salt is not None:  # keyed and personalized: no salt hashes to a page's key, whatever its bytes
+            digest = hashlib.blake2b(salt.encode(), digest_size=DIGEST_SIZE, key=self.fingerprint,
+                                     person=b"cache_salt").digest()
         else:
             digest = self.fingerprint
         tokens = np.asarray(token_ids, "<i4")

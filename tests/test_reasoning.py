@@ -37,6 +37,10 @@ REPLIES = ["<think>\nweigh it\n</think>\n\nNine.", "weigh it</think>Nine.", "Nin
     (QWEN3, "Nine.", (None, "Nine.")),  # thinking disabled: no tags
     (QWEN3, "weigh it</think>Nine.", (None, "weigh it</think>Nine.")),
     (QWEN3, "<think>cut short", ("cut short", "")),
+    (QWEN3, "    return x\n", (None, "    return x\n")),  # a reply that does not think is as written
+    # Under a grammar (JSON, forced calls) a reply starts inside no reasoning the template opened.
+    (ReasoningFormat.named("deepseek_r1", under_grammar=True), '{"a": 1}', (None, '{"a": 1}')),
+    (ReasoningFormat.named("deepseek_r1", under_grammar=True), "<think>hm</think>{}", ("hm", "{}")),
 ], ids=lambda value: value.name if isinstance(value, ReasoningFormat) else None)
 def test_a_whole_reply_splits_into_its_reasoning_and_its_answer(format, reply, split):
     assert format.split(reply) == split
