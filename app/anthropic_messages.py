@@ -10,10 +10,13 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     tool_result blocks (user)    -> tool messages, in place
     tool_choice auto/any/tool/none -> auto/required/named/none; disable_parallel_tool_use -> parallel_tool_calls
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
+    thinking                     -> chat_template_kwargs' enable_thinking: false if disabled, else true
+    output_config.effort         -> reasoning_effort (vLLM's mapping)
 
 A final assistant message without tool_use blocks (after others) is Anthropic's prefill: the start of the reply,
 which the prompt ends with rather than closing it as a turn (the chat request's `continue_final_message`); an
-empty one is left out. Only the reply's shape is Anthropic's own (`anthropic_responses.py`).
+empty one is left out. Only the reply's shape is Anthropic's own (`anthropic_responses.py`): with a
+--reasoning-parser, the reply's reasoning is a thinking block before the others.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ async def create_message(request: Request) -> Response:
     chat = await plan_chat(state, engine, chat_request(body), "input_schema")
     message_id = f"msg_{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
-    builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling)
+    builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling, chat.reasoning)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 
@@ -113,6 +116,10 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     }
     if _prefills(messages):
         data |= {"add_generation_prompt": False, "continue_final_message": True}
+    if body.thinking is not None:
+        data["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
+    if body.output_config is not None:
+        data["reasoning_effort"] = body.output_config.effort
     if body.tool_choice is not None:
         data["tool_choice"] = _tool_choice(body.tool_choice)
         if not isinstance(body.tool_choice, ToolChoiceNone):

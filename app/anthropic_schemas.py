@@ -148,6 +148,26 @@ class ToolChoiceNone(_Request):
 ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
 
 
+class ThinkingEnabled(_Request):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1024, description="less than max_tokens; not enforced: the model thinks as long as "
+                                                    "it does")
+
+
+class ThinkingSwitch(_Request):
+    """Thinking on (`adaptive`, `between_tools`: the model decides how much) or off (`disabled`)."""
+
+    type: Literal["adaptive", "between_tools", "disabled"]
+
+
+ThinkingConfig = Annotated[ThinkingEnabled | ThinkingSwitch, Field(discriminator="type")]
+
+
+class OutputConfig(_Request):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = Field(
+        None, description="the chat template's reasoning_effort, as vLLM passes it")
+
+
 class CountTokensRequest(_Request):
     """What a prompt is rendered from; `/v1/messages/count_tokens` takes this alone."""
 
@@ -156,7 +176,9 @@ class CountTokensRequest(_Request):
     system: str | list[TextBlockParam] | None = None
     tools: list[ToolParam] = Field(default_factory=list, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
-    thinking: dict[str, Any] | None = Field(None, description='not supported: only {"type": "disabled"}')
+    thinking: ThinkingConfig | None = Field(None, description="the chat template's enable_thinking: false if "
+                                                              "disabled, else true (unset: the template's default)")
+    output_config: OutputConfig | None = None
 
     @field_validator("tool_choice")
     @classmethod
@@ -167,13 +189,6 @@ class CountTokensRequest(_Request):
         if isinstance(choice, ToolChoiceAny) and not names:
             raise ValueError('tool_choice "any" needs tools')
         return choice
-
-    @field_validator("thinking")
-    @classmethod
-    def _no_thinking(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if value.get("type") != "disabled":
-            raise ValueError("extended thinking is not supported")
-        return value
 
     @field_validator("messages")
     @classmethod
@@ -213,6 +228,12 @@ class MessagesRequest(CountTokensRequest):
             raise ValueError("a stop sequence must not be empty")
         return sequences
 
+    @model_validator(mode="after")
+    def _thinking_within_max_tokens(self) -> MessagesRequest:
+        if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
+            raise ValueError("max_tokens must be greater than thinking.budget_tokens")
+        return self
+
 
 # --- responses --------------------------------------------------------------------------------
 
@@ -229,7 +250,16 @@ class ToolUseBlock(BaseModel):
     input: dict[str, Any]
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+class ThinkingBlock(BaseModel):
+    """The reply's reasoning. `signature`: the thinking's SHA-256 (Anthropic's verifies its own thinking when it is
+    sent back; Sluice checks none)."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str
+
+
+ContentBlock = Annotated[ThinkingBlock | TextBlock | ToolUseBlock, Field(discriminator="type")]
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
@@ -267,6 +297,18 @@ class TextDeltaBody(BaseModel):
     text: str
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(BaseModel):
+    """A thinking block's signature, just before the block's stop."""
+
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str
+
+
 class InputJsonDelta(BaseModel):
     """A fragment of a tool_use block's input, as JSON text; the fragments join to the whole input."""
 
@@ -288,7 +330,7 @@ class ContentBlockStartEvent(BaseModel):
 class ContentBlockDeltaEvent(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: Annotated[TextDeltaBody | InputJsonDelta, Field(discriminator="type")]
+    delta: Annotated[TextDeltaBody | InputJsonDelta | ThinkingDelta | SignatureDelta, Field(discriminator="type")]
 
 
 class ContentBlockStopEvent(BaseModel):

@@ -9,14 +9,15 @@ Formats: `deepseek_r1` (DeepSeek-R1 and its distills, QwQ, Qwen3's thinking-only
 Qwen3 does unless `enable_thinking` is false).
 
 `ReasoningStream` splits a reply as it streams, holding back text that may be the start of a tag; a whole reply
-is split by the same stream, so the two always agree.
+is split by the same stream, so the two always agree. `ReplyReader` reads the answer it splits off for calls too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluice.app.tool_call_streams import TextDelta
+from sluice.app.tool_call_streams import StreamEvent, TextDelta
+from sluice.app.tool_calls import ToolCalling
 from sluice.model.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -114,6 +115,39 @@ class ReasoningStream:
             text = text.lstrip()
             self._after_end = not text
         return [TextDelta(text)] if text else []
+
+
+class ReplyReader:
+    """Reads a reply's text, pushed piece by piece, for its reasoning (with a `reasoning` format) and its answer for
+    calls (with `calling`): `Thought`s, then the answer's `TextDelta`s, `CallStart`s and `ArgumentsDelta`s."""
+
+    def __init__(self, reasoning: ReasoningFormat | None, calling: ToolCalling | None) -> None:
+        self._thoughts = reasoning.stream() if reasoning is not None else None
+        self._calls = calling.stream() if calling is not None else None
+
+    @property
+    def calls(self) -> int:
+        """How many calls the answer has started so far."""
+        return self._calls.calls if self._calls is not None else 0
+
+    def push(self, text: str) -> list[Thought | StreamEvent]:
+        if self._thoughts is None:
+            return self._answer([TextDelta(text)] if text else [])
+        return self._answer(self._thoughts.push(text))
+
+    def finish(self) -> list[Thought | StreamEvent]:
+        """What is still held, now that the reply has ended."""
+        pieces = self._answer(self._thoughts.finish()) if self._thoughts is not None else []
+        return pieces + (self._calls.finish() if self._calls is not None else [])
+
+    def _answer(self, pieces: list[Thought | TextDelta]) -> list[Thought | StreamEvent]:
+        """The pieces with the answer's read for calls."""
+        if self._calls is None:
+            return list(pieces)
+        read: list[Thought | StreamEvent] = []
+        for piece in pieces:
+            read += [piece] if isinstance(piece, Thought) else self._calls.push(piece.text)
+        return read
 
 
 def _partial_tag_length(text: str, tag: str) -> int:

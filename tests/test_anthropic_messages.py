@@ -215,6 +215,19 @@ def test_thinking_blocks_belong_in_assistant_messages(block):
                                         "messages": [{"role": "user", "content": [block]}]})
 
 
+@pytest.mark.parametrize(("fields", "kwargs", "effort"), [
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, {"enable_thinking": True}, None),
+    ({"thinking": {"type": "adaptive"}, "output_config": {"effort": "low"}}, {"enable_thinking": True}, "low"),
+    ({"thinking": {"type": "disabled"}}, {"enable_thinking": False}, None),
+    ({"output_config": {"effort": "max"}}, {}, "max"),
+    ({}, {}, None),
+], ids=["enabled", "adaptive", "disabled", "effort alone", "neither"])
+def test_thinking_is_the_templates_enable_thinking_and_the_effort_its_reasoning_effort(fields, kwargs, effort):
+    body = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 2048, "messages": HELLO, **fields})
+    chat = chat_request(body)
+    assert (chat.chat_template_kwargs, chat.reasoning_effort) == (kwargs, effort)
+
+
 @pytest.mark.parametrize("empty", ["", " ", [], [{"type": "text", "text": ""}], [THOUGHT]])
 def test_an_empty_final_assistant_message_is_no_prefill(empty):
     """Anthropic allows the final assistant message, alone of all, to be empty: the reply then starts afresh (it
@@ -283,6 +296,11 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
       "max_tokens": 4}, "messages.0: content.0.content.0: 'document' blocks are not supported"),
     ({"messages": HELLO, "max_tokens": 4, "stop_sequences": ["END", ""]}, "stop_sequences"),
     ({"messages": HELLO, "max_tokens": 4, "temperature": 1.5}, "temperature"),
+    ({"messages": HELLO, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1023}},
+     "thinking.enabled.budget_tokens"),
+    ({"messages": HELLO, "max_tokens": 1024, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+     "max_tokens must be greater than thinking.budget_tokens"),
+    ({"messages": HELLO, "max_tokens": 4, "thinking": {"type": "sometimes"}}, "thinking"),
 ])
 def test_bad_requests_are_400_invalid_request_errors_in_anthropics_shape(server, fields, words):
     response = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, **fields}, headers={"x-api-key": API_KEY})

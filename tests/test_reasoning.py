@@ -4,14 +4,19 @@ one streamed in pieces agree, and each API shows the reasoning where its clients
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 from collections.abc import AsyncGenerator
 
+import anthropic
 import httpx
+import httpx2
 import openai
 import pytest
+from pydantic import BaseModel
 
+from sluice.app.anthropic_responses import MessageBuilder
 from sluice.app.reasoning import ReasoningFormat, Thought
 from sluice.app.responses import ChatBuilder
 from sluice.app.schemas import ChatCompletionRequest
@@ -73,11 +78,16 @@ class _Replay:
             yield Increment(0, piece, (i,), finish_reason="stop" if i == len(self._pieces) - 1 else None)
 
 
+# A reply in pieces, with calls (True) or text (False) after its reasoning; what the reply is read for.
+PIECES = {True: ["<th", "ink>Which", " tool?</th", "ink>\n\n", "<tool_call>", '{"name": "get_weather", "arguments": ',
+                 '{"city": "Oslo"}}', "</tool_call>"],
+          False: ["<th", "ink>Sum", " it.</think>", "\n", "Nine", "."]}
+CALLING = {True: ToolCalling(frozenset({"get_weather"})), False: None}
+
+
 @pytest.mark.parametrize("tools", [False, True], ids=["text", "tool calls"])
 def test_a_chat_reply_streamed_and_whole_has_its_reasoning_apart_and_its_answer_read_for_calls(smollm2, tools):
-    pieces = ["<th", "ink>Which", " tool?</th", "ink>\n\n", "<tool_call>", '{"name": "get_weather", "arguments": ',
-              '{"city": "Oslo"}}', "</tool_call>"] if tools else ["<th", "ink>Sum", " it.</think>", "\n", "Nine", "."]
-    calling = ToolCalling(frozenset({"get_weather"})) if tools else None
+    pieces, calling = PIECES[tools], CALLING[tools]
 
     def builder(stream: bool) -> ChatBuilder:
         body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": stream})
@@ -102,11 +112,48 @@ def test_a_chat_reply_streamed_and_whole_has_its_reasoning_apart_and_its_answer_
         assert whole["message"]["content"] == "".join(d.get("content", "") for d in deltas) == "Nine."
 
 
+def answering(events: list[bytes]) -> httpx2.Client:
+    """An HTTP client that answers every request with `events` (a builder's stream), for an official client (whose
+    HTTP is httpx2's)."""
+    body = b"".join(events)
+    return httpx2.Client(transport=httpx2.MockTransport(
+        lambda request: httpx2.Response(200, content=body, headers={"content-type": "text/event-stream"})))
+
+
+def _blocks(message: BaseModel) -> list[dict]:
+    """A message's content blocks without their ids (a tool_use block's is new in each reply)."""
+    return [{k: v for k, v in block.model_dump(exclude_none=True).items() if k != "id"} for block in message.content]
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool calls"])
+def test_an_anthropic_reply_thinks_in_a_first_block_that_the_clients_stream_assembles_as_the_whole_message(tools):
+    def builder() -> MessageBuilder:
+        return MessageBuilder("msg_1", MODEL, 2, CALLING[tools], QWEN3)
+
+    async def stream() -> list[bytes]:
+        return [event async for event in builder().events(_Replay(PIECES[tools]))]
+
+    whole = asyncio.run(builder().collect(_Replay(PIECES[tools])))
+    events = asyncio.run(stream())
+    with anthropic.Anthropic(api_key=API_KEY, base_url="http://sluice", http_client=answering(events)) as client:
+        with client.messages.stream(model=MODEL, max_tokens=64, messages=HELLO) as stream:
+            streamed = stream.get_final_message()
+    thought = "Which tool?" if tools else "Sum it."
+    assert _blocks(whole) == _blocks(streamed) == [
+        {"type": "thinking", "thinking": thought, "signature": hashlib.sha256(thought.encode()).hexdigest()},
+        {"type": "tool_use", "name": "get_weather", "input": {"city": "Oslo"}} if tools else {"type": "text",
+                                                                                             "text": "Nine."}]
+    assert whole.stop_reason == streamed.stop_reason == ("tool_use" if tools else "end_turn")
+    first = [json.loads(e.split(b"data: ")[1]) for e in events if b'"index":0' in e]
+    assert [e.get("delta", e.get("content_block", {})).get("type") for e in first] == [
+        "thinking", "thinking_delta", "thinking_delta", "signature_delta", None]
+
+
 # --- served -----------------------------------------------------------------------------------------------------
 
 MODEL = "tiny-thinking"
 FLAGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--kv-cache-memory",
-         "8MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui", "--reasoning-parser", "qwen3"]
+         "8MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui"]
 # The tiny random model thinks only where a grammar makes it (the grammar holds the whole reply, thinking too).
 THINKING = {"structured_outputs": {"regex": "<think>[a-z]{2,8}</think>\n[a-z]{2,8}"}, "temperature": 0}
 PLAIN = {"structured_outputs": {"regex": "[a-z]{2,8}"}, "temperature": 0}
@@ -125,11 +172,30 @@ HELLO = [{"role": "user", "content": "the quick brown fox"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reasoning") / "tiny"
     write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=1024), seed=7,
                     chat_template=TEMPLATE)
-    proc = start_server("--model", str(folder), *FLAGS, env={"SLUICE_HOME": str(tmp_path_factory.mktemp("home"))})
+    return folder
+
+
+def serve(folder, tmp_path_factory, parser: str):
+    return start_server("--model", str(folder), *FLAGS, "--reasoning-parser", parser,
+                        env={"SLUICE_HOME": str(tmp_path_factory.mktemp("home"))})
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    proc = serve(folder, tmp_path_factory, "qwen3")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def r1_server(folder, tmp_path_factory):
+    """A server whose replies all start inside their reasoning (deepseek_r1): the tiny model's, cut short by
+    max_tokens, are all reasoning."""
+    proc = serve(folder, tmp_path_factory, "deepseek_r1")
     yield proc
     proc.stop()
 
@@ -178,3 +244,26 @@ def test_chats_reasoning_effort_reaches_the_template_with_enable_thinking_as_vll
     assert shown in text and ("effort" in text) == bool(fields)
     reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1, extra_body=fields)
     assert reply.usage.prompt_tokens == length
+
+
+@pytest.mark.parametrize(("thinking", "enabled"), [({"type": "enabled", "budget_tokens": 1024}, True),
+                                                   ({"type": "adaptive"}, True), ({"type": "disabled"}, False)])
+def test_anthropics_thinking_reaches_the_template_as_enable_thinking(server, thinking, enabled):
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120) as client:
+        counted = client.messages.count_tokens(model=MODEL, messages=HELLO, thinking=thinking,
+                                               output_config={"effort": "high"}).input_tokens
+    text, length = rendered(server, HELLO, chat_template_kwargs={"enable_thinking": enabled},
+                            reasoning_effort="high")
+    assert counted == length and f"effort: high\nthinking: {enabled}" in text
+
+
+def test_a_served_anthropic_message_thinks_in_a_signed_block_that_its_stream_assembles_alike(r1_server):
+    kwargs = dict(model=MODEL, max_tokens=12, messages=HELLO, thinking={"type": "adaptive"},
+                  extra_body={"temperature": 0})
+    with anthropic.Anthropic(base_url=r1_server.url, api_key=API_KEY, max_retries=0, timeout=120) as client:
+        whole = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            streamed = stream.get_final_message()
+    [block] = whole.content
+    assert block.type == "thinking" and block.thinking and block.signature
+    assert _blocks(streamed) == _blocks(whole) and streamed.stop_reason == whole.stop_reason == "max_tokens"
