@@ -3,8 +3,8 @@
 Where a request goes: `parse_body` (`responses_api_schemas.py`) -> the earlier response's conversation, if it
 continues one, and the stored items its input references (`responses_api_store.py`, held by the server state)
 -> a chat request (`responses_api_convert.py`)
--> `plan_chat` (`routes.py`: prompt, parameters, forced calls) -> the engine -> `responses_api_builder.py` (the
-response or its events) -> the store.
+-> `plan_chat` (`routes.py`: prompt, parameters, forced calls, reasoning) -> the engine -> `responses_api_builder.py`
+(the response or its events) -> the store.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ async def create_response(request: Request) -> Response:
         parallel_tool_calls=body.parallel_tool_calls, previous_response_id=body.previous_response_id,
         temperature=body.temperature, top_p=body.top_p, top_logprobs=body.top_logprobs,
         tool_choice=body.tool_choice or "auto",
-        tools=body.tools, text=body.text, store=body.store, metadata=body.metadata,
+        tools=body.tools, text=body.text, reasoning=body.reasoning, store=body.store, metadata=body.metadata,
     )
 
     def on_done(done: ResponseObject) -> None:
@@ -74,7 +74,7 @@ async def create_response(request: Request) -> Response:
                                                         len(items), frozenset(item.id for item in conversation)))
 
     logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
-    builder = ResponsesBuilder(response, plan.calling, on_done, logprobs)
+    builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 

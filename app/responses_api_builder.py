@@ -1,11 +1,12 @@
 """Engine increments shaped into a Responses API response, whole (`collect`) or as its SSE events (`events`).
 
-Both walk the same events: the reply's text goes into a `message` item (one `output_text` part), each tool call
-into a `function_call` item, in the order the model wrote them; a call's text is read by the chat path's parser
-(`ToolCalling`), so streamed and whole replies read alike. A reply cut by `max_output_tokens` is `incomplete`.
+Both walk the same events: with a --reasoning-parser the reply's reasoning goes into a `reasoning` item first
+(one `reasoning_text` part, no summary), its text into a `message` item (one `output_text` part), each tool call
+into a `function_call` item, in the order the model wrote them; the reply is read as on the chat path
+(`ReplyReader`), so streamed and whole replies read alike. A reply cut by `max_output_tokens` is `incomplete`.
 With logprobs asked for, each token's logprob goes with the text it produced (the output text's `logprobs`, and
-each `output_text.delta`'s); those of a call's tokens and of the token that stops the reply are not text,
-and are left out.
+each `output_text.delta`'s); those of reasoning's and a call's tokens and of the token that stops the reply are not
+output text, and are left out.
 Streamed, each event is `event: <type>` then `data: <json>` with a `sequence_number`; an error after the 200
 becomes a `response.failed` event carrying the error.
 """
@@ -30,17 +31,21 @@ from sluice.app.responses_api_schemas import (
     InputTokensDetails,
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningTextPart,
     ResponseError,
     ResponseObject,
     ResponseUsage,
 )
+from sluice.app.reasoning import ReasoningFormat, ReplyReader, Thought
 from sluice.app.schemas import TokenLogprobInfo
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling, new_call_id
 
 Event = dict[str, Any]
 LogprobsOf = Callable[[Sequence[TokenLogprob]], list[TokenLogprobInfo]]
+Item = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 @dataclass(frozen=True)
@@ -67,14 +72,16 @@ def response_usage(usage: Usage) -> ResponseUsage:
 class ResponsesBuilder:
     """`response` is the response in progress (no output yet); once the reply has ended it is completed in place
     and handed to `on_done` (the store), streamed or not. `logprobs`: how token logprobs are shown (None: the
-    request did not ask for them)."""
+    request did not ask for them); `reasoning`: how the reply's reasoning is told (None: no --reasoning-parser)."""
 
     def __init__(self, response: ResponseObject, tool_calling: ToolCalling | None,
-                 on_done: Callable[[ResponseObject], None], logprobs: LogprobsOf | None = None) -> None:
+                 on_done: Callable[[ResponseObject], None], logprobs: LogprobsOf | None = None,
+                 reasoning: ReasoningFormat | None = None) -> None:
         self._response = response
         self._tool_calling = tool_calling
         self._on_done = on_done
         self._logprobs = logprobs
+        self._reasoning = reasoning
 
     async def collect(self, generation: Generation) -> ResponseObject:
         async for _ in self._events(generation):
@@ -121,23 +128,20 @@ class ResponsesBuilder:
         self._response.usage = response_usage(generation.usage)
         self._on_done(self._response)
 
-    async def _reply(self, generation: Generation) -> AsyncIterator[StreamEvent | _Logprobs | str]:
-        """The reply as text deltas, call starts and arguments fragments (each increment's logprobs first, if
-        asked for), then its finish reason."""
-        stream = self._tool_calling.stream() if self._tool_calling is not None else None
+    async def _reply(self, generation: Generation) -> AsyncIterator[Thought | StreamEvent | _Logprobs | str]:
+        """The reply as thoughts, text deltas, call starts and arguments fragments (each increment's logprobs first,
+        if asked for), then its finish reason."""
+        reader = ReplyReader(self._reasoning, self._tool_calling)
         async for increment in generation.increments():
             if self._logprobs is not None and increment.logprobs:
                 # The token that stops a reply is not shown, whichever increment it comes in (alone, or with
                 # the text before it), and neither is its logprob.
                 shown = increment.logprobs[:-1] if increment.finish_reason == "stop" else increment.logprobs
                 yield _Logprobs(self._logprobs(shown))
-            if stream is not None:
-                for event in stream.push(increment.text):
-                    yield event
-            elif increment.text:
-                yield TextDelta(increment.text)
+            for event in reader.push(increment.text):
+                yield event
             if increment.finish_reason is not None:
-                for event in stream.finish() if stream is not None else ():
+                for event in reader.finish():
                     yield event
                 yield increment.finish_reason
 
@@ -146,15 +150,22 @@ class _Output:
     """The output items as they arrive (appended to `items`), and the events that add, fill and close them (items
     in events are dumped when the event is made: the item changes as it fills)."""
 
-    def __init__(self, items: list[OutputMessage | OutputFunctionCall]) -> None:
+    def __init__(self, items: list[Item]) -> None:
         self._items = items
-        self._open: OutputMessage | OutputFunctionCall | None = None
+        self._open: Item | None = None
         self._logprobs: list[TokenLogprobInfo] = []  # of tokens whose text has not come yet
 
-    def add(self, event: StreamEvent | _Logprobs) -> list[Event]:
+    def add(self, event: Thought | StreamEvent | _Logprobs) -> list[Event]:
         if isinstance(event, _Logprobs):
             self._logprobs += event.entries
             return []
+        if isinstance(event, Thought):
+            self._logprobs = []
+            events = [] if isinstance(self._open, OutputReasoning) else (self._close("completed")
+                                                                         + self._open_reasoning())
+            self._open.content[0].text += event.text
+            return events + [{"type": "response.reasoning_text.delta", **self._where(), "content_index": 0,
+                              "delta": event.text}]
         if isinstance(event, TextDelta):
             events = [] if isinstance(self._open, OutputMessage) else self._close("completed") + self._open_message()
             logprobs, self._logprobs = self._logprobs, []
@@ -179,13 +190,22 @@ class _Output:
         return events + self._close("incomplete" if cut else "completed")
 
     def _open_message(self) -> list[Event]:
-        message = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
-        events = self._add(message)
-        message.content.append(OutputText(text=""))
-        return events + [{"type": "response.content_part.added", **self._where(), "content_index": 0,
-                          "part": message.content[0].model_dump()}]
+        return self._open_with_part(OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[]),
+                                    OutputText(text=""))
 
-    def _add(self, item: OutputMessage | OutputFunctionCall) -> list[Event]:
+    def _open_reasoning(self) -> list[Event]:
+        return self._open_with_part(OutputReasoning(id=f"rs_{uuid.uuid4().hex}", status="in_progress", content=[]),
+                                    ReasoningTextPart(text=""))
+
+    def _open_with_part(self, item: OutputMessage | OutputReasoning, part: OutputText | ReasoningTextPart
+                        ) -> list[Event]:
+        """The events that add `item` and then its one text part (the item is added without it, as OpenAI's)."""
+        events = self._add(item)
+        item.content.append(part)
+        return events + [{"type": "response.content_part.added", **self._where(), "content_index": 0,
+                          "part": part.model_dump()}]
+
+    def _add(self, item: Item) -> list[Event]:
         self._items.append(item)
         self._open = item
         return [{"type": "response.output_item.added", "output_index": len(self._items) - 1,
@@ -203,6 +223,10 @@ class _Output:
             events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": part.text,
                        "logprobs": part.logprobs},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": part.model_dump()}]
+        elif isinstance(item, OutputReasoning):
+            part = item.content[0]
+            events = [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part.text},
+                      {"type": "response.content_part.done", **where, "content_index": 0, "part": part.model_dump()}]
         else:
             events = [{"type": "response.function_call_arguments.done", **where, "name": item.name,
                        "arguments": item.arguments}]
@@ -213,7 +237,7 @@ class _Output:
         return {"item_id": self._open.id, "output_index": len(self._items) - 1}
 
 
-def _written_whole(item: OutputMessage | OutputFunctionCall | None) -> bool:
+def _written_whole(item: Item | None) -> bool:
     """Whether `item` is a call whose arguments are a whole JSON object: a call's arguments go out without the
     object's closing braces until it has closed, so a call cut short never parses."""
     if not isinstance(item, OutputFunctionCall):

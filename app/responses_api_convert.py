@@ -49,6 +49,7 @@ def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
         "tools": [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                   for tool in body.tools],
         "parallel_tool_calls": body.parallel_tool_calls,
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
     }
     if isinstance(body.tool_choice, FunctionToolChoice):
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}

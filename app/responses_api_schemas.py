@@ -18,6 +18,7 @@ from sluice.app.schemas import (
     FunctionDefinition,
     JsonObjectFormat,
     JsonSchemaSpec,
+    ReasoningEffort,
     TextFormat,
     TokenLogprobInfo,
     _Request,
@@ -30,9 +31,9 @@ MAX_METADATA_KEYS = 16
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 # Fields that would change the output but are not implemented: refused by name (when set) rather than ignored.
-_UNSUPPORTED = ("background", "conversation", "prompt", "reasoning", "max_tool_calls")
+_UNSUPPORTED = ("background", "conversation", "prompt", "max_tool_calls")
 # OpenAI's `include` values. Only the logprobs one adds anything here: the others name items (hosted tools'
-# results, images, reasoning) that Sluice's responses never hold.
+# results, images, encrypted reasoning) that Sluice's responses never hold.
 Includable = Literal["message.output_text.logprobs", "file_search_call.results", "web_search_call.results",
                      "web_search_call.action.sources", "message.input_image.image_url",
                      "computer_call_output.output.image_url", "code_interpreter_call.outputs",
@@ -111,9 +112,10 @@ class ReasoningText(_Request):
 
 
 class ReasoningItem(_Request):
-    """An earlier reply's reasoning, as agent SDKs send it back (another model's: Sluice writes none). It stays in
-    the conversation (stored, listed among the input items), and its text is the reasoning of the assistant message
-    it comes before (`responses_api_convert.chat_messages`), which only a reasoning model's chat template shows."""
+    """An earlier reply's reasoning, as agent SDKs send it back (Sluice's own with a --reasoning-parser, or another
+    model's). It stays in the conversation (stored, listed among the input items), and its text is the reasoning of
+    the assistant message it comes before (`responses_api_convert.chat_messages`), which only a reasoning model's
+    chat template shows."""
 
     type: Literal["reasoning"]
     id: str | None = None
@@ -189,6 +191,13 @@ class TextConfig(_Request):
     format: TextFormatSpec = Field(default_factory=lambda: TextFormat(type="text"))
 
 
+class ReasoningConfig(_Request):
+    effort: ReasoningEffort | None = Field(None, description="the chat template's reasoning_effort, as vLLM passes it")
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        None, description="accepted and not honoured: no summarizer, so reasoning items have no summary")
+    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(None, description="summary's older name")
+
+
 def _asks(value: Any) -> bool:
     """Whether a field's value asks for something: `{"effort": null}`, as clients send for "not set", does not."""
     return any(v is not None for v in value.values()) if isinstance(value, dict) else bool(value)
@@ -212,6 +221,7 @@ class ResponsesRequest(_Request):
         None, description='default: "auto" with tools, "none" without')
     parallel_tool_calls: bool = True
     text: TextConfig = Field(default_factory=TextConfig)
+    reasoning: ReasoningConfig | None = None
     store: bool = Field(True, description="keep the response for GET and previous_response_id (bounded, in memory)")
     previous_response_id: str | None = None
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=MAX_METADATA_KEYS)
@@ -268,7 +278,22 @@ class OutputFunctionCall(BaseModel):
     arguments: str
 
 
-OutputItem = Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+class ReasoningTextPart(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The reply's reasoning (--reasoning-parser), as vLLM writes it: its text as content, no summary."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[ReasoningTextPart] = Field(default_factory=list)
+    content: list[ReasoningTextPart]
+    status: ItemStatus
+
+
+OutputItem = Annotated[OutputReasoning | OutputMessage | OutputFunctionCall, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -323,6 +348,7 @@ class ResponseObject(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice
     tools: list[FunctionTool]
     text: TextConfig
+    reasoning: ReasoningConfig | None = None
     store: bool
     metadata: dict[str, str]
     usage: ResponseUsage | None = None
@@ -331,8 +357,8 @@ class ResponseObject(BaseModel):
 class ResponseStreamEvent(BaseModel):
     """One streamed event, sent as `event: <type>` and `data: <this>`: `response.created`, `.in_progress`,
     `.output_item.added`, `.content_part.added`, `.output_text.delta` / `.done`, `.content_part.done`,
-    `.function_call_arguments.delta` / `.done`, `.output_item.done`, then `.completed` (or `.incomplete`,
-    `.failed`); the other fields are the type's, as OpenAI sends them."""
+    `.reasoning_text.delta` / `.done`, `.function_call_arguments.delta` / `.done`, `.output_item.done`, then
+    `.completed` (or `.incomplete`, `.failed`); the other fields are the type's, as OpenAI sends them."""
 
     model_config = ConfigDict(extra="allow")
 

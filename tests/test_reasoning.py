@@ -19,6 +19,9 @@ from pydantic import BaseModel
 from sluice.app.anthropic_responses import MessageBuilder
 from sluice.app.reasoning import ReasoningFormat, Thought
 from sluice.app.responses import ChatBuilder
+from sluice.app.responses_api_builder import ResponsesBuilder
+from sluice.app.responses_api_convert import chat_messages, output_items, stored_items
+from sluice.app.responses_api_schemas import ResponseObject
 from sluice.app.schemas import ChatCompletionRequest
 from sluice.app.tool_call_streams import TextDelta
 from sluice.app.tool_calls import ToolCalling
@@ -27,6 +30,7 @@ from sluice.model.config import ModelConfig
 
 from hf_folder import write_hf_folder
 from test_api_e2e import API_KEY, start_server
+from test_responses_api import blank_response
 
 DEEPSEEK, QWEN3 = ReasoningFormat.named("deepseek_r1"), ReasoningFormat.named("qwen3")
 REPLIES = ["<think>\nweigh it\n</think>\n\nNine.", "weigh it</think>Nine.", "Nine.", "<think>cut short",
@@ -149,6 +153,38 @@ def test_an_anthropic_reply_thinks_in_a_first_block_that_the_clients_stream_asse
         "thinking", "thinking_delta", "thinking_delta", "signature_delta", None]
 
 
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool calls"])
+def test_a_responses_reply_has_a_reasoning_item_first_that_the_clients_stream_assembles_and_a_next_turn_reads(tools):
+    done: list[ResponseObject] = []
+
+    def builder() -> ResponsesBuilder:
+        return ResponsesBuilder(blank_response(), CALLING[tools], done.append, reasoning=QWEN3)
+
+    async def stream() -> list[bytes]:
+        return [event async for event in builder().events(_Replay(PIECES[tools]))]
+
+    whole = asyncio.run(builder().collect(_Replay(PIECES[tools])))
+    events = asyncio.run(stream())
+    with openai.OpenAI(api_key=API_KEY, base_url="http://sluice/v1", http_client=answering(events)) as client:
+        with client.responses.stream(model=MODEL, input="x") as replay:
+            streamed = replay.get_final_response()
+    thought = "Which tool?" if tools else "Sum it."
+    for response in (whole, streamed):
+        reasoning, answer = response.output
+        assert (reasoning.type, reasoning.summary, reasoning.status) == ("reasoning", [], "completed")
+        assert [(part.type, part.text) for part in reasoning.content] == [("reasoning_text", thought)]
+        assert answer.type == ("function_call" if tools else "message")
+    new_ids = {"id", "call_id"}  # each reply's own
+    assert (streamed.output[1].model_dump(exclude_none=True, exclude=new_ids)
+            == whole.output[1].model_dump(exclude_none=True, exclude=new_ids))
+    types = [json.loads(e.split(b"data: ")[1])["type"] for e in events if b'"output_index":0' in e]
+    assert types == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                     "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+                     "response.output_item.done"]
+    [assistant] = chat_messages(stored_items(output_items(done[0].output)))
+    assert assistant["reasoning_content"] == thought
+
+
 # --- served -----------------------------------------------------------------------------------------------------
 
 MODEL = "tiny-thinking"
@@ -267,3 +303,24 @@ def test_a_served_anthropic_message_thinks_in_a_signed_block_that_its_stream_ass
     [block] = whole.content
     assert block.type == "thinking" and block.thinking and block.signature
     assert _blocks(streamed) == _blocks(whole) and streamed.stop_reason == whole.stop_reason == "max_tokens"
+
+
+def test_the_responses_apis_reasoning_effort_reaches_the_template(server, client):
+    reply = client.responses.create(model=MODEL, input=HELLO, max_output_tokens=1,
+                                    reasoning={"effort": "low", "summary": "auto"})
+    text, length = rendered(server, HELLO, reasoning_effort="low")
+    assert reply.usage.input_tokens == length and "effort: low\nthinking: True" in text
+    assert (reply.reasoning.effort, reply.reasoning.summary) == ("low", "auto")
+
+
+def test_a_served_response_reasons_in_an_item_streamed_alike_and_stored(r1_server):
+    with openai.OpenAI(base_url=f"{r1_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as client:
+        whole = client.responses.create(model=MODEL, input=HELLO, max_output_tokens=12, temperature=0)
+        events = list(client.responses.create(model=MODEL, input=HELLO, max_output_tokens=12, temperature=0,
+                                              stream=True))
+        streamed = events[-1].response  # response.incomplete's (the client's stream helper waits for completed)
+        stored = client.responses.retrieve(whole.id)
+    [reasoning] = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text and whole.status == "incomplete"
+    assert [item.content for item in streamed.output] == [reasoning.content] == [item.content for item in stored.output]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text

@@ -66,9 +66,15 @@ def test_an_item_with_an_id_and_no_type_or_role_is_an_item_reference():
 
 
 def test_an_unsupported_field_that_asks_for_nothing_is_no_error():
-    body = ResponsesRequest.model_validate({"input": "Hi", "reasoning": {"effort": None, "summary": None},
-                                            "background": False})
+    body = ResponsesRequest.model_validate({"input": "Hi", "background": False})
     assert body.input[0].content == "Hi"
+
+
+@pytest.mark.parametrize(("reasoning", "effort"), [({"effort": "high", "summary": "auto"}, "high"),
+                                                   ({"effort": None, "summary": None}, None), (None, None)])
+def test_the_reasoning_effort_is_the_chat_requests_and_a_summary_asked_for_is_no_error(reasoning, effort):
+    body = ResponsesRequest.model_validate({"input": "Hi", "reasoning": reasoning})
+    assert chat_request(body, body.input).reasoning_effort == effort
 
 
 @pytest.mark.parametrize(("fields", "param", "words"), [
@@ -431,7 +437,7 @@ def test_input_items_list_the_conversation_before_the_output_newest_first_in_pag
      "input.0.function_call.arguments"),
     ({"temperature": 3}, "temperature"),
     ({"background": True}, None),
-    ({"reasoning": {"effort": "high"}}, None),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"include": ["message.output_text.everything"]}, "include.0"),
     ({"top_logprobs": 21}, "top_logprobs"),
 ])
