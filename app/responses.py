@@ -42,8 +42,8 @@ from sluice.app.schemas import (
     UsageInfo,
 )
 from sluice.app.streaming import DONE, TextFrame, sse_event
-from sluice.app.reasoning import ReasoningFormat, ReasoningStream, Thought
-from sluice.app.tool_call_streams import CallStart, CallStream, FirstCallOnly, JsonCallStream, StreamEvent, TextDelta
+from sluice.app.reasoning import ReasoningFormat, ReplyReader, Thought
+from sluice.app.tool_call_streams import CallStart, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling, new_call_id
 
 
@@ -263,11 +263,11 @@ class ChatBuilder:
     async def _read_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
         """Replies read for reasoning or calls: one chunk per reasoning piece, text delta, call start or arguments
         fragment; an increment's logprobs and token ids ride on its first."""
-        n = self._body.n
-        thoughts = [self._reasoning.stream() if self._reasoning is not None else None for _ in range(n)]
-        calls = [self._tool_calling.stream() if self._tool_calling is not None else None for _ in range(n)]
+        readers = [ReplyReader(self._reasoning, self._tool_calling) for _ in range(self._body.n)]
         async for increment in increments:
-            deltas = self._read_deltas(increment, thoughts[increment.choice], calls[increment.choice])
+            reader = readers[increment.choice]
+            pieces = reader.push(increment.text) + (reader.finish() if increment.finish_reason is not None else [])
+            deltas = [self._delta(piece) for piece in pieces]
             if (increment.logprobs or self._body.return_token_ids and increment.token_ids) and not deltas:
                 deltas = [ChatDelta(content="")]
             for j, delta in enumerate(deltas):
@@ -276,32 +276,14 @@ class ChatBuilder:
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs,
                                                    token_ids=token_ids)])
             if increment.finish_reason is not None:
-                stream = calls[increment.choice]
-                finish_reason = _call_finish_reason(increment.finish_reason, stream is not None and stream.calls > 0)
+                finish_reason = _call_finish_reason(increment.finish_reason, reader.calls > 0)
                 yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
                                                    finish_reason=finish_reason, stop_reason=increment.stop_reason)])
 
-    def _read_deltas(self, increment: Increment, thoughts: ReasoningStream | None,
-                     calls: CallStream | JsonCallStream | FirstCallOnly | None) -> list[ChatDelta]:
-        """An increment's text as deltas: its reasoning's, then its answer's (read for calls, with `calls`)."""
-        final = increment.finish_reason is not None
-        if thoughts is None:
-            pieces: list[Thought | TextDelta] = [TextDelta(increment.text)]
-        else:
-            pieces = thoughts.push(increment.text) + (thoughts.finish() if final else [])
-        deltas = []
-        for piece in pieces:
-            if isinstance(piece, Thought):
-                deltas.append(ChatDelta(reasoning=piece.text, reasoning_content=piece.text))
-            elif calls is None:
-                deltas.append(ChatDelta(content=piece.text))
-            else:
-                deltas += [self._tool_delta(event) for event in calls.push(piece.text)]
-        if final and calls is not None:
-            deltas += [self._tool_delta(event) for event in calls.finish()]
-        return deltas
-
-    def _tool_delta(self, event: StreamEvent) -> ChatDelta:
+    @staticmethod
+    def _delta(event: Thought | StreamEvent) -> ChatDelta:
+        if isinstance(event, Thought):
+            return ChatDelta(reasoning=event.text, reasoning_content=event.text)
         if isinstance(event, TextDelta):
             return ChatDelta(content=event.text)
         if isinstance(event, CallStart):
