@@ -254,6 +254,7 @@ class KVStore:
         self._ram_tally, self._disk_tally = _Tally(), _Tally()
         self._corrupt = 0
         self._dropped = 0
+        self._touch_failed = False  # warned once: `_touch` runs at every use of a page on disk
         try:
             self._open_directory()
         except BaseException:
@@ -420,6 +421,10 @@ class KVStore:
         except FileNotFoundError:  # removed from outside the store: forgotten, so it is written again
             del self._disk[key]
             return False
+        except OSError as e:  # a filesystem turned read-only: the file stands, only the next store's order is off
+            if not self._touch_failed:
+                logger.warning("KV store: could not mark page files used (%s); their order is kept in memory", e)
+                self._touch_failed = True
         self._disk.move_to_end(key)
         return True
 
@@ -462,7 +467,10 @@ class KVStore:
 
     def _discard(self, path: Path, problem: str) -> None:
         logger.warning("KV store: removed corrupt page file %s (%s)", path, problem)
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:  # forgotten all the same: a file left behind is checked again by the next store
+            logger.warning("KV store: could not remove %s: %s", path, e)
         with self._lock:
             self._disk.pop(path.stem, None)
             self._corrupt += 1

@@ -4,6 +4,7 @@ served; the device half moves pages between a real pool and the host."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -334,6 +335,41 @@ def test_a_failed_write_leaves_no_file_and_keeps_the_page_in_ram(open_store, mon
     assert files(store) == set()
     assert store.counters().dropped_writes == 1
     assert_same(store.get(A), payload(LAYOUT, 0))
+
+
+def read_only(*args, **kwargs):
+    raise OSError(errno.EROFS, "Read-only file system")
+
+
+def test_a_filesystem_turned_read_only_leaves_puts_and_disk_hits_working(open_store, monkeypatch):
+    """Remounted read-only (after an I/O error): marking a file used fails as writing one does, and neither may
+    raise into the engine's step, which would fail every request in flight."""
+    store = open_store(ram_pages=1)
+    store.put(A, payload(LAYOUT, 0))
+    store.flush()
+    monkeypatch.setattr(kv_store.os, "utime", read_only)
+    monkeypatch.setattr(kv_store.tempfile, "mkstemp", read_only)
+
+    store.put(B, payload(LAYOUT, 1))  # RAM evicts A, already on disk: its use is marked there
+    store.flush()
+
+    assert_same(store.get(A), payload(LAYOUT, 0))  # a disk hit, marked used too
+    assert store.counters().disk.hits == 1 and store.counters().dropped_writes >= 1  # B's write
+
+
+def test_a_corrupt_file_that_cannot_be_removed_is_forgotten_and_never_served(open_store, monkeypatch):
+    first = open_store()
+    first.put(A, payload(LAYOUT, 0))
+    first.close()
+    path = first.directory / f"{A}.kv"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    store = open_store()
+    monkeypatch.setattr(kv_store.Path, "unlink", read_only)
+
+    assert store.get(A) is None
+    assert not store.contains(A) and store.counters().corrupt == 1
 
 
 def test_a_full_write_queue_drops_the_write_and_counts_it(open_store, monkeypatch):
