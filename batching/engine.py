@@ -809,15 +809,18 @@ class Engine:
 
     def _start_over(self, error: Exception) -> None:
         """A step failed (on the device, or a bug in the engine): what it wrote to the pool and fed to the steps
-        after it is suspect, so every request in flight ends with the error, and the engine starts over in-process
-        with an empty pool (the prefix cache too). Unhealthy meanwhile."""
+        after it is suspect, so every request that has run ends with the error (those still waiting for their first
+        step wait on), and the engine starts over in-process with an empty pool (the prefix cache too). Unhealthy
+        meanwhile."""
         self.healthy = False
         logger.error("step failed; ending every request in flight and starting over: %s", _describe(error))
         self._num_step_failures += 1
         self._in_flight = None
         self._saving = None
         for request in list(self._requests.values()):
-            self._finish(request, "error", _describe(error))
+            # A request none of whose sequences has run yet read nothing the failed step wrote: it waits on.
+            if any(seq.status is not SequenceStatus.WAITING or seq.num_output_tokens for seq in request.seqs):
+                self._finish(request, "error", _describe(error))
         self._unemitted.clear()
         self._flush()
         self.runner.reset()

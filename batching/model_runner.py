@@ -426,7 +426,10 @@ class ModelRunner:
                 step_broadcast.send_payload(allowed)
 
         self._num_dispatched += 1
-        fault = self.fault.fires(self._num_dispatched, num_steps == 1) if self.fault is not None else None
+        # "nan" poisons row 0: it strikes the first single step whose first chunk samples, not one that would
+        # ignore it (a prefill chunk's).
+        fault = (self.fault.fires(self._num_dispatched, num_steps == 1 and chunks[0].sample)
+                 if self.fault is not None else None)
         out, pooled, scored = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None,
                                         fault == "nan", plan, scores)
         if not verifies:  # the host reads the top alternatives only for logprobs, and acceptances only for drafts

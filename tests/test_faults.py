@@ -1,5 +1,5 @@
-"""Injected faults (`SLUICE_FAULT`, batching/faults.py): a failed device step ends every request in flight with an
-error and the engine starts over in-process; NaN logits fail only their request; a hung step makes the watchdog
+"""Injected faults (`SLUICE_FAULT`, batching/faults.py): a failed device step ends every request that has run with an
+error (those waiting for their first step run after) and the engine starts over in-process; NaN logits fail only their request; a hung step makes the watchdog
 end every request and exit for a supervisor to restart the server. No request is left hanging."""
 
 from __future__ import annotations
@@ -40,6 +40,21 @@ def test_a_failed_step_ends_every_request_in_flight_and_the_engine_starts_over(t
     assert engine.stats.kv_pages_used == 0
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_a_failed_step_leaves_the_requests_still_waiting_for_their_first_step_to_run_after(tiny, monkeypatch,
+                                                                                           overlap):
+    """They read nothing the failed step wrote: with room for two sequences, the two that ran end with the error,
+    and the four behind them get the tokens of an engine that never failed."""
+    monkeypatch.setenv("SLUICE_FAULT", "raise@2")
+    engine = make_engine(tiny, max_num_seqs=2, async_scheduling=overlap)
+    batch = prompts(6, seed=5)
+    done = run_to_completion(engine, batch)
+    assert [c.finish_reason == "error" for c in done] == [True, True, False, False, False, False]
+    for prompt, completion in zip(batch[2:], done[2:]):
+        assert list(completion.token_ids) == generate(tiny.model, prompt, GREEDY.max_tokens)
+    assert engine.stats.num_step_failures == 1 and engine.stats.kv_pages_used == 0
+
+
 def test_nan_logits_fail_only_their_request(tiny, monkeypatch):
     monkeypatch.setenv("SLUICE_FAULT", "nan@3")
     engine = make_engine(tiny)
@@ -51,6 +66,15 @@ def test_nan_logits_fail_only_their_request(tiny, monkeypatch):
         if completion.finish_reason != "error":
             assert list(completion.token_ids) == generate(tiny.model, prompt, GREEDY.max_tokens)
     assert engine.stats.num_step_failures == 0 and engine.stats.kv_pages_used == 0
+
+
+def test_a_nan_fault_strikes_a_step_whose_first_row_samples(tiny, monkeypatch):
+    """Its first step prefills part of a prompt longer than a step's tokens, which samples nothing: the NaN row
+    would be ignored there, so the fault waits for the step that samples."""
+    monkeypatch.setenv("SLUICE_FAULT", "nan@1")
+    engine = make_engine(tiny)
+    (done,) = run_to_completion(engine, [list(range(3, 3 + 50))])  # 50 tokens: two steps of 32
+    assert done.finish_reason == "error" and "not finite" in done.error
 
 
 def test_a_malformed_fault_switch_is_refused(tiny, monkeypatch):
