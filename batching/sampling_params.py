@@ -22,10 +22,13 @@ class StructuredOutput:
     kind "json_schema": `source` is the schema as JSON text; "regex": a regular expression the whole output
     matches; "choice": a JSON list of the strings the output may be; "grammar": a Lark (or llama.cpp GBNF)
     grammar.
+    `preamble`, when set: a Lark grammar (llguidance's) for the rule `preamble`, what the output starts with before
+    it follows `source` (a reasoning model's thinking, `app/reasoning.py`).
     """
 
     kind: Literal["json_schema", "regex", "choice", "grammar"]
     source: str
+    preamble: str | None = None
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,14 @@ A position where the grammar allows exactly one token needs no model step: every
 (all other logits are -inf), so the engine appends it at once and computes it with the next step's chunk
 (`Grammar.forced_token`). Only token-level forcing counts, never a forced byte string that could be tokenized
 another way, so the output is the same token for token.
+
+A spec's `preamble` (a reasoning model's thinking) comes before its grammar, which llguidance then holds as a
+subgrammar (`@answer`): the request's grammar keeps its own rules and lexer, whatever its kind.
 """
 
 from __future__ import annotations
 
+import json
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -118,11 +122,9 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from(spec.kind, spec.source)
         except ValueError as error:  # JSON that does not parse (a schema, a choice list), GBNF that does not convert
             raise InvalidGrammar(f"invalid {what}: {error}") from None
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidGrammar(f"invalid {what}: {matcher.get_error()}")
-        if (error := self._first_token_error(matcher)) is not None:
-            raise InvalidGrammar(f"{what} too large for structured output: {error}")
+        matcher = self._matcher(grammar, what)
+        if spec.preamble is not None:  # the grammar is checked alone first: its first token comes after the preamble
+            matcher = self._matcher(_after_preamble(grammar, spec.preamble), what)
         return Grammar(matcher, self.executor, self.scratch)
 
     def check(self, spec: StructuredOutput) -> None:
@@ -130,6 +132,15 @@ class GrammarCompiler:
         CHECKED_SPECS specs): an agent sends the same tools' schemas with every request."""
         if (problem := self._checked(spec)) is not None:
             raise InvalidGrammar(problem)
+
+    def _matcher(self, grammar: str, what: str) -> Any:
+        """A matcher of llguidance's `grammar`; InvalidGrammar if it does not compile or fails its first token."""
+        matcher = self._llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidGrammar(f"invalid {what}: {matcher.get_error()}")
+        if (error := self._first_token_error(matcher)) is not None:
+            raise InvalidGrammar(f"{what} too large for structured output: {error}")
+        return matcher
 
     def _first_token_error(self, matcher: Any) -> str | None:
         """What llguidance says when a copy of `matcher` takes its first allowed token, if it refuses it: some of
@@ -146,6 +157,15 @@ class GrammarCompiler:
         if probe.is_error() or len(allowed) and not probe.consume_token(int(allowed[0])):
             return probe.get_error().splitlines()[0]
         return None
+
+
+def _after_preamble(grammar: str, preamble: str) -> str:
+    """llguidance's `grammar` (Lark text, or its JSON list of grammars) as a subgrammar that follows `preamble` (the
+    Lark rule `preamble` with the rules it uses): an output matches `preamble`, then `grammar`, whose rules and
+    lexer stay its own."""
+    answer = json.loads(grammar)["grammars"] if grammar.startswith("{") else [{"lark_grammar": grammar}]
+    top = {"lark_grammar": f"start: preamble @answer\n{preamble}"}
+    return json.dumps({"grammars": [top, {**answer[0], "name": "answer"}, *answer[1:]]})
 
 
 def _problem(compiler: GrammarCompiler, spec: StructuredOutput) -> str | None:

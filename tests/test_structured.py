@@ -3,6 +3,7 @@ included), and the sampler applying a mask."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -85,6 +86,31 @@ def test_json_text_the_schema_allows_is_accepted_token_by_token_and_eos_only_at_
         assert token in allowed and EOS not in allowed
         grammar.advance(token)
     assert list(mask_of(grammar, vocab)) == [EOS]
+
+
+# What the output starts with before a spec's grammar; its rule NOTE is not the grammar's.
+PREAMBLE = 'preamble: "Note: " NOTE\nNOTE: /[a-z]+\\n/\n'
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutput("json_schema", json.dumps({"type": "integer"})),
+    StructuredOutput("regex", "[0-9]+"),
+    StructuredOutput("choice", json.dumps(["42", "no"])),
+    StructuredOutput("grammar", "start: NOTE\nNOTE: /[0-9]+/"),
+], ids=lambda spec: spec.kind)
+def test_a_preamble_comes_before_a_grammar_of_any_kind_whose_rules_stay_its_own(compiler, tokenizer, spec):
+    def complete(text: str) -> bool:
+        matcher = compiler.compile(dataclasses.replace(spec, preamble=PREAMBLE)).matcher
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
+
+    assert complete("Note: hm\n42")
+    assert not complete("42") and not complete("Note: hm\nab")
+
+
+def test_a_grammar_past_llguidances_limits_is_refused_with_a_preamble_as_without(compiler):
+    spec = StructuredOutput("choice", json.dumps([f"option {i}" for i in range(2001)]), preamble=PREAMBLE)
+    with pytest.raises(InvalidGrammar, match="choice too large"):
+        compiler.compile(spec)
 
 
 def test_a_token_outside_the_grammar_is_refused_loudly(compiler, tokenizer):
