@@ -8,12 +8,16 @@ Formats: `deepseek_r1` (DeepSeek-R1 and its distills, QwQ, Qwen3's thinking-only
 `</think>` all of it is reasoning, cut short) and `qwen3` (a reply thinks only if it starts with `<think>`, as
 Qwen3 does unless `enable_thinking` is false).
 
+Under a structured output the reply thinks freely and its grammar holds the answer after it, as in vLLM: the
+grammar comes after `ReasoningFormat.preamble`, llguidance's rule for the reasoning.
+
 `ReasoningStream` splits a reply as it streams, holding back text that may be the start of a tag; a whole reply
 is split by the same stream, so the two always agree. `ReplyReader` reads the answer it splits off for calls too.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from sluice.app.tool_call_streams import StreamEvent, TextDelta
@@ -22,6 +26,9 @@ from sluice.model.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
+TEXT = "/(?s:.*)/"  # any text, newlines too
+# The blank line models write after </think>, bounded: a small model could otherwise pad it until max_tokens.
+BLANK = "BLANK: /[ \\t\\r\\n]{0,4}/"
 
 
 @dataclass(frozen=True)
@@ -39,10 +46,24 @@ class ReasoningFormat:
     opens_in_prompt: bool
 
     @classmethod
-    def named(cls, name: str | None, under_grammar: bool = False) -> ReasoningFormat | None:
-        """The format `name` (None: none); `under_grammar`: for a reply a grammar holds whole, which starts inside
-        no reasoning the template opened."""
-        return None if name is None else cls(name, opens_in_prompt=name == "deepseek_r1" and not under_grammar)
+    def named(cls, name: str | None) -> ReasoningFormat | None:
+        """The format `name` (None: none)."""
+        return None if name is None else cls(name, opens_in_prompt=name == "deepseek_r1")
+
+    def preamble(self, tokenizer: Tokenizer) -> str:
+        """The Lark rule `preamble` (llguidance's, with the rules it uses) for the thinking before a structured
+        output's grammar, which as in vLLM holds only the answer: free text up to `</think>`, then the blank before
+        the answer; always there with deepseek_r1 (the template opened `<think>`, which the reply may write again),
+        only where the reply starts with `<think>` with qwen3. A tag that is one special token is written as that
+        token, and the thinking holds no `</think>` text then: the reader splits the reply where the grammar does."""
+        start, end = (tokenizer.special_token_id(tag) for tag in (START, END))
+        opening = json.dumps(START) if start is None else f"<[{start}]>"
+        if end is None:  # lazy: the thought ends at the first </think>
+            thinking, rule = "thought", f"thought[suffix={json.dumps(END)}]: {TEXT}"
+        else:
+            thinking, rule = f"THOUGHT <[{end}]>", f"THOUGHT: {TEXT} & ~({TEXT} {json.dumps(END)} {TEXT})"
+        opened = f"{opening}? {thinking} BLANK" if self.opens_in_prompt else f"({opening} {thinking} BLANK)?"
+        return f"preamble: {opened}\n{rule}\n{BLANK}\n"
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)

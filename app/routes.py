@@ -164,9 +164,10 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
                                marker_id=special_marker(engine.tokenizer, parser),
                                args_id=args_token(engine.tokenizer, parser))
         params = dataclasses.replace(params, structured=grammar)
-    # A reply under a grammar (structured output, forced calls) thinks only if the grammar writes <think>: the
-    # grammar holds the whole reply, so it never starts inside an opened reasoning.
-    reasoning = ReasoningFormat.named(state.settings.reasoning_parser, under_grammar=params.structured is not None)
+    reasoning = ReasoningFormat.named(state.settings.reasoning_parser)
+    if reasoning is not None and params.structured is not None:  # the grammar holds the answer after the thinking
+        params = dataclasses.replace(params, structured=dataclasses.replace(
+            params.structured, preamble=reasoning.preamble(engine.tokenizer)))
     if (tools and reads_special_tokens(engine.tokenizer, parser)
             or reasoning is not None and keeps_tag_text(engine.tokenizer)):
         # The tag's token then has text for the reader to find, as vLLM's Mistral and Hermes parsers ask.

@@ -4,9 +4,11 @@ one streamed in pieces agree, and each API shows the reasoning where its clients
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import random
+import re
 from collections.abc import AsyncGenerator
 
 import anthropic
@@ -15,22 +17,28 @@ import httpx2
 import openai
 import pytest
 from pydantic import BaseModel
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
 from sluice.app.anthropic_responses import MessageBuilder
-from sluice.app.reasoning import ReasoningFormat, Thought
+from sluice.app.reasoning import END, START, ReasoningFormat, Thought
 from sluice.app.responses import ChatBuilder
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses_api_convert import chat_messages, output_items, stored_items
 from sluice.app.responses_api_schemas import ResponseObject
 from sluice.app.schemas import ChatCompletionRequest
 from sluice.app.tool_call_streams import TextDelta
-from sluice.app.tool_calls import ToolCalling
+from sluice.app.tool_calls import ToolCalling, call_grammar
 from sluice.batching.outputs import Increment, Usage
+from sluice.batching.sampling_params import StructuredOutput
+from sluice.batching.structured import GrammarCompiler
 from sluice.model.config import ModelConfig
+from sluice.model.tokenizer import SpecialTokens, Tokenizer
 
-from hf_folder import write_hf_folder
+from hf_folder import train_tokenizer, write_hf_folder
 from test_api_e2e import API_KEY, start_server
 from test_responses_api import blank_response
+from test_tool_calls import ADD, call
 
 DEEPSEEK, QWEN3 = ReasoningFormat.named("deepseek_r1"), ReasoningFormat.named("qwen3")
 REPLIES = ["<think>\nweigh it\n</think>\n\nNine.", "weigh it</think>Nine.", "Nine.", "<think>cut short",
@@ -47,9 +55,6 @@ REPLIES = ["<think>\nweigh it\n</think>\n\nNine.", "weigh it</think>Nine.", "Nin
     (QWEN3, "weigh it</think>Nine.", (None, "weigh it</think>Nine.")),
     (QWEN3, "<think>cut short", ("cut short", "")),
     (QWEN3, "    return x\n", (None, "    return x\n")),  # a reply that does not think is as written
-    # Under a grammar (JSON, forced calls) a reply starts inside no reasoning the template opened.
-    (ReasoningFormat.named("deepseek_r1", under_grammar=True), '{"a": 1}', (None, '{"a": 1}')),
-    (ReasoningFormat.named("deepseek_r1", under_grammar=True), "<think>hm</think>{}", ("hm", "{}")),
 ], ids=lambda value: value.name if isinstance(value, ReasoningFormat) else None)
 def test_a_whole_reply_splits_into_its_reasoning_and_its_answer(format, reply, split):
     assert format.split(reply) == split
@@ -68,6 +73,69 @@ def test_a_reply_streamed_in_any_pieces_splits_as_the_whole_reply(format):
             pieces += stream.finish()
             reasoning = "".join(piece.text for piece in pieces if isinstance(piece, Thought)) or None
             assert (reasoning, "".join(p.text for p in pieces if isinstance(p, TextDelta))) == format.split(reply)
+
+
+# --- the grammar after the reasoning ----------------------------------------------------------------------------
+
+# A structured output of each kind, an answer it takes and one it refuses.
+ANSWERS = {
+    "json_schema": (StructuredOutput("json_schema", json.dumps(ADD[1])), '{"a": 1}', '{"a": "1"}'),
+    "regex": (StructuredOutput("regex", "[a-z]{2,8}"), "fox", "Fox"),
+    "choice": (StructuredOutput("choice", '["yes", "no"]'), "no", "nope"),
+    "lark": (StructuredOutput("grammar", 'start: "x=" NUMBER\nNUMBER: /[0-9]+/'), "x=12", "x=a"),
+    "gbnf": (StructuredOutput("grammar", 'root ::= "yes" | "no"'), "yes", "yes!"),
+    "forced call": (call_grammar([ADD], parallel=False), call("add", '{"a": 1}'), call("add", '{"a": "1"}')),
+}
+
+
+def tag_vocabulary(special: bool) -> HFTokenizer:
+    """A byte-level vocabulary of 288 tokens, whose last two are `<think>` and `</think>` if `special`."""
+    backend = train_tokenizer(286 if special else 288)
+    if special:
+        backend.add_special_tokens([AddedToken(tag, special=True, normalized=False) for tag in (START, END)])
+    return backend
+
+
+def think_tokenizer(special: bool) -> Tokenizer:
+    return Tokenizer(tag_vocabulary(special), SpecialTokens(1, (2,), False, None))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["text tags", "special tags"])
+def tags(request) -> tuple[Tokenizer, GrammarCompiler]:
+    tokenizer = think_tokenizer(request.param)
+    return tokenizer, GrammarCompiler(tokenizer, 288, (2,))
+
+
+def takes(tags: tuple[Tokenizer, GrammarCompiler], format: ReasoningFormat, answer: StructuredOutput,
+          reply: str) -> tuple[bool, bool]:
+    """Whether the grammar `answer` after `format`'s reasoning takes `reply`, token by token, and whether it is then
+    complete."""
+    tokenizer, compiler = tags
+    matcher = compiler.compile(dataclasses.replace(answer, preamble=format.preamble(tokenizer))).matcher
+    taken = all(matcher.consume_token(t) for t in tokenizer.encode(reply, add_special_tokens=False))
+    return taken, taken and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("kind", ANSWERS)
+def test_the_grammar_holds_the_answer_after_reasoning_that_is_free(tags, kind):
+    answer, good, bad = ANSWERS[kind]
+    for format in (DEEPSEEK, QWEN3):
+        assert takes(tags, format, answer, f"<think>\nweigh it, {{ or }} </thin\n</think>\n\n{good}") == (True, True)
+        assert takes(tags, format, answer, f"<think>hm</think>{bad}")[1] is False
+        assert takes(tags, format, answer, "<think>cut short by max_tok") == (True, False)
+    assert takes(tags, DEEPSEEK, answer, f"the template opened it</think>\n\n{good}") == (True, True)
+    assert takes(tags, DEEPSEEK, answer, good)[1] is False  # the answer comes after </think>
+    assert takes(tags, QWEN3, answer, good) == (True, True)  # a reply that does not think
+    assert takes(tags, QWEN3, answer, f"hm</think>{good}")[0] is False
+
+
+def test_where_the_tags_are_special_tokens_the_reasoning_writes_no_tag_as_text_for_the_reader_to_split_at():
+    tokenizer = think_tokenizer(special=True)
+    spec = dataclasses.replace(ANSWERS["regex"][0], preamble=DEEPSEEK.preamble(tokenizer))
+    matcher = GrammarCompiler(tokenizer, 288, (2,)).compile(spec).matcher
+    text_tag = [t for piece in ("hm</thi", "nk>") for t in tokenizer.encode(piece, add_special_tokens=False)]
+    assert tokenizer.special_token_id(END) not in text_tag
+    assert not all(matcher.consume_token(t) for t in text_tag)
 
 
 class _Replay:
@@ -190,9 +258,14 @@ def test_a_responses_reply_has_a_reasoning_item_first_that_the_clients_stream_as
 MODEL = "tiny-thinking"
 FLAGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--kv-cache-memory",
          "8MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui"]
-# The tiny random model thinks only where a grammar makes it (the grammar holds the whole reply, thinking too).
-THINKING = {"structured_outputs": {"regex": "<think>[a-z]{2,8}</think>\n[a-z]{2,8}"}, "temperature": 0}
-PLAIN = {"structured_outputs": {"regex": "[a-z]{2,8}"}, "temperature": 0}
+VOCABULARY = think_tokenizer(special=True)  # the served model's: its tags are special tokens
+OPEN, CLOSE = (VOCABULARY.special_token_id(tag) for tag in (START, END))
+[A] = VOCABULARY.encode("a", add_special_tokens=False)
+ANSWER = {"structured_outputs": {"regex": "[a-z]{2,8}"}, "temperature": 0}
+# The tiny random model writes a tag only where a bias makes it: it opens with <think>, writes "a" until the
+# frequency penalty takes it below </think> (a few times), then answers by the grammar.
+THINKING = {**ANSWER, "logit_bias": {OPEN: 100, A: 20, CLOSE: 10}, "frequency_penalty": 2}
+PLAIN = {**ANSWER, "logit_bias": {OPEN: -100}}
 
 
 # ChatML that shows what a reasoning model's template reads: an assistant's reasoning, the effort asked for and
@@ -212,6 +285,7 @@ def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reasoning") / "tiny"
     write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=1024), seed=7,
                     chat_template=TEMPLATE)
+    tag_vocabulary(special=True).save(str(folder / "tokenizer.json"))  # VOCABULARY's
     return folder
 
 
@@ -242,19 +316,39 @@ def client(server):
         yield c
 
 
-def test_served_chat_gives_the_reasoning_apart_whole_and_streamed_and_none_for_a_reply_that_does_not_think(client):
-    messages = HELLO
-    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, extra_body=THINKING)
+@pytest.fixture(scope="module")
+def r1_client(r1_server):
+    with openai.OpenAI(base_url=f"{r1_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize("served", ["client", "r1_client"], ids=["qwen3", "deepseek_r1"])
+def test_a_served_reply_under_a_grammar_thinks_then_answers_by_the_grammar_whole_and_streamed(request, served):
+    client = request.getfixturevalue(served)
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, extra_body=THINKING)
     message = reply.choices[0].message
     thought, answer = message.model_extra["reasoning"], message.content
-    assert message.model_extra["reasoning_content"] == thought and thought.isalpha() and answer.isalpha()
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, stream=True,
+    assert message.model_extra["reasoning_content"] == thought and set(thought) == {"a"}
+    assert re.fullmatch("[a-z]{2,8}", answer) and reply.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, stream=True,
                                                  extra_body=THINKING))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == thought
     assert "".join(d.content or "" for d in deltas) == answer
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, extra_body=PLAIN)
-    assert plain.choices[0].message.content.isalpha() and "reasoning" not in plain.choices[0].message.model_extra
+
+
+def test_a_served_qwen3_reply_under_a_grammar_that_does_not_think_is_all_answer(client):
+    plain = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, extra_body=PLAIN)
+    assert re.fullmatch("[a-z]{2,8}", plain.choices[0].message.content)
+    assert "reasoning" not in plain.choices[0].message.model_extra
+
+
+def test_a_served_reply_under_a_grammar_cut_by_max_tokens_while_thinking_freely_is_all_reasoning(r1_client):
+    reply = r1_client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6,
+                                              extra_body={**ANSWER, "logit_bias": {CLOSE: -100}})
+    message = reply.choices[0].message
+    assert not re.fullmatch("[a-z]*", message.model_extra["reasoning"])  # the grammar holds only the answer
+    assert message.content is None and reply.choices[0].finish_reason == "length"
 
 
 def rendered(server, messages: list[dict], **fields) -> tuple[str, int]:
