@@ -46,9 +46,10 @@ class ReasoningFormat:
     opens_in_prompt: bool
 
     @classmethod
-    def named(cls, name: str | None) -> ReasoningFormat | None:
-        """The format `name` (None: none)."""
-        return None if name is None else cls(name, opens_in_prompt=name == "deepseek_r1")
+    def named(cls, name: str | None, continuing: bool = False) -> ReasoningFormat | None:
+        """The format `name` (None: none); `continuing`: the reply continues the answer of a final assistant message
+        (`continue_final_message`, Anthropic's prefill), so it starts inside no reasoning the template opened."""
+        return None if name is None else cls(name, opens_in_prompt=name == "deepseek_r1" and not continuing)
 
     def preamble(self, tokenizer: Tokenizer) -> str:
         """The Lark rule `preamble` (llguidance's, with the rules it uses) for the thinking before a structured
@@ -91,6 +92,11 @@ class ReasoningStream:
         self._state = "opening"  # then "thinking" (or straight to "answering"), then "answering"
         self._held = ""  # text that may start a tag (or, opening, the reply's leading whitespace)
         self._after_end = False  # whether the answer after </think> is yet to begin (whitespace is left out)
+
+    @property
+    def answering(self) -> bool:
+        """Whether all text pushed from now on is the answer's, as written."""
+        return self._state == "answering" and not self._after_end
 
     def push(self, text: str) -> list[Thought | TextDelta]:
         self._held += text
@@ -145,6 +151,12 @@ class ReplyReader:
     def __init__(self, reasoning: ReasoningFormat | None, calling: ToolCalling | None) -> None:
         self._thoughts = reasoning.stream() if reasoning is not None else None
         self._calls = calling.stream() if calling is not None else None
+        self.answered = 0  # characters of answer so far (before calls are read out of it)
+
+    @property
+    def answering(self) -> bool:
+        """Whether all text pushed from now on is the answer's, as written (no reasoning, tag or blank)."""
+        return self._thoughts is None or self._thoughts.answering
 
     @property
     def calls(self) -> int:
@@ -163,6 +175,7 @@ class ReplyReader:
 
     def _answer(self, pieces: list[Thought | TextDelta]) -> list[Thought | StreamEvent]:
         """The pieces with the answer's read for calls."""
+        self.answered += sum(len(piece.text) for piece in pieces if isinstance(piece, TextDelta))
         if self._calls is None:
             return list(pieces)
         read: list[Thought | StreamEvent] = []

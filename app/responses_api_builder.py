@@ -133,17 +133,30 @@ class ResponsesBuilder:
         if asked for), then its finish reason."""
         reader = ReplyReader(self._reasoning, self._tool_calling)
         async for increment in generation.increments():
+            answering, answered = reader.answering, reader.answered
+            events = reader.push(increment.text)
+            if increment.finish_reason is not None:
+                events += reader.finish()
             if self._logprobs is not None and increment.logprobs:
                 # The token that stops a reply is not shown, whichever increment it comes in (alone, or with
                 # the text before it), and neither is its logprob.
-                shown = increment.logprobs[:-1] if increment.finish_reason == "stop" else increment.logprobs
-                yield _Logprobs(self._logprobs(shown))
-            for event in reader.push(increment.text):
+                shown = self._logprobs(increment.logprobs[:-1] if increment.finish_reason == "stop"
+                                       else increment.logprobs)
+                yield _Logprobs(shown if answering else _answers(shown, reader.answered - answered))
+            for event in events:
                 yield event
             if increment.finish_reason is not None:
-                for event in reader.finish():
-                    yield event
                 yield increment.finish_reason
+
+
+def _answers(entries: list[TokenLogprobInfo], length: int) -> list[TokenLogprobInfo]:
+    """The last of an increment's token logprobs whose text makes up the `length` characters of answer it gave
+    (the answer comes after the reasoning, its tags and the blank after them, whose tokens' are left out)."""
+    start, taken = len(entries), 0
+    while start > 0 and taken < length:
+        start -= 1
+        taken += len(entries[start].token)
+    return entries[start:]
 
 
 class _Output:
@@ -159,8 +172,7 @@ class _Output:
         if isinstance(event, _Logprobs):
             self._logprobs += event.entries
             return []
-        if isinstance(event, Thought):
-            self._logprobs = []
+        if isinstance(event, Thought):  # its tokens' logprobs were left out (`_answers`)
             events = [] if isinstance(self._open, OutputReasoning) else (self._close("completed")
                                                                          + self._open_reasoning())
             self._open.content[0].text += event.text

@@ -164,7 +164,7 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
                                marker_id=special_marker(engine.tokenizer, parser),
                                args_id=args_token(engine.tokenizer, parser))
         params = dataclasses.replace(params, structured=grammar)
-    reasoning = ReasoningFormat.named(state.settings.reasoning_parser)
+    reasoning = ReasoningFormat.named(state.settings.reasoning_parser, continuing=body.continue_final_message)
     if reasoning is not None and params.structured is not None:  # the grammar holds the answer after the thinking
         params = dataclasses.replace(params, structured=dataclasses.replace(
             params.structured, preamble=reasoning.preamble(engine.tokenizer)))

@@ -26,7 +26,7 @@ from sluice.app.responses import ChatBuilder
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses_api_convert import chat_messages, output_items, stored_items
 from sluice.app.responses_api_schemas import ResponseObject
-from sluice.app.schemas import ChatCompletionRequest
+from sluice.app.schemas import ChatCompletionRequest, TokenLogprobInfo
 from sluice.app.tool_call_streams import TextDelta
 from sluice.app.tool_calls import ToolCalling, call_grammar
 from sluice.batching.outputs import Increment, Usage
@@ -37,7 +37,7 @@ from sluice.model.tokenizer import SpecialTokens, Tokenizer
 
 from hf_folder import train_tokenizer, write_hf_folder
 from test_api_e2e import API_KEY, start_server
-from test_responses_api import blank_response
+from test_responses_api import ScriptedGeneration, blank_response
 from test_tool_calls import ADD, call
 
 DEEPSEEK, QWEN3 = ReasoningFormat.named("deepseek_r1"), ReasoningFormat.named("qwen3")
@@ -253,6 +253,38 @@ def test_a_responses_reply_has_a_reasoning_item_first_that_the_clients_stream_as
     assert assistant["reasoning_content"] == thought
 
 
+TOKENS = {1: "<th", 2: "ink>", 3: "hm", 4: "</think>", 5: "\n\n", 6: "Nine", 7: ".", 8: "<|im_end|>"}
+
+
+@pytest.mark.parametrize("increments", [
+    [("<th", (1,), None), ("ink>", (2,), None), ("hm", (3,), None), ("</think>", (4,), None), ("\n\n", (5,), None),
+     ("Nine", (6,), None), (".", (7,), None), ("", (8,), "stop")],
+    [("<think>hm</think>\n\nNine", (1, 2, 3, 4, 5, 6), None), (".", (7, 8), "stop")],  # several tokens at once
+    [("<think>hm</th", (1, 2, 3), None), ("ink>\n\nNine.", (4, 5, 6, 7, 8), "stop")],
+], ids=["a-token-at-a-time", "thought-and-answer-together", "tag-across-increments"])
+def test_a_responses_replys_output_text_logprobs_are_its_answers_tokens_alone(increments):
+    """The reasoning's tokens, its tags' and the blank after them are no output text, and neither are their
+    logprobs, whichever increments they share with the answer's."""
+    def shown(entries):
+        return [TokenLogprobInfo(token=TOKENS[e.token_id], logprob=e.logprob, bytes=[], top_logprobs=[])
+                for e in entries]
+
+    def builder() -> ResponsesBuilder:
+        return ResponsesBuilder(blank_response(), None, lambda _: None, shown, reasoning=QWEN3)
+
+    async def run() -> tuple[ResponseObject, list[bytes]]:
+        whole = await builder().collect(ScriptedGeneration(*increments))
+        return whole, [e async for e in builder().events(ScriptedGeneration(*increments))]
+
+    whole, frames = asyncio.run(run())
+    reasoning, message = whole.output
+    assert reasoning.content[0].text == "hm" and message.content[0].text == "Nine."
+    assert [e.token for e in message.content[0].logprobs] == ["Nine", "."]
+    deltas = [json.loads(f.decode().split("data: ", 1)[1])
+              for f in frames if f.startswith(b"event: response.output_text.delta")]
+    assert [e["token"] for d in deltas for e in d["logprobs"]] == ["Nine", "."]
+
+
 # --- served -----------------------------------------------------------------------------------------------------
 
 MODEL = "tiny-thinking"
@@ -349,6 +381,20 @@ def test_a_served_reply_under_a_grammar_cut_by_max_tokens_while_thinking_freely_
     message = reply.choices[0].message
     assert not re.fullmatch("[a-z]*", message.model_extra["reasoning"])  # the grammar holds only the answer
     assert message.content is None and reply.choices[0].finish_reason == "length"
+
+
+def test_a_served_deepseek_r1_prefill_is_continued_as_answer_not_reasoning(r1_server, r1_client):
+    """A reply continuing a final assistant message (Anthropic's prefill, chat's continue_final_message) starts in
+    that message's answer, not in a <think> the template opened."""
+    prefill = [*HELLO, {"role": "assistant", "content": "the"}]
+    reply = r1_client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=6,
+                                              extra_body={"continue_final_message": True,
+                                                          "add_generation_prompt": False, **PLAIN})
+    assert re.fullmatch("[a-z]{2,8}", reply.choices[0].message.content)
+    assert "reasoning" not in reply.choices[0].message.model_extra
+    with anthropic.Anthropic(base_url=r1_server.url, api_key=API_KEY, max_retries=0, timeout=120) as client:
+        message = client.messages.create(model=MODEL, messages=prefill, max_tokens=6, extra_body={"temperature": 0})
+    assert [block.type for block in message.content] == ["text"]
 
 
 def rendered(server, messages: list[dict], **fields) -> tuple[str, int]:
