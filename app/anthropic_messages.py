@@ -12,6 +12,7 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
     thinking                     -> chat_template_kwargs' enable_thinking: false if disabled, else true
     output_config.effort         -> reasoning_effort (vLLM's mapping)
+    output_config.format         -> response_format json_schema (the reply's text is JSON of that schema)
 
 A final assistant message without tool_use blocks (after others) is Anthropic's prefill: the start of the reply,
 which the prompt ends with rather than closing it as a turn (the chat request's `continue_final_message`); an
@@ -120,6 +121,9 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         data["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
     if body.output_config is not None:
         data["reasoning_effort"] = body.output_config.effort
+        if (output := body.output_config.format) is not None:
+            data["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": output.schema_}}
     if body.tool_choice is not None:
         data["tool_choice"] = _tool_choice(body.tool_choice)
         if not isinstance(body.tool_choice, ToolChoiceNone):

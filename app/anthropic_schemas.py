@@ -163,9 +163,18 @@ class ThinkingSwitch(_Request):
 ThinkingConfig = Annotated[ThinkingEnabled | ThinkingSwitch, Field(discriminator="type")]
 
 
+class JsonOutputFormat(_Request):
+    """Anthropic's structured output: the reply's text is JSON that follows `schema`."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
 class OutputConfig(_Request):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = Field(
         None, description="the chat template's reasoning_effort, as vLLM passes it")
+    format: JsonOutputFormat | None = Field(None, description="structured output: chat's response_format "
+                                                              "json_schema")
 
 
 class CountTokensRequest(_Request):

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator
+from typing import Literal
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from sluice.app.anthropic_messages import chat_request
 from sluice.app.anthropic_responses import MessageBuilder
@@ -103,6 +104,26 @@ def test_a_repeated_prompt_is_read_from_the_cache_and_input_tokens_count_only_th
         usage = client.messages.create(**kwargs).usage
     assert 0 < usage.cache_read_input_tokens < counted and usage.cache_creation_input_tokens == 0
     assert usage.input_tokens + usage.cache_read_input_tokens == counted
+
+
+class Weather(BaseModel):
+    # No strings: the client's schema transform drops maxLength, and a random model would write one on to
+    # max_tokens.
+    unit: Literal["celsius", "fahrenheit"]
+    sunny: bool
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_structured_output_gives_text_the_clients_parse_into_the_schemas_object(client, stream):
+    """`output_config.format` (what `messages.parse(output_format=...)` sends): the reply's text is JSON of the
+    schema, whatever the weights."""
+    if stream:
+        with client.messages.stream(model=MODEL, max_tokens=120, messages=HELLO, output_format=Weather,
+                                    **GREEDY) as replay:
+            message = replay.get_final_message()
+    else:
+        message = client.messages.parse(model=MODEL, max_tokens=120, messages=HELLO, output_format=Weather, **GREEDY)
+    assert isinstance(message.parsed_output, Weather) and message.stop_reason == "end_turn"
 
 
 def test_a_stop_sequence_is_named_as_the_stop_reason(client):
