@@ -218,6 +218,14 @@ class BlockManager:
                            if not self.store.contains(keys[i])]
             seq.num_stored_pages = len(seq.page_hashes)
 
+    def uncache(self, seq: Sequence) -> None:
+        """Takes `seq`'s pages out of the prefix cache (their K/V is suspect); they are freed, not kept, once
+        nobody holds them."""
+        for h, page in zip(seq.page_hashes, seq.page_table):
+            if self._cached.get(h) == page:
+                del self._cached[h]
+                self._page_key[page] = None
+
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references; pages nobody references become free (or evictable when cached)."""
         for page in reversed(seq.page_table):  # the tail first, so a prefix outlives its extensions in the LRU

@@ -515,6 +515,7 @@ class Engine:
             if output is not None and seq.status is not SequenceStatus.FINISHED:
                 try:
                     if not output.finite:
+                        self._forget_pages(seq)
                         raise FloatingPointError("the model's logits for this sequence were not finite")
                     self._append_output(seq, output, index, result.sampled)
                 except Exception as error:  # noqa: BLE001 - one request's failure is its own
@@ -799,6 +800,14 @@ class Engine:
             self._deliver(deliveries)
 
     # --- failures -----------------------------------------------------------------------------------
+
+    def _forget_pages(self, seq: Sequence) -> None:
+        """Takes `seq`'s pages out of the prefix cache and the persistent store: its logits were not finite, so the
+        K/V it wrote may not be either, and no later request may read it (across restarts neither)."""
+        self.block_manager.uncache(seq)
+        if self.prefix_store is not None and seq.num_stored_pages:
+            self._store_pending_pages()  # so that none of its pages reaches the store after it is forgotten
+            self.prefix_store.forget(seq.store_keys[:seq.num_stored_pages])
 
     def _fail_request(self, request_id: str, error: Exception) -> None:
         """One request's host work raised: that request alone ends with the error."""

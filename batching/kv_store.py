@@ -325,6 +325,19 @@ class KVStore:
         with self._lock:
             return key in self._ram or key in self._disk
 
+    def forget(self, keys: list[PageKey]) -> None:
+        """Removes pages (their K/V is suspect), from RAM and from disk, once the writes queued before are done."""
+        self.flush()
+        with self._lock:
+            for key in keys:
+                self._ram.pop(key, None)
+                if key in self._disk:
+                    del self._disk[key]
+                    try:
+                        self._path(key).unlink(missing_ok=True)
+                    except OSError as e:  # this store no longer serves it; a next one would index it again
+                        logger.warning("KV store: could not remove %s: %s", self._path(key), e)
+
     def counters(self) -> KVStoreCounters:
         with self._lock:
             ram_pages, disk_pages = len(self._ram), len(self._disk)

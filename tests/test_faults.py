@@ -68,6 +68,28 @@ def test_nan_logits_fail_only_their_request(tiny, monkeypatch):
     assert engine.stats.num_step_failures == 0 and engine.stats.kv_pages_used == 0
 
 
+def test_a_request_ending_on_nan_logits_leaves_no_page_to_the_prefix_cache_nor_the_store(tiny, monkeypatch,
+                                                                                           tmp_path):
+    """Its K/V may not be finite either: a next request on its prompt computes it afresh, in this engine and in
+    one reading the store after a restart."""
+    monkeypatch.setenv("SLUICE_FAULT", "nan@3")  # after the prompt's two full pages are cached and stored
+    store = {"prefix_cache_dir": str(tmp_path), "prefix_cache_ram": 1 << 20, "prefix_cache_size": 1 << 20}
+    engine = make_engine(tiny, **store)
+    prompt = list(range(3, 12))  # two full pages of 4, and one token
+    (failed,) = run_to_completion(engine, [prompt])
+    assert failed.finish_reason == "error" and "not finite" in failed.error
+    (served,) = run_to_completion(engine, [prompt])
+    assert list(served.token_ids) == generate(tiny.model, prompt, GREEDY.max_tokens)
+    engine.close_store()
+    assert engine.stats.prefix_cache_hit_tokens == 0
+    monkeypatch.delenv("SLUICE_FAULT")
+    restarted = make_engine(tiny, **store)
+    assert restarted.prefix_store.counters().disk.pages > 0  # the second request's pages
+    run_to_completion(restarted, [prompt])
+    assert restarted.stats.prefix_cache_hit_tokens == 8  # hers, stored after the first's were forgotten
+    restarted.close_store()
+
+
 def test_a_nan_fault_strikes_a_step_whose_first_row_samples(tiny, monkeypatch):
     """Its first step prefills part of a prompt longer than a step's tokens, which samples nothing: the NaN row
     would be ignored there, so the fault waits for the step that samples."""
