@@ -44,6 +44,7 @@ import shutil
 import struct
 import tempfile
 import threading
+import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -73,6 +74,7 @@ TMP_SUFFIX = ".tmp"
 SLOT_LOCK = "lock"
 MAX_SLOTS = 64
 _SLOT_NAME = re.compile(f"[0-9a-f]{{{2 * DIGEST_SIZE}}}(-[0-9]+)?")
+_TRASH = ".trash-"  # a trimmed slot's folder while it is removed (a name no slot has)
 
 PageKey = str
 """A page's key: 64 hex digits (`KVLayout.page_keys`), also its file's name."""
@@ -185,6 +187,18 @@ def _claim_slot(root: Path, fingerprint: str) -> tuple[Path, int]:
         else:  # the lock of a folder removed since it was opened
             os.close(fd)
     raise KVStoreBusy(f"{root}: the {MAX_SLOTS} slots of this model's KV pages are all held by live processes")
+
+
+def _remove_slot(folder: Path) -> None:
+    """Removes a slot whose lock the caller holds: renamed away first, in one step, so that a store claiming the
+    slot meanwhile makes a new folder of that name rather than take this one while it is removed file by file (its
+    new lock file then removed with it, and the slot claimed twice)."""
+    trash = folder.with_name(f"{_TRASH}{uuid.uuid4().hex}")
+    try:
+        folder.rename(trash)
+    except OSError:  # gone meanwhile
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _usage(folder: Path) -> tuple[int, int]:
@@ -386,6 +400,8 @@ class KVStore:
         total, idle = own_bytes, []
         try:
             for folder in self.directory.parent.iterdir():
+                if folder.name.startswith(_TRASH):  # a trim's that a crash left behind
+                    shutil.rmtree(folder, ignore_errors=True)
                 if folder == self.directory or not _SLOT_NAME.fullmatch(folder.name) or not folder.is_dir():
                     continue
                 try:
@@ -401,7 +417,7 @@ class KVStore:
                     break
                 logger.info("KV store: removed %s (pages of another model or of a process gone, %d bytes) to keep "
                             "within %d bytes", folder, size, self.disk_bytes)
-                shutil.rmtree(folder, ignore_errors=True)
+                _remove_slot(folder)
                 total -= size
         finally:
             for *_, fd in idle:

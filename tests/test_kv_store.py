@@ -323,6 +323,29 @@ def test_a_store_opens_while_another_stores_trim_removes_a_slot(open_store, monk
     store.flush()
     assert removed and store.directory.is_dir() and store.counters().dropped_writes == 0
 
+def test_a_store_claiming_a_slot_another_stores_trim_is_removing_gets_a_folder_of_its_own(open_store, monkeypatch):
+    """The trim removes the slot file by file: a store claiming it midway (its lock file already gone) must not
+    take that folder, whose removal would then take its new lock file too (and a third store the slot again)."""
+    other = replace(LAYOUT, model="other-weights")
+    gone = open_store(other)
+    gone.put(A, payload(other, 0))
+    gone.flush()
+    gone.close()
+    claimed = []
+    rmtree = shutil.rmtree
+
+    def claim_midway(path, **kwargs) -> None:
+        (path / kv_store.SLOT_LOCK).unlink(missing_ok=True)  # as far as the removal has got
+        claimed.append(kv_store._claim_slot(gone.directory.parent, other.fingerprint.hex()))
+        rmtree(path, **kwargs)
+
+    monkeypatch.setattr(kv_store.shutil, "rmtree", claim_midway)
+    open_store(disk_pages=0)  # over its bound: it trims the idle slot
+    (folder, fd), = claimed
+    assert folder == gone.directory and kv_store._holds(fd, folder)
+    os.close(fd)
+
+
 def test_a_failed_write_leaves_no_file_and_keeps_the_page_in_ram(open_store, monkeypatch):
     def failing_fsync(fd: int) -> None:
         raise OSError(28, "No space left on device")
