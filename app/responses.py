@@ -269,7 +269,7 @@ class ChatBuilder:
             pieces = reader.push(increment.text) + (reader.finish() if increment.finish_reason is not None else [])
             deltas = [self._delta(piece) for piece in pieces]
             if (increment.logprobs or self._body.return_token_ids and increment.token_ids) and not deltas:
-                deltas = [ChatDelta(content="")]
+                deltas = [ChatDelta()]  # for the logprobs or ids: no text, as the whole reply has none
             for j, delta in enumerate(deltas):
                 logprobs, token_ids = ((self._logprobs(increment.logprobs), self._token_ids(increment.token_ids))
                                        if j == 0 else (None, None))

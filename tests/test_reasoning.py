@@ -29,7 +29,7 @@ from sluice.app.responses_api_schemas import ResponseObject
 from sluice.app.schemas import ChatCompletionRequest, TokenLogprobInfo
 from sluice.app.tool_call_streams import TextDelta
 from sluice.app.tool_calls import ToolCalling, call_grammar
-from sluice.batching.outputs import Increment, Usage
+from sluice.batching.outputs import Increment, TokenLogprob, Usage
 from sluice.batching.sampling_params import StructuredOutput
 from sluice.batching.structured import GrammarCompiler
 from sluice.model.config import ModelConfig
@@ -155,6 +155,33 @@ PIECES = {True: ["<th", "ink>Which", " tool?</th", "ink>\n\n", "<tool_call>", '{
                  '{"city": "Oslo"}}', "</tool_call>"],
           False: ["<th", "ink>Sum", " it.</think>", "\n", "Nine", "."]}
 CALLING = {True: ToolCalling(frozenset({"get_weather"})), False: None}
+
+
+def test_a_chat_reply_of_reasoning_alone_streamed_with_logprobs_has_no_content_as_the_whole_reply(smollm2):
+    """An increment that shows nothing (a tag) still sends its logprobs, in a delta with no text: the stream
+    adds up to content null, as the whole reply has it, not to ""."""
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                                 "logprobs": True})
+    builder = ChatBuilder("chatcmpl-1", "m", smollm2.tokenizer, body, [1], None, QWEN3)
+    pieces = ["<think>", "hm", " hm"]
+    replay = [Increment(0, piece, (5 + i,), (TokenLogprob(5 + i, -1.0),),
+                        finish_reason="length" if i == len(pieces) - 1 else None) for i, piece in enumerate(pieces)]
+
+    class Generation:
+        usage = Usage(prompt_tokens=1, completion_tokens=3)
+
+        async def increments(self):
+            for increment in replay:
+                yield increment
+
+    async def deltas() -> list[dict]:
+        events = [event async for event in builder.events(Generation())]
+        return [json.loads(e.removeprefix(b"data: "))["choices"][0] for e in events[:-1]]
+
+    choices = asyncio.run(deltas())
+    assert not any("content" in c["delta"] for c in choices[1:])  # after the role's opening chunk
+    assert "".join(c["delta"].get("reasoning", "") for c in choices) == "hm hm"
+    assert sum(len(c["logprobs"]["content"]) for c in choices if c.get("logprobs")) == 3
 
 
 @pytest.mark.parametrize("tools", [False, True], ids=["text", "tool calls"])
