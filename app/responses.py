@@ -8,7 +8,7 @@ once per prompt, cached prompt tokens as `prompt_tokens_details.cached_tokens`).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sluice.batching.outputs import Increment, TokenLogprob, Usage
@@ -30,6 +30,7 @@ from sluice.app.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     FunctionCall,
     FunctionCallDelta,
     PromptLogprobs,
@@ -47,7 +48,8 @@ from sluice.app.tool_call_streams import CallStart, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling, new_call_id
 
 
-def usage_info(usage: Usage | None) -> UsageInfo | None:
+def usage_info(usage: Usage | None, reasoning_tokens: int | None = None) -> UsageInfo | None:
+    """`reasoning_tokens`: with a --reasoning-parser, how many of the completion's tokens are reasoning."""
     if usage is None:
         return None
     return UsageInfo(
@@ -55,6 +57,8 @@ def usage_info(usage: Usage | None) -> UsageInfo | None:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+        completion_tokens_details=(None if reasoning_tokens is None
+                                   else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)),
     )
 
 
@@ -189,6 +193,8 @@ class ChatBuilder:
         self._body = body
         self._tool_calling = tool_calling
         self._reasoning = reasoning
+        self._tokenizer = tokenizer
+        self._thoughts = [""] * body.n  # each choice's reasoning so far, streamed
         self._frame = ChunkFrame(ChatCompletionChunk(id=request_id, created=self._created, model=model, choices=[]),
                                  body.include_usage,
                                  lambda i, text: ChatChunkChoice(index=i, delta=ChatDelta(content=text)))
@@ -197,12 +203,13 @@ class ChatBuilder:
         choices = [_Choice() for _ in range(self._body.n)]
         await _gather(generation, choices)
         scored = choices[0].prompt_logprobs  # every choice's prompt is the one
+        chat_choices = [self._choice(i, c) for i, c in enumerate(choices)]
         return ChatCompletionResponse(
             id=self._id,
             created=self._created,
             model=self._model,
-            choices=[self._choice(i, c) for i, c in enumerate(choices)],
-            usage=usage_info(generation.usage),
+            choices=chat_choices,
+            usage=usage_info(generation.usage, self._reasoning_tokens(c.message.reasoning for c in chat_choices)),
             prompt_logprobs=(vllm_prompt_logprobs(self._names, scored, self._body.prompt_logprobs)
                              if scored is not None else None),
             prompt_token_ids=self._prompt_ids,
@@ -244,7 +251,14 @@ class ChatBuilder:
         async for chunk in chunks:
             yield chunk
         if self._body.include_usage:
-            yield self._chunk([], usage=usage_info(generation.usage))
+            yield self._chunk([], usage=usage_info(generation.usage, self._reasoning_tokens(self._thoughts)))
+
+    def _reasoning_tokens(self, thoughts: Iterable[str | None]) -> int | None:
+        """How many tokens the choices' reasoning holds (their text encoded again, as vLLM counts it); None without a
+        --reasoning-parser."""
+        if self._reasoning is None:
+            return None
+        return sum(len(self._tokenizer.encode(text, add_special_tokens=False)) for text in thoughts if text)
 
     async def _text_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
         per_token = self._body.logprobs or self._body.return_token_ids
@@ -267,6 +281,7 @@ class ChatBuilder:
         async for increment in increments:
             reader = readers[increment.choice]
             pieces = reader.push(increment.text) + (reader.finish() if increment.finish_reason is not None else [])
+            self._thoughts[increment.choice] += "".join(p.text for p in pieces if isinstance(p, Thought))
             deltas = [self._delta(piece) for piece in pieces]
             if (increment.logprobs or self._body.return_token_ids and increment.token_ids) and not deltas:
                 deltas = [ChatDelta()]  # for the logprobs or ids: no text, as the whole reply has none

@@ -29,6 +29,7 @@ from sluice.app.generation import Generation
 from sluice.app.responses_api_schemas import (
     IncompleteDetails,
     InputTokensDetails,
+    OutputTokensDetails,
     OutputFunctionCall,
     OutputMessage,
     OutputReasoning,
@@ -63,25 +64,28 @@ def stream_event(event: Event, sequence_number: int) -> bytes:
     return b"event: " + event["type"].encode() + b"\ndata: " + data + b"\n\n"
 
 
-def response_usage(usage: Usage) -> ResponseUsage:
+def response_usage(usage: Usage, reasoning_tokens: int = 0) -> ResponseUsage:
     return ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                          total_tokens=usage.total_tokens,
-                         input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_prompt_tokens))
+                         input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens))
 
 
 class ResponsesBuilder:
     """`response` is the response in progress (no output yet); once the reply has ended it is completed in place
     and handed to `on_done` (the store), streamed or not. `logprobs`: how token logprobs are shown (None: the
-    request did not ask for them); `reasoning`: how the reply's reasoning is told (None: no --reasoning-parser)."""
+    request did not ask for them); `reasoning`: how the reply's reasoning is told (None: no --reasoning-parser), and
+    `count_tokens` how many tokens a text is (the reasoning's, for the usage's `reasoning_tokens`)."""
 
     def __init__(self, response: ResponseObject, tool_calling: ToolCalling | None,
                  on_done: Callable[[ResponseObject], None], logprobs: LogprobsOf | None = None,
-                 reasoning: ReasoningFormat | None = None) -> None:
+                 reasoning: ReasoningFormat | None = None, count_tokens: Callable[[str], int] | None = None) -> None:
         self._response = response
         self._tool_calling = tool_calling
         self._on_done = on_done
         self._logprobs = logprobs
         self._reasoning = reasoning
+        self._count_tokens = count_tokens
 
     async def collect(self, generation: Generation) -> ResponseObject:
         async for _ in self._events(generation):
@@ -125,7 +129,9 @@ class ResponsesBuilder:
         self._response.status = "incomplete" if incomplete else "completed"
         if incomplete:
             self._response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
-        self._response.usage = response_usage(generation.usage)
+        thoughts = [item.content[0].text for item in self._response.output if isinstance(item, OutputReasoning)]
+        counted = sum(map(self._count_tokens, thoughts)) if self._count_tokens is not None else 0
+        self._response.usage = response_usage(generation.usage, counted)
         self._on_done(self._response)
 
     async def _reply(self, generation: Generation) -> AsyncIterator[Thought | StreamEvent | _Logprobs | str]:

@@ -611,15 +611,38 @@ class DetokenizeRequest(_Request):
 # --- responses --------------------------------------------------------------------------------
 
 
+class _AskedFor(BaseModel):
+    """A response part with fields of vLLM's that are sent only when the request asks for them (`asked_for`): left
+    out, not null, otherwise (a request without them never sees the keys, on no streamed chunk)."""
+
+    asked_for: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _only_when_asked(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        for key in self.asked_for:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
-class UsageInfo(BaseModel):
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class UsageInfo(_AskedFor):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="with a --reasoning-parser: the reasoning's tokens (its text encoded again)")
+
+    asked_for: ClassVar[tuple[str, ...]] = ("completion_tokens_details",)
 
 
 class CompletionLogprobs(BaseModel):
@@ -652,21 +675,6 @@ class PromptTokenLogprob(BaseModel):
 
 # Per prompt token (null for the first), its entry and its best alternatives', keyed by token id.
 PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
-
-
-class _AskedFor(BaseModel):
-    """A response part with fields of vLLM's that are sent only when the request asks for them (`asked_for`): left
-    out, not null, otherwise (a request without them never sees the keys, on no streamed chunk)."""
-
-    asked_for: ClassVar[tuple[str, ...]] = ()
-
-    @model_serializer(mode="wrap")
-    def _only_when_asked(self, handler) -> dict[str, Any]:
-        data = handler(self)
-        for key in self.asked_for:
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
 
 
 class CompletionChoice(_AskedFor):

@@ -253,7 +253,7 @@ def test_a_responses_reply_has_a_reasoning_item_first_that_the_clients_stream_as
     done: list[ResponseObject] = []
 
     def builder() -> ResponsesBuilder:
-        return ResponsesBuilder(blank_response(), CALLING[tools], done.append, reasoning=QWEN3)
+        return ResponsesBuilder(blank_response(), CALLING[tools], done.append, reasoning=QWEN3, count_tokens=len)
 
     async def stream() -> list[bytes]:
         return [event async for event in builder().events(_Replay(PIECES[tools]))]
@@ -278,6 +278,7 @@ def test_a_responses_reply_has_a_reasoning_item_first_that_the_clients_stream_as
                      "response.output_item.done"]
     [assistant] = chat_messages(stored_items(output_items(done[0].output)))
     assert assistant["reasoning_content"] == thought
+    assert whole.usage.output_tokens_details.reasoning_tokens == len(thought)  # `count_tokens` counts characters
 
 
 TOKENS = {1: "<th", 2: "ink>", 3: "hm", 4: "</think>", 5: "\n\n", 6: "Nine", 7: ".", 8: "<|im_end|>"}
@@ -389,17 +390,21 @@ def test_a_served_reply_under_a_grammar_thinks_then_answers_by_the_grammar_whole
     thought, answer = message.model_extra["reasoning"], message.content
     assert message.model_extra["reasoning_content"] == thought and set(thought) == {"a"}
     assert re.fullmatch("[a-z]{2,8}", answer) and reply.choices[0].finish_reason == "stop"
+    counted = len(VOCABULARY.encode(thought, add_special_tokens=False))
+    assert reply.usage.completion_tokens_details.reasoning_tokens == counted
     chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, stream=True,
-                                                 extra_body=THINKING))
+                                                 stream_options={"include_usage": True}, extra_body=THINKING))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == thought
     assert "".join(d.content or "" for d in deltas) == answer
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == counted
 
 
 def test_a_served_qwen3_reply_under_a_grammar_that_does_not_think_is_all_answer(client):
     plain = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, extra_body=PLAIN)
     assert re.fullmatch("[a-z]{2,8}", plain.choices[0].message.content)
     assert "reasoning" not in plain.choices[0].message.model_extra
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0  # with a parser, counted even when none
 
 
 def test_a_served_reply_under_a_grammar_cut_by_max_tokens_while_thinking_freely_is_all_reasoning(r1_client):
