@@ -808,6 +808,8 @@ class Engine:
         if self.prefix_store is not None and seq.num_stored_pages:
             self._store_pending_pages()  # so that none of its pages reaches the store after it is forgotten
             self.prefix_store.forget(seq.store_keys[:seq.num_stored_pages])
+            for waiting in self.scheduler.waiting:  # pages read for them before are read again (or missed)
+                waiting.stored_prefix = None
 
     def _fail_request(self, request_id: str, error: Exception) -> None:
         """One request's host work raised: that request alone ends with the error."""

@@ -268,6 +268,7 @@ class KVStore:
         self._ram_tally, self._disk_tally = _Tally(), _Tally()
         self._corrupt = 0
         self._dropped = 0
+        self._forgotten: set[PageKey] = set()  # suspect pages: never served again, unless put anew
         self._touch_failed = False  # warned once: `_touch` runs at every use of a page on disk
         try:
             self._open_directory()
@@ -293,6 +294,7 @@ class KVStore:
         if got != self.layout.payload_specs:
             raise ValueError(f"page payload {got} does not match the layout's {self.layout.payload_specs}")
         with self._lock:
+            self._forgotten.discard(key)
             if key in self._ram:
                 self._ram.move_to_end(key)
                 return
@@ -311,6 +313,8 @@ class KVStore:
             self._ram_tally.misses += 1
         payload = self._read(key)
         with self._lock:
+            if key in self._forgotten:  # forgotten while it was read
+                payload = None
             if payload is None:
                 self._disk_tally.misses += 1
                 return None
@@ -343,6 +347,7 @@ class KVStore:
         """Removes pages (their K/V is suspect), from RAM and from disk, once the writes queued before are done."""
         self.flush()
         with self._lock:
+            self._forgotten.update(keys)
             for key in keys:
                 self._ram.pop(key, None)
                 if key in self._disk:

@@ -346,6 +346,20 @@ def test_a_store_claiming_a_slot_another_stores_trim_is_removing_gets_a_folder_o
     os.close(fd)
 
 
+def test_a_page_forgotten_while_it_is_read_is_neither_served_nor_kept(open_store, monkeypatch):
+    """A prefetch reading a page when the engine forgets it (its K/V is suspect) must not bring it back."""
+    store = open_store()
+    store.put(A, payload(LAYOUT, 1))
+    store.flush()
+    store._ram.clear()  # on disk only
+    read = KVStore._read
+    monkeypatch.setattr(KVStore, "_read", lambda self, key: (read(self, key), self.forget([key]))[0])
+    assert store.get(A) is None and not store.contains(A)
+    monkeypatch.setattr(KVStore, "_read", read)
+    store.put(A, payload(LAYOUT, 2))  # put anew: served again
+    assert_same(store.get(A), payload(LAYOUT, 2))
+
+
 def test_a_failed_write_leaves_no_file_and_keeps_the_page_in_ram(open_store, monkeypatch):
     def failing_fsync(fd: int) -> None:
         raise OSError(28, "No space left on device")
