@@ -151,7 +151,7 @@ class ReplyReader:
     def __init__(self, reasoning: ReasoningFormat | None, calling: ToolCalling | None) -> None:
         self._thoughts = reasoning.stream() if reasoning is not None else None
         self._calls = calling.stream() if calling is not None else None
-        self.answered = 0  # characters of answer so far (before calls are read out of it)
+        self.answered = 0  # UTF-8 bytes of answer so far (before calls are read out of it)
 
     @property
     def answering(self) -> bool:
@@ -175,7 +175,7 @@ class ReplyReader:
 
     def _answer(self, pieces: list[Thought | TextDelta]) -> list[Thought | StreamEvent]:
         """The pieces with the answer's read for calls."""
-        self.answered += sum(len(piece.text) for piece in pieces if isinstance(piece, TextDelta))
+        self.answered += sum(len(piece.text.encode()) for piece in pieces if isinstance(piece, TextDelta))
         if self._calls is None:
             return list(pieces)
         read: list[Thought | StreamEvent] = []

@@ -138,6 +138,7 @@ class ResponsesBuilder:
         """The reply as thoughts, text deltas, call starts and arguments fragments (each increment's logprobs first,
         if asked for), then its finish reason."""
         reader = ReplyReader(self._reasoning, self._tool_calling)
+        held: list[TokenLogprobInfo] = []  # of tokens whose text the reader holds (it may yet start the answer)
         async for increment in generation.increments():
             answering, answered = reader.answering, reader.answered
             events = reader.push(increment.text)
@@ -148,21 +149,27 @@ class ResponsesBuilder:
                 # the text before it), and neither is its logprob.
                 shown = self._logprobs(increment.logprobs[:-1] if increment.finish_reason == "stop"
                                        else increment.logprobs)
-                yield _Logprobs(shown if answering else _answers(shown, reader.answered - answered))
+                if not answering:  # the answer's tokens are the last of those whose bytes its text is
+                    pending = held + shown
+                    start = _answer_start(pending, reader.answered - answered)
+                    # Once the reply answers or thinks, the tokens before the answer were no answer's.
+                    settled = reader.answering or any(isinstance(event, Thought) for event in events)
+                    held, shown = ([] if settled else pending[:start]), pending[start:]
+                yield _Logprobs(shown)
             for event in events:
                 yield event
             if increment.finish_reason is not None:
                 yield increment.finish_reason
 
 
-def _answers(entries: list[TokenLogprobInfo], length: int) -> list[TokenLogprobInfo]:
-    """The last of an increment's token logprobs whose text makes up the `length` characters of answer it gave
-    (the answer comes after the reasoning, its tags and the blank after them, whose tokens' are left out)."""
+def _answer_start(entries: list[TokenLogprobInfo], length: int) -> int:
+    """Where the last of `entries` whose bytes make up `length` bytes of answer begin (the answer comes after the
+    reasoning, its tags and the blank after them, whose tokens' logprobs are left out)."""
     start, taken = len(entries), 0
     while start > 0 and taken < length:
         start -= 1
-        taken += len(entries[start].token)
-    return entries[start:]
+        taken += len(entries[start].bytes)
+    return start
 
 
 class _Output:

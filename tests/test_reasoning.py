@@ -294,8 +294,8 @@ def test_a_responses_replys_output_text_logprobs_are_its_answers_tokens_alone(in
     """The reasoning's tokens, its tags' and the blank after them are no output text, and neither are their
     logprobs, whichever increments they share with the answer's."""
     def shown(entries):
-        return [TokenLogprobInfo(token=TOKENS[e.token_id], logprob=e.logprob, bytes=[], top_logprobs=[])
-                for e in entries]
+        return [TokenLogprobInfo(token=TOKENS[e.token_id], logprob=e.logprob, bytes=list(TOKENS[e.token_id].encode()),
+                                 top_logprobs=[]) for e in entries]
 
     def builder() -> ResponsesBuilder:
         return ResponsesBuilder(blank_response(), None, lambda _: None, shown, reasoning=QWEN3)
@@ -311,6 +311,30 @@ def test_a_responses_replys_output_text_logprobs_are_its_answers_tokens_alone(in
     deltas = [json.loads(f.decode().split("data: ", 1)[1])
               for f in frames if f.startswith(b"event: response.output_text.delta")]
     assert [e["token"] for d in deltas for e in d["logprobs"]] == ["Nine", "."]
+
+
+# Token id -> its bytes, for replies that do not think: a held "<", leading blanks, a character split over two.
+REPLY_BYTES = {11: b"<", 12: b"b", 13: b">", 14: b"hi", 15: b"  ", 16: b"x", 17: b" = 1", 18: b"\xc3", 19: b"\xa9",
+               20: b"!", 8: b""}
+
+
+@pytest.mark.parametrize(("increments", "text"), [
+    ([("", (11,), None), ("<b>hi", (12, 13, 14), None), ("", (8,), "stop")], "<b>hi"),
+    ([("", (15,), None), ("  x", (16,), None), (" = 1", (17, 8), "stop")], "  x = 1"),
+    ([("", (18,), None), ("é!", (19, 20), None), ("", (8,), "stop")], "é!"),
+], ids=["held-start-of-a-tag", "leading-blanks", "split-character"])
+def test_a_responses_reply_that_does_not_think_keeps_every_tokens_logprob(increments, text):
+    """Text the reader holds (it may start <think>) is the answer's once it is not: its tokens' logprobs too."""
+    def shown(entries):
+        return [TokenLogprobInfo(token=REPLY_BYTES[e.token_id].decode(errors="replace"), logprob=e.logprob,
+                                 bytes=list(REPLY_BYTES[e.token_id]), top_logprobs=[]) for e in entries]
+
+    whole = asyncio.run(ResponsesBuilder(blank_response(), None, lambda _: None, shown, reasoning=QWEN3)
+                        .collect(ScriptedGeneration(*increments)))
+    [message] = whole.output
+    ids = [t for _, tokens, _ in increments for t in tokens if t != 8]
+    assert message.content[0].text == text
+    assert [e.logprob for e in message.content[0].logprobs] == [-float(t) for t in ids]
 
 
 # --- served -----------------------------------------------------------------------------------------------------
