@@ -194,7 +194,7 @@ class ChatBuilder:
         self._tool_calling = tool_calling
         self._reasoning = reasoning
         self._tokenizer = tokenizer
-        self._thoughts = [""] * body.n  # each choice's reasoning so far, streamed
+        self._thoughts: list[list[str]] = [[] for _ in range(body.n)]  # each choice's reasoning pieces, streamed
         self._frame = ChunkFrame(ChatCompletionChunk(id=request_id, created=self._created, model=model, choices=[]),
                                  body.include_usage,
                                  lambda i, text: ChatChunkChoice(index=i, delta=ChatDelta(content=text)))
@@ -251,7 +251,7 @@ class ChatBuilder:
         async for chunk in chunks:
             yield chunk
         if self._body.include_usage:
-            yield self._chunk([], usage=usage_info(generation.usage, self._reasoning_tokens(self._thoughts)))
+            yield self._chunk([], usage=usage_info(generation.usage, self._reasoning_tokens(map("".join, self._thoughts))))
 
     def _reasoning_tokens(self, thoughts: Iterable[str | None]) -> int | None:
         """How many tokens the choices' reasoning holds (their text encoded again, as vLLM counts it); None without a
@@ -281,7 +281,7 @@ class ChatBuilder:
         async for increment in increments:
             reader = readers[increment.choice]
             pieces = reader.push(increment.text) + (reader.finish() if increment.finish_reason is not None else [])
-            self._thoughts[increment.choice] += "".join(p.text for p in pieces if isinstance(p, Thought))
+            self._thoughts[increment.choice] += [piece.text for piece in pieces if isinstance(piece, Thought)]
             deltas = [self._delta(piece) for piece in pieces]
             if (increment.logprobs or self._body.return_token_ids and increment.token_ids) and not deltas:
                 deltas = [ChatDelta()]  # for the logprobs or ids: no text, as the whole reply has none
