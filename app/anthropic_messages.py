@@ -11,6 +11,7 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     tool_choice auto/any/tool/none -> auto/required/named/none; disable_parallel_tool_use -> parallel_tool_calls
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
     thinking                     -> chat_template_kwargs' enable_thinking: false if disabled, else true
+    thinking.budget_tokens       -> thinking_token_budget, with a --reasoning-parser where each tag is a token
     output_config.effort         -> reasoning_effort (vLLM's mapping)
     output_config.format         -> response_format json_schema (the reply's text is JSON of that schema)
 
@@ -40,6 +41,7 @@ from sluice.app.anthropic_schemas import (
     MessagesRequest,
     TextBlockParam,
     ThinkingBlockParam,
+    ThinkingEnabled,
     ToolChoice,
     ToolChoiceAny,
     ToolChoiceNone,
@@ -50,6 +52,7 @@ from sluice.app.anthropic_schemas import (
 from sluice.app.errors import APIError, from_validation_error
 from sluice.app.generation import respond, start_generation
 from sluice.app.prompts import chat_prompt, tool_call_format
+from sluice.app.reasoning import ReasoningFormat
 from sluice.app.routes import check_tool_schemas, json_response, parse_body, plan_chat
 from sluice.app.schemas import ChatCompletionRequest
 
@@ -59,7 +62,8 @@ async def create_message(request: Request) -> Response:
     state, engine, body = await parse_body(request, MessagesRequest)
     if body.thread is not None:
         raise thread_unsupported()
-    chat = await plan_chat(state, engine, chat_request(body), "input_schema")
+    budgets = state.settings.reasoning_parser is not None and ReasoningFormat.binds_budget(engine.tokenizer)
+    chat = await plan_chat(state, engine, chat_request(body, budgets), "input_schema")
     message_id = f"msg_{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
     builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling, chat.reasoning)
@@ -104,9 +108,10 @@ def _text(message: MessageParam) -> str:
     return "".join(block.text for block in message.blocks() if isinstance(block, TextBlockParam))
 
 
-def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+def chat_request(body: CountTokensRequest, budgets: bool = False) -> ChatCompletionRequest:
     """The chat request `body` means (see the module's table); what the chat request checks beyond Anthropic's
-    schema (a tool_choice naming no tool, say) is a 400 here."""
+    schema (a tool_choice naming no tool, say) is a 400 here. `budgets`: whether the server can hold a reply to a
+    thinking budget (else, as Anthropic allows, the model thinks as long as it does)."""
     system = body.system_text()
     messages = _without_an_empty_prefill(body.messages)
     data: dict[str, Any] = {
@@ -119,6 +124,8 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         data |= {"add_generation_prompt": False, "continue_final_message": True}
     if body.thinking is not None:
         data["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
+        if budgets and isinstance(body.thinking, ThinkingEnabled):
+            data["thinking_token_budget"] = body.thinking.budget_tokens
     if body.output_config is not None:
         data["reasoning_effort"] = body.output_config.effort
         if (output := body.output_config.format) is not None:

@@ -150,8 +150,8 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
 
 class ThinkingEnabled(_Request):
     type: Literal["enabled"]
-    budget_tokens: int = Field(ge=1024, description="less than max_tokens; not enforced: the model thinks as long as "
-                                                    "it does")
+    budget_tokens: int = Field(ge=1024, description="less than max_tokens: the most tokens the thinking may take, "
+                                                    "with a --reasoning-parser where each tag is a token")
 
 
 class ThinkingSwitch(_Request):

@@ -9,7 +9,9 @@ Formats: `deepseek_r1` (DeepSeek-R1 and its distills, QwQ, Qwen3's thinking-only
 Qwen3 does unless `enable_thinking` is false).
 
 Under a structured output the reply thinks freely and its grammar holds the answer after it, as in vLLM: the
-grammar comes after `ReasoningFormat.preamble`, llguidance's rule for the reasoning.
+grammar comes after `ReasoningFormat.preamble`, llguidance's rule for the reasoning. A thinking budget (vLLM's
+`thinking_token_budget`, Anthropic's `budget_tokens`) is held to by the same rule, with any tokens as the answer
+where the request has no grammar.
 
 `ReasoningStream` splits a reply as it streams, holding back text that may be the start of a tag; a whole reply
 is split by the same stream, so the two always agree. `ReplyReader` reads the answer it splits off for calls too.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from sluice.app.tool_call_streams import StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling
+from sluice.batching.sampling_params import StructuredOutput
 from sluice.model.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -29,6 +32,7 @@ START, END = "<think>", "</think>"
 TEXT = "/(?s:.*)/"  # any text, newlines too
 # The blank line models write after </think>, bounded: a small model could otherwise pad it until max_tokens.
 BLANK = "BLANK: /[ \\t\\r\\n]{0,4}/"
+ANY_ANSWER = StructuredOutput("grammar", "start: <[*]>*")  # a budget's answer without a grammar: any tokens
 
 
 @dataclass(frozen=True)
@@ -51,20 +55,33 @@ class ReasoningFormat:
         (`continue_final_message`, Anthropic's prefill), so it starts inside no reasoning the template opened."""
         return None if name is None else cls(name, opens_in_prompt=name == "deepseek_r1" and not continuing)
 
-    def preamble(self, tokenizer: Tokenizer) -> str:
+    def preamble(self, tokenizer: Tokenizer, budget: int | None = None) -> str:
         """The Lark rule `preamble` (llguidance's, with the rules it uses) for the thinking before a structured
         output's grammar, which as in vLLM holds only the answer: free text up to `</think>`, then the blank before
         the answer; always there with deepseek_r1 (the template opened `<think>`, which the reply may write again),
-        only where the reply starts with `<think>` with qwen3. A tag that is one special token is written as that
-        token, and the thinking holds no `</think>` text then: the reader splits the reply where the grammar does."""
-        start, end = (tokenizer.special_token_id(tag) for tag in (START, END))
+        only where the reply starts with `<think>` with qwen3. A tag that is one token is written as that token,
+        and the thinking holds no `</think>` text then: the reader splits the reply where the grammar does.
+
+        `budget` (vLLM's `thinking_token_budget`): the most tokens the thinking may take, after which `</think>`
+        is forced; only where each tag is one token (`binds_budget`).
+        """
+        start, end = (_one_token(tokenizer, tag) for tag in (START, END))
         opening = json.dumps(START) if start is None else f"<[{start}]>"
         if end is None:  # lazy: the thought ends at the first </think>
+            if budget is not None:
+                raise ValueError("a thinking budget needs a vocabulary whose <think> and </think> are tokens")
             thinking, rule = "thought", f"thought[suffix={json.dumps(END)}]: {TEXT}"
         else:
-            thinking, rule = f"THOUGHT <[{end}]>", f"THOUGHT: {TEXT} & ~({TEXT} {json.dumps(END)} {TEXT})"
+            limit = "" if budget is None else f"[max_tokens={budget}]"
+            thinking = f"thought <[{end}]>"
+            rule = f"thought{limit}: THOUGHT\nTHOUGHT: {TEXT} & ~({TEXT} {json.dumps(END)} {TEXT})"
         opened = f"{opening}? {thinking} BLANK" if self.opens_in_prompt else f"({opening} {thinking} BLANK)?"
         return f"preamble: {opened}\n{rule}\n{BLANK}\n"
+
+    @staticmethod
+    def binds_budget(tokenizer: Tokenizer) -> bool:
+        """Whether a thinking budget can be held to in this vocabulary: each tag is one token."""
+        return all(_one_token(tokenizer, tag) is not None for tag in (START, END))
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
@@ -75,6 +92,12 @@ class ReasoningFormat:
         pieces = stream.push(text) + stream.finish()
         reasoning = "".join(piece.text for piece in pieces if isinstance(piece, Thought))
         return reasoning or None, "".join(piece.text for piece in pieces if isinstance(piece, TextDelta))
+
+
+def _one_token(tokenizer: Tokenizer, tag: str) -> int | None:
+    """The tag's token, if the vocabulary holds it as one (special, as DeepSeek-R1's, or not, as Qwen3's)."""
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def keeps_tag_text(tokenizer: Tokenizer) -> bool:

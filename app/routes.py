@@ -26,7 +26,7 @@ from sluice.batching.sampling_params import RequestRejected, SamplingParams, Str
 from sluice.app.errors import from_validation_error, invalid_request
 from sluice.app.generation import respond, start_generation
 from sluice.app.prompts import Prompt, chat_prompt, completion_prompts, tool_call_format, truncated
-from sluice.app.reasoning import ReasoningFormat, keeps_tag_text
+from sluice.app.reasoning import ANY_ANSWER, ReasoningFormat, keeps_tag_text
 from sluice.app.responses import ChatBuilder, CompletionBuilder
 from sluice.app.schemas import (
     ChatCompletionRequest,
@@ -165,9 +165,15 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
                                args_id=args_token(engine.tokenizer, parser))
         params = dataclasses.replace(params, structured=grammar)
     reasoning = ReasoningFormat.named(state.settings.reasoning_parser, continuing=body.continue_final_message)
-    if reasoning is not None and params.structured is not None:  # the grammar holds the answer after the thinking
+    budget = body.thinking_token_budget
+    if budget is not None and (reasoning is None or not reasoning.binds_budget(engine.tokenizer)):
+        needs = "a server started with --reasoning-parser" if reasoning is None else (
+            "a vocabulary whose <think> and </think> are tokens")
+        raise invalid_request(f"thinking_token_budget needs {needs}", param="thinking_token_budget")
+    if reasoning is not None and (params.structured is not None or budget is not None):
+        # The grammar (any tokens without one) holds the answer after the thinking, which the budget bounds.
         params = dataclasses.replace(params, structured=dataclasses.replace(
-            params.structured, preamble=reasoning.preamble(engine.tokenizer)))
+            params.structured or ANY_ANSWER, preamble=reasoning.preamble(engine.tokenizer, budget)))
     if (tools and reads_special_tokens(engine.tokenizer, parser)
             or reasoning is not None and keeps_tag_text(engine.tokenizer)):
         # The tag's token then has text for the reader to find, as vLLM's Mistral and Hermes parsers ask.

@@ -510,6 +510,9 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
     tool_choice: str | NamedToolChoice | None = Field(
         None, description='"none", "auto", "required" or a named function; default: "auto" with tools, "none" without')
     parallel_tool_calls: bool = Field(True, description="false: at most one call (the first the reply writes)")
+    thinking_token_budget: int | None = Field(
+        None, ge=0, description="vLLM's: the most tokens the reasoning may take, then </think> is forced (needs a "
+                                "--reasoning-parser and a vocabulary whose <think> and </think> are tokens)")
     functions: list[dict[str, Any]] | None = Field(None, description="not supported (use tools): must be empty",
                                                    json_schema_extra={"maxItems": 0})
     function_call: str | dict[str, Any] | None = Field(None, description='not supported (use tool_choice): only "none"',

@@ -247,6 +247,9 @@ def test_thinking_is_the_templates_enable_thinking_and_the_effort_its_reasoning_
     body = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 2048, "messages": HELLO, **fields})
     chat = chat_request(body)
     assert (chat.chat_template_kwargs, chat.reasoning_effort) == (kwargs, effort)
+    assert chat.thinking_token_budget is None  # the server holds no reply to a budget (`budgets` False)
+    budget = fields.get("thinking", {}).get("budget_tokens")
+    assert chat_request(body, budgets=True).thinking_token_budget == budget
 
 
 @pytest.mark.parametrize("empty", ["", " ", [], [{"type": "text", "text": ""}], [THOUGHT]])

@@ -447,6 +447,9 @@ def error_of(response: httpx.Response, status: int) -> dict:
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": [{"role": "oracle", "content": "x"}]}, "messages.0.role"),
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "thinking_token_budget": -1}, "thinking_token_budget"),
+        # A budget binds only a reply read for its reasoning, and this server has no --reasoning-parser.
+        ({"messages": [{"role": "user", "content": "x"}], "thinking_token_budget": 8}, "thinking_token_budget"),
     ],
 )
 def test_invalid_chat_fields_are_400(server, body, param):

@@ -21,7 +21,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from sluice.app.anthropic_responses import MessageBuilder
-from sluice.app.reasoning import END, START, ReasoningFormat, Thought
+from sluice.app.reasoning import ANY_ANSWER, END, START, ReasoningFormat, Thought
 from sluice.app.responses import ChatBuilder
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses_api_convert import chat_messages, output_items, stored_items
@@ -136,6 +136,43 @@ def test_where_the_tags_are_special_tokens_the_reasoning_writes_no_tag_as_text_f
     text_tag = [t for piece in ("hm</thi", "nk>") for t in tokenizer.encode(piece, add_special_tokens=False)]
     assert tokenizer.special_token_id(END) not in text_tag
     assert not all(matcher.consume_token(t) for t in text_tag)
+
+
+def one_token_tags(special: bool) -> Tokenizer:
+    """A byte-level vocabulary of 288 tokens whose last two are the tags, special (DeepSeek-R1's) or not (Qwen3's,
+    whose tags decode to their text)."""
+    backend = train_tokenizer(286)
+    tags = [AddedToken(tag, special=special, normalized=False) for tag in (START, END)]
+    backend.add_special_tokens(tags) if special else backend.add_tokens(tags)
+    return Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["added tags", "special tags"])
+@pytest.mark.parametrize("format", [DEEPSEEK, QWEN3], ids=["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("budget", [0, 1, 7])
+def test_a_thinking_budget_forces_the_end_of_the_thought_after_that_many_tokens(special, format, budget):
+    tokenizer = one_token_tags(special)
+    compiler = GrammarCompiler(tokenizer, 288, (2,))
+    (opening,), (closing,) = (tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END))
+    thought = tokenizer.encode("weigh it, and weigh it again", add_special_tokens=False)
+    for answer in (ANY_ANSWER, ANSWERS["lark"][0]):  # the lark answer takes "x=12"
+        matcher = compiler.compile(dataclasses.replace(answer, preamble=format.preamble(tokenizer, budget))).matcher
+        assert matcher.consume_token(opening) and all(matcher.consume_token(t) for t in thought[:budget])
+        probe = matcher.deep_copy()
+        assert not probe.consume_token(thought[budget])  # past the budget, only </think> is left
+        assert matcher.consume_token(closing)
+        taken = all(matcher.consume_token(t) for t in tokenizer.encode("\n\nx=12", add_special_tokens=False))
+        assert taken and matcher.is_accepting()
+    free = compiler.compile(dataclasses.replace(ANY_ANSWER, preamble=format.preamble(tokenizer)))
+    assert all(free.matcher.consume_token(t) for t in [opening, *thought, closing])  # no budget: as long as it likes
+
+
+def test_a_vocabulary_whose_tags_are_text_binds_no_budget():
+    tokenizer = think_tokenizer(special=False)
+    assert not ReasoningFormat.binds_budget(tokenizer)
+    assert ReasoningFormat.binds_budget(one_token_tags(special=False))
+    with pytest.raises(ValueError, match="thinking budget"):
+        DEEPSEEK.preamble(tokenizer, 8)
 
 
 class _Replay:
@@ -451,6 +488,22 @@ def test_a_served_deepseek_r1_prefill_is_continued_as_answer_not_reasoning(r1_se
     with anthropic.Anthropic(base_url=r1_server.url, api_key=API_KEY, max_retries=0, timeout=120) as client:
         message = client.messages.create(model=MODEL, messages=prefill, max_tokens=6, extra_body={"temperature": 0})
     assert [block.type for block in message.content] == ["text"]
+
+
+@pytest.mark.parametrize("budget", [0, 5])
+def test_a_served_thinking_budget_closes_the_thought_after_that_many_tokens(r1_client, budget):
+    """vLLM's `thinking_token_budget`: the tiny model, kept from </think> by a bias, thinks until max_tokens unless
+    the budget forces the tag; then it answers."""
+    kwargs = dict(model=MODEL, messages=HELLO, max_tokens=16)
+    fields = {"temperature": 0, "logit_bias": {CLOSE: -100}, "return_token_ids": True}
+    free = r1_client.chat.completions.create(**kwargs, extra_body=fields).choices[0]
+    assert CLOSE not in free.token_ids and free.finish_reason == "length"
+    reply = r1_client.chat.completions.create(**kwargs, extra_body={**fields, "thinking_token_budget": budget})
+    ids = reply.choices[0].token_ids
+    thought = ids[:ids.index(CLOSE)]
+    assert len(thought[1:] if thought[:1] == [OPEN] else thought) == budget  # a <think> of its own is no thought
+    message = reply.choices[0].message
+    assert message.content and bool(message.model_extra.get("reasoning")) == (budget > 0)
 
 
 def rendered(server, messages: list[dict], **fields) -> tuple[str, int]:
