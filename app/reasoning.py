@@ -55,7 +55,7 @@ class ReasoningFormat:
         (`continue_final_message`, Anthropic's prefill), so it starts inside no reasoning the template opened."""
         return None if name is None else cls(name, opens_in_prompt=name == "deepseek_r1" and not continuing)
 
-    def preamble(self, tokenizer: Tokenizer, budget: int | None = None) -> str:
+    def preamble(self, tokenizer: Tokenizer, budget: int | None = None, eos_token_ids: tuple[int, ...] = ()) -> str:
         """The Lark rule `preamble` (llguidance's, with the rules it uses) for the thinking before a structured
         output's grammar, which as in vLLM holds only the answer: free text up to `</think>`, then the blank before
         the answer; always there with deepseek_r1 (the template opened `<think>`, which the reply may write again),
@@ -63,7 +63,10 @@ class ReasoningFormat:
         and the thinking holds no `</think>` text then: the reader splits the reply where the grammar does.
 
         `budget` (vLLM's `thinking_token_budget`): the most tokens the thinking may take, after which `</think>`
-        is forced; only where each tag is one token (`binds_budget`).
+        is forced; only where each tag is one token (`binds_budget`). The thought is then counted in tokens, any
+        but `</think>` and the `eos_token_ids` (it cannot end the reply, as a thought without a budget cannot):
+        llguidance's `max_tokens` would count a text rule's, but its matcher cannot roll back over one, as the
+        engine's speculative drafts need. Its text may then spell `</think>` in pieces, as vLLM's budget allows.
         """
         start, end = (_one_token(tokenizer, tag) for tag in (START, END))
         opening = json.dumps(START) if start is None else f"<[{start}]>"
@@ -71,10 +74,12 @@ class ReasoningFormat:
             if budget is not None:
                 raise ValueError("a thinking budget needs a vocabulary whose <think> and </think> are tokens")
             thinking, rule = "thought", f"thought[suffix={json.dumps(END)}]: {TEXT}"
+        elif budget is None:
+            thinking, rule = f"THOUGHT <[{end}]>", f"THOUGHT: {TEXT} & ~({TEXT} {json.dumps(END)} {TEXT})"
         else:
-            limit = "" if budget is None else f"[max_tokens={budget}]"
+            token = f"<[^{','.join(map(str, sorted({end, *eos_token_ids})))}]>"
             thinking = f"thought <[{end}]>"
-            rule = f"thought{limit}: THOUGHT\nTHOUGHT: {TEXT} & ~({TEXT} {json.dumps(END)} {TEXT})"
+            rule = f"thought: {token}{{0,{budget}}}" if budget else 'thought: ""'  # llguidance refuses {0,0}
         opened = f"{opening}? {thinking} BLANK" if self.opens_in_prompt else f"({opening} {thinking} BLANK)?"
         return f"preamble: {opened}\n{rule}\n{BLANK}\n"
 

@@ -171,9 +171,12 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
             "a vocabulary whose <think> and </think> are tokens")
         raise invalid_request(f"thinking_token_budget needs {needs}", param="thinking_token_budget")
     if reasoning is not None and (params.structured is not None or budget is not None):
-        # The grammar (any tokens without one) holds the answer after the thinking, which the budget bounds.
-        params = dataclasses.replace(params, structured=dataclasses.replace(
-            params.structured or ANY_ANSWER, preamble=reasoning.preamble(engine.tokenizer, budget)))
+        # The grammar (any tokens without one) holds the answer after the thinking, which the budget bounds (one
+        # past max_tokens no more than max_tokens does).
+        bound = None if budget is None else min(budget, params.max_tokens)
+        preamble = reasoning.preamble(engine.tokenizer, bound, engine.limits.eos_token_ids)
+        params = dataclasses.replace(params, structured=dataclasses.replace(params.structured or ANY_ANSWER,
+                                                                            preamble=preamble))
     if (tools and reads_special_tokens(engine.tokenizer, parser)
             or reasoning is not None and keeps_tag_text(engine.tokenizer)):
         # The tag's token then has text for the reader to find, as vLLM's Mistral and Hermes parsers ask.

@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator
 import anthropic
 import httpx
 import httpx2
+import numpy as np
 import openai
 import pytest
 from pydantic import BaseModel
@@ -31,7 +32,7 @@ from sluice.app.tool_call_streams import TextDelta
 from sluice.app.tool_calls import ToolCalling, call_grammar
 from sluice.batching.outputs import Increment, TokenLogprob, Usage
 from sluice.batching.sampling_params import StructuredOutput
-from sluice.batching.structured import GrammarCompiler
+from sluice.batching.structured import GrammarCompiler, fill_bitmask
 from sluice.model.config import ModelConfig
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
 
@@ -156,8 +157,10 @@ def test_a_thinking_budget_forces_the_end_of_the_thought_after_that_many_tokens(
     (opening,), (closing,) = (tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END))
     thought = tokenizer.encode("weigh it, and weigh it again", add_special_tokens=False)
     for answer in (ANY_ANSWER, ANSWERS["lark"][0]):  # the lark answer takes "x=12"
-        matcher = compiler.compile(dataclasses.replace(answer, preamble=format.preamble(tokenizer, budget))).matcher
+        preamble = format.preamble(tokenizer, budget, eos_token_ids=(2,))
+        matcher = compiler.compile(dataclasses.replace(answer, preamble=preamble)).matcher
         assert matcher.consume_token(opening) and all(matcher.consume_token(t) for t in thought[:budget])
+        assert not matcher.deep_copy().consume_token(2)  # it cannot end while it thinks
         probe = matcher.deep_copy()
         assert not probe.consume_token(thought[budget])  # past the budget, only </think> is left
         assert matcher.consume_token(closing)
@@ -165,6 +168,24 @@ def test_a_thinking_budget_forces_the_end_of_the_thought_after_that_many_tokens(
         assert taken and matcher.is_accepting()
     free = compiler.compile(dataclasses.replace(ANY_ANSWER, preamble=format.preamble(tokenizer)))
     assert all(free.matcher.consume_token(t) for t in [opening, *thought, closing])  # no budget: as long as it likes
+
+
+@pytest.mark.parametrize("format", [DEEPSEEK, QWEN3], ids=["deepseek_r1", "qwen3"])
+def test_a_thinking_budget_holds_for_speculative_drafts_checked_and_rolled_back(format):
+    """The engine cuts n-gram drafts to what the grammar allows (`valid_prefix`) and fills a mask after each one,
+    rolling the matcher back (`fill_bitmask`): drafts past the budget are cut, and the matcher goes on after."""
+    tokenizer = one_token_tags(special=True)
+    (opening,), (closing,) = (tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END))
+    thought = tokenizer.encode("weigh it, and weigh it again", add_special_tokens=False)
+    spec = dataclasses.replace(ANY_ANSWER, preamble=format.preamble(tokenizer, 3, eos_token_ids=(2,)))
+    grammar = GrammarCompiler(tokenizer, 288, (2,)).compile(spec)
+    grammar.advance(opening)
+    assert grammar.valid_prefix(thought) == thought[:3]
+    masks = np.zeros((4, 9), np.int32)
+    fill_bitmask([(grammar, 0, thought[:3])], masks)
+    assert np.flatnonzero(np.unpackbits(masks[3].view(np.uint8), bitorder="little")).tolist() == [closing]
+    for token in [*thought[:3], closing, *thought]:
+        grammar.advance(token)
 
 
 def test_a_vocabulary_whose_tags_are_text_binds_no_budget():
@@ -410,8 +431,8 @@ def folder(tmp_path_factory):
     return folder
 
 
-def serve(folder, tmp_path_factory, parser: str):
-    return start_server("--model", str(folder), *FLAGS, "--reasoning-parser", parser,
+def serve(folder, tmp_path_factory, parser: str, *flags: str):
+    return start_server("--model", str(folder), *FLAGS, "--reasoning-parser", parser, *flags,
                         env={"SLUICE_HOME": str(tmp_path_factory.mktemp("home"))})
 
 
@@ -504,6 +525,34 @@ def test_a_served_thinking_budget_closes_the_thought_after_that_many_tokens(r1_c
     assert len(thought[1:] if thought[:1] == [OPEN] else thought) == budget  # a <think> of its own is no thought
     message = reply.choices[0].message
     assert message.content and bool(message.model_extra.get("reasoning")) == (budget > 0)
+
+
+def test_a_served_thinking_budget_past_max_tokens_thinks_as_without_one(r1_client):
+    kwargs = dict(model=MODEL, messages=HELLO, max_tokens=16)
+    fields = {"temperature": 0, "logit_bias": {CLOSE: -100}, "return_token_ids": True}
+    free = r1_client.chat.completions.create(**kwargs, extra_body=fields).choices[0]
+    bound = r1_client.chat.completions.create(**kwargs, extra_body={**fields, "thinking_token_budget": 2 ** 40})
+    assert bound.choices[0].token_ids == free.token_ids
+
+
+@pytest.fixture(scope="module")
+def speculating_client(folder, tmp_path_factory):
+    """A deepseek_r1 server that checks n-gram drafts (`--speculative ngram`)."""
+    proc = serve(folder, tmp_path_factory, "deepseek_r1", "--speculative", "ngram")
+    with openai.OpenAI(base_url=f"{proc.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as client:
+        yield client
+    proc.stop()
+
+
+def test_a_served_thinking_budget_holds_while_the_engine_checks_drafts(speculating_client):
+    """The tiny model's thought repeats its prompt's spaces, which n-grams draft past the budget."""
+    messages = [{"role": "user", "content": " ".join("a" * 24)}]
+    reply = speculating_client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=30,
+        extra_body={"temperature": 0, "logit_bias": {CLOSE: -100}, "return_token_ids": True,
+                    "thinking_token_budget": 6})
+    ids = reply.choices[0].token_ids
+    assert ids.index(CLOSE) == 6 and reply.choices[0].finish_reason == "length"
 
 
 def rendered(server, messages: list[dict], **fields) -> tuple[str, int]:
