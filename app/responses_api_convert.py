@@ -82,8 +82,9 @@ def _check_outputs_answer_calls(items: Items) -> None:
 def chat_messages(items: Items) -> list[dict[str, Any]]:
     """Chat messages (dicts) of the items: a function call joins the assistant turn before it (its text, or the
     calls made alongside it), and its output is a `tool` message. Reasoning items are the reasoning of the
-    assistant turn their next item is part of (as the reply that wrote them had it); before any other turn, left
-    out."""
+    assistant turn their next item is part of (as the reply that wrote them had it); followed by no such item (a
+    reply that was all reasoning, cut by max_output_tokens, say), an assistant message of their own, as vLLM
+    makes them."""
     messages: list[dict[str, Any]] = []
     reasoning: list[str] = []
     for item in items:
@@ -91,6 +92,10 @@ def chat_messages(items: Items) -> list[dict[str, Any]]:
             if text := item.text():
                 reasoning.append(text)
             continue
+        if reasoning and not (isinstance(item, FunctionCallItem)
+                              or isinstance(item, MessageItem) and item.role == "assistant"):
+            messages.append(_reasoning_turn(reasoning))
+            reasoning = []
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -106,7 +111,11 @@ def chat_messages(items: Items) -> list[dict[str, Any]]:
             earlier = [messages[-1]["reasoning_content"]] if "reasoning_content" in messages[-1] else []
             messages[-1]["reasoning_content"] = "\n".join(earlier + reasoning)
         reasoning = []
-    return messages
+    return [*messages, _reasoning_turn(reasoning)] if reasoning else messages
+
+
+def _reasoning_turn(reasoning: list[str]) -> dict[str, Any]:
+    return {"role": "assistant", "reasoning_content": "\n".join(reasoning)}
 
 
 def output_items(output: list[OutputItem]) -> Items:

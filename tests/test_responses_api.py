@@ -117,13 +117,23 @@ def test_reasoning_items_are_the_reasoning_of_the_assistant_turn_after_them():
         {"type": "reasoning", "summary": [], "encrypted_content": "opaque"},
         {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Say so."}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
-        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "No turn of mine follows."}]},
         {"role": "user", "content": "Thanks."},
     ]})
     chat = chat_request(body, body.input)
     assert [(m.role, m.reasoning_content) for m in chat.messages] == [
         ("user", None), ("assistant", "Call get_weather."), ("tool", None), ("assistant", "It is sunny.\nSay so."),
         ("user", None)]
+
+
+def test_reasoning_items_no_turn_of_theirs_follows_are_an_assistant_message_of_their_own():
+    """A reply that was all reasoning (cut by max_output_tokens) stays in the conversation, as vLLM keeps it."""
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm, weigh"}]}
+    body = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "Weather?"}, thought, {"role": "user", "content": "Well?"}, thought]})
+    chat = chat_request(body, body.input)
+    assert [(m.role, m.text(), m.reasoning_content) for m in chat.messages] == [
+        ("user", "Weather?", None), ("assistant", "", "Hmm, weigh"), ("user", "Well?", None),
+        ("assistant", "", "Hmm, weigh")]
 
 
 class FailingGeneration:
