@@ -16,7 +16,7 @@ from typing import TypeVar
 from pydantic_core import to_json
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from sluice.app.errors import APIError
 
@@ -108,10 +108,15 @@ class EventStreamResponse(StreamingResponse):
 
 
 class _Link:
-    """One stream's sends, timed: when the last one ended, and since when the oldest still blocked began."""
+    """One stream's sends, timed: when the last one ended, and since when the oldest still blocked began.
+
+    Every send is timed, the response's start and its empty last body too: the server waits for a full socket to
+    drain before any send (uvicorn does), so a reader that stops as the last events go out (a Responses stream's
+    last event carries the whole response) blocks the last send, which must end at the stall limit as others do.
+    """
 
     def __init__(self, send: Send, keepalive_s: float, stall_timeout_s: float | None) -> None:
-        self.send = send
+        self._send = send
         self.stalled = False
         self.finishing = False
         self._keepalive_s = keepalive_s
@@ -131,11 +136,14 @@ class _Link:
         self._timer = self._loop.call_at(self._last_sent + self._keepalive_s, self._on_timer)
 
     async def body(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def send(self, message: Message) -> None:
         self._num_sending += 1
         if self._num_sending == 1:
             self._blocked_since = self._loop.time()
         try:
-            await self.send({"type": "http.response.body", "body": data, "more_body": True})
+            await self._send(message)
         finally:
             self._num_sending -= 1
             self._last_sent = self._blocked_since = self._loop.time()  # the reader took this one

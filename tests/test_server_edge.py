@@ -3,6 +3,7 @@ that got no answer (under a real uvicorn), and the scale-out ingress's reading o
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from sluice.app.metrics import ServerMetrics
 from sluice.app.middleware import InternalErrorMiddleware, RequestCountMiddleware
 from sluice.app.replicas import ReplicaReport
 from sluice.app.server import create_app
+from sluice.app.streaming import EventStreamResponse
 from sluice.app.state import ServerSettings, ServerState
 from sluice.bench.prefix_cache import CacheCounters, parse
 
@@ -62,6 +64,36 @@ def test_a_client_gone_while_sending_its_body_is_counted_as_closed_not_as_a_serv
     assert counts(address, "/v1/completions") == ['sluice_requests_total{route="/v1/completions",status="499"} 1.0']
     [error] = state.metrics.recent.take().errors
     assert (error.kind, error.status, error.message) == ("aborted", 499, "The client left before it was answered")
+
+
+def test_a_stream_whose_reader_stops_as_its_last_event_goes_out_still_ends_at_the_stall_limit():
+    """The server waits for a full socket to drain before any send, the empty last body included: a last event
+    that fills the socket (a Responses stream's holds the whole response) blocks that send, which ends the stream
+    at the stall limit as a blocked event does, and its request is closed (its admission released)."""
+    ended: list[str] = []
+    full = asyncio.Event()
+
+    async def events():
+        yield b"data: 1\n\n"
+        full.set()  # this event fills the socket; from now on, every send waits for a reader that never reads
+
+    async def send(message) -> None:
+        if full.is_set():
+            await asyncio.Event().wait()
+
+    async def receive():
+        await asyncio.Event().wait()  # the client stays connected
+
+    async def on_close() -> None:
+        ended.append("closed")
+
+    async def scenario() -> None:
+        response = EventStreamResponse(events(), on_close=on_close, keepalive_s=0.05, stall_timeout_s=0.2,
+                                       on_stall=lambda: ended.append("stalled"))
+        await asyncio.wait_for(response({"type": "http"}, receive, send), 10)
+
+    asyncio.run(scenario())
+    assert ended == ["stalled", "closed"]
 
 
 def test_a_route_that_raises_is_answered_with_its_apis_500_and_counted():
