@@ -49,7 +49,7 @@ from sluice.app.anthropic_schemas import (
     ToolResultBlockParam,
     ToolUseBlockParam,
 )
-from sluice.app.errors import APIError, from_validation_error
+from sluice.app.errors import APIError, from_validation_error, invalid_request
 from sluice.app.generation import respond, start_generation
 from sluice.app.prompts import chat_prompt, tool_call_format
 from sluice.app.reasoning import ReasoningFormat
@@ -132,6 +132,9 @@ def chat_request(body: CountTokensRequest, budgets: bool = False) -> ChatComplet
             data["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": output.schema_}}
     if body.tool_choice is not None:
+        if isinstance(body.tool_choice, ToolChoiceAny | ToolChoiceTool) and "response_format" in data:
+            raise invalid_request("output_config.format cannot be combined with a tool_choice of any or tool: the "
+                                  "calls are the output's grammar", param="output_config.format")
         data["tool_choice"] = _tool_choice(body.tool_choice)
         if not isinstance(body.tool_choice, ToolChoiceNone):
             data["parallel_tool_calls"] = not body.tool_choice.disable_parallel_tool_use

@@ -126,6 +126,18 @@ def test_structured_output_gives_text_the_clients_parse_into_the_schemas_object(
     assert isinstance(message.parsed_output, Weather) and message.stop_reason == "end_turn"
 
 
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}],
+                         ids=["any", "tool"])
+def test_structured_output_with_a_forced_tool_choice_is_a_400_in_the_requests_own_terms(client, tool_choice):
+    """The chat field it becomes (response_format) is not one an Anthropic client sent."""
+    output_config = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=MODEL, max_tokens=16, messages=HELLO, tools=[WEATHER], tool_choice=tool_choice,
+                               extra_body={"output_config": output_config})
+    message = caught.value.body["error"]["message"]
+    assert message.startswith("output_config.format") and "response_format" not in message
+
+
 def test_a_stop_sequence_is_named_as_the_stop_reason(client):
     free = client.messages.create(model=MODEL, max_tokens=16, messages=HELLO, **GREEDY)
     text = free.content[0].text
