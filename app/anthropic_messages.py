@@ -83,9 +83,9 @@ async def count_message_tokens(request: Request) -> Response:
     chat = chat_request(body)
     if chat.tools:
         await asyncio.to_thread(check_tool_schemas, engine, chat.tools, "input_schema")
-    prompt = chat_prompt(engine.tokenizer, chat.messages, tools=chat.active_tools(),
-                         call_format=tool_call_format(state.settings.tool_call_parser, engine.tokenizer),
-                         **chat.rendering())
+    prompt = await asyncio.to_thread(chat_prompt, engine.tokenizer, chat.messages, tools=chat.active_tools(),
+                                     call_format=tool_call_format(state.settings.tool_call_parser, engine.tokenizer),
+                                     **chat.rendering())
     return json_response(CountTokensResponse(input_tokens=len(prompt.token_ids)))
 
 

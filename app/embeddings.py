@@ -12,6 +12,7 @@ OpenAI's client decodes.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -25,7 +26,7 @@ from sluice.batching.sampling_params import SamplingParams
 from sluice.app.embeddings_schemas import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from sluice.app.errors import invalid_request
 from sluice.app.generation import Generation, start_generation
-from sluice.app.prompts import completion_prompts, truncated
+from sluice.app.prompts import truncated_prompts
 from sluice.app.routes import json_response, parse_body
 from sluice.app.streaming import cancel_on_disconnect
 
@@ -49,8 +50,8 @@ async def create_embeddings(request: Request) -> Response:
     if body.dimensions is not None and body.dimensions != hidden_size:
         raise invalid_request(f"dimensions must be the model's hidden size, {hidden_size} (got {body.dimensions})",
                               param="dimensions")
-    prompts = [truncated(engine.tokenizer, p, body.truncate_prompt_tokens, engine.max_model_len).token_ids
-               for p in completion_prompts(engine.tokenizer, body.input)]
+    prompts = [p.token_ids for p in await asyncio.to_thread(truncated_prompts, engine.tokenizer, body.input,
+                                                             body.truncate_prompt_tokens, engine.max_model_len)]
     params = SamplingParams(max_tokens=0, temperature=0.0, pooling=state.settings.embedding_pooling)
     generation = await start_generation(request, state, prompts, params, f"embd-{uuid.uuid4().hex}", arrival)
     try:

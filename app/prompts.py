@@ -177,6 +177,12 @@ def truncated(tokenizer: Tokenizer, prompt: Prompt, keep: int | None, max_model_
     return _from_ids(tokenizer, prompt.token_ids[-keep:])
 
 
+def truncated_prompts(tokenizer: Tokenizer, prompt: str | list[str] | list[int] | list[list[int]], keep: int | None,
+                      max_model_len: int) -> list[Prompt]:
+    """`completion_prompts`, each `truncated`."""
+    return [truncated(tokenizer, p, keep, max_model_len) for p in completion_prompts(tokenizer, prompt)]
+
+
 def _from_text(tokenizer: Tokenizer, text: str) -> Prompt:
     return Prompt(tokenizer.encode(text), text)
 

@@ -25,7 +25,7 @@ from sluice.batching.sampling_params import RequestRejected, SamplingParams, Str
 
 from sluice.app.errors import from_validation_error, invalid_request
 from sluice.app.generation import respond, start_generation
-from sluice.app.prompts import Prompt, chat_prompt, completion_prompts, tool_call_format, truncated
+from sluice.app.prompts import Prompt, chat_prompt, tool_call_format, truncated, truncated_prompts
 from sluice.app.reasoning import ANY_ANSWER, ReasoningFormat, keeps_tag_text
 from sluice.app.responses import ChatBuilder, CompletionBuilder
 from sluice.app.schemas import (
@@ -154,8 +154,7 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
         await asyncio.to_thread(check_tool_schemas, engine, body.tools, schema_field)
     tools = body.active_tools()
     parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
-    prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser, **body.rendering())
-    prompt = truncated(engine.tokenizer, prompt, body.truncate_prompt_tokens, engine.max_model_len)
+    prompt = await asyncio.to_thread(_chat_prompt, engine, body, tools, parser)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
     if forced := body.forced_tools():
@@ -186,6 +185,13 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     return ChatPlan(prompt, params, calling, reasoning)
 
 
+def _chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: list[ToolDefinition], parser: str) -> Prompt:
+    """The request's prompt: rendered, encoded and truncated. CPU work (a second for a megabyte of text), done in a
+    worker thread so that the event loop serves other requests meanwhile."""
+    prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser, **body.rendering())
+    return truncated(engine.tokenizer, prompt, body.truncate_prompt_tokens, engine.max_model_len)
+
+
 def check_tool_schemas(engine: Engine, tools: list[ToolDefinition], schema_field: str = "function.parameters"
                        ) -> None:
     """Checks that each function's parameters schema compiles (a millisecond, once per distinct schema): one that
@@ -202,8 +208,8 @@ def check_tool_schemas(engine: Engine, tools: list[ToolDefinition], schema_field
 async def create_completion(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, CompletionRequest)
-    prompts = [truncated(engine.tokenizer, prompt, body.truncate_prompt_tokens, engine.max_model_len)
-               for prompt in completion_prompts(engine.tokenizer, body.prompt)]
+    prompts = await asyncio.to_thread(truncated_prompts, engine.tokenizer, body.prompt, body.truncate_prompt_tokens,
+                                      engine.max_model_len)
     params = body.sampling_params(default_max_tokens=DEFAULT_MAX_TOKENS)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [p.token_ids for p in prompts], params, request_id, arrival)
@@ -215,9 +221,9 @@ async def tokenize(request: Request) -> Response:
     """`prompt` is encoded as it is; `messages` are first rendered with the chat template."""
     _, engine, body = await parse_body(request, TokenizeRequest)
     if body.messages is not None:
-        ids = chat_prompt(engine.tokenizer, body.messages, **body.rendering()).token_ids
+        ids = (await asyncio.to_thread(chat_prompt, engine.tokenizer, body.messages, **body.rendering())).token_ids
     else:
-        ids = engine.tokenizer.encode(body.prompt)
+        ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
     return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len))
 
 

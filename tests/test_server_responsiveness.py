@@ -1,5 +1,5 @@
-"""The event loop stays free while a request is built: compiling a structured output's grammar runs in a worker
-thread, so `/health` and other streams answer meanwhile, and a client that leaves during the build does not
+"""The event loop stays free while a request is built: compiling a structured output's grammar and rendering and
+encoding a prompt run in worker threads, so `/health` and other streams answer meanwhile, and a client that leaves during the build does not
 leave its request behind in the engine. The tiny random model with SmolLM2's vocabulary (llguidance needs the
 model's logits to cover the tokenizer), in-process."""
 
@@ -20,6 +20,7 @@ from sluice.batching.structured import GrammarCompiler
 from sluice.model.config import ModelConfig
 from sluice.model.llama import Llama
 from sluice.model.loader import LoadedModel
+from sluice.model.tokenizer import Tokenizer
 
 from test_server_engine import CONFIG, serve
 
@@ -40,8 +41,9 @@ def engine(smollm2) -> Engine:
 
 
 @dataclass
-class SlowCompiles:
-    """Grammar compilations that take COMPILE_S, or until `release` is set; `started_at` is the last one's start."""
+class SlowWork:
+    """Work (grammar compilations, a prompt's encoding) that takes COMPILE_S, or until `release` is set;
+    `started_at` is the last one's start."""
 
     started: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
@@ -49,8 +51,8 @@ class SlowCompiles:
 
 
 @pytest.fixture
-def slow_compiles(monkeypatch) -> SlowCompiles:
-    slow = SlowCompiles()
+def slow_compiles(monkeypatch) -> SlowWork:
+    slow = SlowWork()
     real = GrammarCompiler.compile
 
     def compile(self, spec):
@@ -75,6 +77,69 @@ def test_health_answers_at_once_while_a_large_schema_compiles(engine, slow_compi
     health, answered_s, structured = serve(engine, scenario)
     assert health.status_code == 200 and answered_s < 0.5
     assert structured.status_code == 200 and structured.json()["choices"][0]["finish_reason"] == "length"
+
+
+# A prompt whose encoding is made to take COMPILE_S (unless released sooner): a megabyte of text takes a second.
+SLOW = "a slow prompt"
+SLOW_PROMPTS = {
+    "/v1/completions": {"prompt": SLOW, "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": SLOW}], "max_tokens": 2},
+    "/v1/embeddings": {"input": SLOW},
+    "/v1/messages/count_tokens": {"model": "tiny", "messages": [{"role": "user", "content": SLOW}]},
+    "/tokenize": {"prompt": SLOW},
+}
+
+
+@pytest.mark.parametrize("path", list(SLOW_PROMPTS))
+def test_health_answers_at_once_while_a_prompt_is_encoded(engine, monkeypatch, path):
+    slow_encodes = SlowWork()
+    real = Tokenizer.encode
+
+    def encode(self, text, **kwargs):
+        if SLOW in text:
+            slow_encodes.started_at = time.perf_counter()
+            slow_encodes.started.set()
+            slow_encodes.release.wait(COMPILE_S)
+        return real(self, text, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", encode)
+
+    async def scenario(client, state):
+        slow = asyncio.create_task(client.post(path, json=SLOW_PROMPTS[path]))
+        await asyncio.to_thread(slow_encodes.started.wait, COMPILE_S)
+        health = await client.get("/health")
+        answered_s = time.perf_counter() - slow_encodes.started_at
+        slow_encodes.release.set()
+        return health, answered_s, await slow
+
+    health, answered_s, slow = serve(engine, scenario)
+    assert health.status_code == 200 and answered_s < 0.5
+    assert slow.status_code == 200, slow.text
+
+
+def test_a_long_text_is_encoded_without_holding_the_gil(engine):
+    """A worker thread's encoding leaves the other threads (the event loop's) running: only the ids' list is built
+    under the GIL."""
+    text = "the quick brown fox jumps over the lazy dog. " * 20_000  # 900 kB
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    began = time.perf_counter()
+    ids = engine.tokenizer.encode(text)
+    took = time.perf_counter() - began
+    done.set()
+    ticker.join()
+    assert len(ids) > 100_000 and max(gaps) < took / 2
 
 
 async def post_then_leave(app, body: dict, leave: threading.Event) -> list[dict]:
