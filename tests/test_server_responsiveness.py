@@ -65,16 +65,23 @@ def slow_compiles(monkeypatch) -> SlowWork:
     return slow
 
 
-def test_health_answers_at_once_while_a_large_schema_compiles(engine, slow_compiles):
-    async def scenario(client, state):
-        structured = asyncio.create_task(client.post("/v1/completions", json=STRUCTURED))
-        await asyncio.to_thread(slow_compiles.started.wait, COMPILE_S)
-        health = await client.get("/health")
-        answered_s = time.perf_counter() - slow_compiles.started_at
-        slow_compiles.release.set()
-        return health, answered_s, await structured
+def health_while(engine: Engine, path: str, body: dict, work: SlowWork):
+    """(/health's response, seconds from the start of `work` to it, the response to `body`) when /health is asked
+    while the request to `path` does its slow work."""
 
-    health, answered_s, structured = serve(engine, scenario)
+    async def scenario(client, state):
+        slow = asyncio.create_task(client.post(path, json=body))
+        await asyncio.to_thread(work.started.wait, COMPILE_S)
+        health = await client.get("/health")
+        answered_s = time.perf_counter() - work.started_at
+        work.release.set()
+        return health, answered_s, await slow
+
+    return serve(engine, scenario)
+
+
+def test_health_answers_at_once_while_a_large_schema_compiles(engine, slow_compiles):
+    health, answered_s, structured = health_while(engine, "/v1/completions", STRUCTURED, slow_compiles)
     assert health.status_code == 200 and answered_s < 0.5
     assert structured.status_code == 200 and structured.json()["choices"][0]["finish_reason"] == "length"
 
@@ -103,16 +110,7 @@ def test_health_answers_at_once_while_a_prompt_is_encoded(engine, monkeypatch, p
         return real(self, text, **kwargs)
 
     monkeypatch.setattr(Tokenizer, "encode", encode)
-
-    async def scenario(client, state):
-        slow = asyncio.create_task(client.post(path, json=SLOW_PROMPTS[path]))
-        await asyncio.to_thread(slow_encodes.started.wait, COMPILE_S)
-        health = await client.get("/health")
-        answered_s = time.perf_counter() - slow_encodes.started_at
-        slow_encodes.release.set()
-        return health, answered_s, await slow
-
-    health, answered_s, slow = serve(engine, scenario)
+    health, answered_s, slow = health_while(engine, path, SLOW_PROMPTS[path], slow_encodes)
     assert health.status_code == 200 and answered_s < 0.5
     assert slow.status_code == 200, slow.text
 
