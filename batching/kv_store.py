@@ -25,10 +25,10 @@ fingerprint 32s, key 32s, payload length u64, then the checksum 32s (blake2b of 
 temporary file beside it, is fsynced, then renamed over the name (`os.replace`), so a name only ever holds a
 whole file; a file whose size, header or checksum is wrong is removed, logged once and counted, never served.
 
-Threads: the engine thread owns the store and calls every method. Disk writes run on one writer thread fed by a
-bounded queue (a write that finds it full is dropped and counted: the page stays in RAM), and `prefetch` reads
-pages on one reader thread, so the engine's steps never wait on the disk; `_lock` guards what the threads share
-(both tiers' indexes and counters).
+Threads: the engine thread owns the store and calls every method. Disk writes, and the removal of forgotten pages'
+files, run in order on one writer thread (at most `queue_pages` writes wait for it: one more is dropped and
+counted, the page staying in RAM), and `prefetch` reads pages on one reader thread, so the engine's steps never
+wait on the disk; `_lock` guards what the threads share (both tiers' indexes and counters).
 """
 
 from __future__ import annotations
@@ -218,6 +218,21 @@ def _usage(folder: Path) -> tuple[int, int]:
     return last_used, size
 
 
+class _Write(NamedTuple):
+    """A page for the writer, queued when its key had been forgotten `generation` times (a write of a page forgotten
+    since is not made)."""
+
+    key: PageKey
+    payload: PagePayload
+    generation: int
+
+
+class _Removal(NamedTuple):
+    """Forgotten pages' files, removed after the writes queued before them."""
+
+    paths: tuple[Path, ...]
+
+
 class StoredPrefix(NamedTuple):
     """A waiting sequence's pages being read from the store (`KVStore.prefetch`): from its page `first` on, before
     page `end`, as far as the store holds them."""
@@ -269,13 +284,16 @@ class KVStore:
         self._corrupt = 0
         self._dropped = 0
         self._forgotten: set[PageKey] = set()  # suspect pages: never served again, unless put anew
+        self._generations: dict[PageKey, int] = {}  # how many times each page was forgotten
+        self._queue_pages = queue_pages
+        self._num_queued = 0  # writes waiting for the writer
         self._touch_failed = False  # warned once: `_touch` runs at every use of a page on disk
         try:
             self._open_directory()
         except BaseException:
             os.close(lock)
             raise
-        self._queue: queue.Queue[tuple[PageKey, PagePayload] | None] = queue.Queue(queue_pages)
+        self._queue: queue.Queue[_Write | _Removal | None] = queue.Queue()  # bounded by `_num_queued`
         # The writer holds the store weakly, so that a store dropped without `close` (an engine a test or a fuzz
         # drops) is freed, and with it its RAM tier, its threads and its slot (a later store on the directory
         # would take the next slot, never reading its pages, and the 65th none).
@@ -344,18 +362,16 @@ class KVStore:
             return key in self._ram or key in self._disk
 
     def forget(self, keys: list[PageKey]) -> None:
-        """Removes pages (their K/V is suspect), from RAM and from disk, once the writes queued before are done."""
-        self.flush()
+        """Removes pages (their K/V is suspect) from RAM and from the disk's index now, and has the writer remove
+        their files, without waiting on the disk: after the writes queued before (the writes of these pages
+        among them are not made)."""
         with self._lock:
             self._forgotten.update(keys)
             for key in keys:
+                self._generations[key] = self._generations.get(key, 0) + 1
                 self._ram.pop(key, None)
-                if key in self._disk:
-                    del self._disk[key]
-                    try:
-                        self._path(key).unlink(missing_ok=True)
-                    except OSError as e:  # this store no longer serves it; a next one would index it again
-                        logger.warning("KV store: could not remove %s: %s", self._path(key), e)
+                self._disk.pop(key, None)
+        self._queue.put(_Removal(tuple(self._path(key) for key in keys)))
 
     def counters(self) -> KVStoreCounters:
         with self._lock:
@@ -367,7 +383,7 @@ class KVStore:
             return KVStoreCounters(ram, disk, self._corrupt, self._dropped)
 
     def flush(self) -> None:
-        """Returns once every page put so far is on disk (or dropped)."""
+        """Returns once every page put so far is on disk (or dropped), and those forgotten so far are not."""
         self._queue.join()
 
     def close(self) -> None:
@@ -439,11 +455,13 @@ class KVStore:
     def _spill(self, key: PageKey, payload: PagePayload) -> None:
         """Makes `key` the disk tier's most recent page, queueing its write if it is not on disk. The caller holds
         `_lock`."""
-        if not self._touch(key):
-            try:
-                self._queue.put_nowait((key, payload))
-            except queue.Full:
-                self._dropped += 1
+        if self._touch(key):
+            return
+        if self._num_queued < self._queue_pages:
+            self._num_queued += 1
+            self._queue.put(_Write(key, payload, self._generations.get(key, 0)))
+        else:
+            self._dropped += 1
 
     def _touch(self, key: PageKey) -> bool:
         """Marks `key`'s file used now (its mtime too, for the next store's order); whether it is on disk. The
@@ -516,18 +534,21 @@ class KVStore:
             self._path(key).unlink(missing_ok=True)
             self._disk_tally.evictions += 1
 
-    def _write_page(self, key: PageKey, payload: PagePayload) -> None:
+    def _write_page(self, job: _Write) -> None:
+        with self._lock:
+            self._num_queued -= 1
         try:
-            self._write(key, payload)
+            self._write(*job)
         except OSError as e:  # disk full, directory gone: the page stays in RAM only
-            logger.warning("KV store: could not write page %s: %s", key, e)
+            logger.warning("KV store: could not write page %s: %s", job.key, e)
             with self._lock:
                 self._dropped += 1
 
-    def _write(self, key: PageKey, payload: PagePayload) -> None:
+    def _write(self, key: PageKey, payload: PagePayload, generation: int) -> None:
         """Writes one page's file atomically (temporary file, fsync, rename), then evicts what no longer fits."""
         with self._lock:
-            if key in self._disk:  # queued twice (spilled before its first write landed)
+            # Queued twice (spilled before its first write landed), or forgotten since it was queued.
+            if key in self._disk or self._generations.get(key, 0) != generation:
                 return
         data = [a.reshape(-1).view(np.uint8) for a in payload]
         checksum = hashlib.blake2b(digest_size=DIGEST_SIZE)
@@ -546,29 +567,35 @@ class KVStore:
             Path(tmp).unlink(missing_ok=True)
             raise
         with self._lock:
-            self._disk[key] = None
-            self._evict_disk()
+            if self._generations.get(key, 0) == generation:  # else forgotten while written: its removal follows
+                self._disk[key] = None
+                self._evict_disk()
 
 
-def _write_loop(store: weakref.ref[KVStore], jobs: queue.Queue[tuple[PageKey, PagePayload] | None]) -> None:
-    """The writer thread: writes the queued pages until `close` (None) or the store's collection; the pages still
-    queued then go with the store."""
-    while (item := jobs.get()) is not None:
+def _remove_files(paths: tuple[Path, ...]) -> None:
+    for path in paths:
         try:
-            if (writer := store()) is None:
-                return
-            writer._write_page(*item)
-            del writer  # held only while it writes: waiting, the thread must not keep the store alive
+            path.unlink(missing_ok=True)
+        except OSError as e:  # the store no longer serves it; a next one would index it again
+            logger.warning("KV store: could not remove %s: %s", path, e)
+
+
+def _write_loop(store: weakref.ref[KVStore], jobs: queue.Queue[_Write | _Removal | None]) -> None:
+    """The writer thread: runs the queued jobs in order until `close` or the store's collection (None); the writes
+    still queued once the store is collected go with it, the removals are still made."""
+    while (job := jobs.get()) is not None:
+        try:
+            if isinstance(job, _Removal):
+                _remove_files(job.paths)
+            elif (writer := store()) is not None:
+                writer._write_page(job)
+                del writer  # held only while it writes: waiting, the thread must not keep the store alive
         finally:
             jobs.task_done()
     jobs.task_done()
 
 
-def _let_go(jobs: queue.Queue[tuple[PageKey, PagePayload] | None], slot_lock: int) -> None:
-    """A store's end, by `close` or its collection: stops the writer (a full queue: it finds the store gone at
-    its next page) and frees the slot."""
-    try:
-        jobs.put_nowait(None)
-    except queue.Full:
-        pass
+def _let_go(jobs: queue.Queue[_Write | _Removal | None], slot_lock: int) -> None:
+    """A store's end, by `close` or its collection: stops the writer, after the jobs queued, and frees the slot."""
+    jobs.put(None)
     os.close(slot_lock)

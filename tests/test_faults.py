@@ -11,11 +11,13 @@ import time
 import httpx
 import pytest
 
+from sluice.batching import kv_store
 from sluice.batching.engine import EXIT_STEP_HUNG
 from sluice.batching.outputs import ListCollector
 from sluice.model.generate import generate
 from test_api_e2e import metric, start_server
 from test_engine import GREEDY, make_engine, prompts, tiny  # noqa: F401 - tiny: the fixture
+from test_persistent_prefix_cache import SlowDisk
 
 
 def run_to_completion(engine, batch: list[list[int]]) -> list:
@@ -88,6 +90,24 @@ def test_a_request_ending_on_nan_logits_leaves_no_page_to_the_prefix_cache_nor_t
     run_to_completion(restarted, [prompt])
     assert restarted.stats.prefix_cache_hit_tokens == 8  # hers, stored after the first's were forgotten
     restarted.close_store()
+
+
+def test_forgetting_a_nan_requests_pages_does_not_wait_on_a_slow_disk(tiny, monkeypatch, tmp_path):
+    """The store's writer is stuck in an fsync (a slow disk) when a request ends on NaN logits: its pages are
+    forgotten without the engine's step waiting for the writes queued before, and none of them lands on disk after
+    (the writes still queued are not made, the one in progress is removed)."""
+    disk = SlowDisk(monkeypatch)
+    monkeypatch.setenv("SLUICE_FAULT", "nan@3")  # after the prompt's two full pages are cached and stored
+    store = {"prefix_cache_dir": str(tmp_path), "prefix_cache_ram": 1 << 20, "prefix_cache_size": 1 << 20}
+    engine = make_engine(tiny, **store)
+    (failed,) = run_to_completion(engine, [list(range(3, 12))])
+    waited = disk.release.is_set()
+    disk.release.set()
+    assert failed.finish_reason == "error" and "not finite" in failed.error
+    assert not waited, "the step waited for the writer"
+    engine.close_store()
+    assert engine.prefix_store.counters().disk.pages == 0
+    assert not list(engine.prefix_store.directory.glob(f"*{kv_store.SUFFIX}"))
 
 
 def test_a_nan_fault_strikes_a_step_whose_first_row_samples(tiny, monkeypatch):
