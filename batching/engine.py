@@ -722,11 +722,10 @@ class Engine:
             return
         num_prompt_tokens = len(seq.prompt_ids)
         count, finish = seq.stop.run_finish(tokens, index - num_prompt_tokens, self.max_model_len - index)
+        if seq.grammar is not None:
+            count, finish = self._advance_grammar(seq, tokens[:count], finish)
         kept = tokens if count == len(tokens) else tokens[:count]
         seq.place(index, kept)
-        if seq.grammar is not None:
-            for token in kept:
-                seq.grammar.advance(token)
         self._generation_tokens_total += count
         if index == num_prompt_tokens and seq.parent is None:
             self._prompt_tokens_total += num_prompt_tokens
@@ -744,6 +743,17 @@ class Engine:
             self.block_manager.commit(seq)  # pages its last step filled, before they are freed
             self.scheduler.finish(seq)
         self._unemitted[seq] = None
+
+    def _advance_grammar(self, seq: Sequence, tokens: list[int], finish: FinishReason | None
+                         ) -> tuple[int, FinishReason | None]:
+        """Advances `seq`'s grammar over `tokens` (those it keeps, ending with `finish`), up to an EOS: the grammar
+        allows one only where it is complete, so it ends the sequence there ("stop"), before min_tokens and with
+        ignore_eos too. Returns how many tokens it keeps, and its finish."""
+        for j, token in enumerate(tokens):
+            seq.grammar.advance(token)
+            if token in self.limits.eos_token_ids:
+                return j + 1, "stop"
+        return len(tokens), finish
 
     def _emit_text(self) -> None:
         """Detokenizes the tokens appended since the last call and checks stop strings: one increment per

@@ -352,7 +352,8 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = None) -> SamplerOutput:
-    """logits: [S, V] float32 -> SamplerOutput. Each row's logit_bias, penalties and min_tokens ban apply first;
+    """logits: [S, V] float32 -> SamplerOutput. Each row's logit_bias, penalties and min_tokens ban (of its stop ids,
+    unless nothing else is allowed) apply first;
     then greedy rows (temperature 0) take the argmax, and the others draw from the filtered, temperature-scaled
     distribution p with one uniform number keyed by (seed, step). Logprobs are the model's, before all of these.
 
@@ -370,7 +371,9 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
     logits = _branch(plan, needs, ("penalties",), apply_penalties, lambda x, _: x, logits, batch)
     rows = jnp.arange(num_rows)[:, None]
     banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)
-    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    held = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    # Unless they are all a row may take: its grammar, complete before min_tokens, allows nothing but its end.
+    logits = jnp.where(jnp.any(held > -jnp.inf, axis=-1, keepdims=True), held, logits)
     greedy_tokens = argmax(logits)
 
     def draw(logits: jax.Array) -> jax.Array:
