@@ -402,10 +402,11 @@ class Engine:
         """Schedule and dispatch a step -> collect the step before: append its tokens, emit their text.
 
         Overlapped (the default), the step before is still on the device when this one is dispatched: its
-        sampled tokens feed this one there, and the host takes them in while this one runs. When the host needs
-        them to build this step (drafts, grammar masks, penalty histories) or overlap is off, the step before is
-        collected first, and this one's tokens right after it ran. A failure in a device step ends that step's
-        requests; a failure in one request's host work ends that request only.
+        sampled tokens feed this one there, and the host takes them in while this one runs. Grammar masks, which
+        need those tokens, are filled then and this step's sampling dispatched after its model. When the host
+        needs them to build this step (drafts, penalty histories) or overlap is off, the step before is collected
+        first, and this one's tokens right after it ran. A failure in a device step ends that step's requests; a
+        failure in one request's host work ends that request only.
         """
         start = time.perf_counter()
         while not self._inbox.empty():
@@ -413,12 +414,14 @@ class Engine:
         overlap = self._overlaps()
         if not overlap:
             self._collect()
-        launched = self._launch(start)
+        launched = self._launch(start, masks_later=overlap)
         if overlap:
             failures = self._num_step_failures
             self._collect()
             if self._num_step_failures != failures:
                 launched = None  # fed from the failed step, on a pool that is gone
+            elif launched is not None:
+                launched = self._sample(launched)
         self._in_flight = launched
         if not overlap:
             self._collect()  # and its stop strings searched: a sequence they end is not scheduled again
@@ -428,13 +431,20 @@ class Engine:
 
     def _overlaps(self) -> bool:
         """Whether this step may be dispatched before the host has the previous step's tokens: only if nothing
-        it builds needs them (a draft, a grammar's mask, a penalty's token history; the other processes of a
-        multi-process job replay steps from host inputs alone)."""
-        return (self.config.async_scheduling and self.speculator is None and not step_broadcast.is_multiprocess()
-                and not any(seq.grammar is not None or seq.params.reads_history for seq in self.scheduler.running))
+        it builds needs them (a draft, a penalty's token history; the other processes of a multi-process job
+        replay steps from host inputs alone). A grammar's mask needs them only for the sampling, which then
+        waits for them, but the tokens a grammar forces are sampled a step each instead of appended at once
+        (`_append_forced`): a batch mostly under grammars is collected first."""
+        if not self.config.async_scheduling or self.speculator is not None or step_broadcast.is_multiprocess():
+            return False
+        running = self.scheduler.running
+        if any(seq.params.reads_history for seq in running):
+            return False
+        return 2 * sum(seq.grammar is not None for seq in running) <= len(running)
 
-    def _launch(self, start: float) -> _Launched | None:
-        """Schedules and dispatches a step; None if there is nothing to run (or it failed at once)."""
+    def _launch(self, start: float, masks_later: bool = False) -> _Launched | None:
+        """Schedules and dispatches a step; None if there is nothing to run (or it failed at once). `masks_later`:
+        its grammar masks wait for `PendingStep.sample` (`ModelRunner.dispatch`)."""
         if self.speculator is not None:
             running = self.scheduler.running
             if self._may_run_multi_step(running):
@@ -454,7 +464,7 @@ class Engine:
             return None
         try:
             pending = self.runner.dispatch(chunks, *self._multi_step_call(chunks), self._num_pooling > 0,
-                                           self._num_scoring > 0)
+                                           self._num_scoring > 0, masks_later)
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
             self._start_over(error)
             return None
@@ -463,6 +473,16 @@ class Engine:
         first_indices, counts = self._mark_dispatched(chunks, limits, drafting)
         return _Launched(chunks, limits, drafting, first_indices, counts, pending, stats, start,
                          time.perf_counter() - start)
+
+    def _sample(self, launched: _Launched) -> _Launched | None:
+        """Dispatches the launched step's sampling if it waited for its grammar masks (`PendingStep.sample`);
+        None if that failed."""
+        try:
+            launched.pending.sample()
+        except Exception as error:  # noqa: BLE001 - as a failed dispatch
+            self._start_over(error)
+            return None
+        return launched
 
     def _mark_dispatched(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: list[int] | None
                          ) -> tuple[list[int], list[int]]:
@@ -686,7 +706,7 @@ class Engine:
                      for token, (step, row) in zip(output.tokens, output.positions)]
                     if output.positions and seq.params.wants_logprobs else [])
         self._append(seq, index, output.tokens, logprobs)
-        if seq.grammar is not None and not seq.params.wants_logprobs:
+        if seq.grammar is not None and not seq.params.wants_logprobs and not seq.num_pending:
             self._append_forced(seq)
 
     @staticmethod
@@ -708,7 +728,8 @@ class Engine:
     def _append_forced(self, seq: Sequence) -> None:
         """Appends the tokens the sequence's grammar forces, one allowed token at a time (`Grammar.forced_token`):
         the next step computes them in one chunk instead of a step each. A stop id is left to the sampler (its
-        min_tokens rule), and a request that wants logprobs never gets here (they come from the model)."""
+        min_tokens rule), and a request that wants logprobs never gets here (they come from the model); nor does
+        a sequence with a token in flight (overlapped), whose next row's mask allows the forced token alone."""
         while seq.status is SequenceStatus.RUNNING:
             token = seq.grammar.forced_token()
             if token is None or token in seq.stop.stop_ids:

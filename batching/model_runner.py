@@ -49,7 +49,7 @@ from sluice.batching.kv_transfer import PageCopy, load_pages
 from sluice.batching.sampler import EVERY_PASS, SampledRows, SamplerOutput, SamplerPlan, SamplingBatch, \
     bitmask_words, mask_disallowed, resolve_sampler_branches
 from sluice.batching.scheduler import ScheduledChunk, scored_rows
-from sluice.batching.sequence import PENDING
+from sluice.batching.sequence import PENDING, SequenceStatus
 from sluice.batching.step_output import PendingStep
 from sluice.batching.structured import fill_bitmask
 from sluice.model.llama import Llama, empty_kv_cache, resolve_layer_loop
@@ -210,14 +210,16 @@ class ModelRunner:
 
     def _run(self, bucket: Bucket, writes: SlotWrites | None, inputs: StepInputs, sampled: SampledRows,
              fill_masks: Callable[[np.ndarray], None] | None = None, poison: bool = False,
-             plan: SamplerPlan | None = None, scores: bool = False
-             ) -> tuple[SamplerOutput | VerifiedSteps, jax.Array | None, PromptScores | None]:
+             plan: SamplerPlan | None = None, scores: bool = False, masks_later: bool = False
+             ) -> tuple[SamplerOutput | VerifiedSteps | Callable[[], SamplerOutput], jax.Array | None,
+                        PromptScores | None]:
         """Writes the changed slots, launches the step on host inputs (numpy) and replaces the pool; returns
         without waiting, with a single step's pooled rows and, with `scores`, its `PromptScores` (`score_step`).
 
         `fill_masks(allowed)`, for a single step with constrained rows, writes their masks into `allowed`
-        ([num_rows, ceil(V / 32)] int32, all ones) while the model runs. `poison`: the first row's logits become NaN
-        (an injected fault). `plan`: the sampler's, when the host decides it.
+        ([num_rows, ceil(V / 32)] int32, all ones) while the model runs; with `masks_later`, not yet: the call
+        that fills them and samples is returned instead of its output. `poison`: the first row's logits become
+        NaN (an injected fault). `plan`: the sampler's, when the host decides it.
         """
         if writes is not None:
             self._write(writes)
@@ -233,12 +235,17 @@ class ModelRunner:
         scored = self._score(self.weights, hidden, self._global(inputs.score_ids)) if scores else None
         if poison:
             logits = logits.at[0].set(jnp.nan)
-        if fill_masks is not None:
-            allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
-            fill_masks(allowed)
-            logits = self._mask(logits, self._global(allowed))
-        out, self._last_tokens = self._sampler_for(bucket.num_rows, plan, logits, sampling)(logits, sampling)
-        return out, pooled, scored
+
+        def sample() -> SamplerOutput:
+            masked = logits
+            if fill_masks is not None:
+                allowed = np.full((bucket.num_rows, bitmask_words(self.config.vocab_size)), -1, np.int32)
+                fill_masks(allowed)
+                masked = self._mask(logits, self._global(allowed))
+            out, self._last_tokens = self._sampler_for(bucket.num_rows, plan, masked, sampling)(masked, sampling)
+            return out
+
+        return (sample if masks_later and fill_masks is not None else sample()), pooled, scored
 
     def _sampler_for(self, num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch
                  ) -> Callable[[jax.Array, SamplingBatch], tuple[SamplerOutput, jax.Array]]:
@@ -375,7 +382,8 @@ class ModelRunner:
             pool.shutdown(cancel_futures=True)
 
     def dispatch(self, chunks: list[ScheduledChunk], limits: list[int] | None = None,
-                 drafting: list[int] | None = None, pooling: bool = False, scoring: bool = False) -> PendingStep:
+                 drafting: list[int] | None = None, pooling: bool = False, scoring: bool = False,
+                 masks_later: bool = False) -> PendingStep:
         """Runs one step for `chunks` (row i of the sampler output belongs to chunks[i]) without waiting.
 
         `limits`: for a decode-only step, run `num_decode_steps` decode steps in this call, chunk i emitting at
@@ -383,7 +391,9 @@ class ModelRunner:
         checks at a step of that call (0: none), proposing and checking them on the device (`verify_steps`: the
         result is `VerifiedSteps`).
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
-        sampled row, drafts included) while the model runs. `pooling`: fetch the pooled rows (`StepOutput.pooled`).
+        sampled row, drafts included) while the model runs; with `masks_later` (a single step dispatched before
+        the host has the tokens of the step before it), only when the engine has taken those in and calls
+        `PendingStep.sample`: the sequences that step ended keep all-ones rows (theirs are dropped). `pooling`: fetch the pooled rows (`StepOutput.pooled`).
         `scoring`: some sequence may score its prompt (`SamplingParams.prompt_logprobs`); a step with prompt tokens
         to score runs the scoring program after it (`StepOutput.scores`; compiled when first met, a small one).
         A multi-step call not compiled for its sampler's plan runs as a single step while it compiles off this
@@ -412,7 +422,7 @@ class ModelRunner:
         if not drafted:
             sampling = [i for i, c in enumerate(chunks) if c.sample]
             self._last_row[sampled.slot[sampling]] = sampling  # no chunk drafts: row i is chunk i's
-        constrained = [(c.seq.grammar, row, c.seq.drafts[:c.num_drafts])
+        constrained = [(c.seq, row, c.seq.drafts[:c.num_drafts])
                        for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
         if step_broadcast.is_multiprocess():
             num_writes = 0 if writes is None else len(writes.slots)
@@ -421,7 +431,9 @@ class ModelRunner:
                 step_broadcast.send_payload((writes.slots, writes.rows))
 
         def fill_masks(allowed: np.ndarray) -> None:
-            fill_bitmask(constrained, allowed)
+            if live := [(seq.grammar, row, drafts) for seq, row, drafts in constrained
+                        if seq.status is SequenceStatus.RUNNING]:
+                fill_bitmask(live, allowed)
             if step_broadcast.is_multiprocess():
                 step_broadcast.send_payload(allowed)
 
@@ -431,12 +443,7 @@ class ModelRunner:
         fault = (self.fault.fires(self._num_dispatched, num_steps == 1 and chunks[0].sample)
                  if self.fault is not None else None)
         out, pooled, scored = self._run(bucket, writes, inputs, sampled, fill_masks if constrained else None,
-                                        fault == "nan", plan, scores)
-        if not verifies:  # the host reads the top alternatives only for logprobs, and acceptances only for drafts
-            logprobs = any(c.seq.params.wants_logprobs for c in chunks)
-            out = replace(out, top_ids=out.top_ids if logprobs else None,
-                          top_logprobs=out.top_logprobs if logprobs else None,
-                          accepted=out.accepted if drafted else None)
+                                        fault == "nan", plan, scores, masks_later)
         return PendingStep(out, chunks, rows, limits, drafting, pooled if pooling else None, scored, bucket, fault)
 
     def _plan(self, chunks: list[ScheduledChunk]) -> SamplerPlan | None:

@@ -3,8 +3,10 @@ ran: one step, a multi-step call or a verification (`device_step.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -91,21 +93,52 @@ class StepOutput:
 class PendingStep:
     """A dispatched step whose sampled tokens are being copied to the host."""
 
-    def __init__(self, out: SamplerOutput | VerifiedSteps, chunks: list[ScheduledChunk], rows: list[int],
-                 limits: list[int] | None, drafting: list[int] | None, pooled: jax.Array | None,
+    def __init__(self, out: SamplerOutput | VerifiedSteps | Callable[[], SamplerOutput], chunks: list[ScheduledChunk],
+                 rows: list[int], limits: list[int] | None, drafting: list[int] | None, pooled: jax.Array | None,
                  scores: PromptScores | None, bucket: Bucket, fault: str | None = None):
-        """`limits`, `drafting`: the multi-step call's that ran (`ModelRunner.dispatch`), None for a single step;
-        `bucket`: the step's shape, for a hung step's report; `fault`: an injected one (`faults.py`)."""
+        """`out`: the sampler's, or (a step whose grammar masks wait for the step before it) the call that fills
+        them and samples, which `sample` makes. `limits`, `drafting`: the multi-step call's that ran
+        (`ModelRunner.dispatch`), None for a single step; `bucket`: the step's shape, for a hung step's report;
+        `fault`: an injected one (`faults.py`)."""
         self.limits, self.drafting = limits, drafting
-        self._out = (out, pooled, scores)
         self._shares = (chunks, rows, limits)
+        self._sampling = out if callable(out) else None
+        self._out = (None if callable(out) else self._read(out), pooled, scores)
         self.bucket = bucket
         self._fault = fault
-        for leaf in jax.tree.leaves(self._out):
-            leaf.copy_to_host_async()
+        _copy_to_host(self._out)
+
+    @property
+    def sampled(self) -> bool:
+        return self._sampling is None
+
+    def sample(self) -> None:
+        """Fills the step's grammar masks (from its sequences' matchers as they are now) and dispatches its
+        sampling, if it waited for that."""
+        if self._sampling is not None:
+            sampling, self._sampling = self._sampling, None
+            self._out = (self._read(sampling()), *self._out[1:])
+            _copy_to_host(self._out[0])
+
+    def _read(self, out: SamplerOutput | VerifiedSteps) -> SamplerOutput | VerifiedSteps:
+        """What of `out` the host reads: a single step's top alternatives only for logprobs, and its acceptances
+        only for drafts."""
+        if self.drafting is not None:
+            return out
+        chunks = self._shares[0]
+        logprobs = any(c.seq.params.wants_logprobs for c in chunks)
+        return replace(out, top_ids=out.top_ids if logprobs else None,
+                       top_logprobs=out.top_logprobs if logprobs else None,
+                       accepted=out.accepted if any(c.num_drafts for c in chunks) else None)
 
     def fetch(self) -> StepOutput:
         """Blocks until the step is done."""
+        self.sample()
         strike(self._fault, self.bucket)
         out, pooled, scores = jax.tree.map(np.asarray, self._out)
         return StepOutput(out, *self._shares, pooled, scores)
+
+
+def _copy_to_host(tree: Any) -> None:
+    for leaf in jax.tree.leaves(tree):
+        leaf.copy_to_host_async()

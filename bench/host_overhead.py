@@ -3,6 +3,7 @@
     python -m sluice.bench.host_overhead                                   # batches 1, 64, 256, 512; vocab 49,152 and 128,256
     python -m sluice.bench.host_overhead --batches 1,4,16,64 --model default              # the real model's device step
     python -m sluice.bench.host_overhead --batches 1,4,16,64 --model default --device-cores 1   # host on its own core
+    python -m sluice.bench.host_overhead --batches 16,64 --model default --device-cores 1 --constrained 0.25
 
 The model is small (random weights, two layers and hidden size 64 by default) with a real vocabulary (a
 file-free word-level tokenizer of that size), so its step is short next to the host's work; the sampler still
@@ -14,7 +15,8 @@ wait is the time the host blocks on the device. Without overlap a step's period 
 it, about max(host, device): `--layers`/`--hidden`, or `--model default` (the real SmolLM2, its step a few
 milliseconds on a CPU), make the device step longer to show it. On a CPU the "device" is the host's own cores,
 so overlap can only hide host work where the device leaves a core idle: `--device-cores` keeps XLA's threads
-off one core (or more) for the engine's thread, as on a GPU.
+off one core (or more) for the engine's thread, as on a GPU. `--constrained` puts a share of each batch under a
+grammar, whose masks the host fills each step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from flax import nnx
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
-from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.sampling_params import SamplingParams, StructuredOutput
 from sluice.bench.engine_check import file_free_tokenizer
 from sluice.bench.host_phases import PHASES, PhaseTimer
 from sluice.model.config import ModelConfig
@@ -62,13 +64,15 @@ def tiny_model(vocab_size: int, num_layers: int, hidden: int) -> LoadedModel:
     return LoadedModel(config=config, model=model, tokenizer=file_free_tokenizer(config), name="host-overhead")
 
 
-def measure(engine: Engine, batch: int, decode_steps: int) -> Measured:
-    """Runs `batch` requests to their end, timing the steps in which all of them decode."""
+def measure(engine: Engine, batch: int, decode_steps: int, constrained: float = 0.0) -> Measured:
+    """Runs `batch` requests to their end, timing the steps in which all of them decode; the first `constrained`
+    of them (a fraction) under a grammar that any lowercase text meets."""
     params = SamplingParams(max_tokens=decode_steps + 6 * engine.config.num_decode_steps, temperature=0.0,
                             ignore_eos=True)
+    grammar = replace(params, structured=StructuredOutput("regex", "[a-z ]+"))
     for i in range(batch):
         prompt = [(7 * i + j) % 1000 + 3 for j in range(PROMPT_TOKENS)]
-        engine.submit([prompt], params, ListCollector(1), f"host-{i}")
+        engine.submit([prompt], grammar if i < constrained * batch else params, ListCollector(1), f"host-{i}")
     while engine.stats.generation_tokens_total < batch:  # prefill and first tokens
         engine.step()
     for _ in range(2):
@@ -111,10 +115,15 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=64, help="model hidden size")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch and mode")
     parser.add_argument("--num-decode-steps", type=int, default=1, help="the engine's decode steps per call")
+    parser.add_argument("--constrained", type=float, default=0.0,
+                        help="the fraction of each batch under a grammar (needs --model: llguidance reads its "
+                             "tokenizer)")
     parser.add_argument("--device-cores", type=int, default=None,
                         help="CPU only: XLA's threads on this many cores, the engine's thread on the others (default: "
                              "all share every core)")
     args = parser.parse_args(argv)
+    if args.constrained and not args.model:
+        parser.error("--constrained needs --model")
     if args.device_cores is not None:
         give_device_cores(args.device_cores)
     batches = [int(b) for b in args.batches.split(",")]
@@ -136,7 +145,7 @@ def main(argv=None) -> int:
         for batch in batches:
             for overlap in (True, False):
                 engine.config = replace(config, async_scheduling=overlap)
-                m = measure(engine, batch, args.decode_steps)
+                m = measure(engine, batch, args.decode_steps, args.constrained)
                 print(f"{vocab:>7} {batch:>5} {'on' if overlap else 'off':>7} "
                       + " ".join(f"{m.phases[p]:>8.3f}" for p in PHASES)
                       + f" {m.host_ms:>8.3f} {m.wait_ms:>8.3f} {m.period_ms:>8.3f} {m.cpu_ms:>8.3f}", flush=True)

@@ -1,9 +1,11 @@
 """Structured output with the engine's speed features: speculative decoding (drafts verified under the mask,
-the grammar never left holding a rejected draft) and multi-step decode (constrained batches run single steps).
-A tiny random model over SmolLM2's full vocabulary, so every token id has a logit."""
+the grammar never left holding a rejected draft), multi-step decode (constrained batches run single steps) and
+overlapped scheduling (a step's masks wait for the step before). A tiny random model over SmolLM2's full
+vocabulary, so every token id has a logit."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
 
@@ -64,3 +66,38 @@ def test_multi_step_decode_runs_constrained_batches_one_step_per_call_with_the_s
     alone = multi.generate(PROMPTS[1::2], free)
     assert [a[0].token_ids for a in alone] == [w[0].token_ids for w in want[1::2]]
     assert multi.stats.num_steps - steps < free.max_tokens // 2  # alone, they decode 4 tokens per call
+
+
+def test_overlapped_steps_with_grammars_give_the_tokens_of_collecting_every_step_first(tiny, plain):
+    """Overlapped (most of the batch free), a step with constrained rows is dispatched before the host has the
+    tokens of the step before; their masks are filled, and the step's sampling dispatched, once it has. A token
+    the grammar forces is then sampled (its mask allows it alone) instead of appended at once: the same tokens,
+    seeded draws included. A sequence the step before ended (its grammar complete) has its row in flight
+    dropped."""
+    serial = Engine(tiny, replace(CONFIG, async_scheduling=False), progress=False)
+    colour = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    params = [CONSTRAINED,
+              SamplingParams(temperature=0.0, max_tokens=40, structured=StructuredOutput("json_schema",
+                                                                                         json.dumps(colour))),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=40, structured=StructuredOutput("regex", PATTERN)),
+              *[SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 3]
+    prompts = [*PROMPTS, [11, 12, 13], [90, 91]]
+    overlapped: list[bool] = []
+    dispatch = plain.runner.dispatch
+
+    def recording(chunks, *args, **kwargs):
+        overlapped.append(any(c.seq.num_pending and c.seq.grammar is not None for c in chunks))
+        return dispatch(chunks, *args, **kwargs)
+
+    plain.runner.dispatch = recording
+    try:
+        have = plain.generate(prompts, params)
+    finally:
+        plain.runner.dispatch = dispatch
+    want = serial.generate(prompts, params)
+    for w, h in zip(want, have):
+        assert (h[0].token_ids, h[0].text, h[0].finish_reason) == (w[0].token_ids, w[0].text, w[0].finish_reason)
+    assert json.loads(have[1][0].text)["colour"] in ("red", "green") and have[1][0].finish_reason == "stop"
+    assert sum(overlapped) > 20
+    assert plain.stats.kv_pages_used == 0
