@@ -110,7 +110,8 @@ class SamplingBatch:
         sampling = self.temperature > 0
         return dict(sampling=sampling, penalties=self.penalized(), top_k=sampling & (self.top_k > 0),
                     top_p=sampling & (self.top_p < 1), min_p=sampling & (self.min_p > 0),
-                    top_logprobs=self.top_logprobs > 0, logit_bias=self.bias_ids[:, 0] >= 0)
+                    top_logprobs=self.top_logprobs > 0, logit_bias=self.bias_ids[:, 0] >= 0,
+                    min_tokens=self.min_tokens > 0)
 
     def stops(self, tokens: jax.Array) -> jax.Array:
         """tokens: [S] int32 sampled at `step`, or [S, W] sampled at steps `step` to `step + W - 1` -> bool of
@@ -144,7 +145,8 @@ def resolve_sampler_branches(choice: str) -> str:
 @dataclass(frozen=True)
 class SamplerPlan:
     """Which of `sample`'s optional passes a step's rows need: some row samples (temperature > 0), is penalized,
-    filters by top-k, top-p or min-p (sampling rows), wants top alternatives, or biases logits."""
+    filters by top-k, top-p or min-p (sampling rows), wants top alternatives, biases logits, or holds its stop ids
+    back for min_tokens."""
 
     sampling: bool = False
     penalties: bool = False
@@ -153,6 +155,7 @@ class SamplerPlan:
     min_p: bool = False
     top_logprobs: bool = False
     logit_bias: bool = False
+    min_tokens: bool = False
 
     @classmethod
     def of(cls, table: SamplingBatch, slots: np.ndarray) -> SamplerPlan:
@@ -351,6 +354,16 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(token, vocab - 1).astype(jnp.int32)
 
 
+def hold_stop_ids(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """logits: [S, V] with each row's stop ids at -inf before its min_tokens-th token, unless they are all the row
+    may take (its grammar, complete before min_tokens, allows nothing but its end). Two passes over the logits:
+    only for steps with a row that has min_tokens."""
+    num_rows, vocab = logits.shape
+    banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)
+    held = logits.at[jnp.arange(num_rows)[:, None], banned].set(-jnp.inf, mode="drop")
+    return jnp.where(jnp.any(held > -jnp.inf, axis=-1, keepdims=True), held, logits)
+
+
 def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = None) -> SamplerOutput:
     """logits: [S, V] float32 -> SamplerOutput. Each row's logit_bias, penalties and min_tokens ban (of its stop ids,
     unless nothing else is allowed) apply first;
@@ -369,11 +382,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
     needs = batch.needs()
     logits = _branch(plan, needs, ("logit_bias",), add_logit_bias, lambda x, _: x, logits, batch)
     logits = _branch(plan, needs, ("penalties",), apply_penalties, lambda x, _: x, logits, batch)
-    rows = jnp.arange(num_rows)[:, None]
-    banned = jnp.where((batch.stop_ids >= 0) & (batch.step < batch.min_tokens)[:, None], batch.stop_ids, vocab)
-    held = logits.at[rows, banned].set(-jnp.inf, mode="drop")
-    # Unless they are all a row may take: its grammar, complete before min_tokens, allows nothing but its end.
-    logits = jnp.where(jnp.any(held > -jnp.inf, axis=-1, keepdims=True), held, logits)
+    logits = _branch(plan, needs, ("min_tokens",), hold_stop_ids, lambda x, _: x, logits, batch)
     greedy_tokens = argmax(logits)
 
     def draw(logits: jax.Array) -> jax.Array:

@@ -218,6 +218,11 @@ PLAN_CASES = {
          row(SamplingParams(temperature=0.9, logit_bias=((1, 2.5),)), seed=2), row(SamplingParams(temperature=0.0)),
          row(SamplingParams(temperature=0.9, allowed_token_ids=(2, 9)), seed=3)],
         SamplerPlan(sampling=True, logit_bias=True)),
+    "min tokens": (
+        [row(SamplingParams(temperature=0.0, min_tokens=3), step=1, stop_ids=(5, 9)),
+         row(SamplingParams(temperature=0.8, min_tokens=2), seed=5, step=4, stop_ids=(5,)),
+         row(SamplingParams(temperature=0.0))],
+        SamplerPlan(sampling=True, min_tokens=True)),
 }
 
 
@@ -228,6 +233,7 @@ def test_the_plan_for_parameters_is_that_of_their_rows():
     assert SamplerPlan.for_params(SamplingParams(temperature=0.0, top_k=5, logprobs=True, top_logprobs=2,
                                                  repetition_penalty=1.1), VOCAB) == SamplerPlan(penalties=True,
                                                                                                  top_logprobs=True)
+    assert SamplerPlan.for_params(SamplingParams(temperature=0.0, min_tokens=4), VOCAB) == SamplerPlan(min_tokens=True)
 
 
 @pytest.mark.parametrize("rows, plan", PLAN_CASES.values(), ids=PLAN_CASES.keys())
