@@ -362,15 +362,17 @@ class KVStore:
             return key in self._ram or key in self._disk
 
     def forget(self, keys: list[PageKey]) -> None:
-        """Removes pages (their K/V is suspect) from RAM and from the disk's index now, and has the writer remove
-        their files, without waiting on the disk: after the writes queued before (the writes of these pages
-        among them are not made)."""
+        """Removes pages (their K/V is suspect) from RAM and from disk now, without waiting for the writes queued
+        before (those of these pages are not made); a file one of them may still be writing is removed by the
+        writer after it. A process killed once this returns leaves no file of them for the next store to serve."""
         with self._lock:
             self._forgotten.update(keys)
+            written = [key for key in keys if key in self._disk]
             for key in keys:
                 self._generations[key] = self._generations.get(key, 0) + 1
                 self._ram.pop(key, None)
                 self._disk.pop(key, None)
+        _remove_files(tuple(self._path(key) for key in written))
         self._queue.put(_Removal(tuple(self._path(key) for key in keys)))
 
     def counters(self) -> KVStoreCounters:

@@ -168,3 +168,23 @@ def test_a_page_forgotten_while_its_write_waits_then_put_anew_reaches_the_disk_w
     assert not waited, "forget waited for the writer"
     store._ram.clear()  # served from its file
     assert_same(store.get(A), payload(LAYOUT, 2))
+
+
+def test_a_page_forgotten_while_the_writer_is_busy_leaves_no_file_for_a_restart(open_store, monkeypatch):
+    """A page already on disk is forgotten while the writer is stuck in another page's fsync: its file is gone
+    when `forget` returns, so a process killed then (a hung step's exit) leaves no suspect page for the next
+    store to serve."""
+    disk = SlowDisk(monkeypatch)
+    store = open_store()
+    store.put(A, payload(LAYOUT, 1))
+    disk.writing.wait()
+    disk.release.set()
+    store.flush()
+    disk.release.clear()
+    disk.writing.clear()
+    store.put(B, payload(LAYOUT, 2))
+    disk.writing.wait()  # the writer is stuck in B's fsync
+    store.forget([A])
+    gone = not (store.directory / f"{A}{SUFFIX}").exists()
+    disk.release.set()
+    assert gone, "the forgotten page's file waited for the writer"
