@@ -393,7 +393,8 @@ class ModelRunner:
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
         sampled row, drafts included) while the model runs; with `masks_later` (a single step dispatched before
         the host has the tokens of the step before it), only when the engine has taken those in and calls
-        `PendingStep.sample`: the sequences that step ended keep all-ones rows (theirs are dropped). `pooling`: fetch the pooled rows (`StepOutput.pooled`).
+        `PendingStep.sample`: the sequences that step ended keep all-ones rows (theirs are dropped).
+        `pooling`: fetch the pooled rows (`StepOutput.pooled`).
         `scoring`: some sequence may score its prompt (`SamplingParams.prompt_logprobs`); a step with prompt tokens
         to score runs the scoring program after it (`StepOutput.scores`; compiled when first met, a small one).
         A multi-step call not compiled for its sampler's plan runs as a single step while it compiles off this

@@ -108,10 +108,6 @@ class PendingStep:
         self._fault = fault
         _copy_to_host(self._out)
 
-    @property
-    def sampled(self) -> bool:
-        return self._sampling is None
-
     def sample(self) -> None:
         """Fills the step's grammar masks (from its sequences' matchers as they are now) and dispatches its
         sampling, if it waited for that."""

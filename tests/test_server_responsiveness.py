@@ -1,6 +1,6 @@
 """The event loop stays free while a request is built: compiling a structured output's grammar and rendering and
-encoding a prompt run in worker threads, so `/health` and other streams answer meanwhile, and a client that leaves during the build does not
-leave its request behind in the engine. The tiny random model with SmolLM2's vocabulary (llguidance needs the
+encoding a prompt run in worker threads, so `/health` and other streams answer meanwhile, and a client that
+leaves during the build does not leave its request behind in the engine. The tiny random model with SmolLM2's vocabulary (llguidance needs the
 model's logits to cover the tokenizer), in-process."""
 
 from __future__ import annotations
