@@ -17,8 +17,10 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
 
 A final assistant message without tool_use blocks (after others) is Anthropic's prefill: the start of the reply,
 which the prompt ends with rather than closing it as a turn (the chat request's `continue_final_message`); an
-empty one is left out. Only the reply's shape is Anthropic's own (`anthropic_responses.py`): with a
---reasoning-parser, the reply's reasoning is a thinking block before the others.
+empty one is left out. As on Anthropic's API, a prefill cannot go with `output_config.format`: the grammar would
+hold the continuation to the schema, not the prefill and the continuation together. Only the reply's shape is
+Anthropic's own (`anthropic_responses.py`): with a --reasoning-parser, the reply's reasoning is a thinking block
+before the others.
 """
 
 from __future__ import annotations
@@ -129,6 +131,10 @@ def chat_request(body: CountTokensRequest, budgets: bool = False) -> ChatComplet
     if body.output_config is not None:
         data["reasoning_effort"] = body.output_config.effort
         if (output := body.output_config.format) is not None:
+            if _prefills(messages):
+                raise invalid_request("output_config.format cannot be combined with a prefill (a final assistant "
+                                      "message): the schema would hold the reply only, not the prefill it "
+                                      "continues", param="output_config.format")
             data["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": output.schema_}}
     if body.tool_choice is not None:

@@ -126,6 +126,16 @@ def test_structured_output_gives_text_the_clients_parse_into_the_schemas_object(
     assert isinstance(message.parsed_output, Weather) and message.stop_reason == "end_turn"
 
 
+def test_structured_output_after_a_prefill_is_a_400_as_on_anthropics_api(client):
+    """The grammar would hold only the continuation to the schema: after `{"unit": "`, a whole object again."""
+    prefill = [*HELLO, {"role": "assistant", "content": '{"unit": "'}]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.parse(model=MODEL, max_tokens=120, messages=prefill, output_format=Weather, **GREEDY)
+    error = caught.value.body["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("output_config.format cannot be combined with a prefill")
+
+
 @pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}],
                          ids=["any", "tool"])
 def test_structured_output_with_a_forced_tool_choice_is_a_400_in_the_requests_own_terms(client, tool_choice):
