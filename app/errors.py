@@ -76,6 +76,13 @@ def body_too_large(limit: int) -> APIError:
     return APIError(413, f"Request body is larger than {limit} bytes", code="request_too_large")
 
 
+def body_stalled(timeout_s: float) -> APIError:
+    """The answer to a body that stopped arriving; the connection is closed after it, as the rest of the body
+    may still come."""
+    return APIError(408, f"The request body stopped arriving: nothing came for {timeout_s:g} s",
+                    code="body_stalled", headers={"Connection": "close"})
+
+
 def queue_full(retry_after_s: int) -> APIError:
     return APIError(
         429,

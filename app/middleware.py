@@ -1,7 +1,9 @@
-"""ASGI middleware that acts before routing: a bug's 500, API-key check, body size limit, per-route request counts."""
+"""ASGI middleware that acts before routing: a bug's 500, API-key check, body reading (size and stall limits),
+per-route request counts."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -11,7 +13,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.app.anthropic_errors import error_response_for
-from sluice.app.errors import body_too_large, internal_error, unauthorized
+from sluice.app.errors import APIError, body_stalled, body_too_large, internal_error, unauthorized
 from sluice.app.metrics import ServerMetrics
 from sluice.app.openapi import path_template
 
@@ -19,6 +21,10 @@ logger = logging.getLogger(__name__)
 
 # Probes, scrapers and API explorers do not hold the API key (nor does a browser opening the dashboard page).
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
+
+# How long a request body may stop arriving: nginx's client_body_timeout, and --stream-stall-timeout's default
+# for a reader that stops taking a stream.
+BODY_STALL_TIMEOUT_S = 60.0
 
 
 class InternalErrorMiddleware:
@@ -71,11 +77,14 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class BodySizeLimitMiddleware:
-    """413 for a body over `max_bytes`, whether declared by Content-Length or only found while reading.
+class BodyReadMiddleware:
+    """Reads the body whole before the app runs (bodies here are small JSON), then replays it; later `receive`
+    calls go to the server, so the app can still see `http.disconnect`.
 
-    The body is read whole before the app runs (bodies here are small JSON) and then replayed; later
-    `receive` calls go to the server, so the app can still see `http.disconnect`.
+    A body over `max_bytes`, whether declared by Content-Length or only found while reading, is a 413. A body
+    that stops arriving (nothing for `BODY_STALL_TIMEOUT_S` while some is still due) is a 408, as nginx's
+    client_body_timeout answers: the server has no timeout of its own for it, and the connection and this task
+    would wait for ever.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -86,24 +95,14 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
-            await error_response_for(scope["path"], body_too_large(self._max_bytes))(scope, receive, send)
+        try:
+            whole = await self._read(scope, receive)
+        except APIError as error:
+            await error_response_for(scope["path"], error)(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self._max_bytes:
-                await error_response_for(scope["path"], body_too_large(self._max_bytes))(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        if whole is None:
+            return
+        body: Message | None = {"type": "http.request", "body": whole, "more_body": False}
 
         async def replay() -> Message:
             nonlocal body
@@ -113,6 +112,28 @@ class BodySizeLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _read(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body; None if the client left first."""
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
+            raise body_too_large(self._max_bytes)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                async with asyncio.timeout(BODY_STALL_TIMEOUT_S):
+                    message = await receive()
+            except TimeoutError:
+                raise body_stalled(BODY_STALL_TIMEOUT_S) from None
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max_bytes:
+                raise body_too_large(self._max_bytes)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
 
 # nginx's status for a client that closed its connection before the answer (streaming.py answers it too).

@@ -1,6 +1,6 @@
 """The Starlette app: route table (with its OpenAPI description), error handlers, middleware and lifespan.
 
-Where a request goes: the middleware (`middleware.py`: API key, body size, counts) -> a route: the OpenAI
+Where a request goes: the middleware (`middleware.py`: API key, body reading, counts) -> a route: the OpenAI
 routes in `routes.py`, the small ones here -> for generation, `generation.py` drives the engine
 (`batching/engine.py`) and `responses.py` shapes its output, streamed by `streaming.py`.
 """
@@ -35,7 +35,7 @@ from sluice.app.dashboard.feed import Feed
 from sluice.app.embeddings import create_embeddings
 from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
 from sluice.app.errors import APIError, error_response, not_ready
-from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodySizeLimitMiddleware, InternalErrorMiddleware, \
+from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyReadMiddleware, InternalErrorMiddleware, \
     RequestCountMiddleware
 from sluice.app.openapi import Operation, openapi_document
 from sluice.app.responses_api import create_response, delete_response, get_response, list_input_items
@@ -155,7 +155,7 @@ def create_app(state: ServerState) -> Starlette:
     if state.settings.api_key:
         open_paths = OPEN_PATHS | dashboard.OPEN_PATHS if ui else OPEN_PATHS
         middleware.append(Middleware(ApiKeyMiddleware, api_key=state.settings.api_key, open_paths=open_paths))
-    middleware.append(Middleware(BodySizeLimitMiddleware, max_bytes=state.settings.max_body_bytes))
+    middleware.append(Middleware(BodyReadMiddleware, max_bytes=state.settings.max_body_bytes))
     feed = Feed(state) if ui else None
 
     @asynccontextmanager

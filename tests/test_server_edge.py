@@ -1,13 +1,16 @@
 """The server's edge, no model loaded: what the request counts and the dashboard's error list say about requests
-that got no answer (under a real uvicorn), and the scale-out ingress's reading of bodies."""
+that got no answer (under a real uvicorn), bodies that stop arriving, and the scale-out ingress's reading of
+bodies."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,34 +19,52 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
+from starlette.types import ASGIApp
 
 from sluice.app.ingress import _ReplicaReports, routing_key
 from sluice.app.metrics import ServerMetrics
-from sluice.app.middleware import InternalErrorMiddleware, RequestCountMiddleware
+from sluice.app import middleware
+from sluice.app.middleware import BodyReadMiddleware, InternalErrorMiddleware, RequestCountMiddleware
 from sluice.app.replicas import ReplicaReport
 from sluice.app.server import create_app
 from sluice.app.streaming import EventStreamResponse
 from sluice.app.state import ServerSettings, ServerState
 from sluice.bench.prefix_cache import CacheCounters, parse
 
+from test_stalled_readers import read_to_end
 
-@pytest.fixture
-def served() -> Iterator[tuple[ServerState, tuple[str, int]]]:
-    """A loading server's state and its address; uvicorn runs in a thread."""
-    state = ServerState(ServerSettings())
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning"))
+
+@contextmanager
+def serving(app: ASGIApp) -> Iterator[tuple[uvicorn.Server, tuple[str, int]]]:
+    """`app` under a real uvicorn, run in a thread, and its address."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    yield state, (host, port)
+    yield server, server.servers[0].sockets[0].getsockname()[:2]
     server.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[ServerState, tuple[str, int]]]:
+    """A loading server's state and its address."""
+    state = ServerState(ServerSettings())
+    with serving(create_app(state)) as (_, address):
+        yield state, address
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float = 5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "not done in time"
+        time.sleep(0.05)
 
 
 def counts(address: tuple[str, int], route: str) -> list[str]:
@@ -57,13 +78,49 @@ def test_a_client_gone_while_sending_its_body_is_counted_as_closed_not_as_a_serv
     with socket.create_connection(address) as client:
         client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: sluice\r\nContent-Length: 100\r\n\r\n{\"prompt")
         time.sleep(0.1)  # the middleware is waiting for the rest of the body when the client leaves
-    deadline = time.monotonic() + 5
-    while not counts(address, "/v1/completions"):
-        assert time.monotonic() < deadline, "the request was never counted"
-        time.sleep(0.05)
+    wait_until(lambda: counts(address, "/v1/completions"))
     assert counts(address, "/v1/completions") == ['sluice_requests_total{route="/v1/completions",status="499"} 1.0']
     [error] = state.metrics.recent.take().errors
     assert (error.kind, error.status, error.message) == ("aborted", 499, "The client left before it was answered")
+
+
+STALLED = "The request body stopped arriving: nothing came for 0.5 s"
+
+
+@pytest.mark.parametrize(("path", "error"), [
+    ("/v1/completions", {"error": {"message": STALLED, "type": "invalid_request_error", "param": None,
+                                   "code": "body_stalled"}}),
+    ("/v1/messages", {"type": "error", "error": {"type": "invalid_request_error", "message": STALLED,
+                                                 "details": {"error_code": "body_stalled"}}}),
+], ids=["openai", "anthropic"])
+def test_a_body_that_stops_arriving_is_a_408_in_its_apis_shape_and_its_connection_closes(monkeypatch, path, error):
+    """nginx's client_body_timeout: uvicorn has none, so the connection and the handler's task waited for ever."""
+    monkeypatch.setattr(middleware, "BODY_STALL_TIMEOUT_S", 0.5)
+    state = ServerState(ServerSettings())
+    with serving(create_app(state)) as (server, address), socket.create_connection(address) as client:
+        client.sendall(f"POST {path} HTTP/1.1\r\nHost: sluice\r\nContent-Length: 1000\r\n\r\n".encode() + b"x" * 10)
+        head, _, body = read_to_end(client, timeout_s=5).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and json.loads(body) == error
+        wait_until(lambda: not server.server_state.tasks and not server.server_state.connections)
+        assert counts(address, path) == [f'sluice_requests_total{{route="{path}",status="408"}} 1.0']
+        assert asyncio.run(state.wait_idle(1))  # nothing admitted: a drain would not wait for it
+
+
+def test_a_slow_body_that_keeps_arriving_is_read_whole(monkeypatch):
+    monkeypatch.setattr(middleware, "BODY_STALL_TIMEOUT_S", 1.0)
+
+    async def length(request: Request) -> Response:
+        return PlainTextResponse(str(len(await request.body())))
+
+    app = Starlette(routes=[Route("/length", length, methods=["POST"])],
+                    middleware=[Middleware(BodyReadMiddleware, max_bytes=1000)])
+    with serving(app) as (_, address), socket.create_connection(address) as client:
+        client.sendall(b"POST /length HTTP/1.1\r\nHost: sluice\r\nContent-Length: 1000\r\nConnection: close\r\n\r\n")
+        for _ in range(10):  # 2 s in all, twice the limit, but never a second without a byte
+            time.sleep(0.2)
+            client.sendall(b"x" * 100)
+        head, _, body = read_to_end(client, timeout_s=5).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and body == b"1000"
 
 
 def test_a_stream_whose_reader_stops_as_its_last_event_goes_out_still_ends_at_the_stall_limit():
