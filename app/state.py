@@ -22,13 +22,14 @@ from sluice.app.responses_api_store import ResponseStore
 @dataclass(frozen=True)
 class ServerSettings:
     """HTTP-side settings: `max_waiting` sequences may queue beyond the engine's running batch;
-    `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send; a stream whose reader
-    accepts nothing for `stream_stall_timeout_s` (0: never) is aborted (`app/streaming.py`); `ui` serves the
-    dashboard and playground, whose latency charts draw the `slo_*_ms` lines when set; `tool_call_parser` names
-    the format of tool calls (`app/tool_calls.py`); `/v1/responses` keeps at most `responses_store_size` responses
-    and `responses_store_bytes` bytes of them (`app/responses_api_store.py`); `embedding_pooling` is how
-    `/v1/embeddings` pools an input's hidden states (`app/embeddings.py`); `reasoning_parser` names how a reasoning
-    model's thinking is told from its answer (`app/reasoning.py`; None: not at all)."""
+    `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send; a stream (the API's or the
+    dashboard's) whose reader accepts nothing for `stream_stall_timeout_s` (0: never) is ended
+    (`app/streaming.py`); `ui` serves the dashboard and playground, whose latency charts draw the `slo_*_ms` lines
+    when set; `tool_call_parser` names the format of tool calls (`app/tool_calls.py`); `/v1/responses` keeps at
+    most `responses_store_size` responses and `responses_store_bytes` bytes of them (`app/responses_api_store.py`);
+    `embedding_pooling` is how `/v1/embeddings` pools an input's hidden states (`app/embeddings.py`);
+    `reasoning_parser` names how a reasoning model's thinking is told from its answer (`app/reasoning.py`; None:
+    not at all)."""
 
     served_model_name: str | None = None
     api_key: str | None = None

@@ -153,6 +153,36 @@ def test_a_stream_whose_reader_stops_as_its_last_event_goes_out_still_ends_at_th
     assert ended == ["stalled", "closed"]
 
 
+class EndlessFeed:
+    """The dashboard's feed (which needs an engine) stood in for: large events as fast as the stream takes them, so
+    that a reader's window fills at once."""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+
+    async def events(self):
+        try:
+            while True:
+                yield b"data: " + b"x" * 65536 + b"\n\n"
+        finally:
+            self.closed.set()
+
+
+def test_a_dashboard_whose_reader_stops_is_ended_at_the_stall_limit():
+    """A tab that stops reading (a suspended laptop) held its stream's task and connection for ever."""
+    state = ServerState(ServerSettings(stream_stall_timeout_s=0.5, sse_keepalive_s=0.1))
+    app = create_app(state)
+    app.state.feed = feed = EndlessFeed()
+    with serving(app) as (server, address), socket.socket() as reader:
+        # Before connect: a small window, and small segments, so the server's sends fill it.
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+        reader.connect(address)
+        reader.sendall(b"GET /dashboard/events HTTP/1.1\r\nHost: sluice\r\n\r\n")  # and never reads
+        assert feed.closed.wait(10)
+        wait_until(lambda: not server.server_state.tasks)
+
+
 def test_a_route_that_raises_is_answered_with_its_apis_500_and_counted():
     """Answered inside the app, so the exception does not reach the server, which would close the connection."""
     async def broken(request: Request) -> None:

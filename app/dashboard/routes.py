@@ -51,7 +51,10 @@ async def _static(request: Request) -> Response:
 async def _events(request: Request) -> Response:
     feed: Feed = request.app.state.feed
     state: ServerState = request.app.state.sluice
-    return EventStreamResponse(feed.events(), on_close=_nothing, keepalive_s=state.settings.sse_keepalive_s)
+    # A tab that stops reading (a suspended laptop) is let go as an API stream's reader is: its stream skips the
+    # ticks it cannot take, so its memory stays bounded, but its task and connection would stay for ever.
+    return EventStreamResponse(feed.events(), on_close=_nothing, keepalive_s=state.settings.sse_keepalive_s,
+                               stall_timeout_s=state.settings.stream_stall_timeout_s or None)
 
 
 async def _nothing() -> None:
