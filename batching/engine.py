@@ -67,6 +67,7 @@ ACCELERATOR_KV_FRACTION = 0.8
 # cycle. At Python's default (700 allocations) the young generation is collected several times a step, and
 # every tenth time the next one with it: about a tenth of the host's step (RESULTS.md, 2026-11-26).
 GC_YOUNG_THRESHOLD = 10_000
+NO_ALLOWED_TOKEN = "the grammar allows no token in allowed_token_ids here"
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, kv_dtype) -> int:
@@ -534,10 +535,13 @@ class Engine:
                 seq.num_computed_tokens = chunk.start + chunk.num_tokens - chunk.num_drafts + max(kept - 1, 0)
             if output is not None and seq.status is not SequenceStatus.FINISHED:
                 try:
-                    if not output.finite:
+                    if output.finite:
+                        self._append_output(seq, output, index, result.sampled)
+                    elif self._no_token_allowed(seq):
+                        self._end_choice(self._requests[seq.request_id], seq, "error", NO_ALLOWED_TOKEN)
+                    else:
                         self._forget_pages(seq)
                         raise FloatingPointError("the model's logits for this sequence were not finite")
-                    self._append_output(seq, output, index, result.sampled)
                 except Exception as error:  # noqa: BLE001 - one request's failure is its own
                     self._fail_request(seq.request_id, error)
                 if self.speculator is not None:
@@ -727,12 +731,13 @@ class Engine:
 
     def _append_forced(self, seq: Sequence) -> None:
         """Appends the tokens the sequence's grammar forces, one allowed token at a time (`Grammar.forced_token`):
-        the next step computes them in one chunk instead of a step each. A stop id is left to the sampler (its
-        min_tokens rule), and a request that wants logprobs never gets here (they come from the model); nor does
-        a sequence with a token in flight (overlapped), whose next row's mask allows the forced token alone."""
+        the next step computes them in one chunk instead of a step each. Left to the sampler, as every forced token
+        is for a sequence with a token in flight (overlapped: its next row's mask allows that token alone): a stop
+        id (its min_tokens rule), and a token allowed_token_ids excludes (the row samples none:
+        `_no_token_allowed`). A request that wants logprobs never gets here (they come from the model)."""
         while seq.status is SequenceStatus.RUNNING:
             token = seq.grammar.forced_token()
-            if token is None or token in seq.stop.stop_ids:
+            if token is None or token in seq.stop.stop_ids or not seq.params.allows(token):
                 return
             self._append(seq, seq.num_tokens, [token], [])
 
@@ -764,6 +769,13 @@ class Engine:
             self.block_manager.commit(seq)  # pages its last step filled, before they are freed
             self.scheduler.finish(seq)
         self._unemitted[seq] = None
+
+    @staticmethod
+    def _no_token_allowed(seq: Sequence) -> bool:
+        """Whether `seq`'s grammar and its allowed_token_ids have no token in common next: the request's own
+        contradiction, for which its row samples none, as a row does whose logits are not finite."""
+        allowed = seq.params.allowed_token_ids
+        return seq.grammar is not None and bool(allowed) and not seq.grammar.allows_any(allowed)
 
     def _advance_grammar(self, seq: Sequence, tokens: list[int], finish: FinishReason | None
                          ) -> tuple[int, FinishReason | None]:
@@ -870,14 +882,17 @@ class Engine:
         self.healthy = True
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None) -> None:
-        """Ends every unfinished choice of `request` with `reason` and frees its pages now."""
+        """Ends every unfinished choice of `request` with `reason` and frees their pages now."""
         for seq in request.seqs:
-            if seq.choice in request.finished_choices:
-                continue
-            if not seq.finished:
-                seq.finish_reason = reason
-                self.scheduler.finish(seq)
-            self._send(request, Increment(seq.choice, "", (), finish_reason=reason, error=error))
+            if seq.choice not in request.finished_choices:
+                self._end_choice(request, seq, reason, error)
+
+    def _end_choice(self, request: Request, seq: Sequence, reason: FinishReason, error: str | None) -> None:
+        """Ends `seq`, an unfinished choice of `request`, with `reason` and frees its pages now."""
+        if not seq.finished:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+        self._send(request, Increment(seq.choice, "", (), finish_reason=reason, error=error))
 
     # --- statistics ---------------------------------------------------------------------------------
 

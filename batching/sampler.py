@@ -241,6 +241,14 @@ def add_logit_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return jnp.where((batch.exclusive[:, None] > 0) & ~listed, -jnp.inf, biased)
 
 
+def left_nothing(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """logits: [S, V] (a grammar's mask applied) -> [S] bool, the rows allowed_token_ids leaves no token: those whose
+    allowed ids' logits are all -inf. The sampler takes index 0 out of nothing there, so it reports them (a NaN
+    logprob); no other pass can leave a row nothing."""
+    listed = jnp.take_along_axis(logits, jnp.maximum(batch.bias_ids, 0), axis=-1)
+    return (batch.exclusive > 0) & jnp.all((batch.bias_ids < 0) | (listed == -jnp.inf), axis=-1)
+
+
 def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     """OpenAI presence/frequency penalties on output tokens; repetition penalty on prompt and output tokens."""
     num_rows, vocab = logits.shape
@@ -368,7 +376,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
     """logits: [S, V] float32 -> SamplerOutput. Each row's logit_bias, penalties and min_tokens ban (of its stop ids,
     unless nothing else is allowed) apply first;
     then greedy rows (temperature 0) take the argmax, and the others draw from the filtered, temperature-scaled
-    distribution p with one uniform number keyed by (seed, step). Logprobs are the model's, before all of these.
+    distribution p with one uniform number keyed by (seed, step). Logprobs are the model's, before all of these;
+    NaN for a row they leave no token to take.
 
     A row with a draft d (one token, proposed by n-gram lookup) keeps it if d is the token the row samples: the
     argmax for a greedy row; for a sampling row, with probability p(d), the acceptance rate of speculative
@@ -398,6 +407,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, plan: SamplerPlan | None = N
     tokens = _branch(plan, needs, ("sampling",), draw, lambda _: greedy_tokens, logits)
     accepted = (batch.draft >= 0) & (tokens == batch.draft)
     chosen = jnp.take_along_axis(model_logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer[:, 0]
+    chosen = _branch(plan, needs, ("logit_bias",), lambda c: jnp.where(left_nothing(model_logits, batch), jnp.nan, c),
+                     lambda c: c, chosen)
 
     def top_alternatives() -> tuple[jax.Array, jax.Array]:
         values, ids = jax.lax.top_k(model_logits, MAX_TOP_LOGPROBS)

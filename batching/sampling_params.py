@@ -83,6 +83,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
 
+    def allows(self, token: int) -> bool:
+        """Whether `allowed_token_ids` lets it sample `token` (any token where it is not set)."""
+        return not self.allowed_token_ids or token in self.allowed_token_ids
+
     @cached_property
     def biased_ids(self) -> tuple[tuple[int, float], ...]:
         """The (id, bias) pairs the sampler's bias columns hold: the allowed ids, with their logit_bias, when some

@@ -21,7 +21,8 @@ class SequenceOutput(NamedTuple):
     """What one scheduled sequence got from a step, whatever ran (one step, a multi-step call, a verification):
     its new tokens in order, where each lies in the sampler's output (`positions`, (step, row): its logprobs),
     and (drafts checked, drafts accepted) of each verification. The engine stops taking tokens where the
-    sequence ends. `finite` is False if its logits were not (NaN or inf): it then has no tokens."""
+    sequence ends. `finite` is False if its row sampled nothing (its logits were not finite, NaN or inf, or its
+    masks left it no token): it then has no tokens."""
 
     tokens: list[int]
     positions: list[tuple[int, int]]
@@ -50,8 +51,8 @@ class StepOutput:
 
     @cached_property
     def nonfinite(self) -> np.ndarray:
-        """[rows] bool: whether a row's logits were not finite, checked at the call's first step (where every
-        sampled row is live; later, a row that stopped computes padding)."""
+        """[rows] bool: whether a row sampled nothing (its logprob is not finite: `sample`), checked at the call's
+        first step (where every sampled row is live; later, a row that stopped computes padding)."""
         return ~np.isfinite(self.sampled.logprobs[0])
 
     @cached_property
@@ -60,7 +61,7 @@ class StepOutput:
 
     def runs(self) -> tuple[list[list[int]], list[bool]]:
         """For a step in which no chunk drafts (row i is chunk i's): each chunk's tokens of every step, and whether
-        its logits were not finite."""
+        it sampled nothing."""
         n = len(self._chunks)
         return self._by_row[:n], self.nonfinite[:n].tolist()
 

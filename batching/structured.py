@@ -55,11 +55,19 @@ class Grammar:
 
     def forced_token(self) -> int | None:
         """The next token if the grammar allows exactly one, else None."""
+        bits = self._next_tokens()
+        return int(np.argmax(bits)) if np.count_nonzero(bits) == 1 else None
+
+    def allows_any(self, tokens: tuple[int, ...]) -> bool:
+        """Whether the grammar allows one of `tokens` next."""
+        return bool(self._next_tokens()[list(tokens)].any())
+
+    def _next_tokens(self) -> np.ndarray:
+        """[32 * ceil(V / 32)] uint8: 1 for each token the grammar allows next."""
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, self.scratch, 0)
-        bits = np.unpackbits(self.scratch.view(np.uint8), bitorder="little")  # bit t of the row: token t
-        return int(np.argmax(bits)) if np.count_nonzero(bits) == 1 else None
+        return np.unpackbits(self.scratch.view(np.uint8), bitorder="little")  # bit t of the row: token t
 
     def advance(self, token: int) -> None:
         """Consumes a sampled token. The sampler's mask allowed it, so a refusal is one of llguidance's limits met

@@ -14,6 +14,7 @@ from flax import nnx
 
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
+from sluice.batching.outputs import Completion
 from sluice.batching.sampling_params import SamplingParams, StructuredOutput
 from sluice.model.config import ModelConfig
 from sluice.model.llama import Llama
@@ -101,3 +102,52 @@ def test_overlapped_steps_with_grammars_give_the_tokens_of_collecting_every_step
     assert json.loads(have[1][0].text)["colour"] in ("red", "green") and have[1][0].finish_reason == "stop"
     assert sum(overlapped) > 20
     assert plain.stats.kv_pages_used == 0
+
+
+# Three ordinary tokens of SmolLM2's vocabulary; the grammar forces A, then B, then takes any number of C.
+A, B, C = 100, 200, 300
+FORCING = StructuredOutput("grammar", f"start: <[{A}]> <[{B}]> <[{C}]>*")
+NO_TOKEN_LEFT = "the grammar allows no token in allowed_token_ids here"
+
+
+@pytest.fixture(scope="module")
+def serial(tiny) -> Engine:
+    return Engine(tiny, replace(CONFIG, async_scheduling=False), progress=False)
+
+
+def beside_a_free_request(engine: Engine, params: SamplingParams) -> Completion:
+    """`params`' completion of a prompt in a batch whose other request is free: overlapped scheduling (the
+    default) then dispatches the constrained row's steps before the host has its tokens."""
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return engine.generate(PROMPTS[:2], [params, free])[0][0]
+
+
+@pytest.mark.parametrize(("allowed", "emitted"), [((A, C), (A,)), ((C,), ())], ids=["forced later", "forced first"])
+def test_a_token_the_grammar_forces_outside_allowed_token_ids_ends_the_choice_with_an_error(plain, serial, allowed,
+                                                                                          emitted, monkeypatch):
+    """Whether the host appends a forced token at once (collecting first) or samples it under a one-token mask
+    (overlapped), a token allowed_token_ids excludes is never emitted: the choice ends there, its own doing, not the
+    model's (its pages stay cached)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=allowed, structured=FORCING)
+    for engine in (plain, serial):
+        monkeypatch.setattr(engine, "_forget_pages", lambda seq: pytest.fail("pages forgotten"))
+        have = beside_a_free_request(engine, params)
+        assert (have.token_ids, have.finish_reason, have.error) == (emitted, "error", NO_TOKEN_LEFT)
+        assert engine.stats.kv_pages_used == 0
+
+
+def test_where_the_grammar_allows_only_tokens_allowed_token_ids_excludes_none_of_them_is_sampled(plain, serial):
+    """The grammar allows token 0 or A, allowed_token_ids only C: the sampler's masks leave the row no token, and
+    its argmax over nothing is no license to emit token 0."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=(C,),
+                            structured=StructuredOutput("grammar", f"start: (<[0]> | <[{A}]>) <[{C}]>*"))
+    for engine in (plain, serial):
+        have = beside_a_free_request(engine, params)
+        assert (have.token_ids, have.finish_reason, have.error) == ((), "error", NO_TOKEN_LEFT)
+
+
+def test_allowed_token_ids_that_take_the_forced_tokens_get_them_overlapped_or_not(plain, serial):
+    params = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=(A, B, C), structured=FORCING)
+    for engine in (plain, serial):
+        have = beside_a_free_request(engine, params)
+        assert (have.token_ids, have.finish_reason) == ((A, B, *[C] * 6), "length")
