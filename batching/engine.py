@@ -779,12 +779,16 @@ class Engine:
 
     def _advance_grammar(self, seq: Sequence, tokens: list[int], finish: FinishReason | None
                          ) -> tuple[int, FinishReason | None]:
-        """Advances `seq`'s grammar over `tokens` (those it keeps, ending with `finish`), up to an EOS: the grammar
-        allows one only where it is complete, so it ends the sequence there ("stop"), before min_tokens and with
-        ignore_eos too. Returns how many tokens it keeps, and its finish."""
+        """Advances `seq`'s grammar over `tokens` (those it keeps, ending with `finish`) up to an EOS that ends the
+        sequence ("stop"): one its stop checker ends it at, or one where the grammar is finished (it allows nothing
+        else: with ignore_eos, or before min_tokens, whose ban of EOS the sampler lifts there). Any other EOS (the
+        free answer after a thinking budget, with ignore_eos) is a token like any other, which the grammar does
+        not take (`Grammar`). Returns how many tokens it keeps, and its finish."""
+        last = len(tokens) - 1
         for j, token in enumerate(tokens):
-            seq.grammar.advance(token)
-            if token in self.limits.eos_token_ids:
+            if token not in self.limits.eos_token_ids:
+                seq.grammar.advance(token)
+            elif j == last and finish == "stop" or seq.grammar.finished():
                 return j + 1, "stop"
         return len(tokens), finish
 

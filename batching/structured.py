@@ -41,22 +41,29 @@ class InvalidGrammar(RequestRejected):
 
 @dataclass(eq=False)
 class Grammar:
-    """A sequence's place in its grammar: `matcher` (an llguidance LLMatcher) has consumed exactly the sequence's
-    output tokens. `executor` (shared by all sequences of a compiler) fills masks in parallel, without the GIL;
+    """A sequence's place in its grammar: `matcher` (an llguidance LLMatcher) has consumed the sequence's output
+    tokens, but for EOS ids (`eos_token_ids`) the sequence went on past (ignore_eos): llguidance takes an EOS as the
+    grammar's end. `executor` (shared by all sequences of a compiler) fills masks in parallel, without the GIL;
     `scratch` ([1, ceil(V / 32)] int32, shared too: used on the engine thread only) holds one row's mask."""
 
     matcher: Any
     executor: Any
     scratch: np.ndarray
+    eos_token_ids: tuple[int, ...]
 
     def fork(self) -> Grammar:
         """The same place in the same grammar, advanced independently from now on (another sample)."""
-        return Grammar(self.matcher.deep_copy(), self.executor, self.scratch)
+        return Grammar(self.matcher.deep_copy(), self.executor, self.scratch, self.eos_token_ids)
 
     def forced_token(self) -> int | None:
         """The next token if the grammar allows exactly one, else None."""
         bits = self._next_tokens()
         return int(np.argmax(bits)) if np.count_nonzero(bits) == 1 else None
+
+    def finished(self) -> bool:
+        """Whether the grammar allows nothing but EOS next: it is complete, and nothing may follow."""
+        bits = self._next_tokens()
+        return np.count_nonzero(bits) == np.count_nonzero(bits[list(self.eos_token_ids)])
 
     def allows_any(self, tokens: tuple[int, ...]) -> bool:
         """Whether the grammar allows one of `tokens` next."""
@@ -77,8 +84,11 @@ class Grammar:
                                f"{self.matcher.get_error().splitlines()[0]}")
 
     def valid_prefix(self, tokens: list[int]) -> list[int]:
-        """The longest prefix of `tokens` (speculative drafts) that the grammar allows from here."""
-        return tokens[:self.matcher.validate_tokens(tokens)]
+        """The longest prefix of `tokens` (speculative drafts) that the grammar allows from here, up to an EOS: a
+        draft after one would be checked under the mask of a grammar that has ended (EOS alone), which a sequence
+        that goes on past EOS (ignore_eos) does not keep. The row after the last draft samples an EOS anyway."""
+        valid = tokens[:self.matcher.validate_tokens(tokens)]
+        return valid[:next((j for j, token in enumerate(valid) if token in self.eos_token_ids), len(valid))]
 
 
 def fill_bitmask(rows: list[tuple[Grammar, int, list[int]]], bitmask: np.ndarray) -> None:
@@ -114,6 +124,7 @@ class GrammarCompiler:
         except ValueError as error:
             raise RequestRejected(f"structured output is not available with this model's tokenizer: {error}") from None
         self.executor = llguidance.LLExecutor()
+        self.eos_token_ids = eos_token_ids
         self.scratch = np.zeros((1, -(-vocab_size // 32)), np.int32)
         # Over a weak reference: a cache of a bound method would make the compiler a cycle, which only a full
         # collection frees (never, once a later engine's gc.freeze() has frozen it): 30 MB and a thread each.
@@ -133,7 +144,7 @@ class GrammarCompiler:
         matcher = self._matcher(grammar, what)
         if spec.preamble is not None:  # the grammar is checked alone first: its first token comes after the preamble
             matcher = self._matcher(_after_preamble(grammar, spec.preamble), what)
-        return Grammar(matcher, self.executor, self.scratch)
+        return Grammar(matcher, self.executor, self.scratch, self.eos_token_ids)
 
     def check(self, spec: StructuredOutput) -> None:
         """Raises InvalidGrammar as `compile` would, keeping no matcher. Outcomes are remembered (the last

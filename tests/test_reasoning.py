@@ -17,6 +17,7 @@ import httpx2
 import numpy as np
 import openai
 import pytest
+from flax import nnx
 from pydantic import BaseModel
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
@@ -30,10 +31,14 @@ from sluice.app.responses_api_schemas import ResponseObject
 from sluice.app.schemas import ChatCompletionRequest, TokenLogprobInfo
 from sluice.app.tool_call_streams import TextDelta
 from sluice.app.tool_calls import ToolCalling, call_grammar
+from sluice.batching.config import EngineConfig
+from sluice.batching.engine import Engine
 from sluice.batching.outputs import Increment, TokenLogprob, Usage
-from sluice.batching.sampling_params import StructuredOutput
+from sluice.batching.sampling_params import SamplingParams, StructuredOutput
 from sluice.batching.structured import GrammarCompiler, fill_bitmask
 from sluice.model.config import ModelConfig
+from sluice.model.llama import Llama
+from sluice.model.loader import LoadedModel
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
 
 from hf_folder import train_tokenizer, write_hf_folder
@@ -186,6 +191,43 @@ def test_a_thinking_budget_holds_for_speculative_drafts_checked_and_rolled_back(
     assert np.flatnonzero(np.unpackbits(masks[3].view(np.uint8), bitorder="little")).tolist() == [closing]
     for token in [*thought[:3], closing, *thought]:
         grammar.advance(token)
+
+
+def test_drafts_end_before_an_eos_which_a_reply_that_ignores_eos_goes_on_past():
+    """A matcher that took EOS allows nothing but EOS after it, while a reply that ignores EOS goes on past one with
+    its grammar where it was: a draft after an EOS would be checked under a mask that reply does not keep."""
+    grammar = GrammarCompiler(one_token_tags(special=True), 288, (2,)).compile(ANY_ANSWER)
+    assert grammar.valid_prefix([50, 51, 2, 52]) == [50, 51]
+
+
+@pytest.fixture(scope="module")
+def thinking_engine() -> Engine:
+    """A tiny random model over the 288-token vocabulary whose tags are special tokens; EOS is 2."""
+    config = ModelConfig.tiny(vocab_size=288)
+    loaded = LoadedModel(config, Llama(config, rngs=nnx.Rngs(0)), one_token_tags(special=True), "tiny")
+    return Engine(loaded, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, page_size=4,
+                                       kv_cache_memory=4 << 20), progress=False)
+
+
+@pytest.mark.parametrize(("fields", "finish", "num_tokens"), [
+    ({}, "stop", None), ({"ignore_eos": True}, "length", 12), ({"min_tokens": 6}, "stop", 7),
+], ids=["at eos", "ignore_eos", "min_tokens"])
+def test_the_answer_after_a_thinking_budget_ends_at_eos_as_a_reply_without_one(thinking_engine, fields, finish,
+                                                                                num_tokens):
+    """The answer after a budget's thought is free (`ANY_ANSWER`): the tiny model, biased to EOS, writes it as soon
+    as the thought is over, and EOS ends the reply there, or not before min_tokens, or (ignore_eos) not at all, as
+    it does a reply without a budget (which writes it from the start)."""
+    tokenizer = thinking_engine.tokenizer
+    closing = tokenizer.special_token_id(END)
+    budget = dataclasses.replace(ANY_ANSWER, preamble=DEEPSEEK.preamble(tokenizer, 2, eos_token_ids=(2,)))
+    free = SamplingParams(temperature=0.0, max_tokens=12, logit_bias=((2, 100.0),), **fields)
+    without, within = (choices[0] for choices in thinking_engine.generate(
+        [[5, 6, 7, 8]] * 2, [free, dataclasses.replace(free, structured=budget)]))
+    assert closing in within.token_ids[:4]  # a <think> of its own, a thought of two tokens, </think>
+    for reply in (without, within):
+        assert reply.finish_reason == finish and reply.token_ids[-1] == 2
+        assert num_tokens is None or len(reply.token_ids) == num_tokens
+        assert finish == "length" or reply.token_ids.index(2) == len(reply.token_ids) - 1
 
 
 def test_a_vocabulary_whose_tags_are_text_binds_no_budget():
@@ -533,6 +575,16 @@ def test_a_served_thinking_budget_past_max_tokens_thinks_as_without_one(r1_clien
     free = r1_client.chat.completions.create(**kwargs, extra_body=fields).choices[0]
     bound = r1_client.chat.completions.create(**kwargs, extra_body={**fields, "thinking_token_budget": 2 ** 40})
     assert bound.choices[0].token_ids == free.token_ids
+
+
+def test_a_served_thinking_budget_with_ignore_eos_answers_until_max_tokens(r1_client):
+    """The tiny model, biased to EOS, writes one as soon as its thought of two tokens is over."""
+    kwargs = dict(model=MODEL, messages=HELLO, max_tokens=12)
+    fields = {"temperature": 0, "logit_bias": {2: 100}, "thinking_token_budget": 2}
+    ended = r1_client.chat.completions.create(**kwargs, extra_body=fields)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 12
+    going = r1_client.chat.completions.create(**kwargs, extra_body={**fields, "ignore_eos": True})
+    assert going.choices[0].finish_reason == "length" and going.usage.completion_tokens == 12
 
 
 @pytest.fixture(scope="module")
