@@ -7,12 +7,21 @@ import importlib
 import math
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from sluice.model.fetch import InvalidModel, ModelNotFound
 
 
 class CommandError(RuntimeError):
     """Input a command refuses once it has read it (a prompt too long for the model, say): one line, exit 2."""
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser whose refusals are one line, exit 2: argparse's own print the whole usage first, 48 lines for
+    `sluice serve`, above the line that says what was wrong."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,8 +97,8 @@ def at_least(low: float, kind: type) -> Callable[[str], float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluice", description="High-throughput LLM inference on JAX/XLA.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineErrors(prog="sluice", description="High-throughput LLM inference on JAX/XLA.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
 
     fetch = commands.add_parser("fetch", help="find a model (downloading the default one) and print its path")
     fetch.add_argument("--model", default=None)

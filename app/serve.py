@@ -29,6 +29,7 @@ from sluice.model.fetch import InvalidModel, resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
+from sluice.app.cli import OneLineErrors
 from sluice.app.engine_loading import load_engine
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
 from sluice.app.server import create_app
@@ -540,7 +541,7 @@ def _in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="sluice serve", description=__doc__)
+    parser = OneLineErrors(prog="sluice serve", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args())
 
