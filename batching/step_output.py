@@ -84,7 +84,11 @@ class StepOutput:
             return SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications)
         if chunk.num_drafts:
             accepted = int(np.cumprod(out.accepted[0, row:row + chunk.num_drafts]).sum())
-            positions = [(0, r) for r in range(row, row + accepted + 1)]  # the accepted drafts, then one sampled
+            # The accepted drafts, then one sampled, up to a row that sampled nothing (its masks left it no token):
+            # the next step samples there again.
+            finite = np.isfinite(out.logprobs[0, row:row + accepted + 1])
+            kept = accepted + 1 if finite.all() else int(np.argmin(finite))
+            positions = [(0, r) for r in range(row, row + kept)]
             return SequenceOutput([int(out.tokens[p]) for p in positions], positions, [(chunk.num_drafts, accepted)])
         tokens = self._by_row[row] if self._limits is None else self._by_row[row][:self._limits[i]]
         positions = [(s, row) for s in range(len(tokens))] if chunk.seq.params.wants_logprobs else []

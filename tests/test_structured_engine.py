@@ -151,3 +151,16 @@ def test_allowed_token_ids_that_take_the_forced_tokens_get_them_overlapped_or_no
     for engine in (plain, serial):
         have = beside_a_free_request(engine, params)
         assert (have.token_ids, have.finish_reason) == ((A, B, *[C] * 6), "length")
+
+
+def test_speculative_drafts_stop_where_the_grammar_allows_no_token_in_allowed_token_ids(tiny, plain):
+    """The grammar takes six of A or B, then C; a bias picks A, and the prompt of As drafts A past the sixth: the
+    row after the last accepted draft samples nothing, and the choice ends there as without drafts."""
+    speculative = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram"), progress=False))
+    either = f"(<[{A}]> | <[{B}]>) "
+    params = SamplingParams(temperature=0.0, max_tokens=12, allowed_token_ids=(A, B), logit_bias=((A, 50.0),),
+                            structured=StructuredOutput("grammar", f"start: {either * 6}<[{C}]>"))
+    for engine in (plain, speculative):
+        have = engine.generate([[A] * 8], params)[0][0]
+        assert (have.token_ids, have.finish_reason, have.error) == ((A,) * 6, "error", NO_TOKEN_LEFT)
+    assert speculative.speculator.counters().num_accepted_tokens > 1
