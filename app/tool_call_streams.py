@@ -132,7 +132,8 @@ class CallStream:
     something else follows the tag (an object that is no call, other punctuation, the reply's end), and reading goes
     on after the tag. By default a group's calls go out when its close arrives. With `progressive` (a grammar
     forced the calls, so each one parses), each call's arguments go out as they are sampled; only a tail that may
-    be the object's closing braces is held back.
+    be the object's closing braces is held back. An object that turns out no call all the same (text off the grammar)
+    leaves its call cut short where it broke, and reading goes on at the object as text.
     """
 
     names: frozenset[str]
@@ -211,11 +212,14 @@ class CallStream:
         group = self._group
         rest = self._buffer[group.position:]
         end = group.end.find(rest)
+        call = self._call(rest[:end]) if end is not None and end >= 0 else None
+        if self.progressive and group.part == "object" and call is None:
+            # Out as far as the text before the character that ends the object or breaks it, as a character at a
+            # time would have sent them: arguments that went out stay out whatever follows, so a call that turns out
+            # no call (off the grammar) is the same call, cut short, however the text was split.
+            self._send_arguments(rest[:group.end.undecided], events)
         if end is None:
-            if self.progressive and group.part == "object":
-                self._send_arguments(rest, events)
             return False
-        call = self._call(rest[:end]) if end >= 0 else None
         if call is None:
             self._abandon(events)
             return True
@@ -430,6 +434,12 @@ class _ObjectEnd:
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
+
+    @property
+    def undecided(self) -> int:
+        """How much of the text was read before the character that ended the object or showed it is none (all that
+        was read, while neither)."""
+        return self._read - (self._found is not None)
 
     def find(self, text: str) -> int | None:
         """The index after the object's closing brace; None while it may still be arriving; -1 if `text` cannot

@@ -150,6 +150,24 @@ def test_forced_calls_stream_their_arguments_as_they_arrive():
 
 
 @pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", call("add", '{"a": 1} x')),  # a character no JSON has outside strings
+    ("hermes", call("add", '{"a": tru}')),  # the object closes, but it is no JSON
+    ("hermes", call("add", '[1, 2]') + " Bye."),  # the arguments are no object
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": "b"}}, {"name": "add", "arguments": {"a": Oslo}}]'),
+])
+def test_a_forced_call_that_turns_out_no_call_reads_the_same_whole_and_in_any_pieces(parser, text):
+    # Off the grammar (a thought under a thinking budget may spell </think> and go on as the answer): the arguments
+    # that went out stay out, so the whole text reads as its stream does, whatever the pieces.
+    calling = ToolCalling(NAMES, parser, forced=True)
+    whole = calling.parse(text)
+    assert len(whole[1]) == (2 if parser == "mistral" else 1)
+    pieces = [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]
+    for texts in pieces:
+        stream = calling.stream()
+        assert read([event for piece in texts for event in stream.push(piece)] + stream.finish()) == whole
+
+
+@pytest.mark.parametrize(("parser", "text"), [
     ("hermes", "Sure. " + call("add", '{"a": 1}') + "\n" + call("get_weather", PARIS) + " Bye."),
     ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {"city": "P"}}'),
 ])
