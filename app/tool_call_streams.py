@@ -232,9 +232,16 @@ class CallStream:
         return True
 
     def _call(self, text: str) -> ToolCall | None:
-        """The call an object's text writes, None if it is none (by name: the arguments' text, an object)."""
+        """The call an object's text writes, None if it is none (by name: the arguments' text, an object). A call
+        whose arguments go out as they arrive (`progressive`, where its head is the one the grammar writes) is the
+        name and arguments as written, whatever the rest of its object says off the grammar (a key after the
+        arguments, or one written twice): what went out stays out."""
         if self._group.part == "object":
-            return parse_call(text, self.names)
+            call = parse_call(text, self.names)
+            head = _HEAD.match(text) if call is not None and self.progressive else None
+            if head is None or head.group(1) not in self.names:
+                return call
+            return ToolCall(head.group(1), text[head.end():text.rindex("}")].rstrip())
         arguments = text.strip()
         return ToolCall(self._group.name, arguments) if isinstance(_loads(arguments), dict) else None
 

@@ -161,10 +161,32 @@ def test_a_forced_call_that_turns_out_no_call_reads_the_same_whole_and_in_any_pi
     calling = ToolCalling(NAMES, parser, forced=True)
     whole = calling.parse(text)
     assert len(whole[1]) == (2 if parser == "mistral" else 1)
-    pieces = [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]
-    for texts in pieces:
-        stream = calling.stream()
-        assert read([event for piece in texts for event in stream.push(piece)] + stream.finish()) == whole
+    assert all(read_pieces(calling, texts) == whole for texts in split_anywhere(text))
+
+
+def split_anywhere(text: str) -> list[list[str]]:
+    """`text` in two pieces at each position, and a character a piece."""
+    return [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]
+
+
+def read_pieces(calling: ToolCalling, texts: list[str]) -> tuple[str | None, list[ToolCall]]:
+    stream = calling.stream()
+    return read([event for text in texts for event in stream.push(text)] + stream.finish())
+
+
+@pytest.mark.parametrize(("body", "name", "arguments"), [
+    ('{"name": "add", "arguments": {"a": 1}, "arguments": {"b": 2}}', "add", '{"a": 1}, "arguments": {"b": 2}'),
+    ('{"name": "add", "arguments": {"a": 1} , "id": 7}', "add", '{"a": 1} , "id": 7'),
+    ('{"name": "add", "arguments": {"a": 1}, "name": "get_weather"}', "add", '{"a": 1}, "name": "get_weather"'),
+])
+def test_a_forced_call_is_its_arguments_and_name_as_its_head_wrote_them_whole_and_in_any_pieces(body, name,
+                                                                                              arguments):
+    # Off the grammar, the rest of the object would read otherwise (a key after the arguments, or one written
+    # twice), but what went out of the arguments as they arrived stays out.
+    text = f"<tool_call>{body}</tool_call>"
+    calling = ToolCalling(NAMES, "hermes", forced=True)
+    assert calling.parse(text) == (None, [ToolCall(name, arguments)])
+    assert all(read_pieces(calling, texts) == (None, [ToolCall(name, arguments)]) for texts in split_anywhere(text))
 
 
 @pytest.mark.parametrize(("parser", "text"), [
