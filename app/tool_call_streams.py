@@ -199,7 +199,8 @@ class CallStream:
             else:
                 self._abandon(events)
             return True
-        group.position = len(self._buffer) - len(stripped) + len(matched)
+        if matched:  # an empty `begin` (Hermes's) takes no whitespace, however much of it has arrived
+            group.position = len(self._buffer) - len(stripped) + len(matched)
         if group.part == "after" and matched == self.syntax.close:
             self._close(events)
         else:

@@ -153,6 +153,7 @@ def test_forced_calls_stream_their_arguments_as_they_arrive():
     ("hermes", call("add", '{"a": 1} x')),  # a character no JSON has outside strings
     ("hermes", call("add", '{"a": tru}')),  # the object closes, but it is no JSON
     ("hermes", call("add", '[1, 2]') + " Bye."),  # the arguments are no object
+    ("hermes", "Sure. " + call("add", '{"a": 1} x')),  # its text, from the object on, after other text
     ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": "b"}}, {"name": "add", "arguments": {"a": Oslo}}]'),
 ])
 def test_a_forced_call_that_turns_out_no_call_reads_the_same_whole_and_in_any_pieces(parser, text):
