@@ -82,15 +82,23 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def at_least(low: float, kind: type) -> Callable[[str], float]:
-    """An argparse type: `kind` of the text, refused below `low`."""
+    """An argparse type: `kind` of the text, refused below `low` (and if not finite)."""
+    return _number(kind, lambda value: value >= low, f"of at least {low}")
 
+
+def above(low: float, kind: type) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, refused at `low` or below (and if not finite)."""
+    return _number(kind, lambda value: value > low, f"greater than {low}")
+
+
+def _number(kind: type, fits: Callable[[float], bool], bound: str) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not math.isfinite(value) or value < low:
-            raise argparse.ArgumentTypeError(f"must be a number of at least {low}, got {text}")
+            raise argparse.ArgumentTypeError(f"not {'a whole' if kind is int else 'a'} number: {text!r}") from None
+        if not math.isfinite(value) or not fits(value):
+            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text}")
         return value
 
     return parse

@@ -29,7 +29,7 @@ from sluice.model.fetch import InvalidModel, resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
-from sluice.app.cli import OneLineErrors
+from sluice.app.cli import OneLineErrors, above, at_least
 from sluice.app.engine_loading import load_engine
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
 from sluice.app.server import create_app
@@ -64,6 +64,7 @@ TUNING_FLAGS: list[tuple[str, str, Callable[[argparse.Namespace], bool], tuple[s
     ("prefix-aware routing", "--routing prefix", lambda args: args.routing == "prefix", ("--imbalanced-threshold",)),
     ("joining a Ray cluster", "--replicas N or --hosts H",
      lambda args: args.replicas is not None or args.hosts is not None, ("--ray-address",)),
+    ("a multi-process job", "--num-processes N", lambda args: args.num_processes > 1, ("--process-id",)),
 ]
 _BUILT_IN_DEFAULTS: dict[str, Any] = {}  # flag -> its default before the environment's (`_option`)
 
@@ -74,6 +75,13 @@ def byte_size(text: str) -> int:
     if match is None:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 2147483648, 2G, 512MiB)")
     return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def positive_byte_size(text: str) -> int:
+    size = byte_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return size
 
 
 def port(text: str) -> int:
@@ -116,8 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--tp", _ENGINE_DEFAULTS.tp, "tensor-parallel degree (devices)", type=int)
     _option(parser, "--coordinator-address", None,
             "multi-process (multi-node) job: host:port where process 0 coordinates; every process passes the same")
-    _option(parser, "--num-processes", 1, "multi-process job: how many processes (one per node)", type=int)
-    _option(parser, "--process-id", 0, "multi-process job: this process's index; process 0 serves HTTP", type=int)
+    _option(parser, "--num-processes", 1, "multi-process job: how many processes (one per node)",
+            type=at_least(1, int))
+    _option(parser, "--process-id", 0, "multi-process job: this process's index; process 0 serves HTTP",
+            type=at_least(0, int))
     _option(parser, "--max-model-len", None,
             "longest prompt + completion in tokens (default: min(model's, 4096, what the KV pool holds))", type=int)
     _option(parser, "--max-num-seqs", None, "most sequences in one running batch (default: {} on a CPU, {} on an "
@@ -165,17 +175,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "the device, or the host, one compiled sampler per combination (auto: the host on a GPU, where the "
             "device's decisions stall each step)", choices=list(SAMPLER_BRANCHES))
     _option(parser, "--max-waiting", _SERVER_DEFAULTS.max_waiting,
-            "most sequences waiting for a batch slot; beyond it requests get 429 with Retry-After", type=int)
+            "most sequences waiting for a batch slot; beyond it requests get 429 with Retry-After",
+            type=at_least(0, int))
     _option(parser, "--api-key", None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on all routes but "
             "/health, /metrics, /openapi.json and the dashboard's")
     _option(parser, "--max-body-bytes", _SERVER_DEFAULTS.max_body_bytes, "largest request body (413 beyond)",
-            type=byte_size)
-    _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting", type=float)
+            type=positive_byte_size)
+    _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting",
+            type=at_least(0, float))
     _option(parser, "--sse-keepalive", _SERVER_DEFAULTS.sse_keepalive_s,
-            "seconds between keep-alive comments of a stream that has nothing to send", type=float)
+            "seconds between keep-alive comments of a stream that has nothing to send", type=above(0, float))
     _option(parser, "--stream-stall-timeout", _SERVER_DEFAULTS.stream_stall_timeout_s,
             "abort a stream whose reader accepts nothing for this many seconds, freeing its KV pages (0: never)",
-            type=float)
+            type=at_least(0, float))
     _option(parser, "--tool-call-parser", _SERVER_DEFAULTS.tool_call_parser,
             "how tool calls are read (and forced) for a template with tools: auto (the template's own format), hermes "
             "(`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}; ...`) or mistral "
@@ -192,18 +204,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             choices=["last", "mean"])
     _option(parser, "--responses-store-size", _SERVER_DEFAULTS.responses_store_size,
             "most responses /v1/responses keeps for GET and previous_response_id (least recently used out first; "
-            "0: none)", type=int)
+            "0: none)", type=at_least(0, int))
     _option(parser, "--responses-store-bytes", _SERVER_DEFAULTS.responses_store_bytes,
             "most bytes of stored responses (their JSON)", type=byte_size)
     _switch(parser, "--no-ui", "do not serve the dashboard and playground page (/, /ui) nor its push stream")
     _option(parser, "--slo-ttft-ms", None, "time-to-first-token objective, drawn on the dashboard's TTFT chart",
-            type=float)
+            type=above(0, float))
     _option(parser, "--slo-itl-ms", None, "inter-token latency objective, drawn on the dashboard's ITL chart",
-            type=float)
+            type=above(0, float))
     _option(parser, "--peak-gflops", None, "one device's peak matmul rate for the dashboard's roofline "
-            "(with --peak-bandwidth-gbs; default: measured at start-up)", type=float)
+            "(with --peak-bandwidth-gbs; default: measured at start-up)", type=above(0, float))
     _option(parser, "--peak-bandwidth-gbs", None, "one device's peak memory bandwidth for the dashboard's roofline",
-            type=float)
+            type=above(0, float))
     _option(parser, "--hosts", None, "run one engine over this many processes, one per host, as Ray actors (its "
             "--tp split evenly over them; needs Ray Serve: `pip install -e '.[ray]'` in the checkout)", type=int)
     _option(parser, "--replicas", None, "serve with this many engine replicas behind one ingress, as a Ray Serve "
@@ -227,14 +239,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "with --max-replicas: ongoing (queued or running) requests per replica the autoscaler aims at "
             "(default: --max-num-seqs)", type=float)
     _option(parser, "--upscale-delay", _SCALE_DEFAULTS.upscale_delay_s,
-            "with --max-replicas: seconds of sustained load before adding a replica", type=float)
+            "with --max-replicas: seconds of sustained load before adding a replica",
+            type=at_least(0, float))
     _option(parser, "--downscale-delay", _SCALE_DEFAULTS.downscale_delay_s,
             "with --max-replicas: seconds of sustained low load before removing a replica (it drains first, "
-            "for up to --drain-timeout)", type=float)
+            "for up to --drain-timeout)", type=at_least(0, float))
     _option(parser, "--step-timeout", _ENGINE_DEFAULTS.step_timeout_s,
             "seconds one engine step may run before it is taken for hung: every request in flight then ends with "
             "an error and the server exits (code 75) for its supervisor to restart it; 0 turns the watchdog off",
-            type=float)
+            type=at_least(0, float))
     _option(parser, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -243,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(idle)
     if (cache_error := _jax_cache_error()) is not None:
         return _refuse(cache_error)
+    address = args.coordinator_address
+    if args.num_processes > 1 and address is not None and re.fullmatch(r"\S+:\d+", address) is None:
+        return _refuse(f"--coordinator-address must be host:port (process 0's), got {address!r}")
     try:
         engine_config = EngineConfig(
             model=args.model,

@@ -124,6 +124,9 @@ def serve_in_process(monkeypatch, capsys):
     (["--routing", "round-robin"], {}, "--routing tunes serving over replicas, which is off: add --replicas N"),
     (["--max-replicas", "4"], {}, "--max-replicas tunes serving over replicas, which is off"),
     ([], {"SLUICE_RAY_ADDRESS": "auto"}, "--ray-address tunes joining a Ray cluster, which is off"),
+    (["--process-id", "3"], {}, "--process-id tunes a multi-process job, which is off: add --num-processes N"),
+    (["--num-processes", "2", "--coordinator-address", "nonsense"], {},
+     "--coordinator-address must be host:port (process 0's), got 'nonsense'"),
     ([], {"SLUICE_JAX_CACHE": "{tmp}/file"}, "SLUICE_JAX_CACHE={tmp}/file cannot be a folder (File exists)"),
 ])
 def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path, monkeypatch, serve_in_process,
@@ -142,6 +145,31 @@ def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path
             monkeypatch.setenv(name, fill(value))
         status, errors = serve_in_process([fill(arg) for arg in args])
     assert status == 2 and len(errors) == 1 and errors[0].startswith(f"sluice serve: error: {fill(words)}"), errors
+
+
+@pytest.mark.parametrize(("flag", "value", "words"), [
+    ("--drain-timeout", "-1", "must be a number of at least 0, got -1"),
+    ("--step-timeout", "-1", "must be a number of at least 0, got -1"),
+    ("--stream-stall-timeout", "nan", "must be a number of at least 0, got nan"),
+    ("--sse-keepalive", "0", "must be a number greater than 0, got 0"),
+    ("--slo-ttft-ms", "-5", "must be a number greater than 0, got -5"),
+    ("--peak-gflops", "0", "must be a number greater than 0, got 0"),
+    ("--upscale-delay", "-1", "must be a number of at least 0, got -1"),
+    ("--max-waiting", "-1", "must be a number of at least 0, got -1"),
+    ("--responses-store-size", "-1", "must be a number of at least 0, got -1"),
+    ("--num-processes", "0", "must be a number of at least 1, got 0"),
+    ("--process-id", "1.5", "not a whole number: '1.5'"),
+    ("--max-body-bytes", "0", "must be at least 1 byte, got '0'"),
+])
+def test_serve_refuses_a_number_out_of_its_range_in_one_line(capsys, flag, value, words):
+    """A negative drain or step timeout, a keep-alive of 0 (a stream of comments), a body limit of 0 (every request
+    413), a process count of 0 (served as one): refused by the flag, not served with."""
+    from sluice.app.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", flag, value])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and errors == [f"sluice serve: error: argument {flag}: {words} (see sluice serve --help)"]
 
 
 @pytest.mark.parametrize(("args", "words"), [
