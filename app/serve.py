@@ -256,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(idle)
     if (cache_error := _jax_cache_error()) is not None:
         return _refuse(cache_error)
+    if args.prefix_cache_dir is not None and (unwritable := _unwritable(args.prefix_cache_dir)) is not None:
+        return _refuse(f"--prefix-cache-dir {args.prefix_cache_dir} {unwritable}")
     address = args.coordinator_address
     if args.num_processes > 1 and address is not None and re.fullmatch(r"\S+:\d+", address) is None:
         return _refuse(f"--coordinator-address must be host:port (process 0's), got {address!r}")
@@ -352,14 +354,19 @@ def _jax_cache_error() -> str | None:
     """Why $SLUICE_JAX_CACHE cannot hold the compiled steps (None: it can, or is unset). JAX would only warn once,
     on its first compile, and then compile every step again at each start."""
     path = os.environ.get("SLUICE_JAX_CACHE")
-    if not path:
+    if not path or (unwritable := _unwritable(path)) is None:
         return None
+    return f"SLUICE_JAX_CACHE={path} {unwritable}"
+
+
+def _unwritable(path: str) -> str | None:
+    """Why `path` cannot be a folder Sluice writes (made if missing), said after its name; None: it can."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as error:
-        return f"SLUICE_JAX_CACHE={path} cannot be a folder ({error.strerror}): point it at a folder Sluice may write"
+        return f"cannot be a folder ({error.strerror}): point it at a folder Sluice may write"
     if not os.access(path, os.W_OK | os.X_OK):
-        return f"SLUICE_JAX_CACHE={path} is a folder Sluice may not write: point it at one it may"
+        return "is a folder Sluice may not write: point it at one it may"
     return None
 
 

@@ -128,13 +128,15 @@ def serve_in_process(monkeypatch, capsys):
     (["--num-processes", "2", "--coordinator-address", "nonsense"], {},
      "--coordinator-address must be host:port (process 0's), got 'nonsense'"),
     ([], {"SLUICE_JAX_CACHE": "{tmp}/file"}, "SLUICE_JAX_CACHE={tmp}/file cannot be a folder (File exists)"),
+    (["--prefix-cache-dir", "{tmp}/file"], {}, "--prefix-cache-dir {tmp}/file cannot be a folder (File exists)"),
+    (["--prefix-cache-dir", "/proc/sluice"], {}, "--prefix-cache-dir /proc/sluice cannot be a folder"),
 ])
 def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path, monkeypatch, serve_in_process,
                                                                         no_model_load, args, env, words):
     """An address it cannot listen on, a page size the GPU kernels cannot tile, a mode's settings without the mode
-    (speculation, the persistent prefix cache, replicas, Ray), a compilation cache that cannot be a folder: one
-    line and exit 2, before the model loads (seconds for a port in use, not the minutes of a load that ends in
-    uvicorn's traceback)."""
+    (speculation, the persistent prefix cache, replicas, Ray), a cache (compilation, prefix) that cannot be a
+    folder: one line and exit 2, before the model loads (seconds for a port in use, not the minutes of a load that
+    ends in uvicorn's traceback, or in a logged error and exit 1)."""
     (tmp_path / "file").write_text("a file where a folder should be")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
