@@ -55,12 +55,18 @@ BENCHMARKS = {
 def _generate(args: argparse.Namespace) -> int:
     from sluice.model.generate import generate_stream
     from sluice.model.loader import load_model
+    from sluice.model.tokenizer import ChatTemplateError
 
     loaded = load_model(args.model, dtype=args.dtype)
     tokenizer = loaded.tokenizer
     text = args.prompt
+    if args.chat and not tokenizer.special.chat_template:
+        raise CommandError("this model has no chat template: leave out --chat")
     if args.chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        except ChatTemplateError as error:
+            raise CommandError(f"--chat: {error}") from None
     prompt_ids = tokenizer.encode(text)
     context = loaded.config.max_position_embeddings
     if not prompt_ids:

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from hf_folder import write_hf_folder
+
 SLUICE = [sys.executable, "-m", "sluice.app.cli"]
 
 
@@ -55,9 +57,14 @@ def test_bad_arguments_are_a_one_line_error_before_anything_starts(args, words):
     assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr, result.stderr
 
 
-def _files(tmp_path):
+def _files(tmp_path, args):
+    from sluice.model.config import ModelConfig
     from sluice.model.fetch import default_model_path
 
+    if "{tmp}/template" in args:
+        write_hf_folder(tmp_path / "template", ModelConfig.tiny(vocab_size=300), seed=0, chat_template="{% if %}")
+    if "{tmp}/untemplated" in args:
+        write_hf_folder(tmp_path / "untemplated", ModelConfig.tiny(vocab_size=300), seed=0)
     (tmp_path / "notes.gguf").write_text("not a model")
     (tmp_path / "cut.gguf").write_bytes(default_model_path().read_bytes()[:1_000_000])
     (tmp_path / "hf").mkdir()
@@ -70,15 +77,20 @@ def _files(tmp_path):
     (["generate", "hi", "--model", "{tmp}/cut.gguf"], "cut.gguf does not read as a model: ValueError"),
     (["generate", "hi", "--model", "{tmp}/hf"], "hf does not read as a model: KeyError"),
     (["generate", ""], "the prompt is empty"),
+    (["generate", "--chat", "hi", "--model", "{tmp}/template"], "--chat: the model's chat template does not compile"),
+    (["generate", "--chat", "hi", "--model", "{tmp}/untemplated"], "this model has no chat template: leave out --chat"),
     (["generate", "word " * 9000], "exceed the model's context of 8192 tokens"),
     (["fetch"], "set SLUICE_HOME to a folder Sluice may write"),
 ])
 def test_input_found_bad_once_read_is_a_one_line_error(tmp_path, monkeypatch, capsys, args, words):
-    """Model files that do not read as a model, a prompt the model cannot take, a cache folder that cannot be.
-    In this process (`main` as the command runs it), as these load a model or jax first."""
+    """Model files that do not read as a model, a prompt the model cannot take, a chat template that is not there or
+    does not compile, a cache folder that cannot be. In this process (`main` as the command runs it), as these load
+    a model or jax first."""
     from sluice.app.cli import main
 
-    _files(tmp_path)
+    _files(tmp_path, args)
+    if "--chat" in args:  # the tiny model's conversion kept out of the real cache
+        monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "sluice"))
     if args == ["fetch"]:
         monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home" / "sluice"))
     assert main([arg.replace("{tmp}", str(tmp_path)) for arg in args]) == 2
