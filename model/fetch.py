@@ -77,9 +77,13 @@ def resolve_model(model: str | None) -> Path:
         return fetch_default_model()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        with open(path, "rb") as file:
-            if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
-                raise InvalidModel(f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC.decode()})")
+        try:
+            with open(path, "rb") as file:
+                magic = file.read(len(GGUF_MAGIC))
+        except OSError as error:
+            raise InvalidModel(f"cannot read {path}: {error.strerror}") from None
+        if magic != GGUF_MAGIC:
+            raise InvalidModel(f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC.decode()})")
         return path
     if path.is_dir() and (path / "config.json").exists():
         return path

@@ -66,6 +66,7 @@ def _files(tmp_path, args):
     if "{tmp}/untemplated" in args:
         write_hf_folder(tmp_path / "untemplated", ModelConfig.tiny(vocab_size=300), seed=0)
     (tmp_path / "notes.gguf").write_text("not a model")
+    (tmp_path / "unreadable.gguf").symlink_to("/proc/self/mem")  # a file no one reads from its start, root included
     (tmp_path / "cut.gguf").write_bytes(default_model_path().read_bytes()[:1_000_000])
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
@@ -74,6 +75,7 @@ def _files(tmp_path, args):
 
 @pytest.mark.parametrize(("args", "words"), [
     (["generate", "hi", "--model", "{tmp}/notes.gguf"], "notes.gguf is not a GGUF file"),
+    (["generate", "hi", "--model", "{tmp}/unreadable.gguf"], "cannot read {tmp}/unreadable.gguf: Input/output error"),
     (["generate", "hi", "--model", "{tmp}/cut.gguf"], "cut.gguf does not read as a model: ValueError"),
     (["generate", "hi", "--model", "{tmp}/hf"], "hf does not read as a model: KeyError"),
     (["generate", ""], "the prompt is empty"),
@@ -95,7 +97,8 @@ def test_input_found_bad_once_read_is_a_one_line_error(tmp_path, monkeypatch, ca
         monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home" / "sluice"))
     assert main([arg.replace("{tmp}", str(tmp_path)) for arg in args]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert words in errors[-1] and errors[-1].startswith("sluice: error:") and "Traceback" not in "".join(errors)
+    assert words.replace("{tmp}", str(tmp_path)) in errors[-1] and errors[-1].startswith("sluice: error:")
+    assert "Traceback" not in "".join(errors)
 
 
 @pytest.fixture
