@@ -25,7 +25,7 @@ from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU
     KV_CACHE_DTYPES, LAYER_LOOPS, LARGE_ACCELERATOR_BATCH, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig, \
     InvalidEngineConfig
 from sluice.batching.engine import Engine
-from sluice.model.fetch import InvalidModel, resolve_model
+from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
@@ -467,7 +467,8 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     if loading.exception() is not None:
         server.should_exit = True
         await serving
-        if isinstance(loading.exception(), (InvalidModel, InvalidEngineConfig, InvalidTensorParallelism)):  # input
+        if isinstance(loading.exception(),
+                      (InvalidModel, ModelNotFound, InvalidEngineConfig, InvalidTensorParallelism)):  # input
             return _refuse(_said_by_flag(loading.exception()))
         logger.error("Could not start the engine: %s", loading.exception())
         return 1

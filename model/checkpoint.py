@@ -65,19 +65,20 @@ def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], token
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp.resolve() / PARAMS_DIR, params)
-        checkpointer.wait_until_finished()
-    (tmp / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=1))
-    (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
-    (tmp / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=1))
-    (tmp / SOURCE_FILE).write_text(str(source.resolve()))
     try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp.resolve() / PARAMS_DIR, params)
+            checkpointer.wait_until_finished()
+        (tmp / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=1))
+        (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
+        (tmp / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=1))
+        (tmp / SOURCE_FILE).write_text(str(source.resolve()))
         tmp.rename(folder)
-    except OSError:
-        if not folder.exists():
+    except BaseException as error:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written left behind: a disk filled midway, a ^C
+        if not (isinstance(error, OSError) and folder.exists()):
             raise
-        shutil.rmtree(tmp)  # another process converted the same source first
+        # else another process converted the same source first
 
 
 def load_config(folder: Path) -> ModelConfig:

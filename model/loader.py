@@ -18,7 +18,7 @@ from flax import nnx
 
 from sluice.model import checkpoint
 from sluice.model.config import ModelConfig
-from sluice.model.fetch import InvalidModel, resolve_model, sluice_home
+from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model, sluice_home
 from sluice.model.llama import Llama
 from sluice.model.quantize import default_layout, quantize_model, quantize_params, resolve
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
@@ -46,7 +46,7 @@ def default_dtype() -> str:
 
 def convert(source: Path, folder: Path, quantization: str) -> None:
     """Reads a GGUF file or HF folder and writes Sluice's converted folder (float32 weights, or quantized).
-    InvalidModel if the source does not read as a Llama-family model."""
+    InvalidModel if the source does not read as a Llama-family model, ModelNotFound if the folder cannot be written."""
     try:
         if source.is_dir():
             config, params = load_safetensors_folder(source)
@@ -58,7 +58,11 @@ def convert(source: Path, folder: Path, quantization: str) -> None:
         raise InvalidModel(f"{source} does not read as a model: {type(error).__name__}: {error}") from error
     params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
     special = dataclasses.asdict(tokenizer.special)
-    checkpoint.save(folder, config, params, tokenizer.to_json(), special, source)
+    try:
+        checkpoint.save(folder, config, params, tokenizer.to_json(), special, source)
+    except OSError as error:
+        raise ModelNotFound(f"cannot keep the converted model in {folder.parent} ({error.strerror or error}): "
+                            f"set SLUICE_HOME to a folder Sluice may write") from None
 
 
 def load_model(

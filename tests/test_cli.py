@@ -189,18 +189,28 @@ def test_serve_refuses_a_number_out_of_its_range_in_one_line(capsys, flag, value
     assert exited.value.code == 2 and errors == [f"sluice serve: error: argument {flag}: {words} (see sluice serve --help)"]
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (["--tp", "1024"], "--tp 1024 needs 1024 devices but only"),
-    (["--model", "{tmp}/hf"], "{tmp}/hf does not read as a model: KeyError"),
-    (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 8192 tokens"),
-    (["--kv-cache-memory", "1K"], "--kv-cache-memory of 1,024 bytes holds no page"),
+@pytest.mark.parametrize(("args", "home", "words"), [
+    (["--tp", "1024"], None, "--tp 1024 needs 1024 devices but only"),
+    (["--model", "{tmp}/hf"], None, "{tmp}/hf does not read as a model: KeyError"),
+    (["--max-model-len", "100000"], None, "--max-model-len 100000 exceeds the model's context of 8192 tokens"),
+    (["--kv-cache-memory", "1K"], None, "--kv-cache-memory of 1,024 bytes holds no page"),
+    (["--model", "{tmp}/tiny", "--quantization", "none"], "{tmp}/file/sluice",
+     "cannot keep the converted model in {tmp}/file/sluice/checkpoints (Not a directory)"),
 ])
-def test_serve_input_found_bad_once_loading_begins_is_a_one_line_error(tmp_path, serve_in_process, args, words):
+def test_serve_input_found_bad_once_loading_begins_is_a_one_line_error(tmp_path, monkeypatch, serve_in_process, args,
+                                                                        home, words):
     """What only loading finds (the devices --tp asks for, a model folder's contents, the model's context, a page's
-    bytes) ends the server it started with the same one line and exit 2 as flags refused before, not a logged
-    error and exit 1 (or, for --max-model-len past the context, a silent cut)."""
+    bytes, a SLUICE_HOME where the model's conversion cannot be kept) ends the server it started with the same one
+    line and exit 2 as flags refused before, not a logged error and exit 1 (or, for --max-model-len past the
+    context, a silent cut)."""
+    from sluice.model.config import ModelConfig
+
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "file").write_text("a file where a folder should be")
+    if home is not None:
+        write_hf_folder(tmp_path / "tiny", ModelConfig.tiny(vocab_size=300), seed=0)
+        monkeypatch.setenv("SLUICE_HOME", home.replace("{tmp}", str(tmp_path)))
     status, errors = serve_in_process([arg.replace("{tmp}", str(tmp_path)) for arg in args])
     assert status == 2 and errors[-1].startswith(f"sluice serve: error: {words.replace('{tmp}', str(tmp_path))}"), errors
     assert [line for line in errors if "error" in line.lower()] == errors[-1:]

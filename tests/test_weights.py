@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -12,7 +13,9 @@ import pytest
 from flax import nnx
 
 from hf_folder import random_hf_tensors, train_tokenizer, write_hf_folder
+from sluice.model import checkpoint
 from sluice.model.config import ModelConfig
+from sluice.model.fetch import ModelNotFound
 from sluice.model.generate import sequence_logits
 from sluice.model.llama import Llama
 from sluice.model.loader import load_model
@@ -150,3 +153,17 @@ def test_gguf_with_quantized_permuted_tensors_loads_the_same_model(sluice_home):
     np.testing.assert_allclose(sequence_logits(loaded.model, tokens),
                                sequence_logits(reference_model(CONFIG, expected), tokens), rtol=1e-5, atol=1e-5)
 
+
+
+def test_a_conversion_that_cannot_be_written_says_so_and_leaves_no_partial_folder(sluice_home, monkeypatch):
+    """A disk filled midway through writing the converted weights: ModelNotFound naming the folder and the reason
+    (not OSError's traceback), and no half-written folder left in the cache."""
+    write_hf_folder(sluice_home / "hf", CONFIG, seed=1)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint.ocp.StandardCheckpointer, "save", full_disk)
+    with pytest.raises(ModelNotFound, match=r"cannot keep the converted model in .*checkpoints \(No space left on"):
+        load_model(str(sluice_home / "hf"), dtype="float32")
+    assert list((sluice_home / "home" / "checkpoints").iterdir()) == []
