@@ -8,6 +8,20 @@ from typing import Any
 
 import numpy as np
 
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def _size(fields: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+    """`fields[key]` (`default` if absent or null), a positive integer; ValueError naming `key` in `source`."""
+    value = default if fields.get(key) is None else fields[key]
+    if value is None:
+        raise ValueError(f"{source} lacks {key}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}'s {key} must be a positive integer, got {value!r}")
+    return value
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -62,16 +76,19 @@ class ModelConfig:
 
         GGUF has no tied-embeddings flag: a file without `output.weight` ties the LM head to the embedding.
         """
-        arch = fields["general.architecture"]
-        if arch not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported GGUF architecture {arch!r} (Llama-family only)")
+        arch = fields.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r} (Llama-family only: "
+                             f"{', '.join(GGUF_ARCHITECTURES)})")
 
         def get(key: str, default: Any = None) -> Any:
             return fields.get(f"{arch}.{key}", default)
 
-        hidden = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        vocab = get("vocab_size") or len(fields["tokenizer.ggml.tokens"])
+        def size(key: str, default: int | None = None) -> int:
+            return _size(fields, f"{arch}.{key}", "the GGUF metadata", default)
+
+        hidden = size("embedding_length")
+        num_heads = size("attention.head_count")
         scaling = None
         if get("rope.scaling.type") == "llama3" or get("rope.scaling.low_freq_factor") is not None:
             scaling = RopeScaling(
@@ -82,28 +99,40 @@ class ModelConfig:
             )
         eos = fields.get("tokenizer.ggml.eos_token_id")
         return cls(
-            vocab_size=int(vocab),
+            vocab_size=size("vocab_size", len(fields.get("tokenizer.ggml.tokens") or []) or None),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            intermediate_size=size("feed_forward_length"),
+            num_layers=size("block_count"),
             num_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(get("attention.key_length", hidden // num_heads)),
+            num_kv_heads=size("attention.head_count_kv", num_heads),
+            head_dim=size("attention.key_length", hidden // num_heads),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings=tied_embeddings,
             attention_bias=arch == "qwen2",
-            max_position_embeddings=int(get("context_length", 4096)),
+            max_position_embeddings=size("context_length", 4096),
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)."""
-        hidden = config["hidden_size"]
-        num_heads = config["num_attention_heads"]
+        """Build from a Hugging Face `config.json` dict (`HF_ARCHITECTURES`); ValueError for another architecture,
+        or a size missing or not a positive integer."""
+        if not isinstance(config, dict):
+            raise ValueError(f"config.json holds a {type(config).__name__}, not an object")
+        architectures = config.get("architectures") or []
+        model_type = config.get("model_type", "llama")
+        if model_type not in HF_MODEL_TYPES or any(a not in HF_ARCHITECTURES for a in architectures):
+            raise ValueError(f"unsupported architecture {', '.join(architectures) or model_type} (Llama-family only: "
+                             f"{', '.join(HF_ARCHITECTURES)})")
+
+        def size(key: str, default: int | None = None) -> int:
+            return _size(config, key, "config.json", default)
+
+        hidden = size("hidden_size")
+        num_heads = size("num_attention_heads")
         scaling = None
         raw = config.get("rope_scaling") or {}
         if raw.get("rope_type", raw.get("type")) == "llama3":
@@ -115,21 +144,20 @@ class ModelConfig:
             )
         eos = config.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        model_type = config.get("model_type", "llama")
         return cls(
-            vocab_size=config["vocab_size"],
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            intermediate_size=size("intermediate_size"),
+            num_layers=size("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or hidden // num_heads,
+            num_kv_heads=size("num_key_value_heads", num_heads),
+            head_dim=size("head_dim", hidden // num_heads),
             rope_theta=float(config.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            max_position_embeddings=size("max_position_embeddings", 4096),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -77,7 +77,7 @@ def _files(tmp_path, args):
     (["generate", "hi", "--model", "{tmp}/notes.gguf"], "notes.gguf is not a GGUF file"),
     (["generate", "hi", "--model", "{tmp}/unreadable.gguf"], "cannot read {tmp}/unreadable.gguf: Input/output error"),
     (["generate", "hi", "--model", "{tmp}/cut.gguf"], "cut.gguf does not read as a model: ValueError"),
-    (["generate", "hi", "--model", "{tmp}/hf"], "hf does not read as a model: KeyError"),
+    (["generate", "hi", "--model", "{tmp}/hf"], "hf does not read as a model: ValueError: config.json lacks hidden"),
     (["generate", ""], "the prompt is empty"),
     (["generate", "--chat", "hi", "--model", "{tmp}/template"], "--chat: the model's chat template does not compile"),
     (["generate", "--chat", "hi", "--model", "{tmp}/untemplated"], "this model has no chat template: leave out --chat"),
@@ -191,7 +191,7 @@ def test_serve_refuses_a_number_out_of_its_range_in_one_line(capsys, flag, value
 
 @pytest.mark.parametrize(("args", "home", "words"), [
     (["--tp", "1024"], None, "--tp 1024 needs 1024 devices but only"),
-    (["--model", "{tmp}/hf"], None, "{tmp}/hf does not read as a model: KeyError"),
+    (["--model", "{tmp}/hf"], None, "{tmp}/hf does not read as a model: ValueError: config.json lacks hidden_size"),
     (["--max-model-len", "100000"], None, "--max-model-len 100000 exceeds the model's context of 8192 tokens"),
     (["--kv-cache-memory", "1K"], None, "--kv-cache-memory of 1,024 bytes holds no page"),
     (["--model", "{tmp}/tiny", "--quantization", "none"], "{tmp}/file/sluice",

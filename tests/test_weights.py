@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import gguf
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from flax import nnx
 from hf_folder import random_hf_tensors, train_tokenizer, write_hf_folder
 from sluice.model import checkpoint
 from sluice.model.config import ModelConfig
-from sluice.model.fetch import ModelNotFound
+from sluice.model.fetch import InvalidModel, ModelNotFound
 from sluice.model.generate import sequence_logits
 from sluice.model.llama import Llama
 from sluice.model.loader import load_model
@@ -167,3 +168,38 @@ def test_a_conversion_that_cannot_be_written_says_so_and_leaves_no_partial_folde
     with pytest.raises(ModelNotFound, match=r"cannot keep the converted model in .*checkpoints \(No space left on"):
         load_model(str(sluice_home / "hf"), dtype="float32")
     assert list((sluice_home / "home" / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture GPT2LMHeadModel"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "unsupported architecture Qwen3ForCausalLM"),
+    ({"model_type": "gemma"}, "unsupported architecture gemma (Llama-family only: LlamaForCausalLM"),
+    ({"vocab_size": None}, "config.json lacks vocab_size"),
+    ({"num_attention_heads": 0, "head_dim": None}, "config.json's num_attention_heads must be a positive integer"),
+    ({"num_key_value_heads": 0}, "config.json's num_key_value_heads must be a positive integer, got 0"),
+    ({"hidden_size": "64"}, "config.json's hidden_size must be a positive integer, got '64'"),
+    ({"max_position_embeddings": 0}, "config.json's max_position_embeddings must be a positive integer, got 0"),
+])
+def test_a_config_json_sluice_cannot_serve_is_refused_by_name(sluice_home, edit, words):
+    """Another architecture (a Qwen3's q/k norms, a Gemma's scaled embedding) was served as a Llama without them;
+    a size missing, zero or a string was a KeyError, a ZeroDivisionError or a restore's traceback."""
+    folder = sluice_home / "hf"
+    write_hf_folder(folder, CONFIG, seed=1)
+    config = {**json.loads((folder / "config.json").read_text()), **edit}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    with pytest.raises(InvalidModel, match=re.escape(words)):
+        load_model(str(folder), dtype="float32")
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    ({"general.architecture": "gpt2"}, "unsupported GGUF architecture 'gpt2' (Llama-family only: llama, mistral"),
+    ({"llama.attention.head_count": 0}, "the GGUF metadata's llama.attention.head_count must be a positive integer"),
+    ({"llama.embedding_length": None}, "the GGUF metadata lacks llama.embedding_length"),
+    ({"tokenizer.ggml.tokens": None}, "the GGUF metadata lacks llama.vocab_size"),
+])
+def test_gguf_metadata_sluice_cannot_serve_is_refused_by_name(edit, words):
+    fields = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 2,
+              "llama.feed_forward_length": 128, "llama.block_count": 2, "tokenizer.ggml.tokens": ["a", "b"]}
+    fields = {k: v for k, v in {**fields, **edit}.items() if v is not None}
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ModelConfig.from_gguf_fields(fields, tied_embeddings=True)
