@@ -780,15 +780,15 @@ class Engine:
     def _advance_grammar(self, seq: Sequence, tokens: list[int], finish: FinishReason | None
                          ) -> tuple[int, FinishReason | None]:
         """Advances `seq`'s grammar over `tokens` (those it keeps, ending with `finish`) up to an EOS that ends the
-        sequence ("stop"): one its stop checker ends it at, or one where the grammar is finished (it allows nothing
-        else: with ignore_eos, or before min_tokens, whose ban of EOS the sampler lifts there). Any other EOS (the
-        free answer after a thinking budget, with ignore_eos) is a token like any other, which the grammar does
-        not take (`Grammar`). Returns how many tokens it keeps, and its finish."""
-        last = len(tokens) - 1
+        sequence ("stop"): one that is a stop id of the sequence (where its stop checker ends it, or before
+        min_tokens, whose ban of stop ids the sampler lifts only where the row may take nothing else), or one where
+        the grammar is finished (it allows nothing else, with ignore_eos too). Any other EOS (with ignore_eos, where
+        the grammar could go on: the free answer after a thinking budget) is a token like any other, which the
+        grammar does not take (`Grammar`). Returns how many tokens it keeps, and its finish."""
         for j, token in enumerate(tokens):
             if token not in self.limits.eos_token_ids:
                 seq.grammar.advance(token)
-            elif j == last and finish == "stop" or seq.grammar.finished():
+            elif token in seq.stop.stop_ids or seq.grammar.finished():
                 return j + 1, "stop"
         return len(tokens), finish
 

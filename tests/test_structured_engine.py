@@ -153,6 +153,18 @@ def test_allowed_token_ids_that_take_the_forced_tokens_get_them_overlapped_or_no
         assert (have.token_ids, have.finish_reason) == ((A, B, *[C] * 6), "length")
 
 
+def test_an_eos_let_through_before_min_tokens_ends_the_reply(plain, serial):
+    """After A the grammar allows B or EOS, and allowed_token_ids only EOS of them: the sampler lifts min_tokens' ban
+    of EOS there (the row may take nothing else), and that EOS ends the reply, as a stop id that nothing else could
+    follow. It used to be taken as a token like any other, and EOS repeated up to min_tokens."""
+    eos = plain.limits.eos_token_ids[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, allowed_token_ids=(A, eos),
+                            structured=StructuredOutput("grammar", f"start: <[{A}]> <[{B}]>?"))
+    for engine in (plain, serial):
+        have = beside_a_free_request(engine, params)
+        assert (have.token_ids, have.finish_reason) == ((A, eos), "stop")
+
+
 def test_speculative_drafts_stop_where_the_grammar_allows_no_token_in_allowed_token_ids(tiny, plain):
     """The grammar takes six of A or B, then C; a bias picks A, and the prompt of As drafts A past the sixth: the
     row after the last accepted draft samples nothing, and the choice ends there as without drafts."""
