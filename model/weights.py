@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 from tqdm import tqdm
@@ -53,18 +53,64 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _collect(config: ModelConfig, read: Callable[[str, int | None], np.ndarray | None]) -> Params:
-    """Gathers every known tensor through `read(name, layer)` (layer None for global tensors), which returns
-    it in HF orientation (`[out, in]` for linears) or None when the file lacks it; stacks and transposes."""
+BIASES = {"bq", "bk", "bv"}
+# Tensors some files hold that the model computes itself: the rotary frequencies (HF's older Llamas, llama.cpp's
+# Llama 3.1 files, whose scaling the config reads from its keys).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rope_freqs.weight")
+
+
+def _file_name(name: str, layer: int | None, column: int, layer_prefix: str) -> str:
+    """The name a file gives `name` (`LAYER_TENSORS` / `GLOBAL_TENSORS`) of `layer` (None for a global tensor):
+    `column` 0 for GGUF's with `layer_prefix` "blk.{}.", 1 for HF's with "model.layers.{}."."""
+    if layer is None:
+        return GLOBAL_TENSORS[name][column]
+    return layer_prefix.format(layer) + LAYER_TENSORS[name][column]
+
+
+def expected_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
+    """The shape of one tensor `name` as the files hold it (HF orientation: `[out, in]` for linears) for `config`."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inner, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    return {
+        "embed": (vocab, hidden), "lm_head": (vocab, hidden), "final_norm": (hidden,), "attn_norm": (hidden,),
+        "mlp_norm": (hidden,), "wq": (q, hidden), "wk": (kv, hidden), "wv": (kv, hidden), "bq": (q,), "bk": (kv,),
+        "bv": (kv,), "wo": (hidden, q), "w_gate": (inner, hidden), "w_up": (inner, hidden), "w_down": (hidden, inner),
+    }[name]
+
+
+def _collect(config: ModelConfig, names: Callable[[str, int | None], str], present: Collection[str],
+             read: Callable[[str, str], np.ndarray], progress: str) -> Params:
+    """Gathers the tensors of `config`'s model, stacked over layers and transposed: `names(name, layer)` is the
+    file's name of each (layer None for global tensors), `present` the names the file holds, and `read(name,
+    file_name)` returns one in HF orientation (`[out, in]` for linears); a bar named `progress` counts them.
+
+    ValueError naming the first tensor the file lacks, or holds in another shape than the config implies, or the
+    tensors it holds that the model would not use (another architecture's, or layers past the config's count).
+    A tied model's LM head is the embedding: the file's, if any, is not read."""
+    wanted = [n for n in (*GLOBAL_TENSORS, *LAYER_TENSORS) if n not in BIASES or config.attention_bias]
     params: Params = {}
-    for name in GLOBAL_TENSORS:
-        tensor = read(name, None)
-        if tensor is not None:
-            params[name] = tensor.T if name in TRANSPOSED else tensor
-    for name in LAYER_TENSORS:
-        layers = [read(name, i) for i in range(config.num_layers)]
-        if all(t is not None for t in layers):
-            params[name] = np.stack([t.T if name in TRANSPOSED else t for t in layers])
+    used = set()
+    with tqdm(total=len(present), desc=progress, unit="tensor", leave=False) as bar:  # gone before an error's line
+        for name in wanted:
+            keys = [names(name, layer) for layer in ([None] if name in GLOBAL_TENSORS else range(config.num_layers))]
+            used.update(keys)
+            if name == "lm_head" and config.tie_word_embeddings:
+                continue
+            if missing := [key for key in keys if key not in present]:
+                raise ValueError(f"the file lacks tensor {missing[0]}")
+            tensors = []
+            for key in keys:
+                tensor = read(name, key)
+                if tensor.shape != expected_shape(name, config):
+                    raise ValueError(f"tensor {key} has shape {tensor.shape}, but the config implies "
+                                     f"{expected_shape(name, config)}")
+                tensors.append(tensor.T if name in TRANSPOSED else tensor)
+                bar.update()
+            params[name] = tensors[0] if name in GLOBAL_TENSORS else np.stack(tensors)
+    unused = sorted(key for key in present if key not in used and not key.endswith(IGNORED_SUFFIXES))
+    if unused:
+        raise ValueError(f"the file holds {len(unused)} tensors a {config.num_layers}-layer Llama-family model does "
+                         f"not use ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''})")
     return fuse_projections(params, config)
 
 
@@ -87,24 +133,18 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Params, dict[str, Any]]:
     tensors = {t.name: t for t in reader.tensors}
     config = ModelConfig.from_gguf_fields(fields, tied_embeddings="output.weight" not in tensors)
     permute_rope = fields["general.architecture"] in ("llama", "mistral")
-    bar = tqdm(total=len(tensors), desc="dequantize", unit="tensor", leave=False)
 
-    def read(name: str, layer: int | None) -> np.ndarray | None:
-        gguf_name = GLOBAL_TENSORS[name][0] if layer is None else f"blk.{layer}.{LAYER_TENSORS[name][0]}"
-        tensor = tensors.get(gguf_name)
-        if tensor is None:
-            return None
+    def read(name: str, gguf_name: str) -> np.ndarray:
+        tensor = tensors[gguf_name]
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         array = array.reshape([int(d) for d in reversed(tensor.shape)])
         if permute_rope and name in ("wq", "bq"):
             array = unpermute_rope_rows(array, config.num_heads)
         elif permute_rope and name in ("wk", "bk"):
             array = unpermute_rope_rows(array, config.num_kv_heads)
-        bar.update()
         return array
 
-    params = _collect(config, read)
-    bar.close()
+    params = _collect(config, lambda name, layer: _file_name(name, layer, 0, "blk.{}."), tensors, read, "dequantize")
     return config, params, fields
 
 
@@ -119,17 +159,10 @@ def load_safetensors_folder(folder: Path) -> tuple[ModelConfig, Params]:
     # The flax framework reads bfloat16, which plain numpy cannot.
     handles = [safe_open(str(file), framework="flax") for file in files]
     index = {key: h for h in handles for key in h.keys()}
-    bar = tqdm(total=len(index), desc="read safetensors", unit="tensor", leave=False)
 
-    def read(name: str, layer: int | None) -> np.ndarray | None:
-        hf_name = GLOBAL_TENSORS[name][1] if layer is None else f"model.layers.{layer}.{LAYER_TENSORS[name][1]}"
-        if hf_name not in index:
-            return None
-        bar.update()
+    def read(name: str, hf_name: str) -> np.ndarray:
         return np.asarray(index[hf_name].get_tensor(hf_name), dtype=np.float32)
 
-    params = _collect(config, read)
-    bar.close()
-    if config.tie_word_embeddings:
-        params.pop("lm_head", None)
+    params = _collect(config, lambda name, layer: _file_name(name, layer, 1, "model.layers.{}."), index, read,
+                      "read safetensors")
     return config, params

@@ -203,3 +203,39 @@ def test_gguf_metadata_sluice_cannot_serve_is_refused_by_name(edit, words):
     fields = {k: v for k, v in {**fields, **edit}.items() if v is not None}
     with pytest.raises(ValueError, match=re.escape(words)):
         ModelConfig.from_gguf_fields(fields, tied_embeddings=True)
+
+
+def _edit_tensors(folder, edit):
+    from safetensors.numpy import load_file, save_file
+
+    [path] = folder.glob("*.safetensors")
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize(("config_edit", "tensor_edit", "words"), [
+    ({}, lambda t: t.pop("model.embed_tokens.weight"), "the file lacks tensor model.embed_tokens.weight"),
+    ({}, lambda t: t.pop("lm_head.weight"), "the file lacks tensor lm_head.weight"),
+    ({}, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "the file lacks tensor model.layers.1.mlp.up_proj.weight"),
+    ({"num_hidden_layers": 3}, None, "the file lacks tensor model.layers.2.input_layernorm.weight"),
+    ({"num_hidden_layers": 1}, None,
+     "the file holds 9 tensors a 1-layer Llama-family model does not use (model.layers.1.input_layernorm.weight"),
+    ({}, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": np.ones(32, np.float32)}),
+     "does not use (model.layers.0.self_attn.q_norm.weight)"),
+    ({}, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": np.zeros((5, 7), np.float32)}),
+     "tensor model.layers.0.mlp.up_proj.weight has shape (5, 7), but the config implies (128, 64)"),
+    ({"vocab_size": 100}, None, "tensor model.embed_tokens.weight has shape (300, 64), but the config implies (100, 64)"),
+])
+def test_tensors_that_do_not_make_the_configs_model_are_refused_by_name(sluice_home, config_edit, tensor_edit, words):
+    """A tensor missing was KeyError: 'w_up' (or, for the embedding, a conversion saved without it that the restore
+    then refused in a traceback); one of another shape than the config says was a restore's traceback; tensors the
+    model does not read (a layer past the config's count, a Qwen3's q norm) were dropped, serving another model."""
+    folder = sluice_home / "hf"
+    write_hf_folder(folder, CONFIG, seed=1)
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **config_edit}))
+    if tensor_edit is not None:
+        _edit_tensors(folder, tensor_edit)
+    with pytest.raises(InvalidModel, match=re.escape(words)):
+        load_model(str(folder), dtype="float32")
+    assert not (sluice_home / "home" / "checkpoints").exists()
