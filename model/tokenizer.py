@@ -213,8 +213,15 @@ class Tokenizer:
 
     @classmethod
     def from_hf_folder(cls, folder: Path) -> Tokenizer:
-        """Reads `tokenizer.json` (+ `tokenizer_config.json` for the chat template and BOS policy)."""
-        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        """Reads `tokenizer.json` (+ `tokenizer_config.json` for the chat template and BOS policy); ValueError if
+        it is missing or does not read."""
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{folder} has no tokenizer.json (Sluice reads an HF folder's tokenizer from it)")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as error:  # the library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"tokenizer.json does not read as a tokenizer: {error}") from None
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         model_config = json.loads((folder / "config.json").read_text())

@@ -128,7 +128,10 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Params, dict[str, Any]]:
     """Reads a Llama-family GGUF file: (config, float32 params, metadata fields for the tokenizer)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as error:  # whatever the reader trips on in a file cut short or corrupt (IndexError, ValueError)
+        raise ValueError(f"not a whole GGUF file (cut short or corrupt): {type(error).__name__}: {error}") from None
     fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
     config = ModelConfig.from_gguf_fields(fields, tied_embeddings="output.weight" not in tensors)
@@ -150,14 +153,18 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Params, dict[str, Any]]:
 
 def load_safetensors_folder(folder: Path) -> tuple[ModelConfig, Params]:
     """Reads an HF model folder (`config.json` + `*.safetensors`) into (config, float32 params)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    # The flax framework reads bfloat16, which plain numpy cannot.
-    handles = [safe_open(str(file), framework="flax") for file in files]
+    handles = []
+    for file in files:
+        try:
+            handles.append(safe_open(str(file), framework="flax"))  # flax reads bfloat16, which plain numpy cannot
+        except SafetensorError as error:
+            raise ValueError(f"{file.name} does not read as safetensors (cut short or corrupt): {error}") from None
     index = {key: h for h in handles for key in h.keys()}
 
     def read(name: str, hf_name: str) -> np.ndarray:

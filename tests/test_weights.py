@@ -239,3 +239,26 @@ def test_tensors_that_do_not_make_the_configs_model_are_refused_by_name(sluice_h
     with pytest.raises(InvalidModel, match=re.escape(words)):
         load_model(str(folder), dtype="float32")
     assert not (sluice_home / "home" / "checkpoints").exists()
+
+
+def _cut(path, size):
+    path.write_bytes(path.read_bytes()[:size])
+
+
+@pytest.mark.parametrize(("damage", "words"), [
+    (lambda folder: (folder / "tokenizer.json").unlink(), "has no tokenizer.json"),
+    (lambda folder: (folder / "tokenizer.json").write_text("{not json"), "tokenizer.json does not read as a tokenizer"),
+    (lambda folder: _cut(next(folder.glob("*.safetensors")), 0), "does not read as safetensors (cut short or corrupt)"),
+    (lambda folder: _cut(next(folder.glob("*.safetensors")), 5000),
+     "does not read as safetensors (cut short or corrupt)"),
+    (lambda folder: (folder / "only-the-magic.gguf").write_bytes(b"GGUF"), "not a whole GGUF file (cut short or"),
+])
+def test_files_cut_short_or_corrupt_are_refused_by_name(sluice_home, damage, words):
+    """A tokenizer.json missing or broken, a safetensors file cut short, a GGUF of its magic alone: each was the
+    traceback of the library that read it (a bare Exception, SafetensorError, IndexError)."""
+    folder = sluice_home / "hf"
+    write_hf_folder(folder, CONFIG, seed=1)
+    damage(folder)
+    model = next(folder.glob("*.gguf"), folder)
+    with pytest.raises(InvalidModel, match=re.escape(words)):
+        load_model(str(model), dtype="float32")
