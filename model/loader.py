@@ -56,7 +56,11 @@ def convert(source: Path, folder: Path, quantization: str) -> None:
             tokenizer = Tokenizer.from_gguf_fields(fields)
     except (ValueError, KeyError, TypeError, OSError) as error:  # what reading a malformed file raises
         raise InvalidModel(f"{source} does not read as a model: {type(error).__name__}: {error}") from error
-    params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
+    try:
+        params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
+    except ValueError as error:  # shapes the quantized layouts cannot pack
+        raise InvalidModel(f"{source} cannot be stored as {quantization} ({error}): serve it with --quantization "
+                           f"none") from None
     special = dataclasses.asdict(tokenizer.special)
     try:
         checkpoint.save(folder, config, params, tokenizer.to_json(), special, source)

@@ -262,3 +262,12 @@ def test_files_cut_short_or_corrupt_are_refused_by_name(sluice_home, damage, wor
     model = next(folder.glob("*.gguf"), folder)
     with pytest.raises(InvalidModel, match=re.escape(words)):
         load_model(str(model), dtype="float32")
+
+
+def test_a_model_the_quantized_layouts_cannot_pack_is_refused_by_name(sluice_home):
+    """A vocabulary of 300 (not a multiple of the kernels' 16 outputs) stored as int4, as `--quantization auto`
+    stores it on a CPU: the quantizer's ValueError ended the server with a logged error and exit 1."""
+    write_hf_folder(sluice_home / "hf", CONFIG, seed=1)
+    with pytest.raises(InvalidModel, match=re.escape("cannot be stored as int4 (quantized weights need inputs in "
+                                                     "multiples of 32 and outputs of 16, got (64, 300)): serve it")):
+        load_model(str(sluice_home / "hf"), dtype="float32", quantization="int4")
