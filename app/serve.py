@@ -258,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(cache_error)
     if args.prefix_cache_dir is not None and (unwritable := _unwritable(args.prefix_cache_dir)) is not None:
         return _refuse(f"--prefix-cache-dir {args.prefix_cache_dir} {unwritable}")
+    if args.api_key is not None and not args.api_key.strip():  # a key from an unset shell variable, say
+        return _refuse("--api-key is empty, which would serve every client: pass the key clients must send, or "
+                       "leave the flag (and SLUICE_API_KEY) out")
     address = args.coordinator_address
     if args.num_processes > 1 and address is not None and re.fullmatch(r"\S+:\d+", address) is None:
         return _refuse(f"--coordinator-address must be host:port (process 0's), got {address!r}")
