@@ -65,11 +65,13 @@ def new_tool_use_id() -> str:
 
 def _input(arguments: str) -> dict[str, Any]:
     """A call's input; `{}` for one that max_tokens cut off (a forced call streams its arguments as they come, so
-    an unfinished one is still a call)."""
+    an unfinished one is still a call), cut where its text reads as JSON but no object (`[1, 2`, `-1`) too: a
+    tool_use block's input is an object."""
     try:
-        return json.loads(arguments)
+        value = json.loads(arguments)
     except ValueError:
         return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _opening(text: str, after_block: bool) -> str:

@@ -515,3 +515,14 @@ def test_an_apis_stream_assembles_to_its_whole_reply(api: str) -> None:
         whole = whole_of(case, text, finish)
         pieces = random_pieces(rng, text)
         assert streamed_of(case, pieces, finish) == whole, f"{case}, {finish}: {text!r} in {pieces!r}"
+
+
+@pytest.mark.parametrize("cut", ['[1, 2]', '-1', '"a"'])
+def test_a_call_cut_where_its_arguments_read_as_json_but_no_object_has_an_empty_input(cut):
+    """A forced call's arguments stream as written, so max_tokens may cut them where they parse as another JSON
+    value; the whole message's tool_use block has an object for its input all the same, as for any other cut (its
+    stream has sent the text as written: what a client joins from it cannot be taken back)."""
+    blocks, stop_reason = anthropic_whole(Case("hermes", None, "forced"),
+                                          '<tool_call>{"name": "add", "arguments": ' + cut, "length")
+    assert [(block["type"], block["name"], block["input"]) for block in blocks] == [("tool_use", "add", {})]
+    assert stop_reason == "max_tokens"
