@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import re
@@ -88,6 +89,18 @@ def port(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"not a port: {text!r} (0 to 65535)")
     return int(text)
+
+
+def string_list(text: str) -> tuple[str, ...]:
+    """A JSON list of strings, as vLLM's CORS flags take: `'["https://app.example"]'`."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r} "
+                                         """(example: '["http://localhost:3000"]')""")
+    return tuple(value)
 
 
 def env_name(flag: str) -> str:
@@ -179,6 +192,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=at_least(0, int))
     _option(parser, "--api-key", None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on all routes but "
             "/health, /metrics, /openapi.json and the dashboard's")
+    _option(parser, "--allowed-origins", _SERVER_DEFAULTS.allowed_origins,
+            "CORS: the origins whose pages may call the API, as a JSON list (\"*\": any)", type=string_list)
+    _option(parser, "--allowed-methods", _SERVER_DEFAULTS.allowed_methods, "CORS: the methods they may use",
+            type=string_list)
+    _option(parser, "--allowed-headers", _SERVER_DEFAULTS.allowed_headers, "CORS: the headers they may send",
+            type=string_list)
+    _switch(parser, "--allow-credentials", "CORS: let those pages send cookies and HTTP authentication")
     _option(parser, "--max-body-bytes", _SERVER_DEFAULTS.max_body_bytes, "largest request body (413 beyond)",
             type=positive_byte_size)
     _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting",
@@ -297,6 +317,10 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         served_model_name=args.served_model_name,
         api_key=args.api_key,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         sse_keepalive_s=args.sse_keepalive,

@@ -1,7 +1,7 @@
 """The Starlette app: route table (with its OpenAPI description), error handlers, middleware and lifespan.
 
-Where a request goes: the middleware (`middleware.py`: API key, body reading, counts) -> a route: the OpenAI
-routes in `routes.py`, the small ones here -> for generation, `generation.py` drives the engine
+Where a request goes: the middleware (CORS, then `middleware.py`: API key, body reading, counts) -> a route: the
+OpenAI routes in `routes.py`, the small ones here -> for generation, `generation.py` drives the engine
 (`batching/engine.py`) and `responses.py` shapes its output, streamed by `streaming.py`.
 """
 
@@ -16,6 +16,7 @@ from importlib.metadata import version
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -146,16 +147,22 @@ def create_app(state: ServerState) -> Starlette:
     With `settings.ui`, the dashboard's feed ticks while the app runs. On shutdown (after uvicorn has finished
     the open requests) it stops that engine.
     """
-    ui = state.settings.ui
+    settings = state.settings
+    ui = settings.ui
     routes = [Route(op.path, handler, methods=[op.method]) for handler, op in ROUTES]
     if ui:
         routes += dashboard.ui_routes()
-    middleware = [Middleware(InternalErrorMiddleware),
+    # Outermost: a browser's preflight is answered before the API key is asked for, and errors carry the CORS
+    # headers too, so a page can read why its request failed.
+    middleware = [Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                             allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                             allow_credentials=settings.allow_credentials),
+                  Middleware(InternalErrorMiddleware),
                   Middleware(RequestCountMiddleware, metrics=state.metrics, routes=tuple(routes))]
-    if state.settings.api_key:
+    if settings.api_key:
         open_paths = OPEN_PATHS | dashboard.OPEN_PATHS if ui else OPEN_PATHS
-        middleware.append(Middleware(ApiKeyMiddleware, api_key=state.settings.api_key, open_paths=open_paths))
-    middleware.append(Middleware(BodyReadMiddleware, max_bytes=state.settings.max_body_bytes))
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths))
+    middleware.append(Middleware(BodyReadMiddleware, max_bytes=settings.max_body_bytes))
     feed = Feed(state) if ui else None
 
     @asynccontextmanager
@@ -177,7 +184,7 @@ def create_app(state: ServerState) -> Starlette:
     app.state.sluice = state
     app.state.feed = feed
     app.state.openapi = openapi_document(
-        [op for _, op in ROUTES], "Sluice", version("sluice"), bearer_auth=bool(state.settings.api_key),
+        [op for _, op in ROUTES], "Sluice", version("sluice"), bearer_auth=bool(settings.api_key),
         open_paths=OPEN_PATHS,
     )
     return app

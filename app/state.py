@@ -29,7 +29,9 @@ class ServerSettings:
     most `responses_store_size` responses and `responses_store_bytes` bytes of them (`app/responses_api_store.py`);
     `embedding_pooling` is how `/v1/embeddings` pools an input's hidden states (`app/embeddings.py`);
     `reasoning_parser` names how a reasoning model's thinking is told from its answer (`app/reasoning.py`; None:
-    not at all)."""
+    not at all); `allowed_origins`, `allowed_methods`, `allowed_headers` and `allow_credentials` are the CORS
+    policy for browsers calling the API from other origins (vLLM's flags and defaults: any origin, no
+    credentials)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -46,6 +48,10 @@ class ServerSettings:
     responses_store_bytes: int = 64 * 1024 * 1024
     embedding_pooling: Literal["last", "mean"] = "last"
     reasoning_parser: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 class ServerState:

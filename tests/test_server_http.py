@@ -370,3 +370,43 @@ def test_dashboard_flags_parse_like_the_others_environment_included(monkeypatch)
     args = parser.parse_args(["--slo-itl-ms", "40", "--peak-gflops", "100", "--peak-bandwidth-gbs", "20"])
     assert (args.no_ui, args.slo_ttft_ms, args.slo_itl_ms, args.peak_gflops, args.peak_bandwidth_gbs) == (
         True, 250.0, 40.0, 100.0, 20.0)
+
+
+PAGE = "http://localhost:3000"
+PREFLIGHT = {"Origin": PAGE, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_a_browser_page_may_call_the_api_by_default_as_on_vllm():
+    """A page of another origin (a web UI on its own port) preflights its POST without the API key, and reads the
+    answer, an error's too; vLLM's defaults: any origin, method and header, no credentials."""
+    c = client(api_key=KEY)
+    preflight = c.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert preflight.headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "access-control-allow-credentials" not in preflight.headers
+    refused = c.post("/v1/chat/completions", json={}, headers={"Origin": PAGE})
+    assert_openai_error(refused, 401)
+    assert refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_flags_limit_the_origins_and_may_allow_credentials():
+    args = parse(["--allowed-origins", f'["{PAGE}"]', "--allowed-methods", '["GET", "POST"]', "--allow-credentials"])
+    c = client(allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+               allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+    preflight = c.options("/v1/completions", headers=PREFLIGHT)
+    assert (preflight.status_code, preflight.headers["access-control-allow-origin"]) == (200, PAGE)
+    assert preflight.headers["access-control-allow-credentials"] == "true"
+    assert c.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://elsewhere.example"}).status_code == 400
+    assert c.options("/v1/completions", headers={**PREFLIGHT, "Access-Control-Request-Method": "DELETE"}
+                     ).status_code == 400
+    assert "access-control-allow-origin" not in c.get("/health", headers={"Origin": "https://elsewhere.example"}
+                                                      ).headers
+
+
+@pytest.mark.parametrize("text", ["http://localhost:3000", '"*"', "[1]", "{}"])
+def test_a_cors_flag_that_is_no_json_list_of_strings_is_refused(text):
+    with pytest.raises(SystemExit):
+        parse(["--allowed-origins", text])
