@@ -94,12 +94,14 @@ class Grammar:
 def fill_bitmask(rows: list[tuple[Grammar, int, list[int]]], bitmask: np.ndarray) -> None:
     """Writes the allowed tokens of each (grammar, row, drafts) into `bitmask` [S, words] int32: row `row` for the
     grammar's next token and row `row + j` for the token after its first j drafts (the drafts are consumed to
-    get there and rolled back). One call for the whole batch, in parallel threads, without the GIL."""
+    get there by a copy of its matcher: llguidance rolls a matcher back wrong over a draft that was the only token
+    its mask allowed, written as a token of its own (`<[id]>`, a thinking budget's </think>), and the matcher then
+    refuses what its mask allows). One call for the whole batch, in parallel threads, without the GIL."""
     from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
     executor = rows[0][0].executor
     plain = [(grammar.matcher, row) for grammar, row, drafts in rows if not drafts]
-    drafted = [(grammar.matcher, row, drafts) for grammar, row, drafts in rows if drafts]
+    drafted = [(grammar.matcher.deep_copy(), row, drafts) for grammar, row, drafts in rows if drafts]
     if plain:
         fill_next_token_bitmask_par(executor, plain, bitmask)
     if drafted:  # llguidance refuses an empty draft list here

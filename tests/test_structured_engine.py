@@ -176,3 +176,16 @@ def test_speculative_drafts_stop_where_the_grammar_allows_no_token_in_allowed_to
         have = engine.generate([[A] * 8], params)[0][0]
         assert (have.token_ids, have.finish_reason, have.error) == ((A,) * 6, "error", NO_TOKEN_LEFT)
     assert speculative.speculator.counters().num_accepted_tokens > 1
+
+
+def test_drafts_through_a_token_the_grammar_forces_leave_its_matcher_where_it_was(tiny, plain):
+    """After A the grammar forces B, a token of its own (`<[id]>`, as a thinking budget's </think> is), and the prompt
+    drafts B, A: llguidance rolled its matcher back wrong over the forced draft, which then refused B. Logprobs keep
+    the forced B from being appended at once, so it is drafted."""
+    speculative = free_verification(Engine(tiny, replace(CONFIG, speculative="ngram"), progress=False))
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=True, logit_bias=((A, 5.0),),
+                            structured=StructuredOutput("grammar", f"start: (<[{A}]> <[{B}]> | <[{C}]>){{1,4}}"))
+    want = plain.generate([[A, B] * 4], params)[0][0]
+    have = speculative.generate([[A, B] * 4], params)[0][0]
+    assert (have.token_ids, have.finish_reason) == (want.token_ids, want.finish_reason) == ((A, B) * 4 + (2,), "stop")
+    assert speculative.speculator.counters().num_accepted_tokens > 1
