@@ -112,10 +112,22 @@ def _dest(flag: str) -> str:
 
 
 def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kwargs: Any) -> None:
-    # argparse applies `type` to string defaults, so a malformed environment value fails like a flag would.
+    # argparse applies `type` to string defaults, so a malformed environment value fails like a flag would; but it
+    # checks `choices` only on the command line, so they are checked by the type too.
     env = env_name(flag)
     _BUILT_IN_DEFAULTS[flag] = default
+    if "choices" in kwargs:
+        kwargs.setdefault("type", _one_of(kwargs["choices"]))
     parser.add_argument(flag, default=os.environ.get(env, default), help=f"{help} [env {env}]", **kwargs)
+
+
+def _one_of(choices: list[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, choices))})")
+        return text
+
+    return parse
 
 
 def _switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
@@ -218,6 +230,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "Responses API's reasoning items): deepseek_r1 (the reply starts inside <think>, as R1's template opens "
             "it) or qwen3 (the reply thinks if it starts with <think>) (default: none)",
             choices=list(REASONING_PARSERS))
+    _option(parser, "--generation-config", _SERVER_DEFAULTS.generation_config,
+            "auto: the sampling fields a request leaves out take the model's own defaults (generation_config.json, "
+            "GGUF metadata); vllm: the API's defaults", choices=["auto", "vllm"])
     _option(parser, "--embedding-pooling", _SERVER_DEFAULTS.embedding_pooling,
             "how /v1/embeddings pools an input's final hidden states: last (the last prompt token's, as vLLM pools a "
             "causal LM) or mean (over every prompt token; such requests take no pages from the prefix cache)",
@@ -321,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
         allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
+        generation_config=args.generation_config,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         sse_keepalive_s=args.sse_keepalive,

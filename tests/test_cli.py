@@ -191,6 +191,22 @@ def test_serve_refuses_a_number_out_of_its_range_in_one_line(capsys, flag, value
     assert exited.value.code == 2 and errors == [f"sluice serve: error: argument {flag}: {words} (see sluice serve --help)"]
 
 
+@pytest.mark.parametrize(("name", "flag"), [("SLUICE_LOG_LEVEL", "--log-level"), ("SLUICE_DTYPE", "--dtype"),
+                                           ("SLUICE_REASONING_PARSER", "--reasoning-parser"),
+                                           ("SLUICE_EMBEDDING_POOLING", "--embedding-pooling")])
+def test_serve_refuses_an_environment_value_out_of_its_flags_choices_in_one_line(monkeypatch, capsys, name, flag):
+    """argparse checks choices on the command line only: SLUICE_LOG_LEVEL=loud was logging's traceback,
+    SLUICE_DTYPE=int8 a logged error after the load, SLUICE_REASONING_PARSER=loud served."""
+    from sluice.app.cli import main
+
+    monkeypatch.setenv(name, "loud")
+    with pytest.raises(SystemExit) as exited:
+        main(["serve"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(f"sluice serve: error: argument {flag}: invalid choice: 'loud' (choose from '"), errors
+
+
 @pytest.mark.parametrize(("args", "home", "words"), [
     (["--tp", "1024"], None, "--tp 1024 needs 1024 devices but only"),
     (["--model", "{tmp}/hf"], None, "{tmp}/hf does not read as a model: ValueError: config.json lacks hidden_size"),
