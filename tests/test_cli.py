@@ -152,8 +152,9 @@ def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path
                                                                         no_model_load, args, env, words):
     """An address it cannot listen on, a page size the GPU kernels cannot tile, a mode's settings without the mode
     (speculation, the persistent prefix cache, replicas, Ray), a cache (compilation, prefix) that cannot be a
-    folder, an empty API key (which turned authentication off): one line and exit 2, before the model loads (seconds for a port in use, not the minutes of a load that
-    ends in uvicorn's traceback, or in a logged error and exit 1)."""
+    folder, an empty API key (which turned authentication off): one line and exit 2, before the model loads
+    (seconds for a port in use, not the minutes of a load that ends in uvicorn's traceback, or in a logged error
+    and exit 1)."""
     (tmp_path / "file").write_text("a file where a folder should be")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
