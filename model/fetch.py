@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,8 @@ class InvalidModel(RuntimeError):
 
 
 GGUF_MAGIC = b"GGUF"
+ACCEPTED = (f"pass a .gguf file, an HF folder with config.json and *.safetensors, or omit --model for the default "
+            f"{DEFAULT_MODEL}")
 
 
 def sluice_home() -> Path:
@@ -87,11 +90,15 @@ def resolve_model(model: str | None) -> Path:
         return path
     if path.is_dir() and (path / "config.json").exists():
         return path
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-    raise ModelNotFound(
-        f"model {model!r} not found: pass a .gguf file, an HF folder with config.json and *.safetensors, "
-        f"or omit --model for the default {DEFAULT_MODEL}"
-    )
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if len(ggufs) > 1:
+        raise ModelNotFound(f"{path} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs[:3])}"
+                            f"{', ...' if len(ggufs) > 3 else ''}): pass one of them")
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        raise ModelNotFound(f"{path} holds *.safetensors but no config.json, which an HF folder needs beside them")
+    if path.exists():
+        raise ModelNotFound(f"{path} is not a model Sluice reads: {ACCEPTED}")
+    hub = " (Sluice does not download from the Hugging Face Hub)" if re.fullmatch(r"[\w.-]+/[\w.-]+", model) else ""
+    raise ModelNotFound(f"model {model!r} not found{hub}: {ACCEPTED}")

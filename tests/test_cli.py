@@ -57,6 +57,27 @@ def test_bad_arguments_are_a_one_line_error_before_anything_starts(args, words):
     assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(("model", "words"), [
+    ("{tmp}/empty", "{tmp}/empty is not a model Sluice reads: pass a .gguf file, an HF folder with config.json"),
+    ("{tmp}/two", "{tmp}/two holds 2 .gguf files (a.gguf, b.gguf): pass one of them"),
+    ("{tmp}/weights", "{tmp}/weights holds *.safetensors but no config.json"),
+    ("{tmp}/model.bin", "{tmp}/model.bin is not a model Sluice reads"),
+    ("meta-llama/Llama-3.1-8B", "model 'meta-llama/Llama-3.1-8B' not found (Sluice does not download from the Hugging"),
+])
+def test_a_model_path_that_is_there_but_not_a_model_says_what_it_holds(tmp_path, capsys, model, words):
+    """An empty folder, one of two GGUFs, safetensors without config.json, another kind of file were all 'not
+    found', which they were not; a Hub name is said to be one."""
+    from sluice.app.cli import main
+
+    for name in ("empty", "two", "weights"):
+        (tmp_path / name).mkdir()
+    for name in ("two/a.gguf", "two/b.gguf", "weights/model.safetensors", "model.bin"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    assert main(["fetch", "--model", model.replace("{tmp}", str(tmp_path))]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"sluice: error: {words.replace('{tmp}', str(tmp_path))}"), errors
+
+
 def _files(tmp_path, args):
     from sluice.model.config import ModelConfig
     from sluice.model.fetch import default_model_path
