@@ -351,12 +351,17 @@ def run(args: argparse.Namespace) -> int:
         slo_itl_ms=args.slo_itl_ms,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    # A path that holds no model is a one-line error now, not once the server (or a local Ray cluster) is up; the
+    # hosts' and a joined cluster's paths are theirs.
+    if args.model is not None and args.hosts is None and args.ray_address is None:
+        try:
+            resolve_model(args.model)
+        except (ModelNotFound, InvalidModel) as error:
+            return _refuse(str(error))
     if args.replicas is not None:
         return _serve_replicas(engine_config, settings, args)
     if args.hosts is not None:
-        return _serve_on_hosts(args)  # the model's path is the hosts'
-    if args.model is not None:
-        resolve_model(args.model)  # a path that holds no model is a one-line error now, not once the server is up
+        return _serve_on_hosts(args)
     try:
         initialize_distributed(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
     except ValueError as error:
@@ -518,6 +523,10 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     engine, peaks = loading.result()
     await engine.start()
     state.set_engine(engine, peaks)
+    if engine.generation_defaults and settings.generation_config == "auto":
+        defaults = ", ".join(f"{name}={value}" for name, value in engine.generation_defaults.items())
+        print(f"The model's sampling defaults, for the fields a request leaves out: {defaults} "
+              f"(--generation-config vllm: the APIs' own)", flush=True)
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
