@@ -145,8 +145,9 @@ def chat_request(body: CountTokensRequest, budgets: bool = False) -> ChatComplet
         if not isinstance(body.tool_choice, ToolChoiceNone):
             data["parallel_tool_calls"] = not body.tool_choice.disable_parallel_tool_use
     if isinstance(body, MessagesRequest):
-        data |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences, "temperature": body.temperature,
-                 "top_p": body.top_p, "top_k": body.top_k}
+        # Sampling fields left out take the model's defaults (`plan_chat`), so only those set are passed on.
+        data |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences} | {
+            name: getattr(body, name) for name in ("temperature", "top_p", "top_k") if name in body.model_fields_set}
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as error:

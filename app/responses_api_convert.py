@@ -41,8 +41,6 @@ def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
     chat: dict[str, Any] = {
         "messages": messages + chat_messages(items),
         "max_completion_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
         "logprobs": body.logprobs,
         "top_logprobs": body.top_logprobs,
         "stream": body.stream,
@@ -51,6 +49,8 @@ def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
         "parallel_tool_calls": body.parallel_tool_calls,
         "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
     }
+    # Sampling fields left out take the model's defaults (`plan_chat`), so only those set are passed on.
+    chat |= {name: getattr(body, name) for name in ("temperature", "top_p") if name in body.model_fields_set}
     if isinstance(body.tool_choice, FunctionToolChoice):
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
     elif body.tool_choice is not None:

@@ -13,6 +13,7 @@ import re
 import time
 import typing
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -156,7 +157,7 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
     prompt = await asyncio.to_thread(_chat_prompt, engine, body, tools, parser)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
-    params = body.sampling_params(default_max_tokens=max(1, engine.max_model_len - len(prompt.token_ids)))
+    params = body.sampling_params(max(1, engine.max_model_len - len(prompt.token_ids)), model_defaults(state, engine))
     if forced := body.forced_tools():
         grammar = call_grammar([(t.function.name, t.function.parameters) for t in forced],
                                parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser,
@@ -185,6 +186,12 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     return ChatPlan(prompt, params, calling, reasoning)
 
 
+def model_defaults(state: ServerState, engine: Engine) -> Mapping[str, float | int]:
+    """The sampling defaults the model sets (`generation_config.json`, GGUF metadata) for the fields a request
+    leaves out, unless the server was told to ignore them (`--generation-config vllm`)."""
+    return engine.generation_defaults if state.settings.generation_config == "auto" else {}
+
+
 def _chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: list[ToolDefinition], parser: str) -> Prompt:
     """The request's prompt: rendered, encoded and truncated. CPU work (a second for a megabyte of text), done in a
     worker thread so that the event loop serves other requests meanwhile."""
@@ -210,7 +217,7 @@ async def create_completion(request: Request) -> Response:
     state, engine, body = await parse_body(request, CompletionRequest)
     prompts = await asyncio.to_thread(truncated_prompts, engine.tokenizer, body.prompt, body.truncate_prompt_tokens,
                                       engine.max_model_len)
-    params = body.sampling_params(default_max_tokens=DEFAULT_MAX_TOKENS)
+    params = body.sampling_params(DEFAULT_MAX_TOKENS, model_defaults(state, engine))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [p.token_ids for p in prompts], params, request_id, arrival)
     builder = CompletionBuilder(request_id, state.model_name, engine.tokenizer, body, prompts)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from abc import abstractmethod
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, \
@@ -297,13 +298,22 @@ class SamplingRequest(PromptTruncation):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's parameters; `default_max_tokens` applies when the request sets no limit."""
+    def sampling_params(self, default_max_tokens: int, model_defaults: Mapping[str, float | int] | None = None
+                        ) -> SamplingParams:
+        """The engine's parameters; `default_max_tokens` applies when the request sets no limit, and
+        `model_defaults` (the model's own, `model/generation_config.py`) to the fields it leaves out, its limit of
+        tokens as a bound on `default_max_tokens`."""
+        model_defaults = model_defaults or {}
         names = (f.name for f in dataclasses.fields(SamplingParams))
         shared = {name: getattr(self, name) for name in names if name in type(self).model_fields}
+        shared |= {name: value for name, value in model_defaults.items()
+                   if name in shared and name not in self.model_fields_set}
+        max_tokens = self.max_new_tokens
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, model_defaults.get("max_tokens", default_max_tokens))
         return SamplingParams(**{
             **shared,
-            "max_tokens": self.max_new_tokens if self.max_new_tokens is not None else default_max_tokens,
+            "max_tokens": max_tokens,
             "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
             "stop_token_ids": tuple(self.stop_token_ids),
             "logit_bias": tuple(sorted({int(key): bias for key, bias in (self.logit_bias or {}).items()}.items())),

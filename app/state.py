@@ -31,7 +31,8 @@ class ServerSettings:
     `reasoning_parser` names how a reasoning model's thinking is told from its answer (`app/reasoning.py`; None:
     not at all); `allowed_origins`, `allowed_methods`, `allowed_headers` and `allow_credentials` are the CORS
     policy for browsers calling the API from other origins (vLLM's flags and defaults: any origin, no
-    credentials)."""
+    credentials); `generation_config` "auto" gives the fields a request leaves out the model's own sampling
+    defaults (`model/generation_config.py`), "vllm" the API's (vLLM's flag)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -52,6 +53,7 @@ class ServerSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    generation_config: Literal["auto", "vllm"] = "auto"
 
 
 class ServerState:

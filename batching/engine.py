@@ -160,6 +160,7 @@ class Engine:
         self.config = config = device_defaults(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
+        self.generation_defaults = loaded.generation_defaults  # the model's sampling defaults, for the API to apply
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh)
         page_bytes = kv_page_bytes(loaded.config, config.page_size, kv_dtype)

@@ -7,9 +7,9 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from flax import nnx
 from sluice.model import checkpoint
 from sluice.model.config import ModelConfig
 from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model, sluice_home
+from sluice.model.generation_config import generation_defaults
 from sluice.model.llama import Llama
 from sluice.model.quantize import default_layout, quantize_model, quantize_params, resolve
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
@@ -37,6 +38,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     weights: str = ""  # the converted checkpoint's folder name (it names the source file's identity); "": none
+    generation_defaults: Mapping[str, float | int] = field(default_factory=dict)  # `generation_config`
 
 
 def default_dtype() -> str:
@@ -87,6 +89,10 @@ def load_model(
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     quantization = resolve(quantization)
     source = resolve_model(model)
+    try:
+        defaults = generation_defaults(source)
+    except (ValueError, OSError) as error:
+        raise InvalidModel(f"{source}: the model's sampling defaults do not read: {error}") from None
     # Per-channel int8 (`model.quantize`, where the CPU kernels do not run) is a conversion of its own.
     stored = f"{quantization}-channel" if default_layout(quantization) == "channel" else quantization
     folder = checkpoint.checkpoint_dir(source, sluice_home(), stored)
@@ -120,7 +126,8 @@ def load_model(
     params = checkpoint.restore_params(folder, target)
     state = nnx.State({name: nnx.Param(value) for name, value in params.items()})
     llama = nnx.merge(graphdef, state)
-    return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=source.stem, weights=folder.name)
+    return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=source.stem, weights=folder.name,
+                       generation_defaults=defaults)
 
 
 if __name__ == "__main__":  # python -m sluice.model.loader SOURCE FOLDER QUANTIZATION: one conversion, single-process JAX

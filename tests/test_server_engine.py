@@ -180,3 +180,33 @@ def test_skip_special_tokens_false_keeps_the_text_of_a_sampled_special_token(eng
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (text, "stop")
+
+
+@pytest.mark.parametrize("generation_config", ["auto", "vllm"])
+def test_the_models_sampling_defaults_hold_where_a_request_leaves_a_field_out(engine, monkeypatch, generation_config):
+    """With the model's defaults greedy and 3 tokens long, a completion without temperature or max_tokens decodes
+    as a greedy one of 3 tokens, an Anthropic message without temperature too, and a response reports the
+    temperature it sampled at; `--generation-config vllm` keeps the APIs' own defaults (1.0, and 16 tokens)."""
+    monkeypatch.setattr(engine, "generation_defaults", {"temperature": 0.0, "max_tokens": 3})
+    message = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def scenario(client, state):
+        completions = [await client.post("/v1/completions", json={"prompt": [5, 6, 7], "ignore_eos": True, **extra})
+                       for extra in ({}, {"temperature": 0, "max_tokens": 3})]
+        messages = [await client.post("/v1/messages", json={**message, **extra})
+                    for extra in ({}, {}, {"temperature": 0})]
+        responses = [await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1, **extra})
+                     for extra in ({}, {"temperature": 0.7})]
+        return completions, messages, responses
+
+    completions, messages, responses = serve(engine, scenario, generation_config=generation_config)
+    left_out, greedy = (r.json()["choices"][0]["text"] for r in completions)
+    texts = [r.json()["content"][0]["text"] for r in messages]
+    temperatures = [r.json()["temperature"] for r in responses]
+    if generation_config == "auto":
+        assert left_out == greedy and completions[0].json()["usage"]["completion_tokens"] == 3
+        assert texts[0] == texts[1] == texts[2]
+        assert temperatures == [0.0, 0.7]
+    else:
+        assert completions[0].json()["usage"]["completion_tokens"] == 16
+        assert temperatures == [1.0, 0.7]
