@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=at_least(1, int), default=128)
     gen.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0: greedy")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=_number(int, lambda value: -(2**63) <= value < 2**63, "in the signed 64-bit range"),
+                     default=0)
     _add_model_arguments(gen)
     gen.set_defaults(run=_generate)
 

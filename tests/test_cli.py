@@ -49,6 +49,7 @@ def test_bench_runs_the_named_benchmark_from_any_directory(tmp_path):
     (["generate", "hi", "--temperature", "-1"], "--temperature: must be a number of at least 0"),
     (["generate", "hi", "--temperature", "nan"], "--temperature: must be a number of at least 0"),
     (["generate"], "sluice generate: error: the following arguments are required: prompt"),
+    (["generate", "hi", "--seed", str(2**64)], "--seed: must be a number in the signed 64-bit range"),
 ])
 def test_bad_arguments_are_a_one_line_error_before_anything_starts(args, words):
     """One line: not under argparse's usage, which for `sluice serve` is 48 lines long."""
