@@ -124,14 +124,22 @@ def fuse_projections(params: Params, config: ModelConfig) -> Params:
     return params
 
 
+def open_gguf(path: Path) -> Any:
+    """gguf's reader of the file at `path`; ValueError if it is cut short or corrupt (the reader itself raises
+    whatever it trips on: IndexError for a file of little more than its magic, ValueError elsewhere)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as error:
+        raise ValueError(f"not a whole GGUF file (cut short or corrupt): {type(error).__name__}: {error}") from None
+
+
 def load_gguf(path: Path) -> tuple[ModelConfig, Params, dict[str, Any]]:
     """Reads a Llama-family GGUF file: (config, float32 params, metadata fields for the tokenizer)."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as error:  # whatever the reader trips on in a file cut short or corrupt (IndexError, ValueError)
-        raise ValueError(f"not a whole GGUF file (cut short or corrupt): {type(error).__name__}: {error}") from None
+    reader = open_gguf(path)
     fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
     config = ModelConfig.from_gguf_fields(fields, tied_embeddings="output.weight" not in tensors)
