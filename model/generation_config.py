@@ -53,9 +53,9 @@ def generation_defaults(source: Path) -> dict[str, float | int]:
 
 
 def _gguf_sampling(path: Path) -> dict[str, Any]:
-    import gguf
+    from sluice.model.weights import open_gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     keys = {key: field for field, (_, key, _) in _FIELDS.items() if key}
     found = {keys[name]: f.contents() for name, f in reader.fields.items() if name in keys}
     return {field: round(value, 6) if isinstance(value, float) else value  # float32 metadata: 0.6, not 0.6000000238

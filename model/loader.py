@@ -89,10 +89,6 @@ def load_model(
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     quantization = resolve(quantization)
     source = resolve_model(model)
-    try:
-        defaults = generation_defaults(source)
-    except (ValueError, OSError) as error:
-        raise InvalidModel(f"{source}: the model's sampling defaults do not read: {error}") from None
     # Per-channel int8 (`model.quantize`, where the CPU kernels do not run) is a conversion of its own.
     stored = f"{quantization}-channel" if default_layout(quantization) == "channel" else quantization
     folder = checkpoint.checkpoint_dir(source, sluice_home(), stored)
@@ -106,6 +102,10 @@ def load_model(
             convert(source, folder, quantization)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
         checkpoint.remove_stale(folder, source, stored)
+    try:  # after the conversion, which tells a file that does not read as a model in its own words
+        defaults = generation_defaults(source)
+    except (ValueError, OSError) as error:
+        raise InvalidModel(f"{source}: the model's sampling defaults do not read: {error}") from None
     config = checkpoint.load_config(folder)
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])
