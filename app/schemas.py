@@ -583,6 +583,9 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
         if self.forced_tools() and (self.ignore_eos or self.min_tokens):
             raise ValueError("ignore_eos and min_tokens cannot be combined with a required or named tool_choice: "
                              "the grammar decides where the output ends")
+        if self.allowed_token_ids and (self.forced_tools() or self.thinking_token_budget is not None):
+            raise ValueError("allowed_token_ids cannot be combined with a required or named tool_choice or a "
+                             "thinking_token_budget: their grammar decides which tokens are allowed")
         return self
 
     def active_tools(self) -> list[ToolDefinition]:

@@ -277,3 +277,14 @@ def test_allowed_token_ids_reach_the_engine_once_each_and_are_checked_against_th
 
 def test_priority_reaches_the_engine():
     assert ChatCompletionRequest.model_validate({**CHAT, "priority": -3}).sampling_params(16).priority == -3
+
+
+@pytest.mark.parametrize("grammar", [{"tool_choice": "required"}, {"tool_choice": {"type": "function",
+                                     "function": {"name": "f"}}}, {"thinking_token_budget": 8}])
+def test_allowed_token_ids_are_refused_where_a_grammar_decides_the_tokens(grammar):
+    """A forced call's grammar or a thinking budget's, as structured output's: the two could leave no token (the
+    engine then ended the choice in an error, which the client saw as a 500)."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    error = rejection(ChatCompletionRequest, {**CHAT, "tools": tools, "allowed_token_ids": [5], **grammar})
+    assert "allowed_token_ids cannot be combined" in error.message
+    ChatCompletionRequest.model_validate({**CHAT, "tools": tools, "allowed_token_ids": [5]}, context=VOCAB)
