@@ -29,7 +29,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error_event, error_response_for
-from sluice.app.errors import APIError, body_too_large
+from sluice.app.errors import APIError
+from sluice.app.middleware import CLIENT_CLOSED, read_body
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
 from sluice.app.scale_out import REPLICA_HEADER
 from sluice.app.streaming import DONE, sse_event
@@ -70,9 +71,12 @@ class SluiceIngress:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
             return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
-        body = await self._body(request)
-        if body is None:
-            return error_response_for(path, body_too_large(self._max_body_bytes))
+        try:
+            body = await read_body(request.scope, request.receive, self._max_body_bytes)
+        except APIError as error:  # 413, or 408 for a body that stopped arriving: no replica sees it
+            return error_response_for(path, error)
+        if body is None:  # the client left
+            return Response(status_code=CLIENT_CLOSED)
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      tuple(request.scope["headers"]), body)
         stream: DeploymentResponseGenerator = self._replicas.remote(routing_key(body), forwarded)
@@ -87,17 +91,6 @@ class SluiceIngress:
         headers[REPLICA_HEADER] = start.replica
         return StreamingResponse(self._relay(stream, path, _is_event_stream(start)), status_code=start.status,
                                  headers=headers)
-
-    async def _body(self, request: Request) -> bytes | None:
-        """The request's body, or None past the replicas' limit: read no further (the replica would refuse it
-        with the same 413, after this process had held all of it)."""
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self._max_body_bytes:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     async def _relay(self, stream: DeploymentResponseGenerator, path: str, events: bool) -> AsyncIterator[bytes]:
         try:

@@ -96,7 +96,7 @@ class BodyReadMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            whole = await self._read(scope, receive)
+            whole = await read_body(scope, receive, self._max_bytes)
         except APIError as error:
             await error_response_for(scope["path"], error)(scope, receive, send)
             return
@@ -113,31 +113,33 @@ class BodyReadMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, scope: Scope, receive: Receive) -> bytes | None:
-        """The whole body; None if the client left first."""
-        declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
-            raise body_too_large(self._max_bytes)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            try:
-                async with asyncio.timeout(BODY_STALL_TIMEOUT_S):
-                    message = await receive()
-            except TimeoutError:
-                raise body_stalled(BODY_STALL_TIMEOUT_S) from None
-            if message["type"] == "http.disconnect":
-                return None
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self._max_bytes:
-                raise body_too_large(self._max_bytes)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+
+async def read_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes | None:
+    """The request's whole body; None if the client left first. APIError: 413 past `max_bytes` (declared or
+    read), 408 when nothing arrives for `BODY_STALL_TIMEOUT_S` while some is still due."""
+    declared = Headers(scope=scope).get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise body_too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        try:
+            async with asyncio.timeout(BODY_STALL_TIMEOUT_S):
+                message = await receive()
+        except TimeoutError:
+            raise body_stalled(BODY_STALL_TIMEOUT_S) from None
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > max_bytes:
+            raise body_too_large(max_bytes)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 # nginx's status for a client that closed its connection before the answer (streaming.py answers it too).
-_CLIENT_CLOSED = 499
+CLIENT_CLOSED = 499
 
 
 class RequestCountMiddleware:
@@ -182,7 +184,7 @@ class RequestCountMiddleware:
             raise
         finally:
             if not status:
-                status, error_body = _CLIENT_CLOSED, b"The client left before it was answered"
+                status, error_body = CLIENT_CLOSED, b"The client left before it was answered"
             message = _error_message(error_body) if status >= 400 else None
             self._metrics.responded(self._route(scope["path"]), status, message)
 

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from starlette.types import ASGIApp
 
-from sluice.app.ingress import _ReplicaReports, routing_key
+from sluice.app.ingress import SluiceIngress, _ReplicaReports, routing_key
 from sluice.app.metrics import ServerMetrics
 from sluice.app import middleware
 from sluice.app.middleware import BodyReadMiddleware, InternalErrorMiddleware, RequestCountMiddleware
@@ -104,6 +104,29 @@ def test_a_body_that_stops_arriving_is_a_408_in_its_apis_shape_and_its_connectio
         wait_until(lambda: not server.server_state.tasks and not server.server_state.connections)
         assert counts(address, path) == [f'sluice_requests_total{{route="{path}",status="408"}} 1.0']
         assert asyncio.run(state.wait_idle(1))  # nothing admitted: a drain would not wait for it
+
+
+def test_the_replicas_ingress_answers_a_body_that_stops_arriving_with_a_408_no_replica_sees(monkeypatch):
+    """`sluice serve --replicas`: the ingress reads each body before any replica is chosen, through the same
+    reader, so a stalled body is a 408 there too (it waited for ever)."""
+    monkeypatch.setattr(middleware, "BODY_STALL_TIMEOUT_S", 0.2)
+
+    class NoReplicas:  # the replicas' handle: none may be called
+        def options(self, **_):
+            return self
+
+        def remote(self, *_):
+            raise AssertionError("a replica was called")
+
+    parts = iter([{"type": "http.request", "body": b"x" * 10, "more_body": True}])
+
+    async def receive():
+        return next(parts, None) or await asyncio.Event().wait()
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-length", b"1000")]}
+    response = asyncio.run(SluiceIngress(NoReplicas(), 1 << 20)(Request(scope, receive)))
+    assert response.status_code == 408 and json.loads(response.body)["error"]["code"] == "body_stalled"
 
 
 def test_a_slow_body_that_keeps_arriving_is_read_whole(monkeypatch):
