@@ -28,6 +28,32 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--chat-template", type=chat_template, default=None, help=CHAT_TEMPLATE_HELP)
+
+
+CHAT_TEMPLATE_HELP = "a Jinja chat template, or a file holding one, rendered instead of the model's own"
+
+
+def chat_template(text: str) -> str:
+    """An argparse type, as vLLM reads --chat-template: the template in a file at `text`, else `text` itself if it
+    reads as one (it holds a brace or a line break); refused if it does not compile."""
+    from pathlib import Path
+
+    from sluice.model.tokenizer import ChatTemplateError, compile_chat_template
+
+    path = Path(text).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {error}") from None
+    elif not any(mark in text for mark in "{}\n"):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r} (a template given inline holds {{{{ or {{%)")
+    try:
+        compile_chat_template(text)
+    except ChatTemplateError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -57,7 +83,7 @@ def _generate(args: argparse.Namespace) -> int:
     from sluice.model.loader import load_model
     from sluice.model.tokenizer import ChatTemplateError
 
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, chat_template=args.chat_template)
     tokenizer = loaded.tokenizer
     text = args.prompt
     if args.chat and not tokenizer.special.chat_template:

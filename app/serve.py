@@ -30,7 +30,7 @@ from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
-from sluice.app.cli import OneLineErrors, above, at_least
+from sluice.app.cli import CHAT_TEMPLATE_HELP, OneLineErrors, above, at_least, chat_template
 from sluice.app.engine_loading import load_engine
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
 from sluice.app.server import create_app
@@ -139,6 +139,7 @@ def _switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--model", None, "a .gguf file, an HF folder or a known name (default: SmolLM2-135M-Instruct, fetched if missing)")
     _option(parser, "--served-model-name", None, "the name clients pass as `model` (default: the model's name)")
+    _option(parser, "--chat-template", None, CHAT_TEMPLATE_HELP, type=chat_template)
     _option(parser, "--host", "127.0.0.1", "address to listen on")
     _option(parser, "--port", 8000, "port to listen on", type=port)
     _option(parser, "--dtype", None, "parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
@@ -304,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             dtype=args.dtype,
             quantization=args.quantization,
+            chat_template=args.chat_template,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

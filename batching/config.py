@@ -65,7 +65,8 @@ class EngineConfig:
     RESULTS.md): it saves a call's fixed cost per token; a request that arrives mid-call waits at most one call.
     `async_scheduling`: overlap the host's work with the device's: the next step is scheduled and dispatched
     while the last one runs, its sampled tokens fed on the device (off: each step is collected before the next).
-    `quantization`: the weights' format (`model.quantize.CHOICES`; "auto" picks per device).
+    `quantization`: the weights' format (`model.quantize.CHOICES`; "auto" picks per device). `chat_template`:
+    rendered instead of the model's own (None: the model's).
     `kv_cache_dtype`: "auto" keeps K/V in the activation dtype, "int8" stores them in int8 with a scale per
     token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
     `layer_loop`: how the model runs its layers (`model.llama.LAYER_LOOPS`; "auto": unrolled on a GPU, where a
@@ -85,6 +86,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str | None = None
     quantization: str = "none"
+    chat_template: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

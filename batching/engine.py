@@ -240,10 +240,12 @@ class Engine:
                 f"--tp must be {jax.device_count()}, got {config.tp}"
             )
         if config.tp == 1:
-            return cls(load_model(config.model, dtype=config.dtype, quantization=config.quantization), config,
+            return cls(load_model(config.model, dtype=config.dtype, quantization=config.quantization,
+                                  chat_template=config.chat_template), config,
                        progress=progress)
         mesh = make_mesh(config.tp)
         loaded = load_model(config.model, dtype=config.dtype, quantization=config.quantization,
+                            chat_template=config.chat_template,
                             sharding_rule=partial(param_sharding, mesh))
         return cls(loaded, config, progress=progress, mesh=mesh)
 

@@ -77,12 +77,14 @@ def load_model(
     dtype: str | None = None,
     quantization: str = "none",
     sharding_rule: ShardingRule | None = None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """Loads `model` (a .gguf, an HF folder, or None for the default SmolLM2), converting on first use.
 
     `dtype` is the activation dtype (and the weights' with quantization "none"); `quantization` one of
     `model.quantize.CHOICES` ("auto" picks by backend), kept quantized in memory and in the converted folder.
     `sharding_rule` places each parameter as it is restored (tensor parallelism); default: the first device.
+    `chat_template`: rendered instead of the model's own (None: the model's).
     """
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
@@ -110,6 +112,8 @@ def load_model(
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])
     tokenizer = Tokenizer.from_json((folder / checkpoint.TOKENIZER_FILE).read_text(), SpecialTokens(**special))
+    if chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(chat_template)
 
     abstract = nnx.eval_shape(
         lambda: quantize_model(Llama(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)), quantization)

@@ -6,7 +6,7 @@ import datetime
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -171,9 +171,13 @@ class Tokenizer:
         if not self.special.chat_template:
             return None
         try:
-            return _chat_template_environment().from_string(self.special.chat_template)
-        except TemplateError as error:
-            raise ChatTemplateError(f"the model's chat template does not compile: {error}") from None
+            return compile_chat_template(self.special.chat_template)
+        except ChatTemplateError as error:
+            raise ChatTemplateError(f"the model's {error}") from None
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer, rendering chats with `template` instead of the model's (vLLM's --chat-template)."""
+        return Tokenizer(self._backend, replace(self.special, chat_template=template))
 
     def to_json(self) -> str:
         """The backend tokenizer as `tokenizer.json` text (special-token policy lives in `special`)."""
@@ -275,6 +279,14 @@ class _GenerationTag(Extension):
     def parse(self, parser: Parser) -> list[nodes.Node]:
         next(parser.stream)
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def compile_chat_template(text: str) -> Template:
+    """`text` as a chat template; ChatTemplateError if it does not compile."""
+    try:
+        return _chat_template_environment().from_string(text)
+    except TemplateError as error:
+        raise ChatTemplateError(f"chat template does not compile: {error}") from None
 
 
 def _chat_template_environment() -> ImmutableSandboxedEnvironment:

@@ -24,6 +24,15 @@ def test_generate_answers_the_chat_question_with_the_default_model():
     assert "Paris" in result.stdout
 
 
+def test_generate_renders_the_chat_template_the_flag_gives(tmp_path):
+    """vLLM's --chat-template: a file, or the template itself; rendered instead of the model's own."""
+    template = tmp_path / "capital.jinja"
+    template.write_text("{{ messages[0]['content'] }} of France is the city of")
+    result = run_sluice("generate", "--chat", "The capital", "--chat-template", str(template), "--max-tokens", "3")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
 def test_unfetchable_default_model_gives_a_one_line_error(tmp_path):
     env = {"SLUICE_HOME": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1",
            "PIP_FIND_LINKS": "", "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}
@@ -50,6 +59,8 @@ def test_bench_runs_the_named_benchmark_from_any_directory(tmp_path):
     (["generate", "hi", "--temperature", "nan"], "--temperature: must be a number of at least 0"),
     (["generate"], "sluice generate: error: the following arguments are required: prompt"),
     (["generate", "hi", "--seed", str(2**64)], "--seed: must be a number in the signed 64-bit range"),
+    (["serve", "--chat-template", "chat.jinja"], "--chat-template: no such file: 'chat.jinja'"),
+    (["generate", "hi", "--chat-template", "{% if %}"], "--chat-template: chat template does not compile"),
 ])
 def test_bad_arguments_are_a_one_line_error_before_anything_starts(args, words):
     """One line: not under argparse's usage, which for `sluice serve` is 48 lines long."""
