@@ -38,7 +38,8 @@ def generation_defaults(source: Path) -> dict[str, float | int]:
             raise ValueError(f"{path} is not JSON: {error}") from None
         if not isinstance(found, dict):
             raise ValueError(f"{path} is not a JSON object")
-        found = {field: found[key] for field, (key, _, _) in _FIELDS.items() if key in found}
+        # null is "not set" (as vLLM reads it), not a value out of range
+        found = {field: found[key] for field, (key, _, _) in _FIELDS.items() if found.get(key) is not None}
     else:
         found = _gguf_sampling(source)
     defaults = {}

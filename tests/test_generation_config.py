@@ -30,6 +30,14 @@ def test_a_folder_without_a_generation_config_sets_none(tmp_path):
     assert generation_defaults(tmp_path) == {}
 
 
+def test_a_null_in_a_generation_config_sets_no_default_and_is_no_warning(tmp_path, caplog):
+    """null is how a config writes "not set" (vLLM reads it so): not a value out of the field's range."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": None, "max_new_tokens": None,
+                                                                 "top_p": 0.9}))
+    assert generation_defaults(tmp_path) == {"top_p": 0.9}
+    assert "ignoring" not in caplog.text
+
+
 @pytest.mark.parametrize("text", ["{", "[0.6]"])
 def test_a_generation_config_that_is_no_json_object_is_refused(tmp_path, text):
     (tmp_path / "generation_config.json").write_text(text)
