@@ -28,10 +28,10 @@ BODY_STALL_TIMEOUT_S = 60.0
 
 
 class InternalErrorMiddleware:
-    """The outermost: a request whose handler raised (a bug) before its response started gets its route's 500,
-    and the exception is logged. Starlette's own handler re-raises after answering, and the server then closes
-    the connection, so a client's next request on it failed too. A failure after the response started still
-    propagates: that response cannot be mended."""
+    """Outermost but for CORS (whose headers the 500 then carries): a request whose handler raised (a bug) before
+    its response started gets its route's 500, and the exception is logged. Starlette's own handler re-raises after
+    answering, and the server then closes the connection, so a client's next request on it failed too. A failure
+    after the response started still propagates: that response cannot be mended."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
