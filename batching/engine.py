@@ -155,8 +155,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, *, progress: bool = True, mesh: Mesh | None = None,
                  warm_for: list[SamplingParams] | None = None):
         """`mesh`: the tensor-parallel mesh `loaded` was sharded onto (None: one device). `warm_for`: where the host
-        decides the sampler's plans, warm-up compiles those of these parameters (default: greedy and plain
-        sampling); others compile off the engine thread when first met."""
+        decides the sampler's plans, warm-up compiles those of these parameters (default: greedy, plain sampling,
+        and sampling with the model's own defaults); others compile off the engine thread when first met."""
         self.config = config = device_defaults(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -200,7 +200,11 @@ class Engine:
         self.speculator = Speculator(self.ngram) if self.ngram else None
         self.step_cost = StepCost.of(loaded.config, loaded.model, kv_dtype)
         if config.warmup:
-            plans = None if warm_for is None else [SamplerPlan.for_params(p, self.limits.vocab_size) for p in warm_for]
+            if warm_for is None and self.generation_defaults:  # as most requests that leave their fields out sample
+                sampled = {name: value for name, value in self.generation_defaults.items() if name != "max_tokens"}
+                warm_for = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(**sampled)]
+            plans = (None if warm_for is None else
+                     list(dict.fromkeys(SamplerPlan.for_params(p, self.limits.vocab_size) for p in warm_for)))
             self.runner.warmup(progress, plans)
         # What exists now (model, compiled steps, tokenizer) lives as long as the engine: kept out of the cyclic
         # collector's full passes, which otherwise walk all of it and stall a step for milliseconds.

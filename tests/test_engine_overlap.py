@@ -117,6 +117,19 @@ def test_warm_up_compiles_the_plans_of_the_parameters_it_is_given(tiny):
     assert greedy.runner.num_compiled() == compiled and greedy.runner.num_compiled_off_thread == 0
 
 
+def test_warm_up_compiles_the_plan_of_the_models_own_sampling_defaults(tiny):
+    """Requests that leave their sampling fields out sample with the model's defaults (`generation_config`): a
+    top_k filter here, a plan of its own, compiled at warm-up rather than while the first such request runs."""
+    config = replace(CONFIG, kv_cache_memory=page_bytes(256), num_decode_steps=4, sampler_branches="host")
+    defaults = {"temperature": 0.6, "top_k": 20, "max_tokens": 64}
+    engine = Engine(replace(tiny, generation_defaults=defaults), config, progress=False)
+    compiled = engine.runner.num_compiled()
+    assert compiled > Engine(tiny, config, progress=False).runner.num_compiled()
+    engine.generate(prompts(6, seed=9), SamplingParams(temperature=0.6, top_k=20, max_tokens=12, seed=3))
+    engine.runner.wait_for_compiles()
+    assert engine.runner.num_compiled() == compiled and engine.runner.num_compiled_off_thread == 0
+
+
 def test_warm_up_compiles_each_model_program_once_off_the_engine_thread(tiny, caplog):
     config = replace(CONFIG, kv_cache_memory=page_bytes(256), num_decode_steps=4, sampler_branches="host")
     jax.config.update("jax_log_compiles", True)  # for every thread (`jax.log_compiles()` is the calling thread's)
