@@ -159,12 +159,30 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Params, dict[str, Any]]:
     return config, params, fields
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files: those its index names, if it has one, as vLLM reads them (Mistral's folders
+    also hold consolidated.safetensors, the same weights in Mistral's own names, which the index leaves out)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not (folder / INDEX_FILE).is_file():
+        return files
+    try:
+        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        named = set(weight_map.values())
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{INDEX_FILE} does not read as an index of weights ({type(error).__name__}: {error})") \
+            from None
+    return [file for file in files if file.name in named]
+
+
 def load_safetensors_folder(folder: Path) -> tuple[ModelConfig, Params]:
     """Reads an HF model folder (`config.json` + `*.safetensors`) into (config, float32 params)."""
     from safetensors import SafetensorError, safe_open
 
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    files = sorted(folder.glob("*.safetensors"))
+    files = _weight_files(folder)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     handles = []

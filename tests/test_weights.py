@@ -6,12 +6,14 @@ import errno
 import json
 import os
 import re
+from dataclasses import replace
 
 import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from hf_folder import random_hf_tensors, train_tokenizer, write_hf_folder
 from sluice.model import checkpoint
@@ -66,6 +68,47 @@ def test_hf_safetensors_folder_loads_the_same_model(sluice_home):
 
     reloaded = load_model(str(folder), dtype="bfloat16")
     assert reloaded.model.wqkv[...].dtype == jnp.bfloat16
+
+
+def test_a_folder_with_an_index_reads_only_the_files_it_names(sluice_home):
+    """Mistral's folders hold their weights twice: the HF shards the index names, and consolidated.safetensors in
+    Mistral's own names, which the model does not read (vLLM reads the index's files alone)."""
+    folder = sluice_home / "hf"
+    tensors = write_hf_folder(folder, CONFIG, seed=1, num_files=2)
+    weight_map = {name: path.name for path in folder.glob("*.safetensors") for name in load_file(str(path))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({"tok_embeddings.weight": tensors["model.embed_tokens.weight"]}, str(folder / "consolidated.safetensors"))
+
+    loaded = load_model(str(folder), dtype="float32")
+    tokens = [5, 17, 42, 99, 7]
+    np.testing.assert_allclose(sequence_logits(loaded.model, tokens),
+                               sequence_logits(reference_model(CONFIG, tensors), tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [
+    {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(16, np.float32) for i in range(CONFIG.num_layers)},
+    {"model.rotary_emb.inv_freq": np.ones(16, np.float32)},
+])
+def test_rotary_frequency_buffers_older_checkpoints_hold_are_not_refused(sluice_home, extra):
+    """HF's older Llamas saved each layer's rotary frequencies, which the config implies."""
+    folder = sluice_home / "hf"
+    write_hf_folder(folder, CONFIG, seed=1)
+    _edit_tensors(folder, lambda t: t.update(extra))
+    assert load_model(str(folder), dtype="float32").config == CONFIG
+
+
+def test_a_tied_model_whose_file_also_holds_the_lm_head_serves_the_embedding(sluice_home):
+    folder = sluice_home / "hf"
+    tensors = write_hf_folder(folder, CONFIG, seed=1)
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                    "tie_word_embeddings": True}))
+    loaded = load_model(str(folder), dtype="float32")
+    tied = replace(CONFIG, tie_word_embeddings=True)
+    assert loaded.config == tied
+    tokens = [5, 17, 42, 99, 7]
+    del tensors["lm_head.weight"]
+    np.testing.assert_allclose(sequence_logits(loaded.model, tokens),
+                               sequence_logits(reference_model(tied, tensors), tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_a_folder_whose_files_are_rewritten_in_place_is_converted_again(sluice_home):
@@ -206,8 +249,6 @@ def test_gguf_metadata_sluice_cannot_serve_is_refused_by_name(edit, words):
 
 
 def _edit_tensors(folder, edit):
-    from safetensors.numpy import load_file, save_file
-
     [path] = folder.glob("*.safetensors")
     tensors = load_file(str(path))
     edit(tensors)
@@ -252,6 +293,8 @@ def _cut(path, size):
     (lambda folder: _cut(next(folder.glob("*.safetensors")), 5000),
      "does not read as safetensors (cut short or corrupt)"),
     (lambda folder: (folder / "only-the-magic.gguf").write_bytes(b"GGUF"), "not a whole GGUF file (cut short or"),
+    (lambda folder: (folder / "model.safetensors.index.json").write_text('{"weight_map": ['),
+     "model.safetensors.index.json does not read as an index of weights (JSONDecodeError"),
 ])
 def test_files_cut_short_or_corrupt_are_refused_by_name(sluice_home, damage, words):
     """A tokenizer.json missing or broken, a safetensors file cut short, a GGUF of its magic alone: each was the
