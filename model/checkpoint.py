@@ -27,10 +27,10 @@ SPECIAL_TOKENS_FILE = "special_tokens.json"
 SOURCE_FILE = "source.txt"  # the converted file or folder's path, for `remove_stale`
 
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 """Bumped when the parameters' names or layouts change (2: fused q/k/v and gate/up; 3: GGUF
-block formats packed in panels for the CPU kernels), so no older conversion
-is restored into a model that no longer reads it."""
+block formats packed in panels for the CPU kernels; 4: a GGUF's rope_freqs.weight kept in the config), so no
+older conversion is restored into a model that no longer reads it."""
 
 
 def checkpoint_dir(source: Path, cache_root: Path, quantization: str) -> Path:
@@ -86,6 +86,8 @@ def load_config(folder: Path) -> ModelConfig:
     if raw.get("rope_scaling"):
         raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    if raw.get("rope_freq_factors") is not None:
+        raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
     return ModelConfig(**raw)
 
 

@@ -44,6 +44,9 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Each rotary frequency's divisor, as a GGUF file's rope_freqs.weight gives them (llama.cpp's converter keeps
+    # Llama 3.1's scaling so, and no key of it): [head_dim // 2]; they stand for `rope_scaling`.
+    rope_freq_factors: tuple[float, ...] | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -71,10 +74,12 @@ class ModelConfig:
         return cls(**fields)
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict[str, Any], *, tied_embeddings: bool) -> ModelConfig:
+    def from_gguf_fields(cls, fields: dict[str, Any], *, tied_embeddings: bool,
+                         rope_freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
         """Build from GGUF key/value metadata (`{"llama.block_count": 30, ...}`, values already decoded).
 
         GGUF has no tied-embeddings flag: a file without `output.weight` ties the LM head to the embedding.
+        `rope_freq_factors`: the file's `rope_freqs.weight`, if it has one.
         """
         arch = fields.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
@@ -89,6 +94,10 @@ class ModelConfig:
 
         hidden = size("embedding_length")
         num_heads = size("attention.head_count")
+        head_dim = size("attention.key_length", hidden // num_heads)
+        if rope_freq_factors is not None and len(rope_freq_factors) != head_dim // 2:
+            raise ValueError(f"tensor rope_freqs.weight has shape ({len(rope_freq_factors)},), but the config implies "
+                             f"({head_dim // 2},)")
         scaling = None
         if get("rope.scaling.type") == "llama3" or get("rope.scaling.low_freq_factor") is not None:
             scaling = RopeScaling(
@@ -105,9 +114,10 @@ class ModelConfig:
             num_layers=size("block_count"),
             num_heads=num_heads,
             num_kv_heads=size("attention.head_count_kv", num_heads),
-            head_dim=size("attention.key_length", hidden // num_heads),
+            head_dim=head_dim,
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
+            rope_freq_factors=rope_freq_factors,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings=tied_embeddings,
             attention_bias=arch == "qwen2",
@@ -163,8 +173,11 @@ class ModelConfig:
         )
 
     def rope_inv_freq(self) -> np.ndarray:
-        """Inverse rotary frequencies `[head_dim // 2]` float64, with llama3 scaling applied when configured."""
+        """Inverse rotary frequencies `[head_dim // 2]` float64, with llama3 scaling applied when configured (by
+        `rope_freq_factors` where given, as llama.cpp applies them)."""
         inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        if self.rope_freq_factors is not None:
+            return inv_freq / np.asarray(self.rope_freq_factors, np.float64)
         s = self.rope_scaling
         if s is None:
             return inv_freq

@@ -54,9 +54,10 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 BIASES = {"bq", "bk", "bv"}
-# Tensors some files hold that the model computes itself: the rotary frequencies (HF's older Llamas, llama.cpp's
-# Llama 3.1 files, whose scaling the config reads from its keys).
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rope_freqs.weight")
+# Tensors some files hold that are no weights: the rotary frequencies of HF's older Llamas (which their config
+# implies) and the factors of llama.cpp's Llama 3.1 files (which `load_gguf` reads into the config).
+ROPE_FREQS = "rope_freqs.weight"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ROPE_FREQS)
 
 
 def _file_name(name: str, layer: int | None, column: int, layer_prefix: str) -> str:
@@ -142,7 +143,12 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Params, dict[str, Any]]:
     reader = open_gguf(path)
     fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
-    config = ModelConfig.from_gguf_fields(fields, tied_embeddings="output.weight" not in tensors)
+    factors = tensors.get(ROPE_FREQS)
+    config = ModelConfig.from_gguf_fields(
+        fields, tied_embeddings="output.weight" not in tensors,
+        rope_freq_factors=None if factors is None else tuple(
+            gguf.quants.dequantize(factors.data, factors.tensor_type).astype(float).ravel()),
+    )
     permute_rope = fields["general.architecture"] in ("llama", "mistral")
 
     def read(name: str, gguf_name: str) -> np.ndarray:

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from hf_folder import random_hf_tensors, train_tokenizer, write_hf_folder
 from sluice.model import checkpoint
-from sluice.model.config import ModelConfig
+from sluice.model.config import ModelConfig, RopeScaling
 from sluice.model.fetch import InvalidModel, ModelNotFound
 from sluice.model.generate import sequence_logits
 from sluice.model.llama import Llama
@@ -141,9 +141,10 @@ def test_a_folder_whose_files_are_rewritten_in_place_is_converted_again(sluice_h
                            sequence_logits(reference_model(CONFIG, tensors), tokens), atol=1e-3)
 
 
-def test_gguf_with_quantized_permuted_tensors_loads_the_same_model(sluice_home):
-    tensors = random_hf_tensors(CONFIG, seed=2)
-    path = sluice_home / "tiny.gguf"
+def write_gguf(path, tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None
+               ) -> dict[str, np.ndarray]:
+    """Writes CONFIG's model with `tensors` (HF names) as llama.cpp's converter writes it: Q/K rows permuted,
+    matrices Q8_0, and `extra` tensors as they are; returns the tensors the file holds, in HF names and order."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(CONFIG.num_layers)
     writer.add_context_length(CONFIG.max_position_embeddings)
@@ -186,10 +187,18 @@ def test_gguf_with_quantized_permuted_tensors_loads_the_same_model(sluice_home):
             writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
             # Q8_0 rounds within rows and the permutation moves whole rows, so this is what the file holds.
             expected[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype)
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return expected
+
+
+def test_gguf_with_quantized_permuted_tensors_loads_the_same_model(sluice_home):
+    path = sluice_home / "tiny.gguf"
+    expected = write_gguf(path, random_hf_tensors(CONFIG, seed=2))
 
     loaded = load_model(str(path), dtype="float32")
     assert loaded.config.num_kv_heads == 1 and not loaded.config.tie_word_embeddings
@@ -197,6 +206,33 @@ def test_gguf_with_quantized_permuted_tensors_loads_the_same_model(sluice_home):
     np.testing.assert_allclose(sequence_logits(loaded.model, tokens),
                                sequence_logits(reference_model(CONFIG, expected), tokens), rtol=1e-5, atol=1e-5)
 
+
+def llama_cpp_rope_factors(config: ModelConfig, scaling: RopeScaling) -> np.ndarray:
+    """The rope_freqs.weight llama.cpp's converter writes for a Llama 3.1 config (its only record of the scaling)."""
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, config.head_dim, 2, dtype=np.float32) / config.head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    factors = np.where(wavelen > scaling.original_max_position_embeddings / scaling.low_freq_factor,
+                       scaling.factor, 1 / ((1 - smooth) / scaling.factor + smooth))
+    factors = np.where(wavelen < scaling.original_max_position_embeddings / scaling.high_freq_factor, 1.0, factors)
+    return factors.astype(np.float32)
+
+
+def test_a_llama_3_1_gguf_rotates_at_the_frequencies_its_rope_freqs_give(sluice_home):
+    """llama.cpp's converter keeps Llama 3.1's RoPE scaling as rope_freqs.weight alone (no metadata key): the model
+    was served with unscaled frequencies, another model than the HF folder's with its rope_scaling."""
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    path = sluice_home / "llama31.gguf"
+    expected = write_gguf(path, random_hf_tensors(CONFIG, seed=2),
+                          extra={"rope_freqs.weight": llama_cpp_rope_factors(CONFIG, scaling)})
+
+    loaded = load_model(str(path), dtype="float32")
+    tokens = list(range(3, 203, 4))
+    logits = sequence_logits(loaded.model, tokens)
+    np.testing.assert_allclose(logits, sequence_logits(reference_model(replace(CONFIG, rope_scaling=scaling), expected),
+                                                       tokens), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(logits, sequence_logits(reference_model(CONFIG, expected), tokens), atol=1e-2)
 
 
 def test_a_conversion_that_cannot_be_written_says_so_and_leaves_no_partial_folder(sluice_home, monkeypatch):
@@ -246,6 +282,14 @@ def test_gguf_metadata_sluice_cannot_serve_is_refused_by_name(edit, words):
     fields = {k: v for k, v in {**fields, **edit}.items() if v is not None}
     with pytest.raises(ValueError, match=re.escape(words)):
         ModelConfig.from_gguf_fields(fields, tied_embeddings=True)
+
+
+def test_rope_freqs_of_another_length_than_the_frequencies_a_head_rotates_are_refused():
+    fields = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 2,
+              "llama.feed_forward_length": 128, "llama.block_count": 2, "tokenizer.ggml.tokens": ["a", "b"]}
+    with pytest.raises(ValueError, match=re.escape("tensor rope_freqs.weight has shape (3,), but the config implies "
+                                                   "(16,)")):
+        ModelConfig.from_gguf_fields(fields, tied_embeddings=True, rope_freq_factors=(1.0, 2.0, 4.0))
 
 
 def _edit_tensors(folder, edit):
