@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from sluice.model.generation_config import generation_defaults
 from sluice.model.llama import Llama
 from sluice.model.quantize import default_layout, quantize_model, quantize_params, resolve
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
-from sluice.model.weights import load_gguf, load_safetensors_folder
+from sluice.model.weights import read_gguf, read_safetensors_folder
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -48,27 +49,46 @@ def default_dtype() -> str:
 
 def convert(source: Path, folder: Path, quantization: str) -> None:
     """Reads a GGUF file or HF folder and writes Sluice's converted folder (float32 weights, or quantized).
-    InvalidModel if the source does not read as a Llama-family model, ModelNotFound if the folder cannot be written."""
+    InvalidModel if the source does not read as a Llama-family model, ModelNotFound if the folder cannot be written:
+    all that its metadata tells (config, tokenizer, the tensors' names and shapes, whether `quantization` packs
+    them) is checked before the weights are read."""
     try:
         if source.is_dir():
-            config, params = load_safetensors_folder(source)
-            tokenizer = Tokenizer.from_hf_folder(source)
+            hf_config = _read_json(source / "config.json")
+            config, read_params = read_safetensors_folder(source, hf_config)
+            tokenizer = Tokenizer.from_hf_folder(source, hf_config)
         else:
-            config, params, fields = load_gguf(source)
+            config, fields, read_params = read_gguf(source)
             tokenizer = Tokenizer.from_gguf_fields(fields)
+        _check_packs(source, config, quantization)
+        params = read_params()
     except (ValueError, KeyError, TypeError, OSError) as error:  # what reading a malformed file raises
         raise InvalidModel(f"{source} does not read as a model: {type(error).__name__}: {error}") from error
-    try:
-        params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
-    except ValueError as error:  # shapes the quantized layouts cannot pack
-        raise InvalidModel(f"{source} cannot be stored as {quantization} ({error}): serve it with --quantization "
-                           f"none") from None
+    params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
     special = dataclasses.asdict(tokenizer.special)
     try:
         checkpoint.save(folder, config, params, tokenizer.to_json(), special, source)
     except OSError as error:
         raise ModelNotFound(f"cannot keep the converted model in {folder.parent} ({error.strerror or error}): "
                             f"set SLUICE_HOME to a folder Sluice may write") from None
+
+
+def _check_packs(source: Path, config: ModelConfig, quantization: str) -> None:
+    """InvalidModel if `config`'s weights have shapes `quantization`'s layouts cannot pack (found from the shapes
+    alone, as the quantizers find it)."""
+    try:
+        nnx.eval_shape(lambda: quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization))
+    except ValueError as error:
+        raise InvalidModel(f"{source} cannot be stored as {quantization} ({error}): serve it with --quantization "
+                           f"none") from None
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in the file at `path`; ValueError naming the file if it is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path.name} is not JSON: {error}") from None
 
 
 def load_model(

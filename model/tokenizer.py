@@ -216,9 +216,10 @@ class Tokenizer:
         return cls(backend, special)
 
     @classmethod
-    def from_hf_folder(cls, folder: Path) -> Tokenizer:
-        """Reads `tokenizer.json` (+ `tokenizer_config.json` for the chat template and BOS policy); ValueError if
-        it is missing or does not read."""
+    def from_hf_folder(cls, folder: Path, model_config: Mapping[str, Any]) -> Tokenizer:
+        """Reads `tokenizer.json` (+ `tokenizer_config.json` for the chat template and BOS policy; `model_config`,
+        the folder's config.json, for BOS and EOS ids); ValueError naming the file that is missing or does not
+        read."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{folder} has no tokenizer.json (Sluice reads an HF folder's tokenizer from it)")
@@ -227,8 +228,12 @@ class Tokenizer:
         except Exception as error:  # the library raises a bare Exception for a file it cannot parse
             raise ValueError(f"tokenizer.json does not read as a tokenizer: {error}") from None
         config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        model_config = json.loads((folder / "config.json").read_text())
+        try:
+            config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        except ValueError as error:
+            raise ValueError(f"tokenizer_config.json is not JSON: {error}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"tokenizer_config.json holds a {type(config).__name__}, not an object")
 
         def token_id(token: Any) -> int | None:
             if isinstance(token, dict):

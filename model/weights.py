@@ -1,16 +1,17 @@
 """Loading weights from GGUF files and HF safetensors folders into Sluice's stacked parameter layout.
 
-Both loaders return `(ModelConfig, {name: float32 ndarray})` with the names and shapes of `model.llama.Llama`:
-linear weights `[num_layers, in_features, out_features...]` (q/k/v and gate/up fused as the model lays them out),
-norms `[num_layers, hidden]`, `embed [vocab, hidden]`. `LAYER_TENSORS` names the tensors as the files hold them,
-one per projection.
+Both readers return the model's config and a function that reads `{name: float32 ndarray}` with the names and
+shapes of `model.llama.Llama`: linear weights `[num_layers, in_features, out_features...]` (q/k/v and gate/up fused
+as the model lays them out), norms `[num_layers, hidden]`, `embed [vocab, hidden]`. They check the file's index of
+tensors against the config first, so a file that does not make the model is refused before a weight is read.
+`LAYER_TENSORS` names the tensors as the files hold them, one per projection.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from tqdm import tqdm
@@ -55,7 +56,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 BIASES = {"bq", "bk", "bv"}
 # Tensors some files hold that are no weights: the rotary frequencies of HF's older Llamas (which their config
-# implies) and the factors of llama.cpp's Llama 3.1 files (which `load_gguf` reads into the config).
+# implies) and the factors of llama.cpp's Llama 3.1 files (which `read_gguf` reads into the config).
 ROPE_FREQS = "rope_freqs.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ROPE_FREQS)
 
@@ -79,39 +80,49 @@ def expected_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
     }[name]
 
 
-def _collect(config: ModelConfig, names: Callable[[str, int | None], str], present: Collection[str],
-             read: Callable[[str, str], np.ndarray], progress: str) -> Params:
-    """Gathers the tensors of `config`'s model, stacked over layers and transposed: `names(name, layer)` is the
-    file's name of each (layer None for global tensors), `present` the names the file holds, and `read(name,
-    file_name)` returns one in HF orientation (`[out, in]` for linears); a bar named `progress` counts them.
+def _plan(config: ModelConfig, names: Callable[[str, int | None], str], shapes: Mapping[str, tuple[int, ...]]
+          ) -> dict[str, list[str]]:
+    """The file's names of each tensor of `config`'s model that is read (by `LAYER_TENSORS` / `GLOBAL_TENSORS`
+    name; one a layer for layer tensors): `names(name, layer)` is the file's name of each (layer None for global
+    tensors), `shapes` the shape of each tensor the file holds (HF orientation: `[out, in]` for linears).
 
     ValueError naming the first tensor the file lacks, or holds in another shape than the config implies, or the
     tensors it holds that the model would not use (another architecture's, or layers past the config's count).
     A tied model's LM head is the embedding: the file's, if any, is not read."""
     wanted = [n for n in (*GLOBAL_TENSORS, *LAYER_TENSORS) if n not in BIASES or config.attention_bias]
-    params: Params = {}
+    plan: dict[str, list[str]] = {}
     used = set()
-    with tqdm(total=len(present), desc=progress, unit="tensor", leave=False) as bar:  # gone before an error's line
-        for name in wanted:
-            keys = [names(name, layer) for layer in ([None] if name in GLOBAL_TENSORS else range(config.num_layers))]
-            used.update(keys)
-            if name == "lm_head" and config.tie_word_embeddings:
-                continue
-            if missing := [key for key in keys if key not in present]:
-                raise ValueError(f"the file lacks tensor {missing[0]}")
-            tensors = []
-            for key in keys:
-                tensor = read(name, key)
-                if tensor.shape != expected_shape(name, config):
-                    raise ValueError(f"tensor {key} has shape {tensor.shape}, but the config implies "
-                                     f"{expected_shape(name, config)}")
-                tensors.append(tensor.T if name in TRANSPOSED else tensor)
-                bar.update()
-            params[name] = tensors[0] if name in GLOBAL_TENSORS else np.stack(tensors)
-    unused = sorted(key for key in present if key not in used and not key.endswith(IGNORED_SUFFIXES))
+    for name in wanted:
+        keys = [names(name, layer) for layer in ([None] if name in GLOBAL_TENSORS else range(config.num_layers))]
+        used.update(keys)
+        if name == "lm_head" and config.tie_word_embeddings:
+            continue
+        if missing := [key for key in keys if key not in shapes]:
+            raise ValueError(f"the file lacks tensor {missing[0]}")
+        if wrong := [key for key in keys if shapes[key] != expected_shape(name, config)]:
+            raise ValueError(f"tensor {wrong[0]} has shape {shapes[wrong[0]]}, but the config implies "
+                             f"{expected_shape(name, config)}")
+        plan[name] = keys
+    unused = sorted(key for key in shapes if key not in used and not key.endswith(IGNORED_SUFFIXES))
     if unused:
         raise ValueError(f"the file holds {len(unused)} tensors a {config.num_layers}-layer Llama-family model does "
                          f"not use ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''})")
+    return plan
+
+
+def _read(config: ModelConfig, plan: dict[str, list[str]], read: Callable[[str, str], np.ndarray],
+          progress: str) -> Params:
+    """The tensors `plan` (`_plan`) names, read by `read(name, file_name)` in HF orientation, stacked over layers
+    and transposed into the model's fused layout; a bar named `progress` counts them."""
+    params: Params = {}
+    with tqdm(total=sum(map(len, plan.values())), desc=progress, unit="tensor", leave=False) as bar:
+        for name, keys in plan.items():
+            tensors = []
+            for key in keys:
+                tensor = read(name, key)
+                tensors.append(tensor.T if name in TRANSPOSED else tensor)
+                bar.update()
+            params[name] = tensors[0] if name in GLOBAL_TENSORS else np.stack(tensors)
     return fuse_projections(params, config)
 
 
@@ -136,8 +147,9 @@ def open_gguf(path: Path) -> Any:
         raise ValueError(f"not a whole GGUF file (cut short or corrupt): {type(error).__name__}: {error}") from None
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, Params, dict[str, Any]]:
-    """Reads a Llama-family GGUF file: (config, float32 params, metadata fields for the tokenizer)."""
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Callable[[], Params]]:
+    """A Llama-family GGUF file's config, its metadata fields (for the tokenizer), and the function that reads its
+    float32 params; ValueError if its tensors do not make the config's model (`_plan`)."""
     import gguf
 
     reader = open_gguf(path)
@@ -161,8 +173,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Params, dict[str, Any]]:
             array = unpermute_rope_rows(array, config.num_kv_heads)
         return array
 
-    params = _collect(config, lambda name, layer: _file_name(name, layer, 0, "blk.{}."), tensors, read, "dequantize")
-    return config, params, fields
+    shapes = {name: tuple(int(d) for d in reversed(tensor.shape)) for name, tensor in tensors.items()}
+    plan = _plan(config, lambda name, layer: _file_name(name, layer, 0, "blk.{}."), shapes)
+    return config, fields, lambda: _read(config, plan, read, "dequantize")
 
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -183,11 +196,12 @@ def _weight_files(folder: Path) -> list[Path]:
     return [file for file in files if file.name in named]
 
 
-def load_safetensors_folder(folder: Path) -> tuple[ModelConfig, Params]:
-    """Reads an HF model folder (`config.json` + `*.safetensors`) into (config, float32 params)."""
+def read_safetensors_folder(folder: Path, hf_config: dict[str, Any]) -> tuple[ModelConfig, Callable[[], Params]]:
+    """An HF model folder's config (from `hf_config`, its config.json) and the function that reads its float32
+    params from its `*.safetensors`; ValueError if its tensors do not make the config's model (`_plan`)."""
     from safetensors import SafetensorError, safe_open
 
-    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    config = ModelConfig.from_hf(hf_config)
     files = _weight_files(folder)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
@@ -202,6 +216,6 @@ def load_safetensors_folder(folder: Path) -> tuple[ModelConfig, Params]:
     def read(name: str, hf_name: str) -> np.ndarray:
         return np.asarray(index[hf_name].get_tensor(hf_name), dtype=np.float32)
 
-    params = _collect(config, lambda name, layer: _file_name(name, layer, 1, "model.layers.{}."), index, read,
-                      "read safetensors")
-    return config, params
+    shapes = {key: tuple(handle.get_slice(key).get_shape()) for key, handle in index.items()}
+    plan = _plan(config, lambda name, layer: _file_name(name, layer, 1, "model.layers.{}."), shapes)
+    return config, lambda: _read(config, plan, read, "read safetensors")

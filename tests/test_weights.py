@@ -292,6 +292,30 @@ def test_rope_freqs_of_another_length_than_the_frequencies_a_head_rotates_are_re
         ModelConfig.from_gguf_fields(fields, tied_embeddings=True, rope_freq_factors=(1.0, 2.0, 4.0))
 
 
+@pytest.fixture()
+def no_weight_reads(monkeypatch):
+    """Reading a tensor from a safetensors file fails the test: what the files' metadata shows (the config, the
+    tokenizer, the tensors' names and shapes) is to be refused before a weight is read."""
+    import safetensors
+
+    opened = safetensors.safe_open
+
+    class Unread:
+        def __init__(self, *args, **kwargs):
+            self._handle = opened(*args, **kwargs)
+
+        def keys(self):
+            return self._handle.keys()
+
+        def get_slice(self, name):
+            return self._handle.get_slice(name)
+
+        def get_tensor(self, name):
+            raise AssertionError(f"{name} was read")
+
+    monkeypatch.setattr(safetensors, "safe_open", Unread)
+
+
 def _edit_tensors(folder, edit):
     [path] = folder.glob("*.safetensors")
     tensors = load_file(str(path))
@@ -312,10 +336,12 @@ def _edit_tensors(folder, edit):
      "tensor model.layers.0.mlp.up_proj.weight has shape (5, 7), but the config implies (128, 64)"),
     ({"vocab_size": 100}, None, "tensor model.embed_tokens.weight has shape (300, 64), but the config implies (100, 64)"),
 ])
-def test_tensors_that_do_not_make_the_configs_model_are_refused_by_name(sluice_home, config_edit, tensor_edit, words):
+def test_tensors_that_do_not_make_the_configs_model_are_refused_by_name(sluice_home, no_weight_reads, config_edit,
+                                                                         tensor_edit, words):
     """A tensor missing was KeyError: 'w_up' (or, for the embedding, a conversion saved without it that the restore
     then refused in a traceback); one of another shape than the config says was a restore's traceback; tensors the
-    model does not read (a layer past the config's count, a Qwen3's q norm) were dropped, serving another model."""
+    model does not read (a layer past the config's count, a Qwen3's q norm) were dropped, serving another model.
+    Each is found from the files' index of tensors, before a weight is read."""
     folder = sluice_home / "hf"
     write_hf_folder(folder, CONFIG, seed=1)
     (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **config_edit}))
@@ -337,12 +363,15 @@ def _cut(path, size):
     (lambda folder: _cut(next(folder.glob("*.safetensors")), 5000),
      "does not read as safetensors (cut short or corrupt)"),
     (lambda folder: (folder / "only-the-magic.gguf").write_bytes(b"GGUF"), "not a whole GGUF file (cut short or"),
+    (lambda folder: (folder / "config.json").write_text("{oops"), "config.json is not JSON: Expecting property name"),
+    (lambda folder: (folder / "tokenizer_config.json").write_text("{oops"), "tokenizer_config.json is not JSON"),
     (lambda folder: (folder / "model.safetensors.index.json").write_text('{"weight_map": ['),
      "model.safetensors.index.json does not read as an index of weights (JSONDecodeError"),
 ])
-def test_files_cut_short_or_corrupt_are_refused_by_name(sluice_home, damage, words):
+def test_files_cut_short_or_corrupt_are_refused_by_name(sluice_home, no_weight_reads, damage, words):
     """A tokenizer.json missing or broken, a safetensors file cut short, a GGUF of its magic alone: each was the
-    traceback of the library that read it (a bare Exception, SafetensorError, IndexError)."""
+    traceback of the library that read it (a bare Exception, SafetensorError, IndexError); a JSON file that is not
+    JSON did not say which. Each is refused before a weight is read."""
     folder = sluice_home / "hf"
     write_hf_folder(folder, CONFIG, seed=1)
     damage(folder)
@@ -351,9 +380,10 @@ def test_files_cut_short_or_corrupt_are_refused_by_name(sluice_home, damage, wor
         load_model(str(model), dtype="float32")
 
 
-def test_a_model_the_quantized_layouts_cannot_pack_is_refused_by_name(sluice_home):
+def test_a_model_the_quantized_layouts_cannot_pack_is_refused_by_name(sluice_home, no_weight_reads):
     """A vocabulary of 300 (not a multiple of the kernels' 16 outputs) stored as int4, as `--quantization auto`
-    stores it on a CPU: the quantizer's ValueError ended the server with a logged error and exit 1."""
+    stores it on a CPU: the quantizer's ValueError ended the server with a logged error and exit 1. Found from the
+    config, before a weight is read."""
     write_hf_folder(sluice_home / "hf", CONFIG, seed=1)
     with pytest.raises(InvalidModel, match=re.escape("cannot be stored as int4 (quantized weights need inputs in "
                                                      "multiples of 32 and outputs of 16, got (64, 300)): serve it")):
