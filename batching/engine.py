@@ -157,6 +157,7 @@ class Engine:
         """`mesh`: the tensor-parallel mesh `loaded` was sharded onto (None: one device). `warm_for`: where the host
         decides the sampler's plans, warm-up compiles those of these parameters (default: greedy, plain sampling,
         and sampling with the model's own defaults); others compile off the engine thread when first met."""
+        page_size_given = config.page_size is not None
         self.config = config = device_defaults(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -164,6 +165,10 @@ class Engine:
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh)
         page_bytes = kv_page_bytes(loaded.config, config.page_size, kv_dtype)
+        if kv_bytes < page_bytes and page_size_given and config.kv_cache_memory is None:
+            raise InvalidEngineConfig("page_size", f"{config.page_size} makes a page of {page_bytes:,} bytes, more "
+                                                   f"than the whole KV pool of {kv_bytes:,} bytes (--kv-cache-memory "
+                                                   f"sets the pool)")
         if kv_bytes < page_bytes:
             raise InvalidEngineConfig("kv_cache_memory", f"of {kv_bytes:,} bytes holds no page: one page of "
                                                          f"{config.page_size} tokens takes {page_bytes:,} bytes")
