@@ -130,10 +130,34 @@ def _one_of(choices: list[str]) -> Callable[[str], str]:
     return parse
 
 
+SWITCH_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                 "off": False, "": False}
+
+
 def _switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """A flag that turns something on, or its environment variable set to one of `SWITCH_VALUES`; any other
+    value of it is refused as a flag's bad value is, not taken for off."""
     env = env_name(flag)
-    default = os.environ.get(env, "").lower() in {"1", "true", "yes", "on"}
-    parser.add_argument(flag, action="store_true", default=default, help=f"{help} [env {env}=1]")
+
+    def parse(text: str) -> bool:
+        if text.lower() not in SWITCH_VALUES:
+            raise argparse.ArgumentTypeError(f"{env}={text!r} is neither on (1, true, yes, on) nor off (0, false, no, "
+                                             f"off, or empty)")
+        return SWITCH_VALUES[text.lower()]
+
+    parser.add_argument(flag, action=_SwitchAction, type=parse, default=os.environ.get(env, ""),
+                        help=f"{help} [env {env}=1]")
+
+
+class _SwitchAction(argparse.Action):
+    """store_true that also takes a `type`, which argparse applies to a string default: the environment's value."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -243,6 +243,30 @@ def test_serve_refuses_an_environment_value_out_of_its_flags_choices_in_one_line
     assert errors[0].startswith(f"sluice serve: error: argument {flag}: invalid choice: 'loud' (choose from '"), errors
 
 
+def test_serve_refuses_a_switch_environment_value_that_is_neither_on_nor_off_in_one_line(monkeypatch, capsys):
+    """SLUICE_NO_UI=maybe (or a typo of 'true') was taken for off, without a word."""
+    from sluice.app.cli import build_parser
+
+    monkeypatch.setenv("SLUICE_NO_UI", "maybe")
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and errors == [
+        "sluice serve: error: argument --no-ui: SLUICE_NO_UI='maybe' is neither on (1, true, yes, on) nor off (0, "
+        "false, no, off, or empty) (see sluice serve --help)"], errors
+
+
+@pytest.mark.parametrize(("value", "args", "on"), [
+    (None, [], False), ("", [], False), ("1", [], True), ("Yes", [], True), ("off", [], False), ("0", ["--no-ui"], True),
+])
+def test_a_switch_is_on_by_its_flag_or_its_environment_value(monkeypatch, value, args, on):
+    from sluice.app.cli import build_parser
+
+    if value is not None:
+        monkeypatch.setenv("SLUICE_NO_UI", value)
+    assert build_parser().parse_args(["serve", *args]).no_ui is on
+
+
 @pytest.mark.parametrize(("args", "home", "words"), [
     (["--tp", "1024"], None, "--tp 1024 needs 1024 devices but only"),
     (["--model", "{tmp}/hf"], None, "{tmp}/hf does not read as a model: ValueError: config.json lacks hidden_size"),
