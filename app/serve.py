@@ -444,6 +444,11 @@ def _unwritable(path: str) -> str | None:
     return None
 
 
+def http_url(host: str, port: int) -> str:
+    """The server's URL: an IPv6 address in brackets, as URLs write it."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: an address in use or a host that does not resolve is
     a one-line error now, not uvicorn's exit once loading has begun. Bound as uvicorn binds its own."""
@@ -532,7 +537,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout)
     serving = asyncio.ensure_future(server.serve([listener]))
     port = listener.getsockname()[1]
-    print(f"Sluice is listening on http://{args.host}:{port} (/health: 503 until the model is ready)", flush=True)
+    print(f"Sluice is listening on {http_url(args.host, port)} (/health: 503 until the model is ready)", flush=True)
     loading = _in_daemon_thread(lambda: load_engine(engine_config, settings.ui, declared_peaks(args)))
     await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():  # stopped (a signal) before the model was ready
@@ -556,7 +561,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
-        print(f"Sluice is ready: http://{args.host}:{port}/v1 serving '{state.model_name}'", flush=True)
+        print(f"Sluice is ready: {http_url(args.host, port)}/v1 serving '{state.model_name}'", flush=True)
     await serving
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -200,6 +201,17 @@ def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path
             monkeypatch.setenv(name, fill(value))
         status, errors = serve_in_process([fill(arg) for arg in args])
     assert status == 2 and len(errors) == 1 and errors[0].startswith(f"sluice serve: error: {fill(words)}"), errors
+
+
+def test_serve_writes_an_ipv6_host_in_brackets_in_its_url(monkeypatch, capsys, no_model_load):
+    """It printed http://::1:PORT, which no client reads as a URL."""
+    import uvicorn
+
+    from sluice.app.cli import main
+
+    monkeypatch.setattr(uvicorn.Config, "configure_logging", lambda self: None)
+    main(["serve", "--port", "0", "--no-ui", "--host", "::1"])
+    assert re.search(r"listening on http://\[::1\]:\d+ ", capsys.readouterr().out)
 
 
 @pytest.mark.parametrize(("flag", "value", "words"), [
