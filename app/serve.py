@@ -321,6 +321,9 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():  # a key from an unset shell variable, say
         return _refuse("--api-key is empty, which would serve every client: pass the key clients must send, or "
                        "leave the flag (and SLUICE_API_KEY) out")
+    if not args.host.strip():  # from an unset shell variable, say
+        return _refuse("--host is empty, which would listen on every interface: pass 0.0.0.0 (or ::) for that, or "
+                       "leave the flag (and SLUICE_HOST) out for 127.0.0.1")
     address = args.coordinator_address
     if args.num_processes > 1 and address is not None and re.fullmatch(r"\S+:\d+", address) is None:
         return _refuse(f"--coordinator-address must be host:port (process 0's), got {address!r}")

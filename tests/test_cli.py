@@ -175,6 +175,7 @@ def serve_in_process(monkeypatch, capsys):
     ([], {"SLUICE_RAY_ADDRESS": "auto"}, "--ray-address tunes joining a Ray cluster, which is off"),
     (["--process-id", "3"], {}, "--process-id tunes a multi-process job, which is off: add --num-processes N"),
     (["--api-key", ""], {}, "--api-key is empty, which would serve every client"),
+    (["--host", ""], {}, "--host is empty, which would listen on every interface: pass 0.0.0.0 (or ::) for that"),
     (["--replicas", "2", "--model", "/nonexistent/x.gguf"], {}, "model '/nonexistent/x.gguf' not found"),
     ([], {"SLUICE_API_KEY": " "}, "--api-key is empty, which would serve every client"),
     (["--num-processes", "2", "--coordinator-address", "nonsense"], {},
@@ -187,7 +188,8 @@ def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path
                                                                         no_model_load, args, env, words):
     """An address it cannot listen on, a page size the GPU kernels cannot tile, a mode's settings without the mode
     (speculation, the persistent prefix cache, replicas, Ray), a cache (compilation, prefix) that cannot be a
-    folder, an empty API key (which turned authentication off), a model that is not there (with --replicas, once
+    folder, an empty API key (which turned authentication off) or host (which listened on every interface, and
+    printed http://:PORT), a model that is not there (with --replicas, once
     a Ray cluster had started, in a traceback): one line and exit 2, before the model loads
     (seconds for a port in use, not the minutes of a load that ends in uvicorn's traceback, or in a logged error
     and exit 1)."""
