@@ -154,12 +154,15 @@ class Tokenizer:
         `template_kwargs`: more variables for the template (vLLM's `chat_template_kwargs`, such as Qwen3's
         `enable_thinking`); none may be one of `TEMPLATE_VARIABLES`.
         """
-        if self._chat_template is None:
+        template = self._chat_template
+        if template is None:
             raise ChatTemplateError("this model has no chat template; use the completions API")
+        if isinstance(template, ChatTemplateError):
+            raise ChatTemplateError(str(template))
         bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else ""
         try:
-            return self._chat_template.render(
+            return template.render(
                 **(template_kwargs or {}), messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=bos, eos_token=eos, tools=tools,
             )
@@ -167,13 +170,19 @@ class Tokenizer:
             raise ChatTemplateError(f"the chat template failed: {error}") from None
 
     @cached_property
-    def _chat_template(self) -> Template | None:
+    def _chat_template(self) -> Template | ChatTemplateError | None:
+        """The compiled template, or why it does not compile: found once, not at each chat."""
         if not self.special.chat_template:
             return None
         try:
             return compile_chat_template(self.special.chat_template)
         except ChatTemplateError as error:
-            raise ChatTemplateError(f"the model's {error}") from None
+            return ChatTemplateError(f"the model's {error}")
+
+    @property
+    def chat_template_error(self) -> str | None:
+        """Why the chat template does not compile (None: it does, or there is none)."""
+        return str(self._chat_template) if isinstance(self._chat_template, ChatTemplateError) else None
 
     def with_chat_template(self, template: str) -> Tokenizer:
         """This tokenizer, rendering chats with `template` instead of the model's (vLLM's --chat-template)."""

@@ -311,6 +311,21 @@ def test_serve_input_found_bad_once_loading_begins_is_a_one_line_error(tmp_path,
     assert [line for line in errors if "error" in line.lower()] == errors[-1:]
 
 
+def test_serving_a_model_whose_chat_template_does_not_compile_warns_once_at_start(tmp_path, monkeypatch, caplog):
+    """It was found only at each chat request (a 400 each); completions are still served, as vLLM serves them."""
+    from sluice.app.engine_loading import load_engine
+    from sluice.batching.config import EngineConfig
+    from sluice.model.config import ModelConfig
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    write_hf_folder(tmp_path / "broken", ModelConfig.tiny(vocab_size=300), seed=0, chat_template="{% if %}")
+    engine, _ = load_engine(EngineConfig(model=str(tmp_path / "broken"), warmup=False), ui=False, declared=None,
+                            progress=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "chat template" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("the model's chat template does not compile: "), warnings
+    assert "each chat request gets a 400 until --chat-template gives one that does" in warnings[0]
+
+
 @pytest.mark.parametrize("args", [["server_threads", "--pid", "1"], ["responsiveness"]])
 def test_bench_without_a_server_at_its_url_is_a_one_line_error(capsys, args):
     """(responsiveness's prober thread printed its own traceback first.)"""

@@ -115,6 +115,22 @@ def test_a_template_that_does_not_compile_is_a_chat_template_error(tokenizer):
         with_template(tokenizer, "{% for m in messages %}").apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_a_template_that_does_not_compile_is_compiled_once_and_says_why(tokenizer, monkeypatch):
+    """A server checks it once at load and warns; each chat request then gets its error, not another compile."""
+    import sluice.model.tokenizer as module
+
+    compiles = []
+    compile_chat_template = module.compile_chat_template
+    monkeypatch.setattr(module, "compile_chat_template", lambda text: compiles.append(text) or compile_chat_template(text))
+    broken = with_template(tokenizer, "{% for m in messages %}")
+    assert broken.chat_template_error.startswith("the model's chat template does not compile: ")
+    for _ in range(2):
+        with pytest.raises(ChatTemplateError, match="the model's chat template does not compile"):
+            broken.apply_chat_template([{"role": "user", "content": "x"}])
+    assert len(compiles) == 1
+    assert tokenizer.chat_template_error is None
+
+
 @pytest.mark.parametrize("failing", ["{{ messages[0]['content'] + 1 }}", "{{ messages[0]['name'] | tojson }}",
                                      "{{ range(10 ** 9) | list }}"])
 def test_any_error_a_template_raises_is_a_chat_template_error(tokenizer, failing):
