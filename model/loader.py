@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import subprocess
 import sys
 import time
@@ -51,7 +53,13 @@ def convert(source: Path, folder: Path, quantization: str) -> None:
     """Reads a GGUF file or HF folder and writes Sluice's converted folder (float32 weights, or quantized).
     InvalidModel if the source does not read as a Llama-family model, ModelNotFound if the folder cannot be written:
     all that its metadata tells (config, tokenizer, the tensors' names and shapes, whether `quantization` packs
-    them) is checked before the weights are read."""
+    them) is checked before the weights are read, and so is the folder's parent, which must be writable."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _cannot_keep(folder, error) from None
+    if not os.access(folder.parent, os.W_OK | os.X_OK):
+        raise _cannot_keep(folder, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
     try:
         if source.is_dir():
             hf_config = _read_json(source / "config.json")
@@ -69,8 +77,12 @@ def convert(source: Path, folder: Path, quantization: str) -> None:
     try:
         checkpoint.save(folder, config, params, tokenizer.to_json(), special, source)
     except OSError as error:
-        raise ModelNotFound(f"cannot keep the converted model in {folder.parent} ({error.strerror or error}): "
-                            f"set SLUICE_HOME to a folder Sluice may write") from None
+        raise _cannot_keep(folder, error) from None
+
+
+def _cannot_keep(folder: Path, error: OSError) -> ModelNotFound:
+    return ModelNotFound(f"cannot keep the converted model in {folder.parent} ({error.strerror or error}): set "
+                         f"SLUICE_HOME to a folder Sluice may write")
 
 
 def _check_packs(source: Path, config: ModelConfig, quantization: str) -> None:

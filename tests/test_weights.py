@@ -249,6 +249,17 @@ def test_a_conversion_that_cannot_be_written_says_so_and_leaves_no_partial_folde
     assert list((sluice_home / "home" / "checkpoints").iterdir()) == []
 
 
+def test_a_cache_where_the_conversion_cannot_be_kept_is_refused_before_a_weight_is_read(sluice_home, monkeypatch,
+                                                                                        no_weight_reads):
+    """SLUICE_HOME a file: refused once the whole model had been read (minutes, for a large one)."""
+    write_hf_folder(sluice_home / "hf", CONFIG, seed=1)
+    (sluice_home / "file").write_text("a file where SLUICE_HOME's folder should be")
+    monkeypatch.setenv("SLUICE_HOME", str(sluice_home / "file" / "sluice"))
+    with pytest.raises(ModelNotFound, match=re.escape(f"cannot keep the converted model in {sluice_home}/file/sluice/"
+                                                      f"checkpoints (Not a directory): set SLUICE_HOME to a folder")):
+        load_model(str(sluice_home / "hf"), dtype="float32")
+
+
 @pytest.mark.parametrize(("edit", "words"), [
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture GPT2LMHeadModel"),
     ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "unsupported architecture Qwen3ForCausalLM"),
@@ -349,7 +360,7 @@ def test_tensors_that_do_not_make_the_configs_model_are_refused_by_name(sluice_h
         _edit_tensors(folder, tensor_edit)
     with pytest.raises(InvalidModel, match=re.escape(words)):
         load_model(str(folder), dtype="float32")
-    assert not (sluice_home / "home" / "checkpoints").exists()
+    assert list((sluice_home / "home" / "checkpoints").iterdir()) == []  # no conversion kept
 
 
 def _cut(path, size):
