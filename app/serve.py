@@ -118,7 +118,28 @@ def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str,
     _BUILT_IN_DEFAULTS[flag] = default
     if "choices" in kwargs:
         kwargs.setdefault("type", _one_of(kwargs["choices"]))
-    parser.add_argument(flag, default=os.environ.get(env, default), help=f"{help} [env {env}]", **kwargs)
+    if env in os.environ:
+        default = os.environ[env]
+        if "type" in kwargs:
+            kwargs["type"] = _naming_the_variable(kwargs["type"], env, default)
+    parser.add_argument(flag, default=default, help=f"{help} [env {env}]", **kwargs)
+
+
+def _naming_the_variable(kind: Callable[[str], Any], env: str, value: str) -> Callable[[str], Any]:
+    """`kind`, whose refusal of the environment's `value` says it is the variable's: argparse names the flag, which
+    the command line may not hold. argparse passes the default itself to the type, so `value` is told by identity."""
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as error:
+            if text is not value:
+                raise
+            reason = str(error) if isinstance(error, argparse.ArgumentTypeError) else \
+                f"invalid {parse.__name__} value: {text!r}"
+            raise argparse.ArgumentTypeError(f"{reason} (set by {env})") from None
+
+    parse.__name__ = getattr(kind, "__name__", repr(kind))  # argparse's "invalid int value" names the type so
+    return parse
 
 
 def _one_of(choices: list[str]) -> Callable[[str], str]:

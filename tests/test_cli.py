@@ -255,6 +255,34 @@ def test_serve_refuses_an_environment_value_out_of_its_flags_choices_in_one_line
     errors = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and len(errors) == 1, errors
     assert errors[0].startswith(f"sluice serve: error: argument {flag}: invalid choice: 'loud' (choose from '"), errors
+    assert errors[0].endswith(f") (set by {name}) (see sluice serve --help)"), errors
+
+
+@pytest.mark.parametrize(("name", "value", "words"), [
+    ("SLUICE_PORT", "http", "argument --port: not a port: 'http' (0 to 65535) (set by SLUICE_PORT)"),
+    ("SLUICE_TP", "two", "argument --tp: invalid int value: 'two' (set by SLUICE_TP)"),
+    ("SLUICE_MAX_BODY_BYTES", "0", "argument --max-body-bytes: must be at least 1 byte, got '0' (set by "
+                                   "SLUICE_MAX_BODY_BYTES)"),
+])
+def test_serve_names_the_environment_variable_whose_value_it_refuses(monkeypatch, capsys, name, value, words):
+    """The refusal named only the flag, which the command line did not hold."""
+    from sluice.app.cli import build_parser
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve"])
+    assert capsys.readouterr().err.strip() == f"sluice serve: error: {words} (see sluice serve --help)"
+
+
+def test_a_flag_on_the_command_line_is_refused_by_its_name_whatever_its_variable_holds(monkeypatch, capsys):
+    from sluice.app.cli import build_parser
+
+    monkeypatch.setenv("SLUICE_PORT", "8001")
+    assert build_parser().parse_args(["serve"]).port == 8001
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--port", "http"])
+    assert capsys.readouterr().err.strip() == ("sluice serve: error: argument --port: not a port: 'http' (0 to 65535) "
+                                               "(see sluice serve --help)")
 
 
 def test_serve_refuses_a_switch_environment_value_that_is_neither_on_nor_off_in_one_line(monkeypatch, capsys):
