@@ -262,9 +262,24 @@ class Tokenizer:
             bos_token_id=bos,
             eos_token_ids=eos_ids,
             add_bos=bool(config.get("add_bos_token", False)) or adds_bos_itself,
-            chat_template=config.get("chat_template"),
+            chat_template=_hf_chat_template(folder, config.get("chat_template")),
         )
         return cls(backend, special)
+
+
+def _hf_chat_template(folder: Path, configured: Any) -> str | None:
+    """The chat template as transformers reads an HF folder's: its chat_template.jinja, else tokenizer_config.json's
+    `chat_template`, which may be a list of named templates (the one named "default" renders chats); ValueError
+    for one that is neither."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if isinstance(configured, list):
+        named = {t.get("name"): t.get("template") for t in configured if isinstance(t, dict)}
+        configured = named.get("default")
+    if configured is not None and not isinstance(configured, str):
+        raise ValueError(f"tokenizer_config.json's chat_template is neither a template nor a list of named ones: "
+                         f"{configured!r:.80}")
+    return configured
 
 
 class ChatTemplateError(ValueError):

@@ -131,6 +131,44 @@ def test_a_template_that_does_not_compile_is_compiled_once_and_says_why(tokenize
     assert tokenizer.chat_template_error is None
 
 
+def _hf_folder_tokenizer(tmp_path, tokenizer_config_template, jinja=None) -> Tokenizer:
+    import json
+
+    from hf_folder import write_hf_folder
+    from sluice.model.config import ModelConfig
+
+    folder = tmp_path / "hf"
+    write_hf_folder(folder, ModelConfig.tiny(vocab_size=300), seed=0)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": tokenizer_config_template}))
+    if jinja is not None:
+        (folder / "chat_template.jinja").write_text(jinja)
+    return Tokenizer.from_hf_folder(folder, json.loads((folder / "config.json").read_text()))
+
+
+def test_an_hf_folder_with_named_chat_templates_renders_chats_with_the_default_one(tmp_path):
+    """tokenizer_config.json's chat_template may be a list of named templates (NousResearch's Hermes 3 Llama 3.1:
+    "default" and "tool_use"), as transformers reads it; Sluice compiled the list's text and failed each chat."""
+    named = [{"name": "tool_use", "template": "tools: {{ tools }}"},
+             {"name": "default", "template": "{{ messages[0]['content'] }}!"}]
+    tokenizer = _hf_folder_tokenizer(tmp_path, named)
+    assert tokenizer.chat_template_error is None
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+def test_an_hf_folder_s_chat_template_jinja_is_its_chat_template(tmp_path):
+    """Recent transformers save the template as chat_template.jinja beside tokenizer_config.json, and read it first;
+    Sluice read only tokenizer_config.json's and served such a folder without a template."""
+    tokenizer = _hf_folder_tokenizer(tmp_path, "{{ 'old' }}", jinja="{{ messages[0]['content'] }}?")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi?"
+
+
+def test_an_hf_folder_s_chat_template_of_another_kind_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer_config.json's chat_template is neither a template nor a list of "
+                                         "named ones: 42"):
+        _hf_folder_tokenizer(tmp_path, 42)
+
+
 @pytest.mark.parametrize("failing", ["{{ messages[0]['content'] + 1 }}", "{{ messages[0]['name'] | tojson }}",
                                      "{{ range(10 ** 9) | list }}"])
 def test_any_error_a_template_raises_is_a_chat_template_error(tokenizer, failing):
