@@ -87,7 +87,7 @@ def _generate(args: argparse.Namespace) -> int:
     tokenizer = loaded.tokenizer
     text = args.prompt
     if args.chat and not tokenizer.special.chat_template:
-        raise CommandError("this model has no chat template: leave out --chat")
+        raise CommandError("this model has no chat template: give one with --chat-template, or leave out --chat")
     if args.chat:
         try:
             text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])

@@ -114,7 +114,8 @@ def _files(tmp_path, args):
     (["generate", "hi", "--model", "{tmp}/hf"], "hf does not read as a model: ValueError: config.json lacks hidden"),
     (["generate", ""], "the prompt is empty"),
     (["generate", "--chat", "hi", "--model", "{tmp}/template"], "--chat: the model's chat template does not compile"),
-    (["generate", "--chat", "hi", "--model", "{tmp}/untemplated"], "this model has no chat template: leave out --chat"),
+    (["generate", "--chat", "hi", "--model", "{tmp}/untemplated"],
+     "this model has no chat template: give one with --chat-template, or leave out --chat"),
     (["generate", "word " * 9000], "exceed the model's context of 8192 tokens"),
     (["fetch"], "set SLUICE_HOME to a folder Sluice may write"),
 ])
