@@ -85,6 +85,40 @@ def test_a_folder_with_an_index_reads_only_the_files_it_names(sluice_home):
                                sequence_logits(reference_model(CONFIG, tensors), tokens), rtol=1e-5, atol=1e-5)
 
 
+LLAMA_3_1_KEYS = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+                  "transformers_version": "4.43.0.dev0", "hidden_act": "silu", "initializer_range": 0.02,
+                  "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+                  "use_cache": True, "eos_token_id": [2, 1],
+                  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64, "rope_type": "llama3"}}
+MISTRAL_KEYS = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None,
+                "torch_dtype": "bfloat16", "hidden_act": "silu"}
+QWEN2_KEYS = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+              "sliding_window": 4096, "max_window_layers": 21, "rope_scaling": None, "torch_dtype": "bfloat16",
+              "use_mrope": False, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize(("config", "keys"), [
+    (replace(CONFIG, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64), eos_token_ids=(2, 1)), LLAMA_3_1_KEYS),
+    (CONFIG, MISTRAL_KEYS),
+    (replace(CONFIG, attention_bias=True, tie_word_embeddings=True), QWEN2_KEYS),
+])
+def test_llama_mistral_and_qwen2_folders_load_with_the_keys_their_configs_hold(sluice_home, config, keys):
+    """The architectures Sluice serves, as their config.json files are written (Qwen2's q/k/v biases implied by its
+    model type, with no attention_bias key): the keys Sluice does not read are no reason to refuse them."""
+    folder = sluice_home / "hf"
+    tensors = write_hf_folder(folder, config, seed=1)
+    written = json.loads((folder / "config.json").read_text())
+    written.pop("attention_bias", None)
+    (folder / "config.json").write_text(json.dumps({**written, **keys}))
+
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.config == config
+    tokens = [5, 17, 42, 99, 7]
+    np.testing.assert_allclose(sequence_logits(loaded.model, tokens),
+                               sequence_logits(reference_model(config, tensors), tokens), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("extra", [
     {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(16, np.float32) for i in range(CONFIG.num_layers)},
     {"model.rotary_emb.inv_freq": np.ones(16, np.float32)},
