@@ -24,13 +24,15 @@ PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
+GENERATION_DEFAULTS_FILE = "generation_defaults.json"  # the model's own sampling defaults (`generation_config`)
 SOURCE_FILE = "source.txt"  # the converted file or folder's path, for `remove_stale`
 
 
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 """Bumped when the parameters' names or layouts change (2: fused q/k/v and gate/up; 3: GGUF
-block formats packed in panels for the CPU kernels; 4: a GGUF's rope_freqs.weight kept in the config), so no
-older conversion is restored into a model that no longer reads it."""
+block formats packed in panels for the CPU kernels; 4: a GGUF's rope_freqs.weight kept in the config; 5: the
+model's sampling defaults kept beside it), so no older conversion is restored into a model that no longer reads
+it."""
 
 
 def checkpoint_dir(source: Path, cache_root: Path, quantization: str) -> Path:
@@ -56,7 +58,7 @@ def remove_stale(folder: Path, source: Path, quantization: str) -> None:
 
 
 def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], tokenizer_json: str, special: dict[str, Any],
-         source: Path) -> None:
+         generation_defaults: dict[str, float | int], source: Path) -> None:
     """Writes the converted model of `source` atomically (to a temporary folder renamed into place).
 
     Processes converting the same source at once (the processes of a multi-process job on one filesystem)
@@ -72,6 +74,7 @@ def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], token
         (tmp / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=1))
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
         (tmp / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=1))
+        (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(generation_defaults, indent=1))
         (tmp / SOURCE_FILE).write_text(str(source.resolve()))
         tmp.rename(folder)
     except BaseException as error:

@@ -1,6 +1,7 @@
 """A model's own default sampling parameters, as its authors recommend them: an HF folder's
 `generation_config.json`, a GGUF file's `general.sampling.*` metadata (which llama.cpp's converter writes from
-it). The server applies them to the fields a request leaves out, as vLLM does (`--generation-config auto`).
+it). Read once, at conversion, and kept beside the converted model (`checkpoint.GENERATION_DEFAULTS_FILE`). The
+server applies them to the fields a request leaves out, as vLLM does (`--generation-config auto`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,38 +27,35 @@ _FIELDS: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
 }
 
 
-def generation_defaults(source: Path) -> dict[str, float | int]:
-    """The request fields (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_tokens`) that the
-    model at `source` (a .gguf file or an HF folder) sets defaults for, with their values. A value out of the field's
-    range is left out, with a warning: a request could not have set it either."""
-    if source.is_dir():
-        path = source / "generation_config.json"
-        try:
-            found = json.loads(path.read_text()) if path.is_file() else {}
-        except ValueError as error:
-            raise ValueError(f"{path} is not JSON: {error}") from None
-        if not isinstance(found, dict):
-            raise ValueError(f"{path} is not a JSON object")
-        # null is "not set" (as vLLM reads it), not a value out of range
-        found = {field: found[key] for field, (key, _, _) in _FIELDS.items() if found.get(key) is not None}
-    else:
-        found = _gguf_sampling(source)
+def from_hf_folder(folder: Path) -> dict[str, float | int]:
+    """The defaults an HF folder's generation_config.json sets (none without one); ValueError if it is no JSON
+    object."""
+    path = folder / "generation_config.json"
+    try:
+        found = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError as error:
+        raise ValueError(f"{path} is not JSON: {error}") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    # null is "not set" (as vLLM reads it), not a value out of range
+    return _in_range({field: found[key] for field, (key, _, _) in _FIELDS.items() if found.get(key) is not None})
+
+
+def from_gguf_fields(fields: Mapping[str, Any]) -> dict[str, float | int]:
+    """The defaults a GGUF file's metadata (`fields`: key -> value, as gguf's reader gives them) sets."""
+    found = {field: fields[key] for field, (_, key, _) in _FIELDS.items() if key and key in fields}
+    return _in_range({field: round(value, 6) if isinstance(value, float) else value  # float32: 0.6, not 0.6000000238
+                      for field, value in found.items()})
+
+
+def _in_range(found: dict[str, Any]) -> dict[str, float | int]:
+    """`found` without the values out of their field's range, each left out with a warning: a request could not
+    have set it either."""
     defaults = {}
     for field, value in found.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
                 or not _FIELDS[field][2](value):
-            logger.warning("%s: ignoring the model's default %s of %r (out of the field's range)", source.name,
-                           field, value)
+            logger.warning("ignoring the model's default %s of %r (out of the field's range)", field, value)
             continue
         defaults[field] = value
     return defaults
-
-
-def _gguf_sampling(path: Path) -> dict[str, Any]:
-    from sluice.model.weights import open_gguf
-
-    reader = open_gguf(path)
-    keys = {key: field for field, (_, key, _) in _FIELDS.items() if key}
-    found = {keys[name]: f.contents() for name, f in reader.fields.items() if name in keys}
-    return {field: round(value, 6) if isinstance(value, float) else value  # float32 metadata: 0.6, not 0.6000000238
-            for field, value in found.items()}

@@ -22,7 +22,7 @@ from flax import nnx
 from sluice.model import checkpoint
 from sluice.model.config import ModelConfig
 from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model, sluice_home
-from sluice.model.generation_config import generation_defaults
+from sluice.model import generation_config
 from sluice.model.llama import Llama
 from sluice.model.quantize import default_layout, quantize_model, quantize_params, resolve
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
@@ -41,7 +41,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     weights: str = ""  # the converted checkpoint's folder name (it names the source file's identity); "": none
-    generation_defaults: Mapping[str, float | int] = field(default_factory=dict)  # `generation_config`
+    generation_defaults: Mapping[str, float | int] = field(default_factory=dict)  # `model/generation_config.py`
 
 
 def default_dtype() -> str:
@@ -65,9 +65,11 @@ def convert(source: Path, folder: Path, quantization: str) -> None:
             hf_config = _read_json(source / "config.json")
             config, read_params = read_safetensors_folder(source, hf_config)
             tokenizer = Tokenizer.from_hf_folder(source, hf_config)
+            defaults = generation_config.from_hf_folder(source)
         else:
             config, fields, read_params = read_gguf(source)
             tokenizer = Tokenizer.from_gguf_fields(fields)
+            defaults = generation_config.from_gguf_fields(fields)
         _check_packs(source, config, quantization)
         params = read_params()
     except (ValueError, KeyError, TypeError, OSError) as error:  # what reading a malformed file raises
@@ -75,7 +77,7 @@ def convert(source: Path, folder: Path, quantization: str) -> None:
     params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
     special = dataclasses.asdict(tokenizer.special)
     try:
-        checkpoint.save(folder, config, params, tokenizer.to_json(), special, source)
+        checkpoint.save(folder, config, params, tokenizer.to_json(), special, defaults, source)
     except OSError as error:
         raise _cannot_keep(folder, error) from None
 
@@ -136,14 +138,11 @@ def load_model(
             convert(source, folder, quantization)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
         checkpoint.remove_stale(folder, source, stored)
-    try:  # after the conversion, which tells a file that does not read as a model in its own words
-        defaults = generation_defaults(source)
-    except (ValueError, OSError) as error:
-        raise InvalidModel(f"{source}: the model's sampling defaults do not read: {error}") from None
     config = checkpoint.load_config(folder)
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])
     tokenizer = Tokenizer.from_json((folder / checkpoint.TOKENIZER_FILE).read_text(), SpecialTokens(**special))
+    defaults = json.loads((folder / checkpoint.GENERATION_DEFAULTS_FILE).read_text())
     if chat_template is not None:
         tokenizer = tokenizer.with_chat_template(chat_template)
 

@@ -1,5 +1,6 @@
 """A model's own sampling defaults (`model/generation_config.py`): read from an HF folder's generation_config.json
-and a GGUF file's general.sampling.* metadata, and given to the fields a request of each API leaves out."""
+and a GGUF file's general.sampling.* metadata, kept with the converted model, and given to the fields a request of
+each API leaves out."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from sluice.app import anthropic_messages, responses_api_convert
 from sluice.app.anthropic_schemas import MessagesRequest
 from sluice.app.responses_api_schemas import ResponsesRequest
 from sluice.app.schemas import ChatCompletionRequest, CompletionRequest
-from sluice.model.generation_config import generation_defaults
+from sluice.model.config import ModelConfig
+from sluice.model.generation_config import from_gguf_fields, from_hf_folder
+from sluice.model.loader import load_model
+from hf_folder import write_hf_folder
 
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -21,20 +25,20 @@ def test_an_hf_folders_generation_config_sets_the_defaults_its_ranges_allow(tmp_
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "max_new_tokens": 512,
         "repetition_penalty": 3.0, "bos_token_id": 1, "eos_token_id": [2, 3]}))
-    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+    assert from_hf_folder(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
                                              "max_tokens": 512}
     assert "repetition_penalty of 3.0" in caplog.text  # beyond the API's bound: left out, with a warning
 
 
 def test_a_folder_without_a_generation_config_sets_none(tmp_path):
-    assert generation_defaults(tmp_path) == {}
+    assert from_hf_folder(tmp_path) == {}
 
 
 def test_a_null_in_a_generation_config_sets_no_default_and_is_no_warning(tmp_path, caplog):
     """null is how a config writes "not set" (vLLM reads it so): not a value out of the field's range."""
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": None, "max_new_tokens": None,
                                                                  "top_p": 0.9}))
-    assert generation_defaults(tmp_path) == {"top_p": 0.9}
+    assert from_hf_folder(tmp_path) == {"top_p": 0.9}
     assert "ignoring" not in caplog.text
 
 
@@ -42,7 +46,7 @@ def test_a_null_in_a_generation_config_sets_no_default_and_is_no_warning(tmp_pat
 def test_a_generation_config_that_is_no_json_object_is_refused(tmp_path, text):
     (tmp_path / "generation_config.json").write_text(text)
     with pytest.raises(ValueError, match="generation_config.json"):
-        generation_defaults(tmp_path)
+        from_hf_folder(tmp_path)
 
 
 def test_a_gguf_files_sampling_metadata_sets_the_defaults(tmp_path):
@@ -56,7 +60,19 @@ def test_a_gguf_files_sampling_metadata_sets_the_defaults(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert generation_defaults(path) == {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1}
+    fields = {name: field.contents() for name, field in gguf.GGUFReader(str(path)).fields.items()}
+    assert from_gguf_fields(fields) == {"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1}
+
+
+def test_a_converted_model_keeps_its_defaults_and_a_load_needs_no_source_reader(tmp_path, monkeypatch):
+    """Read once, at conversion: a later load reads them from the converted folder (the GPU image has no gguf)."""
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "hf"
+    write_hf_folder(folder, ModelConfig.tiny(), seed=1)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.8}))
+    assert load_model(str(folder), dtype="float32").generation_defaults == {"temperature": 0.7, "top_p": 0.8}
+    monkeypatch.setattr("sluice.model.generation_config.from_hf_folder", None)  # not called again
+    assert load_model(str(folder), dtype="float32").generation_defaults == {"temperature": 0.7, "top_p": 0.8}
 
 
 DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 100}
