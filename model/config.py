@@ -13,6 +13,14 @@ HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
+def _check_rope_scaling(kind: Any, factor: Any, where: str) -> None:
+    """ValueError for a RoPE scaling other than Llama 3's (linear, dynamic NTK, YaRN, LongRoPE) that changes
+    anything: served without it, the model would not be the one trained (beyond its original context, or at all)."""
+    if kind not in (None, "none", "default", "llama3") and factor != 1.0:
+        raise ValueError(f"{where} asks for RoPE scaling of type {kind!r} (factor {factor}), which Sluice does not "
+                         f"implement (only llama3's)")
+
+
 def _size(fields: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
     """`fields[key]` (`default` if absent or null), a positive integer; ValueError naming `key` in `source`."""
     value = default if fields.get(key) is None else fields[key]
@@ -98,6 +106,7 @@ class ModelConfig:
         if rope_freq_factors is not None and len(rope_freq_factors) != head_dim // 2:
             raise ValueError(f"tensor rope_freqs.weight has shape ({len(rope_freq_factors)},), but the config implies "
                              f"({head_dim // 2},)")
+        _check_rope_scaling(get("rope.scaling.type"), get("rope.scaling.factor", 1.0), "the GGUF metadata")
         scaling = None
         if get("rope.scaling.type") == "llama3" or get("rope.scaling.low_freq_factor") is not None:
             scaling = RopeScaling(
@@ -145,6 +154,7 @@ class ModelConfig:
         num_heads = size("num_attention_heads")
         scaling = None
         raw = config.get("rope_scaling") or {}
+        _check_rope_scaling(raw.get("rope_type", raw.get("type")), raw.get("factor", 1.0), "config.json")
         if raw.get("rope_type", raw.get("type")) == "llama3":
             scaling = RopeScaling(
                 factor=float(raw["factor"]),

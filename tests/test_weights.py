@@ -433,3 +433,17 @@ def test_a_model_the_quantized_layouts_cannot_pack_is_refused_by_name(sluice_hom
     with pytest.raises(InvalidModel, match=re.escape("cannot be stored as int4 (quantized weights need inputs in "
                                                      "multiples of 32 and outputs of 16, got (64, 300)): serve it")):
         load_model(str(sluice_home / "hf"), dtype="float32", quantization="int4")
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+                                     {"type": "linear", "factor": 2.0}, {"type": "dynamic", "factor": 2.0}])
+def test_a_rope_scaling_sluice_does_not_implement_is_refused_not_ignored(sluice_home, scaling):
+    """It was read as none: the model served was not the one trained."""
+    folder = sluice_home / "hf"
+    write_hf_folder(folder, CONFIG, seed=1)
+    written = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**written, "rope_scaling": scaling}))
+    with pytest.raises(InvalidModel, match="RoPE scaling of type"):
+        load_model(str(folder), dtype="float32")
+    (folder / "config.json").write_text(json.dumps({**written, "rope_scaling": {**scaling, "factor": 1.0}}))
+    assert load_model(str(folder), dtype="float32").config == CONFIG  # a factor of 1 changes nothing
