@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
-from collections.abc import Callable
-from typing import NoReturn
 
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, OneLineErrors, at_least, chat_template, number
 from sluice.model.fetch import InvalidModel, ModelNotFound
 
 
@@ -16,44 +14,11 @@ class CommandError(RuntimeError):
     """Input a command refuses once it has read it (a prompt too long for the model, say): one line, exit 2."""
 
 
-class OneLineErrors(argparse.ArgumentParser):
-    """A parser whose refusals are one line, exit 2: argparse's own print the whole usage first, 48 lines for
-    `sluice serve`, above the line that says what was wrong."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--chat-template", type=chat_template, default=None, help=CHAT_TEMPLATE_HELP)
-
-
-CHAT_TEMPLATE_HELP = "a Jinja chat template, or a file holding one, rendered instead of the model's own"
-
-
-def chat_template(text: str) -> str:
-    """An argparse type, as vLLM reads --chat-template: the template in a file at `text`, else `text` itself if it
-    reads as one (it holds a brace or a line break); refused if it does not compile."""
-    from pathlib import Path
-
-    from sluice.model.tokenizer import ChatTemplateError, compile_chat_template
-
-    path = Path(text).expanduser()
-    if path.is_file():
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            raise argparse.ArgumentTypeError(f"cannot read {path}: {error}") from None
-    elif not any(mark in text for mark in "{}\n"):
-        raise argparse.ArgumentTypeError(f"no such file: {text!r} (a template given inline holds {{{{ or {{%)")
-    try:
-        compile_chat_template(text)
-    except ChatTemplateError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -113,29 +78,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def at_least(low: float, kind: type) -> Callable[[str], float]:
-    """An argparse type: `kind` of the text, refused below `low` (and if not finite)."""
-    return _number(kind, lambda value: value >= low, f"of at least {low}")
-
-
-def above(low: float, kind: type) -> Callable[[str], float]:
-    """An argparse type: `kind` of the text, refused at `low` or below (and if not finite)."""
-    return _number(kind, lambda value: value > low, f"greater than {low}")
-
-
-def _number(kind: type, fits: Callable[[float], bool], bound: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {'a whole' if kind is int else 'a'} number: {text!r}") from None
-        if not math.isfinite(value) or not fits(value):
-            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text}")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="sluice", description="High-throughput LLM inference on JAX/XLA.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
@@ -149,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=at_least(1, int), default=128)
     gen.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0: greedy")
-    gen.add_argument("--seed", type=_number(int, lambda value: -(2**63) <= value < 2**63, "in the signed 64-bit range"),
+    gen.add_argument("--seed", type=number(int, lambda value: -(2**63) <= value < 2**63, "in the signed 64-bit range"),
                      default=0)
     _add_model_arguments(gen)
     gen.set_defaults(run=_generate)

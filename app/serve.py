@@ -30,7 +30,7 @@ from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
-from sluice.app.cli import CHAT_TEMPLATE_HELP, OneLineErrors, above, at_least, chat_template
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, OneLineErrors, above, at_least, chat_template
 from sluice.app.engine_loading import load_engine
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
 from sluice.app.server import create_app

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from sluice.app.cli import at_least
+from sluice.app.arguments import at_least
 from sluice.bench.dataset import DEFAULT_OUTPUT, DEFAULT_PROMPT, BenchRequest, LengthDistribution, SyntheticSpec, load_jsonl, synthetic
 from sluice.bench import prefix_cache
 from sluice.bench.metrics import RequestRecord, Slo, Summary, summarize

@@ -1,0 +1,66 @@
+"""What the `sluice` commands' flags accept: argparse types that refuse a bad value in one line, and the parser
+that prints only that line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from sluice.model.tokenizer import ChatTemplateError, compile_chat_template
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser whose refusals are one line, exit 2: argparse's own print the whole usage first, 48 lines for
+    `sluice serve`, above the line that says what was wrong."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+CHAT_TEMPLATE_HELP = "a Jinja chat template, or a file holding one, rendered instead of the model's own"
+
+
+def chat_template(text: str) -> str:
+    """An argparse type, as vLLM reads --chat-template: the template in a file at `text`, else `text` itself if it
+    reads as one (it holds a brace or a line break); refused if it does not compile."""
+    path = Path(text).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {error}") from None
+    elif not any(mark in text for mark in "{}\n"):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r} (a template given inline holds {{{{ or {{%)")
+    try:
+        compile_chat_template(text)
+    except ChatTemplateError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def at_least(low: float, kind: type) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, refused below `low` (and if not finite)."""
+    return number(kind, lambda value: value >= low, f"of at least {low}")
+
+
+def above(low: float, kind: type) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, refused at `low` or below (and if not finite)."""
+    return number(kind, lambda value: value > low, f"greater than {low}")
+
+
+def number(kind: type, fits: Callable[[float], bool], bound: str) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, refused unless finite and `fits` (which `bound` says in words)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'a whole' if kind is int else 'a'} number: {text!r}") from None
+        if not math.isfinite(value) or not fits(value):
+            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text}")
+        return value
+
+    return parse
