@@ -36,7 +36,6 @@ def root_hash(seq: Sequence) -> int:
 class PoolCounters:
     pages_total: int
     pages_used: int
-    pages_free: int
     pages_cached: int
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
@@ -82,7 +81,6 @@ class BlockManager:
         return PoolCounters(
             pages_total=self.num_pages,
             pages_used=self.num_used_pages,
-            pages_free=self.num_free_pages,
             pages_cached=len(self._cached),
             prefix_cache_hit_tokens=self.hit_tokens,
             prefix_cache_query_tokens=self.query_tokens,

@@ -128,14 +128,11 @@ class _Stop:
 
 @dataclass(frozen=True)
 class _Launched:
-    """A dispatched step the host has not collected yet: what ran (`limits`, `drafting`: a multi-step call's),
-    where each chunk's first sampled token goes in its sequence and how many placeholders it got there (0 for a
-    chunk that drafts: how many it keeps is known only from its result), when its step began
-    (`time.perf_counter()`) and the host time it took to schedule and dispatch."""
+    """A dispatched step the host has not collected yet (`pending`: what ran), where each chunk's first sampled
+    token goes in its sequence and how many placeholders it got there (0 for a chunk that drafts: how many it
+    keeps is known only from its result), when its step began (`time.perf_counter()`) and the host time it took
+    to schedule and dispatch."""
 
-    chunks: list[ScheduledChunk]
-    limits: list[int] | None
-    drafting: list[int] | None
     first_indices: list[int]
     counts: list[int]
     pending: PendingStep
@@ -248,14 +245,10 @@ class Engine:
                 f"a {jax.process_count()}-process job serves one model over all its devices: "
                 f"--tp must be {jax.device_count()}, got {config.tp}"
             )
-        if config.tp == 1:
-            return cls(load_model(config.model, dtype=config.dtype, quantization=config.quantization,
-                                  chat_template=config.chat_template), config,
-                       progress=progress)
-        mesh = make_mesh(config.tp)
+        mesh = make_mesh(config.tp) if config.tp > 1 else None
         loaded = load_model(config.model, dtype=config.dtype, quantization=config.quantization,
                             chat_template=config.chat_template,
-                            sharding_rule=partial(param_sharding, mesh))
+                            sharding_rule=partial(param_sharding, mesh) if mesh is not None else None)
         return cls(loaded, config, progress=progress, mesh=mesh)
 
     # --- the outside: any thread --------------------------------------------------------------------
@@ -481,11 +474,9 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the loop must keep serving other requests
             self._start_over(error)
             return None
-        limits, drafting = pending.limits, pending.drafting  # what ran: a call may run as one step meanwhile
-        stats = StepStats.of(chunks, limits, self.step_cost)  # before the chunks' sequences move on
-        first_indices, counts = self._mark_dispatched(chunks, limits, drafting)
-        return _Launched(chunks, limits, drafting, first_indices, counts, pending, stats, start,
-                         time.perf_counter() - start)
+        # What ran (`pending.limits`): a multi-step call may run as one step meanwhile.
+        stats = StepStats.of(chunks, pending.limits, self.step_cost)  # before the chunks' sequences move on
+        return _Launched(*self._mark_dispatched(pending), pending, stats, start, time.perf_counter() - start)
 
     def _sample(self, launched: _Launched) -> _Launched | None:
         """Dispatches the launched step's sampling if it waited for its grammar masks (`PendingStep.sample`);
@@ -497,15 +488,15 @@ class Engine:
             return None
         return launched
 
-    def _mark_dispatched(self, chunks: list[ScheduledChunk], limits: list[int] | None, drafting: list[int] | None
-                         ) -> tuple[list[int], list[int]]:
+    @staticmethod
+    def _mark_dispatched(pending: PendingStep) -> tuple[list[int], list[int]]:
         """Moves each chunk's sequence past what the step computes, its sampled tokens as placeholders, so the
         next step can be scheduled before they arrive. Returns where each chunk's first sampled token goes, and
         how many placeholders it got. How many tokens a verification keeps is known only from its result: those
         sequences move on then."""
         first_indices, counts = [], []
-        verifying = drafting is not None
-        for chunk, limit in zip(chunks, limits or itertools.repeat(1)):
+        verifying = pending.drafting is not None
+        for chunk, limit in zip(pending.chunks, pending.limits or itertools.repeat(1)):
             seq = chunk.seq
             if chunk.num_drafts or verifying:
                 first_indices.append(len(seq.token_ids))
@@ -530,16 +521,17 @@ class Engine:
             return
         self._in_flight = None
         arrived = time.perf_counter()
+        chunks = launched.pending.chunks
         if result.pooled is not None:
-            self._pool(launched.chunks, result.pooled)
+            self._pool(chunks, result.pooled)
         if result.scores is not None:
-            self._score_prompts(launched.chunks, result.scores)
-        verified = launched.drafting is not None
-        left: Iterable[int] = range(len(launched.chunks))
+            self._score_prompts(chunks, result.scores)
+        verified = launched.pending.drafting is not None
+        left: Iterable[int] = range(len(chunks))
         if self.speculator is None and result.sampled.top_ids is None:  # no chunk drafts or wants logprobs
             left = self._append_decoded(launched, *result.runs())
         for i in left:
-            chunk, output, index = launched.chunks[i], result.share(i), launched.first_indices[i]
+            chunk, output, index = chunks[i], result.share(i), launched.first_indices[i]
             seq = chunk.seq
             drafted = chunk.num_drafts or verified
             if drafted and seq.status is SequenceStatus.RUNNING:  # the K/V of rejected drafts is not the sequence's
@@ -581,7 +573,7 @@ class Engine:
         left to `_append_output`: those with a token that may end their sequence (a stop id, the last allowed,
         logits not finite), a sequence's first output token, a chunk that samples nothing, and sequences that no
         longer run or have a grammar."""
-        chunks = launched.chunks
+        chunks = launched.pending.chunks
         left = []
         num_appended = 0
         max_model_len = self.max_model_len

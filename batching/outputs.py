@@ -160,16 +160,6 @@ class ListCollector:
         self._usage = increment.usage or self._usage
 
     def completions(self) -> list[Completion]:
-        return [
-            Completion(
-                text="".join(i.text for i in parts),
-                token_ids=tuple(t for i in parts for t in i.token_ids),
-                logprobs=tuple(lp for i in parts for lp in i.logprobs),
-                finish_reason=parts[-1].finish_reason if parts else None,
-                usage=self._usage,
-                error=parts[-1].error if parts else None,
-                stop_reason=parts[-1].stop_reason if parts else None,
-                prompt_logprobs=parts[0].prompt_logprobs if parts else None,
-            )
-            for parts in self._by_choice
-        ]
+        wholes = [joined(parts) if parts else Increment(choice, "", ()) for choice, parts in enumerate(self._by_choice)]
+        return [Completion(whole.text, whole.token_ids, whole.logprobs, whole.finish_reason, self._usage, whole.error,
+                           whole.stop_reason, whole.prompt_logprobs) for whole in wholes]

@@ -105,7 +105,7 @@ class PendingStep:
         them and samples, which `sample` makes. `limits`, `drafting`: the multi-step call's that ran
         (`ModelRunner.dispatch`), None for a single step; `bucket`: the step's shape, for a hung step's report;
         `fault`: an injected one (`faults.py`)."""
-        self.limits, self.drafting = limits, drafting
+        self.chunks, self.limits, self.drafting = chunks, limits, drafting
         self._shares = (chunks, rows, limits)
         self._sampling = out if callable(out) else None
         self._out = (None if callable(out) else self._read(out), pooled, scores)
@@ -126,11 +126,10 @@ class PendingStep:
         only for drafts."""
         if self.drafting is not None:
             return out
-        chunks = self._shares[0]
-        logprobs = any(c.seq.params.wants_logprobs for c in chunks)
+        logprobs = any(c.seq.params.wants_logprobs for c in self.chunks)
         return replace(out, top_ids=out.top_ids if logprobs else None,
                        top_logprobs=out.top_logprobs if logprobs else None,
-                       accepted=out.accepted if any(c.num_drafts for c in chunks) else None)
+                       accepted=out.accepted if any(c.num_drafts for c in self.chunks) else None)
 
     def fetch(self) -> StepOutput:
         """Blocks until the step is done."""
