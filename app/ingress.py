@@ -8,6 +8,10 @@ handle, whose router (`app/prefix_router.py`) picks the replica; the replica run
 single process's app (`app/replicas.py`) and the ingress relays the status, headers and body bytes unchanged,
 adding `x-sluice-replica` (which replica answered).
 
+The ingress applies the server's CORS policy (`--allowed-origins` etc.) to everything it answers, as the single
+process's outermost middleware does: it answers a browser's preflight itself, and its own errors (413, 408, 503)
+carry the CORS headers too, so a page can read why its request failed.
+
 A replica that fails before it answered gives the client a 503 in the route's error shape; one that dies
 mid-stream ends an event stream with an error event (then `data: [DONE]`, as a failed generation does in the
 single process; Anthropic's routes get their `event: error`), and cuts any other body short, so no client is
@@ -25,14 +29,17 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error_event, error_response_for
 from sluice.app.errors import APIError
-from sluice.app.middleware import CLIENT_CLOSED, read_body
+from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, read_body
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
 from sluice.app.scale_out import REPLICA_HEADER
+from sluice.app.state import ServerSettings
 from sluice.app.streaming import DONE, sse_event
 
 logger = logging.getLogger("sluice.ingress")
@@ -58,16 +65,28 @@ def routing_key(body: bytes) -> str:
 
 
 class SluiceIngress:
-    """A Ray Serve deployment class; `replicas` is the handle of the `SluiceReplica` deployment."""
+    """A Ray Serve deployment class; `replicas` is the handle of the `SluiceReplica` deployment, `settings` the
+    server's (its body limit and CORS policy are the ingress's)."""
 
-    def __init__(self, replicas: DeploymentHandle, max_body_bytes: int) -> None:
+    def __init__(self, replicas: DeploymentHandle, settings: ServerSettings) -> None:
         self._replicas = replicas.options(method_name="forward", stream=True)
-        self._max_body_bytes = max_body_bytes
+        self._max_body_bytes = settings.max_body_bytes
         self._reports = _ReplicaReports(lambda: _running_replicas(self._replicas))
         self._registry = CollectorRegistry()
         self._registry.register(self._reports)
+        # As the single process's app stacks them: CORS outermost, so a bug's 500 carries its headers too.
+        self._app = CORSMiddleware(InternalErrorMiddleware(self._serve), allow_origins=settings.allowed_origins,
+                                   allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                                   allow_credentials=settings.allow_credentials)
 
     async def __call__(self, request: Request) -> Response:
+        return _ASGIResponse(self._app)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self._answer(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def _answer(self, request: Request) -> Response:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
             return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
@@ -103,6 +122,18 @@ class SluiceIngress:
             logger.warning("replica failed mid-response on %s: %s", path, error)
             if events:
                 yield _stream_failure(path)
+
+
+class _ASGIResponse(Response):
+    """`app` answering the request, as the Response an HTTP handler returns: Ray Serve sends that Response by
+    calling it with the request's scope, receive and send. (`serve.ingress` makes a deployment an ASGI app, but one
+    built without the deployment's arguments: the replicas' handle.)"""
+
+    def __init__(self, app: ASGIApp) -> None:  # no status, headers nor body of its own: `app` sends them
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
 
 
 def _running_replicas(handle: DeploymentHandle) -> set[str] | None:

@@ -58,7 +58,7 @@ def build_application(replica: ReplicaConfig, scale: ScaleOutConfig, gpus: bool)
     replicas = serve.deployment(SluiceReplica, name="SluiceReplica", **options).bind(replica)
     ingress = serve.deployment(SluiceIngress, name="SluiceIngress", num_replicas=1,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING)
-    return ingress.bind(replicas, replica.settings.max_body_bytes)
+    return ingress.bind(replicas, replica.settings)
 
 
 def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:

@@ -28,12 +28,13 @@ from test_api_e2e import SERVER_FLAGS, ServerProcess, start_server
 pytestmark = pytest.mark.slow
 
 REPLICA_PROCESS = "ray::ServeReplica:sluice:SluiceReplica"
+ORIGIN = "https://app.example"  # the one origin whose pages may call the cluster
 
 
 @pytest.fixture(scope="module")
 def cluster():
     server = start_server("--replicas", "2", "--no-ui", *SERVER_FLAGS, "--drain-timeout", "10",
-                          startup_timeout_s=300)
+                          "--allowed-origins", json.dumps([ORIGIN]), startup_timeout_s=300)
     wait_for_replicas(server.url, 2, timeout_s=180)  # /health is 200 once the first one answers
     yield server
     assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
@@ -87,6 +88,25 @@ def test_a_body_over_the_limit_is_refused_by_the_ingress_before_any_replica_sees
                       headers={"content-type": "application/json"})
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
     assert REPLICA_HEADER not in huge.headers  # no replica answered it: the ingress read no more than the limit
+
+
+def test_a_browsers_preflight_is_answered_by_the_ingress_with_the_cors_policy(cluster):
+    preflight = httpx.options(f"{cluster.url}/v1/completions", timeout=60, headers={
+        "origin": ORIGIN, "access-control-request-method": "POST", "access-control-request-headers": "content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert REPLICA_HEADER not in preflight.headers
+    refused = httpx.options(f"{cluster.url}/v1/completions", timeout=60, headers={
+        "origin": "https://elsewhere.example", "access-control-request-method": "POST"})
+    assert refused.status_code == 400
+
+
+def test_the_ingresss_own_error_carries_the_cors_headers(cluster):
+    huge = httpx.post(f"{cluster.url}/v1/completions", content=b"x" * (5 << 20), timeout=60,
+                      headers={"content-type": "application/json", "origin": ORIGIN})
+    assert huge.status_code == 413
+    assert huge.headers["access-control-allow-origin"] == ORIGIN
 
 
 def test_requests_sharing_a_prefix_go_to_the_replica_that_cached_it(cluster):
