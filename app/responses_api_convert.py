@@ -23,7 +23,9 @@ from sluice.app.responses_api_schemas import (
     MessageItem,
     OutputFunctionCall,
     OutputItem,
+    OutputTextPart,
     ReasoningItem,
+    RefusalPart,
     ResponsesRequest,
 )
 from sluice.app.schemas import ChatCompletionRequest
@@ -130,16 +132,23 @@ _ID_PREFIX = {MessageItem: "msg", FunctionCallItem: "fc", FunctionCallOutputItem
 
 def stored_items(items: Items) -> Items:
     """The items as a stored conversation lists them (OpenAI's input item shape): each with an `id` (its own, or
-    a new one) and a `status`, a message's text as a list of parts."""
+    a new one) and a `status`, a message's text as a list of its role's parts."""
     stored = []
     for item in items:
         update: dict[str, Any] = {"id": item.id or f"{_ID_PREFIX[type(item)]}_{uuid.uuid4().hex}",
                                   "status": item.status or "completed"}
-        if isinstance(item, MessageItem) and isinstance(item.content, str):
-            part = "output_text" if item.role == "assistant" else "input_text"
-            update["content"] = [InputText(type=part, text=item.content)]
+        if isinstance(item, MessageItem):
+            update["content"] = _stored_parts(item)
         stored.append(item.model_copy(update=update))
     return stored
+
+
+def _stored_parts(message: MessageItem) -> list[InputText | OutputTextPart | RefusalPart]:
+    """A message's text as OpenAI's message items hold it, whichever part (or string) it came as: an assistant's
+    as output text, another role's as input text; a refusal as it is."""
+    parts = [InputText(text=message.content)] if isinstance(message.content, str) else message.content
+    text_part = OutputTextPart if message.role == "assistant" else InputText
+    return [part if isinstance(part, RefusalPart) else text_part(text=part.text) for part in parts]
 
 
 def in_responses_terms(error: APIError) -> APIError:

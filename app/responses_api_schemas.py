@@ -47,10 +47,21 @@ ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
 class InputText(_Request):
-    """A message's text part: `input_text` in what the user sends, `output_text` in an earlier reply."""
+    """A text part as the user sends it (in a message, or a function's output)."""
 
-    type: Literal["input_text", "output_text"]
+    type: Literal["input_text"] = "input_text"
     text: str
+
+
+class OutputTextPart(_Request):
+    """An earlier reply's text part, with the `annotations` (none here) that OpenAI's output text always has."""
+
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
+
+
+TextPart = Annotated[InputText | OutputTextPart, Field(discriminator="type")]
 
 
 class RefusalPart(_Request):
@@ -72,7 +83,7 @@ class MessageItem(_Request):
     id: str | None = None
     status: ItemStatus | None = None
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[Annotated[InputText | RefusalPart, Field(discriminator="type")]]
+    content: str | list[Annotated[InputText | OutputTextPart | RefusalPart, Field(discriminator="type")]]
 
     _text_only = field_validator("content", mode="before")(text_parts_only("input_text", "output_text", "refusal"))
 
@@ -100,7 +111,7 @@ class FunctionCallOutputItem(_Request):
     id: str | None = None
     status: ItemStatus | None = None
     call_id: str
-    output: str | list[InputText]
+    output: str | list[TextPart]
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "\n".join(part.text for part in self.output)

@@ -10,7 +10,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import ValidationError
+from openai.types.responses import ResponseItem
+from pydantic import TypeAdapter, ValidationError
 
 from test_api_e2e import API_KEY, AUTH, error_of, post, start_server
 
@@ -214,6 +215,7 @@ STORE_SIZE = 3
 FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
          "--kv-cache-memory", "96MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui",
          "--responses-store-size", str(STORE_SIZE)]
+RESPONSE_ITEM = TypeAdapter(ResponseItem)  # the client's own check (it builds its models without one)
 GREEDY = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
@@ -433,6 +435,26 @@ def test_input_items_list_the_conversation_before_the_output_newest_first_in_pag
         client.responses.input_items.list("resp_unknown")
     with pytest.raises(openai.BadRequestError):
         client.responses.input_items.list(second.id, limit=101)
+
+
+def test_input_items_are_the_openai_clients_types_an_assistants_text_output_text_and_anothers_input_text(server,
+                                                                                                         client):
+    """Whatever part (or string) a message's text came as: the client's types require an output text's
+    annotations, and have no output text in a user's message nor input text in an assistant's."""
+    first = client.responses.create(input=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "output_text", "text": "Hi!"}]},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "assistant", "content": [{"type": "input_text", "text": "I am Sluice."}]},
+        {"role": "user", "content": "Who are you?"}], **{**GREEDY, "max_output_tokens": 2})
+    second = client.responses.create(input="Go on.", previous_response_id=first.id, **{**GREEDY, "max_output_tokens": 2})
+    listed = httpx.get(f"{server.url}/v1/responses/{second.id}/input_items", params={"order": "asc"},
+                       headers=AUTH).json()["data"]
+    items = [RESPONSE_ITEM.validate_python(item) for item in listed]
+    assert [(item.role, item.content[0].type) for item in items] == [
+        ("developer", "input_text"), ("user", "input_text"), ("assistant", "output_text"),
+        ("assistant", "output_text"), ("user", "input_text"), ("assistant", "output_text"), ("user", "input_text")]
+    assert [item.content[0].annotations for item in items if item.role == "assistant"] == [[], [], []]
 
 
 @pytest.mark.parametrize(("fields", "param"), [
