@@ -38,6 +38,7 @@ _RESPONSES_NAME = {"messages": "input", "max_completion_tokens": "max_output_tok
 
 def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
     """The chat completion `body` asks for, over the conversation `items` (an earlier response's, then `body`'s)."""
+    _check_ids_distinct(items)
     _check_outputs_answer_calls(items)
     messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     chat: dict[str, Any] = {
@@ -67,6 +68,18 @@ def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as error:
         raise _renamed(error) from None
+
+
+def _check_ids_distinct(items: Items) -> None:
+    """An item may come once (a 400 otherwise, as OpenAI's): sent again, by reference or whole, after the earlier
+    response that holds it, it would show the model that turn twice."""
+    seen: set[str] = set()
+    for item in items:
+        if item.id in seen:
+            raise invalid_request(f"Duplicate item found with id {item.id}. Remove duplicate items from your input "
+                                  "and try again.", param="input")
+        if item.id is not None:
+            seen.add(item.id)
 
 
 def _check_outputs_answer_calls(items: Items) -> None:

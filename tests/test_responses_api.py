@@ -317,6 +317,17 @@ def test_an_item_reference_to_no_stored_item_is_a_400_naming_it(client):
     assert "msg_nowhere" in caught.value.body["message"] and caught.value.body["param"] == "input"
 
 
+def test_an_item_the_conversation_already_holds_is_a_400_naming_it_as_openais(client):
+    """A client that continues a response and sends its items again (by reference, as some SDKs do) would show
+    the model that turn twice; OpenAI refuses such a request ("Duplicate item found with id ...")."""
+    first = client.responses.create(input="My name is Ann.", **{**GREEDY, "max_output_tokens": 2})
+    again = {"type": "item_reference", "id": first.output[0].id}
+    for fields in ({"previous_response_id": first.id}, {"input": [again, again]}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(**{"input": [again, {"role": "user", "content": "And?"}], **fields, **GREEDY})
+        assert first.output[0].id in caught.value.body["message"] and caught.value.body["param"] == "input"
+
+
 def test_streamed_deltas_reassemble_to_the_unstreamed_text_in_openais_event_order(client):
     whole = client.responses.create(input="Name a fruit.", **GREEDY)
     events = list(client.responses.create(input="Name a fruit.", stream=True, **GREEDY))
