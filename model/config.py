@@ -1,9 +1,12 @@
-"""One dataclass for Llama-family model configs (Llama 2/3, Mistral, Qwen2, SmolLM), read from GGUF or HF config.json."""
+"""One dataclass for Llama-family model configs (Llama 2/3, Mistral, Qwen2, SmolLM), read from GGUF or HF config.json;
+and the reader of an HF folder's JSON files (config.json, tokenizer_config.json, generation_config.json)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,6 +14,25 @@ import numpy as np
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def read_json_object(path: Path, *, missing_ok: bool) -> dict[str, Any]:
+    """The JSON object in the file at `path`; {} for no such file where `missing_ok`. ValueError in one line naming
+    the file if it is missing (and not `missing_ok`), is not JSON, or holds another JSON value than an object."""
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        if missing_ok:
+            return {}
+        raise ValueError(f"{path.parent} has no {path.name}") from None
+    try:
+        found = json.loads(text)  # bytes: UTF-8/16/32 as JSON allows; other bytes are a UnicodeDecodeError here
+    except ValueError as error:
+        raise ValueError(f"{path.name} is not JSON: {error}") from None
+    if not isinstance(found, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(found), "a number")
+        raise ValueError(f"{path.name} holds {kind}, not a JSON object")
+    return found
 
 
 def _check_rope_scaling(kind: Any, factor: Any, where: str) -> None:

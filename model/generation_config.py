@@ -6,12 +6,13 @@ server applies them to the fields a request leaves out, as vLLM does (`--generat
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from sluice.model.config import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +31,7 @@ _FIELDS: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
 def from_hf_folder(folder: Path) -> dict[str, float | int]:
     """The defaults an HF folder's generation_config.json sets (none without one); ValueError if it is no JSON
     object."""
-    path = folder / "generation_config.json"
-    try:
-        found = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError as error:
-        raise ValueError(f"{path} is not JSON: {error}") from None
-    if not isinstance(found, dict):
-        raise ValueError(f"{path} is not a JSON object")
+    found = read_json_object(folder / "generation_config.json", missing_ok=True)
     # null is "not set" (as vLLM reads it), not a value out of range
     return _in_range({field: found[key] for field, (key, _, _) in _FIELDS.items() if found.get(key) is not None})
 

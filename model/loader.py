@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from sluice.model import checkpoint
-from sluice.model.config import ModelConfig
+from sluice.model.config import ModelConfig, read_json_object
 from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model, sluice_home
 from sluice.model import generation_config
 from sluice.model.llama import Llama
@@ -62,7 +61,7 @@ def convert(source: Path, folder: Path, quantization: str) -> None:
         raise _cannot_keep(folder, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
     try:
         if source.is_dir():
-            hf_config = _read_json(source / "config.json")
+            hf_config = read_json_object(source / "config.json", missing_ok=False)
             config, read_params = read_safetensors_folder(source, hf_config)
             tokenizer = Tokenizer.from_hf_folder(source, hf_config)
             defaults = generation_config.from_hf_folder(source)
@@ -95,14 +94,6 @@ def _check_packs(source: Path, config: ModelConfig, quantization: str) -> None:
     except ValueError as error:
         raise InvalidModel(f"{source} cannot be stored as {quantization} ({error}): serve it with --quantization "
                            f"none") from None
-
-
-def _read_json(path: Path) -> Any:
-    """The JSON in the file at `path`; ValueError naming the file if it is not JSON."""
-    try:
-        return json.loads(path.read_text())
-    except ValueError as error:
-        raise ValueError(f"{path.name} is not JSON: {error}") from None
 
 
 def load_model(

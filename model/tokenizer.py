@@ -20,6 +20,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from sluice.model.config import read_json_object
+
 GGUF_CONTROL_TOKEN = 3
 GGUF_USER_DEFINED_TOKEN = 4
 
@@ -236,13 +238,7 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(path))
         except Exception as error:  # the library raises a bare Exception for a file it cannot parse
             raise ValueError(f"tokenizer.json does not read as a tokenizer: {error}") from None
-        config_path = folder / "tokenizer_config.json"
-        try:
-            config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        except ValueError as error:
-            raise ValueError(f"tokenizer_config.json is not JSON: {error}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"tokenizer_config.json holds a {type(config).__name__}, not an object")
+        config = read_json_object(folder / "tokenizer_config.json", missing_ok=True)  # tokenizer.json alone will do
 
         def token_id(token: Any) -> int | None:
             if isinstance(token, dict):
