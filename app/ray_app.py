@@ -20,6 +20,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from sluice.app.addresses import http_url
 from sluice.app.ingress import SluiceIngress
 from sluice.app.prefix_router import PrefixAffinityRouter, RoundRobinRouter
 from sluice.app.ray_cluster import connect, stop_on_signal
@@ -74,7 +75,7 @@ def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:
             replica = replace(replica, engine=engine)
             serve.run(build_application(replica, scale.with_batch(engine.max_num_seqs), gpus), name=APP_NAME,
                       route_prefix="/")
-            print(f"Sluice is ready: http://{scale.host}:{scale.port}/v1 on {scale.replicas} replicas "
+            print(f"Sluice is ready: {http_url(scale.host, scale.port)}/v1 on {scale.replicas} replicas "
                   f"({scale.routing} routing)", flush=True)
             while not stop.wait(0.5):
                 pass

@@ -20,6 +20,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from sluice.app.addresses import host_port
 from sluice.app.ray_cluster import connect, stop_on_signal
 
 # `sluice serve`'s entry point for one process, given by its caller (app/serve.py imports this module).
@@ -36,7 +37,7 @@ class SluiceProcess:
         with socket.socket() as probe:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
+        return host_port(ray.util.get_node_ip_address(), port)
 
     def pid(self) -> int:
         return os.getpid()

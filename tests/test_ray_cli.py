@@ -3,11 +3,19 @@ scale-out flag or a missing extra is a one-line error."""
 
 from __future__ import annotations
 
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 
-from test_api_e2e import ROOT
+import httpx
+import pytest
 
+from test_api_e2e import ROOT, SERVER_FLAGS
+
+from sluice.app.addresses import host_port
 from sluice.app.scale_out import ScaleOutConfig
 
 # Runs the CLI in a fresh interpreter; `block_ray` makes `import ray` fail as if the extra were not installed.
@@ -60,3 +68,31 @@ def test_scale_out_thresholds_left_unset_follow_a_replicas_batch():
     scale = ScaleOutConfig(replicas=2, max_ongoing_requests=10).with_batch(256)
     assert (scale.imbalanced_threshold, scale.max_ongoing_requests, scale.target_ongoing_requests) == (256, 10, 256)
     assert ScaleOutConfig(replicas=1).with_batch(64).max_ongoing_requests == 128
+
+
+def test_an_ipv6_address_is_written_in_brackets_beside_its_port():
+    """A coordinator address (`--hosts`) or URL with `::1:8000` in it reads as an address alone."""
+    assert host_port("::1", 8000) == "[::1]:8000"
+    assert host_port("10.0.0.7", 8000) == "10.0.0.7:8000"
+
+
+@pytest.mark.slow
+def test_replicas_on_an_ipv6_host_print_a_url_that_reaches_them():
+    pytest.importorskip("ray.serve")
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "sluice.app.cli", "serve", "--replicas", "1", "--host", "::1",
+                               "--port", str(port), "--no-ui", *SERVER_FLAGS], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (line := server.stdout.readline()).startswith("Sluice is ready: "):
+            assert line and time.monotonic() < deadline, "no ready line"
+        url = re.match(r"Sluice is ready: (\S+)/v1 ", line).group(1)
+        assert url == f"http://[::1]:{port}"
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=120)
+    assert server.returncode == 0
