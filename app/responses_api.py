@@ -43,8 +43,8 @@ from sluice.app.routes import json_response, parse_body, parse_query, plan_chat
 from sluice.app.state import ServerState
 
 
-def response_not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(404, f"No response found with id '{response_id}'", param=param, code="response_not_found")
+def response_not_found(response_id: str) -> APIError:
+    return APIError(404, f"No response found with id '{response_id}'", code="response_not_found")
 
 
 async def create_response(request: Request) -> Response:
@@ -85,7 +85,10 @@ def earlier_items(state: ServerState, response_id: str | None) -> Items:
         return []
     stored = state.responses.get(response_id)
     if stored is None:
-        raise response_not_found(response_id, param="previous_response_id")
+        # OpenAI's 400 (not a 404: the request's field is wrong), whose code clients match to send the whole
+        # conversation again.
+        raise APIError(400, f"Previous response with id '{response_id}' not found.", param="previous_response_id",
+                       code="previous_response_not_found")
     return ITEMS.validate_json(stored.items_json)
 
 

@@ -352,7 +352,7 @@ def test_previous_response_id_puts_the_earlier_turn_before_the_new_input(server,
     assert second.previous_response_id == first.id
 
 
-def test_the_store_keeps_the_newest_and_an_evicted_id_is_a_404(server, client):
+def test_the_store_keeps_the_newest_and_an_evicted_id_is_gone(server, client):
     ids = [client.responses.create(input=f"Count to {i}.", **{**GREEDY, "max_output_tokens": 1}).id
            for i in range(STORE_SIZE + 1)]
     assert client.responses.retrieve(ids[-1]).id == ids[-1]
@@ -360,7 +360,7 @@ def test_the_store_keeps_the_newest_and_an_evicted_id_is_a_404(server, client):
         client.responses.retrieve(ids[0])
     error = error_of(httpx.get(f"{server.url}/v1/responses/{ids[0]}", headers=AUTH), 404)
     assert ids[0] in error["message"]
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):
         client.responses.create(input="Go on.", previous_response_id=ids[0], **GREEDY)
 
 
@@ -489,9 +489,11 @@ def test_bad_fields_are_400_in_openai_shape(server, fields, param):
     assert error["param"] == param, error
 
 
-def test_an_unknown_previous_response_id_is_404(server):
-    error = error_of(post(server, "/v1/responses", {"input": "x", "previous_response_id": "resp_unknown"}), 404)
-    assert error["param"] == "previous_response_id"
+def test_an_unknown_previous_response_id_is_openais_400_whose_code_clients_recover_by(server):
+    """Clients (Codex's proxies, agent frameworks) match the code to send the whole conversation again."""
+    error = error_of(post(server, "/v1/responses", {"input": "x", "previous_response_id": "resp_unknown"}), 400)
+    assert error == {"message": "Previous response with id 'resp_unknown' not found.", "type": "invalid_request_error",
+                     "param": "previous_response_id", "code": "previous_response_not_found"}
 
 
 def test_a_function_call_output_that_answers_no_earlier_call_is_400(server):
