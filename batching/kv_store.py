@@ -27,8 +27,9 @@ whole file; a file whose size, header or checksum is wrong is removed, logged on
 
 Threads: the engine thread owns the store and calls every method. Disk writes, and the removal of forgotten pages'
 files, run in order on one writer thread (at most `queue_pages` writes wait for it: one more is dropped and
-counted, the page staying in RAM), and `prefetch` reads pages on one reader thread, so the engine's steps never
-wait on the disk; `_lock` guards what the threads share (both tiers' indexes and counters).
+counted, the page staying in RAM), as do the marks of a file's use when RAM evicts a page already on disk, and
+`prefetch` reads pages on one reader thread, so the engine's steps never wait on the disk; `_lock` guards what the
+threads share (both tiers' indexes and counters).
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def _usage(folder: Path) -> tuple[int, int]:
 
 class _Write(NamedTuple):
     """A page for the writer, queued when its key had been forgotten `generation` times (a write of a page forgotten
-    since is not made)."""
+    since is not made); for a page on disk, its file is marked used instead (or written again if it is gone)."""
 
     key: PageKey
     payload: PagePayload
@@ -330,6 +331,7 @@ class KVStore:
                 return payload
             self._ram_tally.misses += 1
         payload = self._read(key)
+        touched = payload is not None and self._touch(key)
         with self._lock:
             if key in self._forgotten:  # forgotten while it was read
                 payload = None
@@ -337,7 +339,8 @@ class KVStore:
                 self._disk_tally.misses += 1
                 return None
             self._disk_tally.hits += 1
-            self._touch(key)
+            if touched and key in self._disk:
+                self._disk.move_to_end(key)
             self._keep_in_ram(key, payload)
         return payload
 
@@ -455,31 +458,31 @@ class KVStore:
             self._spill(old, old_payload)
 
     def _spill(self, key: PageKey, payload: PagePayload) -> None:
-        """Makes `key` the disk tier's most recent page, queueing its write if it is not on disk. The caller holds
-        `_lock`."""
-        if self._touch(key):
-            return
+        """Makes `key` the disk tier's most recent page and queues its write (for a page on disk, the mark of its
+        file's use: `_write`). A full queue drops a write (counted), and a mark (only the next store's order is off).
+        The caller holds `_lock`."""
+        on_disk = key in self._disk
+        if on_disk:
+            self._disk.move_to_end(key)
         if self._num_queued < self._queue_pages:
             self._num_queued += 1
             self._queue.put(_Write(key, payload, self._generations.get(key, 0)))
-        else:
+        elif not on_disk:
             self._dropped += 1
 
     def _touch(self, key: PageKey) -> bool:
-        """Marks `key`'s file used now (its mtime too, for the next store's order); whether it is on disk. The
-        caller holds `_lock`."""
-        if key not in self._disk:
-            return False
+        """Marks `key`'s file used now (its mtime, for the next store's order); whether it is still there. Not on the
+        engine thread: a filesystem call."""
         try:
             os.utime(self._path(key))
         except FileNotFoundError:  # removed from outside the store: forgotten, so it is written again
-            del self._disk[key]
+            with self._lock:
+                self._disk.pop(key, None)
             return False
         except OSError as e:  # a filesystem turned read-only: the file stands, only the next store's order is off
             if not self._touch_failed:
                 logger.warning("KV store: could not mark page files used (%s); their order is kept in memory", e)
                 self._touch_failed = True
-        self._disk.move_to_end(key)
         return True
 
     def _read(self, key: PageKey) -> PagePayload | None:
@@ -547,11 +550,14 @@ class KVStore:
                 self._dropped += 1
 
     def _write(self, key: PageKey, payload: PagePayload, generation: int) -> None:
-        """Writes one page's file atomically (temporary file, fsync, rename), then evicts what no longer fits."""
+        """Writes one page's file atomically (temporary file, fsync, rename), then evicts what no longer fits; only
+        marks it used if it is on disk (spilled again, or before its first write landed)."""
         with self._lock:
-            # Queued twice (spilled before its first write landed), or forgotten since it was queued.
-            if key in self._disk or self._generations.get(key, 0) != generation:
+            if self._generations.get(key, 0) != generation:  # forgotten since it was queued
                 return
+            on_disk = key in self._disk
+        if on_disk and self._touch(key):
+            return
         data = [a.reshape(-1).view(np.uint8) for a in payload]
         checksum = hashlib.blake2b(digest_size=DIGEST_SIZE)
         for chunk in data:

@@ -242,6 +242,26 @@ def test_a_file_removed_from_outside_is_forgotten_and_written_again(open_store):
     assert store.counters().disk.pages == 2
 
 
+def test_ram_evicting_a_page_on_disk_marks_its_file_used_off_the_calling_thread(open_store, monkeypatch):
+    store = open_store(ram_pages=1)
+    store.put(A, payload(LAYOUT, 0))
+    store.flush()
+    path = store.directory / f"{A}.kv"
+    os.utime(path, (1, 1))
+    utime, marked_on = os.utime, []
+
+    def recording_utime(*args, **kwargs):
+        marked_on.append(threading.current_thread())
+        utime(*args, **kwargs)
+
+    monkeypatch.setattr(kv_store.os, "utime", recording_utime)
+    store.put(B, payload(LAYOUT, 1))  # RAM evicts A, already on disk: a filesystem call the engine must not make
+    store.flush()
+
+    assert marked_on and threading.current_thread() not in marked_on
+    assert path.stat().st_mtime > 1
+
+
 def test_a_leftover_temporary_file_is_ignored_and_removed(open_store):
     first = open_store()
     leftover = first.directory / f"{A}x1y2.tmp"
