@@ -4,6 +4,7 @@ and the reader of an HF folder's JSON files (config.json, tokenizer_config.json,
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ import numpy as np
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+logger = logging.getLogger(__name__)
 
 
 def read_json_object(path: Path, *, missing_ok: bool) -> dict[str, Any]:
@@ -53,6 +56,22 @@ def _size(fields: dict[str, Any], key: str, source: str, default: int | None = N
     return value
 
 
+def _hf_context(config: dict[str, Any], model_type: str) -> int:
+    """config.json's context length, capped at its `sliding_window` where that is shorter, with a warning: Sluice's
+    attention is full causal, which is sliding-window attention only while a sequence fits the window (vLLM caps
+    the length so where its attention has no sliding window). ValueError for a window not a positive integer."""
+    context = _size(config, "max_position_embeddings", "config.json", 4096)
+    # Qwen2's configs write a window they use only with use_sliding_window, false unless set (as transformers reads it)
+    if not config.get("use_sliding_window", model_type != "qwen2") or config.get("sliding_window") is None:
+        return context
+    window = _size(config, "sliding_window", "config.json")
+    if window < context:
+        logger.warning("config.json's sliding_window of %d tokens is shorter than its context of %d: Sluice's "
+                       "attention is full causal, the same only within the window, so the model's context is capped "
+                       "at %d tokens", window, context, window)
+    return min(window, context)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency scaling ("rope_type": "llama3")."""
@@ -80,6 +99,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # The longest sequence served: the model's context, capped at its sliding window (`_hf_context`).
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -199,7 +219,7 @@ class ModelConfig:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-            max_position_embeddings=size("max_position_embeddings", 4096),
+            max_position_embeddings=_hf_context(config, model_type),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

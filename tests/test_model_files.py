@@ -1,13 +1,18 @@
 """An HF model folder's files as Sluice reads them: its JSON files through one reader (each caller saying whether
-the file may be missing)."""
+the file may be missing), and its sliding window as a bound on the context."""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
 
 from hf_folder import write_hf_folder
+from sluice.batching.config import EngineConfig, InvalidEngineConfig
+from sluice.batching.engine import resolve_max_model_len
 from sluice.model.config import ModelConfig, read_json_object
 from sluice.model.fetch import InvalidModel
 from sluice.model.generation_config import from_hf_folder
@@ -25,6 +30,11 @@ def folder(tmp_path, monkeypatch):
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
     write_hf_folder(tmp_path / "hf", CONFIG, seed=1)
     return tmp_path / "hf"
+
+
+def _edit_config(folder, **keys):
+    written = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**written, **keys}))
 
 
 def _refusal(model: str) -> str:
@@ -61,3 +71,49 @@ def test_a_folder_without_tokenizer_config_or_generation_config_json_reads_witho
     assert (tokenizer.special.bos_token_id, tokenizer.special.eos_token_ids) == (1, (2,))  # config.json's
     assert tokenizer.special.chat_template is None
     assert from_hf_folder(folder) == {}
+
+
+def test_a_sliding_window_shorter_than_the_context_caps_it_with_a_warning(folder, caplog):
+    _edit_config(folder, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
+    with caplog.at_level(logging.WARNING, logger="sluice.model.config"):
+        loaded = load_model(str(folder), dtype="float32")
+    assert loaded.config.max_position_embeddings == 64
+    assert "sliding_window of 64 tokens is shorter than its context of 256" in caplog.text
+    assert "capped at 64 tokens" in caplog.text
+
+
+def test_max_model_len_beyond_the_sliding_window_is_refused_and_the_default_fits_it(folder):
+    """The engine's check against the model's context applies to the window: attention past it is not the model's."""
+    _edit_config(folder, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
+    model = load_model(str(folder), dtype="float32").config
+    with pytest.raises(InvalidEngineConfig, match="max_model_len 128 exceeds the model's context of 64 tokens"):
+        resolve_max_model_len(EngineConfig(max_model_len=128), model, num_pages=64)
+    assert resolve_max_model_len(EngineConfig(max_model_len=64, page_size=16), model, num_pages=64) == 64
+    assert resolve_max_model_len(EngineConfig(page_size=16), model, num_pages=64) == 64
+
+
+@pytest.mark.parametrize("keys", [
+    {"model_type": "mistral", "sliding_window": None},  # Mistral 7B v0.2 and later
+    {"model_type": "mistral", "sliding_window": 256},
+    {"model_type": "mistral", "sliding_window": 4096},
+    {"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False},  # Qwen2's, unused
+    {"model_type": "qwen2", "sliding_window": 64},  # use_sliding_window is false unless set
+])
+def test_no_sliding_window_or_one_that_the_context_fits_changes_nothing(folder, caplog, keys):
+    _edit_config(folder, **keys)
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    assert config.max_position_embeddings == 256
+    assert "sliding_window" not in caplog.text
+
+
+def test_a_sliding_window_qwen2_uses_caps_the_context(folder):
+    _edit_config(folder, model_type="qwen2", sliding_window=64, use_sliding_window=True)
+    assert ModelConfig.from_hf(json.loads((folder / "config.json").read_text())).max_position_embeddings == 64
+
+
+@pytest.mark.parametrize("window", [0, -1, 4.5, "4096", True])
+def test_a_sliding_window_not_a_positive_integer_is_refused(folder, window):
+    _edit_config(folder, model_type="mistral", sliding_window=window)
+    with pytest.raises(ValueError, match=re.escape(f"config.json's sliding_window must be a positive integer, got "
+                                                   f"{window!r}")):
+        ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
