@@ -118,6 +118,24 @@ def test_a_playground_chat_streams_its_answer_with_ttft_rate_and_snippets(page):
     screenshot(page, "playground")
 
 
+def test_the_playground_leaves_the_sampling_fields_it_is_not_given_to_the_model(page):
+    """It sent temperature 0.7 and top_p 1 unasked, overriding the model's own sampling defaults."""
+    page.click("button[data-tab=playground]")
+    page.fill("#pg-max-tokens", "2")
+    page.fill("#pg-input", "Hi")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#pg-send")
+    body = json.loads(sent.value.post_data)
+    assert "temperature" not in body and "top_p" not in body
+    assert page.get_attribute("#pg-temperature", "placeholder") == "model's default"
+    page.wait_for_function("!document.getElementById('pg-send').disabled")
+    page.fill("#pg-top-p", "0.9")
+    page.fill("#pg-input", "Hi again")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#pg-send")
+    assert json.loads(sent.value.post_data)["top_p"] == 0.9
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}}}

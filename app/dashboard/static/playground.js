@@ -43,8 +43,8 @@ export class Playground {
     this.updateSnippet();
   }
 
-  // The request's fields from the settings; empty fields are left to the server's defaults. Tools that do not
-  // parse are left out (and said so under their box).
+  // The request's fields from the settings; empty fields are left out, so the server applies the model's own
+  // defaults (its generation config) to them. Tools that do not parse are left out (and said so under their box).
   params() {
     const number = (id) => ($(id).value === "" ? undefined : Number($(id).value));
     const stop = $("pg-stop").value.split("\n").filter((s) => s !== "");
