@@ -348,7 +348,8 @@ def check_prompts(prompt: Prompt, info: ValidationInfo, max_prompts: int = MAX_P
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(None, ge=0, description="0 only with echo: the prompt alone, scored with logprobs")
+    # 16 is the API's own default (OpenAI's, vLLM's), so a model's default limit does not bound it.
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt alone, scored with logprobs")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = Field(None, description="not supported: must be empty", json_schema_extra={"maxLength": 0})

@@ -87,6 +87,14 @@ def test_a_request_takes_the_defaults_of_the_fields_it_leaves_out_and_keeps_its_
     assert ChatCompletionRequest(messages=HELLO).sampling_params(1000).temperature == 1.0  # none: the API's
 
 
+def test_a_models_max_tokens_below_16_leaves_completions_their_default_of_16():
+    """As vLLM: 16 is the completions API's own default (its field's), which the model's bounds no more than a
+    request's own max_tokens; a chat request has none, so the model's applies."""
+    short = {"max_tokens": 8}
+    assert CompletionRequest(prompt="hi").sampling_params(16, short).max_tokens == 16
+    assert ChatCompletionRequest(messages=HELLO).sampling_params(1000, short).max_tokens == 8
+
+
 def test_anthropic_and_responses_requests_leave_out_what_their_clients_left_out():
     messages = MessagesRequest(model="m", max_tokens=8, messages=HELLO, top_k=5)
     params = anthropic_messages.chat_request(messages).sampling_params(1000, DEFAULTS)
