@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -96,6 +97,23 @@ def _check_packs(source: Path, config: ModelConfig, quantization: str) -> None:
                            f"none") from None
 
 
+# The exit status of `python -m sluice.model.loader` for each error `convert` raises with a message for the user; the
+# child writes that message, and nothing else, on its stdout.
+_CHILD_EXIT_STATUS: dict[type[Exception], int] = {InvalidModel: 3, ModelNotFound: 4}
+
+
+def _convert_in_child(source: Path, folder: Path, quantization: str) -> None:
+    """`convert` in a single-process Python of its own: in a multi-process job orbax saves collectively, and each
+    process's conversion is its own business. The child's InvalidModel or ModelNotFound is raised here as `convert`
+    raised it; its progress and any other failure's traceback reach stderr as they come."""
+    child = subprocess.run([sys.executable, "-m", "sluice.model.loader", str(source), str(folder), quantization],
+                           stdout=subprocess.PIPE, text=True)
+    for error_type, status in _CHILD_EXIT_STATUS.items():
+        if child.returncode == status:
+            raise error_type(child.stdout)
+    child.check_returncode()
+
+
 def load_model(
     model: str | None = None,
     *,
@@ -123,8 +141,7 @@ def load_model(
         start = time.perf_counter()
         print(f"Converting {source.name} (first use) ...", file=sys.stderr)
         if jax.process_count() > 1:
-            # In a multi-process job orbax saves collectively; each process's conversion is its own business.
-            subprocess.run([sys.executable, "-m", "sluice.model.loader", str(source), str(folder), quantization], check=True)
+            _convert_in_child(source, folder, quantization)
         else:
             convert(source, folder, quantization)
         print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
@@ -157,4 +174,9 @@ def load_model(
 
 
 if __name__ == "__main__":  # python -m sluice.model.loader SOURCE FOLDER QUANTIZATION: one conversion, single-process JAX
-    convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the error's message alone
+            convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    except tuple(_CHILD_EXIT_STATUS) as error:
+        print(error, end="")
+        sys.exit(_CHILD_EXIT_STATUS[type(error)])

@@ -1,5 +1,6 @@
 """An HF model folder's files as Sluice reads them: its JSON files through one reader (each caller saying whether
-the file may be missing), and its sliding window as a bound on the context."""
+the file may be missing), its sliding window as a bound on the context, and a conversion in a child process
+refusing a model as the in-process one does."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import logging
 import re
 from pathlib import Path
 
+import jax
 import pytest
 
 from hf_folder import write_hf_folder
 from sluice.batching.config import EngineConfig, InvalidEngineConfig
 from sluice.batching.engine import resolve_max_model_len
 from sluice.model.config import ModelConfig, read_json_object
-from sluice.model.fetch import InvalidModel
+from sluice.model.fetch import InvalidModel, ModelNotFound
 from sluice.model.generation_config import from_hf_folder
 from sluice.model.loader import load_model
 from sluice.model.tokenizer import Tokenizer
@@ -38,7 +40,7 @@ def _edit_config(folder, **keys):
 
 
 def _refusal(model: str) -> str:
-    with pytest.raises(InvalidModel) as refused:
+    with pytest.raises((InvalidModel, ModelNotFound)) as refused:
         load_model(model, dtype="float32")
     return f"{type(refused.value).__name__}: {refused.value}"
 
@@ -117,3 +119,25 @@ def test_a_sliding_window_not_a_positive_integer_is_refused(folder, window):
     with pytest.raises(ValueError, match=re.escape(f"config.json's sliding_window must be a positive integer, got "
                                                    f"{window!r}")):
         ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda folder, tmp_path: (folder / "config.json").write_text("{oops"),
+    lambda folder, tmp_path: (folder / "tokenizer_config.json").write_text("[]"),
+    lambda folder, tmp_path: (tmp_path / "home").write_text("a file"),  # ModelNotFound: no folder can be written
+], ids=["config.json not JSON", "tokenizer_config.json an array", "SLUICE_HOME a file"])
+def test_a_conversion_in_a_child_process_refuses_a_model_as_the_in_process_one_does(folder, tmp_path, monkeypatch,
+                                                                                    damage):
+    """In a multi-process job each process converts in a child Python of its own: a model it refused was a
+    CalledProcessError's traceback, after the child's own."""
+    damage(folder, tmp_path)
+    in_process = _refusal(str(folder))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert _refusal(str(folder)) == in_process
+
+
+def test_a_conversion_in_a_child_process_loads_the_same_model(folder, monkeypatch):
+    answers = iter([2])  # a 2-process job's, to the loader's question; then this test's one process, to orbax's
+    monkeypatch.setattr(jax, "process_count", lambda: next(answers, 1))
+    monkeypatch.setattr("sluice.model.loader.convert", None)  # not in this process
+    assert load_model(str(folder), dtype="float32").config == CONFIG
