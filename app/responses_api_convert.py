@@ -39,7 +39,7 @@ _RESPONSES_NAME = {"messages": "input", "max_completion_tokens": "max_output_tok
 def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
     """The chat completion `body` asks for, over the conversation `items` (an earlier response's, then `body`'s)."""
     _check_ids_distinct(items)
-    _check_outputs_answer_calls(items)
+    _check_calls_answered(items)
     messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     chat: dict[str, Any] = {
         "messages": messages + chat_messages(items),
@@ -82,16 +82,20 @@ def _check_ids_distinct(items: Items) -> None:
             seen.add(item.id)
 
 
-def _check_outputs_answer_calls(items: Items) -> None:
-    """Each function call output must answer a call made before it (a 400 otherwise, as OpenAI's): the model
-    would be shown the result of a call it never made."""
-    calls: set[str] = set()
+def _check_calls_answered(items: Items) -> None:
+    """Each function call output must answer a call made before it, and each call must be answered (a 400
+    otherwise, as OpenAI's): the model would be shown the result of a call it never made, or a call that had none."""
+    answered: dict[str, bool] = {}  # each call's id, in order: whether an output answers it
     for item in items:
         if isinstance(item, FunctionCallItem):
-            calls.add(item.call_id)
-        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
-            raise invalid_request(f"No tool call found for function call output with call_id '{item.call_id}'",
-                                  param="input")
+            answered[item.call_id] = False
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in answered:
+                raise invalid_request(f"No tool call found for function call output with call_id '{item.call_id}'",
+                                      param="input")
+            answered[item.call_id] = True
+    if unanswered := [call_id for call_id, done in answered.items() if not done]:
+        raise invalid_request(f"No tool output found for function call {unanswered[0]}.", param="input")
 
 
 def chat_messages(items: Items) -> list[dict[str, Any]]:

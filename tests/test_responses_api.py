@@ -502,6 +502,19 @@ def test_a_function_call_output_that_answers_no_earlier_call_is_400(server):
     assert error["param"] == "input" and "call_nope" in error["message"]
 
 
+def test_a_function_call_left_unanswered_is_400_as_openais(client):
+    """In the input or brought by previous_response_id: the model would be shown a call that had no result."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(input=[{"role": "user", "content": "Weather in Oslo?"}, call], **GREEDY)
+    assert caught.value.body["message"] == "No tool output found for function call call_1."
+    called = client.responses.create(input="Weather in Oslo?", tools=[WEATHER], model=MODEL, temperature=0,
+                                     tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(input="Never mind.", previous_response_id=called.id, **GREEDY)
+    assert called.output[0].call_id in caught.value.body["message"] and caught.value.body["param"] == "input"
+
+
 def test_a_call_written_whole_before_max_output_tokens_ran_out_is_completed_and_can_be_answered(client):
     fields = {"input": "Weather in Oslo?", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
               "model": MODEL, "temperature": 0}
