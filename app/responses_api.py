@@ -37,6 +37,7 @@ from sluice.app.responses_api_schemas import (
     RequestItem,
     ResponseObject,
     ResponsesRequest,
+    RetrieveQuery,
 )
 from sluice.app.responses_api_store import StoredResponse
 from sluice.app.routes import json_response, parse_body, parse_query, plan_chat
@@ -106,6 +107,7 @@ def _stored_item(state: ServerState, item_id: str) -> InputItem:
 
 async def get_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
+    parse_query(request, RetrieveQuery)
     stored = _state(request).responses.get(response_id)
     if stored is None:
         raise response_not_found(response_id)

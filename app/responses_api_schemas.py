@@ -377,6 +377,21 @@ class ResponseStreamEvent(BaseModel):
     sequence_number: int
 
 
+class RetrieveQuery(_Request):
+    """`GET /v1/responses/{id}`'s query. OpenAI's `stream` replays a background response's events: Sluice runs
+    none and keeps no events, so it is refused (a client asking would read the JSON body as an empty stream)."""
+
+    include: list[Includable] = Field(default_factory=list)
+    stream: bool = False
+
+    @field_validator("stream")
+    @classmethod
+    def _whole(cls, stream: bool) -> bool:
+        if stream:
+            raise ValueError("a stored response is not streamed again (no background responses): leave it out")
+        return stream
+
+
 class InputItemsQuery(_Request):
     """`GET /v1/responses/{id}/input_items`'s query: `limit` items after the item `after`, in `order`."""
 

@@ -373,6 +373,15 @@ def test_an_unstored_or_deleted_response_is_gone(client):
             client.responses.retrieve(response_id)
 
 
+def test_streaming_a_stored_response_again_is_a_400_not_its_json_read_as_an_empty_stream(client):
+    """OpenAI streams a background response's events again; Sluice runs none, and keeps no events."""
+    stored = client.responses.create(input="Hi", **{**GREEDY, "max_output_tokens": 1})
+    with pytest.raises(openai.BadRequestError) as caught:
+        list(client.responses.retrieve(stored.id, stream=True))
+    assert caught.value.body["param"] == "stream"
+    assert client.responses.retrieve(stored.id, stream=False).id == stored.id
+
+
 def test_a_required_call_follows_the_schema_and_its_output_continues_the_conversation(client):
     reply = client.responses.create(input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
                                     parallel_tool_calls=False, model=MODEL, temperature=0, max_output_tokens=60)
