@@ -107,7 +107,9 @@ def _stored_item(state: ServerState, item_id: str) -> InputItem:
 
 async def get_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
-    parse_query(request, RetrieveQuery)
+    if parse_query(request, RetrieveQuery).stream:
+        raise invalid_request("stream: a stored response is not streamed again (no background responses here)",
+                              param="stream")
     stored = _state(request).responses.get(response_id)
     if stored is None:
         raise response_not_found(response_id)

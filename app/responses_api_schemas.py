@@ -384,13 +384,6 @@ class RetrieveQuery(_Request):
     include: list[Includable] = Field(default_factory=list)
     stream: bool = False
 
-    @field_validator("stream")
-    @classmethod
-    def _whole(cls, stream: bool) -> bool:
-        if stream:
-            raise ValueError("a stored response is not streamed again (no background responses): leave it out")
-        return stream
-
 
 class InputItemsQuery(_Request):
     """`GET /v1/responses/{id}/input_items`'s query: `limit` items after the item `after`, in `order`."""
