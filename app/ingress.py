@@ -75,9 +75,7 @@ class SluiceIngress:
         self._registry = CollectorRegistry()
         self._registry.register(self._reports)
         # As the single process's app stacks them: CORS outermost, so a bug's 500 carries its headers too.
-        self._app = CORSMiddleware(InternalErrorMiddleware(self._serve), allow_origins=settings.allowed_origins,
-                                   allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
-                                   allow_credentials=settings.allow_credentials)
+        self._app = CORSMiddleware(InternalErrorMiddleware(self._serve), **settings.cors_options())
 
     async def __call__(self, request: Request) -> Response:
         return _ASGIResponse(self._app)

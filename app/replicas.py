@@ -82,7 +82,7 @@ class SluiceReplica:
     async def __init__(self, config: ReplicaConfig) -> None:
         self._name = serve.get_replica_context().replica_id.unique_id
         self._state = ServerState(config.settings)
-        self._app = create_app(self._state)
+        self._app = create_app(self._state, cors=False)  # the ingress applies the CORS policy
         # The app's lifespan (the dashboard's feed; on exit, the engine's shutdown), as uvicorn would run it.
         self._lifespan = self._app.router.lifespan_context(self._app)
         engine, peaks = await asyncio.to_thread(

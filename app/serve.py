@@ -30,6 +30,7 @@ from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
+from sluice.app.addresses import http_url
 from sluice.app.arguments import CHAT_TEMPLATE_HELP, OneLineErrors, above, at_least, chat_template
 from sluice.app.engine_loading import load_engine
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
@@ -466,11 +467,6 @@ def _unwritable(path: str) -> str | None:
     if not os.access(path, os.W_OK | os.X_OK):
         return "is a folder Sluice may not write: point it at one it may"
     return None
-
-
-def http_url(host: str, port: int) -> str:
-    """The server's URL: an IPv6 address in brackets, as URLs write it."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -141,8 +141,9 @@ ROUTES: list[tuple[Handler, Operation]] = [
 ]
 
 
-def create_app(state: ServerState) -> Starlette:
-    """An app serving `state`'s engine once `state.set_engine` has been called; 503 until then.
+def create_app(state: ServerState, cors: bool = True) -> Starlette:
+    """An app serving `state`'s engine once `state.set_engine` has been called; 503 until then. `cors`: the app
+    applies the settings' CORS policy (a replica's does not: its ingress answers browsers).
 
     With `settings.ui`, the dashboard's feed ticks while the app runs. On shutdown (after uvicorn has finished
     the open requests) it stops that engine.
@@ -154,11 +155,9 @@ def create_app(state: ServerState) -> Starlette:
         routes += dashboard.ui_routes()
     # Outermost: a browser's preflight is answered before the API key is asked for, and errors carry the CORS
     # headers too, so a page can read why its request failed.
-    middleware = [Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
-                             allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
-                             allow_credentials=settings.allow_credentials),
-                  Middleware(InternalErrorMiddleware),
-                  Middleware(RequestCountMiddleware, metrics=state.metrics, routes=tuple(routes))]
+    middleware = [Middleware(CORSMiddleware, **settings.cors_options())] if cors else []
+    middleware += [Middleware(InternalErrorMiddleware),
+                   Middleware(RequestCountMiddleware, metrics=state.metrics, routes=tuple(routes))]
     if settings.api_key:
         open_paths = OPEN_PATHS | dashboard.OPEN_PATHS if ui else OPEN_PATHS
         middleware.append(Middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from sluice.batching.engine import Engine
 from sluice.batching.stats import EngineStats
@@ -54,6 +54,11 @@ class ServerSettings:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     generation_config: Literal["auto", "vllm"] = "auto"
+
+    def cors_options(self) -> dict[str, Any]:
+        """Starlette's CORSMiddleware's arguments for this CORS policy (the single process's and the ingress's)."""
+        return dict(allow_origins=self.allowed_origins, allow_methods=self.allowed_methods,
+                    allow_headers=self.allowed_headers, allow_credentials=self.allow_credentials)
 
 
 class ServerState:

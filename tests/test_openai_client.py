@@ -101,3 +101,14 @@ def test_a_stop_string_may_be_longer_than_the_number_of_stop_strings_allowed(eng
                                                     stop="a stop string of 30 characters")
 
     assert serve(engine, scenario).choices[0].finish_reason == "length"
+
+
+def test_a_completion_left_without_max_tokens_or_with_null_takes_16_tokens(engine):
+    """The completions API's default (OpenAI's); null reads as left out, as every field's here."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list[dict]:
+        body = {"model": "tiny", "prompt": "Hello there", "temperature": 0, "ignore_eos": True}
+        replies = [await http.post("/completions", json=fields) for fields in (body, body | {"max_tokens": None})]
+        return [reply.json()["usage"]["completion_tokens"] for reply in replies]
+
+    assert serve(engine, scenario) == [16, 16]

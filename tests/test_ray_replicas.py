@@ -109,6 +109,14 @@ def test_the_ingresss_own_error_carries_the_cors_headers(cluster):
     assert huge.headers["access-control-allow-origin"] == ORIGIN
 
 
+def test_a_replicas_answer_carries_the_cors_headers_once(cluster):
+    """The ingress applies the policy; the replica behind it does not add its own (a doubled `Vary: Origin`)."""
+    models = httpx.get(f"{cluster.url}/v1/models", timeout=60, headers={"origin": ORIGIN})
+    assert models.status_code == 200 and REPLICA_HEADER in models.headers
+    assert models.headers["access-control-allow-origin"] == ORIGIN
+    assert [v.strip() for v in ",".join(models.headers.get_list("vary")).split(",")] == ["Origin"]
+
+
 def test_requests_sharing_a_prefix_go_to_the_replica_that_cached_it(cluster):
     shared = list(range(1000, 1200))
     replicas, cached = set(), []
