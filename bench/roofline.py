@@ -18,12 +18,11 @@ its machine with the server (a GPU) can measure before the server starts and pas
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice.model.config import ModelConfig
+from sluice.model.config import ModelConfig, read_json_object
 from sluice.model.roofline import Peaks, StepCost, attention_flops, kv_bytes_per_token, matmul_weights, measure_peaks
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -127,7 +126,7 @@ def read_model_config(model: str | None) -> ModelConfig:
 
     source = resolve_model(model)
     if source.is_dir():
-        return ModelConfig.from_hf(json.loads((source / "config.json").read_text()))
+        return ModelConfig.from_hf(read_json_object(source / "config.json", missing_ok=False))
     import gguf
 
     reader = gguf.GGUFReader(str(source))
