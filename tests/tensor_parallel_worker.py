@@ -5,6 +5,9 @@ A separate process because the device count must be set before jax is imported:
     python tests/tensor_parallel_worker.py tiny-int8 1 2 4    # the tiny model over an int8 KV cache
     python tests/tensor_parallel_worker.py tiny-unrolled 1 2  # its layers unrolled, one array each
     python tests/tensor_parallel_worker.py smollm2 1 3        # SmolLM2-135M-Instruct through Engine.create
+    python tests/tensor_parallel_worker.py smollm2-int4 1 3   # SmolLM2's serving features over int4 weights
+    python tests/tensor_parallel_worker.py smollm2-int8 1 3   # ... over int8 weights, an int8 KV pool and drafts
+    python tests/tensor_parallel_worker.py gathers-int4 3     # what SmolLM2's decode step all-gathers (or -none)
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import json  # noqa: E402
+import math  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import replace  # noqa: E402
@@ -23,7 +27,8 @@ from flax import nnx  # noqa: E402
 
 from sluice.batching.config import EngineConfig  # noqa: E402
 from sluice.batching.engine import Engine  # noqa: E402
-from sluice.batching.sampling_params import SamplingParams  # noqa: E402
+from sluice.batching.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
+from sluice.bench.step_audit import compile_decode_step, parse_hlo  # noqa: E402
 from sluice.model.config import ModelConfig  # noqa: E402
 from sluice.model.llama import Llama  # noqa: E402
 from sluice.model.loader import LoadedModel, load_model  # noqa: E402
@@ -34,6 +39,16 @@ TINY = ModelConfig.tiny(num_heads=8, num_kv_heads=4, head_dim=16)
 ENGINE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=1 << 22,
                       num_decode_steps=1, warmup=False)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=True)
+# SmolLM2 as `sluice serve --tp N` serves it, but for a step budget of 48 tokens, which splits the longer prompts'
+# prefill over several steps, and pages small enough that the second round's shared prefixes hit the cache.
+FEATURES = EngineConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=512, kv_cache_memory=64 << 20,
+                        page_size=16, num_decode_steps=4, warmup=False)
+FEATURE_CONFIGS = {"smollm2-int4": replace(FEATURES, quantization="int4"),  # the CPU's default weights
+                   "smollm2-int8": replace(FEATURES, quantization="int8", kv_cache_dtype="int8", speculative="ngram")}
+SYSTEM = ("You are a careful assistant for a library. You answer questions about opening hours, loans, fines and "
+          "the catalogue in short sentences, and you say so when you do not know. ") * 3
+JSON_SCHEMA = StructuredOutput("json_schema", json.dumps({
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}))
 
 
 def tiny_engine(loaded: LoadedModel, tp: int, config: EngineConfig) -> Engine:
@@ -61,6 +76,44 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams 
     }
 
 
+def chat(tokenizer, question: str, system: str | None = None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages))
+
+
+def completion(output) -> dict:
+    """A greedy completion's tokens, their logprobs, and how far each beat the runner-up (where a near tie may
+    tip another way at another --tp; a token a grammar forced has none)."""
+    return {"tokens": list(output.token_ids), "logprobs": [lp.logprob for lp in output.logprobs],
+            "margins": [lp.top[0][1] - lp.top[1][1] if len(lp.top) > 1 else math.inf for lp in output.logprobs]}
+
+
+def run_features(engine: Engine, tokenizer) -> dict:
+    """Prompts of mixed lengths in one batch, chunked; then prompts sharing their prefixes (prefix-cache hits)
+    beside a JSON-schema request. Each greedy completion, the JSON's text, the second round's cache hits."""
+    first = [chat(tokenizer, "Hi."), chat(tokenizer, "Name three colours and say why you like them."),
+             chat(tokenizer, "When does the library open on Sundays?", SYSTEM)]
+    second = [chat(tokenizer, "Can I renew a loan twice?", SYSTEM), first[1],
+              chat(tokenizer, "Give the largest city of Japan as JSON.")]
+    params = replace(GREEDY, max_tokens=16, top_logprobs=2)
+    ngram_friendly = replace(params, max_tokens=24)  # long enough for prompt-lookup drafts to be proposed
+    outputs = engine.generate(first, [params, ngram_friendly, params])
+    hits_before = engine.stats.prefix_cache_hit_tokens
+    outputs += engine.generate(second, [params, ngram_friendly,
+                                        replace(params, max_tokens=24, ignore_eos=False, structured=JSON_SCHEMA)])
+    return {"completions": [completion(o[0]) for o in outputs], "json": outputs[-1][0].text,
+            "hit_tokens": engine.stats.prefix_cache_hit_tokens - hits_before,
+            "accepted_drafts": engine.speculator.counters().num_accepted_tokens if engine.speculator else 0}
+
+
+def decode_gathers(engine: Engine, rows: int) -> dict:
+    """The types of the arrays the compiled decode step for `rows` sequences all-gathers over the mesh."""
+    computations = parse_hlo(compile_decode_step(engine.runner, rows).as_text())
+    return {"rows": rows, "vocab": engine.runner.config.vocab_size,
+            "gathered": [[i.dtype, list(i.dims)] for c in computations.values() for i in c.instrs.values()
+                         if i.op == "all-gather"]}
+
+
 def main() -> None:
     which, tps = sys.argv[1], [int(t) for t in sys.argv[2:]]
     config = {"tiny-int8": replace(ENGINE, kv_cache_dtype="int8"),
@@ -70,6 +123,14 @@ def main() -> None:
     tokenizer = load_model().tokenizer  # SmolLM2's: its chat prompts, and to detokenize the tiny model's tokens
     results = {}
     for tp in tps:
+        if which.startswith("gathers-"):
+            weights = which.removeprefix("gathers-")
+            engine = Engine.create(replace(FEATURES, quantization=weights, tp=tp, num_decode_steps=1), progress=False)
+            results[tp] = decode_gathers(engine, rows=4)
+            continue
+        if which in FEATURE_CONFIGS:
+            results[tp] = run_features(Engine.create(replace(FEATURE_CONFIGS[which], tp=tp), progress=False), tokenizer)
+            continue
         if which == "smollm2":  # as `sluice serve --tp N --quantization none` builds it: float32, HF's answers
             engine = Engine.create(replace(config, tp=tp, dtype="float32"), progress=False)
             prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))

@@ -74,6 +74,49 @@ def test_smollm2_gives_the_same_tokens_at_tp_1_and_3_and_the_chat_answer_hf_give
     assert results[3]["texts"][0].startswith("The capital of France is Paris.")
 
 
+# Logprobs closer than this may swap places at another --tp: int8 activations (the CPU kernels') and int8 K/V round
+# the last bits of a sum made in another order up or down a step (at tp 1, another chunking moves them 0.02 nats).
+NEAR_TIE = 0.1
+
+
+def assert_same_greedy(results: dict[int, dict]) -> None:
+    """Each completion's tokens the same as at tp 1, and their logprobs within NEAR_TIE, up to its first near tie
+    at tp 1 (two best tokens within NEAR_TIE), past which another --tp may rightly continue otherwise."""
+    for tp, result in results.items():
+        for want, got in zip(results[1]["completions"], result["completions"]):
+            compared = next((i for i, margin in enumerate(want["margins"]) if margin < NEAR_TIE), len(want["tokens"]))
+            assert got["tokens"][:compared] == want["tokens"][:compared], f"tp={tp} changed greedy tokens"
+            np.testing.assert_allclose(got["logprobs"][:compared], want["logprobs"][:compared], atol=NEAR_TIE)
+        assert result["hit_tokens"] == results[1]["hit_tokens"] > 0, "the second round's shared prefixes hit the cache"
+        assert json.loads(result["json"])["city"], "the JSON schema's output"
+
+
+def test_smollm2_over_int4_weights_gives_the_same_tokens_at_tp_1_and_3_for_mixed_chunked_cached_and_json_prompts():
+    assert_same_greedy(run_worker("smollm2-int4", 1, 3))
+
+
+def test_smollm2_over_int8_weights_an_int8_kv_pool_and_drafts_gives_the_same_tokens_at_tp_1_and_3():
+    results = run_worker("smollm2-int8", 1, 3)
+    assert_same_greedy(results)
+    assert results[1]["accepted_drafts"] > 0 and results[3]["accepted_drafts"] > 0
+
+
+@pytest.mark.parametrize("quantization", [
+    # Not fixed here: model/ is not this module's (reported). XLA cannot split the weight's axes that project's
+    # reshape merges ([hidden, 2, intermediate] split on the last), so it gathers w_gate_up for every layer;
+    # jnp.tensordot over the unreshaped weight keeps it split.
+    pytest.param("none", marks=pytest.mark.xfail(strict=True, reason="model/linear.py reshapes w_gate_up")),
+    # XLA cannot split the CPU kernels' custom calls, so it gathers every quantized weight whole to every device,
+    # each of which runs the whole model: the kernels need a shard_map over the mesh.
+    pytest.param("int4", marks=pytest.mark.xfail(strict=True, reason="model/linear.py: unsplit custom calls")),
+])
+def test_the_decode_step_at_tp_3_gathers_only_the_logits_never_a_weight(quantization):
+    """Column-parallel layers keep their outputs split and row-parallel ones all-reduce theirs: the only array a
+    step gathers is its logits, split over the vocabulary, for sampling."""
+    result = run_worker(f"gathers-{quantization}", 3)[3]
+    assert result["gathered"] == [["f32", [result["rows"], result["vocab"]]]]
+
+
 class Accelerator:
     """A GPU as `default_kv_cache_bytes` sees one: a platform, a process, and its free memory."""
 
