@@ -201,6 +201,15 @@ def prompt_scores(model: Llama, hidden: jax.Array, score_ids: jax.Array) -> Prom
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:num_tokens], scores)
 
 
+def _step_rows(graphdef: nnx.GraphDef, state: nnx.State, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs,
+               sampled: SampledRows) -> tuple[Llama, StepInputs, jax.Array, SamplingBatch]:
+    """What a step reads, on the device: the model, `inputs` fed (`StepInputs.fed`), each attention row's page table
+    ([A, max_pages] int32) and the sampled rows' `SamplingBatch`, gathered from the slots' rows."""
+    inputs = inputs.fed(fed_from)
+    return (nnx.merge(graphdef, state), inputs, slots.page_table[inputs.attn_slots],
+            sampled.batch(slots.sampling))
+
+
 def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
             state: nnx.State, kv_cache: KVCache, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs,
             sampled: SampledRows
@@ -215,11 +224,11 @@ def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: 
     slots: the persistent input batch's rows on the device. The sampling rows are gathered here rather than in
     the sampler: XLA's CPU sampler ran slower with the gathers in its own program (RESULTS.md, 2026-11-26).
     """
-    model = nnx.merge(graphdef, state)
-    logits, hidden, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache),
-                                       slots.page_table[inputs.attn_slots], inputs.fed(fed_from))
+    model, inputs, page_table, sampling = _step_rows(graphdef, state, fed_from, slots, inputs, sampled)
+    logits, hidden, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache), page_table,
+                                       inputs)
     pooled = model.pooled(hidden, inputs.pool_ids, inputs.logits_rows.shape[0])
-    return ((logits, sampled.batch(slots.sampling), pooled, hidden if max_q_len > 1 else None),
+    return ((logits, sampling, pooled, hidden if max_q_len > 1 else None),
             layered_pool(kv_cache, model.config.num_layers))
 
 
@@ -264,10 +273,7 @@ def decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pa
     Returns the sampler's outputs with a leading [num_steps] axis, and each row's last token (at its limit)
     as `last_tokens`. No row has a structured-output mask: the host cannot fill one between the steps.
     """
-    model = nnx.merge(graphdef, state)
-    inputs = inputs.fed(fed_from)
-    page_table = slots.page_table[inputs.attn_slots]
-    sampling = sampled.batch(slots.sampling)
+    model, inputs, page_table, sampling = _step_rows(graphdef, state, fed_from, slots, inputs, sampled)
     rows = jnp.arange(inputs.token_ids.shape[0])
 
     def decode(carry, k):
@@ -318,10 +324,7 @@ def verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pa
     stop id or its limit. Positions written for rejected drafts lie beyond what the sequence keeps, and are
     overwritten later. The sampler's outputs are returned as `VerifiedSteps`.
     """
-    model = nnx.merge(graphdef, state)
-    inputs = inputs.fed(fed_from)
-    page_table = slots.page_table[inputs.attn_slots]
-    sampling = sampled.batch(slots.sampling)
+    model, inputs, page_table, sampling = _step_rows(graphdef, state, fed_from, slots, inputs, sampled)
     width = 1 + ngram.num_speculative_tokens
     num_seqs = inputs.token_ids.shape[0]
     may_draft = inputs.drafting.max_drafts > 0

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from sluice.batching import step_broadcast
 from sluice.batching.block_manager import BlockManager
-from sluice.batching.kv_store import KVLayout, KVStore
+from sluice.batching.kv_store import KVLayout, KVStore, PageKey
 from sluice.batching.kv_transfer import PageCopy
 from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, InvalidEngineConfig
 from sluice.batching.model_runner import ModelRunner, enable_compilation_cache
@@ -88,6 +88,22 @@ def default_kv_cache_bytes(mesh: Mesh | None = None) -> int:
     return int(ACCELERATOR_KV_FRACTION * free) * (mesh.size if mesh is not None else 1)
 
 
+def num_pool_pages(config: EngineConfig, model: ModelConfig, kv_dtype, mesh: Mesh | None, page_size_given: bool
+                   ) -> int:
+    """The pages of the KV pool: `config.kv_cache_memory` (None: `default_kv_cache_bytes`) over a page's bytes.
+    InvalidEngineConfig if it holds none, naming the page size where it was given and the pool's size was not."""
+    kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh)
+    page_bytes = kv_page_bytes(model, config.page_size, kv_dtype)
+    if kv_bytes < page_bytes and page_size_given and config.kv_cache_memory is None:
+        raise InvalidEngineConfig("page_size", f"{config.page_size} makes a page of {page_bytes:,} bytes, more "
+                                               f"than the whole KV pool of {kv_bytes:,} bytes (--kv-cache-memory "
+                                               f"sets the pool)")
+    if kv_bytes < page_bytes:
+        raise InvalidEngineConfig("kv_cache_memory", f"of {kv_bytes:,} bytes holds no page: one page of "
+                                                     f"{config.page_size} tokens takes {page_bytes:,} bytes")
+    return kv_bytes // page_bytes
+
+
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_pages: int) -> int:
     """`config.max_model_len`, else the model's context up to DEFAULT_MAX_MODEL_LEN and to what the pool holds: a
     request without max_tokens may fill the rest of the context, which a smaller pool would refuse every time."""
@@ -102,14 +118,6 @@ def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_pages: i
         logger.warning("the KV pool holds %d tokens, fewer than the default context of %d: max_model_len is %d "
                        "(a larger --kv-cache-memory holds more)", pooled, longest, pooled)
     return min(longest, pooled)
-
-
-def device_defaults(config: EngineConfig) -> EngineConfig:
-    """`config` with the batch limits and page size it leaves unset taken for the first device: its platform, what
-    its allocator may hold (unknown on the CPU) and its kind."""
-    device = jax.local_devices()[0]
-    return config.with_device_defaults(device.platform, (device.memory_stats() or {}).get("bytes_limit"),
-                                      device.device_kind)
 
 
 @dataclass(frozen=True)
@@ -155,21 +163,14 @@ class Engine:
         decides the sampler's plans, warm-up compiles those of these parameters (default: greedy, plain sampling,
         and sampling with the model's own defaults); others compile off the engine thread when first met."""
         page_size_given = config.page_size is not None
-        self.config = config = device_defaults(config)
+        device = jax.local_devices()[0]  # what its allocator may hold is unknown on the CPU
+        self.config = config = config.with_device_defaults(
+            device.platform, (device.memory_stats() or {}).get("bytes_limit"), device.device_kind)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.generation_defaults = loaded.generation_defaults  # the model's sampling defaults, for the API to apply
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
-        kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh)
-        page_bytes = kv_page_bytes(loaded.config, config.page_size, kv_dtype)
-        if kv_bytes < page_bytes and page_size_given and config.kv_cache_memory is None:
-            raise InvalidEngineConfig("page_size", f"{config.page_size} makes a page of {page_bytes:,} bytes, more "
-                                                   f"than the whole KV pool of {kv_bytes:,} bytes (--kv-cache-memory "
-                                                   f"sets the pool)")
-        if kv_bytes < page_bytes:
-            raise InvalidEngineConfig("kv_cache_memory", f"of {kv_bytes:,} bytes holds no page: one page of "
-                                                         f"{config.page_size} tokens takes {page_bytes:,} bytes")
-        num_pages = kv_bytes // page_bytes
+        num_pages = num_pool_pages(config, loaded.config, kv_dtype, mesh, page_size_given)
         self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
         self.limits = RequestLimits(
             max_model_len=self.max_model_len, num_pages=num_pages, page_size=config.page_size,
@@ -193,8 +194,7 @@ class Engine:
                                      config.prefix_cache_dir, ram_bytes=config.prefix_cache_ram,
                                      disk_bytes=config.prefix_cache_size)
                              if config.prefix_cache_dir else None)
-        self._saving: PageCopy | None = None  # pages on their way to the store
-        self._saving_keys: list[str] = []
+        self._saving: tuple[list[PageKey], PageCopy] | None = None  # pages on their way to the store, by key
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching,
                                           self.prefix_store)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
@@ -609,13 +609,14 @@ class Engine:
         """Hands the store the pages copied out at the step before (their copy is done by now), and starts copying
         out the pages newly full at this one (`BlockManager.saves`)."""
         if self._saving is not None:
-            for key, payload in zip(self._saving_keys, self._saving.payloads()):
+            keys, copy = self._saving
+            for key, payload in zip(keys, copy.payloads()):
                 self.prefix_store.put(key, payload)
             self._saving = None
         if self.block_manager.saves:
-            pages, self._saving_keys = map(list, zip(*self.block_manager.saves))
+            pages, keys = zip(*self.block_manager.saves)
             self.block_manager.saves.clear()
-            self._saving = self.runner.copy_out(pages)
+            self._saving = list(keys), self.runner.copy_out(list(pages))
 
     def _apply(self, command: _Add | _Abort | _Stop) -> None:
         if isinstance(command, _Add):

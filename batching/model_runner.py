@@ -111,7 +111,6 @@ class ModelRunner:
         )
         self.page_size = page_size
         self.max_model_len = max_model_len
-        self.max_pages_per_seq = -(-max_model_len // page_size)
         if resolve_layer_loop(layer_loop) == "unrolled":
             model.unstack_layers()
         self.graphdef, self.state = nnx.split(model)
@@ -184,12 +183,8 @@ class ModelRunner:
         if max(c.num_tokens for c in chunks) == 1 and not scores:
             return self._decode_bucket(next(b for b in self.decode_buckets if b >= len(chunks)), num_steps)
         speculative = any(c.num_drafts for c in chunks)
-        return self._mixed_bucket(self.padded_tokens(num_tokens, speculative), speculative)
-
-    def padded_tokens(self, num_tokens: int, speculative: bool) -> int:
-        """The tokens a step of `num_tokens` computes: its bucket's size (a decode step: rows, bucketed)."""
         buckets = self.spec_token_buckets if speculative else self.token_buckets
-        return next(b for b in buckets if b >= num_tokens)
+        return self._mixed_bucket(next(b for b in buckets if b >= num_tokens), speculative)
 
     def _step_fn(self, bucket: Bucket, plan: SamplerPlan | None = None):
         """The model of a single step (to logits), or a whole multi-step decode call (its sampler's `plan`)."""
@@ -307,8 +302,9 @@ class ModelRunner:
         tokens (each sequence's at its row, for the next step to feed: `StepInputs.feed`). After a failed step,
         all of them are suspect."""
         self.kv_cache = empty_kv_cache(self.config, self.num_pages, self.page_size, self.kv_dtype, self.kv_sharding)
-        self.input_batch = InputBatch(self.max_num_seqs, self.max_pages_per_seq, self.config.vocab_size,
-                                      MAX_STOP_IDS, pow2_buckets(1, self.max_num_seqs))
+        max_pages = -(-self.max_model_len // self.page_size)
+        self.input_batch = InputBatch(self.max_num_seqs, max_pages, self.config.vocab_size, MAX_STOP_IDS,
+                                      pow2_buckets(1, self.max_num_seqs))
         self._slots = jax.device_put(self.input_batch.host, self._step_outputs_sharding)
         self._last_tokens = jax.device_put(np.zeros(self.max_num_seqs, np.int32), self._step_outputs_sharding)
         self._last_row = np.full(self.max_num_seqs + 1, -1, np.int32)  # by slot: its token's row in `_last_tokens`

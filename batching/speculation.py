@@ -60,13 +60,10 @@ class Speculator:
     """Chooses drafts for the engine and keeps the counters and each sequence's acceptance."""
 
     config: NgramConfig
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    _totals: SpecCounters = field(init=False)
 
     def __post_init__(self) -> None:
-        self.accepted_per_position = [0] * self.config.num_speculative_tokens
+        self._totals = SpecCounters(accepted_per_position=(0,) * self.config.num_speculative_tokens)
 
     def draft_count(self, seq: Sequence, batch_size: int) -> int:
         """How many drafts the sequence checks this step; with none, its first proposal becomes its shadow."""
@@ -110,11 +107,10 @@ class Speculator:
 
     def record(self, seq: Sequence, num_checked: int, num_accepted: int) -> None:
         """One verification: `num_accepted` of the sequence's `num_checked` > 0 drafts were accepted."""
-        self.num_drafts += 1
-        self.num_draft_tokens += num_checked
-        self.num_accepted_tokens += num_accepted
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
+        totals = self._totals
+        self._totals = SpecCounters(totals.num_drafts + 1, totals.num_draft_tokens + num_checked,
+                                   totals.num_accepted_tokens + num_accepted,
+                                   tuple(n + (p < num_accepted) for p, n in enumerate(totals.accepted_per_position)))
         self._update_acceptance(seq, per_draft_rate(num_accepted, num_checked))
 
     def check_shadow(self, seq: Sequence, token: int) -> None:
@@ -129,5 +125,4 @@ class Speculator:
         seq.acceptance = average + ACCEPTANCE_SMOOTHING * (rate - average)
 
     def counters(self) -> SpecCounters:
-        return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                            tuple(self.accepted_per_position))
+        return self._totals

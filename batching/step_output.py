@@ -105,8 +105,7 @@ class PendingStep:
         them and samples, which `sample` makes. `limits`, `drafting`: the multi-step call's that ran
         (`ModelRunner.dispatch`), None for a single step; `bucket`: the step's shape, for a hung step's report;
         `fault`: an injected one (`faults.py`)."""
-        self.chunks, self.limits, self.drafting = chunks, limits, drafting
-        self._shares = (chunks, rows, limits)
+        self.chunks, self.rows, self.limits, self.drafting = chunks, rows, limits, drafting
         self._sampling = out if callable(out) else None
         self._out = (None if callable(out) else self._read(out), pooled, scores)
         self.bucket = bucket
@@ -136,7 +135,7 @@ class PendingStep:
         self.sample()
         strike(self._fault, self.bucket)
         out, pooled, scores = jax.tree.map(np.asarray, self._out)
-        return StepOutput(out, *self._shares, pooled, scores)
+        return StepOutput(out, self.chunks, self.rows, self.limits, pooled, scores)
 
 
 def _copy_to_host(tree: Any) -> None:
