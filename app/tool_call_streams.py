@@ -163,15 +163,16 @@ class CallStream:
 
     def finish(self) -> list[StreamEvent]:
         """What is held back at the end of the text: a group still open is text (unless its calls were already
-        going out, or the end closes it), and so is a tag's beginning."""
+        going out, the end closes it, or it was cut in a grammar's markup), and so is a tag's beginning (unless a
+        grammar was writing it)."""
         events: list[StreamEvent] = []
         while self._group is not None and not self._group.committed:
             if self._closed_by_end():
                 self._close(events)
-            else:
+            elif not self._cut_in_forced_markup(events):
                 self._abandon(events)
             events += self.push("")
-        if self._group is None:
+        if self._group is None and not self.progressive:
             self._text(self._buffer, events)
         self._buffer = ""
         return events
@@ -269,6 +270,19 @@ class CallStream:
         self._buffer = self._buffer[self._group.position:]
         self._group = None
 
+    def _cut_in_forced_markup(self, events: list[StreamEvent]) -> bool:
+        """Whether the reply, ending in a group none of whose calls went out, was cut (max_tokens, a stop) inside
+        the markup a grammar forced (`progressive`): that is no text, and no call but one written by name whose
+        arguments began, which goes out cut short as streamed arguments would have."""
+        group = self._group
+        rest = self._buffer[group.position:]
+        if not self.progressive or group.part == "object" and not _may_begin_object_head(rest, self.names):
+            return False
+        if group.part == "arguments" and rest.strip():
+            self._emit(ToolCall(group.name, rest.strip()), events)
+        self._group, self._buffer = None, ""
+        return True
+
     def _closed_by_end(self) -> bool:
         """Whether the reply, ending now, ends the group after a call (and whitespace) in a format that takes it."""
         group = self._group
@@ -350,9 +364,11 @@ class JsonCallStream:
     """Llama 3's JSON tool calls: a reply that is nothing but calls, `{"name": ..., "parameters": {...}}` each,
     separated by `;` (its template's `<|python_tag|>` is a special token, not in the text). Any other reply is
     text, whole. A reply is known to be text at its first character other than `{`; to be calls only at its end,
-    so calls go out then, each whole."""
+    so calls go out then, each whole. `forced`: a grammar wrote the calls, so a reply that is not all calls was cut
+    short (max_tokens, a stop): its calls are those before the cut, and the rest of its JSON is no text."""
 
     names: frozenset[str]
+    forced: bool = False
     calls: int = 0
     _buffer: str = ""
     _is_text: bool | None = None
@@ -376,8 +392,8 @@ class JsonCallStream:
     def finish(self) -> list[StreamEvent]:
         if self._is_text or not self._buffer.strip():
             return []
-        calls = _json_calls(self._buffer, self.names)
-        if calls is None:
+        calls, whole = _json_calls(self._buffer, self.names)
+        if not whole and not self.forced:
             return [TextDelta(self._buffer.strip())]
         events: list[StreamEvent] = []
         for call in calls:
@@ -408,26 +424,24 @@ def _first_call(events: list[StreamEvent]) -> list[StreamEvent]:
     return [event for event in events if isinstance(event, TextDelta) or event.index == 0]
 
 
-def _json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
-    """The calls `text` consists of (JSON objects separated by `;`), or None if it is anything else."""
+def _json_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall], bool]:
+    """The calls `text` begins with (JSON objects separated by `;`), and whether it is nothing else."""
     decoder, calls, position = json.JSONDecoder(), [], 0
     while True:
         position = len(text) - len(text[position:].lstrip())
         try:
             value, position = decoder.raw_decode(text, position)
         except ValueError:
-            return None
-        if not _names_one_of(value, names):
-            return None
-        arguments = value.get("parameters", value.get("arguments"))
+            return calls, False
+        arguments = value.get("parameters", value.get("arguments")) if _names_one_of(value, names) else None
         if not isinstance(arguments, dict):
-            return None
+            return calls, False
         calls.append(ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False)))
         rest = text[position:].lstrip()
         if not rest:
-            return calls
+            return calls, True
         if not rest.startswith(";"):
-            return None
+            return calls, False
         position = len(text) - len(rest) + 1
 
 
@@ -495,6 +509,21 @@ def _may_begin_head(text: str, names: frozenset[str]) -> bool:
         return name in names and (not call_id or (call_id.isascii() and call_id.isalnum()))
     name = name[:len(name) - _partial_tag(name, _CALL_ID)]
     return any(known.startswith(name) for known in names)
+
+
+def _may_begin_object_head(text: str, names: frozenset[str]) -> bool:
+    """Whether `text` (no whole head yet) may still grow into the head a grammar writes for a call of one of
+    `names`: `{"name": "NAME", "arguments": `, with any whitespace between its parts."""
+    for part in ("{", '"name"', ":", None, ",", '"arguments"', ":"):
+        text = text.lstrip()
+        written = [f'"{name}"' for name in names] if part is None else [part]
+        if any(w.startswith(text) for w in written):  # nothing more, or the part still arriving
+            return True
+        whole = next((w for w in written if text.startswith(w)), None)
+        if whole is None:
+            return False
+        text = text[len(whole):]
+    return not text.strip()
 
 
 def _partial_tag(text: str, tag: str) -> int:

@@ -142,7 +142,7 @@ class ToolCalling:
     def stream(self) -> CallStream | JsonCallStream | FirstCallOnly:
         syntax = _SYNTAX.get(self.parser)
         if syntax is None:
-            reader = JsonCallStream(self.names)
+            reader = JsonCallStream(self.names, self.forced)
         else:
             reader = CallStream(self.names, syntax, progressive=self.forced)
         return reader if self.parallel else FirstCallOnly(reader)

@@ -539,6 +539,16 @@ def test_a_call_written_whole_before_max_output_tokens_ran_out_is_completed_and_
     assert [item.type for item in items] == ["message", "function_call", "function_call_output"]
 
 
+def test_a_forced_call_cut_before_its_arguments_leaves_no_markup_in_the_output_or_the_conversation(client):
+    fields = {"input": "Weather in Oslo?", "tools": [WEATHER], "tool_choice": "required", "model": MODEL,
+              "temperature": 0}
+    cut = client.responses.create(max_output_tokens=3, **fields)
+    assert cut.status == "incomplete" and cut.usage.output_tokens == 3
+    assert not [item for item in cut.output if item.type == "message" and "".join(
+        part.text for part in item.content if part.type == "output_text")]
+    assert all(item.type != "function_call" for item in cut.output)
+
+
 class BrokenGeneration:
     """A generation whose reading fails after its first text, as a bug would (not an engine error)."""
 

@@ -165,6 +165,27 @@ def test_a_forced_call_that_turns_out_no_call_reads_the_same_whole_and_in_any_pi
     assert all(read_pieces(calling, texts) == whole for texts in split_anywhere(text))
 
 
+@pytest.mark.parametrize(("parser", "text", "read_as"), [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments', (None, [])),
+    ("hermes", 'Sure. <tool_', ("Sure.", [])),
+    ("hermes", 'Sure. <tool_call>\n{"na', ("Sure.", [])),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"ci', (None, [ToolCall("get_weather", '{"ci')])),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "argu', (None, [])),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "param',
+     (None, [ToolCall("add", '{"a": 1}')])),
+    ("mistral", '[TOOL_CALLS]get_wea', (None, [])),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', (None, [ToolCall("get_weather", '{"city": "Pa')])),
+    # Off the grammar: not the head it writes, so text as ever.
+    ("hermes", '<tool_call>{"arguments": {}, "name": "add"', ('<tool_call>{"arguments": {}, "name": "add"', [])),
+])
+def test_a_forced_reply_cut_inside_its_markup_is_no_text_and_a_call_only_once_its_arguments_began(parser, text,
+                                                                                                  read_as):
+    # max_tokens or a stop ended the reply the grammar was writing: its markup never was the model's text.
+    calling = ToolCalling(NAMES, parser, forced=True)
+    assert calling.parse(text) == read_as
+    assert all(read_pieces(calling, texts) == read_as for texts in split_anywhere(text))
+
+
 def split_anywhere(text: str) -> list[list[str]]:
     """`text` in two pieces at each position, and a character a piece."""
     return [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]
