@@ -2,9 +2,11 @@
 
 `PrefixAffinityRouter` sends a request to the replica that was sent the longest prefix of its prompt, so that
 replica's prefix cache serves it; a request no replica has seen the start of goes to the replica that holds
-the fewest prefixes among those not overloaded (so that prefixes spread evenly over the caches). A replica is overloaded when its ongoing requests (Ray's cached queue lengths) exceed the least loaded
-replica's by more than `imbalanced_threshold`; a request whose prefix's replica is overloaded goes to the less
-loaded of two random replicas (power of two choices), which becomes a second holder of the prefix.
+the fewest prefixes among those not overloaded (so that prefixes spread evenly over the caches). A replica is
+overloaded when its ongoing requests (Ray's cached queue lengths) exceed the least loaded replica's by more than
+`imbalanced_threshold`; a request whose prefix's replica is overloaded goes to the less loaded of two random
+replicas (power of two choices), which becomes a second holder of the prefix. Where the replicas chosen are all
+full (at Ray's `max_ongoing_requests`), the least loaded of the others with room takes the request.
 
 Why not Ray's shipped `PrefixCacheAffinityRouter` (ray.llm): it matches characters of OpenAI request objects
 (`.prompt` / `.messages`), where Sluice prompts are often token ids, and it keeps its tree in a detached actor
@@ -104,15 +106,22 @@ class PrefixAffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        preferred = self._preferred(candidate_replicas, _routing_key(pending_request))
+        # Ray takes the least loaded replica with room of the first rank that has one: the others come second, so
+        # that a full replica (at --max-ongoing-requests, which may be below --imbalanced-threshold) never holds a
+        # request while another has room.
+        rest = [r for r in candidate_replicas if r not in preferred]
+        return [preferred, rest] if rest else [preferred]
+
+    def _preferred(self, candidate_replicas: list[RunningReplica], key: str | None) -> list[RunningReplica]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        key = _routing_key(pending_request)
         hashes = self._index.hashes(key) if key else []
         holders, _ = self._index.match(hashes, by_id)
         least = min(self._load(r) for r in candidate_replicas)
         if holders and min(self._load(by_id[h]) for h in holders) - least <= self._imbalanced_threshold:
-            return [[by_id[h] for h in holders]]
+            return [by_id[h] for h in holders]
         if holders:
-            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+            return random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         # A new prefix: of the replicas not overloaded, the one holding the fewest prefixes takes it, so that the
         # groups spread evenly over the caches; recorded now, so that the requests sharing it that are routed
         # before this one lands follow it there instead of spreading.
@@ -121,7 +130,7 @@ class PrefixAffinityRouter(RequestRouter):
         chosen = random.choice([r for r in fit if self._index.held(r.replica_id.unique_id) == fewest])
         if hashes:
             self._index.record(hashes, chosen.replica_id.unique_id)
-        return [[chosen]]
+        return [chosen]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
         key = _routing_key(pending_request)

@@ -1,12 +1,19 @@
-"""The prefix router's index: which replicas were sent which prompt prefixes (app/prefix_router.py)."""
+"""The prefix router (app/prefix_router.py): its index of which replicas were sent which prompt prefixes, and the
+ranks of replicas it gives Ray Serve."""
 
 from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("ray.serve")
 
-from sluice.app.prefix_router import PrefixIndex
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
+
+from sluice.app.prefix_router import PrefixAffinityRouter, PrefixIndex  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. " * 20  # 580 characters: 9 blocks of 64
 
@@ -63,3 +70,75 @@ def test_each_replica_counts_the_blocks_it_holds():
     assert (index.held("a"), index.held("b")) == (7, 7)
     index.forget("b")
     assert (index.held("a"), index.held("b")) == (7, 0)
+
+
+# --- The router: the ranks it gives Ray Serve, which takes the least loaded replica with room (fewer ongoing
+# requests than its max_ongoing_requests) of the first rank that has one.
+
+def make_router(imbalanced_threshold: int = 64) -> PrefixAffinityRouter:
+    router = PrefixAffinityRouter(DeploymentID("replicas"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(imbalanced_threshold=imbalanced_threshold)
+    return router
+
+
+def replica(name: str, max_ongoing_requests: int = 4) -> SimpleNamespace:
+    """What the router reads of Ray Serve's `RunningReplica`."""
+    return SimpleNamespace(replica_id=ReplicaID(name, DeploymentID("replicas")),
+                           max_ongoing_requests=max_ongoing_requests)
+
+
+def route(router: PrefixAffinityRouter, replicas: list[SimpleNamespace], key: str | None, loads: dict[str, int]
+          ) -> str | None:
+    """The replica Ray Serve sends the request to, by the router's ranks and these ongoing requests (None: it waits)."""
+    for name, load in loads.items():
+        router.replica_queue_len_cache.update(ReplicaID(name, DeploymentID("replicas")), load)
+
+    async def routed() -> str | None:  # a PendingRequest belongs to a running event loop
+        pending = None if key is None else PendingRequest([key], {}, RequestMetadata("request", "request"))
+        for rank in await router.choose_replicas(replicas, pending):
+            room = [r for r in rank if loads.get(r.replica_id.unique_id, 0) < r.max_ongoing_requests]
+            if room:
+                chosen = min(room, key=lambda r: loads.get(r.replica_id.unique_id, 0)).replica_id
+                router.on_request_routed(pending, chosen, None)
+                return chosen.unique_id
+        return None
+
+    return asyncio.run(routed())
+
+
+def test_a_prompt_follows_its_prefix_to_the_replica_that_was_sent_it():
+    router, replicas = make_router(), [replica("a"), replica("b")]
+    first = route(router, replicas, SYSTEM + "first question", {})
+    assert route(router, replicas, SYSTEM + "second question", {first: 1}) == first
+
+
+def test_a_full_replica_does_not_hold_a_request_for_its_prefix_while_another_has_room():
+    """Below --imbalanced-threshold (here larger than --max-ongoing-requests) the prefix's replica is not
+    overloaded; but it is full, so waiting for it would leave the other replica idle."""
+    router, replicas = make_router(imbalanced_threshold=64), [replica("a"), replica("b")]
+    first = route(router, replicas, SYSTEM + "first question", {})
+    other = ({"a", "b"} - {first}).pop()
+    assert route(router, replicas, SYSTEM + "second question", {first: 4, other: 0}) == other
+
+
+def test_a_new_prefix_does_not_wait_for_a_full_replica_holding_the_fewest_prefixes():
+    router, replicas = make_router(imbalanced_threshold=64), [replica("a"), replica("b")]
+    fewest = route(router, replicas, SYSTEM, {})  # 9 blocks
+    more = route(router, replicas, "another system prompt entirely " * 40, {})  # 19 blocks, to the other
+    assert route(router, replicas, "a third one " * 20, {fewest: 4, more: 0}) == more
+
+
+def test_a_dead_replicas_prefixes_go_to_the_live_ones():
+    router, replicas = make_router(), [replica("a"), replica("b")]
+    first = route(router, replicas, SYSTEM + "first question", {})
+    router.on_replica_actor_died(ReplicaID(first, DeploymentID("replicas")))
+    live = [r for r in replicas if r.replica_id.unique_id != first]
+    assert route(router, live, SYSTEM + "second question", {}) == live[0].replica_id.unique_id
+    assert router._index.held(first) == 0
+
+
+def test_a_request_without_a_routing_key_or_with_an_empty_one_is_routed_and_indexes_nothing():
+    router, replicas = make_router(), [replica("a"), replica("b")]
+    assert route(router, replicas, None, {}) in {"a", "b"}
+    assert route(router, replicas, "", {}) in {"a", "b"}
+    assert len(router._index) == 0
