@@ -34,14 +34,18 @@ from sluice.app.responses_api_schemas import (
     InputItemList,
     InputItemsQuery,
     ItemReference,
+    MessageItem,
     RequestItem,
     ResponseObject,
     ResponsesRequest,
     RetrieveQuery,
 )
 from sluice.app.responses_api_store import StoredResponse
-from sluice.app.routes import json_response, parse_body, parse_query, plan_chat
+from sluice.app.routes import ChatPlan, json_response, parse_body, parse_query, plan_chat
 from sluice.app.state import ServerState
+from sluice.batching.engine import Engine
+from sluice.batching.request import check_fits
+from sluice.batching.sampling_params import RequestRejected
 
 
 def response_not_found(response_id: str) -> APIError:
@@ -52,12 +56,10 @@ async def create_response(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, ResponsesRequest)
     items = earlier_items(state, body.previous_response_id) + referenced_items(state, body.input)
-    chat = chat_request(body, items)
+    plan = await _plan(state, engine, body, items)
+    if body.truncation == "auto" and not _fits(engine, plan):
+        items, plan = await _latest_turns_that_fit(state, engine, body, items)
     response_id = f"resp_{uuid.uuid4().hex}"
-    try:
-        plan = await plan_chat(state, engine, chat)
-    except APIError as error:
-        raise in_responses_terms(error) from None
     generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival)
     response = ResponseObject(
         id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,
@@ -66,6 +68,7 @@ async def create_response(request: Request) -> Response:
         temperature=plan.params.temperature, top_p=plan.params.top_p, top_logprobs=body.top_logprobs,
         tool_choice=body.tool_choice or "auto",
         tools=body.tools, text=body.text, reasoning=body.reasoning, store=body.store, metadata=body.metadata,
+        truncation=body.truncation, user=body.user,
     )
 
     def on_done(done: ResponseObject) -> None:
@@ -78,6 +81,42 @@ async def create_response(request: Request) -> Response:
     builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning,
                                lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+async def _plan(state: ServerState, engine: Engine, body: ResponsesRequest, items: Items) -> ChatPlan:
+    try:
+        return await plan_chat(state, engine, chat_request(body, items))
+    except APIError as error:
+        raise in_responses_terms(error) from None
+
+
+def _fits(engine: Engine, plan: ChatPlan) -> bool:
+    """Whether the plan's prompt, with the tokens it may add, fits the context (and the KV pool)."""
+    try:
+        check_fits([plan.prompt.token_ids], plan.params, engine.limits)
+    except RequestRejected:
+        return False
+    return True
+
+
+async def _latest_turns_that_fit(state: ServerState, engine: Engine, body: ResponsesRequest, items: Items
+                                 ) -> tuple[Items, ChatPlan]:
+    """`truncation: "auto"`: the conversation from the earliest user message on whose plan fits the context, found
+    by bisection (a shorter conversation never has a longer prompt); whole turns go, so no call loses its output
+    nor an output its call. Where even the last turn does not fit, that turn, for the engine to refuse."""
+    starts = [i for i, item in enumerate(items) if i > 0 and isinstance(item, MessageItem) and item.role == "user"]
+    if not starts:
+        return items, await _plan(state, engine, body, items)
+    low, high = 0, len(starts) - 1  # the fitting start, if any, is at `high` or before it
+    plans = {high: await _plan(state, engine, body, items[starts[high]:])}
+    while low < high:
+        middle = (low + high) // 2
+        plans[middle] = await _plan(state, engine, body, items[starts[middle]:])
+        if _fits(engine, plans[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return items[starts[high]:], plans[high]
 
 
 def earlier_items(state: ServerState, response_id: str | None) -> Items:

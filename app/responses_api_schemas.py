@@ -214,6 +214,9 @@ def _asks(value: Any) -> bool:
     return any(v is not None for v in value.values()) if isinstance(value, dict) else bool(value)
 
 
+Truncation = Literal["auto", "disabled"]
+
+
 class ResponsesRequest(_Request):
     model: str | None = None
     input: list[RequestItem] = Field(min_length=1, description="a string (one user message) or a list of items")
@@ -237,6 +240,8 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=MAX_METADATA_KEYS)
     user: str | None = None
+    truncation: Truncation = Field("disabled", description='"auto": a conversation longer than the context drops '
+                                                           "its oldest turns; \"disabled\": it is a 400")
 
     _named_function = field_validator("tool_choice", mode="before")(
         named_function_choice('{"type": "function", "name": ...}', "name"))
@@ -362,6 +367,8 @@ class ResponseObject(BaseModel):
     reasoning: ReasoningConfig | None = None
     store: bool
     metadata: dict[str, str]
+    truncation: Truncation = "disabled"
+    user: str | None = None
     usage: ResponseUsage | None = None
 
 

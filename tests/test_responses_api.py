@@ -549,6 +549,23 @@ def test_a_forced_call_cut_before_its_arguments_leaves_no_markup_in_the_output_o
     assert all(item.type != "function_call" for item in cut.output)
 
 
+def test_truncation_auto_drops_the_oldest_whole_turns_that_do_not_fit_and_disabled_is_a_400(server, client):
+    turns = [[{"role": "user", "content": f"Note {i}: " + "apple pear plum " * 100},
+              {"role": "assistant", "content": f"Noted {i}."}] for i in range(5)]  # about 300 tokens a turn
+    conversation = [item for turn in turns for item in turn] + [{"role": "user", "content": "What was the last note?"}]
+    refused = post(server, "/v1/responses", {"input": conversation, **GREEDY})
+    assert "maximum context length" in error_of(refused, 400)["message"]
+    reply = client.responses.create(input=conversation, truncation="auto", **GREEDY)
+    assert reply.truncation == "auto" and reply.usage.input_tokens + 12 <= 1024
+    kept = client.responses.input_items.list(reply.id, order="asc", limit=100).data
+    assert kept[0].role == "user" and kept[-1].content[0].text == "What was the last note?"
+    # The latest turns that fit: one more would not have.
+    assert 2 <= len(kept) < len(conversation) and (len(conversation) - len(kept)) % 2 == 0
+    more = conversation[-len(kept) - 2:]
+    assert client.responses.create(input=more, truncation="auto", **GREEDY).usage.input_tokens == \
+        reply.usage.input_tokens
+
+
 class BrokenGeneration:
     """A generation whose reading fails after its first text, as a bug would (not an engine error)."""
 
