@@ -3,8 +3,8 @@
 Why an ingress deployment in front of the replicas rather than the replicas as Ray Serve's HTTP ingress: the
 proxy routes an HTTP request before its body is read, so a router there cannot see the prompt; and when a
 replica dies mid-stream, something outside it must end the client's stream cleanly. So the ingress reads the
-body, derives the routing key (`routing_key`: the request's prompt fields, as JSON) and calls the replicas'
-handle, whose router (`app/prefix_router.py`) picks the replica; the replica runs the request through the
+body, derives its `routing` (the routing key: the request's prompt fields, as JSON; and the replica that stores a
+response it names) and calls the replicas' handle, whose router (`app/prefix_router.py`) picks the replica; the replica runs the request through the
 single process's app (`app/replicas.py`) and the ingress relays the status, headers and body bytes unchanged,
 adding `x-sluice-replica` (which replica answered).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -37,7 +38,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error_event, error_response_for
 from sluice.app.errors import APIError
 from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, read_body
+from sluice.app.prefix_router import Routing
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
+from sluice.app.response_ids import replica_of
 from sluice.app.scale_out import REPLICA_HEADER
 from sluice.app.state import ServerSettings
 from sluice.app.streaming import DONE, sse_event
@@ -46,22 +49,37 @@ logger = logging.getLogger("sluice.ingress")
 
 # The body fields that hold a prompt, in the order a prompt's text comes (instructions and system prompts first).
 PROMPT_FIELDS = ("instructions", "system", "messages", "input", "prompt")
+RESPONSES_PATH = "/v1/responses/"  # then a stored response's id
 
 
-def routing_key(body: bytes) -> str:
+def routing(path: str, body: bytes) -> Routing:
+    """The request's routing key, and the replica it must go to where it names a stored response: by its path
+    (`/v1/responses/{id}`, `.../input_items`) or its `previous_response_id`."""
+    payload = _json_object(body)
+    named = path.removeprefix(RESPONSES_PATH).split("/")[0] if path.startswith(RESPONSES_PATH) else None
+    if named is None and path == RESPONSES_PATH[:-1]:
+        named = payload.get("previous_response_id")
+    return Routing(routing_key(payload), replica_of(named) if isinstance(named, str) else None)
+
+
+def routing_key(payload: dict[str, Any]) -> str:
     """The text whose prefixes choose the replica: the JSON of the body's prompt fields, in `PROMPT_FIELDS` order.
 
     Requests that share a system prompt, a conversation's earlier turns or the first token ids of a prompt share
-    a prefix of their keys. A body that is not a JSON object has no key (the replica answers its 400), nor has
-    one nested deeper than the parser recurses (a body of 100 KB can be).
+    a prefix of their keys. A body without them has no key.
     """
+    prompt = [payload[field] for field in PROMPT_FIELDS if field in payload]
+    return json.dumps(prompt, separators=(",", ":")) if prompt else ""
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """The body's JSON object; {} for one that is not an object (the replica answers its 400), or nested deeper than
+    the parser recurses (a body of 100 KB can be)."""
     try:
-        payload = json.loads(body)
+        payload = json.loads(body) if body else {}
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        return ""
-    if not isinstance(payload, dict):
-        return ""
-    return json.dumps([payload[field] for field in PROMPT_FIELDS if field in payload], separators=(",", ":"))
+        return {}
+    return payload if isinstance(payload, dict) else {}
 
 
 class SluiceIngress:
@@ -96,7 +114,7 @@ class SluiceIngress:
             return Response(status_code=CLIENT_CLOSED)
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      tuple(request.scope["headers"]), body)
-        stream: DeploymentResponseGenerator = self._replicas.remote(routing_key(body), forwarded)
+        stream: DeploymentResponseGenerator = self._replicas.remote(routing(path, body), forwarded)
         try:
             start = await anext(stream)
         except Exception as error:  # the replica died or failed before answering

@@ -1,4 +1,5 @@
-"""Ray Serve request routers for Sluice replicas: prefix affinity, and round-robin to compare it with.
+"""Ray Serve request routers for Sluice replicas: prefix affinity, and round-robin and power of two choices to
+compare it with.
 
 `PrefixAffinityRouter` sends a request to the replica that was sent the longest prefix of its prompt, so that
 replica's prefix cache serves it; a request no replica has seen the start of goes to the replica that holds
@@ -16,8 +17,12 @@ keeps): `PrefixIndex` maps chained hashes of fixed-size blocks of the request's 
 of its JSON body, `app/ingress.py`) to the replicas that were sent them, forgetting the least recently used
 blocks beyond its capacity, as the replicas' caches evict theirs.
 
-The routing key is the first positional argument of the replica call (`SluiceReplica.forward`'s caller passes
-it); Ray's `RequestRouter` base probes queue lengths and picks the least loaded replica of the rank returned.
+A request that names state one replica holds (a stored response, `app/response_ids.py`) goes to that replica
+alone while it runs, whatever the router.
+
+The `Routing` (routing key, pinned replica) is the first positional argument of the replica call
+(`SluiceReplica.forward`'s caller passes it); Ray's `RequestRouter` base probes queue lengths and picks the least
+loaded replica of the rank returned.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -88,13 +94,38 @@ class PrefixIndex:
         return len(self._owners)
 
 
-def _routing_key(pending_request: PendingRequest | None) -> str | None:
-    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], str):
-        return None
-    return pending_request.args[0]
+class Routing(NamedTuple):
+    """What a request tells the router: `key`, the text whose prefixes choose its replica (`app/ingress.py`), and
+    `replica`, the one that must take it (it holds what the request names), if any."""
+
+    key: str
+    replica: str | None = None
 
 
-class PrefixAffinityRouter(RequestRouter):
+def _routing(pending_request: PendingRequest | None) -> Routing:
+    # By its shape, not its class: the router may be handed a copy of the class the ingress made it with.
+    arg = pending_request.args[0] if pending_request is not None and pending_request.args else None
+    return Routing(*arg) if isinstance(arg, tuple) and len(arg) == 2 else Routing("")
+
+
+class _SluiceRouter(RequestRouter):
+    """A request naming a replica's state goes to that replica while it runs; any other, where `_ranks` says."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        routing = _routing(pending_request)
+        pinned = [r for r in candidate_replicas if routing.replica and r.replica_id.unique_id == routing.replica]
+        if pinned or not candidate_replicas:
+            return [pinned] if pinned else []
+        return self._ranks(candidate_replicas, routing.key)
+
+    def _ranks(self, candidate_replicas: list[RunningReplica], key: str) -> list[list[RunningReplica]]:
+        """Ranks of replicas for a request with the routing key `key`: Ray takes the least loaded replica with room
+        of the first rank that has one."""
+        raise NotImplementedError
+
+
+class PrefixAffinityRouter(_SluiceRouter):
     """Prefix affinity with a load guard (module docstring). Set with Ray Serve's `request_router_config`."""
 
     def initialize_state(self, imbalanced_threshold: int = 64, block_chars: int = 64,
@@ -102,18 +133,14 @@ class PrefixAffinityRouter(RequestRouter):
         self._imbalanced_threshold = imbalanced_threshold
         self._index = PrefixIndex(block_chars, capacity_blocks)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        preferred = self._preferred(candidate_replicas, _routing_key(pending_request))
-        # Ray takes the least loaded replica with room of the first rank that has one: the others come second, so
-        # that a full replica (at --max-ongoing-requests, which may be below --imbalanced-threshold) never holds a
-        # request while another has room.
+    def _ranks(self, candidate_replicas: list[RunningReplica], key: str) -> list[list[RunningReplica]]:
+        preferred = self._preferred(candidate_replicas, key)
+        # The others come second, so that a full replica (at --max-ongoing-requests, which may be below
+        # --imbalanced-threshold) never holds a request while another has room.
         rest = [r for r in candidate_replicas if r not in preferred]
         return [preferred, rest] if rest else [preferred]
 
-    def _preferred(self, candidate_replicas: list[RunningReplica], key: str | None) -> list[RunningReplica]:
+    def _preferred(self, candidate_replicas: list[RunningReplica], key: str) -> list[RunningReplica]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         hashes = self._index.hashes(key) if key else []
         holders, _ = self._index.match(hashes, by_id)
@@ -133,8 +160,7 @@ class PrefixAffinityRouter(RequestRouter):
         return [chosen]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
-        key = _routing_key(pending_request)
-        if key:
+        if key := _routing(pending_request).key:
             self._index.record(self._index.hashes(key), replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
@@ -152,16 +178,21 @@ class PrefixAffinityRouter(RequestRouter):
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
 
 
-class RoundRobinRouter(RequestRouter):
+class RoundRobinRouter(_SluiceRouter):
     """Each request to the next replica in a fixed order, whatever its prompt or load: the baseline."""
 
     def initialize_state(self) -> None:
         self._turn = 0
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
+    def _ranks(self, candidate_replicas: list[RunningReplica], key: str) -> list[list[RunningReplica]]:
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         self._turn += 1
         return [[ordered[self._turn % len(ordered)]]]
+
+
+class PowerOfTwoRouter(_SluiceRouter):
+    """The less loaded of two random replicas (Ray Serve's default policy, which cannot follow a request to the
+    replica that stores what it names)."""
+
+    def _ranks(self, candidate_replicas: list[RunningReplica], key: str) -> list[list[RunningReplica]]:
+        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]

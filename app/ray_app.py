@@ -22,22 +22,19 @@ from ray.serve.config import RequestRouterConfig
 
 from sluice.app.addresses import http_url
 from sluice.app.ingress import SluiceIngress
-from sluice.app.prefix_router import PrefixAffinityRouter, RoundRobinRouter
+from sluice.app.prefix_router import PowerOfTwoRouter, PrefixAffinityRouter, RoundRobinRouter
 from sluice.app.ray_cluster import connect, stop_on_signal
 from sluice.app.replicas import ReplicaConfig, SluiceReplica
 from sluice.app.scale_out import ScaleOutConfig
 
 APP_NAME = "sluice"
-# --routing pow2 is Ray Serve's own router (power of two choices).
-ROUTERS = {"prefix": PrefixAffinityRouter, "round-robin": RoundRobinRouter}
+ROUTERS = {"prefix": PrefixAffinityRouter, "round-robin": RoundRobinRouter, "pow2": PowerOfTwoRouter}
 # Requests the ingress may have open at once: beyond it Ray's proxy queues them. The replicas' own limit
 # (`max_ongoing_requests`) is what bounds the work.
 INGRESS_MAX_ONGOING = 8192
 
 
-def _router(scale: ScaleOutConfig) -> RequestRouterConfig | None:
-    if scale.routing == "pow2":
-        return None
+def _router(scale: ScaleOutConfig) -> RequestRouterConfig:
     kwargs = {"imbalanced_threshold": scale.imbalanced_threshold} if scale.routing == "prefix" else {}
     return RequestRouterConfig(request_router_class=ROUTERS[scale.routing], request_router_kwargs=kwargs)
 
@@ -54,8 +51,7 @@ def build_application(replica: ReplicaConfig, scale: ScaleOutConfig, gpus: bool)
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = scale.replicas
-    if (router := _router(scale)) is not None:
-        options["request_router_config"] = router
+    options["request_router_config"] = _router(scale)
     replicas = serve.deployment(SluiceReplica, name="SluiceReplica", **options).bind(replica)
     ingress = serve.deployment(SluiceIngress, name="SluiceIngress", num_replicas=1,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING)

@@ -25,6 +25,7 @@ from typing import Any
 from ray import serve
 
 from sluice.app.engine_loading import load_engine
+from sluice.app.prefix_router import Routing
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
 from sluice.batching.config import EngineConfig
@@ -81,7 +82,7 @@ class SluiceReplica:
 
     async def __init__(self, config: ReplicaConfig) -> None:
         self._name = serve.get_replica_context().replica_id.unique_id
-        self._state = ServerState(config.settings)
+        self._state = ServerState(config.settings, replica=self._name)
         self._app = create_app(self._state, cors=False)  # the ingress applies the CORS policy
         # The app's lifespan (the dashboard's feed; on exit, the engine's shutdown), as uvicorn would run it.
         self._lifespan = self._app.router.lifespan_context(self._app)
@@ -92,8 +93,8 @@ class SluiceReplica:
         await self._lifespan.__aenter__()
         logger.info("Sluice replica %s is ready", self._name)
 
-    async def forward(self, routing_key: str, request: ForwardedRequest) -> AsyncIterator[ReplicaItem]:
-        """`request` through the app; `routing_key` is for the router, which reads a call's first argument."""
+    async def forward(self, routing: Routing, request: ForwardedRequest) -> AsyncIterator[ReplicaItem]:
+        """`request` through the app; `routing` is for the router, which reads a call's first argument."""
         sent: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         disconnected = asyncio.Event()
         body_read = False

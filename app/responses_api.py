@@ -10,7 +10,6 @@ continues one, and the stored items its input references (`responses_api_store.p
 from __future__ import annotations
 
 import time
-import uuid
 from functools import partial
 
 from starlette.requests import Request
@@ -18,6 +17,7 @@ from starlette.responses import Response
 
 from sluice.app.errors import APIError, invalid_request
 from sluice.app.generation import respond, start_generation
+from sluice.app.response_ids import new_response_id
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses import TokenNames, token_logprobs
 from sluice.app.responses_api_convert import (
@@ -59,7 +59,7 @@ async def create_response(request: Request) -> Response:
     plan = await _plan(state, engine, body, items)
     if body.truncation == "auto" and not _fits(engine, plan):
         items, plan = await _latest_turns_that_fit(state, engine, body, items)
-    response_id = f"resp_{uuid.uuid4().hex}"
+    response_id = new_response_id(state.replica)
     generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival)
     response = ResponseObject(
         id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,

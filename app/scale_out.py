@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-# prefix: app/prefix_router.py's affinity router; round-robin: its baseline; pow2: Ray Serve's default router.
+# prefix: app/prefix_router.py's affinity router; round-robin and pow2 (Ray Serve's default policy): baselines.
 ROUTINGS = ("prefix", "round-robin", "pow2")
 # The response header in which the ingress names the replica that answered.
 REPLICA_HEADER = "x-sluice-replica"

@@ -62,8 +62,9 @@ class ServerSettings:
 
 
 class ServerState:
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, replica: str = "") -> None:
         self.settings = settings
+        self.replica = replica  # this replica's name under `--replicas` (its responses' ids carry it); "": none
         self.engine: Engine | None = None
         self.peaks: Peaks | None = None
         self.draining = False

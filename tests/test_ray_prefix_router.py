@@ -13,7 +13,8 @@ pytest.importorskip("ray.serve")
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
-from sluice.app.prefix_router import PrefixAffinityRouter, PrefixIndex  # noqa: E402
+from sluice.app.prefix_router import (  # noqa: E402
+    PowerOfTwoRouter, PrefixAffinityRouter, PrefixIndex, RoundRobinRouter, Routing)
 
 SYSTEM = "You are a helpful assistant. " * 20  # 580 characters: 9 blocks of 64
 
@@ -87,14 +88,15 @@ def replica(name: str, max_ongoing_requests: int = 4) -> SimpleNamespace:
                            max_ongoing_requests=max_ongoing_requests)
 
 
-def route(router: PrefixAffinityRouter, replicas: list[SimpleNamespace], key: str | None, loads: dict[str, int]
-          ) -> str | None:
+def route(router: PrefixAffinityRouter | RoundRobinRouter, replicas: list[SimpleNamespace], key: str | None,
+          loads: dict[str, int], pinned: str | None = None) -> str | None:
     """The replica Ray Serve sends the request to, by the router's ranks and these ongoing requests (None: it waits)."""
     for name, load in loads.items():
         router.replica_queue_len_cache.update(ReplicaID(name, DeploymentID("replicas")), load)
 
     async def routed() -> str | None:  # a PendingRequest belongs to a running event loop
-        pending = None if key is None else PendingRequest([key], {}, RequestMetadata("request", "request"))
+        routing = None if key is None else Routing(key, pinned)
+        pending = None if routing is None else PendingRequest([routing], {}, RequestMetadata("request", "request"))
         for rank in await router.choose_replicas(replicas, pending):
             room = [r for r in rank if loads.get(r.replica_id.unique_id, 0) < r.max_ongoing_requests]
             if room:
@@ -142,3 +144,17 @@ def test_a_request_without_a_routing_key_or_with_an_empty_one_is_routed_and_inde
     assert route(router, replicas, None, {}) in {"a", "b"}
     assert route(router, replicas, "", {}) in {"a", "b"}
     assert len(router._index) == 0
+
+
+@pytest.mark.parametrize("kind", [PrefixAffinityRouter, RoundRobinRouter, PowerOfTwoRouter])
+def test_a_request_naming_a_replicas_stored_response_goes_there_whatever_its_prompt_or_load(kind):
+    router = kind(DeploymentID("replicas"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    replicas = [replica("a"), replica("b")]
+    first = route(router, replicas, SYSTEM + "first question", {})
+    other = ({"a", "b"} - {first}).pop()
+    assert all(route(router, replicas, SYSTEM + "more", {first: 0, other: 3}, pinned=other) == other
+               for _ in range(4))
+    assert route(router, replicas, "", {other: 4}, pinned=other) is None  # full: it waits for that replica
+    # A replica that is gone stores nothing: any replica answers that the response is unknown.
+    assert route(router, [replica(first)], "", {}, pinned=other) == first

@@ -83,6 +83,19 @@ def test_errors_come_back_as_the_single_process_sends_them(cluster):
     assert unknown.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_stored_response_is_found_and_continued_whichever_replica_the_router_would_pick(cluster):
+    """Each replica stores its own responses: a request naming one goes to the replica that stores it."""
+    client = OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+    first = client.responses.with_raw_response.create(model="SmolLM2-135M-Instruct.Q4_1", input="My name is Ann.",
+                                                      temperature=0, max_output_tokens=2)
+    stored_by, response_id = first.headers[REPLICA_HEADER], first.parse().id
+    answers = [httpx.get(f"{cluster.url}/v1/responses/{response_id}", timeout=60) for _ in range(6)]
+    answers.append(httpx.get(f"{cluster.url}/v1/responses/{response_id}/input_items", timeout=60))
+    answers += [httpx.post(f"{cluster.url}/v1/responses", timeout=60, json={
+        "input": f"Say {i}.", "previous_response_id": response_id, "max_output_tokens": 1}) for i in range(3)]
+    assert [(a.status_code, a.headers[REPLICA_HEADER]) for a in answers] == [(200, stored_by)] * len(answers)
+
+
 def test_a_body_over_the_limit_is_refused_by_the_ingress_before_any_replica_sees_it(cluster):
     huge = httpx.post(f"{cluster.url}/v1/completions", content=b"x" * (5 << 20), timeout=60,
                       headers={"content-type": "application/json"})

@@ -24,7 +24,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from starlette.types import ASGIApp
 
-from sluice.app.ingress import SluiceIngress, _ReplicaReports, routing_key
+from sluice.app.ingress import SluiceIngress, _ReplicaReports, routing
+from sluice.app.prefix_router import Routing
 from sluice.app.metrics import ServerMetrics
 from sluice.app import middleware
 from sluice.app.middleware import BodyReadMiddleware, InternalErrorMiddleware, RequestCountMiddleware
@@ -125,8 +126,18 @@ def test_the_replicas_ingress_answers_a_body_that_stops_arriving_with_a_408_no_r
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
              "headers": [(b"content-length", b"1000")]}
-    response = asyncio.run(SluiceIngress(NoReplicas(), 1 << 20)(Request(scope, receive)))
-    assert response.status_code == 408 and json.loads(response.body)["error"]["code"] == "body_stalled"
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def answer():
+        response = await SluiceIngress(NoReplicas(), ServerSettings(max_body_bytes=1 << 20))(Request(scope, receive))
+        await response(scope, receive, send)
+
+    asyncio.run(answer())
+    body = b"".join(message.get("body", b"") for message in sent if message["type"] == "http.response.body")
+    assert sent[0]["status"] == 408 and json.loads(body)["error"]["code"] == "body_stalled"
 
 
 def test_a_slow_body_that_keeps_arriving_is_read_whole(monkeypatch):
@@ -228,7 +239,20 @@ def test_a_route_that_raises_is_answered_with_its_apis_500_and_counted():
 
 
 def test_a_body_nested_too_deep_for_the_json_parser_has_no_routing_key():
-    assert routing_key(b"[" * 100_000) == ""
+    assert routing("/v1/completions", b"[" * 100_000) == Routing("")
+
+
+@pytest.mark.parametrize(("path", "body", "replica"), [
+    ("/v1/responses/resp_r7x2_0a1b", b"", "r7x2"),
+    ("/v1/responses/resp_r7x2_0a1b/input_items", b"", "r7x2"),
+    ("/v1/responses", b'{"input": "Hi", "previous_response_id": "resp_r7x2_0a1b"}', "r7x2"),
+    ("/v1/responses", b'{"input": "Hi"}', None),
+    ("/v1/responses/resp_0a1b", b"", None),  # a single process's id names no replica
+    ("/v1/responses", b'{"input": "Hi", "previous_response_id": 7}', None),  # the replica answers its 400
+    ("/v1/chat/completions", b'{"previous_response_id": "resp_r7x2_0a1b"}', None),
+])
+def test_a_request_naming_a_stored_response_is_routed_to_the_replica_that_stores_it(path, body, replica):
+    assert routing(path, body).replica == replica
 
 
 def exported(reports: _ReplicaReports) -> dict[str, CacheCounters]:
