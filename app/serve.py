@@ -629,6 +629,9 @@ class DrainingServer(uvicorn.Server):
         logger.info("Draining: new requests get 503; waiting up to %.0f s for requests in flight", self._drain_timeout_s)
         if not await self._state.wait_idle(self._drain_timeout_s):
             logger.warning("Drain timeout: aborting the requests still in flight")
+            # Each then answers its abort (a 503, a stream's error event) in uvicorn's graceful shutdown, which
+            # otherwise cancels it there: a 500, or a stream cut short without a word.
+            self._state.engine.abort_all()
         self.should_exit = True
 
 

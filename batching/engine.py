@@ -130,6 +130,10 @@ class _Abort:
     request_id: str
 
 
+class _AbortAll:
+    """Aborts every request the engine holds."""
+
+
 class _Stop:
     """Ends the step loop; what is left is aborted."""
 
@@ -213,7 +217,7 @@ class Engine:
         gc.collect()
         gc.freeze()
         gc.set_threshold(max(gc.get_threshold()[0], GC_YOUNG_THRESHOLD), *gc.get_threshold()[1:])
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -280,6 +284,10 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Ends the request with "abort" at the next step and frees its pages; unknown ids are ignored."""
         self._inbox.put(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        """`abort` for every request submitted so far (a drain that ran out of time)."""
+        self._inbox.put(_AbortAll())
 
     # --- driving the loop -----------------------------------------------------------------------------
 
@@ -375,8 +383,7 @@ class Engine:
                 self._start_over(error)
             self._step_began = None
         self._in_flight = None
-        for request in list(self._requests.values()):
-            self._finish(request, "abort", None)
+        self._abort_all()
         self._flush()
 
     def _watch(self, engine_thread: threading.Thread, timeout_s: float) -> None:
@@ -618,7 +625,7 @@ class Engine:
             self.block_manager.saves.clear()
             self._saving = list(keys), self.runner.copy_out(list(pages))
 
-    def _apply(self, command: _Add | _Abort | _Stop) -> None:
+    def _apply(self, command: _Add | _Abort | _AbortAll | _Stop) -> None:
         if isinstance(command, _Add):
             request = command.request
             if request.request_id in self._requests:
@@ -636,8 +643,14 @@ class Engine:
             request = self._requests.get(command.request_id)
             if request is not None:
                 self._finish(request, "abort", None)
+        elif isinstance(command, _AbortAll):
+            self._abort_all()
         else:
             self._stopping = True
+
+    def _abort_all(self) -> None:
+        for request in list(self._requests.values()):
+            self._finish(request, "abort", None)
 
     def _note_queue_waits(self, scheduled: SchedulerOutput) -> None:
         now = time.perf_counter()

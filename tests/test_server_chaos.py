@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 MAX_NUM_SEQS, MAX_WAITING, STALL_TIMEOUT_S = 4, 4, 2
 FLAGS = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING), "--max-num-batched-tokens", "128",
          "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--sse-keepalive", "0.3",
-         "--stream-stall-timeout", str(STALL_TIMEOUT_S), "--no-ui"]
+         "--stream-stall-timeout", str(STALL_TIMEOUT_S), "--drain-timeout", "1", "--no-ui"]
 GAUGES = ("sluice_num_requests_running", "sluice_num_requests_waiting", "sluice_num_seqs_running",
           "sluice_num_seqs_waiting", "sluice_kv_pages_used")
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -231,20 +231,28 @@ def test_bodies_that_never_finish_arriving_hold_nothing_and_a_slow_one_is_served
     assert_whole(server, before)
 
 
-def test_sigterm_with_streams_open_finishes_them_and_exits_0(served):
-    """Last: it ends the module's server. Streams running and queued finish with [DONE]; a client that left
-    meanwhile and a reader that stopped reading do not hold the drain up."""
+def test_sigterm_with_requests_open_answers_each_and_exits_0(served):
+    """Last: it ends the module's server. The requests still running or queued when the drain runs out (1 s, too
+    short for their 400 tokens) are aborted: each stream ends with the abort's error event and [DONE], a request
+    not streamed gets its 503; a client that left meanwhile and a reader that stopped reading do not hold the
+    shutdown up."""
     server, _ = served
     ended: dict[int, list[str]] = {}
+    whole: list[httpx.Response] = []
 
     def stream(index: int) -> None:
-        body = {"prompt": f"{index}, {index + 1},", "max_tokens": 30, "ignore_eos": True, "stream": True}
+        body = {"prompt": f"{index}, {index + 1},", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as reply:
             assert reply.status_code == 200
             ended[index] = [line for line in reply.iter_lines() if line.startswith("data: ")][-2:]
 
-    streams = [threading.Thread(target=stream, args=(i,)) for i in range(MAX_NUM_SEQS + MAX_WAITING - 2)]
-    for thread in streams:
+    def not_streamed() -> None:
+        whole.append(httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "prompt": "x", "max_tokens": 400, "ignore_eos": True}))
+
+    clients = [threading.Thread(target=stream, args=(i,)) for i in range(MAX_NUM_SEQS + MAX_WAITING - 3)]
+    clients.append(threading.Thread(target=not_streamed))
+    for thread in clients:
         thread.start()
     gone = send_request(server, "/v1/completions", {"prompt": "x", "max_tokens": 200, "stream": True})
     stalled = send_request(server, "/v1/chat/completions", {
@@ -255,11 +263,13 @@ def test_sigterm_with_streams_open_finishes_them_and_exits_0(served):
     server.process.send_signal(signal.SIGTERM)
     leave(gone, reset=True)
     try:
-        for thread in streams:
+        for thread in clients:
             thread.join()
         assert server.process.wait(60) == 0
     finally:
         stalled.close()
-    # The drain ends as the last stream does (or the reader's stall), well before --drain-timeout's 30 s.
     assert time.monotonic() - started < 20
-    assert all(events[-1] == "data: [DONE]" for events in ended.values()) and len(ended) == len(streams)
+    assert len(ended) == len(clients) - 1
+    for events in ended.values():
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][len("data: "):])["error"]["code"] == "aborted"
+    assert [(reply.status_code, reply.json()["error"]["code"]) for reply in whole] == [(503, "aborted")]
