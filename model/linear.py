@@ -85,14 +85,16 @@ def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: 
 
     def xla_dot(x, w, layer, norm, num_real) -> jax.Array:
         h = x if norm is None else cpu_qmatmul.rms_norm(x, norm.weight[layer], norm.eps).astype(x.dtype)
+        # Contracted over K with the weight's output axes kept ([K, 2, I] for gate/up): merged by a reshape, a
+        # sharded axis among them could not stay split, and tensor parallelism would gather the weight.
         if w.format == "q8c":
-            y = jnp.dot(h, w.values[layer].astype(x.dtype).reshape(x.shape[1], -1), preferred_element_type=jnp.float32)
-            return y * w.scale[layer].reshape(-1)
+            y = jnp.tensordot(h, w.values[layer].astype(x.dtype), 1, preferred_element_type=jnp.float32)
+            return y * w.scale[layer]
         weight = w.values[layer] if w.format == "float" else dequantize(jax.tree.map(lambda a: a[layer], w), x.dtype)
-        return jnp.dot(h, weight.reshape(x.shape[1], -1), preferred_element_type=jnp.float32)
+        return jnp.tensordot(h, weight, 1, preferred_element_type=jnp.float32)
 
     def kernel(x, w, layer, norm, num_real) -> jax.Array:
-        return _kernel(x.astype(jnp.float32), w, layer, norm, num_real)
+        return _kernel(x.astype(jnp.float32), w, layer, norm, num_real).reshape(x.shape[0], *out_shape)
 
     if w.format in ("q8", "q4") and cpu_qmatmul.available():
         # Chosen where the program is lowered, not by this process's default device: a program compiled here for
@@ -100,7 +102,7 @@ def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: 
         y = jax.lax.platform_dependent(x, w, layer, norm, num_real, cpu=kernel, default=xla_dot)
     else:
         y = xla_dot(x, w, layer, norm, num_real)
-    return y.astype(out_dtype or x.dtype).reshape(x.shape[0], *out_shape)
+    return y.astype(out_dtype or x.dtype)
 
 
 def _kernel(x: jax.Array, w: Weight, layer: jax.Array, norm: RmsNorm | None, rows: jax.Array | None) -> jax.Array:

@@ -102,10 +102,7 @@ def test_smollm2_over_int8_weights_an_int8_kv_pool_and_drafts_gives_the_same_tok
 
 
 @pytest.mark.parametrize("quantization", [
-    # Not fixed here: model/ is not this module's (reported). XLA cannot split the weight's axes that project's
-    # reshape merges ([hidden, 2, intermediate] split on the last), so it gathers w_gate_up for every layer;
-    # jnp.tensordot over the unreshaped weight keeps it split.
-    pytest.param("none", marks=pytest.mark.xfail(strict=True, reason="model/linear.py reshapes w_gate_up")),
+    "none",
     # XLA cannot split the CPU kernels' custom calls, so it gathers every quantized weight whole to every device,
     # each of which runs the whole model: the kernels need a shard_map over the mesh.
     pytest.param("int4", marks=pytest.mark.xfail(strict=True, reason="model/linear.py: unsplit custom calls")),
