@@ -20,9 +20,11 @@ steps, and a single step samples with every pass (the same tokens).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, replace
 from functools import partial
@@ -65,11 +67,42 @@ WARMUP_THREADS = 8
 
 
 def enable_compilation_cache(path: Path | None = None) -> None:
-    """Persists compiled steps across starts (small entries too, or most would be skipped)."""
+    """Persists compiled steps across starts (small entries too, or most would be skipped), each entry written
+    whole or not at all (`_write_cache_entries_whole`)."""
     path = path or Path(os.environ.get("SLUICE_JAX_CACHE", Path.home() / ".cache" / "sluice" / "jax"))
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _write_cache_entries_whole()
+
+
+def _write_cache_entries_whole() -> None:
+    """jax (0.10 to 0.12) writes a persistent-cache entry in place, so another process sharing the directory (an
+    xdist worker, a replica) may read it half-written, and a writer killed or out of disk space leaves it cut short
+    for good: jax never writes over an entry that exists, so every later process warns and compiles that program
+    again. jax's write now goes to a name of its own, renamed over the entry once whole, which also replaces a
+    broken entry that jax failed to read and compiled again. jax has no setting for it, hence its private class."""
+    from jax._src.lru_cache import LRUCache
+
+    put = LRUCache.put
+    if getattr(put, "writes_whole", False):
+        return
+
+    def put_whole(cache: LRUCache, key: str, value: bytes) -> None:
+        directory, partial = Path(cache.path), f"{key}.{uuid.uuid4().hex}.partial"
+        # Under jax's lock (held only where it evicts), so that no eviction pass sees the partial name's file go.
+        with cache.lock if cache.eviction_enabled else contextlib.nullcontext():
+            try:
+                put(cache, partial, value)
+                for suffix in ("-cache", "-atime"):  # an -atime file only where jax evicts
+                    with contextlib.suppress(FileNotFoundError):
+                        (directory / f"{partial}{suffix}").replace(directory / f"{key}{suffix}")
+            finally:  # a write that failed leaves its part
+                for suffix in ("-cache", "-atime"):
+                    (directory / f"{partial}{suffix}").unlink(missing_ok=True)
+
+    put_whole.writes_whole = True
+    LRUCache.put = put_whole
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
