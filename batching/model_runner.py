@@ -81,9 +81,12 @@ def _write_cache_entries_whole() -> None:
     xdist worker, a replica) may read it half-written, and a writer killed or out of disk space leaves it cut short
     for good: jax never writes over an entry that exists, so every later process warns and compiles that program
     again. jax's write now goes to a name of its own, renamed over the entry once whole, which also replaces a
-    broken entry that jax failed to read and compiled again. jax has no setting for it, hence its private class."""
-    from jax._src.lru_cache import LRUCache
-
+    broken entry that jax failed to read and compiled again. jax has no setting for it, hence its private class;
+    a jax without it writes in place, as it does."""
+    try:
+        from jax._src.lru_cache import LRUCache
+    except ImportError:
+        return
     put = LRUCache.put
     if getattr(put, "writes_whole", False):
         return
