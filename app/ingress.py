@@ -41,6 +41,7 @@ from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, read_b
 from sluice.app.prefix_router import Routing
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
 from sluice.app.response_ids import replica_of
+from sluice.app.responses_api_schemas import item_type
 from sluice.app.scale_out import REPLICA_HEADER
 from sluice.app.state import ServerSettings
 from sluice.app.streaming import DONE, sse_event
@@ -53,13 +54,22 @@ RESPONSES_PATH = "/v1/responses/"  # then a stored response's id
 
 
 def routing(path: str, body: bytes) -> Routing:
-    """The request's routing key, and the replica it must go to where it names a stored response: by its path
-    (`/v1/responses/{id}`, `.../input_items`) or its `previous_response_id`."""
+    """The request's routing key, and the replica it must go to where it names a stored response or item: by its
+    path (`/v1/responses/{id}`, `.../input_items`), its `previous_response_id`, or else its input's first item
+    reference."""
     payload = _json_object(body)
     named = path.removeprefix(RESPONSES_PATH).split("/")[0] if path.startswith(RESPONSES_PATH) else None
     if named is None and path == RESPONSES_PATH[:-1]:
-        named = payload.get("previous_response_id")
+        named = payload.get("previous_response_id") or _first_reference(payload.get("input"))
     return Routing(routing_key(payload), replica_of(named) if isinstance(named, str) else None)
+
+
+def _first_reference(items: Any) -> Any:
+    """The id of the first item reference among a Responses request's input `items`, if any."""
+    if not isinstance(items, list):  # a string (one user message), or a shape the replica refuses
+        return None
+    return next((item.get("id") for item in items if isinstance(item, dict) and item_type(item) == "item_reference"),
+                None)
 
 
 def routing_key(payload: dict[str, Any]) -> str:

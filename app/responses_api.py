@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from sluice.app.errors import APIError, invalid_request
 from sluice.app.generation import respond, start_generation
-from sluice.app.response_ids import new_response_id
+from sluice.app.response_ids import new_id
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses import TokenNames, token_logprobs
 from sluice.app.responses_api_convert import (
@@ -59,7 +59,7 @@ async def create_response(request: Request) -> Response:
     plan = await _plan(state, engine, body, items)
     if body.truncation == "auto" and not _fits(engine, plan):
         items, plan = await _latest_turns_that_fit(state, engine, body, items)
-    response_id = new_response_id(state.replica)
+    response_id = new_id("resp", state.replica)
     generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival)
     response = ResponseObject(
         id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,
@@ -73,7 +73,7 @@ async def create_response(request: Request) -> Response:
 
     def on_done(done: ResponseObject) -> None:
         if body.store:
-            conversation = stored_items(items + output_items(done.output))
+            conversation = stored_items(items + output_items(done.output), state.replica)
             state.responses.put(done.id, StoredResponse(done.model_dump_json(), ITEMS.dump_json(conversation).decode(),
                                                         len(items), frozenset(item.id for item in conversation)))
 

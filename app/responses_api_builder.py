@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from sluice.batching.outputs import TokenLogprob, Usage
 
 from sluice.app.errors import as_api_error
 from sluice.app.generation import Generation
+from sluice.app.response_ids import new_id, replica_of
 from sluice.app.responses_api_schemas import (
     IncompleteDetails,
     InputTokensDetails,
@@ -115,7 +115,7 @@ class ResponsesBuilder:
         yield frame({"type": f"response.{self._response.status}", "response": self._response})
 
     async def _events(self, generation: Generation) -> AsyncGenerator[Event, None]:
-        output = _Output(self._response.output)
+        output = _Output(self._response.output, replica_of(self._response.id))
         finish_reason = None
         async for event in self._reply(generation):
             if isinstance(event, str):
@@ -176,8 +176,9 @@ class _Output:
     """The output items as they arrive (appended to `items`), and the events that add, fill and close them (items
     in events are dumped when the event is made: the item changes as it fills)."""
 
-    def __init__(self, items: list[Item]) -> None:
+    def __init__(self, items: list[Item], replica: str | None) -> None:
         self._items = items
+        self._replica = replica  # the one the response's id names, which its items' ids name too
         self._open: Item | None = None
         self._logprobs: list[TokenLogprobInfo] = []  # of tokens whose text has not come yet
 
@@ -200,7 +201,7 @@ class _Output:
                               "delta": event.text, "logprobs": logprobs}]
         self._logprobs = []
         if isinstance(event, CallStart):
-            call = OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", status="in_progress", call_id=new_call_id(),
+            call = OutputFunctionCall(id=new_id("fc", self._replica), status="in_progress", call_id=new_call_id(),
                                       name=event.name, arguments="")
             return self._close("completed") + self._add(call)
         assert isinstance(event, ArgumentsDelta) and isinstance(self._open, OutputFunctionCall)
@@ -215,11 +216,11 @@ class _Output:
         return events + self._close("incomplete" if cut else "completed")
 
     def _open_message(self) -> list[Event]:
-        return self._open_with_part(OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[]),
+        return self._open_with_part(OutputMessage(id=new_id("msg", self._replica), status="in_progress", content=[]),
                                     OutputText(text=""))
 
     def _open_reasoning(self) -> list[Event]:
-        return self._open_with_part(OutputReasoning(id=f"rs_{uuid.uuid4().hex}", status="in_progress", content=[]),
+        return self._open_with_part(OutputReasoning(id=new_id("rs", self._replica), status="in_progress", content=[]),
                                     ReasoningTextPart(text=""))
 
     def _open_with_part(self, item: OutputMessage | OutputReasoning, part: OutputText | ReasoningTextPart

@@ -7,12 +7,12 @@ against a format); its complaints come back under the Responses API's field name
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from sluice.app.errors import APIError, invalid_request
+from sluice.app.response_ids import new_id
 from sluice.app.responses_api_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -147,12 +147,12 @@ def output_items(output: list[OutputItem]) -> Items:
 _ID_PREFIX = {MessageItem: "msg", FunctionCallItem: "fc", FunctionCallOutputItem: "fco", ReasoningItem: "rs"}
 
 
-def stored_items(items: Items) -> Items:
+def stored_items(items: Items, replica: str) -> Items:
     """The items as a stored conversation lists them (OpenAI's input item shape): each with an `id` (its own, or
-    a new one) and a `status`, a message's text as a list of its role's parts."""
+    a new one naming the `replica` that stores it) and a `status`, a message's text as a list of its role's parts."""
     stored = []
     for item in items:
-        update: dict[str, Any] = {"id": item.id or f"{_ID_PREFIX[type(item)]}_{uuid.uuid4().hex}",
+        update: dict[str, Any] = {"id": item.id or new_id(_ID_PREFIX[type(item)], replica),
                                   "status": item.status or "completed"}
         if isinstance(item, MessageItem):
             update["content"] = _stored_parts(item)

@@ -149,7 +149,7 @@ class ItemReference(_Request):
     id: str
 
 
-def _item_type(item: Any) -> str:
+def item_type(item: Any) -> str:
     """An item's type. A message may leave it out (OpenAI's "easy input message"), and so may an item reference:
     then it is an `id` without a `role`."""
     if not isinstance(item, dict):
@@ -162,9 +162,9 @@ _ITEMS = (Annotated[MessageItem, Tag("message")]
           | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
           | Annotated[ReasoningItem, Tag("reasoning")])
 # An item of a conversation, as stored.
-InputItem = Annotated[_ITEMS, Discriminator(_item_type)]
+InputItem = Annotated[_ITEMS, Discriminator(item_type)]
 # An item of a request's input: a conversation's, or a reference to a stored one.
-RequestItem = Annotated[_ITEMS | Annotated[ItemReference, Tag("item_reference")], Discriminator(_item_type)]
+RequestItem = Annotated[_ITEMS | Annotated[ItemReference, Tag("item_reference")], Discriminator(item_type)]
 
 
 # --- the request ------------------------------------------------------------------------------------------

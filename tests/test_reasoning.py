@@ -376,7 +376,7 @@ def test_a_responses_reply_has_a_reasoning_item_first_that_the_clients_stream_as
     assert types == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
                      "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
                      "response.output_item.done"]
-    [assistant] = chat_messages(stored_items(output_items(done[0].output)))
+    [assistant] = chat_messages(stored_items(output_items(done[0].output), ""))
     assert assistant["reasoning_content"] == thought
     assert whole.usage.output_tokens_details.reasoning_tokens == len(thought)  # `count_tokens` counts characters
 

@@ -17,8 +17,9 @@ from test_api_e2e import API_KEY, AUTH, error_of, post, start_server
 
 from sluice.app.errors import from_validation_error, generation_failed
 from sluice.app.responses_api_builder import ResponsesBuilder
-from sluice.app.responses_api_convert import chat_request
-from sluice.app.responses_api_schemas import ItemReference, ResponseObject, ResponsesRequest, TextConfig
+from sluice.app.response_ids import new_id, replica_of
+from sluice.app.responses_api_convert import chat_request, output_items, stored_items
+from sluice.app.responses_api_schemas import ItemReference, MessageItem, ResponseObject, ResponsesRequest, TextConfig
 from sluice.app.schemas import TokenLogprobInfo
 from sluice.batching.outputs import Increment, TokenLogprob, Usage
 from sluice.app.responses_api_store import ResponseStore, StoredResponse
@@ -206,6 +207,18 @@ def test_the_stop_tokens_logprob_is_left_out_whichever_increment_it_comes_in(inc
               for f in frames if f.startswith(b"event: response.output_text.delta")]
     assert part.text == "The end" and [(e.token, e.logprob) for e in part.logprobs] == [("The", -1.0), (" end", -2.0)]
     assert [(e["token"], e["logprob"]) for d in deltas for e in d["logprobs"]] == [("The", -1.0), (" end", -2.0)]
+
+
+def test_a_replicas_response_and_every_item_it_stores_name_that_replica():
+    """Behind --replicas an item_reference then goes to the replica that stores its item (app/ingress.py), as
+    previous_response_id goes to its response's."""
+    response = blank_response().model_copy(update={"id": new_id("resp", "r7x2")})
+    done = asyncio.run(ResponsesBuilder(response, None, lambda _: None).collect(
+        ScriptedGeneration(("The", (1,), None), (" end", (2,), "stop"))))
+    stored = stored_items([MessageItem(role="user", content="Hi")] + output_items(done.output), "r7x2")
+    assert [replica_of(item.id) for item in [done, *stored]] == ["r7x2"] * 3
+    assert replica_of(stored_items(stored[:1], "")[0].id) == "r7x2"  # an item keeps its id
+    assert replica_of(stored_items([MessageItem(role="user", content="Hi")], "")[0].id) is None
 
 
 # --- the openai client against a real server ----------------------------------------------------------------

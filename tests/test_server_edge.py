@@ -250,6 +250,11 @@ def test_a_body_nested_too_deep_for_the_json_parser_has_no_routing_key():
     ("/v1/responses/resp_0a1b", b"", None),  # a single process's id names no replica
     ("/v1/responses", b'{"input": "Hi", "previous_response_id": 7}', None),  # the replica answers its 400
     ("/v1/chat/completions", b'{"previous_response_id": "resp_r7x2_0a1b"}', None),
+    # A stored item's id names the replica too, by reference or bare (`{"id": ...}`).
+    ("/v1/responses", b'{"input": [{"type": "item_reference", "id": "msg_r7x2_0a1b"}, {"role": "user", "content": '
+                      b'"And?"}]}', "r7x2"),
+    ("/v1/responses", b'{"input": [{"role": "user", "content": "Hi"}, {"id": "fc_r7x2_0a1b"}]}', "r7x2"),
+    ("/v1/responses", b'{"input": [{"id": "msg_r1_0a1b"}], "previous_response_id": "resp_r7x2_0a1b"}', "r7x2"),
 ])
 def test_a_request_naming_a_stored_response_is_routed_to_the_replica_that_stores_it(path, body, replica):
     assert routing(path, body).replica == replica
