@@ -30,6 +30,7 @@ from sluice.app.responses_api_convert import (
 )
 from sluice.app.responses_api_schemas import (
     DeletedResponse,
+    FunctionCallOutputItem,
     InputItem,
     InputItemList,
     InputItemsQuery,
@@ -58,7 +59,7 @@ async def create_response(request: Request) -> Response:
     items = earlier_items(state, body.previous_response_id) + referenced_items(state, body.input)
     plan = await _plan(state, engine, body, items)
     if body.truncation == "auto" and not _fits(engine, plan):
-        items, plan = await _latest_turns_that_fit(state, engine, body, items)
+        items, plan = await _fitting_conversation(state, engine, body, items, plan)
     response_id = new_id("resp", state.replica)
     generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival)
     response = ResponseObject(
@@ -99,24 +100,38 @@ def _fits(engine: Engine, plan: ChatPlan) -> bool:
     return True
 
 
-async def _latest_turns_that_fit(state: ServerState, engine: Engine, body: ResponsesRequest, items: Items
-                                 ) -> tuple[Items, ChatPlan]:
-    """`truncation: "auto"`: the conversation from the earliest user message on whose plan fits the context, found
-    by bisection (a shorter conversation never has a longer prompt); whole turns go, so no call loses its output
-    nor an output its call. Where even the last turn does not fit, that turn, for the engine to refuse."""
-    starts = [i for i, item in enumerate(items) if i > 0 and isinstance(item, MessageItem) and item.role == "user"]
-    if not starts:
-        return items, await _plan(state, engine, body, items)
-    low, high = 0, len(starts) - 1  # the fitting start, if any, is at `high` or before it
-    plans = {high: await _plan(state, engine, body, items[starts[high]:])}
+async def _fitting_conversation(state: ServerState, engine: Engine, body: ResponsesRequest, items: Items,
+                                plan: ChatPlan) -> tuple[Items, ChatPlan]:
+    """`truncation: "auto"` for `items`, whose `plan` does not fit the context: the conversation with the fewest of
+    its oldest steps dropped whose plan fits, found by bisection (fewer items never make a longer prompt). Its
+    opening stays (up to its first user message: the task), and steps go whole: one starts at a user message, or
+    where the model acts again after its calls' outputs, so no call loses its output nor an output its call. Where
+    even the opening and the last step do not fit, those, for the engine to refuse."""
+    head = next((i + 1 for i, item in enumerate(items) if _is_user_message(item)), 0)
+    cuts = [items[:head] + items[i:] for i in range(head + 1, len(items)) if _starts_step(items[i - 1], items[i])]
+    if not cuts:
+        return items, plan
+    low, high = 0, len(cuts) - 1  # the first fitting cut, if any, is at `high` or before it
+    plans = {high: await _plan(state, engine, body, cuts[high])}
     while low < high:
         middle = (low + high) // 2
-        plans[middle] = await _plan(state, engine, body, items[starts[middle]:])
+        plans[middle] = await _plan(state, engine, body, cuts[middle])
         if _fits(engine, plans[middle]):
             high = middle
         else:
             low = middle + 1
-    return items[starts[high]:], plans[high]
+    return cuts[high], plans[high]
+
+
+def _is_user_message(item: InputItem) -> bool:
+    return isinstance(item, MessageItem) and item.role == "user"
+
+
+def _starts_step(before: InputItem, item: InputItem) -> bool:
+    """Whether a step of the conversation starts at `item`: a user's message, or the model's first item after the
+    outputs of its calls."""
+    return _is_user_message(item) or (isinstance(before, FunctionCallOutputItem)
+                                      and not isinstance(item, FunctionCallOutputItem))
 
 
 def earlier_items(state: ServerState, response_id: str | None) -> Items:

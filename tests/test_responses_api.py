@@ -562,7 +562,7 @@ def test_a_forced_call_cut_before_its_arguments_leaves_no_markup_in_the_output_o
     assert all(item.type != "function_call" for item in cut.output)
 
 
-def test_truncation_auto_drops_the_oldest_whole_turns_that_do_not_fit_and_disabled_is_a_400(server, client):
+def test_truncation_auto_drops_the_oldest_whole_turns_after_the_opening_and_disabled_is_a_400(server, client):
     turns = [[{"role": "user", "content": f"Note {i}: " + "apple pear plum " * 100},
               {"role": "assistant", "content": f"Noted {i}."}] for i in range(5)]  # about 300 tokens a turn
     conversation = [item for turn in turns for item in turn] + [{"role": "user", "content": "What was the last note?"}]
@@ -571,12 +571,24 @@ def test_truncation_auto_drops_the_oldest_whole_turns_that_do_not_fit_and_disabl
     reply = client.responses.create(input=conversation, truncation="auto", **GREEDY)
     assert reply.truncation == "auto" and reply.usage.input_tokens + 12 <= 1024
     kept = client.responses.input_items.list(reply.id, order="asc", limit=100).data
-    assert kept[0].role == "user" and kept[-1].content[0].text == "What was the last note?"
+    assert kept[0].content[0].text.startswith("Note 0:") and kept[1].role == "user"  # the opening, then a turn
+    assert kept[-1].content[0].text == "What was the last note?" and 3 <= len(kept) < len(conversation)
     # The latest turns that fit: one more would not have.
-    assert 2 <= len(kept) < len(conversation) and (len(conversation) - len(kept)) % 2 == 0
-    more = conversation[-len(kept) - 2:]
+    more = conversation[:1] + conversation[-len(kept) - 1:]
     assert client.responses.create(input=more, truncation="auto", **GREEDY).usage.input_tokens == \
         reply.usage.input_tokens
+
+
+def test_truncation_auto_drops_an_agents_oldest_calls_with_their_outputs(client):
+    steps = [[{"type": "function_call", "call_id": f"call_{i}", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+              {"type": "function_call_output", "call_id": f"call_{i}", "output": f"Reading {i}: " + "cold wind " * 150}]
+             for i in range(6)]  # about 300 tokens a step
+    conversation = [{"role": "user", "content": "Watch the weather in Oslo."}] + [item for step in steps for item in step]
+    reply = client.responses.create(input=conversation, tools=[WEATHER], truncation="auto", **GREEDY)
+    kept = client.responses.input_items.list(reply.id, order="asc", limit=100).data
+    assert kept[0].type == "message" and 3 <= len(kept) < len(conversation)
+    assert [item.type for item in kept[1:]] == ["function_call", "function_call_output"] * ((len(kept) - 1) // 2)
+    assert kept[-1].call_id == "call_5" and kept[1].call_id == kept[2].call_id
 
 
 class BrokenGeneration:
