@@ -346,10 +346,14 @@ def check_prompts(prompt: Prompt, info: ValidationInfo, max_prompts: int = MAX_P
     return prompt
 
 
+# The completions API's own default (OpenAI's, vLLM's), so a model's default limit does not bound it.
+COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    # 16 is the API's own default (OpenAI's, vLLM's), so a model's default limit does not bound it.
-    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt alone, scored with logprobs")
+    max_tokens: int = Field(COMPLETION_MAX_TOKENS, ge=0,
+                            description="0 only with echo: the prompt alone, scored with logprobs")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = Field(None, description="not supported: must be empty", json_schema_extra={"maxLength": 0})
