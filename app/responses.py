@@ -104,25 +104,34 @@ class ChunkFrame:
     hold one choice with text alone (`text_event`): that choice's JSON around its text is serialized once per
     choice index too.
 
-    With include_usage, OpenAI sends `"usage": null` on every chunk but the last; without, no key.
+    With include_usage, OpenAI sends `"usage": null` on every chunk but the last; without, no key. With vLLM's
+    continuous usage (`running`), each chunk with a choice has that choice's usage so far instead, serialized whole.
     """
 
     def __init__(self, empty: ChatCompletionChunk | CompletionResponse, include_usage: bool,
-                 text_choice: Callable[[int, str], ChatChunkChoice | CompletionChoice]) -> None:
+                 text_choice: Callable[[int, str], ChatChunkChoice | CompletionChoice],
+                 running: RunningUsage | None = None) -> None:
         """`empty`: the stream's chunk with no choices and no usage; `text_choice(index, text)`: choice `index`
-        with `text` and nothing else."""
+        with `text` and nothing else; `running`: the choices' usage so far, for continuous usage."""
         self._exclude = None if include_usage else {"usage"}
+        self._empty = empty
         head, tail = empty.model_dump_json(exclude=self._exclude).split('"choices":[]')
         self._head = f'data: {head}"choices":['.encode()
         self._tail = f"]{tail}\n\n".encode()
         self._text_choice = text_choice
         self._text_frames: dict[int, TextFrame] = {}
+        self._running = running
 
     def event(self, choices: list[ChatChunkChoice] | list[CompletionChoice]) -> bytes:
+        if self._running is not None and choices:
+            usage = self._running.of(choices[0].index)
+            return self.whole_event(self._empty.model_copy(update={"choices": choices, "usage": usage}))
         return self._head + b",".join(choice.__pydantic_serializer__.to_json(choice) for choice in choices) + self._tail
 
     def text_event(self, index: int, text: str) -> bytes:
         """`event([text_choice(index, text)])`."""
+        if self._running is not None:
+            return self.event([self._text_choice(index, text)])
         frame = self._text_frames.get(index)
         if frame is None:
             frame = self._text_frames[index] = TextFrame(lambda mark: self.event([self._text_choice(index, mark)]))
@@ -131,6 +140,25 @@ class ChunkFrame:
     def whole_event(self, chunk: ChatCompletionChunk | CompletionResponse) -> bytes:
         """A chunk serialized whole: the last, with the usage, or a chat stream's first, with the prompt's ids."""
         return sse_event(chunk.model_dump_json(exclude=self._exclude))
+
+
+class RunningUsage:
+    """vLLM's `stream_options.continuous_usage_stats`: each choice's usage so far, its prompt's tokens and the tokens
+    it has generated (`counted` counts them as they pass)."""
+
+    def __init__(self, prompt_tokens: Sequence[int]) -> None:
+        """`prompt_tokens`: per choice, its prompt's tokens."""
+        self._prompt_tokens = prompt_tokens
+        self._generated = [0] * len(prompt_tokens)
+
+    async def counted(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[Increment, None]:
+        async for increment in increments:
+            self._generated[increment.choice] += len(increment.token_ids)
+            yield increment
+
+    def of(self, choice: int) -> UsageInfo:
+        prompt, generated = self._prompt_tokens[choice], self._generated[choice]
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
 
 
 async def event_stream(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
@@ -195,9 +223,10 @@ class ChatBuilder:
         self._reasoning = reasoning
         self._tokenizer = tokenizer
         self._thoughts: list[list[str]] = [[] for _ in range(body.n)]  # each choice's reasoning pieces, streamed
+        self._running = RunningUsage([len(prompt_ids)] * body.n) if body.continuous_usage else None
         self._frame = ChunkFrame(ChatCompletionChunk(id=request_id, created=self._created, model=model, choices=[]),
                                  body.include_usage,
-                                 lambda i, text: ChatChunkChoice(index=i, delta=ChatDelta(content=text)))
+                                 lambda i, text: ChatChunkChoice(index=i, delta=ChatDelta(content=text)), self._running)
 
     async def collect(self, generation: Generation) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(self._body.n)]
@@ -240,12 +269,15 @@ class ChatBuilder:
         for i in range(self._body.n):
             opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]
             if i == 0 and self._prompt_ids is not None:
-                yield self._frame.whole_event(ChatCompletionChunk(id=self._id, created=self._created,
-                                                                  model=self._model, choices=opening,
-                                                                  prompt_token_ids=self._prompt_ids))
+                yield self._frame.whole_event(ChatCompletionChunk(
+                    id=self._id, created=self._created, model=self._model, choices=opening,
+                    usage=self._running.of(i) if self._running is not None else None,
+                    prompt_token_ids=self._prompt_ids))
             else:
                 yield self._chunk(opening)
         increments = generation.increments()
+        if self._running is not None:
+            increments = self._running.counted(increments)
         read = self._tool_calling is not None or self._reasoning is not None
         chunks = self._read_chunks(increments) if read else self._text_chunks(increments)
         async for chunk in chunks:
@@ -336,8 +368,10 @@ class CompletionBuilder:
         self._prompts = prompts
         self._num_choices = len(prompts) * body.n
         self._unopened = set(range(self._num_choices)) if body.return_token_ids else set()
+        self._running = (RunningUsage([len(prompts[i // body.n].token_ids) for i in range(self._num_choices)])
+                         if body.continuous_usage else None)
         self._frame = ChunkFrame(self._response([]), body.include_usage,
-                                 lambda i, text: CompletionChoice(index=i, text=text))
+                                 lambda i, text: CompletionChoice(index=i, text=text), self._running)
 
     async def collect(self, generation: Generation) -> CompletionResponse:
         choices = [_Choice(text=self._echo(i)) for i in range(self._num_choices)]
@@ -358,7 +392,10 @@ class CompletionBuilder:
         if self._body.echo and self._body.logprobs is None:  # else with its logprobs, which come with its first tokens
             for i in range(self._num_choices):
                 yield self._chunk([CompletionChoice(index=i, text=self._echo(i), **self._token_ids(i, ()))])
-        async for increment in generation.increments():
+        increments = generation.increments()
+        if self._running is not None:
+            increments = self._running.counted(increments)
+        async for increment in increments:
             if increment.prompt_logprobs is not None:  # echo with logprobs (vLLM's prompt_logprobs is not streamed)
                 echoed = self._echoed_logprobs(increment.choice, increment.prompt_logprobs)
                 yield self._chunk([CompletionChoice(index=increment.choice, text=self._echo(increment.choice),

@@ -91,6 +91,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk has its choice's "
+                                         "usage so far too (its prompt's tokens and the tokens it has generated)")
 
 
 # --- structured output: OpenAI's response_format and vLLM's structured_outputs ---------------------------
@@ -297,6 +299,10 @@ class SamplingRequest(PromptTruncation):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, default_max_tokens: int, model_defaults: Mapping[str, float | int] | None = None
                         ) -> SamplingParams:

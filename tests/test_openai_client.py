@@ -4,6 +4,7 @@ SmolLM2's tokenizer, in-process): request fields the OpenAI API accepts reach th
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -112,3 +113,42 @@ def test_a_completion_left_without_max_tokens_or_with_null_takes_16_tokens(engin
         return [reply.json()["usage"]["completion_tokens"] for reply in replies]
 
     assert serve(engine, scenario) == [16, 16]
+
+
+async def stream_chunks(http: httpx.AsyncClient, path: str, body: dict) -> list[dict]:
+    """A stream's chunks, [DONE] left out."""
+    async with http.stream("POST", path, json=body | {"stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        events = [line.removeprefix("data: ") async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+def counts(usage: dict | None) -> tuple[int, int, int] | None:
+    return None if usage is None else (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"])
+
+
+@pytest.mark.parametrize(("path", "body"), [("/chat/completions", {"messages": MESSAGES}),
+                                            ("/completions", {"prompt": ["Hello there", "Hi"]})])
+def test_continuous_usage_stats_give_every_chunk_its_choices_tokens_so_far(engine, path, body):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts its choice's prompt and the tokens
+    generated so far (none on a chat's opening chunks); the last chunk the whole request's."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> tuple[list[dict], dict]:
+        request = body | {"model": "tiny", "max_tokens": 5, "temperature": 0, "n": 2, "ignore_eos": True,
+                          "return_token_ids": True}
+        chunks = await stream_chunks(http, path, request | {"stream_options": {"include_usage": True,
+                                                                               "continuous_usage_stats": True}})
+        return chunks, (await http.post(path, json=request)).json()
+
+    chunks, whole = serve(engine, scenario)
+    prompts = ([len(c["prompt_token_ids"]) for c in whole["choices"]] if path == "/completions"
+               else [len(whole["prompt_token_ids"])] * 2)
+    generated = [0] * len(whole["choices"])
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        generated[choice["index"]] += len(choice.get("token_ids", []))
+        prompt, so_far = prompts[choice["index"]], generated[choice["index"]]
+        assert counts(chunk["usage"]) == (prompt, so_far, prompt + so_far)
+    assert generated == [5] * len(whole["choices"])
+    assert chunks[-1]["choices"] == [] and counts(chunks[-1]["usage"]) == counts(whole["usage"])
