@@ -1,21 +1,22 @@
 """`sluice bench soak --minutes M`: a long mixed load against a real `sluice serve`, with a SIGKILL and a restart
 halfway, counting lost requests and 5xx answers and watching the server's memory.
 
-It starts the server on the default model (`--server-args` adds flags), and `--concurrency` clients send, each
-in turn, one request of every kind: a stream read to its end, a stream the client hangs up on after two events,
-`n`>1, stop strings, logprobs, tool calls, structured output (`response_format` json_schema) and a bad input
-that must get its 4xx. After M/2 minutes of load the server is SIGKILLed with requests in flight (those are
-"killed", not lost), started again, and the load resumes for M/2 minutes; then the load drains.
+It starts the server on the default model (`--server-args` adds flags), and `--concurrency` clients send, each in
+turn, one request of every kind: a stream read to its end, a stream of `n` 1 or 2 the client hangs up on (after its
+first, second or 64th event), `n`>1, stop strings, logprobs, tool calls, structured output (`response_format`
+json_schema) and a bad input that must get its 4xx. After M/2 minutes of load the server is SIGKILLed with requests
+in flight (those are "killed", not lost), started again, and the load resumes for M/2 minutes; then the load
+drains.
 
-Each request ends as one of: ok; rejected (a bad input's expected 4xx); killed; 5xx (an error status or an
-error event of a server error, outside the kill); wrong (an unexpected 4xx, or an answer that breaks what its
-kind asked for); lost (neither completed nor an error: the connection dropped outside the kill, the stream
-ended without `[DONE]`, or no end within `--request-timeout`). Every `--sample-interval` seconds it reads the
-server's RSS (psutil, else /proc) and KV pages in use (`sluice_kv_pages_used` on /metrics). It writes
-`soak.json` (summary, samples, every request that was not ok) and `soak.png` (RSS and KV pages over time)
-under `--out`, prints a summary, and exits 1 on a lost request, a 5xx, a wrong answer or KV pages still held
-after the drain. RSS growth is that of each server life, from its first samples after `--warmup-minutes` of
-load to its last ones.
+Each request ends as one of: ok; rejected (a bad input's expected 4xx); killed; 5xx (an error status or an error
+event of a server error, outside the kill); wrong (an unexpected 4xx, or an answer that breaks what its kind asked
+for); lost (neither completed nor an error: the connection dropped outside the kill, the stream ended without
+`[DONE]`, or no end within `--request-timeout`). Every `--sample-interval` seconds it reads the server's RSS
+(psutil, else /proc) and KV pages in use (`sluice_kv_pages_used` on /metrics). It writes `soak.json` (summary,
+samples, every request that was not ok) and `soak.png` (RSS and KV pages over time) under `--out`, prints a
+summary, and exits 1 on a lost request, a 5xx, a wrong answer, or anything still held after the drain: KV pages, or
+a request or sequence running or waiting. RSS growth is that of each server life, from its first samples after
+`--warmup-minutes` of load to its last ones.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ WEATHER_TOOL = {"type": "function", "function": {
 PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                   "age": {"type": "integer", "minimum": 0, "maximum": 150}},
                  "required": ["name", "age"], "additionalProperties": False}
+# What a request holds while the server serves it: each reads 0 once the load has drained.
+HELD = ("sluice_kv_pages_used", "sluice_num_requests_running", "sluice_num_requests_waiting",
+        "sluice_num_seqs_running", "sluice_num_seqs_waiting")
 RSS_WINDOW = 5  # samples whose median is a life's RSS after warm-up, and at its end
 
 
@@ -185,14 +189,15 @@ async def kind_stream(life: Life, rng: random.Random) -> None:
 
 
 async def kind_hangup(life: Life, rng: random.Random) -> None:
-    body = _chat(life, _prompt(rng), max_tokens=128, ignore_eos=True, stream=True)
+    body = _chat(life, _prompt(rng), max_tokens=128, ignore_eos=True, stream=True, n=rng.choice((1, 2)))
+    leave_after = rng.choice((1, 2, 64))
     seen = 0
     async with contextlib.aclosing(_events(life, "/v1/chat/completions", body)) as events:
         async for _ in events:
             seen += 1
-            if seen == 2:
+            if seen == leave_after:
                 return  # closing the events leaves their `async with`: the connection closes mid-stream
-    raise Wrong("a 128-token stream ended before its second event")
+    raise Wrong(f"a 128-token stream ended before its event {leave_after}")
 
 
 async def kind_n(life: Life, rng: random.Random) -> None:
@@ -372,20 +377,19 @@ async def run_life(soak: Soak, life: Life, load_s: float, then_kill: bool) -> No
     await life.client.close()
 
 
-async def pages_after_drain(soak: Soak, life: Life, timeout_s: float = 30) -> int | None:
-    """`sluice_kv_pages_used` once it reads 0, or its last reading after `timeout_s`."""
+async def held_after_drain(life: Life, timeout_s: float = 30) -> dict[str, int | None]:
+    """The HELD gauges once they all read 0, or their last reading after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    used = None
     async with httpx.AsyncClient(timeout=10) as http:
-        while time.monotonic() < deadline:
-            used = gauges((await http.get(life.url + "/metrics")).text).get("sluice_kv_pages_used")
-            if used == 0:
-                break
+        while True:
+            metrics = gauges((await http.get(life.url + "/metrics")).text)
+            held = {name: metrics.get(name) for name in HELD}
+            if all(value == 0 for value in held.values()) or time.monotonic() > deadline:
+                return held
             await asyncio.sleep(0.5)
-    return used
 
 
-async def soak_run(args: argparse.Namespace) -> tuple[Soak, list[Life], int | None]:
+async def soak_run(args: argparse.Namespace) -> tuple[Soak, list[Life], dict[str, int | None]]:
     soak = Soak(args)
     args.out.mkdir(parents=True, exist_ok=True)
     sampler = asyncio.ensure_future(sample_forever(soak))
@@ -398,7 +402,7 @@ async def soak_run(args: argparse.Namespace) -> tuple[Soak, list[Life], int | No
         second = await start_life(soak, 2, args.out)
         lives.append(second)
         await run_life(soak, second, half_s, then_kill=False)
-        pages = await pages_after_drain(soak, second)
+        held = await held_after_drain(second)
         await asyncio.sleep(args.sample_interval * 2)  # the samples after the drain
     finally:
         sampler.cancel()
@@ -410,7 +414,7 @@ async def soak_run(args: argparse.Namespace) -> tuple[Soak, list[Life], int | No
                     await asyncio.to_thread(life.process.wait, 120)
                 except subprocess.TimeoutExpired:
                     life.process.kill()
-    return soak, lives, pages
+    return soak, lives, held
 
 
 def rss_growth(soak: Soak, life: Life) -> dict:
@@ -426,7 +430,7 @@ def rss_growth(soak: Soak, life: Life) -> dict:
             "growth": at_end / after_warmup - 1}
 
 
-def summarize(soak: Soak, lives: list[Life], pages_after: int | None) -> dict:
+def summarize(soak: Soak, lives: list[Life], held_after: dict[str, int | None]) -> dict:
     by_kind = {kind: {"sent": 0, **{o: 0 for o in OUTCOMES}} for kind in KINDS}
     for r in soak.records:
         by_kind[r.kind]["sent"] += 1
@@ -438,7 +442,7 @@ def summarize(soak: Soak, lives: list[Life], pages_after: int | None) -> dict:
         "requests": len(soak.records), "by_kind": by_kind, **{o: outcomes[o] for o in OUTCOMES},
         "killed_at_minutes": soak.killed_at_s / 60 if soak.killed_at_s is not None else None,
         "restarts": len(lives) - 1, "rss": rss, "rss_growth": max(r["growth"] for r in rss),
-        "kv_pages_after": pages_after, "kv_pages_total": last.kv_pages_total if last else None,
+        "held_after_drain": held_after, "kv_pages_total": last.kv_pages_total if last else None,
     }
 
 
@@ -480,14 +484,16 @@ def report(summary: dict, command: str, json_path: Path, png_path: Path) -> str:
         lines.append(f"server {r['life']} (pid {r['pid']}, {r['load_minutes']:.1f} min of load, {r['samples']} samples): "
                      f"RSS {r['after_warmup_mib']:.1f} MiB after warm-up, {r['end_mib']:.1f} MiB at the end "
                      f"({r['growth']:+.2%})")
-    lines.append(f"KV pages in use after the drain: {summary['kv_pages_after']} of {summary['kv_pages_total']}")
+    held = summary["held_after_drain"]
+    lines.append(f"KV pages in use after the drain: {held['sluice_kv_pages_used']} of {summary['kv_pages_total']}; "
+                 + ", ".join(f"{name.removeprefix('sluice_num_')}: {held[name]}" for name in HELD[1:]))
     lines.append(f"samples: {json_path}; plot: {png_path}")
     lines.append(f"command: {command}")
     return "\n".join(lines)
 
 
 def failed(summary: dict) -> bool:
-    return any(summary[o] for o in FAILURES) or summary["kv_pages_after"] != 0
+    return any(summary[o] for o in FAILURES) or any(value != 0 for value in summary["held_after_drain"].values())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -510,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup_minutes is None:
         args.warmup_minutes = min(args.minutes / 10, 5)
     command = command_line()
-    soak, lives, pages = asyncio.run(soak_run(args))
-    summary = summarize(soak, lives, pages)
+    soak, lives, held = asyncio.run(soak_run(args))
+    summary = summarize(soak, lives, held)
     json_path, png_path = args.out / "soak.json", args.out / "soak.png"
     json_path.write_text(json.dumps({
         "command": command, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

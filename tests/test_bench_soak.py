@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench.soak import KINDS, OUTCOMES
+from sluice.bench.soak import HELD, KINDS, OUTCOMES
 
 pytestmark = pytest.mark.slow
 
@@ -66,11 +66,12 @@ def test_rss_is_read_from_the_server_processes(soak):
         assert life["growth"] == pytest.approx(life["end_mib"] / life["after_warmup_mib"] - 1)
 
 
-def test_kv_pages_were_used_under_load_and_all_freed_after_the_drain(soak):
+def test_kv_pages_were_used_under_load_and_all_freed_after_the_drain_with_no_request_left(soak):
     summary = soak["summary"]
     assert max(s["kv_pages_used"] for s in soak["samples"]) > 0
-    assert summary["kv_pages_after"] == 0 and summary["kv_pages_total"] > 0
-    assert "KV pages in use after the drain: 0 of" in soak["stdout"]
+    assert summary["held_after_drain"] == dict.fromkeys(HELD, 0) and summary["kv_pages_total"] > 0
+    assert ("KV pages in use after the drain: 0 of" in soak["stdout"]
+            and "requests_running: 0, requests_waiting: 0, seqs_running: 0, seqs_waiting: 0" in soak["stdout"])
 
 
 def test_the_plot_is_written(soak):
