@@ -188,4 +188,5 @@ def _from_text(tokenizer: Tokenizer, text: str) -> Prompt:
 
 
 def _from_ids(tokenizer: Tokenizer, ids: list[int]) -> Prompt:
-    return Prompt(list(ids), tokenizer.decode(ids))
+    # Special tokens' text kept: the echo is then the prompt, as the same prompt written out (and vLLM's) echoes.
+    return Prompt(list(ids), tokenizer.decode(ids, skip_special_tokens=False))

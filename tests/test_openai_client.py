@@ -152,3 +152,18 @@ def test_continuous_usage_stats_give_every_chunk_its_choices_tokens_so_far(engin
         assert counts(chunk["usage"]) == (prompt, so_far, prompt + so_far)
     assert generated == [5] * len(whole["choices"])
     assert chunks[-1]["choices"] == [] and counts(chunks[-1]["usage"]) == counts(whole["usage"])
+
+
+def test_a_prompt_of_token_ids_is_echoed_with_its_special_tokens_text_as_the_same_prompt_written_out(engine):
+    """vLLM echoes a prompt of ids as their whole text; with special tokens' text left out, the echo was not the
+    prompt, and the echoed logprobs' tokens and text_offset did not match the text."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list:
+        ids = (await http.post("http://sluice/tokenize", json={"prompt": "<|im_start|>user\nHi"})).json()["tokens"]
+        replies = [await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                                   echo=True, logprobs=0) for prompt in (ids, "<|im_start|>user\nHi")]
+        return [(reply.choices[0].text, reply.choices[0].logprobs) for reply in replies]
+
+    (from_ids, logprobs), (from_text, _) = serve(engine, scenario)
+    assert from_ids == from_text and from_ids.startswith("<|im_start|>user\nHi")
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
