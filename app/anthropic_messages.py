@@ -115,7 +115,7 @@ def chat_request(body: CountTokensRequest, budgets: bool = False) -> ChatComplet
     schema (a tool_choice naming no tool, say) is a 400 here. `budgets`: whether the server can hold a reply to a
     thinking budget (else, as Anthropic allows, the model thinks as long as it does)."""
     system = body.system_text()
-    messages = _without_an_empty_prefill(body.messages)
+    messages = _without_an_empty_prefill(body.turns())
     data: dict[str, Any] = {
         "messages": ([{"role": "system", "content": system}] if system else [])
                     + [m for message in messages for m in _chat_messages(message)],

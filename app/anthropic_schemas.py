@@ -199,13 +199,21 @@ class CountTokensRequest(_Request):
             raise ValueError('tool_choice "any" needs tools')
         return choice
 
-    @field_validator("messages")
-    @classmethod
-    def _one_turn_a_role(cls, messages: list[MessageParam]) -> list[MessageParam]:
-        """Consecutive messages of one role as one turn, as Anthropic combines them (chat templates may insist
-        that roles alternate)."""
+    @model_validator(mode="after")
+    def _no_empty_message(self) -> CountTokensRequest:
+        """As Anthropic checks: only the final message, an assistant's, may be empty (it starts no reply); an
+        empty one elsewhere would leave a turn out of the prompt, or the prompt without any."""
+        for i, message in enumerate(self.messages):
+            if not message.content and not (i == len(self.messages) - 1 and message.role == "assistant"):
+                raise PydanticCustomError("empty_message", "messages.{index}: all messages must have non-empty "
+                                          "content except for the optional final assistant message", {"index": i})
+        return self
+
+    def turns(self) -> list[MessageParam]:
+        """The messages, consecutive ones of one role as one turn, as Anthropic combines them (chat templates may
+        insist that roles alternate)."""
         turns: list[MessageParam] = []
-        for message in messages:
+        for message in self.messages:
             if turns and turns[-1].role == message.role:
                 turns[-1] = MessageParam(role=message.role, content=turns[-1].blocks() + message.blocks())
             else:

@@ -347,6 +347,10 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
     ({"messages": HELLO, "max_tokens": 1024, "thinking": {"type": "enabled", "budget_tokens": 1024}},
      "max_tokens must be greater than thinking.budget_tokens"),
     ({"messages": HELLO, "max_tokens": 4, "thinking": {"type": "sometimes"}}, "thinking"),
+    ({"messages": [{"role": "user", "content": []}], "max_tokens": 4},
+     "messages.0: all messages must have non-empty content except for the optional final assistant message"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": ""}, {"role": "user", "content": "And?"}],
+      "max_tokens": 4}, "messages.1: all messages must have non-empty content except for the optional final"),
 ])
 def test_bad_requests_are_400_invalid_request_errors_in_anthropics_shape(server, fields, words):
     response = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, **fields}, headers={"x-api-key": API_KEY})
