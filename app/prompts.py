@@ -128,9 +128,12 @@ def _template_message(message: ChatMessage, call_format: str) -> dict[str, Any]:
         ]
     if message.role == "tool":
         rendered["tool_call_id"] = call_id(message.tool_call_id)
-    if message.name is not None:
-        rendered["name"] = message.name
-    return rendered
+    return rendered | _name(message)
+
+
+def _name(message: ChatMessage) -> dict[str, str]:
+    """The message's `name` for the template, as vLLM passes it (a template may write who spoke)."""
+    return {} if message.name is None else {"name": message.name}
 
 
 def _reasoning(message: ChatMessage) -> dict[str, str]:
@@ -157,7 +160,8 @@ def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]]) 
             calls = [tool_calls.render_call(c.function.name, json.loads(c.function.arguments))
                      for c in message.tool_calls]
             content = "\n".join([content, *calls] if content else calls)
-        rendered.append({"role": _TEMPLATE_ROLE[message.role], "content": content, **_reasoning(message)})
+        rendered.append({"role": _TEMPLATE_ROLE[message.role], "content": content, **_reasoning(message),
+                         **_name(message)})
     if tools:
         prompt = tool_calls.tools_prompt(tools)
         if rendered[0]["role"] == "system":

@@ -130,3 +130,11 @@ def test_an_assistant_message_may_be_reasoning_alone_and_only_an_assistants_has_
     assert (thought.text(), thought.reasoning_content) == ("", "greet")
     with pytest.raises(ValidationError, match="only assistant messages have reasoning"):
         chat([{"role": "user", "content": "Hi", "reasoning_content": "greet"}])
+
+
+def test_a_messages_name_reaches_the_template_as_vllm_passes_it(tokenizer):
+    names = with_special(tokenizer, chat_template="{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }})"
+                                                  "{% endif %}:{{ m.content }}|{% endfor %}")
+    request = chat([{"role": "developer", "content": "Be brief", "name": "ops"},
+                    {"role": "user", "content": "Hi", "name": "bob"}, {"role": "assistant", "content": "Hello"}])
+    assert chat_prompt(names, request.messages).text == "system(ops):Be brief|user(bob):Hi|assistant:Hello|"
