@@ -209,16 +209,54 @@ class CountTokensRequest(_Request):
                                           "content except for the optional final assistant message", {"index": i})
         return self
 
+    @model_validator(mode="after")
+    def _each_call_answered_in_the_next_turn(self) -> CountTokensRequest:
+        """As Anthropic checks: a tool_result answers a tool_use of the turn before it, and a tool_use (but in the
+        final turn) is answered in the turn after it, so that no call is shown the model without its result nor a
+        result without its call."""
+        turns = self._turn_spans()
+        for t, (start, end) in enumerate(turns):
+            if self.messages[start].role == "user":
+                called = self._ids(turns[t - 1], ToolUseBlockParam) if t else set()
+                for i in range(start, end):
+                    for j, block in enumerate(self.messages[i].blocks()):
+                        if isinstance(block, ToolResultBlockParam) and block.tool_use_id not in called:
+                            raise PydanticCustomError(
+                                "unexpected_tool_result", "messages.{i}.content.{j}: unexpected `tool_use_id` found "
+                                "in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding "
+                                "`tool_use` block in the previous message.", {"i": i, "j": j, "id": block.tool_use_id})
+            elif t + 1 < len(turns):
+                answered = self._ids(turns[t + 1], ToolResultBlockParam)
+                for i in range(start, end):
+                    if unanswered := [b.id for b in self.messages[i].blocks()
+                                      if isinstance(b, ToolUseBlockParam) and b.id not in answered]:
+                        raise PydanticCustomError(
+                            "unanswered_tool_use", "messages.{i}: `tool_use` ids were found without `tool_result` "
+                            "blocks immediately after: {ids}. Each `tool_use` block must have a corresponding "
+                            "`tool_result` block in the next message.", {"i": i, "ids": ", ".join(unanswered)})
+        return self
+
+    def _turn_spans(self) -> list[tuple[int, int]]:
+        """Each turn's messages, as [start, end) indices: consecutive messages of one role are one turn."""
+        spans: list[tuple[int, int]] = []
+        for i, message in enumerate(self.messages):
+            if spans and self.messages[spans[-1][0]].role == message.role:
+                spans[-1] = (spans[-1][0], i + 1)
+            else:
+                spans.append((i, i + 1))
+        return spans
+
+    def _ids(self, span: tuple[int, int], kind: type[ToolUseBlockParam | ToolResultBlockParam]) -> set[str]:
+        """The ids of the calls (tool_use) or of the calls answered (tool_result) in a turn's messages."""
+        return {block.id if isinstance(block, ToolUseBlockParam) else block.tool_use_id
+                for message in self.messages[slice(*span)] for block in message.blocks() if isinstance(block, kind)}
+
     def turns(self) -> list[MessageParam]:
         """The messages, consecutive ones of one role as one turn, as Anthropic combines them (chat templates may
         insist that roles alternate)."""
-        turns: list[MessageParam] = []
-        for message in self.messages:
-            if turns and turns[-1].role == message.role:
-                turns[-1] = MessageParam(role=message.role, content=turns[-1].blocks() + message.blocks())
-            else:
-                turns.append(message)
-        return turns
+        return [self.messages[start] if end == start + 1 else MessageParam(
+            role=self.messages[start].role, content=[b for m in self.messages[start:end] for b in m.blocks()])
+            for start, end in self._turn_spans()]
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):

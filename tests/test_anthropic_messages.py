@@ -351,6 +351,12 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
      "messages.0: all messages must have non-empty content except for the optional final assistant message"),
     ({"messages": [*HELLO, {"role": "assistant", "content": ""}, {"role": "user", "content": "And?"}],
       "max_tokens": 4}, "messages.1: all messages must have non-empty content except for the optional final"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9"}]}], "max_tokens": 4},
+     "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_9."),
+    ({"messages": [*HELLO, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f",
+                                                              "input": {}}]},
+                   {"role": "user", "content": "And?"}], "max_tokens": 4},
+     "messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_1."),
 ])
 def test_bad_requests_are_400_invalid_request_errors_in_anthropics_shape(server, fields, words):
     response = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, **fields}, headers={"x-api-key": API_KEY})
