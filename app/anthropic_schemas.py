@@ -123,6 +123,16 @@ class ToolParam(_Request):
     description: str | None = None
     input_schema: dict[str, Any] = Field(description="a JSON schema of the call's input object")
 
+    @field_validator("input_schema")
+    @classmethod
+    def _of_an_object(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        # As Anthropic checks: a tool_use block's input is an object, and a call forced to another type could
+        # only be given as one cut short.
+        if schema.get("type") != "object":
+            raise PydanticCustomError("input_schema_type", "the schema's type must be 'object': a tool_use "
+                                      "block's input is an object")
+        return schema
+
 
 class _ToolChoiceBase(_Request):
     disable_parallel_tool_use: bool = Field(False, description="with any: exactly one call")

@@ -335,6 +335,8 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
     ({"messages": HELLO, "max_tokens": 4,
       "tools": [{**WEATHER, "input_schema": {"type": "object", "properties": {"a": {"type": "banana"}}}}]},
      "tools.0.input_schema: invalid JSON schema"),
+    ({"messages": HELLO, "max_tokens": 4, "tools": [{**WEATHER, "input_schema": {"type": "string"}}]},
+     "tools.0.input_schema: the schema's type must be 'object': a tool_use block's input is an object"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4},
      "messages.0: content.0: 'image' blocks are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
