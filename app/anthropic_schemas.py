@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, RootModel, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Discriminator, Field, RootModel, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from sluice.app.schemas import MAX_STOP_STRINGS, MAX_TOOLS, ToolName, _Request
@@ -21,6 +21,22 @@ from sluice.app.schemas import MAX_STOP_STRINGS, MAX_TOOLS, ToolName, _Request
 class TextBlockParam(_Request):
     type: Literal["text"]
     text: str
+
+
+def _string_or_blocks(value: Any) -> str | None:
+    return "string" if isinstance(value, str) else "blocks" if isinstance(value, list) else None
+
+
+def _text_or(blocks: Any) -> Any:
+    """`str | blocks` for a field that is a string or a list of blocks, told apart by the value's type: a faulty
+    block is then refused in its own words (`content.blocks.0.text.text: Field required`), where the plain union
+    answered any list it refused with its first member's complaint, `content.str: Input should be a valid string`."""
+    return Annotated[Annotated[str, Tag("string")] | Annotated[blocks, Tag("blocks")],
+                     Discriminator(_string_or_blocks, custom_error_type="string_or_blocks",
+                                   custom_error_message="Input should be a string or a list of content blocks")]
+
+
+TextContent = _text_or(list[TextBlockParam])
 
 
 class ToolUseBlockParam(_Request):
@@ -37,7 +53,7 @@ class ToolResultBlockParam(_Request):
 
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlockParam] = ""
+    content: TextContent = ""
     is_error: bool = False
 
     def text(self) -> str:
@@ -88,9 +104,12 @@ def _refuse_unsupported_blocks(content: Any, supported: tuple[str, ...], where: 
             _refuse_unsupported_blocks(block.get("content"), _RESULT_BLOCKS, f"{where}.{i}.content")
 
 
+MessageContent = _text_or(list[ContentBlockParam])
+
+
 class MessageParam(_Request):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlockParam]
+    content: MessageContent
 
     @model_validator(mode="before")
     @classmethod
@@ -192,7 +211,7 @@ class CountTokensRequest(_Request):
 
     model: str
     messages: list[MessageParam] = Field(min_length=1)
-    system: str | list[TextBlockParam] | None = None
+    system: TextContent | None = None
     tools: list[ToolParam] = Field(default_factory=list, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
     thinking: ThinkingConfig | None = Field(None, description="the chat template's enable_thinking: false if "
