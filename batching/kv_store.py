@@ -27,7 +27,8 @@ whole file; a file whose size, header or checksum is wrong is removed, logged on
 
 Threads: the engine thread owns the store and calls every method. Disk writes, and the removal of forgotten pages'
 files, run in order on one writer thread (at most `queue_pages` writes wait for it: one more is dropped and
-counted, the page staying in RAM), as do the marks of a file's use when RAM evicts a page already on disk, and
+counted, the page staying in RAM), as do the marks of a file's use when RAM evicts a page already on disk (at most
+`queue_pages` of them wait too, apart from the writes: one more is skipped, only the next store's order off), and
 `prefetch` reads pages on one reader thread, so the engine's steps never wait on the disk; `_lock` guards what the
 threads share (both tiers' indexes and counters).
 """
@@ -47,7 +48,7 @@ import tempfile
 import threading
 import uuid
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -221,11 +222,13 @@ def _usage(folder: Path) -> tuple[int, int]:
 
 class _Write(NamedTuple):
     """A page for the writer, queued when its key had been forgotten `generation` times (a write of a page forgotten
-    since is not made); for a page on disk, its file is marked used instead (or written again if it is gone)."""
+    since is not made); for a page on disk, its file is marked used instead (or written again if it is gone).
+    `mark`: queued as such a mark (the page was on disk)."""
 
     key: PageKey
     payload: PagePayload
     generation: int
+    mark: bool
 
 
 class _Removal(NamedTuple):
@@ -287,14 +290,14 @@ class KVStore:
         self._forgotten: set[PageKey] = set()  # suspect pages: never served again, unless put anew
         self._generations: dict[PageKey, int] = {}  # how many times each page was forgotten
         self._queue_pages = queue_pages
-        self._num_queued = 0  # writes waiting for the writer
+        self._num_queued: Counter[bool] = Counter()  # writes (False) and marks (True) waiting for the writer
         self._touch_failed = False  # warned once: `_touch` runs at every use of a page on disk
         try:
             self._open_directory()
         except BaseException:
             os.close(lock)
             raise
-        self._queue: queue.Queue[_Write | _Removal | None] = queue.Queue()  # bounded by `_num_queued`
+        self._queue: queue.Queue[_Write | _Removal | None] = queue.Queue()  # bounded by `_num_queued`'s
         # The writer holds the store weakly, so that a store dropped without `close` (an engine a test or a fuzz
         # drops) is freed, and with it its RAM tier, its threads and its slot (a later store on the directory
         # would take the next slot, never reading its pages, and the 65th none).
@@ -459,15 +462,15 @@ class KVStore:
 
     def _spill(self, key: PageKey, payload: PagePayload) -> None:
         """Makes `key` the disk tier's most recent page and queues its write (for a page on disk, the mark of its
-        file's use: `_write`). A full queue drops a write (counted), and a mark (only the next store's order is off).
-        The caller holds `_lock`."""
-        on_disk = key in self._disk
-        if on_disk:
+        file's use: `_write`). A full queue drops a write (counted), and a mark (only the next store's order is off);
+        marks and writes count apart, so that no burst of marks drops a write. The caller holds `_lock`."""
+        mark = key in self._disk
+        if mark:
             self._disk.move_to_end(key)
-        if self._num_queued < self._queue_pages:
-            self._num_queued += 1
-            self._queue.put(_Write(key, payload, self._generations.get(key, 0)))
-        elif not on_disk:
+        if self._num_queued[mark] < self._queue_pages:
+            self._num_queued[mark] += 1
+            self._queue.put(_Write(key, payload, self._generations.get(key, 0), mark))
+        elif not mark:
             self._dropped += 1
 
     def _touch(self, key: PageKey) -> bool:
@@ -541,9 +544,9 @@ class KVStore:
 
     def _write_page(self, job: _Write) -> None:
         with self._lock:
-            self._num_queued -= 1
+            self._num_queued[job.mark] -= 1
         try:
-            self._write(*job)
+            self._write(job.key, job.payload, job.generation)
         except OSError as e:  # disk full, directory gone: the page stays in RAM only
             logger.warning("KV store: could not write page %s: %s", job.key, e)
             with self._lock:

@@ -262,6 +262,32 @@ def test_ram_evicting_a_page_on_disk_marks_its_file_used_off_the_calling_thread(
     assert path.stat().st_mtime > 1
 
 
+def test_marks_of_files_used_waiting_for_the_writer_never_drop_a_write(open_store, monkeypatch):
+    a, b, c, d, e, f = LAYOUT.page_keys(range(100, 112))
+    store = open_store(ram_pages=2, queue_pages=1)
+    for key, i in ((a, 0), (b, 1), (c, 2), (d, 3), (e, 4), (a, 0), (b, 1)):
+        store.put(key, payload(LAYOUT, i))
+        store.flush()
+    # a to e on disk, a and b in RAM too
+    marking, release, utime = threading.Event(), threading.Event(), os.utime
+
+    def slow_utime(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # the writer's marks (a get marks its own)
+            marking.set()
+            release.wait()
+        utime(*args, **kwargs)
+
+    monkeypatch.setattr(kv_store.os, "utime", slow_utime)
+    store.get(c)  # a disk hit: RAM evicts a, on disk, whose mark the writer takes and waits in
+    marking.wait()
+    store.get(d)  # RAM evicts b: a mark waiting, as many as the queue takes
+    store.put(f, payload(LAYOUT, 5))  # a write, which must not wait behind marks for a place
+    release.set()
+    store.flush()
+
+    assert f"{f}.kv" in files(store) and store.counters().dropped_writes == 0
+
+
 def test_a_leftover_temporary_file_is_ignored_and_removed(open_store):
     first = open_store()
     leftover = first.directory / f"{A}x1y2.tmp"
