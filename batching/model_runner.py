@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, replace
@@ -64,6 +65,7 @@ logger = logging.getLogger(__name__)
 PREFILL_PIECE = 16
 # Threads that compile the step programs at warm-up (each compile holds a few GB of host memory for a large model).
 WARMUP_THREADS = 8
+PARTIAL = ".partial"  # a compilation-cache entry's name while it is written (`_write_cache_entries_whole`)
 
 
 def enable_compilation_cache(path: Path | None = None) -> None:
@@ -74,6 +76,17 @@ def enable_compilation_cache(path: Path | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _write_cache_entries_whole()
+    _remove_stale_parts(path)
+
+
+def _remove_stale_parts(path: Path, min_age_s: float = 3600.0) -> None:
+    """Removes the parts of entries that processes killed while writing them left (never read), once `min_age_s`
+    old: a younger one may be another process's write in flight."""
+    cutoff = time.time() - min_age_s
+    for part in path.glob(f"*{PARTIAL}-*"):
+        with contextlib.suppress(OSError):  # removed meanwhile by another process
+            if part.stat().st_mtime < cutoff:
+                part.unlink()
 
 
 def _write_cache_entries_whole() -> None:
@@ -92,7 +105,7 @@ def _write_cache_entries_whole() -> None:
         return
 
     def put_whole(cache: LRUCache, key: str, value: bytes) -> None:
-        directory, partial = Path(cache.path), f"{key}.{uuid.uuid4().hex}.partial"
+        directory, partial = Path(cache.path), f"{key}.{uuid.uuid4().hex}{PARTIAL}"
         # Under jax's lock (held only where it evicts), so that no eviction pass sees the partial name's file go.
         with cache.lock if cache.eviction_enabled else contextlib.nullcontext():
             try:

@@ -7,6 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
+
+from sluice.batching.model_runner import _remove_stale_parts
 
 # One process writes an entry with a file-size limit that cuts the write short, as a full disk or a SIGKILL would,
 # then compiles the same program twice more with the limit lifted (jax.clear_caches leaves only the disk cache).
@@ -47,3 +50,13 @@ def test_an_entry_whose_write_was_cut_short_is_compiled_again_and_then_read(tmp_
     assert cut["ok"] and cut["misses"] == 1 and cut["warnings"][0].startswith("Error writing")
     assert again == {"ok": True, "hits": 0, "misses": 1, "warnings": []}
     assert then == {"ok": True, "hits": 1, "misses": 0, "warnings": []}
+
+
+def test_parts_that_killed_writers_left_are_removed_once_an_hour_old(tmp_path):
+    stale, fresh, entry = (tmp_path / f"{name}-cache" for name in ("k1.0a.partial", "k2.0b.partial", "k3"))
+    for path in (stale, fresh, entry):
+        path.write_bytes(b"x")
+    os.utime(stale, (time.time() - 7200,) * 2)
+    os.utime(entry, (time.time() - 7200,) * 2)
+    _remove_stale_parts(tmp_path)  # another process's write in flight is young: it stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k2.0b.partial-cache", "k3-cache"]
