@@ -407,6 +407,16 @@ class FunctionDefinition(_Request):
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
     strict: bool | None = Field(None, description="ignored: forced calls always follow the schema")
 
+    @field_validator("parameters")
+    @classmethod
+    def _of_an_object(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        # As OpenAI checks: a call's arguments are an object, and a call forced to another type would be read as
+        # none (its markup as the message's text). A schema that names no type constrains nothing here.
+        if schema is not None and schema.get("type", "object") != "object":
+            raise ValueError(f"schema must be a JSON Schema of 'type: \"object\"', got 'type: "
+                             f"{json.dumps(schema['type'])}'")
+        return schema
+
 
 class ToolDefinition(_Request):
     type: Literal["function"]

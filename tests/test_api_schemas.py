@@ -105,6 +105,17 @@ def test_a_tool_choice_object_other_than_a_named_function_is_refused_by_what_it_
     assert error.param == "tool_choice" and words in error.message
 
 
+@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}])
+def test_a_functions_parameters_of_another_type_than_object_are_refused_as_openai_refuses_them(parameters):
+    """A call forced to such a function could only be read as none: its markup went out as the message's text."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    error = rejection(ChatCompletionRequest, {**CHAT, "tools": tools, "tool_choice": "required"})
+    assert error.param == "tools.0.function.parameters" and "'type: \"object\"'" in error.message
+    for open_schema in ({}, {"properties": {"a": {"type": "integer"}}}):  # no type: an object as ever
+        ChatCompletionRequest.model_validate({**CHAT, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": open_schema}}]})
+
+
 def test_a_past_calls_empty_arguments_are_no_arguments():
     """As vLLM reads them: some servers stream a call of a function without parameters with arguments "", and an
     agent sends the history back as it got it (it was a 400)."""
