@@ -108,6 +108,10 @@ def _write_cache_entries_whole() -> None:
         directory, partial = Path(cache.path), f"{key}.{uuid.uuid4().hex}{PARTIAL}"
         # Under jax's lock (held only where it evicts), so that no eviction pass sees the partial name's file go.
         with cache.lock if cache.eviction_enabled else contextlib.nullcontext():
+            if cache.eviction_enabled:
+                # Every writer holds the lock, so a part seen now is a killed writer's, whatever its age: jax's
+                # eviction pass in `put` would read it as an entry without its -atime file and fail the write.
+                _remove_stale_parts(directory, min_age_s=0)
             try:
                 put(cache, partial, value)
                 for suffix in ("-cache", "-atime"):  # an -atime file only where jax evicts

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 
-from sluice.batching.model_runner import _remove_stale_parts
+from jax._src.lru_cache import LRUCache
+
+from sluice.batching.model_runner import PARTIAL, _remove_stale_parts, _write_cache_entries_whole
 
 # One process writes an entry with a file-size limit that cuts the write short, as a full disk or a SIGKILL would,
 # then compiles the same program twice more with the limit lifted (jax.clear_caches leaves only the disk cache).
@@ -60,3 +62,14 @@ def test_parts_that_killed_writers_left_are_removed_once_an_hour_old(tmp_path):
     os.utime(entry, (time.time() - 7200,) * 2)
     _remove_stale_parts(tmp_path)  # another process's write in flight is young: it stays
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k2.0b.partial-cache", "k3-cache"]
+
+
+def test_with_eviction_on_a_part_a_killed_writer_left_is_removed_by_the_next_write_instead_of_failing_it(tmp_path):
+    """Every writer holds jax's lock where it evicts, so a part seen under it is a dead writer's; left, jax's eviction
+    pass would read it as an entry and fail on its missing -atime, at every later write."""
+    _write_cache_entries_whole()
+    (tmp_path / f"k1.0a{PARTIAL}-cache").write_bytes(b"cut")  # killed before its -atime was written
+    cache = LRUCache(str(tmp_path), max_size=1 << 20)
+    cache.put("k2", b"whole")
+    assert cache.get("k2") == b"whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lockfile", "k2-atime", "k2-cache"]
