@@ -104,10 +104,12 @@ async def _fitting_conversation(state: ServerState, engine: Engine, body: Respon
                                 plan: ChatPlan) -> tuple[Items, ChatPlan]:
     """`truncation: "auto"` for `items`, whose `plan` does not fit the context: the conversation with the fewest of
     its oldest steps dropped whose plan fits, found by bisection (fewer items never make a longer prompt). Its
-    opening stays (up to its first user message: the task), and steps go whole: one starts at a user message, or
+    opening stays (up to its first user message, the task; without one, its system and developer messages), and
+    steps go whole: one starts at a user message, or
     where the model acts again after its calls' outputs, so no call loses its output nor an output its call. Where
     even the opening and the last step do not fit, those, for the engine to refuse."""
-    head = next((i + 1 for i, item in enumerate(items) if _is_user_message(item)), 0)
+    head = next((i + 1 for i, item in enumerate(items) if _is_user_message(item)),
+                next((i for i, item in enumerate(items) if not _is_instruction(item)), len(items)))
     cuts = [items[:head] + items[i:] for i in range(head + 1, len(items)) if _starts_step(items[i - 1], items[i])]
     if not cuts:
         return items, plan
@@ -125,6 +127,10 @@ async def _fitting_conversation(state: ServerState, engine: Engine, body: Respon
 
 def _is_user_message(item: InputItem) -> bool:
     return isinstance(item, MessageItem) and item.role == "user"
+
+
+def _is_instruction(item: InputItem) -> bool:
+    return isinstance(item, MessageItem) and item.role in ("system", "developer")
 
 
 def _starts_step(before: InputItem, item: InputItem) -> bool:

@@ -279,7 +279,7 @@ def test_marks_of_files_used_waiting_for_the_writer_never_drop_a_write(open_stor
 
     monkeypatch.setattr(kv_store.os, "utime", slow_utime)
     store.get(c)  # a disk hit: RAM evicts a, on disk, whose mark the writer takes and waits in
-    marking.wait()
+    assert marking.wait(10)
     store.get(d)  # RAM evicts b: a mark waiting, as many as the queue takes
     store.put(f, payload(LAYOUT, 5))  # a write, which must not wait behind marks for a place
     release.set()

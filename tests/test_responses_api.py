@@ -579,14 +579,15 @@ def test_truncation_auto_drops_the_oldest_whole_turns_after_the_opening_and_disa
         reply.usage.input_tokens
 
 
-def test_truncation_auto_drops_an_agents_oldest_calls_with_their_outputs(client):
+@pytest.mark.parametrize("opening", ["user", "developer"])  # without a user message, the instructions stay
+def test_truncation_auto_drops_an_agents_oldest_calls_with_their_outputs(client, opening):
     steps = [[{"type": "function_call", "call_id": f"call_{i}", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
               {"type": "function_call_output", "call_id": f"call_{i}", "output": f"Reading {i}: " + "cold wind " * 150}]
              for i in range(6)]  # about 300 tokens a step
-    conversation = [{"role": "user", "content": "Watch the weather in Oslo."}] + [item for step in steps for item in step]
+    conversation = [{"role": opening, "content": "Watch the weather in Oslo."}] + [item for step in steps for item in step]
     reply = client.responses.create(input=conversation, tools=[WEATHER], truncation="auto", **GREEDY)
     kept = client.responses.input_items.list(reply.id, order="asc", limit=100).data
-    assert kept[0].type == "message" and 3 <= len(kept) < len(conversation)
+    assert kept[0].type == "message" and kept[0].role == opening and 3 <= len(kept) < len(conversation)
     assert [item.type for item in kept[1:]] == ["function_call", "function_call_output"] * ((len(kept) - 1) // 2)
     assert kept[-1].call_id == "call_5" and kept[1].call_id == kept[2].call_id
 
