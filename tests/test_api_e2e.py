@@ -72,7 +72,7 @@ def start_server(*flags: str, startup_timeout_s: float = 900, env: dict[str, str
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            if tries > 1 and "address already in use" in server.output():
+            if tries > 1 and "address already in use" in server.output().lower():
                 return start_server(*flags, startup_timeout_s=startup_timeout_s, env=env, tries=tries - 1,
                                     until=until)
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.output()}")
