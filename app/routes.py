@@ -30,7 +30,6 @@ from sluice.app.prompts import Prompt, chat_prompt, tool_call_format, truncated,
 from sluice.app.reasoning import ANY_ANSWER, ReasoningFormat, keeps_tag_text
 from sluice.app.responses import ChatBuilder, CompletionBuilder
 from sluice.app.schemas import (
-    COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -214,7 +213,7 @@ async def create_completion(request: Request) -> Response:
     state, engine, body = await parse_body(request, CompletionRequest)
     prompts = await asyncio.to_thread(truncated_prompts, engine.tokenizer, body.prompt, body.truncate_prompt_tokens,
                                       engine.max_model_len)
-    params = body.sampling_params(COMPLETION_MAX_TOKENS, model_defaults(state, engine))
+    params = body.sampling_params(model_defaults=model_defaults(state, engine))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [p.token_ids for p in prompts], params, request_id, arrival)
     builder = CompletionBuilder(request_id, state.model_name, engine.tokenizer, body, prompts)

@@ -304,11 +304,12 @@ class SamplingRequest(PromptTruncation):
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options.continuous_usage_stats
 
-    def sampling_params(self, default_max_tokens: int, model_defaults: Mapping[str, float | int] | None = None
-                        ) -> SamplingParams:
-        """The engine's parameters; `default_max_tokens` applies when the request sets no limit, and
-        `model_defaults` (the model's own, `model/generation_config.py`) to the fields it leaves out, its limit of
-        tokens as a bound on `default_max_tokens`."""
+    def sampling_params(self, default_max_tokens: int | None = None,
+                        model_defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+        """The engine's parameters; `default_max_tokens` applies when the request sets no limit (only a chat request
+        can: a completion's field has the API's default), and `model_defaults` (the model's own,
+        `model/generation_config.py`) to the fields it leaves out, its limit of tokens as a bound on
+        `default_max_tokens`."""
         model_defaults = model_defaults or {}
         names = (f.name for f in dataclasses.fields(SamplingParams))
         shared = {name: getattr(self, name) for name in names if name in type(self).model_fields}

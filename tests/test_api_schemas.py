@@ -183,7 +183,7 @@ def test_sampling_params_carry_every_request_field():
 def test_default_max_tokens_applies_only_without_a_limit():
     assert ChatCompletionRequest.model_validate(CHAT).sampling_params(default_max_tokens=99).max_tokens == 99
     completion = CompletionRequest.model_validate({"prompt": "x", "logprobs": 2})
-    params = completion.sampling_params(default_max_tokens=16)
+    params = completion.sampling_params()  # none needed: its field has the API's 16
     assert (params.max_tokens, params.logprobs, params.top_logprobs) == (16, True, 2)
 
 
