@@ -15,8 +15,9 @@ from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator, \
-    model_serializer, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_serializer, \
+    field_validator, model_serializer, model_validator
+from pydantic_core import InitErrorDetails
 
 from sluice.batching.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
 from sluice.model.tokenizer import TEMPLATE_VARIABLES
@@ -40,6 +41,13 @@ def _check_vocabulary(ids: list[int], info: ValidationInfo) -> list[int]:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+def field_error(field: str, message: str, value: Any) -> ValidationError:
+    """A cross-field check's complaint about `field` (holding `value`), located there so that its 400 names it as
+    `param`, as OpenAI's do: a model validator's ValueError has no location (`param` null)."""
+    details = InitErrorDetails(type="value_error", loc=(field,), input=value, ctx={"error": ValueError(message)})
+    return ValidationError.from_exception_data("request", [details])
 
 
 def text_parts_only(*types: str):
@@ -262,25 +270,34 @@ class SamplingRequest(PromptTruncation):
         for name, default in cls.unsupported.items():
             if data.get(name) is not None and (default is _ANY or data[name] != default):
                 hint = "; use structured_outputs" if name in _GUIDED_FIELDS else ""
-                raise ValueError(f"{name} is not supported{hint}")
+                raise field_error(name, f"{name} is not supported{hint}", data[name])
         return data
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise field_error("stream_options", "stream_options is only allowed when stream is true",
+                              self.stream_options)
         if self.prompt_logprobs is not None and self.stream:
-            raise ValueError("prompt_logprobs are not available when stream is true")
+            raise field_error("prompt_logprobs", "prompt_logprobs are not available when stream is true",
+                              self.prompt_logprobs)
         json_format = isinstance(self.response_format, (JsonObjectFormat, JsonSchemaFormat))
         if self.structured_outputs is not None and json_format:
-            raise ValueError("give response_format or structured_outputs, not both")
-        if (self.structured_outputs is not None or json_format) and (self.ignore_eos or self.min_tokens):
-            raise ValueError("ignore_eos and min_tokens cannot be combined with structured output: the grammar "
-                             "decides where the output ends")
+            raise field_error("structured_outputs", "give response_format or structured_outputs, not both",
+                              self.structured_outputs)
+        if self.structured_outputs is not None or json_format:
+            self._no_ending_forced("structured output")
         if (self.structured_outputs is not None or json_format) and self.allowed_token_ids:
-            raise ValueError("allowed_token_ids cannot be combined with structured output: the grammar decides "
-                             "which tokens are allowed")
+            raise field_error("allowed_token_ids", "allowed_token_ids cannot be combined with structured output: the "
+                              "grammar decides which tokens are allowed", self.allowed_token_ids)
         return self
+
+    def _no_ending_forced(self, grammar: str) -> None:
+        """ignore_eos and min_tokens refused beside `grammar`, which decides where the output ends."""
+        if self.ignore_eos or self.min_tokens:
+            field = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise field_error(field, f"ignore_eos and min_tokens cannot be combined with {grammar}: the grammar "
+                              "decides where the output ends", getattr(self, field))
 
     def structured(self) -> StructuredOutput | None:
         """The grammar the output must follow, if the request asks for one."""
@@ -377,7 +394,8 @@ class CompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _no_tokens_only_with_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 needs echo (the prompt is then the whole answer)")
+            raise field_error("max_tokens", "max_tokens 0 needs echo (the prompt is then the whole answer)",
+                              self.max_tokens)
         return self
 
     def _logprob_params(self) -> dict[str, Any]:
@@ -473,13 +491,14 @@ class ChatMessage(_Request):
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages have tool_calls")
+            raise field_error("tool_calls", "only assistant messages have tool_calls", self.tool_calls)
         if self.reasoning_content is not None and self.role != "assistant":
-            raise ValueError("only assistant messages have reasoning")
+            raise field_error("reasoning_content", "only assistant messages have reasoning", self.reasoning_content)
         if self.content is None and not self.tool_calls and self.reasoning_content is None:
-            raise ValueError("content is required (an assistant message may give tool_calls or reasoning instead)")
+            raise field_error("content", "content is required (an assistant message may give tool_calls or reasoning "
+                              "instead)", None)
         if (self.role == "tool") != (self.tool_call_id is not None):
-            raise ValueError("tool messages, and only they, need tool_call_id")
+            raise field_error("tool_call_id", "tool messages, and only they, need tool_call_id", self.tool_call_id)
         return self
 
     def text(self) -> str:
@@ -515,10 +534,12 @@ class ChatRendering(_Request):
         if not self.continue_final_message:
             return self
         if self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            raise field_error("continue_final_message", "continue_final_message and add_generation_prompt cannot "
+                              "both be true", True)
         final = self.messages[-1] if self.messages else None
         if final is None or final.role != "assistant" or final.tool_calls or not final.text().strip():
-            raise ValueError("continue_final_message needs a final assistant message with text and no tool_calls")
+            raise field_error("continue_final_message", "continue_final_message needs a final assistant message "
+                              "with text and no tool_calls", True)
         return self
 
     def rendering(self) -> dict[str, Any]:
@@ -594,20 +615,21 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise field_error("top_logprobs", "top_logprobs requires logprobs to be true", self.top_logprobs)
         return self
 
     @model_validator(mode="after")
     def _forced_calls_are_the_grammar(self) -> ChatCompletionRequest:
         if self.forced_tools() and self.structured() is not None:
-            raise ValueError("a required or named tool_choice cannot be combined with response_format or "
-                             "structured_outputs: the calls are the output's grammar")
-        if self.forced_tools() and (self.ignore_eos or self.min_tokens):
-            raise ValueError("ignore_eos and min_tokens cannot be combined with a required or named tool_choice: "
-                             "the grammar decides where the output ends")
+            raise field_error("tool_choice", "a required or named tool_choice cannot be combined with "
+                              "response_format or structured_outputs: the calls are the output's grammar",
+                              self.tool_choice)
+        if self.forced_tools():
+            self._no_ending_forced("a required or named tool_choice")
         if self.allowed_token_ids and (self.forced_tools() or self.thinking_token_budget is not None):
-            raise ValueError("allowed_token_ids cannot be combined with a required or named tool_choice or a "
-                             "thinking_token_budget: their grammar decides which tokens are allowed")
+            raise field_error("allowed_token_ids", "allowed_token_ids cannot be combined with a required or named "
+                              "tool_choice or a thinking_token_budget: their grammar decides which tokens are "
+                              "allowed", self.allowed_token_ids)
         return self
 
     def active_tools(self) -> list[ToolDefinition]:
@@ -635,7 +657,7 @@ class TokenizeRequest(ChatRendering):
     @model_validator(mode="after")
     def _exactly_one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise field_error("prompt", "give exactly one of prompt or messages", self.prompt)
         return self
 
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from sluice.app.errors import APIError, from_validation_error
-from sluice.app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from sluice.app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from sluice.batching.sampling_params import StructuredOutput
 
 VOCAB = {"vocab_size": 1000}
@@ -299,3 +299,35 @@ def test_allowed_token_ids_are_refused_where_a_grammar_decides_the_tokens(gramma
     error = rejection(ChatCompletionRequest, {**CHAT, "tools": tools, "allowed_token_ids": [5], **grammar})
     assert "allowed_token_ids cannot be combined" in error.message
     ChatCompletionRequest.model_validate({**CHAT, "tools": tools, "allowed_token_ids": [5]}, context=VOCAB)
+
+
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.mark.parametrize(("schema", "body", "param"), [
+    (ChatCompletionRequest, {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    (ChatCompletionRequest, {**CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    (ChatCompletionRequest, {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs"),
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
+    (ChatCompletionRequest, {**CHAT, "structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
+    (ChatCompletionRequest, {**CHAT, "structured_outputs": {"regex": "a"}, "allowed_token_ids": [5]},
+     "allowed_token_ids"),
+    (ChatCompletionRequest, {**CHAT, "tools": TOOLS, "tool_choice": "required", "response_format": {
+        "type": "json_object"}}, "tool_choice"),
+    (ChatCompletionRequest, {**CHAT, "tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
+    (ChatCompletionRequest, {**CHAT, "thinking_token_budget": 8, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    (ChatCompletionRequest, {**CHAT, "use_beam_search": True}, "use_beam_search"),
+    (ChatCompletionRequest, {**CHAT, "continue_final_message": True}, "continue_final_message"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user"}]}, "messages.0.content"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": "x", "reasoning": "y"}]},
+     "messages.0.reasoning_content"),
+    (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (TokenizeRequest, {}, "prompt"),
+])
+def test_a_cross_field_rejection_names_the_field_it_is_about_as_param(schema, body, param):
+    """As OpenAI names it; a model-level check's 400 had param null."""
+    error = rejection(schema, body)
+    assert error.param == param and error.message.startswith(f"{param}: Value error, ")
