@@ -41,24 +41,27 @@ class Prompt:
     text: str
 
 
-def completion_prompts(
-    tokenizer: Tokenizer, prompt: str | list[str] | list[int] | list[list[int]]
-) -> list[Prompt]:
-    """A string, a list of strings, a list of token ids or a list of such lists -> one `Prompt` each."""
+def completion_prompts(tokenizer: Tokenizer, prompt: str | list[str] | list[int] | list[list[int]],
+                       add_special_tokens: bool = True) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids or a list of such lists -> one `Prompt` each.
+    `add_special_tokens`: a text gets the BOS the model's tokenizer asks for (ids are taken as they are)."""
     if isinstance(prompt, str):
-        return [_from_text(tokenizer, prompt)]
+        return [_from_text(tokenizer, prompt, add_special_tokens)]
     if all(isinstance(item, int) for item in prompt):
         return [_from_ids(tokenizer, prompt)]
-    return [_from_text(tokenizer, item) if isinstance(item, str) else _from_ids(tokenizer, item) for item in prompt]
+    return [_from_text(tokenizer, item, add_special_tokens) if isinstance(item, str) else _from_ids(tokenizer, item)
+            for item in prompt]
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 tools: list[ToolDefinition] = (), call_format: str = "hermes", continue_final_message: bool = False,
-                template_kwargs: Mapping[str, Any] | None = None) -> Prompt:
+                template_kwargs: Mapping[str, Any] | None = None, add_special_tokens: bool = False) -> Prompt:
     """The messages (and the tools the model may call) rendered with the model's chat template; a template that
     fails is the request's 400. `call_format`: the format of tool calls (`tool_call_format`).
     `continue_final_message`: the prompt ends with the final message's text, its turn left open (`ChatRendering`
-    checks that it is an assistant's). `template_kwargs`: the template's other variables."""
+    checks that it is an assistant's). `template_kwargs`: the template's other variables. `add_special_tokens`:
+    the BOS the model's tokenizer asks for is added where the rendered text does not begin with it (a template
+    that writes it gets no second one); otherwise the special tokens are the template's alone, as vLLM's default."""
     tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools]
     uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
     try:
@@ -74,7 +77,7 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
         raise invalid_request(str(error), param="messages") from None
     if continue_final_message:
         rendered = _open_final_turn(rendered, messages[-1].text())
-    return _from_text(tokenizer, rendered)
+    return _from_text(tokenizer, rendered, add_special_tokens)
 
 
 def _open_final_turn(rendered: str, final: str) -> str:
@@ -182,13 +185,14 @@ def truncated(tokenizer: Tokenizer, prompt: Prompt, keep: int | None, max_model_
 
 
 def truncated_prompts(tokenizer: Tokenizer, prompt: str | list[str] | list[int] | list[list[int]], keep: int | None,
-                      max_model_len: int) -> list[Prompt]:
+                      max_model_len: int, add_special_tokens: bool = True) -> list[Prompt]:
     """`completion_prompts`, each `truncated`."""
-    return [truncated(tokenizer, p, keep, max_model_len) for p in completion_prompts(tokenizer, prompt)]
+    return [truncated(tokenizer, p, keep, max_model_len)
+            for p in completion_prompts(tokenizer, prompt, add_special_tokens)]
 
 
-def _from_text(tokenizer: Tokenizer, text: str) -> Prompt:
-    return Prompt(tokenizer.encode(text), text)
+def _from_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> Prompt:
+    return Prompt(tokenizer.encode(text, add_special_tokens=add_special_tokens), text)
 
 
 def _from_ids(tokenizer: Tokenizer, ids: list[int]) -> Prompt:

@@ -212,7 +212,7 @@ async def create_completion(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, CompletionRequest)
     prompts = await asyncio.to_thread(truncated_prompts, engine.tokenizer, body.prompt, body.truncate_prompt_tokens,
-                                      engine.max_model_len)
+                                      engine.max_model_len, body.add_special_tokens)
     params = body.sampling_params(model_defaults=model_defaults(state, engine))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [p.token_ids for p in prompts], params, request_id, arrival)
@@ -221,12 +221,12 @@ async def create_completion(request: Request) -> Response:
 
 
 async def tokenize(request: Request) -> Response:
-    """`prompt` is encoded as it is; `messages` are first rendered with the chat template."""
+    """`prompt` is encoded as a completion's; `messages` are first rendered with the chat template, as a chat's."""
     _, engine, body = await parse_body(request, TokenizeRequest)
     if body.messages is not None:
         ids = (await asyncio.to_thread(chat_prompt, engine.tokenizer, body.messages, **body.rendering())).token_ids
     else:
-        ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
+        ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len))
 
 

@@ -380,6 +380,8 @@ class CompletionRequest(SamplingRequest):
                             description="0 only with echo: the prompt alone, scored with logprobs")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_special_tokens: bool = Field(True, description="vLLM's: false encodes a text prompt without the BOS the "
+                                     "model's tokenizer asks for (a prompt of token ids is always taken as it is)")
     suffix: str | None = Field(None, description="not supported: must be empty", json_schema_extra={"maxLength": 0})
 
     _check_prompts = field_validator("prompt")(check_prompts)
@@ -521,6 +523,9 @@ class ChatRendering(_Request):
     reasoning_effort: ReasoningEffort | None = Field(
         None, description="OpenAI's: the template's `reasoning_effort`, and its `enable_thinking` (false for none) "
                           "unless chat_template_kwargs sets it, as vLLM passes them")
+    add_special_tokens: bool = Field(False, description="vLLM's: true adds the BOS the model's tokenizer asks for "
+                                     "where the rendered prompt does not begin with it (never a second one); false: "
+                                     "the special tokens are the chat template's alone")
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -545,7 +550,8 @@ class ChatRendering(_Request):
     def rendering(self) -> dict[str, Any]:
         """`chat_prompt`'s keyword arguments for these fields."""
         return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message, "template_kwargs": self._template_kwargs()}
+                "continue_final_message": self.continue_final_message, "template_kwargs": self._template_kwargs(),
+                "add_special_tokens": self.add_special_tokens}
 
     def _template_kwargs(self) -> dict[str, Any]:
         if self.reasoning_effort is None:
@@ -653,6 +659,14 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
 class TokenizeRequest(ChatRendering):
     model: str | None = None
     prompt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _special_tokens_as_a_completions(cls, data: Any) -> Any:
+        # vLLM's defaults: a prompt gets them as a completion's does; messages only what their template writes.
+        if isinstance(data, dict) and data.get("prompt") is not None and data.get("add_special_tokens") is None:
+            return {**data, "add_special_tokens": True}
+        return data
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> TokenizeRequest:

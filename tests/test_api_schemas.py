@@ -331,3 +331,11 @@ def test_a_cross_field_rejection_names_the_field_it_is_about_as_param(schema, bo
     """As OpenAI names it; a model-level check's 400 had param null."""
     error = rejection(schema, body)
     assert error.param == param and error.message.startswith(f"{param}: Value error, ")
+
+
+def test_add_special_tokens_defaults_as_vllms_true_for_a_text_prompt_false_for_messages():
+    assert CompletionRequest.model_validate({"prompt": "x"}).add_special_tokens is True
+    assert ChatCompletionRequest.model_validate(CHAT).rendering()["add_special_tokens"] is False
+    assert TokenizeRequest.model_validate({"prompt": "x"}).add_special_tokens is True
+    assert TokenizeRequest.model_validate({"prompt": "x", "add_special_tokens": False}).add_special_tokens is False
+    assert TokenizeRequest.model_validate({"messages": CHAT["messages"]}).add_special_tokens is False

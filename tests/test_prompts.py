@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from sluice.app.errors import APIError
-from sluice.app.prompts import chat_prompt
+from sluice.app.prompts import chat_prompt, truncated_prompts
 from sluice.app.schemas import ChatCompletionRequest, ChatMessage
 from sluice.model.tokenizer import Tokenizer
 
@@ -138,3 +138,33 @@ def test_a_messages_name_reaches_the_template_as_vllm_passes_it(tokenizer):
     request = chat([{"role": "developer", "content": "Be brief", "name": "ops"},
                     {"role": "user", "content": "Hi", "name": "bob"}, {"role": "assistant", "content": "Hello"}])
     assert chat_prompt(names, request.messages).text == "system(ops):Be brief|user(bob):Hi|assistant:Hello|"
+
+
+def test_a_chats_special_tokens_are_its_templates_unless_add_special_tokens_asks_for_the_bos(tokenizer):
+    """vLLM's chat default (false): a BOS the template does not write is not added; true adds it, once."""
+    plain = with_special(tokenizer, add_bos=True, chat_template="{{ messages[0]['content'] }}")
+
+    def ids(**fields) -> list[int]:
+        request = chat([{"role": "user", "content": "Hi"}], **fields)
+        return chat_prompt(plain, request.messages, **request.rendering()).token_ids
+
+    assert ids() == tokenizer.encode("Hi")
+    assert ids(add_special_tokens=True) == [tokenizer.bos_token_id, *tokenizer.encode("Hi")]
+
+
+def test_add_special_tokens_never_doubles_a_bos_the_template_writes(tokenizer):
+    """SmolLM2's BOS is <|im_start|>, which its ChatML template writes first: with its tokenizer asking for a BOS,
+    the prompt is the same either way."""
+    asks_bos = with_special(tokenizer, add_bos=True)
+    request = chat([{"role": "user", "content": "Hi"}], add_special_tokens=True)
+    prompt = chat_prompt(asks_bos, request.messages, **request.rendering())
+    assert prompt.token_ids == chat_prompt(tokenizer, request.messages).token_ids
+    assert prompt.token_ids[0] == tokenizer.bos_token_id != prompt.token_ids[1]
+
+
+def test_a_completions_text_prompt_gets_the_bos_unless_add_special_tokens_is_false_and_ids_stay_as_they_are(tokenizer):
+    asks_bos = with_special(tokenizer, add_bos=True)
+    hi = tokenizer.encode("Hi")
+    for add_special_tokens, expected in ((True, [tokenizer.bos_token_id, *hi]), (False, hi)):
+        prompts = truncated_prompts(asks_bos, ["Hi", hi], None, 128, add_special_tokens)
+        assert [p.token_ids for p in prompts] == [expected, hi]
