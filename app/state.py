@@ -94,6 +94,8 @@ class ServerState:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is in flight; False if `timeout_s` passed first."""
+        if self._idle.is_set():  # asyncio.wait_for with a timeout of 0 times out even on an event already set
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:

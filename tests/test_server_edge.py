@@ -30,6 +30,7 @@ from sluice.app.metrics import ServerMetrics
 from sluice.app import middleware
 from sluice.app.middleware import BodyReadMiddleware, InternalErrorMiddleware, RequestCountMiddleware
 from sluice.app.replicas import ReplicaReport
+from sluice.app.serve import DrainingServer
 from sluice.app.server import create_app
 from sluice.app.streaming import EventStreamResponse
 from sluice.app.state import ServerSettings, ServerState
@@ -105,6 +106,15 @@ def test_a_body_that_stops_arriving_is_a_408_in_its_apis_shape_and_its_connectio
         wait_until(lambda: not server.server_state.tasks and not server.server_state.connections)
         assert counts(address, path) == [f'sluice_requests_total{{route="{path}",status="408"}} 1.0']
         assert asyncio.run(state.wait_idle(1))  # nothing admitted: a drain would not wait for it
+
+
+def test_a_drain_given_no_time_ends_a_server_whose_model_is_still_loading():
+    """`--drain-timeout 0` and a SIGTERM while the model loads: nothing is in flight, so there is nothing to abort
+    (and no engine to abort it in), and the server exits."""
+    state = ServerState(ServerSettings())
+    server = DrainingServer(uvicorn.Config(create_app(state)), state, drain_timeout_s=0)
+    asyncio.run(server._drain())
+    assert server.should_exit
 
 
 def test_the_replicas_ingress_answers_a_body_that_stops_arriving_with_a_408_no_replica_sees(monkeypatch):
