@@ -26,6 +26,7 @@ from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU
     KV_CACHE_DTYPES, LAYER_LOOPS, LARGE_ACCELERATOR_BATCH, QUANTIZATIONS, SAMPLER_BRANCHES, EngineConfig, \
     InvalidEngineConfig
 from sluice.batching.engine import Engine
+from sluice.pallas_kernels.attention import BACKENDS
 from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
@@ -33,6 +34,7 @@ from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, in
 from sluice.app.addresses import http_url
 from sluice.app.arguments import CHAT_TEMPLATE_HELP, OneLineErrors, above, at_least, chat_template
 from sluice.app.engine_loading import load_engine
+from sluice.app.middleware import OPEN_PATHS
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
@@ -237,7 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=byte_size)
     _option(parser, "--prefix-cache-ram", _ENGINE_DEFAULTS.prefix_cache_ram,
             "most bytes of KV pages the persistent prefix cache keeps in host RAM, e.g. 1G", type=byte_size)
-    _option(parser, "--attention-backend", _ENGINE_DEFAULTS.attention_backend, "attention implementation")
+    _option(parser, "--attention-backend", _ENGINE_DEFAULTS.attention_backend,
+            "attention kernels (auto: Mosaic on Hopper GPUs, else Triton; the C++ kernel on a CPU)",
+            choices=list(BACKENDS))
     _option(parser, "--layer-loop", _ENGINE_DEFAULTS.layer_loop,
             "how the model runs its layers: a scan over stacked weights, or unrolled over one array per layer "
             "(auto: unrolled on a GPU, where the scan copies each layer's weights every step)",
@@ -250,7 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "most sequences waiting for a batch slot; beyond it requests get 429 with Retry-After",
             type=at_least(0, int))
     _option(parser, "--api-key", None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on all routes but "
-            "/health, /metrics, /openapi.json and the dashboard's")
+            f"{', '.join(sorted(OPEN_PATHS))} and the dashboard's")
     _option(parser, "--allowed-origins", _SERVER_DEFAULTS.allowed_origins,
             "CORS: the origins whose pages may call the API, as a JSON list (\"*\": any)", type=string_list)
     _option(parser, "--allowed-methods", _SERVER_DEFAULTS.allowed_methods, "CORS: the methods they may use",
