@@ -1,7 +1,14 @@
 """Errors on Anthropic's routes in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
 
 The same `APIError`s are raised everywhere; only their rendering differs by path, so that a 401 from the API-key
-middleware or a 429 from admission reaches the `anthropic` client as it would from Anthropic.
+middleware or a full queue at admission reaches the `anthropic` client as it would from Anthropic.
+
+A full waiting queue is the server's overload, not the caller's rate limit: Anthropic answers an overload with 529
+`overloaded_error` (the client's `OverloadedError`, retried, after `Retry-After` when sent), keeping 429
+`rate_limit_error` (`RateLimitError`) for an account over its own limits, which Sluice has none of. So the queue's
+429 is a 529 here (its `Retry-After` kept), and stays a 429 on the OpenAI routes. Sluice's 503s (loading, draining,
+a request aborted, a replica lost) keep their status, which proxies and load balancers read (the client raises
+`ServiceUnavailableError` and retries), as `api_error`: Anthropic pairs `overloaded_error` with 529 alone.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from sluice.app.streaming import sse_event
 
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
+OVERLOADED = 529  # Anthropic's status for an overloaded API (no standard HTTP status says it)
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -21,13 +30,19 @@ _TYPES = {
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
-    503: "overloaded_error",
+    OVERLOADED: "overloaded_error",
 }
+
+
+def _status(error: APIError) -> int:
+    """The status `error` has on Anthropic's routes: a full queue is an overload (529), the rest their own."""
+    return OVERLOADED if error.code == "queue_full" else error.status
 
 
 def anthropic_error(error: APIError) -> AnthropicErrorResponse:
     """The body of `error`; a status without its own Anthropic type is an `api_error` (5xx) or invalid request."""
-    kind = _TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    status = _status(error)
+    kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     details = {"error_code": error.code} if error.code is not None else None
     return AnthropicErrorResponse(error=AnthropicErrorDetail(type=kind, message=error.message, details=details))
 
@@ -41,5 +56,5 @@ def error_response_for(path: str, error: APIError) -> JSONResponse:
     """`error` as the route at `path` speaks: Anthropic's shape on its routes, OpenAI's elsewhere."""
     if path not in ANTHROPIC_PATHS:
         return error_response(error)
-    return JSONResponse(anthropic_error(error).model_dump(exclude_none=True), status_code=error.status,
+    return JSONResponse(anthropic_error(error).model_dump(exclude_none=True), status_code=_status(error),
                         headers=error.headers)

@@ -9,6 +9,7 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     thinking blocks (assistant)  -> the assistant message's reasoning_content (redacted_thinking: left out)
     tool_result blocks (user)    -> tool messages, in place
     tool_choice auto/any/tool/none -> auto/required/named/none; disable_parallel_tool_use -> parallel_tool_calls
+    a tool's eager_input_streaming -> its calls' input streamed as sampled (`anthropic_responses.py`)
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
     thinking                     -> chat_template_kwargs' enable_thinking: false if disabled, else true
     thinking.budget_tokens       -> thinking_token_budget, with a --reasoning-parser where each tag is a token
@@ -68,7 +69,9 @@ async def create_message(request: Request) -> Response:
     chat = await plan_chat(state, engine, chat_request(body, budgets), "input_schema")
     message_id = f"msg_{uuid.uuid4().hex}"
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
-    builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling, chat.reasoning)
+    eager = frozenset(tool.name for tool in body.tools if tool.eager_input_streaming)
+    builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling, chat.reasoning,
+                             eager)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 
@@ -99,9 +102,10 @@ def _prefills(messages: list[MessageParam]) -> bool:
 
 
 def _without_an_empty_prefill(messages: list[MessageParam]) -> list[MessageParam]:
-    """The messages less a final assistant message with no text (or only whitespace): Anthropic allows the final
-    one, alone of all, to be empty, and it starts no reply."""
-    if _prefills(messages) and not _text(messages[-1]).strip():
+    """The messages less a final assistant message with no text (an empty string, no blocks, or thinking alone):
+    Anthropic allows the final one, alone of all, to be empty, and it starts no reply (a text block without
+    text, or with whitespace alone, the schema refuses as Anthropic does)."""
+    if _prefills(messages) and not _text(messages[-1]):
         return messages[:-1]
     return messages
 

@@ -8,6 +8,13 @@ block after a `signature_delta`, as Anthropic's); `message_delta` then carries t
 sequence that ended the reply, if one did) and usage. A `ping` follows `message_start`, as in Anthropic's streams.
 An error during a stream becomes an `error` event.
 
+A call's input goes out one whole parameter at a time, as Anthropic streams it: a value still being written is held
+back, so a call that max_tokens cuts short has as input the parameters it completed, whole or streamed alike (the
+`anthropic` client's `get_final_message()` parses the streamed fragments into that object), where a value cut in the
+middle (`"Par`, `12` of `123`) would be parsed as what it is not. A tool that asks for `eager_input_streaming`
+(Anthropic's fine-grained tool streaming) has its input streamed as it is sampled instead, a cut value included;
+its whole message still holds the completed parameters alone.
+
 Usage splits the prompt as Anthropic does: `input_tokens` are the tokens computed, `cache_read_input_tokens` those the
 prefix cache held. The engine reports the split when the reply ends, so a stream's `message_start` counts the whole
 prompt as input, and its `message_delta` (whose counts replace them, as Anthropic's clients read them) gives the split.
@@ -63,15 +70,70 @@ def new_tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-def _input(arguments: str) -> dict[str, Any]:
-    """A call's input; `{}` for one that max_tokens cut off (a forced call streams its arguments as they come, so
-    an unfinished one is still a call), cut where its text reads as JSON but no object (`[1, 2`, `-1`) too: a
-    tool_use block's input is an object."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+class _Members:
+    """A call's arguments as they arrive (JSON text of an object, cut short if max_tokens ends the reply first; a
+    forced call's arguments arrive as they are sampled) and how far they hold complete members: up to the comma
+    after the last member whose value has ended, or all of them once the object has closed. `push` gives the text
+    that completes members, the input's `input_json_delta`s; `input()` is the object they hold. Text that is no
+    object (`[1, 2`, `-1`), or stops being JSON (off a grammar), holds the members complete before it: a tool_use
+    block's input is an object."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._complete = 0  # the length of the start of `_text` that holds whole members
+        self._closed = False  # whether that start is the whole object
+        self._broken = False  # whether the text stopped being an object's members
+        self._scanned = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def push(self, text: str) -> str:
+        self._text += text
+        before = self._complete
+        while self._scanned < len(self._text) and not (self._closed or self._broken):
+            self._scan(self._text[self._scanned])
+            self._scanned += 1
+        return self._text[before:self._complete]
+
+    def _scan(self, char: str) -> None:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self._in_string = False
+        elif char == '"':
+            self._in_string = True
+        elif char in "{[":
+            self._depth += 1
+        elif char in "}]":
+            self._depth -= 1
+            if self._depth == 0:
+                self._end(self._scanned + 1, closed=True)
+        elif char == "," and self._depth == 1:
+            self._end(self._scanned, closed=False)
+
+    def _end(self, end: int, closed: bool) -> None:
+        """A member ends at `end` (where the object closes, if `closed`): complete if what comes before is an
+        object's members."""
+        if self._object(self._text[:end] if closed else self._text[:end] + "}") is None:
+            self._broken = True
+        else:
+            self._complete, self._closed = end, closed
+
+    def input(self) -> dict[str, Any]:
+        held = self._text[:self._complete]
+        return (self._object(held if self._closed else held + "}") or {}) if held else {}
+
+    @staticmethod
+    def _object(text: str) -> dict[str, Any] | None:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
 
 
 def _opening(text: str, after_block: bool) -> str:
@@ -91,32 +153,34 @@ def _content(pieces: list[Thought | StreamEvent]) -> list[ThinkingBlock | TextBl
     thinking = "".join(piece.text for piece in pieces if isinstance(piece, Thought))  # all before the answer
     blocks: list[ThinkingBlock | TextBlock | ToolUseBlock] = (
         [ThinkingBlock(thinking=thinking, signature=signature(thinking))] if thinking else [])
-    arguments: dict[int, str] = {}  # a call's block's index -> its arguments so far
+    arguments: dict[int, _Members] = {}  # a call's block's index -> its arguments
     for piece in pieces:
         if isinstance(piece, Thought):
             continue
         if isinstance(piece, ArgumentsDelta):
-            arguments[len(blocks) - 1] += piece.text
+            arguments[len(blocks) - 1].push(piece.text)
         elif isinstance(piece, CallStart):
-            arguments[len(blocks)] = ""
+            arguments[len(blocks)] = _Members()
             blocks.append(ToolUseBlock(id=new_tool_use_id(), name=piece.name, input={}))
         elif blocks and isinstance(blocks[-1], TextBlock):
             blocks[-1].text += piece.text
         else:
             blocks.append(TextBlock(text=_opening(piece.text, after_block=bool(blocks))))
-    for index, text in arguments.items():
-        blocks[index].input = _input(text)
+    for index, members in arguments.items():
+        blocks[index].input = members.input()
     return blocks
 
 
 class MessageBuilder:
     """One generation (one choice) as an Anthropic `message`. `input_tokens`: the prompt's length, known before
     the engine reports usage (`message_start` carries it); what the text is read for: `calling` (None: no tools)
-    and `reasoning` (None: no --reasoning-parser)."""
+    and `reasoning` (None: no --reasoning-parser); `eager`: the tools whose calls stream their input as it is
+    sampled (`eager_input_streaming`), not a whole parameter at a time."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int, calling: ToolCalling | None,
-                 reasoning: ReasoningFormat | None = None) -> None:
+                 reasoning: ReasoningFormat | None = None, eager: frozenset[str] = frozenset()) -> None:
         self._id = message_id
+        self._eager = eager
         self._model = model
         self._input_tokens = input_tokens
         self._calling = calling
@@ -142,7 +206,7 @@ class MessageBuilder:
         start = self._message([], None, None, MessageUsage(input_tokens=self._input_tokens, output_tokens=0))
         yield sse(MessageStartEvent(message=start))
         yield sse(PingEvent())
-        blocks = _Blocks()
+        blocks = _Blocks(self._eager)
         reader = ReplyReader(self._reasoning, self._calling)
         try:
             async for increment in generation.increments():
@@ -190,20 +254,24 @@ class MessageBuilder:
 class _Blocks:
     """The content blocks of a stream, as SSE events: a thought goes to the open thinking block (opening one first),
     a text delta to the open text block (opening one if another block or none is open), each call starts a
-    tool_use block, and its arguments' fragments go to it.
+    tool_use block, and its arguments go to it as their members complete (as they arrive for an `eager` tool's).
 
     A thinking or text delta's event (one per token) differs from the block's others only in its text, so the JSON
     around the text is serialized once per block, from the schema, and each delta serializes its text alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, eager: frozenset[str] = frozenset()) -> None:
+        self._eager = eager
         self._count = 0
         self._open: Literal["thinking", "text", "tool_use"] | None = None
         self._frame: TextFrame | None = None  # the open thinking or text block's delta event
         self._thinking = ""  # the open thinking block's text so far
+        self._members: _Members | None = None  # the open tool_use block's arguments (None: an eager tool's)
 
     def add(self, piece: Thought | StreamEvent) -> list[bytes]:
         if isinstance(piece, ArgumentsDelta):
-            return [sse(ContentBlockDeltaEvent(index=self._count - 1, delta=InputJsonDelta(partial_json=piece.text)))]
+            out = piece.text if self._members is None else self._members.push(piece.text)
+            return [sse(ContentBlockDeltaEvent(index=self._count - 1, delta=InputJsonDelta(partial_json=out)))
+                    ] if out else []
         if (isinstance(piece, Thought) and self._open == "thinking"
                 or isinstance(piece, TextDelta) and self._open == "text"):
             return [self._delta(piece.text)]
@@ -222,7 +290,7 @@ class _Blocks:
             events += [sse(ContentBlockStartEvent(index=index, content_block=TextBlock(text=""))),
                        self._delta(_opening(piece.text, after_block=index > 0))]
         else:
-            self._open = "tool_use"
+            self._open, self._members = "tool_use", None if piece.name in self._eager else _Members()
             block = ToolUseBlock(id=new_tool_use_id(), name=piece.name, input={})
             events.append(sse(ContentBlockStartEvent(index=index, content_block=block)))
         self._count += 1

@@ -141,6 +141,8 @@ class ToolParam(_Request):
     name: ToolName
     description: str | None = None
     input_schema: dict[str, Any] = Field(description="a JSON schema of the call's input object")
+    eager_input_streaming: bool | None = Field(None, description="true: a stream sends the call's input as it is "
+                                                                 "sampled, not a whole parameter at a time")
 
     @field_validator("input_schema")
     @classmethod
@@ -239,6 +241,25 @@ class CountTokensRequest(_Request):
         return self
 
     @model_validator(mode="after")
+    def _text_with_text(self) -> CountTokensRequest:
+        """As Anthropic checks, in its words: each text block of the system and the messages (a string content is
+        one) has text, and not whitespace alone; the final message, an assistant's prefill, may be empty but does
+        not end in whitespace (where the reply would start, a token boundary no tokenizer would have put there)."""
+        blocks = [] if self.system is None or isinstance(self.system, str) else self.system
+        if fault := _faulty_text(blocks):
+            raise PydanticCustomError("empty_text_block", "system: {fault}", {"fault": fault})
+        for message in self.messages:
+            # An empty string, refused above but as the final assistant message, is no block.
+            if message.content != "" and (fault := _faulty_text(message.blocks())):
+                raise PydanticCustomError("empty_text_block", "messages: {fault}", {"fault": fault})
+        final = self.turns()[-1]
+        if (final.role == "assistant" and final.content and isinstance(last := final.blocks()[-1], TextBlockParam)
+                and last.text != last.text.rstrip()):
+            raise PydanticCustomError("trailing_whitespace", "messages: final assistant content cannot end with "
+                                      "trailing whitespace")
+        return self
+
+    @model_validator(mode="after")
     def _each_call_answered_in_the_next_turn(self) -> CountTokensRequest:
         """As Anthropic checks: a tool_result answers a tool_use of the turn before it, and a tool_use (but in the
         final turn) is answered in the turn after it, so that no call is shown the model without its result nor a
@@ -293,6 +314,15 @@ class CountTokensRequest(_Request):
         return "\n".join(block.text for block in self.system)
 
 
+def _faulty_text(blocks: list[Any]) -> str | None:
+    """What is wrong with the first text block among `blocks` that has no text, or whitespace alone (None: none)."""
+    for block in blocks:
+        if isinstance(block, TextBlockParam) and not block.text.strip():
+            return ("text content blocks must contain non-whitespace text" if block.text
+                    else "text content blocks must be non-empty")
+    return None
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
@@ -306,10 +336,11 @@ class MessagesRequest(CountTokensRequest):
 
     @field_validator("stop_sequences")
     @classmethod
-    def _no_empty_stop_sequence(cls, sequences: list[str]) -> list[str]:
-        # The empty string is found in any text: the reply would stop at its first token.
-        if "" in sequences:
-            raise ValueError("a stop sequence must not be empty")
+    def _no_blank_stop_sequence(cls, sequences: list[str]) -> list[str]:
+        # As Anthropic refuses them, in its words (the empty string, found in any text, would stop the reply at its
+        # first token); the OpenAI routes take whitespace as a stop string.
+        if any(not sequence.strip() for sequence in sequences):
+            raise PydanticCustomError("blank_stop_sequence", "each stop sequence must contain non-whitespace")
         return sequences
 
     @model_validator(mode="after")

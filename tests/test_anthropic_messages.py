@@ -13,11 +13,14 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from jiter import from_json
 from pydantic import BaseModel, ValidationError
 
+from sluice.app.anthropic_errors import error_response_for
 from sluice.app.anthropic_messages import chat_request
 from sluice.app.anthropic_responses import MessageBuilder
 from sluice.app.anthropic_schemas import MessagesRequest
+from sluice.app.errors import not_ready, queue_full
 from sluice.app.tool_calls import ToolCalling
 from sluice.batching.outputs import Increment, Usage
 from sluice.model.config import ModelConfig
@@ -28,9 +31,11 @@ from test_api_e2e import API_KEY, start_server
 MODEL = "tiny-anthropic"
 # The tools prompt is long in a byte-level vocabulary of 288 tokens (the model's and the tokenizer's, above the
 # 259 symbols that grammars need):
-# room for it and a round trip.
-FLAGS = ["--max-model-len", "2048", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-         "--kv-cache-memory", "16MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui"]
+# room for it and a round trip. Two sequences may wait beyond the batch's four: a request of six fills the queue.
+MAX_NUM_SEQS, MAX_WAITING = 4, 2
+FLAGS = ["--max-model-len", "2048", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING),
+         "--max-num-batched-tokens", "64", "--kv-cache-memory", "16MiB", "--api-key", API_KEY,
+         "--served-model-name", MODEL, "--no-ui"]
 HELLO = [{"role": "user", "content": "the quick brown fox"}]
 # The client no longer has sampling arguments of its own; the API still takes them.
 GREEDY = {"extra_body": {"temperature": 0}}
@@ -205,6 +210,40 @@ def test_a_call_cut_off_by_max_tokens_stops_for_max_tokens(client, stream):
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 30
 
 
+def test_a_call_cut_by_max_tokens_has_the_parameters_it_completed_whole_as_streamed(client):
+    """As Anthropic streams a call's input, one whole parameter at a time (a value cut by max_tokens never reaches
+    the stream): cut short, a call's input is the parameters it completed, in the message and in the client's
+    assembly of the stream alike (the message gave `{}`, while the client assembled the fragments, a value cut in the
+    middle among them, into more)."""
+    request = dict(model=MODEL, tools=[WEATHER], messages=HELLO, tool_choice={"type": "any"}, **GREEDY)
+    complete = client.messages.create(**request, max_tokens=200)
+    [call] = complete.content
+    assert complete.stop_reason == "tool_use" and set(call.input) == {"city", "unit"}
+    inputs, sent = [], {}
+    # Cut everywhere from the call's head on: in its name, its city, between the two, its unit, after its object.
+    for max_tokens in range(complete.usage.output_tokens - 50, complete.usage.output_tokens):
+        whole = client.messages.create(**request, max_tokens=max_tokens)
+        with client.messages.stream(**request, max_tokens=max_tokens) as events:
+            fragments = [event.partial_json for event in events if event.type == "input_json"]
+            streamed = events.get_final_message()
+        assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+        whole_inputs = [block.input for block in whole.content if block.type == "tool_use"]
+        assert whole_inputs == [block.input for block in streamed.content if block.type == "tool_use"], max_tokens
+        for i in range(1, len(fragments) + 1):  # what has gone out is always whole members of an object
+            members = "".join(fragments[:i])
+            assert isinstance(json.loads(members if members.endswith("}") else members + "}"), dict)
+        inputs += whole_inputs
+        sent[max_tokens] = "".join(fragments)
+    assert all(cut == {name: call.input[name] for name in cut} for cut in inputs)  # no value cut short
+    assert {} in inputs and {"city": call.input["city"]} in inputs and call.input in inputs
+    # A tool asking for eager_input_streaming has its input streamed as sampled: the unit cut short goes out too.
+    last_without_unit = max(max_tokens for max_tokens, members in sent.items() if '"unit"' not in members)
+    eager = {**request, "tools": [{**WEATHER, "eager_input_streaming": True}]}
+    with client.messages.stream(**eager, max_tokens=last_without_unit) as events:
+        streamed = "".join(event.partial_json for event in events if event.type == "input_json")
+    assert streamed.startswith(sent[last_without_unit]) and '"unit": "' in streamed
+
+
 def test_a_named_tool_choice_calls_that_tool(client):
     other = {**WEATHER, "name": "get_time"}
     message = client.messages.create(model=MODEL, max_tokens=200, tools=[other, WEATHER], **GREEDY,
@@ -274,10 +313,11 @@ def test_thinking_is_the_templates_enable_thinking_and_the_effort_its_reasoning_
     assert chat_request(body, budgets=True).thinking_token_budget == budget
 
 
-@pytest.mark.parametrize("empty", ["", " ", [], [{"type": "text", "text": ""}], [THOUGHT]])
+@pytest.mark.parametrize("empty", ["", [], [THOUGHT]])
 def test_an_empty_final_assistant_message_is_no_prefill(empty):
     """Anthropic allows the final assistant message, alone of all, to be empty: the reply then starts afresh (it
-    was a 400 naming continue_final_message, a field the request never had)."""
+    was a 400 naming continue_final_message, a field the request never had). A text block in it has text all the
+    same (`test_bad_requests_...`)."""
     body = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 4,
                                            "messages": [*HELLO, {"role": "assistant", "content": empty}]})
     chat = chat_request(body)
@@ -346,7 +386,35 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
      "messages.0.content.blocks.0.text.text: Field required"),
     ({"messages": HELLO, "max_tokens": 4, "system": [{"type": "text", "txt": "Be brief."}]},
      "system.blocks.0.text: Field required"),
-    ({"messages": HELLO, "max_tokens": 4, "stop_sequences": ["END", ""]}, "stop_sequences"),
+    ({"messages": HELLO, "max_tokens": 4, "stop_sequences": ["END", ""]},
+     "stop_sequences: each stop sequence must contain non-whitespace"),
+    ({"messages": HELLO, "max_tokens": 4, "stop_sequences": ["\n"]},
+     "stop_sequences: each stop sequence must contain non-whitespace"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}], "max_tokens": 4},
+     "messages: text content blocks must be non-empty"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " \n"}]}],
+      "max_tokens": 4}, "messages: text content blocks must contain non-whitespace text"),
+    ({"messages": [{"role": "user", "content": "  "}], "max_tokens": 4},
+     "messages: text content blocks must contain non-whitespace text"),
+    # An agent's history where a reply went straight to its call with an empty text block before it.
+    ({"messages": [*HELLO, {"role": "assistant", "content": [{"type": "text", "text": ""}, {
+        "type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]}],
+      "max_tokens": 4}, "messages: text content blocks must be non-empty"),
+    ({"messages": HELLO, "max_tokens": 4,
+      "system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": ""}]},
+     "system: text content blocks must be non-empty"),
+    ({"messages": HELLO, "max_tokens": 4, "system": [{"type": "text", "text": "\t"}]},
+     "system: text content blocks must contain non-whitespace text"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": [{"type": "text", "text": ""}]}], "max_tokens": 4},
+     "messages: text content blocks must be non-empty"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": " "}], "max_tokens": 4},
+     "messages: text content blocks must contain non-whitespace text"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": "Sure, "}], "max_tokens": 4},
+     "messages: final assistant content cannot end with trailing whitespace"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": [{"type": "text", "text": "Sure,"},
+                                                             {"type": "text", "text": "here:\n"}]}], "max_tokens": 4},
+     "messages: final assistant content cannot end with trailing whitespace"),
     ({"messages": HELLO, "max_tokens": 4, "temperature": 1.5}, "temperature"),
     ({"messages": HELLO, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1023}},
      "thinking.enabled.budget_tokens"),
@@ -369,6 +437,58 @@ def test_bad_requests_are_400_invalid_request_errors_in_anthropics_shape(server,
     body = response.json()
     assert response.status_code == 400 and body["type"] == "error"
     assert body["error"]["type"] == "invalid_request_error" and words in body["error"]["message"]
+
+
+def test_count_tokens_refuses_text_blocks_without_text_as_create_does(client):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.count_tokens(model=MODEL,
+                                     messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}])
+    assert caught.value.body["error"]["message"] == "messages: text content blocks must be non-empty"
+
+
+def test_a_prefill_may_end_in_whitespace_before_the_final_turn(client):
+    """Only the final assistant content is held to no trailing whitespace: an earlier reply may end in some."""
+    messages = [*HELLO, {"role": "assistant", "content": "Sure. "}, {"role": "user", "content": "And?"}]
+    assert client.messages.count_tokens(model=MODEL, messages=messages).input_tokens > 0
+
+
+def test_a_full_queue_is_anthropics_overload_a_529_with_retry_after_and_a_429_on_the_openai_routes(server, client):
+    """Anthropic answers an overloaded API with 529 overloaded_error, which the client raises as OverloadedError (and
+    retries, after Retry-After); 429 rate_limit_error (RateLimitError) is an account's own rate limit, which a full
+    queue is not. The OpenAI routes keep their 429."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    # A request of as many sequences as the batch and the queue hold, generating for seconds (until aborted).
+    hold = {"model": MODEL, "messages": HELLO, "n": MAX_NUM_SEQS + MAX_WAITING, "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=hold, headers=headers, timeout=120) as held:
+        assert held.status_code == 200  # admitted: the queue is full
+        with pytest.raises(anthropic.OverloadedError) as caught:
+            client.messages.create(model=MODEL, max_tokens=4, messages=HELLO)
+        with pytest.raises(anthropic.OverloadedError):
+            with client.messages.stream(model=MODEL, max_tokens=4, messages=HELLO) as events:
+                events.get_final_message()
+        chat = httpx.post(f"{server.url}/v1/chat/completions", headers=headers,
+                          json={"model": MODEL, "messages": HELLO, "max_tokens": 4})
+    assert caught.value.status_code == 529 and caught.value.response.headers["retry-after"] == "1"
+    assert caught.value.body == {"type": "error", "error": {
+        "type": "overloaded_error", "message": "The server's waiting queue is full; retry later",
+        "details": {"error_code": "queue_full"}}}
+    assert chat.status_code == 429 and chat.headers["retry-after"] == "1"
+    assert chat.json()["error"]["type"] == "rate_limit_error"
+    # The held request was aborted as its connection closed; its sequences leave the queue at the next step.
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=10) as retrying:
+        assert retrying.messages.create(model=MODEL, max_tokens=1, messages=HELLO).usage.output_tokens == 1
+
+
+@pytest.mark.parametrize(("error", "status", "kind"), [(queue_full(3), 529, "overloaded_error"),
+                                                       (not_ready("The model is still loading"), 503, "api_error")])
+def test_overload_and_unavailability_in_anthropics_terms(error, status, kind):
+    """A full queue is Anthropic's overload (its Retry-After kept); Sluice's 503s keep their status, which proxies
+    read, as api_error: Anthropic pairs overloaded_error with 529 alone."""
+    response = error_response_for("/v1/messages", error)
+    assert (response.status_code, json.loads(response.body)["error"]["type"]) == (status, kind)
+    assert response.headers.get("retry-after") == error.headers.get("Retry-After")
+    assert error_response_for("/v1/chat/completions", error).status_code == error.status
 
 
 def test_an_unknown_model_is_a_404_not_found_error(client):
@@ -495,3 +615,42 @@ def test_a_bug_mid_stream_ends_the_stream_with_an_api_error_event():
     events = asyncio.run(stream())
     assert events[-1] == {"type": "error", "error": {"type": "api_error", "message": "Internal server error"}}
     assert any(e["type"] == "content_block_delta" for e in events)
+
+
+@pytest.mark.parametrize(("arguments", "expected"), [
+    ('{"city": "Oslo", "days": 12', {"city": "Oslo"}),  # 12 may be the start of 123
+    ('{"city": "Oslo", "where": {"lat": 59.9, "lon": 10', {"city": "Oslo"}),
+    ('{"city": "Os', {}),
+    ('{"city": "Oslo", "days": 12}}', {"city": "Oslo", "days": 12}),  # the call's object closed
+], ids=["a number", "an object", "the first value", "none"])
+def test_a_forced_call_cut_short_holds_back_the_value_being_written_whole_as_streamed(arguments, expected):
+    """The value being written when max_tokens cut the call is no parameter yet: the anthropic client would parse a
+    streamed `12` as 12, a nested object as the members it had."""
+    texts = list('<tool_call>\n{"name": "get_weather", "arguments": ' + arguments)  # a token per character
+
+    def builder() -> MessageBuilder:
+        return MessageBuilder("msg_1", MODEL, 3, ToolCalling(frozenset({"get_weather"}), forced=True))
+
+    async def stream() -> list[dict]:
+        return [json.loads(event.split(b"data: ")[1]) async for event in builder().events(_Replay(texts))]
+
+    whole = asyncio.run(builder().collect(_Replay(texts)))
+    sent = "".join(event["delta"]["partial_json"] for event in asyncio.run(stream())
+                   if event["type"] == "content_block_delta" and event["delta"]["type"] == "input_json_delta")
+    assert whole.content[0].input == expected == (from_json(sent.encode(), partial_mode=True) if sent else {})
+
+
+def test_an_eager_tools_call_streams_its_input_as_it_is_sampled_and_its_message_holds_whole_parameters():
+    texts = list('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 12')
+
+    def builder() -> MessageBuilder:
+        return MessageBuilder("msg_1", MODEL, 3, ToolCalling(frozenset({"get_weather"}), forced=True),
+                              eager=frozenset({"get_weather"}))
+
+    async def stream() -> list[dict]:
+        return [json.loads(event.split(b"data: ")[1]) async for event in builder().events(_Replay(texts))]
+
+    deltas = [event["delta"]["partial_json"] for event in asyncio.run(stream())
+              if event["type"] == "content_block_delta" and event["delta"]["type"] == "input_json_delta"]
+    assert len(deltas) > 2 and "".join(deltas) == '{"city": "Oslo", "days": 12'
+    assert asyncio.run(builder().collect(_Replay(texts))).content[0].input == {"city": "Oslo"}
