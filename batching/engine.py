@@ -232,6 +232,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
         self._stopping = False
+        self._aborting_all = False  # since `abort_all`: every request is aborted as it arrives
         self._num_steps = 0
         self._num_step_failures = 0
         self.healthy = True  # False while the engine starts over after a failed step, and for good once one hangs
@@ -286,7 +287,8 @@ class Engine:
         self._inbox.put(_Abort(request_id))
 
     def abort_all(self) -> None:
-        """`abort` for every request submitted so far (a drain that ran out of time)."""
+        """`abort` for every request submitted so far, and for each submitted later (a drain that ran out of time:
+        a request still being built then, its grammar compiling, would run on until the server was stopped)."""
         self._inbox.put(_AbortAll())
 
     # --- driving the loop -----------------------------------------------------------------------------
@@ -372,6 +374,7 @@ class Engine:
         while not self._stopping:
             if not self.has_work:
                 self._apply(self._inbox.get())  # sleeps until there is something to do
+                self._flush()  # a request it ended (one added after `abort_all`) hears so now
                 continue
             self._step_began = time.monotonic()
             try:
@@ -639,11 +642,14 @@ class Engine:
             for seq in request.seqs:
                 seq.arrive(arrival, now)
                 self.scheduler.add(seq)
+            if self._aborting_all:
+                self._finish(request, "abort", None)
         elif isinstance(command, _Abort):
             request = self._requests.get(command.request_id)
             if request is not None:
                 self._finish(request, "abort", None)
         elif isinstance(command, _AbortAll):
+            self._aborting_all = True
             self._abort_all()
         else:
             self._stopping = True

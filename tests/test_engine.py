@@ -177,6 +177,28 @@ def test_abort_mid_generation_ends_the_request_and_frees_its_pages_by_the_next_s
     assert stats.kv_pages_used == 0
 
 
+def test_abort_all_also_aborts_a_request_submitted_after_it(tiny):
+    """A drain that ran out of time aborts everything: a request still being built then (its grammar compiled in
+    its submission's thread) is aborted when it arrives, not left to run until the server is stopped."""
+    engine = make_engine(tiny)  # its own: after abort_all it serves nothing
+
+    async def run():
+        await engine.start()
+        try:
+            engine.abort_all()
+            while not engine._inbox.empty():  # taken while idle, as the drain's is
+                await asyncio.sleep(0.01)
+            late = [o async for o in engine.add_request([list(range(10, 30))],
+                                                        SamplingParams(max_tokens=40, ignore_eos=True))]
+            return late, await settled(engine)
+        finally:
+            await engine.shutdown()
+
+    late, stats = asyncio.run(asyncio.wait_for(run(), 30))
+    assert late[-1].finish_reason == "abort" and sum(len(o.token_ids) for o in late) == 0
+    assert stats.kv_pages_used == 0
+
+
 def test_hundred_random_aborts_leak_no_pages(engine):
     rng = random.Random(3)
 
