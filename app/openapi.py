@@ -11,22 +11,25 @@ from pydantic.json_schema import models_json_schema
 
 from sluice.app.schemas import ErrorResponse
 
-_ERROR_STATUSES = {
-    "400": "Invalid request: a field out of range, a prompt too long for the context, a failed chat template",
-    "401": "Missing or wrong API key",
-    "404": "Unknown model, or no stored response with that id",
-    "413": "Body too large",
-    "429": "Waiting queue full (Retry-After)",
-    "500": "Generation failed in the engine",
-    "503": "Loading, shutting down, or aborted by the server",
-}
+ERROR_STATUSES = (
+    ("400", "Invalid request: a field out of range, a prompt too long for the context, a failed chat template"),
+    ("401", "Missing or wrong API key"),
+    ("404", "Unknown model, or no stored response with that id"),
+    ("413", "Body too large"),
+    ("429", "Waiting queue full (Retry-After)"),
+    ("500", "Generation failed in the engine"),
+    ("503", "Loading, shutting down, or aborted by the server"),
+)
+# Anthropic's routes say a full queue as Anthropic says an overload (`anthropic_errors.py`).
+ANTHROPIC_ERROR_STATUSES = tuple(("529" if status == "429" else status, text) for status, text in ERROR_STATUSES)
 
 
 @dataclass(frozen=True)
 class Operation:
     """What a route takes and returns. `stream_chunk`: with `stream: true` the route answers with
     `text/event-stream`, each event's data one such chunk (or an error, then `[DONE]`);
-    `media_type` for a response that is not JSON (its schema is then a string); `error`: the body of its errors."""
+    `media_type` for a response that is not JSON (its schema is then a string); `error`: the body of its errors,
+    `error_statuses` their statuses."""
 
     path: str
     method: str
@@ -36,6 +39,7 @@ class Operation:
     stream_chunk: type[BaseModel] | None = None
     media_type: str = "application/json"
     error: type[BaseModel] = ErrorResponse
+    error_statuses: tuple[tuple[str, str], ...] = ERROR_STATUSES
 
 
 def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +80,7 @@ def openapi_document(operations: list[Operation], title: str, version: str, bear
         operation: dict[str, Any] = {
             "summary": op.summary,
             "responses": {"200": success, **{status: {"description": text, **error}
-                                             for status, text in _ERROR_STATUSES.items()}},
+                                             for status, text in op.error_statuses}},
         }
         if bearer_auth and op.path in open_paths:
             operation["security"] = []

@@ -38,7 +38,7 @@ from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
 from sluice.app.errors import APIError, error_response, not_ready
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyReadMiddleware, InternalErrorMiddleware, \
     RequestCountMiddleware
-from sluice.app.openapi import Operation, openapi_document
+from sluice.app.openapi import ANTHROPIC_ERROR_STATUSES, Operation, openapi_document
 from sluice.app.responses_api import create_response, delete_response, get_response, list_input_items
 from sluice.app.responses_api_schemas import (
     DeletedResponse,
@@ -123,10 +123,11 @@ ROUTES: list[tuple[Handler, Operation]] = [
     (create_chat_completion, Operation("/v1/chat/completions", "POST", "Chat completion (OpenAI)",
                                        ChatCompletionRequest, ChatCompletionResponse, stream_chunk=ChatCompletionChunk)),
     (create_message, Operation("/v1/messages", "POST", "Messages (Anthropic)", MessagesRequest, Message,
-                               stream_chunk=MessageStreamEvent, error=AnthropicErrorResponse)),
+                               stream_chunk=MessageStreamEvent, error=AnthropicErrorResponse,
+                               error_statuses=ANTHROPIC_ERROR_STATUSES)),
     (count_message_tokens, Operation("/v1/messages/count_tokens", "POST", "A Messages request's prompt length "
                                      "(Anthropic)", CountTokensRequest, CountTokensResponse,
-                                     error=AnthropicErrorResponse)),
+                                     error=AnthropicErrorResponse, error_statuses=ANTHROPIC_ERROR_STATUSES)),
     (create_response, Operation("/v1/responses", "POST", "Create a response (OpenAI's Responses API)",
                                 ResponsesRequest, ResponseObject, stream_chunk=ResponseStreamEvent)),
     (get_response, Operation("/v1/responses/{response_id}", "GET", "A stored response", response=ResponseObject)),

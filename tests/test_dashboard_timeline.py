@@ -104,7 +104,8 @@ def test_history_is_a_ring_of_fifteen_minutes_of_samples():
 
 
 @pytest.mark.parametrize(("status", "kind"), [(200, None), (400, "400"), (401, "400"), (413, "400"),
-                                              (429, "429"), (499, "aborted"), (500, "5xx"), (503, "5xx")])
+                                              (429, "429"), (529, "429"), (499, "aborted"), (500, "5xx"),
+                                              (503, "5xx")])
 def test_statuses_fall_into_the_dashboards_error_kinds(status, kind):
     assert error_kind(status) == kind
 

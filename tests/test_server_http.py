@@ -287,6 +287,10 @@ def test_openapi_document_describes_every_route_and_needs_no_api_key():
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     assert {"/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health"} <= set(document["paths"])
     assert document["paths"]["/health"]["get"]["security"] == []
+    # A full queue: 429 on OpenAI's routes, Anthropic's 529 on its own.
+    assert "429" in chat["responses"] and "529" not in chat["responses"]
+    messages = document["paths"]["/v1/messages"]["post"]["responses"]
+    assert "529" in messages and "429" not in messages
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -11,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from sluice.app.anthropic_errors import OVERLOADED
+
 ErrorKind = Literal["400", "429", "5xx", "aborted"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("400", "429", "5xx", "aborted")
 
@@ -19,10 +21,11 @@ CAPACITY = 100_000
 
 def error_kind(status: int) -> ErrorKind | None:
     """The dashboard's class of an HTTP status: client errors (400, 401, 404, 413: "400"), a full queue
-    ("429"), server errors ("5xx"), a client gone before its answer (499: "aborted"); None below 400."""
+    ("429"; Anthropic's routes say it as their 529), server errors ("5xx"), a client gone before its answer (499:
+    "aborted"); None below 400."""
     if status < 400:
         return None
-    if status == 429:
+    if status in (429, OVERLOADED):
         return "429"
     if status == 499:
         return "aborted"
