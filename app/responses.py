@@ -151,9 +151,12 @@ class RunningUsage:
         self._prompt_tokens = prompt_tokens
         self._generated = [0] * len(prompt_tokens)
 
+    def count(self, increment: Increment) -> None:
+        self._generated[increment.choice] += len(increment.token_ids)
+
     async def counted(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[Increment, None]:
         async for increment in increments:
-            self._generated[increment.choice] += len(increment.token_ids)
+            self.count(increment)
             yield increment
 
     def of(self, choice: int) -> UsageInfo:
@@ -392,14 +395,13 @@ class CompletionBuilder:
         if self._body.echo and self._body.logprobs is None:  # else with its logprobs, which come with its first tokens
             for i in range(self._num_choices):
                 yield self._chunk([CompletionChoice(index=i, text=self._echo(i), **self._token_ids(i, ()))])
-        increments = generation.increments()
-        if self._running is not None:
-            increments = self._running.counted(increments)
-        async for increment in increments:
+        async for increment in generation.increments():
             if increment.prompt_logprobs is not None:  # echo with logprobs (vLLM's prompt_logprobs is not streamed)
                 echoed = self._echoed_logprobs(increment.choice, increment.prompt_logprobs)
                 yield self._chunk([CompletionChoice(index=increment.choice, text=self._echo(increment.choice),
                                                     logprobs=echoed, **self._token_ids(increment.choice, ()))])
+            if self._running is not None:  # after its echo: that chunk has sent none of its tokens
+                self._running.count(increment)
             if self._body.logprobs is None and not self._body.return_token_ids and increment.finish_reason is None:
                 if increment.text:  # none yet: a character's first bytes, or text held back for a stop string
                     yield self._frame.text_event(increment.choice, increment.text)

@@ -130,11 +130,8 @@ def counts(usage: dict | None) -> tuple[int, int, int] | None:
 
 @pytest.mark.parametrize(("path", "body"), [("/chat/completions", {"messages": MESSAGES}),
                                             ("/completions", {"prompt": ["Hello there", "Hi"]}),
-                                            pytest.param("/completions", {"prompt": ["Hello there", "Hi"],
-                                                                          "echo": True, "logprobs": 1},
-                                                         marks=pytest.mark.xfail(strict=True, reason=(
-                                                             "app/responses.py counts an increment's tokens before "
-                                                             "the echo chunk it brings goes out")))])
+                                            ("/completions", {"prompt": ["Hello there", "Hi"], "echo": True,
+                                                              "logprobs": 1})])
 def test_continuous_usage_stats_give_every_chunk_its_choices_tokens_so_far(engine, path, body):
     """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts its choice's prompt and the tokens
     sent so far (none on a chat's opening chunks, nor on an echo's); the last chunk the whole request's."""
