@@ -53,7 +53,8 @@ async def create_embeddings(request: Request) -> Response:
     prompts = [p.token_ids for p in await asyncio.to_thread(truncated_prompts, engine.tokenizer, body.input,
                                                              body.truncate_prompt_tokens, engine.max_model_len)]
     params = SamplingParams(max_tokens=0, temperature=0.0, pooling=state.settings.embedding_pooling)
-    generation = await start_generation(request, state, prompts, params, f"embd-{uuid.uuid4().hex}", arrival)
+    generation = await start_generation(request, state, prompts, params, f"embd-{uuid.uuid4().hex}", arrival,
+                                        "input")
     try:
         pooled = await cancel_on_disconnect(request, _pooled(generation, len(prompts)))
     finally:

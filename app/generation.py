@@ -14,8 +14,7 @@ from starlette.responses import Response
 
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import Collector, Increment, Usage
-from sluice.batching.sampling_params import RequestRejected
-from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.sampling_params import ContextLengthExceeded, RequestRejected, SamplingParams
 
 from sluice.app.errors import APIError, generation_failed, invalid_request
 from sluice.app.metrics import ServerMetrics
@@ -102,8 +101,9 @@ class Generation:
 
 
 async def start_generation(request: Request, state: ServerState, prompts: list[list[int]], params: SamplingParams,
-                           request_id: str, arrival: float) -> Generation:
-    """Admits the request (429/503) and submits it to the engine (400 if it can never fit).
+                           request_id: str, arrival: float, prompt_param: str | None = None) -> Generation:
+    """Admits the request (429/503) and submits it to the engine (400 if it can never fit; `prompt_param`: the
+    request's field that holds the prompt, which a prompt too long for the context names).
 
     Submitting builds the request (a structured output's grammar, the prompt's n-gram index, stop checkers),
     which can take seconds, so it runs in a worker thread while the event loop serves everyone else. A client
@@ -118,12 +118,19 @@ async def start_generation(request: Request, state: ServerState, prompts: list[l
         await cancel_on_disconnect(request, asyncio.shield(submitting))
     except RequestRejected as error:
         admission.release()
-        raise invalid_request(str(error)) from None
+        raise rejected(error, prompt_param) from None
     except BaseException:
         submitting.add_done_callback(lambda _: abandon(engine, submitting, request_id, admission))
         raise
     return Generation(engine, collector, admission, state.metrics, arrival,
                       state.settings.stream_stall_timeout_s or None)
+
+
+def rejected(error: RequestRejected, prompt_param: str | None) -> APIError:
+    """A request the engine can never run, as a 400; one too long for the context with OpenAI's code for it."""
+    if isinstance(error, ContextLengthExceeded):
+        return APIError(400, str(error), param=prompt_param, code="context_length_exceeded")
+    return invalid_request(str(error))
 
 
 def abandon(engine: Engine, submitting: asyncio.Future[None], request_id: str, admission: Admission) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from sluice.batching.ngram import NgramConfig, NgramProposer
 from sluice.batching.outputs import OutputSink, Usage
-from sluice.batching.sampling_params import MAX_LOGIT_BIAS, RequestRejected, SamplingParams
+from sluice.batching.sampling_params import MAX_LOGIT_BIAS, ContextLengthExceeded, RequestRejected, SamplingParams
 from sluice.batching.sequence import Sequence
 from sluice.batching.stop_checker import StopChecker, stop_token_ids
 from sluice.model.tokenizer import Tokenizer
@@ -74,8 +74,8 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
             # A prompt that fills the context alone left its request's default max_tokens nothing to count.
             asked = ("" if len(prompt) >= limits.max_model_len
                      else f" and {params.max_tokens} more were requested")
-            raise RequestRejected(f"This model's maximum context length is {limits.max_model_len} tokens; the "
-                                  f"prompt has {len(prompt)} tokens{asked}")
+            raise ContextLengthExceeded(f"This model's maximum context length is {limits.max_model_len} tokens; the "
+                                        f"prompt has {len(prompt)} tokens{asked}")
         pages = -(-total // limits.page_size)
         if pages > limits.num_pages:
             raise RequestRejected(f"the request needs {pages} KV pages but the whole pool has {limits.num_pages}")

@@ -15,6 +15,11 @@ class RequestRejected(ValueError):
     does not compile, ...)."""
 
 
+class ContextLengthExceeded(RequestRejected):
+    """A prompt, with the tokens asked for after it, is longer than the model's context (OpenAI's
+    `context_length_exceeded`, which clients and agent SDKs read to shorten a conversation)."""
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """A grammar the output text must follow, as the request gave it (compiled by `batching/structured.py`).

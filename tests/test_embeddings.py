@@ -253,7 +253,7 @@ def test_a_request_larger_than_the_whole_queue_is_served_when_nothing_else_is_in
     ({"input": [TINY.vocab_size]}, "input"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "hi", "dimensions": 32}, "dimensions"),
-    ({"input": [5] * 129}, None),
+    ({"input": [5] * 129}, "input"),  # past the context
     ({"input": ["a"] * 2049}, "input"),
     ({"input": [[5]] * 2049}, "input"),
 ])

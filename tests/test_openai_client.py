@@ -169,3 +169,27 @@ def test_a_prompt_of_token_ids_is_echoed_with_its_special_tokens_text_as_the_sam
     (from_ids, logprobs), (from_text, _) = serve(engine, scenario)
     assert from_ids == from_text and from_ids.startswith("<|im_start|>user\nHi")
     assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+
+
+def test_a_prompt_too_long_for_the_context_is_openais_context_length_exceeded_naming_the_prompts_field(engine):
+    """Agent SDKs read the code to shorten a conversation; `param` is the field that holds the prompt."""
+    long_text = "apple pear plum " * 60  # about 180 tokens, past the context of 128
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list[openai.BadRequestError]:
+        calls = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_text}]),
+                 client.completions.create(model="tiny", prompt=long_text),
+                 client.responses.create(model="tiny", input=long_text),
+                 client.embeddings.create(model="tiny", input=long_text)]
+        errors = []
+        for call in calls:
+            with pytest.raises(openai.BadRequestError) as raised:
+                await call
+            errors.append(raised.value)
+        return errors
+
+    errors = serve(engine, scenario)
+    assert [(error.code, error.param) for error in errors] == [("context_length_exceeded", "messages"),
+                                                               ("context_length_exceeded", "prompt"),
+                                                               ("context_length_exceeded", "input"),
+                                                               ("context_length_exceeded", "input")]
+    assert all("maximum context length is 128 tokens" in error.message for error in errors)
