@@ -212,4 +212,8 @@ def test_sigkill_of_a_replica_under_32_streams_fails_its_streams_cleanly_and_the
         answering.add(_answering_replica(cluster.url, f"Hello number {len(answering)} {time.monotonic()}"))
         answering.discard(None)
         time.sleep(0.5)
-    assert _reporting_replicas(cluster.url) == answering  # the killed replica's counters are gone with it
+    # The killed replica's counters are gone with it. A loaded machine may fail a replica's health check for a
+    # moment, and the ingress drops the report of a replica its router does not list: the next answer brings it back.
+    while (reporting := _reporting_replicas(cluster.url)) != answering:
+        assert time.monotonic() < deadline, f"the ingress reports {reporting}, the replicas answering are {answering}"
+        _answering_replica(cluster.url, f"Hello again {time.monotonic()}")
