@@ -232,7 +232,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
         self._stopping = False
-        self._aborting_all = False  # since `abort_all`: every request is aborted as it arrives
+        self._aborting_all = False  # from `abort_all` to the step loop's end: each request is aborted as it arrives
         self._num_steps = 0
         self._num_step_failures = 0
         self.healthy = True  # False while the engine starts over after a failed step, and for good once one hangs
@@ -287,8 +287,9 @@ class Engine:
         self._inbox.put(_Abort(request_id))
 
     def abort_all(self) -> None:
-        """`abort` for every request submitted so far, and for each submitted later (a drain that ran out of time:
-        a request still being built then, its grammar compiling, would run on until the server was stopped)."""
+        """`abort` for every request submitted so far, and for each submitted later until the step loop ends (a
+        drain that ran out of time: a request still being built then, its grammar compiling, would run on until
+        the server was stopped)."""
         self._inbox.put(_AbortAll())
 
     # --- driving the loop -----------------------------------------------------------------------------
@@ -388,6 +389,7 @@ class Engine:
         self._in_flight = None
         self._abort_all()
         self._flush()
+        self._aborting_all = False  # `abort_all` was this loop's: a loop started again, or `generate`, serves
 
     def _watch(self, engine_thread: threading.Thread, timeout_s: float) -> None:
         """The watchdog: a step that runs past `timeout_s` (a hung kernel) cannot be interrupted, so every request

@@ -199,6 +199,28 @@ def test_abort_all_also_aborts_a_request_submitted_after_it(tiny):
     assert stats.kv_pages_used == 0
 
 
+def test_an_engine_whose_loop_ended_after_abort_all_serves_again(tiny):
+    """abort_all is for the step loop it was sent to (a drain, then the loop's end): a loop started again (as this
+    module's tests start its engine, each its own) and offline `generate` serve their requests."""
+    engine = make_engine(tiny)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def run():
+        await engine.start()
+        engine.abort_all()
+        await engine.shutdown()
+        await engine.start()
+        try:
+            return [o async for o in engine.add_request([[5, 6, 7]], params)]
+        finally:
+            await engine.shutdown()
+
+    outs = asyncio.run(asyncio.wait_for(run(), 30))
+    assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 4
+    [[offline]] = engine.generate([[5, 6, 7]], params)
+    assert offline.finish_reason == "length" and len(offline.token_ids) == 4
+
+
 def test_hundred_random_aborts_leak_no_pages(engine):
     rng = random.Random(3)
 
