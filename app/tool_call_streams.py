@@ -166,6 +166,8 @@ class CallStream:
         going out, the end closes it, or it was cut in a grammar's markup), and so is a tag's beginning (unless a
         grammar was writing it)."""
         events: list[StreamEvent] = []
+        if self._group is not None and self._group.open is not None:
+            self._send_held_arguments(events)
         while self._group is not None and not self._group.committed:
             if self._closed_by_end():
                 self._close(events)
@@ -324,6 +326,13 @@ class CallStream:
         if visible > sent:
             events.append(ArgumentsDelta(self.calls - 1, text[sent:visible]))
             group.open = (start, visible)
+
+    def _send_held_arguments(self, events: list[StreamEvent]) -> None:
+        """The reply ended inside the object of a call whose arguments were going out: the closing braces held back
+        (`_send_arguments`) go out too, since the object never closed, none of them was its own."""
+        start, sent = self._group.open
+        if tail := self._buffer[self._group.position:][sent:].rstrip():
+            events.append(ArgumentsDelta(self.calls - 1, tail))
 
     def _abandon(self, events: list[StreamEvent]) -> None:
         """What follows is not calls: the opening tag is text and reading goes on after it; in a group whose calls

@@ -32,6 +32,7 @@ from sluice.model.tokenizer import Tokenizer
 
 from sluice.app.tool_call_streams import (
     ARGS,
+    ArgumentsDelta,
     HERMES,
     MISTRAL,
     CallStart,
@@ -135,8 +136,12 @@ class ToolCalling:
         stream = self.stream()
         events = stream.push(text) + stream.finish()
         content = "".join(event.text for event in events if isinstance(event, TextDelta))
-        calls = [ToolCall(event.name, arguments.text) for event, arguments in zip(events, events[1:])
-                 if isinstance(event, CallStart)]
+        arguments: dict[int, str] = {}
+        for event in events:
+            if isinstance(event, ArgumentsDelta):
+                arguments[event.index] = arguments.get(event.index, "") + event.text
+        calls = [ToolCall(event.name, arguments.get(event.index, ""))
+                 for event in events if isinstance(event, CallStart)]
         return content or None, calls
 
     def stream(self) -> CallStream | JsonCallStream | FirstCallOnly:

@@ -170,6 +170,10 @@ def test_a_forced_call_that_turns_out_no_call_reads_the_same_whole_and_in_any_pi
     ("hermes", 'Sure. <tool_', ("Sure.", [])),
     ("hermes", 'Sure. <tool_call>\n{"na', ("Sure.", [])),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"ci', (None, [ToolCall("get_weather", '{"ci')])),
+    # Cut after the arguments closed, before the call's object did: the braces held back were the arguments'.
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "c": {"d": 12}}',
+     (None, [ToolCall("add", '{"a": 1, "c": {"d": 12}}')])),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": {"b": 1} ', (None, [ToolCall("add", '{"a": {"b": 1}')])),
     ("mistral", '[TOOL_CALLS] [{"name": "add", "argu', (None, [])),
     ("llama3_json", '{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "param',
      (None, [ToolCall("add", '{"a": 1}')])),
