@@ -123,6 +123,13 @@ class _Members:
         else:
             self._complete, self._closed = end, closed
 
+    def closing(self) -> str:
+        """What closes the members `push` gave out into the object `input()` is, for a call cut short: so the
+        input_json_deltas join to its JSON, as a client that parses them whole expects."""
+        if self._closed:
+            return ""
+        return "}" if self._complete else "{}"
+
     def input(self) -> dict[str, Any]:
         held = self._text[:self._complete]
         return (self._object(held if self._closed else held + "}") or {}) if held else {}
@@ -306,7 +313,11 @@ class _Blocks:
         if self._open is None:
             return []
         index = self._count - 1
-        events = ([sse(ContentBlockDeltaEvent(index=index, delta=SignatureDelta(signature=signature(self._thinking))))]
-                  if self._open == "thinking" else [])
+        events = []
+        if self._open == "thinking":
+            delta = SignatureDelta(signature=signature(self._thinking))
+            events.append(sse(ContentBlockDeltaEvent(index=index, delta=delta)))
+        elif self._open == "tool_use" and self._members is not None and (closing := self._members.closing()):
+            events.append(sse(ContentBlockDeltaEvent(index=index, delta=InputJsonDelta(partial_json=closing))))
         self._open = None
         return events + [sse(ContentBlockStopEvent(index=index))]

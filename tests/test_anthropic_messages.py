@@ -232,6 +232,8 @@ def test_a_call_cut_by_max_tokens_has_the_parameters_it_completed_whole_as_strea
         for i in range(1, len(fragments) + 1):  # what has gone out is always whole members of an object
             members = "".join(fragments[:i])
             assert isinstance(json.loads(members if members.endswith("}") else members + "}"), dict)
+        if whole_inputs:  # and the block's fragments join to its input's JSON, closed where the call was cut
+            assert json.loads("".join(fragments)) == whole_inputs[0], max_tokens
         inputs += whole_inputs
         sent[max_tokens] = "".join(fragments)
     assert all(cut == {name: call.input[name] for name in cut} for cut in inputs)  # no value cut short
@@ -241,7 +243,7 @@ def test_a_call_cut_by_max_tokens_has_the_parameters_it_completed_whole_as_strea
     eager = {**request, "tools": [{**WEATHER, "eager_input_streaming": True}]}
     with client.messages.stream(**eager, max_tokens=last_without_unit) as events:
         streamed = "".join(event.partial_json for event in events if event.type == "input_json")
-    assert streamed.startswith(sent[last_without_unit]) and '"unit": "' in streamed
+    assert streamed.startswith(sent[last_without_unit].removesuffix("}")) and '"unit": "' in streamed
 
 
 def test_a_named_tool_choice_calls_that_tool(client):
