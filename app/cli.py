@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import TYPE_CHECKING
 
 from sluice.app.arguments import CHAT_TEMPLATE_HELP, OneLineErrors, at_least, chat_template, number
 from sluice.model.fetch import InvalidModel, ModelNotFound
+
+if TYPE_CHECKING:
+    from sluice.model.tokenizer import Tokenizer
 
 
 class CommandError(RuntimeError):
@@ -43,22 +47,30 @@ BENCHMARKS = {
 }
 
 
+def generate_prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
+    """`sluice generate`'s prompt: with `chat`, one user message rendered as the server renders a chat (the special
+    tokens the template's alone); else the text with the BOS the tokenizer asks for."""
+    from sluice.app.errors import APIError
+    from sluice.app.prompts import chat_prompt
+    from sluice.app.schemas import ChatMessage
+
+    if not chat:
+        return tokenizer.encode(prompt)
+    try:
+        return chat_prompt(tokenizer, [ChatMessage(role="user", content=prompt)]).token_ids
+    except APIError as error:
+        raise CommandError(f"--chat: {error.message}") from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from sluice.model.generate import generate_stream
     from sluice.model.loader import load_model
-    from sluice.model.tokenizer import ChatTemplateError
 
     loaded = load_model(args.model, dtype=args.dtype, chat_template=args.chat_template)
     tokenizer = loaded.tokenizer
-    text = args.prompt
     if args.chat and not tokenizer.special.chat_template:
         raise CommandError("this model has no chat template: give one with --chat-template, or leave out --chat")
-    if args.chat:
-        try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-        except ChatTemplateError as error:
-            raise CommandError(f"--chat: {error}") from None
-    prompt_ids = tokenizer.encode(text)
+    prompt_ids = generate_prompt_ids(tokenizer, args.prompt, args.chat)
     context = loaded.config.max_position_embeddings
     if not prompt_ids:
         raise CommandError("the prompt is empty")

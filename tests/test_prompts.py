@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
+from sluice.app.cli import CommandError, generate_prompt_ids
 from sluice.app.errors import APIError
 from sluice.app.prompts import chat_prompt, truncated_prompts
 from sluice.app.schemas import ChatCompletionRequest, ChatMessage
@@ -168,3 +169,13 @@ def test_a_completions_text_prompt_gets_the_bos_unless_add_special_tokens_is_fal
     for add_special_tokens, expected in ((True, [tokenizer.bos_token_id, *hi]), (False, hi)):
         prompts = truncated_prompts(asks_bos, ["Hi", hi], None, 128, add_special_tokens)
         assert [p.token_ids for p in prompts] == [expected, hi]
+
+
+def test_sluice_generate_renders_a_chat_as_the_server_does_and_a_plain_prompt_with_the_bos(tokenizer):
+    """`sluice generate --chat` added the BOS the tokenizer asks for on top of the template's (a doubled BOS where
+    the template writes it), where a served chat takes the template's special tokens alone."""
+    asks_bos = with_special(tokenizer, add_bos=True)
+    assert generate_prompt_ids(asks_bos, "Hi", chat=True) == chat_prompt(tokenizer, [user("Hi")]).token_ids
+    assert generate_prompt_ids(asks_bos, "Hi", chat=False) == [tokenizer.bos_token_id, *tokenizer.encode("Hi")]
+    with pytest.raises(CommandError, match="^--chat: "):
+        generate_prompt_ids(with_special(tokenizer, chat_template="{{ raise_exception('no') }}"), "Hi", chat=True)
