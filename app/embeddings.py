@@ -51,7 +51,8 @@ async def create_embeddings(request: Request) -> Response:
         raise invalid_request(f"dimensions must be the model's hidden size, {hidden_size} (got {body.dimensions})",
                               param="dimensions")
     prompts = [p.token_ids for p in await asyncio.to_thread(truncated_prompts, engine.tokenizer, body.input,
-                                                             body.truncate_prompt_tokens, engine.max_model_len)]
+                                                             body.truncate_prompt_tokens, engine.max_model_len,
+                                                             body.add_special_tokens)]
     params = SamplingParams(max_tokens=0, temperature=0.0, pooling=state.settings.embedding_pooling)
     generation = await start_generation(request, state, prompts, params, f"embd-{uuid.uuid4().hex}", arrival,
                                         "input")

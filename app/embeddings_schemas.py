@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from sluice.app.schemas import Prompt, PromptTruncation, check_prompts
+from sluice.app.schemas import Prompt, PromptTruncation, TextPromptEncoding, check_prompts
 
 # OpenAI's limit, above a completion's: LangChain's OpenAIEmbeddings sends 1000 inputs a request.
 MAX_INPUTS = 2048
@@ -17,7 +17,7 @@ def check_inputs(value: Prompt, info: ValidationInfo) -> Prompt:
     return check_prompts(value, info, max_prompts=MAX_INPUTS)
 
 
-class EmbeddingRequest(PromptTruncation):
+class EmbeddingRequest(PromptTruncation, TextPromptEncoding):
     model: str | None = None
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"

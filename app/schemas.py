@@ -374,14 +374,19 @@ def check_prompts(prompt: Prompt, info: ValidationInfo, max_prompts: int = MAX_P
 COMPLETION_MAX_TOKENS = 16
 
 
-class CompletionRequest(SamplingRequest):
+class TextPromptEncoding(_Request):
+    """How a completion's or an embedding's text prompts become tokens."""
+
+    add_special_tokens: bool = Field(True, description="vLLM's: false encodes a text prompt without the BOS the "
+                                     "model's tokenizer asks for (a prompt of token ids is always taken as it is)")
+
+
+class CompletionRequest(SamplingRequest, TextPromptEncoding):
     prompt: Prompt
     max_tokens: int = Field(COMPLETION_MAX_TOKENS, ge=0,
                             description="0 only with echo: the prompt alone, scored with logprobs")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_special_tokens: bool = Field(True, description="vLLM's: false encodes a text prompt without the BOS the "
-                                     "model's tokenizer asks for (a prompt of token ids is always taken as it is)")
     suffix: str | None = Field(None, description="not supported: must be empty", json_schema_extra={"maxLength": 0})
 
     _check_prompts = field_validator("prompt")(check_prompts)

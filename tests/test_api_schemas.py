@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from sluice.app.embeddings_schemas import EmbeddingRequest
 from sluice.app.errors import APIError, from_validation_error
 from sluice.app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from sluice.batching.sampling_params import StructuredOutput
@@ -339,3 +340,5 @@ def test_add_special_tokens_defaults_as_vllms_true_for_a_text_prompt_false_for_m
     assert TokenizeRequest.model_validate({"prompt": "x"}).add_special_tokens is True
     assert TokenizeRequest.model_validate({"prompt": "x", "add_special_tokens": False}).add_special_tokens is False
     assert TokenizeRequest.model_validate({"messages": CHAT["messages"]}).add_special_tokens is False
+    assert EmbeddingRequest.model_validate({"input": "x"}).add_special_tokens is True
+    assert EmbeddingRequest.model_validate({"input": "x", "add_special_tokens": False}).add_special_tokens is False
