@@ -13,6 +13,7 @@ import dataclasses
 import json
 from abc import abstractmethod
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_serializer, \
@@ -899,16 +900,32 @@ class ChatCompletionChunk(_AskedFor):
 
 
 class ModelCard(BaseModel):
+    """The served model as OpenAI's clients read it (`id`, `object`, `created`, `owned_by`) and as Anthropic's do
+    (`type`, `display_name`, `created_at`, RFC 3339)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "sluice"
     max_model_len: int
+    type: Literal["model"] = "model"
+    display_name: str
+    created_at: str
+
+    @classmethod
+    def of(cls, model: str, created: int, max_model_len: int) -> ModelCard:
+        created_at = datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")
+        return cls(id=model, created=created, max_model_len=max_model_len, display_name=model, created_at=created_at)
 
 
 class ModelList(BaseModel):
+    """OpenAI's list, with the page fields of Anthropic's (one page: the served model)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -86,11 +86,12 @@ async def metrics(request: Request) -> Response:
 
 def _model_card(state: ServerState) -> ModelCard:
     engine = state.require_engine()
-    return ModelCard(id=state.model_name, created=int(time.time()), max_model_len=engine.max_model_len)
+    return ModelCard.of(state.model_name, int(time.time()), engine.max_model_len)
 
 
 async def list_models(request: Request) -> Response:
-    return json_response(ModelList(data=[_model_card(request.app.state.sluice)]))
+    card = _model_card(request.app.state.sluice)
+    return json_response(ModelList(data=[card], first_id=card.id, last_id=card.id))
 
 
 async def retrieve_model(request: Request) -> Response:

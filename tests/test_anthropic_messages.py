@@ -656,3 +656,12 @@ def test_an_eager_tools_call_streams_its_input_as_it_is_sampled_and_its_message_
               if event["type"] == "content_block_delta" and event["delta"]["type"] == "input_json_delta"]
     assert len(deltas) > 2 and "".join(deltas) == '{"city": "Oslo", "days": 12'
     assert asyncio.run(builder().collect(_Replay(texts))).content[0].input == {"city": "Oslo"}
+
+
+def test_the_anthropic_client_lists_and_retrieves_the_served_model(client):
+    """Anthropic's models list: `type`, `display_name` and `created_at` (the client's ModelInfo), one page."""
+    page = client.models.list()
+    assert [(m.id, m.type, m.display_name) for m in page.data] == [(MODEL, "model", MODEL)]
+    assert not page.has_more and page.first_id == page.last_id == MODEL
+    info = client.models.retrieve(MODEL)
+    assert info.id == MODEL and info.created_at.tzinfo is not None and info.created_at.year >= 2026
