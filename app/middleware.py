@@ -1,5 +1,5 @@
-"""ASGI middleware that acts before routing: a bug's 500, API-key check, body reading (size and stall limits),
-per-route request counts."""
+"""ASGI middleware that acts before routing: request ids, a bug's 500, API-key check, body reading (size and stall
+limits), per-route request counts."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import asyncio
 import hmac
 import json
 import logging
+import re
+import uuid
 
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sluice.app.anthropic_errors import error_response_for
+from sluice.app.anthropic_errors import ANTHROPIC_PATHS, error_response_for
 from sluice.app.errors import APIError, body_stalled, body_too_large, internal_error, unauthorized
 from sluice.app.metrics import ServerMetrics
 from sluice.app.openapi import path_template
@@ -25,6 +27,35 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.js
 # How long a request body may stop arriving: nginx's client_body_timeout, and --stream-stall-timeout's default
 # for a reader that stops taking a stream.
 BODY_STALL_TIMEOUT_S = 60.0
+
+
+# A client's own X-Request-Id is echoed when it is a plain token of this length at most (vLLM echoes any).
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+class RequestIdMiddleware:
+    """Every answer carries `X-Request-Id` (the client's, as a proxy or vLLM passes it on, else a fresh one), where
+    the openai client reads `_request_id`; Anthropic's routes carry it as `request-id` too, the anthropic client's."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        names = ("x-request-id", "request-id") if scope["path"] in ANTHROPIC_PATHS else ("x-request-id",)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name in names:
+                    headers[name] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class InternalErrorMiddleware:

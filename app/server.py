@@ -37,7 +37,7 @@ from sluice.app.embeddings import create_embeddings
 from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
 from sluice.app.errors import APIError, error_response, not_ready
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyReadMiddleware, InternalErrorMiddleware, \
-    RequestCountMiddleware
+    RequestCountMiddleware, RequestIdMiddleware
 from sluice.app.openapi import ANTHROPIC_ERROR_STATUSES, Operation, openapi_document
 from sluice.app.responses_api import create_response, delete_response, get_response, list_input_items
 from sluice.app.responses_api_schemas import (
@@ -158,7 +158,7 @@ def create_app(state: ServerState, cors: bool = True) -> Starlette:
     # Outermost: a browser's preflight is answered before the API key is asked for, and errors carry the CORS
     # headers too, so a page can read why its request failed.
     middleware = [Middleware(CORSMiddleware, **settings.cors_options())] if cors else []
-    middleware += [Middleware(InternalErrorMiddleware),
+    middleware += [Middleware(RequestIdMiddleware), Middleware(InternalErrorMiddleware),
                    Middleware(RequestCountMiddleware, metrics=state.metrics, routes=tuple(routes))]
     if settings.api_key:
         open_paths = OPEN_PATHS | dashboard.OPEN_PATHS if ui else OPEN_PATHS

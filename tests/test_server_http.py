@@ -45,6 +45,17 @@ def test_generation_routes_are_503_while_loading(path):
     assert error["code"] == "not_ready"
 
 
+def test_every_answer_carries_a_request_id_the_clients_own_when_it_is_a_plain_token():
+    app = client(api_key=KEY)
+    fresh = [app.get("/health").headers["x-request-id"], app.get("/v1/models").headers["x-request-id"]]
+    assert len(set(fresh)) == 2 and all(len(request_id) == 32 for request_id in fresh)  # even a 401's
+    assert app.get("/health", headers={"X-Request-Id": "trace-42.a:b"}).headers["x-request-id"] == "trace-42.a:b"
+    assert app.get("/health", headers={"X-Request-Id": "no spaces"}).headers["x-request-id"] != "no spaces"
+    messages = app.post("/v1/messages", json={}, headers={"X-Request-Id": "abc"})
+    assert messages.headers["x-request-id"] == messages.headers["request-id"] == "abc"  # Anthropic's header too
+    assert "request-id" not in app.get("/health").headers
+
+
 def test_missing_api_key_is_401():
     assert_openai_error(client(api_key=KEY).get("/v1/models"), 401)
 
