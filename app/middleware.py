@@ -46,6 +46,7 @@ class RequestIdMiddleware:
             return
         given = Headers(scope=scope).get("x-request-id", "")
         request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id  # for the server's log lines about it
         names = ("x-request-id", "request-id") if scope["path"] in ANTHROPIC_PATHS else ("x-request-id",)
 
         async def send_with_id(message: Message) -> None:
@@ -83,7 +84,8 @@ class InternalErrorMiddleware:
         except Exception:
             if started:
                 raise
-            logger.exception("unhandled error on %s", scope["path"])
+            logger.exception("unhandled error on %s (request id %s)", scope["path"],
+                             scope.get("state", {}).get("request_id"))
             await error_response_for(scope["path"], internal_error())(scope, receive, send)
 
 

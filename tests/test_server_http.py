@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 from sluice.batching.stats import EngineStats
 
 from sluice.app.metrics import ServerMetrics
+from sluice.app.middleware import InternalErrorMiddleware, RequestIdMiddleware
 from sluice.app.serve import add_arguments, byte_size
 from sluice.app.server import create_app
 from sluice.app.streaming import DONE, KEEPALIVE, EventStreamResponse, sse_event
@@ -54,6 +55,16 @@ def test_every_answer_carries_a_request_id_the_clients_own_when_it_is_a_plain_to
     messages = app.post("/v1/messages", json={}, headers={"X-Request-Id": "abc"})
     assert messages.headers["x-request-id"] == messages.headers["request-id"] == "abc"  # Anthropic's header too
     assert "request-id" not in app.get("/health").headers
+
+
+def test_a_bugs_500_and_its_log_line_name_the_request_id(caplog):
+    async def buggy(scope, receive, send):
+        raise RuntimeError("a bug")
+
+    app = TestClient(RequestIdMiddleware(InternalErrorMiddleware(buggy)))
+    response = app.get("/v1/models", headers={"X-Request-Id": "trace-7"})
+    assert response.status_code == 500 and response.headers["x-request-id"] == "trace-7"
+    assert "(request id trace-7)" in caplog.text
 
 
 def test_missing_api_key_is_401():
