@@ -1,13 +1,14 @@
 """Runs the engine at several --tp values on simulated CPU devices and prints what the TP tests compare (JSON).
 
-A separate process because the device count must be set before jax is imported:
-    python tests/tensor_parallel_worker.py tiny 1 2 4
-    python tests/tensor_parallel_worker.py tiny-int8 1 2 4    # the tiny model over an int8 KV cache
-    python tests/tensor_parallel_worker.py tiny-unrolled 1 2  # its layers unrolled, one array each
-    python tests/tensor_parallel_worker.py smollm2 1 3        # SmolLM2-135M-Instruct through Engine.create
-    python tests/tensor_parallel_worker.py smollm2-int4 1 3   # SmolLM2's serving features over int4 weights
-    python tests/tensor_parallel_worker.py smollm2-int8 1 3   # ... over int8 weights, an int8 KV pool and drafts
-    python tests/tensor_parallel_worker.py gathers-int4 3     # what SmolLM2's decode step all-gathers (or -none)
+A separate process because the device count must be set before jax is imported. Each argument is a run and its
+--tp values; one process makes them all, one after another:
+    python tests/tensor_parallel_worker.py tiny=1,2,4 tiny-int8=1,2  # the tiny model, and over an int8 KV cache
+    python tests/tensor_parallel_worker.py tiny-unrolled=1,2         # its layers unrolled, one array each
+    python tests/tensor_parallel_worker.py tiny-drafts=1,2           # drafts checked inside multi-step calls
+    python tests/tensor_parallel_worker.py smollm2=1,3               # SmolLM2-135M-Instruct through Engine.create
+    python tests/tensor_parallel_worker.py smollm2-int4=1,3          # SmolLM2's serving features over int4 weights
+    python tests/tensor_parallel_worker.py smollm2-int8=1,3          # ... over int8 weights, an int8 KV pool and drafts
+SmolLM2's runs at a --tp above 1 also say what their decode step all-gathers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import math  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import replace  # noqa: E402
+from functools import cache  # noqa: E402
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -32,6 +34,7 @@ from sluice.bench.step_audit import compile_decode_step, parse_hlo  # noqa: E402
 from sluice.model.config import ModelConfig  # noqa: E402
 from sluice.model.llama import Llama  # noqa: E402
 from sluice.model.loader import LoadedModel, load_model  # noqa: E402
+from sluice.model.tokenizer import Tokenizer  # noqa: E402
 from sluice.sharding.mesh import make_mesh  # noqa: E402
 from sluice.sharding.rules import shard_model  # noqa: E402
 
@@ -46,7 +49,12 @@ FEATURES = EngineConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len
 FEATURE_CONFIGS = {"smollm2-int4": replace(FEATURES, quantization="int4"),  # the CPU's default weights
                    "smollm2-int8": replace(FEATURES, quantization="int8", kv_cache_dtype="int8", speculative="ngram")}
 SYSTEM = ("You are a careful assistant for a library. You answer questions about opening hours, loans, fines and "
-          "the catalogue in short sentences, and you say so when you do not know. ") * 3
+          "the catalogue in short sentences, and you say so when you do not know.")
+# Copied greedily, so that prompt-lookup drafts are proposed from the first tokens on, and some rejected.
+COPY = "Repeat this sentence exactly: The river carried salt, wool and news down to the sea."
+# The runs whose decode step the tests audit for all-gathers at a --tp above 1: float32 weights, and int4 weights
+# (the CPU's default).
+AUDITED_GATHERS = ("smollm2", "smollm2-int4")
 JSON_SCHEMA = StructuredOutput("json_schema", json.dumps({
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}))
 
@@ -88,22 +96,28 @@ def completion(output) -> dict:
             "margins": [lp.top[0][1] - lp.top[1][1] if len(lp.top) > 1 else math.inf for lp in output.logprobs]}
 
 
-def run_features(engine: Engine, tokenizer) -> dict:
-    """Prompts of mixed lengths in one batch, chunked; then prompts sharing their prefixes (prefix-cache hits)
-    beside a JSON-schema request. Each greedy completion, the JSON's text, the second round's cache hits."""
-    first = [chat(tokenizer, "Hi."), chat(tokenizer, "Name three colours and say why you like them."),
+def run_features(engine: Engine) -> dict:
+    """Prompts of mixed lengths in one batch, chunked, one of them copied (drafts accepted and rejected); then prompts
+    sharing their prefixes (prefix-cache hits) beside a JSON-schema request. Each greedy completion, the JSON's
+    text, the second round's cache hits, the prompts' lengths against the step's token budget, the drafts."""
+    tokenizer = engine.tokenizer
+    first = [chat(tokenizer, "Hi."), chat(tokenizer, COPY),
              chat(tokenizer, "When does the library open on Sundays?", SYSTEM)]
     second = [chat(tokenizer, "Can I renew a loan twice?", SYSTEM), first[1],
               chat(tokenizer, "Give the largest city of Japan as JSON.")]
     params = replace(GREEDY, max_tokens=16, top_logprobs=2)
-    ngram_friendly = replace(params, max_tokens=24)  # long enough for prompt-lookup drafts to be proposed
-    outputs = engine.generate(first, [params, ngram_friendly, params])
+    outputs = engine.generate(first, params)
     hits_before = engine.stats.prefix_cache_hit_tokens
-    outputs += engine.generate(second, [params, ngram_friendly,
+    as_long_as_the_json = replace(params, max_tokens=8)  # '{"city": "Tokyo"}': the round ends about when it does
+    outputs += engine.generate(second, [as_long_as_the_json, as_long_as_the_json,
                                         replace(params, max_tokens=24, ignore_eos=False, structured=JSON_SCHEMA)])
+    drafts = engine.speculator.counters() if engine.speculator else None
     return {"completions": [completion(o[0]) for o in outputs], "json": outputs[-1][0].text,
             "hit_tokens": engine.stats.prefix_cache_hit_tokens - hits_before,
-            "accepted_drafts": engine.speculator.counters().num_accepted_tokens if engine.speculator else 0}
+            "prompt_lengths": [len(prompt) for prompt in first + second],
+            "step_budget": engine.config.max_num_batched_tokens,
+            "accepted_drafts": drafts.num_accepted_tokens if drafts else 0,
+            "rejected_drafts": drafts.num_draft_tokens - drafts.num_accepted_tokens if drafts else 0}
 
 
 def decode_gathers(engine: Engine, rows: int) -> dict:
@@ -114,33 +128,39 @@ def decode_gathers(engine: Engine, rows: int) -> dict:
                          if i.op == "all-gather"]}
 
 
-def main() -> None:
-    which, tps = sys.argv[1], [int(t) for t in sys.argv[2:]]
-    config = {"tiny-int8": replace(ENGINE, kv_cache_dtype="int8"),
-              # Drafts proposed and checked inside 4-step calls (no cost seeds without warm-up: drafts look free).
-              "tiny-drafts": replace(ENGINE, speculative="ngram", num_decode_steps=4),
-              "tiny-unrolled": replace(ENGINE, layer_loop="unrolled")}.get(which, ENGINE)
-    tokenizer = load_model().tokenizer  # SmolLM2's: its chat prompts, and to detokenize the tiny model's tokens
-    results = {}
-    for tp in tps:
-        if which.startswith("gathers-"):
-            weights = which.removeprefix("gathers-")
-            engine = Engine.create(replace(FEATURES, quantization=weights, tp=tp, num_decode_steps=1), progress=False)
-            results[tp] = decode_gathers(engine, rows=4)
-            continue
-        if which in FEATURE_CONFIGS:
-            results[tp] = run_features(Engine.create(replace(FEATURE_CONFIGS[which], tp=tp), progress=False), tokenizer)
-            continue
-        if which == "smollm2":  # as `sluice serve --tp N --quantization none` builds it: float32, HF's answers
-            engine = Engine.create(replace(config, tp=tp, dtype="float32"), progress=False)
-            prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-                       for q in ("What is the capital of France?", "Name three colours.", "Write a haiku about rain.")]
-        else:
-            engine = tiny_engine(LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny"), tp, config)
-            rng = random.Random(0)
-            prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+@cache
+def smollm2_tokenizer() -> Tokenizer:
+    """SmolLM2's, which the tiny model runs with (its end of sequence, its detokenizer)."""
+    return load_model().tokenizer
+
+
+def run(which: str, tp: int) -> dict:
+    """One run's results at one --tp."""
+    if which in FEATURE_CONFIGS:
+        engine = Engine.create(replace(FEATURE_CONFIGS[which], tp=tp), progress=False)
+        result = run_features(engine)
+    elif which == "smollm2":  # as `sluice serve --tp N --quantization none` builds it: float32, HF's answers
+        engine = Engine.create(replace(ENGINE, tp=tp, dtype="float32"), progress=False)
+        result = run_engine(engine, [chat(engine.tokenizer, q) for q in (
+            "What is the capital of France?", "Name three colours.", "Write a haiku about rain.")])
+    else:
+        config = {"tiny-int8": replace(ENGINE, kv_cache_dtype="int8"),
+                  # Drafts proposed and checked inside 4-step calls (no cost seeds without warm-up: drafts look free).
+                  "tiny-drafts": replace(ENGINE, speculative="ngram", num_decode_steps=4),
+                  "tiny-unrolled": replace(ENGINE, layer_loop="unrolled")}.get(which, ENGINE)
+        engine = tiny_engine(LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), smollm2_tokenizer(), "tiny"), tp, config)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
         # The plain tiny model's prompts are scored too (`prompt_logprobs`): its LM head over every token.
-        results[tp] = run_engine(engine, prompts, replace(GREEDY, prompt_logprobs=2) if which == "tiny" else GREEDY)
+        result = run_engine(engine, prompts, replace(GREEDY, prompt_logprobs=2) if which == "tiny" else GREEDY)
+    if which in AUDITED_GATHERS and tp > 1:
+        result["decode_gathers"] = decode_gathers(engine, rows=4)
+    return result
+
+
+def main() -> None:
+    runs = dict(arg.split("=") for arg in sys.argv[1:])
+    results = {which: {tp: run(which, tp) for tp in map(int, tps.split(","))} for which, tps in runs.items()}
     print("RESULT " + json.dumps(results))
 
 

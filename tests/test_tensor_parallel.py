@@ -20,12 +20,33 @@ from sluice.sharding.rules import validate_tp
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
 
-def run_worker(which: str, *tps: int) -> dict[int, dict]:
-    result = subprocess.run([sys.executable, str(WORKER), which, *map(str, tps)], capture_output=True, text=True,
+def run_worker(runs: dict[str, tuple[int, ...]]) -> dict[str, dict[int, dict]]:
+    """Each run's results by --tp (`runs`: the --tp values of each), all made in one worker process."""
+    args = [f"{which}={','.join(map(str, tps))}" for which, tps in runs.items()]
+    result = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
                             timeout=900, cwd=WORKER.parents[1])
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
-    return {int(tp): r for tp, r in json.loads(line[len("RESULT "):]).items()}
+    results = json.loads(line[len("RESULT "):])
+    return {which: {int(tp): r for tp, r in by_tp.items()} for which, by_tp in results.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_runs() -> dict[str, dict[int, dict]]:
+    """The tiny model's runs, in one process (each start imports jax and loads SmolLM2's tokenizer again)."""
+    return run_worker({"tiny": (1, 2, 4), "tiny-int8": (1, 2), "tiny-drafts": (1, 2), "tiny-unrolled": (1, 2)})
+
+
+@pytest.fixture(scope="module")
+def smollm2_runs() -> dict[int, dict]:
+    """SmolLM2's float32 runs: their tokens, and at tp 3 what the decode step all-gathers."""
+    return run_worker({"smollm2": (1, 3)})["smollm2"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4_runs() -> dict[int, dict]:
+    """SmolLM2's serving features over int4 weights, and at tp 3 what the decode step all-gathers."""
+    return run_worker({"smollm2-int4": (1, 3)})["smollm2-int4"]
 
 
 def assert_same_generation(results: dict[int, dict], num_kv_heads: int) -> None:
@@ -42,36 +63,35 @@ def assert_same_generation(results: dict[int, dict], num_kv_heads: int) -> None:
             assert shard_shape[:2] + shard_shape[3:] == pool["global_shape"][:2] + pool["global_shape"][3:]
 
 
-def test_tiny_model_gives_the_same_tokens_and_prompt_logprobs_at_tp_1_2_4():
-    results = run_worker("tiny", 1, 2, 4)
+def test_tiny_model_gives_the_same_tokens_and_prompt_logprobs_at_tp_1_2_4(tiny_runs):
+    results = tiny_runs["tiny"]
     assert_same_generation(results, num_kv_heads=4)
     assert all(len(scored) >= 2 for scored in results[1]["prompt_logprobs"])  # prompts of 3 to 40 tokens
 
 
-def test_tiny_model_over_an_int8_kv_cache_gives_the_same_tokens_and_logprobs_at_tp_1_and_2():
-    results = run_worker("tiny-int8", 1, 2)
+def test_tiny_model_over_an_int8_kv_cache_gives_the_same_tokens_and_logprobs_at_tp_1_and_2(tiny_runs):
+    results = tiny_runs["tiny-int8"]
     assert [len(r["kv"]) for r in results.values()] == [2, 2], "values and scales"
     assert_same_generation(results, num_kv_heads=4)
 
 
-def test_tiny_model_with_drafts_checked_inside_multi_step_calls_gives_the_same_tokens_at_tp_1_and_2():
-    results = run_worker("tiny-drafts", 1, 2)
+def test_tiny_model_with_drafts_checked_inside_multi_step_calls_gives_the_same_tokens_at_tp_1_and_2(tiny_runs):
+    results = tiny_runs["tiny-drafts"]
     assert_same_generation(results, num_kv_heads=4)
     assert results[1]["accepted_drafts"] > 0 and results[2]["accepted_drafts"] > 0
 
 
-def test_tiny_model_with_its_layers_unrolled_keeps_each_layers_weights_split_by_kv_head():
-    results = run_worker("tiny-unrolled", 1, 2)
+def test_tiny_model_with_its_layers_unrolled_keeps_each_layers_weights_split_by_kv_head(tiny_runs):
+    results = tiny_runs["tiny-unrolled"]
     assert_same_generation(results, num_kv_heads=4)
     hidden, kv_heads, group = results[1]["wqkv_shard_shape"]
     assert kv_heads == 4 and results[2]["wqkv_shard_shape"] == [hidden, 2, group]
 
 
-def test_smollm2_gives_the_same_tokens_at_tp_1_and_3_and_the_chat_answer_hf_gives():
-    results = run_worker("smollm2", 1, 3)
-    assert_same_generation(results, num_kv_heads=3)
-    assert results[3]["wqkv_shard_shape"] == [30, 576, 1, 320], "q/k/v projection split over 3 devices by KV head"
-    assert results[3]["texts"][0].startswith("The capital of France is Paris.")
+def test_smollm2_gives_the_same_tokens_at_tp_1_and_3_and_the_chat_answer_hf_gives(smollm2_runs):
+    assert_same_generation(smollm2_runs, num_kv_heads=3)
+    assert smollm2_runs[3]["wqkv_shard_shape"] == [30, 576, 1, 320], "q/k/v projection split over 3 devices by KV head"
+    assert smollm2_runs[3]["texts"][0].startswith("The capital of France is Paris.")
 
 
 # Logprobs closer than this may swap places at another --tp: int8 activations (the CPU kernels') and int8 K/V round
@@ -88,29 +108,33 @@ def assert_same_greedy(results: dict[int, dict]) -> None:
             assert got["tokens"][:compared] == want["tokens"][:compared], f"tp={tp} changed greedy tokens"
             np.testing.assert_allclose(got["logprobs"][:compared], want["logprobs"][:compared], atol=NEAR_TIE)
         assert result["hit_tokens"] == results[1]["hit_tokens"] > 0, "the second round's shared prefixes hit the cache"
+        assert max(result["prompt_lengths"]) > result["step_budget"], "a prompt's prefill split over steps"
         assert json.loads(result["json"])["city"], "the JSON schema's output"
 
 
-def test_smollm2_over_int4_weights_gives_the_same_tokens_at_tp_1_and_3_for_mixed_chunked_cached_and_json_prompts():
-    assert_same_greedy(run_worker("smollm2-int4", 1, 3))
+def test_smollm2_over_int4_weights_gives_the_same_tokens_at_tp_1_and_3_for_mixed_chunked_cached_and_json_prompts(
+        smollm2_int4_runs):
+    assert_same_greedy(smollm2_int4_runs)
 
 
 def test_smollm2_over_int8_weights_an_int8_kv_pool_and_drafts_gives_the_same_tokens_at_tp_1_and_3():
-    results = run_worker("smollm2-int8", 1, 3)
+    results = run_worker({"smollm2-int8": (1, 3)})["smollm2-int8"]
     assert_same_greedy(results)
-    assert results[1]["accepted_drafts"] > 0 and results[3]["accepted_drafts"] > 0
+    for result in results.values():
+        assert result["accepted_drafts"] > 0 and result["rejected_drafts"] > 0
 
 
-@pytest.mark.parametrize("quantization", [
-    "none",
+@pytest.mark.parametrize("runs", [
+    "smollm2_runs",
     # XLA cannot split the CPU kernels' custom calls, so it gathers every quantized weight whole to every device,
     # each of which runs the whole model: the kernels need a shard_map over the mesh.
-    pytest.param("int4", marks=pytest.mark.xfail(strict=True, reason="model/linear.py: unsplit custom calls")),
-])
-def test_the_decode_step_at_tp_3_gathers_only_the_logits_never_a_weight(quantization):
+    pytest.param("smollm2_int4_runs",
+                 marks=pytest.mark.xfail(strict=True, reason="model/linear.py: unsplit custom calls")),
+], ids=["none", "int4"])
+def test_the_decode_step_at_tp_3_gathers_only_the_logits_never_a_weight(runs, request):
     """Column-parallel layers keep their outputs split and row-parallel ones all-reduce theirs: the only array a
     step gathers is its logits, split over the vocabulary, for sampling."""
-    result = run_worker(f"gathers-{quantization}", 3)[3]
+    result = request.getfixturevalue(runs)[3]["decode_gathers"]
     assert result["gathered"] == [["f32", [result["rows"], result["vocab"]]]]
 
 
