@@ -17,19 +17,27 @@ from sluice.batching.sampling_params import SamplingParams
 from hf_folder import write_hf_folder
 from sluice.model.config import ModelConfig
 from sluice.model.loader import load_model
+from sluice.pallas_kernels import cpu_build
 from sluice.sharding.mesh import DistributedConfig, initialize_distributed
 from test_api_e2e import ROOT, free_port, start_server
 
 CONFIG = ModelConfig.tiny(vocab_size=300, num_heads=8, num_kv_heads=4, intermediate_size=256)
-# float32 weights, as the single-process reference below runs them.
-LIMITS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--kv-cache-memory", "1M",
-          "--quantization", "none"]
+# float32 weights, as the single-process reference below runs them; one sequence at a time (the test sends one
+# request), so that warm-up compiles no bucket of two; the roofline's peaks declared, not measured at start-up.
+LIMITS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--kv-cache-memory", "1M",
+          "--quantization", "none", "--peak-gflops", "1", "--peak-bandwidth-gbs", "1"]
 PROMPT = [1, 5, 17, 42, 99, 7]
 
 
 @pytest.fixture()
 def tiny_model(tmp_path, monkeypatch):
+    """The model's conversion under a SLUICE_HOME of the test's own, beside the CPU kernels already built (each
+    process would otherwise build them again there, side by side: most of its start-up)."""
+    kernels = cpu_build.cache_root()
+    kernels.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    cpu_build.cache_root().parent.mkdir()
+    cpu_build.cache_root().symlink_to(kernels, target_is_directory=True)
     write_hf_folder(tmp_path / "tiny", CONFIG, seed=3)
     return tmp_path / "tiny"
 
@@ -37,7 +45,7 @@ def tiny_model(tmp_path, monkeypatch):
 def reference(folder) -> tuple[str, list[float]]:
     """Greedy text and logprobs from a single-process engine at --tp 1."""
     engine = Engine(load_model(str(folder), dtype="float32"),
-                    EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, kv_cache_memory=1 << 20,
+                    EngineConfig(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64, kv_cache_memory=1 << 20,
                                  num_decode_steps=1))
     [[out]] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True))
     return out.text, [lp.logprob for lp in out.logprobs]
