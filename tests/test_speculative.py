@@ -26,8 +26,9 @@ from sluice.model.loader import LoadedModel
 from sampling_rows import Row, sampling_batch
 
 TINY = ModelConfig.tiny()
+# Without warm-up: each engine compiles the buckets its tests meet, not every one.
 CONFIG = EngineConfig(num_decode_steps=1, max_num_seqs=8, spec_max_batch_size=8, max_num_batched_tokens=64,
-                      max_model_len=160, page_size=4,
+                      max_model_len=160, page_size=4, warmup=False,
                       kv_cache_memory=512 * 2 * TINY.num_layers * TINY.num_kv_heads * 4 * TINY.head_dim * 4)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2)
 # Greedy decoding of a random model settles into cycles: n-gram drafts then match, as they do on copy-heavy text.
@@ -55,11 +56,15 @@ def plain(tiny) -> Engine:
 def speculative(tiny, request) -> Engine:
     """Drafts verified in single steps, or (4 decode steps per call) checked 4 per step inside multi-step calls
     whenever every running sequence decodes, the sampler's branches decided on the device or by the host (as
-    on a GPU: `SamplerPlan`)."""
+    on a GPU: `SamplerPlan`, warmed up as a GPU's server is: a plan met first runs single steps while its
+    multi-step call compiles aside)."""
     num_decode_steps, sampler_branches = request.param
     config = replace(CONFIG, speculative="ngram", num_speculative_tokens=4, num_decode_steps=num_decode_steps,
-                     sampler_branches=sampler_branches)
-    return free_verification(Engine(tiny, config, progress=False))
+                     sampler_branches=sampler_branches, warmup=sampler_branches == "host")
+    # Warm-up compiles the plan of sampling rows (the seeded tests'); greedy rows' compiles while the first greedy
+    # test waits for it.
+    warm_for = [SamplingParams(temperature=1.0)]
+    return free_verification(Engine(tiny, config, progress=False, warm_for=warm_for))
 
 
 def test_proposer_continues_the_longest_suffix_seen_before():
@@ -207,8 +212,7 @@ def test_a_verification_counts_the_drafts_it_reached():
 
 @pytest.mark.parametrize("num_decode_steps", [1, 4])
 def test_a_batch_above_the_cutoff_drafts_nothing(tiny, num_decode_steps):
-    config = replace(CONFIG, speculative="ngram", spec_max_batch_size=3, num_decode_steps=num_decode_steps,
-                     warmup=False)
+    config = replace(CONFIG, speculative="ngram", spec_max_batch_size=3, num_decode_steps=num_decode_steps)
     engine = Engine(tiny, config, progress=False)
     outs = engine.generate([PROMPTS[0]] * 4, replace(GREEDY, max_tokens=12))
     assert engine.speculator.counters().num_drafts == 0 and all(len(o[0].token_ids) == 12 for o in outs)
