@@ -57,7 +57,7 @@ from sluice.app.errors import as_api_error
 from sluice.app.generation import Generation
 from sluice.app.reasoning import ReasoningFormat, ReplyReader, Thought
 from sluice.app.streaming import TextFrame
-from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, StreamEvent, TextDelta
+from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, JsonNesting, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling
 
 
@@ -84,9 +84,7 @@ class _Members:
         self._closed = False  # whether that start is the whole object
         self._broken = False  # whether the text stopped being an object's members
         self._scanned = 0
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
+        self._nesting = JsonNesting()
 
     def push(self, text: str) -> str:
         self._text += text
@@ -97,22 +95,12 @@ class _Members:
         return self._text[before:self._complete]
 
     def _scan(self, char: str) -> None:
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif char == "\\":
-                self._escaped = True
-            elif char == '"':
-                self._in_string = False
-        elif char == '"':
-            self._in_string = True
-        elif char in "{[":
-            self._depth += 1
-        elif char in "}]":
-            self._depth -= 1
-            if self._depth == 0:
-                self._end(self._scanned + 1, closed=True)
-        elif char == "," and self._depth == 1:
+        if not self._nesting.take(char):
+            return
+        depth = self._nesting.depth
+        if char in "}]" and depth == 0:
+            self._end(self._scanned + 1, closed=True)
+        elif char == "," and depth == 1:
             self._end(self._scanned, closed=False)
 
     def _end(self, end: int, closed: bool) -> None:

@@ -20,8 +20,8 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
 # The head of a call written by name (Mistral's v11+ tokenizers): its name, maybe its id, then its arguments.
 _CALL_ID, ARGS = "[CALL_ID]", "[ARGS]"
 _NAMED_HEAD = re.compile(rf"\s*(.*?)(?:{re.escape(_CALL_ID)}[A-Za-z0-9]*)?{re.escape(ARGS)}", re.DOTALL)
-# Outside strings, JSON has only these characters besides brackets and quotes.
-_JSON_OUTSIDE_STRINGS = frozenset(" \t\r\n,:-+.0123456789eEtruefalsn")
+# Outside strings, JSON has only these characters besides quotes.
+_JSON_OUTSIDE_STRINGS = frozenset("{}[] \t\r\n,:-+.0123456789eEtruefalsn")
 
 
 @dataclass(frozen=True)
@@ -455,6 +455,35 @@ def _json_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall], bool]
 
 
 @dataclass
+class JsonNesting:
+    """Follows a JSON text one character at a time: how deep in objects and arrays it is, and whether in a string."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def take(self, char: str) -> bool:
+        """Takes in the text's next character; True if it is outside any string (a bracket counted), False if it is
+        a string's, its quotes included."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+            return False
+        if char == '"':
+            self.in_string = True
+            return False
+        if char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+        return True
+
+
+@dataclass
 class _ObjectEnd:
     """Finds where the JSON object a text starts with (after whitespace) ends, reading the text as it grows: each
     character is looked at once however often `find` is asked."""
@@ -462,9 +491,7 @@ class _ObjectEnd:
     _read: int = 0
     _found: int | None = None
     _started: bool = False
-    _depth: int = 0
-    _in_string: bool = False
-    _escaped: bool = False
+    _nesting: JsonNesting = field(default_factory=JsonNesting)
 
     @property
     def undecided(self) -> int:
@@ -489,23 +516,12 @@ class _ObjectEnd:
                 if char != "{":
                     return -1
                 self._started = True
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif char == "\\":
-                    self._escaped = True
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char in "{[":
-                self._depth += 1
-            elif char in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    return i + 1
-            elif char not in _JSON_OUTSIDE_STRINGS:
+            if not self._nesting.take(char):
+                continue
+            if char not in _JSON_OUTSIDE_STRINGS:
                 return -1
+            if char in "}]" and self._nesting.depth == 0:
+                return i + 1
         return None
 
 
