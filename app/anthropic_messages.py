@@ -11,6 +11,7 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     tool_choice auto/any/tool/none -> auto/required/named/none; disable_parallel_tool_use -> parallel_tool_calls
     a tool's eager_input_streaming -> its calls' input streamed as sampled (`anthropic_responses.py`)
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
+    top_p 0                      -> top_k 1 (chat's top_p is above 0): the most probable token alone
     thinking                     -> chat_template_kwargs' enable_thinking: false if disabled, else true
     thinking.budget_tokens       -> thinking_token_budget, with a --reasoning-parser where each tag is a token
     output_config.effort         -> reasoning_effort (vLLM's mapping)
@@ -149,13 +150,21 @@ def chat_request(body: CountTokensRequest, budgets: bool = False) -> ChatComplet
         if not isinstance(body.tool_choice, ToolChoiceNone):
             data["parallel_tool_calls"] = not body.tool_choice.disable_parallel_tool_use
     if isinstance(body, MessagesRequest):
-        # Sampling fields left out take the model's defaults (`plan_chat`), so only those set are passed on.
-        data |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences} | {
-            name: getattr(body, name) for name in ("temperature", "top_p", "top_k") if name in body.model_fields_set}
+        data |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences} | _sampling(body)
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as error:
         raise from_validation_error(error) from None
+
+
+def _sampling(body: MessagesRequest) -> dict[str, Any]:
+    """The sampling fields `body` sets: those left out take the model's defaults (`plan_chat`). A top_p of 0,
+    which Anthropic takes and chat does not, is the nucleus of the most probable token alone: chat's top_k 1."""
+    fields = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k") if name in body.model_fields_set}
+    if fields.get("top_p") == 0:
+        del fields["top_p"]
+        fields["top_k"] = 1
+    return fields
 
 
 def _tool_choice(choice: ToolChoice) -> str | dict[str, Any]:

@@ -224,10 +224,12 @@ class CountTokensRequest(_Request):
     @classmethod
     def _choice_among_tools(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
         names = {tool.name for tool in info.data.get("tools", [])}
+        # As Anthropic refuses it, in its words: a choice among no tools (but none, which calls none).
+        if not names and isinstance(choice, ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool):
+            raise PydanticCustomError("tool_choice_without_tools",
+                                      "tool_choice may only be specified while providing tools.")
         if isinstance(choice, ToolChoiceTool) and choice.name not in names:
             raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
-        if isinstance(choice, ToolChoiceAny) and not names:
-            raise ValueError('tool_choice "any" needs tools')
         return choice
 
     @model_validator(mode="after")
@@ -327,7 +329,7 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     temperature: float = Field(1.0, ge=0.0, le=1.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0, description="0: the most probable token alone")
     top_k: int = Field(0, ge=0, description="0: no top-k filter")
     stream: bool = False
     thread: dict[str, Any] | None = Field(
@@ -347,6 +349,16 @@ class MessagesRequest(CountTokensRequest):
     def _thinking_within_max_tokens(self) -> MessagesRequest:
         if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
             raise ValueError("max_tokens must be greater than thinking.budget_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _no_thinking_before_a_forced_call(self) -> MessagesRequest:
+        """As Anthropic refuses it, in its words: a forced call (tool_choice any or tool) is where the reply
+        starts, so thinking on (enabled, adaptive, between_tools) would have nowhere to go."""
+        thinks = self.thinking is not None and self.thinking.type != "disabled"
+        if thinks and isinstance(self.tool_choice, ToolChoiceAny | ToolChoiceTool):
+            raise PydanticCustomError("thinking_with_forced_tool_use",
+                                      "Thinking may not be enabled when tool_choice forces tool use.")
         return self
 
 

@@ -153,6 +153,37 @@ def test_structured_output_with_a_forced_tool_choice_is_a_400_in_the_requests_ow
     assert message.startswith("output_config.format") and "response_format" not in message
 
 
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}],
+                         ids=["enabled", "adaptive"])
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}],
+                         ids=["any", "tool"])
+def test_thinking_with_a_forced_tool_choice_is_a_400_in_anthropics_words(client, thinking, tool_choice):
+    """Anthropic takes thinking with tool_choice auto or none alone: a forced call starts the reply."""
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=MODEL, max_tokens=2048, messages=HELLO, tools=[WEATHER], thinking=thinking,
+                               tool_choice=tool_choice)
+    assert caught.value.body["error"] == {"type": "invalid_request_error",
+                                          "message": "Thinking may not be enabled when tool_choice forces tool use."}
+
+
+@pytest.mark.parametrize(("thinking", "tool_choice"), [
+    ({"type": "disabled"}, {"type": "any"}),
+    ({"type": "enabled", "budget_tokens": 1024}, {"type": "auto"}),
+    ({"type": "adaptive"}, {"type": "none"}),
+], ids=["disabled-any", "enabled-auto", "adaptive-none"])
+def test_thinking_goes_with_a_tool_choice_that_forces_no_call(thinking, tool_choice):
+    body = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 2048, "messages": HELLO, "tools": [WEATHER],
+                                           "thinking": thinking, "tool_choice": tool_choice})
+    assert chat_request(body).chat_template_kwargs == {"enable_thinking": thinking["type"] != "disabled"}
+
+
+def test_top_p_0_keeps_the_most_probable_token_alone(client):
+    """Anthropic takes top_p from 0 to 1 (chat, above 0): the nucleus of no mass is the most probable token."""
+    greedy = client.messages.create(model=MODEL, max_tokens=12, messages=HELLO, **GREEDY)
+    nucleus = client.messages.create(model=MODEL, max_tokens=12, messages=HELLO, extra_body={"top_p": 0})
+    assert [block.text for block in nucleus.content] == [block.text for block in greedy.content]
+
+
 def test_a_stop_sequence_is_named_as_the_stop_reason(client):
     free = client.messages.create(model=MODEL, max_tokens=16, messages=HELLO, **GREEDY)
     text = free.content[0].text
@@ -373,7 +404,9 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
     ({"messages": HELLO, "max_tokens": 1_000_000}, "1000000 more were requested"),
     ({"messages": HELLO, "max_tokens": 4, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "launch"}},
      "tool_choice names 'launch', which is not among the tools"),
-    ({"messages": HELLO, "max_tokens": 4, "tool_choice": {"type": "any"}}, 'tool_choice "any" needs tools'),
+    *[({"messages": HELLO, "max_tokens": 4, "tool_choice": choice},
+       "tool_choice: tool_choice may only be specified while providing tools.")
+      for choice in ({"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "get_weather"})],
     ({"messages": HELLO, "max_tokens": 4,
       "tools": [{**WEATHER, "input_schema": {"type": "object", "properties": {"a": {"type": "banana"}}}}]},
      "tools.0.input_schema: invalid JSON schema"),
@@ -418,6 +451,8 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
                                                              {"type": "text", "text": "here:\n"}]}], "max_tokens": 4},
      "messages: final assistant content cannot end with trailing whitespace"),
     ({"messages": HELLO, "max_tokens": 4, "temperature": 1.5}, "temperature"),
+    ({"messages": HELLO, "max_tokens": 4, "top_p": 1.5}, "top_p"),
+    ({"messages": HELLO, "max_tokens": 4, "top_k": -1}, "top_k"),
     ({"messages": HELLO, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1023}},
      "thinking.enabled.budget_tokens"),
     ({"messages": HELLO, "max_tokens": 1024, "thinking": {"type": "enabled", "budget_tokens": 1024}},
