@@ -130,7 +130,7 @@ class Scheduler:
         prefilling = [seq for seq in running if seq.num_uncomputed_tokens > 1]
         if prefilling:
             running = [seq for seq in running if seq.num_uncomputed_tokens <= 1] + prefilling
-        for seq in running:
+        for position, seq in enumerate(running):
             if seq.status is not SequenceStatus.RUNNING or seq.at_limit:
                 continue  # preempted earlier in this loop, or its last token is still on the device
             if budget == 0:
@@ -145,8 +145,11 @@ class Scheduler:
                     self._preempt(seq, scheduled, out)
                     continue
                 bm.grow(seq, end)
-            num_drafts = min(len(seq.drafts), budget - num_new) if seq.drafts and end == seq.num_tokens else 0
-            if num_drafts and bm.can_grow(seq, end + num_drafts):
+            # Drafts take only what leaves a token for each sequence after it: they never starve one.
+            later = len(running) - position - 1
+            num_drafts = (min(len(seq.drafts), budget - num_new - later) if seq.drafts and end == seq.num_tokens
+                          else 0)
+            if num_drafts > 0 and bm.can_grow(seq, end + num_drafts):
                 bm.grow(seq, end + num_drafts)
             else:
                 num_drafts = 0  # drafts never preempt anyone

@@ -164,3 +164,14 @@ def test_sibling_waits_for_the_prompt_then_shares_its_full_pages(prefix_caching)
     counters = sched.block_manager.counters()
     assert (counters.prefix_cache_hit_tokens, counters.prefix_cache_query_tokens) == ((2 * PAGE, 20) if prefix_caching
                                                                                       else (0, 0))
+
+
+def test_drafts_take_only_the_budget_every_later_running_sequence_s_next_token_leaves():
+    """A sequence copying text drafts at every step: were its drafts given the whole budget first, the running
+    sequences after it would get no token for as long as it drafts."""
+    sched = make_scheduler(max_num_seqs=2, budget=4)
+    a, b = add(sched, 1, prompt_len=3), add(sched, 2, prompt_len=3)
+    run_step(sched, sched.schedule())
+    a.drafts = [5, 6, 7]
+    out = sched.schedule()
+    assert [(c.seq, c.num_tokens, c.num_drafts) for c in out.chunks] == [(a, 3, 2), (b, 1, 0)]
