@@ -287,7 +287,6 @@ class KVStore:
         self._ram_tally, self._disk_tally = _Tally(), _Tally()
         self._corrupt = 0
         self._dropped = 0
-        self._forgotten: set[PageKey] = set()  # suspect pages: never served again, unless put anew
         self._generations: dict[PageKey, int] = {}  # how many times each page was forgotten
         self._queue_pages = queue_pages
         self._num_queued: Counter[bool] = Counter()  # writes (False) and marks (True) waiting for the writer
@@ -316,7 +315,6 @@ class KVStore:
         if got != self.layout.payload_specs:
             raise ValueError(f"page payload {got} does not match the layout's {self.layout.payload_specs}")
         with self._lock:
-            self._forgotten.discard(key)
             if key in self._ram:
                 self._ram.move_to_end(key)
                 return
@@ -333,10 +331,12 @@ class KVStore:
                 self._ram_tally.hits += 1
                 return payload
             self._ram_tally.misses += 1
+            generation = self._generations.get(key, 0)
         payload = self._read(key)
         touched = payload is not None and self._touch(key)
         with self._lock:
-            if key in self._forgotten:  # forgotten while it was read
+            # Forgotten while it was read: the file's payload is suspect, even once the page is put anew.
+            if self._generations.get(key, 0) != generation:
                 payload = None
             if payload is None:
                 self._disk_tally.misses += 1
@@ -372,7 +372,6 @@ class KVStore:
         before (those of these pages are not made); a file one of them may still be writing is removed by the
         writer after it. A process killed once this returns leaves no file of them for the next store to serve."""
         with self._lock:
-            self._forgotten.update(keys)
             written = [key for key in keys if key in self._disk]
             for key in keys:
                 self._generations[key] = self._generations.get(key, 0) + 1

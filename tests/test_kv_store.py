@@ -406,6 +406,27 @@ def test_a_page_forgotten_while_it_is_read_is_neither_served_nor_kept(open_store
     assert_same(store.get(A), payload(LAYOUT, 2))
 
 
+def test_a_page_forgotten_and_put_anew_while_its_old_file_is_read_serves_the_new_payload(open_store, monkeypatch):
+    """A prefetch reading a page's file when the engine forgets the page and a recomputation puts it anew: the
+    suspect payload it read is neither served nor kept in RAM over the new one."""
+    store = open_store()
+    store.put(A, payload(LAYOUT, 1))
+    store.flush()
+    store._ram.clear()  # on disk only
+    read = KVStore._read
+
+    def read_then_recompute(self: KVStore, key: str):
+        old = read(self, key)
+        self.forget([key])
+        self.put(key, payload(LAYOUT, 2))
+        return old
+
+    monkeypatch.setattr(KVStore, "_read", read_then_recompute)
+    assert store.get(A) is None
+    monkeypatch.setattr(KVStore, "_read", read)
+    assert_same(store.get(A), payload(LAYOUT, 2))
+
+
 def test_a_failed_write_leaves_no_file_and_keeps_the_page_in_ram(open_store, monkeypatch):
     def failing_fsync(fd: int) -> None:
         raise OSError(28, "No space left on device")
