@@ -217,12 +217,20 @@ class BlockManager:
             seq.num_stored_pages = len(seq.page_hashes)
 
     def uncache(self, seq: Sequence) -> None:
-        """Takes `seq`'s pages out of the prefix cache (their K/V is suspect); they are freed, not kept, once
-        nobody holds them."""
-        for h, page in zip(seq.page_hashes, seq.page_table):
-            if self._cached.get(h) == page:
-                del self._cached[h]
+        """Takes the cached pages of `seq`'s known tokens out of the prefix cache (their K/V is suspect); they are
+        freed, not kept, once nobody holds them. Found by its tokens, not its page table: overlapped, a sequence
+        preempted after its step was dispatched has freed its pages (cached still) by the time its logits come."""
+        parent = root_hash(seq)
+        for i in range(seq.num_known_tokens // self.page_size):
+            key = (parent, tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            parent = page_hash(*key)
+            page = self._cached.get(parent)
+            if page is not None and self._page_key[page] == key:
+                del self._cached[parent]
                 self._page_key[page] = None
+                if self.ref_counts[page] == 0:
+                    del self._evictable[page]
+                    self._free.append(page)
 
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references; pages nobody references become free (or evictable when cached)."""

@@ -228,3 +228,17 @@ def test_a_sequence_preempted_with_placeholders_reads_and_keys_only_its_known_pa
     assert [int(p[0].flat[0]) for p in bm.match_prefix(seq)[2]] == [0, 1, 2]
     assert seq.store_keys == layout.page_keys(tokens)
     store.close()
+
+
+def test_uncache_takes_out_the_cached_pages_of_a_sequence_preempted_since_it_computed_them():
+    """Overlapped, a step's logits arrive once the next step is scheduled: a sequence preempted there has freed its
+    pages (still cached, evictable) by the time they are found not finite, and no later request may read them."""
+    bm = BlockManager(num_pages=8, page_size=PAGE)
+    seq = make_seq(list(range(9)))
+    prefill(bm, seq)
+    bm.free(seq)  # preempted
+    bm.uncache(seq)
+    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == ([], [], [])
+    assert bm.counters().pages_cached == 0
+    bm.grow(make_seq([0], seq_id=2), 8 * PAGE)  # every page allocatable, none evicted as if it were cached
+    assert bm.num_free_pages == 0
