@@ -61,6 +61,22 @@ def smollm2():
     return load_model(dtype="float32")
 
 
+def home_with_built_kernels(home: Path) -> Path:
+    """`home` as a SLUICE_HOME whose CPU kernels are those of the SLUICE_HOME the tests run under (linked, built
+    there by whichever process needs them first): a process started under an empty home of its own would build
+    them again (about 14 s of a server's start)."""
+    from sluice.pallas_kernels import cpu_build
+
+    built = cpu_build.cache_root()
+    built.mkdir(parents=True, exist_ok=True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SLUICE_HOME", str(home))
+        linked = cpu_build.cache_root()
+    linked.parent.mkdir(parents=True, exist_ok=True)
+    linked.symlink_to(built, target_is_directory=True)
+    return home
+
+
 def _module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
 

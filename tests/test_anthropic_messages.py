@@ -25,6 +25,7 @@ from sluice.app.tool_calls import ToolCalling
 from sluice.batching.outputs import Increment, Usage
 from sluice.model.config import ModelConfig
 
+from conftest import home_with_built_kernels
 from hf_folder import CHATML, write_hf_folder
 from test_api_e2e import API_KEY, start_server
 
@@ -60,7 +61,8 @@ def prompt_length(usage: anthropic.types.Usage) -> int:
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("anthropic") / "tiny"
     write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=2048), seed=5, chat_template=CHATML)
-    proc = start_server("--model", str(folder), *FLAGS, env={"SLUICE_HOME": str(tmp_path_factory.mktemp("home"))})
+    home = home_with_built_kernels(tmp_path_factory.mktemp("home"))
+    proc = start_server("--model", str(folder), *FLAGS, env={"SLUICE_HOME": str(home)})
     yield proc
     proc.stop()
 
@@ -418,9 +420,9 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
                                                  "content": [{"type": "document", "source": {}}]}]}],
       "max_tokens": 4}, "messages.0: content.0.content.0: 'document' blocks are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}], "max_tokens": 4},
-     "messages.0.content.blocks.0.text.text: Field required"),
+     "messages.0.content.0.text: Field required"),
     ({"messages": HELLO, "max_tokens": 4, "system": [{"type": "text", "txt": "Be brief."}]},
-     "system.blocks.0.text: Field required"),
+     "system.0.text: Field required"),
     ({"messages": HELLO, "max_tokens": 4, "stop_sequences": ["END", ""]},
      "stop_sequences: each stop sequence must contain non-whitespace"),
     ({"messages": HELLO, "max_tokens": 4, "stop_sequences": ["\n"]},
@@ -454,7 +456,7 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
     ({"messages": HELLO, "max_tokens": 4, "top_p": 1.5}, "top_p"),
     ({"messages": HELLO, "max_tokens": 4, "top_k": -1}, "top_k"),
     ({"messages": HELLO, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1023}},
-     "thinking.enabled.budget_tokens"),
+     "thinking.budget_tokens"),
     ({"messages": HELLO, "max_tokens": 1024, "thinking": {"type": "enabled", "budget_tokens": 1024}},
      "max_tokens must be greater than thinking.budget_tokens"),
     ({"messages": HELLO, "max_tokens": 4, "thinking": {"type": "sometimes"}}, "thinking"),

@@ -20,11 +20,14 @@ from sluice.app.openapi import path_template
 from sluice.app.server import ROUTES
 from sluice.model.config import ModelConfig
 
+from conftest import home_with_built_kernels
 from hf_folder import CHATML, write_hf_folder
 from test_api_e2e import start_server
 
+# The roofline's peaks declared, not measured at start-up (the dashboard's routes answer as with measured ones).
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
-         "--kv-cache-memory", "8MiB", "--max-waiting", "64", "--served-model-name", "tiny"]
+         "--kv-cache-memory", "8MiB", "--max-waiting", "64", "--served-model-name", "tiny",
+         "--peak-gflops", "1", "--peak-bandwidth-gbs", "1"]
 EXAMPLES_PER_ROUTE = 25
 
 
@@ -32,7 +35,7 @@ EXAMPLES_PER_ROUTE = 25
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz") / "tiny"
     write_hf_folder(folder, ModelConfig.tiny(), seed=5, chat_template=CHATML)
-    home = tmp_path_factory.mktemp("home")
+    home = home_with_built_kernels(tmp_path_factory.mktemp("home"))
     proc = start_server("--model", str(folder), *FLAGS, env={"SLUICE_HOME": str(home)})
     yield proc
     proc.stop()

@@ -14,10 +14,10 @@ import pytest
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import SamplingParams
+from conftest import home_with_built_kernels
 from hf_folder import write_hf_folder
 from sluice.model.config import ModelConfig
 from sluice.model.loader import load_model
-from sluice.pallas_kernels import cpu_build
 from sluice.sharding.mesh import DistributedConfig, initialize_distributed
 from test_api_e2e import ROOT, free_port, start_server
 
@@ -33,11 +33,7 @@ PROMPT = [1, 5, 17, 42, 99, 7]
 def tiny_model(tmp_path, monkeypatch):
     """The model's conversion under a SLUICE_HOME of the test's own, beside the CPU kernels already built (each
     process would otherwise build them again there, side by side: most of its start-up)."""
-    kernels = cpu_build.cache_root()
-    kernels.mkdir(parents=True, exist_ok=True)
-    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
-    cpu_build.cache_root().parent.mkdir()
-    cpu_build.cache_root().symlink_to(kernels, target_is_directory=True)
+    monkeypatch.setenv("SLUICE_HOME", str(home_with_built_kernels(tmp_path / "home")))
     write_hf_folder(tmp_path / "tiny", CONFIG, seed=3)
     return tmp_path / "tiny"
 
