@@ -562,6 +562,8 @@ class Engine:
                     self._fail_request(seq.request_id, error)
                 if self.speculator is not None:
                     self._count_drafts(seq, output)
+            elif output is not None and not output.finite:  # ended (an abort) while its step ran: suspect all the same
+                self._forget_pages(seq)
             if seq.status is SequenceStatus.RUNNING:
                 if drafted:
                     self.block_manager.shrink(seq, seq.num_tokens)  # pages reserved for rejected drafts

@@ -92,6 +92,23 @@ def test_a_request_ending_on_nan_logits_leaves_no_page_to_the_prefix_cache_nor_t
     restarted.close_store()
 
 
+def test_a_request_aborted_while_its_nan_step_is_in_flight_leaves_no_page_to_the_prefix_cache(tiny, monkeypatch):
+    """Overlapped, the abort ends the request before its step's logits are seen: they are suspect all the same."""
+    monkeypatch.setenv("SLUICE_FAULT", "nan@3")
+    engine = make_engine(tiny, async_scheduling=True)
+    prompt = list(range(3, 12))  # two full pages of 4, and one token
+    engine.submit([prompt], GREEDY, ListCollector(1), "aborted")
+    for _ in range(3):  # the third dispatches the NaN step, which is in flight when this returns
+        engine.step()
+    assert engine._in_flight is not None
+    engine.abort("aborted")
+    while engine.has_work:
+        engine.step()
+    (served,) = run_to_completion(engine, [prompt])
+    assert list(served.token_ids) == generate(tiny.model, prompt, GREEDY.max_tokens)
+    assert engine.stats.prefix_cache_hit_tokens == 0 and engine.stats.kv_pages_used == 0
+
+
 def test_forgetting_a_nan_requests_pages_does_not_wait_on_a_slow_disk(tiny, monkeypatch, tmp_path):
     """The store's writer is stuck in an fsync (a slow disk) when a request ends on NaN logits: its pages are
     forgotten without the engine's step waiting for the writes queued before, and none of them lands on disk after
