@@ -290,6 +290,7 @@ class KVStore:
         self._generations: dict[PageKey, int] = {}  # how many times each page was forgotten
         self._queue_pages = queue_pages
         self._num_queued: Counter[bool] = Counter()  # writes (False) and marks (True) waiting for the writer
+        self._writing: dict[PageKey, int] = {}  # pages whose write is queued or in progress -> its generation
         self._touch_failed = False  # warned once: `_touch` runs at every use of a page on disk
         try:
             self._open_directory()
@@ -462,13 +463,19 @@ class KVStore:
     def _spill(self, key: PageKey, payload: PagePayload) -> None:
         """Makes `key` the disk tier's most recent page and queues its write (for a page on disk, the mark of its
         file's use: `_write`). A full queue drops a write (counted), and a mark (only the next store's order is off);
-        marks and writes count apart, so that no burst of marks drops a write. The caller holds `_lock`."""
+        marks and writes count apart, so that no burst of marks drops a write; a page spilled again before its write
+        lands is not queued twice. The caller holds `_lock`."""
         mark = key in self._disk
+        generation = self._generations.get(key, 0)
         if mark:
             self._disk.move_to_end(key)
+        elif self._writing.get(key) == generation:
+            return
         if self._num_queued[mark] < self._queue_pages:
             self._num_queued[mark] += 1
-            self._queue.put(_Write(key, payload, self._generations.get(key, 0), mark))
+            if not mark:
+                self._writing[key] = generation
+            self._queue.put(_Write(key, payload, generation, mark))
         elif not mark:
             self._dropped += 1
 
@@ -550,6 +557,10 @@ class KVStore:
             logger.warning("KV store: could not write page %s: %s", job.key, e)
             with self._lock:
                 self._dropped += 1
+        finally:
+            with self._lock:
+                if not job.mark and self._writing.get(job.key) == job.generation:
+                    del self._writing[job.key]
 
     def _write(self, key: PageKey, payload: PagePayload, generation: int) -> None:
         """Writes one page's file atomically (temporary file, fsync, rename), then evicts what no longer fits; only

@@ -17,7 +17,7 @@ from sluice.batching.outputs import ListCollector
 from sluice.model.generate import generate
 from test_api_e2e import metric, start_server
 from test_engine import GREEDY, make_engine, prompts, tiny  # noqa: F401 - tiny: the fixture
-from test_persistent_prefix_cache import SlowDisk
+from test_kv_store import SlowDisk
 
 
 def run_to_completion(engine, batch: list[list[int]]) -> list:

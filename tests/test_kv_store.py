@@ -56,6 +56,24 @@ def open_store(tmp_path):
         store.close()
 
 
+class SlowDisk:
+    """Stands in for the store writer's fsync: each waits until `release` is set (by the test, or after 20 s, the
+    bound of a test that must not wait for it); `writing` is set once one does."""
+
+    def __init__(self, monkeypatch):
+        self.writing, self.release = threading.Event(), threading.Event()
+        self._fsync = kv_store.os.fsync
+        monkeypatch.setattr(kv_store.os, "fsync", self)
+        timer = threading.Timer(20, self.release.set)
+        timer.daemon = True
+        timer.start()
+
+    def __call__(self, fd: int) -> None:
+        self.writing.set()
+        self.release.wait()
+        self._fsync(fd)
+
+
 def files(store: KVStore) -> set[str]:
     return {path.name for path in store.directory.iterdir()} - {kv_store.SLOT_LOCK}
 
@@ -477,26 +495,33 @@ def test_a_corrupt_file_that_cannot_be_removed_is_forgotten_and_never_served(ope
 
 
 def test_a_full_write_queue_drops_the_write_and_counts_it(open_store, monkeypatch):
-    writing, release = threading.Event(), threading.Event()
-    fsync = kv_store.os.fsync
-
-    def slow_fsync(fd: int) -> None:
-        writing.set()
-        release.wait()
-        fsync(fd)
-
-    monkeypatch.setattr(kv_store.os, "fsync", slow_fsync)
+    disk = SlowDisk(monkeypatch)
     store = open_store(queue_pages=1)
     store.put(A, payload(LAYOUT, 0))
-    writing.wait()
+    disk.writing.wait()
     store.put(B, payload(LAYOUT, 1))
     store.put(C, payload(LAYOUT, 2))
-    release.set()
+    disk.release.set()
     store.flush()
 
     assert files(store) == {f"{A}.kv", f"{B}.kv"}
     assert store.counters().dropped_writes == 1
     assert_same(store.get(C), payload(LAYOUT, 2))
+
+
+def test_a_page_spilled_from_ram_before_its_write_lands_is_written_once(open_store, monkeypatch):
+    """A RAM tier of one page spills each page as the next is put, while its write still waits for the writer: a
+    second write of it took a place in the queue, and a full queue dropped another page's."""
+    disk = SlowDisk(monkeypatch)
+    store = open_store(ram_pages=1, queue_pages=2)
+    store.put(A, payload(LAYOUT, 0))
+    disk.writing.wait()  # A's write is in progress
+    store.put(B, payload(LAYOUT, 1))  # spills A
+    store.put(C, payload(LAYOUT, 2))  # spills B
+    disk.release.set()
+    store.flush()
+    assert files(store) == {f"{A}.kv", f"{B}.kv", f"{C}.kv"}
+    assert store.counters().dropped_writes == 0
 
 
 def test_put_rejects_a_payload_of_another_layout(open_store):

@@ -10,7 +10,6 @@ import json
 import logging
 import random
 import signal
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,13 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.batching import kv_store
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.kv_store import SUFFIX
 from sluice.batching.sampling_params import SamplingParams
 from test_api_e2e import metric, start_server
-from test_kv_store import LAYOUT, A, B, assert_same, open_store, payload  # noqa: F401 - open_store: the fixture
+from test_kv_store import LAYOUT, A, B, SlowDisk, assert_same, open_store, payload  # noqa: F401 - open_store: the fixture
 
 PROMPT_TOKENS = 2000
 PAGE_SIZE = 16
@@ -131,24 +129,6 @@ def test_pages_survive_a_sigkill_and_a_clean_restart_and_the_server_answers_the_
             assert cached == FULL_PAGES * PAGE_SIZE, restart
         finally:
             assert server.stop() == 0
-
-
-class SlowDisk:
-    """Stands in for the store writer's fsync: each waits until `release` is set (by the test, or after 20 s, the
-    bound of a test that must not wait for it); `writing` is set once one does."""
-
-    def __init__(self, monkeypatch):
-        self.writing, self.release = threading.Event(), threading.Event()
-        self._fsync = kv_store.os.fsync
-        monkeypatch.setattr(kv_store.os, "fsync", self)
-        timer = threading.Timer(20, self.release.set)
-        timer.daemon = True
-        timer.start()
-
-    def __call__(self, fd: int) -> None:
-        self.writing.set()
-        self.release.wait()
-        self._fsync(fd)
 
 
 def test_a_page_forgotten_while_its_write_waits_then_put_anew_reaches_the_disk_with_its_new_payload(open_store,
