@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
@@ -43,12 +44,49 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def from_validation_error(error: ValidationError) -> APIError:
-    """The first pydantic complaint, with its field path (`messages.0.role`) as `param`."""
+def from_validation_error(error: ValidationError, body: Any = None) -> APIError:
+    """The first pydantic complaint, with its field path (`messages.0.role`) as `param`: as the client wrote it in
+    `body` (what was validated), when given."""
     first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    loc = first["loc"]
+    if body is not None:
+        # A missing field, or the one a cross-field check names (`schemas.field_error`), may be absent from the body.
+        named = first["type"] == "missing" or bool(loc) and (first.get("ctx") or {}).get("field") == loc[-1]
+        loc = sent_path(loc, body, named)
+    param = ".".join(str(part) for part in loc) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
     return invalid_request(message, param)
+
+
+def sent_path(loc: tuple[int | str, ...], body: Any, named: bool = False) -> tuple[int | str, ...]:
+    """A pydantic error's location as a path in `body`: without the labels pydantic puts in it for a union's
+    member, a tag (`response_format.json_schema.json_schema.name` is `response_format.json_schema.name`) or a type
+    (`stop.str` is `stop`). Those are the parts that name nothing in `body`; where a part could be either (a tag
+    that is also a key), the reading that keeps the error's own field, the location's last part, wins. `named`:
+    the last part is a field's name even where `body` lacks it (a missing field's error)."""
+
+    def walk(node: Any, rest: tuple[int | str, ...]) -> tuple[int | str, ...] | None:
+        """The kept parts of `rest` read from `node`, or None where its last part cannot be kept."""
+        if not rest:
+            return ()
+        part, after = rest[0], rest[1:]
+        if not after and named and isinstance(node, dict) and part not in node:
+            return (part,)
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            child: Any = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            child = node[part]
+        else:
+            return walk(node, after) if after else None  # a label; the last part is never one that is kept
+        kept = walk(child, after)
+        if kept is not None:
+            return (part, *kept)
+        return walk(node, after) if after else None
+
+    for length in range(len(loc), 0, -1):  # the whole location, else its longest readable head
+        if (path := walk(body, tuple(loc[:length]))) is not None:
+            return path
+    return loc
 
 
 def internal_error() -> APIError:

@@ -159,8 +159,9 @@ class RunningUsage:
             self.count(increment)
             yield increment
 
-    def of(self, choice: int) -> UsageInfo:
-        prompt, generated = self._prompt_tokens[choice], self._generated[choice]
+    def of(self, choice: int, unsent: int = 0) -> UsageInfo:
+        """`choice`'s usage so far, less `unsent` tokens counted but not yet sent."""
+        prompt, generated = self._prompt_tokens[choice], self._generated[choice] - unsent
         return UsageInfo(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
 
 
@@ -218,6 +219,7 @@ class ChatBuilder:
                  reasoning: ReasoningFormat | None = None) -> None:
         self._id = request_id
         self._prompt_ids = list(prompt_ids) if body.return_token_ids else None
+        self._prompt_ids_due = self._prompt_ids is not None  # on the stream's first chunk
         self._created = int(time.time())
         self._model = model
         self._names = TokenNames(tokenizer, body.return_tokens_as_token_ids)
@@ -269,15 +271,11 @@ class ChatBuilder:
         return event_stream(self._chunks(generation))
 
     async def _chunks(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        for i in range(self._body.n):
-            opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]
-            if i == 0 and self._prompt_ids is not None:
-                yield self._frame.whole_event(ChatCompletionChunk(
-                    id=self._id, created=self._created, model=self._model, choices=opening,
-                    usage=self._running.of(i) if self._running is not None else None,
-                    prompt_token_ids=self._prompt_ids))
-            else:
-                yield self._chunk(opening)
+        # A reply read for calls opens when its first piece is known (`_read_chunks`), as OpenAI's: one that starts
+        # with a call has its role on the call's chunk, with content null.
+        if self._tool_calling is None:
+            for i in range(self._body.n):
+                yield self._opening(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
         increments = generation.increments()
         if self._running is not None:
             increments = self._running.counted(increments)
@@ -313,6 +311,8 @@ class ChatBuilder:
         """Replies read for reasoning or calls: one chunk per reasoning piece, text delta, call start or arguments
         fragment; an increment's logprobs and token ids ride on its first."""
         readers = [ReplyReader(self._reasoning, self._tool_calling) for _ in range(self._body.n)]
+        # Choices not yet opened: with calls to read, each opens on its first chunk (`_opened`).
+        unopened = set(range(self._body.n)) if self._tool_calling is not None else set()
         async for increment in increments:
             reader = readers[increment.choice]
             pieces = reader.push(increment.text) + (reader.finish() if increment.finish_reason is not None else [])
@@ -323,12 +323,47 @@ class ChatBuilder:
             for j, delta in enumerate(deltas):
                 logprobs, token_ids = ((self._logprobs(increment.logprobs), self._token_ids(increment.token_ids))
                                        if j == 0 else (None, None))
-                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs,
-                                                   token_ids=token_ids)])
+                choice = ChatChunkChoice(index=increment.choice, delta=delta, logprobs=logprobs, token_ids=token_ids)
+                if increment.choice in unopened:
+                    unopened.discard(increment.choice)
+                    for chunk in self._opened(choice, len(increment.token_ids)):
+                        yield chunk
+                else:
+                    yield self._chunk([choice])
             if increment.finish_reason is not None:
                 finish_reason = _call_finish_reason(increment.finish_reason, reader.calls > 0)
-                yield self._chunk([ChatChunkChoice(index=increment.choice, delta=ChatDelta(),
-                                                   finish_reason=finish_reason, stop_reason=increment.stop_reason)])
+                choice = ChatChunkChoice(index=increment.choice, delta=ChatDelta(), finish_reason=finish_reason,
+                                         stop_reason=increment.stop_reason)
+                if increment.choice in unopened:  # a reply with nothing to show: no text, as its message has none
+                    unopened.discard(increment.choice)
+                    choice.delta = ChatDelta(role="assistant", content=None)
+                    yield self._opening(choice)
+                else:
+                    yield self._chunk([choice])
+
+    def _opened(self, choice: ChatChunkChoice, tokens: int) -> list[bytes]:
+        """The chunks of a choice's first delta (of an increment of `tokens` tokens), which opens the choice as
+        OpenAI's streams do: a call (or logprobs or token ids alone) carries its role, with content null (the
+        message's content is null unless text comes); text or reasoning come after an opening chunk of their own,
+        the role with content ""."""
+        delta = choice.delta
+        if delta.content is None and delta.reasoning is None:
+            choice.delta = ChatDelta(role="assistant", content=None, tool_calls=delta.tool_calls)
+            return [self._opening(choice)]
+        opening = ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))
+        return [self._opening(opening, unsent=tokens), self._chunk([choice])]
+
+    def _opening(self, choice: ChatChunkChoice, unsent: int = 0) -> bytes:
+        """A choice's first chunk; the stream's first carries the prompt's token ids, if asked for (vLLM's).
+        `unsent`: tokens already counted for continuous usage that only the next chunk brings."""
+        prompt_ids = self._prompt_ids if self._prompt_ids_due else None
+        self._prompt_ids_due = False
+        if prompt_ids is None and not (self._running is not None and unsent):
+            return self._chunk([choice])
+        return self._frame.whole_event(ChatCompletionChunk(
+            id=self._id, created=self._created, model=self._model, choices=[choice],
+            usage=self._running.of(choice.index, unsent) if self._running is not None else None,
+            prompt_token_ids=prompt_ids))
 
     @staticmethod
     def _delta(event: Thought | StreamEvent) -> ChatDelta:

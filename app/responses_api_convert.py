@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from sluice.app.errors import APIError, invalid_request
+from sluice.app.errors import APIError, from_validation_error, invalid_request
 from sluice.app.response_ids import new_id
 from sluice.app.responses_api_schemas import (
     FunctionCallItem,
@@ -67,7 +67,7 @@ def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as error:
-        raise _renamed(error) from None
+        raise in_responses_terms(from_validation_error(error, chat)) from None
 
 
 def _check_ids_distinct(items: Items) -> None:
@@ -178,14 +178,11 @@ def in_responses_terms(error: APIError) -> APIError:
 
 
 def _responses_param(loc: list[str]) -> str:
-    """A chat field's path under the Responses API's names (its function tools are flat: no `function` level)."""
+    """A chat field's path under the Responses API's names (its function tools and json_schema format are flat: no
+    `function` or `json_schema` level)."""
     loc = [_RESPONSES_NAME.get(loc[0], loc[0]), *loc[1:]]
     if loc[0] == "tools" and loc[2:3] == ["function"]:
         del loc[2]
+    elif loc[0] == "text.format" and loc[1:2] == ["json_schema"]:
+        del loc[1]
     return ".".join(loc)
-
-
-def _renamed(error: ValidationError) -> APIError:
-    first = error.errors()[0]
-    param = _responses_param([str(part) for part in first["loc"]]) if first["loc"] else None
-    return invalid_request(f"{param}: {first['msg']}" if param else first["msg"], param)

@@ -67,7 +67,7 @@ async def parse_body(request: Request, schema: type[M]) -> tuple[ServerState, En
     try:
         body = schema.model_validate(data, context={"vocab_size": engine.limits.vocab_size})
     except ValidationError as error:
-        raise from_validation_error(error) from None
+        raise from_validation_error(error, data) from None
     state.check_model(body.model)
     return state, engine, body
 
@@ -112,7 +112,7 @@ def parse_query(request: Request, schema: type[M]) -> M:
     try:
         return schema.model_validate(data)
     except ValidationError as error:
-        raise from_validation_error(error) from None
+        raise from_validation_error(error, data) from None
 
 
 def json_response(body: BaseModel) -> Response:
@@ -150,9 +150,12 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     are turned into; `schema_field`: where the request's tools hold a function's parameters schema)."""
     if body.tools:
         await asyncio.to_thread(check_tool_schemas, engine, body.tools, schema_field)
-    tools = body.active_tools()
+    # The template is shown the tools even with tool_choice "none" (as vLLM's), unless the server says otherwise;
+    # the reply is read for calls only of the tools it may call.
+    shown = body.active_tools(state.settings.exclude_tools_when_tool_choice_none)
+    tools = body.callable_tools()
     parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
-    prompt = await asyncio.to_thread(_chat_prompt, engine, body, tools, parser)
+    prompt = await asyncio.to_thread(_chat_prompt, engine, body, shown, parser)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(max(1, engine.max_model_len - len(prompt.token_ids)), model_defaults(state, engine))
     if forced := body.forced_tools():

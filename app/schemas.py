@@ -46,8 +46,10 @@ def _check_vocabulary(ids: list[int], info: ValidationInfo) -> list[int]:
 
 def field_error(field: str, message: str, value: Any) -> ValidationError:
     """A cross-field check's complaint about `field` (holding `value`), located there so that its 400 names it as
-    `param`, as OpenAI's do: a model validator's ValueError has no location (`param` null)."""
-    details = InitErrorDetails(type="value_error", loc=(field,), input=value, ctx={"error": ValueError(message)})
+    `param`, as OpenAI's do: a model validator's ValueError has no location (`param` null). Its context names the
+    field, which the body may lack (`errors.from_validation_error`)."""
+    details = InitErrorDetails(type="value_error", loc=(field,), input=value,
+                               ctx={"error": ValueError(message), "field": field})
     return ValidationError.from_exception_data("request", [details])
 
 
@@ -496,12 +498,20 @@ class ChatMessage(_Request):
 
     _text_only = field_validator("content", mode="before")(text_parts_only("text"))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_is_an_assistants(cls, data: Any) -> Any:
+        # Checked on the body as sent, so that the 400 names the key the client wrote (`reasoning`, say).
+        if isinstance(data, dict) and data.get("role") in ("system", "developer", "user", "tool"):
+            for key in ("reasoning_content", "reasoning"):
+                if data.get(key) is not None:
+                    raise field_error(key, "only assistant messages have reasoning", data[key])
+        return data
+
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise field_error("tool_calls", "only assistant messages have tool_calls", self.tool_calls)
-        if self.reasoning_content is not None and self.role != "assistant":
-            raise field_error("reasoning_content", "only assistant messages have reasoning", self.reasoning_content)
         if self.content is None and not self.tool_calls and self.reasoning_content is None:
             raise field_error("content", "content is required (an assistant message may give tool_calls or reasoning "
                               "instead)", None)
@@ -644,8 +654,14 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
                               "allowed", self.allowed_token_ids)
         return self
 
-    def active_tools(self) -> list[ToolDefinition]:
-        """The tools the model is told about and may call: none with tool_choice "none"."""
+    def active_tools(self, exclude_when_none: bool = False) -> list[ToolDefinition]:
+        """The tools the chat template is shown. As vLLM's (since 0.10), with tool_choice "none" too: the model knows
+        them, but its reply is not read for calls (`callable_tools`); `exclude_when_none` (the server's
+        --exclude-tools-when-tool-choice-none) leaves them out then, as before."""
+        return [] if exclude_when_none and self.tool_choice == "none" else self.tools
+
+    def callable_tools(self) -> list[ToolDefinition]:
+        """The tools the reply is read for calls of: none with tool_choice "none" (its text is all content)."""
         return [] if self.tool_choice == "none" else self.tools
 
     def forced_tools(self) -> list[ToolDefinition]:
@@ -882,8 +898,11 @@ class ChatChunkChoice(_AskedFor):
 
     @field_serializer("delta")
     def _delta_without_nulls(self, delta: ChatDelta) -> dict[str, Any]:
-        # OpenAI's deltas carry only what changed: `{"content": "Hi"}`, and `{}` on the finishing chunk.
-        return delta.model_dump(exclude_none=True)
+        # OpenAI's deltas carry only what changed: `{"content": "Hi"}`, and `{}` on the finishing chunk; a field set
+        # to None is sent as null (the content beside the call a reply opens with: OpenAI's `"content": null`).
+        data = delta.model_dump(exclude_none=True)
+        return {name: data.get(name) for name in ChatDelta.model_fields
+                if name in data or name in delta.model_fields_set}
 
 
 class ChatCompletionChunk(_AskedFor):

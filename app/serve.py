@@ -276,6 +276,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "(`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}; ...`) or mistral "
             "(`[TOOL_CALLS] [{\"name\", \"arguments\"}, ...]`)",
             choices=list(TOOL_CALL_PARSERS))
+    _switch(parser, "--exclude-tools-when-tool-choice-none",
+            'leave a request\'s tools out of its prompt when its tool_choice is "none" (by default the model is shown '
+            "them, as vLLM's is, and its reply is not read for calls)")
     _option(parser, "--reasoning-parser", _SERVER_DEFAULTS.reasoning_parser,
             "tell a reasoning model's thinking from its answer (chat's `reasoning`, Anthropic's thinking blocks, the "
             "Responses API's reasoning items): deepseek_r1 (the reply starts inside <think>, as R1's template opens "
@@ -384,27 +387,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         return _refuse(_said_by_flag(error))
-    settings = ServerSettings(
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        allowed_origins=args.allowed_origins,
-        allowed_methods=args.allowed_methods,
-        allowed_headers=args.allowed_headers,
-        allow_credentials=args.allow_credentials,
-        generation_config=args.generation_config,
-        max_waiting=args.max_waiting,
-        max_body_bytes=args.max_body_bytes,
-        sse_keepalive_s=args.sse_keepalive,
-        stream_stall_timeout_s=args.stream_stall_timeout,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        embedding_pooling=args.embedding_pooling,
-        responses_store_size=args.responses_store_size,
-        responses_store_bytes=args.responses_store_bytes,
-        ui=not args.no_ui,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_itl_ms=args.slo_itl_ms,
-    )
+    settings = server_settings(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     # A path that holds no model is a one-line error now, not once the server (or a local Ray cluster) is up; the
     # hosts' and a joined cluster's paths are theirs.
@@ -429,6 +412,32 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(f"cannot listen on {args.host}:{args.port}: {error.strerror}")
     with listener:
         return asyncio.run(_serve(engine_config, settings, args, listener))
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The HTTP side's settings the flags give."""
+    return ServerSettings(
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        generation_config=args.generation_config,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        sse_keepalive_s=args.sse_keepalive,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        reasoning_parser=args.reasoning_parser,
+        embedding_pooling=args.embedding_pooling,
+        responses_store_size=args.responses_store_size,
+        responses_store_bytes=args.responses_store_bytes,
+        ui=not args.no_ui,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
+    )
 
 
 def _idle_tuning(args: argparse.Namespace) -> str | None:

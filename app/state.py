@@ -25,7 +25,9 @@ class ServerSettings:
     `sse_keepalive_s` spaces the keep-alive comments of a stream with nothing to send; a stream (the API's or the
     dashboard's) whose reader accepts nothing for `stream_stall_timeout_s` (0: never) is ended
     (`app/streaming.py`); `ui` serves the dashboard and playground, whose latency charts draw the `slo_*_ms` lines
-    when set; `tool_call_parser` names the format of tool calls (`app/tool_calls.py`); `/v1/responses` keeps at
+    when set; `tool_call_parser` names the format of tool calls (`app/tool_calls.py`);
+    `exclude_tools_when_tool_choice_none` leaves a request's tools out of its prompt when its tool_choice is "none"
+    (vLLM's flag; by default the template is shown them, and the reply is not read for calls); `/v1/responses` keeps at
     most `responses_store_size` responses and `responses_store_bytes` bytes of them (`app/responses_api_store.py`);
     `embedding_pooling` is how `/v1/embeddings` pools an input's hidden states (`app/embeddings.py`);
     `reasoning_parser` names how a reasoning model's thinking is told from its answer (`app/reasoning.py`; None:
@@ -45,6 +47,7 @@ class ServerSettings:
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
     tool_call_parser: str = "auto"
+    exclude_tools_when_tool_choice_none: bool = False
     responses_store_size: int = 1024
     responses_store_bytes: int = 64 * 1024 * 1024
     embedding_pooling: Literal["last", "mean"] = "last"

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from sluice.app.embeddings_schemas import EmbeddingRequest
-from sluice.app.errors import APIError, from_validation_error
+from sluice.app.errors import APIError, from_validation_error, sent_path
 from sluice.app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from sluice.batching.sampling_params import StructuredOutput
 
@@ -18,7 +18,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 def rejection(schema, body: dict) -> APIError:
     with pytest.raises(ValidationError) as caught:
         schema.model_validate(body, context=VOCAB)
-    error = from_validation_error(caught.value)
+    error = from_validation_error(caught.value, body)
     assert error.status == 400 and error.type == "invalid_request_error"
     return error
 
@@ -104,6 +104,45 @@ def test_a_tool_choice_object_other_than_a_named_function_is_refused_by_what_it_
     tools = [{"type": "function", "function": {"name": "f"}}]
     error = rejection(ChatCompletionRequest, {**CHAT, "tools": tools, "tool_choice": choice})
     assert error.param == "tool_choice" and words in error.message
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": 5, "schema": {}}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": 5}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"messages": [{"role": "user", "content": "hi", "reasoning": "x"}]}, "messages.0.reasoning"),
+    ({"messages": [{"role": "tool", "tool_call_id": "c", "content": "1", "reasoning_content": "x"}]},
+     "messages.0.reasoning_content"),
+    ({"messages": [{"role": "assistant", "content": "hi", "reasoning": 5}]}, "messages.0.reasoning"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content"),  # the str member's
+    ({"stop": 5}, "stop"),
+    ({"structured_outputs": {"json": 5}}, "structured_outputs.json"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": 5}, "tool_choice"),
+])
+def test_a_param_is_the_fields_path_as_the_client_sent_it(fields, param):
+    """Not with the labels pydantic gives a union's members (its tag: `response_format.json_schema.json_schema.name`,
+    or its type: `stop.str`), nor under another name of the field (`reasoning_content` for the `reasoning` sent)."""
+    error = rejection(ChatCompletionRequest, {**CHAT, **fields})
+    assert error.param == param and error.message.startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize(("loc", "body", "named", "path"), [
+    (("a", "text", "citations"), {"a": {"type": "text", "text": "hi", "citations": 5}}, False, ("a", "citations")),
+    (("a", "text", "text"), {"a": {"type": "text", "text": 5}}, False, ("a", "text")),
+    (("a", "str"), {"a": {"b": 1}}, False, ("a",)),
+    (("a", "str"), {"a": {}}, False, ("a",)),
+    (("a", "message"), {"a": {"role": "user"}}, False, ("a",)),  # a union member's own check, under its tag
+    (("a", "list[int]", 1), {"a": [0, "x"]}, False, ("a", 1)),
+    (("a", "x", "b"), {"a": {}}, True, ("a", "b")),  # missing
+    (("a", "b"), {"a": {}}, True, ("a", "b")),  # a cross-field check's, about a field left out
+    (("a", "b"), "not what was validated", False, ("a", "b")),
+])
+def test_a_location_is_read_in_the_body_keeping_its_own_field_where_a_tag_is_also_a_key(loc, body, named, path):
+    assert sent_path(loc, body, named) == path
 
 
 @pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}])
@@ -324,7 +363,7 @@ TOOLS = [{"type": "function", "function": {"name": "f"}}]
     (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user"}]}, "messages.0.content"),
     (ChatCompletionRequest, {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
     (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": "x", "reasoning": "y"}]},
-     "messages.0.reasoning_content"),
+     "messages.0.reasoning"),
     (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     (TokenizeRequest, {}, "prompt"),
 ])

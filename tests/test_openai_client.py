@@ -4,6 +4,7 @@ SmolLM2's tokenizer, in-process): request fields the OpenAI API accepts reach th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
@@ -24,20 +25,30 @@ CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=1
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
+def tiny_engine(smollm2, config: EngineConfig) -> Engine:
+    # The tokenizer's whole vocabulary, so that the chat template's ids are the model's.
+    model_config = ModelConfig.tiny(vocab_size=smollm2.tokenizer.vocab_size)
+    loaded = LoadedModel(model_config, Llama(model_config, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
+    return Engine(loaded, config, progress=False)
+
+
 @pytest.fixture(scope="module")
 def engine(smollm2) -> Engine:
-    # The tokenizer's whole vocabulary, so that the chat template's ids are the model's.
-    config = ModelConfig.tiny(vocab_size=smollm2.tokenizer.vocab_size)
-    loaded = LoadedModel(config, Llama(config, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
-    return Engine(loaded, CONFIG, progress=False)
+    return tiny_engine(smollm2, CONFIG)
 
 
-def serve(engine: Engine, scenario):
+@pytest.fixture(scope="module")
+def tool_engine(smollm2) -> Engine:
+    """With room for the tools SmolLM2's template is shown in (the Hermes system prompt: about 150 tokens for one)."""
+    return tiny_engine(smollm2, dataclasses.replace(CONFIG, max_model_len=384, kv_cache_memory=4 << 20))
+
+
+def serve(engine: Engine, scenario, **settings):
     """Runs `scenario(client, http)`, an `openai.AsyncOpenAI` on the app and the `httpx.AsyncClient` under it,
-    with the engine's step loop started."""
+    with the engine's step loop started; `settings`: the server's (`ServerSettings`)."""
 
     async def run():
-        state = ServerState(ServerSettings())
+        state = ServerState(ServerSettings(**settings))
         state.set_engine(engine)
         await engine.start()
         try:
@@ -193,3 +204,123 @@ def test_a_prompt_too_long_for_the_context_is_openais_context_length_exceeded_na
                                                                ("context_length_exceeded", "input"),
                                                                ("context_length_exceeded", "input")]
     assert all("maximum context length is 128 tokens" in error.message for error in errors)
+
+
+# --- tool calling as OpenAI's and vLLM's clients read it ------------------------------------------------------
+
+LOOK_PARAMETERS = {"type": "object", "properties": {}}
+LOOK = {"type": "function", "function": {"name": "look", "description": "Looks around", "parameters": LOOK_PARAMETERS}}
+CALL_TEXT = '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_tool_choice_none_shows_the_model_the_tools_unless_the_server_excludes_them_in_every_api(tool_engine, exclude):
+    """vLLM (since 0.10) renders the tools into the prompt with tool_choice "none" too (the model knows them; no
+    call is read from its reply); --exclude-tools-when-tool-choice-none leaves them out, as before. The Responses
+    API and Anthropic's Messages API (`tool_choice: {"type": "none"}`) follow the chat request they become."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> tuple[int, ...]:
+        async def chat_prompt_tokens(**fields) -> int:
+            reply = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                                         temperature=0, **fields)
+            return reply.usage.prompt_tokens
+
+        bare = await chat_prompt_tokens()
+        auto = await chat_prompt_tokens(tools=[LOOK], tool_choice="auto")
+        none = await chat_prompt_tokens(tools=[LOOK], tool_choice="none")
+        response = await client.responses.create(model="tiny", input=MESSAGES[0]["content"], tool_choice="none",
+                                                 tools=[{"type": "function", **LOOK["function"]}],
+                                                 max_output_tokens=1, temperature=0)
+        message = (await http.post("/messages", json={
+            "model": "tiny", "max_tokens": 1, "temperature": 0, "messages": MESSAGES, "tool_choice": {"type": "none"},
+            "tools": [{"name": "look", "description": "Looks around", "input_schema": LOOK_PARAMETERS}]})).json()
+        usage = message["usage"]
+        anthropic = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+        return bare, auto, none, response.usage.input_tokens, anthropic
+
+    bare, auto, none, responses, anthropic = serve(tool_engine, scenario,
+                                                   **({"exclude_tools_when_tool_choice_none": True} if exclude else {}))
+    assert auto > bare
+    assert none == responses == anthropic == (bare if exclude else auto)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_tool_choice_none_a_reply_written_as_a_call_is_its_content_not_a_call(tool_engine, stream):
+    """The tools are in the prompt, but with "none" the reply is not read for calls: vLLM's content is the text."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list[tuple]:
+        replies = []
+        for tool_choice in ("none", "auto"):
+            body = {"model": "tiny", "messages": MESSAGES, "tools": [LOOK], "tool_choice": tool_choice,
+                    "max_tokens": 40, "temperature": 0, "structured_outputs": {"choice": [CALL_TEXT]}}
+            if not stream:
+                choice = (await http.post("/chat/completions", json=body)).json()["choices"][0]
+                calls = [(c["function"]["name"], c["function"]["arguments"])
+                         for c in choice["message"].get("tool_calls") or []]
+                replies.append((choice["message"]["content"], calls, choice["finish_reason"]))
+                continue
+            chunks = await stream_chunks(http, "/chat/completions", body)
+            deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+            content = "".join(delta.get("content") or "" for delta in deltas) or None
+            calls = [(c["function"]["name"], c["function"]["arguments"])
+                     for delta in deltas for c in delta.get("tool_calls", []) if "id" in c]
+            replies.append((content, calls, chunks[-1]["choices"][0]["finish_reason"]))
+        return replies
+
+    none, auto = serve(tool_engine, scenario)
+    assert none == (CALL_TEXT, [], "stop")
+    assert auto[1:] == ([("look", "" if stream else "{}")], "tool_calls")  # streamed: the arguments come after
+
+
+def test_a_streamed_reply_that_opens_with_a_call_opens_as_openais_with_content_null_beside_the_call(tool_engine):
+    """OpenAI's first chunk of a reply that starts with a call is `{"role": "assistant", "content": null,
+    "tool_calls": [...]}`: content "" there made the openai client's stream helper end with content "" where the
+    unstreamed reply has null."""
+    strict = {"type": "function", "function": {**LOOK["function"], "strict": True}}  # the stream helper asks for it
+    body = {"model": "tiny", "messages": MESSAGES, "tools": [strict], "max_tokens": 40, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "look"}}}
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> tuple:
+        chunks = await stream_chunks(http, "/chat/completions", body)
+        whole = await client.chat.completions.create(**body)
+        async with client.chat.completions.stream(**body) as events:
+            final = await events.get_final_completion()
+        text = await stream_chunks(http, "/chat/completions", {**body, "tool_choice": "auto",
+                                                               "structured_outputs": {"choice": ["Blue"]}})
+        return chunks, whole, final, text
+
+    chunks, whole, final, text = serve(tool_engine, scenario)
+    assert whole.choices[0].message.content is None and final.choices[0].message.content is None
+    first = chunks[0]["choices"][0]["delta"]
+    [call] = first.pop("tool_calls")
+    assert first == {"role": "assistant", "content": None}
+    assert call["index"] == 0 and call["type"] == "function" and call["function"] == {"name": "look", "arguments": ""}
+    assert all("role" not in chunk["choices"][0]["delta"] for chunk in chunks[1:])
+    assert ([c.function.model_dump(include={"name", "arguments"}) for c in final.choices[0].message.tool_calls]
+            == [c.function.model_dump() for c in whole.choices[0].message.tool_calls])
+    # A reply that opens with text opens as before, as OpenAI's does: the role with content "".
+    assert text[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in text[:-1]) == "Blue"
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": 5, "schema": {}}}}, "response_format.json_schema.name"),
+    ("/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi", "reasoning": "x"}]}, "messages.0.reasoning"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi", "reasoning_content": "x"}]},
+     "messages.0.reasoning_content"),
+    ("/chat/completions", {"messages": MESSAGES, "stop": 5}, "stop"),
+    ("/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": 5, "schema": {}}}},
+     "text.format.name"),
+])
+def test_an_invalid_fields_param_is_its_path_as_the_client_sent_it(engine, path, body, param):
+    """Not a union member's tag or type (`response_format.json_schema.json_schema.name`, `stop.str`), nor a field's
+    other name (`reasoning_content` for the `reasoning` sent)."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> httpx.Response:
+        return await http.post(path, json={"model": "tiny", **body})
+
+    response = serve(engine, scenario)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param

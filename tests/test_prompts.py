@@ -112,6 +112,21 @@ def test_an_assistants_reasoning_reaches_the_template_as_reasoning_content(token
     assert rendered.endswith("user:Hi|assistant:<think>greet</think>Hello|user:Bye|")
 
 
+@pytest.mark.parametrize(("tool_choice", "exclude", "shown", "callable_"), [
+    ("auto", False, "look;", ["look"]), ("auto", True, "look;", ["look"]),
+    ("none", False, "look;", []), ("none", True, "", []),
+])
+def test_tool_choice_none_shows_the_template_the_tools_unless_excluded_and_calls_none(tokenizer, tool_choice, exclude,
+                                                                                      shown, callable_):
+    """vLLM's since 0.10: the model knows the tools with tool_choice "none" too, but no call is read from its reply;
+    --exclude-tools-when-tool-choice-none leaves them out of the prompt."""
+    request = chat([{"role": "user", "content": "Hi"}], tools=[TOOL], tool_choice=tool_choice)
+    rendered = chat_prompt(with_special(tokenizer, chat_template=THINKS), request.messages,
+                           tools=request.active_tools(exclude)).text
+    assert rendered == f"{shown}user:Hi|"
+    assert [tool.function.name for tool in request.callable_tools()] == callable_
+
+
 def test_the_template_sees_the_reasoning_under_vllms_other_name_too(tokenizer):
     reads_reasoning = with_special(tokenizer, chat_template="{{ messages[1].reasoning }}")
     request = chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning": "greet"}])

@@ -16,7 +16,7 @@ from sluice.batching.stats import EngineStats
 
 from sluice.app.metrics import ServerMetrics
 from sluice.app.middleware import InternalErrorMiddleware, RequestIdMiddleware
-from sluice.app.serve import add_arguments, byte_size
+from sluice.app.serve import add_arguments, byte_size, server_settings
 from sluice.app.server import create_app
 from sluice.app.streaming import DONE, KEEPALIVE, EventStreamResponse, sse_event
 from sluice.app.state import ServerSettings, ServerState
@@ -331,6 +331,15 @@ def test_every_serve_flag_is_settable_by_environment(monkeypatch):
     assert (args.max_num_seqs, args.api_key, args.kv_cache_memory) == (7, "from-env", 2 << 30)
     assert args.kv_cache_dtype == "int8"
     assert args.disable_prefix_caching
+
+
+@pytest.mark.parametrize(("args", "env", "excluded"), [
+    ([], None, False), (["--exclude-tools-when-tool-choice-none"], None, True), ([], "1", True), ([], "off", False)])
+def test_exclude_tools_when_tool_choice_none_reaches_the_servers_settings(monkeypatch, args, env, excluded):
+    """vLLM's flag: by default a request's tools are rendered with tool_choice "none" too; with it, left out."""
+    if env is not None:
+        monkeypatch.setenv("SLUICE_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE", env)
+    assert server_settings(parse(args)).exclude_tools_when_tool_choice_none is excluded
 
 
 def test_a_flag_overrides_its_environment_variable(monkeypatch):
