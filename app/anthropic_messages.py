@@ -27,7 +27,6 @@ before the others.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -55,9 +54,8 @@ from sluice.app.anthropic_schemas import (
 )
 from sluice.app.errors import APIError, from_validation_error, invalid_request
 from sluice.app.generation import respond, start_generation
-from sluice.app.prompts import chat_prompt, tool_call_format
 from sluice.app.reasoning import ReasoningFormat
-from sluice.app.routes import check_tool_schemas, json_response, parse_body, plan_chat
+from sluice.app.routes import json_response, parse_body, plan_chat, render_chat
 from sluice.app.schemas import ChatCompletionRequest
 
 
@@ -86,12 +84,7 @@ def thread_unsupported() -> APIError:
 async def count_message_tokens(request: Request) -> Response:
     """The length of the prompt `/v1/messages` would render for the same system, messages and tools."""
     state, engine, body = await parse_body(request, CountTokensRequest)
-    chat = chat_request(body)
-    if chat.tools:
-        await asyncio.to_thread(check_tool_schemas, engine, chat.tools, "input_schema")
-    prompt = await asyncio.to_thread(chat_prompt, engine.tokenizer, chat.messages, tools=chat.active_tools(),
-                                     call_format=tool_call_format(state.settings.tool_call_parser, engine.tokenizer),
-                                     **chat.rendering())
+    prompt = await render_chat(state, engine, chat_request(body), "input_schema")
     return json_response(CountTokensResponse(input_tokens=len(prompt.token_ids)))
 
 

@@ -148,14 +148,9 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
                     schema_field: str = "function.parameters") -> ChatPlan:
     """The prompt and parameters of a checked chat request (also what the Responses and Anthropic's Messages APIs
     are turned into; `schema_field`: where the request's tools hold a function's parameters schema)."""
-    if body.tools:
-        await asyncio.to_thread(check_tool_schemas, engine, body.tools, schema_field)
-    # The template is shown the tools even with tool_choice "none" (as vLLM's), unless the server says otherwise;
-    # the reply is read for calls only of the tools it may call.
-    shown = body.active_tools(state.settings.exclude_tools_when_tool_choice_none)
-    tools = body.callable_tools()
+    prompt = await render_chat(state, engine, body, schema_field)
+    tools = body.callable_tools()  # the reply is read for calls only of the tools it may call
     parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
-    prompt = await asyncio.to_thread(_chat_prompt, engine, body, shown, parser)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(max(1, engine.max_model_len - len(prompt.token_ids)), model_defaults(state, engine))
     if forced := body.forced_tools():
@@ -192,11 +187,21 @@ def model_defaults(state: ServerState, engine: Engine) -> Mapping[str, float | i
     return engine.generation_defaults if state.settings.generation_config == "auto" else {}
 
 
-def _chat_prompt(engine: Engine, body: ChatCompletionRequest, tools: list[ToolDefinition], parser: str) -> Prompt:
-    """The request's prompt: rendered, encoded and truncated. CPU work (a second for a megabyte of text), done in a
-    worker thread so that the event loop serves other requests meanwhile."""
-    prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser, **body.rendering())
-    return truncated(engine.tokenizer, prompt, body.truncate_prompt_tokens, engine.max_model_len)
+async def render_chat(state: ServerState, engine: Engine, body: ChatCompletionRequest,
+                      schema_field: str = "function.parameters") -> Prompt:
+    """The request's prompt (its tools' schemas checked first): rendered, encoded and truncated. The template is
+    shown the tools with tool_choice "none" too (as vLLM's), unless the server says otherwise. CPU work (a second
+    for a megabyte of text), done in a worker thread so that the event loop serves other requests meanwhile."""
+    if body.tools:
+        await asyncio.to_thread(check_tool_schemas, engine, body.tools, schema_field)
+    tools = body.active_tools(state.settings.exclude_tools_when_tool_choice_none)
+    parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
+
+    def render() -> Prompt:
+        prompt = chat_prompt(engine.tokenizer, body.messages, tools=tools, call_format=parser, **body.rendering())
+        return truncated(engine.tokenizer, prompt, body.truncate_prompt_tokens, engine.max_model_len)
+
+    return await asyncio.to_thread(render)
 
 
 def check_tool_schemas(engine: Engine, tools: list[ToolDefinition], schema_field: str = "function.parameters"
