@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Literal, Protocol
 
 from pydantic import BaseModel
@@ -16,7 +17,7 @@ from sluice.batching.engine import Engine
 from sluice.batching.outputs import Collector, Increment, Usage
 from sluice.batching.sampling_params import ContextLengthExceeded, RequestRejected, SamplingParams
 
-from sluice.app.errors import APIError, generation_failed, invalid_request
+from sluice.app.errors import APIError, generation_failed, internal_error, invalid_request
 from sluice.app.metrics import ServerMetrics
 from sluice.app.state import Admission, ServerState
 from sluice.app.streaming import EventStreamResponse, cancel_on_disconnect
@@ -90,6 +91,17 @@ class Generation:
         logger.warning("request %s: the client read nothing for %g s; aborted", self._collector.request_id,
                        self.stall_timeout_s)
 
+    async def streamed(self, events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        """`events`, this generation's stream (closed with it). A stream that runs out before its generation did was
+        ended by its builder's failure (a bug, which the builder sent the client as a 500 error event), not by the
+        client: it is reported as that 500."""
+        async with aclosing(events):
+            async for event in events:
+                yield event
+        if self._outcome == "abort" and self._failure is None:
+            self._outcome = "error"
+            self._failure = internal_error()
+
     async def close_stream(self) -> None:
         """`close`, and a failure reported: after a stream's 200 it reached the client as an error event or
         not at all (the client left), which the per-status request counts never see."""
@@ -144,7 +156,7 @@ def abandon(engine: Engine, submitting: asyncio.Future[None], request_id: str, a
 class ResponseBuilder(Protocol):
     """Shapes a generation into one OpenAI response (`collect`) or its SSE events (`events`)."""
 
-    def events(self, generation: Generation) -> AsyncIterator[bytes]: ...
+    def events(self, generation: Generation) -> AsyncGenerator[bytes, None]: ...
 
     async def collect(self, generation: Generation) -> BaseModel: ...
 
@@ -153,7 +165,7 @@ async def respond(request: Request, generation: Generation, builder: ResponseBui
                   keepalive_s: float) -> Response:
     """An SSE stream or one JSON body; either way the generation is closed at the end."""
     if stream:
-        return EventStreamResponse(builder.events(generation), on_close=generation.close_stream,
+        return EventStreamResponse(generation.streamed(builder.events(generation)), on_close=generation.close_stream,
                                    keepalive_s=keepalive_s, stall_timeout_s=generation.stall_timeout_s,
                                    on_stall=generation.stalled)
     try:

@@ -1,6 +1,6 @@
-"""The server's edge, no model loaded: what the request counts and the dashboard's error list say about requests
-that got no answer (under a real uvicorn), bodies that stop arriving, and the scale-out ingress's reading of
-bodies."""
+"""The server's edge: what the request counts and the dashboard's error list say about requests that got no answer
+(under a real uvicorn, no model loaded) or whose answer failed (the tiny model's engine), bodies that stop arriving,
+and the scale-out ingress's reading of bodies."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from sluice.app.streaming import EventStreamResponse
 from sluice.app.state import ServerSettings, ServerState
 from sluice.bench.prefix_cache import CacheCounters, parse
 
+from test_server_engine import COMPLETION, engine, serve  # noqa: F401 - engine: the fixture
 from test_stalled_readers import read_to_end
 
 
@@ -246,6 +247,26 @@ def test_a_route_that_raises_is_answered_with_its_apis_500_and_counted():
     assert 'sluice_requests_total{route="/broken",status="500"} 2.0' in metrics.render().decode()
     [error] = metrics.recent.take().errors
     assert (error.status, error.message) == (500, "RuntimeError: a bug")  # the dashboard's list names it
+
+
+def test_a_stream_whose_building_fails_is_counted_as_the_servers_error_not_the_clients_leaving(engine, monkeypatch):
+    """The builder tells the client (a 500 error event), but the stream was listed as one whose client left (499)
+    and its latency as an abort: a bug in shaping responses showed on the dashboard as clients hanging up."""
+    def failing(token_id: int) -> str:
+        raise RuntimeError("injected tokenizer fault")
+
+    monkeypatch.setattr(engine.tokenizer, "token_text", failing)  # logprobs name their tokens by it
+
+    async def scenario(client, state):
+        response = await client.post("/v1/completions", json={**COMPLETION, "stream": True, "logprobs": 1})
+        return response, state.metrics.recent.take().errors, state.metrics.render().decode()
+
+    response, (error,), metrics = serve(engine, scenario)
+    events = [e[len("data: "):] for e in response.text.split("\n\n") if e.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+    assert (error.kind, error.status) == ("5xx", 500) and error.source.startswith("cmpl-")
+    assert 'sluice_e2e_request_latency_seconds_count{outcome="error"} 1.0' in metrics
+    assert 'outcome="abort"' not in metrics
 
 
 def test_a_body_nested_too_deep_for_the_json_parser_has_no_routing_key():
