@@ -232,12 +232,17 @@ async def create_completion(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     """`prompt` is encoded as a completion's; `messages` are first rendered with the chat template, as a chat's."""
-    _, engine, body = await parse_body(request, TokenizeRequest)
+    state, engine, body = await parse_body(request, TokenizeRequest)
     if body.messages is not None:
-        ids = (await asyncio.to_thread(chat_prompt, engine.tokenizer, body.messages, **body.rendering())).token_ids
+        ids = (await asyncio.to_thread(
+            chat_prompt, engine.tokenizer, body.messages, tools=body.tools or [],
+            call_format=tool_call_format(state.settings.tool_call_parser, engine.tokenizer), **body.rendering()
+        )).token_ids
     else:
         ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-    return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len))
+    strings = engine.tokenizer.vocab_strings(ids) if body.return_token_strs else None
+    return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len,
+                                          token_strs=strings))
 
 
 async def detokenize(request: Request) -> Response:

@@ -681,6 +681,9 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
 class TokenizeRequest(ChatRendering):
     model: str | None = None
     prompt: str | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS,
+                                               description="with messages: rendered as a chat request's are")
+    return_token_strs: bool = Field(False, description="also each token's string in the vocabulary (`token_strs`)")
 
     @model_validator(mode="before")
     @classmethod
@@ -694,6 +697,8 @@ class TokenizeRequest(ChatRendering):
     def _exactly_one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise field_error("prompt", "give exactly one of prompt or messages", self.prompt)
+        if self.tools and self.messages is None:
+            raise field_error("tools", "tools are rendered with messages; a prompt is encoded as it is", self.tools)
         return self
 
 
@@ -951,6 +956,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

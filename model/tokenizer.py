@@ -105,6 +105,11 @@ class Tokenizer:
         """The text of one token on its own (bytes of a split character come out as U+FFFD)."""
         return self._backend.decode([token_id], skip_special_tokens=False)
 
+    def vocab_strings(self, ids: list[int]) -> list[str]:
+        """Each token's string as the vocabulary writes it (`Ġthe` for a byte-level BPE's " the"), as HF's
+        `convert_ids_to_tokens` gives it."""
+        return [self._backend.id_to_token(token_id) for token_id in ids]
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for, even when they are part of a UTF-8 character."""
         token = self._backend.id_to_token(token_id)

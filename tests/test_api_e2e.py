@@ -651,3 +651,24 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids_whole_and_strea
     assert [t for c in stream for t in c.choices[0].model_extra.get("token_ids", [])] == reply.choices[0].token_ids
     plain = client.chat.completions.create(**chat_kwargs)
     assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
+
+
+def test_tokenize_renders_messages_with_tools_as_the_chat_request_does_and_names_the_vocabularys_strings(
+        server, client):
+    """vLLM's /tokenize takes a chat's `tools` (RL frameworks count an agent's prompt with it) and
+    `return_token_strs` (the vocabulary's own strings, `Ġ` for a byte-level space)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = chat("What is the weather in Paris?")
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=1, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "tools": tools,
+                                                           "return_token_strs": True}, headers=AUTH).json()
+    bare = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, headers=AUTH).json()
+    assert tokenized["tokens"] == reply.prompt_token_ids and tokenized["count"] > bare["count"]
+    assert bare["token_strs"] is None
+    strings = tokenized["token_strs"]
+    assert len(strings) == tokenized["count"] and strings[0] == "<|im_start|>" and "ĠParis" in strings
+    refused = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi", "tools": tools}, headers=AUTH)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
