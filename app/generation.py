@@ -99,8 +99,12 @@ class Generation:
             async for event in events:
                 yield event
         if self._outcome == "abort" and self._failure is None:
-            self._outcome = "error"
-            self._failure = internal_error()
+            self.building_failed()
+
+    def building_failed(self) -> None:
+        """Building its response raised (a bug): the request ended as a 500, whatever its engine request did."""
+        self._outcome = "error"
+        self._failure = internal_error()
 
     async def close_stream(self) -> None:
         """`close`, and a failure reported: after a stream's 200 it reached the client as an error event or
@@ -170,6 +174,11 @@ async def respond(request: Request, generation: Generation, builder: ResponseBui
                                    on_stall=generation.stalled)
     try:
         response = await cancel_on_disconnect(request, builder.collect(generation))
+    except APIError:  # the client left (499), or the generation failed: its outcome is known
+        raise
+    except Exception:
+        generation.building_failed()
+        raise
     finally:
         await generation.close()
     return Response(response.model_dump_json(), media_type="application/json")

@@ -249,13 +249,19 @@ def test_a_route_that_raises_is_answered_with_its_apis_500_and_counted():
     assert (error.status, error.message) == (500, "RuntimeError: a bug")  # the dashboard's list names it
 
 
-def test_a_stream_whose_building_fails_is_counted_as_the_servers_error_not_the_clients_leaving(engine, monkeypatch):
-    """The builder tells the client (a 500 error event), but the stream was listed as one whose client left (499)
-    and its latency as an abort: a bug in shaping responses showed on the dashboard as clients hanging up."""
+def fail_naming_tokens(engine, monkeypatch) -> None:
+    """A tokenizer fault in building responses: logprobs name their tokens by `token_text`, which the engine never
+    calls."""
     def failing(token_id: int) -> str:
         raise RuntimeError("injected tokenizer fault")
 
-    monkeypatch.setattr(engine.tokenizer, "token_text", failing)  # logprobs name their tokens by it
+    monkeypatch.setattr(engine.tokenizer, "token_text", failing)
+
+
+def test_a_stream_whose_building_fails_is_counted_as_the_servers_error_not_the_clients_leaving(engine, monkeypatch):
+    """The builder tells the client (a 500 error event), but the stream was listed as one whose client left (499)
+    and its latency as an abort: a bug in shaping responses showed on the dashboard as clients hanging up."""
+    fail_naming_tokens(engine, monkeypatch)
 
     async def scenario(client, state):
         response = await client.post("/v1/completions", json={**COMPLETION, "stream": True, "logprobs": 1})
@@ -265,6 +271,20 @@ def test_a_stream_whose_building_fails_is_counted_as_the_servers_error_not_the_c
     events = [e[len("data: "):] for e in response.text.split("\n\n") if e.startswith("data: ")]
     assert json.loads(events[-2])["error"]["type"] == "server_error" and events[-1] == "[DONE]"
     assert (error.kind, error.status) == ("5xx", 500) and error.source.startswith("cmpl-")
+    assert 'sluice_e2e_request_latency_seconds_count{outcome="error"} 1.0' in metrics
+    assert 'outcome="abort"' not in metrics
+
+
+def test_a_whole_response_whose_building_fails_is_a_500_counted_as_an_error_not_an_abort(engine, monkeypatch):
+    """Its latency was counted under the outcome of a request whose client left."""
+    fail_naming_tokens(engine, monkeypatch)
+
+    async def scenario(client, state):
+        response = await client.post("/v1/completions", json={**COMPLETION, "logprobs": 1})
+        return response, state.metrics.render().decode()
+
+    response, metrics = serve(engine, scenario)
+    assert response.status_code == 500 and response.json()["error"]["message"] == "Internal server error"
     assert 'sluice_e2e_request_latency_seconds_count{outcome="error"} 1.0' in metrics
     assert 'outcome="abort"' not in metrics
 
