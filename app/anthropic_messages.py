@@ -67,10 +67,10 @@ async def create_message(request: Request) -> Response:
     budgets = state.settings.reasoning_parser is not None and ReasoningFormat.binds_budget(engine.tokenizer)
     chat = await plan_chat(state, engine, chat_request(body, budgets), "input_schema")
     message_id = f"msg_{uuid.uuid4().hex}"
-    generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
     eager = frozenset(tool.name for tool in body.tools if tool.eager_input_streaming)
     builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling, chat.reasoning,
                              eager)
+    generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 

@@ -198,12 +198,12 @@ class MessageBuilder:
         return self._events(generation)
 
     async def _events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
-        start = self._message([], None, None, MessageUsage(input_tokens=self._input_tokens, output_tokens=0))
-        yield sse(MessageStartEvent(message=start))
-        yield sse(PingEvent())
         blocks = _Blocks(self._eager)
         reader = ReplyReader(self._reasoning, self._calling)
         try:
+            start = self._message([], None, None, MessageUsage(input_tokens=self._input_tokens, output_tokens=0))
+            yield sse(MessageStartEvent(message=start))
+            yield sse(PingEvent())
             async for increment in generation.increments():
                 self._record(increment)
                 pieces = reader.push(increment.text) + (reader.finish() if increment.finished else [])

@@ -61,8 +61,6 @@ async def create_response(request: Request) -> Response:
     if body.truncation == "auto" and not _fits(engine, plan):
         items, plan = await _fitting_conversation(state, engine, body, items, plan)
     response_id = new_id("resp", state.replica)
-    generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival,
-                                        "input")
     response = ResponseObject(
         id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,
         max_output_tokens=body.max_output_tokens, model=state.model_name, output=[],
@@ -82,6 +80,8 @@ async def create_response(request: Request) -> Response:
     logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
     builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning,
                                lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
+    generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival,
+                                        "input")
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 

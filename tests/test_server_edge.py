@@ -27,7 +27,7 @@ from starlette.types import ASGIApp
 from sluice.app.ingress import SluiceIngress, _ReplicaReports, routing
 from sluice.app.prefix_router import Routing
 from sluice.app.metrics import ServerMetrics
-from sluice.app import middleware
+from sluice.app import anthropic_responses, middleware
 from sluice.app.middleware import BodyReadMiddleware, InternalErrorMiddleware, RequestCountMiddleware
 from sluice.app.replicas import ReplicaReport
 from sluice.app.serve import DrainingServer
@@ -287,6 +287,25 @@ def test_a_whole_response_whose_building_fails_is_a_500_counted_as_an_error_not_
     assert response.status_code == 500 and response.json()["error"]["message"] == "Internal server error"
     assert 'sluice_e2e_request_latency_seconds_count{outcome="error"} 1.0' in metrics
     assert 'outcome="abort"' not in metrics
+
+
+def test_a_message_stream_whose_opening_fails_ends_in_an_anthropic_error_event(engine, monkeypatch):
+    """`message_start` was built outside the stream's error handling: a bug there cut the body short with no error
+    event (uvicorn's "Exception in ASGI application")."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(anthropic_responses.MessageBuilder, "_message", failing)
+
+    async def scenario(client, state):
+        response = await client.post("/v1/messages", json={"model": "tiny", "max_tokens": 4, "stream": True,
+                                                           "messages": [{"role": "user", "content": "Hi"}]})
+        return response, state.metrics.render().decode()
+
+    response, metrics = serve(engine, scenario)
+    (event,) = [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert event == {"type": "error", "error": {"type": "api_error", "message": "Internal server error"}}
+    assert 'sluice_e2e_request_latency_seconds_count{outcome="error"} 1.0' in metrics
 
 
 def test_a_body_nested_too_deep_for_the_json_parser_has_no_routing_key():
