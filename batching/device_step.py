@@ -289,6 +289,9 @@ def decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pa
         logits, _, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, page_table, step_inputs)
         out = sample(logits, sampling, plan)
         alive = alive & ~(active & sampling.stops(out.tokens))
+        # A row past its end computes padding, whose logprob may not be finite: zeroed, so that the host checks
+        # every step's (`StepOutput.nonfinite`).
+        out = replace(out, logprobs=jnp.where(active, out.logprobs, 0.0))
         return (out.tokens, alive, kv_cache, sampling.advanced(out.tokens)), out
 
     init = (inputs.token_ids, inputs.limits > 0, flat_pool(kv_cache), sampling)
@@ -371,6 +374,8 @@ def verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pa
         emitted = emitted + kept
         carry = (last, emitted, history, alive & ~stopped & (emitted < inputs.limits), kv_cache,
                  sampling.advanced(last, kept))
+        # Rows a sequence does not keep (another sequence's, or a rejected draft's) zeroed, as in `decode_steps`.
+        grid = replace(grid, logprobs=jnp.where(offsets < kept[:, None], grid.logprobs, 0.0))
         flat = jax.tree.map(lambda x: x.reshape(num_seqs * width, *x.shape[2:]), grid)
         return carry, VerifiedSteps(flat, kept, jnp.maximum(q_lens - 1, 0))
 

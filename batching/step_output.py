@@ -51,9 +51,9 @@ class StepOutput:
 
     @cached_property
     def nonfinite(self) -> np.ndarray:
-        """[rows] bool: whether a row sampled nothing (its logprob is not finite: `sample`), checked at the call's
-        first step (where every sampled row is live; later, a row that stopped computes padding)."""
-        return ~np.isfinite(self.sampled.logprobs[0])
+        """[rows] bool: whether a row sampled nothing (its logprob is not finite: `sample`) at any step of the call
+        (a multi-step call zeroes the logprobs of rows past their end, which compute padding)."""
+        return ~np.isfinite(self.sampled.logprobs).all(axis=0)
 
     @cached_property
     def _by_row(self) -> list[list[int]]:

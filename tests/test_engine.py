@@ -21,6 +21,7 @@ from sluice.model.config import ModelConfig
 from sluice.model.generate import generate
 from sluice.model.llama import Llama
 from sluice.model.loader import LoadedModel, load_model
+from test_speculative import free_verification
 
 PAGE = 4
 CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, page_size=PAGE,
@@ -424,6 +425,24 @@ def test_multi_step_decode_stops_on_a_stop_id_or_string_inside_a_call_and_keeps_
     by_text = multi.generate([prompt], replace(GREEDY, stop=(stop,)))[0][0]
     assert by_text.finish_reason == "stop" and by_text.text == free.text[:free.text.index(stop)]
     assert by_text.usage.completion_tokens == len(by_text.token_ids) < len(free.token_ids)
+    assert multi.stats.kv_pages_used == 0
+
+
+@pytest.mark.parametrize("settings", [dict(num_decode_steps=4), dict(num_decode_steps=4, speculative="ngram")],
+                         ids=["multi-step", "drafts-in-multi-step-calls"])
+def test_logits_not_finite_inside_a_multi_step_call_end_the_request_as_in_single_steps(tiny, engine, settings):
+    """Token g[1]'s embedding is NaN: the step that computes it (the second of a multi-step call) has logits that
+    are not finite. Its request ends with an error, as with single steps, not with that step's arbitrary tokens."""
+    prompt = [31, 32, 33, 34, 35]
+    free = engine.generate([prompt], GREEDY)[0][0].token_ids
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    model.embed[...] = model.embed[...].at[free[1]].set(np.nan)
+    multi = make_engine(replace(tiny, model=model), **settings)
+    if multi.speculator is not None:
+        free_verification(multi)  # every call checks drafts (`verify_steps`)
+    [[out]] = multi.generate([prompt], replace(GREEDY, max_tokens=4))
+    assert out.finish_reason == "error" and "not finite" in out.error
+    assert out.token_ids == free[:len(out.token_ids)]
     assert multi.stats.kv_pages_used == 0
 
 
