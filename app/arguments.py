@@ -12,6 +12,10 @@ from typing import NoReturn
 from sluice.model.tokenizer import ChatTemplateError, compile_chat_template
 
 
+class CommandError(RuntimeError):
+    """Input a command refuses once it has read it (a prompt too long for the model, say): one line, exit 2."""
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """A parser whose refusals are one line, exit 2: argparse's own print the whole usage first, 48 lines for
     `sluice serve`, above the line that says what was wrong."""

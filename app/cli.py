@@ -7,15 +7,12 @@ import importlib
 import sys
 from typing import TYPE_CHECKING
 
-from sluice.app.arguments import CHAT_TEMPLATE_HELP, OneLineErrors, at_least, chat_template, number
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, CommandError, OneLineErrors, at_least, chat_template, number
 from sluice.model.fetch import InvalidModel, ModelNotFound
 
 if TYPE_CHECKING:
     from sluice.model.tokenizer import Tokenizer
 
-
-class CommandError(RuntimeError):
-    """Input a command refuses once it has read it (a prompt too long for the model, say): one line, exit 2."""
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,11 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(gen)
     gen.set_defaults(run=_generate)
 
-    from sluice.app import serve
+    from sluice.app import chat_cli, serve
 
     serve_parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_arguments(serve_parser)
     serve_parser.set_defaults(run=serve.run)
+
+    chat = commands.add_parser("chat", help="talk with a running server in the terminal (vLLM's `vllm chat`)")
+    chat_cli.add_arguments(chat)
+    chat.set_defaults(run=chat_cli.run)
 
     bench = commands.add_parser(
         "bench", help="benchmarks", description="; ".join(f"{name}: {text}" for name, text in BENCHMARKS.items()),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from sluice.app.cli import main as sluice_main
 from sluice.bench.compare import free_port
 
 pytestmark = pytest.mark.slow
@@ -672,3 +674,37 @@ def test_tokenize_renders_messages_with_tools_as_the_chat_request_does_and_names
     assert len(strings) == tokenized["count"] and strings[0] == "<|im_start|>" and "ĠParis" in strings
     refused = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi", "tools": tools}, headers=AUTH)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
+def test_sluice_chat_streams_each_reply_and_sends_the_whole_conversation_each_turn(server, client, monkeypatch,
+                                                                                    capsys):
+    """`sluice chat`, as vLLM's `vllm chat`: the model is the server's own, and a turn's reply is the one the chat
+    API gives the history so far."""
+    flags = ["chat", "--url", f"{server.url}/v1", "--api-key", API_KEY, "--max-tokens", "12", "--temperature", "0",
+             "--system-prompt", "You are terse."]
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n\nAnd of Italy?\n"))
+    assert sluice_main(flags) == 0
+    # Each prompt ("> ") before its reply, the empty line's too.
+    first, second = [re.sub(r"^(> )+", "", line) for line in capsys.readouterr().out.splitlines() if line.strip("> ")]
+    history = [{"role": "system", "content": "You are terse."},
+               {"role": "user", "content": "What is the capital of France?"}]
+
+    def reply(messages: list[dict]) -> str:
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                              temperature=0).choices[0].message.content
+
+    assert first == reply(history).strip()
+    assert second == reply(history + [{"role": "assistant", "content": first},
+                                      {"role": "user", "content": "And of Italy?"}]).strip()
+    assert sluice_main([*flags, "-q", "What is the capital of France?"]) == 0
+    assert capsys.readouterr().out.strip() == first
+
+
+def test_sluice_chat_says_in_one_line_what_the_server_refused(server, capsys, monkeypatch):
+    monkeypatch.delenv("SLUICE_API_KEY", raising=False)
+    assert sluice_main(["chat", "--url", f"http://127.0.0.1:{free_port()}/v1", "-q", "Hi"]) == 2
+    assert "(is `sluice serve` running?)" in capsys.readouterr().err
+    assert sluice_main(["chat", "--url", f"{server.url}/v1", "-q", "Hi"]) == 2  # no key
+    assert capsys.readouterr().err.strip().startswith("sluice: error: the server answered 401 to /models: ")
+    assert sluice_main(["chat", "--url", f"{server.url}/v1", "--api-key", API_KEY, "--model", "other", "-q", "Hi"]) == 2
+    assert "the server answered 404: " in capsys.readouterr().err
