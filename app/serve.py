@@ -185,6 +185,8 @@ class _SwitchAction(argparse.Action):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as --model gives it (vLLM's `vllm serve MODEL`)")
     _option(parser, "--model", None, "a .gguf file, an HF folder or a known name (default: SmolLM2-135M-Instruct, fetched if missing)")
     _option(parser, "--served-model-name", None, "the name clients pass as `model` (default: the model's name)")
     _option(parser, "--chat-template", None, CHAT_TEMPLATE_HELP, type=chat_template)
@@ -341,6 +343,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        if args.model not in (None, os.environ.get(env_name("--model")), args.model_tag):
+            return _refuse(f"the model is given twice, {args.model_tag!r} and --model {args.model!r}: give one")
+        args.model = args.model_tag
     if (idle := _idle_tuning(args)) is not None:
         return _refuse(idle)
     if (cache_error := _jax_cache_error()) is not None:

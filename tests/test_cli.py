@@ -178,6 +178,8 @@ def serve_in_process(monkeypatch, capsys):
     (["--api-key", ""], {}, "--api-key is empty, which would serve every client"),
     (["--host", ""], {}, "--host is empty, which would listen on every interface: pass 0.0.0.0 (or ::) for that"),
     (["--replicas", "2", "--model", "/nonexistent/x.gguf"], {}, "model '/nonexistent/x.gguf' not found"),
+    (["/nonexistent/y.gguf"], {}, "model '/nonexistent/y.gguf' not found"),  # vLLM's `serve MODEL`
+    (["a.gguf", "--model", "b.gguf"], {}, "the model is given twice, 'a.gguf' and --model 'b.gguf': give one"),
     ([], {"SLUICE_API_KEY": " "}, "--api-key is empty, which would serve every client"),
     (["--num-processes", "2", "--coordinator-address", "nonsense"], {},
      "--coordinator-address must be host:port (process 0's), got 'nonsense'"),
