@@ -3,8 +3,9 @@ one), and the same latencies and errors kept raw for the dashboard (`dashboard/r
 
 Latencies are measured by the HTTP side from each request's arrival (`generation.py`); engine numbers are read
 at scrape time from the stats snapshot the engine publishes after every step (no lock, at most a step old).
-Ratios such as the prefix-cache hit rate are left to PromQL over the exported counters. The gauges inference
-gateways read are also exported under vLLM's names (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, ...).
+Ratios such as the prefix-cache hit rate are left to PromQL over the exported counters. What inference gateways and
+vLLM's Grafana dashboards read is also exported under vLLM's names, labelled with the served model's name as vLLM's
+are (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:time_to_first_token_seconds`, ...).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None],
+                 model_name: Callable[[], str] = lambda: "") -> None:
+        """`model_name`: the served model's name, the `model_name` label of the metrics under vLLM's names."""
         self.registry = CollectorRegistry()
+        self._model_name = model_name
         self.requests = Counter(
             "sluice_requests", "HTTP requests by route and status code", ["route", "status"], registry=self.registry
         )
@@ -49,23 +53,35 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # vLLM's request latencies (what its dashboards chart), with the same observations as Sluice's own.
+        self._vllm_ttft, self._vllm_itl, self._vllm_e2e = (
+            Histogram(name, f"{documentation} (vLLM's name)", ["model_name"], buckets=_LATENCY_BUCKETS,
+                      registry=self.registry)
+            for name, documentation in (
+                ("vllm:time_to_first_token_seconds", "From a request's arrival to its first generated token"),
+                ("vllm:inter_token_latency_seconds", "Between consecutive output tokens of one sequence"),
+                ("vllm:e2e_request_latency_seconds", "From a request's arrival to its end"),
+            ))
         self.stream_stalls = Counter(
             "sluice_stream_stalls", "Streams aborted because their reader accepted nothing for the stall timeout",
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(engine_stats))
+        self.registry.register(_EngineCollector(engine_stats, model_name))
         self.recent = RecentRequests()
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
+        self._vllm_ttft.labels(self._model_name()).observe(seconds)
         self.recent.ttft.append(seconds)
 
     def inter_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
+        self._vllm_itl.labels(self._model_name()).observe(seconds)
         self.recent.itl.append(seconds)
 
     def finished(self, outcome: str, seconds: float) -> None:
         self.e2e_latency.labels(outcome=outcome).observe(seconds)
+        self._vllm_e2e.labels(self._model_name()).observe(seconds)
         if outcome == "success":
             self.recent.e2e.append(seconds)
 
@@ -89,8 +105,9 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None], model_name: Callable[[], str]) -> None:
         self._engine_stats = engine_stats
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine_stats()
@@ -121,11 +138,11 @@ class _EngineCollector:
                 ("sluice_spec_decode_num_draft_tokens", "Draft tokens verified", stats.spec.num_draft_tokens),
                 ("sluice_spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.spec.num_accepted_tokens),
             ]
-        vllm_gauges, vllm_counters = _vllm_named(stats)
-        for name, documentation, value in gauges + vllm_gauges:
+        for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)
-        for name, documentation, value in counters + vllm_counters:
+        for name, documentation, value in counters:
             yield CounterMetricFamily(name, documentation, value=value)
+        yield from _vllm_named(stats, self._model_name())
         if stats.prefix_store is not None:
             yield from _prefix_store_metrics(stats.prefix_store)
         if stats.spec is not None:
@@ -159,19 +176,25 @@ def _prefix_store_metrics(store: KVStoreCounters) -> Iterator[Metric]:
                               "was full, or the write failed)", value=store.dropped_writes)
 
 
-def _vllm_named(stats: EngineStats) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
-    """(gauges, counters) under vLLM's names, read by inference gateways (the Gateway API Inference Extension,
-    llm-d) to pick a replica by load and KV use; the same values as Sluice's own."""
+def _vllm_named(stats: EngineStats, model_name: str) -> Iterator[Metric]:
+    """The engine's numbers under vLLM's names, labelled with the served model's name: read by inference gateways
+    (the Gateway API Inference Extension, llm-d) to pick a replica by load and KV use, and by vLLM's dashboards;
+    the same values as Sluice's own."""
     usage = stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
-    gauges = [
-        ("vllm:num_requests_running", "Requests in the running batch (vLLM's name)", stats.num_requests_running),
-        ("vllm:num_requests_waiting", "Requests waiting for a batch slot (vLLM's name)", stats.num_requests_waiting),
-        ("vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use, 0 to 1 (vLLM's name)", usage),
-    ]
-    counters = [
-        ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's name)",
+    families = [
+        (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch", stats.num_requests_running),
+        (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting for a batch slot",
+         stats.num_requests_waiting),
+        (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use, 0 to 1", usage),
+        (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
          stats.prefix_cache_query_tokens),
-        ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (vLLM's name)",
+        (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache",
          stats.prefix_cache_hit_tokens),
+        (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total),
+        (CounterMetricFamily, "vllm:generation_tokens", "Tokens generated", stats.generation_tokens_total),
+        (CounterMetricFamily, "vllm:num_preemptions", "Sequences preempted to free KV pages", stats.num_preemptions),
     ]
-    return gauges, counters
+    for family, name, documentation, value in families:
+        metric = family(name, f"{documentation} (vLLM's name)", labels=["model_name"])
+        metric.add_metric([model_name], value)
+        yield metric

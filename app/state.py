@@ -71,7 +71,7 @@ class ServerState:
         self.engine: Engine | None = None
         self.peaks: Peaks | None = None
         self.draining = False
-        self.metrics = ServerMetrics(self._engine_stats)
+        self.metrics = ServerMetrics(self._engine_stats, lambda: self.model_name)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
         self._in_flight_seqs = 0
         self._idle = asyncio.Event()

@@ -54,7 +54,7 @@ def counters(client: httpx.Client) -> tuple[float, float, float]:
     text = client.get("/metrics").text
     value = lambda name: float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE).group(1))
     return (value("sluice_engine_steps_total"), value("sluice_generation_tokens_total"),
-            value("vllm:num_requests_running"))
+            value("sluice_num_requests_running"))
 
 
 async def stream(client: httpx.AsyncClient, api: str, model: str, index: int, max_tokens: int) -> None:

@@ -144,18 +144,34 @@ def test_each_app_has_its_own_metrics_registry():
     assert 'route="/health"' not in second.get("/metrics").text
 
 
-def test_gateways_read_the_engine_gauges_under_vllms_names_with_sluices_values():
+def test_gateways_and_dashboards_read_the_metrics_under_vllms_names_with_sluices_values():
+    """As vLLM's, each carries the served model's name: its Grafana dashboards select by `model_name`."""
     stats = EngineStats(num_requests_running=3, num_requests_waiting=5, num_seqs_running=4, num_seqs_waiting=6,
                         kv_pages_used=30, kv_pages_total=120, prefix_cache_hit_tokens=700,
-                        prefix_cache_query_tokens=1000, num_preemptions=0, prompt_tokens_total=1000,
+                        prefix_cache_query_tokens=1000, num_preemptions=2, prompt_tokens_total=1000,
                         generation_tokens_total=50, num_steps=9, last_step=None)
-    text = ServerMetrics(lambda: stats).render().decode()
-    sample = lambda name: float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE).group(1))
+    metrics = ServerMetrics(lambda: stats, lambda: "smol")
+    metrics.first_token(0.2)
+    metrics.inter_token(0.01)
+    metrics.inter_token(0.03)
+    metrics.finished("success", 1.5)
+    text = metrics.render().decode()
+
+    def sample(name: str) -> float:
+        labels = '{model_name="smol"}' if name.startswith("vllm:") else ""
+        return float(re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE).group(1))
+
     assert sample("vllm:num_requests_running") == sample("sluice_num_requests_running") == 3
     assert sample("vllm:num_requests_waiting") == sample("sluice_num_requests_waiting") == 5
     assert sample("vllm:kv_cache_usage_perc") == sample("sluice_kv_pages_used") / sample("sluice_kv_pages_total")
     assert sample("vllm:prefix_cache_hits_total") == sample("sluice_prefix_cache_hit_tokens_total") == 700
     assert sample("vllm:prefix_cache_queries_total") == sample("sluice_prefix_cache_query_tokens_total") == 1000
+    assert sample("vllm:prompt_tokens_total") == sample("sluice_prompt_tokens_total") == 1000
+    assert sample("vllm:generation_tokens_total") == sample("sluice_generation_tokens_total") == 50
+    assert sample("vllm:num_preemptions_total") == sample("sluice_num_preemptions_total") == 2
+    assert sample("vllm:time_to_first_token_seconds_sum") == sample("sluice_time_to_first_token_seconds_sum") == 0.2
+    assert sample("vllm:inter_token_latency_seconds_count") == sample("sluice_inter_token_latency_seconds_count") == 2
+    assert sample("vllm:e2e_request_latency_seconds_sum") == 1.5
 
 
 def test_sse_event_frames_json_compactly():
