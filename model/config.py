@@ -1,4 +1,5 @@
-"""One dataclass for Llama-family model configs (Llama 2/3, Mistral, Qwen2, SmolLM), read from GGUF or HF config.json;
+"""One dataclass for Llama-family model configs (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM), read from GGUF or HF
+config.json;
 and the reader of an HF folder's JSON files (config.json, tokenizer_config.json, generation_config.json)."""
 
 from __future__ import annotations
@@ -12,9 +13,15 @@ from typing import Any
 
 import numpy as np
 
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": {"attention_bias": True, "use_sliding_window": False},
+    "qwen3": {"head_dim": 128, "rms_norm_eps": 1e-6, "use_sliding_window": False},
+}
+"""What transformers assumes of a key a model type's config.json leaves out, where it differs from Llama's (Qwen2's
+q/k/v biases have no key; the Qwens write a `sliding_window` they use only with `use_sliding_window`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +63,12 @@ def _size(fields: dict[str, Any], key: str, source: str, default: int | None = N
     return value
 
 
-def _hf_context(config: dict[str, Any], model_type: str) -> int:
+def _hf_context(config: dict[str, Any]) -> int:
     """config.json's context length, capped at its `sliding_window` where that is shorter, with a warning: Sluice's
     attention is full causal, which is sliding-window attention only while a sequence fits the window (vLLM caps
     the length so where its attention has no sliding window). ValueError for a window not a positive integer."""
     context = _size(config, "max_position_embeddings", "config.json", 4096)
-    # Qwen2's configs write a window they use only with use_sliding_window, false unless set (as transformers reads it)
-    if not config.get("use_sliding_window", model_type != "qwen2") or config.get("sliding_window") is None:
+    if not config.get("use_sliding_window", True) or config.get("sliding_window") is None:
         return context
     window = _size(config, "sliding_window", "config.json")
     if window < context:
@@ -99,6 +105,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # Qwen3: each head's q and k RMS-normalized (weights [head_dim], eps `rms_norm_eps`) between projection and RoPE.
+    qk_norm: bool = False
     # The longest sequence served: the model's context, capped at its sliding window (`_hf_context`).
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
@@ -172,6 +180,7 @@ class ModelConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings=tied_embeddings,
             attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
             max_position_embeddings=size("context_length", 4096),
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
@@ -179,8 +188,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (`HF_ARCHITECTURES`); ValueError for another architecture,
-        or a size missing or not a positive integer."""
+        """Build from a Hugging Face `config.json` dict (`HF_ARCHITECTURES`), as transformers 4 (`rope_theta`,
+        `rope_scaling`) or 5 (both in `rope_parameters`) writes it; ValueError for another architecture, or a size
+        missing or not a positive integer."""
         if not isinstance(config, dict):
             raise ValueError(f"config.json holds a {type(config).__name__}, not an object")
         architectures = config.get("architectures") or []
@@ -188,6 +198,7 @@ class ModelConfig:
         if model_type not in HF_MODEL_TYPES or any(a not in HF_ARCHITECTURES for a in architectures):
             raise ValueError(f"unsupported architecture {', '.join(architectures) or model_type} (Llama-family only: "
                              f"{', '.join(HF_ARCHITECTURES)})")
+        config = {**HF_DEFAULTS.get(model_type, {}), **config}
 
         def size(key: str, default: int | None = None) -> int:
             return _size(config, key, "config.json", default)
@@ -195,7 +206,7 @@ class ModelConfig:
         hidden = size("hidden_size")
         num_heads = size("num_attention_heads")
         scaling = None
-        raw = config.get("rope_scaling") or {}
+        raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
         _check_rope_scaling(raw.get("rope_type", raw.get("type")), raw.get("factor", 1.0), "config.json")
         if raw.get("rope_type", raw.get("type")) == "llama3":
             scaling = RopeScaling(
@@ -214,12 +225,13 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=size("num_key_value_heads", num_heads),
             head_dim=size("head_dim", hidden // num_heads),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_theta=float(raw.get("rope_theta", config.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-            max_position_embeddings=_hf_context(config, model_type),
+            attention_bias=bool(config.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=_hf_context(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

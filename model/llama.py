@@ -13,6 +13,8 @@ tensor-parallel shard of the fused weight holds whole units of its own:
 - `wqkv` `[L, hidden, num_kv_heads, (q_per_kv + 2) * head_dim]`: per KV head, its q_per_kv query heads, then
   its key head, then its value head (shards split KV heads, as attention does);
 - `w_gate_up` `[L, hidden, 2, intermediate]`: gate then up (shards split the intermediate axis).
+A Qwen3 (`ModelConfig.qk_norm`) also holds `q_norm` and `k_norm` `[L, head_dim]`, the RMSNorm weights each query and
+key head is normalized by before RoPE.
 Any of the linear weights may be stored quantized (`model.quantize`); `model.linear` multiplies them.
 """
 
@@ -38,7 +40,7 @@ layers."""
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
 """attend(layer, q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], kv_cache) -> (out [T, Hq, Dh], kv_cache)."""
 
-LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate_up", "w_down")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 LINEAR_WEIGHTS = {"wqkv": 1, "wo": 1, "w_gate_up": 1, "w_down": 1, "embed": 1, "lm_head": 0}
 """The weights that are multiplied (and may be quantized) -> their input-feature (contracting) axis. The
@@ -118,6 +120,9 @@ class Llama(nnx.Module):
         self.wqkv = _init(rngs, (L, D, c.num_kv_heads, qkv_group), dtype, D)
         if c.attention_bias:
             self.bqkv = _init(rngs, (L, c.num_kv_heads, qkv_group), dtype, 1)
+        if c.qk_norm:
+            self.q_norm = nnx.Param(jnp.ones((L, c.head_dim), dtype))
+            self.k_norm = nnx.Param(jnp.ones((L, c.head_dim), dtype))
         self.wo = _init(rngs, (L, q_dim, D), dtype, q_dim)
         self.mlp_norm = nnx.Param(jnp.ones((L, D), dtype))
         self.w_gate_up = _init(rngs, (L, D, 2, F), dtype, D)
@@ -178,6 +183,9 @@ class Llama(nnx.Module):
             if c.attention_bias:
                 qkv = qkv + at(p["bqkv"])
             q, k, v = split_qkv(qkv, c)
+            if c.qk_norm:
+                q = rms_norm(q, at(p["q_norm"]), c.rms_norm_eps).astype(q.dtype)
+                k = rms_norm(k, at(p["k_norm"]), c.rms_norm_eps).astype(k.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, kv_cache = attend(index, q, k, v, kv_cache)
             x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], layer, num_real=num_real)

@@ -2,9 +2,10 @@
 
 Both readers return the model's config and a function that reads `{name: float32 ndarray}` with the names and
 shapes of `model.llama.Llama`: linear weights `[num_layers, in_features, out_features...]` (q/k/v and gate/up fused
-as the model lays them out), norms `[num_layers, hidden]`, `embed [vocab, hidden]`. They check the file's index of
-tensors against the config first, so a file that does not make the model is refused before a weight is read.
-`LAYER_TENSORS` names the tensors as the files hold them, one per projection.
+as the model lays them out), norms `[num_layers, hidden]` (a Qwen3's q/k norms `[num_layers, head_dim]`),
+`embed [vocab, hidden]`. They check the file's index of tensors against the config first, so a file that does not
+make the model is refused before a weight is read. `LAYER_TENSORS` names the tensors as the files hold them, one per
+projection.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ LAYER_TENSORS = {
     "bq": ("attn_q.bias", "self_attn.q_proj.bias"),
     "bk": ("attn_k.bias", "self_attn.k_proj.bias"),
     "bv": ("attn_v.bias", "self_attn.v_proj.bias"),
+    "q_norm": ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
     "wo": ("attn_output.weight", "self_attn.o_proj.weight"),
     "mlp_norm": ("ffn_norm.weight", "post_attention_layernorm.weight"),
     "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
@@ -55,6 +58,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 BIASES = {"bq", "bk", "bv"}
+QK_NORMS = {"q_norm", "k_norm"}
 # Tensors some files hold that are no weights: the rotary frequencies of HF's older Llamas (which their config
 # implies) and the factors of llama.cpp's Llama 3.1 files (which `read_gguf` reads into the config).
 ROPE_FREQS = "rope_freqs.weight"
@@ -76,8 +80,15 @@ def expected_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
     return {
         "embed": (vocab, hidden), "lm_head": (vocab, hidden), "final_norm": (hidden,), "attn_norm": (hidden,),
         "mlp_norm": (hidden,), "wq": (q, hidden), "wk": (kv, hidden), "wv": (kv, hidden), "bq": (q,), "bk": (kv,),
-        "bv": (kv,), "wo": (hidden, q), "w_gate": (inner, hidden), "w_up": (inner, hidden), "w_down": (hidden, inner),
+        "bv": (kv,), "q_norm": (config.head_dim,), "k_norm": (config.head_dim,), "wo": (hidden, q),
+        "w_gate": (inner, hidden), "w_up": (inner, hidden), "w_down": (hidden, inner),
     }[name]
+
+
+def _used(name: str, config: ModelConfig) -> bool:
+    """Whether `config`'s model has tensor `name` (`LAYER_TENSORS` / `GLOBAL_TENSORS`): q/k/v biases and q/k norms
+    only where it says so."""
+    return (name not in BIASES or config.attention_bias) and (name not in QK_NORMS or config.qk_norm)
 
 
 def _plan(config: ModelConfig, names: Callable[[str, int | None], str], shapes: Mapping[str, tuple[int, ...]]
@@ -89,7 +100,7 @@ def _plan(config: ModelConfig, names: Callable[[str, int | None], str], shapes: 
     ValueError naming the first tensor the file lacks, or holds in another shape than the config implies, or the
     tensors it holds that the model would not use (another architecture's, or layers past the config's count).
     A tied model's LM head is the embedding: the file's, if any, is not read."""
-    wanted = [n for n in (*GLOBAL_TENSORS, *LAYER_TENSORS) if n not in BIASES or config.attention_bias]
+    wanted = [n for n in (*GLOBAL_TENSORS, *LAYER_TENSORS) if _used(n, config)]
     plan: dict[str, list[str]] = {}
     used = set()
     for name in wanted:
@@ -161,6 +172,8 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Callable[[], Par
         rope_freq_factors=None if factors is None else tuple(
             gguf.quants.dequantize(factors.data, factors.tensor_type).astype(float).ravel()),
     )
+    # llama.cpp's converter interleaves Q/K rows for its llama arch alone; its Qwens keep HF's rotate-half order
+    # (NEOX RoPE in llama.cpp)
     permute_rope = fields["general.architecture"] in ("llama", "mistral")
 
     def read(name: str, gguf_name: str) -> np.ndarray:

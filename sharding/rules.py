@@ -39,6 +39,8 @@ PARAM_SPECS: dict[str, P] = {
     "final_norm": P(),
     "wqkv": P(None, None, T, None),  # [layers, hidden, kv_heads, (q_per_kv + 2) * head_dim]
     "bqkv": P(None, T, None),  # [layers, kv_heads, (q_per_kv + 2) * head_dim]
+    "q_norm": P(),  # [layers, head_dim], the same for every head
+    "k_norm": P(),
     "wo": P(None, T, None),  # [layers, heads * head_dim, hidden]
     "w_gate_up": P(None, None, None, T),  # [layers, hidden, 2, intermediate]
     "w_down": P(None, T, None),  # [layers, intermediate, hidden]

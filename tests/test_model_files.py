@@ -15,7 +15,7 @@ import pytest
 from hf_folder import write_hf_folder
 from sluice.batching.config import EngineConfig, InvalidEngineConfig
 from sluice.batching.engine import resolve_max_model_len
-from sluice.model.config import ModelConfig, read_json_object
+from sluice.model.config import ModelConfig, RopeScaling, read_json_object
 from sluice.model.fetch import InvalidModel, ModelNotFound
 from sluice.model.generation_config import from_hf_folder
 from sluice.model.loader import load_model
@@ -100,6 +100,7 @@ def test_max_model_len_beyond_the_sliding_window_is_refused_and_the_default_fits
     {"model_type": "mistral", "sliding_window": 4096},
     {"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False},  # Qwen2's, unused
     {"model_type": "qwen2", "sliding_window": 64},  # use_sliding_window is false unless set
+    {"model_type": "qwen3", "sliding_window": 64},  # as Qwen2's
 ])
 def test_no_sliding_window_or_one_that_the_context_fits_changes_nothing(folder, caplog, keys):
     _edit_config(folder, **keys)
@@ -108,9 +109,21 @@ def test_no_sliding_window_or_one_that_the_context_fits_changes_nothing(folder, 
     assert "sliding_window" not in caplog.text
 
 
-def test_a_sliding_window_qwen2_uses_caps_the_context(folder):
-    _edit_config(folder, model_type="qwen2", sliding_window=64, use_sliding_window=True)
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_a_sliding_window_a_qwen_uses_caps_the_context(folder, model_type):
+    _edit_config(folder, model_type=model_type, sliding_window=64, use_sliding_window=True)
     assert ModelConfig.from_hf(json.loads((folder / "config.json").read_text())).max_position_embeddings == 64
+
+
+def test_a_transformers_5_config_json_gives_its_rope_theta_and_scaling_in_rope_parameters(folder):
+    """transformers 5 writes no rope_theta or rope_scaling key: both are in rope_parameters (a theta read as the
+    default 10000 served another model)."""
+    written = json.loads((folder / "config.json").read_text())
+    del written["rope_theta"]
+    written["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = ModelConfig.from_hf(written)
+    assert (config.rope_theta, config.rope_scaling) == (500000.0, RopeScaling(8.0, 1.0, 4.0, 64))
 
 
 @pytest.mark.parametrize("window", [0, -1, 4.5, "4096", True])

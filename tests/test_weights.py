@@ -8,14 +8,13 @@ import os
 import re
 from dataclasses import replace
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from hf_folder import random_hf_tensors, train_tokenizer, write_hf_folder
+from hf_folder import random_hf_tensors, write_gguf, write_hf_folder
 from sluice.model import checkpoint
 from sluice.model.config import ModelConfig, RopeScaling
 from sluice.model.fetch import InvalidModel, ModelNotFound
@@ -40,12 +39,6 @@ def reference_model(config: ModelConfig, tensors: dict[str, np.ndarray]) -> Llam
     for name, value in fuse_projections(params, config).items():
         getattr(model, name)[...] = jnp.asarray(value)
     return model
-
-
-def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to Q/K rows (the inverse of the loader's un-permute)."""
-    head_dim = weights.shape[0] // num_heads
-    return weights.reshape(num_heads, 2, head_dim // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
 @pytest.fixture()
@@ -175,64 +168,9 @@ def test_a_folder_whose_files_are_rewritten_in_place_is_converted_again(sluice_h
                            sequence_logits(reference_model(CONFIG, tensors), tokens), atol=1e-3)
 
 
-def write_gguf(path, tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None
-               ) -> dict[str, np.ndarray]:
-    """Writes CONFIG's model with `tensors` (HF names) as llama.cpp's converter writes it: Q/K rows permuted,
-    matrices Q8_0, and `extra` tensors as they are; returns the tensors the file holds, in HF names and order."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(CONFIG.num_layers)
-    writer.add_context_length(CONFIG.max_position_embeddings)
-    writer.add_embedding_length(CONFIG.hidden_size)
-    writer.add_feed_forward_length(CONFIG.intermediate_size)
-    writer.add_head_count(CONFIG.num_heads)
-    writer.add_head_count_kv(CONFIG.num_kv_heads)
-    writer.add_rope_freq_base(CONFIG.rope_theta)
-    writer.add_layer_norm_rms_eps(CONFIG.rms_norm_eps)
-    writer.add_vocab_size(CONFIG.vocab_size)
-    tokenizer = train_tokenizer(CONFIG.vocab_size)
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([3 if t.startswith("<") else 1 for t, _ in vocab])
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
-    expected = {}
-    for name, (gguf_suffix, hf_suffix) in {**LAYER_TENSORS, **GLOBAL_TENSORS}.items():
-        keys = ([(f"blk.{i}.{gguf_suffix}", f"model.layers.{i}.{hf_suffix}") for i in range(CONFIG.num_layers)]
-                if name in LAYER_TENSORS else [(gguf_suffix, hf_suffix)])
-        for gguf_name, hf_name in keys:
-            if hf_name not in tensors:
-                continue
-            value = tensors[hf_name]
-            if value.ndim == 1:
-                writer.add_tensor(gguf_name, value)
-                expected[hf_name] = value
-                continue
-            stored = value
-            if name == "wq":
-                stored = llama_cpp_permute(value, CONFIG.num_heads)
-            elif name == "wk":
-                stored = llama_cpp_permute(value, CONFIG.num_kv_heads)
-            qtype = gguf.GGMLQuantizationType.Q8_0
-            quantized = gguf.quants.quantize(stored, qtype)
-            writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
-            # Q8_0 rounds within rows and the permutation moves whole rows, so this is what the file holds.
-            expected[hf_name] = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype)
-    for name, value in (extra or {}).items():
-        writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected
-
-
 def test_gguf_with_quantized_permuted_tensors_loads_the_same_model(sluice_home):
     path = sluice_home / "tiny.gguf"
-    expected = write_gguf(path, random_hf_tensors(CONFIG, seed=2))
+    expected = write_gguf(path, CONFIG, random_hf_tensors(CONFIG, seed=2))
 
     loaded = load_model(str(path), dtype="float32")
     assert loaded.config.num_kv_heads == 1 and not loaded.config.tie_word_embeddings
@@ -258,7 +196,7 @@ def test_a_llama_3_1_gguf_rotates_at_the_frequencies_its_rope_freqs_give(sluice_
     was served with unscaled frequencies, another model than the HF folder's with its rope_scaling."""
     scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
     path = sluice_home / "llama31.gguf"
-    expected = write_gguf(path, random_hf_tensors(CONFIG, seed=2),
+    expected = write_gguf(path, CONFIG, random_hf_tensors(CONFIG, seed=2),
                           extra={"rope_freqs.weight": llama_cpp_rope_factors(CONFIG, scaling)})
 
     loaded = load_model(str(path), dtype="float32")
@@ -296,7 +234,8 @@ def test_a_cache_where_the_conversion_cannot_be_kept_is_refused_before_a_weight_
 
 @pytest.mark.parametrize(("edit", "words"), [
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture GPT2LMHeadModel"),
-    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "unsupported architecture Qwen3ForCausalLM"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"},
+     "unsupported architecture Qwen3MoeForCausalLM"),
     ({"model_type": "gemma"}, "unsupported architecture gemma (Llama-family only: LlamaForCausalLM"),
     ({"vocab_size": None}, "config.json lacks vocab_size"),
     ({"num_attention_heads": 0, "head_dim": None}, "config.json's num_attention_heads must be a positive integer"),
@@ -305,7 +244,7 @@ def test_a_cache_where_the_conversion_cannot_be_kept_is_refused_before_a_weight_
     ({"max_position_embeddings": 0}, "config.json's max_position_embeddings must be a positive integer, got 0"),
 ])
 def test_a_config_json_sluice_cannot_serve_is_refused_by_name(sluice_home, edit, words):
-    """Another architecture (a Qwen3's q/k norms, a Gemma's scaled embedding) was served as a Llama without them;
+    """Another architecture (a Qwen3-MoE's experts, a Gemma's scaled embedding) was served as a Llama without them;
     a size missing, zero or a string was a KeyError, a ZeroDivisionError or a restore's traceback."""
     folder = sluice_home / "hf"
     write_hf_folder(folder, CONFIG, seed=1)
@@ -385,8 +324,8 @@ def test_tensors_that_do_not_make_the_configs_model_are_refused_by_name(sluice_h
                                                                          tensor_edit, words):
     """A tensor missing was KeyError: 'w_up' (or, for the embedding, a conversion saved without it that the restore
     then refused in a traceback); one of another shape than the config says was a restore's traceback; tensors the
-    model does not read (a layer past the config's count, a Qwen3's q norm) were dropped, serving another model.
-    Each is found from the files' index of tensors, before a weight is read."""
+    model does not read (a layer past the config's count, a Qwen3's q norm in a Llama's file) were dropped, serving
+    another model. Each is found from the files' index of tensors, before a weight is read."""
     folder = sluice_home / "hf"
     write_hf_folder(folder, CONFIG, seed=1)
     (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **config_edit}))
