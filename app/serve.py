@@ -106,6 +106,51 @@ def string_list(text: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float": "float32", "half": "float16",
+               "auto": None}
+
+
+def dtype_name(text: str) -> str | None:
+    """A dtype by Sluice's name or vLLM's (`half`, `float`; `auto`: the device's default, None)."""
+    if text not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, DTYPE_NAMES))})")
+    return DTYPE_NAMES[text]
+
+
+SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "num_speculative_tokens",
+                           "prompt_lookup_max": "spec_ngram_max", "prompt_lookup_min": "spec_ngram_min"}
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """vLLM's `--speculative-config` JSON, of the n-gram method: its keys as Sluice's flags' destinations."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} (example: "
+                                         """'{"method": "ngram", "num_speculative_tokens": 4}')""")
+    if value.get("method") != "ngram":
+        raise argparse.ArgumentTypeError(f"only the method \"ngram\" is served, got {value.get('method')!r}")
+    if unknown := sorted(set(value) - set(SPECULATIVE_CONFIG_KEYS)):
+        raise argparse.ArgumentTypeError(f"unknown keys {', '.join(map(repr, unknown))} (known: "
+                                         f"{', '.join(SPECULATIVE_CONFIG_KEYS)})")
+    for key, number in value.items():
+        if key != "method" and (not isinstance(number, int) or isinstance(number, bool) or number < 1):
+            raise argparse.ArgumentTypeError(f"{key} must be a whole number of at least 1, got {number!r}")
+    return {SPECULATIVE_CONFIG_KEYS[key]: number for key, number in value.items()}
+
+
+def _apply_speculative_config(args: argparse.Namespace) -> str | None:
+    """Sets the flags `--speculative-config` stands for; why not, if one of them was given another value."""
+    for dest, value in (args.speculative_config or {}).items():
+        flag = "--" + dest.replace("_", "-")
+        if getattr(args, dest) not in (_BUILT_IN_DEFAULTS[flag], value):
+            return f"--speculative-config sets {flag} {value}, and {flag} {getattr(args, dest)} was given too"
+        setattr(args, dest, value)
+    return None
+
+
 def env_name(flag: str) -> str:
     return "SLUICE_" + _dest(flag).upper()
 
@@ -114,7 +159,8 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kwargs: Any) -> None:
+def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, aliases: tuple[str, ...] = (),
+            **kwargs: Any) -> None:
     # argparse applies `type` to string defaults, so a malformed environment value fails like a flag would; but it
     # checks `choices` only on the command line, so they are checked by the type too.
     env = env_name(flag)
@@ -125,7 +171,13 @@ def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str,
         default = os.environ[env]
         if "type" in kwargs:
             kwargs["type"] = _naming_the_variable(kwargs["type"], env, default)
-    parser.add_argument(flag, default=default, help=f"{help} [env {env}]", **kwargs)
+    parser.add_argument(flag, default=default, help=f"{help}{_also(aliases)} [env {env}]", **kwargs)
+    for alias in aliases:  # apart, so that an error names the flag given
+        parser.add_argument(alias, dest=_dest(flag), default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
+def _also(aliases: tuple[str, ...]) -> str:
+    return f" (also {', '.join(aliases)}: vLLM's name)" if aliases else ""
 
 
 def _naming_the_variable(kind: Callable[[str], Any], env: str, value: str) -> Callable[[str], Any]:
@@ -158,7 +210,7 @@ SWITCH_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "
                  "off": False, "": False}
 
 
-def _switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+def _switch(parser: argparse.ArgumentParser, flag: str, help: str, aliases: tuple[str, ...] = ()) -> None:
     """A flag that turns something on, or its environment variable set to one of `SWITCH_VALUES`; any other
     value of it is refused as a flag's bad value is, not taken for off."""
     env = env_name(flag)
@@ -170,7 +222,10 @@ def _switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
         return SWITCH_VALUES[text.lower()]
 
     parser.add_argument(flag, action=_SwitchAction, type=parse, default=os.environ.get(env, ""),
-                        help=f"{help} [env {env}=1]")
+                        help=f"{help}{_also(aliases)} [env {env}=1]")
+    for alias in aliases:
+        parser.add_argument(alias, dest=_dest(flag), action=_SwitchAction, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
 
 
 class _SwitchAction(argparse.Action):
@@ -192,12 +247,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--chat-template", None, CHAT_TEMPLATE_HELP, type=chat_template)
     _option(parser, "--host", "127.0.0.1", "address to listen on")
     _option(parser, "--port", 8000, "port to listen on", type=port)
-    _option(parser, "--dtype", None, "parameter dtype (default: float32 on CPU, bfloat16 on GPU)",
-            choices=["float32", "bfloat16", "float16"])
+    _option(parser, "--dtype", None, "parameter dtype: float32, bfloat16 or float16 (vLLM's auto, half and float "
+            "too; default: float32 on CPU, bfloat16 on GPU)", type=dtype_name)
     _option(parser, "--quantization", "auto",
             "weights: none (the dtype), int8 (GGUF Q8_0), int4 (GGUF Q4_1, embedding Q8_0), auto (int4 on a CPU, none on a GPU)",
             choices=list(QUANTIZATIONS))
-    _option(parser, "--tp", _ENGINE_DEFAULTS.tp, "tensor-parallel degree (devices)", type=int)
+    _option(parser, "--tp", _ENGINE_DEFAULTS.tp, "tensor-parallel degree (devices)", type=int,
+            aliases=("--tensor-parallel-size", "-tp"))
     _option(parser, "--coordinator-address", None,
             "multi-process (multi-node) job: host:port where process 0 coordinates; every process passes the same")
     _option(parser, "--num-processes", 1, "multi-process job: how many processes (one per node)",
@@ -226,14 +282,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--spec-max-batch-size", _ENGINE_DEFAULTS.spec_max_batch_size,
             "with --speculative: no drafts while more sequences than this decode (their step is compute-bound)",
             type=int)
+    parser.add_argument("--speculative-config", type=speculative_config, default=None,
+                        help="vLLM's JSON of the same: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
+                             "\"prompt_lookup_max\": N, \"prompt_lookup_min\": M}")
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--kv-cache-dtype", _ENGINE_DEFAULTS.kv_cache_dtype,
             "K/V storage: auto (the activation dtype) or int8 (a float32 scale per token and head)",
             choices=list(KV_CACHE_DTYPES))
     _option(parser, "--page-size", None, "tokens per KV-cache page (default: {} on a CPU, {} on an accelerator)".format(
-        CPU_PAGE_SIZE, ACCELERATOR_PAGE_SIZE), type=int)
-    _switch(parser, "--disable-prefix-caching", "do not reuse KV pages of shared prompt prefixes")
+        CPU_PAGE_SIZE, ACCELERATOR_PAGE_SIZE), type=int, aliases=("--block-size",))
+    _switch(parser, "--disable-prefix-caching", "do not reuse KV pages of shared prompt prefixes",
+            aliases=("--no-enable-prefix-caching",))
+    parser.add_argument("--enable-prefix-caching", dest="disable_prefix_caching", action="store_false",
+                        help="reuse KV pages of shared prompt prefixes (the default; vLLM's switch)")
     _option(parser, "--prefix-cache-dir", None,
             "keep full KV pages past the pool, in host RAM and then as files in DIR, so prefixes survive a restart")
     _option(parser, "--prefix-cache-size", _ENGINE_DEFAULTS.prefix_cache_size,
@@ -278,6 +340,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "(`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}; ...`) or mistral "
             "(`[TOOL_CALLS] [{\"name\", \"arguments\"}, ...]`)",
             choices=list(TOOL_CALL_PARSERS))
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's switch for reading calls from replies with tool_choice auto, which Sluice always "
+                             "does: accepted so that vLLM's command lines run")
     _switch(parser, "--exclude-tools-when-tool-choice-none",
             'leave a request\'s tools out of its prompt when its tool_choice is "none" (by default the model is shown '
             "them, as vLLM's is, and its reply is not read for calls)")
@@ -339,7 +404,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "seconds one engine step may run before it is taken for hung: every request in flight then ends with "
             "an error and the server exits (code 75) for its supervisor to restart it; 0 turns the watchdog off",
             type=at_least(0, float))
-    _option(parser, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"])
+    _option(parser, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"],
+            aliases=("--uvicorn-log-level",))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -347,6 +413,8 @@ def run(args: argparse.Namespace) -> int:
         if args.model not in (None, os.environ.get(env_name("--model")), args.model_tag):
             return _refuse(f"the model is given twice, {args.model_tag!r} and --model {args.model!r}: give one")
         args.model = args.model_tag
+    if (conflict := _apply_speculative_config(args)) is not None:
+        return _refuse(conflict)
     if (idle := _idle_tuning(args)) is not None:
         return _refuse(idle)
     if (cache_error := _jax_cache_error()) is not None:

@@ -180,6 +180,8 @@ def serve_in_process(monkeypatch, capsys):
     (["--replicas", "2", "--model", "/nonexistent/x.gguf"], {}, "model '/nonexistent/x.gguf' not found"),
     (["/nonexistent/y.gguf"], {}, "model '/nonexistent/y.gguf' not found"),  # vLLM's `serve MODEL`
     (["a.gguf", "--model", "b.gguf"], {}, "the model is given twice, 'a.gguf' and --model 'b.gguf': give one"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--num-speculative-tokens", "5"],
+     {}, "--speculative-config sets --num-speculative-tokens 3, and --num-speculative-tokens 5 was given too"),
     ([], {"SLUICE_API_KEY": " "}, "--api-key is empty, which would serve every client"),
     (["--num-processes", "2", "--coordinator-address", "nonsense"], {},
      "--coordinator-address must be host:port (process 0's), got 'nonsense'"),
@@ -232,6 +234,12 @@ def test_serve_writes_an_ipv6_host_in_brackets_in_its_url(monkeypatch, capsys, n
     ("--num-processes", "0", "must be a number of at least 1, got 0"),
     ("--process-id", "1.5", "not a whole number: '1.5'"),
     ("--max-body-bytes", "0", "must be at least 1 byte, got '0'"),
+    ("--speculative-config", '{"method": "eagle"}', "only the method \"ngram\" is served, got 'eagle'"),
+    ("--speculative-config", '{"method": "ngram", "draft": 1}', "unknown keys 'draft' (known: method, "
+                                                               "num_speculative_tokens, prompt_lookup_max, "
+                                                               "prompt_lookup_min)"),
+    ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}',
+     "num_speculative_tokens must be a whole number of at least 1, got 0"),
 ])
 def test_serve_refuses_a_number_out_of_its_range_in_one_line(capsys, flag, value, words):
     """A negative drain or step timeout, a keep-alive of 0 (a stream of comments), a body limit of 0 (every request
@@ -377,3 +385,22 @@ def test_bench_refuses_a_rate_or_count_it_cannot_run_in_one_line(capsys, args):
         main(["bench", *args])
     errors = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and "must be" in errors[-1], errors
+
+
+def test_vllms_spellings_of_the_flags_sluice_has_mean_the_same(monkeypatch):
+    """A `vllm serve` command line runs as it is: its flags' names for what Sluice's flags do."""
+    from sluice.app import serve
+    from sluice.app.cli import build_parser
+
+    monkeypatch.setenv("SLUICE_DISABLE_PREFIX_CACHING", "1")
+    args = build_parser().parse_args([
+        "serve", "model.gguf", "--tensor-parallel-size", "2", "--block-size", "16", "--dtype", "half",
+        "--uvicorn-log-level", "debug", "--enable-auto-tool-choice", "--enable-prefix-caching",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    assert (args.model_tag, args.tp, args.page_size, args.dtype, args.log_level) == ("model.gguf", 2, 16, "float16",
+                                                                                     "debug")
+    assert args.disable_prefix_caching is False  # the flag over the environment, as any flag
+    assert serve._apply_speculative_config(args) is None and serve._idle_tuning(args) is None
+    assert (args.speculative, args.num_speculative_tokens, args.spec_ngram_max) == ("ngram", 3, 4)
+    args = build_parser().parse_args(["serve", "-tp", "3", "--no-enable-prefix-caching", "--dtype", "auto"])
+    assert (args.tp, args.disable_prefix_caching, args.dtype) == (3, True, None)
