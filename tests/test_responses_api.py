@@ -355,8 +355,9 @@ def test_streamed_deltas_reassemble_to_the_unstreamed_text_in_openais_event_orde
     assert text == whole.output_text == events[-1].response.output_text
 
 
-def test_previous_response_id_puts_the_earlier_turn_before_the_new_input(server, client):
-    first = client.responses.create(input="My name is Ann.", **GREEDY)
+def test_previous_response_id_puts_the_earlier_turn_before_the_new_input_without_its_instructions(server, client):
+    """OpenAI's rule: the earlier response's `instructions` are not carried over, only its input and output."""
+    first = client.responses.create(input="My name is Ann.", instructions="Answer in French.", **GREEDY)
     second = client.responses.create(input="What is my name?", previous_response_id=first.id, **GREEDY)
     messages = [{"role": "user", "content": "My name is Ann."}, {"role": "assistant", "content": first.output_text},
                 {"role": "user", "content": "What is my name?"}]
@@ -384,6 +385,10 @@ def test_an_unstored_or_deleted_response_is_gone(client):
     for response_id in (unstored.id, stored.id):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(response_id)
+        # Nor can a conversation go on from it: OpenAI's 400 for an id it does not hold.
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(input="Go on.", previous_response_id=response_id, **GREEDY)
+        assert caught.value.body["code"] == "previous_response_not_found"
 
 
 def test_streaming_a_stored_response_again_is_a_400_not_its_json_read_as_an_empty_stream(client):
