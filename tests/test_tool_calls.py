@@ -243,6 +243,8 @@ def test_a_llama3_reply_of_calls_separated_by_semicolons_is_calls():
     '{"name": "launch", "parameters": {}}',
     '{"name": "add", "parameters": {"a": 1}',
     '{"name": {"add": 1}, "parameters": {}}',
+    '{"name": "add", "parameters": {"a": NaN}}',  # Python's decoder takes NaN and Infinity; JSON has neither
+    '{"name": "add", "parameters": {"a": -Infinity}}',
 ])
 def test_any_other_llama3_reply_is_text_whole(text):
     assert parse_calls(text, NAMES, "llama3_json") == (text.strip(), [])
