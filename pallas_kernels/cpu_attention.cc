@@ -7,8 +7,9 @@
 //
 // Layout: q [T, Hq, D] f32; k_pages, v_pages [P, Hkv, S, D] (f32, or int8 with per-token-per-head scales
 // [P, Hkv, S] f32); page_table [N, M] i32; kv_lens [N] i32; cu_q_lens [N + 1] i32. Only the pages a sequence's
-// context covers are read (page-table entries past them may hold anything), and no K/V slot at a position
-// >= kv_len reaches the result even if it holds NaN.
+// context covers are read (page-table entries past them may hold anything; an id outside the pool within them
+// is an error, not a read past the pool), and no K/V slot at a position >= kv_len reaches the result even if it
+// holds NaN.
 //
 // Work is split by (sequence, kv head): each item reads its context's K/V once for all the q heads of its
 // GQA group and all its query rows, page by page with an online softmax. Items are claimed by the calling
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -48,7 +50,7 @@ struct PagePool {
 };
 
 struct Shape {
-  int64_t num_tokens, num_q_heads, head_dim, num_kv_heads, page_size, num_seqs, max_pages;
+  int64_t num_tokens, num_q_heads, head_dim, num_pages, num_kv_heads, page_size, num_seqs, max_pages;
 };
 
 // e^x lane by lane for x <= 0 (-inf -> 0): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
@@ -274,9 +276,14 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& sh, const float* q, const 
   std::fill(out, out + sh.num_tokens * sh.num_q_heads * sh.head_dim, 0.0f);
   for (int64_t s = 0; s < sh.num_seqs; ++s) {
     const int64_t q_len = cu_q_lens[s + 1] - cu_q_lens[s];
-    if (q_len < 0 || cu_q_lens[s + 1] > sh.num_tokens || (kv_lens[s] > 0 && q_len > kv_lens[s]) ||
-        (kv_lens[s] + sh.page_size - 1) / sh.page_size > sh.max_pages)
+    const int64_t used_pages = (kv_lens[s] + sh.page_size - 1) / sh.page_size;
+    if (cu_q_lens[s] < 0 || q_len < 0 || cu_q_lens[s + 1] > sh.num_tokens ||
+        (kv_lens[s] > 0 && q_len > kv_lens[s]) || used_pages > sh.max_pages)
       return ffi::Error::InvalidArgument("cpu_ragged_paged_attention: inconsistent cu_q_lens / kv_lens");
+    const int32_t* pages = page_table + s * sh.max_pages;
+    if (std::any_of(pages, pages + std::max<int64_t>(used_pages, 0),
+                    [&](int32_t page) { return page < 0 || page >= sh.num_pages; }))
+      return ffi::Error::InvalidArgument("cpu_ragged_paged_attention: a page id outside the pool within a context");
   }
   if (sh.head_dim % 8 || sh.head_dim > kMaxHeadDim || sh.page_size > kMaxPageSize)
     return ffi::Error::InvalidArgument("cpu_ragged_paged_attention: head_dim must be a multiple of 8 up to 256, "
@@ -291,17 +298,42 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& sh, const float* q, const 
   return ffi::Error::Success();
 }
 
-Shape ShapeOf(ffi::Buffer<ffi::F32>& q, int64_t page_size, int64_t num_kv_heads, ffi::Buffer<ffi::S32>& page_table) {
+using Dims = ffi::Span<const int64_t>;
+
+bool Same(Dims a, Dims b) { return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin()); }
+
+// q [T, Hq, D]; k, v [P, Hkv, S, D]; kv_lens [N]; page_table [N, M]; cu_q_lens [N + 1]; an int8 pool's scales
+// [P, Hkv, S] (`scales`: k's and v's, none for f32). The kernel indexes each argument by the others' shapes.
+ffi::Error CheckShapes(Dims q, Dims k, Dims v, Dims kv_lens, Dims page_table, Dims cu_q_lens,
+                       std::initializer_list<Dims> scales) {
+  if (q.size() != 3 || k.size() != 4 || page_table.size() != 2 || kv_lens.size() != 1 || cu_q_lens.size() != 1)
+    return ffi::Error::InvalidArgument("cpu_ragged_paged_attention: q [T, Hq, D], k/v pages [P, Hkv, S, D], "
+                                       "kv_lens [N], page_table [N, M], cu_q_lens [N + 1] expected");
+  const bool scales_fit = std::all_of(scales.begin(), scales.end(), [&](Dims s) {
+    return s.size() == 3 && std::equal(s.begin(), s.end(), k.begin());
+  });
+  if (!Same(k, v) || !scales_fit || q[2] != k[3] || k[1] <= 0 || k[2] <= 0 || q[1] % k[1] ||
+      kv_lens[0] != page_table[0] || cu_q_lens[0] != page_table[0] + 1)
+    return ffi::Error::InvalidArgument("cpu_ragged_paged_attention: shapes disagree (k and v pages, their scales, "
+                                       "head_dim, q heads a multiple of kv heads, page size, N)");
+  return ffi::Error::Success();
+}
+
+Shape ShapeOf(ffi::Buffer<ffi::F32>& q, Dims pool, ffi::Buffer<ffi::S32>& page_table) {
   auto qd = q.dimensions();
   auto pt = page_table.dimensions();
-  return Shape{qd[0], qd[1], qd[2], num_kv_heads, page_size, pt[0], pt[1]};
+  return Shape{qd[0], qd[1], qd[2], pool[0], pool[1], pool[2], pt[0], pt[1]};
 }
 
 ffi::Error AttendF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
                      float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
   auto kd = k_pages.dimensions();
-  Shape sh = ShapeOf(q, kd[2], kd[1], page_table);
+  if (auto e = CheckShapes(q.dimensions(), kd, v_pages.dimensions(), kv_lens.dimensions(), page_table.dimensions(),
+                           cu_q_lens.dimensions(), {});
+      e.failure())
+    return e;
+  Shape sh = ShapeOf(q, kd, page_table);
   PagePool<float> k{k_pages.typed_data(), nullptr, kd[1], kd[2], kd[3]};
   PagePool<float> v{v_pages.typed_data(), nullptr, kd[1], kd[2], kd[3]};
   return Attend<float>(pool, sh, q.typed_data(), k, v, kv_lens.typed_data(), page_table.typed_data(),
@@ -313,7 +345,11 @@ ffi::Error AttendInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens, float sm_scale,
                       ffi::ResultBuffer<ffi::F32> out) {
   auto kd = k_pages.dimensions();
-  Shape sh = ShapeOf(q, kd[2], kd[1], page_table);
+  if (auto e = CheckShapes(q.dimensions(), kd, v_pages.dimensions(), kv_lens.dimensions(), page_table.dimensions(),
+                           cu_q_lens.dimensions(), {k_scales.dimensions(), v_scales.dimensions()});
+      e.failure())
+    return e;
+  Shape sh = ShapeOf(q, kd, page_table);
   PagePool<int8_t> k{k_pages.typed_data(), k_scales.typed_data(), kd[1], kd[2], kd[3]};
   PagePool<int8_t> v{v_pages.typed_data(), v_scales.typed_data(), kd[1], kd[2], kd[3]};
   return Attend<int8_t>(pool, sh, q.typed_data(), k, v, kv_lens.typed_data(), page_table.typed_data(),

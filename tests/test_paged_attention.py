@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from sluice.pallas_kernels import cpu_attention, mosaic_attention
 from sluice.pallas_kernels.attention import INT8_KV_KERNELS, paged_decode_attention, ragged_paged_attention, resolve_backend
+from sluice.pallas_kernels.cpu_attention import ragged_paged_attention_cpu
 from sluice.pallas_kernels.kv_cache import QuantizedPages
 from sluice.pallas_kernels.mosaic_attention import paged_decode_attention_mosaic, runs_on
 from sluice.pallas_kernels.triton_decode import paged_decode_attention_triton
@@ -396,6 +397,50 @@ def test_int8_kv_reads_as_its_dequantized_values_and_stays_within_the_quantizati
     error = np.abs(np.asarray(out.astype(jnp.float32)) - float_pool)
     bound = quantization_bound(batch, np.asarray(k_int8.scales), np.asarray(v_int8.scales), sm_scale)
     assert np.all(error <= bound + TOLERANCE[shapes.dtype]["atol"])
+
+
+def cpu_kernel_args(batch: Batch) -> dict:
+    return dict(q=jnp.asarray(batch.q), k_pages=jnp.asarray(batch.k_pages), v_pages=jnp.asarray(batch.v_pages),
+                kv_lens=jnp.asarray(batch.kv_lens), page_table=jnp.asarray(batch.page_table),
+                cu_q_lens=jnp.asarray(batch.cu_q_lens))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("page", [-1, "pool size"])
+def test_cpu_kernel_refuses_a_page_id_outside_the_pool_within_a_context(page):
+    batch = make_batch(Shapes(8, 64, 1, 1, 3, jnp.float32), [1, 2], [3, 12], seed=1)
+    batch.page_table[1, 1] = batch.k_pages.shape[0] if page == "pool size" else page
+    with pytest.raises(Exception, match="page id outside the pool"):
+        jax.block_until_ready(ragged_paged_attention_cpu(**cpu_kernel_args(batch), sm_scale=0.125))
+
+
+def changed(name: str, change):
+    """The kernel's arguments with argument `name` changed by `change` (of its NumPy value)."""
+    return lambda args: {**args, name: jnp.asarray(change(np.asarray(args[name])))}
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("change", [
+    changed("cu_q_lens", lambda cu: cu - 1),  # the first sequence's rows from -1
+    changed("kv_lens", lambda kv: kv[:1]),  # fewer kv_lens than page-table rows
+    changed("cu_q_lens", lambda cu: cu[:2]),
+    changed("q", lambda q: q[..., :32]),  # another head_dim than the pool's
+    changed("q", lambda q: q[:, :5]),  # q heads not a multiple of kv heads
+    changed("v_pages", lambda v: v[:3]),  # V's pool smaller than K's
+], ids=["negative-row", "short-kv-lens", "short-cu-q-lens", "head-dim", "group", "v-pool"])
+def test_cpu_kernel_refuses_arguments_that_disagree_instead_of_reading_past_them(change):
+    batch = make_batch(Shapes(8, 64, 3, 2, 3, jnp.float32), [2, 1], [9, 3], seed=2)
+    with pytest.raises(Exception, match="cpu_ragged_paged_attention: "):
+        jax.block_until_ready(ragged_paged_attention_cpu(**change(cpu_kernel_args(batch)), sm_scale=0.125))
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_refuses_int8_scales_of_another_shape_than_the_pool():
+    batch = make_batch(Shapes(8, 64, 1, 1, 2, jnp.float32), [1], [9], seed=3)
+    k_int8, v_int8, _ = int8_pools(batch, seed=3)
+    args = {**cpu_kernel_args(batch), "k_pages": k_int8, "v_pages": QuantizedPages(v_int8.values, v_int8.scales[:2])}
+    with pytest.raises(Exception, match="cpu_ragged_paged_attention: "):
+        jax.block_until_ready(ragged_paged_attention_cpu(**args, sm_scale=0.125))
 
 
 def test_mosaic_backend_refuses_an_int8_kv_cache_naming_the_backends_that_read_it():
