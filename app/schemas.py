@@ -21,6 +21,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import InitErrorDetails
 
 from sluice.batching.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
+from sluice.app.tool_call_streams import not_json
 from sluice.model.tokenizer import TEMPLATE_VARIABLES
 
 MAX_STOP_STRINGS = 16
@@ -471,7 +472,7 @@ class FunctionCallParam(_Request):
         if value == "":  # some servers stream a call of a function without parameters so; agents send it back
             return "{}"
         try:
-            parsed = json.loads(value)
+            parsed = json.loads(value, parse_constant=not_json)
         except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser
             parsed = None
         if not isinstance(parsed, dict):

@@ -435,7 +435,7 @@ def _first_call(events: list[StreamEvent]) -> list[StreamEvent]:
 
 def _json_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall], bool]:
     """The calls `text` begins with (JSON objects separated by `;`), and whether it is nothing else."""
-    decoder, calls, position = json.JSONDecoder(parse_constant=_not_json), [], 0
+    decoder, calls, position = json.JSONDecoder(parse_constant=not_json), [], 0
     while True:
         position = len(text) - len(text[position:].lstrip())
         try:
@@ -454,9 +454,9 @@ def _json_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall], bool]
         position = len(text) - len(rest) + 1
 
 
-def _not_json(constant: str) -> Any:
-    """Refuses NaN and Infinity, which Python's decoder takes but JSON has not: arguments holding one would go out
-    as text no JSON parser reads (the other formats' objects end at such a word: `_ObjectEnd`)."""
+def not_json(constant: str) -> Any:
+    """Refuses NaN and Infinity (a `parse_constant`), which Python's decoder takes but JSON has not: arguments holding
+    one would go out as text no JSON parser reads (the other formats' objects end at such a word: `_ObjectEnd`)."""
     raise ValueError(f"{constant} is not JSON")
 
 

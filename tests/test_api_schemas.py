@@ -165,7 +165,7 @@ def test_a_past_calls_empty_arguments_are_no_arguments():
     assert body.messages[1].tool_calls[0].function.arguments == "{}"
 
 
-@pytest.mark.parametrize("arguments", ["[]", "1", "{", "  "])
+@pytest.mark.parametrize("arguments", ["[]", "1", "{", "  ", '{"a": NaN}', '{"a": -Infinity}'])
 def test_a_past_calls_arguments_that_are_no_object_are_rejected(arguments):
     call = {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": arguments}}
     error = rejection(ChatCompletionRequest, {**CHAT, "messages": [{"role": "assistant", "tool_calls": [call]}]})
