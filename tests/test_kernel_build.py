@@ -1,6 +1,7 @@
 """Building the CPU kernels (`pallas_kernels/cpu_build.py`, `cpu_library.py`) and what runs without them: the ISA
 variant chosen per CPU, a failed build recorded once and not retried, the pure-XLA forms taken without kernels
-(and that they are the faster ones there), and the portable x86-64-v3 build computing what this CPU's build does."""
+(and that they are the faster ones there), and the narrower builds this CPU runs (AVX-VNNI, the portable x86-64-v3)
+computing what its own build does."""
 
 from __future__ import annotations
 
@@ -157,14 +158,15 @@ def test_without_kernels_float_weights_cost_fewer_operations_than_dequantized_on
         assert compiled_flops(quantization, x) > 1.5 * float_flops
 
 
-# ---- The portable build.
+# ---- The narrower builds.
 
 def kernel_outputs() -> dict[str, np.ndarray]:
-    """The quantized matmuls (1 and 5 rows) and ragged attention (a decode row and a 5-token prefill) on fixed
-    inputs, through whichever build this process loaded."""
+    """The quantized matmuls and ragged attention (a decode row and a 5-token prefill) on fixed inputs, through
+    whichever build this process loaded. 1, 7 and 10 rows end in row tiles of every height the builds have (8-row
+    tiles with AVX-512: 1, 7, 8 + 2; 4-row ones without: 1, 4 + 3, 4 + 4 + 2)."""
     rng = np.random.default_rng(0)
     out = {}
-    for rows in (1, 5):
+    for rows in (1, 7, 10):
         x = rng.standard_normal((rows, 96)).astype(np.float32)
         w, scale = random_q8(rng, 96, 208)
         out[f"q8_{rows}"] = np.asarray(jax.jit(cq.q8_q8)(x, w, scale, 1))
@@ -179,7 +181,7 @@ def kernel_outputs() -> dict[str, np.ndarray]:
     return out
 
 
-V3_OUTPUTS = """
+VARIANT_OUTPUTS = """
 import numpy as np
 from sluice.pallas_kernels import cpu_library
 import test_kernel_build as t
@@ -189,13 +191,17 @@ print(cpu_library.load().variant.name)
 
 
 @pytest.mark.skipif(not cq.available(), reason="no CPU kernels here (no compiler, or not an x86-64-v3 CPU)")
-def test_the_x86_64_v3_build_computes_what_this_cpus_build_does(tmp_path):
-    """The portable baseline is built and run even where a wider variant is chosen (an AVX-512 machine): its AVX2
-    paths (vpmaddubsw in place of VNNI, 256-bit attention) must give this build's numbers."""
-    result = run_python(V3_OUTPUTS.format(path=tmp_path / "v3.npz"), SLUICE_CPU_ISA="x86-64-v3",
+@pytest.mark.parametrize("variant", cpu_build.VARIANTS[1:], ids=lambda variant: variant.name)
+def test_a_narrower_build_computes_what_this_cpus_build_does(tmp_path, variant):
+    """The narrower variants are built and run even where a wider one is chosen (an AVX-512 machine): their AVX2
+    paths (VNNI's vpdpbusd on 256-bit registers, or vpmaddubsw in its place; 4-row tiles) must give this build's
+    numbers."""
+    if variant == cpu_library.load().variant or not variant.needs <= (cpu_build.cpu_flags() or set()):
+        pytest.skip(f"the {variant.name} build is this CPU's own, or one it cannot run")
+    result = run_python(VARIANT_OUTPUTS.format(path=tmp_path / "outputs.npz"), SLUICE_CPU_ISA=variant.name,
                         SLUICE_HOME=str(tmp_path / "home"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["x86-64-v3"]
-    v3 = np.load(tmp_path / "v3.npz")
+    assert result.stdout.split() == [variant.name]
+    theirs = np.load(tmp_path / "outputs.npz")
     for name, here in kernel_outputs().items():
-        np.testing.assert_allclose(v3[name], here, rtol=1e-5, atol=1e-5 * np.abs(here).max(), err_msg=name)
+        np.testing.assert_allclose(theirs[name], here, rtol=1e-5, atol=1e-5 * np.abs(here).max(), err_msg=name)
