@@ -10,9 +10,9 @@ zeros) and poisons what must not be read: pool pages no sequence owns and slots 
 sequence's kv_len hold NaN, and page-table entries past a sequence's last page hold garbage (ids of
 NaN pages, ids past the pool, negative ids).
 
-Cases cover page sizes 8/16/32, head dims 64/128, GQA ratios 1/3/4/8, batches 1..20, contexts of
-1, a page boundary, boundary + 1 and the maximum, float32 and bfloat16 - pairwise, not the full
-product, to keep the interpret-mode suite short.
+Cases cover page sizes 8/16/32 (and 1/64 for the CPU kernel), head dims 64/128, GQA ratios 1/3/4/8, batches
+1..20, contexts of 1, a page boundary, boundary + 1 and the maximum, float32 and bfloat16 - pairwise, not the
+full product, to keep the interpret-mode suite short.
 
 An int8 KV cache (`kv_cache.QuantizedPages`) is quantized here in NumPy from the float pool, poison included (a
 NaN row gets a NaN scale and random values); each backend must read exactly its dequantized values, and so land
@@ -403,6 +403,24 @@ def cpu_kernel_args(batch: Batch) -> dict:
     return dict(q=jnp.asarray(batch.q), k_pages=jnp.asarray(batch.k_pages), v_pages=jnp.asarray(batch.v_pages),
                 kv_lens=jnp.asarray(batch.kv_lens), page_table=jnp.asarray(batch.page_table),
                 cu_q_lens=jnp.asarray(batch.cu_q_lens))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("shapes", [Shapes(1, 128, 3, 2, 70, jnp.float32), Shapes(64, 64, 4, 2, 3, jnp.float32)],
+                         ids=["page-size-1", "page-size-64"])
+@pytest.mark.parametrize("pool", ["float32", "int8"])
+def test_cpu_kernel_matches_the_oracle_with_pages_of_1_and_64_tokens(shapes, pool):
+    """Pages of one token (each 8-token score block re-reads it) and of 64 (a page of 8 blocks), contexts of 1, 2,
+    a page, a page + 1 and the maximum, in decode rows and prefills."""
+    ps, mx = shapes.page_size, shapes.max_context
+    pairs = [(1, 1), (2, 2), (1, 2), (0, 0), (ps, ps), (2, ps + 1), (1, mx), (9, mx)]
+    batch = make_batch(shapes, *zip(*pairs), seed=ps, extra_rows=2)
+    k_pages, v_pages, expected = jnp.asarray(batch.k_pages), jnp.asarray(batch.v_pages), batch
+    if pool == "int8":
+        k_pages, v_pages, expected = int8_pools(batch, seed=ps)
+    args = {**cpu_kernel_args(batch), "k_pages": k_pages, "v_pages": v_pages}
+    out = ragged_paged_attention_cpu(**args, sm_scale=shapes.head_dim**-0.5)
+    assert_matches(out, oracle(expected, shapes.head_dim**-0.5), shapes.dtype)
 
 
 @needs_cpu_kernel
