@@ -65,9 +65,6 @@ def stream_event(event: Event, sequence_number: int) -> bytes:
 
 
 def response_usage(usage: Usage, reasoning_tokens: int = 0) -> ResponseUsage:
-    """`reasoning_tokens`: the reasoning's text encoded again, which may come to more tokens than were generated (a
-    text's tokens are not always those that wrote it): at most the output's."""
-    reasoning_tokens = min(reasoning_tokens, usage.completion_tokens)
     return ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                          total_tokens=usage.total_tokens,
                          input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_prompt_tokens),
