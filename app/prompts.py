@@ -167,7 +167,7 @@ def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]]) 
                          **_name(message)})
     if tools:
         prompt = tool_calls.tools_prompt(tools)
-        if rendered[0]["role"] == "system":
+        if rendered and rendered[0]["role"] == "system":  # /tokenize's messages may be none
             rendered[0]["content"] = f"{rendered[0]['content']}\n\n{prompt}"
         else:
             rendered.insert(0, {"role": "system", "content": prompt})

@@ -194,3 +194,11 @@ def test_sluice_generate_renders_a_chat_as_the_server_does_and_a_plain_prompt_wi
     assert generate_prompt_ids(asks_bos, "Hi", chat=False) == [tokenizer.bos_token_id, *tokenizer.encode("Hi")]
     with pytest.raises(CommandError, match="^--chat: "):
         generate_prompt_ids(with_special(tokenizer, chat_template="{{ raise_exception('no') }}"), "Hi", chat=True)
+
+
+def test_no_messages_with_tools_render_the_tools_prompt_alone(tokenizer):
+    """/tokenize takes an empty list of messages, and tools with it (a fuzzer's 500: the tools prompt went into a
+    first message that was not there)."""
+    tools = chat([{"role": "user", "content": "Hi"}], tools=[TOOL]).tools
+    rendered = chat_prompt(tokenizer, [], tools=tools).text
+    assert rendered.startswith("<|im_start|>system\n") and "look" in rendered
