@@ -7,7 +7,10 @@ tokenizer is a file-free word-level vocabulary of the model's size (prompts are 
 EOS, so the text is never read). For each concurrency C, on a fixed seeded variable-length workload:
 
 - throughput: requests in waves of C (one `Engine.generate` call per wave; C = 1 runs the first
-  MIN_REQUESTS requests one at a time), output and total tokens per second of wall time;
+  MIN_REQUESTS requests one at a time), output and total tokens per second of wall time; and sustained
+  throughput, as a server under load (and vLLM's throughput benchmark) sees it: SUSTAINED_WAVES x C requests
+  with C kept in flight, the next sent as each ends, so the batch stays full but for the last wave's tail (a
+  wave's own tail runs at a fraction of C: its longest output is twice the mean);
 - TTFT and TPOT: the first C requests' lengths with fresh prompts, all sent at once, each token's arrival
   timed as a client would see it, over the first 1 + tpot_steps tokens of each (they ask for a multi-step
   call's more, so the calls that end them fall outside). TTFT: until every one of them has its first token
@@ -43,6 +46,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -95,6 +99,7 @@ MODELS = {
 DTYPE = "bfloat16"
 PAGE_SIZE = 16
 MIN_REQUESTS = 4
+SUSTAINED_WAVES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,18 +125,23 @@ class Sizes:
 
 
 def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sizes: Sizes, page_size: int) -> int:
-    """A KV pool that holds the largest wave whole (no preemption), with a quarter to spare (`run` caps it at the
-    engine's default, most of the free memory).
+    """A KV pool that holds the largest wave whole (no preemption), or the C longest requests of the sustained
+    run's (`sustained_workload`), with a quarter to spare (`run` caps it at the engine's default, most of the free
+    memory).
 
     Sized from the workload rather than the engine's default (most of the free memory): the figures then
     do not depend on the device's size, and on a CPU a bf16 pool costs every step time in proportion to
     its size (about 200 ms per step for 64 MB, measured on the 2-core machine), which would drown them.
     """
     timed_tokens = sizes.tpot_steps + 1 + EngineConfig.num_decode_steps  # `timed_wave`'s
+    longest = sorted((len(r.prompt) + r.output_tokens + page_size for r in sustained_workload(sizes, config.vocab_size)),
+                     reverse=True)
     tokens = max(
-        sum(len(r.prompt) + max(r.output_tokens, timed_tokens) + page_size for r in wave)
-        for c in sizes.concurrency for wave in waves(workload, c)
+        max(sum(len(r.prompt) + max(r.output_tokens, timed_tokens) + page_size for r in wave)
+            for wave in waves(workload, c))
+        for c in sizes.concurrency
     )
+    tokens = max(tokens, sum(longest[:max(sizes.concurrency)]))
     return int(1.25 * tokens * kv_bytes_per_token(config, DTYPE))
 
 
@@ -139,6 +149,13 @@ def waves(workload: list[BenchRequest], c: int) -> list[list[BenchRequest]]:
     """The throughput run at concurrency c: the first max(c, MIN_REQUESTS) requests, c at a time."""
     requests = workload[:max(c, MIN_REQUESTS)]
     return [requests[i:i + c] for i in range(0, len(requests), c)]
+
+
+def sustained_workload(sizes: Sizes, vocab_size: int) -> list[BenchRequest]:
+    """The sustained run's requests (`sustained`): SUSTAINED_WAVES times the largest level's, with the waves'
+    length distributions and a seed of their own; level C serves the first SUSTAINED_WAVES x C."""
+    return synthetic(SyntheticSpec(num_requests=SUSTAINED_WAVES * max(*sizes.concurrency, MIN_REQUESTS), seed=1,
+                                   prompt=sizes.prompt, output=sizes.output, vocab_size=vocab_size))
 
 
 PRINTABLE = [chr(c) for c in range(ord("!"), ord("~") + 1)]
@@ -215,13 +232,16 @@ def generate_checked(engine: Engine, requests: list[BenchRequest], decoding: Dec
 class ArrivalTimes:
     """An output sink that keeps when each of a request's tokens arrived (seconds of `time.perf_counter`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_finish: Callable[[], None] = lambda: None) -> None:
         self.times: list[float] = []
+        self.on_finish = on_finish
 
     def put(self, increment: Increment) -> None:
         if increment.error is not None:
             raise AssertionError(f"a request failed in the engine: {increment.error}")
         self.times += [time.perf_counter()] * len(increment.token_ids)
+        if increment.finish_reason is not None:
+            self.on_finish()
 
 
 def steady_decode_s(arrivals: list[list[float]], tokens: int) -> float:
@@ -234,6 +254,31 @@ def steady_decode_s(arrivals: list[list[float]], tokens: int) -> float:
     until = min(times[tokens - 1] for times in arrivals)
     counted = sum(decoding_from < t <= until for times in arrivals for t in times)
     return len(arrivals) * (until - decoding_from) / counted if counted else float("nan")
+
+
+def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: Decoding) -> float:
+    """Runs the requests with at most c in flight, the next submitted as soon as one ends (a closed loop of c
+    clients); returns the wall seconds until the last ends. Every output must have its length."""
+    finished = 0
+
+    def one_finished() -> None:
+        nonlocal finished
+        finished += 1
+
+    sinks = [ArrivalTimes(one_finished) for _ in requests]
+    submitted = 0
+    start = time.perf_counter()
+    while submitted < len(requests) or engine.has_work:
+        for i in range(submitted, min(len(requests), finished + c)):
+            engine.submit([list(requests[i].prompt)], decoding.params(requests[i].output_tokens), sinks[i],
+                          f"sustained-{i}")
+            submitted += 1
+        engine.step()
+    seconds = time.perf_counter() - start
+    got, want = [len(sink.times) for sink in sinks], [r.output_tokens for r in requests]
+    if got != want:
+        raise AssertionError(f"the engine produced {got} tokens where {want} were asked")
+    return seconds
 
 
 def timed_wave(engine: Engine, requests: list[BenchRequest], tokens: int, decoding: Decoding
@@ -379,8 +424,8 @@ def compile_in_parallel(steps: list[DirectStep]) -> None:
         list(pool.map(DirectStep.compile, steps))
 
 
-def engine_level(engine: Engine, served: ServedModel, workload: list[BenchRequest], sizes: Sizes, c: int,
-                 peaks: Peaks, decoding: Decoding) -> dict:
+def engine_level(engine: Engine, served: ServedModel, workload: list[BenchRequest],
+                 sustained_requests: list[BenchRequest], sizes: Sizes, c: int, peaks: Peaks, decoding: Decoding) -> dict:
     """Throughput, TTFT and TPOT at concurrency c (module docstring). Every run gets fresh token ids with the
     workload's lengths, so none is served from a previous run's prefix cache."""
     config = served.config
@@ -388,6 +433,8 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
              for i, wave in enumerate(waves(workload, c))]
     seconds = sum(generate_checked(engine, wave, decoding) for wave in fresh)
     requests = [r for wave in fresh for r in wave]
+    rolling = fresh_prompts(sustained_requests[:SUSTAINED_WAVES * c], salt=1000 * c + 500, vocab_size=config.vocab_size)
+    rolling_s = sustained(engine, rolling, c, decoding)
 
     latencies = [timed_wave(engine, fresh_prompts(workload[:c], salt=1000 * c + 900 + i, vocab_size=config.vocab_size),
                             1 + sizes.tpot_steps, decoding)
@@ -398,10 +445,15 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
     prompt_lens = [len(r.prompt) for r in requests]
     output_lens = [r.output_tokens for r in requests]
     bound = workload_roofline(served, peaks, prompt_lens, output_lens, batch=c)
+    rolling_prompt = sum(len(r.prompt) for r in rolling)
+    rolling_output = sum(r.output_tokens for r in rolling)
     return dict(
         requests=len(requests), prompt_tokens=sum(prompt_lens), output_tokens=sum(output_lens), seconds=seconds,
         output_tok_s=sum(output_lens) / seconds, total_tok_s=(sum(prompt_lens) + sum(output_lens)) / seconds,
         ttft_s=ttft_s, tpot_s=tpot_s, decode_tpot_s=decode_tpot_s, roofline_output_tok_s=bound.bound_output_tps,
+        sustained=dict(requests=len(rolling), prompt_tokens=rolling_prompt, output_tokens=rolling_output,
+                       seconds=rolling_s, output_tok_s=rolling_output / rolling_s,
+                       total_tok_s=(rolling_prompt + rolling_output) / rolling_s),
         profile=profile,
     )
 
@@ -468,9 +520,10 @@ def run(args) -> dict:
 
     served = ServedModel(config, StepCost.of(config, loaded.model, DTYPE).weight_bytes, DTYPE, DTYPE)
     result["kv_cache_bytes"] = engine_config.kv_cache_memory
+    sustained_requests = sustained_workload(sizes, config.vocab_size)
     for level, c in zip(result["levels"], sizes.concurrency):
         compiled, compiled_off_thread = engine.runner.num_compiled(), engine.runner.num_compiled_off_thread
-        level.update(engine_level(engine, served, workload, sizes, c, peaks, decoding))
+        level.update(engine_level(engine, served, workload, sustained_requests, sizes, c, peaks, decoding))
         # Programs compiled while this level ran: on the engine thread, each stalled the steps (its time is in the
         # figures); off it, a plan not compiled at warm-up, whose steps ran single meanwhile.
         level["compiled"] = engine.runner.num_compiled() - compiled

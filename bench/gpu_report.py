@@ -112,23 +112,24 @@ def _decoding(decoding: dict | None) -> str:
 def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
     lines = ["### Engine offline, random weights with real shapes, bf16", "",
              "`python -m sluice.bench.engine_check` (see its docstring). Throughput: the workload's requests in waves of "
-             "C. TTFT: C fresh prompts sent at once, until all have a first token. TPOT: per request (last - first "
+             "C; sustained: 4 x C requests with C kept in flight (the next sent as each ends). TTFT: C fresh prompts sent at once, until all have a first token. TPOT: per request (last - first "
              "token's arrival) / (tokens - 1), at batch C, the others' prefill included; decode TPOT: the same once "
              "every request decodes. Step: a decode step at batch C timed directly "
              "(forward + LM head + argmax), its attention over all layers, its LM head + argmax, the rest; "
              "`engine extra` = TPOT - step (sampler, host work, bucket padding). HBM %: weights + K/V bytes over "
              "the step's time, against the measured bandwidth. Roofline %: output tok/s over bench.roofline's bound.",
              "",
-             "| model | attention, layers | C | requests | output tok/s | total tok/s | TTFT s | TPOT ms | "
+             "| model | attention, layers | C | requests | output tok/s | total tok/s | sustained output tok/s | "
+             "TTFT s | TPOT ms | "
              "decode TPOT ms | step ms | attention ms | LM head ms | rest ms | engine extra ms | HBM % | roofline % | "
              "compile s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for result in results:
         if "skipped" in result:
-            lines.append(f"| {result['model']} | skipped: {cell(result['skipped'])} |" + " |" * 15)
+            lines.append(f"| {result['model']} | skipped: {cell(result['skipped'])} |" + " |" * 16)
             continue
         if not result.get("levels"):
-            lines.append(f"| {result['model']} | no results: see the steps table and log.txt |" + " |" * 15)
+            lines.append(f"| {result['model']} | no results: see the steps table and log.txt |" + " |" * 16)
             continue
         for level in result["levels"]:
             step = level.get("step", {})
@@ -143,7 +144,8 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
                 f"{'' if result.get('quantization', 'none') == 'none' else ', ' + result['quantization']} | "
                 f"{level['concurrency']} | "
                 f"{level.get('requests', '-')} | {fmt(level.get('output_tok_s'), '.0f')} | "
-                f"{fmt(level.get('total_tok_s'), '.0f')} | {fmt(level.get('ttft_s'), '.3f')} | "
+                f"{fmt(level.get('total_tok_s'), '.0f')} | "
+                f"{fmt(level.get('sustained', {}).get('output_tok_s'), '.0f')} | {fmt(level.get('ttft_s'), '.3f')} | "
                 f"{ms(level.get('tpot_s'))} | {ms(level.get('decode_tpot_s'))} | {ms(step_s)} | "
                 f"{ms(step.get('attention_s'))} | "
                 f"{ms(step.get('head_s'))} | {ms(rest)} | {ms(extra)} | {fmt(hbm, '.0f')} | {fmt(roofline, '.0f')} | "

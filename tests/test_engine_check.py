@@ -98,3 +98,28 @@ def test_each_direct_step_compiles_once_off_the_main_thread_and_times_from_jits_
     assert len(compiles) == len(steps)
     assert all(name.startswith("engine-check-compile") for name in compiles)
     assert [t.batch for t in times] == [1, 4] and all(t.step_s > 0 and t.attention_s > 0 for t in times)
+
+
+def test_sustained_keeps_c_requests_in_flight_until_the_last_are_sent():
+    """The sustained run is a closed loop of c clients: never more than c requests in the engine, and c of them
+    whenever requests are still to be sent (a request's end lets the next in before the next step)."""
+    loaded = engine_check.random_model("tiny")
+    engine = engine_check.Engine(loaded, EngineConfig(dtype="float32", page_size=16, max_num_seqs=8,
+                                                      max_num_batched_tokens=64, max_model_len=128,
+                                                      kv_cache_memory=2**20), progress=False)
+    requests = [BenchRequest(tuple(range(300, 300 + 5 + i)), output_tokens=2 + 3 * (i % 3)) for i in range(9)]
+    submitted, in_engine, step, submit = [], [], engine.step, engine.submit
+
+    def counted_step():
+        in_engine.append((sum(engine.scheduler.num_requests()) + engine._inbox.qsize(), len(submitted)))
+        step()
+
+    def logged_submit(*args):
+        submitted.append(args[-1])
+        submit(*args)
+
+    engine.step, engine.submit = counted_step, logged_submit
+    assert engine_check.sustained(engine, requests, 3, engine_check.Decoding()) > 0
+    assert len(submitted) == len(set(submitted)) == len(requests)
+    assert max(count for count, _ in in_engine) == 3
+    assert all(count == 3 for count, sent in in_engine if sent < len(requests))
