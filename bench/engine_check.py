@@ -100,6 +100,7 @@ DTYPE = "bfloat16"
 PAGE_SIZE = 16
 MIN_REQUESTS = 4
 SUSTAINED_WAVES = 4
+SUSTAINED_TRACED_STEPS = 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,9 +257,12 @@ def steady_decode_s(arrivals: list[list[float]], tokens: int) -> float:
     return len(arrivals) * (until - decoding_from) / counted if counted else float("nan")
 
 
-def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: Decoding) -> float:
+def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: Decoding, traced_steps: int = 0
+              ) -> tuple[float, dict | None]:
     """Runs the requests with at most c in flight, the next submitted as soon as one ends (a closed loop of c
-    clients); returns the wall seconds until the last ends. Every output must have its length."""
+    clients); returns the wall seconds until the last ends, and, with `traced_steps`, the profile of that many
+    engine steps once c requests have ended (the steady state: prompts arrive as others end), as
+    `profiled_decode`'s plus the window's output and prompt tokens per second. Every output must have its length."""
     finished = 0
 
     def one_finished() -> None:
@@ -266,19 +270,38 @@ def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: De
         finished += 1
 
     sinks = [ArrivalTimes(one_finished) for _ in requests]
-    submitted = 0
+    submitted, steps, profile = 0, 0, None
+    trace = timer = None
     start = time.perf_counter()
     while submitted < len(requests) or engine.has_work:
         for i in range(submitted, min(len(requests), finished + c)):
             engine.submit([list(requests[i].prompt)], decoding.params(requests[i].output_tokens), sinks[i],
                           f"sustained-{i}")
             submitted += 1
+        if traced_steps and trace is None and profile is None and finished >= c:
+            paused = time.perf_counter()
+            timer, trace = PhaseTimer(engine), DeviceTrace().__enter__()
+            start += time.perf_counter() - paused  # the tracer's start and processing are not the engine's time
+            window = (time.perf_counter(), sum(len(s.times) for s in sinks), engine.stats.prompt_tokens_total)
         engine.step()
+        steps += trace is not None
+        if trace is not None and (steps == traced_steps or not engine.has_work):
+            window_s = time.perf_counter() - window[0]
+            output_tok_s = (sum(len(s.times) for s in sinks) - window[1]) / window_s
+            prompt_tok_s = (engine.stats.prompt_tokens_total - window[2]) / window_s
+            paused = time.perf_counter()
+            trace.__exit__(None, None, None)
+            timer.close()
+            # Per `Engine.step` (a multi-step call is one; its programs' names say which ran).
+            profile = {**trace.summary().as_dict(steps), "host_ms": timer.per_step_ms(steps),
+                       "output_tok_s": output_tok_s, "prompt_tok_s": prompt_tok_s}
+            trace = None
+            start += time.perf_counter() - paused
     seconds = time.perf_counter() - start
     got, want = [len(sink.times) for sink in sinks], [r.output_tokens for r in requests]
     if got != want:
         raise AssertionError(f"the engine produced {got} tokens where {want} were asked")
-    return seconds
+    return seconds, profile
 
 
 def timed_wave(engine: Engine, requests: list[BenchRequest], tokens: int, decoding: Decoding
@@ -434,7 +457,7 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
     seconds = sum(generate_checked(engine, wave, decoding) for wave in fresh)
     requests = [r for wave in fresh for r in wave]
     rolling = fresh_prompts(sustained_requests[:SUSTAINED_WAVES * c], salt=1000 * c + 500, vocab_size=config.vocab_size)
-    rolling_s = sustained(engine, rolling, c, decoding)
+    rolling_s, rolling_profile = sustained(engine, rolling, c, decoding, traced_steps=SUSTAINED_TRACED_STEPS)
 
     latencies = [timed_wave(engine, fresh_prompts(workload[:c], salt=1000 * c + 900 + i, vocab_size=config.vocab_size),
                             1 + sizes.tpot_steps, decoding)
@@ -453,7 +476,7 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
         ttft_s=ttft_s, tpot_s=tpot_s, decode_tpot_s=decode_tpot_s, roofline_output_tok_s=bound.bound_output_tps,
         sustained=dict(requests=len(rolling), prompt_tokens=rolling_prompt, output_tokens=rolling_output,
                        seconds=rolling_s, output_tok_s=rolling_output / rolling_s,
-                       total_tok_s=(rolling_prompt + rolling_output) / rolling_s),
+                       total_tok_s=(rolling_prompt + rolling_output) / rolling_s, profile=rolling_profile),
         profile=profile,
     )
 

@@ -119,7 +119,8 @@ def test_sustained_keeps_c_requests_in_flight_until_the_last_are_sent():
         submit(*args)
 
     engine.step, engine.submit = counted_step, logged_submit
-    assert engine_check.sustained(engine, requests, 3, engine_check.Decoding()) > 0
+    seconds, profile = engine_check.sustained(engine, requests, 3, engine_check.Decoding())
+    assert seconds > 0 and profile is None
     assert len(submitted) == len(set(submitted)) == len(requests)
     assert max(count for count, _ in in_engine) == 3
     assert all(count == 3 for count, sent in in_engine if sent < len(requests))
