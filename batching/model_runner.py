@@ -63,6 +63,9 @@ logger = logging.getLogger(__name__)
 # Prefill chunks reach attention as pieces of at most this many queries: the attention pads every row to
 # max_q_len, so short pieces keep the decode rows sharing a mixed step cheap, and the set of shapes small.
 PREFILL_PIECE = 16
+# Mixed steps of more tokens than this are compute-bound on every device: their buckets grow by quarter octaves,
+# not doublings, so padding costs at most a fifth of a step, not up to half (`token_buckets`).
+FINE_TOKEN_BUCKETS_ABOVE = 512
 # Threads that compile the step programs at warm-up (each compile holds a few GB of host memory for a large model).
 WARMUP_THREADS = 8
 PARTIAL = ".partial"  # a compilation-cache entry's name while it is written (`_write_cache_entries_whole`)
@@ -135,6 +138,18 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
     return out + [hi]
 
 
+def token_buckets(lo: int, hi: int) -> list[int]:
+    """A mixed step's token counts: powers of two from lo up to FINE_TOKEN_BUCKETS_ABOVE, then quarter octaves (x
+    5/4, 3/2, 7/4, 2 of each power of two), capped by hi, with hi itself last. A sustained stream of prompts on an
+    H200 ran its Llama-3-8B mixed steps at about 3,000 tokens, padded to 4,096 (2026-11-30, bench/RESULTS.md)."""
+    coarse = pow2_buckets(lo, min(hi, FINE_TOKEN_BUCKETS_ABOVE))
+    octave, fine = FINE_TOKEN_BUCKETS_ABOVE, []
+    while octave < hi:
+        fine += [octave * q // 4 for q in (5, 6, 7, 8) if octave * q // 4 < hi]
+        octave *= 2
+    return coarse + fine + ([hi] if coarse[-1] < hi else [])
+
+
 def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Items in groups of `counts[i]` items, in order: each item's group, and its index within the group."""
     group = np.repeat(np.arange(len(counts)), counts)
@@ -173,7 +188,7 @@ class ModelRunner:
         self.backend = attention_backend
         self.max_num_seqs = max_num_seqs
         self.decode_buckets = pow2_buckets(1, min(max_num_seqs, max_num_batched_tokens))
-        self.token_buckets = pow2_buckets(PREFILL_PIECE, max_num_batched_tokens)
+        self.token_buckets = token_buckets(PREFILL_PIECE, max_num_batched_tokens)
         self.num_decode_steps = num_decode_steps
         self.ngram = ngram
         self.num_speculative_tokens = ngram.num_speculative_tokens if ngram else 0

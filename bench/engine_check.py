@@ -63,6 +63,7 @@ from sluice.batching.engine import Engine, default_kv_cache_bytes
 from sluice.batching.outputs import Increment
 from sluice.batching.sampler import SAMPLER_BRANCHES
 from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.stats import StepStats
 from sluice.bench.device_profile import DeviceTrace
 from sluice.bench.host_phases import PhaseTimer
 from sluice.bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
@@ -270,7 +271,7 @@ def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: De
         finished += 1
 
     sinks = [ArrivalTimes(one_finished) for _ in requests]
-    submitted, steps, profile = 0, 0, None
+    submitted, steps, profile, ran = 0, 0, None, []
     trace = timer = None
     start = time.perf_counter()
     while submitted < len(requests) or engine.has_work:
@@ -284,7 +285,9 @@ def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: De
             start += time.perf_counter() - paused  # the tracer's start and processing are not the engine's time
             window = (time.perf_counter(), sum(len(s.times) for s in sinks), engine.stats.prompt_tokens_total)
         engine.step()
-        steps += trace is not None
+        if trace is not None:
+            steps += 1
+            ran.append(engine.stats.last_step)
         if trace is not None and (steps == traced_steps or not engine.has_work):
             window_s = time.perf_counter() - window[0]
             output_tok_s = (sum(len(s.times) for s in sinks) - window[1]) / window_s
@@ -294,7 +297,8 @@ def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: De
             timer.close()
             # Per `Engine.step` (a multi-step call is one; its programs' names say which ran).
             profile = {**trace.summary().as_dict(steps), "host_ms": timer.per_step_ms(steps),
-                       "output_tok_s": output_tok_s, "prompt_tok_s": prompt_tok_s}
+                       "output_tok_s": output_tok_s, "prompt_tok_s": prompt_tok_s,
+                       "mixed_steps": mixed_steps(engine, [step for step in ran if step is not None])}
             trace = None
             start += time.perf_counter() - paused
     seconds = time.perf_counter() - start
@@ -302,6 +306,16 @@ def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: De
     if got != want:
         raise AssertionError(f"the engine produced {got} tokens where {want} were asked")
     return seconds, profile
+
+
+def mixed_steps(engine: Engine, ran: list[StepStats]) -> dict:
+    """The steps with prefill among `ran`: how many, their mean tokens, decode rows and token bucket (padding)."""
+    mixed = [step for step in ran if step.num_prefill_tokens]
+    if not mixed:
+        return dict(steps=0)
+    buckets = [next(b for b in engine.runner.token_buckets if b >= step.num_tokens) for step in mixed]
+    return dict(steps=len(mixed), tokens=statistics.mean(step.num_tokens for step in mixed),
+                decode_rows=statistics.mean(step.num_decode_seqs for step in mixed), bucket=statistics.mean(buckets))
 
 
 def timed_wave(engine: Engine, requests: list[BenchRequest], tokens: int, decoding: Decoding

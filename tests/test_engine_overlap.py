@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sluice.batching.engine import Engine
-from sluice.batching.model_runner import ModelRunner
+from sluice.batching.model_runner import PREFILL_PIECE, ModelRunner, token_buckets
 from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import SamplingParams
 from test_engine import CONFIG, GREEDY, make_engine, page_bytes, prompts, tiny  # noqa: F401 - `tiny` is a fixture
@@ -144,6 +144,17 @@ def test_warm_up_compiles_each_model_program_once_off_the_engine_thread(tiny, ca
     # once, on a warm-up thread, and found in jit's cache when warm-up then runs it.
     assert len(models) == 3 * len(runner.decode_buckets) + len(runner.token_buckets)
     assert all(name.startswith("sluice-warmup") for name in models)
+
+
+def test_mixed_steps_past_512_tokens_pad_by_under_a_quarter():
+    buckets = token_buckets(PREFILL_PIECE, 8192)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == 8192
+    assert all(b % PREFILL_PIECE == 0 for b in buckets)
+    for n in range(1, 8193):
+        bucket = next(b for b in buckets if b >= n)
+        assert bucket - n < n / 4 if n > 512 else bucket < 2 * n or bucket == PREFILL_PIECE
+    assert token_buckets(PREFILL_PIECE, 3000)[-3:] == [2048, 2560, 3000]
+    assert token_buckets(PREFILL_PIECE, 512) == [16, 32, 64, 128, 256, 512]  # the CPU's: no more programs
 
 
 def test_a_program_that_fails_to_compile_off_the_thread_compiles_at_its_warm_up_call(tiny, caplog, monkeypatch):
