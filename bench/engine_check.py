@@ -39,6 +39,7 @@ go to `--out` as JSON after each stage, so a run stopped by a time limit keeps w
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import functools
 import gc
@@ -135,11 +136,13 @@ def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sizes: Size
     do not depend on the device's size, and on a CPU a bf16 pool costs every step time in proportion to
     its size (about 200 ms per step for 64 MB, measured on the 2-core machine), which would drown them.
     """
-    timed_tokens = sizes.tpot_steps + 1 + EngineConfig.num_decode_steps  # `timed_wave`'s
     longest = sorted((len(r.prompt) + r.output_tokens + page_size for r in sustained_workload(sizes, config.vocab_size)),
                      reverse=True)
     tokens = max(
-        max(sum(len(r.prompt) + max(r.output_tokens, timed_tokens) + page_size for r in wave)
+        max(sum(len(r.prompt) + max(r.output_tokens, timed_max_tokens(wave, 1 + sizes.tpot_steps,
+                                                                         EngineConfig.num_decode_steps,
+                                                                         sizes.max_num_batched_tokens)) + page_size
+                for r in wave)
             for wave in waves(workload, c))
         for c in sizes.concurrency
     )
@@ -247,13 +250,19 @@ class ArrivalTimes:
 
 
 def steady_decode_s(arrivals: list[list[float]], tokens: int) -> float:
-    """Seconds per token per request while every request decodes: from the last request's first token to the
-    earliest `tokens`-th token of any request, the C requests' tokens delivered in between (after the first of
-    those moments, up to the second) over C x that time. Tokens a multi-step call delivers together count whole.
-    The requests run on past `tokens` (`timed_wave`), so every call in the window is full: a call that ends
-    requests runs its whole length for the rows still going, and would count as time without their tokens."""
+    """Seconds per token per request while every request decodes: from the last request's first token until the
+    earliest moment one request has `tokens - 1` tokens more than it had then, the C requests' tokens delivered in
+    between (after the first of those moments, up to the second) over C x that time. Tokens a multi-step call
+    delivers together count whole. A request admitted first has decoded through the others' prefill, one token a
+    step, and counting from its own first token would end the window a few steps after it starts (at 1,024
+    requests and 24 prefill steps, all but 9 of 32). The requests run on past the window (`timed_max_tokens`), so
+    every call in it is full: a call that ends requests runs its whole length for the rows still going, and would
+    count as time without their tokens."""
     decoding_from = max(times[0] for times in arrivals)
-    until = min(times[tokens - 1] for times in arrivals)
+    ends = [bisect.bisect_right(times, decoding_from) + tokens - 2 for times in arrivals]
+    if any(end >= len(times) for end, times in zip(ends, arrivals)):
+        raise AssertionError(f"a request of the timed wave ended before its {tokens - 1} decode tokens")
+    until = min(times[end] for end, times in zip(ends, arrivals))
     counted = sum(decoding_from < t <= until for times in arrivals for t in times)
     return len(arrivals) * (until - decoding_from) / counted if counted else float("nan")
 
@@ -318,13 +327,22 @@ def mixed_steps(engine: Engine, ran: list[StepStats]) -> dict:
                 decode_rows=statistics.mean(step.num_decode_seqs for step in mixed), bucket=statistics.mean(buckets))
 
 
+def timed_max_tokens(requests: list[BenchRequest], tokens: int, num_decode_steps: int, max_num_batched_tokens: int
+                     ) -> int:
+    """What each request of a timed wave asks for: `tokens`, one more for each step the wave's prefill may take (a
+    request admitted first decodes through it), and a multi-step call's more, so that no call in
+    `steady_decode_s`'s window ends a request."""
+    prefill_steps = -(-sum(len(r.prompt) for r in requests) // max_num_batched_tokens) + 1
+    return tokens + prefill_steps + num_decode_steps
+
+
 def timed_wave(engine: Engine, requests: list[BenchRequest], tokens: int, decoding: Decoding
                ) -> tuple[float, float, float]:
     """Sends the requests at once; returns (TTFT: until every one has its first token, TPOT: the mean over
-    requests of (the `tokens`-th token's arrival - the first's) / (tokens - 1), decode TPOT: `steady_decode_s`).
-    Each asks for a multi-step call's tokens more than `tokens`, so no call before every request's `tokens`-th
-    token ends one of them."""
-    max_tokens = tokens + engine.config.num_decode_steps
+    requests of (the `tokens`-th token's arrival - the first's) / (tokens - 1), decode TPOT: `steady_decode_s`
+    over `tokens` - 1 decode tokens)."""
+    max_tokens = timed_max_tokens(requests, tokens, engine.config.num_decode_steps,
+                                  engine.config.max_num_batched_tokens)
     sinks = [ArrivalTimes() for _ in requests]
     start = time.perf_counter()
     for i, (request, sink) in enumerate(zip(requests, sinks)):

@@ -43,21 +43,25 @@ def test_kv_pool_holds_the_largest_wave_whole():
     config, sizes = engine_check.MODELS["tiny"], engine_check.Sizes.small()
     workload = [BenchRequest(tuple(range(100, 100 + p)), o) for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)]]
     per_token = engine_check.kv_bytes_per_token(config, "bfloat16")
-    # The wave of all four at concurrency 4: prompts + max(output, the timed wave's tokens) + a page each.
-    timed = sizes.tpot_steps + 1 + EngineConfig.num_decode_steps
+    # The wave of all four at concurrency 4: prompts + max(output, the timed wave's tokens) + a page each; the timed
+    # wave's: its tokens, a multi-step call's, and one per step its 85 prompt tokens may take, 16 a step, and one.
+    timed = sizes.tpot_steps + 1 + EngineConfig.num_decode_steps + 6 + 1
     tokens = sum(p + max(o, timed) + 16 for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)])
     assert engine_check.kv_pool_bytes(config, workload, sizes, 16) == int(1.25 * tokens * per_token)
     assert [len(w) for w in engine_check.waves(workload, 1)] == [1, 1, 1, 1]
 
 
-def test_decode_tpot_counts_only_tokens_after_every_request_decodes():
-    """Three requests: one's first token at 0 s, then one token per 10 ms; the others' first tokens at 50 ms (a
-    prefill in between), then bursts of 4 tokens (a multi-step call) every 40 ms. From 50 ms (the last first token)
-    to 130 ms (the earliest 14th token) 24 tokens arrive: 3 requests x 80 ms / 24 = 10 ms per token. The tokens
-    at 50 ms came with the last first token, and count as before the window."""
-    early = [0.010 * i for i in range(18)]  # 0 .. 170 ms
+def test_decode_tpot_counts_each_requests_tokens_after_every_request_decodes():
+    """Three requests: one's first token at 0 s, then one token per 10 ms (it decodes through the others'
+    prefill); the others' first tokens at 50 ms, then bursts of 4 tokens (a multi-step call) every 40 ms. Each
+    request's next 8 tokens after 50 ms (the last first token) have arrived by 130 ms: 24 tokens, 3 requests x
+    80 ms / 24 = 10 ms per token. Counting to the early request's own 9th token would close the window at 80 ms,
+    with none of the others' tokens in it. The tokens at 50 ms count as before the window."""
+    early = [0.010 * i for i in range(31)]  # 0 .. 300 ms
     bursty = [0.050] + [0.050 + 0.040 * (1 + i // 4) for i in range(16)]  # bursts at 90, 130, 170, 210 ms
-    assert engine_check.steady_decode_s([early, bursty, list(bursty)], tokens=14) == pytest.approx(0.010)
+    assert engine_check.steady_decode_s([early, bursty, list(bursty)], tokens=9) == pytest.approx(0.010)
+    with pytest.raises(AssertionError, match="ended before"):
+        engine_check.steady_decode_s([early[:12], bursty, list(bursty)], tokens=9)
 
 
 def test_decode_tpot_leaves_out_the_calls_that_end_requests():
