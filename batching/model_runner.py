@@ -140,8 +140,9 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
 
 def token_buckets(lo: int, hi: int) -> list[int]:
     """A mixed step's token counts: powers of two from lo up to FINE_TOKEN_BUCKETS_ABOVE, then quarter octaves (x
-    5/4, 3/2, 7/4, 2 of each power of two), capped by hi, with hi itself last. A sustained stream of prompts on an
-    H200 ran its Llama-3-8B mixed steps at about 3,000 tokens, padded to 4,096 (2026-11-30, bench/RESULTS.md)."""
+    5/4, 3/2, 7/4, 2 of each power of two), capped by hi, with hi itself last. In a sustained stream of prompts on
+    an H200, Llama-3-8B's mixed steps at 1,024 sequences were compute-bound (matmuls 70% of them), and of about
+    3,000 tokens by the workload's arithmetic: doublings ran them as 4,096 (2026-11-30, bench/RESULTS.md)."""
     coarse = pow2_buckets(lo, min(hi, FINE_TOKEN_BUCKETS_ABOVE))
     octave, fine = FINE_TOKEN_BUCKETS_ABOVE, []
     while octave < hi:
