@@ -337,10 +337,11 @@ def timed_max_tokens(requests: list[BenchRequest], tokens: int, num_decode_steps
 
 
 def timed_wave(engine: Engine, requests: list[BenchRequest], tokens: int, decoding: Decoding
-               ) -> tuple[float, float, float]:
+               ) -> tuple[float, float, float, dict[str, list[float]]]:
     """Sends the requests at once; returns (TTFT: until every one has its first token, TPOT: the mean over
     requests of (the `tokens`-th token's arrival - the first's) / (tokens - 1), decode TPOT: `steady_decode_s`
-    over `tokens` - 1 decode tokens)."""
+    over `tokens` - 1 decode tokens, and the first and last requests' token arrivals in ms after the sending,
+    to read the calls' rhythm from)."""
     max_tokens = timed_max_tokens(requests, tokens, engine.config.num_decode_steps,
                                   engine.config.max_num_batched_tokens)
     sinks = [ArrivalTimes() for _ in requests]
@@ -353,7 +354,9 @@ def timed_wave(engine: Engine, requests: list[BenchRequest], tokens: int, decodi
         raise AssertionError(f"the engine produced {[len(s.times) for s in sinks]} tokens where {max_tokens} were asked")
     ttft = max(sink.times[0] for sink in sinks) - start
     tpot = statistics.mean((sink.times[tokens - 1] - sink.times[0]) / (tokens - 1) for sink in sinks)
-    return ttft, tpot, steady_decode_s([sink.times for sink in sinks], tokens)
+    arrivals = {name: [round(1e3 * (t - start), 3) for t in sink.times] for name, sink in
+                (("first", sinks[0]), ("last", sinks[-1]))}
+    return ttft, tpot, steady_decode_s([sink.times for sink in sinks], tokens), arrivals
 
 
 def profiled_decode(engine: Engine, requests: list[BenchRequest], decode_steps: int, decoding: Decoding) -> dict:
@@ -496,7 +499,7 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
                  for i in range(sizes.latency_repeats)]
     profile = profiled_decode(engine, fresh_prompts(workload[:c], salt=1000 * c + 990, vocab_size=config.vocab_size),
                               sizes.tpot_steps, decoding)
-    ttft_s, tpot_s, decode_tpot_s = (statistics.median(column) for column in zip(*latencies))
+    ttft_s, tpot_s, decode_tpot_s = (statistics.median(column) for column in list(zip(*latencies))[:3])
     prompt_lens = [len(r.prompt) for r in requests]
     output_lens = [r.output_tokens for r in requests]
     bound = workload_roofline(served, peaks, prompt_lens, output_lens, batch=c)
@@ -505,7 +508,8 @@ def engine_level(engine: Engine, served: ServedModel, workload: list[BenchReques
     return dict(
         requests=len(requests), prompt_tokens=sum(prompt_lens), output_tokens=sum(output_lens), seconds=seconds,
         output_tok_s=sum(output_lens) / seconds, total_tok_s=(sum(prompt_lens) + sum(output_lens)) / seconds,
-        ttft_s=ttft_s, tpot_s=tpot_s, decode_tpot_s=decode_tpot_s, roofline_output_tok_s=bound.bound_output_tps,
+        ttft_s=ttft_s, tpot_s=tpot_s, decode_tpot_s=decode_tpot_s, arrivals_ms=latencies[0][3],
+        roofline_output_tok_s=bound.bound_output_tps,
         sustained=dict(requests=len(rolling), prompt_tokens=rolling_prompt, output_tokens=rolling_output,
                        seconds=rolling_s, output_tok_s=rolling_output / rolling_s,
                        total_tok_s=(rolling_prompt + rolling_output) / rolling_s, profile=rolling_profile),
