@@ -163,31 +163,44 @@ def engine_section(results: list[dict], peak_gbs: float | None) -> list[str]:
 
 
 def profile_section(results: list[dict]) -> list[str]:
-    """Per model and concurrency: the engine's period per decode step against the device's busy time in it,
-    and the busy time by op class (`bench.device_profile`), all in ms per step."""
+    """Per model, concurrency and run (the decode wave's, the sustained stream's steady state): the engine's period
+    per step against the device's busy time in it, the busy time by op class (`bench.device_profile`), all in ms
+    per step, and the sustained window's mixed steps."""
     classes = ("matmul", "attention", "copy", "fusion", "other")
-    lines = ["### Where a decode step's time goes (engine, traced)", "",
-             "`bench.engine_check.profiled_decode`: C requests decoding, a `jax.profiler` trace of tpot_steps steps. "
-             "Period: the window's wall time per step; busy: the union of the device's kernels; idle = period - "
+    lines = ["### Where a step's time goes (engine, traced)", "",
+             "`bench.engine_check`: decode, C requests decoding (`profiled_decode`, tpot_steps steps); sustained, "
+             "the stream's steady state (`sustained`, its engine steps after C requests ended). Period: the "
+             "window's wall time per engine step; busy: the union of the device's kernels; idle = period - "
              "busy, the device waiting for the host. Op classes sum kernel time (`bench.device_profile`); per "
              "program, the top three by busy time. Host: the engine's phases in the window (`bench.host_phases`; "
-             "wait: blocked on the device).", "",
-             "| model | C | steps | period ms | busy ms | idle % | " + " | ".join(f"{c} ms" for c in classes)
-             + " | top programs (ms) | host ms: " + ", ".join(HOST_PHASES) + " |",
-             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(classes) + "---|---|"]
+             "wait: blocked on the device). Mixed steps: how many of the window's steps had prefill, their mean "
+             "tokens / token bucket, and decode rows.", "",
+             "| model | C | run | steps | period ms | busy ms | idle % | " + " | ".join(f"{c} ms" for c in classes)
+             + " | top programs (ms) | host ms: " + ", ".join(HOST_PHASES) + " | mixed steps |",
+             "|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(classes) + "---|---|---|"]
     for result in results:
         for level in result.get("levels", []):
-            p = level.get("profile")
-            if not p:
-                continue
-            programs = sorted(p["by_program_ms"].items(), key=lambda kv: -sum(kv[1].values()))[:3]
-            top = "; ".join(f"{cell(name)} {sum(c.values()):.2f}" for name, c in programs)
-            idle = 100 * (1 - p["busy_share"])
-            lines.append(f"| {result['model']} | {level['concurrency']} | {p['steps']} | {p['span_ms']:.2f} | "
-                         f"{p['busy_ms']:.2f} | {idle:.0f} | "
-                         + " | ".join(f"{p['by_class_ms'].get(c, 0.0):.2f}" for c in classes) + f" | {top} | "
-                         + " / ".join(f"{p.get('host_ms', {}).get(h, 0.0):.2f}" for h in HOST_PHASES) + " |")
+            runs = (("decode", level.get("profile")), ("sustained", level.get("sustained", {}).get("profile")))
+            for run, p in runs:
+                if not p:
+                    continue
+                programs = sorted(p["by_program_ms"].items(), key=lambda kv: -sum(kv[1].values()))[:3]
+                top = "; ".join(f"{cell(name)} {sum(c.values()):.2f}" for name, c in programs)
+                idle = 100 * (1 - p["busy_share"])
+                lines.append(f"| {result['model']} | {level['concurrency']} | {run} | {p['steps']} | "
+                             f"{p['span_ms']:.2f} | {p['busy_ms']:.2f} | {idle:.0f} | "
+                             + " | ".join(f"{p['by_class_ms'].get(c, 0.0):.2f}" for c in classes) + f" | {top} | "
+                             + " / ".join(f"{p.get('host_ms', {}).get(h, 0.0):.2f}" for h in HOST_PHASES)
+                             + f" | {_mixed(p.get('mixed_steps'))} |")
     return lines + [""]
+
+
+def _mixed(mixed: dict | None) -> str:
+    if not mixed:
+        return "-"
+    if not mixed["steps"]:
+        return "0"
+    return f"{mixed['steps']}: {mixed['tokens']:.0f} / {mixed['bucket']:.0f}, {mixed['decode_rows']:.0f} rows"
 
 
 def steps_section(steps: list[StepResult]) -> list[str]:

@@ -43,7 +43,7 @@ def test_report_names_the_machine_and_has_every_section(check):
     assert f"jax {probe['jax']}, jaxlib {probe['jaxlib']}" in report
     assert "driver none (no nvidia-smi)" in report
     for section in ("### Kernel correctness", "### Decode attention kernels", "### Engine offline",
-                    "### Where a decode step's time goes", "### Step-bytes audit", "### Steps"):
+                    "### Where a step's time goes", "### Step-bytes audit", "### Steps"):
         assert section in report
     assert ("Host syncs in the decode call of 8 steps (tiny, bfloat16, 2 greedy rows, the sampler's branches "
             "decided by the device): ") in report
@@ -97,7 +97,13 @@ def test_the_traced_decode_steps_say_where_device_time_went(check):
         # Every op class sum is kernel time inside the window, and the model's programs ran in it.
         assert 0 < sum(profile["by_class_ms"].values())
         assert any("decode" in program for program in profile["by_program_ms"])
-    assert "| tiny | 3 | " in report.split("### Where a decode step's time goes")[1]
+        # The sustained stream's steady state: its steps' prefill ran in mixed steps of the workload's prompts.
+        sustained = level["sustained"]["profile"]
+        assert 0 < sustained["busy_ms"] <= sustained["span_ms"] and sustained["output_tok_s"] > 0
+        assert sustained["mixed_steps"]["steps"] > 0
+        assert sustained["mixed_steps"]["tokens"] <= sustained["mixed_steps"]["bucket"] <= 24
+    traced = report.split("### Where a step's time goes")[1]
+    assert "| tiny | 3 | decode | " in traced and "| tiny | 3 | sustained | " in traced
 
 
 def test_a_step_without_time_left_is_skipped_and_reported(tmp_path):
