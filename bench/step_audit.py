@@ -3,6 +3,8 @@
     python -m sluice.bench.step_audit                                  # SmolLM2-135M, Llama-3.2-1B, Llama-3-8B; bf16, f32
     python -m sluice.bench.step_audit --models smollm2-135m --dtypes bfloat16 --rows 64 --context 1024
     JAX_PLATFORMS=cpu python -m sluice.bench.step_audit --target h100 --dtypes bfloat16   # XLA:GPU's, no GPU needed
+    JAX_PLATFORMS=cpu python -m sluice.bench.step_audit --target h100 --models llama-3-8b --dtypes bfloat16 \
+        --mixed-tokens 1024 4096 --context 1024                          # the mixed steps' copies instead
 
 A decode step must read its weights once (as `model.roofline.StepCost` counts them) and the batch's K/V
 once: `rows` sequences of `context` tokens, the most the compiled step can attend to (the audit's pool holds
@@ -31,6 +33,13 @@ installed, `JAX_PLATFORMS=cpu`; `make check-gpu-image` sets it up), its descript
 Such a compile cannot autotune, so its GEMM tilings are XLA's defaults, not the device's choice; what the
 audit reads (which buffers are written, copied or converted, and the control flow) does not depend on them.
 
+`--mixed-tokens` audits the engine's mixed steps instead (prefill pieces and decode rows, at those token buckets,
+for a server of `--max-num-seqs` sequences): every kernel, classed as `bench.device_profile` classes a trace's,
+with the bytes it moves (its output, or an in-place update's rows, and what it reads of its operands, padding
+included), and each copy-class kernel (copies, transposes, gathers, scatters, slices) with the time it would take
+at `--bandwidth`: where a trace's "copy" time goes. The kernels' shapes are the bucket's, whatever its split into
+decode rows and prefill pieces.
+
 Host syncs and a copy of the pool are audited on the engine's multi-step decode call (model and sampler,
 `num_decode_steps` steps, the program that runs at saturation): its conditionals, and its while loops of unknown
 trip count. XLA:GPU runs each by copying its predicate to the host and waiting there for the device
@@ -48,7 +57,7 @@ import functools
 import re
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,8 +67,10 @@ import numpy as np
 from flax import nnx
 
 from sluice.batching.config import EngineConfig
+from sluice.batching.device_step import Bucket
 from sluice.batching.model_runner import ModelRunner
 from sluice.batching.sampler import SAMPLER_BRANCHES, resolve_sampler_branches
+from sluice.bench import device_profile
 from sluice.bench.engine_check import MODELS
 from sluice.model.config import ModelConfig
 from sluice.model.llama import LAYER_LOOPS, LAYER_PARAMS, LINEAR_WEIGHTS, Llama, resolve_layer_loop
@@ -76,13 +87,17 @@ NO_BUFFER = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "
 IN_PLACE = ("scatter", "dynamic-update-slice")
 KNOWN_TRIP_COUNT = r'"known_trip_count":\{"n":"(\d+)"'
 SELECTING = ("gather", "dynamic-slice", "slice")
+# What a fusion's description names (`_ops`): the opcodes that move, select or multiply data.
+MOVING = ("concatenate", "copy", "custom-call", "dot", "dynamic-slice", "dynamic-update-slice", "gather", "pad",
+          "reduce", "reverse", "scatter", "slice", "sort", "transpose")
 
 
 # --- HLO text ------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Instr:
-    """One HLO instruction: `dims` None for a tuple; `args` the raw text between the opcode's parentheses."""
+    """One HLO instruction: `dims` None for a tuple, whose elements' (dtype, dims) are `leaves`; `args` the raw
+    text between the opcode's parentheses."""
 
     name: str
     dtype: str
@@ -91,10 +106,17 @@ class Instr:
     operands: tuple[str, ...]
     args: str
     attrs: str
+    leaves: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def type(self) -> str:
         return f"{self.dtype}{list(self.dims or ())}"
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its value (a tuple's elements together)."""
+        leaves = self.leaves if self.dims is None else ((self.dtype, self.dims),)
+        return int(sum(_itemsize(dtype) * np.prod(dims, dtype=np.int64) for dtype, dims in leaves))
 
     def attr(self, pattern: str) -> str | None:
         found = re.search(pattern, self.attrs)
@@ -124,18 +146,30 @@ def _closing(text: str, start: int) -> int:
     raise ValueError(f"unbalanced parentheses in {text!r}")
 
 
+def _itemsize(dtype: str) -> float:
+    """Bytes per element of an HLO element type (`bf16`: 2, `f8e4m3fn`: 1, `s4`: 0.5, `pred`: 1)."""
+    bits = re.match(r"[a-z]+?(\d+)", dtype)
+    return int(bits.group(1)) / 8 if bits else 1
+
+
+def _shapes(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The (dtype, dims) of each array type in an HLO type's text (a tuple's elements, in order)."""
+    return tuple((dtype, tuple(int(d) for d in dims.split(",") if d))
+                 for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", text))
+
+
 def _instr(name: str, rest: str) -> Instr:
     """`rest`: what follows `%name = ` on an instruction's line."""
     if rest.startswith("("):
-        dtype, dims, rest = "tuple", None, rest[_closing(rest, 0) + 2:]
+        closing = _closing(rest, 0)
+        dtype, dims, leaves, rest = "tuple", None, _shapes(rest[:closing]), rest[closing + 2:]
     else:
         type_text, rest = rest.split(" ", 1)
-        dtype, dims_text = re.match(r"(\w+)\[([\d,]*)\]", type_text).groups()
-        dims = tuple(int(d) for d in dims_text.split(",") if d)
+        ((dtype, dims),), leaves = _shapes(type_text), ()
     op = re.match(r"[\w\-]+", rest).group(0)
     end = _closing(rest, len(op))
     args = rest[len(op) + 1:end]
-    return Instr(name, dtype, dims, op, tuple(re.findall(r"%([^\s,)]+)", args)), args, rest[end + 1:])
+    return Instr(name, dtype, dims, op, tuple(re.findall(r"%([^\s,)]+)", args)), args, rest[end + 1:], leaves)
 
 
 def parse_hlo(text: str) -> dict[str, Computation]:
@@ -176,12 +210,20 @@ def _where(comp: Computation, instr: Instr, per: str = "step") -> str:
     return f"%{kernel} in {scope.name}{times}"
 
 
+def _fused(computations: dict[str, Computation], instr: Instr) -> Computation | None:
+    """A fusion's fused computation; None for another instruction."""
+    return computations[instr.attr(r"calls=%([^\s,]+)")] if instr.op == "fusion" else None
+
+
+def _root(computations: dict[str, Computation], instr: Instr) -> Instr:
+    """What a kernel's output is: a fusion's root, else the instruction itself."""
+    body = _fused(computations, instr)
+    return instr if body is None else body.instrs[body.root]
+
+
 def _in_place(computations: dict[str, Computation], instr: Instr) -> bool:
     """An update of its first operand's buffer (a scatter or dynamic-update-slice, or a fusion ending in one)."""
-    if instr.op == "fusion":
-        callee = computations[instr.attr(r"calls=%([^\s,]+)")]
-        return callee.instrs[callee.root].op in IN_PLACE
-    return instr.op in IN_PLACE
+    return _root(computations, instr).op in IN_PLACE
 
 
 # --- What must be read once ----------------------------------------------------------------------------------
@@ -333,29 +375,135 @@ def host_syncs(computations: dict[str, Computation]) -> list[str]:
     return found
 
 
+# --- What each kernel moves ----------------------------------------------------------------------------------
+
+def _run_as_kernels(computations: dict[str, Computation], comp: Computation, times: int = 1
+                    ) -> Iterator[tuple[Computation, Instr, int]]:
+    """The instructions of `comp` that launch kernels, each with how often per step (`times` per run of `comp`):
+    each that writes a buffer (a fusion, a custom call, a copy, ...), and what it runs as kernels of their own: a
+    loop's body and condition at every known trip, a call, a conditional (the read of its branch index) and its
+    largest branch."""
+    for instr in comp.instrs.values():
+        called = [computations[name] for name in re.findall(r"%([^\s,}]+)", instr.attrs) if name in computations]
+        if instr.op == "while":
+            trips = times * int(instr.attr(KNOWN_TRIP_COUNT) or 1)
+            for callee in called:
+                yield from _run_as_kernels(computations, callee, trips)
+        elif instr.op == "conditional":
+            yield comp, instr, times
+            branches = [list(_run_as_kernels(computations, callee, times)) for callee in called]
+            yield from max(branches, key=lambda kernels: sum(t for *_, t in kernels), default=[])
+        elif instr.op == "call":
+            for callee in called:
+                yield from _run_as_kernels(computations, callee, times)
+        elif instr.op not in NO_BUFFER:
+            yield comp, instr, times
+
+
+def _entry(computations: dict[str, Computation]) -> Computation:
+    return list(computations.values())[-1]  # the text lists the entry last
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel of a step: its HLO instruction's name (a trace's `hlo_op`), what it computes (`ops`), its output's
+    type, its class as `bench.device_profile` classes a traced kernel, the bytes it moves at each run
+    (`_moved_bytes`) and its runs per step."""
+
+    name: str
+    ops: str
+    type: str
+    op_class: str
+    nbytes: int
+    runs: int
+
+
+def _source(comp: Computation, name: str) -> Instr:
+    """The instruction whose value `name` is, through bitcasts."""
+    instr = comp.instrs[name]
+    return _source(comp, instr.operands[0]) if instr.op == "bitcast" else instr
+
+
+def _users(comp: Computation, name: str) -> list[Instr]:
+    """The instructions that read `name`'s value, through bitcasts."""
+    found = []
+    for instr in comp.instrs.values():
+        if name in instr.operands:
+            found += _users(comp, instr.name) if instr.op == "bitcast" else [instr]
+    return found
+
+
+def _update_bytes(comp: Computation, update: Instr) -> int:
+    """What an in-place update (`IN_PLACE`) writes: its updates (a scatter's third operand, a
+    dynamic-update-slice's second)."""
+    return comp.instrs[update.operands[2 if update.op == "scatter" else 1]].nbytes
+
+
+def _parameter(body: Computation, index: int) -> Instr:
+    return next(i for i in body.instrs.values() if i.op == "parameter" and int(i.args) == index)
+
+
+def _taken(operand: Instr, readers: Sequence[Instr]) -> int:
+    """What `readers` read of `operand`: all of it, or what they take where they only slice or gather from it."""
+    if readers and all(r.op in SELECTING for r in readers):
+        return min(operand.nbytes, sum(r.nbytes for r in readers))
+    return operand.nbytes
+
+
+def _moved_bytes(computations: dict[str, Computation], comp: Computation, instr: Instr) -> int:
+    """What a kernel of `comp` writes and reads at one run, as its static shapes give it (padding rows included):
+    its output, or for an in-place update (a scatter or dynamic-update-slice, or a fusion ending in one) its
+    updates, the buffer it updates being neither read nor written whole; and its operands, or what it takes of
+    those it only slices or gathers from."""
+    body, root, in_place = _fused(computations, instr), _root(computations, instr), _in_place(computations, instr)
+    scope = comp if body is None else body
+    written = min(_update_bytes(scope, root), instr.nbytes) if in_place else instr.nbytes
+    read = 0
+    for index, name in enumerate(instr.operands):
+        # Inside a fusion, an operand is its parameter, read by the fused instructions that use it.
+        value = comp.instrs[name] if body is None else _parameter(body, index)
+        if in_place and _source(scope, value.name) is _source(scope, root.operands[0]):
+            continue
+        read += _taken(comp.instrs[name], [instr] if body is None else _users(body, value.name))
+    return written + read
+
+
+def _custom_call_target(computations: dict[str, Computation], instr: Instr) -> str:
+    """The target of a custom call, or of the one a fusion wraps (the Mosaic kernels sit in one); else ""."""
+    if (body := _fused(computations, instr)) is not None:
+        return next(filter(None, (_custom_call_target(computations, i) for i in body.instrs.values())), "")
+    if instr.op == "custom-call":
+        return instr.attr(r'custom_call_target="([^"]+)"') or ""
+    return ""
+
+
+def _ops(computations: dict[str, Computation], instr: Instr) -> str:
+    """An unfused instruction's opcode, or a fusion's root and the opcodes in it that move or multiply data (then
+    "elementwise" if it has others)."""
+    if (body := _fused(computations, instr)) is None:
+        return instr.op
+    inside = {i.op for i in body.instrs.values()}
+    named = sorted(inside & set(MOVING)) + (["elementwise"] if inside - set(MOVING) - set(NO_BUFFER) else [])
+    return f"{_root(computations, instr).op} fusion: {', '.join(named)}"
+
+
+def step_kernels(computations: dict[str, Computation]) -> list[Kernel]:
+    """Every kernel of a step (`_run_as_kernels`), with its class as a trace classes it: by its instruction's
+    name and, for a custom call (fused or not), its target (a Mosaic kernel's fusion is named as a slice's)."""
+    found = []
+    for comp, instr, runs in _run_as_kernels(computations, _entry(computations)):
+        op_class = device_profile.op_class(_custom_call_target(computations, instr), instr.name)
+        found.append(Kernel(instr.name, _ops(computations, instr), instr.type, op_class,
+                            _moved_bytes(computations, comp, instr), runs))
+    return found
+
+
 # --- The audit -----------------------------------------------------------------------------------------------
 
 def launches(computations: dict[str, Computation]) -> int:
-    """The kernels a step launches: each instruction of the entry that writes a buffer (a fusion, a custom call, a
-    copy, ...), and of what it runs as kernels of their own: a loop's body and condition at every known trip, a
-    call, the largest branch of a conditional. Each launch costs the host a few microseconds unless the step is
-    captured in a CUDA graph, and the device a gap between kernels (bench/RESULTS.md)."""
-
-    def count(comp: Computation) -> int:
-        total = 0
-        for instr in comp.instrs.values():
-            called = [computations[name] for name in re.findall(r"%([^\s,}]+)", instr.attrs) if name in computations]
-            if instr.op == "while":
-                total += int(instr.attr(KNOWN_TRIP_COUNT) or 1) * sum(map(count, called))
-            elif instr.op == "conditional":
-                total += 1 + max(map(count, called), default=0)  # the branch index's read, then one branch
-            elif instr.op == "call":
-                total += sum(map(count, called))
-            elif instr.op not in NO_BUFFER:
-                total += 1
-        return total
-
-    return count(list(computations.values())[-1])  # the text lists the entry last
+    """The kernels a step launches (`_run_as_kernels`). Each launch costs the host a few microseconds unless the
+    step is captured in a CUDA graph, and the device a gap between kernels (bench/RESULTS.md)."""
+    return sum(times for _, _, times in _run_as_kernels(computations, _entry(computations)))
 
 
 def pool_copy(compiled: jax.stages.Compiled, pool_bytes: int) -> list[str]:
@@ -471,26 +619,41 @@ def for_device(choice: str, on_gpu: str, device: jax.Device | None) -> str:
     return on_gpu if choice == "auto" and device is not None and device.platform == "gpu" else choice
 
 
-def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1, device: jax.Device | None = None
-                        ) -> jax.stages.Compiled:
-    """The runner's decode program for `rows` sequences, compiled for `device` (None: this machine's): one step
-    (the model to logits; the sampler is a call of its own), or a multi-step call (model and sampler, `num_steps`
-    <= the runner's `num_decode_steps`; the sampler as for greedy rows). The one place that uses the runner's
+def _compile(runner: ModelRunner, bucket: Bucket, device: jax.Device | None) -> jax.stages.Compiled:
+    """The runner's program for `bucket`, compiled for `device` (None: this machine's), its sampler (if it has one)
+    as for greedy rows. With `compile_decode_step` and `compile_mixed_step`, the one place that uses the runner's
     private names."""
     plan = runner._plan([])  # padding rows: greedy
-    lowering = runner._lowering(runner._decode_bucket(rows, num_steps), plan)  # lower(packing, *shapes)
+    lowering = runner._lowering(bucket, plan)  # lower(packing, *shapes)
     packing, *shapes = lowering.args
     return functools.partial(lowering.func, packing, *placed(shapes, device))().compile()
 
 
+def compile_decode_step(runner: ModelRunner, rows: int, num_steps: int = 1, device: jax.Device | None = None
+                        ) -> jax.stages.Compiled:
+    """The runner's decode program for `rows` sequences: one step (the model to logits; the sampler is a call of its
+    own), or a multi-step call (model and sampler, `num_steps` <= the runner's `num_decode_steps`)."""
+    return _compile(runner, runner._decode_bucket(rows, num_steps), device)
+
+
+def compile_mixed_step(runner: ModelRunner, num_tokens: int, device: jax.Device | None = None
+                       ) -> tuple[Bucket, jax.stages.Compiled]:
+    """The runner's mixed step (prefill pieces and decode rows, the model to logits) of the token bucket of
+    `num_tokens`, and that bucket."""
+    bucket = runner._mixed_bucket(num_tokens, speculative=False)
+    return bucket, _compile(runner, bucket, device)
+
+
 def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, quantization: str = "none",
                     layer_loop: str = "auto", num_decode_steps: int = 1, sampler_branches: str = "auto",
-                    device: jax.Device | None = None) -> ModelRunner:
+                    device: jax.Device | None = None, num_tokens: int = 0) -> ModelRunner:
     """A runner of `rows` sequences of up to `context` tokens for an abstract model of `config` in `dtype` (its
     weights `quantization`: "none", "int8", "int4"; its layers run by `layer_loop`; its sampler's branches
     decided by `sampler_branches`), as the engine makes one for `device` (None: this machine's): only its pool is
     in memory, on this machine. For a GPU target, the attention is the Mosaic kernel (a custom call, which the audit
-    does not read)."""
+    does not read). `num_tokens`: it also runs mixed steps of up to that many tokens; its pool then holds that
+    many tokens (a pool of every sequence's context would not fit a CPU's memory at a server's sequence counts;
+    the pool's size changes only the shape its kernels update in place)."""
     layer_loop = resolve_layer_loop(for_device(layer_loop, "unrolled", device))
     on_gpu = device is not None and device.platform == "gpu"
     layout = "channel" if on_gpu else None  # as a GPU's engine stores int8 (`model.quantize.default_layout`)
@@ -502,8 +665,10 @@ def abstract_runner(config: ModelConfig, dtype: str, rows: int, context: int, qu
         return model
 
     # A spare page, so that the pool's shape is unlike any weight's (its page count is no power of two).
-    return ModelRunner(nnx.eval_shape(make), num_pages=rows * -(-context // PAGE_SIZE) + 1, page_size=PAGE_SIZE,
-                       max_model_len=context, max_num_seqs=rows, max_num_batched_tokens=max(rows, PAGE_SIZE),
+    pool_tokens = num_tokens or rows * -(-context // PAGE_SIZE) * PAGE_SIZE
+    return ModelRunner(nnx.eval_shape(make), num_pages=-(-pool_tokens // PAGE_SIZE) + 1, page_size=PAGE_SIZE,
+                       max_model_len=context, max_num_seqs=rows,
+                       max_num_batched_tokens=max(rows, PAGE_SIZE, num_tokens),
                        num_decode_steps=num_decode_steps, layer_loop=layer_loop,
                        sampler_branches=for_device(sampler_branches, "host", device),
                        attention_backend=for_device("auto", "pallas-mosaic", device))
@@ -532,6 +697,12 @@ def pool_bytes(runner: ModelRunner) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(runner.kv_cache))
 
 
+def pool_arrays(runner: ModelRunner) -> list[StoredArray]:
+    """The K/V pool as a stored array, a stack of layers (K's: V's are alike)."""
+    k_pages = jax.tree.leaves(runner.kv_cache[0])[0]
+    return [StoredArray("K/V pool", tuple(k_pages.shape), k_pages.nbytes, True)]
+
+
 def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: int = 256,
                       quantization: str = "none", layer_loop: str = "auto", device: jax.Device | None = None
                       ) -> StepAudit:
@@ -546,15 +717,40 @@ def audit_decode_step(config: ModelConfig, dtype: str, rows: int = 8, context: i
                               if part in (name, f"{name}_scale", f"{name}_min") for x in jax.tree.leaves(value))
     weights = [StoredArray(name, shape(x), nbytes(name), name in LAYER_PARAMS)
                for name, x in arrays.items() if name in LINEAR_WEIGHTS]
-    k_pages = jax.tree.leaves(runner.kv_cache[0])[0]  # V's are alike
-    pool = [StoredArray("K/V pool", tuple(k_pages.shape), k_pages.nbytes, True)]
     model = nnx.merge(runner.graphdef, runner.state)
     floor = (int(StepCost.of(config, model, dtype).weight_bytes)
              + int(kv_bytes_per_token(config, dtype)) * rows * pages_per_seq * PAGE_SIZE)
     quantized = "" if quantization == "none" else f" {quantization}"
     loop = "unrolled" if model.layers_unstacked else "scan"
     return audit(f"{dtype}{quantized}, {loop}, {rows} rows x {context} tokens",
-                 compile_decode_step(runner, rows, device=device), weights, floor, pool, pool_bytes(runner))
+                 compile_decode_step(runner, rows, device=device), weights, floor, pool_arrays(runner),
+                 pool_bytes(runner))
+
+
+@dataclass(frozen=True)
+class MixedStep:
+    """A compiled mixed step's kernels (`step_kernels`), and its copies of the pool (`copies`), if any."""
+
+    label: str
+    kernels: tuple[Kernel, ...]
+    pool_copies: tuple[str, ...]
+
+    def of_class(self, op_class: str) -> list[Kernel]:
+        return [k for k in self.kernels if k.op_class == op_class]
+
+
+def audit_mixed_step(config: ModelConfig, dtype: str, num_tokens: int, rows: int = 1024, context: int = 1024,
+                     layer_loop: str = "auto", device: jax.Device | None = None) -> MixedStep:
+    """The engine's mixed step of `num_tokens` tokens (prefill pieces and decode rows) for a server of `rows`
+    sequences of up to `context` tokens (`abstract_runner`), compiled for `device` (None: this machine's). Its
+    kernels' shapes are the bucket's, whatever the split of its tokens into decode rows and prefill pieces."""
+    runner = abstract_runner(config, dtype, rows, context, layer_loop=layer_loop, device=device, num_tokens=num_tokens)
+    bucket, compiled = compile_mixed_step(runner, num_tokens, device)
+    computations = parse_hlo(compiled.as_text())
+    loop = "unrolled" if nnx.merge(runner.graphdef, runner.state).layers_unstacked else "scan"
+    label = (f"{dtype}, {loop}, {bucket.num_tokens} tokens in {bucket.num_attn_seqs} attention rows of up to "
+             f"{bucket.max_q_len} queries, {bucket.num_rows} sampled rows")
+    return MixedStep(label, tuple(step_kernels(computations)), tuple(copies(computations, pool_arrays(runner))))
 
 
 # --- Command line --------------------------------------------------------------------------------------------
@@ -576,6 +772,43 @@ def table(audits: Sequence[tuple[str, StepAudit]]) -> str:
     return "\n".join(lines)
 
 
+def _grouped(kernels: Sequence[Kernel]) -> list[tuple[Kernel, int]]:
+    """Kernels alike but for their names' numbers (a layer's of an unrolled step), each once with its runs per step
+    in all, most bytes per step first."""
+    runs: Counter = Counter()
+    first: dict[tuple, Kernel] = {}
+    for k in kernels:
+        key = (re.sub(r"\.\d+$", "", k.name), k.ops, k.type, k.nbytes)
+        first.setdefault(key, k)
+        runs[key] += k.runs
+    return sorted(((first[key], n) for key, n in runs.items()), key=lambda kn: -kn[0].nbytes * kn[1])
+
+
+def mixed_table(steps: Sequence[tuple[str, MixedStep]], bandwidth: float) -> str:
+    """Per mixed step: its kernels by class, then its copy-class kernels, with the bytes each moves and its time were
+    it to move them at `bandwidth` bytes/s (a floor: a scatter or gather of short rows runs well below it)."""
+    at = f"ms at {bandwidth / 1e12:g} TB/s"
+    lines = []
+    for model, step in steps:
+        lines += ["", f"{model}, {step.label}:", "", f"| class | kernels per step | MB per step | {at} |",
+                  "|---|---:|---:|---:|"]
+        for op_class in device_profile.CLASSES:
+            kernels = step.of_class(op_class)
+            moved = sum(k.nbytes * k.runs for k in kernels)
+            # The attention kernels' operands are the whole pool, of which they read the rows' pages.
+            mb, ms = f"{moved / 1e6:,.1f}", f"{moved / bandwidth * 1e3:.2f}"
+            if op_class == "attention":
+                mb = ms = "n/a"
+            lines.append(f"| {op_class} | {sum(k.runs for k in kernels):,} | {mb} | {ms} |")
+        lines += ["", f"| copy-class kernel | what | output | per step | MB each | {at} |",
+                  "|---|---|---|---:|---:|---:|"]
+        for k, runs in _grouped(step.of_class("copy")):
+            lines.append(f"| {k.name} | {k.ops} | {k.type} | {runs} | {k.nbytes / 1e6:,.1f} | "
+                         f"{k.nbytes * runs / bandwidth * 1e3:.3f} |")
+        lines += ["", f"Copies of the pool: {'; '.join(step.pool_copies) or 'none'}."]
+    return "\n".join(lines[1:])
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
@@ -590,6 +823,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="decode steps per call of the multi-step call whose host syncs are audited")
     parser.add_argument("--sampler-branches", default="auto", choices=SAMPLER_BRANCHES,
                         help="who decides the sampler's branches in the audited decode call (as the engine's flag)")
+    parser.add_argument("--mixed-tokens", type=int, nargs="+", metavar="N",
+                        help="audit the mixed steps of these token buckets (prefill pieces and decode rows) instead: "
+                             "each kernel that copies, transposes, gathers or scatters, with its bytes")
+    parser.add_argument("--max-num-seqs", type=int, default=1024,
+                        help="the server's sequences, for the mixed steps (the H200's sustained run's)")
+    parser.add_argument("--bandwidth", type=float, default=4.0, help="TB/s the mixed steps' bytes are timed at")
     parser.add_argument("--target", choices=sorted(TARGETS),
                         help="compile for this device, without it (XLA:GPU: jax's CUDA plugin; module docstring)")
     parser.add_argument("--out", type=Path, help="also write the report (markdown) to this file")
@@ -599,6 +838,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     device = target_device(args.target) if args.target else None
+    command = f"$ python -m sluice.bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}"
+    where = (f"an abstract {device.device_kind} (XLA:GPU compiled without a device)" if device is not None
+             else f"{jax.devices()[0].device_kind} ({jax.default_backend()})")
+    if args.mixed_tokens:
+        steps = [(model, audit_mixed_step(MODELS[model], dtype, tokens, args.max_num_seqs, args.context,
+                                          args.layer_loop, device))
+                 for model in args.models for dtype in args.dtypes for tokens in args.mixed_tokens]
+        return report(f"Mixed steps on {where}, jax {jax.__version__}, for a server of {args.max_num_seqs} "
+                      f"sequences of {args.context} tokens.\n\n{mixed_table(steps, args.bandwidth * 1e12)}\n\n"
+                      f"{command}", args.out)
     audits = [(model, audit_decode_step(MODELS[model], dtype, args.rows, args.context, args.quantization,
                                         args.layer_loop, device))
               for model in args.models for dtype in args.dtypes]
@@ -609,19 +858,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     smallest = min(args.models, key=lambda name: MODELS[name].num_layers * MODELS[name].hidden_size)
     call = audit_decode_call(MODELS[smallest], args.dtypes[0], args.decode_steps, args.rows, args.context,
                              args.layer_loop, args.sampler_branches, device)
-    where = (f"an abstract {device.device_kind} (XLA:GPU compiled without a device)" if device is not None
-             else f"{jax.devices()[0].device_kind} ({jax.default_backend()})")
     branches = resolve_sampler_branches(for_device(args.sampler_branches, "host", device))
     text = (f"Decode-step bytes on {where}, jax {jax.__version__}; {loops}.\n\n{table(audits)}\n\n"
             f"Host syncs in the decode call of {args.decode_steps} steps ({smallest}, {args.dtypes[0]}, "
             f"{args.rows} greedy rows, the sampler's branches decided by the "
             f"{branches}): {len(call.syncs)} in its program"
             + "".join(f"\n- {f}" for f in call.syncs)
-            + f"\n\nA copy of the pool in that call: {'; '.join(call.pool_copy) or 'none'}.\n\n"
-            f"$ python -m sluice.bench.step_audit {' '.join(sys.argv[1:] if argv is None else argv)}")
+            + f"\n\nA copy of the pool in that call: {'; '.join(call.pool_copy) or 'none'}.\n\n{command}")
+    return report(text, args.out)
+
+
+def report(text: str, out: Path | None) -> int:
+    """Prints the report, and writes it to `out` if given."""
     print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    if out is not None:
+        out.write_text(text + "\n")
     return 0
 
 

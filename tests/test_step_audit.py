@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sluice.bench.step_audit import StoredArray, StepAudit, audit, audit_decode_call, audit_decode_step, host_syncs, \
-    launches, parse_hlo, pool_copy, target_device
+from sluice.bench.step_audit import StoredArray, StepAudit, audit, audit_decode_call, audit_decode_step, \
+    audit_mixed_step, host_syncs, launches, parse_hlo, pool_copy, step_kernels, target_device
+from sluice.bench.engine_check import MODELS
 from sluice.model.config import ModelConfig
 from sluice.pallas_kernels import cpu_qmatmul
 
@@ -223,6 +224,20 @@ def test_a_pool_update_is_a_copy_unless_done_in_place(donated):
     assert bool(result.copies) != donated, result.copies
 
 
+def test_a_kernels_bytes_count_an_in_place_updates_rows_and_a_gathers_rows_not_the_whole_buffer():
+    def update_then_gather(pool, rows, x):
+        pool = pool.at[rows].set(x)
+        return pool, pool[rows + 1] * 2.0
+
+    args = (S((72, K), jnp.float32), S((ROWS,), jnp.int32), S((ROWS, K), jnp.float32))
+    kernels = step_kernels(parse_hlo(jax.jit(update_then_gather, donate_argnums=0).lower(*args).compile().as_text()))
+    row_bytes, index_bytes = ROWS * K * 4, ROWS * 4
+    scatter = [k for k in kernels if k.op_class == "copy" and k.type == f"f32[72, {K}]"]
+    assert [k.nbytes for k in scatter] == [2 * row_bytes + index_bytes], kernels  # rows read and written, indices
+    gather = [k for k in kernels if k.type == f"f32[{ROWS}, {K}]"]
+    assert len(gather) == 1 and gather[0].nbytes <= 2 * row_bytes + 2 * index_bytes, kernels
+
+
 # --- XLA:GPU's step, compiled without a GPU ------------------------------------------------------------------
 
 # As CONFIG, with heads of 64 (the Mosaic kernel's least) and a wider hidden size.
@@ -263,3 +278,40 @@ def test_the_gpus_int8_decode_step_reads_its_int8_weights_in_place():
     assert "int8" in step.label
     assert step.clean, step.findings()
     assert {"wqkv[layer]", "wo[layer]", "w_gate_up[layer]", "w_down[layer]"} <= set(step.projections), step.projections
+
+
+# A mixed step as the H200's sustained run had them: 1,024 tokens for a server of 1,024 sequences (so 1,024 attention
+# rows of up to 16 queries), on two of Llama-3-8B's layers (a smaller model's matmuls are split over K, and XLA fuses
+# their partial sums into the kernels that read them). Each attention row's queries go to the Mosaic kernel as a
+# padded tile of 64 rows per KV head (16 tokens x a GQA group of 4), 16 times the step's q.
+MIXED_CONFIG = dataclasses.replace(MODELS["llama-3-8b"], num_layers=2, vocab_size=1008)
+MIXED_TOKENS = 1024
+
+
+@functools.cache
+def mixed_step():
+    return audit_mixed_step(MIXED_CONFIG, "bfloat16", MIXED_TOKENS, rows=MIXED_TOKENS, context=K, device=h100())
+
+
+def test_the_gpus_mixed_step_writes_each_tokens_k_and_v_into_the_pool_in_place():
+    step = mixed_step()
+    c = MIXED_CONFIG
+    assert f"{MIXED_TOKENS} attention rows of up to 16 queries" in step.label and step.pool_copies == ()
+    writes = [k for k in step.of_class("copy")
+              if "scatter" in k.ops and k.type.endswith(f", {c.num_kv_heads}, 16, {c.head_dim}]")]
+    assert sum(k.runs for k in writes) == 2 * c.num_layers, writes
+    kv_bytes = MIXED_TOKENS * c.num_kv_heads * c.head_dim * 2
+    # Each reads its rows (and positions, slots, rotary angles) and writes them: not the pool.
+    assert all(2 * kv_bytes <= k.nbytes < 3 * kv_bytes for k in writes), writes
+
+
+@pytest.mark.xfail(strict=True, reason="pallas_kernels/mosaic_attention.py (ragged_paged_attention_mosaic's last "
+                                       "line) scatters every padded query tile of the kernel's output into a zeroed "
+                                       "[T, Hq, D]: it reads the tiles whole (16 rows for a decode row's one) where a "
+                                       "gather of each token's rows reads only those; on Llama-3-8B at 4,096 tokens "
+                                       "that is 201 MB per layer instead of 67; remove this mark when it passes")
+def test_the_gpus_mixed_step_moves_its_padded_query_tiles_once_per_layer():
+    c = MIXED_CONFIG
+    tile_bytes = MIXED_TOKENS * c.num_kv_heads * 64 * c.head_dim * 2
+    moving_tiles = [k for k in mixed_step().of_class("copy") if k.nbytes >= tile_bytes]
+    assert sum(k.runs for k in moving_tiles) == c.num_layers, moving_tiles  # their build
