@@ -1,11 +1,11 @@
 """What the `sluice` commands' flags accept: argparse types that refuse a bad value in one line, and the parser
-that prints only that line."""
+that prints only that line; and what a flag must set in the environment before jax starts."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -55,6 +55,11 @@ def above(low: float, kind: type) -> Callable[[str], float]:
     return number(kind, lambda value: value > low, f"greater than {low}")
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a share of something, greater than 0 and at most 1."""
+    return number(float, lambda value: 0 < value <= 1, "greater than 0 and at most 1")(text)
+
+
 def number(kind: type, fits: Callable[[float], bool], bound: str) -> Callable[[str], float]:
     """An argparse type: `kind` of the text, refused unless finite and `fits` (which `bound` says in words)."""
 
@@ -68,3 +73,23 @@ def number(kind: type, fits: Callable[[float], bool], bound: str) -> Callable[[s
         return value
 
     return parse
+
+
+# Where jax's GPU backend reads, when it starts, the share of each GPU its allocator may hold: the first is the
+# current name, the second the deprecated one it still reads; jax refuses to start with both set.
+MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def claim_gpu_memory(utilization: float | None, environ: MutableMapping[str, str]) -> str | None:
+    """vLLM's --gpu-memory-utilization as jax takes it: `utilization` of each GPU's memory is what its allocator
+    may hold, weights, activations and KV pool together, set in `environ` for jax's GPU backend to read when it
+    starts (it has no effect once started, nor on a CPU). A share the environment gives already wins; the line
+    saying so is returned (None: nothing to say)."""
+    if utilization is None:
+        return None
+    given = next((name for name in MEMORY_FRACTION_VARIABLES if environ.get(name)), None)
+    if given is not None:
+        return (f"--gpu-memory-utilization {utilization:g} is ignored: {given}={environ[given]} gives jax's share of "
+                f"each GPU")
+    environ[MEMORY_FRACTION_VARIABLES[0]] = str(utilization)
+    return None

@@ -60,6 +60,10 @@ class EngineConfig:
     filled in by `with_device_defaults` where the device is known.
     `kv_cache_memory` is the KV pool in bytes; None means a default (a fraction of free device memory on
     accelerators, a fixed budget on the CPU).
+    `gpu_memory_utilization`: vLLM's share of each GPU's memory the server may use in all (weights, activations,
+    KV pool), in (0, 1]. jax's allocator takes it when its backend starts (the CLI sets XLA_CLIENT_MEM_FRACTION),
+    and the default pool is sized under that allocator's limit; the engine only says it is ignored on a CPU,
+    whose pool is a fixed budget, as vLLM's CPU backend ignores it. None: jax's default share.
     `num_decode_steps` > 1: when every running sequence is decoding and none waits, run that many decode steps
     in one device call (sampled tokens fed back on the device). 8 by measurement (`bench/decode_steps.py`,
     RESULTS.md): it saves a call's fixed cost per token; a request that arrives mid-call waits at most one call.
@@ -98,6 +102,7 @@ class EngineConfig:
     spec_ngram_max: int = 4
     spec_max_batch_size: int = 4
     kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"
     page_size: int | None = None
     enable_prefix_caching: bool = True
@@ -128,6 +133,8 @@ class EngineConfig:
              "page_size", "must be a power of two (the GPU kernels tile pages by powers of two)"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be positive"),
+            (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+             "must be greater than 0 and at most 1"),
             (self.tp >= 1, "tp", "must be at least 1"),
             (self.step_timeout_s is None or self.step_timeout_s > 0, "step_timeout_s", "must be positive"),
             (self.prefix_cache_dir is None or self.enable_prefix_caching, "prefix_cache_dir",

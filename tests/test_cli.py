@@ -234,6 +234,9 @@ def test_serve_writes_an_ipv6_host_in_brackets_in_its_url(monkeypatch, capsys, n
     ("--num-processes", "0", "must be a number of at least 1, got 0"),
     ("--process-id", "1.5", "not a whole number: '1.5'"),
     ("--max-body-bytes", "0", "must be at least 1 byte, got '0'"),
+    ("--gpu-memory-utilization", "0", "must be a number greater than 0 and at most 1, got 0"),
+    ("--gpu-memory-utilization", "95", "must be a number greater than 0 and at most 1, got 95"),
+    ("--gpu-memory-utilization", "high", "not a number: 'high'"),
     ("--speculative-config", '{"method": "eagle"}', "only the method \"ngram\" is served, got 'eagle'"),
     ("--speculative-config", '{"method": "ngram", "draft": 1}', "unknown keys 'draft' (known: method, "
                                                                "num_speculative_tokens, prompt_lookup_max, "
@@ -243,7 +246,8 @@ def test_serve_writes_an_ipv6_host_in_brackets_in_its_url(monkeypatch, capsys, n
 ])
 def test_serve_refuses_a_number_out_of_its_range_in_one_line(capsys, flag, value, words):
     """A negative drain or step timeout, a keep-alive of 0 (a stream of comments), a body limit of 0 (every request
-    413), a process count of 0 (served as one): refused by the flag, not served with."""
+    413), a process count of 0 (served as one), a share of the GPU of 95 (a percentage): refused by the flag, not
+    served with."""
     from sluice.app.cli import main
 
     with pytest.raises(SystemExit) as exited:
