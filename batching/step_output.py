@@ -71,17 +71,10 @@ class StepOutput:
         chunk, row, out = self._chunks[i], self._rows[i], self._out
         if not chunk.sample:
             return None
+        if isinstance(out, VerifiedSteps):
+            return self._verified(i, row, out)
         if self.nonfinite[row]:
             return _NONFINITE
-        if isinstance(out, VerifiedSteps):
-            positions, verifications = [], []
-            for step in range(out.num_emitted.shape[0]):
-                kept = int(out.num_emitted[step, i])
-                positions += [(step, r) for r in range(row, row + kept)]
-                if checked := int(out.num_verified[step, i]):
-                    accepted = int(np.cumprod(out.sampled.accepted[step, row:row + checked]).sum())
-                    verifications.append((checked, accepted))
-            return SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications)
         if chunk.num_drafts:
             accepted = int(np.cumprod(out.accepted[0, row:row + chunk.num_drafts]).sum())
             # The accepted drafts, then one sampled, up to a row that sampled nothing (its masks left it no token):
@@ -93,6 +86,22 @@ class StepOutput:
         tokens = self._by_row[row] if self._limits is None else self._by_row[row][:self._limits[i]]
         positions = [(s, row) for s in range(len(tokens))] if chunk.seq.params.wants_logprobs else []
         return SequenceOutput(tokens, positions, [])
+
+    def _verified(self, i: int, row: int, out: VerifiedSteps) -> SequenceOutput:
+        """Chunk i's share of a speculative multi-step call: its 1 + k rows from `row` at every step. A kept row not
+        finite, any of them and not only the first, voids the call's tokens, as in a multi-step decode: the steps
+        after it ran on its token (`verify_steps` zeroes the rows it does not keep)."""
+        width = out.sampled.tokens.shape[1] // out.num_emitted.shape[1]
+        if self.nonfinite[row:row + width].any():
+            return _NONFINITE
+        positions, verifications = [], []
+        for step in range(out.num_emitted.shape[0]):
+            kept = int(out.num_emitted[step, i])
+            positions += [(step, r) for r in range(row, row + kept)]
+            if checked := int(out.num_verified[step, i]):
+                accepted = int(np.cumprod(out.sampled.accepted[step, row:row + checked]).sum())
+                verifications.append((checked, accepted))
+        return SequenceOutput([int(out.sampled.tokens[p]) for p in positions], positions, verifications)
 
 
 class PendingStep:
