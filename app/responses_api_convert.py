@@ -100,9 +100,10 @@ def _check_calls_answered(items: Items) -> None:
 
 def chat_messages(items: Items) -> list[dict[str, Any]]:
     """Chat messages (dicts) of the items: a function call joins the assistant turn before it (its text, or the
-    calls made alongside it), and its output is a `tool` message. Reasoning items are the reasoning of the
-    assistant turn their next item is part of (as the reply that wrote them had it); followed by no such item (a
-    reply that was all reasoning, cut by max_output_tokens, say), an assistant message of their own, as vLLM
+    calls made alongside it), and so does an assistant's text right after calls (a chat turn holds one text and its
+    calls, and vLLM joins them so too); a call's output is a `tool` message. Reasoning items are the reasoning of
+    the assistant turn their next item is part of (as the reply that wrote them had it); followed by no such item
+    (a reply that was all reasoning, cut by max_output_tokens, say), an assistant message of their own, as vLLM
     makes them."""
     messages: list[dict[str, Any]] = []
     reasoning: list[str] = []
@@ -115,7 +116,9 @@ def chat_messages(items: Items) -> list[dict[str, Any]]:
                               or isinstance(item, MessageItem) and item.role == "assistant"):
             messages.append(_reasoning_turn(reasoning))
             reasoning = []
-        if isinstance(item, MessageItem):
+        if isinstance(item, MessageItem) and item.role == "assistant" and _is_calls_turn(messages):
+            messages[-1]["content"] = item.text()
+        elif isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
@@ -131,6 +134,11 @@ def chat_messages(items: Items) -> list[dict[str, Any]]:
             messages[-1]["reasoning_content"] = "\n".join(earlier + reasoning)
         reasoning = []
     return [*messages, _reasoning_turn(reasoning)] if reasoning else messages
+
+
+def _is_calls_turn(messages: list[dict[str, Any]]) -> bool:
+    """Whether the last message is an assistant turn of calls without text."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and "content" not in messages[-1]
 
 
 def _reasoning_turn(reasoning: list[str]) -> dict[str, Any]:

@@ -301,6 +301,19 @@ def test_a_reasoning_item_stays_in_the_conversation_and_a_template_that_does_not
     assert items[1].id == "rs_1" and items[1].summary[0].text == "Check the weather."
 
 
+def test_text_written_after_a_call_is_the_calls_assistant_turn_as_vllm_joins_them(server, client):
+    """A reply whose output is a call and then text (its items in the order the model wrote them) was one turn:
+    as two, the template showed a turn that ended on its call, then another with no call before the call's output."""
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]}
+    reply = client.responses.create(input=[*CALL[:2], said, CALL[2]], tools=[WEATHER],
+                                    **{**GREEDY, "max_output_tokens": 1})
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [CALL[0], {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
+    tools = [{"type": "function", "function": {key: value for key, value in WEATHER.items() if key != "type"}}]
+    assert reply.usage.input_tokens == post(server, "/tokenize", {"messages": messages, "tools": tools}).json()["count"]
+
+
 def test_an_assistant_messages_refusal_is_its_text(client):
     def reply_after(part: dict):
         return client.responses.create(input=[{"role": "user", "content": "Tell me a secret."},
