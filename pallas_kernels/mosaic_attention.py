@@ -378,6 +378,11 @@ def ragged_paged_attention_mosaic(
         q_tiles, k_pages, v_pages, kv_lens, q_lens, _pad_page_table(page_table, page_size, DEFAULT_TILING.block_kv),
         sm_scale=sm_scale, block_q=block_q, group_rows=group_rows, num_splits=1, out_rows=ROWS,
     )  # [S, Hkv, tiles, ROWS, D]
-    out = out.reshape(num_seqs, num_kv_heads, num_q_tiles, block_q, group_rows, head_dim)[..., :group, :]
-    out = out.transpose(0, 2, 3, 1, 4, 5).reshape(-1, num_q_heads, head_dim)
-    return jnp.zeros_like(q).at[rows.reshape(-1)].set(out, mode="drop")
+    out = out.reshape(num_seqs, num_kv_heads, num_q_tiles, block_q, group_rows, head_dim)
+    # Each token's rows gathered from its tile: only the real rows are read, not every tile's padding.
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:].astype(jnp.int32), token, side="right",
+                           method="compare_all")  # num_seqs: past the last
+    local = token - q_starts[jnp.minimum(seq, num_seqs - 1)]
+    taken = out.at[seq, :, local // block_q, local % block_q, :group].get(mode="fill", fill_value=0)
+    return taken.reshape(num_tokens, num_q_heads, head_dim)

@@ -538,3 +538,20 @@ def test_mosaic_backend_has_no_interpret_mode():
     batch = make_batch(Shapes(16, 64, 1, 1, 1, jnp.bfloat16), [1], [3], seed=1)
     with pytest.raises(ValueError, match="no interpret mode"):
         paged_decode_attention(*batch.device_args(), sm_scale=0.125, backend="pallas-mosaic", interpret=True)
+
+
+def test_mosaic_ragged_wrapper_gives_each_token_its_own_tiles_rows(monkeypatch):
+    """The layout around the Mosaic kernel, on a CPU: with the kernel replaced by the identity (its output is its
+    query tiles), the wrapper must hand each real token its own q back, head by head, and zeros past the last
+    sequence's tokens, whatever the sequences' lengths (empty ones, several tiles, a partial tile)."""
+    monkeypatch.setattr(mosaic_attention, "_attend_tiles", lambda q_tiles, *args, **kwargs: (q_tiles,))
+    q_lens = [3, 0, 37, 1, 16]
+    num_tokens = sum(q_lens) + 5  # a padded bucket
+    q = jax.random.normal(jax.random.key(3), (num_tokens, 8, 64), jnp.bfloat16)
+    cu_q_lens = jnp.array(np.cumsum([0, *q_lens]), jnp.int32)
+    pages = jnp.zeros((4, 2, 16, 64), jnp.bfloat16)
+    out = mosaic_attention.ragged_paged_attention_mosaic(
+        q, pages, pages, jnp.array(q_lens, jnp.int32) + 4, jnp.zeros((len(q_lens), 4), jnp.int32), cu_q_lens,
+        max_q_len=40, sm_scale=0.125)
+    np.testing.assert_array_equal(np.asarray(out[:sum(q_lens)]), np.asarray(q[:sum(q_lens)]))
+    assert not np.asarray(out[sum(q_lens):]).any()

@@ -305,11 +305,6 @@ def test_the_gpus_mixed_step_writes_each_tokens_k_and_v_into_the_pool_in_place()
     assert all(2 * kv_bytes <= k.nbytes < 3 * kv_bytes for k in writes), writes
 
 
-@pytest.mark.xfail(strict=True, reason="pallas_kernels/mosaic_attention.py (ragged_paged_attention_mosaic's last "
-                                       "line) scatters every padded query tile of the kernel's output into a zeroed "
-                                       "[T, Hq, D]: it reads the tiles whole (16 rows for a decode row's one) where a "
-                                       "gather of each token's rows reads only those; on Llama-3-8B at 4,096 tokens "
-                                       "that is 201 MB per layer instead of 67; remove this mark when it passes")
 def test_the_gpus_mixed_step_moves_its_padded_query_tiles_once_per_layer():
     c = MIXED_CONFIG
     tile_bytes = MIXED_TOKENS * c.num_kv_heads * 64 * c.head_dim * 2
