@@ -8,8 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from sluice.app.arguments import CHAT_TEMPLATE_HELP, CommandError, OneLineErrors, at_least, chat_template, \
-    claim_gpu_memory, fraction, number
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, CommandError, OneLineErrors, at_least, chat_template, number
 from sluice.model.fetch import InvalidModel, ModelNotFound
 
 if TYPE_CHECKING:
@@ -111,11 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_arguments(serve_parser)
-    serve._option(serve_parser, "--gpu-memory-utilization", None,
-                  "share of each GPU's memory the server may use in all (weights, activations, KV pool), as vLLM's: "
-                  "jax's allocator gets it (XLA_CLIENT_MEM_FRACTION wins if set) and the KV pool is sized under it; "
-                  "ignored on a CPU (default: jax's share, 0.75)", type=fraction)
-    serve_parser.set_defaults(run=_serve)
+    serve_parser.set_defaults(run=serve.run)
 
     chat = commands.add_parser("chat", help="talk with a running server in the terminal (vLLM's `vllm chat`)")
     chat_cli.add_arguments(chat)
@@ -128,16 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     bench.set_defaults(run=_bench)
     return parser
-
-
-def _serve(args: argparse.Namespace) -> int:
-    """`sluice serve`, with jax's GPU allocator given --gpu-memory-utilization first: it reads its share once, when
-    its backend starts, which serving does (nothing before it has)."""
-    from sluice.app import serve
-
-    if (ignored := claim_gpu_memory(args.gpu_memory_utilization, os.environ)) is not None:
-        print(f"sluice serve: {ignored}", file=sys.stderr)
-    return serve.run(args)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -32,7 +32,8 @@ from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
 from sluice.app.addresses import http_url
-from sluice.app.arguments import CHAT_TEMPLATE_HELP, OneLineErrors, above, at_least, chat_template
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, OneLineErrors, above, at_least, chat_template, \
+    claim_gpu_memory, fraction
 from sluice.app.engine_loading import load_engine
 from sluice.app.middleware import OPEN_PATHS
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
@@ -287,6 +288,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "\"prompt_lookup_max\": N, \"prompt_lookup_min\": M}")
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
+    _option(parser, "--gpu-memory-utilization", None,
+            "share of each GPU's memory the server may use in all (weights, activations, KV pool), as vLLM's: "
+            "jax's allocator gets it (XLA_CLIENT_MEM_FRACTION wins if set) and the KV pool is sized under it; "
+            "ignored on a CPU (default: jax's share, 0.75)", type=fraction)
     _option(parser, "--kv-cache-dtype", _ENGINE_DEFAULTS.kv_cache_dtype,
             "K/V storage: auto (the activation dtype) or int8 (a float32 scale per token and head)",
             choices=list(KV_CACHE_DTYPES))
@@ -409,6 +414,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # jax's GPU allocator reads its share once, when its backend starts: nothing before this line has started it.
+    if (ignored := claim_gpu_memory(args.gpu_memory_utilization, os.environ)) is not None:
+        print(f"sluice serve: {ignored}", file=sys.stderr)
     if args.model_tag is not None:
         if args.model not in (None, os.environ.get(env_name("--model")), args.model_tag):
             return _refuse(f"the model is given twice, {args.model_tag!r} and --model {args.model!r}: give one")
@@ -447,6 +455,7 @@ def run(args: argparse.Namespace) -> int:
             spec_ngram_max=args.spec_ngram_max,
             spec_max_batch_size=args.spec_max_batch_size,
             kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype,
             page_size=args.page_size,
             enable_prefix_caching=not args.disable_prefix_caching,

@@ -19,19 +19,21 @@ from sluice.batching.engine import CPU_KV_CACHE_BYTES, accelerator_kv_bytes, kv_
 from sluice.model.config import ModelConfig
 
 GB = 10**9
-# `sluice serve ARGS` up to where serving would start: what it has set for jax by then, and whether jax has started.
+# `sluice serve ARGS` up to its engine's settings: what it has set for jax by then, whether jax has started, and the
+# share the engine is given.
 SERVE_UNTIL_RUN = """
 import json, os, sys
 from jax._src import xla_bridge
 from sluice.app import cli, serve
 
-def run(args):
+def engine_config(**settings):
     print(json.dumps({name: os.environ.get(name) for name in ("XLA_CLIENT_MEM_FRACTION",
                                                               "XLA_PYTHON_CLIENT_MEM_FRACTION")}
-                     | {"jax started": xla_bridge.backends_are_initialized()}))
-    return 0
+                     | {"jax started": xla_bridge.backends_are_initialized(),
+                        "engine's share": settings["gpu_memory_utilization"]}))
+    sys.exit(0)
 
-serve.run = run
+serve.EngineConfig = engine_config
 sys.exit(cli.main(["serve", *sys.argv[1:]]))
 """
 
@@ -47,7 +49,8 @@ def serve_until_run(*args: str, env: dict[str, str]) -> tuple[dict, list[str]]:
 
 def test_the_flag_is_jax_allocators_share_set_before_jax_starts():
     seen, errors = serve_until_run("--gpu-memory-utilization", "0.95", env={})
-    assert seen == {"XLA_CLIENT_MEM_FRACTION": "0.95", "XLA_PYTHON_CLIENT_MEM_FRACTION": None, "jax started": False}
+    assert seen == {"XLA_CLIENT_MEM_FRACTION": "0.95", "XLA_PYTHON_CLIENT_MEM_FRACTION": None, "jax started": False,
+                    "engine's share": 0.95}
     assert errors == []
 
 
@@ -55,7 +58,8 @@ def test_a_share_the_user_gave_jax_wins_and_says_so_in_one_line():
     """Under the deprecated name too, which jax still reads, and refuses to start beside the current one."""
     seen, errors = serve_until_run("--gpu-memory-utilization", "0.95",
                                    env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
-    assert seen == {"XLA_CLIENT_MEM_FRACTION": None, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5", "jax started": False}
+    assert seen == {"XLA_CLIENT_MEM_FRACTION": None, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5", "jax started": False,
+                    "engine's share": 0.95}
     assert errors == ["sluice serve: --gpu-memory-utilization 0.95 is ignored: XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "
                       "gives jax's share of each GPU"]
 
