@@ -1,4 +1,5 @@
-"""The Responses API routes: `POST /v1/responses` (served by the chat path), and `GET` / `DELETE` of a stored one.
+"""The Responses API routes: `POST /v1/responses` (served by the chat path), `POST /v1/responses/input_tokens` (its
+prompt's length), and `GET` / `DELETE` of a stored one.
 
 Where a request goes: `parse_body` (`responses_api_schemas.py`) -> the earlier response's conversation, if it
 continues one, and the stored items its input references (`responses_api_store.py`, held by the server state)
@@ -34,6 +35,7 @@ from sluice.app.responses_api_schemas import (
     InputItem,
     InputItemList,
     InputItemsQuery,
+    InputTokenCount,
     ItemReference,
     MessageItem,
     RequestItem,
@@ -56,10 +58,7 @@ def response_not_found(response_id: str) -> APIError:
 async def create_response(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, ResponsesRequest)
-    items = earlier_items(state, body.previous_response_id) + referenced_items(state, body.input)
-    plan = await _plan(state, engine, body, items)
-    if body.truncation == "auto" and not _fits(engine, plan):
-        items, plan = await _fitting_conversation(state, engine, body, items, plan)
+    items, plan = await _conversation_plan(state, engine, body)
     response_id = new_id("resp", state.replica)
     response = ResponseObject(
         id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,
@@ -83,6 +82,25 @@ async def create_response(request: Request) -> Response:
     generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival,
                                         "input")
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+async def count_input_tokens(request: Request) -> Response:
+    """`POST /v1/responses/input_tokens`: the length of the prompt `/v1/responses` would give the model for the
+    same request (its conversation, instructions and tools; its oldest turns dropped as `truncation: "auto"`
+    would)."""
+    state, engine, body = await parse_body(request, ResponsesRequest)
+    _, plan = await _conversation_plan(state, engine, body)
+    return json_response(InputTokenCount(input_tokens=len(plan.prompt.token_ids)))
+
+
+async def _conversation_plan(state: ServerState, engine: Engine, body: ResponsesRequest) -> tuple[Items, ChatPlan]:
+    """The request's whole conversation (an earlier response's, then its input with references resolved) and the
+    plan of the chat request it becomes, after `truncation: "auto"` where it does not fit."""
+    items = earlier_items(state, body.previous_response_id) + referenced_items(state, body.input)
+    plan = await _plan(state, engine, body, items)
+    if body.truncation == "auto" and not _fits(engine, plan):
+        items, plan = await _fitting_conversation(state, engine, body, items, plan)
+    return items, plan
 
 
 async def _plan(state: ServerState, engine: Engine, body: ResponsesRequest, items: Items) -> ChatPlan:

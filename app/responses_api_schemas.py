@@ -413,3 +413,8 @@ class DeletedResponse(BaseModel):
     id: str
     object: Literal["response.deleted"] = "response.deleted"
     deleted: Literal[True] = True
+
+
+class InputTokenCount(BaseModel):
+    input_tokens: int
+    object: Literal["response.input_tokens"] = "response.input_tokens"

@@ -39,10 +39,12 @@ from sluice.app.errors import APIError, error_response, not_ready
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyReadMiddleware, InternalErrorMiddleware, \
     RequestCountMiddleware, RequestIdMiddleware
 from sluice.app.openapi import ANTHROPIC_ERROR_STATUSES, Operation, openapi_document
-from sluice.app.responses_api import create_response, delete_response, get_response, list_input_items
+from sluice.app.responses_api import count_input_tokens, create_response, delete_response, get_response, \
+    list_input_items
 from sluice.app.responses_api_schemas import (
     DeletedResponse,
     InputItemList,
+    InputTokenCount,
     ResponseObject,
     ResponsesRequest,
     ResponseStreamEvent,
@@ -131,6 +133,8 @@ ROUTES: list[tuple[Handler, Operation]] = [
                                      error=AnthropicErrorResponse, error_statuses=ANTHROPIC_ERROR_STATUSES)),
     (create_response, Operation("/v1/responses", "POST", "Create a response (OpenAI's Responses API)",
                                 ResponsesRequest, ResponseObject, stream_chunk=ResponseStreamEvent)),
+    (count_input_tokens, Operation("/v1/responses/input_tokens", "POST", "A response request's prompt length "
+                                   "(OpenAI's Responses API)", ResponsesRequest, InputTokenCount)),
     (get_response, Operation("/v1/responses/{response_id}", "GET", "A stored response", response=ResponseObject)),
     (delete_response, Operation("/v1/responses/{response_id}", "DELETE", "Deletes a stored response",
                                 response=DeletedResponse)),

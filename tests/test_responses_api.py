@@ -314,6 +314,19 @@ def test_text_written_after_a_call_is_the_calls_assistant_turn_as_vllm_joins_the
     assert reply.usage.input_tokens == post(server, "/tokenize", {"messages": messages, "tools": tools}).json()["count"]
 
 
+def test_input_tokens_counts_the_prompt_a_response_would_have(client):
+    """The openai client's `responses.input_tokens.count`: the same prompt a response to the request is given, an
+    earlier response's conversation included."""
+    reply = client.responses.create(input=CALL, tools=[WEATHER], instructions="Be brief.", **GREEDY)
+    counted = client.responses.input_tokens.count(model=MODEL, input=CALL, tools=[WEATHER], instructions="Be brief.")
+    assert counted.object == "response.input_tokens" and counted.input_tokens == reply.usage.input_tokens
+    follow_up = {"previous_response_id": reply.id, "input": "And in Rome?", "tools": [WEATHER]}
+    assert (client.responses.input_tokens.count(model=MODEL, **follow_up).input_tokens
+            == client.responses.create(**follow_up, **GREEDY).usage.input_tokens)
+    with pytest.raises(openai.BadRequestError, match="previous_response_not_found|not found"):
+        client.responses.input_tokens.count(model=MODEL, input="Hi", previous_response_id="resp_none")
+
+
 def test_an_assistant_messages_refusal_is_its_text(client):
     def reply_after(part: dict):
         return client.responses.create(input=[{"role": "user", "content": "Tell me a secret."},
