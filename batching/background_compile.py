@@ -52,6 +52,7 @@ class BackgroundCompiler:
         if self._thread is None:
             self._thread = threading.Thread(target=_work, args=(self._jobs, self._ready), name="sluice-compile",
                                             daemon=True)
+            _threads.add(self._thread)
             self._thread.start()
             weakref.finalize(self, _stop, self._jobs).atexit = False  # at exit, `_close_all` stops it
 
@@ -89,6 +90,7 @@ def _work(jobs: queue.Queue[_Job | None], ready: dict[Hashable, jax.stages.Compi
         job = jobs.get()
         try:
             if job is None:
+                _threads.discard(threading.current_thread())
                 return
             key, lower = job
             ready[key] = lower().compile()
@@ -106,9 +108,15 @@ def shapes_of(tree):
 
 
 _compilers: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()
+# Compile threads still running, a dropped compiler's too (stopped, it ends after the program it is on).
+_threads: set[threading.Thread] = set()
 
 
 @atexit.register
 def _close_all() -> None:
+    """Stops every compiler and waits for the programs compiling: a process that exits in the middle of a compile
+    is aborted by XLA."""
     for compiler in list(_compilers):
         compiler.close()
+    for thread in list(_threads):
+        thread.join()

@@ -79,6 +79,34 @@ def test_a_process_that_exits_while_a_program_compiles_exits_cleanly():
     assert "compiled at exit: 0" in done.stdout
 
 
+def test_a_process_waits_at_exit_for_the_compile_of_a_compiler_it_dropped():
+    """A dropped engine's compiler stops after the program it is on, but the process may exit first: XLA aborted
+    such a process (exit codes 134 and 139 seen). The compile here is a stand-in that says when it ends."""
+    script = textwrap.dedent("""
+        import gc, threading, time
+        from sluice.batching.background_compile import BackgroundCompiler
+
+        started = threading.Event()
+
+        class SlowLowered:
+            def compile(self):
+                started.set()
+                time.sleep(1.0)
+                print("compile ended", flush=True)
+                return "program"
+
+        compiler = BackgroundCompiler()
+        compiler.submit("slow", SlowLowered)
+        started.wait()
+        del compiler
+        gc.collect()
+        print("exiting", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["exiting", "compile", "ended"]
+
+
 def test_a_dropped_compiler_ends_its_thread():
     """A process that builds engine after engine (a test run, a fuzz) keeps no compile thread, nor its programs,
     per engine gone."""
