@@ -236,11 +236,12 @@ class ModelRunner:
         return Bucket(num_seqs, num_seqs, num_seqs, 1 + self.num_speculative_tokens, self.num_decode_steps)
 
     def _mixed_bucket(self, num_tokens: int, speculative: bool) -> Bucket:
-        # Each sequence adds at most one partial piece on top of num_tokens / PREFILL_PIECE full ones. A
-        # speculative step samples every draft position of its decoding sequences, not one row per sequence.
+        # The most prefill pieces: as many chunks as may run, each a piece's worth of tokens past whole pieces
+        # (a chunk of n tokens is ceil(n / PREFILL_PIECE) pieces). A speculative step samples every draft
+        # position of its decoding sequences, not one row per sequence.
         seqs = min(self.max_num_seqs, num_tokens)
         rows = min(num_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens)) if speculative else seqs
-        return Bucket(num_tokens, min(num_tokens, seqs + num_tokens // PREFILL_PIECE), rows, PREFILL_PIECE)
+        return Bucket(num_tokens, seqs + (num_tokens - seqs) // PREFILL_PIECE, rows, PREFILL_PIECE)
 
     def bucket_for(self, chunks: list[ScheduledChunk], num_steps: int = 1, verifies: bool = False,
                    scores: bool = False) -> Bucket:
