@@ -58,8 +58,9 @@ def valid_tp_values(config: ModelConfig) -> list[int]:
 def validate_tp(config: ModelConfig, tp: int) -> None:
     if tp not in valid_tp_values(config):
         raise InvalidTensorParallelism(
-            f"--tp {tp} does not divide this model's {config.num_kv_heads} KV heads ({config.num_heads} query heads); "
-            f"valid values: {', '.join(map(str, valid_tp_values(config)))}"
+            f"--tp {tp} must divide this model's {config.num_kv_heads} KV heads ({config.num_heads} query heads) "
+            f"and its MLP width of {config.intermediate_size}; valid values: "
+            f"{', '.join(map(str, valid_tp_values(config)))}"
         )
 
 

@@ -5,6 +5,8 @@ A separate process because the device count must be set before jax is imported. 
     python tests/tensor_parallel_worker.py tiny=1,2,4 tiny-int8=1,2  # the tiny model, and over an int8 KV cache
     python tests/tensor_parallel_worker.py tiny-unrolled=1,2         # its layers unrolled, one array each
     python tests/tensor_parallel_worker.py tiny-drafts=1,2           # drafts checked inside multi-step calls
+    python tests/tensor_parallel_worker.py tiny-fine-buckets=1,2     # steps of 512 to 1,000 tokens
+    python tests/tensor_parallel_worker.py qwen3=1,2                 # tests/data/tiny_qwen3, converted in SLUICE_HOME
     python tests/tensor_parallel_worker.py smollm2=1,3               # SmolLM2-135M-Instruct through Engine.create
     python tests/tensor_parallel_worker.py smollm2-int4=1,3          # SmolLM2's serving features over int4 weights
     python tests/tensor_parallel_worker.py smollm2-int8=1,3          # ... over int8 weights, an int8 KV pool and drafts
@@ -20,18 +22,24 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
-from dataclasses import replace  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
 from functools import cache  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from hf_folder import write_tokenizer_files  # noqa: E402
 from sluice.batching.config import EngineConfig  # noqa: E402
+from sluice.batching.device_step import Bucket  # noqa: E402
 from sluice.batching.engine import Engine  # noqa: E402
+from sluice.batching.model_runner import ModelRunner  # noqa: E402
 from sluice.batching.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
 from sluice.bench.step_audit import compile_decode_step, parse_hlo  # noqa: E402
 from sluice.model.config import ModelConfig  # noqa: E402
+from sluice.model.fetch import sluice_home  # noqa: E402
 from sluice.model.llama import Llama  # noqa: E402
 from sluice.model.loader import LoadedModel, load_model  # noqa: E402
 from sluice.model.tokenizer import Tokenizer  # noqa: E402
@@ -42,6 +50,14 @@ TINY = ModelConfig.tiny(num_heads=8, num_kv_heads=4, head_dim=16)
 ENGINE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=1 << 22,
                       num_decode_steps=1, warmup=False)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=True)
+# Four prompts of 450 tokens at a budget of 1,000 tokens a step: the first step takes 1,000 of them (its own bucket,
+# the last), the second the other 800 and two decodes (the quarter-octave bucket of 896).
+FINE_BUCKETS = replace(ENGINE, max_num_batched_tokens=1000, max_model_len=512)
+QWEN3_FOLDER = Path(__file__).with_name("data") / "tiny_qwen3"
+# The golden's prompts in one batch as test_qwen3 serves them (the 40-token one prefilled in chunks of 16, pages of 4
+# tokens), then decoded 4 steps a call.
+QWEN3_ENGINE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, page_size=4,
+                            kv_cache_memory=1 << 20, num_decode_steps=4, dtype="float32", warmup=False)
 # SmolLM2 as `sluice serve --tp N` serves it, but for a step budget of 48 tokens, which splits the longer prompts'
 # prefill over several steps, and pages small enough that the second round's shared prefixes hit the cache.
 FEATURES = EngineConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=512, kv_cache_memory=64 << 20,
@@ -66,7 +82,21 @@ def tiny_engine(loaded: LoadedModel, tp: int, config: EngineConfig) -> Engine:
     return Engine(loaded, config, progress=False, mesh=mesh)
 
 
+def record_buckets(runner: ModelRunner) -> list[dict]:
+    """The compiled shapes `runner` runs from now on (`Bucket`'s fields), in a list it appends to."""
+    ran, bucket_for = [], runner.bucket_for
+
+    def recording(*args, **kwargs) -> Bucket:
+        bucket = bucket_for(*args, **kwargs)
+        ran.append(asdict(bucket))
+        return bucket
+
+    runner.bucket_for = recording
+    return ran
+
+
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> dict:
+    buckets = record_buckets(engine.runner)
     outputs = engine.generate(prompts, params)
     return {
         "tokens": [list(o[0].token_ids) for o in outputs],
@@ -81,7 +111,27 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams 
         # The stack's shard, or with the layers unstacked the first layer's.
         "wqkv_shard_shape": list(jax.tree.leaves(engine.runner.state["wqkv"])[0].addressable_shards[0].data.shape),
         "accepted_drafts": engine.speculator.counters().num_accepted_tokens if engine.speculator else 0,
+        "buckets": buckets,
     }
+
+
+@cache
+def qwen3_folder() -> Path:
+    """tests/data/tiny_qwen3 with a tokenizer (the loader needs one; the golden prompts are token ids), in
+    SLUICE_HOME, where its conversion goes too."""
+    folder = sluice_home() / "tiny_qwen3"
+    shutil.copytree(QWEN3_FOLDER, folder, dirs_exist_ok=True)
+    config = json.loads((QWEN3_FOLDER / "config.json").read_text())
+    write_tokenizer_files(folder, config["vocab_size"])
+    return folder
+
+
+def run_qwen3(tp: int) -> dict:
+    """The golden's prompts through the engine as `sluice serve --tp N` builds it."""
+    engine = Engine.create(replace(QWEN3_ENGINE, model=str(qwen3_folder()), tp=tp), progress=False)
+    golden = json.loads((QWEN3_FOLDER / "golden.json").read_text())
+    return run_engine(engine, [case["prompt_ids"] for case in golden["cases"]],
+                      replace(GREEDY, max_tokens=golden["num_new_tokens"]))
 
 
 def chat(tokenizer, question: str, system: str | None = None) -> list[int]:
@@ -134,11 +184,21 @@ def smollm2_tokenizer() -> Tokenizer:
     return load_model().tokenizer
 
 
+def tiny_prompts(which: str) -> list[list[int]]:
+    """Six random prompts of 3 to 40 tokens, or for the fine buckets' run four of 450."""
+    rng = random.Random(0)
+    if which == "tiny-fine-buckets":
+        return [[rng.randrange(3, 256) for _ in range(450)] for _ in range(4)]
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+
+
 def run(which: str, tp: int) -> dict:
     """One run's results at one --tp."""
     if which in FEATURE_CONFIGS:
         engine = Engine.create(replace(FEATURE_CONFIGS[which], tp=tp), progress=False)
         result = run_features(engine)
+    elif which == "qwen3":
+        result = run_qwen3(tp)
     elif which == "smollm2":  # as `sluice serve --tp N --quantization none` builds it: float32, HF's answers
         engine = Engine.create(replace(ENGINE, tp=tp, dtype="float32"), progress=False)
         result = run_engine(engine, [chat(engine.tokenizer, q) for q in (
@@ -147,12 +207,12 @@ def run(which: str, tp: int) -> dict:
         config = {"tiny-int8": replace(ENGINE, kv_cache_dtype="int8"),
                   # Drafts proposed and checked inside 4-step calls (no cost seeds without warm-up: drafts look free).
                   "tiny-drafts": replace(ENGINE, speculative="ngram", num_decode_steps=4),
-                  "tiny-unrolled": replace(ENGINE, layer_loop="unrolled")}.get(which, ENGINE)
+                  "tiny-unrolled": replace(ENGINE, layer_loop="unrolled"),
+                  "tiny-fine-buckets": FINE_BUCKETS}.get(which, ENGINE)
         engine = tiny_engine(LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), smollm2_tokenizer(), "tiny"), tp, config)
-        rng = random.Random(0)
-        prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
         # The plain tiny model's prompts are scored too (`prompt_logprobs`): its LM head over every token.
-        result = run_engine(engine, prompts, replace(GREEDY, prompt_logprobs=2) if which == "tiny" else GREEDY)
+        result = run_engine(engine, tiny_prompts(which),
+                            replace(GREEDY, prompt_logprobs=2) if which == "tiny" else GREEDY)
     if which in AUDITED_GATHERS and tp > 1:
         result["decode_gathers"] = decode_gathers(engine, rows=4)
     return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,13 +19,16 @@ from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
 from sluice.sharding.rules import validate_tp
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
+QWEN3_GOLDEN = Path(__file__).parent / "data" / "tiny_qwen3" / "golden.json"
 
 
-def run_worker(runs: dict[str, tuple[int, ...]]) -> dict[str, dict[int, dict]]:
-    """Each run's results by --tp (`runs`: the --tp values of each), all made in one worker process."""
+def run_worker(runs: dict[str, tuple[int, ...]], home: Path | None = None) -> dict[str, dict[int, dict]]:
+    """Each run's results by --tp (`runs`: the --tp values of each), all made in one worker process, whose
+    SLUICE_HOME is `home` if given."""
     args = [f"{which}={','.join(map(str, tps))}" for which, tps in runs.items()]
+    env = {**os.environ, "SLUICE_HOME": str(home)} if home else None
     result = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True,
-                            timeout=900, cwd=WORKER.parents[1])
+                            timeout=900, cwd=WORKER.parents[1], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
     results = json.loads(line[len("RESULT "):])
@@ -34,7 +38,8 @@ def run_worker(runs: dict[str, tuple[int, ...]]) -> dict[str, dict[int, dict]]:
 @pytest.fixture(scope="module")
 def tiny_runs() -> dict[str, dict[int, dict]]:
     """The tiny model's runs, in one process (each start imports jax and loads SmolLM2's tokenizer again)."""
-    return run_worker({"tiny": (1, 2, 4), "tiny-int8": (1, 2), "tiny-drafts": (1, 2), "tiny-unrolled": (1, 2)})
+    return run_worker({"tiny": (1, 2, 4), "tiny-int8": (1, 2), "tiny-drafts": (1, 2), "tiny-unrolled": (1, 2),
+                       "tiny-fine-buckets": (1, 2)})
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +91,29 @@ def test_tiny_model_with_its_layers_unrolled_keeps_each_layers_weights_split_by_
     assert_same_generation(results, num_kv_heads=4)
     hidden, kv_heads, group = results[1]["wqkv_shard_shape"]
     assert kv_heads == 4 and results[2]["wqkv_shard_shape"] == [hidden, 2, group]
+
+
+def test_steps_of_512_to_1000_tokens_run_in_their_fine_buckets_and_give_the_same_tokens_at_tp_1_and_2(tiny_runs):
+    """Above 512 tokens a mixed step runs in quarter octaves (640, 768, 896), then the step budget itself."""
+    results = tiny_runs["tiny-fine-buckets"]
+    assert_same_generation(results, num_kv_heads=4)
+    for result in results.values():
+        assert {896, 1000} <= {bucket["num_tokens"] for bucket in result["buckets"]}
+
+
+def test_a_qwen3_at_tp_2_gives_hfs_greedy_tokens_through_chunked_prefill_paged_kv_and_multi_step_decode(
+        tmp_path_factory):
+    """tests/data/tiny_qwen3 as `sluice serve --tp 2` builds it: each device holds its KV heads' q/k/v and pages,
+    and normalizes its query and key heads by the replicated per-head q/k norms."""
+    results = run_worker({"qwen3": (1, 2)}, home=tmp_path_factory.mktemp("home"))["qwen3"]
+    assert_same_generation(results, num_kv_heads=2)
+    golden = json.loads(QWEN3_GOLDEN.read_text())["cases"]
+    for tp, result in results.items():
+        assert result["tokens"] == [case["greedy_ids"] for case in golden], f"tp={tp}"
+        for case, logprobs in zip(golden, result["logprobs"]):
+            np.testing.assert_allclose(logprobs, [top5[0][1] for top5 in case["top5"]], atol=1e-4)  # test_qwen3's
+        assert {bucket["num_steps"] for bucket in result["buckets"]} == {1, 4}, "single steps, then 4-step calls"
+        assert max(bucket["num_tokens"] for bucket in result["buckets"]) == 16, "prefill in chunks of 16"
 
 
 def test_smollm2_gives_the_same_tokens_at_tp_1_and_3_and_the_chat_answer_hf_gives(smollm2_runs):
@@ -166,3 +194,9 @@ def test_tp_that_does_not_divide_the_kv_heads_is_refused_naming_valid_values():
     # One device named: a worker that ran another module first may see more (how many jax makes is set once).
     with pytest.raises(InvalidTensorParallelism, match="only 1 cpu device"):
         make_mesh(2, jax.devices()[:1])
+
+
+def test_tp_that_divides_the_kv_heads_but_not_the_mlp_width_is_refused_naming_the_width():
+    config = ModelConfig.tiny(num_heads=8, num_kv_heads=4, intermediate_size=130)
+    with pytest.raises(InvalidTensorParallelism, match="MLP width of 130; valid values: 1, 2$"):
+        validate_tp(config, 4)
