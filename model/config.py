@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,17 @@ HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2": {"attention_bias": True, "use_sliding_window": False},
-    "qwen3": {"head_dim": 128, "rms_norm_eps": 1e-6, "use_sliding_window": False},
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "mistral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "num_key_value_heads": 8,
+                "sliding_window": 4096},
+    "qwen2": {"attention_bias": True, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+              "num_key_value_heads": 32, "use_sliding_window": False},
+    "qwen3": {"head_dim": 128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "num_key_value_heads": 32,
+              "use_sliding_window": False},
 }
-"""What transformers assumes of a key a model type's config.json leaves out, where it differs from Llama's (Qwen2's
-q/k/v biases have no key; the Qwens write a `sliding_window` they use only with `use_sliding_window`)."""
+"""What transformers assumes of a key a model type's config.json leaves out, where Sluice reads it and the default
+is not the plain one in `ModelConfig.from_hf` (Qwen2's q/k/v biases have no key; the Qwens write a `sliding_window`
+they use only with `use_sliding_window`; a null `num_key_value_heads` is `num_attention_heads`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +52,57 @@ def read_json_object(path: Path, *, missing_ok: bool) -> dict[str, Any]:
     return found
 
 
+# The RoPE scalings that change nothing at a factor of 1 (or none given); another kind but Llama 3's changes the
+# frequencies whatever its factor: LongRoPE's short factors divide them at every length.
+SCALED_BY_FACTOR = ("linear", "dynamic", "yarn")
+
+
 def _check_rope_scaling(kind: Any, factor: Any, where: str) -> None:
-    """ValueError for a RoPE scaling other than Llama 3's (linear, dynamic NTK, YaRN, LongRoPE) that changes
-    anything: served without it, the model would not be the one trained (beyond its original context, or at all)."""
-    if kind not in (None, "none", "default", "llama3") and factor != 1.0:
-        raise ValueError(f"{where} asks for RoPE scaling of type {kind!r} (factor {factor}), which Sluice does not "
-                         f"implement (only llama3's)")
+    """ValueError for a RoPE scaling other than Llama 3's that changes anything (linear, dynamic NTK or YaRN by a
+    factor other than 1; LongRoPE or a kind Sluice does not know, by any factor): served without it, the model
+    would not be the one trained (beyond its original context, or at all)."""
+    if kind in (None, "none", "default", "llama3") or (kind in SCALED_BY_FACTOR and factor in (None, 1.0)):
+        return
+    given = "" if factor is None else f" (factor {factor})"
+    raise ValueError(f"{where} asks for RoPE scaling of type {kind!r}{given}, which Sluice does not implement "
+                     f"(only llama3's)")
+
+
+def _gguf_rope_scaling(get: Callable[..., Any]) -> RopeScaling | None:
+    """The Llama 3 scaling GGUF metadata (`get(key without the architecture)`) gives; ValueError for another that
+    changes anything (`_check_rope_scaling`), read as llama.cpp reads it: linear where no type is named, by
+    `rope.scaling.factor` or the older `rope.scale_linear`."""
+    kind = get("rope.scaling.type", "llama3" if get("rope.scaling.low_freq_factor") is not None else "linear")
+    _check_rope_scaling(kind, get("rope.scaling.factor") or get("rope.scale_linear"), "the GGUF metadata")
+    if kind != "llama3":
+        return None
+    return RopeScaling(
+        factor=float(get("rope.scaling.factor", 8.0)),
+        low_freq_factor=float(get("rope.scaling.low_freq_factor", 1.0)),
+        high_freq_factor=float(get("rope.scaling.high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(get("rope.scaling.original_context_length", 8192)),
+    )
+
+
+def _hf_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """config.json's RoPE theta and Llama 3 scaling, from transformers 5's `rope_parameters` or 4's `rope_theta`
+    and `rope_scaling`; ValueError for a scaling that is no object, or that Sluice does not implement
+    (`_check_rope_scaling`)."""
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    raw = config.get(key) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config.json's {key} must be an object, got {raw!r:.80}")
+    kind = raw.get("rope_type", raw.get("type"))
+    _check_rope_scaling(kind, raw.get("factor"), "config.json")
+    theta = float(raw.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if kind != "llama3":
+        return theta, None
+    return theta, RopeScaling(
+        factor=float(raw["factor"]),
+        low_freq_factor=float(raw["low_freq_factor"]),
+        high_freq_factor=float(raw["high_freq_factor"]),
+        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+    )
 
 
 def _size(fields: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
@@ -67,7 +119,7 @@ def _hf_context(config: dict[str, Any]) -> int:
     """config.json's context length, capped at its `sliding_window` where that is shorter, with a warning: Sluice's
     attention is full causal, which is sliding-window attention only while a sequence fits the window (vLLM caps
     the length so where its attention has no sliding window). ValueError for a window not a positive integer."""
-    context = _size(config, "max_position_embeddings", "config.json", 4096)
+    context = _size(config, "max_position_embeddings", "config.json")
     if not config.get("use_sliding_window", True) or config.get("sliding_window") is None:
         return context
     window = _size(config, "sliding_window", "config.json")
@@ -150,21 +202,15 @@ class ModelConfig:
         def size(key: str, default: int | None = None) -> int:
             return _size(fields, f"{arch}.{key}", "the GGUF metadata", default)
 
+        if get("expert_count"):  # llama.cpp writes Mixtral as a llama with experts
+            raise ValueError(f"the GGUF metadata's {arch}.expert_count of {get('expert_count')} makes the model a "
+                             f"mixture of experts, which Sluice does not serve")
         hidden = size("embedding_length")
         num_heads = size("attention.head_count")
         head_dim = size("attention.key_length", hidden // num_heads)
         if rope_freq_factors is not None and len(rope_freq_factors) != head_dim // 2:
             raise ValueError(f"tensor rope_freqs.weight has shape ({len(rope_freq_factors)},), but the config implies "
                              f"({head_dim // 2},)")
-        _check_rope_scaling(get("rope.scaling.type"), get("rope.scaling.factor", 1.0), "the GGUF metadata")
-        scaling = None
-        if get("rope.scaling.type") == "llama3" or get("rope.scaling.low_freq_factor") is not None:
-            scaling = RopeScaling(
-                factor=float(get("rope.scaling.factor", 8.0)),
-                low_freq_factor=float(get("rope.scaling.low_freq_factor", 1.0)),
-                high_freq_factor=float(get("rope.scaling.high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(get("rope.scaling.original_context_length", 8192)),
-            )
         eos = fields.get("tokenizer.ggml.eos_token_id")
         return cls(
             vocab_size=size("vocab_size", len(fields.get("tokenizer.ggml.tokens") or []) or None),
@@ -175,7 +221,7 @@ class ModelConfig:
             num_kv_heads=size("attention.head_count_kv", num_heads),
             head_dim=head_dim,
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
+            rope_scaling=_gguf_rope_scaling(get),
             rope_freq_factors=rope_freq_factors,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings=tied_embeddings,
@@ -198,23 +244,14 @@ class ModelConfig:
         if model_type not in HF_MODEL_TYPES or any(a not in HF_ARCHITECTURES for a in architectures):
             raise ValueError(f"unsupported architecture {', '.join(architectures) or model_type} (Llama-family only: "
                              f"{', '.join(HF_ARCHITECTURES)})")
-        config = {**HF_DEFAULTS.get(model_type, {}), **config}
+        config = {**HF_DEFAULTS[model_type], **config}
 
         def size(key: str, default: int | None = None) -> int:
             return _size(config, key, "config.json", default)
 
         hidden = size("hidden_size")
         num_heads = size("num_attention_heads")
-        scaling = None
-        raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        _check_rope_scaling(raw.get("rope_type", raw.get("type")), raw.get("factor", 1.0), "config.json")
-        if raw.get("rope_type", raw.get("type")) == "llama3":
-            scaling = RopeScaling(
-                factor=float(raw["factor"]),
-                low_freq_factor=float(raw["low_freq_factor"]),
-                high_freq_factor=float(raw["high_freq_factor"]),
-                original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-            )
+        rope_theta, scaling = _hf_rope(config)
         eos = config.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         return cls(
@@ -225,9 +262,9 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=size("num_key_value_heads", num_heads),
             head_dim=size("head_dim", hidden // num_heads),
-            rope_theta=float(raw.get("rope_theta", config.get("rope_theta", 10000.0))),
+            rope_theta=rope_theta,
             rope_scaling=scaling,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=float(config["rms_norm_eps"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",

@@ -70,6 +70,10 @@ def convert(source: Path, folder: Path, quantization: str) -> None:
             config, fields, read_params = read_gguf(source)
             tokenizer = Tokenizer.from_gguf_fields(fields)
             defaults = generation_config.from_gguf_fields(fields)
+        # The tokenizer's special tokens are all the files name (a GGUF's end of turn, generation_config.json's
+        # EOS ids); the engine stops at the config's.
+        config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id,
+                                     eos_token_ids=tokenizer.eos_token_ids)
         _check_packs(source, config, quantization)
         params = read_params()
     except (ValueError, KeyError, TypeError, OSError) as error:  # what reading a malformed file raises
@@ -169,8 +173,14 @@ def load_model(
     params = checkpoint.restore_params(folder, target)
     state = nnx.State({name: nnx.Param(value) for name, value in params.items()})
     llama = nnx.merge(graphdef, state)
-    return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=source.stem, weights=folder.name,
+    return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=model_name(source), weights=folder.name,
                        generation_defaults=defaults)
+
+
+def model_name(source: Path) -> str:
+    """The name a model is served by: its folder's, or its file's less `.gguf` (a folder's name has no suffix:
+    Qwen2.5-0.5B-Instruct's is not ".5B-Instruct")."""
+    return source.name if source.is_dir() else source.stem
 
 
 if __name__ == "__main__":  # python -m sluice.model.loader SOURCE FOLDER QUANTIZATION: one conversion, single-process JAX

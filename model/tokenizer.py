@@ -36,6 +36,11 @@ QWEN2_SPLIT = (
 )
 
 
+# The pre-tokenizers (`tokenizer.ggml.pre`: Llama 3's, Mistral's Tekken) whose files llama.cpp adds a BOS to where
+# they do not say whether to (`tokenizer.ggml.add_bos_token`).
+ADDS_BOS_UNLESS_TOLD = ("llama3", "llama-v3", "llama-bpe", "tekken", "pixtral")
+
+
 def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"):
@@ -64,6 +69,10 @@ class Tokenizer:
     """Text <-> token ids, plus the model's own chat template rendered with jinja2."""
 
     def __init__(self, backend: HFTokenizer, special: SpecialTokens):
+        # A tokenizer.json keeps the truncation and padding it was last used with, which the library applies to
+        # every encode; transformers applies them only where a call asks (a prompt was cut to their length).
+        backend.no_truncation()
+        backend.no_padding()
         self._backend = backend
         self.special = special
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
@@ -221,21 +230,26 @@ class Tokenizer:
         backend.add_tokens(
             [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == GGUF_USER_DEFINED_TOKEN]
         )
-        eos = fields.get("tokenizer.ggml.eos_token_id")
-        eot = fields.get("tokenizer.ggml.eot_token_id")
+        bos, eos, eot = (_token_ids(fields.get(f"tokenizer.ggml.{key}"), f"the GGUF metadata's tokenizer.ggml.{key}",
+                                    len(tokens), many=False) for key in ("bos_token_id", "eos_token_id", "eot_token_id"))
         special = SpecialTokens(
-            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None)),
-            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            bos_token_id=bos[0] if bos else None,
+            eos_token_ids=tuple(dict.fromkeys((*eos, *eot))),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token",
+                                    fields.get("tokenizer.ggml.pre") in ADDS_BOS_UNLESS_TOLD)),
             chat_template=fields.get("tokenizer.chat_template"),
         )
         return cls(backend, special)
 
     @classmethod
     def from_hf_folder(cls, folder: Path, model_config: Mapping[str, Any]) -> Tokenizer:
-        """Reads `tokenizer.json` (+ `tokenizer_config.json` for the chat template and BOS policy; `model_config`,
-        the folder's config.json, for BOS and EOS ids); ValueError naming the file that is missing or does not
-        read."""
+        """Reads `tokenizer.json` (+ `tokenizer_config.json` for the chat template, BOS policy and the BOS and EOS
+        tokens; `model_config`, the folder's config.json, and its generation_config.json for more EOS ids and a BOS
+        id where tokenizer_config.json names none); ValueError naming the file that is missing or does not read,
+        or the key whose tokens are no ids of the tokenizer.
+
+        The EOS ids are all of these files' (vLLM stops at the tokenizer's and generation_config.json's), the
+        tokenizer's first: it is the chat template's `eos_token`, as transformers renders it."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{folder} has no tokenizer.json (Sluice reads an HF folder's tokenizer from it)")
@@ -244,19 +258,15 @@ class Tokenizer:
         except Exception as error:  # the library raises a bare Exception for a file it cannot parse
             raise ValueError(f"tokenizer.json does not read as a tokenizer: {error}") from None
         config = read_json_object(folder / "tokenizer_config.json", missing_ok=True)  # tokenizer.json alone will do
-
-        def token_id(token: Any) -> int | None:
-            if isinstance(token, dict):
-                token = token.get("content")
-            return None if token is None else backend.token_to_id(token)
-
-        bos = token_id(config.get("bos_token"))
-        if bos is None:
-            bos = model_config.get("bos_token_id")
-        eos = model_config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        if not eos_ids and token_id(config.get("eos_token")) is not None:
-            eos_ids = (token_id(config.get("eos_token")),)
+        generation = read_json_object(folder / "generation_config.json", missing_ok=True)
+        size = backend.get_vocab_size(with_added_tokens=True)
+        named_bos, named_eos = (_named_token_id(backend, config, key) for key in ("bos_token", "eos_token"))
+        bos_ids = named_bos or _token_ids(model_config.get("bos_token_id"), "config.json's bos_token_id", size,
+                                          many=False)
+        eos_ids = tuple(dict.fromkeys([
+            *named_eos, *_token_ids(model_config.get("eos_token_id"), "config.json's eos_token_id", size),
+            *_token_ids(generation.get("eos_token_id"), "generation_config.json's eos_token_id", size)]))
+        bos = bos_ids[0] if bos_ids else None
         # A tokenizer.json whose post-processor already adds BOS must not get a second one.
         adds_bos_itself = bos is not None and bos in backend.encode("a", add_special_tokens=True).ids
         special = SpecialTokens(
@@ -266,6 +276,29 @@ class Tokenizer:
             chat_template=_hf_chat_template(folder, config.get("chat_template")),
         )
         return cls(backend, special)
+
+
+def _named_token_id(backend: HFTokenizer, config: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    """The id of the token tokenizer_config.json's `key` names (its text, or an AddedToken's object), if the
+    vocabulary holds it: () otherwise; ValueError for a value of another kind."""
+    token = config.get(key)
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token is not None and not isinstance(token, str):
+        raise ValueError(f"tokenizer_config.json's {key} must be a token's text, got {config[key]!r:.80}")
+    found = None if token is None else backend.token_to_id(token)
+    return () if found is None else (found,)
+
+
+def _token_ids(value: Any, where: str, vocab_size: int, *, many: bool = True) -> tuple[int, ...]:
+    """A JSON file's token-id field (an id, a list of them where `many`, or null) as ids; ValueError naming it
+    (`where`) for another value, or an id not below the tokenizer's `vocab_size`."""
+    ids = value if many and isinstance(value, list) else [] if value is None else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"{where} must be a token id{' or a list of them' if many else ''}, got {value!r:.80}")
+    if outside := [i for i in ids if not 0 <= i < vocab_size]:
+        raise ValueError(f"{where} {outside[0]} is not an id of the tokenizer's {vocab_size} tokens")
+    return tuple(ids)
 
 
 def _hf_chat_template(folder: Path, configured: Any) -> str | None:

@@ -10,6 +10,7 @@ projection.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -158,14 +159,46 @@ def open_gguf(path: Path) -> Any:
         raise ValueError(f"not a whole GGUF file (cut short or corrupt): {type(error).__name__}: {error}") from None
 
 
+def _check_whole(path: Path, fields: Mapping[str, Any]) -> None:
+    """ValueError for one part of a model llama.cpp's gguf-split wrote in several files (its metadata in the first)."""
+    parts = fields.get("split.count", 1)
+    if parts > 1:
+        raise ValueError(f"{path.name} is part {fields.get('split.no', 0) + 1} of a GGUF split into {parts} files: "
+                         f"merge them into one (llama.cpp's llama-gguf-split --merge), which Sluice reads")
+
+
+@functools.cache
+def _dequantizes(tensor_type: Any) -> bool:
+    """Whether gguf dequantizes `tensor_type` (a GGMLQuantizationType); it tells only when asked, so one block of
+    zeros is asked."""
+    import gguf
+
+    try:
+        gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[tensor_type][1], np.uint8), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _check_types(tensors: Mapping[str, Any]) -> None:
+    """ValueError naming the first of the GGUF `tensors` (gguf's ReaderTensor by name) whose type Sluice cannot
+    dequantize (an integer type, float64)."""
+    if unread := [name for name, tensor in tensors.items() if not _dequantizes(tensor.tensor_type)]:
+        raise ValueError(f"tensor {unread[0]} is of type {tensors[unread[0]].tensor_type.name}, which Sluice does not "
+                         f"read")
+
+
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Callable[[], Params]]:
     """A Llama-family GGUF file's config, its metadata fields (for the tokenizer), and the function that reads its
-    float32 params; ValueError if its tensors do not make the config's model (`_plan`)."""
+    float32 params; ValueError if it is one part of a split model, holds a tensor of a type Sluice does not read,
+    or its tensors do not make the config's model (`_plan`)."""
     import gguf
 
     reader = open_gguf(path)
     fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    _check_whole(path, fields)
     tensors = {t.name: t for t in reader.tensors}
+    _check_types(tensors)
     factors = tensors.get(ROPE_FREQS)
     config = ModelConfig.from_gguf_fields(
         fields, tied_embeddings="output.weight" not in tensors,
@@ -206,6 +239,9 @@ def _weight_files(folder: Path) -> list[Path]:
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{INDEX_FILE} does not read as an index of weights ({type(error).__name__}: {error})") \
             from None
+    if missing := sorted(named - {file.name for file in files}):
+        others = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{INDEX_FILE} names {missing[0]}{others}, which the folder lacks")
     return [file for file in files if file.name in named]
 
 

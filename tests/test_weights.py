@@ -259,6 +259,8 @@ def test_a_config_json_sluice_cannot_serve_is_refused_by_name(sluice_home, edit,
     ({"llama.attention.head_count": 0}, "the GGUF metadata's llama.attention.head_count must be a positive integer"),
     ({"llama.embedding_length": None}, "the GGUF metadata lacks llama.embedding_length"),
     ({"tokenizer.ggml.tokens": None}, "the GGUF metadata lacks llama.vocab_size"),
+    ({"llama.expert_count": 8, "llama.expert_used_count": 2},  # Mixtral: it lacked tensor blk.0.ffn_gate.weight
+     "the GGUF metadata's llama.expert_count of 8 makes the model a mixture of experts, which Sluice does not serve"),
 ])
 def test_gguf_metadata_sluice_cannot_serve_is_refused_by_name(edit, words):
     fields = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 2,
