@@ -97,12 +97,15 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(raw.get("rope_theta", config.get("rope_theta", 10000.0)))
     if kind != "llama3":
         return theta, None
-    return theta, RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw["low_freq_factor"]),
-        high_freq_factor=float(raw["high_freq_factor"]),
-        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-    )
+    try:
+        return theta, RopeScaling(
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw["low_freq_factor"]),
+            high_freq_factor=float(raw["high_freq_factor"]),
+            original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+        )
+    except KeyError as error:
+        raise ValueError(f"config.json's {key} of type 'llama3' lacks {error.args[0]}") from None
 
 
 def _size(fields: dict[str, Any], key: str, source: str, default: int | None = None) -> int:

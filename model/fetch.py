@@ -88,16 +88,23 @@ def resolve_model(model: str | None) -> Path:
         if magic != GGUF_MAGIC:
             raise InvalidModel(f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC.decode()})")
         return path
-    if path.is_dir() and (path / "config.json").exists():
+    folder = path.is_dir()
+    has_config = folder and (path / "config.json").exists()
+    has_weights = folder and any(path.glob("*.safetensors"))
+    if has_config and has_weights:
         return path
-    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    # A folder of GGUF files may hold the config.json of the model they were converted from.
+    ggufs = sorted(path.glob("*.gguf")) if folder else []
     if len(ggufs) == 1:
         return ggufs[0]
     if len(ggufs) > 1:
         raise ModelNotFound(f"{path} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs[:3])}"
                             f"{', ...' if len(ggufs) > 3 else ''}): pass one of them")
-    if path.is_dir() and any(path.glob("*.safetensors")):
+    if has_weights:
         raise ModelNotFound(f"{path} holds *.safetensors but no config.json, which an HF folder needs beside them")
+    if has_config:
+        raise ModelNotFound(f"{path} holds config.json but no *.safetensors (Sluice reads no pytorch_model.bin) and "
+                            f"no .gguf file")
     if path.exists():
         raise ModelNotFound(f"{path} is not a model Sluice reads: {ACCEPTED}")
     hub = " (Sluice does not download from the Hugging Face Hub)" if re.fullmatch(r"[\w.-]+/[\w.-]+", model) else ""

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from hf_folder import random_hf_tensors, train_tokenizer, write_gguf, write_hf_folder
 from sluice.model.config import ModelConfig
-from sluice.model.fetch import InvalidModel
+from sluice.model.fetch import InvalidModel, ModelNotFound
 from sluice.model.loader import load_model
 from sluice.model.tokenizer import Tokenizer
 
@@ -150,6 +150,15 @@ def test_a_rope_scaling_that_is_no_json_object_is_refused_by_name(folder, scalin
         load_model(str(folder), dtype="float32")
 
 
+def test_a_llama_3_rope_scaling_missing_a_key_is_refused_naming_it(folder):
+    """It was `KeyError: 'low_freq_factor'`, naming neither the file nor the scaling."""
+    _edit_json(folder / "config.json", rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 64})
+    with pytest.raises(InvalidModel, match=re.escape("config.json's rope_scaling of type 'llama3' lacks "
+                                                     "low_freq_factor")):
+        load_model(str(folder), dtype="float32")
+
+
 @pytest.mark.parametrize("metadata", [{"llama.rope.scaling.factor": 4.0}, {"llama.rope.scale_linear": 2.0},
                                       {"llama.rope.scaling.type": "longrope"}])
 def test_a_gguf_rope_scaling_llama_cpp_applies_is_refused_not_ignored(tmp_path, monkeypatch, metadata):
@@ -221,3 +230,19 @@ def test_a_gguf_tokenizer_adds_a_bos_where_llama_cpp_adds_one(pre, add_bos):
               "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.add_bos_token": add_bos}
     encoded = Tokenizer.from_gguf_fields({k: v for k, v in fields.items() if v is not None}).encode(TEXT)
     assert (encoded[0] == 1) == (pre == "llama-bpe" and add_bos is None)
+
+
+def test_a_folder_of_a_gguf_beside_a_config_json_serves_the_gguf(tmp_path, monkeypatch):
+    """A GGUF repository may keep the config.json of the model it was converted from: the folder was taken for an
+    HF folder, and refused for holding no safetensors."""
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    write_hf_folder(tmp_path / "hf", CONFIG, seed=1)
+    folder = tmp_path / "Model-GGUF"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+    write_gguf(folder / "model.Q8_0.gguf", CONFIG, random_hf_tensors(CONFIG, 1))
+    assert load_model(str(folder), dtype="float32").name == "model.Q8_0"
+    (folder / "model.Q8_0.gguf").unlink()
+    with pytest.raises(ModelNotFound, match=re.escape(f"{folder} holds config.json but no *.safetensors (Sluice reads "
+                                                      f"no pytorch_model.bin) and no .gguf file")):
+        load_model(str(folder), dtype="float32")
