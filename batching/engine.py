@@ -567,8 +567,7 @@ class Engine:
                     elif self._no_token_allowed(seq):
                         self._end_choice(self._requests[seq.request_id], seq, "error", NO_ALLOWED_TOKEN)
                     else:
-                        self._forget_pages(seq)
-                        raise FloatingPointError("the model's logits for this sequence were not finite")
+                        self._not_finite(seq, "logits")
                 except Exception as error:  # noqa: BLE001 - one request's failure is its own
                     self._fail_request(seq.request_id, error)
                 if self.speculator is not None:
@@ -719,6 +718,9 @@ class Engine:
             seq = chunk.seq
             if seq.params.pooling is None or seq.finished:
                 continue
+            if not np.isfinite(row).all():
+                self._not_finite(seq, "hidden states")
+                continue
             request = self._requests[seq.request_id]
             request.pooled[seq.choice] = row + request.pooled.get(seq.choice, 0) if chunk.start else row
             if chunk.sample:
@@ -729,12 +731,16 @@ class Engine:
                 embedding = request.pooled.pop(seq.choice)
                 self._send(request, Increment(seq.choice, "", (), finish_reason="stop", embedding=embedding))
 
-    @staticmethod
-    def _score_prompts(chunks: list[ScheduledChunk], scores: PromptScores) -> None:
+    def _score_prompts(self, chunks: list[ScheduledChunk], scores: PromptScores) -> None:
         """Each scored prompt token's logprob, with the best alternatives its sequence asks for, into the
         sequence's `prompt_logprobs` (`ScheduledChunk.num_scored`; a recomputed prefill scores them again)."""
         for chunk, rows in scored_rows(chunks):
             seq, k = chunk.seq, chunk.seq.params.prompt_logprobs
+            if seq.finished:
+                continue
+            if not np.isfinite(scores.logprobs[rows]).all():
+                self._not_finite(seq, "prompt logprobs")
+                continue
             logprobs, ranks = scores.logprobs[rows].tolist(), scores.ranks[rows].tolist()
             top_ids, top_logprobs = scores.top_ids[rows, :k].tolist(), scores.top_logprobs[rows, :k].tolist()
             for j in range(chunk.num_scored):
@@ -896,6 +902,12 @@ class Engine:
             self.prefix_store.forget(seq.store_keys[:seq.num_stored_pages])
             for waiting in self.scheduler.waiting:  # pages read for them before are read again (or missed)
                 waiting.stored_prefix = None
+
+    def _not_finite(self, seq: Sequence, what: str) -> None:
+        """`seq`'s step computed `what` not finite (NaN or inf): its pages are forgotten, and its request alone ends
+        with the error."""
+        self._forget_pages(seq)
+        self._fail_request(seq.request_id, FloatingPointError(f"the model's {what} for this sequence were not finite"))
 
     def _fail_request(self, request_id: str, error: Exception) -> None:
         """One request's host work raised: that request alone ends with the error."""

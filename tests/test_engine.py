@@ -428,6 +428,33 @@ def test_multi_step_decode_stops_on_a_stop_id_or_string_inside_a_call_and_keeps_
     assert multi.stats.kv_pages_used == 0
 
 
+def nan_token_model(token: int) -> Llama:
+    """The tiny model with token `token`'s embedding NaN: every position from it on computes NaN."""
+    model = Llama(TINY, rngs=nnx.Rngs(0))
+    model.embed[...] = model.embed[...].at[token].set(np.nan)
+    return model
+
+
+@pytest.mark.parametrize("pooling", [None, "mean"], ids=["prompt-logprobs", "embedding"])
+def test_prompt_scores_or_an_embedding_not_finite_end_their_request_alone(tiny, pooling):
+    """A prompt whose first chunk (of two: 8 tokens a step) computes NaN: its prompt logprobs, or its embedding, are
+    not finite, and its request ends with an error there (it sent NaN logprobs, or a NaN embedding, before), while
+    a request beside it is served."""
+    nan_engine = make_engine(replace(tiny, model=nan_token_model(7)), max_num_batched_tokens=8)
+    params = (SamplingParams(max_tokens=0, temperature=0.0, pooling=pooling) if pooling
+              else replace(GREEDY, prompt_logprobs=1, max_tokens=2))
+    poisoned, fine = ListCollector(1), ListCollector(1)
+    nan_engine.submit([[30, 7, 31, 32, 33, 34, 35, 36, 37, 38, 39]], params, poisoned, "poisoned")
+    nan_engine.submit([[40, 41, 42]], replace(GREEDY, max_tokens=2), fine, "fine")
+    while nan_engine.has_work:
+        nan_engine.step()
+    [failed], [served] = poisoned.completions(), fine.completions()
+    what = "hidden states" if pooling else "prompt logprobs"
+    assert failed.finish_reason == "error" and f"model's {what} for this sequence were not finite" in failed.error
+    assert served.finish_reason == "length" and len(served.token_ids) == 2
+    assert nan_engine.stats.kv_pages_used == 0
+
+
 @pytest.mark.parametrize("settings", [dict(num_decode_steps=4), dict(num_decode_steps=4, speculative="ngram")],
                          ids=["multi-step", "drafts-in-multi-step-calls"])
 def test_logits_not_finite_inside_a_multi_step_call_end_the_request_as_in_single_steps(tiny, engine, settings):
@@ -435,9 +462,7 @@ def test_logits_not_finite_inside_a_multi_step_call_end_the_request_as_in_single
     are not finite. Its request ends with an error, as with single steps, not with that step's arbitrary tokens."""
     prompt = [31, 32, 33, 34, 35]
     free = engine.generate([prompt], GREEDY)[0][0].token_ids
-    model = Llama(TINY, rngs=nnx.Rngs(0))
-    model.embed[...] = model.embed[...].at[free[1]].set(np.nan)
-    multi = make_engine(replace(tiny, model=model), **settings)
+    multi = make_engine(replace(tiny, model=nan_token_model(free[1])), **settings)
     if multi.speculator is not None:
         free_verification(multi)  # every call checks drafts (`verify_steps`)
     [[out]] = multi.generate([prompt], replace(GREEDY, max_tokens=4))
