@@ -11,6 +11,7 @@ projection.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -149,14 +150,16 @@ def fuse_projections(params: Params, config: ModelConfig) -> Params:
 
 
 def open_gguf(path: Path) -> Any:
-    """gguf's reader of the file at `path`; ValueError if it is cut short or corrupt (the reader itself raises
-    whatever it trips on: IndexError for a file of little more than its magic, ValueError elsewhere)."""
+    """gguf's reader of the file at `path`; ValueError if it is cut short or corrupt, or holds what the installed
+    gguf does not know (a tensor type llama.cpp added since): the reader itself raises whatever it trips on
+    (IndexError for a file of little more than its magic, ValueError elsewhere)."""
     import gguf
 
     try:
         return gguf.GGUFReader(str(path))
     except Exception as error:
-        raise ValueError(f"not a whole GGUF file (cut short or corrupt): {type(error).__name__}: {error}") from None
+        raise ValueError(f"not a whole GGUF file (cut short or corrupt), or one newer than gguf "
+                         f"{importlib.metadata.version('gguf')} reads: {type(error).__name__}: {error}") from None
 
 
 def _check_whole(path: Path, fields: Mapping[str, Any]) -> None:

@@ -4,6 +4,7 @@ tensor types Sluice does not implement, a shard or a GGUF split part missing, a 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 from pathlib import Path
@@ -246,3 +247,20 @@ def test_a_folder_of_a_gguf_beside_a_config_json_serves_the_gguf(tmp_path, monke
     with pytest.raises(ModelNotFound, match=re.escape(f"{folder} holds config.json but no *.safetensors (Sluice reads "
                                                       f"no pytorch_model.bin) and no .gguf file")):
         load_model(str(folder), dtype="float32")
+
+
+def test_a_gguf_of_a_tensor_type_newer_than_the_gguf_library_says_it_may_be_newer(tmp_path, monkeypatch):
+    """A type number llama.cpp added after the installed gguf: the file was said to be cut short or corrupt, and a
+    new download would have been refused alike."""
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, CONFIG, random_hf_tensors(CONFIG, 1))
+    info = gguf.GGUFReader(str(path)).tensors[0].field  # name length, name, dimensions, shape, type, offset
+    at = info.offset + sum(part.nbytes for part in info.parts[:4])
+    data = bytearray(path.read_bytes())
+    data[at:at + 4] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(InvalidModel, match=re.escape(f"not a whole GGUF file (cut short or corrupt), or one newer than "
+                                                     f"gguf {importlib.metadata.version('gguf')} reads: ValueError: "
+                                                     f"np.uint32(99) is not a valid GGMLQuantizationType")):
+        load_model(str(path), dtype="float32")
