@@ -111,7 +111,7 @@ def _files(tmp_path, args):
     (["generate", "hi", "--model", "{tmp}/notes.gguf"], "notes.gguf is not a GGUF file"),
     (["generate", "hi", "--model", "{tmp}/unreadable.gguf"], "cannot read {tmp}/unreadable.gguf: Input/output error"),
     (["generate", "hi", "--model", "{tmp}/cut.gguf"], "cut.gguf does not read as a model: ValueError"),
-    (["generate", "hi", "--model", "{tmp}/hf"], "hf does not read as a model: ValueError: config.json lacks hidden"),
+    (["generate", "hi", "--model", "{tmp}/hf"], "{tmp}/hf holds config.json but no *.safetensors"),
     (["generate", ""], "the prompt is empty"),
     (["generate", "--chat", "hi", "--model", "{tmp}/template"], "--chat: the model's chat template does not compile"),
     (["generate", "--chat", "hi", "--model", "{tmp}/untemplated"],
@@ -326,7 +326,7 @@ def test_a_switch_is_on_by_its_flag_or_its_environment_value(monkeypatch, value,
 
 @pytest.mark.parametrize(("args", "home", "words"), [
     (["--tp", "1024"], None, "--tp 1024 needs 1024 devices but only"),
-    (["--model", "{tmp}/hf"], None, "{tmp}/hf does not read as a model: ValueError: config.json lacks hidden_size"),
+    (["--model", "{tmp}/hf"], None, "{tmp}/hf holds config.json but no *.safetensors"),
     (["--max-model-len", "100000"], None, "--max-model-len 100000 exceeds the model's context of 8192 tokens"),
     (["--kv-cache-memory", "1K"], None, "--kv-cache-memory of 1,024 bytes holds no page"),
     (["--page-size", "1048576"], None, "--page-size 1048576 makes a page of 48,318,382,080 bytes, more than the whole "
