@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, field_validator, \
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StringConstraints, Tag, field_validator, \
     model_validator
 
 from sluice.app.schemas import (
@@ -157,6 +157,17 @@ def item_type(item: Any) -> str:
     return item.get("type") or ("item_reference" if "id" in item and "role" not in item else "message")
 
 
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
+
+
+def _supported_item(item: Any) -> Any:
+    """Another type of item (a hosted tool's call, say) is refused by its type, not in pydantic's words (which name
+    `item_type`)."""
+    if (kind := item_type(item)) not in ITEM_TYPES:
+        raise ValueError(f"items of type {kind!r} are not supported: only {', '.join(ITEM_TYPES)}")
+    return item
+
+
 _ITEMS = (Annotated[MessageItem, Tag("message")]
           | Annotated[FunctionCallItem, Tag("function_call")]
           | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
@@ -164,7 +175,8 @@ _ITEMS = (Annotated[MessageItem, Tag("message")]
 # An item of a conversation, as stored.
 InputItem = Annotated[_ITEMS, Discriminator(item_type)]
 # An item of a request's input: a conversation's, or a reference to a stored one.
-RequestItem = Annotated[_ITEMS | Annotated[ItemReference, Tag("item_reference")], Discriminator(item_type)]
+RequestItem = Annotated[_ITEMS | Annotated[ItemReference, Tag("item_reference")], Discriminator(item_type),
+                        BeforeValidator(_supported_item)]
 
 
 # --- the request ------------------------------------------------------------------------------------------

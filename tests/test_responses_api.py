@@ -81,13 +81,15 @@ def test_the_reasoning_effort_is_the_chat_requests_and_a_summary_asked_for_is_no
 
 @pytest.mark.parametrize(("fields", "param", "words"), [
     ({"tools": [{"type": "web_search"}]}, "tools.0", "of type 'web_search'"),
+    ({"input": [{"role": "user", "content": "Hi"}, {"type": "web_search_call", "id": "ws_1"}]}, "input.1",
+     "items of type 'web_search_call' are not supported"),
     ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice", "of type 'allowed_tools'"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
      '{"type": "function", "name": ...}'),
 ])
 def test_a_hosted_tool_or_another_tool_choice_is_refused_by_what_it_is(fields, param, words):
     """Not by a field it lacks or the union's failed branches ("tools.0.name: Field required",
-    "tool_choice.literal['none','auto','required']: ...")."""
+    "tool_choice.literal['none','auto','required']: ...", "Input tag ... found using item_type() ...")."""
     with pytest.raises(ValidationError) as caught:
         ResponsesRequest.model_validate({"input": "x", **fields})
     error = from_validation_error(caught.value)
