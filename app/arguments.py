@@ -9,6 +9,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import NoReturn
 
+from sluice.batching.config import MEMORY_FRACTION_VARIABLES
 from sluice.model.tokenizer import ChatTemplateError, compile_chat_template
 
 
@@ -73,11 +74,6 @@ def number(kind: type, fits: Callable[[float], bool], bound: str) -> Callable[[s
         return value
 
     return parse
-
-
-# Where jax's GPU backend reads, when it starts, the share of each GPU its allocator may hold: the first is the
-# current name, the second the deprecated one it still reads; jax refuses to start with both set.
-MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def claim_gpu_memory(utilization: float | None, environ: MutableMapping[str, str]) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from sluice.batching.sampler import SAMPLER_BRANCHES
@@ -17,11 +18,16 @@ DEFAULT_MAX_MODEL_LEN = 4096
 # 1,024 sequences and 8,192 tokens on an 80 GB-class device or larger (H100, H200), but not an A100 (vLLM found
 # the larger prefill chunks slower there), 256 and 2,048 on the others or where the size is not known. The KV pool
 # bounds how many of them run at once (`scheduler.py` admits a sequence when its pages fit). The size is the
-# allocator's limit, 75% of a GPU under jax's default preallocation: 60 GiB on an 80 GB H100.
+# device's whole memory (`device_memory_bytes`), whatever share of it the server may use, as vLLM's.
 CPU_BATCH = (64, 512)
 ACCELERATOR_BATCH = (256, 2048)
 LARGE_ACCELERATOR_BATCH = (1024, 8192)
-LARGE_ACCELERATOR_BYTES = 48 << 30
+LARGE_ACCELERATOR_BYTES = 64 << 30
+
+# Where jax's GPU backend reads, when it starts, the share of each GPU its allocator may hold: the first is the
+# current name, the second the deprecated one it still reads; jax refuses to start with both set. Unset: 75%.
+MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+JAX_DEFAULT_MEMORY_FRACTION = 0.75
 
 
 # Tokens per KV page when none is given. On a CPU, 64: the attention kernel reads a page of one head as one block,
@@ -31,10 +37,19 @@ CPU_PAGE_SIZE = 64
 ACCELERATOR_PAGE_SIZE = 16
 
 
+def device_memory_bytes(platform: str, bytes_limit: int | None, environ: Mapping[str, str]) -> int | None:
+    """A device's whole memory from its allocator's limit (`memory_stats()["bytes_limit"]`; None: not known): on a
+    GPU, the share of it jax's allocator was given (`environ`'s, else jax's default) taken out."""
+    if bytes_limit is None or platform != "gpu":
+        return bytes_limit
+    given = next((environ[name] for name in MEMORY_FRACTION_VARIABLES if environ.get(name)), None)
+    return int(bytes_limit / float(given or JAX_DEFAULT_MEMORY_FRACTION))
+
+
 def default_batch(platform: str, device_bytes: int | None, device_kind: str = "") -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) for a device of `platform` (jax's: "cpu", "gpu", "tpu") whose
-    allocator may hold `device_bytes` (its `memory_stats()["bytes_limit"]`; None: not known), of `device_kind`
-    (jax's name for it, "NVIDIA H100 80GB HBM3" say)."""
+    """(max_num_seqs, max_num_batched_tokens) for a device of `platform` (jax's: "cpu", "gpu", "tpu") of
+    `device_bytes` of memory (`device_memory_bytes`; None: not known), of `device_kind` (jax's name for it, "NVIDIA
+    H100 80GB HBM3" say)."""
     if platform == "cpu":
         return CPU_BATCH
     large = (device_bytes or 0) >= LARGE_ACCELERATOR_BYTES and "a100" not in device_kind.lower()

@@ -35,7 +35,7 @@ from sluice.batching import step_broadcast
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore, PageKey
 from sluice.batching.kv_transfer import PageCopy
-from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, InvalidEngineConfig
+from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, InvalidEngineConfig, device_memory_bytes
 from sluice.batching.model_runner import ModelRunner, enable_compilation_cache
 from sluice.batching.device_step import PromptScores
 from sluice.batching.step_output import PendingStep, SequenceOutput
@@ -179,8 +179,9 @@ class Engine:
         and sampling with the model's own defaults); others compile off the engine thread when first met."""
         page_size_given = config.page_size is not None
         device = jax.local_devices()[0]  # what its allocator may hold is unknown on the CPU
+        bytes_limit = (device.memory_stats() or {}).get("bytes_limit")
         self.config = config = config.with_device_defaults(
-            device.platform, (device.memory_stats() or {}).get("bytes_limit"), device.device_kind)
+            device.platform, device_memory_bytes(device.platform, bytes_limit, os.environ), device.device_kind)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.generation_defaults = loaded.generation_defaults  # the model's sampling defaults, for the API to apply

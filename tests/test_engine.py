@@ -60,9 +60,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def test_batch_limits_and_page_size_left_unset_are_the_devices_and_set_ones_are_kept(tiny):
     assert default_batch("cpu", None) == CPU_BATCH == (64, 512)
     assert default_batch("gpu", None) == default_batch("gpu", 18 << 30) == ACCELERATOR_BATCH == (256, 2048)
-    h100 = int(0.75 * (80 << 30))  # the allocator's limit under jax's default preallocation
+    h100 = 80 << 30
     assert default_batch("gpu", h100) == default_batch("tpu", 95 << 30) == LARGE_ACCELERATOR_BATCH == (1024, 8192)
     assert default_batch("gpu", h100, "NVIDIA A100-SXM4-80GB") == ACCELERATOR_BATCH  # vLLM's exception
+    assert default_batch("gpu", 48 << 30) == ACCELERATOR_BATCH  # an L40S
     unset = Engine(tiny, replace(CONFIG, max_num_seqs=None, max_num_batched_tokens=None, page_size=None,
                                  warmup=False), progress=False)
     assert (unset.config.max_num_seqs, unset.config.max_num_batched_tokens) == CPU_BATCH

@@ -12,9 +12,10 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from sluice.app.arguments import MEMORY_FRACTION_VARIABLES, claim_gpu_memory
+from sluice.app.arguments import claim_gpu_memory
 from sluice.app.cli import build_parser
-from sluice.batching.config import EngineConfig, InvalidEngineConfig
+from sluice.batching.config import LARGE_ACCELERATOR_BATCH, MEMORY_FRACTION_VARIABLES, EngineConfig, \
+    InvalidEngineConfig, default_batch, device_memory_bytes
 from sluice.batching.engine import CPU_KV_CACHE_BYTES, accelerator_kv_bytes, kv_page_bytes, num_pool_pages
 from sluice.model.config import ModelConfig
 
@@ -131,3 +132,15 @@ def test_kv_cache_memory_sizes_the_pool_whatever_the_share(caplog):
     with caplog.at_level(logging.INFO, logger="sluice.batching.engine"):
         pages = cpu_pool_pages(EngineConfig(gpu_memory_utilization=0.5, kv_cache_memory=10 * page, page_size=64))
     assert pages == 10 and caplog.records == []
+
+
+@pytest.mark.parametrize(("environ", "share"), [({}, 0.75), ({"XLA_CLIENT_MEM_FRACTION": "0.5"}, 0.5),
+                                                ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}, 0.95)])
+def test_the_batch_defaults_read_the_whole_gpu_whatever_share_the_server_was_given(environ, share):
+    """An 80 GB H100 is a large accelerator (1,024 sequences, 8,192 tokens a step) at a share of 0.5 too: its
+    allocator's limit, 40 GB, is that share of it (at 48 GiB of limit, the defaults dropped to 256 and 2,048)."""
+    h100 = 80 * GB
+    memory = device_memory_bytes("gpu", int(share * h100), environ)
+    assert memory == pytest.approx(h100, abs=2) and default_batch("gpu", memory) == LARGE_ACCELERATOR_BATCH
+    assert device_memory_bytes("tpu", 95 * GB, environ) == 95 * GB  # a TPU's limit is its memory
+    assert device_memory_bytes("gpu", None, environ) is None
