@@ -61,14 +61,20 @@ class Request:
 
 
 def check_fits(prompts: list[list[int]], params: SamplingParams, limits: RequestLimits) -> None:
-    """Raises RequestRejected unless every prompt, with max_tokens more, fits the context and the pool, and
-    min_tokens is within max_tokens (the limit a request without one gets too) and leaves a token to sample."""
+    """Raises RequestRejected unless every prompt holds ids of the model's vocabulary and, with max_tokens more, fits
+    the context and the pool, and min_tokens is within max_tokens (the limit a request without one gets too) and
+    leaves a token to sample."""
     if params.min_tokens > params.max_tokens:
         raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed the maximum number of tokens "
                               f"({params.max_tokens})")
     for prompt in prompts:
         if not prompt:
             raise RequestRejected("the prompt is empty")
+        if (largest := max(prompt)) >= limits.vocab_size:
+            # A text prompt's, where the tokenizer holds tokens the model has no embedding for (the embedding lookup
+            # would clamp it silently to another token's).
+            raise RequestRejected(f"token id {largest} is outside the model's vocabulary of {limits.vocab_size} "
+                                  f"tokens")
         total = len(prompt) + params.max_tokens
         if total > limits.max_model_len:
             # A prompt that fills the context alone left its request's default max_tokens nothing to count.

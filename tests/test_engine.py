@@ -336,6 +336,10 @@ def test_requests_that_can_never_fit_are_rejected_up_front(tiny, engine):
         small.generate([[5] * 30], SamplingParams(max_tokens=3))
     with pytest.raises(RequestRejected, match="empty"):
         engine.generate([[]], GREEDY)
+    # A tokenizer with more tokens than the model's embeddings (one copied from another model) gives such ids.
+    with pytest.raises(RequestRejected, match=f"token id {TINY.vocab_size} is outside the model's vocabulary of "
+                                              f"{TINY.vocab_size} tokens"):
+        engine.generate([[5, TINY.vocab_size, 6]], GREEDY)
     with pytest.raises(RequestRejected, match="min_tokens"):
         engine.generate([[5]], SamplingParams(max_tokens=4, min_tokens=5))
     with pytest.raises(RequestRejected, match="min_tokens needs an allowed token id that is not a stop id"):
