@@ -9,7 +9,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import NoReturn
 
-from sluice.batching.config import MEMORY_FRACTION_VARIABLES
+from sluice.batching.config import MEMORY_FRACTION_VARIABLES, memory_fraction_variable
 from sluice.model.tokenizer import ChatTemplateError, compile_chat_template
 
 
@@ -83,7 +83,7 @@ def claim_gpu_memory(utilization: float | None, environ: MutableMapping[str, str
     saying so is returned (None: nothing to say)."""
     if utilization is None:
         return None
-    given = next((name for name in MEMORY_FRACTION_VARIABLES if environ.get(name)), None)
+    given = memory_fraction_variable(environ)
     if given is not None:
         return (f"--gpu-memory-utilization {utilization:g} is ignored: {given}={environ[given]} gives jax's share of "
                 f"each GPU")

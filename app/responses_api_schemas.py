@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StringConstraints, Tag, field_validator, \
-    model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StringConstraints, Tag, \
+    field_validator, model_validator
 
 from sluice.app.schemas import (
     FunctionCallParam,

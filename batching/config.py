@@ -37,13 +37,18 @@ CPU_PAGE_SIZE = 64
 ACCELERATOR_PAGE_SIZE = 16
 
 
+def memory_fraction_variable(environ: Mapping[str, str]) -> str | None:
+    """The variable of MEMORY_FRACTION_VARIABLES that gives jax's allocator its share in `environ`, if one does."""
+    return next((name for name in MEMORY_FRACTION_VARIABLES if environ.get(name)), None)
+
+
 def device_memory_bytes(platform: str, bytes_limit: int | None, environ: Mapping[str, str]) -> int | None:
     """A device's whole memory from its allocator's limit (`memory_stats()["bytes_limit"]`; None: not known): on a
     GPU, the share of it jax's allocator was given (`environ`'s, else jax's default) taken out."""
     if bytes_limit is None or platform != "gpu":
         return bytes_limit
-    given = next((environ[name] for name in MEMORY_FRACTION_VARIABLES if environ.get(name)), None)
-    return int(bytes_limit / float(given or JAX_DEFAULT_MEMORY_FRACTION))
+    given = memory_fraction_variable(environ)
+    return int(bytes_limit / (float(environ[given]) if given else JAX_DEFAULT_MEMORY_FRACTION))
 
 
 def default_batch(platform: str, device_bytes: int | None, device_kind: str = "") -> tuple[int, int]:

@@ -127,25 +127,24 @@ class Sizes:
         )
 
 
-def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sizes: Sizes, page_size: int) -> int:
-    """A KV pool that holds the largest wave whole (no preemption), or the C longest requests of the sustained
-    run's (`sustained_workload`), with a quarter to spare (`run` caps it at the engine's default, most of the free
+def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sustained_requests: list[BenchRequest],
+                  sizes: Sizes, page_size: int) -> int:
+    """A KV pool that holds the largest wave whole (no preemption), or the C longest of `sustained_requests`
+    (`sustained_workload`), with a quarter to spare (`run` caps it at the engine's default, most of the free
     memory).
 
     Sized from the workload rather than the engine's default (most of the free memory): the figures then
     do not depend on the device's size, and on a CPU a bf16 pool costs every step time in proportion to
     its size (about 200 ms per step for 64 MB, measured on the 2-core machine), which would drown them.
     """
-    longest = sorted((len(r.prompt) + r.output_tokens + page_size for r in sustained_workload(sizes, config.vocab_size)),
-                     reverse=True)
-    tokens = max(
-        max(sum(len(r.prompt) + max(r.output_tokens, timed_max_tokens(wave, 1 + sizes.tpot_steps,
-                                                                         EngineConfig.num_decode_steps,
-                                                                         sizes.max_num_batched_tokens)) + page_size
-                for r in wave)
-            for wave in waves(workload, c))
-        for c in sizes.concurrency
-    )
+    longest = sorted((len(r.prompt) + r.output_tokens + page_size for r in sustained_requests), reverse=True)
+
+    def wave_tokens(wave: list[BenchRequest]) -> int:
+        timed = timed_max_tokens(wave, 1 + sizes.tpot_steps, EngineConfig.num_decode_steps,
+                                 sizes.max_num_batched_tokens)
+        return sum(len(r.prompt) + max(r.output_tokens, timed) + page_size for r in wave)
+
+    tokens = max(wave_tokens(wave) for c in sizes.concurrency for wave in waves(workload, c))
     tokens = max(tokens, sum(longest[:max(sizes.concurrency)]))
     return int(1.25 * tokens * kv_bytes_per_token(config, DTYPE))
 
@@ -267,51 +266,69 @@ def steady_decode_s(arrivals: list[list[float]], tokens: int) -> float:
     return len(arrivals) * (until - decoding_from) / counted if counted else float("nan")
 
 
+class ClosedLoop:
+    """c clients, each sending its next request as soon as its last ends, over `requests` in order."""
+
+    def __init__(self, engine: Engine, requests: list[BenchRequest], c: int, decoding: Decoding):
+        self.engine, self.requests, self.c, self.decoding = engine, requests, c, decoding
+        self.sinks = [ArrivalTimes(self._one_finished) for _ in requests]
+        self.submitted = self.finished = 0
+
+    def _one_finished(self) -> None:
+        self.finished += 1
+
+    @property
+    def running(self) -> bool:
+        return self.submitted < len(self.requests) or self.engine.has_work
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(sink.times) for sink in self.sinks)
+
+    def step(self) -> None:
+        """Sends what the clients may send now, then steps the engine once."""
+        for i in range(self.submitted, min(len(self.requests), self.finished + self.c)):
+            request = self.requests[i]
+            self.engine.submit([list(request.prompt)], self.decoding.params(request.output_tokens), self.sinks[i],
+                               f"sustained-{i}")
+            self.submitted += 1
+        self.engine.step()
+
+    def run_while(self, going: Callable[[], bool]) -> float:
+        """Steps while there is work and `going()`; returns the wall seconds it took."""
+        start = time.perf_counter()
+        while self.running and going():
+            self.step()
+        return time.perf_counter() - start
+
+
 def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: Decoding, traced_steps: int = 0
               ) -> tuple[float, dict | None]:
-    """Runs the requests with at most c in flight, the next submitted as soon as one ends (a closed loop of c
-    clients); returns the wall seconds until the last ends, and, with `traced_steps`, the profile of that many
-    engine steps once c requests have ended (the steady state: prompts arrive as others end), as
-    `profiled_decode`'s plus the window's output and prompt tokens per second. Every output must have its length."""
-    finished = 0
-
-    def one_finished() -> None:
-        nonlocal finished
-        finished += 1
-
-    sinks = [ArrivalTimes(one_finished) for _ in requests]
-    submitted, steps, profile, ran = 0, 0, None, []
-    trace = timer = None
-    start = time.perf_counter()
-    while submitted < len(requests) or engine.has_work:
-        for i in range(submitted, min(len(requests), finished + c)):
-            engine.submit([list(requests[i].prompt)], decoding.params(requests[i].output_tokens), sinks[i],
-                          f"sustained-{i}")
-            submitted += 1
-        if traced_steps and trace is None and profile is None and finished >= c:
-            paused = time.perf_counter()
-            timer, trace = PhaseTimer(engine), DeviceTrace().__enter__()
-            start += time.perf_counter() - paused  # the tracer's start and processing are not the engine's time
-            window = (time.perf_counter(), sum(len(s.times) for s in sinks), engine.stats.prompt_tokens_total)
-        engine.step()
-        if trace is not None:
-            steps += 1
-            ran.append(engine.stats.last_step)
-        if trace is not None and (steps == traced_steps or not engine.has_work):
-            window_s = time.perf_counter() - window[0]
-            output_tok_s = (sum(len(s.times) for s in sinks) - window[1]) / window_s
-            prompt_tok_s = (engine.stats.prompt_tokens_total - window[2]) / window_s
-            paused = time.perf_counter()
-            trace.__exit__(None, None, None)
-            timer.close()
-            # Per `Engine.step` (a multi-step call is one; its programs' names say which ran).
-            profile = {**trace.summary().as_dict(steps), "host_ms": timer.per_step_ms(steps),
-                       "output_tok_s": output_tok_s, "prompt_tok_s": prompt_tok_s,
-                       "mixed_steps": mixed_steps(engine, [step for step in ran if step is not None])}
-            trace = None
-            start += time.perf_counter() - paused
-    seconds = time.perf_counter() - start
-    got, want = [len(sink.times) for sink in sinks], [r.output_tokens for r in requests]
+    """Runs the requests as a `ClosedLoop` of c clients; returns the wall seconds until the last ends, and, with
+    `traced_steps`, the profile of that many engine steps once c requests have ended (the steady state: prompts
+    arrive as others end), as `profiled_decode`'s plus the window's output and prompt tokens per second and its
+    `mixed_steps`. The tracer's start and processing are left out of the seconds. Every output must have its
+    length."""
+    loop = ClosedLoop(engine, requests, c, decoding)
+    seconds = loop.run_while(lambda: not traced_steps or loop.finished < c)
+    profile = None
+    if traced_steps and loop.running:
+        tokens, prompt_tokens, ran = loop.tokens, engine.stats.prompt_tokens_total, []
+        timer = PhaseTimer(engine)
+        with DeviceTrace() as trace:
+            start = time.perf_counter()
+            while loop.running and len(ran) < traced_steps:
+                loop.step()
+                ran.append(engine.stats.last_step)
+            window_s = time.perf_counter() - start
+        timer.close()
+        seconds += window_s
+        profile = {**traced_profile(trace, timer, len(ran)),
+                   "output_tok_s": (loop.tokens - tokens) / window_s,
+                   "prompt_tok_s": (engine.stats.prompt_tokens_total - prompt_tokens) / window_s,
+                   "mixed_steps": mixed_steps(engine, [step for step in ran if step is not None])}
+    seconds += loop.run_while(lambda: True)
+    got, want = [len(sink.times) for sink in loop.sinks], [r.output_tokens for r in requests]
     if got != want:
         raise AssertionError(f"the engine produced {got} tokens where {want} were asked")
     return seconds, profile
@@ -389,6 +406,11 @@ def _traced_decode(engine: Engine, requests: list[BenchRequest], decode_steps: i
     steps = emitted() - before
     while engine.has_work:
         engine.step()
+    return traced_profile(trace, timer, steps)
+
+
+def traced_profile(trace: DeviceTrace, timer: PhaseTimer, steps: int) -> dict:
+    """A traced window's device time (`bench.device_profile`) and host phases, in milliseconds per step."""
     return {**trace.summary().as_dict(steps), "host_ms": timer.per_step_ms(steps)}
 
 
@@ -550,6 +572,7 @@ def run(args) -> dict:
     config = loaded.config
     workload = synthetic(SyntheticSpec(num_requests=max(*sizes.concurrency, MIN_REQUESTS), seed=0, prompt=sizes.prompt,
                                        output=sizes.output, vocab_size=config.vocab_size))
+    sustained_requests = sustained_workload(sizes, config.vocab_size)
 
     # Direct timings first: their KV pools are freed before the engine allocates its own.
     steps = [DirectStep(loaded, c, round(np.mean([len(r.prompt) for r in workload[:c]]) + sizes.tpot_steps / 2),
@@ -566,7 +589,8 @@ def run(args) -> dict:
     engine_config = EngineConfig(
         dtype=DTYPE, page_size=PAGE_SIZE, max_num_seqs=max(sizes.concurrency),
         max_num_batched_tokens=sizes.max_num_batched_tokens, max_model_len=sizes.max_model_len,
-        kv_cache_memory=min(kv_pool_bytes(config, workload, sizes, PAGE_SIZE), default_kv_cache_bytes()),
+        kv_cache_memory=min(kv_pool_bytes(config, workload, sustained_requests, sizes, PAGE_SIZE),
+                            default_kv_cache_bytes()),
         attention_backend=args.attention_backend,
         layer_loop=args.layer_loop, sampler_branches=args.sampler_branches,
     )
@@ -579,7 +603,6 @@ def run(args) -> dict:
 
     served = ServedModel(config, StepCost.of(config, loaded.model, DTYPE).weight_bytes, DTYPE, DTYPE)
     result["kv_cache_bytes"] = engine_config.kv_cache_memory
-    sustained_requests = sustained_workload(sizes, config.vocab_size)
     for level, c in zip(result["levels"], sizes.concurrency):
         compiled, compiled_off_thread = engine.runner.num_compiled(), engine.runner.num_compiled_off_thread
         level.update(engine_level(engine, served, workload, sustained_requests, sizes, c, peaks, decoding))

@@ -47,7 +47,7 @@ def test_kv_pool_holds_the_largest_wave_whole():
     # wave's: its tokens, a multi-step call's, and one per step its 85 prompt tokens may take, 16 a step, and one.
     timed = sizes.tpot_steps + 1 + EngineConfig.num_decode_steps + 6 + 1
     tokens = sum(p + max(o, timed) + 16 for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)])
-    assert engine_check.kv_pool_bytes(config, workload, sizes, 16) == int(1.25 * tokens * per_token)
+    assert engine_check.kv_pool_bytes(config, workload, [], sizes, 16) == int(1.25 * tokens * per_token)
     assert [len(w) for w in engine_check.waves(workload, 1)] == [1, 1, 1, 1]
 
 
