@@ -1,8 +1,9 @@
 """The KV page pool: allocation with reference counts and automatic prefix caching.
 
-A full page is named by a hash chained over (parent page's hash, the page's token ids), so equal prefixes map
-to equal hash chains whatever request they came from (a request's `cache_salt` starts its chain elsewhere). A page whose last reference goes away keeps its hash
-and stays reusable until it is evicted, least recently freed first, to make room for new allocations.
+A full page is cached under its key (the previous page's hash, its token ids), the hash chained from page to page, so
+equal prefixes map to equal keys whatever request they came from (a request's `cache_salt` starts its chain
+elsewhere). A page whose last reference goes away stays cached, reusable until it is evicted, least recently freed
+first, to make room for new allocations.
 
 With a persistent prefix store (`kv_store.py`, host RAM then disk), the cache has a tier below the pool: every
 page newly full is listed in `saves` for the engine to copy out to the store, and a prefix found in the store
@@ -14,6 +15,7 @@ waiting (`prefetch`); until they are in, `match_prefix` says to try again later.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sluice.batching.kv_store import KVStore, PageKey, PagePayload, StoredPrefix
@@ -21,9 +23,8 @@ from sluice.batching.sequence import Sequence
 
 _ROOT_HASH = 0
 
-
-def page_hash(parent: int, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+CacheKey = tuple[int, tuple[int, ...]]
+"""A full page's key in the prefix cache: (the hash of the previous page's key, or `root_hash`; its token ids)."""
 
 
 def root_hash(seq: Sequence) -> int:
@@ -61,10 +62,10 @@ class BlockManager:
         """Forgets every allocation and cached page (the pool's contents are gone); the counters go on."""
         num_pages = self.num_pages
         self.ref_counts = [0] * num_pages
-        self._page_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_pages
-        self._cached: dict[int, int] = {}  # hash -> page
-        self._free: deque[int] = deque(range(num_pages))  # unreferenced, no hash
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; oldest first
+        self._page_key: list[CacheKey | None] = [None] * num_pages  # a cached page's key
+        self._cached: dict[CacheKey, int] = {}  # key -> page
+        self._free: deque[int] = deque(range(num_pages))  # unreferenced, not cached
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached; oldest first
         self.loads: list[tuple[int, PagePayload]] = []  # (page, what to write into it), for the engine
         self.saves: list[tuple[int, PageKey]] = []  # (page, its store key), for the engine to copy out
 
@@ -97,38 +98,40 @@ class BlockManager:
         `computes_every_token` takes none.
         """
         pages, hashes = self._cached_prefix(seq)
-        return pages, hashes, self._stored(seq, len(pages), (seq.num_tokens - 1) // self.page_size)
+        return pages, hashes, self._stored(seq, len(pages))
 
     def prefetch(self, seq: Sequence) -> None:
         """Asks the store for `seq`'s pages past those the pool holds now, if it has the first of them: `seq` has
         started waiting, and its admission will want them."""
         if self.store is not None:
-            self._stored(seq, len(self._cached_prefix(seq)[0]), (seq.num_tokens - 1) // self.page_size)
+            self.match_prefix(seq)
+
+    def _chain(self, seq: Sequence, first: int, end: int, parent: int) -> Iterator[tuple[CacheKey, int]]:
+        """(key, hash) of each of `seq`'s full pages `first` to `end - 1`; `parent`: the hash of page `first - 1`."""
+        for i in range(first, end):
+            key = (parent, tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            parent = hash(key)
+            yield key, parent
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """The pool's cached pages holding a prefix of `seq`'s tokens (all but its last), and their hashes."""
-        if not self.enable_prefix_caching or seq.computes_every_token:
-            return [], []
         pages: list[int] = []
         hashes: list[int] = []
-        parent = root_hash(seq)
-        for i in range((seq.num_tokens - 1) // self.page_size):
-            tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
-            h = page_hash(parent, tokens)
-            page = self._cached.get(h)
-            if page is None or self._page_key[page] != (parent, tokens):
+        if not self.enable_prefix_caching or seq.computes_every_token:
+            return pages, hashes
+        for key, h in self._chain(seq, 0, (seq.num_tokens - 1) // self.page_size, root_hash(seq)):
+            if (page := self._cached.get(key)) is None:
                 break
             pages.append(page)
             hashes.append(h)
-            parent = h
         return pages, hashes
 
-    def _stored(self, seq: Sequence, start: int, end: int) -> list[PagePayload] | None:
-        """The store's payloads of `seq`'s pages from `start` on, as far as it holds them, before page `end` and
-        the first page with a token still on the device (a placeholder has no key); None while they are being
-        read. The first ask starts the read (unless the store lacks the first page), as does one that finds the
-        pool has lost pages since its read began, or that wants pages known since."""
-        end = min(end, seq.num_known_tokens // self.page_size)
+    def _stored(self, seq: Sequence, start: int) -> list[PagePayload] | None:
+        """The store's payloads of `seq`'s pages from `start` on, as far as it holds them, before its last token's
+        page and the first page with a token still on the device (a placeholder has no key); None while they are
+        being read. The first ask starts the read (unless the store lacks the first page), as does one that finds
+        the pool has lost pages since its read began, or that wants pages known since."""
+        end = min(seq.num_tokens - 1, seq.num_known_tokens) // self.page_size
         if self.store is None or seq.computes_every_token or start >= end:
             return []
         read = seq.stored_prefix
@@ -179,8 +182,7 @@ class BlockManager:
             self.commit(seq)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        needed = self.pages_needed(num_tokens) - len(seq.page_table)
-        return needed <= 0 or needed <= self.num_free_pages
+        return self.pages_needed(num_tokens) - len(seq.page_table) <= self.num_free_pages
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Adds pages so `seq.page_table` has slots for its first `num_tokens` tokens."""
@@ -200,15 +202,13 @@ class BlockManager:
         lists those the store lacks in `saves`)."""
         if not self.enable_prefix_caching or (len(seq.page_hashes) + 1) * self.page_size > seq.num_computed_tokens:
             return  # no page newly full (most steps)
-        while (len(seq.page_hashes) + 1) * self.page_size <= min(seq.num_computed_tokens, seq.num_known_tokens):
-            i = len(seq.page_hashes)
-            parent = seq.page_hashes[-1] if seq.page_hashes else root_hash(seq)
-            tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
-            h = page_hash(parent, tokens)
-            page = seq.page_table[i]
-            if h not in self._cached and self._page_key[page] is None:
-                self._cached[h] = page
-                self._page_key[page] = (parent, tokens)
+        first = len(seq.page_hashes)
+        end = min(seq.num_computed_tokens, seq.num_known_tokens) // self.page_size
+        parent = seq.page_hashes[-1] if seq.page_hashes else root_hash(seq)
+        for page, (key, h) in zip(seq.page_table[first:end], self._chain(seq, first, end, parent), strict=True):
+            if key not in self._cached and self._page_key[page] is None:
+                self._cached[key] = page
+                self._page_key[page] = key
             seq.page_hashes.append(h)
         if self.store is not None and seq.num_stored_pages < len(seq.page_hashes):
             keys = self._store_keys(seq, len(seq.page_hashes))
@@ -220,13 +220,9 @@ class BlockManager:
         """Takes the cached pages of `seq`'s known tokens out of the prefix cache (their K/V is suspect); they are
         freed, not kept, once nobody holds them. Found by its tokens, not its page table: overlapped, a sequence
         preempted after its step was dispatched has freed its pages (cached still) by the time its logits come."""
-        parent = root_hash(seq)
-        for i in range(seq.num_known_tokens // self.page_size):
-            key = (parent, tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size]))
-            parent = page_hash(*key)
-            page = self._cached.get(parent)
-            if page is not None and self._page_key[page] == key:
-                del self._cached[parent]
+        for key, _ in self._chain(seq, 0, seq.num_known_tokens // self.page_size, root_hash(seq)):
+            page = self._cached.pop(key, None)
+            if page is not None:
                 self._page_key[page] = None
                 if self.ref_counts[page] == 0:
                     del self._evictable[page]
@@ -258,9 +254,7 @@ class BlockManager:
             page = self._free.popleft()
         elif self._evictable:
             page, _ = self._evictable.popitem(last=False)
-            key = self._page_key[page]
-            assert key is not None
-            del self._cached[page_hash(*key)]
+            del self._cached[self._page_key[page]]
             self._page_key[page] = None
         else:
             raise RuntimeError("KV page pool exhausted")
