@@ -56,11 +56,6 @@ class PageCopy:
         return [tuple(np.array(leaf[i]) for leaf in leaves) for i in range(self._count)]
 
 
-def fetch_pages(kv_cache: KVCache, page_ids: Sequence[int]) -> list[PagePayload]:
-    """The payloads of `page_ids` (non-empty), gathered on the device and copied to the host together."""
-    return PageCopy(kv_cache, page_ids).payloads()
-
-
 def load_pages(kv_cache: KVCache, page_ids: Sequence[int], payloads: Sequence[PagePayload]) -> KVCache:
     """Writes `payloads[i]` into page `page_ids[i]` (non-empty, one payload each) of the pool (donated) and
     returns the updated pool."""

@@ -18,7 +18,7 @@ import pytest
 
 from sluice.batching import kv_store
 from sluice.batching.kv_store import HEADER_SIZE, KVLayout, KVStore
-from sluice.batching.kv_transfer import fetch_pages, load_pages
+from sluice.batching.kv_transfer import PageCopy, load_pages
 from sluice.model.config import ModelConfig
 from sluice.model.llama import empty_kv_cache
 
@@ -540,7 +540,7 @@ def test_pool_pages_round_trip_through_the_store_into_other_pages(open_store, kv
                          page_size=page_size)
     keys = layout.page_keys(range(3 * page_size))
     first = open_store(layout)
-    for key, page in zip(keys, fetch_pages(pool, [5, 2, 7]), strict=True):
+    for key, page in zip(keys, PageCopy(pool, [5, 2, 7]).payloads(), strict=True):
         first.put(key, page)
     first.close()
 
