@@ -79,7 +79,7 @@ class StepInputs:
     `DraftState` (no columns of history for other calls); feed: [T] int32, for a token the host does not know
     yet (overlapped scheduling), the row of the previous step's last tokens that holds it, else -1; pool_ids: [T]
     int32, the row of `StepOutput.pooled` each token adds to, else -1; score_ids: [T] int32, the prompt token
-    each token's logits score (`prompt_scores`: the next one, for a sequence that wants prompt logprobs), else
+    each token's logits score (`score_step`: the next one, for a sequence that wants prompt logprobs), else
     -1. Padding rows' outputs are never read, and the CPU kernels skip them."""
 
     token_ids: jax.Array
@@ -180,9 +180,13 @@ class PromptScores:
 SCORE_BLOCK = 256  # rows of logits a step scores at once: [256, V] float32 at most, whatever the step's tokens
 
 
-def prompt_scores(model: Llama, hidden: jax.Array, score_ids: jax.Array) -> PromptScores:
-    """hidden: [T, D] (as the model returns it), score_ids: [T] int32 (-1: none) -> each row's `PromptScores`
-    under the model's distribution (log-softmax of its logits), SCORE_BLOCK rows at a time."""
+def score_step(graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDef, weights: list[jax.Array],
+               hidden: jax.Array, score_ids: jax.Array) -> PromptScores:
+    """hidden: [T, D] (`forward`'s), score_ids: [T] int32 (-1: none) -> each row's `PromptScores` under the model's
+    distribution (log-softmax of its logits), SCORE_BLOCK rows at a time. A program of its own, beside the step's,
+    so that the first request for prompt logprobs compiles the LM head and its log-softmax, not a whole model step
+    that would stall every running request meanwhile (logits for every token cost a step's worth of LM head)."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
     num_tokens = hidden.shape[0]
     block = min(SCORE_BLOCK, num_tokens)
     pad = -num_tokens % block
@@ -230,14 +234,6 @@ def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: 
     pooled = model.pooled(hidden, inputs.pool_ids, inputs.logits_rows.shape[0])
     return ((logits, sampling, pooled, hidden if max_q_len > 1 else None),
             layered_pool(kv_cache, model.config.num_layers))
-
-
-def score_step(graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDef, weights: list[jax.Array],
-               hidden: jax.Array, score_ids: jax.Array) -> PromptScores:
-    """A step's `PromptScores` from its hidden states (`forward`): a program of its own, beside the step's, so
-    that the first request for prompt logprobs compiles the LM head and its log-softmax, not a whole model step
-    that would stall every running request meanwhile (logits for every token cost a step's worth of LM head)."""
-    return prompt_scores(nnx.merge(graphdef, jax.tree.unflatten(state_def, weights)), hidden, score_ids)
 
 
 def sample_step(num_rows: int, plan: SamplerPlan | None, logits: jax.Array, sampling: SamplingBatch
