@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
+from operator import attrgetter
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
@@ -78,8 +79,7 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)
 
 
-def _schedule_key(seq: Sequence) -> tuple[int, int, int]:
-    return seq.schedule_key
+_schedule_key = attrgetter("schedule_key")
 
 
 class Scheduler:
@@ -139,11 +139,9 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             end = start + num_new
             if end > len(seq.page_table) * bm.page_size:  # most decode steps fill a page they hold
-                fits, refund = self._make_room(seq, end, scheduled, out)
-                budget += refund
-                if not fits:
-                    self._preempt(seq, scheduled, out)
-                    continue
+                budget += self._make_room(seq, end, scheduled, out)
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # preempted itself: no newer sequence was left to preempt
                 bm.grow(seq, end)
             # Drafts take only what leaves a token for each sequence after it: they never starve one.
             later = len(running) - position - 1
@@ -196,16 +194,13 @@ class Scheduler:
             budget -= num_new
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: dict[Sequence, ScheduledChunk],
-                   out: SchedulerOutput) -> tuple[bool, int]:
-        """Preempts the newest running sequences until `seq` may hold `num_tokens` tokens: (whether it may without
-        preempting itself, the budget the preempted sequences' unscheduling gives back)."""
+                   out: SchedulerOutput) -> int:
+        """Preempts the newest running sequences, `seq` itself last, until `seq` may hold `num_tokens` tokens or is
+        preempted; returns the budget the preempted sequences' unscheduling gives back."""
         refund = 0
-        while not self.block_manager.can_grow(seq, num_tokens):
-            victim = self.running[-1]
-            if victim is seq:
-                return False, refund
-            refund += self._preempt(victim, scheduled, out)
-        return True, refund
+        while seq.status is SequenceStatus.RUNNING and not self.block_manager.can_grow(seq, num_tokens):
+            refund += self._preempt(self.running[-1], scheduled, out)
+        return refund
 
     def _fork_pages(self, seq: Sequence) -> tuple[list[int], list[int]] | None:
         """The prompt's full pages held by the request's first sequence, if it still holds them."""
@@ -220,10 +215,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, scheduled: dict[Sequence, ScheduledChunk], out: SchedulerOutput) -> int:
         """Sends `seq` back to waiting with no pages; returns the budget its unscheduling gives back."""
-        refund = 0
         chunk = scheduled.pop(seq, None)
-        if chunk is not None:
-            refund = chunk.num_tokens
         self._leave_running(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -231,7 +223,7 @@ class Scheduler:
         self.block_manager.prefetch(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
-        return refund
+        return 0 if chunk is None else chunk.num_tokens
 
     def _enter_waiting(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=_schedule_key)
