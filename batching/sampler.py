@@ -96,10 +96,6 @@ class SamplingBatch:
             self.bias_ids[row, :len(ids)], self.bias[row, :len(ids)] = ids, biases
         self.exclusive[row] = bool(params.allowed_token_ids)
 
-    def take(self, rows) -> SamplingBatch:
-        """rows: [R] int32 -> the batch of those rows."""
-        return jax.tree.map(lambda x: x[rows], self)
-
     def penalized(self) -> jax.Array:
         """[S] bool: rows with a penalty, which reads the row's token history (numpy or jax arrays alike)."""
         return (self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.repetition_penalty != 1)
@@ -210,7 +206,8 @@ class SampledRows:
     history: jax.Array
 
     def batch(self, table: SamplingBatch) -> SamplingBatch:
-        return replace(table.take(self.slot), step=self.step, draft=self.draft, history=self.history)
+        rows = jax.tree.map(lambda x: x[self.slot], table)
+        return replace(rows, step=self.step, draft=self.draft, history=self.history)
 
 
 def bitmask_words(vocab_size: int) -> int:
