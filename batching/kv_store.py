@@ -533,10 +533,7 @@ class KVStore:
 
     def _discard(self, path: Path, problem: str) -> None:
         logger.warning("KV store: removed corrupt page file %s (%s)", path, problem)
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as e:  # forgotten all the same: a file left behind is checked again by the next store
-            logger.warning("KV store: could not remove %s: %s", path, e)
+        _remove_files((path,))  # forgotten all the same: a file left behind is checked again by the next store
         with self._lock:
             self._disk.pop(path.stem, None)
             self._corrupt += 1
