@@ -25,12 +25,10 @@ fingerprint 32s, key 32s, payload length u64, then the checksum 32s (blake2b of 
 temporary file beside it, is fsynced, then renamed over the name (`os.replace`), so a name only ever holds a
 whole file; a file whose size, header or checksum is wrong is removed, logged once and counted, never served.
 
-Threads: the engine thread owns the store and calls every method. Disk writes, and the removal of forgotten pages'
-files, run in order on one writer thread (at most `queue_pages` writes wait for it: one more is dropped and
-counted, the page staying in RAM), as do the marks of a file's use when RAM evicts a page already on disk (at most
-`queue_pages` of them wait too, apart from the writes: one more is skipped, only the next store's order off), and
-`prefetch` reads pages on one reader thread, so the engine's steps never wait on the disk; `_lock` guards what the
-threads share (both tiers' indexes and counters).
+Threads: the engine thread owns the store and calls every method. Disk writes, the marks of a file's use and the
+removal of forgotten pages' files run in order on one writer thread (its queue bounded: `_spill`), and `prefetch`
+reads pages on one reader thread, so the engine's steps never wait on the disk; `_lock` guards what the threads
+share (both tiers' indexes and counters).
 """
 
 from __future__ import annotations
