@@ -82,12 +82,11 @@ class InputBatch:
                 dirty.append(slot)
         if not dirty:
             return None
-        size = next(b for b in self.buckets if b >= len(dirty))
+        return self.slot_writes(dirty, next(b for b in self.buckets if b >= len(dirty)))
+
+    def slot_writes(self, dirty: list[int], size: int) -> SlotWrites:
+        """The host rows of `dirty` slots as `size` writes, the rest writes that change nothing (with no dirty slots:
+        to compile, or to mirror another process's shapes)."""
         slots = np.full(size, self.padding_slot, np.int32)
         slots[:len(dirty)] = dirty
-        return SlotWrites(slots, jax.tree.map(lambda x: x[slots], self.host))
-
-    def padding_writes(self, size: int) -> SlotWrites:
-        """`size` writes that change nothing (to compile, or to mirror another process's shapes)."""
-        slots = np.full(size, self.padding_slot, np.int32)
         return SlotWrites(slots, jax.tree.map(lambda x: x[slots], self.host))

@@ -409,7 +409,7 @@ class ModelRunner:
         step's sampler of every pass (which stands in for a plan met later while that one compiles), and every
         size of slot writes (padding writes change nothing)."""
         for size in self.input_batch.buckets:
-            self._write(self.input_batch.padding_writes(size))
+            self._write(self.input_batch.slot_writes([], size))
         if not self.plans_on_host:
             plans = [None]
         elif plans is None:
@@ -529,7 +529,7 @@ class ModelRunner:
             inputs, sampled = step_broadcast.receive_payload(self._pad([], bucket, None))
             writes = None
             if num_writes:
-                template = self.input_batch.padding_writes(num_writes)
+                template = self.input_batch.slot_writes([], num_writes)
                 writes = SlotWrites(*step_broadcast.receive_payload((template.slots, template.rows)))
 
             def receive_masks(allowed: np.ndarray) -> None:
