@@ -5,11 +5,10 @@ its drafts run as one causal query, and the drafts are kept up to the first the 
 what the measurements in RESULTS.md (speculative decoding) support, and no more:
 - a fixed draft length k (`--num-speculative-tokens`);
 - a per-sequence acceptance average `alpha` (exponential, over its verifications' per-draft rates; 0.5 before
-  any). Draft i is kept with probability `alpha^i` and adds one row to the step, so it pays when `alpha^i` is at
-  least the share of the step's time one token costs (`drafts_worth_checking`): all k while a sequence copies,
-  fewer as its drafts start missing, fewer as the batch grows (it beat checking all k or none on copy-heavy
-  requests one at a time). A sequence that drafts nothing still has its first proposed token compared
-  with the token it samples (`shadow_draft`), so `alpha` keeps following what its drafts would do;
+  any), from which `drafts_worth_checking` takes how many of the k drafts pay: all k while a sequence copies, fewer
+  as its drafts start missing or the batch grows (it beat checking all k or none on copy-heavy requests one at a
+  time). A sequence that drafts nothing still has its first proposed token compared with the token it samples
+  (`shadow_draft`), so `alpha` keeps following what its drafts would do;
 - a batch-size cutoff: with more than `max_batch_size` decoding sequences nobody drafts. A large batch's step is
   compute-bound, and a step that checks drafts costs more than its rows (its sampler scores 1 + k rows per
   sequence), so drafts stop paying at a few sequences on a CPU.
@@ -20,7 +19,7 @@ the count chosen here when the call starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sluice.batching.ngram import NgramConfig
 from sluice.batching.sequence import Sequence
@@ -55,15 +54,12 @@ def drafts_worth_checking(acceptance: float, k: int, batch_size: int, row_cost: 
     return sum(acceptance**i >= token_share for i in range(1, k + 1))
 
 
-@dataclass
 class Speculator:
     """Chooses drafts for the engine and keeps the counters and each sequence's acceptance."""
 
-    config: NgramConfig
-    _totals: SpecCounters = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._totals = SpecCounters(accepted_per_position=(0,) * self.config.num_speculative_tokens)
+    def __init__(self, config: NgramConfig):
+        self.config = config
+        self._totals = SpecCounters(accepted_per_position=(0,) * config.num_speculative_tokens)
 
     def draft_count(self, seq: Sequence, batch_size: int) -> int:
         """How many drafts the sequence checks this step; with none, its first proposal becomes its shadow."""
