@@ -34,7 +34,6 @@ class BackgroundCompiler:
         self._queued: set[Hashable] = set()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()  # None: stop
         self._thread: threading.Thread | None = None
-        _compilers.add(self)
 
     def get(self, key: Hashable) -> jax.stages.Compiled | None:
         """The compiled program for `key`; None until it is ready."""
@@ -52,7 +51,7 @@ class BackgroundCompiler:
         if self._thread is None:
             self._thread = threading.Thread(target=_work, args=(self._jobs, self._ready), name="sluice-compile",
                                             daemon=True)
-            _threads.add(self._thread)
+            _threads[self._thread] = self._jobs
             self._thread.start()
             weakref.finalize(self, _stop, self._jobs).atexit = False  # at exit, `_close_all` stops it
 
@@ -63,14 +62,6 @@ class BackgroundCompiler:
     def wait(self) -> None:
         """Blocks until every program submitted so far is compiled (or failed)."""
         self._jobs.join()
-
-    def close(self) -> None:
-        """Drops the programs not started and waits for the one compiling: a process that exits in the middle of a
-        compile is aborted by XLA."""
-        if self._thread is not None:
-            _stop(self._jobs)
-            self._thread.join()
-            self._thread = None
 
 
 def _stop(jobs: queue.Queue[_Job | None]) -> None:
@@ -90,7 +81,7 @@ def _work(jobs: queue.Queue[_Job | None], ready: dict[Hashable, jax.stages.Compi
         job = jobs.get()
         try:
             if job is None:
-                _threads.discard(threading.current_thread())
+                _threads.pop(threading.current_thread(), None)
                 return
             key, lower = job
             ready[key] = lower().compile()
@@ -107,16 +98,15 @@ def shapes_of(tree):
         x.shape, x.dtype, sharding=x.sharding if getattr(x, "committed", False) else None), tree)
 
 
-_compilers: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()
-# Compile threads still running, a dropped compiler's too (stopped, it ends after the program it is on).
-_threads: set[threading.Thread] = set()
+# Compile threads still running, with their jobs: a dropped compiler's too (stopped, it ends after the program it
+# is on).
+_threads: dict[threading.Thread, queue.Queue[_Job | None]] = {}
 
 
 @atexit.register
 def _close_all() -> None:
-    """Stops every compiler and waits for the programs compiling: a process that exits in the middle of a compile
-    is aborted by XLA."""
-    for compiler in list(_compilers):
-        compiler.close()
-    for thread in list(_threads):
+    """Stops every compile thread and waits for the program it compiles: a process that exits in the middle of a
+    compile is aborted by XLA."""
+    for thread, jobs in list(_threads.items()):
+        _stop(jobs)
         thread.join()

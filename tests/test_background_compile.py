@@ -28,7 +28,6 @@ def test_a_submitted_program_compiles_once_and_runs_as_the_jitted_one():
     compiler.wait()
     np.testing.assert_array_equal(compiler.get("double")(x), double(x))
     assert compiler.num_compiled == 1
-    compiler.close()
 
 
 def test_a_program_that_fails_to_compile_stays_missing_and_the_others_compile():
@@ -42,7 +41,6 @@ def test_a_program_that_fails_to_compile_stays_missing_and_the_others_compile():
     compiler.wait()
     assert compiler.get("broken") is None and "broken" in compiler
     assert compiler.get("negate") is not None
-    compiler.close()
 
 
 def test_a_process_that_exits_while_a_program_compiles_exits_cleanly():
