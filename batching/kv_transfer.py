@@ -34,8 +34,11 @@ def scatter_pages(kv_cache: KVCache, page_ids: jax.Array, pages: KVCache) -> KVC
     return jax.tree.map(lambda x, p: x.at[:, page_ids].set(jnp.moveaxis(p, 0, 1), mode="drop"), kv_cache, pages)
 
 
-def _padded(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def _padded(page_ids: Sequence[int], fill: int) -> np.ndarray:
+    """`page_ids` (non-empty) then `fill` up to a power of two: [2^k] int32."""
+    ids = np.full(1 << (len(page_ids) - 1).bit_length(), fill, np.int32)
+    ids[:len(page_ids)] = page_ids
+    return ids
 
 
 class PageCopy:
@@ -43,8 +46,7 @@ class PageCopy:
     already dispatched), copied to the host without blocking; `payloads` waits for them."""
 
     def __init__(self, kv_cache: KVCache, page_ids: Sequence[int]):
-        ids = np.zeros(_padded(len(page_ids)), np.int32)  # the padding gathers page 0, never returned
-        ids[:len(page_ids)] = page_ids
+        ids = _padded(page_ids, 0)  # the padding gathers page 0, never returned
         self._leaves = jax.tree.leaves(gather_pages(kv_cache, ids))
         self._count = len(page_ids)
         for leaf in self._leaves:
@@ -60,10 +62,8 @@ def load_pages(kv_cache: KVCache, page_ids: Sequence[int], payloads: Sequence[Pa
     """Writes `payloads[i]` into page `page_ids[i]` (non-empty, one payload each) of the pool (donated) and
     returns the updated pool."""
     leaves, treedef = jax.tree.flatten(kv_cache)
-    size = _padded(len(page_ids))
-    ids = np.full(size, leaves[0].shape[1], np.int32)  # num_pages: out of range, so the padding writes nothing
-    ids[:len(page_ids)] = page_ids
-    stacked = [np.zeros((size, *first.shape), first.dtype) for first in payloads[0]]
+    ids = _padded(page_ids, leaves[0].shape[1])  # num_pages: out of range, so the padding writes nothing
+    stacked = [np.zeros((len(ids), *first.shape), first.dtype) for first in payloads[0]]
     for i, payload in enumerate(payloads):
         for leaf, array in zip(stacked, payload, strict=True):
             leaf[i] = array
