@@ -267,6 +267,9 @@ class _Tally:
     misses: int = 0
     evictions: int = 0
 
+    def counters(self, pages: int, page_bytes: int) -> TierCounters:
+        return TierCounters(self.hits, self.misses, pages, pages * page_bytes, self.evictions)
+
 
 class KVStore:
     """The two tiers of `layout`'s pages under `directory`: at most `ram_bytes` of payloads in RAM and `disk_bytes`
@@ -381,12 +384,9 @@ class KVStore:
 
     def counters(self) -> KVStoreCounters:
         with self._lock:
-            ram_pages, disk_pages = len(self._ram), len(self._disk)
-            disk = TierCounters(self._disk_tally.hits, self._disk_tally.misses, disk_pages,
-                                disk_pages * self.file_bytes, self._disk_tally.evictions)
-            ram = TierCounters(self._ram_tally.hits, self._ram_tally.misses, ram_pages,
-                               ram_pages * self.layout.page_nbytes, self._ram_tally.evictions)
-            return KVStoreCounters(ram, disk, self._corrupt, self._dropped)
+            return KVStoreCounters(self._ram_tally.counters(len(self._ram), self.layout.page_nbytes),
+                                   self._disk_tally.counters(len(self._disk), self.file_bytes), self._corrupt,
+                                   self._dropped)
 
     def flush(self) -> None:
         """Returns once every page put so far is on disk (or dropped), and those forgotten so far are not."""
