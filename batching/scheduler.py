@@ -99,8 +99,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queues `seq` (new, or preempted: holding no pages) to wait for admission."""
         seq.status = SequenceStatus.WAITING
-        self._enter_waiting(seq)
+        bisect.insort(self.waiting, seq, key=_schedule_key)
+        self._waiting_requests[seq.request_id] += 1
         self.block_manager.prefetch(seq)
 
     def num_requests(self) -> tuple[int, int]:
@@ -218,16 +220,10 @@ class Scheduler:
         chunk = scheduled.pop(seq, None)
         self._leave_running(seq)
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        self._enter_waiting(seq)
-        self.block_manager.prefetch(seq)
+        self.add(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
         return 0 if chunk is None else chunk.num_tokens
-
-    def _enter_waiting(self, seq: Sequence) -> None:
-        bisect.insort(self.waiting, seq, key=_schedule_key)
-        self._waiting_requests[seq.request_id] += 1
 
     def _waiting_index(self, seq: Sequence) -> int:
         index = bisect.bisect_left(self.waiting, seq.schedule_key, key=_schedule_key)
