@@ -2,21 +2,17 @@
 pool donated (`model_runner.py`).
 
 Three programs, by the step's shape (`Bucket`):
-- `forward`: one step's model, to the sampled rows' logits. The sampler is a second jitted call (`sample_step`),
-  so that the host fills the structured-output masks of constrained rows while the model runs.
+- `forward`: one step's model, to the sampled rows' logits (`sample_step` samples them, a call of its own).
 - `decode_steps`: several decode steps in one call. Each sampled token is fed back on the device, rows stop on
   their stop ids there, and each row runs at most its `limit` steps (its pages are reserved for them
   beforehand). Never given constrained rows: the host cannot fill a mask between the steps.
 - `verify_steps`: the same with speculative decoding. Drafting rows propose n-gram drafts on the device at every
   step and check them there, so the host is not needed between one verification and the next.
 
-Outputs always carry a leading [num_steps] axis. Steps after every row has ended are skipped (`_while_any_runs`),
-unless the host decides the sampler's branches (`SamplerPlan`: on a GPU, where each decision left to the device
-is a conditional that stalls the call) or the layers are unrolled. A step's inputs cross to the device packed in
-one buffer (`pack`); page tables and sampling parameters are not sent with it: they are the persistent input
-batch's rows on the device (`input_batch.py`). Each step leaves every sequence's last sampled token on the
-device (`last_tokens`), and the next step takes from there the tokens the host has not seen yet
-(`StepInputs.fed`): with overlapped scheduling the engine dispatches that step before it collects this one.
+Outputs always carry a leading [num_steps] axis. A step's inputs cross to the device packed in one buffer
+(`pack`), beside the persistent input batch's rows (`input_batch.py`). Each step leaves every sequence's last
+sampled token on the device (`last_tokens`), and the next step takes from there the tokens the host has not seen
+yet (`StepInputs.fed`): with overlapped scheduling the engine dispatches that step before it collects this one.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 Every step is padded to a bucket from a small fixed set, so after the warm-up compiles them all the step never
 recompiles: decode-only steps by their number of sequences, mixed steps by their number of tokens. The KV pool
 is donated to the step and replaced by its output; the model parameters are split from the NNX module once and
-passed in as a flat list. Page tables and sampling parameters live on the device in the persistent input batch
-(`input_batch.py`), one row per running sequence's slot: a step sends only the rows that changed, then per token
-and per sampled row its slot. `dispatch` returns at once (async dispatch) and starts copying the sampled tokens to
-the host (`step_output.py`), so the engine does its text work while the device computes.
+passed in as a flat list. Page tables and sampling parameters stay on the device (`input_batch.py`). `dispatch`
+returns at once (async dispatch) and starts copying the sampled tokens to the host (`step_output.py`), so the
+engine does its text work while the device computes.
 
 A single step is two jitted calls, the model (to logits) and the sampler, so that the host fills the
 structured-output masks of the step's constrained rows (`batching/structured.py`) while the device runs the
