@@ -198,13 +198,13 @@ class ModelRunner:
             pow2_buckets(2, min(max_num_batched_tokens, max_verified * (1 + self.num_speculative_tokens))) if ngram
             else [])
         self.verify_buckets = pow2_buckets(1, max_verified) if ngram and num_decode_steps > 1 else []
-        self._steps: dict[tuple[int, int], jax.stages.Wrapped] = {}
+        self._steps: dict[tuple[int, int, SamplerPlan | None], jax.stages.Wrapped] = {}  # `_step_fn`'s
+        self.plans_on_host = (resolve_sampler_branches(sampler_branches) == "host"
+                              and not step_broadcast.is_multiprocess())
         # Logits and sampled tokens replicated on every device, so any process (process 0 in a multi-process job)
         # reads the tokens.
         everywhere = None if mesh is None else replicated(mesh)
         # partial: jax.jit keys its cache by the function object, and this runner's compilations are its own.
-        self.plans_on_host = (resolve_sampler_branches(sampler_branches) == "host"
-                              and not step_broadcast.is_multiprocess())
         self._sample = jax.jit(partial(sample_step, max_num_seqs), static_argnums=(0,), out_shardings=everywhere)
         self._mask = jax.jit(partial(mask_disallowed), out_shardings=everywhere)
         self._score = jax.jit(partial(score_step, self.graphdef, self._state_def), out_shardings=everywhere)
