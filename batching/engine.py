@@ -446,9 +446,7 @@ class Engine:
             self._collect()
         launched = self._launch(start, masks_later=overlap)
         if overlap:
-            failures = self._num_step_failures
-            self._collect()
-            if self._num_step_failures != failures:
+            if not self._collect():
                 launched = None  # fed from the failed step, on a pool that is gone
             elif launched is not None:
                 launched = self._sample(launched)
@@ -532,17 +530,17 @@ class Engine:
             counts.append(count)
         return first_indices, counts
 
-    def _collect(self) -> None:
+    def _collect(self) -> bool:
         """Takes in the step in flight: appends each sequence's tokens (until it ends), emits their text and
-        caches its pages."""
+        caches its pages. False if the step failed (the engine started over)."""
         launched = self._in_flight  # kept there while it is fetched, for the watchdog to name
         if launched is None:
-            return
+            return True
         try:
             result = launched.pending.fetch()
         except Exception as error:  # noqa: BLE001
             self._start_over(error)
-            return
+            return False
         self._in_flight = None
         arrived = time.perf_counter()
         chunks = launched.pending.chunks
@@ -589,6 +587,7 @@ class Engine:
                                   host_s=launched.host_s + end - arrived)
         self._last_collected = end
         self._totals.add_step(self._last_step)
+        return True
 
     def _append_decoded(self, launched: _Launched, runs: list[list[int]], nonfinite: list[bool]) -> list[int]:
         """Appends and emits, in one pass, the tokens of each sequence that just goes on decoding (a decode step's
