@@ -252,7 +252,7 @@ class Engine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._totals = StepTotals(config.max_num_seqs)
-        self._stats = self._snapshot(None)
+        self._stats = self._snapshot()
 
     @classmethod
     def create(cls, config: EngineConfig, *, progress: bool = True) -> Engine:
@@ -455,7 +455,7 @@ class Engine:
             self._collect()  # and its stop strings searched: a sequence they end is not scheduled again
         self._flush()
         self._num_steps += 1
-        self._stats = self._snapshot(self._last_step)
+        self._stats = self._snapshot()
 
     def _overlaps(self) -> bool:
         """Whether this step may be dispatched before the host has the previous step's tokens: only if nothing
@@ -951,7 +951,7 @@ class Engine:
 
     # --- statistics ---------------------------------------------------------------------------------
 
-    def _snapshot(self, last_step: StepStats | None) -> EngineStats:
+    def _snapshot(self) -> EngineStats:
         pool = self.block_manager.counters()
         num_requests_running, num_requests_waiting = self.scheduler.num_requests()
         return EngineStats(
@@ -968,7 +968,7 @@ class Engine:
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
             num_step_failures=self._num_step_failures,
-            last_step=last_step,
+            last_step=self._last_step,
             spec=self.speculator.counters() if self.speculator is not None else None,
             busy_s=self._totals.busy_s,
             flops=self._totals.flops,
