@@ -14,13 +14,17 @@ grammar comes after `ReasoningFormat.preamble`, llguidance's rule for the reason
 where the request has no grammar.
 
 `ReasoningStream` splits a reply as it streams, holding back text that may be the start of a tag; a whole reply
-is split by the same stream, so the two always agree. `ReplyReader` reads the answer it splits off for calls too.
+is split at once by the same rule (`ReasoningFormat.split`), which the stream is tested to agree with in any pieces.
+`ReplyReader` reads the answer it splits off for calls too. `ReasoningFormat.count_tokens` counts the tokens the
+reasoning was generated in, for the usage.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 from sluice.app.tool_call_streams import StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling
@@ -93,10 +97,62 @@ class ReasoningFormat:
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning, content) of a whole reply; reasoning None if it has none."""
-        stream = self.stream()
-        pieces = stream.push(text) + stream.finish()
-        reasoning = "".join(piece.text for piece in pieces if isinstance(piece, Thought))
-        return reasoning or None, "".join(piece.text for piece in pieces if isinstance(piece, TextDelta))
+        span = self._thought_span(text)
+        if span is None:
+            return None, text
+        start, end = span
+        return text[start:end] or None, text[end + len(END):].lstrip()  # the blank after </think> left out
+
+    def _thought_span(self, text: str) -> tuple[int, int] | None:
+        """Where a whole reply's reasoning is in its text, (start, end): after its `<think>` (written after
+        whitespace alone), or from its start where the template opened it, up to its first `</think>` or its end;
+        None if it does not think."""
+        head = text.lstrip()
+        if head.startswith(START):
+            start = len(text) - len(head) + len(START)
+        elif self.opens_in_prompt:
+            start = 0
+        else:
+            return None
+        end = text.find(END, start)
+        return start, len(text) if end < 0 else end
+
+    def count_tokens(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int:
+        """How many of a reply's generated tokens (`token_ids`, of `tokenizer`'s vocabulary) are its reasoning, for the
+        usage's `reasoning_tokens`, as vLLM's reasoning parsers count them (`count_reasoning_tokens`): those between
+        the reply's `<think>` (its start, where the template opened it) and its first `</think>`, or its last token
+        where max_tokens cut the thought short; the tags' own tokens are not reasoning.
+
+        Where each tag is one token (DeepSeek-R1's, Qwen3's), the tags are those tokens, as vLLM and the grammar
+        (`preamble`) take them, and the count reads token ids alone. Where a tag is text of several tokens (vLLM's
+        parsers refuse such a vocabulary; the reader splits its text all the same), the tags are found in the
+        tokens' text as the reader finds them in the reply's, however the reply split them into tokens (SmolLM2
+        writes `</think>` as `</`, `think`, `>`, and ` </think>` as ` </`, `think`, `>`), and a token is
+        reasoning if any of its text is."""
+        opening, closing = _one_token(tokenizer, START), _one_token(tokenizer, END)
+        if opening is None or closing is None:
+            return self._count_by_text([tokenizer.token_text(token_id) for token_id in token_ids])
+        first = next((i for i, token_id in enumerate(token_ids) if not tokenizer.token_text(token_id).isspace()),
+                     len(token_ids))
+        if first < len(token_ids) and token_ids[first] == opening:
+            start = first + 1
+        elif self.opens_in_prompt:
+            start = 0
+        else:
+            return 0
+        try:
+            return token_ids.index(closing, start) - start
+        except ValueError:  # cut short while thinking
+            return len(token_ids) - start
+
+    def _count_by_text(self, texts: list[str]) -> int:
+        """How many of the tokens whose texts are `texts` hold some of the reasoning's text."""
+        span = self._thought_span("".join(texts))
+        if span is None:
+            return 0
+        start, end = span
+        bounds = pairwise(accumulate(map(len, texts), initial=0))  # each token's (start, end) in the text
+        return sum(max(begin, start) < min(stop, end) for begin, stop in bounds)
 
 
 def _one_token(tokenizer: Tokenizer, tag: str) -> int | None:

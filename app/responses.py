@@ -227,7 +227,7 @@ class ChatBuilder:
         self._tool_calling = tool_calling
         self._reasoning = reasoning
         self._tokenizer = tokenizer
-        self._thoughts: list[list[str]] = [[] for _ in range(body.n)]  # each choice's reasoning pieces, streamed
+        self._generated: list[list[int]] = [[] for _ in range(body.n)]  # each choice's token ids, streamed
         self._running = RunningUsage([len(prompt_ids)] * body.n) if body.continuous_usage else None
         self._frame = ChunkFrame(ChatCompletionChunk(id=request_id, created=self._created, model=model, choices=[]),
                                  body.include_usage,
@@ -243,7 +243,7 @@ class ChatBuilder:
             created=self._created,
             model=self._model,
             choices=chat_choices,
-            usage=usage_info(generation.usage, self._reasoning_tokens(c.message.reasoning for c in chat_choices)),
+            usage=usage_info(generation.usage, self._reasoning_tokens(c.token_ids for c in choices)),
             prompt_logprobs=(vllm_prompt_logprobs(self._names, scored, self._body.prompt_logprobs)
                              if scored is not None else None),
             prompt_token_ids=self._prompt_ids,
@@ -284,14 +284,14 @@ class ChatBuilder:
         async for chunk in chunks:
             yield chunk
         if self._body.include_usage:
-            yield self._chunk([], usage=usage_info(generation.usage, self._reasoning_tokens(map("".join, self._thoughts))))
+            yield self._chunk([], usage=usage_info(generation.usage, self._reasoning_tokens(self._generated)))
 
-    def _reasoning_tokens(self, thoughts: Iterable[str | None]) -> int | None:
-        """How many tokens the choices' reasoning holds (their text encoded again, as vLLM counts it); None without a
+    def _reasoning_tokens(self, token_ids: Iterable[Sequence[int]]) -> int | None:
+        """How many of the choices' generated tokens (`token_ids`, each choice's) are their reasoning; None without a
         --reasoning-parser."""
         if self._reasoning is None:
             return None
-        return sum(len(self._tokenizer.encode(text, add_special_tokens=False)) for text in thoughts if text)
+        return sum(self._reasoning.count_tokens(self._tokenizer, ids) for ids in token_ids)
 
     async def _text_chunks(self, increments: AsyncIterator[Increment]) -> AsyncGenerator[bytes, None]:
         per_token = self._body.logprobs or self._body.return_token_ids
@@ -316,7 +316,7 @@ class ChatBuilder:
         async for increment in increments:
             reader = readers[increment.choice]
             pieces = reader.push(increment.text) + (reader.finish() if increment.finish_reason is not None else [])
-            self._thoughts[increment.choice] += [piece.text for piece in pieces if isinstance(piece, Thought)]
+            self._generated[increment.choice] += increment.token_ids
             deltas = [self._delta(piece) for piece in pieces]
             if (increment.logprobs or self._body.return_token_ids and increment.token_ids) and not deltas:
                 deltas = [ChatDelta()]  # for the logprobs or ids: no text, as the whole reply has none

@@ -77,8 +77,7 @@ async def create_response(request: Request) -> Response:
                                                         len(items), frozenset(item.id for item in conversation)))
 
     logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
-    builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning,
-                               lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
+    builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning, engine.tokenizer)
     generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival,
                                         "input")
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)

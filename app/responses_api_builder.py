@@ -22,6 +22,7 @@ from typing import Any
 from pydantic_core import to_json
 
 from sluice.batching.outputs import TokenLogprob, Usage
+from sluice.model.tokenizer import Tokenizer
 
 from sluice.app.errors import as_api_error
 from sluice.app.generation import Generation
@@ -74,18 +75,19 @@ def response_usage(usage: Usage, reasoning_tokens: int = 0) -> ResponseUsage:
 class ResponsesBuilder:
     """`response` is the response in progress (no output yet); once the reply has ended it is completed in place
     and handed to `on_done` (the store), streamed or not. `logprobs`: how token logprobs are shown (None: the
-    request did not ask for them); `reasoning`: how the reply's reasoning is told (None: no --reasoning-parser), and
-    `count_tokens` how many tokens a text is (the reasoning's, for the usage's `reasoning_tokens`)."""
+    request did not ask for them); `reasoning`: how the reply's reasoning is told (None: no --reasoning-parser);
+    `tokenizer`: the vocabulary of the reply's tokens, in which `reasoning` counts those of the reasoning (the usage's
+    `reasoning_tokens`), needed with it."""
 
     def __init__(self, response: ResponseObject, tool_calling: ToolCalling | None,
                  on_done: Callable[[ResponseObject], None], logprobs: LogprobsOf | None = None,
-                 reasoning: ReasoningFormat | None = None, count_tokens: Callable[[str], int] | None = None) -> None:
+                 reasoning: ReasoningFormat | None = None, tokenizer: Tokenizer | None = None) -> None:
         self._response = response
         self._tool_calling = tool_calling
         self._on_done = on_done
         self._logprobs = logprobs
         self._reasoning = reasoning
-        self._count_tokens = count_tokens
+        self._tokenizer = tokenizer
 
     async def collect(self, generation: Generation) -> ResponseObject:
         async for _ in self._events(generation):
@@ -108,8 +110,8 @@ class ResponsesBuilder:
                 yield frame(event)
         except Exception as caught:  # noqa: BLE001 - the client hears why its stream ended
             error = as_api_error(caught, "a response stream")
-            failed = self._response.model_copy(
-                update={"status": "failed", "error": ResponseError(code=error.code or error.type, message=error.message)})
+            failed = self._response.model_copy(update={
+                "status": "failed", "error": ResponseError(code=error.code or error.type, message=error.message)})
             yield frame({"type": "response.failed", "response": failed})
             return
         yield frame({"type": f"response.{self._response.status}", "response": self._response})
@@ -117,7 +119,8 @@ class ResponsesBuilder:
     async def _events(self, generation: Generation) -> AsyncGenerator[Event, None]:
         output = _Output(self._response.output, replica_of(self._response.id))
         finish_reason = None
-        async for event in self._reply(generation):
+        token_ids: list[int] = []  # the reply's, whose reasoning's the usage counts
+        async for event in self._reply(generation, token_ids):
             if isinstance(event, str):
                 finish_reason = event
             else:
@@ -129,17 +132,18 @@ class ResponsesBuilder:
         self._response.status = "incomplete" if incomplete else "completed"
         if incomplete:
             self._response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
-        thoughts = [item.content[0].text for item in self._response.output if isinstance(item, OutputReasoning)]
-        counted = sum(map(self._count_tokens, thoughts)) if self._count_tokens is not None else 0
+        counted = 0 if self._reasoning is None else self._reasoning.count_tokens(self._tokenizer, token_ids)
         self._response.usage = response_usage(generation.usage, counted)
         self._on_done(self._response)
 
-    async def _reply(self, generation: Generation) -> AsyncIterator[Thought | StreamEvent | _Logprobs | str]:
+    async def _reply(self, generation: Generation, token_ids: list[int]
+                     ) -> AsyncIterator[Thought | StreamEvent | _Logprobs | str]:
         """The reply as thoughts, text deltas, call starts and arguments fragments (each increment's logprobs first,
-        if asked for), then its finish reason."""
+        if asked for), then its finish reason; its token ids are added to `token_ids` as they come."""
         reader = ReplyReader(self._reasoning, self._tool_calling)
         held: list[TokenLogprobInfo] = []  # of tokens whose text the reader holds (it may yet start the answer)
         async for increment in generation.increments():
+            token_ids += increment.token_ids
             answering, answered = reader.answering, reader.answered
             events = reader.push(increment.text)
             if increment.finish_reason is not None:

@@ -238,16 +238,20 @@ def test_a_vocabulary_whose_tags_are_text_binds_no_budget():
         DEEPSEEK.preamble(tokenizer, 8)
 
 
+TEXT_TAGS = think_tokenizer(special=False)
+
+
 class _Replay:
-    """A generation that replays one choice's text in pieces (what a response builder reads)."""
+    """A generation that replays one choice's text in pieces (what a response builder reads), each piece as the
+    tokens `TEXT_TAGS` encodes it to."""
 
     def __init__(self, pieces: list[str]) -> None:
-        self._pieces = pieces
-        self.usage = Usage(prompt_tokens=2, completion_tokens=len(pieces))
+        self._pieces = [(piece, tuple(TEXT_TAGS.encode(piece, add_special_tokens=False))) for piece in pieces]
+        self.usage = Usage(prompt_tokens=2, completion_tokens=sum(len(ids) for _, ids in self._pieces))
 
     async def increments(self) -> AsyncGenerator[Increment, None]:
-        for i, piece in enumerate(self._pieces):
-            yield Increment(0, piece, (i,), finish_reason="stop" if i == len(self._pieces) - 1 else None)
+        for i, (piece, ids) in enumerate(self._pieces):
+            yield Increment(0, piece, ids, finish_reason="stop" if i == len(self._pieces) - 1 else None)
 
 
 # A reply in pieces, with calls (True) or text (False) after its reasoning; what the reply is read for.
@@ -285,12 +289,12 @@ def test_a_chat_reply_of_reasoning_alone_streamed_with_logprobs_has_no_content_a
 
 
 @pytest.mark.parametrize("tools", [False, True], ids=["text", "tool calls"])
-def test_a_chat_reply_streamed_and_whole_has_its_reasoning_apart_and_its_answer_read_for_calls(smollm2, tools):
+def test_a_chat_reply_streamed_and_whole_has_its_reasoning_apart_and_its_answer_read_for_calls(tools):
     pieces, calling = PIECES[tools], CALLING[tools]
 
     def builder(stream: bool) -> ChatBuilder:
         body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": stream})
-        return ChatBuilder("chatcmpl-1", "m", smollm2.tokenizer, body, [1], calling, QWEN3)
+        return ChatBuilder("chatcmpl-1", "m", TEXT_TAGS, body, [1], calling, QWEN3)
 
     async def streamed() -> list[dict]:
         events = [event async for event in builder(True).events(_Replay(pieces))]
@@ -353,7 +357,7 @@ def test_a_responses_reply_has_a_reasoning_item_first_that_the_clients_stream_as
     done: list[ResponseObject] = []
 
     def builder() -> ResponsesBuilder:
-        return ResponsesBuilder(blank_response(), CALLING[tools], done.append, reasoning=QWEN3, count_tokens=len)
+        return ResponsesBuilder(blank_response(), CALLING[tools], done.append, reasoning=QWEN3, tokenizer=TEXT_TAGS)
 
     async def stream() -> list[bytes]:
         return [event async for event in builder().events(_Replay(PIECES[tools]))]
@@ -378,7 +382,6 @@ def test_a_responses_reply_has_a_reasoning_item_first_that_the_clients_stream_as
                      "response.output_item.done"]
     [assistant] = chat_messages(stored_items(output_items(done[0].output), ""))
     assert assistant["reasoning_content"] == thought
-    assert whole.usage.output_tokens_details.reasoning_tokens == len(thought)  # `count_tokens` counts characters
 
 
 TOKENS = {1: "<th", 2: "ink>", 3: "hm", 4: "</think>", 5: "\n\n", 6: "Nine", 7: ".", 8: "<|im_end|>"}
@@ -397,8 +400,8 @@ def test_a_responses_replys_output_text_logprobs_are_its_answers_tokens_alone(in
         return [TokenLogprobInfo(token=TOKENS[e.token_id], logprob=e.logprob, bytes=list(TOKENS[e.token_id].encode()),
                                  top_logprobs=[]) for e in entries]
 
-    def builder() -> ResponsesBuilder:
-        return ResponsesBuilder(blank_response(), None, lambda _: None, shown, reasoning=QWEN3)
+    def builder() -> ResponsesBuilder:  # (the ids are no vocabulary's: the usage's reasoning tokens go unread)
+        return ResponsesBuilder(blank_response(), None, lambda _: None, shown, reasoning=QWEN3, tokenizer=TEXT_TAGS)
 
     async def run() -> tuple[ResponseObject, list[bytes]]:
         whole = await builder().collect(ScriptedGeneration(*increments))
@@ -429,8 +432,8 @@ def test_a_responses_reply_that_does_not_think_keeps_every_tokens_logprob(increm
         return [TokenLogprobInfo(token=REPLY_BYTES[e.token_id].decode(errors="replace"), logprob=e.logprob,
                                  bytes=list(REPLY_BYTES[e.token_id]), top_logprobs=[]) for e in entries]
 
-    whole = asyncio.run(ResponsesBuilder(blank_response(), None, lambda _: None, shown, reasoning=QWEN3)
-                        .collect(ScriptedGeneration(*increments)))
+    whole = asyncio.run(ResponsesBuilder(blank_response(), None, lambda _: None, shown, reasoning=QWEN3,
+                                         tokenizer=TEXT_TAGS).collect(ScriptedGeneration(*increments)))
     [message] = whole.output
     ids = [t for _, tokens, _ in increments for t in tokens if t != 8]
     assert message.content[0].text == text
@@ -509,12 +512,14 @@ def r1_client(r1_server):
 @pytest.mark.parametrize("served", ["client", "r1_client"], ids=["qwen3", "deepseek_r1"])
 def test_a_served_reply_under_a_grammar_thinks_then_answers_by_the_grammar_whole_and_streamed(request, served):
     client = request.getfixturevalue(served)
-    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, extra_body=THINKING)
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40,
+                                           extra_body={**THINKING, "return_token_ids": True})
     message = reply.choices[0].message
     thought, answer = message.model_extra["reasoning"], message.content
     assert message.model_extra["reasoning_content"] == thought and set(thought) == {"a"}
     assert re.fullmatch("[a-z]{2,8}", answer) and reply.choices[0].finish_reason == "stop"
-    counted = len(VOCABULARY.encode(thought, add_special_tokens=False))
+    ids = reply.choices[0].token_ids
+    counted = ids.index(CLOSE) - ids.index(OPEN) - 1  # the tokens between the tags
     assert reply.usage.completion_tokens_details.reasoning_tokens == counted
     chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, stream=True,
                                                  stream_options={"include_usage": True}, extra_body=THINKING))
@@ -621,7 +626,8 @@ def rendered(server, messages: list[dict], **fields) -> tuple[str, int]:
     ({"reasoning_effort": "high"}, "effort: high\nthinking: True\n"),
     ({"reasoning_effort": "none"}, "effort: none\nthinking: False\n"),
     ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}, "effort: low\nthinking: False\n"),
-    ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "effort: low\nthinking: True\n"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+     "effort: low\nthinking: True\n"),
     ({}, "fox\nassistant\n"),  # special tokens (<s>, </s>) have no text
 ], ids=["high", "none", "thinking set", "kwargs effort replaced", "not set"])
 def test_chats_reasoning_effort_reaches_the_template_with_enable_thinking_as_vllm_passes_them(server, client, fields,
@@ -670,7 +676,12 @@ def test_a_served_response_reasons_in_an_item_streamed_alike_and_stored(r1_serve
                                               stream=True))
         streamed = events[-1].response  # response.incomplete's (the client's stream helper waits for completed)
         stored = client.responses.retrieve(whole.id)
+        ids = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0,
+                                             extra_body={"return_token_ids": True}).choices[0].token_ids
     [reasoning] = whole.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text and whole.status == "incomplete"
     assert [item.content for item in streamed.output] == [reasoning.content] == [item.content for item in stored.output]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
+    thought = len(ids) - (ids[0] == OPEN)  # cut short while thinking: all its tokens but a <think> of its own
+    assert whole.usage.output_tokens_details.reasoning_tokens == streamed.usage.output_tokens_details.reasoning_tokens
+    assert whole.usage.output_tokens_details.reasoning_tokens == thought
