@@ -380,8 +380,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return (self.scheduler.has_work or bool(self._unemitted) or self._in_flight is not None
-                or not self._inbox.empty())
+        return self.scheduler.has_work or self._in_flight is not None or not self._inbox.empty()
 
     def _run(self) -> None:
         while not self._stopping:
