@@ -363,19 +363,24 @@ class _Replay:
     def __init__(self, pieces: list[str], finish: str) -> None:
         self._pieces = pieces or [""]
         self._finish = finish
-        self.usage = Usage(prompt_tokens=1, completion_tokens=len(self._pieces))
+        self.usage = Usage(prompt_tokens=1, completion_tokens=sum(map(len, self._pieces)))
 
     async def increments(self) -> AsyncGenerator[Increment, None]:
         for i, piece in enumerate(self._pieces):
-            yield Increment(0, piece, (i,), finish_reason=self._finish if i == len(self._pieces) - 1 else None)
+            yield Increment(0, piece, tuple(map(ord, piece)),
+                            finish_reason=self._finish if i == len(self._pieces) - 1 else None)
 
 
 class _Characters:
-    """A tokenizer for the usage's reasoning tokens: a character a token."""
+    """A tokenizer for the usage's reasoning tokens: a character a token (its code point)."""
 
     @staticmethod
-    def encode(text: str, add_special_tokens: bool = False) -> list[str]:
-        return list(text)
+    def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(map(ord, text))
+
+    @staticmethod
+    def token_text(token_id: int) -> str:
+        return chr(token_id)
 
 
 def _collect(builder: object, pieces: list[str], finish: str) -> object:
@@ -468,7 +473,7 @@ def responses_builder(case: Case) -> ResponsesBuilder:
                               output=[], max_output_tokens=None, parallel_tool_calls=case.parallel,
                               previous_response_id=None, temperature=1.0, top_p=1.0, tool_choice="auto", tools=[],
                               text=TextConfig(), store=False, metadata={})
-    return ResponsesBuilder(response, case.calling, lambda _: None, reasoning=case.reasoning, count_tokens=len)
+    return ResponsesBuilder(response, case.calling, lambda _: None, reasoning=case.reasoning, tokenizer=_Characters())
 
 
 def responses_whole(case: Case, text: str, finish: str) -> tuple:
