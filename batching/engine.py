@@ -709,7 +709,6 @@ class Engine:
             return None, None
         return limits, drafting
 
-
     def _pool(self, chunks: list[ScheduledChunk], pooled: np.ndarray) -> None:
         """Adds each embedding's chunk's pooled row (`StepOutput.pooled`) to its sum, restarted by a chunk from its
         first token (a preempted sequence recomputes); at its prompt's end, sends the sum and ends the sequence."""
@@ -720,15 +719,14 @@ class Engine:
             if not np.isfinite(row).all():
                 self._not_finite(seq, "hidden states")
                 continue
-            request = self._requests[seq.request_id]
-            request.pooled[seq.choice] = row + request.pooled.get(seq.choice, 0) if chunk.start else row
+            seq.pooled = row if seq.pooled is None or not chunk.start else seq.pooled + row
             if chunk.sample:
                 self.block_manager.commit(seq)
                 seq.finish_reason = "stop"
                 self.scheduler.finish(seq)
                 self._prompt_tokens_total += seq.num_prompt_tokens
-                embedding = request.pooled.pop(seq.choice)
-                self._send(request, Increment(seq.choice, "", (), finish_reason="stop", embedding=embedding))
+                self._send(self._requests[seq.request_id],
+                           Increment(seq.choice, "", (), finish_reason="stop", embedding=seq.pooled))
 
     def _score_prompts(self, chunks: list[ScheduledChunk], scores: PromptScores) -> None:
         """Each scored prompt token's logprob, with the best alternatives its sequence asks for, into the

@@ -16,7 +16,6 @@ from sluice.batching.stop_checker import StopChecker, stop_token_ids
 from sluice.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    import numpy as np
     from sluice.batching.structured import Grammar
 
 # Stop ids (stop_token_ids and EOS) a sequence may have: the sampler bans them before min_tokens and the
@@ -39,13 +38,12 @@ class RequestLimits:
 @dataclass(eq=False)
 class Request:
     """`seqs[choice]` for each of the request's `len(prompts) * n` choices; the first sequence of each prompt
-    (its `parent` is None) prefills it for the others. `pooled`: an embedding's sum so far, per choice."""
+    (its `parent` is None) prefills it for the others."""
 
     request_id: str
     seqs: list[Sequence]
     sink: OutputSink
     finished_choices: set[int] = field(default_factory=set)
-    pooled: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,8 @@ from sluice.batching.sampling_params import SamplingParams
 from sluice.batching.stop_checker import StopChecker
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from sluice.batching.kv_store import StoredPrefix
     from sluice.batching.structured import Grammar
 
@@ -47,7 +49,8 @@ class Sequence:
     none, and `acceptance` the recent per-draft rate at which they are (or would be) accepted (None before any).
     With a persistent prefix store, `store_keys` are its first full pages' keys there (`kv_store.KVLayout.page_keys`,
     computed as needed), of which the first `num_stored_pages` are stored or on their way; `stored_prefix` is the
-    read of its stored pages while it waits (`BlockManager.prefetch`).
+    read of its stored pages while it waits (`BlockManager.prefetch`). `pooled` ([hidden] float32) is an embedding's
+    sum so far of its pooled tokens' final hidden states.
     """
 
     seq_id: int
@@ -80,6 +83,7 @@ class Sequence:
     store_keys: list[str] = field(default_factory=list)
     num_stored_pages: int = 0
     stored_prefix: StoredPrefix | None = None
+    pooled: np.ndarray | None = None
     schedule_key: tuple[int, int, int] = field(init=False)
 
     def __post_init__(self) -> None:
