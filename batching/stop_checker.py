@@ -45,7 +45,7 @@ class StopChecker:
         self.stop_ids = stop_token_ids(params, eos_token_ids)
         self.stop_id_list = tuple(sorted(self.stop_ids))  # as the sampler packs them
         self.detokenizer = detokenizer
-        self.text = ""  # the output text so far, kept only while there are stop strings to search it for
+        self.text = ""  # the output text so far, kept by `emit`: only with stop strings to search it for
         self.num_emitted_chars = 0
         self.num_output_tokens = 0
         self.stop_reason: str | int | None = None  # what ended the sequence with "stop": a stop string, or an id
@@ -102,8 +102,6 @@ class StopChecker:
         text = self.detokenizer.push((token_id,))
         if token_finish is not None:
             text += self.detokenizer.flush()
-        if not self.params.stop:  # nothing to search for or hold back, so no text to keep
-            return StopDecision(text, token_finish)
         before = len(self.text)
         self.text += text
         if self.num_output_tokens > self.params.min_tokens:
