@@ -30,8 +30,9 @@ from sluice.model.weights import read_gguf, read_safetensors_folder
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-ShardingRule = Callable[[ModelConfig, str, tuple[int, ...]], jax.sharding.Sharding]
-"""(model config, parameter name, shape) -> where that parameter lives."""
+ShardingRule = Callable[[ModelConfig, Mapping[str, tuple[int, ...]]], Mapping[str, jax.sharding.Sharding]]
+"""(model config, each parameter's shape as stored by name) -> where each lives; it raises for a model it cannot
+split (`sharding.rules.param_sharding`)."""
 
 
 @dataclass
@@ -49,56 +50,76 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def convert(source: Path, folder: Path, quantization: str) -> None:
-    """Reads a GGUF file or HF folder and writes Sluice's converted folder (float32 weights, or quantized).
-    InvalidModel if the source does not read as a Llama-family model, ModelNotFound if the folder cannot be written:
-    all that its metadata tells (config, tokenizer, the tensors' names and shapes, whether `quantization` packs
-    them) is checked before the weights are read, and so is the folder's parent, which must be writable."""
+_MALFORMED = (ValueError, KeyError, TypeError, OSError)
+"""What reading a malformed model file raises."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A GGUF file or HF folder as its metadata reads (its weights not read yet)."""
+
+    path: Path
+    config: ModelConfig  # with the tokenizer's BOS and EOS ids
+    tokenizer: Tokenizer
+    generation_defaults: dict[str, float | int]
+    read_params: Callable[[], dict[str, np.ndarray]]  # the float32 weights by `Llama`'s names
+
+
+def read_source(path: Path) -> Source:
+    """Reads all that a GGUF file or HF folder's metadata tells (config, tokenizer, sampling defaults, the tensors'
+    names and shapes); InvalidModel if it does not read as a Llama-family model."""
+    try:
+        if path.is_dir():
+            hf_config = read_json_object(path / "config.json", missing_ok=False)
+            config, read_params = read_safetensors_folder(path, hf_config)
+            tokenizer = Tokenizer.from_hf_folder(path, hf_config)
+            defaults = generation_config.from_hf_folder(path)
+        else:
+            config, fields, read_params = read_gguf(path)
+            tokenizer = Tokenizer.from_gguf_fields(fields)
+            defaults = generation_config.from_gguf_fields(fields)
+    except _MALFORMED as error:
+        raise _unreadable(path, error) from error
+    # The tokenizer's special tokens are all the files name (a GGUF's end of turn, generation_config.json's EOS ids);
+    # the engine stops at the config's.
+    config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
+    return Source(path, config, tokenizer, defaults, read_params)
+
+
+def check_writable(folder: Path) -> None:
+    """ModelNotFound if the converted model cannot be kept in `folder`: its parent cannot be made or written."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise _cannot_keep(folder, error) from None
     if not os.access(folder.parent, os.W_OK | os.X_OK):
         raise _cannot_keep(folder, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+
+
+def convert(source: Source, folder: Path, quantization: str) -> None:
+    """Reads `source`'s weights and writes Sluice's converted folder (float32 weights, or quantized), where
+    `check_writable` found it may: InvalidModel if the weights do not read, ModelNotFound if the folder cannot be
+    written after all."""
     try:
-        if source.is_dir():
-            hf_config = read_json_object(source / "config.json", missing_ok=False)
-            config, read_params = read_safetensors_folder(source, hf_config)
-            tokenizer = Tokenizer.from_hf_folder(source, hf_config)
-            defaults = generation_config.from_hf_folder(source)
-        else:
-            config, fields, read_params = read_gguf(source)
-            tokenizer = Tokenizer.from_gguf_fields(fields)
-            defaults = generation_config.from_gguf_fields(fields)
-        # The tokenizer's special tokens are all the files name (a GGUF's end of turn, generation_config.json's
-        # EOS ids); the engine stops at the config's.
-        config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id,
-                                     eos_token_ids=tokenizer.eos_token_ids)
-        _check_packs(source, config, quantization)
-        params = read_params()
-    except (ValueError, KeyError, TypeError, OSError) as error:  # what reading a malformed file raises
-        raise InvalidModel(f"{source} does not read as a model: {type(error).__name__}: {error}") from error
+        params = source.read_params()
+    except _MALFORMED as error:
+        raise _unreadable(source.path, error) from error
     params = {name: np.asarray(value) for name, value in quantize_params(params, quantization).items()}
-    special = dataclasses.asdict(tokenizer.special)
+    special = dataclasses.asdict(source.tokenizer.special)
     try:
-        checkpoint.save(folder, config, params, tokenizer.to_json(), special, defaults, source)
+        checkpoint.save(folder, source.config, params, source.tokenizer.to_json(), special, source.generation_defaults,
+                        source.path)
     except OSError as error:
         raise _cannot_keep(folder, error) from None
+
+
+def _unreadable(path: Path, error: Exception) -> InvalidModel:
+    return InvalidModel(f"{path} does not read as a model: {type(error).__name__}: {error}")
 
 
 def _cannot_keep(folder: Path, error: OSError) -> ModelNotFound:
     return ModelNotFound(f"cannot keep the converted model in {folder.parent} ({error.strerror or error}): set "
                          f"SLUICE_HOME to a folder Sluice may write")
-
-
-def _check_packs(source: Path, config: ModelConfig, quantization: str) -> None:
-    """InvalidModel if `config`'s weights have shapes `quantization`'s layouts cannot pack (found from the shapes
-    alone, as the quantizers find it)."""
-    try:
-        nnx.eval_shape(lambda: quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization))
-    except ValueError as error:
-        raise InvalidModel(f"{source} cannot be stored as {quantization} ({error}): serve it with --quantization "
-                           f"none") from None
 
 
 # The exit status of `python -m sluice.model.loader` for each error `convert` raises with a message for the user; the
@@ -116,6 +137,39 @@ def _convert_in_child(source: Path, folder: Path, quantization: str) -> None:
         if child.returncode == status:
             raise error_type(child.stdout)
     child.check_returncode()
+
+
+def _convert_first_use(source: Source, folder: Path, quantization: str, stored: str) -> None:
+    """Converts `source` into `folder` (in a child process in a multi-process job), saying so on stderr, and
+    removes the conversions it replaces."""
+    start = time.perf_counter()
+    print(f"Converting {source.path.name} (first use) ...", file=sys.stderr)
+    if jax.process_count() > 1:
+        _convert_in_child(source.path, folder, quantization)
+    else:
+        convert(source, folder, quantization)
+    print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
+    checkpoint.remove_stale(folder, source.path, stored)
+
+
+def _restore_target(path: Path, config: ModelConfig, dtype: str, quantization: str,
+                    sharding_rule: ShardingRule | None) -> tuple[nnx.GraphDef, dict[str, jax.ShapeDtypeStruct]]:
+    """The model's graph and each parameter's shape, dtype and sharding, from `config` alone: InvalidModel if
+    `quantization`'s layouts cannot pack its weights, and what `sharding_rule` raises for a model it cannot split."""
+    try:
+        abstract = nnx.eval_shape(
+            lambda: quantize_model(Llama(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)), quantization))
+    except ValueError as error:  # the quantizers' refusal, found from the shapes alone
+        raise InvalidModel(f"{path} cannot be stored as {quantization} ({error}): serve it with --quantization "
+                           f"none") from None
+    graphdef, abstract_state = nnx.split(abstract)
+    flat = {key[0]: var for key, var in nnx.to_flat_state(abstract_state)}
+    if sharding_rule is None:
+        shardings = dict.fromkeys(flat, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    else:
+        shardings = sharding_rule(config, {name: var.shape for name, var in flat.items()})
+    return graphdef, {name: jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[name])
+                      for name, var in flat.items()}
 
 
 def load_model(
@@ -137,44 +191,30 @@ def load_model(
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     quantization = resolve(quantization)
-    source = resolve_model(model)
+    path = resolve_model(model)
     # Per-channel int8 (`model.quantize`, where the CPU kernels do not run) is a conversion of its own.
     stored = f"{quantization}-channel" if default_layout(quantization) == "channel" else quantization
-    folder = checkpoint.checkpoint_dir(source, sluice_home(), stored)
+    folder = checkpoint.checkpoint_dir(path, sluice_home(), stored)
+    source = None
     if not folder.exists():
-        start = time.perf_counter()
-        print(f"Converting {source.name} (first use) ...", file=sys.stderr)
-        if jax.process_count() > 1:
-            _convert_in_child(source, folder, quantization)
-        else:
-            convert(source, folder, quantization)
-        print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
-        checkpoint.remove_stale(folder, source, stored)
-    config = checkpoint.load_config(folder)
+        check_writable(folder)
+        source = read_source(path)
+    config = checkpoint.load_config(folder) if source is None else source.config
+    # Before a conversion, which may take minutes: what the sharding rule refuses (a --tp the model cannot be split
+    # by) is found from the config.
+    graphdef, target = _restore_target(path, config, dtype, quantization, sharding_rule)
+    if source is not None:
+        _convert_first_use(source, folder, quantization, stored)
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])
     tokenizer = Tokenizer.from_json((folder / checkpoint.TOKENIZER_FILE).read_text(), SpecialTokens(**special))
     defaults = json.loads((folder / checkpoint.GENERATION_DEFAULTS_FILE).read_text())
     if chat_template is not None:
         tokenizer = tokenizer.with_chat_template(chat_template)
-
-    abstract = nnx.eval_shape(
-        lambda: quantize_model(Llama(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)), quantization)
-    )
-    graphdef, abstract_state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(abstract_state))
-    default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {
-        path[0]: jax.ShapeDtypeStruct(
-            var.shape, var.dtype, sharding=sharding_rule(config, path[0], var.shape) if sharding_rule else default_sharding
-        )
-        for path, var in flat.items()
-    }
     params = checkpoint.restore_params(folder, target)
     state = nnx.State({name: nnx.Param(value) for name, value in params.items()})
-    llama = nnx.merge(graphdef, state)
-    return LoadedModel(config=config, model=llama, tokenizer=tokenizer, name=model_name(source), weights=folder.name,
-                       generation_defaults=defaults)
+    return LoadedModel(config=config, model=nnx.merge(graphdef, state), tokenizer=tokenizer, name=model_name(path),
+                       weights=folder.name, generation_defaults=defaults)
 
 
 def model_name(source: Path) -> str:
@@ -186,7 +226,7 @@ def model_name(source: Path) -> str:
 if __name__ == "__main__":  # python -m sluice.model.loader SOURCE FOLDER QUANTIZATION: one conversion, single-process JAX
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the error's message alone
-            convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+            convert(read_source(Path(sys.argv[1])), Path(sys.argv[2]), sys.argv[3])
     except tuple(_CHILD_EXIT_STATUS) as error:
         print(error, end="")
         sys.exit(_CHILD_EXIT_STATUS[type(error)])

@@ -15,11 +15,15 @@
   across devices. A vocabulary that tp does not divide is replicated instead.
 - The KV pool is split over KV heads: each device holds only its heads' pages (an int8 pool's scales too).
 - Norm weights are tiny and replicated.
-Heads are never padded or replicated: tp must divide the KV-head count (and so the query-head count) and the
-MLP width, and `validate_tp` names the valid values otherwise.
+Heads are never padded or replicated: tp must divide the KV-head count (and so the query-head count), the MLP
+width and, for packed quantized weights, the number of blocks of inputs of the row-parallel o and down projections
+(a block is what one scale covers). `param_sharding` refuses any other tp for the whole model at once, naming the
+valid values, as the loader builds its restore target from the model's config, before any conversion.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import jax
 from flax import nnx
@@ -27,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sluice.model.config import ModelConfig
 from sluice.model.llama import LINEAR_WEIGHTS, Llama
-from sluice.model.quantize import packed_order
+from sluice.model.quantize import packed_order, quantize_model
+from sluice.pallas_kernels.cpu_qmatmul import BLOCK
 from sluice.sharding.mesh import TP_AXIS, InvalidTensorParallelism
 
 T = TP_AXIS
@@ -50,48 +55,93 @@ VOCAB_SHARDED = {"embed", "lm_head"}
 KV_CACHE_SPEC = P(None, None, T)
 
 
-def valid_tp_values(config: ModelConfig) -> list[int]:
-    return [n for n in range(1, config.num_kv_heads + 1)
-            if config.num_kv_heads % n == 0 and config.intermediate_size % n == 0]
+def valid_tp_values(config: ModelConfig, quantization: str = "none") -> list[int]:
+    """The --tp values that split `config`'s parameters, stored in `quantization` (a resolved mode, in its
+    `default_layout`), evenly over the devices."""
+    return _valid_tp_values(config, _stored_shapes(config, quantization))
 
 
-def validate_tp(config: ModelConfig, tp: int) -> None:
-    if tp not in valid_tp_values(config):
-        raise InvalidTensorParallelism(
-            f"--tp {tp} must divide this model's {config.num_kv_heads} KV heads ({config.num_heads} query heads) "
-            f"and its MLP width of {config.intermediate_size}; valid values: "
-            f"{', '.join(map(str, valid_tp_values(config)))}"
-        )
+def validate_tp(config: ModelConfig, tp: int, quantization: str = "none") -> None:
+    """InvalidTensorParallelism naming the valid values if `tp` is not one of `valid_tp_values`."""
+    _check_tp(config, tp, _stored_shapes(config, quantization))
+
+
+def _stored_shapes(config: ModelConfig, quantization: str) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape as `quantization` (a resolved mode, in its `default_layout`) stores it; ValueError if
+    its layouts cannot pack the weights' shapes."""
+    model = nnx.eval_shape(lambda: quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization))
+    return {path[0]: var.shape for path, var in nnx.to_flat_state(nnx.state(model))}
+
+
+def _valid_tp_values(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> list[int]:
+    """The tp values that split every parameter (`shapes`: name -> shape as stored) evenly: at most the KV heads,
+    which the q/k/v projection is split by."""
+    return [tp for tp in range(1, config.num_kv_heads + 1)
+            if all(_partition(name, shape, tp) is not None for name, shape in shapes.items())]
+
+
+def _check_tp(config: ModelConfig, tp: int, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """InvalidTensorParallelism in one line naming the sizes tp must divide and the valid values, unless `tp`
+    splits every parameter (`shapes`) evenly. Packed weights split their blocks of inputs too: the o projection's
+    (the attention width) and the down projection's (the MLP width)."""
+    valid = _valid_tp_values(config, shapes)
+    if tp in valid:
+        return
+    blocks = (f", and leave its quantized weights' blocks of {BLOCK} inputs whole (attention width "
+              f"{config.num_heads * config.head_dim}, MLP width {config.intermediate_size})"
+              if any(_is_packed(name, shape) for name, shape in shapes.items()) else "")
+    raise InvalidTensorParallelism(
+        f"--tp {tp} must divide this model's {config.num_kv_heads} KV heads ({config.num_heads} query heads) "
+        f"and its MLP width of {config.intermediate_size}{blocks}; valid values: {', '.join(map(str, valid))}"
+    )
+
+
+def _is_packed(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether parameter `name` (a quantized weight's values, scale or min included) is in the packed layout, which
+    has more axes than the float form."""
+    base = _float_name(name)
+    return base in LINEAR_WEIGHTS and len(shape) > len(PARAM_SPECS[base])
+
+
+def _float_name(name: str) -> str:
+    return name.removesuffix("_scale").removesuffix("_min")
 
 
 def param_spec(name: str, shape: tuple[int, ...]) -> P:
     """The partition of parameter `name`, a quantized weight's values, scale or min included (`shape` tells its
     form from the float one's: the packed layout has more axes, a per-channel scale one fewer)."""
-    base = name.removesuffix("_scale").removesuffix("_min")
+    base = _float_name(name)
     spec = tuple(PARAM_SPECS[base])
-    if base not in LINEAR_WEIGHTS or len(shape) == len(spec):  # a float parameter, or per-channel int8 values
-        return P(*spec)
-    if len(shape) == len(spec) - 1:  # a per-channel scale
+    if _is_packed(name, shape):
+        return P(*packed_order(base, spec))
+    if base in LINEAR_WEIGHTS and len(shape) == len(spec) - 1:  # a per-channel scale
         return P(*(part for axis, part in enumerate(spec) if axis != LINEAR_WEIGHTS[base]))
-    return P(*packed_order(base, spec))
+    return P(*spec)  # a float parameter, or per-channel int8 values
 
 
-def param_sharding(mesh: Mesh, config: ModelConfig, name: str, shape: tuple[int, ...]) -> NamedSharding:
-    """Where parameter `name` lives on `mesh` (a `model.loader.ShardingRule` once the mesh is bound)."""
-    validate_tp(config, mesh.shape[T])
+def _partition(name: str, shape: tuple[int, ...], tp: int) -> P | None:
+    """Parameter `name`'s partition over `tp` devices: `param_spec`, or replicated for a vocabulary-split one whose
+    vocabulary tp does not divide; None if tp does not divide another's split axis."""
     spec = param_spec(name, shape)
+    if all(part is None or shape[axis] % tp == 0 for axis, part in enumerate(spec)):
+        return spec
+    return P() if _float_name(name) in VOCAB_SHARDED else None
+
+
+def param_sharding(mesh: Mesh, config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]
+                   ) -> dict[str, NamedSharding]:
+    """Where each parameter (`shapes`: name -> shape as stored, a quantized weight's values, scales and mins
+    included) lives on `mesh` (a `model.loader.ShardingRule` once the mesh is bound); InvalidTensorParallelism
+    naming the valid values if the mesh's tp does not split them all evenly."""
     tp = mesh.shape[T]
-    if name.removesuffix("_scale") in VOCAB_SHARDED and any(p and shape[a] % tp for a, p in enumerate(spec)):
-        spec = P()
-    for axis, part in enumerate(spec):
-        if part is not None and shape[axis] % tp:
-            raise InvalidTensorParallelism(
-                f"--tp {tp} does not divide axis {axis} of {name} {tuple(shape)}"
-            )
-    return NamedSharding(mesh, spec)
+    _check_tp(config, tp, shapes)
+    return {name: NamedSharding(mesh, _partition(name, shape, tp)) for name, shape in shapes.items()}
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """The KV pool's sharding, split over KV heads as the q/k/v projection is: a mesh `param_sharding` accepted
+    for the model divides them (there is no other check: a pool of heads the mesh does not divide fails to
+    allocate)."""
     return NamedSharding(mesh, KV_CACHE_SPEC)
 
 
@@ -103,7 +153,5 @@ def shard_model(model: Llama, mesh: Mesh) -> None:
     """Moves an already-built model's parameters onto `mesh` by the rules (random-init models; real weights
     are restored straight into their shardings by `model.loader.load_model`)."""
     state = nnx.state(model)
-    shardings = {
-        path[0]: param_sharding(mesh, model.config, path[0], var.shape) for path, var in nnx.to_flat_state(state)
-    }
+    shardings = param_sharding(mesh, model.config, {path[0]: var.shape for path, var in nnx.to_flat_state(state)})
     nnx.update(model, jax.tree.map_with_path(lambda path, x: jax.device_put(x, shardings[path[0].key]), state))

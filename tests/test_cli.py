@@ -354,6 +354,30 @@ def test_serve_input_found_bad_once_loading_begins_is_a_one_line_error(tmp_path,
     assert [line for line in errors if "error" in line.lower()] == errors[-1:]
 
 
+@pytest.mark.parametrize(("quantization", "heads", "kv_heads", "tp", "words"), [
+    ("none", 6, 3, 2, "--tp 2 must divide this model's 3 KV heads (6 query heads) and its MLP width of 384; valid "
+                      "values: 1, 3"),
+    # o's inputs, 4 heads of 16, are 2 blocks of 32: int4 cannot split them over 4 devices, float weights can.
+    ("int4", 4, 4, 4, "--tp 4 must divide this model's 4 KV heads (4 query heads) and its MLP width of 384, and leave "
+                      "its quantized weights' blocks of 32 inputs whole (attention width 64, MLP width 384); valid "
+                      "values: 1, 2"),
+], ids=["kv-heads", "int4-blocks"])
+def test_serve_refuses_a_tp_the_model_cannot_be_split_by_before_converting_it(tmp_path, quantization, heads, kv_heads,
+                                                                             tp, words):
+    """It was found once the model was converted, minutes for a large one (and quantized weights' blocks, which
+    the valid values left out, in words naming a weight's axis)."""
+    from sluice.model.config import ModelConfig
+
+    config = ModelConfig.tiny(vocab_size=320, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=384)
+    write_hf_folder(tmp_path / "tiny", config, seed=0)
+    result = run_sluice("serve", "--model", str(tmp_path / "tiny"), "--tp", str(tp), "--quantization", quantization,
+                        "--no-ui", "--port", "0", env={"SLUICE_HOME": str(tmp_path / "home"),
+                                                       "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert result.returncode == 2 and errors == [f"sluice serve: error: {words}"], result.stderr
+    assert "Converting" not in result.stderr and list((tmp_path / "home" / "checkpoints").iterdir()) == []
+
+
 def test_serving_a_model_whose_chat_template_does_not_compile_warns_once_at_start(tmp_path, monkeypatch, caplog):
     """It was found only at each chat request (a 400 each); completions are still served, as vLLM serves them."""
     from sluice.app.engine_loading import load_engine

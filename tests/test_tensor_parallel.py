@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,9 @@ import pytest
 
 from sluice.batching.engine import ACCELERATOR_KV_FRACTION, default_kv_cache_bytes
 from sluice.model.config import ModelConfig
+from sluice.model.quantize import default_layout
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
-from sluice.sharding.rules import validate_tp
+from sluice.sharding.rules import valid_tp_values, validate_tp
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 QWEN3_GOLDEN = Path(__file__).parent / "data" / "tiny_qwen3" / "golden.json"
@@ -200,3 +202,24 @@ def test_tp_that_divides_the_kv_heads_but_not_the_mlp_width_is_refused_naming_th
     config = ModelConfig.tiny(num_heads=8, num_kv_heads=4, intermediate_size=130)
     with pytest.raises(InvalidTensorParallelism, match="MLP width of 130; valid values: 1, 2$"):
         validate_tp(config, 4)
+
+
+def test_tp_above_the_kv_heads_is_refused_as_heads_are_never_replicated():
+    """Each device holds whole KV heads of the q/k/v projection and of the KV pool: 2 heads over 4 devices would
+    leave the pool's allocation to fail on an axis of 2 split 4 ways."""
+    with pytest.raises(InvalidTensorParallelism, match=r"must divide this model's 2 KV heads .* valid values: 1, 2$"):
+        validate_tp(ModelConfig.tiny(num_heads=4, num_kv_heads=2), 4)
+
+
+def test_packed_quantized_weights_split_only_over_tp_that_keeps_their_blocks_of_32_inputs_whole():
+    """int4 (and int8 where the CPU kernels run) keep a scale per 32 inputs of each output: the o projection's
+    inputs, 4 heads of 16, are 2 blocks, which 4 devices cannot share. The valid values left that out, and the load
+    failed on a weight's axis once the model was converted."""
+    config = ModelConfig.tiny(num_heads=4, num_kv_heads=4, intermediate_size=384)
+    assert valid_tp_values(config) == [1, 2, 4]
+    assert valid_tp_values(config, "int4") == [1, 2]
+    assert valid_tp_values(config, "int8") == ([1, 2] if default_layout("int8") == "packed" else [1, 2, 4])
+    with pytest.raises(InvalidTensorParallelism, match=re.escape(
+            "and leave its quantized weights' blocks of 32 inputs whole (attention width 64, MLP width 384); valid "
+            "values: 1, 2")):
+        validate_tp(config, 4, "int4")
