@@ -2,6 +2,8 @@
 `generation_config.json`, a GGUF file's `general.sampling.*` metadata (which llama.cpp's converter writes from
 it). Read once, at conversion, and kept beside the converted model (`checkpoint.GENERATION_DEFAULTS_FILE`). The
 server applies them to the fields a request leaves out, as vLLM does (`--generation-config auto`).
+And an HF folder's stop ids, its tokenizer's EOS and its generation config's, which the loader keeps in the
+model's config.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.model.config import read_json_object
+from sluice.model.tokenizer import Tokenizer, token_ids_of
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,19 @@ def from_hf_folder(folder: Path) -> dict[str, float | int]:
     found = read_json_object(folder / "generation_config.json", missing_ok=True)
     # null is "not set" (as vLLM reads it), not a value out of range
     return _in_range({field: found[key] for field, (key, _, _) in _FIELDS.items() if found.get(key) is not None})
+
+
+def hf_stop_token_ids(folder: Path, hf_config: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids an HF folder's model stops at, as vLLM takes them: its tokenizer's EOS, then its generation
+    config's: generation_config.json's `eos_token_id`, or config.json's (`hf_config`) where the folder has no
+    generation_config.json (transformers derives the generation config from config.json then). ValueError naming
+    the key, in either file, that holds no ids of the tokenizer."""
+    size = tokenizer.vocab_size
+    config_eos = token_ids_of(hf_config.get("eos_token_id"), "config.json's eos_token_id", size)
+    path = folder / "generation_config.json"
+    generation_eos = (token_ids_of(read_json_object(path, missing_ok=False).get("eos_token_id"),
+                                   "generation_config.json's eos_token_id", size) if path.exists() else config_eos)
+    return tuple(dict.fromkeys((*tokenizer.eos_token_ids, *generation_eos)))
 
 
 def from_gguf_fields(fields: Mapping[str, Any]) -> dict[str, float | int]:

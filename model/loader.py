@@ -59,7 +59,7 @@ class Source:
     """A GGUF file or HF folder as its metadata reads (its weights not read yet)."""
 
     path: Path
-    config: ModelConfig  # with the tokenizer's BOS and EOS ids
+    config: ModelConfig  # with the tokenizer's BOS, and the ids the model stops at: the engine's, resolved here alone
     tokenizer: Tokenizer
     generation_defaults: dict[str, float | int]
     read_params: Callable[[], dict[str, np.ndarray]]  # the float32 weights by `Llama`'s names
@@ -74,15 +74,15 @@ def read_source(path: Path) -> Source:
             config, read_params = read_safetensors_folder(path, hf_config)
             tokenizer = Tokenizer.from_hf_folder(path, hf_config)
             defaults = generation_config.from_hf_folder(path)
+            stop_ids = generation_config.hf_stop_token_ids(path, hf_config, tokenizer)
         else:
             config, fields, read_params = read_gguf(path)
             tokenizer = Tokenizer.from_gguf_fields(fields)
             defaults = generation_config.from_gguf_fields(fields)
+            stop_ids = tokenizer.eos_token_ids  # the file's EOS and end of turn
     except _MALFORMED as error:
         raise _unreadable(path, error) from error
-    # The tokenizer's special tokens are all the files name (a GGUF's end of turn, generation_config.json's EOS ids);
-    # the engine stops at the config's.
-    config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
+    config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=stop_ids)
     return Source(path, config, tokenizer, defaults, read_params)
 
 

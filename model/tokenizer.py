@@ -230,8 +230,9 @@ class Tokenizer:
         backend.add_tokens(
             [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == GGUF_USER_DEFINED_TOKEN]
         )
-        bos, eos, eot = (_token_ids(fields.get(f"tokenizer.ggml.{key}"), f"the GGUF metadata's tokenizer.ggml.{key}",
-                                    len(tokens), many=False) for key in ("bos_token_id", "eos_token_id", "eot_token_id"))
+        bos, eos, eot = (token_ids_of(fields.get(f"tokenizer.ggml.{key}"),
+                                      f"the GGUF metadata's tokenizer.ggml.{key}", len(tokens), many=False)
+                         for key in ("bos_token_id", "eos_token_id", "eot_token_id"))
         special = SpecialTokens(
             bos_token_id=bos[0] if bos else None,
             eos_token_ids=tuple(dict.fromkeys((*eos, *eot))),
@@ -244,12 +245,10 @@ class Tokenizer:
     @classmethod
     def from_hf_folder(cls, folder: Path, model_config: Mapping[str, Any]) -> Tokenizer:
         """Reads `tokenizer.json` (+ `tokenizer_config.json` for the chat template, BOS policy and the BOS and EOS
-        tokens; `model_config`, the folder's config.json, and its generation_config.json for more EOS ids and a BOS
-        id where tokenizer_config.json names none); ValueError naming the file that is missing or does not read,
-        or the key whose tokens are no ids of the tokenizer.
-
-        The EOS ids are all of these files' (vLLM stops at the tokenizer's and generation_config.json's), the
-        tokenizer's first: it is the chat template's `eos_token`, as transformers renders it."""
+        tokens; `model_config`, the folder's config.json, for the BOS and EOS ids where tokenizer_config.json names
+        none); ValueError naming the file that is missing or does not read, or the key whose tokens are no ids of
+        the tokenizer. Its EOS is the chat template's `eos_token`, as transformers renders it; the model stops at
+        more (`generation_config.hf_stop_token_ids`)."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{folder} has no tokenizer.json (Sluice reads an HF folder's tokenizer from it)")
@@ -258,14 +257,11 @@ class Tokenizer:
         except Exception as error:  # the library raises a bare Exception for a file it cannot parse
             raise ValueError(f"tokenizer.json does not read as a tokenizer: {error}") from None
         config = read_json_object(folder / "tokenizer_config.json", missing_ok=True)  # tokenizer.json alone will do
-        generation = read_json_object(folder / "generation_config.json", missing_ok=True)
         size = backend.get_vocab_size(with_added_tokens=True)
         named_bos, named_eos = (_named_token_id(backend, config, key) for key in ("bos_token", "eos_token"))
-        bos_ids = named_bos or _token_ids(model_config.get("bos_token_id"), "config.json's bos_token_id", size,
-                                          many=False)
-        eos_ids = tuple(dict.fromkeys([
-            *named_eos, *_token_ids(model_config.get("eos_token_id"), "config.json's eos_token_id", size),
-            *_token_ids(generation.get("eos_token_id"), "generation_config.json's eos_token_id", size)]))
+        bos_ids = named_bos or token_ids_of(model_config.get("bos_token_id"), "config.json's bos_token_id", size,
+                                            many=False)
+        eos_ids = named_eos or token_ids_of(model_config.get("eos_token_id"), "config.json's eos_token_id", size)
         bos = bos_ids[0] if bos_ids else None
         # A tokenizer.json whose post-processor already adds BOS must not get a second one.
         adds_bos_itself = bos is not None and bos in backend.encode("a", add_special_tokens=True).ids
@@ -290,7 +286,7 @@ def _named_token_id(backend: HFTokenizer, config: Mapping[str, Any], key: str) -
     return () if found is None else (found,)
 
 
-def _token_ids(value: Any, where: str, vocab_size: int, *, many: bool = True) -> tuple[int, ...]:
+def token_ids_of(value: Any, where: str, vocab_size: int, *, many: bool = True) -> tuple[int, ...]:
     """A JSON file's token-id field (an id, a list of them where `many`, or null) as ids; ValueError naming it
     (`where`) for another value, or an id not below the tokenizer's `vocab_size`."""
     ids = value if many and isinstance(value, list) else [] if value is None else [value]

@@ -76,18 +76,29 @@ def test_the_eos_ids_of_generation_config_json_stop_the_model_too(folder):
     """Llama 3 Instruct's first upload: config.json's EOS is <|end_of_text|>, generation_config.json's adds
     <|eot_id|>, which ends each chat turn. Sluice stopped at config.json's alone, and never at a turn's end."""
     _edit_json(folder / "generation_config.json", eos_token_id=[2, 0], temperature=0.6)
-    loaded = load_model(str(folder), dtype="float32")
-    assert loaded.tokenizer.eos_token_ids == (2, 0)
-    assert loaded.config.eos_token_ids == (2, 0)  # what the engine stops at
+    assert load_model(str(folder), dtype="float32").config.eos_token_ids == (2, 0)
+
+
+@pytest.mark.parametrize(("generation_eos", "stop_ids"), [([2, 0], (2, 0)), (None, (2, 5))],
+                         ids=["generation_config.json", "no generation_config.json"])
+def test_the_model_stops_at_its_tokenizers_eos_and_its_generation_configs_as_vllm_reads_them(folder, generation_eos,
+                                                                                             stop_ids):
+    """A fine-tune whose config.json still names the base model's stop ids beside its own generation_config.json:
+    vLLM (and transformers) take the generation config from generation_config.json, and from config.json only
+    where the folder has none. Sluice stopped at every id of the three files."""
+    _edit_json(folder / "config.json", eos_token_id=[2, 5])
+    if generation_eos is not None:
+        _edit_json(folder / "generation_config.json", eos_token_id=generation_eos)
+    assert load_model(str(folder), dtype="float32").config.eos_token_ids == stop_ids
 
 
 def test_the_eos_token_of_tokenizer_config_json_stops_the_model_and_is_the_templates(folder):
     """A ChatML fine-tune names <|im_end|> its tokenizer's EOS and leaves config.json's as the base model's: vLLM
     stops at the tokenizer's too, and transformers renders it as the template's eos_token."""
     _edit_json(folder / "tokenizer_config.json", eos_token="<unk>", chat_template="{{ eos_token }}")
-    tokenizer = load_model(str(folder), dtype="float32").tokenizer
-    assert tokenizer.eos_token_ids == (0, 2)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<unk>"
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.config.eos_token_ids == (0, 2)
+    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<unk>"
 
 
 @pytest.mark.parametrize(("file", "keys", "words"), [
