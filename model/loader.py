@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from sluice.model.llama import Llama
 from sluice.model.quantize import default_layout, quantize_model, quantize_params, resolve
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
 from sluice.model.weights import read_gguf, read_safetensors_folder
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -208,6 +211,7 @@ def load_model(
     special = json.loads((folder / checkpoint.SPECIAL_TOKENS_FILE).read_text())
     special["eos_token_ids"] = tuple(special["eos_token_ids"])
     tokenizer = Tokenizer.from_json((folder / checkpoint.TOKENIZER_FILE).read_text(), SpecialTokens(**special))
+    _warn_of_tokens_past_the_embeddings(tokenizer, config)
     defaults = json.loads((folder / checkpoint.GENERATION_DEFAULTS_FILE).read_text())
     if chat_template is not None:
         tokenizer = tokenizer.with_chat_template(chat_template)
@@ -215,6 +219,16 @@ def load_model(
     state = nnx.State({name: nnx.Param(value) for name, value in params.items()})
     return LoadedModel(config=config, model=nnx.merge(graphdef, state), tokenizer=tokenizer, name=model_name(path),
                        weights=folder.name, generation_defaults=defaults)
+
+
+def _warn_of_tokens_past_the_embeddings(tokenizer: Tokenizer, config: ModelConfig) -> None:
+    """Warns of a tokenizer with more tokens than the model has embedding rows: a tokenizer paired with another
+    model's weights, or tokens added without resizing the embeddings. Served, as transformers and vLLM load it
+    (vLLM's multimodal models have placeholder tokens past the language model's vocabulary), a prompt holding one
+    of those ids refused (`batching.request`). Embeddings padded past the tokenizer are as models are made."""
+    if tokenizer.vocab_size > config.vocab_size:
+        logger.warning("the tokenizer's %d tokens outnumber the model's %d embedding rows: prompts holding token ids "
+                       "from %d on are refused", tokenizer.vocab_size, config.vocab_size, config.vocab_size)
 
 
 def model_name(source: Path) -> str:

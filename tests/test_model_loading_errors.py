@@ -4,8 +4,10 @@ tensor types Sluice does not implement, a shard or a GGUF split part missing, a 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from hf_folder import random_hf_tensors, train_tokenizer, write_gguf, write_hf_folder
+from hf_folder import random_hf_tensors, train_tokenizer, write_gguf, write_hf_folder, write_tokenizer_files
 from sluice.model.config import ModelConfig
 from sluice.model.fetch import InvalidModel, ModelNotFound
 from sluice.model.loader import load_model
@@ -90,6 +92,23 @@ def test_the_model_stops_at_its_tokenizers_eos_and_its_generation_configs_as_vll
     if generation_eos is not None:
         _edit_json(folder / "generation_config.json", eos_token_id=generation_eos)
     assert load_model(str(folder), dtype="float32").config.eos_token_ids == stop_ids
+
+
+def test_a_tokenizer_with_more_tokens_than_the_models_embeddings_is_served_with_a_warning(tmp_path, monkeypatch,
+                                                                                           caplog):
+    """A tokenizer paired with another model, or tokens added without resizing the embeddings: as transformers and
+    vLLM serve it, the prompts holding ids within the embeddings are served. Embeddings padded past the tokenizer
+    (the fixture's 300 rows for 291 tokens) are as models are made, and not warned of."""
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    write_hf_folder(tmp_path / "hf", dataclasses.replace(CONFIG, vocab_size=256), seed=1)
+    write_tokenizer_files(tmp_path / "hf", 300)
+    write_hf_folder(tmp_path / "padded", CONFIG, seed=1)
+    with caplog.at_level(logging.WARNING, logger="sluice.model.loader"):
+        load_model(str(tmp_path / "hf"), dtype="float32")
+        load_model(str(tmp_path / "padded"), dtype="float32")
+    assert [record.getMessage() for record in caplog.records] == [
+        "the tokenizer's 291 tokens outnumber the model's 256 embedding rows: prompts holding token ids from 256 on "
+        "are refused"]
 
 
 def test_the_eos_token_of_tokenizer_config_json_stops_the_model_and_is_the_templates(folder):
