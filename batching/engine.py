@@ -469,7 +469,7 @@ class Engine:
             return False
         return 2 * sum(seq.grammar is not None for seq in running) <= len(running)
 
-    def _launch(self, start: float, masks_later: bool = False) -> _Launched | None:
+    def _launch(self, start: float, masks_later: bool) -> _Launched | None:
         """Schedules and dispatches a step; None if there is nothing to run (or it failed at once). `masks_later`:
         its grammar masks wait for `PendingStep.sample` (`ModelRunner.dispatch`)."""
         if self.speculator is not None:
@@ -691,15 +691,11 @@ class Engine:
 
     def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, list[int] | None]:
         """(tokens each sequence may emit, the most drafts each checks at a step) for a multi-step call, or
-        (None, None) for a single step; drafting None when no sequence drafts.
-
-        Only when the scheduled sequences may share one (`_may_run_multi_step`) and each decodes one token, each
-        limited to a token per step (1 + its drafts when it drafts), its max_tokens and the context, and only if
-        the pool holds the pages for all of them.
-        """
+        (None, None) for a single step; drafting None when no sequence drafts. A call needs sequences that may
+        share one (`_may_run_multi_step`), each decoding one token, and the pool's pages for all they may emit."""
         steps = self.config.num_decode_steps
         seqs = [c.seq for c in chunks]
-        if not chunks or not self._may_run_multi_step(seqs) or any(c.num_tokens != 1 or not c.sample for c in chunks):
+        if not self._may_run_multi_step(seqs) or any(c.num_tokens != 1 or not c.sample for c in chunks):
             return None, None
         drafting = None if self.speculator is None else self.speculator.propose_for_call(seqs)
         # A request's max_tokens fits the context (`check_fits`), so it bounds each sequence's tokens alone.
