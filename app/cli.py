@@ -78,10 +78,10 @@ def _generate(args: argparse.Namespace) -> int:
     detokenizer = tokenizer.decode_stream(prompt_ids)
     tokens = generate_stream(
         loaded.model, prompt_ids, args.max_tokens, temperature=args.temperature, seed=args.seed,
-        stop_token_ids=tokenizer.eos_token_ids,
+        stop_token_ids=loaded.config.eos_token_ids,
     )
     for token in tokens:
-        if token in tokenizer.eos_token_ids:
+        if token in loaded.config.eos_token_ids:
             break
         print(detokenizer.push([token]), end="", flush=True)
     print(detokenizer.flush())
