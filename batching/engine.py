@@ -34,8 +34,9 @@ from jax.sharding import Mesh
 from sluice.batching import step_broadcast
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore, PageKey
+from sluice.batching.kv_pool import num_pool_pages, resolve_max_model_len
 from sluice.batching.kv_transfer import PageCopy
-from sluice.batching.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, InvalidEngineConfig, device_memory_bytes
+from sluice.batching.config import EngineConfig, device_memory_bytes
 from sluice.batching.model_runner import ModelRunner, enable_compilation_cache
 from sluice.batching.device_step import PromptScores
 from sluice.batching.step_output import PendingStep, SequenceOutput
@@ -50,85 +51,21 @@ from sluice.batching.sequence import Sequence, SequenceStatus
 from sluice.batching.speculation import Speculator
 from sluice.batching.stats import EngineStats, StepStats, StepTotals
 from sluice.batching.structured import GrammarCompiler
-from sluice.model.config import ModelConfig
 from sluice.model.loader import LoadedModel, load_model
-from sluice.model.roofline import StepCost, kv_bytes_per_token
+from sluice.model.roofline import StepCost
 from sluice.pallas_kernels.kv_cache import kv_cache_dtype
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
 from sluice.sharding.rules import param_sharding
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 1 << 30
 EXIT_STEP_HUNG = 75  # sysexits' EX_TEMPFAIL: a supervisor should restart the server
 HUNG_EXIT_GRACE_S = 1.0
-ACCELERATOR_KV_FRACTION = 0.8
 # A decode step of hundreds of sequences allocates thousands of short-lived tuples and lists, nearly none in a
 # cycle. At Python's default (700 allocations) the young generation is collected several times a step, and
 # every tenth time the next one with it: about a tenth of the host's step (RESULTS.md, 2026-11-26).
 GC_YOUNG_THRESHOLD = 10_000
 NO_ALLOWED_TOKEN = "the grammar allows no token in allowed_token_ids here"
-
-
-def kv_page_bytes(config: ModelConfig, page_size: int, kv_dtype) -> int:
-    """One page of the pool: K and V of page_size tokens over all layers and KV heads (int8: with scales)."""
-    return page_size * kv_bytes_per_token(config, kv_dtype)
-
-
-def default_kv_cache_bytes(mesh: Mesh | None = None, gpu_memory_utilization: float | None = None) -> int:
-    """The whole pool, over the devices of `mesh` (None: the first device), each holding an equal share of it
-    (its KV heads): `accelerator_kv_bytes` of this process's devices, once per device; a fixed budget on the CPU,
-    where `gpu_memory_utilization` (`EngineConfig`'s) is ignored, as vLLM's CPU backend ignores it."""
-    devices = (jax.local_devices()[:1] if mesh is None
-               else [d for d in mesh.devices.flat if d.process_index == jax.process_index()])
-    if devices[0].platform == "cpu" and gpu_memory_utilization is not None:
-        logger.info("--gpu-memory-utilization %g is ignored on a CPU: the KV pool is %d MiB (--kv-cache-memory sets "
-                    "it)", gpu_memory_utilization, CPU_KV_CACHE_BYTES >> 20)
-    stats = [d.memory_stats() or {} for d in devices]
-    if devices[0].platform == "cpu" or any("bytes_limit" not in s for s in stats):
-        return CPU_KV_CACHE_BYTES
-    return accelerator_kv_bytes(stats) * (mesh.size if mesh is not None else 1)
-
-
-def accelerator_kv_bytes(stats: list[dict[str, int]]) -> int:
-    """One device's share of the pool, from each device's `memory_stats()`: ACCELERATOR_KV_FRACTION of the least
-    memory left under its allocator's limit (`bytes_limit`: --gpu-memory-utilization of the device where given,
-    else jax's default share) by what is in use (`bytes_in_use`: the weights, loaded by now). The rest of it is
-    kept for the steps' activations."""
-    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-    return int(ACCELERATOR_KV_FRACTION * free)
-
-
-def num_pool_pages(config: EngineConfig, model: ModelConfig, kv_dtype, mesh: Mesh | None, page_size_given: bool
-                   ) -> int:
-    """The pages of the KV pool: `config.kv_cache_memory` (None: `default_kv_cache_bytes`) over a page's bytes.
-    InvalidEngineConfig if it holds none, naming the page size where it was given and the pool's size was not."""
-    kv_bytes = config.kv_cache_memory or default_kv_cache_bytes(mesh, config.gpu_memory_utilization)
-    page_bytes = kv_page_bytes(model, config.page_size, kv_dtype)
-    if kv_bytes < page_bytes and page_size_given and config.kv_cache_memory is None:
-        raise InvalidEngineConfig("page_size", f"{config.page_size} makes a page of {page_bytes:,} bytes, more "
-                                               f"than the whole KV pool of {kv_bytes:,} bytes (--kv-cache-memory "
-                                               f"sets the pool)")
-    if kv_bytes < page_bytes:
-        raise InvalidEngineConfig("kv_cache_memory", f"of {kv_bytes:,} bytes holds no page: one page of "
-                                                     f"{config.page_size} tokens takes {page_bytes:,} bytes")
-    return kv_bytes // page_bytes
-
-
-def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_pages: int) -> int:
-    """`config.max_model_len`, else the model's context up to DEFAULT_MAX_MODEL_LEN and to what the pool holds: a
-    request without max_tokens may fill the rest of the context, which a smaller pool would refuse every time."""
-    if config.max_model_len is not None:
-        if config.max_model_len > model.max_position_embeddings:
-            raise InvalidEngineConfig("max_model_len", f"{config.max_model_len} exceeds the model's context of "
-                                                       f"{model.max_position_embeddings} tokens")
-        return config.max_model_len
-    longest = min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
-    pooled = num_pages * config.page_size
-    if pooled < longest:
-        logger.warning("the KV pool holds %d tokens, fewer than the default context of %d: max_model_len is %d "
-                       "(a larger --kv-cache-memory holds more)", pooled, longest, pooled)
-    return min(longest, pooled)
 
 
 @dataclass(frozen=True)
@@ -191,7 +128,7 @@ class Engine:
         self.limits = RequestLimits(
             max_model_len=self.max_model_len, num_pages=num_pages, page_size=config.page_size,
             vocab_size=loaded.config.vocab_size,
-            eos_token_ids=tuple(loaded.config.eos_token_ids or self.tokenizer.eos_token_ids),
+            eos_token_ids=loaded.config.eos_token_ids,
         )
         self.ngram = (NgramConfig(config.num_speculative_tokens, config.spec_ngram_min, config.spec_ngram_max,
                                   config.spec_max_batch_size) if config.speculative == "ngram" else None)
@@ -230,7 +167,6 @@ class Engine:
         gc.freeze()
         gc.set_threshold(max(gc.get_threshold()[0], GC_YOUNG_THRESHOLD), *gc.get_threshold()[1:])
         self._inbox: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
-        self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self._num_pooling = 0  # embedding requests in `_requests`: their steps fetch pooled rows
@@ -277,8 +213,8 @@ class Engine:
         that does not compile).
         """
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
-        request = build_request(request_id, prompts, params, sink, self.tokenizer, self.limits, self._seq_ids,
-                                self.ngram, grammar)
+        request = build_request(request_id, prompts, params, sink, self.tokenizer, self.limits, self.ngram,
+                                grammar)
         self._inbox.put(_Add(request))
 
     @cached_property

@@ -3,7 +3,6 @@ model (context length, pool size), done once when it is built."""
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -94,7 +93,7 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
 
 
 def build_request(request_id: str, prompts: list[list[int]], params: SamplingParams, sink: OutputSink,
-                  tokenizer: Tokenizer, limits: RequestLimits, seq_ids: itertools.count,
+                  tokenizer: Tokenizer, limits: RequestLimits,
                   ngram: NgramConfig | None = None, grammar: Grammar | None = None) -> Request:
     """Checks the request against `limits` and builds its sequences, each with its seed and stop
     checker (so a conversion error is this request's rejection, never a step's failure), with a draft
@@ -108,7 +107,7 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
         for _ in range(params.n):
             choice = len(seqs)
             seq = Sequence(
-                seq_id=next(seq_ids), request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
+                request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
                 seed=(seed + choice * _SEED_STRIDE) % 2**32,
                 stop=StopChecker(params, limits.eos_token_ids,
                                  tokenizer.decode_stream(prompt, skip_special_tokens=params.skip_special_tokens)),

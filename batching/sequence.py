@@ -53,7 +53,6 @@ class Sequence:
     sum so far of its pooled tokens' final hidden states.
     """
 
-    seq_id: int
     request_id: str
     choice: int
     prompt_ids: tuple[int, ...]

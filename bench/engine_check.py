@@ -60,7 +60,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from sluice.batching.config import EngineConfig
-from sluice.batching.engine import Engine, default_kv_cache_bytes
+from sluice.batching.engine import Engine
+from sluice.batching.kv_pool import default_kv_cache_bytes
 from sluice.batching.outputs import Increment
 from sluice.batching.sampler import SAMPLER_BRANCHES
 from sluice.batching.sampling_params import SamplingParams

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import platform
@@ -34,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluice.batching.config import EngineConfig
-from sluice.batching.engine import Engine, kv_page_bytes
+from sluice.batching.engine import Engine
+from sluice.batching.kv_pool import kv_page_bytes
 from sluice.batching.outputs import ListCollector
 from sluice.batching.request import build_request
 from sluice.batching.sampling_params import SamplingParams
@@ -74,8 +74,7 @@ def decode_chunks(engine: Engine, shape: Shape) -> list[ScheduledChunk]:
     chunks = []
     for i in range(shape.batch):
         prompt = [(7 * i + j) % 1000 + 3 for j in range(shape.context)]
-        (seq,) = build_request(f"b{i}", [prompt], params, ListCollector(1), engine.tokenizer, engine.limits,
-                               itertools.count(i), None).seqs
+        (seq,) = build_request(f"b{i}", [prompt], params, ListCollector(1), engine.tokenizer, engine.limits).seqs
         seq.page_table = list(range(i * pages_per_seq, (i + 1) * pages_per_seq))
         chunks.append(ScheduledChunk(seq, shape.context - 1, 1))
     return chunks

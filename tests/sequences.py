@@ -18,7 +18,7 @@ def make_sequence(seq_id: int, tokens: list[int] | tuple[int, ...], params: Samp
                   *, choice: int = 0, parent: Sequence | None = None, arrival: int | None = None) -> Sequence:
     """Sequence `seq_id` of request `r<seq_id>` (or of its parent's request), arriving `seq_id`-th by default."""
     return Sequence(
-        seq_id=seq_id, request_id=parent.request_id if parent else f"r{seq_id}", choice=choice,
+        request_id=parent.request_id if parent else f"r{seq_id}", choice=choice,
         prompt_ids=tuple(tokens), params=params, seed=seq_id,
         stop=StopChecker(params, TOKENIZER.eos_token_ids, TOKENIZER.decode_stream(tokens)),
         max_num_tokens=len(tokens) + params.max_tokens, arrival=seq_id if arrival is None else arrival, parent=parent,

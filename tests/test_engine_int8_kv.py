@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from sluice.batching.config import EngineConfig
-from sluice.batching.engine import Engine, kv_page_bytes
+from sluice.batching.engine import Engine
+from sluice.batching.kv_pool import kv_page_bytes
 from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import SamplingParams
 from sluice.model.config import ModelConfig

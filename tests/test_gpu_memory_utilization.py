@@ -16,7 +16,7 @@ from sluice.app.arguments import claim_gpu_memory
 from sluice.app.cli import build_parser
 from sluice.batching.config import LARGE_ACCELERATOR_BATCH, MEMORY_FRACTION_VARIABLES, EngineConfig, \
     InvalidEngineConfig, default_batch, device_memory_bytes
-from sluice.batching.engine import CPU_KV_CACHE_BYTES, accelerator_kv_bytes, kv_page_bytes, num_pool_pages
+from sluice.batching.kv_pool import CPU_KV_CACHE_BYTES, accelerator_kv_bytes, kv_page_bytes, num_pool_pages
 from sluice.model.config import ModelConfig
 
 GB = 10**9
@@ -119,7 +119,7 @@ def cpu_pool_pages(config: EngineConfig) -> int:
 
 def test_a_cpu_ignores_it_with_one_line_and_keeps_its_fixed_pool(caplog):
     config = EngineConfig(gpu_memory_utilization=0.9, page_size=64)
-    with caplog.at_level(logging.INFO, logger="sluice.batching.engine"):
+    with caplog.at_level(logging.INFO, logger="sluice.batching.kv_pool"):
         pages = cpu_pool_pages(config)
     assert pages == CPU_KV_CACHE_BYTES // kv_page_bytes(ModelConfig.tiny(), 64, jnp.float32)
     assert [r.getMessage() for r in caplog.records] == [
@@ -129,7 +129,7 @@ def test_a_cpu_ignores_it_with_one_line_and_keeps_its_fixed_pool(caplog):
 def test_kv_cache_memory_sizes_the_pool_whatever_the_share(caplog):
     """As vLLM's --kv-cache-memory-bytes: the pool is that size; the share still bounds jax's allocator."""
     page = kv_page_bytes(ModelConfig.tiny(), 64, jnp.float32)
-    with caplog.at_level(logging.INFO, logger="sluice.batching.engine"):
+    with caplog.at_level(logging.INFO, logger="sluice.batching.kv_pool"):
         pages = cpu_pool_pages(EngineConfig(gpu_memory_utilization=0.5, kv_cache_memory=10 * page, page_size=64))
     assert pages == 10 and caplog.records == []
 

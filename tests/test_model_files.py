@@ -14,7 +14,7 @@ import pytest
 
 from hf_folder import write_hf_folder
 from sluice.batching.config import EngineConfig, InvalidEngineConfig
-from sluice.batching.engine import resolve_max_model_len
+from sluice.batching.kv_pool import resolve_max_model_len
 from sluice.model.config import ModelConfig, RopeScaling, read_json_object
 from sluice.model.fetch import InvalidModel, ModelNotFound
 from sluice.model.generation_config import from_hf_folder

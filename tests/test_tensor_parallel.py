@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from sluice.batching.engine import ACCELERATOR_KV_FRACTION, default_kv_cache_bytes
+from sluice.batching.kv_pool import ACCELERATOR_KV_FRACTION, default_kv_cache_bytes
 from sluice.model.config import ModelConfig
 from sluice.model.quantize import default_layout
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
