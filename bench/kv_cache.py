@@ -59,7 +59,7 @@ class Shape:
 def engine_for(loaded: LoadedModel, kv: str, shapes: list[Shape]) -> Engine:
     """An engine whose pool gives every sequence of the largest batch its own pages for the longest context."""
     batch, context = max(s.batch for s in shapes), max(s.context for s in shapes)
-    pages = batch * -(-context // PAGE_SIZE)
+    pages = batch * -(-(context + 1) // PAGE_SIZE)  # a request is its prompt and the one token it decodes
     page_bytes = kv_page_bytes(loaded.config, PAGE_SIZE, kv_cache_dtype(kv, loaded.model.dtype))
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch, max_model_len=context + 1,
                           kv_cache_memory=pages * page_bytes, page_size=PAGE_SIZE, kv_cache_dtype=kv, warmup=False)
