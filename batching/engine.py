@@ -37,7 +37,8 @@ from sluice.batching.kv_store import KVLayout, KVStore, PageKey
 from sluice.batching.kv_pool import num_pool_pages, resolve_max_model_len
 from sluice.batching.kv_transfer import PageCopy
 from sluice.batching.config import EngineConfig, device_memory_bytes
-from sluice.batching.model_runner import ModelRunner, enable_compilation_cache
+from sluice.batching.compilation_cache import enable_compilation_cache
+from sluice.batching.model_runner import ModelRunner
 from sluice.batching.device_step import PromptScores
 from sluice.batching.step_output import PendingStep, SequenceOutput
 from sluice.batching.ngram import NgramConfig

@@ -45,7 +45,7 @@ def _compilation_cache() -> None:
     again at each start."""
     import jax
 
-    from sluice.batching.model_runner import enable_compilation_cache
+    from sluice.batching.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     for option in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",

@@ -11,7 +11,7 @@ import time
 
 from jax._src.lru_cache import LRUCache
 
-from sluice.batching.model_runner import PARTIAL, _remove_stale_parts, _write_cache_entries_whole
+from sluice.batching.compilation_cache import PARTIAL, _remove_stale_parts, _write_cache_entries_whole
 
 # One process writes an entry with a file-size limit that cuts the write short, as a full disk or a SIGKILL would,
 # then compiles the same program twice more with the limit lifted (jax.clear_caches leaves only the disk cache).
@@ -19,7 +19,7 @@ _CUT_WRITE_THEN_COMPILE_AGAIN = r"""
 import collections, json, resource, signal, sys, warnings
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np
-from sluice.batching.model_runner import enable_compilation_cache
+from sluice.batching.compilation_cache import enable_compilation_cache
 
 enable_compilation_cache(Path(sys.argv[1]))
 events = collections.Counter()
