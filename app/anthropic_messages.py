@@ -69,7 +69,7 @@ async def create_message(request: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex}"
     eager = frozenset(tool.name for tool in body.tools if tool.eager_input_streaming)
     builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling, chat.reasoning,
-                             eager)
+                             eager, engine.tokenizer)
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 

@@ -18,6 +18,8 @@ its whole message still holds the completed parameters alone.
 Usage splits the prompt as Anthropic does: `input_tokens` are the tokens computed, `cache_read_input_tokens` those the
 prefix cache held. The engine reports the split when the reply ends, so a stream's `message_start` counts the whole
 prompt as input, and its `message_delta` (whose counts replace them, as Anthropic's clients read them) gives the split.
+With a --reasoning-parser, `output_tokens_details.thinking_tokens` counts the generated tokens that were the reply's
+thinking (`ReasoningFormat.count_tokens`, chat's `reasoning_tokens`), in the whole message and in `message_delta`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from sluice.app.anthropic_schemas import (
     MessageStartEvent,
     MessageStopEvent,
     MessageUsage,
+    OutputTokensDetails,
     PingEvent,
     SignatureDelta,
     StopReason,
@@ -59,6 +62,7 @@ from sluice.app.reasoning import ReasoningFormat, ReplyReader, Thought
 from sluice.app.streaming import TextFrame
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, JsonNesting, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling
+from sluice.model.tokenizer import Tokenizer
 
 
 def sse(event: BaseModel) -> bytes:
@@ -170,17 +174,20 @@ class MessageBuilder:
     """One generation (one choice) as an Anthropic `message`. `input_tokens`: the prompt's length, known before
     the engine reports usage (`message_start` carries it); what the text is read for: `calling` (None: no tools)
     and `reasoning` (None: no --reasoning-parser); `eager`: the tools whose calls stream their input as it is
-    sampled (`eager_input_streaming`), not a whole parameter at a time."""
+    sampled (`eager_input_streaming`), not a whole parameter at a time; `tokenizer`: the vocabulary of the reply's
+    tokens, in which `reasoning` counts those of the thinking (the usage's `thinking_tokens`), needed with it."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int, calling: ToolCalling | None,
-                 reasoning: ReasoningFormat | None = None, eager: frozenset[str] = frozenset()) -> None:
+                 reasoning: ReasoningFormat | None = None, eager: frozenset[str] = frozenset(),
+                 tokenizer: Tokenizer | None = None) -> None:
         self._id = message_id
         self._eager = eager
         self._model = model
         self._input_tokens = input_tokens
         self._calling = calling
         self._reasoning = reasoning
-        self._num_tokens = 0
+        self._tokenizer = tokenizer
+        self._token_ids: list[int] = []  # the reply's, whose thinking's the usage counts
         self._finish: FinishReason | None = None
         self._stop_reason: str | int | None = None
 
@@ -220,7 +227,7 @@ class MessageBuilder:
             yield anthropic_error_event(as_api_error(error, "a message stream"))
 
     def _record(self, increment: Increment) -> None:
-        self._num_tokens += len(increment.token_ids)
+        self._token_ids += increment.token_ids
         self._finish = increment.finish_reason or self._finish
         self._stop_reason = increment.stop_reason
 
@@ -235,10 +242,14 @@ class MessageBuilder:
 
     def _usage(self, generation: Generation) -> MessageUsage:
         usage = generation.usage
+        details = None if self._reasoning is None else OutputTokensDetails(
+            thinking_tokens=self._reasoning.count_tokens(self._tokenizer, self._token_ids))
         if usage is None:
-            return MessageUsage(input_tokens=self._input_tokens, output_tokens=self._num_tokens)
+            return MessageUsage(input_tokens=self._input_tokens, output_tokens=len(self._token_ids),
+                                output_tokens_details=details)
         return MessageUsage(input_tokens=self._input_tokens - usage.cached_prompt_tokens,
-                            cache_read_input_tokens=usage.cached_prompt_tokens, output_tokens=usage.completion_tokens)
+                            cache_read_input_tokens=usage.cached_prompt_tokens, output_tokens=usage.completion_tokens,
+                            output_tokens_details=details)
 
     def _message(self, content: list[ThinkingBlock | TextBlock | ToolUseBlock], stop_reason: StopReason | None,
                  stop_sequence: str | None, usage: MessageUsage) -> Message:

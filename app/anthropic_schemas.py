@@ -137,12 +137,26 @@ class MessageParam(_Request):
 
 
 class ToolParam(_Request):
+    """A custom tool: the model calls it, the client runs it and answers with a tool_result. Anthropic's other
+    kinds (server tools such as web_search, Anthropic-defined client tools such as bash, MCP toolsets) are refused
+    by their type: their schemas and runners are Anthropic's."""
+
     type: Literal["custom"] | None = None
     name: ToolName
     description: str | None = None
     input_schema: dict[str, Any] = Field(description="a JSON schema of the call's input object")
     eager_input_streaming: bool | None = Field(None, description="true: a stream sends the call's input as it is "
                                                                  "sampled, not a whole parameter at a time")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _custom(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in (None, "custom"):
+            name = f" ({data['name']})" if isinstance(data.get("name"), str) else ""
+            raise PydanticCustomError("unsupported_tool", "'{kind}' tools{name} are not supported: only custom tools "
+                                      "(a name, a description and an input_schema) are", {"kind": kind, "name": name})
+        return data
 
     @field_validator("input_schema")
     @classmethod
@@ -219,6 +233,17 @@ class CountTokensRequest(_Request):
     thinking: ThinkingConfig | None = Field(None, description="the chat template's enable_thinking: false if "
                                                               "disabled, else true (unset: the template's default)")
     output_config: OutputConfig | None = None
+    mcp_servers: list[dict[str, Any]] = Field(default_factory=list,
+                                              description="remote MCP servers (beta) are not connected to: refused")
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _no_mcp_servers(cls, servers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if servers:
+            names = ", ".join(str(server.get("name")) for server in servers)
+            raise PydanticCustomError("mcp_servers_unsupported", "remote MCP servers ({names}) are not supported: "
+                                      "give their tools as custom tools, which the client runs", {"names": names})
+        return servers
 
     @field_validator("tool_choice")
     @classmethod
@@ -390,16 +415,28 @@ ContentBlock = Annotated[ThinkingBlock | TextBlock | ToolUseBlock, Field(discrim
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
+class OutputTokensDetails(BaseModel):
+    """`thinking_tokens`: how many of the output tokens the reply's reasoning was generated in, counted as chat's
+    `reasoning_tokens` and vLLM count them: the tokens between `<think>` and `</think>`, the tags' own not among
+    them (Anthropic's count includes its thinking block's delimiters, and allows it to differ from the exact
+    generation count by a few tokens)."""
+
+    thinking_tokens: int
+
+
 class MessageUsage(BaseModel):
     """Anthropic's split of the prompt: `input_tokens` + `cache_creation_input_tokens` + `cache_read_input_tokens`
     is its length. `cache_read_input_tokens`: the prompt's prefix found in the prefix cache (not computed again).
     `cache_creation_input_tokens` is 0: Anthropic counts there the tokens a request's `cache_control` breakpoints
-    write, billed apart; Sluice caches every prompt's prefix by itself, and no request asks it to."""
+    write, billed apart; Sluice caches every prompt's prefix by itself, and no request asks it to.
+    `output_tokens_details`: with a --reasoning-parser alone (left out without one, as chat's
+    `completion_tokens_details`)."""
 
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    output_tokens_details: OutputTokensDetails | None = Field(None, exclude_if=lambda details: details is None)
 
 
 class Message(BaseModel):

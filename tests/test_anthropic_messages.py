@@ -478,6 +478,28 @@ def test_bad_requests_are_400_invalid_request_errors_in_anthropics_shape(server,
     assert body["error"]["type"] == "invalid_request_error" and words in body["error"]["message"]
 
 
+@pytest.mark.parametrize(("tool", "words"), [
+    ({"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+     "tools.1: 'web_search_20250305' tools (web_search) are not supported"),
+    ({"type": "bash_20250124", "name": "bash"}, "tools.1: 'bash_20250124' tools (bash) are not supported"),
+    ({"type": "mcp_toolset", "mcp_server_name": "docs"}, "tools.1: 'mcp_toolset' tools are not supported"),
+], ids=["server tool", "anthropic-defined client tool", "mcp toolset"])
+def test_a_tool_of_a_kind_sluice_cannot_run_is_a_400_naming_it(client, tool, words):
+    """Sluice runs custom tools alone (an input_schema, called by the model, answered by the client): a server tool
+    or an Anthropic-defined one is refused by its type, not as a type that should have been 'custom'."""
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.beta.messages.create(model=MODEL, max_tokens=4, messages=HELLO, tools=[WEATHER, tool])
+    message = caught.value.body["error"]["message"]
+    assert message.startswith(words) and "only custom tools" in message
+
+
+def test_remote_mcp_servers_are_a_400_naming_them(client):
+    server = {"type": "url", "url": "https://mcp.example/sse", "name": "docs"}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.beta.messages.create(model=MODEL, max_tokens=4, messages=HELLO, mcp_servers=[server])
+    assert caught.value.body["error"]["message"].startswith("mcp_servers: remote MCP servers (docs) are not supported")
+
+
 def test_count_tokens_refuses_text_blocks_without_text_as_create_does(client):
     with pytest.raises(anthropic.BadRequestError) as caught:
         client.messages.count_tokens(model=MODEL,
