@@ -19,7 +19,7 @@ from sluice.app.anthropic_schemas import AnthropicErrorDetail, AnthropicErrorRes
 from sluice.app.errors import APIError, error_response
 from sluice.app.streaming import sse_event
 
-ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})  # the routes Sluice serves
 
 OVERLOADED = 529  # Anthropic's status for an overloaded API (no standard HTTP status says it)
 
@@ -53,8 +53,9 @@ def anthropic_error_event(error: APIError) -> bytes:
 
 
 def error_response_for(path: str, error: APIError) -> JSONResponse:
-    """`error` as the route at `path` speaks: Anthropic's shape on its routes, OpenAI's elsewhere."""
-    if path not in ANTHROPIC_PATHS:
+    """`error` as the route at `path` speaks: Anthropic's shape on the Messages API's paths (its routes Sluice does
+    not serve, such as `/v1/messages/batches`, too), OpenAI's elsewhere."""
+    if path not in ANTHROPIC_PATHS and not path.startswith("/v1/messages/"):
         return error_response(error)
     return JSONResponse(anthropic_error(error).model_dump(exclude_none=True), status_code=_status(error),
                         headers=error.headers)

@@ -558,6 +558,15 @@ def test_an_unknown_model_is_a_404_not_found_error(client):
     assert caught.value.body["error"]["type"] == "not_found_error"
 
 
+def test_message_batches_which_sluice_does_not_serve_are_a_404_in_anthropics_shape(client):
+    """A route of Anthropic's Messages API that Sluice lacks answers as Anthropic's routes do (it was the OpenAI
+    routes' 404 body, whose error type, invalid_request_error, is not Anthropic's for a 404)."""
+    request = {"custom_id": "a", "params": {"model": MODEL, "max_tokens": 4, "messages": HELLO}}
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.messages.batches.create(requests=[request])
+    assert caught.value.body == {"type": "error", "error": {"type": "not_found_error", "message": "Not Found"}}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_clients_tool_runner_runs_its_loop_sending_whole_histories(client, stream):
     # The runner asks for a message thread first; refused as a thread it cannot hold, it sends whole histories.
