@@ -63,7 +63,8 @@ async def create_response(request: Request) -> Response:
     response = ResponseObject(
         id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,
         max_output_tokens=body.max_output_tokens, model=state.model_name, output=[],
-        parallel_tool_calls=body.parallel_tool_calls, previous_response_id=body.previous_response_id,
+        parallel_tool_calls=body.parallel_tool_calls, max_tool_calls=body.max_tool_calls,
+        previous_response_id=body.previous_response_id,
         temperature=plan.params.temperature, top_p=plan.params.top_p, top_logprobs=body.top_logprobs,
         tool_choice=body.tool_choice or "auto",
         tools=body.tools, text=body.text, reasoning=body.reasoning, store=body.store, metadata=body.metadata,

@@ -14,6 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 from sluice.app.errors import APIError, from_validation_error, invalid_request
 from sluice.app.response_ids import new_id
 from sluice.app.responses_api_schemas import (
+    AllowedToolsChoice,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,
@@ -25,10 +26,10 @@ from sluice.app.responses_api_schemas import (
     OutputItem,
     OutputTextPart,
     ReasoningItem,
-    RefusalPart,
     ResponsesRequest,
+    ToolChoice,
 )
-from sluice.app.schemas import ChatCompletionRequest
+from sluice.app.schemas import ChatCompletionRequest, RefusalPart
 
 Items = list[InputItem]
 ITEMS = TypeAdapter(Items)
@@ -54,10 +55,8 @@ def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
     }
     # Sampling fields left out take the model's defaults (`plan_chat`), so only those set are passed on.
     chat |= {name: getattr(body, name) for name in ("temperature", "top_p") if name in body.model_fields_set}
-    if isinstance(body.tool_choice, FunctionToolChoice):
-        chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
-    elif body.tool_choice is not None:
-        chat["tool_choice"] = body.tool_choice
+    if body.tool_choice is not None:
+        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
     text_format = body.text.format
     if isinstance(text_format, JsonSchemaTextFormat):
         chat["response_format"] = {"type": "json_schema",
@@ -68,6 +67,16 @@ def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as error:
         raise in_responses_terms(from_validation_error(error, chat)) from None
+
+
+def _chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    """A tool_choice in the chat request's form: its functions named under `function`."""
+    if isinstance(choice, FunctionToolChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, AllowedToolsChoice):
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": [
+            _chat_tool_choice(tool) for tool in choice.tools]}}
+    return choice
 
 
 def _check_ids_distinct(items: Items) -> None:

@@ -19,9 +19,11 @@ from sluice.app.schemas import (
     JsonObjectFormat,
     JsonSchemaSpec,
     ReasoningEffort,
+    RefusalPart,
     TextFormat,
     TokenLogprobInfo,
     _Request,
+    field_error,
     named_function_choice,
     text_parts_only,
 )
@@ -31,7 +33,7 @@ MAX_METADATA_KEYS = 16
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 # Fields that would change the output but are not implemented: refused by name (when set) rather than ignored.
-_UNSUPPORTED = ("background", "conversation", "prompt", "max_tool_calls")
+_UNSUPPORTED = ("background", "conversation", "prompt")
 # OpenAI's `include` values. Only the logprobs one adds anything here: the others name items (hosted tools'
 # results, images, encrypted reasoning) that Sluice's responses never hold.
 Includable = Literal["message.output_text.logprobs", "file_search_call.results", "web_search_call.results",
@@ -62,17 +64,6 @@ class OutputTextPart(_Request):
 
 
 TextPart = Annotated[InputText | OutputTextPart, Field(discriminator="type")]
-
-
-class RefusalPart(_Request):
-    """An earlier reply's refusal: text the model wrote, shown to it again as its message's text."""
-
-    type: Literal["refusal"]
-    refusal: str
-
-    @property
-    def text(self) -> str:
-        return self.refusal
 
 
 class MessageItem(_Request):
@@ -201,6 +192,18 @@ class FunctionToolChoice(_Request):
     name: str
 
 
+class AllowedToolsChoice(_Request):
+    """OpenAI's `allowed_tools`, in the Responses API's flat form: the chat request's (`schemas.AllowedToolsChoice`)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[FunctionToolChoice] = Field(min_length=1)
+
+
+ToolChoice = Annotated[FunctionToolChoice | AllowedToolsChoice, Field(discriminator="type")] | Literal[
+    "none", "auto", "required"]
+
+
 class JsonSchemaTextFormat(JsonSchemaSpec):
     model_config = ConfigDict(serialize_by_alias=True)
 
@@ -243,9 +246,10 @@ class ResponsesRequest(_Request):
                                                                     "logprob (and logprobs included)")
     stream: bool = False
     tools: list[FunctionTool] = Field(default_factory=list)
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = Field(
-        None, description='default: "auto" with tools, "none" without')
+    tool_choice: ToolChoice | None = Field(None, description='default: "auto" with tools, "none" without')
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = Field(None, ge=0, description="the most calls of built-in tools, of which Sluice "
+                                                               "has none (function calls are the client's to run)")
     text: TextConfig = Field(default_factory=TextConfig)
     reasoning: ReasoningConfig | None = None
     store: bool = Field(True, description="keep the response for GET and previous_response_id (bounded, in memory)")
@@ -262,7 +266,7 @@ class ResponsesRequest(_Request):
     @classmethod
     def _no_unsupported_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and (given := [name for name in _UNSUPPORTED if _asks(data.get(name))]):
-            raise ValueError(f"{given[0]} is not supported")
+            raise field_error(given[0], f"{given[0]} is not supported", data[given[0]])
         return data
 
     @model_validator(mode="before")
@@ -369,11 +373,12 @@ class ResponseObject(BaseModel):
     model: str
     output: list[OutputItem]
     parallel_tool_calls: bool
+    max_tool_calls: int | None = None
     previous_response_id: str | None
     temperature: float
     top_p: float
     top_logprobs: int | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice
+    tool_choice: ToolChoice
     tools: list[FunctionTool]
     text: TextConfig
     reasoning: ReasoningConfig | None = None

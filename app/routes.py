@@ -34,6 +34,7 @@ from sluice.app.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    NamedToolChoice,
     TokenizeRequest,
     TokenizeResponse,
     ToolDefinition,
@@ -155,8 +156,8 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     params = body.sampling_params(max(1, engine.max_model_len - len(prompt.token_ids)), model_defaults(state, engine))
     if forced := body.forced_tools():
         grammar = call_grammar([(t.function.name, t.function.parameters) for t in forced],
-                               parallel=body.parallel_tool_calls and body.tool_choice == "required", parser=parser,
-                               marker_id=special_marker(engine.tokenizer, parser),
+                               parallel=body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice),
+                               parser=parser, marker_id=special_marker(engine.tokenizer, parser),
                                args_id=args_token(engine.tokenizer, parser))
         params = dataclasses.replace(params, structured=grammar)
     reasoning = ReasoningFormat.named(state.settings.reasoning_parser, continuing=body.continue_final_message)

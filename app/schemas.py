@@ -70,16 +70,16 @@ def text_parts_only(*types: str):
 
 
 def named_function_choice(shape: str, name_key: str):
-    """A before-validator of a `"none" | "auto" | "required" | <named function>` tool_choice field: an object of
-    another type (`allowed_tools`, a hosted tool) or without `name_key` is refused by what it is, not by the
-    union's failed branches ("tool_choice.str: Input should be a valid string"). `shape`: the named choice as
-    the API writes it."""
+    """A before-validator of a `"none" | "auto" | "required" | <named function> | <allowed tools>` tool_choice field:
+    an object of another type (a hosted tool, a custom one) or a function's without `name_key` is refused by what it
+    is, not by the union's failed branches ("tool_choice.str: Input should be a valid string"). `shape`: the named
+    choice as the API writes it."""
 
     def check(value: Any) -> Any:
-        if isinstance(value, dict) and value.get("type") != "function":
+        if isinstance(value, dict) and value.get("type") not in ("function", "allowed_tools"):
             raise ValueError(f"tool_choice of type {value.get('type')!r} is not supported: give none, auto, "
-                             f"required or {shape}")
-        if isinstance(value, dict) and name_key not in value:
+                             f"required, {shape} or allowed_tools")
+        if isinstance(value, dict) and value["type"] == "function" and name_key not in value:
             raise ValueError(f"a named tool_choice is {shape}")
         return value
 
@@ -177,6 +177,9 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     **dict.fromkeys(_GUIDED_FIELDS, _ANY), "bad_words": [],
     "use_beam_search": False, "length_penalty": 1.0,
 }
+# What a refusal of a field adds after "<field> is not supported".
+_UNSUPPORTED_HINTS = {**dict.fromkeys(_GUIDED_FIELDS, "; use structured_outputs"),
+                      **dict.fromkeys(("modalities", "audio"), ": the model writes text only")}
 
 
 class PromptTruncation(_Request):
@@ -273,8 +276,7 @@ class SamplingRequest(PromptTruncation):
             return data
         for name, default in cls.unsupported.items():
             if data.get(name) is not None and (default is _ANY or data[name] != default):
-                hint = "; use structured_outputs" if name in _GUIDED_FIELDS else ""
-                raise field_error(name, f"{name} is not supported{hint}", data[name])
+                raise field_error(name, f"{name} is not supported{_UNSUPPORTED_HINTS.get(name, '')}", data[name])
         return data
 
     @model_validator(mode="after")
@@ -422,6 +424,18 @@ class TextPart(_Request):
     text: str
 
 
+class RefusalPart(_Request):
+    """An earlier reply's refusal sent back: text the model wrote, shown to it again as its message's text (as vLLM
+    reads a refusal part)."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
 # --- tool calling ---------------------------------------------------------------------------------
 # A function's `parameters` schema is compiled by the engine's grammar compiler before the request is queued
 # (app/routes.py), so a malformed one is a 400 whatever the tool_choice.
@@ -462,6 +476,30 @@ class NamedToolChoice(_Request):
     function: FunctionName
 
 
+class AllowedTools(_Request):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Request):
+    """OpenAI's `allowed_tools`: the reply may call only these of the request's tools (`mode` as tool_choice `auto`
+    or `required` would), while the prompt shows them all (its prefix, cached, stays the same as the list
+    changes)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+    @property
+    def mode(self) -> Literal["auto", "required"]:
+        return self.allowed_tools.mode
+
+    def names(self) -> set[str]:
+        return {tool.function.name for tool in self.allowed_tools.tools}
+
+
+ToolChoice = Annotated[NamedToolChoice | AllowedToolsChoice, Field(discriminator="type")] | str
+
+
 class FunctionCallParam(_Request):
     name: str
     arguments: str = Field(description='the arguments as a JSON object\'s text ("" reads as "{}", as vLLM reads it)')
@@ -488,7 +526,8 @@ class ToolCallParam(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]] | None = None
+    refusal: str | None = Field(None, description="an assistant's refusal sent back, shown to the model as its text")
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant's calls")
     tool_call_id: str | None = Field(None, description="the call a tool message answers")
@@ -497,7 +536,7 @@ class ChatMessage(_Request):
         description="an assistant's reasoning before its reply (also taken as `reasoning`, as vLLM takes both); the "
                     "chat template sees it as the message's `reasoning_content` and `reasoning`")
 
-    _text_only = field_validator("content", mode="before")(text_parts_only("text"))
+    _text_only = field_validator("content", mode="before")(text_parts_only("text", "refusal"))
 
     @model_validator(mode="before")
     @classmethod
@@ -513,19 +552,23 @@ class ChatMessage(_Request):
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise field_error("tool_calls", "only assistant messages have tool_calls", self.tool_calls)
-        if self.content is None and not self.tool_calls and self.reasoning_content is None:
-            raise field_error("content", "content is required (an assistant message may give tool_calls or reasoning "
-                              "instead)", None)
+        if self.role != "assistant" and (self.refusal is not None or self._has_refusal_parts()):
+            field = "refusal" if self.refusal is not None else "content"
+            raise field_error(field, "only assistant messages have refusals", getattr(self, field))
+        if self.content is None and not self.tool_calls and self.reasoning_content is None and self.refusal is None:
+            raise field_error("content", "content is required (an assistant message may give tool_calls, reasoning "
+                              "or a refusal instead)", None)
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise field_error("tool_call_id", "tool messages, and only they, need tool_call_id", self.tool_call_id)
         return self
 
+    def _has_refusal_parts(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(part, RefusalPart) for part in self.content)
+
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
+        """The content's text (its parts joined by newlines), then a refusal sent as the `refusal` field."""
+        content = self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content or ())
+        return f"{content}\n{self.refusal}" if content and self.refusal else content or self.refusal or ""
 
 
 class ChatRendering(_Request):
@@ -583,8 +626,8 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDefinition] = Field(default_factory=list, max_length=MAX_TOOLS)
-    tool_choice: str | NamedToolChoice | None = Field(
-        None, description='"none", "auto", "required" or a named function; default: "auto" with tools, "none" without')
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto", "required", a named function or '
+                                           'allowed_tools; default: "auto" with tools, "none" without')
     parallel_tool_calls: bool = Field(True, description="false: at most one call (the first the reply writes)")
     thinking_token_budget: int | None = Field(
         None, ge=0, description="vLLM's: the most tokens the reasoning may take, then </think> is forced (needs a "
@@ -594,9 +637,10 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
     function_call: str | dict[str, Any] | None = Field(None, description='not supported (use tool_choice): only "none"',
                                                        json_schema_extra={"const": "none"})
 
-    # A template sent with the request (vLLM serves one only with --trust-request-chat-template), and vLLM's
-    # chat echo (the reply prefixed with a last message of its role).
-    unsupported: ClassVar[dict[str, Any]] = {**UNSUPPORTED_FIELDS, "chat_template": _ANY, "echo": False}
+    # A template sent with the request (vLLM serves one only with --trust-request-chat-template), vLLM's chat echo
+    # (the reply prefixed with a last message of its role), and OpenAI's audio output and web search.
+    unsupported: ClassVar[dict[str, Any]] = {**UNSUPPORTED_FIELDS, "chat_template": _ANY, "echo": False,
+                                             "modalities": ["text"], "audio": _ANY, "web_search_options": _ANY}
 
     @field_validator("tools")
     @classmethod
@@ -611,12 +655,15 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
 
     @field_validator("tool_choice")
     @classmethod
-    def _choice_among_tools(cls, choice: str | NamedToolChoice, info: ValidationInfo) -> str | NamedToolChoice:
+    def _choice_among_tools(cls, choice: ToolChoice, info: ValidationInfo) -> ToolChoice:
         if isinstance(choice, str) and choice not in TOOL_CHOICES:
-            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function")
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, a named function or "
+                             "allowed_tools")
         names = {tool.function.name for tool in info.data.get("tools", [])}
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        named = ({choice.function.name} if isinstance(choice, NamedToolChoice)
+                 else choice.names() if isinstance(choice, AllowedToolsChoice) else set())
+        if unknown := sorted(named - names):
+            raise ValueError(f"tool_choice names {unknown[0]!r}, which is not among the tools")
         if choice == "required" and not names:
             raise ValueError('tool_choice "required" needs tools')
         return choice
@@ -662,14 +709,19 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
         return [] if exclude_when_none and self.tool_choice == "none" else self.tools
 
     def callable_tools(self) -> list[ToolDefinition]:
-        """The tools the reply is read for calls of: none with tool_choice "none" (its text is all content)."""
+        """The tools the reply is read for calls of: none with tool_choice "none" (its text is all content), those
+        listed with allowed_tools."""
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            return [tool for tool in self.tools if tool.function.name in self.tool_choice.names()]
         return [] if self.tool_choice == "none" else self.tools
 
     def forced_tools(self) -> list[ToolDefinition]:
-        """The tools one of which must be called (required: any; named: that one), or [] if the model chooses."""
+        """The tools one of which must be called (required: any; allowed_tools required: any listed; named: that
+        one), or [] if the model chooses."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return [tool for tool in self.tools if tool.function.name == self.tool_choice.function.name]
-        return self.tools if self.tool_choice == "required" else []
+        required = isinstance(self.tool_choice, AllowedToolsChoice) and self.tool_choice.mode == "required"
+        return self.callable_tools() if required or self.tool_choice == "required" else []
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -95,7 +95,7 @@ def test_non_text_content_parts_are_rejected_by_their_type():
 
 
 @pytest.mark.parametrize(("choice", "words"), [
-    ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "of type 'allowed_tools'"),
+    ({"type": "custom", "custom": {"name": "f"}}, "of type 'custom'"),
     ({"type": "function", "name": "f"}, '{"type": "function", "function": {"name": ...}}'),
 ])
 def test_a_tool_choice_object_other_than_a_named_function_is_refused_by_what_it_is(choice, words):

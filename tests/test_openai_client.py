@@ -325,3 +325,169 @@ def test_an_invalid_fields_param_is_its_path_as_the_client_sent_it(engine, path,
 
     response = serve(engine, scenario)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+# --- fields the current client and agent SDKs send ----------------------------------------------------------
+
+WAIT = {"type": "function", "function": {"name": "wait", "description": "Waits", "parameters": LOOK_PARAMETERS}}
+
+
+def allowed(mode: str, *names: str) -> dict:
+    """Chat's `allowed_tools` tool_choice: the model may call only the `names` of the request's tools."""
+    return {"type": "allowed_tools",
+            "allowed_tools": {"mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+
+def test_allowed_tools_required_forces_a_call_of_a_listed_tool_with_every_tool_in_the_prompt(tool_engine):
+    """OpenAI's newer tool_choice: every tool stays in the prompt (its cached prefix), the call is one of those
+    listed; the Responses API's flat form does the same."""
+    flat = [{"type": "function", **tool["function"]} for tool in (LOOK, WAIT)]
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> tuple:
+        fields = {"model": "tiny", "messages": MESSAGES, "tools": [LOOK, WAIT], "max_tokens": 30, "temperature": 0,
+                  "parallel_tool_calls": False}  # a random model would write calls to the end
+        auto = await client.chat.completions.create(**fields, tool_choice="auto")
+        forced = await client.chat.completions.create(**fields, tool_choice=allowed("required", "wait"))
+        response = await client.responses.create(
+            model="tiny", input=MESSAGES[0]["content"], tools=flat, max_output_tokens=30, temperature=0,
+            parallel_tool_calls=False,
+            tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "wait"}]})
+        return auto, forced, response
+
+    auto, forced, response = serve(tool_engine, scenario)
+    assert forced.usage.prompt_tokens == auto.usage.prompt_tokens
+    assert [call.function.name for call in forced.choices[0].message.tool_calls] == ["wait"]
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert [(item.type, item.name) for item in response.output] == [("function_call", "wait")]
+    assert response.tool_choice.type == "allowed_tools" and response.tool_choice.mode == "required"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_allowed_tools_auto_reads_calls_of_the_listed_tools_only(tool_engine, stream):
+    """A call of a tool left off the list is text, as with tool_choice "none"."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list[tuple]:
+        replies = []
+        for names in (("look",), ("wait",)):
+            body = {"model": "tiny", "messages": MESSAGES, "tools": [LOOK, WAIT],
+                    "tool_choice": allowed("auto", *names), "max_tokens": 40, "temperature": 0,
+                    "extra_body": {"structured_outputs": {"choice": [CALL_TEXT]}}}
+            if stream:
+                async with client.chat.completions.stream(**body) as events:
+                    reply = await events.get_final_completion()
+            else:
+                reply = await client.chat.completions.create(**body)
+            message = reply.choices[0].message
+            replies.append((message.content, [c.function.name for c in message.tool_calls or []]))
+        return replies
+
+    listed, unlisted = serve(tool_engine, scenario)
+    assert listed == (None, ["look"])
+    assert unlisted == (CALL_TEXT, [])
+
+
+@pytest.mark.parametrize(("choice", "param", "words"), [
+    (allowed("auto", "nope"), "tool_choice", "'nope', which is not among the tools"),
+    (allowed("auto"), "tool_choice.allowed_tools.tools", "at least 1 item"),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "custom", "custom": {}}]}},
+     "tool_choice.allowed_tools.tools.0.type", "'function'"),
+])
+def test_an_allowed_tools_choice_naming_no_tool_of_the_request_is_a_400_naming_it(engine, choice, param, words):
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[LOOK], tool_choice=choice)
+        return raised.value
+
+    error = serve(engine, scenario)
+    assert error.param == param and words in error.message, error.message
+
+
+def test_an_assistants_refusal_sent_back_is_its_text_in_the_prompt(engine):
+    """The openai client's assistant message may hold a refusal, as its `refusal` field or a refusal part (the
+    Agents SDK sends a refused turn's history so); vLLM reads a refusal part as text."""
+    said = "I can't help with that."
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list[list[int]]:
+        prompts = []
+        for assistant in ({"content": said}, {"content": None, "refusal": said},
+                          {"content": [{"type": "refusal", "refusal": said}]}):
+            messages = [*MESSAGES, {"role": "assistant", **assistant}, {"role": "user", "content": "Why?"}]
+            response = await http.post("http://sluice/tokenize", json={"model": "tiny", "messages": messages})
+            assert response.status_code == 200, response.json()
+            prompts.append(response.json()["tokens"])
+        return prompts
+
+    as_text, as_field, as_part = serve(engine, scenario)
+    assert as_field == as_text and as_part == as_text
+
+
+def test_a_refusal_part_in_a_users_message_is_a_400_naming_it(engine):
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(model="tiny", messages=[
+                {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
+        return raised.value
+
+    error = serve(engine, scenario)
+    assert error.param == "messages.0.content" and "refusal" in error.message
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"),
+])
+def test_asking_chat_for_audio_or_a_web_search_is_a_400_naming_the_field(engine, fields, param):
+    """They would change the reply (`message.audio`, a searched answer), which Sluice cannot give."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **fields)
+        return raised.value
+
+    assert serve(engine, scenario).param == param
+
+
+def test_fields_that_do_not_change_the_reply_are_accepted_and_leave_it_as_it_was(engine):
+    """What the openai client and the Agents SDK send for OpenAI's own service (its store, billing, caching,
+    routing and moderation hints) is taken and ignored, as vLLM ignores it."""
+    ignored = {"store": True, "metadata": {"run": "1"}, "service_tier": "auto", "prompt_cache_key": "agent-1",
+               "safety_identifier": "user-1", "user": "user-1", "verbosity": "low", "modalities": ["text"],
+               "prediction": {"type": "content", "content": "Blue"}, "reasoning_effort": "low",
+               "extra_body": {"prompt_cache_retention": "24h"}}
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list[str]:
+        fields = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+        plain = await client.chat.completions.create(**fields)
+        given = await client.chat.completions.create(**fields, **ignored)
+        streamed = await client.chat.completions.create(
+            **fields, **ignored, stream=True, stream_options={"include_usage": True, "include_obfuscation": False})
+        text = "".join([chunk.choices[0].delta.content or "" async for chunk in streamed if chunk.choices])
+        return [plain.choices[0].message.content, given.choices[0].message.content, text]
+
+    plain, given, streamed = serve(engine, scenario)
+    assert given == plain and streamed == plain
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True}, "background"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+])
+def test_a_responses_field_sluice_does_not_serve_is_a_400_naming_it(engine, fields, param):
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.responses.create(model="tiny", input="hi", **fields)
+        return raised.value
+
+    error = serve(engine, scenario)
+    assert error.param == param and error.body["message"].startswith(f"{param}: "), error.body
+
+
+def test_responses_max_tool_calls_caps_built_in_tools_of_which_there_are_none_and_is_echoed(engine):
+    """OpenAI's `max_tool_calls` bounds calls of its built-in (hosted) tools; function calls are the client's."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient):
+        return await client.responses.create(model="tiny", input="hi", max_tool_calls=2, max_output_tokens=2)
+
+    assert serve(engine, scenario).max_tool_calls == 2

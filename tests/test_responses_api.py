@@ -83,7 +83,7 @@ def test_the_reasoning_effort_is_the_chat_requests_and_a_summary_asked_for_is_no
     ({"tools": [{"type": "web_search"}]}, "tools.0", "of type 'web_search'"),
     ({"input": [{"role": "user", "content": "Hi"}, {"type": "web_search_call", "id": "ws_1"}]}, "input.1",
      "items of type 'web_search_call' are not supported"),
-    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice", "of type 'allowed_tools'"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "of type 'web_search_preview'"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
      '{"type": "function", "name": ...}'),
 ])
@@ -534,7 +534,7 @@ def test_input_items_are_the_openai_clients_types_an_assistants_text_output_text
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
      "input.0.arguments"),
     ({"temperature": 3}, "temperature"),
-    ({"background": True}, None),
+    ({"background": True}, "background"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"include": ["message.output_text.everything"]}, "include.0"),
     ({"top_logprobs": 21}, "top_logprobs"),
