@@ -1,6 +1,7 @@
 """The OpenAI Agents SDK (`openai-agents`) against a real `sluice serve` with SmolLM2: an agent with a function tool
 runs its loop (the model calls the tool, the SDK runs it and sends its output back, the model answers) over the
-Responses API and over Chat Completions, whole and streamed, and a second user turn carries the first's items."""
+Responses API and over Chat Completions, whole and streamed, a triage agent hands the question off to it, and a
+second user turn carries the first's items."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import asyncio
 
 import openai
 import pytest
-from agents import (Agent, MessageOutputItem, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
-                    RunResult, RunResultStreaming, ToolCallItem, ToolCallOutputItem, function_tool,
-                    set_tracing_disabled)
+from agents import (Agent, HandoffCallItem, HandoffOutputItem, MessageOutputItem, ModelSettings,
+                    OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, RunResult, RunResultStreaming,
+                    ToolCallItem, ToolCallOutputItem, function_tool, set_tracing_disabled)
 
 from test_api_e2e import API_KEY, start_server
 
@@ -29,8 +30,17 @@ def server():
     proc.stop()
 
 
+# A call is required first (the SDK lets the model choose after one), greedy.
+SETTINGS = ModelSettings(tool_choice="required", temperature=0, max_tokens=300)
+
+
+def model(server, api: str) -> OpenAIResponsesModel | OpenAIChatCompletionsModel:
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return MODELS[api](MODEL, client)
+
+
 def weather_agent(server, api: str, asked: list[str]) -> Agent:
-    """An agent that must call `get_weather` first (the SDK lets the model choose after that call), greedy."""
+    """An agent that must call `get_weather` first."""
 
     @function_tool
     def get_weather(city: str) -> str:
@@ -38,16 +48,14 @@ def weather_agent(server, api: str, asked: list[str]) -> Agent:
         asked.append(city)
         return f"Sunny, 24 C in {city}"
 
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
     return Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-                 model=MODELS[api](MODEL, client),
-                 model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=300))
+                 model=model(server, api), model_settings=SETTINGS, handoff_description="Knows the weather.")
 
 
-async def run(agent: Agent, prompt: str | list, stream: bool) -> RunResult | RunResultStreaming:
+async def run(agent: Agent, prompt: str | list, stream: bool, max_turns: int = 3) -> RunResult | RunResultStreaming:
     if not stream:
-        return await Runner.run(agent, prompt, max_turns=3)
-    result = Runner.run_streamed(agent, prompt, max_turns=3)
+        return await Runner.run(agent, prompt, max_turns=max_turns)
+    result = Runner.run_streamed(agent, prompt, max_turns=max_turns)
     async for _ in result.stream_events():
         pass
     return result
@@ -68,6 +76,22 @@ def assert_called_the_tool_then_answered(result: RunResult | RunResultStreaming,
 def test_an_agent_calls_its_tool_and_answers_from_its_output(server, api, stream):
     asked: list[str] = []
     result = asyncio.run(run(weather_agent(server, api, asked), "What is the weather in Paris?", stream))
+    assert_called_the_tool_then_answered(result, asked)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", MODELS)
+def test_a_triage_agent_hands_off_to_the_weather_agent_which_calls_its_tool_and_answers(server, api, stream):
+    """The handoff is a function tool of the SDK's (`transfer_to_weather`), which the triage agent must call."""
+    asked: list[str] = []
+    weather = weather_agent(server, api, asked)
+    one_handoff = SETTINGS.resolve(ModelSettings(parallel_tool_calls=False))  # a second is the SDK's tool output
+    triage = Agent(name="triage", instructions="Hand weather questions to the weather agent.", handoffs=[weather],
+                   model=model(server, api), model_settings=one_handoff)
+    result = asyncio.run(run(triage, "What is the weather in Paris?", stream, max_turns=5))
+    kinds = [type(item) for item in result.new_items]
+    assert kinds.index(HandoffCallItem) < kinds.index(HandoffOutputItem) < kinds.index(ToolCallItem)
+    assert result.last_agent is weather
     assert_called_the_tool_then_answered(result, asked)
 
 
