@@ -128,12 +128,17 @@ class MessageParam(_Request):
     def _blocks_of_the_role(self) -> MessageParam:
         blocks = [] if isinstance(self.content, str) else self.content
         if self.role == "user" and any(isinstance(b, ToolUseBlockParam) for b in blocks):
-            raise ValueError("tool_use blocks belong in assistant messages")
+            raise _misplaced("tool_use", "assistant")
         if self.role == "user" and any(isinstance(b, ThinkingBlockParam | RedactedThinkingBlockParam) for b in blocks):
-            raise ValueError("thinking blocks belong in assistant messages")
+            raise _misplaced("thinking", "assistant")
         if self.role == "assistant" and any(isinstance(b, ToolResultBlockParam) for b in blocks):
-            raise ValueError("tool_result blocks belong in user messages")
+            raise _misplaced("tool_result", "user")
         return self
+
+
+def _misplaced(kind: str, role: str) -> PydanticCustomError:
+    return PydanticCustomError("misplaced_block", "{kind} blocks belong in {role} messages", {"kind": kind,
+                                                                                             "role": role})
 
 
 class ToolParam(_Request):
@@ -254,7 +259,8 @@ class CountTokensRequest(_Request):
             raise PydanticCustomError("tool_choice_without_tools",
                                       "tool_choice may only be specified while providing tools.")
         if isinstance(choice, ToolChoiceTool) and choice.name not in names:
-            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
+            raise PydanticCustomError("unknown_tool_choice", "tool_choice names {name}, which is not among the tools",
+                                      {"name": repr(choice.name)})
         return choice
 
     @model_validator(mode="after")
@@ -373,7 +379,8 @@ class MessagesRequest(CountTokensRequest):
     @model_validator(mode="after")
     def _thinking_within_max_tokens(self) -> MessagesRequest:
         if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
-            raise ValueError("max_tokens must be greater than thinking.budget_tokens")
+            raise PydanticCustomError("budget_past_max_tokens", "max_tokens must be greater than "
+                                      "thinking.budget_tokens")
         return self
 
     @model_validator(mode="after")

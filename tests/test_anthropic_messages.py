@@ -500,6 +500,23 @@ def test_remote_mcp_servers_are_a_400_naming_them(client):
     assert caught.value.body["error"]["message"].startswith("mcp_servers: remote MCP servers (docs) are not supported")
 
 
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "launch"}},
+     "tool_choice: tool_choice names 'launch', which is not among the tools"),
+    ({"max_tokens": 1024, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+     "max_tokens must be greater than thinking.budget_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}]},
+     "messages.0: tool_use blocks belong in assistant messages"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": [THOUGHT]}, {"role": "user", "content": [THOUGHT]}]},
+     "messages.2: thinking blocks belong in assistant messages"),
+], ids=["tool_choice", "budget", "tool_use", "thinking"])
+def test_sluices_own_checks_are_said_in_their_words_alone(client, fields, words):
+    """Without pydantic's "Value error, " before them, as Anthropic's checks are said."""
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(**{"model": MODEL, "max_tokens": 4, "messages": HELLO, **fields})
+    assert caught.value.body["error"]["message"] == words
+
+
 def test_count_tokens_refuses_text_blocks_without_text_as_create_does(client):
     with pytest.raises(anthropic.BadRequestError) as caught:
         client.messages.count_tokens(model=MODEL,
@@ -550,6 +567,12 @@ def test_overload_and_unavailability_in_anthropics_terms(error, status, kind):
     assert (response.status_code, json.loads(response.body)["error"]["type"]) == (status, kind)
     assert response.headers.get("retry-after") == error.headers.get("Retry-After")
     assert error_response_for("/v1/chat/completions", error).status_code == error.status
+
+
+def test_a_body_over_the_limit_is_anthropics_413_request_too_large(client):
+    with pytest.raises(anthropic.ContentTooLargeError) as caught:  # past --max-body-bytes (4 MiB by default)
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "x" * (5 << 20)}])
+    assert caught.value.body["error"]["type"] == "request_too_large"
 
 
 def test_an_unknown_model_is_a_404_not_found_error(client):
