@@ -18,6 +18,7 @@ from sluice.app.schemas import (
     FunctionDefinition,
     JsonObjectFormat,
     JsonSchemaSpec,
+    MODERATION_HINT,
     ReasoningEffort,
     RefusalPart,
     TextFormat,
@@ -32,8 +33,9 @@ from sluice.app.schemas import (
 MAX_METADATA_KEYS = 16
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
-# Fields that would change the output but are not implemented: refused by name (when set) rather than ignored.
-_UNSUPPORTED = ("background", "conversation", "prompt")
+# Fields that would change the output but are not implemented: refused by name (when set) rather than ignored, with
+# what the refusal adds after "<field> is not supported".
+_UNSUPPORTED = {"background": "", "conversation": "", "prompt": "", "moderation": MODERATION_HINT}
 # OpenAI's `include` values. Only the logprobs one adds anything here: the others name items (hosted tools'
 # results, images, encrypted reasoning) that Sluice's responses never hold.
 Includable = Literal["message.output_text.logprobs", "file_search_call.results", "web_search_call.results",
@@ -266,7 +268,7 @@ class ResponsesRequest(_Request):
     @classmethod
     def _no_unsupported_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and (given := [name for name in _UNSUPPORTED if _asks(data.get(name))]):
-            raise field_error(given[0], f"{given[0]} is not supported", data[given[0]])
+            raise field_error(given[0], f"{given[0]} is not supported{_UNSUPPORTED[given[0]]}", data[given[0]])
         return data
 
     @model_validator(mode="before")

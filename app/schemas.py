@@ -177,9 +177,11 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     **dict.fromkeys(_GUIDED_FIELDS, _ANY), "bad_words": [],
     "use_beam_search": False, "length_penalty": 1.0,
 }
+MODERATION_HINT = ": no moderation model runs here"
 # What a refusal of a field adds after "<field> is not supported".
 _UNSUPPORTED_HINTS = {**dict.fromkeys(_GUIDED_FIELDS, "; use structured_outputs"),
-                      **dict.fromkeys(("modalities", "audio"), ": the model writes text only")}
+                      **dict.fromkeys(("modalities", "audio"), ": the model writes text only"),
+                      "moderation": MODERATION_HINT}
 
 
 class PromptTruncation(_Request):
@@ -638,9 +640,10 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
                                                        json_schema_extra={"const": "none"})
 
     # A template sent with the request (vLLM serves one only with --trust-request-chat-template), vLLM's chat echo
-    # (the reply prefixed with a last message of its role), and OpenAI's audio output and web search.
+    # (the reply prefixed with a last message of its role), and OpenAI's audio output, web search and moderation.
     unsupported: ClassVar[dict[str, Any]] = {**UNSUPPORTED_FIELDS, "chat_template": _ANY, "echo": False,
-                                             "modalities": ["text"], "audio": _ANY, "web_search_options": _ANY}
+                                             "modalities": ["text"], "audio": _ANY, "web_search_options": _ANY,
+                                             "moderation": _ANY}
 
     @field_validator("tools")
     @classmethod

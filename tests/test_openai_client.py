@@ -436,9 +436,11 @@ def test_a_refusal_part_in_a_users_message_is_a_400_naming_it(engine):
     ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),
+    ({"extra_body": {"moderation": {"model": "omni-moderation-latest", "policy": {"output": {"mode": "block"}}}}},
+     "moderation"),
 ])
-def test_asking_chat_for_audio_or_a_web_search_is_a_400_naming_the_field(engine, fields, param):
-    """They would change the reply (`message.audio`, a searched answer), which Sluice cannot give."""
+def test_asking_chat_for_audio_a_web_search_or_moderation_is_a_400_naming_the_field(engine, fields, param):
+    """They would change the reply (`message.audio`, a searched answer, one blocked), which Sluice cannot give."""
 
     async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> openai.BadRequestError:
         with pytest.raises(openai.BadRequestError) as raised:
@@ -473,6 +475,7 @@ def test_fields_that_do_not_change_the_reply_are_accepted_and_leave_it_as_it_was
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"extra_body": {"moderation": {"model": "omni-moderation-latest"}}}, "moderation"),
 ])
 def test_a_responses_field_sluice_does_not_serve_is_a_400_naming_it(engine, fields, param):
     async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> openai.BadRequestError:
