@@ -52,10 +52,12 @@ def weather_agent(server, api: str, asked: list[str]) -> Agent:
                  model=model(server, api), model_settings=SETTINGS, handoff_description="Knows the weather.")
 
 
-async def run(agent: Agent, prompt: str | list, stream: bool, max_turns: int = 3) -> RunResult | RunResultStreaming:
+async def run(agent: Agent, prompt: str | list, stream: bool, max_turns: int = 3, **options
+              ) -> RunResult | RunResultStreaming:
+    """`options`: the Runner's (`previous_response_id`, ...)."""
     if not stream:
-        return await Runner.run(agent, prompt, max_turns=max_turns)
-    result = Runner.run_streamed(agent, prompt, max_turns=max_turns)
+        return await Runner.run(agent, prompt, max_turns=max_turns, **options)
+    result = Runner.run_streamed(agent, prompt, max_turns=max_turns, **options)
     async for _ in result.stream_events():
         pass
     return result
@@ -108,6 +110,23 @@ def test_a_second_turn_sends_the_first_turns_calls_and_outputs_back(server, api)
     history, second = asyncio.run(two_turns())
     assert {item.get("type") for item in history} >= {"function_call", "function_call_output"}
     assert_called_the_tool_then_answered(second, asked)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_run_chained_by_previous_response_id_sends_only_its_new_items_and_goes_on(server, stream):
+    """The SDK's server-side conversation state (`auto_previous_response_id`): each request after the first names the
+    response before it and sends what came since (the tool's output, a 400 without the call the named response
+    holds; then the next user turn)."""
+    asked: list[str] = []
+    agent = weather_agent(server, "responses", asked)
+
+    async def two_turns() -> RunResult | RunResultStreaming:
+        first = await run(agent, "What is the weather in Paris?", stream, auto_previous_response_id=True)
+        assert_called_the_tool_then_answered(first, asked)
+        del asked[:]
+        return await run(agent, "And in Rome?", stream, previous_response_id=first.last_response_id)
+
+    assert_called_the_tool_then_answered(asyncio.run(two_turns()), asked)
 
 
 def test_a_history_with_a_reasoning_models_reasoning_items_goes_on_over_the_responses_api(server):

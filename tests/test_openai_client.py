@@ -494,3 +494,55 @@ def test_responses_max_tool_calls_caps_built_in_tools_of_which_there_are_none_an
         return await client.responses.create(model="tiny", input="hi", max_tool_calls=2, max_output_tokens=2)
 
     assert serve(engine, scenario).max_tool_calls == 2
+
+
+@pytest.fixture
+def failing_engine(smollm2, monkeypatch) -> Engine:
+    """An engine whose second step's first row gets NaN logits (`SLUICE_FAULT`): that request fails alone."""
+    monkeypatch.setenv("SLUICE_FAULT", "nan@2")
+    return tiny_engine(smollm2, CONFIG)
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
+def test_a_generation_failing_after_a_streams_200_is_an_error_event_then_the_end_the_client_raises_or_reads(
+        failing_engine, api):
+    """OpenAI's shape after the 200: chat and completions send `{"error": {...}}` then `[DONE]`, which the openai
+    client raises as `APIError`; the Responses API ends with a `response.failed` event carrying the error."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list:
+        if api == "responses":
+            stream = await client.responses.create(model="tiny", input="hi", max_output_tokens=8, stream=True)
+            return [event async for event in stream]
+        create = client.chat.completions.create if api == "chat" else client.completions.create
+        prompt = {"messages": MESSAGES} if api == "chat" else {"prompt": "hi"}
+        stream = await create(model="tiny", max_tokens=8, stream=True, **prompt)
+        with pytest.raises(openai.APIError) as raised:
+            async for _ in stream:
+                pass
+        assert not isinstance(raised.value, openai.APIStatusError)  # the status was 200
+        return [raised.value]
+
+    events = serve(failing_engine, scenario)
+    if api == "responses":
+        assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+        assert [e.type for e in events].count("response.failed") == 1 and events[-1].type == "response.failed"
+        error = events[-1].response.error
+        assert events[-1].response.status == "failed" and error.code == "generation_error"
+    else:
+        error = events[0]
+    assert "generation failed" in error.message
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
+def test_a_generation_failing_before_a_reply_is_a_500_the_client_raises_as_internal_server_error(failing_engine, api):
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> openai.InternalServerError:
+        client = client.with_options(max_retries=0)  # a retry would succeed: the fault strikes once
+        calls = {"chat": lambda: client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8),
+                 "completions": lambda: client.completions.create(model="tiny", prompt="hi", max_tokens=8),
+                 "responses": lambda: client.responses.create(model="tiny", input="hi", max_output_tokens=8)}
+        with pytest.raises(openai.InternalServerError) as raised:
+            await calls[api]()
+        return raised.value
+
+    error = serve(failing_engine, scenario)
+    assert error.status_code == 500 and (error.body["type"], error.body["code"]) == ("server_error", "generation_error")
