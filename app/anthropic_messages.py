@@ -11,6 +11,7 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     tool_choice auto/any/tool/none -> auto/required/named/none; disable_parallel_tool_use -> parallel_tool_calls
     a tool's eager_input_streaming -> its calls' input streamed as sampled (`anthropic_responses.py`)
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
+    max_tokens past the context window -> the room the window has after the prompt (Anthropic's way)
     top_p 0                      -> top_k 1 (chat's top_p is above 0): the most probable token alone
     thinking                     -> chat_template_kwargs' enable_thinking: false if disabled, else true
     thinking.budget_tokens       -> thinking_token_budget, with a --reasoning-parser where each tag is a token
@@ -27,6 +28,7 @@ before the others.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -57,6 +59,7 @@ from sluice.app.generation import respond, start_generation
 from sluice.app.reasoning import ReasoningFormat
 from sluice.app.routes import json_response, parse_body, plan_chat, render_chat
 from sluice.app.schemas import ChatCompletionRequest
+from sluice.batching.sampling_params import SamplingParams
 
 
 async def create_message(request: Request) -> Response:
@@ -66,12 +69,23 @@ async def create_message(request: Request) -> Response:
         raise thread_unsupported()
     budgets = state.settings.reasoning_parser is not None and ReasoningFormat.binds_budget(engine.tokenizer)
     chat = await plan_chat(state, engine, chat_request(body, budgets), "input_schema")
+    params, windowed = _within_the_window(chat.params, engine.max_model_len - len(chat.prompt.token_ids))
     message_id = f"msg_{uuid.uuid4().hex}"
     eager = frozenset(tool.name for tool in body.tools if tool.eager_input_streaming)
     builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling, chat.reasoning,
-                             eager, engine.tokenizer)
-    generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, message_id, arrival)
+                             eager, engine.tokenizer, windowed)
+    generation = await start_generation(request, state, [chat.prompt.token_ids], params, message_id, arrival)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+def _within_the_window(params: SamplingParams, room: int) -> tuple[SamplingParams, bool]:
+    """`params` with a max_tokens past the `room` the context window has after the prompt cut to that room, and
+    whether it was: Anthropic's API takes such a max_tokens as the most the window holds (agents ask for 32000),
+    its reply stopping with `model_context_window_exceeded` where the window ends. A prompt that leaves no room is
+    the engine's 400."""
+    if 0 < room < params.max_tokens:
+        return dataclasses.replace(params, max_tokens=room), True
+    return params, False
 
 
 def thread_unsupported() -> APIError:

@@ -175,11 +175,12 @@ class MessageBuilder:
     the engine reports usage (`message_start` carries it); what the text is read for: `calling` (None: no tools)
     and `reasoning` (None: no --reasoning-parser); `eager`: the tools whose calls stream their input as it is
     sampled (`eager_input_streaming`), not a whole parameter at a time; `tokenizer`: the vocabulary of the reply's
-    tokens, in which `reasoning` counts those of the thinking (the usage's `thinking_tokens`), needed with it."""
+    tokens, in which `reasoning` counts those of the thinking (the usage's `thinking_tokens`; none without it);
+    `windowed`: whether the context window, not the request's max_tokens, bounds the reply's length."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int, calling: ToolCalling | None,
                  reasoning: ReasoningFormat | None = None, eager: frozenset[str] = frozenset(),
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, windowed: bool = False) -> None:
         self._id = message_id
         self._eager = eager
         self._model = model
@@ -187,6 +188,7 @@ class MessageBuilder:
         self._calling = calling
         self._reasoning = reasoning
         self._tokenizer = tokenizer
+        self._windowed = windowed
         self._token_ids: list[int] = []  # the reply's, whose thinking's the usage counts
         self._finish: FinishReason | None = None
         self._stop_reason: str | int | None = None
@@ -233,7 +235,7 @@ class MessageBuilder:
 
     def _stop(self, called: bool) -> tuple[StopReason, str | None]:
         if self._finish == "length":
-            return "max_tokens", None
+            return "model_context_window_exceeded" if self._windowed else "max_tokens", None
         if called:
             return "tool_use", None
         if isinstance(self._stop_reason, str):
@@ -242,7 +244,7 @@ class MessageBuilder:
 
     def _usage(self, generation: Generation) -> MessageUsage:
         usage = generation.usage
-        details = None if self._reasoning is None else OutputTokensDetails(
+        details = None if self._reasoning is None or self._tokenizer is None else OutputTokensDetails(
             thinking_tokens=self._reasoning.count_tokens(self._tokenizer, self._token_ids))
         if usage is None:
             return MessageUsage(input_tokens=self._input_tokens, output_tokens=len(self._token_ids),

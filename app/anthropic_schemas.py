@@ -419,7 +419,7 @@ class ThinkingBlock(BaseModel):
 
 
 ContentBlock = Annotated[ThinkingBlock | TextBlock | ToolUseBlock, Field(discriminator="type")]
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal["end_turn", "max_tokens", "model_context_window_exceeded", "stop_sequence", "tool_use"]
 
 
 class OutputTokensDetails(BaseModel):

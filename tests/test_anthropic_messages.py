@@ -33,8 +33,8 @@ MODEL = "tiny-anthropic"
 # The tools prompt is long in a byte-level vocabulary of 288 tokens (the model's and the tokenizer's, above the
 # 259 symbols that grammars need):
 # room for it and a round trip. Two sequences may wait beyond the batch's four: a request of six fills the queue.
-MAX_NUM_SEQS, MAX_WAITING = 4, 2
-FLAGS = ["--max-model-len", "2048", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING),
+MAX_NUM_SEQS, MAX_WAITING, MAX_MODEL_LEN = 4, 2, 2048
+FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING),
          "--max-num-batched-tokens", "64", "--kv-cache-memory", "16MiB", "--api-key", API_KEY,
          "--served-model-name", MODEL, "--no-ui"]
 HELLO = [{"role": "user", "content": "the quick brown fox"}]
@@ -243,6 +243,27 @@ def test_a_call_cut_off_by_max_tokens_stops_for_max_tokens(client, stream):
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 30
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_past_the_context_window_stops_the_reply_where_the_window_ends(client, stream):
+    """As Anthropic's API takes it (stop_reason model_context_window_exceeded): a max_tokens the context cannot
+    hold after the prompt (agents ask for 32000) asks for as much as it holds, not a 400. A forced call cannot end
+    before the window does."""
+    forced = dict(model=MODEL, tools=[WEATHER], tool_choice={"type": "any"})
+
+    def count(text: str) -> int:  # a token per "x" of the text
+        return client.messages.count_tokens(**forced, messages=[{"role": "user", "content": text}]).input_tokens
+
+    messages = [{"role": "user", "content": "x" * (MAX_MODEL_LEN - count("x") - 39)}]
+    room = MAX_MODEL_LEN - count(messages[0]["content"])
+    assert 0 < room <= 40  # less than the call takes
+    if stream:
+        with client.messages.stream(**forced, messages=messages, max_tokens=32000) as events:
+            message = events.get_final_message()
+    else:
+        message = client.messages.create(**forced, messages=messages, max_tokens=32000)
+    assert message.stop_reason == "model_context_window_exceeded" and message.usage.output_tokens == room
+
+
 def test_a_call_cut_by_max_tokens_has_the_parameters_it_completed_whole_as_streamed(client):
     """As Anthropic streams a call's input, one whole parameter at a time (a value cut by max_tokens never reaches
     the stream): cut short, a call's input is the parameters it completed, in the message and in the client's
@@ -403,7 +424,8 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
     ({"messages": HELLO}, "max_tokens"),
     ({"messages": HELLO, "max_tokens": 0}, "max_tokens"),
     ({"messages": HELLO, "max_tokens": -5}, "max_tokens"),
-    ({"messages": HELLO, "max_tokens": 1_000_000}, "1000000 more were requested"),
+    ({"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}], "max_tokens": 4},
+     f"This model's maximum context length is {MAX_MODEL_LEN} tokens; the prompt has"),
     ({"messages": HELLO, "max_tokens": 4, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "launch"}},
      "tool_choice names 'launch', which is not among the tools"),
     *[({"messages": HELLO, "max_tokens": 4, "tool_choice": choice},
