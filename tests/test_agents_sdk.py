@@ -1,7 +1,7 @@
 """The OpenAI Agents SDK (`openai-agents`) against a real `sluice serve` with SmolLM2: an agent with a function tool
 runs its loop (the model calls the tool, the SDK runs it and sends its output back, the model answers) over the
-Responses API and over Chat Completions, whole and streamed, a triage agent hands the question off to it, and a
-second user turn carries the first's items."""
+Responses API and over Chat Completions, whole and streamed, a triage agent hands the question off to it, an
+agent's output type is structured output, and a second user turn carries the first's items."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 
 import openai
 import pytest
+from pydantic import BaseModel
 from agents import (Agent, HandoffCallItem, HandoffOutputItem, MessageOutputItem, ModelSettings,
                     OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, RunResult, RunResultStreaming,
                     ToolCallItem, ToolCallOutputItem, function_tool, set_tracing_disabled)
@@ -95,6 +96,21 @@ def test_a_triage_agent_hands_off_to_the_weather_agent_which_calls_its_tool_and_
     assert kinds.index(HandoffCallItem) < kinds.index(HandoffOutputItem) < kinds.index(ToolCallItem)
     assert result.last_agent is weather
     assert_called_the_tool_then_answered(result, asked)
+
+
+class Forecast(BaseModel):
+    city: str
+    sunny: bool
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", MODELS)
+def test_an_agents_output_type_is_structured_output_its_final_output_parses_to(server, api, stream):
+    """The SDK sends the type's strict JSON schema (`response_format`, `text.format`), which the grammar holds to."""
+    agent = Agent(name="forecaster", instructions="Answer in JSON.", output_type=Forecast, model=model(server, api),
+                  model_settings=ModelSettings(temperature=0, max_tokens=60))
+    result = asyncio.run(run(agent, "It is sunny in Paris. Which city, and is it sunny?", stream))
+    assert isinstance(result.final_output, Forecast) and result.final_output.city
 
 
 @pytest.mark.parametrize("api", MODELS)
