@@ -88,8 +88,12 @@ def test_a_stream_assembles_to_the_unstreamed_message_at_temperature_0(client):
     with client.messages.stream(**kwargs) as stream:
         events = [event.type for event in stream]
         streamed = stream.get_final_message()
+    with client.messages.stream(**kwargs) as stream:
+        texts = list(stream.text_stream)
+        snapshot = stream.current_message_snapshot
     assert [b.text for b in streamed.content] == [b.text for b in whole.content]
-    assert streamed.stop_reason == whole.stop_reason
+    assert ["".join(b.text for b in m.content) for m in (whole, snapshot)] == ["".join(texts)] * 2
+    assert streamed.stop_reason == snapshot.stop_reason == whole.stop_reason
     assert prompt_length(streamed.usage) == prompt_length(whole.usage)
     assert streamed.usage.output_tokens == whole.usage.output_tokens > 0
     assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
