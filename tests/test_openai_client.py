@@ -546,3 +546,72 @@ def test_a_generation_failing_before_a_reply_is_a_500_the_client_raises_as_inter
 
     error = serve(failing_engine, scenario)
     assert error.status_code == 500 and (error.body["type"], error.body["code"]) == ("server_error", "generation_error")
+
+
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+STRICT_LOOK = {"type": "function", "function": {**LOOK["function"], "parameters": FLAG, "strict": True}}
+BLUE = {"choice": ["Blue"]}  # a reply that ends (the random model would write to max_tokens)
+CHAT_VARIANTS = {
+    "text with logprobs": {"logprobs": True, "top_logprobs": 2, "extra_body": {"structured_outputs": BLUE}},
+    "two samples": {"n": 2, "temperature": 0.8, "seed": 3, "extra_body": {"structured_outputs": BLUE}},
+    "named call": {"tools": [STRICT_LOOK], "tool_choice": {"type": "function", "function": {"name": "look"}}},
+    "required call": {"tools": [STRICT_LOOK], "tool_choice": "required", "parallel_tool_calls": False},
+    "json schema": {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "flag", "strict": True, "schema": FLAG}}},
+}
+
+
+def without_ids(completion) -> dict:
+    """A chat completion but for what differs between two requests (ids, time, the prefix cache's count), and the
+    stream helper's additions (`parsed`, a call's `index`)."""
+    data = completion.model_dump(exclude={"id", "created", "usage", "prompt_logprobs"})
+    for choice in data["choices"]:
+        choice["message"].pop("parsed", None)
+        for call in choice["message"]["tool_calls"] or []:
+            del call["id"]
+            call.pop("index", None)
+            call["function"].pop("parsed_arguments", None)
+    return data
+
+
+def response_without_ids(response) -> dict:
+    """`without_ids` of a Responses API response."""
+    data = response.model_dump(exclude={"id", "created_at", "usage", "output_parsed"})
+    for item in data["output"]:
+        for key in ("id", "call_id", "parsed_arguments"):
+            item.pop(key, None)
+        for part in item.get("content") or []:
+            part.pop("parsed", None)
+    return data
+
+
+@pytest.mark.parametrize("variant", CHAT_VARIANTS)
+def test_the_chat_stream_helpers_final_completion_is_the_unstreamed_one(tool_engine, variant):
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 40, "temperature": 0, **CHAT_VARIANTS[variant]}
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> tuple:
+        whole = await client.chat.completions.create(**body)
+        async with client.chat.completions.stream(**body) as events:
+            return whole, await events.get_final_completion()
+
+    whole, final = serve(tool_engine, scenario)
+    assert whole.choices[0].finish_reason in ("stop", "tool_calls")
+    assert without_ids(final) == without_ids(whole)
+
+
+@pytest.mark.parametrize("variant", ["text with logprobs", "named call"])
+def test_the_responses_stream_helpers_final_response_is_the_unstreamed_one(tool_engine, variant):
+    fields = {"text with logprobs": {"include": ["message.output_text.logprobs"], "top_logprobs": 2, "text": {
+                  "format": {"type": "json_schema", "name": "flag", "strict": True, "schema": FLAG}}},
+              "named call": {"tools": [{"type": "function", **STRICT_LOOK["function"]}],
+                             "tool_choice": {"type": "function", "name": "look"}}}[variant]
+    body = {"model": "tiny", "input": MESSAGES[0]["content"], "max_output_tokens": 60, "temperature": 0, **fields}
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> tuple:
+        whole = await client.responses.create(**body)
+        async with client.responses.stream(**body) as events:
+            return whole, await events.get_final_response()
+
+    whole, final = serve(tool_engine, scenario)
+    assert whole.status == "completed"
+    assert response_without_ids(final) == response_without_ids(whole)
