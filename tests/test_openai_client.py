@@ -615,3 +615,35 @@ def test_the_responses_stream_helpers_final_response_is_the_unstreamed_one(tool_
     whole, final = serve(tool_engine, scenario)
     assert whole.status == "completed"
     assert response_without_ids(final) == response_without_ids(whole)
+
+
+def test_every_body_chunk_and_event_is_valid_as_the_openai_clients_types(tool_engine):
+    """The client builds its models without checking them; pydantic's check of its types finds a required field
+    missing or of another type, in each body, chunk and event (with logprobs, n, calls and usage)."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 30, "logprobs": True, "top_logprobs": 2, "n": 2,
+            "tools": [STRICT_LOOK], "tool_choice": "auto", "structured_outputs": {"choice": ["Blue", CALL_TEXT]}}
+    responses = {"model": "tiny", "input": "hi", "max_output_tokens": 30, "include": ["message.output_text.logprobs"],
+                 "tools": [{"type": "function", **STRICT_LOOK["function"]}], "tool_choice": "required"}
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list[tuple[type, list[dict]]]:
+        # Neither echoed with logprobs nor streamed: the prompt's first token's null logprob (OpenAI's, which lm-eval
+        # reads) and a chunk's null finish_reason (OpenAI's too) are not in the client's type.
+        completion = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "logprobs": 1}
+        checked = [(ChatCompletion, [(await http.post("/chat/completions", json=chat)).json()]),
+                   (Completion, [(await http.post("/completions", json=completion)).json()]),
+                   (Response, [(await http.post("/responses", json=responses)).json()]),
+                   (ChatCompletionChunk, await stream_chunks(http, "/chat/completions",
+                                                             {**chat, "stream_options": {"include_usage": True}}))]
+        async with http.stream("POST", "/responses", json={**responses, "stream": True}) as response:
+            events = [json.loads(line.removeprefix("data: ")) async for line in response.aiter_lines()
+                      if line.startswith("data: ")]
+        return [*checked, (ResponseStreamEvent, events)]
+
+    for kind, bodies in serve(tool_engine, scenario):
+        for body in bodies:
+            TypeAdapter(kind).validate_python(body)
