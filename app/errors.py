@@ -54,8 +54,15 @@ def from_validation_error(error: ValidationError, body: Any = None) -> APIError:
         named = first["type"] == "missing" or bool(loc) and (first.get("ctx") or {}).get("field") == loc[-1]
         loc = sent_path(loc, body, named)
     param = ".".join(str(part) for part in loc) or None
-    message = f"{param}: {first['msg']}" if param else first["msg"]
+    message = f"{param}: {_said(first)}" if param else _said(first)
     return invalid_request(message, param)
+
+
+def _said(error: Any) -> str:
+    """A pydantic complaint's message; a check of Sluice's own (a ValueError) in its own words, without the
+    "Value error, " pydantic puts before them."""
+    raised = (error.get("ctx") or {}).get("error")
+    return str(raised) if error["type"] == "value_error" and isinstance(raised, ValueError) else error["msg"]
 
 
 def sent_path(loc: tuple[int | str, ...], body: Any, named: bool = False) -> tuple[int | str, ...]:
