@@ -5,20 +5,35 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
 import ray
 
+# The variables that configure an engine in the process running it: Sluice's own (the model and kernel folder, the
+# compilation cache, ...), jax's (JAX_PLATFORMS, its cache settings, ...) and XLA's (XLA_FLAGS, and the share of each
+# GPU that `--gpu-memory-utilization` claims in XLA_CLIENT_MEM_FRACTION before jax starts; TF_CPP_* its logging).
+ENGINE_VARIABLE_PREFIXES = ("SLUICE_", "JAX_", "XLA_", "TF_CPP_")
+
+
+def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` an engine reads (`ENGINE_VARIABLE_PREFIXES`)."""
+    return {name: value for name, value in environ.items() if name.startswith(ENGINE_VARIABLE_PREFIXES)}
+
 
 def connect(address: str | None, cpus_needed: int) -> None:
     """Joins the Ray cluster at `address`, or starts a local one (without the dashboard) with at least
-    `cpus_needed` logical CPUs: each Sluice actor asks for one, and on a CPU-only machine they all share its cores."""
+    `cpus_needed` logical CPUs: each Sluice actor asks for one, and on a CPU-only machine they all share its cores.
+
+    A local cluster is this process's own whatever RAY_ADDRESS or `ray start` name (Ray would join theirs), and its
+    workers inherit this process's environment. A joined cluster's workers have their node's environment: the
+    engine's variables travel with the job (Ray's `runtime_env`), which its actors and Serve's replicas take.
+    """
     if address is None:
-        ray.init(num_cpus=max(os.cpu_count() or 1, cpus_needed), include_dashboard=False)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus_needed), include_dashboard=False)
     else:
-        ray.init(address=address)
+        ray.init(address=address, runtime_env={"env_vars": engine_environment(os.environ)})
 
 
 @contextmanager

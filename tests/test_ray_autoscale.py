@@ -92,7 +92,7 @@ def _scale_down_under_load() -> tuple[list[Stream], datetime.datetime, set[str]]
             assert json.loads(stream.events[-2])["usage"]["completion_tokens"] == MAX_TOKENS
 
         deadline = time.monotonic() + 60
-        while len(replica_pids(server)) > 1:
+        while len(replica_pids(server.process.pid)) > 1:
             assert time.monotonic() < deadline, "the removed replica's process outlived its drain"
             time.sleep(1)
         survivors = {httpx.get(f"{server.url}/health", timeout=30).headers[REPLICA_HEADER] for _ in range(4)}

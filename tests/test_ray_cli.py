@@ -1,19 +1,22 @@
-"""`sluice serve --replicas` from the command line, with or without Ray: Ray stays an optional import, and a bad
-scale-out flag or a missing extra is a one-line error."""
+"""`sluice serve --replicas` from the command line, with or without Ray: Ray stays an optional import, a bad
+scale-out flag or a missing extra is a one-line error, and the local Ray cluster is the command's own."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
-from test_api_e2e import ROOT, SERVER_FLAGS
+from test_api_e2e import ROOT, SERVER_FLAGS, free_port
 
 from sluice.app.addresses import host_port
 from sluice.app.scale_out import ScaleOutConfig
@@ -96,3 +99,43 @@ def test_replicas_on_an_ipv6_host_print_a_url_that_reaches_them():
         server.send_signal(signal.SIGTERM)
         server.communicate(timeout=120)
     assert server.returncode == 0
+
+
+def _marked_pids(mark: str) -> list[int]:
+    """The processes whose environment holds `LEAK_MARK=mark`: a command started with it and all it started."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"LEAK_MARK={mark}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_a_local_cluster_is_the_commands_own_whatever_ray_address_says_and_ctrl_c_leaves_nothing_of_it():
+    """Ray joins the cluster RAY_ADDRESS (or `ray start`) names when asked for none; without --ray-address the
+    replicas run on a cluster of their own, all of which stops when Ctrl-C (SIGINT to the foreground process
+    group, as a terminal sends it) stops the command."""
+    pytest.importorskip("ray.serve")
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": "127.0.0.1:9", "LEAK_MARK": mark}
+    server = subprocess.Popen([sys.executable, "-m", "sluice.app.cli", "serve", "--replicas", "1",
+                               "--port", str(free_port()), "--no-ui", *SERVER_FLAGS], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (line := server.stdout.readline()).startswith("Sluice is ready: "):
+            assert line and time.monotonic() < deadline, "no ready line"
+        os.killpg(server.pid, signal.SIGINT)
+        server.communicate(timeout=120)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert server.returncode == 0
+    deadline = time.monotonic() + 30
+    while left := _marked_pids(mark):
+        assert time.monotonic() < deadline, f"processes of the command's cluster outlived it: {left}"
+        time.sleep(0.5)
+

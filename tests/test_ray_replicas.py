@@ -40,15 +40,21 @@ def cluster():
     assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
 
 
-def replica_pids(server: ServerProcess) -> list[int]:
-    """`server`'s replicas, found as an operator would: processes Ray names as replicas, below `server`'s process
-    (its Ray cluster's raylet is its child), so another Ray cluster on the machine is left alone."""
+def replica_pids(root: int) -> list[int]:
+    """The replicas of the Ray cluster below process `root` (a server's, whose local cluster's raylet is its child;
+    or a `ray start --block`'s), found as an operator would: processes Ray names as replicas, so another Ray cluster
+    on the machine is left alone."""
+    return ray_processes(root, (REPLICA_PROCESS,))
+
+
+def ray_processes(root: int, names: tuple[str, ...]) -> list[int]:
+    """The processes below process `root` whose command line (Ray's process title) starts with one of `names`."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if ((entry / "cmdline").read_bytes().startswith(REPLICA_PROCESS.encode())
-                        and server.process.pid in _ancestors(int(entry.name))):
+                if ((entry / "cmdline").read_bytes().startswith(tuple(name.encode() for name in names))
+                        and root in _ancestors(int(entry.name))):
                     pids.append(int(entry.name))
             except OSError:
                 continue
@@ -177,7 +183,7 @@ async def _load_and_kill(server: ServerProcess) -> list[str]:
         deadline = time.monotonic() + 120
         while len(set(streaming.values())) < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        os.kill(replica_pids(server)[0], signal.SIGKILL)
+        os.kill(replica_pids(server.process.pid)[0], signal.SIGKILL)
         # No client hangs: every stream ends, answered or cleanly failed, well within the client's timeout.
         return await asyncio.wait_for(asyncio.gather(*streams), 120)
 
@@ -193,7 +199,7 @@ def _reporting_replicas(url: str) -> set[str]:
 
 
 def test_sigkill_of_a_replica_under_32_streams_fails_its_streams_cleanly_and_the_service_goes_on(cluster):
-    assert len(replica_pids(cluster)) == 2
+    assert len(replica_pids(cluster.process.pid)) == 2
     started = time.monotonic()
     while len(_reporting_replicas(cluster.url)) < 2:  # both have answered, so the killed one has a report
         assert time.monotonic() - started < 60

@@ -1,0 +1,92 @@
+"""`sluice serve --replicas 1 --ray-address ADDR`: a replica on a cluster the command joins (a `ray start --head`
+started here, with an environment of its own and none of the engine's variables), which runs with the
+command's engine environment as a local cluster's replica inherits it.
+
+One cluster and one command for the module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from sluice.app.ray_cluster import ENGINE_VARIABLE_PREFIXES
+from test_api_e2e import SERVER_FLAGS, ServerProcess, free_port, start_server
+from test_ray_replicas import replica_pids
+
+pytestmark = pytest.mark.slow
+
+# A joined cluster authenticates its clients (Ray's token mode): the head and the command share a token.
+AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+# Three CPU devices for `--tp 3` (SmolLM2's 3 KV heads), as the command's XLA_FLAGS makes them: the head's node
+# has one.
+THREE_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+
+
+@dataclass
+class Head:
+    process: subprocess.Popen
+    address: str
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[Head]:
+    """A one-node cluster, in a Ray folder of its own: `ray start` writes its address there, where a local
+    `ray.init()` elsewhere on the machine would otherwise find and join it."""
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(ENGINE_VARIABLE_PREFIXES) and name != "RAY_ADDRESS"}
+    log = Path(temp_dir) / "head.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={free_port()}",
+             "--num-cpus=1", "--include-dashboard=false", f"--dashboard-port={free_port()}",
+             f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+            env={**env, **AUTH}, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while (found := re.search(r"ray start --address='([^']+)'", log.read_text())) is None:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield Head(process, found.group(1))
+    finally:
+        process.terminate()
+        process.wait(60)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(head: Head) -> Iterator[ServerProcess]:
+    server = start_server("--replicas", "1", "--tp", "3", "--gpu-memory-utilization", "0.5", "--ray-address",
+                          head.address, "--no-ui", *SERVER_FLAGS, env={**AUTH, **THREE_DEVICES}, startup_timeout_s=300)
+    yield server
+    assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
+
+
+def test_the_replica_gets_the_commands_xla_flags(server: ServerProcess):
+    """Its engine sees the three devices the command's XLA_FLAGS makes, which its tensor parallelism needs."""
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                       json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+
+
+def test_the_replica_gets_the_gpu_share_the_command_claims(head: Head, server: ServerProcess):
+    """`--gpu-memory-utilization` claims jax's share of each GPU in the command's environment before jax starts;
+    the replica's jax must read it there too (on a CPU it has no effect, so it is read from the process)."""
+    [replica] = replica_pids(head.process.pid)
+    assert b"XLA_CLIENT_MEM_FRACTION=0.5" in Path(f"/proc/{replica}/environ").read_bytes().split(b"\0")
+
