@@ -8,17 +8,22 @@ dies, and with `--max-replicas` scales their number on the requests each has ong
 a replica scaled down or replaced finishes its requests in flight first (`--drain-timeout`).
 
 Without `--ray-address` this process starts a local Ray cluster and stops it on exit; with one, it deploys the
-application to that cluster and deletes it on exit. The first SIGTERM/SIGINT deletes the application, letting
-requests in flight finish; a second exits at once.
+application to that cluster and deletes it on exit (and stops Ray Serve there if it started it). A replica that
+fails to start (its engine does not load, each time Ray Serve tries) ends the command with its error. The first
+SIGTERM/SIGINT deletes the application, letting requests in flight finish, or stops a start-up still loading;
+a second exits at once.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 from dataclasses import replace
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
 from sluice.app.addresses import http_url
 from sluice.app.ingress import SluiceIngress
@@ -59,27 +64,57 @@ def build_application(replica: ReplicaConfig, scale: ScaleOutConfig, gpus: bool)
 
 
 def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:
-    """Starts (or joins) Ray, runs the application until a signal, then deletes it; the exit status."""
-    local = scale.ray_address is None
+    """Starts (or joins) Ray, runs the application until a signal, then deletes it (and stops Ray Serve if this
+    started it and no other application is left on it); the exit status."""
     connect(scale.ray_address, scale.max_replicas or scale.replicas)
     try:
         with stop_on_signal() as stop:
+            serve_was_running = bool(serve.status().proxies)
             serve.start(http_options={"host": scale.host, "port": scale.port})
-            gpus = ray.cluster_resources().get("GPU", 0) > 0
-            # The replicas' batch, for the router's thresholds too (a device's size is not known here).
-            engine = replica.engine.with_device_defaults("gpu" if gpus else "cpu", None)
-            replica = replace(replica, engine=engine)
-            serve.run(build_application(replica, scale.with_batch(engine.max_num_seqs), gpus), name=APP_NAME,
-                      route_prefix="/")
-            print(f"Sluice is ready: {http_url(scale.host, scale.port)}/v1 on {scale.replicas} replicas "
-                  f"({scale.routing} routing)", flush=True)
-            while not stop.wait(0.5):
-                pass
-            print("Stopping: replicas finish their requests in flight", flush=True)
-            serve.delete(APP_NAME)
-            if local:
-                serve.shutdown()
+            try:
+                failure = _serve_until(stop, replica, scale)
+            finally:
+                serve.delete(APP_NAME)
+                if not serve_was_running and not serve.status().applications:
+                    serve.shutdown()
     finally:
-        if local:
-            ray.shutdown()
+        ray.shutdown()  # a local cluster stops; a joined one stops sending its logs, so the error below comes last
+    if failure is not None:
+        print(f"sluice serve: error: the replicas failed to start: {failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _serve_until(stop: threading.Event, replica: ReplicaConfig, scale: ScaleOutConfig) -> str | None:
+    """Deploys the application and serves until `stop` is set; why the replicas failed to start, if they did."""
+    gpus = ray.cluster_resources().get("GPU", 0) > 0
+    # The replicas' batch, for the router's thresholds too (a device's size is not known here).
+    engine = replica.engine.with_device_defaults("gpu" if gpus else "cpu", None)
+    replica = replace(replica, engine=engine)
+    application = build_application(replica, scale.with_batch(engine.max_num_seqs), gpus)
+    serve.run_many([serve.RunTarget(application, name=APP_NAME, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    if (failure := _deployment_failure(stop)) is not None:
+        return failure
+    if not stop.is_set():
+        print(f"Sluice is ready: {http_url(scale.host, scale.port)}/v1 on {scale.replicas} replicas "
+              f"({scale.routing} routing)", flush=True)
+        stop.wait()
+    print("Stopping: replicas finish their requests in flight", flush=True)
+    return None
+
+
+def _deployment_failure(stop: threading.Event) -> str | None:
+    """Waits until the application runs (None), fails to deploy (why: the last line of Ray Serve's message, the
+    replica's exception where its constructor raised) or `stop` is set (None: a signal may stop a load that takes
+    minutes, or replicas waiting for resources the cluster lacks)."""
+    while not stop.wait(0.5):
+        status = serve.status().applications.get(APP_NAME)
+        if status is None or status.status not in (ApplicationStatus.RUNNING, ApplicationStatus.DEPLOY_FAILED):
+            continue
+        if status.status == ApplicationStatus.RUNNING:
+            return None
+        messages = [d.message for d in status.deployments.values() if d.status == DeploymentStatus.DEPLOY_FAILED]
+        lines = (messages[0] if messages else status.message).strip().splitlines()
+        return lines[-1] if lines else "no reason given"
+    return None

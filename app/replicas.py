@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,13 +85,16 @@ class SluiceReplica:
         self._name = serve.get_replica_context().replica_id.unique_id
         self._state = ServerState(config.settings, replica=self._name)
         self._app = create_app(self._state, cors=False)  # the ingress applies the CORS policy
-        # The app's lifespan (the dashboard's feed; on exit, the engine's shutdown), as uvicorn would run it.
-        self._lifespan = self._app.router.lifespan_context(self._app)
+        # The app's lifespan (the dashboard's feed; on exit, the engine's shutdown), as uvicorn would run it; None
+        # until entered (Ray Serve calls `__del__` after a constructor that raised too).
+        self._lifespan: AbstractAsyncContextManager | None = None
         engine, peaks = await asyncio.to_thread(
             load_engine, config.engine, config.settings.ui, config.declared_peaks, False)
         await engine.start()
         self._state.set_engine(engine, peaks)
-        await self._lifespan.__aenter__()
+        lifespan = self._app.router.lifespan_context(self._app)
+        await lifespan.__aenter__()
+        self._lifespan = lifespan
         logger.info("Sluice replica %s is ready", self._name)
 
     async def forward(self, routing: Routing, request: ForwardedRequest) -> AsyncIterator[ReplicaItem]:
@@ -146,7 +150,8 @@ class SluiceReplica:
 
     async def __del__(self) -> None:
         self._state.begin_drain()
-        await self._lifespan.__aexit__(None, None, None)
+        if self._lifespan is not None:
+            await self._lifespan.__aexit__(None, None, None)
 
 
 def _scope(request: ForwardedRequest) -> dict[str, Any]:

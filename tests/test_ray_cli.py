@@ -1,5 +1,6 @@
 """`sluice serve --replicas` from the command line, with or without Ray: Ray stays an optional import, a bad
-scale-out flag or a missing extra is a one-line error, and the local Ray cluster is the command's own."""
+scale-out flag, a missing extra or a replica that cannot load is a one-line error, and the local Ray cluster is
+the command's own."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ sys.exit(code)
 """
 
 
-def sluice(*argv: str, block_ray: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _RUN.format(block_ray=block_ray), *argv], cwd=ROOT,
+def sluice(*argv: str, block_ray: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _RUN.format(block_ray=block_ray), *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -139,3 +140,15 @@ def test_a_local_cluster_is_the_commands_own_whatever_ray_address_says_and_ctrl_
         assert time.monotonic() < deadline, f"processes of the command's cluster outlived it: {left}"
         time.sleep(0.5)
 
+
+@pytest.mark.slow
+def test_a_replica_that_cannot_load_is_a_one_line_error_saying_why():
+    """`--tp 2` on one CPU device: the replica's engine refuses to load, each time Ray Serve tries it."""
+    pytest.importorskip("ray.serve")
+    env = {name: value for name, value in os.environ.items() if name != "XLA_FLAGS"}
+    result = sluice("serve", "--replicas", "1", "--tp", "2", "--port", str(free_port()), "--no-ui", *SERVER_FLAGS, env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "sluice serve: error: the replicas failed to start: sluice.sharding.mesh.InvalidTensorParallelism: --tp 2 "
+        "needs 2 devices but only 1 cpu device(s) are visible")
+    assert "Exception during graceful shutdown" not in result.stdout + result.stderr

@@ -1,8 +1,10 @@
 """`sluice serve --replicas 1 --ray-address ADDR`: a replica on a cluster the command joins (a `ray start --head`
 started here, with an environment of its own and none of the engine's variables), which runs with the
-command's engine environment as a local cluster's replica inherits it.
+command's engine environment as a local cluster's replica inherits it, and which the command leaves as it found
+it when it exits.
 
-One cluster and one command for the module.
+One cluster for the module, of one CPU, and one command for the tests that look at its replica; the test that
+stops that command comes after them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ pytest.importorskip("ray.serve")
 
 from sluice.app.ray_cluster import ENGINE_VARIABLE_PREFIXES
 from test_api_e2e import SERVER_FLAGS, ServerProcess, free_port, start_server
-from test_ray_replicas import replica_pids
+from test_ray_replicas import ray_processes, replica_pids
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +37,9 @@ AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 # Three CPU devices for `--tp 3` (SmolLM2's 3 KV heads), as the command's XLA_FLAGS makes them: the head's node
 # has one.
 THREE_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+# What Sluice leaves running on a cluster it joined, by Ray's process names: Serve's controller and proxy, the
+# application's replicas (ingress included).
+SERVE_PROCESSES = ("ray::ServeController", "ray::ProxyActor", "ray::ServeReplica")
 
 
 @dataclass
@@ -74,7 +79,7 @@ def server(head: Head) -> Iterator[ServerProcess]:
     server = start_server("--replicas", "1", "--tp", "3", "--gpu-memory-utilization", "0.5", "--ray-address",
                           head.address, "--no-ui", *SERVER_FLAGS, env={**AUTH, **THREE_DEVICES}, startup_timeout_s=300)
     yield server
-    assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
+    server.stop(timeout_s=120)  # stopped already, unless the test that stops it was left out
 
 
 def test_the_replica_gets_the_commands_xla_flags(server: ServerProcess):
@@ -90,3 +95,27 @@ def test_the_replica_gets_the_gpu_share_the_command_claims(head: Head, server: S
     [replica] = replica_pids(head.process.pid)
     assert b"XLA_CLIENT_MEM_FRACTION=0.5" in Path(f"/proc/{replica}/environ").read_bytes().split(b"\0")
 
+
+def test_the_command_leaves_the_cluster_as_it_found_it(head: Head, server: ServerProcess):
+    """Its application is deleted, and Ray Serve, which it started there, is stopped: its proxy would hold the
+    port, and the next command's --host and --port would not be applied."""
+    assert ray_processes(head.process.pid, SERVE_PROCESSES)
+    assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
+    _wait_until_serve_is_gone(head)
+
+
+def test_a_signal_stops_a_start_up_that_cannot_finish(head: Head):
+    """Two replicas of a CPU each on a cluster of one: the second waits for a CPU for ever, and the first serves
+    meanwhile. SIGTERM ends the command all the same, and its application with it."""
+    server = start_server("--replicas", "2", "--ray-address", head.address, "--no-ui", *SERVER_FLAGS, env=AUTH,
+                          startup_timeout_s=300)
+    assert server.stop(timeout_s=60) == 0, server.output()[-4000:]
+    assert "Sluice is ready" not in server.output()
+    _wait_until_serve_is_gone(head)
+
+
+def _wait_until_serve_is_gone(head: Head) -> None:
+    deadline = time.monotonic() + 60
+    while left := ray_processes(head.process.pid, SERVE_PROCESSES):
+        assert time.monotonic() < deadline, f"left on the cluster: {left}"
+        time.sleep(0.5)
