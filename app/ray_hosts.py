@@ -93,6 +93,7 @@ def _run(run: ServeProcess, args: argparse.Namespace, hosts: int, group: Placeme
 
 
 def _place(args: argparse.Namespace, coordinator: str, hosts: int, process_id: int) -> argparse.Namespace:
-    """`args` for process `process_id` of the job (without --hosts: each actor runs one process of it)."""
-    return argparse.Namespace(**{**vars(args), "hosts": None, "coordinator_address": coordinator,
+    """`args` for process `process_id` of the job (without --hosts nor --ray-address: each actor runs one process
+    of it, on the cluster already)."""
+    return argparse.Namespace(**{**vars(args), "hosts": None, "ray_address": None, "coordinator_address": coordinator,
                                  "num_processes": hosts, "process_id": process_id})

@@ -1,5 +1,6 @@
 """`sluice serve --hosts 2`: Ray starts the two processes of a multi-process job (two actors in a placement group,
-2 simulated CPU devices each), which serve one tensor-parallel model as `--coordinator-address` does by hand."""
+2 simulated CPU devices each), which serve one tensor-parallel model as `--coordinator-address` does by hand; each
+runs `sluice serve`'s entry point with its place in the job, through the command's checks."""
 
 from __future__ import annotations
 
@@ -9,13 +10,25 @@ import pytest
 
 pytest.importorskip("ray")
 
-# Ray's start-up on top of what tests/test_multihost.py checks by hand: about 100 s on 2 cores.
-pytestmark = pytest.mark.long
-
+from sluice.app import serve
+from sluice.app.cli import build_parser
+from sluice.app.ray_hosts import _place
 from test_api_e2e import start_server
 from test_multihost import LIMITS, PROMPT, reference, tiny_model  # noqa: F401 (a fixture)
 
 
+def test_a_process_of_a_job_on_a_joined_cluster_passes_the_commands_checks(capsys):
+    """The process joins no cluster itself (its actor is on one): `--ray-address` without `--hosts` would be refused
+    as tuning a mode that is off. Its model is looked for on its own host, where this one is missing."""
+    args = build_parser().parse_args(["serve", "--hosts", "2", "--tp", "2", "--ray-address", "10.0.0.7:6379",
+                                      "--model", "/nowhere/model.gguf"])
+    assert serve.run(_place(args, "10.0.0.7:8476", hosts=2, process_id=1)) == 2
+    refusal = capsys.readouterr().err
+    assert refusal.startswith("sluice serve: error: ") and "/nowhere/model.gguf" in refusal
+
+
+# Ray's start-up on top of what tests/test_multihost.py checks by hand: about 100 s on 2 cores.
+@pytest.mark.long
 def test_two_ray_actors_serve_one_model_like_a_single_process(tiny_model):  # noqa: F811
     server = start_server("--model", str(tiny_model), "--tp", "4", "--hosts", "2", "--no-ui", *LIMITS,
                           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, startup_timeout_s=600)
