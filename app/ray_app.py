@@ -37,6 +37,9 @@ ROUTERS = {"prefix": PrefixAffinityRouter, "round-robin": RoundRobinRouter, "pow
 # Requests the ingress may have open at once: beyond it Ray's proxy queues them. The replicas' own limit
 # (`max_ongoing_requests`) is what bounds the work.
 INGRESS_MAX_ONGOING = 8192
+# The ingress relays the replicas' streams: it stops after them (Ray Serve stops both at once), with time to end a
+# stream its replica did not finish within the drain timeout with an error event rather than cut it.
+INGRESS_LAST_WORD_S = 5.0
 
 
 def _router(scale: ScaleOutConfig) -> RequestRouterConfig:
@@ -59,7 +62,8 @@ def build_application(replica: ReplicaConfig, scale: ScaleOutConfig, gpus: bool)
     options["request_router_config"] = _router(scale)
     replicas = serve.deployment(SluiceReplica, name="SluiceReplica", **options).bind(replica)
     ingress = serve.deployment(SluiceIngress, name="SluiceIngress", num_replicas=1,
-                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING)
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING,
+                               graceful_shutdown_timeout_s=scale.graceful_shutdown_timeout_s + INGRESS_LAST_WORD_S)
     return ingress.bind(replicas, replica.settings)
 
 

@@ -4,6 +4,8 @@ the command's own."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import signal
@@ -17,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_api_e2e import ROOT, SERVER_FLAGS, free_port
+from test_api_e2e import ROOT, SERVER_FLAGS, free_port, start_server
 
 from sluice.app.addresses import host_port
 from sluice.app.scale_out import ScaleOutConfig
@@ -152,3 +154,54 @@ def test_a_replica_that_cannot_load_is_a_one_line_error_saying_why():
         "sluice serve: error: the replicas failed to start: sluice.sharding.mesh.InvalidTensorParallelism: --tp 2 "
         "needs 2 devices but only 1 cpu device(s) are visible")
     assert "Exception during graceful shutdown" not in result.stdout + result.stderr
+
+
+
+# Ray Serve's graceful shutdown timeout where a deployment sets none.
+RAY_SERVE_SHUTDOWN_TIMEOUT_S = 20
+
+
+async def _streams(url: str, count: int, all_started: asyncio.Event) -> list[list[str]]:
+    """`count` streamed completions of 500 tokens each, their events; `all_started` is set once every one has its
+    headers (the replica has it)."""
+    started = 0
+
+    async def stream(client: httpx.AsyncClient, i: int) -> list[str]:
+        nonlocal started
+        body = {"prompt": [400 + i, 7, 8], "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            started += 1
+            if started == count:
+                all_started.set()
+            return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        return await asyncio.gather(*(stream(client, i) for i in range(count)))
+
+
+@pytest.mark.slow
+def test_sigterm_lets_every_request_in_flight_finish_within_the_drain_timeout():
+    """Twelve streams on a replica that runs one at a time: the last ends longer after SIGTERM than Ray Serve's own
+    graceful shutdown timeout, within --drain-timeout; the ingress relaying them waits for them too."""
+    pytest.importorskip("ray.serve")
+    server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, "--max-model-len", "512", "--max-num-seqs",
+                          "1", "--max-ongoing-requests", "16", "--drain-timeout", "120", startup_timeout_s=300)
+
+    async def load_then_stop() -> tuple[list[list[str]], float]:
+        all_started = asyncio.Event()
+        streams = asyncio.ensure_future(_streams(server.url, 12, all_started))
+        await asyncio.wait_for(all_started.wait(), 120)
+        server.process.send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        return await streams, time.monotonic() - stopped_at
+
+    try:
+        streams, drained_s = asyncio.run(load_then_stop())
+        exit_status = server.process.wait(180)
+    finally:
+        server.stop()
+    assert drained_s > RAY_SERVE_SHUTDOWN_TIMEOUT_S, "the streams ended before it: this shows nothing"
+    for events in streams:
+        assert events[-1] == "data: [DONE]", events[-2:]
+        assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert exit_status == 0, server.output()[-4000:]
