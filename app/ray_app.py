@@ -78,7 +78,7 @@ def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:
             try:
                 failure = _serve_until(stop, replica, scale)
             finally:
-                serve.delete(APP_NAME)
+                _delete_application()
                 if not serve_was_running and not serve.status().applications:
                     serve.shutdown()
     finally:
@@ -106,6 +106,17 @@ def _serve_until(stop: threading.Event, replica: ReplicaConfig, scale: ScaleOutC
         stop.wait()
     print("Stopping: replicas finish their requests in flight", flush=True)
     return None
+
+
+def _delete_application() -> None:
+    """Deletes the application once its replicas have drained, however long that takes (`--drain-timeout`): Ray
+    Serve's `delete` waits 60 s at most, and is then asked again."""
+    while True:
+        try:
+            serve.delete(APP_NAME)
+            return
+        except TimeoutError:
+            continue
 
 
 def _deployment_failure(stop: threading.Event) -> str | None:
