@@ -80,12 +80,21 @@ def claim_gpu_memory(utilization: float | None, environ: MutableMapping[str, str
     """vLLM's --gpu-memory-utilization as jax takes it: `utilization` of each GPU's memory is what its allocator
     may hold, weights, activations and KV pool together, set in `environ` for jax's GPU backend to read when it
     starts (it has no effect once started, nor on a CPU). A share the environment gives already wins; the line
-    saying so is returned (None: nothing to say)."""
+    saying so is returned (None: nothing to say, as where it gives this share: a --hosts actor, given the
+    command's environment)."""
     if utilization is None:
         return None
     given = memory_fraction_variable(environ)
-    if given is not None:
+    if given is None:
+        environ[MEMORY_FRACTION_VARIABLES[0]] = str(utilization)
+    elif _share(environ[given]) != utilization:
         return (f"--gpu-memory-utilization {utilization:g} is ignored: {given}={environ[given]} gives jax's share of "
                 f"each GPU")
-    environ[MEMORY_FRACTION_VARIABLES[0]] = str(utilization)
     return None
+
+
+def _share(value: str) -> float | None:
+    try:
+        return float(value)
+    except ValueError:
+        return None

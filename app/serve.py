@@ -146,7 +146,7 @@ def _apply_speculative_config(args: argparse.Namespace) -> str | None:
     """Sets the flags `--speculative-config` stands for; why not, if one of them was given another value."""
     for dest, value in (args.speculative_config or {}).items():
         flag = "--" + dest.replace("_", "-")
-        if getattr(args, dest) not in (_BUILT_IN_DEFAULTS[flag], value):
+        if getattr(args, dest) not in (_built_in_default(flag), value):
             return f"--speculative-config sets {flag} {value}, and {flag} {getattr(args, dest)} was given too"
         setattr(args, dest, value)
     return None
@@ -175,6 +175,14 @@ def _option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str,
     parser.add_argument(flag, default=default, help=f"{help}{_also(aliases)} [env {env}]", **kwargs)
     for alias in aliases:  # apart, so that an error names the flag given
         parser.add_argument(alias, dest=_dest(flag), default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
+def _built_in_default(flag: str) -> Any:
+    """`flag`'s default before the environment's, also in a process that never built the parser (a --hosts actor,
+    given the command's parsed arguments)."""
+    if not _BUILT_IN_DEFAULTS:
+        add_arguments(argparse.ArgumentParser())
+    return _BUILT_IN_DEFAULTS[flag]
 
 
 def _also(aliases: tuple[str, ...]) -> str:
@@ -527,7 +535,7 @@ def _idle_tuning(args: argparse.Namespace) -> str | None:
     """Why a flag set for a mode that is off is refused (`TUNING_FLAGS`); None if none is."""
     for mode, switch, on, flags in TUNING_FLAGS:
         for flag in flags:
-            if not on(args) and getattr(args, _dest(flag)) != _BUILT_IN_DEFAULTS[flag]:
+            if not on(args) and getattr(args, _dest(flag)) != _built_in_default(flag):
                 return f"{flag} tunes {mode}, which is off: add {switch}"
     return None
 

@@ -432,3 +432,18 @@ def test_vllms_spellings_of_the_flags_sluice_has_mean_the_same(monkeypatch):
     assert (args.speculative, args.num_speculative_tokens, args.spec_ngram_max) == ("ngram", 3, 4)
     args = build_parser().parse_args(["serve", "-tp", "3", "--no-enable-prefix-caching", "--dtype", "auto"])
     assert (args.tp, args.disable_prefix_caching, args.dtype) == (3, True, None)
+
+
+def test_parsed_arguments_are_checked_alike_in_a_process_that_never_built_the_parser():
+    """A --hosts actor runs `serve.run` on the command's parsed arguments in a fresh process: its checks of which
+    flags were given (`--speculative-config`'s, the idle tuning flags') must not need the parser built there."""
+    import pickle
+
+    from sluice.app.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}', "--spec-ngram-max", "5"])
+    check = ("import pickle, sys; from sluice.app import serve; args = pickle.load(sys.stdin.buffer); "
+             "print(serve._apply_speculative_config(args), serve._idle_tuning(args))")
+    checked = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(args), capture_output=True, timeout=60)
+    assert checked.returncode == 0, checked.stderr.decode()[-500:]
+    assert checked.stdout.decode().split() == ["None", "None"]

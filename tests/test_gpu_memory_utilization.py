@@ -72,6 +72,8 @@ def test_a_share_the_user_gave_jax_wins_and_says_so_in_one_line():
     (0.9, {"XLA_CLIENT_MEM_FRACTION": "0.6"}, {"XLA_CLIENT_MEM_FRACTION": "0.6"}, "XLA_CLIENT_MEM_FRACTION=0.6"),
     (0.9, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"},
      "XLA_PYTHON_CLIENT_MEM_FRACTION=0.6"),
+    (0.9, {"XLA_CLIENT_MEM_FRACTION": "0.90"}, {"XLA_CLIENT_MEM_FRACTION": "0.90"}, None),  # the share it gives
+    (0.9, {"XLA_CLIENT_MEM_FRACTION": "most"}, {"XLA_CLIENT_MEM_FRACTION": "most"}, "XLA_CLIENT_MEM_FRACTION=most"),
 ])
 def test_the_environment_gets_the_share_unless_it_gives_one(utilization, environ, after, said):
     returned = claim_gpu_memory(utilization, environ)
