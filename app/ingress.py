@@ -16,12 +16,17 @@ A replica that fails before it answered gives the client a 503 in the route's er
 mid-stream ends an event stream with an error event (then `data: [DONE]`, as a failed generation does in the
 single process; Anthropic's routes get their `event: error`), and cuts any other body short, so no client is
 left waiting. `GET /metrics` here reports the running replicas' prefix-cache counters, labelled by replica, as of
-the last response each sent through this ingress (a replica scaled down or dead is dropped); each replica's own
-metrics are its /metrics in the single process's names.
+the last response each sent through this ingress (a replica scaled down or dead is dropped); a replica's own
+/metrics is not reachable. `/health` (and `/ping`) is answered here too, at once: 200 while a replica runs, 503
+while none does (loading) or once draining.
+
+`drain` (called by `app/ray_app.py` on SIGTERM, before it deletes the application) makes the ingress answer new
+requests 503 as the single process does while draining, and waits for the requests in flight here to end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -32,17 +37,18 @@ from prometheus_client.core import CounterMetricFamily
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error_event, error_response_for
-from sluice.app.errors import APIError
+from sluice.app.errors import APIError, error_response, not_ready
 from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, read_body
 from sluice.app.prefix_router import Routing
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
 from sluice.app.response_ids import replica_of
 from sluice.app.responses_api_schemas import item_type
 from sluice.app.scale_out import REPLICA_HEADER
+from sluice.app.server import ROUTES, health
 from sluice.app.state import ServerSettings
 from sluice.app.streaming import DONE, sse_event
 
@@ -51,6 +57,8 @@ logger = logging.getLogger("sluice.ingress")
 # The body fields that hold a prompt, in the order a prompt's text comes (instructions and system prompts first).
 PROMPT_FIELDS = ("instructions", "system", "messages", "input", "prompt")
 RESPONSES_PATH = "/v1/responses/"  # then a stored response's id
+# The single process's /health and its other names, as (path, method): the ingress answers them itself.
+HEALTH_ROUTES = frozenset((operation.path, operation.method) for handler, operation in ROUTES if handler is health)
 
 
 def routing(path: str, body: bytes) -> Routing:
@@ -102,20 +110,46 @@ class SluiceIngress:
         self._reports = _ReplicaReports(lambda: _running_replicas(self._replicas))
         self._registry = CollectorRegistry()
         self._registry.register(self._reports)
+        self._draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
         # As the single process's app stacks them: CORS outermost, so a bug's 500 carries its headers too.
         self._app = CORSMiddleware(InternalErrorMiddleware(self._serve), **settings.cors_options())
 
     async def __call__(self, request: Request) -> Response:
         return _ASGIResponse(self._app)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Answers new requests 503 from now on, as the single process does once draining, and returns once the
+        requests in flight here have ended, or after `timeout_s`."""
+        self._draining = True
+        if self._idle.is_set():  # asyncio.wait_for with a timeout of 0 times out even on an event already set
+            return
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            logger.warning("%d requests still in flight after the drain timeout", self._in_flight)
+
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = await self._answer(Request(scope, receive))
-        await response(scope, receive, send)
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            response = await self._answer(Request(scope, receive))
+            await response(scope, receive, send)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
 
     async def _answer(self, request: Request) -> Response:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
             return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
+        if (path, request.method) in HEALTH_ROUTES:
+            return self._health()
+        if self._draining:
+            return error_response_for(path, not_ready("The server is shutting down"))
         try:
             body = await read_body(request.scope, request.receive, self._max_body_bytes)
         except APIError as error:  # 413, or 408 for a body that stopped arriving: no replica sees it
@@ -136,6 +170,14 @@ class SluiceIngress:
         headers[REPLICA_HEADER] = start.replica
         return StreamingResponse(self._relay(stream, path, _is_event_stream(start)), status_code=start.status,
                                  headers=headers)
+
+    def _health(self) -> Response:
+        """The single process's /health: 200 while a replica runs (one loading is not running yet), else 503."""
+        if self._draining:
+            return error_response(not_ready("shutting down"))
+        if not _running_replicas(self._replicas):
+            return error_response(not_ready("loading"))
+        return JSONResponse({"status": "ok"})
 
     async def _relay(self, stream: DeploymentResponseGenerator, path: str, events: bool) -> AsyncIterator[bytes]:
         try:

@@ -10,8 +10,8 @@ a replica scaled down or replaced finishes its requests in flight first (`--drai
 Without `--ray-address` this process starts a local Ray cluster and stops it on exit; with one, it deploys the
 application to that cluster and deletes it on exit (and stops Ray Serve there if it started it). A replica that
 fails to start (its engine does not load, each time Ray Serve tries) ends the command with its error. The first
-SIGTERM/SIGINT deletes the application, letting requests in flight finish, or stops a start-up still loading;
-a second exits at once.
+SIGTERM/SIGINT makes the ingress answer new requests 503 and waits for its requests in flight to finish (at most
+`--drain-timeout`), then deletes the application; or it stops a start-up still loading. A second exits at once.
 """
 
 from __future__ import annotations
@@ -104,7 +104,10 @@ def _serve_until(stop: threading.Event, replica: ReplicaConfig, scale: ScaleOutC
         print(f"Sluice is ready: {http_url(scale.host, scale.port)}/v1 on {scale.replicas} replicas "
               f"({scale.routing} routing)", flush=True)
         stop.wait()
-    print("Stopping: replicas finish their requests in flight", flush=True)
+        print("Stopping: replicas finish their requests in flight", flush=True)
+        # Before the delete: once it starts, Ray's proxy answers new requests 404 and drops those still waiting at
+        # the ingress for a replica.
+        serve.get_app_handle(APP_NAME).drain.remote(scale.graceful_shutdown_timeout_s).result()
     return None
 
 

@@ -206,3 +206,66 @@ def test_sigterm_lets_every_request_in_flight_finish_within_the_drain_timeout():
         assert events[-1] == "data: [DONE]", events[-2:]
         assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert exit_status == 0, server.output()[-4000:]
+
+
+def _answer_of_the_ingress(url: str, path: str, deadline: float) -> httpx.Response:
+    """The first answer to GET `path` that the ingress gives (JSON), not Ray's proxy (plain text, before the
+    ingress runs); each comes at once: a request left waiting raises."""
+    while (response := httpx.get(f"{url}{path}", timeout=5)).headers["content-type"] != "application/json":
+        assert time.monotonic() < deadline, f"only Ray's proxy answered {path}: {response.text}"
+        time.sleep(0.2)
+    return response
+
+
+@pytest.mark.slow
+def test_health_is_503_at_once_while_the_replicas_load_and_200_once_one_runs():
+    pytest.importorskip("ray.serve")
+    server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, until=503, startup_timeout_s=300)
+    try:
+        deadline = time.monotonic() + 300
+        loading = _answer_of_the_ingress(server.url, "/health", deadline)
+        assert (loading.status_code, loading.json()["error"]["message"]) == (503, "loading")
+        while _answer_of_the_ingress(server.url, "/health", deadline).status_code != 200:
+            time.sleep(0.2)
+    finally:
+        assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
+
+
+async def _refused_while_draining(url: str) -> dict[str, httpx.Response]:
+    """Once SIGTERM has reached the server: the first answer to `GET /v1/models` that is not 200, then a Messages
+    request's and /health's."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+        while (models := await client.get(f"{url}/v1/models")).status_code == 200:
+            await asyncio.sleep(0.05)
+        messages = await client.post(f"{url}/v1/messages", json={
+            "model": "any", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})
+        return {"models": models, "messages": messages, "health": await client.get(f"{url}/health")}
+
+
+@pytest.mark.slow
+def test_after_sigterm_new_requests_get_the_single_processs_503_while_streams_in_flight_finish():
+    """Six streams on a replica that runs one at a time keep the drain going while new requests come."""
+    pytest.importorskip("ray.serve")
+    server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, "--max-model-len", "512", "--max-num-seqs",
+                          "1", "--drain-timeout", "120", startup_timeout_s=300)
+
+    async def stream_then_stop() -> tuple[list[list[str]], dict[str, httpx.Response]]:
+        started = asyncio.Event()
+        streams = asyncio.ensure_future(_streams(server.url, 6, started))
+        await asyncio.wait_for(started.wait(), 120)
+        server.process.send_signal(signal.SIGTERM)
+        refused = await asyncio.wait_for(_refused_while_draining(server.url), 60)
+        return await streams, refused
+
+    try:
+        streams, refused = asyncio.run(stream_then_stop())
+        exit_status = server.process.wait(120)
+    finally:
+        server.stop()
+    assert refused["models"].status_code == 503, refused["models"].text
+    assert refused["models"].json()["error"]["message"] == "The server is shutting down"
+    assert refused["messages"].status_code == 503
+    assert refused["messages"].json()["type"] == "error"  # Anthropic's shape
+    assert (refused["health"].status_code, refused["health"].json()["error"]["message"]) == (503, "shutting down")
+    assert [events[-1] for events in streams] == ["data: [DONE]"] * 6
+    assert exit_status == 0, server.output()[-4000:]
