@@ -69,16 +69,15 @@ class PolicyResult:
 
 
 def wait_for_replicas(url: str, replicas: int, timeout_s: float) -> None:
-    """Until `replicas` replicas have answered: /health is 200 once one replica serves, and a policy measured
-    while the ingress knows only some of them would place every prefix there."""
+    """Until `replicas` replicas have answered (a request a replica serves: /health is the ingress's own): a policy
+    measured while the ingress knows only some of them would place every prefix there."""
     deadline = time.monotonic() + timeout_s
     seen: set[str] = set()
     while len(seen) < replicas:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only replicas {sorted(seen)} answered in {timeout_s:.0f} s")
-        response = httpx.get(url + "/health", timeout=30)
-        if response.status_code == 200:
-            seen.add(response.headers[REPLICA_HEADER])
+        if httpx.get(url + "/health", timeout=30).status_code == 200:  # a replica runs
+            seen.add(httpx.get(url + "/v1/models", timeout=30).headers[REPLICA_HEADER])
         time.sleep(0.1)
 
 

@@ -95,7 +95,7 @@ def _scale_down_under_load() -> tuple[list[Stream], datetime.datetime, set[str]]
         while len(replica_pids(server.process.pid)) > 1:
             assert time.monotonic() < deadline, "the removed replica's process outlived its drain"
             time.sleep(1)
-        survivors = {httpx.get(f"{server.url}/health", timeout=30).headers[REPLICA_HEADER] for _ in range(4)}
+        survivors = {httpx.get(f"{server.url}/v1/models", timeout=30).headers[REPLICA_HEADER] for _ in range(4)}
         removed = {stream.replica for stream in streams} - survivors
         assert len(survivors) == 1 and len(removed) == 1, (survivors, removed)
         return streams, removed_at, removed

@@ -35,7 +35,7 @@ ORIGIN = "https://app.example"  # the one origin whose pages may call the cluste
 def cluster():
     server = start_server("--replicas", "2", "--no-ui", *SERVER_FLAGS, "--drain-timeout", "10",
                           "--allowed-origins", json.dumps([ORIGIN]), startup_timeout_s=300)
-    wait_for_replicas(server.url, 2, timeout_s=180)  # /health is 200 once the first one answers
+    wait_for_replicas(server.url, 2, timeout_s=180)
     yield server
     assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
 
