@@ -180,7 +180,8 @@ async def _streams(url: str, count: int, all_started: asyncio.Event) -> list[lis
         return await asyncio.gather(*(stream(client, i) for i in range(count)))
 
 
-@pytest.mark.slow
+# About 110 s: it must outlast Ray Serve's own 60 s waits; the next test drains streams in the default run.
+@pytest.mark.long
 def test_sigterm_lets_every_request_in_flight_finish_within_the_drain_timeout():
     """Streams on a replica that runs one at a time: the last ends longer after SIGTERM than Ray Serve waits on its
     own, within --drain-timeout; the ingress relaying them waits for them too."""
