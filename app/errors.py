@@ -142,5 +142,10 @@ def not_ready(reason: str) -> APIError:
     return APIError(503, reason, type="service_unavailable", code="not_ready")
 
 
+def shutting_down() -> APIError:
+    """A request that arrives while the server drains (the single process, or the replicas' ingress)."""
+    return not_ready("The server is shutting down")
+
+
 def generation_failed(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="generation_error")

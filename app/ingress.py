@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error_event, error_response_for
-from sluice.app.errors import APIError, error_response, not_ready
+from sluice.app.errors import APIError, error_response, not_ready, shutting_down
 from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, read_body
 from sluice.app.prefix_router import Routing
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
@@ -149,7 +149,7 @@ class SluiceIngress:
         if (path, request.method) in HEALTH_ROUTES:
             return self._health()
         if self._draining:
-            return error_response_for(path, not_ready("The server is shutting down"))
+            return error_response_for(path, shutting_down())
         try:
             body = await read_body(request.scope, request.receive, self._max_body_bytes)
         except APIError as error:  # 413, or 408 for a body that stopped arriving: no replica sees it

@@ -14,7 +14,7 @@ from sluice.batching.engine import Engine
 from sluice.batching.stats import EngineStats
 from sluice.model.roofline import Peaks
 
-from sluice.app.errors import model_not_found, not_ready, queue_full
+from sluice.app.errors import model_not_found, not_ready, queue_full, shutting_down
 from sluice.app.metrics import ServerMetrics
 from sluice.app.responses_api_store import ResponseStore
 
@@ -107,7 +107,7 @@ class ServerState:
 
     def require_engine(self) -> Engine:
         if self.draining:
-            raise not_ready("The server is shutting down")
+            raise shutting_down()
         if self.engine is None:
             raise not_ready("The model is still loading")
         return self.engine
