@@ -19,7 +19,7 @@ from sluice.app.anthropic_schemas import AnthropicErrorDetail, AnthropicErrorRes
 from sluice.app.errors import APIError, error_response
 from sluice.app.streaming import sse_event
 
-ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})  # the routes Sluice serves
+MESSAGES_PATH = "/v1/messages"  # the Messages API: this path and those under it
 
 OVERLOADED = 529  # Anthropic's status for an overloaded API (no standard HTTP status says it)
 
@@ -52,10 +52,15 @@ def anthropic_error_event(error: APIError) -> bytes:
     return b"event: error\n" + sse_event(anthropic_error(error).model_dump(exclude_none=True))
 
 
+def is_anthropic_path(path: str) -> bool:
+    """Whether `path` is the Messages API's, whose answers are Anthropic's (error shape, `request-id` header): its
+    routes Sluice does not serve (`/v1/messages/batches`, answered 404) too, where an `anthropic` client reads them."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
 def error_response_for(path: str, error: APIError) -> JSONResponse:
-    """`error` as the route at `path` speaks: Anthropic's shape on the Messages API's paths (its routes Sluice does
-    not serve, such as `/v1/messages/batches`, too), OpenAI's elsewhere."""
-    if path not in ANTHROPIC_PATHS and not path.startswith("/v1/messages/"):
+    """`error` as the route at `path` speaks: Anthropic's shape on the Messages API's paths, OpenAI's elsewhere."""
+    if not is_anthropic_path(path):
         return error_response(error)
     return JSONResponse(anthropic_error(error).model_dump(exclude_none=True), status_code=_status(error),
                         headers=error.headers)

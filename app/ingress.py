@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sluice.app.anthropic_errors import ANTHROPIC_PATHS, anthropic_error_event, error_response_for
+from sluice.app.anthropic_errors import anthropic_error_event, error_response_for, is_anthropic_path
 from sluice.app.errors import APIError, error_response, not_ready, shutting_down
 from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, read_body
 from sluice.app.prefix_router import Routing
@@ -253,7 +253,7 @@ def _replica_failed() -> APIError:
 def _stream_failure(path: str) -> bytes:
     """How an event stream on `path` ends when its replica died: the route's error event (and `[DONE]`)."""
     error = _replica_failed()
-    if path in ANTHROPIC_PATHS:
+    if is_anthropic_path(path):
         return anthropic_error_event(error)
     return sse_event(error.body()) + DONE
 

@@ -14,7 +14,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sluice.app.anthropic_errors import ANTHROPIC_PATHS, error_response_for
+from sluice.app.anthropic_errors import error_response_for, is_anthropic_path
 from sluice.app.errors import APIError, body_stalled, body_too_large, internal_error, unauthorized
 from sluice.app.metrics import ServerMetrics
 from sluice.app.openapi import path_template
@@ -47,7 +47,7 @@ class RequestIdMiddleware:
         given = Headers(scope=scope).get("x-request-id", "")
         request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id  # for the server's log lines about it
-        names = ("x-request-id", "request-id") if scope["path"] in ANTHROPIC_PATHS else ("x-request-id",)
+        names = ("x-request-id", "request-id") if is_anthropic_path(scope["path"]) else ("x-request-id",)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
