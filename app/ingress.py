@@ -37,19 +37,19 @@ from prometheus_client.core import CounterMetricFamily
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.app.anthropic_errors import anthropic_error_event, error_response_for, is_anthropic_path
-from sluice.app.errors import APIError, error_response, not_ready, shutting_down
+from sluice.app.errors import APIError, shutting_down
 from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, read_body
 from sluice.app.prefix_router import Routing
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
 from sluice.app.response_ids import replica_of
 from sluice.app.responses_api_schemas import item_type
 from sluice.app.scale_out import REPLICA_HEADER
-from sluice.app.server import ROUTES, health
-from sluice.app.state import ServerSettings
+from sluice.app.server import ROUTES, health, health_response
+from sluice.app.state import ServerSettings, unready_reason
 from sluice.app.streaming import DONE, sse_event
 
 logger = logging.getLogger("sluice.ingress")
@@ -173,11 +173,7 @@ class SluiceIngress:
 
     def _health(self) -> Response:
         """The single process's /health: 200 while a replica runs (one loading is not running yet), else 503."""
-        if self._draining:
-            return error_response(not_ready("shutting down"))
-        if not _running_replicas(self._replicas):
-            return error_response(not_ready("loading"))
-        return JSONResponse({"status": "ok"})
+        return health_response(unready_reason(self._draining, bool(_running_replicas(self._replicas))))
 
     async def _relay(self, stream: DeploymentResponseGenerator, path: str, events: bool) -> AsyncIterator[bytes]:
         try:

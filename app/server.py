@@ -70,11 +70,12 @@ from sluice.app.state import ServerState
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.sluice
-    if not state.ready:
-        reason = ("shutting down" if state.draining else "loading" if state.engine is None
-                  else "the engine failed a step and is starting over, or hung")
-        return error_response(not_ready(reason))
-    return JSONResponse({"status": "ok"})
+    return health_response(state.unready)
+
+
+def health_response(unready: str | None) -> Response:
+    """/health's answer (the replicas' ingress's too): 200, or 503 saying why not (`state.unready_reason`)."""
+    return JSONResponse({"status": "ok"}) if unready is None else error_response(not_ready(unready))
 
 
 async def server_version(request: Request) -> Response:

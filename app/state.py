@@ -64,6 +64,19 @@ class ServerSettings:
                     allow_headers=self.allowed_headers, allow_credentials=self.allow_credentials)
 
 
+def unready_reason(draining: bool, loaded: bool, healthy: bool = True) -> str | None:
+    """Why a server does not serve, in the words its /health answers (the single process's and the replicas'
+    ingress's alike: probes and operators match on them); None while it serves. `loaded`: an engine runs (behind the
+    ingress, a replica); `healthy`: it steps."""
+    if draining:
+        return "shutting down"
+    if not loaded:
+        return "loading"
+    if not healthy:
+        return "the engine failed a step and is starting over, or hung"
+    return None
+
+
 class ServerState:
     def __init__(self, settings: ServerSettings, replica: str = "") -> None:
         self.settings = settings
@@ -78,8 +91,9 @@ class ServerState:
         self._idle.set()
 
     @property
-    def ready(self) -> bool:
-        return self.engine is not None and not self.draining and self.engine.healthy
+    def unready(self) -> str | None:
+        """Why /health is 503 now (`unready_reason`); None while the server serves."""
+        return unready_reason(self.draining, self.engine is not None, self.engine is not None and self.engine.healthy)
 
     @property
     def model_name(self) -> str:
