@@ -74,8 +74,14 @@ async def create_message(request: Request) -> Response:
     eager = frozenset(tool.name for tool in body.tools if tool.eager_input_streaming)
     builder = MessageBuilder(message_id, state.model_name, len(chat.prompt.token_ids), chat.calling, chat.reasoning,
                              eager, engine.tokenizer, windowed)
-    generation = await start_generation(request, state, [chat.prompt.token_ids], params, message_id, arrival)
+    grammar = _ANTHROPIC_FIELD.get(chat.grammar_field, chat.grammar_field)
+    generation = await start_generation(request, state, [chat.prompt.token_ids], params, message_id, arrival,
+                                        grammar_param=grammar)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+# The chat request's fields that hold a grammar, by the names the Messages request gave them.
+_ANTHROPIC_FIELD = {"response_format.json_schema.schema": "output_config.format.schema"}
 
 
 def _within_the_window(params: SamplingParams, room: int) -> tuple[SamplingParams, bool]:

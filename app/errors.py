@@ -44,6 +44,12 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def invalid_grammar(problem: str, param: str, json_schema: bool) -> APIError:
+    """A grammar (a tool's parameters, a response format) that does not compile, naming the field that holds it;
+    a JSON schema's with OpenAI's code for one."""
+    return APIError(400, f"{param}: {problem}", param=param, code="invalid_json_schema" if json_schema else None)
+
+
 def from_validation_error(error: ValidationError, body: Any = None) -> APIError:
     """The first pydantic complaint, with its field path (`messages.0.role`) as `param`: as the client wrote it in
     `body` (what was validated), when given."""

@@ -16,8 +16,9 @@ from starlette.responses import Response
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import Collector, Increment, Usage
 from sluice.batching.sampling_params import ContextLengthExceeded, RequestRejected, SamplingParams
+from sluice.batching.structured import InvalidGrammar
 
-from sluice.app.errors import APIError, generation_failed, internal_error, invalid_request
+from sluice.app.errors import APIError, generation_failed, internal_error, invalid_grammar, invalid_request
 from sluice.app.metrics import ServerMetrics
 from sluice.app.state import Admission, ServerState
 from sluice.app.streaming import EventStreamResponse, cancel_on_disconnect
@@ -117,9 +118,11 @@ class Generation:
 
 
 async def start_generation(request: Request, state: ServerState, prompts: list[list[int]], params: SamplingParams,
-                           request_id: str, arrival: float, prompt_param: str | None = None) -> Generation:
-    """Admits the request (429/503) and submits it to the engine (400 if it can never fit; `prompt_param`: the
-    request's field that holds the prompt, which a prompt too long for the context names).
+                           request_id: str, arrival: float, prompt_param: str | None = None,
+                           grammar_param: str | None = None) -> Generation:
+    """Admits the request (429/503) and submits it to the engine (400 if it can never run; `prompt_param`: the
+    request's field that holds the prompt, which a prompt too long for the context names; `grammar_param`: the
+    one that holds the grammar of `params.structured`, which a grammar that does not compile names).
 
     Submitting builds the request (a structured output's grammar, the prompt's n-gram index, stop checkers),
     which can take seconds, so it runs in a worker thread while the event loop serves everyone else. A client
@@ -134,7 +137,7 @@ async def start_generation(request: Request, state: ServerState, prompts: list[l
         await cancel_on_disconnect(request, asyncio.shield(submitting))
     except RequestRejected as error:
         admission.release()
-        raise rejected(error, prompt_param) from None
+        raise rejected(error, params, prompt_param, grammar_param) from None
     except BaseException:
         submitting.add_done_callback(lambda _: abandon(engine, submitting, request_id, admission))
         raise
@@ -142,10 +145,14 @@ async def start_generation(request: Request, state: ServerState, prompts: list[l
                       state.settings.stream_stall_timeout_s or None)
 
 
-def rejected(error: RequestRejected, prompt_param: str | None) -> APIError:
-    """A request the engine can never run, as a 400; one too long for the context with OpenAI's code for it."""
+def rejected(error: RequestRejected, params: SamplingParams, prompt_param: str | None,
+             grammar_param: str | None) -> APIError:
+    """A request the engine can never run, as a 400; one too long for the context, or whose JSON schema does not
+    compile, with OpenAI's code for it (which clients and agent CLIs match)."""
     if isinstance(error, ContextLengthExceeded):
         return APIError(400, str(error), param=prompt_param, code="context_length_exceeded")
+    if isinstance(error, InvalidGrammar) and grammar_param is not None:
+        return invalid_grammar(str(error), grammar_param, params.structured.kind == "json_schema")
     return invalid_request(str(error))
 
 

@@ -79,8 +79,11 @@ async def create_response(request: Request) -> Response:
 
     logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
     builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning, engine.tokenizer)
-    generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id, arrival,
-                                        "input")
+    try:
+        generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id,
+                                            arrival, "input", plan.grammar_field)
+    except APIError as error:
+        raise in_responses_terms(error) from None
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import RequestRejected, SamplingParams, StructuredOutput
 
-from sluice.app.errors import from_validation_error, invalid_request
+from sluice.app.errors import from_validation_error, invalid_grammar, invalid_request
 from sluice.app.generation import respond, start_generation
 from sluice.app.prompts import Prompt, chat_prompt, tool_call_format, truncated, truncated_prompts
 from sluice.app.reasoning import ANY_ANSWER, ReasoningFormat, keeps_tag_text
@@ -128,7 +128,7 @@ async def create_chat_completion(request: Request) -> Response:
     builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, chat.prompt.token_ids, chat.calling,
                           chat.reasoning)
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, request_id, arrival,
-                                        "messages")
+                                        "messages", chat.grammar_field)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 
@@ -137,12 +137,14 @@ class ChatPlan:
     """What a chat request becomes before the engine: its prompt, the engine's parameters (with the grammar that
     forces calls, if the tool choice does, and special tokens' text kept where a tag the reply is read for is
     one), and what the reply is read for: calls (None without tools), and reasoning (None without a
-    --reasoning-parser)."""
+    --reasoning-parser). `grammar_field`: the request's field that holds the grammar the output follows (the
+    tool_choice that forces calls, or the response format), if one does."""
 
     prompt: Prompt
     params: SamplingParams
     calling: ToolCalling | None
     reasoning: ReasoningFormat | None
+    grammar_field: str | None
 
 
 async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequest,
@@ -179,7 +181,7 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
         params = dataclasses.replace(params, skip_special_tokens=False)
     calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced),
                            body.parallel_tool_calls) if tools else None)
-    return ChatPlan(prompt, params, calling, reasoning)
+    return ChatPlan(prompt, params, calling, reasoning, "tool_choice" if forced else body.grammar_field())
 
 
 def model_defaults(state: ServerState, engine: Engine) -> Mapping[str, float | int]:
@@ -215,7 +217,7 @@ def check_tool_schemas(engine: Engine, tools: list[ToolDefinition], schema_field
         try:
             engine.grammars.check(StructuredOutput("json_schema", json.dumps(schema)))
         except RequestRejected as error:
-            raise invalid_request(f"tools.{i}.{schema_field}: {error}", param=f"tools.{i}.{schema_field}") from None
+            raise invalid_grammar(str(error), f"tools.{i}.{schema_field}", json_schema=True) from None
 
 
 async def create_completion(request: Request) -> Response:
@@ -227,7 +229,7 @@ async def create_completion(request: Request) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     builder = CompletionBuilder(request_id, state.model_name, engine.tokenizer, body, prompts)
     generation = await start_generation(request, state, [p.token_ids for p in prompts], params, request_id, arrival,
-                                        "prompt")
+                                        "prompt", body.grammar_field())
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 

@@ -149,11 +149,18 @@ class StructuredOutputs(_Request):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
-        given = [self.json_ is not None, self.regex is not None, self.choice is not None,
-                 self.grammar is not None, self.json_object]
-        if sum(given) != 1:
+        if len(self._given()) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar or json_object")
         return self
+
+    def _given(self) -> list[str]:
+        """The keys the request set (json_object false sets none), as it wrote them."""
+        return [field.alias or name for name, field in type(self).model_fields.items()
+                if getattr(self, name) not in (None, False)]
+
+    def key(self) -> str:
+        """The key that holds the constraint (`regex`, ...)."""
+        return self._given()[0]
 
     def constraint(self) -> StructuredOutput:
         if self.json_ is not None:
@@ -315,6 +322,17 @@ class SamplingRequest(PromptTruncation):
             return StructuredOutput("json_schema", json.dumps(self.response_format.json_schema.schema_))
         if isinstance(self.response_format, JsonObjectFormat):
             return StructuredOutput("json_schema", ANY_JSON_OBJECT)
+        return None
+
+    def grammar_field(self) -> str | None:
+        """Where the request holds the grammar `structured` reads (`response_format.json_schema.schema`,
+        `structured_outputs.regex`): the field a grammar that does not compile is refused for."""
+        if self.structured_outputs is not None:
+            return f"structured_outputs.{self.structured_outputs.key()}"
+        if isinstance(self.response_format, JsonSchemaFormat):
+            return "response_format.json_schema.schema"
+        if isinstance(self.response_format, JsonObjectFormat):
+            return "response_format"
         return None
 
     @property

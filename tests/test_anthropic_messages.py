@@ -159,6 +159,15 @@ def test_structured_output_with_a_forced_tool_choice_is_a_400_in_the_requests_ow
     assert message.startswith("output_config.format") and "response_format" not in message
 
 
+def test_an_output_format_whose_schema_does_not_compile_is_a_400_naming_it_in_the_requests_own_terms(client):
+    output_config = {"format": {"type": "json_schema", "schema": {"type": "strin"}}}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=MODEL, max_tokens=16, messages=HELLO, extra_body={"output_config": output_config})
+    error = caught.value.body["error"]
+    assert error["message"].startswith("output_config.format.schema: invalid JSON schema"), error
+    assert error["details"] == {"error_code": "invalid_json_schema"}
+
+
 @pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}],
                          ids=["enabled", "adaptive"])
 @pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}],

@@ -206,6 +206,38 @@ def test_a_prompt_too_long_for_the_context_is_openais_context_length_exceeded_na
     assert all("maximum context length is 128 tokens" in error.message for error in errors)
 
 
+BAD_SCHEMA = {"type": "strin"}  # valid JSON, no JSON schema: only compiling it finds that
+
+
+@pytest.mark.parametrize(("api", "fields", "param", "code"), [
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
+     "response_format.json_schema.schema", "invalid_json_schema"),
+    ("chat", {"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs.regex", None),
+    ("completions", {"extra_body": {"structured_outputs": {"json": BAD_SCHEMA}}}, "structured_outputs.json",
+     "invalid_json_schema"),
+    ("completions", {"extra_body": {"structured_outputs": {"grammar": "start: nowhere"}}},
+     "structured_outputs.grammar", None),
+    ("responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}},
+     "text.format.schema", "invalid_json_schema"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": BAD_SCHEMA}}}}]}, "tools.0.function.parameters", "invalid_json_schema"),
+])
+def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field_that_holds_it(engine, api, fields, param, code):
+    """As OpenAI's own refusal of a schema (`param` "text.format.schema", `code` "invalid_json_schema", which agent
+    CLIs match): found only when the engine compiles the grammar, after every field was checked."""
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> openai.BadRequestError:
+        calls = {"chat": lambda: client.chat.completions.create(model="tiny", messages=MESSAGES, **fields),
+                 "completions": lambda: client.completions.create(model="tiny", prompt="hi", **fields),
+                 "responses": lambda: client.responses.create(model="tiny", input="hi", **fields)}
+        with pytest.raises(openai.BadRequestError) as raised:
+            await calls[api]()
+        return raised.value
+
+    error = serve(engine, scenario)
+    assert (error.param, error.code) == (param, code) and error.body["message"].startswith(f"{param}: "), error.body
+
+
 # --- tool calling as OpenAI's and vLLM's clients read it ------------------------------------------------------
 
 LOOK_PARAMETERS = {"type": "object", "properties": {}}

@@ -527,7 +527,7 @@ def test_input_items_are_the_openai_clients_types_an_assistants_text_output_text
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tools": [{**WEATHER, "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}],
       "tool_choice": "required"}, "tools.0.parameters"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, None),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format.schema"),
     ({"input": [{"role": "oracle", "content": "x"}]}, "input.0.role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
     ({"input": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]}, "input.0"),
