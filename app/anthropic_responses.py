@@ -19,7 +19,8 @@ Usage splits the prompt as Anthropic does: `input_tokens` are the tokens compute
 prefix cache held. The engine reports the split when the reply ends, so a stream's `message_start` counts the whole
 prompt as input, and its `message_delta` (whose counts replace them, as Anthropic's clients read them) gives the split.
 With a --reasoning-parser, `output_tokens_details.thinking_tokens` counts the generated tokens that were the reply's
-thinking (`ReasoningFormat.count_tokens`, chat's `reasoning_tokens`), in the whole message and in `message_delta`.
+thinking, its tags included (`ReasoningFormat.count_tokens`: chat's `reasoning_tokens` and the tags'), in the whole
+message and in `message_delta`.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ class MessageBuilder:
     def _usage(self, generation: Generation) -> MessageUsage:
         usage = generation.usage
         details = None if self._reasoning is None or self._tokenizer is None else OutputTokensDetails(
-            thinking_tokens=self._reasoning.count_tokens(self._tokenizer, self._token_ids))
+            thinking_tokens=self._reasoning.count_tokens(self._tokenizer, self._token_ids, tags=True))
         if usage is None:
             return MessageUsage(input_tokens=self._input_tokens, output_tokens=len(self._token_ids),
                                 output_tokens_details=details)

@@ -423,10 +423,10 @@ StopReason = Literal["end_turn", "max_tokens", "model_context_window_exceeded", 
 
 
 class OutputTokensDetails(BaseModel):
-    """`thinking_tokens`: how many of the output tokens the reply's reasoning was generated in, counted as chat's
-    `reasoning_tokens` and vLLM count them: the tokens between `<think>` and `</think>`, the tags' own not among
-    them (Anthropic's count includes its thinking block's delimiters, and allows it to differ from the exact
-    generation count by a few tokens)."""
+    """`thinking_tokens`: how many of the output tokens the reply's reasoning was generated in, its tags included as
+    Anthropic documents the field ("including the thinking-block delimiter tokens"): chat's `reasoning_tokens`
+    (vLLM's count, the tokens between `<think>` and `</think>`) and the tokens of the tags the reply wrote, so that
+    `output_tokens - thinking_tokens` is the answer's."""
 
     thinking_tokens: int
 

@@ -117,11 +117,13 @@ class ReasoningFormat:
         end = text.find(END, start)
         return start, len(text) if end < 0 else end
 
-    def count_tokens(self, tokenizer: Tokenizer, token_ids: Sequence[int]) -> int:
+    def count_tokens(self, tokenizer: Tokenizer, token_ids: Sequence[int], tags: bool = False) -> int:
         """How many of a reply's generated tokens (`token_ids`, of `tokenizer`'s vocabulary) are its reasoning, for the
         usage's `reasoning_tokens`, as vLLM's reasoning parsers count them (`count_reasoning_tokens`): those between
         the reply's `<think>` (its start, where the template opened it) and its first `</think>`, or its last token
-        where max_tokens cut the thought short; the tags' own tokens are not reasoning.
+        where max_tokens cut the thought short; the tags' own tokens are not reasoning. With `tags`, those of the
+        tags the reply generated are counted too: Anthropic's `thinking_tokens` include "the thinking-block
+        delimiter tokens" (as its API documents the field), so that the two counts differ by the tags alone.
 
         Where each tag is one token (DeepSeek-R1's, Qwen3's), the tags are those tokens, as vLLM and the grammar
         (`preamble`) take them, and the count reads token ids alone. Where a tag is text of several tokens (vLLM's
@@ -131,26 +133,28 @@ class ReasoningFormat:
         reasoning if any of its text is."""
         opening, closing = _one_token(tokenizer, START), _one_token(tokenizer, END)
         if opening is None or closing is None:
-            return self._count_by_text([tokenizer.token_text(token_id) for token_id in token_ids])
+            return self._count_by_text([tokenizer.token_text(token_id) for token_id in token_ids], tags)
         first = next((i for i, token_id in enumerate(token_ids) if not tokenizer.token_text(token_id).isspace()),
                      len(token_ids))
-        if first < len(token_ids) and token_ids[first] == opening:
-            start = first + 1
-        elif self.opens_in_prompt:
-            start = 0
-        else:
+        opened = first < len(token_ids) and token_ids[first] == opening
+        if not opened and not self.opens_in_prompt:
             return 0
-        try:
-            return token_ids.index(closing, start) - start
-        except ValueError:  # cut short while thinking
-            return len(token_ids) - start
+        start = first + 1 if opened else 0
+        closed = closing in token_ids[start:]
+        end = token_ids.index(closing, start) if closed else len(token_ids)  # else cut short while thinking
+        return end - start + (opened + closed if tags else 0)
 
-    def _count_by_text(self, texts: list[str]) -> int:
-        """How many of the tokens whose texts are `texts` hold some of the reasoning's text."""
-        span = self._thought_span("".join(texts))
+    def _count_by_text(self, texts: list[str], tags: bool) -> int:
+        """How many of the tokens whose texts are `texts` hold some of the reasoning's text (with `tags`, or of its
+        tags' the reply wrote)."""
+        text = "".join(texts)
+        span = self._thought_span(text)
         if span is None:
             return 0
         start, end = span
+        if tags:
+            start -= len(START) if text[:start].endswith(START) else 0
+            end += len(END) if text.startswith(END, end) else 0
         bounds = pairwise(accumulate(map(len, texts), initial=0))  # each token's (start, end) in the text
         return sum(max(begin, start) < min(stop, end) for begin, stop in bounds)
 

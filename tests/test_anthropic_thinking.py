@@ -1,6 +1,7 @@
 """Anthropic's Messages API under a --reasoning-parser: the reply's reasoning is a `thinking` block, and the usage's
-`output_tokens_details.thinking_tokens` (the anthropic client's) counts the tokens it was generated in, as chat's
-`reasoning_tokens` and the Responses API's do (vLLM's count: the tags' own tokens are not counted)."""
+`output_tokens_details.thinking_tokens` (the anthropic client's) counts the tokens it was generated in, those of
+chat's `reasoning_tokens` and the Responses API's (vLLM's count), and the tags' own that the reply generated: the
+anthropic client documents the field as "including the thinking-block delimiter tokens"."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from sluice.app.reasoning import ReasoningFormat
 from sluice.model.tokenizer import Tokenizer
 
 from test_api_e2e import API_KEY, start_server
-from test_reasoning_tokens import CUT, QWEN3, THINKING, THOUGHT, Replay, text_encoded_again
+from test_reasoning_tokens import CUT, DEEPSEEK, QWEN3, THINKING, THOUGHT, Replay, text_encoded_again
 
 MODEL = "smollm2-thinking"
 FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "128", "--max-model-len", "512",
@@ -34,11 +35,13 @@ def streamed_usage(events: list[bytes]) -> dict:
     return next(event for event in data if event["type"] == "message_delta")["usage"]
 
 
-@pytest.mark.parametrize(("pieces", "finish", "generated"), [(THINKING, "stop", len(THOUGHT)), (CUT, "length", 5)],
+@pytest.mark.parametrize(("pieces", "finish", "generated"), [(THINKING, "stop", 3 + len(THOUGHT) + 3),
+                                                        (CUT, "length", 3 + 5)],
                          ids=["thought-and-answer", "cut-short"])
 @pytest.mark.parametrize("step", [1, 4], ids=["a-token-an-increment", "four-tokens-an-increment"])
-def test_a_messages_thinking_tokens_are_those_its_reasoning_was_generated_in(smollm2, pieces, finish, generated,
-                                                                              step):
+def test_a_messages_thinking_tokens_are_those_its_reasoning_and_its_tags_were_generated_in(smollm2, pieces, finish,
+                                                                                             generated, step):
+    """`<think>` and `</think>` are three tokens each in SmolLM2's vocabulary."""
     tokenizer = smollm2.tokenizer
     assert text_encoded_again(tokenizer, pieces) != generated
 
@@ -71,17 +74,21 @@ def server():
     proc.stop()
 
 
-def test_a_served_messages_thinking_is_a_block_whose_tokens_the_usage_counts_as_chat_does(server):
+def test_a_served_messages_thinking_is_a_block_whose_tokens_the_usage_counts_as_chat_does_with_the_tags(server,
+                                                                                                      smollm2):
     kwargs = dict(model=MODEL, max_tokens=24, messages=HELLO, extra_body={"temperature": 0})
     with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120) as client:
         whole = client.messages.create(**kwargs)
         with client.messages.stream(**kwargs) as stream:
             streamed = stream.get_final_message()
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as chat_client:
-        chat = chat_client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0)
+        chat = chat_client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0,
+                                                   extra_body={"return_token_ids": True})
     assert whole.content[0].type == "thinking" and whole.content[0].signature
     assert [block.to_dict() for block in streamed.content] == [block.to_dict() for block in whole.content]
     thinking = whole.usage.output_tokens_details.thinking_tokens
-    assert 0 < thinking == chat.usage.completion_tokens_details.reasoning_tokens <= whole.usage.output_tokens
+    reasoning = chat.usage.completion_tokens_details.reasoning_tokens
+    with_tags = DEEPSEEK.count_tokens(smollm2.tokenizer, chat.choices[0].token_ids, tags=True)
+    assert 0 < reasoning <= thinking == with_tags <= whole.usage.output_tokens
     assert (streamed.usage.output_tokens, streamed.usage.output_tokens_details) == (
         whole.usage.output_tokens, whole.usage.output_tokens_details)

@@ -1,7 +1,8 @@
 """The usage's reasoning tokens (chat's `completion_tokens_details`, the Responses API's `output_tokens_details`) are
 the tokens the reasoning was generated in, as vLLM's reasoning parsers count them (`count_reasoning_tokens`): not
 its text encoded again, which a small model's reply often is not (SmolLM2 may write "Hmm" as "H", "m", "m", which
-encodes again as "H", "mm"), and not the tags' own tokens."""
+encodes again as "H", "mm"), and not the tags' own tokens. Anthropic's `thinking_tokens` are the same tokens and the
+tags' the reply generated, as Anthropic counts its thinking block's delimiters."""
 
 from __future__ import annotations
 
@@ -40,37 +41,43 @@ def ids_of(tokenizer: Tokenizer, pieces: list[str]) -> list[int]:
     return [one for [one] in ids]
 
 
-@pytest.mark.parametrize(("format", "pieces", "reasoning"), [
-    (QWEN3, THINKING, len(THOUGHT)),
-    (QWEN3, CUT, 5),  # every token after the opening
-    (DEEPSEEK, [*THOUGHT, *CLOSE, *ANSWER], len(THOUGHT)),  # the template opened the thought
-    (DEEPSEEK, THINKING, len(THOUGHT)),  # a <think> of its own is no reasoning
-    (DEEPSEEK, ["N", "ine", "."], 3),  # all of it is reasoning, cut short
-    (QWEN3, ["N", "ine", "."], 0),  # a reply that does not think
-    (QWEN3, ["\n", *OPEN, "H", " </", "think", ">", "N"], 2),  # " </" holds the thought's last character
-    (QWEN3, ["<", "think", "></", "think", ">", "N"], 0),  # empty: one token ends a tag and opens the other
+@pytest.mark.parametrize(("format", "pieces", "reasoning", "thinking"), [
+    (QWEN3, THINKING, len(THOUGHT), 3 + len(THOUGHT) + 3),
+    (QWEN3, CUT, 5, 3 + 5),  # every token after the opening
+    (DEEPSEEK, [*THOUGHT, *CLOSE, *ANSWER], len(THOUGHT), len(THOUGHT) + 3),  # the template opened the thought
+    (DEEPSEEK, THINKING, len(THOUGHT), 3 + len(THOUGHT) + 3),  # a <think> of its own is no reasoning
+    (DEEPSEEK, ["N", "ine", "."], 3, 3),  # all of it is reasoning, cut short
+    (QWEN3, ["N", "ine", "."], 0, 0),  # a reply that does not think
+    (QWEN3, ["\n", *OPEN, "H", " </", "think", ">", "N"], 2, 7),  # " </" holds the thought's last character
+    (QWEN3, ["<", "think", "></", "think", ">", "N"], 0, 5),  # empty: one token ends a tag and opens the other
 ], ids=["thought-and-answer", "cut-short", "opened-by-the-template", "deepseek-r1-opening-its-own", "deepseek-r1-cut",
         "no-thought", "tag-after-a-space", "empty-thought"])
 def test_a_replys_reasoning_tokens_are_those_holding_its_reasoning_where_the_tags_are_text(smollm2, format, pieces,
-                                                                                           reasoning):
-    assert format.count_tokens(smollm2.tokenizer, ids_of(smollm2.tokenizer, pieces)) == reasoning
+                                                                                           reasoning, thinking):
+    """Its thinking tokens (Anthropic's) are those holding the tags' text too."""
+    ids = ids_of(smollm2.tokenizer, pieces)
+    assert format.count_tokens(smollm2.tokenizer, ids) == reasoning
+    assert format.count_tokens(smollm2.tokenizer, ids, tags=True) == thinking
 
 
 @pytest.mark.parametrize("special", [False, True], ids=["added tags", "special tags"])
-@pytest.mark.parametrize(("format", "pieces", "reasoning"), [
-    (QWEN3, [START, "a", "b", "c", END, "\n", "x"], 3),
-    (QWEN3, [" ", START, "a", END, "x"], 1),  # whitespace before the opening
-    (QWEN3, [START, "a", "b"], 2),  # cut short
-    (QWEN3, ["a", END, "x"], 0),
-    (DEEPSEEK, ["a", "b", END, "x"], 2),  # the template opened the thought
-    (DEEPSEEK, [START, "a", END, "x"], 1),
-    (DEEPSEEK, ["a", "b"], 2),
+@pytest.mark.parametrize(("format", "pieces", "reasoning", "thinking"), [
+    (QWEN3, [START, "a", "b", "c", END, "\n", "x"], 3, 5),
+    (QWEN3, [" ", START, "a", END, "x"], 1, 3),  # whitespace before the opening
+    (QWEN3, [START, "a", "b"], 2, 3),  # cut short
+    (QWEN3, ["a", END, "x"], 0, 0),
+    (DEEPSEEK, ["a", "b", END, "x"], 2, 3),  # the template opened the thought
+    (DEEPSEEK, [START, "a", END, "x"], 1, 3),
+    (DEEPSEEK, ["a", "b"], 2, 2),
 ], ids=["thought", "blank-first", "cut-short", "no-thought", "opened-by-the-template", "deepseek-r1-opening-its-own",
         "deepseek-r1-cut"])
 def test_a_replys_reasoning_tokens_are_those_between_its_tags_where_each_tag_is_a_token(special, format, pieces,
-                                                                                        reasoning):
+                                                                                        reasoning, thinking):
+    """Its thinking tokens (Anthropic's) are those and the tags' the reply generated."""
     tokenizer = one_token_tags(special)
-    assert format.count_tokens(tokenizer, ids_of(tokenizer, pieces)) == reasoning
+    ids = ids_of(tokenizer, pieces)
+    assert format.count_tokens(tokenizer, ids) == reasoning
+    assert format.count_tokens(tokenizer, ids, tags=True) == thinking
 
 
 class Replay:
