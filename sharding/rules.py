@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sluice.model.config import ModelConfig
 from sluice.model.llama import LINEAR_WEIGHTS, Llama
-from sluice.model.quantize import packed_order, quantize_model
+from sluice.model.quantize import packed_order
 from sluice.pallas_kernels.cpu_qmatmul import BLOCK
 from sluice.sharding.mesh import TP_AXIS, InvalidTensorParallelism
 
@@ -53,24 +53,6 @@ PARAM_SPECS: dict[str, P] = {
 VOCAB_SHARDED = {"embed", "lm_head"}
 # [layers, pages, kv_heads, ...]: values [..., page_size, head_dim] and an int8 pool's scales [..., page_size] alike.
 KV_CACHE_SPEC = P(None, None, T)
-
-
-def valid_tp_values(config: ModelConfig, quantization: str = "none") -> list[int]:
-    """The --tp values that split `config`'s parameters, stored in `quantization` (a resolved mode, in its
-    `default_layout`), evenly over the devices."""
-    return _valid_tp_values(config, _stored_shapes(config, quantization))
-
-
-def validate_tp(config: ModelConfig, tp: int, quantization: str = "none") -> None:
-    """InvalidTensorParallelism naming the valid values if `tp` is not one of `valid_tp_values`."""
-    _check_tp(config, tp, _stored_shapes(config, quantization))
-
-
-def _stored_shapes(config: ModelConfig, quantization: str) -> dict[str, tuple[int, ...]]:
-    """Each parameter's shape as `quantization` (a resolved mode, in its `default_layout`) stores it; ValueError if
-    its layouts cannot pack the weights' shapes."""
-    model = nnx.eval_shape(lambda: quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization))
-    return {path[0]: var.shape for path, var in nnx.to_flat_state(nnx.state(model))}
 
 
 def _valid_tp_values(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]]) -> list[int]:

@@ -13,12 +13,15 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, NamedSharding
 
 from sluice.batching.kv_pool import ACCELERATOR_KV_FRACTION, default_kv_cache_bytes
 from sluice.model.config import ModelConfig
-from sluice.model.quantize import default_layout
-from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
-from sluice.sharding.rules import valid_tp_values, validate_tp
+from sluice.model.llama import Llama
+from sluice.model.quantize import default_layout, quantize_model
+from sluice.sharding.mesh import TP_AXIS, InvalidTensorParallelism, make_mesh
+from sluice.sharding.rules import param_sharding
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 QWEN3_GOLDEN = Path(__file__).parent / "data" / "tiny_qwen3" / "golden.json"
@@ -188,11 +191,19 @@ def test_the_default_kv_pool_takes_its_share_of_every_device_of_the_mesh():
     assert default_kv_cache_bytes(SimpleNamespace(devices=np.array([Accelerator(30 << 30)]), size=1)) == one_device
 
 
+def split(config: ModelConfig, tp: int, quantization: str = "none") -> dict[str, NamedSharding]:
+    """The shardings the loader's rule (`param_sharding`) gives `config`'s parameters, stored in `quantization`,
+    over `tp` devices (an abstract mesh: the rule reads only its size)."""
+    model = nnx.eval_shape(lambda: quantize_model(Llama(config, rngs=nnx.Rngs(0)), quantization))
+    shapes = {path[0]: var.shape for path, var in nnx.to_flat_state(nnx.state(model))}
+    return param_sharding(AbstractMesh((tp,), (TP_AXIS,)), config, shapes)
+
+
 def test_tp_that_does_not_divide_the_kv_heads_is_refused_naming_valid_values():
     smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                           num_kv_heads=3, head_dim=64)
-    with pytest.raises(InvalidTensorParallelism, match="valid values: 1, 3"):
-        validate_tp(smollm2, 2)
+    with pytest.raises(InvalidTensorParallelism, match="valid values: 1, 3$"):
+        split(smollm2, 2)
     # One device named: a worker that ran another module first may see more (how many jax makes is set once).
     with pytest.raises(InvalidTensorParallelism, match="only 1 cpu device"):
         make_mesh(2, jax.devices()[:1])
@@ -201,14 +212,14 @@ def test_tp_that_does_not_divide_the_kv_heads_is_refused_naming_valid_values():
 def test_tp_that_divides_the_kv_heads_but_not_the_mlp_width_is_refused_naming_the_width():
     config = ModelConfig.tiny(num_heads=8, num_kv_heads=4, intermediate_size=130)
     with pytest.raises(InvalidTensorParallelism, match="MLP width of 130; valid values: 1, 2$"):
-        validate_tp(config, 4)
+        split(config, 4)
 
 
 def test_tp_above_the_kv_heads_is_refused_as_heads_are_never_replicated():
     """Each device holds whole KV heads of the q/k/v projection and of the KV pool: 2 heads over 4 devices would
     leave the pool's allocation to fail on an axis of 2 split 4 ways."""
     with pytest.raises(InvalidTensorParallelism, match=r"must divide this model's 2 KV heads .* valid values: 1, 2$"):
-        validate_tp(ModelConfig.tiny(num_heads=4, num_kv_heads=2), 4)
+        split(ModelConfig.tiny(num_heads=4, num_kv_heads=2), 4)
 
 
 def test_packed_quantized_weights_split_only_over_tp_that_keeps_their_blocks_of_32_inputs_whole():
@@ -216,10 +227,12 @@ def test_packed_quantized_weights_split_only_over_tp_that_keeps_their_blocks_of_
     inputs, 4 heads of 16, are 2 blocks, which 4 devices cannot share. The valid values left that out, and the load
     failed on a weight's axis once the model was converted."""
     config = ModelConfig.tiny(num_heads=4, num_kv_heads=4, intermediate_size=384)
-    assert valid_tp_values(config) == [1, 2, 4]
-    assert valid_tp_values(config, "int4") == [1, 2]
-    assert valid_tp_values(config, "int8") == ([1, 2] if default_layout("int8") == "packed" else [1, 2, 4])
-    with pytest.raises(InvalidTensorParallelism, match=re.escape(
-            "and leave its quantized weights' blocks of 32 inputs whole (attention width 64, MLP width 384); valid "
-            "values: 1, 2")):
-        validate_tp(config, 4, "int4")
+    split(config, 4)  # float weights: whole heads are enough
+    for quantization in ("int4", "int8"):
+        if default_layout(quantization) == "channel":  # int8 where the CPU kernels do not run: no block to split
+            split(config, 4, quantization)
+            continue
+        with pytest.raises(InvalidTensorParallelism, match=re.escape(
+                "and leave its quantized weights' blocks of 32 inputs whole (attention width 64, MLP width 384); "
+                "valid values: 1, 2")):
+            split(config, 4, quantization)
