@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -447,3 +448,33 @@ def test_parsed_arguments_are_checked_alike_in_a_process_that_never_built_the_pa
     checked = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(args), capture_output=True, timeout=60)
     assert checked.returncode == 0, checked.stderr.decode()[-500:]
     assert checked.stdout.decode().split() == ["None", "None"]
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+FLAG = re.compile(r"(?<![\w-])(--?[a-z][a-z0-9-]*)")
+
+
+def readme_serve_flags() -> set[str]:
+    """Each flag the README gives `sluice serve`: in its flag tables' first column, and after `sluice serve` in a
+    code block's line or an inline code span."""
+    text = README.read_text()
+    flags = {flag for cell in re.findall(r"^\| *(`--[^|]*)\|", text, re.M) for flag in FLAG.findall(cell)}
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S)
+    lines = [line for block in blocks for line in block.splitlines()]
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))
+    for command in lines + spans:
+        if (found := re.search(r"\bsluice serve\b(.*)", command)) is not None:
+            flags |= set(FLAG.findall(found.group(1).split(" #")[0]))
+    return flags
+
+
+def test_every_flag_the_readme_gives_sluice_serve_is_one_it_accepts():
+    import argparse
+
+    from sluice.app import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    flags = readme_serve_flags()
+    assert {"--model", "--tp", "--replicas", "--coordinator-address"} <= flags  # the README was read
+    assert sorted(flags - set(parser._option_string_actions)) == []
