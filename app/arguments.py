@@ -46,6 +46,19 @@ def chat_template(text: str) -> str:
     return text
 
 
+DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float": "float32", "half": "float16",
+               "auto": None}
+DTYPE_HELP = ("parameter dtype: float32, bfloat16 or float16 (vLLM's auto, half and float too; default: float32 on CPU, "
+              "bfloat16 on GPU)")
+
+
+def dtype_name(text: str) -> str | None:
+    """A dtype by Sluice's name or vLLM's (`half`, `float`; `auto`: the device's default, None)."""
+    if text not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, DTYPE_NAMES))})")
+    return DTYPE_NAMES[text]
+
+
 def at_least(low: float, kind: type) -> Callable[[str], float]:
     """An argparse type: `kind` of the text, refused below `low` (and if not finite)."""
     return number(kind, lambda value: value >= low, f"of at least {low}")

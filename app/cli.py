@@ -8,7 +8,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from sluice.app.arguments import CHAT_TEMPLATE_HELP, CommandError, OneLineErrors, at_least, chat_template, number
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, DTYPE_HELP, CommandError, OneLineErrors, at_least, chat_template, \
+    dtype_name, number
 from sluice.model.fetch import InvalidModel, ModelNotFound
 
 if TYPE_CHECKING:
@@ -18,8 +19,7 @@ if TYPE_CHECKING:
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--dtype", type=dtype_name, default=None, help=DTYPE_HELP)
     parser.add_argument("--chat-template", type=chat_template, default=None, help=CHAT_TEMPLATE_HELP)
 
 
@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
 
     fetch = commands.add_parser("fetch", help="find a model (downloading the default one) and print its path")
-    fetch.add_argument("--model", default=None)
+    fetch.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct, "
+                       "downloaded if missing)")
     fetch.set_defaults(run=_fetch)
 
     gen = commands.add_parser("generate", help="complete one prompt offline, streaming to the terminal")

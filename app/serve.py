@@ -32,8 +32,8 @@ from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
 from sluice.app.addresses import http_url
-from sluice.app.arguments import CHAT_TEMPLATE_HELP, OneLineErrors, above, at_least, chat_template, \
-    claim_gpu_memory, fraction
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, DTYPE_HELP, OneLineErrors, above, at_least, chat_template, \
+    claim_gpu_memory, dtype_name, fraction
 from sluice.app.engine_loading import load_engine
 from sluice.app.middleware import OPEN_PATHS
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
@@ -105,17 +105,6 @@ def string_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r} "
                                          """(example: '["http://localhost:3000"]')""")
     return tuple(value)
-
-
-DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float": "float32", "half": "float16",
-               "auto": None}
-
-
-def dtype_name(text: str) -> str | None:
-    """A dtype by Sluice's name or vLLM's (`half`, `float`; `auto`: the device's default, None)."""
-    if text not in DTYPE_NAMES:
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, DTYPE_NAMES))})")
-    return DTYPE_NAMES[text]
 
 
 SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "num_speculative_tokens",
@@ -256,8 +245,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--chat-template", None, CHAT_TEMPLATE_HELP, type=chat_template)
     _option(parser, "--host", "127.0.0.1", "address to listen on")
     _option(parser, "--port", 8000, "port to listen on", type=port)
-    _option(parser, "--dtype", None, "parameter dtype: float32, bfloat16 or float16 (vLLM's auto, half and float "
-            "too; default: float32 on CPU, bfloat16 on GPU)", type=dtype_name)
+    _option(parser, "--dtype", None, DTYPE_HELP, type=dtype_name)
     _option(parser, "--quantization", "auto",
             "weights: none (the dtype), int8 (GGUF Q8_0), int4 (GGUF Q4_1, embedding Q8_0), auto (int4 on a CPU, none on a GPU)",
             choices=list(QUANTIZATIONS))

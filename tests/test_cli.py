@@ -435,6 +435,16 @@ def test_vllms_spellings_of_the_flags_sluice_has_mean_the_same(monkeypatch):
     assert (args.tp, args.disable_prefix_caching, args.dtype) == (3, True, None)
 
 
+def test_generate_takes_the_dtype_names_serve_takes():
+    """`sluice generate --dtype` and `sluice serve --dtype` read one set of names (vLLM's `half`, `float`, `auto`)."""
+    from sluice.app.cli import build_parser
+
+    parser = build_parser()
+    for name, dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"), ("auto", None)):
+        assert parser.parse_args(["generate", "hi", "--dtype", name]).dtype == dtype
+        assert parser.parse_args(["serve", "--dtype", name]).dtype == dtype
+
+
 def test_parsed_arguments_are_checked_alike_in_a_process_that_never_built_the_parser():
     """A --hosts actor runs `serve.run` on the command's parsed arguments in a fresh process: its checks of which
     flags were given (`--speculative-config`'s, the idle tuning flags') must not need the parser built there."""
