@@ -218,14 +218,21 @@ def _usage(folder: Path) -> tuple[int, int]:
     return last_used, size
 
 
+@dataclass(eq=False)
+class _Generation:
+    """A page's content between two `forget`s of it: a read or a queued write holding one the page no longer has is
+    discarded. `writing`: a write of it is queued or in progress (one spilled again is not queued twice)."""
+
+    writing: bool = False
+
+
 class _Write(NamedTuple):
-    """A page for the writer, queued when its key had been forgotten `generation` times (a write of a page forgotten
-    since is not made); for a page on disk, its file is marked used instead (or written again if it is gone).
-    `mark`: queued as such a mark (the page was on disk)."""
+    """A page for the writer, in its key's `generation` (not written if forgotten since); `mark`: queued, the page
+    being on disk, to mark its file used instead (written again if the file is gone)."""
 
     key: PageKey
     payload: PagePayload
-    generation: int
+    generation: _Generation
     mark: bool
 
 
@@ -288,10 +295,10 @@ class KVStore:
         self._ram_tally, self._disk_tally = _Tally(), _Tally()
         self._corrupt = 0
         self._dropped = 0
-        self._generations: dict[PageKey, int] = {}  # how many times each page was forgotten
+        # Weakly: a page's generation stays while a read or a queued write holds it, not for each page ever forgotten.
+        self._generations: weakref.WeakValueDictionary[PageKey, _Generation] = weakref.WeakValueDictionary()
         self._queue_pages = queue_pages
         self._num_queued: Counter[bool] = Counter()  # writes (False) and marks (True) waiting for the writer
-        self._writing: dict[PageKey, int] = {}  # pages whose write is queued or in progress -> its generation
         self._touch_failed = False  # warned once: `_touch` runs at every use of a page on disk
         try:
             self._open_directory()
@@ -333,14 +340,12 @@ class KVStore:
                 self._ram_tally.hits += 1
                 return payload
             self._ram_tally.misses += 1
-            generation = self._generations.get(key, 0)
+            generation = self._generations.setdefault(key, _Generation())
         payload = self._read(key)
         touched = payload is not None and self._touch(key)
         with self._lock:
-            # Forgotten while it was read: the file's payload is suspect, even once the page is put anew.
-            if self._generations.get(key, 0) != generation:
-                payload = None
-            if payload is None:
+            # A page forgotten while it was read is a miss: its file's payload is suspect, even once put anew.
+            if payload is None or self._generations.get(key) is not generation:
                 self._disk_tally.misses += 1
                 return None
             self._disk_tally.hits += 1
@@ -376,7 +381,7 @@ class KVStore:
         with self._lock:
             written = [key for key in keys if key in self._disk]
             for key in keys:
-                self._generations[key] = self._generations.get(key, 0) + 1
+                self._generations.pop(key, None)
                 self._ram.pop(key, None)
                 self._disk.pop(key, None)
         _remove_files(tuple(self._path(key) for key in written))
@@ -464,15 +469,15 @@ class KVStore:
         marks and writes count apart, so that no burst of marks drops a write; a page spilled again before its write
         lands is not queued twice. The caller holds `_lock`."""
         mark = key in self._disk
-        generation = self._generations.get(key, 0)
+        generation = self._generations.setdefault(key, _Generation())
         if mark:
             self._disk.move_to_end(key)
-        elif self._writing.get(key) == generation:
+        elif generation.writing:
             return
         if self._num_queued[mark] < self._queue_pages:
             self._num_queued[mark] += 1
             if not mark:
-                self._writing[key] = generation
+                generation.writing = True
             self._queue.put(_Write(key, payload, generation, mark))
         elif not mark:
             self._dropped += 1
@@ -554,14 +559,14 @@ class KVStore:
                 self._dropped += 1
         finally:
             with self._lock:
-                if not job.mark and self._writing.get(job.key) == job.generation:
-                    del self._writing[job.key]
+                if not job.mark:
+                    job.generation.writing = False
 
-    def _write(self, key: PageKey, payload: PagePayload, generation: int) -> None:
+    def _write(self, key: PageKey, payload: PagePayload, generation: _Generation) -> None:
         """Writes one page's file atomically (temporary file, fsync, rename), then evicts what no longer fits; only
         marks it used if it is on disk (spilled again, or before its first write landed)."""
         with self._lock:
-            if self._generations.get(key, 0) != generation:  # forgotten since it was queued
+            if self._generations.get(key) is not generation:  # forgotten since it was queued
                 return
             on_disk = key in self._disk
         if on_disk and self._touch(key):
@@ -583,7 +588,7 @@ class KVStore:
             Path(tmp).unlink(missing_ok=True)
             raise
         with self._lock:
-            if self._generations.get(key, 0) == generation:  # else forgotten while written: its removal follows
+            if self._generations.get(key) is generation:  # else forgotten while written: its removal follows
                 self._disk[key] = None
                 self._evict_disk()
 

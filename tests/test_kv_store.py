@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import shutil
+import sys
 import threading
 from dataclasses import replace
 
@@ -443,6 +444,46 @@ def test_a_page_forgotten_and_put_anew_while_its_old_file_is_read_serves_the_new
     assert store.get(A) is None
     monkeypatch.setattr(KVStore, "_read", read)
     assert_same(store.get(A), payload(LAYOUT, 2))
+
+
+def references(keys: list[str]) -> list[int]:
+    """How many references each of `keys` has: one more for each the store keeps."""
+    return [sys.getrefcount(key) for key in keys]
+
+
+def test_the_store_keeps_nothing_of_the_pages_it_forgets(open_store):
+    """The engine forgets a failed request's pages (`Engine._forget_pages`) as long as it serves: a store that kept
+    a mark of each page it forgot grew without bound."""
+    store = open_store()
+    keys = LAYOUT.page_keys(range(200))
+    held = references(keys)
+
+    store.forget(keys)
+    store.flush()
+
+    assert references(keys) == held
+
+
+def test_pages_forgotten_while_their_writes_wait_are_not_written_and_the_store_keeps_nothing_of_them(open_store,
+                                                                                                       monkeypatch):
+    """Each page is forgotten while its write waits behind a stuck one: none is written, and what the store kept to
+    discard them goes once their writes are done."""
+    disk = SlowDisk(monkeypatch)
+    store = open_store()
+    keys = LAYOUT.page_keys(range(2, 202))  # A's tokens are 0, 1
+    held = references(keys)
+
+    store.put(A, payload(LAYOUT, 0))
+    disk.writing.wait()
+    for key in keys:
+        store.put(key, payload(LAYOUT, 1))
+        store.forget([key])
+    del key  # the loop's own reference
+    disk.release.set()
+    store.flush()
+
+    assert files(store) == {f"{A}.kv"} and store.counters().dropped_writes == 0
+    assert references(keys) == held
 
 
 def test_a_failed_write_leaves_no_file_and_keeps_the_page_in_ram(open_store, monkeypatch):
