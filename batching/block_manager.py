@@ -79,13 +79,8 @@ class BlockManager:
         return self.num_pages - self.num_free_pages
 
     def counters(self) -> PoolCounters:
-        return PoolCounters(
-            pages_total=self.num_pages,
-            pages_used=self.num_used_pages,
-            pages_cached=len(self._cached),
-            prefix_cache_hit_tokens=self.hit_tokens,
-            prefix_cache_query_tokens=self.query_tokens,
-        )
+        return PoolCounters(pages_total=self.num_pages, pages_used=self.num_used_pages, pages_cached=len(self._cached),
+                            prefix_cache_hit_tokens=self.hit_tokens, prefix_cache_query_tokens=self.query_tokens)
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -50,11 +50,9 @@ class Request:
 
     def usage(self) -> Usage:
         firsts = [s for s in self.seqs if s.parent is None]
-        return Usage(
-            prompt_tokens=sum(s.num_prompt_tokens for s in firsts),
-            completion_tokens=sum(s.num_output_tokens for s in self.seqs),
-            cached_prompt_tokens=sum(s.num_cached_tokens or 0 for s in firsts),
-        )
+        return Usage(prompt_tokens=sum(s.num_prompt_tokens for s in firsts),
+                     completion_tokens=sum(s.num_output_tokens for s in self.seqs),
+                     cached_prompt_tokens=sum(s.num_cached_tokens or 0 for s in firsts))
 
 
 def check_fits(prompts: list[list[int]], params: SamplingParams, limits: RequestLimits) -> None:
