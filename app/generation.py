@@ -18,7 +18,7 @@ from sluice.batching.outputs import Collector, Increment, Usage
 from sluice.batching.sampling_params import ContextLengthExceeded, RequestRejected, SamplingParams
 from sluice.batching.structured import InvalidGrammar
 
-from sluice.app.errors import APIError, generation_failed, internal_error, invalid_grammar, invalid_request
+from sluice.app.errors import APIError, generation_failed, internal_error, invalid_grammar
 from sluice.app.metrics import ServerMetrics
 from sluice.app.state import Admission, ServerState
 from sluice.app.streaming import EventStreamResponse, cancel_on_disconnect
@@ -149,11 +149,11 @@ def rejected(error: RequestRejected, params: SamplingParams, prompt_param: str |
              grammar_param: str | None) -> APIError:
     """A request the engine can never run, as a 400; one too long for the context, or whose JSON schema does not
     compile, with OpenAI's code for it (which clients and agent CLIs match)."""
-    if isinstance(error, ContextLengthExceeded):
-        return APIError(400, str(error), param=prompt_param, code="context_length_exceeded")
     if isinstance(error, InvalidGrammar) and grammar_param is not None:
         return invalid_grammar(str(error), grammar_param, params.structured.kind == "json_schema")
-    return invalid_request(str(error))
+    param = prompt_param if error.param == "prompt" else error.param
+    code = "context_length_exceeded" if isinstance(error, ContextLengthExceeded) else None
+    return APIError(400, str(error), param=param, code=code)
 
 
 def abandon(engine: Engine, submitting: asyncio.Future[None], request_id: str, admission: Admission) -> None:

@@ -61,15 +61,15 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
     leaves a token to sample."""
     if params.min_tokens > params.max_tokens:
         raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed the maximum number of tokens "
-                              f"({params.max_tokens})")
+                              f"({params.max_tokens})", "min_tokens")
     for prompt in prompts:
         if not prompt:
-            raise RequestRejected("the prompt is empty")
+            raise RequestRejected("the prompt is empty", "prompt")
         if (largest := max(prompt)) >= limits.vocab_size:
             # A text prompt's, where the tokenizer holds tokens the model has no embedding for (the embedding lookup
             # would clamp it silently to another token's).
             raise RequestRejected(f"token id {largest} is outside the model's vocabulary of {limits.vocab_size} "
-                                  f"tokens")
+                                  f"tokens", "prompt")
         total = len(prompt) + params.max_tokens
         if total > limits.max_model_len:
             # A prompt that fills the context alone left its request's default max_tokens nothing to count.
@@ -79,15 +79,18 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
                                         f"prompt has {len(prompt)} tokens{asked}")
         pages = -(-total // limits.page_size)
         if pages > limits.num_pages:
-            raise RequestRejected(f"the request needs {pages} KV pages but the whole pool has {limits.num_pages}")
+            raise ContextLengthExceeded(f"This server's KV cache holds {limits.num_pages * limits.page_size} tokens "
+                                        f"({limits.num_pages} KV pages); the prompt has {len(prompt)} tokens and "
+                                        f"{params.max_tokens} more were requested")
     stop_ids = stop_token_ids(params, limits.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
-        raise RequestRejected(f"at most {MAX_STOP_IDS} stop token ids (EOS included) are supported")
+        raise RequestRejected(f"at most {MAX_STOP_IDS} stop token ids (EOS included) are supported", "stop_token_ids")
     if params.min_tokens and params.allowed_token_ids and stop_ids.issuperset(params.allowed_token_ids):
         raise RequestRejected("min_tokens needs an allowed token id that is not a stop id: the stop ids are "
-                              "banned until min_tokens, and allowed_token_ids allows nothing else")
+                              "banned until min_tokens, and allowed_token_ids allows nothing else", "min_tokens")
     if len(params.biased_ids) > MAX_LOGIT_BIAS:
-        raise RequestRejected(f"at most {MAX_LOGIT_BIAS} logit_bias entries or allowed token ids are supported")
+        raise RequestRejected(f"at most {MAX_LOGIT_BIAS} logit_bias entries or allowed token ids are supported",
+                              "allowed_token_ids" if params.allowed_token_ids else "logit_bias")
 
 
 def build_request(request_id: str, prompts: list[list[int]], params: SamplingParams, sink: OutputSink,

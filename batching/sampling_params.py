@@ -12,12 +12,20 @@ MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
 
 class RequestRejected(ValueError):
     """The request can never run here (too long for the model or the KV pool, an empty prompt, a grammar that
-    does not compile, ...)."""
+    does not compile, ...). `param`: the field at fault, by SamplingParams' name, or "prompt" for the prompt (which
+    each API names its own way), or None."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthExceeded(RequestRejected):
-    """A prompt, with the tokens asked for after it, is longer than the model's context (OpenAI's
+    """A prompt, with the tokens asked for after it, is longer than the model's context or the KV pool (OpenAI's
     `context_length_exceeded`, which clients and agent SDKs read to shorten a conversation)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "prompt")
 
 
 @dataclass(frozen=True)
