@@ -385,9 +385,10 @@ def check_prompts(prompt: Prompt, info: ValidationInfo, max_prompts: int = MAX_P
     vocabulary."""
     if not prompt:
         raise ValueError(f"{info.field_name} must not be empty")
-    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-    if any(not p for p in prompts):
-        raise ValueError(f"{info.field_name} must not be empty")
+    single = isinstance(prompt, str) or isinstance(prompt[0], int)
+    prompts = [prompt] if single else prompt
+    if (empty := next((i for i, p in enumerate(prompts) if not p), None)) is not None:
+        raise ValueError(f"{info.field_name}{'' if single else f'[{empty}]'} must not be empty")
     if len(prompts) > max_prompts:
         raise ValueError(f"at most {max_prompts} prompts per request")
     for ids in prompts:

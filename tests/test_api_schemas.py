@@ -177,9 +177,10 @@ def test_completion_prompt_takes_all_four_openai_forms(prompt):
     assert CompletionRequest.model_validate({"prompt": prompt}).prompt == prompt
 
 
-@pytest.mark.parametrize("prompt", ["", [], [[]], [[1], []]])
-def test_empty_completion_prompt_is_rejected(prompt):
-    rejection(CompletionRequest, {"prompt": prompt})
+@pytest.mark.parametrize(("prompt", "named"), [("", "prompt"), ([], "prompt"), ([[]], "prompt[0]"),
+                                              ([[1], []], "prompt[1]"), (["a", ""], "prompt[1]")])
+def test_empty_completion_prompt_is_rejected_naming_which(prompt, named):
+    assert rejection(CompletionRequest, {"prompt": prompt}).message == f"prompt: {named} must not be empty"
 
 
 def test_completion_logprobs_above_twenty_are_rejected():
