@@ -21,7 +21,8 @@ the last response each sent through this ingress (a replica scaled down or dead 
 while none does (loading) or once draining.
 
 `drain` (called by `app/ray_app.py` on SIGTERM, before it deletes the application) makes the ingress answer new
-requests 503 as the single process does while draining, and waits for the requests in flight here to end.
+requests 503 as the single process does while draining, and waits for the requests in flight here to end, those
+still waiting for a replica included; after `--drain-timeout` it ends the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -49,7 +51,7 @@ from sluice.app.response_ids import replica_of
 from sluice.app.responses_api_schemas import item_type
 from sluice.app.scale_out import REPLICA_HEADER
 from sluice.app.server import ROUTES, health, health_response
-from sluice.app.state import ServerSettings, unready_reason
+from sluice.app.state import ServerSettings, unready_reason, wait_set
 from sluice.app.streaming import DONE, sse_event
 
 logger = logging.getLogger("sluice.ingress")
@@ -57,6 +59,8 @@ logger = logging.getLogger("sluice.ingress")
 # The body fields that hold a prompt, in the order a prompt's text comes (instructions and system prompts first).
 PROMPT_FIELDS = ("instructions", "system", "messages", "input", "prompt")
 RESPONSES_PATH = "/v1/responses/"  # then a stored response's id
+# How long the drain, once its time is up, gives the requests it ends to send their last words (a 503, an error event).
+LAST_WORD_S = 5.0
 # The single process's /health and its other names, as (path, method): the ingress answers them itself.
 HEALTH_ROUTES = frozenset((operation.path, operation.method) for handler, operation in ROUTES if handler is health)
 
@@ -111,6 +115,8 @@ class SluiceIngress:
         self._registry = CollectorRegistry()
         self._registry.register(self._reports)
         self._draining = False
+        self._time_up = False  # the drain's timeout has passed: no request reaches a replica any more
+        self._calls: weakref.WeakSet[DeploymentResponseGenerator] = weakref.WeakSet()  # the replica calls not over
         self._in_flight = 0
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
@@ -122,14 +128,20 @@ class SluiceIngress:
 
     async def drain(self, timeout_s: float) -> None:
         """Answers new requests 503 from now on, as the single process does once draining, and returns once the
-        requests in flight here have ended, or after `timeout_s`."""
+        requests in flight here have ended: those already here, waiting for a replica or answered by one, are served.
+
+        After `timeout_s` the drain ends what is left: a request still waiting for a replica is answered that same
+        503, and a response still coming is cut short (an event stream with that error as its last event). Its
+        replica's request is cancelled, so the replicas are idle when the application is deleted: Ray Serve then
+        stops them at once, instead of waiting for them (`--drain-timeout` again) before cutting the streams."""
         self._draining = True
-        if self._idle.is_set():  # asyncio.wait_for with a timeout of 0 times out even on an event already set
+        if await wait_set(self._idle, timeout_s):
             return
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            logger.warning("%d requests still in flight after the drain timeout", self._in_flight)
+        logger.warning("%d requests still in flight after the drain timeout: ending them", self._in_flight)
+        self._time_up = True
+        for call in list(self._calls):
+            call.cancel()
+        await wait_set(self._idle, LAST_WORD_S)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._in_flight += 1
@@ -156,15 +168,18 @@ class SluiceIngress:
             return error_response_for(path, error)
         if body is None:  # the client left
             return Response(status_code=CLIENT_CLOSED)
+        if self._time_up:
+            return error_response_for(path, shutting_down())
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      tuple(request.scope["headers"]), body)
         stream: DeploymentResponseGenerator = self._replicas.remote(routing(path, body), forwarded)
+        self._calls.add(stream)
         try:
             start = await anext(stream)
-        except Exception as error:  # the replica died or failed before answering
+        except Exception as error:  # the replica died or failed before answering, or the drain ended the wait
             logger.warning("replica failed before answering %s %s: %s", request.method, path, error)
             stream.cancel()
-            return error_response_for(path, _replica_failed())
+            return error_response_for(path, self._call_failed())
         assert isinstance(start, ResponseStart)
         headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in start.headers)
         headers[REPLICA_HEADER] = start.replica
@@ -185,7 +200,11 @@ class SluiceIngress:
         except Exception as error:
             logger.warning("replica failed mid-response on %s: %s", path, error)
             if events:
-                yield _stream_failure(path)
+                yield _stream_failure(path, self._call_failed())
+
+    def _call_failed(self) -> APIError:
+        """What a client whose replica call failed is told: once the drain's time is up, that the drain ended it."""
+        return shutting_down() if self._time_up else _replica_failed()
 
 
 class _ASGIResponse(Response):
@@ -246,9 +265,9 @@ def _replica_failed() -> APIError:
                     code="replica_failed")
 
 
-def _stream_failure(path: str) -> bytes:
-    """How an event stream on `path` ends when its replica died: the route's error event (and `[DONE]`)."""
-    error = _replica_failed()
+def _stream_failure(path: str, error: APIError) -> bytes:
+    """How an event stream on `path` ends when its replica call failed with `error`: the route's error event (and
+    `[DONE]`)."""
     if is_anthropic_path(path):
         return anthropic_error_event(error)
     return sse_event(error.body()) + DONE

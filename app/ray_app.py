@@ -11,7 +11,8 @@ Without `--ray-address` this process starts a local Ray cluster and stops it on 
 application to that cluster and deletes it on exit (and stops Ray Serve there if it started it). A replica that
 fails to start (its engine does not load, each time Ray Serve tries) ends the command with its error. The first
 SIGTERM/SIGINT makes the ingress answer new requests 503 and waits for its requests in flight to finish (at most
-`--drain-timeout`), then deletes the application; or it stops a start-up still loading. A second exits at once.
+`--drain-timeout`, after which it ends those left), then deletes the application, whose replicas are idle by then;
+or it stops a start-up still loading. A second exits at once.
 """
 
 from __future__ import annotations
@@ -26,20 +27,18 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
 from sluice.app.addresses import http_url
-from sluice.app.ingress import SluiceIngress
+from sluice.app.ingress import LAST_WORD_S, SluiceIngress
 from sluice.app.prefix_router import PowerOfTwoRouter, PrefixAffinityRouter, RoundRobinRouter
 from sluice.app.ray_cluster import connect, stop_on_signal
 from sluice.app.replicas import ReplicaConfig, SluiceReplica
 from sluice.app.scale_out import ScaleOutConfig
 
 APP_NAME = "sluice"
+INGRESS = "SluiceIngress"  # the ingress's deployment
 ROUTERS = {"prefix": PrefixAffinityRouter, "round-robin": RoundRobinRouter, "pow2": PowerOfTwoRouter}
 # Requests the ingress may have open at once: beyond it Ray's proxy queues them. The replicas' own limit
 # (`max_ongoing_requests`) is what bounds the work.
 INGRESS_MAX_ONGOING = 8192
-# The ingress relays the replicas' streams: it stops after them (Ray Serve stops both at once), with time to end a
-# stream its replica did not finish within the drain timeout with an error event rather than cut it.
-INGRESS_LAST_WORD_S = 5.0
 
 
 def _router(scale: ScaleOutConfig) -> RequestRouterConfig:
@@ -61,9 +60,11 @@ def build_application(replica: ReplicaConfig, scale: ScaleOutConfig, gpus: bool)
         options["num_replicas"] = scale.replicas
     options["request_router_config"] = _router(scale)
     replicas = serve.deployment(SluiceReplica, name="SluiceReplica", **options).bind(replica)
-    ingress = serve.deployment(SluiceIngress, name="SluiceIngress", num_replicas=1,
+    ingress = serve.deployment(SluiceIngress, name=INGRESS, num_replicas=1,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING,
-                               graceful_shutdown_timeout_s=scale.graceful_shutdown_timeout_s + INGRESS_LAST_WORD_S)
+                               # It relays the replicas' streams: it stops after them (Ray Serve stops both at
+                               # once), with time to end a stream its replica did not finish with an error event.
+                               graceful_shutdown_timeout_s=scale.graceful_shutdown_timeout_s + LAST_WORD_S)
     return ingress.bind(replicas, replica.settings)
 
 
@@ -104,11 +105,19 @@ def _serve_until(stop: threading.Event, replica: ReplicaConfig, scale: ScaleOutC
         print(f"Sluice is ready: {http_url(scale.host, scale.port)}/v1 on {scale.replicas} replicas "
               f"({scale.routing} routing)", flush=True)
         stop.wait()
+    # Before the delete: once it starts, Ray's proxy answers new requests 404 and drops those still waiting at the
+    # ingress for a replica. A signal during the start-up drains too where the ingress runs: it answers as soon as a
+    # replica does, before Ray Serve calls the application running.
+    if _ingress_running():
         print("Stopping: replicas finish their requests in flight", flush=True)
-        # Before the delete: once it starts, Ray's proxy answers new requests 404 and drops those still waiting at
-        # the ingress for a replica.
         serve.get_app_handle(APP_NAME).drain.remote(scale.graceful_shutdown_timeout_s).result()
     return None
+
+
+def _ingress_running() -> bool:
+    status = serve.status().applications.get(APP_NAME)
+    ingress = status.deployments.get(INGRESS) if status is not None else None
+    return ingress is not None and ingress.status == DeploymentStatus.HEALTHY
 
 
 def _delete_application() -> None:

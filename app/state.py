@@ -77,6 +77,17 @@ def unready_reason(draining: bool, loaded: bool, healthy: bool = True) -> str | 
     return None
 
 
+async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
+    """True once `event` is set; False if `timeout_s` passed first."""
+    if event.is_set():  # asyncio.wait_for with a timeout of 0 times out even on an event already set
+        return True
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
+
+
 class ServerState:
     def __init__(self, settings: ServerSettings, replica: str = "") -> None:
         self.settings = settings
@@ -111,13 +122,7 @@ class ServerState:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is in flight; False if `timeout_s` passed first."""
-        if self._idle.is_set():  # asyncio.wait_for with a timeout of 0 times out even on an event already set
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_set(self._idle, timeout_s)
 
     def require_engine(self) -> Engine:
         if self.draining:

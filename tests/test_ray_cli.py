@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_api_e2e import ROOT, SERVER_FLAGS, free_port, start_server
+from test_api_e2e import ROOT, SERVER_FLAGS, ServerProcess, free_port, start_server
 
 from sluice.app.addresses import host_port
 from sluice.app.scale_out import ScaleOutConfig
@@ -162,22 +162,38 @@ def test_a_replica_that_cannot_load_is_a_one_line_error_saying_why():
 RAY_SERVE_WAITS_S = 60
 
 
-async def _streams(url: str, count: int, all_started: asyncio.Event) -> list[list[str]]:
-    """`count` streamed completions of 500 tokens each, their events; `all_started` is set once every one has its
-    headers (the replica has it)."""
-    started = 0
+Outcome = tuple[int, list[str]]  # a streamed request's status, and its events (its body if refused)
 
-    async def stream(client: httpx.AsyncClient, i: int) -> list[str]:
-        nonlocal started
+
+async def _streams(url: str, count: int, started: asyncio.Event, enough: int | None = None) -> list[Outcome]:
+    """`count` streamed completions of 500 tokens each, their outcomes; `started` is set once `enough` of them (all
+    unless given) have their headers (the replica has them)."""
+    answered = 0
+
+    async def stream(client: httpx.AsyncClient, i: int) -> Outcome:
+        nonlocal answered
         body = {"prompt": [400 + i, 7, 8], "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            started += 1
-            if started == count:
-                all_started.set()
-            return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+            answered += 1
+            if answered == (enough or count):
+                started.set()
+            if response.status_code != 200:
+                return response.status_code, [(await response.aread()).decode()]
+            return 200, [line async for line in response.aiter_lines() if line.startswith("data: ")]
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
         return await asyncio.gather(*(stream(client, i) for i in range(count)))
+
+
+async def _sigterm_under_streams(server: ServerProcess, count: int, running: int) -> tuple[list[Outcome], float]:
+    """`count` streams (`_streams`), and SIGTERM once `running` of them have their headers: their outcomes, and how
+    long after the SIGTERM the last one ended."""
+    started = asyncio.Event()
+    streams = asyncio.ensure_future(_streams(server.url, count, started, running))
+    await asyncio.wait_for(started.wait(), 120)
+    server.process.send_signal(signal.SIGTERM)
+    stopped_at = time.monotonic()
+    return await streams, time.monotonic() - stopped_at
 
 
 # About 110 s: it must outlast Ray Serve's own 60 s waits; the next test drains streams in the default run.
@@ -188,25 +204,50 @@ def test_sigterm_lets_every_request_in_flight_finish_within_the_drain_timeout():
     pytest.importorskip("ray.serve")
     server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, "--max-model-len", "512", "--max-num-seqs",
                           "1", "--max-ongoing-requests", "32", "--drain-timeout", "300", startup_timeout_s=300)
-
-    async def load_then_stop() -> tuple[list[list[str]], float]:
-        all_started = asyncio.Event()
-        streams = asyncio.ensure_future(_streams(server.url, 24, all_started))
-        await asyncio.wait_for(all_started.wait(), 120)
-        server.process.send_signal(signal.SIGTERM)
-        stopped_at = time.monotonic()
-        return await streams, time.monotonic() - stopped_at
-
     try:
-        streams, drained_s = asyncio.run(load_then_stop())
+        streams, drained_s = asyncio.run(_sigterm_under_streams(server, 24, 24))
         exit_status = server.process.wait(300)
     finally:
         server.stop()
     assert drained_s > RAY_SERVE_WAITS_S, "the streams ended before it: this shows nothing"
-    for events in streams:
+    for _, events in streams:
         assert events[-1] == "data: [DONE]", events[-2:]
         assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert exit_status == 0, server.output()[-4000:]
+
+
+# Short, so that the streams below outlast it; long enough for a stop's own steps to show beside it.
+SHORT_DRAIN_S = 15
+# What a stop takes beyond the drain timeout: the requests it ends saying so, the replicas' and the ingress's own
+# shutdown, Ray's.
+STOP_MARGIN_S = 12
+
+
+@pytest.mark.slow
+def test_a_stop_takes_one_drain_timeout_and_ends_the_requests_left_with_the_drains_503():
+    """Six streams on a replica that runs one at a time and takes two (the others wait at the ingress) outlast
+    --drain-timeout: once it has passed, a stream still running ends with the drain's error event, one still
+    waiting for the replica gets the drain's 503, and the command exits soon after: the replicas, idle by then, are
+    not waited for a second drain timeout."""
+    pytest.importorskip("ray.serve")
+    server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, "--max-model-len", "512", "--max-num-seqs",
+                          "1", "--drain-timeout", str(SHORT_DRAIN_S), startup_timeout_s=300)
+    try:
+        outcomes, ended_s = asyncio.run(_sigterm_under_streams(server, 6, 2))
+        exiting_at = time.monotonic()
+        exit_status = server.process.wait(120)
+        stop_s = ended_s + time.monotonic() - exiting_at
+    finally:
+        server.stop()
+    assert exit_status == 0, server.output()[-4000:]
+    assert stop_s < SHORT_DRAIN_S + STOP_MARGIN_S, server.output()[-4000:]
+    shutting_down = "The server is shutting down"
+    refused = [json.loads(events[0])["error"]["message"] for status, events in outcomes if status == 503]
+    streamed = [events for status, events in outcomes if status == 200]
+    assert len(refused) + len(streamed) == 6 and set(refused) == {shutting_down}, outcomes
+    assert all(events[-1] == "data: [DONE]" for events in streamed)
+    last = [json.loads(events[-2][len("data: "):]) for events in streamed]
+    assert shutting_down in [event["error"]["message"] for event in last if "error" in event], outcomes
 
 
 def _answer_of_the_ingress(url: str, path: str, deadline: float) -> httpx.Response:
@@ -250,7 +291,7 @@ def test_after_sigterm_new_requests_get_the_single_processs_503_while_streams_in
     server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, "--max-model-len", "512", "--max-num-seqs",
                           "1", "--drain-timeout", "120", startup_timeout_s=300)
 
-    async def stream_then_stop() -> tuple[list[list[str]], dict[str, httpx.Response]]:
+    async def stream_then_stop() -> tuple[list[Outcome], dict[str, httpx.Response]]:
         started = asyncio.Event()
         streams = asyncio.ensure_future(_streams(server.url, 6, started))
         await asyncio.wait_for(started.wait(), 120)
@@ -268,5 +309,5 @@ def test_after_sigterm_new_requests_get_the_single_processs_503_while_streams_in
     assert refused["messages"].status_code == 503
     assert refused["messages"].json()["type"] == "error"  # Anthropic's shape
     assert (refused["health"].status_code, refused["health"].json()["error"]["message"]) == (503, "shutting down")
-    assert [events[-1] for events in streams] == ["data: [DONE]"] * 6
+    assert [events[-1] for _, events in streams] == ["data: [DONE]"] * 6
     assert exit_status == 0, server.output()[-4000:]

@@ -14,7 +14,10 @@ from starlette.testclient import TestClient
 
 pytest.importorskip("ray.serve")
 
+from ray.serve.exceptions import RequestCancelledError
+
 from sluice.app.anthropic_errors import is_anthropic_path
+from sluice.app import ingress as ingress_module
 from sluice.app.ingress import SluiceIngress
 from sluice.app.replicas import ResponseStart
 from sluice.app.server import create_app
@@ -39,55 +42,66 @@ def test_a_messages_path_sluice_does_not_serve_gets_anthropics_error_and_request
 
 
 class Replicas:
-    """The replicas' handle: each call's stream waits for `admit` (a replica free for it), then answers 200 with
-    `body`. `calls` counts the calls made."""
+    """The replicas' handle: a call waits until `admit` is set (a replica free to take it), then its replica answers
+    200 with `first`, and ends the response once `finish` is set. `calls` counts the calls made."""
 
-    def __init__(self, body: bytes = b"answered") -> None:
+    def __init__(self, content_type: bytes = b"text/plain", first: bytes = b"answered") -> None:
         self.admit = asyncio.Event()
-        self.body = body
+        self.finish = asyncio.Event()
+        self.start = ResponseStart(200, ((b"content-type", content_type),), "replica-1")
+        self.first = first
         self.calls = 0
 
     def options(self, **_: Any) -> Replicas:
         return self
 
-    def remote(self, *_: Any) -> Stream:
+    def remote(self, *_: Any) -> Call:
         self.calls += 1
-        return Stream(self)
+        return Call(self)
 
 
-class Stream:
-    """One call's stream, as `DeploymentResponseGenerator` behaves: `cancel()` makes the next item raise."""
+class Call:
+    """One call's stream, as a `DeploymentResponseGenerator` behaves: once `cancel()`ed, it raises what Ray Serve's
+    does."""
 
     def __init__(self, replicas: Replicas) -> None:
         self._replicas = replicas
-        self._items = [ResponseStart(200, ((b"content-type", b"text/plain"),), "replica-1"), replicas.body]
+        self._items = [replicas.start, replicas.first]
         self._cancelled = asyncio.Event()
 
-    def __aiter__(self) -> Stream:
+    def __aiter__(self) -> Call:
         return self
 
     async def __anext__(self) -> Any:
-        waits = [asyncio.ensure_future(self._replicas.admit.wait()), asyncio.ensure_future(self._cancelled.wait())]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for wait in waits:
-            wait.cancel()
+        await self._first_of(self._replicas.admit if self._items else self._replicas.finish)
         if self._cancelled.is_set():
-            raise asyncio.CancelledError  # what a cancelled call raises (Ray Serve's RequestCancelledError is one)
+            raise RequestCancelledError("a call")
         if not self._items:
             raise StopAsyncIteration
         return self._items.pop(0)
+
+    async def _first_of(self, event: asyncio.Event) -> None:
+        waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._cancelled.wait())}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
 
     def cancel(self) -> None:
         self._cancelled.set()
 
 
-async def answer(ingress: SluiceIngress, method: str, path: str) -> tuple[int, bytes]:
-    """The ingress's answer to a request without a body: its status and body."""
+async def answer(ingress: SluiceIngress, method: str, path: str,
+                 body_sent: asyncio.Event | None = None) -> tuple[int, bytes]:
+    """The ingress's answer to a request with an empty body (which arrives once `body_sent` is set, if given): its
+    status and body."""
     scope = {"type": "http", "method": method, "path": path, "query_string": b"", "headers": []}
     sent: list[dict[str, Any]] = []
+    messages = iter([{"type": "http.request", "body": b"", "more_body": False}])
 
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
+        if body_sent is not None:
+            await body_sent.wait()
+        return next(messages, None) or await asyncio.Event().wait()  # the client stays
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
@@ -113,3 +127,88 @@ def test_the_ingresss_health_says_what_the_single_processs_says_loading_and_drai
     draining = single.get("/health")
     assert asyncio.run(ingress_health(drained=True)) == (draining.status_code, draining.json())
     assert (loading.json()["error"]["message"], draining.json()["error"]["message"]) == ("loading", "shutting down")
+
+
+SHUTTING_DOWN = {"message": "The server is shutting down", "type": "service_unavailable", "param": None,
+                 "code": "not_ready"}
+
+
+async def _until(condition: Any) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+def test_a_request_waiting_for_a_replica_when_the_drain_begins_is_served():
+    """It was accepted before the drain: it is in flight, so the drain waits for it, while new requests get 503."""
+
+    async def run() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
+        replicas = Replicas()
+        ingress = SluiceIngress(replicas, ServerSettings())
+        waiting = asyncio.ensure_future(answer(ingress, "POST", "/v1/completions"))
+        await _until(lambda: replicas.calls == 1)
+        drain = asyncio.ensure_future(ingress.drain(60))
+        await asyncio.sleep(0)  # the drain begins
+        refused = await answer(ingress, "POST", "/v1/completions")
+        assert not drain.done()
+        replicas.admit.set()
+        replicas.finish.set()
+        await asyncio.wait_for(drain, 10)
+        return await waiting, refused
+
+    served, refused = asyncio.run(run())
+    assert served == (200, b"answered")
+    assert refused[0] == 503 and json.loads(refused[1])["error"] == SHUTTING_DOWN
+
+
+def test_a_request_still_waiting_for_a_replica_when_the_drain_times_out_gets_the_drains_503():
+    """Not a hang until the application is deleted, nor a replica's failure: the 503 new requests get."""
+
+    async def run() -> tuple[tuple[int, bytes], tuple[int, bytes]]:
+        replicas = Replicas()
+        ingress = SluiceIngress(replicas, ServerSettings())
+        waiting = [asyncio.ensure_future(answer(ingress, "POST", path)) for path in ("/v1/completions", "/v1/messages")]
+        await _until(lambda: replicas.calls == 2)
+        await asyncio.wait_for(ingress.drain(0.1), 10)
+        assert all(request.done() for request in waiting)  # the drain returns once they are answered
+        return await waiting[0], await waiting[1]
+
+    openai, anthropic = asyncio.run(run())
+    assert openai[0] == 503 and json.loads(openai[1])["error"] == SHUTTING_DOWN
+    assert anthropic[0] == 503 and json.loads(anthropic[1])["error"]["message"] == SHUTTING_DOWN["message"]
+
+
+def test_a_stream_still_running_when_the_drain_times_out_ends_with_the_drains_error_event():
+    """Its replica's request is cancelled too, so the replica is idle when the application is deleted."""
+
+    async def run() -> tuple[int, bytes]:
+        replicas = Replicas(b"text/event-stream", b"data: {}\n\n")
+        replicas.admit.set()
+        ingress = SluiceIngress(replicas, ServerSettings())
+        streaming = asyncio.ensure_future(answer(ingress, "POST", "/v1/completions"))
+        await _until(lambda: replicas.calls == 1)
+        await asyncio.wait_for(ingress.drain(0.1), 10)
+        return await asyncio.wait_for(streaming, 10)
+
+    status, body = asyncio.run(run())
+    first, error, done = body.split(b"\n\n", 2)
+    assert (status, first, done) == (200, b"data: {}", b"data: [DONE]\n\n")
+    assert json.loads(error.removeprefix(b"data: "))["error"] == SHUTTING_DOWN
+
+
+def test_a_request_whose_body_arrives_after_the_drain_timed_out_gets_the_drains_503_without_a_replica(monkeypatch):
+    """The replicas are being deleted by then: none may be called."""
+    monkeypatch.setattr(ingress_module, "LAST_WORD_S", 0.1)  # the drain's wait for it, before its body arrives
+
+    async def run() -> tuple[int, bytes]:
+        replicas, body_sent = Replicas(), asyncio.Event()
+        ingress = SluiceIngress(replicas, ServerSettings())
+        reading = asyncio.ensure_future(answer(ingress, "POST", "/v1/completions", body_sent))
+        await asyncio.sleep(0)  # its body is being read
+        await ingress.drain(0.1)
+        body_sent.set()
+        answered = await asyncio.wait_for(reading, 10)
+        assert replicas.calls == 0
+        return answered
+
+    status, body = asyncio.run(run())
+    assert status == 503 and json.loads(body)["error"] == SHUTTING_DOWN
