@@ -8,7 +8,8 @@ dies, and with `--max-replicas` scales their number on the requests each has ong
 a replica scaled down or replaced finishes its requests in flight first (`--drain-timeout`).
 
 Without `--ray-address` this process starts a local Ray cluster and stops it on exit; with one, it deploys the
-application to that cluster and deletes it on exit (and stops Ray Serve there if it started it). A replica that
+application to that cluster and deletes it on exit (and stops Ray Serve there if it started it; a Ray Serve
+already running there keeps the HTTP address it started with, so another --host/--port is an error). A replica that
 fails to start (its engine does not load, each time Ray Serve tries) ends the command with its error. The first
 SIGTERM/SIGINT makes the ingress answer new requests 503 and waits for its requests in flight to finish (at most
 `--drain-timeout`, after which it ends those left), then deletes the application, whose replicas are idle by then;
@@ -26,7 +27,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
-from sluice.app.addresses import http_url
+from sluice.app.addresses import host_port, http_url
 from sluice.app.ingress import LAST_WORD_S, SluiceIngress
 from sluice.app.prefix_router import PowerOfTwoRouter, PrefixAffinityRouter, RoundRobinRouter
 from sluice.app.ray_cluster import connect, stop_on_signal
@@ -74,20 +75,37 @@ def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:
     connect(scale.ray_address, scale.max_replicas or scale.replicas)
     try:
         with stop_on_signal() as stop:
-            serve_was_running = bool(serve.status().proxies)
-            serve.start(http_options={"host": scale.host, "port": scale.port})
-            try:
-                failure = _serve_until(stop, replica, scale)
-            finally:
-                _delete_application()
-                if not serve_was_running and not serve.status().applications:
-                    serve.shutdown()
+            error = _serve(stop, replica, scale)
     finally:
         ray.shutdown()  # a local cluster stops; a joined one stops sending its logs, so the error below comes last
-    if failure is not None:
-        print(f"sluice serve: error: the replicas failed to start: {failure}", file=sys.stderr)
+    if error is not None:
+        print(f"sluice serve: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve(stop: threading.Event, replica: ReplicaConfig, scale: ScaleOutConfig) -> str | None:
+    """Runs the application on Ray Serve (started here unless it runs already) until `stop` is set; why not, if it
+    did not run."""
+    serve_was_running = bool(serve.status().proxies)
+    serve.start(http_options={"host": scale.host, "port": scale.port})
+    # Ray Serve's proxies keep the address they started with: the application would be served there, not here.
+    if serve_was_running and (in_use := _http_address()) != (scale.host, scale.port):
+        return (f"Ray Serve already runs on this cluster, serving HTTP at {host_port(*in_use)}: --host and --port "
+                "cannot change that (ask for that address, or stop Ray Serve there first)")
+    try:
+        failure = _serve_until(stop, replica, scale)
+    finally:
+        _delete_application()
+        if not serve_was_running and not serve.status().applications:
+            serve.shutdown()
+    return None if failure is None else f"the replicas failed to start: {failure}"
+
+
+def _http_address() -> tuple[str, int]:
+    """The host and port of the running Ray Serve's HTTP proxies (its controller's, which `serve.status()` omits)."""
+    config = serve.context._get_global_client().http_config
+    return config.host, config.port
 
 
 def _serve_until(stop: threading.Event, replica: ReplicaConfig, scale: ScaleOutConfig) -> str | None:

@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from sluice.app.ray_cluster import ENGINE_VARIABLE_PREFIXES
-from test_api_e2e import SERVER_FLAGS, ServerProcess, free_port, start_server
+from test_api_e2e import ROOT, SERVER_FLAGS, ServerProcess, free_port, start_server
 from test_ray_replicas import ray_processes, replica_pids
 
 pytestmark = pytest.mark.slow
@@ -94,6 +94,24 @@ def test_the_replica_gets_the_gpu_share_the_command_claims(head: Head, server: S
     the replica's jax must read it there too (on a CPU it has no effect, so it is read from the process)."""
     [replica] = replica_pids(head.process.pid)
     assert b"XLA_CLIENT_MEM_FRACTION=0.5" in Path(f"/proc/{replica}/environ").read_bytes().split(b"\0")
+
+
+def test_a_second_command_asking_for_another_address_is_told_the_one_ray_serve_keeps(head: Head,
+                                                                                     server: ServerProcess):
+    """Ray Serve's proxies keep the host and port it started with: a command joining while another serves there
+    cannot have its own, and says where Serve listens rather than print a URL nothing answers. The application
+    serving there is left alone."""
+    port = free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "sluice.app.cli", "serve", "--replicas", "1", "--ray-address", head.address, "--host",
+         "127.0.0.1", "--port", str(port), "--no-ui", *SERVER_FLAGS],
+        cwd=ROOT, env={**os.environ, **AUTH}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    in_use = server.url.removeprefix("http://")
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"sluice serve: error: Ray Serve already runs on this cluster, serving HTTP at {in_use}: --host and --port "
+        "cannot change that (ask for that address, or stop Ray Serve there first)")
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
 def test_the_command_leaves_the_cluster_as_it_found_it(head: Head, server: ServerProcess):
