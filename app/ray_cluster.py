@@ -31,7 +31,14 @@ def connect(address: str | None, cpus_needed: int) -> None:
     engine's variables travel with the job (Ray's `runtime_env`), which its actors and Serve's replicas take.
     """
     if address is None:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus_needed), include_dashboard=False)
+        # The cluster's processes (in this process group) inherit SIGTERM blocked, as Ray blocks SIGINT in them: a
+        # SIGTERM to the whole group (a supervisor's, `timeout`'s) reaches this process alone, which drains the
+        # application before `ray.shutdown` stops them (with SIGKILL once its SIGTERM has gone unheeded for 1 s).
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus_needed), include_dashboard=False)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     else:
         ray.init(address=address, runtime_env={"env_vars": engine_environment(os.environ)})
 
