@@ -1,7 +1,10 @@
-"""Errors on Anthropic's routes in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
+"""Errors to Anthropic's requests in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
 
-The same `APIError`s are raised everywhere; only their rendering differs by path, so that a 401 from the API-key
-middleware or a full queue at admission reaches the `anthropic` client as it would from Anthropic.
+The same `APIError`s are raised everywhere; only their rendering differs by request, so that a 401 from the API-key
+middleware or a full queue at admission reaches the `anthropic` client as it would from Anthropic. A request is
+Anthropic's on the Messages API's paths, and on any other (the paths both APIs share: `/v1/models/{id}`) when it
+carries `anthropic-version`, which the `anthropic` client sends on every request. Errors must be told apart so: the
+two shapes cannot be one body (each has its own `error.type`), as the model list's and card's are.
 
 A full waiting queue is the server's overload, not the caller's rate limit: Anthropic answers an overload with 529
 `overloaded_error` (the client's `OverloadedError`, retried, after `Retry-After` when sent), keeping 429
@@ -13,13 +16,16 @@ a request aborted, a replica lost) keep their status, which proxies and load bal
 
 from __future__ import annotations
 
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
+from starlette.types import Scope
 
 from sluice.app.anthropic_schemas import AnthropicErrorDetail, AnthropicErrorResponse
 from sluice.app.errors import APIError, error_response
 from sluice.app.streaming import sse_event
 
 MESSAGES_PATH = "/v1/messages"  # the Messages API: this path and those under it
+ANTHROPIC_VERSION = "anthropic-version"  # the header an `anthropic` client sends on every request
 
 OVERLOADED = 529  # Anthropic's status for an overloaded API (no standard HTTP status says it)
 
@@ -52,15 +58,18 @@ def anthropic_error_event(error: APIError) -> bytes:
     return b"event: error\n" + sse_event(anthropic_error(error).model_dump(exclude_none=True))
 
 
-def is_anthropic_path(path: str) -> bool:
-    """Whether `path` is the Messages API's, whose answers are Anthropic's (error shape, `request-id` header): its
-    routes Sluice does not serve (`/v1/messages/batches`, answered 404) too, where an `anthropic` client reads them."""
-    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+def is_anthropic(scope: Scope) -> bool:
+    """Whether the request is Anthropic's, whose answers are Anthropic's (error shape, `request-id` header): on the
+    Messages API's paths (its routes Sluice does not serve, `/v1/messages/batches`, answered 404, too), or from an
+    `anthropic` client anywhere (`anthropic-version`)."""
+    path = scope["path"]
+    return (path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+            or ANTHROPIC_VERSION in Headers(scope=scope))
 
 
-def error_response_for(path: str, error: APIError) -> JSONResponse:
-    """`error` as the route at `path` speaks: Anthropic's shape on the Messages API's paths, OpenAI's elsewhere."""
-    if not is_anthropic_path(path):
+def error_response_for(scope: Scope, error: APIError) -> JSONResponse:
+    """`error` as the request in `scope` expects it: in Anthropic's shape if it is Anthropic's, else OpenAI's."""
+    if not is_anthropic(scope):
         return error_response(error)
     return JSONResponse(anthropic_error(error).model_dump(exclude_none=True), status_code=_status(error),
                         headers=error.headers)

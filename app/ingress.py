@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sluice.app.anthropic_errors import anthropic_error_event, error_response_for, is_anthropic_path
+from sluice.app.anthropic_errors import anthropic_error_event, error_response_for, is_anthropic
 from sluice.app.errors import APIError, shutting_down
 from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, read_body
 from sluice.app.prefix_router import Routing
@@ -161,15 +161,15 @@ class SluiceIngress:
         if (path, request.method) in HEALTH_ROUTES:
             return self._health()
         if self._draining:
-            return error_response_for(path, shutting_down())
+            return error_response_for(request.scope, shutting_down())
         try:
             body = await read_body(request.scope, request.receive, self._max_body_bytes)
         except APIError as error:  # 413, or 408 for a body that stopped arriving: no replica sees it
-            return error_response_for(path, error)
+            return error_response_for(request.scope, error)
         if body is None:  # the client left
             return Response(status_code=CLIENT_CLOSED)
         if self._time_up:
-            return error_response_for(path, shutting_down())
+            return error_response_for(request.scope, shutting_down())
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      tuple(request.scope["headers"]), body)
         stream: DeploymentResponseGenerator = self._replicas.remote(routing(path, body), forwarded)
@@ -179,18 +179,18 @@ class SluiceIngress:
         except Exception as error:  # the replica died or failed before answering, or the drain ended the wait
             logger.warning("replica failed before answering %s %s: %s", request.method, path, error)
             stream.cancel()
-            return error_response_for(path, self._call_failed())
+            return error_response_for(request.scope, self._call_failed())
         assert isinstance(start, ResponseStart)
         headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in start.headers)
         headers[REPLICA_HEADER] = start.replica
-        return StreamingResponse(self._relay(stream, path, _is_event_stream(start)), status_code=start.status,
+        return StreamingResponse(self._relay(stream, request.scope, _is_event_stream(start)), status_code=start.status,
                                  headers=headers)
 
     def _health(self) -> Response:
         """The single process's /health: 200 while a replica runs (one loading is not running yet), else 503."""
         return health_response(unready_reason(self._draining, bool(_running_replicas(self._replicas))))
 
-    async def _relay(self, stream: DeploymentResponseGenerator, path: str, events: bool) -> AsyncIterator[bytes]:
+    async def _relay(self, stream: DeploymentResponseGenerator, scope: Scope, events: bool) -> AsyncIterator[bytes]:
         try:
             async for item in stream:
                 if isinstance(item, ReplicaReport):
@@ -198,9 +198,9 @@ class SluiceIngress:
                 else:
                     yield item
         except Exception as error:
-            logger.warning("replica failed mid-response on %s: %s", path, error)
+            logger.warning("replica failed mid-response on %s: %s", scope["path"], error)
             if events:
-                yield _stream_failure(path, self._call_failed())
+                yield _stream_failure(scope, self._call_failed())
 
     def _call_failed(self) -> APIError:
         """What a client whose replica call failed is told: once the drain's time is up, that the drain ended it."""
@@ -265,10 +265,10 @@ def _replica_failed() -> APIError:
                     code="replica_failed")
 
 
-def _stream_failure(path: str, error: APIError) -> bytes:
-    """How an event stream on `path` ends when its replica call failed with `error`: the route's error event (and
-    `[DONE]`)."""
-    if is_anthropic_path(path):
+def _stream_failure(scope: Scope, error: APIError) -> bytes:
+    """How the event stream answering `scope` ends when its replica call failed with `error`: the request's error
+    event (and `[DONE]`)."""
+    if is_anthropic(scope):
         return anthropic_error_event(error)
     return sse_event(error.body()) + DONE
 

@@ -14,7 +14,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sluice.app.anthropic_errors import error_response_for, is_anthropic_path
+from sluice.app.anthropic_errors import error_response_for, is_anthropic
 from sluice.app.errors import APIError, body_stalled, body_too_large, internal_error, unauthorized
 from sluice.app.metrics import ServerMetrics
 from sluice.app.openapi import path_template
@@ -35,7 +35,8 @@ _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 class RequestIdMiddleware:
     """Every answer carries `X-Request-Id` (the client's, as a proxy or vLLM passes it on, else a fresh one), where
-    the openai client reads `_request_id`; Anthropic's routes carry it as `request-id` too, the anthropic client's."""
+    the openai client reads `_request_id`; Anthropic's requests carry it as `request-id` too, the anthropic
+    client's."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -47,7 +48,7 @@ class RequestIdMiddleware:
         given = Headers(scope=scope).get("x-request-id", "")
         request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id  # for the server's log lines about it
-        names = ("x-request-id", "request-id") if is_anthropic_path(scope["path"]) else ("x-request-id",)
+        names = ("x-request-id", "request-id") if is_anthropic(scope) else ("x-request-id",)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -86,7 +87,7 @@ class InternalErrorMiddleware:
                 raise
             logger.exception("unhandled error on %s (request id %s)", scope["path"],
                              scope.get("state", {}).get("request_id"))
-            await error_response_for(scope["path"], internal_error())(scope, receive, send)
+            await error_response_for(scope, internal_error())(scope, receive, send)
 
 
 class ApiKeyMiddleware:
@@ -105,7 +106,7 @@ class ApiKeyMiddleware:
             keys = [token.strip() if scheme.lower() == "bearer" else None, headers.get("x-api-key")]
             # Starlette decodes header bytes as latin-1: encoded back, they are the bytes the client sent.
             if not any(key is not None and hmac.compare_digest(key.encode("latin-1"), self._key) for key in keys):
-                await error_response_for(scope["path"], unauthorized())(scope, receive, send)
+                await error_response_for(scope, unauthorized())(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -131,7 +132,7 @@ class BodyReadMiddleware:
         try:
             whole = await read_body(scope, receive, self._max_bytes)
         except APIError as error:
-            await error_response_for(scope["path"], error)(scope, receive, send)
+            await error_response_for(scope, error)(scope, receive, send)
             return
         if whole is None:
             return

@@ -1000,7 +1000,8 @@ class ChatCompletionChunk(_AskedFor):
 
 class ModelCard(BaseModel):
     """The served model as OpenAI's clients read it (`id`, `object`, `created`, `owned_by`) and as Anthropic's do
-    (`type`, `display_name`, `created_at`, RFC 3339)."""
+    (`type`, `display_name`, `created_at`, RFC 3339, and `lifecycle`, which the anthropic client's ModelInfo
+    requires)."""
 
     id: str
     object: Literal["model"] = "model"
@@ -1010,6 +1011,7 @@ class ModelCard(BaseModel):
     type: Literal["model"] = "model"
     display_name: str
     created_at: str
+    lifecycle: Literal["active"] = "active"
 
     @classmethod
     def of(cls, model: str, created: int, max_model_len: int) -> ModelCard:

@@ -198,10 +198,10 @@ def create_app(state: ServerState, cors: bool = True) -> Starlette:
 
 async def _api_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, APIError)
-    return error_response_for(request.url.path, error)
+    return error_response_for(request.scope, error)
 
 
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
-    return error_response_for(request.url.path,
+    return error_response_for(request.scope,
                               APIError(error.status_code, error.detail, headers=dict(error.headers or {})))

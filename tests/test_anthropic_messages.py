@@ -12,6 +12,7 @@ from typing import Literal
 import anthropic
 import httpx
 import jsonschema
+import openai
 import pytest
 from jiter import from_json
 from pydantic import BaseModel, ValidationError
@@ -598,10 +599,11 @@ def test_a_full_queue_is_anthropics_overload_a_529_with_retry_after_and_a_429_on
 def test_overload_and_unavailability_in_anthropics_terms(error, status, kind):
     """A full queue is Anthropic's overload (its Retry-After kept); Sluice's 503s keep their status, which proxies
     read, as api_error: Anthropic pairs overloaded_error with 529 alone."""
-    response = error_response_for("/v1/messages", error)
+    response = error_response_for({"type": "http", "path": "/v1/messages", "headers": []}, error)
     assert (response.status_code, json.loads(response.body)["error"]["type"]) == (status, kind)
     assert response.headers.get("retry-after") == error.headers.get("Retry-After")
-    assert error_response_for("/v1/chat/completions", error).status_code == error.status
+    chat = {"type": "http", "path": "/v1/chat/completions", "headers": []}
+    assert error_response_for(chat, error).status_code == error.status
 
 
 def test_a_body_over_the_limit_is_anthropics_413_request_too_large(client):
@@ -791,3 +793,25 @@ def test_the_anthropic_client_lists_and_retrieves_the_served_model(client):
     assert not page.has_more and page.first_id == page.last_id == MODEL
     info = client.models.retrieve(MODEL)
     assert info.id == MODEL and info.created_at.tzinfo is not None and info.created_at.year >= 2026
+    assert info.lifecycle == "active"  # a field the client's ModelInfo requires
+
+
+def test_the_openai_client_reads_the_same_models_list_and_card(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as client:
+        assert [(m.id, m.object, m.owned_by) for m in client.models.list().data] == [(MODEL, "model", "sluice")]
+        card = client.models.retrieve(MODEL)
+        assert (card.id, card.object) == (MODEL, "model") and card.created > 1_700_000_000
+
+
+def test_an_unknown_model_id_is_a_404_in_the_shape_of_the_client_that_asked(server, client):
+    """The anthropic client sends `anthropic-version` on every request: it gets Anthropic's error and `request-id`;
+    the openai client, on the same path, OpenAI's (both have an `error.type`, each its own, so one body cannot
+    carry both)."""
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.models.retrieve("claude-elsewhere")
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "not_found_error"
+    assert caught.value.response.headers["request-id"] == caught.value.request_id
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as openai_client:
+        with pytest.raises(openai.NotFoundError) as refused:
+            openai_client.models.retrieve("gpt-elsewhere")
+    assert refused.value.body["code"] == "model_not_found" and "request-id" not in refused.value.response.headers

@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 from starlette.testclient import TestClient
+from starlette.types import Scope
 
 pytest.importorskip("ray.serve")
 
 from ray.serve.exceptions import RequestCancelledError
 
-from sluice.app.anthropic_errors import is_anthropic_path
+from sluice.app.anthropic_errors import is_anthropic
 from sluice.app import ingress as ingress_module
 from sluice.app.ingress import SluiceIngress
 from sluice.app.replicas import ResponseStart
@@ -24,13 +25,15 @@ from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
 
 
-def test_the_messages_api_is_its_path_and_every_path_under_it():
-    assert is_anthropic_path("/v1/messages")
-    assert is_anthropic_path("/v1/messages/count_tokens")
-    assert is_anthropic_path("/v1/messages/")
-    assert is_anthropic_path("/v1/messages/batches")
-    assert not is_anthropic_path("/v1/messagesx")
-    assert not is_anthropic_path("/v1/chat/completions")
+def request(path: str, headers: list[tuple[bytes, bytes]] | None = None) -> Scope:
+    return {"type": "http", "method": "GET", "path": path, "query_string": b"", "headers": headers or []}
+
+
+def test_anthropics_requests_are_the_messages_apis_paths_and_any_that_carries_anthropic_version():
+    assert all(is_anthropic(request(path)) for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/messages/",
+                                                         "/v1/messages/batches"))
+    assert not any(is_anthropic(request(path)) for path in ("/v1/messagesx", "/v1/chat/completions", "/v1/models"))
+    assert is_anthropic(request("/v1/models/x", [(b"anthropic-version", b"2023-06-01")]))
 
 
 def test_a_messages_path_sluice_does_not_serve_gets_anthropics_error_and_request_id():
