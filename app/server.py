@@ -187,6 +187,9 @@ def create_app(state: ServerState, cors: bool = True) -> Starlette:
         exception_handlers={APIError: _api_error, HTTPException: _http_error},
         lifespan=lifespan,
     )
+    # A path with a slash too many is an unknown route (`_http_error`), as OpenAI's API answers it: Starlette's
+    # redirect to the route was in no API's shape, and a client that does not re-POST to it got nothing else.
+    app.router.redirect_slashes = False
     app.state.sluice = state
     app.state.feed = feed
     app.state.openapi = openapi_document(
@@ -202,6 +205,7 @@ async def _api_error(request: Request, error: Exception) -> Response:
 
 
 async def _http_error(request: Request, error: Exception) -> Response:
+    """Starlette's errors (routing's 404 and 405): a 404 names the URL, as OpenAI's does."""
     assert isinstance(error, HTTPException)
-    return error_response_for(request.scope,
-                              APIError(error.status_code, error.detail, headers=dict(error.headers or {})))
+    message = f"Invalid URL ({request.method} {request.url.path})" if error.status_code == 404 else error.detail
+    return error_response_for(request.scope, APIError(error.status_code, message, headers=dict(error.headers or {})))

@@ -624,7 +624,8 @@ def test_message_batches_which_sluice_does_not_serve_are_a_404_in_anthropics_sha
     request = {"custom_id": "a", "params": {"model": MODEL, "max_tokens": 4, "messages": HELLO}}
     with pytest.raises(anthropic.NotFoundError) as caught:
         client.messages.batches.create(requests=[request])
-    assert caught.value.body == {"type": "error", "error": {"type": "not_found_error", "message": "Not Found"}}
+    assert caught.value.body == {"type": "error", "error": {"type": "not_found_error",
+                                                            "message": "Invalid URL (POST /v1/messages/batches)"}}
 
 
 @pytest.mark.parametrize("stream", [False, True])

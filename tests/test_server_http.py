@@ -117,8 +117,21 @@ def test_chunked_body_over_the_limit_is_413_without_content_length():
     assert_openai_error(response, 413)
 
 
-def test_unknown_route_is_an_openai_shaped_404():
-    assert_openai_error(client().get("/v1/nothing"), 404)
+def test_unknown_route_is_an_openai_shaped_404_naming_the_url_as_openai_does():
+    assert assert_openai_error(client().get("/v1/nothing"), 404)["message"] == "Invalid URL (GET /v1/nothing)"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions/", "/v1/messages/", "/health/"])
+def test_a_trailing_slash_is_an_unknown_route_in_the_requests_shape_not_a_redirect(path):
+    """Starlette's redirect to the route without the slash was in no API's shape, and a client that does not
+    follow it, or re-POST to it, was left with an empty 307."""
+    answer = client().post(path, json={}, follow_redirects=False)
+    message = f"Invalid URL (POST {path})"
+    if path.startswith("/v1/messages"):
+        assert (answer.status_code, answer.json()) == (404, {"type": "error", "error": {"type": "not_found_error",
+                                                                                       "message": message}})
+    else:
+        assert assert_openai_error(answer, 404)["message"] == message
 
 
 def test_requests_are_counted_by_route_and_status():
