@@ -10,7 +10,8 @@ adding `x-sluice-replica` (which replica answered).
 
 The ingress applies the server's CORS policy (`--allowed-origins` etc.) to everything it answers, as the single
 process's outermost middleware does: it answers a browser's preflight itself, and its own errors (413, 408, 503)
-carry the CORS headers too, so a page can read why its request failed.
+carry the CORS headers too, so a page can read why its request failed. They carry the request id too, as the
+single process's answers do (`X-Request-Id`, and `request-id` on Anthropic's): the one the replica is given.
 
 A replica that fails before it answered gives the client a 503 in the route's error shape; one that dies
 mid-stream ends an event stream with an error event (then `data: [DONE]`, as a failed generation does in the
@@ -44,7 +45,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.app.anthropic_errors import anthropic_error_event, error_response_for, is_anthropic
 from sluice.app.errors import APIError, shutting_down
-from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, read_body
+from sluice.app.middleware import CLIENT_CLOSED, InternalErrorMiddleware, RequestIdMiddleware, read_body
 from sluice.app.prefix_router import Routing
 from sluice.app.replicas import ForwardedRequest, ReplicaReport, ResponseStart
 from sluice.app.response_ids import replica_of
@@ -120,8 +121,9 @@ class SluiceIngress:
         self._in_flight = 0
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
-        # As the single process's app stacks them: CORS outermost, so a bug's 500 carries its headers too.
-        self._app = CORSMiddleware(InternalErrorMiddleware(self._serve), **settings.cors_options())
+        # As the single process's app stacks them: CORS outermost, so a bug's 500 carries its headers too, and the
+        # request id on every answer, the ingress's own as its replicas'.
+        self._app = CORSMiddleware(RequestIdMiddleware(InternalErrorMiddleware(self._serve)), **settings.cors_options())
 
     async def __call__(self, request: Request) -> Response:
         return _ASGIResponse(self._app)

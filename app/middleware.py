@@ -36,7 +36,8 @@ _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 class RequestIdMiddleware:
     """Every answer carries `X-Request-Id` (the client's, as a proxy or vLLM passes it on, else a fresh one), where
     the openai client reads `_request_id`; Anthropic's requests carry it as `request-id` too, the anthropic
-    client's."""
+    client's. The request carries that id on from here (its `X-Request-Id` header): the replicas' ingress forwards
+    it, so that a replica answers, and logs, under the id the ingress answers with."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -48,6 +49,7 @@ class RequestIdMiddleware:
         given = Headers(scope=scope).get("x-request-id", "")
         request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id  # for the server's log lines about it
+        MutableHeaders(scope=scope)["x-request-id"] = request_id
         names = ("x-request-id", "request-id") if is_anthropic(scope) else ("x-request-id",)
 
         async def send_with_id(message: Message) -> None:

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import pytest
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.testclient import TestClient
 from starlette.types import Scope
@@ -20,7 +21,8 @@ from ray.serve.exceptions import RequestCancelledError
 from sluice.app.anthropic_errors import is_anthropic
 from sluice.app import ingress as ingress_module
 from sluice.app.ingress import SluiceIngress
-from sluice.app.replicas import ResponseStart
+from sluice.app.prefix_router import Routing
+from sluice.app.replicas import ForwardedRequest, ResponseStart
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
 
@@ -46,7 +48,8 @@ def test_a_messages_path_sluice_does_not_serve_gets_anthropics_error_and_request
 
 class Replicas:
     """The replicas' handle: a call waits until `admit` is set (a replica free to take it), then its replica answers
-    200 with `first`, and ends the response once `finish` is set. `calls` counts the calls made."""
+    200 with `first`, and ends the response once `finish` is set. `calls` counts the calls made, `forwarded` holds
+    their requests."""
 
     def __init__(self, content_type: bytes = b"text/plain", first: bytes = b"answered") -> None:
         self.admit = asyncio.Event()
@@ -54,12 +57,14 @@ class Replicas:
         self.start = ResponseStart(200, ((b"content-type", content_type),), "replica-1")
         self.first = first
         self.calls = 0
+        self.forwarded: list[ForwardedRequest] = []
 
     def options(self, **_: Any) -> Replicas:
         return self
 
-    def remote(self, *_: Any) -> Call:
+    def remote(self, routing: Routing, forwarded: ForwardedRequest) -> Call:
         self.calls += 1
+        self.forwarded.append(forwarded)
         return Call(self)
 
 
@@ -97,7 +102,15 @@ async def answer(ingress: SluiceIngress, method: str, path: str,
                  body_sent: asyncio.Event | None = None) -> tuple[int, bytes]:
     """The ingress's answer to a request with an empty body (which arrives once `body_sent` is set, if given): its
     status and body."""
-    scope = {"type": "http", "method": method, "path": path, "query_string": b"", "headers": []}
+    sent = await exchange(ingress, method, path, body_sent)
+    return sent[0]["status"], b"".join(message.get("body", b"") for message in sent[1:])
+
+
+async def exchange(ingress: SluiceIngress, method: str, path: str, body_sent: asyncio.Event | None = None,
+                   headers: list[tuple[bytes, bytes]] | None = None) -> list[dict[str, Any]]:
+    """The messages the ingress sends to answer a request with `headers` and an empty body (which arrives once
+    `body_sent` is set, if given)."""
+    scope = {**request(path, headers), "method": method}
     sent: list[dict[str, Any]] = []
     messages = iter([{"type": "http.request", "body": b"", "more_body": False}])
 
@@ -110,7 +123,7 @@ async def answer(ingress: SluiceIngress, method: str, path: str,
         sent.append(message)
 
     await (await ingress(Request(scope, receive)))(scope, receive, send)
-    return sent[0]["status"], b"".join(message.get("body", b"") for message in sent[1:])
+    return sent
 
 
 def test_the_ingresss_health_says_what_the_single_processs_says_loading_and_draining():
@@ -215,3 +228,26 @@ def test_a_request_whose_body_arrives_after_the_drain_timed_out_gets_the_drains_
 
     status, body = asyncio.run(run())
     assert status == 503 and json.loads(body)["error"] == SHUTTING_DOWN
+
+
+def test_every_answer_through_the_ingress_carries_the_request_id_headers_the_single_processs_would():
+    """Its own answers (the drain's 503, a 413) as a replica's: `X-Request-Id` (the client's, else a fresh one,
+    which the replica is given too, for its log lines), and Anthropic's `request-id` beside it on Anthropic's."""
+
+    async def run() -> tuple[list[Headers], list[ForwardedRequest]]:
+        replicas = Replicas()
+        replicas.admit.set()
+        replicas.finish.set()
+        ingress = SluiceIngress(replicas, ServerSettings(max_body_bytes=10))
+        relayed = await exchange(ingress, "POST", "/v1/completions")
+        too_large = await exchange(ingress, "POST", "/v1/messages",
+                                   headers=[(b"content-length", b"11"), (b"x-request-id", b"trace-1")])
+        await ingress.drain(0)
+        draining = await exchange(ingress, "POST", "/v1/chat/completions", headers=[(b"x-request-id", b"trace-2")])
+        return [Headers(raw=sent[0]["headers"]) for sent in (relayed, too_large, draining)], replicas.forwarded
+
+    (relayed, too_large, draining), forwarded = asyncio.run(run())
+    assert len(relayed["x-request-id"]) == 32 and "request-id" not in relayed
+    assert Headers(raw=list(forwarded[0].headers))["x-request-id"] == relayed["x-request-id"]
+    assert too_large["x-request-id"] == too_large["request-id"] == "trace-1"
+    assert draining["x-request-id"] == "trace-2" and "request-id" not in draining
