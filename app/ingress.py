@@ -179,9 +179,9 @@ class SluiceIngress:
         try:
             start = await anext(stream)
         except Exception as error:  # the replica died or failed before answering, or the drain ended the wait
-            logger.warning("replica failed before answering %s %s: %s", request.method, path, error)
             stream.cancel()
-            return error_response_for(request.scope, self._call_failed())
+            failure = self._call_failed(request.scope, "before its response started", error)
+            return error_response_for(request.scope, failure)
         assert isinstance(start, ResponseStart)
         headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in start.headers)
         headers[REPLICA_HEADER] = start.replica
@@ -200,13 +200,19 @@ class SluiceIngress:
                 else:
                     yield item
         except Exception as error:
-            logger.warning("replica failed mid-response on %s: %s", scope["path"], error)
+            failure = self._call_failed(scope, "mid-response", error)
             if events:
-                yield _stream_failure(scope, self._call_failed())
+                yield _stream_failure(scope, failure)
 
-    def _call_failed(self) -> APIError:
-        """What a client whose replica call failed is told: once the drain's time is up, that the drain ended it."""
-        return shutting_down() if self._time_up else _replica_failed()
+    def _call_failed(self, scope: Scope, when: str, error: Exception) -> APIError:
+        """What the client of `scope`, whose replica call failed `when` with `error`, is told, and the log line: once
+        the drain's time is up, that the drain ended it (it cancelled the call), else that its replica failed."""
+        request = f"{scope['method']} {scope['path']}"
+        if self._time_up:
+            logger.warning("%s: ended by the drain timeout %s", request, when)
+            return shutting_down()
+        logger.warning("%s: the replica failed %s: %s", request, when, error)
+        return _replica_failed()
 
 
 class _ASGIResponse(Response):

@@ -251,3 +251,24 @@ def test_every_answer_through_the_ingress_carries_the_request_id_headers_the_sin
     assert Headers(raw=list(forwarded[0].headers))["x-request-id"] == relayed["x-request-id"]
     assert too_large["x-request-id"] == too_large["request-id"] == "trace-1"
     assert draining["x-request-id"] == "trace-2" and "request-id" not in draining
+
+
+def test_requests_the_drain_timeout_ends_are_logged_as_ended_by_it_not_as_a_replicas_failure(caplog):
+    """One still waiting for a replica and one streaming: their replica calls fail only because the drain cancelled
+    them."""
+
+    async def run() -> None:
+        waiting, streaming = Replicas(), Replicas(b"text/event-stream", b"data: {}\n\n")
+        streaming.admit.set()
+        for replicas, path in ((waiting, "/v1/completions"), (streaming, "/v1/chat/completions")):
+            ingress = SluiceIngress(replicas, ServerSettings())
+            answering = asyncio.ensure_future(answer(ingress, "POST", path))
+            await _until(lambda: replicas.calls == 1)
+            await asyncio.wait_for(ingress.drain(0.1), 10)
+            await asyncio.wait_for(answering, 10)
+
+    asyncio.run(run())
+    logged = [record.getMessage() for record in caplog.records if record.name == "sluice.ingress"]
+    assert "POST /v1/completions: ended by the drain timeout before its response started" in logged
+    assert "POST /v1/chat/completions: ended by the drain timeout mid-response" in logged
+    assert not any("failed" in line for line in logged)
