@@ -25,7 +25,7 @@ from dataclasses import replace
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.schema import ApplicationStatus, DeploymentStatus
+from ray.serve.schema import ApplicationStatus, DeploymentStatus, ReplicaState
 
 from sluice.app.addresses import host_port, http_url
 from sluice.app.ingress import LAST_WORD_S, SluiceIngress
@@ -133,9 +133,12 @@ def _serve_until(stop: threading.Event, replica: ReplicaConfig, scale: ScaleOutC
 
 
 def _ingress_running() -> bool:
+    """Whether the ingress has a replica running, to take the drain call: whatever its deployment's status, which
+    may be UNHEALTHY (a health check its replica failed a moment ago) or UPDATING while that replica runs. Without
+    one the call would wait for a replica to start, which may never come (its deployment failed)."""
     status = serve.status().applications.get(APP_NAME)
     ingress = status.deployments.get(INGRESS) if status is not None else None
-    return ingress is not None and ingress.status == DeploymentStatus.HEALTHY
+    return ingress is not None and ingress.replica_states.get(ReplicaState.RUNNING, 0) > 0
 
 
 def _delete_application() -> None:

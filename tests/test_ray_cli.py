@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -74,6 +75,26 @@ def test_scale_out_thresholds_left_unset_follow_a_replicas_batch():
     scale = ScaleOutConfig(replicas=2, max_ongoing_requests=10).with_batch(256)
     assert (scale.imbalanced_threshold, scale.max_ongoing_requests, scale.target_ongoing_requests) == (256, 10, 256)
     assert ScaleOutConfig(replicas=1).with_batch(64).max_ongoing_requests == 128
+
+
+@pytest.mark.parametrize(("status", "replicas", "drained"), [
+    ("HEALTHY", {"RUNNING": 1}, True),
+    ("UNHEALTHY", {"RUNNING": 1}, True),  # its replica failed a health check a moment ago: it may still drain
+    ("UPDATING", {"RUNNING": 1}, True),
+    ("UPDATING", {"STARTING": 1}, False),  # no replica to take the call: it would wait for one
+    ("DEPLOY_FAILED", {}, False),
+])
+def test_a_stop_drains_the_ingress_whenever_it_has_a_replica_running_whatever_its_deployments_status(
+        monkeypatch, status, replicas, drained):
+    """A stand-in for `serve.status()`: the drain is a call to the ingress's replica, not to its status."""
+    ray_app = pytest.importorskip("sluice.app.ray_app")
+    from ray.serve.schema import DeploymentStatus, ReplicaState
+
+    ingress = SimpleNamespace(status=DeploymentStatus(status),
+                              replica_states={ReplicaState(state): n for state, n in replicas.items()})
+    application = SimpleNamespace(deployments={ray_app.INGRESS: ingress})
+    monkeypatch.setattr(ray_app.serve, "status", lambda: SimpleNamespace(applications={ray_app.APP_NAME: application}))
+    assert ray_app._ingress_running() is drained
 
 
 def test_an_ipv6_address_is_written_in_brackets_beside_its_port():
