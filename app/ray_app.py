@@ -40,6 +40,7 @@ ROUTERS = {"prefix": PrefixAffinityRouter, "round-robin": RoundRobinRouter, "pow
 # Requests the ingress may have open at once: beyond it Ray's proxy queues them. The replicas' own limit
 # (`max_ongoing_requests`) is what bounds the work.
 INGRESS_MAX_ONGOING = 8192
+DRAIN_CALL_MARGIN_S = 10.0  # past the ingress's own drain, for the call to reach it and return
 
 
 def _router(scale: ScaleOutConfig) -> RequestRouterConfig:
@@ -128,8 +129,20 @@ def _serve_until(stop: threading.Event, replica: ReplicaConfig, scale: ScaleOutC
     # replica does, before Ray Serve calls the application running.
     if _ingress_running():
         print("Stopping: replicas finish their requests in flight", flush=True)
-        serve.get_app_handle(APP_NAME).drain.remote(scale.graceful_shutdown_timeout_s).result()
+        _drain_ingress(scale.graceful_shutdown_timeout_s)
     return None
+
+
+def _drain_ingress(timeout_s: float) -> None:
+    """Asks the ingress to drain (`SluiceIngress.drain`: `timeout_s`, then its last word), waiting a margin more at
+    most: were its replica to die after `_ingress_running` saw it run, the call would wait for Ray Serve to start
+    another, which may never come; the application is deleted all the same."""
+    try:
+        serve.get_app_handle(APP_NAME).drain.remote(timeout_s).result(timeout_s=timeout_s + LAST_WORD_S
+                                                                      + DRAIN_CALL_MARGIN_S)
+    except TimeoutError:
+        print(f"The ingress did not answer its drain within {timeout_s + LAST_WORD_S + DRAIN_CALL_MARGIN_S:.0f} s: "
+              "stopping without it", file=sys.stderr, flush=True)
 
 
 def _ingress_running() -> bool:

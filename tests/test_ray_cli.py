@@ -97,6 +97,23 @@ def test_a_stop_drains_the_ingress_whenever_it_has_a_replica_running_whatever_it
     assert ray_app._ingress_running() is drained
 
 
+def test_a_stop_waits_for_the_ingresss_drain_a_bounded_time(monkeypatch, capsys):
+    """A stand-in for the ingress's handle whose drain never answers (its replica died after it was seen running):
+    the stop goes on once the drain and a margin have passed."""
+    ray_app = pytest.importorskip("sluice.app.ray_app")
+    waited = []
+
+    def never_answered(timeout_s: float) -> None:
+        waited.append(timeout_s)
+        raise TimeoutError
+
+    drain = SimpleNamespace(remote=lambda timeout_s: SimpleNamespace(result=never_answered))
+    monkeypatch.setattr(ray_app.serve, "get_app_handle", lambda name: SimpleNamespace(drain=drain))
+    ray_app._drain_ingress(30.0)
+    assert waited == [30.0 + ray_app.LAST_WORD_S + ray_app.DRAIN_CALL_MARGIN_S]
+    assert "did not answer its drain within 45 s" in capsys.readouterr().err
+
+
 def test_an_ipv6_address_is_written_in_brackets_beside_its_port():
     """A coordinator address (`--hosts`) or URL with `::1:8000` in it reads as an address alone."""
     assert host_port("::1", 8000) == "[::1]:8000"
