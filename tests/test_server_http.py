@@ -387,7 +387,7 @@ def test_byte_sizes_accept_binary_units(text, size):
     assert byte_size(text) == size
 
 
-@pytest.mark.parametrize("path", ["/", "/ui", "/ui/app.js", "/ui/style.css", "/ui/vendor/uPlot.iife.min.js"])
+@pytest.mark.parametrize("path", ["/", "/ui", "/ui/", "/ui/app.js", "/ui/style.css", "/ui/vendor/uPlot.iife.min.js"])
 def test_the_dashboard_page_and_its_files_need_no_api_key(path):
     response = client(api_key=KEY).get(path)
     assert response.status_code == 200 and response.content
@@ -411,7 +411,7 @@ def test_the_push_stream_is_an_event_stream_that_ends_when_the_server_drains():
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
 
 
-@pytest.mark.parametrize("path", ["/", "/ui", "/ui/app.js", "/dashboard/events"])
+@pytest.mark.parametrize("path", ["/", "/ui", "/ui/", "/ui/app.js", "/dashboard/events"])
 def test_no_ui_serves_neither_the_page_nor_the_push_stream(path):
     assert_openai_error(client(ui=False).get(path), 404)
 

@@ -15,7 +15,7 @@ from sluice.app.state import ServerState
 from sluice.app.streaming import EventStreamResponse
 
 EVENTS_PATH = "/dashboard/events"
-PAGE_PATHS = ("/", "/ui")
+PAGE_PATHS = ("/", "/ui", "/ui/")  # the folder's path too: a browser may add the slash
 _MEDIA_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 
 
