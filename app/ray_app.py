@@ -9,7 +9,8 @@ a replica scaled down or replaced finishes its requests in flight first (`--drai
 
 Without `--ray-address` this process starts a local Ray cluster and stops it on exit; with one, it deploys the
 application to that cluster and deletes it on exit (and stops Ray Serve there if it started it; a Ray Serve
-already running there keeps the HTTP address it started with, so another --host/--port is an error). A replica that
+already running there keeps the HTTP address it started with, so another --host/--port is an error, as is an
+application of another command's there, which it would replace). A replica that
 fails to start (its engine does not load, each time Ray Serve tries) ends the command with its error. The first
 SIGTERM/SIGINT makes the ingress answer new requests 503 and waits for its requests in flight to finish (at most
 `--drain-timeout`, after which it ends those left), then deletes the application, whose replicas are idle by then;
@@ -94,6 +95,10 @@ def _serve(stop: threading.Event, replica: ReplicaConfig, scale: ScaleOutConfig)
     if serve_was_running and (in_use := _http_address()) != (scale.host, scale.port):
         return (f"Ray Serve already runs on this cluster, serving HTTP at {host_port(*in_use)}: --host and --port "
                 "cannot change that (ask for that address, or stop Ray Serve there first)")
+    # Deployed again, it would serve this command's model under the other command's URL, until either stops it.
+    if APP_NAME in serve.status().applications:
+        return (f"an application named {APP_NAME!r} already serves on this cluster (another sluice serve's, or one a "
+                f"killed command left): stop that command, or delete it (Ray's serve.delete({APP_NAME!r}))")
     try:
         failure = _serve_until(stop, replica, scale)
     finally:

@@ -114,6 +114,21 @@ def test_a_second_command_asking_for_another_address_is_told_the_one_ray_serve_k
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
+def test_a_second_command_at_the_same_address_leaves_the_application_serving_there_alone(head: Head,
+                                                                                        server: ServerProcess):
+    """Both would be served at one route: deployed again, the application would answer with the second command's
+    model at the first's URL, and whichever stopped first would delete it under the other."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    result = subprocess.run(
+        [sys.executable, "-m", "sluice.app.cli", "serve", "--replicas", "1", "--ray-address", head.address, "--host",
+         host, "--port", port, "--no-ui", *SERVER_FLAGS],
+        cwd=ROOT, env={**os.environ, **AUTH}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "sluice serve: error: an application named 'sluice' already serves on this cluster"), result.stderr[-2000:]
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
 def test_the_command_leaves_the_cluster_as_it_found_it(head: Head, server: ServerProcess):
     """Its application is deleted, and Ray Serve, which it started there, is stopped: its proxy would hold the
     port, and the next command's --host and --port would not be applied."""
