@@ -20,7 +20,7 @@ from sluice.batching.sequence import Sequence
 from sluice.model.config import ModelConfig
 from sluice.model.generate import generate
 from sluice.model.llama import Llama
-from sluice.model.loader import LoadedModel, load_model
+from sluice.model.loader import LoadedModel
 from test_speculative import free_verification
 
 PAGE = 4
@@ -30,10 +30,9 @@ TINY = ModelConfig.tiny()
 
 
 @pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
+def tiny(smollm2) -> LoadedModel:
     """The tiny random model, with SmolLM2's tokenizer for detokenizing (ids < 256 are single byte tokens)."""
-    tokenizer = load_model().tokenizer
-    return LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tokenizer, "tiny")
+    return LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
 
 
 def page_bytes(num_pages: int) -> int:
@@ -84,7 +83,7 @@ def test_a_steps_token_budget_is_never_below_its_sequences():
 
 
 def test_small_pool_preempts_yet_every_request_gets_its_greedy_tokens_and_no_page_is_left(tiny):
-    engine = make_engine(tiny, num_pages=24)
+    engine = make_engine(tiny, num_pages=24, warmup=False)
     batch = prompts(8, seed=1)
     outs = engine.generate(batch, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     assert engine.stats.num_preemptions > 0
@@ -182,7 +181,7 @@ def test_abort_mid_generation_ends_the_request_and_frees_its_pages_by_the_next_s
 def test_abort_all_also_aborts_a_request_submitted_after_it(tiny):
     """A drain that ran out of time aborts everything: a request still being built then (its grammar compiled in
     its submission's thread) is aborted when it arrives, not left to run until the server is stopped."""
-    engine = make_engine(tiny)  # its own: after abort_all it serves nothing
+    engine = make_engine(tiny, warmup=False)  # its own: after abort_all it serves nothing
 
     async def run():
         await engine.start()
@@ -204,7 +203,7 @@ def test_abort_all_also_aborts_a_request_submitted_after_it(tiny):
 def test_an_engine_whose_loop_ended_after_abort_all_serves_again(tiny):
     """abort_all is for the step loop it was sent to (a drain, then the loop's end): a loop started again (as this
     module's tests start its engine, each its own) and offline `generate` serve their requests."""
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, warmup=False)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
 
     async def run():
@@ -397,7 +396,7 @@ MULTI_STEP_KINDS = [
 def test_multi_step_decode_gives_the_tokens_and_logprobs_of_single_steps(tiny, engine):
     batch = prompts(8, seed=21)
     params = [MULTI_STEP_KINDS[i % len(MULTI_STEP_KINDS)] for i in range(8)]
-    multi = make_engine(tiny, num_decode_steps=4)
+    multi = make_engine(tiny, num_decode_steps=4, warmup=False)
     single_outs, multi_outs = engine.generate(batch, params), multi.generate(batch, params)
     for single, many in zip(single_outs, multi_outs):
         assert many[0].token_ids == single[0].token_ids and many[0].finish_reason == single[0].finish_reason
@@ -410,7 +409,7 @@ def test_layers_unrolled_over_one_array_each_give_the_scans_tokens_and_logprobs(
     batch = prompts(8, seed=23)
     params = [MULTI_STEP_KINDS[i % len(MULTI_STEP_KINDS)] for i in range(8)]
     own = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), tiny.tokenizer, "tiny")  # the runner unstacks it
-    unrolled = make_engine(own, num_decode_steps=4, layer_loop="unrolled")
+    unrolled = make_engine(own, num_decode_steps=4, layer_loop="unrolled", warmup=False)
     assert own.model.layers_unstacked and not tiny.model.layers_unstacked
     for scanned, unstacked in zip(engine.generate(batch, params), unrolled.generate(batch, params)):
         assert unstacked[0].token_ids == scanned[0].token_ids
@@ -419,7 +418,7 @@ def test_layers_unrolled_over_one_array_each_give_the_scans_tokens_and_logprobs(
 
 
 def test_multi_step_decode_stops_on_a_stop_id_or_string_inside_a_call_and_keeps_nothing_after(tiny, engine):
-    multi = make_engine(tiny, num_decode_steps=8)
+    multi = make_engine(tiny, num_decode_steps=8, warmup=False)
     prompt = [11, 12, 13, 14]
     free = engine.generate([prompt], GREEDY)[0][0]
     by_id = multi.generate([prompt], replace(GREEDY, stop_token_ids=(free.token_ids[4],)))[0][0]
@@ -445,7 +444,7 @@ def test_prompt_scores_or_an_embedding_not_finite_end_their_request_alone(tiny, 
     """A prompt whose first chunk (of two: 8 tokens a step) computes NaN: its prompt logprobs, or its embedding, are
     not finite, and its request ends with an error there (it sent NaN logprobs, or a NaN embedding, before), while
     a request beside it is served."""
-    nan_engine = make_engine(replace(tiny, model=nan_token_model(7)), max_num_batched_tokens=8)
+    nan_engine = make_engine(replace(tiny, model=nan_token_model(7)), max_num_batched_tokens=8, warmup=False)
     params = (SamplingParams(max_tokens=0, temperature=0.0, pooling=pooling) if pooling
               else replace(GREEDY, prompt_logprobs=1, max_tokens=2))
     poisoned, fine = ListCollector(1), ListCollector(1)
@@ -460,7 +459,9 @@ def test_prompt_scores_or_an_embedding_not_finite_end_their_request_alone(tiny, 
     assert nan_engine.stats.kv_pages_used == 0
 
 
-@pytest.mark.parametrize("settings", [dict(num_decode_steps=4), dict(num_decode_steps=4, speculative="ngram")],
+# The drafting engine warms up: the one test whose warm-up runs the verify and speculative buckets (all padding).
+@pytest.mark.parametrize("settings", [dict(num_decode_steps=4, warmup=False),
+                                      dict(num_decode_steps=4, speculative="ngram", warmup=True)],
                          ids=["multi-step", "drafts-in-multi-step-calls"])
 def test_logits_not_finite_inside_a_multi_step_call_end_the_request_as_in_single_steps(tiny, engine, settings):
     """Token g[1]'s embedding is NaN: the step that computes it (the second of a multi-step call) has logits that

@@ -110,7 +110,8 @@ def test_sustained_keeps_c_requests_in_flight_until_the_last_are_sent():
     loaded = engine_check.random_model("tiny")
     engine = engine_check.Engine(loaded, EngineConfig(dtype="float32", page_size=16, max_num_seqs=8,
                                                       max_num_batched_tokens=64, max_model_len=128,
-                                                      kv_cache_memory=2**20), progress=False)
+                                                      kv_cache_memory=2**20, warmup=False),
+                                 progress=False)
     requests = [BenchRequest(tuple(range(300, 300 + 5 + i)), output_tokens=2 + 3 * (i % 3)) for i in range(9)]
     submitted, in_engine, step, submit = [], [], engine.step, engine.submit
 

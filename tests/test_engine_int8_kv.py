@@ -19,7 +19,7 @@ from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import SamplingParams
 from sluice.model.config import ModelConfig
 from sluice.model.llama import Llama
-from sluice.model.loader import LoadedModel, load_model
+from sluice.model.loader import LoadedModel
 from sluice.pallas_kernels.kv_cache import QuantizedPages
 from test_engine import prompts
 
@@ -32,8 +32,8 @@ GOLDEN = json.loads((Path(__file__).parent / "data" / "golden_smollm2.json").rea
 
 
 @pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), load_model().tokenizer, "tiny")
+def tiny(smollm2) -> LoadedModel:
+    return LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import SamplingParams, StructuredOutput
 from sluice.model.config import ModelConfig
 from sluice.model.llama import Llama
-from sluice.model.loader import LoadedModel, load_model
+from sluice.model.loader import LoadedModel
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, page_size=4,
                       kv_cache_memory=1 << 20, num_decode_steps=1, warmup=False)
@@ -26,9 +26,9 @@ PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15]
 
 
 @pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
+def tiny(smollm2) -> LoadedModel:
     """A tiny random model over SmolLM2's whole vocabulary, so llguidance takes its tokenizer."""
-    tokenizer = load_model().tokenizer
+    tokenizer = smollm2.tokenizer
     config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size)
     return LoadedModel(config, Llama(config, rngs=nnx.Rngs(0)), tokenizer, "tiny")
 

@@ -50,8 +50,8 @@ def assert_same(a, b):
 def test_overlap_gives_the_tokens_text_and_logprobs_of_collecting_every_step_first(tiny, num_decode_steps):
     batch = prompts(12, seed=5)
     params = [KINDS[i % len(KINDS)] for i in range(len(batch))]
-    overlapped = make_engine(tiny, num_decode_steps=num_decode_steps)
-    serial = make_engine(tiny, num_decode_steps=num_decode_steps, async_scheduling=False)
+    overlapped = make_engine(tiny, num_decode_steps=num_decode_steps, warmup=False)
+    serial = make_engine(tiny, num_decode_steps=num_decode_steps, async_scheduling=False, warmup=False)
     fed_overlapped, fed_serial = fed_steps(overlapped), fed_steps(serial)
     for a, b in zip(overlapped.generate(batch, params), serial.generate(batch, params)):
         assert_same(a[0], b[0])
@@ -65,7 +65,7 @@ def test_host_decided_sampler_branches_give_the_tokens_text_and_logprobs_of_devi
     batch = prompts(12, seed=6)
     params = [KINDS[i % len(KINDS)] for i in range(len(batch))]
     host = make_engine(tiny, num_decode_steps=num_decode_steps, sampler_branches="host")
-    device = make_engine(tiny, num_decode_steps=num_decode_steps, sampler_branches="device")
+    device = make_engine(tiny, num_decode_steps=num_decode_steps, sampler_branches="device", warmup=False)
     for a, b in zip(host.generate(batch, params), device.generate(batch, params)):
         assert_same(a[0], b[0])
     assert host.runner.plans_on_host and not device.runner.plans_on_host
@@ -78,7 +78,7 @@ def test_a_plan_met_after_warm_up_compiles_off_the_engine_thread_and_its_steps_r
     the device-decided engine's before and after."""
     before = set(threading.enumerate())
     host = make_engine(tiny, num_decode_steps=4, sampler_branches="host", enable_prefix_caching=False)
-    device = make_engine(tiny, num_decode_steps=4, sampler_branches="device")
+    device = make_engine(tiny, num_decode_steps=4, sampler_branches="device", warmup=False)
     compiled = host.runner.num_compiled()
     batch = prompts(6, seed=8)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=i, max_tokens=12, logprobs=True,
@@ -173,11 +173,11 @@ def test_a_program_that_fails_to_compile_off_the_thread_compiles_at_its_warm_up_
     assert "compiling one at a time" in caplog.text and "no compiler thread today" in caplog.text
     batch = prompts(4, seed=3)
     assert [o[0].token_ids for o in engine.generate(batch, GREEDY)] == \
-        [o[0].token_ids for o in make_engine(tiny, num_decode_steps=1).generate(batch, GREEDY)]
+        [o[0].token_ids for o in make_engine(tiny, num_decode_steps=1, warmup=False).generate(batch, GREEDY)]
 
 
 def test_a_stop_string_found_while_the_next_step_runs_emits_nothing_after_it(tiny):
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, warmup=False)
     prompt = [31, 32, 33, 34, 35]
     free = engine.generate([prompt], GREEDY)[0][0]
     stop = free.text[len(free.text) // 3:len(free.text) // 3 + 2]
@@ -193,7 +193,7 @@ def test_a_stop_string_found_while_the_next_step_runs_emits_nothing_after_it(tin
 def test_collecting_every_step_first_a_stop_string_ends_its_sequence_before_the_next_step(tiny):
     """Without overlap, the host knows a step's tokens before it schedules the next, so a stop string costs no
     step past the one that sampled it: one step a token, the prompt's included."""
-    engine = make_engine(tiny, async_scheduling=False)
+    engine = make_engine(tiny, async_scheduling=False, warmup=False)
     prompt = [31, 32, 33, 34, 35]
     free = engine.generate([prompt], GREEDY)[0][0]
     stop = free.text[len(free.text) // 3:len(free.text) // 3 + 2]
@@ -207,7 +207,7 @@ def test_a_sequence_whose_steps_are_collected_twice_in_one_step_emits_each_token
     """A penalized neighbour turns overlap off from the second step: that step collects the first (a plain
     sequence's first token, appended one by one) and then itself (its second, appended and sent in one pass);
     the first must be sent before the second."""
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, warmup=False)
     plain, penalized = prompts(2, seed=3)
     alone = engine.generate([plain], GREEDY)[0][0]
     both = engine.generate([plain, penalized], [GREEDY, replace(GREEDY, frequency_penalty=0.5)])
@@ -216,7 +216,7 @@ def test_a_sequence_whose_steps_are_collected_twice_in_one_step_emits_each_token
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
 def test_max_tokens_is_exact_although_the_host_schedules_ahead(tiny, max_tokens):
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, warmup=False)
     outs = engine.generate(prompts(5, seed=max_tokens), replace(GREEDY, max_tokens=max_tokens))
     for out in outs:
         assert len(out[0].token_ids) == out[0].usage.completion_tokens == max_tokens
@@ -225,7 +225,7 @@ def test_max_tokens_is_exact_although_the_host_schedules_ahead(tiny, max_tokens)
 
 
 def test_an_abort_with_a_step_in_flight_keeps_only_tokens_already_sampled_and_frees_every_page(tiny):
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, warmup=False)
     prompt = [41, 42, 43, 44]
     free = engine.generate([prompt], replace(GREEDY, max_tokens=30))[0][0]
     collector = ListCollector(1)

@@ -14,7 +14,7 @@ from sluice.batching.scheduler import ScheduledChunk
 from sluice.batching.stats import StepStats
 from sluice.model.config import ModelConfig
 from sluice.model.llama import Llama
-from sluice.model.loader import LoadedModel, load_model
+from sluice.model.loader import LoadedModel
 from sluice.model.roofline import StepCost, matmul_weights
 from sequences import make_sequence
 
@@ -52,10 +52,10 @@ def test_step_cost_counts_two_flops_per_matmul_weight_and_the_stored_weight_byte
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), load_model().tokenizer, "tiny")
+def engine(smollm2) -> Engine:
+    loaded = LoadedModel(TINY, Llama(TINY, rngs=nnx.Rngs(0)), smollm2.tokenizer, "tiny")
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=4,
-                          kv_cache_memory=1 << 20, num_decode_steps=1)
+                          kv_cache_memory=1 << 20, num_decode_steps=1, warmup=False)
     return Engine(loaded, config, progress=False)
 
 

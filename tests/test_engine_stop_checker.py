@@ -6,14 +6,13 @@ import pytest
 
 from sluice.batching.sampling_params import SamplingParams
 from sluice.batching.stop_checker import StopChecker, StopDecision
-from sluice.model.loader import load_model
 
 EOS = 2
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_model().tokenizer
+def tokenizer(smollm2):
+    return smollm2.tokenizer
 
 
 def token_finish(checker: StopChecker, token_id: int, num_output_tokens: int, at_max_model_len: bool = False):

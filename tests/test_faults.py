@@ -32,7 +32,7 @@ def run_to_completion(engine, batch: list[list[int]]) -> list:
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_a_failed_step_ends_every_request_in_flight_and_the_engine_starts_over(tiny, monkeypatch, overlap):
     monkeypatch.setenv("SLUICE_FAULT", "raise@4")
-    engine = make_engine(tiny, async_scheduling=overlap)
+    engine = make_engine(tiny, async_scheduling=overlap, warmup=False)
     batch = prompts(5, seed=3)
     failed = run_to_completion(engine, batch)
     assert all(c.finish_reason == "error" and "injected fault" in c.error for c in failed)
@@ -48,7 +48,7 @@ def test_a_failed_step_leaves_the_requests_still_waiting_for_their_first_step_to
     """They read nothing the failed step wrote: with room for two sequences, the two that ran end with the error,
     and the four behind them get the tokens of an engine that never failed."""
     monkeypatch.setenv("SLUICE_FAULT", "raise@2")
-    engine = make_engine(tiny, max_num_seqs=2, async_scheduling=overlap)
+    engine = make_engine(tiny, max_num_seqs=2, async_scheduling=overlap, warmup=False)
     batch = prompts(6, seed=5)
     done = run_to_completion(engine, batch)
     assert [c.finish_reason == "error" for c in done] == [True, True, False, False, False, False]
@@ -59,7 +59,7 @@ def test_a_failed_step_leaves_the_requests_still_waiting_for_their_first_step_to
 
 def test_nan_logits_fail_only_their_request(tiny, monkeypatch):
     monkeypatch.setenv("SLUICE_FAULT", "nan@3")
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, warmup=False)
     batch = prompts(4, seed=4)
     done = run_to_completion(engine, batch)
     failed = [c for c in done if c.finish_reason == "error"]
@@ -76,7 +76,7 @@ def test_a_request_ending_on_nan_logits_leaves_no_page_to_the_prefix_cache_nor_t
     one reading the store after a restart."""
     monkeypatch.setenv("SLUICE_FAULT", "nan@3")  # after the prompt's two full pages are cached and stored
     store = {"prefix_cache_dir": str(tmp_path), "prefix_cache_ram": 1 << 20, "prefix_cache_size": 1 << 20}
-    engine = make_engine(tiny, **store)
+    engine = make_engine(tiny, warmup=False, **store)
     prompt = list(range(3, 12))  # two full pages of 4, and one token
     (failed,) = run_to_completion(engine, [prompt])
     assert failed.finish_reason == "error" and "not finite" in failed.error
@@ -85,7 +85,7 @@ def test_a_request_ending_on_nan_logits_leaves_no_page_to_the_prefix_cache_nor_t
     engine.close_store()
     assert engine.stats.prefix_cache_hit_tokens == 0
     monkeypatch.delenv("SLUICE_FAULT")
-    restarted = make_engine(tiny, **store)
+    restarted = make_engine(tiny, warmup=False, **store)
     assert restarted.prefix_store.counters().disk.pages > 0  # the second request's pages
     run_to_completion(restarted, [prompt])
     assert restarted.stats.prefix_cache_hit_tokens == 8  # hers, stored after the first's were forgotten
@@ -95,7 +95,7 @@ def test_a_request_ending_on_nan_logits_leaves_no_page_to_the_prefix_cache_nor_t
 def test_a_request_aborted_while_its_nan_step_is_in_flight_leaves_no_page_to_the_prefix_cache(tiny, monkeypatch):
     """Overlapped, the abort ends the request before its step's logits are seen: they are suspect all the same."""
     monkeypatch.setenv("SLUICE_FAULT", "nan@3")
-    engine = make_engine(tiny, async_scheduling=True)
+    engine = make_engine(tiny, async_scheduling=True, warmup=False)
     prompt = list(range(3, 12))  # two full pages of 4, and one token
     engine.submit([prompt], GREEDY, ListCollector(1), "aborted")
     for _ in range(3):  # the third dispatches the NaN step, which is in flight when this returns
@@ -116,7 +116,7 @@ def test_forgetting_a_nan_requests_pages_does_not_wait_on_a_slow_disk(tiny, monk
     disk = SlowDisk(monkeypatch)
     monkeypatch.setenv("SLUICE_FAULT", "nan@3")  # after the prompt's two full pages are cached and stored
     store = {"prefix_cache_dir": str(tmp_path), "prefix_cache_ram": 1 << 20, "prefix_cache_size": 1 << 20}
-    engine = make_engine(tiny, **store)
+    engine = make_engine(tiny, warmup=False, **store)
     (failed,) = run_to_completion(engine, [list(range(3, 12))])
     waited = disk.release.is_set()
     disk.release.set()
@@ -131,7 +131,7 @@ def test_a_nan_fault_strikes_a_step_whose_first_row_samples(tiny, monkeypatch):
     """Its first step prefills part of a prompt longer than a step's tokens, which samples nothing: the NaN row
     would be ignored there, so the fault waits for the step that samples."""
     monkeypatch.setenv("SLUICE_FAULT", "nan@1")
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, warmup=False)
     (done,) = run_to_completion(engine, [list(range(3, 3 + 50))])  # 50 tokens: two steps of 32
     assert done.finish_reason == "error" and "not finite" in done.error
 

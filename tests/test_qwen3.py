@@ -99,7 +99,8 @@ def test_the_forward_pass_gives_hfs_greedy_tokens_and_logprobs(qwen3, case):
 def test_the_engine_prefilling_in_chunks_then_decoding_over_pages_gives_hfs_tokens_and_logprobs(qwen3):
     """All cases in one batch: the 40-token prompt prefilled in chunks of 16, K/V in pages of 4 tokens."""
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, page_size=4,
-                          kv_cache_memory=64 * 2 * CONFIG.num_layers * CONFIG.num_kv_heads * 4 * CONFIG.head_dim * 4)
+                          kv_cache_memory=64 * 2 * CONFIG.num_layers * CONFIG.num_kv_heads * 4 * CONFIG.head_dim * 4,
+                          warmup=False)
     engine = Engine(qwen3, config, progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=GOLDEN["num_new_tokens"], ignore_eos=True, logprobs=True,
                             top_logprobs=5)

@@ -23,7 +23,7 @@ from test_speculative import free_verification
 
 
 CONFIG = EngineConfig(max_num_seqs=8, spec_max_batch_size=8, max_num_batched_tokens=64, max_model_len=160, page_size=4,
-                      kv_cache_memory=8 << 20, num_decode_steps=1)
+                      kv_cache_memory=8 << 20, num_decode_steps=1, warmup=False)
 # Greedy decoding of a random model settles into cycles, which n-gram drafts then follow.
 PATTERN = r"(ab|cd|ef)+\."
 CONSTRAINED = SamplingParams(temperature=0.0, max_tokens=60, logprobs=True,
