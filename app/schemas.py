@@ -1001,7 +1001,8 @@ class ChatCompletionChunk(_AskedFor):
 class ModelCard(BaseModel):
     """The served model as OpenAI's clients read it (`id`, `object`, `created`, `owned_by`) and as Anthropic's do
     (`type`, `display_name`, `created_at`, RFC 3339, and `lifecycle`, which the anthropic client's ModelInfo
-    requires)."""
+    requires). `max_input_tokens` and `max_tokens`, Anthropic's: the context less the one token a reply needs, and
+    what a prompt of one token leaves (the most a Messages request's `max_tokens` gets)."""
 
     id: str
     object: Literal["model"] = "model"
@@ -1012,11 +1013,14 @@ class ModelCard(BaseModel):
     display_name: str
     created_at: str
     lifecycle: Literal["active"] = "active"
+    max_input_tokens: int
+    max_tokens: int
 
     @classmethod
     def of(cls, model: str, created: int, max_model_len: int) -> ModelCard:
         created_at = datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")
-        return cls(id=model, created=created, max_model_len=max_model_len, display_name=model, created_at=created_at)
+        return cls(id=model, created=created, max_model_len=max_model_len, display_name=model, created_at=created_at,
+                   max_input_tokens=max_model_len - 1, max_tokens=max_model_len - 1)
 
 
 class ModelList(BaseModel):

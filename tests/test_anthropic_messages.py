@@ -795,6 +795,7 @@ def test_the_anthropic_client_lists_and_retrieves_the_served_model(client):
     info = client.models.retrieve(MODEL)
     assert info.id == MODEL and info.created_at.tzinfo is not None and info.created_at.year >= 2026
     assert info.lifecycle == "active"  # a field the client's ModelInfo requires
+    assert info.max_input_tokens == info.max_tokens == info.max_model_len - 1  # the context, less a reply's token
 
 
 def test_the_openai_client_reads_the_same_models_list_and_card(server):
