@@ -127,10 +127,8 @@ class Engine:
         num_pages = num_pool_pages(config, loaded.config, kv_dtype, mesh, page_size_given)
         self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
         self.limits = RequestLimits(
-            max_model_len=self.max_model_len, num_pages=num_pages, page_size=config.page_size,
-            vocab_size=loaded.config.vocab_size,
-            eos_token_ids=loaded.config.eos_token_ids,
-        )
+            max_model_len=self.max_model_len, vocab_size=loaded.config.vocab_size,
+            eos_token_ids=loaded.config.eos_token_ids)
         self.ngram = (NgramConfig(config.num_speculative_tokens, config.spec_ngram_min, config.spec_ngram_max,
                                   config.spec_max_batch_size) if config.speculative == "ngram" else None)
         enable_compilation_cache()

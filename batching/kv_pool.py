@@ -64,14 +64,21 @@ def num_pool_pages(config: EngineConfig, model: ModelConfig, kv_dtype, mesh: Mes
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_pages: int) -> int:
     """`config.max_model_len`, else the model's context up to DEFAULT_MAX_MODEL_LEN and to what the pool holds: a
-    request without max_tokens may fill the rest of the context, which a smaller pool would refuse every time."""
+    request without max_tokens may fill the rest of the context, which a smaller pool would refuse every time. A
+    `max_model_len` given past the pool is refused, as vLLM refuses it: the context promised (the model card's
+    max_input_tokens) would not be."""
+    pooled = num_pages * config.page_size
     if config.max_model_len is not None:
         if config.max_model_len > model.max_position_embeddings:
             raise InvalidEngineConfig("max_model_len", f"{config.max_model_len} exceeds the model's context of "
                                                        f"{model.max_position_embeddings} tokens")
+        if config.max_model_len > pooled:
+            raise InvalidEngineConfig("max_model_len", f"{config.max_model_len} exceeds the {pooled} tokens the KV "
+                                                       f"pool holds ({num_pages} pages of {config.page_size}): a "
+                                                       f"larger --kv-cache-memory or --gpu-memory-utilization holds "
+                                                       f"more")
         return config.max_model_len
     longest = min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings)
-    pooled = num_pages * config.page_size
     if pooled < longest:
         logger.warning("the KV pool holds %d tokens, fewer than the default context of %d: max_model_len is %d "
                        "(a larger --kv-cache-memory holds more)", pooled, longest, pooled)

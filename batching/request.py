@@ -25,11 +25,9 @@ _SEED_STRIDE = 0x9E3779B9  # spreads the choices of one seeded request over dist
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What a request must fit: the model's context and the KV pool."""
+    """What a request must fit: the model's context (within the KV pool), its vocabulary, and its stop ids."""
 
     max_model_len: int
-    num_pages: int
-    page_size: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
@@ -57,7 +55,7 @@ class Request:
 
 def check_fits(prompts: list[list[int]], params: SamplingParams, limits: RequestLimits) -> None:
     """Raises RequestRejected unless every prompt holds ids of the model's vocabulary and, with max_tokens more, fits
-    the context and the pool, and min_tokens is within max_tokens (the limit a request without one gets too) and
+    the context, and min_tokens is within max_tokens (the limit a request without one gets too) and
     leaves a token to sample."""
     if params.min_tokens > params.max_tokens:
         raise RequestRejected(f"min_tokens ({params.min_tokens}) must not exceed the maximum number of tokens "
@@ -77,11 +75,6 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
                      else f" and {params.max_tokens} more were requested")
             raise ContextLengthExceeded(f"This model's maximum context length is {limits.max_model_len} tokens; the "
                                         f"prompt has {len(prompt)} tokens{asked}")
-        pages = -(-total // limits.page_size)
-        if pages > limits.num_pages:
-            raise ContextLengthExceeded(f"This server's KV cache holds {limits.num_pages * limits.page_size} tokens "
-                                        f"({limits.num_pages} KV pages); the prompt has {len(prompt)} tokens and "
-                                        f"{params.max_tokens} more were requested")
     stop_ids = stop_token_ids(params, limits.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
         raise RequestRejected(f"at most {MAX_STOP_IDS} stop token ids (EOS included) are supported", "stop_token_ids")

@@ -131,8 +131,8 @@ class Sizes:
 def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sustained_requests: list[BenchRequest],
                   sizes: Sizes, page_size: int) -> int:
     """A KV pool that holds the largest wave whole (no preemption), or the C longest of `sustained_requests`
-    (`sustained_workload`), with a quarter to spare (`run` caps it at the engine's default, most of the free
-    memory).
+    (`sustained_workload`), and at least the engine's context, with a quarter to spare (`run` caps it at the
+    engine's default, most of the free memory).
 
     Sized from the workload rather than the engine's default (most of the free memory): the figures then
     do not depend on the device's size, and on a CPU a bf16 pool costs every step time in proportion to
@@ -146,7 +146,7 @@ def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sustained_r
         return sum(len(r.prompt) + max(r.output_tokens, timed) + page_size for r in wave)
 
     tokens = max(wave_tokens(wave) for c in sizes.concurrency for wave in waves(workload, c))
-    tokens = max(tokens, sum(longest[:max(sizes.concurrency)]))
+    tokens = max(tokens, sum(longest[:max(sizes.concurrency)]), sizes.max_model_len)
     return int(1.25 * tokens * kv_bytes_per_token(config, DTYPE))
 
 

@@ -330,6 +330,8 @@ def test_a_switch_is_on_by_its_flag_or_its_environment_value(monkeypatch, value,
     (["--model", "{tmp}/hf"], None, "{tmp}/hf holds config.json but no *.safetensors"),
     (["--max-model-len", "100000"], None, "--max-model-len 100000 exceeds the model's context of 8192 tokens"),
     (["--kv-cache-memory", "1K"], None, "--kv-cache-memory of 1,024 bytes holds no page"),
+    (["--max-model-len", "2048", "--kv-cache-memory", "45M"], None,
+     "--max-model-len 2048 exceeds the 1024 tokens the KV pool holds"),
     (["--page-size", "1048576"], None, "--page-size 1048576 makes a page of 48,318,382,080 bytes, more than the whole "
                                        "KV pool of 1,073,741,824 bytes (--kv-cache-memory sets the pool)"),
     (["--model", "{tmp}/tiny", "--quantization", "none"], "{tmp}/file/sluice",
@@ -338,10 +340,10 @@ def test_a_switch_is_on_by_its_flag_or_its_environment_value(monkeypatch, value,
 def test_serve_input_found_bad_once_loading_begins_is_a_one_line_error(tmp_path, monkeypatch, serve_in_process, args,
                                                                         home, words):
     """What only loading finds (the devices --tp asks for, a model folder's contents, the model's context, a page's
-    bytes, a SLUICE_HOME where the model's conversion cannot be kept) ends the server it started with the same one
-    line and exit 2 as flags refused before, not a logged error and exit 1 (or, for --max-model-len past the
-    context, a silent cut). A page too large for the default pool is the page size's fault, not --kv-cache-memory's,
-    which the command did not pass."""
+    bytes, a context the KV pool cannot hold, a SLUICE_HOME where the model's conversion cannot be kept) ends the
+    server it started with the same one line and exit 2 as flags refused before, not a logged error and exit 1
+    (or, for --max-model-len past the context, a silent cut). A page too large for the default pool is the page
+    size's fault, not --kv-cache-memory's, which the command did not pass."""
     from sluice.model.config import ModelConfig
 
     (tmp_path / "hf").mkdir()

@@ -127,7 +127,8 @@ def test_embeddings_batched_with_generation_change_neither(engine):
 
 
 def test_preempted_embeddings_recompute_and_pool_as_alone(tiny):
-    small = Engine(tiny, replace(CONFIG, kv_cache_memory=CONFIG.kv_cache_memory * 20 // 256), progress=False)
+    small = Engine(tiny, replace(CONFIG, kv_cache_memory=CONFIG.kv_cache_memory * 20 // 256, max_model_len=80),
+                   progress=False)
     prompts = [LONG[i:i + 60] for i in range(0, 40, 10)]
     alone = [embed(small, [p], "mean")[0] for p in prompts]
     preemptions = small.scheduler.num_preemptions

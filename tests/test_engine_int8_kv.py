@@ -39,7 +39,8 @@ def tiny(smollm2) -> LoadedModel:
 @pytest.fixture(scope="module")
 def tight_engine(tiny) -> Engine:
     """An int8 pool of 24 pages: a prompt and its 30 tokens fit alone, eight at once do not."""
-    return Engine(tiny, replace(CONFIG, kv_cache_memory=24 * kv_page_bytes(TINY, PAGE, jnp.int8)), progress=False)
+    return Engine(tiny, replace(CONFIG, kv_cache_memory=24 * kv_page_bytes(TINY, PAGE, jnp.int8), max_model_len=96),
+                  progress=False)
 
 
 def test_an_int8_pool_takes_its_values_and_scales_out_of_the_byte_budget(tiny):

@@ -57,7 +57,8 @@ def pool_bytes(config: ModelConfig, num_pages: int) -> int:
 
 
 def make_engine(tiny: LoadedModel, num_pages: int, **overrides) -> Engine:
-    return Engine(tiny, replace(PLAIN, kv_cache_memory=pool_bytes(tiny.config, num_pages), **overrides),
+    return Engine(tiny, replace(PLAIN, kv_cache_memory=pool_bytes(tiny.config, num_pages),
+                                max_model_len=min(PLAIN.max_model_len, num_pages * PAGE), **overrides),
                   progress=False)
 
 

@@ -89,9 +89,19 @@ def test_max_model_len_beyond_the_sliding_window_is_refused_and_the_default_fits
     _edit_config(folder, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
     model = load_model(str(folder), dtype="float32").config
     with pytest.raises(InvalidEngineConfig, match="max_model_len 128 exceeds the model's context of 64 tokens"):
-        resolve_max_model_len(EngineConfig(max_model_len=128), model, num_pages=64)
+        resolve_max_model_len(EngineConfig(max_model_len=128, page_size=16), model, num_pages=64)
     assert resolve_max_model_len(EngineConfig(max_model_len=64, page_size=16), model, num_pages=64) == 64
     assert resolve_max_model_len(EngineConfig(page_size=16), model, num_pages=64) == 64
+
+
+def test_max_model_len_past_what_the_kv_pool_holds_is_refused_and_the_default_is_cut_to_it():
+    """As vLLM refuses it at start: the context served (the model card's max_input_tokens) is one the pool holds."""
+    model = ModelConfig.tiny()
+    with pytest.raises(InvalidEngineConfig, match=r"max_model_len 257 exceeds the 256 tokens the KV pool holds "
+                                                  r"\(16 pages of 16\): a larger --kv-cache-memory"):
+        resolve_max_model_len(EngineConfig(max_model_len=257, page_size=16), model, num_pages=16)
+    assert resolve_max_model_len(EngineConfig(max_model_len=256, page_size=16), model, num_pages=16) == 256
+    assert resolve_max_model_len(EngineConfig(page_size=16), model, num_pages=16) == 256
 
 
 @pytest.mark.parametrize("keys", [

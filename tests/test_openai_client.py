@@ -9,7 +9,6 @@ import json
 
 import httpx
 import openai
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -17,7 +16,6 @@ from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
-from sluice.batching.kv_pool import kv_page_bytes
 from sluice.model.config import ModelConfig
 from sluice.model.llama import Llama
 from sluice.model.loader import LoadedModel
@@ -240,29 +238,18 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field_that_holds_it
     assert (error.param, error.code) == (param, code) and error.body["message"].startswith(f"{param}: "), error.body
 
 
-def test_a_request_the_engine_refuses_names_its_field_and_one_past_the_kv_pool_is_too_long_for_the_context(smollm2):
-    """Fields only the engine can check (min_tokens against the max_tokens it resolves, the prompt against the KV
-    pool) are 400s naming the field; a prompt the pool cannot hold, though the context could, has OpenAI's
-    `context_length_exceeded`, which agent SDKs read to shorten a conversation."""
-    model_config = ModelConfig.tiny(vocab_size=smollm2.tokenizer.vocab_size)
-    pool = 8 * kv_page_bytes(model_config, CONFIG.page_size, jnp.float32)
-    engine = tiny_engine(smollm2, dataclasses.replace(CONFIG, kv_cache_memory=pool))
-    assert (engine.limits.num_pages, engine.max_model_len) == (8, 128)
+def test_a_request_the_engine_refuses_names_its_field(engine):
+    """Fields only the engine can check (min_tokens against the max_tokens it resolves) are 400s naming the field."""
 
-    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> list[openai.BadRequestError]:
-        errors = []
-        for call in (lambda: client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
-                                                            extra_body={"min_tokens": 3}),
-                     lambda: client.completions.create(model="tiny", prompt="hi " * 40, max_tokens=1)):
-            with pytest.raises(openai.BadRequestError) as raised:
-                await call()
-            errors.append(raised.value)
-        return errors
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                                 extra_body={"min_tokens": 3})
+        return raised.value
 
-    too_few, too_long = serve(engine, scenario)
+    too_few = serve(engine, scenario)
     assert (too_few.param, too_few.code) == ("min_tokens", None), too_few.body
-    assert (too_long.param, too_long.code) == ("prompt", "context_length_exceeded"), too_long.body
-    assert "KV cache holds 32 tokens" in too_long.body["message"]
+    assert "min_tokens (3) must not exceed the maximum number of tokens (2)" in too_few.body["message"]
 
 
 # --- tool calling as OpenAI's and vLLM's clients read it ------------------------------------------------------
