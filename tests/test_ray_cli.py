@@ -120,28 +120,6 @@ def test_an_ipv6_address_is_written_in_brackets_beside_its_port():
     assert host_port("10.0.0.7", 8000) == "10.0.0.7:8000"
 
 
-@pytest.mark.slow
-def test_replicas_on_an_ipv6_host_print_a_url_that_reaches_them():
-    pytest.importorskip("ray.serve")
-    with socket.socket(socket.AF_INET6) as probe:
-        probe.bind(("::1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "sluice.app.cli", "serve", "--replicas", "1", "--host", "::1",
-                               "--port", str(port), "--no-ui", *SERVER_FLAGS], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (line := server.stdout.readline()).startswith("Sluice is ready: "):
-            assert line and time.monotonic() < deadline, "no ready line"
-        url = re.match(r"Sluice is ready: (\S+)/v1 ", line).group(1)
-        assert url == f"http://[::1]:{port}"
-        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.communicate(timeout=120)
-    assert server.returncode == 0
-
-
 def _marked_pids(mark: str) -> list[int]:
     """The processes whose environment holds `LEAK_MARK=mark`: a command started with it and all it started."""
     pids = []
@@ -155,24 +133,37 @@ def _marked_pids(mark: str) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_a_local_cluster_is_the_commands_own_whatever_ray_address_says_and_a_signal_to_its_group_leaves_nothing(
-        sig: signal.Signals):
+@pytest.mark.parametrize(("sig", "host", "expected_url"), [
+    (signal.SIGINT, "127.0.0.1", "http://127.0.0.1:{port}"),
+    (signal.SIGTERM, "::1", "http://[::1]:{port}"),
+], ids=["ctrl-c-on-ipv4", "sigterm-on-ipv6"])
+def test_a_local_cluster_is_the_commands_own_whatever_ray_address_says_its_ready_url_reaches_it_on_an_ipv4_or_ipv6_host_and_a_signal_to_its_group_leaves_nothing(
+        sig: signal.Signals, host: str, expected_url: str):
     """Ray joins the cluster RAY_ADDRESS (or `ray start`) names when asked for none; without --ray-address the
     replicas run on a cluster of their own, all of which stops when a signal to the command's whole process group
     stops the command: Ctrl-C's SIGINT, as a terminal sends it, or SIGTERM, as a supervisor stopping the group
     does (the cluster's processes, in that group too, must leave the stop to the command: else it exits 1 once
-    it has waited a minute for Ray's GCS)."""
+    it has waited a minute for Ray's GCS).
+
+    Each life checks on the way that the ready line's URL reaches the replicas (/health answers 200 there), on an
+    IPv4 host and on an IPv6 one, whose address the URL writes in brackets (`http://[::1]:port`). (A SIGTERM to
+    the command alone, rather than its group, exiting 0 is checked by the drain tests below.)"""
     pytest.importorskip("ray.serve")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
     mark = uuid.uuid4().hex
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": "127.0.0.1:9", "LEAK_MARK": mark}
-    server = subprocess.Popen([sys.executable, "-m", "sluice.app.cli", "serve", "--replicas", "1",
-                               "--port", str(free_port()), "--no-ui", *SERVER_FLAGS], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    server = subprocess.Popen([sys.executable, "-m", "sluice.app.cli", "serve", "--replicas", "1", "--host", host,
+                               "--port", str(port), "--no-ui", *SERVER_FLAGS], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not (line := server.stdout.readline()).startswith("Sluice is ready: "):
             assert line and time.monotonic() < deadline, "no ready line"
+        url = re.match(r"Sluice is ready: (\S+)/v1 ", line).group(1)
+        assert url == expected_url.format(port=port)
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         os.killpg(server.pid, sig)
         server.communicate(timeout=120)
     finally:
@@ -225,6 +216,14 @@ async def _streams(url: str, count: int, started: asyncio.Event, enough: int | N
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
         return await asyncio.gather(*(stream(client, i) for i in range(count)))
+
+
+async def _within(awaitable, timeout_s: float, what: str):
+    """`awaitable`'s result, failing the test with `what` was waited for if it takes longer than `timeout_s`."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        pytest.fail(f"waited {timeout_s:.0f} s for {what}")
 
 
 async def _sigterm_under_streams(server: ServerProcess, count: int, running: int) -> tuple[list[Outcome], float]:
@@ -301,55 +300,61 @@ def _answer_of_the_ingress(url: str, path: str, deadline: float) -> httpx.Respon
     return response
 
 
+async def _refused_while_draining(url: str) -> dict[str, httpx.Response]:
+    """Once SIGTERM has reached the server: the first answer to /health that is not 200 (the ingress answers it at
+    once, whatever the replicas are doing: the drain has begun), then a `GET /v1/models`'s and a Messages
+    request's, sent after it: neither waits for a replica busy with the streams."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+        while (health := await client.get(f"{url}/health")).status_code == 200:
+            await asyncio.sleep(0.05)
+        models = await client.get(f"{url}/v1/models")
+        messages = await client.post(f"{url}/v1/messages", json={
+            "model": "any", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})
+        return {"models": models, "messages": messages, "health": health}
+
+
 @pytest.mark.slow
-def test_health_is_503_at_once_while_the_replicas_load_and_200_once_one_runs():
+def test_health_is_503_while_the_replicas_load_then_200_and_after_sigterm_new_requests_get_the_single_processs_503_while_the_streams_in_flight_finish():
+    """One server's life, on a replica that runs one at a time (and takes two: its batch twice):
+
+    - while the replica loads, /health is 503 ("loading"), answered at once by the ingress; once it runs, 200;
+    - three streams: two at the replica (one running, one queued there), the third waiting at the ingress for it;
+      SIGTERM then starts the drain, and they keep it going (seconds each) while new requests come:
+    - those new requests get the single process's 503 at once: /health "shutting down", then GET /v1/models "The
+      server is shutting down" and a Messages request an Anthropic-shaped error;
+    - every stream in flight at the SIGTERM, at the replica or waiting at the ingress, finishes (finish_reason
+      "length", then `data: [DONE]`), well within --drain-timeout;
+    - the command exits 0."""
     pytest.importorskip("ray.serve")
-    server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, until=503, startup_timeout_s=300)
+    server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, "--max-model-len", "512", "--max-num-seqs",
+                          "1", "--drain-timeout", "120", until=503, startup_timeout_s=300)
+
+    async def stream_then_stop() -> tuple[list[Outcome], dict[str, httpx.Response]]:
+        started = asyncio.Event()
+        streams = asyncio.ensure_future(_streams(server.url, 3, started, 2))
+        await _within(started.wait(), 120, "two of the streams to have their headers from the replica")
+        server.process.send_signal(signal.SIGTERM)
+        refused = await _within(_refused_while_draining(server.url), 60, "a 503 to a new request after SIGTERM")
+        return await streams, refused
+
     try:
         deadline = time.monotonic() + 300
         loading = _answer_of_the_ingress(server.url, "/health", deadline)
         assert (loading.status_code, loading.json()["error"]["message"]) == (503, "loading")
-        while _answer_of_the_ingress(server.url, "/health", deadline).status_code != 200:
+        while (health := _answer_of_the_ingress(server.url, "/health", deadline)).status_code != 200:
+            assert time.monotonic() < deadline, f"/health still {health.status_code} after 300 s: {health.text}"
             time.sleep(0.2)
-    finally:
-        assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
-
-
-async def _refused_while_draining(url: str) -> dict[str, httpx.Response]:
-    """Once SIGTERM has reached the server: the first answer to `GET /v1/models` that is not 200, then a Messages
-    request's and /health's."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
-        while (models := await client.get(f"{url}/v1/models")).status_code == 200:
-            await asyncio.sleep(0.05)
-        messages = await client.post(f"{url}/v1/messages", json={
-            "model": "any", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})
-        return {"models": models, "messages": messages, "health": await client.get(f"{url}/health")}
-
-
-@pytest.mark.slow
-def test_after_sigterm_new_requests_get_the_single_processs_503_while_streams_in_flight_finish():
-    """Six streams on a replica that runs one at a time keep the drain going while new requests come."""
-    pytest.importorskip("ray.serve")
-    server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, "--max-model-len", "512", "--max-num-seqs",
-                          "1", "--drain-timeout", "120", startup_timeout_s=300)
-
-    async def stream_then_stop() -> tuple[list[Outcome], dict[str, httpx.Response]]:
-        started = asyncio.Event()
-        streams = asyncio.ensure_future(_streams(server.url, 6, started))
-        await asyncio.wait_for(started.wait(), 120)
-        server.process.send_signal(signal.SIGTERM)
-        refused = await asyncio.wait_for(_refused_while_draining(server.url), 60)
-        return await streams, refused
-
-    try:
         streams, refused = asyncio.run(stream_then_stop())
         exit_status = server.process.wait(120)
     finally:
-        server.stop()
+        server.stop(timeout_s=120)
     assert refused["models"].status_code == 503, refused["models"].text
     assert refused["models"].json()["error"]["message"] == "The server is shutting down"
     assert refused["messages"].status_code == 503
     assert refused["messages"].json()["type"] == "error"  # Anthropic's shape
     assert (refused["health"].status_code, refused["health"].json()["error"]["message"]) == (503, "shutting down")
-    assert [events[-1] for _, events in streams] == ["data: [DONE]"] * 6
+    assert [status for status, _ in streams] == [200] * 3, streams
+    for _, events in streams:
+        assert events[-1] == "data: [DONE]", events[-2:]
+        assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length", events[-2:]
     assert exit_status == 0, server.output()[-4000:]
