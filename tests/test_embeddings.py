@@ -30,7 +30,7 @@ TINY = ModelConfig.tiny(vocab_size=49152)  # SmolLM2's tokenizer's: text inputs 
 PAGE = 4
 CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, page_size=PAGE,
                       kv_cache_memory=256 * 2 * TINY.num_layers * TINY.num_kv_heads * PAGE * TINY.head_dim * 4,
-                      num_decode_steps=4)
+                      num_decode_steps=4, warmup=False)
 LONG = [(7 * i) % 250 + 3 for i in range(100)]  # over three steps' budget of 32 tokens
 
 

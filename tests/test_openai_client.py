@@ -21,7 +21,7 @@ from sluice.model.llama import Llama
 from sluice.model.loader import LoadedModel
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, page_size=4,
-                      kv_cache_memory=1 << 20, num_decode_steps=1)
+                      kv_cache_memory=1 << 20, num_decode_steps=1, warmup=False)
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 

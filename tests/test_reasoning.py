@@ -206,7 +206,7 @@ def thinking_engine() -> Engine:
     config = ModelConfig.tiny(vocab_size=288)
     loaded = LoadedModel(config, Llama(config, rngs=nnx.Rngs(0)), one_token_tags(special=True), "tiny")
     return Engine(loaded, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, page_size=4,
-                                       kv_cache_memory=4 << 20), progress=False)
+                                       kv_cache_memory=4 << 20, warmup=False), progress=False)
 
 
 @pytest.mark.parametrize(("fields", "finish", "num_tokens"), [

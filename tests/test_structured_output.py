@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 PAGE_SIZE = 16
 PAGE_BYTES = 2 * 30 * 3 * PAGE_SIZE * 64 * 4  # SmolLM2 float32
 CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=384, kv_cache_memory=256 * PAGE_BYTES,
-                      num_decode_steps=1, page_size=PAGE_SIZE)
+                      num_decode_steps=1, page_size=PAGE_SIZE, warmup=False)
 
 CITY = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24},
