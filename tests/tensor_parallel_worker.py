@@ -200,7 +200,7 @@ def run(which: str, tp: int) -> dict:
     elif which == "qwen3":
         result = run_qwen3(tp)
     elif which == "smollm2":  # as `sluice serve --tp N --quantization none` builds it: float32, HF's answers
-        engine = Engine.create(replace(ENGINE, tp=tp, dtype="float32"), progress=False)
+        engine = Engine.create(replace(ENGINE, tp=tp, dtype="float32", kv_cache_memory=16 << 20), progress=False)
         result = run_engine(engine, [chat(engine.tokenizer, q) for q in (
             "What is the capital of France?", "Name three colours.", "Write a haiku about rain.")])
     else:
