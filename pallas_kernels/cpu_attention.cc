@@ -15,8 +15,6 @@
 // GQA group and all its query rows, page by page with an online softmax. Items are claimed by the calling
 // thread and by helpers on XLA's intra-op thread pool (cpu_parallel.h).
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,6 +25,7 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,22 +1,26 @@
 """Building the CPU kernels' shared library (every `pallas_kernels/*.cc`) into a cache, one build per ISA variant.
 
 The C++ sources ship inside the package and are compiled on first use (or at install time, `python -m
-pallas_kernels.cpu_library`). A build targets an ISA variant rather than the machine: VARIANTS, best first,
-down to the portable baseline x86-64-v3 (AVX2, FMA, F16C). `candidates()` keeps those the CPU runs (its
-/proc/cpuinfo flags); `$SLUICE_CPU_ISA` names one variant instead (the tests build the baseline that way).
+pallas_kernels.cpu_library`). A build targets an ISA variant rather than the machine: on x86, VARIANTS, best
+first, down to the baseline x86-64-v3 (AVX2, FMA, F16C), of which `candidates()` keeps those the CPU runs (its
+/proc/cpuinfo flags); on any other CPU (ARM64: Apple Silicon, Graviton), PORTABLE: the same sources against
+SIMDe, which implements the x86 intrinsics there (with NEON on ARM), its headers from the `cmeel-simde` wheel.
+`$SLUICE_CPU_ISA` names one variant instead (the tests build the narrower ones, and the portable one, that way).
 
 Each build lives in `<cache>/<variant>-<key>/` (`cache_root()`: `$SLUICE_HOME/kernels`), the key a hash of the
-sources, the flags (`$SLUICE_CXXFLAGS` appended), the compiler (its path and `--version`), jax's version (its
-FFI headers) and the machine type. A changed source or compiler gets a fresh build; any CPU of a variant's ISA
-can use its build. A build that fails is recorded in its folder (FAILED: why) and not tried again while the key
-stays the same, that is until the sources or the compiler change. A missing compiler is recorded the same way,
-keyed by the name that was looked for.
+sources, the flags (SIMDe's include folder among them; `$SLUICE_CXXFLAGS` appended), the compiler (its path and
+`--version`), jax's version (its FFI headers) and the machine type. A changed source or compiler gets a fresh
+build; any CPU of a variant's ISA can use its build. A build that fails is recorded in its folder (FAILED: why)
+and not tried again while the key stays the same, that is until the sources or the compiler change (or, for the
+portable build, SIMDe is installed). A missing compiler is recorded the same way, keyed by the name that was
+looked for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import os
 import platform
 import shlex
@@ -34,6 +38,7 @@ LIBRARY = "libsluice_cpu.so"
 FAILED = "FAILED"
 COMMON_FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-fPIC", "-pthread")
 X86 = {"x86_64", "amd64"}
+SIMDE = "cmeel-simde"  # the wheel of SIMDe's headers
 _REASON_CHARS = 4000  # of the compiler's output kept in a failure record
 
 
@@ -49,11 +54,12 @@ class BuildError(RuntimeError):
 @dataclass(frozen=True)
 class Variant:
     """An ISA the library is compiled for: `flags` for the compiler, `needs` the /proc/cpuinfo flags of a CPU
-    that runs it."""
+    that runs it, `simde` whether it is compiled against SIMDe's intrinsics rather than the compiler's."""
 
     name: str
     flags: tuple[str, ...]
     needs: frozenset[str]
+    simde: bool = False
 
 
 _V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})  # abm: LZCNT
@@ -66,6 +72,8 @@ VARIANTS = (
     Variant("avx-vnni", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}),
     BASELINE,
 )
+# Any CPU: at the compiler's default target, the kernels' AVX2 paths through SIMDe (cpu_simd.h).
+PORTABLE = Variant("portable", ("-DSLUICE_SIMDE",), frozenset(), simde=True)
 
 
 @dataclass(frozen=True)
@@ -106,16 +114,15 @@ def cpu_flags() -> frozenset[str] | None:
 
 
 def candidates() -> list[Variant]:
-    """The variants to try here, best first: `$SLUICE_CPU_ISA`'s, else those this CPU runs (only the baseline
-    where the flags are unknown: the library checks the CPU itself before its kernels are registered).
-    BuildError (why) when there is none."""
-    machine = platform.machine().lower()
-    if machine not in X86:
-        raise BuildError(f"no kernel build for {machine} (the kernels use x86 AVX2 / AVX-512 intrinsics)")
+    """The variants to try here, best first: `$SLUICE_CPU_ISA`'s, else the portable one off x86, else those this
+    x86 CPU runs (only the baseline where the flags are unknown: the library checks the CPU itself before its
+    kernels are registered). BuildError (why) when there is none."""
     forced = os.environ.get("SLUICE_CPU_ISA")
-    names = {variant.name: variant for variant in VARIANTS}
+    names = {variant.name: variant for variant in (*VARIANTS, PORTABLE)}
     if forced and forced not in names:
         raise BuildError(f"$SLUICE_CPU_ISA={forced} is not one of {', '.join(names)}")
+    if forced == PORTABLE.name or (not forced and platform.machine().lower() not in X86):
+        return [PORTABLE]
     flags = cpu_flags()
     if flags is None:
         return [names[forced] if forced else BASELINE]
@@ -128,7 +135,28 @@ def candidates() -> list[Variant]:
 
 
 def flags(variant: Variant) -> list[str]:
-    return [*COMMON_FLAGS, *variant.flags, *os.environ.get("SLUICE_CXXFLAGS", "").split()]
+    return [*COMMON_FLAGS, *variant.flags, *_simde_flags(variant), *os.environ.get("SLUICE_CXXFLAGS", "").split()]
+
+
+def simde_include() -> Path | None:
+    """The folder holding SIMDe's `simde/` headers, found among the `cmeel-simde` distribution's files; None
+    where it is not installed."""
+    try:
+        files = importlib.metadata.distribution(SIMDE).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    header = next((file for file in files if file.as_posix().endswith("simde/x86/avx2.h")), None)
+    return None if header is None else Path(header.locate()).parents[2]
+
+
+def _simde_flags(variant: Variant) -> list[str]:
+    """SIMDe's include folder (none while it is missing: `_compile` then says what to install). On x86, SIMDe's
+    own implementation of each intrinsic rather than the x86 instruction it would pass through to
+    (SIMDE_NO_NATIVE): the code that stands in for the x86 instructions on other CPUs, built and tested here."""
+    include = simde_include() if variant.simde else None
+    if include is None:
+        return []
+    return [f"-I{include}", *(["-DSIMDE_NO_NATIVE"] if platform.machine().lower() in X86 else [])]
 
 
 def build_folder(variant: Variant, compiler: Compiler) -> Path:
@@ -163,6 +191,8 @@ def _compile(variant: Variant, compiler: Compiler, library: Path) -> None:
     of the same key lands the same bytes)."""
     if compiler.command is None:
         raise BuildError(f"no C++ compiler ({compiler.identity}; set $CXX or install g++)")
+    if variant.simde and simde_include() is None:
+        raise BuildError(f"the {variant.name} build needs SIMDe's headers: pip install {SIMDE}")
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         include = f"-I{jax.ffi.include_dir()}"

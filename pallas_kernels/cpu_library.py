@@ -1,9 +1,10 @@
 """The CPU kernels' shared library, loaded once per process and registered with XLA's FFI.
 
 `load()` takes the best ISA variant this CPU runs (`cpu_build.candidates()`: AVX-512 with VNNI, AVX-VNNI, or the
-x86-64-v3 baseline), built on first use into the cache (`cpu_build.py`); a variant whose build fails falls back
-to the next. Where none can be had (no compiler, another ISA, a failed build), it says why once, at the first
-use, and callers take pure-XLA forms: `available()` of `cpu_qmatmul` and `cpu_attention` is False.
+x86-64-v3 baseline on x86; the portable build through SIMDe elsewhere), built on first use into the cache
+(`cpu_build.py`); a variant whose build fails falls back to the next. Where none can be had (no compiler, an x86
+CPU without AVX2, no SIMDe, a failed build), it says why once, at the first use, and callers take pure-XLA forms:
+`available()` of `cpu_qmatmul` and `cpu_attention` is False.
 `python -m sluice.pallas_kernels.cpu_library` builds at install time (`make serve` / `make test`).
 """
 

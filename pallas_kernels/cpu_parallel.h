@@ -3,14 +3,13 @@
 #ifndef SLUICE_CPU_PARALLEL_H_
 #define SLUICE_CPU_PARALLEL_H_
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <thread>
 
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace sluice {

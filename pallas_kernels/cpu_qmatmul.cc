@@ -27,8 +27,6 @@
 // exactly as tall as the rows left, the tile's accumulators in registers: integer within a block, float across
 // blocks.
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,6 +34,7 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -432,11 +431,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SluiceQ4Q8, Q4Q8Impl,
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Whether this CPU runs the instructions the library was compiled for (checked before registering): the
-// x86-64-v3 baseline's, and those of the variant's extensions (cpu_build.py).
+// Whether this CPU runs the instructions the library was compiled for (checked before registering): those the
+// compiler was allowed (the variant's flags in cpu_build.py, and $SLUICE_CXXFLAGS), none on the portable build
+// at the default -march. This one function is compiled for any x86 CPU, so that a CPU lacking them gets an answer.
+#if defined(__x86_64__)
 extern "C" __attribute__((target("default"))) int SluiceCpuSupported() {
   __builtin_cpu_init();
-  int supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  int supported = 1;
+#if defined(__AVX2__)
+  supported = supported && __builtin_cpu_supports("avx2");
+#endif
+#if defined(__FMA__)
+  supported = supported && __builtin_cpu_supports("fma");
+#endif
+#if defined(__F16C__)
+  supported = supported && __builtin_cpu_supports("f16c");
+#endif
 #if defined(__AVX512F__)
   supported = supported && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
               __builtin_cpu_supports("avx512vl");
@@ -449,3 +459,7 @@ extern "C" __attribute__((target("default"))) int SluiceCpuSupported() {
 #endif
   return supported;
 }
+#else
+// The portable build, elsewhere: it needs only the architecture's baseline (NEON on ARM64).
+extern "C" int SluiceCpuSupported() { return 1; }
+#endif

@@ -1,11 +1,15 @@
 """Building the CPU kernels (`pallas_kernels/cpu_build.py`, `cpu_library.py`) and what runs without them: the ISA
 variant chosen per CPU, a failed build recorded once and not retried, the pure-XLA forms taken without kernels
-(and that they are the faster ones there), and the narrower builds this CPU runs (AVX-VNNI, the portable x86-64-v3)
-computing what its own build does."""
+(and that they are the faster ones there), and the narrower builds this CPU runs (AVX-VNNI, the x86-64-v3 baseline,
+the portable build through SIMDe) computing what its own build does."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +24,7 @@ from sluice.model.quantize import quantize_params, resolve
 from sluice.pallas_kernels import cpu_build, cpu_library
 from sluice.pallas_kernels import cpu_qmatmul as cq
 from sluice.pallas_kernels.cpu_attention import ragged_paged_attention_cpu
-from sluice.pallas_kernels.cpu_build import BASELINE, BuildError
+from sluice.pallas_kernels.cpu_build import BASELINE, PORTABLE, BuildError
 from test_cpu_qmatmul import random_q4, random_q8
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,21 +54,46 @@ def test_sluice_cpu_isa_names_the_variant_to_build(monkeypatch):
     monkeypatch.setattr(cpu_build, "cpu_flags", lambda: frozenset(AVX512_FLAGS))
     monkeypatch.setenv("SLUICE_CPU_ISA", "x86-64-v3")
     assert cpu_build.candidates() == [BASELINE]
+    monkeypatch.setenv("SLUICE_CPU_ISA", "portable")
+    assert cpu_build.candidates() == [PORTABLE]
     monkeypatch.setenv("SLUICE_CPU_ISA", "x86-64-v9")
-    with pytest.raises(BuildError, match="not one of avx512-vnni, avx-vnni, x86-64-v3"):
+    with pytest.raises(BuildError, match="not one of avx512-vnni, avx-vnni, x86-64-v3, portable"):
         cpu_build.candidates()
 
 
-@pytest.mark.parametrize("machine, flags, reason", [
-    ("aarch64", None, "no kernel build for aarch64"),
-    ("x86_64", frozenset({"sse4_2", "avx"}), "this CPU lacks what the x86-64-v3 build needs: abm, avx2"),
-])
-def test_a_cpu_without_a_variant_gets_no_kernels_and_a_reason(monkeypatch, machine, flags, reason):
-    monkeypatch.setattr(cpu_build.platform, "machine", lambda: machine)
-    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: flags)
+def test_an_x86_cpu_without_avx2_gets_no_kernels_and_a_reason(monkeypatch):
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
     monkeypatch.delenv("SLUICE_CPU_ISA", raising=False)
     library, failures = cpu_library.find()
-    assert library is None and len(failures) == 1 and failures[0].startswith(reason)
+    assert library is None and failures == [
+        "this CPU lacks what the x86-64-v3 build needs: abm, avx2, bmi1, bmi2, f16c, fma, movbe"]
+
+
+def not_installed(name: str):
+    raise importlib.metadata.PackageNotFoundError(name)
+
+
+@pytest.mark.parametrize("machine", ["arm64", "aarch64"])  # macOS's name for ARM64, and Linux's
+def test_a_cpu_other_than_x86_builds_the_portable_variant_which_needs_simde(tmp_path, monkeypatch, machine):
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: machine)
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: None)  # macOS has no /proc/cpuinfo
+    monkeypatch.delenv("SLUICE_CPU_ISA", raising=False)
+    assert cpu_build.candidates() == [PORTABLE]
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_build.importlib.metadata, "distribution", not_installed)
+    library, failures = cpu_library.find()
+    assert library is None and failures == ["the portable build failed: the portable build needs SIMDe's headers: "
+                                             "pip install cmeel-simde"]
+
+
+def test_the_portable_build_failed_for_want_of_simde_is_tried_again_once_simde_is_installed(monkeypatch):
+    compiler = cpu_build.find_compiler()
+    with_simde = cpu_build.build_folder(PORTABLE, compiler)
+    assert f"-I{cpu_build.simde_include()}" in cpu_build.flags(PORTABLE)
+    monkeypatch.setattr(cpu_build.importlib.metadata, "distribution", not_installed)
+    assert cpu_build.build_folder(PORTABLE, compiler) != with_simde
 
 
 # ---- A failed build, recorded once.
@@ -160,12 +189,30 @@ def test_without_kernels_float_weights_cost_fewer_operations_than_dequantized_on
 
 # ---- The narrower builds.
 
+def exact_inputs(rng: np.random.Generator, rows: int) -> tuple[np.ndarray, *tuple[jax.Array, ...]]:
+    """x [rows, 96], a Q8_0 weight and a Q4_1 one [96, 208] (values, scale, Q4_1's values, min) on which every float
+    step of the quantized matmuls is exact: each block of x holds +-127 (scale 1: x is quantized as it is) and
+    halves (which round to even), the weights' scales are 1 and their mins integers."""
+    x = rng.integers(-253, 254, (rows, 96)) / 2
+    x[:, ::32] = 127.0 * rng.choice([-1, 1], (rows, 3))
+    q8 = cq.pack_q8(jnp.asarray(rng.integers(-127, 128, (96, 208)), jnp.int8))
+    q4 = cq.pack_q4(jnp.asarray(rng.integers(0, 16, (96, 208)), jnp.uint8))
+    ones = cq.pack_scales(jnp.ones((3, 208), jnp.float16))
+    low = cq.pack_scales(jnp.asarray(rng.integers(-8, 1, (3, 208)), jnp.float16))
+    return x.astype(np.float32), q8[None], ones[None], q4[None], low[None]
+
+
 def kernel_outputs() -> dict[str, np.ndarray]:
     """The quantized matmuls and ragged attention (a decode row and a 5-token prefill) on fixed inputs, through
-    whichever build this process loaded. 1, 7 and 10 rows end in row tiles of every height the builds have (8-row
-    tiles with AVX-512: 1, 7, 8 + 2; 4-row ones without: 1, 4 + 3, 4 + 4 + 2)."""
+    whichever build this process loaded; those named `exact_*` on inputs where no float step rounds. 1, 7 and 10
+    rows end in row tiles of every height the builds have (8-row tiles with AVX-512: 1, 7, 8 + 2; 4-row ones
+    without: 1, 4 + 3, 4 + 4 + 2)."""
     rng = np.random.default_rng(0)
     out = {}
+    for rows in (1, 7, 10):
+        x, q8, ones, q4, low = exact_inputs(rng, rows)
+        out[f"exact_q8_{rows}"] = np.asarray(jax.jit(cq.q8_q8)(x, q8, ones, 0))
+        out[f"exact_q4_{rows}"] = np.asarray(jax.jit(cq.q4_q8)(x, q4, ones, low, 0))
     for rows in (1, 7, 10):
         x = rng.standard_normal((rows, 96)).astype(np.float32)
         w, scale = random_q8(rng, 96, 208)
@@ -191,17 +238,37 @@ print(cpu_library.load().variant.name)
 
 
 @pytest.mark.skipif(not cq.available(), reason="no CPU kernels here (no compiler, or not an x86-64-v3 CPU)")
-@pytest.mark.parametrize("variant", cpu_build.VARIANTS[1:], ids=lambda variant: variant.name)
+@pytest.mark.parametrize("variant", [*cpu_build.VARIANTS[1:], PORTABLE], ids=lambda variant: variant.name)
 def test_a_narrower_build_computes_what_this_cpus_build_does(tmp_path, variant):
     """The narrower variants are built and run even where a wider one is chosen (an AVX-512 machine): their AVX2
-    paths (VNNI's vpdpbusd on 256-bit registers, or vpmaddubsw in its place; 4-row tiles) must give this build's
-    numbers."""
+    paths (VNNI's vpdpbusd on 256-bit registers, or vpmaddubsw in its place; 4-row tiles), and the same paths
+    through SIMDe (its plain-C forms on x86), must give this build's numbers: exactly where no float step rounds
+    (the activations' quantization and the integer dot products), else but for rounding. That differs in the last
+    bits: without VNNI, Q8_0's -128 offset is not taken off per block; the portable build on x86 multiplies, then
+    adds, where the others fuse (one more rounding per FMA). Up to 1.6e-7 of the largest output on these inputs."""
     if variant == cpu_library.load().variant or not variant.needs <= (cpu_build.cpu_flags() or set()):
         pytest.skip(f"the {variant.name} build is this CPU's own, or one it cannot run")
     result = run_python(VARIANT_OUTPUTS.format(path=tmp_path / "outputs.npz"), SLUICE_CPU_ISA=variant.name,
-                        SLUICE_HOME=str(tmp_path / "home"))
+                        SLUICE_HOME=str(tmp_path / "home"), SLUICE_CXXFLAGS="")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == [variant.name]
     theirs = np.load(tmp_path / "outputs.npz")
     for name, here in kernel_outputs().items():
-        np.testing.assert_allclose(theirs[name], here, rtol=1e-5, atol=1e-5 * np.abs(here).max(), err_msg=name)
+        if name.startswith("exact_"):
+            np.testing.assert_array_equal(theirs[name], here, err_msg=name)
+        else:
+            np.testing.assert_allclose(theirs[name], here, rtol=0, atol=1e-6 * np.abs(here).max(), err_msg=name)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in cpu_build.X86 or shutil.which("objdump") is None,
+                    reason="an x86 machine's build, read by objdump")
+def test_the_portable_build_on_x86_uses_no_avx_instruction(tmp_path, monkeypatch):
+    """SIMDe's plain-C forms at the compiler's default target (x86-64: SSE2): no VEX-encoded instruction (their
+    mnemonics begin with v), no 256- or 512-bit register."""
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    monkeypatch.delenv("SLUICE_CXXFLAGS", raising=False)
+    library = cpu_build.build(PORTABLE, cpu_build.find_compiler())
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True,
+                          check=True).stdout
+    avx = re.findall(r"^\s*[0-9a-f]+:\s+(v\w+.*|.*%[yz]mm.*)$", code, re.MULTILINE)
+    assert "mulps" in code and avx == []
