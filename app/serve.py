@@ -32,8 +32,8 @@ from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
 from sluice.app.addresses import http_url
-from sluice.app.arguments import CHAT_TEMPLATE_HELP, DTYPE_HELP, OneLineErrors, above, at_least, chat_template, \
-    claim_gpu_memory, dtype_name, fraction
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, DTYPE_HELP, CommandError, OneLineErrors, above, at_least, \
+    chat_template, claim_gpu_memory, dtype_name, fraction
 from sluice.app.engine_loading import load_engine
 from sluice.app.middleware import OPEN_PATHS
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
@@ -413,18 +413,10 @@ def run(args: argparse.Namespace) -> int:
     # jax's GPU allocator reads its share once, when its backend starts: nothing before this line has started it.
     if (ignored := claim_gpu_memory(args.gpu_memory_utilization, os.environ)) is not None:
         print(f"sluice serve: {ignored}", file=sys.stderr)
-    if args.model_tag is not None:
-        if args.model not in (None, os.environ.get(env_name("--model")), args.model_tag):
-            return _refuse(f"the model is given twice, {args.model_tag!r} and --model {args.model!r}: give one")
-        args.model = args.model_tag
-    if (conflict := _apply_speculative_config(args)) is not None:
-        return _refuse(conflict)
-    if (idle := _idle_tuning(args)) is not None:
-        return _refuse(idle)
-    if (cache_error := _jax_cache_error()) is not None:
-        return _refuse(cache_error)
-    if args.prefix_cache_dir is not None and (unwritable := _unwritable(args.prefix_cache_dir)) is not None:
-        return _refuse(f"--prefix-cache-dir {args.prefix_cache_dir} {unwritable}")
+    try:
+        engine_config = checked_engine_config(args)
+    except CommandError as error:
+        return _refuse(str(error))
     if args.api_key is not None and not args.api_key.strip():  # a key from an unset shell variable, say
         return _refuse("--api-key is empty, which would serve every client: pass the key clients must send, or "
                        "leave the flag (and SLUICE_API_KEY) out")
@@ -434,8 +426,50 @@ def run(args: argparse.Namespace) -> int:
     address = args.coordinator_address
     if args.num_processes > 1 and address is not None and re.fullmatch(r"\S+:\d+", address) is None:
         return _refuse(f"--coordinator-address must be host:port (process 0's), got {address!r}")
+    settings = server_settings(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    # A path that holds no model is a one-line error now, not once the server (or a local Ray cluster) is up; the
+    # hosts' and a joined cluster's paths are theirs.
+    if args.model is not None and args.hosts is None and args.ray_address is None:
+        try:
+            resolve_model(args.model)
+        except (ModelNotFound, InvalidModel) as error:
+            return _refuse(str(error))
+    if args.replicas is not None:
+        return _serve_replicas(engine_config, settings, args)
+    if args.hosts is not None:
+        return _serve_on_hosts(args)
     try:
-        engine_config = EngineConfig(
+        initialize_distributed(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
+    except ValueError as error:
+        return _refuse(str(error))
+    if args.process_id > 0:
+        return _follow(engine_config, args)
+    try:
+        listener = listening_socket(args.host, args.port)
+    except OSError as error:
+        return _refuse(f"cannot listen on {args.host}:{args.port}: {error.strerror}")
+    with listener:
+        return asyncio.run(_serve(engine_config, settings, args, listener))
+
+
+def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration the flags give, checked as every command that runs an engine from them checks it
+    (`sluice serve`, `sluice run-batch`); CommandError says, in one line, why they give none."""
+    if args.model_tag is not None:
+        if args.model not in (None, os.environ.get(env_name("--model")), args.model_tag):
+            raise CommandError(f"the model is given twice, {args.model_tag!r} and --model {args.model!r}: give one")
+        args.model = args.model_tag
+    if (conflict := _apply_speculative_config(args)) is not None:
+        raise CommandError(conflict)
+    if (idle := _idle_tuning(args)) is not None:
+        raise CommandError(idle)
+    if (cache_error := _jax_cache_error()) is not None:
+        raise CommandError(cache_error)
+    if args.prefix_cache_dir is not None and (unwritable := _unwritable(args.prefix_cache_dir)) is not None:
+        raise CommandError(f"--prefix-cache-dir {args.prefix_cache_dir} {unwritable}")
+    try:
+        return EngineConfig(
             model=args.model,
             dtype=args.dtype,
             quantization=args.quantization,
@@ -465,32 +499,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_cache_ram=args.prefix_cache_ram,
         )
     except ValueError as error:
-        return _refuse(_said_by_flag(error))
-    settings = server_settings(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
-    # A path that holds no model is a one-line error now, not once the server (or a local Ray cluster) is up; the
-    # hosts' and a joined cluster's paths are theirs.
-    if args.model is not None and args.hosts is None and args.ray_address is None:
-        try:
-            resolve_model(args.model)
-        except (ModelNotFound, InvalidModel) as error:
-            return _refuse(str(error))
-    if args.replicas is not None:
-        return _serve_replicas(engine_config, settings, args)
-    if args.hosts is not None:
-        return _serve_on_hosts(args)
-    try:
-        initialize_distributed(DistributedConfig(args.coordinator_address, args.num_processes, args.process_id))
-    except ValueError as error:
-        return _refuse(str(error))
-    if args.process_id > 0:
-        return _follow(engine_config, args)
-    try:
-        listener = listening_socket(args.host, args.port)
-    except OSError as error:
-        return _refuse(f"cannot listen on {args.host}:{args.port}: {error.strerror}")
-    with listener:
-        return asyncio.run(_serve(engine_config, settings, args, listener))
+        raise CommandError(said_by_flag(error)) from None
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -528,7 +537,7 @@ def _idle_tuning(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _said_by_flag(error: Exception) -> str:
+def said_by_flag(error: Exception) -> str:
     """An error's message as the command line says it: an engine setting by its flag (`--page-size`)."""
     if isinstance(error, InvalidEngineConfig):
         return f"--{error.setting.replace('_', '-')} {error.problem}"
@@ -629,7 +638,7 @@ def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     try:
         engine = Engine.create(engine_config, progress=False)
     except (InvalidEngineConfig, InvalidTensorParallelism) as error:
-        return _refuse(_said_by_flag(error))
+        return _refuse(said_by_flag(error))
     print(f"Sluice process {args.process_id} of {args.num_processes}: running process 0's steps", flush=True)
     engine.follow()
     return 0
@@ -660,7 +669,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
         await serving
         if isinstance(loading.exception(),
                       (InvalidModel, ModelNotFound, InvalidEngineConfig, InvalidTensorParallelism)):  # input
-            return _refuse(_said_by_flag(loading.exception()))
+            return _refuse(said_by_flag(loading.exception()))
         logger.error("Could not start the engine: %s", loading.exception())
         return 1
     engine, peaks = loading.result()
