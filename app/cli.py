@@ -1,4 +1,4 @@
-"""The `sluice` command: fetch, generate, serve, bench."""
+"""The `sluice` command: fetch, generate, serve, run-batch, bench."""
 
 from __future__ import annotations
 
@@ -107,11 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(gen)
     gen.set_defaults(run=_generate)
 
-    from sluice.app import chat_cli, serve
+    from sluice.app import chat_cli, run_batch, serve
 
     serve_parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_arguments(serve_parser)
     serve_parser.set_defaults(run=serve.run)
+
+    batch = commands.add_parser("run-batch", help="answer a file of OpenAI Batch requests offline, through the "
+                                "server's own app (vLLM's `vllm run-batch`)")
+    run_batch.add_arguments(batch)
+    batch.set_defaults(run=run_batch.run)
 
     chat = commands.add_parser("chat", help="talk with a running server in the terminal (vLLM's `vllm chat`)")
     chat_cli.add_arguments(chat)
