@@ -174,12 +174,14 @@ def create_app(state: ServerState, cors: bool = True) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ticking = asyncio.ensure_future(feed.run()) if feed is not None else None
-        yield
-        if ticking is not None:
-            ticking.cancel()
-            await asyncio.gather(ticking, return_exceptions=True)
-        if state.engine is not None:
-            await state.engine.shutdown()
+        try:
+            yield
+        finally:  # also where the lifespan's host ends it with an error (run-batch's driver may)
+            if ticking is not None:
+                ticking.cancel()
+                await asyncio.gather(ticking, return_exceptions=True)
+            if state.engine is not None:
+                await state.engine.shutdown()
 
     app = Starlette(
         routes=routes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from dataclasses import replace
 
 import httpx
@@ -215,3 +216,20 @@ def test_the_models_sampling_defaults_hold_where_a_request_leaves_a_field_out(en
     else:
         assert completions[0].json()["usage"]["completion_tokens"] == 16
         assert temperatures == [1.0, 0.7]
+
+
+def test_the_engine_stops_when_the_apps_lifespan_ends_with_an_error(engine):
+    """A host that ends the app's lifespan with an error (run-batch's driver when its run fails, a cancelled serve
+    loop) still stops the engine: no step loop is left running."""
+
+    async def run():
+        state = ServerState(ServerSettings())
+        state.set_engine(engine)
+        await engine.start()
+        app = create_app(state)
+        with pytest.raises(RuntimeError, match="the host failed"):
+            async with app.router.lifespan_context(app):
+                raise RuntimeError("the host failed")
+
+    asyncio.run(run())
+    assert not [thread for thread in threading.enumerate() if thread.name == "sluice-engine"]
