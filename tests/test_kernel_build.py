@@ -272,3 +272,23 @@ def test_the_portable_build_on_x86_uses_no_avx_instruction(tmp_path, monkeypatch
                           check=True).stdout
     avx = re.findall(r"^\s*[0-9a-f]+:\s+(v\w+.*|.*%[yz]mm.*)$", code, re.MULTILINE)
     assert "mulps" in code and avx == []
+
+
+ARM64_CXX = "aarch64-linux-gnu-g++"
+
+
+@pytest.mark.skipif(shutil.which(ARM64_CXX) is None,
+                    reason=f"no ARM64 cross compiler ({ARM64_CXX}: apt-get install g++-aarch64-linux-gnu)")
+def test_an_arm64_machines_build_compiles_here_to_neon(tmp_path, monkeypatch):
+    """The build an ARM64 Linux machine makes (its variant, its flags), cross-compiled: the sources hold nothing
+    x86-only outside SIMDe, and SIMDe takes NEON there (fused multiply-adds on 128-bit registers, fmla)."""
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "aarch64")
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", ARM64_CXX)
+    monkeypatch.delenv("SLUICE_CPU_ISA", raising=False)
+    monkeypatch.delenv("SLUICE_CXXFLAGS", raising=False)
+    [variant] = cpu_build.candidates()
+    library = cpu_build.build(variant, cpu_build.find_compiler())
+    code = subprocess.run(["aarch64-linux-gnu-objdump", "-d", str(library)], capture_output=True, text=True,
+                          check=True).stdout
+    assert re.search(r"\tfmla\tv\d+\.4s", code)
