@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sluice.model.llama import LAYER_PARAMS, LINEAR_WEIGHTS, Llama
-from sluice.pallas_kernels import cpu_qmatmul
+from sluice.pallas_kernels import cpu_build, cpu_library, cpu_qmatmul
 from sluice.pallas_kernels.cpu_qmatmul import BLOCK, PANEL, pack_q4, pack_q8, pack_scales
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ decode step and multiplies as fast as int8 in the VNNI kernels, and for a 4-bit 
 weights. Elsewhere "none", the float weights every GPU figure was measured with. On a GPU, int8's per-channel form
 compiles to matmuls that read the int8 weights in place (half the bf16 bytes; `bench.step_audit --target h100
 --quantization int8`), but it has not been timed on a GPU yet (`gpu_check --quantization int8`). A CPU without
-the kernels takes "none" too: there the dequantized form is several times slower than float weights."""
+the kernels takes "none" too: there the dequantized form is several times slower than float weights. So does a CPU
+with only the kernels' portable build (SIMDe; ARM64): correct, but not yet timed on the CPUs it is for."""
 
 T = TypeVar("T")
 
@@ -58,22 +59,33 @@ def default_layout(quantization: str) -> str:
 
 def resolve(quantization: str, backend: str | None = None, cpu_kernels: bool | None = None) -> str:
     """A mode from CHOICES -> one of QUANTIZATIONS for `backend` (default: JAX's), "auto" on a CPU depending on
-    whether the CPU matmul kernels run (`cpu_kernels`, default: whether they run here)."""
+    whether the CPU matmul kernels run in a measured build (`cpu_kernels`, default: `_measured_kernels()`)."""
     if quantization not in CHOICES:
         raise ValueError(f"unknown quantization {quantization!r}; choose from {', '.join(CHOICES)}")
     if quantization != "auto":
         return quantization
     backend = backend or jax.default_backend()
-    if backend == "cpu" and not (cpu_qmatmul.available() if cpu_kernels is None else cpu_kernels):
-        _say_auto_takes_float_weights()
+    if backend == "cpu" and not (_measured_kernels() if cpu_kernels is None else cpu_kernels):
         return "none"
     return AUTO.get(backend, "none")
 
 
+def _measured_kernels() -> bool:
+    """Whether the CPU matmul kernels run here in an x86 build (saying once why "auto" takes float weights if not)."""
+    if not cpu_qmatmul.available():
+        _say_auto_takes_float_weights("the CPU matmul kernels being unavailable (int4 and int8 without them are "
+                                      "several times slower)")
+        return False
+    if cpu_library.load().variant is cpu_build.PORTABLE:
+        _say_auto_takes_float_weights("the CPU matmul kernels' portable build not being timed on this CPU yet "
+                                      "(--quantization int4 or int8 takes it)")
+        return False
+    return True
+
+
 @functools.cache
-def _say_auto_takes_float_weights() -> None:
-    logger.warning('--quantization auto: float weights ("none"), the CPU matmul kernels being unavailable '
-                   "(int4 and int8 without them are several times slower)")
+def _say_auto_takes_float_weights(why: str) -> None:
+    logger.warning('--quantization auto: float weights ("none"), %s', why)
 
 
 def packed_order(name: str, axes: Sequence[T]) -> tuple[T, ...]:

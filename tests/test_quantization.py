@@ -62,6 +62,17 @@ def test_auto_resolves_per_backend_and_unknown_modes_are_refused():
         resolve("fp8")
 
 
+def test_auto_takes_float_weights_where_only_the_untimed_portable_kernels_build(monkeypatch):
+    """The portable build (SIMDe, an ARM64 CPU's) computes what the x86 ones do, but its speed on the CPUs it is
+    for is not measured: "auto" keeps the float weights there, and int4 stays one flag away."""
+    from sluice.pallas_kernels import cpu_build, cpu_library
+
+    assert resolve("auto", "cpu") == "int4"  # this CPU's x86 build
+    library = cpu_library.load()
+    monkeypatch.setattr(cpu_library, "load", lambda: library._replace(variant=cpu_build.PORTABLE))
+    assert resolve("auto", "cpu") == "none" and resolve("int4", "cpu") == "int4"
+
+
 def tiny_forward(model: Llama, tokens: np.ndarray) -> np.ndarray:
     """Every row's logits from one jitted call of T = len(tokens) rows (the layout the engine steps use)."""
     return np.asarray(sequence_logits(model, tokens.tolist()))
