@@ -107,24 +107,6 @@ inline __m256 Sum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Pages are scattered 4 KB blocks that the hardware prefetcher does not run ahead into: as a page begins, every
-// K and V row of the page two ahead is asked for, into L2 (into L1 they would evict what the page itself needs).
-// One page ahead, spread over the page's V loop, left the loads waiting on memory (most of the kernel's profile
-// samples on its K and V loads); two ahead, requested at once, made model steps faster (bench/RESULTS.md).
-constexpr int64_t kPrefetchPagesAhead = 2;
-
-template <typename T>
-inline void PrefetchPage(const PagePool<T>& k, const PagePool<T>& v, int64_t page, int64_t head) {
-  for (int64_t t = 0; t < k.page_size; ++t) {
-    const char* k_row = reinterpret_cast<const char*>(k.Row(page, head, t));
-    const char* v_row = reinterpret_cast<const char*>(v.Row(page, head, t));
-    for (int64_t offset = 0; offset < k.head_dim * static_cast<int64_t>(sizeof(T)); offset += 64) {
-      _mm_prefetch(k_row + offset, _MM_HINT_T1);
-      _mm_prefetch(v_row + offset, _MM_HINT_T1);
-    }
-  }
-}
-
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxPageSize = 256;
 
@@ -149,8 +131,6 @@ void AttendRows(const float* const* q, const int64_t* visible, const PagePool<T>
   const int64_t num_pages = (span + ps - 1) / ps;
   for (int64_t p = 0; p < num_pages; ++p) {
     const int64_t page = pages[p], tokens = std::min(ps, span - p * ps);
-    for (int64_t ahead = p == 0 ? 1 : kPrefetchPagesAhead; ahead <= kPrefetchPagesAhead; ++ahead)
-      if (p + ahead < num_pages) PrefetchPage(k, v, pages[p + ahead], kv_head);
     // Scores, 8 tokens at a time (a short last block re-reads a valid row and is masked below).
     for (int64_t t0 = 0; t0 < tokens; t0 += 8) {
       __m256 acc[R][8];
