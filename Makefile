@@ -49,10 +49,20 @@ $(CHROMIUM):
 		echo "No $(CHROMIUM) and not root with apt-get: the browser tests will say so (apt-get install chromium)"; \
 	fi
 
+# The ARM64 cross compiler: tests/test_kernel_build.py compiles the CPU kernels' ARM64 build with it (to NEON).
+ARM64_CXX := /usr/bin/aarch64-linux-gnu-g++
+$(ARM64_CXX):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing the ARM64 cross compiler for the kernel build tests (apt-get) ..."; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null; \
+	else \
+		echo "No $(ARM64_CXX) and not root with apt-get: the ARM64 build test will say so"; \
+	fi
+
 # Two pytest-xdist workers, so that one module's waits (server start-ups, Ray's timers, Python between steps) overlap
 # another's compute; tests/conftest.py keeps each module on one worker and runs those that cannot share the machine
 # alone. `pytest -p no:xdist` runs the suite in one process.
-test: model | $(CHROMIUM)
+test: model | $(CHROMIUM) $(ARM64_CXX)
 	$(BIN)/python -m pytest -q -n 2
 
 # torch first: pip then takes the CPU wheel and keeps it when transformers comes after.
