@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from sluice.app.arguments import CHAT_TEMPLATE_HELP, DTYPE_HELP, CommandError, OneLineErrors, at_least, chat_template, \
@@ -15,6 +16,17 @@ from sluice.model.fetch import InvalidModel, ModelNotFound
 if TYPE_CHECKING:
     from sluice.model.tokenizer import Tokenizer
 
+
+class Subcommand(OneLineErrors):
+    """A subcommand's parser, which refuses the arguments it does not know itself: argparse leaves them to the top
+    parser, whose error would name `sluice` and its --help rather than the subcommand and its own."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed, unknown
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="sluice", description="High-throughput LLM inference on JAX/XLA.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Subcommand)
 
     fetch = commands.add_parser("fetch", help="find a model (downloading the default one) and print its path")
     fetch.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct, "

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the Batch output goes, JSONL: one line per input line, in order ('-': stdout)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars (there are none either when stderr is not a terminal)")
-    serve.add_arguments(parser)
+    serve.add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,22 +87,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
-    engine_config = serve.checked_engine_config(args)
-    if args.replicas is not None or args.hosts is not None or args.num_processes > 1:
-        raise CommandError("--replicas, --hosts and --num-processes are `sluice serve`'s: run-batch runs one engine "
-                           "in this process")
+    engine_config = serve.checked_engine_config(args, serve.ENGINE_TUNING_FLAGS)
     lines = _read_lines(args.input_file)
-    settings = batch_settings(serve.server_settings(args))
+    settings = batch_settings(args)
     progress = not args.no_progress and sys.stderr.isatty()
     with _output(args.output_file) as out:
         engine, _ = load_engine(engine_config, ui=settings.ui, declared=None, progress=progress)
         asyncio.run(answer_all(engine, settings, lines, out, progress))
 
 
-def batch_settings(settings: ServerSettings) -> ServerSettings:
-    """The server's settings for the runner, its only client: no API key to ask it for, no dashboard, and no bound
-    on the waiting queue, as the runner bounds what it sends at once (a 429 would be its own overload)."""
-    return replace(settings, api_key=None, ui=False, max_waiting=sys.maxsize)
+def batch_settings(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings for the runner, its only client: those that shape answers as the flags give them, the
+    server's own at their defaults (no API key to ask it for) but no dashboard, and no bound on the waiting queue
+    nor on a request's body, as the runner bounds what it sends at once (a 429 would be its own overload) and holds
+    each line read already (a 413 would spare nothing)."""
+    return replace(serve.answer_settings(args), ui=False, max_waiting=sys.maxsize, max_body_bytes=sys.maxsize)
 
 
 def _read_lines(path: str) -> list[bytes]:

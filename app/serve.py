@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
@@ -56,11 +57,15 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 KEEP_ALIVE_S = 65
 # Flags that tune a mode another flag turns on: set without it (to other than their default), they would do
 # nothing, so they are refused. Each mode: what it is, what turns it on, whether `args` do, and its flags.
-TUNING_FLAGS: list[tuple[str, str, Callable[[argparse.Namespace], bool], tuple[str, ...]]] = [
+TuningFlags = list[tuple[str, str, Callable[[argparse.Namespace], bool], tuple[str, ...]]]
+# The engine's modes (`add_engine_arguments`' flags), then those of serving over several engines (the server's own).
+ENGINE_TUNING_FLAGS: TuningFlags = [
     ("speculative decoding", "--speculative ngram", lambda args: args.speculative is not None,
      ("--num-speculative-tokens", "--spec-ngram-min", "--spec-ngram-max", "--spec-max-batch-size")),
     ("the persistent prefix cache", "--prefix-cache-dir DIR", lambda args: args.prefix_cache_dir is not None,
      ("--prefix-cache-size", "--prefix-cache-ram")),
+]
+SCALE_OUT_TUNING_FLAGS: TuningFlags = [
     ("serving over replicas", "--replicas N", lambda args: args.replicas is not None,
      ("--routing", "--imbalanced-threshold", "--max-ongoing-requests", "--max-replicas", "--min-replicas",
       "--target-ongoing-requests", "--upscale-delay", "--downscale-delay")),
@@ -238,24 +243,36 @@ class _SwitchAction(argparse.Action):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`sluice serve`'s flags: the engine's (`add_engine_arguments`) and the server's own, listed together."""
+    _add_flags(parser, server=parser)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that build the engine and shape its answers, without the server's own (HTTP, auth, CORS, dashboard,
+    streaming, drain, scale-out): those of a command that runs the engine but serves no HTTP (`sluice run-batch`)."""
+    _add_flags(parser, server=argparse.ArgumentParser())  # a parser nothing parses: the server's flags are dropped
+
+
+def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser) -> None:
+    """Every flag, in the order --help lists them: the engine's on `parser`, the server's own on `server`."""
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model to serve, as --model gives it (vLLM's `vllm serve MODEL`)")
     _option(parser, "--model", None, "a .gguf file, an HF folder or a known name (default: SmolLM2-135M-Instruct, fetched if missing)")
     _option(parser, "--served-model-name", None, "the name clients pass as `model` (default: the model's name)")
     _option(parser, "--chat-template", None, CHAT_TEMPLATE_HELP, type=chat_template)
-    _option(parser, "--host", "127.0.0.1", "address to listen on")
-    _option(parser, "--port", 8000, "port to listen on", type=port)
+    _option(server, "--host", "127.0.0.1", "address to listen on")
+    _option(server, "--port", 8000, "port to listen on", type=port)
     _option(parser, "--dtype", None, DTYPE_HELP, type=dtype_name)
     _option(parser, "--quantization", "auto",
             "weights: none (the dtype), int8 (GGUF Q8_0), int4 (GGUF Q4_1, embedding Q8_0), auto (int4 on a CPU, none on a GPU)",
             choices=list(QUANTIZATIONS))
     _option(parser, "--tp", _ENGINE_DEFAULTS.tp, "tensor-parallel degree (devices)", type=int,
             aliases=("--tensor-parallel-size", "-tp"))
-    _option(parser, "--coordinator-address", None,
+    _option(server, "--coordinator-address", None,
             "multi-process (multi-node) job: host:port where process 0 coordinates; every process passes the same")
-    _option(parser, "--num-processes", 1, "multi-process job: how many processes (one per node)",
+    _option(server, "--num-processes", 1, "multi-process job: how many processes (one per node)",
             type=at_least(1, int))
-    _option(parser, "--process-id", 0, "multi-process job: this process's index; process 0 serves HTTP",
+    _option(server, "--process-id", 0, "multi-process job: this process's index; process 0 serves HTTP",
             type=at_least(0, int))
     _option(parser, "--max-model-len", None,
             "longest prompt + completion in tokens (default: min(model's, 4096, what the KV pool holds))", type=int)
@@ -315,25 +332,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "who decides which of the sampler's passes (penalties, sampling, filters, top logprobs) a step runs: "
             "the device, or the host, one compiled sampler per combination (auto: the host on a GPU, where the "
             "device's decisions stall each step)", choices=list(SAMPLER_BRANCHES))
-    _option(parser, "--max-waiting", _SERVER_DEFAULTS.max_waiting,
+    _option(server, "--max-waiting", _SERVER_DEFAULTS.max_waiting,
             "most sequences waiting for a batch slot; beyond it requests get 429 with Retry-After",
             type=at_least(0, int))
-    _option(parser, "--api-key", None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on all routes but "
+    _option(server, "--api-key", None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on all routes but "
             f"{', '.join(sorted(OPEN_PATHS))} and the dashboard's")
-    _option(parser, "--allowed-origins", _SERVER_DEFAULTS.allowed_origins,
+    _option(server, "--allowed-origins", _SERVER_DEFAULTS.allowed_origins,
             "CORS: the origins whose pages may call the API, as a JSON list (\"*\": any)", type=string_list)
-    _option(parser, "--allowed-methods", _SERVER_DEFAULTS.allowed_methods, "CORS: the methods they may use",
+    _option(server, "--allowed-methods", _SERVER_DEFAULTS.allowed_methods, "CORS: the methods they may use",
             type=string_list)
-    _option(parser, "--allowed-headers", _SERVER_DEFAULTS.allowed_headers, "CORS: the headers they may send",
+    _option(server, "--allowed-headers", _SERVER_DEFAULTS.allowed_headers, "CORS: the headers they may send",
             type=string_list)
-    _switch(parser, "--allow-credentials", "CORS: let those pages send cookies and HTTP authentication")
-    _option(parser, "--max-body-bytes", _SERVER_DEFAULTS.max_body_bytes, "largest request body (413 beyond)",
+    _switch(server, "--allow-credentials", "CORS: let those pages send cookies and HTTP authentication")
+    _option(server, "--max-body-bytes", _SERVER_DEFAULTS.max_body_bytes, "largest request body (413 beyond)",
             type=positive_byte_size)
-    _option(parser, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting",
+    _option(server, "--drain-timeout", 30.0, "seconds SIGTERM waits for requests in flight before exiting",
             type=at_least(0, float))
-    _option(parser, "--sse-keepalive", _SERVER_DEFAULTS.sse_keepalive_s,
+    _option(server, "--sse-keepalive", _SERVER_DEFAULTS.sse_keepalive_s,
             "seconds between keep-alive comments of a stream that has nothing to send", type=above(0, float))
-    _option(parser, "--stream-stall-timeout", _SERVER_DEFAULTS.stream_stall_timeout_s,
+    _option(server, "--stream-stall-timeout", _SERVER_DEFAULTS.stream_stall_timeout_s,
             "abort a stream whose reader accepts nothing for this many seconds, freeing its KV pages (0: never)",
             type=at_least(0, float))
     _option(parser, "--tool-call-parser", _SERVER_DEFAULTS.tool_call_parser,
@@ -359,53 +376,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "how /v1/embeddings pools an input's final hidden states: last (the last prompt token's, as vLLM pools a "
             "causal LM) or mean (over every prompt token; such requests take no pages from the prefix cache)",
             choices=["last", "mean"])
-    _option(parser, "--responses-store-size", _SERVER_DEFAULTS.responses_store_size,
+    _option(server, "--responses-store-size", _SERVER_DEFAULTS.responses_store_size,
             "most responses /v1/responses keeps for GET and previous_response_id (least recently used out first; "
             "0: none)", type=at_least(0, int))
-    _option(parser, "--responses-store-bytes", _SERVER_DEFAULTS.responses_store_bytes,
+    _option(server, "--responses-store-bytes", _SERVER_DEFAULTS.responses_store_bytes,
             "most bytes of stored responses (their JSON)", type=byte_size)
-    _switch(parser, "--no-ui", "do not serve the dashboard and playground page (/, /ui) nor its push stream")
-    _option(parser, "--slo-ttft-ms", None, "time-to-first-token objective, drawn on the dashboard's TTFT chart",
+    _switch(server, "--no-ui", "do not serve the dashboard and playground page (/, /ui) nor its push stream")
+    _option(server, "--slo-ttft-ms", None, "time-to-first-token objective, drawn on the dashboard's TTFT chart",
             type=above(0, float))
-    _option(parser, "--slo-itl-ms", None, "inter-token latency objective, drawn on the dashboard's ITL chart",
+    _option(server, "--slo-itl-ms", None, "inter-token latency objective, drawn on the dashboard's ITL chart",
             type=above(0, float))
-    _option(parser, "--peak-gflops", None, "one device's peak matmul rate for the dashboard's roofline "
+    _option(server, "--peak-gflops", None, "one device's peak matmul rate for the dashboard's roofline "
             "(with --peak-bandwidth-gbs; default: measured at start-up)", type=above(0, float))
-    _option(parser, "--peak-bandwidth-gbs", None, "one device's peak memory bandwidth for the dashboard's roofline",
+    _option(server, "--peak-bandwidth-gbs", None, "one device's peak memory bandwidth for the dashboard's roofline",
             type=above(0, float))
-    _option(parser, "--hosts", None, "run one engine over this many processes, one per host, as Ray actors (its "
+    _option(server, "--hosts", None, "run one engine over this many processes, one per host, as Ray actors (its "
             "--tp split evenly over them; needs Ray Serve: `pip install -e '.[ray]'` in the checkout)", type=int)
-    _option(parser, "--replicas", None, "serve with this many engine replicas behind one ingress, as a Ray Serve "
+    _option(server, "--replicas", None, "serve with this many engine replicas behind one ingress, as a Ray Serve "
             "application (needs Ray Serve: `pip install -e '.[ray]'` in the checkout)", type=int)
-    _option(parser, "--ray-address", None, "with --replicas or --hosts: join this Ray cluster (default: start a local one)")
-    _option(parser, "--routing", _SCALE_DEFAULTS.routing,
+    _option(server, "--ray-address", None, "with --replicas or --hosts: join this Ray cluster (default: start a local one)")
+    _option(server, "--routing", _SCALE_DEFAULTS.routing,
             "with --replicas: how the ingress picks a replica: prefix (the one that was sent the longest prefix of "
             "the prompt, unless overloaded), round-robin, or pow2 (the less loaded of two random ones)",
             choices=list(ROUTINGS))
-    _option(parser, "--imbalanced-threshold", None,
+    _option(server, "--imbalanced-threshold", None,
             "with --routing prefix: ongoing requests beyond the least loaded replica's that make a prefix's "
             "replica overloaded (its request then goes to the less loaded of two random replicas; default: "
             "--max-num-seqs, a batch)", type=int)
-    _option(parser, "--max-ongoing-requests", None,
+    _option(server, "--max-ongoing-requests", None,
             "with --replicas: most requests a replica is sent at once; more wait at the ingress "
             "(default: twice --max-num-seqs)", type=int)
-    _option(parser, "--max-replicas", None, "with --replicas: autoscale up to this many replicas on queue depth",
+    _option(server, "--max-replicas", None, "with --replicas: autoscale up to this many replicas on queue depth",
             type=int)
-    _option(parser, "--min-replicas", None, "with --max-replicas: fewest replicas (default 1)", type=int)
-    _option(parser, "--target-ongoing-requests", None,
+    _option(server, "--min-replicas", None, "with --max-replicas: fewest replicas (default 1)", type=int)
+    _option(server, "--target-ongoing-requests", None,
             "with --max-replicas: ongoing (queued or running) requests per replica the autoscaler aims at "
             "(default: --max-num-seqs)", type=float)
-    _option(parser, "--upscale-delay", _SCALE_DEFAULTS.upscale_delay_s,
+    _option(server, "--upscale-delay", _SCALE_DEFAULTS.upscale_delay_s,
             "with --max-replicas: seconds of sustained load before adding a replica",
             type=at_least(0, float))
-    _option(parser, "--downscale-delay", _SCALE_DEFAULTS.downscale_delay_s,
+    _option(server, "--downscale-delay", _SCALE_DEFAULTS.downscale_delay_s,
             "with --max-replicas: seconds of sustained low load before removing a replica (it drains first, "
             "for up to --drain-timeout)", type=at_least(0, float))
     _option(parser, "--step-timeout", _ENGINE_DEFAULTS.step_timeout_s,
             "seconds one engine step may run before it is taken for hung: every request in flight then ends with "
             "an error and the server exits (code 75) for its supervisor to restart it; 0 turns the watchdog off",
             type=at_least(0, float))
-    _option(parser, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"],
+    _option(server, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"],
             aliases=("--uvicorn-log-level",))
 
 
@@ -414,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
     if (ignored := claim_gpu_memory(args.gpu_memory_utilization, os.environ)) is not None:
         print(f"sluice serve: {ignored}", file=sys.stderr)
     try:
-        engine_config = checked_engine_config(args)
+        engine_config = checked_engine_config(args, ENGINE_TUNING_FLAGS + SCALE_OUT_TUNING_FLAGS)
     except CommandError as error:
         return _refuse(str(error))
     if args.api_key is not None and not args.api_key.strip():  # a key from an unset shell variable, say
@@ -453,16 +470,17 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(engine_config, settings, args, listener))
 
 
-def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
+def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -> EngineConfig:
     """The engine's configuration the flags give, checked as every command that runs an engine from them checks it
-    (`sluice serve`, `sluice run-batch`); CommandError says, in one line, why they give none."""
+    (`sluice serve`, `sluice run-batch`), the modes of the command's `tuning_flags` among them; CommandError says,
+    in one line, why they give none."""
     if args.model_tag is not None:
         if args.model not in (None, os.environ.get(env_name("--model")), args.model_tag):
             raise CommandError(f"the model is given twice, {args.model_tag!r} and --model {args.model!r}: give one")
         args.model = args.model_tag
     if (conflict := _apply_speculative_config(args)) is not None:
         raise CommandError(conflict)
-    if (idle := _idle_tuning(args)) is not None:
+    if (idle := _idle_tuning(args, tuning_flags)) is not None:
         raise CommandError(idle)
     if (cache_error := _jax_cache_error()) is not None:
         raise CommandError(cache_error)
@@ -502,24 +520,32 @@ def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
         raise CommandError(said_by_flag(error)) from None
 
 
-def server_settings(args: argparse.Namespace) -> ServerSettings:
-    """The HTTP side's settings the flags give."""
+def answer_settings(args: argparse.Namespace) -> ServerSettings:
+    """The HTTP side's settings that shape its answers, from the flags `add_engine_arguments` adds; the server's
+    own at their defaults."""
     return ServerSettings(
         served_model_name=args.served_model_name,
+        generation_config=args.generation_config,
+        tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        reasoning_parser=args.reasoning_parser,
+        embedding_pooling=args.embedding_pooling,
+    )
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The HTTP side's settings the flags give: those that shape answers and the server's own."""
+    return replace(
+        answer_settings(args),
         api_key=args.api_key,
         allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
-        generation_config=args.generation_config,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         sse_keepalive_s=args.sse_keepalive,
         stream_stall_timeout_s=args.stream_stall_timeout,
-        tool_call_parser=args.tool_call_parser,
-        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-        reasoning_parser=args.reasoning_parser,
-        embedding_pooling=args.embedding_pooling,
         responses_store_size=args.responses_store_size,
         responses_store_bytes=args.responses_store_bytes,
         ui=not args.no_ui,
@@ -528,9 +554,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     )
 
 
-def _idle_tuning(args: argparse.Namespace) -> str | None:
-    """Why a flag set for a mode that is off is refused (`TUNING_FLAGS`); None if none is."""
-    for mode, switch, on, flags in TUNING_FLAGS:
+def _idle_tuning(args: argparse.Namespace, tuning_flags: TuningFlags) -> str | None:
+    """Why a flag set for a mode of `tuning_flags` that is off is refused; None if none is."""
+    for mode, switch, on, flags in tuning_flags:
         for flag in flags:
             if not on(args) and getattr(args, _dest(flag)) != _built_in_default(flag):
                 return f"{flag} tunes {mode}, which is off: add {switch}"

@@ -63,6 +63,7 @@ def test_bench_runs_the_named_benchmark_from_any_directory(tmp_path):
     (["generate", "hi", "--seed", str(2**64)], "--seed: must be a number in the signed 64-bit range"),
     (["serve", "--chat-template", "chat.jinja"], "--chat-template: no such file: 'chat.jinja'"),
     (["generate", "hi", "--chat-template", "{% if %}"], "--chat-template: chat template does not compile"),
+    (["serve", "--bogus"], "sluice serve: error: unrecognized arguments: --bogus (see sluice serve --help)"),
 ])
 def test_bad_arguments_are_a_one_line_error_before_anything_starts(args, words):
     """One line: not under argparse's usage, which for `sluice serve` is 48 lines long."""
@@ -431,7 +432,8 @@ def test_vllms_spellings_of_the_flags_sluice_has_mean_the_same(monkeypatch):
     assert (args.model_tag, args.tp, args.page_size, args.dtype, args.log_level) == ("model.gguf", 2, 16, "float16",
                                                                                      "debug")
     assert args.disable_prefix_caching is False  # the flag over the environment, as any flag
-    assert serve._apply_speculative_config(args) is None and serve._idle_tuning(args) is None
+    assert serve._apply_speculative_config(args) is None
+    assert serve._idle_tuning(args, serve.ENGINE_TUNING_FLAGS + serve.SCALE_OUT_TUNING_FLAGS) is None
     assert (args.speculative, args.num_speculative_tokens, args.spec_ngram_max) == ("ngram", 3, 4)
     args = build_parser().parse_args(["serve", "-tp", "3", "--no-enable-prefix-caching", "--dtype", "auto"])
     assert (args.tp, args.disable_prefix_caching, args.dtype) == (3, True, None)
@@ -456,7 +458,8 @@ def test_parsed_arguments_are_checked_alike_in_a_process_that_never_built_the_pa
 
     args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}', "--spec-ngram-max", "5"])
     check = ("import pickle, sys; from sluice.app import serve; args = pickle.load(sys.stdin.buffer); "
-             "print(serve._apply_speculative_config(args), serve._idle_tuning(args))")
+             "print(serve._apply_speculative_config(args), "
+             "serve._idle_tuning(args, serve.ENGINE_TUNING_FLAGS + serve.SCALE_OUT_TUNING_FLAGS))")
     checked = subprocess.run([sys.executable, "-c", check], input=pickle.dumps(args), capture_output=True, timeout=60)
     assert checked.returncode == 0, checked.stderr.decode()[-500:]
     assert checked.stdout.decode().split() == ["None", "None"]

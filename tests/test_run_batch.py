@@ -3,9 +3,11 @@ through the server's own app, on a tiny random model with a ChatML template."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import json
+import re
 import sys
 import threading
 from dataclasses import dataclass
@@ -16,8 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
-from sluice.app import run_batch
-from sluice.app.cli import main
+from sluice.app import run_batch, serve
+from sluice.app.cli import build_parser, main
 from sluice.app.engine_loading import load_engine
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
@@ -113,12 +115,14 @@ class Batch:
 
 @pytest.fixture(scope="module")
 def batch(model, loaded, tmp_path_factory) -> Batch:
-    """A run over a file of LINES. An API key and a waiting queue of 0 are asked for, which the runner, the
-    server's only client, must not be held to."""
+    """A run over a file of LINES. The server's variables for an API key and a waiting queue of 0 are set, which
+    the runner, the server's only client, must not be held to."""
     folder = tmp_path_factory.mktemp("files")
     (folder / "in.jsonl").write_bytes(b"\n".join(LINES) + b"\n\n")
-    status = run_batch_command(model, "-i", str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl"),
-                               "--api-key", "offline", "--max-waiting", "0")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SLUICE_API_KEY", "offline")
+        env.setenv("SLUICE_MAX_WAITING", "0")
+        status = run_batch_command(model, "-i", str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl"))
     assert status == 0
     engine = loaded[-1]
     outputs = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
@@ -218,14 +222,12 @@ def test_a_terminal_is_shown_the_batchs_progress_unless_told_not_to(model, loade
     (["-i", "{tmp}/missing.jsonl"], "cannot read {tmp}/missing.jsonl: No such file or directory"),
     (["-i", "{tmp}"], "cannot read {tmp}: Is a directory"),
     (["-o", "{tmp}/missing/out.jsonl"], "cannot write {tmp}/missing/out.jsonl: No such file or directory"),
-    (["--replicas", "2"], "--replicas, --hosts and --num-processes are `sluice serve`'s"),
     (["--page-size", "48"], "--page-size must be a power of two"),
 ])
 def test_what_run_batch_cannot_run_is_a_one_line_error_before_the_model_loads(model, loaded, tmp_path, capsys, args,
                                                                               words):
-    """An input it cannot read, an output it cannot write, a way to run the engine that is `sluice serve`'s, an
-    engine flag `sluice serve` refuses: exit 2 and one line, before minutes of loading. (The last -i or -o given
-    is the one taken.)"""
+    """An input it cannot read, an output it cannot write, an engine flag `sluice serve` refuses: exit 2 and one
+    line, before minutes of loading. (The last -i or -o given is the one taken.)"""
     (tmp_path / "in.jsonl").write_bytes(batch_line(*SENT[0]))
     engines_before = len(loaded)
     given = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
@@ -236,6 +238,53 @@ def test_what_run_batch_cannot_run_is_a_one_line_error_before_the_model_loads(mo
     assert len(loaded) == engines_before
 
 
-def test_the_runner_asks_for_no_dashboard():
-    """(Whose roofline would be measured at start-up, seconds for nothing.)"""
-    assert not run_batch.batch_settings(ServerSettings()).ui
+def test_help_lists_the_engines_flags_and_none_of_the_servers_own(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["run-batch", "--help"])
+    shown = capsys.readouterr().out
+    assert exited.value.code == 0
+    flags = set(re.findall(r"--[a-z][a-z0-9-]*", shown))
+    assert {"--max-num-seqs", "--quantization", "--reasoning-parser"} <= flags
+    assert not {"--port", "--api-key", "--replicas", "--hosts", "--max-waiting", "--no-ui"} & flags
+
+
+@pytest.mark.parametrize("flag", ["--replicas", "--hosts", "--num-processes", "--api-key", "--port"])
+def test_a_flag_of_the_servers_own_is_a_one_line_error_before_the_model_loads(model, loaded, capsys, flag):
+    """Said by run-batch, with its --help (argparse's own would be the top parser's: `sluice`'s). (The flag's value
+    reads as the MODEL argument.)"""
+    engines_before = len(loaded)
+    with pytest.raises(SystemExit) as exited:
+        main(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", str(model), flag, "2"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and errors == [f"sluice run-batch: error: unrecognized arguments: {flag} "
+                                                 f"(see sluice run-batch --help)"]
+    assert len(loaded) == engines_before
+
+
+def batch_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", *flags])
+
+
+def test_the_servers_own_variables_are_not_the_runners(monkeypatch):
+    """Not even read: one its flag would refuse stops nothing."""
+    monkeypatch.setenv("SLUICE_PORT", "not a port")
+    monkeypatch.setenv("SLUICE_API_KEY", "key")
+    assert not {"port", "api_key"} & set(vars(batch_args()))
+
+
+def test_the_runner_is_held_to_no_key_queue_bound_or_body_limit_and_asks_for_no_dashboard():
+    """Nor a 413 for a line it holds read already; the dashboard's roofline would be measured at start-up, seconds
+    for nothing."""
+    settings = run_batch.batch_settings(batch_args())
+    assert (settings.api_key, settings.max_waiting, settings.max_body_bytes, settings.ui) == \
+        (None, sys.maxsize, sys.maxsize, False)
+
+
+def test_the_flags_that_shape_answers_are_the_runners_as_the_servers():
+    flags = ["--served-model-name", "tiny", "--generation-config", "vllm", "--tool-call-parser", "hermes",
+             "--exclude-tools-when-tool-choice-none", "--reasoning-parser", "qwen3", "--embedding-pooling", "mean"]
+    served = serve.server_settings(build_parser().parse_args(["serve", *flags]))
+    batched = run_batch.batch_settings(batch_args(*flags))
+    for name in ("served_model_name", "generation_config", "tool_call_parser", "exclude_tools_when_tool_choice_none",
+                 "reasoning_parser", "embedding_pooling"):
+        assert getattr(batched, name) == getattr(served, name) != getattr(ServerSettings(), name), name
