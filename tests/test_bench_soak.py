@@ -16,7 +16,7 @@ from sluice.bench.soak import HELD, KINDS, OUTCOMES
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER_ARGS = "--max-num-seqs 4 --max-num-batched-tokens 64 --max-model-len 512 --kv-cache-memory 16MiB --log-level warning"
+SERVER_ARGS = "--max-num-seqs 4 --max-num-batched-tokens 64 --max-model-len 512 --kv-cache-memory 32MiB --log-level warning"
 
 
 @pytest.fixture(scope="module")
