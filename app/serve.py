@@ -420,7 +420,7 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
             "for up to --drain-timeout)", type=at_least(0, float))
     _option(parser, "--step-timeout", _ENGINE_DEFAULTS.step_timeout_s,
             "seconds one engine step may run before it is taken for hung: every request in flight then ends with "
-            "an error and the server exits (code 75) for its supervisor to restart it; 0 turns the watchdog off",
+            "an error and the process exits (code 75) for its supervisor to restart it; 0 turns the watchdog off",
             type=at_least(0, float))
     _option(server, "--log-level", "info", "uvicorn log level", choices=["critical", "error", "warning", "info", "debug"],
             aliases=("--uvicorn-log-level",))
