@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,19 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # Small limits: warm-up compiles few shapes, and a small KV pool keeps each CPU step cheap.
 SERVER_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "256",
                 "--kv-cache-memory", "32MiB"]
+
+
+def _has_ipv6_loopback() -> bool:
+    """Whether this machine can listen on ::1 (a container or CI runner may have IPv6 switched off)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+needs_ipv6 = pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
 
 
 @dataclass

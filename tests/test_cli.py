@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hf_folder import write_hf_folder
+from test_api_e2e import needs_ipv6
 
 SLUICE = [sys.executable, "-m", "sluice.app.cli"]
 
@@ -212,6 +213,7 @@ def test_serve_refuses_what_it_cannot_serve_with_before_the_model_loads(tmp_path
     assert status == 2 and len(errors) == 1 and errors[0].startswith(f"sluice serve: error: {fill(words)}"), errors
 
 
+@needs_ipv6
 def test_serve_writes_an_ipv6_host_in_brackets_in_its_url(monkeypatch, capsys, no_model_load):
     """It printed http://::1:PORT, which no client reads as a URL."""
     import uvicorn

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from test_api_e2e import ROOT, SERVER_FLAGS, ServerProcess, free_port, start_server
+from test_api_e2e import ROOT, SERVER_FLAGS, ServerProcess, free_port, needs_ipv6, start_server
 
 from sluice.app.addresses import host_port
 from sluice.app.scale_out import ScaleOutConfig
@@ -135,7 +135,8 @@ def _marked_pids(mark: str) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("sig", "host", "expected_url"), [
     (signal.SIGINT, "127.0.0.1", "http://127.0.0.1:{port}"),
-    (signal.SIGTERM, "::1", "http://[::1]:{port}"),
+    pytest.param(signal.SIGTERM, "::1", "http://[::1]:{port}",
+                 marks=needs_ipv6),
 ], ids=["ctrl-c-on-ipv4", "sigterm-on-ipv6"])
 def test_a_local_cluster_is_the_commands_own_whatever_ray_address_says_its_ready_url_reaches_it_on_an_ipv4_or_ipv6_host_and_a_signal_to_its_group_leaves_nothing(
         sig: signal.Signals, host: str, expected_url: str):
