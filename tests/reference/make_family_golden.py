@@ -7,9 +7,9 @@ bfloat16, generation_config.json), then read back in float32 before anything is 
 - `Qwen2ForCausalLM` as Qwen2.5-0.5B/1.5B-Instruct are made: q/k/v biases (drawn far from zero), tied embeddings,
   GQA, rope_theta 1e6.
 - `LlamaForCausalLM` as Llama 3.1/3.2 are made: `llama3` RoPE scaling with an `original_max_position_embeddings` of
-  16, which the 40-token prompt runs well past; GQA, untied embeddings, two EOS ids. Its `golden.json` also holds
-  `rope_freq_factors`, each frequency's divisor as HF scales it (what llama.cpp's converter writes as
-  `rope_freqs.weight`).
+  16, which the 40-token prompt runs well past (HF scales the frequencies at every position, so all prompts see
+  it); GQA, untied embeddings, two EOS ids. Its `golden.json` also holds `rope_freq_factors`, each frequency's
+  divisor as HF scales it (what llama.cpp's converter writes as `rope_freqs.weight`).
 
 Run in a separate venv holding torch (CPU), transformers, safetensors and numpy, none of them a Sluice runtime
 dependency:
