@@ -47,10 +47,12 @@ LINEAR_WEIGHTS = {"wqkv": 1, "wo": 1, "w_gate_up": 1, "w_down": 1, "embed": 1, "
 tied `embed [vocab, hidden]` is the LM head `hidden -> vocab` read row-wise."""
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions: [T] int32, inv_freq: [Dh/2] -> cos, sin: [T, 1, Dh/2] float32 (broadcast over heads)."""
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array,
+                 attention_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """positions: [T] int32, inv_freq: [Dh/2] -> cos, sin: [T, 1, Dh/2] float32 (broadcast over heads), both scaled
+    by `attention_factor` (YaRN's: rotating q and k by them scales q.k by its square)."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    return (jnp.cos(angles) * attention_factor)[:, None, :], (jnp.sin(angles) * attention_factor)[:, None, :]
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -174,7 +176,7 @@ class Llama(nnx.Module):
         c = self.config
         num_tokens = token_ids.shape[0]
         x = embed_rows(self.weight("embed"), token_ids, self.dtype)
-        cos, sin = rope_cos_sin(positions, jnp.asarray(c.rope_inv_freq(), jnp.float32))
+        cos, sin = rope_cos_sin(positions, jnp.asarray(c.rope_inv_freq(), jnp.float32), c.rope_attention_factor)
         def block(x: jax.Array, kv_cache: KVCache, p: dict, index: jax.Array | int, layer: jax.Array | None):
             """Decoder layer `index`. p: the stacks with `layer` the index into them (traced), or the layer's own
             arrays with `layer` None."""
