@@ -132,7 +132,11 @@ def _gguf_yarn(get: Callable[..., Any], factor: float, context: int) -> RopeScal
 def _hf_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """config.json's RoPE theta and scaling, from transformers 5's `rope_parameters` or 4's `rope_theta` and
     `rope_scaling`; ValueError for a scaling that is no object, or that Sluice does not implement
-    (`_check_rope_scaling`, `_hf_scaling`)."""
+    (`_check_rope_scaling`, `_hf_scaling`), or for both keys (a scaling added as transformers 4 wrote it beside
+    what transformers 5 wrote, which transformers reads without rope_parameters' theta)."""
+    if config.get("rope_parameters") and config.get("rope_scaling"):
+        raise ValueError("config.json has both rope_parameters and rope_scaling: write the scaling into "
+                         "rope_parameters")
     key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     raw = config.get(key) or {}
     if not isinstance(raw, dict):

@@ -265,6 +265,16 @@ def test_a_scaling_sluice_does_not_implement_in_a_config_json_is_refused_in_one_
     assert str(refused.value).startswith(words) and "\n" not in str(refused.value)
 
 
+def test_a_rope_scaling_added_beside_transformers_5s_rope_parameters_is_refused_not_ignored():
+    """As a model card says to add YaRN, to a config.json transformers 5 wrote: it was served unscaled
+    (transformers itself takes the scaling and loses rope_parameters' rope_theta)."""
+    written = {**config_json("linear"), "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32}}
+    with pytest.raises(ValueError, match=r"^config.json has both rope_parameters and rope_scaling: write the scaling "
+                                         r"into rope_parameters$"):
+        ModelConfig.from_hf(written)
+
+
 @pytest.mark.parametrize(("rope", "words"), [
     (dict(scaling__type="longrope"), "the GGUF metadata asks for RoPE scaling of type 'longrope'"),
     (dict(scaling__type="a-future-one"), "the GGUF metadata asks for RoPE scaling of type 'a-future-one'"),
