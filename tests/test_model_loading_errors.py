@@ -190,11 +190,10 @@ def test_a_llama_3_rope_scaling_missing_a_key_is_refused_naming_it(folder):
         load_model(str(folder), dtype="float32")
 
 
-@pytest.mark.parametrize("metadata", [{"llama.rope.scaling.factor": 4.0}, {"llama.rope.scale_linear": 2.0},
-                                      {"llama.rope.scaling.type": "longrope"}])
-def test_a_gguf_rope_scaling_llama_cpp_applies_is_refused_not_ignored(tmp_path, monkeypatch, metadata):
-    """llama.cpp scales linearly by rope.scaling.factor (or the older rope.scale_linear) where the file names no
-    type; Sluice read such a file as unscaled."""
+@pytest.mark.parametrize("metadata", [{"llama.rope.scaling.type": "longrope"},
+                                      {"llama.rope.scaling.type": "dynamic", "llama.rope.scaling.factor": 2.0}])
+def test_a_gguf_rope_scaling_sluice_does_not_implement_is_refused_not_ignored(tmp_path, monkeypatch, metadata):
+    """Sluice read such a file as unscaled. (Linear and YaRN, which it applies: tests/test_rope_scaling.py.)"""
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
     path = _gguf_with(tmp_path / "m.gguf", monkeypatch, metadata)
     with pytest.raises(InvalidModel, match="asks for RoPE scaling of type"):
