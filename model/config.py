@@ -143,6 +143,10 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"config.json's {key} must be an object, got {raw!r:.80}")
     kind = raw.get("rope_type", raw.get("type"))
     _check_rope_scaling(kind, raw.get("factor"), "config.json")
+    partial = raw.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"config.json's partial_rotary_factor of {partial!r} rotates only part of each head, which "
+                         f"Sluice does not implement")
     theta = float(raw.get("rope_theta", config.get("rope_theta", 10000.0)))
     if kind in HF_SCALING_KEYS:
         return theta, _hf_scaling(kind, raw, config, key)
@@ -325,6 +329,9 @@ class ModelConfig:
         if rope_freq_factors is not None and len(rope_freq_factors) != head_dim // 2:
             raise ValueError(f"tensor rope_freqs.weight has shape ({len(rope_freq_factors)},), but the config implies "
                              f"({head_dim // 2},)")
+        if size("rope.dimension_count", head_dim) != head_dim:
+            raise ValueError(f"the GGUF metadata's {arch}.rope.dimension_count of {get('rope.dimension_count')} "
+                             f"rotates only part of each head of {head_dim}, which Sluice does not implement")
         context = size("context_length", 4096)
         scaling = _gguf_rope_scaling(get, arch, context)
         if rope_freq_factors is not None and scaling is not None and scaling.kind != "llama3":

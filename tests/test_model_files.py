@@ -136,6 +136,22 @@ def test_a_transformers_5_config_json_gives_its_rope_theta_and_scaling_in_rope_p
     assert (config.rope_theta, config.rope_scaling) == (500000.0, RopeScaling(8.0, 1.0, 4.0, 64))
 
 
+@pytest.mark.parametrize("where", ["top level", "rope_parameters"])
+def test_a_partial_rotary_factor_is_refused_not_ignored(folder, where):
+    """transformers rotates only that share of each head's dimensions; Sluice rotated them all."""
+    written = json.loads((folder / "config.json").read_text())
+    if where == "top level":
+        written["partial_rotary_factor"] = 0.5
+    else:
+        written["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match=r"^config.json's partial_rotary_factor of 0.5 rotates only part of each "
+                                         r"head, which Sluice does not implement$"):
+        ModelConfig.from_hf(written)
+    written.pop("partial_rotary_factor", None)
+    written.get("rope_parameters", {})["partial_rotary_factor"] = 1.0
+    assert ModelConfig.from_hf(written).head_dim == CONFIG.head_dim  # 1.0: the whole head, as RoPE always is
+
+
 @pytest.mark.parametrize("window", [0, -1, 4.5, "4096", True])
 def test_a_sliding_window_not_a_positive_integer_is_refused(folder, window):
     _edit_config(folder, model_type="mistral", sliding_window=window)

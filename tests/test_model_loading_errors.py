@@ -200,6 +200,19 @@ def test_a_gguf_rope_scaling_sluice_does_not_implement_is_refused_not_ignored(tm
         load_model(str(path), dtype="float32")
 
 
+@pytest.mark.parametrize("rotated", [CONFIG.head_dim // 2, CONFIG.head_dim])
+def test_a_gguf_that_rotates_part_of_each_head_is_refused_not_ignored(tmp_path, monkeypatch, rotated):
+    """llama.cpp rotates the first rope.dimension_count dimensions of each head; Sluice rotated them all."""
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    path = _gguf_with(tmp_path / "m.gguf", monkeypatch, {"llama.rope.dimension_count": rotated})
+    if rotated == CONFIG.head_dim:
+        assert load_model(str(path), dtype="float32").config.head_dim == CONFIG.head_dim
+        return
+    with pytest.raises(InvalidModel, match=re.escape("the GGUF metadata's llama.rope.dimension_count of 16 rotates "
+                                                     "only part of each head of 32, which Sluice does not implement")):
+        load_model(str(path), dtype="float32")
+
+
 def test_a_gguf_tensor_of_a_type_sluice_cannot_dequantize_is_refused_by_name_before_a_weight_is_read(
         tmp_path, monkeypatch):
     """A float64 norm (gguf's F64): gguf's NotImplementedError was a traceback, after every other tensor was read."""
