@@ -30,9 +30,12 @@ class Subcommand(OneLineErrors):
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    from sluice.app.serve import HF_OVERRIDES_HELP, hf_overrides
+
     parser.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", type=dtype_name, default=None, help=DTYPE_HELP)
     parser.add_argument("--chat-template", type=chat_template, default=None, help=CHAT_TEMPLATE_HELP)
+    parser.add_argument("--hf-overrides", type=hf_overrides, default=None, help=HF_OVERRIDES_HELP)
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -76,7 +79,8 @@ def _generate(args: argparse.Namespace) -> int:
     from sluice.model.generate import generate_stream
     from sluice.model.loader import load_model
 
-    loaded = load_model(args.model, dtype=args.dtype, chat_template=args.chat_template)
+    loaded = load_model(args.model, dtype=args.dtype, chat_template=args.chat_template,
+                        hf_overrides=args.hf_overrides)
     tokenizer = loaded.tokenizer
     if args.chat and not tokenizer.special.chat_template:
         raise CommandError("this model has no chat template: give one with --chat-template, or leave out --chat")

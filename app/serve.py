@@ -116,15 +116,20 @@ SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "n
                            "prompt_lookup_max": "spec_ngram_max", "prompt_lookup_min": "spec_ngram_min"}
 
 
-def speculative_config(text: str) -> dict[str, Any]:
-    """vLLM's `--speculative-config` JSON, of the n-gram method: its keys as Sluice's flags' destinations."""
+def json_object(text: str, example: str) -> dict[str, Any]:
+    """`text` as a JSON object; argparse's refusal, showing `example`, if it is none."""
     try:
         value = json.loads(text)
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} (example: "
-                                         """'{"method": "ngram", "num_speculative_tokens": 4}')""")
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} (example: '{example}')")
+    return value
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """vLLM's `--speculative-config` JSON, of the n-gram method: its keys as Sluice's flags' destinations."""
+    value = json_object(text, '{"method": "ngram", "num_speculative_tokens": 4}')
     if value.get("method") != "ngram":
         raise argparse.ArgumentTypeError(f"only the method \"ngram\" is served, got {value.get('method')!r}")
     if unknown := sorted(set(value) - set(SPECULATIVE_CONFIG_KEYS)):
@@ -134,6 +139,19 @@ def speculative_config(text: str) -> dict[str, Any]:
         if key != "method" and (not isinstance(number, int) or isinstance(number, bool) or number < 1):
             raise argparse.ArgumentTypeError(f"{key} must be a whole number of at least 1, got {number!r}")
     return {SPECULATIVE_CONFIG_KEYS[key]: number for key, number in value.items()}
+
+
+HF_OVERRIDES_EXAMPLE = ('{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+                        '"original_max_position_embeddings": 32768}}')
+HF_OVERRIDES_HELP = ("a JSON object whose keys replace an HF folder's config.json's top-level keys before the model "
+                     "is read, as vLLM's (an object given replaces the key's whole value; a rope_scaling joins "
+                     "transformers 5's rope_parameters, keeping its rope_theta); the model is converted apart from "
+                     f"the plain one; not for a GGUF. Example, YaRN to 4x a 32k context: '{HF_OVERRIDES_EXAMPLE}'")
+
+
+def hf_overrides(text: str) -> dict[str, Any]:
+    """vLLM's `--hf-overrides` JSON: the keys that replace config.json's (`model.loader.with_overrides`)."""
+    return json_object(text, HF_OVERRIDES_EXAMPLE)
 
 
 def _apply_speculative_config(args: argparse.Namespace) -> str | None:
@@ -260,6 +278,7 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
     _option(parser, "--model", None, "a .gguf file, an HF folder or a known name (default: SmolLM2-135M-Instruct, fetched if missing)")
     _option(parser, "--served-model-name", None, "the name clients pass as `model` (default: the model's name)")
     _option(parser, "--chat-template", None, CHAT_TEMPLATE_HELP, type=chat_template)
+    _option(parser, "--hf-overrides", None, HF_OVERRIDES_HELP, type=hf_overrides)
     _option(server, "--host", "127.0.0.1", "address to listen on")
     _option(server, "--port", 8000, "port to listen on", type=port)
     _option(parser, "--dtype", None, DTYPE_HELP, type=dtype_name)
@@ -492,6 +511,7 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
             dtype=args.dtype,
             quantization=args.quantization,
             chat_template=args.chat_template,
+            hf_overrides=args.hf_overrides,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

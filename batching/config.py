@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from sluice.batching.sampler import SAMPLER_BRANCHES
 from sluice.model.llama import LAYER_LOOPS
@@ -90,7 +91,8 @@ class EngineConfig:
     `async_scheduling`: overlap the host's work with the device's: the next step is scheduled and dispatched
     while the last one runs, its sampled tokens fed on the device (off: each step is collected before the next).
     `quantization`: the weights' format (`model.quantize.CHOICES`; "auto" picks per device). `chat_template`:
-    rendered instead of the model's own (None: the model's).
+    rendered instead of the model's own (None: the model's). `hf_overrides`: keys that replace an HF folder's
+    config.json's before the model is read, as vLLM's --hf-overrides (`model.loader.with_overrides`; None: none).
     `kv_cache_dtype`: "auto" keeps K/V in the activation dtype, "int8" stores them in int8 with a scale per
     token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
     `layer_loop`: how the model runs its layers (`model.llama.LAYER_LOOPS`; "auto": unrolled on a GPU, where a
@@ -111,6 +113,7 @@ class EngineConfig:
     dtype: str | None = None
     quantization: str = "none"
     chat_template: str | None = None
+    hf_overrides: Mapping[str, Any] | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

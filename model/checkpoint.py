@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 GENERATION_DEFAULTS_FILE = "generation_defaults.json"  # the model's own sampling defaults (`generation_config`)
 SOURCE_FILE = "source.txt"  # the converted file or folder's path, for `remove_stale`
+HF_OVERRIDES_FILE = "hf_overrides.json"  # the --hf-overrides it was converted with (none: no such file)
 
 
 LAYOUT_VERSION = 9
@@ -38,31 +40,45 @@ for what a config.json leaves out; 9: the stop ids resolved once, as vLLM takes 
 so no older conversion is restored into a model that no longer reads it."""
 
 
-def checkpoint_dir(source: Path, cache_root: Path, quantization: str) -> Path:
-    """Where the conversion of `source` with `quantization` lives: keyed by the name, size and modification time
-    of the source file or of each file in the source folder but hidden ones (a file rewritten in place leaves its
-    folder's own time as it was; a git checkout's `.git` is not the model), the layout version, and the
-    quantization (which also names the folder)."""
+def canonical_overrides(hf_overrides: Mapping[str, Any]) -> str:
+    """`hf_overrides` as one JSON text whatever the order of their keys."""
+    return json.dumps(hf_overrides, sort_keys=True, separators=(",", ":"))
+
+
+def checkpoint_dir(source: Path, cache_root: Path, quantization: str,
+                   hf_overrides: Mapping[str, Any] | None = None) -> Path:
+    """Where the conversion of `source` with `quantization` and `hf_overrides` lives: keyed by the name, size and
+    modification time of the source file or of each file in the source folder but hidden ones (a file rewritten in
+    place leaves its folder's own time as it was; a git checkout's `.git` is not the model), the layout version,
+    the overrides (none or empty: no key of theirs, as conversions were keyed before them), and the quantization
+    (which also names the folder)."""
     files = [source] if source.is_file() else sorted(
         p for p in source.iterdir() if p.is_file() and not p.name.startswith("."))
     identity = ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in files for st in [p.stat()])
-    key = hashlib.sha256(f"{identity}:{LAYOUT_VERSION}".encode()).hexdigest()[:12]
+    overridden = f":{canonical_overrides(hf_overrides)}" if hf_overrides else ""
+    key = hashlib.sha256(f"{identity}:{LAYOUT_VERSION}{overridden}".encode()).hexdigest()[:12]
     return cache_root / "checkpoints" / f"{source.stem}-{key}-{quantization}"
 
 
 def remove_stale(folder: Path, source: Path, quantization: str) -> None:
     """Removes the conversions of `source` with `quantization` that `folder` (just converted) replaces: those made
-    before the source changed, which no load reads again."""
+    before the source changed, which no load reads again, and those of other overrides where `folder` has some. The
+    plain conversion and the latest overridden one are kept apart, so that serving a model with and without
+    --hf-overrides by turns does not convert it at every start."""
+    overridden = (folder / HF_OVERRIDES_FILE).is_file()
     for other in folder.parent.iterdir():
         made_from = other / SOURCE_FILE
         if (other != folder and other.name.endswith(f"-{quantization}") and made_from.is_file()
-                and made_from.read_text() == str(source.resolve())):
+                and made_from.read_text() == str(source.resolve())
+                and (other / HF_OVERRIDES_FILE).is_file() == overridden):
             shutil.rmtree(other, ignore_errors=True)
 
 
 def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], tokenizer_json: str, special: dict[str, Any],
-         generation_defaults: dict[str, float | int], source: Path) -> None:
-    """Writes the converted model of `source` atomically (to a temporary folder renamed into place).
+         generation_defaults: dict[str, float | int], source: Path,
+         hf_overrides: Mapping[str, Any] | None = None) -> None:
+    """Writes the converted model of `source`, its config.json read with `hf_overrides`, atomically (to a temporary
+    folder renamed into place).
 
     Processes converting the same source at once (the processes of a multi-process job on one filesystem)
     each write their own temporary folder; the first rename wins.
@@ -79,6 +95,8 @@ def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], token
         (tmp / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=1))
         (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(generation_defaults, indent=1))
         (tmp / SOURCE_FILE).write_text(str(source.resolve()))
+        if hf_overrides:
+            (tmp / HF_OVERRIDES_FILE).write_text(canonical_overrides(hf_overrides))
         tmp.rename(folder)
     except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written left behind: a disk filled midway, a ^C

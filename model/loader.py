@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,14 +67,16 @@ class Source:
     tokenizer: Tokenizer
     generation_defaults: dict[str, float | int]
     read_params: Callable[[], dict[str, np.ndarray]]  # the float32 weights by `Llama`'s names
+    hf_overrides: Mapping[str, Any] | None = None  # what replaced config.json's keys (`with_overrides`)
 
 
-def read_source(path: Path) -> Source:
+def read_source(path: Path, hf_overrides: Mapping[str, Any] | None = None) -> Source:
     """Reads all that a GGUF file or HF folder's metadata tells (config, tokenizer, sampling defaults, the tensors'
-    names and shapes); InvalidModel if it does not read as a Llama-family model."""
+    names and shapes), an HF folder's config.json with `hf_overrides` (`with_overrides`); InvalidModel if it does
+    not read as a Llama-family model."""
     try:
         if path.is_dir():
-            hf_config = read_json_object(path / "config.json", missing_ok=False)
+            hf_config = with_overrides(read_json_object(path / "config.json", missing_ok=False), hf_overrides or {})
             config, read_params = read_safetensors_folder(path, hf_config)
             tokenizer = Tokenizer.from_hf_folder(path, hf_config)
             defaults = generation_config.from_hf_folder(path)
@@ -84,9 +87,25 @@ def read_source(path: Path) -> Source:
             defaults = generation_config.from_gguf_fields(fields)
             stop_ids = tokenizer.eos_token_ids  # the file's EOS and end of turn
     except _MALFORMED as error:
-        raise _unreadable(path, error) from error
+        raise _unreadable(path, error, hf_overrides) from error
     config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=stop_ids)
-    return Source(path, config, tokenizer, defaults, read_params)
+    return Source(path, config, tokenizer, defaults, read_params, hf_overrides)
+
+
+def with_overrides(hf_config: dict[str, Any], hf_overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's `hf_config` with its top-level keys replaced by `hf_overrides`', as vLLM's --hf-overrides
+    replaces them. An overridden `rope_scaling` where the file has transformers 5's `rope_parameters` is the scaling
+    in it, keeping its `rope_theta`: transformers 5 reads `rope_scaling` as `rope_parameters`, so a model card's
+    override scales such a model too (with the theta it was trained with, which transformers' setter drops)."""
+    merged = {**hf_config, **hf_overrides}
+    parameters = hf_config.get("rope_parameters")
+    if "rope_scaling" not in hf_overrides or "rope_parameters" in hf_overrides or not isinstance(parameters, dict) \
+            or not parameters:
+        return merged
+    scaling = merged.pop("rope_scaling") or {}
+    theta = {"rope_theta": parameters["rope_theta"]} if "rope_theta" in parameters else {}
+    merged["rope_parameters"] = {**theta, **scaling} if isinstance(scaling, dict) else scaling  # else: refused
+    return merged
 
 
 def check_writable(folder: Path) -> None:
@@ -111,13 +130,14 @@ def convert(source: Source, folder: Path, quantization: str) -> None:
     special = dataclasses.asdict(source.tokenizer.special)
     try:
         checkpoint.save(folder, source.config, params, source.tokenizer.to_json(), special, source.generation_defaults,
-                        source.path)
+                        source.path, source.hf_overrides)
     except OSError as error:
         raise _cannot_keep(folder, error) from None
 
 
-def _unreadable(path: Path, error: Exception) -> InvalidModel:
-    return InvalidModel(f"{path} does not read as a model: {type(error).__name__}: {error}")
+def _unreadable(path: Path, error: Exception, hf_overrides: Mapping[str, Any] | None = None) -> InvalidModel:
+    given = f" with --hf-overrides {checkpoint.canonical_overrides(hf_overrides)}" if hf_overrides else ""
+    return InvalidModel(f"{path} does not read as a model{given}: {type(error).__name__}: {error}")
 
 
 def _cannot_keep(folder: Path, error: OSError) -> ModelNotFound:
@@ -130,12 +150,13 @@ def _cannot_keep(folder: Path, error: OSError) -> ModelNotFound:
 _CHILD_EXIT_STATUS: dict[type[Exception], int] = {InvalidModel: 3, ModelNotFound: 4}
 
 
-def _convert_in_child(source: Path, folder: Path, quantization: str) -> None:
+def _convert_in_child(source: Source, folder: Path, quantization: str) -> None:
     """`convert` in a single-process Python of its own: in a multi-process job orbax saves collectively, and each
     process's conversion is its own business. The child's InvalidModel or ModelNotFound is raised here as `convert`
     raised it; its progress and any other failure's traceback reach stderr as they come."""
-    child = subprocess.run([sys.executable, "-m", "sluice.model.loader", str(source), str(folder), quantization],
-                           stdout=subprocess.PIPE, text=True)
+    overrides = checkpoint.canonical_overrides(source.hf_overrides or {})
+    child = subprocess.run([sys.executable, "-m", "sluice.model.loader", str(source.path), str(folder), quantization,
+                            overrides], stdout=subprocess.PIPE, text=True)
     for error_type, status in _CHILD_EXIT_STATUS.items():
         if child.returncode == status:
             raise error_type(child.stdout)
@@ -148,7 +169,7 @@ def _convert_first_use(source: Source, folder: Path, quantization: str, stored: 
     start = time.perf_counter()
     print(f"Converting {source.path.name} (first use) ...", file=sys.stderr)
     if jax.process_count() > 1:
-        _convert_in_child(source.path, folder, quantization)
+        _convert_in_child(source, folder, quantization)
     else:
         convert(source, folder, quantization)
     print(f"Converted in {time.perf_counter() - start:.1f} s -> {folder}", file=sys.stderr)
@@ -182,6 +203,7 @@ def load_model(
     quantization: str = "none",
     sharding_rule: ShardingRule | None = None,
     chat_template: str | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Loads `model` (a .gguf, an HF folder, or None for the default SmolLM2), converting on first use.
 
@@ -189,19 +211,24 @@ def load_model(
     `model.quantize.CHOICES` ("auto" picks by backend), kept quantized in memory and in the converted folder.
     `sharding_rule` places each parameter as it is restored (tensor parallelism); default: the first device.
     `chat_template`: rendered instead of the model's own (None: the model's).
+    `hf_overrides`: keys that replace an HF folder's config.json's (`with_overrides`; None or empty: none),
+    converted apart from the plain model; InvalidModel for a GGUF file.
     """
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     quantization = resolve(quantization)
     path = resolve_model(model)
+    if hf_overrides and not path.is_dir():
+        raise InvalidModel(f"--hf-overrides replaces config.json's keys, and {path} is a GGUF file, whose config is "
+                           f"its metadata")
     # Per-channel int8 (`model.quantize`, where the CPU kernels do not run) is a conversion of its own.
     stored = f"{quantization}-channel" if default_layout(quantization) == "channel" else quantization
-    folder = checkpoint.checkpoint_dir(path, sluice_home(), stored)
+    folder = checkpoint.checkpoint_dir(path, sluice_home(), stored, hf_overrides)
     source = None
     if not folder.exists():
         check_writable(folder)
-        source = read_source(path)
+        source = read_source(path, hf_overrides)
     config = checkpoint.load_config(folder) if source is None else source.config
     # Before a conversion, which may take minutes: what the sharding rule refuses (a --tp the model cannot be split
     # by) is found from the config.
@@ -237,10 +264,11 @@ def model_name(source: Path) -> str:
     return source.name if source.is_dir() else source.stem
 
 
-if __name__ == "__main__":  # python -m sluice.model.loader SOURCE FOLDER QUANTIZATION: one conversion, single-process JAX
+# python -m sluice.model.loader SOURCE FOLDER QUANTIZATION HF_OVERRIDES: one conversion, single-process JAX
+if __name__ == "__main__":
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the error's message alone
-            convert(read_source(Path(sys.argv[1])), Path(sys.argv[2]), sys.argv[3])
+            convert(read_source(Path(sys.argv[1]), json.loads(sys.argv[4])), Path(sys.argv[2]), sys.argv[3])
     except tuple(_CHILD_EXIT_STATUS) as error:
         print(error, end="")
         sys.exit(_CHILD_EXIT_STATUS[type(error)])
