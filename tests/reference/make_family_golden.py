@@ -3,7 +3,7 @@ tests/data/tiny_llama3/.
 
 Each model is HF's own class, built from its config and saved as HF saves it (config.json, model.safetensors in
 bfloat16, generation_config.json), then read back in float32 before anything is computed, as
-`make_qwen3_golden.py` does, whose prompts, greedy decoding and recording this script shares:
+`make_qwen3_golden.py` does, whose prompts this script shares (`golden_common.py` draws, saves and records them):
 - `Qwen2ForCausalLM` as Qwen2.5-0.5B/1.5B-Instruct are made: q/k/v biases (drawn far from zero), tied embeddings,
   GQA, rope_theta 1e6.
 - `LlamaForCausalLM` as Llama 3.1/3.2 are made: `llama3` RoPE scaling with an `original_max_position_embeddings` of
@@ -18,18 +18,15 @@ dependency:
 """
 
 import argparse
-import datetime
-import json
-from importlib.metadata import version
 from pathlib import Path
 
-import torch
-from make_qwen3_golden import GOLDEN_FILE, LOGPROB_DECIMALS, NUM_NEW_TOKENS, PROMPTS, SEED, TOP_K, VOCAB, record
+from golden_common import (LOGPROB_DECIMALS, VOCAB, build_golden, prompts, record_cases, save_random_model,
+                           write_golden)
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data"
-BIAS_STD = 1.0
+PROMPTS = prompts("forty_tokens", 40)
 
 
 def tiny_qwen2() -> Qwen2ForCausalLM:
@@ -55,58 +52,21 @@ def tiny_llama3() -> LlamaForCausalLM:
     ))
 
 
-def random_parameter(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
-    """A draw for parameter `name` whose logits are spread (HF's initializer_range of 0.02 makes them nearly
-    uniform): every RMSNorm weight uniform in [0.5, 2), the embedding N(0, 0.5^2), a bias N(0, BIAS_STD^2), any
-    other (a linear's [out, in] weight) N(0, 1/in)."""
-    if name.endswith("norm.weight"):
-        return 0.5 + 1.5 * torch.rand(shape, generator=generator)
-    if name == "model.embed_tokens.weight":
-        return 0.5 * torch.randn(shape, generator=generator)
-    if name.endswith(".bias"):
-        return BIAS_STD * torch.randn(shape, generator=generator)
-    return torch.randn(shape, generator=generator) / shape[1] ** 0.5
-
-
-@torch.no_grad()
-def randomize(model: PreTrainedModel) -> None:
-    generator = torch.Generator().manual_seed(SEED)
-    for name, param in model.named_parameters():
-        param.copy_(random_parameter(name, param.shape, generator))
-
-
 def rope_freq_factors(model: LlamaForCausalLM) -> list[float]:
     """[head_dim // 2]: each rotary frequency without scaling over the one HF's model uses."""
     default, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(model.config)
     return [round(float(f), LOGPROB_DECIMALS) for f in default / model.model.rotary_emb.inv_freq]
 
 
-def write_family(model: PreTrainedModel, out: Path) -> dict:
-    """Randomizes `model`, saves it into `out` in bfloat16, reads it back in float32 and returns its golden."""
-    randomize(model)
-    model.to(torch.bfloat16).save_pretrained(out)
-    model = type(model).from_pretrained(out, dtype=torch.float32)
-    model.eval()
-    cases = [record(model, name, ids) for name, ids in PROMPTS.items()]
-    for case in cases:
-        print(f"{out.name} {case['name']}: {case['greedy_ids']} (smallest top-2 gap {case['min_top2_gap']})")
-    golden = {
-        "generated_by": "tests/reference/make_family_golden.py",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "transformers_version": version("transformers"),
-        "torch_version": version("torch"),
-        "model_class": type(model).__name__,
-        "weights_dtype": "bfloat16",
-        "dtype": "float32",
-        "attn_implementation": model.config._attn_implementation,
-        "num_new_tokens": NUM_NEW_TOKENS,
-        "top_k": TOP_K,
-        "decoding": "greedy argmax over float32 logits, recomputed without a KV cache, no stop at EOS",
-        "cases": cases,
-    }
+def write_family(model: PreTrainedModel, out: Path) -> None:
+    """Randomizes `model` (biases N(0, 1): far from zero), saves it into `out` in bfloat16, reads it back in float32
+    and writes its golden.json beside it."""
+    model = save_random_model(model, out)
+    golden = build_golden(model, "tests/reference/make_family_golden.py", record_cases(model, out, PROMPTS),
+                          model_class=type(model).__name__)
     if isinstance(model, LlamaForCausalLM):
         golden["rope_freq_factors"] = rope_freq_factors(model)
-    return golden
+    write_golden(out, golden)
 
 
 def main() -> None:
@@ -115,10 +75,7 @@ def main() -> None:
                         "tiny_llama3/ into")
     args = parser.parse_args()
     for name, build in (("tiny_qwen2", tiny_qwen2), ("tiny_llama3", tiny_llama3)):
-        out = args.out / name
-        golden = write_family(build(), out)
-        (out / GOLDEN_FILE).write_text(json.dumps(golden, indent=1) + "\n")
-        print(f"wrote {out}")
+        write_family(build(), args.out / name)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ tests/data/tiny_linear_rope/.
 Each model is HF's own: a `Qwen2ForCausalLM` with YaRN (factor 4 over an original context of 32: transformers'
 attention factor 0.1 ln 4 + 1 scales cos and sin) and a `LlamaForCausalLM` with linear scaling (factor 2 over a
 context of 64). It is saved as HF saves it (config.json, model.safetensors in bfloat16, generation_config.json) and
-read back in float32 before anything is computed, so the reference is exactly the saved weights. The prompts are
+read back in float32 before anything is computed, so the reference is exactly the saved weights (`golden_common.py`
+draws, saves and records them, as for `make_qwen3_golden.py`). The prompts are
 token ids (no tokenizer) and run past the original context: up to 111 positions of the 128 each scaling serves.
 
 Beside the YaRN model, `rope_cases.json` holds, for a set of config.json RoPE settings (each YaRN key transformers
@@ -18,23 +19,21 @@ dependency:
 """
 
 import argparse
-import datetime
 import json
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from make_qwen3_golden import GOLDEN_FILE, NUM_NEW_TOKENS, SEED, TOP_K, VOCAB, record
+from golden_common import (SEED, VOCAB, build_golden, prompts, record, record_cases, save_random_model,
+                           write_golden)
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
+GENERATED_BY = "tests/reference/make_rope_scaling_golden.py"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data"
 ROPE_CASES_FILE = "rope_cases.json"
-PROMPTS = {
-    "one_token": [1],
-    "short": [1, 17, 42, 99, 7, 250, 3],
-    "hundred_tokens": torch.randint(3, VOCAB, (100,), generator=torch.Generator().manual_seed(1)).tolist(),
-}
+PROMPTS = prompts("hundred_tokens", 100)
+BIAS_STD = 0.5
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
@@ -69,22 +68,8 @@ def linear_config() -> LlamaConfig:
                        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
 
 
-@torch.no_grad()
-def randomize(model: PreTrainedModel) -> None:
-    """Weights whose logits are spread (HF's initializer_range of 0.02 makes them nearly uniform): linears
-    N(0, 1/fan_in), biases N(0, 0.5^2), the embedding N(0, 0.5^2), every RMSNorm weight uniform in [0.5, 2)."""
-    generator = torch.Generator().manual_seed(SEED)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.copy_(0.5 + 1.5 * torch.rand(param.shape, generator=generator))
-        elif name == "model.embed_tokens.weight" or name.endswith(".bias"):
-            param.copy_(0.5 * torch.randn(param.shape, generator=generator))
-        else:
-            param.copy_(torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
-
-
 def record_case(model: PreTrainedModel, name: str, prompt_ids: list[int]) -> dict:
-    """`make_qwen3_golden.record`'s case, with the largest change of the last position's logprobs when it is
+    """`golden_common.record`'s case, with the largest change of the last position's logprobs when it is
     decoded over HF's KV cache instead (the noise of the reference itself)."""
     case = record(model, name, prompt_ids)
     case["cached_last_step_change"] = cached_last_step_change(model, prompt_ids + case["greedy_ids"][:-1])
@@ -112,42 +97,25 @@ def rope_case(keys: dict) -> dict:
             "attention_factor": float(rotary.attention_scaling)}
 
 
-def write_model(model: PreTrainedModel, folder: Path, provenance: dict) -> None:
-    """Saves `model` in bfloat16 to `folder`, reads it back in float32 and writes HF's golden.json beside it."""
-    randomize(model)
-    model.to(torch.bfloat16).save_pretrained(folder)
-    model = type(model).from_pretrained(folder, dtype=torch.float32)
-    model.eval()
-    cases = [record_case(model, name, ids) for name, ids in PROMPTS.items()]
-    for case in cases:
-        print(f"{folder.name} {case['name']}: {case['greedy_ids']} (smallest top-2 gap {case['min_top2_gap']}, "
-              f"cached {case['cached_last_step_change']:.2e})")
-    golden = {**provenance, "attn_implementation": model.config._attn_implementation, "cases": cases}
-    (folder / GOLDEN_FILE).write_text(json.dumps(golden, indent=1) + "\n")
+def write_model(model: PreTrainedModel, folder: Path) -> None:
+    """Randomizes `model` (biases N(0, BIAS_STD^2)), saves it into `folder` in bfloat16, reads it back in float32
+    and writes HF's golden.json beside it."""
+    model = save_random_model(model, folder, BIAS_STD)
+    cases = record_cases(model, folder, PROMPTS, record_case)
+    write_golden(folder, build_golden(model, GENERATED_BY, cases))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
-    provenance = {
-        "generated_by": "tests/reference/make_rope_scaling_golden.py",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "transformers_version": version("transformers"),
-        "torch_version": version("torch"),
-        "weights_dtype": "bfloat16",
-        "dtype": "float32",
-        "num_new_tokens": NUM_NEW_TOKENS,
-        "top_k": TOP_K,
-        "decoding": "greedy argmax over float32 logits, recomputed without a KV cache, no stop at EOS",
-    }
     torch.manual_seed(SEED)
-    write_model(Qwen2ForCausalLM(yarn_config()), args.out / "tiny_yarn", provenance)
-    write_model(LlamaForCausalLM(linear_config()), args.out / "tiny_linear_rope", provenance)
-    cases = {"generated_by": provenance["generated_by"], "transformers_version": provenance["transformers_version"],
+    write_model(Qwen2ForCausalLM(yarn_config()), args.out / "tiny_yarn")
+    write_model(LlamaForCausalLM(linear_config()), args.out / "tiny_linear_rope")
+    cases = {"generated_by": GENERATED_BY, "transformers_version": version("transformers"),
              "cases": {name: rope_case(keys) for name, keys in ROPE_CASES.items()}}
     (args.out / "tiny_yarn" / ROPE_CASES_FILE).write_text(json.dumps(cases, indent=1) + "\n")
-    print(f"wrote {args.out / 'tiny_yarn'} and {args.out / 'tiny_linear_rope'}")
+    print(f"wrote {args.out / 'tiny_yarn' / ROPE_CASES_FILE}")
 
 
 if __name__ == "__main__":
