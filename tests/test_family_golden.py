@@ -6,7 +6,6 @@ from their HF folders and as GGUFs, through the plain forward and the engine."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -17,21 +16,20 @@ import numpy as np
 import pytest
 from safetensors.flax import load_file
 
-from hf_folder import write_gguf, write_tokenizer_files
-from sluice.batching.config import EngineConfig
-from sluice.batching.engine import Engine
-from sluice.batching.sampling_params import SamplingParams
+from golden_checks import (LOGPROB_TOLERANCE, assert_engine_gives_golden, assert_forward_pass_gives_golden,
+                           copy_with_tokenizer, home, log_softmax)  # noqa: F401 (home: a fixture)
+from hf_folder import write_gguf
 from sluice.model.config import ModelConfig, RopeScaling
 from sluice.model.generate import generate, sequence_logits
 from sluice.model.llama import Llama
 from sluice.model.loader import LoadedModel, load_model
 from sluice.model.weights import ROPE_FREQS
-from test_qwen3 import LOGPROB_TOLERANCE, assert_top5_match, home, log_softmax  # noqa: F401 (home: a fixture)
 
 DATA = Path(__file__).parent / "data"
-# LOGPROB_TOLERANCE (1e-4) holds here as for the Qwen3: float32 both, the same bfloat16 weights, and HF's and Sluice's
-# logprobs differ by 1.1e-5 (Qwen2) and 4.1e-6 (Llama 3) at most; the smallest top-1/top-2 gap on a greedy path
-# (0.038, Llama 3's one_token) is 380 times it, and losing the biases or the scaling moves them by 3 or more.
+# golden_checks' LOGPROB_TOLERANCE (1e-4) holds here as for the Qwen3: float32 both, the same bfloat16 weights, and
+# HF's and Sluice's logprobs differ by 1.1e-5 (Qwen2) and 4.1e-6 (Llama 3) at most; the smallest top-1/top-2 gap on
+# a greedy path (0.038, Llama 3's one_token) is 380 times it, and losing the biases or the scaling moves them by 3
+# or more.
 
 
 @dataclass(frozen=True)
@@ -69,18 +67,9 @@ def family(request) -> Family:
     return FAMILIES[request.param]
 
 
-def copy_with_tokenizer(family: Family, parent: Path) -> Path:
-    """The golden folder copied into `parent` with a tokenizer added (the loader needs one; the golden prompts are
-    token ids)."""
-    folder = parent / family.name
-    shutil.copytree(family.folder, folder)
-    write_tokenizer_files(folder, family.config.vocab_size)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folder(family, tmp_path_factory) -> Path:
-    return copy_with_tokenizer(family, tmp_path_factory.mktemp("family"))
+    return copy_with_tokenizer(family.folder, tmp_path_factory.mktemp("family"), family.config.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -105,29 +94,12 @@ def test_the_config_json_transformers_5_writes_reads_as_its_model(family):
 @pytest.mark.parametrize("family, case", CASES, indirect=["family"],
                          ids=[f"{name}-{case['name']}" for name, case in CASES])
 def test_the_forward_pass_gives_hfs_greedy_tokens_and_logprobs(loaded, case):
-    prompt, expected = case["prompt_ids"], case["greedy_ids"]
-    assert generate(loaded.model, prompt, len(expected)) == expected
-    logprobs = log_softmax(sequence_logits(loaded.model, prompt + expected[:-1]))
-    assert_top5_match(logprobs[len(prompt) - 1:], case)
-    np.testing.assert_allclose(logprobs[np.arange(len(prompt) - 1), prompt[1:]], case["prompt_logprobs"],
-                               atol=LOGPROB_TOLERANCE)
+    assert_forward_pass_gives_golden(loaded.model, case)
 
 
 def test_the_engine_prefilling_in_chunks_then_decoding_over_pages_gives_hfs_tokens_and_logprobs(family, loaded):
     """All cases in one batch: the 40-token prompt prefilled in chunks of 16, K/V in pages of 4 tokens."""
-    c = family.config
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, page_size=4,
-                          kv_cache_memory=64 * 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim * 4, warmup=False)
-    golden = family.golden
-    params = SamplingParams(temperature=0.0, max_tokens=golden["num_new_tokens"], ignore_eos=True, logprobs=True,
-                            top_logprobs=5)
-    outputs = Engine(loaded, config, progress=False).generate([case["prompt_ids"] for case in golden["cases"]], params)
-    for case, [output] in zip(golden["cases"], outputs):
-        assert list(output.token_ids) == case["greedy_ids"], case["name"]
-        for step, (entry, top5) in enumerate(zip(output.logprobs, case["top5"])):
-            assert [token for token, _ in entry.top] == [token for token, _ in top5], (case["name"], step)
-            np.testing.assert_allclose([lp for _, lp in entry.top], [lp for _, lp in top5], atol=LOGPROB_TOLERANCE,
-                                       err_msg=f"{case['name']}, step {step}")
+    assert_engine_gives_golden(loaded, family.golden)
 
 
 def gguf_extras(family: Family) -> dict[str, np.ndarray]:
@@ -161,7 +133,7 @@ def test_a_gguf_of_the_same_weights_gives_the_hf_folders_model(family, loaded, h
 def test_without_its_rope_scaling_the_llama3_is_far_from_hfs(home, tmp_path):
     """The golden checks the scaling: read as plain RoPE, the model's logprobs move by 3.1 or more (1.1e-5 at most
     with it), from the first position on (llama3's scaling is the same at every position)."""
-    folder = copy_with_tokenizer(LLAMA3, tmp_path)
+    folder = copy_with_tokenizer(LLAMA3.folder, tmp_path, LLAMA3.config.vocab_size)
     config = json.loads((folder / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_parameters"]["rope_theta"]}
     (folder / "config.json").write_text(json.dumps(config))

@@ -6,71 +6,44 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.flax import load_file
 
-from hf_folder import write_gguf, write_tokenizer_files
-from sluice.batching.config import EngineConfig
-from sluice.batching.engine import Engine
-from sluice.batching.sampling_params import SamplingParams
+from golden_checks import (assert_engine_gives_golden, assert_forward_pass_gives_golden, copy_with_tokenizer,
+                           home, log_softmax)  # noqa: F401 (home: a fixture)
+from hf_folder import write_gguf
 from sluice.model.config import ModelConfig
-from sluice.model.generate import generate, sequence_logits
+from sluice.model.generate import sequence_logits
 from sluice.model.loader import LoadedModel, load_model
 
 FOLDER = Path(__file__).parent / "data" / "tiny_qwen3"
 GOLDEN = json.loads((FOLDER / "golden.json").read_text())
 CASES = GOLDEN["cases"]
-# Float32 both, the same bfloat16 weights: HF's and Sluice's logprobs differ by float32 rounding alone (1.1e-5 at
-# most); the smallest top-1/top-2 gap on a greedy path (0.011) is 100 times this tolerance.
-LOGPROB_TOLERANCE = 1e-4
+# golden_checks' LOGPROB_TOLERANCE (1e-4) holds: HF's and Sluice's logprobs differ by 1.1e-5 at most; the smallest
+# top-1/top-2 gap on a greedy path (0.011) is 100 times it.
+
 CONFIG = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
                      max_position_embeddings=256, bos_token_id=1, eos_token_ids=(2,))
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Path:
-    """A SLUICE_HOME of this module's own, for its conversions."""
-    with pytest.MonkeyPatch.context() as env:
-        home = tmp_path_factory.mktemp("home")
-        env.setenv("SLUICE_HOME", str(home))
-        yield home
-
-
-@pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     """The golden folder with a tokenizer added (the loader needs one; the golden prompts are token ids)."""
-    folder = tmp_path_factory.mktemp("qwen3") / "tiny_qwen3"
-    shutil.copytree(FOLDER, folder)
-    write_tokenizer_files(folder, CONFIG.vocab_size)
-    return folder
+    return copy_with_tokenizer(FOLDER, tmp_path_factory.mktemp("qwen3"), CONFIG.vocab_size)
 
 
 @pytest.fixture(scope="module")
 def qwen3(home, folder) -> LoadedModel:
     return load_model(str(folder), dtype="float32")
-
-
-def log_softmax(logits: jax.Array) -> np.ndarray:
-    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
-
-
-def assert_top5_match(logprobs: np.ndarray, case: dict) -> None:
-    """logprobs: [num_new_tokens, vocab], each greedy step's; HF's five best of each step must have these values."""
-    for step, top5 in enumerate(case["top5"]):
-        ids = [token for token, _ in top5]
-        np.testing.assert_allclose(logprobs[step, ids], [lp for _, lp in top5], atol=LOGPROB_TOLERANCE,
-                                   err_msg=f"{case['name']}, step {step}")
 
 
 def test_a_qwen3_config_json_written_by_transformers_5_reads_as_its_model():
@@ -88,29 +61,12 @@ def test_the_defaults_of_a_qwen3_config_json_are_transformers_own():
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_the_forward_pass_gives_hfs_greedy_tokens_and_logprobs(qwen3, case):
-    prompt, expected = case["prompt_ids"], case["greedy_ids"]
-    assert generate(qwen3.model, prompt, len(expected)) == expected
-    logprobs = log_softmax(sequence_logits(qwen3.model, prompt + expected[:-1]))
-    assert_top5_match(logprobs[len(prompt) - 1:], case)
-    np.testing.assert_allclose(logprobs[np.arange(len(prompt) - 1), prompt[1:]], case["prompt_logprobs"],
-                               atol=LOGPROB_TOLERANCE)
+    assert_forward_pass_gives_golden(qwen3.model, case)
 
 
 def test_the_engine_prefilling_in_chunks_then_decoding_over_pages_gives_hfs_tokens_and_logprobs(qwen3):
     """All cases in one batch: the 40-token prompt prefilled in chunks of 16, K/V in pages of 4 tokens."""
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, page_size=4,
-                          kv_cache_memory=64 * 2 * CONFIG.num_layers * CONFIG.num_kv_heads * 4 * CONFIG.head_dim * 4,
-                          warmup=False)
-    engine = Engine(qwen3, config, progress=False)
-    params = SamplingParams(temperature=0.0, max_tokens=GOLDEN["num_new_tokens"], ignore_eos=True, logprobs=True,
-                            top_logprobs=5)
-    outputs = engine.generate([case["prompt_ids"] for case in CASES], params)
-    for case, [output] in zip(CASES, outputs):
-        assert list(output.token_ids) == case["greedy_ids"], case["name"]
-        for step, (entry, top5) in enumerate(zip(output.logprobs, case["top5"])):
-            assert [token for token, _ in entry.top] == [token for token, _ in top5], (case["name"], step)
-            np.testing.assert_allclose([lp for _, lp in entry.top], [lp for _, lp in top5], atol=LOGPROB_TOLERANCE,
-                                       err_msg=f"{case['name']}, step {step}")
+    assert_engine_gives_golden(qwen3, GOLDEN)
 
 
 def test_a_qwen3_gguf_gives_the_hf_folders_model(qwen3, home, tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -18,23 +17,23 @@ import numpy as np
 import pytest
 from safetensors.flax import load_file
 
-from golden_engine import assert_engine_gives_golden
-from hf_folder import write_gguf, write_tokenizer_files
+from golden_checks import (LOGPROB_TOLERANCE, assert_engine_gives_golden, assert_forward_pass_gives_golden,
+                           copy_with_tokenizer, home, log_softmax)  # noqa: F401 (home: a fixture)
+from hf_folder import write_gguf
 from sluice.model import checkpoint
 from sluice.model.config import ModelConfig, RopeScaling
-from sluice.model.generate import generate, sequence_logits
+from sluice.model.generate import sequence_logits
 from sluice.model.loader import LoadedModel, load_model
-from test_qwen3 import assert_top5_match, home, log_softmax  # noqa: F401 (home: a fixture)
 
 DATA = Path(__file__).parent / "data"
 FOLDERS = {"yarn": DATA / "tiny_yarn", "linear": DATA / "tiny_linear_rope"}
 GOLDENS = {name: json.loads((folder / "golden.json").read_text()) for name, folder in FOLDERS.items()}
 CASES = [(name, case) for name, golden in GOLDENS.items() for case in golden["cases"]]
 ROPE_CASES = json.loads((FOLDERS["yarn"] / "rope_cases.json").read_text())["cases"]
-# Float32 both, the same bfloat16 weights: HF's own logprobs move by up to 1.3e-5 when its last position is decoded
-# over its KV cache instead (`cached_last_step_change`), and the smallest top-1/top-2 gap on a greedy path (0.0058)
-# is 58 times this tolerance (test_qwen3's, which `assert_top5_match` applies).
-LOGPROB_TOLERANCE = 1e-4
+# golden_checks' LOGPROB_TOLERANCE (1e-4) holds: HF's own logprobs move by up to 1.3e-5 when its last position is
+# decoded over its KV cache instead (`cached_last_step_change`), and the smallest top-1/top-2 gap on a greedy path
+# (0.0058) is 58 times it.
+
 # transformers' YaRN attention factor for a factor of 4 (`get_mscale`): cos and sin scaled by it, q.k by its square.
 YARN_ATTENTION = 0.1 * math.log(4.0) + 1.0
 SIZES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -52,12 +51,8 @@ GGUF_ARCH = {"yarn": "qwen2", "linear": "llama"}
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     """The golden folders with a tokenizer added (the loader needs one; the golden prompts are token ids)."""
-    copies = {}
-    for name, source in FOLDERS.items():
-        copies[name] = tmp_path_factory.mktemp(name) / source.name
-        shutil.copytree(source, copies[name])
-        write_tokenizer_files(copies[name], EXPECTED[name].vocab_size)
-    return copies
+    return {name: copy_with_tokenizer(source, tmp_path_factory.mktemp(name), EXPECTED[name].vocab_size)
+            for name, source in FOLDERS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +91,14 @@ def test_a_config_json_written_by_transformers_5_reads_as_its_scaling_and_the_co
 
 @pytest.mark.parametrize(("name", "case"), CASES, ids=[f"{name}-{case['name']}" for name, case in CASES])
 def test_the_forward_pass_gives_hfs_greedy_tokens_and_logprobs_past_the_original_context(models, name, case):
-    model = models[name].model
-    prompt, expected = case["prompt_ids"], case["greedy_ids"]
-    assert generate(model, prompt, len(expected)) == expected
-    logprobs = log_softmax(sequence_logits(model, prompt + expected[:-1]))
-    assert_top5_match(logprobs[len(prompt) - 1:], case)
-    np.testing.assert_allclose(logprobs[np.arange(len(prompt) - 1), prompt[1:]], case["prompt_logprobs"],
-                               atol=LOGPROB_TOLERANCE)
+    assert_forward_pass_gives_golden(models[name].model, case)
 
 
 @pytest.mark.parametrize("name", FOLDERS)
 def test_the_engine_prefilling_in_chunks_then_decoding_over_pages_gives_hfs_tokens_and_logprobs(models, name):
     """All cases in one batch, up to 128 positions (past the 32 or 64 of the unscaled model): the 100-token prompt
     prefilled in chunks of 16, K/V in pages of 4 tokens."""
-    assert_engine_gives_golden(models[name], GOLDENS[name], LOGPROB_TOLERANCE)
+    assert_engine_gives_golden(models[name], GOLDENS[name])
 
 
 @pytest.mark.parametrize("name", FOLDERS)
