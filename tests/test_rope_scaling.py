@@ -239,8 +239,8 @@ def test_a_yarn_gguf_of_the_hf_folders_weights_gives_its_logits(models, home, tm
                                                    "(factor 1.0), which Sluice does not implement"),
     ({"rope_type": "yarn", "factor": 4.0, "extrapolation_factor": 0.5},
      "config.json's rope_parameters of type 'yarn' has extrapolation_factor, which Sluice does not implement"),
-    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
-     "config.json's rope_parameters of type 'linear' has partial_rotary_factor, which Sluice does not implement"),
+    ({"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0},
+     "config.json's rope_parameters of type 'linear' has low_freq_factor, which Sluice does not implement"),
     ({"rope_type": "yarn", "original_max_position_embeddings": 32}, "config.json's rope_parameters of type 'yarn' "
                                                                      "lacks factor"),
     ({"rope_type": "linear", "factor": "2"}, "config.json's rope_parameters' factor must be a positive number, "
