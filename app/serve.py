@@ -374,8 +374,9 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
             type=at_least(0, float))
     _option(parser, "--tool-call-parser", _SERVER_DEFAULTS.tool_call_parser,
             "how tool calls are read (and forced) for a template with tools: auto (the template's own format), hermes "
-            "(`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}; ...`) or mistral "
-            "(`[TOOL_CALLS] [{\"name\", \"arguments\"}, ...]`)",
+            "(`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}; ...`), mistral "
+            "(`[TOOL_CALLS] [{\"name\", \"arguments\"}, ...]`) or granite (`<|tool_call|>[{\"name\", \"arguments\"}, "
+            "...]`)",
             choices=list(TOOL_CALL_PARSERS))
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="vLLM's switch for reading calls from replies with tool_choice auto, which Sluice always "

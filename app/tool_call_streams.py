@@ -3,8 +3,9 @@ fragments of its arguments. `tool_calls.ToolCalling` picks the reader of the req
 read by the same reader given it at once, so a stream and its whole text always read the same.
 
 Two readers. `CallStream` reads calls between an opening tag and a close, with a JSON object per call: Hermes
-(`<tool_call>{...}</tool_call>`, one call per tag) and Mistral (`[TOOL_CALLS] [{...}, {...}]`, a list per tag, or
-as its v11+ tokenizers write them, `[TOOL_CALLS]name[ARGS]{...}`, one call per tag with no close).
+(`<tool_call>{...}</tool_call>`, one call per tag), Mistral (`[TOOL_CALLS] [{...}, {...}]`, a list per tag, or
+as its v11+ tokenizers write them, `[TOOL_CALLS]name[ARGS]{...}`, one call per tag with no close) and Granite
+(`<|tool_call|>[{...}, {...}]`, or Granite 3.1's `<tool_call>[...]`, a list per tag).
 `JsonCallStream` reads Llama 3's replies, which are calls only if they are nothing but calls.
 """
 
@@ -58,7 +59,8 @@ class CallSyntax:
     by `separator` (None: one call a group) and ended by `close`; whitespace may come between any two.
     `closed_by_end`: the reply's end closes a group as `close` would (a model may stop right after a call's JSON,
     before its close; vLLM's Hermes parser reads such a call). `by_name`: a call may instead follow `open` as its
-    name, `[ARGS]` and its arguments (`name[CALL_ID]id[ARGS]{...}` with an id), one call per tag and no close."""
+    name, `[ARGS]` and its arguments (`name[CALL_ID]id[ARGS]{...}` with an id), one call per tag and no close.
+    `also_open`: other tags that start a group as `open` does."""
 
     open: str
     begin: str
@@ -66,10 +68,17 @@ class CallSyntax:
     close: str
     closed_by_end: bool = False
     by_name: bool = False
+    also_open: tuple[str, ...] = ()
+
+    @property
+    def opens(self) -> tuple[str, ...]:
+        return (self.open, *self.also_open)
 
 
 HERMES = CallSyntax("<tool_call>", "", None, "</tool_call>", closed_by_end=True)
 MISTRAL = CallSyntax("[TOOL_CALLS]", "[", ",", "]", by_name=True)
+# vLLM's `granite` parser: Granite 3.0 writes its `<|tool_call|>` token, Granite 3.1 the text `<tool_call>`.
+GRANITE = CallSyntax("<|tool_call|>", "[", ",", "]", also_open=("<tool_call>",))
 
 
 def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
@@ -105,12 +114,13 @@ def _loads(text: str) -> Any:
 
 @dataclass
 class _Group:
-    """The calls after an opening tag, as far as they have arrived. `position`: where in the reader's buffer (the
-    text after the tag) the next part starts; `part`: what is expected there; `calls`: the group's calls read so
+    """The calls after an opening tag (`tag`), as far as they have arrived. `position`: where in the reader's
+    buffer (the text after the tag) the next part starts; `part`: what is expected there; `calls`: the group's calls read so
     far, held until its close (unless they go out progressively); `name`: a call written by name, the function's;
     `open`: the call whose arguments are going out, as (where its arguments start, how far they went out) in its
     object's text; `committed`: calls of the group have gone out, so it is no longer text whatever follows."""
 
+    tag: str
     position: int = 0
     # "begin" | "object" | "after" (a separator or the close); by name, "head" then "arguments"
     part: str = "begin"
@@ -149,17 +159,23 @@ class CallStream:
         events: list[StreamEvent] = []
         while True:
             if self._group is None:
-                start = self._buffer.find(self.syntax.open)
-                if start < 0:
-                    keep = _partial_tag(self._buffer, self.syntax.open)
+                found = self._first_open()
+                if found is None:
+                    keep = max(_partial_tag(self._buffer, tag) for tag in self.syntax.opens)
                     self._text(self._buffer[:len(self._buffer) - keep], events)
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return events
+                start, tag = found
                 self._text(self._buffer[:start], events)
-                self._buffer = self._buffer[start + len(self.syntax.open):]
-                self._group = _Group()
+                self._buffer = self._buffer[start + len(tag):]
+                self._group = _Group(tag)
             elif not self._read_group(events):
                 return events
+
+    def _first_open(self) -> tuple[int, str] | None:
+        """Where in the buffer the first opening tag starts, and which tag it is; None if none has arrived."""
+        found = [(start, tag) for tag in self.syntax.opens if (start := self._buffer.find(tag)) >= 0]
+        return min(found, default=None)
 
     def finish(self) -> list[StreamEvent]:
         """What is held back at the end of the text: a group still open is text (unless its calls were already
@@ -342,7 +358,7 @@ class CallStream:
         if group.committed:
             self._buffer = self._buffer[group.position:]
         else:
-            self._text(self.syntax.open, events)
+            self._text(group.tag, events)
 
     def _text(self, text: str, events: list[StreamEvent]) -> None:
         if out := self._stripped.add(text):

@@ -2,18 +2,20 @@
 calls are written, the grammar that forces them, and which reader (`app/tool_call_streams.py`) takes them back
 out of the text.
 
-Three formats (`--tool-call-parser`):
+Four formats (`--tool-call-parser`):
 
     hermes       <tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>   (Qwen, Hermes)
     llama3_json  {"name": "get_weather", "parameters": {"city": "Paris"}}                         (Llama 3.x)
     mistral      [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]           (Mistral)
                  [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}                  (Mistral's v11+ tokenizers)
+    granite      <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]           (Granite 3.x)
 
 A call is only a call if its JSON parses, names a function of the request and has an object as arguments;
 anything else stays in the message's text, so no text the model wrote is lost. Mistral's `[TOOL_CALLS]` is a
-special token in Mistral's vocabularies (Hermes's `<tool_call>` in some), whose text the detokenizer leaves out by
-default: such a request keeps special tokens' text (`SamplingParams.skip_special_tokens` False, as vLLM's Mistral
-and Hermes parsers ask), so the tag is in the text where its token was (`reads_special_tokens`).
+special token in Mistral's vocabularies (Granite's `<|tool_call|>` in Granite's, Hermes's `<tool_call>` in some),
+whose text the detokenizer leaves out by default: such a request keeps special tokens' text
+(`SamplingParams.skip_special_tokens` False, as vLLM's Mistral and Hermes parsers ask), so the tag is in the text
+where its token was (`reads_special_tokens`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from sluice.model.tokenizer import Tokenizer
 from sluice.app.tool_call_streams import (
     ARGS,
     ArgumentsDelta,
+    GRANITE,
     HERMES,
     MISTRAL,
     CallStart,
@@ -44,10 +47,10 @@ from sluice.app.tool_call_streams import (
 )
 
 # `--tool-call-parser` values; "auto" is the format the model's template speaks (`app/prompts.py`).
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "granite")
 OPEN, CLOSE = HERMES.open, HERMES.close
 # The tags `CallStream` reads each format's calls between (Llama 3's calls have none).
-_SYNTAX = {"hermes": HERMES, "mistral": MISTRAL}
+_SYNTAX = {"hermes": HERMES, "mistral": MISTRAL, "granite": GRANITE}
 # The same fixed JSON layout as structured output's (batching/structured.py): free whitespace lets a small model
 # pad with newlines.
 _LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -96,6 +99,8 @@ _WRITTEN = {
     "llama3_json": _Written("parameters", "; "),
     # As Mistral's template writes an assistant's calls.
     "mistral": _Written("arguments", ", ", marker=MISTRAL.open, before=" [", after="]"),
+    # As Granite's system prompt asks: the marker, then a JSON list.
+    "granite": _Written("arguments", ", ", marker=GRANITE.open, before="[", after="]"),
 }
 
 
@@ -116,13 +121,13 @@ def reads_special_tokens(tokenizer: Tokenizer, parser: str) -> bool:
     the reply only where the detokenizer keeps special tokens' text (`skip_special_tokens` False)."""
     syntax = _SYNTAX.get(parser)
     return syntax is not None and any(tokenizer.special_token_id(tag) is not None
-                                      for tag in (syntax.open, syntax.close))
+                                      for tag in (*syntax.opens, syntax.close))
 
 
 @dataclass(frozen=True)
 class ToolCalling:
     """What a reply's text is read for: calls of the functions `names`, written in the format `parser`.
-    `forced`: a grammar makes the reply nothing but calls, so each one parses and (Hermes, Mistral) its arguments
+    `forced`: a grammar makes the reply nothing but calls, so each one parses and (but Llama 3's) its arguments
     can stream as they are sampled. `parallel` False: the reply's first call alone (`parallel_tool_calls: false`)."""
 
     names: frozenset[str]
@@ -202,8 +207,9 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
     """A Lark grammar (llguidance's, with `%json` for each function's arguments) whose every output is one call
     of one of `functions` ((name, parameters schema) each), or with `parallel` several, written as `parser`
     writes them (Hermes: one per line; Llama 3: separated by `; `; Mistral: a list after `[TOOL_CALLS]`, or with
-    `args_id` each call as `[TOOL_CALLS]name[ARGS]{...}`). `marker_id`, `args_id`: the marker's and `[ARGS]`'s
-    ids where they are special tokens (`special_marker`, `args_token`), written as those tokens."""
+    `args_id` each call as `[TOOL_CALLS]name[ARGS]{...}`; Granite: a list after `<|tool_call|>`). `marker_id`,
+    `args_id`: the marker's and `[ARGS]`'s ids where they are special tokens (`special_marker`, `args_token`),
+    written as those tokens."""
     written = _WRITTEN[parser]
     marker = f"<[{marker_id}]>" if marker_id is not None else json.dumps(written.marker)
     schemas = [json.dumps({"x-guidance": _LAYOUT, "type": "object",
