@@ -37,8 +37,13 @@ from sluice.batching.outputs import Increment, Usage
 SEEDS = int(os.environ.get("SLUICE_PARITY_SEEDS", "100"))
 # Names of which one begins another, as a call by name is read before its name has all arrived.
 NAMES = frozenset({"a", "add", "add_2", "get-weather"})
-FORMATS = ("hermes", "mistral", "mistral_by_name", "llama3_json")
-PARSER = {"hermes": "hermes", "mistral": "mistral", "mistral_by_name": "mistral", "llama3_json": "llama3_json"}
+FORMATS = ("hermes", "mistral", "mistral_by_name", "llama3_json", "granite")
+PARSER = {"hermes": "hermes", "mistral": "mistral", "mistral_by_name": "mistral", "llama3_json": "llama3_json",
+          "granite": "granite"}
+# The formats whose calls are a JSON list after a marker: the marker as the call grammar writes it, and the markers
+# a model may write.
+LIST_MARKERS = {"mistral": ("[TOOL_CALLS] ", ["[TOOL_CALLS]"]),
+                "granite": ("<|tool_call|>", ["<|tool_call|>", "<tool_call>"])}
 REASONING = {"none": None, "deepseek_r1": ReasoningFormat.named("deepseek_r1"),
              "qwen3": ReasoningFormat.named("qwen3"),
              "deepseek_r1 continuing": ReasoningFormat.named("deepseek_r1", continuing=True)}
@@ -49,7 +54,8 @@ MODES = ("forced", "free", "off grammar")
 TEXT = ["Sure.", "Let me check", "ok", " ", "  ", "\n", "\n\n", "\t", "é", "e\u0301", "中文", "🙂", "👩\u200d💻", "🇫🇷",
         "\u2028", "\x00"]
 MARKUP = ["<", "[", "{", "}", "]", '"', "\\", ";", ",", ":", "<tool_call>", "</tool_call>", "<tool", "</tool_call",
-          "[TOOL_CALLS]", "[TOOL", "[ARGS]", "[CALL_ID]", "<think>", "</think>", "<th", "</thi", '"name"', "add"]
+          "[TOOL_CALLS]", "[TOOL", "[ARGS]", "[CALL_ID]", "<|tool_call|>", "<|tool", "<think>", "</think>", "<th",
+          "</thi", '"name"', "add"]
 
 
 # --- replies ---------------------------------------------------------------------------------------------------
@@ -100,8 +106,9 @@ def forced_calls(rng: random.Random, format: str, count: int) -> str:
     if format == "hermes":
         return "\n".join(f"<tool_call>\n{grammar_json(rng, {'name': n, 'arguments': a})}\n</tool_call>"
                          for n, a in calls)
-    if format == "mistral":
-        return "[TOOL_CALLS] [" + ", ".join(grammar_json(rng, {"name": n, "arguments": a}) for n, a in calls) + "]"
+    if format in LIST_MARKERS:
+        objects = ", ".join(grammar_json(rng, {"name": n, "arguments": a}) for n, a in calls)
+        return f"{LIST_MARKERS[format][0]}[{objects}]"
     if format == "mistral_by_name":
         return "".join(f"[TOOL_CALLS]{n}[ARGS]{grammar_json(rng, a)}" for n, a in calls)
     return "; ".join(grammar_json(rng, {"name": n, "parameters": a}) for n, a in calls)
@@ -126,10 +133,11 @@ def free_call(rng: random.Random, format: str) -> str:
     if format == "hermes":
         close = rng.choice(["</tool_call>"] * 6 + ["", "</tool_call", "</tool_calls>", "<tool_call>"])
         return f"<tool_call>{whitespace(rng)}{free_object(rng)}{whitespace(rng)}{close}"
-    if format == "mistral":
+    if format in LIST_MARKERS:
         separator = rng.choice([", ", ",", " ,\n", "; "])
         objects = separator.join(free_object(rng) for _ in range(rng.randint(1, 3)))
-        return f"[TOOL_CALLS]{whitespace(rng)}[{objects}{rng.choice([']', ']', ']', '', '}'])}"
+        marker = rng.choice(LIST_MARKERS[format][1])
+        return f"{marker}{whitespace(rng)}[{objects}{rng.choice([']', ']', ']', '', '}'])}"
     if format == "mistral_by_name":
         call_id = rng.choice(["", "", "[CALL_ID]abc123XYZ", "[CALL_ID]a-b", "[CALL_ID]"])
         args = rng.choice([layout(rng, arguments(rng)), layout(rng, arguments(rng)), '"a=1"', "{", "[]"])
@@ -307,6 +315,13 @@ ADVERSARIAL = {
     "a mistral name the reply ends in": ("mistral_by_name", "none", "free", "[TOOL_CALLS]a"),
     "forced mistral calls by name": (
         "mistral_by_name", "none", "forced", '[TOOL_CALLS]add_2[ARGS]{"a": "[TOOL_CALLS]"}[TOOL_CALLS]a[ARGS]{}'),
+    "granite lists after either marker, a broken one, a marker cut short": (
+        "granite", "none", "free", 'Let me check. <|tool_call|>[{"name": "add", "arguments": {"a": "]}"}}, '
+        '{"name": "a", "arguments": {"b": "<tool_call>["}}] and <tool_call> [{"name": "a", "arguments": {}}] '
+        '<|tool_call|>[{broken}] <tool_call>{"name": "a", "arguments": {}}</tool_call> <|tool_ca'),
+    "forced granite calls": (
+        "granite", "none", "forced", '<|tool_call|>[{"name": "add", "arguments": {"a": [1, {"b": "]"}]}}, '
+        '{"name": "get-weather", "arguments": {"city": "Köln"}}]'),
     "llama 3 calls with a separator in a string": (
         "llama3_json", "none", "free",
         ' {"name": "add", "parameters": {"a": ";"}}; {"name": "a", "parameters": {}}\n'),
