@@ -154,7 +154,7 @@ def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q
         slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=page_table,
         cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
     )
-    attend = make_paged_attend(meta, num_pages, sm_scale=model.config.head_dim**-0.5, backend=backend, mesh=mesh)
+    attend = make_paged_attend(meta, num_pages, sm_scale=model.config.softmax_scale, backend=backend, mesh=mesh)
     hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend, num_real=inputs.cu_q_lens[-1])
     return model.logits(hidden[inputs.logits_rows], num_real=inputs.num_sampled), hidden, kv_cache
 

@@ -1,5 +1,5 @@
-"""One dataclass for Llama-family model configs (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM), read from GGUF or HF
-config.json;
+"""One dataclass for Llama-family model configs (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Granite 3), read from GGUF
+or HF config.json;
 and the reader of an HF folder's JSON files (config.json, tokenizer_config.json, generation_config.json)."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                    "GraniteForCausalLM")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "granite")
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
     "mistral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "num_key_value_heads": 8,
@@ -25,10 +26,15 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32, "use_sliding_window": False},
     "qwen3": {"head_dim": 128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "num_key_value_heads": 32,
               "use_sliding_window": False},
+    "granite": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
 }
 """What transformers assumes of a key a model type's config.json leaves out, where Sluice reads it and the default
 is not the plain one in `ModelConfig.from_hf` (Qwen2's q/k/v biases have no key; the Qwens write a `sliding_window`
 they use only with `use_sliding_window`; a null `num_key_value_heads` is `num_attention_heads`)."""
+GRANITE_SCALARS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                   "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
+"""Granite's config.json keys (`ModelConfig`'s fields of the same names) -> the GGUF keys llama.cpp's converter writes
+them as (after the architecture)."""
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +229,28 @@ def _size(fields: dict[str, Any], key: str, source: str, default: int | None = N
     return value
 
 
+def _scalar(fields: dict[str, Any], key: str, source: str, default: float) -> float:
+    """`fields[key]` (`default` if absent or null), a positive number, as a float; ValueError naming `key` in
+    `source`."""
+    value = default if fields.get(key) is None else fields[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{source}'s {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _hf_granite_scalars(config: dict[str, Any]) -> dict[str, float]:
+    """config.json's Granite scalars (`GRANITE_SCALARS`), each 1 where absent, as GraniteConfig defaults them (its
+    attention_multiplier too, where a Llama's softmax scale would be head_dim**-0.5)."""
+    return {key: _scalar(config, key, "config.json", 1.0) for key in GRANITE_SCALARS}
+
+
+def _gguf_granite_scalars(fields: dict[str, Any], arch: str) -> dict[str, float]:
+    """The Granite scalars GGUF metadata gives (`GRANITE_SCALARS`), those it lacks left out (1, and head_dim**-0.5
+    for the softmax scale, as llama.cpp's granite graph has them)."""
+    return {field: _scalar(fields, f"{arch}.{key}", "the GGUF metadata", 1.0)
+            for field, key in GRANITE_SCALARS.items() if fields.get(f"{arch}.{key}") is not None}
+
+
 def _hf_context(config: dict[str, Any], scaling: RopeScaling | None) -> int:
     """config.json's context length under its RoPE `scaling` (`_served_context`), capped at its `sliding_window`
     where that is shorter, with a warning: Sluice's attention is full causal, which is sliding-window attention only
@@ -281,6 +309,13 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Granite's scalars, which change nothing at these defaults: the token embeddings are multiplied by
+    # `embedding_multiplier`, each attention and MLP output by `residual_multiplier` before its residual add, and the
+    # logits divided by `logits_scaling`; `attention_multiplier` is the softmax scale (`softmax_scale`).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -289,6 +324,11 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def softmax_scale(self) -> float:
+        """What q.k is multiplied by before the softmax: `attention_multiplier`, else head_dim**-0.5."""
+        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
 
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
@@ -356,6 +396,7 @@ class ModelConfig:
             max_position_embeddings=_served_context(context, scaling),
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **(_gguf_granite_scalars(fields, arch) if arch == "granite" else {}),
         )
 
     @classmethod
@@ -397,6 +438,7 @@ class ModelConfig:
             max_position_embeddings=_hf_context(config, scaling),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **(_hf_granite_scalars(config) if model_type == "granite" else {}),
         )
 
     @property

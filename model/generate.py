@@ -51,8 +51,8 @@ def _forward_last(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, t
     """Runs T tokens at positions start.. and returns (logits of row last_index [vocab] float32, kv_cache)."""
     model = nnx.merge(graphdef, state)
     positions = start + jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-    sm_scale = model.config.head_dim**-0.5
-    hidden, kv_cache = model(token_ids, positions, kv_cache, contiguous_attend(start, sm_scale))
+    attend = contiguous_attend(start, model.config.softmax_scale)
+    hidden, kv_cache = model(token_ids, positions, kv_cache, attend)
     return model.logits(hidden[last_index][None])[0], kv_cache
 
 
@@ -67,7 +67,7 @@ def sequence_logits(model: Llama, token_ids: list[int]) -> jax.Array:
 def _forward_all(graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, token_ids: jax.Array) -> jax.Array:
     model = nnx.merge(graphdef, state)
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-    attend = contiguous_attend(jnp.int32(0), model.config.head_dim**-0.5)
+    attend = contiguous_attend(jnp.int32(0), model.config.softmax_scale)
     hidden, _ = model(token_ids, positions, kv_cache, attend)
     return model.logits(hidden)
 

@@ -14,7 +14,8 @@ tensor-parallel shard of the fused weight holds whole units of its own:
   its key head, then its value head (shards split KV heads, as attention does);
 - `w_gate_up` `[L, hidden, 2, intermediate]`: gate then up (shards split the intermediate axis).
 A Qwen3 (`ModelConfig.qk_norm`) also holds `q_norm` and `k_norm` `[L, head_dim]`, the RMSNorm weights each query and
-key head is normalized by before RoPE.
+key head is normalized by before RoPE. A Granite scales its embeddings, residual branches and logits by the config's
+scalars (`ModelConfig.embedding_multiplier`, ...).
 Any of the linear weights may be stored quantized (`model.quantize`); `model.linear` multiplies them.
 """
 
@@ -62,6 +63,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x2 = x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def scaled(x: jax.Array, factor: float) -> jax.Array:
+    """x times `factor`, or x itself for a factor of 1: a Llama's program then holds no multiplication by it."""
+    return x if factor == 1.0 else x * factor
 
 
 def fuse_qkv(wq, wk, wv, config: ModelConfig):
@@ -175,7 +181,7 @@ class Llama(nnx.Module):
         rows are real tokens, the others padding whose hidden rows are unspecified (the CPU kernels skip them)."""
         c = self.config
         num_tokens = token_ids.shape[0]
-        x = embed_rows(self.weight("embed"), token_ids, self.dtype)
+        x = scaled(embed_rows(self.weight("embed"), token_ids, self.dtype), c.embedding_multiplier)
         cos, sin = rope_cos_sin(positions, jnp.asarray(c.rope_inv_freq(), jnp.float32), c.rope_attention_factor)
         def block(x: jax.Array, kv_cache: KVCache, p: dict, index: jax.Array | int, layer: jax.Array | None):
             """Decoder layer `index`. p: the stacks with `layer` the index into them (traced), or the layer's own
@@ -190,9 +196,11 @@ class Llama(nnx.Module):
                 k = rms_norm(k, at(p["k_norm"]), c.rms_norm_eps).astype(k.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, kv_cache = attend(index, q, k, v, kv_cache)
-            x = x + project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], layer, num_real=num_real)
+            attn_out = project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], layer, num_real=num_real)
+            x = x + scaled(attn_out, c.residual_multiplier)
             gate_up = project(x, p["w_gate_up"], layer, norm=RmsNorm(p["mlp_norm"], c.rms_norm_eps), num_real=num_real)
-            x = x + project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], layer, num_real=num_real)
+            mlp_out = project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], layer, num_real=num_real)
+            x = x + scaled(mlp_out, c.residual_multiplier)
             return x, kv_cache
 
         if self.layers_unstacked:
@@ -210,12 +218,14 @@ class Llama(nnx.Module):
         return x, kv_cache
 
     def logits(self, hidden: jax.Array, num_real: jax.Array | None = None) -> jax.Array:
-        """hidden: [N, D] (the last layer's residual stream) -> [N, vocab] float32, through the final norm. Call
-        it only on the rows that are sampled; `num_real` as in `__call__`."""
+        """hidden: [N, D] (the last layer's residual stream) -> [N, vocab] float32, through the final norm and
+        divided by `logits_scaling`. Call it only on the rows that are sampled; `num_real` as in `__call__`."""
         norm = RmsNorm(self.final_norm[...], self.config.rms_norm_eps)
         if self.config.tie_word_embeddings:
-            return project_rows(hidden, self.weight("embed"), norm, num_real=num_real)
-        return project(hidden, self.weight("lm_head"), out_dtype=jnp.float32, norm=norm, num_real=num_real)
+            logits = project_rows(hidden, self.weight("embed"), norm, num_real=num_real)
+        else:
+            logits = project(hidden, self.weight("lm_head"), out_dtype=jnp.float32, norm=norm, num_real=num_real)
+        return scaled(logits, 1.0 / self.config.logits_scaling)
 
     def pooled(self, hidden: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
         """hidden: [T, D] (as `__call__` returns it), segments: [T] int32 (-1: none) -> [num_segments, D] float32,

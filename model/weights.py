@@ -208,9 +208,9 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Callable[[], Par
         rope_freq_factors=None if factors is None else tuple(
             gguf.quants.dequantize(factors.data, factors.tensor_type).astype(float).ravel()),
     )
-    # llama.cpp's converter interleaves Q/K rows for its llama arch alone; its Qwens keep HF's rotate-half order
-    # (NEOX RoPE in llama.cpp)
-    permute_rope = fields["general.architecture"] in ("llama", "mistral")
+    # llama.cpp's converter interleaves Q/K rows for its llama arch and those it converts as one (Granite); its
+    # Qwens keep HF's rotate-half order (NEOX RoPE in llama.cpp)
+    permute_rope = fields["general.architecture"] in ("llama", "mistral", "granite")
 
     def read(name: str, gguf_name: str) -> np.ndarray:
         tensor = tensors[gguf_name]

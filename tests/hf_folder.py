@@ -105,12 +105,21 @@ def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     return weights.reshape(num_heads, 2, head_dim // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
+def write_granite_scalars(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
+    """`config`'s Granite scalars as llama.cpp's converter writes them (the softmax scale only where given)."""
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    if config.attention_multiplier is not None:
+        writer.add_attention_scale(config.attention_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+
+
 def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray], arch: str = "llama",
                qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
                extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Writes `config`'s model with `tensors` (HF names) as llama.cpp's converter writes it for `arch`: Q/K rows
-    permuted for "llama", matrices in `qtype`, vectors (norms) float32, and `extra` tensors as they are; returns the
-    tensors the file holds, in HF names and order."""
+    permuted for "llama" and "granite", a granite's scalars as their keys, matrices in `qtype`, vectors (norms)
+    float32, and `extra` tensors as they are; returns the tensors the file holds, in HF names and order."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -132,6 +141,8 @@ def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray], 
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if arch == "granite":
+        write_granite_scalars(writer, config)
 
     expected = {}
     for name, (gguf_suffix, hf_suffix) in {**LAYER_TENSORS, **GLOBAL_TENSORS}.items():
@@ -146,7 +157,7 @@ def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray], 
                 expected[hf_name] = value
                 continue
             stored = value
-            if arch == "llama" and name in ("wq", "wk"):
+            if arch in ("llama", "granite") and name in ("wq", "wk"):
                 stored = llama_cpp_permute(value, config.num_heads if name == "wq" else config.num_kv_heads)
             quantized = gguf.quants.quantize(stored, qtype)
             writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
