@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sluice.batching.sampler import SAMPLER_BRANCHES
@@ -113,7 +113,7 @@ class EngineConfig:
     dtype: str | None = None
     quantization: str = "none"
     chat_template: str | None = None
-    hf_overrides: Mapping[str, Any] | None = None
+    hf_overrides: Mapping[str, Any] | None = field(default=None, hash=False)  # a dict: the config hashes without it
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

@@ -30,14 +30,16 @@ SOURCE_FILE = "source.txt"  # the converted file or folder's path, for `remove_s
 HF_OVERRIDES_FILE = "hf_overrides.json"  # the --hf-overrides it was converted with (none: no such file)
 
 
-LAYOUT_VERSION = 9
+LAYOUT_VERSION = 10
 """Bumped when the parameters' names or layouts change (2: fused q/k/v and gate/up; 3: GGUF
 block formats packed in panels for the CPU kernels; 4: a GGUF's rope_freqs.weight kept in the config; 5: the
 model's sampling defaults kept beside it; 6: an HF config's sliding window caps the context kept in the config;
 7: transformers 5's `rope_parameters` read, whose RoPE theta a version-6 conversion took for 10000; 8: the stop ids
 of generation_config.json and tokenizer_config.json kept in the config, and transformers' defaults per model type
-for what a config.json leaves out; 9: the stop ids resolved once, as vLLM takes them, which the engine reads alone),
-so no older conversion is restored into a model that no longer reads it."""
+for what a config.json leaves out; 9: the stop ids resolved once, as vLLM takes them, which the engine reads alone;
+10: RoPE scalings of a kind (linear, YaRN), whose stored fields a version-9 build cannot read and whose context a
+version-9 conversion of a YaRN by a factor of 1 kept unscaled), so no older conversion is restored into a model that
+no longer reads it, nor a newer one into an older build sharing the folder."""
 
 
 def canonical_overrides(hf_overrides: Mapping[str, Any]) -> str:

@@ -94,18 +94,22 @@ def read_source(path: Path, hf_overrides: Mapping[str, Any] | None = None) -> So
 
 def with_overrides(hf_config: dict[str, Any], hf_overrides: Mapping[str, Any]) -> dict[str, Any]:
     """config.json's `hf_config` with its top-level keys replaced by `hf_overrides`', as vLLM's --hf-overrides
-    replaces them. An overridden `rope_scaling` where the file has transformers 5's `rope_parameters` is the scaling
-    in it, keeping its `rope_theta`: transformers 5 reads `rope_scaling` as `rope_parameters`, so a model card's
-    override scales such a model too (with the theta it was trained with, which transformers' setter drops)."""
+    replaces them. Where the file has transformers 5's `rope_parameters`, which transformers 5 reads `rope_scaling`
+    and `rope_theta` from, an overridden `rope_scaling` is the scaling in it, keeping its `rope_theta` (which
+    transformers' setter drops), and an overridden `rope_theta` replaces its theta: at the top level either would be
+    left unread, and a model card's override would serve the model unchanged."""
     merged = {**hf_config, **hf_overrides}
     parameters = hf_config.get("rope_parameters")
-    if "rope_scaling" not in hf_overrides or "rope_parameters" in hf_overrides or not isinstance(parameters, dict) \
-            or not parameters:
+    if "rope_parameters" in hf_overrides or not isinstance(parameters, dict) or not parameters:
         return merged
-    scaling = merged.pop("rope_scaling") or {}
-    theta = {"rope_theta": parameters["rope_theta"]} if "rope_theta" in parameters else {}
-    merged["rope_parameters"] = {**theta, **scaling} if isinstance(scaling, dict) else scaling  # else: refused
-    return merged
+    if "rope_scaling" in hf_overrides:
+        scaling = merged.pop("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            return {**merged, "rope_parameters": scaling}  # refused, as no object, where the config is read
+        parameters = {**({"rope_theta": parameters["rope_theta"]} if "rope_theta" in parameters else {}), **scaling}
+    if "rope_theta" in hf_overrides:
+        parameters = {**parameters, "rope_theta": merged.pop("rope_theta")}
+    return {**merged, "rope_parameters": parameters}
 
 
 def check_writable(folder: Path) -> None:

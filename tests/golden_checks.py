@@ -58,6 +58,8 @@ def assert_top5_match(logprobs: np.ndarray, case: dict) -> None:
 def assert_forward_pass_gives_golden(model: Llama, case: dict) -> None:
     """`case`'s greedy ids from `model`'s plain forward, and its logprobs within LOGPROB_TOLERANCE of HF's: each
     greedy step's top 5 and each prompt token's after the tokens before it."""
+    # A tolerance near the smallest top-1/top-2 gap would let a wrong model pick HF's tokens by luck of rounding.
+    assert case["min_top2_gap"] > 10 * LOGPROB_TOLERANCE, (case["name"], case["min_top2_gap"])
     prompt, expected = case["prompt_ids"], case["greedy_ids"]
     assert generate(model, prompt, len(expected)) == expected
     logprobs = log_softmax(sequence_logits(model, prompt + expected[:-1]))
@@ -76,8 +78,10 @@ def assert_engine_gives_golden(loaded: LoadedModel, golden: dict) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=golden["num_new_tokens"], ignore_eos=True, logprobs=True,
                             top_logprobs=5)
     outputs = Engine(loaded, config, progress=False).generate([case["prompt_ids"] for case in golden["cases"]], params)
+    assert len(outputs) == len(golden["cases"])
     for case, [output] in zip(golden["cases"], outputs):
         assert list(output.token_ids) == case["greedy_ids"], case["name"]
+        assert len(output.logprobs) == len(case["top5"]), case["name"]  # zip below would stop at the shorter
         for step, (entry, top5) in enumerate(zip(output.logprobs, case["top5"])):
             assert [token for token, _ in entry.top] == [token for token, _ in top5], (case["name"], step)
             np.testing.assert_allclose([lp for _, lp in entry.top], [lp for _, lp in top5], atol=LOGPROB_TOLERANCE,

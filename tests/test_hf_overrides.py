@@ -108,8 +108,20 @@ def test_a_conversion_in_a_child_process_is_given_the_overrides(folder, monkeypa
     answers = iter([2])  # a 2-process job's, to the loader's question; then this test's one process, to orbax's
     monkeypatch.setattr(jax, "process_count", lambda: next(answers, 1))
     monkeypatch.setattr("sluice.model.loader.convert", None)  # not in this process
-    config = load_model(str(folder), dtype="float32", hf_overrides={"rope_scaling": YARN}).config
-    assert config.rope_scaling.kind == "yarn"
+    load_model(str(folder), dtype="float32", hf_overrides={"rope_scaling": YARN})
+    restored = load_model(str(folder), dtype="float32", hf_overrides={"rope_scaling": YARN}).config  # the child's
+    assert (restored.rope_scaling.kind, restored.max_position_embeddings) == ("yarn", 4 * 256)
+
+
+def test_an_overridden_rope_theta_replaces_a_transformers_5_rope_parameters_theta(folder):
+    """transformers 5 reads the theta from rope_parameters: at the top level, the override was left unread."""
+    written = json.loads((folder / "config.json").read_text())
+    del written["rope_theta"]
+    (folder / "config.json").write_text(json.dumps({**written, "rope_parameters": {"rope_type": "default",
+                                                                                   "rope_theta": 10000.0}}))
+    assert read_source(folder, {"rope_theta": 500000.0}).config.rope_theta == 500000.0
+    both = read_source(folder, {"rope_theta": 500000.0, "rope_scaling": YARN}).config
+    assert (both.rope_theta, both.rope_scaling.kind) == (500000.0, "yarn")
 
 
 def test_overrides_for_a_gguf_are_refused_in_one_line(tmp_path, monkeypatch):
