@@ -147,6 +147,9 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     raw = config.get(key) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"config.json's {key} must be an object, got {raw!r:.80}")
+    if per_layer := [name for name, value in raw.items() if isinstance(value, dict)]:
+        raise ValueError(f"config.json's {key} holds one per layer type ({', '.join(per_layer)}), which Sluice does "
+                         f"not implement")
     kind = raw.get("rope_type", raw.get("type"))
     _check_rope_scaling(kind, raw.get("factor"), "config.json")
     partial = raw.get("partial_rotary_factor", config.get("partial_rotary_factor"))
@@ -172,7 +175,8 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 def _hf_scaling(kind: str, raw: dict[str, Any], config: dict[str, Any], key: str) -> RopeScaling:
     """config.json's linear or YaRN scaling `raw` (under `key`), as transformers computes it (`_hf_yarn`).
     ValueError for a key Sluice does not read or a factor that is missing or no positive number."""
-    unread = raw.keys() - HF_SCALING_KEYS[kind] - {"rope_type", "type", "rope_theta"}
+    # partial_rotary_factor: refused by `_hf_rope` unless 1 (transformers 5 saves a top-level one in here).
+    unread = raw.keys() - HF_SCALING_KEYS[kind] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     if unread:
         raise ValueError(f"config.json's {key} of type {kind!r} has {', '.join(sorted(unread))}, which Sluice does "
                          f"not implement")

@@ -152,6 +152,24 @@ def test_a_partial_rotary_factor_is_refused_not_ignored(folder, where):
     assert ModelConfig.from_hf(written).head_dim == CONFIG.head_dim  # 1.0: the whole head, as RoPE always is
 
 
+def test_a_partial_rotary_factor_of_1_in_a_yarn_scaling_is_the_whole_head(folder):
+    """transformers 5 saves a top-level partial_rotary_factor into rope_parameters: 1 there was refused as unread."""
+    written = json.loads((folder / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}
+    plain = ModelConfig.from_hf({**written, "rope_parameters": yarn})
+    assert ModelConfig.from_hf({**written, "rope_parameters": {**yarn, "partial_rotary_factor": 1.0}}) == plain
+
+
+def test_rope_parameters_per_layer_type_are_refused_not_read_as_none(folder):
+    """transformers 5 takes rope_parameters keyed by layer type; Sluice found no rope_type there and served plain
+    RoPE."""
+    written = json.loads((folder / "config.json").read_text())
+    per_layer = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}
+    with pytest.raises(ValueError, match=r"^config.json's rope_parameters holds one per layer type \(full_attention\), "
+                                         r"which Sluice does not implement$"):
+        ModelConfig.from_hf({**written, "rope_parameters": per_layer})
+
+
 @pytest.mark.parametrize("window", [0, -1, 4.5, "4096", True])
 def test_a_sliding_window_not_a_positive_integer_is_refused(folder, window):
     _edit_config(folder, model_type="mistral", sliding_window=window)
