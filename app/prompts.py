@@ -106,14 +106,16 @@ def renders_tools(tokenizer: Tokenizer) -> bool:
 def tool_call_format(flag: str, tokenizer: Tokenizer) -> str:
     """The format the reply's calls are read in (`--tool-call-parser`). A template without tools gets Hermes,
     whatever the flag: the default prompt teaches it. Otherwise the flag's, and for "auto" the template's own:
-    Mistral's if it writes `[TOOL_CALLS]`, Hermes if it writes `<tool_call>`, Llama 3's JSON if it has
-    `<|python_tag|>` or asks for `"parameters"`, else Hermes."""
+    Granite's if it writes `<|tool_call|>`, Mistral's if it writes `[TOOL_CALLS]`, Hermes if it writes `<tool_call>`,
+    Llama 3's JSON if it has `<|python_tag|>` or asks for `"parameters"`, else Hermes."""
     if not renders_tools(tokenizer):
         return "hermes"
     if flag != "auto":
         return flag
     template = tokenizer.special.chat_template or ""
-    if "[TOOL_CALLS]" in template:
+    if tool_calls.GRANITE.open in template:
+        return "granite"
+    if tool_calls.MISTRAL.open in template:
         return "mistral"
     if tool_calls.OPEN not in template and ("<|python_tag|>" in template or '"parameters"' in template):
         return "llama3_json"

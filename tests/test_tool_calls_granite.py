@@ -164,7 +164,6 @@ GRANITE = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason="needs app/prompts.py's tool_call_format to pick granite for <|tool_call|>")
 def test_auto_reads_the_granite_format_from_a_template_that_writes_its_marker():
     assert tool_call_format("auto", with_template(GRANITE)) == "granite"
 
@@ -174,7 +173,7 @@ def test_auto_reads_the_granite_format_from_a_template_that_writes_its_marker():
 MODEL = "tiny-granite"
 FLAGS = ["--max-model-len", "2048", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
          "--kv-cache-memory", "16MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui",
-         "--tool-call-parser", "granite"]
+         "--tool-call-parser", "auto"]
 
 
 @pytest.fixture(scope="module")
