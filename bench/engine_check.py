@@ -446,7 +446,7 @@ class DirectStep:
             cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32), max_q_len=1,
         )
         self.tokens = jnp.arange(batch, dtype=jnp.int32) % config.vocab_size
-        sm_scale = config.head_dim**-0.5
+        sm_scale = config.softmax_scale
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def step(state, kv_cache, tokens, positions, meta):

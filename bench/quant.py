@@ -162,7 +162,7 @@ def _model_fns(mode: str, batch_sizes: list[int], context: int, prefill: int) ->
         def step(state, kv):
             model = nnx.merge(graphdef, state)
             if attention:
-                attend = make_paged_attend(meta, num_pages, sm_scale=config.head_dim**-0.5, backend="auto")
+                attend = make_paged_attend(meta, num_pages, sm_scale=config.softmax_scale, backend="auto")
             else:
                 attend = lambda layer, q, k, v, cache: (q, cache)
             hidden, kv = model(tokens, positions, flat_pool(kv), attend)

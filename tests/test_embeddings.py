@@ -79,7 +79,7 @@ def embed(engine: Engine, prompts: list[list[int]], pooling: str, request_id: st
 def reference(model: Llama, ids: list[int], pooling: str) -> np.ndarray:
     """The model's forward pass over one contiguous cache, with the final norm and pooling in numpy (float64)."""
     cache = empty_kv_cache(model.config, num_pages=1, page_size=len(ids), dtype=model.dtype)
-    attend = contiguous_attend(jnp.int32(0), model.config.head_dim**-0.5)
+    attend = contiguous_attend(jnp.int32(0), model.config.softmax_scale)
     hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.arange(len(ids), dtype=jnp.int32), cache, attend)
     h = np.asarray(hidden, np.float64)
     normed = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + model.config.rms_norm_eps)

@@ -26,7 +26,7 @@ def test_chunked_prefill_and_decode_over_shuffled_pages_match_contiguous_logits(
 
     @jax.jit
     def step(kv_cache, tokens, positions, meta):
-        attend = make_paged_attend(meta, num_pages, sm_scale=config.head_dim**-0.5, backend="reference")
+        attend = make_paged_attend(meta, num_pages, sm_scale=config.softmax_scale, backend="reference")
         hidden, kv_cache = model(tokens, positions, kv_cache, attend)
         return model.logits(hidden), kv_cache
 
