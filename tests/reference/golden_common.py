@@ -126,3 +126,13 @@ def build_golden(model: PreTrainedModel, generated_by: str, cases: list[dict], *
 def write_golden(folder: Path, golden: dict) -> None:
     (folder / GOLDEN_FILE).write_text(json.dumps(golden, indent=1) + "\n")
     print(f"wrote {folder}")
+
+
+def write_tiny_golden(model: PreTrainedModel, folder: Path, generated_by: str, prompts: dict[str, list[int]],
+                      bias_std: float = BIAS_STD,
+                      record_case: Callable[[PreTrainedModel, str, list[int]], dict] = record, **fields) -> None:
+    """Randomizes `model` (biases of `bias_std`), saves it into `folder` in bfloat16, reads it back in float32 and
+    writes beside it the golden.json of `record_case` on each of `prompts`, with `fields` after its provenance."""
+    model = save_random_model(model, folder, bias_std)
+    cases = record_cases(model, folder, prompts, record_case)
+    write_golden(folder, build_golden(model, generated_by, cases, **fields))

@@ -20,8 +20,7 @@ dependency:
 import argparse
 from pathlib import Path
 
-from golden_common import (LOGPROB_DECIMALS, VOCAB, build_golden, prompts, record_cases, save_random_model,
-                           write_golden)
+from golden_common import LOGPROB_DECIMALS, VOCAB, prompts, write_tiny_golden
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -60,13 +59,11 @@ def rope_freq_factors(model: LlamaForCausalLM) -> list[float]:
 
 def write_family(model: PreTrainedModel, out: Path) -> None:
     """Randomizes `model` (biases N(0, 1): far from zero), saves it into `out` in bfloat16, reads it back in float32
-    and writes its golden.json beside it."""
-    model = save_random_model(model, out)
-    golden = build_golden(model, "tests/reference/make_family_golden.py", record_cases(model, out, PROMPTS),
-                          model_class=type(model).__name__)
+    and writes its golden.json beside it, naming its class (and a Llama's `rope_freq_factors`)."""
+    fields = {"model_class": type(model).__name__}
     if isinstance(model, LlamaForCausalLM):
-        golden["rope_freq_factors"] = rope_freq_factors(model)
-    write_golden(out, golden)
+        fields["rope_freq_factors"] = rope_freq_factors(model)
+    write_tiny_golden(model, out, "tests/reference/make_family_golden.py", PROMPTS, **fields)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ dependency:
 import argparse
 from pathlib import Path
 
-from golden_common import VOCAB, build_golden, prompts, record_cases, save_random_model, write_golden
+from golden_common import VOCAB, prompts, write_tiny_golden
 from transformers import GraniteConfig, GraniteForCausalLM
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data" / "tiny_granite"
@@ -39,9 +39,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
 
-    model = save_random_model(GraniteForCausalLM(tiny_config()), args.out)
-    cases = record_cases(model, args.out, PROMPTS)
-    write_golden(args.out, build_golden(model, "tests/reference/make_granite_golden.py", cases))
+    write_tiny_golden(GraniteForCausalLM(tiny_config()), args.out, "tests/reference/make_granite_golden.py", PROMPTS)
 
 
 if __name__ == "__main__":

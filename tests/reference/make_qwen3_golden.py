@@ -15,7 +15,7 @@ dependency:
 import argparse
 from pathlib import Path
 
-from golden_common import VOCAB, build_golden, prompts, record_cases, save_random_model, write_golden
+from golden_common import VOCAB, prompts, write_tiny_golden
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data" / "tiny_qwen3"
@@ -36,9 +36,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
 
-    model = save_random_model(Qwen3ForCausalLM(tiny_config()), args.out)
-    cases = record_cases(model, args.out, PROMPTS)
-    write_golden(args.out, build_golden(model, "tests/reference/make_qwen3_golden.py", cases))
+    write_tiny_golden(Qwen3ForCausalLM(tiny_config()), args.out, "tests/reference/make_qwen3_golden.py", PROMPTS)
 
 
 if __name__ == "__main__":

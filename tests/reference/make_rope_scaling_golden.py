@@ -24,8 +24,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from golden_common import (SEED, VOCAB, build_golden, prompts, record, record_cases, save_random_model,
-                           write_golden)
+from golden_common import SEED, VOCAB, prompts, record, write_tiny_golden
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
@@ -99,10 +98,8 @@ def rope_case(keys: dict) -> dict:
 
 def write_model(model: PreTrainedModel, folder: Path) -> None:
     """Randomizes `model` (biases N(0, BIAS_STD^2)), saves it into `folder` in bfloat16, reads it back in float32
-    and writes HF's golden.json beside it."""
-    model = save_random_model(model, folder, BIAS_STD)
-    cases = record_cases(model, folder, PROMPTS, record_case)
-    write_golden(folder, build_golden(model, GENERATED_BY, cases))
+    and writes HF's golden.json of `record_case` beside it."""
+    write_tiny_golden(model, folder, GENERATED_BY, PROMPTS, BIAS_STD, record_case)
 
 
 def main() -> None:
