@@ -1,24 +1,27 @@
 """What the tests against HF transformers' golden folders share (tests/data/tiny_*, written by tests/reference):
-a SLUICE_HOME per module, a golden folder copied with a tokenizer, and the checks that the forward pass and the
-engine give a golden.json's greedy tokens and logprobs."""
+a SLUICE_HOME per module, a golden folder copied with a tokenizer or written as a GGUF, and the checks that the
+forward pass and the engine give a golden.json's greedy tokens and logprobs."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.flax import load_file
 
-from hf_folder import write_tokenizer_files
+from hf_folder import write_gguf, write_tokenizer_files
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import SamplingParams
 from sluice.model.generate import generate, sequence_logits
 from sluice.model.llama import Llama
-from sluice.model.loader import LoadedModel
+from sluice.model.config import ModelConfig
+from sluice.model.loader import LoadedModel, load_model
 
 # Float32 both, the same bfloat16 weights: HF's and Sluice's logprobs differ by float32 rounding alone (each test
 # module gives its models' largest difference and smallest top-1/top-2 gap, both far from this).
@@ -41,6 +44,17 @@ def copy_with_tokenizer(source: Path, parent: Path, vocab_size: int) -> Path:
     shutil.copytree(source, folder)
     write_tokenizer_files(folder, vocab_size)
     return folder
+
+
+def load_as_gguf(folder: Path, config: ModelConfig, arch: str, parent: Path,
+                 extra: dict[str, np.ndarray] | None = None) -> LoadedModel:
+    """The golden folder `folder`'s weights, read as float32, written into `parent` as llama.cpp's converter writes
+    `config` for `arch` (`write_gguf`, matrices in float32, `extra` tensors added) and loaded in float32."""
+    tensors = {name: np.asarray(value, np.float32)
+               for name, value in load_file(str(folder / "model.safetensors")).items()}
+    path = parent / f"{folder.name}.gguf"
+    write_gguf(path, config, tensors, arch=arch, qtype=gguf.GGMLQuantizationType.F32, extra=extra)
+    return load_model(str(path), dtype="float32")
 
 
 def log_softmax(logits: jax.Array) -> np.ndarray:

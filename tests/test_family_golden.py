@@ -10,15 +10,12 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.flax import load_file
 
 from golden_checks import (LOGPROB_TOLERANCE, assert_engine_gives_golden, assert_forward_pass_gives_golden,
-                           copy_with_tokenizer, home, log_softmax)  # noqa: F401 (home: a fixture)
-from hf_folder import write_gguf
+                           copy_with_tokenizer, home, load_as_gguf, log_softmax)  # noqa: F401 (home: a fixture)
 from sluice.model.config import ModelConfig, RopeScaling
 from sluice.model.generate import generate, sequence_logits
 from sluice.model.llama import Llama
@@ -111,13 +108,8 @@ def gguf_extras(family: Family) -> dict[str, np.ndarray]:
 def test_a_gguf_of_the_same_weights_gives_the_hf_folders_model(family, loaded, home, tmp_path):
     """The weights as llama.cpp's converter writes them (llama: Q/K rows permuted and the scaling as
     rope_freqs.weight, one EOS id; qwen2: biases as attn_q/k/v.bias), in float32."""
-    tensors = {name: np.asarray(value, np.float32)
-               for name, value in load_file(str(family.folder / "model.safetensors")).items()}
-    path = tmp_path / f"{family.name}.gguf"
     extras = gguf_extras(family)
-    write_gguf(path, family.config, tensors, arch=family.gguf_arch, qtype=gguf.GGMLQuantizationType.F32,
-               extra=extras)
-    gguf_model = load_model(str(path), dtype="float32")
+    gguf_model = load_as_gguf(family.folder, family.config, family.gguf_arch, tmp_path, extras)
     factors = extras.get(ROPE_FREQS)
     assert gguf_model.config == replace(
         family.config, rms_norm_eps=float(np.float32(family.config.rms_norm_eps)), eos_token_ids=(2,),

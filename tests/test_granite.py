@@ -9,17 +9,14 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.flax import load_file
 
 from golden_checks import (LOGPROB_TOLERANCE, assert_engine_gives_golden, assert_forward_pass_gives_golden,
-                           copy_with_tokenizer, home, log_softmax)  # noqa: F401 (home: a fixture)
-from hf_folder import write_gguf
+                           copy_with_tokenizer, home, load_as_gguf, log_softmax)  # noqa: F401 (home: a fixture)
 from sluice.model.config import GRANITE_SCALARS, ModelConfig
 from sluice.model.generate import generate, sequence_logits
 from sluice.model.llama import Llama
@@ -107,11 +104,7 @@ def test_the_engine_prefilling_in_chunks_then_decoding_over_pages_gives_hfs_toke
 def test_a_granite_gguf_gives_the_hf_folders_model(granite, home, tmp_path):
     """The same weights as llama.cpp's converter writes them (granite: Q/K rows permuted as for llama, the scalars
     as embedding_scale, residual_scale, attention.scale and logit_scale), in float32."""
-    tensors = {name: np.asarray(value, np.float32)
-               for name, value in load_file(str(FOLDER / "model.safetensors")).items()}
-    path = tmp_path / "tiny_granite.gguf"
-    write_gguf(path, CONFIG, tensors, arch="granite", qtype=gguf.GGMLQuantizationType.F32)
-    loaded = load_model(str(path), dtype="float32")
+    loaded = load_as_gguf(FOLDER, CONFIG, "granite", tmp_path)
     float32 = lambda value: float(np.float32(value))  # GGUF keys are float32
     assert loaded.config == replace(CONFIG, rms_norm_eps=float32(CONFIG.rms_norm_eps),
                                     residual_multiplier=float32(CONFIG.residual_multiplier))

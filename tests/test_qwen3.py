@@ -11,15 +11,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.flax import load_file
 
 from golden_checks import (assert_engine_gives_golden, assert_forward_pass_gives_golden, copy_with_tokenizer,
-                           home, log_softmax)  # noqa: F401 (home: a fixture)
-from hf_folder import write_gguf
+                           home, load_as_gguf, log_softmax)  # noqa: F401 (home: a fixture)
 from sluice.model.config import ModelConfig
 from sluice.model.generate import sequence_logits
 from sluice.model.loader import LoadedModel, load_model
@@ -72,11 +69,7 @@ def test_the_engine_prefilling_in_chunks_then_decoding_over_pages_gives_hfs_toke
 def test_a_qwen3_gguf_gives_the_hf_folders_model(qwen3, home, tmp_path):
     """The same weights as llama.cpp's converter writes them (qwen3: Q/K rows not permuted, q/k norms as
     attn_q_norm / attn_k_norm, head_dim as key_length), in float32."""
-    tensors = {name: np.asarray(value, np.float32)
-               for name, value in load_file(str(FOLDER / "model.safetensors")).items()}
-    path = tmp_path / "tiny_qwen3.gguf"
-    write_gguf(path, CONFIG, tensors, arch="qwen3", qtype=gguf.GGMLQuantizationType.F32)
-    loaded = load_model(str(path), dtype="float32")
+    loaded = load_as_gguf(FOLDER, CONFIG, "qwen3", tmp_path)
     assert loaded.config == replace(CONFIG, rms_norm_eps=float(np.float32(CONFIG.rms_norm_eps)))  # a float32 key
     tokens = CASES[-1]["prompt_ids"] + CASES[-1]["greedy_ids"]
     np.testing.assert_allclose(sequence_logits(loaded.model, tokens), sequence_logits(qwen3.model, tokens),
