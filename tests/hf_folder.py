@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -56,6 +57,14 @@ def train_tokenizer(vocab_size: int) -> HFTokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    return tokenizer
+
+
+def train_tokenizer_with_special_tokens(*tokens: str, vocab_size: int = 288) -> HFTokenizer:
+    """`train_tokenizer`'s vocabulary with `tokens` added after it as special tokens (as tool-call markers are in
+    Mistral's and Granite's vocabularies), `vocab_size` ids in all."""
+    tokenizer = train_tokenizer(vocab_size - len(tokens))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in tokens])
     return tokenizer
 
 

@@ -12,8 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from test_api_e2e import API_KEY, start_server
-from tokenizers import AddedToken
+from test_api_e2e import API_KEY
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
@@ -32,7 +31,8 @@ from sluice.app.tool_calls import (
 from sluice.batching.sampling_params import SamplingParams, StructuredOutput
 from sluice.batching.stop_checker import StopChecker
 from sluice.batching.structured import GrammarCompiler
-from hf_folder import train_tokenizer
+from hf_folder import train_tokenizer, train_tokenizer_with_special_tokens
+from tool_call_servers import TOOL_CHOICES, assert_streamed_deltas_reassemble_to_the_unstreamed_reply, openai_client
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
 
 NAMES = frozenset({"get_weather", "add"})
@@ -262,8 +262,13 @@ def test_a_llama3_stream_in_any_pieces_reads_as_the_whole_text(text):
 # --- Mistral's calls ----------------------------------------------------------------------------------------
 
 
+def listed_after(marker: str, *calls: tuple[str, str]) -> str:
+    """`calls` as a JSON list of `{"name", "arguments"}` objects after `marker`: Mistral's format, and Granite's."""
+    return marker + "[" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]"
+
+
 def mistral(*calls: tuple[str, str]) -> str:
-    return "[TOOL_CALLS] [" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]"
+    return listed_after("[TOOL_CALLS] ", *calls)
 
 
 def test_a_mistral_list_after_the_marker_is_calls_and_the_text_before_it_content():
@@ -293,10 +298,12 @@ def test_a_mistral_stream_in_any_pieces_reassembles_to_the_parse_of_the_whole_te
     assert_any_pieces_read_as_the_whole(text, "mistral")
 
 
-def test_forced_mistral_calls_stream_each_ones_arguments_as_they_arrive():
-    text = mistral(("add", '{"a": {"b": [1, 2]}, "c": "}"}'), ("get_weather", '{"city": "Oslo"}'))
-    content, calls, events = stream_in_pieces(text, progressive=True, rng=random.Random(4), parser="mistral")
-    assert (content, calls) == parse_calls(text, NAMES, "mistral")
+@pytest.mark.parametrize(("parser", "marker"), [("mistral", "[TOOL_CALLS] "), ("granite", "<|tool_call|>")],
+                         ids=["mistral", "granite"])
+def test_forced_mistral_and_granite_calls_stream_each_ones_arguments_as_they_arrive(parser, marker):
+    text = listed_after(marker, ("add", '{"a": {"b": [1, 2]}, "c": "}"}'), ("get_weather", '{"city": "Oslo"}'))
+    content, calls, events = stream_in_pieces(text, progressive=True, rng=random.Random(4), parser=parser)
+    assert (content, calls) == parse_calls(text, NAMES, parser)
     assert isinstance(events[0], CallStart) and [e.index for e in events if isinstance(e, CallStart)] == [0, 1]
     assert sum(isinstance(e, ArgumentsDelta) for e in events) > 4
 
@@ -340,17 +347,20 @@ def test_a_stream_of_mistral_calls_by_name_in_any_pieces_reads_as_the_whole_text
 
 def marker_tokenizer() -> Tokenizer:
     """A byte-level vocabulary of 288 tokens whose last is `[TOOL_CALLS]`, a special token (as in Mistral's)."""
-    backend = train_tokenizer(287)
-    backend.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False)])
-    return Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+    return Tokenizer(train_tokenizer_with_special_tokens("[TOOL_CALLS]"), SpecialTokens(1, (2,), False, None))
 
 
 def hermes_tag_tokenizer() -> Tokenizer:
     """A byte-level vocabulary whose Hermes tags are special tokens, as some Hermes models' vocabularies make them."""
-    backend = train_tokenizer(286)
-    backend.add_special_tokens([AddedToken(tag, special=True, normalized=False)
-                                for tag in ("<tool_call>", "</tool_call>")])
-    return Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+    return Tokenizer(train_tokenizer_with_special_tokens("<tool_call>", "</tool_call>"),
+                     SpecialTokens(1, (2,), False, None))
+
+
+def v11_tokenizer() -> Tokenizer:
+    """A byte-level vocabulary of 288 tokens whose last three are Mistral v11's special `[TOOL_CALLS]`, `[ARGS]` and
+    `[CALL_ID]`."""
+    return Tokenizer(train_tokenizer_with_special_tokens("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+                     SpecialTokens(1, (2,), False, None))
 
 
 def test_a_format_whose_tag_is_a_special_token_reads_special_tokens_text():
@@ -396,10 +406,7 @@ def test_a_mistral_call_whose_increment_ends_mid_character_has_its_marker_in_pla
 
 
 def test_mistral_calls_by_name_whose_tags_are_special_tokens_are_read_from_the_kept_text():
-    backend = train_tokenizer(285)
-    backend.add_special_tokens([AddedToken(tag, special=True, normalized=False)
-                                for tag in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")])
-    tokenizer = Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+    tokenizer = v11_tokenizer()
     reply = "the fox[TOOL_CALLS]add[CALL_ID]x1y2z3w4v[ARGS]{\"a\": 1}[TOOL_CALLS]get_weather[ARGS]{}"
     checker = keeping_special_tokens(tokenizer)
     texts = [checker.emit(token, None).text for token in tokenizer.encode(reply, add_special_tokens=False)]
@@ -514,10 +521,7 @@ def test_the_mistral_grammar_writes_a_special_marker_as_its_token():
 def test_the_mistral_grammar_of_a_v11_vocabulary_writes_calls_by_name_and_its_reader_takes_them_back():
     """A vocabulary with `[ARGS]` as a special token is Mistral's v11 or later: its models write
     `[TOOL_CALLS]name[ARGS]{...}`, one call per marker, and a forced call is written so too."""
-    backend = train_tokenizer(285)
-    backend.add_special_tokens([AddedToken(tag, special=True, normalized=False)
-                                for tag in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")])
-    tokenizer = Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+    tokenizer = v11_tokenizer()
     assert args_token(tokenizer, "mistral") is not None and args_token(tokenizer, "hermes") is None
     compiler = GrammarCompiler(tokenizer, 288, (2,))
     two = '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]get_weather[ARGS]{}'
@@ -690,12 +694,8 @@ ASK = {"get_weather": "What is the weather in Paris?", "book_trip": "Book me, An
 
 @pytest.fixture(scope="module")
 def client():
-    server = start_server(*FLAGS)
-    try:
-        with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
-            yield c
-    finally:
-        server.stop()
+    with openai_client(*FLAGS) as client:
+        yield client
 
 
 def user(content: str) -> list[dict]:
@@ -728,39 +728,14 @@ def test_required_with_parallel_calls_may_call_several_tools_each_valid(client):
             jsonschema.validate(json.loads(tool_call.function.arguments), SCHEMA[tool_call.function.name])
 
 
-def reassemble(chunks) -> tuple[str | None, list[tuple[str, str]], str, set[str]]:
-    """Content, (name, arguments) calls, the finish reason and the call ids, from a stream's deltas."""
-    content, calls, ids, finish = "", {}, set(), None
-    for chunk in chunks:
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-            for delta in choice.delta.tool_calls or []:
-                if delta.id is not None:
-                    assert delta.type == "function" and delta.function.name and delta.function.arguments == ""
-                    assert delta.index == len(calls)
-                    calls[delta.index] = [delta.function.name, ""]
-                    ids.add(delta.id)
-                else:
-                    assert delta.function.name is None
-                    calls[delta.index][1] += delta.function.arguments
-    return content or None, [tuple(c) for c in calls.values()], finish, ids
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add_to_cart"}}, "auto"])
+@pytest.mark.parametrize("tool_choice", TOOL_CHOICES)
 def test_streamed_deltas_reassemble_to_the_unstreamed_calls_at_temperature_0(client, tool_choice):
     # Room for the longest call the schemas allow (4 names of 24 characters, a token each at worst), so a forced
     # call always completes.
-    kwargs = dict(model=MODEL, messages=user("What is the weather in Paris?"), tools=TOOLS, tool_choice=tool_choice,
-                  temperature=0, max_tokens=200)
-    whole = client.chat.completions.create(**kwargs).choices[0]
-    content, calls, finish, ids = reassemble(client.chat.completions.create(**kwargs, stream=True))
-    assert content == whole.message.content
-    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
-    assert finish == whole.finish_reason and len(ids) == len(calls)
-    if tool_choice != "auto":
-        assert calls and finish == "tool_calls"
+    assert_streamed_deltas_reassemble_to_the_unstreamed_reply(
+        client, tool_choice != "auto", model=MODEL, messages=user("What is the weather in Paris?"), tools=TOOLS,
+        tool_choice=tool_choice, temperature=0, max_tokens=200)
 
 
 @pytest.mark.slow

@@ -5,24 +5,15 @@ vocabulary whose `<|tool_call|>` is a special token, then the official `openai` 
 
 from __future__ import annotations
 
-import json
-import random
-
-import jsonschema
-import openai
 import pytest
-from tokenizers import AddedToken
 
 from sluice.app.prompts import tool_call_format
-from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, ToolCall
+from sluice.app.tool_call_streams import ToolCall
 from sluice.app.tool_calls import ToolCalling, call_grammar, parse_calls, reads_special_tokens, special_marker
 from sluice.batching.structured import GrammarCompiler
-from sluice.model.config import ModelConfig
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
 
-from hf_folder import train_tokenizer, write_hf_folder
-from test_api_e2e import API_KEY, start_server
-from test_tool_calls_mistral import ASK, CART, SCHEMA, WEATHER
+from hf_folder import train_tokenizer, train_tokenizer_with_special_tokens
 from test_tool_calls import (  # noqa: F401 (compiler: a fixture)
     ADD,
     NAMES,
@@ -31,17 +22,19 @@ from test_tool_calls import (  # noqa: F401 (compiler: a fixture)
     compiler,
     follows,
     keeping_special_tokens,
+    listed_after,
     read,
-    reassemble,
-    stream_in_pieces,
     with_template,
 )
+from tool_call_servers import (ASK, CART, TOOL_CHOICES, WEATHER, assert_required_calls_come_back_valid,
+                               assert_streamed_deltas_reassemble_to_the_unstreamed_reply,
+                               tiny_model_server)
 
 MARKER = "<|tool_call|>"
 
 
 def granite(*calls: tuple[str, str], marker: str = MARKER) -> str:
-    return marker + "[" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]"
+    return listed_after(marker, *calls)
 
 
 # --- the reader ------------------------------------------------------------------------------------------------
@@ -83,14 +76,6 @@ def test_a_granite_stream_in_any_pieces_reassembles_to_the_parse_of_the_whole_te
     assert_any_pieces_read_as_the_whole(text, "granite")
 
 
-def test_forced_granite_calls_stream_each_ones_arguments_as_they_arrive():
-    text = granite(("add", '{"a": {"b": [1, 2]}, "c": "}"}'), ("get_weather", '{"city": "Oslo"}'))
-    content, calls, events = stream_in_pieces(text, progressive=True, rng=random.Random(4), parser="granite")
-    assert (content, calls) == parse_calls(text, NAMES, "granite")
-    assert isinstance(events[0], CallStart) and [e.index for e in events if isinstance(e, CallStart)] == [0, 1]
-    assert sum(isinstance(e, ArgumentsDelta) for e in events) > 4
-
-
 def test_without_parallel_calls_a_granite_reply_keeps_its_first_call_alone():
     text = granite(("add", "{}"), ("get_weather", PARIS))
     assert ToolCalling(NAMES, "granite", parallel=False).parse(text) == (None, [ToolCall("add", "{}")])
@@ -101,9 +86,7 @@ def test_without_parallel_calls_a_granite_reply_keeps_its_first_call_alone():
 
 def granite_tokenizer() -> Tokenizer:
     """A byte-level vocabulary of 288 tokens whose last is `<|tool_call|>`, a special token (as in Granite's)."""
-    backend = train_tokenizer(287)
-    backend.add_special_tokens([AddedToken(MARKER, special=True, normalized=False)])
-    return Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+    return Tokenizer(train_tokenizer_with_special_tokens(MARKER), SpecialTokens(1, (2,), False, None))
 
 
 def test_a_granite_vocabulary_whose_marker_is_a_special_token_reads_special_tokens_text():
@@ -171,47 +154,20 @@ def test_auto_reads_the_granite_format_from_a_template_that_writes_its_marker():
 # --- the openai client against a real server ---------------------------------------------------------------------
 
 MODEL = "tiny-granite"
-FLAGS = ["--max-model-len", "2048", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-         "--kv-cache-memory", "16MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui",
-         "--tool-call-parser", "auto"]
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("granite") / "tiny"
-    write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=2048), seed=7)
-    tokenizer = train_tokenizer(287)
-    tokenizer.add_special_tokens([AddedToken(MARKER, special=True, normalized=False)])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": GRANITE}))
-    server = start_server("--model", str(folder), *FLAGS, env={"SLUICE_HOME": str(tmp_path_factory.mktemp("home"))})
-    try:
-        with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
-            yield c
-    finally:
-        server.stop()
+    with tiny_model_server(tmp_path_factory, MARKER, GRANITE, "auto", MODEL) as client:
+        yield client
 
 
 def test_required_calls_in_the_granite_format_come_back_valid(client):
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CART], tool_choice="required",
-                                           parallel_tool_calls=False, temperature=0.8, seed=1, n=4, max_tokens=200)
-    for choice in reply.choices:
-        assert choice.finish_reason == "tool_calls", choice.message.content
-        assert choice.message.content is None and len(choice.message.tool_calls) == 1
-        for call in choice.message.tool_calls:
-            jsonschema.validate(json.loads(call.function.arguments), SCHEMA[call.function.name])
+    assert_required_calls_come_back_valid(client, MODEL)
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add_to_cart"}},
-                                         "auto"])
+@pytest.mark.parametrize("tool_choice", TOOL_CHOICES)
 def test_streamed_granite_deltas_reassemble_to_the_unstreamed_reply_at_temperature_0(client, tool_choice):
-    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CART], tool_choice=tool_choice,
-                  parallel_tool_calls=False, temperature=0, max_tokens=120)
-    whole = client.chat.completions.create(**kwargs).choices[0]
-    content, calls, finish, ids = reassemble(client.chat.completions.create(**kwargs, stream=True))
-    assert content == whole.message.content
-    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
-    assert finish == whole.finish_reason and len(ids) == len(calls)
-    if tool_choice != "auto":
-        assert calls and finish == "tool_calls"
+    assert_streamed_deltas_reassemble_to_the_unstreamed_reply(
+        client, tool_choice != "auto", model=MODEL, messages=ASK, tools=[WEATHER, CART], tool_choice=tool_choice,
+        parallel_tool_calls=False, temperature=0, max_tokens=120)
