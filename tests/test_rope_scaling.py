@@ -15,11 +15,9 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from safetensors.flax import load_file
 
 from golden_checks import (LOGPROB_TOLERANCE, assert_engine_gives_golden, assert_forward_pass_gives_golden,
-                           copy_with_tokenizer, home, log_softmax)  # noqa: F401 (home: a fixture)
-from hf_folder import write_gguf
+                           copy_with_tokenizer, home, load_as_gguf, log_softmax)  # noqa: F401 (home: a fixture)
 from sluice.model import checkpoint
 from sluice.model.config import ModelConfig, RopeScaling
 from sluice.model.generate import sequence_logits
@@ -219,11 +217,7 @@ def test_a_yarn_gguf_of_the_hf_folders_weights_gives_its_logits(models, home, tm
             super().write_header_to_file(*args, **kwargs)
 
     monkeypatch.setattr(gguf, "GGUFWriter", Writer)
-    tensors = {name: np.asarray(value, np.float32)
-               for name, value in load_file(str(FOLDERS["yarn"] / "model.safetensors")).items()}
-    path = tmp_path / "tiny_yarn.gguf"
-    write_gguf(path, EXPECTED["yarn"], tensors, arch="qwen2", qtype=gguf.GGMLQuantizationType.F32)
-    loaded = load_model(str(path), dtype="float32")
+    loaded = load_as_gguf(FOLDERS["yarn"], EXPECTED["yarn"], "qwen2", tmp_path)
     assert loaded.config == replace(EXPECTED["yarn"], rms_norm_eps=float(np.float32(1e-6)))  # a float32 key
     tokens = CASES[2][1]["prompt_ids"]
     np.testing.assert_allclose(sequence_logits(loaded.model, tokens), sequence_logits(models["yarn"].model, tokens),
