@@ -37,9 +37,9 @@ model's sampling defaults kept beside it; 6: an HF config's sliding window caps 
 7: transformers 5's `rope_parameters` read, whose RoPE theta a version-6 conversion took for 10000; 8: the stop ids
 of generation_config.json and tokenizer_config.json kept in the config, and transformers' defaults per model type
 for what a config.json leaves out; 9: the stop ids resolved once, as vLLM takes them, which the engine reads alone;
-10: RoPE scalings of a kind (linear, YaRN), whose stored fields a version-9 build cannot read and whose context a
-version-9 conversion of a YaRN by a factor of 1 kept unscaled), so no older conversion is restored into a model that
-no longer reads it, nor a newer one into an older build sharing the folder."""
+10: RoPE scalings of a kind (linear, YaRN) and Granite's scalars, whose stored fields a version-9 build cannot read,
+and the context of a YaRN by a factor of 1, which version 9 kept unscaled), so no older conversion is restored into a
+model that no longer reads it, nor a newer one into an older build sharing the folder."""
 
 
 def canonical_overrides(hf_overrides: Mapping[str, Any]) -> str:

@@ -249,10 +249,14 @@ def _hf_granite_scalars(config: dict[str, Any]) -> dict[str, float]:
 
 
 def _gguf_granite_scalars(fields: dict[str, Any], arch: str) -> dict[str, float]:
-    """The Granite scalars GGUF metadata gives (`GRANITE_SCALARS`), those it lacks left out (1, and head_dim**-0.5
-    for the softmax scale, as llama.cpp's granite graph has them)."""
+    """The Granite scalars GGUF metadata gives (`GRANITE_SCALARS`), as llama.cpp's granite graph reads them: the
+    logit scale required (ValueError without it: served unscaled, the logits would be 8-16x too sharp); the others
+    left out where absent or 0, which llama.cpp's own saver writes for "not set" (1, and head_dim**-0.5 for the
+    softmax scale)."""
+    if fields.get(f"{arch}.logit_scale") is None:
+        raise ValueError(f"the GGUF metadata lacks {arch}.logit_scale, which llama.cpp requires of a Granite")
     return {field: _scalar(fields, f"{arch}.{key}", "the GGUF metadata", 1.0)
-            for field, key in GRANITE_SCALARS.items() if fields.get(f"{arch}.{key}") is not None}
+            for field, key in GRANITE_SCALARS.items() if fields.get(f"{arch}.{key}") not in (None, 0)}
 
 
 def _hf_context(config: dict[str, Any], scaling: RopeScaling | None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import gguf
 import jax
@@ -82,13 +83,14 @@ def assert_forward_pass_gives_golden(model: Llama, case: dict) -> None:
                                atol=LOGPROB_TOLERANCE)
 
 
-def assert_engine_gives_golden(loaded: LoadedModel, golden: dict) -> None:
+def assert_engine_gives_golden(loaded: LoadedModel, golden: dict, **options: Any) -> None:
     """`golden`'s cases in one batch of up to 128 positions: prompts prefilled in chunks of 16, K/V in pages of 4
-    tokens (64 pages); the greedy ids and each step's top-5 token ids must be HF's, their logprobs within
-    LOGPROB_TOLERANCE."""
+    tokens (64 pages), the engine given `options` too (`EngineConfig`'s fields); the greedy ids and each step's top-5
+    token ids must be HF's, their logprobs within LOGPROB_TOLERANCE."""
     c = loaded.config
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, page_size=4,
-                          kv_cache_memory=64 * 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim * 4, warmup=False)
+                          kv_cache_memory=64 * 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim * 4, warmup=False,
+                          **options)
     params = SamplingParams(temperature=0.0, max_tokens=golden["num_new_tokens"], ignore_eos=True, logprobs=True,
                             top_logprobs=5)
     outputs = Engine(loaded, config, progress=False).generate([case["prompt_ids"] for case in golden["cases"]], params)

@@ -101,6 +101,12 @@ def test_the_engine_prefilling_in_chunks_then_decoding_over_pages_gives_hfs_toke
     assert_engine_gives_golden(granite, GOLDEN)
 
 
+def test_speculation_verifies_drafts_against_the_scaled_logits(granite):
+    """The greedy paths repeat a prompt token, so n-gram drafts are proposed and accepted: the verify step's logits
+    must be scaled as the decode step's."""
+    assert_engine_gives_golden(granite, GOLDEN, speculative="ngram", num_speculative_tokens=3)
+
+
 def test_a_granite_gguf_gives_the_hf_folders_model(granite, home, tmp_path):
     """The same weights as llama.cpp's converter writes them (granite: Q/K rows permuted as for llama, the scalars
     as embedding_scale, residual_scale, attention.scale and logit_scale), in float32."""
@@ -115,13 +121,27 @@ def test_a_granite_gguf_gives_the_hf_folders_model(granite, home, tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_a_granite_gguf_without_an_attention_scale_scales_by_head_dim_to_the_minus_half():
-    """As llama.cpp's granite graph does (an attention.scale of 0 or none); its other scalars default to 1."""
-    fields = {"general.architecture": "granite", "granite.block_count": 2, "granite.embedding_length": 64,
-              "granite.feed_forward_length": 128, "granite.attention.head_count": 4, "granite.vocab_size": 320}
-    config = ModelConfig.from_gguf_fields(fields, tied_embeddings=True)
+GRANITE_GGUF_FIELDS = {"general.architecture": "granite", "granite.block_count": 2, "granite.embedding_length": 64,
+                       "granite.feed_forward_length": 128, "granite.attention.head_count": 4, "granite.vocab_size": 320}
+
+
+@pytest.mark.parametrize("unset", [None, 0.0], ids=["absent", "zero"])
+def test_a_granite_gguf_without_an_attention_scale_scales_by_head_dim_to_the_minus_half(unset):
+    """As llama.cpp's granite graph does (an attention.scale of 0 or none; llama.cpp's own saver writes 0 for a scalar
+    not set, which was refused as not positive); its other scalars default to 1."""
+    unset_keys = {} if unset is None else {f"granite.{key}": unset
+                                           for key in ("embedding_scale", "residual_scale", "attention.scale")}
+    config = ModelConfig.from_gguf_fields({**GRANITE_GGUF_FIELDS, **unset_keys, "granite.logit_scale": 8.0},
+                                          tied_embeddings=True)
     assert (config.softmax_scale, config.embedding_multiplier, config.residual_multiplier,
-            config.logits_scaling) == (16**-0.5, 1.0, 1.0, 1.0)
+            config.logits_scaling) == (16**-0.5, 1.0, 1.0, 8.0)
+
+
+def test_a_granite_gguf_without_a_logit_scale_is_refused_as_llama_cpp_refuses_it():
+    """Served with none, the logits were 8-16x too sharp."""
+    with pytest.raises(ValueError, match="^the GGUF metadata lacks granite.logit_scale, which llama.cpp requires of a "
+                                         "Granite$"):
+        ModelConfig.from_gguf_fields(GRANITE_GGUF_FIELDS, tied_embeddings=True)
 
 
 @pytest.mark.parametrize("scalar", list(GRANITE_SCALARS))
