@@ -106,20 +106,28 @@ def renders_tools(tokenizer: Tokenizer) -> bool:
 def tool_call_format(flag: str, tokenizer: Tokenizer) -> str:
     """The format the reply's calls are read in (`--tool-call-parser`). A template without tools gets Hermes,
     whatever the flag: the default prompt teaches it. Otherwise the flag's, and for "auto" the template's own:
-    Granite's if it writes `<|tool_call|>`, Mistral's if it writes `[TOOL_CALLS]`, Hermes if it writes `<tool_call>`,
-    Llama 3's JSON if it has `<|python_tag|>` or asks for `"parameters"`, else Hermes."""
+    Granite's if it is Granite's (`_is_granites`), Mistral's if it writes `[TOOL_CALLS]`, Hermes if it writes
+    `<tool_call>`, Llama 3's JSON if it has `<|python_tag|>` or asks for `"parameters"`, else Hermes."""
     if not renders_tools(tokenizer):
         return "hermes"
     if flag != "auto":
         return flag
     template = tokenizer.special.chat_template or ""
-    if tool_calls.GRANITE.open in template:
+    if _is_granites(template):
         return "granite"
     if tool_calls.MISTRAL.open in template:
         return "mistral"
     if tool_calls.OPEN not in template and ("<|python_tag|>" in template or '"parameters"' in template):
         return "llama3_json"
     return "hermes"
+
+
+def _is_granites(template: str) -> bool:
+    """Whether `template` is Granite 3.x's: it asks for `<|tool_call|>` in Granite's roles (`<|start_of_role|>`,
+    on which llama.cpp keys Granite's templates) and writes no Hermes call (`</tool_call>`, as Granite 4's do). The
+    marker alone is no sign: another template may name it, in a comment say."""
+    return (tool_calls.GRANITE.open in template and "<|start_of_role|>" in template
+            and tool_calls.CLOSE not in template)
 
 
 def _template_message(message: ChatMessage, call_format: str) -> dict[str, Any]:

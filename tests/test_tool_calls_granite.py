@@ -17,6 +17,7 @@ from hf_folder import train_tokenizer, train_tokenizer_with_special_tokens
 from test_tool_calls import (  # noqa: F401 (compiler: a fixture)
     ADD,
     NAMES,
+    NATIVE,
     PARIS,
     assert_any_pieces_read_as_the_whole,
     compiler,
@@ -149,6 +150,15 @@ GRANITE = (
 
 def test_auto_reads_the_granite_format_from_a_template_that_writes_its_marker():
     assert tool_call_format("auto", with_template(GRANITE)) == "granite"
+
+
+@pytest.mark.parametrize("template", [
+    NATIVE + "{# calls as <tool_call>{...}</tool_call>: models trained on <|tool_call|> are not this one #}",
+    GRANITE.replace("<|start_of_role|>", "<|im_start|>"),  # the marker without Granite's roles
+    GRANITE + "{# calls as <tool_call>{...}</tool_call> #}",  # Granite's roles with Hermes's calls (Granite 4's)
+])
+def test_auto_reads_no_granite_format_from_a_template_that_only_mentions_its_marker(template):
+    assert tool_call_format("auto", with_template(template)) == "hermes"
 
 
 # --- the openai client against a real server ---------------------------------------------------------------------
