@@ -29,19 +29,32 @@ class Subcommand(OneLineErrors):
         return parsed, unknown
 
 
+MODEL_HELP = ("a .gguf file, an HF folder or a Hugging Face Hub id (default: SmolLM2-135M-Instruct, downloaded if "
+              "missing)")
+
+
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     from sluice.app.serve import HF_OVERRIDES_HELP, hf_overrides
 
-    parser.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
+    _add_model_choice(parser)
     parser.add_argument("--dtype", type=dtype_name, default=None, help=DTYPE_HELP)
     parser.add_argument("--chat-template", type=chat_template, default=None, help=CHAT_TEMPLATE_HELP)
     parser.add_argument("--hf-overrides", type=hf_overrides, default=None, help=HF_OVERRIDES_HELP)
 
 
+def _add_model_choice(parser: argparse.ArgumentParser) -> None:
+    """--model, and a Hub model's --revision and --download-dir (as `sluice serve`'s)."""
+    from sluice.app.serve import DOWNLOAD_DIR_HELP, REVISION_HELP
+
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    parser.add_argument("--revision", default=None, help=REVISION_HELP)
+    parser.add_argument("--download-dir", default=None, help=DOWNLOAD_DIR_HELP)
+
+
 def _fetch(args: argparse.Namespace) -> int:
     from sluice.model.fetch import resolve_model
 
-    print(resolve_model(args.model))
+    print(resolve_model(args.model, args.revision, args.download_dir))
     return 0
 
 
@@ -80,7 +93,7 @@ def _generate(args: argparse.Namespace) -> int:
     from sluice.model.loader import load_model
 
     loaded = load_model(args.model, dtype=args.dtype, chat_template=args.chat_template,
-                        hf_overrides=args.hf_overrides)
+                        hf_overrides=args.hf_overrides, revision=args.revision, download_dir=args.download_dir)
     tokenizer = loaded.tokenizer
     if args.chat and not tokenizer.special.chat_template:
         raise CommandError("this model has no chat template: give one with --chat-template, or leave out --chat")
@@ -108,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="sluice", description="High-throughput LLM inference on JAX/XLA.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Subcommand)
 
-    fetch = commands.add_parser("fetch", help="find a model (downloading the default one) and print its path")
-    fetch.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct, "
-                       "downloaded if missing)")
+    fetch = commands.add_parser("fetch", help="find a model (downloading the default one or a Hub model) and print "
+                                "its path")
+    _add_model_choice(fetch)
     fetch.set_defaults(run=_fetch)
 
     gen = commands.add_parser("generate", help="complete one prompt offline, streaming to the terminal")

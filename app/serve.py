@@ -154,6 +154,10 @@ def hf_overrides(text: str) -> dict[str, Any]:
     return json_object(text, HF_OVERRIDES_EXAMPLE)
 
 
+REVISION_HELP = "a Hub model's branch, tag or commit (default: its default branch)"
+DOWNLOAD_DIR_HELP = "the HF cache folder Hub models are kept in (default: huggingface_hub's, under HF_HOME)"
+
+
 def _apply_speculative_config(args: argparse.Namespace) -> str | None:
     """Sets the flags `--speculative-config` stands for; why not, if one of them was given another value."""
     for dest, value in (args.speculative_config or {}).items():
@@ -275,7 +279,11 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
     """Every flag, in the order --help lists them: the engine's on `parser`, the server's own on `server`."""
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model to serve, as --model gives it (vLLM's `vllm serve MODEL`)")
-    _option(parser, "--model", None, "a .gguf file, an HF folder or a known name (default: SmolLM2-135M-Instruct, fetched if missing)")
+    _option(parser, "--model", None, "a .gguf file, an HF folder, a Hugging Face Hub id (ORG/NAME, or "
+            "ORG/NAME-GGUF:QUANT for a GGUF repository's file of that quant type) or a known name (default: "
+            "SmolLM2-135M-Instruct, fetched if missing)")
+    _option(parser, "--revision", None, REVISION_HELP)
+    _option(parser, "--download-dir", None, DOWNLOAD_DIR_HELP)
     _option(parser, "--served-model-name", None, "the name clients pass as `model` (default: the model's name)")
     _option(parser, "--chat-template", None, CHAT_TEMPLATE_HELP, type=chat_template)
     _option(parser, "--hf-overrides", None, HF_OVERRIDES_HELP, type=hf_overrides)
@@ -465,11 +473,12 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(f"--coordinator-address must be host:port (process 0's), got {address!r}")
     settings = server_settings(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
-    # A path that holds no model is a one-line error now, not once the server (or a local Ray cluster) is up; the
-    # hosts' and a joined cluster's paths are theirs.
+    # A path that holds no model is a one-line error now, not once the server (or a local Ray cluster) is up, and a
+    # Hub model is downloaded now, or found in the HF cache; the hosts' and a joined cluster's are theirs (each
+    # process downloads its own, as vLLM's do).
     if args.model is not None and args.hosts is None and args.ray_address is None:
         try:
-            resolve_model(args.model)
+            resolve_model(args.model, args.revision, args.download_dir)
         except (ModelNotFound, InvalidModel) as error:
             return _refuse(str(error))
     if args.replicas is not None:
@@ -513,6 +522,8 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
             quantization=args.quantization,
             chat_template=args.chat_template,
             hf_overrides=args.hf_overrides,
+            revision=args.revision,
+            download_dir=args.download_dir,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

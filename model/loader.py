@@ -23,7 +23,7 @@ from flax import nnx
 
 from sluice.model import checkpoint
 from sluice.model.config import ModelConfig, read_json_object
-from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model, sluice_home
+from sluice.model.fetch import InvalidModel, ModelNotFound, from_hub, resolve_model, sluice_home
 from sluice.model import generation_config
 from sluice.model.llama import Llama
 from sluice.model.quantize import default_layout, quantize_model, quantize_params, resolve
@@ -208,8 +208,11 @@ def load_model(
     sharding_rule: ShardingRule | None = None,
     chat_template: str | None = None,
     hf_overrides: Mapping[str, Any] | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
 ) -> LoadedModel:
-    """Loads `model` (a .gguf, an HF folder, or None for the default SmolLM2), converting on first use.
+    """Loads `model` (a .gguf, an HF folder, a Hugging Face Hub id, or None for the default SmolLM2), converting on
+    first use.
 
     `dtype` is the activation dtype (and the weights' with quantization "none"); `quantization` one of
     `model.quantize.CHOICES` ("auto" picks by backend), kept quantized in memory and in the converted folder.
@@ -217,12 +220,14 @@ def load_model(
     `chat_template`: rendered instead of the model's own (None: the model's).
     `hf_overrides`: keys that replace an HF folder's config.json's (`with_overrides`; None or empty: none),
     converted apart from the plain model; InvalidModel for a GGUF file.
+    `revision`, `download_dir`: a Hub model's revision (None: its default branch) and HF cache folder (None:
+    huggingface_hub's), as vLLM's --revision and --download-dir (`fetch.resolve_model`).
     """
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     quantization = resolve(quantization)
-    path = resolve_model(model)
+    path = resolve_model(model, revision, download_dir)
     if hf_overrides and not path.is_dir():
         raise InvalidModel(f"--hf-overrides replaces config.json's keys, and {path} is a GGUF file, whose config is "
                            f"its metadata")
@@ -248,8 +253,8 @@ def load_model(
         tokenizer = tokenizer.with_chat_template(chat_template)
     params = checkpoint.restore_params(folder, target)
     state = nnx.State({name: nnx.Param(value) for name, value in params.items()})
-    return LoadedModel(config=config, model=nnx.merge(graphdef, state), tokenizer=tokenizer, name=model_name(path),
-                       weights=folder.name, generation_defaults=defaults)
+    return LoadedModel(config=config, model=nnx.merge(graphdef, state), tokenizer=tokenizer,
+                       name=model_name(model, path), weights=folder.name, generation_defaults=defaults)
 
 
 def _warn_of_tokens_past_the_embeddings(tokenizer: Tokenizer, config: ModelConfig) -> None:
@@ -262,9 +267,12 @@ def _warn_of_tokens_past_the_embeddings(tokenizer: Tokenizer, config: ModelConfi
                        "from %d on are refused", tokenizer.vocab_size, config.vocab_size, config.vocab_size)
 
 
-def model_name(source: Path) -> str:
-    """The name a model is served by: its folder's, or its file's less `.gguf` (a folder's name has no suffix:
+def model_name(model: str | None, source: Path) -> str:
+    """The name `model`, found at `source`, is served by, as vLLM names it: a Hub model's id as given (its files'
+    folder is named by a commit); else its folder's name, or its file's less `.gguf` (a folder's name has no suffix:
     Qwen2.5-0.5B-Instruct's is not ".5B-Instruct")."""
+    if from_hub(model):
+        return model
     return source.name if source.is_dir() else source.stem
 
 

@@ -1,0 +1,175 @@
+"""Models from the Hugging Face Hub, named as vLLM names them: `ORG/NAME` (the files of an HF folder that Sluice
+reads) or `ORG/NAME:QUANT` (the one GGUF file of that quant type in a GGUF repository). Both are kept in the HF cache
+(`HF_HOME`, `HF_HUB_CACHE`, or a `--download-dir`), where a model already there is found with no network at all."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+
+from gguf import GGMLQuantizationType
+from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                    RepositoryNotFoundError, RevisionNotFoundError)
+from huggingface_hub.utils import httpx  # httpx or httpx2, whichever this huggingface_hub runs on
+
+REPO_ID = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*")  # vLLM's
+GGUF_ID = re.compile(rf"({REPO_ID.pattern}):([A-Za-z0-9_+-]+)")
+
+# What reading an HF folder opens: model/weights.py, model/tokenizer.py, model/generation_config.py.
+FOLDER_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja", "*.safetensors", "*.safetensors.index.json"]
+
+# vLLM's size suffixes of a GGML type in GGUF file names (Q4_K_M is a Q4_K).
+SIZE_SUFFIXES = ("_M", "_S", "_L", "_XL", "_XS", "_XXS")
+SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+PROJECTOR = "*mmproj*"  # a multimodal model's vision projector, whose name may end in the quant type too
+
+
+class HubError(RuntimeError):
+    """A model id the Hub cannot give; the message, one line, names the id and says what to do."""
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether `model` reads as a Hub model id, `ORG/NAME` or `ORG/NAME:QUANT` (a local path is looked for first)."""
+    return REPO_ID.fullmatch(model) is not None or GGUF_ID.fullmatch(model) is not None
+
+
+def download(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """The local path of Hub model `model` at `revision` (None: the default branch): its snapshot folder, or for
+    `ORG/NAME:QUANT` its GGUF file. Looked up in the HF cache (`download_dir`, else huggingface_hub's) first, and
+    downloaded only if not there; HubError if the Hub cannot give it."""
+    cache = download_dir or constants.HF_HUB_CACHE
+    try:
+        if (gguf_id := GGUF_ID.fullmatch(model)) is not None:
+            return _gguf_file(model, *gguf_id.groups(), revision, download_dir)
+        return _folder(model, revision, download_dir)
+    except (OSError, HFValidationError, httpx.TransportError) as error:
+        raise _refusal(model, revision, cache, error) from None
+
+
+def _folder(model: str, revision: str | None, download_dir: str | None) -> Path:
+    cached = _cached_snapshot(model, revision, download_dir, FOLDER_FILES)
+    if cached is not None and _holds_a_model(cached):
+        return cached
+    _check_online(model, revision, download_dir)
+    folder = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=FOLDER_FILES))
+    if not _holds_a_model(folder):
+        raise HubError(f"{model} holds no config.json with *.safetensors: Sluice reads safetensors or GGUF (a GGUF "
+                       f"repository's file is named by its quant type, as ORG/NAME-GGUF:Q4_K_M)")
+    return folder
+
+
+def _holds_a_model(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _gguf_file(model: str, repo_id: str, quant_type: str, revision: str | None, download_dir: str | None) -> Path:
+    if not is_quant_type(quant_type):
+        raise HubError(f"{model}: {quant_type!r} is not a GGUF quant type (as Q4_K_M, Q8_0, F16 or UD-Q4_K_XL)")
+    patterns = gguf_patterns(quant_type)
+    cached = _cached_snapshot(repo_id, revision, download_dir, patterns, ignore_patterns=[PROJECTOR])
+    if cached is not None:
+        names = [str(path.relative_to(cached)) for path in cached.rglob("*.gguf")]
+        if len(single := single_files(matching(names, quant_type))) == 1:
+            return cached / single[0]
+    _check_online(model, revision, download_dir)
+    name = choose_gguf(model, HfApi().list_repo_files(repo_id, revision=revision), quant_type)
+    return Path(hf_hub_download(repo_id, name, revision=revision, cache_dir=download_dir))
+
+
+def is_quant_type(text: str) -> bool:
+    """vLLM's rule: a GGML type (Q8_0), one with a size suffix (Q4_K_M), or either after a dashed prefix
+    (UD-Q4_K_XL)."""
+    base = text.rsplit("-", 1)[-1]
+    return any(base.removesuffix(suffix) in GGMLQuantizationType.__members__ for suffix in ("", *SIZE_SUFFIXES))
+
+
+def gguf_patterns(quant_type: str) -> list[str]:
+    """vLLM's names of a quant type's GGUF files: NAME-QUANT.gguf, or NAME-QUANT-REST.gguf (a split part), at the
+    top or one folder down."""
+    return [pattern for name in (f"*-{quant_type}.gguf", f"*-{quant_type}-*.gguf") for pattern in (name, f"*/{name}")]
+
+
+def matching(names: list[str], quant_type: str) -> list[str]:
+    """The names of `names` that are `quant_type`'s GGUF files (`gguf_patterns`), but for a vision projector."""
+    return sorted(name for name in names if any(fnmatch.fnmatchcase(name, p) for p in gguf_patterns(quant_type))
+                  and not fnmatch.fnmatchcase(name, PROJECTOR))
+
+
+def single_files(names: list[str]) -> list[str]:
+    return [name for name in names if SPLIT_PART.search(name) is None]
+
+
+def choose_gguf(model: str, names: list[str], quant_type: str) -> str:
+    """The one single-file GGUF of `quant_type` among a repository's file `names`; HubError if none or several
+    are, or the model is split over files."""
+    found = matching(names, quant_type)
+    single = single_files(found)
+    if len(single) == 1:
+        return single[0]
+    if len(single) > 1:
+        raise HubError(f"{model}: {len(single)} GGUF files are {quant_type} ({some_of(single)}): Sluice reads one; "
+                       f"download the one meant and pass its path")
+    if found:
+        raise HubError(f"{model}: the {quant_type} model is split over files ({some_of(found)}): Sluice reads "
+                       f"single-file GGUFs (llama.cpp's gguf-split --merge makes one)")
+    others = sorted(name for name in names if name.endswith(".gguf"))
+    holds = f"its GGUF files are {some_of(others)}" if others else "it holds no GGUF file"
+    raise HubError(f"{model}: no GGUF file of quant type {quant_type} ({holds})")
+
+
+def some_of(names: list[str]) -> str:
+    """The first three of `names`, and "..." for any more: a listing that fits in an error's line."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | None, allow_patterns: list[str],
+                     ignore_patterns: list[str] | None = None) -> Path | None:
+    """The snapshot folder of `revision` in the HF cache if it is there (complete, where the cache knows what the
+    patterns' files are), without going to the network; None if it is not."""
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True,
+                                      allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
+    except LocalEntryNotFoundError:
+        return None
+
+
+def _check_online(model: str, revision: str | None, download_dir: str | None) -> None:
+    """HubError if huggingface_hub is offline (HF_HUB_OFFLINE), where the model found no cached copy."""
+    if constants.HF_HUB_OFFLINE:
+        raise HubError(f"{_named(model, revision)} is not in the HF cache ({download_dir or constants.HF_HUB_CACHE}) "
+                       f"and HF_HUB_OFFLINE is set: unset it to download the model, or download it where there is a "
+                       f"network into that cache")
+
+
+def _named(model: str, revision: str | None) -> str:
+    return model if revision is None else f"{model} at revision {revision!r}"
+
+
+def _refusal(model: str, revision: str | None, cache: str, error: Exception) -> HubError:
+    """`error`, raised getting `model`, said in one line. huggingface_hub raises LocalEntryNotFoundError for a
+    download it could not begin, from the Hub's refusal or the network's error that is the reason."""
+    if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
+        error = error.__cause__
+    if isinstance(error, GatedRepoError):
+        return HubError(f"{model} is gated on the Hugging Face Hub: accept its terms on its page, and set HF_TOKEN "
+                        f"to a token of that account")
+    if isinstance(error, RepositoryNotFoundError):
+        return HubError(f"no model {model} on the Hugging Face Hub (a private one needs HF_TOKEN set to a token with "
+                        f"access to it)")
+    if isinstance(error, RevisionNotFoundError):
+        return HubError(f"{model} has no revision {revision!r} on the Hugging Face Hub")
+    if isinstance(error, HfHubHTTPError) and error.response.status_code in (401, 403):
+        return HubError(f"the Hugging Face Hub refused {model} ({error.response.status_code}): set HF_TOKEN to a "
+                        f"token with access to it")
+    if isinstance(error, HfHubHTTPError):
+        return HubError(f"the Hugging Face Hub answered {error.response.status_code} for {model}")
+    if isinstance(error, (LocalEntryNotFoundError, httpx.TransportError)):
+        return HubError(f"cannot reach the Hugging Face Hub ({constants.ENDPOINT}) for {_named(model, revision)}, "
+                        f"which is not in the HF cache ({cache}): check the network")
+    if isinstance(error, HFValidationError):
+        return HubError(f"{model} is not a Hugging Face Hub model id: {error}")
+    return HubError(f"cannot keep {model} in the HF cache ({cache}): {error.strerror or error}: set HF_HOME or "
+                    f"--download-dir to a folder Sluice may write")

@@ -1,0 +1,301 @@
+"""A Hugging Face Hub model id, as `vllm serve ORG/NAME` takes it: found in the HF cache with no network (as vLLM or
+transformers left it there), else downloaded into it (only the files Sluice reads), at --revision, in
+--download-dir; `ORG/NAME-GGUF:QUANT`, the one GGUF file of that quant type; and each way the Hub cannot give one,
+said in one line. The Hub is a fake one on localhost (`FakeHub`), which huggingface_hub reaches through HF_ENDPOINT."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+from huggingface_hub import constants
+from huggingface_hub.file_download import repo_folder_name
+
+from hf_folder import write_hf_folder
+from sluice.model.config import ModelConfig
+from sluice.model.fetch import ModelNotFound, resolve_model
+from sluice.model.hub import HubError, choose_gguf
+
+SLUICE = [sys.executable, "-m", "sluice.app.cli"]
+MAIN_COMMIT = "1" * 40
+V2_COMMIT = "2" * 40
+CONFIG = ModelConfig.tiny(vocab_size=300)
+V2_CONFIG = ModelConfig.tiny(vocab_size=300, num_layers=3)
+# What a Hub repository of a model holds besides the files Sluice reads.
+UNREAD = {"README.md": b"# a model card", "pytorch_model.bin": b"pickled weights", ".gitattributes": b"*.bin lfs"}
+
+
+@dataclass
+class FakeRepo:
+    files: dict[str, bytes]
+    commit: str = MAIN_COMMIT
+    token: str | None = None  # a gated repository's: the one token it lets in
+
+
+@dataclass
+class FakeHub:
+    """The Hub's endpoints huggingface_hub calls (a repository's info and file tree at a revision, a file's
+    metadata and bytes), answering for `repos`, with the Hub's error codes; each request's method and path kept."""
+
+    repos: dict[str, FakeRepo] = field(default_factory=dict)
+    requests: list[str] = field(default_factory=list)
+    url: str = ""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    hub: FakeHub
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _answer(self, body: bool) -> None:
+        path = unquote(urlsplit(self.path).path)
+        self.hub.requests.append(f"{self.command} {path}")
+        api = path.startswith("/api/models/")
+        parts = path.removeprefix("/api/models/" if api else "/").split("/")
+        repo_id, kind, revision, file = "/".join(parts[:2]), parts[2], parts[3], "/".join(parts[4:])
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._error(404, "RepoNotFound", body)
+        if repo.token is not None and self.headers.get("Authorization") != f"Bearer {repo.token}":
+            return self._error(401, "GatedRepo", body)
+        if revision not in ("main", repo.commit):
+            return self._error(404, "RevisionNotFound", body)
+        if api and kind == "revision":
+            return self._send(json.dumps({"id": repo_id, "sha": repo.commit,
+                                          "siblings": [{"rfilename": name} for name in repo.files]}).encode(), body)
+        if api and kind == "tree":
+            return self._send(json.dumps([{"type": "file", "path": name, "size": len(data),
+                                           "oid": hashlib.sha1(data).hexdigest()}
+                                          for name, data in repo.files.items()]).encode(), body)
+        if kind == "resolve" and file in repo.files:
+            return self._send(repo.files[file], body, {"X-Repo-Commit": repo.commit,
+                                                       "ETag": f'"{hashlib.sha256(repo.files[file]).hexdigest()}"'})
+        return self._error(404, "EntryNotFound", body)
+
+    def _send(self, data: bytes, body: bool, headers: dict[str, str] | None = None) -> None:
+        self.send_response(200)
+        for name, value in {"Content-Length": str(len(data)), **(headers or {})}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def _error(self, status: int, code: str, body: bool) -> None:
+        data = json.dumps({"error": code}).encode()
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+
+@pytest.fixture
+def hub():
+    """A FakeHub serving on localhost, holding no repository until a test adds it."""
+    fake = FakeHub()
+    handler = type("Handler", (_Handler,), {"hub": fake})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield fake
+    server.shutdown()
+    server.server_close()
+
+
+def model_files(folder: Path, config: ModelConfig, seed: int = 0) -> dict[str, bytes]:
+    """The files of a tiny HF model (`write_hf_folder`), by name."""
+    write_hf_folder(folder, config, seed=seed)
+    return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
+def write_cached_snapshot(cache: Path, repo_id: str, files: dict[str, bytes], commit: str,
+                          refs: tuple[str, ...] = ("main",)) -> Path:
+    """`files` as huggingface_hub's cache holds a download of `repo_id` at `commit` (its documented layout): each
+    file's bytes once in blobs/, linked from snapshots/COMMIT/NAME, and refs/REF holding the commit."""
+    storage = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    snapshot = storage / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (storage / "blobs").mkdir(exist_ok=True)
+    (storage / "refs").mkdir(exist_ok=True)
+    for name, data in files.items():
+        blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    for ref in refs:
+        (storage / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def cached(tmp_path):
+    """An HF cache holding `org/tiny` at two commits, `main` and the tag `v2` (a model with one more layer), as an
+    earlier download left it."""
+    cache = tmp_path / "hf" / "hub"
+    write_cached_snapshot(cache, "org/tiny", model_files(tmp_path / "main", CONFIG), MAIN_COMMIT)
+    write_cached_snapshot(cache, "org/tiny", model_files(tmp_path / "v2", V2_CONFIG, seed=1), V2_COMMIT, ("v2",))
+    return cache
+
+
+def run_sluice(*args: str, hub: FakeHub | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`sluice ARGS` with `env` (HF_HOME, HF_HUB_OFFLINE, ...), talking to `hub` if given."""
+    endpoint = {"HF_ENDPOINT": hub.url} if hub is not None else {}
+    return subprocess.run([*SLUICE, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **endpoint, **env})
+
+
+def the_error(result: subprocess.CompletedProcess) -> str:
+    """The one error line of a command that failed as input refused fails (exit 2)."""
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return errors[0]
+
+
+def test_a_cached_hub_model_loads_by_its_id_at_a_revision_with_no_network(cached, hub, tmp_path, monkeypatch):
+    """Served under the id as given, as vLLM serves it, not the name of its snapshot's folder (a commit)."""
+    from sluice.model.loader import load_model
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    loaded = load_model("org/tiny", dtype="float32", revision="v2", download_dir=str(cached))
+    assert (loaded.name, loaded.config.num_layers) == ("org/tiny", V2_CONFIG.num_layers)
+    assert hub.requests == []
+
+
+def test_generate_serves_a_model_in_the_hf_home_cache_offline(cached, hub, tmp_path):
+    result = run_sluice("generate", "the quick", "--model", "org/tiny", "--max-tokens", "2", hub=hub,
+                        HF_HOME=str(cached.parent), HF_HUB_OFFLINE="1", SLUICE_HOME=str(tmp_path / "home"))
+    assert result.returncode == 0, result.stderr
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize(("revision", "commit"), [(None, MAIN_COMMIT), ("v2", V2_COMMIT), (V2_COMMIT, V2_COMMIT)])
+def test_fetch_finds_the_revision_asked_for_in_the_download_dir(cached, hub, revision, commit):
+    result = run_sluice("fetch", "--model", "org/tiny", "--download-dir", str(cached),
+                        *(["--revision", revision] if revision else []), hub=hub)
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()) == cached / "models--org--tiny" / "snapshots" / commit
+    assert hub.requests == []
+
+
+def test_a_hub_model_downloads_the_files_sluice_reads_into_the_cache_once(hub, tmp_path):
+    files = model_files(tmp_path / "model", CONFIG)
+    hub.repos["org/tiny"] = FakeRepo({**files, **UNREAD})
+    first = run_sluice("fetch", "--model", "org/tiny", "--download-dir", str(tmp_path / "cache"), hub=hub)
+    assert first.returncode == 0, first.stderr
+    snapshot = Path(first.stdout.strip())
+    assert snapshot == tmp_path / "cache" / "models--org--tiny" / "snapshots" / MAIN_COMMIT
+    assert sorted(path.name for path in snapshot.iterdir()) == sorted(files)
+    asked = len(hub.requests)
+    again = run_sluice("fetch", "--model", "org/tiny", "--download-dir", str(tmp_path / "cache"), hub=hub)
+    assert Path(again.stdout.strip()) == snapshot and len(hub.requests) == asked
+
+
+def test_a_gguf_repository_gives_the_one_file_of_the_quant_type_named(hub, tmp_path):
+    """vLLM's `ORG/NAME-GGUF:QUANT`: only that file is downloaded, not the repository's other quantizations."""
+    ggufs = {f"Tiny-{quant}.gguf": f"GGUF {quant}".encode() for quant in ("Q4_K_M", "Q8_0", "F16")}
+    hub.repos["org/Tiny-GGUF"] = FakeRepo({**ggufs, "mmproj-F16.gguf": b"GGUF projector", **UNREAD})
+    result = run_sluice("fetch", "--model", "org/Tiny-GGUF:Q8_0", "--download-dir", str(tmp_path / "cache"), hub=hub)
+    assert result.returncode == 0, result.stderr
+    path = Path(result.stdout.strip())
+    assert path.name == "Tiny-Q8_0.gguf" and path.read_bytes() == b"GGUF Q8_0"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["Tiny-Q8_0.gguf"]
+    asked = len(hub.requests)
+    assert run_sluice("fetch", "--model", "org/Tiny-GGUF:Q8_0", "--download-dir", str(tmp_path / "cache"),
+                      hub=hub).stdout == result.stdout and len(hub.requests) == asked
+
+
+@pytest.mark.parametrize(("names", "words"), [
+    (["Tiny-Q8_0.gguf"], "no GGUF file of quant type Q4_K_M (its GGUF files are Tiny-Q8_0.gguf)"),
+    (["README.md"], "no GGUF file of quant type Q4_K_M (it holds no GGUF file)"),
+    (["a/Tiny-Q4_K_M.gguf", "b/Tiny-Q4_K_M.gguf"], "2 GGUF files are Q4_K_M (a/Tiny-Q4_K_M.gguf, b/Tiny-Q4_K_M.gguf)"),
+    (["Tiny-Q4_K_M-00001-of-00002.gguf", "Tiny-Q4_K_M-00002-of-00002.gguf"], "the Q4_K_M model is split over files"),
+])
+def test_a_quant_type_that_names_no_single_gguf_file_is_refused(names, words):
+    with pytest.raises(HubError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        choose_gguf("org/Tiny-GGUF:Q4_K_M", names, "Q4_K_M")
+
+
+def test_a_single_file_is_chosen_over_a_split_one_and_a_projector(hub):
+    names = ["Tiny-Q4_K_M.gguf", "big/Tiny-Q4_K_M-00001-of-00002.gguf", "mmproj-Q4_K_M.gguf"]
+    assert choose_gguf("org/Tiny-GGUF:Q4_K_M", names, "Q4_K_M") == "Tiny-Q4_K_M.gguf"
+
+
+def test_a_gated_repository_downloads_with_hf_token(hub, tmp_path):
+    hub.repos["org/gated"] = FakeRepo(model_files(tmp_path / "model", CONFIG), token="hf_secret")
+    result = run_sluice("fetch", "--model", "org/gated", "--download-dir", str(tmp_path / "cache"), hub=hub,
+                        HF_TOKEN="hf_secret")
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(("model", "env", "words"), [
+    ("org/missing", {}, "no model org/missing on the Hugging Face Hub (a private one needs HF_TOKEN"),
+    ("org/gated", {}, "org/gated is gated on the Hugging Face Hub: accept its terms on its page, and set HF_TOKEN"),
+    ("org/bin", {}, "org/bin holds no config.json with *.safetensors: Sluice reads safetensors or GGUF"),
+    ("org/tiny", {"HF_HUB_OFFLINE": "1"}, "org/tiny is not in the HF cache ({cache}) and HF_HUB_OFFLINE is set"),
+    ("org/tiny", {"HF_ENDPOINT": "http://127.0.0.1:9"},
+     "cannot reach the Hugging Face Hub (http://127.0.0.1:9) for org/tiny, which is not in the HF cache ({cache})"),
+    ("org/Tiny-GGUF:Q4_K_M", {}, "org/Tiny-GGUF:Q4_K_M: no GGUF file of quant type Q4_K_M"),
+    ("org/Tiny-GGUF:Q9_Z", {}, "org/Tiny-GGUF:Q9_Z: 'Q9_Z' is not a GGUF quant type"),
+])
+def test_what_the_hub_cannot_give_is_a_one_line_error_naming_the_id(hub, tmp_path, model, env, words):
+    files = model_files(tmp_path / "model", CONFIG)
+    hub.repos["org/gated"] = FakeRepo(files, token="hf_secret")
+    hub.repos["org/bin"] = FakeRepo({"config.json": files["config.json"], **UNREAD})
+    hub.repos["org/tiny"] = FakeRepo(files)
+    hub.repos["org/Tiny-GGUF"] = FakeRepo({"Tiny-Q8_0.gguf": b"GGUF"})
+    cache = tmp_path / "cache"
+    result = run_sluice("fetch", "--model", model, "--download-dir", str(cache), hub=hub, **env)
+    assert the_error(result).startswith(f"sluice: error: {words.replace('{cache}', str(cache))}")
+
+
+def test_a_revision_the_repository_lacks_is_a_one_line_error(hub, tmp_path):
+    hub.repos["org/tiny"] = FakeRepo(model_files(tmp_path / "model", CONFIG))
+    result = run_sluice("fetch", "--model", "org/tiny", "--revision", "nope", "--download-dir", str(tmp_path / "c"),
+                        hub=hub)
+    assert the_error(result) == "sluice: error: org/tiny has no revision 'nope' on the Hugging Face Hub"
+
+
+def test_serve_refuses_a_hub_id_the_hub_cannot_give_before_anything_starts(hub):
+    result = run_sluice("serve", "org/missing", hub=hub)
+    assert the_error(result).startswith("sluice serve: error: no model org/missing on the Hugging Face Hub")
+
+
+def test_serve_passes_revision_and_download_dir_to_the_engine():
+    from sluice.app import serve
+    from sluice.app.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "org/tiny", "--revision", "v2", "--download-dir", "/models"])
+    config = serve.checked_engine_config(args, serve.ENGINE_TUNING_FLAGS)
+    assert (config.model, config.revision, config.download_dir) == ("org/tiny", "v2", "/models")
+
+
+def test_a_local_folder_named_like_a_hub_id_is_the_folder(tmp_path, monkeypatch):
+    """As vLLM's: a path that is there is read, not looked up on the Hub."""
+    monkeypatch.chdir(tmp_path)
+    write_hf_folder(tmp_path / "org" / "tiny", CONFIG, seed=0)
+    assert resolve_model("org/tiny") == Path("org/tiny")
+
+
+def test_a_path_that_is_not_there_and_no_hub_id_is_not_looked_up(tmp_path):
+    with pytest.raises(ModelNotFound, match="not found: pass a .gguf file"):
+        resolve_model(str(tmp_path / "no" / "such" / "model"))
