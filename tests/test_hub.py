@@ -256,6 +256,7 @@ def test_a_gated_repository_downloads_with_hf_token(hub, tmp_path):
      "cannot reach the Hugging Face Hub (http://127.0.0.1:9) for org/tiny, which is not in the HF cache ({cache})"),
     ("org/Tiny-GGUF:Q4_K_M", {}, "org/Tiny-GGUF:Q4_K_M: no GGUF file of quant type Q4_K_M"),
     ("org/Tiny-GGUF:Q9_Z", {}, "org/Tiny-GGUF:Q9_Z: 'Q9_Z' is not a GGUF quant type"),
+    ("org/a--b", {}, "org/a--b is not a Hugging Face Hub model id: Cannot have -- or .. in repo_id: 'org/a--b'."),
 ])
 def test_what_the_hub_cannot_give_is_a_one_line_error_naming_the_id(hub, tmp_path, model, env, words):
     files = model_files(tmp_path / "model", CONFIG)
