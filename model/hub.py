@@ -170,6 +170,6 @@ def _refusal(model: str, revision: str | None, cache: str, error: Exception) -> 
         return HubError(f"cannot reach the Hugging Face Hub ({constants.ENDPOINT}) for {_named(model, revision)}, "
                         f"which is not in the HF cache ({cache}): check the network")
     if isinstance(error, HFValidationError):
-        return HubError(f"{model} is not a Hugging Face Hub model id: {str(error).splitlines()[0]}")
+        return HubError(f"{model} is not a Hugging Face Hub model id: {error}")
     return HubError(f"cannot keep {model} in the HF cache ({cache}): {error.strerror or error}: set HF_HOME or "
                     f"--download-dir to a folder Sluice may write")
