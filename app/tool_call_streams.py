@@ -60,7 +60,9 @@ class CallSyntax:
     `closed_by_end`: the reply's end closes a group as `close` would (a model may stop right after a call's JSON,
     before its close; vLLM's Hermes parser reads such a call). `by_name`: a call may instead follow `open` as its
     name, `[ARGS]` and its arguments (`name[CALL_ID]id[ARGS]{...}` with an id), one call per tag and no close.
-    `also_open`: other tags that start a group as `open` does."""
+    `also_open`: other tags that start a group as `open` does; one right after `open` is part of that tag (vLLM's
+    Granite parser strips `<|tool_call|>` then `<tool_call>`). `may_be_empty`: `begin` then `close` is a group of
+    no calls, so neither calls nor text (vLLM's Granite parser reads `[]` as no calls and no content)."""
 
     open: str
     begin: str
@@ -69,6 +71,7 @@ class CallSyntax:
     closed_by_end: bool = False
     by_name: bool = False
     also_open: tuple[str, ...] = ()
+    may_be_empty: bool = False
 
     @property
     def opens(self) -> tuple[str, ...]:
@@ -78,7 +81,7 @@ class CallSyntax:
 HERMES = CallSyntax("<tool_call>", "", None, "</tool_call>", closed_by_end=True)
 MISTRAL = CallSyntax("[TOOL_CALLS]", "[", ",", "]", by_name=True)
 # vLLM's `granite` parser: Granite 3.0 writes its `<|tool_call|>` token, Granite 3.1 the text `<tool_call>`.
-GRANITE = CallSyntax("<|tool_call|>", "[", ",", "]", also_open=("<tool_call>",))
+GRANITE = CallSyntax("<|tool_call|>", "[", ",", "]", also_open=("<tool_call>",), may_be_empty=True)
 
 
 def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
@@ -122,7 +125,8 @@ class _Group:
 
     tag: str
     position: int = 0
-    # "begin" | "object" | "after" (a separator or the close); by name, "head" then "arguments"
+    # "begin" | "object" | "after" (a separator or the close); "first" (the close or the first object) after the
+    # begin of a group that may be empty; by name, "head" then "arguments"
     part: str = "begin"
     calls: list[ToolCall] = field(default_factory=list)
     name: str = ""
@@ -207,25 +211,41 @@ class CallStream:
     def _read_punctuation(self, events: list[StreamEvent]) -> bool:
         """The format's text before, between or after the objects."""
         group = self._group
-        expected = [self.syntax.begin] if group.part == "begin" else [self.syntax.close, self.syntax.separator]
+        expected = self._punctuation()
         stripped = self._buffer[group.position:].lstrip()
-        if any(len(stripped) < len(e) and e.startswith(stripped) for e in expected if e is not None):
+        if any(len(stripped) < len(e) and e.startswith(stripped) for e in expected):
             return False  # what is expected may be arriving
-        matched = next((e for e in expected if e is not None and stripped.startswith(e)), None)
+        matched = next((e for e in expected if stripped.startswith(e)), None)
         if matched is None:
             if group.part == "begin" and self.syntax.by_name:
                 group.part = "head"
+            elif group.part == "first":
+                group.part = "object"
             else:
                 self._abandon(events)
             return True
         if matched:  # an empty `begin` (Hermes's) takes no whitespace, however much of it has arrived
             group.position = len(self._buffer) - len(stripped) + len(matched)
-        if group.part == "after" and matched == self.syntax.close:
+        if group.part == "begin" and matched in self.syntax.also_open:
+            return True
+        if group.part != "begin" and matched == self.syntax.close:
             self._close(events)
         else:
-            group.part = "object"
+            group.part = "first" if group.part == "begin" and self.syntax.may_be_empty else "object"
             group.end = _ObjectEnd()
         return True
+
+    def _punctuation(self) -> list[str]:
+        """What the group's punctuation may be: `begin` (or right after `open`, nothing read yet, a tag of
+        `also_open`, part of it); the close before the first object where a group may be empty; a separator or the
+        close after an object."""
+        group = self._group
+        if group.part == "begin":
+            wrapped = self.syntax.also_open if group.tag == self.syntax.open and group.position == 0 else ()
+            return [self.syntax.begin, *wrapped]
+        if group.part == "first":
+            return [self.syntax.close]
+        return [e for e in (self.syntax.close, self.syntax.separator) if e is not None]
 
     def _read_object(self, events: list[StreamEvent]) -> bool:
         """A call's object, or a call by name's arguments (which end its group)."""

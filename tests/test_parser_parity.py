@@ -40,10 +40,10 @@ NAMES = frozenset({"a", "add", "add_2", "get-weather"})
 FORMATS = ("hermes", "mistral", "mistral_by_name", "llama3_json", "granite")
 PARSER = {"hermes": "hermes", "mistral": "mistral", "mistral_by_name": "mistral", "llama3_json": "llama3_json",
           "granite": "granite"}
-# The formats whose calls are a JSON list after a marker: the marker as the call grammar writes it, and the markers
-# a model may write.
-LIST_MARKERS = {"mistral": ("[TOOL_CALLS] ", ["[TOOL_CALLS]"]),
-                "granite": ("<|tool_call|>", ["<|tool_call|>", "<tool_call>"])}
+# The formats whose calls are a JSON list after a marker: the marker as the call grammar writes it, the markers a
+# model may write, and whether a list may be empty.
+LIST_MARKERS = {"mistral": ("[TOOL_CALLS] ", ["[TOOL_CALLS]"], False),
+                "granite": ("<|tool_call|>", ["<|tool_call|>", "<tool_call>", "<|tool_call|> <tool_call>"], True)}
 REASONING = {"none": None, "deepseek_r1": ReasoningFormat.named("deepseek_r1"),
              "qwen3": ReasoningFormat.named("qwen3"),
              "deepseek_r1 continuing": ReasoningFormat.named("deepseek_r1", continuing=True)}
@@ -134,9 +134,10 @@ def free_call(rng: random.Random, format: str) -> str:
         close = rng.choice(["</tool_call>"] * 6 + ["", "</tool_call", "</tool_calls>", "<tool_call>"])
         return f"<tool_call>{whitespace(rng)}{free_object(rng)}{whitespace(rng)}{close}"
     if format in LIST_MARKERS:
+        _, markers, may_be_empty = LIST_MARKERS[format]
         separator = rng.choice([", ", ",", " ,\n", "; "])
-        objects = separator.join(free_object(rng) for _ in range(rng.randint(1, 3)))
-        marker = rng.choice(LIST_MARKERS[format][1])
+        objects = separator.join(free_object(rng) for _ in range(rng.randint(0 if may_be_empty else 1, 3)))
+        marker = rng.choice(markers)
         return f"{marker}{whitespace(rng)}[{objects}{rng.choice([']', ']', ']', '', '}'])}"
     if format == "mistral_by_name":
         call_id = rng.choice(["", "", "[CALL_ID]abc123XYZ", "[CALL_ID]a-b", "[CALL_ID]"])
@@ -319,6 +320,9 @@ ADVERSARIAL = {
         "granite", "none", "free", 'Let me check. <|tool_call|>[{"name": "add", "arguments": {"a": "]}"}}, '
         '{"name": "a", "arguments": {"b": "<tool_call>["}}] and <tool_call> [{"name": "a", "arguments": {}}] '
         '<|tool_call|>[{broken}] <tool_call>{"name": "a", "arguments": {}}</tool_call> <|tool_ca'),
+    "empty granite lists, the 3.0 marker then the 3.1 one, twice": (
+        "granite", "none", "free", 'Nothing. <|tool_call|>[] <tool_call> [ ]<|tool_call|>\n<tool_call>[{"name": '
+        '"add", "arguments": {}}] <|tool_call|><tool_call><|tool_call|>[] <|tool_call|>[ } <|tool_call|><tool'),
     "forced granite calls": (
         "granite", "none", "forced", '<|tool_call|>[{"name": "add", "arguments": {"a": [1, {"b": "]"}]}}, '
         '{"name": "get-weather", "arguments": {"city": "Köln"}}]'),

@@ -52,7 +52,26 @@ def test_granite_3_1s_tool_call_string_is_a_marker_too():
     assert parse_calls(text, NAMES, "granite") == (None, [ToolCall("add", '{"a": 1}')])
 
 
+@pytest.mark.parametrize("marker", ["<|tool_call|><tool_call>", "<|tool_call|>\n<tool_call> "])
+def test_granite_3_1s_tool_call_string_after_the_marker_is_part_of_it(marker):
+    # vLLM strips both: a model may write its 3.0 token and then its 3.1 string.
+    text = "Sure. " + granite(("add", '{"a": 1}'), marker=marker)
+    assert parse_calls(text, NAMES, "granite") == ("Sure.", [ToolCall("add", '{"a": 1}')])
+
+
+@pytest.mark.parametrize(("text", "content"), [
+    ("<|tool_call|>[]", None),
+    ("<tool_call> [ \n]", None),
+    ("<|tool_call|><tool_call>[]", None),
+    ("Nothing to call. <|tool_call|>[] Done.", "Nothing to call.  Done."),
+])
+def test_an_empty_granite_list_is_no_calls_and_no_text(text, content):
+    # As vLLM reads it: tools called, none of them.
+    assert parse_calls(text, NAMES, "granite") == (content, [])
+
+
 @pytest.mark.parametrize("text", [
+    '<|tool_call|><tool_call>{"name": "add", "arguments": {}}',  # the marker twice, then no list
     granite(("get_weather", PARIS), ("launch", "{}")),  # one element names no tool: the whole list is text
     '<|tool_call|>[{"name": "add", "arguments": {"a": 1}}; {"name": "add", "arguments": {}}]',
     '<|tool_call|>{"name": "add", "arguments": {"a": 1}}',  # no list
@@ -72,6 +91,7 @@ def test_a_granite_marker_followed_by_anything_but_a_list_of_calls_stays_in_the_
     "no calls here, but a [ and a <|tool and a <tool",
     'an unfinished <|tool_call|>[{"name": "add", "arguments": {"a": 1}}, {"na',
     '<tool_call> <|tool_call|> [{"name": "add", "arguments": {"s": "<|tool_call|>["}}] <tool_ca',
+    'an empty <|tool_call|> [ ] list, and <|tool_call|> <tool_call>[{"name": "add", "arguments": {}}] <|tool_call|><',
 ])
 def test_a_granite_stream_in_any_pieces_reassembles_to_the_parse_of_the_whole_text(text):
     assert_any_pieces_read_as_the_whole(text, "granite")
