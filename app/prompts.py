@@ -5,7 +5,10 @@ template as Hugging Face's `apply_chat_template(tools=...)` passes them (a call'
 that shows no tools it is given (SmolLM2's ChatML) gets them the default way (`app/tool_calls.py`): the tool
 definitions in the system prompt, past calls as `<tool_call>` text in the assistant's turn, and results as a
 user turn of `<tool_response>` blocks. Mistral's templates refuse call ids that are not nine letters or digits:
-with the Mistral format, ids go to the template in that form (`tool_calls.mistral_call_id`).
+with the Mistral format, ids go to the template in that form (`tool_calls.mistral_call_id`). Granite's templates
+write an assistant's content alone, never its calls: with the Granite format, a template that does not write them
+(`writes_calls`) gets them in the content, `<|tool_call|>[...]` as the model wrote them (as llama.cpp's copy of the
+template writes them; vLLM leaves the turn empty).
 
 An assistant's reasoning reaches the template as vLLM gives it: as the message's `reasoning_content` (what Qwen3's
 and DeepSeek-R1's templates read) and `reasoning`; a template that reads neither renders as without it.
@@ -31,6 +34,9 @@ _TEMPLATE_ROLE = {"system": "system", "developer": "system", "user": "user", "as
                   "tool": "tool"}
 _PROBE_TOOL = {"type": "function", "function": {"name": "sluice_probe_tool", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
+# A call of a name the tools do not hold: a template that lists the tools writes the tool's name whatever it does
+# with calls.
+_PROBE_CALL = {"id": "sluiceprb", "type": "function", "function": {"name": "sluice_probe_call", "arguments": {}}}
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,9 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
     try:
         if uses_tools and renders_tools(tokenizer):
-            rendered = tokenizer.apply_chat_template([_template_message(m, call_format) for m in messages],
+            calls_in_content = call_format == "granite" and not writes_calls(tokenizer)
+            rendered = tokenizer.apply_chat_template([_template_message(m, call_format, calls_in_content)
+                                                      for m in messages],
                                                      add_generation_prompt=add_generation_prompt,
                                                      tools=tool_dicts or None, template_kwargs=template_kwargs)
         else:
@@ -103,6 +111,18 @@ def renders_tools(tokenizer: Tokenizer) -> bool:
     return _PROBE_TOOL["function"]["name"] in probe
 
 
+@lru_cache(maxsize=4)
+def writes_calls(tokenizer: Tokenizer) -> bool:
+    """Whether the model's template writes an assistant's calls it is given (a probe's name in the rendering). One
+    that fails on the probe is given calls as it is, and fails or not on the request's own."""
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]}]
+    try:
+        probe = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=[_PROBE_TOOL])
+    except ChatTemplateError:
+        return True
+    return _PROBE_CALL["function"]["name"] in probe
+
+
 def tool_call_format(flag: str, tokenizer: Tokenizer) -> str:
     """The format the reply's calls are read in (`--tool-call-parser`). A template without tools gets Hermes,
     whatever the flag: the default prompt teaches it. Otherwise the flag's, and for "auto" the template's own:
@@ -130,18 +150,26 @@ def _is_granites(template: str) -> bool:
             and tool_calls.CLOSE not in template)
 
 
-def _template_message(message: ChatMessage, call_format: str) -> dict[str, Any]:
+def _template_message(message: ChatMessage, call_format: str, calls_in_content: bool = False) -> dict[str, Any]:
+    """The message as the template is given it; `calls_in_content`: its calls are also written after its text, in
+    the format `call_format` (for a template that does not write them)."""
     call_id = tool_calls.mistral_call_id if call_format == "mistral" else str
     rendered: dict[str, Any] = {"role": _TEMPLATE_ROLE[message.role], "content": message.text(), **_reasoning(message)}
     if message.tool_calls:
-        rendered["tool_calls"] = [
-            {"id": call_id(call.id), "type": "function",
-             "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
-            for call in message.tool_calls
-        ]
+        calls = _calls(message)
+        rendered["tool_calls"] = [{"id": call_id(call.id), "type": "function",
+                                   "function": {"name": name, "arguments": arguments}}
+                                  for call, (name, arguments) in zip(message.tool_calls, calls)]
+        if calls_in_content:
+            rendered["content"] += tool_calls.render_calls(calls, call_format)
     if message.role == "tool":
         rendered["tool_call_id"] = call_id(message.tool_call_id)
     return rendered | _name(message)
+
+
+def _calls(message: ChatMessage) -> list[tuple[str, Any]]:
+    """The assistant's calls as (name, arguments) pairs, the arguments parsed."""
+    return [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls]
 
 
 def _name(message: ChatMessage) -> dict[str, str]:
@@ -170,9 +198,8 @@ def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]]) 
             continue
         content = message.text()
         if message.tool_calls:
-            calls = [tool_calls.render_call(c.function.name, json.loads(c.function.arguments))
-                     for c in message.tool_calls]
-            content = "\n".join([content, *calls] if content else calls)
+            calls = tool_calls.render_calls(_calls(message))
+            content = f"{content}\n{calls}" if content else calls
         rendered.append({"role": _TEMPLATE_ROLE[message.role], "content": content, **_reasoning(message),
                          **_name(message)})
     if tools:

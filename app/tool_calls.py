@@ -190,8 +190,13 @@ def tools_prompt(tools: list[dict[str, Any]]) -> str:
     return DEFAULT_TOOLS_PROMPT.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
 
 
-def render_call(name: str, arguments: Any) -> str:
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
+def render_calls(calls: list[tuple[str, Any]], parser: str = "hermes") -> str:
+    """An assistant's past calls ((name, arguments) each) as the format `parser` writes them, the grammar's way:
+    for a template that does not write them itself."""
+    written = _WRITTEN[parser]
+    objects = [written.call_head + json.dumps({"name": name, written.key: arguments}, ensure_ascii=False)
+               + written.call_tail for name, arguments in calls]
+    return written.marker + written.before + written.separator.join(objects) + written.after
 
 
 def render_results(contents: Iterable[str]) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.app.prompts import tool_call_format
+from sluice.app.prompts import chat_prompt, tool_call_format
 from sluice.app.tool_call_streams import ToolCall
 from sluice.app.tool_calls import ToolCalling, call_grammar, parse_calls, reads_special_tokens, special_marker
 from sluice.batching.structured import GrammarCompiler
@@ -16,6 +16,7 @@ from sluice.model.tokenizer import SpecialTokens, Tokenizer
 from hf_folder import train_tokenizer, train_tokenizer_with_special_tokens
 from test_tool_calls import (  # noqa: F401 (compiler: a fixture)
     ADD,
+    CONVERSATION,
     NAMES,
     NATIVE,
     PARIS,
@@ -166,6 +167,26 @@ GRANITE = (
     "{% for m in messages %}<|start_of_role|>{{ m.role }}<|end_of_role|>{{ m.content }}<|end_of_text|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}"
 )
+
+
+def granite_turns(template: str) -> list[str]:
+    """CONVERSATION (a call, then its result and another's) rendered with `template` in the Granite format, a turn
+    each."""
+    rendered = chat_prompt(with_template(template), CONVERSATION.messages, tools=CONVERSATION.tools,
+                           call_format="granite", add_generation_prompt=False)
+    return rendered.text.split("<|end_of_text|>\n")
+
+
+def test_an_assistants_calls_are_written_as_granite_writes_them_where_its_template_shows_content_alone():
+    # Granite's templates write no `tool_calls`: the turn would be empty before the call's result.
+    assert '<|start_of_role|>assistant<|end_of_role|><|tool_call|>[{"name": "get_weather", "arguments": ' \
+           '{"city": "Paris"}}]' in granite_turns(GRANITE)
+
+
+def test_an_assistants_calls_are_left_to_a_granite_template_that_writes_them():
+    template = GRANITE.replace("{{ m.content }}", "{{ m.content }}{% for c in m.tool_calls or [] %}"
+                                                  "CALL {{ c.function.name }}{% endfor %}")
+    assert "<|start_of_role|>assistant<|end_of_role|>CALL get_weather" in granite_turns(template)
 
 
 def test_auto_reads_the_granite_format_from_a_template_that_writes_its_marker():
