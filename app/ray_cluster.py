@@ -14,7 +14,7 @@ import ray
 # The variables that configure an engine in the process running it: Sluice's own (the model and kernel folder, the
 # compilation cache, ...), jax's (JAX_PLATFORMS, its cache settings, ...) and XLA's (XLA_FLAGS, and the share of each
 # GPU that `--gpu-memory-utilization` claims in XLA_CLIENT_MEM_FRACTION before jax starts; TF_CPP_* its logging).
-ENGINE_VARIABLE_PREFIXES = ("SLUICE_", "JAX_", "XLA_", "TF_CPP_")
+ENGINE_VARIABLE_PREFIXES = ("SLUICE_", "JAX_", "XLA_", "TF_CPP_", "HF_")  # HF_: a Hub model's token, cache, offline
 
 
 def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:

@@ -78,11 +78,10 @@ def test_bad_arguments_are_a_one_line_error_before_anything_starts(args, words):
     ("{tmp}/two", "{tmp}/two holds 2 .gguf files (a.gguf, b.gguf): pass one of them"),
     ("{tmp}/weights", "{tmp}/weights holds *.safetensors but no config.json"),
     ("{tmp}/model.bin", "{tmp}/model.bin is not a model Sluice reads"),
-    ("meta-llama/Llama-3.1-8B", "model 'meta-llama/Llama-3.1-8B' not found (Sluice does not download from the Hugging"),
 ])
 def test_a_model_path_that_is_there_but_not_a_model_says_what_it_holds(tmp_path, capsys, model, words):
     """An empty folder, one of two GGUFs, safetensors without config.json, another kind of file were all 'not
-    found', which they were not; a Hub name is said to be one."""
+    found', which they were not (a Hub id's errors: tests/test_hub.py)."""
     from sluice.app.cli import main
 
     for name in ("empty", "two", "weights"):
