@@ -45,8 +45,8 @@ from sluice.app.tool_calls import (
     ToolCalling,
     args_token,
     call_grammar,
-    reads_special_tokens,
     special_marker,
+    tag_token_ids,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -175,10 +175,11 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
         preamble = reasoning.preamble(engine.tokenizer, bound, engine.limits.eos_token_ids)
         params = dataclasses.replace(params, structured=dataclasses.replace(params.structured or ANY_ANSWER,
                                                                             preamble=preamble))
-    if (tools and reads_special_tokens(engine.tokenizer, parser)
-            or reasoning is not None and keeps_tag_text(engine.tokenizer)):
-        # The tag's token then has text for the reader to find, as vLLM's Mistral and Hermes parsers ask.
+    if reasoning is not None and keeps_tag_text(engine.tokenizer):
+        # The tag's token then has text for the reader to find.
         params = dataclasses.replace(params, skip_special_tokens=False)
+    if tools:  # the format's tags alone, not every special token as vLLM's Mistral and Hermes parsers
+        params = dataclasses.replace(params, kept_special_ids=tag_token_ids(engine.tokenizer, parser))
     calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced),
                            body.parallel_tool_calls) if tools else None)
     return ChatPlan(prompt, params, calling, reasoning, "tool_choice" if forced else body.grammar_field())

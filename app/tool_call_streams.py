@@ -19,8 +19,8 @@ from typing import Any
 # What a call starts with when written as the prompt asks and the grammar forces: its name, then its arguments.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
 # The head of a call written by name (Mistral's v11+ tokenizers): its name, maybe its id, then its arguments.
-_CALL_ID, ARGS = "[CALL_ID]", "[ARGS]"
-_NAMED_HEAD = re.compile(rf"\s*(.*?)(?:{re.escape(_CALL_ID)}[A-Za-z0-9]*)?{re.escape(ARGS)}", re.DOTALL)
+CALL_ID, ARGS = "[CALL_ID]", "[ARGS]"
+_NAMED_HEAD = re.compile(rf"\s*(.*?)(?:{re.escape(CALL_ID)}[A-Za-z0-9]*)?{re.escape(ARGS)}", re.DOTALL)
 # Outside strings, JSON has only these characters besides quotes.
 _JSON_OUTSIDE_STRINGS = frozenset("{}[] \t\r\n,:-+.0123456789eEtruefalsn")
 
@@ -76,6 +76,11 @@ class CallSyntax:
     @property
     def opens(self) -> tuple[str, ...]:
         return (self.open, *self.also_open)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """Every tag the format's reader looks for."""
+        return (*self.opens, self.close, *((CALL_ID, ARGS) if self.by_name else ()))
 
 
 HERMES = CallSyntax("<tool_call>", "", None, "</tool_call>", closed_by_end=True)
@@ -571,10 +576,10 @@ def _may_begin_head(text: str, names: frozenset[str]) -> bool:
     """Whether `text` (no whole head yet) may still grow into the head of a call by name of one of `names`."""
     so_far = text.lstrip()
     so_far = so_far[:len(so_far) - _partial_tag(so_far, ARGS)]
-    name, tag, call_id = so_far.partition(_CALL_ID)
+    name, tag, call_id = so_far.partition(CALL_ID)
     if tag:
         return name in names and (not call_id or (call_id.isascii() and call_id.isalnum()))
-    name = name[:len(name) - _partial_tag(name, _CALL_ID)]
+    name = name[:len(name) - _partial_tag(name, CALL_ID)]
     return any(known.startswith(name) for known in names)
 
 

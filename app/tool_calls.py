@@ -13,9 +13,11 @@ Four formats (`--tool-call-parser`):
 A call is only a call if its JSON parses, names a function of the request and has an object as arguments;
 anything else stays in the message's text, so no text the model wrote is lost. Mistral's `[TOOL_CALLS]` is a
 special token in Mistral's vocabularies (Granite's `<|tool_call|>` in Granite's, Hermes's `<tool_call>` in some),
-whose text the detokenizer leaves out by default: such a request keeps special tokens' text
-(`SamplingParams.skip_special_tokens` False, as vLLM's Mistral and Hermes parsers ask), so the tag is in the text
-where its token was (`reads_special_tokens`).
+whose text the detokenizer leaves out by default: such a request keeps those tokens' text
+(`SamplingParams.kept_special_ids`, `tag_token_ids`), so the tag is in the text where its token was. vLLM's Mistral
+and Hermes parsers keep every special token's text (`skip_special_tokens` False); Sluice keeps the tags' alone, so
+another special token the model writes (Granite's `<|end_of_role|>`, say) stays out of the content, as it does
+without tools. A request that asks `skip_special_tokens: false` keeps them all.
 """
 
 from __future__ import annotations
@@ -116,12 +118,13 @@ def args_token(tokenizer: Tokenizer, parser: str) -> int | None:
     return tokenizer.special_token_id(ARGS) if parser == "mistral" else None
 
 
-def reads_special_tokens(tokenizer: Tokenizer, parser: str) -> bool:
-    """Whether a tag the format's reader looks for is one special token in this vocabulary: its text is then in
-    the reply only where the detokenizer keeps special tokens' text (`skip_special_tokens` False)."""
+def tag_token_ids(tokenizer: Tokenizer, parser: str) -> frozenset[int]:
+    """The ids of the tags the format's reader looks for that are one special token each in this vocabulary
+    (Mistral's `[TOOL_CALLS]`, `[ARGS]`, `[CALL_ID]`; Granite's `<|tool_call|>`): their text is in the reply only
+    where the detokenizer keeps it (`SamplingParams.kept_special_ids`)."""
     syntax = _SYNTAX.get(parser)
-    return syntax is not None and any(tokenizer.special_token_id(tag) is not None
-                                      for tag in (*syntax.opens, syntax.close))
+    ids = (tokenizer.special_token_id(tag) for tag in (syntax.tags if syntax is not None else ()))
+    return frozenset(i for i in ids if i is not None)
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,8 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
                 request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
                 seed=(seed + choice * _SEED_STRIDE) % 2**32,
                 stop=StopChecker(params, limits.eos_token_ids,
-                                 tokenizer.decode_stream(prompt, skip_special_tokens=params.skip_special_tokens)),
+                                 tokenizer.decode_stream(prompt, skip_special_tokens=params.skip_special_tokens,
+                                                         kept_special_ids=params.kept_special_ids)),
                 parent=parent,
                 max_num_tokens=len(prompt) + max(params.max_tokens, 1),  # an embedding's last chunk samples once
                 grammar=grammar.fork() if grammar is not None else None,

@@ -58,8 +58,10 @@ class SamplingParams:
     `include_stop_str_in_output` (vLLM's): the stop string, or stop id's text, that ended the output stays in it.
     `logit_bias`: (token id, bias) pairs, each bias (-100..100) added to that token's logit before sampling.
     `allowed_token_ids` (vLLM's), when set: the only ids it may sample (up to MAX_LOGIT_BIAS, in the same columns).
-    `skip_special_tokens` False keeps special tokens' text in the output text (vLLM's extension; what a tool-call
-    reader needs when the format's tag is a special token); host-only, like `stop`: it picks the detokenizer.
+    `skip_special_tokens` False keeps special tokens' text in the output text (vLLM's extension; what a reasoning
+    reader needs when `<think>` is a special token); `kept_special_ids`: special tokens whose text is kept all the
+    same (what a tool-call reader needs when the format's tags are special tokens); host-only, like `stop`: they
+    pick the detokenizer.
     `structured`: a grammar the output must follow (EOS then ends it only where the grammar is complete).
     `pooling` makes it an embedding request (max_tokens 0): each prompt is prefilled, never sampled, and ends with
     the sum of its final hidden states ("last": its last token's, "mean": all its tokens') in `Increment.embedding`.
@@ -84,6 +86,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    kept_special_ids: frozenset[int] = frozenset()
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()

@@ -76,6 +76,7 @@ class Tokenizer:
         self._backend = backend
         self.special = special
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        self._pieces_by_kept: dict[frozenset[int], BytePieces] = {}
 
     @property
     def bos_token_id(self) -> int | None:
@@ -130,13 +131,16 @@ class Tokenizer:
             return bytes([int(byte.group(1), 16)])
         return token.replace("\u2581", " ").encode()
 
-    def decode_stream(self, prompt_ids: list[int] | tuple[int, ...] = (), *, skip_special_tokens: bool = True
-                      ) -> IncrementalDetokenizer | ByteDetokenizer:
+    def decode_stream(self, prompt_ids: list[int] | tuple[int, ...] = (), *, skip_special_tokens: bool = True,
+                      kept_special_ids: frozenset[int] = frozenset()) -> IncrementalDetokenizer | ByteDetokenizer:
         """A streaming detokenizer for a sequence that follows `prompt_ids`, whose text joins to `decode`'s with
-        the same `skip_special_tokens`."""
+        the same `skip_special_tokens`. `kept_special_ids`: special tokens whose text is kept all the same (a tool
+        call format's markers), as if they were no special tokens."""
         if self._byte_pieces is not None:
-            return ByteDetokenizer(self._byte_pieces if skip_special_tokens else self._byte_pieces_with_special)
-        return IncrementalDetokenizer(self._backend, prompt_ids, skip_special_tokens=skip_special_tokens)
+            return ByteDetokenizer(self._byte_pieces_keeping(self._special_ids if not skip_special_tokens
+                                                             else kept_special_ids & self._special_ids))
+        return IncrementalDetokenizer(self._backend, prompt_ids, skip_special_tokens=skip_special_tokens,
+                                      kept_special_ids=kept_special_ids)
 
     @cached_property
     def _byte_pieces(self) -> BytePieces | None:
@@ -148,13 +152,22 @@ class Tokenizer:
         size = self._backend.get_vocab_size(with_added_tokens=True)
         return BytePieces([b"" if i in added else self.token_bytes(i) for i in range(size)])
 
+    def _byte_pieces_keeping(self, kept: frozenset[int]) -> BytePieces:
+        """`_byte_pieces` with the bytes (the text) of the special tokens `kept`, for streams that keep it; built on
+        first use for each set (a server's requests keep few: none, all, a tool-call format's markers). The
+        library's decode passes special tokens through the byte-level decoder like any other, so their bytes join
+        their neighbours' as a table lookup joins them."""
+        if not kept:
+            return self._byte_pieces
+        if kept not in self._pieces_by_kept:
+            pieces = self._byte_pieces.bytes
+            self._pieces_by_kept[kept] = BytePieces([self.token_bytes(i) if i in kept else piece
+                                                     for i, piece in enumerate(pieces)])
+        return self._pieces_by_kept[kept]
+
     @cached_property
-    def _byte_pieces_with_special(self) -> BytePieces:
-        """`_byte_pieces` with the special tokens' bytes (their text), for streams that keep it; built on first
-        use, as few requests ask for it. The library's decode passes special tokens through the byte-level
-        decoder like any other, so their bytes join their neighbours' as a table lookup joins them."""
-        pieces = self._byte_pieces.bytes
-        return BytePieces([self.token_bytes(i) if i in self._added_tokens else piece for i, piece in enumerate(pieces)])
+    def _special_ids(self) -> frozenset[int]:
+        return _special_ids(self._backend)
 
     @cached_property
     def _added_tokens(self) -> dict[int, AddedToken]:
@@ -439,22 +452,29 @@ class IncrementalDetokenizer:
     """Turns a growing sequence of token ids into text deltas, for streaming (tokenizers' `DecodeStream`).
 
     Bytes of a character split across tokens are held back until the character completes; special tokens
-    produce no text unless `skip_special_tokens` is False.
+    produce no text unless `skip_special_tokens` is False or they are among `kept_special_ids`. Those kept are
+    decoded as the others are with `skip_special_tokens` False, the rest left out before decoding, as the library
+    leaves them out.
     """
 
     def __init__(self, backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...] = (), *,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, kept_special_ids: frozenset[int] = frozenset()):
         self._backend = backend
-        self._skip_special_tokens = skip_special_tokens
+        self._skip_special_tokens = skip_special_tokens and not kept_special_ids
+        self._dropped = _special_ids(backend) - kept_special_ids if skip_special_tokens and kept_special_ids \
+            else frozenset()
         # the ids of the last text, as the stream keeps them
-        self._context = _decode_context(backend, prompt_ids, skip_special_tokens)
-        self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens)
+        self._context = _decode_context(backend, [i for i in prompt_ids if i not in self._dropped],
+                                        self._skip_special_tokens)
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special_tokens)
         self._held: list[int] = []  # the ids pushed since the last text
 
     def push(self, new_ids: list[int] | tuple[int, ...]) -> str:
         """Appends tokens and returns the text they complete (possibly "")."""
         text = ""
         for token_id in new_ids:
+            if token_id in self._dropped:
+                continue
             try:
                 piece = self._stream.step(self._backend, token_id)
             except Exception as error:  # noqa: BLE001 - the library raises a bare Exception
@@ -491,6 +511,11 @@ class IncrementalDetokenizer:
             raise error
         self._stream = DecodeStream(ids=self._held, skip_special_tokens=self._skip_special_tokens)
         return self._stream.step(self._backend, token_id)
+
+
+def _special_ids(backend: HFTokenizer) -> frozenset[int]:
+    """The ids of the added tokens that are special (those `skip_special_tokens` leaves out)."""
+    return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
 
 
 def _decode_context(backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...],

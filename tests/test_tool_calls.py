@@ -25,8 +25,8 @@ from sluice.app.tool_calls import (
     call_grammar,
     mistral_call_id,
     parse_calls,
-    reads_special_tokens,
     special_marker,
+    tag_token_ids,
 )
 from sluice.batching.sampling_params import SamplingParams, StructuredOutput
 from sluice.batching.stop_checker import StopChecker
@@ -365,11 +365,12 @@ def v11_tokenizer() -> Tokenizer:
 
 def test_a_format_whose_tag_is_a_special_token_reads_special_tokens_text():
     tokenizer, plain = marker_tokenizer(), Tokenizer(train_tokenizer(300), SpecialTokens(1, (2,), False, None))
-    assert special_marker(tokenizer, "mistral") == 287 and reads_special_tokens(tokenizer, "mistral")
-    assert special_marker(plain, "mistral") is None and not reads_special_tokens(plain, "mistral")
-    assert special_marker(tokenizer, "hermes") is None and not reads_special_tokens(tokenizer, "hermes")
-    assert reads_special_tokens(hermes_tag_tokenizer(), "hermes")
-    assert not reads_special_tokens(hermes_tag_tokenizer(), "llama3_json")
+    assert special_marker(tokenizer, "mistral") == 287 and tag_token_ids(tokenizer, "mistral") == {287}
+    assert special_marker(plain, "mistral") is None and not tag_token_ids(plain, "mistral")
+    assert special_marker(tokenizer, "hermes") is None and not tag_token_ids(tokenizer, "hermes")
+    assert tag_token_ids(hermes_tag_tokenizer(), "hermes")
+    assert not tag_token_ids(hermes_tag_tokenizer(), "llama3_json")
+    assert tag_token_ids(v11_tokenizer(), "mistral") == {285, 286, 287}
 
 
 def read_mistral_stream(texts: list[str]) -> tuple[str | None, list[ToolCall]]:

@@ -9,9 +9,9 @@ import pytest
 
 from sluice.app.prompts import chat_prompt, tool_call_format
 from sluice.app.tool_call_streams import ToolCall
-from sluice.app.tool_calls import ToolCalling, call_grammar, parse_calls, reads_special_tokens, special_marker
+from sluice.app.tool_calls import ToolCalling, call_grammar, parse_calls, special_marker, tag_token_ids
 from sluice.batching.structured import GrammarCompiler
-from sluice.model.tokenizer import SpecialTokens, Tokenizer
+from sluice.model.tokenizer import IncrementalDetokenizer, SpecialTokens, Tokenizer
 
 from hf_folder import train_tokenizer, train_tokenizer_with_special_tokens
 from test_tool_calls import (  # noqa: F401 (compiler: a fixture)
@@ -33,6 +33,7 @@ from tool_call_servers import (ASK, CART, TOOL_CHOICES, WEATHER, assert_required
                                tiny_model_server)
 
 MARKER = "<|tool_call|>"
+END_OF_ROLE = "<|end_of_role|>"  # another of Granite's special tokens
 
 
 def granite(*calls: tuple[str, str], marker: str = MARKER) -> str:
@@ -113,9 +114,9 @@ def granite_tokenizer() -> Tokenizer:
 
 def test_a_granite_vocabulary_whose_marker_is_a_special_token_reads_special_tokens_text():
     tokenizer, plain = granite_tokenizer(), Tokenizer(train_tokenizer(300), SpecialTokens(1, (2,), False, None))
-    assert special_marker(tokenizer, "granite") == 287 and reads_special_tokens(tokenizer, "granite")
-    assert special_marker(plain, "granite") is None and not reads_special_tokens(plain, "granite")
-    assert not reads_special_tokens(tokenizer, "mistral")
+    assert special_marker(tokenizer, "granite") == 287 and tag_token_ids(tokenizer, "granite") == {287}
+    assert special_marker(plain, "granite") is None and not tag_token_ids(plain, "granite")
+    assert not tag_token_ids(tokenizer, "mistral")
 
 
 def test_a_granite_call_after_its_special_marker_is_read_from_the_kept_text():
@@ -126,6 +127,16 @@ def test_a_granite_call_after_its_special_marker_is_read_from_the_kept_text():
     stream = ToolCalling(NAMES, "granite").stream()
     events = [event for text in texts for event in stream.push(text)] + stream.finish()
     assert read(events) == ("the fox", [ToolCall("add", '{"a": 1}'), ToolCall("get_weather", "{}")])
+
+
+@pytest.mark.parametrize("streaming", ["byte_level", "library"])
+def test_a_stream_that_keeps_the_markers_text_leaves_out_the_other_special_tokens(streaming):
+    tokenizer = Tokenizer(train_tokenizer_with_special_tokens(MARKER, END_OF_ROLE), SpecialTokens(1, (2,), False, None))
+    ids = tokenizer.encode(f"{END_OF_ROLE}Sure{END_OF_ROLE} here." + granite(("add", "{}")), add_special_tokens=False)
+    kept = frozenset({286})
+    stream = (tokenizer.decode_stream(ids[:1], kept_special_ids=kept) if streaming == "byte_level"
+              else IncrementalDetokenizer(tokenizer._backend, ids[:1], kept_special_ids=kept))
+    assert "".join(stream.push([token]) for token in ids[1:]) + stream.flush() == "Sure here." + granite(("add", "{}"))
 
 
 # --- the grammar that forces calls -------------------------------------------------------------------------------
@@ -209,12 +220,19 @@ MODEL = "tiny-granite"
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    with tiny_model_server(tmp_path_factory, MARKER, GRANITE, "auto", MODEL) as client:
+    with tiny_model_server(tmp_path_factory, MARKER, GRANITE, "auto", MODEL, END_OF_ROLE) as client:
         yield client
 
 
 def test_required_calls_in_the_granite_format_come_back_valid(client):
     assert_required_calls_come_back_valid(client, MODEL)
+
+
+def test_a_reply_with_tools_keeps_the_text_of_the_markers_alone_of_the_special_tokens(client):
+    # The marker's text is kept for the reader; another special token's is left out, as without tools.
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=3,
+                                           logit_bias={"287": 100})  # the id of END_OF_ROLE, after the marker
+    assert reply.choices[0].message.content is None
 
 
 @pytest.mark.parametrize("tool_choice", TOOL_CHOICES)

@@ -1,6 +1,6 @@
 """Mistral's tool calls end to end: the official `openai` client against a real `sluice serve` with a tiny random
 model whose template is Mistral's (`auto` picks the Mistral format) and whose vocabulary holds `[TOOL_CALLS]` as
-a special token, whose text such a request keeps (`skip_special_tokens` false) for the reader; `required` and named
+a special token, whose text such a request keeps (`kept_special_ids`) for the reader; `required` and named
 choices are forced by the grammar, so calls are valid whatever the weights."""
 
 from __future__ import annotations

@@ -48,13 +48,13 @@ def openai_client(*flags: str, env: dict[str, str] | None = None) -> Iterator[op
 
 @contextmanager
 def tiny_model_server(tmp_path_factory: pytest.TempPathFactory, marker: str, chat_template: str, parser: str,
-                      model: str) -> Iterator[openai.OpenAI]:
-    """`openai_client` of a tiny random model (vocabulary 288 whose last token is `marker`, a special token; context
-    2048) with `chat_template`, served as `model` with `--tool-call-parser parser`."""
+                      model: str, *other_special: str) -> Iterator[openai.OpenAI]:
+    """`openai_client` of a tiny random model (vocabulary 288 whose last tokens are `marker` then `other_special`,
+    special tokens; context 2048) with `chat_template`, served as `model` with `--tool-call-parser parser`."""
     folder = tmp_path_factory.mktemp(model) / "tiny"
     write_hf_folder(folder, ModelConfig.tiny(vocab_size=288, max_position_embeddings=2048), seed=7,
                     chat_template=chat_template)
-    train_tokenizer_with_special_tokens(marker).save(str(folder / "tokenizer.json"))
+    train_tokenizer_with_special_tokens(marker, *other_special).save(str(folder / "tokenizer.json"))
     flags = ["--model", str(folder), "--max-model-len", "2048", "--max-num-seqs", "4",
              "--max-num-batched-tokens", "64", "--kv-cache-memory", "16MiB", "--api-key", API_KEY,
              "--served-model-name", model, "--no-ui", "--tool-call-parser", parser]
