@@ -165,10 +165,10 @@ def _one_token(tokenizer: Tokenizer, tag: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def keeps_tag_text(tokenizer: Tokenizer) -> bool:
-    """Whether a tag is one special token in this vocabulary: its text is then in the reply only where the
-    detokenizer keeps special tokens' text (`skip_special_tokens` False)."""
-    return any(tokenizer.special_token_id(tag) is not None for tag in (START, END))
+def think_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of `<think>` and `</think>` where each is one special token in this vocabulary: their text is in the
+    reply only where the detokenizer keeps it (`SamplingParams.kept_special_ids`)."""
+    return frozenset(i for i in map(tokenizer.special_token_id, (START, END)) if i is not None)
 
 
 class ReasoningStream:

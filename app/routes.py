@@ -27,7 +27,7 @@ from sluice.batching.sampling_params import RequestRejected, SamplingParams, Str
 from sluice.app.errors import from_validation_error, invalid_grammar, invalid_request
 from sluice.app.generation import respond, start_generation
 from sluice.app.prompts import Prompt, chat_prompt, tool_call_format, truncated, truncated_prompts
-from sluice.app.reasoning import ANY_ANSWER, ReasoningFormat, keeps_tag_text
+from sluice.app.reasoning import ANY_ANSWER, ReasoningFormat, think_token_ids
 from sluice.app.responses import ChatBuilder, CompletionBuilder
 from sluice.app.schemas import (
     ChatCompletionRequest,
@@ -175,11 +175,12 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
         preamble = reasoning.preamble(engine.tokenizer, bound, engine.limits.eos_token_ids)
         params = dataclasses.replace(params, structured=dataclasses.replace(params.structured or ANY_ANSWER,
                                                                             preamble=preamble))
-    if reasoning is not None and keeps_tag_text(engine.tokenizer):
-        # The tag's token then has text for the reader to find.
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    if tools:  # the format's tags alone, not every special token as vLLM's Mistral and Hermes parsers
-        params = dataclasses.replace(params, kept_special_ids=tag_token_ids(engine.tokenizer, parser))
+    # The readers' tags keep their text, where they are special tokens, and no other special token does (vLLM's
+    # Mistral, Hermes and reasoning parsers keep every one).
+    kept = ((think_token_ids(engine.tokenizer) if reasoning is not None else frozenset())
+            | (tag_token_ids(engine.tokenizer, parser) if tools else frozenset()))
+    if kept:
+        params = dataclasses.replace(params, kept_special_ids=kept)
     calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced),
                            body.parallel_tool_calls) if tools else None)
     return ChatPlan(prompt, params, calling, reasoning, "tool_choice" if forced else body.grammar_field())

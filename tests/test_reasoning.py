@@ -23,7 +23,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from sluice.app.anthropic_responses import MessageBuilder
-from sluice.app.reasoning import ANY_ANSWER, END, START, ReasoningFormat, Thought
+from sluice.app.reasoning import ANY_ANSWER, END, START, ReasoningFormat, Thought, think_token_ids
 from sluice.app.responses import ChatBuilder
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses_api_convert import chat_messages, output_items, stored_items
@@ -151,6 +151,17 @@ def one_token_tags(special: bool) -> Tokenizer:
     tags = [AddedToken(tag, special=special, normalized=False) for tag in (START, END)]
     backend.add_special_tokens(tags) if special else backend.add_tokens(tags)
     return Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["added tags", "special tags"])
+def test_only_special_tags_and_no_other_special_token_keep_their_text_for_the_reader(special):
+    """The request kept every special token's text where the tags were special; now their own text alone."""
+    tokenizer = one_token_tags(special)
+    tags = frozenset(tokenizer.encode(START + END, add_special_tokens=False))
+    assert think_token_ids(tokenizer) == (tags if special else frozenset())
+    stream = tokenizer.decode_stream(skip_special_tokens=True, kept_special_ids=think_token_ids(tokenizer))
+    ids = [*tokenizer.encode("<think>hm</think>ok", add_special_tokens=False), 1]  # 1: BOS, another special token
+    assert stream.push(ids) + stream.flush() == "<think>hm</think>ok"
 
 
 @pytest.mark.parametrize("special", [False, True], ids=["added tags", "special tags"])
