@@ -1,18 +1,15 @@
 """Models from the Hugging Face Hub, named as vLLM names them: `ORG/NAME` (the files of an HF folder that Sluice
 reads) or `ORG/NAME:QUANT` (the one GGUF file of that quant type in a GGUF repository). Both are kept in the HF cache
-(`HF_HOME`, `HF_HUB_CACHE`, or a `--download-dir`), where a model already there is found with no network at all."""
+(`HF_HOME`, `HF_HUB_CACHE`, or a `--download-dir`), where a model already there is found with no network at all.
+
+gguf and huggingface_hub are imported by the functions that use them, as model/weights.py imports gguf: an engine
+that serves no Hub id (the GPU image has no gguf) tells one from a path with `is_hub_id` alone."""
 
 from __future__ import annotations
 
 import fnmatch
 import re
 from pathlib import Path
-
-from gguf import GGMLQuantizationType
-from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
-                                    RepositoryNotFoundError, RevisionNotFoundError)
-from huggingface_hub.utils import httpx  # httpx or httpx2, whichever this huggingface_hub runs on
 
 REPO_ID = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*")  # vLLM's
 GGUF_ID = re.compile(rf"({REPO_ID.pattern}):([A-Za-z0-9_+-]+)")
@@ -40,6 +37,10 @@ def download(model: str, revision: str | None = None, download_dir: str | None =
     """The local path of Hub model `model` at `revision` (None: the default branch): its snapshot folder, or for
     `ORG/NAME:QUANT` its GGUF file. Looked up in the HF cache (`download_dir`, else huggingface_hub's) first, and
     downloaded only if not there; HubError if the Hub cannot give it."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import httpx  # httpx or httpx2, whichever this huggingface_hub runs on
+
     cache = download_dir or constants.HF_HUB_CACHE
     try:
         if (gguf_id := GGUF_ID.fullmatch(model)) is not None:
@@ -50,6 +51,8 @@ def download(model: str, revision: str | None = None, download_dir: str | None =
 
 
 def _folder(model: str, revision: str | None, download_dir: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
     cached = _cached_snapshot(model, revision, download_dir, FOLDER_FILES)
     if cached is not None and _holds_a_model(cached):
         return cached
@@ -66,6 +69,8 @@ def _holds_a_model(folder: Path) -> bool:
 
 
 def _gguf_file(model: str, repo_id: str, quant_type: str, revision: str | None, download_dir: str | None) -> Path:
+    from huggingface_hub import HfApi, hf_hub_download
+
     if not is_quant_type(quant_type):
         raise HubError(f"{model}: {quant_type!r} is not a GGUF quant type (as Q4_K_M, Q8_0, F16 or UD-Q4_K_XL)")
     patterns = gguf_patterns(quant_type)
@@ -82,6 +87,8 @@ def _gguf_file(model: str, repo_id: str, quant_type: str, revision: str | None, 
 def is_quant_type(text: str) -> bool:
     """vLLM's rule: a GGML type (Q8_0), one with a size suffix (Q4_K_M), or either after a dashed prefix
     (UD-Q4_K_XL)."""
+    from gguf import GGMLQuantizationType
+
     base = text.rsplit("-", 1)[-1]
     return any(base.removesuffix(suffix) in GGMLQuantizationType.__members__ for suffix in ("", *SIZE_SUFFIXES))
 
@@ -129,6 +136,9 @@ def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | Non
                      ignore_patterns: list[str] | None = None) -> Path | None:
     """The snapshot folder of `revision` in the HF cache if it is there (complete, where the cache knows what the
     patterns' files are), without going to the network; None if it is not."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True,
                                       allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
@@ -138,6 +148,8 @@ def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | Non
 
 def _check_online(model: str, revision: str | None, download_dir: str | None) -> None:
     """HubError if huggingface_hub is offline (HF_HUB_OFFLINE), where the model found no cached copy."""
+    from huggingface_hub import constants
+
     if constants.HF_HUB_OFFLINE:
         raise HubError(f"{_named(model, revision)} is not in the HF cache ({download_dir or constants.HF_HUB_CACHE}) "
                        f"and HF_HUB_OFFLINE is set: unset it to download the model, or download it where there is a "
@@ -151,6 +163,11 @@ def _named(model: str, revision: str | None) -> str:
 def _refusal(model: str, revision: str | None, cache: str, error: Exception) -> HubError:
     """`error`, raised getting `model`, said in one line. huggingface_hub raises LocalEntryNotFoundError for a
     download it could not begin, from the Hub's refusal or the network's error that is the reason."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.utils import httpx
+
     if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
         error = error.__cause__
     if isinstance(error, GatedRepoError):

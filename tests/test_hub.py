@@ -297,6 +297,15 @@ def test_a_local_folder_named_like_a_hub_id_is_the_folder(tmp_path, monkeypatch)
     assert resolve_model("org/tiny") == Path("org/tiny")
 
 
+def test_the_engine_imports_without_gguf_or_huggingface_hub():
+    """The GPU image has neither: a Hub id's heavy parts are imported only when one is resolved."""
+    block = "import sys; sys.modules['gguf'] = sys.modules['huggingface_hub'] = None; "
+    check = ("import sluice.batching.engine, sluice.bench.engine_check, sluice.bench.step_audit; "
+             "from sluice.model.fetch import from_hub; print(from_hub('org/tiny'))")
+    result = subprocess.run([sys.executable, "-c", block + check], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["True"], result.stderr
+
+
 def test_a_path_that_is_not_there_and_no_hub_id_is_not_looked_up(tmp_path):
     with pytest.raises(ModelNotFound, match="not found: pass a .gguf file"):
         resolve_model(str(tmp_path / "no" / "such" / "model"))
