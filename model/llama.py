@@ -53,7 +53,7 @@ def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array,
     """positions: [T] int32, inv_freq: [Dh/2] -> cos, sin: [T, 1, Dh/2] float32 (broadcast over heads), both scaled
     by `attention_factor` (YaRN's: rotating q and k by them scales q.k by its square)."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return (jnp.cos(angles) * attention_factor)[:, None, :], (jnp.sin(angles) * attention_factor)[:, None, :]
+    return scaled(jnp.cos(angles), attention_factor)[:, None, :], scaled(jnp.sin(angles), attention_factor)[:, None, :]
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
