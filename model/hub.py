@@ -1,6 +1,8 @@
 """Models from the Hugging Face Hub, named as vLLM names them: `ORG/NAME` (the files of an HF folder that Sluice
 reads) or `ORG/NAME:QUANT` (the one GGUF file of that quant type in a GGUF repository). Both are kept in the HF cache
-(`HF_HOME`, `HF_HUB_CACHE`, or a `--download-dir`), where a model already there is found with no network at all.
+(`HF_HOME`, `HF_HUB_CACHE`, or a `--download-dir`), as vLLM keeps them: a branch or tag is asked of the Hub for its
+commit, whose files are downloaded if the cache lacks them, and the cached copy is served if the Hub cannot be reached
+or refuses; a commit found there, or any revision while HF_HUB_OFFLINE is set, is served with no network at all.
 
 gguf and huggingface_hub are imported by the functions that use them, as model/weights.py imports gguf: an engine
 that serves no Hub id (the GPU image has no gguf) tells one from a path with `is_hub_id` alone."""
@@ -13,6 +15,7 @@ from pathlib import Path
 
 REPO_ID = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*")  # vLLM's
 GGUF_ID = re.compile(rf"({REPO_ID.pattern}):([A-Za-z0-9_+-]+)")
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a revision that is a commit's full hash, as huggingface_hub tells one
 
 # What reading an HF folder opens: model/weights.py, model/tokenizer.py, model/generation_config.py.
 FOLDER_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -35,8 +38,8 @@ def is_hub_id(model: str) -> bool:
 
 def download(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
     """The local path of Hub model `model` at `revision` (None: the default branch): its snapshot folder, or for
-    `ORG/NAME:QUANT` its GGUF file. Looked up in the HF cache (`download_dir`, else huggingface_hub's) first, and
-    downloaded only if not there; HubError if the Hub cannot give it."""
+    `ORG/NAME:QUANT` its GGUF file, kept in the HF cache (`download_dir`, else huggingface_hub's) as the module's
+    docstring tells; HubError if neither the Hub nor the cache can give it."""
     from huggingface_hub import constants
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import httpx  # httpx or httpx2, whichever this huggingface_hub runs on
@@ -51,12 +54,21 @@ def download(model: str, revision: str | None = None, download_dir: str | None =
 
 
 def _folder(model: str, revision: str | None, download_dir: str | None) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    cached = _cached_snapshot(model, revision, download_dir, FOLDER_FILES)
-    if cached is not None and _holds_a_model(cached):
-        return cached
-    _check_online(model, revision, download_dir)
+    if _cache_first(revision):
+        try:
+            cached = _cached_snapshot(model, revision, download_dir, FOLDER_FILES)
+        except LocalEntryNotFoundError:
+            if constants.HF_HUB_OFFLINE:
+                raise
+            cached = None
+        if cached is not None and _holds_a_model(cached):
+            return cached
+        if constants.HF_HUB_OFFLINE:
+            raise HubError(f"the HF cache's copy of {_named(model, revision)} ({cached}) holds no config.json with "
+                           f"*.safetensors and HF_HUB_OFFLINE is set: unset it to complete the download")
     folder = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=FOLDER_FILES))
     if not _holds_a_model(folder):
         raise HubError(f"{model} holds no config.json with *.safetensors: Sluice reads safetensors or GGUF (a GGUF "
@@ -69,19 +81,37 @@ def _holds_a_model(folder: Path) -> bool:
 
 
 def _gguf_file(model: str, repo_id: str, quant_type: str, revision: str | None, download_dir: str | None) -> Path:
-    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import HfApi, constants, hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
+    from huggingface_hub.utils import httpx
 
     if not is_quant_type(quant_type):
         raise HubError(f"{model}: {quant_type!r} is not a GGUF quant type (as Q4_K_M, Q8_0, F16 or UD-Q4_K_XL)")
-    patterns = gguf_patterns(quant_type)
-    cached = _cached_snapshot(repo_id, revision, download_dir, patterns, ignore_patterns=[PROJECTOR])
-    if cached is not None:
-        names = [str(path.relative_to(cached)) for path in cached.rglob("*.gguf")]
-        if len(single := single_files(matching(names, quant_type))) == 1:
-            return cached / single[0]
-    _check_online(model, revision, download_dir)
-    name = choose_gguf(model, HfApi().list_repo_files(repo_id, revision=revision), quant_type)
+    if _cache_first(revision):
+        if (cached := _cached_gguf(repo_id, quant_type, revision, download_dir)) is not None:
+            return cached
+        if constants.HF_HUB_OFFLINE:
+            raise _offline(model, revision, download_dir)
+    try:
+        names = HfApi().list_repo_files(repo_id, revision=revision)
+    except RevisionNotFoundError:
+        raise
+    except (httpx.ConnectError, httpx.TimeoutException, HfHubHTTPError):
+        # What snapshot_download does when the Hub cannot be reached or refuses: the cached copy, if there is one.
+        if (cached := _cached_gguf(repo_id, quant_type, revision, download_dir)) is not None:
+            return cached
+        raise
+    name = choose_gguf(model, names, quant_type)
     return Path(hf_hub_download(repo_id, name, revision=revision, cache_dir=download_dir))
+
+
+def _cache_first(revision: str | None) -> bool:
+    """Whether the HF cache's copy of `revision` is served without asking the Hub: where it is a commit, whose files
+    never change, or huggingface_hub is offline. A branch or tag is asked for its commit, as vLLM asks
+    (`snapshot_download`), and the cached copy served only if the Hub cannot be reached or refuses."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or (revision is not None and COMMIT.fullmatch(revision) is not None)
 
 
 def is_quant_type(text: str) -> bool:
@@ -132,28 +162,37 @@ def some_of(names: list[str]) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
-def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | None, allow_patterns: list[str],
-                     ignore_patterns: list[str] | None = None) -> Path | None:
-    """The snapshot folder of `revision` in the HF cache if it is there (complete, where the cache knows what the
-    patterns' files are), without going to the network; None if it is not."""
+def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | None,
+                     allow_patterns: list[str] | None = None) -> Path:
+    """The snapshot folder of `revision` in the HF cache, without going to the network; LocalEntryNotFoundError if
+    it is not there, IncompleteSnapshotError if the cache's listing of the commit's files names some of
+    `allow_patterns` it lacks."""
     from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True,
+                                  allow_patterns=allow_patterns))
+
+
+def _cached_gguf(repo_id: str, quant_type: str, revision: str | None, download_dir: str | None) -> Path | None:
+    """The one single-file GGUF of `quant_type` in the HF cache's snapshot of `revision`; None if there is not one."""
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True,
-                                      allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
+        snapshot = _cached_snapshot(repo_id, revision, download_dir)
     except LocalEntryNotFoundError:
         return None
+    names = [str(path.relative_to(snapshot)) for path in snapshot.rglob("*.gguf")]
+    single = single_files(matching(names, quant_type))
+    return snapshot / single[0] if len(single) == 1 else None
 
 
-def _check_online(model: str, revision: str | None, download_dir: str | None) -> None:
-    """HubError if huggingface_hub is offline (HF_HUB_OFFLINE), where the model found no cached copy."""
+def _offline(model: str, revision: str | None, download_dir: str | None) -> HubError:
+    """The refusal of a model found in no HF cache while huggingface_hub is offline (HF_HUB_OFFLINE)."""
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE:
-        raise HubError(f"{_named(model, revision)} is not in the HF cache ({download_dir or constants.HF_HUB_CACHE}) "
-                       f"and HF_HUB_OFFLINE is set: unset it to download the model, or download it where there is a "
-                       f"network into that cache")
+    return HubError(f"{_named(model, revision)} is not in the HF cache ({download_dir or constants.HF_HUB_CACHE}) and "
+                    f"HF_HUB_OFFLINE is set: unset it to download the model, or download it where there is a network "
+                    f"into that cache")
 
 
 def _named(model: str, revision: str | None) -> str:
@@ -168,6 +207,8 @@ def _refusal(model: str, revision: str | None, cache: str, error: Exception) -> 
                                         RepositoryNotFoundError, RevisionNotFoundError)
     from huggingface_hub.utils import httpx
 
+    if isinstance(error, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
+        return _offline(model, revision, cache)
     if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
         error = error.__cause__
     if isinstance(error, GatedRepoError):
