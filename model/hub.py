@@ -20,6 +20,10 @@ COMMIT = re.compile(r"[0-9a-f]{40}")  # a revision that is a commit's full hash,
 # What reading an HF folder opens: model/weights.py, model/tokenizer.py, model/generation_config.py.
 FOLDER_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "chat_template.jinja", "*.safetensors", "*.safetensors.index.json"]
+# What FOLDER_FILES match that Sluice does not read: files in sub-folders (fnmatch's * crosses "/"; Meta's original/
+# checkpoint, which vLLM leaves out with "original/**/*") and Mistral's consolidated.safetensors (the same weights in
+# Mistral's names, which the index leaves out).
+FOLDER_IGNORED = ["*/*", "consolidated*.safetensors"]
 
 # vLLM's size suffixes of a GGML type in GGUF file names (Q4_K_M is a Q4_K).
 SIZE_SUFFIXES = ("_M", "_S", "_L", "_XL", "_XS", "_XXS")
@@ -59,7 +63,7 @@ def _folder(model: str, revision: str | None, download_dir: str | None) -> Path:
 
     if _cache_first(revision):
         try:
-            cached = _cached_snapshot(model, revision, download_dir, FOLDER_FILES)
+            cached = _cached_snapshot(model, revision, download_dir, FOLDER_FILES, FOLDER_IGNORED)
         except LocalEntryNotFoundError:
             if constants.HF_HUB_OFFLINE:
                 raise
@@ -69,7 +73,8 @@ def _folder(model: str, revision: str | None, download_dir: str | None) -> Path:
         if constants.HF_HUB_OFFLINE:
             raise HubError(f"the HF cache's copy of {_named(model, revision)} ({cached}) holds no config.json with "
                            f"*.safetensors and HF_HUB_OFFLINE is set: unset it to complete the download")
-    folder = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=FOLDER_FILES))
+    folder = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=FOLDER_FILES,
+                                    ignore_patterns=FOLDER_IGNORED))
     if not _holds_a_model(folder):
         raise HubError(f"{model} holds no config.json with *.safetensors: Sluice reads safetensors or GGUF (a GGUF "
                        f"repository's file is named by its quant type, as ORG/NAME-GGUF:Q4_K_M)")
@@ -163,14 +168,14 @@ def some_of(names: list[str]) -> str:
 
 
 def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | None,
-                     allow_patterns: list[str] | None = None) -> Path:
+                     allow_patterns: list[str] | None = None, ignore_patterns: list[str] | None = None) -> Path:
     """The snapshot folder of `revision` in the HF cache, without going to the network; LocalEntryNotFoundError if
-    it is not there, IncompleteSnapshotError if the cache's listing of the commit's files names some of
-    `allow_patterns` it lacks."""
+    it is not there, IncompleteSnapshotError if the cache's listing of the commit's files names some it lacks of
+    `allow_patterns` less `ignore_patterns`."""
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True,
-                                  allow_patterns=allow_patterns))
+                                  allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
 
 
 def _cached_gguf(repo_id: str, quant_type: str, revision: str | None, download_dir: str | None) -> Path | None:

@@ -286,6 +286,20 @@ def test_a_hub_model_downloads_the_files_sluice_reads_into_the_cache_once(hub, t
     assert Path(again.stdout.strip()) == snapshot and downloads(hub.requests[asked:]) == []
 
 
+def test_sub_folders_and_mistral_consolidated_weights_are_not_downloaded(hub, tmp_path, capsys, monkeypatch):
+    """Sluice reads the top folder's files its index names (model/weights.py): not Meta's original/ checkpoint nor
+    Mistral's consolidated.safetensors, the same weights again."""
+    files = model_files(tmp_path / "model", CONFIG)
+    hub.repos["org/tiny"] = FakeRepo({**files, "original/model.safetensors": b"weights", "original/config.json": b"{}",
+                                      "consolidated.safetensors": b"weights"})
+    point_at(monkeypatch, hub.url)
+    snapshot = fetch(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache"))
+    assert sorted(str(path.relative_to(snapshot)) for path in snapshot.rglob("*")) == sorted(files)
+    assert sorted(downloads(hub.requests)) == sorted(f"GET /org/tiny/resolve/{MAIN_COMMIT}/{name}" for name in files)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the cache's listing names them: still complete
+    assert fetch(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache")) == snapshot
+
+
 def test_a_gguf_repository_gives_the_one_file_of_the_quant_type_named(hub, tmp_path):
     """vLLM's `ORG/NAME-GGUF:QUANT`: only that file is downloaded, not the repository's other quantizations."""
     ggufs = {f"Tiny-{quant}.gguf": f"GGUF {quant}".encode() for quant in ("Q4_K_M", "Q8_0", "F16")}
