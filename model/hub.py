@@ -180,10 +180,14 @@ def _cached_snapshot(repo_id: str, revision: str | None, download_dir: str | Non
 
 def _cached_gguf(repo_id: str, quant_type: str, revision: str | None, download_dir: str | None) -> Path | None:
     """The one single-file GGUF of `quant_type` in the HF cache's snapshot of `revision`; None if there is not one."""
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
     try:
         snapshot = _cached_snapshot(repo_id, revision, download_dir)
+    except IncompleteSnapshotError as error:
+        # The cache's listing of the commit's files names files the cache lacks (the quant type's split parts, other
+        # quant types, the README): the one looked for may be there all the same.
+        snapshot = Path(error.snapshot_path)
     except LocalEntryNotFoundError:
         return None
     names = [str(path.relative_to(snapshot)) for path in snapshot.rglob("*.gguf")]

@@ -314,6 +314,22 @@ def test_a_gguf_repository_gives_the_one_file_of_the_quant_type_named(hub, tmp_p
                       hub=hub).stdout == result.stdout and downloads(hub.requests[asked:]) == []
 
 
+def test_a_cached_gguf_is_served_offline_where_the_cache_lists_files_it_lacks(hub, tmp_path, capsys, monkeypatch):
+    """A snapshot_download of the one file (as `hf download` leaves it) keeps the listing of the repository's files:
+    the quant type's split parts and other quant types, which the cache lacks, do not hide the file that is there."""
+    from huggingface_hub import snapshot_download
+
+    hub.repos["org/Tiny-GGUF"] = FakeRepo({"Tiny-Q4_K_M.gguf": b"GGUF", "Tiny-Q8_0.gguf": b"GGUF Q8_0",
+                                           "big/Tiny-Q4_K_M-00001-of-00002.gguf": b"GGUF 1",
+                                           "big/Tiny-Q4_K_M-00002-of-00002.gguf": b"GGUF 2"})
+    point_at(monkeypatch, hub.url)
+    snapshot = Path(snapshot_download("org/Tiny-GGUF", cache_dir=tmp_path / "cache",
+                                      allow_patterns=["Tiny-Q4_K_M.gguf"]))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    path = fetch(capsys, "--model", "org/Tiny-GGUF:Q4_K_M", "--download-dir", str(tmp_path / "cache"))
+    assert path == snapshot / "Tiny-Q4_K_M.gguf"
+
+
 @pytest.mark.parametrize(("names", "words"), [
     (["Tiny-Q8_0.gguf"], "no GGUF file of quant type Q4_K_M (its GGUF files are Tiny-Q8_0.gguf)"),
     (["README.md"], "no GGUF file of quant type Q4_K_M (it holds no GGUF file)"),
