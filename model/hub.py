@@ -53,8 +53,13 @@ def download(model: str, revision: str | None = None, download_dir: str | None =
         if (gguf_id := GGUF_ID.fullmatch(model)) is not None:
             return _gguf_file(model, *gguf_id.groups(), revision, download_dir)
         return _folder(model, revision, download_dir)
+    except HubError:
+        raise
     except (OSError, HFValidationError, httpx.TransportError) as error:
         raise _refusal(model, revision, cache, error) from None
+    except Exception as error:  # hf_xet's RuntimeErrors, the ValueError asking to install hf_xet, ...
+        first_line = next(iter(str(error).strip().splitlines()), "")
+        raise HubError(f"cannot download {model}: {type(error).__name__}: {first_line}") from None
 
 
 def _folder(model: str, revision: str | None, download_dir: str | None) -> Path:

@@ -174,6 +174,16 @@ def fetch(capsys: pytest.CaptureFixture, *args: str) -> Path:
     return Path(out.strip())
 
 
+def fetch_error(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """The one error line `sluice fetch ARGS`, run in this process, fails with (exit 2)."""
+    from sluice.app.cli import main
+
+    code = main(["fetch", *args])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(errors) == 1, errors
+    return errors[0]
+
+
 def downloads(requests: list[str]) -> list[str]:
     """The requests of `requests` that download a file (the branch's commit asked again is no download)."""
     return [request for request in requests if request.startswith("GET") and "/resolve/" in request]
@@ -373,6 +383,23 @@ def test_what_the_hub_cannot_give_is_a_one_line_error_naming_the_id(hub, tmp_pat
     cache = tmp_path / "cache"
     result = run_sluice("fetch", "--model", model, "--download-dir", str(cache), hub=hub, **env)
     assert the_error(result).startswith(f"sluice: error: {words.replace('{cache}', str(cache))}")
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("Data processing error: CAS service error : Reqwest Error: HTTP status client error (401)\nmore"),
+    ValueError("Fast download using 'hf_xet' is enabled but 'hf_xet' is not installed\npip install hf_xet"),
+])
+def test_any_other_error_of_a_download_is_a_one_line_error(tmp_path, capsys, monkeypatch, error):
+    """hf_xet's errors, and huggingface_hub's own for a missing hf_xet, end in no traceback."""
+    import huggingface_hub
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    first_line = str(error).splitlines()[0]
+    assert fetch_error(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache")) == (
+        f"sluice: error: cannot download org/tiny: {type(error).__name__}: {first_line}")
 
 
 def test_a_revision_the_repository_lacks_is_a_one_line_error(hub, tmp_path):
