@@ -126,23 +126,24 @@ def _cache_first(revision: str | None) -> bool:
 
 def is_quant_type(text: str) -> bool:
     """vLLM's rule: a GGML type (Q8_0), one with a size suffix (Q4_K_M), or either after a dashed prefix
-    (UD-Q4_K_XL)."""
+    (UD-Q4_K_XL); in either case, as GGUF file names spell them (Qwen's are lower case)."""
     from gguf import GGMLQuantizationType
 
-    base = text.rsplit("-", 1)[-1]
+    base = text.rsplit("-", 1)[-1].upper()
     return any(base.removesuffix(suffix) in GGMLQuantizationType.__members__ for suffix in ("", *SIZE_SUFFIXES))
 
 
 def gguf_patterns(quant_type: str) -> list[str]:
-    """vLLM's names of a quant type's GGUF files: NAME-QUANT.gguf, or NAME-QUANT-REST.gguf (a split part), at the
-    top or one folder down."""
-    return [pattern for name in (f"*-{quant_type}.gguf", f"*-{quant_type}-*.gguf") for pattern in (name, f"*/{name}")]
+    """vLLM's names of a quant type's GGUF files, in lower case: NAME-QUANT.gguf, or NAME-QUANT-REST.gguf (a split
+    part), in any folder (fnmatch's * crosses "/", as huggingface_hub's allow_patterns, where vLLM passes them)."""
+    return [f"*-{quant_type.lower()}.gguf", f"*-{quant_type.lower()}-*.gguf"]
 
 
 def matching(names: list[str], quant_type: str) -> list[str]:
-    """The names of `names` that are `quant_type`'s GGUF files (`gguf_patterns`), but for a vision projector."""
-    return sorted(name for name in names if any(fnmatch.fnmatchcase(name, p) for p in gguf_patterns(quant_type))
-                  and not fnmatch.fnmatchcase(name, PROJECTOR))
+    """The names of `names` that are `quant_type`'s GGUF files (`gguf_patterns`, in either case), but for a vision
+    projector."""
+    return sorted(name for name in names if any(fnmatch.fnmatchcase(name.lower(), p) for p in gguf_patterns(quant_type))
+                  and not fnmatch.fnmatchcase(name.lower(), PROJECTOR))
 
 
 def single_files(names: list[str]) -> list[str]:

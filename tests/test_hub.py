@@ -351,6 +351,19 @@ def test_a_quant_type_that_names_no_single_gguf_file_is_refused(names, words):
         choose_gguf("org/Tiny-GGUF:Q4_K_M", names, "Q4_K_M")
 
 
+@pytest.mark.parametrize("quant_type", ["Q4_K_M", "q4_k_m"])
+def test_a_quant_type_names_its_file_in_either_case(hub, tmp_path, capsys, monkeypatch, quant_type):
+    """Qwen's GGUF repositories name their files in lower case, most others in upper case."""
+    hub.repos["Qwen/Tiny-GGUF"] = FakeRepo({"tiny-q4_k_m.gguf": b"GGUF q4_k_m", "tiny-q8_0.gguf": b"GGUF q8_0"})
+    point_at(monkeypatch, hub.url)
+    path = fetch(capsys, "--model", f"Qwen/Tiny-GGUF:{quant_type}", "--download-dir", str(tmp_path / "cache"))
+    assert path.name == "tiny-q4_k_m.gguf"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert fetch(capsys, "--model", f"Qwen/Tiny-GGUF:{quant_type}", "--download-dir", str(tmp_path / "cache")) == path
+    assert choose_gguf("org/Tiny-GGUF:q4_k_m", ["Tiny-Q4_K_M.gguf", "ud/Tiny-UD-Q4_K_M.gguf"], "ud-q4_k_m") == (
+        "ud/Tiny-UD-Q4_K_M.gguf")
+
+
 def test_a_single_file_is_chosen_over_a_split_one_and_a_projector(hub):
     names = ["Tiny-Q4_K_M.gguf", "big/Tiny-Q4_K_M-00001-of-00002.gguf", "mmproj-Q4_K_M.gguf"]
     assert choose_gguf("org/Tiny-GGUF:Q4_K_M", names, "Q4_K_M") == "Tiny-Q4_K_M.gguf"
