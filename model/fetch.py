@@ -121,4 +121,7 @@ def resolve_model(model: str | None, revision: str | None = None, download_dir: 
                             f"no .gguf file")
     if path.exists():
         raise ModelNotFound(f"{path} is not a model Sluice reads: {ACCEPTED}")
+    if (at_revision := hub.ID_AT_REVISION.fullmatch(model)) is not None:
+        raise ModelNotFound(f"no file or folder {model!r} here, nor a Hub model id: a Hub model's revision is given "
+                            f"apart, as {at_revision[1]} --revision {at_revision[2]}")
     raise ModelNotFound(f"model {model!r} not found: {ACCEPTED}")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 REPO_ID = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*")  # vLLM's
 GGUF_ID = re.compile(rf"({REPO_ID.pattern}):([A-Za-z0-9_+-]+)")
+ID_AT_REVISION = re.compile(rf"({REPO_ID.pattern})@(.+)")  # what some tools take, and vLLM does not
 COMMIT = re.compile(r"[0-9a-f]{40}")  # a revision that is a commit's full hash, as huggingface_hub tells one
 
 # What reading an HF folder opens: model/weights.py, model/tokenizer.py, model/generation_config.py.
@@ -76,8 +77,8 @@ def _folder(model: str, revision: str | None, download_dir: str | None) -> Path:
         if cached is not None and _holds_a_model(cached):
             return cached
         if constants.HF_HUB_OFFLINE:
-            raise HubError(f"the HF cache's copy of {_named(model, revision)} ({cached}) holds no config.json with "
-                           f"*.safetensors and HF_HUB_OFFLINE is set: unset it to complete the download")
+            raise _incomplete(model, revision, cached, "HF_HUB_OFFLINE is set: unset it to complete the download "
+                              "(it holds no config.json with *.safetensors)")
     folder = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=FOLDER_FILES,
                                     ignore_patterns=FOLDER_IGNORED))
     if not _holds_a_model(folder):
@@ -210,6 +211,11 @@ def _offline(model: str, revision: str | None, download_dir: str | None) -> HubE
                     f"into that cache")
 
 
+def _incomplete(model: str, revision: str | None, snapshot: Path | str, reason: str) -> HubError:
+    """The refusal of a copy in the HF cache that lacks files, which cannot be completed for `reason`."""
+    return HubError(f"the HF cache's copy of {_named(model, revision)} ({snapshot}) is incomplete and {reason}")
+
+
 def _named(model: str, revision: str | None) -> str:
     return model if revision is None else f"{model} at revision {revision!r}"
 
@@ -218,10 +224,15 @@ def _refusal(model: str, revision: str | None, cache: str, error: Exception) -> 
     """`error`, raised getting `model`, said in one line. huggingface_hub raises LocalEntryNotFoundError for a
     download it could not begin, from the Hub's refusal or the network's error that is the reason."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, IncompleteSnapshotError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
     from huggingface_hub.utils import httpx
 
+    if isinstance(error, IncompleteSnapshotError):
+        reason = ("HF_HUB_OFFLINE is set: unset it to complete the download" if constants.HF_HUB_OFFLINE else
+                  f"the Hugging Face Hub ({constants.ENDPOINT}) could not complete it "
+                  f"({type(error.__cause__).__name__}): check the network")
+        return _incomplete(model, revision, error.snapshot_path, reason)
     if isinstance(error, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
         return _offline(model, revision, cache)
     if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
@@ -231,7 +242,7 @@ def _refusal(model: str, revision: str | None, cache: str, error: Exception) -> 
                         f"to a token of that account")
     if isinstance(error, RepositoryNotFoundError):
         return HubError(f"no model {model} on the Hugging Face Hub (a private one needs HF_TOKEN set to a token with "
-                        f"access to it)")
+                        f"access to it), nor a file or folder {model} here")
     if isinstance(error, RevisionNotFoundError):
         return HubError(f"{model} has no revision {revision!r} on the Hugging Face Hub")
     if isinstance(error, HfHubHTTPError) and error.response.status_code in (401, 403):

@@ -69,6 +69,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.hub.requests.append(f"{self.command} {path}")
         api = path.startswith("/api/models/")
         parts = path.removeprefix("/api/models/" if api else "/").split("/")
+        if len(parts) < 4 or path.startswith("/api/") and not api:  # as huggingface_hub 2.4's /api/agent-harnesses
+            return self._error(404, "NotFound", body)
         repo_id, kind, revision, file = "/".join(parts[:2]), parts[2], parts[3], "/".join(parts[4:])
         repo = self.hub.repos.get(repo_id)
         if repo is None:
@@ -178,6 +180,7 @@ def fetch_error(capsys: pytest.CaptureFixture, *args: str) -> str:
     """The one error line `sluice fetch ARGS`, run in this process, fails with (exit 2)."""
     from sluice.app.cli import main
 
+    capsys.readouterr()  # what came before, as a test's own downloads' progress
     code = main(["fetch", *args])
     errors = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(errors) == 1, errors
@@ -413,6 +416,48 @@ def test_any_other_error_of_a_download_is_a_one_line_error(tmp_path, capsys, mon
     first_line = str(error).splitlines()[0]
     assert fetch_error(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache")) == (
         f"sluice: error: cannot download org/tiny: {type(error).__name__}: {first_line}")
+
+
+def test_a_relative_path_that_is_not_there_is_refused_as_either_reading(hub, tmp_path, capsys, monkeypatch):
+    """`models/foo` reads as a Hub id and as a path, as vLLM's message offers both."""
+    monkeypatch.chdir(tmp_path)
+    point_at(monkeypatch, hub.url)
+    assert fetch_error(capsys, "--model", "models/foo", "--download-dir", str(tmp_path / "cache")).endswith(
+        "on the Hugging Face Hub (a private one needs HF_TOKEN set to a token with access to it), nor a file or "
+        "folder models/foo here")
+
+
+def test_a_revision_written_into_the_id_points_to_the_revision_flag(tmp_path, capsys):
+    assert fetch_error(capsys, "--model", "org/tiny@v2", "--download-dir", str(tmp_path / "cache")) == (
+        "sluice: error: no file or folder 'org/tiny@v2' here, nor a Hub model id: a Hub model's revision is "
+        "given apart, as org/tiny --revision v2")
+
+
+@pytest.mark.parametrize(("offline", "reason"), [
+    (True, "HF_HUB_OFFLINE is set: unset it to complete the download"),
+    (False, f"the Hugging Face Hub ({CLOSED}) could not complete it (ConnectError): check the network"),
+])
+def test_an_incomplete_cached_copy_is_said_to_be_incomplete(hub, tmp_path, capsys, monkeypatch, offline, reason):
+    """Not "not in the HF cache": the cache's listing of the commit (a download cut short) names files it lacks."""
+    from huggingface_hub import snapshot_download
+
+    hub.repos["org/tiny"] = FakeRepo(model_files(tmp_path / "model", CONFIG))
+    point_at(monkeypatch, hub.url)
+    snapshot = snapshot_download("org/tiny", cache_dir=tmp_path / "cache", allow_patterns=["config.json"])
+    point_at(monkeypatch, CLOSED)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    assert fetch_error(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache")) == (
+        f"sluice: error: the HF cache's copy of org/tiny ({snapshot}) is incomplete and {reason}")
+
+
+def test_a_cached_copy_without_weights_is_said_to_be_incomplete_offline(tmp_path, capsys, monkeypatch):
+    """A snapshot with no listing of its commit's files, where only the weights tell it is incomplete."""
+    files = model_files(tmp_path / "model", CONFIG)
+    snapshot = write_cached_snapshot(tmp_path / "cache", "org/tiny", {"config.json": files["config.json"]}, MAIN_COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert fetch_error(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache")) == (
+        f"sluice: error: the HF cache's copy of org/tiny ({snapshot}) is incomplete and HF_HUB_OFFLINE is set: unset "
+        f"it to complete the download (it holds no config.json with *.safetensors)")
 
 
 def test_a_revision_the_repository_lacks_is_a_one_line_error(hub, tmp_path):
