@@ -104,7 +104,9 @@ def _gguf_file(model: str, repo_id: str, quant_type: str, revision: str | None, 
         if constants.HF_HUB_OFFLINE:
             raise _offline(model, revision, download_dir)
     try:
-        names = HfApi().list_repo_files(repo_id, revision=revision)
+        # The repository's information names its files, in one request (list_repo_files retries an unreachable Hub
+        # for some 20 s before the cached copy could be served).
+        names = [file.rfilename for file in HfApi().model_info(repo_id, revision=revision).siblings or []]
     except RevisionNotFoundError:
         raise
     except (httpx.ConnectError, httpx.TimeoutException, HfHubHTTPError):

@@ -1,14 +1,15 @@
-"""A Hugging Face Hub model id, as `vllm serve ORG/NAME` takes it: found in the HF cache with no network (as vLLM or
-transformers left it there), else downloaded into it (only the files Sluice reads), at --revision, in
---download-dir; `ORG/NAME-GGUF:QUANT`, the one GGUF file of that quant type; and each way the Hub cannot give one,
-said in one line. The Hub is a fake one on localhost (`FakeHub`), which huggingface_hub reaches through HF_ENDPOINT."""
+"""A Hugging Face Hub model id, as `vllm serve ORG/NAME` takes it: a branch asked of the Hub and downloaded into the
+HF cache (only the files Sluice reads), the cached copy served (as vLLM or transformers left it there) where the Hub
+cannot be asked, a commit there with no network; at --revision, in --download-dir; `ORG/NAME-GGUF:QUANT`, the one GGUF
+file of that quant type; and each way neither the Hub nor the cache can give one, said in one line. The Hub is a fake
+one on localhost (`FakeHub`). Most tests run `sluice fetch` in this process, huggingface_hub's settings patched as its
+environment variables would set them (`hf_hub_here`); two run it as a command, for its exit code and no traceback."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -69,6 +70,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.hub.requests.append(f"{self.command} {path}")
         api = path.startswith("/api/models/")
         parts = path.removeprefix("/api/models/" if api else "/").split("/")
+        if api and len(parts) == 2:  # a repository's information at its default branch
+            parts += ["revision", "main"]
         if len(parts) < 4 or path.startswith("/api/") and not api:  # as huggingface_hub 2.4's /api/agent-harnesses
             return self._error(404, "NotFound", body)
         repo_id, kind, revision, file = "/".join(parts[:2]), parts[2], parts[3], "/".join(parts[4:])
@@ -109,15 +112,38 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
 
+CLOSED = "http://127.0.0.1:9"  # an endpoint nothing answers at: the Hub unreachable
+
+
+def point_at(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    """huggingface_hub in this process talking to the Hub at `url` (as HF_ENDPOINT sets it in a new process)."""
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+@pytest.fixture(autouse=True)
+def hf_hub_here(tmp_path, monkeypatch):
+    """huggingface_hub in this process as in a clean environment, whatever the developer's: online, at an endpoint
+    nothing answers at (`hub` points it at a FakeHub), no token, its cache and token file under tmp_path/hf."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
+    point_at(monkeypatch, CLOSED)
+
+
 @pytest.fixture
-def hub():
-    """A FakeHub serving on localhost, holding no repository until a test adds it."""
+def hub(monkeypatch):
+    """A FakeHub serving on localhost, holding no repository until a test adds it; huggingface_hub in this process
+    talks to it."""
     fake = FakeHub()
     handler = type("Handler", (_Handler,), {"hub": fake})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
+    point_at(monkeypatch, fake.url)
     yield fake
     server.shutdown()
     server.server_close()
@@ -157,19 +183,11 @@ def cached(tmp_path):
     return cache
 
 
-CLOSED = "http://127.0.0.1:9"  # an endpoint nothing answers at: the Hub unreachable
-
-
-def point_at(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
-    """huggingface_hub in this process talking to the Hub at `url` (as HF_ENDPOINT sets it in a new process)."""
-    monkeypatch.setattr(constants, "ENDPOINT", url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
-
-
 def fetch(capsys: pytest.CaptureFixture, *args: str) -> Path:
     """The path `sluice fetch ARGS`, run in this process, prints."""
     from sluice.app.cli import main
 
+    capsys.readouterr()
     code = main(["fetch", *args])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -182,8 +200,9 @@ def fetch_error(capsys: pytest.CaptureFixture, *args: str) -> str:
 
     capsys.readouterr()  # what came before, as a test's own downloads' progress
     code = main(["fetch", *args])
-    errors = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(errors) == 1, errors
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1, err
     return errors[0]
 
 
@@ -192,11 +211,14 @@ def downloads(requests: list[str]) -> list[str]:
     return [request for request in requests if request.startswith("GET") and "/resolve/" in request]
 
 
-def run_sluice(*args: str, hub: FakeHub | None = None, **env: str) -> subprocess.CompletedProcess:
-    """`sluice ARGS` with `env` (HF_HOME, HF_HUB_OFFLINE, ...), talking to `hub` if given."""
+def run_sluice(*args: str, hf_home: Path, hub: FakeHub | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`sluice ARGS` in a new process, its huggingface_hub as in a clean environment whatever the developer's (no HF_
+    variable, token or offline switch of theirs), its HF home `hf_home`, talking to `hub` if given, with `env`."""
+    clean = {name: value for name, value in os.environ.items()
+             if not name.startswith(("HF_", "HUGGING_FACE_")) and name != "TRANSFORMERS_OFFLINE"}
     endpoint = {"HF_ENDPOINT": hub.url} if hub is not None else {}
     return subprocess.run([*SLUICE, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **endpoint, **env})
+                          env={**clean, "HF_HOME": str(hf_home), **endpoint, **env})
 
 
 def the_error(result: subprocess.CompletedProcess) -> str:
@@ -212,29 +234,29 @@ def test_a_cached_hub_model_loads_by_its_id_at_a_revision_with_no_network(cached
     from sluice.model.loader import load_model
 
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
-    point_at(monkeypatch, CLOSED)
     loaded = load_model("org/tiny", dtype="float32", revision="v2", download_dir=str(cached))
     assert (loaded.name, loaded.config.num_layers) == ("org/tiny", V2_CONFIG.num_layers)
 
 
-def test_generate_serves_a_model_in_the_hf_home_cache_offline(cached, hub, tmp_path):
-    result = run_sluice("generate", "the quick", "--model", "org/tiny", "--max-tokens", "2", hub=hub,
-                        HF_HOME=str(cached.parent), HF_HUB_OFFLINE="1", SLUICE_HOME=str(tmp_path / "home"))
-    assert result.returncode == 0, result.stderr
-    assert hub.requests == []
+def test_generate_serves_a_model_in_the_hf_cache_where_the_hub_cannot_be_reached(cached, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Online, as a model is served where the network is down: huggingface_hub falls back to its cache (`cached`,
+    huggingface_hub's own here)."""
+    from sluice.app.cli import main
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    assert main(["generate", "the quick", "--model", "org/tiny", "--max-tokens", "2"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("revision", "commit"), [(None, MAIN_COMMIT), ("v2", V2_COMMIT), (V2_COMMIT, V2_COMMIT)])
-def test_fetch_finds_the_revision_asked_for_in_the_download_dir(cached, capsys, monkeypatch, revision, commit):
-    point_at(monkeypatch, CLOSED)
+def test_fetch_finds_the_revision_asked_for_in_the_download_dir(cached, capsys, revision, commit):
     revision_args = ["--revision", revision] if revision else []
     path = fetch(capsys, "--model", "org/tiny", "--download-dir", str(cached), *revision_args)
     assert path == cached / "models--org--tiny" / "snapshots" / commit
 
 
-def test_a_cached_commit_is_served_without_asking_the_hub(cached, hub, capsys, monkeypatch):
+def test_a_cached_commit_is_served_without_asking_the_hub(cached, hub, capsys):
     """A commit's files never change: the cache's copy needs no word from the Hub."""
-    point_at(monkeypatch, hub.url)
     path = fetch(capsys, "--model", "org/tiny", "--revision", V2_COMMIT, "--download-dir", str(cached))
     assert path == cached / "models--org--tiny" / "snapshots" / V2_COMMIT
     assert hub.requests == []
@@ -243,15 +265,14 @@ def test_a_cached_commit_is_served_without_asking_the_hub(cached, hub, capsys, m
 NEW_COMMIT = "3" * 40
 
 
-def test_a_branch_is_asked_of_the_hub_and_its_new_commit_downloaded(cached, hub, capsys, monkeypatch):
+def test_a_branch_is_asked_of_the_hub_and_its_new_commit_downloaded(cached, hub, capsys):
     """As vLLM's snapshot_download: the cache's refs/main is not taken for the branch while the Hub can be asked."""
     hub.repos["org/tiny"] = FakeRepo(model_files(cached.parent / "new", V2_CONFIG, seed=1), commit=NEW_COMMIT)
-    point_at(monkeypatch, hub.url)
     assert fetch(capsys, "--model", "org/tiny", "--download-dir", str(cached)) == (
         cached / "models--org--tiny" / "snapshots" / NEW_COMMIT)
 
 
-def test_a_partial_snapshot_an_older_huggingface_hub_left_is_completed(hub, tmp_path, capsys, monkeypatch):
+def test_a_partial_snapshot_an_older_huggingface_hub_left_is_completed(hub, tmp_path, capsys):
     """A snapshot with no listing of its commit's files (huggingface_hub before 1.x wrote none) that lacks the
     tokenizer: downloaded again, not served as it is."""
     files = model_files(tmp_path / "model", CONFIG)
@@ -259,7 +280,6 @@ def test_a_partial_snapshot_an_older_huggingface_hub_left_is_completed(hub, tmp_
                and not name.startswith("tokenizer")}
     snapshot = write_cached_snapshot(tmp_path / "cache", "org/tiny", partial, MAIN_COMMIT)
     hub.repos["org/tiny"] = FakeRepo(files)
-    point_at(monkeypatch, hub.url)
     assert fetch(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache")) == snapshot
     assert sorted(path.name for path in snapshot.iterdir()) == sorted(files)
 
@@ -271,32 +291,28 @@ def test_a_cached_model_is_served_where_the_hub_cannot_be_asked(tmp_path, capsys
     cache = tmp_path / "cache"
     write_cached_snapshot(cache, "org/tiny", model_files(tmp_path / "model", CONFIG), MAIN_COMMIT)
     gguf = write_cached_snapshot(cache, "org/Tiny-GGUF", {"Tiny-Q8_0.gguf": b"GGUF"}, MAIN_COMMIT)
-    point_at(monkeypatch, CLOSED)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
     folder = cache / "models--org--tiny" / "snapshots" / MAIN_COMMIT
     expected = gguf / "Tiny-Q8_0.gguf" if model.endswith("Q8_0") else folder
     assert fetch(capsys, "--model", model, "--download-dir", str(cache)) == expected
 
 
-def test_a_gguf_repository_is_asked_for_its_branch(hub, tmp_path, capsys, monkeypatch):
+def test_a_gguf_repository_is_asked_for_its_branch(hub, tmp_path, capsys):
     cache = tmp_path / "cache"
     write_cached_snapshot(cache, "org/Tiny-GGUF", {"Tiny-Q8_0.gguf": b"GGUF old"}, MAIN_COMMIT)
     hub.repos["org/Tiny-GGUF"] = FakeRepo({"Tiny-Q8_0.gguf": b"GGUF new"}, commit=NEW_COMMIT)
-    point_at(monkeypatch, hub.url)
     assert fetch(capsys, "--model", "org/Tiny-GGUF:Q8_0", "--download-dir", str(cache)).read_bytes() == b"GGUF new"
 
 
-def test_a_hub_model_downloads_the_files_sluice_reads_into_the_cache_once(hub, tmp_path):
+def test_a_hub_model_downloads_the_files_sluice_reads_into_the_cache_once(hub, tmp_path, capsys):
     files = model_files(tmp_path / "model", CONFIG)
     hub.repos["org/tiny"] = FakeRepo({**files, **UNREAD})
-    first = run_sluice("fetch", "--model", "org/tiny", "--download-dir", str(tmp_path / "cache"), hub=hub)
-    assert first.returncode == 0, first.stderr
-    snapshot = Path(first.stdout.strip())
+    snapshot = fetch(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache"))
     assert snapshot == tmp_path / "cache" / "models--org--tiny" / "snapshots" / MAIN_COMMIT
     assert sorted(path.name for path in snapshot.iterdir()) == sorted(files)
     asked = len(hub.requests)
-    again = run_sluice("fetch", "--model", "org/tiny", "--download-dir", str(tmp_path / "cache"), hub=hub)
-    assert Path(again.stdout.strip()) == snapshot and downloads(hub.requests[asked:]) == []
+    again = fetch(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache"))
+    assert again == snapshot and downloads(hub.requests[asked:]) == []
 
 
 def test_sub_folders_and_mistral_consolidated_weights_are_not_downloaded(hub, tmp_path, capsys, monkeypatch):
@@ -305,7 +321,6 @@ def test_sub_folders_and_mistral_consolidated_weights_are_not_downloaded(hub, tm
     files = model_files(tmp_path / "model", CONFIG)
     hub.repos["org/tiny"] = FakeRepo({**files, "original/model.safetensors": b"weights", "original/config.json": b"{}",
                                       "consolidated.safetensors": b"weights"})
-    point_at(monkeypatch, hub.url)
     snapshot = fetch(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache"))
     assert sorted(str(path.relative_to(snapshot)) for path in snapshot.rglob("*")) == sorted(files)
     assert sorted(downloads(hub.requests)) == sorted(f"GET /org/tiny/resolve/{MAIN_COMMIT}/{name}" for name in files)
@@ -313,18 +328,16 @@ def test_sub_folders_and_mistral_consolidated_weights_are_not_downloaded(hub, tm
     assert fetch(capsys, "--model", "org/tiny", "--download-dir", str(tmp_path / "cache")) == snapshot
 
 
-def test_a_gguf_repository_gives_the_one_file_of_the_quant_type_named(hub, tmp_path):
+def test_a_gguf_repository_gives_the_one_file_of_the_quant_type_named(hub, tmp_path, capsys):
     """vLLM's `ORG/NAME-GGUF:QUANT`: only that file is downloaded, not the repository's other quantizations."""
     ggufs = {f"Tiny-{quant}.gguf": f"GGUF {quant}".encode() for quant in ("Q4_K_M", "Q8_0", "F16")}
     hub.repos["org/Tiny-GGUF"] = FakeRepo({**ggufs, "mmproj-F16.gguf": b"GGUF projector", **UNREAD})
-    result = run_sluice("fetch", "--model", "org/Tiny-GGUF:Q8_0", "--download-dir", str(tmp_path / "cache"), hub=hub)
-    assert result.returncode == 0, result.stderr
-    path = Path(result.stdout.strip())
+    path = fetch(capsys, "--model", "org/Tiny-GGUF:Q8_0", "--download-dir", str(tmp_path / "cache"))
     assert path.name == "Tiny-Q8_0.gguf" and path.read_bytes() == b"GGUF Q8_0"
     assert sorted(p.name for p in path.parent.iterdir()) == ["Tiny-Q8_0.gguf"]
     asked = len(hub.requests)
-    assert run_sluice("fetch", "--model", "org/Tiny-GGUF:Q8_0", "--download-dir", str(tmp_path / "cache"),
-                      hub=hub).stdout == result.stdout and downloads(hub.requests[asked:]) == []
+    again = fetch(capsys, "--model", "org/Tiny-GGUF:Q8_0", "--download-dir", str(tmp_path / "cache"))
+    assert again == path and downloads(hub.requests[asked:]) == []
 
 
 def test_a_cached_gguf_is_served_offline_where_the_cache_lists_files_it_lacks(hub, tmp_path, capsys, monkeypatch):
@@ -335,7 +348,6 @@ def test_a_cached_gguf_is_served_offline_where_the_cache_lists_files_it_lacks(hu
     hub.repos["org/Tiny-GGUF"] = FakeRepo({"Tiny-Q4_K_M.gguf": b"GGUF", "Tiny-Q8_0.gguf": b"GGUF Q8_0",
                                            "big/Tiny-Q4_K_M-00001-of-00002.gguf": b"GGUF 1",
                                            "big/Tiny-Q4_K_M-00002-of-00002.gguf": b"GGUF 2"})
-    point_at(monkeypatch, hub.url)
     snapshot = Path(snapshot_download("org/Tiny-GGUF", cache_dir=tmp_path / "cache",
                                       allow_patterns=["Tiny-Q4_K_M.gguf"]))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -358,7 +370,6 @@ def test_a_quant_type_that_names_no_single_gguf_file_is_refused(names, words):
 def test_a_quant_type_names_its_file_in_either_case(hub, tmp_path, capsys, monkeypatch, quant_type):
     """Qwen's GGUF repositories name their files in lower case, most others in upper case."""
     hub.repos["Qwen/Tiny-GGUF"] = FakeRepo({"tiny-q4_k_m.gguf": b"GGUF q4_k_m", "tiny-q8_0.gguf": b"GGUF q8_0"})
-    point_at(monkeypatch, hub.url)
     path = fetch(capsys, "--model", f"Qwen/Tiny-GGUF:{quant_type}", "--download-dir", str(tmp_path / "cache"))
     assert path.name == "tiny-q4_k_m.gguf"
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -367,38 +378,48 @@ def test_a_quant_type_names_its_file_in_either_case(hub, tmp_path, capsys, monke
         "ud/Tiny-UD-Q4_K_M.gguf")
 
 
-def test_a_single_file_is_chosen_over_a_split_one_and_a_projector(hub):
+def test_a_single_file_is_chosen_over_a_split_one_and_a_projector():
     names = ["Tiny-Q4_K_M.gguf", "big/Tiny-Q4_K_M-00001-of-00002.gguf", "mmproj-Q4_K_M.gguf"]
     assert choose_gguf("org/Tiny-GGUF:Q4_K_M", names, "Q4_K_M") == "Tiny-Q4_K_M.gguf"
 
 
-def test_a_gated_repository_downloads_with_hf_token(hub, tmp_path):
+def test_a_gated_repository_downloads_with_hf_token(hub, tmp_path, capsys, monkeypatch):
     hub.repos["org/gated"] = FakeRepo(model_files(tmp_path / "model", CONFIG), token="hf_secret")
-    result = run_sluice("fetch", "--model", "org/gated", "--download-dir", str(tmp_path / "cache"), hub=hub,
-                        HF_TOKEN="hf_secret")
-    assert result.returncode == 0, result.stderr
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert fetch(capsys, "--model", "org/gated", "--download-dir", str(tmp_path / "cache")).is_dir()
 
 
-@pytest.mark.parametrize(("model", "env", "words"), [
-    ("org/missing", {}, "no model org/missing on the Hugging Face Hub (a private one needs HF_TOKEN"),
-    ("org/gated", {}, "org/gated is gated on the Hugging Face Hub: accept its terms on its page, and set HF_TOKEN"),
-    ("org/bin", {}, "org/bin holds no config.json with *.safetensors: Sluice reads safetensors or GGUF"),
-    ("org/tiny", {"HF_HUB_OFFLINE": "1"}, "org/tiny is not in the HF cache ({cache}) and HF_HUB_OFFLINE is set"),
-    ("org/tiny", {"HF_ENDPOINT": "http://127.0.0.1:9"},
-     "cannot reach the Hugging Face Hub (http://127.0.0.1:9) for org/tiny, which is not in the HF cache ({cache})"),
-    ("org/Tiny-GGUF:Q4_K_M", {}, "org/Tiny-GGUF:Q4_K_M: no GGUF file of quant type Q4_K_M"),
-    ("org/Tiny-GGUF:Q9_Z", {}, "org/Tiny-GGUF:Q9_Z: 'Q9_Z' is not a GGUF quant type"),
-    ("org/a--b", {}, "org/a--b is not a Hugging Face Hub model id: Cannot have -- or .. in repo_id: 'org/a--b'."),
+@pytest.mark.parametrize(("model", "hub_is", "words"), [
+    ("org/missing", "up", "no model org/missing on the Hugging Face Hub (a private one needs HF_TOKEN"),
+    ("org/gated", "up", "org/gated is gated on the Hugging Face Hub: accept its terms on its page, and set HF_TOKEN"),
+    ("org/bin", "up", "org/bin holds no config.json with *.safetensors: Sluice reads safetensors or GGUF"),
+    ("org/tiny", "offline", "org/tiny is not in the HF cache ({cache}) and HF_HUB_OFFLINE is set"),
+    ("org/tiny", "unreachable",
+     f"cannot reach the Hugging Face Hub ({CLOSED}) for org/tiny, which is not in the HF cache ({{cache}})"),
+    ("org/Tiny-GGUF:Q4_K_M", "up", "org/Tiny-GGUF:Q4_K_M: no GGUF file of quant type Q4_K_M"),
+    ("org/Tiny-GGUF:Q9_Z", "up", "org/Tiny-GGUF:Q9_Z: 'Q9_Z' is not a GGUF quant type"),
+    ("org/a--b", "up", "org/a--b is not a Hugging Face Hub model id: Cannot have -- or .. in repo_id: 'org/a--b'."),
 ])
-def test_what_the_hub_cannot_give_is_a_one_line_error_naming_the_id(hub, tmp_path, model, env, words):
+def test_what_the_hub_cannot_give_is_a_one_line_error_naming_the_id(hub, tmp_path, capsys, monkeypatch, model,
+                                                                    hub_is, words):
     files = model_files(tmp_path / "model", CONFIG)
     hub.repos["org/gated"] = FakeRepo(files, token="hf_secret")
     hub.repos["org/bin"] = FakeRepo({"config.json": files["config.json"], **UNREAD})
     hub.repos["org/tiny"] = FakeRepo(files)
     hub.repos["org/Tiny-GGUF"] = FakeRepo({"Tiny-Q8_0.gguf": b"GGUF"})
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", hub_is == "offline")
+    if hub_is == "unreachable":
+        point_at(monkeypatch, CLOSED)
     cache = tmp_path / "cache"
-    result = run_sluice("fetch", "--model", model, "--download-dir", str(cache), hub=hub, **env)
-    assert the_error(result).startswith(f"sluice: error: {words.replace('{cache}', str(cache))}")
+    error = fetch_error(capsys, "--model", model, "--download-dir", str(cache))
+    assert error.startswith(f"sluice: error: {words.replace('{cache}', str(cache))}")
+
+
+def test_a_hub_error_is_one_line_and_exit_status_2_of_the_command(tmp_path):
+    """HF_HOME and HF_ENDPOINT as a new process reads them; no traceback."""
+    result = run_sluice("fetch", "--model", "org/tiny", hf_home=tmp_path / "hf", HF_ENDPOINT=CLOSED)
+    assert the_error(result) == (f"sluice: error: cannot reach the Hugging Face Hub ({CLOSED}) for org/tiny, which "
+                                 f"is not in the HF cache ({tmp_path / 'hf' / 'hub'}): check the network")
 
 
 @pytest.mark.parametrize("error", [
@@ -421,7 +442,6 @@ def test_any_other_error_of_a_download_is_a_one_line_error(tmp_path, capsys, mon
 def test_a_relative_path_that_is_not_there_is_refused_as_either_reading(hub, tmp_path, capsys, monkeypatch):
     """`models/foo` reads as a Hub id and as a path, as vLLM's message offers both."""
     monkeypatch.chdir(tmp_path)
-    point_at(monkeypatch, hub.url)
     assert fetch_error(capsys, "--model", "models/foo", "--download-dir", str(tmp_path / "cache")).endswith(
         "on the Hugging Face Hub (a private one needs HF_TOKEN set to a token with access to it), nor a file or "
         "folder models/foo here")
@@ -442,7 +462,6 @@ def test_an_incomplete_cached_copy_is_said_to_be_incomplete(hub, tmp_path, capsy
     from huggingface_hub import snapshot_download
 
     hub.repos["org/tiny"] = FakeRepo(model_files(tmp_path / "model", CONFIG))
-    point_at(monkeypatch, hub.url)
     snapshot = snapshot_download("org/tiny", cache_dir=tmp_path / "cache", allow_patterns=["config.json"])
     point_at(monkeypatch, CLOSED)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
@@ -460,15 +479,14 @@ def test_a_cached_copy_without_weights_is_said_to_be_incomplete_offline(tmp_path
         f"it to complete the download (it holds no config.json with *.safetensors)")
 
 
-def test_a_revision_the_repository_lacks_is_a_one_line_error(hub, tmp_path):
+def test_a_revision_the_repository_lacks_is_a_one_line_error(hub, tmp_path, capsys):
     hub.repos["org/tiny"] = FakeRepo(model_files(tmp_path / "model", CONFIG))
-    result = run_sluice("fetch", "--model", "org/tiny", "--revision", "nope", "--download-dir", str(tmp_path / "c"),
-                        hub=hub)
-    assert the_error(result) == "sluice: error: org/tiny has no revision 'nope' on the Hugging Face Hub"
+    error = fetch_error(capsys, "--model", "org/tiny", "--revision", "nope", "--download-dir", str(tmp_path / "c"))
+    assert error == "sluice: error: org/tiny has no revision 'nope' on the Hugging Face Hub"
 
 
-def test_serve_refuses_a_hub_id_the_hub_cannot_give_before_anything_starts(hub):
-    result = run_sluice("serve", "org/missing", hub=hub)
+def test_serve_refuses_a_hub_id_the_hub_cannot_give_before_anything_starts(hub, tmp_path):
+    result = run_sluice("serve", "org/missing", hf_home=tmp_path / "hf", hub=hub)
     assert the_error(result).startswith("sluice serve: error: no model org/missing on the Hugging Face Hub")
 
 
