@@ -13,8 +13,10 @@ import ray
 
 # The variables that configure an engine in the process running it: Sluice's own (the model and kernel folder, the
 # compilation cache, ...), jax's (JAX_PLATFORMS, its cache settings, ...) and XLA's (XLA_FLAGS, and the share of each
-# GPU that `--gpu-memory-utilization` claims in XLA_CLIENT_MEM_FRACTION before jax starts; TF_CPP_* its logging).
-ENGINE_VARIABLE_PREFIXES = ("SLUICE_", "JAX_", "XLA_", "TF_CPP_", "HF_")  # HF_: a Hub model's token, cache, offline
+# GPU that `--gpu-memory-utilization` claims in XLA_CLIENT_MEM_FRACTION before jax starts; TF_CPP_* its logging), and
+# huggingface_hub's for a Hub model (HF_* and HUGGING_FACE_*, as vLLM forwards them: its token, cache, offline switch;
+# TRANSFORMERS_OFFLINE, the offline switch's other name).
+ENGINE_VARIABLE_PREFIXES = ("SLUICE_", "JAX_", "XLA_", "TF_CPP_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_OFFLINE")
 
 
 def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:

@@ -499,6 +499,16 @@ def test_serve_passes_revision_and_download_dir_to_the_engine():
     assert (config.model, config.revision, config.download_dir) == ("org/tiny", "v2", "/models")
 
 
+def test_a_replica_on_a_joined_cluster_gets_the_hub_variables():
+    """As vLLM forwards HF_ and HUGGING_FACE_ variables to its Ray workers; TRANSFORMERS_OFFLINE is huggingface_hub's
+    offline switch too."""
+    pytest.importorskip("ray")
+    from sluice.app.ray_cluster import engine_environment
+
+    hub_variables = {"HF_TOKEN": "hf_secret", "HUGGING_FACE_HUB_TOKEN": "hf_old", "TRANSFORMERS_OFFLINE": "1"}
+    assert engine_environment({**hub_variables, "HOME": "/root"}) == hub_variables
+
+
 def test_a_local_folder_named_like_a_hub_id_is_the_folder(tmp_path, monkeypatch):
     """As vLLM's: a path that is there is read, not looked up on the Hub."""
     monkeypatch.chdir(tmp_path)
