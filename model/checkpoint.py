@@ -26,7 +26,7 @@ CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 GENERATION_DEFAULTS_FILE = "generation_defaults.json"  # the model's own sampling defaults (`generation_config`)
-SOURCE_FILE = "source.txt"  # the converted file or folder's path, for `remove_stale`
+SOURCE_FILE = "source.txt"  # what the conversion was made from (`made_from`), for `remove_stale`
 HF_OVERRIDES_FILE = "hf_overrides.json"  # the --hf-overrides it was converted with (none: no such file)
 
 
@@ -62,16 +62,27 @@ def checkpoint_dir(source: Path, cache_root: Path, quantization: str,
     return cache_root / "checkpoints" / f"{source.stem}-{key}-{quantization}"
 
 
+def made_from(source: Path) -> str:
+    """What a conversion of `source` replaces the conversions of: its resolved path, or for a file or folder of a
+    Hugging Face cache's snapshot (`models--ORG--NAME/snapshots/COMMIT/...`) that path at any commit, so that a
+    branch that moves on leaves no conversion of its earlier commit behind."""
+    parts = source.absolute().parts  # not resolved: a snapshot's files link into the cache's blobs/
+    at = len(parts) - 1 - parts[::-1].index("snapshots") if "snapshots" in parts else 0
+    if 1 <= at < len(parts) - 1 and parts[at - 1].startswith("models--"):
+        return str(Path(*parts[:at + 1], "*", *parts[at + 2:]))
+    return str(source.resolve())
+
+
 def remove_stale(folder: Path, source: Path, quantization: str) -> None:
     """Removes the conversions of `source` with `quantization` that `folder` (just converted) replaces: those made
-    before the source changed, which no load reads again, and those of other overrides where `folder` has some. The
-    plain conversion and the latest overridden one are kept apart, so that serving a model with and without
-    --hf-overrides by turns does not convert it at every start."""
+    before the source changed (`made_from`), which no load reads again, and those of other overrides where `folder`
+    has some. The plain conversion and the latest overridden one are kept apart, so that serving a model with and
+    without --hf-overrides by turns does not convert it at every start."""
     overridden = (folder / HF_OVERRIDES_FILE).is_file()
     for other in folder.parent.iterdir():
-        made_from = other / SOURCE_FILE
-        if (other != folder and other.name.endswith(f"-{quantization}") and made_from.is_file()
-                and made_from.read_text() == str(source.resolve())
+        recorded = other / SOURCE_FILE
+        if (other != folder and other.name.endswith(f"-{quantization}") and recorded.is_file()
+                and recorded.read_text() == made_from(source)
                 and (other / HF_OVERRIDES_FILE).is_file() == overridden):
             shutil.rmtree(other, ignore_errors=True)
 
@@ -96,7 +107,7 @@ def save(folder: Path, config: ModelConfig, params: dict[str, np.ndarray], token
         (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
         (tmp / SPECIAL_TOKENS_FILE).write_text(json.dumps(special, indent=1))
         (tmp / GENERATION_DEFAULTS_FILE).write_text(json.dumps(generation_defaults, indent=1))
-        (tmp / SOURCE_FILE).write_text(str(source.resolve()))
+        (tmp / SOURCE_FILE).write_text(made_from(source))
         if hf_overrides:
             (tmp / HF_OVERRIDES_FILE).write_text(canonical_overrides(hf_overrides))
         tmp.rename(folder)

@@ -238,6 +238,19 @@ def test_a_cached_hub_model_loads_by_its_id_at_a_revision_with_no_network(cached
     assert (loaded.name, loaded.config.num_layers) == ("org/tiny", V2_CONFIG.num_layers)
 
 
+def test_a_conversion_of_another_commit_of_the_same_repository_replaces_the_earlier_one(cached, tmp_path,
+                                                                                         monkeypatch):
+    """Each commit is a snapshot folder of its own: the conversion of a branch's earlier commit was kept for ever, as
+    large as the model."""
+    from sluice.model.loader import load_model
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    load_model("org/tiny", dtype="float32", revision=MAIN_COMMIT, download_dir=str(cached))
+    load_model("org/tiny", dtype="float32", revision=V2_COMMIT, download_dir=str(cached))
+    kept = list((tmp_path / "home" / "checkpoints").iterdir())
+    assert len(kept) == 1 and (kept[0] / "config.json").read_text().count('"num_layers": 3')
+
+
 def test_generate_serves_a_model_in_the_hf_cache_where_the_hub_cannot_be_reached(cached, tmp_path, capsys,
                                                                                    monkeypatch):
     """Online, as a model is served where the network is down: huggingface_hub falls back to its cache (`cached`,
