@@ -59,18 +59,32 @@ def checkpoint_dir(source: Path, cache_root: Path, quantization: str,
     identity = ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in files for st in [p.stat()])
     overridden = f":{canonical_overrides(hf_overrides)}" if hf_overrides else ""
     key = hashlib.sha256(f"{identity}:{LAYOUT_VERSION}{overridden}".encode()).hexdigest()[:12]
-    return cache_root / "checkpoints" / f"{source.stem}-{key}-{quantization}"
+    name = Path(source.name).stem if source.is_file() else source_name(source)  # a folder's dots are no suffix
+    return cache_root / "checkpoints" / f"{name}-{key}-{quantization}"
+
+
+def _snapshots_at(parts: tuple[str, ...]) -> int | None:
+    """The index of `snapshots` in a path's `parts` inside a Hugging Face cache's repository
+    (`models--ORG--NAME/snapshots/COMMIT/...`, not resolved: a snapshot's files link into the cache's blobs/)."""
+    at = len(parts) - 1 - parts[::-1].index("snapshots") if "snapshots" in parts else 0
+    return at if 1 <= at < len(parts) - 1 and parts[at - 1].startswith("models--") else None
 
 
 def made_from(source: Path) -> str:
     """What a conversion of `source` replaces the conversions of: its resolved path, or for a file or folder of a
-    Hugging Face cache's snapshot (`models--ORG--NAME/snapshots/COMMIT/...`) that path at any commit, so that a
-    branch that moves on leaves no conversion of its earlier commit behind."""
-    parts = source.absolute().parts  # not resolved: a snapshot's files link into the cache's blobs/
-    at = len(parts) - 1 - parts[::-1].index("snapshots") if "snapshots" in parts else 0
-    if 1 <= at < len(parts) - 1 and parts[at - 1].startswith("models--"):
+    Hugging Face cache's snapshot that path at any commit, so that a branch that moves on leaves no conversion of
+    its earlier commit behind."""
+    parts = source.absolute().parts
+    if (at := _snapshots_at(parts)) is not None:
         return str(Path(*parts[:at + 1], "*", *parts[at + 2:]))
     return str(source.resolve())
+
+
+def source_name(source: Path) -> str:
+    """`source`'s name for people: a Hub snapshot folder's is its repository's (`ORG--NAME`), not its commit."""
+    parts = source.absolute().parts
+    at = _snapshots_at(parts)
+    return parts[at - 1].removeprefix("models--") if at is not None and at == len(parts) - 2 else source.name
 
 
 def remove_stale(folder: Path, source: Path, quantization: str) -> None:

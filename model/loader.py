@@ -171,7 +171,7 @@ def _convert_first_use(source: Source, folder: Path, quantization: str, stored: 
     """Converts `source` into `folder` (in a child process in a multi-process job), saying so on stderr, and
     removes the conversions it replaces."""
     start = time.perf_counter()
-    print(f"Converting {source.path.name} (first use) ...", file=sys.stderr)
+    print(f"Converting {checkpoint.source_name(source.path)} (first use) ...", file=sys.stderr)
     if jax.process_count() > 1:
         _convert_in_child(source, folder, quantization)
     else:

@@ -249,6 +249,7 @@ def test_a_conversion_of_another_commit_of_the_same_repository_replaces_the_earl
     load_model("org/tiny", dtype="float32", revision=V2_COMMIT, download_dir=str(cached))
     kept = list((tmp_path / "home" / "checkpoints").iterdir())
     assert len(kept) == 1 and (kept[0] / "config.json").read_text().count('"num_layers": 3')
+    assert kept[0].name.startswith("org--tiny-")  # the repository's name, not the commit's
 
 
 def test_generate_serves_a_model_in_the_hf_cache_where_the_hub_cannot_be_reached(cached, tmp_path, capsys,
