@@ -17,7 +17,7 @@ from flax import nnx
 
 from golden_checks import (LOGPROB_TOLERANCE, assert_engine_gives_golden, assert_forward_pass_gives_golden,
                            copy_with_tokenizer, home, load_as_gguf, log_softmax)  # noqa: F401 (home: a fixture)
-from sluice.model.config import GRANITE_SCALARS, ModelConfig
+from sluice.model.config import GRANITE_SCALARS, ModelConfig, RopeScaling
 from sluice.model.generate import generate, sequence_logits
 from sluice.model.llama import Llama
 from sluice.model.loader import LoadedModel, load_model
@@ -160,9 +160,14 @@ def test_the_logits_are_divided_by_logits_scaling_whichever_the_lm_head(tied):
                                rtol=1e-6)
 
 
-@pytest.mark.parametrize("scalar", ["embedding_multiplier", "residual_multiplier", "logits_scaling"])
+YARN = RopeScaling(4.0, original_max_position_embeddings=64, kind="yarn", beta_fast=32.0, beta_slow=1.0,
+                   attention_factor=1.2)
+
+
+@pytest.mark.parametrize("scalar", ["embedding_multiplier", "residual_multiplier", "logits_scaling", "rope_scaling"])
 def test_a_scalar_of_1_adds_nothing_to_the_program(scalar):
-    """A Llama's compiled programs stay what they were: a scalar of 1 is skipped, not multiplied by."""
+    """A Llama's compiled programs stay what they were: a scalar of 1 is skipped, not multiplied by (YaRN's
+    attention factor, which scales cos and sin, too)."""
     def multiplications(config: ModelConfig) -> int:
         model = Llama(config, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
@@ -174,4 +179,5 @@ def test_a_scalar_of_1_adds_nothing_to_the_program(scalar):
 
         return str(jax.make_jaxpr(logits)(state, jnp.arange(4))).count(" mul ")
 
-    assert multiplications(ModelConfig.tiny()) < multiplications(ModelConfig.tiny(**{scalar: 2.0}))
+    assert multiplications(ModelConfig.tiny()) < multiplications(
+        ModelConfig.tiny(**{scalar: YARN if scalar == "rope_scaling" else 2.0}))
