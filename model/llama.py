@@ -13,6 +13,8 @@ tensor-parallel shard of the fused weight holds whole units of its own:
 - `wqkv` `[L, hidden, num_kv_heads, (q_per_kv + 2) * head_dim]`: per KV head, its q_per_kv query heads, then
   its key head, then its value head (shards split KV heads, as attention does);
 - `w_gate_up` `[L, hidden, 2, intermediate]`: gate then up (shards split the intermediate axis).
+A model given LoRA adapters (`model.lora.attach_adapters`) also holds, for each projection they add to, `{name}_lora_a`
+and `{name}_lora_b` (`lora_names`), and adds each token's adapter's delta to that projection (`lora_delta`).
 A Qwen3 (`ModelConfig.qk_norm`) also holds `q_norm` and `k_norm` `[L, head_dim]`, the RMSNorm weights each query and
 key head is normalized by before RoPE. A Granite scales its embeddings, residual branches and logits by the config's
 scalars (`ModelConfig.embedding_multiplier`, ...).
@@ -41,7 +43,18 @@ layers."""
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
 """attend(layer, q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], kv_cache) -> (out [T, Hq, Dh], kv_cache)."""
 
-LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate_up", "w_down")
+LORA_TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")
+"""The projections a LoRA adapter may add to (`model.lora`)."""
+
+
+def lora_names(weight: str) -> tuple[str, str]:
+    """The LoRA parameters of projection `weight` (one of `LORA_TARGETS`): A `[L, K, S, R * P]` and B
+    `[L, S, R * P, *N]` (`model.lora`)."""
+    return f"{weight}_lora_a", f"{weight}_lora_b"
+
+
+LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate_up", "w_down",
+                *(name for weight in LORA_TARGETS for name in lora_names(weight)))
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 LINEAR_WEIGHTS = {"wqkv": 1, "wo": 1, "w_gate_up": 1, "w_down": 1, "embed": 1, "lm_head": 0}
 """The weights that are multiplied (and may be quantized) -> their input-feature (contracting) axis. The
@@ -68,6 +81,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def scaled(x: jax.Array, factor: float) -> jax.Array:
     """x times `factor`, or x itself for a factor of 1: a Llama's program then holds no multiplication by it."""
     return x if factor == 1.0 else x * factor
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, adapters: jax.Array) -> jax.Array:
+    """Each token's LoRA delta from its adapter's slot. x: [T, K] (the projection's input, normalized as the base
+    weight sees it), a: [K, S, C], b: [S, C, *N] (S slots of C columns each, `model.lora`), adapters: [T] int32, each
+    token's slot (-1: none) -> [T, *N] in x's dtype. Every token multiplies every slot's A (one small dense matmul,
+    whatever the mix of adapters), and the columns of the slots not its own are zeroed before B."""
+    own = jax.nn.one_hot(adapters, a.shape[1], dtype=jnp.float32)  # [T, S]; a row of zeros for -1
+    h = jnp.einsum("tk,ksc->tsc", x, a, preferred_element_type=jnp.float32) * own[:, :, None]
+    return jnp.tensordot(h.astype(b.dtype), b, 2, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def fuse_qkv(wq, wk, wv, config: ModelConfig):
@@ -140,6 +163,11 @@ class Llama(nnx.Module):
             self.lm_head = _init(rngs, (D, c.vocab_size), dtype, D)
 
     @property
+    def has_lora(self) -> bool:
+        """Whether LoRA adapters were attached (`model.lora.attach_adapters`): then `__call__` takes `adapters`."""
+        return any(hasattr(self, lora_names(weight)[0]) for weight in LORA_TARGETS)
+
+    @property
     def layers_unstacked(self) -> bool:
         """Whether the layer parameters are stored one array per layer (`unstack_layers`)."""
         return isinstance(self.wqkv.get_value(), tuple)
@@ -152,6 +180,11 @@ class Llama(nnx.Module):
         for name, variable in vars(self).items():
             if isinstance(variable, nnx.Variable) and name.removesuffix("_scale").removesuffix("_min") in LAYER_PARAMS:
                 variable.set_value(_split_layers(variable.get_value()))
+
+    def set_layer_param(self, name: str, stacked: jax.Array) -> None:
+        """Sets layer parameter `name` (one of `LAYER_PARAMS`) from its stack `[L, ...]`, stored as the others are
+        (one array per layer if they are unstacked)."""
+        setattr(self, name, nnx.Param(_split_layers(stacked) if self.layers_unstacked else stacked))
 
     def weight(self, name: str, layer: int | None = None) -> Weight:
         """A linear weight as stored, with its scales when quantized; `layer`: that layer's own arrays (the
@@ -174,11 +207,13 @@ class Llama(nnx.Module):
 
     def __call__(
         self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, attend: AttendFn,
-        num_real: jax.Array | None = None,
+        num_real: jax.Array | None = None, adapters: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """token_ids, positions: [T] int32 -> (hidden [T, D] in the params dtype: the last layer's residual
         stream, which `logits` normalizes; updated kv_cache). `num_real` (int32 [], default T): only the first
-        rows are real tokens, the others padding whose hidden rows are unspecified (the CPU kernels skip them)."""
+        rows are real tokens, the others padding whose hidden rows are unspecified (the CPU kernels skip them).
+        `adapters` ([T] int32): each token's LoRA slot, -1 for the base model; ignored by a model without LoRA
+        (`has_lora`), whose program it leaves as it is."""
         c = self.config
         num_tokens = token_ids.shape[0]
         x = scaled(embed_rows(self.weight("embed"), token_ids, self.dtype), c.embedding_multiplier)
@@ -187,7 +222,19 @@ class Llama(nnx.Module):
             """Decoder layer `index`. p: the stacks with `layer` the index into them (traced), or the layer's own
             arrays with `layer` None."""
             at = (lambda a: a) if layer is None else (lambda a: a[layer])
-            qkv = project(x, p["wqkv"], layer, norm=RmsNorm(p["attn_norm"], c.rms_norm_eps), num_real=num_real)
+
+            def linear(x: jax.Array, name: str, norm: str | None = None) -> jax.Array:
+                """x [T, K] through projection `name`, normalized first by the RMSNorm weights `norm` if given, plus
+                its LoRA delta if it has one."""
+                if adapters is None or lora_names(name)[0] not in p:
+                    rms = None if norm is None else RmsNorm(p[norm], c.rms_norm_eps)
+                    return project(x, p[name], layer, norm=rms, num_real=num_real)
+                # Normalized once, here: the LoRA delta multiplies what the base weight does.
+                h = x if norm is None else rms_norm(x, at(p[norm]), c.rms_norm_eps).astype(x.dtype)
+                a, b = (at(p[lora]) for lora in lora_names(name))
+                return project(h, p[name], layer, num_real=num_real) + lora_delta(h, a, b, adapters)
+
+            qkv = linear(x, "wqkv", "attn_norm")
             if c.attention_bias:
                 qkv = qkv + at(p["bqkv"])
             q, k, v = split_qkv(qkv, c)
@@ -196,10 +243,10 @@ class Llama(nnx.Module):
                 k = rms_norm(k, at(p["k_norm"]), c.rms_norm_eps).astype(k.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn, kv_cache = attend(index, q, k, v, kv_cache)
-            attn_out = project(attn.reshape(num_tokens, -1).astype(x.dtype), p["wo"], layer, num_real=num_real)
+            attn_out = linear(attn.reshape(num_tokens, -1).astype(x.dtype), "wo")
             x = x + scaled(attn_out, c.residual_multiplier)
-            gate_up = project(x, p["w_gate_up"], layer, norm=RmsNorm(p["mlp_norm"], c.rms_norm_eps), num_real=num_real)
-            mlp_out = project(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["w_down"], layer, num_real=num_real)
+            gate_up = linear(x, "w_gate_up", "mlp_norm")
+            mlp_out = linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], "w_down")
             x = x + scaled(mlp_out, c.residual_multiplier)
             return x, kv_cache
 
