@@ -55,14 +55,14 @@ async def create_embeddings(request: Request) -> Response:
                                                              body.add_special_tokens)]
     params = SamplingParams(max_tokens=0, temperature=0.0, pooling=state.settings.embedding_pooling)
     generation = await start_generation(request, state, prompts, params, f"embd-{uuid.uuid4().hex}", arrival,
-                                        "input")
+                                        body.model, "input")
     try:
         pooled = await cancel_on_disconnect(request, _pooled(generation, len(prompts)))
     finally:
         await generation.close()
     data = [Embedding(index=i, embedding=encoded(normalized(p), body.encoding_format)) for i, p in enumerate(pooled)]
     num_tokens = generation.usage.prompt_tokens
-    return json_response(EmbeddingResponse(data=data, model=state.model_name,
+    return json_response(EmbeddingResponse(data=data, model=state.served_name(body.model),
                                            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)))
 
 

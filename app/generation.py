@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Literal, Protocol
 
 from pydantic import BaseModel
@@ -118,9 +119,10 @@ class Generation:
 
 
 async def start_generation(request: Request, state: ServerState, prompts: list[list[int]], params: SamplingParams,
-                           request_id: str, arrival: float, prompt_param: str | None = None,
+                           request_id: str, arrival: float, model: str | None, prompt_param: str | None = None,
                            grammar_param: str | None = None) -> Generation:
-    """Admits the request (429/503) and submits it to the engine (400 if it can never run; `prompt_param`: the
+    """Admits the request (429/503) and submits it to the engine, with the LoRA adapter its `model` names if it
+    names one (400 if it can never run; `prompt_param`: the
     request's field that holds the prompt, which a prompt too long for the context names; `grammar_param`: the
     one that holds the grammar of `params.structured`, which a grammar that does not compile names).
 
@@ -129,6 +131,7 @@ async def start_generation(request: Request, state: ServerState, prompts: list[l
     that leaves meanwhile gets a 499, and its request is aborted as soon as it is built.
     """
     engine = state.require_engine()
+    params = replace(params, lora=state.lora(model))
     admission = state.admit(len(prompts) * params.n)
     collector = Collector(request_id, len(prompts) * params.n)  # on the loop, where its increments arrive
     submitting = asyncio.ensure_future(asyncio.to_thread(engine.submit, prompts, params, collector, request_id))

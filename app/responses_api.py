@@ -62,7 +62,7 @@ async def create_response(request: Request) -> Response:
     response_id = new_id("resp", state.replica)
     response = ResponseObject(
         id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,
-        max_output_tokens=body.max_output_tokens, model=state.model_name, output=[],
+        max_output_tokens=body.max_output_tokens, model=state.served_name(body.model), output=[],
         parallel_tool_calls=body.parallel_tool_calls, max_tool_calls=body.max_tool_calls,
         previous_response_id=body.previous_response_id,
         temperature=plan.params.temperature, top_p=plan.params.top_p, top_logprobs=body.top_logprobs,
@@ -81,7 +81,7 @@ async def create_response(request: Request) -> Response:
     builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning, engine.tokenizer)
     try:
         generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id,
-                                            arrival, "input", plan.grammar_field)
+                                            arrival, body.model, "input", plan.grammar_field)
     except APIError as error:
         raise in_responses_terms(error) from None
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)

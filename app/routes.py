@@ -125,10 +125,10 @@ async def create_chat_completion(request: Request) -> Response:
     state, engine, body = await parse_body(request, ChatCompletionRequest)
     chat = await plan_chat(state, engine, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    builder = ChatBuilder(request_id, state.model_name, engine.tokenizer, body, chat.prompt.token_ids, chat.calling,
+    builder = ChatBuilder(request_id, state.served_name(body.model), engine.tokenizer, body, chat.prompt.token_ids, chat.calling,
                           chat.reasoning)
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, request_id, arrival,
-                                        "messages", chat.grammar_field)
+                                        body.model, "messages", chat.grammar_field)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 
@@ -229,9 +229,9 @@ async def create_completion(request: Request) -> Response:
                                       engine.max_model_len, body.add_special_tokens)
     params = body.sampling_params(model_defaults=model_defaults(state, engine))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    builder = CompletionBuilder(request_id, state.model_name, engine.tokenizer, body, prompts)
+    builder = CompletionBuilder(request_id, state.served_name(body.model), engine.tokenizer, body, prompts)
     generation = await start_generation(request, state, [p.token_ids for p in prompts], params, request_id, arrival,
-                                        "prompt", body.grammar_field())
+                                        body.model, "prompt", body.grammar_field())
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
 
 

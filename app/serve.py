@@ -141,6 +141,27 @@ def speculative_config(text: str) -> dict[str, Any]:
     return {SPECULATIVE_CONFIG_KEYS[key]: number for key, number in value.items()}
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """One of vLLM's `--lora-modules`: `NAME=PATH`, or the JSON `{"name": NAME, "path": PATH}` (vLLM's
+    `base_model_name` key is taken and unused: the base is the served model) -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        value = json_object(text, '{"name": "sql", "path": "/adapters/sql"}')
+        if unknown := sorted(set(value) - {"name", "path", "base_model_name"}):
+            raise argparse.ArgumentTypeError(f"unknown keys {', '.join(map(repr, unknown))} (known: name, path, "
+                                             f"base_model_name)")
+        name, path = value.get("name"), value.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"not NAME=PATH nor a JSON {{\"name\", \"path\"}}: {text!r}")
+    return name.strip(), path.strip()
+
+
+def lora_modules(text: str) -> tuple[tuple[str, str], ...]:
+    """$SLUICE_LORA_MODULES: `NAME=PATH` items apart by spaces."""
+    return tuple(lora_module(item) for item in text.split())
+
+
 HF_OVERRIDES_EXAMPLE = ('{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
                         '"original_max_position_embeddings": 32768}}')
 HF_OVERRIDES_HELP = ("a JSON object whose keys replace an HF folder's config.json's top-level keys before the model "
@@ -326,6 +347,16 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
     parser.add_argument("--speculative-config", type=speculative_config, default=None,
                         help="vLLM's JSON of the same: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
                              "\"prompt_lookup_max\": N, \"prompt_lookup_min\": M}")
+    _switch(parser, "--enable-lora", "serve LoRA adapters (implied by --lora-modules)")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=None,
+                        metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) served beside the model, each under its NAME, which a "
+                             "request gives as its `model`; also JSON {\"name\": ..., \"path\": ...} as vLLM's "
+                             "[env SLUICE_LORA_MODULES: NAME=PATH items apart by spaces]")
+    _option(parser, "--max-loras", None, "LoRA adapter slots on the device (default: one per --lora-modules adapter)",
+            type=at_least(1, int))
+    _option(parser, "--max-lora-rank", None, "largest LoRA rank served; each adapter is padded to it (default: the "
+            "largest --lora-modules adapter's)", type=at_least(1, int))
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--gpu-memory-utilization", None,
@@ -515,6 +546,10 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
         raise CommandError(cache_error)
     if args.prefix_cache_dir is not None and (unwritable := _unwritable(args.prefix_cache_dir)) is not None:
         raise CommandError(f"--prefix-cache-dir {args.prefix_cache_dir} {unwritable}")
+    modules = tuple(args.lora_modules) if args.lora_modules is not None else _lora_modules_from_environment()
+    if args.served_model_name is not None and args.served_model_name in dict(modules):
+        raise CommandError(f"--lora-modules names an adapter {args.served_model_name!r}, as --served-model-name names "
+                           f"the model: a request for it could not be told from one for the model")
     try:
         return EngineConfig(
             model=args.model,
@@ -547,9 +582,20 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
             prefix_cache_dir=args.prefix_cache_dir,
             prefix_cache_size=args.prefix_cache_size,
             prefix_cache_ram=args.prefix_cache_ram,
+            enable_lora=args.enable_lora or bool(modules),
+            lora_modules=modules,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
         )
     except ValueError as error:
         raise CommandError(said_by_flag(error)) from None
+
+
+def _lora_modules_from_environment() -> tuple[tuple[str, str], ...]:
+    try:
+        return lora_modules(os.environ.get(env_name("--lora-modules"), ""))
+    except argparse.ArgumentTypeError as error:
+        raise CommandError(f"{error} (set by {env_name('--lora-modules')})") from None
 
 
 def answer_settings(args: argparse.Namespace) -> ServerSettings:

@@ -87,22 +87,27 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
 
-def _model_card(state: ServerState) -> ModelCard:
+def _model_cards(state: ServerState) -> list[ModelCard]:
+    """The served model's card, then its LoRA adapters'."""
     engine = state.require_engine()
-    return ModelCard.of(state.model_name, int(time.time()), engine.max_model_len)
+    created = int(time.time())
+    return [ModelCard.of(state.model_name, created, engine.max_model_len),
+            *(ModelCard.of(name, created, engine.max_model_len, parent=state.model_name) for name in engine.adapters)]
 
 
 async def list_models(request: Request) -> Response:
-    card = _model_card(request.app.state.sluice)
-    return json_response(ModelList(data=[card], first_id=card.id, last_id=card.id))
+    cards = _model_cards(request.app.state.sluice)
+    return json_response(ModelList(data=cards, first_id=cards[0].id, last_id=cards[-1].id))
 
 
 async def retrieve_model(request: Request) -> Response:
-    """OpenAI's `models.retrieve`: the served model's card, 404 for any other id (an id may hold a "/")."""
+    """OpenAI's `models.retrieve`: the served model's or an adapter's card, 404 for any other id (an id may hold a
+    "/")."""
     state: ServerState = request.app.state.sluice
-    card = _model_card(state)
-    state.check_model(request.path_params["model_id"])
-    return json_response(card)
+    requested = request.path_params["model_id"]
+    cards = _model_cards(state)
+    state.check_model(requested)
+    return json_response(next(card for card in cards if card.id == state.served_name(requested)))
 
 
 async def openapi(request: Request) -> Response:

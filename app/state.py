@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sluice.batching.engine import Engine
+from sluice.batching.sampling_params import LoraRequest
 from sluice.batching.stats import EngineStats
 from sluice.model.roofline import Peaks
 
@@ -132,8 +133,17 @@ class ServerState:
         return self.engine
 
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
+        """404 unless a request's `model` is None, the served model's name or one of its LoRA adapters'."""
+        if requested is not None and requested != self.model_name and self.lora(requested) is None:
             raise model_not_found(requested)
+
+    def lora(self, requested: str | None) -> LoraRequest | None:
+        """The LoRA adapter a request's `model` names, if it names one."""
+        return self.engine.adapters.get(requested) if self.engine is not None and requested is not None else None
+
+    def served_name(self, requested: str | None) -> str:
+        """The `model` a response carries: the adapter's name for a request that named one, else the model's."""
+        return requested if self.lora(requested) is not None else self.model_name
 
     def admit(self, num_seqs: int) -> Admission:
         """Let `num_seqs` sequences in, or raise 503 / 429. Call `release()` on the result when they are done."""

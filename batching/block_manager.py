@@ -1,8 +1,8 @@
 """The KV page pool: allocation with reference counts and automatic prefix caching.
 
 A full page is cached under its key (the previous page's hash, its token ids), the hash chained from page to page, so
-equal prefixes map to equal keys whatever request they came from (a request's `cache_salt` starts its chain
-elsewhere). A page whose last reference goes away stays cached, reusable until it is evicted, least recently freed
+equal prefixes map to equal keys whatever request they came from (a request's `cache_salt` or LoRA adapter starts
+its chain elsewhere: `SamplingParams.cache_namespace`). A page whose last reference goes away stays cached, reusable until it is evicted, least recently freed
 first, to make room for new allocations.
 
 With a persistent prefix store (`kv_store.py`, host RAM then disk), the cache has a tier below the pool: every
@@ -28,9 +28,9 @@ CacheKey = tuple[int, tuple[int, ...]]
 
 
 def root_hash(seq: Sequence) -> int:
-    """The parent of `seq`'s first page: requests share cached pages only if they have the same `cache_salt`."""
-    salt = seq.params.cache_salt
-    return _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt))
+    """The parent of `seq`'s first page: requests share cached pages only in the same `cache_namespace`."""
+    namespace = seq.params.cache_namespace
+    return _ROOT_HASH if namespace is None else hash((_ROOT_HASH, namespace))
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class BlockManager:
         if known < num_pages:
             parent = seq.store_keys[-1] if known else None
             tokens = seq.token_ids[known * self.page_size:num_pages * self.page_size]
-            seq.store_keys += self.store.layout.page_keys(tokens, parent, seq.params.cache_salt)
+            seq.store_keys += self.store.layout.page_keys(tokens, parent, seq.params.cache_namespace)
         return seq.store_keys
 
     def can_admit(self, seq: Sequence, shared: list[int], num_new_tokens: int) -> bool:

@@ -107,6 +107,10 @@ class EngineConfig:
     proposes and checks them at every step of the call.
     `step_timeout_s`: the watchdog's limit on one step of a started engine (None: no watchdog); past it the step is
     taken for hung, and the process exits (`Engine._watch`). 300 s, as SGLang's.
+    `enable_lora`: the model takes LoRA adapters (`model.lora`), `lora_modules`' (name, PEFT folder) pairs, served
+    beside the base model: each is on the device from the start, in one of `max_loras` slots (None: one per
+    adapter, at least one), its rank padded to `max_lora_rank` (None: the largest adapter's, or 16 without one).
+    A request names its adapter as its `model`.
     `prefix_cache_dir`: keep full KV pages past the pool, in `prefix_cache_ram` bytes of host RAM and then up to
     `prefix_cache_size` bytes of files in that directory (`kv_store.py`), so a restarted server still has them.
     """
@@ -142,8 +146,13 @@ class EngineConfig:
     prefix_cache_dir: str | None = None
     prefix_cache_size: int = 16 << 30
     prefix_cache_ram: int = 1 << 30
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
+        names = [name for name, _ in self.lora_modules]
         checks = [
             (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
@@ -177,6 +186,12 @@ class EngineConfig:
             (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
             (self.kv_cache_dtype != "int8" or reads_int8_kv(self.attention_backend), "kv_cache_dtype",
              f"int8 needs an attention backend that reads it ({', '.join(INT8_KV_KERNELS)}, or auto)"),
+            (self.enable_lora or not (names or self.max_loras or self.max_lora_rank), "lora_modules",
+             "needs enable_lora"),
+            (all(names) and len(set(names)) == len(names), "lora_modules", "must have distinct, non-empty names"),
+            (self.max_loras is None or self.max_loras >= max(1, len(names)), "max_loras",
+             f"must be at least the adapters given ({max(1, len(names))}): each one stays on the device"),
+            (self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -147,16 +147,28 @@ def last_tokens(tokens: jax.Array, num_rows: int) -> jax.Array:
 
 
 def _logits(model: Llama, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int, kv_cache: KVCache,
-            page_table: jax.Array, inputs: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
+            page_table: jax.Array, adapters: jax.Array | None, inputs: StepInputs
+            ) -> tuple[jax.Array, jax.Array, KVCache]:
     """One model step over a flat pool: the logits of the sampled rows, [S, V] float32, and the hidden states,
-    [T, D]. page_table: [A, max_pages] int32, each attention row's."""
+    [T, D]. page_table: [A, max_pages] int32, and adapters: [A] int32 (None: the model has no LoRA), each attention
+    row's."""
     meta = AttentionMetadata(
         slot_mapping=inputs.slot_mapping, kv_lens=inputs.kv_lens, page_table=page_table,
         cu_q_lens=inputs.cu_q_lens, max_q_len=max_q_len,
     )
     attend = make_paged_attend(meta, num_pages, sm_scale=model.config.softmax_scale, backend=backend, mesh=mesh)
-    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend, num_real=inputs.cu_q_lens[-1])
+    hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, attend, num_real=inputs.cu_q_lens[-1],
+                             adapters=None if adapters is None else token_adapters(adapters, inputs.cu_q_lens,
+                                                                                   inputs.token_ids.shape[0]))
     return model.logits(hidden[inputs.logits_rows], num_real=inputs.num_sampled), hidden, kv_cache
+
+
+def token_adapters(adapters: jax.Array, cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """adapters: [A] int32, each attention row's; cu_q_lens: [A + 1] int32 -> [num_tokens] int32, each token's
+    row's adapter (-1 for padding tokens, past cu_q_lens[-1])."""
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    row = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], tokens, side="right"), adapters.shape[0] - 1)
+    return jnp.where(tokens < cu_q_lens[-1], adapters[row], -1)
 
 
 @jax.tree_util.register_dataclass
@@ -202,12 +214,14 @@ def score_step(graphdef: nnx.GraphDef, state_def: jax.tree_util.PyTreeDef, weigh
 
 
 def _step_rows(graphdef: nnx.GraphDef, state: nnx.State, fed_from: jax.Array, slots: SlotRows, inputs: StepInputs,
-               sampled: SampledRows) -> tuple[Llama, StepInputs, jax.Array, SamplingBatch]:
+               sampled: SampledRows) -> tuple[Llama, StepInputs, jax.Array, jax.Array | None, SamplingBatch]:
     """What a step reads, on the device: the model, `inputs` fed (`StepInputs.fed`), each attention row's page table
-    ([A, max_pages] int32) and the sampled rows' `SamplingBatch`, gathered from the slots' rows."""
+    ([A, max_pages] int32) and LoRA adapter ([A] int32; None for a model without LoRA), and the sampled rows'
+    `SamplingBatch`, gathered from the slots' rows."""
     inputs = inputs.fed(fed_from)
-    return (nnx.merge(graphdef, state), inputs, slots.page_table[inputs.attn_slots],
-            sampled.batch(slots.sampling))
+    model = nnx.merge(graphdef, state)
+    adapters = slots.adapter[inputs.attn_slots] if model.has_lora else None
+    return model, inputs, slots.page_table[inputs.attn_slots], adapters, sampled.batch(slots.sampling)
 
 
 def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: int, max_q_len: int,
@@ -224,9 +238,9 @@ def forward(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pages: 
     slots: the persistent input batch's rows on the device. The sampling rows are gathered here rather than in
     the sampler: XLA's CPU sampler ran slower with the gathers in its own program (RESULTS.md, 2026-11-26).
     """
-    model, inputs, page_table, sampling = _step_rows(graphdef, state, fed_from, slots, inputs, sampled)
+    model, inputs, page_table, adapters, sampling = _step_rows(graphdef, state, fed_from, slots, inputs, sampled)
     logits, hidden, kv_cache = _logits(model, backend, mesh, num_pages, max_q_len, flat_pool(kv_cache), page_table,
-                                       inputs)
+                                       adapters, inputs)
     pooled = model.pooled(hidden, inputs.pool_ids, inputs.logits_rows.shape[0])
     return ((logits, sampling, pooled, hidden if max_q_len > 1 else None),
             layered_pool(kv_cache, model.config.num_layers))
@@ -265,7 +279,7 @@ def decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pa
     Returns the sampler's outputs with a leading [num_steps] axis, and each row's last token (at its limit)
     as `last_tokens`. No row has a structured-output mask: the host cannot fill one between the steps.
     """
-    model, inputs, page_table, sampling = _step_rows(graphdef, state, fed_from, slots, inputs, sampled)
+    model, inputs, page_table, adapters, sampling = _step_rows(graphdef, state, fed_from, slots, inputs, sampled)
     rows = jnp.arange(inputs.token_ids.shape[0])
 
     def decode(carry, k):
@@ -278,7 +292,7 @@ def decode_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pa
             slot_mapping=jnp.where(active, pages * page_size + positions % page_size, -1),
             kv_lens=jnp.where(active, inputs.kv_lens + k, 0),
         )
-        logits, _, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, page_table, step_inputs)
+        logits, _, kv_cache = _logits(model, backend, mesh, num_pages, 1, kv_cache, page_table, adapters, step_inputs)
         out = sample(logits, sampling, plan)
         alive = alive & ~(active & sampling.stops(out.tokens))
         # A row past its end computes padding, whose logprob may not be finite: zeroed, so that the host checks
@@ -319,7 +333,7 @@ def verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pa
     stop id or its limit. Positions written for rejected drafts lie beyond what the sequence keeps, and are
     overwritten later. The sampler's outputs are returned as `VerifiedSteps`.
     """
-    model, inputs, page_table, sampling = _step_rows(graphdef, state, fed_from, slots, inputs, sampled)
+    model, inputs, page_table, adapters, sampling = _step_rows(graphdef, state, fed_from, slots, inputs, sampled)
     width = 1 + ngram.num_speculative_tokens
     num_seqs = inputs.token_ids.shape[0]
     may_draft = inputs.drafting.max_drafts > 0
@@ -346,7 +360,8 @@ def verify_steps(graphdef: nnx.GraphDef, backend: str, mesh: Mesh | None, num_pa
             kv_lens=jnp.where(q_lens > 0, start + q_lens, 0), cu_q_lens=cu_q_lens, logits_rows=token_rows,
             num_sampled=cu_q_lens[-1],
         )
-        logits, _, kv_cache = _logits(model, backend, mesh, num_pages, width, kv_cache, page_table, step_inputs)
+        logits, _, kv_cache = _logits(model, backend, mesh, num_pages, width, kv_cache, page_table, adapters,
+                                      step_inputs)
         checks = real & (offset < q_lens[owner] - 1)
         rows = replace(jax.tree.map(lambda x: x[owner], sampling), step=sampling.step[owner] + offset,
                        draft=jnp.where(checks, draft_at(offset), -1))

@@ -36,7 +36,7 @@ from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore, PageKey
 from sluice.batching.kv_pool import num_pool_pages, resolve_max_model_len
 from sluice.batching.kv_transfer import PageCopy
-from sluice.batching.config import EngineConfig, device_memory_bytes
+from sluice.batching.config import EngineConfig, InvalidEngineConfig, device_memory_bytes
 from sluice.batching.compilation_cache import enable_compilation_cache
 from sluice.batching.model_runner import ModelRunner
 from sluice.batching.device_step import PromptScores
@@ -46,13 +46,14 @@ from sluice.batching.outputs import Collector, Completion, Deliveries, FinishRea
     OutputSink, TokenLogprob, deliver
 from sluice.batching.request import Request, RequestLimits, build_request
 from sluice.batching.sampler import SamplerOutput, SamplerPlan
-from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.sampling_params import LoraRequest, SamplingParams
 from sluice.batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput, scored_rows
 from sluice.batching.sequence import Sequence, SequenceStatus
 from sluice.batching.speculation import Speculator
 from sluice.batching.stats import EngineStats, StepStats, StepTotals
 from sluice.batching.structured import GrammarCompiler
 from sluice.model.loader import LoadedModel, load_model
+from sluice.model.lora import LoraError, attach_adapters, load_adapter
 from sluice.model.roofline import StepCost
 from sluice.pallas_kernels.kv_cache import kv_cache_dtype
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
@@ -66,6 +67,7 @@ HUNG_EXIT_GRACE_S = 1.0
 # cycle. At Python's default (700 allocations) the young generation is collected several times a step, and
 # every tenth time the next one with it: about a tenth of the host's step (RESULTS.md, 2026-11-26).
 GC_YOUNG_THRESHOLD = 10_000
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's, for LoRA slots that no adapter fills at the start
 NO_ALLOWED_TOKEN = "the grammar allows no token in allowed_token_ids here"
 
 
@@ -102,6 +104,25 @@ class _Launched:
     host_s: float
 
 
+def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) -> dict[str, LoraRequest]:
+    """Reads `config.lora_modules`' adapters and gives `loaded.model` their LoRA weights (none unless LoRA is
+    enabled); each adapter's name -> what a request that runs with it carries. InvalidEngineConfig for an adapter
+    Sluice cannot serve."""
+    if not config.enable_lora:
+        return {}
+    if any(name == loaded.name for name, _ in config.lora_modules):
+        raise InvalidEngineConfig("lora_modules", f"names an adapter {loaded.name!r}, the model's own name: a request "
+                                                  f"for it could not be told from one for the model")
+    try:
+        adapters = [load_adapter(name, path, loaded.config) for name, path in config.lora_modules]
+        max_rank = config.max_lora_rank or max((a.rank for a in adapters), default=DEFAULT_MAX_LORA_RANK)
+        attach_adapters(loaded.model, adapters, config.max_loras or max(1, len(adapters)), max_rank,
+                        partial(param_sharding, mesh) if mesh is not None else None)
+    except LoraError as error:
+        raise InvalidEngineConfig("lora_modules", str(error)) from None
+    return {adapter.name: LoraRequest(adapter.name, slot, adapter.fingerprint) for slot, adapter in enumerate(adapters)}
+
+
 def _describe(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(error)).strip()
 
@@ -131,6 +152,7 @@ class Engine:
             eos_token_ids=loaded.config.eos_token_ids)
         self.ngram = (NgramConfig(config.num_speculative_tokens, config.spec_ngram_min, config.spec_ngram_max,
                                   config.spec_max_batch_size) if config.speculative == "ngram" else None)
+        self.adapters = attach_lora(loaded, config, mesh)
         enable_compilation_cache()
         self.runner = ModelRunner(
             loaded.model, num_pages=num_pages, page_size=config.page_size, max_model_len=self.max_model_len,

@@ -1,11 +1,12 @@
-"""The persistent input batch: each running sequence's page table and sampling parameters, kept on the device.
+"""The persistent input batch: each running sequence's page table, sampling parameters and LoRA adapter slot, kept
+on the device.
 
 The scheduler gives every running sequence a slot (`Sequence.slot`) from its admission until it is preempted or
 finishes. Slot s's row holds that sequence's page table and its `SamplingBatch` row, in host arrays (numpy) and
-on the device; one more row, the padding slot, stays empty and greedy for a step's padding rows. Before a step,
+on the device; one more row, the padding slot, stays empty, greedy and adapterless for a step's padding rows. Before a step,
 only the rows that changed are sent, as whole rows in one scatter: a slot's new occupant, and sequences that
 gained pages. A step then carries, per row, its slot and what changes every step (tokens, positions, the
-sampler's output index); the device gathers page tables and sampling parameters by slot.
+sampler's output index); the device gathers page tables, sampling parameters and adapters by slot.
 
 A page table only grows in place while its sequence runs, and is replaced by a new list on any other change
 (`BlockManager`): a row is current while it was written from the same list and holds as many pages.
@@ -25,10 +26,12 @@ from sluice.batching.sequence import Sequence
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SlotRows:
-    """page_table: [N, max_pages] int32; sampling: each slot's `SamplingBatch` row (per-step fields unset)."""
+    """page_table: [N, max_pages] int32; sampling: each slot's `SamplingBatch` row (per-step fields unset);
+    adapter: [N] int32, each slot's LoRA adapter slot (`model.lora`; -1: the base model)."""
 
     page_table: jax.Array
     sampling: SamplingBatch
+    adapter: jax.Array
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class InputBatch:
         self.padding_slot = num_slots
         self.vocab_size = vocab_size
         self.host = SlotRows(np.zeros((num_slots + 1, max_pages), np.int32),
-                             SamplingBatch.empty(num_slots + 1, num_stop_ids))
+                             SamplingBatch.empty(num_slots + 1, num_stop_ids), np.full(num_slots + 1, -1, np.int32))
         self._occupants: list[Sequence | None] = [None] * num_slots
         self._tables: list[list[int] | None] = [None] * num_slots  # the page list each row was written from
         self._num_pages = [0] * num_slots
@@ -72,6 +75,7 @@ class InputBatch:
                 self._occupants[slot] = seq
                 self.host.sampling.write(slot, seq.params, seq.seed, seq.stop.stop_id_list, seq.num_prompt_tokens,
                                          self.vocab_size)
+                self.host.adapter[slot] = seq.params.lora.slot if seq.params.lora is not None else -1
                 changed = True
             if self._tables[slot] is not pages or self._num_pages[slot] != len(pages):
                 start = self._num_pages[slot] if self._tables[slot] is pages else 0

@@ -127,7 +127,7 @@ class KVLayout:
                   ) -> list[PageKey]:
         """Keys of the full pages of `token_ids` (a trailing partial page has none). `parent`: the key of the page
         before `token_ids[0]`, so a sequence's keys can be extended a page at a time; None: `token_ids` start the
-        sequence (its first page chains from the fingerprint, salted with the request's `cache_salt` if any)."""
+        sequence (its first page chains from the fingerprint, salted with the request's `cache_namespace` if any)."""
         if parent is not None:
             digest = bytes.fromhex(parent)
         elif salt is not None:  # keyed and personalized: no salt hashes to a page's key, whatever its bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -45,6 +46,16 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True)
+class LoraRequest:
+    """A LoRA adapter a request runs with, as the engine holds it (`Engine.adapters`): its served `name`, the
+    `slot` of the model's LoRA weights it sits in (`model.lora`), and its `fingerprint`, the hash of its files."""
+
+    name: str
+    slot: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for every choice of one request.
 
@@ -70,6 +81,7 @@ class SamplingParams:
     prefix cache.
     `cache_salt` (vLLM's): the prefix cache (pool and persistent store) is shared only among requests with the same
     salt, so one tenant cannot learn from time to first token which prompts another sent.
+    `lora`: the LoRA adapter the model runs with (None: the base model), chosen by the request's `model` name.
     """
 
     max_tokens: int = 16
@@ -98,6 +110,7 @@ class SamplingParams:
     pooling: Literal["last", "mean"] | None = None
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    lora: LoraRequest | None = None
 
     def allows(self, token: int) -> bool:
         """Whether `allowed_token_ids` lets it sample `token` (any token where it is not set)."""
@@ -115,6 +128,14 @@ class SamplingParams:
     @cached_property  # read per sequence and step: kept after the first read (in the instance's __dict__)
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @cached_property
+    def cache_namespace(self) -> str | None:
+        """What the prefix cache keys pages under beside their tokens (None: the shared namespace): the
+        `cache_salt`, and the adapter's fingerprint, as the K/V an adapter computes are its own."""
+        if self.cache_salt is None and self.lora is None:
+            return None
+        return json.dumps([self.cache_salt, self.lora and self.lora.fingerprint])  # no salt reads as another pair
 
     @cached_property
     def reads_history(self) -> bool:

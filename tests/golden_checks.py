@@ -18,6 +18,7 @@ from safetensors.flax import load_file
 from hf_folder import write_gguf, write_tokenizer_files
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
+from sluice.batching.outputs import Completion
 from sluice.batching.sampling_params import SamplingParams
 from sluice.model.generate import generate, sequence_logits
 from sluice.model.llama import Llama
@@ -83,22 +84,35 @@ def assert_forward_pass_gives_golden(model: Llama, case: dict) -> None:
                                atol=LOGPROB_TOLERANCE)
 
 
-def assert_engine_gives_golden(loaded: LoadedModel, golden: dict, **options: Any) -> None:
-    """`golden`'s cases in one batch of up to 128 positions: prompts prefilled in chunks of 16, K/V in pages of 4
-    tokens (64 pages), the engine given `options` too (`EngineConfig`'s fields); the greedy ids and each step's top-5
-    token ids must be HF's, their logprobs within LOGPROB_TOLERANCE."""
+def golden_engine(loaded: LoadedModel, **options: Any) -> Engine:
+    """An engine for golden cases, in one batch of up to 128 positions: prompts prefilled in chunks of 16, K/V in
+    pages of 4 tokens (64 pages), given `options` too (`EngineConfig`'s fields)."""
     c = loaded.config
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, page_size=4,
-                          kv_cache_memory=64 * 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim * 4, warmup=False,
-                          **options)
-    params = SamplingParams(temperature=0.0, max_tokens=golden["num_new_tokens"], ignore_eos=True, logprobs=True,
-                            top_logprobs=5)
-    outputs = Engine(loaded, config, progress=False).generate([case["prompt_ids"] for case in golden["cases"]], params)
+    return Engine(loaded, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, page_size=4,
+                                       kv_cache_memory=64 * 2 * c.num_layers * c.num_kv_heads * 4 * c.head_dim * 4,
+                                       warmup=False, **options), progress=False)
+
+
+def golden_params(golden: dict, **fields: Any) -> SamplingParams:
+    """Greedy for the golden's tokens, no stop at EOS, with the top 5 logprobs of each step; `fields` on top."""
+    return SamplingParams(temperature=0.0, max_tokens=golden["num_new_tokens"], ignore_eos=True, logprobs=True,
+                          top_logprobs=5, **fields)
+
+
+def assert_completion_gives_case(output: Completion, case: dict) -> None:
+    """The greedy ids and each step's top-5 token ids must be HF's, their logprobs within LOGPROB_TOLERANCE."""
+    assert list(output.token_ids) == case["greedy_ids"], case["name"]
+    assert len(output.logprobs) == len(case["top5"]), case["name"]  # zip below would stop at the shorter
+    for step, (entry, top5) in enumerate(zip(output.logprobs, case["top5"])):
+        assert [token for token, _ in entry.top] == [token for token, _ in top5], (case["name"], step)
+        np.testing.assert_allclose([lp for _, lp in entry.top], [lp for _, lp in top5], atol=LOGPROB_TOLERANCE,
+                                   err_msg=f"{case['name']}, step {step}")
+
+
+def assert_engine_gives_golden(loaded: LoadedModel, golden: dict, **options: Any) -> None:
+    """`golden`'s cases in one batch of a `golden_engine` given `options`, each as `assert_completion_gives_case`."""
+    outputs = golden_engine(loaded, **options).generate([case["prompt_ids"] for case in golden["cases"]],
+                                                        golden_params(golden))
     assert len(outputs) == len(golden["cases"])
     for case, [output] in zip(golden["cases"], outputs):
-        assert list(output.token_ids) == case["greedy_ids"], case["name"]
-        assert len(output.logprobs) == len(case["top5"]), case["name"]  # zip below would stop at the shorter
-        for step, (entry, top5) in enumerate(zip(output.logprobs, case["top5"])):
-            assert [token for token, _ in entry.top] == [token for token, _ in top5], (case["name"], step)
-            np.testing.assert_allclose([lp for _, lp in entry.top], [lp for _, lp in top5], atol=LOGPROB_TOLERANCE,
-                                       err_msg=f"{case['name']}, step {step}")
+        assert_completion_gives_case(output, case)
