@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
@@ -143,7 +144,8 @@ def speculative_config(text: str) -> dict[str, Any]:
 
 def lora_module(text: str) -> tuple[str, str]:
     """One of vLLM's `--lora-modules`: `NAME=PATH`, or the JSON `{"name": NAME, "path": PATH}` (vLLM's
-    `base_model_name` key is taken and unused: the base is the served model) -> (name, path)."""
+    `base_model_name` key is taken and unused: the base is the served model) -> (name, absolute path: a Ray replica
+    reads it from a working directory of its own)."""
     if text.lstrip().startswith("{"):
         value = json_object(text, '{"name": "sql", "path": "/adapters/sql"}')
         if unknown := sorted(set(value) - {"name", "path", "base_model_name"}):
@@ -154,7 +156,7 @@ def lora_module(text: str) -> tuple[str, str]:
         name, _, path = text.partition("=")
     if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
         raise argparse.ArgumentTypeError(f"not NAME=PATH nor a JSON {{\"name\", \"path\"}}: {text!r}")
-    return name.strip(), path.strip()
+    return name.strip(), str(Path(path.strip()).expanduser().absolute())
 
 
 def lora_modules(text: str) -> tuple[tuple[str, str], ...]:

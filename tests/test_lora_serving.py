@@ -128,7 +128,8 @@ def serve(engine: Engine, scenario, **settings):
 
 @pytest.mark.parametrize(("text", "module"), [
     ("sql=/adapters/sql", ("sql", "/adapters/sql")),
-    ("a=b=c", ("a", "b=c")),
+    ("a=/b=c", ("a", "/b=c")),
+    ("rel=adapters/sql", ("rel", str(Path.cwd() / "adapters/sql"))),
     ('{"name": "sql", "path": "/adapters/sql", "base_model_name": "org/base"}', ("sql", "/adapters/sql")),
 ])
 def test_a_lora_module_is_name_equals_path_or_vllms_json(text, module):
