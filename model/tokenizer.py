@@ -140,7 +140,7 @@ class Tokenizer:
             return ByteDetokenizer(self._byte_pieces_keeping(self._special_ids if not skip_special_tokens
                                                              else kept_special_ids & self._special_ids))
         return IncrementalDetokenizer(self._backend, prompt_ids, skip_special_tokens=skip_special_tokens,
-                                      kept_special_ids=kept_special_ids)
+                                      kept_special_ids=kept_special_ids, special_ids=self._special_ids)
 
     @cached_property
     def _byte_pieces(self) -> BytePieces | None:
@@ -454,15 +454,19 @@ class IncrementalDetokenizer:
     Bytes of a character split across tokens are held back until the character completes; special tokens
     produce no text unless `skip_special_tokens` is False or they are among `kept_special_ids`. Those kept are
     decoded as the others are with `skip_special_tokens` False, the rest left out before decoding, as the library
-    leaves them out.
+    leaves them out. `special_ids`: the backend's special tokens, if known (`Tokenizer` keeps them: a request
+    should not list the vocabulary's added tokens again).
     """
 
     def __init__(self, backend: HFTokenizer, prompt_ids: list[int] | tuple[int, ...] = (), *,
-                 skip_special_tokens: bool = True, kept_special_ids: frozenset[int] = frozenset()):
+                 skip_special_tokens: bool = True, kept_special_ids: frozenset[int] = frozenset(),
+                 special_ids: frozenset[int] | None = None):
         self._backend = backend
         self._skip_special_tokens = skip_special_tokens and not kept_special_ids
-        self._dropped = _special_ids(backend) - kept_special_ids if skip_special_tokens and kept_special_ids \
-            else frozenset()
+        if skip_special_tokens and kept_special_ids:
+            self._dropped = (_special_ids(backend) if special_ids is None else special_ids) - kept_special_ids
+        else:
+            self._dropped = frozenset()
         # the ids of the last text, as the stream keeps them
         self._context = _decode_context(backend, [i for i in prompt_ids if i not in self._dropped],
                                         self._skip_special_tokens)
