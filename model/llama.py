@@ -13,8 +13,9 @@ tensor-parallel shard of the fused weight holds whole units of its own:
 - `wqkv` `[L, hidden, num_kv_heads, (q_per_kv + 2) * head_dim]`: per KV head, its q_per_kv query heads, then
   its key head, then its value head (shards split KV heads, as attention does);
 - `w_gate_up` `[L, hidden, 2, intermediate]`: gate then up (shards split the intermediate axis).
-A model given LoRA adapters (`model.lora.attach_adapters`) also holds, for each projection they add to, `{name}_lora_a`
-and `{name}_lora_b` (`lora_names`), and adds each token's adapter's delta to that projection (`lora_delta`).
+A model given LoRA adapters (`model.lora.attach_adapters`) also holds, for each projection they add to, its A
+`{name}_lora_a` and a B `{module}_lora_b` for each module fused in it (`LORA_MODULES`), and adds each token's
+adapter's delta to that projection (`lora_delta`).
 A Qwen3 (`ModelConfig.qk_norm`) also holds `q_norm` and `k_norm` `[L, head_dim]`, the RMSNorm weights each query and
 key head is normalized by before RoPE. A Granite scales its embeddings, residual branches and logits by the config's
 scalars (`ModelConfig.embedding_multiplier`, ...).
@@ -43,18 +44,23 @@ layers."""
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
 """attend(layer, q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], kv_cache) -> (out [T, Hq, Dh], kv_cache)."""
 
-LORA_TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")
-"""The projections a LoRA adapter may add to (`model.lora`)."""
+LORA_MODULES = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",), "w_gate_up": ("gate_proj", "up_proj"),
+                "w_down": ("down_proj",)}
+"""The projections a LoRA adapter may add to -> the (PEFT) modules fused in each, in the order of its output axes."""
 
 
-def lora_names(weight: str) -> tuple[str, str]:
-    """The LoRA parameters of projection `weight` (one of `LORA_TARGETS`): A `[L, K, S, R * P]` and B
-    `[L, S, R * P, *N]` (`model.lora`)."""
-    return f"{weight}_lora_a", f"{weight}_lora_b"
+def lora_a(weight: str) -> str:
+    """The name of projection `weight`'s LoRA A, `[L, K, P, S, R]`: P modules, S slots of rank R (`model.lora`)."""
+    return f"{weight}_lora_a"
 
 
-LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate_up", "w_down",
-                *(name for weight in LORA_TARGETS for name in lora_names(weight)))
+def lora_b(module: str) -> str:
+    """The name of a module's LoRA B, `[L, S, R, out]`, the scaling folded in (`model.lora`)."""
+    return f"{module}_lora_b"
+
+
+LORA_PARAMS = (*map(lora_a, LORA_MODULES), *(lora_b(m) for modules in LORA_MODULES.values() for m in modules))
+LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate_up", "w_down", *LORA_PARAMS)
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 LINEAR_WEIGHTS = {"wqkv": 1, "wo": 1, "w_gate_up": 1, "w_down": 1, "embed": 1, "lm_head": 0}
 """The weights that are multiplied (and may be quantized) -> their input-feature (contracting) axis. The
@@ -83,14 +89,27 @@ def scaled(x: jax.Array, factor: float) -> jax.Array:
     return x if factor == 1.0 else x * factor
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, adapters: jax.Array) -> jax.Array:
-    """Each token's LoRA delta from its adapter's slot. x: [T, K] (the projection's input, normalized as the base
-    weight sees it), a: [K, S, C], b: [S, C, *N] (S slots of C columns each, `model.lora`), adapters: [T] int32, each
-    token's slot (-1: none) -> [T, *N] in x's dtype. Every token multiplies every slot's A (one small dense matmul,
-    whatever the mix of adapters), and the columns of the slots not its own are zeroed before B."""
-    own = jax.nn.one_hot(adapters, a.shape[1], dtype=jnp.float32)  # [T, S]; a row of zeros for -1
-    h = jnp.einsum("tk,ksc->tsc", x, a, preferred_element_type=jnp.float32) * own[:, :, None]
-    return jnp.tensordot(h.astype(b.dtype), b, 2, preferred_element_type=jnp.float32).astype(x.dtype)
+def lora_delta(x: jax.Array, a: jax.Array, bs: list[jax.Array], adapters: jax.Array) -> list[jax.Array]:
+    """Each token's LoRA delta from its adapter's slot, for each of the P modules of a projection. x: [T, K] (the
+    projection's input, normalized as the base weight sees it), a: [K, P, S, R], bs: P arrays [S, R, out] (S slots of
+    rank R, `model.lora`), adapters: [T] int32, each token's slot (-1: none) -> P arrays [T, out] in x's dtype. Every
+    token multiplies every slot's A (one small dense matmul, whatever the mix of adapters), and the columns of the
+    slots not its own are zeroed before the Bs."""
+    own = jax.nn.one_hot(adapters, a.shape[2], dtype=jnp.float32)  # [T, S]; a row of zeros for -1
+    h = jnp.einsum("tk,kpsr->tpsr", x, a, preferred_element_type=jnp.float32) * own[:, None, :, None]
+    h = h.astype(a.dtype)
+    return [jnp.einsum("tsr,sro->to", h[:, part], b, preferred_element_type=jnp.float32).astype(x.dtype)
+            for part, b in enumerate(bs)]
+
+
+def fuse_outputs(weight: str, parts: list[jax.Array], config: ModelConfig) -> jax.Array:
+    """The outputs of the modules fused in projection `weight` (`LORA_MODULES`), each `[T, out]` -> `[T, *N]`, laid
+    as the projection lays its output (`fuse_qkv`; gate then up)."""
+    if weight == "wqkv":
+        return fuse_qkv(*parts, config)
+    if weight == "w_gate_up":
+        return jnp.stack(parts, axis=-2)
+    return parts[0]
 
 
 def fuse_qkv(wq, wk, wv, config: ModelConfig):
@@ -165,7 +184,7 @@ class Llama(nnx.Module):
     @property
     def has_lora(self) -> bool:
         """Whether LoRA adapters were attached (`model.lora.attach_adapters`): then `__call__` takes `adapters`."""
-        return any(hasattr(self, lora_names(weight)[0]) for weight in LORA_TARGETS)
+        return any(hasattr(self, name) for name in LORA_PARAMS)
 
     @property
     def layers_unstacked(self) -> bool:
@@ -226,13 +245,14 @@ class Llama(nnx.Module):
             def linear(x: jax.Array, name: str, norm: str | None = None) -> jax.Array:
                 """x [T, K] through projection `name`, normalized first by the RMSNorm weights `norm` if given, plus
                 its LoRA delta if it has one."""
-                if adapters is None or lora_names(name)[0] not in p:
+                if adapters is None or lora_a(name) not in p:
                     rms = None if norm is None else RmsNorm(p[norm], c.rms_norm_eps)
                     return project(x, p[name], layer, norm=rms, num_real=num_real)
                 # Normalized once, here: the LoRA delta multiplies what the base weight does.
                 h = x if norm is None else rms_norm(x, at(p[norm]), c.rms_norm_eps).astype(x.dtype)
-                a, b = (at(p[lora]) for lora in lora_names(name))
-                return project(h, p[name], layer, num_real=num_real) + lora_delta(h, a, b, adapters)
+                bs = [at(p[lora_b(module)]) for module in LORA_MODULES[name]]
+                delta = fuse_outputs(name, lora_delta(h, at(p[lora_a(name)]), bs, adapters), c)
+                return project(h, p[name], layer, num_real=num_real) + delta
 
             qkv = linear(x, "wqkv", "attn_norm")
             if c.attention_bias:

@@ -6,21 +6,22 @@ A PEFT folder holds adapter_config.json and adapter_model.safetensors, whose ten
 (the `base_model.model.` prefix optional, as vLLM reads them) add `scaling * B @ A` to the weight `[out, in]` of
 q/k/v/o_proj and gate/up/down_proj; scaling is `lora_alpha / r`, or `lora_alpha / sqrt(r)` with use_rslora.
 
-Layout. Each projection the adapters add to (`llama.LORA_TARGETS`) gets, over S = max_loras slots padded to rank R
-with zeros, with P the modules fused in it (q/k/v: 3, gate/up: 2, o and down: 1) and C = R * P columns a slot:
-- `{name}_lora_a` `[L, K, S, C]`: slot s's column r * P + p is lora_A row r of its adapter's module p;
-- `{name}_lora_b` `[L, S, C, *N]`: row r * P + p is lora_B column r of module p, times the scaling, laid into the
-  fused weight's output axes `*N` as the loader lays the base weights (`_fuse`: wqkv's
-  `[num_kv_heads, (q_per_kv + 2) * head_dim]`, w_gate_up's `[2, intermediate]`), zeros in the other modules' places.
-So B is block-structured, and the adapters' (HF-ordered) rows land on the base weight's (HF-ordered, a GGUF's Q/K
-rows unpermuted by the loader) features. A slot with no adapter, or an adapter that leaves a module or a layer
-(layers_to_transform) out, is zeros there; an adapter adds only to the projections some adapter targets.
+Layout. Over S = max_loras slots, each adapter padded to rank R with zeros, each projection some adapter adds to
+(`llama.LORA_MODULES`: wqkv of q/k/v_proj, wo of o_proj, w_gate_up of gate/up_proj, w_down of down_proj) gets
+- its A `{name}_lora_a` `[L, K, P, S, R]`, P the modules fused in it: [l, :, p, s, :r] is lora_A transposed of module
+  p of slot s's adapter (zeros if it leaves that module or that layer out: layers_to_transform);
+- a B `{module}_lora_b` `[L, S, R, out]` for each of those modules: [l, s, :r] is its lora_B transposed, times the
+  adapter's scaling.
+The modules' deltas `[T, out]` are then laid into the projection's fused output as the base weights are
+(`llama.fuse_outputs`: a GGUF's Q/K rows are permuted back to HF's order by the loader, so an HF adapter's rows land
+on the features they were trained for).
 
 The mask. A token's delta is `((x @ A) * own) @ B` (`llama.lora_delta`): x `[T, K]` times every slot's A, the
 columns of every slot other than the token's own zeroed (`own`, the one-hot of its slot: all zeros for -1, the base
-model), times B. Two small dense matmuls a projection, whatever the mix of adapters in the batch, and no weights
-gathered per token. x is the projection's input as the base weight multiplies it: the RMSNorm's output for q/k/v and
-gate/up, as PEFT adds LoRA to the normed hidden states.
+model), times each module's B. Dense matmuls of a few columns, whatever the mix of adapters in the batch, and no
+weights gathered per token; each token multiplies all S slots' weights, so the cost grows with max_loras. x is the
+projection's input as the base weight multiplies it: the RMSNorm's output for q/k/v and gate/up, as PEFT adds LoRA
+to the normed hidden states.
 
 Refused, each in one line naming the adapter (`LoraError`), as vLLM refuses it or where Sluice would be wrong: another
 PEFT method than LoRA, DoRA (use_dora), trained biases (bias other than "none", lora_bias), modules_to_save, targets
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from sluice.model.config import ModelConfig, read_json_object
-from sluice.model.llama import LORA_TARGETS, Llama, fuse_qkv, lora_names
+from sluice.model.llama import LORA_MODULES, LORA_PARAMS, Llama, lora_a, lora_b
 from sluice.model.loader import ShardingRule
 from sluice.model.weights import LAYER_TENSORS, expected_shape
 
@@ -55,13 +55,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 MODULES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate", "up_proj": "w_up",
            "down_proj": "w_down"}
 """The modules an adapter may target -> their weight's name in `model.weights` (`LAYER_TENSORS`, `expected_shape`)."""
-FUSED = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",), "w_gate_up": ("gate_proj", "up_proj"),
-         "w_down": ("down_proj",)}
-"""Each projection of `llama.LORA_TARGETS` -> its modules, in the order the columns of a slot cycle through them."""
+MODULE_PATHS = {module: LAYER_TENSORS[weight][1].removesuffix(".weight") for module, weight in MODULES.items()}
+"""Each module -> HF's path of it within a layer ("self_attn.q_proj")."""
 ALL_LINEAR = "all-linear"
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
-_MODULE_PATHS = {LAYER_TENSORS[weight][1].removesuffix(".weight"): module for module, weight in MODULES.items()}
-"""HF's path of each module within a layer ("self_attn.q_proj") -> the module."""
 
 
 class LoraError(ValueError):
@@ -125,7 +121,7 @@ def _check_settings(settings: Mapping[str, Any], refuse: Refuse) -> tuple[int, f
          f"not serve"),
         (settings.get("modules_to_save"),
          f"saves whole modules (modules_to_save {settings.get('modules_to_save')}), which Sluice does not serve"),
-    ] + [(settings.get(key), f"has a {key} (a rank or alpha of its own for some modules), which Sluice does not "
+    ] + [(settings.get(key), f"sets {key} (a rank or alpha of their own for some modules), which Sluice does not "
                              f"serve") for key in ("rank_pattern", "alpha_pattern")]
     for refused, why in unsupported:
         if refused:
@@ -159,7 +155,7 @@ def _targets(target_modules: Any, tensors: Mapping[str, np.ndarray], refuse: Ref
         return targets
     if target_modules == ALL_LINEAR:
         return set(MODULES)
-    return {_MODULE_PATHS.get(match[2]) for match in map(_KEY.fullmatch, tensors) if match} - {None}
+    return {module for module, path in MODULE_PATHS.items() if any(f".{path}.lora_" in key for key in tensors)}
 
 
 def _layers(layers_to_transform: Any, config: ModelConfig, refuse: Refuse) -> list[int]:
@@ -176,31 +172,28 @@ def _stack(tensors: Mapping[str, np.ndarray], modules: set[str], layers: list[in
            config: ModelConfig, refuse: Refuse) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """`LoraAdapter.a` and `.b` of `modules` over `layers` from the file's `tensors`: each of them, and nothing else,
     in the shape the model and `rank` imply."""
-    wanted = {}
+    a, b, wanted = {}, {}, {}  # wanted: each tensor's name -> where it goes, a layer's view [in, r] or [r, out]
     for module in modules:
         out_features, in_features = expected_shape(MODULES[module], config)
-        path = next(path for path, found in _MODULE_PATHS.items() if found == module)
+        a[module] = np.zeros((config.num_layers, in_features, rank), np.float32)
+        b[module] = np.zeros((config.num_layers, rank, out_features), np.float32)
         for layer in layers:
-            prefix = f"model.layers.{layer}.{path}"
-            wanted[prefix + ".lora_A.weight"] = (module, layer, (rank, in_features))
-            wanted[prefix + ".lora_B.weight"] = (module, layer, (out_features, rank))
+            prefix = f"model.layers.{layer}.{MODULE_PATHS[module]}"
+            wanted[prefix + ".lora_A.weight"], wanted[prefix + ".lora_B.weight"] = a[module][layer], b[module][layer]
+    if not wanted:
+        raise refuse(f"adds to none of the modules Sluice serves ({', '.join(MODULES)})")
     found = {key.removeprefix("base_model.model."): tensor for key, tensor in tensors.items()}
     if unserved := sorted(found.keys() - wanted.keys()):
         more = f" and {len(unserved) - 1} more" if len(unserved) > 1 else ""
         raise refuse(f"holds {unserved[0]}{more}, which Sluice does not serve on this {config.num_layers}-layer model "
                      f"(it serves {', '.join(sorted(modules))} on layers {layers})")
-    if not wanted:
-        raise refuse("holds no LoRA weights for the modules Sluice serves")
     if missing := sorted(wanted.keys() - found.keys()):
         raise refuse(f"lacks {missing[0]}, which its adapter_config.json implies")
-    a = {module: np.zeros((config.num_layers, expected_shape(MODULES[module], config)[1], rank), np.float32)
-         for module in modules}
-    b = {module: np.zeros((config.num_layers, rank, expected_shape(MODULES[module], config)[0]), np.float32)
-         for module in modules}
-    for key, (module, layer, shape) in wanted.items():
-        if found[key].shape != shape:
-            raise refuse(f"{key} has shape {list(found[key].shape)}, but the model and r {rank} imply {list(shape)}")
-        (a if key.endswith("lora_A.weight") else b)[module][layer] = found[key].T
+    for key, place in wanted.items():
+        if found[key].T.shape != place.shape:
+            raise refuse(f"{key} has shape {list(found[key].shape)}, but the model and r {rank} imply "
+                         f"{list(place.T.shape)}")
+        place[...] = found[key].T
     return a, b
 
 
@@ -218,7 +211,7 @@ def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: in
         if adapter.rank > max_rank:
             raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}) has rank {adapter.rank}, above the "
                             f"largest served, {max_rank} (max_lora_rank)")
-    for name in (name for weight in LORA_TARGETS for name in lora_names(weight)):
+    for name in LORA_PARAMS:
         if hasattr(model, name):
             delattr(model, name)
     stacks = lora_stacks(adapters, model.config, max_loras, max_rank)
@@ -229,36 +222,20 @@ def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: in
 
 def lora_stacks(adapters: Sequence[LoraAdapter], config: ModelConfig, max_loras: int, max_rank: int
                 ) -> dict[str, np.ndarray]:
-    """The LoRA parameters of `adapters` (module docstring), float32, for the projections any of them targets:
-    `{name}_lora_a` `[L, K, S, C]` and `{name}_lora_b` `[L, S, C, *N]`, S = max_loras, C = max_rank * P."""
-    lead = (config.num_layers, max_loras, max_rank)
+    """The LoRA parameters of `adapters` (module docstring), float32, for the projections any of them adds to."""
     targeted = {module for adapter in adapters for module in adapter.a}
     stacks = {}
-    for fused, modules in FUSED.items():
+    for fused, modules in LORA_MODULES.items():
         if targeted.isdisjoint(modules):
             continue
         in_features = expected_shape(MODULES[modules[0]], config)[1]
-        a = np.zeros((config.num_layers, in_features, *lead[1:], len(modules)), np.float32)  # [L, K, S, R, P]
-        rows = [np.zeros((*lead, expected_shape(MODULES[module], config)[0]), np.float32) for module in modules]
-        for slot, adapter in enumerate(adapters):
-            for part, module in enumerate(modules):
+        a = stacks[lora_a(fused)] = np.zeros((config.num_layers, in_features, len(modules), max_loras, max_rank),
+                                             np.float32)
+        for part, module in enumerate(modules):
+            out_features = expected_shape(MODULES[module], config)[0]
+            b = stacks[lora_b(module)] = np.zeros((config.num_layers, max_loras, max_rank, out_features), np.float32)
+            for slot, adapter in enumerate(adapters):
                 if module in adapter.a:
-                    a[:, :, slot, :adapter.rank, part] = adapter.a[module]
-                    rows[part][:, slot, :adapter.rank] = adapter.b[module] * adapter.scaling
-        # Each module's rows of B laid into the output axes alone, the other modules' places zeros: [L, S, R, P, *N].
-        b = np.stack([_fuse(fused, [r if i == part else np.zeros_like(r) for i, r in enumerate(rows)], config)
-                      for part in range(len(modules))], axis=3)
-        a_name, b_name = lora_names(fused)
-        stacks[a_name] = a.reshape(*a.shape[:3], -1)
-        stacks[b_name] = b.reshape(*lead[:2], -1, *b.shape[4:])
+                    a[:, :, part, slot, :adapter.rank] = adapter.a[module]
+                    b[:, slot, :adapter.rank] = adapter.b[module] * adapter.scaling
     return stacks
-
-
-def _fuse(fused: str, parts: list[np.ndarray], config: ModelConfig) -> np.ndarray:
-    """The modules of projection `fused` (`FUSED`), each `[..., out]` -> `[..., *N]` in its output layout, as the
-    loader lays the base weights (`weights.fuse_projections`)."""
-    if fused == "wqkv":
-        return fuse_qkv(*parts, config)
-    if fused == "w_gate_up":
-        return np.stack(parts, axis=-2)
-    return parts[0]

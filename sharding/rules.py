@@ -14,8 +14,9 @@
   sampling. Splitting it divides the largest tensor of small models (SmolLM2: 113 MB of 540 MB in float32)
   across devices. A vocabulary that tp does not divide is replicated instead.
 - The KV pool is split over KV heads: each device holds only its heads' pages (an int8 pool's scales too).
-- LoRA adapters' A and B are split so that each delta is split as its projection's output: B as the weight's output
-  axes for q/k/v and gate/up, A as its input axis for o and down (the other replicated).
+- LoRA adapters' A and B are split so that each delta is split as its projection's output: the Bs' outputs for
+  q/k/v and gate/up (a module's heads or features in order: each shard's the weight's), A's input for o and down (as
+  the weight's); the other replicated.
 - Norm weights are tiny and replicated.
 Heads are never padded or replicated: tp must divide the KV-head count (and so the query-head count), the MLP
 width and, for packed quantized weights, the number of blocks of inputs of the row-parallel o and down projections
@@ -51,15 +52,15 @@ PARAM_SPECS: dict[str, P] = {
     "wo": P(None, T, None),  # [layers, heads * head_dim, hidden]
     "w_gate_up": P(None, None, None, T),  # [layers, hidden, 2, intermediate]
     "w_down": P(None, T, None),  # [layers, intermediate, hidden]
-    # LoRA (`model.lora`): A [layers, K, slots, columns], B [layers, slots, columns, *N]
+    # LoRA (`model.lora`): A [layers, K, modules, slots, rank], B [layers, slots, rank, out] of each module
     "wqkv_lora_a": P(),
-    "wqkv_lora_b": P(None, None, None, T, None),
     "w_gate_up_lora_a": P(),
-    "w_gate_up_lora_b": P(None, None, None, None, T),
-    "wo_lora_a": P(None, T, None, None),
-    "wo_lora_b": P(),
-    "w_down_lora_a": P(None, T, None, None),
-    "w_down_lora_b": P(),
+    "wo_lora_a": P(None, T, None, None, None),
+    "w_down_lora_a": P(None, T, None, None, None),
+    **dict.fromkeys(("q_proj_lora_b", "k_proj_lora_b", "v_proj_lora_b", "gate_proj_lora_b", "up_proj_lora_b"),
+                    P(None, None, None, T)),  # each module's output split as wqkv's heads, w_gate_up's features
+    "o_proj_lora_b": P(),
+    "down_proj_lora_b": P(),
 }
 VOCAB_SHARDED = {"embed", "lm_head"}
 # [layers, pages, kv_heads, ...]: values [..., page_size, head_dim] and an int8 pool's scales [..., page_size] alike.
