@@ -50,7 +50,7 @@ LORA_MODULES = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",), "w_ga
 
 
 def lora_a(weight: str) -> str:
-    """The name of projection `weight`'s LoRA A, `[L, K, P, S, R]`: P modules, S slots of rank R (`model.lora`)."""
+    """The name of projection `weight`'s LoRA A, `[L, S, K, P, R]`: S slots of P modules of rank R (`model.lora`)."""
     return f"{weight}_lora_a"
 
 
@@ -89,17 +89,45 @@ def scaled(x: jax.Array, factor: float) -> jax.Array:
     return x if factor == 1.0 else x * factor
 
 
-def lora_delta(x: jax.Array, a: jax.Array, bs: list[jax.Array], adapters: jax.Array) -> list[jax.Array]:
+def lora_delta(x: jax.Array, a: jax.Array, bs: list[jax.Array], adapters: jax.Array, layer: jax.Array | None,
+               slot: jax.Array | None = None) -> list[jax.Array]:
     """Each token's LoRA delta from its adapter's slot, for each of the P modules of a projection. x: [T, K] (the
-    projection's input, normalized as the base weight sees it), a: [K, P, S, R], bs: P arrays [S, R, out] (S slots of
-    rank R, `model.lora`), adapters: [T] int32, each token's slot (-1: none) -> P arrays [T, out] in x's dtype. Every
-    token multiplies every slot's A (one small dense matmul, whatever the mix of adapters), and the columns of the
-    slots not its own are zeroed before the Bs."""
-    own = jax.nn.one_hot(adapters, a.shape[2], dtype=jnp.float32)  # [T, S]; a row of zeros for -1
-    h = jnp.einsum("tk,kpsr->tpsr", x, a, preferred_element_type=jnp.float32) * own[:, None, :, None]
+    projection's input, normalized as the base weight sees it), a: [S, K, P, R], bs: P arrays [S, R, out] (S slots of
+    rank R, `model.lora`), or their stacks `[L, ...]` with `layer` the index into them; adapters: [T] int32, each
+    token's slot (-1: none) -> P arrays [T, out] in x's dtype.
+
+    Every token multiplies every slot's A (one small dense matmul, whatever the mix of adapters), and the columns of
+    the slots not its own are zeroed before the Bs. With `slot` given, the tokens use that adapter or none, and its
+    slot's weights alone are read."""
+    at = (lambda w: w) if layer is None else (lambda w: w[layer])
+    if slot is not None:
+        # One index of both axes: XLA then reads the slot's weights in place of a copy of the layer's slots.
+        one = (lambda w: w[slot]) if layer is None else (lambda w: w[layer, slot])
+        own = (adapters == slot).astype(jnp.float32)[:, None, None]
+        h = (jnp.einsum("tk,kpr->tpr", x, one(a), preferred_element_type=jnp.float32) * own).astype(a.dtype)
+        return [jnp.dot(h[:, part], one(b), preferred_element_type=jnp.float32).astype(x.dtype)
+                for part, b in enumerate(bs)]
+    own = jax.nn.one_hot(adapters, a.shape[-4], dtype=jnp.float32)  # [T, S]; a row of zeros for -1
+    h = jnp.einsum("tk,skpr->tpsr", x, at(a), preferred_element_type=jnp.float32) * own[:, None, :, None]
     h = h.astype(a.dtype)
-    return [jnp.einsum("tsr,sro->to", h[:, part], b, preferred_element_type=jnp.float32).astype(x.dtype)
+    return [jnp.einsum("tsr,sro->to", h[:, part], at(b), preferred_element_type=jnp.float32).astype(x.dtype)
             for part, b in enumerate(bs)]
+
+
+def with_lora(plain: Callable[[], jax.Array], adapted: Callable[[jax.Array | None], jax.Array],
+              adapters: jax.Array) -> jax.Array:
+    """A projection's output for tokens of LoRA `adapters` ([T] int32, -1: none): `plain()` without LoRA, or
+    `adapted(slot)` with its delta (`lora_delta`'s `slot`). On a CPU the delta costs as many milliseconds a step as
+    the slots' float weights take to read, so the step's tokens choose: no adapter, the plain projection (its input
+    normalized inside the CPU kernels); one, that slot's weights alone; several, every slot's. Elsewhere every slot's
+    always: a branch on the device would stall the step for the host, and the slots' weights are small beside the
+    model's."""
+    def by_adapters() -> jax.Array:
+        slot = jnp.max(adapters)
+        branch = jnp.where(slot < 0, 0, jnp.where(jnp.all((adapters == slot) | (adapters < 0)), 1, 2))
+        return jax.lax.switch(branch, [plain, lambda: adapted(slot), lambda: adapted(None)])
+
+    return jax.lax.platform_dependent(cpu=by_adapters, default=lambda: adapted(None))
 
 
 def fuse_outputs(weight: str, parts: list[jax.Array], config: ModelConfig) -> jax.Array:
@@ -245,14 +273,20 @@ class Llama(nnx.Module):
             def linear(x: jax.Array, name: str, norm: str | None = None) -> jax.Array:
                 """x [T, K] through projection `name`, normalized first by the RMSNorm weights `norm` if given, plus
                 its LoRA delta if it has one."""
-                if adapters is None or lora_a(name) not in p:
+                def plain() -> jax.Array:
                     rms = None if norm is None else RmsNorm(p[norm], c.rms_norm_eps)
                     return project(x, p[name], layer, norm=rms, num_real=num_real)
-                # Normalized once, here: the LoRA delta multiplies what the base weight does.
-                h = x if norm is None else rms_norm(x, at(p[norm]), c.rms_norm_eps).astype(x.dtype)
-                bs = [at(p[lora_b(module)]) for module in LORA_MODULES[name]]
-                delta = fuse_outputs(name, lora_delta(h, at(p[lora_a(name)]), bs, adapters), c)
-                return project(h, p[name], layer, num_real=num_real) + delta
+
+                def adapted(slot: jax.Array | None) -> jax.Array:
+                    # Normalized once, here: the LoRA delta multiplies what the base weight does.
+                    h = x if norm is None else rms_norm(x, at(p[norm]), c.rms_norm_eps).astype(x.dtype)
+                    bs = [p[lora_b(module)] for module in LORA_MODULES[name]]
+                    delta = lora_delta(h, p[lora_a(name)], bs, adapters, layer, slot)
+                    return project(h, p[name], layer, num_real=num_real) + fuse_outputs(name, delta, c)
+
+                if adapters is None or lora_a(name) not in p:
+                    return plain()
+                return with_lora(plain, adapted, adapters)
 
             qkv = linear(x, "wqkv", "attn_norm")
             if c.attention_bias:

@@ -8,7 +8,7 @@ q/k/v/o_proj and gate/up/down_proj; scaling is `lora_alpha / r`, or `lora_alpha 
 
 Layout. Over S = max_loras slots, each adapter padded to rank R with zeros, each projection some adapter adds to
 (`llama.LORA_MODULES`: wqkv of q/k/v_proj, wo of o_proj, w_gate_up of gate/up_proj, w_down of down_proj) gets
-- its A `{name}_lora_a` `[L, K, P, S, R]`, P the modules fused in it: [l, :, p, s, :r] is lora_A transposed of module
+- its A `{name}_lora_a` `[L, S, K, P, R]`, P the modules fused in it: [l, s, :, p, :r] is lora_A transposed of module
   p of slot s's adapter (zeros if it leaves that module or that layer out: layers_to_transform);
 - a B `{module}_lora_b` `[L, S, R, out]` for each of those modules: [l, s, :r] is its lora_B transposed, times the
   adapter's scaling.
@@ -19,9 +19,10 @@ on the features they were trained for).
 The mask. A token's delta is `((x @ A) * own) @ B` (`llama.lora_delta`): x `[T, K]` times every slot's A, the
 columns of every slot other than the token's own zeroed (`own`, the one-hot of its slot: all zeros for -1, the base
 model), times each module's B. Dense matmuls of a few columns, whatever the mix of adapters in the batch, and no
-weights gathered per token; each token multiplies all S slots' weights, so the cost grows with max_loras. x is the
-projection's input as the base weight multiplies it: the RMSNorm's output for q/k/v and gate/up, as PEFT adds LoRA
-to the normed hidden states.
+weights gathered per token; each token multiplies all S slots' weights, so the cost grows with max_loras. On a CPU
+a step's tokens choose (`llama.with_lora`): of no adapter, the plain projections; of one, that slot's weights alone
+(slot-major A, so they are contiguous). x is the projection's input as the base weight multiplies it: the RMSNorm's
+output for q/k/v and gate/up, as PEFT adds LoRA to the normed hidden states.
 
 Refused, each in one line naming the adapter (`LoraError`), as vLLM refuses it or where Sluice would be wrong: another
 PEFT method than LoRA, DoRA (use_dora), trained biases (bias other than "none", lora_bias), modules_to_save, targets
@@ -229,13 +230,13 @@ def lora_stacks(adapters: Sequence[LoraAdapter], config: ModelConfig, max_loras:
         if targeted.isdisjoint(modules):
             continue
         in_features = expected_shape(MODULES[modules[0]], config)[1]
-        a = stacks[lora_a(fused)] = np.zeros((config.num_layers, in_features, len(modules), max_loras, max_rank),
+        a = stacks[lora_a(fused)] = np.zeros((config.num_layers, max_loras, in_features, len(modules), max_rank),
                                              np.float32)
         for part, module in enumerate(modules):
             out_features = expected_shape(MODULES[module], config)[0]
             b = stacks[lora_b(module)] = np.zeros((config.num_layers, max_loras, max_rank, out_features), np.float32)
             for slot, adapter in enumerate(adapters):
                 if module in adapter.a:
-                    a[:, :, part, slot, :adapter.rank] = adapter.a[module]
+                    a[:, slot, :, part, :adapter.rank] = adapter.a[module]
                     b[:, slot, :adapter.rank] = adapter.b[module] * adapter.scaling
     return stacks

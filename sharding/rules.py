@@ -52,11 +52,11 @@ PARAM_SPECS: dict[str, P] = {
     "wo": P(None, T, None),  # [layers, heads * head_dim, hidden]
     "w_gate_up": P(None, None, None, T),  # [layers, hidden, 2, intermediate]
     "w_down": P(None, T, None),  # [layers, intermediate, hidden]
-    # LoRA (`model.lora`): A [layers, K, modules, slots, rank], B [layers, slots, rank, out] of each module
+    # LoRA (`model.lora`): A [layers, slots, K, modules, rank], B [layers, slots, rank, out] of each module
     "wqkv_lora_a": P(),
     "w_gate_up_lora_a": P(),
-    "wo_lora_a": P(None, T, None, None, None),
-    "w_down_lora_a": P(None, T, None, None, None),
+    "wo_lora_a": P(None, None, T, None, None),
+    "w_down_lora_a": P(None, None, T, None, None),
     **dict.fromkeys(("q_proj_lora_b", "k_proj_lora_b", "v_proj_lora_b", "gate_proj_lora_b", "up_proj_lora_b"),
                     P(None, None, None, T)),  # each module's output split as wqkv's heads, w_gate_up's features
     "o_proj_lora_b": P(),
