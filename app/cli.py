@@ -70,6 +70,7 @@ BENCHMARKS = {
     "routing": "sluice serve --replicas: prefix-aware routing against round-robin on a shared-prefix workload",
     "soak": "a mixed load for --minutes M with a SIGKILL and restart halfway: lost requests, 5xx, RSS, KV pages",
     "prefix_restart": "TTFT of long prompts before and after a restart, with the persistent prefix cache",
+    "lora": "the same requests without LoRA, with adapters on the device unused, and spread over them: tok/s, TPOT",
 }
 
 
