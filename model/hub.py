@@ -3,6 +3,8 @@ reads) or `ORG/NAME:QUANT` (the one GGUF file of that quant type in a GGUF repos
 (`HF_HOME`, `HF_HUB_CACHE`, or a `--download-dir`), as vLLM keeps them: a branch or tag is asked of the Hub for its
 commit, whose files are downloaded if the cache lacks them, and the cached copy is served if the Hub cannot be reached
 or refuses; a commit found there, or any revision while HF_HUB_OFFLINE is set, is served with no network at all.
+A PEFT adapter's repository (`--lora-modules NAME=ORG/NAME`, as vLLM takes one) is kept the same way at its default
+branch (`download_adapter`): its two files that model/lora.py reads.
 
 gguf and huggingface_hub are imported by the functions that use them, as model/weights.py imports gguf: an engine
 that serves no Hub id (the GPU image has no gguf) tells one from a path with `is_hub_id` alone."""
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ID = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*")  # vLLM's
@@ -25,6 +30,10 @@ FOLDER_FILES = ["config.json", "generation_config.json", "tokenizer.json", "toke
 # checkpoint, which vLLM leaves out with "original/**/*") and Mistral's consolidated.safetensors (the same weights in
 # Mistral's names, which the index leaves out).
 FOLDER_IGNORED = ["*/*", "consolidated*.safetensors"]
+# What reading a PEFT adapter opens: model/lora.py's CONFIG_FILE and WEIGHTS_FILE (named again here, as model/lora.py
+# imports model/loader.py, which imports this module). Names with no wildcard match the top folder's files alone, not
+# a training run's checkpoint-*/ folders.
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
 
 # vLLM's size suffixes of a GGML type in GGUF file names (Q4_K_M is a Q4_K).
 SIZE_SUFFIXES = ("_M", "_S", "_L", "_XL", "_XS", "_XXS")
@@ -36,6 +45,31 @@ class HubError(RuntimeError):
     """A model id the Hub cannot give; the message, one line, names the id and says what to do."""
 
 
+@dataclass(frozen=True)
+class Wanted:
+    """What Sluice reads of a kind of Hub repository: the files downloaded (`patterns` less `ignored`, as
+    snapshot_download's allow_patterns and ignore_patterns), whether a snapshot `holds` enough of them to be read,
+    what that is (`needed`, as an error says it) and what a repository without it is told (`otherwise`)."""
+
+    patterns: list[str]
+    ignored: list[str]
+    holds: Callable[[Path], bool]
+    needed: str
+    otherwise: str
+
+
+MODEL = Wanted(FOLDER_FILES, FOLDER_IGNORED,
+               holds=lambda folder: (folder / "config.json").is_file() and any(folder.glob("*.safetensors")),
+               needed="config.json with *.safetensors",
+               otherwise="Sluice reads safetensors or GGUF (a GGUF repository's file is named by its quant type, as "
+                         "ORG/NAME-GGUF:Q4_K_M)")
+ADAPTER = Wanted(ADAPTER_FILES, [],
+                 holds=lambda folder: all((folder / name).is_file() for name in ADAPTER_FILES),
+                 needed=" with ".join(ADAPTER_FILES),
+                 otherwise="it is no PEFT adapter that Sluice reads (one saved as adapter_model.bin, a pickle: "
+                           "convert it to safetensors)")
+
+
 def is_hub_id(model: str) -> bool:
     """Whether `model` reads as a Hub model id, `ORG/NAME` or `ORG/NAME:QUANT` (a local path is looked for first)."""
     return REPO_ID.fullmatch(model) is not None or GGUF_ID.fullmatch(model) is not None
@@ -45,50 +79,60 @@ def download(model: str, revision: str | None = None, download_dir: str | None =
     """The local path of Hub model `model` at `revision` (None: the default branch): its snapshot folder, or for
     `ORG/NAME:QUANT` its GGUF file, kept in the HF cache (`download_dir`, else huggingface_hub's) as the module's
     docstring tells; HubError if neither the Hub nor the cache can give it."""
+    with _said_in_one_line(model, revision, download_dir):
+        if (gguf_id := GGUF_ID.fullmatch(model)) is not None:
+            return _gguf_file(model, *gguf_id.groups(), revision, download_dir)
+        return _folder(model, revision, download_dir, MODEL)
+
+
+def download_adapter(repo_id: str, download_dir: str | None = None) -> Path:
+    """The snapshot folder of the PEFT adapter `repo_id` at its default branch, holding ADAPTER_FILES, kept in the HF
+    cache as `download` keeps a model's folder; HubError if neither the Hub nor the cache can give it, or the
+    repository is no PEFT adapter in safetensors."""
+    with _said_in_one_line(repo_id, None, download_dir):
+        return _folder(repo_id, None, download_dir, ADAPTER)
+
+
+@contextmanager
+def _said_in_one_line(model: str, revision: str | None, download_dir: str | None) -> Iterator[None]:
+    """Any error getting `model` raised as a HubError of one line that names it."""
     from huggingface_hub import constants
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import httpx  # httpx or httpx2, whichever this huggingface_hub runs on
 
-    cache = download_dir or constants.HF_HUB_CACHE
     try:
-        if (gguf_id := GGUF_ID.fullmatch(model)) is not None:
-            return _gguf_file(model, *gguf_id.groups(), revision, download_dir)
-        return _folder(model, revision, download_dir)
+        yield
     except HubError:
         raise
     except (OSError, HFValidationError, httpx.TransportError) as error:
-        raise _refusal(model, revision, cache, error) from None
+        raise _refusal(model, revision, download_dir or constants.HF_HUB_CACHE, error) from None
     except Exception as error:  # hf_xet's RuntimeErrors, the ValueError asking to install hf_xet, ...
         first_line = next(iter(str(error).strip().splitlines()), "")
         raise HubError(f"cannot download {model}: {type(error).__name__}: {first_line}") from None
 
 
-def _folder(model: str, revision: str | None, download_dir: str | None) -> Path:
+def _folder(model: str, revision: str | None, download_dir: str | None, wanted: Wanted) -> Path:
+    """The snapshot folder of `model` at `revision` holding the files `wanted`, from the HF cache or the Hub."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     if _cache_first(revision):
         try:
-            cached = _cached_snapshot(model, revision, download_dir, FOLDER_FILES, FOLDER_IGNORED)
+            cached = _cached_snapshot(model, revision, download_dir, wanted.patterns, wanted.ignored)
         except LocalEntryNotFoundError:
             if constants.HF_HUB_OFFLINE:
                 raise
             cached = None
-        if cached is not None and _holds_a_model(cached):
+        if cached is not None and wanted.holds(cached):
             return cached
         if constants.HF_HUB_OFFLINE:
             raise _incomplete(model, revision, cached, "HF_HUB_OFFLINE is set: unset it to complete the download "
-                              "(it holds no config.json with *.safetensors)")
-    folder = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=FOLDER_FILES,
-                                    ignore_patterns=FOLDER_IGNORED))
-    if not _holds_a_model(folder):
-        raise HubError(f"{model} holds no config.json with *.safetensors: Sluice reads safetensors or GGUF (a GGUF "
-                       f"repository's file is named by its quant type, as ORG/NAME-GGUF:Q4_K_M)")
+                              f"(it holds no {wanted.needed})")
+    folder = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=wanted.patterns,
+                                    ignore_patterns=wanted.ignored))
+    if not wanted.holds(folder):
+        raise HubError(f"{model} holds no {wanted.needed}: {wanted.otherwise}")
     return folder
-
-
-def _holds_a_model(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
 def _gguf_file(model: str, repo_id: str, quant_type: str, revision: str | None, download_dir: str | None) -> Path:

@@ -1,7 +1,8 @@
 """A Hugging Face Hub model id, as `vllm serve ORG/NAME` takes it: a branch asked of the Hub and downloaded into the
 HF cache (only the files Sluice reads), the cached copy served (as vLLM or transformers left it there) where the Hub
 cannot be asked, a commit there with no network; at --revision, in --download-dir; `ORG/NAME-GGUF:QUANT`, the one GGUF
-file of that quant type; and each way neither the Hub nor the cache can give one, said in one line. The Hub is a fake
+file of that quant type; and each way neither the Hub nor the cache can give one, said in one line. A PEFT adapter's
+repository, as `--lora-modules NAME=ORG/NAME` names it (`download_adapter`), by the same rules. The Hub is a fake
 one on localhost (`FakeHub`). Most tests run `sluice fetch` in this process, huggingface_hub's settings patched as its
 environment variables would set them (`hf_hub_here`); two run it as a command, for its exit code and no traceback."""
 
@@ -25,7 +26,8 @@ from huggingface_hub.file_download import repo_folder_name
 from hf_folder import write_hf_folder
 from sluice.model.config import ModelConfig
 from sluice.model.fetch import ModelNotFound, resolve_model
-from sluice.model.hub import HubError, choose_gguf
+from sluice.model.hub import HubError, choose_gguf, download_adapter
+from sluice.model.lora import CONFIG_FILE, WEIGHTS_FILE
 
 SLUICE = [sys.executable, "-m", "sluice.app.cli"]
 MAIN_COMMIT = "1" * 40
@@ -34,6 +36,11 @@ CONFIG = ModelConfig.tiny(vocab_size=300)
 V2_CONFIG = ModelConfig.tiny(vocab_size=300, num_layers=3)
 # What a Hub repository of a model holds besides the files Sluice reads.
 UNREAD = {"README.md": b"# a model card", "pytorch_model.bin": b"pickled weights", ".gitattributes": b"*.bin lfs"}
+# A PEFT adapter's files that model/lora.py reads (their bytes are not read here), and what a PEFT training run pushes
+# besides them: the same adapter pickled, its checkpoints' folders.
+ADAPTER = {CONFIG_FILE: b'{"peft_type": "LORA"}', WEIGHTS_FILE: b"safetensors"}
+ADAPTER_UNREAD = {**UNREAD, "adapter_model.bin": b"pickled adapter", "training_args.bin": b"pickled arguments",
+                  f"checkpoint-500/{CONFIG_FILE}": b"{}", f"checkpoint-500/{WEIGHTS_FILE}": b"safetensors 500"}
 
 
 @dataclass
@@ -542,3 +549,74 @@ def test_the_engine_imports_without_gguf_or_huggingface_hub():
 def test_a_path_that_is_not_there_and_no_hub_id_is_not_looked_up(tmp_path):
     with pytest.raises(ModelNotFound, match="not found: pass a .gguf file"):
         resolve_model(str(tmp_path / "no" / "such" / "model"))
+
+
+def test_an_adapter_repository_downloads_only_the_adapter_files(hub, tmp_path):
+    """As vLLM's `--lora-modules sql=org/sql-lora`: not the README, the pickled copy, nor the checkpoints' folders."""
+    hub.repos["org/sql-lora"] = FakeRepo({**ADAPTER, **ADAPTER_UNREAD})
+    snapshot = download_adapter("org/sql-lora", str(tmp_path / "cache"))
+    assert snapshot == tmp_path / "cache" / "models--org--sql-lora" / "snapshots" / MAIN_COMMIT
+    assert {str(path.relative_to(snapshot)): path.read_bytes() for path in snapshot.rglob("*")} == ADAPTER
+    assert sorted(downloads(hub.requests)) == sorted(f"GET /org/sql-lora/resolve/{MAIN_COMMIT}/{name}"
+                                                     for name in ADAPTER)
+
+
+def test_an_adapter_branch_is_asked_of_the_hub_and_its_new_commit_downloaded(hub, tmp_path):
+    cache = tmp_path / "cache"
+    write_cached_snapshot(cache, "org/sql-lora", ADAPTER, MAIN_COMMIT)
+    hub.repos["org/sql-lora"] = FakeRepo({**ADAPTER, WEIGHTS_FILE: b"safetensors new"}, commit=NEW_COMMIT)
+    assert (download_adapter("org/sql-lora", str(cache)) / WEIGHTS_FILE).read_bytes() == b"safetensors new"
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["offline", "unreachable"])
+def test_a_cached_adapter_is_served_where_the_hub_cannot_be_asked(tmp_path, monkeypatch, offline):
+    snapshot = write_cached_snapshot(tmp_path / "cache", "org/sql-lora", ADAPTER, MAIN_COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    assert download_adapter("org/sql-lora", str(tmp_path / "cache")) == snapshot
+
+
+def test_an_adapter_is_downloaded_into_the_hf_cache_of_the_environment_by_default(hub, tmp_path):
+    hub.repos["org/sql-lora"] = FakeRepo(ADAPTER)
+    cache = Path(constants.HF_HUB_CACHE)
+    assert download_adapter("org/sql-lora") == cache / "models--org--sql-lora" / "snapshots" / MAIN_COMMIT
+
+
+def adapter_error(repo_id: str, download_dir: Path) -> str:
+    """The message of the HubError `download_adapter` raises, which is one line."""
+    with pytest.raises(HubError) as raised:
+        download_adapter(repo_id, str(download_dir))
+    assert "\n" not in str(raised.value)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(("hub_is", "words"), [
+    ("offline", "org/sql-lora is not in the HF cache ({cache}) and HF_HUB_OFFLINE is set: unset it"),
+    ("unreachable",
+     f"cannot reach the Hugging Face Hub ({CLOSED}) for org/sql-lora, which is not in the HF cache ({{cache}})"),
+])
+def test_an_adapter_in_no_cache_where_the_hub_cannot_be_asked_is_a_one_line_error(tmp_path, monkeypatch, hub_is,
+                                                                                   words):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", hub_is == "offline")
+    cache = tmp_path / "cache"
+    assert adapter_error("org/sql-lora", cache).startswith(words.replace("{cache}", str(cache)))
+
+
+def test_a_cached_adapter_without_its_weights_is_said_to_be_incomplete_offline(tmp_path, monkeypatch):
+    """A snapshot with no listing of its commit's files, where only the files there tell it is incomplete."""
+    snapshot = write_cached_snapshot(tmp_path / "cache", "org/sql-lora", {CONFIG_FILE: ADAPTER[CONFIG_FILE]},
+                                     MAIN_COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert adapter_error("org/sql-lora", tmp_path / "cache") == (
+        f"the HF cache's copy of org/sql-lora ({snapshot}) is incomplete and HF_HUB_OFFLINE is set: unset it to "
+        f"complete the download (it holds no adapter_config.json with adapter_model.safetensors)")
+
+
+@pytest.mark.parametrize("repo_id", ["org/tiny", "org/bin-lora"])
+def test_a_repository_that_is_no_peft_adapter_in_safetensors_is_refused_in_one_line(hub, tmp_path, repo_id):
+    """A model named where an adapter is, or an adapter saved only as a pickle: nothing is downloaded."""
+    hub.repos["org/tiny"] = FakeRepo({**model_files(tmp_path / "model", CONFIG), **UNREAD})
+    hub.repos["org/bin-lora"] = FakeRepo({**ADAPTER_UNREAD})
+    assert adapter_error(repo_id, tmp_path / "cache") == (
+        f"{repo_id} holds no adapter_config.json with adapter_model.safetensors: it is no PEFT adapter that Sluice "
+        f"reads (one saved as adapter_model.bin, a pickle: convert it to safetensors)")
+    assert downloads(hub.requests) == []
