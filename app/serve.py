@@ -30,6 +30,7 @@ from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU
 from sluice.batching.engine import Engine
 from sluice.pallas_kernels.attention import BACKENDS
 from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model
+from sluice.model.hub import is_hub_id
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
@@ -144,8 +145,9 @@ def speculative_config(text: str) -> dict[str, Any]:
 
 def lora_module(text: str) -> tuple[str, str]:
     """One of vLLM's `--lora-modules`: `NAME=PATH`, or the JSON `{"name": NAME, "path": PATH}` (vLLM's
-    `base_model_name` key is taken and unused: the base is the served model) -> (name, absolute path: a Ray replica
-    reads it from a working directory of its own)."""
+    `base_model_name` key is taken and unused: the base is the served model) -> (name, path): a Hub id (ORG/NAME)
+    where no such local path is, else the path made absolute (a Ray replica reads it from a working directory of its
+    own)."""
     if text.lstrip().startswith("{"):
         value = json_object(text, '{"name": "sql", "path": "/adapters/sql"}')
         if unknown := sorted(set(value) - {"name", "path", "base_model_name"}):
@@ -156,7 +158,9 @@ def lora_module(text: str) -> tuple[str, str]:
         name, _, path = text.partition("=")
     if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
         raise argparse.ArgumentTypeError(f"not NAME=PATH nor a JSON {{\"name\", \"path\"}}: {text!r}")
-    return name.strip(), str(Path(path.strip()).expanduser().absolute())
+    path = path.strip()
+    local = Path(path).expanduser()
+    return name.strip(), path if is_hub_id(path) and not local.exists() else str(local.absolute())
 
 
 def lora_modules(text: str) -> tuple[tuple[str, str], ...]:
@@ -352,13 +356,16 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
     _switch(parser, "--enable-lora", "serve LoRA adapters (implied by --lora-modules)")
     parser.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=None,
                         metavar="NAME=PATH",
-                        help="LoRA adapters (PEFT folders) served beside the model, each under its NAME, which a "
-                             "request gives as its `model`; also JSON {\"name\": ..., \"path\": ...} as vLLM's "
-                             "[env SLUICE_LORA_MODULES: NAME=PATH items apart by spaces]")
+                        help="LoRA adapters (PEFT folders, or Hub ids ORG/NAME) served beside the model, each under "
+                             "its NAME, which a request gives as its `model`; also JSON {\"name\": ..., \"path\": "
+                             "...} as vLLM's [env SLUICE_LORA_MODULES: NAME=PATH items apart by spaces]")
     _option(parser, "--max-loras", None, "LoRA adapter slots on the device (default: one per --lora-modules adapter)",
             type=at_least(1, int))
     _option(parser, "--max-lora-rank", None, "largest LoRA rank served; each adapter is padded to it (default: the "
             "largest --lora-modules adapter's)", type=at_least(1, int))
+    parser.add_argument("--max-cpu-loras", type=at_least(1, int), default=None,
+                        help="vLLM's count of adapters kept in host memory; Sluice keeps every adapter on the device: "
+                             "accepted so that vLLM's command lines run")
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--gpu-memory-utilization", None,

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
+from pathlib import Path
 from typing import Callable
 
 import jax
@@ -52,6 +53,7 @@ from sluice.batching.sequence import Sequence, SequenceStatus
 from sluice.batching.speculation import Speculator
 from sluice.batching.stats import EngineStats, StepStats, StepTotals
 from sluice.batching.structured import GrammarCompiler
+from sluice.model import hub
 from sluice.model.loader import LoadedModel, load_model
 from sluice.model.lora import LoraError, attach_adapters, load_adapter
 from sluice.model.roofline import StepCost
@@ -114,13 +116,22 @@ def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) ->
         raise InvalidEngineConfig("lora_modules", f"names an adapter {loaded.name!r}, the model's own name: a request "
                                                   f"for it could not be told from one for the model")
     try:
-        adapters = [load_adapter(name, path, loaded.config) for name, path in config.lora_modules]
+        adapters = [load_adapter(name, adapter_folder(path, config.download_dir), loaded.config)
+                    for name, path in config.lora_modules]
         max_rank = config.max_lora_rank or max((a.rank for a in adapters), default=DEFAULT_MAX_LORA_RANK)
         attach_adapters(loaded.model, adapters, config.max_loras or max(1, len(adapters)), max_rank,
                         partial(param_sharding, mesh) if mesh is not None else None)
-    except LoraError as error:
+    except (LoraError, hub.HubError) as error:
         raise InvalidEngineConfig("lora_modules", str(error)) from None
     return {adapter.name: LoraRequest(adapter.name, slot, adapter.fingerprint) for slot, adapter in enumerate(adapters)}
+
+
+def adapter_folder(path: str, download_dir: str | None) -> str:
+    """A `--lora-modules` path: a local folder, or a Hub id's snapshot of its adapter files (HubError if the Hub and
+    the cache cannot give it)."""
+    if Path(path).is_dir() or not hub.is_hub_id(path):
+        return path
+    return str(hub.download_adapter(path, download_dir))
 
 
 def _describe(error: BaseException) -> str:

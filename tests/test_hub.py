@@ -23,13 +23,17 @@ import pytest
 from huggingface_hub import constants
 from huggingface_hub.file_download import repo_folder_name
 
+from golden_checks import (assert_completion_gives_case, copy_with_tokenizer, golden_engine, golden_params,
+                           home)  # noqa: F401 (home: a fixture)
 from hf_folder import write_hf_folder
 from sluice.model.config import ModelConfig
 from sluice.model.fetch import ModelNotFound, resolve_model
 from sluice.model.hub import HubError, choose_gguf, download_adapter
-from sluice.model.lora import CONFIG_FILE, WEIGHTS_FILE
+from sluice.model.loader import load_model
+from sluice.model.lora import CONFIG_FILE, WEIGHTS_FILE, load_adapter
 
 SLUICE = [sys.executable, "-m", "sluice.app.cli"]
+DATA = Path(__file__).parent / "data"
 MAIN_COMMIT = "1" * 40
 V2_COMMIT = "2" * 40
 CONFIG = ModelConfig.tiny(vocab_size=300)
@@ -620,3 +624,17 @@ def test_a_repository_that_is_no_peft_adapter_in_safetensors_is_refused_in_one_l
         f"{repo_id} holds no adapter_config.json with adapter_model.safetensors: it is no PEFT adapter that Sluice "
         f"reads (one saved as adapter_model.bin, a pickle: convert it to safetensors)")
     assert downloads(hub.requests) == []
+
+
+def test_an_engine_serves_an_adapter_named_by_its_hub_id(hub, home, tmp_path):
+    """`--lora-modules sql=org/tiny-lora`: the engine downloads the adapter and serves it as PEFT computes it."""
+    adapter = DATA / "tiny_lora" / "all_modules"
+    hub.repos["org/tiny-lora"] = FakeRepo({name: (adapter / name).read_bytes() for name in ADAPTER})
+    golden = json.loads((DATA / "tiny_lora" / "golden.json").read_text())
+    model = copy_with_tokenizer(DATA / "tiny_llama3", tmp_path, vocab_size=320)
+    engine = golden_engine(load_model(str(model), dtype="float32"), enable_lora=True,
+                           lora_modules=(("sql", "org/tiny-lora"),))
+    case = golden["adapters"]["all_modules"]["cases"][1]
+    [[output]] = engine.generate([case["prompt_ids"]], golden_params(golden, lora=engine.adapters["sql"]))
+    assert_completion_gives_case(output, case)
+    assert engine.adapters["sql"].fingerprint == load_adapter("sql", adapter, engine.runner.config).fingerprint

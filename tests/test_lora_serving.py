@@ -129,11 +129,18 @@ def serve(engine: Engine, scenario, **settings):
 @pytest.mark.parametrize(("text", "module"), [
     ("sql=/adapters/sql", ("sql", "/adapters/sql")),
     ("a=/b=c", ("a", "/b=c")),
-    ("rel=adapters/sql", ("rel", str(Path.cwd() / "adapters/sql"))),
     ('{"name": "sql", "path": "/adapters/sql", "base_model_name": "org/base"}', ("sql", "/adapters/sql")),
+    ("hub=org/sql-lora", ("hub", "org/sql-lora")),  # a Hub id where no such local path is
 ])
 def test_a_lora_module_is_name_equals_path_or_vllms_json(text, module):
     assert lora_module(text) == module
+
+
+def test_a_relative_lora_path_is_made_absolute_for_a_replica_that_reads_it_elsewhere(tmp_path, monkeypatch):
+    (tmp_path / "org" / "sql-lora").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert lora_module("sql=org/sql-lora") == ("sql", str(tmp_path / "org" / "sql-lora"))
+    assert lora_module("sql=./missing") == ("sql", str(tmp_path / "missing"))
 
 
 @pytest.mark.parametrize(("text", "words"), [
