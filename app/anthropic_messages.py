@@ -72,8 +72,8 @@ async def create_message(request: Request) -> Response:
     params, windowed = _within_the_window(chat.params, engine.max_model_len - len(chat.prompt.token_ids))
     message_id = f"msg_{uuid.uuid4().hex}"
     eager = frozenset(tool.name for tool in body.tools if tool.eager_input_streaming)
-    builder = MessageBuilder(message_id, state.served_name(body.model), len(chat.prompt.token_ids), chat.calling, chat.reasoning,
-                             eager, engine.tokenizer, windowed)
+    builder = MessageBuilder(message_id, state.served_name(body.model), len(chat.prompt.token_ids), chat.calling,
+                             chat.reasoning, eager, engine.tokenizer, windowed)
     grammar = _ANTHROPIC_FIELD.get(chat.grammar_field, chat.grammar_field)
     generation = await start_generation(request, state, [chat.prompt.token_ids], params, message_id, arrival,
                                         body.model, grammar_param=grammar)

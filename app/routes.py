@@ -125,8 +125,8 @@ async def create_chat_completion(request: Request) -> Response:
     state, engine, body = await parse_body(request, ChatCompletionRequest)
     chat = await plan_chat(state, engine, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    builder = ChatBuilder(request_id, state.served_name(body.model), engine.tokenizer, body, chat.prompt.token_ids, chat.calling,
-                          chat.reasoning)
+    builder = ChatBuilder(request_id, state.served_name(body.model), engine.tokenizer, body, chat.prompt.token_ids,
+                          chat.calling, chat.reasoning)
     generation = await start_generation(request, state, [chat.prompt.token_ids], chat.params, request_id, arrival,
                                         body.model, "messages", chat.grammar_field)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)

@@ -359,8 +359,8 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
                         help="LoRA adapters (PEFT folders, or Hub ids ORG/NAME) served beside the model, each under "
                              "its NAME, which a request gives as its `model`; also JSON {\"name\": ..., \"path\": "
                              "...} as vLLM's [env SLUICE_LORA_MODULES: NAME=PATH items apart by spaces]")
-    _option(parser, "--max-loras", None, "LoRA adapter slots on the device (default: one per --lora-modules adapter)",
-            type=at_least(1, int))
+    _option(parser, "--max-loras", None, "LoRA adapter slots on the device, at least one per --lora-modules adapter "
+            "(every adapter stays on the device, and a batch mixes any of them)", type=at_least(1, int))
     _option(parser, "--max-lora-rank", None, "largest LoRA rank served; each adapter is padded to it (default: the "
             "largest --lora-modules adapter's)", type=at_least(1, int))
     parser.add_argument("--max-cpu-loras", type=at_least(1, int), default=None,
@@ -555,7 +555,11 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
         raise CommandError(cache_error)
     if args.prefix_cache_dir is not None and (unwritable := _unwritable(args.prefix_cache_dir)) is not None:
         raise CommandError(f"--prefix-cache-dir {args.prefix_cache_dir} {unwritable}")
-    modules = tuple(args.lora_modules) if args.lora_modules is not None else _lora_modules_from_environment()
+    if args.lora_modules is None:  # read here, once: a --hosts process is given these arguments, not this environment
+        args.lora_modules = list(_lora_modules_from_environment())
+    modules = tuple(args.lora_modules)
+    # vLLM's --enable-lora, which the flags that give adapters or size their slots imply here.
+    enable_lora = args.enable_lora or bool(modules) or args.max_loras is not None or args.max_lora_rank is not None
     if args.served_model_name is not None and args.served_model_name in dict(modules):
         raise CommandError(f"--lora-modules names an adapter {args.served_model_name!r}, as --served-model-name names "
                            f"the model: a request for it could not be told from one for the model")
@@ -591,7 +595,7 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
             prefix_cache_dir=args.prefix_cache_dir,
             prefix_cache_size=args.prefix_cache_size,
             prefix_cache_ram=args.prefix_cache_ram,
-            enable_lora=args.enable_lora or bool(modules),
+            enable_lora=enable_lora,
             lora_modules=modules,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,

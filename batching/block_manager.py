@@ -2,8 +2,8 @@
 
 A full page is cached under its key (the previous page's hash, its token ids), the hash chained from page to page, so
 equal prefixes map to equal keys whatever request they came from (a request's `cache_salt` or LoRA adapter starts
-its chain elsewhere: `SamplingParams.cache_namespace`). A page whose last reference goes away stays cached, reusable until it is evicted, least recently freed
-first, to make room for new allocations.
+its chain elsewhere: `SamplingParams.cache_namespace`). A page whose last reference goes away stays cached, reusable
+until it is evicted, least recently freed first, to make room for new allocations.
 
 With a persistent prefix store (`kv_store.py`, host RAM then disk), the cache has a tier below the pool: every
 page newly full is listed in `saves` for the engine to copy out to the store, and a prefix found in the store

@@ -108,8 +108,8 @@ class EngineConfig:
     `step_timeout_s`: the watchdog's limit on one step of a started engine (None: no watchdog); past it the step is
     taken for hung, and the process exits (`Engine._watch`). 300 s, as SGLang's.
     `enable_lora`: the model takes LoRA adapters (`model.lora`), `lora_modules`' (name, PEFT folder) pairs, served
-    beside the base model: each is on the device from the start, in one of `max_loras` slots (None: one per
-    adapter, at least one), its rank padded to `max_lora_rank` (None: the largest adapter's, or 16 without one).
+    beside the base model: each is on the device from the start, in a slot of its own (`max_loras` slots, or one per
+    adapter if that is more), its rank padded to `max_lora_rank` (None: the largest adapter's, or 16 without one).
     A request names its adapter as its `model`.
     `prefix_cache_dir`: keep full KV pages past the pool, in `prefix_cache_ram` bytes of host RAM and then up to
     `prefix_cache_size` bytes of files in that directory (`kv_store.py`), so a restarted server still has them.
@@ -186,11 +186,11 @@ class EngineConfig:
             (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
             (self.kv_cache_dtype != "int8" or reads_int8_kv(self.attention_backend), "kv_cache_dtype",
              f"int8 needs an attention backend that reads it ({', '.join(INT8_KV_KERNELS)}, or auto)"),
-            (self.enable_lora or not (names or self.max_loras or self.max_lora_rank), "lora_modules",
-             "needs enable_lora"),
+            (self.enable_lora or not names, "lora_modules", "needs enable_lora"),
+            (self.enable_lora or self.max_loras is None, "max_loras", "needs enable_lora (or lora_modules)"),
+            (self.enable_lora or self.max_lora_rank is None, "max_lora_rank", "needs enable_lora (or lora_modules)"),
             (all(names) and len(set(names)) == len(names), "lora_modules", "must have distinct, non-empty names"),
-            (self.max_loras is None or self.max_loras >= max(1, len(names)), "max_loras",
-             f"must be at least the adapters given ({max(1, len(names))}): each one stays on the device"),
+            (self.max_loras is None or self.max_loras >= 1, "max_loras", "must be at least 1"),
             (self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1"),
         ]
         for ok, name, why in checks:

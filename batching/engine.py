@@ -47,7 +47,7 @@ from sluice.batching.outputs import Collector, Completion, Deliveries, FinishRea
     OutputSink, TokenLogprob, deliver
 from sluice.batching.request import Request, RequestLimits, build_request
 from sluice.batching.sampler import SamplerOutput, SamplerPlan
-from sluice.batching.sampling_params import LoraRequest, SamplingParams
+from sluice.batching.sampling_params import LoraRequest, RequestRejected, SamplingParams
 from sluice.batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput, scored_rows
 from sluice.batching.sequence import Sequence, SequenceStatus
 from sluice.batching.speculation import Speculator
@@ -119,7 +119,7 @@ def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) ->
         adapters = [load_adapter(name, adapter_folder(path, config.download_dir), loaded.config)
                     for name, path in config.lora_modules]
         max_rank = config.max_lora_rank or max((a.rank for a in adapters), default=DEFAULT_MAX_LORA_RANK)
-        attach_adapters(loaded.model, adapters, config.max_loras or max(1, len(adapters)), max_rank,
+        attach_adapters(loaded.model, adapters, max(config.max_loras or 1, len(adapters)), max_rank,
                         partial(param_sharding, mesh) if mesh is not None else None)
     except (LoraError, hub.HubError) as error:
         raise InvalidEngineConfig("lora_modules", str(error)) from None
@@ -155,6 +155,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.generation_defaults = loaded.generation_defaults  # the model's sampling defaults, for the API to apply
+        self.adapters = attach_lora(loaded, config, mesh)  # before the pool is sized: their weights take memory too
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         num_pages = num_pool_pages(config, loaded.config, kv_dtype, mesh, page_size_given)
         self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
@@ -163,7 +164,6 @@ class Engine:
             eos_token_ids=loaded.config.eos_token_ids)
         self.ngram = (NgramConfig(config.num_speculative_tokens, config.spec_ngram_min, config.spec_ngram_max,
                                   config.spec_max_batch_size) if config.speculative == "ngram" else None)
-        self.adapters = attach_lora(loaded, config, mesh)
         enable_compilation_cache()
         self.runner = ModelRunner(
             loaded.model, num_pages=num_pages, page_size=config.page_size, max_model_len=self.max_model_len,
@@ -245,6 +245,8 @@ class Engine:
         Raises RequestRejected now if it could never be served (context length, pool size, a structured output
         that does not compile).
         """
+        if params.lora is not None and self.adapters.get(params.lora.name) != params.lora:
+            raise RequestRejected(f"the LoRA adapter {params.lora.name!r} is not served here", "lora")
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         request = build_request(request_id, prompts, params, sink, self.tokenizer, self.limits, self.ngram,
                                 grammar)

@@ -3,9 +3,9 @@ on the device.
 
 The scheduler gives every running sequence a slot (`Sequence.slot`) from its admission until it is preempted or
 finishes. Slot s's row holds that sequence's page table and its `SamplingBatch` row, in host arrays (numpy) and
-on the device; one more row, the padding slot, stays empty, greedy and adapterless for a step's padding rows. Before a step,
-only the rows that changed are sent, as whole rows in one scatter: a slot's new occupant, and sequences that
-gained pages. A step then carries, per row, its slot and what changes every step (tokens, positions, the
+on the device; one more row, the padding slot, stays empty, greedy and adapterless for a step's padding rows. Before
+a step, only the rows that changed are sent, as whole rows in one scatter: a slot's new occupant, and sequences
+that gained pages. A step then carries, per row, its slot and what changes every step (tokens, positions, the
 sampler's output index); the device gathers page tables, sampling parameters and adapters by slot.
 
 A page table only grows in place while its sequence runs, and is replaced by a new list on any other change

@@ -133,9 +133,9 @@ class SamplingParams:
     def cache_namespace(self) -> str | None:
         """What the prefix cache keys pages under beside their tokens (None: the shared namespace): the
         `cache_salt`, and the adapter's fingerprint, as the K/V an adapter computes are its own."""
-        if self.cache_salt is None and self.lora is None:
-            return None
-        return json.dumps([self.cache_salt, self.lora and self.lora.fingerprint])  # no salt reads as another pair
+        if self.lora is None:
+            return self.cache_salt
+        return json.dumps([self.cache_salt, self.lora.fingerprint])
 
     @cached_property
     def reads_history(self) -> bool:

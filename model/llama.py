@@ -278,11 +278,11 @@ class Llama(nnx.Module):
                     return project(x, p[name], layer, norm=rms, num_real=num_real)
 
                 def adapted(slot: jax.Array | None) -> jax.Array:
-                    # Normalized once, here: the LoRA delta multiplies what the base weight does.
+                    # The delta multiplies what the base weight does; the base projection is the plain one, so a
+                    # token of no adapter gets the same bits whatever else shares its step.
                     h = x if norm is None else rms_norm(x, at(p[norm]), c.rms_norm_eps).astype(x.dtype)
                     bs = [p[lora_b(module)] for module in LORA_MODULES[name]]
-                    delta = lora_delta(h, p[lora_a(name)], bs, adapters, layer, slot)
-                    return project(h, p[name], layer, num_real=num_real) + fuse_outputs(name, delta, c)
+                    return plain() + fuse_outputs(name, lora_delta(h, p[lora_a(name)], bs, adapters, layer, slot), c)
 
                 if adapters is None or lora_a(name) not in p:
                     return plain()

@@ -73,7 +73,7 @@ def test_a_cache_salt_shares_pages_only_with_requests_of_the_same_salt(tmp_path)
     assert len(bm.match_prefix(salted("alice", 3))[0]) == 2
     # The persistent store's keys are salted too, and the unsalted ones unchanged.
     saved = [key for _, key in bm.saves]
-    assert saved == layout.page_keys(tokens, salt=SamplingParams(cache_salt="alice").cache_namespace)
+    assert saved == layout.page_keys(tokens, salt="alice")
     assert not set(saved) & set(layout.page_keys(tokens, salt="bob") + layout.page_keys(tokens))
     # A salt is never hashed as a page is: one whose bytes are a page's tokens keys no unsalted page.
     page = np.asarray(tokens[:PAGE], "<i4").tobytes().decode()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -17,12 +18,13 @@ import pytest
 from golden_checks import (assert_completion_gives_case, copy_with_tokenizer, golden_engine, golden_params,
                            home)  # noqa: F401 (home: a fixture)
 from sluice.app.cli import main
-from sluice.app.serve import lora_module, lora_modules
+from sluice.app.serve import (ENGINE_TUNING_FLAGS, add_arguments, checked_engine_config, lora_module,
+                              lora_modules)
 from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
 from sluice.batching.config import EngineConfig, InvalidEngineConfig
 from sluice.batching.engine import Engine
-from sluice.batching.sampling_params import LoraRequest, SamplingParams
+from sluice.batching.sampling_params import LoraRequest, RequestRejected, SamplingParams
 from sluice.model.loader import LoadedModel, load_model
 
 DATA = Path(__file__).parent / "data"
@@ -48,10 +50,10 @@ def fresh(folder: Path) -> LoadedModel:
 
 
 @pytest.mark.parametrize("options", [
-    {},
+    {"max_loras": 1},  # a slot for each adapter all the same: vLLM's command lines give fewer
     {"speculative": "ngram", "max_loras": 3, "max_lora_rank": 16},  # drafts verified under each row's adapter
     {"async_scheduling": False, "num_decode_steps": 1},
-], ids=["default", "speculative-padded", "one-step"])
+], ids=["fewer-slots-asked", "speculative-padded", "one-step"])
 def test_the_base_and_each_adapter_give_their_hf_goldens_in_one_batch(folder, options):
     engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, **options)
     runs = [(case, None) for case in BASE["cases"]]
@@ -79,7 +81,7 @@ def test_the_prefix_cache_namespace_is_the_salt_and_the_adapters_content():
     a, b = LoraRequest("a", 0, "f" * 64), LoraRequest("b", 1, "e" * 64)
     namespaces = [SamplingParams(cache_salt=salt, lora=lora).cache_namespace
                   for salt in (None, "tenant") for lora in (None, a, b)]
-    assert namespaces[0] is None
+    assert namespaces[0] is None and namespaces[3] == "tenant"  # as before adapters: stored pages keep their keys
     assert len(set(namespaces)) == len(namespaces)
     # An adapter's pages are keyed by its files, not by the name it is served under, as a persistent store outlives
     # the process that named it.
@@ -163,7 +165,7 @@ def test_the_environment_gives_lora_modules_apart_by_spaces():
 @pytest.mark.parametrize(("fields", "words"), [
     ({"lora_modules": MODULES}, "lora_modules needs enable_lora"),
     ({"enable_lora": True, "lora_modules": (("a", "/x"), ("a", "/y"))}, "distinct, non-empty names"),
-    ({"enable_lora": True, "lora_modules": MODULES, "max_loras": 1}, "max_loras must be at least the adapters"),
+    ({"max_loras": 2}, "max_loras needs enable_lora"),
     ({"enable_lora": True, "max_lora_rank": 0}, "max_lora_rank must be at least 1"),
 ])
 def test_engine_settings_that_cannot_serve_adapters_are_refused(fields, words):
@@ -185,3 +187,40 @@ def test_an_adapter_that_cannot_be_served_is_a_one_line_error(folder, tmp_path, 
                    *given])
     said = capsys.readouterr().err.strip().splitlines()[-1]  # after the conversion's progress, if it converts
     assert status == 2 and said.startswith("sluice run-batch: error: ") and words in said, said
+
+
+def test_a_request_for_an_adapter_the_engine_does_not_serve_is_rejected(folder):
+    engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES[:1])
+    for stranger in (LoraRequest("qv_rslora", 1, "0" * 64), replace(engine.adapters["all_modules"], slot=5)):
+        with pytest.raises(RequestRejected, match="is not served here"):
+            engine.generate([[1, 2, 3]], golden_params(BASE, lora=stranger))
+
+
+def test_over_int8_weights_a_base_request_gets_the_same_bits_whether_or_not_adapters_share_its_steps(folder):
+    """The CPU kernels normalize a projection's input inside: a base request's tokens take that path even in a step
+    where other tokens' adapters add their deltas (`llama.with_lora`)."""
+    engine = golden_engine(load_model(str(folder), dtype="float32", quantization="int8"), enable_lora=True,
+                           lora_modules=MODULES)
+    base = case_named(BASE["cases"], "forty_tokens")
+    params = golden_params(BASE, cache_salt="alone")  # no page of one run is the other's
+    [[alone]] = engine.generate([base["prompt_ids"]], params)
+    [[shared], _] = engine.generate([base["prompt_ids"], base["prompt_ids"]],
+                                    [replace(params, cache_salt="shared"),
+                                     golden_params(LORA, lora=engine.adapters["all_modules"])])
+    assert alone.token_ids == shared.token_ids
+    assert [entry.top for entry in alone.logprobs] == [entry.top for entry in shared.logprobs]
+
+
+def test_adapters_from_the_environment_are_kept_in_the_arguments_a_hosts_process_is_given(tmp_path, monkeypatch):
+    """`sluice serve --hosts` hands its parsed arguments to a process on each host, whose environment and working
+    directory are its own: the adapters the variable gave are read once, into the arguments, as absolute paths."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLUICE_LORA_MODULES", "sql=./adapters/sql")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    config = checked_engine_config(args, ENGINE_TUNING_FLAGS)
+    monkeypatch.delenv("SLUICE_LORA_MODULES")
+    monkeypatch.chdir(DATA)
+    assert config.lora_modules == tuple(args.lora_modules) == (("sql", str(tmp_path / "adapters" / "sql")),)
+    assert checked_engine_config(args, ENGINE_TUNING_FLAGS).lora_modules == config.lora_modules
