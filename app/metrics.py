@@ -10,6 +10,7 @@ are (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:time_to_firs
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -198,3 +199,12 @@ def _vllm_named(stats: EngineStats, model_name: str) -> Iterator[Metric]:
         metric = family(name, f"{documentation} (vLLM's name)", labels=["model_name"])
         metric.add_metric([model_name], value)
         yield metric
+    if stats.lora_slots:
+        # As vLLM's: the adapters in labels (comma-separated names), the time of the snapshot as the value. Inference
+        # gateways read it to send a request where its adapter already runs.
+        info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapter slots, and the adapters of the running and "
+                                 "the waiting requests (vLLM's name)",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(stats.lora_slots), ",".join(stats.lora_running), ",".join(stats.lora_waiting)],
+                        time.time())
+        yield info

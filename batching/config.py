@@ -197,6 +197,11 @@ class EngineConfig:
             if not ok:
                 raise InvalidEngineConfig(name, f"{why}, got {getattr(self, name)!r}")
 
+    @property
+    def lora_slots(self) -> int:
+        """The LoRA adapter slots on the device: `max_loras`, or one per adapter if that is more."""
+        return max(self.max_loras or 1, len(self.lora_modules))
+
     def with_device_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
         """This config with the batch limits (`default_batch`) and the page size it leaves unset taken for a device
         (`default_batch`'s arguments). A limit left unset yields to the other one given (a step's token budget at

@@ -119,7 +119,7 @@ def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) ->
         adapters = [load_adapter(name, adapter_folder(path, config.download_dir), loaded.config)
                     for name, path in config.lora_modules]
         max_rank = config.max_lora_rank or max((a.rank for a in adapters), default=DEFAULT_MAX_LORA_RANK)
-        attach_adapters(loaded.model, adapters, max(config.max_loras or 1, len(adapters)), max_rank,
+        attach_adapters(loaded.model, adapters, config.lora_slots, max_rank,
                         partial(param_sharding, mesh) if mesh is not None else None)
     except (LoraError, hub.HubError) as error:
         raise InvalidEngineConfig("lora_modules", str(error)) from None
@@ -940,4 +940,13 @@ class Engine:
             decode_batch_steps=tuple(self._totals.decode_batch_steps),
             queue_wait_s=self._totals.queue_wait_s,
             num_admitted=self._totals.num_admitted,
+            **(self._lora_stats() if self.adapters else {}),
         )
+
+    def _lora_stats(self) -> dict[str, int | tuple[str, ...]]:
+        """`EngineStats`' LoRA fields: the slots, and the adapters of the running and the waiting sequences."""
+        def names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+            return tuple(sorted({seq.params.lora.name for seq in seqs if seq.params.lora is not None}))
+
+        return dict(lora_slots=self.config.lora_slots, lora_running=names(self.scheduler.running),
+                    lora_waiting=names(self.scheduler.waiting))

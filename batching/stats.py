@@ -70,6 +70,8 @@ class EngineStats:
     moved), `decode_batch_steps[b]` (steps that decoded b sequences; b from 0 to max_num_seqs), and
     `queue_wait_s` over `num_admitted` (from entering the waiting queue to being scheduled, each time a
     sequence is admitted: a preempted sequence waits again).
+
+    With LoRA: `lora_slots` (0 without), and the adapters of the running and of the waiting sequences, by name.
     """
 
     num_requests_running: int
@@ -94,6 +96,9 @@ class EngineStats:
     decode_batch_steps: tuple[int, ...] = ()
     queue_wait_s: float = 0.0
     num_admitted: int = 0
+    lora_slots: int = 0
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
 
 
 @dataclass

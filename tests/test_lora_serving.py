@@ -24,6 +24,7 @@ from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
 from sluice.batching.config import EngineConfig, InvalidEngineConfig
 from sluice.batching.engine import Engine
+from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import LoraRequest, RequestRejected, SamplingParams
 from sluice.model.loader import LoadedModel, load_model
 
@@ -98,9 +99,10 @@ def test_requests_name_their_adapter_as_their_model_and_the_models_list_names_ea
         return [await client.get("/v1/models"), await client.get("/v1/models/qv_rslora"),
                 await client.post("/v1/completions", json=request | {"model": "qv_rslora"}),
                 await client.post("/v1/completions", json=request | {"model": "tiny"}),
-                await client.post("/v1/completions", json=request | {"model": "nonexistent"})]
+                await client.post("/v1/completions", json=request | {"model": "nonexistent"}),
+                await client.get("/metrics")]
 
-    models, card, adapted, base, unknown = serve(engine, scenario, served_model_name="tiny")
+    models, card, adapted, base, unknown, metrics = serve(engine, scenario, served_model_name="tiny")
     assert [(m["id"], m["parent"]) for m in models.json()["data"]] == [
         ("tiny", None), ("all_modules", "tiny"), ("qv_rslora", "tiny")]
     assert card.json()["id"] == "qv_rslora" and card.json()["parent"] == "tiny"
@@ -109,6 +111,23 @@ def test_requests_name_their_adapter_as_their_model_and_the_models_list_names_ea
     assert base.json()["model"] == "tiny"
     assert base.json()["choices"][0]["token_ids"] == case_named(BASE["cases"], "short")["greedy_ids"]
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics.text
+
+
+def test_the_stats_name_the_adapters_of_the_running_and_the_waiting_sequences(folder):
+    """What `vllm:lora_requests_info` shows inference gateways, which send a request where its adapter runs."""
+    engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, max_loras=3)
+    assert (engine.stats.lora_slots, engine.stats.lora_running, engine.stats.lora_waiting) == (3, (), ())
+    prompt = case_named(BASE["cases"], "short")["prompt_ids"]
+    sinks = []
+    for i, name in enumerate([None, "qv_rslora", None, None, "all_modules"]):  # 4 run at once, the last waits
+        sinks.append(ListCollector(1))
+        engine.submit([prompt], golden_params(BASE, lora=engine.adapters.get(name)), sinks[-1], f"r{i}")
+    engine.step()
+    assert (engine.stats.lora_running, engine.stats.lora_waiting) == (("qv_rslora",), ("all_modules",))
+    while engine.has_work:
+        engine.step()
+    assert (engine.stats.lora_running, engine.stats.lora_waiting) == ((), ())
 
 
 def serve(engine: Engine, scenario, **settings):
