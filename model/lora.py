@@ -9,7 +9,7 @@ q/k/v/o_proj and gate/up/down_proj; scaling is `lora_alpha / r`, or `lora_alpha 
 Layout. Over S = max_loras slots, each adapter padded to rank R with zeros, each projection some adapter adds to
 (`llama.LORA_MODULES`: wqkv of q/k/v_proj, wo of o_proj, w_gate_up of gate/up_proj, w_down of down_proj) gets
 - its A `{name}_lora_a` `[L, S, K, P, R]`, P the modules fused in it: [l, s, :, p, :r] is lora_A transposed of module
-  p of slot s's adapter (zeros if it leaves that module or that layer out: layers_to_transform);
+  p of slot s's adapter (zeros if it leaves that module of that layer out);
 - a B `{module}_lora_b` `[L, S, R, out]` for each of those modules: [l, s, :r] is its lora_B transposed, times the
   adapter's scaling.
 The modules' deltas `[T, out]` are then laid into the projection's fused output as the base weights are
@@ -25,13 +25,19 @@ a step's tokens choose (`llama.with_lora`): of no adapter, the plain projections
 output for q/k/v and gate/up, as PEFT adds LoRA to the normed hidden states.
 
 Refused, each in one line naming the adapter (`LoraError`), as vLLM refuses it or where Sluice would be wrong: another
-PEFT method than LoRA, DoRA (use_dora), trained biases (bias other than "none", lora_bias), modules_to_save, targets
-other than the seven projections (lm_head, embed_tokens, ...), per-module ranks or alphas (rank_pattern,
-alpha_pattern), tensors Sluice would not apply, weights that do not fit the model (shape, layer), a folder without
-adapter_config.json or adapter_model.safetensors (an adapter_model.bin alone: convert it), and malformed files.
-Served: target_modules as a list, "all-linear", or a regex (resolved by the weights the file holds);
-layers_to_transform (the other layers are zeros); fan_in_fan_out, which PEFT sets only for transposed (Conv1D) base
-weights and which leaves lora_A `[r, in]` and lora_B `[out, r]` as they are.
+PEFT method than LoRA, trained biases (bias other than "none", lora_bias), the LoRA variants Sluice does not compute
+(`VARIANTS`, when set: DoRA (use_dora), modules_to_save, per-module ranks or alphas (rank_pattern, alpha_pattern),
+Activated LoRA (alora_invocation_tokens), QALoRA (use_qalora), BD-LoRA (use_bdlora), Arrow (arrow_config),
+target_parameters, layer_replication, trainable_token_indices), targets other than the seven projections (lm_head,
+embed_tokens, ...), tensors Sluice would not apply, a module's lora_A without its lora_B or the other way round,
+weights that do not fit the model (shape, layer, r), a folder without adapter_config.json or
+adapter_model.safetensors (an adapter_model.bin alone: convert it), and malformed files.
+Served: target_modules as a list, "all-linear", or a regex; exclude_modules; layers_to_transform and layers_pattern;
+fan_in_fan_out, which PEFT sets only for transposed (Conv1D) base weights and which leaves lora_A `[r, in]` and
+lora_B `[out, r]` as they are. Where adapter_config.json alone says which modules of which layers the adapter adds to
+(target_modules "all-linear" or a list of module names, perhaps with layers_to_transform), the file must hold each;
+otherwise (a regex, a list entry with a path such as "model.layers.0.self_attn.q_proj", exclude_modules,
+layers_pattern) the file's tensors say which. Either way the modules and layers it leaves out are zeros.
 """
 
 from __future__ import annotations
@@ -59,6 +65,21 @@ MODULES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate
 MODULE_PATHS = {module: LAYER_TENSORS[weight][1].removesuffix(".weight") for module, weight in MODULES.items()}
 """Each module -> HF's path of it within a layer ("self_attn.q_proj")."""
 ALL_LINEAR = "all-linear"
+VARIANTS = {
+    "use_dora": "DoRA: a magnitude of its own for each output feature",
+    "modules_to_save": "whole modules saved beside the adapter",
+    "rank_pattern": "a rank of their own for some modules",
+    "alpha_pattern": "an alpha of their own for some modules",
+    "alora_invocation_tokens": "Activated LoRA: applied only from its invocation tokens on",
+    "use_qalora": "QALoRA: its input pooled in groups",
+    "use_bdlora": "BD-LoRA: block-diagonal lora_A or lora_B",
+    "arrow_config": "Arrow: several adapters, routed per token",
+    "target_parameters": "LoRA on parameters rather than modules, as on MoE experts",
+    "layer_replication": "layers repeated: a deeper model than the base",
+    "trainable_token_indices": "the embeddings of some tokens trained",
+}
+"""adapter_config.json's fields of the LoRA variants Sluice does not compute -> what each does; refused when set (not
+null, false nor empty: PEFT's defaults are null, false or {})."""
 
 
 class LoraError(ValueError):
@@ -68,12 +89,16 @@ class LoraError(ValueError):
 Refuse = Callable[[str], LoraError]
 """why -> the LoraError naming the adapter being read."""
 
+Pairs = dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]
+"""(module, layer) -> its lora_A `[r, in]` and lora_B `[out, r]`, as the file holds them."""
+
 
 @dataclass(frozen=True)
 class LoraAdapter:
     """A PEFT LoRA adapter as read, checked against the model it is for. `a` and `b`: by module ("q_proj"), in the
-    orientation Sluice multiplies (`x @ w`), float32, stacked over the model's layers (zeros for layers it leaves
-    out): lora_A as `[L, in, rank]`, lora_B as `[L, rank, out]`, not scaled."""
+    orientation Sluice multiplies (`x @ w`), float32, stacked over the model's layers (zeros for the layers it leaves
+    out of that module): lora_A as `[L, in, rank]`, lora_B as `[L, rank, out]`, not scaled; only the modules it adds
+    to on some layer."""
 
     name: str
     path: Path
@@ -104,10 +129,11 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig) -> LoraAdapte
         raise refuse(f"has adapter_model.bin, a pickle Sluice does not read: convert it to {WEIGHTS_FILE}" if bin_only
                      else f"has no {WEIGHTS_FILE}")
     data = (folder / WEIGHTS_FILE).read_bytes()
-    tensors = _read_safetensors(data, refuse)
-    modules = _targets(settings.get("target_modules"), tensors, refuse)
+    modules = _targets(settings.get("target_modules"), refuse)
     layers = _layers(settings.get("layers_to_transform"), config, refuse)
-    a, b = _stack(tensors, modules, layers, rank, config, refuse)
+    pairs = _pairs(_read_safetensors(data, refuse), modules, layers, _config_decides(settings), config, refuse)
+    _check_shapes(pairs, rank, config, refuse)  # before anything is allocated for them: r may be any number
+    a, b = _stack(pairs, rank, config)
     digests = [hashlib.sha256(content).digest() for content in ((folder / CONFIG_FILE).read_bytes(), data)]
     return LoraAdapter(name, folder, rank, scaling, hashlib.sha256(b"".join(digests)).hexdigest(), a, b)
 
@@ -116,14 +142,10 @@ def _check_settings(settings: Mapping[str, Any], refuse: Refuse) -> tuple[int, f
     """(rank, scaling) of adapter_config.json's `settings`, or `refuse`'s error for what Sluice does not serve."""
     unsupported = [
         (settings.get("peft_type", "LORA") != "LORA", f"is a {settings.get('peft_type')} adapter, not LoRA"),
-        (settings.get("use_dora"), "uses DoRA (use_dora), which Sluice does not serve"),
         (settings.get("bias", "none") != "none" or settings.get("lora_bias"),
          f"trains biases (bias {settings.get('bias')!r}, lora_bias {settings.get('lora_bias')}), which Sluice does "
          f"not serve"),
-        (settings.get("modules_to_save"),
-         f"saves whole modules (modules_to_save {settings.get('modules_to_save')}), which Sluice does not serve"),
-    ] + [(settings.get(key), f"sets {key} (a rank or alpha of their own for some modules), which Sluice does not "
-                             f"serve") for key in ("rank_pattern", "alpha_pattern")]
+    ] + [(settings.get(key), f"sets {key} ({what}), which Sluice does not serve") for key, what in VARIANTS.items()]
     for refused, why in unsupported:
         if refused:
             raise refuse(why)
@@ -146,17 +168,26 @@ def _read_safetensors(data: bytes, refuse: Refuse) -> dict[str, np.ndarray]:
         raise refuse(f"{WEIGHTS_FILE} does not read as safetensors (cut short or corrupt): {error}") from None
 
 
-def _targets(target_modules: Any, tensors: Mapping[str, np.ndarray], refuse: Refuse) -> set[str]:
-    """The modules (`MODULES`) the adapter adds to: target_modules' list (by the last part of each name), all seven
-    for "all-linear", those the weights hold for a regex or none given."""
-    if isinstance(target_modules, list):
-        targets = {str(target).rsplit(".", 1)[-1] for target in target_modules}
-        if unserved := sorted(targets - MODULES.keys()):
-            raise refuse(f"targets {', '.join(unserved)}, which Sluice does not serve (only {', '.join(MODULES)})")
-        return targets
-    if target_modules == ALL_LINEAR:
+def _targets(target_modules: Any, refuse: Refuse) -> set[str]:
+    """The modules (`MODULES`) the adapter may add to: target_modules' list (by the last part of each name), or all
+    seven ("all-linear", a regex, none given)."""
+    if not isinstance(target_modules, list):
         return set(MODULES)
-    return {module for module, path in MODULE_PATHS.items() if any(f".{path}.lora_" in key for key in tensors)}
+    targets = {str(target).rsplit(".", 1)[-1] for target in target_modules}
+    if unserved := sorted(targets - MODULES.keys()):
+        raise refuse(f"targets {', '.join(unserved)}, which Sluice does not serve (only {', '.join(MODULES)})")
+    return targets
+
+
+def _config_decides(settings: Mapping[str, Any]) -> bool:
+    """Whether adapter_config.json's `settings` alone say which modules of which layers the adapter adds to:
+    target_modules "all-linear" or a list of module names ("q_proj"), perhaps with layers_to_transform. Not so for a
+    regex, a list entry with a path ("model.layers.0.self_attn.q_proj", one layer's), exclude_modules or
+    layers_pattern: the file's tensors then say it."""
+    target_modules = settings.get("target_modules")
+    names = target_modules == ALL_LINEAR or (
+        isinstance(target_modules, list) and not any("." in str(target) for target in target_modules))
+    return names and not settings.get("exclude_modules") and not settings.get("layers_pattern")
 
 
 def _layers(layers_to_transform: Any, config: ModelConfig, refuse: Refuse) -> list[int]:
@@ -169,32 +200,52 @@ def _layers(layers_to_transform: Any, config: ModelConfig, refuse: Refuse) -> li
     return sorted(set(layers))
 
 
-def _stack(tensors: Mapping[str, np.ndarray], modules: set[str], layers: list[int], rank: int,
-           config: ModelConfig, refuse: Refuse) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """`LoraAdapter.a` and `.b` of `modules` over `layers` from the file's `tensors`: each of them, and nothing else,
-    in the shape the model and `rank` imply."""
-    a, b, wanted = {}, {}, {}  # wanted: each tensor's name -> where it goes, a layer's view [in, r] or [r, out]
-    for module in modules:
-        out_features, in_features = expected_shape(MODULES[module], config)
-        a[module] = np.zeros((config.num_layers, in_features, rank), np.float32)
-        b[module] = np.zeros((config.num_layers, rank, out_features), np.float32)
-        for layer in layers:
-            prefix = f"model.layers.{layer}.{MODULE_PATHS[module]}"
-            wanted[prefix + ".lora_A.weight"], wanted[prefix + ".lora_B.weight"] = a[module][layer], b[module][layer]
-    if not wanted:
-        raise refuse(f"adds to none of the modules Sluice serves ({', '.join(MODULES)})")
+def _pairs(tensors: Mapping[str, np.ndarray], modules: set[str], layers: list[int], config_decides: bool,
+           config: ModelConfig, refuse: Refuse) -> Pairs:
+    """The file's `tensors` of `modules` on `layers`, and nothing else: every pair where `config_decides`
+    (`_config_decides`), else those the file holds, each whole."""
     found = {key.removeprefix("base_model.model."): tensor for key, tensor in tensors.items()}
-    if unserved := sorted(found.keys() - wanted.keys()):
+    served = {(module, layer): _keys(module, layer) for module in modules for layer in layers}
+    present = served if config_decides else {
+        pair: keys for pair, keys in served.items() if not found.keys().isdisjoint(keys)}
+    if not present:
+        raise refuse(f"adds to none of the modules Sluice serves ({', '.join(MODULES)})")
+    if unserved := sorted(found.keys() - {key for keys in served.values() for key in keys}):
         more = f" and {len(unserved) - 1} more" if len(unserved) > 1 else ""
         raise refuse(f"holds {unserved[0]}{more}, which Sluice does not serve on this {config.num_layers}-layer model "
                      f"(it serves {', '.join(sorted(modules))} on layers {layers})")
-    if missing := sorted(wanted.keys() - found.keys()):
-        raise refuse(f"lacks {missing[0]}, which its adapter_config.json implies")
-    for key, place in wanted.items():
-        if found[key].T.shape != place.shape:
-            raise refuse(f"{key} has shape {list(found[key].shape)}, but the model and r {rank} imply "
-                         f"{list(place.T.shape)}")
-        place[...] = found[key].T
+    partner = {key: other for a, b in present.values() for key, other in ((a, b), (b, a))}
+    if missing := sorted(partner.keys() - found.keys()):
+        implied_by = "its adapter_config.json" if config_decides else partner[missing[0]]
+        raise refuse(f"lacks {missing[0]}, which {implied_by} implies")
+    return {pair: (found[a], found[b]) for pair, (a, b) in present.items()}
+
+
+def _check_shapes(pairs: Pairs, rank: int, config: ModelConfig, refuse: Refuse) -> None:
+    """Refuses the first tensor of `pairs` not in the shape the model and `rank` imply."""
+    for module, layer in sorted(pairs):
+        out_features, in_features = expected_shape(MODULES[module], config)
+        for key, tensor, shape in zip(_keys(module, layer), pairs[module, layer],
+                                      ([rank, in_features], [out_features, rank])):
+            if list(tensor.shape) != shape:
+                raise refuse(f"{key} has shape {list(tensor.shape)}, but the model and r {rank} imply {shape}")
+
+
+def _keys(module: str, layer: int) -> tuple[str, str]:
+    """The names of `module`'s lora_A and lora_B on `layer` in a PEFT file, without its "base_model.model." prefix."""
+    prefix = f"model.layers.{layer}.{MODULE_PATHS[module]}"
+    return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
+
+
+def _stack(pairs: Pairs, rank: int, config: ModelConfig) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """`LoraAdapter.a` and `.b` of the checked `pairs` (`_pairs`): zeros on the layers a module has none."""
+    a, b = {}, {}
+    for module in sorted({module for module, _ in pairs}):
+        out_features, in_features = expected_shape(MODULES[module], config)
+        a[module] = np.zeros((config.num_layers, in_features, rank), np.float32)
+        b[module] = np.zeros((config.num_layers, rank, out_features), np.float32)
+    for (module, layer), (lora_a_weight, lora_b_weight) in pairs.items():
+        a[module][layer], b[module][layer] = lora_a_weight.T, lora_b_weight.T
     return a, b
 
 

@@ -164,19 +164,52 @@ def merged_folder(folder: Path, parent: Path, tensors: dict[str, np.ndarray], sc
     return merged
 
 
-def test_lora_of_each_projection_equals_its_weights_merged(home, folder, tmp_path):
-    """Seven adapters, one a module (rank 3, padded to 4; alpha 6), in seven slots of one model; each slot's logits
-    are those of the base folder with that module's weights merged, loaded as any model is."""
+def assert_each_slot_is_its_weights_merged(folder: Path, parent: Path,
+                                           adapters: dict[str, tuple[dict[str, np.ndarray], dict]]) -> None:
+    """Each of `adapters` (name -> its tensors and adapter_config.json's settings; rank 3, padded to 4; alpha 6), in
+    a slot of its own of one model of the base HF folder `folder`, gives the logits of `folder` with the weights it
+    holds merged, loaded as any model is."""
     loaded = load_model(str(folder), dtype="float32")
-    tensors = {module: random_adapter(module, loaded.config, rank=3, seed=i) for i, module in enumerate(MODULES)}
-    adapters = [load_adapter(module, write_adapter(tmp_path / module, tensors[module], r=3, lora_alpha=6,
-                                                   target_modules=[module]), loaded.config) for module in MODULES]
-    attach_adapters(loaded.model, adapters, max_loras=len(MODULES), max_rank=4)
-    for slot, module in enumerate(MODULES):
-        merged = load_model(str(merged_folder(folder, tmp_path / f"merged-{module}", tensors[module], 2.0)),
-                            dtype="float32").model
+    read = [load_adapter(name, write_adapter(parent / f"adapter-{slot}", tensors, r=3, lora_alpha=6, **settings),
+                         loaded.config) for slot, (name, (tensors, settings)) in enumerate(adapters.items())]
+    attach_adapters(loaded.model, read, max_loras=len(adapters), max_rank=4)
+    for slot, (name, (tensors, _)) in enumerate(adapters.items()):
+        merged = load_model(str(merged_folder(folder, parent / f"merged-{slot}", tensors, 2.0)), dtype="float32").model
         np.testing.assert_allclose(lora_logits(loaded.model, PROMPT, slot), lora_logits(merged, PROMPT, None),
-                                   rtol=1e-4, atol=1e-4, err_msg=module)
+                                   rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_lora_of_each_projection_equals_its_weights_merged(home, folder, base_model, tmp_path):
+    """Seven adapters, one a module, in seven slots of one model."""
+    assert_each_slot_is_its_weights_merged(folder, tmp_path, {
+        module: (random_adapter(module, base_model.config, rank=3, seed=i), {"target_modules": [module]})
+        for i, module in enumerate(MODULES)})
+
+
+PARTIAL = {  # form -> adapter_config.json's targets, and the layers of each module the file holds (of 2)
+    "a regex naming layer 0": ({"target_modules": r".*\.layers\.0\..*q_proj"}, {"q_proj": [0]}),
+    "exclude_modules, a list": ({"target_modules": ["q_proj", "v_proj"],
+                                 "exclude_modules": ["model.layers.1.self_attn.v_proj"]},
+                                {"q_proj": [0, 1], "v_proj": [0]}),
+    "exclude_modules, a regex": ({"target_modules": "all-linear", "exclude_modules": r".*\.0\.mlp\..*"},
+                                 {module: [1] if module in ("gate_proj", "up_proj", "down_proj") else [0, 1]
+                                  for module in MODULES}),
+    "a path in the list": ({"target_modules": ["model.layers.1.self_attn.o_proj", "down_proj"]},
+                           {"o_proj": [1], "down_proj": [0, 1]}),
+    "layers_pattern": ({"target_modules": ["k_proj"], "layers_to_transform": [0], "layers_pattern": "layers"},
+                       {"k_proj": [0]}),
+}
+
+
+def test_an_adapter_of_some_layers_equals_its_weights_merged_and_leaves_the_others_alone(home, folder, base_model,
+                                                                                         tmp_path):
+    """Where adapter_config.json alone does not say which modules of which layers the adapter holds (a regex, a path
+    in the list, exclude_modules, layers_pattern), the file's tensors say it: each form in a slot of one model."""
+    assert_each_slot_is_its_weights_merged(folder, tmp_path, {
+        form: ({key: value for i, (module, layers) in enumerate(held.items())
+                for key, value in random_adapter(module, base_model.config, rank=3, seed=10 * slot + i).items()
+                if any(f".layers.{layer}." in key for layer in layers)}, settings)
+        for slot, (form, (settings, held)) in enumerate(PARTIAL.items())})
 
 
 # ---- Slots in one batch
@@ -319,16 +352,26 @@ REFUSALS = {
     "no config": (lambda f: (f / CONFIG_FILE).unlink(), ["has no adapter_config.json"]),
     "bad JSON": (lambda f: (f / CONFIG_FILE).write_text("{"), ["adapter_config.json is not JSON"]),
     "not LoRA": (edit_config(peft_type="IA3"), ["is a IA3 adapter, not LoRA"]),
-    "DoRA": (edit_config(use_dora=True), ["uses DoRA (use_dora)"]),
+    "DoRA": (edit_config(use_dora=True), ["sets use_dora (DoRA"]),
     "bias": (edit_config(bias="lora_only"), ["trains biases", "bias 'lora_only'"]),
     "lora_bias": (edit_config(lora_bias=True), ["trains biases", "lora_bias True"]),
-    "modules_to_save": (edit_config(modules_to_save=["lm_head"]), ["modules_to_save ['lm_head']"]),
+    "modules_to_save": (edit_config(modules_to_save=["lm_head"]), ["sets modules_to_save (whole modules"]),
+    "aLoRA": (edit_config(alora_invocation_tokens=[5, 6, 7]), ["sets alora_invocation_tokens (Activated LoRA"]),
+    "QALoRA": (edit_config(use_qalora=True), ["sets use_qalora (QALoRA"]),
+    "BD-LoRA": (edit_config(use_bdlora={"target_modules_bd_a": ["q_proj"], "nblocks": 2}),
+                ["sets use_bdlora (BD-LoRA"]),
+    "Arrow": (edit_config(arrow_config={"top_k": 3}), ["sets arrow_config (Arrow"]),
+    "target_parameters": (edit_config(target_parameters=["mlp.experts.down_proj"]), ["sets target_parameters ("]),
+    "layer_replication": (edit_config(layer_replication=[[0, 2], [1, 2]]), ["sets layer_replication ("]),
+    "trainable_token_indices": (edit_config(trainable_token_indices=[0, 1]), ["sets trainable_token_indices ("]),
     "lm_head target": (edit_config(target_modules=["q_proj", "v_proj", "lm_head"]), ["targets lm_head,"]),
     "embed_tokens target": (edit_config(target_modules=["embed_tokens", "model.layers.0.self_attn.q_proj"]),
                             ["targets embed_tokens,"]),
     "rank_pattern": (edit_config(rank_pattern={"q_proj": 2}), ["sets rank_pattern"]),
     "alpha_pattern": (edit_config(alpha_pattern={"v_proj": 16}), ["sets alpha_pattern"]),
     "rank": (edit_config(r=0), ["has r 0, not a rank"]),
+    "a huge r": (edit_config(r=10 ** 9),
+                 ["lora_A.weight has shape [4, 64], but the model and r 1000000000 imply [1000000000, 64]"]),
     "alpha": (edit_config(lora_alpha="8"), ["has lora_alpha '8', not a number"]),
     "layers_to_transform": (edit_config(layers_to_transform=[1, 2]), ["layers_to_transform [1, 2]", "2 layers"]),
     ".bin only": (lambda f: (f / WEIGHTS_FILE).rename(f / "adapter_model.bin"),
@@ -343,7 +386,17 @@ REFUSALS = {
     "a target's weights missing": (edit_config(target_modules=["q_proj", "k_proj", "v_proj"]),
                                    ["lacks model.layers.0.self_attn.k_proj.lora_A.weight"]),
     "a layer's weight missing": (edit_tensors(lambda t: t.pop(Q_B.replace(".0.", ".1."))),
-                                 ["lacks model.layers.1.self_attn.q_proj.lora_B.weight"]),
+                                 ["lacks model.layers.1.self_attn.q_proj.lora_B.weight, which its adapter_config"]),
+    "all-linear's weights missing": (edit_config(target_modules="all-linear"),
+                                     ["lacks model.layers.0.mlp.down_proj.lora_A.weight, which its adapter_config"]),
+    "an A without its B": (lambda f: [edit_config(target_modules=r".*\.(q_proj|v_proj)")(f),
+                                      edit_tensors(lambda t: t.pop(Q_B.replace(".0.", ".1.")))(f)],
+                           ["lacks model.layers.1.self_attn.q_proj.lora_B.weight, which "
+                            "model.layers.1.self_attn.q_proj.lora_A.weight implies"]),
+    "a B without its A": (lambda f: [edit_config(exclude_modules=["lm_head"])(f),
+                                     edit_tensors(lambda t: t.pop(Q_B.replace("lora_B", "lora_A")))(f)],
+                          ["lacks model.layers.0.self_attn.q_proj.lora_A.weight, which "
+                           "model.layers.0.self_attn.q_proj.lora_B.weight implies"]),
     "no targets": (edit_config(target_modules=[]), ["adds to none of the modules Sluice serves (q_proj, "]),
     "shape": (edit_tensors(lambda t: t.update({Q_B: t[Q_B][:64]})),
               ["q_proj.lora_B.weight has shape [64, 4], but the model and r 4 imply [128, 4]"]),
@@ -368,11 +421,14 @@ def test_load_adapter_refuses_in_one_line_naming_the_adapter(lora_model, adapter
     ("qv_rslora", edit_config(target_modules=r".*\.(q_proj|v_proj)")),
     ("qv_rslora", edit_config(target_modules=["self_attn.q_proj", "v_proj"])),
     ("qv_rslora", edit_config(fan_in_fan_out=True)),
+    ("qv_rslora", edit_config(alora_invocation_tokens=None, use_qalora=False, use_bdlora=None, arrow_config=None,
+                              target_parameters=[], layer_replication=[], trainable_token_indices={})),
     ("qv_rslora", edit_tensors(lambda t: t.update({k.removeprefix("base_model.model."): t.pop(k) for k in list(t)}))),
-], ids=["all-linear", "a regex", "paths", "fan_in_fan_out", "no base_model.model. prefix"])
+], ids=["all-linear", "a regex", "paths", "fan_in_fan_out", "variants unset", "no base_model.model. prefix"])
 def test_what_peft_also_writes_reads_as_the_same_adapter(lora_model, tmp_path, name, edit):
     """"all-linear" and a regex resolve to the modules the weights hold; fan_in_fan_out leaves lora_A [r, in] and
-    lora_B [out, r] as they are (PEFT sets it for transposed Conv1D base weights only)."""
+    lora_B [out, r] as they are (PEFT sets it for transposed Conv1D base weights only); a variant's field null, false
+    or empty is no variant."""
     expected = load_adapter(name, ADAPTERS / name, lora_model.config)
     edit(folder := Path(shutil.copytree(ADAPTERS / name, tmp_path / name)))
     read = load_adapter(name, folder, lora_model.config)
