@@ -191,8 +191,9 @@ def _config_decides(settings: Mapping[str, Any]) -> bool:
 
 
 def _layers(layers_to_transform: Any, config: ModelConfig, refuse: Refuse) -> list[int]:
-    """The layers the adapter transforms: layers_to_transform's (an index or a list), or all."""
-    if layers_to_transform is None:
+    """The layers the adapter transforms: layers_to_transform's (an index or a list), or all (as PEFT reads an empty
+    list too)."""
+    if layers_to_transform is None or layers_to_transform == []:
         return list(range(config.num_layers))
     layers = [layers_to_transform] if isinstance(layers_to_transform, int) else layers_to_transform
     if not all(isinstance(layer, int) and 0 <= layer < config.num_layers for layer in layers):

@@ -424,7 +424,9 @@ def test_load_adapter_refuses_in_one_line_naming_the_adapter(lora_model, adapter
     ("qv_rslora", edit_config(alora_invocation_tokens=None, use_qalora=False, use_bdlora=None, arrow_config=None,
                               target_parameters=[], layer_replication=[], trainable_token_indices={})),
     ("qv_rslora", edit_tensors(lambda t: t.update({k.removeprefix("base_model.model."): t.pop(k) for k in list(t)}))),
-], ids=["all-linear", "a regex", "paths", "fan_in_fan_out", "variants unset", "no base_model.model. prefix"])
+    ("qv_rslora", edit_config(layers_to_transform=[])),
+], ids=["all-linear", "a regex", "paths", "fan_in_fan_out", "variants unset", "no base_model.model. prefix",
+        "no layers listed: all"])
 def test_what_peft_also_writes_reads_as_the_same_adapter(lora_model, tmp_path, name, edit):
     """"all-linear" and a regex resolve to the modules the weights hold; fan_in_fan_out leaves lora_A [r, in] and
     lora_B [out, r] as they are (PEFT sets it for transposed Conv1D base weights only); a variant's field null, false
