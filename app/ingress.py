@@ -86,13 +86,16 @@ def _first_reference(items: Any) -> Any:
 
 
 def routing_key(payload: dict[str, Any]) -> str:
-    """The text whose prefixes choose the replica: the JSON of the body's prompt fields, in `PROMPT_FIELDS` order.
+    """The text whose prefixes choose the replica: the JSON of the body's `model` and `cache_salt`, then its prompt
+    fields, in `PROMPT_FIELDS` order.
 
     Requests that share a system prompt, a conversation's earlier turns or the first token ids of a prompt share
-    a prefix of their keys. A body without them has no key.
+    a prefix of their keys, if they also share the prefix cache's namespace: the model or LoRA adapter they name,
+    and their salt. A body without prompt fields has no key.
     """
     prompt = [payload[field] for field in PROMPT_FIELDS if field in payload]
-    return json.dumps(prompt, separators=(",", ":")) if prompt else ""
+    namespace = [payload.get("model"), payload.get("cache_salt")]
+    return json.dumps(namespace + prompt, separators=(",", ":")) if prompt else ""
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

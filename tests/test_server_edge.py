@@ -358,3 +358,14 @@ def test_the_ingress_keeps_every_report_while_the_running_replicas_are_not_known
     reports = _ReplicaReports(lambda: None)
     reports.record(ReplicaReport("a", 0, 16))
     assert exported(reports) == {"a": CacheCounters(0, 16)}
+
+
+def test_the_routing_key_starts_with_the_prefix_caches_namespace_the_model_or_adapter_and_the_salt():
+    """Two requests of one prompt share a replica's cached pages only under the same model (or LoRA adapter) and
+    cache_salt: their keys share a prefix only then."""
+    def key(**fields) -> str:
+        return routing("/v1/completions", json.dumps({"prompt": "A long shared system prompt", **fields}).encode()).key
+
+    base, adapter, salted = key(model="tiny"), key(model="sql-lora"), key(model="tiny", cache_salt="tenant")
+    assert base == key(model="tiny", max_tokens=8)
+    assert len({k[:64] for k in (base, adapter, salted)}) == 3  # no first block in common (the router's 64 chars)
