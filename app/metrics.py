@@ -199,12 +199,12 @@ def _vllm_named(stats: EngineStats, model_name: str) -> Iterator[Metric]:
         metric = family(name, f"{documentation} (vLLM's name)", labels=["model_name"])
         metric.add_metric([model_name], value)
         yield metric
-    if stats.lora_slots:
+    if stats.max_loras:
         # As vLLM's: the adapters in labels (comma-separated names), the time of the snapshot as the value. Inference
         # gateways read it to send a request where its adapter already runs.
-        info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapter slots, and the adapters of the running and "
-                                 "the waiting requests (vLLM's name)",
+        info = GaugeMetricFamily("vllm:lora_requests_info", "max_loras, and the adapters of the running and the "
+                                 "waiting requests (vLLM's name)",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        info.add_metric([str(stats.lora_slots), ",".join(stats.lora_running), ",".join(stats.lora_waiting)],
+        info.add_metric([str(stats.max_loras), ",".join(stats.lora_running), ",".join(stats.lora_waiting)],
                         time.time())
         yield info

@@ -159,7 +159,10 @@ def lora_module(text: str) -> tuple[str, str]:
     if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
         raise argparse.ArgumentTypeError(f"not NAME=PATH nor a JSON {{\"name\", \"path\"}}: {text!r}")
     path = path.strip()
-    local = Path(path).expanduser()
+    try:
+        local = Path(path).expanduser()
+    except RuntimeError as error:  # ~user of no such user
+        raise argparse.ArgumentTypeError(f"{path!r}: {error}") from None
     return name.strip(), path if is_hub_id(path) and not local.exists() else str(local.absolute())
 
 
@@ -359,10 +362,11 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
                         help="LoRA adapters (PEFT folders, or Hub ids ORG/NAME) served beside the model, each under "
                              "its NAME, which a request gives as its `model`; also JSON {\"name\": ..., \"path\": "
                              "...} as vLLM's [env SLUICE_LORA_MODULES: NAME=PATH items apart by spaces]")
-    _option(parser, "--max-loras", None, "LoRA adapter slots on the device, at least one per --lora-modules adapter "
-            "(every adapter stays on the device, and a batch mixes any of them)", type=at_least(1, int))
-    _option(parser, "--max-lora-rank", None, "largest LoRA rank served; each adapter is padded to it (default: the "
-            "largest --lora-modules adapter's)", type=at_least(1, int))
+    _option(parser, "--max-loras", None, "vLLM's LoRA adapters per batch, reported by vllm:lora_requests_info (every "
+            "adapter stays on the device here, and a batch mixes any of them; default: the adapters given)",
+            type=at_least(1, int))
+    _option(parser, "--max-lora-rank", None, "largest LoRA rank served: an adapter of a higher rank is refused "
+            "(adapters are padded to the largest one's)", type=at_least(1, int))
     parser.add_argument("--max-cpu-loras", type=at_least(1, int), default=None,
                         help="vLLM's count of adapters kept in host memory; Sluice keeps every adapter on the device: "
                              "accepted so that vLLM's command lines run")

@@ -108,8 +108,9 @@ class EngineConfig:
     `step_timeout_s`: the watchdog's limit on one step of a started engine (None: no watchdog); past it the step is
     taken for hung, and the process exits (`Engine._watch`). 300 s, as SGLang's.
     `enable_lora`: the model takes LoRA adapters (`model.lora`), `lora_modules`' (name, PEFT folder) pairs, served
-    beside the base model: each is on the device from the start, in a slot of its own (`max_loras` slots, or one per
-    adapter if that is more), its rank padded to `max_lora_rank` (None: the largest adapter's, or 16 without one).
+    beside the base model: each is on the device from the start, in a slot of its own, its rank padded to the
+    largest adapter's, which must be at most `max_lora_rank` (None: any). `max_loras`, vLLM's adapters per batch, is
+    what the metrics report (any mix of the adapters runs in one batch here).
     A request names its adapter as its `model`.
     `prefix_cache_dir`: keep full KV pages past the pool, in `prefix_cache_ram` bytes of host RAM and then up to
     `prefix_cache_size` bytes of files in that directory (`kv_store.py`), so a restarted server still has them.
@@ -196,11 +197,6 @@ class EngineConfig:
         for ok, name, why in checks:
             if not ok:
                 raise InvalidEngineConfig(name, f"{why}, got {getattr(self, name)!r}")
-
-    @property
-    def lora_slots(self) -> int:
-        """The LoRA adapter slots on the device: `max_loras`, or one per adapter if that is more."""
-        return max(self.max_loras or 1, len(self.lora_modules))
 
     def with_device_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
         """This config with the batch limits (`default_batch`) and the page size it leaves unset taken for a device

@@ -69,7 +69,6 @@ HUNG_EXIT_GRACE_S = 1.0
 # cycle. At Python's default (700 allocations) the young generation is collected several times a step, and
 # every tenth time the next one with it: about a tenth of the host's step (RESULTS.md, 2026-11-26).
 GC_YOUNG_THRESHOLD = 10_000
-DEFAULT_MAX_LORA_RANK = 16  # vLLM's, for LoRA slots that no adapter fills at the start
 NO_ALLOWED_TOKEN = "the grammar allows no token in allowed_token_ids here"
 
 
@@ -118,8 +117,10 @@ def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) ->
     try:
         adapters = [load_adapter(name, adapter_folder(path, config.download_dir), loaded.config)
                     for name, path in config.lora_modules]
-        max_rank = config.max_lora_rank or max((a.rank for a in adapters), default=DEFAULT_MAX_LORA_RANK)
-        attach_adapters(loaded.model, adapters, config.lora_slots, max_rank,
+        # Adapters cannot be added later: padding past the largest adapter's rank would only cost (a larger
+        # --max-lora-rank is a bound each adapter is checked against).
+        largest = max((a.rank for a in adapters), default=1)
+        attach_adapters(loaded.model, adapters, len(adapters), min(largest, config.max_lora_rank or largest),
                         partial(param_sharding, mesh) if mesh is not None else None)
     except (LoraError, hub.HubError) as error:
         raise InvalidEngineConfig("lora_modules", str(error)) from None
@@ -944,9 +945,9 @@ class Engine:
         )
 
     def _lora_stats(self) -> dict[str, int | tuple[str, ...]]:
-        """`EngineStats`' LoRA fields: the slots, and the adapters of the running and the waiting sequences."""
+        """`EngineStats`' LoRA fields: max_loras, and the adapters of the running and the waiting sequences."""
         def names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
             return tuple(sorted({seq.params.lora.name for seq in seqs if seq.params.lora is not None}))
 
-        return dict(lora_slots=self.config.lora_slots, lora_running=names(self.scheduler.running),
-                    lora_waiting=names(self.scheduler.waiting))
+        return dict(max_loras=self.config.max_loras or len(self.adapters),
+                    lora_running=names(self.scheduler.running), lora_waiting=names(self.scheduler.waiting))

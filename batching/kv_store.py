@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sluice.batching.sampling_params import CacheNamespace
 from sluice.model.config import ModelConfig
 from sluice.pallas_kernels.kv_cache import empty_pages
 
@@ -123,16 +124,19 @@ class KVLayout:
     def page_nbytes(self) -> int:
         return sum(prod(shape) * dtype.itemsize for shape, dtype in self.payload_specs)
 
-    def page_keys(self, token_ids: Sequence[int], parent: PageKey | None = None, salt: str | None = None
-                  ) -> list[PageKey]:
+    def page_keys(self, token_ids: Sequence[int], parent: PageKey | None = None,
+                  namespace: CacheNamespace | None = None) -> list[PageKey]:
         """Keys of the full pages of `token_ids` (a trailing partial page has none). `parent`: the key of the page
         before `token_ids[0]`, so a sequence's keys can be extended a page at a time; None: `token_ids` start the
-        sequence (its first page chains from the fingerprint, salted with the request's `cache_namespace` if any)."""
+        sequence (its first page chains from the fingerprint, salted with the request's `cache_namespace` if any: its
+        salt alone, or the salt and its LoRA adapter's fingerprint, each kind personalized apart)."""
         if parent is not None:
             digest = bytes.fromhex(parent)
-        elif salt is not None:  # keyed and personalized: no salt hashes to a page's key, whatever its bytes
-            digest = hashlib.blake2b(salt.encode(), digest_size=DIGEST_SIZE, key=self.fingerprint,
-                                     person=b"cache_salt").digest()
+        elif namespace is not None:  # keyed and personalized: no salt hashes to a page's key, whatever its bytes
+            text, person = ((namespace.salt, b"cache_salt") if namespace.adapter is None
+                            else (json.dumps(list(namespace)), b"lora"))
+            digest = hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE, key=self.fingerprint,
+                                     person=person).digest()
         else:
             digest = self.fingerprint
         tokens = np.asarray(token_ids, "<i4")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Literal, NamedTuple
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
@@ -53,6 +52,14 @@ class LoraRequest:
     name: str
     slot: int
     fingerprint: str
+
+
+class CacheNamespace(NamedTuple):
+    """A request's part of the prefix cache: its `cache_salt` and its LoRA adapter's fingerprint, either None. Kept
+    apart, not joined into one string: a salt, any string a client sends, must never name an adapter's pages."""
+
+    salt: str | None
+    adapter: str | None
 
 
 @dataclass(frozen=True)
@@ -130,12 +137,12 @@ class SamplingParams:
         return self.logprobs or self.top_logprobs > 0
 
     @cached_property
-    def cache_namespace(self) -> str | None:
+    def cache_namespace(self) -> CacheNamespace | None:
         """What the prefix cache keys pages under beside their tokens (None: the shared namespace): the
         `cache_salt`, and the adapter's fingerprint, as the K/V an adapter computes are its own."""
-        if self.lora is None:
-            return self.cache_salt
-        return json.dumps([self.cache_salt, self.lora.fingerprint])
+        if self.cache_salt is None and self.lora is None:
+            return None
+        return CacheNamespace(self.cache_salt, self.lora.fingerprint if self.lora is not None else None)
 
     @cached_property
     def reads_history(self) -> bool:

@@ -71,7 +71,8 @@ class EngineStats:
     `queue_wait_s` over `num_admitted` (from entering the waiting queue to being scheduled, each time a
     sequence is admitted: a preempted sequence waits again).
 
-    With LoRA: `lora_slots` (0 without), and the adapters of the running and of the waiting sequences, by name.
+    With LoRA adapters: `max_loras` (0 without), and the adapters of the running and of the waiting sequences, by
+    name.
     """
 
     num_requests_running: int
@@ -96,7 +97,7 @@ class EngineStats:
     decode_batch_steps: tuple[int, ...] = ()
     queue_wait_s: float = 0.0
     num_admitted: int = 0
-    lora_slots: int = 0
+    max_loras: int = 0
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()
 

@@ -152,8 +152,8 @@ def _check_settings(settings: Mapping[str, Any], refuse: Refuse) -> tuple[int, f
     rank, alpha = settings.get("r"), settings.get("lora_alpha", 8)  # PEFT's default alpha
     if not (isinstance(rank, int) and rank >= 1) or isinstance(rank, bool):
         raise refuse(f"has r {rank!r}, not a rank of at least 1")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise refuse(f"has lora_alpha {alpha!r}, not a number")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise refuse(f"has lora_alpha {alpha!r}, not a finite number")
     return rank, alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
 
 
@@ -163,9 +163,13 @@ def _read_safetensors(data: bytes, refuse: Refuse) -> dict[str, np.ndarray]:
     from safetensors.flax import load  # flax reads bfloat16, which plain numpy cannot
 
     try:
-        return {key: np.asarray(value, np.float32) for key, value in load(data).items()}
+        tensors = {key: np.asarray(value, np.float32) for key, value in load(data).items()}
     except SafetensorError as error:
         raise refuse(f"{WEIGHTS_FILE} does not read as safetensors (cut short or corrupt): {error}") from None
+    # A NaN or inf would reach every token of a step that holds its adapter's (masking multiplies it by 0).
+    if bad := next((key for key, tensor in tensors.items() if not np.isfinite(tensor).all()), None):
+        raise refuse(f"{bad} holds values that are not finite (NaN or inf)")
+    return tensors
 
 
 def _targets(target_modules: Any, refuse: Refuse) -> set[str]:
@@ -196,8 +200,11 @@ def _layers(layers_to_transform: Any, config: ModelConfig, refuse: Refuse) -> li
     if layers_to_transform is None or layers_to_transform == []:
         return list(range(config.num_layers))
     layers = [layers_to_transform] if isinstance(layers_to_transform, int) else layers_to_transform
-    if not all(isinstance(layer, int) and 0 <= layer < config.num_layers for layer in layers):
-        raise refuse(f"has layers_to_transform {layers_to_transform}, but the model has {config.num_layers} layers")
+    if not isinstance(layers, list) or not all(
+            isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < config.num_layers
+            for layer in layers):
+        raise refuse(f"has layers_to_transform {layers_to_transform!r}, not layer indices of the model's "
+                     f"{config.num_layers} layers")
     return sorted(set(layers))
 
 
@@ -270,7 +277,11 @@ def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: in
     stacks = lora_stacks(adapters, model.config, max_loras, max_rank)
     shardings = {} if sharding_rule is None else sharding_rule(model.config, {n: s.shape for n, s in stacks.items()})
     for name, stack in stacks.items():
-        model.set_layer_param(name, jax.device_put(stack.astype(model.dtype), shardings.get(name)))
+        cast = stack.astype(model.dtype)
+        if not np.isfinite(cast).all():  # B times the scaling past float16's range, say
+            raise LoraError(f"LoRA {name} overflows {np.dtype(model.dtype).name} (an adapter's B times its scaling): "
+                            f"serve it in a wider --dtype")
+        model.set_layer_param(name, jax.device_put(cast, shardings.get(name)))
 
 
 def lora_stacks(adapters: Sequence[LoraAdapter], config: ModelConfig, max_loras: int, max_rank: int

@@ -6,7 +6,7 @@ import numpy as np
 
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore
-from sluice.batching.sampling_params import SamplingParams
+from sluice.batching.sampling_params import CacheNamespace, SamplingParams
 from sluice.batching.sequence import Sequence
 
 from sequences import make_sequence
@@ -73,11 +73,12 @@ def test_a_cache_salt_shares_pages_only_with_requests_of_the_same_salt(tmp_path)
     assert len(bm.match_prefix(salted("alice", 3))[0]) == 2
     # The persistent store's keys are salted too, and the unsalted ones unchanged.
     saved = [key for _, key in bm.saves]
-    assert saved == layout.page_keys(tokens, salt="alice")
-    assert not set(saved) & set(layout.page_keys(tokens, salt="bob") + layout.page_keys(tokens))
+    assert saved == layout.page_keys(tokens, namespace=CacheNamespace("alice", None))
+    assert not set(saved) & set(layout.page_keys(tokens, namespace=CacheNamespace("bob", None))
+                                + layout.page_keys(tokens))
     # A salt is never hashed as a page is: one whose bytes are a page's tokens keys no unsalted page.
     page = np.asarray(tokens[:PAGE], "<i4").tobytes().decode()
-    assert not set(layout.page_keys(tokens[PAGE:], salt=page)) & set(layout.page_keys(tokens))
+    assert not set(layout.page_keys(tokens[PAGE:], namespace=CacheNamespace(page, None))) & set(layout.page_keys(tokens))
     store.close()
 
 

@@ -339,7 +339,7 @@ def edit_config(**changes) -> Callable[[Path], None]:
 
 def edit_tensors(change: Callable[[dict[str, np.ndarray]], None]) -> Callable[[Path], None]:
     def edit(folder: Path) -> None:
-        tensors = {key: np.asarray(value) for key, value in load_file(str(folder / WEIGHTS_FILE)).items()}
+        tensors = {key: np.array(value) for key, value in load_file(str(folder / WEIGHTS_FILE)).items()}
         change(tensors)
         save_file(tensors, str(folder / WEIGHTS_FILE))
     return edit
@@ -372,8 +372,13 @@ REFUSALS = {
     "rank": (edit_config(r=0), ["has r 0, not a rank"]),
     "a huge r": (edit_config(r=10 ** 9),
                  ["lora_A.weight has shape [4, 64], but the model and r 1000000000 imply [1000000000, 64]"]),
-    "alpha": (edit_config(lora_alpha="8"), ["has lora_alpha '8', not a number"]),
+    "alpha": (edit_config(lora_alpha="8"), ["has lora_alpha '8', not a finite number"]),
+    "infinite alpha": (edit_config(lora_alpha=float("inf")), ["has lora_alpha inf, not a finite number"]),
+    "a NaN weight": (edit_tensors(lambda t: t[Q_B].__setitem__((0, 0), np.nan)),
+                     [f"{Q_B} holds values that are not finite"]),
     "layers_to_transform": (edit_config(layers_to_transform=[1, 2]), ["layers_to_transform [1, 2]", "2 layers"]),
+    "layers_to_transform true": (edit_config(layers_to_transform=True), ["has layers_to_transform True, not layer"]),
+    "layers_to_transform 1.0": (edit_config(layers_to_transform=1.0), ["has layers_to_transform 1.0, not layer"]),
     ".bin only": (lambda f: (f / WEIGHTS_FILE).rename(f / "adapter_model.bin"),
                   ["adapter_model.bin", "convert it to adapter_model.safetensors"]),
     "no weights": (lambda f: (f / WEIGHTS_FILE).unlink(), ["has no adapter_model.safetensors"]),
@@ -470,6 +475,14 @@ def test_attach_refuses_more_adapters_than_slots_and_a_rank_above_the_largest(lo
         attach_adapters(lora_model, adapters, max_loras=1, max_rank=8)
     with pytest.raises(LoraError, match=r"'all_modules' .* has rank 8, above the largest served, 4 \(max_lora_rank\)"):
         attach_adapters(lora_model, adapters, max_loras=2, max_rank=4)
+
+
+def test_attach_refuses_an_adapter_that_overflows_the_models_dtype(lora_model, adapter):
+    """float16 tops out at 65504: B times the scaling past it would be inf, and reach every token of its steps."""
+    edit_tensors(lambda t: t[Q_B].__setitem__((0, 0), 1e5))(adapter)
+    with pytest.raises(LoraError, match="q_proj_lora_b overflows float16"):
+        attach_adapters(Llama(lora_model.config, dtype=jnp.float16, rngs=nnx.Rngs(0)),
+                        [load_adapter("big", adapter, lora_model.config)], max_loras=1, max_rank=4)
 
 
 def test_slots_past_the_adapters_and_ranks_past_an_adapters_are_zeros(lora_model):

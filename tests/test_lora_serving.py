@@ -24,8 +24,9 @@ from sluice.app.server import create_app
 from sluice.app.state import ServerSettings, ServerState
 from sluice.batching.config import EngineConfig, InvalidEngineConfig
 from sluice.batching.engine import Engine
+from sluice.batching.kv_store import KVLayout
 from sluice.batching.outputs import ListCollector
-from sluice.batching.sampling_params import LoraRequest, RequestRejected, SamplingParams
+from sluice.batching.sampling_params import CacheNamespace, LoraRequest, RequestRejected, SamplingParams
 from sluice.model.loader import LoadedModel, load_model
 
 DATA = Path(__file__).parent / "data"
@@ -54,7 +55,7 @@ def fresh(folder: Path) -> LoadedModel:
     {"max_loras": 1},  # a slot for each adapter all the same: vLLM's command lines give fewer
     {"speculative": "ngram", "max_loras": 3, "max_lora_rank": 16},  # drafts verified under each row's adapter
     {"async_scheduling": False, "num_decode_steps": 1},
-], ids=["fewer-slots-asked", "speculative-padded", "one-step"])
+], ids=["fewer-slots-asked", "speculative", "one-step"])
 def test_the_base_and_each_adapter_give_their_hf_goldens_in_one_batch(folder, options):
     engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, **options)
     runs = [(case, None) for case in BASE["cases"]]
@@ -82,11 +83,19 @@ def test_the_prefix_cache_namespace_is_the_salt_and_the_adapters_content():
     a, b = LoraRequest("a", 0, "f" * 64), LoraRequest("b", 1, "e" * 64)
     namespaces = [SamplingParams(cache_salt=salt, lora=lora).cache_namespace
                   for salt in (None, "tenant") for lora in (None, a, b)]
-    assert namespaces[0] is None and namespaces[3] == "tenant"  # as before adapters: stored pages keep their keys
+    assert namespaces[0] is None and namespaces[3] == CacheNamespace("tenant", None)
     assert len(set(namespaces)) == len(namespaces)
     # An adapter's pages are keyed by its files, not by the name it is served under, as a persistent store outlives
     # the process that named it.
     assert SamplingParams(lora=LoraRequest("renamed", 2, a.fingerprint)).cache_namespace == namespaces[1]
+    # A salt, any string a client sends, never names an adapter's pages, in the pool or the persistent store.
+    for lora in (a, b):
+        mimic = SamplingParams(cache_salt=json.dumps([None, lora.fingerprint])).cache_namespace
+        assert mimic != SamplingParams(lora=lora).cache_namespace
+        layout = KVLayout(model="m", quantization="none", dtype="float32", kv_dtype="float32", page_size=2,
+                          num_layers=1, num_kv_heads=1, head_dim=2)
+        assert layout.page_keys([1, 2], namespace=mimic) != layout.page_keys([1, 2], namespace=SamplingParams(
+            lora=lora).cache_namespace)
 
 
 def test_requests_name_their_adapter_as_their_model_and_the_models_list_names_each(folder):
@@ -117,7 +126,7 @@ def test_requests_name_their_adapter_as_their_model_and_the_models_list_names_ea
 def test_the_stats_name_the_adapters_of_the_running_and_the_waiting_sequences(folder):
     """What `vllm:lora_requests_info` shows inference gateways, which send a request where its adapter runs."""
     engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, max_loras=3)
-    assert (engine.stats.lora_slots, engine.stats.lora_running, engine.stats.lora_waiting) == (3, (), ())
+    assert (engine.stats.max_loras, engine.stats.lora_running, engine.stats.lora_waiting) == (3, (), ())
     prompt = case_named(BASE["cases"], "short")["prompt_ids"]
     sinks = []
     for i, name in enumerate([None, "qv_rslora", None, None, "all_modules"]):  # 4 run at once, the last waits
@@ -171,6 +180,7 @@ def test_a_relative_lora_path_is_made_absolute_for_a_replica_that_reads_it_elsew
     ('{"name": "sql"}', "not NAME=PATH"),
     ('{"name": "sql", "path": "p", "rank": 8}', "unknown keys 'rank'"),
     ("{not json", "not a JSON object"),
+    ("sql=~nosuchuser/adapters/sql", "Could not determine home directory"),
 ])
 def test_a_malformed_lora_module_is_refused_saying_what_it_takes(text, words):
     with pytest.raises(argparse.ArgumentTypeError, match=words):
