@@ -29,8 +29,7 @@ from sluice.batching.config import ACCELERATOR_BATCH, ACCELERATOR_PAGE_SIZE, CPU
     InvalidEngineConfig
 from sluice.batching.engine import Engine
 from sluice.pallas_kernels.attention import BACKENDS
-from sluice.model.fetch import InvalidModel, ModelNotFound, resolve_model
-from sluice.model.hub import is_hub_id
+from sluice.model.fetch import InvalidModel, ModelNotFound, from_hub, resolve_model
 from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
@@ -163,7 +162,7 @@ def lora_module(text: str) -> tuple[str, str]:
         local = Path(path).expanduser()
     except RuntimeError as error:  # ~user of no such user
         raise argparse.ArgumentTypeError(f"{path!r}: {error}") from None
-    return name.strip(), path if is_hub_id(path) and not local.exists() else str(local.absolute())
+    return name.strip(), path if from_hub(path) else str(local.absolute())
 
 
 def lora_modules(text: str) -> tuple[tuple[str, str], ...]:

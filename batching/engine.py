@@ -25,7 +25,6 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
-from pathlib import Path
 from typing import Callable
 
 import jax
@@ -54,6 +53,7 @@ from sluice.batching.speculation import Speculator
 from sluice.batching.stats import EngineStats, StepStats, StepTotals
 from sluice.batching.structured import GrammarCompiler
 from sluice.model import hub
+from sluice.model.fetch import from_hub
 from sluice.model.loader import LoadedModel, load_model
 from sluice.model.lora import LoraError, attach_adapters, load_adapter
 from sluice.model.roofline import StepCost
@@ -106,11 +106,9 @@ class _Launched:
 
 
 def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) -> dict[str, LoraRequest]:
-    """Reads `config.lora_modules`' adapters and gives `loaded.model` their LoRA weights (none unless LoRA is
-    enabled); each adapter's name -> what a request that runs with it carries. InvalidEngineConfig for an adapter
-    Sluice cannot serve."""
-    if not config.enable_lora:
-        return {}
+    """Reads `config.lora_modules`' adapters and gives `loaded.model` their LoRA weights, in place of any an earlier
+    engine gave it; each adapter's name -> what a request that runs with it carries. InvalidEngineConfig for an
+    adapter Sluice cannot serve."""
     if any(name == loaded.name for name, _ in config.lora_modules):
         raise InvalidEngineConfig("lora_modules", f"names an adapter {loaded.name!r}, the model's own name: a request "
                                                   f"for it could not be told from one for the model")
@@ -130,9 +128,7 @@ def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) ->
 def adapter_folder(path: str, download_dir: str | None) -> str:
     """A `--lora-modules` path: a local folder, or a Hub id's snapshot of its adapter files (HubError if the Hub and
     the cache cannot give it)."""
-    if Path(path).is_dir() or not hub.is_hub_id(path):
-        return path
-    return str(hub.download_adapter(path, download_dir))
+    return str(hub.download_adapter(path, download_dir)) if from_hub(path) else path
 
 
 def _describe(error: BaseException) -> str:

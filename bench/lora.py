@@ -132,8 +132,8 @@ def request_params(configuration: str, adapters: list[LoraRequest], count: int, 
 
 
 def measure(configuration: str, config: EngineConfig, prompts: list[list[int]], args: argparse.Namespace) -> Run:
-    """One run of `configuration` on an engine of its own, dropped after, over a freshly loaded model: an engine
-    with LoRA attaches its adapters to the model it is handed, and one without leaves them there."""
+    """One run of `configuration` on an engine of its own, dropped after, over a freshly loaded model (an engine
+    sets the LoRA weights of the model it is handed, in place)."""
     engine = Engine(load_model(quantization=args.quantization), config, progress=False)
     run = timed_run(engine, configuration, prompts,
                     request_params(configuration, list(engine.adapters.values()), len(prompts), args.output))
