@@ -16,7 +16,7 @@ import re
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -78,6 +78,7 @@ SCALE_OUT_TUNING_FLAGS: TuningFlags = [
     ("a multi-process job", "--num-processes N", lambda args: args.num_processes > 1, ("--process-id",)),
 ]
 _BUILT_IN_DEFAULTS: dict[str, Any] = {}  # flag -> its default before the environment's (`_option`)
+RUNTIME_LORA_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch of --allow-runtime-lora-updating
 
 
 def byte_size(text: str) -> int:
@@ -362,10 +363,11 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
                              "its NAME, which a request gives as its `model`; also JSON {\"name\": ..., \"path\": "
                              "...} as vLLM's [env SLUICE_LORA_MODULES: NAME=PATH items apart by spaces]")
     _option(parser, "--max-loras", None, "vLLM's LoRA adapters per batch, reported by vllm:lora_requests_info (every "
-            "adapter stays on the device here, and a batch mixes any of them; default: the adapters given)",
-            type=at_least(1, int))
+            "adapter stays on the device here, and a batch mixes any of them; default: the adapters given; with "
+            "--allow-runtime-lora-updating, the slots adapters are loaded into: default 1)", type=at_least(1, int))
     _option(parser, "--max-lora-rank", None, "largest LoRA rank served: an adapter of a higher rank is refused "
-            "(adapters are padded to the largest one's)", type=at_least(1, int))
+            "(adapters are padded to the largest one's; with --allow-runtime-lora-updating, to this: default 16)",
+            type=at_least(1, int))
     parser.add_argument("--max-cpu-loras", type=at_least(1, int), default=None,
                         help="vLLM's count of adapters kept in host memory; Sluice keeps every adapter on the device: "
                              "accepted so that vLLM's command lines run")
@@ -452,6 +454,10 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
             "0: none)", type=at_least(0, int))
     _option(server, "--responses-store-bytes", _SERVER_DEFAULTS.responses_store_bytes,
             "most bytes of stored responses (their JSON)", type=byte_size)
+    _switch(server, "--allow-runtime-lora-updating",
+            "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters loaded and unloaded while "
+            "serving, into --max-loras slots of rank --max-lora-rank held on the device from the start (implies "
+            f"--enable-lora; also vLLM's {RUNTIME_LORA_VARIABLE}=1 or true)")
     _switch(server, "--no-ui", "do not serve the dashboard and playground page (/, /ui) nor its push stream")
     _option(server, "--slo-ttft-ms", None, "time-to-first-token objective, drawn on the dashboard's TTFT chart",
             type=above(0, float))
@@ -503,6 +509,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice serve: {ignored}", file=sys.stderr)
     try:
         engine_config = checked_engine_config(args, ENGINE_TUNING_FLAGS + SCALE_OUT_TUNING_FLAGS)
+        engine_config = with_runtime_lora_updating(engine_config, args, os.environ)
     except CommandError as error:
         return _refuse(str(error))
     if args.api_key is not None and not args.api_key.strip():  # a key from an unset shell variable, say
@@ -604,6 +611,23 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
             max_lora_rank=args.max_lora_rank,
         )
     except ValueError as error:
+        raise CommandError(said_by_flag(error)) from None
+
+
+def with_runtime_lora_updating(config: EngineConfig, args: argparse.Namespace, environ: Mapping[str, str]
+                               ) -> EngineConfig:
+    """`config` with runtime LoRA updating (and so LoRA) on where --allow-runtime-lora-updating or vLLM's variable,
+    read as vLLM reads it ("1" or "true"), asks for it; CommandError where several engine processes would serve, each
+    of which every load and unload would have to reach."""
+    if not (args.allow_runtime_lora_updating
+            or environ.get(RUNTIME_LORA_VARIABLE, "").strip().lower() in ("1", "true")):
+        return config
+    if args.replicas is not None or args.hosts is not None or args.num_processes > 1:
+        raise CommandError("runtime LoRA updating (--allow-runtime-lora-updating, or " + RUNTIME_LORA_VARIABLE
+                           + ") serves one engine process: leave out --replicas, --hosts and --num-processes")
+    try:
+        return replace(config, enable_lora=True, allow_runtime_lora_updating=True)
+    except InvalidEngineConfig as error:
         raise CommandError(said_by_flag(error)) from None
 
 
@@ -768,7 +792,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
                  listener: socket.socket) -> int:
     state = ServerState(settings)
     config = uvicorn.Config(
-        create_app(state),
+        create_app(state, lora_admin=engine_config.allow_runtime_lora_updating),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

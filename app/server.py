@@ -36,6 +36,8 @@ from sluice.app.dashboard.feed import Feed
 from sluice.app.embeddings import create_embeddings
 from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
 from sluice.app.errors import APIError, error_response, not_ready
+from sluice.app.lora_admin import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, load_lora_adapter, \
+    unload_lora_adapter
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyReadMiddleware, InternalErrorMiddleware, \
     RequestCountMiddleware, RequestIdMiddleware
 from sluice.app.openapi import ANTHROPIC_ERROR_STATUSES, Operation, openapi_document
@@ -153,16 +155,27 @@ ROUTES: list[tuple[Handler, Operation]] = [
 ]
 
 
-def create_app(state: ServerState, cors: bool = True) -> Starlette:
+LORA_ADMIN_ROUTES: list[tuple[Handler, Operation]] = [
+    (load_lora_adapter, Operation("/v1/load_lora_adapter", "POST", "Loads a LoRA adapter, served under its name "
+                                  "(vLLM's runtime LoRA updating)", LoadLoraAdapterRequest, media_type="text/plain")),
+    (unload_lora_adapter, Operation("/v1/unload_lora_adapter", "POST", "Unloads a LoRA adapter (vLLM's runtime LoRA "
+                                    "updating)", UnloadLoraAdapterRequest, media_type="text/plain")),
+]
+"""The routes of runtime LoRA updating (`app/lora_admin.py`), which an app has only with it on."""
+
+
+def create_app(state: ServerState, cors: bool = True, lora_admin: bool = False) -> Starlette:
     """An app serving `state`'s engine once `state.set_engine` has been called; 503 until then. `cors`: the app
-    applies the settings' CORS policy (a replica's does not: its ingress answers browsers).
+    applies the settings' CORS policy (a replica's does not: its ingress answers browsers). `lora_admin`: it has the
+    routes that load and unload LoRA adapters (`LORA_ADMIN_ROUTES`), for an engine that allows runtime updating.
 
     With `settings.ui`, the dashboard's feed ticks while the app runs. On shutdown (after uvicorn has finished
     the open requests) it stops that engine.
     """
     settings = state.settings
     ui = settings.ui
-    routes = [Route(op.path, handler, methods=[op.method]) for handler, op in ROUTES]
+    table = ROUTES + LORA_ADMIN_ROUTES if lora_admin else ROUTES
+    routes = [Route(op.path, handler, methods=[op.method]) for handler, op in table]
     if ui:
         routes += dashboard.ui_routes()
     # Outermost: a browser's preflight is answered before the API key is asked for, and errors carry the CORS
@@ -199,8 +212,9 @@ def create_app(state: ServerState, cors: bool = True) -> Starlette:
     app.router.redirect_slashes = False
     app.state.sluice = state
     app.state.feed = feed
+    app.state.lora_updates = asyncio.Lock()  # `lora_admin`'s, one update at a time
     app.state.openapi = openapi_document(
-        [op for _, op in ROUTES], "Sluice", version("sluice"), bearer_auth=bool(settings.api_key),
+        [op for _, op in table], "Sluice", version("sluice"), bearer_auth=bool(settings.api_key),
         open_paths=OPEN_PATHS,
     )
     return app

@@ -37,6 +37,10 @@ JAX_DEFAULT_MEMORY_FRACTION = 0.75
 CPU_PAGE_SIZE = 64
 ACCELERATOR_PAGE_SIZE = 16
 
+# vLLM's defaults of --max-loras and --max-lora-rank: the LoRA slots allocated for runtime updating when not given.
+RUNTIME_MAX_LORAS = 1
+RUNTIME_MAX_LORA_RANK = 16
+
 
 def memory_fraction_variable(environ: Mapping[str, str]) -> str | None:
     """The variable of MEMORY_FRACTION_VARIABLES that gives jax's allocator its share in `environ`, if one does."""
@@ -111,6 +115,10 @@ class EngineConfig:
     beside the base model: each is on the device from the start, in a slot of its own, its rank padded to the
     largest adapter's, which must be at most `max_lora_rank` (None: any). `max_loras`, vLLM's adapters per batch, is
     what the metrics report (any mix of the adapters runs in one batch here).
+    `allow_runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters are also loaded and unloaded
+    while serving (`Engine.load_lora`), so the model holds from the start `max_loras` slots (default
+    RUNTIME_MAX_LORAS) of rank `max_lora_rank` (default RUNTIME_MAX_LORA_RANK) for all seven projections, zeros where
+    no adapter is; `lora_modules`' adapters fill the first slots.
     A request names its adapter as its `model`.
     `prefix_cache_dir`: keep full KV pages past the pool, in `prefix_cache_ram` bytes of host RAM and then up to
     `prefix_cache_size` bytes of files in that directory (`kv_store.py`), so a restarted server still has them.
@@ -151,6 +159,7 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.lora_modules]
@@ -193,10 +202,20 @@ class EngineConfig:
             (all(names) and len(set(names)) == len(names), "lora_modules", "must have distinct, non-empty names"),
             (self.max_loras is None or self.max_loras >= 1, "max_loras", "must be at least 1"),
             (self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1"),
+            (self.enable_lora or not self.allow_runtime_lora_updating, "allow_runtime_lora_updating",
+             "needs enable_lora"),
+            (not self.allow_runtime_lora_updating or len(names) <= self.runtime_lora_slots[0], "lora_modules",
+             f"gives {len(names)} adapters, more than the {self.runtime_lora_slots[0]} slots runtime updating holds "
+             f"(max_loras)"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise InvalidEngineConfig(name, f"{why}, got {getattr(self, name)!r}")
+
+    @property
+    def runtime_lora_slots(self) -> tuple[int, int]:
+        """(slots, rank) of the LoRA weights runtime updating holds: max_loras and max_lora_rank, or vLLM's defaults."""
+        return self.max_loras or RUNTIME_MAX_LORAS, self.max_lora_rank or RUNTIME_MAX_LORA_RANK
 
     def with_device_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
         """This config with the batch limits (`default_batch`) and the page size it leaves unset taken for a device

@@ -23,6 +23,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from typing import Callable
@@ -55,7 +56,7 @@ from sluice.batching.structured import GrammarCompiler
 from sluice.model import hub
 from sluice.model.fetch import from_hub
 from sluice.model.loader import LoadedModel, load_model
-from sluice.model.lora import LoraError, attach_adapters, load_adapter
+from sluice.model.lora import LoraAdapter, LoraError, attach_adapters, load_adapter, slot_weights
 from sluice.model.roofline import StepCost
 from sluice.pallas_kernels.kv_cache import kv_cache_dtype
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
@@ -91,6 +92,28 @@ class _Stop:
 
 
 @dataclass(frozen=True)
+class _LoadLora:
+    """Serves `adapter` as its name, in place of any adapter of that name, from a free LoRA slot given `weights` (one
+    slot's, `lora.slot_weights`); `done` gives what its requests carry."""
+
+    adapter: LoraAdapter
+    weights: dict[str, np.ndarray]
+    done: Future[LoraRequest]
+
+
+@dataclass(frozen=True)
+class _UnloadLora:
+    """Stops serving LoRA adapter `name`; `done` once it is."""
+
+    name: str
+    done: Future[None]
+
+
+_Command = _Add | _Abort | _AbortAll | _Stop | _LoadLora | _UnloadLora
+"""What reaches the engine thread through its inbox."""
+
+
+@dataclass(frozen=True)
 class _Launched:
     """A dispatched step the host has not collected yet (`pending`: what ran), where each chunk's first sampled
     token goes in its sequence and how many placeholders it got there (0 for a chunk that drafts: how many it
@@ -105,24 +128,32 @@ class _Launched:
     host_s: float
 
 
-def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) -> dict[str, LoraRequest]:
+def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None
+                ) -> tuple[dict[str, LoraRequest], list[str | None]]:
     """Reads `config.lora_modules`' adapters and gives `loaded.model` their LoRA weights, in place of any an earlier
-    engine gave it; each adapter's name -> what a request that runs with it carries. InvalidEngineConfig for an
-    adapter Sluice cannot serve."""
+    engine gave it, with free slots for runtime updating (`EngineConfig.runtime_lora_slots`). Returns each adapter's
+    name -> what a request that runs with it carries, and the fingerprint of the adapter in each slot (None: none).
+    InvalidEngineConfig for an adapter Sluice cannot serve."""
     if any(name == loaded.name for name, _ in config.lora_modules):
         raise InvalidEngineConfig("lora_modules", f"names an adapter {loaded.name!r}, the model's own name: a request "
                                                   f"for it could not be told from one for the model")
     try:
         adapters = [load_adapter(name, adapter_folder(path, config.download_dir), loaded.config)
                     for name, path in config.lora_modules]
-        # Adapters cannot be added later: padding past the largest adapter's rank would only cost (a larger
-        # --max-lora-rank is a bound each adapter is checked against).
-        largest = max((a.rank for a in adapters), default=1)
-        attach_adapters(loaded.model, adapters, len(adapters), min(largest, config.max_lora_rank or largest),
-                        partial(param_sharding, mesh) if mesh is not None else None)
+        if config.allow_runtime_lora_updating:
+            num_slots, rank = config.runtime_lora_slots
+        else:
+            # Adapters cannot be added later: padding past the largest adapter's rank would only cost (a larger
+            # --max-lora-rank is a bound each adapter is checked against).
+            largest = max((a.rank for a in adapters), default=1)
+            num_slots, rank = len(adapters), min(largest, config.max_lora_rank or largest)
+        attach_adapters(loaded.model, adapters, num_slots, rank,
+                        partial(param_sharding, mesh) if mesh is not None else None,
+                        every_projection=config.allow_runtime_lora_updating)
     except (LoraError, hub.HubError) as error:
         raise InvalidEngineConfig("lora_modules", str(error)) from None
-    return {adapter.name: LoraRequest(adapter.name, slot, adapter.fingerprint) for slot, adapter in enumerate(adapters)}
+    served = {a.name: LoraRequest(a.name, slot, a.fingerprint) for slot, a in enumerate(adapters)}
+    return served, [a.fingerprint for a in adapters] + [None] * (num_slots - len(adapters))
 
 
 def adapter_folder(path: str, download_dir: str | None) -> str:
@@ -152,7 +183,11 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.generation_defaults = loaded.generation_defaults  # the model's sampling defaults, for the API to apply
-        self.adapters = attach_lora(loaded, config, mesh)  # before the pool is sized: their weights take memory too
+        # Before the pool is sized: their weights take memory too. `adapters` is replaced whole, never changed, as
+        # other threads read it (`_load_lora`); the slots are the engine thread's.
+        self.adapters, self._lora_slots = attach_lora(loaded, config, mesh)
+        self._slot_weights = partial(slot_weights, config=loaded.config, max_rank=config.runtime_lora_slots[1],
+                                     dtype=loaded.model.dtype)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         num_pages = num_pool_pages(config, loaded.config, kv_dtype, mesh, page_size_given)
         self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
@@ -195,7 +230,7 @@ class Engine:
         gc.collect()
         gc.freeze()
         gc.set_threshold(max(gc.get_threshold()[0], GC_YOUNG_THRESHOLD), *gc.get_threshold()[1:])
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self._num_pooling = 0  # embedding requests in `_requests`: their steps fetch pooled rows
@@ -271,6 +306,26 @@ class Engine:
         drain that ran out of time: a request still being built then, its grammar compiling, would run on until
         the server was stopped)."""
         self._inbox.put(_AbortAll())
+
+    def load_lora(self, name: str, path: str) -> Future[LoraRequest]:
+        """With runtime updating (`EngineConfig.allow_runtime_lora_updating`), serves the PEFT adapter at `path` (a
+        folder, or a Hub id as `--lora-modules` takes one) as `name`, in place of any adapter of that name. Reads and
+        lays out its files in this thread (CPU work: keep it off the event loop), raising LoraError (AdapterNotFound
+        where `path` is no folder) or HubError; the engine thread then writes it into a free slot between two steps.
+        The future gives what its requests carry, or a LoraError when every slot holds an adapter served or one still
+        used by a running or waiting request."""
+        adapter = load_adapter(name, adapter_folder(path, self.config.download_dir), self.runner.config)
+        done: Future[LoraRequest] = Future()
+        self._inbox.put(_LoadLora(adapter, self._slot_weights(adapter), done))
+        return done
+
+    def unload_lora(self, name: str) -> Future[None]:
+        """Stops serving LoRA adapter `name` (unknown names are ignored) when the engine thread takes it in, between
+        two steps: the future is done then, and requests for it are rejected from then on. Those that run or wait
+        finish with it; its slot is free once they have."""
+        done: Future[None] = Future()
+        self._inbox.put(_UnloadLora(name, done))
+        return done
 
     # --- driving the loop -----------------------------------------------------------------------------
 
@@ -609,11 +664,15 @@ class Engine:
             self.block_manager.saves.clear()
             self._saving = list(keys), self.runner.copy_out(list(pages))
 
-    def _apply(self, command: _Add | _Abort | _AbortAll | _Stop) -> None:
+    def _apply(self, command: _Command) -> None:
         if isinstance(command, _Add):
             request = command.request
+            lora = request.seqs[0].params.lora
             if request.request_id in self._requests:
-                self._reject_duplicate(request)
+                self._reject(request, f"request id {request.request_id!r} is already in use")
+                return
+            if lora is not None and self._lora_slots[lora.slot] != lora.fingerprint:  # another adapter's slot now
+                self._reject(request, f"the LoRA adapter {lora.name!r} was unloaded before the request started")
                 return
             self._requests[request.request_id] = request
             self._num_pooling += request.seqs[0].params.pooling is not None
@@ -632,6 +691,11 @@ class Engine:
         elif isinstance(command, _AbortAll):
             self._aborting_all = True
             self._abort_all()
+        elif isinstance(command, _LoadLora):
+            self._load_lora(command)
+        elif isinstance(command, _UnloadLora):
+            self.adapters = {name: lora for name, lora in self.adapters.items() if name != command.name}
+            command.done.set_result(None)
         else:
             self._stopping = True
 
@@ -645,10 +709,37 @@ class Engine:
         for seq in scheduled.preempted:
             seq.queued_at = now
 
-    def _reject_duplicate(self, request: Request) -> None:
-        message = f"request id {request.request_id!r} is already in use"
+    def _reject(self, request: Request, message: str) -> None:
+        """Ends each choice of `request`, which never ran, with the error `message`."""
         for seq in request.seqs:
             self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
+
+    def _load_lora(self, command: _LoadLora) -> None:
+        """Writes the adapter into the first free LoRA slot (`_free_lora_slot`) and serves it, or says why not."""
+        adapter = command.adapter
+        slot = self._free_lora_slot(adapter.name)
+        if slot is None:
+            command.done.set_exception(LoraError(
+                f"no free LoRA slot for adapter {adapter.name!r}: each of the {len(self._lora_slots)} (--max-loras) "
+                f"holds an adapter served, or one unloaded that a running or waiting request still uses"))
+            return
+        try:
+            self.runner.write_layer_rows(command.weights, slot)
+        except Exception as error:  # noqa: BLE001 - the caller hears it; the slots are as they were
+            command.done.set_exception(error)
+            return
+        self._lora_slots[slot] = adapter.fingerprint
+        lora = LoraRequest(adapter.name, slot, adapter.fingerprint)
+        self.adapters = {**self.adapters, adapter.name: lora}
+        command.done.set_result(lora)
+
+    def _free_lora_slot(self, name: str) -> int | None:
+        """The first LoRA slot that holds no adapter served (but `name`'s, which a load replaces) and that no request
+        uses, running or waiting; None if there is none."""
+        held = {lora.slot for served, lora in self.adapters.items() if served != name}
+        held.update(request.seqs[0].params.lora.slot for request in self._requests.values()
+                    if request.seqs[0].params.lora is not None)
+        return next((slot for slot in range(len(self._lora_slots)) if slot not in held), None)
 
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
         """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call
@@ -937,7 +1028,7 @@ class Engine:
             decode_batch_steps=tuple(self._totals.decode_batch_steps),
             queue_wait_s=self._totals.queue_wait_s,
             num_admitted=self._totals.num_admitted,
-            **(self._lora_stats() if self.adapters else {}),
+            **(self._lora_stats() if self._lora_slots else {}),
         )
 
     def _lora_stats(self) -> dict[str, int | tuple[str, ...]]:
@@ -945,5 +1036,5 @@ class Engine:
         def names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
             return tuple(sorted({seq.params.lora.name for seq in seqs if seq.params.lora is not None}))
 
-        return dict(max_loras=self.config.max_loras or len(self.adapters),
+        return dict(max_loras=self.config.max_loras or len(self._lora_slots),
                     lora_running=names(self.scheduler.running), lora_waiting=names(self.scheduler.waiting))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, replace
 from functools import partial
@@ -315,6 +316,20 @@ class ModelRunner:
         self._slots = jax.device_put(self.input_batch.host, self._step_outputs_sharding)
         self._last_tokens = jax.device_put(np.zeros(self.max_num_seqs, np.int32), self._step_outputs_sharding)
         self._last_row = np.full(self.max_num_seqs + 1, -1, np.int32)  # by slot: its token's row in `_last_tokens`
+
+    def write_layer_rows(self, rows: Mapping[str, np.ndarray], index: int) -> None:
+        """Writes `rows[name]` `[L, ...]` at `index` of the axis after the layers of each layer parameter `name`
+        (`[L, N, ...]`, stored as a stack or one array per layer), into new arrays on the same devices: the steps take
+        the weights as arguments, never as constants, so the next step dispatched reads them (the steps in flight,
+        the old ones)."""
+        weights = list(self.weights)
+        for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(self.state)[0]):
+            if (name := path[0].key) in rows:
+                layer = path[-1].idx if isinstance(path[-1], jax.tree_util.SequenceKey) else None
+                written = leaf.at[:, index].set(rows[name]) if layer is None else leaf.at[index].set(rows[name][layer])
+                weights[i] = jax.device_put(written, leaf.sharding)
+        self.weights = weights
+        self.state = jax.tree.unflatten(self._state_def, weights)
 
     def load_pages(self, pages: list[int], payloads: list[PagePayload]) -> None:
         """Writes stored pages' K/V into `pages` of the pool, ordered after the steps already dispatched."""

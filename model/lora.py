@@ -15,6 +15,8 @@ Layout. Over S = max_loras slots, each adapter padded to rank R with zeros, each
 The modules' deltas `[T, out]` are then laid into the projection's fused output as the base weights are
 (`llama.fuse_outputs`: a GGUF's Q/K rows are permuted back to HF's order by the loader, so an HF adapter's rows land
 on the features they were trained for).
+A server that loads adapters while it runs (vLLM's runtime LoRA updating) holds all seven projections' parameters
+from the start, zeros in the slots no adapter fills, and writes a slot's part of each (`slot_weights`) to load one.
 
 The mask. A token's delta is `((x @ A) * own) @ B` (`llama.lora_delta`): x `[T, K]` times every slot's A, the
 columns of every slot other than the token's own zeroed (`own`, the one-hot of its slot: all zeros for -1, the base
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +88,10 @@ class LoraError(ValueError):
     """An adapter Sluice cannot serve; the message, one line, names it and what is wrong."""
 
 
+class AdapterNotFound(LoraError):
+    """No adapter at the path given: no such folder."""
+
+
 Refuse = Callable[[str], LoraError]
 """why -> the LoraError naming the adapter being read."""
 
@@ -114,11 +120,11 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig) -> LoraAdapte
     Sluice cannot serve it on that model."""
     folder = Path(path)
 
-    def refuse(why: str) -> LoraError:
-        return LoraError(f"LoRA adapter {name!r} ({folder}): {why}")
+    def refuse(why: str, kind: type[LoraError] = LoraError) -> LoraError:
+        return kind(f"LoRA adapter {name!r} ({folder}): {why}")
 
     if not folder.is_dir():
-        raise refuse("no such folder")
+        raise refuse("no such folder", AdapterNotFound)
     try:
         settings = read_json_object(folder / CONFIG_FILE, missing_ok=False)
     except ValueError as error:
@@ -258,48 +264,79 @@ def _stack(pairs: Pairs, rank: int, config: ModelConfig) -> tuple[dict[str, np.n
 
 
 def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: int, max_rank: int,
-                    sharding_rule: ShardingRule | None = None) -> None:
+                    sharding_rule: ShardingRule | None = None, every_projection: bool = False) -> None:
     """Gives `model` the LoRA parameters of `adapters` (module docstring), adapter i in slot i of `max_loras`, each
     padded to rank `max_rank`, in the model's activation dtype (quantized base weights or not), stored as its other
-    layer parameters are (stacked, or one array per layer). `sharding_rule` places each (tensor parallelism:
-    `sharding.rules.param_sharding` with the model's mesh; default: the first device). Replaces what an earlier
-    call attached. LoraError for more adapters than slots, or an adapter's rank above max_rank."""
+    layer parameters are (stacked, or one array per layer), for the projections the adapters add to, or with
+    `every_projection` all of them (slots written later, `slot_weights`, may add to any). `sharding_rule` places each
+    (tensor parallelism: `sharding.rules.param_sharding` with the model's mesh; default: the first device). Replaces
+    what an earlier call attached. LoraError for more adapters than slots, or an adapter's rank above max_rank."""
     if len(adapters) > max_loras:
         raise LoraError(f"{len(adapters)} LoRA adapters ({', '.join(a.name for a in adapters)}) do not fit in "
                         f"{max_loras} slots (max_loras)")
     for adapter in adapters:
-        if adapter.rank > max_rank:
-            raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}) has rank {adapter.rank}, above the "
-                            f"largest served, {max_rank} (max_lora_rank)")
+        check_rank(adapter, max_rank)
     for name in LORA_PARAMS:
         if hasattr(model, name):
             delattr(model, name)
-    stacks = lora_stacks(adapters, model.config, max_loras, max_rank)
+    projections = LORA_MODULES if every_projection else [
+        fused for fused, modules in LORA_MODULES.items()
+        if any(module in adapter.a for adapter in adapters for module in modules)]
+    stacks = lora_stacks(adapters, model.config, max_loras, max_rank, projections)
     shardings = {} if sharding_rule is None else sharding_rule(model.config, {n: s.shape for n, s in stacks.items()})
     for name, stack in stacks.items():
-        cast = stack.astype(model.dtype)
-        if not np.isfinite(cast).all():  # B times the scaling past float16's range, say
-            raise LoraError(f"LoRA {name} overflows {np.dtype(model.dtype).name} (an adapter's B times its scaling): "
-                            f"serve it in a wider --dtype")
-        model.set_layer_param(name, jax.device_put(cast, shardings.get(name)))
+        model.set_layer_param(name, jax.device_put(_cast(name, stack, model.dtype), shardings.get(name)))
 
 
-def lora_stacks(adapters: Sequence[LoraAdapter], config: ModelConfig, max_loras: int, max_rank: int
-                ) -> dict[str, np.ndarray]:
-    """The LoRA parameters of `adapters` (module docstring), float32, for the projections any of them adds to."""
-    targeted = {module for adapter in adapters for module in adapter.a}
-    stacks = {}
-    for fused, modules in LORA_MODULES.items():
-        if targeted.isdisjoint(modules):
-            continue
-        in_features = expected_shape(MODULES[modules[0]], config)[1]
-        a = stacks[lora_a(fused)] = np.zeros((config.num_layers, max_loras, in_features, len(modules), max_rank),
-                                             np.float32)
-        for part, module in enumerate(modules):
-            out_features = expected_shape(MODULES[module], config)[0]
-            b = stacks[lora_b(module)] = np.zeros((config.num_layers, max_loras, max_rank, out_features), np.float32)
-            for slot, adapter in enumerate(adapters):
-                if module in adapter.a:
-                    a[:, slot, :, part, :adapter.rank] = adapter.a[module]
-                    b[:, slot, :adapter.rank] = adapter.b[module] * adapter.scaling
+def check_rank(adapter: LoraAdapter, max_rank: int) -> None:
+    """LoraError if `adapter`'s rank is above `max_rank`, the slots' rank."""
+    if adapter.rank > max_rank:
+        raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}) has rank {adapter.rank}, above the largest "
+                        f"served, {max_rank} (max_lora_rank)")
+
+
+def slot_weights(adapter: LoraAdapter, config: ModelConfig, max_rank: int, dtype: Any,
+                 projections: Iterable[str] = LORA_MODULES) -> dict[str, np.ndarray]:
+    """One slot's LoRA parameters holding `adapter` (module docstring: its rank padded to `max_rank`, zeros for the
+    modules it leaves out), in `dtype`, for `projections` (`LORA_MODULES`' names): each A `[L, K, P, R]`, each B
+    `[L, R, out]`. LoraError for a rank above max_rank, or a B times its scaling past dtype's range."""
+    check_rank(adapter, max_rank)
+    weights = {name: np.zeros(shape, np.float32) for name, shape in _slot_shapes(config, max_rank, projections).items()}
+    for fused in projections:
+        for part, module in enumerate(LORA_MODULES[fused]):
+            if module in adapter.a:
+                weights[lora_a(fused)][:, :, part, :adapter.rank] = adapter.a[module]
+                weights[lora_b(module)][:, :adapter.rank] = adapter.b[module] * adapter.scaling
+    return {name: _cast(name, weight, dtype) for name, weight in weights.items()}
+
+
+def lora_stacks(adapters: Sequence[LoraAdapter], config: ModelConfig, max_loras: int, max_rank: int,
+                projections: Iterable[str]) -> dict[str, np.ndarray]:
+    """The LoRA parameters of `adapters` (module docstring), float32, for `projections` (`LORA_MODULES`' names)."""
+    shapes = _slot_shapes(config, max_rank, projections)
+    stacks = {name: np.zeros((shape[0], max_loras, *shape[1:]), np.float32) for name, shape in shapes.items()}
+    for slot, adapter in enumerate(adapters):
+        for name, weight in slot_weights(adapter, config, max_rank, np.float32, projections).items():
+            stacks[name][:, slot] = weight
     return stacks
+
+
+def _slot_shapes(config: ModelConfig, max_rank: int, projections: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """The shape of one slot's part of each LoRA parameter of `projections`: A `[L, K, P, R]`, B `[L, R, out]`."""
+    shapes = {}
+    for fused in projections:
+        modules = LORA_MODULES[fused]
+        in_features = expected_shape(MODULES[modules[0]], config)[1]
+        shapes[lora_a(fused)] = (config.num_layers, in_features, len(modules), max_rank)
+        for module in modules:
+            shapes[lora_b(module)] = (config.num_layers, max_rank, expected_shape(MODULES[module], config)[0])
+    return shapes
+
+
+def _cast(name: str, weight: np.ndarray, dtype: Any) -> np.ndarray:
+    """LoRA parameter `name`'s `weight` in `dtype`; LoraError where that overflows it."""
+    cast = weight.astype(dtype)
+    if not np.isfinite(cast).all():  # B times the scaling past float16's range, say
+        raise LoraError(f"LoRA {name} overflows {np.dtype(dtype).name} (an adapter's B times its scaling): serve it "
+                        f"in a wider --dtype")
+    return cast

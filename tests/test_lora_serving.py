@@ -139,15 +139,15 @@ def test_the_stats_name_the_adapters_of_the_running_and_the_waiting_sequences(fo
     assert (engine.stats.lora_running, engine.stats.lora_waiting) == ((), ())
 
 
-def serve(engine: Engine, scenario, **settings):
-    """`scenario(client)` against the app over `engine`, its step loop started."""
+def serve(engine: Engine, scenario, lora_admin: bool = False, **settings):
+    """`scenario(client)` against the app over `engine`, its step loop started; `lora_admin`: `create_app`'s."""
 
     async def run():
         state = ServerState(ServerSettings(ui=False, **settings))
         state.set_engine(engine)
         await engine.start()
         try:
-            transport = httpx.ASGITransport(app=create_app(state))
+            transport = httpx.ASGITransport(app=create_app(state, lora_admin=lora_admin))
             async with httpx.AsyncClient(transport=transport, base_url="http://sluice", timeout=60) as client:
                 return await scenario(client)
         finally:

@@ -1,0 +1,262 @@
+"""vLLM's runtime LoRA updating (`--allow-runtime-lora-updating`, VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters loaded
+(`POST /v1/load_lora_adapter`) and unloaded (`POST /v1/unload_lora_adapter`) while serving, into slots held from the
+start, checked against the PEFT goldens of tests/data/tiny_lora as the adapters given at start-up are
+(tests/test_lora_serving.py). One engine serves the module: two slots of rank 8 (the tiny adapters' largest; the
+other, of rank 4, is padded), each test finding it with no adapter loaded and leaving it so."""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import pytest
+
+from golden_checks import assert_completion_gives_case, golden_engine, golden_params, home  # noqa: F401 (a fixture)
+from test_lora_serving import ADAPTERS, BASE, DATA, LORA, case_named, folder, fresh, serve  # noqa: F401 (a fixture)
+from sluice.app.cli import main
+from sluice.app.serve import ENGINE_TUNING_FLAGS, add_arguments, checked_engine_config, with_runtime_lora_updating
+from sluice.batching.engine import Engine
+from sluice.batching.outputs import ListCollector
+from sluice.batching.sampling_params import RequestRejected
+from sluice.model.lora import LoraError
+
+FOLDERS = {name: str(DATA / "tiny_lora" / adapter["folder"]) for name, adapter in ADAPTERS.items()}
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+
+
+@pytest.fixture(scope="module")
+def shared(folder) -> Engine:
+    return golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_loras=2,
+                         max_lora_rank=8)
+
+
+@pytest.fixture
+def engine(shared: Engine) -> Engine:
+    """The module's engine, left as the test found it: its requests run to their end, its adapters unloaded."""
+    yield shared
+    while shared.has_work:
+        shared.step()
+    for name in list(shared.adapters):
+        shared.unload_lora(name)
+    shared.step()
+
+
+def load(name: str, adapter: str, **fields) -> dict:
+    """A load request's body for the tiny adapter `adapter` (a key of ADAPTERS) under `name`."""
+    return {"lora_name": name, "lora_path": FOLDERS[adapter], **fields}
+
+
+def completion(model: str, case: dict) -> dict:
+    return {"model": model, "prompt": case["prompt_ids"], "max_tokens": LORA["num_new_tokens"], "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+
+
+def load_offline(engine: Engine, name: str, adapter: str):
+    """Loads tiny adapter `adapter` as `name` into an engine whose loop is not started; what its requests carry."""
+    written = engine.load_lora(name, FOLDERS[adapter])
+    engine.step()  # the engine thread's part, between two steps
+    return written.result()
+
+
+def test_adapters_loaded_at_runtime_give_pefts_goldens_as_adapters_given_at_start_up_do(engine):
+    async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await client.get("/metrics"),
+                *[await client.post(LOAD, json=load(f"runtime_{name}", name)) for name in ADAPTERS],
+                await client.get("/v1/models"), await client.get("/metrics")]
+
+    before, *loaded, models, after = serve(engine, scenario, lora_admin=True, served_model_name="tiny")
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in before.text
+    for response, name in zip(loaded, ADAPTERS, strict=True):
+        assert response.status_code == 200, response.text
+        assert response.text == f"Success: LoRA adapter 'runtime_{name}' added successfully."
+    assert [(m["id"], m["parent"]) for m in models.json()["data"]] == [
+        ("tiny", None), *[(f"runtime_{name}", "tiny") for name in ADAPTERS]]
+    assert 'max_lora="2"' in after.text
+    runs = [(case, None) for case in BASE["cases"]]
+    runs += [(case, f"runtime_{name}") for name, adapter in ADAPTERS.items() for case in adapter["cases"]]
+    outputs = engine.generate([case["prompt_ids"] for case, _ in runs],
+                              [golden_params(BASE, lora=engine.adapters.get(name)) for _, name in runs])
+    for (case, name), [output] in zip(runs, outputs, strict=True):
+        assert_completion_gives_case(output, case | {"name": f"{name or 'base'}: {case['name']}"})
+
+
+def test_base_requests_give_the_same_tokens_with_runtime_updating_on_as_without_lora(engine):
+    """tiny_llama3's goldens, which an engine without LoRA gives (tests/test_family_golden.py), beside zeroed slots."""
+    outputs = engine.generate([case["prompt_ids"] for case in BASE["cases"]], golden_params(BASE))
+    for case, [output] in zip(BASE["cases"], outputs, strict=True):
+        assert_completion_gives_case(output, case)
+
+
+def test_an_unloaded_adapter_is_an_unknown_model_and_unloading_it_again_is_a_404(engine):
+    case = case_named(BASE["cases"], "short")
+
+    async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await client.post(LOAD, json=load("gone", "all_modules")),
+                await client.post(UNLOAD, json={"lora_name": "gone", "lora_int_id": 1}),
+                await client.post("/v1/completions", json=completion("gone", case)),
+                await client.post(UNLOAD, json={"lora_name": "gone"}),
+                await client.get("/v1/models")]
+
+    loaded, unloaded, refused, again, models = serve(engine, scenario, lora_admin=True)
+    assert loaded.status_code == 200 and unloaded.status_code == 200
+    assert unloaded.text == "Success: LoRA adapter 'gone' removed successfully."
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+    assert again.status_code == 404
+    assert again.json()["error"]["message"] == "The lora adapter 'gone' cannot be found."
+    assert [m["id"] for m in models.json()["data"]] == [engine.model_name]
+
+
+def test_a_request_running_when_its_adapter_is_unloaded_finishes_with_it_and_then_frees_its_slot(engine):
+    case = case_named(ADAPTERS["all_modules"]["cases"], "forty_tokens")  # 3 prefill steps of 16 tokens, 12 decodes
+    sql = load_offline(engine, "sql", "all_modules")
+    sink = ListCollector(1)
+    engine.submit([case["prompt_ids"]], golden_params(LORA, lora=sql), sink, "running")
+    engine.step()
+    unloaded = engine.unload_lora("sql")
+    engine.step()
+    assert unloaded.done() and "sql" not in engine.adapters and engine.stats.lora_running == ("sql",)
+    with pytest.raises(RequestRejected, match="not served here"):
+        engine.submit([case["prompt_ids"]], golden_params(LORA, lora=sql), ListCollector(1), "late")
+    assert load_offline(engine, "chat", "qv_rslora").slot != sql.slot  # the other slot
+    with pytest.raises(LoraError, match="no free LoRA slot for adapter 'again'"):
+        load_offline(engine, "again", "all_modules")
+    while engine.has_work:
+        engine.step()
+    [output] = sink.completions()
+    assert_completion_gives_case(output, case)
+    assert load_offline(engine, "again", "all_modules").slot == sql.slot
+    [[again]] = engine.generate([case["prompt_ids"]], golden_params(LORA, lora=engine.adapters["again"]))
+    assert_completion_gives_case(again, case)
+
+
+def test_a_request_let_in_before_its_adapter_was_unloaded_and_its_slot_refilled_is_refused(engine, monkeypatch):
+    """`submit` checks the adapter against those served in the caller's thread; the engine thread takes the request in
+    later, maybe after an unload and a load that wrote another adapter into its slot: then it must not run."""
+    sql = load_offline(engine, "sql", "all_modules")
+    checked = engine.adapters  # what a submit that checked before the unload saw
+    engine.unload_lora("sql")
+    assert load_offline(engine, "chat", "qv_rslora").slot == sql.slot
+    sink = ListCollector(1)
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "adapters", checked)
+        engine.submit([[1, 2, 3]], golden_params(LORA, lora=sql), sink, "stale")
+    engine.step()
+    [output] = sink.completions()
+    assert output.finish_reason == "error" and "'sql' was unloaded before the request started" in output.error
+
+
+def test_a_load_with_every_slot_taken_is_a_400(engine):
+    async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await client.post(LOAD, json=load(name, "qv_rslora")) for name in ("a", "b", "c")]
+
+    *loaded, refused = serve(engine, scenario, lora_admin=True)
+    assert [response.status_code for response in loaded] == [200, 200]
+    assert refused.status_code == 400 and "no free LoRA slot for adapter 'c'" in refused.json()["error"]["message"]
+    assert "c" not in engine.adapters
+
+
+@pytest.mark.parametrize(("path", "status", "words"), [
+    (DATA / "tiny_llama3", 400, "has no adapter_config.json"),  # a model's folder, not an adapter's
+    (DATA / "no_such_adapter", 404, "no such folder"),
+], ids=["not-an-adapter", "no-folder"])
+def test_a_load_sluice_cannot_serve_says_why_in_lora_errors_line(engine, path, status, words):
+    async def scenario(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(LOAD, json={"lora_name": "broken", "lora_path": str(path)})
+
+    refused = serve(engine, scenario, lora_admin=True)
+    message = refused.json()["error"]["message"]
+    assert refused.status_code == status and message.startswith("LoRA adapter 'broken' (") and words in message
+    assert "\n" not in message and "broken" not in engine.adapters
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"lora_name": "", "lora_path": "/adapters/sql"}, "Both 'lora_name' and 'lora_path' must be provided."),
+    ({"lora_name": "tiny", "lora_path": FOLDERS["all_modules"]}, "has the served model's name"),
+], ids=["empty-name", "the-models-name"])
+def test_a_load_without_a_name_of_its_own_is_a_400(engine, body, message):
+    async def scenario(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(LOAD, json=body)
+
+    refused = serve(engine, scenario, lora_admin=True, served_model_name="tiny")
+    assert refused.status_code == 400 and message in refused.json()["error"]["message"]
+
+
+def test_loading_a_name_already_loaded_is_a_400(engine):
+    async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await client.post(LOAD, json=load("sql", "all_modules")),
+                await client.post(LOAD, json=load("sql", "qv_rslora"))]
+
+    loaded, refused = serve(engine, scenario, lora_admin=True)
+    assert loaded.status_code == 200 and refused.status_code == 400
+    assert refused.json()["error"]["message"] == ("The lora adapter 'sql' has already been loaded. If you want to load "
+                                                  "the adapter in place, set 'load_inplace' to True.")
+
+
+def test_load_inplace_replaces_the_adapter_and_its_prefix_cache_namespace(engine):
+    case = case_named(ADAPTERS["qv_rslora"]["cases"], "forty_tokens")
+    request = completion("sql", case) | {"cache_salt": "in place"}  # no page another test's requests computed
+
+    async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
+        first = [await client.post(LOAD, json=load("sql", "all_modules")),
+                 await client.post("/v1/completions", json=request)]
+        return first + [await client.post(LOAD, json=load("sql", "qv_rslora", load_inplace=True)),
+                        await client.post("/v1/completions", json=request), await client.get("/v1/models")]
+
+    loaded, before, replaced, after, models = serve(engine, scenario, lora_admin=True)
+    assert loaded.status_code == replaced.status_code == 200
+    assert before.json()["choices"][0]["token_ids"] == case_named(ADAPTERS["all_modules"]["cases"],
+                                                                  "forty_tokens")["greedy_ids"]
+    # The prompt's pages the old adapter computed (a repeat would read 36 of its 40 tokens) are not the new one's.
+    assert after.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert after.json()["choices"][0]["token_ids"] == case["greedy_ids"]
+    assert [m["id"] for m in models.json()["data"]].count("sql") == 1
+
+
+def test_the_routes_and_their_openapi_paths_exist_only_with_runtime_updating(engine):
+    async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await client.post(LOAD, json=load("sql", "all_modules")),
+                await client.post(UNLOAD, json={"lora_name": "sql"}), await client.get("/openapi.json")]
+
+    *absent, document = serve(engine, scenario)
+    assert [response.status_code for response in absent] == [404, 404] and not engine.adapters
+    assert LOAD not in document.json()["paths"]
+    document = serve(engine, lambda client: client.get("/openapi.json"), lora_admin=True).json()
+    assert document["paths"][LOAD]["post"]["responses"]["200"]["content"] == {
+        "text/plain": {"schema": {"type": "string"}}}
+    schemas = document["components"]["schemas"]
+    assert list(schemas["LoadLoraAdapterRequest"]["properties"]) == ["lora_name", "lora_path", "load_inplace"]
+    assert list(schemas["UnloadLoraAdapterRequest"]["properties"]) == ["lora_name", "lora_int_id"]
+
+
+@pytest.mark.parametrize(("args", "variable"), [
+    (["--replicas", "2", "--allow-runtime-lora-updating"], None),
+    (["--hosts", "1"], "true"),
+    (["--num-processes", "2"], "1"),
+], ids=["replicas", "hosts", "processes"])
+def test_runtime_updating_over_several_engine_processes_is_a_one_line_error(folder, capsys, monkeypatch, args,
+                                                                           variable):
+    if variable is not None:
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", variable)
+    status = main(["serve", "--model", str(folder), *args])
+    said = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(said) == 1 and "runtime LoRA updating" in said[0] and "--replicas" in said[0], said
+
+
+def test_more_start_up_adapters_than_slots_are_a_one_line_error(folder, capsys):
+    modules = [f"{name}={path}" for name, path in FOLDERS.items()]
+    status = main(["serve", "--model", str(folder), "--allow-runtime-lora-updating", "--lora-modules", *modules])
+    said = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(said) == 1 and "gives 2 adapters, more than the 1 slots" in said[0], said
+
+
+@pytest.mark.parametrize(("flag", "variable", "on"), [
+    ([], None, False), (["--allow-runtime-lora-updating"], None, True), ([], "True", True), ([], "1", True),
+    ([], "0", False), ([], "yes", False),  # vLLM reads "1" and "true" alone
+])
+def test_vllms_variable_or_the_flag_turns_runtime_updating_and_lora_on(monkeypatch, flag, variable, on):
+    environ = {} if variable is None else {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": variable}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(flag)
+    config = with_runtime_lora_updating(checked_engine_config(args, ENGINE_TUNING_FLAGS), args, environ)
+    assert config.allow_runtime_lora_updating == config.enable_lora == on
