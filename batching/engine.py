@@ -6,8 +6,8 @@ The host works one step ahead of what it knows (overlapped scheduling): a dispat
 placeholders on their sequences (`Sequence.num_pending`) until the next step has been dispatched with them fed
 on the device; the host then takes them in and detokenizes them while that step runs.
 Requests, sequences, the scheduler, the block manager and the runner are touched by the engine thread only;
-the outside sees them through the inbox (adds, aborts), one delivery of increments per step, and a stats
-snapshot published after each step. No lock is held anywhere.
+the outside sees them through the inbox (adds, aborts, LoRA loads and unloads), one delivery of increments per step,
+and a stats snapshot published after each step. No lock is held anywhere.
 """
 
 from __future__ import annotations

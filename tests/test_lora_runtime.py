@@ -7,6 +7,8 @@ other, of rank 4, is padded), each test finding it with no adapter loaded and le
 from __future__ import annotations
 
 import argparse
+import asyncio
+import threading
 
 import httpx
 import pytest
@@ -87,6 +89,28 @@ def test_base_requests_give_the_same_tokens_with_runtime_updating_on_as_without_
         assert_completion_gives_case(output, case)
 
 
+def test_health_answers_while_an_adapters_files_are_read(engine, monkeypatch):
+    reading, answered = threading.Event(), threading.Event()
+    read = engine.load_lora
+
+    def slow_read(name: str, path: str):
+        reading.set()
+        assert answered.wait(10), "/health did not answer while the adapter was read"
+        return read(name, path)
+
+    monkeypatch.setattr(engine, "load_lora", slow_read)
+
+    async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
+        loading = asyncio.ensure_future(client.post(LOAD, json=load("sql", "all_modules")))
+        await asyncio.to_thread(reading.wait, 10)
+        health = await client.get("/health")
+        answered.set()
+        return [health, await loading]
+
+    health, loaded = serve(engine, scenario, lora_admin=True)
+    assert health.status_code == 200 and loaded.status_code == 200
+
+
 def test_an_unloaded_adapter_is_an_unknown_model_and_unloading_it_again_is_a_404(engine):
     case = case_named(BASE["cases"], "short")
 
@@ -143,6 +167,16 @@ def test_a_request_let_in_before_its_adapter_was_unloaded_and_its_slot_refilled_
     engine.step()
     [output] = sink.completions()
     assert output.finish_reason == "error" and "'sql' was unloaded before the request started" in output.error
+
+
+def test_a_slot_is_written_into_layers_stored_one_array_each(folder):
+    """A GPU's default layer loop (`llama.resolve_layer_loop`): each layer's LoRA weights an array of their own."""
+    engine = golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_lora_rank=8,
+                           layer_loop="unrolled")
+    case = case_named(ADAPTERS["all_modules"]["cases"], "short")
+    sql = load_offline(engine, "sql", "all_modules")
+    [[output]] = engine.generate([case["prompt_ids"]], golden_params(LORA, lora=sql))
+    assert_completion_gives_case(output, case)
 
 
 def test_a_load_with_every_slot_taken_is_a_400(engine):
