@@ -64,7 +64,7 @@ async def load_lora_adapter(request: Request) -> Response:
         except AdapterNotFound as error:
             raise APIError(404, str(error), type="NotFoundError", param="lora_path") from None
         except (LoraError, HubError) as error:
-            raise APIError(400, str(error), type="BadRequestError", param="lora_path") from None
+            raise APIError(400, str(error), type="BadRequestError") from None
     logger.info("Loaded LoRA adapter %r from %s", name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
