@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -274,21 +274,19 @@ def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: in
     if len(adapters) > max_loras:
         raise LoraError(f"{len(adapters)} LoRA adapters ({', '.join(a.name for a in adapters)}) do not fit in "
                         f"{max_loras} slots (max_loras)")
-    for adapter in adapters:
-        check_rank(adapter, max_rank)
-    for name in LORA_PARAMS:
-        if hasattr(model, name):
-            delattr(model, name)
     projections = LORA_MODULES if every_projection else [
         fused for fused, modules in LORA_MODULES.items()
         if any(module in adapter.a for adapter in adapters for module in modules)]
     stacks = lora_stacks(adapters, model.config, max_loras, max_rank, projections)
+    for name in LORA_PARAMS:
+        if hasattr(model, name):
+            delattr(model, name)
     shardings = {} if sharding_rule is None else sharding_rule(model.config, {n: s.shape for n, s in stacks.items()})
     for name, stack in stacks.items():
         model.set_layer_param(name, jax.device_put(_cast(name, stack, model.dtype), shardings.get(name)))
 
 
-def check_rank(adapter: LoraAdapter, max_rank: int) -> None:
+def _check_rank(adapter: LoraAdapter, max_rank: int) -> None:
     """LoraError if `adapter`'s rank is above `max_rank`, the slots' rank."""
     if adapter.rank > max_rank:
         raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}) has rank {adapter.rank}, above the largest "
@@ -296,11 +294,11 @@ def check_rank(adapter: LoraAdapter, max_rank: int) -> None:
 
 
 def slot_weights(adapter: LoraAdapter, config: ModelConfig, max_rank: int, dtype: Any,
-                 projections: Iterable[str] = LORA_MODULES) -> dict[str, np.ndarray]:
+                 projections: Collection[str] = LORA_MODULES) -> dict[str, np.ndarray]:
     """One slot's LoRA parameters holding `adapter` (module docstring: its rank padded to `max_rank`, zeros for the
     modules it leaves out), in `dtype`, for `projections` (`LORA_MODULES`' names): each A `[L, K, P, R]`, each B
     `[L, R, out]`. LoraError for a rank above max_rank, or a B times its scaling past dtype's range."""
-    check_rank(adapter, max_rank)
+    _check_rank(adapter, max_rank)
     weights = {name: np.zeros(shape, np.float32) for name, shape in _slot_shapes(config, max_rank, projections).items()}
     for fused in projections:
         for part, module in enumerate(LORA_MODULES[fused]):
@@ -311,7 +309,7 @@ def slot_weights(adapter: LoraAdapter, config: ModelConfig, max_rank: int, dtype
 
 
 def lora_stacks(adapters: Sequence[LoraAdapter], config: ModelConfig, max_loras: int, max_rank: int,
-                projections: Iterable[str]) -> dict[str, np.ndarray]:
+                projections: Collection[str]) -> dict[str, np.ndarray]:
     """The LoRA parameters of `adapters` (module docstring), float32, for `projections` (`LORA_MODULES`' names)."""
     shapes = _slot_shapes(config, max_rank, projections)
     stacks = {name: np.zeros((shape[0], max_loras, *shape[1:]), np.float32) for name, shape in shapes.items()}
@@ -321,7 +319,7 @@ def lora_stacks(adapters: Sequence[LoraAdapter], config: ModelConfig, max_loras:
     return stacks
 
 
-def _slot_shapes(config: ModelConfig, max_rank: int, projections: Iterable[str]) -> dict[str, tuple[int, ...]]:
+def _slot_shapes(config: ModelConfig, max_rank: int, projections: Collection[str]) -> dict[str, tuple[int, ...]]:
     """The shape of one slot's part of each LoRA parameter of `projections`: A `[L, K, P, R]`, B `[L, R, out]`."""
     shapes = {}
     for fused in projections:

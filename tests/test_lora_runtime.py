@@ -17,6 +17,7 @@ from golden_checks import assert_completion_gives_case, golden_engine, golden_pa
 from test_lora_serving import ADAPTERS, BASE, DATA, LORA, case_named, folder, fresh, serve  # noqa: F401 (a fixture)
 from sluice.app.cli import main
 from sluice.app.serve import ENGINE_TUNING_FLAGS, add_arguments, checked_engine_config, with_runtime_lora_updating
+from sluice.batching.config import InvalidEngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import RequestRejected
@@ -177,6 +178,16 @@ def test_a_slot_is_written_into_layers_stored_one_array_each(folder):
     sql = load_offline(engine, "sql", "all_modules")
     [[output]] = engine.generate([case["prompt_ids"]], golden_params(LORA, lora=sql))
     assert_completion_gives_case(output, case)
+
+
+def test_an_adapter_of_a_rank_above_the_slots_is_refused_at_start_up_and_when_loaded(folder):
+    with pytest.raises(InvalidEngineConfig, match="has rank 8, above the largest served, 4"):
+        golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_lora_rank=4,
+                      lora_modules=(("sql", FOLDERS["all_modules"]),))
+    engine = golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_lora_rank=4)
+    with pytest.raises(LoraError, match="has rank 8, above the largest served, 4"):
+        engine.load_lora("sql", FOLDERS["all_modules"])
+    assert load_offline(engine, "chat", "qv_rslora").slot == 0  # rank 4 fits
 
 
 def test_a_load_with_every_slot_taken_is_a_400(engine):
