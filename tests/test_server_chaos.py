@@ -122,13 +122,17 @@ def assert_whole(server: ServerProcess, before: Baseline) -> None:
         time.sleep(0.1)
     assert admitted_alone(server)
     assert greedy(server) == before.answer
-    # A closed connection's descriptor goes once the server has seen it close: under a loaded machine (a cold
-    # compile cache's suite) 10 s were seen to fall short by one, so it gets the gauges' 30 s.
+    # A closed connection's descriptor goes once the server has seen it close, which a loaded machine delays.
     deadline = time.monotonic() + 30
-    while (now := threads_and_files(server.process.pid)) > (before.threads, before.files) and (
-            time.monotonic() < deadline):
+    while not settled(now := threads_and_files(server.process.pid), before) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert now[0] <= before.threads and now[1] <= before.files, (now, before)
+    assert settled(now, before), (now, before)
+
+
+def settled(now: tuple[int, int], before: Baseline) -> bool:
+    """Whether the server holds no more threads and no more file descriptors than `before` (each on its own: a
+    tuple's comparison would let fewer threads hide more descriptors)."""
+    return now[0] <= before.threads and now[1] <= before.files
 
 
 def test_clients_that_leave_at_random_moments_in_every_api_leave_nothing_behind(served):
