@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -24,19 +24,24 @@ ERROR_STATUSES = (
 ANTHROPIC_ERROR_STATUSES = tuple(("529" if status == "429" else status, text) for status, text in ERROR_STATUSES)
 
 
+# A body's model, or the models one of which it is (`/invocations`'s).
+Models: TypeAlias = type[BaseModel] | tuple[type[BaseModel], ...]
+
+
 @dataclass(frozen=True)
 class Operation:
     """What a route takes and returns. `stream_chunk`: with `stream: true` the route answers with
-    `text/event-stream`, each event's data one such chunk (or an error, then `[DONE]`);
+    `text/event-stream`, each event's data one such chunk (or an error, then `[DONE]`); a tuple of models for a body
+    that is any one of them;
     `media_type` for a response that is not JSON (its schema is then a string); `error`: the body of its errors,
     `error_statuses` their statuses."""
 
     path: str
     method: str
     summary: str
-    request: type[BaseModel] | None = None
-    response: type[BaseModel] | None = None
-    stream_chunk: type[BaseModel] | None = None
+    request: Models | None = None
+    response: Models | None = None
+    stream_chunk: Models | None = None
     media_type: str = "application/json"
     error: type[BaseModel] = ErrorResponse
     error_statuses: tuple[tuple[str, str], ...] = ERROR_STATUSES
@@ -61,21 +66,27 @@ def openapi_document(operations: list[Operation], title: str, version: str, bear
                      open_paths: frozenset[str]) -> dict[str, Any]:
     """With `bearer_auth`, every path but `open_paths` needs `Authorization: Bearer <key>` (or `x-api-key: <key>`,
     as Anthropic's clients send it)."""
-    models = {m for op in operations for m in (op.request, op.response, op.stream_chunk, op.error) if m is not None}
+    models = {m for op in operations for body in (op.request, op.response, op.stream_chunk, op.error)
+              for m in _each(body)}
     keys = sorted(((m, "validation" if _is_request(m, operations) else "serialization") for m in models),
                   key=lambda key: key[0].__name__)
     refs, definitions = models_json_schema(keys, ref_template="#/components/schemas/{model}")
-    ref = {model: schema for (model, _), schema in refs.items()}
+    by_model = {model: schema for (model, _), schema in refs.items()}
+
+    def ref(models: Models) -> dict[str, Any]:
+        schemas = [by_model[model] for model in _each(models)]
+        return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
-        error = {"content": {"application/json": {"schema": ref[op.error]}}}
+        error = {"content": {"application/json": {"schema": ref(op.error)}}}
         success: dict[str, Any] = {"description": "OK"}
         if op.response is not None:
-            success["content"] = {op.media_type: {"schema": ref[op.response]}}
+            success["content"] = {op.media_type: {"schema": ref(op.response)}}
         elif op.media_type != "application/json":
             success["content"] = {op.media_type: {"schema": {"type": "string"}}}
         if op.stream_chunk is not None:
-            event = _event_schema(ref[op.stream_chunk], ref[op.error])
+            event = _event_schema(ref(op.stream_chunk), ref(op.error))
             success["content"]["text/event-stream"] = {"schema": event}
         operation: dict[str, Any] = {
             "summary": op.summary,
@@ -89,7 +100,7 @@ def openapi_document(operations: list[Operation], title: str, version: str, bear
             operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
                                        for name in names]
         if op.request is not None:
-            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref[op.request]}}}
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(op.request)}}}
         paths.setdefault(path, {})[op.method.lower()] = operation
     document: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -104,5 +115,9 @@ def openapi_document(operations: list[Operation], title: str, version: str, bear
     return document
 
 
+def _each(models: Models | None) -> tuple[type[BaseModel], ...]:
+    return () if models is None else models if isinstance(models, tuple) else (models,)
+
+
 def _is_request(model: type[BaseModel], operations: list[Operation]) -> bool:
-    return any(op.request is model for op in operations)
+    return any(model in _each(op.request) for op in operations)

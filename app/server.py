@@ -36,6 +36,7 @@ from sluice.app.dashboard.feed import Feed
 from sluice.app.embeddings import create_embeddings
 from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
 from sluice.app.errors import APIError, error_response, not_ready
+from sluice.app.invocations import invocations
 from sluice.app.lora_admin import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, load_lora_adapter, \
     unload_lora_adapter
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyReadMiddleware, InternalErrorMiddleware, \
@@ -152,6 +153,11 @@ ROUTES: list[tuple[Handler, Operation]] = [
                                   "hidden state (OpenAI)", EmbeddingRequest, EmbeddingResponse)),
     (tokenize, Operation("/tokenize", "POST", "Prompt or messages to token ids", TokenizeRequest, TokenizeResponse)),
     (detokenize, Operation("/detokenize", "POST", "Token ids to text", DetokenizeRequest, DetokenizeResponse)),
+    (invocations, Operation("/invocations", "POST", "SageMaker's inference route (beside /ping): a chat completion "
+                            "(`messages`), a completion (`prompt`) or embeddings (`input`) request, as that route",
+                            (ChatCompletionRequest, CompletionRequest, EmbeddingRequest),
+                            (ChatCompletionResponse, CompletionResponse, EmbeddingResponse),
+                            stream_chunk=(ChatCompletionChunk, CompletionResponse))),
 ]
 
 

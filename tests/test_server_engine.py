@@ -234,3 +234,29 @@ def test_the_engine_stops_when_the_apps_lifespan_ends_with_an_error(engine):
 
     asyncio.run(run())
     assert not [thread for thread in threading.enumerate() if thread.name == "sluice-engine"]
+
+
+def test_sagemakers_invocations_answers_each_body_as_the_route_its_fields_name(engine):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
+    bodies = {"/v1/chat/completions": chat, "/v1/completions": COMPLETION, "/v1/embeddings": {"input": "Hi there"}}
+    answer = {"/v1/chat/completions": "choices", "/v1/completions": "choices", "/v1/embeddings": "data"}
+
+    async def scenario(client, state):
+        pairs = {path: (await client.post(path, json=body), await client.post("/invocations", json=body))
+                 for path, body in bodies.items()}
+        streamed = await client.post("/invocations", json={**COMPLETION, "stream": True})
+        bad_chat = await client.post("/invocations", json={**chat, "temperature": -1})
+        neither = await client.post("/invocations", json={"max_tokens": 5})
+        return pairs, streamed, bad_chat, neither
+
+    pairs, streamed, bad_chat, neither = serve(engine, scenario)
+    for path, (direct, invoked) in pairs.items():
+        assert direct.status_code == invoked.status_code == 200, (path, invoked.text)
+        assert direct.json()["object"] == invoked.json()["object"]
+        assert direct.json()[answer[path]] == invoked.json()[answer[path]]
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    text = "".join(json.loads(event[len("data: "):])["choices"][0]["text"]
+                   for event in streamed.text.split("\n\n") if event.startswith("data: {"))
+    assert text == pairs["/v1/completions"][0].json()["choices"][0]["text"]
+    assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "temperature"
+    assert neither.status_code == 400 and "`messages`, `prompt`, `input`" in neither.json()["error"]["message"]
