@@ -1,16 +1,18 @@
 """The Responses API routes: `POST /v1/responses` (served by the chat path), `POST /v1/responses/input_tokens` (its
-prompt's length), and `GET` / `DELETE` of a stored one.
+prompt's length), `GET` / `DELETE` of a stored one, and `POST /v1/responses/{id}/cancel` of a background one.
 
 Where a request goes: `parse_body` (`responses_api_schemas.py`) -> the earlier response's conversation, if it
 continues one, and the stored items its input references (`responses_api_store.py`, held by the server state)
 -> a chat request (`responses_api_convert.py`)
 -> `plan_chat` (`routes.py`: prompt, parameters, forced calls, reasoning) -> the engine -> `responses_api_builder.py`
-(the response or its events) -> the store.
+(the response or its events) -> the store; with `background: true`, through a run of the server's
+(`responses_api_background.py`) that answers at once and stores the response when it ends.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 from functools import partial
 
 from starlette.requests import Request
@@ -18,6 +20,7 @@ from starlette.responses import Response
 
 from sluice.app.errors import APIError, invalid_request
 from sluice.app.generation import respond, start_generation
+from sluice.app.responses_api_background import BackgroundRun, EventLog, Store, replayed
 from sluice.app.response_ids import new_id
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses import TokenNames, token_logprobs
@@ -46,6 +49,7 @@ from sluice.app.responses_api_schemas import (
 from sluice.app.responses_api_store import StoredResponse
 from sluice.app.routes import ChatPlan, json_response, parse_body, parse_query, plan_chat
 from sluice.app.state import ServerState
+from sluice.app.streaming import EventStreamResponse
 from sluice.batching.engine import Engine
 from sluice.batching.request import check_fits
 from sluice.batching.sampling_params import RequestRejected
@@ -61,30 +65,63 @@ async def create_response(request: Request) -> Response:
     items, plan = await _conversation_plan(state, engine, body)
     response_id = new_id("resp", state.replica)
     response = ResponseObject(
-        id=response_id, created_at=int(time.time()), status="in_progress", instructions=body.instructions,
+        id=response_id, created_at=int(time.time()), status="queued" if body.background else "in_progress",
+        instructions=body.instructions,
         max_output_tokens=body.max_output_tokens, model=state.served_name(body.model), output=[],
         parallel_tool_calls=body.parallel_tool_calls, max_tool_calls=body.max_tool_calls,
         previous_response_id=body.previous_response_id,
         temperature=plan.params.temperature, top_p=plan.params.top_p, top_logprobs=body.top_logprobs,
         tool_choice=body.tool_choice or "auto",
-        tools=body.tools, text=body.text, reasoning=body.reasoning, store=body.store, metadata=body.metadata,
-        truncation=body.truncation, user=body.user,
+        tools=body.tools, text=body.text, reasoning=body.reasoning, store=body.store, background=body.background,
+        metadata=body.metadata, truncation=body.truncation, user=body.user,
     )
 
-    def on_done(done: ResponseObject) -> None:
+    def store(done: ResponseObject, events: tuple[bytes, ...] = ()) -> None:
         if body.store:
             conversation = stored_items(items + output_items(done.output), state.replica)
             state.responses.put(done.id, StoredResponse(done.model_dump_json(), ITEMS.dump_json(conversation).decode(),
-                                                        len(items), frozenset(item.id for item in conversation)))
+                                                        len(items), frozenset(item.id for item in conversation),
+                                                        events))
 
     logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
+    # A background run stores its response itself, once it has ended, with the events it kept.
+    on_done = _ignore if body.background else store
     builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning, engine.tokenizer)
     try:
         generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id,
                                             arrival, body.model, "input", plan.grammar_field)
     except APIError as error:
         raise in_responses_terms(error) from None
+    if body.background:
+        run = BackgroundRun(response, EventLog() if body.stream else None, generation.close)
+        return _run_in_background(state, run, generation.streamed(builder.events(generation)), store)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+
+
+def _ignore(_: ResponseObject) -> None:
+    pass
+
+
+def _run_in_background(state: ServerState, run: BackgroundRun, events: AsyncGenerator[bytes, None],
+                       store: Store) -> Response:
+    """Starts `run` (stored at once, queued) and answers with the response as created, or with its events from the
+    first, which the client may leave without stopping it."""
+    store(run.response)
+    created = run.response.model_dump_json()
+    state.background.start(run, events, store)
+    if run.log is None:
+        return Response(created, media_type="application/json")
+    return _event_stream(state, run.log.after(None))
+
+
+def _event_stream(state: ServerState, events: AsyncGenerator[bytes, None]) -> Response:
+    """A background response's events, for a client that follows it (leaving stops nothing)."""
+    return EventStreamResponse(events, on_close=_nothing, keepalive_s=state.settings.sse_keepalive_s,
+                               stall_timeout_s=state.settings.stream_stall_timeout_s or None)
+
+
+async def _nothing() -> None:
+    pass
 
 
 async def count_input_tokens(request: Request) -> Response:
@@ -188,14 +225,52 @@ def _stored_item(state: ServerState, item_id: str) -> InputItem:
 
 
 async def get_response(request: Request) -> Response:
+    """A stored response; one running in the background as it is now. With `stream`, the events of a background
+    response created with `stream: true` (`RetrieveQuery`)."""
     response_id = request.path_params["response_id"]
-    if parse_query(request, RetrieveQuery).stream:
-        raise invalid_request("stream: a stored response is not streamed again (no background responses here)",
-                              param="stream")
-    stored = _state(request).responses.get(response_id)
+    state = _state(request)
+    query = parse_query(request, RetrieveQuery)
+    run = state.background.get(response_id)
+    if query.stream:
+        return _event_stream(state, _events_after(state, response_id, query.starting_after))
+    if run is not None:
+        return json_response(run.response)
+    return Response(_stored(state, response_id).response_json, media_type="application/json")
+
+
+def _events_after(state: ServerState, response_id: str, starting_after: int | None) -> AsyncGenerator[bytes, None]:
+    """The events after `starting_after` of a streamed background response: a running one's as they come, an ended
+    one's as stored; a response that kept none is a 400 (OpenAI's limit: only those created with `stream: true`)."""
+    run = state.background.get(response_id)
+    if run is not None and run.log is not None:
+        return run.log.after(starting_after)
+    stored = _stored(state, response_id)
+    if stored.events:
+        return replayed(stored.events, starting_after)
+    raise invalid_request("stream: only a background response created with stream: true is streamed again",
+                          param="stream")
+
+
+async def cancel_response(request: Request) -> Response:
+    """`POST /v1/responses/{id}/cancel`: a background response still running is stopped (its engine request
+    aborted) and stored as cancelled; one that has ended is answered as it is (cancelling is idempotent, as
+    OpenAI's); a response that did not run in the background is a 400, as vLLM's."""
+    response_id = request.path_params["response_id"]
+    state = _state(request)
+    run = state.background.get(response_id)
+    if run is not None:
+        await run.cancel()
+    stored = _stored(state, response_id)
+    if not ResponseObject.model_validate_json(stored.response_json).background:
+        raise invalid_request("Cannot cancel a synchronous response.")
+    return Response(stored.response_json, media_type="application/json")
+
+
+def _stored(state: ServerState, response_id: str) -> StoredResponse:
+    stored = state.responses.get(response_id)
     if stored is None:
         raise response_not_found(response_id)
-    return Response(stored.response_json, media_type="application/json")
+    return stored
 
 
 async def list_input_items(request: Request) -> Response:
@@ -203,9 +278,7 @@ async def list_input_items(request: Request) -> Response:
     `limit` at a time after the item `after`, newest first unless `order` is `asc`."""
     response_id = request.path_params["response_id"]
     query = parse_query(request, InputItemsQuery)
-    stored = _state(request).responses.get(response_id)
-    if stored is None:
-        raise response_not_found(response_id)
+    stored = _stored(_state(request), response_id)
     items = ITEMS.validate_json(stored.items_json)[:stored.input_count]
     if query.order == "desc":
         items.reverse()
@@ -221,8 +294,13 @@ async def list_input_items(request: Request) -> Response:
 
 
 async def delete_response(request: Request) -> Response:
+    """Deletes a stored response; one running in the background is cancelled first (else its end would store it
+    again)."""
     response_id = request.path_params["response_id"]
-    if not _state(request).responses.delete(response_id):
+    state = _state(request)
+    if (run := state.background.get(response_id)) is not None:
+        await run.cancel()
+    if not state.responses.delete(response_id):
         raise response_not_found(response_id)
     return json_response(DeletedResponse(id=response_id))
 

@@ -73,8 +73,8 @@ def response_usage(usage: Usage, reasoning_tokens: int = 0) -> ResponseUsage:
 
 
 class ResponsesBuilder:
-    """`response` is the response in progress (no output yet); once the reply has ended it is completed in place
-    and handed to `on_done` (the store), streamed or not. `logprobs`: how token logprobs are shown (None: the
+    """`response` is the response in progress or queued (no output yet); once the reply has ended it is completed in
+    place and handed to `on_done` (the store), streamed or not; a stream that fails marks it failed in place. `logprobs`: how token logprobs are shown (None: the
     request did not ask for them); `reasoning`: how the reply's reasoning is told (None: no --reasoning-parser);
     `tokenizer`: the vocabulary of the reply's tokens, in which `reasoning` counts those of the reasoning (the usage's
     `reasoning_tokens`), needed with it."""
@@ -104,15 +104,16 @@ class ResponsesBuilder:
             return stream_event(event, next(numbers))
 
         yield frame({"type": "response.created", "response": self._response})
+        self._response.status = "in_progress"  # a background response was created queued
         yield frame({"type": "response.in_progress", "response": self._response})
         try:
             async for event in self._events(generation):
                 yield frame(event)
         except Exception as caught:  # noqa: BLE001 - the client hears why its stream ended
             error = as_api_error(caught, "a response stream")
-            failed = self._response.model_copy(update={
-                "status": "failed", "error": ResponseError(code=error.code or error.type, message=error.message)})
-            yield frame({"type": "response.failed", "response": failed})
+            self._response.status = "failed"
+            self._response.error = ResponseError(code=error.code or error.type, message=error.message)
+            yield frame({"type": "response.failed", "response": self._response})
             return
         yield frame({"type": f"response.{self._response.status}", "response": self._response})
 

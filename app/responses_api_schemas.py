@@ -35,7 +35,7 @@ MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 # Fields that would change the output but are not implemented: refused by name (when set) rather than ignored, with
 # what the refusal adds after "<field> is not supported".
-_UNSUPPORTED = {"background": "", "conversation": "", "prompt": "", "moderation": MODERATION_HINT}
+_UNSUPPORTED = {"conversation": "", "prompt": "", "moderation": MODERATION_HINT}
 # OpenAI's `include` values. Only the logprobs one adds anything here: the others name items (hosted tools'
 # results, images, encrypted reasoning) that Sluice's responses never hold.
 Includable = Literal["message.output_text.logprobs", "file_search_call.results", "web_search_call.results",
@@ -255,6 +255,8 @@ class ResponsesRequest(_Request):
     text: TextConfig = Field(default_factory=TextConfig)
     reasoning: ReasoningConfig | None = None
     store: bool = Field(True, description="keep the response for GET and previous_response_id (bounded, in memory)")
+    background: bool = Field(False, description="run it apart from the connection (stored, so needs store): the "
+                                                "answer comes at once, queued; GET polls it, POST .../cancel stops it")
     previous_response_id: str | None = None
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=MAX_METADATA_KEYS)
     user: str | None = None
@@ -270,6 +272,13 @@ class ResponsesRequest(_Request):
         if isinstance(data, dict) and (given := [name for name in _UNSUPPORTED if _asks(data.get(name))]):
             raise field_error(given[0], f"{given[0]} is not supported{_UNSUPPORTED[given[0]]}", data[given[0]])
         return data
+
+    @model_validator(mode="after")
+    def _background_is_stored(self) -> ResponsesRequest:
+        # OpenAI's rule: a background response is polled, so it must be stored.
+        if self.background and not self.store:
+            raise field_error("background", "background: a background response must be stored (store: true)", True)
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -361,13 +370,14 @@ class ResponseError(BaseModel):
 
 
 class ResponseObject(BaseModel):
-    """The response, whole or as the streamed events' `response` (then `in_progress`, or `failed` with `error`).
-    The request's settings are echoed as OpenAI does."""
+    """The response, whole or as the streamed events' `response` (then `in_progress`, or `failed` with `error`);
+    a background one is `queued` when created, and may end `cancelled`. The request's settings are echoed as OpenAI
+    does."""
 
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None
@@ -385,6 +395,7 @@ class ResponseObject(BaseModel):
     text: TextConfig
     reasoning: ReasoningConfig | None = None
     store: bool
+    background: bool = False
     metadata: dict[str, str]
     truncation: Truncation = "disabled"
     user: str | None = None
@@ -404,11 +415,12 @@ class ResponseStreamEvent(BaseModel):
 
 
 class RetrieveQuery(_Request):
-    """`GET /v1/responses/{id}`'s query. OpenAI's `stream` replays a background response's events: Sluice runs
-    none and keeps no events, so it is refused (a client asking would read the JSON body as an empty stream)."""
+    """`GET /v1/responses/{id}`'s query: `stream` replays the events of a background response created with
+    `stream: true`, those after the sequence number `starting_after` (all without it), then follows it to its end."""
 
     include: list[Includable] = Field(default_factory=list)
     stream: bool = False
+    starting_after: int | None = Field(None, ge=0)
 
 
 class InputItemsQuery(_Request):

@@ -3,9 +3,10 @@
 Each entry holds two JSON texts: the response as `GET /v1/responses/{id}` returns it, and the conversation's
 items (the input, an earlier response's included, then the output) that `previous_response_id` continues, of
 which the first `input_count` are what `GET /v1/responses/{id}/input_items` lists; and those items' ids, by which
-an `item_reference` finds the entry holding one. The
-bounds count entries and the bytes of those texts; storing past either evicts the least recently used (read or
-written) first. Only the event loop touches the store, so it needs no lock.
+an `item_reference` finds the entry holding one; and, for a background response created with `stream: true`, the
+SSE events it sent, which `GET /v1/responses/{id}?stream=true` replays once it has ended (its run holds them while
+it runs: `responses_api_background.py`). The bounds count entries and the bytes of those texts and events; storing
+past either evicts the least recently used (read or written) first. Only the event loop touches the store, so it needs no lock.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ class StoredResponse:
     items_json: str
     input_count: int = 0
     item_ids: frozenset[str] = frozenset()
+    events: tuple[bytes, ...] = ()
 
     @cached_property
     def size(self) -> int:
-        return len(self.response_json.encode()) + len(self.items_json.encode())
+        return len(self.response_json.encode()) + len(self.items_json.encode()) + sum(map(len, self.events))
 
 
 class ResponseStore:

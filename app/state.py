@@ -1,4 +1,5 @@
-"""What every route shares: settings, metrics, the engine once it is ready, admission, and the stored responses.
+"""What every route shares: settings, metrics, the engine once it is ready, admission, the stored responses and the
+background ones running.
 
 Admission decides whether a generation request may enter (503 while loading or draining, 429 when the
 waiting queue is full) and counts what is in flight, so a SIGTERM drain knows when it is done.
@@ -17,6 +18,7 @@ from sluice.model.roofline import Peaks
 
 from sluice.app.errors import model_not_found, not_ready, queue_full, shutting_down
 from sluice.app.metrics import ServerMetrics
+from sluice.app.responses_api_background import BackgroundRuns
 from sluice.app.responses_api_store import ResponseStore
 
 
@@ -98,6 +100,7 @@ class ServerState:
         self.draining = False
         self.metrics = ServerMetrics(self._engine_stats, lambda: self.model_name)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
+        self.background = BackgroundRuns()  # the background responses running (each holds its admission)
         self._in_flight_seqs = 0
         self._idle = asyncio.Event()
         self._idle.set()
