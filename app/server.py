@@ -42,8 +42,8 @@ from sluice.app.lora_admin import LoadLoraAdapterRequest, UnloadLoraAdapterReque
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyReadMiddleware, InternalErrorMiddleware, \
     RequestCountMiddleware, RequestIdMiddleware
 from sluice.app.openapi import ANTHROPIC_ERROR_STATUSES, Operation, openapi_document
-from sluice.app.responses_api import count_input_tokens, create_response, delete_response, get_response, \
-    list_input_items
+from sluice.app.responses_api import cancel_response, count_input_tokens, create_response, delete_response, \
+    get_response, list_input_items
 from sluice.app.responses_api_schemas import (
     DeletedResponse,
     InputItemList,
@@ -147,6 +147,8 @@ ROUTES: list[tuple[Handler, Operation]] = [
     (get_response, Operation("/v1/responses/{response_id}", "GET", "A stored response", response=ResponseObject)),
     (delete_response, Operation("/v1/responses/{response_id}", "DELETE", "Deletes a stored response",
                                 response=DeletedResponse)),
+    (cancel_response, Operation("/v1/responses/{response_id}/cancel", "POST", "Cancels a background response (one "
+                                "that has ended is answered as it is)", response=ResponseObject)),
     (list_input_items, Operation("/v1/responses/{response_id}/input_items", "GET", "A stored response's input "
                                  "items (query: after, limit, order)", response=InputItemList)),
     (create_embeddings, Operation("/v1/embeddings", "POST", "Embeddings: each input's pooled, normalized final "
