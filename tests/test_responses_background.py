@@ -1,0 +1,252 @@
+"""Background responses of the Responses API (`background: true`), as the official `openai` client uses them: created
+at once and polled, cancelled, streamed and resumed after a dropped connection, and drained on SIGTERM. The app runs
+in-process under uvicorn on a real socket (a client can leave mid-stream) over a tiny random model with SmolLM2's
+tokenizer (greedy: a reply runs to its max_output_tokens), draining as `sluice serve` does."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+
+import openai
+import pytest
+import uvicorn
+
+from test_openai_client import CONFIG, tiny_engine
+from test_server_engine import fail_next_dispatch
+
+from sluice.app.ingress import routing
+from sluice.app.response_ids import new_id, replica_of
+from sluice.app.serve import DrainingServer
+from sluice.app.server import create_app
+from sluice.app.state import ServerSettings, ServerState
+from sluice.batching.engine import Engine
+
+MODEL = "tiny"
+SHORT = {"model": MODEL, "input": "Name a colour.", "temperature": 0, "max_output_tokens": 6}
+LONG = {**SHORT, "max_output_tokens": 80}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2) -> Engine:
+    return tiny_engine(smollm2, CONFIG)
+
+
+def serve(engine: Engine, scenario, drain_timeout_s: float = 30.0):
+    """Runs `scenario(client, state, server)`, an `openai.AsyncOpenAI` on the app served by a `DrainingServer`, and
+    then stops the server (unless the scenario drained it); returns what the scenario returned, once no task is left
+    but this one."""
+
+    async def run():
+        state = ServerState(ServerSettings(served_model_name=MODEL, ui=False))
+        state.set_engine(engine)
+        await engine.start()  # the app's lifespan stops it
+        listener = socket.create_server(("127.0.0.1", 0))
+        config = uvicorn.Config(create_app(state), log_level="warning", timeout_graceful_shutdown=5)
+        server = DrainingServer(config, state, drain_timeout_s)
+        serving = asyncio.ensure_future(server.serve([listener]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        base_url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        try:
+            async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60) as client:
+                result = await scenario(client, state, server)
+        finally:
+            if not state.draining:
+                server.should_exit = True
+            await serving
+        await asyncio.sleep(0)  # tasks that ended with the server return
+        assert [task for task in asyncio.all_tasks() if task is not asyncio.current_task()] == []
+        return result
+
+    return asyncio.run(run())
+
+
+def slow_steps(engine: Engine, monkeypatch, step_s: float = 0.02) -> None:
+    """Each engine step takes `step_s` more (a long reply's generation then lasts long enough to be cancelled, left or
+    drained mid-way; the tiny model's steps take about a millisecond)."""
+    real = engine.runner.dispatch
+
+    def slow(*args):
+        time.sleep(step_s)
+        return real(*args)
+
+    monkeypatch.setattr(engine.runner, "dispatch", slow)
+
+
+async def finished(client: openai.AsyncOpenAI, response_id: str, timeout_s: float = 60):
+    """The response, polled until it is neither queued nor in progress."""
+    deadline = time.monotonic() + timeout_s
+    while (response := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, response
+        await asyncio.sleep(0.05)
+    return response
+
+
+async def writing(client: openai.AsyncOpenAI, response_id: str):
+    """The running response, polled until its output has some text."""
+    while not (response := await client.responses.retrieve(response_id)).output_text:
+        assert response.status in ("queued", "in_progress"), response
+        await asyncio.sleep(0.02)
+    return response
+
+
+async def pages_freed(engine: Engine, timeout_s: float = 20) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while engine.stats.kv_pages_used and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return engine.stats.kv_pages_used == 0
+
+
+def test_a_background_response_answers_queued_then_polls_to_the_foreground_output(engine):
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=True, **SHORT)
+        return created, await finished(client, created.id), await client.responses.create(**SHORT)
+
+    created, done, foreground = serve(engine, scenario)
+    assert created.status == "queued" and created.background and created.output == []
+    assert done.status == "incomplete" and done.background and done.usage.output_tokens == 6
+    assert done.output_text == foreground.output_text != "" and not foreground.background
+
+
+def test_cancelling_a_running_background_response_aborts_it_and_the_server_serves_on(engine, monkeypatch):
+    slow_steps(engine, monkeypatch)
+
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=True, **LONG)
+        running = await writing(client, created.id)
+        cancelled = await client.responses.cancel(created.id)
+        freed = await pages_freed(engine)
+        again = await client.responses.cancel(created.id)
+        return running, cancelled, freed, again, await client.responses.create(**SHORT)
+
+    running, cancelled, freed, again, after = serve(engine, scenario)
+    assert running.status == "in_progress"
+    assert cancelled.status == "cancelled" and cancelled.error is None and freed
+    assert cancelled.usage is None and cancelled.output_text.startswith(running.output_text)
+    assert again == cancelled  # idempotent: an ended response is answered as it is
+    assert after.status == "incomplete" and after.usage.output_tokens == 6
+
+
+def test_a_finished_background_response_is_cancelled_as_it_is(engine):
+    async def scenario(client, state, server):
+        done = await finished(client, (await client.responses.create(background=True, **SHORT)).id)
+        return done, await client.responses.cancel(done.id)
+
+    done, cancelled = serve(engine, scenario)
+    assert cancelled == done and done.status == "incomplete"
+
+
+def test_a_streamed_background_response_left_mid_stream_runs_on_and_resumes_after_a_sequence_number(engine,
+                                                                                                  monkeypatch):
+    slow_steps(engine, monkeypatch)
+
+    async def scenario(client, state, server):
+        stream = await client.responses.create(background=True, stream=True, **LONG)
+        seen = []
+        async for event in stream:
+            seen.append(event)
+            if event.type == "response.output_text.delta" and len(seen) > 5:
+                break
+        await stream.close()  # the connection is dropped
+        resumed = [event async for event in await client.responses.retrieve(
+            seen[0].response.id, stream=True, starting_after=seen[-1].sequence_number)]
+        return seen, resumed, await client.responses.retrieve(seen[0].response.id)
+
+    seen, resumed, stored = serve(engine, scenario)
+    assert [e.type for e in seen[:2]] == ["response.created", "response.in_progress"]
+    assert (seen[0].response.status, seen[1].response.status) == ("queued", "in_progress")
+    numbers = [e.sequence_number for e in seen + resumed]
+    assert numbers == list(range(len(numbers)))  # exactly the events after the last one seen
+    assert resumed[-1].type == "response.incomplete" and stored.usage.output_tokens == 80
+    text = "".join(e.delta for e in seen + resumed if e.type == "response.output_text.delta")
+    assert text == resumed[-1].response.output_text == stored.output_text
+
+
+def test_an_ended_streamed_background_response_replays_its_events_from_the_store(engine):
+    async def scenario(client, state, server):
+        streamed = [event async for event in await client.responses.create(background=True, stream=True, **SHORT)]
+        replayed = [event async for event in await client.responses.retrieve(streamed[0].response.id, stream=True)]
+        after = [event async for event in await client.responses.retrieve(streamed[0].response.id, stream=True,
+                                                                          starting_after=3)]
+        return streamed, replayed, after
+
+    streamed, replayed, after = serve(engine, scenario)
+    assert replayed == streamed and after == streamed[4:]
+
+
+def test_a_background_response_must_be_stored(engine):
+    async def scenario(client, state, server):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(background=True, store=False, **SHORT)
+        return caught.value.body
+
+    error = serve(engine, scenario)
+    assert error["param"] == "background" and "store" in error["message"]
+
+
+def test_cancelling_a_response_not_run_in_the_background_is_a_400_and_an_unknown_one_a_404(engine):
+    async def scenario(client, state, server):
+        foreground = await client.responses.create(**SHORT)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.cancel(foreground.id)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.responses.cancel("resp_unknown")
+        return refused.value.body, unknown.value.body
+
+    refused, unknown = serve(engine, scenario)
+    assert refused["message"] == "Cannot cancel a synchronous response."
+    assert unknown["code"] == "response_not_found"
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background-unstreamed"])
+def test_only_a_background_response_created_streaming_is_streamed_again(engine, background):
+    """OpenAI's limit; the JSON body would otherwise be read as an empty stream."""
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=background, **SHORT)
+        await finished(client, created.id)
+        with pytest.raises(openai.BadRequestError) as caught:
+            [event async for event in await client.responses.retrieve(created.id, stream=True)]
+        return caught.value.body
+
+    assert serve(engine, scenario)["param"] == "stream"
+
+
+def test_an_engine_failure_stores_the_background_response_failed_with_its_error(engine, monkeypatch):
+    async def scenario(client, state, server):
+        fail_next_dispatch(engine, monkeypatch)
+        return await finished(client, (await client.responses.create(background=True, **SHORT)).id)
+
+    failed = serve(engine, scenario)
+    assert failed.status == "failed" and "injected device fault" in failed.error.message
+
+
+def test_a_drain_waits_for_a_background_response_to_end(engine):
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=True, **SHORT)
+        server.handle_exit(signal.SIGTERM, None)
+        return created.id, state
+
+    response_id, state = serve(engine, scenario)
+    assert '"status":"incomplete"' in state.responses.get(response_id).response_json
+
+
+def test_a_background_response_running_when_the_drain_ends_is_stored_failed(engine, monkeypatch):
+    slow_steps(engine, monkeypatch)
+
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=True, **LONG)
+        await writing(client, created.id)
+        server.handle_exit(signal.SIGTERM, None)
+        return created.id, state
+
+    response_id, state = serve(engine, scenario, drain_timeout_s=0.1)
+    stored = state.responses.get(response_id).response_json
+    assert '"status":"failed"' in stored and '"code":"aborted"' in stored and len(state.background) == 0
+
+
+def test_a_background_responses_cancel_goes_to_the_replica_that_runs_it():
+    response_id = new_id("resp", "r7x2")
+    assert routing(f"/v1/responses/{response_id}/cancel", b"").replica == replica_of(response_id) == "r7x2"
