@@ -3,8 +3,10 @@
     python -m sluice.bench.lora                                   # 64 requests at once, 128 prompt / 128 output tokens
     python -m sluice.bench.lora --concurrency 1 --repetitions 3   # one stream: its TPOT
     python -m sluice.bench.lora --adapters 8 --rank 64 --json bench/out/lora.json
+    python -m sluice.bench.lora --model llama-3-8b --concurrency 256     # a GPU: random weights, real shapes
 
-First, `--adapters` random PEFT LoRA adapters of rank `--rank` for the model's real shapes are written to a
+The model is the default GGUF (`sluice fetch`), or with `--model` one of bench.engine_check's models in random
+weights of its real shapes (where no model file can go, as on the GPU machine). First, `--adapters` random PEFT LoRA adapters of rank `--rank` for the model's real shapes are written to a
 temporary folder (`write_adapter`: adapter_config.json and adapter_model.safetensors as PEFT saves them, all seven
 projections of every layer; small random weights, as speed does not depend on their values). Then `--concurrency`
 requests of distinct random prompts (so the prefix cache gives nothing), greedy, EOS ignored, each `--output`
@@ -45,10 +47,12 @@ from sluice.batching.engine import Engine
 from sluice.batching.outputs import Increment
 from sluice.batching.sampling_params import LoraRequest, SamplingParams
 from sluice.bench.dataset import FIRST_ORDINARY_TOKEN
+from sluice.bench.engine_check import MODELS, random_model
 from sluice.bench.kv_cache import cpu_name
 from sluice.bench.metrics import Spread
 from sluice.model.config import ModelConfig
-from sluice.model.loader import load_model
+from sluice.model.loader import LoadedModel, load_model
+from sluice.model.quantize import resolve
 from sluice.model.lora import CONFIG_FILE, MODULES, WEIGHTS_FILE
 from sluice.model.weights import LAYER_TENSORS, expected_shape
 
@@ -134,7 +138,7 @@ def request_params(configuration: str, adapters: list[LoraRequest], count: int, 
 def measure(configuration: str, config: EngineConfig, prompts: list[list[int]], args: argparse.Namespace) -> Run:
     """One run of `configuration` on an engine of its own, dropped after, over a freshly loaded model (an engine
     sets the LoRA weights of the model it is handed, in place)."""
-    engine = Engine(load_model(quantization=args.quantization), config, progress=False)
+    engine = Engine(loaded_model(args), config, progress=False)
     run = timed_run(engine, configuration, prompts,
                     request_params(configuration, list(engine.adapters.values()), len(prompts), args.output))
     del engine
@@ -142,6 +146,13 @@ def measure(configuration: str, config: EngineConfig, prompts: list[list[int]], 
     gc.unfreeze()
     gc.collect()
     return run
+
+
+def loaded_model(args: argparse.Namespace) -> LoadedModel:
+    """A fresh copy of the model `--model` names: the default GGUF's, or random weights of a model's real shapes."""
+    if args.model == "default":
+        return load_model(quantization=args.quantization)
+    return random_model(args.model, resolve(args.quantization))
 
 
 def engine_configs(args: argparse.Namespace, modules: tuple[tuple[str, str], ...]) -> dict[str, EngineConfig]:
@@ -177,7 +188,7 @@ def table(figures: dict[str, dict[str, Spread]]) -> str:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     command = shlex.join(["python", "-m", "sluice.bench.lora", *argv])
     rng = np.random.default_rng(args.seed)
-    config = load_model(quantization=args.quantization).config
+    config = loaded_model(args).config
     prompts = [rng.integers(FIRST_ORDINARY_TOKEN, config.vocab_size, args.prompt).tolist()
                for _ in range(args.concurrency)]
     runs = []
@@ -192,7 +203,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                       f"{runs[-1].tpot_ms:.2f} ms", file=sys.stderr, flush=True)
     figures = summary(runs)
     host = machine()
-    print(f"`{command}`: {args.adapters} adapters of rank {args.rank} on all seven projections, {args.concurrency} "
+    print(f"`{command}`: {args.model} model, {args.adapters} adapters of rank {args.rank} on all seven projections, {args.concurrency} "
           f"requests at once of {args.prompt} prompt / {args.output} output tokens, --quantization "
           f"{args.quantization}; median (min-max) of {args.repetitions} repetitions\n")
     print(table(figures))
@@ -208,6 +219,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", choices=["default", *MODELS],
+                        help="default: the default GGUF; else that model's real shapes in random weights")
     parser.add_argument("--adapters", type=int, default=4, help="LoRA adapters written and served (max_loras)")
     parser.add_argument("--rank", type=int, default=16, help="each adapter's rank (vLLM's default max_lora_rank)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests submitted at once (max_num_seqs)")
