@@ -420,7 +420,8 @@ def test_an_unstored_or_deleted_response_is_gone(client):
 
 
 def test_streaming_a_stored_response_again_is_a_400_not_its_json_read_as_an_empty_stream(client):
-    """OpenAI streams a background response's events again; Sluice runs none, and keeps no events."""
+    """Only a background response created with `stream: true` is streamed again (tests/test_responses_background.py),
+    as OpenAI's."""
     stored = client.responses.create(input="Hi", **{**GREEDY, "max_output_tokens": 1})
     with pytest.raises(openai.BadRequestError) as caught:
         list(client.responses.retrieve(stored.id, stream=True))
@@ -534,7 +535,7 @@ def test_input_items_are_the_openai_clients_types_an_assistants_text_output_text
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
      "input.0.arguments"),
     ({"temperature": 3}, "temperature"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"include": ["message.output_text.everything"]}, "include.0"),
     ({"top_logprobs": 21}, "top_logprobs"),
