@@ -107,10 +107,9 @@ def _run_in_background(state: ServerState, run: BackgroundRun, events: AsyncGene
     """Starts `run` (stored at once, queued) and answers with the response as created, or with its events from the
     first, which the client may leave without stopping it."""
     store(run.response)
-    created = run.response.model_dump_json()
-    state.background.start(run, events, store)
+    state.background.start(run, events, store)  # its task first runs once this has returned: still queued here
     if run.log is None:
-        return Response(created, media_type="application/json")
+        return json_response(run.response)
     return _event_stream(state, run.log.after(None))
 
 
@@ -230,10 +229,9 @@ async def get_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     state = _state(request)
     query = parse_query(request, RetrieveQuery)
-    run = state.background.get(response_id)
     if query.stream:
         return _event_stream(state, _events_after(state, response_id, query.starting_after))
-    if run is not None:
+    if (run := state.background.get(response_id)) is not None:
         return json_response(run.response)
     return Response(_stored(state, response_id).response_json, media_type="application/json")
 

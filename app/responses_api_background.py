@@ -84,16 +84,17 @@ class BackgroundRun:
 
     async def generate(self, events: AsyncGenerator[bytes, None]) -> None:
         """Runs its generation through `events` (its builder's, which end the response, or fail it, in place),
-        keeping them when streamed; a failure that the cancel's abort caused is the cancel."""
+        keeping them when streamed. A failure that the cancel's abort caused is the cancel: the response is
+        cancelled, and its events end without that failure's."""
         try:
             async for event in events:
-                if self.log is not None:
+                if self.cancelling and self.response.status == "failed":
+                    self.response.status = "cancelled"
+                    self.response.error = None
+                elif self.log is not None:
                     self.log.append(event)
         finally:
             await self._close()
-        if self.cancelling and self.response.status == "failed":
-            self.response.status = "cancelled"
-            self.response.error = None
 
 
 class BackgroundRuns:

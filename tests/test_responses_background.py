@@ -165,6 +165,20 @@ def test_a_streamed_background_response_left_mid_stream_runs_on_and_resumes_afte
     assert text == resumed[-1].response.output_text == stored.output_text
 
 
+def test_a_cancelled_streamed_background_response_ends_its_events_without_a_failure(engine, monkeypatch):
+    slow_steps(engine, monkeypatch)
+
+    async def scenario(client, state, server):
+        stream = await client.responses.create(background=True, stream=True, **LONG)
+        events = [await anext(stream) for _ in range(5)]
+        cancelled = await client.responses.cancel(events[0].response.id)
+        return events + [event async for event in stream], cancelled
+
+    events, cancelled = serve(engine, scenario)
+    assert cancelled.status == "cancelled" and events[-1].type == "response.output_text.delta"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == cancelled.output_text
+
+
 def test_an_ended_streamed_background_response_replays_its_events_from_the_store(engine):
     async def scenario(client, state, server):
         streamed = [event async for event in await client.responses.create(background=True, stream=True, **SHORT)]
