@@ -255,8 +255,7 @@ async def cancel_response(request: Request) -> Response:
     OpenAI's); a response that did not run in the background is a 400, as vLLM's."""
     response_id = request.path_params["response_id"]
     state = _state(request)
-    run = state.background.get(response_id)
-    if run is not None:
+    if (run := state.background.get(response_id)) is not None:
         await run.cancel()
     stored = _stored(state, response_id)
     if not ResponseObject.model_validate_json(stored.response_json).background:
