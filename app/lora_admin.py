@@ -4,17 +4,19 @@
 
 A load reads the adapter's files in a worker thread (`Engine.load_lora`: CPU work, kept off the event loop), and the
 engine thread writes it into a free slot between two steps; an unload takes effect there too, before its answer.
-One update at a time (the app's `lora_updates` lock), so what the checks here read of `Engine.adapters` holds until
-the update is done. The answers are vLLM's: 200 with one line of plain text; 400 for an adapter already loaded
-without `load_inplace`, one Sluice cannot serve (`LoraError`'s line) or no free slot; 404 for no folder at
-`lora_path`, or an unload of an adapter not loaded.
+One update at a time (`ServerState.lora_updates`), so what the checks here read of `Engine.adapters` holds until
+the update is done; an update once begun is seen through to its end even if its request is cancelled (a client gone,
+a server shutting down), so the next one finds the slots decided. The answers are vLLM's: 200 with one line of plain
+text; 400 for an adapter already loaded without `load_inplace`, one Sluice cannot serve (`LoraError`'s line) or no
+free slot; 404 for no folder at `lora_path`, or an unload of an adapter not loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import ClassVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
@@ -23,15 +25,29 @@ from starlette.responses import PlainTextResponse, Response
 from sluice.model.hub import HubError
 from sluice.model.lora import AdapterNotFound, LoraError
 
+from sluice.batching.engine import Engine
+
 from sluice.app.errors import APIError
 from sluice.app.routes import parse_body
+from sluice.app.state import ServerState
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ERROR_STATUSES = (
+    ("400", "Invalid request: no name or path, the model's name, a name already loaded (without load_inplace), an "
+            "adapter Sluice cannot serve, or no free slot"),
+    ("401", "Missing or wrong API key"),
+    ("404", "No folder at lora_path, or no adapter loaded of that name to unload"),
+    ("413", "Body too large"),
+    ("500", "The adapter could not be written into its slot"),
+    ("503", "Loading, or shutting down"),
+)
+"""The statuses of the errors these routes answer with (their OpenAPI operations')."""
 
 
 class _AdapterUpdate(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: ClassVar[None] = None  # what `parse_body` checks: these requests name no model
 
 
 class LoadLoraAdapterRequest(_AdapterUpdate):
@@ -54,7 +70,15 @@ async def load_lora_adapter(request: Request) -> Response:
     if name in (state.model_name, engine.model_name):
         raise _invalid(f"The lora adapter '{name}' has the served model's name: a request for it could not be told "
                        f"from one for the model.")
-    async with request.app.state.lora_updates:
+    await _to_its_end(_load(state, engine, body))
+    logger.info("Loaded LoRA adapter %r from %s", name, body.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _load(state: ServerState, engine: Engine, body: LoadLoraAdapterRequest) -> None:
+    """Loads the adapter `body` asks for, one update at a time; APIError if it cannot."""
+    name = body.lora_name
+    async with state.lora_updates:
         if name in engine.adapters and not body.load_inplace:
             raise _invalid(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
                            f"place, set 'load_inplace' to True.")
@@ -65,21 +89,33 @@ async def load_lora_adapter(request: Request) -> Response:
             raise APIError(404, str(error), type="NotFoundError", param="lora_path") from None
         except (LoraError, HubError) as error:
             raise APIError(400, str(error), type="BadRequestError") from None
-    logger.info("Loaded LoRA adapter %r from %s", name, body.lora_path)
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
 async def unload_lora_adapter(request: Request) -> Response:
-    _, engine, body = await parse_body(request, UnloadLoraAdapterRequest)
+    state, engine, body = await parse_body(request, UnloadLoraAdapterRequest)
     name = body.lora_name
     if not name:
         raise _invalid("'lora_name' needs to be provided to unload a LoRA adapter.")
-    async with request.app.state.lora_updates:
+    await _to_its_end(_unload(state, engine, name))
+    logger.info("Unloaded LoRA adapter %r", name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def _unload(state: ServerState, engine: Engine, name: str) -> None:
+    """Unloads adapter `name`, one update at a time; APIError if none of that name is loaded."""
+    async with state.lora_updates:
         if name not in engine.adapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", type="NotFoundError", param="lora_name")
         await asyncio.wrap_future(engine.unload_lora(name))
-    logger.info("Unloaded LoRA adapter %r", name)
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def _to_its_end(update: Coroutine[Any, Any, T]) -> T:
+    """`update`'s result, the update run to its end even if the caller is cancelled meanwhile: cancelling the wait
+    could neither stop a read in its worker thread nor take back what the engine thread has written, and would let
+    the next update in before this one was decided."""
+    running = asyncio.ensure_future(update)
+    running.add_done_callback(lambda done: done.cancelled() or done.exception())  # heard, even with no one waiting
+    return await asyncio.shield(running)
 
 
 def _invalid(message: str) -> APIError:

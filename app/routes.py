@@ -53,7 +53,7 @@ M = TypeVar("M", bound=BaseModel)
 
 async def parse_body(request: Request, schema: type[M]) -> tuple[ServerState, Engine, M]:
     """The server state, its engine (503 if not ready) and the JSON body checked against `schema` (malformed
-    JSON and invalid fields become 400s, an unknown `model` a 404)."""
+    JSON and invalid fields become 400s, an unknown `model` a 404 where the schema has that field)."""
     state: ServerState = request.app.state.sluice
     engine = state.require_engine()
     raw = await request.body()
@@ -69,7 +69,8 @@ async def parse_body(request: Request, schema: type[M]) -> tuple[ServerState, En
         body = schema.model_validate(data, context={"vocab_size": engine.limits.vocab_size})
     except ValidationError as error:
         raise from_validation_error(error, data) from None
-    state.check_model(body.model)
+    if "model" in schema.model_fields:
+        state.check_model(body.model)
     return state, engine, body
 
 

@@ -364,7 +364,8 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
                              "...} as vLLM's [env SLUICE_LORA_MODULES: NAME=PATH items apart by spaces]")
     _option(parser, "--max-loras", None, "vLLM's LoRA adapters per batch, reported by vllm:lora_requests_info (every "
             "adapter stays on the device here, and a batch mixes any of them; default: the adapters given; with "
-            "--allow-runtime-lora-updating, the slots adapters are loaded into: default 1)", type=at_least(1, int))
+            "--allow-runtime-lora-updating, the slots adapters are loaded into: default 1, or one per --lora-modules "
+            "adapter where they are more)", type=at_least(1, int))
     _option(parser, "--max-lora-rank", None, "largest LoRA rank served: an adapter of a higher rank is refused "
             "(adapters are padded to the largest one's; with --allow-runtime-lora-updating, to this: default 16)",
             type=at_least(1, int))

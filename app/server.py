@@ -37,8 +37,8 @@ from sluice.app.embeddings import create_embeddings
 from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
 from sluice.app.errors import APIError, error_response, not_ready
 from sluice.app.invocations import invocations
-from sluice.app.lora_admin import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, load_lora_adapter, \
-    unload_lora_adapter
+from sluice.app.lora_admin import ERROR_STATUSES as LORA_ADMIN_ERROR_STATUSES, LoadLoraAdapterRequest, \
+    UnloadLoraAdapterRequest, load_lora_adapter, unload_lora_adapter
 from sluice.app.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyReadMiddleware, InternalErrorMiddleware, \
     RequestCountMiddleware, RequestIdMiddleware
 from sluice.app.openapi import ANTHROPIC_ERROR_STATUSES, Operation, openapi_document
@@ -165,9 +165,11 @@ ROUTES: list[tuple[Handler, Operation]] = [
 
 LORA_ADMIN_ROUTES: list[tuple[Handler, Operation]] = [
     (load_lora_adapter, Operation("/v1/load_lora_adapter", "POST", "Loads a LoRA adapter, served under its name "
-                                  "(vLLM's runtime LoRA updating)", LoadLoraAdapterRequest, media_type="text/plain")),
+                                  "(vLLM's runtime LoRA updating)", LoadLoraAdapterRequest, media_type="text/plain",
+                                  error_statuses=LORA_ADMIN_ERROR_STATUSES)),
     (unload_lora_adapter, Operation("/v1/unload_lora_adapter", "POST", "Unloads a LoRA adapter (vLLM's runtime LoRA "
-                                    "updating)", UnloadLoraAdapterRequest, media_type="text/plain")),
+                                    "updating)", UnloadLoraAdapterRequest, media_type="text/plain",
+                                    error_statuses=LORA_ADMIN_ERROR_STATUSES)),
 ]
 """The routes of runtime LoRA updating (`app/lora_admin.py`), which an app has only with it on."""
 
@@ -220,7 +222,6 @@ def create_app(state: ServerState, cors: bool = True, lora_admin: bool = False) 
     app.router.redirect_slashes = False
     app.state.sluice = state
     app.state.feed = feed
-    app.state.lora_updates = asyncio.Lock()  # `lora_admin`'s, one update at a time
     app.state.openapi = openapi_document(
         [op for _, op in table], "Sluice", version("sluice"), bearer_auth=bool(settings.api_key),
         open_paths=OPEN_PATHS,

@@ -101,6 +101,7 @@ class ServerState:
         self.metrics = ServerMetrics(self._engine_stats, lambda: self.model_name)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
         self.background = BackgroundRuns()  # the background responses running (each holds its admission)
+        self.lora_updates = asyncio.Lock()  # app/lora_admin.py's: one LoRA load or unload at a time
         self._in_flight_seqs = 0
         self._idle = asyncio.Event()
         self._idle.set()

@@ -117,7 +117,7 @@ class EngineConfig:
     what the metrics report (any mix of the adapters runs in one batch here).
     `allow_runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters are also loaded and unloaded
     while serving (`Engine.load_lora`), so the model holds from the start `max_loras` slots (default
-    RUNTIME_MAX_LORAS) of rank `max_lora_rank` (default RUNTIME_MAX_LORA_RANK) for all seven projections, zeros where
+    RUNTIME_MAX_LORAS, or one per adapter of `lora_modules` where they are more) of rank `max_lora_rank` (default RUNTIME_MAX_LORA_RANK) for all seven projections, zeros where
     no adapter is; `lora_modules`' adapters fill the first slots.
     A request names its adapter as its `model`.
     `prefix_cache_dir`: keep full KV pages past the pool, in `prefix_cache_ram` bytes of host RAM and then up to
@@ -214,8 +214,10 @@ class EngineConfig:
 
     @property
     def runtime_lora_slots(self) -> tuple[int, int]:
-        """(slots, rank) of the LoRA weights runtime updating holds: max_loras and max_lora_rank, or vLLM's defaults."""
-        return self.max_loras or RUNTIME_MAX_LORAS, self.max_lora_rank or RUNTIME_MAX_LORA_RANK
+        """(slots, rank) of the LoRA weights runtime updating holds: max_loras and max_lora_rank, or vLLM's defaults
+        (the slots at least one per adapter of `lora_modules`, as vLLM's command lines give them)."""
+        return (self.max_loras or max(RUNTIME_MAX_LORAS, len(self.lora_modules)),
+                self.max_lora_rank or RUNTIME_MAX_LORA_RANK)
 
     def with_device_defaults(self, platform: str, device_bytes: int | None, device_kind: str = "") -> EngineConfig:
         """This config with the batch limits (`default_batch`) and the page size it leaves unset taken for a device

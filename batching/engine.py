@@ -54,9 +54,10 @@ from sluice.batching.speculation import Speculator
 from sluice.batching.stats import EngineStats, StepStats, StepTotals
 from sluice.batching.structured import GrammarCompiler
 from sluice.model import hub
+from sluice.model.config import ModelConfig
 from sluice.model.fetch import from_hub
 from sluice.model.loader import LoadedModel, load_model
-from sluice.model.lora import LoraAdapter, LoraError, attach_adapters, load_adapter, slot_weights
+from sluice.model.lora import AdapterNotFound, LoraAdapter, LoraError, attach_adapters, load_adapter, slot_weights
 from sluice.model.roofline import StepCost
 from sluice.pallas_kernels.kv_cache import kv_cache_dtype
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
@@ -128,38 +129,40 @@ class _Launched:
     host_s: float
 
 
-def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None
-                ) -> tuple[dict[str, LoraRequest], list[str | None]]:
+def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) -> tuple[dict[str, LoraRequest], int]:
     """Reads `config.lora_modules`' adapters and gives `loaded.model` their LoRA weights, in place of any an earlier
     engine gave it, with free slots for runtime updating (`EngineConfig.runtime_lora_slots`). Returns each adapter's
-    name -> what a request that runs with it carries, and the fingerprint of the adapter in each slot (None: none).
-    InvalidEngineConfig for an adapter Sluice cannot serve."""
+    name -> what a request that runs with it carries, and the number of slots. InvalidEngineConfig for an adapter
+    Sluice cannot serve."""
     if any(name == loaded.name for name, _ in config.lora_modules):
         raise InvalidEngineConfig("lora_modules", f"names an adapter {loaded.name!r}, the model's own name: a request "
                                                   f"for it could not be told from one for the model")
     try:
-        adapters = [load_adapter(name, adapter_folder(path, config.download_dir), loaded.config)
-                    for name, path in config.lora_modules]
+        adapters = [read_adapter(name, path, loaded.config, config) for name, path in config.lora_modules]
         if config.allow_runtime_lora_updating:
             num_slots, rank = config.runtime_lora_slots
         else:
-            # Adapters cannot be added later: padding past the largest adapter's rank would only cost (a larger
-            # --max-lora-rank is a bound each adapter is checked against).
-            largest = max((a.rank for a in adapters), default=1)
-            num_slots, rank = len(adapters), min(largest, config.max_lora_rank or largest)
+            # Adapters cannot be added later: padding past the largest adapter's rank would only cost.
+            num_slots, rank = len(adapters), max((a.rank for a in adapters), default=1)
         attach_adapters(loaded.model, adapters, num_slots, rank,
                         partial(param_sharding, mesh) if mesh is not None else None,
                         every_projection=config.allow_runtime_lora_updating)
     except (LoraError, hub.HubError) as error:
         raise InvalidEngineConfig("lora_modules", str(error)) from None
-    served = {a.name: LoraRequest(a.name, slot, a.fingerprint) for slot, a in enumerate(adapters)}
-    return served, [a.fingerprint for a in adapters] + [None] * (num_slots - len(adapters))
+    return {a.name: LoraRequest(a.name, slot, a.fingerprint) for slot, a in enumerate(adapters)}, num_slots
 
 
-def adapter_folder(path: str, download_dir: str | None) -> str:
-    """A `--lora-modules` path: a local folder, or a Hub id's snapshot of its adapter files (HubError if the Hub and
-    the cache cannot give it)."""
-    return str(hub.download_adapter(path, download_dir)) if from_hub(path) else path
+def read_adapter(name: str, path: str, model_config: ModelConfig, config: EngineConfig) -> LoraAdapter:
+    """The PEFT adapter at `path` (a local folder, or a Hub id's snapshot of its adapter files) read as `name`:
+    LoraError (AdapterNotFound where `path` is no folder) or HubError where it cannot be served, a rank above the
+    slots' said before its weights are read."""
+    try:
+        hub_id = from_hub(path)
+    except (OSError, RuntimeError) as error:  # a name too long for the file system, ~user of no such user
+        raise AdapterNotFound(f"LoRA adapter {name!r} ({path}): no such folder ({error})") from None
+    folder = str(hub.download_adapter(path, config.download_dir)) if hub_id else path
+    max_rank = config.runtime_lora_slots[1] if config.allow_runtime_lora_updating else config.max_lora_rank
+    return load_adapter(name, folder, model_config, max_rank)
 
 
 def _describe(error: BaseException) -> str:
@@ -184,8 +187,8 @@ class Engine:
         self.model_name = loaded.name
         self.generation_defaults = loaded.generation_defaults  # the model's sampling defaults, for the API to apply
         # Before the pool is sized: their weights take memory too. `adapters` is replaced whole, never changed, as
-        # other threads read it (`_load_lora`); the slots are the engine thread's.
-        self.adapters, self._lora_slots = attach_lora(loaded, config, mesh)
+        # other threads read it (`submit`, the app); the engine thread alone replaces it and fills the slots.
+        self.adapters, self._num_lora_slots = attach_lora(loaded, config, mesh)
         self._slot_weights = partial(slot_weights, config=loaded.config, max_rank=config.runtime_lora_slots[1],
                                      dtype=loaded.model.dtype)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
@@ -275,9 +278,10 @@ class Engine:
         """Queues a request of `len(prompts) * n` choices whose increments go to `sink`.
 
         Raises RequestRejected now if it could never be served (context length, pool size, a structured output
-        that does not compile).
+        that does not compile, a LoRA adapter of a name not served). It runs with the adapter served under
+        `params.lora`'s name when the engine thread takes it in (`_bind_lora`).
         """
-        if params.lora is not None and self.adapters.get(params.lora.name) != params.lora:
+        if params.lora is not None and params.lora.name not in self.adapters:
             raise RequestRejected(f"the LoRA adapter {params.lora.name!r} is not served here", "lora")
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         request = build_request(request_id, prompts, params, sink, self.tokenizer, self.limits, self.ngram,
@@ -311,10 +315,11 @@ class Engine:
         """With runtime updating (`EngineConfig.allow_runtime_lora_updating`), serves the PEFT adapter at `path` (a
         folder, or a Hub id as `--lora-modules` takes one) as `name`, in place of any adapter of that name. Reads and
         lays out its files in this thread (CPU work: keep it off the event loop), raising LoraError (AdapterNotFound
-        where `path` is no folder) or HubError; the engine thread then writes it into a free slot between two steps.
-        The future gives what its requests carry, or a LoraError when every slot holds an adapter served or one still
-        used by a running or waiting request."""
-        adapter = load_adapter(name, adapter_folder(path, self.config.download_dir), self.runner.config)
+        where `path` is no folder, or a rank above --max-lora-rank before the weights are read) or HubError; the
+        engine thread then writes it into a free slot between two steps. The future gives what its requests carry, or
+        a LoraError when every slot holds an adapter served or one still used by a running or waiting request;
+        cancelled before the engine thread takes it, nothing is written."""
+        adapter = read_adapter(name, path, self.runner.config, self.config)
         done: Future[LoraRequest] = Future()
         self._inbox.put(_LoadLora(adapter, self._slot_weights(adapter), done))
         return done
@@ -322,7 +327,7 @@ class Engine:
     def unload_lora(self, name: str) -> Future[None]:
         """Stops serving LoRA adapter `name` (unknown names are ignored) when the engine thread takes it in, between
         two steps: the future is done then, and requests for it are rejected from then on. Those that run or wait
-        finish with it; its slot is free once they have."""
+        finish with it; its slot is free once they have. Cancelled before the engine thread takes it, it serves on."""
         done: Future[None] = Future()
         self._inbox.put(_UnloadLora(name, done))
         return done
@@ -407,15 +412,16 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stopping:
-            if not self.has_work:
-                self._apply(self._inbox.get())  # sleeps until there is something to do
-                self._flush()  # a request it ended (one added after `abort_all`) hears so now
-                continue
-            self._step_began = time.monotonic()
+            idle = not self.has_work
+            self._step_began = None if idle else time.monotonic()
             try:
-                self.step()
-                if not self.has_work:  # no next step will hand the store the pages this one copied out
-                    self._store_pending_pages()
+                if idle:
+                    self._apply(self._inbox.get())  # sleeps until there is something to do
+                    self._flush()  # a request it ended (one added after `abort_all`) hears so now
+                else:
+                    self.step()
+                    if not self.has_work:  # no next step will hand the store the pages this one copied out
+                        self._store_pending_pages()
             except Exception as error:  # noqa: BLE001 - a bug must not leave clients waiting forever
                 logger.exception("engine step failed")
                 self._start_over(error)
@@ -671,9 +677,10 @@ class Engine:
             if request.request_id in self._requests:
                 self._reject(request, f"request id {request.request_id!r} is already in use")
                 return
-            if lora is not None and self._lora_slots[lora.slot] != lora.fingerprint:  # another adapter's slot now
+            if lora is not None and lora.name not in self.adapters:
                 self._reject(request, f"the LoRA adapter {lora.name!r} was unloaded before the request started")
                 return
+            self._bind_lora(request)
             self._requests[request.request_id] = request
             self._num_pooling += request.seqs[0].params.pooling is not None
             self._num_scoring += request.seqs[0].params.prompt_logprobs is not None
@@ -694,8 +701,7 @@ class Engine:
         elif isinstance(command, _LoadLora):
             self._load_lora(command)
         elif isinstance(command, _UnloadLora):
-            self.adapters = {name: lora for name, lora in self.adapters.items() if name != command.name}
-            command.done.set_result(None)
+            self._unload_lora(command)
         else:
             self._stopping = True
 
@@ -714,13 +720,28 @@ class Engine:
         for seq in request.seqs:
             self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
 
+    def _bind_lora(self, request: Request) -> None:
+        """Gives `request`'s sequences the adapter now served under the name it asked for (one loaded in place since
+        it was submitted, say), before any page is allocated or looked up for them: the prefix cache's namespace is
+        that of the weights they run with. Their parameters are shared (with the caller, with other requests), so
+        they get a copy rather than a change."""
+        asked = request.seqs[0].params
+        served = self.adapters[asked.lora.name] if asked.lora is not None else None
+        if served != asked.lora:
+            bound = replace(asked, lora=served)
+            for seq in request.seqs:
+                seq.params = bound
+
     def _load_lora(self, command: _LoadLora) -> None:
-        """Writes the adapter into the first free LoRA slot (`_free_lora_slot`) and serves it, or says why not."""
+        """Writes the adapter into the first free LoRA slot (`_free_lora_slot`) and serves it, or says why not;
+        nothing if its caller cancelled it first."""
+        if not command.done.set_running_or_notify_cancel():
+            return
         adapter = command.adapter
         slot = self._free_lora_slot(adapter.name)
         if slot is None:
             command.done.set_exception(LoraError(
-                f"no free LoRA slot for adapter {adapter.name!r}: each of the {len(self._lora_slots)} (--max-loras) "
+                f"no free LoRA slot for adapter {adapter.name!r}: each of the {self._num_lora_slots} (--max-loras) "
                 f"holds an adapter served, or one unloaded that a running or waiting request still uses"))
             return
         try:
@@ -728,10 +749,16 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the caller hears it; the slots are as they were
             command.done.set_exception(error)
             return
-        self._lora_slots[slot] = adapter.fingerprint
         lora = LoraRequest(adapter.name, slot, adapter.fingerprint)
         self.adapters = {**self.adapters, adapter.name: lora}
         command.done.set_result(lora)
+
+    def _unload_lora(self, command: _UnloadLora) -> None:
+        """Stops serving the adapter (its slot is free once no request uses it); nothing if its caller cancelled it
+        first."""
+        if command.done.set_running_or_notify_cancel():
+            self.adapters = {name: lora for name, lora in self.adapters.items() if name != command.name}
+            command.done.set_result(None)
 
     def _free_lora_slot(self, name: str) -> int | None:
         """The first LoRA slot that holds no adapter served (but `name`'s, which a load replaces) and that no request
@@ -739,7 +766,7 @@ class Engine:
         held = {lora.slot for served, lora in self.adapters.items() if served != name}
         held.update(request.seqs[0].params.lora.slot for request in self._requests.values()
                     if request.seqs[0].params.lora is not None)
-        return next((slot for slot in range(len(self._lora_slots)) if slot not in held), None)
+        return next((slot for slot in range(self._num_lora_slots) if slot not in held), None)
 
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
         """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call
@@ -1028,7 +1055,7 @@ class Engine:
             decode_batch_steps=tuple(self._totals.decode_batch_steps),
             queue_wait_s=self._totals.queue_wait_s,
             num_admitted=self._totals.num_admitted,
-            **(self._lora_stats() if self._lora_slots else {}),
+            **(self._lora_stats() if self._num_lora_slots else {}),
         )
 
     def _lora_stats(self) -> dict[str, int | tuple[str, ...]]:
@@ -1036,5 +1063,5 @@ class Engine:
         def names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
             return tuple(sorted({seq.params.lora.name for seq in seqs if seq.params.lora is not None}))
 
-        return dict(max_loras=self.config.max_loras or len(self._lora_slots),
+        return dict(max_loras=self.config.max_loras or self._num_lora_slots,
                     lora_running=names(self.scheduler.running), lora_waiting=names(self.scheduler.waiting))

@@ -115,9 +115,10 @@ class LoraAdapter:
     b: Mapping[str, np.ndarray] = field(repr=False, compare=False)
 
 
-def load_adapter(name: str, path: str | Path, config: ModelConfig) -> LoraAdapter:
+def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int | None = None) -> LoraAdapter:
     """Reads the PEFT folder at `path` as adapter `name` for the model of `config`; LoraError (module docstring) if
-    Sluice cannot serve it on that model."""
+    Sluice cannot serve it on that model, or its rank is above `max_rank` (None: any), said before its weights are
+    read."""
     folder = Path(path)
 
     def refuse(why: str, kind: type[LoraError] = LoraError) -> LoraError:
@@ -130,6 +131,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig) -> LoraAdapte
     except ValueError as error:
         raise refuse(str(error)) from None
     rank, scaling = _check_settings(settings, refuse)
+    if max_rank is not None and rank > max_rank:
+        raise refuse(f"has rank {rank}, above the largest served, {max_rank} (max_lora_rank)")
     if not (folder / WEIGHTS_FILE).is_file():
         bin_only = (folder / "adapter_model.bin").is_file()
         raise refuse(f"has adapter_model.bin, a pickle Sluice does not read: convert it to {WEIGHTS_FILE}" if bin_only
@@ -266,11 +269,12 @@ def _stack(pairs: Pairs, rank: int, config: ModelConfig) -> tuple[dict[str, np.n
 def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: int, max_rank: int,
                     sharding_rule: ShardingRule | None = None, every_projection: bool = False) -> None:
     """Gives `model` the LoRA parameters of `adapters` (module docstring), adapter i in slot i of `max_loras`, each
-    padded to rank `max_rank`, in the model's activation dtype (quantized base weights or not), stored as its other
-    layer parameters are (stacked, or one array per layer), for the projections the adapters add to, or with
-    `every_projection` all of them (slots written later, `slot_weights`, may add to any). `sharding_rule` places each
-    (tensor parallelism: `sharding.rules.param_sharding` with the model's mesh; default: the first device). Replaces
-    what an earlier call attached. LoraError for more adapters than slots, or an adapter's rank above max_rank."""
+    padded to rank `max_rank` (each read with it as `load_adapter`'s bound), in the model's activation dtype
+    (quantized base weights or not), stored as its other layer parameters are (stacked, or one array per layer), for
+    the projections the adapters add to, or with `every_projection` all of them (slots written later, `slot_weights`,
+    may add to any). `sharding_rule` places each (tensor parallelism: `sharding.rules.param_sharding` with the
+    model's mesh; default: the first device). Replaces what an earlier call attached. LoraError for more adapters
+    than slots."""
     if len(adapters) > max_loras:
         raise LoraError(f"{len(adapters)} LoRA adapters ({', '.join(a.name for a in adapters)}) do not fit in "
                         f"{max_loras} slots (max_loras)")
@@ -286,19 +290,12 @@ def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: in
         model.set_layer_param(name, jax.device_put(_cast(name, stack, model.dtype), shardings.get(name)))
 
 
-def _check_rank(adapter: LoraAdapter, max_rank: int) -> None:
-    """LoraError if `adapter`'s rank is above `max_rank`, the slots' rank."""
-    if adapter.rank > max_rank:
-        raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}) has rank {adapter.rank}, above the largest "
-                        f"served, {max_rank} (max_lora_rank)")
-
-
 def slot_weights(adapter: LoraAdapter, config: ModelConfig, max_rank: int, dtype: Any,
                  projections: Collection[str] = LORA_MODULES) -> dict[str, np.ndarray]:
     """One slot's LoRA parameters holding `adapter` (module docstring: its rank padded to `max_rank`, zeros for the
     modules it leaves out), in `dtype`, for `projections` (`LORA_MODULES`' names): each A `[L, K, P, R]`, each B
-    `[L, R, out]`. LoraError for a rank above max_rank, or a B times its scaling past dtype's range."""
-    _check_rank(adapter, max_rank)
+    `[L, R, out]`, for an adapter of a rank at most max_rank (`load_adapter`'s). LoraError for a B times its scaling
+    past dtype's range."""
     weights = {name: np.zeros(shape, np.float32) for name, shape in _slot_shapes(config, max_rank, projections).items()}
     for fused in projections:
         for part, module in enumerate(LORA_MODULES[fused]):

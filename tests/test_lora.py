@@ -469,12 +469,14 @@ def test_the_fingerprint_is_the_files_content(lora_model, adapter):
     assert load_adapter("other", adapter, lora_model.config).fingerprint != original
 
 
-def test_attach_refuses_more_adapters_than_slots_and_a_rank_above_the_largest(lora_model):
-    adapters = read_adapters(lora_model.config)
+def test_attach_refuses_more_adapters_than_slots(lora_model):
     with pytest.raises(LoraError, match=r"2 LoRA adapters \(all_modules, qv_rslora\) do not fit in 1 slots"):
-        attach_adapters(lora_model, adapters, max_loras=1, max_rank=8)
+        attach_adapters(lora_model, read_adapters(lora_model.config), max_loras=1, max_rank=8)
+
+
+def test_load_adapter_refuses_a_rank_above_the_largest_served(lora_model):
     with pytest.raises(LoraError, match=r"'all_modules' .* has rank 8, above the largest served, 4 \(max_lora_rank\)"):
-        attach_adapters(lora_model, adapters, max_loras=2, max_rank=4)
+        load_adapter("all_modules", ADAPTERS / "all_modules", lora_model.config, max_rank=4)
 
 
 def test_attach_refuses_an_adapter_that_overflows_the_models_dtype(lora_model, adapter):

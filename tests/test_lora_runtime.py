@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import threading
 
 import httpx
@@ -21,7 +22,7 @@ from sluice.batching.config import InvalidEngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import RequestRejected
-from sluice.model.lora import LoraError
+from sluice.model.lora import LoraError, load_adapter
 
 FOLDERS = {name: str(DATA / "tiny_lora" / adapter["folder"]) for name, adapter in ADAPTERS.items()}
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
@@ -170,6 +171,103 @@ def test_a_request_let_in_before_its_adapter_was_unloaded_and_its_slot_refilled_
     assert output.finish_reason == "error" and "'sql' was unloaded before the request started" in output.error
 
 
+def test_a_load_cancelled_before_the_engine_thread_takes_it_writes_nothing_and_running_requests_run_on(engine):
+    case = case_named(BASE["cases"], "forty_tokens")
+    sink = ListCollector(1)
+    engine.submit([case["prompt_ids"]], golden_params(BASE), sink, "running")
+    engine.step()
+    assert engine.load_lora("sql", FOLDERS["all_modules"]).cancel()  # its caller gone before the next step
+    while engine.has_work:
+        engine.step()
+    [output] = sink.completions()
+    assert_completion_gives_case(output, case)
+    assert "sql" not in engine.adapters and load_offline(engine, "chat", "qv_rslora").slot == 0
+
+
+def test_an_unload_cancelled_before_the_engine_thread_takes_it_leaves_the_adapter_served(engine):
+    sql = load_offline(engine, "sql", "all_modules")
+    assert engine.unload_lora("sql").cancel()
+    engine.step()
+    assert engine.adapters == {"sql": sql}
+
+
+def test_a_command_that_fails_while_the_engine_is_idle_leaves_its_thread_serving(engine, monkeypatch):
+    """The step loop's guard covers what it applies from the inbox while idle too: a bug there must not end the
+    engine thread, which every later request would wait on."""
+    case = case_named(BASE["cases"], "short")
+    applied = threading.Event()
+
+    def fail(command) -> None:
+        applied.set()
+        raise RuntimeError("a bug in applying an unload")
+
+    monkeypatch.setattr(engine, "_unload_lora", fail)
+
+    async def scenario(client: httpx.AsyncClient) -> httpx.Response:
+        engine.unload_lora("sql")
+        await asyncio.to_thread(applied.wait, 10)
+        return await asyncio.wait_for(client.post("/v1/completions", json=completion(engine.model_name, case)), 30)
+
+    answered = serve(engine, scenario)
+    assert answered.status_code == 200 and answered.json()["choices"][0]["token_ids"] == case["greedy_ids"]
+
+
+def test_a_load_whose_request_is_cancelled_is_seen_through_before_the_next_update(engine, monkeypatch):
+    """uvicorn cancels the requests still open a while into its shutdown; a cancelled load goes on to its end, and
+    the next update waits for it (a load of the same name then finds it loaded)."""
+    reading, read_on = threading.Event(), threading.Event()
+    read = engine.load_lora
+
+    def slow_first_read(name: str, path: str):
+        if not reading.is_set():
+            reading.set()
+            assert read_on.wait(10)
+        return read(name, path)
+
+    monkeypatch.setattr(engine, "load_lora", slow_first_read)
+
+    async def scenario(client: httpx.AsyncClient) -> httpx.Response:
+        cancelled = asyncio.ensure_future(client.post(LOAD, json=load("sql", "all_modules")))
+        await asyncio.to_thread(reading.wait, 10)
+        cancelled.cancel()
+        second = asyncio.ensure_future(client.post(LOAD, json=load("sql", "qv_rslora")))
+        await asyncio.sleep(0.1)
+        read_on.set()
+        return await asyncio.wait_for(second, 30)
+
+    second = serve(engine, scenario, lora_admin=True)
+    assert second.status_code == 400 and "has already been loaded" in second.json()["error"]["message"]
+    assert engine.adapters["sql"].fingerprint == load_adapter("sql", FOLDERS["all_modules"],
+                                                              engine.runner.config).fingerprint
+
+
+def test_a_request_that_named_an_adapter_since_loaded_in_place_runs_with_the_new_one(engine):
+    """Its `model` named the adapter (its LoraRequest) before a load_inplace of that name: the name is still served,
+    so it runs with the weights now under it, and reads no page the old one computed."""
+    old = load_offline(engine, "sql", "all_modules")
+    case = case_named(ADAPTERS["qv_rslora"]["cases"], "forty_tokens")
+    params = golden_params(LORA, lora=old, cache_salt="in place, named before")
+    [[first]] = engine.generate([case["prompt_ids"]], params)
+    assert list(first.token_ids) == case_named(ADAPTERS["all_modules"]["cases"], "forty_tokens")["greedy_ids"]
+    load_offline(engine, "sql", "qv_rslora")
+    [[output]] = engine.generate([case["prompt_ids"]], params)
+    assert_completion_gives_case(output, case)
+    assert output.usage.cached_prompt_tokens == 0
+
+
+def test_an_adapter_above_the_slots_rank_is_refused_before_its_weights_are_read(folder, tmp_path):
+    """Its adapter_config.json gives its rank: a weights file however large (here, not even safetensors) is not
+    read, at start-up nor when loaded at runtime."""
+    big = tmp_path / "big"
+    shutil.copytree(FOLDERS["all_modules"], big)
+    (big / "adapter_model.safetensors").write_bytes(b"not read")
+    with pytest.raises(InvalidEngineConfig, match="has rank 8, above the largest served, 4"):
+        golden_engine(fresh(folder), enable_lora=True, max_lora_rank=4, lora_modules=(("big", str(big)),))
+    engine = golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_lora_rank=4)
+    with pytest.raises(LoraError, match="has rank 8, above the largest served, 4"):
+        engine.load_lora("big", str(big))
+
+
 def test_a_slot_is_written_into_layers_stored_one_array_each(folder):
     """A GPU's default layer loop (`llama.resolve_layer_loop`): each layer's LoRA weights an array of their own."""
     engine = golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_lora_rank=8,
@@ -287,11 +385,22 @@ def test_runtime_updating_over_several_engine_processes_is_a_one_line_error(fold
     assert status == 2 and len(said) == 1 and "runtime LoRA updating" in said[0] and "--replicas" in said[0], said
 
 
-def test_more_start_up_adapters_than_slots_are_a_one_line_error(folder, capsys):
+def test_more_start_up_adapters_than_max_loras_slots_are_a_one_line_error(folder, capsys):
     modules = [f"{name}={path}" for name, path in FOLDERS.items()]
-    status = main(["serve", "--model", str(folder), "--allow-runtime-lora-updating", "--lora-modules", *modules])
+    status = main(["serve", "--model", str(folder), "--allow-runtime-lora-updating", "--max-loras", "1",
+                   "--lora-modules", *modules])
     said = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(said) == 1 and "gives 2 adapters, more than the 1 slots" in said[0], said
+
+
+def test_the_slots_are_at_least_one_per_start_up_adapter_without_max_loras():
+    """vLLM's command line `--lora-modules a=... b=...` with runtime updating on, and no --max-loras."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--lora-modules", *[f"{name}={path}" for name, path in FOLDERS.items()]])
+    config = with_runtime_lora_updating(checked_engine_config(args, ENGINE_TUNING_FLAGS), args, {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    assert config.runtime_lora_slots == (2, 16)
 
 
 @pytest.mark.parametrize(("flag", "variable", "on"), [
