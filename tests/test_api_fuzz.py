@@ -1,6 +1,8 @@
 """Schemathesis against a live `sluice serve`'s own /openapi.json: generated requests, valid and invalid, to
 every route; no answer may be a 5xx, and every answer must match the documented statuses, media types and
-schemas. The server runs a tiny random model (with a ChatML template) so that each generation is cheap."""
+schemas. The server runs a tiny random model (with a ChatML template) so that each generation is cheap, with runtime
+LoRA updating on, so that its two routes are fuzzed too (the other routes serve as without it: no adapter is ever
+loaded, see `nowhere`)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from schemathesis.checks import (
 )
 
 from sluice.app.openapi import path_template
-from sluice.app.server import ROUTES
+from sluice.app.server import LORA_ADMIN_ROUTES, ROUTES
 from sluice.model.config import ModelConfig
 
 from conftest import home_with_built_kernels
@@ -27,8 +29,9 @@ from test_api_e2e import start_server
 # The roofline's peaks declared, not measured at start-up (the dashboard's routes answer as with measured ones).
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
          "--kv-cache-memory", "8MiB", "--max-waiting", "64", "--served-model-name", "tiny",
-         "--peak-gflops", "1", "--peak-bandwidth-gbs", "1"]
+         "--peak-gflops", "1", "--peak-bandwidth-gbs", "1", "--allow-runtime-lora-updating"]
 EXAMPLES_PER_ROUTE = 25
+LOAD = "/v1/load_lora_adapter"
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +52,25 @@ def api(server):
 # (Schemathesis's own pytest parametrization does not run under pytest 9; hypothesis drives each operation.)
 # Valid requests everywhere; valid ones forced to stream where a route streams (the generator seldom sets
 # `stream` itself); invalid ones where there is a body to break.
-CASES = [("valid", op.method, path_template(op.path)) for _, op in ROUTES]
-CASES += [("streamed", op.method, path_template(op.path)) for _, op in ROUTES if op.stream_chunk is not None]
-CASES += [("invalid", op.method, path_template(op.path)) for _, op in ROUTES if op.request is not None]
+OPERATIONS = [op for _, op in ROUTES + LORA_ADMIN_ROUTES]
+CASES = [("valid", op.method, path_template(op.path)) for op in OPERATIONS]
+CASES += [("streamed", op.method, path_template(op.path)) for op in OPERATIONS if op.stream_chunk is not None]
+CASES += [("invalid", op.method, path_template(op.path)) for op in OPERATIONS if op.request is not None]
+
+
+@pytest.fixture(scope="module")
+def missing(tmp_path_factory):
+    """A folder that does not exist: nothing lies under it, whatever follows (".." included)."""
+    return tmp_path_factory.mktemp("lora") / "missing"
+
+
+def nowhere(case, missing):
+    """`case` with a load's `lora_path` moved under `missing`, as a relative path (an absolute one would replace it):
+    a generated path ("/", ".", "ORG/NAME", an existing folder) must never load anything nor ask the Hub, while its
+    characters and length still reach the server's path handling (answered 400 or 404, never 5xx)."""
+    if isinstance(case.body, dict) and isinstance(case.body.get("lora_path"), str) and case.body["lora_path"]:
+        case.body["lora_path"] = str(missing / case.body["lora_path"].lstrip("/"))
+    return case
 
 
 def streamed(case):
@@ -60,17 +79,19 @@ def streamed(case):
     return case
 
 
-def strategy(api, method: str, path: str, kind: str):
+def strategy(api, method: str, path: str, kind: str, missing):
     operation = api[path][method]
     if kind == "invalid":
-        return operation.as_strategy(generation_mode=GenerationMode.NEGATIVE)
-    valid = operation.as_strategy(generation_mode=GenerationMode.POSITIVE)
-    return valid.map(streamed) if kind == "streamed" else valid
+        cases = operation.as_strategy(generation_mode=GenerationMode.NEGATIVE)
+    else:
+        valid = operation.as_strategy(generation_mode=GenerationMode.POSITIVE)
+        cases = valid.map(streamed) if kind == "streamed" else valid
+    return cases.map(lambda case: nowhere(case, missing)) if path == LOAD else cases
 
 
 @pytest.mark.parametrize(("kind", "method", "path"), CASES, ids=[f"{k}-{p}" for k, _, p in CASES])
-def test_no_generated_request_gets_a_5xx_or_an_undocumented_answer(api, server, kind, method, path):
-    @given(case=strategy(api, method, path, kind))
+def test_no_generated_request_gets_a_5xx_or_an_undocumented_answer(api, server, missing, kind, method, path):
+    @given(case=strategy(api, method, path, kind, missing))
     @settings(max_examples=EXAMPLES_PER_ROUTE, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     def check(case):

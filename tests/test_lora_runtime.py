@@ -301,7 +301,9 @@ def test_a_load_with_every_slot_taken_is_a_400(engine):
 @pytest.mark.parametrize(("path", "status", "words"), [
     (DATA / "tiny_llama3", 400, "has no adapter_config.json"),  # a model's folder, not an adapter's
     (DATA / "no_such_adapter", 404, "no such folder"),
-], ids=["not-an-adapter", "no-folder"])
+    (DATA / ("x" * 300), 404, "File name too long"),  # no file system has such a name
+    ("~nosuchuser/adapter", 404, "Could not determine home directory"),
+], ids=["not-an-adapter", "no-folder", "name-too-long", "no-such-user"])
 def test_a_load_sluice_cannot_serve_says_why_in_lora_errors_line(engine, path, status, words):
     async def scenario(client: httpx.AsyncClient) -> httpx.Response:
         return await client.post(LOAD, json={"lora_name": "broken", "lora_path": str(path)})
@@ -366,6 +368,8 @@ def test_the_routes_and_their_openapi_paths_exist_only_with_runtime_updating(eng
     document = serve(engine, lambda client: client.get("/openapi.json"), lora_admin=True).json()
     assert document["paths"][LOAD]["post"]["responses"]["200"]["content"] == {
         "text/plain": {"schema": {"type": "string"}}}
+    for path, missing in [(LOAD, "No folder at lora_path"), (UNLOAD, "no adapter loaded of that name")]:
+        assert missing in document["paths"][path]["post"]["responses"]["404"]["description"]
     schemas = document["components"]["schemas"]
     assert list(schemas["LoadLoraAdapterRequest"]["properties"]) == ["lora_name", "lora_path", "load_inplace"]
     assert list(schemas["UnloadLoraAdapterRequest"]["properties"]) == ["lora_name", "lora_int_id"]
