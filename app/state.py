@@ -138,12 +138,15 @@ class ServerState:
 
     def check_model(self, requested: str | None) -> None:
         """404 unless a request's `model` is None, the served model's name or one of its LoRA adapters'."""
-        if requested is not None and requested != self.model_name and self.lora(requested) is None:
-            raise model_not_found(requested)
+        self.lora(requested)
 
     def lora(self, requested: str | None) -> LoraRequest | None:
-        """The LoRA adapter a request's `model` names, if it names one."""
-        return self.engine.adapters.get(requested) if self.engine is not None and requested is not None else None
+        """The LoRA adapter a request's `model` names, None for the served model (or no `model`), 404 for any other
+        name: also one whose adapter was unloaded since the request's `model` was first checked."""
+        adapter = self.engine.adapters.get(requested) if self.engine is not None and requested is not None else None
+        if adapter is None and requested not in (None, self.model_name):
+            raise model_not_found(requested)
+        return adapter
 
     def served_name(self, requested: str | None) -> str:
         """The `model` a response carries: the adapter's name for a request that named one, else the model's."""

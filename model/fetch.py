@@ -79,7 +79,16 @@ def fetch_default_model() -> Path:
 def from_hub(model: str | None) -> bool:
     """Whether `model` names a Hugging Face Hub model: an id (`hub.is_hub_id`) that is no local path, as vLLM
     tells them apart."""
-    return model is not None and not Path(model).expanduser().exists() and hub.is_hub_id(model)
+    return model is not None and hub.is_hub_id(model) and not _is_local(model)
+
+
+def _is_local(path: str) -> bool:
+    """Whether `path` names something on this machine: not a name too long for the file system, nor `~user` of no
+    such user."""
+    try:
+        return Path(path).expanduser().exists()
+    except (OSError, RuntimeError):
+        return False
 
 
 def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:

@@ -27,8 +27,8 @@ from golden_checks import (assert_completion_gives_case, copy_with_tokenizer, go
                            home)  # noqa: F401 (home: a fixture)
 from hf_folder import write_hf_folder
 from sluice.model.config import ModelConfig
-from sluice.model.fetch import ModelNotFound, resolve_model
-from sluice.model.hub import HubError, choose_gguf, download_adapter
+from sluice.model.fetch import ModelNotFound, from_hub, resolve_model
+from sluice.model.hub import HubError, choose_gguf, download_adapter, is_hub_id
 from sluice.model.loader import load_model
 from sluice.model.lora import CONFIG_FILE, WEIGHTS_FILE, load_adapter
 
@@ -638,3 +638,10 @@ def test_an_engine_serves_an_adapter_named_by_its_hub_id(hub, home, tmp_path):
     [[output]] = engine.generate([case["prompt_ids"]], golden_params(golden, lora=engine.adapters["sql"]))
     assert_completion_gives_case(output, case)
     assert engine.adapters["sql"].fingerprint == load_adapter("sql", adapter, engine.runner.config).fingerprint
+
+
+@pytest.mark.parametrize("path", ["org/" + "a" * 300, "a" * 300 + "/b", "~no-such-user-here/model"])
+def test_a_path_the_file_system_cannot_name_is_not_local_and_no_error(path):
+    """A name too long for the file system, or `~user` of no such user, is told from a Hub id without the
+    OSError or RuntimeError that looking for it raises (a Hub id too long for the Hub is the Hub's one-line error)."""
+    assert from_hub(path) == is_hub_id(path)

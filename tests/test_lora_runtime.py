@@ -17,6 +17,7 @@ import pytest
 from golden_checks import assert_completion_gives_case, golden_engine, golden_params, home  # noqa: F401 (a fixture)
 from test_lora_serving import ADAPTERS, BASE, DATA, LORA, case_named, folder, fresh, serve  # noqa: F401 (a fixture)
 from sluice.app.cli import main
+from sluice.app.state import ServerState
 from sluice.app.serve import ENGINE_TUNING_FLAGS, add_arguments, checked_engine_config, with_runtime_lora_updating
 from sluice.batching.config import InvalidEngineConfig
 from sluice.batching.engine import Engine
@@ -130,6 +131,26 @@ def test_an_unloaded_adapter_is_an_unknown_model_and_unloading_it_again_is_a_404
     assert again.status_code == 404
     assert again.json()["error"]["message"] == "The lora adapter 'gone' cannot be found."
     assert [m["id"] for m in models.json()["data"]] == [engine.model_name]
+
+
+def test_a_request_whose_adapter_is_unloaded_once_its_model_was_checked_is_a_404_not_a_run_of_the_base(
+        engine, monkeypatch):
+    check_model = ServerState.check_model
+
+    def checked_then_unloaded(state: ServerState, requested: str | None) -> None:
+        check_model(state, requested)
+        if requested == "gone":
+            engine.unload_lora("gone").result(timeout=60)
+
+    async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
+        loaded = await client.post(LOAD, json=load("gone", "all_modules"))
+        monkeypatch.setattr(ServerState, "check_model", checked_then_unloaded)
+        return [loaded, await client.post("/v1/completions", json=completion("gone", case_named(BASE["cases"],
+                                                                                                  "short")))]
+
+    loaded, refused = serve(engine, scenario, lora_admin=True)
+    assert loaded.status_code == 200
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", refused.text
 
 
 def test_a_request_running_when_its_adapter_is_unloaded_finishes_with_it_and_then_frees_its_slot(engine):
