@@ -99,8 +99,9 @@ class EngineConfig:
     config.json's before the model is read, as vLLM's --hf-overrides (`model.loader.with_overrides`; None: none).
     `revision`, `download_dir`: a Hugging Face Hub model's revision (None: its default branch) and the HF cache
     folder it is kept in (None: huggingface_hub's), as vLLM's --revision and --download-dir (`model.hub`).
-    `kv_cache_dtype`: "auto" keeps K/V in the activation dtype, "int8" stores them in int8 with a scale per
-    token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the tokens of float32 in the same bytes.
+    `kv_cache_dtype`: "auto" keeps K/V in the activation dtype (float32 on a CPU: `kv_cache.kv_cache_dtype`), "int8"
+    stores them in int8 with a scale per token and head (`pallas_kernels.kv_cache`), which fits about 3.8x the
+    tokens of float32 in the same bytes.
     `layer_loop`: how the model runs its layers (`model.llama.LAYER_LOOPS`; "auto": unrolled on a GPU, where a
     scan copies each layer's weights out of their stack every step, a scan elsewhere).
     `sampler_branches`: who decides which of the sampler's optional passes a step runs (`sampler.SAMPLER_BRANCHES`;

@@ -78,6 +78,7 @@ from sluice.model.quantize import QUANTIZATIONS, quantize_model
 from sluice.model.roofline import StepCost, param_bytes
 from sluice.model.tokenizer import SpecialTokens, Tokenizer
 from sluice.pallas_kernels.attention import ragged_paged_attention, resolve_backend
+from sluice.pallas_kernels.kv_cache import kv_cache_dtype
 
 # Real shapes (from the models' published config.json); weights are random.
 MODELS = {
@@ -135,8 +136,7 @@ def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sustained_r
     engine's default, most of the free memory).
 
     Sized from the workload rather than the engine's default (most of the free memory): the figures then
-    do not depend on the device's size, and on a CPU a bf16 pool costs every step time in proportion to
-    its size (about 200 ms per step for 64 MB, measured on the 2-core machine), which would drown them.
+    do not depend on the device's size. The pool's dtype is the engine's (`kv_cache_dtype`: float32 on a CPU).
     """
     longest = sorted((len(r.prompt) + r.output_tokens + page_size for r in sustained_requests), reverse=True)
 
@@ -147,7 +147,7 @@ def kv_pool_bytes(config: ModelConfig, workload: list[BenchRequest], sustained_r
 
     tokens = max(wave_tokens(wave) for c in sizes.concurrency for wave in waves(workload, c))
     tokens = max(tokens, sum(longest[:max(sizes.concurrency)]), sizes.max_model_len)
-    return int(1.25 * tokens * kv_bytes_per_token(config, DTYPE))
+    return int(1.25 * tokens * kv_bytes_per_token(config, kv_cache_dtype("auto", DTYPE)))
 
 
 def waves(workload: list[BenchRequest], c: int) -> list[list[BenchRequest]]:
@@ -475,7 +475,7 @@ class DirectStep:
         self.step, self.attention_all_layers, self.head = step, attention_all_layers, head
 
     def _empty_pool(self) -> KVCache:
-        return empty_kv_cache(self.loaded.config, self.num_pages, self.page_size, jnp.dtype(DTYPE))
+        return empty_kv_cache(self.loaded.config, self.num_pages, self.page_size, kv_cache_dtype("auto", DTYPE))
 
     def compile(self) -> None:
         """Compiles the model's step, the slow one (an unrolled 8B's took 8-10 s on an H200), into jit's cache."""
@@ -495,7 +495,8 @@ class DirectStep:
         step_s = median_seconds(one_step, repeats)
         attention_s = median_seconds(lambda: self.attention_all_layers(pool[0], q, self.meta), repeats)
         head_s = median_seconds(lambda: self.head(self.state, hidden), repeats)
-        floor = param_bytes(self.loaded.model) + batch * (context + 1) * kv_bytes_per_token(config, DTYPE)
+        kv_dtype = kv_cache_dtype("auto", DTYPE)
+        floor = param_bytes(self.loaded.model) + batch * (context + 1) * kv_bytes_per_token(config, kv_dtype)
         return StepTimes(batch, context, step_s, attention_s, head_s, floor)
 
 

@@ -62,9 +62,14 @@ Pages = jax.Array | QuantizedPages
 """One of K or V over the pool, as the kernels take it: an array of the activation dtype, or int8 pages."""
 
 
-def kv_cache_dtype(choice: str, activation_dtype) -> jnp.dtype:
-    """The pool's dtype for a `--kv-cache-dtype` choice (one of KV_CACHE_DTYPES, checked by `EngineConfig`)."""
-    return jnp.dtype(jnp.int8) if choice == "int8" else jnp.dtype(activation_dtype)
+def kv_cache_dtype(choice: str, activation_dtype, backend: str | None = None) -> jnp.dtype:
+    """The pool's dtype for a `--kv-cache-dtype` choice (one of KV_CACHE_DTYPES, checked by `EngineConfig`) on
+    `backend` (default: JAX's). "auto" is the activation dtype, but float32 on a CPU: XLA:CPU writes rows into a
+    bfloat16 or float16 array by converting all of it to float32 and back, a pass over the whole pool per layer
+    and step (seconds a step for a pool of a few GiB)."""
+    if choice == "int8":
+        return jnp.dtype(jnp.int8)
+    return jnp.dtype(jnp.float32 if (backend or jax.default_backend()) == "cpu" else activation_dtype)
 
 
 def row_bytes(head_dim: int, dtype) -> int:

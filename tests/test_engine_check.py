@@ -14,6 +14,7 @@ from sluice.bench.dataset import BenchRequest
 from sluice.model.llama import Llama
 from sluice.model.roofline import Peaks, param_bytes
 from sluice.model.tokenizer import ByteDetokenizer
+from sluice.pallas_kernels.kv_cache import kv_cache_dtype
 
 
 @pytest.mark.parametrize("name, params", [
@@ -42,7 +43,7 @@ def test_file_free_tokenizer_covers_the_vocabulary():
 def test_kv_pool_holds_the_largest_wave_whole():
     config, sizes = engine_check.MODELS["tiny"], engine_check.Sizes.small()
     workload = [BenchRequest(tuple(range(100, 100 + p)), o) for p, o in [(10, 3), (40, 16), (5, 2), (30, 9)]]
-    per_token = engine_check.kv_bytes_per_token(config, "bfloat16")
+    per_token = engine_check.kv_bytes_per_token(config, kv_cache_dtype("auto", "bfloat16"))  # the engine's pool
     # The wave of all four at concurrency 4: prompts + max(output, the timed wave's tokens) + a page each; the timed
     # wave's: its tokens, a multi-step call's, and one per step its 85 prompt tokens may take, 16 a step, and one.
     timed = sizes.tpot_steps + 1 + EngineConfig.num_decode_steps + 6 + 1
