@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sluice.pallas_kernels.kv_cache import QuantizedPages, dequantize, empty_pages, row_bytes, write_kv
+from sluice.pallas_kernels.kv_cache import QuantizedPages, dequantize, empty_pages, kv_cache_dtype, row_bytes, write_kv
 
 NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM = 6, 3, 4, 8
 
@@ -146,3 +146,13 @@ def test_an_empty_int8_pool_reads_back_as_zeros_and_counts_its_scales_in_its_byt
     assert pages.scales.shape == (2, NUM_PAGES, NUM_KV_HEADS, PAGE_SIZE)
     assert not np.asarray(dequantize(pages)).any()
     assert row_bytes(HEAD_DIM, jnp.int8) == HEAD_DIM + 4 and row_bytes(HEAD_DIM, jnp.bfloat16) == 2 * HEAD_DIM
+
+
+@pytest.mark.parametrize(("choice", "activation", "backend", "pool"), [
+    ("auto", "bfloat16", "gpu", "bfloat16"), ("auto", "float16", "gpu", "float16"),
+    ("auto", "bfloat16", "cpu", "float32"), ("auto", "float32", "cpu", "float32"), ("int8", "bfloat16", "cpu", "int8"),
+])
+def test_a_cpus_pool_is_float32_where_a_gpus_keeps_the_activation_dtype(choice, activation, backend, pool):
+    """XLA:CPU writes rows into a 16-bit float array by converting all of it to float32 and back (a pass over the
+    whole pool per layer and step), so a CPU's pool is float32."""
+    assert kv_cache_dtype(choice, activation, backend) == jnp.dtype(pool)
