@@ -34,7 +34,7 @@ class Operation:
     `text/event-stream`, each event's data one such chunk (or an error, then `[DONE]`); a tuple of models for a body
     that is any one of them;
     `media_type` for a response that is not JSON (its schema is then a string); `error`: the body of its errors,
-    `error_statuses` their statuses."""
+    `error_statuses` their statuses; `query`: the model of its query string's parameters."""
 
     path: str
     method: str
@@ -45,6 +45,7 @@ class Operation:
     media_type: str = "application/json"
     error: type[BaseModel] = ErrorResponse
     error_statuses: tuple[tuple[str, str], ...] = ERROR_STATUSES
+    query: type[BaseModel] | None = None
 
 
 def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
@@ -99,6 +100,8 @@ def openapi_document(operations: list[Operation], title: str, version: str, bear
         if names := re.findall(r"\{(\w+)\}", path):
             operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
                                        for name in names]
+        if op.query is not None:
+            operation["parameters"] = operation.get("parameters", []) + _query_parameters(op.query)
         if op.request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(op.request)}}}
         paths.setdefault(path, {})[op.method.lower()] = operation
@@ -113,6 +116,15 @@ def openapi_document(operations: list[Operation], title: str, version: str, bear
                                                       "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
         document["security"] = [{"bearer": []}, {"apiKey": []}]
     return document
+
+
+def _query_parameters(query: type[BaseModel]) -> list[dict[str, Any]]:
+    """A query model's fields as OpenAPI query parameters (flat fields only: a list repeats its key)."""
+    schema = query.model_json_schema()
+    assert "$defs" not in schema, f"{query.__name__}: a query's fields are flat"
+    required = set(schema.get("required", ()))
+    return [{"name": name, "in": "query", "required": name in required, "schema": field}
+            for name, field in schema["properties"].items()]
 
 
 def _each(models: Models | None) -> tuple[type[BaseModel], ...]:

@@ -47,10 +47,12 @@ from sluice.app.responses_api import cancel_response, count_input_tokens, create
 from sluice.app.responses_api_schemas import (
     DeletedResponse,
     InputItemList,
+    InputItemsQuery,
     InputTokenCount,
     ResponseObject,
-    ResponsesRequest,
     ResponseStreamEvent,
+    ResponsesRequest,
+    RetrieveQuery,
 )
 from sluice.app.routes import create_chat_completion, create_completion, detokenize, json_response, tokenize
 from sluice.app.schemas import (
@@ -144,13 +146,15 @@ ROUTES: list[tuple[Handler, Operation]] = [
                                 ResponsesRequest, ResponseObject, stream_chunk=ResponseStreamEvent)),
     (count_input_tokens, Operation("/v1/responses/input_tokens", "POST", "A response request's prompt length "
                                    "(OpenAI's Responses API)", ResponsesRequest, InputTokenCount)),
-    (get_response, Operation("/v1/responses/{response_id}", "GET", "A stored response", response=ResponseObject)),
+    (get_response, Operation("/v1/responses/{response_id}", "GET", "A stored response; with stream=true a background "
+                             "response's events, those after starting_after", response=ResponseObject,
+                             stream_chunk=ResponseStreamEvent, query=RetrieveQuery)),
     (delete_response, Operation("/v1/responses/{response_id}", "DELETE", "Deletes a stored response",
                                 response=DeletedResponse)),
     (cancel_response, Operation("/v1/responses/{response_id}/cancel", "POST", "Cancels a background response (one "
                                 "that has ended is answered as it is)", response=ResponseObject)),
     (list_input_items, Operation("/v1/responses/{response_id}/input_items", "GET", "A stored response's input "
-                                 "items (query: after, limit, order)", response=InputItemList)),
+                                 "items", response=InputItemList, query=InputItemsQuery)),
     (create_embeddings, Operation("/v1/embeddings", "POST", "Embeddings: each input's pooled, normalized final "
                                   "hidden state (OpenAI)", EmbeddingRequest, EmbeddingResponse)),
     (tokenize, Operation("/tokenize", "POST", "Prompt or messages to token ids", TokenizeRequest, TokenizeResponse)),
