@@ -33,9 +33,10 @@ class Generation:
     """The engine request behind one HTTP request (all its prompts and samples, one collector).
 
     `increments()` yields them as they come; an engine error raises a 500 `APIError`, a server-side abort a
-    503. `close()` is idempotent and must run in every case: it aborts the engine request if it is unfinished
-    (freeing its KV pages), releases the admission, and records the end-to-end latency by outcome; a stream
-    closes with `close_stream()`.
+    503. `close()` is idempotent and must run in every case, by whoever reads the increments, once done reading: it
+    aborts the engine request if it is unfinished (freeing its KV pages), releases the admission, and records the
+    end-to-end latency by outcome; a stream closes with `close_stream()`. `cancel()` (a background response's)
+    only aborts: the reader sees the abort, marked `cancelled`, and still closes.
     Latencies count from `arrival`, the moment the HTTP request reached its route.
     """
 
@@ -50,6 +51,7 @@ class Generation:
         self._outcome: Outcome = "abort"
         self._failure: APIError | None = None
         self._closed = False
+        self.cancelled = False
 
     @property
     def usage(self) -> Usage | None:
@@ -77,14 +79,23 @@ class Generation:
             yield increment
         self._outcome = "success"
 
+    def cancel(self) -> None:
+        """Aborts the engine request, if unfinished, on behalf of the client: its increments then end in the abort
+        (a 503 `APIError`), which its reader tells from the server's by `cancelled`."""
+        self.cancelled = True
+        self._abort()
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if not self._collector.finished:
-            self._engine.abort(self._collector.request_id)
+        self._abort()
         self._admission.release()
         self._metrics.finished(self._outcome, time.perf_counter() - self._arrival)
+
+    def _abort(self) -> None:
+        if not self._collector.finished:
+            self._engine.abort(self._collector.request_id)
 
     def stalled(self) -> None:
         """The stream's reader accepted nothing for `stall_timeout_s`: counted, and reported when it closes."""

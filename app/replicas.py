@@ -10,8 +10,10 @@ piece, so a busy stream costs one Ray object per batch of events rather than per
 
 A client that goes away is a cancelled stream here: the app then receives `http.disconnect`, which aborts the
 engine request as it would in the single process. Ray Serve calls `__del__` once the replica's requests in
-flight have finished (or `graceful_shutdown_timeout_s` has passed), so a replica that is scaled down lets its
-streams complete before its engine stops.
+flight have finished, so a replica that is scaled down lets its streams complete; `__del__` then drains what no
+request holds (background responses) for up to `drain_timeout_s`, aborting what is left, before its engine stops.
+Ray Serve kills the replica `graceful_shutdown_timeout_s` (`--drain-timeout`) after the shutdown began, whichever
+step it is at.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ReplicaConfig:
     engine: EngineConfig
     settings: ServerSettings
     declared_peaks: Peaks | None = None
+    drain_timeout_s: float = 30.0  # `--drain-timeout`
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class SluiceReplica:
     async def __init__(self, config: ReplicaConfig) -> None:
         self._name = serve.get_replica_context().replica_id.unique_id
         self._state = ServerState(config.settings, replica=self._name)
+        self._drain_timeout_s = config.drain_timeout_s
         self._app = create_app(self._state, cors=False)  # the ingress applies the CORS policy
         # The app's lifespan (the dashboard's feed; on exit, the engine's shutdown), as uvicorn would run it; None
         # until entered (Ray Serve calls `__del__` after a constructor that raised too).
@@ -149,7 +153,7 @@ class SluiceReplica:
         return ReplicaReport(self._name, stats.prefix_cache_hit_tokens, stats.prefix_cache_query_tokens)
 
     async def __del__(self) -> None:
-        self._state.begin_drain()
+        await self._state.drain(self._drain_timeout_s)
         if self._lifespan is not None:
             await self._lifespan.__aexit__(None, None, None)
 

@@ -85,7 +85,7 @@ async def create_response(request: Request) -> Response:
 
     logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
     # A background run stores its response itself, once it has ended, with the events it kept.
-    on_done = _ignore if body.background else store
+    on_done = None if body.background else store
     builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning, engine.tokenizer)
     try:
         generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id,
@@ -93,13 +93,9 @@ async def create_response(request: Request) -> Response:
     except APIError as error:
         raise in_responses_terms(error) from None
     if body.background:
-        run = BackgroundRun(response, EventLog() if body.stream else None, generation.close)
+        run = BackgroundRun(response, EventLog() if body.stream else None, generation)
         return _run_in_background(state, run, generation.streamed(builder.events(generation)), store)
     return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
-
-
-def _ignore(_: ResponseObject) -> None:
-    pass
 
 
 def _run_in_background(state: ServerState, run: BackgroundRun, events: AsyncGenerator[bytes, None],
@@ -199,9 +195,13 @@ def _starts_step(before: InputItem, item: InputItem) -> bool:
 
 
 def earlier_items(state: ServerState, response_id: str | None) -> Items:
-    """The conversation a stored response ended (its input, then its output); none without `response_id`."""
+    """The conversation a stored response ended (its input, then its output); none without `response_id`. One
+    still running in the background has no output yet: a 400, rather than a continuation without it."""
     if response_id is None:
         return []
+    if state.background.get(response_id) is not None:
+        raise APIError(400, f"Previous response with id '{response_id}' is still in progress.",
+                       param="previous_response_id", code="previous_response_in_progress")
     stored = state.responses.get(response_id)
     if stored is None:
         # OpenAI's 400 (not a 404: the request's field is wrong), whose code clients match to send the whole
@@ -245,6 +245,9 @@ def _events_after(state: ServerState, response_id: str, starting_after: int | No
     stored = _stored(state, response_id)
     if stored.events:
         return replayed(stored.events, starting_after)
+    if stored.events_dropped:
+        raise invalid_request(f"stream: the events of response '{response_id}' are no longer kept (with them it "
+                              "exceeded the store's --responses-store-bytes)", param="stream")
     raise invalid_request("stream: only a background response created with stream: true is streamed again",
                           param="stream")
 

@@ -7,19 +7,31 @@ goes to the store. A run's events are kept while it runs (each streamed event on
 tokens, plus a few), so that `GET /v1/responses/{id}?stream=true&starting_after=N` replays those after N and then
 follows the new ones; once it has ended they are stored with its final state, within the store's bounds.
 
-A run holds its generation's admission until it ends, so a SIGTERM drain waits for it; one the drain's timeout
-aborts fails (status `failed`, the abort its `error`), as an engine error does.
+A run's task alone reads its generation and closes it, after storing its final state: it holds the generation's
+admission until then, so a SIGTERM drain waits for it to be stored; one the drain's timeout aborts fails (status
+`failed`, the abort its `error`), as an engine error does. A cancel only aborts the engine request and waits for the
+task (the builder tells the cancel's abort from the server's: `Generation.cancel`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from typing import Protocol
 
 from sluice.app.responses_api_schemas import ResponseObject
 
 # Stores a background response's final state, with its events if it was streamed.
 Store = Callable[[ResponseObject, tuple[bytes, ...]], None]
+
+
+class RunGeneration(Protocol):
+    """What a run does with its generation (`Generation`'s)."""
+
+    def cancel(self) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class EventLog:
@@ -66,35 +78,19 @@ async def replayed(events: Sequence[bytes], starting_after: int | None) -> Async
 
 class BackgroundRun:
     """One background response running: `response` is its state as it goes (the builder's, filled in place), `log`
-    its events if it is streamed; `close` closes its generation (`Generation.close`: aborts its engine request if
-    unfinished, and releases its admission)."""
+    its events if it is streamed, `generation` the engine work behind it."""
 
-    def __init__(self, response: ResponseObject, log: EventLog | None, close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, response: ResponseObject, log: EventLog | None, generation: RunGeneration) -> None:
         self.response = response
         self.log = log
-        self.cancelling = False
+        self.generation = generation
         self.task: asyncio.Future[None] | None = None
-        self._close = close
 
     async def cancel(self) -> None:
-        """Aborts its engine request (freeing its KV pages) and waits until it has been stored as cancelled."""
-        self.cancelling = True
-        await self._close()
+        """Aborts its engine request (freeing its KV pages) and waits until its task has stored it, cancelled
+        (or as it ended, if it ended first)."""
+        self.generation.cancel()
         await asyncio.wait({self.task})
-
-    async def generate(self, events: AsyncGenerator[bytes, None]) -> None:
-        """Runs its generation through `events` (its builder's, which end the response, or fail it, in place),
-        keeping them when streamed. A failure that the cancel's abort caused is the cancel: the response is
-        cancelled, and its events end without that failure's."""
-        try:
-            async for event in events:
-                if self.cancelling and self.response.status == "failed":
-                    self.response.status = "cancelled"
-                    self.response.error = None
-                elif self.log is not None:
-                    self.log.append(event)
-        finally:
-            await self._close()
 
 
 class BackgroundRuns:
@@ -116,9 +112,13 @@ class BackgroundRuns:
 
     async def _run(self, run: BackgroundRun, events: AsyncGenerator[bytes, None], store: Store) -> None:
         try:
-            await run.generate(events)
+            async with aclosing(events):
+                async for event in events:
+                    if run.log is not None:
+                        run.log.append(event)
             store(run.response, tuple(run.log.events) if run.log is not None else ())
         finally:  # also when the loop ends under it (a server stopped past its drain)
+            await run.generation.close()  # after the store: its admission released, a drain may end
             del self._runs[run.response.id]
             if run.log is not None:
                 run.log.end()

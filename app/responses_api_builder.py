@@ -8,7 +8,9 @@ With logprobs asked for, each token's logprob goes with the text it produced (th
 each `output_text.delta`'s); those of reasoning's and a call's tokens and of the token that stops the reply are not
 output text, and are left out.
 Streamed, each event is `event: <type>` then `data: <json>` with a `sequence_number`; an error after the 200
-becomes a `response.failed` event carrying the error.
+becomes a `response.failed` event carrying the error. A background response cancelled mid-way (`Generation.cancel`)
+ends with a `response.incomplete` event carrying it `cancelled`: the stream events of OpenAI's API (and its clients'
+event union) have no `response.cancelled`, and a cancelled response's partial output is kept, not failed.
 """
 
 from __future__ import annotations
@@ -74,13 +76,14 @@ def response_usage(usage: Usage, reasoning_tokens: int = 0) -> ResponseUsage:
 
 class ResponsesBuilder:
     """`response` is the response in progress or queued (no output yet); once the reply has ended it is completed in
-    place and handed to `on_done` (the store), streamed or not; a stream that fails marks it failed in place. `logprobs`: how token logprobs are shown (None: the
-    request did not ask for them); `reasoning`: how the reply's reasoning is told (None: no --reasoning-parser);
-    `tokenizer`: the vocabulary of the reply's tokens, in which `reasoning` counts those of the reasoning (the usage's
+    place and handed to `on_done` (the store; None: its owner stores it), streamed or not; a stream that fails marks
+    it failed in place (one cancelled, cancelled). `logprobs`: how token logprobs are shown (None: the request did
+    not ask for them); `reasoning`: how the reply's reasoning is told (None: no --reasoning-parser); `tokenizer`: the
+    vocabulary of the reply's tokens, in which `reasoning` counts those of the reasoning (the usage's
     `reasoning_tokens`), needed with it."""
 
     def __init__(self, response: ResponseObject, tool_calling: ToolCalling | None,
-                 on_done: Callable[[ResponseObject], None], logprobs: LogprobsOf | None = None,
+                 on_done: Callable[[ResponseObject], None] | None, logprobs: LogprobsOf | None = None,
                  reasoning: ReasoningFormat | None = None, tokenizer: Tokenizer | None = None) -> None:
         self._response = response
         self._tool_calling = tool_calling
@@ -110,6 +113,10 @@ class ResponsesBuilder:
             async for event in self._events(generation):
                 yield frame(event)
         except Exception as caught:  # noqa: BLE001 - the client hears why its stream ended
+            if generation.cancelled:
+                self._response.status = "cancelled"
+                yield frame({"type": "response.incomplete", "response": self._response})
+                return
             error = as_api_error(caught, "a response stream")
             self._response.status = "failed"
             self._response.error = ResponseError(code=error.code or error.type, message=error.message)
@@ -135,7 +142,8 @@ class ResponsesBuilder:
             self._response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         counted = 0 if self._reasoning is None else self._reasoning.count_tokens(self._tokenizer, token_ids)
         self._response.usage = response_usage(generation.usage, counted)
-        self._on_done(self._response)
+        if self._on_done is not None:
+            self._on_done(self._response)
 
     async def _reply(self, generation: Generation, token_ids: list[int]
                      ) -> AsyncIterator[Thought | StreamEvent | _Logprobs | str]:

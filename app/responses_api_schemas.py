@@ -422,6 +422,13 @@ class RetrieveQuery(_Request):
     stream: bool = False
     starting_after: int | None = Field(None, ge=0)
 
+    @model_validator(mode="after")
+    def _starting_after_streams(self) -> RetrieveQuery:
+        # A JSON answer has no events to start after: refused rather than ignored.
+        if self.starting_after is not None and not self.stream:
+            raise field_error("starting_after", "starting_after: only with stream: true", self.starting_after)
+        return self
+
 
 class InputItemsQuery(_Request):
     """`GET /v1/responses/{id}/input_items`'s query: `limit` items after the item `after`, in `order`."""

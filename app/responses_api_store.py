@@ -6,13 +6,16 @@ which the first `input_count` are what `GET /v1/responses/{id}/input_items` list
 an `item_reference` finds the entry holding one; and, for a background response created with `stream: true`, the
 SSE events it sent, which `GET /v1/responses/{id}?stream=true` replays once it has ended (its run holds them while
 it runs: `responses_api_background.py`). The bounds count entries and the bytes of those texts and events; storing
-past either evicts the least recently used (read or written) first. Only the event loop touches the store, so it needs no lock.
+past either evicts the least recently used (read or written) first. An entry larger than the byte bound with its
+events is stored without them (`events_dropped`); one larger without them is not stored (nor is a response
+larger than the bound kept by its earlier entry, a background response's queued one). Only the event loop touches
+the store, so it needs no lock.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 
@@ -23,6 +26,7 @@ class StoredResponse:
     input_count: int = 0
     item_ids: frozenset[str] = frozenset()
     events: tuple[bytes, ...] = ()
+    events_dropped: bool = False  # it was streamed, but its events alone did not fit the store's byte bound
 
     @cached_property
     def size(self) -> int:
@@ -30,8 +34,8 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """At most `max_count` responses and `max_bytes` bytes of their JSON; a response larger than `max_bytes`
-    on its own is not stored."""
+    """At most `max_count` responses and `max_bytes` bytes of their JSON and events; a response larger than
+    `max_bytes` on its own is stored without its events, or not at all if still larger."""
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
         self.max_count = max_count
@@ -49,6 +53,8 @@ class ResponseStore:
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         self.delete(response_id)
+        if entry.size > self.max_bytes and entry.events:
+            entry = replace(entry, events=(), events_dropped=True)
         if self.max_count < 1 or entry.size > self.max_bytes:
             return
         self._entries[response_id] = entry

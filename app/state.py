@@ -129,6 +129,17 @@ class ServerState:
         """True once nothing is in flight; False if `timeout_s` passed first."""
         return await wait_set(self._idle, timeout_s)
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Drains (new requests get 503) and waits up to `timeout_s` for what is in flight, background responses
+        included; past it, aborts the rest (each then ends with its abort: a background response stored failed) and
+        returns False."""
+        self.begin_drain()
+        if await self.wait_idle(timeout_s):
+            return True
+        if self.engine is not None:
+            self.engine.abort_all()
+        return False
+
     def require_engine(self) -> Engine:
         if self.draining:
             raise shutting_down()

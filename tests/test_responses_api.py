@@ -144,6 +144,7 @@ class FailingGeneration:
     """A generation whose engine fails after its first text."""
 
     usage = None
+    cancelled = False
 
     async def increments(self):
         yield Increment(choice=0, text="Hel", token_ids=(1,))
@@ -630,6 +631,7 @@ class BrokenGeneration:
     """A generation whose reading fails after its first text, as a bug would (not an engine error)."""
 
     usage = None
+    cancelled = False
 
     async def increments(self):
         yield Increment(choice=0, text="Hel", token_ids=(1,))

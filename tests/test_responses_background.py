@@ -10,6 +10,7 @@ import signal
 import socket
 import time
 
+import httpx
 import openai
 import pytest
 import uvicorn
@@ -165,18 +166,48 @@ def test_a_streamed_background_response_left_mid_stream_runs_on_and_resumes_afte
     assert text == resumed[-1].response.output_text == stored.output_text
 
 
-def test_a_cancelled_streamed_background_response_ends_its_events_without_a_failure(engine, monkeypatch):
+def test_a_cancelled_streamed_background_response_ends_its_events_with_it_cancelled(engine, monkeypatch):
+    """The live stream, a follower and the replay all end with a `response.incomplete` carrying the cancelled
+    response (the client's event union has no `response.cancelled`), not on a delta nor with a failure."""
     slow_steps(engine, monkeypatch)
 
     async def scenario(client, state, server):
         stream = await client.responses.create(background=True, stream=True, **LONG)
         events = [await anext(stream) for _ in range(5)]
-        cancelled = await client.responses.cancel(events[0].response.id)
-        return events + [event async for event in stream], cancelled
+        response_id = events[0].response.id
+        follower = await client.responses.retrieve(response_id, stream=True, starting_after=2)
+        cancelled = await client.responses.cancel(response_id)
+        live = events + [event async for event in stream]
+        followed = [event async for event in follower]
+        return live, followed, [event async for event in await client.responses.retrieve(response_id, stream=True)], \
+            cancelled
 
-    events, cancelled = serve(engine, scenario)
-    assert cancelled.status == "cancelled" and events[-1].type == "response.output_text.delta"
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == cancelled.output_text
+    live, followed, replayed, cancelled = serve(engine, scenario)
+    assert cancelled.status == "cancelled" and cancelled.error is None
+    for events in (live, followed, replayed):
+        assert events[-1].type == "response.incomplete" and events[-1].response == cancelled
+    assert followed == live[3:] and replayed == live
+    assert "".join(e.delta for e in live if e.type == "response.output_text.delta") == cancelled.output_text
+
+
+def test_a_cancel_releases_the_admission_only_once_the_response_is_stored_cancelled(engine, monkeypatch):
+    """The run's task alone closes its generation, after storing it: a drain cannot end before the cancel's state."""
+    slow_steps(engine, monkeypatch)
+
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=True, **LONG)
+        await writing(client, created.id)
+
+        async def stored_once_idle() -> str:
+            await state.wait_idle(30)
+            return state.responses.get(created.id).response_json
+
+        once_idle = asyncio.ensure_future(stored_once_idle())
+        await asyncio.sleep(0)  # waiting for idle before the cancel
+        await client.responses.cancel(created.id)
+        return await once_idle
+
+    assert '"status":"cancelled"' in serve(engine, scenario)
 
 
 def test_an_ended_streamed_background_response_replays_its_events_from_the_store(engine):
@@ -264,3 +295,58 @@ def test_a_background_response_running_when_the_drain_ends_is_stored_failed(engi
 def test_a_background_responses_cancel_goes_to_the_replica_that_runs_it():
     response_id = new_id("resp", "r7x2")
     assert routing(f"/v1/responses/{response_id}/cancel", b"").replica == replica_of(response_id) == "r7x2"
+
+
+def test_continuing_a_background_response_still_running_is_a_400(engine, monkeypatch):
+    """Its stored conversation has no output yet: continuing it would silently drop that output."""
+    slow_steps(engine, monkeypatch)
+
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=True, **LONG)
+        await writing(client, created.id)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(previous_response_id=created.id, **SHORT)
+        await client.responses.cancel(created.id)
+        return caught.value.body
+
+    error = serve(engine, scenario)
+    assert error["param"] == "previous_response_id" and "still in progress" in error["message"]
+
+
+def test_a_streamed_background_response_too_large_with_its_events_is_stored_without_them(engine):
+    async def scenario(client, state, server):
+        state.responses.max_bytes = 20_000  # its JSON fits, its 80 tokens' events do not
+        events = [event async for event in await client.responses.create(background=True, stream=True, **LONG)]
+        stored = await client.responses.retrieve(events[0].response.id)
+        with pytest.raises(openai.BadRequestError) as caught:
+            [event async for event in await client.responses.retrieve(stored.id, stream=True)]
+        return events, stored, caught.value.body
+
+    events, stored, error = serve(engine, scenario)
+    assert stored == events[-1].response and stored.usage.output_tokens == 80
+    assert error["param"] == "stream" and "no longer kept" in error["message"]
+
+
+def test_starting_after_without_stream_is_a_400(engine):
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=True, stream=True, **SHORT)
+        response_id = [event async for event in created][0].response.id
+        async with httpx.AsyncClient(base_url=str(client.base_url)) as http:
+            return (await http.get(f"responses/{response_id}", params={"starting_after": 1})).json()["error"]
+
+    error = serve(engine, scenario)
+    assert error["param"] == "starting_after"
+
+
+def test_a_drain_of_the_state_waits_for_a_background_response_to_be_stored(engine, monkeypatch):
+    """A replica's shutdown (`SluiceReplica.__del__`) drains its state so before its engine stops."""
+    slow_steps(engine, monkeypatch, step_s=0.005)
+
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=True, **{**SHORT, "max_output_tokens": 20})
+        drained = await state.drain(30)
+        server.should_exit = True
+        return drained, state.responses.get(created.id).response_json
+
+    drained, stored = serve(engine, scenario)
+    assert drained and '"status":"incomplete"' in stored
