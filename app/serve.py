@@ -755,7 +755,7 @@ def _serve_replicas(engine_config: EngineConfig, settings: ServerSettings, args:
         from sluice.app.replicas import ReplicaConfig
     except ModuleNotFoundError as error:
         return _ray_missing(error, "--replicas")
-    return serve_replicas(ReplicaConfig(engine_config, settings, declared_peaks(args)), scale)
+    return serve_replicas(ReplicaConfig(engine_config, settings, declared_peaks(args), args.drain_timeout), scale)
 
 
 def _serve_on_hosts(args: argparse.Namespace) -> int:
@@ -873,11 +873,10 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         logger.info("Draining: new requests get 503; waiting up to %.0f s for requests in flight", self._drain_timeout_s)
-        if not await self._state.wait_idle(self._drain_timeout_s):
-            logger.warning("Drain timeout: aborting the requests still in flight")
-            # Each then answers its abort (a 503, a stream's error event) in uvicorn's graceful shutdown, which
-            # otherwise cancels it there: a 500, or a stream cut short without a word.
-            self._state.engine.abort_all()
+        # Past the timeout the drain aborts what is left: each then answers its abort (a 503, a stream's error
+        # event) in uvicorn's graceful shutdown, which otherwise cancels it there: a 500, or a stream cut short.
+        if not await self._state.drain(self._drain_timeout_s):
+            logger.warning("Drain timeout: aborted the requests still in flight")
         self.should_exit = True
 
 
