@@ -16,11 +16,14 @@ import asyncio
 import base64
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import SamplingParams
 
 from sluice.app.embeddings_schemas import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
@@ -28,6 +31,8 @@ from sluice.app.errors import invalid_request
 from sluice.app.generation import Generation, start_generation
 from sluice.app.prompts import truncated_prompts
 from sluice.app.routes import json_response, parse_body
+from sluice.app.schemas import Prompt
+from sluice.app.state import ServerState
 from sluice.app.streaming import cancel_on_disconnect
 
 
@@ -43,6 +48,42 @@ def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
+@dataclass(frozen=True)
+class Embedded:
+    """Each input's embedding, in input order, and the prompt tokens the engine computed for them."""
+
+    vectors: list[np.ndarray]  # each [D] float32, unit length
+    prompt_tokens: int
+
+
+class EmbeddingOptions(Protocol):
+    """The request fields that say how inputs are embedded (those of `/v1/embeddings`, `/score` and `/rerank`)."""
+
+    model: str | None
+    truncate_prompt_tokens: int | None
+    add_special_tokens: bool
+
+
+async def tokenized(engine: Engine, inputs: Prompt, options: EmbeddingOptions) -> list[list[int]]:
+    """Each input's token ids, truncated as `options.truncate_prompt_tokens` asks (in a worker thread)."""
+    prompts = await asyncio.to_thread(truncated_prompts, engine.tokenizer, inputs, options.truncate_prompt_tokens,
+                                      engine.max_model_len, options.add_special_tokens)
+    return [p.token_ids for p in prompts]
+
+
+async def embed(request: Request, state: ServerState, prompts: list[list[int]], model: str | None, request_id: str,
+                arrival: float, prompt_param: str) -> Embedded:
+    """The engine's embeddings of `prompts`, with the LoRA adapter `model` names if it names one; `prompt_param`:
+    the request's field a prompt too long for the context is in."""
+    params = SamplingParams(max_tokens=0, temperature=0.0, pooling=state.settings.embedding_pooling)
+    generation = await start_generation(request, state, prompts, params, request_id, arrival, model, prompt_param)
+    try:
+        pooled = await cancel_on_disconnect(request, _pooled(generation, len(prompts)))
+    finally:
+        await generation.close()
+    return Embedded([normalized(p) for p in pooled], generation.usage.prompt_tokens)
+
+
 async def create_embeddings(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, EmbeddingRequest)
@@ -50,18 +91,10 @@ async def create_embeddings(request: Request) -> Response:
     if body.dimensions is not None and body.dimensions != hidden_size:
         raise invalid_request(f"dimensions must be the model's hidden size, {hidden_size} (got {body.dimensions})",
                               param="dimensions")
-    prompts = [p.token_ids for p in await asyncio.to_thread(truncated_prompts, engine.tokenizer, body.input,
-                                                             body.truncate_prompt_tokens, engine.max_model_len,
-                                                             body.add_special_tokens)]
-    params = SamplingParams(max_tokens=0, temperature=0.0, pooling=state.settings.embedding_pooling)
-    generation = await start_generation(request, state, prompts, params, f"embd-{uuid.uuid4().hex}", arrival,
-                                        body.model, "input")
-    try:
-        pooled = await cancel_on_disconnect(request, _pooled(generation, len(prompts)))
-    finally:
-        await generation.close()
-    data = [Embedding(index=i, embedding=encoded(normalized(p), body.encoding_format)) for i, p in enumerate(pooled)]
-    num_tokens = generation.usage.prompt_tokens
+    prompts = await tokenized(engine, body.input, body)
+    embedded = await embed(request, state, prompts, body.model, f"embd-{uuid.uuid4().hex}", arrival, "input")
+    data = [Embedding(index=i, embedding=encoded(v, body.encoding_format)) for i, v in enumerate(embedded.vectors)]
+    num_tokens = embedded.prompt_tokens
     return json_response(EmbeddingResponse(data=data, model=state.served_name(body.model),
                                            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)))
 
