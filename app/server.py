@@ -54,6 +54,8 @@ from sluice.app.responses_api_schemas import (
     ResponsesRequest,
     RetrieveQuery,
 )
+from sluice.app.scores import create_rerank, create_score
+from sluice.app.scores_schemas import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from sluice.app.routes import create_chat_completion, create_completion, detokenize, json_response, tokenize
 from sluice.app.schemas import (
     ChatCompletionChunk,
@@ -157,6 +159,11 @@ ROUTES: list[tuple[Handler, Operation]] = [
                                  "items", response=InputItemList, query=InputItemsQuery)),
     (create_embeddings, Operation("/v1/embeddings", "POST", "Embeddings: each input's pooled, normalized final "
                                   "hidden state (OpenAI)", EmbeddingRequest, EmbeddingResponse)),
+    *((create_score, Operation(path, "POST", "vLLM's score: each text pair's cosine similarity of their embeddings "
+                               "(1:1, 1:N or N:N)", ScoreRequest, ScoreResponse)) for path in ("/score", "/v1/score")),
+    *((create_rerank, Operation(path, "POST", "Rerank (Jina's, Cohere's, as vLLM serves it): the documents by their "
+                                "embeddings' cosine similarity to the query's", RerankRequest, RerankResponse))
+      for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     (tokenize, Operation("/tokenize", "POST", "Prompt or messages to token ids", TokenizeRequest, TokenizeResponse)),
     (detokenize, Operation("/detokenize", "POST", "Token ids to text", DetokenizeRequest, DetokenizeResponse)),
     (invocations, Operation("/invocations", "POST", "SageMaker's inference route (beside /ping): a chat completion "
