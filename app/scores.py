@@ -76,7 +76,7 @@ async def _scored(request: Request, state: ServerState, engine: Engine, options:
     prompts = await tokenized(engine, texts, options)
     # An over-long text, the one a context-length 400 is about, is the longest.
     longest = max(range(len(texts)), key=lambda i: len(prompts[i]))
-    prompt_param = fields[0] if texts[longest] in set(firsts) else fields[1]
+    prompt_param = fields[0] if texts[longest] in firsts else fields[1]
     embedded = await embed(request, state, prompts, options.model, request_id, arrival, prompt_param)
     vectors = dict(zip(texts, embedded.vectors))
     pairs = zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds)
