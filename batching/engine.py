@@ -57,7 +57,7 @@ from sluice.model import hub
 from sluice.model.config import ModelConfig
 from sluice.model.fetch import from_hub
 from sluice.model.loader import LoadedModel, load_model
-from sluice.model.lora import AdapterNotFound, LoraAdapter, LoraError, attach_adapters, load_adapter, slot_weights
+from sluice.model.lora import LoraAdapter, LoraError, attach_adapters, load_adapter, slot_weights
 from sluice.model.roofline import StepCost
 from sluice.pallas_kernels.kv_cache import kv_cache_dtype
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
@@ -156,11 +156,7 @@ def read_adapter(name: str, path: str, model_config: ModelConfig, config: Engine
     """The PEFT adapter at `path` (a local folder, or a Hub id's snapshot of its adapter files) read as `name`:
     LoraError (AdapterNotFound where `path` is no folder) or HubError where it cannot be served, a rank above the
     slots' said before its weights are read."""
-    try:
-        hub_id = from_hub(path)
-    except (OSError, RuntimeError) as error:  # a name too long for the file system, ~user of no such user
-        raise AdapterNotFound(f"LoRA adapter {name!r} ({path}): no such folder ({error})") from None
-    folder = str(hub.download_adapter(path, config.download_dir)) if hub_id else path
+    folder = str(hub.download_adapter(path, config.download_dir)) if from_hub(path) else path
     max_rank = config.runtime_lora_slots[1] if config.allow_runtime_lora_updating else config.max_lora_rank
     return load_adapter(name, folder, model_config, max_rank)
 

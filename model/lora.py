@@ -124,7 +124,11 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     def refuse(why: str, kind: type[LoraError] = LoraError) -> LoraError:
         return kind(f"LoRA adapter {name!r} ({folder}): {why}")
 
-    if not folder.is_dir():
+    try:
+        found = folder.is_dir()
+    except OSError as error:  # a name too long for the file system
+        raise refuse(f"no such folder ({error.strerror})", AdapterNotFound) from None
+    if not found:
         raise refuse("no such folder", AdapterNotFound)
     try:
         settings = read_json_object(folder / CONFIG_FILE, missing_ok=False)
