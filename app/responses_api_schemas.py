@@ -426,7 +426,7 @@ class RetrieveQuery(_Request):
     def _starting_after_streams(self) -> RetrieveQuery:
         # A JSON answer has no events to start after: refused rather than ignored.
         if self.starting_after is not None and not self.stream:
-            raise field_error("starting_after", "starting_after: only with stream: true", self.starting_after)
+            raise field_error("starting_after", "only with stream: true", self.starting_after)
         return self
 
 

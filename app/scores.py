@@ -74,9 +74,9 @@ async def _scored(request: Request, state: ServerState, engine: Engine, options:
     firsts, seconds = sides
     texts = list(dict.fromkeys(firsts + seconds))
     prompts = await tokenized(engine, texts, options)
-    # An over-long text, the one a context-length 400 is about, is the longest.
-    longest = max(range(len(texts)), key=lambda i: len(prompts[i]))
-    prompt_param = fields[0] if texts[longest] in firsts else fields[1]
+    # The engine refuses the first prompt too long for the context, in `texts`' order: the first side's come first.
+    too_long = next((text for text, prompt in zip(texts, prompts) if len(prompt) > engine.max_model_len), texts[0])
+    prompt_param = fields[0] if too_long in firsts else fields[1]
     embedded = await embed(request, state, prompts, options.model, request_id, arrival, prompt_param)
     vectors = dict(zip(texts, embedded.vectors))
     pairs = zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds)

@@ -167,9 +167,11 @@ ROUTES: list[tuple[Handler, Operation]] = [
     (tokenize, Operation("/tokenize", "POST", "Prompt or messages to token ids", TokenizeRequest, TokenizeResponse)),
     (detokenize, Operation("/detokenize", "POST", "Token ids to text", DetokenizeRequest, DetokenizeResponse)),
     (invocations, Operation("/invocations", "POST", "SageMaker's inference route (beside /ping): a chat completion "
-                            "(`messages`), a completion (`prompt`) or embeddings (`input`) request, as that route",
-                            (ChatCompletionRequest, CompletionRequest, EmbeddingRequest),
-                            (ChatCompletionResponse, CompletionResponse, EmbeddingResponse),
+                            "(`messages`), completion (`prompt`), embeddings (`input`), score (`text_1`) or rerank "
+                            "(`documents`) request, as that route",
+                            (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ScoreRequest, RerankRequest),
+                            (ChatCompletionResponse, CompletionResponse, EmbeddingResponse, ScoreResponse,
+                             RerankResponse),
                             stream_chunk=(ChatCompletionChunk, CompletionResponse))),
 ]
 

@@ -114,6 +114,8 @@ LONG = "word " * 200  # past the tiny engine's 128-token context
     ("/score", {"text_1": {"content": [{"type": "text", "text": "a"}]}, "text_2": "a"}, "text_1", "text only"),
     ("/score", {"text_1": "a", "text_2": ["b"] * 2049}, "text_2", "at most 2048"),
     ("/score", {"text_1": "a", "text_2": LONG}, "text_2", "context length"),
+    # The engine refuses the first text too long, the first side's before the second's, whatever is longest.
+    ("/score", {"text_1": [LONG, "b"], "text_2": ["c", LONG * 2]}, "text_1", "context length"),
     ("/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ""),
     ("/rerank", {"query": "", "documents": ["a"]}, "query", "must not be empty"),
     ("/rerank", {"query": "q", "documents": []}, "documents", "At least one text_pair element must be given"),

@@ -259,4 +259,20 @@ def test_sagemakers_invocations_answers_each_body_as_the_route_its_fields_name(e
                    for event in streamed.text.split("\n\n") if event.startswith("data: {"))
     assert text == pairs["/v1/completions"][0].json()["choices"][0]["text"]
     assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "temperature"
-    assert neither.status_code == 400 and "`messages`, `prompt`, `input`" in neither.json()["error"]["message"]
+    assert neither.status_code == 400 and "`messages`, `prompt`, `input`, `text_1`, `documents`" in (
+        neither.json()["error"]["message"])
+
+
+def test_invocations_answers_score_and_rerank_bodies_and_reads_a_null_field_as_absent(engine):
+    score = {"text_1": "a cat", "text_2": ["a dog", "a car"]}
+    rerank = {"query": "a cat", "documents": ["a dog", "a car"]}
+
+    async def scenario(client, state):
+        return [(await client.post(path, json=body), await client.post("/invocations", json=body))
+                for path, body in [("/v1/score", score), ("/v1/rerank", rerank),
+                                   ("/v1/embeddings", {"input": "Hi there", "prompt": None})]]
+
+    for direct, invoked in serve(engine, scenario):
+        assert direct.status_code == invoked.status_code == 200, invoked.text
+        assert {key: value for key, value in direct.json().items() if key not in ("id", "created")} == {
+            key: value for key, value in invoked.json().items() if key not in ("id", "created")}
