@@ -51,11 +51,12 @@ def api(server):
 
 # (Schemathesis's own pytest parametrization does not run under pytest 9; hypothesis drives each operation.)
 # Valid requests everywhere; valid ones forced to stream where a route streams (the generator seldom sets
-# `stream` itself); invalid ones where there is a body to break.
+# `stream` itself, in a body or a query); invalid ones where there is a body or a query to break.
 OPERATIONS = [op for _, op in ROUTES + LORA_ADMIN_ROUTES]
 CASES = [("valid", op.method, path_template(op.path)) for op in OPERATIONS]
 CASES += [("streamed", op.method, path_template(op.path)) for op in OPERATIONS if op.stream_chunk is not None]
-CASES += [("invalid", op.method, path_template(op.path)) for op in OPERATIONS if op.request is not None]
+CASES += [("invalid", op.method, path_template(op.path)) for op in OPERATIONS
+          if op.request is not None or op.query is not None]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,8 @@ def nowhere(case, missing):
 def streamed(case):
     if isinstance(case.body, dict):
         case.body["stream"] = True
+    elif case.method == "GET":
+        case.query = {**(case.query or {}), "stream": "true"}
     return case
 
 
