@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Generic, Protocol, TypeVar
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,23 @@ class StoredResponse:
         return len(self.response_json.encode()) + len(self.items_json.encode()) + sum(map(len, self.events))
 
 
-class ResponseStore:
-    """At most `max_count` responses and `max_bytes` bytes of their JSON and events; a response larger than
-    `max_bytes` on its own is stored without its events, or not at all if still larger."""
+class Sized(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
+Entry = TypeVar("Entry", bound=Sized)
+
+
+class LruStore(Generic[Entry]):
+    """At most `max_count` entries and `max_bytes` bytes of them (their `size`s), by key; storing past either evicts
+    the least recently used (read or written) first. An entry larger than `max_bytes` on its own is not stored."""
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
         self.max_count = max_count
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._bytes = 0
-        self._holders: dict[str, set[str]] = {}  # an item's id -> the responses whose conversations hold it
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -51,39 +59,59 @@ class ResponseStore:
     def bytes(self) -> int:
         return self._bytes
 
-    def put(self, response_id: str, entry: StoredResponse) -> None:
+    def put(self, key: str, entry: Entry) -> bool:
+        """Stores `entry` in place of the one under `key`, if any; False, changing nothing, where it cannot fit."""
+        if self.max_count < 1 or entry.size > self.max_bytes:
+            return False
+        self.delete(key)
+        self._entries[key] = entry
+        self._bytes += entry.size
+        while len(self._entries) > self.max_count or self._bytes > self.max_bytes:
+            self._forget(*self._entries.popitem(last=False))
+        return True
+
+    def get(self, key: str) -> Entry | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def delete(self, key: str) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._forget(key, entry)
+        return entry is not None
+
+    def _forget(self, key: str, entry: Entry) -> None:
+        """Takes the entry, already out of `_entries`, out of the byte count."""
+        self._bytes -= entry.size
+
+
+class ResponseStore(LruStore[StoredResponse]):
+    """The stored responses, and which of them hold each item; a response larger than `max_bytes` with its events is
+    stored without them, and one still larger not at all (nor is the entry it replaces kept)."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        super().__init__(max_count, max_bytes)
+        self._holders: dict[str, set[str]] = {}  # an item's id -> the responses whose conversations hold it
+
+    def put(self, response_id: str, entry: StoredResponse) -> bool:
         self.delete(response_id)
         if entry.size > self.max_bytes and entry.events:
             entry = replace(entry, events=(), events_dropped=True)
-        if self.max_count < 1 or entry.size > self.max_bytes:
-            return
-        self._entries[response_id] = entry
-        self._bytes += entry.size
+        if not super().put(response_id, entry):
+            return False
         for item_id in entry.item_ids:
             self._holders.setdefault(item_id, set()).add(response_id)
-        while len(self._entries) > self.max_count or self._bytes > self.max_bytes:
-            self._forget(*self._entries.popitem(last=False))
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+        return True
 
     def holding(self, item_id: str) -> StoredResponse | None:
         """A stored response whose conversation holds the item `item_id` (read, as `get` reads it)."""
         holders = self._holders.get(item_id)
         return self.get(next(iter(holders))) if holders else None
 
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._forget(response_id, entry)
-        return entry is not None
-
     def _forget(self, response_id: str, entry: StoredResponse) -> None:
-        """Takes the entry, already out of `_entries`, out of the byte count and the item index."""
-        self._bytes -= entry.size
+        super()._forget(response_id, entry)
         for item_id in entry.item_ids:
             holders = self._holders[item_id]
             holders.discard(response_id)
