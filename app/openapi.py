@@ -14,7 +14,7 @@ from sluice.app.schemas import ErrorResponse
 ERROR_STATUSES = (
     ("400", "Invalid request: a field out of range, a prompt too long for the context, a failed chat template"),
     ("401", "Missing or wrong API key"),
-    ("404", "Unknown model, or no stored response with that id"),
+    ("404", "Unknown model, or no stored response, conversation or item with that id"),
     ("413", "Body too large"),
     ("429", "Waiting queue full (Retry-After)"),
     ("500", "Generation failed in the engine"),

@@ -2,10 +2,11 @@
 prompt's length), `GET` / `DELETE` of a stored one, and `POST /v1/responses/{id}/cancel` of a background one.
 
 Where a request goes: `parse_body` (`responses_api_schemas.py`) -> the earlier response's conversation, if it
-continues one, and the stored items its input references (`responses_api_store.py`, held by the server state)
--> a chat request (`responses_api_convert.py`)
+continues one, and the stored items its input references (`responses_api_store.py`, held by the server state), or
+the items of the Conversations API's conversation it names (`conversations.py`) -> a chat request
+(`responses_api_convert.py`)
 -> `plan_chat` (`routes.py`: prompt, parameters, forced calls, reasoning) -> the engine -> `responses_api_builder.py`
-(the response or its events) -> the store; with `background: true`, through a run of the server's
+(the response or its events) -> the store, and its turn to its conversation; with `background: true`, through a run of the server's
 (`responses_api_background.py`) that answers at once and stores the response when it ends.
 """
 
@@ -18,6 +19,7 @@ from functools import partial
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sluice.app.conversations import add_turn, conversation_items
 from sluice.app.errors import APIError, invalid_request
 from sluice.app.generation import respond, start_generation
 from sluice.app.responses_api_background import BackgroundRun, EventLog, Store, replayed
@@ -29,6 +31,7 @@ from sluice.app.responses_api_convert import (
     Items,
     chat_request,
     in_responses_terms,
+    item_page,
     output_items,
     stored_items,
 )
@@ -36,7 +39,6 @@ from sluice.app.responses_api_schemas import (
     DeletedResponse,
     FunctionCallOutputItem,
     InputItem,
-    InputItemList,
     InputItemsQuery,
     InputTokenCount,
     ItemReference,
@@ -62,14 +64,15 @@ def response_not_found(response_id: str) -> APIError:
 async def create_response(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, ResponsesRequest)
-    items, plan = await _conversation_plan(state, engine, body)
+    turn = stored_items(referenced_items(state, body.input), state.replica)  # ids now: its conversation's are these
+    items, plan = await _conversation_plan(state, engine, body, turn)
     response_id = new_id("resp", state.replica)
     response = ResponseObject(
         id=response_id, created_at=int(time.time()), status="queued" if body.background else "in_progress",
         instructions=body.instructions,
         max_output_tokens=body.max_output_tokens, model=state.served_name(body.model), output=[],
         parallel_tool_calls=body.parallel_tool_calls, max_tool_calls=body.max_tool_calls,
-        previous_response_id=body.previous_response_id,
+        previous_response_id=body.previous_response_id, conversation=body.conversation,
         temperature=plan.params.temperature, top_p=plan.params.top_p, top_logprobs=body.top_logprobs,
         tool_choice=body.tool_choice or "auto",
         tools=body.tools, text=body.text, reasoning=body.reasoning, store=body.store, background=body.background,
@@ -77,11 +80,14 @@ async def create_response(request: Request) -> Response:
     )
 
     def store(done: ResponseObject, events: tuple[bytes, ...] = ()) -> None:
+        output = output_items(done.output)
         if body.store:
-            conversation = stored_items(items + output_items(done.output), state.replica)
+            conversation = stored_items(items + output, state.replica)
             state.responses.put(done.id, StoredResponse(done.model_dump_json(), ITEMS.dump_json(conversation).decode(),
                                                         len(items), frozenset(item.id for item in conversation),
                                                         events))
+        if body.conversation is not None and done.status in ("completed", "incomplete"):
+            add_turn(state, body.conversation.id, stored_items(turn + output, state.replica))
 
     logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
     # A background run stores its response itself, once it has ended, with the events it kept.
@@ -124,14 +130,16 @@ async def count_input_tokens(request: Request) -> Response:
     same request (its conversation, instructions and tools; its oldest turns dropped as `truncation: "auto"`
     would)."""
     state, engine, body = await parse_body(request, ResponsesRequest)
-    _, plan = await _conversation_plan(state, engine, body)
+    _, plan = await _conversation_plan(state, engine, body, referenced_items(state, body.input))
     return json_response(InputTokenCount(input_tokens=len(plan.prompt.token_ids)))
 
 
-async def _conversation_plan(state: ServerState, engine: Engine, body: ResponsesRequest) -> tuple[Items, ChatPlan]:
-    """The request's whole conversation (an earlier response's, then its input with references resolved) and the
-    plan of the chat request it becomes, after `truncation: "auto"` where it does not fit."""
-    items = earlier_items(state, body.previous_response_id) + referenced_items(state, body.input)
+async def _conversation_plan(state: ServerState, engine: Engine, body: ResponsesRequest, turn: Items
+                             ) -> tuple[Items, ChatPlan]:
+    """The request's whole conversation (an earlier response's or a conversation's items, then `turn`, its input
+    with references resolved) and the plan of the chat request it becomes, after `truncation: "auto"` where it does
+    not fit."""
+    items = earlier_items(state, body.previous_response_id) + conversation_items(state, body.conversation) + turn
     plan = await _plan(state, engine, body, items)
     if body.truncation == "auto" and not _fits(engine, plan):
         items, plan = await _fitting_conversation(state, engine, body, items, plan)
@@ -280,17 +288,7 @@ async def list_input_items(request: Request) -> Response:
     query = parse_query(request, InputItemsQuery)
     stored = _stored(_state(request), response_id)
     items = ITEMS.validate_json(stored.items_json)[:stored.input_count]
-    if query.order == "desc":
-        items.reverse()
-    if query.after is not None:
-        ids = [item.id for item in items]
-        if query.after not in ids:
-            raise invalid_request(f"after: no input item '{query.after}' in response '{response_id}'",
-                                  param="after")
-        items = items[ids.index(query.after) + 1:]
-    page = items[:query.limit]
-    return json_response(InputItemList(data=page, first_id=page[0].id if page else None,
-                                       last_id=page[-1].id if page else None, has_more=len(items) > len(page)))
+    return json_response(item_page(items, query, f"the input of response '{response_id}'"))
 
 
 async def delete_response(request: Request) -> Response:

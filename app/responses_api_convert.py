@@ -7,6 +7,7 @@ against a format); its complaints come back under the Responses API's field name
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -19,6 +20,8 @@ from sluice.app.responses_api_schemas import (
     FunctionCallOutputItem,
     FunctionToolChoice,
     InputItem,
+    InputItemList,
+    InputItemsQuery,
     InputText,
     JsonSchemaTextFormat,
     MessageItem,
@@ -33,13 +36,14 @@ from sluice.app.schemas import ChatCompletionRequest, RefusalPart
 
 Items = list[InputItem]
 ITEMS = TypeAdapter(Items)
+ITEM = TypeAdapter(InputItem)
 # Chat fields under their Responses names, for errors.
 _RESPONSES_NAME = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def chat_request(body: ResponsesRequest, items: Items) -> ChatCompletionRequest:
     """The chat completion `body` asks for, over the conversation `items` (an earlier response's, then `body`'s)."""
-    _check_ids_distinct(items)
+    check_ids_distinct(item.id for item in items)
     _check_calls_answered(items)
     messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     chat: dict[str, Any] = {
@@ -79,16 +83,17 @@ def _chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
     return choice
 
 
-def _check_ids_distinct(items: Items) -> None:
+def check_ids_distinct(ids: Iterable[str | None], param: str = "input") -> None:
     """An item may come once (a 400 otherwise, as OpenAI's): sent again, by reference or whole, after the earlier
-    response that holds it, it would show the model that turn twice."""
+    response or in the conversation that holds it, it would show the model that turn twice. `ids`: the items'
+    (None for one without), in order; `param`: the field that holds the later ones."""
     seen: set[str] = set()
-    for item in items:
-        if item.id in seen:
-            raise invalid_request(f"Duplicate item found with id {item.id}. Remove duplicate items from your input "
-                                  "and try again.", param="input")
-        if item.id is not None:
-            seen.add(item.id)
+    for item_id in ids:
+        if item_id in seen:
+            raise invalid_request(f"Duplicate item found with id {item_id}. Remove duplicate items from your {param} "
+                                  "and try again.", param=param)
+        if item_id is not None:
+            seen.add(item_id)
 
 
 def _check_calls_answered(items: Items) -> None:
@@ -183,6 +188,19 @@ def _stored_parts(message: MessageItem) -> list[InputText | OutputTextPart | Ref
     parts = [InputText(text=message.content)] if isinstance(message.content, str) else message.content
     text_part = OutputTextPart if message.role == "assistant" else InputText
     return [part if isinstance(part, RefusalPart) else text_part(text=part.text) for part in parts]
+
+
+def item_page(items: Items, query: InputItemsQuery, owner: str) -> InputItemList:
+    """A page of a listing of `items` (in their order): `query.limit` of them after the item `query.after`, newest
+    first unless `query.order` is `asc`. `owner`: what holds the items, as a 400 for an unknown `after` names it."""
+    ordered = items[::-1] if query.order == "desc" else items
+    if query.after is not None:
+        ids = [item.id for item in ordered]
+        if query.after not in ids:
+            raise invalid_request(f"after: no item '{query.after}' in {owner}", param="after")
+        ordered = ordered[ids.index(query.after) + 1:]
+    page = ordered[:query.limit]
+    return InputItemList.of(page, has_more=len(ordered) > len(page))
 
 
 def in_responses_terms(error: APIError) -> APIError:

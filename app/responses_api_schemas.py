@@ -33,9 +33,10 @@ from sluice.app.schemas import (
 MAX_METADATA_KEYS = 16
 MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA_KEYS)]
 # Fields that would change the output but are not implemented: refused by name (when set) rather than ignored, with
 # what the refusal adds after "<field> is not supported".
-_UNSUPPORTED = {"conversation": "", "prompt": "", "moderation": MODERATION_HINT}
+_UNSUPPORTED = {"prompt": "", "moderation": MODERATION_HINT}
 # OpenAI's `include` values. Only the logprobs one adds anything here: the others name items (hosted tools'
 # results, images, encrypted reasoning) that Sluice's responses never hold.
 Includable = Literal["message.output_text.logprobs", "file_search_call.results", "web_search_call.results",
@@ -150,15 +151,20 @@ def item_type(item: Any) -> str:
     return item.get("type") or ("item_reference" if "id" in item and "role" not in item else "message")
 
 
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
+STORED_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ITEM_TYPES = (*STORED_ITEM_TYPES, "item_reference")
 
 
-def _supported_item(item: Any) -> Any:
+def _items_of(*types: str) -> BeforeValidator:
     """Another type of item (a hosted tool's call, say) is refused by its type, not in pydantic's words (which name
     `item_type`)."""
-    if (kind := item_type(item)) not in ITEM_TYPES:
-        raise ValueError(f"items of type {kind!r} are not supported: only {', '.join(ITEM_TYPES)}")
-    return item
+
+    def supported(item: Any) -> Any:
+        if (kind := item_type(item)) not in types:
+            raise ValueError(f"items of type {kind!r} are not supported: only {', '.join(types)}")
+        return item
+
+    return BeforeValidator(supported)
 
 
 _ITEMS = (Annotated[MessageItem, Tag("message")]
@@ -169,7 +175,9 @@ _ITEMS = (Annotated[MessageItem, Tag("message")]
 InputItem = Annotated[_ITEMS, Discriminator(item_type)]
 # An item of a request's input: a conversation's, or a reference to a stored one.
 RequestItem = Annotated[_ITEMS | Annotated[ItemReference, Tag("item_reference")], Discriminator(item_type),
-                        BeforeValidator(_supported_item)]
+                        _items_of(*ITEM_TYPES)]
+# An item added to a conversation of the Conversations API (`conversations_schemas.py`): no reference.
+AddedItem = Annotated[_ITEMS, Discriminator(item_type), _items_of(*STORED_ITEM_TYPES)]
 
 
 # --- the request ------------------------------------------------------------------------------------------
@@ -234,6 +242,12 @@ def _asks(value: Any) -> bool:
 Truncation = Literal["auto", "disabled"]
 
 
+class ConversationReference(_Request):
+    """The conversation of the Conversations API a response belongs to (`conversations.py`)."""
+
+    id: str
+
+
 class ResponsesRequest(_Request):
     model: str | None = None
     input: list[RequestItem] = Field(min_length=1, description="a string (one user message) or a list of items")
@@ -258,7 +272,10 @@ class ResponsesRequest(_Request):
     background: bool = Field(False, description="run it apart from the connection (stored, so needs store): the "
                                                 "answer comes at once, queued; GET polls it, POST .../cancel stops it")
     previous_response_id: str | None = None
-    metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=MAX_METADATA_KEYS)
+    conversation: ConversationReference | None = Field(
+        None, description="a conversation's id (or {\"id\": ...}): its items come before the input, and once the "
+                          "response has ended (completed or incomplete) its input and output are added to it")
+    metadata: Metadata = Field(default_factory=dict)
     user: str | None = None
     truncation: Truncation = Field("disabled", description='"auto": a conversation longer than the context drops '
                                                            "its oldest turns; \"disabled\": it is a 400")
@@ -272,6 +289,18 @@ class ResponsesRequest(_Request):
         if isinstance(data, dict) and (given := [name for name in _UNSUPPORTED if _asks(data.get(name))]):
             raise field_error(given[0], f"{given[0]} is not supported{_UNSUPPORTED[given[0]]}", data[given[0]])
         return data
+
+    @field_validator("conversation", mode="before")
+    @classmethod
+    def _conversation_by_id(cls, value: Any) -> Any:
+        return {"id": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_earlier_context(self) -> ResponsesRequest:
+        if self.conversation is not None and self.previous_response_id is not None:  # OpenAI's 400, in its words
+            raise ValueError("Mutually exclusive parameters. Ensure you are only providing one of: "
+                             "'previous_response_id' or 'conversation'.")
+        return self
 
     @model_validator(mode="after")
     def _background_is_stored(self) -> ResponsesRequest:
@@ -387,6 +416,7 @@ class ResponseObject(BaseModel):
     parallel_tool_calls: bool
     max_tool_calls: int | None = None
     previous_response_id: str | None
+    conversation: ConversationReference | None = None
     temperature: float
     top_p: float
     top_logprobs: int | None = None
@@ -445,6 +475,11 @@ class InputItemList(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+    @classmethod
+    def of(cls, page: list[InputItem], has_more: bool) -> InputItemList:
+        return cls(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                   has_more=has_more)
 
 
 class DeletedResponse(BaseModel):

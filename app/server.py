@@ -33,6 +33,10 @@ from sluice.app.anthropic_schemas import (
     MessageStreamEvent,
 )
 from sluice.app.dashboard.feed import Feed
+from sluice.app.conversations import add_items, create_conversation, delete_conversation, delete_item, \
+    get_conversation, get_item, list_items, update_conversation
+from sluice.app.conversations_schemas import ConversationCreateRequest, ConversationObject, \
+    ConversationUpdateRequest, DeletedConversation, IncludeQuery, ItemsCreateRequest
 from sluice.app.embeddings import create_embeddings
 from sluice.app.embeddings_schemas import EmbeddingRequest, EmbeddingResponse
 from sluice.app.errors import APIError, error_response, not_ready
@@ -46,9 +50,13 @@ from sluice.app.responses_api import cancel_response, count_input_tokens, create
     get_response, list_input_items
 from sluice.app.responses_api_schemas import (
     DeletedResponse,
+    FunctionCallItem,
+    FunctionCallOutputItem,
     InputItemList,
     InputItemsQuery,
     InputTokenCount,
+    MessageItem,
+    ReasoningItem,
     ResponseObject,
     ResponseStreamEvent,
     ResponsesRequest,
@@ -122,6 +130,7 @@ async def openapi(request: Request) -> Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+CONVERSATION = "/v1/conversations/{conversation_id}"
 
 ROUTES: list[tuple[Handler, Operation]] = [
     (health, Operation("/health", "GET", "Readiness: 200 once the model serves, 503 while loading or draining",
@@ -157,6 +166,21 @@ ROUTES: list[tuple[Handler, Operation]] = [
                                 "that has ended is answered as it is)", response=ResponseObject)),
     (list_input_items, Operation("/v1/responses/{response_id}/input_items", "GET", "A stored response's input "
                                  "items", response=InputItemList, query=InputItemsQuery)),
+    (create_conversation, Operation("/v1/conversations", "POST", "Create a conversation, with its first items "
+                                    "(OpenAI's Conversations API)", ConversationCreateRequest, ConversationObject)),
+    (get_conversation, Operation(CONVERSATION, "GET", "A conversation", response=ConversationObject)),
+    (update_conversation, Operation(CONVERSATION, "POST", "Replaces a conversation's metadata",
+                                    ConversationUpdateRequest, ConversationObject)),
+    (delete_conversation, Operation(CONVERSATION, "DELETE", "Deletes a conversation", response=DeletedConversation)),
+    (add_items, Operation(f"{CONVERSATION}/items", "POST", "Adds items to a conversation, after its own",
+                          ItemsCreateRequest, InputItemList, query=IncludeQuery)),
+    (list_items, Operation(f"{CONVERSATION}/items", "GET", "A conversation's items", response=InputItemList,
+                           query=InputItemsQuery)),
+    (get_item, Operation(f"{CONVERSATION}/items/{{item_id}}", "GET", "An item of a conversation",
+                         response=(MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem),
+                         query=IncludeQuery)),
+    (delete_item, Operation(f"{CONVERSATION}/items/{{item_id}}", "DELETE", "Deletes an item of a conversation "
+                            "(answered with the conversation)", response=ConversationObject)),
     (create_embeddings, Operation("/v1/embeddings", "POST", "Embeddings: each input's pooled, normalized final "
                                   "hidden state (OpenAI)", EmbeddingRequest, EmbeddingResponse)),
     *((create_score, Operation(path, "POST", "vLLM's score: each text pair's cosine similarity of their embeddings "

@@ -1,5 +1,5 @@
-"""What every route shares: settings, metrics, the engine once it is ready, admission, the stored responses and the
-background ones running.
+"""What every route shares: settings, metrics, the engine once it is ready, admission, the stored responses, the
+background ones running, and the conversations.
 
 Admission decides whether a generation request may enter (503 while loading or draining, 429 when the
 waiting queue is full) and counts what is in flight, so a SIGTERM drain knows when it is done.
@@ -17,6 +17,7 @@ from sluice.batching.stats import EngineStats
 from sluice.model.roofline import Peaks
 
 from sluice.app.errors import model_not_found, not_ready, queue_full, shutting_down
+from sluice.app.conversations_store import ConversationStore
 from sluice.app.metrics import ServerMetrics
 from sluice.app.responses_api_background import BackgroundRuns
 from sluice.app.responses_api_store import ResponseStore
@@ -31,7 +32,8 @@ class ServerSettings:
     when set; `tool_call_parser` names the format of tool calls (`app/tool_calls.py`);
     `exclude_tools_when_tool_choice_none` leaves a request's tools out of its prompt when its tool_choice is "none"
     (vLLM's flag; by default the template is shown them, and the reply is not read for calls); `/v1/responses` keeps at
-    most `responses_store_size` responses and `responses_store_bytes` bytes of them (`app/responses_api_store.py`);
+    most `responses_store_size` responses and `responses_store_bytes` bytes of them (`app/responses_api_store.py`),
+    and `/v1/conversations` as many conversations and bytes of theirs (`app/conversations_store.py`);
     `embedding_pooling` is how `/v1/embeddings` pools an input's hidden states (`app/embeddings.py`);
     `reasoning_parser` names how a reasoning model's thinking is told from its answer (`app/reasoning.py`; None:
     not at all); `allowed_origins`, `allowed_methods`, `allowed_headers` and `allow_credentials` are the CORS
@@ -100,6 +102,8 @@ class ServerState:
         self.draining = False
         self.metrics = ServerMetrics(self._engine_stats, lambda: self.model_name)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
+        # The Conversations API's, bounded apart by the same numbers.
+        self.conversations = ConversationStore(settings.responses_store_size, settings.responses_store_bytes)
         self.background = BackgroundRuns()  # the background responses running (each holds its admission)
         self.lora_updates = asyncio.Lock()  # app/lora_admin.py's: one LoRA load or unload at a time
         self._in_flight_seqs = 0

@@ -1,0 +1,174 @@
+"""OpenAI's Conversations API: `/v1/conversations` (create, get, update the metadata of, delete) and its items (add,
+list, get, delete), and a conversation as the context of a `/v1/responses` request that names it (`conversation`).
+
+Where a request goes: `parse_body` (`conversations_schemas.py`) -> the store (`conversations_store.py`, held by the
+server state). Items are stored as the Responses API stores its input items (`responses_api_convert.stored_items`:
+an id naming the replica that holds them, a status, a message's text as parts), and listed as they are.
+
+A response on a conversation is given the conversation's items as they are when it starts, before its input; once
+it has ended (completed, or incomplete: cut by `max_output_tokens`) its input and output are added to the
+conversation in one step (`add_turn`); a response that failed or was cancelled adds nothing. So two responses on
+one conversation at once both add their turns, in the order they end, and neither sees the other's. `store: false`
+keeps the response itself out of the response store, not its turn out of the conversation, as OpenAI's does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sluice.app.conversations_schemas import (
+    ConversationCreateRequest,
+    ConversationObject,
+    ConversationUpdateRequest,
+    DeletedConversation,
+    IncludeQuery,
+    ItemsCreateRequest,
+)
+from sluice.app.conversations_store import StoredConversation
+from sluice.app.errors import APIError, invalid_request
+from sluice.app.response_ids import new_id
+from sluice.app.responses_api_convert import ITEM, Items, check_ids_distinct, item_page, stored_items
+from sluice.app.responses_api_schemas import ConversationReference, InputItemList, InputItemsQuery
+from sluice.app.routes import json_response, parse_body, parse_query
+from sluice.app.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def _not_found(conversation_id: str) -> APIError:
+    """OpenAI's 404 for a conversation it does not hold (no `param`, no `code`)."""
+    return APIError(404, f"Conversation with id '{conversation_id}' not found.")
+
+
+async def create_conversation(request: Request) -> Response:
+    state, _, body = await parse_body(request, ConversationCreateRequest)
+    conversation_id = new_id("conv", state.replica)
+    conversation, _ = _adding(state, StoredConversation(int(time.time()), body.metadata), body.items)
+    _put(state, conversation_id, conversation)
+    return _answer(conversation_id, conversation)
+
+
+async def get_conversation(request: Request) -> Response:
+    conversation_id = request.path_params["conversation_id"]
+    return _answer(conversation_id, _held(_state(request), conversation_id))
+
+
+async def update_conversation(request: Request) -> Response:
+    """`POST /v1/conversations/{id}`: its metadata replaced by the request's."""
+    state, _, body = await parse_body(request, ConversationUpdateRequest)
+    conversation_id = request.path_params["conversation_id"]
+    conversation = replace(_held(state, conversation_id), metadata=body.metadata or {})
+    _put(state, conversation_id, conversation)
+    return _answer(conversation_id, conversation)
+
+
+async def delete_conversation(request: Request) -> Response:
+    conversation_id = request.path_params["conversation_id"]
+    if not _state(request).conversations.delete(conversation_id):
+        raise _not_found(conversation_id)
+    return json_response(DeletedConversation(id=conversation_id))
+
+
+async def add_items(request: Request) -> Response:
+    """`POST /v1/conversations/{id}/items`: the items added after the conversation's, as stored."""
+    state, _, body = await parse_body(request, ItemsCreateRequest)
+    parse_query(request, IncludeQuery)
+    conversation_id = request.path_params["conversation_id"]
+    conversation, added = _adding(state, _held(state, conversation_id), body.items)
+    _put(state, conversation_id, conversation)
+    return json_response(InputItemList.of(added, has_more=False))
+
+
+async def list_items(request: Request) -> Response:
+    """The conversation's items, `limit` at a time after the item `after`, newest first unless `order` is `asc`."""
+    query = parse_query(request, InputItemsQuery)
+    conversation_id = request.path_params["conversation_id"]
+    items = _items(_held(_state(request), conversation_id))
+    return json_response(item_page(items, query, f"conversation '{conversation_id}'"))
+
+
+async def get_item(request: Request) -> Response:
+    parse_query(request, IncludeQuery)
+    conversation = _held(_state(request), request.path_params["conversation_id"])
+    return Response(_item_text(conversation, request.path_params["item_id"]), media_type="application/json")
+
+
+async def delete_item(request: Request) -> Response:
+    """Takes the item out of the conversation, and answers with the conversation (OpenAI's answer)."""
+    state = _state(request)
+    conversation_id, item_id = request.path_params["conversation_id"], request.path_params["item_id"]
+    conversation = _held(state, conversation_id)
+    _item_text(conversation, item_id)
+    conversation = conversation.without_item(item_id)
+    _put(state, conversation_id, conversation)
+    return _answer(conversation_id, conversation)
+
+
+def conversation_items(state: ServerState, conversation: ConversationReference | None) -> Items:
+    """The items of the conversation a response continues, as they are now; none without one, a 404 for one the
+    store does not hold."""
+    return [] if conversation is None else _items(_held(state, conversation.id))
+
+
+def add_turn(state: ServerState, conversation_id: str, items: Items) -> None:
+    """Adds a response's input and output `items` (as stored, with ids) to its conversation, in one step: those it
+    holds already (another response's, ended meanwhile) are not added twice. A conversation deleted meanwhile gets
+    nothing; one that would no longer fit the store keeps what it had."""
+    conversation = state.conversations.get(conversation_id)
+    if conversation is None:
+        return
+    added = conversation.with_items(_texts([item for item in items if item.id not in conversation.items]))
+    if not state.conversations.put(conversation_id, added):
+        logger.warning("A response's turn was not added to conversation %s: it would exceed the store's "
+                       "--responses-store-bytes", conversation_id)
+
+
+def _adding(state: ServerState, conversation: StoredConversation, items: Items) -> tuple[StoredConversation, Items]:
+    """The conversation with `items` added after its own, and those items as stored; an item whose id it holds (or
+    given twice) is a 400, as OpenAI's."""
+    added = stored_items(items, state.replica)
+    check_ids_distinct([*conversation.items, *(item.id for item in added)], param="items")
+    return conversation.with_items(_texts(added)), added
+
+
+def _texts(items: Items) -> dict[str, str]:
+    """Stored items as a conversation holds them: each one's JSON, by its id."""
+    return {item.id: item.model_dump_json() for item in items}
+
+
+def _items(conversation: StoredConversation) -> Items:
+    return [ITEM.validate_json(text) for text in conversation.items.values()]
+
+
+def _item_text(conversation: StoredConversation, item_id: str) -> str:
+    text = conversation.items.get(item_id)
+    if text is None:
+        raise APIError(404, f"Item with id '{item_id}' not found.")
+    return text
+
+
+def _put(state: ServerState, conversation_id: str, conversation: StoredConversation) -> None:
+    if not state.conversations.put(conversation_id, conversation):
+        raise invalid_request("The conversation would exceed the server's store of conversations "
+                              "(--responses-store-size, --responses-store-bytes)")
+
+
+def _held(state: ServerState, conversation_id: str) -> StoredConversation:
+    conversation = state.conversations.get(conversation_id)
+    if conversation is None:
+        raise _not_found(conversation_id)
+    return conversation
+
+
+def _answer(conversation_id: str, conversation: StoredConversation) -> Response:
+    return json_response(ConversationObject(id=conversation_id, created_at=conversation.created_at,
+                                            metadata=conversation.metadata))
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.sluice
