@@ -292,6 +292,53 @@ def test_a_background_response_running_when_the_drain_ends_is_stored_failed(engi
     assert '"status":"failed"' in stored and '"code":"aborted"' in stored and len(state.background) == 0
 
 
+def test_a_background_response_adds_its_turn_to_its_conversation_once_ended_and_a_cancelled_one_nothing(engine,
+                                                                                                         monkeypatch):
+    slow_steps(engine, monkeypatch)
+
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create()
+        created = await client.responses.create(background=True, conversation=conversation.id, **LONG)
+        await writing(client, created.id)
+        await client.responses.cancel(created.id)
+        after_cancel = (await client.conversations.items.list(conversation.id)).data
+        done = await finished(client, (await client.responses.create(background=True, conversation=conversation.id,
+                                                                     **SHORT)).id)
+        return after_cancel, done, (await client.conversations.items.list(conversation.id, order="asc")).data
+
+    after_cancel, done, items = serve(engine, scenario)
+    assert after_cancel == [] and done.status == "incomplete"
+    assert [(item.role, item.content[0].text) for item in items] == [("user", SHORT["input"]),
+                                                                    ("assistant", done.output_text)]
+
+
+def test_a_failed_response_adds_nothing_to_its_conversation(engine, monkeypatch):
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create()
+        fail_next_dispatch(engine, monkeypatch)
+        created = await client.responses.create(background=True, conversation=conversation.id, **SHORT)
+        return await finished(client, created.id), (await client.conversations.items.list(conversation.id)).data
+
+    failed, items = serve(engine, scenario)
+    assert failed.status == "failed" and items == []
+
+
+def test_two_responses_on_one_conversation_at_once_both_add_their_turns(engine, monkeypatch):
+    """Each sees the conversation as it was when it started, and adds its turn whole when it ends."""
+    slow_steps(engine, monkeypatch, step_s=0.005)
+
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create()
+        replies = await asyncio.gather(*(client.responses.create(conversation=conversation.id, **SHORT)
+                                         for _ in range(2)))
+        return replies, (await client.conversations.items.list(conversation.id, order="asc")).data
+
+    replies, items = serve(engine, scenario)
+    assert replies[0].usage.input_tokens == replies[1].usage.input_tokens  # neither saw the other's turn
+    assert [item.role for item in items] == ["user", "assistant"] * 2
+    assert {items[1].id, items[3].id} == {reply.output[0].id for reply in replies}
+
+
 def test_a_background_responses_cancel_goes_to_the_replica_that_runs_it():
     response_id = new_id("resp", "r7x2")
     assert routing(f"/v1/responses/{response_id}/cancel", b"").replica == replica_of(response_id) == "r7x2"
