@@ -1,7 +1,7 @@
-"""The ids of `/v1/responses` responses and of the items they store, which name the replica that stores them
-(`sluice serve --replicas`), so that the ingress sends a request naming one (`GET`, `DELETE`, `input_items`,
-`previous_response_id`, an `item_reference`) to that replica (`app/prefix_router.py`): each replica stores its own
-responses, in its memory."""
+"""The ids of `/v1/responses` responses, of `/v1/conversations` conversations and of the items they store, which name
+the replica that stores them (`sluice serve --replicas`), so that the ingress sends a request naming one (`GET`,
+`DELETE`, `input_items`, `previous_response_id`, `conversation`, an `item_reference`) to that replica
+(`app/prefix_router.py`): each replica stores its own responses and conversations, in its memory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import uuid
 
 def new_id(kind: str, replica: str | None) -> str:
     """`{kind}_<hex>` in a single process (`replica` "" or None), `{kind}_<replica>_<hex>` in a replica; `kind`:
-    `resp` for a response, `msg`, `fc`, `fco` or `rs` for an item."""
+    `resp` for a response, `conv` for a conversation, `msg`, `fc`, `fco` or `rs` for an item."""
     return f"{kind}_{replica}_{uuid.uuid4().hex}" if replica else f"{kind}_{uuid.uuid4().hex}"
 
 

@@ -6,8 +6,8 @@ continues one, and the stored items its input references (`responses_api_store.p
 the items of the Conversations API's conversation it names (`conversations.py`) -> a chat request
 (`responses_api_convert.py`)
 -> `plan_chat` (`routes.py`: prompt, parameters, forced calls, reasoning) -> the engine -> `responses_api_builder.py`
-(the response or its events) -> the store, and its turn to its conversation; with `background: true`, through a run of the server's
-(`responses_api_background.py`) that answers at once and stores the response when it ends.
+(the response or its events) -> the store, and its turn to its conversation; with `background: true`, through a
+run of the server's (`responses_api_background.py`) that answers at once and stores the response when it ends.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def response_not_found(response_id: str) -> APIError:
 async def create_response(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, ResponsesRequest)
-    turn = stored_items(referenced_items(state, body.input), state.replica)  # ids now: its conversation's are these
+    # Its input items' ids are given now, so that the stored response and its conversation name them alike.
+    turn = stored_items(referenced_items(state, body.input), state.replica)
     items, plan = await _conversation_plan(state, engine, body, turn)
     response_id = new_id("resp", state.replica)
     response = ResponseObject(

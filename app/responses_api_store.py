@@ -9,7 +9,8 @@ it runs: `responses_api_background.py`). The bounds count entries and the bytes 
 past either evicts the least recently used (read or written) first. An entry larger than the byte bound with its
 events is stored without them (`events_dropped`); one larger without them is not stored (nor is a response
 larger than the bound kept by its earlier entry, a background response's queued one). Only the event loop touches
-the store, so it needs no lock.
+the store, so it needs no lock. The bounded, least recently used order is `LruStore`'s, which the conversations'
+store shares (`conversations_store.py`).
 """
 
 from __future__ import annotations

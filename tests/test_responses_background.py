@@ -35,13 +35,13 @@ def engine(smollm2) -> Engine:
     return tiny_engine(smollm2, CONFIG)
 
 
-def serve(engine: Engine, scenario, drain_timeout_s: float = 30.0):
-    """Runs `scenario(client, state, server)`, an `openai.AsyncOpenAI` on the app served by a `DrainingServer`, and
-    then stops the server (unless the scenario drained it); returns what the scenario returned, once no task is left
-    but this one."""
+def serve(engine: Engine, scenario, drain_timeout_s: float = 30.0, replica: str = ""):
+    """Runs `scenario(client, state, server)`, an `openai.AsyncOpenAI` on the app served by a `DrainingServer` (as
+    the replica `replica`, if given), and then stops the server (unless the scenario drained it); returns what the
+    scenario returned, once no task is left but this one."""
 
     async def run():
-        state = ServerState(ServerSettings(served_model_name=MODEL, ui=False))
+        state = ServerState(ServerSettings(served_model_name=MODEL, ui=False), replica)
         state.set_engine(engine)
         await engine.start()  # the app's lifespan stops it
         listener = socket.create_server(("127.0.0.1", 0))
@@ -337,6 +337,17 @@ def test_two_responses_on_one_conversation_at_once_both_add_their_turns(engine, 
     assert replies[0].usage.input_tokens == replies[1].usage.input_tokens  # neither saw the other's turn
     assert [item.role for item in items] == ["user", "assistant"] * 2
     assert {items[1].id, items[3].id} == {reply.output[0].id for reply in replies}
+
+
+def test_a_replicas_conversation_and_every_item_it_holds_name_that_replica(engine):
+    """Behind --replicas a request on a conversation then goes to the replica that holds it (app/ingress.py)."""
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create(items=[{"role": "user", "content": "Hi"}])
+        await client.responses.create(conversation=conversation.id, **SHORT)
+        return conversation, (await client.conversations.items.list(conversation.id)).data
+
+    conversation, items = serve(engine, scenario, replica="r7x2")
+    assert [replica_of(named.id) for named in [conversation, *items]] == ["r7x2"] * 4
 
 
 def test_a_background_responses_cancel_goes_to_the_replica_that_runs_it():
