@@ -90,8 +90,9 @@ def test_items_are_added_listed_newest_first_paged_retrieved_and_deleted(client)
 def test_a_response_in_a_conversation_sees_its_items_and_is_added_to_it(server, client):
     conversation = client.conversations.create()
     first = client.responses.create(input="My name is Ann.", conversation=conversation.id, **GREEDY)
+    counted = client.responses.input_tokens.count(model=MODEL, input="What is my name?", conversation=conversation.id)
     second = client.responses.create(input="What is my name?", conversation={"id": conversation.id}, **GREEDY)
-    assert second.conversation.id == conversation.id
+    assert second.conversation.id == conversation.id and counted.input_tokens == second.usage.input_tokens
     messages = [ANN, {"role": "assistant", "content": first.output_text},
                 {"role": "user", "content": "What is my name?"}]
     assert second.usage.input_tokens == post(server, "/tokenize", {"messages": messages}).json()["count"]
