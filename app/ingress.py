@@ -59,7 +59,9 @@ logger = logging.getLogger("sluice.ingress")
 
 # The body fields that hold a prompt, in the order a prompt's text comes (instructions and system prompts first).
 PROMPT_FIELDS = ("instructions", "system", "messages", "input", "prompt")
-RESPONSES_PATH = "/v1/responses/"  # then a stored response's id
+STATE_PATHS = ("/v1/responses/", "/v1/conversations/")  # then a stored response's or conversation's id
+# The Responses routes whose body may name stored state (an earlier response, a conversation, an item).
+RESPONSES_BODY_PATHS = frozenset(("/v1/responses", "/v1/responses/input_tokens"))
 # How long the drain, once its time is up, gives the requests it ends to send their last words (a 503, an error event).
 LAST_WORD_S = 5.0
 # The single process's /health and its other names, as (path, method): the ingress answers them itself.
@@ -67,14 +69,20 @@ HEALTH_ROUTES = frozenset((operation.path, operation.method) for handler, operat
 
 
 def routing(path: str, body: bytes) -> Routing:
-    """The request's routing key, and the replica it must go to where it names a stored response or item: by its
-    path (`/v1/responses/{id}`, `.../input_items`), its `previous_response_id`, or else its input's first item
-    reference."""
+    """The request's routing key, and the replica it must go to where it names a stored response, conversation or
+    item: by its path (`/v1/responses/{id}`, `.../input_items`, `/v1/conversations/{id}`, `.../items`), its
+    `previous_response_id` or `conversation`, or else its input's first item reference."""
     payload = _json_object(body)
-    named = path.removeprefix(RESPONSES_PATH).split("/")[0] if path.startswith(RESPONSES_PATH) else None
-    if named is None and path == RESPONSES_PATH[:-1]:
-        named = payload.get("previous_response_id") or _first_reference(payload.get("input"))
+    named = next((path.removeprefix(prefix).split("/")[0] for prefix in STATE_PATHS if path.startswith(prefix)), None)
+    if path in RESPONSES_BODY_PATHS:
+        named = (payload.get("previous_response_id") or _conversation_id(payload.get("conversation"))
+                 or _first_reference(payload.get("input")))
     return Routing(routing_key(payload), replica_of(named) if isinstance(named, str) else None)
+
+
+def _conversation_id(conversation: Any) -> Any:
+    """The id a Responses request's `conversation` names (a string, or `{"id": ...}`)."""
+    return conversation.get("id") if isinstance(conversation, dict) else conversation
 
 
 def _first_reference(items: Any) -> Any:

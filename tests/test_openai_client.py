@@ -518,7 +518,6 @@ def test_fields_that_do_not_change_the_reply_are_accepted_and_leave_it_as_it_was
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"conversation": "conv_1"}, "conversation"),
     ({"background": True, "store": False}, "background"),  # served with store only
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"extra_body": {"moderation": {"model": "omni-moderation-latest"}}}, "moderation"),

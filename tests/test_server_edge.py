@@ -325,8 +325,16 @@ def test_a_body_nested_too_deep_for_the_json_parser_has_no_routing_key():
                       b'"And?"}]}', "r7x2"),
     ("/v1/responses", b'{"input": [{"role": "user", "content": "Hi"}, {"id": "fc_r7x2_0a1b"}]}', "r7x2"),
     ("/v1/responses", b'{"input": [{"id": "msg_r1_0a1b"}], "previous_response_id": "resp_r7x2_0a1b"}', "r7x2"),
+    ("/v1/responses/input_tokens", b'{"input": "Hi", "previous_response_id": "resp_r7x2_0a1b"}', "r7x2"),
+    # A conversation's id too, in the path or as a Responses request's `conversation`.
+    ("/v1/conversations/conv_r7x2_0a1b", b"", "r7x2"),
+    ("/v1/conversations/conv_r7x2_0a1b/items/msg_r1_0a1b", b"", "r7x2"),
+    ("/v1/responses", b'{"input": "Hi", "conversation": "conv_r7x2_0a1b"}', "r7x2"),
+    ("/v1/responses", b'{"input": "Hi", "conversation": {"id": "conv_r7x2_0a1b"}}', "r7x2"),
+    ("/v1/responses/input_tokens", b'{"input": "Hi", "conversation": {"id": "conv_r7x2_0a1b"}}', "r7x2"),
+    ("/v1/conversations", b'{"items": []}', None),  # a new conversation: any replica
 ])
-def test_a_request_naming_a_stored_response_is_routed_to_the_replica_that_stores_it(path, body, replica):
+def test_a_request_naming_a_stored_response_or_conversation_is_routed_to_the_replica_that_stores_it(path, body, replica):
     assert routing(path, body).replica == replica
 
 
