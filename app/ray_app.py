@@ -31,7 +31,7 @@ from ray.serve.schema import ApplicationStatus, DeploymentStatus, ReplicaState
 from sluice.app.addresses import host_port, http_url
 from sluice.app.ingress import LAST_WORD_S, SluiceIngress
 from sluice.app.prefix_router import PowerOfTwoRouter, PrefixAffinityRouter, RoundRobinRouter
-from sluice.app.ray_cluster import connect, stop_on_signal
+from sluice.app.ray_cluster import connect, disconnect, stop_on_signal
 from sluice.app.replicas import ReplicaConfig, SluiceReplica
 from sluice.app.scale_out import ScaleOutConfig
 
@@ -42,6 +42,9 @@ ROUTERS = {"prefix": PrefixAffinityRouter, "round-robin": RoundRobinRouter, "pow
 # (`max_ongoing_requests`) is what bounds the work.
 INGRESS_MAX_ONGOING = 8192
 DRAIN_CALL_MARGIN_S = 10.0  # past the ingress's own drain, for the call to reach it and return
+# How often a replica that is stopping (scaled down, replaced, deleted) looks whether its requests have ended: Ray
+# Serve's 2 s would add up to 2 s to every stop and scale-down, for a count that costs nothing to read.
+SHUTDOWN_POLL_S = 0.2
 
 
 def _router(scale: ScaleOutConfig) -> RequestRouterConfig:
@@ -56,6 +59,7 @@ def build_application(replica: ReplicaConfig, scale: ScaleOutConfig, gpus: bool)
         "ray_actor_options": resources,
         "max_ongoing_requests": scale.max_ongoing_requests,
         "graceful_shutdown_timeout_s": scale.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
     }
     if (autoscaling := scale.autoscaling()) is not None:
         options["autoscaling_config"] = autoscaling
@@ -65,6 +69,7 @@ def build_application(replica: ReplicaConfig, scale: ScaleOutConfig, gpus: bool)
     replicas = serve.deployment(SluiceReplica, name="SluiceReplica", **options).bind(replica)
     ingress = serve.deployment(SluiceIngress, name=INGRESS, num_replicas=1,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING,
+                               graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
                                # It relays the replicas' streams: it stops after them (Ray Serve stops both at
                                # once), with time to end a stream its replica did not finish with an error event.
                                graceful_shutdown_timeout_s=scale.graceful_shutdown_timeout_s + LAST_WORD_S)
@@ -79,7 +84,7 @@ def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:
         with stop_on_signal() as stop:
             error = _serve(stop, replica, scale)
     finally:
-        ray.shutdown()  # a local cluster stops; a joined one stops sending its logs, so the error below comes last
+        disconnect()  # a local cluster stops; a joined one stops sending its logs, so the error below comes last
     if error is not None:
         print(f"sluice serve: error: {error}", file=sys.stderr)
         return 1

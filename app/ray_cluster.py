@@ -1,15 +1,17 @@
-"""What `sluice serve --replicas` and `--hosts` share: joining Ray, and stopping on a signal."""
+"""What `sluice serve --replicas` and `--hosts` share: joining Ray and leaving it, and stopping on a signal."""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
 import ray
+from ray._private import ray_constants
 
 # The variables that configure an engine in the process running it: Sluice's own (the model and kernel folder, the
 # compilation cache, ...), jax's (JAX_PLATFORMS, its cache settings, ...) and XLA's (XLA_FLAGS, and the share of each
@@ -17,6 +19,9 @@ import ray
 # huggingface_hub's for a Hub model (HF_* and HUGGING_FACE_*, as vLLM forwards them: its token, cache, offline switch;
 # TRANSFORMERS_OFFLINE, the offline switch's other name).
 ENGINE_VARIABLE_PREFIXES = ("SLUICE_", "JAX_", "XLA_", "TF_CPP_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_OFFLINE")
+# How long the raylet's workers and agents get to end once it is stopped (as long as Ray gives them); they take a
+# fifth of a second.
+RAYLET_ORPHANS_S = 1.0
 
 
 def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -43,6 +48,45 @@ def connect(address: str | None, cpus_needed: int) -> None:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     else:
         ray.init(address=address, runtime_env={"env_vars": engine_environment(os.environ)})
+
+
+def disconnect() -> None:
+    """Leaves Ray: a joined cluster goes on, a local one (`connect`'s) stops.
+
+    Ray would stop a local cluster's processes one after another, each with SIGTERM and a second's wait before
+    SIGKILL; theirs is blocked (`connect`), so each second would be waited in vain (4 s of every stop). They get the
+    SIGKILL at once, in Ray's order: the raylet, then, once the workers and agents it started have seen it gone
+    (telling the GCS so: without it, they would linger a minute), the GCS and the others.
+    """
+    node = ray._private.worker._global_node  # the local cluster's processes (a joined cluster's node has none)
+    ray._private.worker._global_node = None  # `ray.shutdown` leaves the cluster, and stops none of them
+    ray.shutdown()
+    if node is None:
+        return
+    if node.is_head():
+        node.destroy_external_storage()  # what Ray spilled to disk, as `ray.shutdown` removes it
+    import psutil  # Ray's own copy, where no other is installed: importable once Ray is
+
+    raylet = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+    try:
+        started = [child for info in raylet for child in psutil.Process(info.process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:  # the raylet died before the stop, and its processes with it
+        started = []
+    node.kill_raylet(check_alive=False)
+    deadline = time.monotonic() + RAYLET_ORPHANS_S
+    while any(_running(process) for process in started) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+
+
+def _running(process) -> bool:
+    """Whether `process` (a `psutil.Process`) runs: one that has exited may stay a zombie a while, its parent gone."""
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sluice.app.addresses import host_port
-from sluice.app.ray_cluster import connect, stop_on_signal
+from sluice.app.ray_cluster import connect, disconnect, stop_on_signal
 
 # `sluice serve`'s entry point for one process, given by its caller (app/serve.py imports this module).
 ServeProcess = Callable[[argparse.Namespace], int]
@@ -67,7 +67,7 @@ def serve_on_hosts(run: ServeProcess, args: argparse.Namespace, hosts: int, gpus
         return _run(run, args, hosts, group, gpus_per_host)
     finally:
         remove_placement_group(group)
-        ray.shutdown()
+        disconnect()
 
 
 def _run(run: ServeProcess, args: argparse.Namespace, hosts: int, group: PlacementGroup, gpus_per_host: int) -> int:
