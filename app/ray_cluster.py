@@ -40,7 +40,7 @@ def connect(address: str | None, cpus_needed: int) -> None:
     if address is None:
         # The cluster's processes (in this process group) inherit SIGTERM blocked, as Ray blocks SIGINT in them: a
         # SIGTERM to the whole group (a supervisor's, `timeout`'s) reaches this process alone, which drains the
-        # application before `ray.shutdown` stops them (with SIGKILL once its SIGTERM has gone unheeded for 1 s).
+        # application before `disconnect` stops them (with SIGKILL).
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus_needed), include_dashboard=False)
