@@ -179,9 +179,11 @@ def test_a_local_cluster_is_the_commands_own_whatever_ray_address_says_its_ready
 
 @pytest.mark.slow
 def test_a_replica_that_cannot_load_is_a_one_line_error_saying_why():
-    """`--tp 2` on one CPU device: the replica's engine refuses to load, each time Ray Serve tries it."""
+    """`--tp 2` on one CPU device: the replica's engine refuses to load, each time Ray Serve tries it. Ray Serve
+    tries once here rather than its 3 times, each one more replica process failing the same way."""
     pytest.importorskip("ray.serve")
     env = {name: value for name, value in os.environ.items() if name != "XLA_FLAGS"}
+    env["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"
     result = sluice("serve", "--replicas", "1", "--tp", "2", "--port", str(free_port()), "--no-ui", *SERVER_FLAGS, env=env)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
@@ -199,14 +201,15 @@ RAY_SERVE_WAITS_S = 60
 Outcome = tuple[int, list[str]]  # a streamed request's status, and its events (its body if refused)
 
 
-async def _streams(url: str, count: int, started: asyncio.Event, enough: int | None = None) -> list[Outcome]:
-    """`count` streamed completions of 500 tokens each, their outcomes; `started` is set once `enough` of them (all
-    unless given) have their headers (the replica has them)."""
+async def _streams(url: str, count: int, started: asyncio.Event, enough: int | None = None,
+                   tokens: int = 500) -> list[Outcome]:
+    """`count` streamed completions of `tokens` tokens each, their outcomes; `started` is set once `enough` of them
+    (all unless given) have their headers (the replica has them)."""
     answered = 0
 
     async def stream(client: httpx.AsyncClient, i: int) -> Outcome:
         nonlocal answered
-        body = {"prompt": [400 + i, 7, 8], "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
+        body = {"prompt": [400 + i, 7, 8], "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "stream": True}
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             answered += 1
             if answered == (enough or count):
@@ -258,11 +261,12 @@ def test_sigterm_lets_every_request_in_flight_finish_within_the_drain_timeout():
     assert exit_status == 0, server.output()[-4000:]
 
 
-# Short, so that the streams below outlast it; long enough for a stop's own steps to show beside it.
-SHORT_DRAIN_S = 15
 # What a stop takes beyond the drain timeout: the requests it ends saying so, the replicas' and the ingress's own
-# shutdown, Ray's.
-STOP_MARGIN_S = 12
+# shutdown, Ray's (about 4 s on 2 cores).
+STOP_MARGIN_S = 8
+# Short, so that the streams below outlast it; longer than the margin, so that a stop waiting for the replicas a
+# second drain timeout takes longer than the two together.
+SHORT_DRAIN_S = 10
 
 
 @pytest.mark.slow
@@ -314,6 +318,11 @@ async def _refused_while_draining(url: str) -> dict[str, httpx.Response]:
         return {"models": models, "messages": messages, "health": health}
 
 
+# Each of the three streams below: enough for the drain to outlast the new requests' answers by seconds (the three
+# take about 7 s on 2 cores, one after another), which the test checks.
+DRAINED_STREAM_TOKENS = 200
+
+
 @pytest.mark.slow
 def test_health_is_503_while_the_replicas_load_then_200_and_after_sigterm_new_requests_get_the_single_processs_503_while_the_streams_in_flight_finish():
     """One server's life, on a replica that runs one at a time (and takes two: its batch twice):
@@ -330,13 +339,14 @@ def test_health_is_503_while_the_replicas_load_then_200_and_after_sigterm_new_re
     server = start_server("--replicas", "1", "--no-ui", *SERVER_FLAGS, "--max-model-len", "512", "--max-num-seqs",
                           "1", "--drain-timeout", "120", until=503, startup_timeout_s=300)
 
-    async def stream_then_stop() -> tuple[list[Outcome], dict[str, httpx.Response]]:
+    async def stream_then_stop() -> tuple[list[Outcome], dict[str, httpx.Response], bool]:
         started = asyncio.Event()
-        streams = asyncio.ensure_future(_streams(server.url, 3, started, 2))
+        streams = asyncio.ensure_future(_streams(server.url, 3, started, 2, DRAINED_STREAM_TOKENS))
         await _within(started.wait(), 120, "two of the streams to have their headers from the replica")
         server.process.send_signal(signal.SIGTERM)
         refused = await _within(_refused_while_draining(server.url), 60, "a 503 to a new request after SIGTERM")
-        return await streams, refused
+        streaming = not streams.done()
+        return await streams, refused, streaming
 
     try:
         deadline = time.monotonic() + 300
@@ -345,10 +355,11 @@ def test_health_is_503_while_the_replicas_load_then_200_and_after_sigterm_new_re
         while (health := _answer_of_the_ingress(server.url, "/health", deadline)).status_code != 200:
             assert time.monotonic() < deadline, f"/health still {health.status_code} after 300 s: {health.text}"
             time.sleep(0.2)
-        streams, refused = asyncio.run(stream_then_stop())
+        streams, refused, streaming = asyncio.run(stream_then_stop())
         exit_status = server.process.wait(120)
     finally:
         server.stop(timeout_s=120)
+    assert streaming, "the streams had ended before the new requests were answered: this shows nothing"
     assert refused["models"].status_code == 503, refused["models"].text
     assert refused["models"].json()["error"]["message"] == "The server is shutting down"
     assert refused["messages"].status_code == 503
