@@ -27,9 +27,10 @@ REMOVAL = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) controller .* Removi
                      r"Deployment\(name='SluiceReplica'")
 
 # Eight streams want one replica (target 64 each). The autoscaler's downscale clock starts once the first replica
-# runs, while the second may still be starting (seconds later on a loaded machine), so its delay covers that and
-# the streams are short: those started once the second replica is up reach it before the removal.
-DOWNSCALE_DELAY_S = 15
+# runs, while the second may still be starting (the two load side by side, one CPU each: a tenth of a second apart
+# on 2 cores, seconds on a loaded machine), so its delay covers that and the streams are short: those started once
+# the second replica is up reach it before the removal.
+DOWNSCALE_DELAY_S = 10
 AUTOSCALING = ["--replicas", "2", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "64",
                "--downscale-delay", str(DOWNSCALE_DELAY_S), "--drain-timeout", "120"]
 CONCURRENCY = 8
@@ -94,7 +95,7 @@ def _scale_down_under_load() -> tuple[list[Stream], datetime.datetime, set[str]]
         deadline = time.monotonic() + 60
         while len(replica_pids(server.process.pid)) > 1:
             assert time.monotonic() < deadline, "the removed replica's process outlived its drain"
-            time.sleep(1)
+            time.sleep(0.2)
         survivors = {httpx.get(f"{server.url}/v1/models", timeout=30).headers[REPLICA_HEADER] for _ in range(4)}
         removed = {stream.replica for stream in streams} - survivors
         assert len(survivors) == 1 and len(removed) == 1, (survivors, removed)
