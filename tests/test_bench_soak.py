@@ -1,6 +1,7 @@
-"""A short `sluice bench soak` (18 s of load, a SIGKILL and a restart in the middle) against the real default
-model: its summary is made of the run's own numbers and holds the soak's promises. Most of its minute and a
-half is the two server start-ups."""
+"""A short `sluice bench soak` (12 s of load, a SIGKILL and a restart in the middle) against the real default
+model: its summary is made of the run's own numbers and holds the soak's promises. On 2 cores each client sends
+about 13 requests a life, going through the 8 kinds in turn; the half minute is the load, the two server
+start-ups (6 s each) and the soak's own start and report."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ SERVER_ARGS = "--max-num-seqs 4 --max-num-batched-tokens 64 --max-model-len 512 
 def soak(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("soak")
     run = subprocess.run(
-        [sys.executable, "-m", "sluice.bench.soak", "--minutes", "0.3", "--concurrency", "4", "--sample-interval",
+        [sys.executable, "-m", "sluice.bench.soak", "--minutes", "0.2", "--concurrency", "4", "--sample-interval",
          "0.5", "--out", str(out), "--server-args", SERVER_ARGS],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
