@@ -1,10 +1,10 @@
-"""`sluice serve --replicas 1 --ray-address ADDR`: a replica on a cluster the command joins (a `ray start --head`
-started here, with an environment of its own and none of the engine's variables), which runs with the
-command's engine environment as a local cluster's replica inherits it, and which the command leaves as it found
-it when it exits.
+"""`sluice serve --replicas 2 --ray-address ADDR`: replicas on a cluster the command joins (a `ray start --head`
+started here, of one CPU, with an environment of its own and none of the engine's variables). The first replica
+runs with the command's engine environment as a local cluster's replica inherits it; the second waits for a CPU
+for ever, so the start-up cannot finish, and a signal ends the command all the same; it leaves the cluster as it
+found it.
 
-One cluster for the module, of one CPU, and one command for the tests that look at its replica; the test that
-stops that command comes after them.
+One cluster and one command for the module; the test that stops the command comes last.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def head() -> Iterator[Head]:
 
 @pytest.fixture(scope="module")
 def server(head: Head) -> Iterator[ServerProcess]:
-    server = start_server("--replicas", "1", "--tp", "3", "--gpu-memory-utilization", "0.5", "--ray-address",
+    """Two replicas of a CPU each on the cluster of one: the first serves (/health is 200), the second waits."""
+    server = start_server("--replicas", "2", "--tp", "3", "--gpu-memory-utilization", "0.5", "--ray-address",
                           head.address, "--no-ui", *SERVER_FLAGS, env={**AUTH, **THREE_DEVICES}, startup_timeout_s=300)
     yield server
     server.stop(timeout_s=120)  # stopped already, unless the test that stops it was left out
@@ -129,19 +130,12 @@ def test_a_second_command_at_the_same_address_leaves_the_application_serving_the
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
-def test_the_command_leaves_the_cluster_as_it_found_it(head: Head, server: ServerProcess):
-    """Its application is deleted, and Ray Serve, which it started there, is stopped: its proxy would hold the
-    port, and the next command's --host and --port would not be applied."""
+def test_a_signal_stops_a_start_up_that_cannot_finish_and_the_command_leaves_the_cluster_as_it_found_it(
+        head: Head, server: ServerProcess):
+    """SIGTERM ends the command, whose second replica still waits for a CPU, all the same. Its application is
+    deleted, and Ray Serve, which it started there, is stopped: its proxy would hold the port, and the next
+    command's --host and --port would not be applied."""
     assert ray_processes(head.process.pid, SERVE_PROCESSES)
-    assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
-    _wait_until_serve_is_gone(head)
-
-
-def test_a_signal_stops_a_start_up_that_cannot_finish(head: Head):
-    """Two replicas of a CPU each on a cluster of one: the second waits for a CPU for ever, and the first serves
-    meanwhile. SIGTERM ends the command all the same, and its application with it."""
-    server = start_server("--replicas", "2", "--ray-address", head.address, "--no-ui", *SERVER_FLAGS, env=AUTH,
-                          startup_timeout_s=300)
     assert server.stop(timeout_s=60) == 0, server.output()[-4000:]
     assert "Sluice is ready" not in server.output()
     _wait_until_serve_is_gone(head)
