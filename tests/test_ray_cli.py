@@ -262,11 +262,11 @@ def test_sigterm_lets_every_request_in_flight_finish_within_the_drain_timeout():
 
 
 # What a stop takes beyond the drain timeout: the requests it ends saying so, the replicas' and the ingress's own
-# shutdown, Ray's (about 4 s on 2 cores).
-STOP_MARGIN_S = 8
+# shutdown, Ray's (3.2 s on 2 cores).
+STOP_MARGIN_S = 7
 # Short, so that the streams below outlast it; longer than the margin, so that a stop waiting for the replicas a
 # second drain timeout takes longer than the two together.
-SHORT_DRAIN_S = 10
+SHORT_DRAIN_S = 8
 
 
 @pytest.mark.slow
