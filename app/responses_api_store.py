@@ -10,7 +10,7 @@ past either evicts the least recently used (read or written) first. An entry lar
 events is stored without them (`events_dropped`); one larger without them is not stored (nor is a response
 larger than the bound kept by its earlier entry, a background response's queued one). Only the event loop touches
 the store, so it needs no lock. The bounded, least recently used order is `LruStore`'s, which the conversations'
-store shares (`conversations_store.py`).
+store shares (`conversations_store.py`, whose busy conversations are not evicted).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ Entry = TypeVar("Entry", bound=Sized)
 
 class LruStore(Generic[Entry]):
     """At most `max_count` entries and `max_bytes` bytes of them (their `size`s), by key; storing past either evicts
-    the least recently used (read or written) first. An entry larger than `max_bytes` on its own is not stored."""
+    the least recently used (read or written) first, of those `_evictable`. An entry larger than `max_bytes` on its
+    own is not stored."""
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
         self.max_count = max_count
@@ -61,15 +62,42 @@ class LruStore(Generic[Entry]):
         return self._bytes
 
     def put(self, key: str, entry: Entry) -> bool:
-        """Stores `entry` in place of the one under `key`, if any; False, changing nothing, where it cannot fit."""
+        """Stores `entry` in place of the one under `key`, if any, evicting as many of the least recently used others
+        as the bounds ask; False, changing nothing, where it cannot fit (also where only entries that are not
+        `_evictable` would make room)."""
         if self.max_count < 1 or entry.size > self.max_bytes:
             return False
+        victims = self._victims(key, entry.size)
+        if victims is None:
+            return False
+        for victim in victims:
+            self._evict(victim)
         self.delete(key)
         self._entries[key] = entry
         self._bytes += entry.size
-        while len(self._entries) > self.max_count or self._bytes > self.max_bytes:
-            self._forget(*self._entries.popitem(last=False))
         return True
+
+    def _victims(self, key: str, size: int) -> list[str] | None:
+        """The keys of the least recently used entries (other than `key`, and `_evictable`) whose eviction makes
+        room for an entry of `size` bytes under `key`, oldest first; None where evicting all of them would not."""
+        held = self._entries.get(key)
+        count = len(self._entries) + (held is None)
+        total = self._bytes - (0 if held is None else held.size) + size
+        victims = []
+        for other, entry in self._entries.items():
+            if count <= self.max_count and total <= self.max_bytes:
+                break
+            if other != key and self._evictable(other):
+                victims.append(other)
+                count -= 1
+                total -= entry.size
+        return victims if count <= self.max_count and total <= self.max_bytes else None
+
+    def _evictable(self, key: str) -> bool:
+        return True
+
+    def _evict(self, key: str) -> None:
+        self.delete(key)
 
     def get(self, key: str) -> Entry | None:
         entry = self._entries.get(key)

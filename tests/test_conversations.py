@@ -5,6 +5,7 @@ real `sluice serve` with SmolLM2 (greedy, short replies)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import openai
@@ -21,25 +22,60 @@ from sluice.app.conversations_store import ConversationStore, StoredConversation
 
 
 def conversation(*items: str) -> StoredConversation:
-    return StoredConversation(created_at=0, metadata={}, items={f"msg_{i}": text for i, text in enumerate(items)})
+    return StoredConversation(created_at=0, metadata={}).with_items({f"msg_{i}": text for i, text in enumerate(items)})
 
 
 def test_the_store_evicts_the_least_recently_used_beyond_its_count_or_bytes():
-    store = ConversationStore(max_count=2, max_bytes=100)
+    store = ConversationStore(max_count=2, max_bytes=1000)
     for name in "ab":
         store.put(name, conversation("x" * 10))
     store.get("a")
     store.put("c", conversation("x" * 10))
     assert (store.get("a") is not None, store.get("b"), store.get("c") is not None) == (True, None, True)
-    store.put("a", conversation("x" * 90))
-    assert (store.get("c"), len(store), store.bytes) == (None, 1, conversation("x" * 90).size)
+    store.put("a", conversation("x" * 600))  # it and c's exceed the bytes
+    assert (store.get("c"), len(store), store.bytes) == (None, 1, conversation("x" * 600).size)
 
 
 def test_a_conversation_larger_than_the_byte_bound_alone_is_refused_and_the_one_stored_kept():
-    store = ConversationStore(max_count=2, max_bytes=100)
+    store = ConversationStore(max_count=2, max_bytes=1000)
     store.put("a", conversation("x"))
-    assert not store.put("a", conversation("x" * 101))
+    assert not store.put("a", conversation("x" * 1000))
     assert store.get("a") == conversation("x")
+
+
+def test_a_busy_conversation_is_not_evicted_and_each_eviction_is_logged(caplog):
+    """A response running on a conversation adds its turn to it when it ends: evicted meanwhile, the turn is lost."""
+    store = ConversationStore(max_count=2, max_bytes=10_000)
+    store.put("a", conversation("x"))
+    assert store.occupy("a")
+    with caplog.at_level(logging.INFO, logger="sluice.app.conversations_store"):
+        for name in "bc":
+            store.put(name, conversation("x"))
+    assert (store.get("a") is not None, store.get("b"), store.get("c") is not None) == (True, None, True)
+    assert [record.getMessage() for record in caplog.records] == ["Conversation b evicted (least recently used)"]
+
+
+def test_a_conversation_that_fits_only_by_evicting_a_busy_one_is_refused():
+    store = ConversationStore(max_count=1, max_bytes=10_000)
+    store.put("a", conversation("x"))
+    store.occupy("a")
+    assert not store.put("b", conversation("x")) and store.get("a") is not None
+    store.free("a")
+    assert store.put("b", conversation("x")) and store.get("a") is None
+
+
+def test_a_conversation_is_occupied_by_one_response_at_a_time():
+    store = ConversationStore(max_count=2, max_bytes=1000)
+    assert store.occupy("a") and not store.occupy("a") and store.occupy("b")
+    store.free("a")
+    assert store.occupy("a")
+
+
+def test_a_conversations_size_counts_its_items_ids_and_what_each_costs_beyond_its_text():
+    empty = StoredConversation(created_at=0, metadata={})
+    short, long = empty.with_items({"m": "x"}), empty.with_items({"m" * 101: "x"})
+    assert long.size - short.size == 100 and short.size - empty.size > 100
+    assert short.without_item("m").size < short.size
 
 
 # --- the openai client against a real server ----------------------------------------------------------------
