@@ -2,13 +2,14 @@
 `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`, routes the app has only when it is on
 (`server.create_app`'s `lora_admin`).
 
-A load reads the adapter's files in a worker thread (`Engine.load_lora`: CPU work, kept off the event loop), and the
-engine thread writes it into a free slot between two steps; an unload takes effect there too, before its answer.
-One update at a time (`ServerState.lora_updates`), so what the checks here read of `Engine.adapters` holds until
-the update is done; an update once begun is seen through to its end even if its request is cancelled (a client gone,
-a server shutting down), so the next one finds the slots decided. The answers are vLLM's: 200 with one line of plain
-text; 400 for an adapter already loaded without `load_inplace`, one Sluice cannot serve (`LoraError`'s line) or no
-free slot; 404 for no folder at `lora_path`, or an unload of an adapter not loaded.
+A load reads the adapter's files in a worker thread (`Engine.load_lora`: CPU work, kept off the event loop) into host
+memory, and the engine thread serves it from between two steps (a device slot takes it when a request needs it:
+`batching.lora_slots`); an unload takes effect there too, before its answer. One update at a time
+(`ServerState.lora_updates`), so what the checks here read of `Engine.adapters` holds until the update is done; an
+update once begun is seen through to its end even if its request is cancelled (a client gone, a server shutting
+down), so the next one finds the adapters decided. The answers are vLLM's: 200 with one line of plain text; 400 for
+an adapter already loaded without `load_inplace`, or one Sluice cannot serve (`LoraError`'s line); 404 for no folder
+at `lora_path`, or an unload of an adapter not loaded.
 """
 
 from __future__ import annotations
@@ -35,12 +36,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ERROR_STATUSES = (
-    ("400", "Invalid request: no name or path, the model's name, a name already loaded (without load_inplace), an "
-            "adapter Sluice cannot serve, or no free slot"),
+    ("400", "Invalid request: no name or path, the model's name, a name already loaded (without load_inplace), or an "
+            "adapter Sluice cannot serve"),
     ("401", "Missing or wrong API key"),
     ("404", "No folder at lora_path, or no adapter loaded of that name to unload"),
     ("413", "Body too large"),
-    ("500", "The adapter could not be written into its slot"),
     ("503", "Loading, or shutting down"),
 )
 """The statuses of the errors these routes answer with (their OpenAPI operations')."""

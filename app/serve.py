@@ -362,16 +362,17 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
                         help="LoRA adapters (PEFT folders, or Hub ids ORG/NAME) served beside the model, each under "
                              "its NAME, which a request gives as its `model`; also JSON {\"name\": ..., \"path\": "
                              "...} as vLLM's [env SLUICE_LORA_MODULES: NAME=PATH items apart by spaces]")
-    _option(parser, "--max-loras", None, "vLLM's LoRA adapters per batch, reported by vllm:lora_requests_info (every "
-            "adapter stays on the device here, and a batch mixes any of them; default: the adapters given; with "
-            "--allow-runtime-lora-updating, the slots adapters are loaded into: default 1, or one per --lora-modules "
-            "adapter where they are more)", type=at_least(1, int))
+    _option(parser, "--max-loras", None, "LoRA slots on the device, as vLLM's: the most adapters one batch holds; "
+            "more adapters are kept in host memory and swapped into a slot no running request uses when a request "
+            "needs one (reported by vllm:lora_requests_info; default: one per --lora-modules adapter, each in its own "
+            "from the start; with --allow-runtime-lora-updating, 1, or one per --lora-modules adapter where they are "
+            "more)", type=at_least(1, int))
     _option(parser, "--max-lora-rank", None, "largest LoRA rank served: an adapter of a higher rank is refused "
             "(adapters are padded to the largest one's; with --allow-runtime-lora-updating, to this: default 16)",
             type=at_least(1, int))
     parser.add_argument("--max-cpu-loras", type=at_least(1, int), default=None,
-                        help="vLLM's count of adapters kept in host memory; Sluice keeps every adapter on the device: "
-                             "accepted so that vLLM's command lines run")
+                        help="vLLM's count of adapters kept in host memory, at least --max-loras; Sluice keeps "
+                             "every adapter served in host memory: accepted so that vLLM's command lines run")
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--gpu-memory-utilization", None,
@@ -457,7 +458,7 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
             "most bytes of stored responses (their JSON)", type=byte_size)
     _switch(server, "--allow-runtime-lora-updating",
             "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters loaded and unloaded while "
-            "serving, into --max-loras slots of rank --max-lora-rank held on the device from the start (implies "
+            "serving, kept in host memory and swapped into --max-loras slots of rank --max-lora-rank (implies "
             f"--enable-lora; also vLLM's {RUNTIME_LORA_VARIABLE}=1 or true)")
     _switch(server, "--no-ui", "do not serve the dashboard and playground page (/, /ui) nor its push stream")
     _option(server, "--slo-ttft-ms", None, "time-to-first-token objective, drawn on the dashboard's TTFT chart",
@@ -571,6 +572,8 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
     modules = tuple(args.lora_modules)
     # vLLM's --enable-lora, which the flags that give adapters or size their slots imply here.
     enable_lora = args.enable_lora or bool(modules) or args.max_loras is not None or args.max_lora_rank is not None
+    if None not in (args.max_cpu_loras, args.max_loras) and args.max_cpu_loras < args.max_loras:  # vLLM's rule
+        raise CommandError(f"--max-cpu-loras ({args.max_cpu_loras}) must be >= --max-loras ({args.max_loras})")
     if args.served_model_name is not None and args.served_model_name in dict(modules):
         raise CommandError(f"--lora-modules names an adapter {args.served_model_name!r}, as --served-model-name names "
                            f"the model: a request for it could not be told from one for the model")

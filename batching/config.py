@@ -113,13 +113,14 @@ class EngineConfig:
     `step_timeout_s`: the watchdog's limit on one step of a started engine (None: no watchdog); past it the step is
     taken for hung, and the process exits (`Engine._watch`). 300 s, as SGLang's.
     `enable_lora`: the model takes LoRA adapters (`model.lora`), `lora_modules`' (name, PEFT folder) pairs, served
-    beside the base model: each is on the device from the start, in a slot of its own, its rank padded to the
-    largest adapter's, which must be at most `max_lora_rank` (None: any). `max_loras`, vLLM's adapters per batch, is
-    what the metrics report (any mix of the adapters runs in one batch here).
+    beside the base model, each kept in host memory, its rank padded to the largest adapter's, which must be at most
+    `max_lora_rank` (None: any). `max_loras` (vLLM's): the device's LoRA slots, the most adapters one batch holds,
+    into which the scheduler swaps adapters as sequences need them (`batching.lora_slots`); None: one per adapter,
+    each in its own from the start. `lora_modules`' adapters fill the first slots.
     `allow_runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters are also loaded and unloaded
-    while serving (`Engine.load_lora`), so the model holds from the start `max_loras` slots (default
-    RUNTIME_MAX_LORAS, or one per adapter of `lora_modules` where they are more) of rank `max_lora_rank` (default RUNTIME_MAX_LORA_RANK) for all seven projections, zeros where
-    no adapter is; `lora_modules`' adapters fill the first slots.
+    while serving (`Engine.load_lora`), so the slots (`max_loras`, default RUNTIME_MAX_LORAS or one per adapter of
+    `lora_modules` where they are more) are of rank `max_lora_rank` (default RUNTIME_MAX_LORA_RANK), for all seven
+    projections, zeros where no adapter is.
     A request names its adapter as its `model`.
     `prefix_cache_dir`: keep full KV pages past the pool, in `prefix_cache_ram` bytes of host RAM and then up to
     `prefix_cache_size` bytes of files in that directory (`kv_store.py`), so a restarted server still has them.
@@ -205,9 +206,6 @@ class EngineConfig:
             (self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1"),
             (self.enable_lora or not self.allow_runtime_lora_updating, "allow_runtime_lora_updating",
              "needs enable_lora"),
-            (not self.allow_runtime_lora_updating or len(names) <= self.runtime_lora_slots[0], "lora_modules",
-             f"gives {len(names)} adapters, more than the {self.runtime_lora_slots[0]} slots runtime updating holds "
-             f"(max_loras)"),
         ]
         for ok, name, why in checks:
             if not ok:

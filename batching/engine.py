@@ -37,6 +37,7 @@ from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore, PageKey
 from sluice.batching.kv_pool import num_pool_pages, resolve_max_model_len
 from sluice.batching.kv_transfer import PageCopy
+from sluice.batching.lora_slots import LoraSlots
 from sluice.batching.config import EngineConfig, InvalidEngineConfig, device_memory_bytes
 from sluice.batching.compilation_cache import enable_compilation_cache
 from sluice.batching.model_runner import ModelRunner
@@ -94,11 +95,9 @@ class _Stop:
 
 @dataclass(frozen=True)
 class _LoadLora:
-    """Serves `adapter` as its name, in place of any adapter of that name, from a free LoRA slot given `weights` (one
-    slot's, `lora.slot_weights`); `done` gives what its requests carry."""
+    """Serves `lora` under its name, in place of any adapter of that name; `done` gives it."""
 
-    adapter: LoraAdapter
-    weights: dict[str, np.ndarray]
+    lora: LoraRequest
     done: Future[LoraRequest]
 
 
@@ -129,11 +128,12 @@ class _Launched:
     host_s: float
 
 
-def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) -> tuple[dict[str, LoraRequest], int]:
-    """Reads `config.lora_modules`' adapters and gives `loaded.model` their LoRA weights, in place of any an earlier
-    engine gave it, with free slots for runtime updating (`EngineConfig.runtime_lora_slots`). Returns each adapter's
-    name -> what a request that runs with it carries, and the number of slots. InvalidEngineConfig for an adapter
-    Sluice cannot serve."""
+def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None
+                ) -> tuple[dict[str, LoraRequest], LoraSlots | None]:
+    """Reads `config.lora_modules`' adapters and gives `loaded.model` LoRA slots (`EngineConfig.max_loras`, with
+    runtime updating `runtime_lora_slots`), the first adapters in them, in place of any an earlier engine gave it.
+    Returns each adapter's name -> what a request that runs with it carries, and the slot table (None: no slot).
+    InvalidEngineConfig for an adapter Sluice cannot serve, or for swapping adapters over several processes."""
     if any(name == loaded.name for name, _ in config.lora_modules):
         raise InvalidEngineConfig("lora_modules", f"names an adapter {loaded.name!r}, the model's own name: a request "
                                                   f"for it could not be told from one for the model")
@@ -143,13 +143,17 @@ def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) ->
             num_slots, rank = config.runtime_lora_slots
         else:
             # Adapters cannot be added later: padding past the largest adapter's rank would only cost.
-            num_slots, rank = len(adapters), max((a.rank for a in adapters), default=1)
-        attach_adapters(loaded.model, adapters, num_slots, rank,
-                        partial(param_sharding, mesh) if mesh is not None else None,
-                        every_projection=config.allow_runtime_lora_updating)
+            num_slots, rank = config.max_loras or len(adapters), max((a.rank for a in adapters), default=1)
+        if num_slots < len(adapters) and step_broadcast.is_multiprocess():
+            raise InvalidEngineConfig("max_loras", f"is {num_slots}, fewer slots than the {len(adapters)} adapters: "
+                                                   f"adapters are swapped into slots in one engine process only")
+        weights = attach_adapters(loaded.model, adapters, num_slots, rank,
+                                  partial(param_sharding, mesh) if mesh is not None else None,
+                                  every_projection=config.allow_runtime_lora_updating)
     except (LoraError, hub.HubError) as error:
         raise InvalidEngineConfig("lora_modules", str(error)) from None
-    return {a.name: LoraRequest(a.name, slot, a.fingerprint) for slot, a in enumerate(adapters)}, num_slots
+    served = [LoraRequest(a.name, a.fingerprint, w) for a, w in zip(adapters, weights)]
+    return {lora.name: lora for lora in served}, LoraSlots(num_slots, served[:num_slots]) if num_slots else None
 
 
 def read_adapter(name: str, path: str, model_config: ModelConfig, config: EngineConfig) -> LoraAdapter:
@@ -183,8 +187,8 @@ class Engine:
         self.model_name = loaded.name
         self.generation_defaults = loaded.generation_defaults  # the model's sampling defaults, for the API to apply
         # Before the pool is sized: their weights take memory too. `adapters` is replaced whole, never changed, as
-        # other threads read it (`submit`, the app); the engine thread alone replaces it and fills the slots.
-        self.adapters, self._num_lora_slots = attach_lora(loaded, config, mesh)
+        # other threads read it (`submit`, the app); the engine thread alone replaces it.
+        self.adapters, self.lora_slots = attach_lora(loaded, config, mesh)
         self._slot_weights = partial(slot_weights, config=loaded.config, max_rank=config.runtime_lora_slots[1],
                                      dtype=loaded.model.dtype)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
@@ -214,7 +218,7 @@ class Engine:
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching,
                                           self.prefix_store)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.block_manager)
+                                   self.block_manager, self.lora_slots)
         self.speculator = Speculator(self.ngram) if self.ngram else None
         self.step_cost = StepCost.of(loaded.config, loaded.model, kv_dtype)
         if config.warmup:
@@ -312,18 +316,19 @@ class Engine:
         folder, or a Hub id as `--lora-modules` takes one) as `name`, in place of any adapter of that name. Reads and
         lays out its files in this thread (CPU work: keep it off the event loop), raising LoraError (AdapterNotFound
         where `path` is no folder, or a rank above --max-lora-rank before the weights are read) or HubError; the
-        engine thread then writes it into a free slot between two steps. The future gives what its requests carry, or
-        a LoraError when every slot holds an adapter served or one still used by a running or waiting request;
-        cancelled before the engine thread takes it, nothing is written."""
+        engine thread then serves it between two steps, and the future gives what its requests carry (a slot takes
+        its weights when a sequence needs them: `batching.lora_slots`). Cancelled before the engine thread takes it,
+        it is not served."""
         adapter = read_adapter(name, path, self.runner.config, self.config)
         done: Future[LoraRequest] = Future()
-        self._inbox.put(_LoadLora(adapter, self._slot_weights(adapter), done))
+        self._inbox.put(_LoadLora(LoraRequest(name, adapter.fingerprint, self._slot_weights(adapter)), done))
         return done
 
     def unload_lora(self, name: str) -> Future[None]:
         """Stops serving LoRA adapter `name` (unknown names are ignored) when the engine thread takes it in, between
         two steps: the future is done then, and requests for it are rejected from then on. Those that run or wait
-        finish with it; its slot is free once they have. Cancelled before the engine thread takes it, it serves on."""
+        finish with it; its slot is another's to take once no running sequence uses it. Cancelled before the engine
+        thread takes it, it serves on."""
         done: Future[None] = Future()
         self._inbox.put(_UnloadLora(name, done))
         return done
@@ -507,6 +512,8 @@ class Engine:
                 self.speculator.propose(running, self.max_model_len, prefills)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
+        if self.lora_slots is not None and self.lora_slots.writes:  # adapters this step swaps in
+            self._write_lora_slots(self.lora_slots.writes)
         if self.block_manager.loads:  # the store's pages, into the pool before the step reads them
             pages, payloads = zip(*self.block_manager.loads)
             self.block_manager.loads.clear()
@@ -729,40 +736,24 @@ class Engine:
                 seq.params = bound
 
     def _load_lora(self, command: _LoadLora) -> None:
-        """Writes the adapter into the first free LoRA slot (`_free_lora_slot`) and serves it, or says why not;
-        nothing if its caller cancelled it first."""
-        if not command.done.set_running_or_notify_cancel():
-            return
-        adapter = command.adapter
-        slot = self._free_lora_slot(adapter.name)
-        if slot is None:
-            command.done.set_exception(LoraError(
-                f"no free LoRA slot for adapter {adapter.name!r}: each of the {self._num_lora_slots} (--max-loras) "
-                f"holds an adapter served, or one unloaded that a running or waiting request still uses"))
-            return
-        try:
-            self.runner.write_layer_rows(command.weights, slot)
-        except Exception as error:  # noqa: BLE001 - the caller hears it; the slots are as they were
-            command.done.set_exception(error)
-            return
-        lora = LoraRequest(adapter.name, slot, adapter.fingerprint)
-        self.adapters = {**self.adapters, adapter.name: lora}
-        command.done.set_result(lora)
+        """Serves the adapter; nothing if its caller cancelled it first."""
+        if command.done.set_running_or_notify_cancel():
+            self.adapters = {**self.adapters, command.lora.name: command.lora}
+            command.done.set_result(command.lora)
 
     def _unload_lora(self, command: _UnloadLora) -> None:
-        """Stops serving the adapter (its slot is free once no request uses it); nothing if its caller cancelled it
-        first."""
+        """Stops serving the adapter (a slot holding it is another's to take once no running sequence uses it);
+        nothing if its caller cancelled it first."""
         if command.done.set_running_or_notify_cancel():
             self.adapters = {name: lora for name, lora in self.adapters.items() if name != command.name}
             command.done.set_result(None)
 
-    def _free_lora_slot(self, name: str) -> int | None:
-        """The first LoRA slot that holds no adapter served (but `name`'s, which a load replaces) and that no request
-        uses, running or waiting; None if there is none."""
-        held = {lora.slot for served, lora in self.adapters.items() if served != name}
-        held.update(request.seqs[0].params.lora.slot for request in self._requests.values()
-                    if request.seqs[0].params.lora is not None)
-        return next((slot for slot in range(self._num_lora_slots) if slot not in held), None)
+    def _write_lora_slots(self, writes: dict[int, LoraRequest]) -> None:
+        """Writes each adapter's weights into its slot, ordered before the step dispatched next (the steps in flight
+        read the old ones); a write is listed until it is done, so one that fails is done at the next step."""
+        for slot, lora in list(writes.items()):
+            self.runner.write_layer_rows(lora.weights, slot)
+            del writes[slot]
 
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
         """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call
@@ -1051,7 +1042,7 @@ class Engine:
             decode_batch_steps=tuple(self._totals.decode_batch_steps),
             queue_wait_s=self._totals.queue_wait_s,
             num_admitted=self._totals.num_admitted,
-            **(self._lora_stats() if self._num_lora_slots else {}),
+            **(self._lora_stats() if self.lora_slots is not None else {}),
         )
 
     def _lora_stats(self) -> dict[str, int | tuple[str, ...]]:
@@ -1059,5 +1050,5 @@ class Engine:
         def names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
             return tuple(sorted({seq.params.lora.name for seq in seqs if seq.params.lora is not None}))
 
-        return dict(max_loras=self.config.max_loras or self._num_lora_slots,
+        return dict(max_loras=self.lora_slots.num_slots,
                     lora_running=names(self.scheduler.running), lora_waiting=names(self.scheduler.waiting))

@@ -9,7 +9,9 @@ that gained pages. A step then carries, per row, its slot and what changes every
 sampler's output index); the device gathers page tables, sampling parameters and adapters by slot.
 
 A page table only grows in place while its sequence runs, and is replaced by a new list on any other change
-(`BlockManager`): a row is current while it was written from the same list and holds as many pages.
+(`BlockManager`): a row is current while it was written from the same list and holds as many pages. A sequence's
+LoRA slot (`Sequence.lora_slot`) is given at each admission, which gives it a new page list too: its row's adapter is
+written with a whole page table.
 """
 
 from __future__ import annotations
@@ -75,10 +77,11 @@ class InputBatch:
                 self._occupants[slot] = seq
                 self.host.sampling.write(slot, seq.params, seq.seed, seq.stop.stop_id_list, seq.num_prompt_tokens,
                                          self.vocab_size)
-                self.host.adapter[slot] = seq.params.lora.slot if seq.params.lora is not None else -1
                 changed = True
             if self._tables[slot] is not pages or self._num_pages[slot] != len(pages):
                 start = self._num_pages[slot] if self._tables[slot] is pages else 0
+                if not start:  # as after each admission (a new page list), which may give another LoRA slot
+                    self.host.adapter[slot] = seq.lora_slot
                 self.host.page_table[slot, start:len(pages)] = pages[start:]
                 self._tables[slot], self._num_pages[slot] = pages, len(pages)
                 changed = True

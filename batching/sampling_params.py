@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias
@@ -46,12 +50,13 @@ class StructuredOutput:
 
 @dataclass(frozen=True)
 class LoraRequest:
-    """A LoRA adapter a request runs with, as the engine holds it (`Engine.adapters`): its served `name`, the
-    `slot` of the model's LoRA weights it sits in (`model.lora`), and its `fingerprint`, the hash of its files."""
+    """A LoRA adapter a request runs with, as the engine holds it (`Engine.adapters`): its served `name`, its
+    `fingerprint`, the hash of its files (the two are the adapter: `batching.lora_slots`), and its `weights`, one
+    slot's (`model.lora.slot_weights`), the host copy written into a device slot to run it."""
 
     name: str
-    slot: int
     fingerprint: str
+    weights: Mapping[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
 
 class CacheNamespace(NamedTuple):

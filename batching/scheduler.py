@@ -2,7 +2,9 @@
 
 Each step takes running decodes first (with their draft tokens when speculating, as far as budget and pages
 allow), then continues partial prefills, then admits waiting sequences (first come first served, lower
-`priority` value first), chunking prefills to fit `max_num_batched_tokens`.
+`priority` value first), chunking prefills to fit `max_num_batched_tokens`. A waiting sequence with a LoRA adapter
+is admitted only into a LoRA slot (`LoraSlots.acquire`); when none is free it waits and the others are looked at, as
+vLLM's scheduler does.
 When the pool runs out of pages, the newest running sequence is preempted: its pages are freed and it is
 recomputed from its tokens later (its full pages usually survive in the prefix cache).
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sluice.batching.block_manager import BlockManager
+from sluice.batching.lora_slots import LoraSlots
 from sluice.batching.sequence import Sequence, SequenceStatus
 
 
@@ -83,9 +86,11 @@ _schedule_key = attrgetter("schedule_key")
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lora_slots: LoraSlots | None = None):
+        """`lora_slots`: the model's LoRA slots (None: it serves no adapter)."""
         self.config = config
         self.block_manager = block_manager
+        self.lora_slots = lora_slots
         # Both in `Sequence.schedule_key` order, kept as sequences come and go: a queue of thousands costs a step
         # no sort and no scan (RESULTS.md, 2026-11-29).
         self.waiting: list[Sequence] = []
@@ -173,8 +178,13 @@ class Scheduler:
             if parent is not None and not parent.finished and parent.num_computed_tokens < parent.num_prompt_tokens:
                 i += 1
                 continue  # a sibling waits for the first sequence to prefill the prompt it will share
+            lora_slot = -1 if seq.params.lora is None else self.lora_slots.acquire(seq.params.lora)
+            if lora_slot is None:
+                i += 1
+                continue  # every LoRA slot holds another adapter, which running sequences use
             shared, hashes, stored = bm.match_prefix(seq)
             if stored is None:
+                self._release_lora(lora_slot)
                 i += 1
                 continue  # its pages are still being read from the store
             fork = self._fork_pages(seq)
@@ -182,6 +192,7 @@ class Scheduler:
                 (shared, hashes), stored = fork, []
             num_new = min(seq.num_tokens - (len(shared) + len(stored)) * bm.page_size, budget)
             if not bm.can_admit(seq, shared, len(stored) * bm.page_size + num_new):
+                self._release_lora(lora_slot)
                 break
             bm.admit(seq, shared, hashes, stored, count_query=seq.num_output_tokens == 0)
             if seq.num_cached_tokens is None:  # at its first admission, as vLLM's usage reports it
@@ -189,7 +200,7 @@ class Scheduler:
             bm.grow(seq, seq.num_computed_tokens + num_new)
             self._leave_waiting(i)
             bisect.insort(self.running, seq, key=_schedule_key)
-            seq.slot = self._free_slots.pop()
+            seq.slot, seq.lora_slot = self._free_slots.pop(), lora_slot
             seq.status = SequenceStatus.RUNNING
             out.admitted.append(seq)
             scheduled[seq] = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
@@ -240,7 +251,12 @@ class Scheduler:
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_slots.append(seq.slot)
-        seq.slot = -1
+        self._release_lora(seq.lora_slot)
+        seq.slot = seq.lora_slot = -1
+
+    def _release_lora(self, lora_slot: int) -> None:
+        if lora_slot >= 0:
+            self.lora_slots.release(lora_slot)
 
     def reserve_lookahead(self, chunks: list[ScheduledChunk], limits: list[int]) -> bool:
         """Gives each decoding chunk's sequence pages for `limits[i]` tokens from its start (a multi-step call);

@@ -37,20 +37,21 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """`token_ids` is prompt + output; tokens [0, num_computed_tokens) have their K/V in `page_table`'s pages.
 
-    `seed` keys its draws (folded with the output step, so it samples the same tokens whatever shares its batch
-    and after a preemption); `slot` is its row of the runner's persistent input batch while it runs (the
-    scheduler's to give, -1 when it holds none); `stop` turns its tokens into text and decides when it ends (its
-    count of output tokens is where the next text starts); `logprobs` are those of its tokens not yet emitted,
-    when it wants them; `prompt_logprobs`, while it wants them and has not sent them, those of its prompt's tokens
-    (None for the first, and for those not scored yet); `grammar` (structured output) is where its output stands in the grammar
-    it must follow. `arrival` orders first-come-first-served scheduling; `queued_at` is when it last entered the
-    waiting queue (`time.perf_counter()`). With speculative decoding, `proposer` drafts from the sequence's own
-    tokens, `drafts` are this step's drafts, `shadow_draft` the first token it would have drafted when it drafts
-    none, and `acceptance` the recent per-draft rate at which they are (or would be) accepted (None before any).
-    With a persistent prefix store, `store_keys` are its first full pages' keys there (`kv_store.KVLayout.page_keys`,
-    computed as needed), of which the first `num_stored_pages` are stored or on their way; `stored_prefix` is the
-    read of its stored pages while it waits (`BlockManager.prefetch`). `pooled` ([hidden] float32) is an embedding's
-    sum so far of its pooled tokens' final hidden states.
+    `seed` keys its draws (folded with the output step, so it samples the same tokens whatever shares its batch and
+    after a preemption); `slot` is its row of the runner's persistent input batch while it runs (the scheduler's to
+    give, -1 when it holds none), and `lora_slot` the device slot of its LoRA adapter's weights
+    (`batching.lora_slots`; -1 when it holds none: no adapter, or not running); `stop` turns its tokens into text
+    and decides when it ends (its count of output tokens is where the next text starts); `logprobs` are those of its
+    tokens not yet emitted, when it wants them; `prompt_logprobs`, while it wants them and has not sent them, those
+    of its prompt's tokens (None for the first, and for those not scored yet); `grammar` (structured output) is
+    where its output stands in the grammar it must follow. `arrival` orders first-come-first-served scheduling;
+    `queued_at` is when it last entered the waiting queue (`time.perf_counter()`). With speculative decoding,
+    `proposer` drafts from the sequence's own tokens, `drafts` are this step's drafts, `shadow_draft` the first
+    token it would have drafted when it drafts none, and `acceptance` the recent per-draft rate at which they are
+    (or would be) accepted (None before any). With a persistent prefix store, `store_keys` are its first full pages'
+    keys there (`kv_store.KVLayout.page_keys`, computed as needed), of which the first `num_stored_pages` are stored
+    or on their way; `stored_prefix` is the read of its stored pages while it waits (`BlockManager.prefetch`).
+    `pooled` ([hidden] float32) is an embedding's sum so far of its pooled tokens' final hidden states.
     """
 
     request_id: str
@@ -61,6 +62,7 @@ class Sequence:
     stop: StopChecker
     max_num_tokens: int
     slot: int = -1
+    lora_slot: int = -1
     arrival: int = 0
     queued_at: float = 0.0
     parent: Sequence | None = None

@@ -71,8 +71,8 @@ class EngineStats:
     `queue_wait_s` over `num_admitted` (from entering the waiting queue to being scheduled, each time a
     sequence is admitted: a preempted sequence waits again).
 
-    With LoRA adapters: `max_loras` (0 without), and the adapters of the running and of the waiting sequences, by
-    name.
+    With LoRA adapters: `max_loras`, the device's LoRA slots (0 without), and the adapters of the running and of the
+    waiting sequences, by name.
     """
 
     num_requests_running: int

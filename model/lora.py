@@ -15,8 +15,9 @@ Layout. Over S = max_loras slots, each adapter padded to rank R with zeros, each
 The modules' deltas `[T, out]` are then laid into the projection's fused output as the base weights are
 (`llama.fuse_outputs`: a GGUF's Q/K rows are permuted back to HF's order by the loader, so an HF adapter's rows land
 on the features they were trained for).
-A server that loads adapters while it runs (vLLM's runtime LoRA updating) holds all seven projections' parameters
-from the start, zeros in the slots no adapter fills, and writes a slot's part of each (`slot_weights`) to load one.
+A slot's part of each (`slot_weights`, kept in host memory for every adapter served) is what is written into a slot
+to swap an adapter in (`batching.lora_slots`). A server that loads adapters while it runs (vLLM's runtime LoRA
+updating) holds all seven projections' parameters from the start, zeros in the slots no adapter fills.
 
 The mask. A token's delta is `((x @ A) * own) @ B` (`llama.lora_delta`): x `[T, K]` times every slot's A, the
 columns of every slot other than the token's own zeroed (`own`, the one-hot of its slot: all zeros for -1, the base
@@ -271,27 +272,32 @@ def _stack(pairs: Pairs, rank: int, config: ModelConfig) -> tuple[dict[str, np.n
 
 
 def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: int, max_rank: int,
-                    sharding_rule: ShardingRule | None = None, every_projection: bool = False) -> None:
-    """Gives `model` the LoRA parameters of `adapters` (module docstring), adapter i in slot i of `max_loras`, each
-    padded to rank `max_rank` (each read with it as `load_adapter`'s bound), in the model's activation dtype
-    (quantized base weights or not), stored as its other layer parameters are (stacked, or one array per layer), for
-    the projections the adapters add to, or with `every_projection` all of them (slots written later, `slot_weights`,
-    may add to any). `sharding_rule` places each (tensor parallelism: `sharding.rules.param_sharding` with the
-    model's mesh; default: the first device). Replaces what an earlier call attached. LoraError for more adapters
-    than slots."""
-    if len(adapters) > max_loras:
-        raise LoraError(f"{len(adapters)} LoRA adapters ({', '.join(a.name for a in adapters)}) do not fit in "
-                        f"{max_loras} slots (max_loras)")
+                    sharding_rule: ShardingRule | None = None, every_projection: bool = False
+                    ) -> list[dict[str, np.ndarray]]:
+    """Gives `model` the LoRA parameters of `max_loras` slots (module docstring), adapter i in slot i for the first
+    `max_loras` adapters (zeros in slots past them), each padded to rank `max_rank` (each read with it as
+    `load_adapter`'s bound), in the model's activation dtype (quantized base weights or not), stored as its other
+    layer parameters are (stacked, or one array per layer), for the projections the adapters add to, or with
+    `every_projection` all of them (slots written later, `slot_weights`, may add to any). `sharding_rule` places each
+    (tensor parallelism: `sharding.rules.param_sharding` with the model's mesh; default: the first device). Replaces
+    what an earlier call attached. Returns every adapter's `slot_weights` for those projections, which a slot is
+    given to run it. LoraError for a B times its scaling past the dtype's range."""
     projections = LORA_MODULES if every_projection else [
         fused for fused, modules in LORA_MODULES.items()
         if any(module in adapter.a for adapter in adapters for module in modules)]
-    stacks = lora_stacks(adapters, model.config, max_loras, max_rank, projections)
+    weights = [slot_weights(adapter, model.config, max_rank, model.dtype, projections) for adapter in adapters]
+    shapes = {name: (shape[0], max_loras, *shape[1:])
+              for name, shape in _slot_shapes(model.config, max_rank, projections).items()}
     for name in LORA_PARAMS:
         if hasattr(model, name):
             delattr(model, name)
-    shardings = {} if sharding_rule is None else sharding_rule(model.config, {n: s.shape for n, s in stacks.items()})
-    for name, stack in stacks.items():
-        model.set_layer_param(name, jax.device_put(_cast(name, stack, model.dtype), shardings.get(name)))
+    shardings = {} if sharding_rule is None else sharding_rule(model.config, shapes)
+    for name, shape in shapes.items():
+        stack = np.zeros(shape, model.dtype)
+        for slot, slot_weight in enumerate(weights[:max_loras]):
+            stack[:, slot] = slot_weight[name]
+        model.set_layer_param(name, jax.device_put(stack, shardings.get(name)))
+    return weights
 
 
 def slot_weights(adapter: LoraAdapter, config: ModelConfig, max_rank: int, dtype: Any,
@@ -307,17 +313,6 @@ def slot_weights(adapter: LoraAdapter, config: ModelConfig, max_rank: int, dtype
                 weights[lora_a(fused)][:, :, part, :adapter.rank] = adapter.a[module]
                 weights[lora_b(module)][:, :adapter.rank] = adapter.b[module] * adapter.scaling
     return {name: _cast(name, weight, dtype) for name, weight in weights.items()}
-
-
-def lora_stacks(adapters: Sequence[LoraAdapter], config: ModelConfig, max_loras: int, max_rank: int,
-                projections: Collection[str]) -> dict[str, np.ndarray]:
-    """The LoRA parameters of `adapters` (module docstring), float32, for `projections` (`LORA_MODULES`' names)."""
-    shapes = _slot_shapes(config, max_rank, projections)
-    stacks = {name: np.zeros((shape[0], max_loras, *shape[1:]), np.float32) for name, shape in shapes.items()}
-    for slot, adapter in enumerate(adapters):
-        for name, weight in slot_weights(adapter, config, max_rank, np.float32, projections).items():
-            stacks[name][:, slot] = weight
-    return stacks
 
 
 def _slot_shapes(config: ModelConfig, max_rank: int, projections: Collection[str]) -> dict[str, tuple[int, ...]]:

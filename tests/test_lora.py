@@ -469,9 +469,16 @@ def test_the_fingerprint_is_the_files_content(lora_model, adapter):
     assert load_adapter("other", adapter, lora_model.config).fingerprint != original
 
 
-def test_attach_refuses_more_adapters_than_slots(lora_model):
-    with pytest.raises(LoraError, match=r"2 LoRA adapters \(all_modules, qv_rslora\) do not fit in 1 slots"):
-        attach_adapters(lora_model, read_adapters(lora_model.config), max_loras=1, max_rank=8)
+def test_more_adapters_than_slots_fill_the_slots_in_order_and_each_gets_its_slots_weights(lora_model):
+    """The first in the slot; the second's weights, to swap in, of the projections either adds to: o_proj's too,
+    which qv_rslora leaves out, at all_modules' rank."""
+    loaded = Llama(lora_model.config, rngs=nnx.Rngs(0))
+    adapters = read_adapters(lora_model.config)[::-1]  # qv_rslora, then all_modules
+    weights = attach_adapters(loaded, adapters, max_loras=1, max_rank=8)
+    assert [sorted(w) for w in weights] == [sorted(name for name in vars(loaded) if "_lora_" in name)] * 2
+    assert weights[0]["o_proj_lora_b"].shape == (lora_model.config.num_layers, 8, lora_model.config.hidden_size)
+    assert not weights[0]["o_proj_lora_b"].any() and weights[1]["o_proj_lora_b"].any()
+    np.testing.assert_array_equal(np.asarray(loaded.q_proj_lora_b[...])[:, 0], weights[0]["q_proj_lora_b"])
 
 
 def test_load_adapter_refuses_a_rank_above_the_largest_served(lora_model):

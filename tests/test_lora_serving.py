@@ -52,10 +52,10 @@ def fresh(folder: Path) -> LoadedModel:
 
 
 @pytest.mark.parametrize("options", [
-    {"max_loras": 1},  # a slot for each adapter all the same: vLLM's command lines give fewer
+    {"max_loras": 1},  # one slot, the adapters swapped into it (tests/test_lora_swap.py)
     {"speculative": "ngram", "max_loras": 3, "max_lora_rank": 16},  # drafts verified under each row's adapter
     {"async_scheduling": False, "num_decode_steps": 1},
-], ids=["fewer-slots-asked", "speculative", "one-step"])
+], ids=["one-slot", "speculative", "one-step"])
 def test_the_base_and_each_adapter_give_their_hf_goldens_in_one_batch(folder, options):
     engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, **options)
     runs = [(case, None) for case in BASE["cases"]]
@@ -80,14 +80,14 @@ def test_an_adapter_reads_no_page_the_base_or_another_adapter_computed_and_its_o
 
 
 def test_the_prefix_cache_namespace_is_the_salt_and_the_adapters_content():
-    a, b = LoraRequest("a", 0, "f" * 64), LoraRequest("b", 1, "e" * 64)
+    a, b = LoraRequest("a", "f" * 64), LoraRequest("b", "e" * 64)
     namespaces = [SamplingParams(cache_salt=salt, lora=lora).cache_namespace
                   for salt in (None, "tenant") for lora in (None, a, b)]
     assert namespaces[0] is None and namespaces[3] == CacheNamespace("tenant", None)
     assert len(set(namespaces)) == len(namespaces)
     # An adapter's pages are keyed by its files, not by the name it is served under, as a persistent store outlives
     # the process that named it.
-    assert SamplingParams(lora=LoraRequest("renamed", 2, a.fingerprint)).cache_namespace == namespaces[1]
+    assert SamplingParams(lora=LoraRequest("renamed", a.fingerprint)).cache_namespace == namespaces[1]
     # A salt, any string a client sends, never names an adapter's pages, in the pool or the persistent store.
     for lora in (a, b):
         mimic = SamplingParams(cache_salt=json.dumps([None, lora.fingerprint])).cache_namespace
@@ -222,7 +222,7 @@ def test_a_request_for_an_adapter_the_engine_does_not_serve_is_rejected(folder):
     """By its name: a request for a name served runs with the adapter served under it (tests/test_lora_runtime.py)."""
     engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES[:1])
     with pytest.raises(RequestRejected, match="is not served here"):
-        engine.generate([[1, 2, 3]], golden_params(BASE, lora=LoraRequest("qv_rslora", 1, "0" * 64)))
+        engine.generate([[1, 2, 3]], golden_params(BASE, lora=LoraRequest("qv_rslora", "0" * 64)))
 
 
 def test_over_int8_weights_a_base_request_gets_the_same_bits_whether_or_not_adapters_share_its_steps(folder):
