@@ -88,8 +88,15 @@ async def list_items(request: Request) -> Response:
     """The conversation's items, `limit` at a time after the item `after`, newest first unless `order` is `asc`."""
     query = parse_query(request, InputItemsQuery)
     conversation_id = request.path_params["conversation_id"]
-    items = _items(_held(_state(request), conversation_id))
-    return json_response(item_page(items, query, f"conversation '{conversation_id}'"))
+    return json_response(conversation_page(_held(_state(request), conversation_id), query, conversation_id))
+
+
+def conversation_page(conversation: StoredConversation, query: InputItemsQuery, conversation_id: str
+                      ) -> InputItemList:
+    """A page of the conversation's items (`item_page`), of which only the page's are parsed."""
+    return item_page(list(conversation.items), conversation.positions,
+                     lambda item_id: ITEM.validate_json(conversation.items[item_id]), query,
+                     f"conversation '{conversation_id}'")
 
 
 async def get_item(request: Request) -> Response:

@@ -288,8 +288,10 @@ async def list_input_items(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     query = parse_query(request, InputItemsQuery)
     stored = _stored(_state(request), response_id)
-    items = ITEMS.validate_json(stored.items_json)[:stored.input_count]
-    return json_response(item_page(items, query, f"the input of response '{response_id}'"))
+    items = {item.id: item for item in ITEMS.validate_json(stored.items_json)[:stored.input_count]}
+    ids = list(items)
+    return json_response(item_page(ids, {item_id: index for index, item_id in enumerate(ids)}, items.__getitem__,
+                                   query, f"the input of response '{response_id}'"))
 
 
 async def delete_response(request: Request) -> Response:

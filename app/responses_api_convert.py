@@ -7,7 +7,8 @@ against a format); its complaints come back under the Responses API's field name
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -190,17 +191,22 @@ def _stored_parts(message: MessageItem) -> list[InputText | OutputTextPart | Ref
     return [part if isinstance(part, RefusalPart) else text_part(text=part.text) for part in parts]
 
 
-def item_page(items: Items, query: InputItemsQuery, owner: str) -> InputItemList:
-    """A page of a listing of `items` (in their order): `query.limit` of them after the item `query.after`, newest
-    first unless `query.order` is `asc`. `owner`: what holds the items, as a 400 for an unknown `after` names it."""
-    ordered = items[::-1] if query.order == "desc" else items
-    if query.after is not None:
-        ids = [item.id for item in ordered]
-        if query.after not in ids:
-            raise invalid_request(f"after: no item '{query.after}' in {owner}", param="after")
-        ordered = ordered[ids.index(query.after) + 1:]
-    page = ordered[:query.limit]
-    return InputItemList.of(page, has_more=len(ordered) > len(page))
+def item_page(ids: Sequence[str], positions: Mapping[str, int], item_of: Callable[[str], InputItem],
+              query: InputItemsQuery, owner: str) -> InputItemList:
+    """A page of a listing of the items `ids` (in order): `query.limit` of them after the item `query.after`, newest
+    first unless `query.order` is `asc`; only the page's are read (`item_of` an id). `positions`: each item's place in
+    that order, of every item the owner has held (deleted ones too: a page goes on after a deleted item from where it
+    was); an `after` it never held is a 400 naming `owner`, what holds the items."""
+    after = None if query.after is None else positions.get(query.after)
+    if query.after is not None and after is None:
+        raise invalid_request(f"after: no item '{query.after}' in {owner}", param="after")
+    if query.order == "asc":
+        start = 0 if after is None else bisect_right(ids, after, key=positions.__getitem__)
+        page, has_more = ids[start:start + query.limit], start + query.limit < len(ids)
+    else:
+        end = len(ids) if after is None else bisect_left(ids, after, key=positions.__getitem__)
+        page, has_more = ids[max(0, end - query.limit):end][::-1], end > query.limit
+    return InputItemList.of([item_of(item_id) for item_id in page], has_more=has_more)
 
 
 def in_responses_terms(error: APIError) -> APIError:

@@ -5,6 +5,7 @@ real `sluice serve` with SmolLM2 (greedy, short replies)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import httpx
@@ -16,7 +17,9 @@ from test_agents_sdk import MODEL, server  # noqa: F401 - its server fixture: on
 from test_api_e2e import API_KEY, AUTH, error_of, post
 from test_responses_api import client  # noqa: F401 - its fixture: an openai client of that server
 
+from sluice.app.conversations import conversation_page
 from sluice.app.conversations_store import ConversationStore, StoredConversation
+from sluice.app.responses_api_schemas import InputItemsQuery
 
 # --- the store ----------------------------------------------------------------------------------------------
 
@@ -78,6 +81,14 @@ def test_a_conversations_size_counts_its_items_ids_and_what_each_costs_beyond_it
     assert short.without_item("m").size < short.size
 
 
+def test_a_listing_parses_only_the_items_of_its_page():
+    """A long conversation's page costs the event loop its own items, not the conversation's."""
+    held = conversation(*(["not JSON"] * 1000 + [json.dumps({"id": f"msg_{i}", "role": "user", "content": "x"})
+                                                 for i in range(1000, 1003)]))
+    page = conversation_page(held, InputItemsQuery(limit=2, after="msg_1002"), "c")
+    assert ([item.id for item in page.data], page.has_more) == (["msg_1001", "msg_1000"], True)
+
+
 # --- the openai client against a real server ----------------------------------------------------------------
 
 GREEDY = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
@@ -121,6 +132,18 @@ def test_items_are_added_listed_newest_first_paged_retrieved_and_deleted(client)
     assert call.id not in [item.id for item in client.conversations.items.list(conversation.id)]
     with pytest.raises(openai.NotFoundError):
         client.conversations.items.retrieve(call.id, conversation_id=conversation.id)
+
+
+def test_a_listing_after_a_deleted_item_goes_on_from_where_it_was(client):
+    conversation = client.conversations.create(items=[{"role": "user", "content": str(i)} for i in range(5)])
+    first = client.conversations.items.list(conversation.id, order="asc", limit=2)
+    client.conversations.items.delete(first.last_id, conversation_id=conversation.id)
+    after = client.conversations.items.list(conversation.id, order="asc", limit=2, after=first.last_id)
+    before = client.conversations.items.list(conversation.id, limit=2, after=first.last_id)
+    assert [[item.content[0].text for item in page.data] for page in (after, before)] == [["2", "3"], ["0"]]
+    assert (after.has_more, before.has_more) == (True, False)
+    with pytest.raises(openai.BadRequestError, match="msg_never"):
+        client.conversations.items.list(conversation.id, after="msg_never")
 
 
 def test_a_response_in_a_conversation_sees_its_items_and_is_added_to_it(server, client):
