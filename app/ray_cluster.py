@@ -9,9 +9,13 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import ray
 from ray._private import ray_constants
+
+if TYPE_CHECKING:
+    import psutil
 
 # The variables that configure an engine in the process running it: Sluice's own (the model and kernel folder, the
 # compilation cache, ...), jax's (JAX_PLATFORMS, its cache settings, ...) and XLA's (XLA_FLAGS, and the share of each
@@ -79,8 +83,8 @@ def disconnect() -> None:
     node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
 
 
-def _running(process) -> bool:
-    """Whether `process` (a `psutil.Process`) runs: one that has exited may stay a zombie a while, its parent gone."""
+def _running(process: psutil.Process) -> bool:
+    """Whether `process` runs: one that has exited may stay a zombie a while, its parent gone."""
     import psutil
 
     try:
