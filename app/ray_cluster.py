@@ -44,7 +44,8 @@ def connect(address: str | None, cpus_needed: int) -> None:
     if address is None:
         # The cluster's processes (in this process group) inherit SIGTERM blocked, as Ray blocks SIGINT in them: a
         # SIGTERM to the whole group (a supervisor's, `timeout`'s) reaches this process alone, which drains the
-        # application before `disconnect` stops them (with SIGKILL).
+        # application before `disconnect` stops them (with SIGKILL). Their workers inherit it too: an actor told to
+        # stop by SIGTERM (`--hosts`'s process 0) unblocks it.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cpus_needed), include_dashboard=False)

@@ -4,6 +4,9 @@ runs `sluice serve`'s entry point with its place in the job, through the command
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import httpx
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from sluice.app import serve
 from sluice.app.cli import build_parser
 from sluice.app.ray_hosts import _place
 from test_api_e2e import start_server
+from test_ray_cli import _marked_pids
 from test_multihost import LIMITS, PROMPT, reference, tiny_model  # noqa: F401 (a fixture)
 
 
@@ -41,7 +45,24 @@ def test_two_ray_actors_serve_one_model_like_a_single_process(tiny_model):  # no
     finally:
         assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
     assert "running process 0's steps" in server.output()
+    assert "Stopping: process 0 finishes its requests in flight" in server.output()
 
     text, logprobs = reference(tiny_model)
     assert choice["text"] == text
     np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=1e-4)
+
+
+@pytest.mark.long
+def test_a_signal_while_the_processes_load_stops_the_command_with_0_leaving_nothing(tiny_model):  # noqa: F811
+    """Process 0 ends at once, still loading (as a single process does), and the other process with it: Ray sees
+    two workers that died, which the command says is the stop's doing; the local cluster ends with it."""
+    mark = uuid.uuid4().hex
+    server = start_server("--model", str(tiny_model), "--tp", "4", "--hosts", "2", "--no-ui", *LIMITS,
+                          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "LEAK_MARK": mark},
+                          startup_timeout_s=600, until=503)
+    assert server.stop(timeout_s=120) == 0, server.output()[-4000:]
+    assert "Stopped during the start-up" in server.output()
+    deadline = time.monotonic() + 30
+    while left := _marked_pids(mark):
+        assert time.monotonic() < deadline, f"processes of the command's cluster outlived it: {left}"
+        time.sleep(0.5)
