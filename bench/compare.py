@@ -58,6 +58,8 @@ def free_port() -> int:
 
 
 def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    """Waits for `server`'s /health to answer 200, asking every 0.2 s: a run starting a server per policy or per life
+    (`bench routing`, the soak test) would lose up to a second at each start to a coarser poll."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -67,7 +69,7 @@ def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.2)
     raise TimeoutError(f"{server.args[0]} not ready after {timeout_s:.0f} s")
 
 
