@@ -31,7 +31,7 @@ def test_a_process_of_a_job_on_a_joined_cluster_passes_the_commands_checks(capsy
     assert refusal.startswith("sluice serve: error: ") and "/nowhere/model.gguf" in refusal
 
 
-# Ray's start-up on top of what tests/test_multihost.py checks by hand: about 100 s on 2 cores.
+# Ray's start-up on top of what tests/test_multihost.py checks by hand: about 25 s on 2 cores.
 @pytest.mark.long
 def test_two_ray_actors_serve_one_model_like_a_single_process(tiny_model):  # noqa: F811
     server = start_server("--model", str(tiny_model), "--tp", "4", "--hosts", "2", "--no-ui", *LIMITS,
