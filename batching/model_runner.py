@@ -51,7 +51,7 @@ from sluice.batching.scheduler import ScheduledChunk, scored_rows
 from sluice.batching.sequence import PENDING, SequenceStatus
 from sluice.batching.step_output import PendingStep
 from sluice.batching.structured import fill_bitmask
-from sluice.model.llama import Llama, empty_kv_cache, resolve_layer_loop
+from sluice.model.llama import LORA_PARAMS, Llama, empty_kv_cache, resolve_layer_loop
 from sluice.sharding.rules import kv_cache_sharding, replicated
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,14 @@ def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return group, np.arange(len(group)) - (np.cumsum(counts) - counts)[group]
 
 
+def write_slot(stacked: tuple[bool, ...], leaves: list[jax.Array], rows: list[jax.Array], index: jax.Array
+               ) -> list[jax.Array]:
+    """Each of `leaves` with `rows[i]` at `index` of its slot axis: 1 where `stacked[i]` (`[L, S, ...]`, a row
+    `[L, ...]`), else 0 (one layer's `[S, ...]`, a row `[...]`); an `index` past the slots writes nothing."""
+    return [leaf.at[:, index].set(row, mode="drop") if whole else leaf.at[index].set(row, mode="drop")
+            for whole, leaf, row in zip(stacked, leaves, rows)]
+
+
 class ModelRunner:
     """Owns the KV pool and the compiled step for one model."""
 
@@ -122,6 +130,13 @@ class ModelRunner:
             model.unstack_layers()
         self.graphdef, self.state = nnx.split(model)
         self.weights, self._state_def = jax.tree.flatten(self.state)
+        # The LoRA slots' leaves (`model.lora`): (index in `weights`, parameter, layer: None for a stack).
+        self._lora = [(i, path[0].key, path[-1].idx if isinstance(path[-1], jax.tree_util.SequenceKey) else None)
+                      for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(self.state)[0])
+                      if path[0].key in LORA_PARAMS]
+        self._write_lora = jax.jit(partial(write_slot, tuple(layer is None for _, _, layer in self._lora)),
+                                   donate_argnums=(0,),
+                                   out_shardings=[self.weights[i].sharding for i, _, _ in self._lora])
         self.num_pages = num_pages
         self.kv_dtype = jnp.dtype(model.dtype if kv_dtype is None else kv_dtype)
         self.backend = attention_backend
@@ -318,18 +333,27 @@ class ModelRunner:
         self._last_row = np.full(self.max_num_seqs + 1, -1, np.int32)  # by slot: its token's row in `_last_tokens`
 
     def write_layer_rows(self, rows: Mapping[str, np.ndarray], index: int) -> None:
-        """Writes `rows[name]` `[L, ...]` at `index` of the axis after the layers of each layer parameter `name`
-        (`[L, N, ...]`, stored as a stack or one array per layer), into new arrays on the same devices: the steps take
-        the weights as arguments, never as constants, so the next step dispatched reads them (the steps in flight,
-        the old ones)."""
+        """Writes LoRA slot `index` (`model.lora`): `rows[name]` `[L, ...]` at `index` of the axis after the layers
+        of each LoRA parameter `name` (`[L, S, ...]`, stored as a stack or one array per layer), in place (one
+        program, compiled at warm-up, the arrays donated) after the steps dispatched before, which read the old
+        weights. ValueError unless `rows` holds every LoRA parameter, in its shape. An index past the slots writes
+        nothing."""
+        shapes = {name: row.shape for name, row in self._lora_rows().items()}
+        if bad := sorted(name for name in shapes.keys() | rows.keys() if np.shape(rows.get(name)) != shapes.get(name)):
+            raise ValueError(f"a LoRA slot's rows must hold every LoRA parameter in its shape: not {', '.join(bad)}")
+        parts = [rows[name] if layer is None else rows[name][layer] for _, name, layer in self._lora]
+        leaves = [self.weights[i] for i, _, _ in self._lora]
+        written = self._write_lora(leaves, *self._global((parts, np.int32(index))))
         weights = list(self.weights)
-        for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(self.state)[0]):
-            if (name := path[0].key) in rows:
-                layer = path[-1].idx if isinstance(path[-1], jax.tree_util.SequenceKey) else None
-                written = leaf.at[:, index].set(rows[name]) if layer is None else leaf.at[index].set(rows[name][layer])
-                weights[i] = jax.device_put(written, leaf.sharding)
+        for (i, _, _), leaf in zip(self._lora, written):
+            weights[i] = leaf
         self.weights = weights
         self.state = jax.tree.unflatten(self._state_def, weights)
+
+    def _lora_rows(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """One LoRA slot's part of each LoRA parameter, `[L, ...]` (`write_layer_rows`' rows)."""
+        return {name: jax.ShapeDtypeStruct((self.config.num_layers, *self.weights[i].shape[2 if layer is None else 1:]),
+                                           self.weights[i].dtype) for i, name, layer in self._lora}
 
     def load_pages(self, pages: list[int], payloads: list[PagePayload]) -> None:
         """Writes stored pages' K/V into `pages` of the pool, ordered after the steps already dispatched."""
@@ -341,10 +365,10 @@ class ModelRunner:
 
     def num_compiled(self) -> int:
         """Programs compiled on the engine thread: models (one per bucket), samplers and masks (one each per bucket
-        row count), and slot writes (one per count of rows written); not the small scoring programs (`score_step`),
-        compiled when prompt logprobs are first asked for."""
+        row count), slot writes (one per count of rows written) and LoRA slot writes (one); not the small scoring
+        programs (`score_step`), compiled when prompt logprobs are first asked for."""
         return (sum(fn._cache_size() for fn in self._steps.values()) + self._sample._cache_size()
-                + self._mask._cache_size() + self._write_slots._cache_size())
+                + self._mask._cache_size() + self._write_slots._cache_size() + self._write_lora._cache_size())
 
     @property
     def num_compiled_off_thread(self) -> int:
@@ -359,9 +383,13 @@ class ModelRunner:
         """Compiles every bucket, with its masks (an all-padding step writes nothing to the pool), for each of
         `plans` when the host decides them (default: those of greedy and of plain sampling rows), with a single
         step's sampler of every pass (which stands in for a plan met later while that one compiles), and every
-        size of slot writes (padding writes change nothing)."""
+        size of slot writes (padding writes change nothing), and the LoRA slot write."""
         for size in self.input_batch.buckets:
             self._write(self.input_batch.slot_writes([], size))
+        if self._lora:  # into a slot past the last
+            i, _, layer = self._lora[0]
+            self.write_layer_rows({name: np.zeros(row.shape, row.dtype) for name, row in self._lora_rows().items()},
+                                  self.weights[i].shape[1 if layer is None else 0])
         if not self.plans_on_host:
             plans = [None]
         elif plans is None:

@@ -291,12 +291,14 @@ def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: in
     for name in LORA_PARAMS:
         if hasattr(model, name):
             delattr(model, name)
-    shardings = {} if sharding_rule is None else sharding_rule(model.config, shapes)
+    # Committed to their devices, as the loader places the other weights: jit keys its programs by that too.
+    shardings = (dict.fromkeys(shapes, jax.sharding.SingleDeviceSharding(jax.devices()[0])) if sharding_rule is None
+                 else sharding_rule(model.config, shapes))
     for name, shape in shapes.items():
         stack = np.zeros(shape, model.dtype)
         for slot, slot_weight in enumerate(weights[:max_loras]):
             stack[:, slot] = slot_weight[name]
-        model.set_layer_param(name, jax.device_put(stack, shardings.get(name)))
+        model.set_layer_param(name, jax.device_put(stack, shardings[name]))
     return weights
 
 
