@@ -1,11 +1,11 @@
 """The model's LoRA slots on the device, and which served adapter each holds (vLLM's `--max-loras`).
 
 Every served adapter is kept in host memory (`LoraRequest.weights`); a batch runs with at most as many adapters as
-there are slots. The scheduler takes a slot for a sequence with an adapter when it admits it (`acquire`) and gives it
-back when the sequence leaves the running set (`release`): its adapter's slot if one holds it, else the least
-recently used slot no running sequence uses, whose weights the engine then writes before the step that needs them
-(`writes`). An adapter is its name and its files' fingerprint: one loaded in place is another adapter, so a slot
-holding the old weights serves no new sequence. Owned by the engine thread.
+there are slots. The scheduler looks up a slot for a sequence with an adapter (`find`), takes it once it admits
+the sequence (`acquire`) and gives it back when the sequence leaves the running set (`release`): its adapter's slot
+if one holds it, else the least recently used slot no running sequence uses, whose weights the engine then writes
+before the step that needs them (`writes`). An adapter is its name and its files' fingerprint: one loaded in place
+is another adapter, so a slot holding the old weights serves no new sequence. Owned by the engine thread.
 """
 
 from __future__ import annotations
@@ -32,21 +32,29 @@ class LoraSlots:
     def num_slots(self) -> int:
         return len(self.holders)
 
-    def acquire(self, lora: LoraRequest) -> int | None:
-        """A slot for one more running sequence with `lora`: the one holding it, or the least recently used unused
-        one, listed in `writes` to take its weights; None while every slot holds another adapter in use."""
+    def find(self, lora: LoraRequest) -> int | None:
+        """The slot one more running sequence with `lora` would take, changing nothing: the one holding it, or the
+        least recently used unused one; None while every slot holds another adapter in use."""
         slot = self._slot_of.get(lora)
-        if slot is None:
-            if not self._unused:
-                return None
-            slot = next(iter(self._unused))
-            if (evicted := self.holders[slot]) is not None:
-                del self._slot_of[evicted]
+        return next(iter(self._unused), None) if slot is None else slot
+
+    def acquire(self, lora: LoraRequest, slot: int) -> None:
+        """One more running sequence with `lora` takes `slot` (`find`'s), which is listed in `writes` to take its
+        weights if it holds another adapter."""
+        if self.holders[slot] != lora:
+            self.empty(slot)
             self.holders[slot], self._slot_of[lora], self.writes[slot] = lora, slot, lora
         if not self.users[slot]:
             del self._unused[slot]
         self.users[slot] += 1
         return slot
+
+    def empty(self, slot: int) -> None:
+        """`slot` holds no adapter (one evicted, or its write failed) and has no write pending."""
+        if (held := self.holders[slot]) is not None:
+            del self._slot_of[held]
+        self.holders[slot] = None
+        self.writes.pop(slot, None)
 
     def release(self, slot: int) -> None:
         """A running sequence no longer uses `slot`; it is the most recently used once none does."""

@@ -3,8 +3,8 @@
 Each step takes running decodes first (with their draft tokens when speculating, as far as budget and pages
 allow), then continues partial prefills, then admits waiting sequences (first come first served, lower
 `priority` value first), chunking prefills to fit `max_num_batched_tokens`. A waiting sequence with a LoRA adapter
-is admitted only into a LoRA slot (`LoraSlots.acquire`); when none is free it waits and the others are looked at, as
-vLLM's scheduler does.
+is admitted only into a LoRA slot (`LoraSlots.find`, taken by `acquire` once it is admitted); when none is free it
+waits and the others are looked at, as vLLM's scheduler does.
 When the pool runs out of pages, the newest running sequence is preempted: its pages are freed and it is
 recomputed from its tokens later (its full pages usually survive in the prefix cache).
 """
@@ -178,13 +178,13 @@ class Scheduler:
             if parent is not None and not parent.finished and parent.num_computed_tokens < parent.num_prompt_tokens:
                 i += 1
                 continue  # a sibling waits for the first sequence to prefill the prompt it will share
-            lora_slot = -1 if seq.params.lora is None else self.lora_slots.acquire(seq.params.lora)
+            lora = seq.params.lora
+            lora_slot = -1 if lora is None else self.lora_slots.find(lora)  # taken (`acquire`) once admitted
             if lora_slot is None:
                 i += 1
                 continue  # every LoRA slot holds another adapter, which running sequences use
             shared, hashes, stored = bm.match_prefix(seq)
             if stored is None:
-                self._release_lora(lora_slot)
                 i += 1
                 continue  # its pages are still being read from the store
             fork = self._fork_pages(seq)
@@ -192,8 +192,9 @@ class Scheduler:
                 (shared, hashes), stored = fork, []
             num_new = min(seq.num_tokens - (len(shared) + len(stored)) * bm.page_size, budget)
             if not bm.can_admit(seq, shared, len(stored) * bm.page_size + num_new):
-                self._release_lora(lora_slot)
                 break
+            if lora is not None:
+                self.lora_slots.acquire(lora, lora_slot)
             bm.admit(seq, shared, hashes, stored, count_query=seq.num_output_tokens == 0)
             if seq.num_cached_tokens is None:  # at its first admission, as vLLM's usage reports it
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -251,12 +252,9 @@ class Scheduler:
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_slots.append(seq.slot)
-        self._release_lora(seq.lora_slot)
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
         seq.slot = seq.lora_slot = -1
-
-    def _release_lora(self, lora_slot: int) -> None:
-        if lora_slot >= 0:
-            self.lora_slots.release(lora_slot)
 
     def reserve_lookahead(self, chunks: list[ScheduledChunk], limits: list[int]) -> bool:
         """Gives each decoding chunk's sequence pages for `limits[i]` tokens from its start (a multi-step call);
