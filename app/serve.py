@@ -364,15 +364,17 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
                              "...} as vLLM's [env SLUICE_LORA_MODULES: NAME=PATH items apart by spaces]")
     _option(parser, "--max-loras", None, "LoRA slots on the device, as vLLM's: the most adapters one batch holds; "
             "more adapters are kept in host memory and swapped into a slot no running request uses when a request "
-            "needs one (reported by vllm:lora_requests_info; default: one per --lora-modules adapter, each in its own "
+            "needs one; no more slots than --lora-modules adapters without --allow-runtime-lora-updating (reported "
+            "as given by vllm:lora_requests_info; default: one per --lora-modules adapter, each in its own "
             "from the start; with --allow-runtime-lora-updating, 1, or one per --lora-modules adapter where they are "
             "more)", type=at_least(1, int))
     _option(parser, "--max-lora-rank", None, "largest LoRA rank served: an adapter of a higher rank is refused "
             "(adapters are padded to the largest one's; with --allow-runtime-lora-updating, to this: default 16)",
             type=at_least(1, int))
     parser.add_argument("--max-cpu-loras", type=at_least(1, int), default=None,
-                        help="vLLM's count of adapters kept in host memory, at least --max-loras; Sluice keeps "
-                             "every adapter served in host memory: accepted so that vLLM's command lines run")
+                        help="vLLM's count of adapters kept in host memory: checked to be at least --max-loras, "
+                             "but not enforced: Sluice keeps every adapter served in host memory (accepted so that "
+                             "vLLM's command lines run)")
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--gpu-memory-utilization", None,

@@ -116,7 +116,8 @@ class EngineConfig:
     beside the base model, each kept in host memory, its rank padded to the largest adapter's, which must be at most
     `max_lora_rank` (None: any). `max_loras` (vLLM's): the device's LoRA slots, the most adapters one batch holds,
     into which the scheduler swaps adapters as sequences need them (`batching.lora_slots`); None: one per adapter,
-    each in its own from the start. `lora_modules`' adapters fill the first slots.
+    each in its own from the start. `lora_modules`' adapters fill the first slots; no more slots than adapters are
+    made (every token multiplies every slot's weights), but `max_loras` is what the stats report, as vLLM's.
     `allow_runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters are also loaded and unloaded
     while serving (`Engine.load_lora`), so the slots (`max_loras`, default RUNTIME_MAX_LORAS or one per adapter of
     `lora_modules` where they are more) are of rank `max_lora_rank` (default RUNTIME_MAX_LORA_RANK), for all seven

@@ -142,8 +142,10 @@ def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None
         if config.allow_runtime_lora_updating:
             num_slots, rank = config.runtime_lora_slots
         else:
-            # Adapters cannot be added later: padding past the largest adapter's rank would only cost.
-            num_slots, rank = config.max_loras or len(adapters), max((a.rank for a in adapters), default=1)
+            # Adapters cannot be added later: padding past the largest adapter's rank, or a slot past one per
+            # adapter (every token multiplies every slot's weights), would only cost.
+            num_slots = min(config.max_loras or len(adapters), len(adapters))
+            rank = max((a.rank for a in adapters), default=1)
         if num_slots < len(adapters) and step_broadcast.is_multiprocess():
             raise InvalidEngineConfig("max_loras", f"is {num_slots}, fewer slots than the {len(adapters)} adapters: "
                                                    f"adapters are swapped into slots in one engine process only")
@@ -512,13 +514,13 @@ class Engine:
                 self.speculator.propose(running, self.max_model_len, prefills)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
+        chunks = scheduled.chunks
         if self.lora_slots is not None and self.lora_slots.writes:  # adapters this step swaps in
-            self._write_lora_slots(self.lora_slots.writes)
+            chunks = self._write_lora_slots(chunks)
         if self.block_manager.loads:  # the store's pages, into the pool before the step reads them
             pages, payloads = zip(*self.block_manager.loads)
             self.block_manager.loads.clear()
             self.runner.load_pages(list(pages), list(payloads))
-        chunks = scheduled.chunks
         if not chunks:
             return None
         try:
@@ -730,7 +732,7 @@ class Engine:
         they get a copy rather than a change."""
         asked = request.seqs[0].params
         served = self.adapters[asked.lora.name] if asked.lora is not None else None
-        if served != asked.lora:
+        if served is not asked.lora:  # an equal one built by hand may lack the weights
             bound = replace(asked, lora=served)
             for seq in request.seqs:
                 seq.params = bound
@@ -748,12 +750,21 @@ class Engine:
             self.adapters = {name: lora for name, lora in self.adapters.items() if name != command.name}
             command.done.set_result(None)
 
-    def _write_lora_slots(self, writes: dict[int, LoraRequest]) -> None:
-        """Writes each adapter's weights into its slot, ordered before the step dispatched next (the steps in flight
-        read the old ones); a write is listed until it is done, so one that fails is done at the next step."""
+    def _write_lora_slots(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Writes each adapter swapped in into its slot, ordered before the step dispatched next (the steps in flight
+        read the old ones); returns the `chunks` left to run. A write that fails leaves its slot empty and ends the
+        requests of the sequences just admitted into it (they alone use it) with the error, and no other."""
+        writes = self.lora_slots.writes
         for slot, lora in list(writes.items()):
-            self.runner.write_layer_rows(lora.weights, slot)
-            del writes[slot]
+            try:
+                self.runner.write_layer_rows(lora.weights, slot)
+                del writes[slot]
+            except Exception as error:  # noqa: BLE001 - the other requests run on; retrying may fail every step
+                self.lora_slots.empty(slot)
+                for request_id in dict.fromkeys(seq.request_id for seq in self.scheduler.running
+                                                if seq.lora_slot == slot):
+                    self._fail_request(request_id, error)
+        return [chunk for chunk in chunks if not chunk.seq.finished]
 
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
         """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call
@@ -1050,5 +1061,5 @@ class Engine:
         def names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
             return tuple(sorted({seq.params.lora.name for seq in seqs if seq.params.lora is not None}))
 
-        return dict(max_loras=self.lora_slots.num_slots,
+        return dict(max_loras=self.config.max_loras or self.lora_slots.num_slots,
                     lora_running=names(self.scheduler.running), lora_waiting=names(self.scheduler.waiting))
