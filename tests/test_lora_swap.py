@@ -7,8 +7,11 @@ never holds more adapters than slots, and every request gets the tokens it gets 
 from __future__ import annotations
 
 import argparse
+import uuid
 from dataclasses import replace
 
+import jax
+import numpy as np
 import pytest
 
 from golden_checks import assert_completion_gives_case, golden_engine, golden_params, home  # noqa: F401 (a fixture)
@@ -21,48 +24,72 @@ from sluice.batching.config import EngineConfig, InvalidEngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.input_batch import InputBatch
 from sluice.batching.lora_slots import LoraSlots
-from sluice.batching.outputs import ListCollector
+from sluice.batching.outputs import Completion, ListCollector
 from sluice.batching.sampling_params import LoraRequest, RequestRejected, SamplingParams
 from sluice.batching.scheduler import Scheduler, SchedulerConfig
 from sluice.batching.sequence import Sequence
+from sluice.model.llama import LORA_PARAMS
 
 A, B, C = (LoraRequest(name, name * 64) for name in "abc")
 FOLDERS = dict(MODULES)
+MAX_STEPS = 500  # far more than any test here takes: a scheduling hang fails instead of hanging
+
+
+def take(slots: LoraSlots, lora: LoraRequest) -> int | None:
+    """The slot a sequence with `lora` is admitted into (`find`, then `acquire`), or None."""
+    slot = slots.find(lora)
+    if slot is not None:
+        slots.acquire(lora, slot)
+    return slot
 
 
 def test_a_resident_adapter_takes_its_slot_again_without_a_write():
     slots = LoraSlots(2, [A])
-    assert slots.acquire(A) == 0 and slots.acquire(A) == 0 and not slots.writes
+    assert take(slots, A) == 0 and take(slots, A) == 0 and not slots.writes
     slots.release(0)
     slots.release(0)
-    assert slots.acquire(A) == 0 and not slots.writes
+    assert take(slots, A) == 0 and not slots.writes
 
 
 def test_an_adapter_takes_the_least_recently_used_slot_no_running_sequence_uses_and_is_written_there():
     slots = LoraSlots(2, [A, B])
-    slots.release(slots.acquire(B))
-    slots.release(slots.acquire(A))  # B's slot is now the least recently used
-    assert slots.acquire(C) == 1 and slots.writes == {1: C}
+    slots.release(take(slots, B))
+    slots.release(take(slots, A))  # B's slot is now the least recently used
+    assert take(slots, C) == 1 and slots.writes == {1: C}
     assert slots.holders == [A, C]
 
 
 def test_an_empty_slot_is_taken_before_one_that_holds_an_adapter():
     slots = LoraSlots(2, [A])
-    assert slots.acquire(B) == 1 and slots.holders == [A, B]
+    assert take(slots, B) == 1 and slots.holders == [A, B]
 
 
 def test_no_slot_while_every_slot_holds_another_adapter_a_running_sequence_uses():
     slots = LoraSlots(1, [A])
-    slot = slots.acquire(A)
-    assert slots.acquire(B) is None and slots.holders == [A] and not slots.writes
+    slot = take(slots, A)
+    assert take(slots, B) is None and slots.holders == [A] and not slots.writes
     slots.release(slot)
-    assert slots.acquire(B) == 0 and slots.writes == {0: B}
+    assert take(slots, B) == 0 and slots.writes == {0: B}
+
+
+def test_finding_a_slot_evicts_nothing_until_the_sequence_takes_it():
+    slots = LoraSlots(1, [A])
+    assert slots.find(B) == 0 and slots.holders == [A] and not slots.writes and slots.users == [0]
 
 
 def test_an_adapter_loaded_in_place_is_another_adapter_than_the_one_its_slot_holds():
     """Same name, other files: the slot's weights are the old ones, which no new sequence may run with."""
     slots = LoraSlots(1, [A])
-    assert slots.acquire(LoraRequest("a", "d" * 64)) == 0 and 0 in slots.writes
+    assert take(slots, LoraRequest("a", "d" * 64)) == 0 and 0 in slots.writes
+
+
+def test_a_sequence_the_pool_cannot_admit_evicts_no_adapter():
+    """Its slot is looked up, not taken: the adapters resident stay, and no write is left pending for nobody."""
+    slots = LoraSlots(2, [A, B])
+    sched = Scheduler(SchedulerConfig(8, 64), BlockManager(4, 4), slots)
+    sched.add(make_sequence(0, range(3, 43), SamplingParams(lora=C)))  # 10 pages of 4; the pool has 4
+    assert sched.schedule().admitted == []
+    assert slots.holders == [A, B] and not slots.writes and slots.users == [0, 0]
 
 
 def test_the_scheduler_skips_a_sequence_whose_adapter_finds_no_slot_and_admits_the_others():
@@ -81,18 +108,31 @@ def test_the_scheduler_skips_a_sequence_whose_adapter_finds_no_slot_and_admits_t
     assert sched.schedule().admitted == [seqs[1]] and seqs[1].lora_slot == 0 and slots.writes == {0: B}
 
 
+def device_slot(engine: Engine, slot: int) -> dict[str, np.ndarray]:
+    """What the device holds in LoRA slot `slot`: each LoRA parameter's part of it `[L, ...]`, as
+    `LoraRequest.weights` holds an adapter's."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(engine.runner.state)[0]:
+        if (name := path[0].key) in LORA_PARAMS:  # a stack `[L, S, ...]`, or one layer's `[S, ...]` in layer order
+            stacked = not isinstance(path[-1], jax.tree_util.SequenceKey)
+            parts.setdefault(name, []).extend(np.asarray(leaf[:, slot] if stacked else leaf[slot:slot + 1]))
+    return {name: np.stack(layers) for name, layers in parts.items()}
+
+
 def record_steps(engine: Engine, monkeypatch) -> list[dict[Sequence, int]]:
     """Each step the engine dispatches, as the LoRA slot of each of its sequences with an adapter, checked against
-    the slot table then: a sequence runs in the slot that holds its adapter, its weights written."""
+    the device then: the slot a sequence runs in holds its adapter's weights (`LoraRequest.weights`)."""
     steps = []
     dispatch = engine.runner.dispatch
 
     def recording(chunks, *args, **kwargs):
         assert not engine.lora_slots.writes
-        for chunk in chunks:
-            seq = chunk.seq
-            assert seq.lora_slot == -1 if seq.params.lora is None else (
-                engine.lora_slots.holders[seq.lora_slot] == seq.params.lora)
+        assert all(chunk.seq.lora_slot == -1 for chunk in chunks if chunk.seq.params.lora is None)
+        for slot, lora in {c.seq.lora_slot: c.seq.params.lora for c in chunks if c.seq.params.lora}.items():
+            on_device = device_slot(engine, slot)
+            assert on_device.keys() == lora.weights.keys()
+            for name, weight in lora.weights.items():
+                np.testing.assert_array_equal(on_device[name], weight, err_msg=f"{lora.name}: {name}")
         steps.append({chunk.seq: chunk.seq.lora_slot for chunk in chunks if chunk.seq.params.lora is not None})
         return dispatch(chunks, *args, **kwargs)
 
@@ -104,20 +144,46 @@ def adapters(step: dict[Sequence, int]) -> set[str]:
     return {seq.params.lora.name for seq in step}
 
 
+def drain(engine: Engine) -> None:
+    """Steps until the engine has no work, failing after MAX_STEPS (a scheduling hang)."""
+    for _ in range(MAX_STEPS):
+        if not engine.has_work:
+            return
+        engine.step()
+    pytest.fail(f"work left after {MAX_STEPS} steps: {engine.lora_slots.users=} {engine.lora_slots.holders=}")
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
+    """`Engine.generate`, bounded by MAX_STEPS."""
+    sinks = [ListCollector(p.n) for p in params]
+    for i, (prompt, p, sink) in enumerate(zip(prompts, params, sinks, strict=True)):
+        engine.submit([prompt], p, sink, f"generate-{uuid.uuid4().hex}-{i}")
+    drain(engine)
+    return [sink.completions() for sink in sinks]
+
+
 def run_all(engine: Engine, names: list[str | None], case_name: str, **fields) -> None:
-    """Runs `case_name` of each of `names` (None: the base) in one engine run; each gives its golden."""
+    """Runs `case_name` of each of `names` (None: the base) in one engine run; each of its choices gives its
+    golden."""
     cases = [case_named((BASE if name is None else ADAPTERS[name])["cases"], case_name)
              for name in names]
-    outputs = engine.generate([case["prompt_ids"] for case in cases],
-                              [golden_params(BASE, lora=engine.adapters.get(name), **fields) for name in names])
-    for name, case, [output] in zip(names, cases, outputs, strict=True):
-        assert_completion_gives_case(output, case | {"name": f"{name or 'base'}: {case['name']}"})
+    outputs = generate(engine, [case["prompt_ids"] for case in cases],
+                       [golden_params(BASE, lora=engine.adapters.get(name), **fields) for name in names])
+    for name, case, choices in zip(names, cases, outputs, strict=True):
+        for output in choices:
+            assert_completion_gives_case(output, case | {"name": f"{name or 'base'}: {case['name']}"})
 
 
 @pytest.fixture(scope="module")
 def one_slot(folder) -> Engine:
     """An engine of one LoRA slot serving both tiny adapters."""
     return golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, max_loras=1)
+
+
+@pytest.fixture(scope="module")
+def resident(folder) -> Engine:
+    """An engine of a slot for each tiny adapter: it never swaps one."""
+    return golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES)
 
 
 def test_one_slot_serves_two_adapters_and_the_base_in_one_run_a_batch_holding_one_adapter(one_slot, monkeypatch):
@@ -129,21 +195,120 @@ def test_one_slot_serves_two_adapters_and_the_base_in_one_run_a_batch_holding_on
     assert one_slot.lora_slots.users == [0]
 
 
-def test_preempted_sequences_swap_adapters_in_a_small_pool_and_keep_their_tokens(one_slot, monkeypatch):
+def test_preempted_sequences_swap_adapters_in_a_small_pool_and_keep_their_tokens(one_slot, resident, monkeypatch):
     """Four sequences of 112 tokens need more than the pool's 64 pages of 4: some are preempted, and wait again
-    for their adapter's slot."""
+    for their adapter's slot. Each gets the tokens of an engine that holds every adapter in a slot of its own."""
     names = ["all_modules", None, "all_modules", None, "qv_rslora", "qv_rslora"]
     prompts = [[(7 * i + j) % 300 + 3 for j in range(100)] for i in range(len(names))]
-    params = [golden_params(BASE, lora=one_slot.adapters.get(name), cache_salt="alone") for name in names]
-    alone = [one_slot.generate([prompt], p)[0][0].token_ids for prompt, p in zip(prompts, params)]
+    alone = [generate(resident, [prompt], [golden_params(BASE, lora=resident.adapters.get(name))])[0][0].token_ids
+             for prompt, name in zip(prompts, names)]
     steps = record_steps(one_slot, monkeypatch)
     preemptions = one_slot.scheduler.num_preemptions
-    together = one_slot.generate(prompts, [replace(p, cache_salt="together") for p in params])
+    together = generate(one_slot, prompts, [golden_params(BASE, lora=one_slot.adapters.get(name)) for name in names])
     assert [output.token_ids for [output] in together] == alone
     assert one_slot.scheduler.num_preemptions > preemptions
     assert all(len(adapters(step)) <= 1 for step in steps)
     assert one_slot.block_manager.num_free_pages == one_slot.block_manager.num_pages
     assert one_slot.lora_slots.users == [0]
+
+
+def test_swapping_an_adapter_in_compiles_nothing_after_warm_up(folder):
+    """The slots' weights are placed as the other weights are (committed to their devices), and written by one
+    program warm-up compiles: a swap misses no compiled step."""
+    engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, max_loras=1)
+    engine.runner.warmup(progress=False)
+    run_all(engine, ["all_modules"], "short")
+    compiled = engine.runner.num_compiled()
+    run_all(engine, ["qv_rslora"], "short")
+    run_all(engine, ["all_modules"], "short")
+    assert engine.runner.num_compiled() == compiled
+
+
+def test_a_failed_slot_write_ends_only_the_requests_admitted_into_that_slot(one_slot, monkeypatch):
+    """The pool, the prefix cache and the other requests are left alone; the slot holds nothing until a later
+    sequence's write fills it. Retrying the write instead could fail the same way every step."""
+    if one_slot.lora_slots.holders[0] == one_slot.adapters["qv_rslora"]:
+        run_all(one_slot, ["all_modules"], "one_token")  # so that qv_rslora is swapped in
+    base, case = case_named(BASE["cases"], "forty_tokens"), case_named(ADAPTERS["qv_rslora"]["cases"], "short")
+    base_sink, lora_sink = ListCollector(1), ListCollector(1)
+    one_slot.submit([base["prompt_ids"]], golden_params(BASE), base_sink, "base")
+    for _ in range(4):
+        one_slot.step()
+    write = one_slot.runner.write_layer_rows
+    calls = []
+
+    def failing_once(rows, slot):
+        calls.append(slot)
+        if len(calls) == 1:
+            raise MemoryError("out of device memory writing a LoRA slot")
+        write(rows, slot)
+
+    monkeypatch.setattr(one_slot.runner, "write_layer_rows", failing_once)
+    failures = one_slot.stats.num_step_failures
+    one_slot.submit([case["prompt_ids"]], golden_params(LORA, lora=one_slot.adapters["qv_rslora"]), lora_sink, "lora")
+    one_slot.step()
+    assert calls == [0] and one_slot.lora_slots.holders == [None] and not one_slot.lora_slots.writes
+    drain(one_slot)
+    [lora] = lora_sink.completions()
+    assert lora.finish_reason == "error" and "out of device memory writing a LoRA slot" in lora.error
+    [output] = base_sink.completions()
+    assert_completion_gives_case(output, base)
+    assert one_slot.stats.num_step_failures == failures and one_slot.lora_slots.users == [0]
+    run_all(one_slot, ["qv_rslora"], "short")
+
+
+def test_a_lora_request_built_by_hand_runs_with_the_served_adapters_weights(one_slot):
+    """Equal to the served one (name and fingerprint), without weights: the engine runs the served one."""
+    served = one_slot.adapters["qv_rslora"]
+    if one_slot.lora_slots.holders[0] == served:
+        run_all(one_slot, ["all_modules"], "one_token")  # so that qv_rslora is swapped in
+    case = case_named(ADAPTERS["qv_rslora"]["cases"], "short")
+    [[output]] = generate(one_slot, [case["prompt_ids"]], [golden_params(BASE, lora=LoraRequest(
+        "qv_rslora", served.fingerprint))])
+    assert_completion_gives_case(output, case)
+    run_all(one_slot, ["qv_rslora"], "short", cache_salt="served")
+
+
+def test_a_slot_write_refuses_rows_that_leave_a_lora_parameter_out(one_slot):
+    weights = one_slot.adapters["all_modules"].weights
+    with pytest.raises(ValueError, match="LoRA"):
+        one_slot.runner.write_layer_rows({}, 0)
+    with pytest.raises(ValueError, match="LoRA"):
+        one_slot.runner.write_layer_rows(dict(list(weights.items())[1:]), 0)
+
+
+def test_several_choices_of_requests_of_two_adapters_share_one_slot_in_turn(one_slot, monkeypatch):
+    steps = record_steps(one_slot, monkeypatch)
+    run_all(one_slot, ["all_modules", "qv_rslora", None, "all_modules"], "short", n=2)
+    assert all(len(adapters(step)) <= 1 for step in steps) and one_slot.lora_slots.users == [0]
+
+
+def test_an_aborted_request_gives_its_slot_to_the_adapter_waiting_for_it(one_slot):
+    cases = {name: case_named(ADAPTERS[name]["cases"], "forty_tokens") for name in FOLDERS}
+    sinks = {name: ListCollector(1) for name in FOLDERS}
+    for name in FOLDERS:
+        one_slot.submit([cases[name]["prompt_ids"]], golden_params(LORA, lora=one_slot.adapters[name]), sinks[name],
+                        name)
+    one_slot.step()
+    [running] = one_slot.stats.lora_running
+    [waiting] = one_slot.stats.lora_waiting
+    one_slot.abort(running)
+    drain(one_slot)
+    [aborted] = sinks[running].completions()
+    assert aborted.finish_reason == "abort"
+    [output] = sinks[waiting].completions()
+    assert_completion_gives_case(output, cases[waiting])
+    assert one_slot.lora_slots.users == [0] and one_slot.lora_slots.holders == [one_slot.adapters[waiting]]
+
+
+def test_no_more_slots_than_adapters_without_runtime_updating_and_max_loras_still_reported(folder):
+    """Every token multiplies every slot's weights: an empty slot would cost as much as a full one."""
+    engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, max_loras=8)
+    assert engine.lora_slots.num_slots == len(MODULES)
+    assert {leaf.shape[1] for path, leaf in jax.tree_util.tree_flatten_with_path(engine.runner.state)[0]
+            if path[0].key in LORA_PARAMS} == {len(MODULES)}
+    run_all(engine, ["qv_rslora", "all_modules"], "one_token")
+    assert engine.stats.max_loras == 8
 
 
 def test_a_sequence_admitted_again_runs_in_the_lora_slot_it_got_then():
@@ -184,8 +349,7 @@ def test_an_adapter_unloaded_while_its_requests_run_and_wait_serves_them_and_ref
     with pytest.raises(RequestRejected, match="not served here"):
         engine.submit([[1, 2, 3]], golden_params(LORA, lora=LoraRequest("qv_rslora", "0" * 64)), ListCollector(1),
                       "late")
-    while engine.has_work:
-        engine.step()
+    drain(engine)
     for name, sink in zip(order, sinks):
         [output] = sink.completions()
         assert_completion_gives_case(output, cases[name])
