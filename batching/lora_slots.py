@@ -47,7 +47,6 @@ class LoraSlots:
         if not self.users[slot]:
             del self._unused[slot]
         self.users[slot] += 1
-        return slot
 
     def empty(self, slot: int) -> None:
         """`slot` holds no adapter (one evicted, or its write failed) and has no write pending."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import uuid
-from dataclasses import replace
 
 import jax
 import numpy as np
