@@ -79,12 +79,12 @@ def build_application(replica: ReplicaConfig, scale: ScaleOutConfig, gpus: bool)
 def serve_replicas(replica: ReplicaConfig, scale: ScaleOutConfig) -> int:
     """Starts (or joins) Ray, runs the application until a signal, then deletes it (and stops Ray Serve if this
     started it and no other application is left on it); the exit status."""
-    connect(scale.ray_address, scale.max_replicas or scale.replicas)
+    cluster = connect(scale.ray_address, scale.max_replicas or scale.replicas)
     try:
         with stop_on_signal() as stop:
             error = _serve(stop, replica, scale)
     finally:
-        disconnect()  # a local cluster stops; a joined one stops sending its logs, so the error below comes last
+        disconnect(cluster)  # a local cluster stops; a joined one stops sending its logs, so the error below comes last
     if error is not None:
         print(f"sluice serve: error: {error}", file=sys.stderr)
         return 1

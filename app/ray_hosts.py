@@ -13,32 +13,43 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sluice.app.addresses import host_port
 from sluice.app.ray_cluster import connect, disconnect, stop_on_signal
 
-# `sluice serve`'s entry point for one process, given by its caller (app/serve.py imports this module).
-ServeProcess = Callable[[argparse.Namespace], int]
+# `sluice serve`'s entry point for one process, given by its caller (app/serve.py imports this module); it hands
+# process 0's stop (`Stop`) to its second argument before the model loads.
+Stop = Callable[[], bool]
+ServeProcess = Callable[[argparse.Namespace, Callable[[Stop], None]], int]
 # How long the processes get to end once process 0 has ended or been told to stop: its shutdown ends the others'
 # step loops at once.
 FOLLOWERS_S = 60.0
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"stop": 1})
 class SluiceProcess:
-    """One process of the job: `serve` runs `sluice serve`'s entry point with this process's place in it (on the
-    actor's main thread, so that the leader's uvicorn takes SIGTERM as it does outside Ray)."""
+    """One process of the job: `serve` runs `sluice serve`'s entry point with this process's place in it, and `stop`,
+    on a thread of its own meanwhile, stops process 0 as a first signal stops a single process.
+
+    The processes take no signal themselves: a local cluster's inherit SIGTERM blocked (`connect`), and uvicorn
+    listens for none off the main thread, where Ray runs the methods of an actor with concurrency groups. A signal
+    to the command's process group, or to each of its processes (systemd's), thus reaches the driver alone, which
+    stops process 0 once; the others stay up until its shutdown ends their step loops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stop_server: Stop | None = None  # process 0's, once its server is up
+        self._stopped = False  # told to stop, maybe before its server was up
+        self._ended = False  # `run` returned: its server's loop is closed
 
     def coordinator_address(self) -> str:
         """host:port on this actor's node where `jax.distributed`'s coordinator can listen."""
@@ -47,24 +58,31 @@ class SluiceProcess:
             port = probe.getsockname()[1]
         return host_port(ray.util.get_node_ip_address(), port)
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def serve(self, run: ServeProcess, args: argparse.Namespace) -> int:
-        # A local cluster's workers inherit SIGTERM blocked from its raylet (`connect`): process 0's uvicorn would
-        # never take the one `_terminate` sends. Unblocked on this thread alone, which the kernel then delivers it to.
-        blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         try:
-            return run(args)
+            return run(args, self._serving)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            with self._lock:
+                self._ended = True
 
+    def _serving(self, stop_server: Stop) -> None:
+        with self._lock:
+            self._stop_server = stop_server
+            if self._stopped:  # before the server was up: it stops as it comes, still loading
+                stop_server()
 
-@ray.remote(num_cpus=0)
-def _terminate(pid: int) -> None:
-    """SIGTERM to `pid`, from a task placed on that process's node (which may have ended on its own meanwhile)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
+    @ray.method(concurrency_group="stop")
+    def stop(self) -> bool:
+        """Stops process 0 as a first signal does (its server drains, once however often asked); whether it was still
+        loading the model, which then ends it at once (and the others, whose `jax.distributed` it coordinates)."""
+        with self._lock:
+            self._stopped = True
+            if self._stop_server is None or self._ended:
+                return not self._ended
+            try:
+                return self._stop_server()
+            except RuntimeError:  # its loop has closed: `run` is returning
+                return False
 
 
 def serve_on_hosts(run: ServeProcess, args: argparse.Namespace, hosts: int, gpus_per_host: int) -> int:
@@ -72,7 +90,7 @@ def serve_on_hosts(run: ServeProcess, args: argparse.Namespace, hosts: int, gpus
 
     `gpus_per_host`: each process's GPUs on a cluster with GPUs (0: a CPU each).
     """
-    connect(args.ray_address, hosts)
+    cluster = connect(args.ray_address, hosts)
     try:
         with stop_on_signal() as stop:
             if ray.cluster_resources().get("GPU", 0) == 0:
@@ -91,7 +109,7 @@ def serve_on_hosts(run: ServeProcess, args: argparse.Namespace, hosts: int, gpus
             finally:
                 remove_placement_group(group)
     finally:
-        disconnect()
+        disconnect(cluster)
 
 
 def _run(run: ServeProcess, args: argparse.Namespace, hosts: int, group: PlacementGroup, gpus_per_host: int,
@@ -102,13 +120,14 @@ def _run(run: ServeProcess, args: argparse.Namespace, hosts: int, group: Placeme
     processes = [SluiceProcess.options(scheduling_strategy=placed(i), num_cpus=1, num_gpus=gpus_per_host).remote()
                  for i in range(hosts)]
     coordinator = ray.get(processes[0].coordinator_address.remote())
-    leader_pid = ray.get(processes[0].pid.remote())
     runs = [process.serve.remote(run, _place(args, coordinator, hosts, i)) for i, process in enumerate(processes)]
     while not stop.is_set() and not ray.wait([runs[0]], timeout=0.5)[0]:
         pass
+    loading = False
     if stop.is_set():
         print("Stopping: process 0 finishes its requests in flight", flush=True)
-        ray.get(_terminate.options(scheduling_strategy=placed(0)).remote(leader_pid))
+        with contextlib.suppress(RayActorError):  # it died meanwhile, which its run says
+            loading = ray.get(processes[0].stop.remote())
     # Process 0's shutdown ends the others' step loops; one that is still running a while later is stuck.
     _, stuck = ray.wait(runs, num_returns=len(runs), timeout=FOLLOWERS_S)
     for i, (process, run) in enumerate(zip(processes, runs)):
@@ -116,12 +135,12 @@ def _run(run: ServeProcess, args: argparse.Namespace, hosts: int, group: Placeme
             print(f"sluice serve: error: process {i} was still running {FOLLOWERS_S:.0f} s after "
                   f"{'the stop' if stop.is_set() else 'process 0 ended'}: killed", file=sys.stderr, flush=True)
             ray.kill(process)
-    if stop.is_set() and runs[0] not in stuck and _died(runs[0]):
-        # A signal before the model is ready ends process 0 at once (as it ends a single process), and without it
-        # the others' `jax.distributed` ends them: Ray sees workers that died, whatever their status.
+    if loading and runs[0] not in stuck and _died(runs[0]):
+        # Stopped before its model was ready, process 0 ended at once (as a single process does), and the others'
+        # `jax.distributed` with it: their deaths are its doing, a status they returned first is theirs.
         print("Stopped during the start-up", flush=True)
-        return 1 if stuck else 0
-    return max(_status(i, run) if run not in stuck else 1 for i, run in enumerate(runs))
+        return max((1 if run in stuck else _status(i, run, died=0) for i, run in enumerate(runs) if i > 0), default=0)
+    return max(1 if run in stuck else _status(i, run) for i, run in enumerate(runs))
 
 
 def _died(run: ray.ObjectRef) -> bool:
@@ -130,16 +149,26 @@ def _died(run: ray.ObjectRef) -> bool:
         ray.get(run)
     except RayActorError:
         return True
+    except RayError:  # it raised, which `_status` says
+        pass
     return False
 
 
-def _status(process_id: int, run: ray.ObjectRef) -> int:
-    """The exit status `run` returned, or 1 (said on stderr) where its process died."""
+def _status(process_id: int, run: ray.ObjectRef, died: int | None = None) -> int:
+    """The exit status `run` returned, or 1 (said in one line on stderr) where its process died or it raised; `died`
+    where its process died, if given."""
     try:
         return ray.get(run)
     except RayActorError as error:
-        print(f"sluice serve: error: process {process_id} died: {error}", file=sys.stderr, flush=True)
-        return 1
+        if died is not None:
+            return died
+        what = f"died: {error}"
+    except RayTaskError as error:
+        what = f"raised {type(error.cause).__name__}: {error.cause}"
+    except RayError as error:
+        what = f"failed: {error}"
+    print(f"sluice serve: error: process {process_id} {' '.join(what.split())}", file=sys.stderr, flush=True)
+    return 1
 
 
 def _place(args: argparse.Namespace, coordinator: str, hosts: int, process_id: int) -> argparse.Namespace:
