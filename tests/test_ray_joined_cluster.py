@@ -26,6 +26,8 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+import psutil  # Ray's own copy, where no other is installed: importable once Ray is
+
 from sluice.app.ray_cluster import ENGINE_VARIABLE_PREFIXES
 from test_api_e2e import ROOT, SERVER_FLAGS, ServerProcess, free_port, start_server
 from test_ray_replicas import ray_processes, replica_pids
@@ -46,6 +48,13 @@ SERVE_PROCESSES = ("ray::ServeController", "ray::ProxyActor", "ray::ServeReplica
 class Head:
     process: subprocess.Popen
     address: str
+    core: dict[str, int]  # the pids of its raylet and GCS
+
+
+def _core_processes(head: subprocess.Popen) -> dict[str, int]:
+    """The pids of the raylet and the GCS a `ray start --head --block` runs, by process name."""
+    return {process.name(): process.pid for process in psutil.Process(head.pid).children(recursive=True)
+            if process.name() in ("raylet", "gcs_server")}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +76,7 @@ def head() -> Iterator[Head]:
         while (found := re.search(r"ray start --address='([^']+)'", log.read_text())) is None:
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        yield Head(process, found.group(1))
+        yield Head(process, found.group(1), _core_processes(process))
     finally:
         process.terminate()
         process.wait(60)
@@ -134,11 +143,18 @@ def test_a_signal_stops_a_start_up_that_cannot_finish_and_the_command_leaves_the
         head: Head, server: ServerProcess):
     """SIGTERM ends the command, whose second replica still waits for a CPU, all the same. Its application is
     deleted, and Ray Serve, which it started there, is stopped: its proxy would hold the port, and the next
-    command's --host and --port would not be applied."""
+    command's --host and --port would not be applied. The cluster itself goes on, its raylet and GCS the ones it
+    had, and answers `ray status`."""
     assert ray_processes(head.process.pid, SERVE_PROCESSES)
     assert server.stop(timeout_s=60) == 0, server.output()[-4000:]
     assert "Sluice is ready" not in server.output()
     _wait_until_serve_is_gone(head)
+    assert head.process.poll() is None, "the head's `ray start` ended"
+    assert sorted(head.core) == ["gcs_server", "raylet"] and _core_processes(head.process) == head.core
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    status = subprocess.run([str(Path(sys.executable).parent / "ray"), "status", "--address", head.address],
+                            env={**env, **AUTH}, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
 
 
 def _wait_until_serve_is_gone(head: Head) -> None:
