@@ -507,7 +507,10 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
             aliases=("--uvicorn-log-level",))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, take_stop: Callable[[Callable[[], bool]], None] | None = None) -> int:
+    """`sluice serve`'s exit status. `take_stop` is given, before the model loads, a function that stops process 0
+    from any thread as a first signal does (once) and says whether the model was still loading (which then ends the
+    process at once): `--hosts`'s actor takes no signal, its driver stops it so (app/ray_hosts.py)."""
     # jax's GPU allocator reads its share once, when its backend starts: nothing before this line has started it.
     if (ignored := claim_gpu_memory(args.gpu_memory_utilization, os.environ)) is not None:
         print(f"sluice serve: {ignored}", file=sys.stderr)
@@ -550,7 +553,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         return _refuse(f"cannot listen on {args.host}:{args.port}: {error.strerror}")
     with listener:
-        return asyncio.run(_serve(engine_config, settings, args, listener))
+        return asyncio.run(_serve(engine_config, settings, args, listener, take_stop))
 
 
 def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -> EngineConfig:
@@ -795,7 +798,7 @@ def _follow(engine_config: EngineConfig, args: argparse.Namespace) -> int:
 
 
 async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: argparse.Namespace,
-                 listener: socket.socket) -> int:
+                 listener: socket.socket, take_stop: Callable[[Callable[[], bool]], None] | None) -> int:
     state = ServerState(settings)
     config = uvicorn.Config(
         create_app(state, lora_admin=engine_config.allow_runtime_lora_updating),
@@ -806,6 +809,14 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, args: ar
         timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = DrainingServer(config, state, drain_timeout_s=args.drain_timeout)
+    if take_stop is not None:
+        loop = asyncio.get_running_loop()
+
+        def stop() -> bool:
+            loop.call_soon_threadsafe(server.begin_drain)
+            return state.engine is None
+
+        take_stop(stop)
     serving = asyncio.ensure_future(server.serve([listener]))
     port = listener.getsockname()[1]
     print(f"Sluice is listening on {http_url(args.host, port)} (/health: 503 until the model is ready)", flush=True)
@@ -872,6 +883,12 @@ class DrainingServer(uvicorn.Server):
         self._state.begin_drain()
         # A signal handler runs between two bytecodes of the loop's thread; hand over to the loop.
         self._loop.call_soon_threadsafe(self._start_drain)
+
+    def begin_drain(self) -> None:
+        """What a first signal does, on the loop; nothing once a signal or an earlier call has begun the drain."""
+        if not self._state.draining:
+            self._state.begin_drain()
+            self._start_drain()
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())
