@@ -7,16 +7,26 @@ an id naming the replica that holds them, a status, a message's text as parts), 
 
 A response on a conversation is given the conversation's items as they are when it starts, before its input; once
 it has ended (completed, or incomplete: cut by `max_output_tokens`) its input and output are added to the
-conversation in one step (`add_turn`); a response that failed or was cancelled adds nothing. So two responses on
-one conversation at once both add their turns, in the order they end, and neither sees the other's. `store: false`
-keeps the response itself out of the response store, not its turn out of the conversation, as OpenAI's does.
+conversation in one step (`add_turn`); a response that failed or was cancelled adds nothing. One response runs on a
+conversation at a time (`occupy`): a second meanwhile is OpenAI's 400 `conversation_locked`, and the store does not
+evict a busy conversation. `store: false` keeps the response itself out of the response store, not its turn out of
+the conversation, as OpenAI's does.
+
+The store's byte bound (`--responses-store-bytes`, OpenAI documents no limit on a conversation's size) is the
+store's, not one conversation's: a turn that makes its conversation exceed it evicts other conversations (least
+recently used first, none busy), and only one the store cannot hold even so (the conversation alone exceeds the
+bound) is refused. A response whose conversation and input alone would exceed it is a 400 before it generates
+(`check_turn_fits`); one whose output then makes it exceed it fails (status `failed`, its error saying why), its
+turn not added, rather than ending as if it had been.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -122,17 +132,43 @@ def conversation_items(state: ServerState, conversation: ConversationReference |
     return [] if conversation is None else _items(_held(state, conversation.id))
 
 
-def add_turn(state: ServerState, conversation_id: str, items: Items) -> None:
-    """Adds a response's input and output `items` (as stored, with ids) to its conversation, in one step: those it
-    holds already (another response's, ended meanwhile) are not added twice. A conversation deleted meanwhile gets
-    nothing; one that would no longer fit the store keeps what it had."""
+def occupy(state: ServerState, conversation: ConversationReference | None) -> Callable[[], None]:
+    """Marks busy the conversation a response runs on, until the response has ended (whichever way) and calls what
+    this returns, once; a conversation busy already is OpenAI's 400, in its words. Without one, nothing to free."""
+    if conversation is None:
+        return lambda: None
+    if not state.conversations.occupy(conversation.id):
+        raise APIError(400, "Another process is currently operating on this conversation. Please retry in a few "
+                            "seconds.", param="conversation", code="conversation_locked")
+    return partial(state.conversations.free, conversation.id)
+
+
+def check_turn_fits(state: ServerState, conversation: ConversationReference | None, items: Items) -> None:
+    """A 400 where the conversation with a response's input `items` (as stored) would exceed the store's byte bound
+    alone: its turn could never be added, so it is refused before it generates."""
+    if conversation is not None and (_held(state, conversation.id).with_items(_texts(items)).size
+                                     > state.conversations.max_bytes):
+        raise invalid_request(too_large(conversation.id), param="input")
+
+
+def add_turn(state: ServerState, conversation_id: str, items: Items) -> bool:
+    """Adds a response's input and output `items` (as stored, with ids) to its conversation, in one step, evicting
+    other conversations where the store's bounds ask; those it holds already (a client added them meanwhile) are not
+    added twice. False where the store cannot hold it even so, the conversation kept as it was; a conversation
+    deleted meanwhile gets nothing (and refused nothing)."""
     conversation = state.conversations.get(conversation_id)
     if conversation is None:
-        return
+        return True
     added = conversation.with_items(_texts([item for item in items if item.id not in conversation.items]))
-    if not state.conversations.put(conversation_id, added):
-        logger.warning("A response's turn was not added to conversation %s: it would exceed the store's "
-                       "--responses-store-bytes", conversation_id)
+    if state.conversations.put(conversation_id, added):
+        return True
+    logger.warning("A response's turn was not added to conversation %s: the store cannot hold it", conversation_id)
+    return False
+
+
+def too_large(conversation_id: str) -> str:
+    return (f"Conversation '{conversation_id}' would exceed the server's store of conversations "
+            "(--responses-store-size, --responses-store-bytes)")
 
 
 def _adding(state: ServerState, conversation: StoredConversation, items: Items) -> tuple[StoredConversation, Items]:
@@ -161,8 +197,7 @@ def _item_text(conversation: StoredConversation, item_id: str) -> str:
 
 def _put(state: ServerState, conversation_id: str, conversation: StoredConversation) -> None:
     if not state.conversations.put(conversation_id, conversation):
-        raise invalid_request("The conversation would exceed the server's store of conversations "
-                              "(--responses-store-size, --responses-store-bytes)")
+        raise invalid_request(too_large(conversation_id))
 
 
 def _held(state: ServerState, conversation_id: str) -> StoredConversation:

@@ -13,15 +13,15 @@ run of the server's (`responses_api_background.py`) that answers at once and sto
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.app.conversations import add_turn, conversation_items
+from sluice.app.conversations import add_turn, check_turn_fits, conversation_items, occupy, too_large
 from sluice.app.errors import APIError, invalid_request
-from sluice.app.generation import respond, start_generation
+from sluice.app.generation import Generation, respond, start_generation
 from sluice.app.responses_api_background import BackgroundRun, EventLog, Store, replayed
 from sluice.app.response_ids import new_id
 from sluice.app.responses_api_builder import ResponsesBuilder
@@ -41,9 +41,11 @@ from sluice.app.responses_api_schemas import (
     InputItem,
     InputItemsQuery,
     InputTokenCount,
+    InputTokensRequest,
     ItemReference,
     MessageItem,
     RequestItem,
+    ResponseError,
     ResponseObject,
     ResponsesRequest,
     RetrieveQuery,
@@ -64,53 +66,92 @@ def response_not_found(response_id: str) -> APIError:
 async def create_response(request: Request) -> Response:
     arrival = time.perf_counter()
     state, engine, body = await parse_body(request, ResponsesRequest)
-    # Its input items' ids are given now, so that the stored response and its conversation name them alike.
-    turn = stored_items(referenced_items(state, body.input), state.replica)
-    items, plan = await _conversation_plan(state, engine, body, turn)
-    response_id = new_id("resp", state.replica)
-    response = ResponseObject(
-        id=response_id, created_at=int(time.time()), status="queued" if body.background else "in_progress",
-        instructions=body.instructions,
-        max_output_tokens=body.max_output_tokens, model=state.served_name(body.model), output=[],
-        parallel_tool_calls=body.parallel_tool_calls, max_tool_calls=body.max_tool_calls,
-        previous_response_id=body.previous_response_id, conversation=body.conversation,
-        temperature=plan.params.temperature, top_p=plan.params.top_p, top_logprobs=body.top_logprobs,
-        tool_choice=body.tool_choice or "auto",
-        tools=body.tools, text=body.text, reasoning=body.reasoning, store=body.store, background=body.background,
-        metadata=body.metadata, truncation=body.truncation, user=body.user,
-    )
-
-    def store(done: ResponseObject, events: tuple[bytes, ...] = ()) -> None:
-        output = output_items(done.output)
-        if body.store:
-            conversation = stored_items(items + output, state.replica)
-            state.responses.put(done.id, StoredResponse(done.model_dump_json(), ITEMS.dump_json(conversation).decode(),
-                                                        len(items), frozenset(item.id for item in conversation),
-                                                        events))
-        if body.conversation is not None and done.status in ("completed", "incomplete"):
-            add_turn(state, body.conversation.id, stored_items(turn + output, state.replica))
-
-    logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
-    # A background run stores its response itself, once it has ended, with the events it kept.
-    on_done = None if body.background else store
-    builder = ResponsesBuilder(response, plan.calling, on_done, logprobs, plan.reasoning, engine.tokenizer)
+    free = occupy(state, body.conversation)  # once the response has ended, whichever way
     try:
-        generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id,
-                                            arrival, body.model, "input", plan.grammar_field)
-    except APIError as error:
-        raise in_responses_terms(error) from None
+        # Its input items' ids are given now, so that the stored response and its conversation name them alike.
+        turn = stored_items(referenced_items(state, body.input), state.replica)
+        items, plan = await _conversation_plan(state, engine, body, turn)
+        check_turn_fits(state, body.conversation, turn)
+        response_id = new_id("resp", state.replica)
+        response = ResponseObject(
+            id=response_id, created_at=int(time.time()), status="queued" if body.background else "in_progress",
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens, model=state.served_name(body.model), output=[],
+            parallel_tool_calls=body.parallel_tool_calls, max_tool_calls=body.max_tool_calls,
+            previous_response_id=body.previous_response_id, conversation=body.conversation,
+            temperature=plan.params.temperature, top_p=plan.params.top_p, top_logprobs=body.top_logprobs,
+            tool_choice=body.tool_choice or "auto",
+            tools=body.tools, text=body.text, reasoning=body.reasoning, store=body.store,
+            background=body.background, metadata=body.metadata, truncation=body.truncation, user=body.user,
+        )
+
+        def store(done: ResponseObject, events: tuple[bytes, ...] = ()) -> None:
+            if body.store:
+                conversation = stored_items(items + output_items(done.output), state.replica)
+                state.responses.put(done.id, StoredResponse(
+                    done.model_dump_json(), ITEMS.dump_json(conversation).decode(), len(items),
+                    frozenset(item.id for item in conversation), events))
+
+        def ended(done: ResponseObject) -> None:
+            """The reply has ended (before its last event): its turn goes to its conversation, then the response to
+            the store, unless a background run stores it (once it has ended, with the events it kept)."""
+            if body.conversation is not None:
+                _add_turn(state, body.conversation.id, stored_items(turn + output_items(done.output), state.replica),
+                          done)
+            if not body.background:
+                store(done)
+
+        logprobs = partial(token_logprobs, TokenNames(engine.tokenizer)) if body.logprobs else None
+        builder = ResponsesBuilder(response, plan.calling, ended, logprobs, plan.reasoning, engine.tokenizer)
+        try:
+            generation = await start_generation(request, state, [plan.prompt.token_ids], plan.params, response_id,
+                                                arrival, body.model, "input", plan.grammar_field)
+        except APIError as error:
+            raise in_responses_terms(error) from None
+    except BaseException:
+        free()
+        raise
     if body.background:
         run = BackgroundRun(response, EventLog() if body.stream else None, generation)
-        return _run_in_background(state, run, generation.streamed(builder.events(generation)), store)
-    return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s)
+        return _run_in_background(state, run, generation.streamed(builder.events(generation)), store, free)
+    if body.stream:
+        return _streamed(state, generation, builder, free)
+    try:
+        return await respond(request, generation, builder, False, state.settings.sse_keepalive_s)
+    finally:
+        free()
+
+
+def _add_turn(state: ServerState, conversation_id: str, turn: Items, done: ResponseObject) -> None:
+    """Adds a completed or incomplete response's `turn` to its conversation; one the store cannot hold fails the
+    response (its error says why) rather than being dropped unseen."""
+    if not add_turn(state, conversation_id, turn):
+        done.status = "failed"
+        done.error = ResponseError(code="server_error", message=f"The response's turn was not added to its "
+                                                                f"conversation: {too_large(conversation_id)}")
+
+
+def _streamed(state: ServerState, generation: Generation, builder: ResponsesBuilder,
+              free: Callable[[], None]) -> Response:
+    """`respond`'s stream, which also `free`s the response's conversation once it has closed: read to its end, or
+    left by its client (whose response then never ends)."""
+    async def close() -> None:
+        try:
+            await generation.close_stream()
+        finally:
+            free()
+
+    return EventStreamResponse(generation.streamed(builder.events(generation)), on_close=close,
+                               keepalive_s=state.settings.sse_keepalive_s,
+                               stall_timeout_s=generation.stall_timeout_s, on_stall=generation.stalled)
 
 
 def _run_in_background(state: ServerState, run: BackgroundRun, events: AsyncGenerator[bytes, None],
-                       store: Store) -> Response:
+                       store: Store, free: Callable[[], None]) -> Response:
     """Starts `run` (stored at once, queued) and answers with the response as created, or with its events from the
-    first, which the client may leave without stopping it."""
+    first, which the client may leave without stopping it; `free` once it has ended."""
     store(run.response)
-    state.background.start(run, events, store)  # its task first runs once this has returned: still queued here
+    state.background.start(run, events, store, free)  # its task first runs once this has returned: still queued
     if run.log is None:
         return json_response(run.response)
     return _event_stream(state, run.log.after(None))
@@ -130,7 +171,7 @@ async def count_input_tokens(request: Request) -> Response:
     """`POST /v1/responses/input_tokens`: the length of the prompt `/v1/responses` would give the model for the
     same request (its conversation, instructions and tools; its oldest turns dropped as `truncation: "auto"`
     would)."""
-    state, engine, body = await parse_body(request, ResponsesRequest)
+    state, engine, body = await parse_body(request, InputTokensRequest)
     _, plan = await _conversation_plan(state, engine, body, referenced_items(state, body.input))
     return json_response(InputTokenCount(input_tokens=len(plan.prompt.token_ids)))
 

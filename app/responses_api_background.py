@@ -105,12 +105,15 @@ class BackgroundRuns:
     def get(self, response_id: str) -> BackgroundRun | None:
         return self._runs.get(response_id)
 
-    def start(self, run: BackgroundRun, events: AsyncGenerator[bytes, None], store: Store) -> None:
-        """Runs `run` through `events` in a task of its own; its final state then goes to `store`."""
+    def start(self, run: BackgroundRun, events: AsyncGenerator[bytes, None], store: Store,
+              ended: Callable[[], None]) -> None:
+        """Runs `run` through `events` in a task of its own; its final state then goes to `store`, and `ended` is
+        called as it ends, whichever way (its conversation freed)."""
         self._runs[run.response.id] = run
-        run.task = asyncio.ensure_future(self._run(run, events, store))
+        run.task = asyncio.ensure_future(self._run(run, events, store, ended))
 
-    async def _run(self, run: BackgroundRun, events: AsyncGenerator[bytes, None], store: Store) -> None:
+    async def _run(self, run: BackgroundRun, events: AsyncGenerator[bytes, None], store: Store,
+                   ended: Callable[[], None]) -> None:
         try:
             async with aclosing(events):
                 async for event in events:
@@ -120,5 +123,6 @@ class BackgroundRuns:
         finally:  # also when the loop ends under it (a server stopped past its drain)
             await run.generation.close()  # after the store: its admission released, a drain may end
             del self._runs[run.response.id]
+            ended()
             if run.log is not None:
                 run.log.end()

@@ -70,8 +70,8 @@ TextPart = Annotated[InputText | OutputTextPart, Field(discriminator="type")]
 
 
 class MessageItem(_Request):
-    """A message; `id` is kept when given (an earlier output item sent back), else made when the response is
-    stored (as for every input item)."""
+    """A message; `id` is kept when this server issued it (an earlier output item sent back), else made when the
+    item is stored (as for every input item: `responses_api_convert.stored_items`)."""
 
     type: Literal["message"] = "message"
     id: str | None = None
@@ -272,9 +272,10 @@ class ResponsesRequest(_Request):
     background: bool = Field(False, description="run it apart from the connection (stored, so needs store): the "
                                                 "answer comes at once, queued; GET polls it, POST .../cancel stops it")
     previous_response_id: str | None = None
-    conversation: ConversationReference | None = Field(
+    conversation: str | ConversationReference | None = Field(
         None, description="a conversation's id (or {\"id\": ...}): its items come before the input, and once the "
-                          "response has ended (completed or incomplete) its input and output are added to it")
+                          "response has ended (completed or incomplete) its input and output are added to it; read "
+                          "as {\"id\": ...} either way")
     metadata: Metadata = Field(default_factory=dict)
     user: str | None = None
     truncation: Truncation = Field("disabled", description='"auto": a conversation longer than the context drops '
@@ -290,10 +291,10 @@ class ResponsesRequest(_Request):
             raise field_error(given[0], f"{given[0]} is not supported{_UNSUPPORTED[given[0]]}", data[given[0]])
         return data
 
-    @field_validator("conversation", mode="before")
+    @field_validator("conversation")
     @classmethod
-    def _conversation_by_id(cls, value: Any) -> Any:
-        return {"id": value} if isinstance(value, str) else value
+    def _conversation_by_id(cls, value: str | ConversationReference | None) -> ConversationReference | None:
+        return ConversationReference(id=value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _one_earlier_context(self) -> ResponsesRequest:
@@ -321,6 +322,21 @@ class ResponsesRequest(_Request):
     def logprobs(self) -> bool:
         """Whether the output text carries its tokens' logprobs: asked by `include`, or by `top_logprobs`."""
         return LOGPROBS in self.include or self.top_logprobs is not None
+
+
+class InputTokensRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens`' request: a response's, whose `input` may be left out where there is
+    something else to count (OpenAI's is optional there): a conversation, or an earlier response's."""
+
+    input: list[RequestItem] = Field(default_factory=list, description="a string (one user message) or a list of "
+                                                                       "items; optional with conversation or "
+                                                                       "previous_response_id")
+
+    @model_validator(mode="after")
+    def _something_to_count(self) -> InputTokensRequest:
+        if not self.input and self.conversation is None and self.previous_response_id is None:
+            raise field_error("input", "input: required without conversation or previous_response_id", [])
+        return self
 
 
 # --- the response -----------------------------------------------------------------------------------------

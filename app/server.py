@@ -55,6 +55,7 @@ from sluice.app.responses_api_schemas import (
     InputItemList,
     InputItemsQuery,
     InputTokenCount,
+    InputTokensRequest,
     MessageItem,
     ReasoningItem,
     ResponseObject,
@@ -156,7 +157,7 @@ ROUTES: list[tuple[Handler, Operation]] = [
     (create_response, Operation("/v1/responses", "POST", "Create a response (OpenAI's Responses API)",
                                 ResponsesRequest, ResponseObject, stream_chunk=ResponseStreamEvent)),
     (count_input_tokens, Operation("/v1/responses/input_tokens", "POST", "A response request's prompt length "
-                                   "(OpenAI's Responses API)", ResponsesRequest, InputTokenCount)),
+                                   "(OpenAI's Responses API)", InputTokensRequest, InputTokenCount)),
     (get_response, Operation("/v1/responses/{response_id}", "GET", "A stored response; with stream=true a background "
                              "response's events, those after starting_after", response=ResponseObject,
                              stream_chunk=ResponseStreamEvent, query=RetrieveQuery)),

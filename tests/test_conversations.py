@@ -19,7 +19,9 @@ from test_responses_api import client  # noqa: F401 - its fixture: an openai cli
 
 from sluice.app.conversations import conversation_page
 from sluice.app.conversations_store import ConversationStore, StoredConversation
-from sluice.app.responses_api_schemas import InputItemsQuery
+from sluice.app.openapi import openapi_document
+from sluice.app.responses_api_schemas import ConversationReference, InputItemsQuery, ResponsesRequest
+from sluice.app.server import ROUTES
 
 # --- the store ----------------------------------------------------------------------------------------------
 
@@ -87,6 +89,15 @@ def test_a_listing_parses_only_the_items_of_its_page():
                                                  for i in range(1000, 1003)]))
     page = conversation_page(held, InputItemsQuery(limit=2, after="msg_1002"), "c")
     assert ([item.id for item in page.data], page.has_more) == (["msg_1001", "msg_1000"], True)
+
+
+def test_a_responses_conversation_is_documented_as_its_id_or_an_object_and_read_as_the_object():
+    """The string is OpenAI's main form (its clients' `conversation: str | {id}`)."""
+    schemas = openapi_document([operation for _, operation in ROUTES], "sluice", "0", False, frozenset())
+    variants = schemas["components"]["schemas"]["ResponsesRequest"]["properties"]["conversation"]["anyOf"]
+    assert variants == [{"type": "string"}, {"$ref": "#/components/schemas/ConversationReference"}, {"type": "null"}]
+    assert ResponsesRequest.model_validate({"input": "Hi", "conversation": "conv_1"}).conversation == \
+        ConversationReference(id="conv_1")
 
 
 # --- the openai client against a real server ----------------------------------------------------------------
@@ -159,6 +170,36 @@ def test_a_response_in_a_conversation_sees_its_items_and_is_added_to_it(server, 
     assert [(item.role, item.content[0].text) for item in items] == [
         (message["role"], message["content"]) for message in messages] + [("assistant", second.output_text)]
     assert [items[1].id, items[3].id] == [first.output[0].id, second.output[0].id]
+
+
+def test_input_tokens_without_input_counts_the_conversation_or_the_earlier_response(server, client):
+    """`input` is optional in OpenAI's reference there: what a conversation or an earlier response holds is
+    counted; with neither, there is nothing to count."""
+    conversation = client.conversations.create(items=[ANN])
+    first = client.responses.create(input=ANN["content"], **GREEDY)
+    counted = [client.responses.input_tokens.count(model=MODEL, **context).input_tokens
+               for context in ({"conversation": conversation.id}, {"previous_response_id": first.id})]
+    prompts = [post(server, "/tokenize", {"messages": messages}).json()["count"]
+               for messages in ([ANN], [ANN, {"role": "assistant", "content": first.output_text}])]
+    assert counted == prompts
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_tokens.count(model=MODEL)
+    assert caught.value.body["param"] == "input"
+
+
+def test_item_ids_a_client_chose_are_replaced_so_they_neither_collide_nor_reach_anothers_items(client):
+    """Only ids this server issued are kept (an earlier output item's, sent back): `msg_shared` in two
+    conversations names neither, nor can an item_reference reach a stored item by it."""
+    shared = {"type": "message", "id": "msg_shared", "role": "user", "content": "Mine."}
+    ids = [client.conversations.items.list(client.conversations.create(items=[shared]).id).data[0].id
+           for _ in range(2)]
+    reply = client.responses.create(input=[shared], **GREEDY)
+    [stored] = client.responses.input_items.list(reply.id).data
+    assert len({*ids, stored.id, "msg_shared"}) == 4 and all(item_id.startswith("msg_") for item_id in ids)
+    with pytest.raises(openai.BadRequestError, match="msg_shared"):
+        client.responses.create(input=[{"type": "item_reference", "id": "msg_shared"}], **GREEDY)
+    kept = client.conversations.create(items=[{**ANN, "type": "message", "id": reply.output[0].id}])
+    assert client.conversations.items.list(kept.id).data[0].id == reply.output[0].id
 
 
 def test_a_streamed_unstored_response_is_added_to_its_conversation_as_openai_adds_it(client):

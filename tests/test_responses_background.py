@@ -323,20 +323,130 @@ def test_a_failed_response_adds_nothing_to_its_conversation(engine, monkeypatch)
     assert failed.status == "failed" and items == []
 
 
-def test_two_responses_on_one_conversation_at_once_both_add_their_turns(engine, monkeypatch):
-    """Each sees the conversation as it was when it started, and adds its turn whole when it ends."""
-    slow_steps(engine, monkeypatch, step_s=0.005)
+LOCKED = {"message": "Another process is currently operating on this conversation. Please retry in a few seconds.",
+          "type": "invalid_request_error", "param": "conversation", "code": "conversation_locked"}
+
+
+async def refused_while_it_runs(client: openai.AsyncOpenAI, conversation_id: str) -> dict:
+    """The error of a second response on the conversation, which one runs on."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.responses.create(conversation=conversation_id, **SHORT)
+    return caught.value.body
+
+
+def test_a_second_response_on_a_conversation_while_one_runs_is_openais_conversation_locked(engine, monkeypatch):
+    """One at a time, each seeing the turns before it; the next runs once the first has ended, here cancelled."""
+    slow_steps(engine, monkeypatch)
 
     async def scenario(client, state, server):
         conversation = await client.conversations.create()
-        replies = await asyncio.gather(*(client.responses.create(conversation=conversation.id, **SHORT)
-                                         for _ in range(2)))
-        return replies, (await client.conversations.items.list(conversation.id, order="asc")).data
+        created = await client.responses.create(background=True, conversation=conversation.id, **LONG)
+        await writing(client, created.id)
+        refused = await refused_while_it_runs(client, conversation.id)
+        await client.responses.cancel(created.id)
+        return refused, await client.responses.create(conversation=conversation.id, **SHORT)
 
-    replies, items = serve(engine, scenario)
-    assert replies[0].usage.input_tokens == replies[1].usage.input_tokens  # neither saw the other's turn
-    assert [item.role for item in items] == ["user", "assistant"] * 2
-    assert {items[1].id, items[3].id} == {reply.output[0].id for reply in replies}
+    refused, after_cancel = serve(engine, scenario)
+    assert refused == LOCKED and after_cancel.status == "incomplete"
+
+
+def test_a_conversation_is_free_once_its_foreground_response_has_ended_whole_or_streamed(engine, monkeypatch):
+    slow_steps(engine, monkeypatch)
+    medium = {**SHORT, "max_output_tokens": 20}  # three turns fit the tiny model's 128 tokens
+
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create()
+        outcomes = []
+        for stream in (False, True):
+            running = asyncio.ensure_future(client.responses.create(conversation=conversation.id, stream=stream,
+                                                                    **medium))
+            deadline = time.monotonic() + 30
+            while await state.wait_idle(0):  # until it runs
+                assert time.monotonic() < deadline and not running.done(), running
+                await asyncio.sleep(0.01)
+            outcomes.append(await refused_while_it_runs(client, conversation.id))
+            reply = await running
+            outcomes.append([event async for event in reply][-1].response.status if stream else reply.status)
+        items = (await client.conversations.items.list(conversation.id)).data
+        return outcomes, len(items), (await client.responses.create(conversation=conversation.id, **SHORT)).status
+
+    outcomes, num_items, last = serve(engine, scenario)
+    assert outcomes == [LOCKED, "incomplete", LOCKED, "incomplete"] and num_items == 4 and last == "incomplete"
+
+
+def test_a_conversation_is_free_once_the_client_of_its_streamed_response_has_left(engine, monkeypatch):
+    """The stream's generation closes when the client leaves (its response never ends, nor adds a turn)."""
+    slow_steps(engine, monkeypatch)
+
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create()
+        stream = await client.responses.create(conversation=conversation.id, stream=True, **LONG)
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+        await stream.close()
+        await state.wait_idle(30)
+        after = await client.responses.create(conversation=conversation.id, **SHORT)
+        return after, (await client.conversations.items.list(conversation.id)).data
+
+    after, items = serve(engine, scenario)
+    assert after.status == "incomplete" and len(items) == 2
+
+
+async def sizes(client: openai.AsyncOpenAI, state: ServerState) -> tuple[int, int]:
+    """The store's size of an empty conversation, and what SHORT's turn adds to it (greedy: the same each time)."""
+    conversation = await client.conversations.create()
+    empty = state.conversations.get(conversation.id).size
+    await client.responses.create(conversation=conversation.id, **SHORT)
+    turn = state.conversations.get(conversation.id).size - empty
+    await client.conversations.delete(conversation.id)
+    return empty, turn
+
+
+def test_a_response_whose_conversation_and_input_alone_exceed_the_stores_bytes_is_a_400_before_it_generates(engine):
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create(items=[{"role": "user", "content": "Hi"}])
+        state.conversations.max_bytes = state.conversations.get(conversation.id).size + 300
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(conversation=conversation.id, **{**SHORT, "input": "x" * 300})
+        return conversation.id, caught.value.body, (await client.conversations.items.list(conversation.id)).data, \
+            len(state.responses)
+
+    conversation_id, error, items, num_stored = serve(engine, scenario)
+    assert error["param"] == "input" and conversation_id in error["message"] and "store" in error["message"]
+    assert len(items) == 1 and num_stored == 0
+
+
+def test_a_turn_that_takes_the_store_past_its_bytes_evicts_other_conversations_and_is_added(engine):
+    async def scenario(client, state, server):
+        empty, turn = await sizes(client, state)
+        other = await client.conversations.create()
+        conversation = await client.conversations.create()
+        state.conversations.max_bytes = empty + turn + empty - 1  # the turn fits its conversation, not the other too
+        reply = await client.responses.create(conversation=conversation.id, **SHORT)
+        with pytest.raises(openai.NotFoundError):
+            await client.conversations.retrieve(other.id)
+        return reply, (await client.conversations.items.list(conversation.id)).data
+
+    reply, items = serve(engine, scenario)
+    assert reply.status == "incomplete" and [item.id for item in items][0] == reply.output[0].id
+
+
+def test_a_turn_the_store_cannot_hold_fails_its_response_and_leaves_its_conversation_as_it_was(engine):
+    """Its conversation alone would exceed the bound once the output is added: the client hears it (the last event
+    `response.failed`), rather than a turn silently dropped."""
+    async def scenario(client, state, server):
+        empty, turn = await sizes(client, state)
+        conversation = await client.conversations.create()
+        state.conversations.max_bytes = empty + turn - 1
+        events = [event async for event in await client.responses.create(conversation=conversation.id, stream=True,
+                                                                          **SHORT)]
+        stored = await client.responses.retrieve(events[-1].response.id)
+        return events[-1], stored, (await client.conversations.items.list(conversation.id)).data
+
+    last, stored, items = serve(engine, scenario)
+    assert last.type == "response.failed" and last.response.status == "failed" and last.response.output_text
+    assert "would exceed" in last.response.error.message and stored == last.response and items == []
 
 
 def test_a_replicas_conversation_and_every_item_it_holds_name_that_replica(engine):
