@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Literal, Protocol
@@ -187,10 +187,17 @@ class ResponseBuilder(Protocol):
 
 
 async def respond(request: Request, generation: Generation, builder: ResponseBuilder, stream: bool,
-                  keepalive_s: float) -> Response:
-    """An SSE stream or one JSON body; either way the generation is closed at the end."""
+                  keepalive_s: float, on_close: Callable[[], None] = lambda: None) -> Response:
+    """An SSE stream or one JSON body; either way the generation is closed at the end, then `on_close` runs (a
+    stream's once it has closed: read to its end, or left by its client)."""
     if stream:
-        return EventStreamResponse(generation.streamed(builder.events(generation)), on_close=generation.close_stream,
+        async def close_stream() -> None:
+            try:
+                await generation.close_stream()
+            finally:
+                on_close()
+
+        return EventStreamResponse(generation.streamed(builder.events(generation)), on_close=close_stream,
                                    keepalive_s=keepalive_s, stall_timeout_s=generation.stall_timeout_s,
                                    on_stall=generation.stalled)
     try:
@@ -201,5 +208,8 @@ async def respond(request: Request, generation: Generation, builder: ResponseBui
         generation.building_failed()
         raise
     finally:
-        await generation.close()
+        try:
+            await generation.close()
+        finally:
+            on_close()
     return Response(response.model_dump_json(), media_type="application/json")

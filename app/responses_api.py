@@ -114,12 +114,7 @@ async def create_response(request: Request) -> Response:
     if body.background:
         run = BackgroundRun(response, EventLog() if body.stream else None, generation)
         return _run_in_background(state, run, generation.streamed(builder.events(generation)), store, free)
-    if body.stream:
-        return _streamed(state, generation, builder, free)
-    try:
-        return await respond(request, generation, builder, False, state.settings.sse_keepalive_s)
-    finally:
-        free()
+    return await respond(request, generation, builder, body.stream, state.settings.sse_keepalive_s, on_close=free)
 
 
 def _add_turn(state: ServerState, conversation_id: str, turn: Items, done: ResponseObject) -> None:
@@ -129,21 +124,6 @@ def _add_turn(state: ServerState, conversation_id: str, turn: Items, done: Respo
         done.status = "failed"
         done.error = ResponseError(code="server_error", message=f"The response's turn was not added to its "
                                                                 f"conversation: {too_large(conversation_id)}")
-
-
-def _streamed(state: ServerState, generation: Generation, builder: ResponsesBuilder,
-              free: Callable[[], None]) -> Response:
-    """`respond`'s stream, which also `free`s the response's conversation once it has closed: read to its end, or
-    left by its client (whose response then never ends)."""
-    async def close() -> None:
-        try:
-            await generation.close_stream()
-        finally:
-            free()
-
-    return EventStreamResponse(generation.streamed(builder.events(generation)), on_close=close,
-                               keepalive_s=state.settings.sse_keepalive_s,
-                               stall_timeout_s=generation.stall_timeout_s, on_stall=generation.stalled)
 
 
 def _run_in_background(state: ServerState, run: BackgroundRun, events: AsyncGenerator[bytes, None],
