@@ -134,21 +134,39 @@ def conversation_items(state: ServerState, conversation: ConversationReference |
 
 def occupy(state: ServerState, conversation: ConversationReference | None) -> Callable[[], None]:
     """Marks busy the conversation a response runs on, until the response has ended (whichever way) and calls what
-    this returns, once; a conversation busy already is OpenAI's 400, in its words. Without one, nothing to free."""
+    this returns (at once as its turn is added, and again as its stream closes: it frees once); a conversation the
+    store does not hold is a 404 (one deleted while a response runs on it too), one busy already OpenAI's 400, in
+    its words. Without one, nothing to free."""
     if conversation is None:
         return lambda: None
+    _held(state, conversation.id)
     if not state.conversations.occupy(conversation.id):
         raise APIError(400, "Another process is currently operating on this conversation. Please retry in a few "
                             "seconds.", param="conversation", code="conversation_locked")
-    return partial(state.conversations.free, conversation.id)
+    occupied = [True]
+
+    def free() -> None:
+        if occupied:  # a second call must not free a later response's hold
+            occupied.clear()
+            state.conversations.free(conversation.id)
+
+    return free
+
+
+def holds_item(state: ServerState, conversation: ConversationReference | None, item_id: str) -> bool:
+    """Whether this server holds an item by the id `item_id`: a stored response's, or the conversation's (if any);
+    a client's id for an item is kept only then (`stored_items`)."""
+    held = None if conversation is None else state.conversations.get(conversation.id)
+    return (held is not None and item_id in held.items) or state.responses.holding(item_id) is not None
 
 
 def check_turn_fits(state: ServerState, conversation: ConversationReference | None, items: Items) -> None:
     """A 400 where the conversation with a response's input `items` (as stored) would exceed the store's byte bound
     alone: its turn could never be added, so it is refused before it generates."""
-    if conversation is not None and (_held(state, conversation.id).with_items(_texts(items)).size
-                                     > state.conversations.max_bytes):
-        raise invalid_request(too_large(conversation.id), param="input")
+    if conversation is not None:
+        held = _held(state, conversation.id)
+        if held.with_items(_new_texts(held, items)).size > state.conversations.max_bytes:
+            raise invalid_request(too_large(conversation.id), param="input")
 
 
 def add_turn(state: ServerState, conversation_id: str, items: Items) -> bool:
@@ -159,8 +177,7 @@ def add_turn(state: ServerState, conversation_id: str, items: Items) -> bool:
     conversation = state.conversations.get(conversation_id)
     if conversation is None:
         return True
-    added = conversation.with_items(_texts([item for item in items if item.id not in conversation.items]))
-    if state.conversations.put(conversation_id, added):
+    if state.conversations.put(conversation_id, conversation.with_items(_new_texts(conversation, items))):
         return True
     logger.warning("A response's turn was not added to conversation %s: the store cannot hold it", conversation_id)
     return False
@@ -174,14 +191,19 @@ def too_large(conversation_id: str) -> str:
 def _adding(state: ServerState, conversation: StoredConversation, items: Items) -> tuple[StoredConversation, Items]:
     """The conversation with `items` added after its own, and those items as stored; an item whose id it holds (or
     given twice) is a 400, as OpenAI's."""
-    added = stored_items(items, state.replica)
-    check_ids_distinct([*conversation.items, *(item.id for item in added)], param="items")
+    check_ids_distinct([*conversation.items, *(item.id for item in items)], param="items")
+    added = stored_items(items, state.replica, lambda item_id: state.responses.holding(item_id) is not None)
     return conversation.with_items(_texts(added)), added
 
 
 def _texts(items: Items) -> dict[str, str]:
     """Stored items as a conversation holds them: each one's JSON, by its id."""
     return {item.id: item.model_dump_json() for item in items}
+
+
+def _new_texts(conversation: StoredConversation, items: Items) -> dict[str, str]:
+    """`_texts` of those of `items` the conversation does not hold."""
+    return _texts([item for item in items if item.id not in conversation.items])
 
 
 def _items(conversation: StoredConversation) -> Items:

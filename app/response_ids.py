@@ -5,11 +5,7 @@ the replica that stores them (`sluice serve --replicas`), so that the ingress se
 
 from __future__ import annotations
 
-import re
 import uuid
-
-# `new_id`'s shape: a kind, the replica if any, and 32 random hex digits.
-_ISSUED = re.compile(r"[a-z]+_(?:.+_)?[0-9a-f]{32}")
 
 
 def new_id(kind: str, replica: str | None) -> str:
@@ -24,8 +20,3 @@ def replica_of(named_id: str) -> str | None:
     replica, separator, _ = rest.rpartition("_")
     return replica if kind and separator and replica else None
 
-
-def issued(item_id: str) -> bool:
-    """Whether `item_id` has the shape of an id `new_id` gives: one this server issued (its random part is not
-    guessed), not one a client chose (`msg_1`, another's too)."""
-    return _ISSUED.fullmatch(item_id) is not None

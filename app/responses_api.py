@@ -19,7 +19,7 @@ from functools import partial
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.app.conversations import add_turn, check_turn_fits, conversation_items, occupy, too_large
+from sluice.app.conversations import add_turn, check_turn_fits, conversation_items, holds_item, occupy, too_large
 from sluice.app.errors import APIError, invalid_request
 from sluice.app.generation import Generation, respond, start_generation
 from sluice.app.responses_api_background import BackgroundRun, EventLog, Store, replayed
@@ -30,6 +30,7 @@ from sluice.app.responses_api_convert import (
     ITEMS,
     Items,
     chat_request,
+    check_ids_distinct,
     in_responses_terms,
     item_page,
     output_items,
@@ -68,8 +69,10 @@ async def create_response(request: Request) -> Response:
     state, engine, body = await parse_body(request, ResponsesRequest)
     free = occupy(state, body.conversation)  # once the response has ended, whichever way
     try:
+        given = referenced_items(state, body.input)
+        check_ids_distinct(item.id for item in given)  # as the client sent them, before they are replaced
         # Its input items' ids are given now, so that the stored response and its conversation name them alike.
-        turn = stored_items(referenced_items(state, body.input), state.replica)
+        turn = stored_items(given, state.replica, partial(holds_item, state, body.conversation))
         items, plan = await _conversation_plan(state, engine, body, turn)
         check_turn_fits(state, body.conversation, turn)
         response_id = new_id("resp", state.replica)
@@ -98,6 +101,7 @@ async def create_response(request: Request) -> Response:
             if body.conversation is not None:
                 _add_turn(state, body.conversation.id, stored_items(turn + output_items(done.output), state.replica),
                           done)
+                free()  # before the client hears the response's end, which may send its next turn at once
             if not body.background:
                 store(done)
 

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from sluice.app.errors import APIError, from_validation_error, invalid_request
-from sluice.app.response_ids import issued, new_id
+from sluice.app.response_ids import new_id
 from sluice.app.responses_api_schemas import (
     AllowedToolsChoice,
     FunctionCallItem,
@@ -170,15 +170,17 @@ def output_items(output: list[OutputItem]) -> Items:
 _ID_PREFIX = {MessageItem: "msg", FunctionCallItem: "fc", FunctionCallOutputItem: "fco", ReasoningItem: "rs"}
 
 
-def stored_items(items: Items, replica: str) -> Items:
+def stored_items(items: Items, replica: str, held: Callable[[str], bool] = lambda item_id: True) -> Items:
     """The items as a stored conversation lists them (OpenAI's input item shape): each with an `id` and a `status`,
-    a message's text as a list of its role's parts. The `id` is the item's own where this server issued it (an
-    earlier output item, or an item it stored, sent back), else a new one naming the `replica` that stores it: so
-    every stored id is an issued one, and an id a client chose (`msg_1`) neither collides with another client's nor
-    lets an `item_reference` reach another's item; an issued id names its item for whoever knows it."""
+    a message's text as a list of its role's parts. The `id` is the item's own where `held` says this server holds
+    an item by it (an earlier output item, or an item it stored, sent back; by default every id is held: the items
+    are the server's, a reply's output), else a new one naming the `replica` that stores it: so an id a client chose
+    (`msg_1`, or one shaped as the server's) neither collides with another client's nor lets an `item_reference`
+    reach another's item; a held id names its item for whoever knows it. Check a client's ids (`check_ids_distinct`)
+    before: these are no longer theirs."""
     stored = []
     for item in items:
-        given = item.id if item.id is not None and issued(item.id) else None
+        given = item.id if item.id is not None and held(item.id) else None
         update: dict[str, Any] = {"id": given or new_id(_ID_PREFIX[type(item)], replica),
                                   "status": item.status or "completed"}
         if isinstance(item, MessageItem):

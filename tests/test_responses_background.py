@@ -518,3 +518,64 @@ def test_a_drain_of_the_state_waits_for_a_background_response_to_be_stored(engin
 
     drained, stored = serve(engine, scenario)
     assert drained and '"status":"incomplete"' in stored
+
+
+def test_an_id_a_client_gives_twice_is_openais_400_in_a_responses_input_and_a_conversations_items(engine):
+    """Checked as the client sent them, before the server gives the items ids of its own."""
+    twice = [{"type": "message", "id": "msg_1", "role": "user", "content": text} for text in ("Hi", "Bye")]
+
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create()
+        errors = []
+        for create in (lambda: client.responses.create(**{**SHORT, "input": twice}),
+                       lambda: client.conversations.create(items=twice),
+                       lambda: client.conversations.items.create(conversation.id, items=twice)):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await create()
+            errors.append(caught.value.body["message"])
+        return errors
+
+    duplicate = "Duplicate item found with id msg_1. Remove duplicate items from your {} and try again."
+    assert serve(engine, scenario) == [duplicate.format("input"), duplicate.format("items"), duplicate.format("items")]
+
+
+def test_an_id_the_server_does_not_hold_is_replaced_whatever_its_shape(engine):
+    """A client's id shaped as the server's would otherwise name its item alike another's that holds it."""
+    planted = {"type": "message", "id": "msg_" + "a" * 32, "role": "user", "content": "Mine."}
+
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create(items=[planted])
+        reply = await client.responses.create(**{**SHORT, "input": [planted]})
+        return [item.id for item in [*(await client.conversations.items.list(conversation.id)).data,
+                                     *(await client.responses.input_items.list(reply.id)).data]]
+
+    ids = serve(engine, scenario)
+    assert len(ids) == 2 and planted["id"] not in ids
+
+
+def test_a_response_on_a_conversation_deleted_while_another_ran_on_it_is_openais_404(engine, monkeypatch):
+    slow_steps(engine, monkeypatch)
+
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create()
+        created = await client.responses.create(background=True, conversation=conversation.id, **LONG)
+        await writing(client, created.id)
+        await client.conversations.delete(conversation.id)
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.responses.create(conversation=conversation.id, **SHORT)
+        await client.responses.cancel(created.id)
+        return conversation.id, caught.value.body
+
+    conversation_id, error = serve(engine, scenario)
+    assert error["message"] == f"Conversation with id '{conversation_id}' not found."
+
+
+def test_a_streamed_responses_conversation_is_free_once_its_last_event_has_come(engine):
+    """An agent may send its next turn at once: the stream need not have closed."""
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create()
+        async for event in await client.responses.create(conversation=conversation.id, stream=True, **SHORT):
+            if event.type == "response.incomplete":
+                return state.conversations.occupy(conversation.id)
+
+    assert serve(engine, scenario)
