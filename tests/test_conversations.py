@@ -188,7 +188,7 @@ def test_input_tokens_without_input_counts_the_conversation_or_the_earlier_respo
 
 
 def test_item_ids_a_client_chose_are_replaced_so_they_neither_collide_nor_reach_anothers_items(client):
-    """Only ids this server issued are kept (an earlier output item's, sent back): `msg_shared` in two
+    """Only ids this server holds an item by are kept (an earlier output item's, sent back): `msg_shared` in two
     conversations names neither, nor can an item_reference reach a stored item by it."""
     shared = {"type": "message", "id": "msg_shared", "role": "user", "content": "Mine."}
     ids = [client.conversations.items.list(client.conversations.create(items=[shared]).id).data[0].id
