@@ -70,8 +70,8 @@ TextPart = Annotated[InputText | OutputTextPart, Field(discriminator="type")]
 
 
 class MessageItem(_Request):
-    """A message; `id` is kept when this server holds an item by it (an earlier output item sent back), else made when the
-    item is stored (as for every input item: `responses_api_convert.stored_items`)."""
+    """A message; `id` is kept when this server holds an item by it (an earlier output item sent back), else made
+    when the item is stored (as for every input item: `responses_api_convert.stored_items`)."""
 
     type: Literal["message"] = "message"
     id: str | None = None
