@@ -3,6 +3,7 @@
     python -m sluice.bench.lora                                   # 64 requests at once, 128 prompt / 128 output tokens
     python -m sluice.bench.lora --concurrency 1 --repetitions 3   # one stream: its TPOT
     python -m sluice.bench.lora --adapters 8 --rank 64 --json bench/out/lora.json
+    python -m sluice.bench.lora --adapters 8 --max-loras 2        # 8 adapters swapped through 2 device slots
     python -m sluice.bench.lora --model llama-3-8b --concurrency 256     # a GPU: random weights, real shapes
 
 The model is the default GGUF (`sluice fetch`), or with `--model` one of bench.engine_check's models in random
@@ -13,9 +14,11 @@ requests of distinct random prompts (so the prefix cache gives nothing), greedy,
 tokens, run offline in three configurations, each on an engine of its own over a freshly loaded model, warmed up
 (compiled) before timing:
 - no LoRA: the engine as it is without `enable_lora`;
-- LoRA, base requests: `enable_lora` with the adapters on the device, every request on the base model (what LoRA
-  costs requests that use none);
-- LoRA, mixed: the same engine settings, the requests spread round-robin over the adapters.
+- LoRA, base requests: `enable_lora` with the adapters on the device (`--max-loras` slots, vLLM's: the first
+  adapters in them, the rest in host memory; default a slot per adapter), every request on the base model (what
+  LoRA costs requests that use none);
+- LoRA, mixed: the same engine settings, the requests spread round-robin over the adapters (with fewer slots
+  than adapters, a batch holds sequences of at most `--max-loras` adapters, the others waiting to be swapped in).
 Timed: from the first submission to the last step (the loop of `Engine.generate`, with sinks that note when each
 token arrived). Output tok/s is the output tokens over that time; a request's TPOT is the time from its first
 token to its last over the tokens between. Each repetition runs the three once, in the reverse order of the
@@ -156,10 +159,11 @@ def loaded_model(args: argparse.Namespace) -> LoadedModel:
 
 
 def engine_configs(args: argparse.Namespace, modules: tuple[tuple[str, str], ...]) -> dict[str, EngineConfig]:
-    """Each configuration's engine settings: the CPU's defaults but for a batch of `--concurrency` requests."""
+    """Each configuration's engine settings: the CPU's defaults but for a batch of `--concurrency` requests, and
+    `--max-loras` LoRA slots (None: one per adapter)."""
     base = EngineConfig(quantization=args.quantization, max_num_seqs=args.concurrency,
                         max_model_len=args.prompt + args.output)
-    lora = replace(base, enable_lora=True, lora_modules=modules, max_loras=len(modules), max_lora_rank=args.rank)
+    lora = replace(base, enable_lora=True, lora_modules=modules, max_loras=args.max_loras, max_lora_rank=args.rank)
     return {"no LoRA": base, "LoRA, base requests": lora, "LoRA, mixed": lora}
 
 
@@ -203,9 +207,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                       f"{runs[-1].tpot_ms:.2f} ms", file=sys.stderr, flush=True)
     figures = summary(runs)
     host = machine()
-    print(f"`{command}`: {args.model} model, {args.adapters} adapters of rank {args.rank} on all seven projections, {args.concurrency} "
-          f"requests at once of {args.prompt} prompt / {args.output} output tokens, --quantization "
-          f"{args.quantization}; median (min-max) of {args.repetitions} repetitions\n")
+    slots = "a slot per adapter" if args.max_loras is None else f"--max-loras {args.max_loras}"
+    print(f"`{command}`: {args.model} model, {args.adapters} adapters of rank {args.rank} on all seven projections "
+          f"({slots}), {args.concurrency} requests at once of {args.prompt} prompt / {args.output} output tokens, "
+          f"--quantization {args.quantization}; median (min-max) of {args.repetitions} repetitions\n")
     print(table(figures))
     print(f"\n{host['cpu']} ({host['cpus']} CPUs), load average {host['load_average']} after the runs, "
           f"jax {host['jax']}, {host['date']}")
@@ -221,7 +226,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", choices=["default", *MODELS],
                         help="default: the default GGUF; else that model's real shapes in random weights")
-    parser.add_argument("--adapters", type=int, default=4, help="LoRA adapters written and served (max_loras)")
+    parser.add_argument("--adapters", type=int, default=4, help="LoRA adapters written and served")
+    parser.add_argument("--max-loras", type=int, default=None, metavar="M",
+                        help="the LoRA engines' device slots (vLLM's --max-loras); default: one per adapter")
     parser.add_argument("--rank", type=int, default=16, help="each adapter's rank (vLLM's default max_lora_rank)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests submitted at once (max_num_seqs)")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")

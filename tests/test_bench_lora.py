@@ -1,10 +1,14 @@
-"""bench/lora.py's adapter writer: what it writes is a PEFT folder `load_adapter` serves, in the model's shapes."""
+"""bench/lora.py's adapter writer (a PEFT folder `load_adapter` serves, in the model's shapes) and its engines'
+settings (`--max-loras`)."""
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
-from sluice.bench.lora import write_adapter
+from sluice.batching.config import EngineConfig
+from sluice.bench.lora import add_arguments, engine_configs, write_adapter
 from sluice.model.config import ModelConfig
 from sluice.model.lora import MODULES, load_adapter
 from sluice.model.weights import expected_shape
@@ -22,3 +26,21 @@ def test_a_written_adapter_reads_back_on_every_projection_in_the_models_shapes(t
         assert adapter.a[module].shape == (TINY.num_layers, in_features, 4), module
         assert adapter.b[module].shape == (TINY.num_layers, 4, out_features), module
         assert np.all(np.isfinite(adapter.b[module])) and np.any(adapter.b[module]), module
+
+
+def settings(*argv: str) -> dict[str, EngineConfig]:
+    """bench/lora.py's engine settings for 8 adapters and `argv`."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    modules = tuple((f"bench-{i}", f"/adapters/bench-{i}") for i in range(8))
+    return engine_configs(parser.parse_args(["--adapters", "8", *argv]), modules)
+
+
+def test_max_loras_gives_the_lora_engines_that_many_slots_and_the_base_engine_none():
+    configs = settings("--max-loras", "2")
+    assert (configs["LoRA, base requests"].max_loras, configs["LoRA, mixed"].max_loras) == (2, 2)
+    assert not configs["no LoRA"].enable_lora and configs["no LoRA"].max_loras is None
+
+
+def test_without_max_loras_the_lora_engines_leave_it_unset_a_slot_per_adapter():
+    assert all(config.max_loras is None for config in settings().values())
