@@ -12,7 +12,7 @@ conversation at a time (`occupy`): a second meanwhile is OpenAI's 400 `conversat
 evict a busy conversation. `store: false` keeps the response itself out of the response store, not its turn out of
 the conversation, as OpenAI's does.
 
-The store's byte bound (`--responses-store-bytes`, OpenAI documents no limit on a conversation's size) is the
+The store's byte bound (`--conversations-store-bytes`, OpenAI documents no limit on a conversation's size) is the
 store's, not one conversation's: a turn that makes its conversation exceed it evicts other conversations (least
 recently used first, none busy), and only one the store cannot hold even so (the conversation alone exceeds the
 bound) is refused. A response whose conversation and input alone would exceed it is a 400 before it generates
@@ -185,7 +185,7 @@ def add_turn(state: ServerState, conversation_id: str, items: Items) -> bool:
 
 def too_large(conversation_id: str) -> str:
     return (f"Conversation '{conversation_id}' would exceed the server's store of conversations "
-            "(--responses-store-size, --responses-store-bytes)")
+            "(--conversations-store-size, --conversations-store-bytes)")
 
 
 def _adding(state: ServerState, conversation: StoredConversation, items: Items) -> tuple[StoredConversation, Items]:

@@ -1,6 +1,6 @@
 """The conversations of OpenAI's Conversations API (`/v1/conversations`): bounded, in memory, least recently used out
-first, as the stored responses are (`responses_api_store.LruStore`, by the same `--responses-store-size` and
-`--responses-store-bytes`, counted apart), except those busy: a response running on one (`occupy` to `free`) adds
+first, as the stored responses are (`responses_api_store.LruStore`, by `--conversations-store-size` and
+`--conversations-store-bytes`), except those busy: a response running on one (`occupy` to `free`) adds
 its turn to it when it ends, so it is not evicted meanwhile. Each eviction is logged.
 
 Each entry holds a conversation's creation time, its metadata and its items, each as the JSON text of a stored input

@@ -458,6 +458,11 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
             "0: none)", type=at_least(0, int))
     _option(server, "--responses-store-bytes", _SERVER_DEFAULTS.responses_store_bytes,
             "most bytes of stored responses (their JSON)", type=byte_size)
+    _option(server, "--conversations-store-size", _SERVER_DEFAULTS.conversations_store_size,
+            "most conversations /v1/conversations keeps (least recently used out first, never one a response runs "
+            "on)", type=at_least(1, int))
+    _option(server, "--conversations-store-bytes", _SERVER_DEFAULTS.conversations_store_bytes,
+            "most bytes of stored conversations (their items' JSON)", type=byte_size)
     _switch(server, "--allow-runtime-lora-updating",
             "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters loaded and unloaded while "
             "serving, kept in host memory and swapped into --max-loras slots of rank --max-lora-rank (implies "
@@ -675,6 +680,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         stream_stall_timeout_s=args.stream_stall_timeout,
         responses_store_size=args.responses_store_size,
         responses_store_bytes=args.responses_store_bytes,
+        conversations_store_size=args.conversations_store_size,
+        conversations_store_bytes=args.conversations_store_bytes,
         ui=not args.no_ui,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms,

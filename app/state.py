@@ -33,7 +33,8 @@ class ServerSettings:
     `exclude_tools_when_tool_choice_none` leaves a request's tools out of its prompt when its tool_choice is "none"
     (vLLM's flag; by default the template is shown them, and the reply is not read for calls); `/v1/responses` keeps at
     most `responses_store_size` responses and `responses_store_bytes` bytes of them (`app/responses_api_store.py`),
-    and `/v1/conversations` as many conversations and bytes of theirs (`app/conversations_store.py`);
+    and `/v1/conversations` `conversations_store_size` conversations and `conversations_store_bytes` bytes of theirs
+    (`app/conversations_store.py`);
     `embedding_pooling` is how `/v1/embeddings` pools an input's hidden states (`app/embeddings.py`);
     `reasoning_parser` names how a reasoning model's thinking is told from its answer (`app/reasoning.py`; None:
     not at all); `allowed_origins`, `allowed_methods`, `allowed_headers` and `allow_credentials` are the CORS
@@ -55,6 +56,8 @@ class ServerSettings:
     exclude_tools_when_tool_choice_none: bool = False
     responses_store_size: int = 1024
     responses_store_bytes: int = 64 * 1024 * 1024
+    conversations_store_size: int = 4096
+    conversations_store_bytes: int = 128 * 1024 * 1024
     embedding_pooling: Literal["last", "mean"] = "last"
     reasoning_parser: str | None = None
     allowed_origins: tuple[str, ...] = ("*",)
@@ -103,7 +106,7 @@ class ServerState:
         self.metrics = ServerMetrics(self._engine_stats, lambda: self.model_name)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
         # The Conversations API's, bounded apart by the same numbers.
-        self.conversations = ConversationStore(settings.responses_store_size, settings.responses_store_bytes)
+        self.conversations = ConversationStore(settings.conversations_store_size, settings.conversations_store_bytes)
         self.background = BackgroundRuns()  # the background responses running (each holds its admission)
         self.lora_updates = asyncio.Lock()  # app/lora_admin.py's: one LoRA load or unload at a time
         self._in_flight_seqs = 0

@@ -234,6 +234,7 @@ def test_serve_writes_an_ipv6_host_in_brackets_in_its_url(monkeypatch, capsys, n
     ("--upscale-delay", "-1", "must be a number of at least 0, got -1"),
     ("--max-waiting", "-1", "must be a number of at least 0, got -1"),
     ("--responses-store-size", "-1", "must be a number of at least 0, got -1"),
+    ("--conversations-store-size", "0", "must be a number of at least 1, got 0"),
     ("--num-processes", "0", "must be a number of at least 1, got 0"),
     ("--process-id", "1.5", "not a whole number: '1.5'"),
     ("--max-body-bytes", "0", "must be at least 1 byte, got '0'"),
@@ -290,6 +291,18 @@ def test_serve_names_the_environment_variable_whose_value_it_refuses(monkeypatch
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve"])
     assert capsys.readouterr().err.strip() == f"sluice serve: error: {words} (see sluice serve --help)"
+
+
+def test_the_conversations_store_is_bounded_by_its_own_flags_not_the_responses():
+    from sluice.app.cli import build_parser
+    from sluice.app.serve import server_settings
+    from sluice.app.state import ServerState
+
+    args = build_parser().parse_args(["serve", "--conversations-store-size", "7", "--conversations-store-bytes", "2MiB",
+                                      "--responses-store-size", "3"])
+    state = ServerState(server_settings(args))
+    assert (state.conversations.max_count, state.conversations.max_bytes) == (7, 2 * 1024 * 1024)
+    assert state.responses.max_count == 3
 
 
 def test_a_flag_on_the_command_line_is_refused_by_its_name_whatever_its_variable_holds(monkeypatch, capsys):
