@@ -94,6 +94,14 @@ async def writing(client: openai.AsyncOpenAI, response_id: str):
     return response
 
 
+async def writing_on_a_conversation(client: openai.AsyncOpenAI):
+    """A new conversation, and a long background response on it, polled until its output has some text."""
+    conversation = await client.conversations.create()
+    created = await client.responses.create(background=True, conversation=conversation.id, **LONG)
+    await writing(client, created.id)
+    return conversation, created
+
+
 async def pages_freed(engine: Engine, timeout_s: float = 20) -> bool:
     deadline = time.monotonic() + timeout_s
     while engine.stats.kv_pages_used and time.monotonic() < deadline:
@@ -297,9 +305,7 @@ def test_a_background_response_adds_its_turn_to_its_conversation_once_ended_and_
     slow_steps(engine, monkeypatch)
 
     async def scenario(client, state, server):
-        conversation = await client.conversations.create()
-        created = await client.responses.create(background=True, conversation=conversation.id, **LONG)
-        await writing(client, created.id)
+        conversation, created = await writing_on_a_conversation(client)
         await client.responses.cancel(created.id)
         after_cancel = (await client.conversations.items.list(conversation.id)).data
         done = await finished(client, (await client.responses.create(background=True, conversation=conversation.id,
@@ -339,9 +345,7 @@ def test_a_second_response_on_a_conversation_while_one_runs_is_openais_conversat
     slow_steps(engine, monkeypatch)
 
     async def scenario(client, state, server):
-        conversation = await client.conversations.create()
-        created = await client.responses.create(background=True, conversation=conversation.id, **LONG)
-        await writing(client, created.id)
+        conversation, created = await writing_on_a_conversation(client)
         refused = await refused_while_it_runs(client, conversation.id)
         await client.responses.cancel(created.id)
         return refused, await client.responses.create(conversation=conversation.id, **SHORT)
@@ -557,9 +561,7 @@ def test_a_response_on_a_conversation_deleted_while_another_ran_on_it_is_openais
     slow_steps(engine, monkeypatch)
 
     async def scenario(client, state, server):
-        conversation = await client.conversations.create()
-        created = await client.responses.create(background=True, conversation=conversation.id, **LONG)
-        await writing(client, created.id)
+        conversation, created = await writing_on_a_conversation(client)
         await client.conversations.delete(conversation.id)
         with pytest.raises(openai.NotFoundError) as caught:
             await client.responses.create(conversation=conversation.id, **SHORT)
