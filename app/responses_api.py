@@ -96,11 +96,13 @@ async def create_response(request: Request) -> Response:
                     frozenset(item.id for item in conversation), events))
 
         def ended(done: ResponseObject) -> None:
-            """The reply has ended (before its last event): its turn goes to its conversation, then the response to
-            the store, unless a background run stores it (once it has ended, with the events it kept)."""
+            """The reply has ended (before its last event): its turn goes to its conversation unless it failed or
+            was cancelled, then the response to the store, unless a background run stores it (once it has ended,
+            with the events it kept)."""
             if body.conversation is not None:
-                _add_turn(state, body.conversation.id, stored_items(turn + output_items(done.output), state.replica),
-                          done)
+                if done.status in ("completed", "incomplete"):
+                    _add_turn(state, body.conversation.id,
+                              stored_items(turn + output_items(done.output), state.replica), done)
                 free()  # before the client hears the response's end, which may send its next turn at once
             if not body.background:
                 store(done)

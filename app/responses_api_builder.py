@@ -76,8 +76,8 @@ def response_usage(usage: Usage, reasoning_tokens: int = 0) -> ResponseUsage:
 
 class ResponsesBuilder:
     """`response` is the response in progress or queued (no output yet); once the reply has ended it is completed in
-    place and handed to `on_done` (the store; None: its owner stores it), streamed or not; a stream that fails marks
-    it failed in place (one cancelled, cancelled). `logprobs`: how token logprobs are shown (None: the request did
+    place and handed to `on_done` (None: its owner stores it), streamed or not; a stream that fails marks it failed in
+    place (one cancelled, cancelled) and hands it to `on_done` too, each before the stream's last event. `logprobs`: how token logprobs are shown (None: the request did
     not ask for them); `reasoning`: how the reply's reasoning is told (None: no --reasoning-parser); `tokenizer`: the
     vocabulary of the reply's tokens, in which `reasoning` counts those of the reasoning (the usage's
     `reasoning_tokens`), needed with it."""
@@ -115,12 +115,13 @@ class ResponsesBuilder:
         except Exception as caught:  # noqa: BLE001 - the client hears why its stream ended
             if generation.cancelled:
                 self._response.status = "cancelled"
-                yield frame({"type": "response.incomplete", "response": self._response})
-                return
-            error = as_api_error(caught, "a response stream")
-            self._response.status = "failed"
-            self._response.error = ResponseError(code=error.code or error.type, message=error.message)
-            yield frame({"type": "response.failed", "response": self._response})
+                kind = "incomplete"
+            else:
+                error = as_api_error(caught, "a response stream")
+                self._response.status = kind = "failed"
+                self._response.error = ResponseError(code=error.code or error.type, message=error.message)
+            self._done()
+            yield frame({"type": f"response.{kind}", "response": self._response})
             return
         yield frame({"type": f"response.{self._response.status}", "response": self._response})
 
@@ -142,6 +143,9 @@ class ResponsesBuilder:
             self._response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         counted = 0 if self._reasoning is None else self._reasoning.count_tokens(self._tokenizer, token_ids)
         self._response.usage = response_usage(generation.usage, counted)
+        self._done()
+
+    def _done(self) -> None:
         if self._on_done is not None:
             self._on_done(self._response)
 

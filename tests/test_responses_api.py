@@ -158,16 +158,36 @@ def blank_response() -> ResponseObject:
 
 
 def test_an_engine_error_after_the_200_is_a_response_failed_event_that_ends_the_stream():
-    stored = []
+    frames: list[bytes] = []
+    ended: list[tuple[int, str]] = []  # how many frames had come, and the status, when the response was handed on
 
-    async def events() -> list[bytes]:
-        return [e async for e in ResponsesBuilder(blank_response(), None, stored.append).events(FailingGeneration())]
+    async def read() -> None:
+        builder = ResponsesBuilder(blank_response(), None, lambda done: ended.append((len(frames), done.status)))
+        async for frame in builder.events(FailingGeneration()):
+            frames.append(frame)
 
-    frames = asyncio.run(events())
+    asyncio.run(read())
     last = json.loads(frames[-1].decode().split("data: ", 1)[1])
     assert frames[-1].startswith(b"event: response.failed\n")
     assert last["response"]["status"] == "failed" and last["response"]["error"]["message"].endswith("boom")
-    assert b"response.output_text.delta" in frames[-2] and stored == []
+    # Handed on before the last event, as a completed one is: its conversation is free when the client hears it.
+    assert b"response.output_text.delta" in frames[-2] and ended == [(len(frames) - 1, "failed")]
+
+
+def test_a_cancelled_stream_hands_its_response_on_before_its_last_event():
+    class CancelledGeneration(FailingGeneration):
+        cancelled = True
+
+    frames: list[bytes] = []
+    ended: list[tuple[int, str]] = []
+
+    async def read() -> None:
+        builder = ResponsesBuilder(blank_response(), None, lambda done: ended.append((len(frames), done.status)))
+        async for frame in builder.events(CancelledGeneration()):
+            frames.append(frame)
+
+    asyncio.run(read())
+    assert frames[-1].startswith(b"event: response.incomplete\n") and ended == [(len(frames) - 1, "cancelled")]
 
 
 class ScriptedGeneration:

@@ -329,6 +329,25 @@ def test_a_failed_response_adds_nothing_to_its_conversation(engine, monkeypatch)
     assert failed.status == "failed" and items == []
 
 
+def test_a_failed_streamed_response_frees_its_conversation_before_its_last_event_and_is_stored_failed(engine,
+                                                                                                        monkeypatch):
+    async def scenario(client, state, server):
+        conversation = await client.conversations.create()
+        fail_next_dispatch(engine, monkeypatch)
+        stream = await client.responses.create(conversation=conversation.id, stream=True, **SHORT)
+        async for event in stream:
+            if event.type == "response.failed":
+                free_at_last_event = state.conversations.occupy(conversation.id)
+                state.conversations.free(conversation.id)
+        stored = await client.responses.retrieve(event.response.id)
+        items = (await client.conversations.items.list(conversation.id)).data
+        return free_at_last_event, stored, items, await client.responses.create(conversation=conversation.id, **SHORT)
+
+    free_at_last_event, stored, items, next_turn = serve(engine, scenario)
+    assert free_at_last_event and stored.status == "failed" and "injected device fault" in stored.error.message
+    assert items == [] and next_turn.status == "incomplete"
+
+
 LOCKED = {"message": "Another process is currently operating on this conversation. Please retry in a few seconds.",
           "type": "invalid_request_error", "param": "conversation", "code": "conversation_locked"}
 
