@@ -9,7 +9,6 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import NoReturn
 
-from sluice.batching.config import MEMORY_FRACTION_VARIABLES, memory_fraction_variable
 from sluice.model.tokenizer import ChatTemplateError, compile_chat_template
 
 
@@ -95,6 +94,8 @@ def claim_gpu_memory(utilization: float | None, environ: MutableMapping[str, str
     starts (it has no effect once started, nor on a CPU). A share the environment gives already wins; the line
     saying so is returned (None: nothing to say, as where it gives this share: a --hosts actor, given the
     command's environment)."""
+    from sluice.batching.config import MEMORY_FRACTION_VARIABLES, memory_fraction_variable  # jax: not for --help
+
     if utilization is None:
         return None
     given = memory_fraction_variable(environ)

@@ -118,39 +118,49 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `sluice` parser. `command`: the subcommand to be parsed, the only one whose own arguments are added (those
+    of serve, run-batch, fetch and generate import jax, which `sluice --help` and `sluice chat` need not wait for);
+    None: every one's."""
     parser = OneLineErrors(prog="sluice", description="High-throughput LLM inference on JAX/XLA.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Subcommand)
 
-    fetch = commands.add_parser("fetch", help="find a model (downloading the default one or a Hub model) and print "
-                                "its path")
-    _add_model_choice(fetch)
-    fetch.set_defaults(run=_fetch)
+    def add(name: str, summary: str) -> argparse.ArgumentParser | None:
+        added = commands.add_parser(name, help=summary)
+        return added if command in (None, name) else None
 
-    gen = commands.add_parser("generate", help="complete one prompt offline, streaming to the terminal")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=at_least(1, int), default=128)
-    gen.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0: greedy")
-    gen.add_argument("--seed", type=number(int, lambda value: -(2**63) <= value < 2**63, "in the signed 64-bit range"),
-                     default=0)
-    _add_model_arguments(gen)
-    gen.set_defaults(run=_generate)
+    if fetch := add("fetch", "find a model (downloading the default one or a Hub model) and print its path"):
+        _add_model_choice(fetch)
+        fetch.set_defaults(run=_fetch)
 
-    from sluice.app import chat_cli, run_batch, serve
+    if gen := add("generate", "complete one prompt offline, streaming to the terminal"):
+        gen.add_argument("prompt")
+        gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+        gen.add_argument("--max-tokens", type=at_least(1, int), default=128)
+        gen.add_argument("--temperature", type=at_least(0.0, float), default=0.0, help="0: greedy")
+        gen.add_argument("--seed", type=number(int, lambda value: -(2**63) <= value < 2**63,
+                                               "in the signed 64-bit range"), default=0)
+        _add_model_arguments(gen)
+        gen.set_defaults(run=_generate)
 
-    serve_parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_arguments(serve_parser)
-    serve_parser.set_defaults(run=serve.run)
+    if serve_parser := add("serve", "serve the OpenAI-compatible HTTP API"):
+        from sluice.app import serve
 
-    batch = commands.add_parser("run-batch", help="answer a file of OpenAI Batch requests offline, through the "
-                                "server's own app (vLLM's `vllm run-batch`)")
-    run_batch.add_arguments(batch)
-    batch.set_defaults(run=run_batch.run)
+        serve.add_arguments(serve_parser)
+        serve_parser.set_defaults(run=serve.run)
 
-    chat = commands.add_parser("chat", help="talk with a running server in the terminal (vLLM's `vllm chat`)")
-    chat_cli.add_arguments(chat)
-    chat.set_defaults(run=chat_cli.run)
+    if batch := add("run-batch", "answer a file of OpenAI Batch requests offline, through the server's own app "
+                                 "(vLLM's `vllm run-batch`)"):
+        from sluice.app import run_batch
+
+        run_batch.add_arguments(batch)
+        batch.set_defaults(run=run_batch.run)
+
+    if chat := add("chat", "talk with a running server in the terminal (vLLM's `vllm chat`)"):
+        from sluice.app import chat_cli
+
+        chat_cli.add_arguments(chat)
+        chat.set_defaults(run=chat_cli.run)
 
     bench = commands.add_parser(
         "bench", help="benchmarks", description="; ".join(f"{name}: {text}" for name, text in BENCHMARKS.items()),
@@ -171,7 +181,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else "").parse_args(argv)
     try:
         return args.run(args)
     except (ModelNotFound, InvalidModel, CommandError) as error:
