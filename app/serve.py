@@ -372,9 +372,10 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
             "(adapters are padded to the largest one's; with --allow-runtime-lora-updating, to this: default 16)",
             type=at_least(1, int))
     parser.add_argument("--max-cpu-loras", type=at_least(1, int), default=None,
-                        help="vLLM's count of adapters kept in host memory: checked to be at least --max-loras, "
-                             "but not enforced: Sluice keeps every adapter served in host memory (accepted so that "
-                             "vLLM's command lines run)")
+                        help="LoRA adapters whose weights are kept in host memory, as vLLM's: the least recently "
+                             "used others' are dropped, and read again from their folder (a Hub id's download) when "
+                             "a request needs a slot for one, which delays that step; at least --max-loras (default: "
+                             "every adapter served is kept, where vLLM keeps --max-loras)")
     _option(parser, "--kv-cache-memory", None, "KV-cache pool size, e.g. 2G or 512MiB (default: engine's choice)",
             type=byte_size)
     _option(parser, "--gpu-memory-utilization", None,
@@ -623,6 +624,7 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
             lora_modules=modules,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
         )
     except ValueError as error:
         raise CommandError(said_by_flag(error)) from None

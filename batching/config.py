@@ -122,6 +122,9 @@ class EngineConfig:
     while serving (`Engine.load_lora`), so the slots (`max_loras`, default RUNTIME_MAX_LORAS or one per adapter of
     `lora_modules` where they are more) are of rank `max_lora_rank` (default RUNTIME_MAX_LORA_RANK), for all seven
     projections, zeros where no adapter is.
+    `max_cpu_loras` (vLLM's): the most adapters whose weights host memory holds; the least recently used others' are
+    dropped, and read again from their folder when a sequence needs a slot for one (`Engine._write_lora_slots`).
+    None: every adapter's, as long as it is served (not vLLM's default, `max_loras`).
     A request names its adapter as its `model`.
     `prefix_cache_dir`: keep full KV pages past the pool, in `prefix_cache_ram` bytes of host RAM and then up to
     `prefix_cache_size` bytes of files in that directory (`kv_store.py`), so a restarted server still has them.
@@ -163,6 +166,7 @@ class EngineConfig:
     max_loras: int | None = None
     max_lora_rank: int | None = None
     allow_runtime_lora_updating: bool = False
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.lora_modules]
@@ -205,6 +209,7 @@ class EngineConfig:
             (all(names) and len(set(names)) == len(names), "lora_modules", "must have distinct, non-empty names"),
             (self.max_loras is None or self.max_loras >= 1, "max_loras", "must be at least 1"),
             (self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= 1, "max_cpu_loras", "must be at least 1"),
             (self.enable_lora or not self.allow_runtime_lora_updating, "allow_runtime_lora_updating",
              "needs enable_lora"),
         ]

@@ -58,7 +58,7 @@ from sluice.model import hub
 from sluice.model.config import ModelConfig
 from sluice.model.fetch import from_hub
 from sluice.model.loader import LoadedModel, load_model
-from sluice.model.lora import LoraAdapter, LoraError, attach_adapters, load_adapter, slot_weights
+from sluice.model.lora import LoraAdapter, LoraError, attach_adapters, load_adapter, slot_projections, slot_weights
 from sluice.model.roofline import StepCost
 from sluice.pallas_kernels.kv_cache import kv_cache_dtype
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
@@ -129,11 +129,13 @@ class _Launched:
 
 
 def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None
-                ) -> tuple[dict[str, LoraRequest], LoraSlots | None]:
+                ) -> tuple[dict[str, LoraRequest], LoraSlots | None, Callable[[LoraAdapter], dict[str, np.ndarray]]]:
     """Reads `config.lora_modules`' adapters and gives `loaded.model` LoRA slots (`EngineConfig.max_loras`, with
     runtime updating `runtime_lora_slots`), the first adapters in them, in place of any an earlier engine gave it.
-    Returns each adapter's name -> what a request that runs with it carries, and the slot table (None: no slot).
-    InvalidEngineConfig for an adapter Sluice cannot serve, or for swapping adapters over several processes."""
+    Returns each adapter's name -> what a request that runs with it carries (host memory holding the weights of the
+    last `max_cpu_loras`), the slot table (None: no slot), and an adapter read later -> its weights for a slot
+    (`slot_weights` of the slots' rank and projections). InvalidEngineConfig for an adapter Sluice cannot serve, or
+    for swapping adapters over several processes."""
     if any(name == loaded.name for name, _ in config.lora_modules):
         raise InvalidEngineConfig("lora_modules", f"names an adapter {loaded.name!r}, the model's own name: a request "
                                                   f"for it could not be told from one for the model")
@@ -154,8 +156,19 @@ def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None
                                   every_projection=config.allow_runtime_lora_updating)
     except (LoraError, hub.HubError) as error:
         raise InvalidEngineConfig("lora_modules", str(error)) from None
-    served = [LoraRequest(a.name, a.fingerprint, w) for a, w in zip(adapters, weights)]
-    return {lora.name: lora for lora in served}, LoraSlots(num_slots, served[:num_slots]) if num_slots else None
+    served = [_served(adapter, w) for adapter, w in zip(adapters, weights)]
+    slots = LoraSlots(num_slots, served[:num_slots], config.max_cpu_loras) if num_slots else None
+    if slots is not None:
+        slots.hold(served)
+    lay_out = partial(slot_weights, config=loaded.config, max_rank=rank, dtype=loaded.model.dtype,
+                      projections=slot_projections(adapters, config.allow_runtime_lora_updating))
+    return {lora.name: lora for lora in served}, slots, lay_out
+
+
+def _served(adapter: LoraAdapter, weights: dict[str, np.ndarray]) -> LoraRequest:
+    """What a request run with `adapter` carries: its `weights` for a slot, and the folder they are read again from
+    (absolute: a relative one could read as a Hub id)."""
+    return LoraRequest(adapter.name, adapter.fingerprint, str(adapter.path.absolute()), weights)
 
 
 def read_adapter(name: str, path: str, model_config: ModelConfig, config: EngineConfig) -> LoraAdapter:
@@ -190,9 +203,7 @@ class Engine:
         self.generation_defaults = loaded.generation_defaults  # the model's sampling defaults, for the API to apply
         # Before the pool is sized: their weights take memory too. `adapters` is replaced whole, never changed, as
         # other threads read it (`submit`, the app); the engine thread alone replaces it.
-        self.adapters, self.lora_slots = attach_lora(loaded, config, mesh)
-        self._slot_weights = partial(slot_weights, config=loaded.config, max_rank=config.runtime_lora_slots[1],
-                                     dtype=loaded.model.dtype)
+        self.adapters, self.lora_slots, self._slot_weights = attach_lora(loaded, config, mesh)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         num_pages = num_pool_pages(config, loaded.config, kv_dtype, mesh, page_size_given)
         self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
@@ -323,7 +334,7 @@ class Engine:
         it is not served."""
         adapter = read_adapter(name, path, self.runner.config, self.config)
         done: Future[LoraRequest] = Future()
-        self._inbox.put(_LoadLora(LoraRequest(name, adapter.fingerprint, self._slot_weights(adapter)), done))
+        self._inbox.put(_LoadLora(_served(adapter, self._slot_weights(adapter)), done))
         return done
 
     def unload_lora(self, name: str) -> Future[None]:
@@ -738,9 +749,11 @@ class Engine:
                 seq.params = bound
 
     def _load_lora(self, command: _LoadLora) -> None:
-        """Serves the adapter; nothing if its caller cancelled it first."""
+        """Serves the adapter, its weights the most recently used of those host memory holds; nothing if its caller
+        cancelled it first."""
         if command.done.set_running_or_notify_cancel():
             self.adapters = {**self.adapters, command.lora.name: command.lora}
+            self.lora_slots.hold([command.lora])
             command.done.set_result(command.lora)
 
     def _unload_lora(self, command: _UnloadLora) -> None:
@@ -751,12 +764,17 @@ class Engine:
             command.done.set_result(None)
 
     def _write_lora_slots(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Writes each adapter swapped in into its slot, ordered before the step dispatched next (the steps in flight
-        read the old ones); returns the `chunks` left to run. A write that fails leaves its slot empty and ends the
-        requests of the sequences just admitted into it (they alone use it) with the error, and no other."""
+        """Writes each adapter swapped in into its slot, its weights read again first where host memory dropped them
+        (`_read_again`), ordered before the step dispatched next (the steps in flight read the old ones); returns the
+        `chunks` left to run. A read or write that fails leaves its slot empty and ends the requests of the sequences
+        just admitted into it (they alone use it) with the error, and no other. Host memory then holds the weights
+        written as the most recently used (`LoraSlots.hold`)."""
         writes = self.lora_slots.writes
+        written = list(writes.values())
         for slot, lora in list(writes.items()):
             try:
+                if not lora.weights:
+                    self._read_again(lora)
                 self.runner.write_layer_rows(lora.weights, slot)
                 del writes[slot]
             except Exception as error:  # noqa: BLE001 - the other requests run on; retrying may fail every step
@@ -764,7 +782,22 @@ class Engine:
                 for request_id in dict.fromkeys(seq.request_id for seq in self.scheduler.running
                                                 if seq.lora_slot == slot):
                     self._fail_request(request_id, error)
+        self.lora_slots.hold(lora for lora in written if lora.weights)
         return [chunk for chunk in chunks if not chunk.seq.finished]
+
+    def _read_again(self, lora: LoraRequest) -> None:
+        """Reads `lora`'s weights again from its folder, host memory having dropped them (`LoraSlots.hold`), as
+        vLLM's worker loads an adapter its CPU cache lacks: on the engine thread, between two steps, so the step that
+        needs them, and every sequence in it, waits while the adapter's files are read, hashed and laid out for a
+        slot (`read_adapter`, `slot_weights`): about 5 ms per MiB of files on a 2-core CPU host from the page cache
+        (90 ms for a rank-16 adapter of SmolLM2-135M's seven projections, 19 MiB), plus the disk's time where they
+        are not cached. LoraError (AdapterNotFound: its folder is gone) where they can no longer be served, or are no
+        longer the files served (another fingerprint)."""
+        adapter = read_adapter(lora.name, lora.folder, self.runner.config, self.config)
+        if adapter.fingerprint != lora.fingerprint:
+            raise LoraError(f"LoRA adapter {lora.name!r} ({lora.folder}): its files changed since it was loaded; load "
+                            f"it again to serve them")
+        lora.weights.update(self._slot_weights(adapter))
 
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
         """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call

@@ -1,16 +1,17 @@
 """The model's LoRA slots on the device, and which served adapter each holds (vLLM's `--max-loras`).
 
-Every served adapter is kept in host memory (`LoraRequest.weights`); a batch runs with at most as many adapters as
-there are slots. The scheduler looks up a slot for a sequence with an adapter (`find`), takes it once it admits
-the sequence (`acquire`) and gives it back when the sequence leaves the running set (`release`): its adapter's slot
-if one holds it, else the least recently used slot no running sequence uses, whose weights the engine then writes
-before the step that needs them (`writes`). An adapter is its name and its files' fingerprint: one loaded in place
-is another adapter, so a slot holding the old weights serves no new sequence. Owned by the engine thread.
+Every served adapter's weights are kept in host memory (`LoraRequest.weights`), or with vLLM's `--max-cpu-loras` only
+the most recently used ones' (`hold`); a batch runs with at most as many adapters as there are slots. The scheduler
+looks up a slot for a sequence with an adapter (`find`), takes it once it admits the sequence (`acquire`) and gives
+it back when the sequence leaves the running set (`release`): its adapter's slot if one holds it, else the least
+recently used slot no running sequence uses, whose weights the engine then writes before the step that needs them
+(`writes`). An adapter is its name and its files' fingerprint: one loaded in place is another adapter, so a slot
+holding the old weights serves no new sequence. Owned by the engine thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from sluice.batching.sampling_params import LoraRequest
 
@@ -19,14 +20,19 @@ class LoraSlots:
     """`holders[s]`: the adapter slot s holds (None: zeros); `users[s]`: the running sequences that use it; `writes`:
     slot -> the adapter whose weights must be written there before the next step is dispatched."""
 
-    def __init__(self, num_slots: int, resident: Sequence[LoraRequest]):
-        """`resident`: the adapters already in the first slots, in order."""
+    def __init__(self, num_slots: int, resident: Sequence[LoraRequest], max_held: int | None = None):
+        """`resident`: the adapters already in the first slots, in order. `max_held` (--max-cpu-loras): the most
+        adapters whose weights host memory holds (`hold`); None: every adapter's."""
         self.holders: list[LoraRequest | None] = [*resident, *[None] * (num_slots - len(resident))]
         self.users = [0] * num_slots
         self.writes: dict[int, LoraRequest] = {}
         self._slot_of = {lora: slot for slot, lora in enumerate(resident)}
         # The slots no running sequence uses, least recently used first: the empty ones before any that holds one.
         self._unused = dict.fromkeys([*range(len(resident), num_slots), *range(len(resident))])
+        self.max_held = max_held
+        # The adapters whose weights host memory holds, least recently used first, by identity: one loaded again with
+        # the same files is an equal adapter, but another object, with weights of its own.
+        self.held: dict[int, LoraRequest] = {}
 
     @property
     def num_slots(self) -> int:
@@ -60,3 +66,15 @@ class LoraSlots:
         self.users[slot] -= 1
         if not self.users[slot]:
             self._unused[slot] = None
+
+    def hold(self, loras: Iterable[LoraRequest]) -> None:
+        """`loras`' weights were read or written just now: the most recently used of those held. Past `max_held`,
+        the least recently used adapters' weights are dropped (emptied), to be read again from their folder when a
+        slot needs them (`Engine._write_lora_slots`)."""
+        if self.max_held is None:
+            return
+        for lora in loras:
+            self.held.pop(id(lora), None)
+            self.held[id(lora)] = lora
+        while len(self.held) > self.max_held:
+            self.held.pop(next(iter(self.held))).weights.clear()

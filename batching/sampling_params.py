@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal, NamedTuple
@@ -51,12 +50,15 @@ class StructuredOutput:
 @dataclass(frozen=True)
 class LoraRequest:
     """A LoRA adapter a request runs with, as the engine holds it (`Engine.adapters`): its served `name`, its
-    `fingerprint`, the hash of its files (the two are the adapter: `batching.lora_slots`), and its `weights`, one
-    slot's (`model.lora.slot_weights`), the host copy written into a device slot to run it."""
+    `fingerprint`, the hash of its files (the two are the adapter: `batching.lora_slots`), the `folder` they were read
+    from (a Hub id's snapshot), and its `weights`, one slot's (`model.lora.slot_weights`), the host copy written into
+    a device slot to run it: emptied while host memory does not hold it (--max-cpu-loras: `LoraSlots.hold`), filled
+    again from `folder` when a slot needs it (`Engine._write_lora_slots`)."""
 
     name: str
     fingerprint: str
-    weights: Mapping[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    folder: str = field(default="", compare=False)
+    weights: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
 
 class CacheNamespace(NamedTuple):

@@ -15,9 +15,10 @@ Layout. Over S = max_loras slots, each adapter padded to rank R with zeros, each
 The modules' deltas `[T, out]` are then laid into the projection's fused output as the base weights are
 (`llama.fuse_outputs`: a GGUF's Q/K rows are permuted back to HF's order by the loader, so an HF adapter's rows land
 on the features they were trained for).
-A slot's part of each (`slot_weights`, kept in host memory for every adapter served) is what is written into a slot
-to swap an adapter in (`batching.lora_slots`). A server that loads adapters while it runs (vLLM's runtime LoRA
-updating) holds all seven projections' parameters from the start, zeros in the slots no adapter fills.
+A slot's part of each (`slot_weights`, kept in host memory for every adapter served, or with --max-cpu-loras read
+again when dropped) is what is written into a slot to swap an adapter in (`batching.lora_slots`). A server that loads
+adapters while it runs (vLLM's runtime LoRA updating) holds all seven projections' parameters from the start, zeros
+in the slots no adapter fills.
 
 The mask. A token's delta is `((x @ A) * own) @ B` (`llama.lora_delta`): x `[T, K]` times every slot's A, the
 columns of every slot other than the token's own zeroed (`own`, the one-hot of its slot: all zeros for -1, the base
@@ -282,9 +283,7 @@ def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: in
     (tensor parallelism: `sharding.rules.param_sharding` with the model's mesh; default: the first device). Replaces
     what an earlier call attached. Returns every adapter's `slot_weights` for those projections, which a slot is
     given to run it. LoraError for a B times its scaling past the dtype's range."""
-    projections = LORA_MODULES if every_projection else [
-        fused for fused, modules in LORA_MODULES.items()
-        if any(module in adapter.a for adapter in adapters for module in modules)]
+    projections = slot_projections(adapters, every_projection)
     weights = [slot_weights(adapter, model.config, max_rank, model.dtype, projections) for adapter in adapters]
     shapes = {name: (shape[0], max_loras, *shape[1:])
               for name, shape in _slot_shapes(model.config, max_rank, projections).items()}
@@ -300,6 +299,13 @@ def attach_adapters(model: Llama, adapters: Sequence[LoraAdapter], max_loras: in
             stack[:, slot] = slot_weight[name]
         model.set_layer_param(name, jax.device_put(stack, shardings[name]))
     return weights
+
+
+def slot_projections(adapters: Sequence[LoraAdapter], every_projection: bool = False) -> list[str]:
+    """The projections (`LORA_MODULES`' names) the slots of `adapters` hold LoRA parameters for: those some adapter
+    adds to, or with `every_projection` all of them (`attach_adapters`)."""
+    return [fused for fused, modules in LORA_MODULES.items()
+            if every_projection or any(module in adapter.a for adapter in adapters for module in modules)]
 
 
 def slot_weights(adapter: LoraAdapter, config: ModelConfig, max_rank: int, dtype: Any,

@@ -7,7 +7,10 @@ never holds more adapters than slots, and every request gets the tokens it gets 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import uuid
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -28,6 +31,7 @@ from sluice.batching.sampling_params import LoraRequest, RequestRejected, Sampli
 from sluice.batching.scheduler import Scheduler, SchedulerConfig
 from sluice.batching.sequence import Sequence
 from sluice.model.llama import LORA_PARAMS
+from sluice.model.lora import CONFIG_FILE, WEIGHTS_FILE
 
 A, B, C = (LoraRequest(name, name * 64) for name in "abc")
 FOLDERS = dict(MODULES)
@@ -375,4 +379,170 @@ def test_max_cpu_loras_below_max_loras_is_refused_as_vllm_refuses_it():
 
 @pytest.mark.parametrize("flags", [["--max-loras", "2", "--max-cpu-loras", "2"], ["--max-cpu-loras", "1"]])
 def test_max_cpu_loras_at_least_max_loras_or_alone_is_taken(flags):
-    assert engine_config(flags).enable_lora == ("--max-loras" in flags)
+    config = engine_config(flags)
+    assert config.enable_lora == ("--max-loras" in flags)
+    assert config.max_cpu_loras == int(flags[-1])
+
+
+def test_max_cpu_loras_below_one_is_refused_by_the_engine_config():
+    with pytest.raises(InvalidEngineConfig, match="max_cpu_loras must be at least 1"):
+        EngineConfig(enable_lora=True, max_cpu_loras=0)
+
+
+def test_host_memory_keeps_the_weights_of_the_max_held_adapters_used_last():
+    """Equal adapters (one loaded again with the same files) are other objects, each with weights of its own."""
+    a, b, c, a_again = (LoraRequest(name, name[0] * 64, weights={"w": np.ones(2)}) for name in ["a", "b", "c", "a"])
+    slots = LoraSlots(1, [a], max_held=2)
+    slots.hold([a, b, c])
+    assert [bool(lora.weights) for lora in (a, b, c)] == [False, True, True]
+    slots.hold([b])
+    slots.hold([a_again])
+    assert [bool(lora.weights) for lora in (b, c, a_again)] == [True, False, True]
+    assert list(slots.held.values()) == [b, a_again]
+
+
+def test_without_max_held_host_memory_keeps_every_adapters_weights():
+    loras = [LoraRequest(name, name * 64, weights={"w": np.ones(2)}) for name in "abc"]
+    slots = LoraSlots(1, loras[:1])
+    slots.hold(loras)
+    assert all(lora.weights for lora in loras)
+
+
+def three_adapters(parent: Path) -> tuple[tuple[str, str], ...]:
+    """Three adapters in folders of their own under `parent` (`--lora-modules`' pairs): the two tiny ones, and
+    all_modules at twice its lora_alpha ("doubled": another adapter, of other tokens)."""
+    folders = {name: Path(shutil.copytree(path, parent / name)) for name, path in MODULES}
+    folders["doubled"] = Path(shutil.copytree(folders["all_modules"], parent / "doubled"))
+    scale_alpha(folders["doubled"], 2)
+    return tuple((name, str(path)) for name, path in folders.items())
+
+
+def scale_alpha(adapter: Path, factor: int = 3) -> None:
+    """Rewrites the adapter's adapter_config.json with `factor` times its lora_alpha: other files, another adapter."""
+    settings = json.loads((adapter / CONFIG_FILE).read_text())
+    (adapter / CONFIG_FILE).write_text(json.dumps(settings | {"lora_alpha": factor * settings["lora_alpha"]}))
+
+
+def held(engine: Engine) -> set[str]:
+    """The served adapters whose weights host memory holds, by name."""
+    return {name for name, lora in engine.adapters.items() if lora.weights}
+
+
+def record_held(engine: Engine, monkeypatch) -> list[int]:
+    """At each step the engine dispatches, how many adapters' weights host memory holds, of those served, those the
+    step runs with and those its slots hold."""
+    counts = []
+    dispatch = engine.runner.dispatch
+
+    def recording(chunks, *args, **kwargs):
+        loras = [*engine.adapters.values(), *(chunk.seq.params.lora for chunk in chunks), *engine.lora_slots.holders]
+        counts.append(len({id(lora): lora for lora in loras if lora is not None and lora.weights}))
+        return dispatch(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "dispatch", recording)
+    return counts
+
+
+def run_one_by_one(engine: Engine, names: list[str | None], prompt: list[int]) -> list[Completion]:
+    """A greedy run of `prompt` with each adapter of `names` in turn (None: the base), each run on its own."""
+    return [generate(engine, [prompt], [golden_params(BASE, lora=engine.adapters.get(name))])[0][0]
+            for name in names]
+
+
+def test_at_most_max_cpu_loras_adapters_weights_stay_in_host_memory_the_least_recently_used_dropped(
+        folder, tmp_path, monkeypatch):
+    engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=three_adapters(tmp_path), max_loras=1,
+                           max_cpu_loras=2)
+    assert held(engine) == {"qv_rslora", "doubled"}  # all_modules' weights are in its slot
+    counts = record_held(engine, monkeypatch)
+    outputs = run_one_by_one(engine, ["qv_rslora", "doubled", "all_modules", None, "qv_rslora"],
+                             case_named(BASE["cases"], "short")["prompt_ids"])
+    assert all(output.finish_reason == "length" for output in outputs)
+    assert counts and max(counts) <= 2
+    assert held(engine) == {"all_modules", "qv_rslora"} and len(engine.lora_slots.held) == 2
+
+
+def test_adapters_read_again_from_their_folders_give_the_tokens_of_adapters_kept_in_host_memory(folder, tmp_path):
+    modules = three_adapters(tmp_path)
+    names = ["doubled", "all_modules", None, "qv_rslora", "doubled", "all_modules", "qv_rslora"]
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(20)] for i in range(len(names))]
+    runs = []
+    for bound in (2, None):
+        engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=modules, max_loras=1,
+                               max_cpu_loras=bound)
+        together = generate(engine, prompts, [golden_params(BASE, lora=engine.adapters.get(name)) for name in names])
+        runs.append([output for [output] in together] + run_one_by_one(engine, names, prompts[0]))
+    bounded, in_memory = runs
+    assert [(o.token_ids, o.logprobs) for o in bounded] == [(o.token_ids, o.logprobs) for o in in_memory]
+    assert len({o.token_ids for o, name in zip(in_memory, names) if name is not None}) > 1
+
+
+def delete(adapter: Path) -> None:
+    shutil.rmtree(adapter)
+
+
+def cut_short(adapter: Path) -> None:
+    (adapter / WEIGHTS_FILE).write_bytes((adapter / WEIGHTS_FILE).read_bytes()[:100])
+
+
+@pytest.mark.parametrize("edit, words", [(delete, "no such folder"), (cut_short, "does not read as safetensors"),
+                                         (scale_alpha, "files changed since it was loaded")],
+                         ids=["deleted", "corrupted", "changed"])
+def test_an_adapter_whose_files_cannot_be_read_again_fails_only_its_request(folder, tmp_path, edit, words):
+    """all_modules starts in the slot, its weights not in host memory; once qv_rslora took the slot, all_modules'
+    request needs its files read again."""
+    engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=three_adapters(tmp_path), max_loras=1,
+                           max_cpu_loras=2)
+    run_all(engine, ["qv_rslora"], "one_token")
+    edit(tmp_path / "all_modules")
+    base, case = case_named(BASE["cases"], "short"), case_named(ADAPTERS["qv_rslora"]["cases"], "short")
+    [[broken], [other], [plain]] = generate(
+        engine, [case["prompt_ids"], case["prompt_ids"], base["prompt_ids"]],
+        [golden_params(LORA, lora=engine.adapters[name]) for name in ["all_modules", "qv_rslora"]]
+        + [golden_params(BASE)])
+    assert broken.finish_reason == "error" and "LoRA adapter 'all_modules'" in broken.error and words in broken.error
+    assert_completion_gives_case(other, case)
+    assert_completion_gives_case(plain, base)
+    assert engine.stats.num_step_failures == 0 and engine.lora_slots.users == [0]
+    assert "all_modules" in engine.adapters  # still served: a later request reads its files again
+    run_all(engine, ["qv_rslora"], "short")
+
+
+def test_adapters_loaded_and_unloaded_at_runtime_stay_within_max_cpu_loras(folder, monkeypatch):
+    engine = golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_loras=1,
+                           max_lora_rank=8, max_cpu_loras=2)
+    files = {"all_modules": "all_modules", "qv_rslora": "qv_rslora", "qv_again": "qv_rslora"}  # name -> adapter
+    for name, adapter in files.items():
+        engine.load_lora(name, FOLDERS[adapter])
+        engine.step()
+    assert held(engine) == {"qv_rslora", "qv_again"}
+    counts = record_held(engine, monkeypatch)
+
+    def run(name: str) -> None:
+        case = case_named(ADAPTERS[files[name]]["cases"], "short")
+        [[output]] = generate(engine, [case["prompt_ids"]], [golden_params(LORA, lora=engine.adapters[name])])
+        assert_completion_gives_case(output, case | {"name": f"{name}: {case['name']}"})
+
+    for name in ["all_modules", "qv_again", "qv_rslora", "all_modules"]:
+        run(name)
+    engine.unload_lora("qv_rslora")
+    files["all_again"] = "all_modules"
+    engine.load_lora("all_again", FOLDERS["all_modules"])
+    engine.step()
+    assert "all_again" in held(engine) and "qv_rslora" not in engine.adapters
+    for name in ["qv_again", "all_again", "all_modules"]:
+        run(name)
+    assert counts and max(counts) <= 2 and len(engine.lora_slots.held) == 2
+
+
+@pytest.mark.parametrize("max_cpu_loras", [None, 3], ids=["unset", "every-adapter"])
+def test_without_a_bound_below_the_adapters_served_no_adapters_weights_are_dropped_or_read_again(
+        folder, tmp_path, max_cpu_loras):
+    engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=three_adapters(tmp_path), max_loras=1,
+                           max_cpu_loras=max_cpu_loras)
+    first = {name: dict(lora.weights) for name, lora in engine.adapters.items()}
+    run_one_by_one(engine, ["qv_rslora", "doubled", "all_modules", "doubled", "qv_rslora"],
+                   case_named(BASE["cases"], "short")["prompt_ids"])
+    for name, lora in engine.adapters.items():
+        assert lora.weights.keys() == first[name].keys() and first[name]
+        assert all(lora.weights[key] is weight for key, weight in first[name].items()), name
