@@ -12,6 +12,7 @@ chat path (`routes.plan_chat`: prompt through the chat template, tools, grammars
     a tool's eager_input_streaming -> its calls' input streamed as sampled (`anthropic_responses.py`)
     max_tokens, stop_sequences, temperature, top_p, top_k -> the sampling fields of the same meaning
     max_tokens past the context window -> the room the window has after the prompt (Anthropic's way)
+    a prompt that leaves no room -> Anthropic's 400 "prompt is too long: N tokens > M maximum"
     top_p 0                      -> top_k 1 (chat's top_p is above 0): the most probable token alone
     thinking                     -> chat_template_kwargs' enable_thinking: false if disabled, else true
     thinking.budget_tokens       -> thinking_token_budget, with a --reasoning-parser where each tag is a token
@@ -69,7 +70,7 @@ async def create_message(request: Request) -> Response:
         raise thread_unsupported()
     budgets = state.settings.reasoning_parser is not None and ReasoningFormat.binds_budget(engine.tokenizer)
     chat = await plan_chat(state, engine, chat_request(body, budgets), "input_schema")
-    params, windowed = _within_the_window(chat.params, engine.max_model_len - len(chat.prompt.token_ids))
+    params, windowed = _within_the_window(chat.params, len(chat.prompt.token_ids), engine.max_model_len)
     message_id = f"msg_{uuid.uuid4().hex}"
     eager = frozenset(tool.name for tool in body.tools if tool.eager_input_streaming)
     builder = MessageBuilder(message_id, state.served_name(body.model), len(chat.prompt.token_ids), chat.calling,
@@ -84,12 +85,18 @@ async def create_message(request: Request) -> Response:
 _ANTHROPIC_FIELD = {"response_format.json_schema.schema": "output_config.format.schema"}
 
 
-def _within_the_window(params: SamplingParams, room: int) -> tuple[SamplingParams, bool]:
-    """`params` with a max_tokens past the `room` the context window has after the prompt cut to that room, and
+def _within_the_window(params: SamplingParams, prompt_length: int, max_model_len: int
+                       ) -> tuple[SamplingParams, bool]:
+    """`params` with a max_tokens past the room the context window has after the prompt cut to that room, and
     whether it was: Anthropic's API takes such a max_tokens as the most the window holds (agents ask for 32000),
     its reply stopping with `model_context_window_exceeded` where the window ends. A prompt that leaves no room is
-    the engine's 400."""
-    if 0 < room < params.max_tokens:
+    a 400 in Anthropic's words, which clients match to tell an overflow from other 400s (pydantic-ai's
+    ModelContextWindowExceededError, LangChain's ContextOverflowError), where the engine's would say it in OpenAI's."""
+    room = max_model_len - prompt_length
+    if room < 1:
+        raise APIError(400, f"prompt is too long: {prompt_length} tokens > {max_model_len - 1} maximum",
+                       param="messages", code="context_length_exceeded")
+    if room < params.max_tokens:
         return dataclasses.replace(params, max_tokens=room), True
     return params, False
 
