@@ -33,7 +33,7 @@ SLOWEST_FIRST = (
     "test_golden_smollm2.py", "test_engine.py", "test_engine_overlap.py", "test_bench_smoke.py",
     "test_anthropic_messages.py", "test_dashboard_browser.py", "test_tool_calls_mistral.py", "test_embeddings.py",
     "test_structured_engine.py", "test_kernel_build.py", "test_responses_api.py", "test_agents_sdk.py",
-    "test_cli.py", "test_qwen3.py", "test_conversations.py", "test_lora_swap.py",
+    "test_cli.py", "test_qwen3.py", "test_conversations.py", "test_lora_swap.py", "test_agent_frameworks.py",
 )
 
 
