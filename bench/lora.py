@@ -4,6 +4,7 @@
     python -m sluice.bench.lora --concurrency 1 --repetitions 3   # one stream: its TPOT
     python -m sluice.bench.lora --adapters 8 --rank 64 --json bench/out/lora.json
     python -m sluice.bench.lora --adapters 8 --max-loras 2        # 8 adapters swapped through 2 device slots
+    python -m sluice.bench.lora --adapters 8 --max-loras 2 --max-cpu-loras 2   # ... and read again from disk
     python -m sluice.bench.lora --model llama-3-8b --concurrency 256     # a GPU: random weights, real shapes
 
 The model is the default GGUF (`sluice fetch`), or with `--model` one of bench.engine_check's models in random
@@ -15,8 +16,9 @@ tokens, run offline in three configurations, each on an engine of its own over a
 (compiled) before timing:
 - no LoRA: the engine as it is without `enable_lora`;
 - LoRA, base requests: `enable_lora` with the adapters on the device (`--max-loras` slots, vLLM's: the first
-  adapters in them, the rest in host memory; default a slot per adapter), every request on the base model (what
-  LoRA costs requests that use none);
+  adapters in them, the rest in host memory, or with `--max-cpu-loras` only that many there and the others read
+  again from disk when swapped in; default a slot per adapter), every request on the base model (what LoRA costs
+  requests that use none);
 - LoRA, mixed: the same engine settings, the requests spread round-robin over the adapters (with fewer slots
   than adapters, a batch holds sequences of at most `--max-loras` adapters, the others waiting to be swapped in).
 Timed: from the first submission to the last step (the loop of `Engine.generate`, with sinks that note when each
@@ -160,10 +162,11 @@ def loaded_model(args: argparse.Namespace) -> LoadedModel:
 
 def engine_configs(args: argparse.Namespace, modules: tuple[tuple[str, str], ...]) -> dict[str, EngineConfig]:
     """Each configuration's engine settings: the CPU's defaults but for a batch of `--concurrency` requests, and
-    `--max-loras` LoRA slots (None: one per adapter)."""
+    `--max-loras` LoRA slots (None: one per adapter) and `--max-cpu-loras` adapters in host memory (None: all)."""
     base = EngineConfig(quantization=args.quantization, max_num_seqs=args.concurrency,
                         max_model_len=args.prompt + args.output)
-    lora = replace(base, enable_lora=True, lora_modules=modules, max_loras=args.max_loras, max_lora_rank=args.rank)
+    lora = replace(base, enable_lora=True, lora_modules=modules, max_loras=args.max_loras,
+                   max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.rank)
     return {"no LoRA": base, "LoRA, base requests": lora, "LoRA, mixed": lora}
 
 
@@ -208,6 +211,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     figures = summary(runs)
     host = machine()
     slots = "a slot per adapter" if args.max_loras is None else f"--max-loras {args.max_loras}"
+    if args.max_cpu_loras is not None:
+        slots += f", --max-cpu-loras {args.max_cpu_loras}"
     print(f"`{command}`: {args.model} model, {args.adapters} adapters of rank {args.rank} on all seven projections "
           f"({slots}), {args.concurrency} requests at once of {args.prompt} prompt / {args.output} output tokens, "
           f"--quantization {args.quantization}; median (min-max) of {args.repetitions} repetitions\n")
@@ -229,6 +234,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapters", type=int, default=4, help="LoRA adapters written and served")
     parser.add_argument("--max-loras", type=int, default=None, metavar="M",
                         help="the LoRA engines' device slots (vLLM's --max-loras); default: one per adapter")
+    parser.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
+                        help="adapters the LoRA engines keep in host memory (vLLM's --max-cpu-loras), the others "
+                             "read again from disk when swapped in; default: all")
     parser.add_argument("--rank", type=int, default=16, help="each adapter's rank (vLLM's default max_lora_rank)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests submitted at once (max_num_seqs)")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")

@@ -1,5 +1,5 @@
 """bench/lora.py's adapter writer (a PEFT folder `load_adapter` serves, in the model's shapes) and its engines'
-settings (`--max-loras`)."""
+settings (`--max-loras`, `--max-cpu-loras`)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,9 @@ def test_max_loras_gives_the_lora_engines_that_many_slots_and_the_base_engine_no
 
 def test_without_max_loras_the_lora_engines_leave_it_unset_a_slot_per_adapter():
     assert all(config.max_loras is None for config in settings().values())
+
+
+def test_max_cpu_loras_bounds_the_lora_engines_host_copies_and_is_unset_by_default():
+    configs = settings("--max-loras", "2", "--max-cpu-loras", "3")
+    assert [config.max_cpu_loras for config in configs.values()] == [None, 3, 3]
+    assert all(config.max_cpu_loras is None for config in settings().values())
