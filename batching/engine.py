@@ -749,17 +749,21 @@ class Engine:
                 seq.params = bound
 
     def _load_lora(self, command: _LoadLora) -> None:
-        """Serves the adapter, its weights the most recently used of those host memory holds; nothing if its caller
-        cancelled it first."""
+        """Serves the adapter, its weights the most recently used of those host memory holds, in place of any of its
+        name (`LoraSlots.forget`); nothing if its caller cancelled it first."""
         if command.done.set_running_or_notify_cancel():
+            if (replaced := self.adapters.get(command.lora.name)) is not None:
+                self.lora_slots.forget(replaced)
             self.adapters = {**self.adapters, command.lora.name: command.lora}
             self.lora_slots.hold([command.lora])
             command.done.set_result(command.lora)
 
     def _unload_lora(self, command: _UnloadLora) -> None:
-        """Stops serving the adapter (a slot holding it is another's to take once no running sequence uses it);
-        nothing if its caller cancelled it first."""
+        """Stops serving the adapter (`LoraSlots.forget`; a slot holding it is another's to take once no running
+        sequence uses it); nothing if its caller cancelled it first."""
         if command.done.set_running_or_notify_cancel():
+            if (unloaded := self.adapters.get(command.name)) is not None:
+                self.lora_slots.forget(unloaded)
             self.adapters = {name: lora for name, lora in self.adapters.items() if name != command.name}
             command.done.set_result(None)
 

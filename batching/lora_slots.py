@@ -78,3 +78,10 @@ class LoraSlots:
             self.held[id(lora)] = lora
         while len(self.held) > self.max_held:
             self.held.pop(next(iter(self.held))).weights.clear()
+
+    def forget(self, lora: LoraRequest) -> None:
+        """`lora` is no longer served (unloaded, or replaced in place): with `max_held`, its weights are dropped now
+        and its place among the held is a served adapter's. A slot holding it keeps its rows on the device; a request
+        still waiting with it reads its files again should it need a slot (`Engine._read_again`)."""
+        if self.max_held is not None and self.held.pop(id(lora), None) is not None:
+            lora.weights.clear()

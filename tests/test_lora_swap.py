@@ -546,3 +546,40 @@ def test_without_a_bound_below_the_adapters_served_no_adapters_weights_are_dropp
     for name, lora in engine.adapters.items():
         assert lora.weights.keys() == first[name].keys() and first[name]
         assert all(lora.weights[key] is weight for key, weight in first[name].items()), name
+
+
+def test_an_adapter_no_longer_served_is_forgotten_by_host_memory_even_in_a_slot():
+    """Its weights are dropped at once, and its place among the held is a served adapter's: a slot holding it
+    keeps its rows on the device, which is all a sequence still running or admitted with it needs."""
+    a, b = (LoraRequest(name, name * 64, weights={"w": np.ones(2)}) for name in "ab")
+    slots = LoraSlots(1, [a], max_held=2)
+    slots.hold([a, b])
+    slots.forget(a)
+    assert not a.weights and list(slots.held.values()) == [b] and slots.holders == [a]
+
+
+def test_without_max_held_an_adapter_no_longer_served_keeps_its_weights_for_the_requests_that_run_with_it():
+    a = LoraRequest("a", "a" * 64, weights={"w": np.ones(2)})
+    slots = LoraSlots(1, [a])
+    slots.forget(a)
+    assert a.weights
+
+
+@pytest.mark.parametrize("update", ["unload b, load c", "load b in place"])
+def test_an_adapter_unloaded_or_replaced_takes_no_place_of_a_served_one_in_host_memory(folder, update):
+    """vLLM's remove_adapter drops the adapter from its CPU cache: --max-cpu-loras' places are the served
+    adapters'."""
+    engine = golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_loras=1,
+                           max_lora_rank=8, max_cpu_loras=2)
+    for name, adapter in [("a", "all_modules"), ("b", "qv_rslora")]:
+        engine.load_lora(name, FOLDERS[adapter])
+        engine.step()
+    old_b = engine.adapters["b"]
+    if update == "unload b, load c":
+        engine.unload_lora("b")
+        engine.load_lora("c", FOLDERS["qv_rslora"])
+    else:
+        engine.load_lora("b", FOLDERS["qv_rslora"])
+    engine.step()
+    assert held(engine) == set(engine.adapters), "a served adapter's weights were dropped, two places being free"
+    assert id(old_b) not in engine.lora_slots.held and not old_b.weights
