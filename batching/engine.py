@@ -331,7 +331,11 @@ class Engine:
         where `path` is no folder, or a rank above --max-lora-rank before the weights are read) or HubError; the
         engine thread then serves it between two steps, and the future gives what its requests carry (a slot takes
         its weights when a sequence needs them: `batching.lora_slots`). Cancelled before the engine thread takes it,
-        it is not served."""
+        it is not served. LoraError at once on an engine without LoRA slots (no adapter given, no runtime updating),
+        which could not run it."""
+        if self.lora_slots is None:
+            raise LoraError(f"LoRA adapter {name!r} cannot be served: this engine has no LoRA slots (it was started "
+                            f"with neither adapters nor runtime LoRA updating)")
         adapter = read_adapter(name, path, self.runner.config, self.config)
         done: Future[LoraRequest] = Future()
         self._inbox.put(_LoadLora(_served(adapter, self._slot_weights(adapter)), done))

@@ -31,7 +31,7 @@ from sluice.batching.sampling_params import LoraRequest, RequestRejected, Sampli
 from sluice.batching.scheduler import Scheduler, SchedulerConfig
 from sluice.batching.sequence import Sequence
 from sluice.model.llama import LORA_PARAMS
-from sluice.model.lora import CONFIG_FILE, WEIGHTS_FILE
+from sluice.model.lora import CONFIG_FILE, WEIGHTS_FILE, LoraError
 
 A, B, C = (LoraRequest(name, name * 64) for name in "abc")
 FOLDERS = dict(MODULES)
@@ -583,3 +583,12 @@ def test_an_adapter_unloaded_or_replaced_takes_no_place_of_a_served_one_in_host_
     engine.step()
     assert held(engine) == set(engine.adapters), "a served adapter's weights were dropped, two places being free"
     assert id(old_b) not in engine.lora_slots.held and not old_b.weights
+
+
+def test_a_load_on_an_engine_without_lora_slots_is_refused_before_its_files_are_read(folder):
+    """No adapter given, no runtime updating: no slot could serve it (the engine thread would fail on it)."""
+    engine = golden_engine(fresh(folder), enable_lora=True)
+    with pytest.raises(LoraError, match="LoRA adapter 'a' .*no LoRA slots"):
+        engine.load_lora("a", "/no/such/folder")
+    engine.step()
+    assert not engine.adapters
