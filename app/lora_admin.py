@@ -54,7 +54,9 @@ class LoadLoraAdapterRequest(_AdapterUpdate):
     lora_name: str = Field(description="the name requests give as their `model` to run with the adapter")
     lora_path: str = Field(description="its PEFT folder on the server, or a Hub id (ORG/NAME)")
     load_inplace: bool = Field(False, description="replace the adapter loaded under lora_name, if any (requests "
-                                                  "already running or waiting finish with the one they started with)")
+                                                  "already running or waiting finish with the one they started with; "
+                                                  "with --max-cpu-loras, a waiting one only while the old adapter's "
+                                                  "files stay in their folder)")
 
 
 class UnloadLoraAdapterRequest(_AdapterUpdate):

@@ -344,8 +344,9 @@ class Engine:
     def unload_lora(self, name: str) -> Future[None]:
         """Stops serving LoRA adapter `name` (unknown names are ignored) when the engine thread takes it in, between
         two steps: the future is done then, and requests for it are rejected from then on. Those that run or wait
-        finish with it; its slot is another's to take once no running sequence uses it. Cancelled before the engine
-        thread takes it, it serves on."""
+        finish with it (with --max-cpu-loras, one that waits only while its files stay in their folder: host memory
+        drops its weights, `_read_again`); its slot is another's to take once no running sequence uses it. Cancelled
+        before the engine thread takes it, it serves on."""
         done: Future[None] = Future()
         self._inbox.put(_UnloadLora(name, done))
         return done
@@ -799,12 +800,20 @@ class Engine:
         needs them, and every sequence in it, waits while the adapter's files are read, hashed and laid out for a
         slot (`read_adapter`, `slot_weights`): about 5 ms per MiB of files on a 2-core CPU host from the page cache
         (90 ms for a rank-16 adapter of SmolLM2-135M's seven projections, 19 MiB), plus the disk's time where they
-        are not cached. LoraError (AdapterNotFound: its folder is gone) where they can no longer be served, or are no
-        longer the files served (another fingerprint)."""
-        adapter = read_adapter(lora.name, lora.folder, self.runner.config, self.config)
-        if adapter.fingerprint != lora.fingerprint:
-            raise LoraError(f"LoRA adapter {lora.name!r} ({lora.folder}): its files changed since it was loaded; load "
-                            f"it again to serve them")
+        are not cached. LoraError (AdapterNotFound: its folder is gone) or OSError where they can no longer be read
+        or served, LoraError where they are no longer the files served (another fingerprint); for an adapter
+        replaced or unloaded since its request was taken in, a LoraError that says so."""
+        try:
+            adapter = read_adapter(lora.name, lora.folder, self.runner.config, self.config)
+            if adapter.fingerprint != lora.fingerprint:
+                raise LoraError(f"LoRA adapter {lora.name!r} ({lora.folder}): its files changed since it was loaded; "
+                                f"load it again to serve them")
+        except (LoraError, OSError) as error:
+            if self.adapters.get(lora.name) is lora:
+                raise
+            update = "replaced" if lora.name in self.adapters else "unloaded"
+            raise LoraError(f"LoRA adapter {lora.name!r} was {update} after this request was taken in, and its files "
+                            f"({lora.folder}) no longer give the weights it was loaded with") from error
         lora.weights.update(self._slot_weights(adapter))
 
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:

@@ -585,6 +585,49 @@ def test_an_adapter_unloaded_or_replaced_takes_no_place_of_a_served_one_in_host_
     assert id(old_b) not in engine.lora_slots.held and not old_b.weights
 
 
+def replace_in_place(engine: Engine, folder: Path) -> None:
+    scale_alpha(folder)  # new files, loaded in place
+    engine.load_lora("x", str(folder))
+
+
+def unload_and_delete(engine: Engine, folder: Path) -> None:
+    engine.unload_lora("x")
+    shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("update, words", [(replace_in_place, "replaced"), (unload_and_delete, "unloaded")],
+                         ids=["load_inplace", "unload"])
+@pytest.mark.parametrize("max_cpu_loras", [None, 1], ids=["unset", "one"])
+def test_a_request_waiting_when_its_adapter_is_replaced_or_unloaded_finishes_with_it_while_host_memory_holds_it(
+        folder, tmp_path, max_cpu_loras, update, words):
+    """Unset, host memory keeps the old adapter's weights for the requests that run or wait with it. With
+    --max-cpu-loras they may have been dropped, and its files, rewritten or deleted, no longer give them (vLLM would
+    read the new files): the waiting request ends with an error that says why, and no other."""
+    engine = golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_loras=1,
+                           max_lora_rank=8, max_cpu_loras=max_cpu_loras)
+    x_folder = Path(shutil.copytree(FOLDERS["qv_rslora"], tmp_path / "x"))
+    for name, path in [("x", str(x_folder)), ("y", FOLDERS["all_modules"])]:
+        engine.load_lora(name, path)
+        engine.step()
+    y_case = case_named(ADAPTERS["all_modules"]["cases"], "short")
+    x_case = case_named(ADAPTERS["qv_rslora"]["cases"], "short")
+    sinks = [ListCollector(1), ListCollector(1)]
+    for i, (name, case) in enumerate([("y", y_case), ("x", x_case)]):
+        engine.submit([case["prompt_ids"]], golden_params(LORA, lora=engine.adapters[name]), sinks[i], f"r{i}")
+    engine.step()  # y's request runs in the one slot; x's, taken in, waits for it
+    assert [seq.params.lora.name for seq in engine.scheduler.waiting] == ["x"]
+    update(engine, x_folder)
+    drain(engine)
+    [[y_out], [x_out]] = [sink.completions() for sink in sinks]
+    assert_completion_gives_case(y_out, y_case)
+    if max_cpu_loras is None:
+        assert_completion_gives_case(x_out, x_case)
+    else:
+        said = f"LoRA adapter 'x' was {words} after this request was taken in, and its files ({x_folder}) no longer"
+        assert x_out.finish_reason == "error" and said in x_out.error
+    assert engine.stats.num_step_failures == 0 and engine.lora_slots.users == [0]
+
+
 def test_a_load_on_an_engine_without_lora_slots_is_refused_before_its_files_are_read(folder):
     """No adapter given, no runtime updating: no slot could serve it (the engine thread would fail on it)."""
     engine = golden_engine(fresh(folder), enable_lora=True)
