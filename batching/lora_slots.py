@@ -46,13 +46,15 @@ class LoraSlots:
 
     def acquire(self, lora: LoraRequest, slot: int) -> None:
         """One more running sequence with `lora` takes `slot` (`find`'s), which is listed in `writes` to take its
-        weights if it holds another adapter."""
+        weights if it holds another adapter; `lora`'s weights, held, are the most recently used (`hold`)."""
         if self.holders[slot] != lora:
             self.empty(slot)
             self.holders[slot], self._slot_of[lora], self.writes[slot] = lora, slot, lora
         if not self.users[slot]:
             del self._unused[slot]
         self.users[slot] += 1
+        if self.max_held is not None and id(lora) in self.held:  # used now, as vLLM's CPU cache is on each activation
+            self.hold([lora])
 
     def empty(self, slot: int) -> None:
         """`slot` holds no adapter (one evicted, or its write failed) and has no write pending."""
@@ -68,7 +70,7 @@ class LoraSlots:
             self._unused[slot] = None
 
     def hold(self, loras: Iterable[LoraRequest]) -> None:
-        """`loras`' weights were read or written just now: the most recently used of those held. Past `max_held`,
+        """`loras`' weights were read, written or used just now: the most recently used of those held. Past `max_held`,
         the least recently used adapters' weights are dropped (emptied), to be read again from their folder when a
         slot needs them (`Engine._write_lora_slots`)."""
         if self.max_held is None:

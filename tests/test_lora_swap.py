@@ -585,6 +585,20 @@ def test_an_adapter_unloaded_or_replaced_takes_no_place_of_a_served_one_in_host_
     assert id(old_b) not in engine.lora_slots.held and not old_b.weights
 
 
+def test_an_adapter_whose_requests_keep_being_admitted_is_not_the_one_host_memory_drops(folder):
+    """vLLM touches its CPU cache each time an adapter is activated: admitted into the slot that already holds it,
+    an adapter is used as much as one written there."""
+    engine = golden_engine(fresh(folder), enable_lora=True, allow_runtime_lora_updating=True, max_loras=1,
+                           max_lora_rank=8, max_cpu_loras=2)
+    case = case_named(ADAPTERS["qv_rslora"]["cases"], "short")
+    for name in ["a", "b", "c"]:  # a is written into the slot, then admitted there again after b is loaded
+        engine.load_lora(name, FOLDERS["qv_rslora"])
+        engine.step()
+        [[output]] = generate(engine, [case["prompt_ids"]], [golden_params(LORA, lora=engine.adapters["a"])])
+        assert_completion_gives_case(output, case)
+    assert held(engine) == {"a", "c"}
+
+
 def replace_in_place(engine: Engine, folder: Path) -> None:
     scale_alpha(folder)  # new files, loaded in place
     engine.load_lora("x", str(folder))
