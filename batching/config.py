@@ -124,7 +124,8 @@ class EngineConfig:
     projections, zeros where no adapter is.
     `max_cpu_loras` (vLLM's): the most adapters whose weights host memory holds; the least recently used others' are
     dropped, and read again from their folder when a sequence needs a slot for one (`Engine._write_lora_slots`).
-    None: every adapter's, as long as it is served (not vLLM's default, `max_loras`).
+    None: every adapter's, as long as it is served (not vLLM's default, `max_loras`). The CLI checks it is at least
+    `max_loras`, as vLLM does; not checked here (fewer only means more adapters read again).
     A request names its adapter as its `model`.
     `prefix_cache_dir`: keep full KV pages past the pool, in `prefix_cache_ram` bytes of host RAM and then up to
     `prefix_cache_size` bytes of files in that directory (`kv_store.py`), so a restarted server still has them.

@@ -778,20 +778,19 @@ class Engine:
         `chunks` left to run. A read or write that fails leaves its slot empty and ends the requests of the sequences
         just admitted into it (they alone use it) with the error, and no other. Host memory then holds the weights
         written as the most recently used (`LoraSlots.hold`)."""
-        writes = self.lora_slots.writes
-        written = list(writes.values())
-        for slot, lora in list(writes.items()):
+        swaps = list(self.lora_slots.writes.items())
+        for slot, lora in swaps:
             try:
                 if not lora.weights:
                     self._read_again(lora)
                 self.runner.write_layer_rows(lora.weights, slot)
-                del writes[slot]
+                del self.lora_slots.writes[slot]
             except Exception as error:  # noqa: BLE001 - the other requests run on; retrying may fail every step
                 self.lora_slots.empty(slot)
                 for request_id in dict.fromkeys(seq.request_id for seq in self.scheduler.running
                                                 if seq.lora_slot == slot):
                     self._fail_request(request_id, error)
-        self.lora_slots.hold(lora for lora in written if lora.weights)
+        self.lora_slots.hold(lora for _, lora in swaps if lora.weights)
         return [chunk for chunk in chunks if not chunk.seq.finished]
 
     def _read_again(self, lora: LoraRequest) -> None:

@@ -17,8 +17,9 @@ from sluice.batching.sampling_params import LoraRequest
 
 
 class LoraSlots:
-    """`holders[s]`: the adapter slot s holds (None: zeros); `users[s]`: the running sequences that use it; `writes`:
-    slot -> the adapter whose weights must be written there before the next step is dispatched."""
+    """`holders[s]`: the adapter slot s holds (None: none to run with, its rows zeros or what a failed read or write
+    left); `users[s]`: the running sequences that use it; `writes`: slot -> the adapter whose weights must be written
+    there before the next step is dispatched."""
 
     def __init__(self, num_slots: int, resident: Sequence[LoraRequest], max_held: int | None = None):
         """`resident`: the adapters already in the first slots, in order. `max_held` (--max-cpu-loras): the most

@@ -1,8 +1,9 @@
-"""vLLM's `--max-loras`: adapters swapped into a bounded set of device slots. Every served adapter stays in host
-memory; the scheduler admits a sequence with an adapter only into a slot (`LoraSlots`: its own adapter's, or the
-least recently used one no running sequence uses, whose weights are then written before the step), so a batch
-never holds more adapters than slots, and every request gets the tokens it gets with every adapter resident
-(tests/data/tiny_lora's HF + PEFT goldens, as tests/test_lora_serving.py checks them)."""
+"""vLLM's `--max-loras`: adapters swapped into a bounded set of device slots, and `--max-cpu-loras`: the adapters
+whose weights host memory keeps, the others read again from their folder. The scheduler admits a sequence with an
+adapter only into a slot (`LoraSlots`: its own adapter's, or the least recently used one no running sequence uses,
+whose weights are then written before the step), so a batch never holds more adapters than slots, and every request
+gets the tokens it gets with every adapter resident (tests/data/tiny_lora's HF + PEFT goldens, as
+tests/test_lora_serving.py checks them)."""
 
 from __future__ import annotations
 
