@@ -356,7 +356,8 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
     parser.add_argument("--speculative-config", type=speculative_config, default=None,
                         help="vLLM's JSON of the same: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
                              "\"prompt_lookup_max\": N, \"prompt_lookup_min\": M}")
-    _switch(parser, "--enable-lora", "serve LoRA adapters (implied by --lora-modules)")
+    _switch(parser, "--enable-lora", "serve LoRA adapters (implied by --lora-modules, --max-loras, --max-lora-rank and "
+            "--max-cpu-loras)")
     parser.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=None,
                         metavar="NAME=PATH",
                         help="LoRA adapters (PEFT folders, or Hub ids ORG/NAME) served beside the model, each under "
@@ -582,7 +583,8 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
         args.lora_modules = list(_lora_modules_from_environment())
     modules = tuple(args.lora_modules)
     # vLLM's --enable-lora, which the flags that give adapters or size their slots imply here.
-    enable_lora = args.enable_lora or bool(modules) or args.max_loras is not None or args.max_lora_rank is not None
+    enable_lora = (args.enable_lora or bool(modules)
+                   or any(value is not None for value in (args.max_loras, args.max_lora_rank, args.max_cpu_loras)))
     if None not in (args.max_cpu_loras, args.max_loras) and args.max_cpu_loras < args.max_loras:  # vLLM's rule
         raise CommandError(f"--max-cpu-loras ({args.max_cpu_loras}) must be >= --max-loras ({args.max_loras})")
     if args.served_model_name is not None and args.served_model_name in dict(modules):

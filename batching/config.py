@@ -211,6 +211,7 @@ class EngineConfig:
             (self.max_loras is None or self.max_loras >= 1, "max_loras", "must be at least 1"),
             (self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank", "must be at least 1"),
             (self.max_cpu_loras is None or self.max_cpu_loras >= 1, "max_cpu_loras", "must be at least 1"),
+            (self.enable_lora or self.max_cpu_loras is None, "max_cpu_loras", "needs enable_lora (or lora_modules)"),
             (self.enable_lora or not self.allow_runtime_lora_updating, "allow_runtime_lora_updating",
              "needs enable_lora"),
         ]

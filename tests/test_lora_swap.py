@@ -380,9 +380,14 @@ def test_max_cpu_loras_below_max_loras_is_refused_as_vllm_refuses_it():
 
 @pytest.mark.parametrize("flags", [["--max-loras", "2", "--max-cpu-loras", "2"], ["--max-cpu-loras", "1"]])
 def test_max_cpu_loras_at_least_max_loras_or_alone_is_taken(flags):
+    """Alone it implies --enable-lora, as --max-loras and --max-lora-rank do."""
     config = engine_config(flags)
-    assert config.enable_lora == ("--max-loras" in flags)
-    assert config.max_cpu_loras == int(flags[-1])
+    assert config.enable_lora and config.max_cpu_loras == int(flags[-1])
+
+
+def test_max_cpu_loras_without_lora_is_refused_by_the_engine_config():
+    with pytest.raises(InvalidEngineConfig, match=r"max_cpu_loras needs enable_lora \(or lora_modules\), got 2"):
+        EngineConfig(max_cpu_loras=2)
 
 
 def test_max_cpu_loras_below_one_is_refused_by_the_engine_config():
