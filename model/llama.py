@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sluice.model.config import ModelConfig
 from sluice.model.linear import RmsNorm, Weight, embed_rows, project, project_rows
+from sluice.pallas_kernels import cpu_rows_matmul
 from sluice.pallas_kernels.cpu_qmatmul import rms_norm
 from sluice.pallas_kernels.kv_cache import Pages, empty_pages
 
@@ -98,7 +99,22 @@ def lora_delta(x: jax.Array, a: jax.Array, bs: list[jax.Array], adapters: jax.Ar
 
     Every token multiplies every slot's A (one small dense matmul, whatever the mix of adapters), and the columns of
     the slots not its own are zeroed before the Bs. With `slot` given, the tokens use that adapter or none, and its
-    slot's weights alone are read."""
+    slot's weights alone are read. On a CPU with the kernel library (float32 weights), the matmuls are
+    `cpu_rows_matmul`'s, whose rows sum in an order no other row changes: XLA's dot rounds a token's delta otherwise
+    as the step's size changes, and the int8 quantization of the next projection's input (the CPU kernels) turns
+    that last bit into other tokens."""
+    def einsums() -> list[jax.Array]:
+        return _lora_delta_einsums(x, a, bs, adapters, layer, slot)
+
+    if a.dtype == jnp.float32 and cpu_rows_matmul.available():
+        rows = lambda: _lora_delta_rows(x, a, bs, adapters, jnp.int32(0) if layer is None else layer, slot)
+        return jax.lax.platform_dependent(cpu=rows, default=einsums)
+    return einsums()
+
+
+def _lora_delta_einsums(x: jax.Array, a: jax.Array, bs: list[jax.Array], adapters: jax.Array,
+                        layer: jax.Array | None, slot: jax.Array | None) -> list[jax.Array]:
+    """`lora_delta` in XLA's dots."""
     at = (lambda w: w) if layer is None else (lambda w: w[layer])
     if slot is not None:
         # One index of both axes: XLA then reads the slot's weights in place of a copy of the layer's slots.
@@ -112,6 +128,25 @@ def lora_delta(x: jax.Array, a: jax.Array, bs: list[jax.Array], adapters: jax.Ar
     h = h.astype(a.dtype)
     return [jnp.einsum("tsr,sro->to", h[:, part], at(b), preferred_element_type=jnp.float32).astype(x.dtype)
             for part, b in enumerate(bs)]
+
+
+def _lora_delta_rows(x: jax.Array, a: jax.Array, bs: list[jax.Array], adapters: jax.Array, layer: jax.Array,
+                     slot: jax.Array | None) -> list[jax.Array]:
+    """`lora_delta` in `cpu_rows_matmul`'s matmuls (float32 weights, `layer` 0 for unstacked ones), on the stacks
+    seen as matrices, read in place: the As `[L S, K, P R]`, each B `[L S / C, C R, out]` for the C slots used
+    (one, or all S: the tokens' A outputs of those C slots, side by side, then meet their Bs in one matmul)."""
+    num_slots, k, parts, rank = a.shape[-4:]
+    first, used = (layer * num_slots, num_slots) if slot is None else (layer * num_slots + slot, 1)
+    own = jax.nn.one_hot(adapters, num_slots) if slot is None else (adapters == slot)[:, None]  # [T, C]
+    h = cpu_rows_matmul.rows_matmul(x.astype(jnp.float32), a.reshape(-1, k, parts * rank), first, used)
+    h = h.reshape(-1, used, parts, rank) * own.astype(jnp.float32)[:, :, None, None]
+
+    def times_b(part: int, b: jax.Array) -> jax.Array:
+        """Module `part`'s [T, C R] of h against its B [(L S / C), C R, out] -> [T, out]."""
+        h_part = h[:, :, part].reshape(-1, used * rank)
+        return cpu_rows_matmul.rows_matmul(h_part, b.reshape(-1, used * rank, b.shape[-1]), first // used, 1)[:, 0]
+
+    return [times_b(part, b).astype(x.dtype) for part, b in enumerate(bs)]
 
 
 def with_lora(plain: Callable[[], jax.Array], adapted: Callable[[jax.Array | None], jax.Array],

@@ -240,6 +240,35 @@ def test_over_int8_weights_a_base_request_gets_the_same_bits_whether_or_not_adap
     assert [entry.top for entry in alone.logprobs] == [entry.top for entry in shared.logprobs]
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_over_quantized_weights_an_adapters_request_gets_the_same_bits_whatever_shares_its_steps(folder,
+                                                                                               quantization):
+    """The CPU kernels quantize each projection's input to int8, so a delta that rounded otherwise in a larger step
+    would move later tokens; an adapter's request must get the tokens it gets alone beside three others."""
+    engine = golden_engine(load_model(str(folder), dtype="float32", quantization=quantization), enable_lora=True,
+                           lora_modules=MODULES)
+    case = case_named(ADAPTERS["all_modules"]["cases"], "forty_tokens")
+    params = golden_params(LORA, lora=engine.adapters["all_modules"], cache_salt="alone")
+    [[alone]] = engine.generate([case["prompt_ids"]], params)
+    [[shared], *_] = engine.generate([case["prompt_ids"]] * 4, replace(params, cache_salt="shared"))
+    assert alone.token_ids == shared.token_ids
+    assert [entry.top for entry in alone.logprobs] == [entry.top for entry in shared.logprobs]
+
+
+def test_over_int8_weights_tokens_of_different_adapters_in_one_step_each_get_the_bits_they_get_alone(folder):
+    """A step of several adapters multiplies every slot's weights (`llama.lora_delta`'s several slots): each
+    request's tokens must still be those it gets in steps of its adapter alone."""
+    engine = golden_engine(load_model(str(folder), dtype="float32", quantization="int8"), enable_lora=True,
+                           lora_modules=MODULES)
+    prompts = [case_named(adapter["cases"], "forty_tokens")["prompt_ids"] for adapter in ADAPTERS.values()]
+    params = [golden_params(LORA, lora=engine.adapters[name], cache_salt="alone") for name in ADAPTERS]
+    alone = [engine.generate([prompt], request)[0][0] for prompt, request in zip(prompts, params)]
+    shared = engine.generate(prompts * 2, [replace(request, cache_salt="shared") for request in params * 2])
+    for own, (mixed, *_) in zip(alone * 2, shared):
+        assert own.token_ids == mixed.token_ids
+        assert [entry.top for entry in own.logprobs] == [entry.top for entry in mixed.logprobs]
+
+
 def test_adapters_from_the_environment_are_kept_in_the_arguments_a_hosts_process_is_given(tmp_path, monkeypatch):
     """`sluice serve --hosts` hands its parsed arguments to a process on each host, whose environment and working
     directory are its own: the adapters the variable gave are read once, into the arguments, as absolute paths."""
