@@ -6,8 +6,8 @@
 // XLA's dot picks its GEMM kernel and blocking by the number of rows, and with them the order in which each output
 // sums over K: a row's last bits then depend on how many rows share the call. Here every output starts at zero and
 // adds x[t, k] * w[k, n] for k = 0, 1, ..., K - 1 in order, one fused multiply-add each, whatever T, the tiling, the
-// thread or the vector width: the AVX-512 and AVX2 builds give the same bits. (The portable build, on CPUs without
-// FMA, multiplies then adds: the same order, its own roundings.)
+// thread or the vector width: the AVX-512 and AVX2 builds give the same bits. (The portable build keeps the order;
+// SIMDe's plain-C forms, as the x86 tests build it, multiply then add, with roundings of their own.)
 //
 // The w stack is passed whole with the index of its first matrix, so a layer scan never copies a layer. The work
 // is split into tiles of up to 4 rows x 4 (AVX-512) or 2 (AVX2) vectors of columns, their accumulators in registers

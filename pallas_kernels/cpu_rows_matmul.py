@@ -8,7 +8,7 @@ gets alone. It takes a stack of matrices `[G, K, N]` whole with the index of the
 scan never slices.
 
 The library is built with the other CPU kernels (`cpu_library.py`); where it cannot be built, `available()` is
-False and callers use the reference.
+False and callers use XLA's dots (`model.llama.lora_delta`), not batch-invariant.
 """
 
 from __future__ import annotations
