@@ -37,8 +37,8 @@ from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore, PageKey
 from sluice.batching.kv_pool import num_pool_pages, resolve_max_model_len
 from sluice.batching.kv_transfer import PageCopy
-from sluice.batching.lora_slots import LoraSlots
-from sluice.batching.config import EngineConfig, InvalidEngineConfig, device_memory_bytes
+from sluice.batching.lora_registry import LoraRegistry
+from sluice.batching.config import EngineConfig, device_memory_bytes
 from sluice.batching.compilation_cache import enable_compilation_cache
 from sluice.batching.model_runner import ModelRunner
 from sluice.batching.device_step import PromptScores
@@ -54,11 +54,7 @@ from sluice.batching.sequence import Sequence, SequenceStatus
 from sluice.batching.speculation import Speculator
 from sluice.batching.stats import EngineStats, StepStats, StepTotals
 from sluice.batching.structured import GrammarCompiler
-from sluice.model import hub
-from sluice.model.config import ModelConfig
-from sluice.model.fetch import from_hub
 from sluice.model.loader import LoadedModel, load_model
-from sluice.model.lora import LoraAdapter, LoraError, attach_adapters, load_adapter, slot_projections, slot_weights
 from sluice.model.roofline import StepCost
 from sluice.pallas_kernels.kv_cache import kv_cache_dtype
 from sluice.sharding.mesh import InvalidTensorParallelism, make_mesh
@@ -128,58 +124,6 @@ class _Launched:
     host_s: float
 
 
-def attach_lora(loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None
-                ) -> tuple[dict[str, LoraRequest], LoraSlots | None, Callable[[LoraAdapter], dict[str, np.ndarray]]]:
-    """Reads `config.lora_modules`' adapters and gives `loaded.model` LoRA slots (`EngineConfig.max_loras`, with
-    runtime updating `runtime_lora_slots`), the first adapters in them, in place of any an earlier engine gave it.
-    Returns each adapter's name -> what a request that runs with it carries (host memory holding the weights of the
-    last `max_cpu_loras`), the slot table (None: no slot), and an adapter read later -> its weights for a slot
-    (`slot_weights` of the slots' rank and projections). InvalidEngineConfig for an adapter Sluice cannot serve, or
-    for swapping adapters over several processes."""
-    if any(name == loaded.name for name, _ in config.lora_modules):
-        raise InvalidEngineConfig("lora_modules", f"names an adapter {loaded.name!r}, the model's own name: a request "
-                                                  f"for it could not be told from one for the model")
-    try:
-        adapters = [read_adapter(name, path, loaded.config, config) for name, path in config.lora_modules]
-        if config.allow_runtime_lora_updating:
-            num_slots, rank = config.runtime_lora_slots
-        else:
-            # Adapters cannot be added later: padding past the largest adapter's rank, or a slot past one per
-            # adapter (every token multiplies every slot's weights), would only cost.
-            num_slots = min(config.max_loras or len(adapters), len(adapters))
-            rank = max((a.rank for a in adapters), default=1)
-        if num_slots < len(adapters) and step_broadcast.is_multiprocess():
-            raise InvalidEngineConfig("max_loras", f"is {num_slots}, fewer slots than the {len(adapters)} adapters: "
-                                                   f"adapters are swapped into slots in one engine process only")
-        weights = attach_adapters(loaded.model, adapters, num_slots, rank,
-                                  partial(param_sharding, mesh) if mesh is not None else None,
-                                  every_projection=config.allow_runtime_lora_updating)
-    except (LoraError, hub.HubError) as error:
-        raise InvalidEngineConfig("lora_modules", str(error)) from None
-    served = [_served(adapter, w) for adapter, w in zip(adapters, weights)]
-    slots = LoraSlots(num_slots, served[:num_slots], config.max_cpu_loras) if num_slots else None
-    if slots is not None:
-        slots.hold(served)
-    lay_out = partial(slot_weights, config=loaded.config, max_rank=rank, dtype=loaded.model.dtype,
-                      projections=slot_projections(adapters, config.allow_runtime_lora_updating))
-    return {lora.name: lora for lora in served}, slots, lay_out
-
-
-def _served(adapter: LoraAdapter, weights: dict[str, np.ndarray]) -> LoraRequest:
-    """What a request run with `adapter` carries: its `weights` for a slot, and the folder they are read again from
-    (absolute: a relative one could read as a Hub id)."""
-    return LoraRequest(adapter.name, adapter.fingerprint, str(adapter.path.absolute()), weights)
-
-
-def read_adapter(name: str, path: str, model_config: ModelConfig, config: EngineConfig) -> LoraAdapter:
-    """The PEFT adapter at `path` (a local folder, or a Hub id's snapshot of its adapter files) read as `name`:
-    LoraError (AdapterNotFound where `path` is no folder) or HubError where it cannot be served, a rank above the
-    slots' said before its weights are read."""
-    folder = str(hub.download_adapter(path, config.download_dir)) if from_hub(path) else path
-    max_rank = config.runtime_lora_slots[1] if config.allow_runtime_lora_updating else config.max_lora_rank
-    return load_adapter(name, folder, model_config, max_rank)
-
-
 def _describe(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(error)).strip()
 
@@ -201,9 +145,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.generation_defaults = loaded.generation_defaults  # the model's sampling defaults, for the API to apply
-        # Before the pool is sized: their weights take memory too. `adapters` is replaced whole, never changed, as
-        # other threads read it (`submit`, the app); the engine thread alone replaces it.
-        self.adapters, self.lora_slots, self._slot_weights = attach_lora(loaded, config, mesh)
+        self.loras = LoraRegistry.attach(loaded, config, mesh)  # before the pool is sized: adapters take memory too
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.model.dtype)
         num_pages = num_pool_pages(config, loaded.config, kv_dtype, mesh, page_size_given)
         self.max_model_len = resolve_max_model_len(config, loaded.config, num_pages)
@@ -231,7 +173,7 @@ class Engine:
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching,
                                           self.prefix_store)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.block_manager, self.lora_slots)
+                                   self.block_manager, self.loras.slots)
         self.speculator = Speculator(self.ngram) if self.ngram else None
         self.step_cost = StepCost.of(loaded.config, loaded.model, kv_dtype)
         if config.warmup:
@@ -292,9 +234,9 @@ class Engine:
 
         Raises RequestRejected now if it could never be served (context length, pool size, a structured output
         that does not compile, a LoRA adapter of a name not served). It runs with the adapter served under
-        `params.lora`'s name when the engine thread takes it in (`_bind_lora`).
+        `params.lora`'s name when the engine thread takes it in (`LoraRegistry.bind`).
         """
-        if params.lora is not None and params.lora.name not in self.adapters:
+        if params.lora is not None and params.lora.name not in self.loras.adapters:
             raise RequestRejected(f"the LoRA adapter {params.lora.name!r} is not served here", "lora")
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         request = build_request(request_id, prompts, params, sink, self.tokenizer, self.limits, self.ngram,
@@ -327,29 +269,29 @@ class Engine:
     def load_lora(self, name: str, path: str) -> Future[LoraRequest]:
         """With runtime updating (`EngineConfig.allow_runtime_lora_updating`), serves the PEFT adapter at `path` (a
         folder, or a Hub id as `--lora-modules` takes one) as `name`, in place of any adapter of that name. Reads and
-        lays out its files in this thread (CPU work: keep it off the event loop), raising LoraError (AdapterNotFound
-        where `path` is no folder, or a rank above --max-lora-rank before the weights are read) or HubError; the
+        lays out its files in this thread (CPU work: keep it off the event loop; `LoraRegistry.read` raises); the
         engine thread then serves it between two steps, and the future gives what its requests carry (a slot takes
         its weights when a sequence needs them: `batching.lora_slots`). Cancelled before the engine thread takes it,
-        it is not served. LoraError at once on an engine without LoRA slots (no adapter given, no runtime updating),
-        which could not run it."""
-        if self.lora_slots is None:
-            raise LoraError(f"LoRA adapter {name!r} cannot be served: this engine has no LoRA slots (it was started "
-                            f"with neither adapters nor runtime LoRA updating)")
-        adapter = read_adapter(name, path, self.runner.config, self.config)
+        it is not served."""
+        lora = self.loras.read(name, path)
         done: Future[LoraRequest] = Future()
-        self._inbox.put(_LoadLora(_served(adapter, self._slot_weights(adapter)), done))
+        self._inbox.put(_LoadLora(lora, done))
         return done
 
     def unload_lora(self, name: str) -> Future[None]:
         """Stops serving LoRA adapter `name` (unknown names are ignored) when the engine thread takes it in, between
         two steps: the future is done then, and requests for it are rejected from then on. Those that run or wait
         finish with it (with --max-cpu-loras, one that waits only while its files stay in their folder: host memory
-        drops its weights, `_read_again`); its slot is another's to take once no running sequence uses it. Cancelled
-        before the engine thread takes it, it serves on."""
+        drops its weights, `LoraRegistry.write_slots`); its slot is another's to take once no running sequence uses
+        it. Cancelled before the engine thread takes it, it serves on."""
         done: Future[None] = Future()
         self._inbox.put(_UnloadLora(name, done))
         return done
+
+    @property
+    def adapters(self) -> dict[str, LoraRequest]:
+        """Each LoRA adapter served, by name -> what a request that runs with it carries (any thread)."""
+        return self.loras.adapters
 
     # --- driving the loop -----------------------------------------------------------------------------
 
@@ -531,7 +473,7 @@ class Engine:
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
         chunks = scheduled.chunks
-        if self.lora_slots is not None and self.lora_slots.writes:  # adapters this step swaps in
+        if self.loras.slots is not None and self.loras.slots.writes:  # adapters this step swaps in
             chunks = self._write_lora_slots(chunks)
         if self.block_manager.loads:  # the store's pages, into the pool before the step reads them
             pages, payloads = zip(*self.block_manager.loads)
@@ -698,10 +640,13 @@ class Engine:
             if request.request_id in self._requests:
                 self._reject(request, f"request id {request.request_id!r} is already in use")
                 return
-            if lora is not None and lora.name not in self.adapters:
+            if lora is not None and lora.name not in self.loras.adapters:
                 self._reject(request, f"the LoRA adapter {lora.name!r} was unloaded before the request started")
                 return
-            self._bind_lora(request)
+            # Before any page is allocated or looked up: the prefix cache's namespace is that of the weights run with.
+            bound = self.loras.bind(request.seqs[0].params)
+            for seq in request.seqs:
+                seq.params = bound
             self._requests[request.request_id] = request
             self._num_pooling += request.seqs[0].params.pooling is not None
             self._num_scoring += request.seqs[0].params.prompt_logprobs is not None
@@ -720,9 +665,13 @@ class Engine:
             self._aborting_all = True
             self._abort_all()
         elif isinstance(command, _LoadLora):
-            self._load_lora(command)
+            if command.done.set_running_or_notify_cancel():  # not if its caller cancelled it first
+                self.loras.serve(command.lora)
+                command.done.set_result(command.lora)
         elif isinstance(command, _UnloadLora):
-            self._unload_lora(command)
+            if command.done.set_running_or_notify_cancel():
+                self.loras.unload(command.name)
+                command.done.set_result(None)
         else:
             self._stopping = True
 
@@ -741,79 +690,15 @@ class Engine:
         for seq in request.seqs:
             self._deliveries.append((request.sink, Increment(seq.choice, "", (), finish_reason="error", error=message)))
 
-    def _bind_lora(self, request: Request) -> None:
-        """Gives `request`'s sequences the adapter now served under the name it asked for (one loaded in place since
-        it was submitted, say), before any page is allocated or looked up for them: the prefix cache's namespace is
-        that of the weights they run with. Their parameters are shared (with the caller, with other requests), so
-        they get a copy rather than a change."""
-        asked = request.seqs[0].params
-        served = self.adapters[asked.lora.name] if asked.lora is not None else None
-        if served is not asked.lora:  # an equal one built by hand may lack the weights
-            bound = replace(asked, lora=served)
-            for seq in request.seqs:
-                seq.params = bound
-
-    def _load_lora(self, command: _LoadLora) -> None:
-        """Serves the adapter, its weights the most recently used of those host memory holds, in place of any of its
-        name (`LoraSlots.forget`); nothing if its caller cancelled it first."""
-        if command.done.set_running_or_notify_cancel():
-            if (replaced := self.adapters.get(command.lora.name)) is not None:
-                self.lora_slots.forget(replaced)
-            self.adapters = {**self.adapters, command.lora.name: command.lora}
-            self.lora_slots.hold([command.lora])
-            command.done.set_result(command.lora)
-
-    def _unload_lora(self, command: _UnloadLora) -> None:
-        """Stops serving the adapter (`LoraSlots.forget`; a slot holding it is another's to take once no running
-        sequence uses it); nothing if its caller cancelled it first."""
-        if command.done.set_running_or_notify_cancel():
-            if (unloaded := self.adapters.get(command.name)) is not None:
-                self.lora_slots.forget(unloaded)
-            self.adapters = {name: lora for name, lora in self.adapters.items() if name != command.name}
-            command.done.set_result(None)
-
     def _write_lora_slots(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Writes each adapter swapped in into its slot, its weights read again first where host memory dropped them
-        (`_read_again`), ordered before the step dispatched next (the steps in flight read the old ones); returns the
-        `chunks` left to run. A read or write that fails leaves its slot empty and ends the requests of the sequences
-        just admitted into it (they alone use it) with the error, and no other. Host memory then holds the weights
-        written as the most recently used (`LoraSlots.hold`)."""
-        swaps = list(self.lora_slots.writes.items())
-        for slot, lora in swaps:
-            try:
-                if not lora.weights:
-                    self._read_again(lora)
-                self.runner.write_layer_rows(lora.weights, slot)
-                del self.lora_slots.writes[slot]
-            except Exception as error:  # noqa: BLE001 - the other requests run on; retrying may fail every step
-                self.lora_slots.empty(slot)
-                for request_id in dict.fromkeys(seq.request_id for seq in self.scheduler.running
-                                                if seq.lora_slot == slot):
-                    self._fail_request(request_id, error)
-        self.lora_slots.hold(lora for _, lora in swaps if lora.weights)
+        """Writes the adapters swapped in into their slots (`LoraRegistry.write_slots`), ordered before the step
+        dispatched next (the steps in flight read the old ones); returns the `chunks` left to run. A slot whose
+        read or write failed ends the requests of the sequences just admitted into it (they alone use it) with the
+        error, and no other."""
+        for slot, error in self.loras.write_slots(self.runner.write_layer_rows):
+            for request_id in dict.fromkeys(seq.request_id for seq in self.scheduler.running if seq.lora_slot == slot):
+                self._fail_request(request_id, error)
         return [chunk for chunk in chunks if not chunk.seq.finished]
-
-    def _read_again(self, lora: LoraRequest) -> None:
-        """Reads `lora`'s weights again from its folder, host memory having dropped them (`LoraSlots.hold`), as
-        vLLM's worker loads an adapter its CPU cache lacks: on the engine thread, between two steps, so the step that
-        needs them, and every sequence in it, waits while the adapter's files are read, hashed and laid out for a
-        slot (`read_adapter`, `slot_weights`): about 5 ms per MiB of files on a 2-core CPU host from the page cache
-        (90 ms for a rank-16 adapter of SmolLM2-135M's seven projections, 19 MiB), plus the disk's time where they
-        are not cached. LoraError (AdapterNotFound: its folder is gone) or OSError where they can no longer be read
-        or served, LoraError where they are no longer the files served (another fingerprint); for an adapter
-        replaced or unloaded since its request was taken in, a LoraError that says so."""
-        try:
-            adapter = read_adapter(lora.name, lora.folder, self.runner.config, self.config)
-            if adapter.fingerprint != lora.fingerprint:
-                raise LoraError(f"LoRA adapter {lora.name!r} ({lora.folder}): its files changed since it was loaded; "
-                                f"load it again to serve them")
-        except (LoraError, OSError) as error:
-            if self.adapters.get(lora.name) is lora:
-                raise
-            update = "replaced" if lora.name in self.adapters else "unloaded"
-            raise LoraError(f"LoRA adapter {lora.name!r} was {update} after this request was taken in, and its files "
-                            f"({lora.folder}) no longer give the weights it was loaded with") from error
-        lora.weights.update(self._slot_weights(adapter))
 
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
         """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call
@@ -1102,13 +987,5 @@ class Engine:
             decode_batch_steps=tuple(self._totals.decode_batch_steps),
             queue_wait_s=self._totals.queue_wait_s,
             num_admitted=self._totals.num_admitted,
-            **(self._lora_stats() if self.lora_slots is not None else {}),
+            **self.loras.stats(self.scheduler.running, self.scheduler.waiting),
         )
-
-    def _lora_stats(self) -> dict[str, int | tuple[str, ...]]:
-        """`EngineStats`' LoRA fields: max_loras, and the adapters of the running and the waiting sequences."""
-        def names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
-            return tuple(sorted({seq.params.lora.name for seq in seqs if seq.params.lora is not None}))
-
-        return dict(max_loras=self.config.max_loras or self.lora_slots.num_slots,
-                    lora_running=names(self.scheduler.running), lora_waiting=names(self.scheduler.waiting))

@@ -73,7 +73,7 @@ class LoraSlots:
     def hold(self, loras: Iterable[LoraRequest]) -> None:
         """`loras`' weights were read, written or used just now: the most recently used of those held. Past `max_held`,
         the least recently used adapters' weights are dropped (emptied), to be read again from their folder when a
-        slot needs them (`Engine._write_lora_slots`)."""
+        slot needs them (`LoraRegistry.write_slots`)."""
         if self.max_held is None:
             return
         for lora in loras:
@@ -85,6 +85,6 @@ class LoraSlots:
     def forget(self, lora: LoraRequest) -> None:
         """`lora` is no longer served (unloaded, or replaced in place): with `max_held`, its weights are dropped now
         and its place among the held is a served adapter's. A slot holding it keeps its rows on the device; a request
-        still waiting with it reads its files again should it need a slot (`Engine._read_again`)."""
+        still waiting with it reads its files again should it need a slot (`LoraRegistry.write_slots`)."""
         if self.max_held is not None and self.held.pop(id(lora), None) is not None:
             lora.weights.clear()

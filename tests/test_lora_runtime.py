@@ -164,28 +164,24 @@ def test_a_request_running_when_its_adapter_is_unloaded_finishes_with_it_and_the
     assert unloaded.done() and "sql" not in engine.adapters and engine.stats.lora_running == ("sql",)
     with pytest.raises(RequestRejected, match="not served here"):
         engine.submit([case["prompt_ids"]], golden_params(LORA, lora=sql), ListCollector(1), "late")
-    assert engine.lora_slots.users[engine.lora_slots.holders.index(sql)] == 1
+    assert engine.loras.slots.users[engine.loras.slots.holders.index(sql)] == 1
     while engine.has_work:
         engine.step()
     [output] = sink.completions()
     assert_completion_gives_case(output, case)
-    assert engine.lora_slots.users == [0, 0]
+    assert engine.loras.slots.users == [0, 0]
     load_offline(engine, "again", "all_modules")
     [[again]] = engine.generate([case["prompt_ids"]], golden_params(LORA, lora=engine.adapters["again"]))
     assert_completion_gives_case(again, case)
 
 
-def test_a_request_let_in_before_its_adapter_was_unloaded_is_refused(engine, monkeypatch):
+def test_a_request_let_in_before_its_adapter_was_unloaded_is_refused(engine):
     """`submit` checks the adapter against those served in the caller's thread; the engine thread takes the request in
     later, maybe after an unload: then it must not run."""
     sql = load_offline(engine, "sql", "all_modules")
-    checked = engine.adapters  # what a submit that checked before the unload saw
-    engine.unload_lora("sql")
-    engine.step()
+    engine.unload_lora("sql")  # the engine thread takes it in at its next step, before the request
     sink = ListCollector(1)
-    with monkeypatch.context() as patch:
-        patch.setattr(engine, "adapters", checked)
-        engine.submit([[1, 2, 3]], golden_params(LORA, lora=sql), sink, "stale")
+    engine.submit([[1, 2, 3]], golden_params(LORA, lora=sql), sink, "stale")  # "sql" is still served
     engine.step()
     [output] = sink.completions()
     assert output.finish_reason == "error" and "'sql' was unloaded before the request started" in output.error
@@ -217,11 +213,11 @@ def test_a_command_that_fails_while_the_engine_is_idle_leaves_its_thread_serving
     case = case_named(BASE["cases"], "short")
     applied = threading.Event()
 
-    def fail(command) -> None:
+    def fail(name: str) -> None:
         applied.set()
         raise RuntimeError("a bug in applying an unload")
 
-    monkeypatch.setattr(engine, "_unload_lora", fail)
+    monkeypatch.setattr(engine.loras, "unload", fail)
 
     async def scenario(client: httpx.AsyncClient) -> httpx.Response:
         engine.unload_lora("sql")

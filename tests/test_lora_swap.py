@@ -130,7 +130,7 @@ def record_steps(engine: Engine, monkeypatch) -> list[dict[Sequence, int]]:
     dispatch = engine.runner.dispatch
 
     def recording(chunks, *args, **kwargs):
-        assert not engine.lora_slots.writes
+        assert not engine.loras.slots.writes
         assert all(chunk.seq.lora_slot == -1 for chunk in chunks if chunk.seq.params.lora is None)
         for slot, lora in {c.seq.lora_slot: c.seq.params.lora for c in chunks if c.seq.params.lora}.items():
             on_device = device_slot(engine, slot)
@@ -154,7 +154,7 @@ def drain(engine: Engine) -> None:
         if not engine.has_work:
             return
         engine.step()
-    pytest.fail(f"work left after {MAX_STEPS} steps: {engine.lora_slots.users=} {engine.lora_slots.holders=}")
+    pytest.fail(f"work left after {MAX_STEPS} steps: {engine.loras.slots.users=} {engine.loras.slots.holders=}")
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
@@ -193,10 +193,10 @@ def resident(folder) -> Engine:
 def test_one_slot_serves_two_adapters_and_the_base_in_one_run_a_batch_holding_one_adapter(one_slot, monkeypatch):
     steps = record_steps(one_slot, monkeypatch)
     run_all(one_slot, [None, "all_modules", "qv_rslora", None, "qv_rslora", "all_modules"], "short")
-    assert one_slot.stats.max_loras == 1 and len(one_slot.lora_slots.holders) == 1
+    assert one_slot.stats.max_loras == 1 and len(one_slot.loras.slots.holders) == 1
     assert all(len(adapters(step)) <= 1 for step in steps)
     assert set().union(*map(adapters, steps)) == {"all_modules", "qv_rslora"}
-    assert one_slot.lora_slots.users == [0]
+    assert one_slot.loras.slots.users == [0]
 
 
 def test_preempted_sequences_swap_adapters_in_a_small_pool_and_keep_their_tokens(one_slot, resident, monkeypatch):
@@ -213,7 +213,7 @@ def test_preempted_sequences_swap_adapters_in_a_small_pool_and_keep_their_tokens
     assert one_slot.scheduler.num_preemptions > preemptions
     assert all(len(adapters(step)) <= 1 for step in steps)
     assert one_slot.block_manager.num_free_pages == one_slot.block_manager.num_pages
-    assert one_slot.lora_slots.users == [0]
+    assert one_slot.loras.slots.users == [0]
 
 
 def test_swapping_an_adapter_in_compiles_nothing_after_warm_up(folder):
@@ -231,7 +231,7 @@ def test_swapping_an_adapter_in_compiles_nothing_after_warm_up(folder):
 def test_a_failed_slot_write_ends_only_the_requests_admitted_into_that_slot(one_slot, monkeypatch):
     """The pool, the prefix cache and the other requests are left alone; the slot holds nothing until a later
     sequence's write fills it. Retrying the write instead could fail the same way every step."""
-    if one_slot.lora_slots.holders[0] == one_slot.adapters["qv_rslora"]:
+    if one_slot.loras.slots.holders[0] == one_slot.adapters["qv_rslora"]:
         run_all(one_slot, ["all_modules"], "one_token")  # so that qv_rslora is swapped in
     base, case = case_named(BASE["cases"], "forty_tokens"), case_named(ADAPTERS["qv_rslora"]["cases"], "short")
     base_sink, lora_sink = ListCollector(1), ListCollector(1)
@@ -251,20 +251,20 @@ def test_a_failed_slot_write_ends_only_the_requests_admitted_into_that_slot(one_
     failures = one_slot.stats.num_step_failures
     one_slot.submit([case["prompt_ids"]], golden_params(LORA, lora=one_slot.adapters["qv_rslora"]), lora_sink, "lora")
     one_slot.step()
-    assert calls == [0] and one_slot.lora_slots.holders == [None] and not one_slot.lora_slots.writes
+    assert calls == [0] and one_slot.loras.slots.holders == [None] and not one_slot.loras.slots.writes
     drain(one_slot)
     [lora] = lora_sink.completions()
     assert lora.finish_reason == "error" and "out of device memory writing a LoRA slot" in lora.error
     [output] = base_sink.completions()
     assert_completion_gives_case(output, base)
-    assert one_slot.stats.num_step_failures == failures and one_slot.lora_slots.users == [0]
+    assert one_slot.stats.num_step_failures == failures and one_slot.loras.slots.users == [0]
     run_all(one_slot, ["qv_rslora"], "short")
 
 
 def test_a_lora_request_built_by_hand_runs_with_the_served_adapters_weights(one_slot):
     """Equal to the served one (name and fingerprint), without weights: the engine runs the served one."""
     served = one_slot.adapters["qv_rslora"]
-    if one_slot.lora_slots.holders[0] == served:
+    if one_slot.loras.slots.holders[0] == served:
         run_all(one_slot, ["all_modules"], "one_token")  # so that qv_rslora is swapped in
     case = case_named(ADAPTERS["qv_rslora"]["cases"], "short")
     [[output]] = generate(one_slot, [case["prompt_ids"]], [golden_params(BASE, lora=LoraRequest(
@@ -284,7 +284,7 @@ def test_a_slot_write_refuses_rows_that_leave_a_lora_parameter_out(one_slot):
 def test_several_choices_of_requests_of_two_adapters_share_one_slot_in_turn(one_slot, monkeypatch):
     steps = record_steps(one_slot, monkeypatch)
     run_all(one_slot, ["all_modules", "qv_rslora", None, "all_modules"], "short", n=2)
-    assert all(len(adapters(step)) <= 1 for step in steps) and one_slot.lora_slots.users == [0]
+    assert all(len(adapters(step)) <= 1 for step in steps) and one_slot.loras.slots.users == [0]
 
 
 def test_an_aborted_request_gives_its_slot_to_the_adapter_waiting_for_it(one_slot):
@@ -302,13 +302,13 @@ def test_an_aborted_request_gives_its_slot_to_the_adapter_waiting_for_it(one_slo
     assert aborted.finish_reason == "abort"
     [output] = sinks[waiting].completions()
     assert_completion_gives_case(output, cases[waiting])
-    assert one_slot.lora_slots.users == [0] and one_slot.lora_slots.holders == [one_slot.adapters[waiting]]
+    assert one_slot.loras.slots.users == [0] and one_slot.loras.slots.holders == [one_slot.adapters[waiting]]
 
 
 def test_no_more_slots_than_adapters_without_runtime_updating_and_max_loras_still_reported(folder):
     """Every token multiplies every slot's weights: an empty slot would cost as much as a full one."""
     engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, max_loras=8)
-    assert engine.lora_slots.num_slots == len(MODULES)
+    assert engine.loras.slots.num_slots == len(MODULES)
     assert {leaf.shape[1] for path, leaf in jax.tree_util.tree_flatten_with_path(engine.runner.state)[0]
             if path[0].key in LORA_PARAMS} == {len(MODULES)}
     run_all(engine, ["qv_rslora", "all_modules"], "one_token")
@@ -357,7 +357,7 @@ def test_an_adapter_unloaded_while_its_requests_run_and_wait_serves_them_and_ref
     for name, sink in zip(order, sinks):
         [output] = sink.completions()
         assert_completion_gives_case(output, cases[name])
-    assert engine.lora_slots.users == [0]
+    assert engine.loras.slots.users == [0]
 
 
 def test_swapping_adapters_is_refused_over_several_processes(folder, monkeypatch):
@@ -441,7 +441,7 @@ def record_held(engine: Engine, monkeypatch) -> list[int]:
     dispatch = engine.runner.dispatch
 
     def recording(chunks, *args, **kwargs):
-        loras = [*engine.adapters.values(), *(chunk.seq.params.lora for chunk in chunks), *engine.lora_slots.holders]
+        loras = [*engine.adapters.values(), *(chunk.seq.params.lora for chunk in chunks), *engine.loras.slots.holders]
         counts.append(len({id(lora): lora for lora in loras if lora is not None and lora.weights}))
         return dispatch(chunks, *args, **kwargs)
 
@@ -465,7 +465,7 @@ def test_at_most_max_cpu_loras_adapters_weights_stay_in_host_memory_the_least_re
                              case_named(BASE["cases"], "short")["prompt_ids"])
     assert all(output.finish_reason == "length" for output in outputs)
     assert counts and max(counts) <= 2
-    assert held(engine) == {"all_modules", "qv_rslora"} and len(engine.lora_slots.held) == 2
+    assert held(engine) == {"all_modules", "qv_rslora"} and len(engine.loras.slots.held) == 2
 
 
 def test_adapters_read_again_from_their_folders_give_the_tokens_of_adapters_kept_in_host_memory(folder, tmp_path):
@@ -509,7 +509,7 @@ def test_an_adapter_whose_files_cannot_be_read_again_fails_only_its_request(fold
     assert broken.finish_reason == "error" and "LoRA adapter 'all_modules'" in broken.error and words in broken.error
     assert_completion_gives_case(other, case)
     assert_completion_gives_case(plain, base)
-    assert engine.stats.num_step_failures == 0 and engine.lora_slots.users == [0]
+    assert engine.stats.num_step_failures == 0 and engine.loras.slots.users == [0]
     assert "all_modules" in engine.adapters  # still served: a later request reads its files again
     run_all(engine, ["qv_rslora"], "short")
 
@@ -538,7 +538,7 @@ def test_adapters_loaded_and_unloaded_at_runtime_stay_within_max_cpu_loras(folde
     assert "all_again" in held(engine) and "qv_rslora" not in engine.adapters
     for name in ["qv_again", "all_again", "all_modules"]:
         run(name)
-    assert counts and max(counts) <= 2 and len(engine.lora_slots.held) == 2
+    assert counts and max(counts) <= 2 and len(engine.loras.slots.held) == 2
 
 
 @pytest.mark.parametrize("max_cpu_loras", [None, 3], ids=["unset", "every-adapter"])
@@ -588,7 +588,7 @@ def test_an_adapter_unloaded_or_replaced_takes_no_place_of_a_served_one_in_host_
         engine.load_lora("b", FOLDERS["qv_rslora"])
     engine.step()
     assert held(engine) == set(engine.adapters), "a served adapter's weights were dropped, two places being free"
-    assert id(old_b) not in engine.lora_slots.held and not old_b.weights
+    assert id(old_b) not in engine.loras.slots.held and not old_b.weights
 
 
 def test_an_adapter_whose_requests_keep_being_admitted_is_not_the_one_host_memory_drops(folder):
@@ -645,7 +645,7 @@ def test_a_request_waiting_when_its_adapter_is_replaced_or_unloaded_finishes_wit
     else:
         said = f"LoRA adapter 'x' was {words} after this request was taken in, and its files ({x_folder}) no longer"
         assert x_out.finish_reason == "error" and said in x_out.error
-    assert engine.stats.num_step_failures == 0 and engine.lora_slots.users == [0]
+    assert engine.stats.num_step_failures == 0 and engine.loras.slots.users == [0]
 
 
 def test_a_load_on_an_engine_without_lora_slots_is_refused_before_its_files_are_read(folder):
