@@ -4,10 +4,11 @@ that prints only that line; and what a flag must set in the environment before j
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from sluice.model.tokenizer import ChatTemplateError, compile_chat_template
 
@@ -112,3 +113,31 @@ def _share(value: str) -> float | None:
         return float(value)
     except ValueError:
         return None
+
+
+def json_object(text: str, example: str) -> dict[str, Any]:
+    """`text` as a JSON object; argparse's refusal, showing `example`, if it is none."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} (example: '{example}')")
+    return value
+
+
+HF_OVERRIDES_EXAMPLE = ('{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+                        '"original_max_position_embeddings": 32768}}')
+HF_OVERRIDES_HELP = ("a JSON object whose keys replace an HF folder's config.json's top-level keys before the model "
+                     "is read, as vLLM's (an object given replaces the key's whole value; a rope_scaling joins "
+                     "transformers 5's rope_parameters, keeping its rope_theta); the model is converted apart from "
+                     f"the plain one; not for a GGUF. Example, YaRN to 4x a 32k context: '{HF_OVERRIDES_EXAMPLE}'")
+
+
+def hf_overrides(text: str) -> dict[str, Any]:
+    """vLLM's `--hf-overrides` JSON: the keys that replace config.json's (`model.loader.with_overrides`)."""
+    return json_object(text, HF_OVERRIDES_EXAMPLE)
+
+
+REVISION_HELP = "a Hub model's branch, tag or commit (default: its default branch)"
+DOWNLOAD_DIR_HELP = "the HF cache folder Hub models are kept in (default: huggingface_hub's, under HF_HOME)"

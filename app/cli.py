@@ -9,8 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from sluice.app.arguments import CHAT_TEMPLATE_HELP, DTYPE_HELP, CommandError, OneLineErrors, at_least, chat_template, \
-    dtype_name, number
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, DOWNLOAD_DIR_HELP, DTYPE_HELP, HF_OVERRIDES_HELP, REVISION_HELP, \
+    CommandError, OneLineErrors, at_least, chat_template, dtype_name, hf_overrides, number
 from sluice.model.fetch import InvalidModel, ModelNotFound
 
 if TYPE_CHECKING:
@@ -34,8 +34,6 @@ MODEL_HELP = ("a .gguf file, an HF folder or a Hugging Face Hub id (default: Smo
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    from sluice.app.serve import HF_OVERRIDES_HELP, hf_overrides
-
     _add_model_choice(parser)
     parser.add_argument("--dtype", type=dtype_name, default=None, help=DTYPE_HELP)
     parser.add_argument("--chat-template", type=chat_template, default=None, help=CHAT_TEMPLATE_HELP)
@@ -44,8 +42,6 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_model_choice(parser: argparse.ArgumentParser) -> None:
     """--model, and a Hub model's --revision and --download-dir (as `sluice serve`'s)."""
-    from sluice.app.serve import DOWNLOAD_DIR_HELP, REVISION_HELP
-
     parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--revision", default=None, help=REVISION_HELP)
     parser.add_argument("--download-dir", default=None, help=DOWNLOAD_DIR_HELP)

@@ -34,8 +34,9 @@ from sluice.model.roofline import Peaks
 from sluice.sharding.mesh import DistributedConfig, InvalidTensorParallelism, initialize_distributed
 
 from sluice.app.addresses import http_url
-from sluice.app.arguments import CHAT_TEMPLATE_HELP, DTYPE_HELP, CommandError, OneLineErrors, above, at_least, \
-    chat_template, claim_gpu_memory, dtype_name, fraction
+from sluice.app.arguments import CHAT_TEMPLATE_HELP, DOWNLOAD_DIR_HELP, DTYPE_HELP, HF_OVERRIDES_HELP, REVISION_HELP, \
+    CommandError, OneLineErrors, above, at_least, chat_template, claim_gpu_memory, dtype_name, fraction, hf_overrides, \
+    json_object
 from sluice.app.engine_loading import load_engine
 from sluice.app.middleware import OPEN_PATHS
 from sluice.app.scale_out import ROUTINGS, ScaleOutConfig
@@ -118,17 +119,6 @@ SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "num_speculative_tokens": "n
                            "prompt_lookup_max": "spec_ngram_max", "prompt_lookup_min": "spec_ngram_min"}
 
 
-def json_object(text: str, example: str) -> dict[str, Any]:
-    """`text` as a JSON object; argparse's refusal, showing `example`, if it is none."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} (example: '{example}')")
-    return value
-
-
 def speculative_config(text: str) -> dict[str, Any]:
     """vLLM's `--speculative-config` JSON, of the n-gram method: its keys as Sluice's flags' destinations."""
     value = json_object(text, '{"method": "ngram", "num_speculative_tokens": 4}')
@@ -169,23 +159,6 @@ def lora_module(text: str) -> tuple[str, str]:
 def lora_modules(text: str) -> tuple[tuple[str, str], ...]:
     """$SLUICE_LORA_MODULES: `NAME=PATH` items apart by spaces."""
     return tuple(lora_module(item) for item in text.split())
-
-
-HF_OVERRIDES_EXAMPLE = ('{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
-                        '"original_max_position_embeddings": 32768}}')
-HF_OVERRIDES_HELP = ("a JSON object whose keys replace an HF folder's config.json's top-level keys before the model "
-                     "is read, as vLLM's (an object given replaces the key's whole value; a rope_scaling joins "
-                     "transformers 5's rope_parameters, keeping its rope_theta); the model is converted apart from "
-                     f"the plain one; not for a GGUF. Example, YaRN to 4x a 32k context: '{HF_OVERRIDES_EXAMPLE}'")
-
-
-def hf_overrides(text: str) -> dict[str, Any]:
-    """vLLM's `--hf-overrides` JSON: the keys that replace config.json's (`model.loader.with_overrides`)."""
-    return json_object(text, HF_OVERRIDES_EXAMPLE)
-
-
-REVISION_HELP = "a Hub model's branch, tag or commit (default: its default branch)"
-DOWNLOAD_DIR_HELP = "the HF cache folder Hub models are kept in (default: huggingface_hub's, under HF_HOME)"
 
 
 def _apply_speculative_config(args: argparse.Namespace) -> str | None:
