@@ -316,6 +316,10 @@ def _add_flags(parser: argparse.ArgumentParser, server: argparse.ArgumentParser)
             "decode steps per device call when every running sequence decodes and none waits", type=int)
     _switch(parser, "--no-async-scheduling",
             "collect each step before scheduling the next (no overlap of host and device work; for comparison)")
+    _switch(parser, "--skip-server-warmup",
+            "compile each step program when a step first needs it, not before the server is ready (SGLang's flag): "
+            "ready in seconds rather than a minute on a cold CPU, but a step that meets a program not yet compiled "
+            "waits for it (seconds on a CPU, counted in --step-timeout), with every request in it")
     _option(parser, "--speculative", None, "speculative decoding: 'ngram' (prompt lookup drafts)", choices=["ngram"])
     _option(parser, "--num-speculative-tokens", _ENGINE_DEFAULTS.num_speculative_tokens,
             "with --speculative: most draft tokens per sequence and step", type=int)
@@ -577,6 +581,7 @@ def checked_engine_config(args: argparse.Namespace, tuning_flags: TuningFlags) -
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_decode_steps=args.num_decode_steps,
             async_scheduling=not args.no_async_scheduling,
+            warmup=not args.skip_server_warmup,
             speculative=args.speculative,
             num_speculative_tokens=args.num_speculative_tokens,
             spec_ngram_min=args.spec_ngram_min,

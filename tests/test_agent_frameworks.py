@@ -38,7 +38,7 @@ from test_api_e2e import API_KEY, start_server
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-frameworks"
-FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--max-model-len", "2048",
+FLAGS = ["--skip-server-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--max-model-len", "2048",
          "--kv-cache-memory", "96MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui"]
 APIS = ("chat", "responses", "anthropic")
 QUESTION = "What is the weather in Paris?"

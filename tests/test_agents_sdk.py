@@ -17,7 +17,7 @@ from agents import (Agent, HandoffCallItem, HandoffOutputItem, MessageOutputItem
 from test_api_e2e import API_KEY, start_server
 
 MODEL = "smollm2-agents"
-FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--max-model-len", "2048",
+FLAGS = ["--skip-server-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--max-model-len", "2048",
          "--kv-cache-memory", "96MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui"]
 MODELS = {"responses": OpenAIResponsesModel, "chat_completions": OpenAIChatCompletionsModel}
 

@@ -35,7 +35,7 @@ MODEL = "tiny-anthropic"
 # 259 symbols that grammars need):
 # room for it and a round trip. Two sequences may wait beyond the batch's four: a request of six fills the queue.
 MAX_NUM_SEQS, MAX_WAITING, MAX_MODEL_LEN = 4, 2, 2048
-FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING),
+FLAGS = ["--skip-server-warmup", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING),
          "--max-num-batched-tokens", "64", "--kv-cache-memory", "16MiB", "--api-key", API_KEY,
          "--served-model-name", MODEL, "--no-ui"]
 HELLO = [{"role": "user", "content": "the quick brown fox"}]

@@ -20,7 +20,7 @@ from test_api_e2e import API_KEY, start_server
 from test_reasoning_tokens import CUT, DEEPSEEK, QWEN3, THINKING, THOUGHT, Replay, text_encoded_again
 
 MODEL = "smollm2-thinking"
-FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "128", "--max-model-len", "512",
+FLAGS = ["--skip-server-warmup", "--max-num-seqs", "2", "--max-num-batched-tokens", "128", "--max-model-len", "512",
          "--kv-cache-memory", "32MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui"]
 HELLO = [{"role": "user", "content": "What is 2+2?"}]
 

@@ -133,7 +133,7 @@ def sse_events(response: httpx.Response) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server():
-    proc = start_server(*SERVER_FLAGS, "--api-key", API_KEY, "--served-model-name", MODEL)
+    proc = start_server(*SERVER_FLAGS, "--skip-server-warmup", "--api-key", API_KEY, "--served-model-name", MODEL)
     yield proc
     proc.stop()
 

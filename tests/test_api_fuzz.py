@@ -27,7 +27,7 @@ from hf_folder import CHATML, write_hf_folder
 from test_api_e2e import start_server
 
 # The roofline's peaks declared, not measured at start-up (the dashboard's routes answer as with measured ones).
-FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
+FLAGS = ["--skip-server-warmup", "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
          "--kv-cache-memory", "8MiB", "--max-waiting", "64", "--served-model-name", "tiny",
          "--peak-gflops", "1", "--peak-bandwidth-gbs", "1", "--allow-runtime-lora-updating"]
 EXAMPLES_PER_ROUTE = 25

@@ -524,3 +524,15 @@ def test_each_subcommand_run_alone_still_takes_its_own_flags():
 
     assert build_parser("serve").parse_args(["serve", "--port", "9"]).port == 9
     assert build_parser("chat").parse_args(["chat", "--url", "http://x:1"]).url == "http://x:1"
+
+
+def test_skip_server_warmup_and_its_variable_leave_the_compiles_to_the_first_steps(monkeypatch):
+    from sluice.app import serve
+    from sluice.app.cli import build_parser
+
+    def warmup(argv: list[str]) -> bool:
+        return serve.checked_engine_config(build_parser("serve").parse_args(argv), serve.ENGINE_TUNING_FLAGS).warmup
+
+    assert warmup(["serve"]) and not warmup(["serve", "--skip-server-warmup"])
+    monkeypatch.setenv("SLUICE_SKIP_SERVER_WARMUP", "1")
+    assert not warmup(["serve"])

@@ -454,7 +454,7 @@ def test_a_responses_reply_that_does_not_think_keeps_every_tokens_logprob(increm
 # --- served -----------------------------------------------------------------------------------------------------
 
 MODEL = "tiny-thinking"
-FLAGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--kv-cache-memory",
+FLAGS = ["--skip-server-warmup", "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--kv-cache-memory",
          "8MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui"]
 VOCABULARY = think_tokenizer(special=True)  # the served model's: its tags are special tokens
 OPEN, CLOSE = (VOCABULARY.special_token_id(tag) for tag in (START, END))

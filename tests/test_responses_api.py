@@ -248,7 +248,7 @@ def test_a_replicas_response_and_every_item_it_stores_name_that_replica():
 
 MODEL = "smollm2-responses"
 STORE_SIZE = 3
-FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
+FLAGS = ["--skip-server-warmup", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
          "--kv-cache-memory", "96MiB", "--api-key", API_KEY, "--served-model-name", MODEL, "--no-ui",
          "--responses-store-size", str(STORE_SIZE)]
 RESPONSE_ITEM = TypeAdapter(ResponseItem)  # the client's own check (it builds its models without one)

@@ -654,7 +654,7 @@ def test_auto_reads_the_format_the_template_writes_and_hermes_where_the_template
 
 MODEL = "smollm2-tools"
 # Room for the tools prompt (about 200 tokens with three functions) and n=20 replies sharing its pages.
-FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
+FLAGS = ["--skip-server-warmup", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
          "--kv-cache-memory", "96MiB", "--api-key", API_KEY, "--served-model-name", MODEL,
          "--tool-call-parser", "auto", "--no-ui"]
 
