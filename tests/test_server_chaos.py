@@ -31,8 +31,8 @@ from test_api_e2e import ServerProcess, metric, start_server
 pytestmark = pytest.mark.slow
 
 MAX_NUM_SEQS, MAX_WAITING, STALL_TIMEOUT_S = 4, 4, 2
-FLAGS = ["--skip-server-warmup", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING),
-         "--max-num-batched-tokens", "128", "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--sse-keepalive", "0.3",
+FLAGS = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING), "--max-num-batched-tokens", "128",
+         "--max-model-len", "512", "--kv-cache-memory", "32MiB", "--sse-keepalive", "0.3",
          "--stream-stall-timeout", str(STALL_TIMEOUT_S), "--drain-timeout", "1", "--no-ui"]
 GAUGES = ("sluice_num_requests_running", "sluice_num_requests_waiting", "sluice_num_seqs_running",
           "sluice_num_seqs_waiting", "sluice_kv_pages_used")
