@@ -59,13 +59,12 @@ def test_overlap_gives_the_tokens_text_and_logprobs_of_collecting_every_step_fir
     assert overlapped.stats.kv_pages_used == serial.stats.kv_pages_used == 0
 
 
-@pytest.mark.parametrize("num_decode_steps", [1, 4])
-def test_host_decided_sampler_branches_give_the_tokens_text_and_logprobs_of_device_decided_ones(tiny,
-                                                                                                 num_decode_steps):
+def test_host_decided_sampler_branches_give_the_tokens_text_and_logprobs_of_device_decided_ones(tiny):
+    """Multi-step calls of 4 decode steps, and single steps (prefills, and decodes while requests wait)."""
     batch = prompts(12, seed=6)
     params = [KINDS[i % len(KINDS)] for i in range(len(batch))]
-    host = make_engine(tiny, num_decode_steps=num_decode_steps, sampler_branches="host")
-    device = make_engine(tiny, num_decode_steps=num_decode_steps, sampler_branches="device", warmup=False)
+    host = make_engine(tiny, num_decode_steps=4, sampler_branches="host")
+    device = make_engine(tiny, num_decode_steps=4, sampler_branches="device", warmup=False)
     for a, b in zip(host.generate(batch, params), device.generate(batch, params)):
         assert_same(a[0], b[0])
     assert host.runner.plans_on_host and not device.runner.plans_on_host

@@ -150,6 +150,9 @@ def test_smollm2_over_int4_weights_gives_the_same_tokens_at_tp_1_and_3_for_mixed
     assert_same_greedy(smollm2_int4_runs)
 
 
+# Each part runs in the default suite (int8 weights split over devices: test_quantization; an int8 pool and drafts at
+# tp 2: the tiny runs above); together on the real model they cost 80 s of a cold CI's compiles.
+@pytest.mark.long
 def test_smollm2_over_int8_weights_an_int8_kv_pool_and_drafts_gives_the_same_tokens_at_tp_1_and_3():
     results = run_worker({"smollm2-int8": (1, 3)})["smollm2-int8"]
     assert_same_greedy(results)
