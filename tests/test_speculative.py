@@ -56,11 +56,15 @@ def plain(tiny) -> Engine:
 def speculative(tiny, request) -> Engine:
     """Drafts verified in single steps, or (4 decode steps per call) checked 4 per step inside multi-step calls
     whenever every running sequence decodes, the sampler's branches decided on the device or by the host (as
-    on a GPU: `SamplerPlan`; a plan met first runs single steps while its multi-step call compiles aside)."""
+    on a GPU: `SamplerPlan`, warmed up as a GPU's server is: a plan met first runs single steps while its
+    multi-step call compiles aside)."""
     num_decode_steps, sampler_branches = request.param
     config = replace(CONFIG, speculative="ngram", num_speculative_tokens=4, num_decode_steps=num_decode_steps,
-                     sampler_branches=sampler_branches)
-    return free_verification(Engine(tiny, config, progress=False))
+                     sampler_branches=sampler_branches, warmup=sampler_branches == "host")
+    # Warm-up compiles the plan of sampling rows (the seeded tests'); greedy rows' compiles while the first greedy
+    # test waits for it.
+    warm_for = [SamplingParams(temperature=1.0)]
+    return free_verification(Engine(tiny, config, progress=False, warm_for=warm_for))
 
 
 def test_proposer_continues_the_longest_suffix_seen_before():
