@@ -123,7 +123,7 @@ class EngineConfig:
     `lora_modules` where they are more) are of rank `max_lora_rank` (default RUNTIME_MAX_LORA_RANK), for all seven
     projections, zeros where no adapter is.
     `max_cpu_loras` (vLLM's): the most adapters whose weights host memory holds; the least recently used others' are
-    dropped, and read again from their folder when a sequence needs a slot for one (`LoraRegistry.write_slots`).
+    dropped, read again from their folder off the engine thread when a sequence needs a slot for one (`LoraSlots.find`).
     None: every adapter's, as long as it is served (not vLLM's default, `max_loras`). The CLI checks it is at least
     `max_loras`, as vLLM does; not checked here (fewer only means more adapters read again).
     A request names its adapter as its `model`.

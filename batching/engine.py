@@ -282,8 +282,9 @@ class Engine:
         """Stops serving LoRA adapter `name` (unknown names are ignored) when the engine thread takes it in, between
         two steps: the future is done then, and requests for it are rejected from then on. Those that run or wait
         finish with it (with --max-cpu-loras, one that waits only while its files stay in their folder: host memory
-        drops its weights, `LoraRegistry.write_slots`); its slot is another's to take once no running sequence uses
-        it. Cancelled before the engine thread takes it, it serves on."""
+        drops its weights, read again off the engine thread should a slot need them: `LoraSlots.find`); its slot is
+        another's to take once no running sequence uses it. Cancelled before the engine thread takes it, it serves
+        on."""
         done: Future[None] = Future()
         self._inbox.put(_UnloadLora(name, done))
         return done
@@ -470,6 +471,10 @@ class Engine:
                 prefills = (any(seq.num_uncomputed_tokens > 1 for seq in running)
                             or bool(self.scheduler.waiting) and len(running) < self.config.max_num_seqs)
                 self.speculator.propose(running, self.max_model_len, prefills)
+        if self.loras.slots is not None:  # before scheduling: a read taken in then could drop weights a write needs
+            for lora, error in self.loras.slots.take_in():  # a failed read ends the requests waiting for it
+                for request_id in dict.fromkeys(s.request_id for s in self.scheduler.waiting if s.params.lora is lora):
+                    self._fail_request(request_id, error)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
         chunks = scheduled.chunks
@@ -693,8 +698,8 @@ class Engine:
     def _write_lora_slots(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Writes the adapters swapped in into their slots (`LoraRegistry.write_slots`), ordered before the step
         dispatched next (the steps in flight read the old ones); returns the `chunks` left to run. A slot whose
-        read or write failed ends the requests of the sequences just admitted into it (they alone use it) with the
-        error, and no other."""
+        write failed ends the requests of the sequences just admitted into it (they alone use it) with the error,
+        and no other."""
         for slot, error in self.loras.write_slots(self.runner.write_layer_rows):
             for request_id in dict.fromkeys(seq.request_id for seq in self.scheduler.running if seq.lora_slot == slot):
                 self._fail_request(request_id, error)

@@ -1,10 +1,11 @@
 """The LoRA adapters an engine serves, by name, and the host side of their slots: reading an adapter's files,
 serving it in place of another, binding a request to the adapter served under the name it asked for, writing the
-adapters the scheduler swapped in into their slots (reading again those whose weights host memory dropped), and the
-stats' LoRA fields.
+adapters the scheduler swapped in into their slots, reading again those whose weights host memory dropped (on the
+slots' reader thread: `LoraSlots.find`), and the stats' LoRA fields.
 
 `adapters` is replaced whole, never changed, as other threads read it (`Engine.submit`, the app); everything else is
-the engine thread's, bar `read`, which any thread calls before handing the engine what it read.
+the engine thread's, bar `read`, which any thread calls before handing the engine what it read, and `_read_again`,
+which the reader thread runs.
 """
 
 from __future__ import annotations
@@ -36,13 +37,18 @@ class LoraRegistry:
     """`adapters`: each served adapter's name -> what a request that runs with it carries; `slots`: the model's LoRA
     slots (None: it has none, and serves no adapter)."""
 
-    def __init__(self, adapters: dict[str, LoraRequest], slots: LoraSlots | None, lay_out: LayOut,
-                 model_config: ModelConfig, config: EngineConfig):
+    def __init__(self, adapters: dict[str, LoraRequest], num_slots: int, lay_out: LayOut, model_config: ModelConfig,
+                 config: EngineConfig):
+        """`adapters`: the first `num_slots` already in the slots, in order."""
         self.adapters = adapters
-        self.slots = slots
         self._lay_out = lay_out
         self._model_config = model_config
         self._config = config
+        served = list(adapters.values())
+        self.slots = (LoraSlots(num_slots, served[:num_slots], config.max_cpu_loras, self._read_again) if num_slots
+                      else None)
+        if self.slots is not None:
+            self.slots.hold(served)
 
     @classmethod
     def attach(cls, loaded: LoadedModel, config: EngineConfig, mesh: Mesh | None) -> LoraRegistry:
@@ -71,13 +77,10 @@ class LoraRegistry:
                                       every_projection=config.allow_runtime_lora_updating)
         except (LoraError, hub.HubError) as error:
             raise InvalidEngineConfig("lora_modules", str(error)) from None
-        served = [_served(adapter, w) for adapter, w in zip(adapters, weights)]
-        slots = LoraSlots(num_slots, served[:num_slots], config.max_cpu_loras) if num_slots else None
-        if slots is not None:
-            slots.hold(served)
+        served = {adapter.name: _served(adapter, w) for adapter, w in zip(adapters, weights)}
         lay_out = partial(slot_weights, config=loaded.config, max_rank=rank, dtype=loaded.model.dtype,
                           projections=slot_projections(adapters, config.allow_runtime_lora_updating))
-        return cls({lora.name: lora for lora in served}, slots, lay_out, loaded.config, config)
+        return cls(served, num_slots, lay_out, loaded.config, config)
 
     def read(self, name: str, path: str) -> LoraRequest:
         """Any thread: the PEFT adapter at `path` (a folder, or a Hub id) read and laid out for a slot as `name`, for
@@ -112,33 +115,29 @@ class LoraRegistry:
         return params if served is params.lora else replace(params, lora=served)
 
     def write_slots(self, write_rows: Callable[[dict[str, np.ndarray], int], None]) -> list[tuple[int, Exception]]:
-        """Writes each adapter the scheduler swapped in into its slot through `write_rows(weights, slot)`, its weights
-        read again first where host memory dropped them (`_read_again`). Returns the slots whose read or write
-        failed, each with its error: the slot is left empty, and the sequences just admitted into it (they alone use
-        it) cannot run. Host memory then holds the weights written as the most recently used (`LoraSlots.hold`)."""
-        swaps = list(self.slots.writes.items())
+        """Writes each adapter the scheduler swapped in into its slot through `write_rows(weights, slot)`: host
+        memory holds its weights (`LoraSlots.find` admits none it dropped until they are read again). Returns the
+        slots whose write failed, each with its error: the slot is left empty, and the sequences just admitted into
+        it (they alone use it) cannot run."""
         failed = []
-        for slot, lora in swaps:
+        for slot, lora in list(self.slots.writes.items()):
             try:
-                if not lora.weights:
-                    self._read_again(lora)
                 write_rows(lora.weights, slot)
                 del self.slots.writes[slot]
             except Exception as error:  # noqa: BLE001 - the other requests run on; retrying may fail every step
                 self.slots.empty(slot)
                 failed.append((slot, error))
-        self.slots.hold(lora for _, lora in swaps if lora.weights)
         return failed
 
-    def _read_again(self, lora: LoraRequest) -> None:
-        """Reads `lora`'s weights again from its folder, host memory having dropped them (`LoraSlots.hold`), as
-        vLLM's worker loads an adapter its CPU cache lacks: on the engine thread, between two steps, so the step that
-        needs them, and every sequence in it, waits while the adapter's files are read, hashed and laid out for a
-        slot: about 5 ms per MiB of files on a 2-core CPU host from the page cache (90 ms for a rank-16 adapter of
-        SmolLM2-135M's seven projections, 19 MiB), plus the disk's time where they are not cached. LoraError
-        (AdapterNotFound: its folder is gone) or OSError where they can no longer be read or served, LoraError where
-        they are no longer the files served (another fingerprint); for an adapter replaced or unloaded since its
-        request was taken in, a LoraError that says so."""
+    def _read_again(self, lora: LoraRequest) -> dict[str, np.ndarray]:
+        """`lora`'s weights read again from its folder and laid out for a slot, host memory having dropped them
+        (`LoraSlots.hold`), as vLLM's worker loads an adapter its CPU cache lacks, but on the slots' reader thread
+        (`LoraSlots.find`): the sequences that need them wait, the others run on. About 5 ms per MiB of files on a
+        2-core CPU host from the page cache (90 ms for a rank-16 adapter of SmolLM2-135M's seven projections,
+        19 MiB), plus the disk's time where they are not cached. LoraError (AdapterNotFound: its folder is gone) or
+        OSError where they can no longer be read or served, LoraError where they are no longer the files served
+        (another fingerprint); for an adapter replaced or unloaded since its request was taken in, a LoraError that
+        says so."""
         try:
             adapter = read_adapter(lora.name, lora.folder, self._model_config, self._config)
             if adapter.fingerprint != lora.fingerprint:
@@ -150,7 +149,7 @@ class LoraRegistry:
             update = "replaced" if lora.name in self.adapters else "unloaded"
             raise LoraError(f"LoRA adapter {lora.name!r} was {update} after this request was taken in, and its files "
                             f"({lora.folder}) no longer give the weights it was loaded with") from error
-        lora.weights.update(self._lay_out(adapter))
+        return self._lay_out(adapter)
 
     def stats(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> dict[str, int | tuple[str, ...]]:
         """`EngineStats`' LoRA fields: max_loras, and the adapters of the `running` and the `waiting` sequences;

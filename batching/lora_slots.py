@@ -5,25 +5,32 @@ the most recently used ones' (`hold`); a batch runs with at most as many adapter
 looks up a slot for a sequence with an adapter (`find`), takes it once it admits the sequence (`acquire`) and gives
 it back when the sequence leaves the running set (`release`): its adapter's slot if one holds it, else the least
 recently used slot no running sequence uses, whose weights the engine then writes before the step that needs them
-(`writes`). An adapter is its name and its files' fingerprint: one loaded in place is another adapter, so a slot
-holding the old weights serves no new sequence. Owned by the engine thread.
+(`writes`). Weights host memory dropped are read again from the adapter's folder on a reader thread (`find` starts
+the read, the engine takes it in between steps: `take_in`): the sequences that need them wait, the others run on.
+An adapter is its name and its files' fingerprint: one loaded in place is another adapter, so a slot holding the old
+weights serves no new sequence. Owned by the engine thread, bar the reads' own work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
 
 from sluice.batching.sampling_params import LoraRequest
 
 
 class LoraSlots:
-    """`holders[s]`: the adapter slot s holds (None: none to run with, its rows zeros or what a failed read or write
-    left); `users[s]`: the running sequences that use it; `writes`: slot -> the adapter whose weights must be written
-    there before the next step is dispatched."""
+    """`holders[s]`: the adapter slot s holds (None: none to run with, its rows zeros or what a failed write left);
+    `users[s]`: the running sequences that use it; `writes`: slot -> the adapter whose weights must be written there
+    before the next step is dispatched; `reads`: adapter -> its weights being read again (`find`)."""
 
-    def __init__(self, num_slots: int, resident: Sequence[LoraRequest], max_held: int | None = None):
+    def __init__(self, num_slots: int, resident: Sequence[LoraRequest], max_held: int | None = None,
+                 read_again: Callable[[LoraRequest], dict[str, np.ndarray]] | None = None):
         """`resident`: the adapters already in the first slots, in order. `max_held` (--max-cpu-loras): the most
-        adapters whose weights host memory holds (`hold`); None: every adapter's."""
+        adapters whose weights host memory holds (`hold`); None: every adapter's. `read_again`: an adapter's weights
+        read again from its folder, or its error (`LoraRegistry._read_again`), run on the reader thread."""
         self.holders: list[LoraRequest | None] = [*resident, *[None] * (num_slots - len(resident))]
         self.users = [0] * num_slots
         self.writes: dict[int, LoraRequest] = {}
@@ -34,16 +41,28 @@ class LoraSlots:
         # The adapters whose weights host memory holds, least recently used first, by identity: one loaded again with
         # the same files is an equal adapter, but another object, with weights of its own.
         self.held: dict[int, LoraRequest] = {}
+        self.reads: dict[LoraRequest, Future[dict[str, np.ndarray]]] = {}
+        self._read_again = read_again
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
 
     @property
     def num_slots(self) -> int:
         return len(self.holders)
 
     def find(self, lora: LoraRequest) -> int | None:
-        """The slot one more running sequence with `lora` would take, changing nothing: the one holding it, or the
-        least recently used unused one; None while every slot holds another adapter in use."""
+        """The slot one more running sequence with `lora` would take, changing no slot: the one holding it, or the
+        least recently used unused one; None while every slot holds another adapter in use, or while the weights
+        host memory dropped are read again for that slot (started here: one read per adapter, and no more at a time
+        than there are unused slots, as what they read is held)."""
         slot = self._slot_of.get(lora)
-        return next(iter(self._unused), None) if slot is None else slot
+        if slot is not None:
+            return slot
+        slot = next(iter(self._unused), None)
+        if slot is None or lora.weights or self.max_held is None:
+            return slot
+        if lora not in self.reads and len(self.reads) < len(self._unused):
+            self.reads[lora] = self._reader.submit(self._read_again, lora)
+        return None
 
     def acquire(self, lora: LoraRequest, slot: int) -> None:
         """One more running sequence with `lora` takes `slot` (`find`'s), which is listed in `writes` to take its
@@ -73,7 +92,7 @@ class LoraSlots:
     def hold(self, loras: Iterable[LoraRequest]) -> None:
         """`loras`' weights were read, written or used just now: the most recently used of those held. Past `max_held`,
         the least recently used adapters' weights are dropped (emptied), to be read again from their folder when a
-        slot needs them (`LoraRegistry.write_slots`)."""
+        slot needs them (`find`)."""
         if self.max_held is None:
             return
         for lora in loras:
@@ -82,9 +101,23 @@ class LoraSlots:
         while len(self.held) > self.max_held:
             self.held.pop(next(iter(self.held))).weights.clear()
 
+    def take_in(self) -> list[tuple[LoraRequest, Exception]]:
+        """Takes in the reads done (`find`): each adapter's weights, read, are the most recently used (`hold`).
+        Between steps only: the weights held at a sequence's admission stay until its slot is written, as nothing
+        else adds to those held then. Returns the adapters whose read failed, each with its error."""
+        failed = []
+        for lora, read in [(lora, read) for lora, read in self.reads.items() if read.done()]:
+            del self.reads[lora]
+            if (error := read.exception()) is not None:
+                failed.append((lora, error))
+            else:
+                lora.weights.update(read.result())
+                self.hold([lora])
+        return failed
+
     def forget(self, lora: LoraRequest) -> None:
         """`lora` is no longer served (unloaded, or replaced in place): with `max_held`, its weights are dropped now
         and its place among the held is a served adapter's. A slot holding it keeps its rows on the device; a request
-        still waiting with it reads its files again should it need a slot (`LoraRegistry.write_slots`)."""
+        still waiting with it reads its files again should it need a slot (`find`)."""
         if self.max_held is not None and self.held.pop(id(lora), None) is not None:
             lora.weights.clear()

@@ -3,8 +3,8 @@
 Each step takes running decodes first (with their draft tokens when speculating, as far as budget and pages
 allow), then continues partial prefills, then admits waiting sequences (first come first served, lower
 `priority` value first), chunking prefills to fit `max_num_batched_tokens`. A waiting sequence with a LoRA adapter
-is admitted only into a LoRA slot (`LoraSlots.find`, taken by `acquire` once it is admitted); when none is free it
-waits and the others are looked at, as vLLM's scheduler does.
+is admitted only into a LoRA slot (`LoraSlots.find`, taken by `acquire` once it is admitted); when none is free, or
+its adapter's weights are being read again, it waits and the others are looked at, as vLLM's scheduler does.
 When the pool runs out of pages, the newest running sequence is preempted: its pages are freed and it is
 recomputed from its tokens later (its full pages usually survive in the prefix cache).
 """
@@ -164,8 +164,9 @@ class Scheduler:
         if not out.preempted:
             self._admit(budget, scheduled, out)
         out.chunks = list(scheduled.values())
-        if not out.chunks and not self.running:  # maybe pages coming from the store: wait for them, not spin
+        if not out.chunks and not self.running:  # maybe pages or adapters' weights being read: wait, not spin
             reads = [s.stored_prefix.payloads for s in self.waiting if s.stored_prefix is not None]
+            reads += self.lora_slots.reads.values() if self.lora_slots is not None else []
             wait(reads, timeout=STORE_READ_WAIT_S, return_when=FIRST_COMPLETED)
         return out
 
@@ -182,7 +183,7 @@ class Scheduler:
             lora_slot = -1 if lora is None else self.lora_slots.find(lora)  # taken (`acquire`) once admitted
             if lora_slot is None:
                 i += 1
-                continue  # every LoRA slot holds another adapter, which running sequences use
+                continue  # every LoRA slot holds another adapter, which running sequences use, or its weights are read
             shared, hashes, stored = bm.match_prefix(seq)
             if stored is None:
                 i += 1

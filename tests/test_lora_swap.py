@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import threading
 import uuid
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -22,6 +24,7 @@ from test_lora_serving import ADAPTERS, BASE, LORA, MODULES, case_named, folder,
 from sequences import make_sequence
 from sluice.app.arguments import CommandError
 from sluice.app.serve import ENGINE_TUNING_FLAGS, add_arguments, checked_engine_config
+from sluice.batching import lora_registry, scheduler
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.config import EngineConfig, InvalidEngineConfig
 from sluice.batching.engine import Engine
@@ -110,6 +113,66 @@ def test_the_scheduler_skips_a_sequence_whose_adapter_finds_no_slot_and_admits_t
     assert sched.schedule().admitted == [] and slots.users == [1]
     sched.finish(seqs[3])
     assert sched.schedule().admitted == [seqs[1]] and seqs[1].lora_slot == 0 and slots.writes == {0: B}
+
+
+
+def read_when(gate: threading.Event, readers: list[threading.Thread], timeout: float = 30.0):
+    """A read of an adapter's weights (`LoraSlots`' `read_again`, or `lora_registry.read_adapter` as `wraps`) that
+    notes the thread it runs on and waits for `gate` first (at most `timeout` s: a read on the engine thread then
+    shows as one that came late, not as a hang)."""
+
+    def read(*args, wraps=None, **kwargs):
+        readers.append(threading.current_thread())
+        gate.wait(timeout)
+        return {"w": np.ones(2)} if wraps is None else wraps(*args, **kwargs)
+
+    return read
+
+
+def test_the_scheduler_skips_a_sequence_whose_adapter_is_read_again_and_admits_the_others():
+    """b's weights were dropped and its slot must be written: its two sequences wait for one read of its files, on
+    another thread, while the others are admitted; once the read is taken in (`take_in`) they are admitted."""
+    gate, readers = threading.Event(), []
+    a, b = (LoraRequest(name, name * 64, weights={"w": np.ones(2)}) for name in "ab")
+    slots = LoraSlots(2, [a], max_held=1, read_again=read_when(gate, readers))
+    slots.hold([b, a])
+    sched = Scheduler(SchedulerConfig(8, 64), BlockManager(64, 4), slots)
+    seqs = [make_sequence(i, range(10 * i, 10 * i + 3), SamplingParams(lora=lora))
+            for i, lora in enumerate([b, None, b, a])]
+    for seq in seqs:
+        sched.add(seq)
+    assert sched.schedule().admitted == [seqs[1], seqs[3]] and sched.waiting == [seqs[0], seqs[2]]
+    assert not b.weights and not slots.writes and slots.take_in() == []
+    gate.set()
+    slots.reads[b].result(timeout=5)
+    assert slots.take_in() == [] and b.weights and list(slots.held.values()) == [b]
+    assert sched.schedule().admitted == [seqs[0], seqs[2]] and slots.writes == {1: b}
+    assert len(readers) == 1 and readers[0] is not threading.current_thread()
+
+
+def test_a_failed_read_is_taken_in_as_its_adapter_and_error():
+    a, b = (LoraRequest(name, name * 64) for name in "ab")
+
+    def read_again(lora: LoraRequest) -> dict[str, np.ndarray]:
+        raise LoraError(f"LoRA adapter {lora.name!r}: gone")
+
+    slots = LoraSlots(2, [a], max_held=1, read_again=read_again)
+    assert slots.find(b) is None
+    slots.reads[b].exception(timeout=5)
+    [(lora, error)] = slots.take_in()
+    assert lora is b and "gone" in str(error) and not slots.reads and not b.weights
+
+
+def test_with_nothing_to_run_the_scheduler_waits_on_the_adapter_read_rather_than_spin(monkeypatch):
+    gate, readers, waits = threading.Event(), [], []
+    b = LoraRequest("b", "b" * 64)
+    slots = LoraSlots(1, [A], max_held=1, read_again=read_when(gate, readers))
+    sched = Scheduler(SchedulerConfig(8, 64), BlockManager(64, 4), slots)
+    monkeypatch.setattr(scheduler, "wait", lambda futures, **kwargs: waits.append((list(futures), kwargs)))
+    sched.add(make_sequence(0, range(3, 6), SamplingParams(lora=b)))
+    assert sched.schedule().chunks == []
+    gate.set()
+    assert waits == [([slots.reads[b]], dict(timeout=scheduler.STORE_READ_WAIT_S, return_when="FIRST_COMPLETED"))]
 
 
 def device_slot(engine: Engine, slot: int) -> dict[str, np.ndarray]:
@@ -469,18 +532,51 @@ def test_at_most_max_cpu_loras_adapters_weights_stay_in_host_memory_the_least_re
 
 
 def test_adapters_read_again_from_their_folders_give_the_tokens_of_adapters_kept_in_host_memory(folder, tmp_path):
+    """Also with fewer adapters held than slots (the engine config allows it, the CLI does not): a read is taken in
+    between steps, never between a sequence's admission and its slot's write, so it drops no weights a write needs."""
     modules = three_adapters(tmp_path)
     names = ["doubled", "all_modules", None, "qv_rslora", "doubled", "all_modules", "qv_rslora"]
     prompts = [[(5 * i + j) % 300 + 3 for j in range(20)] for i in range(len(names))]
     runs = []
-    for bound in (2, None):
-        engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=modules, max_loras=1,
+    for max_loras, bound in [(1, 2), (2, 1), (1, None)]:
+        engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=modules, max_loras=max_loras,
                                max_cpu_loras=bound)
         together = generate(engine, prompts, [golden_params(BASE, lora=engine.adapters.get(name)) for name in names])
         runs.append([output for [output] in together] + run_one_by_one(engine, names, prompts[0]))
-    bounded, in_memory = runs
-    assert [(o.token_ids, o.logprobs) for o in bounded] == [(o.token_ids, o.logprobs) for o in in_memory]
+        assert engine.stats.num_step_failures == 0
+    *bounded, in_memory = runs
+    for run in bounded:
+        assert [(o.token_ids, o.logprobs) for o in run] == [(o.token_ids, o.logprobs) for o in in_memory]
     assert len({o.token_ids for o, name in zip(in_memory, names) if name is not None}) > 1
+
+
+
+def test_an_adapter_read_again_keeps_the_engine_stepping_the_other_requests_then_gives_its_tokens(
+        folder, tmp_path, monkeypatch):
+    """all_modules' weights were dropped, qv_rslora took the one slot: its next request waits while its files are
+    read again on another thread, and a request of the base model runs to its end meanwhile."""
+    engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=three_adapters(tmp_path), max_loras=1,
+                           max_cpu_loras=2)
+    run_all(engine, ["qv_rslora"], "one_token")
+    gate, readers = threading.Event(), []
+    monkeypatch.setattr(lora_registry, "read_adapter",
+                        partial(read_when(gate, readers), wraps=lora_registry.read_adapter))
+    base, case = case_named(BASE["cases"], "short"), case_named(ADAPTERS["all_modules"]["cases"], "short")
+    sinks = [ListCollector(1), ListCollector(1)]
+    for i, (case_, params) in enumerate([(case, golden_params(LORA, lora=engine.adapters["all_modules"])),
+                                         (base, golden_params(BASE))]):
+        engine.submit([case_["prompt_ids"]], params, sinks[i], f"r{i}")
+    for _ in range(MAX_STEPS):
+        if sinks[1].completions()[0].finish_reason is not None:
+            break
+        engine.step()
+    assert readers and readers[0] is not threading.current_thread()
+    assert [seq.params.lora.name for seq in engine.scheduler.waiting] == ["all_modules"] and not gate.is_set()
+    assert_completion_gives_case(sinks[1].completions()[0], base)
+    gate.set()
+    drain(engine)
+    assert_completion_gives_case(sinks[0].completions()[0], case)
+    assert len(readers) == 1 and engine.stats.num_step_failures == 0
 
 
 def delete(adapter: Path) -> None:
