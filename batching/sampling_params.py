@@ -53,7 +53,7 @@ class LoraRequest:
     `fingerprint`, the hash of its files (the two are the adapter: `batching.lora_slots`), the `folder` they were read
     from (a Hub id's snapshot), and its `weights`, one slot's (`model.lora.slot_weights`), the host copy written into
     a device slot to run it: emptied while host memory does not hold it (--max-cpu-loras: `LoraSlots.hold`), filled
-    again from `folder` when a slot needs it (`LoraRegistry.write_slots`)."""
+    again from `folder`, off the engine thread, when a slot needs it (`LoraSlots.find`)."""
 
     name: str
     fingerprint: str
