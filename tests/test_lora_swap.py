@@ -115,7 +115,6 @@ def test_the_scheduler_skips_a_sequence_whose_adapter_finds_no_slot_and_admits_t
     assert sched.schedule().admitted == [seqs[1]] and seqs[1].lora_slot == 0 and slots.writes == {0: B}
 
 
-
 def read_when(gate: threading.Event, readers: list[threading.Thread], timeout: float = 30.0):
     """A read of an adapter's weights (`LoraSlots`' `read_again`, or `lora_registry.read_adapter` as `wraps`) that
     notes the thread it runs on and waits for `gate` first (at most `timeout` s: a read on the engine thread then
@@ -548,7 +547,6 @@ def test_adapters_read_again_from_their_folders_give_the_tokens_of_adapters_kept
     for run in bounded:
         assert [(o.token_ids, o.logprobs) for o in run] == [(o.token_ids, o.logprobs) for o in in_memory]
     assert len({o.token_ids for o, name in zip(in_memory, names) if name is not None}) > 1
-
 
 
 def test_an_adapter_read_again_keeps_the_engine_stepping_the_other_requests_then_gives_its_tokens(
