@@ -70,11 +70,13 @@ def check_fits(prompts: list[list[int]], params: SamplingParams, limits: Request
                                   f"tokens", "prompt")
         total = len(prompt) + params.max_tokens
         if total > limits.max_model_len:
-            # A prompt that fills the context alone left its request's default max_tokens nothing to count.
-            asked = ("" if len(prompt) >= limits.max_model_len
-                     else f" and {params.max_tokens} more were requested")
-            raise ContextLengthExceeded(f"This model's maximum context length is {limits.max_model_len} tokens; the "
-                                        f"prompt has {len(prompt)} tokens{asked}")
+            # A prompt that fills the context alone left its request's default max_tokens nothing to count. Its
+            # words are Anthropic's too: clients tell an overflow from other 400s by them (LangChain's ChatOpenAI,
+            # as the openai client's exception text no longer holds the code).
+            told = (f"the prompt is too long: {len(prompt)} tokens" if len(prompt) >= limits.max_model_len
+                    else f"the prompt has {len(prompt)} tokens and {params.max_tokens} more were requested")
+            raise ContextLengthExceeded(f"This model's maximum context length is {limits.max_model_len} tokens; "
+                                        f"{told}")
     stop_ids = stop_token_ids(params, limits.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
         raise RequestRejected(f"at most {MAX_STOP_IDS} stop token ids (EOS included) are supported", "stop_token_ids")

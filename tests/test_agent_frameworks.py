@@ -194,8 +194,10 @@ def test_langchain_structured_output_parses_into_the_pydantic_model(server, api,
     assert bool(result["raw"].tool_calls) == (method == "function_calling")
 
 
-def test_a_prompt_too_long_for_the_context_is_langchains_context_overflow_error_over_anthropics_api(server):
-    """Told by Anthropic's words, "prompt is too long". (Over OpenAI's APIs, LangChain looks for the code
-    `context_length_exceeded` in the exception's text, where the openai client no longer puts the error's body.)"""
+@pytest.mark.parametrize("api", APIS)
+def test_a_prompt_too_long_for_the_context_is_langchains_context_overflow_error(server, api):
+    """Told by the words "prompt is too long", Anthropic's, which the OpenAI routes' message holds too: LangChain
+    also looks for the code `context_length_exceeded` in the exception's text, where the openai client no longer
+    puts the error's body."""
     with pytest.raises(ContextOverflowError):
-        chat_model(server, "anthropic").invoke(TOO_LONG)
+        chat_model(server, api).invoke(TOO_LONG)

@@ -326,9 +326,9 @@ def test_a_pool_smaller_than_one_page_is_refused_not_rounded_up(tiny):
 
 
 def test_requests_that_can_never_fit_are_rejected_up_front(tiny, engine):
-    with pytest.raises(RequestRejected, match="context length"):
+    with pytest.raises(RequestRejected, match="context length is 128 tokens; the prompt has 100 tokens and 29 more"):
         engine.generate([[5] * 100], SamplingParams(max_tokens=29))
-    with pytest.raises(RequestRejected, match="the prompt has 128 tokens$"):  # no reply length to speak of
+    with pytest.raises(RequestRejected, match="the prompt is too long: 128 tokens$"):  # no reply length to speak of
         engine.generate([[5] * 128], SamplingParams(max_tokens=1))
     with pytest.raises(RequestRejected, match="empty"):
         engine.generate([[]], GREEDY)
