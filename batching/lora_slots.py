@@ -52,16 +52,18 @@ class LoraSlots:
     def find(self, lora: LoraRequest) -> int | None:
         """The slot one more running sequence with `lora` would take, changing no slot: the one holding it, or the
         least recently used unused one; None while every slot holds another adapter in use, or while the weights
-        host memory dropped are read again for that slot (started here: one read per adapter, and no more at a time
-        than there are unused slots, as what they read is held)."""
+        host memory dropped are read again (started here, one read per adapter). Each read keeps an unused slot for
+        its adapter: a sequence behind, whose adapter's weights are held, does not take it first (it could do so at
+        every read, and the adapter read wait on)."""
         slot = self._slot_of.get(lora)
         if slot is not None:
             return slot
-        slot = next(iter(self._unused), None)
-        if slot is None or lora.weights or self.max_held is None:
+        if lora in self.reads or len(self._unused) <= len(self.reads):
+            return None
+        slot = next(iter(self._unused))
+        if lora.weights or self.max_held is None:
             return slot
-        if lora not in self.reads and len(self.reads) < len(self._unused):
-            self.reads[lora] = self._reader.submit(self._read_again, lora)
+        self.reads[lora] = self._reader.submit(self._read_again, lora)
         return None
 
     def acquire(self, lora: LoraRequest, slot: int) -> None:

@@ -149,6 +149,23 @@ def test_the_scheduler_skips_a_sequence_whose_adapter_is_read_again_and_admits_t
     assert len(readers) == 1 and readers[0] is not threading.current_thread()
 
 
+def test_an_unused_slot_waits_for_the_adapter_read_for_it_not_for_one_behind_whose_weights_are_held():
+    """One unused slot: b's weights are being read for it, and d's, held, come behind; d takes no slot before b."""
+    gate, readers = threading.Event(), []
+    a, b, d = (LoraRequest(name, name * 64, weights={"w": np.ones(2)}) for name in "abd")
+    slots = LoraSlots(1, [a], max_held=2, read_again=read_when(gate, readers))
+    slots.hold([b, d, a])
+    sched = Scheduler(SchedulerConfig(8, 64), BlockManager(64, 4), slots)
+    seqs = [make_sequence(i, range(10 * i, 10 * i + 3), SamplingParams(lora=lora)) for i, lora in enumerate([b, d])]
+    for seq in seqs:
+        sched.add(seq)
+    assert not b.weights and d.weights and sched.schedule().admitted == [] and list(slots.reads) == [b]
+    gate.set()
+    slots.reads[b].result(timeout=5)
+    assert slots.take_in() == [] and sched.schedule().admitted == [seqs[0]] and slots.writes == {0: b}
+    assert sched.waiting == [seqs[1]]
+
+
 def test_a_failed_read_is_taken_in_as_its_adapter_and_error():
     a, b = (LoraRequest(name, name * 64) for name in "ab")
 
