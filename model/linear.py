@@ -66,6 +66,12 @@ class RmsNorm:
     eps: float = field(metadata=dict(static=True))
 
 
+def layer_slice(stack: jax.Array, layer: jax.Array) -> jax.Array:
+    """stack[layer] for a traced int32 `layer` in range: [L, ...] -> [...]. lax's dynamic index, not jnp's
+    indexing, which takes 15 times as long to trace, and every bucket's program traces each layer weight's."""
+    return jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
+
+
 def arithmetic_dtype(quantization: str, dtype: str) -> str:
     """The dtype the matmuls multiply in, for a resolved `quantization` and activation `dtype`: int8 where the
     CPU kernels run quantized weights (their activations are int8 too), else `dtype` (float weights, or
@@ -84,13 +90,14 @@ def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: 
         layer = jnp.int32(0)
 
     def xla_dot(x, w, layer, norm, num_real) -> jax.Array:
-        h = x if norm is None else cpu_qmatmul.rms_norm(x, norm.weight[layer], norm.eps).astype(x.dtype)
+        h = x if norm is None else cpu_qmatmul.rms_norm(x, layer_slice(norm.weight, layer), norm.eps).astype(x.dtype)
+        w = jax.tree.map(lambda a: layer_slice(a, layer), w)
         # Contracted over K with the weight's output axes kept ([K, 2, I] for gate/up): merged by a reshape, a
         # sharded axis among them could not stay split, and tensor parallelism would gather the weight.
         if w.format == "q8c":
-            y = jnp.tensordot(h, w.values[layer].astype(x.dtype), 1, preferred_element_type=jnp.float32)
-            return y * w.scale[layer]
-        weight = w.values[layer] if w.format == "float" else dequantize(jax.tree.map(lambda a: a[layer], w), x.dtype)
+            y = jnp.tensordot(h, w.values.astype(x.dtype), 1, preferred_element_type=jnp.float32)
+            return y * w.scale
+        weight = w.values if w.format == "float" else dequantize(w, x.dtype)
         return jnp.tensordot(h, weight, 1, preferred_element_type=jnp.float32)
 
     def kernel(x, w, layer, norm, num_real) -> jax.Array:

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sluice.model.config import ModelConfig
-from sluice.model.linear import RmsNorm, Weight, embed_rows, project, project_rows
+from sluice.model.linear import RmsNorm, Weight, embed_rows, layer_slice, project, project_rows
 from sluice.pallas_kernels import cpu_rows_matmul
 from sluice.pallas_kernels.cpu_qmatmul import rms_norm
 from sluice.pallas_kernels.kv_cache import Pages, empty_pages
@@ -115,7 +115,7 @@ def lora_delta(x: jax.Array, a: jax.Array, bs: list[jax.Array], adapters: jax.Ar
 def _lora_delta_einsums(x: jax.Array, a: jax.Array, bs: list[jax.Array], adapters: jax.Array,
                         layer: jax.Array | None, slot: jax.Array | None) -> list[jax.Array]:
     """`lora_delta` in XLA's dots."""
-    at = (lambda w: w) if layer is None else (lambda w: w[layer])
+    at = (lambda w: w) if layer is None else (lambda w: layer_slice(w, layer))
     if slot is not None:
         # One index of both axes: XLA then reads the slot's weights in place of a copy of the layer's slots.
         one = (lambda w: w[slot]) if layer is None else (lambda w: w[layer, slot])
@@ -303,7 +303,7 @@ class Llama(nnx.Module):
         def block(x: jax.Array, kv_cache: KVCache, p: dict, index: jax.Array | int, layer: jax.Array | None):
             """Decoder layer `index`. p: the stacks with `layer` the index into them (traced), or the layer's own
             arrays with `layer` None."""
-            at = (lambda a: a) if layer is None else (lambda a: a[layer])
+            at = (lambda a: a) if layer is None else (lambda a: layer_slice(a, layer))
 
             def linear(x: jax.Array, name: str, norm: str | None = None) -> jax.Array:
                 """x [T, K] through projection `name`, normalized first by the RMSNorm weights `norm` if given, plus
