@@ -473,8 +473,7 @@ class Engine:
                 self.speculator.propose(running, self.max_model_len, prefills)
         if self.loras.slots is not None:  # before scheduling: a read taken in then could drop weights a write needs
             for lora, error in self.loras.slots.take_in():  # a failed read ends the requests waiting for it
-                for request_id in dict.fromkeys(s.request_id for s in self.scheduler.waiting if s.params.lora is lora):
-                    self._fail_request(request_id, error)
+                self._fail_requests([seq for seq in self.scheduler.waiting if seq.params.lora is lora], error)
         scheduled = self.scheduler.schedule()
         self._note_queue_waits(scheduled)
         chunks = scheduled.chunks
@@ -701,8 +700,7 @@ class Engine:
         write failed ends the requests of the sequences just admitted into it (they alone use it) with the error,
         and no other."""
         for slot, error in self.loras.write_slots(self.runner.write_layer_rows):
-            for request_id in dict.fromkeys(seq.request_id for seq in self.scheduler.running if seq.lora_slot == slot):
-                self._fail_request(request_id, error)
+            self._fail_requests([seq for seq in self.scheduler.running if seq.lora_slot == slot], error)
         return [chunk for chunk in chunks if not chunk.seq.finished]
 
     def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
@@ -931,6 +929,11 @@ class Engine:
         request = self._requests.get(request_id)
         if request is not None:
             self._finish(request, "error", _describe(error))
+
+    def _fail_requests(self, seqs: list[Sequence], error: Exception) -> None:
+        """The requests `seqs` belong to end with the error, each once."""
+        for request_id in dict.fromkeys(seq.request_id for seq in seqs):
+            self._fail_request(request_id, error)
 
     def _start_over(self, error: Exception) -> None:
         """A step failed (on the device, or a bug in the engine): what it wrote to the pool and fed to the steps
