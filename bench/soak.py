@@ -316,10 +316,11 @@ async def send(soak: Soak, life: Life, kind: str, rng: random.Random) -> Record:
 
 
 async def client_loop(soak: Soak, life: Life, index: int, until_s: float) -> None:
-    """One client: the kinds in turn (each client from its own first), until `until_s`."""
+    """One client: the kinds in turn, until `until_s`. The clients start spread over the kinds, so that every kind
+    is sent once each client has sent len(KINDS) / concurrency requests, however slow a life's first requests."""
     rng = random.Random(soak.args.seed * 1000 + life.number * 100 + index)
     names = list(KINDS)
-    turn = index
+    turn = index * len(names) // soak.args.concurrency
     while soak.now() < until_s:  # the kill comes at the first life's `until_s`
         soak.records.append(await send(soak, life, names[turn % len(names)], rng))
         turn += 1
