@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from sluice.app.arguments import CHAT_TEMPLATE_HELP, DOWNLOAD_DIR_HELP, DTYPE_HELP, HF_OVERRIDES_HELP, REVISION_HELP, \
     CommandError, OneLineErrors, at_least, chat_template, dtype_name, hf_overrides, number
+from sluice.app.allocator import preload_mimalloc
 from sluice.model.fetch import InvalidModel, ModelNotFound
 
 if TYPE_CHECKING:
@@ -176,10 +177,19 @@ def _bench(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot connect to {error.request.url}: {error}") from None
 
 
+# The commands that run a model in their own process: mimalloc serves their allocations (app/allocator.py).
+RUNS_A_MODEL = ("serve", "run-batch", "generate", "bench")
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv else "").parse_args(argv)
+    """`argv` None: the command line's, and a command that runs a model first re-executes itself with mimalloc
+    preloaded."""
     try:
+        if argv is None:
+            argv = sys.argv[1:]
+            if argv[:1] and argv[0] in RUNS_A_MODEL:
+                preload_mimalloc()
+        args = build_parser(argv[0] if argv else "").parse_args(argv)
         return args.run(args)
     except (ModelNotFound, InvalidModel, CommandError) as error:
         print(f"sluice: error: {error}", file=sys.stderr)

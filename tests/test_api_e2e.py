@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from sluice.app.allocator import mimalloc_library
 from sluice.app.cli import main as sluice_main
 from sluice.bench.compare import free_port
 
@@ -133,7 +134,9 @@ def sse_events(response: httpx.Response) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server():
-    proc = start_server(*SERVER_FLAGS, "--skip-server-warmup", "--api-key", API_KEY, "--served-model-name", MODEL)
+    # Started without `make test`'s preload: `sluice serve` preloads mimalloc itself.
+    proc = start_server(*SERVER_FLAGS, "--skip-server-warmup", "--api-key", API_KEY, "--served-model-name", MODEL,
+                        env={"LD_PRELOAD": ""})
     yield proc
     proc.stop()
 
@@ -149,6 +152,11 @@ def chat(content: str) -> list[dict]:
 
 
 # --- the openai client ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(mimalloc_library() is None, reason="mimalloc's wheel is Linux-only here")
+def test_the_server_process_runs_under_mimalloc(server):
+    assert "libmimalloc" in Path(f"/proc/{server.process.pid}/maps").read_text()
 
 
 def test_chat_answers_the_capital_of_germany(client):
