@@ -47,8 +47,11 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        # No sandbox: it needs user namespaces, which containers (CI's included) often lack.
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], timeout=TIMEOUT_MS)
+        # No sandbox: it needs user namespaces, which containers (CI's included) often lack. Nor `make test`'s
+        # mimalloc preload: Chromium's own allocator dies under it.
+        env = {name: value for name, value in os.environ.items() if name != "LD_PRELOAD"}
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], env=env,
+                                              timeout=TIMEOUT_MS)
         yield chromium
         chromium.close()
 
