@@ -23,6 +23,7 @@ from flax import nnx
 from jax import lax
 
 from sluice.model.config import ModelConfig
+from sluice.pallas_kernels import cpu_qmatmul
 from sluice.pallas_kernels.kv_cache import row_bytes
 
 
@@ -131,6 +132,16 @@ def streamed_bandwidth(m: jax.Array, repeats: int, passes: int = 10) -> float:
     return best
 
 
+def int8_kernel_seconds(n: int, repeats: int) -> float:
+    """The best time of the CPU's Q8_0 kernel over an n x n x n product (x [n, n] f32 by an [n, n] int8 weight,
+    activations quantized to int8 inside the kernel)."""
+    x = jnp.ones((n, n), jnp.float32)
+    w = jnp.ones((1, n // cpu_qmatmul.PANEL, n // 4, cpu_qmatmul.PANEL, 4), jnp.int8)
+    scale = jnp.ones((1, n // cpu_qmatmul.PANEL, n // cpu_qmatmul.BLOCK, cpu_qmatmul.PANEL), jnp.float16)
+    product = jax.jit(lambda x, w, scale: cpu_qmatmul.q8_q8(x, w, scale, 0))
+    return _best_seconds(lambda: product(x, w, scale).block_until_ready(), repeats)
+
+
 def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 2048), repeats: int = 5,
                   dtype: str = "float32") -> Peaks:
     """Measures the default JAX device.
@@ -143,7 +154,9 @@ def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 
     time, an H200 read 3.6-3.9 TB/s, and its decode attention kernel, timed in a loop, read 4.1: over 100% of
     that peak. A streamed figure over 1.5 x the others would mean XLA took passes out of the loop, and is not taken.
     Matmul rate: the best over n x n x n matmuls in `dtype` ("int8": int8 x int8 -> int32, the arithmetic of the
-    CPU's quantized-weight kernels; 2 ops per multiply-add as for floats).
+    CPU's quantized-weight kernels; 2 ops per multiply-add as for floats). For int8 on a CPU, also Sluice's own Q8_0
+    kernel (`int8_kernel_seconds`): XLA's int8 dot has no fast path without VNNI, and on a 2-core AVX2 EPYC it ran
+    at the float32 rate, below what the serving kernels reach.
     """
     x = jnp.ones((elements,), jnp.float32)
     total = jax.jit(jnp.sum)
@@ -165,4 +178,6 @@ def measure_peaks(elements: int = 1 << 26, matmul_sizes: Sequence[int] = (1024, 
     for n in matmul_sizes:
         a = jnp.ones((n, n), dtype)
         flops = max(flops, 2 * n**3 / _best_seconds(lambda: matmul(a, a).block_until_ready(), repeats))
+        if dtype == "int8" and cpu_qmatmul.available():
+            flops = max(flops, 2 * n**3 / int8_kernel_seconds(n, repeats))
     return Peaks(bandwidth / 1e9, flops / 1e9, str(jax.devices()[0].device_kind))
