@@ -194,6 +194,16 @@ inline __m256i DotU8S8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 inline Ints DotU8S8(Ints acc, Ints u, Ints s) { return {DotU8S8(acc.lo, u.lo, s.lo), DotU8S8(acc.hi, u.hi, s.hi)}; }
+// The pairs' int16 sums added to int16 lanes, and those lanes' pairs widened to int32 once: one vpmaddwd for many
+// vpmaddubsw, where the sums stay below 2^15.
+inline Ints AddPairs16(Ints acc, Ints u, Ints s) {
+  return {_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(u.lo, s.lo)),
+          _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(u.hi, s.hi))};
+}
+inline Ints Widen16(Ints a) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(a.lo, ones), _mm256_madd_epi16(a.hi, ones)};
+}
 // |w| against x with w's sign moved onto x: the signed x signed product without VNNI.
 inline Ints DotS8S8(Ints acc, Ints w, Ints x) {
   return {DotU8S8(acc.lo, _mm256_abs_epi8(w.lo), _mm256_sign_epi8(x.lo, w.lo)),
@@ -250,6 +260,7 @@ struct Q8_0 {
     return DotS8S8(acc, w, x);
 #endif
   }
+  static Ints Widen(Ints dot) { return dot; }
   static Floats Flush(Floats acc, Ints dot, Floats scale, Floats /*min*/, float d, float sum) {
     acc = Fma(ToFloats(dot), Mul(scale, SplatFloats(d)), acc);
     return SLUICE_VNNI ? Fma(scale, SplatFloats(-128.0f * sum), acc) : acc;
@@ -264,7 +275,15 @@ struct Q4_1 {
     out[0] = And(raw, low_nibbles);
     out[1] = And(ShiftRight4(raw), low_nibbles);
   }
+  // Without VNNI a block's products stay int16 until its end: 8 pair sums a lane, each at most 2 * 15 * 127, so at
+  // most 30,480 (activations are within +-127). Exact, with one vpmaddwd a block instead of one per vpmaddubsw.
+#if SLUICE_VNNI
   static Ints Dot(Ints acc, Ints w, Ints x) { return DotU8S8(acc, w, x); }
+  static Ints Widen(Ints dot) { return dot; }
+#else
+  static Ints Dot(Ints acc, Ints w, Ints x) { return AddPairs16(acc, w, x); }
+  static Ints Widen(Ints dot) { return Widen16(dot); }
+#endif
   static Floats Flush(Floats acc, Ints dot, Floats scale, Floats min, float d, float sum) {
     acc = Fma(ToFloats(dot), Mul(scale, SplatFloats(d)), acc);
     return Fma(min, SplatFloats(sum), acc);
@@ -302,7 +321,7 @@ void Tile(const QuantizedRows& x, int64_t m, const Weights& w, int64_t p, float*
     const Floats min = w.min != nullptr ? LoadHalves(w.min + at) : ZeroFloats();
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (m + r) * blocks + b;
-      acc[r] = F::Flush(acc[r], dot[r], scale, min, x.d[row_block], x.sum[row_block]);
+      acc[r] = F::Flush(acc[r], F::Widen(dot[r]), scale, min, x.d[row_block], x.sum[row_block]);
     }
   }
   for (int r = 0; r < R; ++r) Store(y + (m + r) * N + p * kPanel, acc[r]);

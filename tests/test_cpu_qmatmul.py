@@ -59,6 +59,22 @@ def test_q4_kernel_matches_reference(rows, k, n):
 
 
 @needs_kernels
+@pytest.mark.parametrize("sign", (1, -1))
+def test_q4_blocks_at_the_largest_products_sum_exactly(sign):
+    # Every nibble 15 against activations all at +-127: a block's int16 partial sums at their largest (30,480
+    # without VNNI, where they widen to int32 once a block). An overflow would flip the sign of whole outputs.
+    k, n = 576, 96
+    q = np.full((LAYERS, k, n), 15, np.uint8)
+    scale = np.full((LAYERS, k // cq.BLOCK, n), 0.01, np.float16)
+    low = np.zeros((LAYERS, k // cq.BLOCK, n), np.float16)
+    w, scale, low = jax.vmap(cq.pack_q4)(q), jax.vmap(cq.pack_scales)(scale), jax.vmap(cq.pack_scales)(low)
+    x = np.full((5, k), 3.0 * sign, np.float32)
+    got = np.asarray(jax.jit(cq.q4_q8)(x, w, scale, low, 0))
+    assert_close(got, cq.q4_q8_ref(x, w, scale, low, 0))
+    np.testing.assert_allclose(got, sign * 3.0 * 15 * 0.01 * k, rtol=1e-3)
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", (1, 5))
 def test_rms_norm_in_the_kernel_matches_the_reference_to_within_rounding(rows):
     rng = np.random.default_rng(8)
