@@ -21,7 +21,6 @@ import sys
 
 import numpy as np
 
-from sluice.app.allocator import preload_mimalloc
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
@@ -80,5 +79,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    preload_mimalloc()  # as the `sluice` command runs
     sys.exit(main())

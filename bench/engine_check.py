@@ -59,7 +59,6 @@ from jax import lax
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from sluice.app.allocator import preload_mimalloc
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.kv_pool import default_kv_cache_bytes
@@ -642,5 +641,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    preload_mimalloc()  # as the `sluice` command runs
     raise SystemExit(main())

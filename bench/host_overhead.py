@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sluice.app.allocator import preload_mimalloc
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
@@ -154,5 +153,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    preload_mimalloc()  # as the `sluice` command runs
     raise SystemExit(main())

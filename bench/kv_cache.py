@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice.app.allocator import preload_mimalloc
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.kv_pool import kv_page_bytes
@@ -175,5 +174,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    preload_mimalloc()  # as the `sluice` command runs
     main()

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sluice.app.allocator import preload_mimalloc
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import SamplingParams
@@ -197,5 +196,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    preload_mimalloc()  # as the `sluice` command runs
     raise SystemExit(main())

@@ -66,7 +66,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sluice.app.allocator import preload_mimalloc
 from sluice.batching.config import EngineConfig
 from sluice.batching.device_step import Bucket
 from sluice.batching.model_runner import ModelRunner
@@ -878,5 +877,4 @@ def report(text: str, out: Path | None) -> int:
 
 
 if __name__ == "__main__":
-    preload_mimalloc()  # as the `sluice` command runs
     sys.exit(main())

@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 import jax
 import numpy as np
 
-from sluice.app.allocator import preload_mimalloc
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
@@ -257,5 +256,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    preload_mimalloc()  # as the `sluice` command runs
     raise SystemExit(main())

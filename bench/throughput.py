@@ -16,7 +16,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from sluice.app.allocator import preload_mimalloc
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import SamplingParams
@@ -157,5 +156,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    preload_mimalloc()  # as the `sluice` command runs
     sys.exit(main())
