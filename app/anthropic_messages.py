@@ -145,7 +145,8 @@ def chat_request(body: CountTokensRequest, budgets: bool = False) -> ChatComplet
         "messages": ([{"role": "system", "content": system}] if system else [])
                     + [m for message in messages for m in _chat_messages(message)],
         "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                    "parameters": t.input_schema}} for t in body.tools],
+                                                    "parameters": t.input_schema, "strict": t.strict}}
+                  for t in body.tools],
     }
     if _prefills(messages):
         data |= {"add_generation_prompt": False, "continue_final_message": True}

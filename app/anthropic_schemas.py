@@ -152,6 +152,8 @@ class ToolParam(_Request):
     input_schema: dict[str, Any] = Field(description="a JSON schema of the call's input object")
     eager_input_streaming: bool | None = Field(None, description="true: a stream sends the call's input as it is "
                                                                  "sampled, not a whole parameter at a time")
+    strict: bool | None = Field(None, description="true: a call the model chooses to make follows input_schema "
+                                                  "(calls tool_choice any or tool forces always do)")
 
     @model_validator(mode="before")
     @classmethod

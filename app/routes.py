@@ -41,6 +41,7 @@ from sluice.app.schemas import (
 )
 from sluice.app.state import ServerState
 from sluice.app.tool_calls import (
+    ANY_ARGUMENTS,
     NO_ARGUMENTS,
     ToolCalling,
     args_token,
@@ -157,11 +158,16 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(max(1, engine.max_model_len - len(prompt.token_ids)), model_defaults(state, engine))
-    if forced := body.forced_tools():
-        grammar = call_grammar([(t.function.name, t.function.parameters) for t in forced],
-                               parallel=body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice),
+    forced = body.forced_tools()
+    # Not where Hermes's tags are special tokens, which the grammar would spell in text and the model would not.
+    chosen = body.holds_chosen_calls() and not (parser == "hermes" and tag_token_ids(engine.tokenizer, parser))
+    if forced or chosen:
+        functions = ([(t.function.name, t.function.parameters) for t in forced] if forced else
+                     [(t.function.name, t.function.parameters if t.function.strict else ANY_ARGUMENTS) for t in tools])
+        grammar = call_grammar(functions, parallel=body.parallel_tool_calls and not isinstance(body.tool_choice,
+                                                                                              NamedToolChoice),
                                parser=parser, marker_id=special_marker(engine.tokenizer, parser),
-                               args_id=args_token(engine.tokenizer, parser))
+                               args_id=args_token(engine.tokenizer, parser), after_text=chosen)
         params = dataclasses.replace(params, structured=grammar)
     reasoning = ReasoningFormat.named(state.settings.reasoning_parser, continuing=body.continue_final_message)
     budget = body.thinking_token_budget
@@ -184,7 +190,8 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
         params = dataclasses.replace(params, kept_special_ids=kept)
     calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced),
                            body.parallel_tool_calls) if tools else None)
-    return ChatPlan(prompt, params, calling, reasoning, "tool_choice" if forced else body.grammar_field())
+    return ChatPlan(prompt, params, calling, reasoning,
+                    "tool_choice" if forced else "tools" if chosen else body.grammar_field())
 
 
 def model_defaults(state: ServerState, engine: Engine) -> Mapping[str, float | int]:

@@ -470,7 +470,8 @@ class FunctionDefinition(_Request):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
-    strict: bool | None = Field(None, description="ignored: forced calls always follow the schema")
+    strict: bool | None = Field(None, description="with tool_choice auto, a call the model chooses to make follows "
+                                "the schema too (forced calls always do)")
 
     @field_validator("parameters")
     @classmethod
@@ -744,6 +745,15 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
             return [tool for tool in self.tools if tool.function.name == self.tool_choice.function.name]
         required = isinstance(self.tool_choice, AllowedToolsChoice) and self.tool_choice.mode == "required"
         return self.callable_tools() if required or self.tool_choice == "required" else []
+
+    def holds_chosen_calls(self) -> bool:
+        """Whether a grammar holds the calls the model chooses to make (tool_choice auto) to their tools' schemas:
+        where a tool it may call asks for `strict`, unless something else already constrains the reply
+        (response_format, structured_outputs, allowed_token_ids, ignore_eos, min_tokens) or it continues a prefill,
+        which may end inside a call."""
+        return (not self.forced_tools() and any(tool.function.strict for tool in self.callable_tools())
+                and self.structured() is None and not self.allowed_token_ids and not self.ignore_eos
+                and not self.min_tokens and not self.continue_final_message)
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -66,6 +66,7 @@ _ONE_PART = ("anyOf", "oneOf", "then", "else")
 # Keywords whose subschemas test the object rather than describe it: closing one would change what it tests.
 _TESTS = ("not", "if")
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+ANY_ARGUMENTS = {"type": "object"}  # a call the model chooses of a tool that is not strict
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 DEFAULT_TOOLS_PROMPT = """# Tools
@@ -207,17 +208,20 @@ def render_results(contents: Iterable[str]) -> str:
     return "\n".join(f"<tool_response>\n{content}\n</tool_response>" for content in contents)
 
 
-# --- forcing: required and named tool_choice ----------------------------------------------------------------
+# --- the grammar of calls: forced (required, named), or chosen by the model (auto, strict tools) ---------------
 
 
 def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: bool, parser: str = "hermes",
-                 marker_id: int | None = None, args_id: int | None = None) -> StructuredOutput:
+                 marker_id: int | None = None, args_id: int | None = None, after_text: bool = False
+                 ) -> StructuredOutput:
     """A Lark grammar (llguidance's, with `%json` for each function's arguments) whose every output is one call
     of one of `functions` ((name, parameters schema) each), or with `parallel` several, written as `parser`
     writes them (Hermes: one per line; Llama 3: separated by `; `; Mistral: a list after `[TOOL_CALLS]`, or with
     `args_id` each call as `[TOOL_CALLS]name[ARGS]{...}`; Granite: a list after `<|tool_call|>`). `marker_id`,
     `args_id`: the marker's and `[ARGS]`'s ids where they are special tokens (`special_marker`, `args_token`),
-    written as those tokens."""
+    written as those tokens. `after_text` (tool_choice auto with strict tools): any text instead, or text and
+    then the calls, which the grammar holds from the format's opening tag on (Llama 3's, whose calls are the
+    whole reply: from a first character `{`)."""
     written = _WRITTEN[parser]
     marker = f"<[{marker_id}]>" if marker_id is not None else json.dumps(written.marker)
     schemas = [json.dumps({"x-guidance": _LAYOUT, "type": "object",
@@ -225,20 +229,42 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
                            # no object are no call.
                            **_closed(parameters if parameters is not None else NO_ARGUMENTS)}, ensure_ascii=False)
                for _, parameters in functions]
-    if args_id is not None:
-        rules = [f"call_{i}: {marker} {json.dumps(name, ensure_ascii=False)} <[{args_id}]> %json {schema}"
-                 for i, ((name, _), schema) in enumerate(zip(functions, schemas))]
-        start = "start: call+" if parallel else "start: call"
-    else:
-        rules = []
-        for i, ((name, _), schema) in enumerate(zip(functions, schemas)):
-            head = f'{written.call_head}{{"name": {json.dumps(name, ensure_ascii=False)}, "{written.key}": '
-            rules.append(f"call_{i}: {json.dumps(head)} %json {schema} {json.dumps('}' + written.call_tail)}")
-        calls = f"call ({json.dumps(written.separator)} call)*" if parallel else "call"
-        start = "start: " + " ".join(t for t in [marker, json.dumps(written.before), calls, json.dumps(written.after)]
-                                     if t != '""')
-    choices = "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))
-    return StructuredOutput("grammar", "\n".join([start, choices, *rules]) + "\n")
+
+    def choice(rule: str, head: str) -> list[str]:
+        """`rule`: a call of any of the functions, `head` before each one's `{"name": ...`."""
+        if args_id is not None:
+            rules = [f"{rule}_{i}: {marker} {json.dumps(name, ensure_ascii=False)} <[{args_id}]> %json {schema}"
+                     for i, ((name, _), schema) in enumerate(zip(functions, schemas))]
+        else:
+            rules = [f"{rule}_{i}: "
+                     + json.dumps(f'{head}{{"name": {json.dumps(name, ensure_ascii=False)}, "{written.key}": ')
+                     + f" %json {schema} {json.dumps('}' + written.call_tail)}"
+                     for i, ((name, _), schema) in enumerate(zip(functions, schemas))]
+        return [f"{rule}: " + " | ".join(f"{rule}_{i}" for i in range(len(functions))), *rules]
+
+    def block(first: str, opening: str) -> str:
+        """The calls (`first`, then `call`s) after `opening` (the marker, or '""' where text took it), with the
+        format's text around them."""
+        if args_id is not None:
+            return f"{first} call*" if parallel else first
+        calls = f"{first} ({json.dumps(written.separator)} call)*" if parallel else first
+        return " ".join(t for t in [opening, json.dumps(written.before), calls, json.dumps(written.after)] if t != '""')
+
+    rules = choice("call", written.call_head)
+    text = "TEXT: /(.|\\n)*/"
+    lazy = f"start: TEXT | head opened\nhead[lazy]: TEXT {json.dumps(written.marker or OPEN)}"
+    if not after_text:
+        start = f"start: {block('call', marker)}"
+    elif marker_id is not None or args_id is not None:  # a special token opens the calls, which text never holds
+        start, rules = f"start: TEXT | TEXT {block('call', marker)}", [*rules, text]
+    elif parser == "llama3_json":  # text is a reply that is not calls: its first character is no `{`
+        start = rf"start: /\s*([^{{\s](.|\n)*)?/ | /\s*/ {block('call', marker)}"
+    elif written.marker:  # the text ends at the first marker (lazy)
+        start, rules = lazy, [*rules, "opened: " + block("call", '""'), text]
+    else:  # Hermes: the text ends at the first call's tag (lazy), and that call goes on without it
+        first = choice("first", written.call_head[len(OPEN):])
+        start, rules = lazy, [*rules, *first, "opened: " + block("first", marker), text]
+    return StructuredOutput("grammar", "\n".join([start, *rules]) + "\n", mostly_free=after_text)
 
 
 def _closed(schema: Any) -> Any:

@@ -452,13 +452,14 @@ class Engine:
         it builds needs them (a draft, a penalty's token history; the other processes of a multi-process job
         replay steps from host inputs alone). A grammar's mask needs them only for the sampling, which then
         waits for them, but the tokens a grammar forces are sampled a step each instead of appended at once
-        (`_append_forced`): a batch mostly under grammars is collected first."""
+        (`_append_forced`): a batch mostly under grammars that force tokens is collected first."""
         if not self.config.async_scheduling or self.speculator is not None or step_broadcast.is_multiprocess():
             return False
         running = self.scheduler.running
         if any(seq.params.reads_history for seq in running):
             return False
-        return 2 * sum(seq.grammar is not None for seq in running) <= len(running)
+        forcing = sum(seq.grammar is not None and not seq.params.structured.mostly_free for seq in running)
+        return 2 * forcing <= len(running)
 
     def _launch(self, start: float, masks_later: bool) -> _Launched | None:
         """Schedules and dispatches a step; None if there is nothing to run (or it failed at once). `masks_later`:

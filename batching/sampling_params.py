@@ -39,12 +39,15 @@ class StructuredOutput:
     matches; "choice": a JSON list of the strings the output may be; "grammar": a Lark (or llama.cpp GBNF)
     grammar.
     `preamble`, when set: a Lark grammar (llguidance's) for the rule `preamble`, what the output starts with before
-    it follows `source` (a reasoning model's thinking, `app/reasoning.py`).
+    it follows `source` (a reasoning model's thinking, `app/reasoning.py`). `mostly_free`: the grammar leaves most
+    of the output free text and seldom forces a token (tool_choice auto's calls), so steps overlap over it as over
+    an unconstrained sequence's (`Engine._overlaps`).
     """
 
     kind: Literal["json_schema", "regex", "choice", "grammar"]
     source: str
     preamble: str | None = None
+    mostly_free: bool = False
 
 
 @dataclass(frozen=True)

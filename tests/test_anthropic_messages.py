@@ -363,6 +363,14 @@ def test_blocks_become_the_chat_messages_they_mean():
     assert chat.tool_choice == "required" and not chat.parallel_tool_calls and chat.stop == ["END"]
 
 
+def test_a_strict_tool_under_auto_holds_the_calls_the_model_chooses_as_a_chat_request_s_does():
+    body = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "?"}],
+                                           "tools": [{**WEATHER, "strict": True}]})
+    assert chat_request(body).tools[0].function.strict and chat_request(body).holds_chosen_calls()
+    body = MessagesRequest.model_validate({**body.model_dump(exclude_none=True), "tools": [WEATHER]})
+    assert not chat_request(body).holds_chosen_calls()
+
+
 THOUGHT = {"type": "thinking", "thinking": "A fox.", "signature": "sig"}
 
 

@@ -140,6 +140,13 @@ def test_reasoning_items_no_turn_of_theirs_follows_are_an_assistant_message_of_t
         ("assistant", "", "Hmm, weigh")]
 
 
+@pytest.mark.parametrize("strict", [True, False, None])
+def test_a_function_tools_strict_reaches_the_chat_request(strict):
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": strict}
+    body = ResponsesRequest.model_validate({"input": "Weather?", "tools": [tool]})
+    assert chat_request(body, body.input).holds_chosen_calls() is bool(strict)
+
+
 class FailingGeneration:
     """A generation whose engine fails after its first text."""
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 from flax import nnx
 
+from sluice.app.tool_calls import call_grammar
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import Completion
@@ -19,6 +20,7 @@ from sluice.batching.sampling_params import SamplingParams, StructuredOutput
 from sluice.model.config import ModelConfig
 from sluice.model.llama import Llama
 from sluice.model.loader import LoadedModel
+from test_engine_overlap import fed_steps
 from test_speculative import free_verification
 
 
@@ -101,6 +103,27 @@ def test_overlapped_steps_with_grammars_give_the_tokens_of_collecting_every_step
         assert (h[0].token_ids, h[0].text, h[0].finish_reason) == (w[0].token_ids, w[0].text, w[0].finish_reason)
     assert json.loads(have[1][0].text)["colour"] in ("red", "green") and have[1][0].finish_reason == "stop"
     assert sum(overlapped) > 20
+    assert plain.stats.kv_pages_used == 0
+
+
+def test_a_batch_all_under_grammars_that_leave_the_text_free_overlaps_its_steps(tiny, plain):
+    """tool_choice auto's call grammar leaves the text free until a call opens (`mostly_free`): a batch all under
+    it is overlapped as a free one would be; under the same grammar not so marked, collected first (a grammar
+    that forces tokens appends them at once then). The same tokens either way."""
+    chosen = call_grammar([("add", {"type": "object", "properties": {"a": {"type": "integer"}}})], parallel=True,
+                          after_text=True)
+    dispatch = plain.runner.dispatch
+    overlapped = fed_steps(plain)
+    try:
+        runs = []
+        for grammar in (chosen, replace(chosen, mostly_free=False)):
+            overlapped.clear()
+            params = SamplingParams(temperature=0.0, max_tokens=20, structured=grammar)
+            runs.append(([out[0].token_ids for out in plain.generate(PROMPTS, params)], sum(overlapped)))
+    finally:
+        plain.runner.dispatch = dispatch
+    (free_tokens, free_overlapped), (forcing_tokens, forcing_overlapped) = runs
+    assert free_tokens == forcing_tokens and free_overlapped > 10 and forcing_overlapped == 0
     assert plain.stats.kv_pages_used == 0
 
 

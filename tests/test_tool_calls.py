@@ -543,6 +543,71 @@ def test_the_mistral_grammar_of_a_v11_vocabulary_writes_calls_by_name_and_its_re
     assert read_mistral_stream(texts) == (None, [ToolCall("add", '{"a": 1}'), ToolCall("get_weather", "{}")])
 
 
+# With strict tools under tool_choice auto the model may answer in text, or call; a call follows its schema.
+PROSE = "It is sunny in Paris, {as always} <b>today</b>."
+
+
+@pytest.mark.parametrize(("parser", "one", "two"), [
+    ("hermes", "Let me look.\n" + call("add", '{"a": 1}'),
+     call("add", '{"a": 1}') + "\n" + call("get_weather", "{}")),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}}',
+     '\n{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {}}'),
+    ("mistral", "Let me look. " + mistral(("add", '{"a": 1}')), mistral(("add", '{"a": 1}'), ("get_weather", "{}"))),
+])
+def test_under_auto_the_grammar_takes_any_text_or_calls_that_follow_the_schema(compiler, parser, one, two):
+    def grammar(parallel: bool) -> StructuredOutput:
+        return call_grammar([ADD, ("get_weather", None)], parallel=parallel, parser=parser, after_text=True)
+
+    for text in ("", PROSE, "Ok.\n\nDone", one):
+        assert follows(compiler, grammar(False), text), text
+    assert follows(compiler, grammar(True), two) and not follows(compiler, grammar(False), two)
+    # Once the calls begin, the arguments follow the schema, and the name is one of the tools'.
+    assert not follows(compiler, grammar(True), one.replace("1", '"1"'))
+    assert not follows(compiler, grammar(True), one.replace('"add"', '"launch"'))
+    assert not follows(compiler, grammar(True), one + " and more text")
+
+
+def test_under_auto_text_and_then_calls_opened_by_a_special_token_follow_the_schema():
+    for tokenizer, text, bad in [
+            (marker_tokenizer(), "Let me look. " + mistral(("add", '{"a": 1}')), mistral(("add", '{"a": "1"}'))),
+            (v11_tokenizer(), "Let me look. " + mistral_by_name(("add", '{"a": 1}'), ("get_weather", "{}")),
+             mistral_by_name(("add", '{"b": 1}')))]:
+        grammar = call_grammar([ADD, ("get_weather", None)], parallel=True, parser="mistral", after_text=True,
+                               marker_id=special_marker(tokenizer, "mistral"), args_id=args_token(tokenizer, "mistral"))
+        compiler = GrammarCompiler(tokenizer, 288, (2,))
+        for reply, valid in [(PROSE, True), (text, True), (bad, False)]:
+            matcher = compiler.compile(grammar).matcher
+            ids = tokenizer.encode(reply, add_special_tokens=False)
+            assert (all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()) == valid, reply
+
+
+def strict_request(strict: bool = True, **fields) -> ChatCompletionRequest:
+    tool = {"type": "function", "function": {"name": "add", "parameters": ADD[1], "strict": strict}}
+    other = {"type": "function", "function": {"name": "get_weather"}}
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": [tool, other], **fields})
+
+
+@pytest.mark.parametrize(("fields", "held"), [
+    ({}, True),
+    ({"tool_choice": "auto"}, True),
+    ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "add"}}]}}}, True),
+    ({"strict": False}, False),
+    ({"tool_choice": "none"}, False),
+    ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}}, False),
+    ({"tool_choice": "required"}, False),  # forced: held by the forcing grammar
+    ({"response_format": {"type": "json_object"}}, False),
+    ({"allowed_token_ids": [1, 2]}, False),
+    ({"min_tokens": 3}, False),
+    ({"ignore_eos": True}, False),
+])
+def test_a_grammar_holds_the_calls_the_model_chooses_where_a_tool_it_may_call_is_strict_and_nothing_else_binds(
+        fields, held):
+    assert strict_request(**fields).holds_chosen_calls() is held
+
+
 # --- rendering the conversation -----------------------------------------------------------------------------
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from test_tool_calls import MISTRAL
-from tool_call_servers import (ASK, CART, TOOL_CHOICES, WEATHER, assert_required_calls_come_back_valid,
+from tool_call_servers import (ASK, CART, SCHEMA, TOOL_CHOICES, WEATHER, assert_required_calls_come_back_valid,
                                assert_streamed_deltas_reassemble_to_the_unstreamed_reply, reassemble, tiny_model_server)
 
 MODEL = "tiny-mistral"
@@ -55,3 +56,22 @@ def test_a_stop_string_inside_a_forced_call_ends_the_stream_as_it_ends_the_whole
     assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
         ("get_weather", "{")]
     assert finish == whole.finish_reason
+
+
+def test_under_auto_strict_tools_make_what_follows_the_marker_calls_valid_for_their_schemas(client):
+    """The random model writes `[TOOL_CALLS]` now and then. With strict tools the grammar makes what follows it
+    calls that follow their schemas (a reply cut by max_tokens inside one excepted: an unfinished call is text
+    under auto); without, what follows is noise, read as text."""
+    def replies(strict: bool) -> list:
+        tools = [{"type": "function", "function": {**tool["function"], "strict": strict}} for tool in (WEATHER, CART)]
+        return client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, parallel_tool_calls=False,
+                                              temperature=1.0, seed=3, n=16, max_tokens=300).choices
+
+    held = replies(True)
+    calls = [call for choice in held for call in choice.message.tool_calls or []]
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA[call.function.name])
+    for choice in held:
+        assert choice.finish_reason == "length" or "[TOOL_CALLS]" not in (choice.message.content or "")
+    assert not any(choice.message.tool_calls for choice in replies(False))
