@@ -36,7 +36,9 @@ START, END = "<think>", "</think>"
 TEXT = "/(?s:.*)/"  # any text, newlines too
 # The blank line models write after </think>, bounded: a small model could otherwise pad it until max_tokens.
 BLANK = "BLANK: /[ \\t\\r\\n]{0,4}/"
-ANY_ANSWER = StructuredOutput("grammar", "start: <[*]>*")  # a budget's answer without a grammar: any tokens
+# A budget's answer without a grammar: any tokens (the thinking before it free too, but for the </think> the budget
+# forces).
+ANY_ANSWER = StructuredOutput("grammar", "start: <[*]>*", mostly_free=True)
 
 
 @dataclass(frozen=True)
