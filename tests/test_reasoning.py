@@ -94,6 +94,24 @@ ANSWERS = {
 }
 
 
+@pytest.mark.parametrize("special", [True, False], ids=["special tags", "one-token text tags"])
+def test_the_calls_a_model_chooses_are_held_after_reasoning_that_may_write_their_tag(special):
+    """tool_choice auto with strict tools: the thought is free (a `<tool_call>` in it included), the answer free
+    text until it opens a call, which then follows its schema. Where the tags are one token each, special or not
+    (Qwen3's are not); spelled in pieces, a qwen3 reply's thought that writes `<tool_call>` would be read as the
+    answer's call."""
+    backend = train_tokenizer(286)
+    backend.add_tokens([AddedToken(tag, special=special, normalized=False) for tag in (START, END)])
+    tokenizer = Tokenizer(backend, SpecialTokens(1, (2,), False, None))
+    answer = call_grammar([ADD], parallel=False, after_text=True)
+    thought = "<think>\nmaybe <tool_call> {a: one}</think>\n\n"
+    for format in (DEEPSEEK, QWEN3):
+        tags = (tokenizer, GrammarCompiler(tokenizer, 288, (2,)))
+        assert takes(tags, format, answer, thought + "Sure. " + call("add", '{"a": 1}')) == (True, True)
+        assert takes(tags, format, answer, thought + "Just text.") == (True, True)
+        assert takes(tags, format, answer, thought + call("add", '{"a": "1"}'))[0] is False
+
+
 def tag_vocabulary(special: bool) -> HFTokenizer:
     """A byte-level vocabulary of 288 tokens, whose last two are `<think>` and `</think>` if `special`."""
     backend = train_tokenizer(286 if special else 288)
