@@ -159,15 +159,19 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(max(1, engine.max_model_len - len(prompt.token_ids)), model_defaults(state, engine))
     forced = body.forced_tools()
+    # With tools the model may call, a JSON response_format's grammar takes calls too (Llama 3's aside: a call is
+    # JSON there as the answer is, and llguidance reads a first `{` as one or the other alone).
+    answer = body.response_schema() if tools and not forced and parser != "llama3_json" else None
     # Not where Hermes's tags are special tokens, which the grammar would spell in text and the model would not.
     chosen = body.holds_chosen_calls() and not (parser == "hermes" and tag_token_ids(engine.tokenizer, parser))
-    if forced or chosen:
+    if forced or chosen or answer is not None:
         functions = ([(t.function.name, t.function.parameters) for t in forced] if forced else
                      [(t.function.name, t.function.parameters if t.function.strict else ANY_ARGUMENTS) for t in tools])
         grammar = call_grammar(functions, parallel=body.parallel_tool_calls and not isinstance(body.tool_choice,
                                                                                               NamedToolChoice),
                                parser=parser, marker_id=special_marker(engine.tokenizer, parser),
-                               args_id=args_token(engine.tokenizer, parser), after_text=chosen)
+                               args_id=args_token(engine.tokenizer, parser), after_text=chosen,
+                               answer_schema=answer)
         params = dataclasses.replace(params, structured=grammar)
     reasoning = ReasoningFormat.named(state.settings.reasoning_parser, continuing=body.continue_final_message)
     budget = body.thinking_token_budget

@@ -132,7 +132,7 @@ class JsonSchemaFormat(_Request):
 
 
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
-ANY_JSON_OBJECT = '{"type": "object"}'
+ANY_JSON_OBJECT = {"type": "object"}
 
 
 class StructuredOutputs(_Request):
@@ -172,7 +172,7 @@ class StructuredOutputs(_Request):
             return StructuredOutput("choice", json.dumps(self.choice))
         if self.grammar is not None:
             return StructuredOutput("grammar", self.grammar)
-        return StructuredOutput("json_schema", ANY_JSON_OBJECT)
+        return StructuredOutput("json_schema", json.dumps(ANY_JSON_OBJECT))
 
 
 # vLLM's older names for structured_outputs' keys: refused by name rather than ignored.
@@ -318,11 +318,14 @@ class SamplingRequest(PromptTruncation):
         """The grammar the output must follow, if the request asks for one."""
         if self.structured_outputs is not None:
             return self.structured_outputs.constraint()
+        schema = self.response_schema()
+        return None if schema is None else StructuredOutput("json_schema", json.dumps(schema))
+
+    def response_schema(self) -> dict[str, Any] | None:
+        """The JSON schema response_format holds the answer to (json_object: any object), if it does."""
         if isinstance(self.response_format, JsonSchemaFormat):
-            return StructuredOutput("json_schema", json.dumps(self.response_format.json_schema.schema_))
-        if isinstance(self.response_format, JsonObjectFormat):
-            return StructuredOutput("json_schema", ANY_JSON_OBJECT)
-        return None
+            return self.response_format.json_schema.schema_
+        return dict(ANY_JSON_OBJECT) if isinstance(self.response_format, JsonObjectFormat) else None
 
     def grammar_field(self) -> str | None:
         """Where the request holds the grammar `structured` reads (`response_format.json_schema.schema`,
@@ -713,10 +716,10 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
 
     @model_validator(mode="after")
     def _forced_calls_are_the_grammar(self) -> ChatCompletionRequest:
-        if self.forced_tools() and self.structured() is not None:
+        # A response_format holds a text answer, which a forced reply never has (as in OpenAI's API).
+        if self.forced_tools() and self.structured_outputs is not None:
             raise field_error("tool_choice", "a required or named tool_choice cannot be combined with "
-                              "response_format or structured_outputs: the calls are the output's grammar",
-                              self.tool_choice)
+                              "structured_outputs: the calls are the output's grammar", self.tool_choice)
         if self.forced_tools():
             self._no_ending_forced("a required or named tool_choice")
         if self.allowed_token_ids and (self.forced_tools() or self.thinking_token_budget is not None):

@@ -212,8 +212,8 @@ def render_results(contents: Iterable[str]) -> str:
 
 
 def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: bool, parser: str = "hermes",
-                 marker_id: int | None = None, args_id: int | None = None, after_text: bool = False
-                 ) -> StructuredOutput:
+                 marker_id: int | None = None, args_id: int | None = None, after_text: bool = False,
+                 answer_schema: dict[str, Any] | None = None) -> StructuredOutput:
     """A Lark grammar (llguidance's, with `%json` for each function's arguments) whose every output is one call
     of one of `functions` ((name, parameters schema) each), or with `parallel` several, written as `parser`
     writes them (Hermes: one per line; Llama 3: separated by `; `; Mistral: a list after `[TOOL_CALLS]`, or with
@@ -221,7 +221,9 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
     `args_id`: the marker's and `[ARGS]`'s ids where they are special tokens (`special_marker`, `args_token`),
     written as those tokens. `after_text` (tool_choice auto with strict tools): any text instead, or text and
     then the calls, which the grammar holds from the format's opening tag on (Llama 3's, whose calls are the
-    whole reply: from a first character `{`)."""
+    whole reply: from a first character `{`). `answer_schema` (tool_choice auto with a JSON response_format): a
+    JSON answer that follows it instead (not with Llama 3's calls, whose first `{` llguidance would read as the
+    answer's or theirs alone)."""
     written = _WRITTEN[parser]
     marker = f"<[{marker_id}]>" if marker_id is not None else json.dumps(written.marker)
     schemas = [json.dumps({"x-guidance": _LAYOUT, "type": "object",
@@ -253,7 +255,10 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
     rules = choice("call", written.call_head)
     text = "TEXT: /(.|\\n)*/"
     lazy = f"start: TEXT | head opened\nhead[lazy]: TEXT {json.dumps(written.marker or OPEN)}"
-    if not after_text:
+    if answer_schema is not None:
+        answer = json.dumps({"x-guidance": _LAYOUT, **answer_schema}, ensure_ascii=False)
+        start = f"start: answer | {block('call', marker)}\nanswer: %json {answer}"
+    elif not after_text:
         start = f"start: {block('call', marker)}"
     elif marker_id is not None or args_id is not None:  # a special token opens the calls, which text never holds
         start, rules = f"start: TEXT | TEXT {block('call', marker)}", [*rules, text]

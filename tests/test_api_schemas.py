@@ -355,8 +355,8 @@ TOOLS = [{"type": "function", "function": {"name": "f"}}]
     (ChatCompletionRequest, {**CHAT, "structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
     (ChatCompletionRequest, {**CHAT, "structured_outputs": {"regex": "a"}, "allowed_token_ids": [5]},
      "allowed_token_ids"),
-    (ChatCompletionRequest, {**CHAT, "tools": TOOLS, "tool_choice": "required", "response_format": {
-        "type": "json_object"}}, "tool_choice"),
+    (ChatCompletionRequest, {**CHAT, "tools": TOOLS, "tool_choice": "required", "structured_outputs": {
+        "regex": "a"}}, "tool_choice"),
     (ChatCompletionRequest, {**CHAT, "tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
     (ChatCompletionRequest, {**CHAT, "thinking_token_budget": 8, "allowed_token_ids": [5]}, "allowed_token_ids"),
     (ChatCompletionRequest, {**CHAT, "use_beam_search": True}, "use_beam_search"),
@@ -372,6 +372,13 @@ def test_a_cross_field_rejection_names_the_field_it_is_about_as_param(schema, bo
     """As OpenAI names it; a model-level check's 400 had param null."""
     error = rejection(schema, body)
     assert error.param == param and error.message.startswith(f"{param}: ") and "Value error" not in error.message
+
+
+def test_a_forced_tool_choice_takes_a_response_format_which_holds_only_a_text_answer():
+    """As OpenAI's API: the forced reply is calls, and the response format would hold an answer it never has."""
+    body = ChatCompletionRequest.model_validate({**CHAT, "tools": TOOLS, "tool_choice": "required",
+                                                 "response_format": {"type": "json_object"}})
+    assert body.forced_tools() and body.response_schema() == {"type": "object"}
 
 
 def test_add_special_tokens_defaults_as_vllms_true_for_a_text_prompt_false_for_messages():

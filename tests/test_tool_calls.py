@@ -581,6 +581,30 @@ def test_under_auto_text_and_then_calls_opened_by_a_special_token_follow_the_sch
             assert (all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()) == valid, reply
 
 
+ANSWER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize(("parser", "one"), [("hermes", call("add", '{"a": 1}')),
+                                             ("mistral", mistral(("add", '{"a": 1}')))])
+def test_under_auto_with_a_json_response_format_the_grammar_takes_the_answer_or_calls(compiler, parser, one):
+    grammar = call_grammar([ADD], parallel=False, parser=parser, answer_schema=ANSWER)
+    assert follows(compiler, grammar, '{"city": "Paris"}') and follows(compiler, grammar, one)
+    for refused in ('{"town": "Paris"}', '{"city": "Paris"} ' + one, PROSE, one.replace("1", '"1"')):
+        assert not follows(compiler, grammar, refused), refused
+
+
+def test_under_auto_with_a_json_response_format_calls_opened_by_a_special_token_are_taken_too():
+    tokenizer = marker_tokenizer()
+    grammar = call_grammar([ADD], parallel=True, parser="mistral", marker_id=special_marker(tokenizer, "mistral"),
+                           answer_schema=ANSWER)
+    compiler = GrammarCompiler(tokenizer, 288, (2,))
+    for reply, valid in [('{"city": "Paris"}', True), (mistral(("add", '{"a": 1}'), ("add", '{"a": 2}')), True),
+                         (PROSE, False)]:
+        matcher = compiler.compile(grammar).matcher
+        ids = tokenizer.encode(reply, add_special_tokens=False)
+        assert (all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()) == valid, reply
+
+
 def strict_request(strict: bool = True, **fields) -> ChatCompletionRequest:
     tool = {"type": "function", "function": {"name": "add", "parameters": ADD[1], "strict": strict}}
     other = {"type": "function", "function": {"name": "get_weather"}}

@@ -75,3 +75,24 @@ def test_under_auto_strict_tools_make_what_follows_the_marker_calls_valid_for_th
     for choice in held:
         assert choice.finish_reason == "length" or "[TOOL_CALLS]" not in (choice.message.content or "")
     assert not any(choice.message.tool_calls for choice in replies(False))
+
+
+def test_under_auto_a_json_response_format_leaves_the_model_its_calls(client):
+    """The grammar takes the answer the format asks for, or calls (of strict tools here, whose arguments follow
+    their schemas): the random model writes either."""
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {**tool["function"], "strict": True}} for tool in (WEATHER, CART)]
+    choices = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=tools, parallel_tool_calls=False, temperature=1.0, seed=5, n=16,
+        max_tokens=300, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}).choices
+    answered = [c for c in choices if c.finish_reason == "stop"]
+    called = [c for c in choices if c.finish_reason == "tool_calls"]
+    assert answered and called and len(answered) + len(called) + sum(c.finish_reason == "length" for c in choices) == 16
+    for choice in answered:
+        assert choice.message.tool_calls is None
+        jsonschema.validate(json.loads(choice.message.content), answer)
+    for choice in called:
+        [call] = choice.message.tool_calls
+        assert choice.message.content is None
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA[call.function.name])
