@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from sluice.batching.engine import Engine
 from sluice.batching.sampling_params import RequestRejected, SamplingParams, StructuredOutput
+from sluice.model.tokenizer import Tokenizer
 
 from sluice.app.errors import from_validation_error, invalid_grammar, invalid_request
 from sluice.app.generation import respond, start_generation
@@ -158,20 +159,9 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
     parser = tool_call_format(state.settings.tool_call_parser, engine.tokenizer)
     # Without a limit the reply may fill the rest of the context, as OpenAI's chat API allows.
     params = body.sampling_params(max(1, engine.max_model_len - len(prompt.token_ids)), model_defaults(state, engine))
-    forced = body.forced_tools()
-    # With tools the model may call, a JSON response_format's grammar takes calls too (Llama 3's aside: a call is
-    # JSON there as the answer is, and llguidance reads a first `{` as one or the other alone).
-    answer = body.response_schema() if tools and not forced and parser != "llama3_json" else None
-    # Not where Hermes's tags are special tokens, which the grammar would spell in text and the model would not.
-    chosen = body.holds_chosen_calls() and not (parser == "hermes" and tag_token_ids(engine.tokenizer, parser))
-    if forced or chosen or answer is not None:
-        functions = ([(t.function.name, t.function.parameters) for t in forced] if forced else
-                     [(t.function.name, t.function.parameters if t.function.strict else ANY_ARGUMENTS) for t in tools])
-        grammar = call_grammar(functions, parallel=body.parallel_tool_calls and not isinstance(body.tool_choice,
-                                                                                              NamedToolChoice),
-                               parser=parser, marker_id=special_marker(engine.tokenizer, parser),
-                               args_id=args_token(engine.tokenizer, parser), after_text=chosen,
-                               answer_schema=answer)
+    grammar_field = body.grammar_field()
+    if (held := calls_grammar(body, tools, parser, engine.tokenizer)) is not None:
+        grammar, grammar_field = held
         params = dataclasses.replace(params, structured=grammar)
     reasoning = ReasoningFormat.named(state.settings.reasoning_parser, continuing=body.continue_final_message)
     budget = body.thinking_token_budget
@@ -192,10 +182,29 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
             | (tag_token_ids(engine.tokenizer, parser) if tools else frozenset()))
     if kept:
         params = dataclasses.replace(params, kept_special_ids=kept)
-    calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(forced),
+    calling = (ToolCalling(frozenset(t.function.name for t in tools), parser, bool(body.forced_tools()),
                            body.parallel_tool_calls) if tools else None)
-    return ChatPlan(prompt, params, calling, reasoning,
-                    "tool_choice" if forced else "tools" if chosen else body.grammar_field())
+    return ChatPlan(prompt, params, calling, reasoning, grammar_field)
+
+
+def calls_grammar(body: ChatCompletionRequest, tools: list[ToolDefinition], parser: str, tokenizer: Tokenizer
+                  ) -> tuple[StructuredOutput, str] | None:
+    """The grammar that holds the reply's calls of `tools` (those it may call) in the format `parser`, with the
+    request's field it comes from; None where none does. A forced tool_choice: the reply is calls. Under auto,
+    beside the answer a JSON response_format asks for (not with Llama 3's calls: JSON as the answer is, a first
+    `{` llguidance reads as one or the other alone); or, where a tool is strict, after free text (not where
+    Hermes's tags are special tokens, which the grammar would spell in text and the model would not)."""
+    forced = body.forced_tools()
+    answer = body.response_schema() if tools and not forced and parser != "llama3_json" else None
+    chosen = body.holds_chosen_calls() and not (parser == "hermes" and tag_token_ids(tokenizer, parser))
+    if not (forced or chosen or answer is not None):
+        return None
+    functions = ([(t.function.name, t.function.parameters) for t in forced] if forced else
+                 [(t.function.name, t.function.parameters if t.function.strict else ANY_ARGUMENTS) for t in tools])
+    grammar = call_grammar(functions, body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice),
+                           parser, special_marker(tokenizer, parser), args_token(tokenizer, parser),
+                           after_text=chosen, answer_schema=answer)
+    return grammar, "tool_choice" if forced else "tools" if chosen else body.grammar_field()
 
 
 def model_defaults(state: ServerState, engine: Engine) -> Mapping[str, float | int]:
