@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from sluice.app.prompts import chat_prompt, renders_tools, tool_call_format
+from sluice.app.routes import calls_grammar
 from sluice.app.schemas import ChatCompletionRequest
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, TextDelta, ToolCall
 from sluice.app.tool_calls import (
@@ -630,6 +631,28 @@ def strict_request(strict: bool = True, **fields) -> ChatCompletionRequest:
 def test_a_grammar_holds_the_calls_the_model_chooses_where_a_tool_it_may_call_is_strict_and_nothing_else_binds(
         fields, held):
     assert strict_request(**fields).holds_chosen_calls() is held
+
+
+@pytest.mark.parametrize(("fields", "parser", "field", "kind"), [
+    ({"tool_choice": "required"}, "hermes", "tool_choice", "forced"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "hermes", "tool_choice", "forced"),
+    ({}, "hermes", None, None),
+    ({"strict": True}, "hermes", "tools", "after text"),
+    ({"strict": True}, "hermes-tags", None, None),  # Hermes's tags special tokens: the grammar would spell them
+    ({"response_format": {"type": "json_object"}}, "mistral", "response_format", "answer"),
+    ({"response_format": {"type": "json_object"}, "strict": True}, "hermes", "response_format", "answer"),
+    ({"response_format": {"type": "json_object"}}, "llama3_json", None, None),
+    ({"response_format": {"type": "json_object"}, "tool_choice": "none"}, "hermes", None, None),
+])
+def test_the_calls_grammar_a_request_gets(fields, parser, field, kind):
+    strict = fields.pop("strict", False)
+    tokenizer = hermes_tag_tokenizer() if parser == "hermes-tags" else marker_tokenizer()
+    body = strict_request(strict, **fields)
+    held = calls_grammar(body, body.callable_tools(), parser.removesuffix("-tags"), tokenizer)
+    assert (held and held[1]) == field
+    if kind is not None:
+        grammar = held[0].source
+        assert ("answer: %json" in grammar) == (kind == "answer") and ("TEXT" in grammar) == (kind == "after text")
 
 
 # --- rendering the conversation -----------------------------------------------------------------------------
