@@ -47,6 +47,7 @@ from sluice.app.tool_calls import (
     ToolCalling,
     args_token,
     call_grammar,
+    hermes_tags,
     special_marker,
     tag_token_ids,
 )
@@ -193,16 +194,19 @@ def calls_grammar(body: ChatCompletionRequest, tools: list[ToolDefinition], pars
     request's field it comes from; None where none does. A forced tool_choice: the reply is calls. Under auto,
     beside the answer a JSON response_format asks for (not with Llama 3's calls: JSON as the answer is, a first
     `{` llguidance reads as one or the other alone); or, where a tool is strict, after free text (not where
-    Hermes's tags are special tokens, which the grammar would spell in text and the model would not)."""
+    one of Hermes's tags is a special token and the other not: the grammar would spell them in text, which the
+    model would not)."""
     forced = body.forced_tools()
     answer = body.response_schema() if tools and not forced and parser != "llama3_json" else None
-    chosen = body.holds_chosen_calls() and not (parser == "hermes" and tag_token_ids(tokenizer, parser))
+    tags = hermes_tags(tokenizer, parser)
+    chosen = body.holds_chosen_calls() and not (parser == "hermes" and tags is None
+                                                and tag_token_ids(tokenizer, parser))
     if not (forced or chosen or answer is not None):
         return None
     functions = ([(t.function.name, t.function.parameters) for t in forced] if forced else
                  [(t.function.name, t.function.parameters if t.function.strict else ANY_ARGUMENTS) for t in tools])
     grammar = call_grammar(functions, body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice),
-                           parser, special_marker(tokenizer, parser), args_token(tokenizer, parser),
+                           parser, special_marker(tokenizer, parser), args_token(tokenizer, parser), tags,
                            after_text=chosen, answer_schema=answer)
     return grammar, "tool_choice" if forced else "tools" if chosen else body.grammar_field()
 

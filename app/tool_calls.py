@@ -113,6 +113,14 @@ def special_marker(tokenizer: Tokenizer, parser: str) -> int | None:
     return tokenizer.special_token_id(_WRITTEN[parser].marker)
 
 
+def hermes_tags(tokenizer: Tokenizer, parser: str) -> tuple[int, int] | None:
+    """The ids of `<tool_call>` and `</tool_call>` where the format is Hermes's and the vocabulary holds both as
+    special tokens (Hermes 2 Pro's and Hermes 3's Llama vocabularies), for the grammar to write them as those
+    tokens."""
+    ids = tuple(tokenizer.special_token_id(tag) for tag in (OPEN, CLOSE)) if parser == "hermes" else (None,)
+    return None if None in ids else ids
+
+
 def args_token(tokenizer: Tokenizer, parser: str) -> int | None:
     """The id of `[ARGS]` where the format is Mistral's and the vocabulary holds it as a special token (Mistral's
     v11 and later tokenizers): their models write calls by name, `[TOOL_CALLS]name[ARGS]{...}`, one per marker."""
@@ -212,18 +220,18 @@ def render_results(contents: Iterable[str]) -> str:
 
 
 def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: bool, parser: str = "hermes",
-                 marker_id: int | None = None, args_id: int | None = None, after_text: bool = False,
-                 answer_schema: dict[str, Any] | None = None) -> StructuredOutput:
+                 marker_id: int | None = None, args_id: int | None = None, tag_ids: tuple[int, int] | None = None,
+                 after_text: bool = False, answer_schema: dict[str, Any] | None = None) -> StructuredOutput:
     """A Lark grammar (llguidance's, with `%json` for each function's arguments) whose every output is one call
     of one of `functions` ((name, parameters schema) each), or with `parallel` several, written as `parser`
     writes them (Hermes: one per line; Llama 3: separated by `; `; Mistral: a list after `[TOOL_CALLS]`, or with
     `args_id` each call as `[TOOL_CALLS]name[ARGS]{...}`; Granite: a list after `<|tool_call|>`). `marker_id`,
-    `args_id`: the marker's and `[ARGS]`'s ids where they are special tokens (`special_marker`, `args_token`),
-    written as those tokens. `after_text` (tool_choice auto with strict tools): any text instead, or text and
-    then the calls, which the grammar holds from the format's opening tag on (Llama 3's, whose calls are the
-    whole reply: from a first character `{`). `answer_schema` (tool_choice auto with a JSON response_format): a
-    JSON answer that follows it instead (not with Llama 3's calls, whose first `{` llguidance would read as the
-    answer's or theirs alone)."""
+    `args_id`, `tag_ids`: the marker's, `[ARGS]`'s and Hermes's tags' ids where they are special tokens
+    (`special_marker`, `args_token`, `hermes_tags`), written as those tokens. `after_text` (tool_choice auto with
+    strict tools): any text instead, or text and then the calls, which the grammar holds from the format's opening
+    tag on (Llama 3's, whose calls are the whole reply: from a first character `{`). `answer_schema` (tool_choice
+    auto with a JSON response_format): a JSON answer that follows it instead (not with Llama 3's calls, whose
+    first `{` llguidance would read as the answer's or theirs alone)."""
     written = _WRITTEN[parser]
     marker = f"<[{marker_id}]>" if marker_id is not None else json.dumps(written.marker)
     schemas = [json.dumps({"x-guidance": _LAYOUT, "type": "object",
@@ -232,15 +240,20 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
                            **_closed(parameters if parameters is not None else NO_ARGUMENTS)}, ensure_ascii=False)
                for _, parameters in functions]
 
+    head, tail, opens, closes = written.call_head, "}" + written.call_tail, "", ""
+    if tag_ids is not None:
+        head, tail = head.removeprefix(OPEN), tail.removesuffix(CLOSE)
+        opens, closes = f"<[{tag_ids[0]}]> ", f" <[{tag_ids[1]}]>"
+
     def choice(rule: str, head: str) -> list[str]:
         """`rule`: a call of any of the functions, `head` before each one's `{"name": ...`."""
         if args_id is not None:
             rules = [f"{rule}_{i}: {marker} {json.dumps(name, ensure_ascii=False)} <[{args_id}]> %json {schema}"
                      for i, ((name, _), schema) in enumerate(zip(functions, schemas))]
         else:
-            rules = [f"{rule}_{i}: "
+            rules = [f"{rule}_{i}: {opens}"
                      + json.dumps(f'{head}{{"name": {json.dumps(name, ensure_ascii=False)}, "{written.key}": ')
-                     + f" %json {schema} {json.dumps('}' + written.call_tail)}"
+                     + f" %json {schema} {json.dumps(tail)}{closes}"
                      for i, ((name, _), schema) in enumerate(zip(functions, schemas))]
         return [f"{rule}: " + " | ".join(f"{rule}_{i}" for i in range(len(functions))), *rules]
 
@@ -252,7 +265,7 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
         calls = f"{first} ({json.dumps(written.separator)} call)*" if parallel else first
         return " ".join(t for t in [opening, json.dumps(written.before), calls, json.dumps(written.after)] if t != '""')
 
-    rules = choice("call", written.call_head)
+    rules = choice("call", head)
     text = "TEXT: /(.|\\n)*/"
     lazy = f"start: TEXT | head opened\nhead[lazy]: TEXT {json.dumps(written.marker or OPEN)}"
     if answer_schema is not None:
@@ -260,14 +273,14 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
         start = f"start: answer | {block('call', marker)}\nanswer: %json {answer}"
     elif not after_text:
         start = f"start: {block('call', marker)}"
-    elif marker_id is not None or args_id is not None:  # a special token opens the calls, which text never holds
+    elif (marker_id, args_id, tag_ids) != (None, None, None):  # a special token opens the calls, never in text
         start, rules = f"start: TEXT | TEXT {block('call', marker)}", [*rules, text]
     elif parser == "llama3_json":  # text is a reply that is not calls: its first character is no `{`
         start = rf"start: /\s*([^{{\s](.|\n)*)?/ | /\s*/ {block('call', marker)}"
     elif written.marker:  # the text ends at the first marker (lazy)
         start, rules = lazy, [*rules, "opened: " + block("call", '""'), text]
     else:  # Hermes: the text ends at the first call's tag (lazy), and that call goes on without it
-        first = choice("first", written.call_head[len(OPEN):])
+        first = choice("first", head.removeprefix(OPEN))
         start, rules = lazy, [*rules, *first, "opened: " + block("first", marker), text]
     return StructuredOutput("grammar", "\n".join([start, *rules]) + "\n", mostly_free=after_text)
 

@@ -24,6 +24,7 @@ from sluice.app.tool_calls import (
     ToolCalling,
     args_token,
     call_grammar,
+    hermes_tags,
     mistral_call_id,
     parse_calls,
     special_marker,
@@ -606,6 +607,27 @@ def test_under_auto_with_a_json_response_format_calls_opened_by_a_special_token_
         assert (all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()) == valid, reply
 
 
+def test_where_hermes_tags_are_special_tokens_the_grammar_writes_calls_with_them_forced_or_chosen():
+    tokenizer = hermes_tag_tokenizer()
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, (2,))
+    tags = hermes_tags(tokenizer, "hermes")
+    assert tags is not None and hermes_tags(tokenizer, "mistral") is None
+    assert hermes_tags(marker_tokenizer(), "hermes") is None
+    one, two = call("add", '{"a": 1}'), call("add", '{"a": 1}') + "\n" + call("add", '{"a": 2}')
+
+    def takes(after_text: bool, reply: str, spelled: bool = False) -> bool:
+        grammar = call_grammar([ADD], parallel=True, tag_ids=tags, after_text=after_text)
+        matcher = compiler.compile(grammar).matcher
+        pieces = list(reply) if spelled else [reply]  # spelled: a character at a time, the tags as text
+        ids = [t for piece in pieces for t in tokenizer.encode(piece, add_special_tokens=False)]
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    assert tokenizer.encode(one, add_special_tokens=False)[0] == tags[0]
+    assert takes(False, one) and takes(False, two) and not takes(False, one, spelled=True)
+    assert takes(True, "Let me add. " + two) and takes(True, PROSE)
+    assert not takes(True, "Let me add. " + call("add", '{"a": "1"}'))
+
+
 def strict_request(strict: bool = True, **fields) -> ChatCompletionRequest:
     tool = {"type": "function", "function": {"name": "add", "parameters": ADD[1], "strict": strict}}
     other = {"type": "function", "function": {"name": "get_weather"}}
@@ -638,7 +660,7 @@ def test_a_grammar_holds_the_calls_the_model_chooses_where_a_tool_it_may_call_is
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "hermes", "tool_choice", "forced"),
     ({}, "hermes", None, None),
     ({"strict": True}, "hermes", "tools", "after text"),
-    ({"strict": True}, "hermes-tags", None, None),  # Hermes's tags special tokens: the grammar would spell them
+    ({"strict": True}, "hermes-tags", "tools", "after text"),  # its tags written as their special tokens
     ({"response_format": {"type": "json_object"}}, "mistral", "response_format", "answer"),
     ({"response_format": {"type": "json_object"}, "strict": True}, "hermes", "response_format", "answer"),
     ({"response_format": {"type": "json_object"}}, "llama3_json", None, None),
