@@ -196,8 +196,10 @@ def calls_grammar(body: ChatCompletionRequest, tools: list[ToolDefinition], pars
     `{` llguidance reads as one or the other alone); or, where a tool is strict, after free text (not where
     one of Hermes's tags is a special token and the other not: the grammar would spell them in text, which the
     model would not)."""
+    if not tools:  # each kind of grammar below needs tools the reply may call
+        return None
     forced = body.forced_tools()
-    answer = body.response_schema() if tools and not forced and parser != "llama3_json" else None
+    answer = body.response_schema() if not forced and parser != "llama3_json" else None
     tags = hermes_tags(tokenizer, parser)
     chosen = body.holds_chosen_calls() and not (parser == "hermes" and tags is None
                                                 and tag_token_ids(tokenizer, parser))

@@ -117,8 +117,10 @@ def hermes_tags(tokenizer: Tokenizer, parser: str) -> tuple[int, int] | None:
     """The ids of `<tool_call>` and `</tool_call>` where the format is Hermes's and the vocabulary holds both as
     special tokens (Hermes 2 Pro's and Hermes 3's Llama vocabularies), for the grammar to write them as those
     tokens."""
-    ids = tuple(tokenizer.special_token_id(tag) for tag in (OPEN, CLOSE)) if parser == "hermes" else (None,)
-    return None if None in ids else ids
+    if parser != "hermes":
+        return None
+    opens, closes = (tokenizer.special_token_id(tag) for tag in (OPEN, CLOSE))
+    return None if opens is None or closes is None else (opens, closes)
 
 
 def args_token(tokenizer: Tokenizer, parser: str) -> int | None:
@@ -245,14 +247,14 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
         head, tail = head.removeprefix(OPEN), tail.removesuffix(CLOSE)
         opens, closes = f"<[{tag_ids[0]}]> ", f" <[{tag_ids[1]}]>"
 
-    def choice(rule: str, head: str) -> list[str]:
-        """`rule`: a call of any of the functions, `head` before each one's `{"name": ...`."""
+    def choice(rule: str, lead: str) -> list[str]:
+        """`rule`: a call of any of the functions, `lead` before each one's `{"name": ...`."""
         if args_id is not None:
             rules = [f"{rule}_{i}: {marker} {json.dumps(name, ensure_ascii=False)} <[{args_id}]> %json {schema}"
                      for i, ((name, _), schema) in enumerate(zip(functions, schemas))]
         else:
             rules = [f"{rule}_{i}: {opens}"
-                     + json.dumps(f'{head}{{"name": {json.dumps(name, ensure_ascii=False)}, "{written.key}": ')
+                     + json.dumps(f'{lead}{{"name": {json.dumps(name, ensure_ascii=False)}, "{written.key}": ')
                      + f" %json {schema} {json.dumps(tail)}{closes}"
                      for i, ((name, _), schema) in enumerate(zip(functions, schemas))]
         return [f"{rule}: " + " | ".join(f"{rule}_{i}" for i in range(len(functions))), *rules]
