@@ -42,7 +42,7 @@ from sluice.batching.config import EngineConfig, device_memory_bytes
 from sluice.batching.compilation_cache import enable_compilation_cache
 from sluice.batching.model_runner import ModelRunner
 from sluice.batching.device_step import PromptScores
-from sluice.batching.step_output import PendingStep, SequenceOutput
+from sluice.batching.step_output import PendingStep, SequenceOutput, StepOutput
 from sluice.batching.ngram import NgramConfig
 from sluice.batching.outputs import Collector, Completion, Deliveries, FinishReason, Increment, ListCollector, \
     OutputSink, TokenLogprob, deliver
@@ -53,7 +53,7 @@ from sluice.batching.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from sluice.batching.sequence import Sequence, SequenceStatus
 from sluice.batching.speculation import Speculator
 from sluice.batching.stats import EngineStats, StepStats, StepTotals
-from sluice.batching.structured import GrammarCompiler
+from sluice.batching.structured import GrammarCompiler, unmasked_prefixes
 from sluice.model.loader import LoadedModel, load_model
 from sluice.model.roofline import StepCost
 from sluice.pallas_kernels.kv_cache import kv_cache_dtype
@@ -452,14 +452,22 @@ class Engine:
         it builds needs them (a draft, a penalty's token history; the other processes of a multi-process job
         replay steps from host inputs alone). A grammar's mask needs them only for the sampling, which then
         waits for them, but the tokens a grammar forces are sampled a step each instead of appended at once
-        (`_append_forced`): a batch mostly under grammars that force tokens is collected first."""
+        (`_append_forced`): a batch mostly under grammars that force tokens is collected first, and so is one whose
+        grammar rows could then join a multi-step call (`_draws_unmasked`), and the call they join."""
         if not self.config.async_scheduling or self.speculator is not None or step_broadcast.is_multiprocess():
             return False
+        launched = self._in_flight
+        if launched is not None and launched.pending.limits is not None and any(
+                chunk.seq.grammar is not None for chunk in launched.pending.chunks):
+            return False  # a multi-step call whose grammar rows' tokens the host checks first (`_draws_unmasked`)
         running = self.scheduler.running
         if any(seq.params.reads_history for seq in running):
             return False
         forcing = sum(seq.grammar is not None and not seq.params.structured.mostly_free for seq in running)
-        return 2 * forcing <= len(running)
+        if 2 * forcing > len(running):
+            return False
+        # Collected first, grammar rows may join a multi-step call.
+        return not (any(seq.grammar is not None for seq in running) and self._may_run_multi_step(running, True))
 
     def _launch(self, start: float, masks_later: bool) -> _Launched | None:
         """Schedules and dispatches a step; None if there is nothing to run (or it failed at once). `masks_later`:
@@ -510,13 +518,14 @@ class Engine:
     def _mark_dispatched(pending: PendingStep) -> tuple[list[int], list[int]]:
         """Moves each chunk's sequence past what the step computes, its sampled tokens as placeholders, so the
         next step can be scheduled before they arrive. Returns where each chunk's first sampled token goes, and
-        how many placeholders it got. How many tokens a verification keeps is known only from its result: those
-        sequences move on then."""
+        how many placeholders it got. How many tokens a verification keeps is known only from its result, and so
+        is how many a multi-step call's grammar rows keep (`_draws_unmasked`): those sequences move on then."""
         first_indices, counts = [], []
         verifying = pending.drafting is not None
+        multi_step = pending.limits is not None
         for chunk, limit in zip(pending.chunks, pending.limits or itertools.repeat(1)):
             seq = chunk.seq
-            if chunk.num_drafts or verifying:
+            if chunk.num_drafts or verifying or multi_step and seq.grammar is not None:
                 first_indices.append(len(seq.token_ids))
                 counts.append(0)
                 continue
@@ -545,16 +554,20 @@ class Engine:
         if result.scores is not None:
             self._score_prompts(chunks, result.scores)
         verified = launched.pending.drafting is not None
+        checked = self._check_unmasked(launched.pending, result)
         left: Iterable[int] = range(len(chunks))
         if self.speculator is None and result.sampled.top_ids is None:  # no chunk drafts or wants logprobs
             left = self._append_decoded(launched, *result.runs())
         for i in left:
-            chunk, output, index = chunks[i], result.share(i), launched.first_indices[i]
+            chunk, output, index = chunks[i], checked.get(i) or result.share(i), launched.first_indices[i]
             seq = chunk.seq
-            drafted = chunk.num_drafts or verified
+            drafted = chunk.num_drafts or verified or i in checked
             if drafted and seq.status is SequenceStatus.RUNNING:  # the K/V of rejected drafts is not the sequence's
                 kept = len(output.tokens) if output is not None else 0
-                seq.num_computed_tokens = chunk.start + chunk.num_tokens - chunk.num_drafts + max(kept - 1, 0)
+                # Its last kept token is computed by the next step; none kept (a grammar row's first token did not
+                # stand), the token before them is again.
+                seq.num_computed_tokens = (chunk.start + chunk.num_tokens - chunk.num_drafts
+                                           + (kept - 1 if i in checked else max(kept - 1, 0)))
             if output is not None and seq.status is not SequenceStatus.FINISHED:
                 try:
                     if output.finite:
@@ -704,12 +717,36 @@ class Engine:
             self._fail_requests([seq for seq in self.scheduler.running if seq.lora_slot == slot], error)
         return [chunk for chunk in chunks if not chunk.seq.finished]
 
-    def _may_run_multi_step(self, seqs: list[Sequence]) -> bool:
+    def _may_run_multi_step(self, seqs: list[Sequence], ahead: bool = False) -> bool:
         """Whether `seqs` may share a multi-step call: nothing waits (a waiting request would wait the whole call
-        for its first step) and each has one token left to compute and no grammar (its mask for the next token
-        needs the token before, which only the host's matcher can take in)."""
+        for its first step) and each has one token left to compute and no grammar, or one whose tokens the call may
+        draw without its mask (its mask for the next token needs the token before, which only the host's matcher
+        can take in). `ahead`: as far as the host can tell before it has taken in the step in flight."""
         return (self.config.num_decode_steps > 1 and not self.scheduler.waiting and self._inbox.empty()
-                and all(seq.num_uncomputed_tokens == 1 and seq.grammar is None for seq in seqs))
+                and all(seq.num_uncomputed_tokens == 1 for seq in seqs)
+                and all(self._draws_unmasked(seq, ahead) for seq in seqs if seq.grammar is not None))
+
+    def _draws_unmasked(self, seq: Sequence, ahead: bool = False) -> bool:
+        """Whether a multi-step call may draw `seq`'s tokens without its grammar's mask: its grammar leaves the text
+        free for now (`Grammar.allows_free_text`), and the host, which has taken in all its tokens (not so
+        `ahead`), then keeps those drawn while it did (`_check_unmasked`). Not with drafts, or for logprobs (the
+        mask's)."""
+        return (self.speculator is None and seq.params.structured.mostly_free and not seq.params.wants_logprobs
+                and (ahead or not seq.num_pending) and not seq.grammar.masked_next
+                and seq.grammar.allows_free_text())
+
+    @staticmethod
+    def _check_unmasked(pending: PendingStep, result: StepOutput) -> dict[int, SequenceOutput]:
+        """The shares of a multi-step call's grammar rows, drawn without their masks, cut to the tokens that stand
+        (`unmasked_prefixes`), by chunk index."""
+        if pending.limits is None:
+            return {}
+        rows = {i: (chunk.seq.grammar, output) for i, chunk in enumerate(pending.chunks)
+                if chunk.seq.grammar is not None and chunk.seq.status is SequenceStatus.RUNNING
+                and (output := result.share(i)) is not None and output.finite}
+        standing = unmasked_prefixes([(grammar, output.tokens) for grammar, output in rows.values()])
+        return {i: output._replace(tokens=output.tokens[:count])
+                for (i, (_, output)), count in zip(rows.items(), standing)}
 
     def _multi_step_call(self, chunks: list[ScheduledChunk]) -> tuple[list[int] | None, list[int] | None]:
         """(tokens each sequence may emit, the most drafts each checks at a step) for a multi-step call, or

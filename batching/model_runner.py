@@ -437,9 +437,10 @@ class ModelRunner:
         checks at a step of that call (0: none), proposing and checking them on the device (`verify_steps`: the
         result is `VerifiedSteps`).
         Outputs have a leading [num_steps] axis either way. Sequences with a grammar get their masks (one per
-        sampled row, drafts included) while the model runs; with `masks_later` (a single step dispatched before
-        the host has the tokens of the step before it), only when the engine has taken those in and calls
-        `PendingStep.sample`: the sequences that step ended keep all-ones rows (theirs are dropped).
+        sampled row, drafts included) while the model runs, in a single step (a multi-step call draws theirs
+        unmasked, for the engine to check); with `masks_later` (a single step dispatched before the host has the
+        tokens of the step before it), only when the engine has taken those in and calls `PendingStep.sample`:
+        the sequences that step ended keep all-ones rows (theirs are dropped).
         `pooling`: fetch the pooled rows (`StepOutput.pooled`).
         `scoring`: some sequence may score its prompt (`SamplingParams.prompt_logprobs`); a step with prompt tokens
         to score runs the scoring program after it (`StepOutput.scores`; compiled when first met, a small one).
@@ -470,7 +471,7 @@ class ModelRunner:
             sampling = [i for i, c in enumerate(chunks) if c.sample]
             self._last_row[sampled.slot[sampling]] = sampling  # no chunk drafts: row i is chunk i's
         constrained = [(c.seq, row, c.seq.drafts[:c.num_drafts])
-                       for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None]
+                       for c, row in zip(chunks, rows) if c.sample and c.seq.grammar is not None and num_steps == 1]
         if step_broadcast.is_multiprocess():
             num_writes = 0 if writes is None else len(writes.slots)
             step_broadcast.send_step((*astuple(bucket), bool(constrained), num_writes, scores), (inputs, sampled))

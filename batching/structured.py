@@ -14,6 +14,12 @@ another way, so the output is the same token for token.
 
 A spec's `preamble` (a reasoning model's thinking) comes before its grammar, which llguidance then holds as a
 subgrammar (`@answer`): the request's grammar keeps its own rules and lexer, whatever its kind.
+
+Where a grammar leaves the text free (its mask allows every token free text does: tool_choice auto's calls before
+their tag, a thinking budget's answer), a multi-step call draws the sequence's tokens without the mask, and the
+host keeps those drawn where the grammar was still free and took them (`unmasked_prefixes`). A mask there rules out
+only special tokens: greedy, the kept tokens are those a masked draw takes; sampling, they differ only where a
+special token carried probability mass.
 """
 
 from __future__ import annotations
@@ -50,10 +56,20 @@ class Grammar:
     executor: Any
     scratch: np.ndarray
     eos_token_ids: tuple[int, ...]
+    free_text: np.ndarray  # [ceil(V / 32)] int32: the mask of free text (shared)
+    masked_next: bool = False  # whether the next token must be drawn under the mask (`unmasked_prefixes`)
 
     def fork(self) -> Grammar:
         """The same place in the same grammar, advanced independently from now on (another sample)."""
-        return Grammar(self.matcher.deep_copy(), self.executor, self.scratch, self.eos_token_ids)
+        return Grammar(self.matcher.deep_copy(), self.executor, self.scratch, self.eos_token_ids, self.free_text,
+                       self.masked_next)
+
+    def allows_free_text(self) -> bool:
+        """Whether the grammar allows next every token free text does."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, self.scratch, 0)
+        return not (self.free_text & ~self.scratch[0]).any()
 
     def forced_token(self) -> int | None:
         """The next token if the grammar allows exactly one, else None."""
@@ -82,6 +98,7 @@ class Grammar:
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the output's grammar refused token {token}: "
                                f"{self.matcher.get_error().splitlines()[0]}")
+        self.masked_next = False
 
     def valid_prefix(self, tokens: list[int]) -> list[int]:
         """The longest prefix of `tokens` (speculative drafts) that the grammar allows from here, up to an EOS: a
@@ -108,6 +125,33 @@ def fill_bitmask(rows: list[tuple[Grammar, int, list[int]]], bitmask: np.ndarray
         fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bitmask)
 
 
+def unmasked_prefixes(rows: list[tuple[Grammar, list[int]]]) -> list[int]:
+    """For each (grammar, tokens a multi-step call drew without its mask): how many of the tokens stand, each drawn
+    where the grammar allowed free text (`Grammar.allows_free_text`) and took it; up to an EOS, which the matcher
+    does not take where the sequence goes on past it (ignore_eos). A grammar whose tokens fall short of all of them
+    has its next token drawn under the mask (`masked_next`): drawn without it, the same token would fall again.
+    The masks after each token, one call for the batch as `fill_bitmask` computes a row's drafts'."""
+    if not rows:
+        return []
+    words = rows[0][0].free_text
+    checked = []  # (grammar, first mask row, tokens its matcher takes)
+    num_masks = 0
+    for grammar, tokens in rows:
+        end = next((j + 1 for j, token in enumerate(tokens) if token in grammar.eos_token_ids), len(tokens))
+        taken = tokens[:grammar.matcher.validate_tokens(tokens[:end])]
+        checked.append((grammar, num_masks, taken))
+        num_masks += len(taken)
+    masks = np.zeros((max(num_masks, 1), len(words)), np.int32)
+    fill_bitmask([(grammar, row, taken[:-1]) for grammar, row, taken in checked if taken], masks)
+    free = ~(words & ~masks).any(axis=1)  # [num_masks]: the grammar allowed free text before that token
+    standing = []
+    for (grammar, row, taken), (_, tokens) in zip(checked, rows):
+        count = len(taken) if free[row:row + len(taken)].all() else int(np.argmin(free[row:row + len(taken)]))
+        grammar.masked_next = count < len(tokens)
+        standing.append(count)
+    return standing
+
+
 class GrammarCompiler:
     """Compiles requests' grammars for one tokenizer (about a millisecond for a typical schema)."""
 
@@ -128,6 +172,7 @@ class GrammarCompiler:
         self.executor = llguidance.LLExecutor()
         self.eos_token_ids = eos_token_ids
         self.scratch = np.zeros((1, -(-vocab_size // 32)), np.int32)
+        self.free_text = self._free_text_mask()
         # Over a weak reference: a cache of a bound method would make the compiler a cycle, which only a full
         # collection frees (never, once a later engine's gc.freeze() has frozen it): 30 MB and a thread each.
         self._checked = lru_cache(maxsize=CHECKED_SPECS)(partial(_problem, weakref.proxy(self)))
@@ -146,7 +191,7 @@ class GrammarCompiler:
         matcher = self._matcher(grammar, what)
         if spec.preamble is not None:  # the grammar is checked alone first: its first token comes after the preamble
             matcher = self._matcher(_after_preamble(grammar, spec.preamble), what)
-        return Grammar(matcher, self.executor, self.scratch, self.eos_token_ids)
+        return Grammar(matcher, self.executor, self.scratch, self.eos_token_ids, self.free_text)
 
     def check(self, spec: StructuredOutput) -> None:
         """Raises InvalidGrammar as `compile` would, keeping no matcher. Outcomes are remembered (the last
@@ -162,6 +207,16 @@ class GrammarCompiler:
         if (error := self._first_token_error(matcher)) is not None:
             raise InvalidGrammar(f"{what} too large for structured output: {error}")
         return matcher
+
+    def _free_text_mask(self) -> np.ndarray:
+        """[ceil(V / 32)] int32: the tokens free text allows (every token but the special ones, and EOS)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        matcher = self._llguidance.LLMatcher(self.tokenizer, self._llguidance.grammar_from("regex", "(.|\\n)*"),
+                                             log_level=0)
+        mask = np.zeros_like(self.scratch)
+        fill_next_token_bitmask(matcher, mask, 0)
+        return mask[0]
 
     def _first_token_error(self, matcher: Any) -> str | None:
         """What llguidance says when a copy of `matcher` takes its first allowed token, if it refuses it: some of

@@ -1,6 +1,7 @@
 """Structured output with the engine's speed features: speculative decoding (drafts verified under the mask,
-the grammar never left holding a rejected draft), multi-step decode (constrained batches run single steps) and
-overlapped scheduling (a step's masks wait for the step before). A tiny random model over SmolLM2's full
+the grammar never left holding a rejected draft), multi-step decode (constrained batches run single steps, but for
+grammars that leave the text free, whose tokens a call draws unmasked and the host checks) and overlapped
+scheduling (a step's masks wait for the step before). A tiny random model over SmolLM2's full
 vocabulary, so every token id has a logit."""
 
 from __future__ import annotations
@@ -125,6 +126,42 @@ def test_a_batch_all_under_grammars_that_leave_the_text_free_overlaps_its_steps(
     (free_tokens, free_overlapped), (forcing_tokens, forcing_overlapped) = runs
     assert free_tokens == forcing_tokens and free_overlapped > 10 and forcing_overlapped == 0
     assert plain.stats.kv_pages_used == 0
+
+
+def test_multi_step_calls_draw_the_tokens_of_a_grammar_that_leaves_the_text_free_and_keep_those_it_takes(tiny,
+                                                                                                         plain):
+    """While a grammar allows every token free text does (tool_choice auto's calls before their tag), a multi-step
+    call draws its rows' tokens without the mask, and the host keeps those drawn while the text was still free:
+    greedy, the tokens of single masked steps, in fewer steps. Here the text turns into calls at a word the model
+    writes a few tokens in (found from its free reply), after which the grammar forces `!!` and the end: the
+    tokens the call drew past the word are dropped, the forced ones appended, and nothing leaks."""
+    multi = Engine(tiny, replace(CONFIG, num_decode_steps=4), progress=False)
+    tokenizer = tiny.tokenizer
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    vocabulary = [tokenizer.token_text(token) for token in range(tokenizer.vocab_size)]
+    words = []
+    for reply in plain.generate(PROMPTS[:2], free):
+        texts = [tokenizer.token_text(token) for token in reply[0].token_ids]
+        # A word no token holds but at its end: no token is ruled out while the text is free.
+        words.append(next(texts[j] for j in range(2, len(texts)) if re.fullmatch(r" ?[a-z]{3,}", texts[j])
+                          and texts[j] not in "".join(texts[:j])
+                          and not any(texts[j] in text and not text.endswith(texts[j]) for text in vocabulary)))
+    chosen = call_grammar([("add", {"type": "object", "properties": {"a": {"type": "integer"}}})], parallel=True,
+                          after_text=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutput(
+        "grammar", f'start: TEXT | head "!!"\nhead[lazy]: TEXT {json.dumps(word)}\nTEXT: /(.|\\n)*/\n',
+        mostly_free=True)) for word in words]
+    params += [SamplingParams(temperature=0.0, max_tokens=30, structured=chosen)] * 2
+    single_steps = plain.stats.num_steps
+    want = plain.generate(PROMPTS, params)
+    single_steps = plain.stats.num_steps - single_steps
+    have = multi.generate(PROMPTS, params)
+    for w, h in zip(want, have):
+        assert (h[0].token_ids, h[0].text, h[0].finish_reason) == (w[0].token_ids, w[0].text, w[0].finish_reason)
+    for reply, word in zip(have, words):
+        assert reply[0].text.endswith(word + "!!") and reply[0].finish_reason == "stop"
+    assert multi.stats.num_steps < single_steps * 2 // 3
+    assert multi.stats.kv_pages_used == 0
 
 
 # Three ordinary tokens of SmolLM2's vocabulary; the grammar forces A, then B, then takes any number of C.
