@@ -66,10 +66,7 @@ class Grammar:
 
     def allows_free_text(self) -> bool:
         """Whether the grammar allows next every token free text does."""
-        from llguidance.numpy import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self.matcher, self.scratch, 0)
-        return not (self.free_text & ~self.scratch[0]).any()
+        return not (self.free_text & ~self._next_words()).any()
 
     def forced_token(self) -> int | None:
         """The next token if the grammar allows exactly one, else None."""
@@ -87,10 +84,14 @@ class Grammar:
 
     def _next_tokens(self) -> np.ndarray:
         """[32 * ceil(V / 32)] uint8: 1 for each token the grammar allows next."""
+        return np.unpackbits(self._next_words().view(np.uint8), bitorder="little")  # bit t of the row: token t
+
+    def _next_words(self) -> np.ndarray:
+        """[ceil(V / 32)] int32, the scratch row: the grammar's mask for the next token, packed."""
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, self.scratch, 0)
-        return np.unpackbits(self.scratch.view(np.uint8), bitorder="little")  # bit t of the row: token t
+        return self.scratch[0]
 
     def advance(self, token: int) -> None:
         """Consumes a sampled token. The sampler's mask allowed it, so a refusal is one of llguidance's limits met
