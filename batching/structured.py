@@ -132,9 +132,6 @@ def unmasked_prefixes(rows: list[tuple[Grammar, list[int]]]) -> list[int]:
     does not take where the sequence goes on past it (ignore_eos). A grammar whose tokens fall short of all of them
     has its next token drawn under the mask (`masked_next`): drawn without it, the same token would fall again.
     The masks after each token, one call for the batch as `fill_bitmask` computes a row's drafts'."""
-    if not rows:
-        return []
-    words = rows[0][0].free_text
     checked = []  # (grammar, first mask row, tokens its matcher takes)
     num_masks = 0
     for grammar, tokens in rows:
@@ -142,9 +139,12 @@ def unmasked_prefixes(rows: list[tuple[Grammar, list[int]]]) -> list[int]:
         taken = tokens[:grammar.matcher.validate_tokens(tokens[:end])]
         checked.append((grammar, num_masks, taken))
         num_masks += len(taken)
-    masks = np.zeros((max(num_masks, 1), len(words)), np.int32)
-    fill_bitmask([(grammar, row, taken[:-1]) for grammar, row, taken in checked if taken], masks)
-    free = ~(words & ~masks).any(axis=1)  # [num_masks]: the grammar allowed free text before that token
+    free = np.ones(num_masks, bool)  # [num_masks]: the grammar allowed free text before that token
+    if num_masks:  # else every row's first token fell
+        words = rows[0][0].free_text
+        masks = np.zeros((num_masks, len(words)), np.int32)
+        fill_bitmask([(grammar, row, taken[:-1]) for grammar, row, taken in checked if taken], masks)
+        free = ~(words & ~masks).any(axis=1)
     standing = []
     for (grammar, row, taken), (_, tokens) in zip(checked, rows):
         count = len(taken) if free[row:row + len(taken)].all() else int(np.argmin(free[row:row + len(taken)]))

@@ -13,10 +13,10 @@ import pytest
 from sluice.batching.sampling_params import RequestRejected
 from sluice.batching.sampler import bitmask_words, mask_disallowed, sample
 from sluice.batching.sampling_params import SamplingParams, StructuredOutput
-from sluice.batching.structured import GrammarCompiler, InvalidGrammar, fill_bitmask
+from sluice.batching.structured import GrammarCompiler, InvalidGrammar, fill_bitmask, unmasked_prefixes
 from sampling_rows import Row, sampling_batch
 
-EOS = 2  # <|im_end|>
+IM_START, EOS = 1, 2  # <|im_start|>, <|im_end|>
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +141,26 @@ def test_draft_rows_get_the_masks_of_the_grammar_after_each_draft_and_the_state_
         if j < len(drafts):
             stepwise.advance(drafts[j])
     np.testing.assert_array_equal(mask_of(grammar, vocab), allowed_ids(bitmask[0], vocab))
+
+
+def test_tokens_drawn_without_the_mask_stand_while_the_text_was_free_and_a_first_that_falls_keeps_none(compiler,
+                                                                                                      tokenizer):
+    """A multi-step call's rows under grammars that leave the text free (`Engine._draws_unmasked`): each keeps the
+    tokens drawn while the text was free and its grammar took them; a row whose first token fell (a special token
+    that free text does not take) keeps none and draws its next under the mask, even when no row kept any."""
+    spec = StructuredOutput("grammar", 'start: TEXT | head "!!"\nhead[lazy]: TEXT "<call>"\nTEXT: /(.|\\n)*/\n',
+                            mostly_free=True)  # no token of SmolLM2's holds "<call>" but at its end
+    text = tokenizer.encode("Sure. <call>!! and more")
+    # Up to "<call": the ">" after it is drawn where the text is no longer free (">>" is ruled out).
+    upto_word = tokenizer.encode("Sure. <call")
+    assert text[:len(upto_word) + 1] == tokenizer.encode("Sure. <call>")
+    fresh = [compiler.compile(spec) for _ in range(3)]
+    assert all(grammar.allows_free_text() for grammar in fresh)
+    for rows, kept in [([(fresh[0], [IM_START, *text])], [0]),
+                       ([(fresh[1], text), (fresh[2], [IM_START, *text])], [len(upto_word), 0])]:
+        assert unmasked_prefixes(rows) == kept
+        assert [grammar.masked_next for grammar, _ in rows] == [True] * len(rows)
+    assert unmasked_prefixes([]) == []
 
 
 def test_masked_rows_sample_and_report_only_allowed_tokens_and_all_ones_rows_are_untouched():
