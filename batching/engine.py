@@ -735,16 +735,20 @@ class Engine:
                 and (ahead or not seq.num_pending) and not seq.grammar.masked_next
                 and seq.grammar.allows_free_text())
 
-    @staticmethod
-    def _check_unmasked(pending: PendingStep, result: StepOutput) -> dict[int, SequenceOutput]:
+    def _check_unmasked(self, pending: PendingStep, result: StepOutput) -> dict[int, SequenceOutput]:
         """The shares of a multi-step call's grammar rows, drawn without their masks, cut to the tokens that stand
-        (`unmasked_prefixes`), by chunk index."""
+        (`unmasked_prefixes`), by chunk index. If the check raises, the rows' requests end with the error, and no
+        other: the step itself went well."""
         if pending.limits is None:
             return {}
         rows = {i: (chunk.seq.grammar, output) for i, chunk in enumerate(pending.chunks)
                 if chunk.seq.grammar is not None and chunk.seq.status is SequenceStatus.RUNNING
                 and (output := result.share(i)) is not None and output.finite}
-        standing = unmasked_prefixes([(grammar, output.tokens) for grammar, output in rows.values()])
+        try:
+            standing = unmasked_prefixes([(grammar, output.tokens) for grammar, output in rows.values()])
+        except Exception as error:  # noqa: BLE001 - the grammars' failure is their requests' own
+            self._fail_requests([pending.chunks[i].seq for i in rows], error)
+            return {}
         return {i: output._replace(tokens=output.tokens[:count])
                 for (i, (_, output)), count in zip(rows.items(), standing)}
 

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from sluice.app.tool_calls import call_grammar
+import sluice.batching.engine as engine_module
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import Completion
@@ -162,6 +163,26 @@ def test_multi_step_calls_draw_the_tokens_of_a_grammar_that_leaves_the_text_free
         assert reply[0].text.endswith(word + "!!") and reply[0].finish_reason == "stop"
     assert multi.stats.num_steps < single_steps * 2 // 3
     assert multi.stats.kv_pages_used == 0
+
+
+def test_a_grammar_check_that_fails_ends_its_own_requests_and_no_other(tiny, plain, monkeypatch):
+    """The host's check of a multi-step call's unmasked grammar rows (`unmasked_prefixes`) is host work of those
+    requests alone: should it raise, they end with the error, while the free request beside them, whose step went
+    well, runs on to the tokens it has alone, and nothing leaks."""
+    multi = Engine(tiny, replace(CONFIG, num_decode_steps=4), progress=False)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    texts = SamplingParams(temperature=0.0, max_tokens=12, structured=StructuredOutput(
+        "grammar", "start: TEXT\nTEXT: /(.|\\n)*/\n", mostly_free=True))
+    want = plain.generate(PROMPTS[1:2], free)[0][0]
+
+    def broken(rows):
+        raise RuntimeError("the grammar check broke")
+
+    monkeypatch.setattr(engine_module, "unmasked_prefixes", broken)
+    failed, ran = (reply[0] for reply in multi.generate(PROMPTS[:2], [texts, free]))
+    assert failed.finish_reason == "error" and "the grammar check broke" in failed.error
+    assert (ran.token_ids, ran.finish_reason) == (want.token_ids, "length")
+    assert multi.healthy and multi.stats.kv_pages_used == 0
 
 
 # Three ordinary tokens of SmolLM2's vocabulary; the grammar forces A, then B, then takes any number of C.
