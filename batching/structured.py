@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from typing import Any
 
@@ -57,12 +57,19 @@ class Grammar:
     scratch: np.ndarray
     eos_token_ids: tuple[int, ...]
     free_text: np.ndarray  # [ceil(V / 32)] int32: the mask of free text (shared)
-    masked_next: bool = False  # whether the next token must be drawn under the mask (`unmasked_prefixes`)
+    num_taken: int = 0  # the tokens the matcher has taken (`advance`)
+    masked_at: int | None = None  # `num_taken` where the next token must be drawn under the mask (`masked_next`)
 
     def fork(self) -> Grammar:
         """The same place in the same grammar, advanced independently from now on (another sample)."""
-        return Grammar(self.matcher.deep_copy(), self.executor, self.scratch, self.eos_token_ids, self.free_text,
-                       self.masked_next)
+        return replace(self, matcher=self.matcher.deep_copy())
+
+    @property
+    def masked_next(self) -> bool:
+        """Whether the next token must be drawn under the mask: a multi-step call drew one here without it, which
+        fell (`unmasked_prefixes`). Held by the count of tokens taken, as the engine advances the grammar over the
+        tokens that stood after the check."""
+        return self.masked_at == self.num_taken
 
     def allows_free_text(self) -> bool:
         """Whether the grammar allows next every token free text does."""
@@ -99,7 +106,7 @@ class Grammar:
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the output's grammar refused token {token}: "
                                f"{self.matcher.get_error().splitlines()[0]}")
-        self.masked_next = False
+        self.num_taken += 1
 
     def valid_prefix(self, tokens: list[int]) -> list[int]:
         """The longest prefix of `tokens` (speculative drafts) that the grammar allows from here, up to an EOS: a
@@ -148,7 +155,9 @@ def unmasked_prefixes(rows: list[tuple[Grammar, list[int]]]) -> list[int]:
     standing = []
     for (grammar, row, taken), (_, tokens) in zip(checked, rows):
         count = len(taken) if free[row:row + len(taken)].all() else int(np.argmin(free[row:row + len(taken)]))
-        grammar.masked_next = count < len(tokens)
+        # The engine advances the grammar over those that stand but an EOS (`Engine._advance_grammar`).
+        advanced = sum(token not in grammar.eos_token_ids for token in tokens[:count])
+        grammar.masked_at = grammar.num_taken + advanced if count < len(tokens) else None
         standing.append(count)
     return standing
 

@@ -159,8 +159,26 @@ def test_tokens_drawn_without_the_mask_stand_while_the_text_was_free_and_a_first
     for rows, kept in [([(fresh[0], [IM_START, *text])], [0]),
                        ([(fresh[1], text), (fresh[2], [IM_START, *text])], [len(upto_word), 0])]:
         assert unmasked_prefixes(rows) == kept
+        for (grammar, tokens), count in zip(rows, kept):  # as the engine appends those that stand
+            for token in tokens[:count]:
+                grammar.advance(token)
         assert [grammar.masked_next for grammar, _ in rows] == [True] * len(rows)
     assert unmasked_prefixes([]) == []
+
+
+def test_a_token_drawn_without_the_mask_that_fell_after_some_that_stood_is_drawn_under_it_next(compiler, tokenizer):
+    """The engine advances the grammar over the tokens that stood (`Engine._append`): the one that fell after them,
+    a special token that free text does not take, is drawn under the mask next, not again without it (a multi-step
+    call that would keep nothing of the row); once a token is taken there, the text is drawn unmasked again."""
+    spec = StructuredOutput("grammar", "start: TEXT\nTEXT: /(.|\\n)*/\n", mostly_free=True)
+    grammar = compiler.compile(spec)
+    stood = tokenizer.encode("Sure.")
+    assert unmasked_prefixes([(grammar, [*stood, IM_START, *tokenizer.encode(" Ok")])]) == [len(stood)]
+    for token in stood:
+        grammar.advance(token)
+    assert grammar.masked_next and grammar.fork().masked_next and grammar.allows_free_text()
+    grammar.advance(tokenizer.encode(" Ok")[0])
+    assert not grammar.masked_next
 
 
 def test_masked_rows_sample_and_report_only_allowed_tokens_and_all_ones_rows_are_untouched():
