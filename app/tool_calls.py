@@ -231,9 +231,10 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
     `args_id`, `tag_ids`: the marker's, `[ARGS]`'s and Hermes's tags' ids where they are special tokens
     (`special_marker`, `args_token`, `hermes_tags`), written as those tokens. `after_text` (tool_choice auto with
     strict tools): any text instead, or text and then the calls, which the grammar holds from the format's opening
-    tag on (Llama 3's, whose calls are the whole reply: from a first character `{`). `answer_schema` (tool_choice
-    auto with a JSON response_format): a JSON answer that follows it instead (not with Llama 3's calls, whose
-    first `{` llguidance would read as the answer's or theirs alone)."""
+    tag on (Llama 3's, whose calls are the whole reply: from a first character `{`; a special token's, which the
+    text never spells: the reader would take that for calls too). `answer_schema` (tool_choice auto with a JSON
+    response_format): a JSON answer that follows it instead (not with Llama 3's calls, whose first `{` llguidance
+    would read as the answer's or theirs alone)."""
     written = _WRITTEN[parser]
     marker = f"<[{marker_id}]>" if marker_id is not None else json.dumps(written.marker)
     schemas = [json.dumps({"x-guidance": _LAYOUT, "type": "object",
@@ -268,15 +269,19 @@ def call_grammar(functions: list[tuple[str, dict[str, Any] | None]], parallel: b
         return " ".join(t for t in [opening, json.dumps(written.before), calls, json.dumps(written.after)] if t != '""')
 
     rules = choice("call", head)
-    text = "TEXT: /(.|\\n)*/"
-    lazy = f"start: TEXT | head opened\nhead[lazy]: TEXT {json.dumps(written.marker or OPEN)}"
+    any_text = "/(.|\\n)*/"
+    text = f"TEXT: {any_text}"
+    tag = json.dumps(written.marker or OPEN)  # what the format's reader takes to open calls
+    lazy = f"start: TEXT | head opened\nhead[lazy]: TEXT {tag}"
     if answer_schema is not None:
         answer = json.dumps({"x-guidance": _LAYOUT, **answer_schema}, ensure_ascii=False)
         start = f"start: answer | {block('call', marker)}\nanswer: %json {answer}"
     elif not after_text:
         start = f"start: {block('call', marker)}"
     elif (marker_id, args_id, tag_ids) != (None, None, None):  # a special token opens the calls, never in text
-        start, rules = f"start: TEXT | TEXT {block('call', marker)}", [*rules, text]
+        # Nor their tag spelled in text, which the reader would take for calls the grammar does not hold.
+        untagged = f"TEXT: {any_text} & ~({any_text} {tag} {any_text})"
+        start, rules = f"start: TEXT | TEXT {block('call', marker)}", [*rules, untagged]
     elif parser == "llama3_json":  # text is a reply that is not calls: its first character is no `{`
         start = rf"start: /\s*([^{{\s](.|\n)*)?/ | /\s*/ {block('call', marker)}"
     elif written.marker:  # the text ends at the first marker (lazy)

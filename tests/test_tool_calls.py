@@ -583,6 +583,25 @@ def test_under_auto_text_and_then_calls_opened_by_a_special_token_follow_the_sch
             assert (all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()) == valid, reply
 
 
+@pytest.mark.parametrize(("vocabulary", "parser", "opened"), [
+    (hermes_tag_tokenizer, "hermes", call("add", '{"a": "1"}')),
+    (marker_tokenizer, "mistral", mistral(("add", '{"a": "1"}'))),
+    (v11_tokenizer, "mistral", mistral_by_name(("add", '{"a": "1"}'))),
+])
+def test_under_auto_a_special_tag_spelled_in_text_opens_no_call_the_grammar_does_not_hold(vocabulary, parser, opened):
+    """Where a special token opens the calls, the text before them is free but for that tag spelled out in
+    ordinary tokens: the reader would take it for a call, whose arguments the grammar never held to the schema."""
+    tokenizer = vocabulary()
+    reply = "Sure. " + opened
+    assert parse_calls(reply, frozenset({"add"}), parser)[1] == [ToolCall("add", '{"a": "1"}')]
+    grammar = call_grammar([ADD], parallel=True, parser=parser, marker_id=special_marker(tokenizer, parser),
+                           args_id=args_token(tokenizer, parser), tag_ids=hermes_tags(tokenizer, parser),
+                           after_text=True)
+    matcher = GrammarCompiler(tokenizer, tokenizer.vocab_size, (2,)).compile(grammar).matcher
+    spelled = [t for character in reply for t in tokenizer.encode(character, add_special_tokens=False)]
+    assert not (all(matcher.consume_token(t) for t in spelled) and matcher.is_accepting())
+
+
 ANSWER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
