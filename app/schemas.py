@@ -102,7 +102,8 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = Field(True, description="true unless set false, as vLLM's: stream_options given without "
+                                "it (continuous_usage_stats alone, say) still asks for usage")
     continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk has its choice's "
                                          "usage so far too (its prompt's tokens and the tokens it has generated)")
 
