@@ -16,10 +16,11 @@ A spec's `preamble` (a reasoning model's thinking) comes before its grammar, whi
 subgrammar (`@answer`): the request's grammar keeps its own rules and lexer, whatever its kind.
 
 Where a grammar leaves the text free (its mask allows every token free text does: tool_choice auto's calls before
-their tag, a thinking budget's answer), a multi-step call draws the sequence's tokens without the mask, and the
-host keeps those drawn where the grammar was still free and took them (`unmasked_prefixes`). A mask there rules out
-only special tokens: greedy, the kept tokens are those a masked draw takes; sampling, they differ only where a
-special token carried probability mass.
+their tag, a reasoning model's thought, a thinking budget's answer), a multi-step call draws the sequence's tokens
+without the mask, and the host keeps those drawn where the grammar was still free and took them
+(`unmasked_prefixes`). A mask there rules out only special tokens, and EOS where the text may not end (a thought):
+greedy, the kept tokens are those a masked draw takes; sampling, they differ only where such a token carried
+probability mass.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Grammar:
     executor: Any
     scratch: np.ndarray
     eos_token_ids: tuple[int, ...]
-    free_text: np.ndarray  # [ceil(V / 32)] int32: the mask of free text (shared)
+    free_text: np.ndarray  # [ceil(V / 32)] int32: the mask of free text, EOS aside (shared)
     num_taken: int = 0  # the tokens the matcher has taken (`advance`)
     masked_at: int | None = None  # `num_taken` where the next token must be drawn under the mask (`masked_next`)
 
@@ -72,7 +73,7 @@ class Grammar:
         return self.masked_at == self.num_taken
 
     def allows_free_text(self) -> bool:
-        """Whether the grammar allows next every token free text does."""
+        """Whether the grammar allows next every token free text does, but maybe EOS: a thought may not end."""
         return not (self.free_text & ~self._next_words()).any()
 
     def forced_token(self) -> int | None:
@@ -219,14 +220,17 @@ class GrammarCompiler:
         return matcher
 
     def _free_text_mask(self) -> np.ndarray:
-        """[ceil(V / 32)] int32: the tokens free text allows (every token but the special ones, and EOS)."""
+        """[ceil(V / 32)] int32: the tokens free text allows (every token but the special ones), EOS left out: an
+        EOS drawn where the grammar refuses it falls in `unmasked_prefixes`, as any token it refuses does."""
         from llguidance.numpy import fill_next_token_bitmask
 
         matcher = self._llguidance.LLMatcher(self.tokenizer, self._llguidance.grammar_from("regex", "(.|\\n)*"),
                                              log_level=0)
         mask = np.zeros_like(self.scratch)
         fill_next_token_bitmask(matcher, mask, 0)
-        return mask[0]
+        bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little")  # bit t: token t
+        bits[list(self.eos_token_ids)] = 0
+        return np.packbits(bits, bitorder="little").view(np.int32)
 
     def _first_token_error(self, matcher: Any) -> str | None:
         """What llguidance says when a copy of `matcher` takes its first allowed token, if it refuses it: some of

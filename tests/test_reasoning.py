@@ -28,7 +28,9 @@ from sluice.app.responses import ChatBuilder
 from sluice.app.responses_api_builder import ResponsesBuilder
 from sluice.app.responses_api_convert import chat_messages, output_items, stored_items
 from sluice.app.responses_api_schemas import ResponseObject
+from sluice.app.routes import plan_chat
 from sluice.app.schemas import ChatCompletionRequest, TokenLogprobInfo
+from sluice.app.state import ServerSettings, ServerState
 from sluice.app.tool_call_streams import TextDelta
 from sluice.app.tool_calls import ToolCalling, call_grammar
 from sluice.batching.config import EngineConfig
@@ -257,6 +259,28 @@ def test_the_answer_after_a_thinking_budget_ends_at_eos_as_a_reply_without_one(t
         assert reply.finish_reason == finish and reply.token_ids[-1] == 2
         assert num_tokens is None or len(reply.token_ids) == num_tokens
         assert finish == "length" or reply.token_ids.index(2) == len(reply.token_ids) - 1
+
+
+def test_a_chats_thought_under_a_grammar_is_decoded_in_multi_step_calls():
+    """The thinking before a grammar's answer is most of a reply and leaves the text free, EOS aside: the chat's
+    plan marks it so (`mostly_free`), and a multi-step engine draws it without the mask, several tokens a call.
+    (The tiny model, biased to write "a", thinks in whole characters: its favourite byte tokens are no text.)"""
+    config = ModelConfig.tiny(vocab_size=288)
+    tokenizer = one_token_tags(special=True).with_chat_template(TEMPLATE)
+    engine = Engine(LoadedModel(config, Llama(config, rngs=nnx.Rngs(0)), tokenizer, "tiny"),
+                    EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, page_size=4,
+                                 kv_cache_memory=4 << 20, warmup=False, num_decode_steps=4), progress=False)
+    [a] = tokenizer.encode("a", add_special_tokens=False)
+    state = ServerState(ServerSettings(reasoning_parser="deepseek_r1"))
+    body = ChatCompletionRequest(model="tiny", messages=HELLO, max_tokens=24, temperature=0,
+                                 structured_outputs={"regex": "[a-z]{2,8}"},
+                                 logit_bias={str(a): 20, str(tokenizer.special_token_id(END)): -100})
+    plan = asyncio.run(plan_chat(state, engine, body))
+    assert plan.params.structured.mostly_free
+    (reply,) = engine.generate([plan.prompt.token_ids], plan.params)
+    assert reply[0].finish_reason == "length" and tokenizer.special_token_id(END) not in reply[0].token_ids
+    assert engine.stats.num_steps < 24 // 2
+    assert engine.stats.kv_pages_used == 0
 
 
 def test_a_vocabulary_whose_tags_are_text_binds_no_budget():

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 from flax import nnx
 
+from sluice.app.reasoning import ReasoningFormat
 from sluice.app.tool_calls import call_grammar
 import sluice.batching.engine as engine_module
 from sluice.batching.config import EngineConfig
@@ -33,6 +34,7 @@ PATTERN = r"(ab|cd|ef)+\."
 CONSTRAINED = SamplingParams(temperature=0.0, max_tokens=60, logprobs=True,
                              structured=StructuredOutput("regex", PATTERN))
 PROMPTS = [[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [30, 31, 32, 33, 34, 35], [100, 5, 100, 5, 100], [60, 61, 62]]
+EOS = 2  # ModelConfig.tiny's
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +164,37 @@ def test_multi_step_calls_draw_the_tokens_of_a_grammar_that_leaves_the_text_free
     for reply, word in zip(have, words):
         assert reply[0].text.endswith(word + "!!") and reply[0].finish_reason == "stop"
     assert multi.stats.num_steps < single_steps * 2 // 3
+    assert multi.stats.kv_pages_used == 0
+
+
+def test_multi_step_calls_draw_a_thoughts_tokens_unmasked_and_an_eos_drawn_there_falls(tiny, plain, monkeypatch):
+    """A reasoning model's thought allows every token free text does but EOS (the reply may not end inside it), so
+    a multi-step call draws it without the mask too; an EOS drawn there falls, and the next token is drawn under
+    the mask. With EOS's logit raised it is often the greedy choice: the tokens of single masked steps still, in
+    fewer steps."""
+    multi = Engine(tiny, replace(CONFIG, num_decode_steps=4), progress=False)
+    colour = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"]}
+    spec = StructuredOutput("json_schema", json.dumps(colour), mostly_free=True,
+                            preamble=ReasoningFormat.named("deepseek_r1").preamble(tiny.tokenizer))
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured=spec, logit_bias=((EOS, 3.0),))
+    fell = []
+    check = engine_module.unmasked_prefixes
+
+    def recording(rows):
+        standing = check(rows)
+        fell.extend(tokens[count] for (_, tokens), count in zip(rows, standing) if count < len(tokens))
+        return standing
+
+    monkeypatch.setattr(engine_module, "unmasked_prefixes", recording)
+    single_steps = plain.stats.num_steps
+    want = plain.generate(PROMPTS, params)
+    single_steps = plain.stats.num_steps - single_steps
+    have = multi.generate(PROMPTS, params)
+    for w, h in zip(want, have):
+        assert (h[0].token_ids, h[0].text, h[0].finish_reason) == (w[0].token_ids, w[0].text, "length")
+        assert EOS not in h[0].token_ids
+    assert fell.count(EOS) >= len(PROMPTS)
+    assert multi.stats.num_steps < single_steps * 3 // 4
     assert multi.stats.kv_pages_used == 0
 
 
