@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_serializer, \
-    field_validator, model_serializer, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, \
+    field_serializer, field_validator, model_serializer, model_validator
 from pydantic_core import InitErrorDetails
 
 from sluice.batching.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutput
@@ -381,7 +381,24 @@ class SamplingRequest(PromptTruncation):
         """`logprobs` and `top_logprobs` for the engine: each API asks for them in its own shape."""
 
 
-Prompt = str | list[TokenId] | list[str] | list[list[TokenId]]
+def _prompt_form(value: Any) -> str | None:
+    """Which of a prompt's four forms `value` is written in, read from its type (a list's from its first item), so
+    that one off its form is refused for what is wrong in it (`prompt.0`: a token id below 0), not by the union's
+    first member ("Input should be a valid string"); None for a value of no form."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else None
+    return "texts" if isinstance(first, str) else "id_lists" if isinstance(first, list) else "ids"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[TokenId], Tag("ids")] | Annotated[list[str], Tag("texts")]
+    | Annotated[list[list[TokenId]], Tag("id_lists")],
+    Discriminator(_prompt_form, custom_error_type="prompt_form", custom_error_message="Input should be a string, a "
+                  "list of strings, a list of token ids or a list of lists of token ids"),
+]
 
 
 def check_prompts(prompt: Prompt, info: ValidationInfo, max_prompts: int = MAX_PROMPTS) -> Prompt:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
+from sluice.app.errors import from_validation_error
 from sluice.app.schemas import ChatCompletionRequest, CompletionRequest
 
 VOCAB = {"vocab_size": 1000}
@@ -20,3 +22,16 @@ def test_include_usage_false_leaves_usage_out_continuous_or_not():
     body = {"prompt": "hi", "stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}}
     request = CompletionRequest.model_validate(body, context=VOCAB)
     assert not request.include_usage and not request.continuous_usage
+
+
+@pytest.mark.parametrize(("prompt", "param", "words"), [
+    ([-1], "prompt.0", "greater than or equal to 0"), ([5, 1.5], "prompt.1", "valid integer"),
+    ([[1, -2]], "prompt.0.1", "greater than or equal to 0"), (["a", 1], "prompt.1", "valid string"),
+    ([[1], "a"], "prompt.1", "valid list"), (5, "prompt", "a list of lists of token ids"),
+])
+def test_a_prompt_off_its_form_is_refused_for_what_is_wrong_in_it_not_as_no_string(prompt, param, words):
+    """Every one was "prompt: Input should be a valid string", the complaint of the union's first member."""
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate({"prompt": prompt}, context=VOCAB)
+    error = from_validation_error(caught.value, {"prompt": prompt})
+    assert error.param == param and words in error.message
