@@ -100,11 +100,14 @@ def build_request(request_id: str, prompts: list[list[int]], params: SamplingPar
     seqs: list[Sequence] = []
     for prompt in prompts:
         parent = None
-        for _ in range(params.n):
+        for sample in range(params.n):
             choice = len(seqs)
+            # Seeded, a prompt's samples draw as they would in a request of their own, wherever the prompt is in
+            # the list (vLLM runs each prompt of a list as a request); unseeded, every choice draws apart.
+            draw = sample if params.seed is not None else choice
             seq = Sequence(
                 request_id=request_id, choice=choice, prompt_ids=tuple(prompt), params=params,
-                seed=(seed + choice * _SEED_STRIDE) % 2**32,
+                seed=(seed + draw * _SEED_STRIDE) % 2**32,
                 stop=StopChecker(params, limits.eos_token_ids,
                                  tokenizer.decode_stream(prompt, skip_special_tokens=params.skip_special_tokens,
                                                          kept_special_ids=params.kept_special_ids)),

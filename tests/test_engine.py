@@ -290,6 +290,27 @@ def test_n_sequences_with_a_seed_are_reproducible(engine):
     assert first == again and len(first) == 3
 
 
+def test_a_seeded_prompt_of_a_list_samples_as_it_does_alone_and_unseeded_choices_draw_apart(engine):
+    """A completions request's list of prompts: seeded, each prompt's samples are those it gets in a request of its
+    own, wherever it is in the list (vLLM runs each as a request); unseeded, even the same prompt twice draws apart."""
+    target = [4, 5, 6, 7, 8]
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=11, ignore_eos=True)
+    alone = [o.token_ids for o in engine.generate([target], seeded)[0]]
+    collector = ListCollector(6)
+    engine.submit([[30, 31, 32], target, target], seeded, collector, "seeded-list")
+    while engine.has_work:
+        engine.step()
+    listed = [o.token_ids for o in collector.completions()]
+    assert listed[2:4] == alone and listed[4:6] == alone and listed[0:2] != alone
+    unseeded = replace(seeded, seed=None, n=1)
+    collector = ListCollector(2)
+    engine.submit([target, target], unseeded, collector, "unseeded-list")
+    while engine.has_work:
+        engine.step()
+    first, second = (o.token_ids for o in collector.completions())
+    assert first != second
+
+
 def test_stop_token_id_ends_the_sequence_but_not_before_min_tokens(engine):
     prompt = [11, 12, 13, 14]
     free = engine.generate([prompt], GREEDY)[0][0].token_ids
