@@ -46,6 +46,8 @@ class StopChecker:
         self.stop_id_list = tuple(sorted(self.stop_ids))  # as the sampler packs them
         self.detokenizer = detokenizer
         self.text = ""  # the output text so far, kept by `emit`: only with stop strings to search it for
+        # Per stop string, the longest tail of the text that is a proper prefix of it.
+        self._stop_tails = [0] * len(params.stop)
         self.num_emitted_chars = 0
         self.num_output_tokens = 0
         self.stop_reason: str | int | None = None  # what ended the sequence with "stop": a stop string, or an id
@@ -106,9 +108,10 @@ class StopChecker:
         self.text += text
         if self.num_output_tokens > self.params.min_tokens:
             # Only a match that ends in this token's text: one wholly in the text of a token within min_tokens
-            # does not stop the sequence (and was emitted).
-            hits = [(i, i + len(s), s) for s in self.params.stop
-                    if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
+            # does not stop the sequence (and was emitted). One that starts in the text before it starts in that stop
+            # string's tail (`_stop_tails`), so the search need not go back further.
+            hits = [(i, i + len(s), s) for s, tail in zip(self.params.stop, self._stop_tails)
+                    if (i := self.text.find(s, before - tail)) >= 0]
             if hits:
                 start, end, stop = min(hits)
                 self.text = self.text[:end if include else start]
@@ -117,7 +120,8 @@ class StopChecker:
                 return StopDecision(self._flush(), "stop")
         if token_finish is not None:
             return StopDecision(self._flush(), token_finish)
-        end = len(self.text) - (0 if include else self._held_back())
+        self._update_stop_tails(len(text))
+        end = len(self.text) - (0 if include else max(self._stop_tails, default=0))
         new = self.text[self.num_emitted_chars:end]
         self.num_emitted_chars = max(self.num_emitted_chars, end)
         return StopDecision(new)
@@ -132,12 +136,10 @@ class StopChecker:
         self.num_emitted_chars = len(self.text)
         return new
 
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self.params.stop:
-            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
+    def _update_stop_tails(self, num_new_chars: int) -> None:
+        """`_stop_tails` for the text with `num_new_chars` more characters. A tail can only have grown by those (the
+        text before them ended in the rest of it, itself a prefix), so a stop string, however long, is compared
+        with the text only for lengths up to its tail before plus the new characters."""
+        for k, stop in enumerate(self.params.stop):
+            longest = min(len(stop) - 1, len(self.text), self._stop_tails[k] + num_new_chars)
+            self._stop_tails[k] = next((n for n in range(longest, 0, -1) if self.text.endswith(stop[:n])), 0)
