@@ -106,17 +106,16 @@ class StopChecker:
             text += self.detokenizer.flush()
         before = len(self.text)
         self.text += text
-        if self.num_output_tokens > self.params.min_tokens:
+        # A stop id comes first, as in vLLM: its whole text is kept and not searched for stop strings.
+        if token_finish != "stop" and self.num_output_tokens > self.params.min_tokens:
             # Only a match that ends in this token's text: one wholly in the text of a token within min_tokens
             # does not stop the sequence (and was emitted). One that starts in the text before it starts in that stop
             # string's tail (`_stop_tails`), so the search need not go back further.
             hits = [(i, i + len(s), s) for s, tail in zip(self.params.stop, self._stop_tails)
                     if (i := self.text.find(s, before - tail)) >= 0]
             if hits:
-                start, end, stop = min(hits)
+                start, end, self.stop_reason = min(hits)
                 self.text = self.text[:end if include else start]
-                if token_finish != "stop":  # a stop id comes first, as in vLLM
-                    self.stop_reason = stop
                 return StopDecision(self._flush(), "stop")
         if token_finish is not None:
             return StopDecision(self._flush(), token_finish)

@@ -110,6 +110,20 @@ def test_the_stop_reason_is_the_stop_string_that_matched_first_or_the_requests_s
         assert checker.stop_reason == expected, params
 
 
+def test_a_stop_id_that_ends_the_output_is_kept_whole_and_its_text_not_searched_for_stop_strings(tokenizer):
+    """As vLLM's detokenizer skips the stop-string check on a step a stop token ends: with the stop id's text
+    included, a stop string inside it neither cuts that text nor becomes the stop reason."""
+    im_end = tokenizer.encode("<|im_end|>")
+    assert len(im_end) == 1
+    for stop_ids, eos, expected_reason in (((im_end[0],), (), im_end[0]), ((), im_end, None)):
+        params = SamplingParams(max_tokens=20, stop=("ld<",), stop_token_ids=stop_ids, include_stop_str_in_output=True)
+        checker = StopChecker(params, tuple(eos), tokenizer.decode_stream(skip_special_tokens=False))
+        emitted = "".join(checker.emit(token, None).text for token in tokenizer.encode("Hello world"))
+        decision = checker.emit(im_end[0], "stop")
+        assert (emitted + decision.text, decision.finish_reason) == ("Hello world<|im_end|>", "stop")
+        assert checker.stop_reason == expected_reason
+
+
 def test_min_tokens_defers_stop_strings_and_stop_ids(tokenizer):
     params = SamplingParams(max_tokens=20, min_tokens=5, stop=("a",))
     emitted, reason, used = feed(tokenizer, "a b c d e f a g", params)
