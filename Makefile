@@ -7,6 +7,7 @@ PYTHON_BIN = $(firstword $(if $(filter python3.%,$(1)),$(wildcard $(HOME)/.pyenv
 VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 # The HF transformers baseline for `make bench` lives in its own venv: torch is not a Sluice dependency.
 BENCH_REF := .venv-bench-ref
 # llama.cpp, the CPU peer for `make bench`: built once from the sources vendored in the llama-cpp-python sdist.
@@ -25,10 +26,16 @@ $(BIN)/python:
 	$(call PYTHON_BIN,$(PYTHON)) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# The ray extra too: the tests of `sluice serve --replicas` run when it is there (and skip without it).
+# What serving and `sluice bench` need, and no more: `make serve` on a laptop waits for no test stack, nor for Ray
+# (a wheel some platforms lack; `sluice serve --replicas` says how to add it).
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test,ray]'
+	$(BIN)/pip install --quiet -e '.[bench]'
 	touch $(STAMP)
+
+# The ray extra too: the tests of `sluice serve --replicas` run when it is there (and skip without it).
+$(TEST_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test,bench,ray]'
+	touch $(TEST_STAMP) $(STAMP)
 
 # The CPU kernels (C++, XLA FFI) build for the CPU's best variant (pallas_kernels/cpu_build.py); without them the
 # fastest pure-XLA forms run.
@@ -63,7 +70,7 @@ $(ARM64_CXX):
 # another's compute; tests/conftest.py keeps each module on one worker and runs those that cannot share the machine
 # alone. `pytest -p no:xdist` runs the suite in one process. Under mimalloc, as the `sluice` command runs (its
 # compiles take 10 to 15% less: app/allocator.py); the servers the tests start inherit it.
-test: model | $(CHROMIUM) $(ARM64_CXX)
+test: $(TEST_STAMP) model | $(CHROMIUM) $(ARM64_CXX)
 	LD_PRELOAD="$$($(BIN)/python -m sluice.app.allocator)" $(BIN)/python -m pytest -q -n 2
 
 # torch first: pip then takes the CPU wheel and keeps it when transformers comes after.
@@ -88,7 +95,7 @@ $(LLAMA_CPP)/.built: | $(BIN)/python
 $(LLAMA_CPP)/build/bin/llama-quantize: $(LLAMA_CPP)/.built
 	nice -n 10 cmake --build $(LLAMA_CPP)/build -j 2 --target llama-quantize
 
-bench: model $(BENCH_REF)/.installed $(LLAMA_CPP)/.built $(LLAMA_CPP)/build/bin/llama-quantize
+bench: $(TEST_STAMP) model $(BENCH_REF)/.installed $(LLAMA_CPP)/.built $(LLAMA_CPP)/build/bin/llama-quantize
 	$(BIN)/python bench/compare.py
 
 # On a GPU machine, with the image's python (no venv): kernels, engine and throughput in one command.
@@ -102,7 +109,7 @@ JAX_NEXT := .venv-jax-next
 PYTHON_NEXT ?= python3.12
 JAX_NEXT_VERSION ?=
 check-jax-next:
-	$(MAKE) --no-print-directory PYTHON=$(PYTHON_NEXT) VENV=$(JAX_NEXT) $(JAX_NEXT)/.installed
+	$(MAKE) --no-print-directory PYTHON=$(PYTHON_NEXT) VENV=$(JAX_NEXT) $(JAX_NEXT)/.installed-test
 	$(JAX_NEXT)/bin/pip install --quiet --upgrade \
 		jax$(if $(JAX_NEXT_VERSION),==$(JAX_NEXT_VERSION)) jaxlib$(if $(JAX_NEXT_VERSION),==$(JAX_NEXT_VERSION))
 	$(JAX_NEXT)/bin/python -c 'import sys, jax, jaxlib; print("Python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__)'
