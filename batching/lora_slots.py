@@ -5,7 +5,9 @@ the most recently used ones' (`hold`); a batch runs with at most as many adapter
 looks up a slot for a sequence with an adapter (`find`), takes it once it admits the sequence (`acquire`) and gives
 it back when the sequence leaves the running set (`release`): its adapter's slot if one holds it, else the least
 recently used slot no running sequence uses, whose weights the engine then writes before the step that needs them
-(`writes`). Weights host memory dropped are read again from the adapter's folder on a reader thread (`find` starts
+(`writes`). A sequence whose adapter finds every slot in use drains one (`find`): no later sequence joins it, so
+the adapter gets it once its running sequences are done, however many requests for the adapter in it keep coming.
+Weights host memory dropped are read again from the adapter's folder on a reader thread (`find` starts
 the read, the engine takes it in between steps: `take_in`): the sequences that need them wait, the others run on.
 An adapter is its name and its files' fingerprint: one loaded in place is another adapter, so a slot holding the old
 weights serves no new sequence. Owned by the engine thread, bar the reads' own work.
@@ -37,6 +39,7 @@ class LoraSlots:
         self._slot_of = {lora: slot for slot, lora in enumerate(resident)}
         # The slots no running sequence uses, least recently used first: the empty ones before any that holds one.
         self._unused = dict.fromkeys([*range(len(resident), num_slots), *range(len(resident))])
+        self._draining: int | None = None  # the slot no sequence joins until none uses it (`find`)
         self.max_held = max_held
         # The adapters whose weights host memory holds, least recently used first, by identity: one loaded again with
         # the same files is an equal adapter, but another object, with weights of its own.
@@ -54,10 +57,15 @@ class LoraSlots:
         least recently used unused one; None while every slot holds another adapter in use, or while the weights
         host memory dropped are read again (started here, one read per adapter). Each read keeps an unused slot for
         its adapter: a sequence behind, whose adapter's weights are held, does not take it first (it could do so at
-        every read, and the adapter read wait on)."""
+        every read, and the adapter read wait on). Finding every slot in use, it drains the one fewest running
+        sequences use: its adapter's sequences behind wait too, and the first sequence looked at once it is unused
+        takes it (the scheduler looks in its waiting order)."""
         slot = self._slot_of.get(lora)
         if slot is not None:
-            return slot
+            return None if slot == self._draining else slot
+        if not self._unused:
+            self._drain()
+            return None
         if lora in self.reads or len(self._unused) <= len(self.reads):
             return None
         slot = next(iter(self._unused))
@@ -65,6 +73,10 @@ class LoraSlots:
             return slot
         self.reads[lora] = self._reader.submit(self._read_again, lora)
         return None
+
+    def _drain(self) -> None:
+        if self._draining is None:
+            self._draining = min(range(self.num_slots), key=self.users.__getitem__)
 
     def acquire(self, lora: LoraRequest, slot: int) -> None:
         """One more running sequence with `lora` takes `slot` (`find`'s), which is listed in `writes` to take its
@@ -90,6 +102,8 @@ class LoraSlots:
         self.users[slot] -= 1
         if not self.users[slot]:
             self._unused[slot] = None
+            if slot == self._draining:
+                self._draining = None
 
     def hold(self, loras: Iterable[LoraRequest]) -> None:
         """`loras`' weights were read, written or used just now: the most recently used of those held. Past `max_held`,

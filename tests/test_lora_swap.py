@@ -66,6 +66,24 @@ def test_an_adapter_takes_the_least_recently_used_slot_no_running_sequence_uses_
     assert slots.holders == [A, C]
 
 
+def test_a_later_sequence_of_an_adapter_in_use_waits_behind_one_whose_adapter_finds_no_slot():
+    """Else a steady stream of requests for the adapters in the slots keeps every slot in use, and the waiting
+    adapter never gets one."""
+    slots = LoraSlots(1, [A])
+    slot = take(slots, A)
+    assert take(slots, B) is None
+    assert take(slots, A) is None and slots.users == [1]
+    slots.release(slot)
+    assert take(slots, B) == 0 and slots.writes == {0: B}
+
+
+def test_the_slot_drained_for_a_waiting_adapter_is_the_one_fewest_running_sequences_use():
+    slots = LoraSlots(2, [A, B])
+    take(slots, A), take(slots, A), take(slots, B)
+    assert take(slots, C) is None
+    assert take(slots, A) == 0 and take(slots, B) is None
+
+
 def test_an_empty_slot_is_taken_before_one_that_holds_an_adapter():
     slots = LoraSlots(2, [A])
     assert take(slots, B) == 1 and slots.holders == [A, B]
@@ -102,17 +120,17 @@ def test_a_sequence_the_pool_cannot_admit_evicts_no_adapter():
 def test_the_scheduler_skips_a_sequence_whose_adapter_finds_no_slot_and_admits_the_others():
     slots = LoraSlots(1, [A])
     sched = Scheduler(SchedulerConfig(8, 64), BlockManager(64, 4), slots)
-    loras = [A, B, None, A]
+    loras = [A, A, B, None]
     seqs = [make_sequence(i, range(10 * i, 10 * i + 3), SamplingParams(lora=lora)) for i, lora in enumerate(loras)]
     for seq in seqs:
         sched.add(seq)
     out = sched.schedule()
-    assert out.admitted == [seqs[0], seqs[2], seqs[3]] and sched.waiting == [seqs[1]]
-    assert [seq.lora_slot for seq in seqs] == [0, -1, -1, 0] and slots.users == [2]
+    assert out.admitted == [seqs[0], seqs[1], seqs[3]] and sched.waiting == [seqs[2]]
+    assert [seq.lora_slot for seq in seqs] == [0, 0, -1, -1] and slots.users == [2]
     sched.finish(seqs[0])
     assert sched.schedule().admitted == [] and slots.users == [1]
-    sched.finish(seqs[3])
-    assert sched.schedule().admitted == [seqs[1]] and seqs[1].lora_slot == 0 and slots.writes == {0: B}
+    sched.finish(seqs[1])
+    assert sched.schedule().admitted == [seqs[2]] and seqs[2].lora_slot == 0 and slots.writes == {0: B}
 
 
 def read_when(gate: threading.Event, readers: list[threading.Thread], timeout: float = 30.0):
@@ -384,6 +402,27 @@ def test_an_aborted_request_gives_its_slot_to_the_adapter_waiting_for_it(one_slo
     assert one_slot.loras.slots.users == [0] and one_slot.loras.slots.holders == [one_slot.adapters[waiting]]
 
 
+def test_an_adapter_waiting_for_the_slot_runs_though_requests_for_the_adapter_in_it_keep_coming(one_slot):
+    first, other = FOLDERS
+    sinks = [ListCollector(1) for _ in range(50)]  # far more steps than the waiting request needs
+
+    def submit(i: int, name: str) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, lora=one_slot.adapters[name])
+        one_slot.submit([[1, 2, 3, 4, 5]], params, sinks[i], f"steady-{i}")
+
+    submit(0, first)
+    one_slot.step()
+    submit(1, other)
+    for i in range(2, len(sinks)):
+        if sinks[1].completions()[0].finish_reason is not None:
+            break
+        submit(i, first)
+        one_slot.step()
+    assert sinks[1].completions()[0].finish_reason == "length"
+    drain(one_slot)
+    assert one_slot.loras.slots.users == [0]
+
+
 def test_no_more_slots_than_adapters_without_runtime_updating_and_max_loras_still_reported(folder):
     """Every token multiplies every slot's weights: an empty slot would cost as much as a full one."""
     engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, max_loras=8)
@@ -419,7 +458,7 @@ def test_an_adapter_unloaded_while_its_requests_run_and_wait_serves_them_and_ref
     engine = golden_engine(fresh(folder), enable_lora=True, lora_modules=MODULES, max_loras=1,
                            allow_runtime_lora_updating=True, max_lora_rank=8)
     cases = {name: case_named(ADAPTERS[name]["cases"], "short") for name in FOLDERS}
-    order = ["all_modules", "qv_rslora", "all_modules"]  # the second waits for the slot the others hold
+    order = ["all_modules", "all_modules", "qv_rslora"]  # the third waits for the slot the others hold
     sinks = [ListCollector(1) for _ in order]
     for i, (name, sink) in enumerate(zip(order, sinks)):
         engine.submit([cases[name]["prompt_ids"]], golden_params(LORA, lora=engine.adapters[name]), sink, f"r{i}")
