@@ -237,10 +237,12 @@ class MessageBuilder:
     def _stop(self, called: bool) -> tuple[StopReason, str | None]:
         if self._finish == "length":
             return "model_context_window_exceeded" if self._windowed else "max_tokens", None
-        if called:
-            return "tool_use", None
+        # A stop sequence ends the reply wherever it falls, a call's input included (a call it cuts is no call
+        # to run), as max_tokens does.
         if isinstance(self._stop_reason, str):
             return "stop_sequence", self._stop_reason
+        if called:
+            return "tool_use", None
         return "end_turn", None
 
     def _usage(self, generation: Generation) -> MessageUsage:

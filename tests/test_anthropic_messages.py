@@ -810,6 +810,23 @@ def test_an_eager_tools_call_streams_its_input_as_it_is_sampled_and_its_message_
     assert asyncio.run(builder().collect(_Replay(texts))).content[0].input == {"city": "Oslo"}
 
 
+def test_a_call_cut_by_a_stop_sequence_stops_for_that_stop_sequence_whole_as_streamed():
+    """A stop sequence written inside a call's input ends the reply with the call unfinished: the reply stopped
+    for the stop sequence, not for a call the client could run (as a call max_tokens cuts stops for max_tokens)."""
+    texts = list('<tool_call>\n{"name": "get_weather", "arguments": {"city": "')  # then "Paris", the stop sequence
+
+    def builder() -> MessageBuilder:
+        return MessageBuilder("msg_1", MODEL, 3, ToolCalling(frozenset({"get_weather"}), forced=True))
+
+    async def stream() -> dict:
+        events = [json.loads(event.split(b"data: ")[1]) async for event in builder().events(_Replay(texts, "Paris"))]
+        return next(event for event in events if event["type"] == "message_delta")["delta"]
+
+    whole = asyncio.run(builder().collect(_Replay(texts, "Paris")))
+    assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "Paris")
+    assert asyncio.run(stream()) == {"stop_reason": "stop_sequence", "stop_sequence": "Paris"}
+
+
 def test_the_anthropic_client_lists_and_retrieves_the_served_model(client):
     """Anthropic's models list: `type`, `display_name` and `created_at` (the client's ModelInfo), one page."""
     page = client.models.list()
