@@ -168,7 +168,13 @@ def _content(pieces: list[Thought | StreamEvent]) -> list[ThinkingBlock | TextBl
             blocks.append(TextBlock(text=_opening(piece.text, after_block=bool(blocks))))
     for index, members in arguments.items():
         blocks[index].input = members.input()
-    return blocks
+    return [block for block in blocks if not (isinstance(block, TextBlock) and _blank(block.text))]
+
+
+def _blank(text: str) -> bool:
+    """Whether a text block of `text` would be whitespace alone: Anthropic refuses one in a request, so a reply
+    holding one could not be sent back in the conversation. Such text is no block (Anthropic's replies have none)."""
+    return not text.strip()
 
 
 class MessageBuilder:
@@ -277,6 +283,7 @@ class _Blocks:
         self._frame: TextFrame | None = None  # the open thinking or text block's delta event
         self._thinking = ""  # the open thinking block's text so far
         self._members: _Members | None = None  # the open tool_use block's arguments (None: an eager tool's)
+        self._held = ""  # whitespace that would open a text block, held until text follows (see `_blank`)
 
     def add(self, piece: Thought | StreamEvent) -> list[bytes]:
         if isinstance(piece, ArgumentsDelta):
@@ -286,6 +293,13 @@ class _Blocks:
         if (isinstance(piece, Thought) and self._open == "thinking"
                 or isinstance(piece, TextDelta) and self._open == "text"):
             return [self._delta(piece.text)]
+        if isinstance(piece, TextDelta):
+            piece, self._held = TextDelta(self._held + piece.text), ""
+            if _blank(piece.text):
+                self._held = piece.text
+                return []
+        else:
+            self._held = ""
         events = self.close()
         index = self._count
         if isinstance(piece, Thought):

@@ -827,6 +827,34 @@ def test_a_call_cut_by_a_stop_sequence_stops_for_that_stop_sequence_whole_as_str
     assert asyncio.run(stream()) == {"stop_reason": "stop_sequence", "stop_sequence": "Paris"}
 
 
+@pytest.mark.parametrize(("texts", "expected"), [
+    ([" "], []),  # as a prefill "1," continued up to the stop sequence "2"
+    (["\n\n", " "], []),
+    (["  ", "Hi"], [("text", "  Hi")]),
+], ids=["a space", "whitespace in tokens", "whitespace before text"])
+def test_a_reply_has_no_text_block_of_whitespace_alone_whole_as_streamed(texts, expected):
+    """Anthropic refuses a text block of whitespace alone in a request, so a reply holding one could not be sent
+    back in the conversation (`message.to_param()`): such text is no block, as Anthropic's replies have none."""
+    def builder() -> MessageBuilder:
+        return MessageBuilder("msg_1", MODEL, 3, None)
+
+    async def stream() -> list[dict]:
+        return [json.loads(event.split(b"data: ")[1]) async for event in builder().events(_Replay(texts))]
+
+    def shape(block: dict) -> tuple[str, str]:
+        return block["type"], block["text"]
+
+    whole = asyncio.run(builder().collect(_Replay(texts)))
+    streamed: dict[int, dict] = {}
+    for event in asyncio.run(stream()):
+        if event["type"] == "content_block_start":
+            streamed[event["index"]] = event["content_block"]
+        elif event["type"] == "content_block_delta" and event["delta"]["type"] == "text_delta":
+            streamed[event["index"]]["text"] += event["delta"]["text"]
+    assert [shape(block.model_dump()) for block in whole.content] == expected
+    assert [shape(block) for block in streamed.values()] == expected
+
+
 def test_the_anthropic_client_lists_and_retrieves_the_served_model(client):
     """Anthropic's models list: `type`, `display_name` and `created_at` (the client's ModelInfo), one page."""
     page = client.models.list()
