@@ -172,11 +172,11 @@ async def plan_chat(state: ServerState, engine: Engine, body: ChatCompletionRequ
         raise invalid_request(f"thinking_token_budget needs {needs}", param="thinking_token_budget")
     if reasoning is not None and (params.structured is not None or budget is not None):
         # The grammar (any tokens without one) holds the answer after the thinking, which the budget bounds (one
-        # past max_tokens no more than max_tokens does). The thinking, most of a reply, leaves the text free.
+        # past max_tokens no more than max_tokens does).
         bound = None if budget is None else min(budget, params.max_tokens)
         preamble = reasoning.preamble(engine.tokenizer, bound, engine.limits.eos_token_ids)
         params = dataclasses.replace(params, structured=dataclasses.replace(params.structured or ANY_ANSWER,
-                                                                            preamble=preamble, mostly_free=True))
+                                                                            preamble=preamble))
     # The readers' tags keep their text, where they are special tokens, and no other special token does (vLLM's
     # Mistral, Hermes and reasoning parsers keep every one).
     kept = ((think_token_ids(engine.tokenizer) if reasoning is not None else frozenset())

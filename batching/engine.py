@@ -727,12 +727,13 @@ class Engine:
                 and all(self._draws_unmasked(seq, ahead) for seq in seqs if seq.grammar is not None))
 
     def _draws_unmasked(self, seq: Sequence, ahead: bool = False) -> bool:
-        """Whether a multi-step call may draw `seq`'s tokens without its grammar's mask: its grammar leaves the text
-        free for now (`Grammar.allows_free_text`), and the host, which has taken in all its tokens (not so
-        `ahead`), then keeps those drawn while it did (`_check_unmasked`). Not with drafts, or for logprobs (the
-        mask's)."""
-        return (self.speculator is None and seq.params.structured.mostly_free and not seq.params.wants_logprobs
-                and (ahead or not seq.num_pending) and not seq.grammar.masked_next
+        """Whether a multi-step call may draw `seq`'s tokens without its grammar's mask: its grammar, one that
+        leaves most of the text free or a reasoning model's thought before it, leaves the text free for now
+        (`Grammar.allows_free_text`), and the host, which has taken in all its tokens (not so `ahead`), then keeps
+        those drawn while it did (`_check_unmasked`). Not with drafts, or for logprobs (the mask's)."""
+        structured = seq.params.structured
+        return (self.speculator is None and (structured.mostly_free or structured.preamble is not None)
+                and not seq.params.wants_logprobs and (ahead or not seq.num_pending) and not seq.grammar.masked_next
                 and seq.grammar.allows_free_text())
 
     def _check_unmasked(self, pending: PendingStep, result: StepOutput) -> dict[int, SequenceOutput]:

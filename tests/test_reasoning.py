@@ -262,9 +262,10 @@ def test_the_answer_after_a_thinking_budget_ends_at_eos_as_a_reply_without_one(t
 
 
 def test_a_chats_thought_under_a_grammar_is_decoded_in_multi_step_calls():
-    """The thinking before a grammar's answer is most of a reply and leaves the text free, EOS aside: the chat's
-    plan marks it so (`mostly_free`), and a multi-step engine draws it without the mask, several tokens a call.
-    (The tiny model, biased to write "a", thinks in whole characters: its favourite byte tokens are no text.)"""
+    """The thinking before a grammar's answer leaves the text free, EOS aside: a multi-step engine draws it without
+    the mask, several tokens a call. The answer's grammar keeps its own mark (a JSON answer's forced tokens are
+    appended at once, its batch collected first). (The tiny model, biased to write "a", thinks in whole
+    characters: its favourite byte tokens are no text.)"""
     config = ModelConfig.tiny(vocab_size=288)
     tokenizer = one_token_tags(special=True).with_chat_template(TEMPLATE)
     engine = Engine(LoadedModel(config, Llama(config, rngs=nnx.Rngs(0)), tokenizer, "tiny"),
@@ -276,7 +277,7 @@ def test_a_chats_thought_under_a_grammar_is_decoded_in_multi_step_calls():
                                  structured_outputs={"regex": "[a-z]{2,8}"},
                                  logit_bias={str(a): 20, str(tokenizer.special_token_id(END)): -100})
     plan = asyncio.run(plan_chat(state, engine, body))
-    assert plan.params.structured.mostly_free
+    assert plan.params.structured.preamble is not None and not plan.params.structured.mostly_free
     (reply,) = engine.generate([plan.prompt.token_ids], plan.params)
     assert reply[0].finish_reason == "length" and tokenizer.special_token_id(END) not in reply[0].token_ids
     assert engine.stats.num_steps < 24 // 2

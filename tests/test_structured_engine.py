@@ -174,7 +174,7 @@ def test_multi_step_calls_draw_a_thoughts_tokens_unmasked_and_an_eos_drawn_there
     fewer steps."""
     multi = Engine(tiny, replace(CONFIG, num_decode_steps=4), progress=False)
     colour = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"]}
-    spec = StructuredOutput("json_schema", json.dumps(colour), mostly_free=True,
+    spec = StructuredOutput("json_schema", json.dumps(colour),
                             preamble=ReasoningFormat.named("deepseek_r1").preamble(tiny.tokenizer))
     params = SamplingParams(temperature=0.0, max_tokens=40, structured=spec, logit_bias=((EOS, 3.0),))
     fell = []
