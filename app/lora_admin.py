@@ -8,8 +8,8 @@ memory, and the engine thread serves it from between two steps (a device slot ta
 (`ServerState.lora_updates`), so what the checks here read of `Engine.adapters` holds until the update is done; an
 update once begun is seen through to its end even if its request is cancelled (a client gone, a server shutting
 down), so the next one finds the adapters decided. The answers are vLLM's: 200 with one line of plain text; 400 for
-an adapter already loaded without `load_inplace`, or one Sluice cannot serve (`LoraError`'s line); 404 for no folder
-at `lora_path`, or an unload of an adapter not loaded.
+an adapter already loaded without `load_inplace`, or one Sluice cannot serve (`LoraError`'s line: a `lora_path` that
+names a file is one); 404 for nothing at `lora_path`, or an unload of an adapter not loaded.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ERROR_STATUSES = (
-    ("400", "Invalid request: no name or path, the model's name, a name already loaded (without load_inplace), or an "
-            "adapter Sluice cannot serve"),
+    ("400", "Invalid request: no name or path, the model's name, a name already loaded (without load_inplace), a "
+            "file for lora_path, or an adapter Sluice cannot serve"),
     ("401", "Missing or wrong API key"),
-    ("404", "No folder at lora_path, or no adapter loaded of that name to unload"),
+    ("404", "Nothing at lora_path, or no adapter loaded of that name to unload"),
     ("413", "Body too large"),
     ("503", "Loading, or shutting down"),
 )

@@ -34,8 +34,8 @@ PEFT method than LoRA, trained biases (bias other than "none", lora_bias), the L
 Activated LoRA (alora_invocation_tokens), QALoRA (use_qalora), BD-LoRA (use_bdlora), Arrow (arrow_config),
 target_parameters, layer_replication, trainable_token_indices), targets other than the seven projections (lm_head,
 embed_tokens, ...), tensors Sluice would not apply, a module's lora_A without its lora_B or the other way round,
-weights that do not fit the model (shape, layer, r), a folder without adapter_config.json or
-adapter_model.safetensors (an adapter_model.bin alone: convert it), and malformed files.
+weights that do not fit the model (shape, layer, r), a file given for the folder, a folder without adapter_config.json
+or adapter_model.safetensors (an adapter_model.bin alone: convert it), and malformed files.
 Served: target_modules as a list, "all-linear", or a regex; exclude_modules; layers_to_transform and layers_pattern;
 fan_in_fan_out, which PEFT sets only for transposed (Conv1D) base weights and which leaves lora_A `[r, in]` and
 lora_B `[out, r]` as they are. Where adapter_config.json alone says which modules of which layers the adapter adds to
@@ -91,7 +91,7 @@ class LoraError(ValueError):
 
 
 class AdapterNotFound(LoraError):
-    """No adapter at the path given: no such folder."""
+    """No adapter at the path given: nothing there."""
 
 
 Refuse = Callable[[str], LoraError]
@@ -127,11 +127,14 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         return kind(f"LoRA adapter {name!r} ({folder}): {why}")
 
     try:
-        found = folder.is_dir()
+        is_folder = folder.is_dir()
+        found = is_folder or folder.exists()
     except OSError as error:  # a name too long for the file system
         raise refuse(f"no such folder ({error.strerror})", AdapterNotFound) from None
     if not found:
         raise refuse("no such folder", AdapterNotFound)
+    if not is_folder:
+        raise refuse(f"is a file, not a folder: give the PEFT adapter's folder, which holds {CONFIG_FILE}")
     try:
         settings = read_json_object(folder / CONFIG_FILE, missing_ok=False)
     except ValueError as error:

@@ -349,6 +349,8 @@ Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
 LM_HEAD_A = "base_model.model.lm_head.lora_A.weight"
 REFUSALS = {
     "missing folder": (shutil.rmtree, ["no such folder"]),
+    "a file": (lambda f: [shutil.rmtree(f), f.write_text("{}")],
+               ["is a file, not a folder", "PEFT adapter's folder, which holds adapter_config.json"]),
     "no config": (lambda f: (f / CONFIG_FILE).unlink(), ["has no adapter_config.json"]),
     "bad JSON": (lambda f: (f / CONFIG_FILE).write_text("{"), ["adapter_config.json is not JSON"]),
     "not LoRA": (edit_config(peft_type="IA3"), ["is a IA3 adapter, not LoRA"]),

@@ -23,9 +23,11 @@ from sluice.batching.config import InvalidEngineConfig
 from sluice.batching.engine import Engine
 from sluice.batching.outputs import ListCollector
 from sluice.batching.sampling_params import RequestRejected
-from sluice.model.lora import LoraError, load_adapter
+from sluice.model.lora import WEIGHTS_FILE, LoraError, load_adapter
 
 FOLDERS = {name: str(DATA / "tiny_lora" / adapter["folder"]) for name, adapter in ADAPTERS.items()}
+A_FILE = f"{FOLDERS['all_modules']}/{WEIGHTS_FILE}"
+"""An adapter's weights file: a path that names a file, not the PEFT folder a lora_path wants."""
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
@@ -304,6 +306,13 @@ def test_an_adapter_of_a_rank_above_the_slots_is_refused_at_start_up_and_when_lo
     assert load_offline(engine, "chat", "qv_rslora") == engine.adapters["chat"]  # rank 4 fits
 
 
+def test_a_file_given_for_an_adapters_folder_at_start_up_is_refused_saying_so(folder):
+    """As a load names it (`test_a_load_sluice_cannot_serve_says_why_in_lora_errors_line`): the command line gives
+    InvalidEngineConfig's one line (tests/test_lora_serving.py)."""
+    with pytest.raises(InvalidEngineConfig, match="is a file, not a folder: give the PEFT adapter's folder"):
+        golden_engine(fresh(folder), enable_lora=True, lora_modules=(("sql", A_FILE),))
+
+
 def test_more_adapters_than_slots_load_each_kept_in_host_memory_until_a_sequence_needs_one(engine):
     """They are swapped into the slots (tests/test_lora_swap.py)."""
     async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
@@ -316,10 +325,11 @@ def test_more_adapters_than_slots_load_each_kept_in_host_memory_until_a_sequence
 
 @pytest.mark.parametrize(("path", "status", "words"), [
     (DATA / "tiny_llama3", 400, "has no adapter_config.json"),  # a model's folder, not an adapter's
+    (A_FILE, 400, "is a file, not a folder: give the PEFT adapter's folder"),
     (DATA / "no_such_adapter", 404, "no such folder"),
     (DATA / ("x" * 300), 404, "File name too long"),  # no file system has such a name
     ("~nosuchuser/adapter", 404, "no such folder"),
-], ids=["not-an-adapter", "no-folder", "name-too-long", "no-such-user"])
+], ids=["not-an-adapter", "a-file", "no-folder", "name-too-long", "no-such-user"])
 def test_a_load_sluice_cannot_serve_says_why_in_lora_errors_line(engine, path, status, words):
     async def scenario(client: httpx.AsyncClient) -> httpx.Response:
         return await client.post(LOAD, json={"lora_name": "broken", "lora_path": str(path)})
@@ -384,7 +394,7 @@ def test_the_routes_and_their_openapi_paths_exist_only_with_runtime_updating(eng
     document = serve(engine, lambda client: client.get("/openapi.json"), lora_admin=True).json()
     assert document["paths"][LOAD]["post"]["responses"]["200"]["content"] == {
         "text/plain": {"schema": {"type": "string"}}}
-    for path, missing in [(LOAD, "No folder at lora_path"), (UNLOAD, "no adapter loaded of that name")]:
+    for path, missing in [(LOAD, "Nothing at lora_path"), (UNLOAD, "no adapter loaded of that name")]:
         assert missing in document["paths"][path]["post"]["responses"]["404"]["description"]
     schemas = document["components"]["schemas"]
     assert list(schemas["LoadLoraAdapterRequest"]["properties"]) == ["lora_name", "lora_path", "load_inplace"]
