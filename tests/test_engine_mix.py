@@ -107,6 +107,9 @@ class Recorder:
     def logprobs(self, choice: int) -> list[TokenLogprob]:
         return [lp for i in self.parts[choice] for lp in i.logprobs]
 
+    def where(self, choice: int) -> str:
+        return f"{self.spec.request_id} choice {choice} ({self.spec.params})"
+
 
 def random_params(rng: random.Random) -> SamplingParams:
     kind = rng.random()
@@ -189,9 +192,7 @@ def assert_idle(engine: Engine) -> None:
 
 
 def check_choice(recorder: Recorder, choice: int, tokenizer) -> None:
-    spec, params = recorder.spec, recorder.spec.params
-    parts = recorder.parts[choice]
-    where = f"{spec.request_id} choice {choice} ({params})"
+    params, parts, where = recorder.spec.params, recorder.parts[choice], recorder.where(choice)
     assert parts and parts[-1].finish_reason is not None, f"{where}: never finished"
     finish = parts[-1].finish_reason
     assert finish != "error", f"{where}: {parts[-1].error}"
@@ -200,14 +201,7 @@ def check_choice(recorder: Recorder, choice: int, tokenizer) -> None:
     if finish == "length":
         assert len(tokens) == params.max_tokens, where
     if params.stop and finish != "abort":
-        # A stop string wholly within the text of the first min_tokens tokens is emitted and ends nothing.
-        held = len(tokenizer.decode(tokens[:params.min_tokens])) if params.min_tokens else 0
-        found = [i for s in params.stop if (i := text.find(s, max(0, held - len(s) + 1))) >= 0]
-        if params.include_stop_str_in_output and parts[-1].stop_reason in params.stop:
-            stop = parts[-1].stop_reason
-            assert text.endswith(stop) and min(found) == len(text) - len(stop), where
-        else:
-            assert not found, f"{where}: a stop string in {text!r}"
+        check_stop_strings(recorder, choice, tokenizer)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {2})
     for j, token in enumerate(tokens[:-1]):
         assert token not in stop_ids or j < params.min_tokens, f"{where}: a stop id before the last token"
@@ -219,10 +213,53 @@ def check_choice(recorder: Recorder, choice: int, tokenizer) -> None:
         assert re.fullmatch(REGEX, text), f"{where}: {text!r}"
 
 
+def check_stop_strings(recorder: Recorder, choice: int, tokenizer) -> None:
+    """That a finished choice's text holds none of its request's stop strings, but for the one that ended it where
+    include_stop_str_in_output emits it, and any in the text of a stop id that ended it."""
+    params, parts, where = recorder.spec.params, recorder.parts[choice], recorder.where(choice)
+    tokens, text = recorder.tokens(choice), recorder.text(choice)
+    # A stop string wholly within the text of the first min_tokens tokens is emitted and ends nothing.
+    held = len(tokenizer.decode(tokens[:params.min_tokens])) if params.min_tokens else 0
+    # A stop id comes first, as in vLLM: its text (emitted with include_stop_str_in_output) is not searched.
+    stopped_by_id = parts[-1].stop_reason in params.stop_token_ids and tokens[-1] == parts[-1].stop_reason
+    searched = text[:len(tokenizer.decode(tokens[:-1]))] if stopped_by_id else text
+    found = [i for s in params.stop if (i := searched.find(s, max(0, held - len(s) + 1))) >= 0]
+    if params.include_stop_str_in_output and parts[-1].stop_reason in params.stop:
+        stop = parts[-1].stop_reason
+        assert text.endswith(stop) and min(found) == len(text) - len(stop), where
+    else:
+        assert not found, f"{where}: a stop string in {text!r}"
+
+
+class _Tokenizer:
+    """Decodes ALPHABET's ids to their texts, as SmolLM2's tokenizer does."""
+
+    TEXTS = dict(zip(ALPHABET, ("a", "b", "e", "s", " ", "in", "er", "\n")))
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.TEXTS[i] for i in ids)
+
+
+@pytest.mark.parametrize(("emitted", "caught"), [(("a", "b"), False), (("a", "e", "b"), True)],
+                         ids=["before-it-none", "before-it-one"])
+def test_the_stop_string_check_leaves_out_the_text_of_a_final_stop_id_only(emitted, caught):
+    """A stop id comes first and its text, emitted with include_stop_str_in_output, is not searched for stop strings
+    ("er" holds "e"); the text before it is."""
+    texts = {text: token for token, text in _Tokenizer.TEXTS.items()}
+    params = SamplingParams(max_tokens=8, stop=("e",), stop_token_ids=(texts["er"],), include_stop_str_in_output=True)
+    recorder = Recorder(Spec("hand-built", [[5, 6]], params, 0, None))
+    recorder.put(Increment(0, "".join(emitted), tuple(texts[text] for text in emitted)))
+    recorder.put(Increment(0, "er", (texts["er"],), finish_reason="stop", stop_reason=texts["er"]))
+    if caught:
+        with pytest.raises(AssertionError, match="a stop string in 'aeber'"):
+            check_stop_strings(recorder, 0, _Tokenizer())
+    else:
+        check_stop_strings(recorder, 0, _Tokenizer())
+
+
 def check_against_alone(recorder: Recorder, alone: Recorder) -> None:
-    spec = recorder.spec
     for choice in range(recorder.num_choices):
-        where = f"{spec.request_id} choice {choice} ({spec.params})"
+        where = recorder.where(choice)
         assert recorder.tokens(choice) == alone.tokens(choice), where
         assert recorder.text(choice) == alone.text(choice), where
         assert recorder.parts[choice][-1].finish_reason == alone.parts[choice][-1].finish_reason, where
