@@ -14,7 +14,8 @@ import json
 from abc import abstractmethod
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Annotated, Any, ClassVar, Literal
+from types import UnionType
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, \
     field_serializer, field_validator, model_serializer, model_validator
@@ -99,6 +100,25 @@ class _Request(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, data: Any) -> Any:
+        # Lax mode reads `true` as 1 (`"max_tokens": true`); OpenAI's API refuses a boolean for a number.
+        for name, value in data.items() if isinstance(data, dict) else ():
+            if isinstance(value, bool) and name in cls.model_fields:
+                if (expected := _number_expected(cls.model_fields[name].annotation)) is not None:
+                    raise field_error(name, f"expected {expected}, but got a boolean instead", value)
+        return data
+
+
+def _number_expected(annotation: Any) -> str | None:
+    """What a field of `annotation` takes where it takes a number and no boolean ("an integer", "a number"), else
+    None."""
+    types = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    if bool in types:
+        return None
+    return "an integer" if int in types else "a number" if float in types else None
 
 
 class StreamOptions(_Request):

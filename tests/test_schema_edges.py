@@ -1,0 +1,49 @@
+"""Request fields at the edges of what OpenAI's and vLLM's APIs take: a JSON boolean is no number, and a null
+stream option is its default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from sluice.app.anthropic_schemas import MessagesRequest
+from sluice.app.errors import from_validation_error
+from sluice.app.schemas import ChatCompletionRequest, CompletionRequest
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4096}
+
+
+def parsed(schema: type[BaseModel], body: dict[str, Any]) -> BaseModel:
+    """`body` checked as `routes.parse_body` checks it."""
+    return schema.model_validate(body, context={"vocab_size": 1000})
+
+
+@pytest.mark.parametrize(("schema", "body", "param", "expected"), [
+    (ChatCompletionRequest, {**CHAT, "max_tokens": True}, "max_tokens", "an integer"),
+    (ChatCompletionRequest, {**CHAT, "temperature": False}, "temperature", "a number"),
+    (ChatCompletionRequest, {**CHAT, "n": True}, "n", "an integer"),
+    (CompletionRequest, {"prompt": "hi", "logprobs": True}, "logprobs", "an integer"),
+    (MessagesRequest, {**MESSAGES, "max_tokens": True}, "max_tokens", "an integer"),
+    (MessagesRequest, {**MESSAGES, "thinking": {"type": "enabled", "budget_tokens": True}},
+     "thinking.budget_tokens", "an integer"),
+])
+def test_a_boolean_for_a_number_is_a_400_naming_the_field(schema, body, param, expected):
+    with pytest.raises(ValidationError) as caught:
+        parsed(schema, body)
+    error = from_validation_error(caught.value, body)
+    assert (error.status, error.param) == (400, param)
+    assert error.message == f"{param}: expected {expected}, but got a boolean instead"
+
+
+def test_numbers_still_take_whole_numbers_and_booleans_stay_booleans():
+    body = parsed(ChatCompletionRequest, {**CHAT, "temperature": 1, "max_tokens": 5.0, "n": 2, "logprobs": True})
+    assert (body.temperature, body.max_tokens, body.n, body.logprobs) == (1.0, 5, 2, True)
+
+
+def test_null_stream_options_are_their_defaults_as_vllm_takes_them():
+    body = parsed(ChatCompletionRequest, {**CHAT, "stream": True,
+                                          "stream_options": {"include_usage": None, "continuous_usage_stats": None}})
+    assert body.include_usage and not body.continuous_usage
