@@ -84,7 +84,7 @@ class LoraRegistry:
 
     def read(self, name: str, path: str) -> LoraRequest:
         """Any thread: the PEFT adapter at `path` (a folder, or a Hub id) read and laid out for a slot as `name`, for
-        `serve`. LoraError (AdapterNotFound where `path` is no folder, or a rank above the slots' before the weights
+        `serve`. LoraError (AdapterNotFound where nothing is at `path`, or a rank above the slots' before the weights
         are read) or HubError; LoraError at once without slots (no adapter given, no runtime updating)."""
         if self.slots is None:
             raise LoraError(f"LoRA adapter {name!r} cannot be served: this engine has no LoRA slots (it was started "
@@ -172,7 +172,7 @@ def _served(adapter: LoraAdapter, weights: dict[str, np.ndarray]) -> LoraRequest
 
 def read_adapter(name: str, path: str, model_config: ModelConfig, config: EngineConfig) -> LoraAdapter:
     """The PEFT adapter at `path` (a local folder, or a Hub id's snapshot of its adapter files) read as `name`:
-    LoraError (AdapterNotFound where `path` is no folder) or HubError where it cannot be served, a rank above the
+    LoraError (AdapterNotFound where nothing is at `path`) or HubError where it cannot be served, a rank above the
     slots' said before its weights are read."""
     folder = str(hub.download_adapter(path, config.download_dir)) if from_hub(path) else path
     max_rank = config.runtime_lora_slots[1] if config.allow_runtime_lora_updating else config.max_lora_rank
