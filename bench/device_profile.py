@@ -132,7 +132,9 @@ def window_of(profile: ProfileData) -> tuple[float, float] | None:
 
 class DeviceTrace:
     """A context manager that traces what runs inside it; `summary()` afterwards. The window is the time inside it
-    (the tracer's start and stop outside): kernels that ran before or after it are cut off."""
+    (the tracer's start and stop outside): kernels that ran before or after it are cut off. On a GPU, XLA runs any
+    command buffers (CUDA graphs) op by op while it traces (`CommandBufferThunk`), so a traced window times the
+    kernels launched one by one, whatever XLA_FLAGS chose."""
 
     def __enter__(self) -> DeviceTrace:
         self._dir = tempfile.TemporaryDirectory(prefix="sluice-trace-")
