@@ -1053,8 +1053,9 @@ class ModelCard(BaseModel):
     """The served model as OpenAI's clients read it (`id`, `object`, `created`, `owned_by`) and as Anthropic's do
     (`type`, `display_name`, `created_at`, RFC 3339, and `lifecycle`, which the anthropic client's ModelInfo
     requires). `max_input_tokens` and `max_tokens`, Anthropic's: the context less the one token a reply needs, and
-    what a prompt of one token leaves (the most a Messages request's `max_tokens` gets). `parent`, vLLM's: a LoRA
-    adapter's base model (None for the base itself)."""
+    what a prompt of one token leaves (the most a Messages request's `max_tokens` gets). vLLM's `root`, what the model
+    was loaded from (the model `sluice serve` was given, a LoRA adapter's folder; None where not known), and `parent`,
+    a LoRA adapter's base model (None for the base itself)."""
 
     id: str
     object: Literal["model"] = "model"
@@ -1067,13 +1068,15 @@ class ModelCard(BaseModel):
     lifecycle: Literal["active"] = "active"
     max_input_tokens: int
     max_tokens: int
+    root: str | None = None
     parent: str | None = None
 
     @classmethod
-    def of(cls, model: str, created: int, max_model_len: int, parent: str | None = None) -> ModelCard:
+    def of(cls, model: str, created: int, max_model_len: int, root: str | None,
+           parent: str | None = None) -> ModelCard:
         created_at = datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")
         return cls(id=model, created=created, max_model_len=max_model_len, display_name=model, created_at=created_at,
-                   max_input_tokens=max_model_len - 1, max_tokens=max_model_len - 1, parent=parent)
+                   max_input_tokens=max_model_len - 1, max_tokens=max_model_len - 1, root=root, parent=parent)
 
 
 class ModelList(BaseModel):

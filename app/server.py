@@ -107,8 +107,9 @@ def _model_cards(state: ServerState) -> list[ModelCard]:
     """The served model's card, then its LoRA adapters'."""
     engine = state.require_engine()
     created = int(time.time())
-    return [ModelCard.of(state.model_name, created, engine.max_model_len),
-            *(ModelCard.of(name, created, engine.max_model_len, parent=state.model_name) for name in engine.adapters)]
+    return [ModelCard.of(state.model_name, created, engine.max_model_len, root=engine.config.model),
+            *(ModelCard.of(name, created, engine.max_model_len, root=adapter.folder, parent=state.model_name)
+              for name, adapter in engine.adapters.items())]
 
 
 async def list_models(request: Request) -> Response:

@@ -167,7 +167,7 @@ def test_a_model_is_retrieved_by_its_id_slash_included_and_any_other_id_is_a_404
         "id": "org/tiny-chat", "object": "model", "created": 0, "owned_by": "sluice",
         "max_model_len": CONFIG.max_model_len, "type": "model", "display_name": "org/tiny-chat", "created_at": "",
         "lifecycle": "active", "max_input_tokens": CONFIG.max_model_len - 1, "max_tokens": CONFIG.max_model_len - 1,
-        "parent": None}
+        "root": None, "parent": None}
     assert card["created_at"].endswith("Z")  # Anthropic's ModelInfo: RFC 3339
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert 'route="/v1/models/{model_id}",status="404"' in metrics

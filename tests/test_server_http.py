@@ -8,10 +8,12 @@ import asyncio
 import re
 import time
 from importlib.metadata import version
+from types import SimpleNamespace
 
 import pytest
 from starlette.testclient import TestClient
 
+from sluice.batching.sampling_params import LoraRequest
 from sluice.batching.stats import EngineStats
 
 from sluice.app.metrics import ServerMetrics
@@ -66,6 +68,18 @@ def test_a_bugs_500_and_its_log_line_name_the_request_id(caplog):
     assert response.status_code == 500 and response.headers["x-request-id"] == "trace-7"
     assert "(request id trace-7)" in caplog.text
 
+
+def test_each_model_card_names_its_root_as_vllms_do():
+    # What /v1/models reads of an engine: the model it was given, its adapters' folders.
+    engine = SimpleNamespace(model_name="tiny", max_model_len=64, config=SimpleNamespace(model="/models/tiny.gguf"),
+                             adapters={"sql": LoraRequest("sql", "f" * 64, "/adapters/sql")})
+    state = ServerState(ServerSettings(ui=False))
+    state.set_engine(engine)
+    app = TestClient(create_app(state))
+    cards = app.get("/v1/models").json()["data"]
+    assert [(card["id"], card["root"], card["parent"]) for card in cards] == [
+        ("tiny", "/models/tiny.gguf", None), ("sql", "/adapters/sql", "tiny")]
+    assert app.get("/v1/models/sql").json()["root"] == "/adapters/sql"
 
 def test_missing_api_key_is_401():
     assert_openai_error(client(api_key=KEY).get("/v1/models"), 401)
