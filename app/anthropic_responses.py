@@ -111,7 +111,7 @@ class _Members:
     def _end(self, end: int, closed: bool) -> None:
         """A member ends at `end` (where the object closes, if `closed`): complete if what comes before is an
         object's members."""
-        if self._object(self._text[:end] if closed else self._text[:end] + "}") is None:
+        if _json_object(self._text[:end] if closed else self._text[:end] + "}") is None:
             self._broken = True
         else:
             self._complete, self._closed = end, closed
@@ -125,15 +125,37 @@ class _Members:
 
     def input(self) -> dict[str, Any]:
         held = self._text[:self._complete]
-        return (self._object(held if self._closed else held + "}") or {}) if held else {}
+        return (_json_object(held if self._closed else held + "}") or {}) if held else {}
 
-    @staticmethod
-    def _object(text: str) -> dict[str, Any] | None:
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        return value if isinstance(value, dict) else None
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class _LastCall:
+    """The arguments of the reply's last call as they arrive, to tell whether the reply ended inside that call
+    (`cut`: its arguments never closed into an object, as a stop sequence or max_tokens leaves a forced call)."""
+
+    def __init__(self) -> None:
+        self._arguments: str | None = None  # None: no call yet
+
+    def add(self, piece: Thought | StreamEvent) -> None:
+        if isinstance(piece, CallStart):
+            self._arguments = ""
+        elif isinstance(piece, ArgumentsDelta):
+            self._arguments += piece.text
+
+    @property
+    def called(self) -> bool:
+        return self._arguments is not None
+
+    @property
+    def cut(self) -> bool:
+        return self.called and _json_object(self._arguments) is None
 
 
 def _opening(text: str, after_block: bool) -> str:
@@ -205,17 +227,19 @@ class MessageBuilder:
         async for increment in generation.increments():
             text += increment.text
             self._record(increment)
-        reader = ReplyReader(self._reasoning, self._calling)
-        blocks = _content(reader.push(text) + reader.finish())
-        stop_reason, stop_sequence = self._stop(reader.calls > 0)
-        return self._message(blocks, stop_reason, stop_sequence, self._usage(generation))
+        reader, last_call = ReplyReader(self._reasoning, self._calling), _LastCall()
+        pieces = reader.push(text) + reader.finish()
+        for piece in pieces:
+            last_call.add(piece)
+        stop_reason, stop_sequence = self._stop(last_call)
+        return self._message(_content(pieces), stop_reason, stop_sequence, self._usage(generation))
 
     def events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         return self._events(generation)
 
     async def _events(self, generation: Generation) -> AsyncGenerator[bytes, None]:
         blocks = _Blocks(self._eager)
-        reader = ReplyReader(self._reasoning, self._calling)
+        reader, last_call = ReplyReader(self._reasoning, self._calling), _LastCall()
         try:
             start = self._message([], None, None, MessageUsage(input_tokens=self._input_tokens, output_tokens=0))
             yield sse(MessageStartEvent(message=start))
@@ -224,11 +248,12 @@ class MessageBuilder:
                 self._record(increment)
                 pieces = reader.push(increment.text) + (reader.finish() if increment.finished else [])
                 for piece in pieces:
+                    last_call.add(piece)
                     for event in blocks.add(piece):
                         yield event
             for event in blocks.close():
                 yield event
-            stop_reason, stop_sequence = self._stop(reader.calls > 0)
+            stop_reason, stop_sequence = self._stop(last_call)
             yield sse(MessageDeltaEvent(delta=MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
                                         usage=self._usage(generation)))
             yield sse(MessageStopEvent())
@@ -240,14 +265,14 @@ class MessageBuilder:
         self._finish = increment.finish_reason or self._finish
         self._stop_reason = increment.stop_reason
 
-    def _stop(self, called: bool) -> tuple[StopReason, str | None]:
+    def _stop(self, last_call: _LastCall) -> tuple[StopReason, str | None]:
         if self._finish == "length":
             return "model_context_window_exceeded" if self._windowed else "max_tokens", None
-        # A stop sequence ends the reply wherever it falls, a call's input included (a call it cuts is no call
-        # to run), as max_tokens does.
-        if isinstance(self._stop_reason, str):
+        # A stop sequence that cut a call short ends the reply for itself (a call it cuts is no call to run), as
+        # max_tokens does; one after complete calls (a ReAct "Observation:") leaves them to run.
+        if isinstance(self._stop_reason, str) and (last_call.cut or not last_call.called):
             return "stop_sequence", self._stop_reason
-        if called:
+        if last_call.called:
             return "tool_use", None
         return "end_turn", None
 

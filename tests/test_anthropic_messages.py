@@ -810,21 +810,33 @@ def test_an_eager_tools_call_streams_its_input_as_it_is_sampled_and_its_message_
     assert asyncio.run(builder().collect(_Replay(texts))).content[0].input == {"city": "Oslo"}
 
 
-def test_a_call_cut_by_a_stop_sequence_stops_for_that_stop_sequence_whole_as_streamed():
+_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(("text", "forced", "stop", "expected"), [
+    (_CALL[:_CALL.index("Paris")], True, "Paris", ("stop_sequence", "Paris")),
+    (_CALL + "\n</tool_call>\nThought: wait for it.\n", False, "Observation:", ("tool_use", None)),
+    (_CALL + "\n", False, "</tool_call>", ("tool_use", None)),
+], ids=["inside-a-call", "after-a-call", "at-a-calls-close"])
+def test_a_stop_sequence_is_the_stop_reason_only_where_it_cut_a_call_short_whole_as_streamed(text, forced, stop,
+                                                                                            expected):
     """A stop sequence written inside a call's input ends the reply with the call unfinished: the reply stopped
-    for the stop sequence, not for a call the client could run (as a call max_tokens cuts stops for max_tokens)."""
-    texts = list('<tool_call>\n{"name": "get_weather", "arguments": {"city": "')  # then "Paris", the stop sequence
+    for the stop sequence, not for a call the client could run (as a call max_tokens cuts stops for max_tokens).
+    One after complete calls (a ReAct "Observation:", or the call's close) leaves them to run: the reply stopped
+    for them, `tool_use`, as vLLM's chat reply stops for `tool_calls`, and its `stop_sequence` is null (Anthropic
+    names one only with a `stop_sequence` stop reason)."""
+    texts = list(text)  # a token per character
 
     def builder() -> MessageBuilder:
-        return MessageBuilder("msg_1", MODEL, 3, ToolCalling(frozenset({"get_weather"}), forced=True))
+        return MessageBuilder("msg_1", MODEL, 3, ToolCalling(frozenset({"get_weather"}), forced=forced))
 
     async def stream() -> dict:
-        events = [json.loads(event.split(b"data: ")[1]) async for event in builder().events(_Replay(texts, "Paris"))]
+        events = [json.loads(event.split(b"data: ")[1]) async for event in builder().events(_Replay(texts, stop))]
         return next(event for event in events if event["type"] == "message_delta")["delta"]
 
-    whole = asyncio.run(builder().collect(_Replay(texts, "Paris")))
-    assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "Paris")
-    assert asyncio.run(stream()) == {"stop_reason": "stop_sequence", "stop_sequence": "Paris"}
+    whole = asyncio.run(builder().collect(_Replay(texts, stop)))
+    assert (whole.stop_reason, whole.stop_sequence) == expected
+    assert asyncio.run(stream()) == dict(zip(("stop_reason", "stop_sequence"), expected))
 
 
 @pytest.mark.parametrize(("texts", "expected"), [
