@@ -730,10 +730,14 @@ class Engine:
         """Whether a multi-step call may draw `seq`'s tokens without its grammar's mask: its grammar, one that
         leaves most of the text free or a reasoning model's thought before it, leaves the text free for now
         (`Grammar.allows_free_text`), and the host, which has taken in all its tokens (not so `ahead`), then keeps
-        those drawn while it did (`_check_unmasked`). Not with drafts, or for logprobs (the mask's)."""
-        structured = seq.params.structured
+        those drawn while it did (`_check_unmasked`). Not with drafts, or for logprobs (the mask's). Nor for a seeded
+        sampling row: a token drawn from the whole distribution, and one drawn under the mask from its share, are
+        the same in distribution (a refused one falls, and the next is drawn under the mask), but not for the same
+        seed, and a seeded request's tokens must not depend on whether the load let it into a multi-step call."""
+        params, structured = seq.params, seq.params.structured
         return (self.speculator is None and (structured.mostly_free or structured.preamble is not None)
-                and not seq.params.wants_logprobs and (ahead or not seq.num_pending) and not seq.grammar.masked_next
+                and (params.seed is None or params.temperature == 0)
+                and not params.wants_logprobs and (ahead or not seq.num_pending) and not seq.grammar.masked_next
                 and seq.grammar.allows_free_text())
 
     def _check_unmasked(self, pending: PendingStep, result: StepOutput) -> dict[int, SequenceOutput]:
