@@ -5,8 +5,9 @@ the most recently used ones' (`hold`); a batch runs with at most as many adapter
 looks up a slot for a sequence with an adapter (`find`), takes it once it admits the sequence (`acquire`) and gives
 it back when the sequence leaves the running set (`release`): its adapter's slot if one holds it, else the least
 recently used slot no running sequence uses, whose weights the engine then writes before the step that needs them
-(`writes`). A sequence whose adapter finds every slot in use drains one (`find`): no later sequence joins it, so
-the adapter gets it once its running sequences are done, however many requests for the adapter in it keep coming.
+(`writes`). A sequence whose adapter finds every slot in use drains one for the rest of the scheduling pass (`find`):
+no sequence after it in the waiting order joins it, so the adapter gets it once its running sequences are done,
+however many requests for the adapter in it keep coming. Each pass decides it afresh (`begin_pass`).
 Weights host memory dropped are read again from the adapter's folder on a reader thread (`find` starts
 the read, the engine takes it in between steps: `take_in`): the sequences that need them wait, the others run on.
 An adapter is its name and its files' fingerprint: one loaded in place is another adapter, so a slot holding the old
@@ -39,7 +40,7 @@ class LoraSlots:
         self._slot_of = {lora: slot for slot, lora in enumerate(resident)}
         # The slots no running sequence uses, least recently used first: the empty ones before any that holds one.
         self._unused = dict.fromkeys([*range(len(resident), num_slots), *range(len(resident))])
-        self._draining: int | None = None  # the slot no sequence joins until none uses it (`find`)
+        self._draining: int | None = None  # the slot no sequence joins for the rest of this pass (`find`)
         self.max_held = max_held
         # The adapters whose weights host memory holds, least recently used first, by identity: one loaded again with
         # the same files is an equal adapter, but another object, with weights of its own.
@@ -52,14 +53,20 @@ class LoraSlots:
     def num_slots(self) -> int:
         return len(self.holders)
 
+    def begin_pass(self) -> None:
+        """A scheduling pass starts: no slot is drained until a sequence looked at in it finds none (`find`). A drain
+        kept from an earlier pass would hold back sequences ahead of the one it was for (more urgent ones, or its
+        request's other choices), and outlive that one when it leaves the waiting set."""
+        self._draining = None
+
     def find(self, lora: LoraRequest) -> int | None:
         """The slot one more running sequence with `lora` would take, changing no slot: the one holding it, or the
         least recently used unused one; None while every slot holds another adapter in use, or while the weights
         host memory dropped are read again (started here, one read per adapter). Each read keeps an unused slot for
         its adapter: a sequence behind, whose adapter's weights are held, does not take it first (it could do so at
         every read, and the adapter read wait on). Finding every slot in use, it drains the one fewest running
-        sequences use: its adapter's sequences behind wait too, and the first sequence looked at once it is unused
-        takes it (the scheduler looks in its waiting order)."""
+        sequences use, until the pass ends: its adapter's sequences looked at after it wait too, and the first sequence
+        looked at once it is unused takes it (the scheduler looks in its waiting order)."""
         slot = self._slot_of.get(lora)
         if slot is not None:
             return None if slot == self._draining else slot
@@ -102,8 +109,6 @@ class LoraSlots:
         self.users[slot] -= 1
         if not self.users[slot]:
             self._unused[slot] = None
-            if slot == self._draining:
-                self._draining = None
 
     def hold(self, loras: Iterable[LoraRequest]) -> None:
         """`loras`' weights were read, written or used just now: the most recently used of those held. Past `max_held`,

@@ -4,7 +4,8 @@ Each step takes running decodes first (with their draft tokens when speculating,
 allow), then continues partial prefills, then admits waiting sequences (first come first served, lower
 `priority` value first), chunking prefills to fit `max_num_batched_tokens`. A waiting sequence with a LoRA adapter
 is admitted only into a LoRA slot (`LoraSlots.find`, taken by `acquire` once it is admitted); when none is free, or
-its adapter's weights are being read again, it waits and the others are looked at, as vLLM's scheduler does.
+its adapter's weights are being read again, it waits and the others are looked at, as vLLM's scheduler does; one
+that finds every slot in use drains a slot for the rest of the pass, which no sequence after it joins.
 When the pool runs out of pages, the newest running sequence is preempted: its pages are freed and it is
 recomputed from its tokens later (its full pages usually survive in the prefix cache).
 """
@@ -172,6 +173,8 @@ class Scheduler:
 
     def _admit(self, budget: int, scheduled: dict[Sequence, ScheduledChunk], out: SchedulerOutput) -> None:
         bm = self.block_manager
+        if self.lora_slots is not None:
+            self.lora_slots.begin_pass()
         i = 0  # the first waiting sequence not yet looked at: those admitted leave the list
         while i < len(self.waiting) and budget and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[i]
