@@ -104,12 +104,28 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_boolean_numbers(cls, data: Any) -> Any:
-        # Lax mode reads `true` as 1 (`"max_tokens": true`); OpenAI's API refuses a boolean for a number.
+        # Lax mode reads `true` as 1 (`"max_tokens": true`, a logit_bias of `true`); OpenAI's API refuses a boolean
+        # for a number.
         for name, value in data.items() if isinstance(data, dict) else ():
-            if isinstance(value, bool) and name in cls.model_fields:
-                if (expected := _number_expected(cls.model_fields[name].annotation)) is not None:
-                    raise field_error(name, f"expected {expected}, but got a boolean instead", value)
+            if name not in cls.model_fields:
+                continue
+            annotation = cls.model_fields[name].annotation
+            if isinstance(value, bool) and (expected := _number_expected(annotation)) is not None:
+                raise field_error(name, f"expected {expected}, but got a boolean instead", value)
+            if isinstance(value, dict) and (expected := _number_expected(_values_of(annotation))) is not None:
+                for key, item in value.items():
+                    if isinstance(item, bool):
+                        raise field_error(f"{name}.{key}", f"expected {expected}, but got a boolean instead", item)
         return data
+
+
+def _values_of(annotation: Any) -> Any:
+    """The value type of a `dict[K, V]` field (or `dict[K, V] | None`), its constraints aside; else None."""
+    for option in get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,):
+        if get_origin(option) is dict:
+            value = get_args(option)[1]
+            return get_args(value)[0] if get_origin(value) is Annotated else value
+    return None
 
 
 def _number_expected(annotation: Any) -> str | None:

@@ -29,6 +29,8 @@ def parsed(schema: type[BaseModel], body: dict[str, Any]) -> BaseModel:
     (MessagesRequest, {**MESSAGES, "max_tokens": True}, "max_tokens", "an integer"),
     (MessagesRequest, {**MESSAGES, "thinking": {"type": "enabled", "budget_tokens": True}},
      "thinking.budget_tokens", "an integer"),
+    (ChatCompletionRequest, {**CHAT, "logit_bias": {"5": 2.5, "7": True}}, "logit_bias.7", "a number"),
+    (CompletionRequest, {"prompt": "hi", "logit_bias": {"5": False}}, "logit_bias.5", "a number"),
 ])
 def test_a_boolean_for_a_number_is_a_400_naming_the_field(schema, body, param, expected):
     with pytest.raises(ValidationError) as caught:
@@ -39,8 +41,10 @@ def test_a_boolean_for_a_number_is_a_400_naming_the_field(schema, body, param, e
 
 
 def test_numbers_still_take_whole_numbers_and_booleans_stay_booleans():
-    body = parsed(ChatCompletionRequest, {**CHAT, "temperature": 1, "max_tokens": 5.0, "n": 2, "logprobs": True})
+    body = parsed(ChatCompletionRequest, {**CHAT, "temperature": 1, "max_tokens": 5.0, "n": 2, "logprobs": True,
+                                          "logit_bias": {"5": -100, "7": 2.5}})
     assert (body.temperature, body.max_tokens, body.n, body.logprobs) == (1.0, 5, 2, True)
+    assert body.logit_bias == {"5": -100.0, "7": 2.5}
 
 
 def test_null_stream_options_are_their_defaults_as_vllm_takes_them():
