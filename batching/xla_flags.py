@@ -15,10 +15,12 @@ NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 
 def without_command_buffers(environ: MutableMapping[str, str]) -> None:
     """Turns XLA:GPU's command buffers off in `environ`'s XLA_FLAGS, for a CUDA backend not yet started, unless the
-    flags choose them already (a user's setting wins). Where jax cannot start a CUDA backend it adds nothing, so a
-    CPU's compilation cache keys stay as they were."""
+    flags choose them already (a user's setting wins), or name a file of flags (XLA reads a value that does not
+    start with "-" as one, and would take a flag added after it as part of the file's name). Where jax cannot
+    start a CUDA backend it adds nothing, so a CPU's compilation cache keys stay as they were."""
     flags = environ.get("XLA_FLAGS", "")
-    if "--xla_gpu_enable_command_buffer" not in flags and cuda_may_start(environ):
+    names_a_file = bool(flags.strip()) and not flags.lstrip().startswith("-")
+    if not names_a_file and "--xla_gpu_enable_command_buffer" not in flags and cuda_may_start(environ):
         environ["XLA_FLAGS"] = f"{flags} {NO_COMMAND_BUFFERS}".strip()
 
 

@@ -28,6 +28,8 @@ def cuda_plugin(monkeypatch):
     ({"JAX_PLATFORMS": "cuda,cpu"}, NO_COMMAND_BUFFERS),
     # The user's choice wins, whatever it is.
     ({"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,WHILE"}, "--xla_gpu_enable_command_buffer=FUSION,WHILE"),
+    # A file of flags, which XLA reads where the value does not start with "-": left whole.
+    ({"XLA_FLAGS": "/etc/xla.flags"}, "/etc/xla.flags"),
     # jax may not start CUDA: the flags stay as they are.
     ({"JAX_PLATFORMS": "cpu"}, None),
     ({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_gpu_autotune_level=0"}, "--xla_gpu_autotune_level=0"),
