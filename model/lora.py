@@ -127,6 +127,10 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         return kind(f"LoRA adapter {name!r} ({folder}): {why}")
 
     try:
+        folder = folder.expanduser()  # `~/adapters/x`, as a model's path and vLLM's lora_path take it
+    except RuntimeError:  # `~user` of no such user
+        raise refuse("no such folder", AdapterNotFound) from None
+    try:
         is_folder = folder.is_dir()
         found = is_folder or folder.exists()
     except OSError as error:  # a name too long for the file system

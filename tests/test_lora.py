@@ -28,7 +28,8 @@ from sluice.model.config import ModelConfig
 from sluice.model.generate import contiguous_attend
 from sluice.model.llama import KVCache, Llama, empty_kv_cache
 from sluice.model.loader import LoadedModel, load_model
-from sluice.model.lora import CONFIG_FILE, MODULES, WEIGHTS_FILE, LoraAdapter, LoraError, attach_adapters, load_adapter
+from sluice.model.lora import CONFIG_FILE, MODULES, WEIGHTS_FILE, AdapterNotFound, LoraAdapter, LoraError, \
+    attach_adapters, load_adapter
 from sluice.model.quantize import quantize_model
 from sluice.model.weights import LAYER_TENSORS, ROPE_FREQS
 
@@ -481,6 +482,15 @@ def test_more_adapters_than_slots_fill_the_slots_in_order_and_each_gets_its_slot
     assert weights[0]["o_proj_lora_b"].shape == (lora_model.config.num_layers, 8, lora_model.config.hidden_size)
     assert not weights[0]["o_proj_lora_b"].any() and weights[1]["o_proj_lora_b"].any()
     np.testing.assert_array_equal(np.asarray(loaded.q_proj_lora_b[...])[:, 0], weights[0]["q_proj_lora_b"])
+
+
+def test_load_adapter_reads_a_folder_under_the_home_directory_written_with_a_tilde(lora_model, adapter, monkeypatch):
+    """`~/...` as vLLM's lora_path and a model's path take it; `~user` of no such user is no folder, in one line."""
+    monkeypatch.setenv("HOME", str(adapter.parent))
+    assert load_adapter("tuned", "~/qv_rslora", lora_model.config).fingerprint == \
+        load_adapter("tuned", adapter, lora_model.config).fingerprint
+    with pytest.raises(AdapterNotFound, match=r"\(~nosuchuser57/x\): no such folder$"):
+        load_adapter("tuned", "~nosuchuser57/x", lora_model.config)
 
 
 def test_load_adapter_refuses_a_rank_above_the_largest_served(lora_model):
