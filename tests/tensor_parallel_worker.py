@@ -60,6 +60,10 @@ QWEN3_ENGINE = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model
                             kv_cache_memory=1 << 20, num_decode_steps=4, dtype="float32", warmup=False)
 # SmolLM2 as `sluice serve --tp N` serves it, but for a step budget of 48 tokens, which splits the longer prompts'
 # prefill over several steps, and pages small enough that the second round's shared prefixes hit the cache.
+# SmolLM2's three chat prompts (108 tokens) prefilled in one step, then decoded together to their last token: two
+# step programs and one sampler to compile at each --tp, where chunks of 32 tokens ran five and three (the features'
+# run below chunks its prefill).
+SMOLLM2_ENGINE = replace(ENGINE, dtype="float32", kv_cache_memory=16 << 20, max_num_batched_tokens=128)
 FEATURES = EngineConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=512, kv_cache_memory=64 << 20,
                         page_size=16, num_decode_steps=4, warmup=False)
 FEATURE_CONFIGS = {"smollm2-int4": replace(FEATURES, quantization="int4"),  # the CPU's default weights
@@ -200,7 +204,7 @@ def run(which: str, tp: int) -> dict:
     elif which == "qwen3":
         result = run_qwen3(tp)
     elif which == "smollm2":  # as `sluice serve --tp N --quantization none` builds it: float32, HF's answers
-        engine = Engine.create(replace(ENGINE, tp=tp, dtype="float32", kv_cache_memory=16 << 20), progress=False)
+        engine = Engine.create(replace(SMOLLM2_ENGINE, tp=tp), progress=False)
         result = run_engine(engine, [chat(engine.tokenizer, q) for q in (
             "What is the capital of France?", "Name three colours.", "Write a haiku about rain.")])
     else:

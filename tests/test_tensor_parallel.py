@@ -41,22 +41,28 @@ def run_worker(runs: dict[str, tuple[int, ...]], home: Path | None = None) -> di
 
 
 @pytest.fixture(scope="module")
-def tiny_runs() -> dict[str, dict[int, dict]]:
-    """The tiny model's runs, in one process (each start imports jax and loads SmolLM2's tokenizer again)."""
+def worker_runs() -> dict[str, dict[int, dict]]:
+    """The tiny model's runs and SmolLM2's, in one process (each start imports jax and loads SmolLM2 again)."""
     return run_worker({"tiny": (1, 2, 4), "tiny-int8": (1, 2), "tiny-drafts": (1, 2), "tiny-unrolled": (1, 2),
-                       "tiny-fine-buckets": (1, 2)})
+                       "tiny-fine-buckets": (1, 2), "smollm2": (1, 3), "smollm2-int4": (1, 3)})
 
 
 @pytest.fixture(scope="module")
-def smollm2_runs() -> dict[int, dict]:
+def tiny_runs(worker_runs) -> dict[str, dict[int, dict]]:
+    """The tiny model's runs, by name."""
+    return {which: by_tp for which, by_tp in worker_runs.items() if which.startswith("tiny")}
+
+
+@pytest.fixture(scope="module")
+def smollm2_runs(worker_runs) -> dict[int, dict]:
     """SmolLM2's float32 runs: their tokens, and at tp 3 what the decode step all-gathers."""
-    return run_worker({"smollm2": (1, 3)})["smollm2"]
+    return worker_runs["smollm2"]
 
 
 @pytest.fixture(scope="module")
-def smollm2_int4_runs() -> dict[int, dict]:
+def smollm2_int4_runs(worker_runs) -> dict[int, dict]:
     """SmolLM2's serving features over int4 weights, and at tp 3 what the decode step all-gathers."""
-    return run_worker({"smollm2-int4": (1, 3)})["smollm2-int4"]
+    return worker_runs["smollm2-int4"]
 
 
 def assert_same_generation(results: dict[int, dict], num_kv_heads: int) -> None:
