@@ -22,9 +22,11 @@ def check(tmp_path_factory):
         # compile through the suite's cache (conftest.py), which spares the smoke run about 40 s of CPU.
         patch.setattr(gpu_check, "child_env", lambda work, xla_flags: {
             **child_env(work, xla_flags), "SLUICE_JAX_CACHE": os.environ["JAX_COMPILATION_CACHE_DIR"]})
-        # Concurrency 3 and 24 tokens per step in place of the small sizes' 4 and 16, sampled: all reach the engine.
+        # Concurrency 2 and 8 tokens per step in place of the small sizes' 4 and 16, sampled: all reach the engine.
+        # Smaller, not larger: the engine compiles a decode step and a multi-step decode call per batch size up to
+        # the concurrency (1 and 2, not 1, 2 and 3) and one mixed step per token bucket (8 alone, not 16 and 24).
         status = gpu_check.main(["--out", str(out), "--budget-s", "400", "--engine-args",
-                                 "--concurrency 1 3 --max-num-batched-tokens 24 --temperature 0.8 --top-p 0.9"])
+                                 "--concurrency 1 2 --max-num-batched-tokens 8 --temperature 0.8 --top-p 0.9"])
     return status, out, json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
 
 
@@ -71,8 +73,8 @@ def test_engine_produced_every_requested_token_without_the_http_stack(check):
     _, _, results, report = check
     (engine,) = results["engine"]
     assert engine["model"] == "tiny" and engine["backend"] == "cpu" and engine["http_stack_imported"] == []
-    assert [level["concurrency"] for level in engine["levels"]] == [1, 3]
-    assert engine["sizes"]["max_num_batched_tokens"] == 24
+    assert [level["concurrency"] for level in engine["levels"]] == [1, 2]
+    assert engine["sizes"]["max_num_batched_tokens"] == 8
     assert engine["decoding"] == {"temperature": 0.8, "top_p": 0.9}
     for level in engine["levels"]:
         # engine_check fails the run if any request got a different number of tokens than it asked for.
@@ -81,9 +83,9 @@ def test_engine_produced_every_requested_token_without_the_http_stack(check):
         # Timed separately on a shared CPU, attention alone may take longer than a whole step: only measured.
         assert level["step"]["attention_s"] > 0 and level["step"]["step_s"] > 0
     assert engine["compile_s"] > 0
-    assert "| tiny | cpu, scan | 3 | 4 |" in report
+    assert "| tiny | cpu, scan | 2 | 4 |" in report
     pool_mib = engine["kv_cache_bytes"] / 2**20
-    assert (f"- tiny: up to 3 sequences, 24 tokens per step, a KV pool of {pool_mib:,.2f} MiB, 0 preemptions, sampled "
+    assert (f"- tiny: up to 2 sequences, 8 tokens per step, a KV pool of {pool_mib:,.2f} MiB, 0 preemptions, sampled "
             "at temperature 0.8, top-p 0.9, programs compiled during the timed levels [0, 0] on the engine thread "
             "(each a stall) and [0, 0] off it") in report
 
@@ -101,9 +103,9 @@ def test_the_traced_decode_steps_say_where_device_time_went(check):
         sustained = level["sustained"]["profile"]
         assert 0 < sustained["busy_ms"] <= sustained["span_ms"] and sustained["output_tok_s"] > 0
         assert sustained["mixed_steps"]["steps"] > 0
-        assert sustained["mixed_steps"]["tokens"] <= sustained["mixed_steps"]["bucket"] <= 24
+        assert sustained["mixed_steps"]["tokens"] <= sustained["mixed_steps"]["bucket"] <= 8
     traced = report.split("### Where a step's time goes")[1]
-    assert "| tiny | 3 | decode | " in traced and "| tiny | 3 | sustained | " in traced
+    assert "| tiny | 2 | decode | " in traced and "| tiny | 2 | sustained | " in traced
 
 
 def test_a_step_without_time_left_is_skipped_and_reported(tmp_path):
