@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from sluice.app.arguments import CHAT_TEMPLATE_HELP, DOWNLOAD_DIR_HELP, DTYPE_HELP, HF_OVERRIDES_HELP, REVISION_HELP, \
     CommandError, OneLineErrors, at_least, chat_template, dtype_name, hf_overrides, number
 from sluice.app.allocator import preload_mimalloc
-from sluice.batching.xla_flags import without_command_buffers
 from sluice.model.fetch import InvalidModel, ModelNotFound
 
 if TYPE_CHECKING:
@@ -190,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
             argv = sys.argv[1:]
             if argv[:1] and argv[0] in RUNS_A_MODEL:
                 preload_mimalloc()
-                without_command_buffers(os.environ)
         args = build_parser(argv[0] if argv else "").parse_args(argv)
         return args.run(args)
     except (ModelNotFound, InvalidModel, CommandError) as error:

@@ -44,7 +44,6 @@ import dataclasses
 import functools
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -67,7 +66,6 @@ from sluice.batching.outputs import Increment
 from sluice.batching.sampler import SAMPLER_BRANCHES
 from sluice.batching.sampling_params import SamplingParams
 from sluice.batching.stats import StepStats
-from sluice.batching.xla_flags import without_command_buffers
 from sluice.bench.device_profile import DeviceTrace
 from sluice.bench.host_phases import PhaseTimer
 from sluice.bench.dataset import BenchRequest, LengthDistribution, SyntheticSpec, fresh_prompts, synthetic
@@ -654,5 +652,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    without_command_buffers(os.environ)  # before jax starts its backend, as the sluice command does
     raise SystemExit(main())
