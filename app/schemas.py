@@ -119,9 +119,14 @@ class _Request(BaseModel):
         return data
 
 
+def _options(annotation: Any) -> tuple[Any, ...]:
+    """The types a field of `annotation` takes: a union's members, else the type alone."""
+    return get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+
+
 def _values_of(annotation: Any) -> Any:
     """The value type of a `dict[K, V]` field (or `dict[K, V] | None`), its constraints aside; else None."""
-    for option in get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,):
+    for option in _options(annotation):
         if get_origin(option) is dict:
             value = get_args(option)[1]
             return get_args(value)[0] if get_origin(value) is Annotated else value
@@ -131,7 +136,7 @@ def _values_of(annotation: Any) -> Any:
 def _number_expected(annotation: Any) -> str | None:
     """What a field of `annotation` takes where it takes a number and no boolean ("an integer", "a number"), else
     None."""
-    types = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    types = _options(annotation)
     if bool in types:
         return None
     return "an integer" if int in types else "a number" if float in types else None
