@@ -22,6 +22,7 @@ import glob
 import re
 import tempfile
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -36,7 +37,7 @@ _PATTERNS = (
     ("fusion", re.compile(r"fusion|reduce|convert|add|multiply|exp|rsqrt|select|compare|iota|broadcast", re.I)),
 )
 _CONTROL_FLOW = re.compile(r"^(while|conditional|call)(\.|$)")
-_WINDOW = "sluice-traced-window"
+_TRACED, _WINDOW = "sluice-traced", "sluice-traced-window"
 
 
 def op_class(kernel: str, hlo_op: str) -> str:
@@ -120,30 +121,40 @@ def summarize(events: list[DeviceEvent], window_ns: tuple[float, float]) -> Prof
 
 
 def window_of(profile: ProfileData) -> tuple[float, float] | None:
-    """[start, stop) of the traced window's annotation on the host's timeline, in the kernels' clock."""
+    """[start, stop) of the traced window's annotation on the host's timeline, in the kernels' clock: the one
+    `DeviceTrace.window` opened, else the whole traced block's."""
+    spans = {}
     for plane in profile.planes:
         if plane.name.startswith("/host:CPU"):
             for line in plane.lines:
                 for event in line.events:
-                    if event.name == _WINDOW:
-                        return event.start_ns, event.start_ns + event.duration_ns
-    return None
+                    if event.name in (_TRACED, _WINDOW):
+                        spans[event.name] = (event.start_ns, event.start_ns + event.duration_ns)
+    return spans.get(_WINDOW, spans.get(_TRACED))
 
 
 class DeviceTrace:
     """A context manager that traces what runs inside it; `summary()` afterwards. The window is the time inside it
-    (the tracer's start and stop outside): kernels that ran before or after it are cut off. On a GPU, XLA runs any
-    command buffers (CUDA graphs) op by op while it traces (`CommandBufferThunk`), so a traced window times the
-    kernels launched one by one, whatever XLA_FLAGS chose."""
+    (the tracer's start and stop outside), or the part of it in `window()`: kernels that ran before or after it are
+    cut off. On a GPU, XLA runs any command buffers (CUDA graphs) op by op while it traces (`CommandBufferThunk`),
+    so a traced window times the kernels launched one by one, whatever XLA_FLAGS chose."""
 
     def __enter__(self) -> DeviceTrace:
         self._dir = tempfile.TemporaryDirectory(prefix="sluice-trace-")
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0  # tracing every Python call would slow the host work being measured
         jax.profiler.start_trace(self._dir.name, profiler_options=options)
-        self._annotation = jax.profiler.TraceAnnotation(_WINDOW)
+        self._annotation = jax.profiler.TraceAnnotation(_TRACED)
         self._annotation.__enter__()
         return self
+
+    @contextmanager
+    def window(self):
+        """The part of the traced block to measure. An engine needs one: the calls it had dispatched run on while
+        the tracer starts, so the block's first step collects a call that ran before the block, and its tokens
+        would count without their device time (`bench.engine_check.profiled_decode`)."""
+        with jax.profiler.TraceAnnotation(_WINDOW):
+            yield
 
     def __exit__(self, *exc) -> None:
         self._annotation.__exit__(*exc)

@@ -314,15 +314,19 @@ def sustained(engine: Engine, requests: list[BenchRequest], c: int, decoding: De
     seconds = loop.run_while(lambda: not traced_steps or loop.finished < c)
     profile = None
     if traced_steps and loop.running:
-        tokens, prompt_tokens, ran = loop.tokens, engine.stats.prompt_tokens_total, []
-        timer = PhaseTimer(engine)
         with DeviceTrace() as trace:
             start = time.perf_counter()
-            while loop.running and len(ran) < traced_steps:
-                loop.step()
-                ran.append(engine.stats.last_step)
-            window_s = time.perf_counter() - start
-        timer.close()
+            loop.step()  # collects the step that ran while the tracer started (`DeviceTrace.window`)
+            seconds += time.perf_counter() - start
+            tokens, prompt_tokens, ran = loop.tokens, engine.stats.prompt_tokens_total, []
+            timer = PhaseTimer(engine)
+            with trace.window():
+                start = time.perf_counter()
+                while loop.running and len(ran) < traced_steps:
+                    loop.step()
+                    ran.append(engine.stats.last_step)
+                window_s = time.perf_counter() - start
+            timer.close()
         seconds += window_s
         profile = {**traced_profile(trace, timer, len(ran)),
                    "output_tok_s": (loop.tokens - tokens) / window_s,
@@ -405,16 +409,25 @@ def _traced_decode(engine: Engine, requests: list[BenchRequest], decode_steps: i
                    name: str) -> dict:
     sinks = [ArrivalTimes() for _ in requests]
     for i, (request, sink) in enumerate(zip(requests, sinks)):
-        engine.submit([list(request.prompt)], decoding.params(2 * decode_steps + 4), sink, f"{name}-{i}")
+        # Room for the window's tokens and the calls before and after it, each up to a multi-step call's more.
+        max_tokens = decode_steps + 4 * engine.config.num_decode_steps + 4
+        engine.submit([list(request.prompt)], decoding.params(max_tokens), sink, f"{name}-{i}")
     emitted = lambda: min(len(sink.times) for sink in sinks)
-    while emitted() < 2:
-        engine.step()
-    before = emitted()
-    timer = PhaseTimer(engine)
-    with DeviceTrace() as trace:
-        while emitted() < before + decode_steps:
+
+    def step_until(tokens: int) -> None:
+        while emitted() < tokens:
+            if not engine.has_work:
+                raise AssertionError(f"the traced requests ended before their {tokens}th token")
             engine.step()
-    timer.close()
+
+    step_until(2)
+    with DeviceTrace() as trace:
+        step_until(emitted() + 1)  # collects the call that ran while the tracer started (`DeviceTrace.window`)
+        before = emitted()
+        timer = PhaseTimer(engine)
+        with trace.window():
+            step_until(before + decode_steps)
+        timer.close()
     steps = emitted() - before
     while engine.has_work:
         engine.step()

@@ -1,5 +1,7 @@
 """bench.device_profile: the busy time is the union of kernel intervals, and each kernel lands in its class."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -51,3 +53,16 @@ def test_a_traced_program_shows_up_with_its_matmul():
     assert 0 < summary.busy_s <= summary.span_s
     assert any("lambda" in program for program in summary.by_program)
     assert sum(summary.by_class.values()) > 0
+
+
+def test_a_window_measures_only_its_part_of_the_traced_block():
+    f = jax.jit(lambda a, b: jnp.tanh(a @ b).sum(0))
+    a = jnp.ones((256, 256)) / 256
+    jax.block_until_ready(f(a, a))
+    with DeviceTrace() as trace:
+        time.sleep(0.3)  # outside the window: an engine's steps that collect what ran while the tracer started
+        with trace.window():
+            for _ in range(3):
+                jax.block_until_ready(f(a, a))
+    summary = trace.summary()
+    assert 0 < summary.busy_s <= summary.span_s < 0.3

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from sluice.batching import step_output
 from sluice.batching.config import EngineConfig
-from sluice.bench import engine_check
+from sluice.bench import device_profile, engine_check
 from sluice.bench.dataset import BenchRequest
 from sluice.model.llama import Llama
 from sluice.model.roofline import Peaks, param_bytes
@@ -92,6 +93,56 @@ def test_a_timed_waves_tokens_of_one_step_arrive_together_for_every_request():
     first, last = arrivals["first"], arrivals["last"]
     assert set(last[1:]) <= set(first)
     assert 0 < decode_tpot <= tpot * 1.5 and ttft * 1e3 == pytest.approx(max(first[0], last[0]))
+
+
+def test_a_traced_decode_window_collects_only_calls_dispatched_with_the_tracer_running(monkeypatch):
+    """The engine dispatches a call before it collects the one before. A call dispatched before the tracer
+    started ran on while it started (a while on a GPU), so collected in the window, its tokens came without
+    their device time: on the H200 the window read 4.03 ms a token at C=1 where the untraced calls came every
+    4.90 ms. The window is opened only after a step has collected what ran while the tracer started."""
+    loaded = engine_check.random_model("tiny")
+    engine = engine_check.Engine(loaded, EngineConfig(dtype="float32", page_size=16, max_num_seqs=4,
+                                                      max_num_batched_tokens=64, max_model_len=256,
+                                                      kv_cache_memory=2**20, warmup=False),
+                                 progress=False)
+    state = dict(tracing=False, in_window=False)
+    collected_in_window = []
+    start_trace, annotation = jax.profiler.start_trace, jax.profiler.TraceAnnotation
+    init, fetch = step_output.PendingStep.__init__, step_output.PendingStep.fetch
+
+    def started(*args, **kwargs):
+        start_trace(*args, **kwargs)
+        state["tracing"] = True
+
+    class Window(annotation):
+        def __init__(self, name, **kwargs):
+            super().__init__(name, **kwargs)
+            self.window = name == device_profile._WINDOW
+
+        def __enter__(self):
+            state["in_window"] |= self.window
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            state["in_window"] &= not self.window
+            return super().__exit__(*exc)
+
+    def dispatched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.with_tracer = state["tracing"]
+
+    def collected(self):
+        if state["in_window"]:
+            collected_in_window.append(self.with_tracer)
+        return fetch(self)
+
+    monkeypatch.setattr(jax.profiler, "start_trace", started)
+    monkeypatch.setattr(jax.profiler, "TraceAnnotation", Window)
+    monkeypatch.setattr(step_output.PendingStep, "__init__", dispatched)
+    monkeypatch.setattr(step_output.PendingStep, "fetch", collected)
+    requests = [BenchRequest(tuple(range(100 + 7 * i, 130 + 7 * i)), output_tokens=4) for i in range(2)]
+    profile = engine_check.profiled_decode(engine, requests, 16, engine_check.Decoding())
+    assert profile["steps"] >= 16 and collected_in_window and all(collected_in_window)
 
 
 def test_an_int8_run_measures_the_engine_on_int8_weights(tmp_path):
