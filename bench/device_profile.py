@@ -2,7 +2,7 @@
 
     with DeviceTrace() as trace:
         run_some_steps()
-    summary = trace.summary()        # busy and span seconds, seconds per (program, op class)
+    summary = trace.summary()        # busy and span seconds, seconds per (program, op class), the longest kernels
 
 XLA tags each kernel it runs with its HLO instruction (`hlo_op`) and program (`hlo_module`): on a GPU the kernels
 on the device's streams, on a CPU the thunks on the client's threads. Those events are the device's work; their
@@ -38,6 +38,7 @@ _PATTERNS = (
 )
 _CONTROL_FLOW = re.compile(r"^(while|conditional|call)(\.|$)")
 _TRACED, _WINDOW = "sluice-traced", "sluice-traced-window"
+TOP_OPS = 24  # the longest kernels a summary names
 
 
 def op_class(kernel: str, hlo_op: str) -> str:
@@ -68,6 +69,7 @@ class ProfileSummary:
     busy_s: float
     by_program: dict[str, dict[str, float]] = field(default_factory=dict)
     by_class: dict[str, float] = field(default_factory=dict)
+    top_ops: list[dict] = field(default_factory=list)  # the longest kernels: class, kernel, hlo_op, runs, seconds
 
     @property
     def busy_share(self) -> float:
@@ -78,7 +80,9 @@ class ProfileSummary:
         ms = lambda s: 1e3 * s / max(steps, 1)
         return dict(steps=steps, span_ms=ms(self.span_s), busy_ms=ms(self.busy_s), busy_share=self.busy_share,
                     by_class_ms={k: ms(v) for k, v in self.by_class.items()},
-                    by_program_ms={p: {k: ms(v) for k, v in c.items()} for p, c in self.by_program.items()})
+                    by_program_ms={p: {k: ms(v) for k, v in c.items()} for p, c in self.by_program.items()},
+                    top_ops=[dict(op_class=op["op_class"], kernel=op["kernel"], hlo_op=op["hlo_op"],
+                                  runs=op["runs"] / max(steps, 1), ms=ms(op["seconds"])) for op in self.top_ops])
 
 
 def device_events(profile: ProfileData) -> list[DeviceEvent]:
@@ -111,13 +115,20 @@ def summarize(events: list[DeviceEvent], window_ns: tuple[float, float]) -> Prof
             end = stop
     by_program: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(CLASSES, 0.0))
     by_class = dict.fromkeys(CLASSES, 0.0)
+    by_op: dict[tuple[str, str, str], list] = defaultdict(lambda: [0, 0.0])
     for e in cut:
         if _CONTROL_FLOW.match(e.hlo_op):
             continue
         cls = op_class(e.kernel, e.hlo_op)
         by_program[e.program][cls] += e.duration_ns * 1e-9
         by_class[cls] += e.duration_ns * 1e-9
-    return ProfileSummary((hi - lo) * 1e-9, busy * 1e-9, dict(by_program), by_class)
+        op = by_op[(cls, e.kernel, e.hlo_op)]
+        op[0] += 1
+        op[1] += e.duration_ns * 1e-9
+    longest = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:TOP_OPS]
+    top_ops = [dict(op_class=cls, kernel=kernel, hlo_op=hlo_op, runs=runs, seconds=seconds)
+               for (cls, kernel, hlo_op), (runs, seconds) in longest]
+    return ProfileSummary((hi - lo) * 1e-9, busy * 1e-9, dict(by_program), by_class, top_ops)
 
 
 def window_of(profile: ProfileData) -> tuple[float, float] | None:

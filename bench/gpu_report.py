@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 KERNEL_BACKENDS = ("pallas-triton", "pallas-mosaic", "reference")
 HOST_PHASES = ("schedule", "inputs", "dispatch", "collect", "append", "emit", "wait", "cpu")
+LONGEST_KERNELS = 10  # of each decode window, in the report
 
 
 @dataclass
@@ -193,7 +194,20 @@ def profile_section(results: list[dict]) -> list[str]:
                              + " | ".join(f"{p['by_class_ms'].get(c, 0.0):.2f}" for c in classes) + f" | {top} | "
                              + " / ".join(f"{p.get('host_ms', {}).get(h, 0.0):.2f}" for h in HOST_PHASES)
                              + f" | {_mixed(p.get('mixed_steps'))} |")
-    return lines + [""]
+    return lines + [""] + longest_kernels(results)
+
+
+def longest_kernels(results: list[dict]) -> list[str]:
+    """The decode windows' longest kernels (`ProfileSummary.top_ops`), in ms and runs per step: what a fusion
+    or a faster kernel would win first."""
+    lines = ["Longest kernels of the decode windows, per step:", "",
+             "| model | C | class | kernel | HLO op | runs | ms |", "|---|---:|---|---|---|---:|---:|"]
+    for result in results:
+        for level in result.get("levels", []):
+            for op in (level.get("profile") or {}).get("top_ops", [])[:LONGEST_KERNELS]:
+                lines.append(f"| {result['model']} | {level['concurrency']} | {op['op_class']} | "
+                             f"{cell(op['kernel'][:60])} | {cell(op['hlo_op'])} | {op['runs']:.1f} | {op['ms']:.3f} |")
+    return lines + [""] if len(lines) > 4 else []
 
 
 def _mixed(mixed: dict | None) -> str:

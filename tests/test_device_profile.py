@@ -21,6 +21,8 @@ def test_busy_time_counts_overlapping_kernels_once_and_control_flow_not_at_all()
     assert summary.by_class == pytest.approx(dict(matmul=10e-9, attention=5e-9, copy=0.0, fusion=10e-9, other=0.0))
     per_step = summary.as_dict(steps=2)
     assert per_step["busy_ms"] == pytest.approx(20e-6) and per_step["by_program_ms"]["jit_step"]["matmul"] == 5e-6
+    assert [(op["kernel"], op["runs"], op["ms"]) for op in per_step["top_ops"]] == [
+        ("sm90_xmma_gemm_bf16bf16", 0.5, 5e-6), ("loop_add_fusion", 0.5, 5e-6), ("ragged_paged_attention", 0.5, 2.5e-6)]
 
 
 def test_kernels_dispatched_ahead_count_only_their_part_inside_the_window():

@@ -99,6 +99,10 @@ def test_the_traced_decode_steps_say_where_device_time_went(check):
         # Every op class sum is kernel time inside the window, and the model's programs ran in it.
         assert 0 < sum(profile["by_class_ms"].values())
         assert any("decode" in program for program in profile["by_program_ms"])
+        # The longest kernels, longest first, each no longer than its class's sum.
+        ops = profile["top_ops"]
+        assert ops and [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
+        assert all(0 < op["ms"] <= profile["by_class_ms"][op["op_class"]] + 1e-9 and op["runs"] > 0 for op in ops)
         # The sustained stream's steady state: its steps' prefill ran in mixed steps of the workload's prompts.
         sustained = level["sustained"]["profile"]
         assert 0 < sustained["busy_ms"] <= sustained["span_ms"] and sustained["output_tok_s"] > 0
@@ -106,6 +110,8 @@ def test_the_traced_decode_steps_say_where_device_time_went(check):
         assert sustained["mixed_steps"]["tokens"] <= sustained["mixed_steps"]["bucket"] <= 8
     traced = report.split("### Where a step's time goes")[1]
     assert "| tiny | 2 | decode | " in traced and "| tiny | 2 | sustained | " in traced
+    longest = traced.split("Longest kernels of the decode windows")[1]
+    assert f"| tiny | 2 | {results['engine'][0]['levels'][1]['profile']['top_ops'][0]['op_class']} | " in longest
 
 
 def test_a_step_without_time_left_is_skipped_and_reported(tmp_path):
