@@ -175,8 +175,9 @@ def profile_section(results: list[dict]) -> list[str]:
              "busy, the device waiting for the host. Op classes sum kernel time (`bench.device_profile`); per "
              "program, the top three by busy time. Host: the engine's phases in the window (`bench.host_phases`; "
              "wait: blocked on the device). Mixed steps: how many of the window's steps had prefill, their mean "
-             "tokens / token bucket, and decode rows. XLA runs command buffers op by op while it traces: a traced window "
-             "times the kernels launched one by one, whatever XLA_FLAGS chose.", "",
+             "tokens / token bucket, and decode rows. XLA runs command buffers op by op while it traces, unless "
+             "`--xla_enable_command_buffers_during_profiling`: a traced window may launch kernels otherwise than an "
+             "untraced run.", "",
              "| model | C | run | steps | period ms | busy ms | idle % | " + " | ".join(f"{c} ms" for c in classes)
              + " | top programs (ms) | host ms: " + ", ".join(HOST_PHASES) + " | mixed steps |",
              "|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(classes) + "---|---|---|"]
