@@ -25,10 +25,9 @@ fingerprint 32s, key 32s, payload length u64, then the checksum 32s (blake2b of 
 temporary file beside it, is fsynced, then renamed over the name (`os.replace`), so a name only ever holds a
 whole file; a file whose size, header or checksum is wrong is removed, logged once and counted, never served.
 
-Threads: the engine thread owns the store and calls every method. Disk writes, the marks of a file's use and the
-removal of forgotten pages' files run in order on one writer thread (its queue bounded: `_spill`), and `prefetch`
-reads pages on one reader thread, so the engine's steps never wait on the disk; `_lock` guards what the threads
-share (both tiers' indexes and counters).
+Threads: the engine thread owns the store and calls every method. Disk writes and the marks of a file's use run in
+order on one writer thread (its queue bounded: `_spill`), and `prefetch` reads pages on one reader thread, so the
+engine's steps never wait on the disk; `_lock` guards what the threads share (both tiers' indexes and counters).
 """
 
 from __future__ import annotations
@@ -240,12 +239,6 @@ class _Write(NamedTuple):
     mark: bool
 
 
-class _Removal(NamedTuple):
-    """Forgotten pages' files, removed after the writes queued before them."""
-
-    paths: tuple[Path, ...]
-
-
 class StoredPrefix(NamedTuple):
     """A waiting sequence's pages being read from the store (`KVStore.prefetch`): from its page `first` on, before
     page `end`, as far as the store holds them."""
@@ -309,7 +302,7 @@ class KVStore:
         except BaseException:
             os.close(lock)
             raise
-        self._queue: queue.Queue[_Write | _Removal | None] = queue.Queue()  # bounded by `_num_queued`'s
+        self._queue: queue.Queue[_Write | None] = queue.Queue()  # bounded by `_num_queued`'s
         # The writer holds the store weakly, so that a store dropped without `close` (an engine a test or a fuzz
         # drops) is freed, and with it its RAM tier, its threads and its slot (a later store on the directory
         # would take the next slot, never reading its pages, and the 65th none).
@@ -380,8 +373,8 @@ class KVStore:
 
     def forget(self, keys: list[PageKey]) -> None:
         """Removes pages (their K/V is suspect) from RAM and from disk now, without waiting for the writes queued
-        before (those of these pages are not made); a file one of them may still be writing is removed by the
-        writer after it. A process killed once this returns leaves no file of them for the next store to serve."""
+        before (those of these pages are not made, and a file one of them is being written never lands: `_land`). A
+        process killed once this returns leaves no file of them for the next store to serve."""
         with self._lock:
             written = [key for key in keys if key in self._disk]
             for key in keys:
@@ -389,7 +382,6 @@ class KVStore:
                 self._ram.pop(key, None)
                 self._disk.pop(key, None)
         _remove_files(tuple(self._path(key) for key in written))
-        self._queue.put(_Removal(tuple(self._path(key) for key in keys)))
 
     def counters(self) -> KVStoreCounters:
         with self._lock:
@@ -587,12 +579,17 @@ class KVStore:
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self._path(key))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+            self._land(key, Path(tmp), generation)
+        finally:
+            Path(tmp).unlink(missing_ok=True)  # a failed write's, or a forgotten page's; gone once renamed
+
+    def _land(self, key: PageKey, tmp: Path, generation: _Generation) -> None:
+        """Renames a page's written file into place and indexes it, unless the page was forgotten meanwhile. Under
+        `_lock`, so that `forget` finds the file indexed (and removes it) or the file never lands: renamed after
+        `forget` returned, a process killed before it was removed again left the suspect page for the next store."""
         with self._lock:
-            if self._generations.get(key) is generation:  # else forgotten while written: its removal follows
+            if self._generations.get(key) is generation:
+                os.replace(tmp, self._path(key))
                 self._disk[key] = None
                 self._evict_disk()
 
@@ -605,22 +602,21 @@ def _remove_files(paths: tuple[Path, ...]) -> None:
             logger.warning("KV store: could not remove %s: %s", path, e)
 
 
-def _write_loop(store: weakref.ref[KVStore], jobs: queue.Queue[_Write | _Removal | None]) -> None:
+def _write_loop(store: weakref.ref[KVStore], jobs: queue.Queue[_Write | None]) -> None:
     """The writer thread: runs the queued jobs in order until `close` or the store's collection (None); the writes
-    still queued once the store is collected go with it, the removals are still made."""
+    still queued once the store is collected go with it."""
     while (job := jobs.get()) is not None:
         try:
-            if isinstance(job, _Removal):
-                _remove_files(job.paths)
-            elif (writer := store()) is not None:
+            if (writer := store()) is not None:
                 writer._write_page(job)
                 del writer  # held only while it writes: waiting, the thread must not keep the store alive
         finally:
+            del job  # nor the last page it wrote, or did not: a forgotten page's key and payload go with the store's
             jobs.task_done()
     jobs.task_done()
 
 
-def _let_go(jobs: queue.Queue[_Write | _Removal | None], slot_lock: int) -> None:
+def _let_go(jobs: queue.Queue[_Write | None], slot_lock: int) -> None:
     """A store's end, by `close` or its collection: stops the writer, after the jobs queued, and frees the slot."""
     jobs.put(None)
     os.close(slot_lock)

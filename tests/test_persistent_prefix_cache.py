@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import random
+import shutil
 import signal
 import time
 from dataclasses import replace
@@ -19,7 +20,8 @@ import pytest
 
 from sluice.batching.config import EngineConfig
 from sluice.batching.engine import Engine
-from sluice.batching.kv_store import SUFFIX
+from sluice.batching import kv_store
+from sluice.batching.kv_store import SUFFIX, KVStore
 from sluice.batching.sampling_params import SamplingParams
 from test_api_e2e import metric, start_server
 from test_kv_store import LAYOUT, A, B, SlowDisk, assert_same, open_store, payload  # noqa: F401 - open_store: the fixture
@@ -168,3 +170,29 @@ def test_a_page_forgotten_while_the_writer_is_busy_leaves_no_file_for_a_restart(
     gone = not (store.directory / f"{A}{SUFFIX}").exists()
     disk.release.set()
     assert gone, "the forgotten page's file waited for the writer"
+
+
+def test_a_page_forgotten_while_its_file_is_written_never_lands_for_a_restart(open_store, monkeypatch, tmp_path):
+    """A page is forgotten while the writer is in its own fsync: a process killed at any point after `forget`
+    returns must leave no file of it for the next store, so its file is never renamed into place (a kill just after
+    the rename, before the writer removed it again, left the suspect page to be served after a restart)."""
+    disk = SlowDisk(monkeypatch)
+    killed = tmp_path / "killed"  # the directory as a kill right after a rename leaves it
+    rename = kv_store.os.replace
+
+    def rename_then_kill(src, dst) -> None:
+        rename(src, dst)
+        shutil.copytree(Path(dst).parent, killed / Path(dst).parent.name, dirs_exist_ok=True)
+
+    monkeypatch.setattr(kv_store.os, "replace", rename_then_kill)
+    store = open_store()
+    store.put(A, payload(LAYOUT, 1))
+    disk.writing.wait()  # the writer is in A's fsync
+    store.forget([A])
+    disk.release.set()
+    store.flush()
+    restarted = KVStore(LAYOUT, killed, ram_bytes=1 << 20, disk_bytes=1 << 20)
+    try:
+        assert restarted.get(A) is None
+    finally:
+        restarted.close()
