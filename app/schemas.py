@@ -148,6 +148,15 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk has its choice's "
                                          "usage so far too (its prompt's tokens and the tokens it has generated)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_usage_is_none(cls, data: Any) -> Any:
+        # A null include_usage is false to OpenAI and to vLLM (`bool(include_usage)`): true is the default of a
+        # stream_options without the key, not of a null, which `_null_means_default` would read as left out.
+        if isinstance(data, dict) and "include_usage" in data and data["include_usage"] is None:
+            return {**data, "include_usage": False}
+        return data
+
 
 # --- structured output: OpenAI's response_format and vLLM's structured_outputs ---------------------------
 # What the grammars say is checked when the engine compiles them, against the model's vocabulary (a 400 too).

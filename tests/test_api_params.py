@@ -18,8 +18,12 @@ def test_stream_options_without_include_usage_include_usage_as_vllms_do(options)
     assert request.include_usage and request.continuous_usage == bool(options)
 
 
-def test_include_usage_false_leaves_usage_out_continuous_or_not():
-    body = {"prompt": "hi", "stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}}
+@pytest.mark.parametrize("include_usage", [False, None])
+def test_include_usage_false_or_null_leaves_usage_out_continuous_or_not(include_usage):
+    """A null is false to OpenAI and to vLLM (`bool(include_usage)`): true is the default of a stream_options
+    without the key, not of a null."""
+    options = {"include_usage": include_usage, "continuous_usage_stats": True}
+    body = {"prompt": "hi", "stream": True, "stream_options": options}
     request = CompletionRequest.model_validate(body, context=VOCAB)
     assert not request.include_usage and not request.continuous_usage
 
