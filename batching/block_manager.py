@@ -1,9 +1,10 @@
 """The KV page pool: allocation with reference counts and automatic prefix caching.
 
 A full page is cached under its key (the previous page's hash, its token ids), the hash chained from page to page, so
-equal prefixes map to equal keys whatever request they came from (a request's `cache_salt` or LoRA adapter starts
-its chain elsewhere: `SamplingParams.cache_namespace`). A page whose last reference goes away stays cached, reusable
-until it is evicted, least recently freed first, to make room for new allocations.
+equal prefixes map to equal keys whatever request they came from (a request's `cache_salt` or LoRA adapter starts its
+chain elsewhere: `SamplingParams.cache_namespace`), and only equal prefixes: the hash, blake2b, is one no client can
+make collide. A page whose last reference goes away stays cached, reusable until it is evicted, least recently freed
+first, to make room for new allocations.
 
 With a persistent prefix store (`kv_store.py`, host RAM then disk), the cache has a tier below the pool: every
 page newly full is listed in `saves` for the engine to copy out to the store, and a prefix found in the store
@@ -14,6 +15,9 @@ waiting (`prefetch`); until they are in, `match_prefix` says to try again later.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,15 +26,27 @@ from sluice.batching.kv_store import KVStore, PageKey, PagePayload, StoredPrefix
 from sluice.batching.sequence import Sequence
 
 _ROOT_HASH = 0
+_HASH_BYTES = 16
 
 CacheKey = tuple[int, tuple[int, ...]]
 """A full page's key in the prefix cache: (the hash of the previous page's key, or `root_hash`; its token ids)."""
 
 
+def _digest(data: bytes, person: bytes) -> int:
+    """blake2b of `data`, as an int: not Python's `hash`, whose 64 bits a client inverts to craft a prefix that
+    collides with another's, and then be served pages computed after its own."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=_HASH_BYTES, person=person).digest(), "little")
+
+
 def root_hash(seq: Sequence) -> int:
     """The parent of `seq`'s first page: requests share cached pages only in the same `cache_namespace`."""
     namespace = seq.params.cache_namespace
-    return _ROOT_HASH if namespace is None else hash((_ROOT_HASH, namespace))
+    return _ROOT_HASH if namespace is None else _digest(json.dumps(list(namespace)).encode(), b"namespace")
+
+
+def _page_hash(parent: int, tokens: list[int]) -> int:
+    """The hash of a full page's key: `parent` and its token ids."""
+    return _digest(parent.to_bytes(_HASH_BYTES, "little") + array("q", tokens).tobytes(), b"page")
 
 
 @dataclass(frozen=True)
@@ -104,8 +120,9 @@ class BlockManager:
     def _chain(self, seq: Sequence, first: int, end: int, parent: int) -> Iterator[tuple[CacheKey, int]]:
         """(key, hash) of each of `seq`'s full pages `first` to `end - 1`; `parent`: the hash of page `first - 1`."""
         for i in range(first, end):
-            key = (parent, tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size]))
-            parent = hash(key)
+            tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
+            key = (parent, tuple(tokens))
+            parent = _page_hash(parent, tokens)
             yield key, parent
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:

@@ -58,6 +58,40 @@ def test_hash_is_chained_so_an_equal_page_after_a_different_prefix_is_not_reused
     assert bm.match_prefix(other) == ([], [], [])
 
 
+def python_hash_collision(page: list[int]) -> list[int]:
+    """Another page whose tuple has `page`'s `hash`: Python's tuple hash (xxHash's rounds over each item's hash, all
+    invertible) is solved for the last item. Ids this large are no token's, but a vocabulary's ids find one by
+    meeting in the middle, in about 2^32 steps."""
+    mask, prime1, prime2, prime5 = (1 << 64) - 1, 11400714785074694791, 14029467366897019727, 2870177450012600261
+
+    def round_(acc: int, item: int) -> int:
+        acc = (acc + item * prime2) & mask
+        return (((acc << 31) | (acc >> 33)) & mask) * prime1 & mask
+
+    acc = prime5
+    for item in page[:-2]:
+        acc = round_(acc, item)
+    want = round_(acc, page[-2])
+    for item in range(1 << 10, 1 << 11):
+        last = (page[-1] + (want - round_(acc, item)) * pow(prime2, -1, 1 << 64)) & mask
+        if last < (1 << 61) - 1:  # an int below the modulus of int hashing hashes to itself
+            return [*page[:-2], item, last]
+    raise AssertionError("no colliding page")
+
+
+def test_a_page_after_a_prefix_whose_hash_collides_with_another_s_is_not_reused():
+    """A client that crafts a first page colliding with a popular prompt's (under a 64-bit, invertible hash) and
+    sends it before that prompt's second page: the prompt must not be served the K/V computed after the crafted
+    page."""
+    popular, crafted = [0, 1, 2, 3], python_hash_collision([0, 1, 2, 3])
+    assert crafted != popular and hash((0, tuple(crafted))) == hash((0, tuple(popular)))
+    bm = BlockManager(num_pages=16, page_size=PAGE)
+    prefill(bm, make_seq(popular + [9], seq_id=0))
+    prefill(bm, make_seq(crafted + [4, 5, 6, 7, 9], seq_id=1))
+    victim = make_seq(popular + [4, 5, 6, 7, 9], seq_id=2)
+    assert len(bm.match_prefix(victim)[0]) == 1  # its first page only
+
+
 def test_a_cache_salt_shares_pages_only_with_requests_of_the_same_salt(tmp_path):
     layout = KVLayout(model="m", quantization="none", dtype="float32", kv_dtype="float32", page_size=PAGE,
                       num_layers=1, num_kv_heads=1, head_dim=2)
