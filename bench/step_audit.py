@@ -443,10 +443,24 @@ def _parameter(body: Computation, index: int) -> Instr:
     return next(i for i in body.instrs.values() if i.op == "parameter" and int(i.args) == index)
 
 
+def _readers(body: Computation, name: str) -> list[Instr]:
+    """The fused instructions that read `name`'s value, through bitcasts and the elementwise ops over it (a convert,
+    a scale): a loop kernel computes those only at the elements its later instructions take, so a slice after a
+    scale still reads only its share."""
+    found, size = [], np.prod(body.instrs[name].dims or (), dtype=np.int64)
+    for user in _users(body, name):
+        elementwise = (user.op not in MOVING and user.op not in NO_BUFFER and user.op != "broadcast"
+                       and user.dims is not None and np.prod(user.dims, dtype=np.int64) == size)
+        found += _readers(body, user.name) if elementwise else [user]
+    return found
+
+
 def _taken(operand: Instr, readers: Sequence[Instr]) -> int:
-    """What `readers` read of `operand`: all of it, or what they take where they only slice or gather from it."""
-    if readers and all(r.op in SELECTING for r in readers):
-        return min(operand.nbytes, sum(r.nbytes for r in readers))
+    """What `readers` read of `operand`: all of it, or what they take where they only slice or gather from it (their
+    elements, at the operand's bytes each)."""
+    if readers and operand.dims is not None and all(r.op in SELECTING for r in readers):
+        elements = sum(np.prod(r.dims or (), dtype=np.int64) for r in readers)
+        return min(operand.nbytes, int(elements * _itemsize(operand.dtype)))
     return operand.nbytes
 
 
@@ -464,7 +478,7 @@ def _moved_bytes(computations: dict[str, Computation], comp: Computation, instr:
         value = comp.instrs[name] if body is None else _parameter(body, index)
         if in_place and _source(scope, value.name) is _source(scope, root.operands[0]):
             continue
-        read += _taken(comp.instrs[name], [instr] if body is None else _users(body, value.name))
+        read += _taken(comp.instrs[name], [instr] if body is None else _readers(body, value.name))
     return written + read
 
 

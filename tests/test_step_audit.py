@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sluice.bench.step_audit import StoredArray, StepAudit, audit, audit_decode_call, audit_decode_step, \
-    audit_mixed_step, host_syncs, launches, parse_hlo, pool_copy, step_kernels, target_device
+from sluice.bench.step_audit import StoredArray, StepAudit, abstract_runner, audit, audit_decode_call, \
+    audit_decode_step, audit_mixed_step, compile_decode_step, host_syncs, launches, parse_hlo, pool_copy, \
+    step_kernels, target_device
 from sluice.bench.engine_check import MODELS
 from sluice.model.config import ModelConfig
 from sluice.pallas_kernels import cpu_qmatmul
@@ -278,6 +279,18 @@ def test_the_gpus_int8_decode_step_reads_its_int8_weights_in_place():
     assert "int8" in step.label
     assert step.clean, step.findings()
     assert {"wqkv[layer]", "wo[layer]", "w_gate_up[layer]", "w_down[layer]"} <= set(step.projections), step.projections
+
+
+def test_the_gpus_one_row_decode_step_normalizes_each_projections_input_in_one_kernel():
+    """A norm before a projection, x / rms(x) * g, was two kernels at one row: the mean of squares written out
+    as a lone scalar, read back by an elementwise pass (a kernel launch of about 3 us at C=1 on the H200, 63 of
+    the 8B's 561 a step). As (x * g @ W) / rms(x), one kernel computes x * g and the mean of squares (the LM
+    head's x * g goes into its matmul, and its mean of squares stays a scalar of its own)."""
+    device = h100()
+    runner = abstract_runner(MIXED_CONFIG, "bfloat16", 1, K, device=device)
+    kernels = step_kernels(parse_hlo(compile_decode_step(runner, 1, device=device).as_text()))
+    scalars = [k for k in kernels if k.type == "f32[]"]
+    assert [k for k in kernels if k.op_class == "matmul"] and len(scalars) <= 1, scalars
 
 
 # A mixed step as the H200's sustained run had them: 1,024 tokens for a server of 1,024 sequences (so 1,024 attention
