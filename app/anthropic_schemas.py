@@ -8,6 +8,7 @@ request by `anthropic_messages.py`, which checks what the two APIs share.
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, RootModel, Tag, ValidationInfo, field_validator, model_validator
@@ -297,12 +298,13 @@ class CountTokensRequest(_Request):
     @model_validator(mode="after")
     def _each_call_answered_in_the_next_turn(self) -> CountTokensRequest:
         """As Anthropic checks: a tool_result answers a tool_use of the turn before it, and a tool_use (but in the
-        final turn) is answered in the turn after it, so that no call is shown the model without its result nor a
-        result without its call."""
+        final turn) is answered by the tool_results that open the turn after it, so that no call is shown the model
+        without its result, nor a result without its call or apart from it (text before the results would come
+        between them)."""
         turns = self._turn_spans()
         for t, (start, end) in enumerate(turns):
             if self.messages[start].role == "user":
-                called = self._ids(turns[t - 1], ToolUseBlockParam) if t else set()
+                called = self._calls(turns[t - 1]) if t else set()
                 for i in range(start, end):
                     for j, block in enumerate(self.messages[i].blocks()):
                         if isinstance(block, ToolResultBlockParam) and block.tool_use_id not in called:
@@ -311,7 +313,7 @@ class CountTokensRequest(_Request):
                                 "in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding "
                                 "`tool_use` block in the previous message.", {"i": i, "j": j, "id": block.tool_use_id})
             elif t + 1 < len(turns):
-                answered = self._ids(turns[t + 1], ToolResultBlockParam)
+                answered = self._leading_results(turns[t + 1])
                 for i in range(start, end):
                     if unanswered := [b.id for b in self.messages[i].blocks()
                                       if isinstance(b, ToolUseBlockParam) and b.id not in answered]:
@@ -331,10 +333,16 @@ class CountTokensRequest(_Request):
                 spans.append((i, i + 1))
         return spans
 
-    def _ids(self, span: tuple[int, int], kind: type[ToolUseBlockParam | ToolResultBlockParam]) -> set[str]:
-        """The ids of the calls (tool_use) or of the calls answered (tool_result) in a turn's messages."""
-        return {block.id if isinstance(block, ToolUseBlockParam) else block.tool_use_id
-                for message in self.messages[slice(*span)] for block in message.blocks() if isinstance(block, kind)}
+    def _calls(self, span: tuple[int, int]) -> set[str]:
+        """The ids of the calls (tool_use blocks) in a turn's messages."""
+        return {block.id for message in self.messages[slice(*span)] for block in message.blocks()
+                if isinstance(block, ToolUseBlockParam)}
+
+    def _leading_results(self, span: tuple[int, int]) -> set[str]:
+        """The ids of the calls answered by the tool_result blocks a turn opens with (up to its first other block)."""
+        blocks = [block for message in self.messages[slice(*span)] for block in message.blocks()]
+        return {block.tool_use_id for block in itertools.takewhile(
+            lambda block: isinstance(block, ToolResultBlockParam), blocks)}
 
     def turns(self) -> list[MessageParam]:
         """The messages, consecutive ones of one role as one turn, as Anthropic combines them (chat templates may

@@ -372,6 +372,7 @@ def test_a_strict_tool_under_auto_holds_the_calls_the_model_chooses_as_a_chat_re
 
 
 THOUGHT = {"type": "thinking", "thinking": "A fox.", "signature": "sig"}
+TOOL_RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}
 
 
 def test_thinking_blocks_are_the_assistant_messages_reasoning_and_redacted_thinking_is_left_out():
@@ -529,6 +530,13 @@ def test_the_key_is_accepted_in_x_api_key_and_as_a_bearer_token(server):
                                                               "input": {}}]},
                    {"role": "user", "content": "And?"}], "max_tokens": 4},
      "messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_1."),
+    # Text before the result (in its message, or a message before it in the turn) would come between the call and
+    # its result: Anthropic answers the call only with the results that open the next turn.
+    *[({"messages": [*HELLO, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f",
+                                                                "input": {}}]}, *turn], "max_tokens": 4},
+       "messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_1.")
+      for turn in ([{"role": "user", "content": [{"type": "text", "text": "Here:"}, TOOL_RESULT]}],
+                   [{"role": "user", "content": "Here:"}, {"role": "user", "content": [TOOL_RESULT]}])],
 ])
 def test_bad_requests_are_400_invalid_request_errors_in_anthropics_shape(server, fields, words):
     response = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, **fields}, headers={"x-api-key": API_KEY})
