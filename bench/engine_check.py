@@ -426,7 +426,9 @@ def _traced_decode(engine: Engine, requests: list[BenchRequest], decode_steps: i
         before = emitted()
         timer = PhaseTimer(engine)
         with trace.window():
-            step_until(before + decode_steps)
+            # Two calls at least, so that one is dispatched and collected in it: the call collected first was
+            # dispatched before it, and a short one (a CPU's tiny model) may have run before it opened.
+            step_until(before + max(decode_steps, 2 * engine.config.num_decode_steps))
         timer.close()
     steps = emitted() - before
     while engine.has_work:

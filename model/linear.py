@@ -89,29 +89,34 @@ def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: 
         w, norm = jax.tree.map(lambda a: a[None], (w, norm))
         layer = jnp.int32(0)
 
-    def xla_dot(x, w, layer, norm, num_real) -> jax.Array:
-        h, row_scale = x, None
-        if norm is not None:
-            # x / rms(x) * g @ W as (x * g @ W) / rms(x): the row's scale after the matmul, where its consumers
-            # apply it, so that XLA:GPU computes x * g and the mean of squares in one kernel, where the normalized
-            # row took two (a reduction, then an elementwise pass): a Llama-3-8B decode step of one row launches
-            # 498 kernels, not 561.
-            x32 = x.astype(jnp.float32)
-            row_scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
-            h = (x32 * layer_slice(norm.weight, layer).astype(jnp.float32)).astype(x.dtype)
+    def dot(h: jax.Array, w: Weight, layer: jax.Array) -> jax.Array:
         w = jax.tree.map(lambda a: layer_slice(a, layer), w)
         # Contracted over K with the weight's output axes kept ([K, 2, I] for gate/up): merged by a reshape, a
         # sharded axis among them could not stay split, and tensor parallelism would gather the weight.
         if w.format == "q8c":
-            y = jnp.tensordot(h, w.values.astype(x.dtype), 1, preferred_element_type=jnp.float32) * w.scale
-        else:
-            weight = w.values if w.format == "float" else dequantize(w, x.dtype)
-            y = jnp.tensordot(h, weight, 1, preferred_element_type=jnp.float32)
-        if row_scale is None:
-            return y
-        # Rounded to the output's dtype before it is scaled, as it is without a norm: XLA:GPU keeps that rounding
-        # in the matmul, whose consumers then read their share of its output at half float32's bytes.
+            return jnp.tensordot(h, w.values.astype(x.dtype), 1, preferred_element_type=jnp.float32) * w.scale
+        weight = w.values if w.format == "float" else dequantize(w, x.dtype)
+        return jnp.tensordot(h, weight, 1, preferred_element_type=jnp.float32)
+
+    def normalized_first(x, w, layer, norm) -> jax.Array:
+        return dot(cpu_qmatmul.rms_norm(x, layer_slice(norm.weight, layer), norm.eps).astype(x.dtype), w, layer)
+
+    def scaled_after(x, w, layer, norm) -> jax.Array:
+        """x / rms(x) * g @ W as (x * g @ W) / rms(x), the row's scale applied by the matmul's consumers: XLA:GPU
+        then computes x * g and the mean of squares in one kernel, where the normalized row took two at one row
+        (a reduction, then an elementwise pass): a Llama-3-8B decode step of one row launches 498 kernels, not 561.
+        The matmul's output is rounded to its dtype before it is scaled, as it is without a norm, so that the
+        rounding stays in the matmul and its consumers read half float32's bytes. Not on a CPU, where XLA's
+        reductions then round differently in a step with LoRA adapters than in one without."""
+        x32 = x.astype(jnp.float32)
+        row_scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+        y = dot((x32 * layer_slice(norm.weight, layer).astype(jnp.float32)).astype(x.dtype), w, layer)
         return y.astype(out_dtype or x.dtype).astype(jnp.float32) * row_scale.reshape(-1, *[1] * (y.ndim - 1))
+
+    def xla_dot(x, w, layer, norm, num_real) -> jax.Array:
+        if norm is None:
+            return dot(x, w, layer)
+        return jax.lax.platform_dependent(x, w, layer, norm, cpu=normalized_first, default=scaled_after)
 
     def kernel(x, w, layer, norm, num_real) -> jax.Array:
         return _kernel(x.astype(jnp.float32), w, layer, norm, num_real).reshape(x.shape[0], *out_shape)

@@ -47,7 +47,10 @@ def test_numbers_still_take_whole_numbers_and_booleans_stay_booleans():
     assert body.logit_bias == {"5": -100.0, "7": 2.5}
 
 
-def test_null_stream_options_are_their_defaults_as_vllm_takes_them():
+def test_null_stream_options_are_false_as_openai_and_vllm_take_them():
+    # vLLM reads `stream_options.include_usage` as it comes (None: no usage); true is only the default of a
+    # stream_options without the key.
     body = parsed(ChatCompletionRequest, {**CHAT, "stream": True,
                                           "stream_options": {"include_usage": None, "continuous_usage_stats": None}})
-    assert body.include_usage and not body.continuous_usage
+    assert not body.include_usage and not body.continuous_usage
+    assert parsed(ChatCompletionRequest, {**CHAT, "stream": True, "stream_options": {}}).include_usage
