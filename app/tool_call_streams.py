@@ -20,6 +20,8 @@ from typing import Any
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
 # The head of a call written by name (Mistral's v11+ tokenizers): its name, maybe its id, then its arguments.
 CALL_ID, ARGS = "[CALL_ID]", "[ARGS]"
+# What Llama 3 may open its calls with (a special token, in the text only where special tokens' text is kept).
+PYTHON_TAG = "<|python_tag|>"
 _NAMED_HEAD = re.compile(rf"\s*(.*?)(?:{re.escape(CALL_ID)}[A-Za-z0-9]*)?{re.escape(ARGS)}", re.DOTALL)
 # Outside strings, JSON has only these characters besides quotes.
 _JSON_OUTSIDE_STRINGS = frozenset("{}[] \t\r\n,:-+.0123456789eEtruefalsn")
@@ -412,10 +414,12 @@ class _StrippedText:
 @dataclass
 class JsonCallStream:
     """Llama 3's JSON tool calls: a reply that is nothing but calls, `{"name": ..., "parameters": {...}}` each,
-    separated by `;` (its template's `<|python_tag|>` is a special token, not in the text). Any other reply is
-    text, whole. A reply is known to be text at its first character other than `{`; to be calls only at its end,
-    so calls go out then, each whole. `forced`: a grammar wrote the calls, so a reply that is not all calls was cut
-    short (max_tokens, a stop): its calls are those before the cut, and the rest of its JSON is no text."""
+    separated by `;`, maybe after `<|python_tag|>` (a special token, in the text only where a request keeps special
+    tokens' text; vLLM's llama3_json parser reads the calls after it too). Any other reply is text, whole, the tag
+    included. A reply is known to be text at its first character other than `{` (after the tag); to be calls only
+    at its end, so calls go out then, each whole. `forced`: a grammar wrote the calls, so a reply that is not all
+    calls was cut short (max_tokens, a stop): its calls are those before the cut, and the rest of its JSON is no
+    text."""
 
     names: frozenset[str]
     forced: bool = False
@@ -427,9 +431,10 @@ class JsonCallStream:
     def push(self, text: str) -> list[StreamEvent]:
         if self._is_text is None:
             self._buffer += text
-            if not self._buffer.strip():
-                return []
-            self._is_text = not self._buffer.lstrip().startswith("{")
+            opening = self._buffer.lstrip()
+            if PYTHON_TAG.startswith(opening) or not opening.removeprefix(PYTHON_TAG).strip():
+                return []  # the tag, or what comes after it, may still be arriving
+            self._is_text = not opening.removeprefix(PYTHON_TAG).lstrip().startswith("{")
             if not self._is_text:
                 return []
             text, self._buffer = self._buffer, ""
@@ -442,7 +447,7 @@ class JsonCallStream:
     def finish(self) -> list[StreamEvent]:
         if self._is_text or not self._buffer.strip():
             return []
-        calls, whole = _json_calls(self._buffer, self.names)
+        calls, whole = _json_calls(self._buffer.lstrip().removeprefix(PYTHON_TAG), self.names)
         if not whole and not self.forced:
             return [TextDelta(self._buffer.strip())]
         events: list[StreamEvent] = []

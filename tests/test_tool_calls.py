@@ -261,6 +261,20 @@ def test_a_llama3_stream_in_any_pieces_reads_as_the_whole_text(text):
     assert_any_pieces_read_as_the_whole(text, "llama3_json")
 
 
+def test_llama3_calls_after_a_kept_python_tag_are_calls_and_the_tag_no_content():
+    # `skip_special_tokens: false` keeps the `<|python_tag|>` token Llama 3 may open its calls with; vLLM's
+    # llama3_json parser reads the calls after it.
+    tokenizer = Tokenizer(train_tokenizer_with_special_tokens("<|python_tag|>"), SpecialTokens(1, (2,), False, None))
+    reply = '<|python_tag|>{"name": "add", "parameters": {"a": 1}}'
+    checker = keeping_special_tokens(tokenizer)
+    texts = [checker.emit(token, None).text for token in tokenizer.encode(reply, add_special_tokens=False)]
+    assert "".join(texts) == reply
+    assert read_pieces(ToolCalling(NAMES, "llama3_json"), texts) == (None, [ToolCall("add", '{"a": 1}')])
+    assert_any_pieces_read_as_the_whole(reply, "llama3_json")
+    assert parse_calls("<|python_tag|>The weather is fine.", NAMES, "llama3_json") == (
+        "<|python_tag|>The weather is fine.", [])
+
+
 # --- Mistral's calls ----------------------------------------------------------------------------------------
 
 
