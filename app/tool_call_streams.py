@@ -23,6 +23,8 @@ CALL_ID, ARGS = "[CALL_ID]", "[ARGS]"
 # What Llama 3 may open its calls with (a special token, in the text only where special tokens' text is kept).
 PYTHON_TAG = "<|python_tag|>"
 _NAMED_HEAD = re.compile(rf"\s*(.*?)(?:{re.escape(CALL_ID)}[A-Za-z0-9]*)?{re.escape(ARGS)}", re.DOTALL)
+# A UTF-16 surrogate: a string JSON decoded holds one only where its text escaped it with no pair (`\ud83d`).
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # Outside strings, JSON has only these characters besides quotes.
 _JSON_OUTSIDE_STRINGS = frozenset("{}[] \t\r\n,:-+.0123456789eEtruefalsn")
 
@@ -106,7 +108,14 @@ def parse_call(body: str, names: frozenset[str]) -> ToolCall | None:
         arguments = body[head.end():body.rindex("}")].rstrip()
         if _loads(arguments) == value["arguments"]:
             return ToolCall(value["name"], arguments)
-    return ToolCall(value["name"], json.dumps(value["arguments"], ensure_ascii=False))
+    return ToolCall(value["name"], _dump_arguments(value["arguments"]))
+
+
+def _dump_arguments(arguments: dict[str, Any]) -> str:
+    """`arguments` as JSON text with their characters as they are (as vLLM's parsers write them), but for a lone
+    surrogate (its model's escape had no pair), which no UTF-8 response can carry: that one stays an escape."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    return _SURROGATE.sub(lambda surrogate: f"\\u{ord(surrogate.group()):04x}", text)
 
 
 def _names_one_of(value: Any, names: frozenset[str]) -> bool:
@@ -491,7 +500,7 @@ def _json_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall], bool]
         arguments = value.get("parameters", value.get("arguments")) if _names_one_of(value, names) else None
         if not isinstance(arguments, dict):
             return calls, False
-        calls.append(ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append(ToolCall(value["name"], _dump_arguments(arguments)))
         rest = text[position:].lstrip()
         if not rest:
             return calls, True

@@ -18,7 +18,7 @@ from tokenizers import models
 
 from sluice.app.prompts import chat_prompt, renders_tools, tool_call_format
 from sluice.app.routes import calls_grammar
-from sluice.app.schemas import ChatCompletionRequest
+from sluice.app.schemas import ChatCompletionRequest, FunctionCall
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, TextDelta, ToolCall
 from sluice.app.tool_calls import (
     ToolCalling,
@@ -83,6 +83,17 @@ def test_a_tag_followed_by_no_call_is_text_and_a_call_after_it_still_counts():
 def test_arguments_written_in_another_order_or_layout_are_reserialized():
     text = '<tool_call>{"arguments":{"a":1},"name":"add"}</tool_call>'
     assert parse_calls(text, NAMES) == (None, [ToolCall("add", '{"a": 1}')])
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", '<tool_call>{"arguments": {"s": "\\ud83d é", "\\udc00": 1}, "name": "add"}</tool_call>'),
+    ("llama3_json", '{"name": "add", "parameters": {"s": "\\ud83d é", "\\udc00": 1}}'),
+])
+def test_reserialized_arguments_keep_a_lone_surrogate_escaped_and_other_characters_as_they_are(parser, text):
+    # A `\ud83d` with no pair is a character no UTF-8 response can carry: the reply's JSON would not serialize.
+    (call,) = parse_calls(text, NAMES, parser)[1]
+    assert json.loads(call.arguments) == {"s": "\ud83d é", "\udc00": 1} and "é" in call.arguments
+    FunctionCall(name=call.name, arguments=call.arguments).model_dump_json()
 
 
 def stream_in_pieces(text: str, progressive: bool, rng: random.Random, parser: str = "hermes", parallel: bool = True
