@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
@@ -64,6 +65,8 @@ from sluice.app.streaming import TextFrame
 from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, JsonNesting, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling
 from sluice.model.tokenizer import Tokenizer
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads: a pair is one character by then
 
 
 def sse(event: BaseModel) -> bytes:
@@ -129,11 +132,23 @@ class _Members:
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
+    """`text` as a JSON object, or None. A lone surrogate its strings escape (a model's `\\ud83d` without its
+    pair) becomes U+FFFD: no UTF-8 response can carry it as a character, and the reply would not serialize."""
     try:
         value = json.loads(text)
     except ValueError:
         return None
-    return value if isinstance(value, dict) else None
+    return _without_lone_surrogates(value) if isinstance(value, dict) else None
+
+
+def _without_lone_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(k): _without_lone_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_lone_surrogates(v) for v in value]
+    return value
 
 
 class _LastCall:

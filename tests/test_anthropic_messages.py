@@ -760,6 +760,16 @@ def test_text_after_a_call_is_a_block_after_it_whole_as_streamed():
     assert whole.content[1].input == {"city": "Oslo"} and whole.stop_reason == "tool_use"
 
 
+def test_a_lone_surrogate_escape_in_a_calls_arguments_is_a_replacement_character_not_a_500():
+    """A model may escape half a surrogate pair (`\\ud83d`): decoded into the tool_use's input, no UTF-8 reply
+    could carry it, and the whole message did not serialize."""
+    texts = ["\n<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "\\ud83d Oslo \\ud83d\\ude00"}}',
+             "\n</tool_call>\n"]
+    whole = asyncio.run(MessageBuilder("msg_1", MODEL, 3, ToolCalling(frozenset({"get_weather"})))
+                        .collect(_Replay(texts)))
+    assert json.loads(whole.model_dump_json())["content"][0]["input"] == {"city": "\ufffd Oslo \U0001f600"}
+
+
 class _Broken(_Replay):
     """A generation whose reading fails after its texts, as a bug would (not an engine error)."""
 
