@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
@@ -62,11 +61,9 @@ from sluice.app.errors import as_api_error
 from sluice.app.generation import Generation
 from sluice.app.reasoning import ReasoningFormat, ReplyReader, Thought
 from sluice.app.streaming import TextFrame
-from sluice.app.tool_call_streams import ArgumentsDelta, CallStart, JsonNesting, StreamEvent, TextDelta
+from sluice.app.tool_call_streams import SURROGATE, ArgumentsDelta, CallStart, JsonNesting, StreamEvent, TextDelta
 from sluice.app.tool_calls import ToolCalling
 from sluice.model.tokenizer import Tokenizer
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads: a pair is one character by then
 
 
 def sse(event: BaseModel) -> bytes:
@@ -143,7 +140,7 @@ def _json_object(text: str) -> dict[str, Any] | None:
 
 def _without_lone_surrogates(value: Any) -> Any:
     if isinstance(value, str):
-        return _LONE_SURROGATE.sub("\ufffd", value)
+        return SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
         return {_without_lone_surrogates(k): _without_lone_surrogates(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -150,7 +150,7 @@ class StreamOptions(_Request):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_usage_is_none(cls, data: Any) -> Any:
+    def _null_usage_is_false(cls, data: Any) -> Any:
         # A null include_usage is false to OpenAI and to vLLM (`bool(include_usage)`): true is the default of a
         # stream_options without the key, not of a null, which `_null_means_default` would read as left out.
         if isinstance(data, dict) and "include_usage" in data and data["include_usage"] is None:

@@ -24,7 +24,7 @@ CALL_ID, ARGS = "[CALL_ID]", "[ARGS]"
 PYTHON_TAG = "<|python_tag|>"
 _NAMED_HEAD = re.compile(rf"\s*(.*?)(?:{re.escape(CALL_ID)}[A-Za-z0-9]*)?{re.escape(ARGS)}", re.DOTALL)
 # A UTF-16 surrogate: a string JSON decoded holds one only where its text escaped it with no pair (`\ud83d`).
-_SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE = re.compile("[\ud800-\udfff]")
 # Outside strings, JSON has only these characters besides quotes.
 _JSON_OUTSIDE_STRINGS = frozenset("{}[] \t\r\n,:-+.0123456789eEtruefalsn")
 
@@ -115,7 +115,7 @@ def _dump_arguments(arguments: dict[str, Any]) -> str:
     """`arguments` as JSON text with their characters as they are (as vLLM's parsers write them), but for a lone
     surrogate (its model's escape had no pair), which no UTF-8 response can carry: that one stays an escape."""
     text = json.dumps(arguments, ensure_ascii=False)
-    return _SURROGATE.sub(lambda surrogate: f"\\u{ord(surrogate.group()):04x}", text)
+    return SURROGATE.sub(lambda surrogate: f"\\u{ord(surrogate.group()):04x}", text)
 
 
 def _names_one_of(value: Any, names: frozenset[str]) -> bool:

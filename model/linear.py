@@ -109,7 +109,7 @@ def project(x: jax.Array, w: Weight, layer: jax.Array | None = None, out_dtype: 
         rounding stays in the matmul and its consumers read half float32's bytes. Not on a CPU, where XLA's
         reductions then round differently in a step with LoRA adapters than in one without."""
         x32 = x.astype(jnp.float32)
-        row_scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
+        row_scale = cpu_qmatmul.inverse_rms(x32, norm.eps)
         y = dot((x32 * layer_slice(norm.weight, layer).astype(jnp.float32)).astype(x.dtype), w, layer)
         return y.astype(out_dtype or x.dtype).astype(jnp.float32) * row_scale.reshape(-1, *[1] * (y.ndim - 1))
 

@@ -83,10 +83,15 @@ def q4_q8(x: jax.Array, w: jax.Array, scale: jax.Array, min: jax.Array, layer: j
 
 # ---- References and layouts.
 
+def inverse_rms(x: jax.Array, eps: float) -> jax.Array:
+    """x [M, K] float32 -> [M, 1] float32, 1 / sqrt(mean(x^2) + eps)."""
+    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x [M, K] -> x / sqrt(mean(x^2) + eps) * weight, in float32."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight.astype(jnp.float32)
+    return x * inverse_rms(x, eps) * weight.astype(jnp.float32)
 
 
 def quantize_activations(x: jax.Array) -> jax.Array:
