@@ -74,11 +74,16 @@ def pydantic_ai_model(server, api: str, **options) -> Model:
     return model(MODEL, provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key=API_KEY), **options)
 
 
+# pydantic-ai drops `temperature` for Anthropic API versions after 2023-06-01 (its default is later), and the
+# replies were then sampled at the model's default: a tool call's city once came back "". Greedy needs that version.
+GREEDY = ModelSettings(temperature=0, extra_headers={"anthropic-version": "2023-06-01"})
+
+
 def call_then_answer(ctx: RunContext) -> ModelSettings:
     """A call is required first, then none (pydantic-ai refuses a static `tool_choice="required"`, which would
     leave the agent no way to finish), one call at a time, greedy."""
-    return ModelSettings(tool_choice="required" if ctx.run_step == 1 else "none", parallel_tool_calls=False,
-                         temperature=0, max_tokens=200)
+    return ModelSettings(**GREEDY, tool_choice="required" if ctx.run_step == 1 else "none", parallel_tool_calls=False,
+                         max_tokens=200)
 
 
 def weather_agent(server, api: str, asked: list[str]) -> Agent:
@@ -129,7 +134,7 @@ def test_a_pydantic_ai_output_type_arrives_validated_as_an_output_tool_or_native
     models it knows can take it: on Anthropic's API, Claude's."""
     claude = {"profile": anthropic_model_profile("claude-sonnet-4-5")} if native and api == "anthropic" else {}
     agent = Agent(pydantic_ai_model(server, api, **claude), output_type=NativeOutput(Forecast) if native else Forecast,
-                  instructions="Answer in JSON.", model_settings=ModelSettings(temperature=0, max_tokens=100))
+                  instructions="Answer in JSON.", model_settings=ModelSettings(**GREEDY, max_tokens=100))
     result = asyncio.run(agent.run(FORECAST_QUESTION))
     assert isinstance(result.output, Forecast) and result.output.city
     called = {part.tool_name for message in result.all_messages() for part in message.parts
