@@ -37,6 +37,9 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "sluice_probe_tool", "de
 # A call of a name the tools do not hold: a template that lists the tools writes the tool's name whatever it does
 # with calls.
 _PROBE_CALL = {"id": "sluiceprb", "type": "function", "function": {"name": "sluice_probe_call", "arguments": {}}}
+# Hugging Face's mark of where the final message's text ends, for `continue_final_message` (its trailing space tells
+# a template that trims the text from one that does not).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 @dataclass(frozen=True)
@@ -73,14 +76,14 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     try:
         if uses_tools and renders_tools(tokenizer):
             calls_in_content = call_format == "granite" and not writes_calls(tokenizer)
-            rendered = tokenizer.apply_chat_template([_template_message(m, call_format, calls_in_content)
-                                                      for m in messages],
-                                                     add_generation_prompt=add_generation_prompt,
-                                                     tools=tool_dicts or None, template_kwargs=template_kwargs)
+            template_messages = [_template_message(m, call_format, calls_in_content) for m in messages]
+            template_tools = tool_dicts or None
         else:
-            rendered = tokenizer.apply_chat_template(_default_messages(messages, tool_dicts),
-                                                     add_generation_prompt=add_generation_prompt,
-                                                     template_kwargs=template_kwargs)
+            template_messages, template_tools = _default_messages(messages, tool_dicts), None
+        if continue_final_message:
+            template_messages[-1]["content"] += _CONTINUE_TAG
+        rendered = tokenizer.apply_chat_template(template_messages, add_generation_prompt=add_generation_prompt,
+                                                 tools=template_tools, template_kwargs=template_kwargs)
     except ChatTemplateError as error:
         raise invalid_request(str(error), param="messages") from None
     if continue_final_message:
@@ -89,15 +92,14 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
 
 
 def _open_final_turn(rendered: str, final: str) -> str:
-    """The rendered chat cut right after the final message's text, so what closes its turn is gone (as Hugging
-    Face's `continue_final_message`: the last place the text occurs, or its stripped text for a template that
-    trims messages)."""
-    for text in (final, final.strip()):
-        at = rendered.rfind(text)
-        if text and at >= 0:
-            return rendered[:at + len(text)]
-    raise invalid_request("the chat template does not write the final message's text, so it cannot be continued",
-                          param="continue_final_message")
+    """The rendered chat cut where the final message's text ends, so what closes its turn is gone. As Hugging Face's
+    `continue_final_message`: at the `_CONTINUE_TAG` the final message was rendered with (its own text, not an
+    earlier copy of it), the text's trailing whitespace dropped where the template trimmed the tag's."""
+    at = rendered.rfind(_CONTINUE_TAG.strip())
+    if at < 0 or final.strip() not in rendered:
+        raise invalid_request("the chat template does not write the final message's text, so it cannot be "
+                              "continued", param="continue_final_message")
+    return rendered[:at] if rendered.startswith(_CONTINUE_TAG, at) else rendered[:at].rstrip()
 
 
 @lru_cache(maxsize=4)

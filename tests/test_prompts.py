@@ -74,6 +74,16 @@ def test_continue_final_message_ends_the_prompt_inside_the_assistants_text(token
     assert (raised.value.status, raised.value.param) == (400, "continue_final_message")
 
 
+def test_continue_final_message_ends_the_prompt_at_the_final_messages_own_text_not_an_earlier_copy(tokenizer):
+    """Hugging Face's: the cut is where the final message's text ends as the template wrote it; the same text in
+    an earlier message, written whole where the final one is trimmed, is no place to cut."""
+    trims_replies = with_special(tokenizer, chat_template="{% for m in messages %}[{{ m.content if m.role == 'user' "
+                                                          "else m.content | trim }}]{% endfor %}")
+    request = chat([{"role": "user", "content": "Sure "}, {"role": "assistant", "content": "Sure "}],
+                   add_generation_prompt=False, continue_final_message=True)
+    assert chat_prompt(trims_replies, request.messages, **request.rendering()).text == "[Sure ][Sure"
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"continue_final_message": True}, "cannot both be true"),
     ({"continue_final_message": True, "add_generation_prompt": False, "final": "user"}, "final assistant message"),
