@@ -222,11 +222,10 @@ class BlockManager:
                 self._cached[key] = page
                 self._page_key[page] = key
             seq.page_hashes.append(h)
-        if self.store is not None and seq.num_stored_pages < len(seq.page_hashes):
-            keys = self._store_keys(seq, len(seq.page_hashes))
-            self.saves += [(seq.page_table[i], keys[i]) for i in range(seq.num_stored_pages, len(seq.page_hashes))
-                           if not self.store.contains(keys[i])]
-            seq.num_stored_pages = len(seq.page_hashes)
+        if self.store is not None:  # asked each time: it may have evicted what a readmitted sequence saved before
+            keys = self._store_keys(seq, end)
+            self.saves += [(seq.page_table[i], keys[i]) for i in range(first, end) if not self.store.contains(keys[i])]
+            seq.num_stored_pages = max(seq.num_stored_pages, end)
 
     def uncache(self, seq: Sequence) -> None:
         """Takes the cached pages of `seq`'s known tokens out of the prefix cache (their K/V is suspect); they are

@@ -49,8 +49,9 @@ class Sequence:
     `proposer` drafts from the sequence's own tokens, `drafts` are this step's drafts, `shadow_draft` the first
     token it would have drafted when it drafts none, and `acceptance` the recent per-draft rate at which they are
     (or would be) accepted (None before any). With a persistent prefix store, `store_keys` are its first full pages'
-    keys there (`kv_store.KVLayout.page_keys`, computed as needed), of which the first `num_stored_pages` are stored
-    or on their way; `stored_prefix` is the read of its stored pages while it waits (`BlockManager.prefetch`).
+    keys there (`kv_store.KVLayout.page_keys`, computed as needed), of which the first `num_stored_pages` have gone
+    to the store or were found there (a failure takes them out of it); `stored_prefix` is the read of its stored
+    pages while it waits (`BlockManager.prefetch`).
     `pooled` ([hidden] float32) is an embedding's sum so far of its pooled tokens' final hidden states.
     """
 

@@ -277,3 +277,27 @@ def test_uncache_takes_out_the_cached_pages_of_a_sequence_preempted_since_it_com
     assert bm.counters().pages_cached == 0
     bm.grow(make_seq([0], seq_id=2), 8 * PAGE)  # every page allocatable, none evicted as if it were cached
     assert bm.num_free_pages == 0
+
+
+def test_a_readmitted_sequence_saves_again_the_pages_the_store_evicted_meanwhile_and_only_those(tmp_path):
+    """Preempted, a sequence computes its pages again once readmitted: those the store has evicted since it saved
+    them are listed to save again (else no later request finds them there), those it still holds are not."""
+    layout = KVLayout(model="m", quantization="none", dtype="float32", kv_dtype="float32", page_size=PAGE,
+                      num_layers=1, num_kv_heads=1, head_dim=2)
+    store = KVStore(layout, tmp_path, ram_bytes=1 << 20, disk_bytes=1 << 20)
+    bm = BlockManager(num_pages=16, page_size=PAGE, store=store)
+    seq = make_seq(list(range(3 * PAGE + 1)))
+    prefill(bm, seq)
+    for _, key in bm.saves:
+        store.put(key, tuple(np.zeros(shape, dtype) for shape, dtype in layout.payload_specs))
+    bm.saves.clear()
+    store.flush()
+    first, second, third = seq.store_keys
+    store.forget([first, third])  # as the tiers' evictions leave it: the second page alone still stored
+    bm.free(seq)  # preempted
+    bm.reset()  # its pages left the pool meanwhile
+
+    prefill(bm, seq)
+
+    assert bm.saves == [(seq.page_table[0], first), (seq.page_table[2], third)]
+    store.close()
