@@ -28,10 +28,6 @@ from sluice.app import tool_calls
 from sluice.app.errors import invalid_request
 from sluice.app.schemas import ChatMessage, ToolDefinition
 
-# The model's chat templates know system/user/assistant (tool, if they have tools); OpenAI's newer "developer"
-# role means system.
-_TEMPLATE_ROLE = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-                  "tool": "tool"}
 _PROBE_TOOL = {"type": "function", "function": {"name": "sluice_probe_tool", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
 # A call of a name the tools do not hold: a template that lists the tools writes the tool's name whatever it does
@@ -72,14 +68,15 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     the BOS the model's tokenizer asks for is added where the rendered text does not begin with it (a template
     that writes it gets no second one); otherwise the special tokens are the template's alone, as vLLM's default."""
     tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools]
+    roles = _template_roles(tokenizer)
     uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
     try:
         if uses_tools and renders_tools(tokenizer):
             calls_in_content = call_format == "granite" and not writes_calls(tokenizer)
-            template_messages = [_template_message(m, call_format, calls_in_content) for m in messages]
+            template_messages = [_template_message(m, roles, call_format, calls_in_content) for m in messages]
             template_tools = tool_dicts or None
         else:
-            template_messages, template_tools = _default_messages(messages, tool_dicts), None
+            template_messages, template_tools = _default_messages(messages, tool_dicts, roles), None
         if continue_final_message:
             template_messages[-1]["content"] += _CONTINUE_TAG
         rendered = tokenizer.apply_chat_template(template_messages, add_generation_prompt=add_generation_prompt,
@@ -152,11 +149,21 @@ def _is_granites(template: str) -> bool:
             and tool_calls.CLOSE not in template)
 
 
-def _template_message(message: ChatMessage, call_format: str, calls_in_content: bool = False) -> dict[str, Any]:
-    """The message as the template is given it; `calls_in_content`: its calls are also written after its text, in
-    the format `call_format` (for a template that does not write them)."""
+def _template_roles(tokenizer: Tokenizer) -> dict[str, str]:
+    """The role the template is given for each message's. OpenAI's newer "developer" means system to a template
+    that does not name it, as vLLM converts it; one that does (gpt-oss's) gets it as it is, as Hugging Face's."""
+    template = tokenizer.special.chat_template or ""
+    names_developer = '"developer"' in template or "'developer'" in template
+    return {"system": "system", "developer": "developer" if names_developer else "system", "user": "user",
+            "assistant": "assistant", "tool": "tool"}
+
+
+def _template_message(message: ChatMessage, roles: Mapping[str, str], call_format: str,
+                      calls_in_content: bool = False) -> dict[str, Any]:
+    """The message as the template is given it, its role one of `roles`; `calls_in_content`: its calls are also
+    written after its text, in the format `call_format` (for a template that does not write them)."""
     call_id = tool_calls.mistral_call_id if call_format == "mistral" else str
-    rendered: dict[str, Any] = {"role": _TEMPLATE_ROLE[message.role], "content": message.text(), **_reasoning(message)}
+    rendered: dict[str, Any] = {"role": roles[message.role], "content": message.text(), **_reasoning(message)}
     if message.tool_calls:
         calls = _calls(message)
         rendered["tool_calls"] = [{"id": call_id(call.id), "type": "function",
@@ -185,10 +192,11 @@ def _reasoning(message: ChatMessage) -> dict[str, str]:
     return {"reasoning_content": message.reasoning_content, "reasoning": message.reasoning_content}
 
 
-def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Plain system/user/assistant messages for a template without tools: the tools prompt joins the system
-    message (or becomes one), calls are written into the assistant's text, and a run of tool results is one user
-    message."""
+def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]],
+                      roles: Mapping[str, str]) -> list[dict[str, str]]:
+    """Plain system/user/assistant messages (their roles one of `roles`) for a template without tools: the tools
+    prompt joins the system message (or becomes one), calls are written into the assistant's text, and a run of
+    tool results is one user message."""
     rendered: list[dict[str, str]] = []
     for i, message in enumerate(messages):
         if message.role == "tool":
@@ -202,7 +210,7 @@ def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]]) 
         if message.tool_calls:
             calls = tool_calls.render_calls(_calls(message))
             content = f"{content}\n{calls}" if content else calls
-        rendered.append({"role": _TEMPLATE_ROLE[message.role], "content": content, **_reasoning(message),
+        rendered.append({"role": roles[message.role], "content": content, **_reasoning(message),
                          **_name(message)})
     if tools:
         prompt = tool_calls.tools_prompt(tools)

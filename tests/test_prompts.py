@@ -166,6 +166,18 @@ def test_a_messages_name_reaches_the_template_as_vllm_passes_it(tokenizer):
     assert chat_prompt(names, request.messages).text == "system(ops):Be brief|user(bob):Hi|assistant:Hello|"
 
 
+@pytest.mark.parametrize("tools", [[], [TOOL]])
+def test_a_developer_message_stays_one_for_a_template_that_names_the_role(tokenizer, tools):
+    """As Hugging Face passes it, and vLLM where the template names "developer" (gpt-oss's writes it apart from a
+    system message); a template that does not name it gets a system message."""
+    request = chat([{"role": "developer", "content": "Be brief"}, {"role": "user", "content": "Hi"}], tools=tools)
+    shown = "look;" if tools else ""
+    for template, role in ((THINKS + "{# knows 'developer' #}", "developer"), (THINKS, "system")):
+        rendered = chat_prompt(with_special(tokenizer, chat_template=template), request.messages,
+                               tools=request.active_tools()).text
+        assert rendered == f"{shown}{role}:Be brief|user:Hi|"
+
+
 def test_a_chats_special_tokens_are_its_templates_unless_add_special_tokens_asks_for_the_bos(tokenizer):
     """vLLM's chat default (false): a BOS the template does not write is not added; true adds it, once."""
     plain = with_special(tokenizer, add_bos=True, chat_template="{{ messages[0]['content'] }}")
