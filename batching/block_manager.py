@@ -117,21 +117,26 @@ class BlockManager:
         if self.store is not None:
             self.match_prefix(seq)
 
-    def _chain(self, seq: Sequence, first: int, end: int, parent: int) -> Iterator[tuple[CacheKey, int]]:
-        """(key, hash) of each of `seq`'s full pages `first` to `end - 1`; `parent`: the hash of page `first - 1`."""
-        for i in range(first, end):
+    def _chain(self, seq: Sequence, first: int, end: int) -> Iterator[tuple[CacheKey, int]]:
+        """(key, hash) of each of `seq`'s full pages `first` to `end - 1`, whose tokens must be known. Kept on it as
+        they are made (`seq.page_chain`: a known prefix's keys never change), so a sequence waiting for room hashes
+        its prefix once, not at each try to admit it."""
+        chain = seq.page_chain
+        yield from chain[first:end]
+        for i in range(len(chain), end):
+            parent = chain[-1][1] if chain else root_hash(seq)
             tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
-            key = (parent, tuple(tokens))
-            parent = _page_hash(parent, tokens)
-            yield key, parent
+            chain.append(((parent, tuple(tokens)), _page_hash(parent, tokens)))
+            if i >= first:
+                yield chain[-1]
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """The pool's cached pages holding a prefix of `seq`'s tokens (all but its last), and their hashes."""
+        """The pool's cached pages holding a prefix of `seq`'s known tokens (all but its last), and their hashes."""
         pages: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching or seq.computes_every_token:
             return pages, hashes
-        for key, h in self._chain(seq, 0, (seq.num_tokens - 1) // self.page_size, root_hash(seq)):
+        for key, h in self._chain(seq, 0, min(seq.num_tokens - 1, seq.num_known_tokens) // self.page_size):
             if (page := self._cached.get(key)) is None:
                 break
             pages.append(page)
@@ -216,8 +221,7 @@ class BlockManager:
             return  # no page newly full (most steps)
         first = len(seq.page_hashes)
         end = min(seq.num_computed_tokens, seq.num_known_tokens) // self.page_size
-        parent = seq.page_hashes[-1] if seq.page_hashes else root_hash(seq)
-        for page, (key, h) in zip(seq.page_table[first:end], self._chain(seq, first, end, parent), strict=True):
+        for page, (key, h) in zip(seq.page_table[first:end], self._chain(seq, first, end), strict=True):
             if key not in self._cached and self._page_key[page] is None:
                 self._cached[key] = page
                 self._page_key[page] = key
@@ -231,7 +235,7 @@ class BlockManager:
         """Takes the cached pages of `seq`'s known tokens out of the prefix cache (their K/V is suspect); they are
         freed, not kept, once nobody holds them. Found by its tokens, not its page table: overlapped, a sequence
         preempted after its step was dispatched has freed its pages (cached still) by the time its logits come."""
-        for key, _ in self._chain(seq, 0, seq.num_known_tokens // self.page_size, root_hash(seq)):
+        for key, _ in self._chain(seq, 0, seq.num_known_tokens // self.page_size):
             page = self._cached.pop(key, None)
             if page is not None:
                 self._page_key[page] = None

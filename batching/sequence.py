@@ -18,6 +18,7 @@ from sluice.batching.stop_checker import StopChecker
 if TYPE_CHECKING:
     import numpy as np
 
+    from sluice.batching.block_manager import CacheKey
     from sluice.batching.kv_store import StoredPrefix
     from sluice.batching.structured import Grammar
 
@@ -48,10 +49,11 @@ class Sequence:
     `queued_at` is when it last entered the waiting queue (`time.perf_counter()`). With speculative decoding,
     `proposer` drafts from the sequence's own tokens, `drafts` are this step's drafts, `shadow_draft` the first
     token it would have drafted when it drafts none, and `acceptance` the recent per-draft rate at which they are
-    (or would be) accepted (None before any). With a persistent prefix store, `store_keys` are its first full pages'
-    keys there (`kv_store.KVLayout.page_keys`, computed as needed), of which the first `num_stored_pages` have gone
-    to the store or were found there (a failure takes them out of it); `stored_prefix` is the read of its stored
-    pages while it waits (`BlockManager.prefetch`).
+    (or would be) accepted (None before any). `page_chain` holds its first full pages' (key, hash) in the prefix
+    cache (`BlockManager._chain`, made as needed). With a persistent prefix store, `store_keys` are its first full
+    pages' keys there (`kv_store.KVLayout.page_keys`, computed as needed), of which the first `num_stored_pages`
+    have gone to the store or were found there (a failure takes them out of it); `stored_prefix` is the read of its
+    stored pages while it waits (`BlockManager.prefetch`).
     `pooled` ([hidden] float32) is an embedding's sum so far of its pooled tokens' final hidden states.
     """
 
@@ -73,6 +75,7 @@ class Sequence:
     num_pending: int = 0
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)
+    page_chain: list[tuple[CacheKey, int]] = field(default_factory=list)
     num_cached_tokens: int | None = None
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

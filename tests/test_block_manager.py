@@ -4,6 +4,7 @@ import threading
 
 import numpy as np
 
+from sluice.batching import block_manager
 from sluice.batching.block_manager import BlockManager
 from sluice.batching.kv_store import KVLayout, KVStore
 from sluice.batching.sampling_params import CacheNamespace, SamplingParams
@@ -301,3 +302,36 @@ def test_a_readmitted_sequence_saves_again_the_pages_the_store_evicted_meanwhile
 
     assert bm.saves == [(seq.page_table[0], first), (seq.page_table[2], third)]
     store.close()
+
+
+def test_a_waiting_sequence_s_prefix_is_hashed_once_however_often_its_admission_is_tried(monkeypatch):
+    """The scheduler looks up the head of the queue at each step while it waits for room: its pages' keys are
+    made once, and serve its commits after."""
+    bm = BlockManager(num_pages=16, page_size=PAGE)
+    prefill(bm, make_seq(list(range(3 * PAGE + 1)), seq_id=0))
+    hashed = []
+    page_hash = block_manager._page_hash
+    monkeypatch.setattr(block_manager, "_page_hash", lambda parent, tokens: hashed.append(tokens)
+                        or page_hash(parent, tokens))
+    waiting = make_seq(list(range(3 * PAGE + 1)), seq_id=1)
+
+    for _ in range(5):
+        assert len(bm.match_prefix(waiting)[0]) == 3
+    prefill(bm, waiting)
+
+    assert len(hashed) == 3
+
+
+def test_pages_ending_in_placeholders_are_keyed_by_their_real_tokens_once_these_come():
+    """A sequence preempted while its multi-step call runs waits with placeholders for its last tokens: its pages'
+    keys, kept on it, are made only over known tokens, so its pages are cached where a prefix finds them."""
+    tokens = list(range(3 * PAGE + 1))
+    bm = BlockManager(num_pages=16, page_size=PAGE)
+    prefill(bm, make_seq(tokens[:PAGE + 1], seq_id=0))  # the pool holds page 0
+    seq = make_seq(tokens[:PAGE + 2], seq_id=1)
+    index = seq.add_pending(2 * PAGE - 1)  # pages 1 and 2 end in placeholders
+    assert len(bm.match_prefix(seq)[0]) == 1
+    seq.place(index, tokens[index:])
+    prefill(bm, seq)
+
+    assert bm.match_prefix(make_seq(tokens, seq_id=2))[0] == seq.page_table[:3]
