@@ -161,10 +161,11 @@ def _reasoning_turn(reasoning: list[str]) -> dict[str, Any]:
 
 
 def output_items(output: list[OutputItem]) -> Items:
-    """A reply's output as the input items that stand for it in a later conversation. A call cut short by
-    `max_output_tokens` is left out: its arguments are not JSON, and no output can answer it."""
+    """A reply's output as the input items that stand for it in a later conversation. A call not written whole is
+    left out (one cut short by `max_output_tokens`, incomplete, or by a cancel or a failure, still in progress): its
+    arguments are not JSON, and no output can answer it."""
     return ITEMS.validate_python([item.model_dump() for item in output
-                                  if not (isinstance(item, OutputFunctionCall) and item.status == "incomplete")])
+                                  if not (isinstance(item, OutputFunctionCall) and item.status != "completed")])
 
 
 _ID_PREFIX = {MessageItem: "msg", FunctionCallItem: "fc", FunctionCallOutputItem: "fco", ReasoningItem: "rs"}

@@ -15,7 +15,7 @@ import openai
 import pytest
 import uvicorn
 
-from test_openai_client import CONFIG, tiny_engine
+from test_openai_client import CONFIG, tiny_engine, tool_engine  # noqa: F401 - a fixture
 from test_server_engine import fail_next_dispatch
 
 from sluice.app.ingress import routing
@@ -137,6 +137,26 @@ def test_cancelling_a_running_background_response_aborts_it_and_the_server_serve
     assert cancelled.usage is None and cancelled.output_text.startswith(running.output_text)
     assert again == cancelled  # idempotent: an ended response is answered as it is
     assert after.status == "incomplete" and after.usage.output_tokens == 6
+
+
+def test_a_response_cancelled_mid_call_is_stored_cancelled_and_continues_without_the_unfinished_call(tool_engine,
+                                                                                                     monkeypatch):
+    """Its call's arguments so far are no JSON object, and no output can answer it."""
+    slow_steps(tool_engine, monkeypatch)
+    story = {"type": "function", "name": "write_story", "parameters": {
+        "type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}}
+
+    async def scenario(client, state, server):
+        created = await client.responses.create(background=True, tools=[story], tool_choice="required", **LONG)
+        while not (running := await client.responses.retrieve(created.id)).output:
+            await asyncio.sleep(0.02)
+        cancelled = await client.responses.cancel(created.id)
+        return running, cancelled, await client.responses.create(previous_response_id=created.id, **SHORT)
+
+    running, cancelled, continued = serve(tool_engine, scenario)
+    assert running.status == "in_progress" and running.output[0].type == "function_call"
+    assert cancelled.status == "cancelled" and cancelled.output[0].status == "in_progress"
+    assert continued.status == "incomplete"
 
 
 def test_a_finished_background_response_is_cancelled_as_it_is(engine):
