@@ -381,7 +381,8 @@ class KVStore:
                 self._generations.pop(key, None)
                 self._ram.pop(key, None)
                 self._disk.pop(key, None)
-        _remove_files(tuple(self._path(key) for key in written))
+        for key in written:
+            _remove_file(self._path(key))  # one left behind is no longer served here; a next store would index it
 
     def counters(self) -> KVStoreCounters:
         with self._lock:
@@ -532,16 +533,23 @@ class KVStore:
 
     def _discard(self, path: Path, problem: str) -> None:
         logger.warning("KV store: removed corrupt page file %s (%s)", path, problem)
-        _remove_files((path,))  # forgotten all the same: a file left behind is checked again by the next store
+        _remove_file(path)  # forgotten all the same: a file left behind is checked again by the next store
         with self._lock:
             self._disk.pop(path.stem, None)
             self._corrupt += 1
 
     def _evict_disk(self) -> None:
-        """Removes the least recently used files until the tier fits its bound; the caller holds `_lock`."""
-        while self._disk and len(self._disk) * self.file_bytes > self.disk_bytes:
-            key, _ = self._disk.popitem(last=False)
-            self._path(key).unlink(missing_ok=True)
+        """Removes the least recently used files until the tier fits its bound. A file that cannot be removed (EACCES,
+        EIO) stays, so it stays indexed, as the most recent (counted against the bound, tried again last), and the
+        next goes instead. The caller holds `_lock`."""
+        for _ in range(len(self._disk)):  # each file tried once
+            if len(self._disk) * self.file_bytes <= self.disk_bytes:
+                return
+            key = next(iter(self._disk))
+            if not _remove_file(self._path(key)):
+                self._disk.move_to_end(key)
+                continue
+            del self._disk[key]
             self._disk_tally.evictions += 1
 
     def _write_page(self, job: _Write) -> None:
@@ -594,12 +602,14 @@ class KVStore:
                 self._evict_disk()
 
 
-def _remove_files(paths: tuple[Path, ...]) -> None:
-    for path in paths:
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as e:  # the store no longer serves it; a next one would index it again
-            logger.warning("KV store: could not remove %s: %s", path, e)
+def _remove_file(path: Path) -> bool:
+    """Removes a page's file; whether it is gone (a missing one is). A failure (EACCES, EIO) is logged."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("KV store: could not remove %s: %s", path, e)
+        return False
+    return True
 
 
 def _write_loop(store: weakref.ref[KVStore], jobs: queue.Queue[_Write | None]) -> None:

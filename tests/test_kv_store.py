@@ -147,6 +147,31 @@ def test_disk_evicts_the_least_recently_used_file(open_store):
     assert (counters.disk.pages, counters.disk.bytes, counters.disk.evictions) == (2, 2 * FILE_BYTES, 1)
 
 
+def test_a_file_that_cannot_be_evicted_stays_indexed_and_the_next_least_recently_used_goes(open_store, monkeypatch):
+    """Removing the least recently used file fails otherwise than for a missing file (EACCES, EIO): the file stays,
+    so the index keeps it (counted against the bound, and served), and the tier evicts the next file instead."""
+    store = open_store(disk_pages=2)
+    for i, key in enumerate((A, B)):
+        store.put(key, payload(LAYOUT, i))
+        store.flush()
+    unlink = kv_store.Path.unlink
+
+    def unlink_but_a(path, missing_ok=False):
+        if path.name == f"{A}.kv":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(kv_store.Path, "unlink", unlink_but_a)
+    store.put(C, payload(LAYOUT, 2))
+    store.flush()
+
+    assert files(store) == {f"{A}.kv", f"{C}.kv"}
+    counters = store.counters()
+    assert (counters.disk.pages, counters.disk.evictions, counters.dropped_writes) == (2, 1, 0)
+    store._ram.clear()  # served from its file
+    assert_same(store.get(A), payload(LAYOUT, 0))
+
+
 def test_a_reopened_store_orders_its_files_by_last_use_and_keeps_its_bound(open_store):
     first = open_store(disk_pages=3)
     for i, key in enumerate((A, B, C)):
