@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from sluice.model.tokenizer import ChatTemplateError, Tokenizer
+from jinja2 import nodes
+
+from sluice.model.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
 
 from sluice.app import tool_calls
 from sluice.app.errors import invalid_request
@@ -68,32 +70,34 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     the BOS the model's tokenizer asks for is added where the rendered text does not begin with it (a template
     that writes it gets no second one); otherwise the special tokens are the template's alone, as vLLM's default."""
     tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools]
-    roles = _template_roles(tokenizer)
+    form = _message_form(tokenizer)
     uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
     try:
         if uses_tools and renders_tools(tokenizer):
             calls_in_content = call_format == "granite" and not writes_calls(tokenizer)
-            template_messages = [_template_message(m, roles, call_format, calls_in_content) for m in messages]
+            template_messages = [_template_message(m, form, call_format, calls_in_content) for m in messages]
             template_tools = tool_dicts or None
         else:
-            template_messages, template_tools = _default_messages(messages, tool_dicts, roles), None
+            template_messages, template_tools = _default_messages(messages, tool_dicts, form), None
         if continue_final_message:
-            template_messages[-1]["content"] += _CONTINUE_TAG
+            final = template_messages[-1]["content"]
+            template_messages[-1]["content"] = _followed_by(final, _CONTINUE_TAG)
         rendered = tokenizer.apply_chat_template(template_messages, add_generation_prompt=add_generation_prompt,
                                                  tools=template_tools, template_kwargs=template_kwargs)
     except ChatTemplateError as error:
         raise invalid_request(str(error), param="messages") from None
     if continue_final_message:
-        rendered = _open_final_turn(rendered, messages[-1].text())
+        rendered = _open_final_turn(rendered, final)
     return _from_text(tokenizer, rendered, add_special_tokens)
 
 
-def _open_final_turn(rendered: str, final: str) -> str:
-    """The rendered chat cut where the final message's text ends, so what closes its turn is gone. As Hugging Face's
-    `continue_final_message`: at the `_CONTINUE_TAG` the final message was rendered with (its own text, not an
-    earlier copy of it), the text's trailing whitespace dropped where the template trimmed the tag's."""
+def _open_final_turn(rendered: str, final: str | list[dict[str, str]]) -> str:
+    """The rendered chat cut where the final message's content `final` ends, so what closes its turn is gone. As
+    Hugging Face's `continue_final_message`: at the `_CONTINUE_TAG` the final message was rendered with (its own
+    text, not an earlier copy of it), the text's trailing whitespace dropped where the template trimmed the tag's."""
+    text = final if isinstance(final, str) else final[-1]["text"]
     at = rendered.rfind(_CONTINUE_TAG.strip())
-    if at < 0 or final.strip() not in rendered:
+    if at < 0 or text.strip() not in rendered:
         raise invalid_request("the chat template does not write the final message's text, so it cannot be "
                               "continued", param="continue_final_message")
     return rendered[:at] if rendered.startswith(_CONTINUE_TAG, at) else rendered[:at].rstrip()
@@ -149,28 +153,104 @@ def _is_granites(template: str) -> bool:
             and tool_calls.CLOSE not in template)
 
 
-def _template_roles(tokenizer: Tokenizer) -> dict[str, str]:
-    """The role the template is given for each message's. OpenAI's newer "developer" means system to a template
+@lru_cache(maxsize=4)
+def _reads_content_parts(tokenizer: Tokenizer) -> bool:
+    """Whether the model's template loops over a message's content parts, vLLM's "openai" content format as its
+    `_detect_content_format` finds it: a `for` over `m.content` (or `m['content']`) where `m` is a `for`'s over the
+    messages (or a variable set from them), or a `for` over a variable named `content`."""
+    template = tokenizer.special.chat_template
+    if not template:
+        return False
+    try:
+        root = compile_chat_template(template).environment.parse(template)
+    except ChatTemplateError:
+        return False
+    loops = [loop for loop in root.find_all(nodes.For) if isinstance(loop.target, nodes.Name)]
+    messages = _names_set_from(root, "messages")
+    message_names = {loop.target.name for loop in loops if _reads(loop.iter, messages)}
+    return any(_reads(loop.iter, message_names, "content")
+               or (isinstance(loop.iter, nodes.Name) and loop.iter.name == "content") for loop in loops)
+
+
+def _names_set_from(root: nodes.Template, name: str) -> set[str]:
+    """`name` and the variables a `{% set %}` makes of it (or of one made of it), whole, sliced or filtered."""
+    names, pending = {name}, [name]
+    while pending:
+        source = pending.pop()
+        for assign in root.find_all(nodes.Assign):
+            target = assign.target
+            if isinstance(target, nodes.Name) and target.name not in names and _reads(assign.node, {source}):
+                names.add(target.name)
+                pending.append(target.name)
+    return names
+
+
+def _reads(node: nodes.Node | None, names: set[str], key: str | None = None) -> bool:
+    """Whether `node` is one of the variables `names` (with `key`: its `key` item or attribute), filtered, tested or
+    sliced."""
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem)
+                                                           and isinstance(node.arg, nodes.Slice)):
+        node = node.node
+    if key is not None:
+        is_key = (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+                  or isinstance(node, nodes.Getattr) and node.attr == key)
+        node = node.node if is_key else None
+    return isinstance(node, nodes.Name) and node.name in names
+
+
+@dataclass(frozen=True)
+class _MessageForm:
+    """How the model's template is given messages: `roles` maps a message's role to the one the template is
+    given; `content_parts`: a message's text parts go as they are (`_reads_content_parts`), not joined into one."""
+
+    roles: Mapping[str, str]
+    content_parts: bool
+
+
+def _message_form(tokenizer: Tokenizer) -> _MessageForm:
+    """The form the model's template reads messages in. OpenAI's newer "developer" role means system to a template
     that does not name it, as vLLM converts it; one that does (gpt-oss's) gets it as it is, as Hugging Face's."""
     template = tokenizer.special.chat_template or ""
     names_developer = '"developer"' in template or "'developer'" in template
-    return {"system": "system", "developer": "developer" if names_developer else "system", "user": "user",
-            "assistant": "assistant", "tool": "tool"}
+    roles = {"system": "system", "developer": "developer" if names_developer else "system", "user": "user",
+             "assistant": "assistant", "tool": "tool"}
+    return _MessageForm(roles, _reads_content_parts(tokenizer))
 
 
-def _template_message(message: ChatMessage, roles: Mapping[str, str], call_format: str,
+def _content(message: ChatMessage, form: _MessageForm) -> str | list[dict[str, str]]:
+    """The message's content as the template is given it: its text, or for a template that reads content parts, its
+    text parts (a refusal one too) as vLLM gives them. A string stays one, as Hugging Face's; a tool's result is its
+    text, as vLLM's (templates write it whole)."""
+    if not (form.content_parts and isinstance(message.content, list)) or message.role == "tool":
+        return message.text()
+    texts = [part.text for part in message.content] + ([message.refusal] if message.refusal else [])
+    return [{"type": "text", "text": text} for text in texts]
+
+
+def _followed_by(content: str | list[dict[str, str]], text: str) -> str | list[dict[str, str]]:
+    """`content` with `text` after it: at the end of its last part where it is parts (where Hugging Face's
+    `continue_final_message` puts its tag)."""
+    if isinstance(content, str):
+        return content + text
+    if not content:
+        return [{"type": "text", "text": text}]
+    return [*content[:-1], {**content[-1], "text": content[-1]["text"] + text}]
+
+
+def _template_message(message: ChatMessage, form: _MessageForm, call_format: str,
                       calls_in_content: bool = False) -> dict[str, Any]:
-    """The message as the template is given it, its role one of `roles`; `calls_in_content`: its calls are also
+    """The message as the template is given it, in the `form` it reads; `calls_in_content`: its calls are also
     written after its text, in the format `call_format` (for a template that does not write them)."""
     call_id = tool_calls.mistral_call_id if call_format == "mistral" else str
-    rendered: dict[str, Any] = {"role": roles[message.role], "content": message.text(), **_reasoning(message)}
+    rendered: dict[str, Any] = {"role": form.roles[message.role], "content": _content(message, form),
+                                **_reasoning(message)}
     if message.tool_calls:
         calls = _calls(message)
         rendered["tool_calls"] = [{"id": call_id(call.id), "type": "function",
                                    "function": {"name": name, "arguments": arguments}}
                                   for call, (name, arguments) in zip(message.tool_calls, calls)]
         if calls_in_content:
-            rendered["content"] += tool_calls.render_calls(calls, call_format)
+            rendered["content"] = _followed_by(rendered["content"], tool_calls.render_calls(calls, call_format))
     if message.role == "tool":
         rendered["tool_call_id"] = call_id(message.tool_call_id)
     return rendered | _name(message)
@@ -193,11 +273,11 @@ def _reasoning(message: ChatMessage) -> dict[str, str]:
 
 
 def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]],
-                      roles: Mapping[str, str]) -> list[dict[str, str]]:
-    """Plain system/user/assistant messages (their roles one of `roles`) for a template without tools: the tools
-    prompt joins the system message (or becomes one), calls are written into the assistant's text, and a run of
-    tool results is one user message."""
-    rendered: list[dict[str, str]] = []
+                      form: _MessageForm) -> list[dict[str, Any]]:
+    """Plain system/user/assistant messages (in the `form` the template reads) for a template without tools: the
+    tools prompt joins the system message (or becomes one), calls are written into the assistant's text, and a run
+    of tool results is one user message."""
+    rendered: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if message.role == "tool":
             result = tool_calls.render_results([message.text()])
@@ -206,16 +286,16 @@ def _default_messages(messages: list[ChatMessage], tools: list[dict[str, Any]],
             else:
                 rendered.append({"role": "user", "content": result})
             continue
-        content = message.text()
+        content = _content(message, form)
         if message.tool_calls:
             calls = tool_calls.render_calls(_calls(message))
-            content = f"{content}\n{calls}" if content else calls
-        rendered.append({"role": roles[message.role], "content": content, **_reasoning(message),
+            content = _followed_by(content, f"\n{calls}") if message.text() else calls
+        rendered.append({"role": form.roles[message.role], "content": content, **_reasoning(message),
                          **_name(message)})
     if tools:
         prompt = tool_calls.tools_prompt(tools)
         if rendered and rendered[0]["role"] == "system":  # /tokenize's messages may be none
-            rendered[0]["content"] = f"{rendered[0]['content']}\n\n{prompt}"
+            rendered[0]["content"] = _followed_by(rendered[0]["content"], f"\n\n{prompt}")
         else:
             rendered.insert(0, {"role": "system", "content": prompt})
     return rendered

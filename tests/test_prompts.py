@@ -39,6 +39,28 @@ def test_text_parts_are_one_content_joined_by_newlines(tokenizer):
     assert parts == chat_prompt(tokenizer, [user("one\ntwo")])
 
 
+# Loop over a message's content parts where it has them, as Gemma 3's, Llama 4's and Mistral Small's templates do
+# (the second through a variable set from the messages, as Llama 3.2 Vision's).
+READS_PARTS = ["{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}"
+               "{% for part in m.content %}<{{ part.text }}>{% endfor %}{% endif %}|{% endfor %}",
+               "{% set turns = messages[0:] %}{% for m in turns %}{{ m.role }}:{% if m['content'] is string %}"
+               "{{ m['content'] }}{% else %}{% for part in m['content'] | list %}<{{ part['text'] }}>{% endfor %}"
+               "{% endif %}|{% endfor %}"]
+
+
+@pytest.mark.parametrize("template", READS_PARTS)
+def test_a_template_that_loops_over_content_parts_gets_the_text_parts_as_they_are(tokenizer, template):
+    """vLLM's "openai" content format, which it finds in the template, and Hugging Face's for the same messages; a
+    string content stays a string, as Hugging Face's."""
+    reads_parts = with_special(tokenizer, chat_template=template)
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    request = chat([{"role": "user", "content": parts}, {"role": "assistant", "content": "Hi"}])
+    assert chat_prompt(reads_parts, request.messages).text == "user:<one><two>|assistant:Hi|"
+    opened = chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": parts}],
+                  add_generation_prompt=False, continue_final_message=True)
+    assert chat_prompt(reads_parts, opened.messages, **opened.rendering()).text == "user:Hi|assistant:<one><two"
+
+
 def test_a_template_that_writes_bos_gets_no_second_one(tokenizer):
     adds_bos = with_special(tokenizer, add_bos=True, chat_template="{{ bos_token }}{{ messages[0]['content'] }}")
     assert chat_prompt(adds_bos, [user("Hi")]).token_ids == [tokenizer.bos_token_id, *tokenizer.encode("Hi")]
