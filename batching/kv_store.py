@@ -10,9 +10,10 @@ the KV dtype, or for an int8 pool k.values, k.scales, v.values, v.scales, the sc
 `[num_layers, num_kv_heads, page_size]` float32 (`KVLayout.payload_specs`).
 
 Tiers: `put` keeps a page in RAM and writes it through to disk, so it survives a SIGKILL once written. RAM is an
-LRU bounded in bytes; a page it evicts spills to the most recent end of the disk tier (written there if it is not
-on disk). The disk tier, `directory/<fingerprint>/<key>.kv`, is an LRU bounded in bytes, ordered by a file's
-mtime (refreshed on use) and rebuilt from the directory when a store opens.
+LRU bounded in bytes, which bounds the payloads waiting for the writer too (they are RAM's own): a page it evicts
+becomes the disk tier's most recent, or, its write still waiting, is not written (counted); only the page being
+written may be held past the bound. The disk tier, `directory/<fingerprint>/<key>.kv`, is an LRU bounded in bytes,
+ordered by a file's mtime (refreshed on use) and rebuilt from the directory when a store opens.
 
 Slots: a store holds its folder alone, by a flock on the folder's `lock` file (the kernel lets go of it when the
 process dies). A second process of the same layout on the same directory (a replica beside another) takes the
@@ -26,8 +27,9 @@ temporary file beside it, is fsynced, then renamed over the name (`os.replace`),
 whole file; a file whose size, header or checksum is wrong is removed, logged once and counted, never served.
 
 Threads: the engine thread owns the store and calls every method. Disk writes and the marks of a file's use run in
-order on one writer thread (its queue bounded: `_spill`), and `prefetch` reads pages on one reader thread, so the
-engine's steps never wait on the disk; `_lock` guards what the threads share (both tiers' indexes and counters).
+order on one writer thread (its queue bounded: `_queue_write`, `_mark`), and `prefetch` reads pages on one reader
+thread, so the engine's steps never wait on the disk; `_lock` guards what the threads share (both tiers' indexes and
+counters).
 """
 
 from __future__ import annotations
@@ -224,19 +226,23 @@ def _usage(folder: Path) -> tuple[int, int]:
 @dataclass(eq=False)
 class _Generation:
     """A page's content between two `forget`s of it: a read or a queued write holding one the page no longer has is
-    discarded. `writing`: a write of it is queued or in progress (one spilled again is not queued twice)."""
+    discarded. `unwritten`: the payload a queued write of it waits to write, the RAM tier's (None once the writer
+    takes it, or it is dropped: RAM evicted the page first, or it was forgotten)."""
 
-    writing: bool = False
+    unwritten: PagePayload | None = None
 
 
 class _Write(NamedTuple):
-    """A page for the writer, in its key's `generation` (not written if forgotten since); `mark`: queued, the page
-    being on disk, to mark its file used instead (written again if the file is gone)."""
+    """A page for the writer to write: its key's `generation.unwritten` (not written if forgotten since)."""
 
     key: PageKey
-    payload: PagePayload
     generation: _Generation
-    mark: bool
+
+
+class _Mark(NamedTuple):
+    """A page on disk whose file the writer marks used (`_touch`)."""
+
+    key: PageKey
 
 
 class StoredPrefix(NamedTuple):
@@ -262,7 +268,7 @@ class KVStoreCounters:
     ram: TierCounters
     disk: TierCounters
     corrupt: int  # files found torn, truncated or corrupt (each removed)
-    dropped_writes: int  # pages not written to disk: the writer's queue was full, or the write failed
+    dropped_writes: int  # pages not written to disk: the writer's queue was full, RAM evicted one first, a write failed
 
 
 @dataclass
@@ -276,8 +282,8 @@ class _Tally:
 
 
 class KVStore:
-    """The two tiers of `layout`'s pages under `directory`: at most `ram_bytes` of payloads in RAM and `disk_bytes`
-    of files on disk; `queue_pages` writes may wait for the writer thread."""
+    """The two tiers of `layout`'s pages under `directory`: at most `ram_bytes` of payloads in RAM (those waiting to
+    be written among them) and `disk_bytes` of files on disk; `queue_pages` writes may wait for the writer thread."""
 
     def __init__(self, layout: KVLayout, directory: Path | str, *, ram_bytes: int, disk_bytes: int,
                  queue_pages: int = 256):
@@ -302,7 +308,7 @@ class KVStore:
         except BaseException:
             os.close(lock)
             raise
-        self._queue: queue.Queue[_Write | None] = queue.Queue()  # bounded by `_num_queued`'s
+        self._queue: queue.Queue[_Write | _Mark | None] = queue.Queue()  # bounded by `_num_queued`'s
         # The writer holds the store weakly, so that a store dropped without `close` (an engine a test or a fuzz
         # drops) is freed, and with it its RAM tier, its threads and its slot (a later store on the directory
         # would take the next slot, never reading its pages, and the 65th none).
@@ -324,7 +330,10 @@ class KVStore:
             if key in self._ram:
                 self._ram.move_to_end(key)
                 return
-            self._spill(key, payload)
+            if key in self._disk:
+                self._mark(key)
+            else:
+                self._queue_write(key, payload)
             self._keep_in_ram(key, payload)
 
     def get(self, key: PageKey) -> PagePayload | None:
@@ -378,7 +387,8 @@ class KVStore:
         with self._lock:
             written = [key for key in keys if key in self._disk]
             for key in keys:
-                self._generations.pop(key, None)
+                if (generation := self._generations.pop(key, None)) is not None:
+                    generation.unwritten = None
                 self._ram.pop(key, None)
                 self._disk.pop(key, None)
         for key in written:
@@ -453,31 +463,37 @@ class KVStore:
                 os.close(fd)
 
     def _keep_in_ram(self, key: PageKey, payload: PagePayload) -> None:
-        """The caller holds `_lock`."""
+        """Keeps a page in RAM, evicting the least recently used past the bound: one on disk has its file marked used,
+        and one whose write still waits is not written (counted), as its payload, held for the writer, is memory the
+        bound caps. The caller holds `_lock`."""
         self._ram[key] = payload
         while len(self._ram) * self.layout.page_nbytes > self.ram_bytes:
-            old, old_payload = self._ram.popitem(last=False)
+            old, _ = self._ram.popitem(last=False)
             self._ram_tally.evictions += 1
-            self._spill(old, old_payload)
+            if old in self._disk:
+                self._mark(old)
+            elif (generation := self._generations.get(old)) is not None and generation.unwritten is not None:
+                generation.unwritten = None
+                self._dropped += 1
 
-    def _spill(self, key: PageKey, payload: PagePayload) -> None:
-        """Makes `key` the disk tier's most recent page and queues its write (for a page on disk, the mark of its
-        file's use: `_write`). A full queue drops a write (counted), and a mark (only the next store's order is off);
-        marks and writes count apart, so that no burst of marks drops a write; a page spilled again before its write
-        lands is not queued twice. The caller holds `_lock`."""
-        mark = key in self._disk
-        generation = self._generations.setdefault(key, _Generation())
-        if mark:
-            self._disk.move_to_end(key)
-        elif generation.writing:
-            return
-        if self._num_queued[mark] < self._queue_pages:
-            self._num_queued[mark] += 1
-            if not mark:
-                generation.writing = True
-            self._queue.put(_Write(key, payload, generation, mark))
-        elif not mark:
+    def _queue_write(self, key: PageKey, payload: PagePayload) -> None:
+        """Queues the write of a page RAM keeps; a full queue drops it (counted). The caller holds `_lock`."""
+        if self._num_queued[False] < self._queue_pages:
+            self._num_queued[False] += 1
+            generation = self._generations.setdefault(key, _Generation())
+            generation.unwritten = payload
+            self._queue.put(_Write(key, generation))
+        else:
             self._dropped += 1
+
+    def _mark(self, key: PageKey) -> None:
+        """Makes `key` the disk tier's most recent page and queues the mark of its file's use; a full queue drops it
+        (only the next store's order is off). Marks count apart from writes, so that no burst of them drops a write.
+        The caller holds `_lock`."""
+        self._disk.move_to_end(key)
+        if self._num_queued[True] < self._queue_pages:
+            self._num_queued[True] += 1
+            self._queue.put(_Mark(key))
 
     def _touch(self, key: PageKey) -> bool:
         """Marks `key`'s file used now (its mtime, for the next store's order); whether it is still there. Not on the
@@ -552,23 +568,31 @@ class KVStore:
             del self._disk[key]
             self._disk_tally.evictions += 1
 
-    def _write_page(self, job: _Write) -> None:
+    def _mark_used(self, key: PageKey) -> None:
+        """The writer's part of `_mark`: marks the page's file used, if it is still on disk."""
         with self._lock:
-            self._num_queued[job.mark] -= 1
+            self._num_queued[True] -= 1
+            on_disk = key in self._disk
+        if on_disk:
+            self._touch(key)
+
+    def _write_page(self, job: _Write) -> None:
+        """The writer's part of `_queue_write`: takes the payload, unless it was dropped or forgotten meanwhile."""
+        with self._lock:
+            self._num_queued[False] -= 1
+            payload, job.generation.unwritten = job.generation.unwritten, None
+        if payload is None:
+            return
         try:
-            self._write(job.key, job.payload, job.generation)
+            self._write(job.key, payload, job.generation)
         except OSError as e:  # disk full, directory gone: the page stays in RAM only
             logger.warning("KV store: could not write page %s: %s", job.key, e)
             with self._lock:
                 self._dropped += 1
-        finally:
-            with self._lock:
-                if not job.mark:
-                    job.generation.writing = False
 
     def _write(self, key: PageKey, payload: PagePayload, generation: _Generation) -> None:
         """Writes one page's file atomically (temporary file, fsync, rename), then evicts what no longer fits; only
-        marks it used if it is on disk (spilled again, or before its first write landed)."""
+        marks it used if it is on disk (put again while its first write ran)."""
         with self._lock:
             if self._generations.get(key) is not generation:  # forgotten since it was queued
                 return
@@ -612,21 +636,24 @@ def _remove_file(path: Path) -> bool:
     return True
 
 
-def _write_loop(store: weakref.ref[KVStore], jobs: queue.Queue[_Write | None]) -> None:
+def _write_loop(store: weakref.ref[KVStore], jobs: queue.Queue[_Write | _Mark | None]) -> None:
     """The writer thread: runs the queued jobs in order until `close` or the store's collection (None); the writes
     still queued once the store is collected go with it."""
     while (job := jobs.get()) is not None:
         try:
             if (writer := store()) is not None:
-                writer._write_page(job)
+                if isinstance(job, _Mark):
+                    writer._mark_used(job.key)
+                else:
+                    writer._write_page(job)
                 del writer  # held only while it writes: waiting, the thread must not keep the store alive
         finally:
-            del job  # nor the last page it wrote, or did not: a forgotten page's key and payload go with the store's
+            del job  # nor the last page it wrote, or did not: a forgotten page's key goes with the store's
             jobs.task_done()
     jobs.task_done()
 
 
-def _let_go(jobs: queue.Queue[_Write | None], slot_lock: int) -> None:
+def _let_go(jobs: queue.Queue[_Write | _Mark | None], slot_lock: int) -> None:
     """A store's end, by `close` or its collection: stops the writer, after the jobs queued, and frees the slot."""
     jobs.put(None)
     os.close(slot_lock)

@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import threading
+import weakref
 from dataclasses import replace
 
 import jax
@@ -121,6 +122,7 @@ def test_ram_evicts_the_least_recently_used_page_to_disk(open_store):
     store = open_store(ram_pages=2)
     store.put(A, payload(LAYOUT, 0))
     store.put(B, payload(LAYOUT, 1))
+    store.flush()
     store.get(A)
     store.put(C, payload(LAYOUT, 2))
     store.flush()
@@ -133,10 +135,10 @@ def test_ram_evicts_the_least_recently_used_page_to_disk(open_store):
 
 
 def test_disk_evicts_the_least_recently_used_file(open_store):
-    store = open_store(ram_pages=0, disk_pages=2)
-    store.put(A, payload(LAYOUT, 0))
-    store.put(B, payload(LAYOUT, 1))
-    store.flush()
+    store = open_store(ram_pages=1, disk_pages=2)
+    for i, key in enumerate((A, B)):
+        store.put(key, payload(LAYOUT, i))
+        store.flush()
     store.get(A)
     store.put(C, payload(LAYOUT, 2))
     store.flush()
@@ -202,6 +204,7 @@ def test_another_fingerprint_s_folder_is_removed_once_the_directory_outgrows_the
     first = open_store()
     for i in range(6):
         first.put(f"{i:064x}", payload(LAYOUT, i))
+        first.flush()  # before RAM evicts it
     first.close()
     other_layout = replace(LAYOUT, model="other-weights")
     other = open_store(other_layout)  # 6 pages of the first, none of its own: within the 8-page bound
@@ -255,9 +258,10 @@ def test_a_truncated_or_extended_file_is_removed_when_the_store_opens(open_store
 
 
 def test_a_file_corrupted_under_a_running_store_is_a_miss(open_store):
-    store = open_store(ram_pages=0)
+    store = open_store()
     store.put(A, payload(LAYOUT, 0))
     store.flush()
+    store._ram.clear()  # on disk only
     path = store.directory / f"{A}.kv"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x10
@@ -272,6 +276,7 @@ def test_a_file_corrupted_under_a_running_store_is_a_miss(open_store):
 def test_a_file_removed_from_outside_is_forgotten_and_written_again(open_store):
     store = open_store(ram_pages=1)
     store.put(A, payload(LAYOUT, 0))
+    store.flush()
     store.put(B, payload(LAYOUT, 1))  # both written through; A leaves RAM
     store.flush()
     (store.directory / f"{A}.kv").unlink()
@@ -279,8 +284,10 @@ def test_a_file_removed_from_outside_is_forgotten_and_written_again(open_store):
 
     assert store.get(A) is None and not store.contains(A)  # read: a miss, and forgotten
     assert store.counters().disk.pages == 1
-    store.put(A, payload(LAYOUT, 0))
-    store.put(B, payload(LAYOUT, 1))  # B was still listed: found missing when touched, and written again
+    store.put(A, payload(LAYOUT, 0))  # B leaves RAM: still listed, found missing when its file is marked used
+    store.flush()
+    assert not store.contains(B)
+    store.put(B, payload(LAYOUT, 1))  # forgotten, so written again
     store.flush()
     assert files(store) == {f"{A}.kv", f"{B}.kv"}
     assert store.counters().disk.pages == 2
@@ -366,6 +373,7 @@ def test_a_live_store_s_slot_is_never_trimmed_and_a_gone_one_s_is(open_store):
     live = open_store()
     for i in range(6):
         live.put(f"{i:064x}", payload(LAYOUT, i))
+        live.flush()  # before RAM evicts it
     gone = open_store()
     gone.put(A, payload(LAYOUT, 9))
     gone.close()
@@ -575,19 +583,26 @@ def test_a_full_write_queue_drops_the_write_and_counts_it(open_store, monkeypatc
     assert_same(store.get(C), payload(LAYOUT, 2))
 
 
-def test_a_page_spilled_from_ram_before_its_write_lands_is_written_once(open_store, monkeypatch):
-    """A RAM tier of one page spills each page as the next is put, while its write still waits for the writer: a
-    second write of it took a place in the queue, and a full queue dropped another page's."""
+def test_pages_waiting_for_the_writer_are_held_within_the_ram_bound(open_store, monkeypatch):
+    """The writer stuck in a page's fsync while pages keep coming: the queued writes held every page's payload past
+    the RAM bound (up to twice the queue's pages, marks included). A page RAM evicts while its write still waits is
+    not written now (counted); the page being written lands, and those RAM holds are written after it."""
     disk = SlowDisk(monkeypatch)
-    store = open_store(ram_pages=1, queue_pages=2)
-    store.put(A, payload(LAYOUT, 0))
-    disk.writing.wait()  # A's write is in progress
-    store.put(B, payload(LAYOUT, 1))  # spills A
-    store.put(C, payload(LAYOUT, 2))  # spills B
+    store = open_store(ram_pages=2)
+    keys = LAYOUT.page_keys(range(2 * 10))
+    payloads = [payload(LAYOUT, i) for i in range(10)]
+    alive = [weakref.ref(page[0]) for page in payloads]
+    store.put(keys[0], payloads[0])
+    disk.writing.wait()  # the first page's write is in progress
+    for key, page in zip(keys[1:], payloads[1:], strict=True):
+        store.put(key, page)
+    del payloads, page
+
+    assert sum(ref() is not None for ref in alive) == 3  # RAM's two pages and the one being written
     disk.release.set()
     store.flush()
-    assert files(store) == {f"{A}.kv", f"{B}.kv", f"{C}.kv"}
-    assert store.counters().dropped_writes == 0
+    assert files(store) == {f"{key}.kv" for key in (keys[0], keys[8], keys[9])}
+    assert store.counters().dropped_writes == 7
 
 
 def test_put_rejects_a_payload_of_another_layout(open_store):
