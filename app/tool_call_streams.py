@@ -137,7 +137,8 @@ class _Group:
     buffer (the text after the tag) the next part starts; `part`: what is expected there; `calls`: the group's calls read so
     far, held until its close (unless they go out progressively); `name`: a call written by name, the function's;
     `open`: the call whose arguments are going out, as (where its arguments start, how far they went out) in its
-    object's text; `committed`: calls of the group have gone out, so it is no longer text whatever follows."""
+    object's text, and `arguments_end` finds where they end; `committed`: calls of the group have gone out, so it is
+    no longer text whatever follows."""
 
     tag: str
     position: int = 0
@@ -148,6 +149,7 @@ class _Group:
     name: str = ""
     end: _ObjectEnd = field(default_factory=lambda: _ObjectEnd())
     open: tuple[int, int] | None = None
+    arguments_end: _ValueEnd | None = None
     committed: bool = False
 
 
@@ -162,8 +164,9 @@ class CallStream:
     something else follows the tag (an object that is no call, other punctuation, the reply's end), and reading goes
     on after the tag. By default a group's calls go out when its close arrives. With `progressive` (a grammar
     forced the calls, so each one parses), each call's arguments go out as they are sampled; only a tail that may
-    be the object's closing braces is held back. An object that turns out no call all the same (text off the grammar)
-    leaves its call cut short where it broke, and reading goes on at the object as text.
+    be the object's closing braces is held back, and nothing after the arguments' own end (a key the model wrote
+    after them, off the grammar: Mistral's call id, say). An object that turns out no call all the same (text off
+    the grammar) leaves its call cut short where it broke, and reading goes on at the object as text.
     """
 
     names: frozenset[str]
@@ -297,7 +300,8 @@ class CallStream:
             head = _HEAD.match(text) if call is not None and self.progressive else None
             if head is None or head.group(1) not in self.names:
                 return call
-            return ToolCall(head.group(1), text[head.end():text.rindex("}")].rstrip())
+            end = _ValueEnd(head.end()).find(text)  # the object is whole JSON: its arguments' end is in it
+            return ToolCall(head.group(1), text[head.end():end].rstrip())
         arguments = text.strip()
         return ToolCall(self._group.name, arguments) if isinstance(_loads(arguments), dict) else None
 
@@ -371,19 +375,22 @@ class CallStream:
                 return
             events.append(CallStart(self.calls, head.group(1)))
             self.calls += 1
-            group.open = (head.end(), head.end())
+            group.open, group.arguments_end = (head.end(), head.end()), _ValueEnd(head.end())
             group.committed = True
         start, sent = group.open
-        visible = len(text.rstrip("} \t\r\n"))
+        end = group.arguments_end.find(text)
+        visible = len(text.rstrip("} \t\r\n")) if end is None else len(text[:end].rstrip())
         if visible > sent:
             events.append(ArgumentsDelta(self.calls - 1, text[sent:visible]))
             group.open = (start, visible)
 
     def _send_held_arguments(self, events: list[StreamEvent]) -> None:
         """The reply ended inside the object of a call whose arguments were going out: the closing braces held back
-        (`_send_arguments`) go out too, since the object never closed, none of them was its own."""
+        (`_send_arguments`) go out too, since the object never closed, none of them was its own (unless the
+        arguments ended before them: all of theirs went out)."""
         start, sent = self._group.open
-        if tail := self._buffer[self._group.position:][sent:].rstrip():
+        text = self._buffer[self._group.position:]
+        if self._group.arguments_end.find(text) is None and (tail := text[sent:].rstrip()):
             events.append(ArgumentsDelta(self.calls - 1, tail))
 
     def _abandon(self, events: list[StreamEvent]) -> None:
@@ -422,13 +429,13 @@ class _StrippedText:
 
 @dataclass
 class JsonCallStream:
-    """Llama 3's JSON tool calls: a reply that is nothing but calls, `{"name": ..., "parameters": {...}}` each,
-    separated by `;`, maybe after `<|python_tag|>` (a special token, in the text only where a request keeps special
-    tokens' text; vLLM's llama3_json parser reads the calls after it too). Any other reply is text, whole, the tag
-    included. A reply is known to be text at its first character other than `{` (after the tag); to be calls only
-    at its end, so calls go out then, each whole. `forced`: a grammar wrote the calls, so a reply that is not all
-    calls was cut short (max_tokens, a stop): its calls are those before the cut, and the rest of its JSON is no
-    text."""
+    """Llama 3's JSON tool calls: a reply that is nothing but calls, `{"name": ..., "parameters": {...}}` each (or
+    `"arguments"`: `_llama3_arguments`), separated by `;` (one may end the last call too), maybe after
+    `<|python_tag|>` (a special token, in the text only where a request keeps special tokens' text; vLLM's llama3_json
+    parser reads the calls after it too). Any other reply is text, whole, the tag included. A reply is known to be
+    text at its first character other than `{` (after the tag); to be calls only at its end, so calls go out then,
+    each whole. `forced`: a grammar wrote the calls, so a reply that is not all calls was cut short (max_tokens, a
+    stop): its calls are those before the cut, and the rest of its JSON is no text."""
 
     names: frozenset[str]
     forced: bool = False
@@ -489,7 +496,8 @@ def _first_call(events: list[StreamEvent]) -> list[StreamEvent]:
 
 
 def _json_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall], bool]:
-    """The calls `text` begins with (JSON objects separated by `;`), and whether it is nothing else."""
+    """The calls `text` begins with (JSON objects separated by `;`, one `;` after the last allowed), and whether it
+    is nothing else."""
     decoder, calls, position = json.JSONDecoder(parse_constant=not_json), [], 0
     while True:
         position = len(text) - len(text[position:].lstrip())
@@ -497,7 +505,7 @@ def _json_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall], bool]
             value, position = decoder.raw_decode(text, position)
         except ValueError:
             return calls, False
-        arguments = value.get("parameters", value.get("arguments")) if _names_one_of(value, names) else None
+        arguments = _llama3_arguments(value) if _names_one_of(value, names) else None
         if not isinstance(arguments, dict):
             return calls, False
         calls.append(ToolCall(value["name"], _dump_arguments(arguments)))
@@ -506,7 +514,15 @@ def _json_calls(text: str, names: frozenset[str]) -> tuple[list[ToolCall], bool]
             return calls, True
         if not rest.startswith(";"):
             return calls, False
+        if not rest[1:].strip():  # a separator after the last call, as Llama 3 may end its calls
+            return calls, True
         position = len(text) - len(rest) + 1
+
+
+def _llama3_arguments(call: dict[str, Any]) -> Any:
+    """A Llama 3 call's arguments: its `parameters`, or its `arguments` where it has that key (which counts where it
+    has both, as vLLM's llama3_json parser reads them)."""
+    return call["arguments"] if "arguments" in call else call.get("parameters")
 
 
 def not_json(constant: str) -> Any:
@@ -581,6 +597,37 @@ class _ObjectEnd:
                 continue
             if char not in _JSON_OUTSIDE_STRINGS:
                 return -1
+            if char in "}]" and self._nesting.depth == 0:
+                return i + 1
+        return None
+
+
+@dataclass
+class _ValueEnd:
+    """Finds where the JSON value at `start` in an object's text ends (the arguments a call's head opens), reading
+    the text as it grows, each character once: after the bracket that closes it, or (a value of no brackets) at the
+    `,` or `}` that follows it."""
+
+    start: int
+    _read: int = 0
+    _found: int | None = None
+    _nesting: JsonNesting = field(default_factory=JsonNesting)
+
+    def find(self, text: str) -> int | None:
+        """The index in `text` where the value ends; None while it may go on. `text` must extend the text of the
+        previous call."""
+        if self._found is None:
+            self._found = self._scan(text)
+        return self._found
+
+    def _scan(self, text: str) -> int | None:
+        for i in range(max(self._read, self.start), len(text)):
+            char = text[i]
+            self._read = i + 1
+            if not self._nesting.take(char):
+                continue
+            if self._nesting.depth < 0 or char == "," and self._nesting.depth == 0:
+                return i  # the end of the object that holds the value, or the comma after the value
             if char in "}]" and self._nesting.depth == 0:
                 return i + 1
         return None

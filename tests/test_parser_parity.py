@@ -304,6 +304,10 @@ ADVERSARIAL = {
     "a mistral list, a broken one, a marker cut short": (
         "mistral", "none", "free", 'Let me check. [TOOL_CALLS] [{"name": "add", "arguments": {"a": "]}"}}, '
         '{"name": "a", "arguments": {"b": "[TOOL_CALLS] ["}}] and [TOOL_CALLS] [{broken}] [TOOL_CA'),
+    "mistral call ids after the arguments, off the grammar": (
+        "mistral", "none", "off grammar", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": {"b": "}"}}, "id": '
+        '"abcdefghi"}, {"name": "a", "arguments": {} , "id": "bcdefghij"}] [TOOL_CALLS] [{"name": "a", "arguments": '
+        '{"c": 1}\n, "id": "cdefg'),
     "a mistral list of the wrong separator": (
         "mistral", "none", "free", '[TOOL_CALLS] [{"name": "add", "arguments": {}}; {"name": "a", "arguments": {}}]'),
     "forced mistral calls": (
@@ -329,6 +333,9 @@ ADVERSARIAL = {
     "llama 3 calls with a separator in a string": (
         "llama3_json", "none", "free",
         ' {"name": "add", "parameters": {"a": ";"}}; {"name": "a", "parameters": {}}\n'),
+    "llama 3 calls ending in a separator, one that writes both keys": (
+        "llama3_json", "none", "free",
+        '{"name": "add", "parameters": {"a": 1}}; {"name": "a", "arguments": {"b": 2}, "parameters": "x"} ;\n'),
     "a llama 3 call then prose": (
         "llama3_json", "none", "free", '{"name": "add", "parameters": {"a": 1}} and then some prose'),
     "llama 3 prose that begins as JSON": ("llama3_json", "none", "free", "  { is how JSON begins"),

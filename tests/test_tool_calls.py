@@ -214,18 +214,36 @@ def read_pieces(calling: ToolCalling, texts: list[str]) -> tuple[str | None, lis
 
 
 @pytest.mark.parametrize(("body", "name", "arguments"), [
-    ('{"name": "add", "arguments": {"a": 1}, "arguments": {"b": 2}}', "add", '{"a": 1}, "arguments": {"b": 2}'),
-    ('{"name": "add", "arguments": {"a": 1} , "id": 7}', "add", '{"a": 1} , "id": 7'),
-    ('{"name": "add", "arguments": {"a": 1}, "name": "get_weather"}', "add", '{"a": 1}, "name": "get_weather"'),
+    ('{"name": "add", "arguments": {"a": 1}, "arguments": {"b": 2}}', "add", '{"a": 1}'),
+    ('{"name": "add", "arguments": {"a": 1} , "id": 7}', "add", '{"a": 1}'),
+    ('{"name": "add", "arguments": {"a": 1}, "name": "get_weather"}', "add", '{"a": 1}'),
+    ('{"name": "add", "arguments": {"a": {"b": "}"}}\n, "id": "x"}', "add", '{"a": {"b": "}"}}'),
 ])
-def test_a_forced_call_is_its_arguments_and_name_as_its_head_wrote_them_whole_and_in_any_pieces(body, name,
-                                                                                              arguments):
+def test_a_forced_call_is_the_arguments_and_name_its_head_wrote_whole_and_in_any_pieces(body, name, arguments):
     # Off the grammar, the rest of the object would read otherwise (a key after the arguments, or one written
-    # twice), but what went out of the arguments as they arrived stays out.
+    # twice), but what went out of the arguments as they arrived stays out; and only the arguments' own text goes
+    # out, never a key after them.
     text = f"<tool_call>{body}</tool_call>"
     calling = ToolCalling(NAMES, "hermes", forced=True)
     assert calling.parse(text) == (None, [ToolCall(name, arguments)])
     assert all(read_pieces(calling, texts) == (None, [ToolCall(name, arguments)]) for texts in split_anywhere(text))
+
+
+@pytest.mark.parametrize("text", [
+    '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}, "id": "abcdefghi"}, '
+    '{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "bcdefghij"}]',
+    '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}, "id": "abcdefghi"}, '
+    '{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "bcdef',  # cut after the arguments
+])
+def test_a_mistral_call_id_after_the_arguments_is_no_part_of_them_forced_or_not(text):
+    # Some versions of Mistral's template write each call's id after its arguments; vLLM's parser reads the
+    # `arguments` key alone, whole and streamed.
+    calls = [ToolCall("add", '{"a": 1}'), ToolCall("get_weather", PARIS)]
+    if text.endswith("]"):
+        assert parse_calls(text, NAMES, "mistral") == (None, calls)
+    calling = ToolCalling(NAMES, "mistral", forced=True)
+    assert calling.parse(text) == (None, calls)
+    assert all(read_pieces(calling, texts) == (None, calls) for texts in split_anywhere(text))
 
 
 @pytest.mark.parametrize(("parser", "text"), [
@@ -258,6 +276,7 @@ def test_a_llama3_reply_of_calls_separated_by_semicolons_is_calls():
     '{"name": {"add": 1}, "parameters": {}}',
     '{"name": "add", "parameters": {"a": NaN}}',  # Python's decoder takes NaN and Infinity; JSON has neither
     '{"name": "add", "parameters": {"a": -Infinity}}',
+    '{"name": "add", "parameters": {"a": 1}}; 5',  # JSON after the separator, but no object
 ])
 def test_any_other_llama3_reply_is_text_whole(text):
     assert parse_calls(text, NAMES, "llama3_json") == (text.strip(), [])
@@ -269,6 +288,34 @@ def test_any_other_llama3_reply_is_text_whole(text):
     '{"name": "add", "parameters": {"a": 1}} trailing',
 ])
 def test_a_llama3_stream_in_any_pieces_reads_as_the_whole_text(text):
+    assert_any_pieces_read_as_the_whole(text, "llama3_json")
+
+
+@pytest.mark.parametrize("end", [";", "; ", ";\n", " ;"])
+def test_a_llama3_separator_after_the_last_call_leaves_the_reply_calls(end):
+    # Llama 3 separates its calls by "; " and may end the last one with it too; vLLM's llama3_json parser reads
+    # the calls.
+    for text in ('{"name": "add", "parameters": {"a": 1}}' + end,
+                 '{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {}}' + end):
+        assert parse_calls(text, NAMES, "llama3_json")[0] is None
+        assert parse_calls(text, NAMES, "llama3_json")[1][0] == ToolCall("add", '{"a": 1}')
+        assert_any_pieces_read_as_the_whole(text, "llama3_json")
+    for text in ('{"name": "add", "parameters": {"a": 1}};;', '{"name": "add", "parameters": {"a": 1}}; and more'):
+        assert parse_calls(text, NAMES, "llama3_json") == (text, [])
+
+
+@pytest.mark.parametrize(("text", "arguments"), [
+    ('{"name": "add", "arguments": {"a": 1}}', '{"a": 1}'),
+    ('{"name": "add", "arguments": {"a": 1}, "parameters": {"b": 2}}', '{"a": 1}'),
+    ('{"name": "add", "parameters": {"b": 2}, "arguments": {"a": 1}}', '{"a": 1}'),
+    ('{"name": "add", "arguments": {"a": 1}, "parameters": "b=2"}', '{"a": 1}'),
+    ('{"name": "add", "arguments": "a=1", "parameters": {"b": 2}}', None),  # the arguments are no object
+])
+def test_a_llama3_call_may_write_arguments_for_parameters_and_where_it_writes_both_the_arguments_count(text,
+                                                                                                      arguments):
+    # As vLLM's llama3_json parser reads them ("arguments" if the object has that key, else "parameters").
+    expected = (None, [ToolCall("add", arguments)]) if arguments is not None else (text, [])
+    assert parse_calls(text, NAMES, "llama3_json") == expected
     assert_any_pieces_read_as_the_whole(text, "llama3_json")
 
 
