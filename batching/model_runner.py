@@ -138,6 +138,9 @@ class ModelRunner:
                                    donate_argnums=(0,),
                                    out_shardings=[self.weights[i].sharding for i, _, _ in self._lora])
         self.num_pages = num_pages
+        # The pool's pages per layer: the block manager's, then the null page no page table holds, where a lone
+        # padding token's K/V go (`kv_cache.write_kv`: a one-row step writes without reading the row it replaces).
+        self.pool_pages = num_pages + 1
         self.kv_dtype = jnp.dtype(model.dtype if kv_dtype is None else kv_dtype)
         self.backend = attention_backend
         self.max_num_seqs = max_num_seqs
@@ -214,7 +217,7 @@ class ModelRunner:
         key = (bucket.max_q_len, bucket.num_steps, plan if bucket.num_steps > 1 else None)
         if key not in self._steps:
             out_shardings = None if self.mesh is None else (replicated(self.mesh), self.kv_sharding)
-            args = (self.graphdef, self.backend, self.mesh, self.num_pages)
+            args = (self.graphdef, self.backend, self.mesh, self.pool_pages)
             if bucket.verifies:
                 fn = partial(verify_steps, *args, self.page_size, self.ngram, bucket.num_steps, self.max_num_seqs,
                              plan)
@@ -324,7 +327,7 @@ class ModelRunner:
         its devices (so the first step compiles the same as later ones), empty slots, and the last step's sampled
         tokens (each sequence's at its row, for the next step to feed: `StepInputs.feed`). After a failed step,
         all of them are suspect."""
-        self.kv_cache = empty_kv_cache(self.config, self.num_pages, self.page_size, self.kv_dtype, self.kv_sharding)
+        self.kv_cache = empty_kv_cache(self.config, self.pool_pages, self.page_size, self.kv_dtype, self.kv_sharding)
         max_pages = -(-self.max_model_len // self.page_size)
         self.input_batch = InputBatch(self.max_num_seqs, max_pages, self.config.vocab_size, MAX_STOP_IDS,
                                       pow2_buckets(1, self.max_num_seqs))

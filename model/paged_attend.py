@@ -45,7 +45,8 @@ def make_paged_attend(
 ) -> AttendFn:
     """The paged `AttendFn` for one step over a flat pool: (k, v), each
     `[num_layers * pages_per_layer, num_kv_heads, page_size, head_dim]` (arrays or `QuantizedPages`); layer l's
-    pages start at l * pages_per_layer.
+    pages start at l * pages_per_layer. A step of one token writes a padding token's K/V into the pool's last page
+    (`write_kv`), which no page table may then hold: a server's pool keeps it as its null page.
 
     With a `mesh`, it runs per device on that device's KV heads (shard_map), so kernels see only local heads and
     the pool never moves between devices.

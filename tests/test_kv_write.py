@@ -1,5 +1,5 @@
-"""write_kv: new tokens' K/V land in their slots, padding writes nothing, and the pool is updated in place; an
-int8 pool stores each row quantized with its own scale."""
+"""write_kv: new tokens' K/V land in their slots, padding writes no page a page table holds, and the pool is updated
+in place; an int8 pool stores each row quantized with its own scale."""
 
 import functools
 
@@ -41,6 +41,28 @@ def test_each_token_lands_in_its_slot_and_padding_writes_nothing(dtype):
     assert k_pages.dtype == dtype and v_pages.dtype == dtype
     np.testing.assert_array_equal(np.asarray(k_pages.astype(jnp.float32)), want_k)
     np.testing.assert_array_equal(np.asarray(v_pages.astype(jnp.float32)), want_v)
+
+
+@pytest.mark.parametrize("slot", [0, 13, NUM_PAGES * PAGE_SIZE - 1, -1])
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.int8])
+def test_a_lone_token_lands_in_its_slot_and_a_lone_padding_token_in_the_pools_last_slot_alone(slot, kv_dtype):
+    """One token (a one-row decode step) is written by a dynamic-update-slice, which has no write to drop: its
+    padding goes to the pool's last slot, in the null page a model's pool keeps out of every page table."""
+    rng = np.random.default_rng(5)
+    pools = (int8_pool(rng), int8_pool(rng)) if kv_dtype == jnp.int8 else random_pool(rng, kv_dtype)
+    read = lambda pages: np.array(dequantize(pages) if kv_dtype == jnp.int8 else pages.astype(jnp.float32))
+    befores = [read(pages) for pages in pools]
+    k = rng.standard_normal((1, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+
+    written = write_kv(*pools, jnp.asarray(k), jnp.asarray(-k), jnp.asarray([slot], jnp.int32))
+
+    landed = slot % (NUM_PAGES * PAGE_SIZE)
+    for pages, before, row in zip(written, befores, (k[0], -k[0])):
+        after = read(pages)
+        written = after[landed // PAGE_SIZE, :, landed % PAGE_SIZE]
+        np.testing.assert_allclose(written, row, atol=np.abs(row).max() / 127 if kv_dtype == jnp.int8 else 0.01)
+        after[landed // PAGE_SIZE, :, landed % PAGE_SIZE] = before[landed // PAGE_SIZE, :, landed % PAGE_SIZE]
+        np.testing.assert_array_equal(after, before)
 
 
 def test_standalone_write_reuses_the_donated_pool_buffers():

@@ -293,6 +293,19 @@ def test_the_gpus_one_row_decode_step_normalizes_each_projections_input_in_one_k
     assert [k for k in kernels if k.op_class == "matmul"] and len(scalars) <= 1, scalars
 
 
+def test_the_gpus_one_row_decode_step_writes_k_and_v_without_reading_the_rows_they_replace():
+    """XLA makes a one-row scatter into the pool a dynamic-update-slice that first reads the row it replaces (to
+    keep it where the write is dropped), a kernel of its own in each layer of a one-row step; a dynamic-update-slice
+    written as one, its padding sent to the null page, reads nothing of the pool."""
+    device = h100()
+    c = MIXED_CONFIG
+    runner = abstract_runner(c, "bfloat16", 1, K, device=device)
+    kernels = step_kernels(parse_hlo(compile_decode_step(runner, 1, device=device).as_text()))
+    row_reads = [k for k in kernels if k.type == f"bf16[1, {c.num_kv_heads}, 1, {c.head_dim}]"]
+    writes = [k for k in kernels if "dynamic-update-slice" in k.ops]
+    assert not row_reads and len(writes) == 2 * c.num_layers, (row_reads, writes)
+
+
 # A mixed step as the H200's sustained run had them: 1,024 tokens for a server of 1,024 sequences (so 1,024 attention
 # rows of up to 16 queries), on two of Llama-3-8B's layers (a smaller model's matmuls are split over K, and XLA fuses
 # their partial sums into the kernels that read them). Each attention row's queries go to the Mosaic kernel as a
