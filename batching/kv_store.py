@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sluice.batching.config import InvalidEngineConfig
 from sluice.batching.sampling_params import CacheNamespace
 from sluice.model.config import ModelConfig
 from sluice.pallas_kernels.kv_cache import empty_pages
@@ -287,6 +288,11 @@ class KVStore:
 
     def __init__(self, layout: KVLayout, directory: Path | str, *, ram_bytes: int, disk_bytes: int,
                  queue_pages: int = 256):
+        """InvalidEngineConfig where a tier holds no page: pages reach the disk through RAM, so either keeps none."""
+        for setting, bound, page in (("prefix_cache_ram", ram_bytes, layout.page_nbytes),
+                                     ("prefix_cache_size", disk_bytes, HEADER_SIZE + layout.page_nbytes)):
+            if bound < page:
+                raise InvalidEngineConfig(setting, f"of {bound:,} bytes holds no KV page of {page:,} bytes")
         self.layout = layout
         self.directory, lock = _claim_slot(Path(directory), layout.fingerprint.hex())
         self.ram_bytes = ram_bytes

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from sluice.batching import kv_store
+from sluice.batching.config import InvalidEngineConfig
 from sluice.batching.kv_store import HEADER_SIZE, KVLayout, KVStore
 from sluice.batching.kv_transfer import PageCopy, load_pages
 from sluice.model.config import ModelConfig
@@ -116,6 +117,16 @@ def test_a_page_survives_a_restart_on_disk(open_store, kv_dtype):
     counters = store.counters()
     assert (counters.disk.hits, counters.ram.hits) == (1, 1)  # the disk hit was brought into RAM
     assert (counters.disk.pages, counters.disk.bytes) == (1, HEADER_SIZE + layout.page_nbytes)
+
+
+@pytest.mark.parametrize(("ram_pages", "disk_pages", "setting"), [(0, 8, "prefix_cache_ram"),
+                                                                   (4, 0, "prefix_cache_size")])
+def test_a_tier_that_holds_no_page_is_refused_naming_its_setting(open_store, tmp_path, ram_pages, disk_pages,
+                                                                   setting):
+    """Pages reach the disk through RAM: a tier under one page would keep nothing, silently."""
+    with pytest.raises(InvalidEngineConfig, match="holds no KV page") as refused:
+        open_store(ram_pages=ram_pages, disk_pages=disk_pages)
+    assert refused.value.setting == setting and not any(tmp_path.iterdir())
 
 
 def test_ram_evicts_the_least_recently_used_page_to_disk(open_store):
@@ -397,6 +408,7 @@ def test_a_store_opens_while_another_stores_trim_removes_a_slot(open_store, monk
     other = replace(LAYOUT, model="other-weights")
     gone = open_store(other)
     gone.put(A, payload(other, 0))
+    gone.put(B, payload(other, 1))
     gone.flush()
     gone.close()
     lock_slot, usage = kv_store._lock_slot, kv_store._usage
@@ -416,7 +428,7 @@ def test_a_store_opens_while_another_stores_trim_removes_a_slot(open_store, monk
                             else lock_slot(folder))
         monkeypatch.setattr(kv_store, "_usage", lambda folder: (folder == gone.directory and remove_once(folder),
                                                                 usage(folder))[1])
-    store = open_store(disk_pages=0)  # over its bound: it trims the other slots
+    store = open_store(disk_pages=1)  # over its bound: it trims the other slots
     store.put(B, payload(LAYOUT, 1))
     store.flush()
     assert removed and store.directory.is_dir() and store.counters().dropped_writes == 0
@@ -427,6 +439,7 @@ def test_a_store_claiming_a_slot_another_stores_trim_is_removing_gets_a_folder_o
     other = replace(LAYOUT, model="other-weights")
     gone = open_store(other)
     gone.put(A, payload(other, 0))
+    gone.put(B, payload(other, 1))
     gone.flush()
     gone.close()
     claimed = []
@@ -438,7 +451,7 @@ def test_a_store_claiming_a_slot_another_stores_trim_is_removing_gets_a_folder_o
         rmtree(path, **kwargs)
 
     monkeypatch.setattr(kv_store.shutil, "rmtree", claim_midway)
-    open_store(disk_pages=0)  # over its bound: it trims the idle slot
+    open_store(disk_pages=1)  # over its bound: it trims the idle slot
     (folder, fd), = claimed
     assert folder == gone.directory and kv_store._holds(fd, folder)
     os.close(fd)

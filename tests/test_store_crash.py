@@ -80,7 +80,8 @@ def test_writers_killed_at_random_points_leave_only_whole_pages_which_a_new_stor
         for folder in tmp_path.iterdir():
             whole = {path.stem for path in folder.glob(f"*{SUFFIX}") if is_whole(path.read_bytes(), path.stem)}
             assert whole == {path.stem for path in folder.glob(f"*{SUFFIX}")}, "a torn file under a page's name"
-        stores = [KVStore(LAYOUT, tmp_path, ram_bytes=0, disk_bytes=200 * (HEADER_SIZE + LAYOUT.page_nbytes))
+        stores = [KVStore(LAYOUT, tmp_path, ram_bytes=LAYOUT.page_nbytes,
+                          disk_bytes=200 * (HEADER_SIZE + LAYOUT.page_nbytes))
                   for _ in range(2)]
         try:
             for store in stores:
