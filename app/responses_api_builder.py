@@ -119,7 +119,7 @@ class ResponsesBuilder:
             else:
                 error = as_api_error(caught, "a response stream")
                 self._response.status = kind = "failed"
-                self._response.error = ResponseError(code=error.code or error.type, message=error.message)
+                self._response.error = ResponseError(code="server_error", message=error.message)
             self._done()
             yield frame({"type": f"response.{kind}", "response": self._response})
             return

@@ -410,7 +410,11 @@ class IncompleteDetails(BaseModel):
 
 
 class ResponseError(BaseModel):
-    code: str
+    """Why a response failed. OpenAI's codes are a closed list that typed clients hold to (the openai package's
+    `Response` refuses another); what fails a response after its stream began is the server's side, whatever the
+    message says of it."""
+
+    code: Literal["server_error"]
     message: str
 
 

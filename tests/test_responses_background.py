@@ -317,7 +317,8 @@ def test_a_background_response_running_when_the_drain_ends_is_stored_failed(engi
 
     response_id, state = serve(engine, scenario, drain_timeout_s=0.1)
     stored = state.responses.get(response_id).response_json
-    assert '"status":"failed"' in stored and '"code":"aborted"' in stored and len(state.background) == 0
+    assert '"status":"failed"' in stored and '"code":"server_error"' in stored and len(state.background) == 0
+    assert "aborted by the server" in stored
 
 
 def test_a_background_response_adds_its_turn_to_its_conversation_once_ended_and_a_cancelled_one_nothing(engine,
