@@ -101,15 +101,15 @@ class BlockManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int], list[PagePayload] | None]:
-        """(pages, their hashes, stored): cached pages holding a prefix of `seq`'s tokens, then the payloads of the
-        store's pages that continue it, None while the store is still reading them; takes nothing.
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[PagePayload] | None]:
+        """(pages, stored): cached pages holding a prefix of `seq`'s tokens, then the payloads of the store's pages
+        that continue it, None while the store is still reading them; takes nothing.
 
         At least the last token is left to compute, since its logits are needed to sample; a sequence that
         `computes_every_token` takes none.
         """
-        pages, hashes = self._cached_prefix(seq)
-        return pages, hashes, self._stored(seq, len(pages))
+        pages = self._cached_prefix(seq)
+        return pages, self._stored(seq, len(pages))
 
     def prefetch(self, seq: Sequence) -> None:
         """Asks the store for `seq`'s pages past those the pool holds now, if it has the first of them: `seq` has
@@ -117,31 +117,29 @@ class BlockManager:
         if self.store is not None:
             self.match_prefix(seq)
 
-    def _chain(self, seq: Sequence, first: int, end: int) -> Iterator[tuple[CacheKey, int]]:
-        """(key, hash) of each of `seq`'s full pages `first` to `end - 1`, whose tokens must be known. Kept on it as
-        they are made (`seq.page_chain`: a known prefix's keys never change), so a sequence waiting for room hashes
-        its prefix once, not at each try to admit it."""
+    def _keys(self, seq: Sequence, first: int, end: int) -> Iterator[CacheKey]:
+        """The keys of `seq`'s full pages `first` to `end - 1`, whose tokens must be known. Its chain of (key, hash)
+        is kept on it as it is made (`seq.page_chain`: a known prefix's keys never change), so a sequence waiting for
+        room hashes its prefix once, not at each try to admit it."""
         chain = seq.page_chain
-        yield from chain[first:end]
+        yield from (key for key, _ in chain[first:end])
         for i in range(len(chain), end):
             parent = chain[-1][1] if chain else root_hash(seq)
             tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
             chain.append(((parent, tuple(tokens)), _page_hash(parent, tokens)))
             if i >= first:
-                yield chain[-1]
+                yield chain[-1][0]
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """The pool's cached pages holding a prefix of `seq`'s known tokens (all but its last), and their hashes."""
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The pool's cached pages holding a prefix of `seq`'s known tokens (all but its last)."""
         pages: list[int] = []
-        hashes: list[int] = []
         if not self.enable_prefix_caching or seq.computes_every_token:
-            return pages, hashes
-        for key, h in self._chain(seq, 0, min(seq.num_tokens - 1, seq.num_known_tokens) // self.page_size):
+            return pages
+        for key in self._keys(seq, 0, min(seq.num_tokens - 1, seq.num_known_tokens) // self.page_size):
             if (page := self._cached.get(key)) is None:
                 break
             pages.append(page)
-            hashes.append(h)
-        return pages, hashes
+        return pages
 
     def _stored(self, seq: Sequence, start: int) -> list[PagePayload] | None:
         """The store's payloads of `seq`'s pages from `start` on, as far as it holds them, before its last token's
@@ -178,14 +176,14 @@ class BlockManager:
         fresh = self.pages_needed(len(shared) * self.page_size + num_new_tokens) - len(shared)
         return fresh + reclaimed <= self.num_free_pages
 
-    def admit(self, seq: Sequence, shared: list[int], hashes: list[int], stored: list[PagePayload] = (), *,
-              count_query: bool) -> None:
-        """Gives `seq` (holding no pages) the full pages in `shared` (prefix hashes `hashes` when caching), then
-        fresh pages for the `stored` payloads after them (listed in `loads`). Their tokens count as computed."""
+    def admit(self, seq: Sequence, shared: list[int], stored: list[PagePayload] = (), *, count_query: bool) -> None:
+        """Gives `seq` (holding no pages) the full pages in `shared` (in the prefix cache, when caching: a cached
+        prefix's, or the prompt's its request's first sequence computed), then fresh pages for the `stored` payloads
+        after them (listed in `loads`). Their tokens count as computed."""
         for page in shared:
             self._take(page)
         seq.page_table = list(shared)
-        seq.page_hashes = list(hashes)
+        seq.num_committed_pages = len(shared) if self.enable_prefix_caching else 0
         for payload in stored:
             seq.page_table.append(self._allocate())
             self.loads.append((seq.page_table[-1], payload))
@@ -217,15 +215,15 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Registers the pages `seq` has completely computed, and whose tokens are known, in the prefix cache (and
         lists those the store lacks in `saves`)."""
-        if not self.enable_prefix_caching or (len(seq.page_hashes) + 1) * self.page_size > seq.num_computed_tokens:
+        if not self.enable_prefix_caching or (seq.num_committed_pages + 1) * self.page_size > seq.num_computed_tokens:
             return  # no page newly full (most steps)
-        first = len(seq.page_hashes)
+        first = seq.num_committed_pages
         end = min(seq.num_computed_tokens, seq.num_known_tokens) // self.page_size
-        for page, (key, h) in zip(seq.page_table[first:end], self._chain(seq, first, end), strict=True):
+        for page, key in zip(seq.page_table[first:end], self._keys(seq, first, end), strict=True):
             if key not in self._cached and self._page_key[page] is None:
                 self._cached[key] = page
                 self._page_key[page] = key
-            seq.page_hashes.append(h)
+        seq.num_committed_pages = max(first, end)
         if self.store is not None:  # asked each time: it may have evicted what a readmitted sequence saved before
             keys = self._store_keys(seq, end)
             self.saves += [(seq.page_table[i], keys[i]) for i in range(first, end) if not self.store.contains(keys[i])]
@@ -235,7 +233,7 @@ class BlockManager:
         """Takes the cached pages of `seq`'s known tokens out of the prefix cache (their K/V is suspect); they are
         freed, not kept, once nobody holds them. Found by its tokens, not its page table: overlapped, a sequence
         preempted after its step was dispatched has freed its pages (cached still) by the time its logits come."""
-        for key, _ in self._chain(seq, 0, seq.num_known_tokens // self.page_size):
+        for key in self._keys(seq, 0, seq.num_known_tokens // self.page_size):
             page = self._cached.pop(key, None)
             if page is not None:
                 self._page_key[page] = None
@@ -248,7 +246,7 @@ class BlockManager:
         for page in reversed(seq.page_table):  # the tail first, so a prefix outlives its extensions in the LRU
             self._release(page)
         seq.page_table = []
-        seq.page_hashes = []
+        seq.num_committed_pages = 0
         seq.num_computed_tokens = 0
 
     def _release(self, page: int) -> None:

@@ -187,19 +187,19 @@ class Scheduler:
             if lora_slot is None:
                 i += 1
                 continue  # every LoRA slot holds another adapter, which running sequences use, or its weights are read
-            shared, hashes, stored = bm.match_prefix(seq)
+            shared, stored = bm.match_prefix(seq)
             if stored is None:
                 i += 1
                 continue  # its pages are still being read from the store
             fork = self._fork_pages(seq)
-            if fork is not None and len(fork[0]) > len(shared) + len(stored):
-                (shared, hashes), stored = fork, []
+            if fork is not None and len(fork) > len(shared) + len(stored):
+                shared, stored = fork, []
             num_new = min(seq.num_tokens - (len(shared) + len(stored)) * bm.page_size, budget)
             if not bm.can_admit(seq, shared, len(stored) * bm.page_size + num_new):
                 break
             if lora is not None:
                 self.lora_slots.acquire(lora, lora_slot)
-            bm.admit(seq, shared, hashes, stored, count_query=seq.num_output_tokens == 0)
+            bm.admit(seq, shared, stored, count_query=seq.num_output_tokens == 0)
             if seq.num_cached_tokens is None:  # at its first admission, as vLLM's usage reports it
                 seq.num_cached_tokens = seq.num_computed_tokens
             bm.grow(seq, seq.num_computed_tokens + num_new)
@@ -220,7 +220,7 @@ class Scheduler:
             refund += self._preempt(self.running[-1], scheduled, out)
         return refund
 
-    def _fork_pages(self, seq: Sequence) -> tuple[list[int], list[int]] | None:
+    def _fork_pages(self, seq: Sequence) -> list[int] | None:
         """The prompt's full pages held by the request's first sequence, if it still holds them."""
         parent = seq.parent
         if (parent is None or parent.status is not SequenceStatus.RUNNING or seq.num_output_tokens
@@ -228,8 +228,7 @@ class Scheduler:
             return None
         num_pages = min((seq.num_tokens - 1) // self.block_manager.page_size,
                         parent.num_computed_tokens // self.block_manager.page_size)
-        hashes = parent.page_hashes[:num_pages] if self.block_manager.enable_prefix_caching else []
-        return parent.page_table[:num_pages], hashes
+        return parent.page_table[:num_pages]
 
     def _preempt(self, seq: Sequence, scheduled: dict[Sequence, ScheduledChunk], out: SchedulerOutput) -> int:
         """Sends `seq` back to waiting with no pages; returns the budget its unscheduling gives back."""

@@ -50,7 +50,8 @@ class Sequence:
     `proposer` drafts from the sequence's own tokens, `drafts` are this step's drafts, `shadow_draft` the first
     token it would have drafted when it drafts none, and `acceptance` the recent per-draft rate at which they are
     (or would be) accepted (None before any). `page_chain` holds its first full pages' (key, hash) in the prefix
-    cache (`BlockManager._chain`, made as needed). With a persistent prefix store, `store_keys` are its first full
+    cache (`BlockManager._keys`, made as needed), of which the first `num_committed_pages` of its page table are
+    there (registered, or found there at its admission). With a persistent prefix store, `store_keys` are its first full
     pages' keys there (`kv_store.KVLayout.page_keys`, computed as needed), of which the first `num_stored_pages`
     have gone to the store or were found there (a failure takes them out of it); `stored_prefix` is the read of its
     stored pages while it waits (`BlockManager.prefetch`).
@@ -74,7 +75,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_pending: int = 0
     page_table: list[int] = field(default_factory=list)
-    page_hashes: list[int] = field(default_factory=list)
+    num_committed_pages: int = 0
     page_chain: list[tuple[CacheKey, int]] = field(default_factory=list)
     num_cached_tokens: int | None = None
     finish_reason: FinishReason | None = None

@@ -21,8 +21,8 @@ def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
 
 def prefill(bm: BlockManager, seq: Sequence) -> None:
     """Admits `seq` with whatever the cache holds and marks its whole prompt computed."""
-    shared, hashes, stored = bm.match_prefix(seq)
-    bm.admit(seq, shared, hashes, stored, count_query=True)
+    shared, stored = bm.match_prefix(seq)
+    bm.admit(seq, shared, stored, count_query=True)
     bm.grow(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     bm.commit(seq)
@@ -56,7 +56,7 @@ def test_hash_is_chained_so_an_equal_page_after_a_different_prefix_is_not_reused
     bm = BlockManager(num_pages=16, page_size=PAGE)
     prefill(bm, make_seq([1, 1, 1, 1, 2, 2, 2, 2, 0], seq_id=0))
     other = make_seq([3, 3, 3, 3, 2, 2, 2, 2, 0], seq_id=1)
-    assert bm.match_prefix(other) == ([], [], [])
+    assert bm.match_prefix(other) == ([], [])
 
 
 def python_hash_collision(page: list[int]) -> list[int]:
@@ -121,7 +121,7 @@ def test_whole_prompt_cached_still_leaves_the_last_token_to_compute():
     bm = BlockManager(num_pages=16, page_size=PAGE)
     prefill(bm, make_seq(list(range(8)), seq_id=0))
     again = make_seq(list(range(8)), seq_id=1)
-    pages, _, _ = bm.match_prefix(again)
+    pages, _ = bm.match_prefix(again)
     assert len(pages) == 1  # 8 tokens = 2 full pages, but the second holds the token to sample from
 
 
@@ -140,7 +140,7 @@ def test_freed_cached_pages_stay_reusable_until_evicted_oldest_first():
     c = make_seq([7] * 16, seq_id=2)
     bm.grow(c, 16)
     assert bm.num_free_pages == 0
-    assert bm.match_prefix(make_seq([1] * 8 + [5], seq_id=3)) == ([], [], [])
+    assert bm.match_prefix(make_seq([1] * 8 + [5], seq_id=3)) == ([], [])
 
 
 def test_eviction_takes_the_tail_of_a_freed_prefix_before_its_head():
@@ -151,14 +151,14 @@ def test_eviction_takes_the_tail_of_a_freed_prefix_before_its_head():
     bm.free(a)
     bm.grow(make_seq([0], seq_id=1), 1)  # takes the uncached third page
     bm.grow(make_seq([0], seq_id=2), 1)  # evicts one cached page: the second, not the first
-    pages, _, _ = bm.match_prefix(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], seq_id=3))
+    pages, _ = bm.match_prefix(make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], seq_id=3))
     assert pages == a_pages[:1]
 
 
 def test_prefix_caching_off_never_shares():
     bm = BlockManager(num_pages=16, page_size=PAGE, enable_prefix_caching=False)
     prefill(bm, make_seq(list(range(9)), seq_id=0))
-    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == ([], [], [])
+    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == ([], [])
     assert bm.counters().pages_cached == 0
 
 
@@ -168,7 +168,7 @@ def test_can_admit_counts_reclaimed_cached_pages_against_the_free_pool():
     prefill(bm, a)
     bm.free(a)  # 2 evictable cached pages + 1 free page
     b = make_seq([1] * 8 + [2, 3, 4, 5, 6], seq_id=1)
-    shared, _, _ = bm.match_prefix(b)
+    shared, _ = bm.match_prefix(b)
     assert len(shared) == 2
     assert bm.can_admit(b, shared, num_new_tokens=4)  # reuses 2 pages, needs 1 more
     assert not bm.can_admit(b, shared, num_new_tokens=5)  # would need 2 more
@@ -199,10 +199,10 @@ def test_with_a_store_full_pages_are_listed_to_save_and_a_stored_prefix_is_admit
     again = make_seq(list(range(9)) + [77], seq_id=1)
     second.prefetch(again)
     again.stored_prefix.payloads.result(timeout=10)
-    shared, hashes, stored = second.match_prefix(again)
+    shared, stored = second.match_prefix(again)
     assert shared == [] and [int(p[0].flat[0]) for p in stored] == [0, 1]
     assert len(reads) == 2 and all(name.startswith("kv-store-reader") for name in reads)
-    second.admit(again, shared, hashes, stored, count_query=True)
+    second.admit(again, shared, stored, count_query=True)
     assert again.num_computed_tokens == 2 * PAGE and second.hit_tokens == 2 * PAGE
     assert [page for page, _ in second.loads] == again.page_table
     assert second.saves == []  # already stored
@@ -220,7 +220,7 @@ def test_a_stored_prefix_is_not_ready_until_read_and_is_read_again_if_the_pool_l
         store.put(key, tuple(np.full(shape, i, dtype) for shape, dtype in layout.payload_specs))
     bm = BlockManager(num_pages=16, page_size=PAGE, store=store)
     holder = make_seq(tokens[:PAGE + 1], seq_id=0)
-    bm.admit(holder, [], [], [], count_query=False)  # the pool holds page 0 (computed, not read)
+    bm.admit(holder, [], [], count_query=False)  # the pool holds page 0 (computed, not read)
     bm.grow(holder, PAGE + 1)
     holder.num_computed_tokens = PAGE + 1
     bm.commit(holder)
@@ -230,16 +230,16 @@ def test_a_stored_prefix_is_not_ready_until_read_and_is_read_again_if_the_pool_l
     store.get = lambda key: gate.wait(10) and real_get(key)
     bm.prefetch(seq)
     assert seq.stored_prefix.first == 1
-    assert bm.match_prefix(seq)[2] is None  # still reading
+    assert bm.match_prefix(seq)[1] is None  # still reading
     gate.set()
     seq.stored_prefix.payloads.result(timeout=10)
-    shared, _, stored = bm.match_prefix(seq)
+    shared, stored = bm.match_prefix(seq)
     assert shared == holder.page_table[:1] and [int(p[0].flat[0]) for p in stored] == [1, 2]
     bm.free(holder)
     bm.reset()  # the pool's pages are gone: page 0 must come from the store too, so it is read again
-    assert bm.match_prefix(seq)[2] is None
+    assert bm.match_prefix(seq)[1] is None
     seq.stored_prefix.payloads.result(timeout=10)
-    assert [int(p[0].flat[0]) for p in bm.match_prefix(seq)[2]] == [0, 1, 2]
+    assert [int(p[0].flat[0]) for p in bm.match_prefix(seq)[1]] == [0, 1, 2]
     store.close()
 
 
@@ -259,9 +259,9 @@ def test_a_sequence_preempted_with_placeholders_reads_and_keys_only_its_known_pa
     bm.prefetch(seq)
     assert seq.stored_prefix.first == 0 and len(seq.stored_prefix.payloads.result(timeout=10)) == 1
     seq.place(index, tokens[index:])
-    assert bm.match_prefix(seq)[2] is None  # the pages known since are read now
+    assert bm.match_prefix(seq)[1] is None  # the pages known since are read now
     seq.stored_prefix.payloads.result(timeout=10)
-    assert [int(p[0].flat[0]) for p in bm.match_prefix(seq)[2]] == [0, 1, 2]
+    assert [int(p[0].flat[0]) for p in bm.match_prefix(seq)[1]] == [0, 1, 2]
     assert seq.store_keys == layout.page_keys(tokens)
     store.close()
 
@@ -274,7 +274,7 @@ def test_uncache_takes_out_the_cached_pages_of_a_sequence_preempted_since_it_com
     prefill(bm, seq)
     bm.free(seq)  # preempted
     bm.uncache(seq)
-    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == ([], [], [])
+    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == ([], [])
     assert bm.counters().pages_cached == 0
     bm.grow(make_seq([0], seq_id=2), 8 * PAGE)  # every page allocatable, none evicted as if it were cached
     assert bm.num_free_pages == 0
