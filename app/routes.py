@@ -7,6 +7,7 @@ Where a request goes: `parse_body` (`schemas.py` checks every field) -> `prompts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import re
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -39,6 +40,7 @@ from sluice.app.schemas import (
     TokenizeRequest,
     TokenizeResponse,
     ToolDefinition,
+    takes_only_booleans,
 )
 from sluice.app.state import ServerState
 from sluice.app.tool_calls import (
@@ -53,6 +55,7 @@ from sluice.app.tool_calls import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+_QUERY_BOOLEAN = TypeAdapter(bool)  # lax: a query string's words for true and false
 
 async def parse_body(request: Request, schema: type[M]) -> tuple[ServerState, Engine, M]:
     """The server state, its engine (503 if not ready) and the JSON body checked against `schema` (malformed
@@ -106,14 +109,18 @@ def _is_text(value: str) -> bool:
 
 def parse_query(request: Request, schema: type[M]) -> M:
     """The query string checked against `schema` (invalid values are 400s). A list field takes every value of
-    its key, written `key=a&key=b` or `key[]=a&key[]=b` (the openai client's way)."""
+    its key, written `key=a&key=b` or `key[]=a&key[]=b` (the openai client's way); a boolean field a word
+    (`stream=true`, as the openai client writes it; "1", "yes", "on" and their opposites too)."""
     params = request.query_params
-    data: dict[str, str | list[str]] = {}
+    data: dict[str, str | list[str] | bool] = {}
     for key in params.keys():
         name = key.removesuffix("[]")
         field = schema.model_fields.get(name)
         listed = field is not None and typing.get_origin(field.annotation) is list
         data[name] = params.getlist(key) if listed else params[key]
+        if field is not None and takes_only_booleans(field.annotation):
+            with contextlib.suppress(ValidationError):  # not a word for one: the schema's 400
+                data[name] = _QUERY_BOOLEAN.validate_python(data[name])
     try:
         return schema.model_validate(data)
     except ValidationError as error:

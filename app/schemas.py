@@ -103,15 +103,17 @@ class _Request(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_boolean_numbers(cls, data: Any) -> Any:
-        # Lax mode reads `true` as 1 (`"max_tokens": true`, a logit_bias of `true`); OpenAI's API refuses a boolean
-        # for a number.
+    def _booleans_apart_from_numbers(cls, data: Any) -> Any:
+        # Lax mode reads `true` as 1 (`"max_tokens": true`, a logit_bias of `true`), and "yes", "on", 1 or "false"
+        # as booleans (`"stream": "yes"`); OpenAI's API refuses either.
         for name, value in data.items() if isinstance(data, dict) else ():
             if name not in cls.model_fields:
                 continue
             annotation = cls.model_fields[name].annotation
             if isinstance(value, bool) and (expected := _number_expected(annotation)) is not None:
                 raise field_error(name, f"expected {expected}, but got a boolean instead", value)
+            if value is not None and not isinstance(value, bool) and takes_only_booleans(annotation):
+                raise field_error(name, f"expected a boolean, but got {_json_type(value)} instead", value)
             if isinstance(value, dict) and (expected := _number_expected(_values_of(annotation))) is not None:
                 for key, item in value.items():
                     if isinstance(item, bool):
@@ -131,6 +133,21 @@ def _values_of(annotation: Any) -> Any:
             value = get_args(option)[1]
             return get_args(value)[0] if get_origin(value) is Annotated else value
     return None
+
+
+def takes_only_booleans(annotation: Any) -> bool:
+    """Whether a field of `annotation` takes a boolean and nothing else (None aside)."""
+    types = set(_options(annotation)) - {type(None)}
+    return types == {bool}
+
+
+def _json_type(value: Any) -> str:
+    """What OpenAI's errors call a JSON value's type: "a string", "an integer", "a decimal", "an object"..."""
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, int):
+        return "an integer"
+    return "a decimal" if isinstance(value, float) else "an array" if isinstance(value, list) else "an object"
 
 
 def _number_expected(annotation: Any) -> str | None:
