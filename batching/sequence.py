@@ -18,7 +18,6 @@ from sluice.batching.stop_checker import StopChecker
 if TYPE_CHECKING:
     import numpy as np
 
-    from sluice.batching.block_manager import CacheKey
     from sluice.batching.kv_store import StoredPrefix
     from sluice.batching.structured import Grammar
 
@@ -76,7 +75,7 @@ class Sequence:
     num_pending: int = 0
     page_table: list[int] = field(default_factory=list)
     num_committed_pages: int = 0
-    page_chain: list[tuple[CacheKey, int]] = field(default_factory=list)
+    page_chain: list[tuple[tuple[int, tuple[int, ...]], int]] = field(default_factory=list)  # (CacheKey, hash)
     num_cached_tokens: int | None = None
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
