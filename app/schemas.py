@@ -690,6 +690,10 @@ class ChatRendering(_Request):
                                          "assistant's, so the reply continues its text")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict,
                                                  description="more variables for the template, e.g. enable_thinking")
+    documents: list[dict[str, str]] | None = Field(None, description="vLLM's: documents for a template that "
+                                                   "writes them (retrieval-augmented generation: Granite's, Command "
+                                                   "R's), each with its title and text; chat_template_kwargs' "
+                                                   "documents, if set, come instead")
     reasoning_effort: ReasoningEffort | None = Field(
         None, description="OpenAI's: the template's `reasoning_effort`, and its `enable_thinking` (false for none) "
                           "unless chat_template_kwargs sets it, as vLLM passes them")
@@ -724,9 +728,12 @@ class ChatRendering(_Request):
                 "add_special_tokens": self.add_special_tokens}
 
     def _template_kwargs(self) -> dict[str, Any]:
+        """The template's variables beside the messages and tools, as vLLM gives them: chat_template_kwargs over the
+        request's own."""
+        own = {} if self.documents is None else {"documents": self.documents}
         if self.reasoning_effort is None:
-            return self.chat_template_kwargs
-        return {"enable_thinking": self.reasoning_effort != "none", **self.chat_template_kwargs,
+            return {**own, **self.chat_template_kwargs}
+        return {**own, "enable_thinking": self.reasoning_effort != "none", **self.chat_template_kwargs,
                 "reasoning_effort": self.reasoning_effort}
 
 

@@ -181,7 +181,8 @@ class Tokenizer:
 
         `tools`: function definitions (OpenAI's `{"type": "function", "function": {...}}`), the template's `tools`.
         `template_kwargs`: more variables for the template (vLLM's `chat_template_kwargs`, such as Qwen3's
-        `enable_thinking`); none may be one of `TEMPLATE_VARIABLES`.
+        `enable_thinking`); none may be one of `TEMPLATE_VARIABLES`. `documents` is None unless they set it, as
+        Hugging Face's `apply_chat_template` always passes it (`documents is defined` holds).
         """
         template = self._chat_template
         if template is None:
@@ -192,8 +193,8 @@ class Tokenizer:
         eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else ""
         try:
             return template.render(
-                **(template_kwargs or {}), messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=bos, eos_token=eos, tools=tools,
+                **{"documents": None, **(template_kwargs or {})}, messages=messages,
+                add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, tools=tools,
             )
         except Exception as error:  # the model's code, failing on these messages: raise_exception's or any other
             raise ChatTemplateError(f"the chat template failed: {error}") from None

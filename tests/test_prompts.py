@@ -128,6 +128,20 @@ def test_chat_template_kwargs_are_the_templates_variables(tokenizer):
         assert chat_prompt(thinks, request.messages, **request.rendering()).text == expected
 
 
+def test_documents_reach_the_template_defined_even_when_none_were_given(tokenizer):
+    """vLLM's `documents` field, for templates that write them (Granite's, Command R's); Hugging Face's
+    apply_chat_template always passes `documents` (None by default), so `documents is defined` holds without them.
+    chat_template_kwargs' documents come instead, as vLLM merges them last."""
+    rag = with_special(tokenizer, chat_template=(
+        "{% if documents is defined %}{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+        "{% else %}undefined{% endif %}{{ messages[0]['content'] }}"))
+    docs = [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]
+    for fields, expected in (({}, "Hi"), ({"documents": docs}, "[a: one][b: two]Hi"),
+                             ({"documents": docs, "chat_template_kwargs": {"documents": docs[1:]}}, "[b: two]Hi")):
+        request = chat([{"role": "user", "content": "Hi"}], **fields)
+        assert chat_prompt(rag, request.messages, **request.rendering()).text == expected
+
+
 # Reads an assistant's reasoning as Qwen3's and DeepSeek-R1's templates do; shows the tools it is given.
 THINKS = ("{% for t in tools or [] %}{{ t.function.name }};{% endfor %}{% for m in messages %}{{ m.role }}:"
           "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}|{% endfor %}")
